@@ -1,0 +1,77 @@
+"""mixprec: automatic mixed precision for PyTorch.
+
+An autocast engine of our own with editable precision policies, a loss scaler with hysteresis,
+bounds and overflow attribution, low-precision weights that train like fp32, and numerics
+diagnostics. ``import mixprec`` is cheap: each public name is loaded on first use.
+
+Example:
+    >>> import torch, mixprec
+    >>> model = torch.nn.Linear(8, 8)
+    >>> with mixprec.autocast("cpu", dtype=torch.bfloat16):
+    ...     y = model(torch.randn(2, 8))
+    >>> y.dtype
+    torch.bfloat16
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # autocast (issue: foundation)
+    "autocast": "mixprec.autocast_mode",
+    "is_autocast_enabled": "mixprec.autocast_mode",
+    "get_autocast_dtype": "mixprec.autocast_mode",
+    "custom_fwd": "mixprec.autocast_mode",
+    "custom_bwd": "mixprec.autocast_mode",
+    "Policy": "mixprec.policy",
+    "ModuleRule": "mixprec._modules",
+    # loss scaling
+    "GradScaler": "mixprec.scaling",
+    "skip_aware": "mixprec.scaling",
+    # low-precision weights
+    "to_low_precision": "mixprec.lowp",
+    "MasterWeights": "mixprec.lowp",
+    # diagnostics
+    "trace_nonfinite": "mixprec.diagnostics",
+    "collect_ranges": "mixprec.diagnostics",
+    "audit": "mixprec.diagnostics",
+    "AuditReport": "mixprec.diagnostics",
+}
+_SUBMODULES = ("optim", "scaling", "lowp", "diagnostics", "policy")
+
+__all__ = sorted([*_EXPORTS, "optim"])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"mixprec.{name}")
+    raise AttributeError(f"module 'mixprec' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # static type checkers see the real names
+    from mixprec import optim
+    from mixprec._modules import ModuleRule
+    from mixprec.autocast_mode import (
+        autocast,
+        custom_bwd,
+        custom_fwd,
+        get_autocast_dtype,
+        is_autocast_enabled,
+    )
+    from mixprec.diagnostics import AuditReport, audit, collect_ranges, trace_nonfinite
+    from mixprec.lowp import MasterWeights, to_low_precision
+    from mixprec.policy import Policy
+    from mixprec.scaling import GradScaler, skip_aware

@@ -1,0 +1,90 @@
+"""Module rules: which modules of a model a rule selects, by type or by qualified name.
+
+Shared by :meth:`mixprec.Policy.keep` (run matched modules in another dtype inside an autocast
+region) and :func:`mixprec.to_low_precision` (leave matched modules' weights in float32).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["ModuleRule", "NORM_TYPES", "named_matches"]
+
+#: Normalisation layers: the modules that mixed-precision recipes keep in float32 by default.
+NORM_TYPES: tuple[type[nn.Module], ...] = tuple(
+    t
+    for t in (
+        nn.modules.batchnorm._NormBase,  # BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm*
+        nn.LayerNorm,
+        nn.GroupNorm,
+        nn.LocalResponseNorm,
+        getattr(nn, "RMSNorm", None),  # torch >= 2.4
+    )
+    if t is not None
+)
+
+
+@dataclass(frozen=True)
+class ModuleRule:
+    """Selects modules by type and/or by a regular expression on their qualified name.
+
+    A module matches when it is an instance of one of ``types`` **or** when ``re.search(names,
+    qualified_name)`` finds a match (so ``names=r"^head$"`` selects exactly ``head`` and
+    ``names=r"norm"`` every module with ``norm`` in its name). The root module's name is ``""``.
+
+    Example:
+        >>> rule = ModuleRule(torch.float32, types=(nn.LayerNorm,), names=r"^lm_head$")
+        >>> rule.matches(nn.LayerNorm(4), "blocks.0.ln")
+        True
+    """
+
+    dtype: torch.dtype
+    types: tuple[type[nn.Module], ...] = ()
+    names: str | None = None
+    _pattern: re.Pattern[str] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"ModuleRule dtype must be a floating torch.dtype, got {self.dtype!r}")
+        types = self.types
+        if isinstance(types, type):
+            types = (types,)
+        types = tuple(types)
+        for t in types:
+            if not (isinstance(t, type) and issubclass(t, nn.Module)):
+                raise ValueError(f"ModuleRule types must be nn.Module subclasses, got {t!r}")
+        pattern = None
+        if self.names is not None:
+            try:
+                pattern = re.compile(self.names)
+            except re.error as e:
+                raise ValueError(f"ModuleRule names={self.names!r} is not a valid regex: {e}") from e
+        if not types and pattern is None:
+            raise ValueError("a ModuleRule needs types=(...) or names=r'...' (or both)")
+        object.__setattr__(self, "types", types)
+        object.__setattr__(self, "_pattern", pattern)
+
+    def matches(self, module: nn.Module, qualified_name: str) -> bool:
+        """Whether this rule selects ``module``, whose qualified name in the model is given."""
+        if self.types and isinstance(module, self.types):
+            return True
+        return self._pattern is not None and self._pattern.search(qualified_name) is not None
+
+
+def named_matches(
+    model: nn.Module, rules: tuple[ModuleRule, ...] | list[ModuleRule]
+) -> Iterator[tuple[str, nn.Module, ModuleRule]]:
+    """Yield ``(qualified_name, module, rule)`` for each module of ``model`` a rule selects.
+
+    The first matching rule wins, so rules are listed most specific first.
+    """
+    for name, module in model.named_modules():
+        for rule in rules:
+            if rule.matches(module, name):
+                yield name, module, rule
+                break

@@ -1,0 +1,301 @@
+"""The one module that touches PyTorch's dispatcher.
+
+Design
+------
+Autocast has to govern every aten op, including the ones composites call internally
+(``nn.MultiheadAttention`` reaches ``linear``/``bmm``/``softmax`` only from C++,
+``F.scaled_dot_product_attention`` and ``einsum`` decompose below Python). A
+``TorchFunctionMode`` sees only the outermost Python call, so it cannot do this. Python kernels
+registered with ``torch.library.Library("aten", "IMPL")`` at the ``AutocastCPU`` /
+``AutocastCUDA`` dispatch keys are called exactly where PyTorch's own autocast kernels are: for
+every aten op, above autograd (so casts are recorded and backward runs in the forward's dtypes),
+inside composites, and under ``torch.compile`` tracing (no graph break).
+
+Registration is lazy and permanent: the first region that needs a kernel for an overload
+registers it (about 0.06 ms each) and it stays. Re-registering on every region entry would cost
+milliseconds per step. To keep plain ``torch.autocast`` exactly as it is without mixprec, each of
+our kernels first looks for a mixprec region of its device in this thread; when there is none it
+calls PyTorch's own kernel for that key, captured before we overrode it (or, for an op PyTorch
+does not autocast, redispatches below autocast, as PyTorch's fallthrough does). Importing
+mixprec registers nothing.
+
+Semantics follow ``aten/src/ATen/autocast_mode.{h,cpp}``: only defined floating tensors on the
+region's device that are not float64 are cast; the cast of an fp32 leaf that requires grad to
+the region's low-precision dtype is cached until the outermost region exits; casts run with
+autocast excluded for every device.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+from torch.library import Library
+
+from mixprec import ops as _ops
+from mixprec._ops_names import op_overload
+
+__all__ = ["Frame", "push", "pop", "top", "ensure_kernels", "clear_cache", "DISPATCH_KEYS"]
+
+DISPATCH_KEYS: dict[str, str] = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+
+_EXCLUDE_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+for _k in ("AutocastCUDA", "AutocastXPU", "AutocastMPS", "AutocastHPU", "AutocastIPU",
+           "AutocastPrivateUse1"):
+    if hasattr(torch._C.DispatchKey, _k):
+        _EXCLUDE_AUTOCAST = _EXCLUDE_AUTOCAST | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _k))
+
+
+def _no_autocast() -> Any:
+    return torch._C._ExcludeDispatchKeyGuard(_EXCLUDE_AUTOCAST)
+
+
+@dataclass
+class Frame:
+    """One active mixprec region of one device in one thread."""
+
+    device_type: str
+    dtype: torch.dtype  # the low-precision dtype of "lower" ops
+    table: Mapping[str, str]  # overload -> cast kind
+    cache_enabled: bool
+    policy: Any = None
+
+
+@dataclass
+class _ThreadState(threading.local):
+    frames: dict[str, list[Frame]] = field(default_factory=dict)
+    depth: int = 0  # nesting of mixprec regions (enabled or not), for the cache
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+_tls = _ThreadState()
+
+
+def top(device_type: str) -> Frame | None:
+    """The innermost mixprec frame for ``device_type`` in this thread, if any."""
+    stack = _tls.frames.get(device_type)
+    return stack[-1] if stack else None
+
+
+def push(frame: Frame | None) -> None:
+    """Enter a region (``frame=None`` for a disabled one, which still counts for the cache)."""
+    _tls.depth += 1
+    if frame is not None:
+        _tls.frames.setdefault(frame.device_type, []).append(frame)
+
+
+def pop(frame: Frame | None) -> None:
+    """Leave a region; the outermost exit clears the cast cache."""
+    if frame is not None:
+        stack = _tls.frames[frame.device_type]
+        stack.remove(frame) if stack[-1] is not frame else stack.pop()
+    _tls.depth -= 1
+    if _tls.depth == 0:
+        _tls.cache.clear()
+
+
+def clear_cache() -> None:
+    """Drop this thread's cached weight casts."""
+    _tls.cache.clear()
+
+
+# --------------------------------------------------------------------------- casting
+def _eligible(t: torch.Tensor, device_type: str) -> bool:
+    if not t.is_floating_point() or t.dtype is torch.float64:
+        return False
+    if device_type == "cpu":
+        return t.is_cpu or t.is_mkldnn
+    return t.is_cuda or t.device.type == "xla"
+
+
+def _cached_cast(t: Any, to: torch.dtype, frame: Frame) -> Any:
+    if not isinstance(t, torch.Tensor) or t.dtype is to or not _eligible(t, frame.device_type):
+        return t
+    if (
+        to is frame.dtype
+        and t.dtype is torch.float32
+        and t.requires_grad
+        and t.is_leaf
+        and frame.cache_enabled
+        and type(t) in (torch.Tensor, torch.nn.Parameter)  # never cache fake/traced tensors
+        and not t._is_view()
+        and not torch.is_inference_mode_enabled()
+    ):
+        hit = _tls.cache.get(id(t))
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        # Cast with grad enabled so that a cast first made under no_grad still carries a
+        # grad_fn when a later, grad-enabled forward of the same region reuses it.
+        with torch.enable_grad():
+            casted = t.to(to)
+        _tls.cache[id(t)] = (t, casted)  # the strong ref keeps id(t) unique while cached
+        return casted
+    return t.to(to)
+
+
+def _cast_all(args: tuple, kwargs: dict, to: torch.dtype, frame: Frame) -> tuple[tuple, dict]:
+    def cast(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return _cached_cast(a, to, frame)
+        if isinstance(a, (list, tuple)) and a and any(isinstance(x, torch.Tensor) for x in a):
+            return type(a)(_cached_cast(x, to, frame) for x in a)
+        return a
+
+    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+
+def _tensors(args: tuple, kwargs: dict):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    yield x
+
+
+def _promote_type(args: tuple, kwargs: dict, frame: Frame) -> torch.dtype:
+    current = frame.dtype
+    for t in _tensors(args, kwargs):
+        if not _eligible(t, frame.device_type):  # float64 is ignored, as in PyTorch
+            continue
+        nxt = t.dtype
+        if current is torch.float32 or nxt is torch.float32:
+            current = torch.float32
+        elif current is frame.dtype and nxt is frame.dtype:
+            continue
+        else:
+            raise RuntimeError(
+                f"Unexpected floating ScalarType in at::autocast::prioritize: a {nxt} input "
+                f"meets a {frame.dtype} autocast region; cast it to {frame.dtype} or float32 first"
+            )
+    return current
+
+
+def _first_eligible(args: tuple, frame: Frame) -> bool:
+    return bool(args) and isinstance(args[0], torch.Tensor) and _eligible(args[0], frame.device_type)
+
+
+def _set_opt_dtype(info: "_OpInfo", args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Set the op's optional ``dtype`` argument to float32 unless the caller set it."""
+    i = info.dtype_index
+    if not info.dtype_kwarg_only and len(args) > i:
+        if args[i] is None:
+            args = (*args[:i], torch.float32, *args[i + 1 :])
+    elif kwargs.get("dtype") is None:
+        kwargs = {**kwargs, "dtype": torch.float32}
+    return args, kwargs
+
+
+# --------------------------------------------------------------------------- kernels
+@dataclass(frozen=True)
+class _OpInfo:
+    name: str
+    op: "torch._ops.OpOverload"
+    dtype_index: int | None  # position of the optional `dtype` argument (set_opt_dtype)
+    dtype_kwarg_only: bool
+    append_target: "torch._ops.OpOverload | None"
+
+
+def _op_info(name: str, op: "torch._ops.OpOverload") -> _OpInfo:
+    dtype_index, kwarg_only = None, False
+    positional = 0
+    for arg in op._schema.arguments:
+        if arg.name == "dtype":
+            dtype_index, kwarg_only = positional, arg.kwarg_only
+            break
+        if not arg.kwarg_only:
+            positional += 1
+    target_name = _ops.APPEND_DTYPE_TARGETS.get(name)
+    return _OpInfo(name, op, dtype_index, kwarg_only,
+                   op_overload(target_name) if target_name else None)
+
+
+def _run(info: _OpInfo, kind: str, frame: Frame, args: tuple, kwargs: dict) -> Any:
+    op = info.op
+    with _no_autocast():
+        if kind == "lower":
+            args, kwargs = _cast_all(args, kwargs, frame.dtype, frame)
+        elif kind == "fp32":
+            args, kwargs = _cast_all(args, kwargs, torch.float32, frame)
+        elif kind == "promote":
+            args, kwargs = _cast_all(args, kwargs, _promote_type(args, kwargs, frame), frame)
+        elif kind == "fp32_set_opt_dtype":
+            if info.dtype_index is not None and _first_eligible(args, frame):
+                args, kwargs = _set_opt_dtype(info, args, kwargs)
+        elif kind == "fp32_append_dtype":
+            out = torch.float32 if _first_eligible(args, frame) else args[0].dtype
+            return info.append_target(*args, **kwargs, dtype=out)
+        elif kind == "banned":
+            raise RuntimeError(_ops.BANNED_MESSAGES.get(info.name, f"{info.name} is banned in autocast"))
+        return op(*args, **kwargs)
+
+
+_lib: Library | None = None
+_registered: dict[tuple[str, str], bool] = {}
+_lock = threading.Lock()
+
+
+def _make_kernel(info: _OpInfo, device_type: str, native: Any) -> Callable[..., Any]:
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        stack = _tls.frames.get(device_type)
+        if stack:
+            frame = stack[-1]
+            return _run(info, frame.table.get(info.name, "passthrough"), frame, args, kwargs)
+        if native is not None:  # plain torch.autocast: PyTorch's own kernel
+            return native.call_boxed(keyset, *args, **kwargs)
+        with _no_autocast():  # PyTorch falls through for ops it does not autocast
+            return info.op(*args, **kwargs)
+
+    return kernel
+
+
+def ensure_kernels(names: Mapping[str, str] | list[str], device_type: str) -> None:
+    """Register our kernel for each overload in ``names`` at the device's autocast key, once.
+
+    Overloads this PyTorch does not have are skipped.
+    """
+    global _lib
+    key = DISPATCH_KEYS[device_type]
+    missing = [n for n in names if (n, key) not in _registered]
+    if not missing:
+        return
+    with _lock:
+        if _lib is None:
+            _lib = Library("aten", "IMPL")
+        get_kernel = getattr(torch.library, "get_kernel", None)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
+            warnings.filterwarnings("ignore", message=".*Warning only once for all operators")
+            for name in missing:
+                if (name, key) in _registered:
+                    continue
+                op = op_overload(name)
+                if op is None:
+                    _registered[(name, key)] = False
+                    continue
+                native = None
+                qualname = f"aten::{name}"
+                if torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key):
+                    if get_kernel is not None:
+                        native = get_kernel(op, key)
+                    else:  # torch < 2.9: emulate PyTorch's kernel with its own table
+                        native = _Emulated(_op_info(name, op), device_type)
+                _lib.impl(name, _make_kernel(_op_info(name, op), device_type, native), key,
+                          with_keyset=True)
+                _registered[(name, key)] = True
+
+
+class _Emulated:
+    """Stand-in for PyTorch's kernel on versions without ``torch.library.get_kernel``."""
+
+    def __init__(self, info: _OpInfo, device_type: str) -> None:
+        self.info, self.device_type = info, device_type
+        self.kind = _ops.default_table(device_type).get(info.name, "passthrough")
+
+    def call_boxed(self, keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        frame = Frame(self.device_type, torch.get_autocast_dtype(self.device_type), {}, False)
+        return _run(self.info, self.kind, frame, args, kwargs)

@@ -1,0 +1,120 @@
+"""Naming aten ops: ``"softmax.int"``, ``"mm"``, ``torch.mm`` or ``torch.ops.aten.mm.default``.
+
+Canonical names are ``packet`` for the default overload and ``packet.overload`` otherwise, the
+spelling of PyTorch's ``autocast_mode.cpp``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import operator
+from typing import Any, Callable, Union
+
+import torch
+
+OpLike = Union[str, Callable[..., Any], "torch._ops.OpOverload", "torch._ops.OpOverloadPacket"]
+
+__all__ = ["OpLike", "canonical_names", "op_overload"]
+
+# Python callables whose ``__name__`` differs from the aten op they call.
+_ALIASES = {
+    "cross_entropy": "cross_entropy_loss",
+    "__matmul__": "matmul",
+    "__rmatmul__": "matmul",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _aten_packets() -> frozenset[str]:
+    return frozenset(
+        n[len("aten::") :].split(".")[0]
+        for n in torch._C._dispatch_get_all_op_names()
+        if n.startswith("aten::")
+    )
+
+
+def _is_functional(overload: "torch._ops.OpOverload") -> bool:
+    schema = overload._schema
+    return not schema.is_mutable and not schema.name.endswith("_")
+
+
+def op_overload(name: str) -> "torch._ops.OpOverload | None":
+    """The ``OpOverload`` of a canonical name, or ``None`` if this PyTorch lacks it."""
+    packet_name, _, overload = name.partition(".")
+    packet = getattr(torch.ops.aten, packet_name, None)
+    if packet is None:
+        return None
+    try:
+        return getattr(packet, overload or "default")
+    except AttributeError:
+        return None
+
+
+def _unknown(what: object) -> ValueError:
+    text = str(what)
+    close = difflib.get_close_matches(text.split(".")[0], sorted(_aten_packets()), n=5)
+    hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    return ValueError(
+        f"unknown op {what!r}: name an aten op such as 'mm' or 'softmax.int', a torch callable "
+        f"such as torch.mm, or torch.ops.aten.<op>.<overload>.{hint}"
+    )
+
+
+def _packet_overloads(packet_name: str) -> list[str]:
+    packet = getattr(torch.ops.aten, packet_name)
+    names = []
+    for ov in packet.overloads():
+        if _is_functional(getattr(packet, ov)):
+            names.append(packet_name if ov == "default" else f"{packet_name}.{ov}")
+    return names
+
+
+def canonical_names(op: OpLike) -> list[str]:
+    """Canonical overload names an op reference stands for.
+
+    A bare packet name (``"softmax"``, ``torch.softmax``) stands for all its functional overloads;
+    ``"softmax.int"`` or ``torch.ops.aten.softmax.int`` for that one overload.
+
+    Raises:
+        ValueError: the name is not an aten op; the message lists close matches.
+    """
+    if isinstance(op, torch._ops.OpOverload):
+        if op.namespace != "aten":
+            raise ValueError(f"only aten ops can be listed in a policy, got {op}")
+        packet, ov = op._schema.name.split("::")[1], op._overloadname
+        return [packet if ov == "default" else f"{packet}.{ov}"]
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return _packet_overloads(op._qualified_op_name.split("::")[1])
+    if isinstance(op, str):
+        name = op.strip()
+        for prefix in ("aten::", "aten.", "torch.ops.aten."):
+            if name.startswith(prefix):
+                name = name[len(prefix) :]
+        packet, _, ov = name.partition(".")
+        if packet not in _aten_packets():
+            raise _unknown(op)
+        if not ov:
+            names = _packet_overloads(packet)
+            if not names:
+                raise ValueError(f"aten op {packet!r} has no functional overload to cast")
+            return names
+        if ov == "default":
+            name = packet
+        if op_overload(name) is None:
+            raise ValueError(
+                f"aten op {packet!r} has no overload {ov!r}; overloads: "
+                f"{', '.join(getattr(torch.ops.aten, packet).overloads())}"
+            )
+        return [name]
+    if op is operator.matmul:
+        return canonical_names("matmul")
+    if callable(op):
+        fname = getattr(op, "__name__", None)
+        if fname is None:
+            raise _unknown(op)
+        target = _ALIASES.get(fname, fname)
+        if target.split(".")[0] not in _aten_packets():
+            raise _unknown(fname)
+        return canonical_names(target)
+    raise TypeError(f"an op is a str, a torch callable or an OpOverload, got {type(op).__name__}")

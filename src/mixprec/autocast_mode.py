@@ -1,0 +1,371 @@
+"""``mixprec.autocast``: the autocast region, its module rules, and ``custom_fwd``/``custom_bwd``.
+
+The op-by-op casting lives in :mod:`mixprec._dispatch`; this module manages regions: the
+thread-local autocast state PyTorch's dispatcher reads (so the ``Autocast*`` dispatch keys are
+active), the stack of mixprec frames our kernels consult, and, when a policy has module rules or an
+output dtype, module hooks installed for the region's lifetime only.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, TypeVar
+
+import torch
+from torch import nn
+
+from mixprec import _dispatch
+from mixprec._dispatch import Frame
+from mixprec.policy import Policy, _cast_tree
+
+__all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "custom_fwd", "custom_bwd"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+_SUPPORTED = ("cpu", "cuda")
+
+
+def is_autocast_enabled(device_type: str = "cuda") -> bool:
+    """Whether autocast (mixprec's or PyTorch's) is on for ``device_type`` in this thread."""
+    return torch.is_autocast_enabled(device_type)
+
+
+def get_autocast_dtype(device_type: str = "cuda") -> torch.dtype:
+    """The low-precision dtype autocast uses for ``device_type`` in this thread."""
+    return torch.get_autocast_dtype(device_type)
+
+
+class autocast:
+    """Run a region with automatic mixed precision: a drop-in for ``torch.autocast``.
+
+    Inside the region each aten op on ``device_type`` tensors runs in the dtype its policy gives
+    it: matmuls and convolutions in ``dtype``, numerically sensitive ops in float32, multi-input
+    ops in the widest input dtype, everything else in the dtypes it is given. The default policy
+    is PyTorch 2.13's autocast lists for the device, so results are bitwise those of
+    ``torch.autocast``. Only floating, non-float64 tensors on ``device_type`` are cast; in-place
+    and ``out=`` ops are not. Backward runs in the forward's dtypes; gradients of float32
+    parameters are float32. Casts of float32 leaf tensors that require grad (weights) are cached
+    until the outermost region exits (``cache_enabled=False``: cast on every use).
+
+    Args:
+        device_type: ``"cpu"`` or ``"cuda"``.
+        dtype: low-precision dtype; default: ``policy.compute`` if set, else the thread's current
+            autocast dtype (bfloat16 on CPU, float16 on CUDA unless changed).
+        enabled: ``False`` turns autocast off inside (nested regions may turn it on again).
+        cache_enabled: cache weight casts for the region.
+        policy: a :class:`mixprec.Policy` or a string for :meth:`Policy.parse` (e.g.
+            ``"fp32-numerics"``); edits to the op lists, module rules (:meth:`Policy.keep`) and
+            an output dtype apply inside this region.
+
+    Usable as a context manager and as a decorator. State is thread-local.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        >>> policy = mixprec.Policy.parse("compute=bf16,output=f32").keep(types=(nn.LayerNorm,))
+        >>> with mixprec.autocast("cpu", policy=policy):
+        ...     y = model(torch.randn(2, 4))
+        >>> y.dtype
+        torch.float32
+
+    Raises:
+        ValueError: ``device_type`` is not a string naming cpu or cuda.
+        TypeError: ``policy`` is neither a Policy nor a string.
+        RuntimeError: bfloat16 on a CUDA device without bf16 support.
+    """
+
+    def __init__(
+        self,
+        device_type: str,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool = True,
+        *,
+        policy: Policy | str | None = None,
+    ) -> None:
+        if not isinstance(device_type, str):
+            raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`")
+        if device_type not in _SUPPORTED:
+            raise ValueError(
+                f"mixprec.autocast supports device_type 'cpu' and 'cuda', got {device_type!r}; "
+                "use torch.autocast for other devices"
+            )
+        if isinstance(policy, str):
+            policy = Policy.parse(policy)
+        elif policy is None:
+            policy = Policy()
+        elif not isinstance(policy, Policy):
+            raise TypeError(f"policy must be a mixprec.Policy or a str, got {type(policy).__name__}")
+        if dtype is None:
+            dtype = policy.compute if policy.compute is not None else torch.get_autocast_dtype(device_type)
+        if enabled and device_type == "cuda":
+            if not torch.cuda.is_available():
+                warnings.warn(
+                    "User provided device_type of 'cuda', but CUDA is not available. Disabling",
+                    stacklevel=2,
+                )
+                enabled = False
+            elif dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+                raise RuntimeError(
+                    "Current CUDA Device does not support bfloat16. Please switch dtype to float16."
+                )
+        if enabled and dtype not in (torch.bfloat16, torch.float16):
+            warnings.warn(
+                f"In {device_type.upper()} autocast, but the target dtype {dtype} is not supported. "
+                "Disabling autocast. Autocast only supports torch.bfloat16 and torch.float16.",
+                stacklevel=2,
+            )
+            enabled = False
+        self.device = device_type
+        self.fast_dtype = dtype
+        self.policy = policy
+        self._enabled = bool(enabled)
+        self._cache_enabled = bool(cache_enabled)
+        self._saved: list[tuple[Any, ...]] = []
+
+    def __enter__(self) -> "autocast":
+        dev = self.device
+        frame = None
+        if self._enabled:
+            table = self.policy.table(dev)
+            _ensure(table, dev)
+            frame = Frame(dev, self.fast_dtype, table, self._cache_enabled, self.policy)
+        prev = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev),
+                torch.is_autocast_cache_enabled())
+        torch.set_autocast_enabled(dev, self._enabled)
+        torch.set_autocast_dtype(dev, self.fast_dtype)
+        torch.set_autocast_cache_enabled(self._cache_enabled)
+        torch.autocast_increment_nesting()
+        _dispatch.push(frame)
+        hooked = frame is not None and (bool(self.policy.module_rules) or self.policy.output is not None)
+        if hooked:
+            _ModuleRules.enter(frame)
+        self._saved.append((prev, frame, hooked))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        (enabled, dtype, cache), frame, hooked = self._saved.pop()
+        if hooked:
+            _ModuleRules.exit(frame)
+        _dispatch.pop(frame)
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled(self.device, enabled)
+        torch.set_autocast_dtype(self.device, dtype)
+        torch.set_autocast_cache_enabled(cache)
+
+    def __call__(self, func: F) -> F:
+        @functools.wraps(func)
+        def decorate_autocast(*args: Any, **kwargs: Any) -> Any:
+            with autocast(self.device, self.fast_dtype, self._enabled, self._cache_enabled,
+                          policy=self.policy):
+                return func(*args, **kwargs)
+
+        return decorate_autocast  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return (f"mixprec.autocast({self.device!r}, dtype={self.fast_dtype}, "
+                f"enabled={self._enabled}, policy={self.policy})")
+
+
+_ensured: set[tuple[int, str]] = set()
+
+
+def _ensure(table: Any, device_type: str) -> None:
+    key = (id(table), device_type)  # resolved tables are cached and immutable
+    if key not in _ensured:
+        _dispatch.ensure_kernels(table, device_type)
+        _ensured.add(key)
+
+
+# --------------------------------------------------------------------------- module rules
+class _ModuleRules:
+    """Global module hooks, installed while at least one region with module rules is active.
+
+    A thread-local stack follows module calls so that each module gets its qualified name from
+    the outermost module called in the region (computed once per root and cached).
+    """
+
+    _lock = threading.Lock()
+    _users = 0
+    _handles: list[Any] = []
+    _tls = threading.local()
+    _names: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def _state(cls) -> Any:
+        st = cls._tls
+        if not hasattr(st, "frames"):
+            st.frames, st.calls = [], []
+        return st
+
+    @classmethod
+    def enter(cls, frame: Frame) -> None:
+        cls._state().frames.append(frame)
+        with cls._lock:
+            if cls._users == 0:
+                mod = nn.modules.module
+                cls._handles = [
+                    mod.register_module_forward_pre_hook(cls._pre),
+                    mod.register_module_forward_hook(cls._post, always_call=True),
+                ]
+            cls._users += 1
+
+    @classmethod
+    def exit(cls, frame: Frame) -> None:
+        st = cls._state()
+        st.frames.remove(frame)
+        if not st.frames:
+            st.calls.clear()
+        with cls._lock:
+            cls._users -= 1
+            if cls._users == 0:
+                for h in cls._handles:
+                    h.remove()
+                cls._handles = []
+
+    @classmethod
+    def _qualified_name(cls, module: nn.Module, root: nn.Module) -> str:
+        names = cls._names.get(root)
+        if names is None or id(module) not in names:
+            names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+            cls._names[root] = names
+        return names.get(id(module), "")
+
+    @classmethod
+    def _pre(cls, module: nn.Module, args: tuple) -> Any:
+        st = cls._state()
+        if not st.frames:
+            return None
+        frame = st.frames[-1]
+        root = st.calls[0][0] if st.calls else module
+        restore = None
+        rules = frame.policy.module_rules
+        if rules and _dispatch.top(frame.device_type) is not None:
+            name = cls._qualified_name(module, root)
+            rule = next((r for r in rules if r.matches(module, name)), None)
+            if rule is not None:
+                restore = _enter_rule(frame, rule)
+                args = _cast_inputs(args, rule.dtype, frame.device_type)
+        st.calls.append((module, restore))
+        return args if restore is not None else None
+
+    @classmethod
+    def _post(cls, module: nn.Module, args: tuple, output: Any) -> Any:
+        st = cls._state()
+        if not st.calls or st.calls[-1][0] is not module:
+            return None
+        _, restore = st.calls.pop()
+        if restore is not None:
+            restore()
+        if not st.calls and st.frames and st.frames[-1].policy.output is not None:
+            return _cast_tree(output, st.frames[-1].policy.output)
+        return None
+
+
+def _enter_rule(frame: Frame, rule: Any) -> Callable[[], None]:
+    dev = frame.device_type
+    prev_enabled, prev_dtype = torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
+    if rule.dtype is torch.float32:
+        torch.set_autocast_enabled(dev, False)
+        inner = None
+    else:
+        torch.set_autocast_dtype(dev, rule.dtype)
+        inner = Frame(dev, rule.dtype, frame.table, frame.cache_enabled, frame.policy)
+        _dispatch.push(inner)
+
+    def restore() -> None:
+        if inner is not None:
+            _dispatch.pop(inner)
+        torch.set_autocast_enabled(dev, prev_enabled)
+        torch.set_autocast_dtype(dev, prev_dtype)
+
+    return restore
+
+
+def _cast_inputs(args: tuple, dtype: torch.dtype, device_type: str) -> tuple:
+    def cast(a: Any) -> Any:
+        if (isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype is not torch.float64
+                and a.device.type == device_type):
+            return a.to(dtype)
+        if isinstance(a, (list, tuple)) and not hasattr(a, "_fields"):
+            return type(a)(cast(x) for x in a)
+        return a
+
+    return tuple(cast(a) for a in args)
+
+
+# --------------------------------------------------------------------------- custom functions
+def _cast_for(value: Any, device_type: str, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        eligible = (value.is_floating_point() and value.dtype is not torch.float64
+                    and value.device.type == device_type)
+        return value.to(dtype) if eligible else value
+    if isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, dict):
+        return {k: _cast_for(v, device_type, dtype) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_for(v, device_type, dtype) for v in value)
+    return value
+
+
+def custom_fwd(
+    fwd: Callable[..., Any] | None = None,
+    *,
+    device_type: str,
+    cast_inputs: torch.dtype | None = None,
+) -> Any:
+    """Decorate the ``forward`` of a ``torch.autograd.Function`` for autocast, as PyTorch does.
+
+    With ``cast_inputs=None`` the forward runs in the surrounding autocast state and
+    :func:`custom_bwd` replays that state in backward. With a dtype, inside an enabled region the
+    floating ``device_type`` inputs are cast to it and the forward runs with autocast off.
+
+    Example:
+        >>> class MyMM(torch.autograd.Function):
+        ...     @staticmethod
+        ...     @mixprec.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+        ...     def forward(ctx, a, b): ...
+    """
+    if not isinstance(device_type, str):
+        raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`")
+    if fwd is None:
+        return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
+
+    @functools.wraps(fwd)
+    def decorate_fwd(*args: Any, **kwargs: Any) -> Any:
+        ctx = args[0]
+        ctx._dtype = torch.get_autocast_dtype(device_type)
+        frame = _dispatch.top(device_type)
+        ctx._mixprec_policy = frame.policy if frame is not None else None
+        if cast_inputs is None:
+            ctx._fwd_used_autocast = torch.is_autocast_enabled(device_type)
+            return fwd(*args, **kwargs)
+        ctx._fwd_used_autocast = False
+        if torch.is_autocast_enabled(device_type):
+            with autocast(device_type, enabled=False):
+                return fwd(*_cast_for(args, device_type, cast_inputs),
+                           **_cast_for(kwargs, device_type, cast_inputs))
+        return fwd(*args, **kwargs)
+
+    return decorate_fwd
+
+
+def custom_bwd(bwd: Callable[..., Any] | None = None, *, device_type: str) -> Any:
+    """Decorate the ``backward`` of a ``torch.autograd.Function``: it runs in the autocast state
+    (enabled, dtype, mixprec policy) its ``custom_fwd`` forward saw."""
+    if not isinstance(device_type, str):
+        raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`")
+    if bwd is None:
+        return functools.partial(custom_bwd, device_type=device_type)
+
+    @functools.wraps(bwd)
+    def decorate_bwd(*args: Any, **kwargs: Any) -> Any:
+        ctx = args[0]
+        with autocast(device_type, enabled=ctx._fwd_used_autocast, dtype=ctx._dtype,
+                      policy=getattr(ctx, "_mixprec_policy", None)):
+            return bwd(*args, **kwargs)
+
+    return decorate_bwd

@@ -1,0 +1,279 @@
+"""Precision policies: immutable values that say which dtype each op and module computes in.
+
+A :class:`Policy` is a small frozen dataclass in the style of deepmind/jmp: the dtypes of
+parameters, compute and outputs, a base op table (``"torch"``: PyTorch's autocast lists for the
+region's device, or ``"fp32-numerics"``), edits to that table, and module rules. Every edit
+returns a new policy; nothing is mutated.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> p = Policy.parse("params=float32,compute=bfloat16,output=float32")
+    >>> p = p.with_ops(fp32=["softmax.int"]).keep(types=(nn.LayerNorm,))
+    >>> str(p)
+    'params=float32,compute=bfloat16,output=float32'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from mixprec import ops as _ops
+from mixprec._modules import ModuleRule
+from mixprec._ops_names import OpLike, canonical_names
+
+__all__ = ["Policy", "PRESETS", "parse_dtype"]
+
+PRESETS: dict[str, str] = {
+    "torch": "PyTorch's autocast op lists for the region's device (the default)",
+    "fp32-numerics": (
+        "the device's lists plus CUDA's float32 list: softmax, log_softmax, norms, exp/log/pow, "
+        "sums and losses in float32, on CPU too"
+    ),
+}
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "f32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "single": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "f16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
+         "o": "output", "output": "output", "ops": "base", "preset": "base", "base": "base"}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bf16"``, ``"bfloat16"``, ``"half"``, ``"f32"``, ... (or a dtype) -> ``torch.dtype``."""
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).strip().lower().removeprefix("torch.")
+    try:
+        return _DTYPE_NAMES[key]
+    except KeyError:
+        raise ValueError(
+            f"unknown dtype {name!r}; use one of {', '.join(sorted(_DTYPE_NAMES))}"
+        ) from None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_dtype(what: str, dtype: object, allow_none: bool) -> None:
+    if dtype is None and allow_none:
+        return
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"Policy.{what} must be a floating torch.dtype, got {dtype!r}")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Which dtype parameters, compute and outputs use, op by op and module by module.
+
+    Args:
+        params: dtype parameters are stored in (used by :func:`mixprec.to_low_precision`).
+        compute: low-precision dtype of an autocast region; ``None`` takes the region's
+            ``dtype`` argument or the device default (bf16 on CPU, fp16 on CUDA).
+        output: dtype the region's outermost module outputs are cast to; ``None`` leaves them.
+        base: op table the edits apply to: ``"torch"`` or ``"fp32-numerics"`` (see ``PRESETS``).
+        device_type: whose table ``base`` names; ``None`` means the region's device.
+        op_rules: edits ``(overload, kind)``, applied in order; build them with :meth:`with_ops`.
+        module_rules: modules that run in another dtype; build them with :meth:`keep`.
+    """
+
+    params: torch.dtype = torch.float32
+    compute: torch.dtype | None = None
+    output: torch.dtype | None = None
+    base: str = "torch"
+    device_type: str | None = None
+    op_rules: tuple[tuple[str, str], ...] = ()
+    module_rules: tuple[ModuleRule, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        _check_dtype("params", self.params, allow_none=False)
+        _check_dtype("compute", self.compute, allow_none=True)
+        _check_dtype("output", self.output, allow_none=True)
+        if self.base not in PRESETS:
+            raise ValueError(f"unknown op preset {self.base!r}; presets: {', '.join(PRESETS)}")
+        if self.device_type is not None:
+            _ops.default_table(self.device_type)  # validates the device type
+        for name, kind in self.op_rules:
+            if kind not in _ops.CAST_KINDS:
+                raise ValueError(f"unknown cast kind {kind!r} for {name}; kinds: {_ops.CAST_KINDS}")
+        object.__setattr__(self, "op_rules", tuple(tuple(r) for r in self.op_rules))
+        object.__setattr__(self, "module_rules", tuple(self.module_rules))
+
+    # ----------------------------------------------------------------- constructors
+    @classmethod
+    def default(cls, device_type: str) -> "Policy":
+        """PyTorch's autocast behaviour on ``device_type`` (``"cpu"`` or ``"cuda"``)."""
+        return cls(device_type=device_type)
+
+    @classmethod
+    def preset(cls, name: str, device_type: str | None = None) -> "Policy":
+        """A named preset: ``"torch"`` or ``"fp32-numerics"``."""
+        return cls(base=name, device_type=device_type)
+
+    @classmethod
+    def parse(cls, spec: str) -> "Policy":
+        """Parse ``"params=float32,compute=bfloat16,output=float32"`` or a preset name.
+
+        Keys: ``params``/``p``, ``compute``/``c``, ``output``/``o``, ``preset``/``ops``; dtype
+        names: ``float32``/``f32``/``fp32``, ``bfloat16``/``bf16``, ``float16``/``f16``/``half``.
+        A bare dtype means ``compute=`` that dtype; a bare preset name selects the preset.
+
+        Raises:
+            ValueError: an unknown key, dtype or preset, or a key given twice.
+        """
+        if not isinstance(spec, str):
+            raise TypeError(f"Policy.parse takes a str, got {type(spec).__name__}")
+        values: dict[str, Any] = {}
+        for part in filter(None, (s.strip() for s in spec.split(","))):
+            if "=" not in part:
+                if part in PRESETS:
+                    key, value = "base", part
+                else:
+                    key, value = "compute", part
+            else:
+                raw_key, value = (s.strip() for s in part.split("=", 1))
+                if raw_key.lower() not in _KEYS:
+                    raise ValueError(
+                        f"unknown policy key {raw_key!r} in {spec!r}; keys: params (p), "
+                        "compute (c), output (o), preset"
+                    )
+                key = _KEYS[raw_key.lower()]
+            if key in values:
+                raise ValueError(f"policy key {key!r} given twice in {spec!r}")
+            values[key] = value if key == "base" else parse_dtype(value)
+        return cls(**values)
+
+    # ----------------------------------------------------------------- edits
+    def with_ops(
+        self,
+        *,
+        lower: Iterable[OpLike] = (),
+        fp32: Iterable[OpLike] = (),
+        promote: Iterable[OpLike] = (),
+        passthrough: Iterable[OpLike] = (),
+    ) -> "Policy":
+        """A copy with ops moved between lists.
+
+        Ops are named by aten name (``"mm"``, ``"softmax.int"``; a bare name covers every
+        functional overload), by torch callable (``torch.mm``, ``F.softmax``) or by
+        ``torch.ops.aten.<op>.<overload>``. ``fp32`` keeps an op's dtype-argument form where
+        PyTorch has one (softmax, sum, norm: computed in fp32 without copying the input).
+
+        Raises:
+            ValueError: an unknown op (the message suggests close names), or one op in two lists.
+        """
+        rules: list[tuple[str, str]] = []
+        seen: dict[str, str] = {}
+        for kind, items in (("lower", lower), ("fp32", fp32), ("promote", promote),
+                            ("passthrough", passthrough)):
+            if isinstance(items, (str, bytes)) or callable(items):
+                items = [items]
+            for item in items:
+                for name in canonical_names(item):
+                    if name in seen and seen[name] != kind:
+                        raise ValueError(f"op {name} is listed as both {seen[name]} and {kind}")
+                    seen[name] = kind
+                    rules.append((name, _FP32_FORMS.get(name, "fp32") if kind == "fp32" else kind))
+        return dataclasses.replace(self, op_rules=self.op_rules + tuple(rules))
+
+    def keep(
+        self,
+        types: type[nn.Module] | tuple[type[nn.Module], ...] = (),
+        names: str | None = None,
+        dtype: torch.dtype | str = torch.float32,
+    ) -> "Policy":
+        """A copy where matching modules run in ``dtype`` inside an autocast region.
+
+        A module matches if it is an instance of ``types`` or ``re.search(names, its qualified
+        name)`` matches. Its floating inputs are cast to ``dtype``; for ``float32`` no op inside it
+        is lowered, for a half dtype its ops lower to that dtype instead of the region's.
+        """
+        rule = ModuleRule(parse_dtype(dtype), types=types, names=names)
+        return dataclasses.replace(self, module_rules=self.module_rules + (rule,))
+
+    # ----------------------------------------------------------------- queries
+    def table(self, device_type: str) -> Mapping[str, str]:
+        """The resolved op table ``overload -> cast kind`` for a region on ``device_type``."""
+        return _resolve_table(self.base, self.device_type or device_type, self.op_rules)
+
+    def kind(self, op: OpLike, device_type: str) -> str:
+        """Cast kind of ``op`` (one overload) in a region on ``device_type``."""
+        names = canonical_names(op)
+        table = self.table(device_type)
+        kinds = {table.get(n, "passthrough") for n in names}
+        if len(kinds) != 1:
+            raise ValueError(f"{op!r} covers overloads of several kinds; name one overload")
+        return kinds.pop()
+
+    # jmp-style casts of trees of tensors
+    def cast_to_param(self, tree: Any) -> Any:
+        """Cast the floating tensors in a (nested) container to ``params``."""
+        return _cast_tree(tree, self.params)
+
+    def cast_to_compute(self, tree: Any) -> Any:
+        """Cast the floating tensors in a (nested) container to ``compute`` (if set)."""
+        return tree if self.compute is None else _cast_tree(tree, self.compute)
+
+    def cast_to_output(self, tree: Any) -> Any:
+        """Cast the floating tensors in a (nested) container to ``output`` (if set)."""
+        return tree if self.output is None else _cast_tree(tree, self.output)
+
+    def __str__(self) -> str:
+        parts = [f"params={_dtype_name(self.params)}"]
+        if self.compute is not None:
+            parts.append(f"compute={_dtype_name(self.compute)}")
+        if self.output is not None:
+            parts.append(f"output={_dtype_name(self.output)}")
+        if self.base != "torch":
+            parts.append(f"preset={self.base}")
+        return ",".join(parts)
+
+
+# fp32 forms PyTorch uses for ops with a dtype argument
+_FP32_FORMS: dict[str, str] = {
+    name: kind
+    for name, kind in _ops.default_table("cuda").items()
+    if kind in ("fp32_set_opt_dtype", "fp32_append_dtype")
+}
+
+_TABLE_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...]], Mapping[str, str]] = {}
+
+
+def _resolve_table(base: str, device_type: str, rules: tuple[tuple[str, str], ...]) -> Mapping[str, str]:
+    key = (base, device_type, rules)
+    table = _TABLE_CACHE.get(key)
+    if table is None:
+        start = _ops.default_table(device_type) if base == "torch" else _ops.fp32_numerics_table(device_type)
+        resolved = dict(start)
+        for name, kind in rules:
+            resolved[name] = kind
+        table = _TABLE_CACHE[key] = resolved
+    return table
+
+
+def _cast_tree(tree: Any, dtype: torch.dtype) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if tree.is_floating_point() else tree
+    if isinstance(tree, dict):
+        return type(tree)((k, _cast_tree(v, dtype)) for k, v in tree.items())
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
+        return type(tree)(*(_cast_tree(v, dtype) for v in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_cast_tree(v, dtype) for v in tree)
+    return tree

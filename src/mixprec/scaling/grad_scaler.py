@@ -1,0 +1,812 @@
+"""``mixprec.GradScaler``: a drop-in for ``torch.amp.GradScaler`` with hysteresis, bounds, skip
+signals, overflow attribution and distributed agreement.
+
+The scale-update rule is the pure function :func:`mixprec.scaling.update_scale`; this module is
+the stateful shell around it (per-optimizer stages, unscaling, skipping, bookkeeping).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+import weakref
+from collections import abc, defaultdict, deque
+from enum import Enum
+from typing import Any, Callable, Iterable, Literal, overload
+
+import torch
+from torch import nn
+
+from mixprec.scaling.rule import (
+    ScaleConfig,
+    ScaleState,
+    _check_scale_value,
+    backoff_blocked,
+    init_state,
+    update_scale,
+)
+
+__all__ = ["GradScaler", "HistoryCallback", "MinScaleError"]
+
+#: ``history(step, scale, skipped, overflow_names)``; see :class:`GradScaler`.
+HistoryCallback = Callable[[int, float, bool, tuple[str, ...]], None]
+
+_ON_MIN_SCALE = ("raise", "warn", "ignore")
+_HISTORY_LEN = 16
+
+
+class MinScaleError(RuntimeError):
+    """Gradients overflowed while the loss scale was already at ``min_scale``."""
+
+
+class _Stage(Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def _fresh_optimizer_state() -> dict[str, Any]:
+    return {"stage": _Stage.READY, "found_inf_per_device": {}, "optimizer": None}
+
+
+class _PerDevice:
+    """Lazily serves one copy of a tensor per device (cached)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.master = tensor
+        self.copies: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        copy = self.copies.get(device)
+        if copy is None:
+            copy = self.master.to(device=device, non_blocking=True, copy=True)
+            self.copies[device] = copy
+        return copy
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (the same storage), or the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+class GradScaler:
+    """Dynamic loss scaling, a drop-in for :class:`torch.amp.GradScaler`.
+
+    With the default settings the scale trajectory, the skipped steps and the weights are bit for
+    bit those of ``torch.amp.GradScaler`` on the same gradients. The keyword-only options add
+    what DeepSpeed, Megatron and Apex users reach for.
+
+    The scale follows :func:`mixprec.scaling.update_scale` (its docstring has the exact rule):
+    back off by ``backoff_factor`` on an overflow (after ``hysteresis`` overflows), grow by
+    ``growth_factor`` after ``growth_interval`` clean steps, and stay in ``[min_scale,
+    max_scale]``; it never becomes 0, subnormal or inf.
+
+    Args:
+        device: device type of the scale, ``"cuda"`` or ``"cpu"`` (as ``torch.amp``); with
+            ``"cuda"`` and no CUDA the scaler warns and disables itself, as torch's does.
+        init_scale: the first scale.
+        growth_factor, backoff_factor, growth_interval: as ``torch.amp.GradScaler``.
+        enabled: ``False`` makes :meth:`step` a plain ``optimizer.step()`` and the rest no-ops.
+        hysteresis: overflows tolerated before the scale backs off (steps are skipped all the
+            same); refilled when the scale grows.
+        consecutive_hysteresis: refill the hysteresis budget after every clean step instead.
+        min_scale, max_scale: bounds of the scale (``None``: 2**-126 and float32 max).
+        on_min_scale: what an overflow does when the scale is already at ``min_scale`` (lowering
+            it cannot help): ``"raise"`` a :class:`MinScaleError` naming the parameters with
+            non-finite gradients, the step and the recent scales; ``"warn"`` once and keep
+            skipping; ``"ignore"``. Checked only when ``min_scale`` is set, in :meth:`update`.
+        process_group: all-reduce the overflow flag (MAX) over this group so that every rank
+            skips together; ``"default"`` uses the default group when ``torch.distributed`` is
+            initialized (and nothing otherwise); ``None`` does not communicate (DTensor
+            gradients, as from FSDP2 ``fully_shard``, are then reduced over their mesh by DTensor
+            itself, as with torch's scaler).
+        history: a plain callable ``history(step, scale, skipped, overflow_names)`` called by every
+            :meth:`update` with the 0-based iteration, the scale used in it, whether an optimizer
+            step was skipped and the names of the parameters with non-finite gradients (empty on
+            clean steps). See :class:`mixprec.scaling.CSVHistory` and ``TensorBoardHistory``.
+
+    Host synchronisations (CPU-GPU syncs):
+        * :meth:`scale`, :meth:`unscale_`, :meth:`update`: none, except as listed below.
+        * :meth:`step` with a plain optimizer: exactly one (reads the overflow flag to decide
+          whether to call ``optimizer.step()``), as torch.
+        * :meth:`step` with a fused optimizer (``_step_supports_amp_scaling``, e.g.
+          ``torch.optim.AdamW(fused=True)``): none; the kernel skips itself via ``found_inf``.
+        * :meth:`watch`: on the fused path, one per :meth:`step` (to know whether to attribute).
+          Attribution itself (only on skipped steps) reads one flag per gradient.
+        * ``min_scale`` with ``on_min_scale`` ``"raise"`` (or ``"warn"`` until it has warned): one
+          per :meth:`update`. ``history``: one per :meth:`update`.
+        * :meth:`get_scale`, :meth:`state_dict`, pickling: one each.
+
+    Low-precision weights protocol: before reading gradients, :meth:`unscale_` (and the fused
+    path's overflow check) calls ``optimizer.prepare_grads()`` when the optimizer has such a
+    callable; it must put the gradients to step on into ``optimizer.param_groups`` (for
+    :class:`mixprec.MasterWeights`: copy the float16/bfloat16 model gradients into the float32
+    master gradients). Gradients are then read from ``optimizer.param_groups`` only, so float16
+    model weights behind ``MasterWeights`` never hit "Attempting to unscale FP16 gradients".
+
+    Example:
+        >>> scaler = mixprec.GradScaler("cpu", hysteresis=2, min_scale=1.0)
+        >>> for x, y in data:
+        ...     optimizer.zero_grad()
+        ...     with mixprec.autocast("cpu", dtype=torch.float16):
+        ...         loss = loss_fn(model(x), y)
+        ...     scaler.scale(loss).backward()
+        ...     scaler.unscale_(optimizer)
+        ...     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        ...     scaler.step(optimizer)
+        ...     scaler.update()
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        on_min_scale: Literal["raise", "warn", "ignore"] = "raise",
+        process_group: Any = None,
+        history: HistoryCallback | None = None,
+    ) -> None:
+        self._device = device
+        self._enabled = enabled
+        if device == "cuda" and enabled and not torch.cuda.is_available():
+            warnings.warn(
+                "mixprec.GradScaler is enabled with device='cuda', but CUDA is not available. "
+                "Disabling. Pass device='cpu' to scale on the CPU.",
+                stacklevel=2,
+            )
+            self._enabled = False
+        if on_min_scale not in _ON_MIN_SCALE:
+            raise ValueError(f"on_min_scale must be one of {_ON_MIN_SCALE}, got {on_min_scale!r}.")
+        if history is not None and not callable(history):
+            raise TypeError(f"history must be callable or None, got {type(history).__name__}.")
+        if not (process_group is None or process_group == "default" or not isinstance(process_group, str)):
+            raise ValueError(
+                f"process_group must be a ProcessGroup, 'default' or None, got {process_group!r}."
+            )
+        self._config = ScaleConfig(
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+        )
+        _check_scale_value("init_scale", float(init_scale))
+        self._on_min_scale = on_min_scale
+        self._process_group = process_group
+        self._history = history
+        # Values the lazily created device state starts from (also what pickling stores).
+        self._init_scale = float(init_scale)
+        self._init_growth_tracker = 0
+        self._init_hysteresis_left = hysteresis
+        self._init_skipped_steps = 0
+        self._state: ScaleState | None = None
+        self._skipped_steps: torch.Tensor | None = None
+        self._last_step_skipped: torch.Tensor | None = None
+        self._step = 0
+        self._warned_min_scale = False
+        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
+        self._skipped_by_optimizer: dict[int, torch.Tensor] = {}
+        self._recent_scales: deque[torch.Tensor] = deque(maxlen=_HISTORY_LEN)
+        self._watched: list[tuple[str, weakref.ref[nn.Module]]] = []
+        self._last_overflow: tuple[str, ...] | None = None
+        self._overflow_checked = False
+
+    # ------------------------------------------------------------------ state
+
+    def _lazy_init(self, device: torch.device) -> None:
+        self._state = init_state(
+            self._init_scale,
+            self._config,
+            device,
+            growth_tracker=self._init_growth_tracker,
+            hysteresis_left=self._init_hysteresis_left,
+        )
+        self._skipped_steps = torch.full((), self._init_skipped_steps, dtype=torch.int64, device=device)
+        self._last_step_skipped = torch.zeros((), dtype=torch.bool, device=device)
+
+    def _require_state(self, funcname: str) -> ScaleState:
+        if self._state is None:
+            raise RuntimeError(
+                f"Attempted {funcname} before the scale was initialised. Call "
+                "scaler.scale(loss) (and backward) earlier in the iteration."
+            )
+        return self._state
+
+    @property
+    def state(self) -> ScaleState | None:
+        """The current :class:`ScaleState` (device tensors), or ``None`` before :meth:`scale`."""
+        return self._state
+
+    @property
+    def config(self) -> ScaleConfig:
+        """The rule's parameters as a frozen :class:`ScaleConfig`."""
+        return self._config
+
+    @property
+    def last_step_skipped(self) -> torch.Tensor:
+        """0-dim bool tensor on the scaler's device: whether the last :meth:`step` was skipped.
+
+        Producing it costs no host sync; reading it (``bool(...)``, ``.item()``) does. ``False``
+        (on the CPU) before the first :meth:`scale`.
+        """
+        if self._last_step_skipped is None:
+            return torch.zeros((), dtype=torch.bool)
+        return self._last_step_skipped
+
+    @property
+    def skipped_steps(self) -> torch.Tensor:
+        """0-dim int64 tensor: the number of iterations (``update()`` calls) with an overflow."""
+        if self._skipped_steps is None:
+            return torch.full((), self._init_skipped_steps, dtype=torch.int64)
+        return self._skipped_steps
+
+    @property
+    def last_overflow(self) -> tuple[str, ...] | None:
+        """Names of the watched parameters whose gradients were inf/NaN in the last step.
+
+        ``()`` after a clean step, ``None`` when no model is :meth:`watch`-ed. Computed only on a
+        skipped step.
+        """
+        return self._last_overflow
+
+    def _skipped_for(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        return self._skipped_by_optimizer.get(id(optimizer), self.last_step_skipped)
+
+    # ------------------------------------------------------------------ scale
+
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+    @overload
+    def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
+
+    def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> Any:
+        """Multiplies a tensor, or nested lists/tuples of tensors, by the current scale.
+
+        The scale lives on the device of the first tensor scaled (created there lazily). Returns
+        ``outputs`` unchanged when disabled. No host sync.
+
+        Raises:
+            ValueError: if ``outputs`` holds something other than tensors and iterables.
+        """
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            if self._state is None:
+                self._lazy_init(outputs.device)
+            scale = self._require_state("scale").scale
+            return outputs * scale.to(device=outputs.device, non_blocking=True)
+
+        stash: list[_PerDevice] = []
+
+        def apply(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                if not stash:
+                    if self._state is None:
+                        self._lazy_init(value.device)
+                    stash.append(_PerDevice(self._require_state("scale").scale))
+                return value * stash[0].get(value.device)
+            if isinstance(value, abc.Iterable):
+                mapped = map(apply, value)
+                return type(value)(mapped) if isinstance(value, (list, tuple)) else mapped
+            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+        return apply(outputs)
+
+    # ------------------------------------------------------------------ unscale
+
+    def _group(self) -> Any:
+        group = self._process_group
+        if isinstance(group, str):  # "default"
+            dist = torch.distributed
+            return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        return group
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        prepare = getattr(optimizer, "prepare_grads", None)
+        if callable(prepare):
+            prepare()
+        group = self._group()
+        per_device_inv_scale = _PerDevice(inv_scale)
+        per_device_found_inf = _PerDevice(found_inf)
+        grads: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        with torch.no_grad():
+            for param_group in optimizer.param_groups:
+                for param in param_group["params"]:
+                    grad = param.grad
+                    if grad is None:
+                        continue
+                    if not allow_fp16 and grad.dtype == torch.float16:
+                        raise ValueError(
+                            "Attempting to unscale FP16 gradients. The optimizer must update "
+                            "float32 parameters: keep the weights in float32 and autocast the "
+                            "forward, or wrap the optimizer in mixprec.MasterWeights."
+                        )
+                    if grad.is_sparse:
+                        # Duplicate indices of a scaled fp16 gradient may overflow once summed,
+                        # so check the coalesced values.
+                        if grad.dtype is torch.float16:
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                    elif group is not None:
+                        grad = _local(grad)  # we reduce found_inf ourselves below
+                    grads[grad.device][grad.dtype].append(grad)
+            for device, per_dtype in grads.items():
+                for tensors in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(
+                        tensors, per_device_found_inf.get(device), per_device_inv_scale.get(device)
+                    )
+        found = per_device_found_inf.copies
+        if group is None:
+            return found
+        # One flag on the scale's device, MAX over the ranks: every rank skips together. Every
+        # rank calls this exactly once per unscale, with or without local gradients.
+        combined = found_inf.clone()
+        for flag in found.values():
+            combined += flag.to(combined.device, non_blocking=True)
+        torch.distributed.all_reduce(combined, op=torch.distributed.ReduceOp.MAX, group=group)
+        return {combined.device: combined}
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divides the optimizer's gradients by the scale, in place, and records inf/NaN.
+
+        Optional: :meth:`step` unscales by itself. Call it to work on true gradients before
+        :meth:`step` (clipping, inspection). First calls ``optimizer.prepare_grads()`` if the
+        optimizer has it (see the class docstring). With ``process_group`` the overflow flag is
+        all-reduced (a collective that every rank must reach). No host sync.
+
+        Raises:
+            RuntimeError: if called twice for ``optimizer`` before :meth:`update`, or after
+                :meth:`step`, or before :meth:`scale`.
+            ValueError: if a gradient is float16 (the optimizer would step on float16 weights).
+
+        .. warning:: sparse float16 gradients are coalesced, replacing ``param.grad``.
+        """
+        if not self._enabled:
+            return
+        state = self._require_state("unscale_")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is _Stage.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if optimizer_state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        scale = state.scale
+        # The reciprocal in float64, as torch (float32 division is imprecise on some builds).
+        inv_scale = scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+        optimizer_state["found_inf_per_device"] = self._unscale_grads_(
+            optimizer, inv_scale, found_inf, allow_fp16=False
+        )
+        optimizer_state["stage"] = _Stage.UNSCALED
+        optimizer_state["optimizer"] = optimizer
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """Records inf/NaN in the gradients without unscaling them (for fused optimizers)."""
+        state = self._require_state("_check_inf_per_device")
+        device = state.scale.device
+        ones = torch.full((), 1.0, dtype=torch.float32, device=device)
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=device)
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        optimizer_state["found_inf_per_device"] = self._unscale_grads_(
+            optimizer, ones, found_inf, allow_fp16=True
+        )
+        optimizer_state["optimizer"] = optimizer
+        return optimizer_state["found_inf_per_device"]
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    def _combined_found_inf(self, found_infs: Iterable[torch.Tensor]) -> torch.Tensor:
+        device = self._require_state("step").scale.device
+        flags = [flag.to(device, non_blocking=True) for flag in found_infs]
+        if not flags:
+            raise RuntimeError(
+                "No inf checks were recorded: call scaler.step(optimizer) (or unscale_) for at "
+                "least one optimizer before scaler.update()."
+            )
+        combined = flags[0]
+        for flag in flags[1:]:
+            combined = combined + flag
+        return combined
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscales (unless :meth:`unscale_` was called) and steps if the gradients are finite.
+
+        ``*args`` and ``**kwargs`` go to ``optimizer.step``; returns what it returns (``None`` on
+        a skipped plain step). Sets :attr:`last_step_skipped`.
+
+        * Plain optimizer: one host sync reads the overflow flag; ``optimizer.step()`` is not
+          called on an overflow.
+        * Fused optimizer (``optimizer._step_supports_amp_scaling``): no host sync; the optimizer
+          gets ``optimizer.grad_scale`` and ``optimizer.found_inf`` for the duration of its step
+          and skips inside its kernel. An optimizer whose ``step`` takes a ``grad_scaler`` keyword
+          gets this scaler instead (deprecated by torch; a ``FutureWarning``).
+
+        Raises:
+            RuntimeError: on a ``closure`` keyword, a second :meth:`step` for ``optimizer`` before
+                :meth:`update`, or before :meth:`scale`.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        state = self._require_state("step")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+                warnings.warn(
+                    "GradScaler is going to stop passing itself as a keyword argument to the "
+                    "passed optimizer. In the near future GradScaler registers `grad_scale: "
+                    "Tensor` and `found_inf: Tensor` to the passed optimizer and let the "
+                    "optimizer use them directly.",
+                    FutureWarning,
+                    stacklevel=2,
+                )
+                kwargs["grad_scaler"] = self
+                result = optimizer.step(*args, **kwargs)
+                optimizer_state["stage"] = _Stage.STEPPED
+                optimizer_state["optimizer"] = optimizer
+                found = optimizer_state["found_inf_per_device"].values()
+                if found:
+                    self._record_skip(optimizer, self._combined_found_inf(found), known=None)
+                return result
+            if optimizer_state["stage"] is _Stage.READY:
+                self._check_inf_per_device(optimizer)
+            found_inf = self._combined_found_inf(optimizer_state["found_inf_per_device"].values())
+            optimizer.grad_scale = (  # type: ignore[attr-defined]
+                getattr(optimizer, "grad_scale", None)
+                if optimizer_state["stage"] is _Stage.UNSCALED
+                else state.scale * getattr(optimizer, "grad_scale", 1)
+            )
+            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+            try:
+                result = optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.grad_scale  # type: ignore[attr-defined]
+                del optimizer.found_inf  # type: ignore[attr-defined]
+            optimizer_state["stage"] = _Stage.STEPPED
+            self._record_skip(optimizer, found_inf, known=None)
+            return result
+
+        if optimizer_state["stage"] is _Stage.READY:
+            self.unscale_(optimizer)
+        found_inf = self._combined_found_inf(optimizer_state["found_inf_per_device"].values())
+        skipped = bool(found_inf.item())  # the one host sync of the plain path
+        result = None if skipped else optimizer.step(*args, **kwargs)
+        optimizer_state["stage"] = _Stage.STEPPED
+        self._record_skip(optimizer, found_inf, known=skipped)
+        return result
+
+    def _record_skip(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, known: bool | None) -> None:
+        skipped = found_inf != 0
+        self._last_step_skipped = skipped
+        self._skipped_by_optimizer[id(optimizer)] = skipped
+        if not self._watched or self._overflow_checked:
+            return
+        if known is None:
+            known = bool(skipped.item())  # watch() on the fused path: documented sync
+        if known:
+            self._last_overflow = self._watched_nonfinite()
+            self._overflow_checked = True
+        else:
+            self._last_overflow = ()
+
+    # ------------------------------------------------------------------ attribution
+
+    def watch(self, model: nn.Module, prefix: str = "") -> GradScaler:
+        """Remembers ``model``'s parameter names for :attr:`last_overflow` (weakly; returns self).
+
+        On a skipped step, :attr:`last_overflow` lists ``prefix + name`` for every parameter of a
+        watched model whose ``.grad`` holds inf/NaN; on a clean step it is ``()``. Watching is
+        not pickled: call it again after unpickling. On the fused path it costs one host sync per
+        :meth:`step` (to know whether the step was skipped).
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"watch() expects an nn.Module, got {type(model).__name__}.")
+        self._watched.append((prefix, weakref.ref(model)))
+        if self._last_overflow is None:
+            self._last_overflow = ()
+        return self
+
+    @staticmethod
+    def _nonfinite(named_grads: list[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
+        if not named_grads:
+            return ()
+        flags = [(~torch.isfinite(grad).all()).to("cpu", non_blocking=True) for _, grad in named_grads]
+        bad = torch.stack(flags).tolist()
+        return tuple(name for (name, _), is_bad in zip(named_grads, bad) if is_bad)
+
+    @staticmethod
+    def _grad_values(grad: torch.Tensor) -> torch.Tensor:
+        return grad._values() if grad.is_sparse else _local(grad)
+
+    def _watched_nonfinite(self) -> tuple[str, ...]:
+        named = []
+        for prefix, ref in self._watched:
+            model = ref()
+            if model is None:
+                continue
+            for name, param in model.named_parameters():
+                if param.grad is not None:
+                    named.append((prefix + name, self._grad_values(param.grad)))
+        return self._nonfinite(named)
+
+    def _optimizer_nonfinite(self) -> tuple[str, ...]:
+        if self._watched:
+            return self._watched_nonfinite()
+        named = []
+        for index, optimizer_state in enumerate(self._per_optimizer_states.values()):
+            optimizer = optimizer_state["optimizer"]
+            if optimizer is None:
+                continue
+            for g, param_group in enumerate(optimizer.param_groups):
+                for p, param in enumerate(param_group["params"]):
+                    if param.grad is not None:
+                        label = f"optimizer{index}.param_groups[{g}]['params'][{p}] {tuple(param.shape)}"
+                        named.append((label, self._grad_values(param.grad)))
+        return self._nonfinite(named)
+
+    # ------------------------------------------------------------------ update
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Updates the scale with the overflows recorded since the last update (or sets it).
+
+        Call once per iteration, after :meth:`step` for every optimizer. With ``new_scale`` the
+        scale is set to it instead (a tensor's value is copied and clamped into
+        ``[min_scale, max_scale]``; a float must lie in that range). No host sync, except: with
+        ``min_scale`` set and ``on_min_scale`` ``"raise"`` (or ``"warn"`` until it warned), one
+        sync to check for an overflow at ``min_scale``; with ``history``, one sync.
+
+        Raises:
+            MinScaleError: (``on_min_scale="raise"``) the gradients overflowed while the scale
+                was already at ``min_scale``; the state has been updated before raising.
+            RuntimeError: if no :meth:`step`/:meth:`unscale_` was recorded (without ``new_scale``)
+                or before :meth:`scale`.
+            ValueError, TypeError: on an invalid ``new_scale``.
+        """
+        if not self._enabled:
+            return
+        state = self._require_state("update")
+        recorded = [
+            flag
+            for optimizer_state in self._per_optimizer_states.values()
+            for flag in optimizer_state["found_inf_per_device"].values()
+        ]
+        found_inf: torch.Tensor | None = None
+        blocked = None
+        if new_scale is None:
+            found_inf = self._combined_found_inf(recorded)  # raises when nothing was recorded
+            if self._config.min_scale is not None and (
+                self._on_min_scale == "raise" or (self._on_min_scale == "warn" and not self._warned_min_scale)
+            ):
+                blocked = backoff_blocked(state, found_inf, self._config)
+            new_state = update_scale(state, found_inf, self._config)
+        else:
+            found_inf = self._combined_found_inf(recorded) if recorded else None
+            new_state = state._replace(scale=self._validated_new_scale(new_scale, state.scale))
+        self._recent_scales.append(state.scale)
+        if found_inf is not None and self._skipped_steps is not None:
+            self._skipped_steps = self._skipped_steps + (found_inf != 0)
+        self._state = new_state
+        step = self._step
+        self._step += 1
+
+        is_blocked = blocked is not None and bool(blocked.item())  # documented sync
+        names: tuple[str, ...] | None = None
+        if self._history is not None:
+            skipped = found_inf is not None and bool(found_inf.item())
+            names = self._overflow_names() if skipped else ()
+            self._history(step, float(state.scale.item()), skipped, names)
+        if is_blocked and names is None:
+            names = self._overflow_names()
+        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+        self._overflow_checked = False
+        if is_blocked:
+            self._report_min_scale(step, names or ())
+
+    def _overflow_names(self) -> tuple[str, ...]:
+        if self._overflow_checked and self._last_overflow is not None:
+            return self._last_overflow
+        return self._optimizer_nonfinite()
+
+    def _report_min_scale(self, step: int, names: tuple[str, ...]) -> None:
+        recent = ", ".join(f"{s.item():g}" for s in self._recent_scales)
+        listed = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+        message = (
+            f"Gradients overflowed at step {step} while the loss scale was already at min_scale="
+            f"{self._config.min_scale:g}, so lowering the scale cannot help. Parameters with "
+            f"non-finite gradients: {listed or 'none found (were the gradients zeroed?)'}. Recent "
+            f"scales (oldest first): [{recent}]. Try: a lower learning rate or gradient clipping; "
+            "keeping the modules of those parameters in float32 (mixprec.Policy.keep); bfloat16 "
+            "instead of float16; mixprec.trace_nonfinite(model) to find the first op producing "
+            "inf/NaN; or a smaller min_scale. on_min_scale='warn' keeps training (skipping)."
+        )
+        if self._on_min_scale == "raise":
+            raise MinScaleError(message)
+        self._warned_min_scale = True
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def _validated_new_scale(self, new_scale: float | torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        if isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
+            value = float(new_scale)
+            _check_scale_value("new_scale", value)
+            if not self._config.lower <= value <= self._config.upper:
+                raise ValueError(
+                    f"new_scale={value!r} is outside [min_scale, max_scale] = "
+                    f"[{self._config.lower!r}, {self._config.upper!r}]."
+                )
+            return torch.full_like(current, value)
+        if not isinstance(new_scale, torch.Tensor):
+            raise TypeError(f"new_scale must be a float or a 1-element tensor, got {type(new_scale).__name__}.")
+        if new_scale.device.type != current.device.type or new_scale.numel() != 1 or new_scale.requires_grad:
+            raise ValueError(
+                "new_scale must be a float or a 1-element tensor on the scaler's device type "
+                f"({current.device.type!r}) with requires_grad=False."
+            )
+        value = new_scale.detach().reshape(()).to(device=current.device, dtype=torch.float32, copy=True)
+        return value.clamp(self._config.lower, self._config.upper)
+
+    # ------------------------------------------------------------------ getters and setters
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled). One host sync."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._state is None else float(self._state.scale.item())
+
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        return self._init_growth_tracker if self._state is None else int(self._state.growth_tracker.item())
+
+    def _get_hysteresis_left(self) -> int:
+        return self._init_hysteresis_left if self._state is None else int(self._state.hysteresis_left.item())
+
+    def get_growth_factor(self) -> float:
+        """The growth factor."""
+        return self._config.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Sets the growth factor (> 1; ``ValueError`` otherwise)."""
+        self._config = dataclasses.replace(self._config, growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The backoff factor."""
+        return self._config.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Sets the backoff factor (in (0, 1); ``ValueError`` otherwise)."""
+        self._config = dataclasses.replace(self._config, backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """The growth interval."""
+        return self._config.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Sets the growth interval (>= 1; ``ValueError`` otherwise)."""
+        self._config = dataclasses.replace(self._config, growth_interval=new_interval)
+
+    def is_enabled(self) -> bool:
+        """Whether scaling is enabled."""
+        return self._enabled
+
+    # ------------------------------------------------------------------ serialisation
+
+    _TORCH_KEYS = ("growth_factor", "backoff_factor", "growth_interval")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state; ``{}`` when disabled. One host sync.
+
+        Holds torch's five keys (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``), so ``torch.amp.GradScaler.load_state_dict``
+        accepts it, plus ``"mixprec"``: the other :class:`ScaleConfig` fields, ``on_min_scale``,
+        ``hysteresis_left``, ``skipped_steps`` and ``step``. Call it after :meth:`update`.
+        """
+        if not self._enabled:
+            return {}
+        config = dataclasses.asdict(self._config)
+        extra = {k: v for k, v in config.items() if k not in self._TORCH_KEYS}
+        extra.update(
+            on_min_scale=self._on_min_scale,
+            hysteresis_left=self._get_hysteresis_left(),
+            skipped_steps=int(self.skipped_steps.item()),
+            step=self._step,
+        )
+        return {
+            "scale": self.get_scale(),
+            **{k: config[k] for k in self._TORCH_KEYS},
+            "_growth_tracker": self._get_growth_tracker(),
+            "mixprec": extra,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state from :meth:`state_dict` of this class or of ``torch.amp.GradScaler``.
+
+        A torch state keeps this scaler's own options (hysteresis, bounds, ...) and refills the
+        hysteresis budget. No-op when disabled.
+
+        Raises:
+            RuntimeError: if ``state_dict`` is empty (saved from a disabled scaler).
+            ValueError: if it holds out-of-range values.
+        """
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved "
+                "from a disabled instance of GradScaler."
+            )
+        extra = dict(state_dict.get("mixprec", {}))
+        fields = {f.name for f in dataclasses.fields(ScaleConfig)}
+        self._config = dataclasses.replace(
+            self._config,
+            **{k: state_dict[k] for k in self._TORCH_KEYS},
+            **{k: v for k, v in extra.items() if k in fields},
+        )
+        self._on_min_scale = extra.get("on_min_scale", self._on_min_scale)
+        self._init_scale = float(state_dict["scale"])
+        self._init_growth_tracker = int(state_dict["_growth_tracker"])
+        self._init_hysteresis_left = int(extra.get("hysteresis_left", self._config.hysteresis))
+        self._init_skipped_steps = int(extra.get("skipped_steps", 0))
+        self._step = int(extra.get("step", self._step))
+        _check_scale_value("scale", self._init_scale)
+        if self._state is not None:
+            self._lazy_init(self._state.scale.device)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if len(self._per_optimizer_states) != 0:
+                raise RuntimeError(
+                    "A GradScaler instance may only be pickled at the beginning "
+                    "of an iteration, or at the end after scaler.update()."
+                )
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = self._get_growth_tracker()
+            state["_init_hysteresis_left"] = self._get_hysteresis_left()
+            state["_init_skipped_steps"] = int(self.skipped_steps.item())
+        state["_state"] = None
+        state["_skipped_steps"] = None
+        state["_last_step_skipped"] = None
+        state["_skipped_by_optimizer"] = {}
+        state["_recent_scales"] = deque(maxlen=_HISTORY_LEN)
+        state["_watched"] = []
+        state["_last_overflow"] = None
+        state["_process_group"] = None if not isinstance(self._process_group, str) else self._process_group
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)

@@ -1,0 +1,110 @@
+"""Cast a model's weights to bfloat16/float16 in place, keeping selected modules in float32."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Union
+
+import torch
+from torch import nn
+
+from mixprec._modules import NORM_TYPES, ModuleRule
+
+__all__ = ["to_low_precision", "KeepSpec", "LOW_PRECISION_DTYPES"]
+
+#: The dtypes :func:`to_low_precision` casts to.
+LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
+
+_Predicate = Callable[[nn.Module, str], bool]
+_KeepItem = Union[ModuleRule, type, str, _Predicate]
+#: What ``keep=`` accepts: see :func:`to_low_precision`.
+KeepSpec = Union[None, _KeepItem, Sequence[_KeepItem]]
+
+
+def _is_module_type(x: object) -> bool:
+    return isinstance(x, type) and issubclass(x, nn.Module)
+
+
+def _keep_rules(keep: KeepSpec) -> list[ModuleRule | _Predicate]:
+    """Normalise ``keep`` into ModuleRules (types/regexes become float32 rules) and predicates."""
+    if keep is None:
+        return []
+    items = [keep] if isinstance(keep, (ModuleRule, str, type)) or callable(keep) else list(keep)
+    types = tuple(t for t in items if _is_module_type(t))
+    rules: list[ModuleRule | _Predicate] = [ModuleRule(torch.float32, types=types)] if types else []
+    for item in items:
+        if _is_module_type(item):
+            continue
+        if isinstance(item, (ModuleRule, str)):
+            rules.append(ModuleRule(torch.float32, names=item) if isinstance(item, str) else item)
+        elif callable(item) and not isinstance(item, type):
+            rules.append(item)
+        else:
+            raise TypeError(
+                "keep= takes ModuleRules, nn.Module types, qualified-name regexes (str) or "
+                f"callables (module, qualified_name) -> bool; got {item!r}"
+            )
+    return rules
+
+
+def _kept_dtype(rules: list[ModuleRule | _Predicate], module: nn.Module, name: str) -> torch.dtype | None:
+    for rule in rules:
+        if isinstance(rule, ModuleRule):
+            if rule.matches(module, name):
+                return rule.dtype
+        elif rule(module, name):
+            return torch.float32
+    return None
+
+
+def to_low_precision(
+    model: nn.Module,
+    dtype: torch.dtype = torch.bfloat16,
+    keep: KeepSpec = NORM_TYPES,
+) -> nn.Module:
+    """Cast ``model``'s floating parameters and buffers to ``dtype`` in place; return ``model``.
+
+    Modules selected by ``keep`` (and everything inside them) keep their weights in float32, or
+    in the rule's dtype for a :class:`mixprec.ModuleRule`. Casting works like ``module.to``:
+    ``nn.Parameter`` objects keep their identity (an optimizer built before still holds them),
+    gradients are cast along, integer buffers (e.g. ``num_batches_tracked``) are left alone.
+
+    Args:
+        model: the model, changed in place.
+        dtype: ``torch.bfloat16`` (default) or ``torch.float16``.
+        keep: which modules not to cast, in the rule syntax of ``Policy.keep``: a
+            :class:`mixprec.ModuleRule` or a sequence of them, ``nn.Module`` types (one or a
+            tuple), a regex searched in qualified names (``r"^head$"``), a callable ``(module,
+            qualified_name) -> bool``, or a sequence mixing these; the first match wins.
+            Default: normalisation layers (``mixprec._modules.NORM_TYPES``). ``None`` or ``()``
+            keeps nothing.
+
+    Raises:
+        ValueError: ``dtype`` is not bfloat16/float16.
+        TypeError: ``model`` is not an ``nn.Module`` or a ``keep`` item is not understood.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+        >>> model = to_low_precision(model, keep=(nn.LayerNorm, r"^2$"))
+        >>> [p.dtype for p in model.parameters()][::2]
+        [torch.bfloat16, torch.float32, torch.float32]
+    """
+    if dtype not in LOW_PRECISION_DTYPES:
+        raise ValueError(
+            f"to_low_precision casts to torch.bfloat16 or torch.float16, got {dtype!r}; "
+            "use model.to(dtype) for other dtypes"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"to_low_precision needs an nn.Module, got {type(model).__name__}")
+    rules = _keep_rules(keep)
+
+    def visit(module: nn.Module, name: str, kept: torch.dtype | None) -> None:
+        if kept is None:
+            kept = _kept_dtype(rules, module, name)
+        target = dtype if kept is None else kept
+        module._apply(lambda t: t.to(target) if t.is_floating_point() else t, recurse=False)
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name, kept)
+
+    visit(model, "", None)
+    return model

@@ -1,0 +1,269 @@
+"""fp32 master weights for any ``torch.optim`` optimizer over bfloat16/float16 parameters."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from mixprec.lowp.cast import LOW_PRECISION_DTYPES
+from mixprec.optim.rounding import round_into_
+
+__all__ = ["MasterWeights"]
+
+_ROUNDINGS = ("nearest", "stochastic")
+_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+
+
+class MasterWeights(torch.optim.Optimizer):
+    """Train a bfloat16/float16 model with float32 master weights, around any optimizer.
+
+    ``MasterWeights(optimizer)`` replaces each low-precision parameter in ``optimizer``'s param
+    groups by a float32 copy (its *master*); float32 parameters (e.g. normalisation layers kept by
+    :func:`mixprec.to_low_precision`) are used as they are. Each :meth:`step`:
+
+    1. :meth:`prepare_grads`: the model's gradients are copied into the masters' ``.grad``
+       (float32; the model's ``.grad`` are only read);
+    2. the wrapped optimizer steps on the masters, in float32;
+    3. each master is written back into its model parameter, rounded to nearest (or
+       stochastically with ``rounding="stochastic"``); the masters' gradients are released.
+
+    The wrapper is a ``torch.optim.Optimizer``: ``param_groups``, ``state`` and ``defaults`` are
+    the wrapped optimizer's (so they hold the masters), LR schedulers and step hooks work, and
+    ``state_dict()`` holds the wrapped optimizer's state plus the float32 masters
+    (``"master_params"``, one per parameter in ``param_groups`` order).
+
+    Loss scaling: ``mixprec.GradScaler.unscale_`` calls :meth:`prepare_grads` and then unscales
+    the float32 master gradients, so float16 parameters with dynamic loss scaling work (no
+    "Attempting to unscale FP16 gradients" error). With ``torch.amp.GradScaler`` call
+    ``opt.prepare_grads()`` yourself before ``scaler.unscale_(opt)`` / ``scaler.step(opt)``. A
+    fused wrapped optimizer (``_step_supports_amp_scaling``) gets the scaler's ``grad_scale`` and
+    ``found_inf`` forwarded.
+
+    Memory per low-precision parameter: 2 (param) + 2 (grad) + 4 (master) + the wrapped
+    optimizer's float32 state, plus 4 for the master gradient between :meth:`prepare_grads` and
+    the end of :meth:`step`.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` built on the model's parameters, before its first
+            step or after (existing state is moved to the masters and cast to float32).
+        rounding: ``"nearest"`` (default) or ``"stochastic"`` write-back.
+        generator: randomness for stochastic write-back (on the parameters' device).
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is a ``MasterWeights``.
+        ValueError: unknown ``rounding``.
+
+    Example:
+        >>> model = mixprec.to_low_precision(model, torch.bfloat16)
+        >>> opt = mixprec.MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-4))
+        >>> loss_fn(model(x), y).backward()
+        >>> opt.step()
+        >>> opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        rounding: str = "nearest",
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        if isinstance(optimizer, MasterWeights):
+            raise TypeError("the optimizer is already wrapped in MasterWeights")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"MasterWeights wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if rounding not in _ROUNDINGS:
+            raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+        # torch.optim.Optimizer.__init__ would build param groups of its own: set up only its hooks.
+        for name in _HOOK_DICTS:
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
+        self.optimizer = optimizer
+        self.rounding = rounding
+        self.generator = generator
+        self._pairs: list[tuple[Tensor, Tensor]] = []  # (model param, fp32 master), low-p only
+        self._prepared: list[Optional[tuple[Tensor, int]]] = []  # model grad + version copied
+        for group in optimizer.param_groups:
+            self._attach(group)
+
+    # -- the wrapped optimizer's view ----------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The wrapped optimizer's param groups (holding the float32 masters)."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The wrapped optimizer's state, keyed by the masters."""
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        return getattr(self.optimizer, "_step_supports_amp_scaling", False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"MasterWeights(rounding={self.rounding!r}, optimizer={self.optimizer!r})"
+
+    @property
+    def masters(self) -> list[Tensor]:
+        """The float32 master of every parameter, in ``param_groups`` order (float32 params are
+        their own master)."""
+        return [m for g in self.param_groups for m in g["params"]]
+
+    def _attach(self, group: dict[str, Any]) -> None:
+        """Swap ``group``'s low-precision params for masters, in place (the list object is kept:
+        optimizers such as LBFGS hold it)."""
+        params = group["params"]
+        for i, p in enumerate(params):
+            if p.dtype not in LOW_PRECISION_DTYPES:
+                continue
+            master = p.detach().to(torch.float32, copy=True).requires_grad_(p.requires_grad)
+            state = self.optimizer.state.pop(p, None)
+            if state is not None:
+                self.optimizer.state[master] = {
+                    k: v.to(torch.float32) if k != "step" and isinstance(v, Tensor) and v.is_floating_point() else v
+                    for k, v in state.items()
+                }
+            params[i] = master
+            self._pairs.append((p, master))
+            self._prepared.append(None)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of model parameters: their masters join the wrapped optimizer."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        self.optimizer.add_param_group({**param_group, "params": params})
+        self._attach(self.optimizer.param_groups[-1])
+
+    # -- the training step ---------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare_grads(self) -> None:
+        """Copy the model's gradients into the masters' ``.grad`` (float32).
+
+        Idempotent until the model's gradients change (checked by tensor identity and version
+        counter, no host sync), so a scaler can call it in ``unscale_`` and unscale the master
+        gradients in place, and :meth:`step` then keeps them. A parameter without ``.grad`` gives
+        its master none. Called by :meth:`step`; call it yourself before
+        ``torch.amp.GradScaler.unscale_``/``step``, or to clip/inspect float32 gradients.
+        """
+        for i, (p, master) in enumerate(self._pairs):
+            grad = p.grad
+            if grad is None:
+                master.grad = None
+                self._prepared[i] = None
+                continue
+            done = self._prepared[i]
+            if done is not None and done[0] is grad and done[1] == grad._version:
+                continue
+            if master.grad is None:
+                master.grad = grad.to(torch.float32, copy=True)
+            else:
+                master.grad.copy_(grad)
+            self._prepared[i] = (grad, grad._version)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        """Prepare float32 gradients, step the wrapped optimizer, write the masters back.
+
+        ``closure`` (re-evaluating the model's loss and calling ``backward``) runs first; its
+        loss is returned, else the wrapped optimizer's return value.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.prepare_grads()
+        forwarded = [k for k in ("grad_scale", "found_inf") if k in self.__dict__]
+        for key in forwarded:  # set by GradScaler.step for fused optimizers
+            setattr(self.optimizer, key, self.__dict__[key])
+        try:
+            out = self.optimizer.step()
+        finally:
+            for key in forwarded:
+                delattr(self.optimizer, key)
+        with torch.no_grad():
+            stochastic = self.rounding == "stochastic"
+            for i, (p, master) in enumerate(self._pairs):
+                round_into_(p, master, stochastic, self.generator)
+                master.grad = None
+                self._prepared[i] = None
+        return loss if closure is not None else out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients of the model's parameters and of the masters."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for i, (p, _) in enumerate(self._pairs):
+            self._prepared[i] = None
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """Copy the model's parameters into the masters (after loading model weights into a model
+        whose optimizer is already wrapped; the masters' low bits are lost)."""
+        for p, master in self._pairs:
+            master.copy_(p)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's ``state_dict()`` plus ``"master_params"``: the float32
+        masters, one per parameter in ``param_groups`` order (references, as torch's state)."""
+        state = self.optimizer.state_dict()
+        state["master_params"] = [m.detach() for m in self.masters]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a :meth:`state_dict`: the masters are restored exactly and written back to the
+        model (rounded to nearest). A ``state_dict`` without ``"master_params"`` (from the bare
+        optimizer) keeps the current masters.
+
+        Raises:
+            ValueError: the saved masters do not match this optimizer's parameters.
+        """
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("master_params", None)
+        masters = self.masters
+        if saved is not None:
+            if len(saved) != len(masters):
+                raise ValueError(
+                    f"the checkpoint has {len(saved)} master params, this optimizer {len(masters)}"
+                )
+            for m, s in zip(masters, saved):
+                if tuple(m.shape) != tuple(s.shape):
+                    raise ValueError(
+                        f"checkpoint master of shape {tuple(s.shape)} for a parameter of shape {tuple(m.shape)}"
+                    )
+        self.optimizer.load_state_dict(state_dict)
+        if saved is not None:
+            with torch.no_grad():
+                for m, s in zip(masters, saved):
+                    m.copy_(s)
+                for p, master in self._pairs:
+                    p.copy_(master)

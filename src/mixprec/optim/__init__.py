@@ -1,0 +1,16 @@
+"""Optimizers that train low-precision (bfloat16/float16) parameters like float32 ones.
+
+``AdamW`` and ``SGD`` take torch's hyper-parameters and defaults plus
+``compensation=None | "kahan" | "stochastic"``, ``state_dtype`` and ``generator``. The
+functional updates are in :mod:`mixprec.optim._functional`; :func:`stochastic_round_` is public.
+
+Example:
+    >>> model = mixprec.to_low_precision(torch.nn.Linear(8, 8))
+    >>> opt = mixprec.optim.AdamW(model.parameters(), lr=1e-4, compensation="kahan")
+"""
+
+from mixprec.optim.adamw import AdamW
+from mixprec.optim.rounding import stochastic_round_
+from mixprec.optim.sgd import SGD
+
+__all__ = ["AdamW", "SGD", "stochastic_round_"]

@@ -1,0 +1,164 @@
+"""The shell shared by :class:`mixprec.optim.AdamW` and :class:`mixprec.optim.SGD`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from mixprec.optim._functional import COMPENSATIONS, compute_dtype
+from mixprec.optim.kahan import kahan_write_
+
+__all__ = ["CompensatedOptimizer"]
+
+
+def _check_options(compensation: Any, state_dtype: Any) -> None:
+    if compensation not in COMPENSATIONS:
+        raise ValueError(
+            f"compensation must be None, 'kahan' or 'stochastic', got {compensation!r}"
+        )
+    if state_dtype is not None and not (
+        isinstance(state_dtype, torch.dtype) and state_dtype.is_floating_point
+    ):
+        raise ValueError(
+            f"state_dtype must be None (float32 or wider) or a floating torch.dtype, got {state_dtype!r}"
+        )
+
+
+def _scalar(x: Any) -> float:
+    """A Python float from a hyper-parameter (a tensor learning rate costs one host sync)."""
+    return x.item() if isinstance(x, Tensor) else x
+
+
+class CompensatedOptimizer(torch.optim.Optimizer):
+    """An optimizer whose low-precision parameters are written back with ``compensation``.
+
+    Subclasses implement :meth:`step` with a functional update. Each param group carries
+    ``compensation`` and ``state_dtype`` (so they can differ per group and are saved in
+    ``state_dict()``); the stochastic-rounding ``generator`` belongs to the optimizer (save its
+    state yourself with ``generator.get_state()`` if you need bitwise resumption).
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        defaults: dict[str, Any],
+        *,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        _check_options(defaults["compensation"], defaults["state_dtype"])
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator)}")
+        super().__init__(params, defaults)
+        self.generator = generator
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        _check_options(
+            param_group.get("compensation", self.defaults["compensation"]),
+            param_group.get("state_dtype", self.defaults["state_dtype"]),
+        )
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for p in params:
+            if not p.is_floating_point():
+                raise ValueError(f"can only optimize floating-point tensors, got {p.dtype}")
+        param_group = {**param_group, "params": params}
+        super().add_param_group(param_group)
+
+    # -- helpers for subclasses -------------------------------------------------------------
+    @staticmethod
+    def _state_dtype(group: dict[str, Any], p: Tensor) -> torch.dtype:
+        return group["state_dtype"] or compute_dtype(p.dtype)
+
+    def _kahan_comp(self, group: dict[str, Any], p: Tensor) -> Optional[Tensor]:
+        """The Kahan buffer of ``p`` (created at zero), or None if ``p`` does not use one."""
+        if group["compensation"] != "kahan" or p.dtype == compute_dtype(p.dtype):
+            return None
+        state = self.state[p]
+        if "kahan_comp" not in state:
+            state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["kahan_comp"]
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()`` of this class or of the matching ``torch.optim`` optimizer.
+
+        Unlike ``torch.optim.Optimizer.load_state_dict``, floating-point state keeps the dtype it
+        was saved in (torch would cast float32 moments to a bfloat16 parameter's dtype). Param
+        groups saved without ``compensation``/``state_dtype`` (a torch checkpoint) get this
+        optimizer's defaults.
+        """
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(saved_id)
+            if saved is None:
+                continue
+            for key, value in saved.items():
+                if key != "step" and isinstance(value, Tensor) and value.is_floating_point():
+                    self.state[p][key] = value.detach().to(device=p.device, copy=True)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    @torch.no_grad()
+    def load_fp32_weights(
+        self,
+        weights: Iterable[Tensor] | Mapping[str, Tensor],
+        model: Optional[nn.Module] = None,
+    ) -> None:
+        """Set the parameters from float32 (or wider) weights, keeping their low bits.
+
+        Each parameter becomes ``round(w)`` (to nearest); with ``compensation="kahan"`` its
+        buffer is seeded with ``w - round(w)``, so training resumes from the float32 weights
+        themselves rather than from their rounding. Use it to continue an fp32 (or
+        :class:`mixprec.MasterWeights`) run in pure bf16. Float32 parameters are copied exactly.
+
+        Args:
+            weights: one tensor per parameter in this optimizer's order (``[p for g in
+                param_groups for p in g["params"]]``), or a state dict such as
+                ``fp32_model.state_dict()``, with ``model`` to map its names to parameters
+                (entries that are not parameters of ``model``, e.g. buffers, are ignored).
+            model: the module owning this optimizer's parameters; required with a state dict.
+
+        Raises:
+            TypeError: a state dict without ``model``.
+            ValueError: a count, name or shape mismatch.
+
+        Example:
+            >>> opt = mixprec.optim.AdamW(bf16_model.parameters(), compensation="kahan")
+            >>> opt.load_fp32_weights(torch.load("fp32.pt"), model=bf16_model)
+        """
+        params = [p for g in self.param_groups for p in g["params"]]
+        if isinstance(weights, Mapping):
+            if model is None:
+                raise TypeError("load_fp32_weights(state_dict) needs model= to map names to parameters")
+            name_of = {id(p): n for n, p in model.named_parameters()}
+            sources = []
+            for p in params:
+                name = name_of.get(id(p))
+                if name is None:
+                    raise ValueError("a parameter of this optimizer is not a parameter of model")
+                if name not in weights:
+                    raise ValueError(f"the state dict has no entry {name!r}")
+                sources.append(weights[name])
+        else:
+            sources = list(weights)
+            if len(sources) != len(params):
+                raise ValueError(
+                    f"got {len(sources)} weights for {len(params)} parameters; pass one per "
+                    "parameter in param_groups order, or a state dict with model="
+                )
+        groups = [g for g in self.param_groups for _ in g["params"]]
+        for p, src, group in zip(params, sources, groups):
+            if tuple(src.shape) != tuple(p.shape):
+                raise ValueError(f"shape mismatch: weight {tuple(src.shape)} for parameter {tuple(p.shape)}")
+            src = src.detach().to(device=p.device, dtype=compute_dtype(p.dtype))
+            comp = self._kahan_comp(group, p)
+            if comp is None:
+                p.copy_(src)
+            else:
+                kahan_write_(p, comp, src)

@@ -1,0 +1,104 @@
+"""SGD for parameters of any floating dtype, with Kahan or stochastic-rounding updates."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from mixprec.optim._base import CompensatedOptimizer, _scalar
+from mixprec.optim._functional import sgd
+
+__all__ = ["SGD"]
+
+
+class SGD(CompensatedOptimizer):
+    """``torch.optim.SGD`` that trains bfloat16/float16 parameters like float32 ones.
+
+    Same hyper-parameters, defaults and arithmetic as ``torch.optim.SGD`` (on float32 parameters
+    the two agree to float32 rounding, and their ``state_dict()`` formats are interchangeable).
+    ``compensation``, ``state_dtype`` (of ``momentum_buffer``) and ``generator`` work as in
+    :class:`mixprec.optim.AdamW`.
+
+    Raises:
+        ValueError: an invalid hyper-parameter or option (as torch: Nesterov needs
+            ``momentum > 0`` and ``dampening == 0``).
+
+    Example:
+        >>> model = mixprec.to_low_precision(torch.nn.Linear(8, 8))
+        >>> opt = mixprec.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, compensation="stochastic",
+        ...                         generator=torch.Generator().manual_seed(0))
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        compensation: Optional[str] = None,
+        state_dtype: Optional[torch.dtype] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        if not 0.0 <= _scalar(lr):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            compensation=compensation,
+            state_dtype=state_dtype,
+        )
+        super().__init__(params, defaults, generator=generator)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Perform one optimization step; ``closure`` re-evaluates the loss (returned)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, buffers, comps = [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                params.append(p)
+                grads.append(p.grad)
+                buffers.append(self.state[p].get("momentum_buffer"))
+                comps.append(self._kahan_comp(group, p))
+            if not params:
+                continue
+            sgd(
+                params,
+                grads,
+                buffers,
+                comps,
+                lr=_scalar(group["lr"]),
+                momentum=group["momentum"],
+                dampening=group["dampening"],
+                weight_decay=group["weight_decay"],
+                nesterov=group["nesterov"],
+                maximize=group["maximize"],
+                compensation=group["compensation"],
+                generator=self.generator,
+                state_dtype=group["state_dtype"],
+            )
+            if group["momentum"] != 0:
+                for p, buf in zip(params, buffers):
+                    self.state[p]["momentum_buffer"] = buf
+        return loss

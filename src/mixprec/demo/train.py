@@ -1,0 +1,610 @@
+"""Train the demo language model in every precision mode, side by side, from the same seed.
+
+Every mode starts from the same initial weights (``torch.manual_seed(seed)`` before the model is
+built) and sees the same batches in the same order, so their loss curves differ only by numerics.
+The modes (see :data:`MODES`):
+
+- ``fp32``: float32 weights and compute, ``torch.optim.AdamW``.
+- ``torch-amp``: ``torch.autocast`` (float16) + ``torch.amp.GradScaler``: the reference.
+- ``mixprec-fp16``: ``mixprec.autocast`` (float16) + ``mixprec.GradScaler``.
+- ``mixprec-bf16``: ``mixprec.autocast`` (bfloat16), no scaler.
+- ``bf16-naive``: bfloat16 weights (``mixprec.to_low_precision``), plain ``torch.optim.AdamW``.
+- ``bf16-kahan``: the same weights, ``mixprec.optim.AdamW(compensation="kahan")``.
+- ``bf16-stochastic``: the same weights, ``mixprec.optim.AdamW(compensation="stochastic")``.
+- ``fp16-master``: float16 weights, float32 master copies (``mixprec.MasterWeights``) +
+  ``mixprec.GradScaler``.
+- ``torch-amp-bf16`` (not run by default): ``torch.autocast`` (bfloat16), the reference of
+  ``mixprec-bf16`` in ``benchmarks/gpu.py``.
+
+A mode whose mixprec API is missing is refused before anything trains (:func:`check_modes`).
+
+Example:
+    >>> settings = Settings.for_size("tiny", steps=5)
+    >>> result = run_mode("fp32", settings, torch.device("cpu"))
+    >>> len(result.losses)
+    5
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, ContextManager, Iterator, Protocol
+
+import torch
+from torch import nn
+
+from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch
+from mixprec.demo.model import SIZES, ModelConfig, TransformerLM, lm_loss
+
+__all__ = [
+    "MODES",
+    "DEFAULT_MODES",
+    "Mode",
+    "Settings",
+    "ModeResult",
+    "DemoResult",
+    "Progress",
+    "check_modes",
+    "run_mode",
+    "run_demo",
+    "lowp_speed",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# settings
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What to train and how long.
+
+    Attributes:
+        model: the model's shape.
+        steps: optimizer steps per mode (>= 1).
+        batch_size: sequences per batch.
+        lr: peak learning rate (linear warm-up over the first 10% of steps, then cosine to 10%).
+        seed: seeds the weights, the batches and the evaluation windows.
+        eval_batches: validation batches for the final evaluation loss.
+        size: the name of the size preset these settings came from ("custom" otherwise).
+    """
+
+    model: ModelConfig
+    steps: int
+    batch_size: int
+    lr: float
+    seed: int = 0
+    eval_batches: int = 4
+    size: str = "custom"
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.eval_batches < 1:
+            raise ValueError(f"eval_batches must be >= 1, got {self.eval_batches}")
+
+    @classmethod
+    def for_size(cls, size: str, *, steps: int | None = None, seed: int = 0) -> Settings:
+        """The preset for ``size`` ("tiny", "small" or "base"), optionally with other steps/seed.
+
+        Raises:
+            ValueError: for an unknown size.
+        """
+        if size not in SIZES:
+            raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+        default_steps, batch_size, lr = _TRAIN_PRESETS[size]
+        return cls(
+            model=SIZES[size],
+            steps=default_steps if steps is None else steps,
+            batch_size=batch_size,
+            lr=lr,
+            seed=seed,
+            size=size,
+        )
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.model.seq_len
+
+
+# size -> (steps, batch_size, lr); "tiny" runs all eight modes in about 2 minutes on 2 CPU cores
+_TRAIN_PRESETS: dict[str, tuple[int, int, float]] = {
+    "tiny": (150, 16, 3e-3),
+    "small": (300, 16, 2e-3),
+    "base": (600, 32, 1e-3),
+}
+
+
+def _lr_factor(step: int, steps: int) -> float:
+    warmup = max(1, steps // 10)
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+
+# --------------------------------------------------------------------------------------------
+# modes
+
+
+class _Scaler(Protocol):
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+    def step(self, optimizer: Any) -> Any: ...
+    def update(self) -> None: ...
+
+
+@dataclass
+class _Setup:
+    """One mode, ready to train: what a step calls, and how to read its loss scale."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer  # the one the learning-rate schedule drives
+    stepper: Any  # what zero_grad()/step() are called on: the optimizer or MasterWeights
+    autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+    scaler: _Scaler | None = None
+    # after scaler.update(): (current scale, whether the step was skipped), both device tensors
+    scale_state: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+    memory_extra: Callable[[], dict[str, int]] = dict
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A precision mode of the demo.
+
+    Attributes:
+        name: the name used by ``--modes``.
+        summary: one line for the report.
+        requires: mixprec attributes the mode needs, as dotted paths under ``mixprec``.
+        setup: builds the mode's optimizer/scaler/autocast around a freshly built float32 model.
+    """
+
+    name: str
+    summary: str
+    requires: tuple[str, ...]
+    setup: Callable[[nn.Module, Settings, torch.device], _Setup] = field(repr=False)
+
+
+_INIT_SCALE = 2.0**16
+
+
+def _adamw(params: Any, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+
+
+def _torch_scale_state(scaler: torch.amp.GradScaler) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    # torch's scaler has no hysteresis: a step was skipped exactly when update() lowered the scale.
+    previous: list[torch.Tensor] = []
+
+    def state() -> tuple[torch.Tensor, torch.Tensor]:
+        scale = scaler._get_scale_async().detach().clone()  # device tensor: no host sync
+        before = previous[0] if previous else torch.full_like(scale, _INIT_SCALE)
+        previous[:] = [scale]
+        return scale, scale < before
+
+    return state
+
+
+def _mixprec_scale_state(scaler: Any) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    def state() -> tuple[torch.Tensor, torch.Tensor]:
+        return scaler._get_scale_async().detach().clone(), scaler.last_step_skipped.detach().clone()
+
+    return state
+
+
+
+def _setup_fp32(model: nn.Module, s: Settings, device: torch.device) -> _Setup:
+    opt = _adamw(model.parameters(), s.lr)
+    return _Setup(model, opt, opt)
+
+
+def _setup_torch_amp(dtype: torch.dtype) -> Callable[[nn.Module, Settings, torch.device], _Setup]:
+    def setup(model: nn.Module, s: Settings, device: torch.device) -> _Setup:
+        opt = _adamw(model.parameters(), s.lr)
+        autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
+        if dtype != torch.float16:
+            return _Setup(model, opt, opt, autocast)
+        scaler = torch.amp.GradScaler(device.type, init_scale=_INIT_SCALE)
+        return _Setup(model, opt, opt, autocast, scaler, _torch_scale_state(scaler))
+
+    return setup
+
+
+def _setup_mixprec_amp(dtype: torch.dtype) -> Callable[[nn.Module, Settings, torch.device], _Setup]:
+    def setup(model: nn.Module, s: Settings, device: torch.device) -> _Setup:
+        import mixprec
+
+        opt = _adamw(model.parameters(), s.lr)
+        autocast = lambda: mixprec.autocast(device.type, dtype=dtype)  # noqa: E731
+        if dtype != torch.float16:
+            return _Setup(model, opt, opt, autocast)
+        scaler = mixprec.GradScaler(device.type, init_scale=_INIT_SCALE)
+        return _Setup(model, opt, opt, autocast, scaler, _mixprec_scale_state(scaler))
+
+    return setup
+
+
+def _setup_bf16(compensation: str | None) -> Callable[[nn.Module, Settings, torch.device], _Setup]:
+    def setup(model: nn.Module, s: Settings, device: torch.device) -> _Setup:
+        import mixprec
+
+        mixprec.to_low_precision(model, torch.bfloat16)
+        if compensation is None:
+            opt = _adamw(model.parameters(), s.lr)
+        else:
+            opt = mixprec.optim.AdamW(
+                model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.01,
+                compensation=compensation,
+            )
+        return _Setup(model, opt, opt)
+
+    return setup
+
+
+def _setup_fp16_master(model: nn.Module, s: Settings, device: torch.device) -> _Setup:
+    import mixprec
+
+    mixprec.to_low_precision(model, torch.float16)
+    opt = _adamw(model.parameters(), s.lr)
+    master = mixprec.MasterWeights(opt)
+    scaler = mixprec.GradScaler(device.type, init_scale=_INIT_SCALE)
+    return _Setup(model, opt, master, scaler=scaler, scale_state=_mixprec_scale_state(scaler))
+
+
+_ALL_MODES = (
+    Mode("fp32", "float32 weights and compute", (), _setup_fp32),
+    Mode("torch-amp", "torch.autocast fp16 + torch.amp.GradScaler (reference)", (),
+         _setup_torch_amp(torch.float16)),
+    Mode("mixprec-fp16", "mixprec.autocast fp16 + mixprec.GradScaler",
+         ("autocast", "GradScaler"), _setup_mixprec_amp(torch.float16)),
+    Mode("mixprec-bf16", "mixprec.autocast bf16", ("autocast",), _setup_mixprec_amp(torch.bfloat16)),
+    Mode("bf16-naive", "bf16 weights, plain torch AdamW", ("to_low_precision",), _setup_bf16(None)),
+    Mode("bf16-kahan", "bf16 weights, mixprec AdamW with Kahan summation",
+         ("to_low_precision", "optim.AdamW"), _setup_bf16("kahan")),
+    Mode("bf16-stochastic", "bf16 weights, mixprec AdamW with stochastic rounding",
+         ("to_low_precision", "optim.AdamW"), _setup_bf16("stochastic")),
+    Mode("fp16-master", "fp16 weights + fp32 MasterWeights + mixprec.GradScaler",
+         ("to_low_precision", "MasterWeights", "GradScaler"), _setup_fp16_master),
+    Mode("torch-amp-bf16", "torch.autocast bf16 (reference of mixprec-bf16)", (),
+         _setup_torch_amp(torch.bfloat16)),
+)
+
+#: Every mode by name.
+MODES: dict[str, Mode] = {m.name: m for m in _ALL_MODES}
+#: The modes ``mixprec demo`` runs when ``--modes`` is not given.
+DEFAULT_MODES: tuple[str, ...] = tuple(m.name for m in _ALL_MODES if m.name != "torch-amp-bf16")
+
+
+def _missing(path: str) -> str | None:
+    obj: Any = importlib.import_module("mixprec")
+    for part in path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except (AttributeError, ImportError) as e:
+            return f"mixprec.{path} ({type(e).__name__}: {e})"
+    return None
+
+
+def check_modes(names: tuple[str, ...] | list[str]) -> None:
+    """Check that every mode exists and that the mixprec APIs it needs import.
+
+    Raises:
+        ValueError: for an unknown mode name, or an empty list.
+        RuntimeError: naming each mode whose mixprec API is missing.
+    """
+    if not names:
+        raise ValueError(f"no modes given; choose from {', '.join(MODES)}")
+    unknown = [n for n in names if n not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    problems = [
+        f"{n} needs {miss}" for n in names for req in MODES[n].requires if (miss := _missing(req))
+    ]
+    if problems:
+        raise RuntimeError("cannot run: " + "; ".join(problems))
+
+
+# --------------------------------------------------------------------------------------------
+# measuring
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _state_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _state_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _state_tensors(v)
+
+
+def _memory(setup: _Setup) -> dict[str, int]:
+    params = list(setup.model.parameters())
+    memory = {
+        "params": sum(_tensor_bytes(p) for p in params),
+        "grads": sum(_tensor_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(
+            _tensor_bytes(t) for state in setup.optimizer.state.values() for t in _state_tensors(state)
+        ),
+    }
+    for key, value in setup.memory_extra().items():
+        memory[key] = memory.get(key, 0) + value
+    return memory
+
+
+@contextlib.contextmanager
+def _saved_tensor_bytes(exclude: set[int]) -> Iterator[dict[int, int]]:
+    """Collect ``{storage pointer: bytes}`` of every tensor autograd saves for backward."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in exclude:
+            seen.setdefault(ptr, storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
+
+
+def lowp_speed(device: torch.device, n: int = 256, reps: int = 5) -> dict[str, float]:
+    """Time of an ``n x n`` matmul in float16 and bfloat16 relative to float32 on ``device``.
+
+    A ratio well above 1 means the device has no native kernels for that dtype (on most CPUs
+    float16 and bfloat16 matmuls are emulated). Synchronises the device.
+    """
+    a = torch.randn(n, n, device=device)
+    times = {}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = a.to(dtype)
+        x @ x  # warm-up
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(reps):
+            x @ x
+        _sync(device)
+        times[dtype] = time.perf_counter() - start
+    return {
+        "float16": times[torch.float16] / times[torch.float32],
+        "bfloat16": times[torch.bfloat16] / times[torch.float32],
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass
+class ModeResult:
+    """What one mode measured. Memory is in bytes, throughput in tokens per second.
+
+    ``scales`` and ``skipped_steps`` are empty for modes without a loss scaler; ``eval_loss`` is
+    the validation loss after training, in the mode's own precision.
+    """
+
+    mode: str
+    summary: str
+    losses: list[float]
+    eval_loss: float
+    tokens_per_s: float
+    memory: dict[str, int]
+    activation_method: str
+    scales: list[float] = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def final_loss(self) -> float:
+        """Mean training loss over the last 10% of steps (at least one)."""
+        tail = self.losses[-max(1, len(self.losses) // 10):]
+        return sum(tail) / len(tail)
+
+    @property
+    def total_memory(self) -> int:
+        return sum(self.memory.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "final_loss": self.final_loss, "total_memory": self.total_memory}
+
+
+@dataclass
+class DemoResult:
+    """A whole demo run: its settings, its environment, and one :class:`ModeResult` per mode."""
+
+    settings: Settings
+    device: str
+    environment: dict[str, Any]
+    modes: list[ModeResult]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "settings": asdict(self.settings),
+            "device": self.device,
+            "environment": self.environment,
+            "modes": [m.to_json() for m in self.modes],
+        }
+
+
+class Progress(Protocol):
+    """Receives progress while a mode trains (see :mod:`mixprec.demo.progress`)."""
+
+    def start(self, mode: str, total: int) -> None: ...
+    def update(self, step: int, loss: float, scale: float | None) -> None: ...
+    def finish(self, result: ModeResult) -> None: ...
+
+
+# --------------------------------------------------------------------------------------------
+# training
+
+
+def run_mode(
+    name: str,
+    settings: Settings,
+    device: torch.device,
+    progress: Progress | None = None,
+    data: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> ModeResult:
+    """Train a fresh model in mode ``name`` and measure it.
+
+    Args:
+        name: a key of :data:`MODES`.
+        settings: the run's settings; ``settings.seed`` fixes weights and batches.
+        device: where to train.
+        progress: told about the run every few steps (each report reads the loss: a host sync).
+        data: ``(train, validation)`` byte tokens; the packaged corpus when None.
+
+    Raises:
+        ValueError, RuntimeError: see :func:`check_modes`.
+
+    Peak activations are the bytes of the tensors saved for backward during the first step
+    (distinct storages, parameters excluded) on CPU, and the growth of
+    ``torch.cuda.max_memory_allocated`` over the first forward pass on CUDA. Throughput leaves
+    out the first step (warm-up and the activation measurement).
+    """
+    check_modes([name])
+    mode = MODES[name]
+    train, val = load_tokens() if data is None else data
+    cfg = settings.model
+    offsets = batch_offsets(len(train), settings.steps, settings.batch_size, cfg.seq_len, settings.seed)
+    torch.manual_seed(settings.seed)
+    model = TransformerLM(cfg).to(device)
+    setup = mode.setup(model, settings, device)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        setup.optimizer, lambda step: _lr_factor(step, settings.steps)
+    )
+    report_every = max(1, settings.steps // 30)
+    if progress is not None:
+        progress.start(name, settings.steps)
+
+    losses: list[torch.Tensor] = []
+    scale_trace: list[tuple[torch.Tensor, torch.Tensor]] = []
+    activations = 0
+    wall_start = time.perf_counter()
+    timed_from = wall_start
+    for step in range(settings.steps):
+        x, y = make_batch(train, offsets[step], cfg.seq_len, device)
+        setup.stepper.zero_grad(set_to_none=True)
+        measuring = step == 0
+        if measuring and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()} if measuring else set()
+        hooks = _saved_tensor_bytes(param_ptrs) if measuring and device.type != "cuda" else contextlib.nullcontext({})
+        with hooks as saved, setup.autocast():
+            loss = lm_loss(model(x), y)
+        if measuring:
+            if device.type == "cuda":
+                activations = torch.cuda.max_memory_allocated(device) - base
+            else:
+                activations = sum(saved.values())
+        if setup.scaler is None:
+            loss.backward()
+            setup.stepper.step()
+        else:
+            setup.scaler.scale(loss).backward()
+            setup.scaler.step(setup.stepper)
+            setup.scaler.update()
+        schedule.step()
+        losses.append(loss.detach())
+        if setup.scale_state is not None:
+            scale_trace.append(setup.scale_state())
+        if measuring:
+            _sync(device)
+            timed_from = time.perf_counter()
+        if progress is not None and (step % report_every == 0 or step == settings.steps - 1):
+            scale = scale_trace[-1][0].item() if scale_trace else None
+            progress.update(step + 1, losses[-1].item(), scale)
+    _sync(device)
+    end = time.perf_counter()
+    timed_steps = settings.steps - 1
+    if timed_steps == 0:  # a single step: time it, warm-up included
+        timed_steps, timed_from = 1, wall_start
+    tokens_per_s = timed_steps * settings.tokens_per_step / max(end - timed_from, 1e-9)
+
+    memory = _memory(setup)
+    memory["activations"] = activations
+    result = ModeResult(
+        mode=name,
+        summary=mode.summary,
+        losses=torch.stack(losses).float().cpu().tolist(),
+        eval_loss=_evaluate(model, setup, val, settings, device),
+        tokens_per_s=tokens_per_s,
+        memory=memory,
+        activation_method="cuda peak over forward" if device.type == "cuda" else "saved for backward",
+        wall_s=end - wall_start,
+    )
+    if scale_trace:
+        scales, skipped = (torch.stack(t).cpu() for t in zip(*scale_trace))
+        result.scales = scales.float().tolist()
+        result.skipped_steps = torch.nonzero(skipped.bool()).flatten().tolist()
+    if progress is not None:
+        progress.finish(result)
+    return result
+
+
+@torch.no_grad()
+def _evaluate(
+    model: nn.Module, setup: _Setup, val: torch.Tensor, settings: Settings, device: torch.device
+) -> float:
+    seq = settings.model.seq_len
+    offsets = batch_offsets(len(val), settings.eval_batches, settings.batch_size, seq, settings.seed + 1)
+    total = torch.zeros((), device=device)
+    for row in offsets:
+        x, y = make_batch(val, row, seq, device)
+        with setup.autocast():
+            total += lm_loss(model(x), y)
+    return total.item() / settings.eval_batches
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Versions and hardware of this run, with low-precision matmul speed ratios on CPU."""
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        env["lowp_matmul_slowdown"] = lowp_speed(device)
+    return env
+
+
+def run_demo(
+    settings: Settings,
+    modes: tuple[str, ...] | list[str] = DEFAULT_MODES,
+    device: torch.device | str = "cpu",
+    progress: Progress | None = None,
+) -> DemoResult:
+    """Train every mode in ``modes`` in turn with the same settings; see :func:`run_mode`.
+
+    Raises:
+        ValueError, RuntimeError: see :func:`check_modes` (checked before anything trains).
+    """
+    check_modes(list(modes))
+    device = torch.device(device)
+    data = load_tokens()
+    env = environment(device)
+    results = [run_mode(name, settings, device, progress, data) for name in modes]
+    return DemoResult(settings=replace(settings), device=str(device), environment=env, modes=results)

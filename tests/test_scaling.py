@@ -1,0 +1,826 @@
+"""mixprec.GradScaler: PyTorch's GradScaler behaviours run against both implementations, bitwise
+agreement with torch.amp.GradScaler, and the options beyond it."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.scaling import CSVHistory, GradScaler, MinScaleError, TensorBoardHistory, skip_aware
+
+IMPLS = ["torch", "mixprec"]
+INF = float("inf")
+
+
+def make_scaler(impl: str, **kwargs) -> GradScaler | torch.amp.GradScaler:
+    cls = torch.amp.GradScaler if impl == "torch" else GradScaler
+    return cls("cpu", **kwargs)
+
+
+def autocast(dtype: torch.dtype):
+    return mixprec.autocast("cpu", dtype=dtype)
+
+
+def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "plain":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False)
+    if kind == "foreach":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True)
+    if kind == "fused":
+        return torch.optim.AdamW(params, lr=0.01, fused=True)
+    raise ValueError(kind)
+
+
+def scaling_case(kind: str = "plain", seed: int = 0):
+    """Twin fp32 models (control, scaled), their optimizers, data and the iteration to skip."""
+    torch.manual_seed(seed)
+    control = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    scaled = copy.deepcopy(control)
+    data = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(4)]
+    return control, scaled, make_optimizer(kind, control.parameters()), make_optimizer(kind, scaled.parameters()), data, 2
+
+
+def run_scaling_case(impl, run, unskipped, skipped, kind="plain", exact=True, models=1):
+    """Port of torch's _run_scaling_case: a scaled run with an injected inf equals a control run
+    that skips that iteration by hand; the final scale is 128 * 2**unskipped * 0.5**skipped."""
+    scaler = make_scaler(impl, init_scale=128.0, growth_factor=2.0, growth_interval=1)
+    cases = [scaling_case(kind, seed) for seed in range(models)]
+    control = [c[0] for c in cases], [c[2] for c in cases]
+    scaled = [c[1] for c in cases], [c[3] for c in cases]
+    data, skip_iter = cases[0][4], cases[0][5]
+    run(data, *control, scaler, skip_iter, False)
+    run(data, *scaled, scaler, skip_iter, True)
+    assert scaler.get_scale() == 128.0 * 2.0**unskipped * 0.5**skipped
+    for m_control, m_scaled in zip(*[control[0], scaled[0]]):
+        for p_c, p_s in zip(m_control.parameters(), m_scaled.parameters()):
+            if exact:
+                assert torch.equal(p_c, p_s)
+            else:
+                torch.testing.assert_close(p_c, p_s, atol=1e-5, rtol=1e-5)
+    return [p.detach().clone() for m in scaled[0] for p in m.parameters()], scaler
+
+
+def both_agree(run, unskipped, skipped, **kwargs):
+    """Runs the case with torch's scaler and with ours; checks the control and bitwise agreement."""
+    theirs, _ = run_scaling_case("torch", run, unskipped, skipped, **kwargs)
+    ours, scaler = run_scaling_case("mixprec", run, unskipped, skipped, **kwargs)
+    for a, b in zip(theirs, ours):
+        assert torch.equal(a, b)
+    return scaler
+
+
+# ---------------------------------------------------------------- ported torch behaviours
+
+
+@pytest.mark.parametrize("kind", ["plain", "foreach", "fused"])
+def test_default_training_matches_control_and_torch(kind):
+    def run(data, models, optimizers, scaler, skip_iter, try_scaling_api):
+        (model,), (optimizer,) = models, optimizers
+        for i, (x, y) in enumerate(data):
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            if try_scaling_api:
+                scaler.scale(loss).backward()
+                if i == skip_iter:
+                    model[2].weight.grad.fill_(INF)
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                if i != skip_iter:
+                    optimizer.step()
+
+    both_agree(run, 3, 1, kind=kind)
+
+
+def test_clipping_scaled_gradients():
+    max_norm = 0.2
+
+    def run(data, models, optimizers, scaler, skip_iter, try_scaling_api):
+        (model,), (optimizer,) = models, optimizers
+        for i, (x, y) in enumerate(data):
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            if try_scaling_api:
+                scaler.scale(loss).backward()
+                nn.utils.clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())
+                if i == skip_iter:
+                    model[2].weight.grad.fill_(INF)
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                if i != skip_iter:
+                    optimizer.step()
+
+    both_agree(run, 3, 1, exact=False)
+
+
+def test_unscale_then_clip():
+    max_norm = 0.2
+
+    def run(data, models, optimizers, scaler, skip_iter, try_scaling_api):
+        (model,), (optimizer,) = models, optimizers
+        for i, (x, y) in enumerate(data):
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            if try_scaling_api:
+                scaler.scale(loss).backward()
+                if i == skip_iter:
+                    model[2].weight.grad.fill_(INF)
+                scaler.unscale_(optimizer)
+                nn.utils.clip_grad_norm_(model.parameters(), max_norm, error_if_nonfinite=False)
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                if i != skip_iter:
+                    optimizer.step()
+
+    both_agree(run, 3, 1, exact=False)
+
+
+def test_gradient_penalty_double_backward():
+    def run(data, models, optimizers, scaler, skip_iter, try_scaling_api):
+        (model,), (optimizer,) = models, optimizers
+        for i, (x, y) in enumerate(data):
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            if try_scaling_api:
+                grads = torch.autograd.grad(scaler.scale(loss), list(model.parameters()), create_graph=True)
+                inv_scale = 1.0 / scaler.get_scale()
+                grads = [g * inv_scale for g in grads]
+            else:
+                grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+            loss = loss + sum(g.pow(2).sum() for g in grads).sqrt()
+            if try_scaling_api:
+                scaler.scale(loss).backward()
+                if i == skip_iter:
+                    model[2].weight.grad.fill_(INF)
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                if i != skip_iter:
+                    optimizer.step()
+
+    both_agree(run, 3, 1, exact=False)
+
+
+def test_gradient_accumulation():
+    def run(data, models, optimizers, scaler, skip_iter, try_scaling_api):
+        (model,), (optimizer,) = models, optimizers
+        for i, (x, y) in enumerate(data):
+            loss = nn.functional.mse_loss(model(x), y) / 2
+            (scaler.scale(loss) if try_scaling_api else loss).backward()
+            if (i + 1) % 2 == 0:
+                if try_scaling_api:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+                optimizer.zero_grad()
+
+    both_agree(run, 2, 0)
+
+
+@pytest.mark.parametrize("kind", ["plain", "fused"])
+def test_multiple_models_optimizers_losses(kind):
+    def run(data, models, optimizers, scaler, skip_iter, try_scaling_api):
+        (m0, m1), (o0, o1) = models, optimizers
+        for i, (x, y) in enumerate(data):
+            o0.zero_grad()
+            o1.zero_grad()
+            out0, out1 = m0(x), m1(x)
+            loss0 = nn.functional.mse_loss(0.3 * out0 + 0.7 * out1, y)
+            loss1 = nn.functional.mse_loss(0.6 * out0 - 0.4 * out1, y)
+            if try_scaling_api:
+                scaler.scale(loss0).backward(retain_graph=True)
+                scaler.scale(loss1).backward()
+                if i == skip_iter:
+                    m1[2].weight.grad.fill_(INF)
+                scaler.unscale_(o0)  # unscale one explicitly, as torch's test does
+                scaler.step(o0)
+                scaler.step(o1)
+                scaler.update()
+            else:
+                loss0.backward(retain_graph=True)
+                loss1.backward()
+                o0.step()  # its own gradients are finite: it steps
+                if i != skip_iter:
+                    o1.step()
+
+    both_agree(run, 3, 1, kind=kind, models=2)
+
+
+@pytest.mark.parametrize("kind", ["plain", "foreach", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_training_bitwise_equal_to_torch(kind, dtype):
+    """Real overflows from a too-large scale in a float16/bfloat16 autocast forward."""
+    results = {}
+    for impl in IMPLS:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        optimizer = make_optimizer(kind, model.parameters())
+        scaler = make_scaler(impl, init_scale=2.0**20 if dtype == torch.float16 else 2.0**120, growth_interval=2)
+        scales = []
+        for i in range(10):
+            x, y = torch.randn(4, 8), torch.randn(4, 4)
+            optimizer.zero_grad()
+            with autocast(dtype):
+                out = model(x)
+            # A loss spike at iteration 6 overflows bfloat16 too (float32's range).
+            loss = nn.functional.mse_loss(out.float(), y) * (2.0**100 if i == 6 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        results[impl] = scales, [p.detach().clone() for p in model.parameters()]
+    (s_torch, p_torch), (s_ours, p_ours) = results["torch"], results["mixprec"]
+    assert s_torch == s_ours
+    pairs = list(zip(s_torch, s_torch[1:]))
+    assert any(b < a for a, b in pairs) and any(b > a for a, b in pairs)  # backed off and grew
+    for a, b in zip(p_torch, p_ours):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_scale_will_not_overflow(impl):
+    model = nn.Linear(5, 1)
+    optimizer = torch.optim.Adam(model.parameters())
+    scaler = make_scaler(impl, growth_interval=1, growth_factor=2.0**4, init_scale=1e38)
+    optimizer.zero_grad()
+    loss = nn.functional.mse_loss(model(torch.randn(1, 5)), 1e38 * torch.randn(1, 1))
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    scale = scaler.get_scale()
+    assert scale != INF and scale == scale and scale > 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_unscale_values_and_found_inf(impl):
+    scaler = make_scaler(impl, init_scale=4.0)
+    params = [nn.Parameter(torch.zeros(3)) for _ in range(3)]
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    scaler.scale(torch.tensor(1.0))
+    for p in params:
+        p.grad = torch.full((3,), 8.0)
+    scaler.unscale_(optimizer)
+    assert all(torch.equal(p.grad, torch.full((3,), 2.0)) for p in params)
+    scaler.step(optimizer)
+    scaler.update()
+    params[1].grad = torch.tensor([1.0, INF, 2.0])
+    params[2].grad = torch.tensor([float("nan"), 1.0, 2.0])
+    before = [p.detach().clone() for p in params]
+    scaler.step(optimizer)
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert scaler.get_scale() == 2.0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_scale_nested_outputs(impl):
+    scaler = make_scaler(impl, init_scale=2.0)
+    t = torch.ones(2)
+    out = scaler.scale([t, (t, [t]), t])
+    assert isinstance(out, list) and isinstance(out[1], tuple) and isinstance(out[1][1], list)
+    assert torch.equal(out[1][1][0], 2 * t)
+    assert [torch.equal(x, 2 * t) for x in scaler.scale(iter([t, t]))] == [True, True]
+    with pytest.raises(ValueError, match="Tensor"):
+        scaler.scale([t, 1.0])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_sparse_gradients(impl):
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    scaler = make_scaler(impl, init_scale=8.0)
+    loss = emb(torch.tensor([1, 2, 2])).sum()
+    scaler.scale(loss).backward()
+    ref = emb.weight.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    expected = ref.clone()
+    expected[1] -= 0.1
+    expected[2] -= 0.2
+    torch.testing.assert_close(emb.weight.detach(), expected)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_stage_errors(impl):
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = make_scaler(impl)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(optimizer)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    with pytest.raises(RuntimeError, match="after step"):
+        scaler.unscale_(optimizer)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.step(optimizer)
+    with pytest.raises(RuntimeError, match="Closure"):
+        scaler.step(optimizer, closure=lambda: None)
+    scaler.update()
+    scaler.step(optimizer)  # a fresh iteration after update() works again
+    scaler.update()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp16_gradients_are_refused(impl):
+    param = nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    param.grad = torch.ones(2, dtype=torch.float16)
+    scaler = make_scaler(impl)
+    scaler.scale(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        scaler.unscale_(torch.optim.SGD([param], lr=0.1))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_disabled_scaler_is_transparent(impl):
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = make_scaler(impl, enabled=False)
+    loss = model(torch.ones(1, 2)).sum()
+    assert scaler.scale(loss) is loss
+    loss.backward()
+    before = model.weight.detach().clone()
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    assert not torch.equal(before, model.weight)
+    assert scaler.get_scale() == 1.0 and scaler.state_dict() == {} and not scaler.is_enabled()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pickle_round_trip(impl):
+    scaler = make_scaler(impl, init_scale=3.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=3)
+    scaler.scale(torch.tensor(1.0))
+    clone = pickle.loads(pickle.dumps(scaler))
+    assert clone.get_scale() == 3.0
+    assert (clone.get_growth_factor(), clone.get_backoff_factor(), clone.get_growth_interval()) == (4.0, 0.25, 3)
+    assert clone.is_enabled()
+
+
+@pytest.mark.parametrize("src", IMPLS)
+@pytest.mark.parametrize("dst", IMPLS)
+def test_state_dict_across_implementations(src, dst):
+    a = make_scaler(src, init_scale=16.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=3)
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        scaler_loss = a.scale(model(torch.ones(1, 2)).sum())
+        scaler_loss.backward()
+        a.step(optimizer)
+        a.update()
+    b = make_scaler(dst)
+    b.load_state_dict(a.state_dict())
+    assert b.get_scale() == 16.0
+    assert (b.get_growth_factor(), b.get_backoff_factor(), b.get_growth_interval()) == (4.0, 0.25, 3)
+    assert b._get_growth_tracker() == 2
+    b.scale(torch.tensor(1.0))  # the lazily created device state starts from the loaded values
+    assert b.get_scale() == 16.0 and b._get_growth_tracker() == 2
+    with pytest.raises(RuntimeError, match="empty"):
+        b.load_state_dict({})
+
+
+# ---------------------------------------------------------------- bitwise trajectory
+
+
+@pytest.mark.parametrize("growth_interval", [1, 3])
+def test_scale_trajectory_skips_and_weights_bitwise_equal_to_torch(growth_interval):
+    torch.manual_seed(1)
+    pattern = [i % 5 == 2 or i % 7 == 0 or 30 <= i < 34 for i in range(60)]
+    grads = [[torch.randn(4, 3), torch.randn(3)] for _ in pattern]
+    runs = {}
+    for impl in IMPLS:
+        params = [nn.Parameter(torch.ones(4, 3)), nn.Parameter(torch.zeros(3))]
+        optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+        scaler = make_scaler(impl, init_scale=2.0**10, growth_interval=growth_interval, backoff_factor=0.3)
+        scales, steps = [], []
+        for bad, (g0, g1) in zip(pattern, grads):
+            scale = scaler.scale(torch.tensor(1.0))
+            params[0].grad = g0 * scale
+            params[1].grad = g1 * scale
+            if bad:
+                params[1].grad[1] = float("nan") if len(scales) % 2 else INF
+            before = params[0].detach().clone()
+            scaler.step(optimizer)
+            scaler.update()
+            steps.append(torch.equal(before, params[0]))
+            scales.append(scaler.get_scale())
+        runs[impl] = scales, steps, [p.detach().clone() for p in params]
+    assert runs["torch"][0] == runs["mixprec"][0]
+    assert runs["torch"][1] == runs["mixprec"][1] == pattern
+    assert all(torch.equal(a, b) for a, b in zip(runs["torch"][2], runs["mixprec"][2]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_trajectory_bitwise_equal_to_torch():
+    runs = {}
+    for cls in (torch.amp.GradScaler, GradScaler):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 8).cuda()
+        optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+        scaler = cls("cuda", init_scale=2.0**24, growth_interval=2)
+        scales = []
+        for _ in range(8):
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(torch.randn(4, 8, device="cuda")).float().pow(2).sum() * 1e3
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            scales.append(scaler.get_scale())
+        runs[cls] = scales, [p.detach().clone() for p in model.parameters()]
+    (a, pa), (b, pb) = runs.values()
+    assert a == b and all(torch.equal(x, y) for x, y in zip(pa, pb))
+
+
+# ---------------------------------------------------------------- beyond torch.amp
+
+
+def one_param_step(scaler, optimizer, param, bad: bool) -> None:
+    scale = scaler.scale(torch.tensor(1.0))
+    param.grad = torch.ones_like(param) * scale
+    if bad:
+        param.grad[0] = INF
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def test_hysteresis_skips_but_keeps_scale():
+    p = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = GradScaler("cpu", init_scale=64.0, hysteresis=2, growth_interval=100)
+    scales, skipped = [], []
+    for bad in (True, True, True, False):
+        one_param_step(scaler, opt, p, bad)
+        scales.append(scaler.get_scale())
+        skipped.append(bool(scaler.last_step_skipped))
+    assert scales == [64.0, 32.0, 16.0, 16.0]
+    assert skipped == [True, True, True, False]
+    assert scaler.skipped_steps.item() == 3
+    assert torch.equal(p.detach(), torch.tensor([-1.0, -1.0]))
+
+
+def test_skip_signal_tensors():
+    p = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = GradScaler("cpu")
+    assert scaler.skipped_steps.item() == 0 and not scaler.last_step_skipped
+    one_param_step(scaler, opt, p, True)
+    assert scaler.last_step_skipped.dtype == torch.bool and scaler.last_step_skipped.shape == ()
+    assert scaler.skipped_steps.dtype == torch.int64 and scaler.skipped_steps.item() == 1
+    one_param_step(scaler, opt, p, False)
+    assert not scaler.last_step_skipped.item() and scaler.skipped_steps.item() == 1
+
+
+def test_min_scale_raise_names_parameters_step_and_history():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=4.0, min_scale=2.0).watch(model)
+    for step in range(3):
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        model[1].bias.grad[0] = INF
+        if step < 1:
+            scaler.step(opt)
+            scaler.update()
+            assert scaler.last_overflow == ("1.bias",)
+            opt.zero_grad()
+            continue
+        scaler.step(opt)
+        with pytest.raises(MinScaleError) as info:
+            scaler.update()
+        break
+    message = str(info.value)
+    assert "1.bias" in message and "step 1" in message and "[4, 2]" in message and "Try" in message
+    assert scaler.get_scale() == 2.0
+    # After the error the scaler is usable (the iteration was closed).
+    opt.zero_grad()
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+def test_min_scale_raise_without_watch_uses_optimizer_labels():
+    p = nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = GradScaler("cpu", init_scale=1.0, min_scale=1.0)
+    with pytest.raises(MinScaleError, match=r"param_groups\[0\]\['params'\]\[0\] \(3,\)"):
+        one_param_step(scaler, opt, p, True)
+
+
+def test_min_scale_warn_once_and_ignore():
+    p = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = GradScaler("cpu", init_scale=1.0, min_scale=1.0, on_min_scale="warn")
+    with pytest.warns(RuntimeWarning, match="min_scale"):
+        one_param_step(scaler, opt, p, True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        one_param_step(scaler, opt, p, True)
+        quiet = GradScaler("cpu", init_scale=1.0, min_scale=1.0, on_min_scale="ignore")
+        one_param_step(quiet, opt, p, True)
+    assert scaler.skipped_steps.item() == 2 and scaler.get_scale() == 1.0
+
+
+def test_bounds_and_no_subnormal_scale():
+    p = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    capped = GradScaler("cpu", init_scale=4.0, max_scale=8.0, growth_interval=1)
+    for _ in range(3):
+        one_param_step(capped, opt, p, False)
+    assert capped.get_scale() == 8.0
+    floor = GradScaler("cpu", init_scale=2.0**-120)
+    for _ in range(10):
+        one_param_step(floor, opt, p, True)
+    assert floor.get_scale() == 2.0**-126
+
+
+def test_watch_attributes_only_on_skipped_steps(monkeypatch):
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu")
+    assert scaler.last_overflow is None
+    scaler.watch(model, prefix="net.")
+    calls = []
+    original = scaler._watched_nonfinite
+    monkeypatch.setattr(scaler, "_watched_nonfinite", lambda: calls.append(1) or original())
+    for bad in (False, True, False):
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        if bad:
+            model[0].weight.grad[0, 0] = float("nan")
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.last_overflow == (("net.0.weight",) if bad else ())
+    assert len(calls) == 1
+
+
+def test_history_callback_and_csv(tmp_path):
+    rows = []
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    csv_path = tmp_path / "scale.csv"
+    writer = CSVHistory(csv_path)
+    scaler = GradScaler("cpu", init_scale=8.0, history=lambda *row: (rows.append(row), writer(*row)))
+    scaler.watch(model)
+    for bad in (False, True, False):
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        if bad:
+            model.bias.grad[1] = INF
+        scaler.step(opt)
+        scaler.update()
+    writer.close()
+    assert rows == [(0, 8.0, False, ()), (1, 8.0, True, ("bias",)), (2, 4.0, False, ())]
+    assert CSVHistory.read(csv_path) == rows
+    clone = pickle.loads(pickle.dumps(writer))
+    clone(3, 4.0, False, ())
+    clone.close()
+    assert CSVHistory.read(csv_path)[-1] == (3, 4.0, False, ())
+
+
+def test_tensorboard_history_with_a_writer():
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def add_scalar(self, tag, value, step):
+            self.calls.append((tag, value, step))
+
+        def add_text(self, tag, text, step):
+            self.calls.append((tag, text, step))
+
+        def close(self):
+            self.calls.append("closed")
+
+    recorder = Recorder()
+    history = TensorBoardHistory(writer=recorder)
+    history(5, 2.0, True, ("w",))
+    history.close()
+    assert recorder.calls == [
+        ("loss_scale/scale", 2.0, 5),
+        ("loss_scale/skipped", 1.0, 5),
+        ("loss_scale/overflow", "w", 5),
+        "closed",
+    ]
+
+
+def test_tensorboard_history_without_tensorboard_says_what_to_install(tmp_path):
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="pip install"):
+            TensorBoardHistory(str(tmp_path))
+    else:
+        TensorBoardHistory(str(tmp_path))(0, 1.0, False, ())
+
+
+def test_skip_aware_scheduler_does_not_advance_or_warn():
+    p = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = GradScaler("cpu")
+    sched = skip_aware(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5), scaler)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for bad in (True, False, True, False):
+            one_param_step(scaler, opt, p, bad)
+            sched.step()
+    assert sched.last_epoch == 2 and sched.get_last_lr() == [0.25]
+    # Control: the unwrapped scheduler warns on the same sequence.
+    opt2 = torch.optim.SGD([p], lr=1.0)
+    plain = torch.optim.lr_scheduler.StepLR(opt2, step_size=1)
+    with pytest.warns(UserWarning, match="before `optimizer.step\\(\\)`"):
+        one_param_step(GradScaler("cpu"), opt2, p, True)
+        plain.step()
+    with pytest.raises(TypeError):
+        skip_aware(object(), scaler)
+
+
+class CountingSyncs:
+    """Counts Tensor methods that read device memory on the host."""
+
+    names = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in self.names:
+            original = getattr(torch.Tensor, name)
+
+            def counted(*args, _original=original, **kwargs):
+                self.count += 1
+                return _original(*args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fused_path_has_no_host_sync_and_plain_path_one(impl, monkeypatch):
+    params = [nn.Parameter(torch.randn(3, 3)) for _ in range(3)]
+    fused = torch.optim.AdamW(params, fused=True)
+    plain = torch.optim.SGD(params, lr=0.1)
+    scaler = make_scaler(impl)
+    scaler.scale(torch.tensor(1.0))
+    syncs = CountingSyncs(monkeypatch)
+    counts = []
+    for optimizer in (fused, plain, fused):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        params[0].grad[0, 0] = INF if len(counts) == 2 else 1.0
+        syncs.count = 0
+        scaler.step(optimizer)
+        scaler.update()
+        counts.append(syncs.count)
+    monkeypatch.undo()
+    assert counts == [0, 1, 0]
+    assert scaler.get_scale() == 2.0**15
+
+
+def test_master_weights_fp16_params_protocol():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4).half()
+    opt = mixprec.MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    scaler.watch(model)
+    x = torch.randn(2, 4)
+    loss = nn.functional.linear(x, model.weight.float(), model.bias.float()).sum()
+    scaler.scale(loss).backward()
+    assert model.weight.grad.dtype == torch.float16
+    before = model.weight.detach().clone()
+    scaler.unscale_(opt)  # no "Attempting to unscale FP16 gradients"
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    assert all(m.dtype == torch.float32 for m in masters)
+    torch.testing.assert_close(masters[1].grad, torch.full((4,), 2.0))
+    scaler.step(opt)
+    scaler.update()
+    assert not torch.equal(before, model.weight)
+    # An overflow in the fp16 model gradients skips the step and is attributed to the model.
+    opt.zero_grad()
+    loss = nn.functional.linear(x, model.weight.float(), model.bias.float()).sum()
+    scaler.scale(loss).backward()
+    model.bias.grad[0] = INF
+    before = model.weight.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(before, model.weight) and scaler.last_overflow == ("bias",)
+
+
+def test_prepare_grads_runs_before_gradients_are_read():
+    calls = []
+
+    class Prepared(torch.optim.SGD):
+        def prepare_grads(self):
+            calls.append("prepare")
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = torch.full_like(p, 8.0)
+
+    p = nn.Parameter(torch.zeros(2))
+    opt = Prepared([p], lr=1.0)
+    scaler = GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.tensor(1.0))
+    scaler.unscale_(opt)
+    assert calls == ["prepare"] and torch.equal(p.grad, torch.full((2,), 2.0))
+
+
+def test_state_dict_and_pickle_keep_non_default_options(tmp_path):
+    p = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    kwargs = dict(init_scale=64.0, hysteresis=3, consecutive_hysteresis=True, min_scale=0.5, max_scale=2.0**20)
+    scaler = GradScaler("cpu", **kwargs, on_min_scale="warn", history=CSVHistory(tmp_path / "h.csv"))
+    one_param_step(scaler, opt, p, True)
+    state = scaler.state_dict()
+    assert state["mixprec"] == dict(
+        hysteresis=3,
+        consecutive_hysteresis=True,
+        min_scale=0.5,
+        max_scale=2.0**20,
+        on_min_scale="warn",
+        hysteresis_left=2,
+        skipped_steps=1,
+        step=1,
+    )
+    loaded = GradScaler("cpu")
+    loaded.load_state_dict(state)
+    for restored in (pickle.loads(pickle.dumps(scaler)), loaded):
+        assert restored.state_dict() == state
+        one_param_step(restored, opt, p, True)  # hysteresis_left 2 -> 1: still tolerated
+        assert restored.get_scale() == 64.0
+        one_param_step(restored, opt, p, True)  # exhausted: back off
+        assert restored.get_scale() == 32.0
+    torch_scaler = torch.amp.GradScaler("cpu")
+    torch_scaler.load_state_dict(state)
+    assert torch_scaler.get_scale() == 64.0
+
+
+def test_update_new_scale_validation():
+    p = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = GradScaler("cpu", max_scale=2.0**20)
+    one_param_step(scaler, opt, p, False)
+    scaler.update(new_scale=8.0)
+    assert scaler.get_scale() == 8.0
+    scaler.update(new_scale=torch.tensor(2.0**30))
+    assert scaler.get_scale() == 2.0**20  # tensors are clamped into the bounds
+    for bad, error in ((0.0, ValueError), (2.0**21, ValueError), ("2", TypeError), (torch.ones(2), ValueError)):
+        with pytest.raises(error):
+            scaler.update(new_scale=bad)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(growth_factor=1.0), dict(backoff_factor=1.5), dict(init_scale=0.0), dict(on_min_scale="x"), dict(hysteresis=0)],
+)
+def test_constructor_validation(kwargs):
+    with pytest.raises(ValueError):
+        GradScaler("cpu", **kwargs)
+
+
+def test_setters_validate():
+    scaler = GradScaler("cpu")
+    scaler.set_growth_factor(3.0)
+    scaler.set_backoff_factor(0.25)
+    scaler.set_growth_interval(7)
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == (3.0, 0.25, 7)
+    with pytest.raises(ValueError):
+        scaler.set_backoff_factor(2.0)
+
+
+def test_update_before_scale_or_step_says_what_to_do():
+    scaler = GradScaler("cpu")
+    with pytest.raises(RuntimeError, match="scaler.scale"):
+        scaler.update()
+    scaler.scale(torch.tensor(1.0))
+    with pytest.raises(RuntimeError, match="No inf checks"):
+        scaler.update()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")
+def test_cuda_device_without_cuda_warns_and_disables():
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        scaler = GradScaler()
+    assert not scaler.is_enabled()
+
+
+def test_public_names():
+    assert mixprec.GradScaler is GradScaler
+    assert mixprec.skip_aware is skip_aware
+    import mixprec.scaling as scaling
+
+    assert all(not name.startswith("_") for name in scaling.__all__)
+    assert {"GradScaler", "skip_aware", "update_scale", "ScaleState", "CSVHistory", "TensorBoardHistory"} <= set(
+        scaling.__all__
+    )

@@ -26,12 +26,16 @@ _ALIASES = {
 
 
 @functools.lru_cache(maxsize=1)
-def _aten_packets() -> frozenset[str]:
+def _dispatcher_names() -> frozenset[str]:
+    """Canonical names of every aten overload the dispatcher knows (not TorchScript-only ones)."""
     return frozenset(
-        n[len("aten::") :].split(".")[0]
-        for n in torch._C._dispatch_get_all_op_names()
-        if n.startswith("aten::")
+        n[len("aten::") :] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")
     )
+
+
+@functools.lru_cache(maxsize=1)
+def _aten_packets() -> frozenset[str]:
+    return frozenset(n.split(".")[0] for n in _dispatcher_names())
 
 
 def _is_functional(overload: "torch._ops.OpOverload") -> bool:
@@ -41,6 +45,8 @@ def _is_functional(overload: "torch._ops.OpOverload") -> bool:
 
 def op_overload(name: str) -> "torch._ops.OpOverload | None":
     """The ``OpOverload`` of a canonical name, or ``None`` if this PyTorch lacks it."""
+    if name not in _dispatcher_names():
+        return None
     packet_name, _, overload = name.partition(".")
     packet = getattr(torch.ops.aten, packet_name, None)
     if packet is None:
@@ -64,9 +70,11 @@ def _unknown(what: object) -> ValueError:
 def _packet_overloads(packet_name: str) -> list[str]:
     packet = getattr(torch.ops.aten, packet_name)
     names = []
+    known = _dispatcher_names()
     for ov in packet.overloads():
-        if _is_functional(getattr(packet, ov)):
-            names.append(packet_name if ov == "default" else f"{packet_name}.{ov}")
+        name = packet_name if ov == "default" else f"{packet_name}.{ov}"
+        if name in known and _is_functional(getattr(packet, ov)):
+            names.append(name)
     return names
 
 

@@ -1,0 +1,272 @@
+"""Policies: parsing, presets, op edits and module rules, each with a test that fails if ignored."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from mixprec import Policy
+from mixprec.ops import default_table
+
+
+# ------------------------------------------------------------------ values
+def test_parse_jmp_style():
+    p = Policy.parse("params=float32,compute=bfloat16,output=float32")
+    assert (p.params, p.compute, p.output) == (torch.float32, torch.bfloat16, torch.float32)
+    q = Policy.parse("p=f32,c=half,o=bf16")
+    assert (q.params, q.compute, q.output) == (torch.float32, torch.float16, torch.bfloat16)
+    assert Policy.parse("bf16").compute is torch.bfloat16
+    assert Policy.parse("fp32-numerics").base == "fp32-numerics"
+    assert Policy.parse(str(p)) == p
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("params=float33", "unknown dtype"),
+    ("compute=bf16,compute=f16", "given twice"),
+    ("weights=f32", "unknown policy key"),
+    ("compute=int8", "unknown dtype"),
+])
+def test_parse_errors(spec, match):
+    with pytest.raises(ValueError, match=match):
+        Policy.parse(spec)
+
+
+def test_policies_are_immutable_hashable_values():
+    p = Policy.default("cpu")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.compute = torch.float16
+    q = p.with_ops(fp32=["mm"])
+    assert p != q and p.op_rules == () and hash(q)
+    assert dataclasses.replace(q, compute=torch.float16).op_rules == q.op_rules
+    with pytest.raises(ValueError, match="floating"):
+        Policy(compute=torch.int8)
+    with pytest.raises(ValueError, match="preset"):
+        Policy(base="fast")
+    with pytest.raises(ValueError, match="op tables"):
+        Policy.default("tpu")
+
+
+def test_default_tables_are_pytorch_2_13s():
+    cpu, cuda = default_table("cpu"), default_table("cuda")
+    assert len(cpu) == 127
+    assert len(cuda) == 119 + 0
+    assert cpu["mm"] == "lower" and cpu["cross_entropy_loss"] == "fp32" and cpu["cat"] == "promote"
+    assert "softmax.int" not in cpu
+    assert cuda["softmax.int"] == "fp32_set_opt_dtype" and cuda["norm.Scalar"] == "fp32_append_dtype"
+    assert cuda["binary_cross_entropy"] == "banned"
+
+
+def test_fp32_numerics_preset_keeps_sensitive_ops_fp32_on_cpu():
+    p = Policy.preset("fp32-numerics")
+    x = torch.randn(4, 8)
+    w = torch.randn(8, 8)
+    with mixprec.autocast("cpu", policy=p):
+        h = x @ w
+        assert h.dtype == torch.bfloat16
+        assert torch.softmax(h, -1).dtype == torch.float32
+        assert F.log_softmax(h, -1).dtype == torch.float32
+        assert F.layer_norm(h, (8,)).dtype == torch.float32
+        assert h.exp().dtype == torch.float32 and h.pow(2).dtype == torch.float32
+        assert h.sum().dtype == torch.float32
+    with mixprec.autocast("cpu"):
+        assert torch.softmax(x @ w, -1).dtype == torch.bfloat16  # the torch CPU list
+
+
+# ------------------------------------------------------------------ op edits
+def test_with_ops_moves_ops_between_lists():
+    x = torch.randn(4, 4)
+    p = Policy().with_ops(fp32=[torch.mm, "linear"], lower=["softmax.int", torch.exp],
+                          promote=["add.Tensor"], passthrough=[torch.ops.aten.bmm.default])
+    with mixprec.autocast("cpu", policy=p):
+        assert torch.mm(x, x).dtype == torch.float32
+        assert F.linear(x, x).dtype == torch.float32
+        assert torch.softmax(x, 0).dtype == torch.bfloat16
+        assert torch.exp(x).dtype == torch.bfloat16
+        assert (x.bfloat16() + x.bfloat16()).dtype == torch.bfloat16
+        assert (x.bfloat16() + x).dtype == torch.float32
+        assert torch.bmm(x[None], x[None]).dtype == torch.float32  # left alone
+        assert torch.matmul(x, x).dtype == torch.bfloat16  # untouched entries stay
+
+
+def test_with_ops_lower_matches_a_hand_cast_control_bitwise():
+    x = torch.randn(5, 7)
+    p = Policy().with_ops(lower=["softmax.int"])
+    with mixprec.autocast("cpu", policy=p):
+        got = torch.softmax(x, -1)
+    assert torch.equal(got, torch.softmax(x.bfloat16(), -1))
+
+
+def test_fp32_edit_uses_the_dtype_argument_form_where_torch_does():
+    p = Policy().with_ops(fp32=["softmax.int"])
+    assert p.table("cpu")["softmax.int"] == "fp32_set_opt_dtype"
+    x = torch.randn(5, 7).bfloat16()
+    with mixprec.autocast("cpu", policy=p):
+        got = torch.softmax(x, -1)
+    assert got.dtype == torch.float32 and torch.equal(got, torch.softmax(x, -1, dtype=torch.float32))
+
+
+def test_unknown_op_names_suggest_close_matches():
+    with pytest.raises(ValueError, match="Did you mean: softmax"):
+        Policy().with_ops(fp32=["sofmax"])
+    with pytest.raises(ValueError, match="no overload"):
+        Policy().with_ops(fp32=["softmax.float"])
+    with pytest.raises(ValueError, match="both"):
+        Policy().with_ops(fp32=["mm"], lower=["mm"])
+    with pytest.raises(TypeError):
+        Policy().with_ops(fp32=[3])
+
+
+# ------------------------------------------------------------------ CUDA table on CPU tensors
+def _cuda_table_region(**kw):
+    return mixprec.autocast("cpu", dtype=torch.float16, policy=Policy.default("cuda"), **kw)
+
+
+def test_cuda_policy_decisions_on_cpu_tensors():
+    x = torch.randn(4, 6)
+    h = x.half()
+    with _cuda_table_region():
+        assert torch.mm(x, x.t()).dtype == torch.float16
+        assert torch.mv(x, x[0]).dtype == torch.float16           # not on the CPU list
+        assert torch.addmv(x[:, 0], x, x[0]).dtype == torch.float16
+        assert torch.einsum("ij,kj->ik", x, x).dtype == torch.float16
+        # fp32
+        for got, control in [
+            (h.exp(), x.half().float().exp()),
+            (F.layer_norm(h, (6,)), F.layer_norm(h.float(), (6,))),
+            (h.pow(2), h.float().pow(2)),
+            (torch.logsumexp(h, 1), torch.logsumexp(h.float(), 1)),
+            (F.mse_loss(h, h * 0), F.mse_loss(h.float(), h.float() * 0)),
+        ]:
+            assert got.dtype == torch.float32 and torch.equal(got, control)
+        # fp32_set_opt_dtype: dtype argument set, an explicit one respected
+        assert torch.equal(torch.softmax(h, 1), torch.softmax(h, 1, dtype=torch.float32))
+        assert torch.softmax(h, 1, dtype=torch.float16).dtype == torch.float16
+        assert torch.equal(h.sum(), h.sum(dtype=torch.float32))
+        assert torch.equal(h.cumsum(0), h.cumsum(0, dtype=torch.float32))
+        assert torch.softmax(h.double(), 1).dtype == torch.float64  # ineligible: untouched
+        # fp32_append_dtype
+        n = h.norm()
+        assert n.dtype == torch.float32 and torch.equal(n, torch.norm(h, dtype=torch.float32))
+        assert h.norm(2, 1).dtype == torch.float32
+        # promote
+        assert torch.addcmul(x, h, h).dtype == torch.float32
+        assert torch.addcmul(h, h, h).dtype == torch.float16
+        assert torch.dot(h[0], x[0]).dtype == torch.float32
+        # banned
+        with pytest.raises(RuntimeError, match="unsafe to autocast"):
+            F.binary_cross_entropy(torch.rand(3), torch.rand(3))
+
+
+# ------------------------------------------------------------------ module rules
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(8)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(2)])
+        self.head = nn.Linear(8, 3)
+        self.seen: dict[str, torch.dtype] = {}
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear) or isinstance(m, nn.LayerNorm):
+                m.register_forward_hook(self._record(name))
+
+    def _record(self, name):
+        def hook(mod, args, out):
+            self.seen[name] = out.dtype
+        return hook
+
+    def forward(self, x):
+        x = self.norm(self.inp(x))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_keep_by_type_runs_module_in_fp32():
+    net = Net()
+    x = torch.randn(2, 6)
+    with mixprec.autocast("cpu", policy=Policy().keep(types=(nn.LayerNorm,))):
+        net(x)
+    assert net.seen["norm"] == torch.float32
+    assert net.seen["inp"] == torch.bfloat16 and net.seen["head"] == torch.bfloat16
+    with mixprec.autocast("cpu"):
+        net(x)
+    assert net.seen["norm"] == torch.bfloat16  # without the rule LayerNorm follows its input
+
+
+def test_keep_by_name_regex_and_no_op_inside_is_lowered():
+    net = Net()
+    with mixprec.autocast("cpu", policy=Policy().keep(names=r"^blocks\.1$|^head$")):
+        out = net(torch.randn(2, 6))
+    assert net.seen["blocks.0.0"] == torch.bfloat16
+    assert net.seen["blocks.1.0"] == torch.float32 and net.seen["head"] == torch.float32
+    assert out.dtype == torch.float32
+
+
+def test_keep_in_another_half_dtype():
+    net = Net()
+    policy = Policy(compute=torch.float16).keep(names=r"^head$", dtype="bf16")
+    with mixprec.autocast("cpu", policy=policy):
+        net(torch.randn(2, 6))
+    assert net.seen["inp"] == torch.float16 and net.seen["head"] == torch.bfloat16
+
+
+def test_keep_matches_a_hand_written_fp32_control_bitwise():
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(2, 6)
+    with mixprec.autocast("cpu", policy=Policy().keep(names=r"^head$")):
+        got = net(x)
+    with torch.autocast("cpu"):
+        h = net.norm(net.inp(x))
+        for b in net.blocks:
+            h = b(h)
+    control = net.head(h.float())
+    assert torch.equal(got, control)
+
+
+def test_output_dtype_casts_what_the_model_returns():
+    net = Net()
+    with mixprec.autocast("cpu", policy="compute=bf16,output=f32"):
+        out = net(torch.randn(2, 6))
+        assert net.seen["head"] == torch.bfloat16
+    assert out.dtype == torch.float32
+    with mixprec.autocast("cpu", policy="compute=bf16,output=f16"):
+        assert net(torch.randn(2, 6)).dtype == torch.float16
+
+
+def test_policy_compute_sets_region_dtype_and_explicit_dtype_wins():
+    x = torch.randn(3, 3)
+    with mixprec.autocast("cpu", policy=Policy(compute=torch.float16)):
+        assert torch.mm(x, x).dtype == torch.float16
+    with mixprec.autocast("cpu", dtype=torch.bfloat16, policy=Policy(compute=torch.float16)):
+        assert torch.mm(x, x).dtype == torch.bfloat16
+
+
+def test_module_hooks_exist_only_while_a_rule_region_runs():
+    from torch.nn.modules import module as m
+
+    before = (len(m._global_forward_pre_hooks), len(m._global_forward_hooks))
+    with mixprec.autocast("cpu", policy=Policy().keep(types=(nn.LayerNorm,))):
+        assert len(m._global_forward_pre_hooks) == before[0] + 1
+    assert (len(m._global_forward_pre_hooks), len(m._global_forward_hooks)) == before
+    with mixprec.autocast("cpu"):
+        assert len(m._global_forward_pre_hooks) == before[0]
+
+
+def test_module_rule_state_is_restored_when_forward_raises():
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    net = nn.Sequential(nn.Linear(2, 2), Boom())
+    with mixprec.autocast("cpu", policy=Policy().keep(types=(Boom,))):
+        with pytest.raises(RuntimeError, match="boom"):
+            net(torch.randn(1, 2))
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.bfloat16

@@ -1,0 +1,128 @@
+"""mixprec.GradScaler across 2 processes (gloo, 127.0.0.1): an inf on one rank makes every rank
+skip; scales and weights stay identical. DDP and FSDP2 ``fully_shard``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from mixprec.scaling import GradScaler
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+]
+
+STEPS = 5
+BAD_STEP = 2  # rank 1 alone gets an inf gradient at this step
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # Linear(8, 1): under fully_shard its (1, 8) weight and (1,) bias live on rank 0 only, so
+    # rank 1 has empty local gradients for them.
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _train(model: nn.Module, params: list[nn.Parameter], scaler: GradScaler, rank: int, fsdp: bool) -> dict:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scales, skipped = [], []
+    for step in range(STEPS):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+        loss = model(x).pow(2).mean()
+        scaler.scale(loss).backward()
+        if step == BAD_STEP and rank == 1:
+            grad = params[0].grad
+            (grad.to_local() if fsdp else grad).view(-1)[0] = float("inf")
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        scales.append(scaler.get_scale())
+        skipped.append(bool(scaler.last_step_skipped))
+    weights = [(p.full_tensor() if fsdp else p).detach().clone() for p in params]
+    return {"scales": scales, "skipped": skipped, "weights": weights, "skipped_steps": int(scaler.skipped_steps)}
+
+
+def _worker(rank: int, port: int, scenario: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        results = {}
+        if scenario == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            for group in ("default", None):  # None: the control, ranks are expected to diverge
+                model = DDP(_model())
+                scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, process_group=group)
+                results[group] = _train(model, list(model.parameters()), scaler, rank, fsdp=False)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (WORLD,))
+            model = _model()
+            for layer in (model[0], model[2]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            group = dist.group.WORLD
+            scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, process_group=group)
+            params = list(model.parameters())
+            results["fsdp"] = _train(model, params, scaler, rank, fsdp=True)
+            results["local_numel"] = [p.to_local().numel() for p in params]
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(scenario: str, tmp_path, timeout: float = 90.0) -> list[dict]:
+    context = mp.spawn(_worker, args=(_free_port(), scenario, str(tmp_path)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{scenario} workers did not finish in {timeout:.0f} s")
+    return [torch.load(tmp_path / f"{rank}.pt") for rank in range(WORLD)]
+
+
+def _check_agreement(r0: dict, r1: dict) -> None:
+    expected = [step == BAD_STEP for step in range(STEPS)]
+    assert r0["skipped"] == r1["skipped"] == expected
+    assert r0["scales"] == r1["scales"]
+    assert r0["scales"][BAD_STEP] == r0["scales"][BAD_STEP - 1] / 2
+    assert r0["skipped_steps"] == r1["skipped_steps"] == 1
+    for a, b in zip(r0["weights"], r1["weights"]):
+        assert torch.equal(a, b)
+        assert torch.isfinite(a).all()
+
+
+@pytest.mark.timeout(120)
+def test_ddp_ranks_skip_together(tmp_path):
+    r0, r1 = _spawn("ddp", tmp_path)
+    _check_agreement(r0["default"], r1["default"])
+    # Control without a process group: only rank 1 skips and the replicas drift apart.
+    c0, c1 = r0[None], r1[None]
+    assert c0["skipped"] != c1["skipped"]
+    assert not all(torch.equal(a, b) for a, b in zip(c0["weights"], c1["weights"]))
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_ranks_skip_together_with_an_empty_local_shard(tmp_path):
+    r0, r1 = _spawn("fsdp", tmp_path)
+    assert 0 in r1["local_numel"]  # rank 1 holds no elements of the last layer
+    _check_agreement(r0["fsdp"], r1["fsdp"])

@@ -57,3 +57,34 @@ def test_op_matches_torch_autocast_bitwise(name, dt):
             assert first.dtype == dt, name
         if kind == "fp32" and first.is_floating_point():
             assert first.dtype in (torch.float32, torch.complex64), name
+
+
+CUDA_TABLE = default_table("cuda")
+SHARED = sorted(set(SAMPLES) & set(CUDA_TABLE))
+
+
+def test_cuda_and_cpu_tables_share_enough_ops_to_check_the_cuda_policy():
+    assert len(SHARED) >= 30
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_cuda_policy_decision_on_cpu_tensors(name):
+    """The CUDA table, applied to CPU tensors: the output dtype shows the decision."""
+    kind = CUDA_TABLE[name]
+    policy = mixprec.Policy.default("cuda")
+    dt = torch.float16
+    for fn in SAMPLES[name]:
+        torch.manual_seed(0)
+        if kind == "banned":
+            with pytest.raises(RuntimeError, match="unsafe to autocast"):
+                with mixprec.autocast("cpu", dtype=dt, policy=policy):
+                    fn(dt)
+            continue
+        with mixprec.autocast("cpu", dtype=dt, policy=policy):
+            out = _flatten(fn(dt))[0]
+        if not out.is_floating_point() and not out.is_complex():
+            continue
+        if kind == "lower":
+            assert out.dtype == dt, name
+        elif kind.startswith("fp32"):
+            assert out.dtype in (torch.float32, torch.complex64), name

@@ -136,15 +136,19 @@ def _cached_cast(t: Any, to: torch.dtype, frame: Frame) -> Any:
     return t.to(to)
 
 
-def _cast_all(args: tuple, kwargs: dict, to: torch.dtype, frame: Frame) -> tuple[tuple, dict]:
-    def cast(a: Any) -> Any:
-        if isinstance(a, torch.Tensor):
-            return _cached_cast(a, to, frame)
-        if isinstance(a, (list, tuple)) and a and any(isinstance(x, torch.Tensor) for x in a):
-            return type(a)(_cached_cast(x, to, frame) for x in a)
-        return a
+def _cast_arg(a: Any, to: torch.dtype, frame: Frame) -> Any:
+    if isinstance(a, torch.Tensor):
+        return _cached_cast(a, to, frame)
+    if isinstance(a, (list, tuple)) and a and any(isinstance(x, torch.Tensor) for x in a):
+        return type(a)(_cached_cast(x, to, frame) for x in a)
+    return a
 
-    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+def _cast_all(args: tuple, kwargs: dict, to: torch.dtype, frame: Frame) -> tuple[tuple, dict]:
+    args = tuple([_cast_arg(a, to, frame) for a in args])
+    if kwargs:
+        kwargs = {k: _cast_arg(v, to, frame) for k, v in kwargs.items()}
+    return args, kwargs
 
 
 def _tensors(args: tuple, kwargs: dict):

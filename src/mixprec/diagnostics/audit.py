@@ -1,0 +1,478 @@
+"""Audit a model's numerics and recommend a mixed-precision :class:`mixprec.Policy`.
+
+:func:`audit` runs a few forward/backward passes on one batch, in float32 and under
+:func:`mixprec.autocast` with each candidate dtype, and returns an :class:`AuditReport`: per-module
+ranges, ranked risks, the modules to keep in float32, the chosen dtype, an initial loss scale
+and a policy that passes straight to ``mixprec.autocast(device_type, policy=report.policy)``.
+
+The procedure, per candidate dtype ``d``:
+
+1. float32 pass with :func:`collect_ranges` and :func:`trace_nonfinite` (a non-finite value
+   here is a model bug: :class:`RuntimeError`). The largest gradient gives the float16 loss
+   scale: the largest power of two ``S`` with ``max|grad| * S * margin < 65504``, at most
+   ``2**15`` (the loss's own gradient is ``S``: it must fit a float16 loss) and at least
+   ``2**-24``; a second float32 pass measures the gradients at ``S``.
+2. Modules whose float32 outputs would overflow in ``d``, or flush more than
+   ``underflow_threshold`` of their values to zero, are candidates to keep in float32 (innermost
+   ones only: a parent is dropped when one of its descendants is flagged).
+3. A pass under the default policy (``Policy(compute=d)``) records what actually goes wrong.
+4. Verification loop: a pass under the candidate policy with a deferred tracer; if a forward
+   value still becomes non-finite, the named module is added to the keep set; if a gradient
+   does, the float16 scale is divided by 8 (down to 1), then the module is kept. At most
+   ``max_fixes`` rounds; ``report.verified[d]`` says whether the last pass was clean.
+
+Choice among the dtypes asked: a single dtype is used as is (its problems fixed with module
+rules). With both, float16 (3 more mantissa bits) is chosen when it verified clean with no module
+kept and its gradients lose at most ``underflow_threshold`` to flush-to-zero at ``S``; otherwise
+bfloat16 if it verified, otherwise the dtype with fewer modules kept. ``init_scale`` is ``S`` for
+float16 and 1.0 for bfloat16 (no loss scaling needed).
+
+The model's parameters, gradients, buffers and the RNG state are restored afterwards; every pass
+starts from the same RNG state, so dropout masks agree between passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from mixprec.diagnostics.ranges import KINDS, RangeStats, collect_ranges
+from mixprec.diagnostics.trace import NonFiniteEvent, trace_nonfinite
+
+__all__ = ["AuditReport", "Risk", "audit"]
+
+_CANDIDATES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_ALIASES = {"fp16": "float16", "half": "float16", "f16": "float16", "bf16": "bfloat16"}
+_SEVERITY = {"nonfinite": 3, "overflow": 2, "underflow": 1, "subnormal": 0}
+_FP16_MAX = torch.finfo(torch.float16).max
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    elif isinstance(dtype, str):
+        name = _ALIASES.get(dtype.strip().lower(), dtype.strip().lower())
+    else:
+        raise TypeError(f"dtypes must hold torch.dtype or str values, got {type(dtype).__name__}")
+    if name not in _CANDIDATES:
+        raise ValueError(f"audit chooses among float16 and bfloat16 only, got {dtype!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class Risk:
+    """One problem a dtype would cause in one module.
+
+    Attributes:
+        dtype: ``"float16"`` or ``"bfloat16"``.
+        module: qualified module name.
+        tensor: ``"activation"``, ``"grad"``, ``"weight"`` or ``"weight_grad"``.
+        issue: ``"nonfinite"`` (inf/NaN seen in the default-policy run), ``"overflow"``,
+            ``"underflow"`` (flush to zero) or ``"subnormal"`` (measured in float32, gradients
+            at the float16 loss scale).
+        fraction: share of the tensor's values affected.
+    """
+
+    dtype: str
+    module: str
+    tensor: str
+    issue: str
+    fraction: float
+
+    @property
+    def rank_key(self) -> tuple[int, float]:
+        """Sort key, most severe first when sorted in descending order."""
+        return (_SEVERITY[self.issue], self.fraction)
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """What :func:`audit` found and recommends. ``policy`` and ``init_scale`` are the answer.
+
+    Attributes:
+        device_type: the device the audit ran on.
+        dtypes: the dtype names that were audited.
+        dtype: the chosen dtype name.
+        policy: the recommended :class:`mixprec.Policy` (``compute`` = chosen dtype, float32
+            module rules for ``keep[dtype]``).
+        init_scale: recommended initial loss scale (1.0 for bfloat16).
+        reason: one sentence on why ``dtype`` was chosen.
+        keep: per audited dtype, the modules its policy keeps in float32.
+        verified: per audited dtype, whether a pass under its policy had no inf/NaN.
+        default_events: per audited dtype, the first inf/NaN under the default policy, or None.
+        grad_scale: the loss scale float16 gradients were judged at.
+        risks: all risks found, most severe first.
+        modules: ``{name: type name}`` of every module, in model order.
+        ranges: ``{"float32": ..., "float32@scale": ..., "<dtype>": ...}`` per-module statistics
+            (``{module: {kind: RangeStats}}``) of each pass; ``float32@scale`` has gradients
+            multiplied by ``grad_scale``.
+    """
+
+    device_type: str
+    dtypes: tuple[str, ...]
+    dtype: str
+    policy: Any
+    init_scale: float
+    reason: str
+    keep: dict[str, tuple[str, ...]]
+    verified: dict[str, bool]
+    default_events: dict[str, NonFiniteEvent | None]
+    grad_scale: float
+    risks: tuple[Risk, ...]
+    modules: dict[str, str]
+    ranges: dict[str, dict[str, dict[str, RangeStats]]] = field(repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict of everything in the report (``policy`` as its string form)."""
+        return {
+            "device_type": self.device_type,
+            "dtypes": list(self.dtypes),
+            "dtype": self.dtype,
+            "policy": str(self.policy),
+            "keep_float32": list(self.keep[self.dtype]),
+            "init_scale": self.init_scale,
+            "reason": self.reason,
+            "keep": {d: list(v) for d, v in self.keep.items()},
+            "verified": dict(self.verified),
+            "default_events": {d: None if e is None else e.to_dict()
+                               for d, e in self.default_events.items()},
+            "grad_scale": self.grad_scale,
+            "risks": [vars(r).copy() for r in self.risks],
+            "modules": dict(self.modules),
+            "ranges": {run: {m: {k: s.to_dict() for k, s in kinds.items()}
+                             for m, kinds in mods.items()}
+                       for run, mods in self.ranges.items()},
+        }
+
+    def summary(self, *, top: int = 12, echo: bool = True) -> str:
+        """The recommendation and the ``top`` risks as a table; printed unless ``echo=False``.
+
+        Printed with ``rich`` when it is installed, as plain text otherwise. Returns the plain
+        text either way.
+        """
+        from mixprec.diagnostics.report import summary_text, print_summary
+
+        text = summary_text(self, top=top)
+        if echo:
+            print_summary(self, top=top, text=text)
+        return text
+
+    def to_html(self, path: str | os.PathLike[str]) -> None:
+        """Write a self-contained HTML page (figures embedded as PNG data URIs) to ``path``.
+
+        Needs matplotlib for the figures (``pip install 'mixprec[report]'``); without it the
+        page has the tables only and says so.
+        """
+        from mixprec.diagnostics.report import write_html
+
+        write_html(self, path)
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write ``index.html`` and ``report.json`` into ``directory`` (created if missing)."""
+        os.makedirs(directory, exist_ok=True)
+        self.to_html(os.path.join(directory, "index.html"))
+        with open(os.path.join(directory, "report.json"), "w") as f:
+            json.dump(self.to_dict(), f, indent=1, allow_nan=False)
+
+
+class _FixedScale:
+    """A stand-in scaler whose ``get_scale()`` returns a fixed value."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def get_scale(self) -> float:
+        return self.scale
+
+
+class _Snapshot:
+    """Parameters, gradients, buffers and RNG state, to restore between and after passes."""
+
+    def __init__(self, model: nn.Module, device_type: str) -> None:
+        self.model = model
+        self.params = [(p, p.detach().clone()) for p in model.parameters()]
+        self.grads = [(p, None if p.grad is None else p.grad.detach().clone())
+                      for p in model.parameters()]
+        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self.cuda = device_type == "cuda" and torch.cuda.is_available()
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if self.cuda else None
+
+    def reset(self) -> None:
+        """Back to the snapshot's parameters, buffers and RNG; gradients cleared."""
+        with torch.no_grad():
+            for p, v in self.params:
+                p.copy_(v)
+            for b, v in self.buffers:
+                b.copy_(v)
+        for p, _ in self.grads:
+            p.grad = None
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+    def restore(self) -> None:
+        """Everything as it was, gradients included."""
+        self.reset()
+        for p, g in self.grads:
+            p.grad = g
+
+
+def _policy(dtype: str, keep: set[str] | tuple[str, ...]) -> Any:
+    from mixprec.policy import Policy
+
+    policy = Policy(compute=_CANDIDATES[dtype])
+    if keep:
+        names = "|".join(re.escape(n) for n in sorted(keep))
+        policy = policy.keep(names=rf"^(?:{names})$", dtype=torch.float32)
+    return policy
+
+
+def _minimal(flagged: set[str]) -> set[str]:
+    """Drop every flagged module that has a flagged descendant (the innermost ones suffice)."""
+    def has_flagged_child(m: str) -> bool:
+        prefix = "" if m == "" else m + "."
+        return any(o != m and o.startswith(prefix) for o in flagged)
+
+    return {m for m in flagged if not has_flagged_child(m)}
+
+
+def _init_scale(stats: dict[str, dict[str, RangeStats]], margin: float) -> float:
+    gmax = max((s.absmax for kinds in stats.values() for k, s in kinds.items()
+                if k in ("grad", "weight_grad")), default=0.0)
+    # the loss's own gradient is the scale itself: a float16 loss needs scale <= 2**15
+    k = 15 if gmax <= 0.0 else min(15, math.floor(math.log2(_FP16_MAX / (gmax * margin))))
+    return 2.0 ** max(-24, k)
+
+
+def _risks(dtype: str, ref: dict[str, dict[str, RangeStats]],
+           scaled: dict[str, dict[str, RangeStats]],
+           lowp: dict[str, dict[str, RangeStats]], origin: NonFiniteEvent | None) -> list[Risk]:
+    """Risks measured in float32 (gradients at the loss scale), plus the inf/NaN origin of the
+    default-policy run (its downstream consequences are not listed)."""
+    out: list[Risk] = []
+    for module in ref:
+        for kind in KINDS:
+            s = (scaled if kind in ("grad", "weight_grad") else ref).get(module, {}).get(kind)
+            if s is None:
+                continue
+            for issue, fracs in (("overflow", s.overflow), ("underflow", s.underflow),
+                                 ("subnormal", s.subnormal)):
+                if fracs[dtype] > 0:
+                    out.append(Risk(dtype, module, kind, issue, fracs[dtype]))
+    if origin is not None:
+        if origin.phase == "forward":
+            kind = "activation"
+        else:
+            kind = "weight_grad" if origin.tensor.startswith("grad:") else "grad"
+        s = lowp.get(origin.module, {}).get(kind)
+        frac = s.nonfinite / s.count if s is not None and s.count and s.nonfinite else 1.0
+        out.append(Risk(dtype, origin.module, kind, "nonfinite", frac))
+    return out
+
+
+def audit(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    *,
+    device_type: str = "cpu",
+    dtypes: tuple[torch.dtype | str, ...] | list[torch.dtype | str] = (torch.float16, torch.bfloat16),
+    scaler: Any = None,
+    steps: int = 1,
+    margin: float = 8.0,
+    underflow_threshold: float = 0.05,
+    max_fixes: int = 8,
+) -> AuditReport:
+    """Audit ``model`` on ``batch`` and recommend a precision policy (see module docs).
+
+    Args:
+        model: the model, already on its device. Left exactly as found (parameters, gradients,
+            buffers, RNG state).
+        batch: whatever ``loss_fn`` takes.
+        loss_fn: ``loss_fn(model, batch) -> scalar loss tensor``; it runs the forward pass, e.g.
+            ``lambda m, b: F.cross_entropy(m(b[0]), b[1])``.
+        device_type: ``"cpu"`` or ``"cuda"``, for :func:`mixprec.autocast`.
+        dtypes: the candidates (``torch.float16``/``torch.bfloat16`` or names such as
+            ``"fp16"``); the recommendation uses only these.
+        scaler: optional loss scaler (``get_scale()``): float16 gradients are judged at its
+            current scale instead of the recommended one.
+        steps: forward/backward passes per configuration (same batch, RNG advancing between
+            passes, so dropout varies; no optimizer step), statistics accumulated.
+        margin: headroom factor between the largest scaled gradient and float16's max.
+        underflow_threshold: share of a module's float32 outputs flushing to zero above which the
+            module is kept in float32; also the gradient flush-to-zero share float16 may lose.
+        max_fixes: verification rounds per dtype.
+
+    Returns:
+        An :class:`AuditReport`.
+
+    Raises:
+        ValueError: empty or unsupported ``dtypes``, ``steps < 1``, a loss that is not a scalar
+            tensor requiring grad.
+        RuntimeError: the model produces inf/NaN already in float32 (the message says where).
+
+    Host syncs: many (it reads statistics after every pass); not for use inside a training step.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        >>> report = audit(model, torch.randn(4, 8), lambda m, x: m(x).square().mean())
+        >>> with mixprec.autocast("cpu", policy=report.policy):
+        ...     y = model(torch.randn(4, 8))
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"audit needs an nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
+    if isinstance(dtypes, (torch.dtype, str)):
+        dtypes = (dtypes,)
+    names = tuple(dict.fromkeys(_dtype_name(d) for d in dtypes))
+    if not names:
+        raise ValueError("dtypes is empty; pass e.g. dtypes=(torch.float16, torch.bfloat16)")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    if not margin >= 1.0:
+        raise ValueError(f"margin must be >= 1, got {margin!r}")
+
+    from mixprec.autocast_mode import autocast
+
+    snap = _Snapshot(model, device_type)
+    try:
+        def run(policy: Any, scale: float, *tools: Any) -> None:
+            snap.reset()
+            with contextlib.ExitStack() as stack:
+                for tool in tools:
+                    stack.enter_context(tool)
+                for _ in range(steps):
+                    for p in model.parameters():
+                        p.grad = None
+                    region = (contextlib.nullcontext() if policy is None
+                              else autocast(device_type, policy=policy))
+                    with region:
+                        loss = loss_fn(model, batch)
+                    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1
+                            and loss.requires_grad):
+                        raise ValueError(
+                            "loss_fn(model, batch) must return a scalar tensor that requires grad, "
+                            f"got {type(loss).__name__}"
+                            + (f" of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}"
+                               if isinstance(loss, torch.Tensor) else "")
+                        )
+                    (loss.float() * scale).backward()
+
+        # 1. float32 reference
+        tracer = trace_nonfinite(model, deferred=True)
+        ref = collect_ranges(model)
+        run(None, 1.0, tracer, ref)
+        event = tracer.resolve()
+        if event is not None:
+            raise RuntimeError(f"the model produces {event.kind} already in float32: {event}; "
+                               "fix the model before choosing a precision")
+        ranges: dict[str, dict[str, dict[str, RangeStats]]] = {"float32": ref.results()}
+        scale16 = _init_scale(ranges["float32"], margin)
+        grad_scale = float(scaler.get_scale()) if scaler is not None else scale16
+        scaled = ranges["float32"]
+        if "float16" in names and grad_scale != 1.0:
+            at_scale = collect_ranges(model, scaler=_FixedScale(grad_scale))
+            run(None, 1.0, at_scale)
+            scaled = ranges["float32@scale"] = at_scale.results()
+
+        keep: dict[str, tuple[str, ...]] = {}
+        verified: dict[str, bool] = {}
+        default_events: dict[str, NonFiniteEvent | None] = {}
+        risks: list[Risk] = []
+        for d in names:
+            scale = grad_scale if d == "float16" else 1.0
+            judged = scaled if d == "float16" else ranges["float32"]
+            # 2. candidates from the float32 ranges
+            flagged = {m for m, kinds in ranges["float32"].items()
+                       if (s := kinds.get("activation")) is not None
+                       and (s.overflow[d] > 0 or s.underflow[d] > underflow_threshold)}
+            kept = _minimal(flagged)
+            # 3. default policy
+            tracer = trace_nonfinite(model, deferred=True)
+            lowp = collect_ranges(model)
+            run(_policy(d, ()), scale, tracer, lowp)
+            default_events[d] = tracer.resolve()
+            ranges[d] = lowp.results()
+            risks += _risks(d, ranges["float32"], judged, ranges[d], default_events[d])
+            # 4. verification loop
+            def verify(kept: set[str], scale: float, d: str = d) -> NonFiniteEvent | None:
+                tracer = trace_nonfinite(model, deferred=True)
+                run(_policy(d, kept), scale, tracer)
+                return tracer.resolve()
+
+            event = default_events[d] if not kept else verify(kept, scale)
+            fixes = 0
+            while event is not None and fixes < max_fixes:
+                if event.phase == "backward" and d == "float16" and scale > 1.0:
+                    scale = max(1.0, scale / 8)
+                elif event.module not in kept:
+                    kept.add(event.module)
+                else:
+                    break  # keeping it in float32 did not help: nothing more to try
+                fixes += 1
+                event = verify(kept, scale)
+            clean = event is None
+            keep[d] = tuple(m for m in ranges["float32"] if m in kept) + tuple(
+                sorted(kept - set(ranges["float32"])))
+            verified[d] = clean
+            if d == "float16" and scaler is None:
+                scale16 = scale
+
+        chosen, reason = _choose(names, keep, verified, scaled, underflow_threshold)
+        risks.sort(key=lambda r: r.rank_key, reverse=True)
+        return AuditReport(
+            device_type=device_type,
+            dtypes=names,
+            dtype=chosen,
+            policy=_policy(chosen, keep[chosen]),
+            init_scale=scale16 if chosen == "float16" else 1.0,
+            reason=reason,
+            keep=keep,
+            verified=verified,
+            default_events=default_events,
+            grad_scale=grad_scale,
+            risks=tuple(risks),
+            modules={n: type(m).__name__ for n, m in model.named_modules()},
+            ranges=ranges,
+        )
+    finally:
+        snap.restore()
+
+
+def _grad_flush(stats: dict[str, dict[str, RangeStats]]) -> float:
+    """Largest per-module share of gradient values that flush to zero in float16."""
+    return max((s.underflow["float16"] for kinds in stats.values() for k, s in kinds.items()
+                if k in ("grad", "weight_grad")), default=0.0)
+
+
+def _choose(names: tuple[str, ...], keep: dict[str, tuple[str, ...]], verified: dict[str, bool],
+            scaled: dict[str, dict[str, RangeStats]], threshold: float) -> tuple[str, str]:
+    if len(names) == 1:
+        d = names[0]
+        n = len(keep[d])
+        return d, (f"{d} was the only dtype audited"
+                   + (f"; {n} module(s) kept in float32" if n else "")
+                   + ("" if verified[d] else "; WARNING: inf/NaN remained after the fixes"))
+    flush = _grad_flush(scaled)
+    if verified["float16"] and not keep["float16"] and flush <= threshold:
+        return "float16", ("float16 ran clean with no module kept in float32 and its gradients "
+                           f"lose at most {flush:.2%} to underflow at the loss scale; it keeps 3 "
+                           "more mantissa bits than bfloat16")
+    why = ("float16 needs modules kept in float32" if keep["float16"] else
+           "float16 still produced inf/NaN" if not verified["float16"] else
+           f"{flush:.2%} of a module's float16 gradients flush to zero at the loss scale")
+    if verified["bfloat16"]:
+        return "bfloat16", f"bfloat16 ran clean and {why}"
+    d = min(names, key=lambda n: (not verified[n], len(keep[n])))
+    return d, f"no dtype ran clean; {d} needs the fewest fixes"
+

@@ -1,0 +1,119 @@
+"""``mixprec audit package.module:factory``: the command behind the ``audit`` subcommand.
+
+The factory is called with no arguments and returns ``(model, batch, loss_fn)`` as
+:func:`mixprec.audit` takes them (``loss_fn(model, batch) -> scalar loss``). The command writes
+``index.html`` and ``report.json`` into ``--out`` and prints the summary. A bad target (module not
+found, no such attribute, factory raising, wrong return shape) prints one line on stderr and
+returns 2; a model that produces inf/NaN in float32 returns 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import Any
+
+__all__ = ["add_audit_parser", "audit_command"]
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"mixprec audit: {message}", file=sys.stderr)
+    return code
+
+
+def _load(target: str) -> tuple[Any, Any, Any] | str:
+    """The factory's ``(model, batch, loss_fn)``, or an error message."""
+    from torch import nn
+
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        return f"target must look like package.module:factory, got {target!r}"
+    if os.getcwd() not in sys.path:  # like `python -m`: modules in the current directory
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        return f"cannot import {module_name!r}: {e}"
+    except Exception as e:  # the module itself failed while importing
+        return f"importing {module_name!r} raised {type(e).__name__}: {e}"
+    factory = module
+    for part in attr.split("."):
+        if not hasattr(factory, part):
+            return f"module {module_name!r} has no attribute {attr!r}"
+        factory = getattr(factory, part)
+    if not callable(factory):
+        return f"{target} is a {type(factory).__name__}, not a callable factory"
+    try:
+        result = factory()
+    except Exception as e:
+        return f"factory {target} raised {type(e).__name__}: {e}"
+    if not (isinstance(result, (tuple, list)) and len(result) == 3):
+        got = f"a {len(result)}-tuple" if isinstance(result, (tuple, list)) else type(result).__name__
+        return f"factory {target} must return (model, batch, loss_fn), got {got}"
+    model, batch, loss_fn = result
+    if not isinstance(model, nn.Module):
+        return f"factory {target} returned a {type(model).__name__} as model, not an nn.Module"
+    if not callable(loss_fn):
+        return f"factory {target} returned a {type(loss_fn).__name__} as loss_fn, not a callable"
+    return model, batch, loss_fn
+
+
+def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
+                  steps: int) -> int:
+    """Run :func:`mixprec.audit` on a factory's model; write the report; return an exit code.
+
+    Args:
+        target: ``"package.module:factory"`` (importable from the current directory too).
+        out: report folder (``index.html`` and ``report.json``), created if missing.
+        device_type: ``"cpu"`` or ``"cuda"``.
+        dtypes: candidate dtype names, e.g. ``["float16", "bfloat16"]`` (``fp16``/``bf16`` ok).
+        steps: passes per configuration.
+
+    Returns:
+        0 on success; 2 for a bad target or bad options; 1 if the audit itself fails.
+    """
+    from mixprec.diagnostics.audit import audit
+
+    loaded = _load(target)
+    if isinstance(loaded, str):
+        return _fail(loaded)
+    model, batch, loss_fn = loaded
+    try:
+        report = audit(model, batch, loss_fn, device_type=device_type, dtypes=tuple(dtypes),
+                       steps=steps)
+    except (ValueError, TypeError) as e:
+        return _fail(str(e))
+    except RuntimeError as e:
+        return _fail(str(e), code=1)
+    report.save(out)
+    report.summary()
+    print(f"report written to {os.path.join(out, 'index.html')} and report.json")
+    return 0
+
+
+def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``audit`` on an ``argparse`` subparsers object.
+
+    The parser sets ``func`` to a callable taking the parsed namespace and returning the exit
+    code, so a main program can end with ``return args.func(args)``.
+    """
+    p = subparsers.add_parser(
+        "audit",
+        help="audit a model's numerics and recommend a mixed-precision policy",
+        description="Run a model in float32 and in each candidate dtype, name the layers that "
+        "overflow or underflow, and recommend a mixprec.Policy and an initial loss scale. "
+        "TARGET is package.module:factory; factory() returns (model, batch, loss_fn) with "
+        "loss_fn(model, batch) -> scalar loss.",
+    )
+    p.add_argument("target", help="package.module:factory")
+    p.add_argument("--out", default="mixprec-audit", help="report folder (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="device type (default: %(default)s)")
+    p.add_argument("--dtypes", default="float16,bfloat16",
+                   help="comma-separated candidate dtypes (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=1, help="passes per configuration (default: 1)")
+    p.set_defaults(func=lambda a: audit_command(
+        a.target, a.out, device_type=a.device,
+        dtypes=[d for d in a.dtypes.split(",") if d.strip()], steps=a.steps))
+    return p

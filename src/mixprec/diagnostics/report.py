@@ -1,0 +1,235 @@
+"""Rendering of an :class:`~mixprec.diagnostics.audit.AuditReport`: text table and HTML page.
+
+matplotlib and rich are optional (``pip install 'mixprec[report]'``) and imported inside the
+functions that use them.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+from mixprec.diagnostics.ranges import FORMATS, format_limits
+
+if TYPE_CHECKING:
+    from mixprec.diagnostics.audit import AuditReport
+
+__all__ = ["print_summary", "summary_text", "write_html"]
+
+_MAX_MODULES = 80  # figures show at most this many modules (model order)
+
+
+def _scale_str(scale: float) -> str:
+    k = math.log2(scale) if scale > 0 else float("nan")
+    return f"2**{int(k)}" if k == int(k) else f"{scale:g}"
+
+
+def _header(report: "AuditReport") -> list[str]:
+    kept = report.keep[report.dtype]
+    return [
+        f"mixprec audit ({report.device_type}): compute={report.dtype}, "
+        f"init_scale={_scale_str(report.init_scale)}",
+        f"policy: {report.policy}",
+        "keep in float32: " + (", ".join(repr(m) for m in kept) if kept else "(none)"),
+        f"reason: {report.reason}",
+    ]
+
+
+def _dtype_rows(report: "AuditReport") -> list[tuple[str, str, str, str]]:
+    rows = []
+    for d in report.dtypes:
+        ev = report.default_events[d]
+        rows.append((d, "yes" if report.verified[d] else "NO", str(len(report.keep[d])),
+                     "none" if ev is None else str(ev)))
+    return rows
+
+
+def _risk_rows(report: "AuditReport", top: int) -> list[tuple[str, str, str, str, str]]:
+    return [(r.dtype, r.module or "<model>", r.tensor, r.issue, f"{r.fraction:.3%}")
+            for r in report.risks[:top]]
+
+
+def _table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    return [line, "-" * len(line)] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+
+
+def summary_text(report: "AuditReport", top: int = 12) -> str:
+    """The summary as plain text."""
+    lines = _header(report) + [""]
+    lines += _table(("dtype", "verified", "kept", "first inf/NaN under the default policy"),
+                    _dtype_rows(report))
+    lines += ["", f"top risks ({min(top, len(report.risks))} of {len(report.risks)}):"]
+    lines += _table(("dtype", "module", "tensor", "issue", "fraction"), _risk_rows(report, top))
+    return "\n".join(lines)
+
+
+def print_summary(report: "AuditReport", top: int = 12, text: str | None = None) -> None:
+    """Print the summary: with rich tables when rich is installed, else ``text``."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(text if text is not None else summary_text(report, top))
+        return
+    console = Console()
+    for line in _header(report):
+        console.print(line, markup=False, highlight=False)
+    t = Table("dtype", "verified", "kept", "first inf/NaN under the default policy")
+    for row in _dtype_rows(report):
+        t.add_row(*row)
+    console.print(t)
+    t = Table("dtype", "module", "tensor", "issue", "fraction",
+              title=f"top risks ({min(top, len(report.risks))} of {len(report.risks)})")
+    for row in _risk_rows(report, top):
+        t.add_row(*row)
+    console.print(t)
+
+
+# ---------------------------------------------------------------------------------- HTML
+_COLORS = {"float16": "tab:red", "bfloat16": "tab:blue", "float8_e4m3fn": "tab:green",
+           "float8_e5m2": "tab:purple"}
+
+
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _range_figure(report: "AuditReport") -> str:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    ref = report.ranges["float32"]
+    grads = report.ranges.get("float32@scale", ref)
+    panels = [("activation", ref, "activations (float32 run)"),
+              ("grad", grads, f"output gradients (x {_scale_str(report.grad_scale)})"
+               if grads is not ref else "output gradients")]
+    modules = [m for m in report.modules if m in ref][:_MAX_MODULES]
+    height = 1.2 + 0.22 * max(len(modules), 1)
+    fig, axes = plt.subplots(1, 2, figsize=(13, height), sharey=True)
+    xmin, xmax = -26.0, 17.0  # float16's range, widened to the data (bfloat16's is clipped)
+    for ax, (kind, stats, title) in zip(axes, panels):
+        for i, m in enumerate(modules):
+            s = stats.get(m, {}).get(kind)
+            if s is None or s.absmax <= 0 or math.isinf(s.min_nonzero):
+                continue
+            lo, hi = math.log2(s.min_nonzero), math.log2(s.absmax)
+            xmin, xmax = min(xmin, lo), max(xmax, hi)
+            ax.plot([lo, hi], [i, i], lw=5, color="0.3", solid_capstyle="butt")
+        for name in FORMATS:
+            lim = format_limits(FORMATS[name])
+            c = _COLORS[name]
+            ax.axvline(math.log2(lim.max), color=c, lw=1.2, label=f"{name} max / min normal")
+            ax.axvline(math.log2(lim.tiny), color=c, lw=1.2)
+            ax.axvline(math.log2(lim.smallest_subnormal), color=c, lw=1, ls=":",
+                       label=f"{name} min subnormal")
+        ax.set_title(title)
+        ax.set_xlabel("log2 |x|")
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_xlim(xmin - 4, xmax + 4)  # shared y only: set both
+    axes[1].set_xlim(xmin - 4, xmax + 4)
+    axes[0].set_yticks(range(len(modules)))
+    axes[0].set_yticklabels([m or "<model>" for m in modules], fontsize=7)
+    axes[0].invert_yaxis()
+    axes[1].legend(fontsize=6, loc="lower right")
+    url = _png(fig)
+    plt.close(fig)
+    return url
+
+
+def _underflow_figure(report: "AuditReport") -> str:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    ref = report.ranges["float32"]
+    grads = report.ranges.get("float32@scale", ref)
+    modules = [m for m in report.modules if m in ref][:_MAX_MODULES]
+    height = 1.2 + 0.22 * max(len(modules), 1) * max(len(report.dtypes), 1) / 2
+    fig, axes = plt.subplots(1, 2, figsize=(13, height), sharey=True)
+    width = 0.8 / max(len(report.dtypes), 1)
+    for ax, kind, stats in ((axes[0], "activation", ref), (axes[1], "grad", grads)):
+        for j, d in enumerate(report.dtypes):
+            vals = []
+            for m in modules:
+                s = stats.get(m, {}).get(kind)
+                vals.append(0.0 if s is None else s.underflow[d] + s.subnormal[d])
+            ax.barh([i + j * width for i in range(len(modules))], vals, height=width,
+                    color=_COLORS[d], label=f"{d}: flush to zero or subnormal")
+        ax.set_title(f"{kind}s: share of values below the normal range")
+        ax.set_xlabel("fraction of values")
+        ax.set_xlim(0, 1)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(modules)))
+    axes[0].set_yticklabels([m or "<model>" for m in modules], fontsize=7)
+    axes[0].invert_yaxis()
+    axes[1].legend(fontsize=7)
+    url = _png(fig)
+    plt.close(fig)
+    return url
+
+
+def _html_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>"
+                   for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def write_html(report: "AuditReport", path: str | os.PathLike[str]) -> None:
+    """Write the self-contained report page to ``path``."""
+    try:
+        figures = (
+            "<h2>Ranges against each format</h2><p>Bars span the smallest non-zero to the largest "
+            "magnitude per module; vertical lines mark each format's max, smallest normal and "
+            f"smallest subnormal.</p><img src='{_range_figure(report)}'>"
+            "<h2>Underflow per module</h2>"
+            f"<img src='{_underflow_figure(report)}'>"
+        )
+    except ImportError:
+        figures = "<p>Figures need matplotlib: <code>pip install 'mixprec[report]'</code>.</p>"
+    ref = report.ranges["float32"]
+    grads = report.ranges.get("float32@scale", ref)
+    rows = []
+    for m, typ in report.modules.items():
+        a = ref.get(m, {}).get("activation")
+        g = grads.get(m, {}).get("grad")
+        rows.append((m or "<model>", typ,
+                     "" if a is None else f"{a.absmax:.3g}",
+                     "" if a is None else f"{a.min_nonzero:.3g}",
+                     "" if g is None else f"{g.absmax:.3g}",
+                     "" if g is None else f"{g.min_nonzero:.3g}"))
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>mixprec audit</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1300px}}
+table{{border-collapse:collapse;font-size:13px;margin:1em 0}}
+td,th{{border:1px solid #ccc;padding:2px 8px;text-align:left}}
+pre{{background:#f6f6f6;padding:1em}}</style></head><body>
+<h1>mixprec audit</h1>
+<pre>{html.escape(chr(10).join(_header(report)))}</pre>
+<p>Use it: <code>with mixprec.autocast({report.device_type!r}, policy=policy): ...</code> with
+<code>GradScaler(init_scale={report.init_scale:g})</code> for float16.</p>
+<h2>Dtypes audited</h2>
+{_html_table(("dtype", "verified", "kept", "first inf/NaN under the default policy"),
+             _dtype_rows(report))}
+{figures}
+<h2>Risks ({len(report.risks)}, most severe first)</h2>
+{_html_table(("dtype", "module", "tensor", "issue", "fraction"), _risk_rows(report, 200))}
+<h2>Modules (float32 run; gradients at x {_scale_str(report.grad_scale)} when float16 was audited)</h2>
+{_html_table(("module", "type", "activation absmax", "activation min non-zero",
+              "grad absmax", "grad min non-zero"), rows)}
+</body></html>
+"""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(page)

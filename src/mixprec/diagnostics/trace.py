@@ -1,0 +1,525 @@
+"""Name the module where an inf or NaN first appeared, in forward or in backward.
+
+:func:`trace_nonfinite` installs hooks on every module of a model for the duration of a ``with``
+block and removes them on exit: outside the block nothing is registered and nothing is paid.
+
+How the culprit is found:
+
+* **forward**: a forward hook checks each module's floating outputs; hooks fire innermost first,
+  so the first non-finite output in time order is the module that produced it from finite inputs.
+  A forward pre-hook checks inputs no hook has seen yet (tensors made by a parent's own code
+  between two children, or the batch itself): a non-finite one names the enclosing module.
+* **backward**: a gradient hook on every tensor that enters or leaves a module. The gradient with
+  respect to a module's input is computed by that module's backward, so the first non-finite one
+  in time order (the layer nearest the output) names the module; parameter gradients name the
+  module that owns the parameter. A tensor consumed by several modules is attributed to the last
+  one that consumed it in forward (the innermost one for nested modules).
+* ``precise=True`` adds a :class:`~torch.utils._python_dispatch.TorchDispatchMode` that checks
+  every ATen op, so the event also names the op (``"aten.mul.Tensor"``). Slow: debugging only.
+
+Host syncs: the default (eager) mode reads one flag per checked tensor on the host (a sync per
+module on CUDA) until the first event, which is what lets ``raise_on_nonfinite`` stop at once.
+``deferred=True`` keeps every flag on the device and reads them once, in :meth:`resolve`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["NonFiniteEvent", "NonFiniteError", "NonFiniteTracer", "trace_nonfinite"]
+
+Phase = Literal["forward", "backward"]
+
+
+@dataclass(frozen=True)
+class NonFiniteEvent:
+    """Where an inf or NaN first appeared.
+
+    Attributes:
+        module: qualified name of the module to blame (``""`` is the model itself).
+        module_type: class name of that module.
+        phase: ``"forward"`` or ``"backward"``.
+        tensor: which tensor held the first inf/NaN:
+            ``"output"``: the module's forward output (its inputs were finite);
+            ``"input"``: the model's own input (the batch) was already non-finite;
+            ``"intermediate"``: a tensor made by the module's own code, between its children
+            (``detail`` says where it went);
+            ``"grad_input"``: the gradient with respect to the module's input, computed by its
+            backward (the gradients arriving at its outputs were finite);
+            ``"grad_output"``: the gradient arriving at the model's output was non-finite (the
+            loss, or the code between the model and the loss);
+            ``"grad:<param>"``: the gradient of the module's parameter ``<param>``.
+        kind: ``"nan"`` if a NaN was seen, else ``"inf"``.
+        dtype: dtype of the (first) non-finite tensor.
+        input_ranges: ``(min, max)`` of each floating input of the module in that phase: its
+            forward inputs, or in backward the gradients that arrived at its outputs.
+        op: the ATen op that produced it (``precise=True`` only), else ``None``.
+        step: how many times the model had been called before the event (forward index of the
+            step, starting at 0).
+        detail: one extra fact, e.g. which child received the non-finite intermediate.
+    """
+
+    module: str
+    module_type: str
+    phase: Phase
+    tensor: str
+    kind: Literal["inf", "nan"]
+    dtype: torch.dtype
+    input_ranges: tuple[tuple[float, float], ...]
+    op: str | None = None
+    step: int = 0
+    detail: str = ""
+
+    def __str__(self) -> str:
+        name = self.module or "<model>"
+        op = f", op {self.op}" if self.op else ""
+        ranges = ", ".join(f"[{lo:.4g}, {hi:.4g}]" for lo, hi in self.input_ranges) or "n/a"
+        detail = f" ({self.detail})" if self.detail else ""
+        return (
+            f"{self.kind} in {self.phase} {self.tensor} of module {name!r} "
+            f"({self.module_type}{op}), dtype {str(self.dtype).removeprefix('torch.')}, "
+            f"input ranges {ranges}, step {self.step}{detail}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able copy (dtype as a string)."""
+        d = dataclasses.asdict(self)
+        d["dtype"] = str(self.dtype).removeprefix("torch.")
+        d["input_ranges"] = [list(r) for r in self.input_ranges]
+        return d
+
+
+class NonFiniteError(RuntimeError):
+    """Raised by a tracer with ``raise_on_nonfinite=True``; ``.event`` says where."""
+
+    def __init__(self, event: NonFiniteEvent) -> None:
+        super().__init__(f"non-finite value detected: {event}")
+        self.event = event
+
+
+def _floats(tree: Any) -> list[torch.Tensor]:
+    """The floating tensors (16 bits or wider, non-empty) among the leaves of a container."""
+    return [
+        t
+        for t in tree_leaves(tree)
+        if isinstance(t, torch.Tensor)
+        and t.is_floating_point()
+        and t.element_size() >= 2
+        and t.numel() > 0
+    ]
+
+
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def _pair(t: torch.Tensor) -> torch.Tensor:
+    """``[min, max]`` of ``t`` as a float32 device tensor; NaN if ``t`` holds a NaN. No sync."""
+    t = t.detach()
+    mn, mx = torch.aminmax(t)
+    pair = torch.stack((mn, mx))
+    if t.dtype == torch.float64:  # finite float64 beyond float32 range must not read as inf
+        pair = torch.where(torch.isfinite(pair), pair.clamp(-_F32_MAX, _F32_MAX), pair)
+    return pair.float()
+
+
+class _Call:
+    """One forward call of a module."""
+
+    __slots__ = ("name", "module", "parent", "input_pairs", "outputs")
+
+    def __init__(self, name: str, module: nn.Module, parent: "_Call | None") -> None:
+        self.name = name
+        self.module = module
+        self.parent = parent
+        self.input_pairs: list[torch.Tensor] = []
+        self.outputs: list[_Tensor] = []
+
+
+class _Tensor:
+    """What the tracer knows about one tensor seen at a module boundary in forward."""
+
+    __slots__ = ("ref", "pair", "dtype", "producer", "enclosing", "consumer", "grad_pair")
+
+    def __init__(self, t: torch.Tensor, pair: torch.Tensor, producer: _Call | None,
+                 enclosing: _Call | None) -> None:
+        self.ref = weakref.ref(t)
+        self.pair = pair
+        self.dtype = t.dtype
+        self.producer = producer
+        self.enclosing = enclosing
+        self.consumer: _Call | None = None
+        self.grad_pair: torch.Tensor | None = None
+
+
+class NonFiniteTracer:
+    """The object :func:`trace_nonfinite` returns; use it as a context manager.
+
+    Attributes:
+        first: the first :class:`NonFiniteEvent` seen since ``__enter__`` (``None`` if none yet;
+            in deferred mode it is filled by :meth:`resolve`).
+        events: the first event of every window (a window ends at each :meth:`resolve`).
+        raise_on_nonfinite: raise :class:`NonFiniteError` as soon as an event is known (in the
+            hook in eager mode, in :meth:`resolve` in deferred mode). May be set at any time.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        backward: bool = True,
+        deferred: bool = False,
+        precise: bool = False,
+        raise_on_nonfinite: bool = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"trace_nonfinite needs an nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.backward = backward
+        self.deferred = deferred
+        self.precise = precise
+        self.raise_on_nonfinite = raise_on_nonfinite
+        self.first: NonFiniteEvent | None = None
+        self.events: list[NonFiniteEvent] = []
+        self._handles: list[Any] = []
+        self._active = False
+        self._mode: Any = None
+        self._busy = False
+        self._reset_window()
+        self._step = -1
+        self._stack: list[_Call] = []
+        self._seen: dict[int, _Tensor] = {}
+        self._last_call: dict[nn.Module, _Call] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "NonFiniteTracer":
+        if self._active:
+            raise RuntimeError("this tracer is already active; create a new one to nest")
+        self._active = True
+        root = self.model
+        for name, module in root.named_modules():
+            self._handles.append(
+                module.register_forward_pre_hook(self._make_pre_hook(name, module is root),
+                                                 with_kwargs=True)
+            )
+            self._handles.append(module.register_forward_hook(self._make_post_hook(name)))
+            if self.backward:
+                for pname, p in module.named_parameters(recurse=False):
+                    if p.requires_grad:
+                        self._handles.append(p.register_hook(self._make_param_hook(name, module, pname)))
+        if self.precise:
+            self._mode = _OpChecker(self)
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove every hook (and the dispatch mode). Idempotent; ``__exit__`` calls it."""
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._active = False
+        self._stack.clear()
+        self._seen.clear()
+        self._last_call.clear()
+
+    # ------------------------------------------------------------------ windows
+    def _reset_window(self) -> None:
+        self._window_event: NonFiniteEvent | None = None
+        self._flags: list[torch.Tensor] = []
+        self._builders: list[tuple[str, Callable[[str | None], NonFiniteEvent]]] = []
+        self._pending_op: str | None = None
+        self._op_names: dict[int, str] = {}
+
+    def resolve(self) -> NonFiniteEvent | None:
+        """Return the first event since the previous ``resolve`` (or ``None``); start a new window.
+
+        In deferred mode this is the one host sync of the step: the flags gathered on the device
+        are stacked and copied to the host once. Call it once per step, e.g. when the loss scaler
+        reports a skipped step; call :meth:`clear` instead on good steps to drop the flags
+        without syncing. Raises :class:`NonFiniteError` if ``raise_on_nonfinite`` is set.
+        """
+        self._busy = True
+        try:
+            event = self._resolve_window()
+        finally:
+            self._busy = False
+        self._reset_window()
+        if event is not None and self.deferred:  # eager mode recorded it in the hook
+            self._record(event, raise_now=self.raise_on_nonfinite)
+        return event
+
+    def _resolve_window(self) -> NonFiniteEvent | None:
+        event = self._window_event
+        if self.deferred and event is None and self._flags:
+            bad = torch.stack(self._flags).cpu()  # the single host sync
+            hits = bad.nonzero().flatten().tolist()
+            if hits:
+                kind, build = self._builders[hits[0]]
+                op = None
+                if kind == "op":  # the op names itself; the next module-level hit names the module
+                    op = self._op_names[hits[0]]
+                    nxt = [i for i in hits if self._builders[i][0] != "op"]
+                    event = self._builders[nxt[0]][1](op) if nxt else None
+                else:
+                    event = build(None)
+        return event
+
+    def clear(self) -> None:
+        """Drop the flags gathered since the last :meth:`resolve` without reading them (no sync)."""
+        self._reset_window()
+
+    def _record(self, event: NonFiniteEvent, raise_now: bool) -> None:
+        if self.first is None:
+            self.first = event
+        if not self.events or self.events[-1] is not event:
+            self.events.append(event)
+        if raise_now:
+            raise NonFiniteError(event)
+
+    # ------------------------------------------------------------------ checks
+    def _check(self, pairs: torch.Tensor, kind: str,
+               build: Callable[[str | None], NonFiniteEvent], op: str | None = None) -> None:
+        """Flag ``pairs`` (``[k, 2]`` mins/maxes) if any is non-finite; eager mode syncs here."""
+        flag = ~torch.isfinite(pairs).all()
+        if self.deferred:
+            if kind == "op":
+                self._op_names[len(self._flags)] = op  # type: ignore[assignment]
+            self._flags.append(flag)
+            self._builders.append((kind, build))
+            return
+        if not bool(flag):  # host sync (eager mode)
+            return
+        if kind == "op":
+            if self._pending_op is None:
+                self._pending_op = op
+            return
+        event = build(self._pending_op)
+        self._window_event = event
+        self._record(event, raise_now=self.raise_on_nonfinite)
+
+    def _watching(self) -> bool:
+        # eager mode stops checking once the window has its event: no more syncs that step
+        return self._active and (self.deferred or self._window_event is None)
+
+    def _ranges(self, pairs: list[torch.Tensor]) -> tuple[tuple[float, float], ...]:
+        return tuple((float(lo), float(hi)) for lo, hi in (p.tolist() for p in pairs))
+
+    def _event(self, call_name: str, module: nn.Module, phase: Phase, tensor: str,
+               pairs: torch.Tensor, dtype: torch.dtype, inputs: list[torch.Tensor],
+               op: str | None, detail: str = "") -> NonFiniteEvent:
+        kind: Literal["inf", "nan"] = "nan" if bool(torch.isnan(pairs).any()) else "inf"
+        return NonFiniteEvent(
+            module=call_name, module_type=type(module).__name__, phase=phase, tensor=tensor,
+            kind=kind, dtype=dtype, input_ranges=self._ranges(inputs), op=op,
+            step=max(self._step, 0), detail=detail,
+        )
+
+    def _known(self, t: torch.Tensor) -> _Tensor | None:
+        info = self._seen.get(id(t))
+        return info if info is not None and info.ref() is t else None
+
+    def _watch_grad(self, t: torch.Tensor, info: _Tensor) -> None:
+        if self.backward and t.requires_grad:
+            t.register_hook(self._make_grad_hook(info))  # lives and dies with the graph
+
+    # ------------------------------------------------------------------ hooks
+    def _quiet(self, hook: Callable[..., None]) -> Callable[..., None]:
+        """In precise mode, keep the tracer's own reductions out of the op checks."""
+        if not self.precise:
+            return hook
+
+        def quiet(*args: Any, **kwargs: Any) -> None:
+            self._busy = True
+            try:
+                hook(*args, **kwargs)
+            finally:
+                self._busy = False
+
+        return quiet
+
+    def _make_pre_hook(self, name: str, is_root: bool) -> Callable[..., None]:
+        def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if is_root and not self._stack:
+                self._step += 1
+                self._seen.clear()
+            parent = self._stack[-1] if self._stack else None
+            call = _Call(name, module, parent)
+            self._stack.append(call)
+            if not self._active:
+                return
+            fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for t in _floats((args, kwargs)):
+                info = self._known(t)
+                if info is None:
+                    pair = _pair(t)
+                    info = _Tensor(t, pair, producer=None, enclosing=parent)
+                    self._seen[id(t)] = info
+                    self._watch_grad(t, info)
+                    fresh.append((t, pair))
+                info.consumer = call
+                call.input_pairs.append(info.pair)
+            if fresh and self._watching():
+                pairs = torch.stack([p for _, p in fresh])
+                dtype = fresh[0][0].dtype
+
+                def build(op: str | None) -> NonFiniteEvent:
+                    if parent is None:
+                        return self._event(name, module, "forward", "input", pairs, dtype,
+                                           call.input_pairs, op)
+                    return self._event(parent.name, parent.module, "forward", "intermediate",
+                                       pairs, dtype, parent.input_pairs, op,
+                                       detail=f"passed to {name!r}")
+
+                self._check(pairs, "module", build)
+
+        return self._quiet(pre_hook)
+
+    def _make_post_hook(self, name: str) -> Callable[..., None]:
+        def post_hook(module: nn.Module, args: Any, output: Any) -> None:
+            while self._stack and self._stack[-1].module is not module:
+                self._stack.pop()  # a child raised mid-forward last time
+            call = self._stack.pop() if self._stack else _Call(name, module, None)
+            self._last_call[module] = call
+            if not self._active:
+                return
+            outs = _floats(output)
+            fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for t in outs:
+                info = self._known(t)
+                if info is not None:  # an input or a child's output, passed through
+                    call.outputs.append(info)
+                    if info.consumer is None:  # it leaves this call: whoever takes it is outside
+                        info.enclosing = call.parent
+                    continue
+                pair = _pair(t)
+                info = _Tensor(t, pair, producer=call, enclosing=call.parent)
+                self._seen[id(t)] = info
+                call.outputs.append(info)
+                self._watch_grad(t, info)
+                fresh.append((t, pair))
+            if fresh and self._watching():
+                pairs = torch.stack([p for _, p in fresh])
+                dtype = fresh[0][0].dtype
+                self._check(pairs, "module", lambda op: self._event(
+                    name, module, "forward", "output", pairs, dtype, call.input_pairs, op))
+
+        return self._quiet(post_hook)
+
+    def _make_grad_hook(self, info: _Tensor) -> Callable[[torch.Tensor], None]:
+        def grad_hook(grad: torch.Tensor) -> None:
+            if not self._watching() or not grad.is_floating_point() or grad.numel() == 0:
+                return
+            pair = _pair(grad)
+            info.grad_pair = pair
+            pairs = pair[None]
+
+            def build(op: str | None) -> NonFiniteEvent:
+                if info.consumer is not None:
+                    c = info.consumer
+                    arrived = [o.grad_pair for o in c.outputs if o.grad_pair is not None]
+                    return self._event(c.name, c.module, "backward", "grad_input", pairs,
+                                       grad.dtype, arrived, op)
+                if info.enclosing is not None:
+                    e = info.enclosing
+                    arrived = [o.grad_pair for o in e.outputs if o.grad_pair is not None]
+                    made_by = info.producer.name if info.producer is not None else "?"
+                    return self._event(e.name, e.module, "backward", "intermediate", pairs,
+                                       grad.dtype, arrived, op,
+                                       detail=f"gradient of the output of {made_by!r}")
+                # no consumer, no enclosing call: an output of the model itself
+                return self._event("", self.model, "backward", "grad_output", pairs,
+                                   grad.dtype, [], op, detail="gradient of the loss")
+
+            self._check(pairs, "module", build)
+
+        return self._quiet(grad_hook)
+
+    def _make_param_hook(self, name: str, module: nn.Module, pname: str) -> Callable[..., None]:
+        def param_hook(grad: torch.Tensor) -> None:
+            if not self._watching():
+                return
+            pairs = _pair(grad)[None]
+
+            def build(op: str | None) -> NonFiniteEvent:
+                call = self._last_call.get(module)
+                arrived = [] if call is None else [
+                    o.grad_pair for o in call.outputs if o.grad_pair is not None]
+                return self._event(name, module, "backward", f"grad:{pname}", pairs,
+                                   grad.dtype, arrived, op)
+
+            self._check(pairs, "module", build)
+
+        return self._quiet(param_hook)
+
+    def _check_op(self, func: Any, out: Any) -> None:
+        if not self._watching():
+            return
+        ts = _floats(out)
+        if ts:
+            self._check(torch.stack([_pair(t) for t in ts]), "op",
+                        lambda op: None, op=str(func))  # type: ignore[arg-type,return-value]
+
+
+class _OpChecker(TorchDispatchMode):
+    """Checks the floating outputs of every ATen op (``precise=True``)."""
+
+    def __init__(self, tracer: NonFiniteTracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        # skip the tracer's own reductions (inside its hooks) and uninitialised memory
+        if not self.tracer._busy and "empty" not in func.__name__:
+            self.tracer._check_op(func, out)
+        return out
+
+
+def trace_nonfinite(
+    model: nn.Module,
+    *,
+    backward: bool = True,
+    deferred: bool = False,
+    precise: bool = False,
+    raise_on_nonfinite: bool = False,
+) -> NonFiniteTracer:
+    """Context manager that names the first module whose output or gradient is inf/NaN.
+
+    Args:
+        model: the model; every submodule (and parameter, if ``backward``) is watched.
+        backward: also watch gradients (of module inputs/outputs and of parameters).
+        deferred: keep the checks on the device, no host sync per module; call
+            :meth:`NonFiniteTracer.resolve` once per step (see module docs) to learn the event.
+        precise: also check every ATen op and report it in ``event.op`` (slow).
+        raise_on_nonfinite: raise :class:`NonFiniteError` as soon as the event is known.
+
+    Returns:
+        A :class:`NonFiniteTracer`; hooks are installed by ``__enter__`` and removed by
+        ``__exit__``, so there is no cost outside the ``with`` block.
+
+    Host syncs: eager mode syncs once per checked tensor until the first event of the window;
+    deferred mode syncs only in ``resolve``.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        >>> with trace_nonfinite(model) as tracer:
+        ...     model[1].weight.data[0, 0] = float("inf")
+        ...     _ = model(torch.ones(1, 4))
+        >>> tracer.first.module, tracer.first.phase
+        ('1', 'forward')
+    """
+    return NonFiniteTracer(model, backward=backward, deferred=deferred, precise=precise,
+                           raise_on_nonfinite=raise_on_nonfinite)

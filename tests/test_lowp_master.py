@@ -1,0 +1,303 @@
+"""MasterWeights: fp32 masters around any optimizer; schedulers, scalers, checkpoints."""
+
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from mixprec import MasterWeights
+
+
+def _model(dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    return mixprec.to_low_precision(model, dtype)
+
+
+def _loss(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    dtype = model[0].weight.dtype
+    x, y = torch.randn(16, 6, generator=g).to(dtype), torch.randn(16, 3, generator=g)
+    return F.mse_loss(model(x).float(), y)
+
+
+def _backward(model, seed, scale=1.0):
+    loss = _loss(model, seed)
+    (loss * scale).backward()
+    return loss.detach()
+
+
+def test_steps_the_inner_optimizer_on_fp32_masters():
+    model = _model()
+    opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ref = [p.detach().float().clone() for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2)
+    norm = model[1].weight
+    assert any(m is norm for m in opt.masters)  # fp32 params are their own master
+    for step in range(4):
+        _backward(model, step)
+        grads = [p.grad.clone() for p in model.parameters()]
+        for r, g in zip(ref, grads):
+            r.grad = g.float()
+        opt.step()
+        ref_opt.step()
+        for p, g in zip(model.parameters(), grads):
+            assert torch.equal(p.grad, g)  # model gradients are read, not written
+        opt.zero_grad()
+    for p, m, r in zip(model.parameters(), opt.masters, ref):
+        assert m.dtype == torch.float32
+        assert torch.equal(m, r)
+        assert torch.equal(p, r.to(p.dtype))
+        assert m.grad is None and p.grad is None
+
+
+@pytest.mark.parametrize(
+    "make_scheduler,factor",
+    [
+        (lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5), 0.25),
+        (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (1 + epoch)), 0.2),
+    ],
+)
+def test_param_groups_schedulers_and_hooks(make_scheduler, factor):
+    model = _model()
+    inner = torch.optim.SGD(
+        [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.1}], lr=1.0, momentum=0.9
+    )
+    opt = MasterWeights(inner)
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert opt.param_groups is inner.param_groups and opt.state is inner.state
+    scheduler = make_scheduler(opt)
+    calls = []
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append(o))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
+        for step in range(4):
+            _backward(model, step)
+            opt.step()
+            scheduler.step()
+            opt.zero_grad()
+    assert calls == [opt] * 4
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([factor, 0.1 * factor])
+    assert all("momentum_buffer" in opt.state[m] for m in opt.masters[:2])
+
+
+def test_add_param_group_and_existing_state():
+    model = _model()
+    inner = torch.optim.Adam(model[0].parameters(), lr=1e-2)
+    _backward(model, 0)
+    inner.step()  # state on the bf16 params, in bf16
+    opt = MasterWeights(inner)
+    opt.add_param_group({"params": model[2].parameters(), "lr": 1e-3})
+    assert len(opt.masters) == 4 and all(m.dtype == torch.float32 for m in opt.masters)
+    for m in opt.masters[:2]:
+        assert opt.state[m]["exp_avg"].dtype == torch.float32
+    before = [p.detach().clone() for p in model[2].parameters()]
+    opt.zero_grad()
+    _backward(model, 1)
+    opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(model[2].parameters(), before))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad(set_to_none):
+    model = _model()
+    opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    _backward(model, 0)
+    opt.prepare_grads()
+    opt.zero_grad(set_to_none=set_to_none)
+    for t in [*model.parameters(), *opt.masters]:
+        if set_to_none:
+            assert t.grad is None
+        else:
+            assert t.grad is None or not t.grad.any()
+
+
+def test_prepare_grads_is_idempotent_until_the_model_grads_change():
+    model = _model()
+    opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    _backward(model, 0)
+    opt.prepare_grads()
+    master = opt.masters[0]
+    assert torch.equal(master.grad, model[0].weight.grad.float())
+    master.grad.mul_(0.5)  # what a scaler's unscale_ does
+    opt.prepare_grads()
+    assert torch.equal(master.grad, model[0].weight.grad.float() * 0.5)  # kept
+    _backward(model, 1)  # accumulates into the model's .grad
+    opt.prepare_grads()
+    assert torch.equal(master.grad, model[0].weight.grad.float())  # refreshed
+    model[0].weight.grad = None
+    opt.prepare_grads()
+    assert master.grad is None
+
+
+def test_closure_and_stochastic_write_back():
+    def run(rounding, seed):
+        model = _model()
+        opt = MasterWeights(
+            torch.optim.SGD(model.parameters(), lr=1e-3), rounding=rounding, generator=torch.Generator().manual_seed(seed)
+        )
+
+        def closure():
+            opt.zero_grad()
+            return _backward(model, 0)
+
+        for _ in range(3):
+            loss = opt.step(closure)
+        assert loss.ndim == 0
+        return model, opt
+
+    a, opt_a = run("stochastic", 0)
+    b, _ = run("stochastic", 0)
+    c, opt_c = run("nearest", 0)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
+    for p, m in zip(a.parameters(), opt_a.masters):  # each write-back is a neighbour of the master
+        gap = torch.finfo(p.dtype).eps * m.abs().clamp_min(1e-30)
+        assert torch.all((p.float() - m).abs() <= 2 * gap)
+
+
+def _save_load(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf)
+
+
+def test_state_dict_round_trip_holds_fp32_masters():
+    def make():
+        model = _model()
+        return model, MasterWeights(torch.optim.AdamW(model.parameters(), lr=3e-3))
+
+    model_a, opt_a = make()
+    for step in range(3):
+        _backward(model_a, step)
+        opt_a.step()
+        opt_a.zero_grad()
+    ckpt = _save_load({"model": model_a.state_dict(), "opt": opt_a.state_dict()})
+    masters = ckpt["opt"]["master_params"]
+    assert [m.dtype for m in masters] == [torch.float32] * len(masters)
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters)  # low bits kept
+
+    model_b, opt_b = make()
+    model_b.load_state_dict(ckpt["model"])
+    opt_b.load_state_dict(ckpt["opt"])
+    for step in range(3, 5):
+        for model, opt in ((model_a, opt_a), (model_b, opt_b)):
+            _backward(model, step)
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip([*model_a.parameters(), *opt_a.masters], [*model_b.parameters(), *opt_b.masters]):
+        assert torch.equal(p, q)
+
+    bad = dict(ckpt["opt"], master_params=ckpt["opt"]["master_params"][:-1])
+    with pytest.raises(ValueError, match="master params"):
+        opt_b.load_state_dict(bad)
+
+
+def test_refresh_masters_after_loading_model_weights():
+    model = _model()
+    opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    with torch.no_grad():
+        model[0].weight.fill_(0.25)
+    opt.refresh_masters()
+    assert torch.all(opt.masters[0] == 0.25)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp16_params_with_mixprec_grad_scaler(fused):
+    model = _model(torch.float16)
+    opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused))
+    assert opt._step_supports_amp_scaling is fused
+    scaler = mixprec.GradScaler("cpu", init_scale=2.0**10)
+    losses = []
+    for step in range(6):
+        loss = _loss(model, 0)
+        scaler.scale(loss).backward()
+        losses.append(loss.item())
+        if step == 3:  # an overflow: the step is skipped, the scale halves
+            model[0].weight.grad[0, 0] = float("inf")
+            before = [p.detach().clone() for p in model.parameters()]
+        if not fused:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(opt.masters, 100.0)  # clip fp32 master grads
+        scaler.step(opt)
+        if step == 3:
+            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        scaler.update()
+        opt.zero_grad()
+    assert scaler.get_scale() == 2.0**9
+    assert losses[-1] < losses[0]
+    assert all(p.dtype == torch.float16 for p in model[0].parameters())
+
+
+def test_unscale_divides_the_master_grads_once():
+    model = _model(torch.float16)
+    opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = mixprec.GradScaler("cpu", init_scale=64.0)
+    scaler.scale(_loss(model, 0)).backward()
+    scaler.unscale_(opt)
+    expected = model[0].weight.grad.float() / 64.0
+    assert torch.equal(opt.masters[0].grad, expected)
+    opt.prepare_grads()  # as step does: no second copy over the unscaled grads
+    assert torch.equal(opt.masters[0].grad, expected)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp16_params_with_torch_grad_scaler_after_prepare_grads(fused):
+    model = _model(torch.float16)
+    opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    first = None
+    for step in range(4):
+        loss = _loss(model, 0)
+        scaler.scale(loss).backward()
+        first = loss if first is None else first
+        opt.prepare_grads()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert loss < first
+
+
+def test_composes_with_mixprec_autocast():
+    model = _model(torch.bfloat16)
+    opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x = torch.randn(4, 6)
+    with mixprec.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    out.float().square().mean().backward()
+    opt.step()
+    assert model[0].weight.dtype == torch.bfloat16 and opt.masters[0].dtype == torch.float32
+
+
+def test_errors():
+    model = _model()
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        MasterWeights(list(model.parameters()))
+    opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="already wrapped"):
+        MasterWeights(opt)
+    with pytest.raises(ValueError, match="rounding"):
+        MasterWeights(torch.optim.SGD(_model().parameters(), lr=0.1), rounding="up")
+
+
+def test_fused_inner_optimizer_gets_the_scale_forwarded():
+    """SGD is not scale invariant: a fused step only matches if grad_scale reached it."""
+
+    def run(fused):
+        model = _model(torch.float16)
+        opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1, fused=fused))
+        scaler = mixprec.GradScaler("cpu", init_scale=2.0**8)
+        for step in range(3):
+            scaler.scale(_loss(model, step)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return opt.masters
+
+    for a, b in zip(run(True), run(False)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

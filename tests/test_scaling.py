@@ -569,6 +569,25 @@ def test_watch_attributes_only_on_skipped_steps(monkeypatch):
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("kind", ["plain", "fused"])
+def test_watch_attributes_before_clipping_spreads_nan(kind, monkeypatch):
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    opt = make_optimizer(kind, model.parameters())
+    scaler = GradScaler("cpu").watch(model)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    model[1].weight.grad[0, 0] = float("nan")
+    syncs = CountingSyncs(monkeypatch)
+    scaler.unscale_(opt)
+    nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    assert torch.isnan(model[0].weight.grad).all()  # clipping spread the NaN
+    clean = syncs.count
+    scaler.step(opt)
+    scaler.update()
+    monkeypatch.undo()
+    assert scaler.last_overflow == ("1.weight",)
+    assert syncs.count == clean  # the step reused the flag read in unscale_
+
+
 def test_history_callback_and_csv(tmp_path):
     rows = []
     model = nn.Linear(2, 2)

@@ -47,7 +47,8 @@ class _Stage(Enum):
 
 
 def _fresh_optimizer_state() -> dict[str, Any]:
-    return {"stage": _Stage.READY, "found_inf_per_device": {}, "optimizer": None}
+    # skipped: the overflow decision read on the host (only when watching), else None
+    return {"stage": _Stage.READY, "found_inf_per_device": {}, "optimizer": None, "skipped": None}
 
 
 class _PerDevice:
@@ -113,8 +114,10 @@ class GradScaler:
           whether to call ``optimizer.step()``), as torch.
         * :meth:`step` with a fused optimizer (``_step_supports_amp_scaling``, e.g.
           ``torch.optim.AdamW(fused=True)``): none; the kernel skips itself via ``found_inf``.
-        * :meth:`watch`: on the fused path, one per :meth:`step` (to know whether to attribute).
-          Attribution itself (only on skipped steps) reads one flag per gradient.
+        * :meth:`watch`: the overflow flag is read once per optimizer and iteration, in
+          :meth:`unscale_` (before clipping spreads a NaN to every gradient) or else in
+          :meth:`step`; on the plain path that is the step's own sync, moved earlier; on the fused
+          path it is one extra. Attribution (only on skipped steps) reads one flag per gradient.
         * ``min_scale`` with ``on_min_scale`` ``"raise"`` (or ``"warn"`` until it has warned): one
           per :meth:`update`. ``history``: one per :meth:`update`.
         * :meth:`get_scale`, :meth:`state_dict`, pickling: one each.
@@ -407,6 +410,8 @@ class GradScaler:
         )
         optimizer_state["stage"] = _Stage.UNSCALED
         optimizer_state["optimizer"] = optimizer
+        # Attribute now, before the caller clips: clipping spreads a NaN to every gradient.
+        self._attribute(optimizer_state)
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """Records inf/NaN in the gradients without unscaling them (for fused optimizers)."""
@@ -481,7 +486,7 @@ class GradScaler:
                 optimizer_state["optimizer"] = optimizer
                 found = optimizer_state["found_inf_per_device"].values()
                 if found:
-                    self._record_skip(optimizer, self._combined_found_inf(found), known=None)
+                    self._record_skip(optimizer_state, self._combined_found_inf(found))
                 return result
             if optimizer_state["stage"] is _Stage.READY:
                 self._check_inf_per_device(optimizer)
@@ -498,27 +503,35 @@ class GradScaler:
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
             optimizer_state["stage"] = _Stage.STEPPED
-            self._record_skip(optimizer, found_inf, known=None)
+            self._record_skip(optimizer_state, found_inf)
             return result
 
         if optimizer_state["stage"] is _Stage.READY:
             self.unscale_(optimizer)
         found_inf = self._combined_found_inf(optimizer_state["found_inf_per_device"].values())
-        skipped = bool(found_inf.item())  # the one host sync of the plain path
+        skipped = optimizer_state["skipped"]
+        if skipped is None:
+            skipped = bool(found_inf.item())  # the one host sync of the plain path
+            optimizer_state["skipped"] = skipped
         result = None if skipped else optimizer.step(*args, **kwargs)
         optimizer_state["stage"] = _Stage.STEPPED
-        self._record_skip(optimizer, found_inf, known=skipped)
+        self._record_skip(optimizer_state, found_inf)
         return result
 
-    def _record_skip(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, known: bool | None) -> None:
+    def _record_skip(self, optimizer_state: dict[str, Any], found_inf: torch.Tensor) -> None:
         skipped = found_inf != 0
         self._last_step_skipped = skipped
-        self._skipped_by_optimizer[id(optimizer)] = skipped
+        self._skipped_by_optimizer[id(optimizer_state["optimizer"])] = skipped
+        self._attribute(optimizer_state)
+
+    def _attribute(self, optimizer_state: dict[str, Any]) -> None:
+        """When watching: reads the overflow flag once (cached) and names the bad parameters."""
         if not self._watched or self._overflow_checked:
             return
-        if known is None:
-            known = bool(skipped.item())  # watch() on the fused path: documented sync
-        if known:
+        if optimizer_state["skipped"] is None:  # documented sync of watch()
+            found = self._combined_found_inf(optimizer_state["found_inf_per_device"].values())
+            optimizer_state["skipped"] = bool(found.item())
+        if optimizer_state["skipped"]:
             self._last_overflow = self._watched_nonfinite()
             self._overflow_checked = True
         else:
@@ -531,8 +544,9 @@ class GradScaler:
 
         On a skipped step, :attr:`last_overflow` lists ``prefix + name`` for every parameter of a
         watched model whose ``.grad`` holds inf/NaN; on a clean step it is ``()``. Watching is
-        not pickled: call it again after unpickling. On the fused path it costs one host sync per
-        :meth:`step` (to know whether the step was skipped).
+        not pickled: call it again after unpickling. The overflow is attributed in
+        :meth:`unscale_` when it is called (before clipping spreads a NaN to every gradient), else
+        in :meth:`step`; on the fused path this costs one host sync per step.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"watch() expects an nn.Module, got {type(model).__name__}.")

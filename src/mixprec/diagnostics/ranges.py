@@ -170,8 +170,7 @@ class _Acc:
             nonfinite,
             a.amax(),
             torch.where(a > 0, a, math.inf).amin(),
-            torch.bincount(torch.bucketize(a.flatten(), _bounds(a.device), right=True),
-                           minlength=len(_BOUNDS) + 1),
+            _count(torch.bucketize(a.flatten(), _bounds(a.device), right=True), len(_BOUNDS) + 1),
             torch.histc(torch.log2(a), bins=len(HIST_EDGES) - 1, min=_HIST_LO, max=_HIST_HI),
         ]
         self.count += a.numel()
@@ -189,6 +188,12 @@ class _Acc:
         assert self.state is not None, "flat() is only called on updated accumulators"
         s = self.state
         return torch.cat([torch.stack(s[:3]).double(), s[3].double(), s[4].double()])
+
+
+def _count(index: torch.Tensor, n: int) -> torch.Tensor:
+    """``bincount(index, minlength=n)`` without its host sync on CUDA (it reads ``index.max()``)."""
+    return torch.zeros(n, dtype=torch.int64, device=index.device).index_add_(
+        0, index, torch.ones_like(index))
 
 
 _BOUNDS_ON: dict[torch.device, torch.Tensor] = {}
@@ -256,6 +261,8 @@ class RangeCollector:
         if self.scaler is not None:
             scale = self.scaler.get_scale()
             self._scale = scale.detach() if isinstance(scale, torch.Tensor) else float(scale)
+        for t in (*self.model.parameters(), *self.model.buffers()):
+            _bounds(t.device)  # copy the bucket bounds to each device now, not in a hook
         for name, module in self.model.named_modules():
             self._handles.append(module.register_forward_hook(self._make_hook(name)))
             for pname, p in module.named_parameters(recurse=False):

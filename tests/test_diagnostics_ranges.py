@@ -1,0 +1,169 @@
+"""collect_ranges: fractions match real casts, statistics, loss scale, hooks, no syncs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.diagnostics import FORMATS, RangeStats, collect_ranges
+from mixprec.diagnostics.ranges import HIST_EDGES, format_limits
+
+
+class Copy(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+
+def log_uniform(n: int, lo: float, hi: float, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.exp2(torch.empty(n).uniform_(lo, hi, generator=g))
+    return mag * torch.randn(n, generator=g).sign()
+
+
+def test_format_limits() -> None:
+    fp16 = format_limits(torch.float16)
+    assert fp16.overflow_from == 65520.0 and fp16.smallest_subnormal == 2.0 ** -24
+    assert 2.0 ** -25 < fp16.zero_below < 2.0 ** -25 * (1 + 1e-6)
+    assert fp16.normal_from == 2.0 ** -14 - 2.0 ** -25
+    assert format_limits(torch.float8_e4m3fn).overflow_from == 464.0
+    assert format_limits(torch.float8_e5m2).overflow_from == 61440.0
+    assert format_limits(torch.bfloat16).smallest_subnormal == 2.0 ** -133
+
+
+def test_fractions_match_real_casts() -> None:
+    x = log_uniform(40000, -140, 127)
+    specials = []
+    for dt in FORMATS.values():  # values on and next to every rounding boundary
+        lim = format_limits(dt)
+        for v in (lim.zero_below, lim.normal_from, lim.overflow_from, lim.smallest_subnormal / 2,
+                  lim.tiny, lim.max):
+            t = torch.tensor(v, dtype=torch.float32)
+            specials += [t, torch.nextafter(t, torch.tensor(0.0)), torch.nextafter(t, t * 2)]
+    x = torch.cat([x, torch.stack(specials), -torch.stack(specials), torch.zeros(7)])
+    model = Copy()
+    with collect_ranges(model) as rc:
+        model(x)
+    s = rc.results()[""]["activation"]
+    n = x.numel()
+    for name, dt in FORMATS.items():
+        y = x.to(dt).float()
+        fi = torch.finfo(dt)
+        if dt == torch.float8_e4m3fn:  # no inf: PyTorch saturates to +-448; 464 rounds past it
+            overflow = x.abs() >= 448 + 16
+        else:
+            overflow = torch.isinf(y)
+        assert s.overflow[name] == overflow.sum().item() / n, name
+        assert s.underflow[name] == ((y == 0) & (x != 0)).sum().item() / n, name
+        assert s.subnormal[name] == ((y != 0) & (y.abs() < fi.tiny)).sum().item() / n, name
+    assert s.count == n and s.nonfinite == 0
+    assert s.absmax == x.abs().max().item()
+    assert s.min_nonzero == x.abs()[x != 0].min().item()
+    assert sum(s.hist) == (x != 0).sum().item() and len(s.hist) == len(HIST_EDGES) - 1
+    # one bin per binade: 1.5 lands in [2^0, 2^1)
+    with collect_ranges(model) as rc:
+        model(torch.tensor([1.5, 0.0, -3.0]))
+    hist = rc.results()[""]["activation"].hist
+    assert hist[HIST_EDGES.index(0)] == 1 and hist[HIST_EDGES.index(1)] == 1 and sum(hist) == 2
+
+
+def test_kinds_nonfinite_and_accumulation() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
+    x = torch.randn(5, 4)
+    with collect_ranges(model) as rc:
+        for _ in range(2):
+            model(x).sum().backward()
+        inside = rc.results()
+    res = rc.results()
+    assert list(res) == ["", "0", "1"]
+    assert set(res["0"]) == {"activation", "grad", "weight", "weight_grad"}
+    assert set(res["1"]) == {"activation", "grad"}
+    lin = res["0"]
+    assert lin["activation"].count == 2 * 15 and lin["grad"].count == 2 * 15
+    assert lin["weight"].count == 12 + 3
+    w_absmax = max(model[0].weight.abs().max().item(), model[0].bias.abs().max().item())
+    assert lin["weight"].absmax == pytest.approx(w_absmax)
+    assert lin["activation"].absmax == pytest.approx(model[0](x).abs().max().item())
+    assert inside["0"]["activation"] == lin["activation"]
+
+    model = Copy()
+    with collect_ranges(model) as rc:
+        model(torch.tensor([1.0, float("inf"), float("nan"), 2.0]))
+    s = rc.results()[""]["activation"]
+    assert (s.nonfinite, s.absmax, s.min_nonzero, s.count) == (2, 2.0, 1.0, 4)
+
+
+class _Scale:
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def get_scale(self) -> float:
+        return self.scale
+
+
+def test_gradients_judged_at_loss_scale() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    stats = []
+    for scaler in (None, _Scale(2.0 ** 20)):
+        with collect_ranges(model, scaler=scaler) as rc:
+            (model(x) * 1e-3).sum().backward()
+        stats.append(rc.results()[""])
+    for kind in ("grad", "weight_grad"):
+        assert stats[1][kind].absmax == stats[0][kind].absmax * 2.0 ** 20
+        assert stats[1][kind].overflow["float16"] >= stats[0][kind].overflow["float16"]
+    assert stats[1]["activation"] == stats[0]["activation"]
+    with pytest.raises(TypeError, match="get_scale"):
+        collect_ranges(model, scaler=object())
+
+
+def test_no_hooks_after_exit_and_no_sync_inside(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    with collect_ranges(model) as rc:
+        def no_sync(*a, **k):  # type: ignore[no-untyped-def]
+            raise AssertionError("host sync inside collect_ranges hooks")
+
+        with monkeypatch.context() as m:
+            for attr in ("item", "tolist", "__bool__", "cpu"):
+                m.setattr(torch.Tensor, attr, no_sync)
+            y = model(torch.randn(3, 4))
+            y.sum().backward()
+    for mod in model.modules():
+        assert not mod._forward_hooks
+    for p in model.parameters():
+        assert not p._backward_hooks
+    before = rc.results()
+    model(torch.randn(3, 4)).sum().backward()  # nothing is collected any more
+    assert rc.results() == before
+
+
+def test_stats_round_trip_json() -> None:
+    model = Copy()
+    with collect_ranges(model) as rc:
+        model(torch.tensor([0.0, 1e-9, 7e4]))
+    s = rc.results()[""]["activation"]
+    d = json.loads(json.dumps(s.to_dict(), allow_nan=False))
+    assert RangeStats.from_dict(d) == s
+    with collect_ranges(model) as rc:
+        model(torch.zeros(3))
+    z = rc.results()[""]["activation"]
+    assert math.isinf(z.min_nonzero) and z.to_dict()["min_nonzero"] is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_no_sync_inside() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).cuda()
+    x = torch.randn(8, 64, device="cuda")
+    model(x).sum().backward()  # warm up
+    with collect_ranges(model) as rc:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(x).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert rc.results()["0"]["activation"].count == 8 * 64

@@ -1,0 +1,312 @@
+"""trace_nonfinite: names the right module in forward and backward, in eager and deferred mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.diagnostics import NonFiniteError, trace_nonfinite
+
+torch.manual_seed(0)
+
+
+class Blow(nn.Module):
+    """Overflows float32 in forward."""
+
+    def __init__(self, factor: float = 1e39) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+class _InfGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        return g * float("inf")
+
+
+class BwdBlow(nn.Module):
+    """Identity in forward, infinite gradient in backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _InfGrad.apply(x)
+
+
+class _WeightInf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        (w,) = ctx.saved_tensors
+        return g * w, torch.full_like(w, float("inf"))
+
+
+class WeightInf(nn.Module):
+    """Finite input gradient, infinite weight gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _WeightInf.apply(x, self.weight)
+
+
+def chain(bad: nn.Module, at: int, n: int = 4) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(n):
+        layers.append(nn.Linear(8, 8))
+        if i == at:
+            layers.append(bad)
+    return nn.Sequential(*layers)
+
+
+def step(model: nn.Module, tracer, x: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
+    x = torch.randn(2, 8) if x is None else x
+    model(x).float().sum().backward()
+    return tracer.resolve()
+
+
+def assert_no_hooks(model: nn.Module) -> None:
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
+        assert not m._backward_hooks and not m._backward_pre_hooks
+    for p in model.parameters():
+        assert not p._backward_hooks
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["eager", "deferred"])
+@pytest.mark.parametrize("at", [0, 1, 2, 3])
+def test_forward_overflow_names_the_layer(at: int, deferred: bool) -> None:
+    model = chain(Blow(), at)
+    with trace_nonfinite(model, deferred=deferred) as tracer:
+        step(model, tracer)
+    ev = tracer.first
+    assert ev is not None
+    name = str(at + 1)  # Blow sits right after Linear number `at`
+    assert isinstance(model[int(name)], Blow)
+    assert (ev.module, ev.module_type, ev.phase, ev.tensor) == (name, "Blow", "forward", "output")
+    assert ev.kind == "inf" and ev.dtype == torch.float32
+    assert len(ev.input_ranges) == 1 and all(abs(v) < 1e3 for v in ev.input_ranges[0])
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["eager", "deferred"])
+@pytest.mark.parametrize("at", [0, 1, 2, 3])
+def test_backward_overflow_names_the_layer(at: int, deferred: bool) -> None:
+    model = chain(BwdBlow(), at)
+    with trace_nonfinite(model, deferred=deferred) as tracer:
+        step(model, tracer)
+    ev = tracer.first
+    assert ev is not None
+    assert (ev.module, ev.module_type, ev.phase, ev.tensor) == (
+        str(at + 1), "BwdBlow", "backward", "grad_input")
+    # the gradient arriving at the module's output was finite
+    assert ev.input_ranges and all(abs(v) < 1e6 for r in ev.input_ranges for v in r)
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["eager", "deferred"])
+def test_parameter_gradient_names_owner(deferred: bool) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), WeightInf(), nn.Linear(8, 8))
+    with trace_nonfinite(model, deferred=deferred) as tracer:
+        step(model, tracer)
+    ev = tracer.first
+    assert ev is not None and (ev.module, ev.phase, ev.tensor) == ("1", "backward", "grad:weight")
+
+
+class Nested(nn.Module):
+    def __init__(self, own_code: str | None = None) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 8)
+        self.own_code = own_code
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.own_code == "forward":
+            h = h * 1e39
+        elif self.own_code == "backward":
+            h = _InfGrad.apply(h)
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["eager", "deferred"])
+def test_nested_innermost_and_own_code(deferred: bool) -> None:
+    model = nn.Sequential(Nested(), nn.Sequential(Nested(), chain(Blow(), 1, n=2)), Nested())
+    with trace_nonfinite(model, deferred=deferred) as tracer:
+        step(model, tracer)
+    assert tracer.first is not None and tracer.first.module == "1.1.2"
+
+    for phase in ("forward", "backward"):
+        model = nn.Sequential(Nested(), Nested(own_code=phase), Nested())
+        with trace_nonfinite(model, deferred=deferred) as tracer:
+            step(model, tracer)
+        ev = tracer.first
+        assert ev is not None
+        assert (ev.module, ev.phase, ev.tensor) == ("1", phase, "intermediate")
+
+
+def test_nan_input_and_loss_gradient() -> None:
+    model = chain(nn.Identity(), 0)
+    with trace_nonfinite(model) as tracer:
+        x = torch.randn(2, 8)
+        x[0, 0] = float("nan")
+        step(model, tracer, x)
+    ev = tracer.first
+    assert ev is not None and (ev.module, ev.tensor, ev.kind) == ("", "input", "nan")
+
+    with trace_nonfinite(model) as tracer:
+        (model(torch.randn(2, 8)).sum() * float("inf")).backward()
+    ev = tracer.first
+    assert ev is not None and (ev.module, ev.phase, ev.tensor) == ("", "backward", "grad_output")
+
+
+def test_finite_run_reports_nothing_and_steps_count() -> None:
+    blow = Blow(1.0)
+    model = chain(blow, 1)
+    with trace_nonfinite(model, deferred=True) as tracer:
+        assert step(model, tracer) is None
+        blow.factor = 1e39
+        ev = step(model, tracer)
+    assert ev is not None and ev.step == 1 and tracer.first is ev and tracer.events == [ev]
+
+
+def test_raise_on_nonfinite() -> None:
+    model = chain(Blow(), 2)
+    with trace_nonfinite(model, raise_on_nonfinite=True):
+        with pytest.raises(NonFiniteError, match="forward output of module '3'") as info:
+            model(torch.randn(2, 8))
+    assert info.value.event.module == "3"
+    assert_no_hooks(model)
+
+    model = chain(BwdBlow(), 0)
+    with trace_nonfinite(model) as tracer:
+        tracer.raise_on_nonfinite = True
+        with pytest.raises(NonFiniteError, match="backward grad_input of module '1'"):
+            model(torch.randn(2, 8)).sum().backward()
+
+    model = chain(Blow(), 0)
+    with trace_nonfinite(model, deferred=True, raise_on_nonfinite=True) as tracer:
+        model(torch.randn(2, 8))  # deferred: nothing raised in the hooks
+        with pytest.raises(NonFiniteError):
+            tracer.resolve()
+
+
+def test_precise_mode_names_the_op() -> None:
+    model = chain(Blow(), 1)
+    with trace_nonfinite(model, precise=True) as tracer:
+        step(model, tracer)
+    assert tracer.first is not None and tracer.first.op == "aten.mul.Tensor"
+    assert tracer.first.module == "2"
+    model = chain(BwdBlow(), 1)
+    with trace_nonfinite(model, precise=True, deferred=True) as tracer:
+        step(model, tracer)
+    assert tracer.first is not None and tracer.first.module == "2"
+    assert tracer.first.op == "aten.mul.Tensor"
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_hooks_removed_and_nothing_global() -> None:
+    import torch.nn.modules.module as mm
+
+    globals_before = [dict(d) for d in (mm._global_forward_hooks, mm._global_forward_pre_hooks,
+                                        mm._global_backward_hooks, mm._global_backward_pre_hooks)]
+    model = chain(Blow(1.0), 1)
+    with trace_nonfinite(model, precise=True):
+        assert model[0]._forward_hooks  # installed while active
+        with pytest.raises(ZeroDivisionError):
+            1 / 0
+    assert_no_hooks(model)
+    with pytest.raises(ZeroDivisionError):
+        with trace_nonfinite(model, deferred=True):
+            raise ZeroDivisionError
+    assert_no_hooks(model)
+    globals_after = [dict(d) for d in (mm._global_forward_hooks, mm._global_forward_pre_hooks,
+                                       mm._global_backward_hooks, mm._global_backward_pre_hooks)]
+    assert globals_after == globals_before
+    # a graph built inside the block and run after it does not call back into the tracer
+    with trace_nonfinite(model) as tracer:
+        y = model(torch.randn(2, 8))
+    (y * float("inf")).sum().backward()
+    assert tracer.first is None
+
+
+def test_deferred_mode_does_not_sync_per_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = chain(Blow(), 2)
+    with trace_nonfinite(model, deferred=True) as tracer:
+        def no_sync(*a, **k):  # type: ignore[no-untyped-def]
+            raise AssertionError("host sync inside a deferred tracer's hooks")
+
+        with monkeypatch.context() as m:
+            for attr in ("item", "tolist", "__bool__", "cpu"):
+                m.setattr(torch.Tensor, attr, no_sync)
+            model(torch.randn(2, 8)).sum().backward()
+        ev = tracer.resolve()
+    assert ev is not None and ev.module == "3"
+
+
+def test_inplace_ops_on_traced_outputs_still_work() -> None:
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.act = nn.ReLU(inplace=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.fc(x)
+            out += x
+            return self.act(out)
+
+    model = nn.Sequential(Residual(), Residual())
+    x = torch.randn(2, 8, requires_grad=True)
+    with trace_nonfinite(model) as tracer:
+        model(x).sum().backward()
+    assert tracer.first is None and x.grad is not None
+
+
+def test_float16_overflow_under_autocast_is_named() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), Blow(1e5), nn.Linear(8, 8))
+    with trace_nonfinite(model, deferred=True) as tracer:
+        with mixprec.autocast("cpu", dtype=torch.float16):
+            y = model(torch.randn(2, 8) + 3)
+        ev = tracer.resolve()
+    assert y.dtype == torch.float16
+    assert ev is not None and (ev.module, ev.dtype) == ("2", torch.float16)
+
+
+def test_event_str_and_dict() -> None:
+    model = chain(Blow(), 0)
+    with trace_nonfinite(model) as tracer:
+        model(torch.randn(2, 8))
+    ev = tracer.first
+    assert ev is not None
+    assert "module '1' (Blow)" in str(ev) and "forward output" in str(ev)
+    d = ev.to_dict()
+    assert d["dtype"] == "float32" and d["module"] == "1"
+    with pytest.raises(TypeError):
+        trace_nonfinite("not a module")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_deferred_no_sync_until_resolve() -> None:
+    model = chain(Blow(), 1).cuda()
+    x = torch.randn(2, 8, device="cuda")
+    model(x).sum().backward()  # warm up
+    with trace_nonfinite(model, deferred=True) as tracer:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(x).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        ev = tracer.resolve()
+    assert ev is not None and ev.module == "2"

@@ -641,9 +641,10 @@ class GradScaler:
         is_blocked = blocked is not None and bool(blocked.item())  # documented sync
         names: tuple[str, ...] | None = None
         if self._history is not None:
-            skipped = found_inf is not None and bool(found_inf.item())
-            names = self._overflow_names() if skipped else ()
-            self._history(step, float(state.scale.item()), skipped, names)
+            flag = torch.zeros_like(state.scale) if found_inf is None else (found_inf != 0).float()
+            skipped_value, scale_value = torch.stack([flag, state.scale]).tolist()  # one sync
+            names = self._overflow_names() if skipped_value else ()
+            self._history(step, scale_value, bool(skipped_value), names)
         if is_blocked and names is None:
             names = self._overflow_names()
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)

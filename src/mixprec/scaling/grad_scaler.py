@@ -685,7 +685,9 @@ class GradScaler:
                 )
             return torch.full_like(current, value)
         if not isinstance(new_scale, torch.Tensor):
-            raise TypeError(f"new_scale must be a float or a 1-element tensor, got {type(new_scale).__name__}.")
+            raise TypeError(
+                f"new_scale must be a float or a 1-element tensor, got {type(new_scale).__name__}."
+            )
         if new_scale.device.type != current.device.type or new_scale.numel() != 1 or new_scale.requires_grad:
             raise ValueError(
                 "new_scale must be a float or a 1-element tensor on the scaler's device type "

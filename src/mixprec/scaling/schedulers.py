@@ -29,7 +29,10 @@ class SkipAwareScheduler:
         """
         if self.scaler.is_enabled():
             optimizer = getattr(self.scheduler, "optimizer", None)
-            skipped = self.scaler._skipped_for(optimizer) if optimizer is not None else self.scaler.last_step_skipped
+            if optimizer is None:
+                skipped = self.scaler.last_step_skipped
+            else:
+                skipped = self.scaler._skipped_for(optimizer)
             if bool(skipped):
                 return
         self.scheduler.step(*args, **kwargs)
@@ -51,7 +54,9 @@ def skip_aware(scheduler: Any, scaler: GradScaler) -> SkipAwareScheduler:
         TypeError: if ``scheduler`` has no ``step`` method.
     """
     if not callable(getattr(scheduler, "step", None)):
-        raise TypeError(f"skip_aware expects an LR scheduler with a step() method, got {type(scheduler).__name__}.")
+        raise TypeError(
+            f"skip_aware expects an LR scheduler with a step() method, got {type(scheduler).__name__}."
+        )
     return SkipAwareScheduler(scheduler, scaler)
 
 

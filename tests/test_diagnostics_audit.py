@@ -1,0 +1,198 @@
+"""audit: recommends keeping the overflowing layer, the policy trains clean, model untouched."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.diagnostics import AuditReport, audit
+
+
+class Blow(nn.Module):
+    """Overflows float16 inside, but its (normalised) output is small."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 1e6
+        return h / h.norm(dim=-1, keepdim=True)
+
+
+class Block(nn.Module):
+    def __init__(self, blow: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = Blow() if blow else nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
+def make(at: int | None, n: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Sequential(*[Block(i == at) for i in range(n)]), nn.Linear(8, 2)
+    )
+
+
+def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x).float(), y)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)
+
+
+def train(model: nn.Module, policy: mixprec.Policy | None, dtype: torch.dtype, scale: float,
+          steps: int = 3) -> bool:
+    """A few SGD steps under mixprec.autocast with a fixed loss scale; True if all were finite."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    b = batch()
+    for _ in range(steps):
+        opt.zero_grad()
+        with mixprec.autocast("cpu", dtype=dtype, policy=policy):
+            loss = loss_fn(model, b)
+        (loss * scale).backward()
+        grads = [p.grad for p in model.parameters()]
+        if not (torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)):
+            return False
+        for g in grads:
+            g.div_(scale)
+        opt.step()
+    return True
+
+
+@pytest.mark.parametrize("at", [0, 2])
+def test_float16_only_keeps_the_overflowing_layer_and_trains_clean(at: int) -> None:
+    model = make(at)
+    report = audit(model, batch(), loss_fn, dtypes=(torch.float16,))
+    name = f"0.{at}.act"
+    assert report.dtype == "float16" and report.dtypes == ("float16",)
+    ev = report.default_events["float16"]
+    assert ev is not None and ev.module == name and ev.phase == "forward"
+    assert report.keep["float16"] == (name,) and report.verified["float16"]
+    assert report.policy.compute == torch.float16
+    (rule,) = report.policy.module_rules
+    assert rule.dtype == torch.float32
+    assert [n for n, m in model.named_modules() if rule.matches(m, n)] == [name]
+    assert report.risks[0].module == name and report.risks[0].issue == "nonfinite"
+    # the recommended policy trains without overflow where the default one does not
+    s = report.init_scale
+    assert s == 2.0 ** round(math.log2(s)) and 1.0 <= s <= 2.0 ** 15
+    assert train(make(at), report.policy, torch.float16, s)
+    assert not train(make(at), None, torch.float16, s)
+
+
+def test_both_dtypes_prefers_bfloat16_when_float16_needs_keeps() -> None:
+    report = audit(make(1), batch(), loss_fn)
+    assert report.dtypes == ("float16", "bfloat16")
+    assert report.keep["float16"] == ("0.1.act",)
+    assert report.dtype == "bfloat16" and report.keep["bfloat16"] == ()
+    assert report.policy.compute == torch.bfloat16 and report.policy.module_rules == ()
+    assert report.init_scale == 1.0 and "float16 needs modules kept" in report.reason
+    with mixprec.autocast("cpu", policy=report.policy):
+        y = make(1)(batch()[0])
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+
+
+def test_clean_model_prefers_float16_with_a_safe_scale() -> None:
+    model = make(None)
+    report = audit(model, batch(), loss_fn, dtypes=("fp16", "bf16"), steps=2)
+    assert report.dtype == "float16" and report.keep == {"float16": (), "bfloat16": ()}
+    assert all(report.verified.values()) and report.default_events == {
+        "float16": None, "bfloat16": None}
+    gmax = max(s.absmax for kinds in report.ranges["float32"].values()
+               for k, s in kinds.items() if k in ("grad", "weight_grad"))
+    assert report.init_scale == min(2.0 ** 15, 2.0 ** math.floor(math.log2(65504 / (gmax * 8))))
+    scaled = report.ranges["float32@scale"]
+    assert scaled["1"]["grad"].absmax == report.ranges["float32"]["1"]["grad"].absmax * report.init_scale
+    assert report.ranges["float32"]["1"]["activation"].count == 2 * 4 * 2  # steps=2
+
+
+def test_model_state_is_restored() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), Blow(),
+                          nn.Linear(8, 2))
+    model[0].weight.grad = torch.full_like(model[0].weight, 3.0)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(123)
+    audit(model, batch(), loss_fn, dtypes=("float16",))
+    after_rng = torch.rand(3)
+    torch.manual_seed(123)
+    assert torch.equal(after_rng, torch.rand(3))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert torch.equal(model[0].weight.grad, torch.full_like(model[0].weight, 3.0))
+    assert all(p.grad is None for p in model[4].parameters())
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
+
+
+def test_scaler_scale_is_used_to_judge_gradients() -> None:
+    class Scaler:
+        def get_scale(self) -> float:
+            return 2.0 ** 30
+
+    report = audit(make(None), batch(), loss_fn, dtypes=("float16",), scaler=Scaler())
+    assert report.grad_scale == 2.0 ** 30
+    assert any(r.issue == "overflow" and r.tensor in ("grad", "weight_grad")
+               for r in report.risks)
+
+
+def test_errors() -> None:
+    model = make(None)
+    with pytest.raises(ValueError, match="float16 and bfloat16"):
+        audit(model, batch(), loss_fn, dtypes=(torch.float32,))
+    with pytest.raises(ValueError, match="empty"):
+        audit(model, batch(), loss_fn, dtypes=())
+    with pytest.raises(ValueError, match="steps"):
+        audit(model, batch(), loss_fn, steps=0)
+    with pytest.raises(ValueError, match="scalar tensor"):
+        audit(model, batch(), lambda m, b: m(b[0]), dtypes=("bf16",))
+    with pytest.raises(TypeError, match="loss_fn"):
+        audit(model, batch(), None)  # type: ignore[arg-type]
+
+    class NaNModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * float("nan")
+
+    with pytest.raises(RuntimeError, match="already in float32.*NaNModel"):
+        audit(NaNModel(), batch(), loss_fn)
+
+
+def test_report_outputs(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    report = audit(make(1), batch(), loss_fn)
+    assert isinstance(report, AuditReport)
+    text = report.summary(echo=False)
+    assert "compute=bfloat16" in text and "0.1.act" in text and "float16" in text
+    report.summary()
+    assert "0.1.act" in capsys.readouterr().out
+    d = json.loads(json.dumps(report.to_dict(), allow_nan=False))
+    assert d["dtype"] == "bfloat16" and d["keep"]["float16"] == ["0.1.act"]
+    assert d["default_events"]["float16"]["module"] == "0.1.act"
+    assert set(d["ranges"]) == {"float32", "float32@scale", "float16", "bfloat16"}
+    report.save(tmp_path / "rep")
+    page = (tmp_path / "rep" / "index.html").read_text()
+    assert page.count("data:image/png;base64,") == 2
+    assert "0.1.act" in page and "<script" not in page and "http" not in page.replace(
+        "http-equiv", "")
+    assert json.loads((tmp_path / "rep" / "report.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_policy_names_are_exact_and_escaped() -> None:
+    from mixprec.diagnostics.audit import _policy
+
+    (rule,) = _policy("float16", {"a.b", "c"}).module_rules
+    assert rule.matches(nn.Identity(), "a.b") and rule.matches(nn.Identity(), "c")
+    for other in ("aXb", "a.bc", "xa.b", "c.d", ""):
+        assert not rule.matches(nn.Identity(), other), other
+    assert re.fullmatch(r"\^\(\?:.*\)\$", rule.names or "")

@@ -1,0 +1,112 @@
+"""The `mixprec audit` command: report folder on success, one clear line on bad targets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mixprec.diagnostics.cli import add_audit_parser, audit_command
+
+FACTORIES = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    def good():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        return model, torch.randn(3, 4), lambda m, x: m(x).float().square().mean()
+
+    def raising():
+        raise KeyError("no data")
+
+    def two():
+        return 1, 2
+
+    def not_a_model():
+        return "model", None, print
+
+    VALUE = 3
+    """
+)
+
+
+@pytest.fixture()
+def targets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "diag_factories.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def run(target: str, out: Path, **kw) -> int:  # type: ignore[no-untyped-def]
+    opts = dict(device_type="cpu", dtypes=["bfloat16"], steps=1)
+    opts.update(kw)
+    return audit_command(target, str(out), **opts)
+
+
+def test_success_writes_report(targets: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = targets / "report"
+    assert run("diag_factories:good", out, dtypes=["fp16", "bfloat16"]) == 0
+    assert (out / "index.html").exists()
+    data = json.loads((out / "report.json").read_text())
+    assert data["dtypes"] == ["float16", "bfloat16"]
+    printed = capsys.readouterr().out
+    assert "mixprec audit (cpu)" in printed and "index.html" in printed
+
+
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        ("no_such_pkg_xyz.mod:factory", "cannot import 'no_such_pkg_xyz.mod'"),
+        ("diag_factories:missing", "has no attribute 'missing'"),
+        ("diag_factories:VALUE", "not a callable factory"),
+        ("diag_factories:raising", "raised KeyError"),
+        ("diag_factories:two", "must return (model, batch, loss_fn), got a 2-tuple"),
+        ("diag_factories:not_a_model", "not an nn.Module"),
+        ("diag_factories", "must look like package.module:factory"),
+    ],
+)
+def test_bad_targets_give_one_line(targets: Path, capsys: pytest.CaptureFixture[str],
+                                   target: str, message: str) -> None:
+    assert run(target, targets / "out") == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and err.startswith("mixprec audit: ")
+    assert not (targets / "out").exists()
+
+
+def test_bad_dtype_is_one_line(targets: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run("diag_factories:good", targets / "out", dtypes=["float32"]) == 2
+    assert "float16 and bfloat16" in capsys.readouterr().err
+
+
+def test_argparse_registration(targets: Path) -> None:
+    parser = argparse.ArgumentParser(prog="mixprec")
+    add_audit_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["audit", "diag_factories:good", "--out", str(targets / "r"),
+                              "--dtypes", "bfloat16", "--steps", "1"])
+    assert (args.command, args.device, args.steps) == ("audit", "cpu", 1)
+    assert args.func(args) == 0 and (targets / "r" / "report.json").exists()
+
+
+MAIN = Path(__file__).resolve().parents[1] / "src" / "mixprec" / "__main__.py"
+
+
+@pytest.mark.skipif(not MAIN.exists(), reason="mixprec/__main__.py not there yet")
+def test_python_dash_m(targets: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(targets))
+    bad = subprocess.run([sys.executable, "-m", "mixprec", "audit", "diag_factories:raising"],
+                         capture_output=True, text=True, env=env, cwd=targets, timeout=120)
+    assert bad.returncode == 2 and "raised KeyError" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    good = subprocess.run([sys.executable, "-m", "mixprec", "audit", "diag_factories:good",
+                           "--out", "r", "--dtypes", "bfloat16"],
+                          capture_output=True, text=True, env=env, cwd=targets, timeout=120)
+    assert good.returncode == 0, good.stderr
+    assert (targets / "r" / "index.html").exists()

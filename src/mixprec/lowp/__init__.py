@@ -7,6 +7,7 @@
 Pure low-precision optimizers (Kahan summation, stochastic rounding) are in :mod:`mixprec.optim`.
 
 Example:
+    >>> import torch
     >>> model = to_low_precision(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)))
     >>> opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-4))
 """

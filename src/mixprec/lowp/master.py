@@ -64,11 +64,14 @@ class MasterWeights(torch.optim.Optimizer):
         ValueError: unknown ``rounding``.
 
     Example:
-        >>> model = mixprec.to_low_precision(model, torch.bfloat16)
+        >>> import torch, mixprec
+        >>> model = mixprec.to_low_precision(torch.nn.Linear(4, 2), torch.bfloat16)
         >>> opt = mixprec.MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-4))
-        >>> loss_fn(model(x), y).backward()
+        >>> model(torch.randn(3, 4, dtype=torch.bfloat16)).float().sum().backward()
         >>> opt.step()
         >>> opt.zero_grad()
+        >>> opt.masters[0].dtype, model.weight.dtype
+        (torch.float32, torch.bfloat16)
     """
 
     def __init__(

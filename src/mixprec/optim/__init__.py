@@ -5,6 +5,7 @@
 functional updates are in :mod:`mixprec.optim._functional`; :func:`stochastic_round_` is public.
 
 Example:
+    >>> import torch, mixprec
     >>> model = mixprec.to_low_precision(torch.nn.Linear(8, 8))
     >>> opt = mixprec.optim.AdamW(model.parameters(), lr=1e-4, compensation="kahan")
 """

@@ -129,8 +129,14 @@ class CompensatedOptimizer(torch.optim.Optimizer):
             ValueError: a count, name or shape mismatch.
 
         Example:
+            >>> import torch, mixprec
+            >>> fp32_model = torch.nn.Linear(4, 4)
+            >>> bf16_model = mixprec.to_low_precision(torch.nn.Linear(4, 4))
             >>> opt = mixprec.optim.AdamW(bf16_model.parameters(), compensation="kahan")
-            >>> opt.load_fp32_weights(torch.load("fp32.pt"), model=bf16_model)
+            >>> opt.load_fp32_weights(fp32_model.state_dict(), model=bf16_model)
+            >>> w, p = fp32_model.weight, bf16_model.weight
+            >>> bool(torch.allclose(p.float() + opt.state[p]["kahan_comp"].float(), w, rtol=2**-14))
+            True
         """
         params = [p for g in self.param_groups for p in g["params"]]
         if isinstance(weights, Mapping):

@@ -48,7 +48,7 @@ def _param_view(param: Tensor, comp: Optional[Tensor]) -> Tensor:
     """The tensor the update is applied to: ``param`` in place, or its compensated fp32 value."""
     if param.dtype == compute_dtype(param.dtype) and comp is None:
         return param
-    return compensated_value(param, comp).to(compute_dtype(param.dtype))
+    return compensated_value(param, comp)  # float32: only low-precision params get here
 
 
 def _store_param(

@@ -46,6 +46,7 @@ class AdamW(CompensatedOptimizer):
     before ``step``). A tensor ``lr`` is read with ``.item()`` (one host sync per group and step).
 
     Example:
+        >>> import torch, mixprec
         >>> model = mixprec.to_low_precision(torch.nn.Linear(8, 8))  # bf16 weights
         >>> opt = mixprec.optim.AdamW(model.parameters(), lr=1e-4, compensation="kahan")
     """

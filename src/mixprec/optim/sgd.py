@@ -26,6 +26,7 @@ class SGD(CompensatedOptimizer):
             ``momentum > 0`` and ``dampening == 0``).
 
     Example:
+        >>> import torch, mixprec
         >>> model = mixprec.to_low_precision(torch.nn.Linear(8, 8))
         >>> opt = mixprec.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, compensation="stochastic",
         ...                         generator=torch.Generator().manual_seed(0))

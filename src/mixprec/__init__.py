@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     # loss scaling
     "GradScaler": "mixprec.scaling",
     "skip_aware": "mixprec.scaling",
+    "MinScaleError": "mixprec.scaling",
     # low-precision weights
     "to_low_precision": "mixprec.lowp",
     "MasterWeights": "mixprec.lowp",
@@ -74,4 +75,4 @@ if TYPE_CHECKING:  # static type checkers see the real names
     from mixprec.diagnostics import AuditReport, audit, collect_ranges, trace_nonfinite
     from mixprec.lowp import MasterWeights, to_low_precision
     from mixprec.policy import Policy
-    from mixprec.scaling import GradScaler, skip_aware
+    from mixprec.scaling import GradScaler, MinScaleError, skip_aware

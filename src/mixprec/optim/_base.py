@@ -35,11 +35,19 @@ def _scalar(x: Any) -> float:
 class CompensatedOptimizer(torch.optim.Optimizer):
     """An optimizer whose low-precision parameters are written back with ``compensation``.
 
-    Subclasses implement :meth:`step` with a functional update. Each param group carries
+    Subclasses implement :meth:`step` with a functional update. They support the loss scalers'
+    fused protocol (``_step_supports_amp_scaling``): ``mixprec.GradScaler`` and
+    ``torch.amp.GradScaler`` then check the gradients for inf/NaN without unscaling them (so
+    float16 gradients are accepted) and set ``grad_scale``/``found_inf`` on the optimizer for the
+    duration of ``step``, which skips on overflow (one ``found_inf.item()`` host sync, as the
+    scalers' non-fused path) and otherwise unscales each gradient on the fly, in float32, without
+    writing ``.grad``. Each param group carries
     ``compensation`` and ``state_dtype`` (so they can differ per group and are saved in
     ``state_dict()``); the stochastic-rounding ``generator`` belongs to the optimizer (save its
     state yourself with ``generator.get_state()`` if you need bitwise resumption).
     """
+
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -68,6 +76,21 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # -- helpers for subclasses -------------------------------------------------------------
+    def _scaler_inputs(self) -> tuple[bool, Optional[Tensor]]:
+        """``(skip, inv_scale)`` from a loss scaler's ``found_inf``/``grad_scale`` attributes.
+
+        ``skip`` reads ``found_inf`` on the host (a device sync when a scaler set it).
+        """
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and found_inf.item() != 0:
+            return True, None
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is None:
+            return False, None
+        if grad_scale.device.type == "mps":  # no float64 there
+            return False, grad_scale.float().reciprocal()
+        return False, grad_scale.double().reciprocal().float()  # as the scalers' unscale_
+
     @staticmethod
     def _state_dtype(group: dict[str, Any], p: Tensor) -> torch.dtype:
         return group["state_dtype"] or compute_dtype(p.dtype)

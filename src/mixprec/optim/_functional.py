@@ -10,7 +10,8 @@ The arithmetic is torch's single-tensor AdamW/SGD, operation for operation, carr
   keeps the rounding error in the buffer, ``"stochastic"`` rounds stochastically;
 * optimizer state in a narrower dtype than the compute dtype is read up, updated, and rounded back.
 
-Gradients are read, never written: no ``.grad`` is used as scratch space.
+Gradients are read, never written: no ``.grad`` is used as scratch space. With ``inv_scale``
+(a loss scaler's fused protocol) they are unscaled on the fly, in the compute dtype.
 """
 
 from __future__ import annotations
@@ -68,6 +69,23 @@ def _store_param(
         param.copy_(value)
 
 
+class _Unscaler:
+    """Divides gradients by the loss scale: ``grad * inv_scale``, one copy of it per device."""
+
+    def __init__(self, inv_scale: Optional[Tensor]) -> None:
+        self.inv_scale = inv_scale
+        self.per_device: dict[torch.device, Tensor] = {}
+
+    def __call__(self, grad: Tensor) -> Tensor:
+        if self.inv_scale is None:
+            return grad
+        inv = self.per_device.get(grad.device)
+        if inv is None:
+            inv = self.inv_scale.to(grad.device, non_blocking=True)
+            self.per_device[grad.device] = inv
+        return grad * inv
+
+
 def _check_grad(grad: Tensor) -> None:
     if grad.is_sparse:
         raise RuntimeError("mixprec.optim does not support sparse gradients; use torch.optim.SparseAdam")
@@ -93,6 +111,7 @@ def adamw(
     maximize: bool,
     compensation: Optional[str] = None,
     generator: Optional[torch.Generator] = None,
+    inv_scale: Optional[Tensor] = None,
 ) -> None:
     """One AdamW step (decoupled weight decay) over lists of tensors, in place.
 
@@ -109,12 +128,15 @@ def adamw(
         compensation: ``"stochastic"`` rounds parameters without a buffer stochastically;
             otherwise they are rounded to nearest.
         generator: randomness for stochastic rounding (on the parameters' device).
+        inv_scale: if given, a float32 scalar tensor the gradients are multiplied by first
+            (``1 / loss_scale``).
     """
+    unscale = _Unscaler(inv_scale)
     for i, param in enumerate(params):
         grad = grads[i]
         _check_grad(grad)
         cdtype = compute_dtype(param.dtype)
-        grad = _read(grad, cdtype)
+        grad = unscale(_read(grad, cdtype))
         if maximize:
             grad = -grad
         exp_avg = _read(exp_avgs[i], cdtype)
@@ -166,6 +188,7 @@ def sgd(
     compensation: Optional[str] = None,
     generator: Optional[torch.Generator] = None,
     state_dtype: Optional[torch.dtype] = None,
+    inv_scale: Optional[Tensor] = None,
 ) -> None:
     """One SGD step over lists of tensors, in place.
 
@@ -173,11 +196,12 @@ def sgd(
     then creates it (in ``state_dtype``, default the compute dtype) and stores it in the list, as
     torch does. Other arguments as in :func:`adamw`.
     """
+    unscale = _Unscaler(inv_scale)
     for i, param in enumerate(params):
         grad = grads[i]
         _check_grad(grad)
         cdtype = compute_dtype(param.dtype)
-        grad = _read(grad, cdtype)
+        grad = unscale(_read(grad, cdtype))
         if maximize:
             grad = -grad
         comp = kahan_comps[i]

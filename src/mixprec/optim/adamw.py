@@ -42,8 +42,9 @@ class AdamW(CompensatedOptimizer):
     Raises:
         ValueError: an invalid hyper-parameter or option.
 
-    Works with ``mixprec.GradScaler`` and ``torch.amp.GradScaler`` (they unscale the gradients
-    before ``step``). A tensor ``lr`` is read with ``.item()`` (one host sync per group and step).
+    Works with ``mixprec.GradScaler`` and ``torch.amp.GradScaler`` through their fused protocol,
+    float16 parameters included: the scaler checks for overflow, ``step`` skips on it (one host
+    sync) or unscales the gradients on the fly. A tensor ``lr`` is read with ``.item()``.
 
     Example:
         >>> import torch, mixprec
@@ -94,6 +95,9 @@ class AdamW(CompensatedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        skip, inv_scale = self._scaler_inputs()
+        if skip:  # a loss scaler found inf/NaN gradients
+            return loss
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, comps = [], [], [], [], [], [], []
             for p in group["params"]:
@@ -134,5 +138,6 @@ class AdamW(CompensatedOptimizer):
                 maximize=group["maximize"],
                 compensation=group["compensation"],
                 generator=self.generator,
+                inv_scale=inv_scale,
             )
         return loss

@@ -18,8 +18,8 @@ class SGD(CompensatedOptimizer):
 
     Same hyper-parameters, defaults and arithmetic as ``torch.optim.SGD`` (on float32 parameters
     the two agree to float32 rounding, and their ``state_dict()`` formats are interchangeable).
-    ``compensation``, ``state_dtype`` (of ``momentum_buffer``) and ``generator`` work as in
-    :class:`mixprec.optim.AdamW`.
+    ``compensation``, ``state_dtype`` (of ``momentum_buffer``), ``generator`` and loss scalers
+    work as in :class:`mixprec.optim.AdamW`.
 
     Raises:
         ValueError: an invalid hyper-parameter or option (as torch: Nesterov needs
@@ -73,6 +73,9 @@ class SGD(CompensatedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        skip, inv_scale = self._scaler_inputs()
+        if skip:  # a loss scaler found inf/NaN gradients
+            return loss
         for group in self.param_groups:
             params, grads, buffers, comps = [], [], [], []
             for p in group["params"]:
@@ -97,6 +100,7 @@ class SGD(CompensatedOptimizer):
                 maximize=group["maximize"],
                 compensation=group["compensation"],
                 generator=self.generator,
+                inv_scale=inv_scale,
                 state_dtype=group["state_dtype"],
             )
             if group["momentum"] != 0:

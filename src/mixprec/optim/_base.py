@@ -35,16 +35,17 @@ def _scalar(x: Any) -> float:
 class CompensatedOptimizer(torch.optim.Optimizer):
     """An optimizer whose low-precision parameters are written back with ``compensation``.
 
-    Subclasses implement :meth:`step` with a functional update. They support the loss scalers'
-    fused protocol (``_step_supports_amp_scaling``): ``mixprec.GradScaler`` and
-    ``torch.amp.GradScaler`` then check the gradients for inf/NaN without unscaling them (so
-    float16 gradients are accepted) and set ``grad_scale``/``found_inf`` on the optimizer for the
-    duration of ``step``, which skips on overflow (one ``found_inf.item()`` host sync, as the
-    scalers' non-fused path) and otherwise unscales each gradient on the fly, in float32, without
-    writing ``.grad``. Each param group carries
+    Subclasses implement :meth:`step` with a functional update. Each param group carries
     ``compensation`` and ``state_dtype`` (so they can differ per group and are saved in
     ``state_dict()``); the stochastic-rounding ``generator`` belongs to the optimizer (save its
     state yourself with ``generator.get_state()`` if you need bitwise resumption).
+
+    Loss scalers: the class implements their fused protocol (``_step_supports_amp_scaling``).
+    ``mixprec.GradScaler`` and ``torch.amp.GradScaler`` then only check the gradients for
+    inf/NaN (so float16 gradients are accepted) and set ``grad_scale``/``found_inf`` on the
+    optimizer for the duration of ``step``, which skips on overflow (one ``found_inf.item()``
+    host sync, as the scalers' non-fused path) and otherwise unscales each gradient on the fly,
+    in float32, without writing ``.grad``.
     """
 
     _step_supports_amp_scaling = True

@@ -1,13 +1,15 @@
 """Bytes per parameter and final loss of low-precision weight recipes (not a test).
 
-One deterministic task, six recipes, all AdamW with the same hyper-parameters:
+One deterministic task, seven recipes, all AdamW with the same hyper-parameters:
 
 * ``fp32``: float32 weights, ``torch.optim.AdamW``;
 * ``autocast``: float32 weights, forward under ``mixprec.autocast("cpu", bfloat16)``;
 * ``master``: bfloat16 weights, ``mixprec.MasterWeights(torch.optim.AdamW(...))``;
 * ``kahan``: bfloat16 weights, ``mixprec.optim.AdamW(compensation="kahan")``;
 * ``stochastic``: bfloat16 weights, ``mixprec.optim.AdamW(compensation="stochastic")``;
-* ``naive``: bfloat16 weights, ``torch.optim.AdamW`` (state in bfloat16, updates rounded to nearest).
+* ``naive``: bfloat16 weights, ``torch.optim.AdamW`` (state in bfloat16, updates rounded to nearest);
+* ``nearest``: bfloat16 weights, ``mixprec.optim.AdamW(compensation=None)`` (float32 state,
+  updates rounded to nearest): shows that the stall comes from the weight update, not the state.
 
 Task: a 16 -> 256 -> 1 tanh MLP regressing a random teacher (plus noise) on 512 fixed points,
 full batch, ``lr=2e-4``: Adam moves each weight by about ``lr`` per step, well below half a
@@ -35,7 +37,7 @@ from torch import nn
 import mixprec
 from mixprec.lowp import memory_bytes
 
-RECIPES = ("fp32", "autocast", "master", "kahan", "stochastic", "naive")
+RECIPES = ("fp32", "autocast", "master", "kahan", "stochastic", "naive", "nearest")
 LABELS = {
     "fp32": "fp32 AdamW",
     "autocast": "autocast + fp32 weights",
@@ -43,6 +45,7 @@ LABELS = {
     "kahan": "bf16 + Kahan",
     "stochastic": "bf16 + stochastic rounding",
     "naive": "naive bf16",
+    "nearest": "bf16, fp32 state, nearest",
 }
 LR = 2e-4
 HIDDEN = 256
@@ -80,7 +83,8 @@ def _setup(recipe: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     if recipe == "master":
         return model, mixprec.MasterWeights(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0))
     gen = torch.Generator().manual_seed(0)
-    opt = mixprec.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, compensation=recipe, generator=gen)
+    compensation = None if recipe == "nearest" else recipe
+    opt = mixprec.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, compensation=compensation, generator=gen)
     return model, opt
 
 

@@ -207,10 +207,17 @@ def test_refresh_masters_after_loading_model_weights():
     assert torch.all(opt.masters[0] == 0.25)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_fp16_params_with_mixprec_grad_scaler(fused):
+@pytest.mark.parametrize(
+    "inner,fused",
+    [
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-2), False),
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), True),
+        (lambda ps: mixprec.optim.AdamW(ps, lr=1e-2), True),  # implements the fused protocol
+    ],
+)
+def test_fp16_params_with_mixprec_grad_scaler(inner, fused):
     model = _model(torch.float16)
-    opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused))
+    opt = MasterWeights(inner(model.parameters()))
     assert opt._step_supports_amp_scaling is fused
     scaler = mixprec.GradScaler("cpu", init_scale=2.0**10)
     losses = []

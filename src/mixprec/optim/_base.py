@@ -83,7 +83,7 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         ``skip`` reads ``found_inf`` on the host (a device sync when a scaler set it).
         """
         found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and found_inf.item() != 0:
+        if found_inf is not None and float(found_inf) != 0:
             return True, None
         grad_scale = getattr(self, "grad_scale", None)
         if grad_scale is None:

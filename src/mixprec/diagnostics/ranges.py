@@ -48,7 +48,7 @@ FORMATS: dict[str, torch.dtype] = {
 #: Kinds of tensors gathered per module.
 KINDS = ("activation", "grad", "weight", "weight_grad")
 
-_HIST_LO, _HIST_HI = -150, 130  # covers every finite non-zero float32 magnitude
+_HIST_LO, _HIST_HI = -150, 130  # covers every finite non-zero float32 magnitude (2**-149..2**128)
 #: log2-magnitude histogram bin edges: one bin per binade, [2^k, 2^(k+1)).
 HIST_EDGES: tuple[int, ...] = tuple(range(_HIST_LO, _HIST_HI + 1))
 
@@ -171,7 +171,7 @@ class _Acc:
             a.amax(),
             torch.where(a > 0, a, math.inf).amin(),
             _count(torch.bucketize(a.flatten(), _bounds(a.device), right=True), len(_BOUNDS) + 1),
-            torch.histc(torch.log2(a), bins=len(HIST_EDGES) - 1, min=_HIST_LO, max=_HIST_HI),
+            _log2_hist(a),
         ]
         self.count += a.numel()
         old = self.state
@@ -194,6 +194,18 @@ def _count(index: torch.Tensor, n: int) -> torch.Tensor:
     """``bincount(index, minlength=n)`` without its host sync on CUDA (it reads ``index.max()``)."""
     return torch.zeros(n, dtype=torch.int64, device=index.device).index_add_(
         0, index, torch.ones_like(index))
+
+
+def _log2_hist(a: torch.Tensor) -> torch.Tensor:
+    """Counts of floor(log2 a) per :data:`HIST_EDGES` bin for the non-zero ``a`` (float32, >= 0).
+
+    ``frexp`` gives ``a = m * 2**e`` with ``m`` in [0.5, 1), so the binade is ``e - 1``; zeros go
+    to one extra bin that is dropped.
+    """
+    n = len(HIST_EDGES) - 1
+    _, e = torch.frexp(a.flatten())
+    index = torch.where(a.flatten() > 0, e.long() - 1 - _HIST_LO, n)
+    return _count(index, n + 1)[:n]
 
 
 _BOUNDS_ON: dict[torch.device, torch.Tensor] = {}

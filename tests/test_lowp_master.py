@@ -241,6 +241,26 @@ def test_fp16_params_with_mixprec_grad_scaler(inner, fused):
     assert all(p.dtype == torch.float16 for p in model[0].parameters())
 
 
+def test_skipped_fused_step_keeps_stochastically_rounded_params():
+    model = _model(torch.float16)
+    opt = MasterWeights(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
+        rounding="stochastic",
+        generator=torch.Generator().manual_seed(0),
+    )
+    scaler = mixprec.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(3):
+        scaler.scale(_loss(model, step)).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        if step == 2:
+            model[0].weight.grad[0, 0] = float("nan")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        changed = [not torch.equal(p, b) for p, b in zip(model.parameters(), before)]
+        assert not any(changed) if step == 2 else all(changed)
+
+
 def test_unscale_divides_the_master_grads_once():
     model = _model(torch.float16)
     opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))

@@ -203,10 +203,17 @@ class MasterWeights(torch.optim.Optimizer):
         finally:
             for key in forwarded:
                 delattr(self.optimizer, key)
+        found_inf = self.__dict__.get("found_inf")
+        found_inf = found_inf if isinstance(found_inf, Tensor) else None
         with torch.no_grad():
-            stochastic = self.rounding == "stochastic"
             for i, (p, master) in enumerate(self._pairs):
-                round_into_(p, master, stochastic, self.generator)
+                if self.rounding == "nearest":
+                    p.copy_(master)  # unchanged master (a skipped step): unchanged p
+                elif found_inf is None:
+                    round_into_(p, master, True, self.generator)
+                else:  # a fresh random rounding would move p on a skipped step: keep it, on device
+                    rounded = round_into_(torch.empty_like(p), master, True, self.generator)
+                    p.copy_(torch.where(found_inf.to(p.device) != 0, p, rounded))
                 master.grad = None
                 self._prepared[i] = None
         return loss if closure is not None else out

@@ -308,6 +308,8 @@ def test_errors():
     opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(TypeError, match="already wrapped"):
         MasterWeights(opt)
+    with pytest.raises(TypeError, match="LBFGS"):
+        MasterWeights(torch.optim.LBFGS(_model().parameters()))
     with pytest.raises(ValueError, match="rounding"):
         MasterWeights(torch.optim.SGD(_model().parameters(), lr=0.1), rounding="up")
 

@@ -60,7 +60,8 @@ class MasterWeights(torch.optim.Optimizer):
         generator: randomness for stochastic write-back (on the parameters' device).
 
     Raises:
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is a ``MasterWeights``.
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, is a ``MasterWeights``, or
+            is ``torch.optim.LBFGS`` (it re-evaluates the closure inside its step).
         ValueError: unknown ``rounding``.
 
     Example:
@@ -85,6 +86,11 @@ class MasterWeights(torch.optim.Optimizer):
             raise TypeError("the optimizer is already wrapped in MasterWeights")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"MasterWeights wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise TypeError(
+                "LBFGS re-evaluates the closure inside step(), where MasterWeights cannot refresh "
+                "the master gradients; train LBFGS in float32"
+            )
         if rounding not in _ROUNDINGS:
             raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
         # torch.optim.Optimizer.__init__ would build param groups of its own: set up only its hooks.
@@ -134,8 +140,8 @@ class MasterWeights(torch.optim.Optimizer):
         return [m for g in self.param_groups for m in g["params"]]
 
     def _attach(self, group: dict[str, Any]) -> None:
-        """Swap ``group``'s low-precision params for masters, in place (the list object is kept:
-        optimizers such as LBFGS hold it)."""
+        """Swap ``group``'s low-precision params for masters, in place (the list object is kept,
+        in case the optimizer holds it)."""
         params = group["params"]
         for i, p in enumerate(params):
             if p.dtype not in LOW_PRECISION_DTYPES:

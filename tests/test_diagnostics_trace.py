@@ -310,3 +310,23 @@ def test_cuda_deferred_no_sync_until_resolve() -> None:
             torch.cuda.set_sync_debug_mode("default")
         ev = tracer.resolve()
     assert ev is not None and ev.module == "2"
+
+
+def test_deferred_tracer_resolved_by_grad_scaler_history() -> None:
+    model = chain(BwdBlow(), 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    found: list[tuple[int, bool, object]] = []
+    with trace_nonfinite(model, deferred=True) as tracer:
+        def on_update(step, scale, skipped, names):  # type: ignore[no-untyped-def]
+            found.append((step, skipped, tracer.resolve() if skipped else None))
+
+        scaler = mixprec.GradScaler("cpu", init_scale=2.0 ** 8, history=on_update)
+        for _ in range(2):
+            scaler.scale(model(torch.randn(2, 8)).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            assert bool(scaler.last_step_skipped)
+            tracer.clear()
+    assert [(s, k) for s, k, _ in found] == [(0, True), (1, True)]
+    assert all(ev is not None and ev.module == "3" and ev.phase == "backward"
+               for _, _, ev in found)

@@ -238,7 +238,7 @@ class NonFiniteTracer:
     # ------------------------------------------------------------------ windows
     def _reset_window(self) -> None:
         self._window_event: NonFiniteEvent | None = None
-        self._flags: list[torch.Tensor] = []
+        self._flags: list[torch.Tensor] = []  # deferred: the checked values, on the device
         self._builders: list[tuple[str, Callable[[str | None], NonFiniteEvent]]] = []
         self._pending_op: str | None = None
         self._op_names: dict[int, str] = {}
@@ -264,8 +264,9 @@ class NonFiniteTracer:
     def _resolve_window(self) -> NonFiniteEvent | None:
         event = self._window_event
         if self.deferred and event is None and self._flags:
-            bad = torch.stack(self._flags).cpu()  # the single host sync
-            hits = bad.nonzero().flatten().tolist()
+            values = torch.cat(self._flags).cpu()  # the single host sync
+            check = torch.repeat_interleave(torch.tensor([f.numel() for f in self._flags]))
+            hits = sorted(set(check[~torch.isfinite(values)].tolist()))
             if hits:
                 kind, build = self._builders[hits[0]]
                 op = None
@@ -293,14 +294,13 @@ class NonFiniteTracer:
     def _check(self, pairs: torch.Tensor, kind: str,
                build: Callable[[str | None], NonFiniteEvent], op: str | None = None) -> None:
         """Flag ``pairs`` (``[k, 2]`` mins/maxes) if any is non-finite; eager mode syncs here."""
-        flag = ~torch.isfinite(pairs).all()
-        if self.deferred:
+        if self.deferred:  # keep the values on the device; resolve() tests them all at once
             if kind == "op":
                 self._op_names[len(self._flags)] = op  # type: ignore[assignment]
-            self._flags.append(flag)
+            self._flags.append(pairs.flatten())
             self._builders.append((kind, build))
             return
-        if not bool(flag):  # host sync (eager mode)
+        if bool(torch.isfinite(pairs).all()):  # host sync (eager mode)
             return
         if kind == "op":
             if self._pending_op is None:

@@ -330,3 +330,27 @@ def test_deferred_tracer_resolved_by_grad_scaler_history() -> None:
     assert [(s, k) for s, k, _ in found] == [(0, True), (1, True)]
     assert all(ev is not None and ev.module == "3" and ev.phase == "backward"
                for _, _, ev in found)
+
+
+def test_parameter_passed_as_input_keeps_no_hook() -> None:
+    from mixprec.diagnostics import collect_ranges
+
+    class Mul(nn.Module):
+        def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return x * w
+
+    class Gate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(8))
+            self.mul = Mul()
+            self.get = nn.Identity()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mul(x, self.get(self.w))  # a leaf enters and leaves modules
+
+    model = nn.Sequential(nn.Linear(8, 8), Gate())
+    for tool in (trace_nonfinite(model), collect_ranges(model)):
+        with tool:
+            model(torch.randn(2, 8)).sum().backward()
+        assert_no_hooks(model)

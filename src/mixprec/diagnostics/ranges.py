@@ -304,7 +304,9 @@ class RangeCollector:
             for t in _floats(output):
                 acc.update(t, None)
                 if t.requires_grad:
-                    t.register_hook(self._make_grad_hook(name, "grad"))
+                    handle = t.register_hook(self._make_grad_hook(name, "grad"))
+                    if t.grad_fn is None:  # a leaf (a returned parameter) outlives the graph
+                        self._handles.append(handle)
 
         return hook
 

@@ -146,13 +146,12 @@ class _Call:
 class _Tensor:
     """What the tracer knows about one tensor seen at a module boundary in forward."""
 
-    __slots__ = ("ref", "pair", "dtype", "producer", "enclosing", "consumer", "grad_pair")
+    __slots__ = ("ref", "pair", "producer", "enclosing", "consumer", "grad_pair")
 
     def __init__(self, t: torch.Tensor, pair: torch.Tensor, producer: _Call | None,
                  enclosing: _Call | None) -> None:
         self.ref = weakref.ref(t)
         self.pair = pair
-        self.dtype = t.dtype
         self.producer = producer
         self.enclosing = enclosing
         self.consumer: _Call | None = None
@@ -246,8 +245,8 @@ class NonFiniteTracer:
     def resolve(self) -> NonFiniteEvent | None:
         """Return the first event since the previous ``resolve`` (or ``None``); start a new window.
 
-        In deferred mode this is the one host sync of the step: the flags gathered on the device
-        are stacked and copied to the host once. Call it once per step, e.g. when the loss scaler
+        In deferred mode this is the one host sync of the step: the values gathered on the device
+        are concatenated and copied to the host once. Call it once per step, e.g. when the loss scaler
         reports a skipped step; call :meth:`clear` instead on good steps to drop the flags
         without syncing. Raises :class:`NonFiniteError` if ``raise_on_nonfinite`` is set.
         """
@@ -333,7 +332,9 @@ class NonFiniteTracer:
 
     def _watch_grad(self, t: torch.Tensor, info: _Tensor) -> None:
         if self.backward and t.requires_grad:
-            t.register_hook(self._make_grad_hook(info))  # lives and dies with the graph
+            handle = t.register_hook(self._make_grad_hook(info))
+            if t.grad_fn is None:  # a leaf (a parameter passed as input) outlives the graph
+                self._handles.append(handle)
 
     # ------------------------------------------------------------------ hooks
     def _quiet(self, hook: Callable[..., None]) -> Callable[..., None]:
@@ -352,7 +353,8 @@ class NonFiniteTracer:
 
     def _make_pre_hook(self, name: str, is_root: bool) -> Callable[..., None]:
         def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if is_root and not self._stack:
+            if is_root:  # a new forward of the model (a stack left by an exception is dropped)
+                self._stack.clear()
                 self._step += 1
                 self._seen.clear()
             parent = self._stack[-1] if self._stack else None
@@ -502,7 +504,8 @@ def trace_nonfinite(
         model: the model; every submodule (and parameter, if ``backward``) is watched.
         backward: also watch gradients (of module inputs/outputs and of parameters).
         deferred: keep the checks on the device, no host sync per module; call
-            :meth:`NonFiniteTracer.resolve` once per step (see module docs) to learn the event.
+            :meth:`NonFiniteTracer.resolve` (or :meth:`~NonFiniteTracer.clear`) once per step:
+            the checks of a step are held until then.
         precise: also check every ATen op and report it in ``event.op`` (slow).
         raise_on_nonfinite: raise :class:`NonFiniteError` as soon as the event is known.
 

@@ -40,6 +40,7 @@ from torch import nn
 
 from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch
 from mixprec.demo.model import SIZES, ModelConfig, TransformerLM, lm_loss
+from mixprec.lowp import memory_bytes
 
 __all__ = [
     "MODES",
@@ -118,7 +119,7 @@ class Settings:
 
 # size -> (steps, batch_size, lr); "tiny" runs all eight modes in about 2 minutes on 2 CPU cores
 _TRAIN_PRESETS: dict[str, tuple[int, int, float]] = {
-    "tiny": (150, 16, 3e-3),
+    "tiny": (120, 8, 3e-3),
     "small": (300, 16, 2e-3),
     "base": (600, 32, 1e-3),
 }
@@ -147,13 +148,11 @@ class _Setup:
     """One mode, ready to train: what a step calls, and how to read its loss scale."""
 
     model: nn.Module
-    optimizer: torch.optim.Optimizer  # the one the learning-rate schedule drives
-    stepper: Any  # what zero_grad()/step() are called on: the optimizer or MasterWeights
+    optimizer: torch.optim.Optimizer  # what zero_grad()/step() are called on
     autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext
     scaler: _Scaler | None = None
     # after scaler.update(): (current scale, whether the step was skipped), both device tensors
     scale_state: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
-    memory_extra: Callable[[], dict[str, int]] = dict
 
 
 @dataclass(frozen=True)
@@ -195,7 +194,7 @@ def _torch_scale_state(scaler: torch.amp.GradScaler) -> Callable[[], tuple[torch
 
 def _mixprec_scale_state(scaler: Any) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
     def state() -> tuple[torch.Tensor, torch.Tensor]:
-        return scaler._get_scale_async().detach().clone(), scaler.last_step_skipped.detach().clone()
+        return scaler.state.scale.detach().clone(), scaler.last_step_skipped.detach().clone()
 
     return state
 
@@ -203,7 +202,7 @@ def _mixprec_scale_state(scaler: Any) -> Callable[[], tuple[torch.Tensor, torch.
 
 def _setup_fp32(model: nn.Module, s: Settings, device: torch.device) -> _Setup:
     opt = _adamw(model.parameters(), s.lr)
-    return _Setup(model, opt, opt)
+    return _Setup(model, opt)
 
 
 def _setup_torch_amp(dtype: torch.dtype) -> Callable[[nn.Module, Settings, torch.device], _Setup]:
@@ -211,9 +210,9 @@ def _setup_torch_amp(dtype: torch.dtype) -> Callable[[nn.Module, Settings, torch
         opt = _adamw(model.parameters(), s.lr)
         autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
         if dtype != torch.float16:
-            return _Setup(model, opt, opt, autocast)
+            return _Setup(model, opt, autocast)
         scaler = torch.amp.GradScaler(device.type, init_scale=_INIT_SCALE)
-        return _Setup(model, opt, opt, autocast, scaler, _torch_scale_state(scaler))
+        return _Setup(model, opt, autocast, scaler, _torch_scale_state(scaler))
 
     return setup
 
@@ -225,9 +224,9 @@ def _setup_mixprec_amp(dtype: torch.dtype) -> Callable[[nn.Module, Settings, tor
         opt = _adamw(model.parameters(), s.lr)
         autocast = lambda: mixprec.autocast(device.type, dtype=dtype)  # noqa: E731
         if dtype != torch.float16:
-            return _Setup(model, opt, opt, autocast)
+            return _Setup(model, opt, autocast)
         scaler = mixprec.GradScaler(device.type, init_scale=_INIT_SCALE)
-        return _Setup(model, opt, opt, autocast, scaler, _mixprec_scale_state(scaler))
+        return _Setup(model, opt, autocast, scaler, _mixprec_scale_state(scaler))
 
     return setup
 
@@ -244,7 +243,7 @@ def _setup_bf16(compensation: str | None) -> Callable[[nn.Module, Settings, torc
                 model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.01,
                 compensation=compensation,
             )
-        return _Setup(model, opt, opt)
+        return _Setup(model, opt)
 
     return setup
 
@@ -254,9 +253,10 @@ def _setup_fp16_master(model: nn.Module, s: Settings, device: torch.device) -> _
 
     mixprec.to_low_precision(model, torch.float16)
     opt = _adamw(model.parameters(), s.lr)
-    master = mixprec.MasterWeights(opt)
     scaler = mixprec.GradScaler(device.type, init_scale=_INIT_SCALE)
-    return _Setup(model, opt, master, scaler=scaler, scale_state=_mixprec_scale_state(scaler))
+    return _Setup(
+        model, mixprec.MasterWeights(opt), scaler=scaler, scale_state=_mixprec_scale_state(scaler)
+    )
 
 
 _ALL_MODES = (
@@ -314,35 +314,6 @@ def check_modes(names: tuple[str, ...] | list[str]) -> None:
 
 # --------------------------------------------------------------------------------------------
 # measuring
-
-
-def _tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _state_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _state_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _state_tensors(v)
-
-
-def _memory(setup: _Setup) -> dict[str, int]:
-    params = list(setup.model.parameters())
-    memory = {
-        "params": sum(_tensor_bytes(p) for p in params),
-        "grads": sum(_tensor_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": sum(
-            _tensor_bytes(t) for state in setup.optimizer.state.values() for t in _state_tensors(state)
-        ),
-    }
-    for key, value in setup.memory_extra().items():
-        memory[key] = memory.get(key, 0) + value
-    return memory
 
 
 @contextlib.contextmanager
@@ -502,7 +473,7 @@ def run_mode(
     timed_from = wall_start
     for step in range(settings.steps):
         x, y = make_batch(train, offsets[step], cfg.seq_len, device)
-        setup.stepper.zero_grad(set_to_none=True)
+        setup.optimizer.zero_grad(set_to_none=True)
         measuring = step == 0
         if measuring and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -518,10 +489,10 @@ def run_mode(
                 activations = sum(saved.values())
         if setup.scaler is None:
             loss.backward()
-            setup.stepper.step()
+            setup.optimizer.step()
         else:
             setup.scaler.scale(loss).backward()
-            setup.scaler.step(setup.stepper)
+            setup.scaler.step(setup.optimizer)
             setup.scaler.update()
         schedule.step()
         losses.append(loss.detach())
@@ -540,7 +511,8 @@ def run_mode(
         timed_steps, timed_from = 1, wall_start
     tokens_per_s = timed_steps * settings.tokens_per_step / max(end - timed_from, 1e-9)
 
-    memory = _memory(setup)
+    held = memory_bytes(model, setup.optimizer)
+    memory = {key: held[key] for key in ("params", "grads", "master", "optimizer_state")}
     memory["activations"] = activations
     result = ModeResult(
         mode=name,

@@ -1,0 +1,157 @@
+"""The ``mixprec`` command: ``mixprec demo`` and ``mixprec audit``.
+
+``mixprec demo`` trains the demo language model in every precision mode side by side and writes
+a report (see ``docs/demo.md``); ``mixprec audit`` is :mod:`mixprec.diagnostics.cli`'s. Also
+``python -m mixprec ...``. Usage errors print one line on stderr and exit with status 2.
+
+Example:
+    $ mixprec demo --modes fp32,torch-amp,mixprec-fp16 --steps 50 --out report/
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, NoReturn, Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    from mixprec.demo.train import MODES
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in MODES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode(s) {', '.join(unknown) or repr(text)}; choose from {', '.join(MODES)}"
+        )
+    return names
+
+
+def _device(text: str) -> Any:
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} (try cpu or cuda)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("CUDA is not available here; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"the demo runs on cpu or cuda, got {text!r}")
+    return device
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_writable(out: Path) -> str | None:
+    """Create ``out`` and try a file in it; the reason it cannot be written, or None."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        return f"cannot write the report to {str(out)!r}: {e.strerror or e}"
+    return None
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from mixprec.demo.progress import progress_display
+    from mixprec.demo.report import format_table, hardware_note, write_report
+    from mixprec.demo.train import Settings, check_modes, run_demo
+
+    prog = "mixprec demo"
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"{prog}: error: the report needs matplotlib: pip install 'mixprec[report]'", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    problem = _check_writable(out)
+    if problem:
+        print(f"{prog}: error: {problem}", file=sys.stderr)
+        return 1
+    try:
+        check_modes(args.modes)
+    except (ValueError, RuntimeError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    settings = Settings.for_size(args.size, steps=args.steps, seed=args.seed)
+    device = args.device if args.device is not None else torch.device(_default_device())
+    cfg = settings.model
+    print(
+        f"mixprec demo: {len(args.modes)} modes x {settings.steps} steps on {device}; model "
+        f"{cfg.n_layers} layers, d={cfg.d_model}, seq {cfg.seq_len}, batch {settings.batch_size}",
+        flush=True,
+    )
+    with progress_display() as progress:
+        result = run_demo(settings, args.modes, device, progress)
+    note = hardware_note(result)
+    if note:
+        print(f"note: {note}")
+    print(format_table(result))
+    paths = write_report(result, out)
+    print(f"report: {paths['index']}  (data: {paths['results']})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mixprec`` argument parser, with ``demo`` and (when available) ``audit``."""
+    from mixprec.demo.model import SIZES
+    from mixprec.demo.train import DEFAULT_MODES, MODES
+
+    parser = _Parser(prog="mixprec", description="Automatic mixed precision for PyTorch.")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,audit}", required=True)
+    demo = sub.add_parser(
+        "demo",
+        help="train a small language model in every precision mode and write a report",
+        description="Train a small decoder-only transformer on a bundled public-domain text in "
+        "each precision mode, from the same seed, and write index.html, PNG figures and "
+        "results.json into --out.",
+    )
+    demo.add_argument("--steps", type=_positive_int, default=None,
+                      help="optimizer steps per mode (default: the size's; tiny: 120)")
+    demo.add_argument("--size", choices=tuple(SIZES), default="tiny", help="model size (default: tiny)")
+    demo.add_argument("--modes", type=_modes, default=DEFAULT_MODES,
+                      help=f"comma-separated modes (default: all but torch-amp-bf16): {','.join(MODES)}")
+    demo.add_argument("--device", type=_device, default=None,
+                      help="cpu or cuda (default: cuda when available)")
+    demo.add_argument("--out", default="mixprec-report", help="report folder (default: %(default)s/)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default: 0)")
+    demo.set_defaults(func=_demo)
+    if importlib.util.find_spec("mixprec.diagnostics.cli") is not None:
+        from mixprec.diagnostics.cli import add_audit_parser
+
+        add_audit_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``mixprec`` command with ``argv`` (``sys.argv[1:]`` when None); return the exit code."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))

@@ -1,0 +1,266 @@
+"""The demo's report: a terminal table, ``results.json``, PNG figures and ``index.html``.
+
+matplotlib is needed only by :func:`write_report` (``pip install mixprec[report]``) and is
+imported there, with the non-interactive Agg backend.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from mixprec.demo.train import DemoResult, ModeResult
+
+__all__ = ["MEMORY_PARTS", "format_table", "hardware_note", "write_report"]
+
+#: The memory categories of a mode, in plotting order (keys of ``ModeResult.memory``).
+MEMORY_PARTS = ("params", "grads", "master", "optimizer_state", "activations")
+
+_REFERENCE = "torch-amp"
+
+
+def _mib(n: float) -> float:
+    return n / 2**20
+
+
+def hardware_note(result: DemoResult) -> str | None:
+    """A sentence when float16/bfloat16 matmuls are emulated (slower than float32) on this device."""
+    slow = result.environment.get("lowp_matmul_slowdown")
+    if not slow:
+        return None
+    emulated = {k: v for k, v in slow.items() if v > 1.5}
+    if not emulated:
+        return None
+    parts = ", ".join(f"{k} {v:.1f}x" for k, v in emulated.items())
+    return (
+        f"this CPU has no native {'/'.join(emulated)} matmul ({parts} slower than float32): "
+        "low-precision modes run slower than fp32 here, while on a GPU they run faster; "
+        "compare their losses and memory, not their speed."
+    )
+
+
+def _reference(result: DemoResult) -> ModeResult:
+    """The mode speeds are compared to: torch-amp when it ran, else the first mode."""
+    return next((m for m in result.modes if m.mode == _REFERENCE), result.modes[0])
+
+
+def format_table(result: DemoResult) -> str:
+    """The final table printed in the terminal: one row per mode."""
+    ref = _reference(result)
+    header = ("mode", "final loss", "eval loss", "tokens/s", f"vs {ref.mode}", "memory MiB", "skipped")
+    rows = [header]
+    for m in result.modes:
+        rows.append((
+            m.mode,
+            f"{m.final_loss:.4f}",
+            f"{m.eval_loss:.4f}",
+            f"{m.tokens_per_s:,.0f}",
+            f"{m.tokens_per_s / ref.tokens_per_s:.2f}x",
+            f"{_mib(m.total_memory):.2f}",
+            str(len(m.skipped_steps)) if m.scales else "-",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _smooth(values: list[float]) -> list[float]:
+    """Trailing mean over a window of 1/25 of the run (at least one step)."""
+    window = max(1, len(values) // 25)
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _figures(result: DemoResult) -> list[dict[str, Any]]:
+    """What each figure shows: file name, title, the data it plots and its two-sentence caption."""
+    modes = result.modes
+    best = min(modes, key=lambda m: m.eval_loss)
+    scaled = [m for m in modes if m.scales]
+    ref = _reference(result)
+    lowest = min(modes, key=lambda m: m.total_memory)
+    fastest = max(modes, key=lambda m: m.tokens_per_s)
+    scale_caption = (
+        "The loss scale of every mode that uses one (log scale), with its skipped steps marked by "
+        "crosses: the scaler skips the update and halves the scale when a gradient overflows, and "
+        "doubles it after a run of clean steps. "
+        + (f"Skipped steps: {', '.join(f'{m.mode} {len(m.skipped_steps)}' for m in scaled)} "
+           f"of {len(scaled[0].scales)}; mixprec.GradScaler should follow torch's trajectory exactly."
+           if scaled else "No mode of this run uses a loss scaler.")
+    )
+    return [
+        {
+            "name": "loss",
+            "file": "loss.png",
+            "title": "Training loss",
+            "data": {m.mode: m.losses for m in modes},
+            "caption": (
+                "Training loss per step of every mode on the same batches from the same initial "
+                "weights (thin: raw, thick: trailing mean), so the curves differ only by the "
+                f"numerics of each precision mode; the lower panel shows each minus {modes[0].mode}. "
+                f"Lowest validation loss: {best.mode} ({best.eval_loss:.4f}); curves that lie on "
+                "fp32's lose nothing to lower precision."
+            ),
+        },
+        {
+            "name": "scale",
+            "file": "scale.png",
+            "title": "Loss scale and skipped steps",
+            "data": {m.mode: {"scales": m.scales, "skipped_steps": m.skipped_steps} for m in scaled},
+            "caption": scale_caption,
+        },
+        {
+            "name": "memory",
+            "file": "memory.png",
+            "title": "Memory per mode",
+            "data": {m.mode: m.memory for m in modes},
+            "caption": (
+                "Bytes held per mode, stacked: parameters, gradients, float32 master weights, "
+                "optimizer state, and peak activations "
+                f"({modes[0].activation_method}). "
+                f"{lowest.mode} needs the least ({_mib(lowest.total_memory):.2f} MiB); "
+                "bf16/fp16 weights halve params and grads, and autocast halves the activations."
+            ),
+        },
+        {
+            "name": "throughput",
+            "file": "throughput.png",
+            "title": "Throughput",
+            "data": {m.mode: m.tokens_per_s for m in modes},
+            "caption": (
+                "Training tokens per second of each mode, first step excluded"
+                + f", with the ratio to {ref.mode} on each bar. "
+                + f"Fastest here: {fastest.mode}; "
+                + (hardware_note(result) or "low-precision modes are faster where the device has "
+                   "native float16/bfloat16 kernels.")
+            ),
+        },
+    ]
+
+
+def _plot(fig_spec: dict[str, Any], result: DemoResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    name = fig_spec["name"]
+    colors = {m.mode: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(result.modes)}
+    if name == "loss":
+        fig, (ax, diff) = plt.subplots(2, 1, figsize=(8, 6.5), dpi=100, sharex=True,
+                                       gridspec_kw={"height_ratios": (2, 1)})
+        base = _smooth(result.modes[0].losses)
+        for m in result.modes:
+            steps = range(1, len(m.losses) + 1)
+            smooth = _smooth(m.losses)
+            ax.plot(steps, m.losses, color=colors[m.mode], alpha=0.2, linewidth=0.8)
+            ax.plot(steps, smooth, color=colors[m.mode], linewidth=1.6, label=m.mode)
+            diff.plot(steps, [a - b for a, b in zip(smooth, base)], color=colors[m.mode], linewidth=1.2)
+        ax.set(ylabel="cross-entropy (nats/byte)")
+        ax.legend(fontsize=8, ncol=2)
+        diff.set(xlabel="step", ylabel=f"minus {result.modes[0].mode}")
+        diff.grid(alpha=0.3)
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    if name == "scale":
+        scaled = [m for m in result.modes if m.scales]
+        for i, m in enumerate(scaled):
+            steps = list(range(1, len(m.scales) + 1))
+            ax.step(steps, m.scales, where="post", color=colors[m.mode], label=m.mode,
+                    linewidth=1.5, linestyle=("-", "--", ":", "-.")[i % 4])
+            ax.scatter([s + 1 for s in m.skipped_steps], [m.scales[s] for s in m.skipped_steps],
+                       marker="x", s=60, color=colors[m.mode])
+        if scaled:
+            ax.set_yscale("log", base=2)
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no mode with a loss scaler in this run", ha="center", va="center",
+                    transform=ax.transAxes)
+        ax.set(xlabel="step", ylabel="loss scale (x: skipped step)")
+    elif name == "memory":
+        labels = [m.mode for m in result.modes]
+        left = [0.0] * len(labels)
+        for j, part in enumerate(MEMORY_PARTS):
+            widths = [_mib(m.memory.get(part, 0)) for m in result.modes]
+            ax.barh(labels, widths, left=left, label=part.replace("_", " "),
+                    color=plt.get_cmap("Set2")(j))
+            left = [a + b for a, b in zip(left, widths)]
+        ax.invert_yaxis()
+        ax.set(xlabel="MiB")
+        ax.legend(fontsize=8, loc="lower right")
+    else:  # throughput
+        labels = [m.mode for m in result.modes]
+        values = [m.tokens_per_s for m in result.modes]
+        bars = ax.barh(labels, values, color=[colors[m] for m in labels])
+        ref = _reference(result)
+        ax.bar_label(bars, labels=[f"{v / ref.tokens_per_s:.2f}x" for v in values], fontsize=8)
+        ax.invert_yaxis()
+        ax.set(xlabel="tokens / s")
+    ax.set_title(fig_spec["title"])
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _html(result: DemoResult, figures: list[dict[str, Any]]) -> str:
+    s = result.settings
+    note = hardware_note(result)
+    env = ", ".join(f"{k} {v}" for k, v in result.environment.items() if not isinstance(v, dict))
+    modes = "".join(
+        f"<li><b>{html.escape(m.mode)}</b>: {html.escape(m.summary)}</li>" for m in result.modes
+    )
+    figs = "".join(
+        f'<figure><img src="{f["file"]}" alt="{html.escape(f["title"])}">'
+        f"<figcaption>{html.escape(f['caption'])}</figcaption></figure>"
+        for f in figures
+    )
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>mixprec demo report</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; padding: 0 1rem; }}
+pre {{ background: #f4f4f4; padding: 0.8rem; overflow-x: auto; }}
+figure {{ margin: 2rem 0; }} img {{ max-width: 100%; }} figcaption {{ color: #333; }}
+.note {{ background: #fff4d6; padding: 0.6rem; }}
+</style></head><body>
+<h1>mixprec demo report</h1>
+<p>A decoder-only transformer ({s.model.n_layers} layers, d={s.model.d_model},
+{s.model.n_heads} heads, sequence {s.model.seq_len}, byte-level) trained {s.steps} steps with
+batch {s.batch_size}, learning rate {s.lr}, seed {s.seed}, on {html.escape(result.device)} in
+each precision mode below, from the same initial weights and on the same batches.</p>
+{f'<p class="note">Note: {html.escape(note)}</p>' if note else ""}
+<ul>{modes}</ul>
+<pre>{html.escape(format_table(result))}</pre>
+{figs}
+<p><small>{html.escape(env)}. Every number is also in <a href="results.json">results.json</a>.</small></p>
+</body></html>
+"""
+
+
+def write_report(result: DemoResult, out: str | Path) -> dict[str, Path]:
+    """Write ``results.json``, ``loss.png``, ``scale.png``, ``memory.png``, ``throughput.png``
+    and ``index.html`` into ``out`` (created if needed); return their paths by name.
+
+    Raises:
+        ImportError: when matplotlib is not installed (``results.json`` is written first).
+        OSError: when ``out`` cannot be written.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    figures = _figures(result)
+    paths = {"results": out / "results.json"}
+    data = result.to_json()
+    data["figures"] = figures
+    paths["results"].write_text(json.dumps(data, indent=1))
+    for spec in figures:
+        paths[spec["name"]] = out / spec["file"]
+        _plot(spec, result, paths[spec["name"]])
+    paths["index"] = out / "index.html"
+    paths["index"].write_text(_html(result, figures), encoding="utf-8")
+    return paths

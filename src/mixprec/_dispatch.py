@@ -103,8 +103,15 @@ def clear_cache() -> None:
 
 
 # --------------------------------------------------------------------------- casting
+# floating dtypes autocast may cast: every floating dtype but float64
+_CASTABLE = frozenset(
+    d for d in vars(torch).values()
+    if isinstance(d, torch.dtype) and d.is_floating_point and d is not torch.float64
+)
+
+
 def _eligible(t: torch.Tensor, device_type: str) -> bool:
-    if not t.is_floating_point() or t.dtype is torch.float64:
+    if t.dtype not in _CASTABLE:
         return False
     if device_type == "cpu":
         return t.is_cpu or t.is_mkldnn

@@ -65,9 +65,11 @@ def test_fractions_match_real_casts() -> None:
     assert sum(s.hist) == (x != 0).sum().item() and len(s.hist) == len(HIST_EDGES) - 1
     # one bin per binade: 1.5 lands in [2^0, 2^1)
     with collect_ranges(model) as rc:
-        model(torch.tensor([1.5, 0.0, -3.0]))
+        model(torch.tensor([1.5, 0.0, -3.0, 1e-40, 2.0 ** 127, 2.0 ** -126]))
     hist = rc.results()[""]["activation"].hist
-    assert hist[HIST_EDGES.index(0)] == 1 and hist[HIST_EDGES.index(1)] == 1 and sum(hist) == 2
+    assert hist[HIST_EDGES.index(0)] == 1 and hist[HIST_EDGES.index(1)] == 1
+    assert hist[0] == 1 and hist[-1] == 1 and hist[HIST_EDGES.index(-126)] == 1
+    assert sum(hist) == 5 and HIST_EDGES[0] == -127 and HIST_EDGES[-2] == 127
 
 
 def test_kinds_nonfinite_and_accumulation() -> None:

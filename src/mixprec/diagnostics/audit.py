@@ -296,7 +296,7 @@ def audit(
 
     Args:
         model: the model, already on its device. Left exactly as found (parameters, gradients,
-            buffers, RNG state).
+            buffers, RNG state); the audit holds one copy of its parameters and buffers.
         batch: whatever ``loss_fn`` takes.
         loss_fn: ``loss_fn(model, batch) -> scalar loss tensor``; it runs the forward pass, e.g.
             ``lambda m, b: F.cross_entropy(m(b[0]), b[1])``.
@@ -316,8 +316,9 @@ def audit(
         An :class:`AuditReport`.
 
     Raises:
-        ValueError: empty or unsupported ``dtypes``, ``steps < 1``, a loss that is not a scalar
-            tensor requiring grad.
+        ValueError: empty or unsupported ``dtypes``, ``steps < 1``, ``margin < 1``,
+            ``underflow_threshold`` outside [0, 1], ``max_fixes < 0``, a loss that is not a
+            scalar tensor requiring grad.
         RuntimeError: the model produces inf/NaN already in float32 (the message says where).
 
     Host syncs: many (it reads statistics after every pass); not for use inside a training step.
@@ -341,6 +342,10 @@ def audit(
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if not margin >= 1.0:
         raise ValueError(f"margin must be >= 1, got {margin!r}")
+    if not 0.0 <= underflow_threshold <= 1.0:
+        raise ValueError(f"underflow_threshold must be in [0, 1], got {underflow_threshold!r}")
+    if not isinstance(max_fixes, int) or max_fixes < 0:
+        raise ValueError(f"max_fixes must be an int >= 0, got {max_fixes!r}")
 
     from mixprec.autocast_mode import autocast
 
@@ -422,8 +427,7 @@ def audit(
                 fixes += 1
                 event = verify(kept, scale)
             clean = event is None
-            keep[d] = tuple(m for m in ranges["float32"] if m in kept) + tuple(
-                sorted(kept - set(ranges["float32"])))
+            keep[d] = tuple(n for n, _ in model.named_modules() if n in kept)
             verified[d] = clean
             if d == "float16" and scaler is None:
                 scale16 = scale

@@ -12,6 +12,8 @@ gradient with respect to those outputs; ``"weight"``: the module's own parameter
   with round-to-nearest-even thresholds derived from :func:`torch.finfo`;
 * a histogram of log2|x| of the non-zero values, one bin per binade (:data:`HIST_EDGES`).
 
+The statistics are taken on ``|x|`` in float32 (float64 tensors are rounded to float32 first).
+
 All reductions stay on the tensors' device; the host reads them once, in
 :meth:`RangeCollector.results` (called by ``__exit__``).
 """
@@ -48,10 +50,10 @@ FORMATS: dict[str, torch.dtype] = {
 #: Kinds of tensors gathered per module.
 KINDS = ("activation", "grad", "weight", "weight_grad")
 
-_HIST_LO, _HIST_HI = -150, 130  # covers every finite non-zero float32 magnitude (2**-149..2**128)
-#: log2-magnitude histogram bin edges: one bin per binade, [2^k, 2^(k+1)).
+_HIST_LO, _HIST_HI = -127, 128
+#: log2-magnitude histogram bin edges: bin ``k`` counts ``[2^k, 2^(k+1))`` for ``k`` in
+#: -126..127 (every normal float32); the first bin, ``-127``, holds all float32 subnormals.
 HIST_EDGES: tuple[int, ...] = tuple(range(_HIST_LO, _HIST_HI + 1))
-
 
 @dataclass(frozen=True)
 class FormatLimits:
@@ -191,20 +193,23 @@ class _Acc:
 
 
 def _count(index: torch.Tensor, n: int) -> torch.Tensor:
-    """``bincount(index, minlength=n)`` without its host sync on CUDA (it reads ``index.max()``)."""
+    """``bincount(index, minlength=n)``; on CUDA without its host sync (it reads ``index.max()``)."""
+    if index.device.type == "cpu":
+        return torch.bincount(index, minlength=n)
     return torch.zeros(n, dtype=torch.int64, device=index.device).index_add_(
         0, index, torch.ones_like(index))
 
 
 def _log2_hist(a: torch.Tensor) -> torch.Tensor:
-    """Counts of floor(log2 a) per :data:`HIST_EDGES` bin for the non-zero ``a`` (float32, >= 0).
+    """Counts per :data:`HIST_EDGES` bin of the non-zero values of ``a`` (float32, >= 0).
 
-    ``frexp`` gives ``a = m * 2**e`` with ``m`` in [0.5, 1), so the binade is ``e - 1``; zeros go
-    to one extra bin that is dropped.
+    The biased exponent field of a non-negative float32 (its bits shifted right by 23) is the
+    bin index: 0 for subnormals, ``k + 127`` for ``[2^k, 2^(k+1))``. Zeros go to one extra bin
+    that is dropped.
     """
     n = len(HIST_EDGES) - 1
-    _, e = torch.frexp(a.flatten())
-    index = torch.where(a.flatten() > 0, e.long() - 1 - _HIST_LO, n)
+    flat = a.flatten()
+    index = torch.where(flat > 0, flat.view(torch.int32) >> 23, n).long()
     return _count(index, n + 1)[:n]
 
 

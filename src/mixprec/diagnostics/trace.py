@@ -107,9 +107,10 @@ class NonFiniteError(RuntimeError):
 
 def _floats(tree: Any) -> list[torch.Tensor]:
     """The floating tensors (16 bits or wider, non-empty) among the leaves of a container."""
+    leaves = [tree] if isinstance(tree, torch.Tensor) else tree_leaves(tree)
     return [
         t
-        for t in tree_leaves(tree)
+        for t in leaves
         if isinstance(t, torch.Tensor)
         and t.is_floating_point()
         and t.element_size() >= 2
@@ -128,6 +129,11 @@ def _pair(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.float64:  # finite float64 beyond float32 range must not read as inf
         pair = torch.where(torch.isfinite(pair), pair.clamp(-_F32_MAX, _F32_MAX), pair)
     return pair.float()
+
+
+def _stack(pairs: list[torch.Tensor]) -> torch.Tensor:
+    """``[k, 2]`` from k pairs (a view when k == 1)."""
+    return pairs[0][None] if len(pairs) == 1 else torch.stack(pairs)
 
 
 class _Call:
@@ -363,7 +369,7 @@ class NonFiniteTracer:
             if not self._active:
                 return
             fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
-            for t in _floats((args, kwargs)):
+            for t in _floats((args, kwargs) if kwargs else args):
                 info = self._known(t)
                 if info is None:
                     pair = _pair(t)
@@ -374,7 +380,7 @@ class NonFiniteTracer:
                 info.consumer = call
                 call.input_pairs.append(info.pair)
             if fresh and self._watching():
-                pairs = torch.stack([p for _, p in fresh])
+                pairs = _stack([p for _, p in fresh])
                 dtype = fresh[0][0].dtype
 
                 def build(op: str | None) -> NonFiniteEvent:
@@ -413,7 +419,7 @@ class NonFiniteTracer:
                 self._watch_grad(t, info)
                 fresh.append((t, pair))
             if fresh and self._watching():
-                pairs = torch.stack([p for _, p in fresh])
+                pairs = _stack([p for _, p in fresh])
                 dtype = fresh[0][0].dtype
                 self._check(pairs, "module", lambda op: self._event(
                     name, module, "forward", "output", pairs, dtype, call.input_pairs, op))
@@ -471,7 +477,7 @@ class NonFiniteTracer:
             return
         ts = _floats(out)
         if ts:
-            self._check(torch.stack([_pair(t) for t in ts]), "op",
+            self._check(_stack([_pair(t) for t in ts]), "op",
                         lambda op: None, op=str(func))  # type: ignore[arg-type,return-value]
 
 

@@ -141,7 +141,8 @@ def _range_figure(report: "AuditReport") -> str:
     axes[0].set_yticks(range(len(modules)))
     axes[0].set_yticklabels([m or "<model>" for m in modules], fontsize=7)
     axes[0].invert_yaxis()
-    axes[1].legend(fontsize=6, loc="lower right")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.06))
     url = _png(fig)
     plt.close(fig)
     return url
@@ -159,20 +160,23 @@ def _underflow_figure(report: "AuditReport") -> str:
     height = 1.2 + 0.22 * max(len(modules), 1) * max(len(report.dtypes), 1) / 2
     fig, axes = plt.subplots(1, 2, figsize=(13, height), sharey=True)
     width = 0.8 / max(len(report.dtypes), 1)
+    top = 0.01
     for ax, kind, stats in ((axes[0], "activation", ref), (axes[1], "grad", grads)):
         for j, d in enumerate(report.dtypes):
             vals = []
             for m in modules:
                 s = stats.get(m, {}).get(kind)
                 vals.append(0.0 if s is None else s.underflow[d] + s.subnormal[d])
+            top = max(top, *vals)
             ax.barh([i + j * width for i in range(len(modules))], vals, height=width,
                     color=_COLORS[d], label=f"{d}: flush to zero or subnormal")
         ax.set_title(f"{kind}s: share of values below the normal range")
         ax.set_xlabel("fraction of values")
-        ax.set_xlim(0, 1)
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(range(len(modules)))
     axes[0].set_yticklabels([m or "<model>" for m in modules], fontsize=7)
+    axes[0].set_xlim(0, min(1.0, 1.1 * top))  # the x axis is not shared: set both
+    axes[1].set_xlim(0, min(1.0, 1.1 * top))
     axes[0].invert_yaxis()
     axes[1].legend(fontsize=7)
     url = _png(fig)

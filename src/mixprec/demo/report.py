@@ -26,18 +26,26 @@ def _mib(n: float) -> float:
 
 
 def hardware_note(result: DemoResult) -> str | None:
-    """A sentence when float16/bfloat16 matmuls are emulated (slower than float32) on this device."""
-    slow = result.environment.get("lowp_matmul_slowdown")
-    if not slow:
+    """A sentence when this CPU emulates float16/bfloat16 matmuls (no native units), else None.
+
+    A dtype counts as emulated when the CPU flags say so, or, where the flags are unknown, when
+    its matmul is more than 1.5x slower than float32.
+    """
+    support = result.environment.get("cpu_lowp")
+    if not support:
         return None
-    emulated = {k: v for k, v in slow.items() if v > 1.5}
+    emulated = {
+        dtype: info["slowdown"]
+        for dtype, info in support.items()
+        if info["native"] is False or (info["native"] is None and info["slowdown"] > 1.5)
+    }
     if not emulated:
         return None
-    parts = ", ".join(f"{k} {v:.1f}x" for k, v in emulated.items())
+    timing = ", ".join(f"{dtype} {x:.1f}x" for dtype, x in emulated.items())
     return (
-        f"this CPU has no native {'/'.join(emulated)} matmul ({parts} slower than float32): "
-        "low-precision modes run slower than fp32 here, while on a GPU they run faster; "
-        "compare their losses and memory, not their speed."
+        f"this CPU has no native {'/'.join(emulated)} matmul units (measured slowdown against "
+        f"float32: {timing}), so low-precision modes run slower than fp32 here while on a GPU "
+        "they run faster: compare their losses and memory, not their speed."
     )
 
 

@@ -54,6 +54,8 @@ __all__ = [
     "run_mode",
     "run_demo",
     "lowp_speed",
+    "cpu_lowp_support",
+    "environment",
 ]
 
 
@@ -332,26 +334,28 @@ def _saved_tensor_bytes(exclude: set[int]) -> Iterator[dict[int, int]]:
         yield seen
 
 
-def lowp_speed(device: torch.device, n: int = 256, reps: int = 5) -> dict[str, float]:
+def lowp_speed(device: torch.device, n: int = 256, rounds: int = 7) -> dict[str, float]:
     """Time of an ``n x n`` matmul in float16 and bfloat16 relative to float32 on ``device``.
 
-    A ratio well above 1 means the device has no native kernels for that dtype (on most CPUs
-    float16 and bfloat16 matmuls are emulated). Synchronises the device.
+    The dtypes are timed in turn, ``rounds`` times after a warm-up, and each keeps its fastest
+    time (so that other load on the machine hurts them alike). A ratio well above 1 means the
+    device has no native kernels for that dtype (on most CPUs float16 and bfloat16 matmuls are
+    emulated). Synchronises the device.
     """
     a = torch.randn(n, n, device=device)
-    times = {}
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        x = a.to(dtype)
-        x @ x  # warm-up
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(reps):
+    xs = {dtype: a.to(dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16)}
+    best = dict.fromkeys(xs, math.inf)
+    for round_ in range(rounds + 1):
+        for dtype, x in xs.items():
+            _sync(device)
+            start = time.perf_counter()
             x @ x
-        _sync(device)
-        times[dtype] = time.perf_counter() - start
+            _sync(device)
+            if round_:  # round 0 warms up
+                best[dtype] = min(best[dtype], time.perf_counter() - start)
     return {
-        "float16": times[torch.float16] / times[torch.float32],
-        "bfloat16": times[torch.bfloat16] / times[torch.float32],
+        "float16": best[torch.float16] / best[torch.float32],
+        "bfloat16": best[torch.bfloat16] / best[torch.float32],
     }
 
 
@@ -547,8 +551,36 @@ def _evaluate(
     return total.item() / settings.eval_batches
 
 
+# CPU flags of native float16/bfloat16 matmul units (x86; /proc/cpuinfo)
+_NATIVE_FLAGS = {"float16": ("avx512_fp16", "amx_fp16"), "bfloat16": ("avx512_bf16", "amx_bf16")}
+
+
+def cpu_lowp_support() -> dict[str, dict[str, Any]]:
+    """Whether this CPU has native float16/bfloat16 matmul units, and how slow those matmuls are.
+
+    Returns ``{"float16": {"native": ..., "slowdown": ...}, "bfloat16": {...}}``: ``native`` from
+    the CPU flags in ``/proc/cpuinfo`` (``None`` where they cannot be read), ``slowdown`` the
+    matmul time relative to float32 from :func:`lowp_speed` (noisy on a busy machine).
+    """
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags: set[str] | None = {
+                flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()
+            }
+    except OSError:
+        flags = None
+    slowdown = lowp_speed(torch.device("cpu"))
+    return {
+        dtype: {
+            "native": None if not flags else any(flag in flags for flag in names),
+            "slowdown": slowdown[dtype],
+        }
+        for dtype, names in _NATIVE_FLAGS.items()
+    }
+
+
 def environment(device: torch.device) -> dict[str, Any]:
-    """Versions and hardware of this run, with low-precision matmul speed ratios on CPU."""
+    """Versions and hardware of this run; on CPU, :func:`cpu_lowp_support` too."""
     env: dict[str, Any] = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -559,7 +591,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["gpu"] = torch.cuda.get_device_name(device)
     else:
         env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-        env["lowp_matmul_slowdown"] = lowp_speed(device)
+        env["cpu_lowp"] = cpu_lowp_support()
     return env
 
 

@@ -39,13 +39,16 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from mixprec.diagnostics.ranges import KINDS, RangeStats, collect_ranges
 from mixprec.diagnostics.trace import NonFiniteEvent, trace_nonfinite
+
+if TYPE_CHECKING:
+    from mixprec.policy import Policy
 
 __all__ = ["AuditReport", "Risk", "audit"]
 
@@ -119,7 +122,7 @@ class AuditReport:
     device_type: str
     dtypes: tuple[str, ...]
     dtype: str
-    policy: Any
+    policy: "Policy"
     init_scale: float
     reason: str
     keep: dict[str, tuple[str, ...]]
@@ -226,7 +229,7 @@ class _Snapshot:
             p.grad = g
 
 
-def _policy(dtype: str, keep: set[str] | tuple[str, ...]) -> Any:
+def _policy(dtype: str, keep: set[str] | tuple[str, ...]) -> "Policy":
     from mixprec.policy import Policy
 
     policy = Policy(compute=_CANDIDATES[dtype])

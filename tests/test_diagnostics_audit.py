@@ -196,3 +196,12 @@ def test_policy_names_are_exact_and_escaped() -> None:
     for other in ("aXb", "a.bc", "xa.b", "c.d", ""):
         assert not rule.matches(nn.Identity(), other), other
     assert re.fullmatch(r"\^\(\?:.*\)\$", rule.names or "")
+
+
+def test_public_names() -> None:
+    import mixprec.diagnostics as diag
+
+    for name in ("trace_nonfinite", "collect_ranges", "audit", "AuditReport"):
+        assert getattr(mixprec, name) is getattr(diag, name)
+    assert all(not n.startswith("_") for n in diag.__all__)
+    assert {"NonFiniteEvent", "NonFiniteError", "RangeStats", "Risk"} <= set(diag.__all__)

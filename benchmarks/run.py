@@ -1,0 +1,138 @@
+"""Run every benchmark of the project and print one table of ratios against the reference.
+
+    python -m benchmarks [--quick] [--markdown]
+
+Each benchmark module exposes ``run(quick=False)`` returning a dict (or a list of dicts) of
+figures; an adapter here turns them into rows ``(benchmark, figure, ratio, reference, detail)``.
+The ratio is mixprec's cost over the reference's (time or bytes; below 1 is better), measured
+side by side in the same process. A benchmark that is missing or fails prints one line, and the
+exit status is then 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+__all__ = ["Row", "BENCHMARKS", "run_all", "format_table", "main"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: ``ratio`` is mixprec / ``reference`` (lower is better)."""
+
+    benchmark: str
+    figure: str
+    ratio: float
+    reference: str
+    detail: str = ""
+
+
+def _autocast(res: dict[str, Any]) -> list[Row]:
+    dtype = res["dtype"]
+    return [
+        Row("autocast_overhead", f"training step, {dtype}", res["step_ratio"], "torch.autocast",
+            f"{res['step_ms_mixprec']:.2f} vs {res['step_ms_torch']:.2f} ms"),
+        Row("autocast_overhead", f"tiny op dispatch, {dtype}", res["tiny_op_ratio"], "torch.autocast",
+            f"{res['tiny_op_us_mixprec']:.1f} vs {res['tiny_op_us_torch']:.1f} us/op"),
+    ]
+
+
+def _scaler(res: dict[str, float]) -> list[Row]:
+    return [
+        Row("scaler_overhead", f"scale/step/update, {kind}", ratio, "torch.amp.GradScaler")
+        for kind, ratio in res.items()
+    ]
+
+
+def _lowp(rows: list[dict[str, Any]]) -> list[Row]:
+    ref = next(r for r in rows if r["recipe"] == "autocast")
+    return [
+        Row("lowp_memory", f"bytes/param, {r['label']}", r["bytes_per_param"] / ref["bytes_per_param"],
+            f"{ref['label']} ({ref['bytes_per_param']:.1f} B)",
+            f"{r['bytes_per_param']:.1f} B/param, loss {r['loss_vs_fp32']:.3f}x fp32's")
+        for r in rows
+    ]
+
+
+def _diagnostics(res: dict[str, float]) -> list[Row]:
+    return [
+        Row("diagnostics_overhead", f"step time, {name}", ratio, "plain step",
+            f"plain step {res['step_ms']:.2f} ms")
+        for name, ratio in res.items()
+        if name != "step_ms"
+    ]
+
+
+#: module name under ``benchmarks`` -> adapter of its ``run()`` result to rows.
+BENCHMARKS: dict[str, Callable[[Any], list[Row]]] = {
+    "autocast_overhead": _autocast,
+    "scaler_overhead": _scaler,
+    "lowp_memory": _lowp,
+    "diagnostics_overhead": _diagnostics,
+}
+
+
+def run_all(
+    quick: bool = False,
+    benchmarks: dict[str, Callable[[Any], list[Row]]] | None = None,
+    package: str = "benchmarks",
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> tuple[list[Row], list[str]]:
+    """Run each benchmark in turn; return ``(rows, problems)``, one problem line per failure."""
+    rows: list[Row] = []
+    problems: list[str] = []
+    for name, adapt in (BENCHMARKS if benchmarks is None else benchmarks).items():
+        try:
+            module = importlib.import_module(f"{package}.{name}")
+        except ImportError as e:
+            problems.append(f"{package}.{name}: not available ({type(e).__name__}: {e})")
+            log(problems[-1])
+            continue
+        log(f"running {name}{' (quick)' if quick else ''} ...")
+        start = time.perf_counter()
+        try:
+            result = module.run(quick=quick)
+            new = adapt(result)
+        except Exception as e:  # one broken benchmark must not hide the others
+            problems.append(f"{package}.{name}: failed ({type(e).__name__}: {e})")
+            log(problems[-1])
+            continue
+        log(f"  {name}: {time.perf_counter() - start:.1f} s")
+        rows.extend(new)
+    return rows, problems
+
+
+def format_table(rows: Sequence[Row], markdown: bool = False) -> str:
+    """The rows as an aligned text table, or as a markdown table."""
+    header = ("benchmark", "figure", "ratio", "reference", "detail")
+    cells = [header] + [(r.benchmark, r.figure, f"{r.ratio:.3f}", r.reference, r.detail) for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(c) + " |" for c in cells]
+        lines.insert(1, "|---|---|---:|---|---|")
+        return "\n".join(lines)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    lines = ["  ".join(x.rjust(w) if i == 2 else x.ljust(w) for i, (x, w) in enumerate(zip(c, widths))).rstrip()
+             for c in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps (noisier)")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    args = parser.parse_args(argv)
+    rows, problems = run_all(quick=args.quick)
+    print(format_table(rows, markdown=args.markdown))
+    for line in problems:
+        print(line)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -205,3 +205,16 @@ def test_public_names() -> None:
         assert getattr(mixprec, name) is getattr(diag, name)
     assert all(not n.startswith("_") for n in diag.__all__)
     assert {"NonFiniteEvent", "NonFiniteError", "RangeStats", "Risk"} <= set(diag.__all__)
+
+
+def test_audit_accepts_a_criterion_with_an_inputs_target_batch():
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    batch = (torch.randn(4, 6), torch.tensor([0, 1, 2, 1]))
+    for crit in (nn.CrossEntropyLoss(), F.cross_entropy):
+        report = mixprec.audit(model, batch, crit, dtypes=(torch.bfloat16,))
+        assert report.policy.compute is torch.bfloat16
+    with pytest.raises(ValueError, match="criterion"):
+        mixprec.audit(model, torch.randn(4, 6), nn.MSELoss())

@@ -34,6 +34,7 @@ starts from the same RNG state, so dropout masks agree between passes.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -282,6 +283,44 @@ def _risks(dtype: str, ref: dict[str, dict[str, RangeStats]],
     return out
 
 
+_CRITERION_FIRST_ARGS = frozenset(
+    {"input", "inputs", "output", "outputs", "out", "logits", "pred", "preds", "prediction",
+     "predictions", "y_pred", "yhat", "y_hat"}
+)
+
+
+def _as_model_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable[[nn.Module, Any], torch.Tensor]:
+    """``loss_fn`` as ``(model, batch) -> loss``.
+
+    A criterion (an ``nn.Module`` such as ``nn.CrossEntropyLoss()``, or a function whose first
+    parameter is named like a prediction: ``input``, ``output``, ``logits``, ``pred``, ... as in
+    ``F.cross_entropy``) is applied as ``loss_fn(model(inputs), target)`` to a
+    ``batch = (inputs, target)``; anything else is called as ``loss_fn(model, batch)``.
+    """
+    criterion = isinstance(loss_fn, nn.Module)
+    if not criterion:
+        try:
+            params = list(inspect.signature(loss_fn).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        criterion = bool(params) and params[0].name in _CRITERION_FIRST_ARGS
+    if not criterion:
+        return loss_fn
+
+    def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ValueError(
+                f"loss_fn {getattr(loss_fn, '__name__', type(loss_fn).__name__)} is a criterion "
+                "(prediction, target): pass batch=(inputs, target), or pass "
+                "loss_fn(model, batch) -> loss instead"
+            )
+        inputs, target = batch
+        out = model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
+        return loss_fn(out, target)
+
+    return model_loss
+
+
 def audit(
     model: nn.Module,
     batch: Any,
@@ -301,8 +340,10 @@ def audit(
         model: the model, already on its device. Left exactly as found (parameters, gradients,
             buffers, RNG state); the audit holds one copy of its parameters and buffers.
         batch: whatever ``loss_fn`` takes.
-        loss_fn: ``loss_fn(model, batch) -> scalar loss tensor``; it runs the forward pass, e.g.
-            ``lambda m, b: F.cross_entropy(m(b[0]), b[1])``.
+        loss_fn: ``loss_fn(model, batch) -> scalar loss tensor``, which runs the forward pass
+            (e.g. ``lambda m, b: F.cross_entropy(m(b[0]), b[1])``), or a criterion such as
+            ``nn.CrossEntropyLoss()`` / ``F.cross_entropy`` with ``batch=(inputs, target)``,
+            applied as ``loss_fn(model(inputs), target)``.
         device_type: ``"cpu"`` or ``"cuda"``, for :func:`mixprec.autocast`.
         dtypes: the candidates (``torch.float16``/``torch.bfloat16`` or names such as
             ``"fp16"``); the recommendation uses only these.
@@ -336,6 +377,7 @@ def audit(
         raise TypeError(f"audit needs an nn.Module, got {type(model).__name__}")
     if not callable(loss_fn):
         raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
+    loss_fn = _as_model_loss(loss_fn)
     if isinstance(dtypes, (torch.dtype, str)):
         dtypes = (dtypes,)
     names = tuple(dict.fromkeys(_dtype_name(d) for d in dtypes))

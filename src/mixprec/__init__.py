@@ -42,6 +42,8 @@ _EXPORTS: dict[str, str] = {
     "collect_ranges": "mixprec.diagnostics",
     "audit": "mixprec.diagnostics",
     "AuditReport": "mixprec.diagnostics",
+    "NonFiniteEvent": "mixprec.diagnostics",
+    "NonFiniteError": "mixprec.diagnostics",
 }
 _SUBMODULES = ("optim", "scaling", "lowp", "diagnostics", "policy")
 
@@ -72,7 +74,14 @@ if TYPE_CHECKING:  # static type checkers see the real names
         get_autocast_dtype,
         is_autocast_enabled,
     )
-    from mixprec.diagnostics import AuditReport, audit, collect_ranges, trace_nonfinite
+    from mixprec.diagnostics import (
+        AuditReport,
+        NonFiniteError,
+        NonFiniteEvent,
+        audit,
+        collect_ranges,
+        trace_nonfinite,
+    )
     from mixprec.lowp import MasterWeights, to_low_precision
     from mixprec.policy import Policy
     from mixprec.scaling import GradScaler, MinScaleError, skip_aware

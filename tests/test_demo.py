@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,3 +189,23 @@ def test_hardware_note_names_emulated_dtypes(demo_result: DemoResult) -> None:
     env["cpu_lowp"] = {"float16": {"native": None, "slowdown": 1.1},
                        "bfloat16": {"native": None, "slowdown": 1.0}}
     assert hardware_note(DemoResult(demo_result.settings, "cpu", env, demo_result.modes)) is None
+
+
+def test_each_figure_plots_its_own_data(demo_result: DemoResult, tmp_path, monkeypatch) -> None:
+    from matplotlib.figure import Figure
+
+    drawn: dict[str, list[str]] = {}
+    save = Figure.savefig
+
+    def record(fig, path, *args, **kwargs):
+        drawn[Path(path).stem] = [ax.get_xlabel() for ax in fig.axes]
+        return save(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    write_report(demo_result, tmp_path)
+    assert drawn == {
+        "loss": ["", "step"],  # loss curves over the difference to fp32, sharing the step axis
+        "scale": ["step"],
+        "memory": ["MiB"],
+        "throughput": ["tokens / s"],
+    }

@@ -202,7 +202,7 @@ def _plot(fig_spec: dict[str, Any], result: DemoResult, path: Path) -> None:
         ax.invert_yaxis()
         ax.set(xlabel="MiB")
         ax.legend(fontsize=8, loc="lower right")
-    else:  # throughput
+    elif name == "throughput":
         labels = [m.mode for m in result.modes]
         values = [m.tokens_per_s for m in result.modes]
         bars = ax.barh(labels, values, color=[colors[m] for m in labels])

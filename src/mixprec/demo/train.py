@@ -174,7 +174,10 @@ class Mode:
     setup: Callable[[nn.Module, Settings, torch.device], _Setup] = field(repr=False)
 
 
+# Every scaler of the demo starts at torch's default scale but grows after 20 clean steps
+# instead of 2000, so that a run of a hundred steps shows the scale growing and backing off.
 _INIT_SCALE = 2.0**16
+_GROWTH_INTERVAL = 20
 
 
 def _adamw(params: Any, lr: float) -> torch.optim.Optimizer:
@@ -213,7 +216,7 @@ def _setup_torch_amp(dtype: torch.dtype) -> Callable[[nn.Module, Settings, torch
         autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
         if dtype != torch.float16:
             return _Setup(model, opt, autocast)
-        scaler = torch.amp.GradScaler(device.type, init_scale=_INIT_SCALE)
+        scaler = torch.amp.GradScaler(device.type, init_scale=_INIT_SCALE, growth_interval=_GROWTH_INTERVAL)
         return _Setup(model, opt, autocast, scaler, _torch_scale_state(scaler))
 
     return setup
@@ -227,7 +230,7 @@ def _setup_mixprec_amp(dtype: torch.dtype) -> Callable[[nn.Module, Settings, tor
         autocast = lambda: mixprec.autocast(device.type, dtype=dtype)  # noqa: E731
         if dtype != torch.float16:
             return _Setup(model, opt, autocast)
-        scaler = mixprec.GradScaler(device.type, init_scale=_INIT_SCALE)
+        scaler = mixprec.GradScaler(device.type, init_scale=_INIT_SCALE, growth_interval=_GROWTH_INTERVAL)
         return _Setup(model, opt, autocast, scaler, _mixprec_scale_state(scaler))
 
     return setup
@@ -255,7 +258,7 @@ def _setup_fp16_master(model: nn.Module, s: Settings, device: torch.device) -> _
 
     mixprec.to_low_precision(model, torch.float16)
     opt = _adamw(model.parameters(), s.lr)
-    scaler = mixprec.GradScaler(device.type, init_scale=_INIT_SCALE)
+    scaler = mixprec.GradScaler(device.type, init_scale=_INIT_SCALE, growth_interval=_GROWTH_INTERVAL)
     return _Setup(
         model, mixprec.MasterWeights(opt), scaler=scaler, scale_state=_mixprec_scale_state(scaler)
     )

@@ -28,16 +28,16 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 import platform
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
 from torch import nn
 
+import mixprec
 from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch
 from mixprec.demo.model import SIZES, ModelConfig, TransformerLM, lm_loss
 from mixprec.lowp import memory_bytes
@@ -204,7 +204,6 @@ def _mixprec_scale_state(scaler: Any) -> Callable[[], tuple[torch.Tensor, torch.
     return state
 
 
-
 def _setup_fp32(model: nn.Module, s: Settings, device: torch.device) -> _Setup:
     opt = _adamw(model.parameters(), s.lr)
     return _Setup(model, opt)
@@ -224,8 +223,6 @@ def _setup_torch_amp(dtype: torch.dtype) -> Callable[[nn.Module, Settings, torch
 
 def _setup_mixprec_amp(dtype: torch.dtype) -> Callable[[nn.Module, Settings, torch.device], _Setup]:
     def setup(model: nn.Module, s: Settings, device: torch.device) -> _Setup:
-        import mixprec
-
         opt = _adamw(model.parameters(), s.lr)
         autocast = lambda: mixprec.autocast(device.type, dtype=dtype)  # noqa: E731
         if dtype != torch.float16:
@@ -238,8 +235,6 @@ def _setup_mixprec_amp(dtype: torch.dtype) -> Callable[[nn.Module, Settings, tor
 
 def _setup_bf16(compensation: str | None) -> Callable[[nn.Module, Settings, torch.device], _Setup]:
     def setup(model: nn.Module, s: Settings, device: torch.device) -> _Setup:
-        import mixprec
-
         mixprec.to_low_precision(model, torch.bfloat16)
         if compensation is None:
             opt = _adamw(model.parameters(), s.lr)
@@ -254,8 +249,6 @@ def _setup_bf16(compensation: str | None) -> Callable[[nn.Module, Settings, torc
 
 
 def _setup_fp16_master(model: nn.Module, s: Settings, device: torch.device) -> _Setup:
-    import mixprec
-
     mixprec.to_low_precision(model, torch.float16)
     opt = _adamw(model.parameters(), s.lr)
     scaler = mixprec.GradScaler(device.type, init_scale=_INIT_SCALE, growth_interval=_GROWTH_INTERVAL)
@@ -289,7 +282,7 @@ DEFAULT_MODES: tuple[str, ...] = tuple(m.name for m in _ALL_MODES if m.name != "
 
 
 def _missing(path: str) -> str | None:
-    obj: Any = importlib.import_module("mixprec")
+    obj: Any = mixprec
     for part in path.split("."):
         try:
             obj = getattr(obj, part)
@@ -614,4 +607,4 @@ def run_demo(
     data = load_tokens()
     env = environment(device)
     results = [run_mode(name, settings, device, progress, data) for name in modes]
-    return DemoResult(settings=replace(settings), device=str(device), environment=env, modes=results)
+    return DemoResult(settings=settings, device=str(device), environment=env, modes=results)

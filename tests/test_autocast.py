@@ -458,3 +458,24 @@ def test_importing_mixprec_registers_nothing():
             "print(len(d._registered), d._lib is None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["0", "True"]
+
+
+def test_ops_unknown_to_torch_stay_fallthrough_for_torch_autocast_after_mixprec_used_them():
+    """einsum is on the CUDA list only: once mixprec has a CPU kernel for it, plain torch.autocast
+    must still lower the bmm that einsum calls inside, as PyTorch's fallthrough does."""
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 4, 5)
+    with mixprec.autocast("cpu", dtype=torch.float16, policy=mixprec.Policy.default("cuda")):
+        assert torch.einsum("bij,bjk->bik", a, b).dtype == torch.float16
+    with torch.autocast("cpu"):
+        assert torch.einsum("bij,bjk->bik", a, b).dtype == torch.bfloat16
+
+
+def test_passthrough_composite_still_autocasts_its_internals():
+    """An op moved to passthrough behaves like an op on no list: the op itself is not cast,
+    but the ops it calls inside are (here linear's matmul is lowered by the mm/addmm rules)."""
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    policy = mixprec.Policy().with_ops(passthrough=["linear"])
+    with mixprec.autocast("cpu", policy=policy):
+        out = F.linear(x, w)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, torch.mm(x.bfloat16(), w.t().bfloat16()))

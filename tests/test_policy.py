@@ -270,3 +270,20 @@ def test_module_rule_state_is_restored_when_forward_raises():
             net(torch.randn(1, 2))
         assert torch.is_autocast_enabled("cpu")
         assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.bfloat16
+
+
+def test_in_place_and_out_overloads_cannot_be_listed():
+    with pytest.raises(ValueError, match="in-place or out="):
+        Policy().with_ops(lower=["mm.out"])
+    with pytest.raises(ValueError, match="in-place or out="):
+        Policy().with_ops(fp32=[torch.ops.aten.add_.Tensor])
+    assert "mm.out" not in dict(Policy().with_ops(lower=["mm"]).op_rules)
+
+
+def test_decorated_function_output_follows_policy_output():
+    @mixprec.autocast("cpu", policy="compute=bf16,output=f32")
+    def f(a):
+        return torch.mm(a, a), [torch.mm(a, a)], torch.arange(3)
+
+    x, (y,), ints = f(torch.randn(2, 2))
+    assert x.dtype == torch.float32 and y.dtype == torch.float32 and ints.dtype == torch.int64

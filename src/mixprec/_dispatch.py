@@ -53,6 +53,11 @@ def _no_autocast() -> Any:
     return torch._C._ExcludeDispatchKeyGuard(_EXCLUDE_AUTOCAST)
 
 
+# Keys below every autocast key: redispatching with ``keyset & _BELOW_AUTOCAST`` skips autocast for
+# this op only, as PyTorch's fallthrough does; ops it calls internally are autocast again.
+_BELOW_AUTOCAST = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.AutocastCPU)
+
+
 @dataclass
 class Frame:
     """One active mixprec region of one device in one thread."""
@@ -225,8 +230,10 @@ def _op_info(name: str, op: "torch._ops.OpOverload") -> _OpInfo:
                    op_overload(target_name) if target_name else None)
 
 
-def _run(info: _OpInfo, kind: str, frame: Frame, args: tuple, kwargs: dict) -> Any:
+def _run(info: _OpInfo, kind: str, frame: Frame, keyset: Any, args: tuple, kwargs: dict) -> Any:
     op = info.op
+    if kind == "passthrough":  # as if the op were on no list
+        return op.redispatch(keyset & _BELOW_AUTOCAST, *args, **kwargs)
     with _no_autocast():
         if kind == "lower":
             args, kwargs = _cast_all(args, kwargs, frame.dtype, frame)
@@ -255,11 +262,12 @@ def _make_kernel(info: _OpInfo, device_type: str, native: Any) -> Callable[..., 
         stack = _tls.frames.get(device_type)
         if stack:
             frame = stack[-1]
-            return _run(info, frame.table.get(info.name, "passthrough"), frame, args, kwargs)
+            kind = frame.table.get(info.name, "passthrough")
+            return _run(info, kind, frame, keyset, args, kwargs)
         if native is not None:  # plain torch.autocast: PyTorch's own kernel
             return native.call_boxed(keyset, *args, **kwargs)
-        with _no_autocast():  # PyTorch falls through for ops it does not autocast
-            return info.op(*args, **kwargs)
+        # PyTorch falls through for ops it does not autocast
+        return info.op.redispatch(keyset & _BELOW_AUTOCAST, *args, **kwargs)
 
     return kernel
 
@@ -309,4 +317,4 @@ class _Emulated:
 
     def call_boxed(self, keyset: Any, *args: Any, **kwargs: Any) -> Any:
         frame = Frame(self.device_type, torch.get_autocast_dtype(self.device_type), {}, False)
-        return _run(self.info, self.kind, frame, args, kwargs)
+        return _run(self.info, self.kind, frame, keyset, args, kwargs)

@@ -43,6 +43,14 @@ def _is_functional(overload: "torch._ops.OpOverload") -> bool:
     return not schema.is_mutable and not schema.name.endswith("_")
 
 
+def _check_functional(name: str, overload: "torch._ops.OpOverload") -> None:
+    if not _is_functional(overload):
+        raise ValueError(
+            f"{name} writes into its arguments (in-place or out=); autocast never casts such ops. "
+            f"Name the functional overload instead"
+        )
+
+
 def op_overload(name: str) -> "torch._ops.OpOverload | None":
     """The ``OpOverload`` of a canonical name, or ``None`` if this PyTorch lacks it."""
     if name not in _dispatcher_names():
@@ -91,7 +99,9 @@ def canonical_names(op: OpLike) -> list[str]:
         if op.namespace != "aten":
             raise ValueError(f"only aten ops can be listed in a policy, got {op}")
         packet, ov = op._schema.name.split("::")[1], op._overloadname
-        return [packet if ov == "default" else f"{packet}.{ov}"]
+        name = packet if ov == "default" else f"{packet}.{ov}"
+        _check_functional(name, op)
+        return [name]
     if isinstance(op, torch._ops.OpOverloadPacket):
         return _packet_overloads(op._qualified_op_name.split("::")[1])
     if isinstance(op, str):
@@ -109,11 +119,13 @@ def canonical_names(op: OpLike) -> list[str]:
             return names
         if ov == "default":
             name = packet
-        if op_overload(name) is None:
+        overload = op_overload(name)
+        if overload is None:
             raise ValueError(
                 f"aten op {packet!r} has no overload {ov!r}; overloads: "
                 f"{', '.join(getattr(torch.ops.aten, packet).overloads())}"
             )
+        _check_functional(name, overload)
         return [name]
     if op is operator.matmul:
         return canonical_names("matmul")

@@ -160,7 +160,8 @@ class autocast:
         def decorate_autocast(*args: Any, **kwargs: Any) -> Any:
             with autocast(self.device, self.fast_dtype, self._enabled, self._cache_enabled,
                           policy=self.policy):
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+            return out if self.policy.output is None else _cast_tree(out, self.policy.output)
 
         return decorate_autocast  # type: ignore[return-value]
 
@@ -228,10 +229,11 @@ class _ModuleRules:
     @classmethod
     def _qualified_name(cls, module: nn.Module, root: nn.Module) -> str:
         names = cls._names.get(root)
-        if names is None or id(module) not in names:
+        if names is None or id(module) not in names:  # new root, or modules added since
             names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+            names.setdefault(id(module), "")  # not under root: only type rules can match it
             cls._names[root] = names
-        return names.get(id(module), "")
+        return names[id(module)]
 
     @classmethod
     def _pre(cls, module: nn.Module, args: tuple) -> Any:

@@ -70,3 +70,15 @@ def test_compiled_forward_graph_contains_the_casts_of_the_policy():
     assert dtype == torch.bfloat16 and casts.count(torch.bfloat16) == 3  # x, weight, bias
     dtype, casts = captured(mixprec.Policy().with_ops(fp32=["softmax"]))
     assert dtype == torch.float32 and torch.float32 in casts or dtype == torch.float32
+
+
+def test_torch_autocast_under_compile_after_mixprec_registered_kernels():
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    x = torch.randn(2, 5, 8)
+    with mixprec.autocast("cpu", policy=mixprec.Policy.default("cuda"), dtype=torch.float16):
+        model(x)  # registers mixprec kernels for the CPU and CUDA lists at AutocastCPU
+    with torch.autocast("cpu"):
+        eager = model(x)
+        got = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(got, eager, rtol=0, atol=0)

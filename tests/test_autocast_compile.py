@@ -82,3 +82,19 @@ def test_torch_autocast_under_compile_after_mixprec_registered_kernels():
         eager = model(x)
         got = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
     torch.testing.assert_close(got, eager, rtol=0, atol=0)
+
+
+def test_region_inside_a_compiled_function_is_never_silently_dropped():
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+
+    def f(x):
+        with mixprec.autocast("cpu"):
+            return lin(x)
+
+    out = torch.compile(f, backend="aot_eager")(x)  # graph break: the region runs eagerly
+    assert out.dtype == torch.bfloat16 and torch.equal(out, f(x))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="disable"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(x)

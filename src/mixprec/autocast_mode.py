@@ -37,6 +37,15 @@ def get_autocast_dtype(device_type: str = "cuda") -> torch.dtype:
     return torch.get_autocast_dtype(device_type)
 
 
+def _not_traced(fn: F) -> F:
+    reason = ("mixprec.autocast changes thread-local dispatch state Dynamo cannot trace; enter the "
+              "region outside the compiled function")
+    try:
+        return torch.compiler.disable(fn, reason=reason)  # type: ignore[call-arg]
+    except TypeError:  # torch without `reason`
+        return torch.compiler.disable(fn)
+
+
 class autocast:
     """Run a region with automatic mixed precision: a drop-in for ``torch.autocast``.
 
@@ -124,6 +133,11 @@ class autocast:
         self._cache_enabled = bool(cache_enabled)
         self._saved: list[tuple[Any, ...]] = []
 
+    # torch.compile cannot follow these thread-local state changes: tracing them would silently
+    # drop the region. Disabled for Dynamo, a region *inside* a compiled function graph-breaks
+    # (runs eagerly; an error under fullgraph=True). Regions around a compiled call are traced
+    # through the dispatcher and need no graph break.
+    @_not_traced
     def __enter__(self) -> "autocast":
         dev = self.device
         frame = None
@@ -144,6 +158,7 @@ class autocast:
         self._saved.append((prev, frame, hooked))
         return self
 
+    @_not_traced
     def __exit__(self, *exc: Any) -> None:
         (enabled, dtype, cache), frame, hooked = self._saved.pop()
         if hooked:

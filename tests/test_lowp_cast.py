@@ -102,3 +102,50 @@ def test_public_names():
     assert mixprec.to_low_precision is mixprec.lowp.to_low_precision is to_low_precision
     assert mixprec.MasterWeights is mixprec.lowp.MasterWeights
     assert set(mixprec.lowp.__all__) == {"MasterWeights", "memory_bytes", "to_low_precision"}
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(self.emb(ids)))
+
+
+@pytest.mark.parametrize("keep", [r"^emb$", r"^head$"])
+def test_tied_weight_of_a_kept_module_stays_fp32_in_any_order(keep):
+    model = _Tied()
+    model(torch.tensor([1, 2])).sum().backward()
+    before = model.emb.weight.detach().clone()
+    to_low_precision(model, keep=keep)
+    assert model.head.weight is model.emb.weight
+    assert model.emb.weight.dtype == torch.float32 and model.emb.weight.grad.dtype == torch.float32
+    assert torch.equal(model.emb.weight, before)  # never rounded through bf16
+    assert model.mid.weight.dtype == torch.bfloat16
+
+
+def test_policy_rules_and_order():
+    policy = mixprec.Policy().keep(types=(nn.LayerNorm,))
+    for keep in (policy, policy.module_rules, policy.module_rules[0]):
+        d = _dtypes(to_low_precision(_model(), keep=keep))
+        assert d["2.1.weight"] == torch.float32 and d["1.weight"] == torch.bfloat16
+    # the first match wins, types included
+    model = to_low_precision(_model(), keep=[ModuleRule(torch.float16, names=r"^3$"), nn.Linear])
+    assert model[3].weight.dtype == torch.float16 and model[0].weight.dtype == torch.float32
+
+
+def test_buffers_on_a_kept_batchnorm_and_a_cast_one():
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.Sequential(nn.BatchNorm1d(3)))
+    to_low_precision(model, keep=r"^0$")
+    assert model[0].running_mean.dtype == torch.float32 and model[1][0].running_var.dtype == torch.bfloat16
+    assert model[0].num_batches_tracked.dtype == model[1][0].num_batches_tracked.dtype == torch.int64
+
+
+@pytest.mark.parametrize("keep", [3, 2.5, object()])
+def test_keep_that_is_not_a_rule(keep):
+    with pytest.raises(TypeError, match="keep= takes"):
+        to_low_precision(_model(), keep=keep)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import torch
 from torch import nn
 
 from mixprec._modules import NORM_TYPES, ModuleRule
+
+if TYPE_CHECKING:
+    from mixprec.policy import Policy
 
 __all__ = ["to_low_precision", "KeepSpec", "LOW_PRECISION_DTYPES"]
 
@@ -18,7 +21,7 @@ LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
 _Predicate = Callable[[nn.Module, str], bool]
 _KeepItem = Union[ModuleRule, type, str, _Predicate]
 #: What ``keep=`` accepts: see :func:`to_low_precision`.
-KeepSpec = Union[None, _KeepItem, Sequence[_KeepItem]]
+KeepSpec = Union[None, _KeepItem, Sequence[_KeepItem], "Policy"]
 
 
 def _is_module_type(x: object) -> bool:
@@ -29,13 +32,25 @@ def _keep_rules(keep: KeepSpec) -> list[ModuleRule | _Predicate]:
     """Normalise ``keep`` into ModuleRules (types/regexes become float32 rules) and predicates."""
     if keep is None:
         return []
-    items = [keep] if isinstance(keep, (ModuleRule, str, type)) or callable(keep) else list(keep)
-    types = tuple(t for t in items if _is_module_type(t))
-    rules: list[ModuleRule | _Predicate] = [ModuleRule(torch.float32, types=types)] if types else []
-    for item in items:
+    module_rules = getattr(keep, "module_rules", None)  # a mixprec.Policy: its keep rules
+    if isinstance(module_rules, tuple):
+        keep = module_rules
+    if isinstance(keep, (ModuleRule, str, type)) or callable(keep):
+        items = [keep]
+    else:
+        try:
+            items = list(keep)
+        except TypeError:
+            raise TypeError(
+                "keep= takes a ModuleRule, an nn.Module type, a qualified-name regex (str), a "
+                "callable (module, qualified_name) -> bool, a mixprec.Policy, or a sequence of "
+                f"these; got {keep!r}"
+            ) from None
+    rules: list[ModuleRule | _Predicate] = []
+    for item in items:  # in order: the first match wins
         if _is_module_type(item):
-            continue
-        if isinstance(item, (ModuleRule, str)):
+            rules.append(ModuleRule(torch.float32, types=(item,)))
+        elif isinstance(item, (ModuleRule, str)):
             rules.append(ModuleRule(torch.float32, names=item) if isinstance(item, str) else item)
         elif callable(item) and not isinstance(item, type):
             rules.append(item)
@@ -75,9 +90,11 @@ def to_low_precision(
         keep: which modules not to cast, in the rule syntax of ``Policy.keep``: a
             :class:`mixprec.ModuleRule` or a sequence of them, ``nn.Module`` types (one or a
             tuple), a regex searched in qualified names (``r"^head$"``), a callable ``(module,
-            qualified_name) -> bool``, or a sequence mixing these; the first match wins.
-            Default: normalisation layers (``mixprec._modules.NORM_TYPES``). ``None`` or ``()``
-            keeps nothing.
+            qualified_name) -> bool``, or a sequence mixing these; the first match wins. A
+            ``mixprec.Policy`` stands for its ``module_rules`` (``keep=policy`` keeps what
+            ``Policy.keep`` selected). Default: normalisation layers
+            (``mixprec._modules.NORM_TYPES``). ``None`` or ``()`` keeps nothing. A tensor shared
+            by a kept and a cast module (tied weights) is kept.
 
     Raises:
         ValueError: ``dtype`` is not bfloat16/float16.
@@ -98,13 +115,30 @@ def to_low_precision(
         raise TypeError(f"to_low_precision needs an nn.Module, got {type(model).__name__}")
     rules = _keep_rules(keep)
 
+    # Decide every tensor's dtype first, then cast each once: a tensor shared by a kept and a
+    # cast module (tied weights, a module reachable under two names) keeps the first kept dtype
+    # that reaches it, whatever the traversal order, and is never cast down and back up.
+    kept_dtypes: dict[int, torch.dtype] = {}
+    modules: list[nn.Module] = []
+
     def visit(module: nn.Module, name: str, kept: torch.dtype | None) -> None:
         if kept is None:
             kept = _kept_dtype(rules, module, name)
-        target = dtype if kept is None else kept
-        module._apply(lambda t: t.to(target) if t.is_floating_point() else t, recurse=False)
+        modules.append(module)
+        if kept is not None:
+            for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                kept_dtypes.setdefault(id(t), kept)
         for child_name, child in module.named_children():
             visit(child, f"{name}.{child_name}" if name else child_name, kept)
 
     visit(model, "", None)
+    for module in modules:
+        for p in module.parameters(recurse=False):  # a gradient follows its parameter
+            if p.grad is not None and id(p) in kept_dtypes:
+                kept_dtypes[id(p.grad)] = kept_dtypes[id(p)]
+    for module in modules:
+        module._apply(
+            lambda t: t.to(kept_dtypes.get(id(t), dtype)) if t.is_floating_point() else t,
+            recurse=False,
+        )
     return model

@@ -843,3 +843,52 @@ def test_public_names():
     assert {"GradScaler", "skip_aware", "update_scale", "ScaleState", "CSVHistory", "TensorBoardHistory"} <= set(
         scaling.__all__
     )
+
+
+def test_init_and_loaded_scale_are_clamped_into_the_bounds():
+    capped = GradScaler("cpu", max_scale=1024.0)  # default init_scale 2**16 is above the cap
+    assert capped.get_scale() == 1024.0
+    assert capped.scale(torch.tensor(1.0)).item() == 1024.0
+    floored = GradScaler("cpu", init_scale=0.25, min_scale=1.0)
+    assert floored.get_scale() == 1.0
+    capped.load_state_dict(torch.amp.GradScaler("cpu").state_dict())  # torch's 2**16
+    assert capped.get_scale() == 1024.0 and capped.state.scale.item() == 1024.0
+
+
+def test_bad_state_dict_leaves_the_scaler_unchanged():
+    scaler = GradScaler("cpu", init_scale=8.0, growth_factor=4.0)
+    good = torch.amp.GradScaler("cpu").state_dict()
+    for bad in (
+        {**good, "scale": 0.0},
+        {**good, "growth_factor": 0.5},
+        {**good, "mixprec": {"hysteresis": 2, "hysteresis_left": 5}},
+        {**good, "mixprec": {"on_min_scale": "explode"}},
+    ):
+        with pytest.raises(ValueError):
+            scaler.load_state_dict(bad)
+        assert scaler.get_scale() == 8.0 and scaler.get_growth_factor() == 4.0
+        assert scaler.config.hysteresis == 1
+
+
+def test_nan_new_scale_tensor_keeps_the_scale():
+    p = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = GradScaler("cpu", init_scale=16.0)
+    one_param_step(scaler, opt, p, False)
+    scaler.update(new_scale=torch.tensor(float("nan")))
+    assert scaler.get_scale() == 16.0
+    scaler.update(new_scale=torch.tensor(0.0))
+    assert scaler.get_scale() == 2.0**-126  # never 0
+    scaler.update(new_scale=torch.tensor(INF))
+    assert scaler.get_scale() == torch.finfo(torch.float32).max  # never inf
+
+
+@pytest.mark.parametrize("kind", ["plain", "fused"])
+def test_step_without_gradients_says_what_to_do(kind):
+    model = nn.Linear(2, 2)
+    optimizer = make_optimizer(kind, model.parameters())
+    scaler = GradScaler("cpu").watch(model)
+    scaler.scale(torch.tensor(1.0))
+    scaler.unscale_(optimizer)  # like torch: unscaling nothing is fine, even when watching
+    with pytest.raises(RuntimeError, match="none of its parameters has a gradient"):
+        scaler.step(optimizer)

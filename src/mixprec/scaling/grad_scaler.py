@@ -87,7 +87,7 @@ class GradScaler:
     Args:
         device: device type of the scale, ``"cuda"`` or ``"cpu"`` (as ``torch.amp``); with
             ``"cuda"`` and no CUDA the scaler warns and disables itself, as torch's does.
-        init_scale: the first scale.
+        init_scale: the first scale (clamped into ``[min_scale, max_scale]``).
         growth_factor, backoff_factor, growth_interval: as ``torch.amp.GradScaler``.
         enabled: ``False`` makes :meth:`step` a plain ``optimizer.step()`` and the rest no-ops.
         hysteresis: overflows tolerated before the scale backs off (steps are skipped all the
@@ -190,7 +190,7 @@ class GradScaler:
         self._process_group = process_group
         self._history = history
         # Values the lazily created device state starts from (also what pickling stores).
-        self._init_scale = float(init_scale)
+        self._init_scale = self._clamped(float(init_scale))
         self._init_growth_tracker = 0
         self._init_hysteresis_left = hysteresis
         self._init_skipped_steps = 0
@@ -226,6 +226,14 @@ class GradScaler:
                 "scaler.scale(loss) (and backward) earlier in the iteration."
             )
         return self._state
+
+    def _clamped(self, scale: float) -> float:
+        """``scale`` clamped into ``[min_scale, max_scale]`` (host floats, no sync)."""
+        return min(max(scale, self._config.lower), self._config.upper)
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        """The scale tensor (no host sync), or ``None`` before :meth:`scale`; as torch's."""
+        return None if self._state is None else self._state.scale
 
     @property
     def state(self) -> ScaleState | None:
@@ -442,6 +450,16 @@ class GradScaler:
             combined = combined + flag
         return combined
 
+    def _optimizer_found_inf(self, optimizer_state: dict[str, Any]) -> torch.Tensor:
+        found = optimizer_state["found_inf_per_device"].values()
+        if not found:
+            raise RuntimeError(
+                "No inf checks were recorded for this optimizer: none of its parameters has a "
+                "gradient. Call backward() on a (scaled) loss that depends on them before "
+                "scaler.step(optimizer), or do not step this optimizer in this iteration."
+            )
+        return self._combined_found_inf(found)
+
     # ------------------------------------------------------------------ step
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -459,7 +477,8 @@ class GradScaler:
 
         Raises:
             RuntimeError: on a ``closure`` keyword, a second :meth:`step` for ``optimizer`` before
-                :meth:`update`, or before :meth:`scale`.
+                :meth:`update`, before :meth:`scale`, or when none of the optimizer's parameters
+                has a gradient.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -490,7 +509,7 @@ class GradScaler:
                 return result
             if optimizer_state["stage"] is _Stage.READY:
                 self._check_inf_per_device(optimizer)
-            found_inf = self._combined_found_inf(optimizer_state["found_inf_per_device"].values())
+            found_inf = self._optimizer_found_inf(optimizer_state)
             optimizer.grad_scale = (  # type: ignore[attr-defined]
                 getattr(optimizer, "grad_scale", None)
                 if optimizer_state["stage"] is _Stage.UNSCALED
@@ -508,7 +527,7 @@ class GradScaler:
 
         if optimizer_state["stage"] is _Stage.READY:
             self.unscale_(optimizer)
-        found_inf = self._combined_found_inf(optimizer_state["found_inf_per_device"].values())
+        found_inf = self._optimizer_found_inf(optimizer_state)
         skipped = optimizer_state["skipped"]
         if skipped is None:
             skipped = bool(found_inf.item())  # the one host sync of the plain path
@@ -526,7 +545,7 @@ class GradScaler:
 
     def _attribute(self, optimizer_state: dict[str, Any]) -> None:
         """When watching: reads the overflow flag once (cached) and names the bad parameters."""
-        if not self._watched or self._overflow_checked:
+        if not self._watched or self._overflow_checked or not optimizer_state["found_inf_per_device"]:
             return
         if optimizer_state["skipped"] is None:  # documented sync of watch()
             found = self._combined_found_inf(optimizer_state["found_inf_per_device"].values())
@@ -600,7 +619,8 @@ class GradScaler:
 
         Call once per iteration, after :meth:`step` for every optimizer. With ``new_scale`` the
         scale is set to it instead (a tensor's value is copied and clamped into
-        ``[min_scale, max_scale]``; a float must lie in that range). No host sync, except: with
+        ``[min_scale, max_scale]``, a NaN keeps the current scale; a float must lie in that
+        range). No host sync, except: with
         ``min_scale`` set and ``on_min_scale`` ``"raise"`` (or ``"warn"`` until it warned), one
         sync to check for an overflow at ``min_scale``; with ``history``, one sync.
 
@@ -694,7 +714,8 @@ class GradScaler:
                 f"({current.device.type!r}) with requires_grad=False."
             )
         value = new_scale.detach().reshape(()).to(device=current.device, dtype=torch.float32, copy=True)
-        return value.clamp(self._config.lower, self._config.upper)
+        # Checked on the device (no sync): NaN keeps the current scale, the rest is clamped.
+        return torch.where(value.isnan(), current, value.clamp(self._config.lower, self._config.upper))
 
     # ------------------------------------------------------------------ getters and setters
 
@@ -773,11 +794,12 @@ class GradScaler:
         """Loads a state from :meth:`state_dict` of this class or of ``torch.amp.GradScaler``.
 
         A torch state keeps this scaler's own options (hysteresis, bounds, ...) and refills the
-        hysteresis budget. No-op when disabled.
+        hysteresis budget; its scale is clamped into ``[min_scale, max_scale]``. No-op when
+        disabled.
 
         Raises:
             RuntimeError: if ``state_dict`` is empty (saved from a disabled scaler).
-            ValueError: if it holds out-of-range values.
+            ValueError: if it holds out-of-range values; the scaler is then left unchanged.
         """
         if not self._enabled:
             return
@@ -788,18 +810,29 @@ class GradScaler:
             )
         extra = dict(state_dict.get("mixprec", {}))
         fields = {f.name for f in dataclasses.fields(ScaleConfig)}
-        self._config = dataclasses.replace(
+        # Validate everything before changing anything: a bad state dict leaves the scaler as it was.
+        config = dataclasses.replace(
             self._config,
             **{k: state_dict[k] for k in self._TORCH_KEYS},
             **{k: v for k, v in extra.items() if k in fields},
         )
-        self._on_min_scale = extra.get("on_min_scale", self._on_min_scale)
-        self._init_scale = float(state_dict["scale"])
+        on_min_scale = extra.get("on_min_scale", self._on_min_scale)
+        if on_min_scale not in _ON_MIN_SCALE:
+            raise ValueError(f"on_min_scale must be one of {_ON_MIN_SCALE}, got {on_min_scale!r}.")
+        scale = float(state_dict["scale"])
+        _check_scale_value("scale", scale)
+        hysteresis_left = int(extra.get("hysteresis_left", config.hysteresis))
+        if not 0 <= hysteresis_left <= config.hysteresis:
+            raise ValueError(
+                f"hysteresis_left must be in [0, hysteresis={config.hysteresis}], got {hysteresis_left}."
+            )
+        self._config = config
+        self._on_min_scale = on_min_scale
+        self._init_scale = self._clamped(scale)
         self._init_growth_tracker = int(state_dict["_growth_tracker"])
-        self._init_hysteresis_left = int(extra.get("hysteresis_left", self._config.hysteresis))
+        self._init_hysteresis_left = hysteresis_left
         self._init_skipped_steps = int(extra.get("skipped_steps", 0))
         self._step = int(extra.get("step", self._step))
-        _check_scale_value("scale", self._init_scale)
         if self._state is not None:
             self._lazy_init(self._state.scale.device)
 

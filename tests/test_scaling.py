@@ -892,3 +892,383 @@ def test_step_without_gradients_says_what_to_do(kind):
     scaler.unscale_(optimizer)  # like torch: unscaling nothing is fine, even when watching
     with pytest.raises(RuntimeError, match="none of its parameters has a gradient"):
         scaler.step(optimizer)
+
+
+# ---------------------------------------------------------------- more torch equivalence
+
+
+def grads_trajectory(impl, grads_per_step, make_opt, scaler_kwargs=None, scaler=None, params=None):
+    """Feeds precomputed gradients (inf where given) through scale/step/update; returns scales,
+    whether each step moved the weights, and the scaler, params and optimizer."""
+    if params is None:
+        params = [nn.Parameter(torch.ones(3, 2)), nn.Parameter(torch.zeros(2))]
+    optimizer = make_opt(params)
+    scaler = scaler or make_scaler(impl, **(scaler_kwargs or {}))
+    scales, moved = [], []
+    for step_grads in grads_per_step:
+        scale = scaler.scale(torch.tensor(1.0))
+        for p, g in zip(params, step_grads):
+            p.grad = g * scale
+        before = params[0].detach().clone()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        moved.append(not torch.equal(before, params[0]))
+    return scales, moved, scaler, params, optimizer
+
+
+def gradient_sequence(n, seed=0, bad=(2, 5, 6)):
+    gen = torch.Generator().manual_seed(seed)
+    seq = []
+    for i in range(n):
+        g = [torch.randn(3, 2, generator=gen), torch.randn(2, generator=gen)]
+        if i in bad:
+            g[i % 2].view(-1)[0] = INF if i % 3 else float("nan")
+        seq.append(g)
+    return seq
+
+
+@pytest.mark.parametrize("src, dst", [("torch", "mixprec"), ("mixprec", "torch")])
+def test_state_dict_mid_training_continues_bitwise(src, dst):
+    """Train 6 steps with one implementation, checkpoint (non-default options), continue 8 steps
+    with the other: the continuation equals running the first implementation throughout."""
+    kwargs = dict(init_scale=2.0**12, growth_factor=4.0, backoff_factor=0.25, growth_interval=3)
+    seq = gradient_sequence(14, bad=(1, 4, 9, 10))
+
+    def opt(params):
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+    ref_scales, ref_moved, _, ref_params, _ = grads_trajectory(src, seq, opt, kwargs)
+    scales, moved, first, params, optimizer = grads_trajectory(src, seq[:6], opt, kwargs)
+    assert first._get_growth_tracker() == 1  # mid-interval: the tracker must travel
+    checkpoint = {"scaler": first.state_dict(), "optimizer": optimizer.state_dict()}
+    second = make_scaler(dst)
+    second.load_state_dict(checkpoint["scaler"])
+    more_scales, more_moved, _, params, _ = grads_trajectory(
+        dst, seq[6:], lambda ps: _loaded(opt(ps), checkpoint["optimizer"]), scaler=second, params=params
+    )
+    assert scales + more_scales == ref_scales
+    assert moved + more_moved == ref_moved
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+
+
+def _loaded(optimizer, state):
+    optimizer.load_state_dict(state)
+    return optimizer
+
+
+def test_state_dict_round_trips_through_torch_save(tmp_path):
+    scaler = GradScaler("cpu", hysteresis=2, min_scale=0.5, max_scale=2.0**20, on_min_scale="warn")
+    p = nn.Parameter(torch.zeros(2))
+    one_param_step(scaler, torch.optim.SGD([p], lr=1.0), p, True)
+    torch.save(scaler.state_dict(), tmp_path / "scaler.pt")
+    state = torch.load(tmp_path / "scaler.pt", weights_only=True)  # plain values only
+    restored = GradScaler("cpu")
+    restored.load_state_dict(state)
+    assert restored.state_dict() == scaler.state_dict()
+
+
+def stage_errors(impl):
+    """The message of every per-optimizer stage error, in order."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = make_scaler(impl)
+    messages = []
+
+    def expect(call):
+        with pytest.raises(Exception) as info:
+            call()
+        messages.append((type(info.value), str(info.value)))
+
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(optimizer)
+    expect(lambda: scaler.unscale_(optimizer))
+    scaler.step(optimizer)
+    expect(lambda: scaler.unscale_(optimizer))
+    expect(lambda: scaler.step(optimizer))
+    expect(lambda: scaler.step(optimizer, closure=lambda: None))
+    scaler.update()
+    half = nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    half.grad = torch.ones(2, dtype=torch.float16)
+    expect(lambda: scaler.unscale_(torch.optim.SGD([half], lr=0.1)))
+    return messages
+
+
+def test_stage_error_messages_match_torch():
+    theirs, ours = stage_errors("torch"), stage_errors("mixprec")
+    assert len(theirs) == len(ours) == 5
+    for (t_type, t_msg), (o_type, o_msg) in zip(theirs, ours):
+        assert o_type is t_type
+        assert o_msg.startswith(t_msg.rstrip(".")), (t_msg, o_msg)
+    assert "MasterWeights" in ours[-1][1]  # ours also says what to do about float16 gradients
+
+
+def test_positional_closure_is_forwarded_like_torch():
+    """torch refuses ``closure=`` but passes a positional closure to optimizer.step()."""
+    results = {}
+    for impl in IMPLS:
+        p = nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([p], lr=0.5)
+        scaler = make_scaler(impl, init_scale=4.0)
+        calls = []
+        scaler.scale(p.sum()).backward()
+        out = scaler.step(opt, lambda: calls.append(1) or torch.tensor(7.0))
+        scaler.update()
+        results[impl] = (out, calls, p.detach().clone())
+    assert results["torch"][0] == results["mixprec"][0] == 7.0
+    assert results["torch"][1] == results["mixprec"][1] == [1]
+    assert torch.equal(results["torch"][2], results["mixprec"][2])
+
+
+@pytest.mark.parametrize("new_scale", [8.0, 3.0, torch.tensor(256.0), torch.tensor(0.5, dtype=torch.float64)])
+def test_update_new_scale_like_torch(new_scale):
+    runs = {}
+    for impl in IMPLS:
+        scaler = make_scaler(impl, init_scale=64.0, growth_interval=2)
+        p = nn.Parameter(torch.zeros(2))
+        opt = torch.optim.SGD([p], lr=1.0)
+        one_param_step(scaler, opt, p, False)  # growth tracker 1
+        scaler.update(new_scale=new_scale)
+        scales = [scaler.get_scale()]
+        for bad in (False, False, True):
+            one_param_step(scaler, opt, p, bad)
+            scales.append(scaler.get_scale())
+        runs[impl] = scales
+    assert runs["torch"] == runs["mixprec"]
+    assert runs["mixprec"][0] == float(new_scale)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_disabled_scaler_is_a_true_no_op(impl):
+    """enabled=False: the same weights as no scaler at all, nothing created, nothing touched."""
+    torch.manual_seed(0)
+    ref = nn.Linear(3, 2)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = make_scaler(impl, enabled=False)
+    for i in range(3):
+        x = torch.randn(2, 3)
+        ref(x).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        outputs = [model(x).sum()]
+        assert scaler.scale(outputs) is outputs
+        outputs[0].backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        scaler.unscale_(opt)
+        assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+        scaler.step(opt)
+        scaler.update()
+        scaler.update(new_scale=2.0)
+        opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+    assert scaler.get_scale() == 1.0 and scaler.state_dict() == {}
+    scaler.load_state_dict({})  # no-op, no error
+    clone = pickle.loads(pickle.dumps(scaler))
+    assert not clone.is_enabled()
+    if impl == "mixprec":
+        assert scaler.state is None
+        assert not scaler.last_step_skipped and scaler.skipped_steps.item() == 0
+
+
+@pytest.mark.parametrize("kind", ["plain", "foreach", "fused"])
+def test_gradient_accumulation_with_overflow_bitwise_equal_to_torch(kind):
+    runs = {}
+    for impl in IMPLS:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+        optimizer = make_optimizer(kind, model.parameters())
+        scaler = make_scaler(impl, init_scale=2.0**8, growth_interval=2)
+        scales = []
+        for i in range(12):
+            x = torch.randn(3, 4)
+            with autocast(torch.bfloat16):
+                loss = model(x).float().pow(2).mean() / 3
+            scaler.scale(loss).backward()
+            if i == 4:  # an overflow in one micro-batch spoils the whole accumulated step
+                model[0].bias.grad[0] = INF
+            if (i + 1) % 3 == 0:
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+                scales.append(scaler.get_scale())
+        runs[impl] = scales, [p.detach().clone() for p in model.parameters()]
+    assert runs["torch"][0] == runs["mixprec"][0] == [256.0, 128.0, 128.0, 256.0]
+    assert all(torch.equal(a, b) for a, b in zip(runs["torch"][1], runs["mixprec"][1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sparse_gradients_with_overflow_bitwise_equal_to_torch(dtype):
+    runs = {}
+    for impl in IMPLS:
+        torch.manual_seed(0)
+        emb = nn.Embedding(10, 4, sparse=True).to(dtype)
+        dense = nn.Linear(4, 1)
+        sparse_opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+        dense_opt = torch.optim.SGD(dense.parameters(), lr=0.1)
+        scaler = make_scaler(impl, init_scale=2.0**10, growth_interval=1)
+        scales = []
+        for i in range(4):
+            loss = dense(emb(torch.tensor([1, 2, 2, i])).float()).sum()
+            scaler.scale(loss).backward()
+            if i == 2:
+                emb.weight.grad._values()[0, 0] = INF
+            if dtype == torch.float32:
+                scaler.step(sparse_opt)
+            scaler.step(dense_opt)
+            scaler.update()
+            sparse_opt.zero_grad()
+            dense_opt.zero_grad()
+            scales.append(scaler.get_scale())
+        runs[impl] = scales, [p.detach().clone() for p in (*emb.parameters(), *dense.parameters())]
+    if dtype == torch.float32:  # the sparse optimizer's overflow skips both optimizers
+        assert runs["torch"][0] == runs["mixprec"][0] == [2.0**11, 2.0**12, 2.0**11, 2.0**12]
+    assert runs["torch"][0] == runs["mixprec"][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs["torch"][1], runs["mixprec"][1]))
+
+
+SCHEDULERS = {
+    "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1.0, total_steps=6),
+    "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda epoch: 1.0 / (epoch + 1)),
+    "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0, factor=0.5),
+}
+
+
+@pytest.mark.parametrize("kind", ["plain", "fused"])
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_skip_aware_schedulers_follow_the_clean_steps_without_warning(name, kind):
+    """The wrapped schedule equals an unwrapped one stepped by hand on the clean iterations only
+    (OneCycleLR would raise past total_steps if skipped iterations counted)."""
+    bad = (0, 3, 4)  # the very first step is skipped: torch's order warning would fire
+    p = nn.Parameter(torch.zeros(2))
+    control_p = nn.Parameter(torch.zeros(2))
+    opt, control_opt = make_optimizer(kind, [p]), make_optimizer(kind, [control_p])
+    scaler = GradScaler("cpu", init_scale=4.0)
+    sched, control = skip_aware(SCHEDULERS[name](opt), scaler), SCHEDULERS[name](control_opt)
+    plateau = name == "ReduceLROnPlateau"
+    lrs, control_lrs = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(9):
+            one_param_step(scaler, opt, p, i in bad)
+            sched.step(1.0) if plateau else sched.step()
+            if i not in bad:
+                control_p.grad = torch.ones(2)
+                control_opt.step()
+                control.step(1.0) if plateau else control.step()
+            lrs.append(opt.param_groups[0]["lr"])
+            control_lrs.append(control_opt.param_groups[0]["lr"])
+    assert lrs == control_lrs
+    assert len(set(lrs)) > 1  # the schedule did move
+    assert sched.state_dict() == sched.scheduler.state_dict()  # other attributes pass through
+
+
+def test_skip_signals_are_device_tensors_and_cost_no_sync(monkeypatch):
+    params = [nn.Parameter(torch.randn(3)) for _ in range(2)]
+    opt = torch.optim.AdamW(params, fused=True)
+    scaler = GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.tensor(1.0))
+    syncs = CountingSyncs(monkeypatch)
+    flags, counts = [], []
+    for bad in (False, True, True, False):
+        for p in params:
+            p.grad = torch.ones(3)
+        if bad:
+            params[1].grad[2] = float("nan")
+        scaler.step(opt)
+        scaler.update()
+        flags.append(scaler.last_step_skipped)
+        counts.append(scaler.skipped_steps)
+    assert syncs.count == 0  # producing (and keeping) the signals costs nothing
+    monkeypatch.undo()
+    device = scaler.state.scale.device
+    assert all(f.device == device and f.dtype == torch.bool and f.shape == () for f in flags)
+    assert all(c.device == device and c.dtype == torch.int64 and c.shape == () for c in counts)
+    assert [bool(f) for f in flags] == [False, True, True, False]
+    assert [int(c) for c in counts] == [0, 1, 2, 2]
+
+
+def test_old_grad_scaler_keyword_protocol():
+    """An optimizer whose step takes ``grad_scaler`` gets the scaler (torch's deprecated
+    protocol), and can use ``_get_scale_async`` and ``_check_inf_per_device`` as with torch's."""
+
+    class OldProtocol(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None, grad_scaler=None):
+            scale = grad_scaler._get_scale_async()
+            found_inf = sum(grad_scaler._check_inf_per_device(self).values())
+            if not found_inf.item():
+                for group in self.param_groups:
+                    for q in group["params"]:
+                        q.grad.div_(scale)
+                super().step()
+
+    results = {}
+    for impl in IMPLS:
+        p = nn.Parameter(torch.zeros(2))
+        opt = OldProtocol([p], lr=1.0)
+        scaler = make_scaler(impl, init_scale=4.0)
+        scales = []
+        for bad in (False, True, False):
+            with pytest.warns(FutureWarning, match="passing itself as a keyword"):
+                one_param_step(scaler, opt, p, bad)
+            scales.append(scaler.get_scale())
+        results[impl] = scales, p.detach().clone()
+    assert results["torch"][0] == results["mixprec"][0] == [4.0, 2.0, 2.0]
+    assert torch.equal(results["torch"][1], results["mixprec"][1])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_master_weights_fp16_training_loop_under_mixprec_autocast(fused):
+    """float16 parameters + mixprec.MasterWeights + mixprec.GradScaler under mixprec.autocast:
+    a too-high scale overflows the float16 gradients, the scaler backs off and skips (weights
+    untouched), the loss goes down, and everything is bit for bit what torch's scaler gives
+    when ``prepare_grads()`` is called by hand."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 1))
+    x = torch.randn(16, 8)
+    y = x[:, :1] * 0.5
+    runs = {}
+    for impl in IMPLS:
+        model = mixprec.to_low_precision(copy.deepcopy(base), torch.float16)
+        dtypes = {name: p.dtype for name, p in model.named_parameters()}
+        assert dtypes["0.weight"] == torch.float16 and dtypes["1.weight"] == torch.float32
+        opt = mixprec.MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused))
+        scaler = make_scaler(impl, init_scale=2.0**26, growth_interval=3)
+        if impl == "mixprec":
+            scaler.watch(model)
+        losses, scales, skipped = [], [], []
+        for _ in range(18):
+            opt.zero_grad()
+            with mixprec.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            if impl == "torch":
+                opt.prepare_grads()
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(opt.masters, 1.0)
+            before = [p.detach().clone() for p in model.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+            was_skipped = scales[-1] > scaler.get_scale() if scales else scaler.get_scale() < 2.0**26
+            assert moved != was_skipped
+            if impl == "mixprec":
+                assert bool(scaler.last_step_skipped) == was_skipped
+                if was_skipped:
+                    assert scaler.last_overflow and set(scaler.last_overflow) <= set(dtypes)
+            losses.append(loss.item())
+            scales.append(scaler.get_scale())
+            skipped.append(was_skipped)
+        assert {name: p.dtype for name, p in model.named_parameters()} == dtypes
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        runs[impl] = scales, losses, [p.detach().clone() for p in model.parameters()], scaler
+    scales, losses, params, scaler = runs["mixprec"]
+    assert scales == runs["torch"][0] and losses == runs["torch"][1]
+    assert all(torch.equal(a, b) for a, b in zip(params, runs["torch"][2]))
+    assert scaler.skipped_steps.item() >= 5 and min(scales) <= 2.0**18  # backed off a lot
+    assert any(b > a for a, b in zip(scales, scales[1:]))  # and grew again
+    assert losses[-1] < 0.5 * losses[0]

@@ -192,7 +192,7 @@ def test_gradient_accumulation():
     both_agree(run, 2, 0)
 
 
-@pytest.mark.parametrize("kind", ["plain", "fused"])
+@pytest.mark.parametrize("kind", ["plain", "foreach", "fused"])
 def test_multiple_models_optimizers_losses(kind):
     def run(data, models, optimizers, scaler, skip_iter, try_scaling_api):
         (m0, m1), (o0, o1) = models, optimizers

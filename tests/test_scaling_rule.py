@@ -66,8 +66,8 @@ configs = st.builds(
         min_scale=lo,
         max_scale=None if hi is None or (lo is not None and hi < lo) else hi,
     ),
-    st.sampled_from([2.0, 1.5, 3.0, 1.0001, 16.0]),
-    st.sampled_from([0.5, 0.25, 0.9, 1 / 3]),
+    st.sampled_from([2.0, 1.5, 3.0, 1.0001, 16.0, 2.0**100]),  # 2**100 pushes growth past float32 max
+    st.sampled_from([0.5, 0.25, 0.9, 1 / 3, 2.0**-100]),  # 2**-100 pushes backoff to 0/subnormal
     st.integers(1, 4),
     st.integers(1, 4),
     st.booleans(),
@@ -79,7 +79,7 @@ configs = st.builds(
 @settings(max_examples=150, deadline=None)
 @given(
     cfg=configs,
-    init=st.sampled_from([1.0, 2.0**16, 3.0, 1e-30, 3e38]),
+    init=st.sampled_from([1.0, 2.0**16, 3.0, 1e-30, 3e38, 2.0**-126]),
     founds=st.lists(st.sampled_from([0.0, 0.0, 0.0, 1.0, 2.0]), max_size=40),
 )
 def test_rule_matches_reference_model(cfg, init, founds):

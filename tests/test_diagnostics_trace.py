@@ -354,3 +354,134 @@ def test_parameter_passed_as_input_keeps_no_hook() -> None:
         with tool:
             model(torch.randn(2, 8)).sum().backward()
         assert_no_hooks(model)
+
+
+class Branches(nn.Module):
+    """Two sibling modules take the same input; ``bad`` picks which one blows up."""
+
+    def __init__(self, bad: str, phase: str) -> None:
+        super().__init__()
+        blow = BwdBlow() if phase == "backward" else Blow()
+        self.a = blow if bad == "a" else nn.Linear(8, 8)
+        self.b = blow if bad == "b" else nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x) + x  # two consumers and a skip connection
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["eager", "deferred"])
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("bad", ["a", "b"])
+def test_sibling_consumers_of_one_tensor(bad: str, phase: str, deferred: bool) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), Branches(bad, phase), nn.Linear(8, 8))
+    x = torch.randn(2, 8)
+    with trace_nonfinite(model, deferred=deferred) as tracer:
+        step(model, tracer, x)
+    ev = tracer.first
+    assert ev is not None and (ev.module, ev.phase) == (f"1.{bad}", phase)
+    # the aliases change nothing in the results
+    model = nn.Sequential(nn.Linear(8, 8), Branches("none", "forward"), nn.Linear(8, 8))
+    x = torch.randn(2, 8, requires_grad=True)
+    model(x).sum().backward()
+    ref = (model(x).detach(), x.grad.clone())
+    x.grad = None
+    with trace_nonfinite(model, deferred=deferred):
+        y = model(x)
+        y.sum().backward()
+    assert torch.equal(y, ref[0]) and torch.equal(x.grad, ref[1])
+
+
+class InplaceBlow(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(1e39)
+
+
+class InplaceParent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(1e39)  # the parent's own code, in place, then a child
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["eager", "deferred"])
+def test_inplace_overflow_names_the_module_that_did_it(deferred: bool) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), InplaceBlow(), nn.Linear(8, 8))
+    with trace_nonfinite(model, deferred=deferred) as tracer:
+        model(torch.randn(2, 8))
+        tracer.resolve()
+    ev = tracer.first
+    assert ev is not None and (ev.module, ev.phase, ev.tensor) == ("1", "forward", "output")
+    model = nn.Sequential(nn.Linear(8, 8), InplaceParent(), nn.Linear(8, 8))
+    with trace_nonfinite(model, deferred=deferred) as tracer:
+        model(torch.randn(2, 8))
+        tracer.resolve()
+    ev = tracer.first
+    assert ev is not None and (ev.module, ev.tensor) == ("1", "intermediate")
+    with trace_nonfinite(model), torch.inference_mode():  # no version counters: still works
+        model(torch.randn(2, 8))
+
+
+def test_raise_carries_module_phase_dtype_and_ranges() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), Blow(1e5), nn.Linear(8, 8))
+    x = torch.full((2, 8), 0.5)
+    with trace_nonfinite(model, raise_on_nonfinite=True):
+        with pytest.raises(NonFiniteError) as info, mixprec.autocast("cpu", dtype=torch.float16):
+            with torch.no_grad():
+                model[1].weight.fill_(100.0)
+            model(x)
+    ev = info.value.event
+    assert (ev.module, ev.phase, ev.dtype, ev.kind) == ("2", "forward", torch.float16, "inf")
+    lo, hi = ev.input_ranges[0]
+    assert 1.0 < max(-lo, hi) < 65504  # Linear 1's finite, large output went in
+    message = str(info.value)
+    assert "module '2' (Blow)" in message and "forward" in message and "float16" in message
+    assert f"[{lo:.4g}, {hi:.4g}]" in message
+
+
+def test_deferred_resolve_is_one_host_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = chain(BwdBlow(), 1)
+    calls: list[str] = []
+    for attr in ("item", "tolist", "cpu", "__bool__"):
+        orig = getattr(torch.Tensor, attr)
+
+        def counted(self, *a, _orig=orig, _attr=attr, **k):  # type: ignore[no-untyped-def]
+            calls.append(_attr)
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, attr, counted)
+    with trace_nonfinite(model, deferred=True) as tracer:
+        model(torch.randn(2, 8)).sum().backward()
+        assert calls == []  # nothing read during forward and backward
+        ev = tracer.resolve()
+    assert ev is not None and ev.module == "2"
+    # one copy finds the event, one more describes it (its input ranges); no per-value reads
+    assert calls.count("cpu") == 2 and "item" not in calls and "__bool__" not in calls
+    with trace_nonfinite(chain(nn.Identity(), 1), deferred=True) as tracer:
+        tracer.model(torch.randn(2, 8)).sum().backward()
+        calls.clear()
+        assert tracer.resolve() is None
+    assert calls.count("cpu") == 1 and "item" not in calls and "__bool__" not in calls
+
+
+def test_deferred_tracer_resolved_on_last_step_skipped() -> None:
+    blow = BwdBlow()
+    model = chain(blow, 0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mixprec.GradScaler("cpu", init_scale=2.0 ** 8)
+    seen = []
+    with trace_nonfinite(model, deferred=True) as tracer:
+        for i in range(3):
+            x = torch.randn(2, 8)
+            model[1] = blow if i == 1 else nn.Identity()  # only step 1 overflows
+            opt.zero_grad()
+            scaler.scale(model(x).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            if scaler.last_step_skipped.item():  # one sync per step
+                seen.append((i, tracer.resolve()))
+            else:
+                tracer.clear()  # no sync
+    assert [(i, ev.module, ev.phase) for i, ev in seen] == [(1, "1", "backward")]

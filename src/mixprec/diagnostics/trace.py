@@ -13,18 +13,25 @@ How the culprit is found:
   respect to a module's input is computed by that module's backward, so the first non-finite one
   in time order (the layer nearest the output) names the module; parameter gradients name the
   module that owns the parameter. A tensor consumed by several modules is attributed to the last
-  one that consumed it in forward (the innermost one for nested modules).
+  one that consumed it: the innermost one for nested modules; when sibling modules take the same
+  tensor (``q``, ``k`` and ``v`` projections of one input, two branches), every consumer after the
+  first is handed its own alias (``t.view_as(t)``) so the gradient each one sends back is checked
+  on its own.
+* **in-place ops**: a tensor seen before whose version counter moved (``t._version``) is checked
+  again: a module that modifies its input in place and returns it is named as the producer.
 * ``precise=True`` adds a :class:`~torch.utils._python_dispatch.TorchDispatchMode` that checks
   every ATen op, so the event also names the op (``"aten.mul.Tensor"``). Slow: debugging only.
 
 Host syncs: the default (eager) mode reads one flag per checked tensor on the host (a sync per
 module on CUDA) until the first event, which is what lets ``raise_on_nonfinite`` stop at once.
-``deferred=True`` keeps every flag on the device and reads them once, in :meth:`resolve`.
+``deferred=True`` keeps every flag on the device and reads them once, in :meth:`resolve`; on a
+step with an event, one more small read fetches the culprit's input ranges.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
@@ -32,7 +39,7 @@ from typing import Any, Callable, Literal
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = ["NonFiniteEvent", "NonFiniteError", "NonFiniteTracer", "trace_nonfinite"]
 
@@ -136,6 +143,11 @@ def _stack(pairs: list[torch.Tensor]) -> torch.Tensor:
     return pairs[0][None] if len(pairs) == 1 else torch.stack(pairs)
 
 
+def _version(t: torch.Tensor) -> int:
+    """``t``'s version counter (bumped by every in-place op); inference tensors have none."""
+    return -1 if t.is_inference() else t._version
+
+
 class _Call:
     """One forward call of a module."""
 
@@ -152,11 +164,12 @@ class _Call:
 class _Tensor:
     """What the tracer knows about one tensor seen at a module boundary in forward."""
 
-    __slots__ = ("ref", "pair", "producer", "enclosing", "consumer", "grad_pair")
+    __slots__ = ("ref", "version", "pair", "producer", "enclosing", "consumer", "grad_pair")
 
     def __init__(self, t: torch.Tensor, pair: torch.Tensor, producer: _Call | None,
                  enclosing: _Call | None) -> None:
         self.ref = weakref.ref(t)
+        self.version = _version(t)  # an in-place op moves it: the checked values are stale
         self.pair = pair
         self.producer = producer
         self.enclosing = enclosing
@@ -252,7 +265,8 @@ class NonFiniteTracer:
         """Return the first event since the previous ``resolve`` (or ``None``); start a new window.
 
         In deferred mode this is the one host sync of the step: the values gathered on the device
-        are concatenated and copied to the host once. Call it once per step, e.g. when the loss scaler
+        are concatenated and copied to the host once (on a step with an event, a second small copy
+        fetches the culprit's input ranges). Call it once per step, e.g. when the loss scaler
         reports a skipped step; call :meth:`clear` instead on good steps to drop the flags
         without syncing. Raises :class:`NonFiniteError` if ``raise_on_nonfinite`` is set.
         """
@@ -319,22 +333,37 @@ class NonFiniteTracer:
         # eager mode stops checking once the window has its event: no more syncs that step
         return self._active and (self.deferred or self._window_event is None)
 
-    def _ranges(self, pairs: list[torch.Tensor]) -> tuple[tuple[float, float], ...]:
-        return tuple((float(lo), float(hi)) for lo, hi in (p.tolist() for p in pairs))
-
     def _event(self, call_name: str, module: nn.Module, phase: Phase, tensor: str,
                pairs: torch.Tensor, dtype: torch.dtype, inputs: list[torch.Tensor],
                op: str | None, detail: str = "") -> NonFiniteEvent:
-        kind: Literal["inf", "nan"] = "nan" if bool(torch.isnan(pairs).any()) else "inf"
+        # one device-to-host copy for the culprit's values and every input range
+        host = torch.cat([pairs.flatten(), *(p.flatten() for p in inputs)]).cpu().tolist()
+        n = pairs.numel()
+        kind: Literal["inf", "nan"] = "nan" if any(math.isnan(v) for v in host[:n]) else "inf"
+        ranges = tuple(zip(host[n::2], host[n + 1::2]))
         return NonFiniteEvent(
             module=call_name, module_type=type(module).__name__, phase=phase, tensor=tensor,
-            kind=kind, dtype=dtype, input_ranges=self._ranges(inputs), op=op,
+            kind=kind, dtype=dtype, input_ranges=ranges, op=op,
             step=max(self._step, 0), detail=detail,
         )
 
     def _known(self, t: torch.Tensor) -> _Tensor | None:
+        """What was recorded about ``t``, unless it is another tensor or was modified in place."""
         info = self._seen.get(id(t))
-        return info if info is not None and info.ref() is t else None
+        if info is None or info.ref() is not t or info.version != _version(t):
+            return None
+        return info
+
+    def _shared(self, info: _Tensor, call: _Call) -> bool:
+        """Whether ``info``'s tensor was already taken by a module that does not enclose ``call``."""
+        if not self.backward or info.consumer is None or info.consumer is call:
+            return False
+        c = call.parent
+        while c is not None:
+            if c is info.consumer:
+                return False  # the parent hands its input on to a child: same gradient path
+            c = c.parent
+        return True
 
     def _watch_grad(self, t: torch.Tensor, info: _Tensor) -> None:
         if self.backward and t.requires_grad:
@@ -343,22 +372,23 @@ class NonFiniteTracer:
                 self._handles.append(handle)
 
     # ------------------------------------------------------------------ hooks
-    def _quiet(self, hook: Callable[..., None]) -> Callable[..., None]:
+    def _quiet(self, hook: Callable[..., Any]) -> Callable[..., Any]:
         """In precise mode, keep the tracer's own reductions out of the op checks."""
         if not self.precise:
             return hook
 
-        def quiet(*args: Any, **kwargs: Any) -> None:
+        def quiet(*args: Any, **kwargs: Any) -> Any:
             self._busy = True
             try:
-                hook(*args, **kwargs)
+                return hook(*args, **kwargs)
             finally:
                 self._busy = False
 
         return quiet
 
     def _make_pre_hook(self, name: str, is_root: bool) -> Callable[..., None]:
-        def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def pre_hook(module: nn.Module, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
             if is_root:  # a new forward of the model (a stack left by an exception is dropped)
                 self._stack.clear()
                 self._step += 1
@@ -369,6 +399,7 @@ class NonFiniteTracer:
             if not self._active:
                 return
             fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
+            aliases: dict[int, torch.Tensor] = {}
             for t in _floats((args, kwargs) if kwargs else args):
                 info = self._known(t)
                 if info is None:
@@ -377,6 +408,16 @@ class NonFiniteTracer:
                     self._seen[id(t)] = info
                     self._watch_grad(t, info)
                     fresh.append((t, pair))
+                elif id(t) in aliases:  # the same tensor passed twice to this call
+                    info = self._seen[id(aliases[id(t)])]
+                elif self._shared(info, call) and t.requires_grad and torch.is_grad_enabled():
+                    # a sibling took t already: this call gets its own alias, so the gradient it
+                    # sends back to t is checked before it is summed with the sibling's
+                    alias = aliases[id(t)] = t.view_as(t)
+                    info = _Tensor(alias, info.pair, producer=info.producer,
+                                   enclosing=info.enclosing)
+                    self._seen[id(alias)] = info
+                    self._watch_grad(alias, info)
                 info.consumer = call
                 call.input_pairs.append(info.pair)
             if fresh and self._watching():
@@ -392,6 +433,10 @@ class NonFiniteTracer:
                                        detail=f"passed to {name!r}")
 
                 self._check(pairs, "module", build)
+            if aliases:
+                swap = lambda a: aliases.get(id(a), a) if isinstance(a, torch.Tensor) else a
+                return tree_map(swap, (args, kwargs))
+            return None
 
         return self._quiet(pre_hook)
 

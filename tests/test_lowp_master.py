@@ -218,7 +218,7 @@ def test_refresh_masters_after_loading_model_weights():
 def test_fp16_params_with_mixprec_grad_scaler(inner, fused):
     model = _model(torch.float16)
     opt = MasterWeights(inner(model.parameters()))
-    assert opt._step_supports_amp_scaling is fused
+    assert opt._step_supports_amp_scaling  # the scalers hand it grad_scale and found_inf
     scaler = mixprec.GradScaler("cpu", init_scale=2.0**10)
     losses = []
     for step in range(6):
@@ -330,3 +330,113 @@ def test_fused_inner_optimizer_gets_the_scale_forwarded():
 
     for a, b in zip(run(True), run(False)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_real_loop_with_overflow_skips_keeps_weights_and_masters(fused):
+    """fp16 weights, mixprec.autocast, a scale large enough that backward overflows by itself."""
+    model = _model(torch.float16)
+    opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused))
+    scaler = mixprec.GradScaler("cpu", init_scale=2.0**19, growth_interval=2)
+    skipped = stepped = 0
+    for step in range(12):
+        with mixprec.autocast("cpu", dtype=torch.float16):
+            loss = _loss(model, step)
+        scaler.scale(loss).backward()
+        params = [p.detach().clone() for p in model.parameters()]
+        masters = [m.detach().clone() for m in opt.masters]
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        unchanged = all(torch.equal(a, b) for a, b in zip(params, model.parameters())) and all(
+            torch.equal(a, b) for a, b in zip(masters, opt.masters)
+        )
+        if scaler.get_scale() < scale:  # a skipped step
+            skipped += 1
+            assert unchanged
+        else:
+            stepped += 1
+            assert not unchanged
+    assert skipped >= 1 and stepped >= 1, (skipped, stepped)
+    assert all(torch.isfinite(m).all() for m in opt.masters)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_torch_grad_scaler_without_prepare_grads_is_an_error(fused):
+    """torch.amp.GradScaler cannot see the master gradients: never step on what it missed."""
+    model = _model(torch.float16)
+    opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaler.scale(_loss(model, 0)).backward()
+    model[0].weight.grad[0, 0] = float("inf")  # an overflow only the master grads would show
+    with pytest.raises(RuntimeError, match="prepare_grads"):
+        scaler.step(opt)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_torch_grad_scaler_with_prepare_grads_skips_overflow_and_unscales():
+    model = _model(torch.float16)
+    opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref = _model(torch.float16)
+    ref_opt = MasterWeights(torch.optim.SGD(ref.parameters(), lr=0.1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    for step in range(3):
+        scaler.scale(_loss(model, step)).backward()
+        _backward(ref, step)
+        if step == 1:
+            model[0].weight.grad[0, 0] = float("nan")
+            before = [m.detach().clone() for m in opt.masters]
+        opt.prepare_grads()
+        scaler.step(opt)
+        scaler.update()
+        if step == 1:
+            assert all(torch.equal(a, b) for a, b in zip(before, opt.masters))
+        else:
+            ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for a, b in zip(opt.masters, ref_opt.masters):  # a power-of-two scale is exact
+        assert torch.equal(a, b)
+
+
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate parameters")
+def test_add_param_group_rejects_a_parameter_already_held():
+    model = _model()
+    opt = MasterWeights(torch.optim.SGD(model[0].parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="more than once"):
+        opt.add_param_group({"params": [model[0].weight]})
+    with pytest.raises(ValueError, match="more than once"):
+        opt.add_param_group({"params": [model[2].weight, model[2].weight]})
+    assert len(opt.param_groups) == 1  # nothing was added
+    with pytest.raises(ValueError, match="more than once"):
+        MasterWeights(torch.optim.SGD([{"params": [model[2].weight]}, {"params": [model[2].bias, model[2].bias]}], lr=0.1))
+
+
+@pytest.mark.parametrize("model_first", [True, False])
+def test_stochastic_write_back_resumes_bitwise(model_first):
+    def make():
+        model = _model()
+        gen = torch.Generator().manual_seed(0)
+        return model, MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-2), rounding="stochastic", generator=gen)
+
+    model_a, opt_a = make()
+    for step in range(3):
+        _backward(model_a, step)
+        opt_a.step()
+        opt_a.zero_grad()
+    ckpt = _save_load({"model": model_a.state_dict(), "opt": opt_a.state_dict()})
+    assert "master_generator_state" in ckpt["opt"]
+    model_b, opt_b = make()
+    if model_first:
+        model_b.load_state_dict(ckpt["model"])
+    opt_b.load_state_dict(ckpt["opt"])
+    if not model_first:
+        model_b.load_state_dict(ckpt["model"])
+    for step in range(3, 6):
+        for model, opt in ((model_a, opt_a), (model_b, opt_b)):
+            _backward(model, step)
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip([*model_a.parameters(), *opt_a.masters], [*model_b.parameters(), *opt_b.masters]):
+        assert torch.equal(p, q)

@@ -24,6 +24,23 @@ _HOOK_DICTS = (
 )
 
 
+def _write_back_loaded(param: Tensor, master: Tensor, rounding: str) -> None:
+    """Set ``param`` from a loaded ``master``: to nearest, or, for stochastic write-back, keep
+    it where it already is a neighbour of the master (a valid stochastic rounding)."""
+    nearest = master.to(param.dtype)
+    if rounding == "stochastic":
+        inf = torch.full_like(nearest, float("inf"))
+        above = torch.nextafter(nearest, inf)
+        below = torch.nextafter(nearest, -inf)
+        neighbour = (
+            (param == nearest)
+            | ((param == above) & (nearest.float() < master))
+            | ((param == below) & (nearest.float() > master))
+        )
+        nearest = torch.where(neighbour, param, nearest)
+    param.copy_(nearest)
+
+
 class MasterWeights(torch.optim.Optimizer):
     """Train a bfloat16/float16 model with float32 master weights, around any optimizer.
 
@@ -42,12 +59,18 @@ class MasterWeights(torch.optim.Optimizer):
     ``state_dict()`` holds the wrapped optimizer's state plus the float32 masters
     (``"master_params"``, one per parameter in ``param_groups`` order).
 
-    Loss scaling: ``mixprec.GradScaler.unscale_`` calls :meth:`prepare_grads` and then unscales
-    the float32 master gradients, so float16 parameters with dynamic loss scaling work (no
-    "Attempting to unscale FP16 gradients" error). With ``torch.amp.GradScaler`` call
-    ``opt.prepare_grads()`` yourself before ``scaler.unscale_(opt)`` / ``scaler.step(opt)``. A
-    fused wrapped optimizer (``_step_supports_amp_scaling``) gets the scaler's ``grad_scale`` and
-    ``found_inf`` forwarded.
+    Loss scaling: the wrapper implements the scalers' fused protocol
+    (``_step_supports_amp_scaling``), so ``scaler.step(opt)`` hands it ``grad_scale`` and
+    ``found_inf`` instead of unscaling gradients it cannot see. ``mixprec.GradScaler`` calls
+    :meth:`prepare_grads` before it checks (or, in ``unscale_``, unscales) the gradients, so it
+    checks the float32 master gradients and float16 parameters with dynamic loss scaling work
+    (no "Attempting to unscale FP16 gradients"). ``torch.amp.GradScaler`` does not know
+    :meth:`prepare_grads`: call ``opt.prepare_grads()`` yourself after ``backward`` and before
+    ``scaler.unscale_(opt)`` / ``scaler.step(opt)``; forgetting it raises a ``RuntimeError`` in
+    :meth:`step` (the scaler would have missed an overflow). On an overflow the step is skipped:
+    parameters, masters and state are unchanged. A fused wrapped optimizer gets ``grad_scale``
+    and ``found_inf`` forwarded (no host sync); any other reads ``found_inf`` once on the host
+    and steps on master gradients unscaled in place.
 
     Memory per low-precision parameter: 2 (param) + 2 (grad) + 4 (master) + the wrapped
     optimizer's float32 state, plus 4 for the master gradient between :meth:`prepare_grads` and
@@ -120,9 +143,8 @@ class MasterWeights(torch.optim.Optimizer):
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optimizer.defaults
 
-    @property
-    def _step_supports_amp_scaling(self) -> bool:
-        return getattr(self.optimizer, "_step_supports_amp_scaling", False)
+    #: The loss scalers' fused protocol: see "Loss scaling" above.
+    _step_supports_amp_scaling = True
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -143,6 +165,7 @@ class MasterWeights(torch.optim.Optimizer):
         """Swap ``group``'s low-precision params for masters, in place (the list object is kept,
         in case the optimizer holds it)."""
         params = group["params"]
+        self._check_new(params)
         for i, p in enumerate(params):
             if p.dtype not in LOW_PRECISION_DTYPES:
                 continue
@@ -157,10 +180,23 @@ class MasterWeights(torch.optim.Optimizer):
             self._pairs.append((p, master))
             self._prepared.append(None)
 
+    def _check_new(self, params: list[Tensor]) -> None:
+        """Two masters for one parameter would silently overwrite each other's update."""
+        held = {id(p) for p, _ in self._pairs}
+        for p in params:
+            if p.dtype in LOW_PRECISION_DTYPES:
+                if id(p) in held:
+                    raise ValueError(
+                        "a parameter appears more than once (in one or more parameter groups): "
+                        "give MasterWeights each model parameter once"
+                    )
+                held.add(id(p))
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of model parameters: their masters join the wrapped optimizer."""
         params = param_group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
+        self._check_new(params)
         self.optimizer.add_param_group({**param_group, "params": params})
         self._attach(self.optimizer.param_groups[-1])
 
@@ -200,19 +236,37 @@ class MasterWeights(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        scaler = {k: self.__dict__[k] for k in ("grad_scale", "found_inf") if k in self.__dict__}
+        if scaler and not self._grads_prepared():
+            raise RuntimeError(
+                "a loss scaler checked this optimizer's gradients before they were copied into the "
+                "float32 masters (or the model's gradients changed since), so it may have missed an "
+                "overflow. With torch.amp.GradScaler call opt.prepare_grads() after backward() and "
+                "before scaler.unscale_(opt)/scaler.step(opt), and do not change the model's .grad "
+                "after that (clip opt.masters' gradients instead); or use mixprec.GradScaler, which "
+                "calls prepare_grads() itself."
+            )
         self.prepare_grads()
-        forwarded = [k for k in ("grad_scale", "found_inf") if k in self.__dict__]
-        for key in forwarded:  # set by GradScaler.step for fused optimizers
-            setattr(self.optimizer, key, self.__dict__[key])
-        try:
-            out = self.optimizer.step()
-        finally:
-            for key in forwarded:
-                delattr(self.optimizer, key)
-        found_inf = self.__dict__.get("found_inf")
+        found_inf = scaler.get("found_inf")
         found_inf = found_inf if isinstance(found_inf, Tensor) else None
+        if getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            for key, value in scaler.items():  # the fused inner optimizer unscales and skips
+                setattr(self.optimizer, key, value)
+            try:
+                out = self.optimizer.step()
+            finally:
+                for key in scaler:
+                    delattr(self.optimizer, key)
+        else:
+            if found_inf is not None and bool(found_inf):  # host sync, as the scalers' plain path
+                self._release_master_grads()
+                return loss
+            if scaler.get("grad_scale") is not None:
+                self._unscale_master_grads(scaler["grad_scale"])
+            out = self.optimizer.step()
+            found_inf = None
         with torch.no_grad():
-            for i, (p, master) in enumerate(self._pairs):
+            for p, master in self._pairs:
                 if self.rounding == "nearest":
                     p.copy_(master)  # unchanged master (a skipped step): unchanged p
                 elif found_inf is None:
@@ -220,9 +274,38 @@ class MasterWeights(torch.optim.Optimizer):
                 else:  # a fresh random rounding would move p on a skipped step: keep it, on device
                     rounded = round_into_(torch.empty_like(p), master, True, self.generator)
                     p.copy_(torch.where(found_inf.to(p.device) != 0, p, rounded))
-                master.grad = None
-                self._prepared[i] = None
+        self._release_master_grads()
         return loss if closure is not None else out
+
+    def _grads_prepared(self) -> bool:
+        """Whether every model gradient is the one last copied into its master (no host sync)."""
+        for (p, _), done in zip(self._pairs, self._prepared):
+            grad = p.grad
+            if grad is not None and (done is None or done[0] is not grad or done[1] != grad._version):
+                return False
+        return True
+
+    @torch.no_grad()
+    def _unscale_master_grads(self, grad_scale: Tensor) -> None:
+        """Multiply the gradients the wrapped optimizer will read by ``1 / grad_scale``, as the
+        scalers' ``unscale_`` does (reciprocal in float64, except on MPS)."""
+        if grad_scale.device.type == "mps":
+            inv_scale = grad_scale.float().reciprocal()
+        else:
+            inv_scale = grad_scale.double().reciprocal().float()
+        per_device: dict[torch.device, Tensor] = {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    device = param.grad.device
+                    if device not in per_device:
+                        per_device[device] = inv_scale.to(device, non_blocking=True)
+                    param.grad.mul_(per_device[device])
+
+    def _release_master_grads(self) -> None:
+        for i, (_, master) in enumerate(self._pairs):
+            master.grad = None
+            self._prepared[i] = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the model's parameters and of the masters."""
@@ -250,21 +333,29 @@ class MasterWeights(torch.optim.Optimizer):
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped optimizer's ``state_dict()`` plus ``"master_params"``: the float32
-        masters, one per parameter in ``param_groups`` order (references, as torch's state)."""
+        masters, one per parameter in ``param_groups`` order (references, as torch's state), and
+        with a ``generator``, its state (``"master_generator_state"``), so that stochastic
+        write-back resumes bitwise."""
         state = self.optimizer.state_dict()
         state["master_params"] = [m.detach() for m in self.masters]
+        if self.generator is not None:
+            state["master_generator_state"] = self.generator.get_state()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a :meth:`state_dict`: the masters are restored exactly and written back to the
-        model (rounded to nearest). A ``state_dict`` without ``"master_params"`` (from the bare
-        optimizer) keeps the current masters.
+        model, rounded to nearest (with ``rounding="stochastic"``, a model parameter that is
+        already one of its master's two neighbours, e.g. loaded from the model's checkpoint, is
+        kept, so training resumes bitwise in either load order). A ``state_dict`` without ``"master_params"`` (from the bare
+        optimizer) keeps the current masters. A saved generator state is restored into this
+        wrapper's ``generator``, if it has one.
 
         Raises:
             ValueError: the saved masters do not match this optimizer's parameters.
         """
         state_dict = dict(state_dict)
         saved = state_dict.pop("master_params", None)
+        generator_state = state_dict.pop("master_generator_state", None)
         masters = self.masters
         if saved is not None:
             if len(saved) != len(masters):
@@ -282,4 +373,6 @@ class MasterWeights(torch.optim.Optimizer):
                 for m, s in zip(masters, saved):
                     m.copy_(s)
                 for p, master in self._pairs:
-                    p.copy_(master)
+                    _write_back_loaded(p, master, self.rounding)
+        if generator_state is not None and self.generator is not None:
+            self.generator.set_state(generator_state.cpu())

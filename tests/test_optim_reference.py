@@ -117,15 +117,16 @@ def test_state_dict_round_trip(cls, kwargs, compensation):
             p.grad = g
         opt_a.step()
     buf = io.BytesIO()
-    torch.save({"params": [p.detach() for p in a], "opt": opt_a.state_dict(), "gen": opt_a.generator.get_state()}, buf)
+    torch.save({"params": [p.detach() for p in a], "opt": opt_a.state_dict()}, buf)
     buf.seek(0)
     ckpt = torch.load(buf)
     b, opt_b = make()
     with torch.no_grad():
         for p, s in zip(b, ckpt["params"]):
             p.copy_(s)
+    assert "generator_state" in ckpt["opt"]
+    opt_b.generator.manual_seed(123)  # the checkpoint restores the generator
     opt_b.load_state_dict(ckpt["opt"])
-    opt_b.generator.set_state(ckpt["gen"])
     assert opt_b.param_groups[1]["lr"] == 3e-3
     for p, q in zip(a, b):
         for key, value in opt_a.state[p].items():
@@ -221,3 +222,16 @@ def test_exports():
     sgd, ref = SGD([torch.randn(2, requires_grad=True)]), torch.optim.SGD([torch.randn(2, requires_grad=True)])
     for key in ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"):
         assert sgd.defaults[key] == ref.defaults[key]
+
+
+def test_torch_loads_our_state_dict():
+    ours = _params(torch.float32)
+    opt = AdamW(ours, lr=1e-2, compensation="stochastic", generator=torch.Generator().manual_seed(0))
+    for p, g in zip(ours, _grads(0, ours)):
+        p.grad = g
+    opt.step()
+    theirs = _params(torch.float32)
+    torch_opt = torch.optim.AdamW(theirs, lr=1e-2)
+    torch_opt.load_state_dict(opt.state_dict())
+    for p, q in zip(ours, theirs):
+        assert torch.equal(torch_opt.state[q]["exp_avg"], opt.state[p]["exp_avg"])

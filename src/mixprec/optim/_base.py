@@ -37,8 +37,8 @@ class CompensatedOptimizer(torch.optim.Optimizer):
 
     Subclasses implement :meth:`step` with a functional update. Each param group carries
     ``compensation`` and ``state_dtype`` (so they can differ per group and are saved in
-    ``state_dict()``); the stochastic-rounding ``generator`` belongs to the optimizer (save its
-    state yourself with ``generator.get_state()`` if you need bitwise resumption).
+    ``state_dict()``); the stochastic-rounding ``generator`` belongs to the optimizer, and its
+    state is saved in ``state_dict()`` too (bitwise resumption).
 
     Loss scalers: the class implements their fused protocol (``_step_supports_amp_scaling``).
     ``mixprec.GradScaler`` and ``torch.amp.GradScaler`` then only check the gradients for
@@ -106,15 +106,29 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         return state["kahan_comp"]
 
     # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict()`` (Kahan buffers included in ``"state"``), plus
+        ``"generator_state"`` when the optimizer has a ``generator``, so that stochastic rounding
+        resumes bitwise. ``torch.optim`` optimizers load it (they ignore the extra key)."""
+        state = super().state_dict()
+        if self.generator is not None:
+            state["generator_state"] = self.generator.get_state()
+        return state
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` of this class or of the matching ``torch.optim`` optimizer.
 
         Unlike ``torch.optim.Optimizer.load_state_dict``, floating-point state keeps the dtype it
         was saved in (torch would cast float32 moments to a bfloat16 parameter's dtype). Param
         groups saved without ``compensation``/``state_dtype`` (a torch checkpoint) get this
-        optimizer's defaults.
+        optimizer's defaults. A saved ``"generator_state"`` is restored into this optimizer's
+        ``generator``, if it has one.
         """
+        state_dict = dict(state_dict)
+        generator_state = state_dict.pop("generator_state", None)
         super().load_state_dict(state_dict)
+        if generator_state is not None and self.generator is not None:
+            self.generator.set_state(generator_state.cpu())
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for saved_id, p in zip(saved_ids, params):

@@ -37,7 +37,7 @@ class AdamW(CompensatedOptimizer):
             means float32 for low-precision parameters (the parameter's dtype if wider).
             ``torch.bfloat16`` halves optimizer memory at some accuracy cost.
         generator: randomness for ``"stochastic"`` (on the parameters' device); ``None`` uses
-            the device's default generator.
+            the device's default generator. Its state is saved in ``state_dict()``.
 
     Raises:
         ValueError: an invalid hyper-parameter or option.

@@ -75,15 +75,23 @@ def _worker(rank: int, port: int, scenario: str, out_dir: str) -> None:
             from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh("cpu", (WORLD,))
-            model = _model()
-            for layer in (model[0], model[2]):
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            group = dist.group.WORLD
-            scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, process_group=group)
-            params = list(model.parameters())
-            results["fsdp"] = _train(model, params, scaler, rank, fsdp=True)
-            results["local_numel"] = [p.to_local().numel() for p in params]
+            # process_group=None: DTensor's own rule for the unscale op all-reduces found_inf.
+            for group in (dist.group.WORLD, None):
+                model = _model()
+                for layer in (model[0], model[2]):
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+                scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, process_group=group)
+                params = list(model.parameters())
+                results["fsdp" if group is not None else "fsdp-dtensor"] = _train(model, params, scaler, rank, fsdp=True)
+                results["local_numel"] = [p.to_local().numel() for p in params]
+            # A model of which rank 1 holds no element at all: the inf is on rank 0 this time.
+            torch.manual_seed(0)
+            tiny = nn.Linear(8, 1)
+            fully_shard(tiny, mesh=mesh)
+            scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, process_group="default")
+            results["empty-rank"] = _train(tiny, list(tiny.parameters()), scaler, 1 - rank, fsdp=True)
+            results["empty-rank-numel"] = [p.to_local().numel() for p in tiny.parameters()]
         torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -126,3 +134,6 @@ def test_fsdp2_ranks_skip_together_with_an_empty_local_shard(tmp_path):
     r0, r1 = _spawn("fsdp", tmp_path)
     assert 0 in r1["local_numel"]  # rank 1 holds no elements of the last layer
     _check_agreement(r0["fsdp"], r1["fsdp"])
+    _check_agreement(r0["fsdp-dtensor"], r1["fsdp-dtensor"])
+    assert r1["empty-rank-numel"] == [0, 0] and 0 not in r0["empty-rank-numel"]
+    _check_agreement(r0["empty-rank"], r1["empty-rank"])

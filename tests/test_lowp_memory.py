@@ -60,3 +60,9 @@ def test_shared_storage_is_counted_once():
     view_model.a = nn.Parameter(base[:50])
     view_model.b = nn.Parameter(base[50:])
     assert memory_bytes(view_model)["params"] == 400  # one storage of 100 floats
+
+
+def test_meta_model_is_sized_per_storage():
+    model = nn.Sequential(nn.Linear(10, 10, device="meta"), nn.Linear(10, 10, device="meta"))
+    model[1].weight = model[0].weight  # tied: one storage
+    assert memory_bytes(model)["params"] == (100 + 10 + 10) * 4

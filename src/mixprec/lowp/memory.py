@@ -25,7 +25,9 @@ def memory_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
     """Bytes held by ``model``'s parameters and gradients and by ``optimizer``, measured.
 
     Every tensor is counted by the size of its storage (``untyped_storage().nbytes()``), each
-    storage once (by device and data pointer), in the first category that reaches it:
+    storage once (by device and data pointer, so tied weights and views of one buffer count
+    once), in the first category that reaches it. Meta tensors are counted too, so a model built
+    on ``device="meta"`` can be sized without memory:
 
     * ``params``: the model's parameters;
     * ``grads``: their ``.grad``;
@@ -50,7 +52,10 @@ def memory_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
         total = 0
         for t in _tensors(tensors):
             storage = t.untyped_storage()
-            key = (str(t.device), storage.data_ptr())
+            # Storages without data (meta tensors, empty ones) all have data pointer 0: tell
+            # them apart by the storage object itself, which views share.
+            ptr = storage.data_ptr()
+            key = (str(t.device), ptr) if ptr else ("storage", storage._cdata)
             if key in seen:
                 continue
             seen.add(key)

@@ -436,7 +436,7 @@ def test_cuda_trajectory_bitwise_equal_to_torch():
         scaler = cls("cuda", init_scale=2.0**24, growth_interval=2)
         scales = []
         for _ in range(8):
-            with torch.autocast("cuda", dtype=torch.float16):
+            with mixprec.autocast("cuda", dtype=torch.float16):
                 loss = model(torch.randn(4, 8, device="cuda")).float().pow(2).sum() * 1e3
             scaler.scale(loss).backward()
             scaler.step(optimizer)
@@ -446,6 +446,42 @@ def test_cuda_trajectory_bitwise_equal_to_torch():
         runs[cls] = scales, [p.detach().clone() for p in model.parameters()]
     (a, pa), (b, pb) = runs.values()
     assert a == b and all(torch.equal(x, y) for x, y in zip(pa, pb))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fused_path_never_synchronises():
+    """CUDA's own sync detector: step() + update() on the fused path, with the skip signals,
+    hysteresis and a max_scale, never wait for the device (torch's scaler is the control)."""
+    for impl in IMPLS:
+        torch.manual_seed(0)
+        model = nn.Linear(8, 8).cuda()
+        optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+        cls, extra = (GradScaler, dict(hysteresis=2, max_scale=2.0**30)) if impl == "mixprec" else (torch.amp.GradScaler, {})
+        scaler = cls("cuda", init_scale=2.0**8, growth_interval=2, **extra)  # no real overflow
+        signals = []
+        for step in range(6):
+            with mixprec.autocast("cuda", dtype=torch.float16):
+                loss = model(torch.randn(4, 8, device="cuda")).float().pow(2).sum()
+            scaler.scale(loss).backward()
+            if step == 3:
+                model.weight.grad[0, 0] = INF
+            if step > 0:  # the first step creates the optimizer state
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                scaler.step(optimizer)
+                scaler.update()
+                if impl == "mixprec":
+                    signals.append((scaler.last_step_skipped, scaler.skipped_steps))
+            except RuntimeError as error:
+                if impl == "torch":
+                    pytest.skip(f"torch's own fused path synchronises on this build: {error}")
+                raise
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            optimizer.zero_grad()
+    assert all(flag.is_cuda and count.is_cuda for flag, count in signals)
+    assert [bool(flag) for flag, _ in signals] == [False, False, False, True, False, False]
+    assert int(signals[-1][1]) == 1
 
 
 # ---------------------------------------------------------------- beyond torch.amp

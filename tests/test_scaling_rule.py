@@ -214,3 +214,10 @@ def test_init_state_rejects_zero_and_inf():
     for bad in (0.0, float("inf"), float("nan"), -1.0):
         with pytest.raises(ValueError, match="init_scale"):
             init_state(bad, ScaleConfig())
+
+
+def test_backoff_blocked_at_a_floor_float32_cannot_represent():
+    cfg = ScaleConfig(min_scale=0.1, backoff_factor=0.5)
+    state = update_scale(init_state(0.15, cfg), torch.tensor(1.0), cfg)  # 0.075 -> clamped to f32(0.1)
+    assert state.scale.item() == f32(0.1)
+    assert backoff_blocked(state, torch.tensor(1.0), cfg).item()

@@ -225,5 +225,4 @@ def backoff_blocked(state: ScaleState, found_inf: torch.Tensor, config: ScaleCon
     """
     overflow = found_inf.to(device=state.scale.device) != 0
     due = overflow if config.hysteresis == 1 else overflow & (state.hysteresis_left <= 1)
-    lower = torch.tensor(config.lower, dtype=torch.float32, device=state.scale.device)
-    return due & (state.scale <= lower)
+    return due & (state.scale <= config.lower)

@@ -1308,3 +1308,18 @@ def test_master_weights_fp16_training_loop_under_mixprec_autocast(fused):
     assert scaler.skipped_steps.item() >= 5 and min(scales) <= 2.0**18  # backed off a lot
     assert any(b > a for a, b in zip(scales, scales[1:]))  # and grew again
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_non_optimizer_and_repeated_watch():
+    model = nn.Linear(2, 2)
+    scaler = GradScaler("cpu").watch(model).watch(model)  # watching twice names each once
+    scaler.scale(torch.tensor(1.0))
+    for call in (scaler.unscale_, scaler.step):
+        with pytest.raises(TypeError, match="Pass the optimizer"):
+            call(list(model.parameters()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    model.bias.grad[0] = INF
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_overflow == ("bias",)

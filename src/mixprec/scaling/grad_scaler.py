@@ -72,6 +72,14 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+def _check_optimizer(optimizer: Any, funcname: str) -> None:
+    if not (isinstance(getattr(optimizer, "param_groups", None), list) and callable(getattr(optimizer, "step", None))):
+        raise TypeError(
+            f"scaler.{funcname}() expects a torch.optim.Optimizer (with param_groups and step()), "
+            f"got {type(optimizer).__name__}. Pass the optimizer, not the parameters or the model."
+        )
+
+
 class GradScaler:
     """Dynamic loss scaling, a drop-in for :class:`torch.amp.GradScaler`.
 
@@ -396,11 +404,13 @@ class GradScaler:
             RuntimeError: if called twice for ``optimizer`` before :meth:`update`, or after
                 :meth:`step`, or before :meth:`scale`.
             ValueError: if a gradient is float16 (the optimizer would step on float16 weights).
+            TypeError: if ``optimizer`` is not an optimizer.
 
         .. warning:: sparse float16 gradients are coalesced, replacing ``param.grad``.
         """
         if not self._enabled:
             return
+        _check_optimizer(optimizer, "unscale_")
         state = self._require_state("unscale_")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is _Stage.UNSCALED:
@@ -479,11 +489,13 @@ class GradScaler:
             RuntimeError: on a ``closure`` keyword, a second :meth:`step` for ``optimizer`` before
                 :meth:`update`, before :meth:`scale`, or when none of the optimizer's parameters
                 has a gradient.
+            TypeError: if ``optimizer`` is not an optimizer.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        _check_optimizer(optimizer, "step")
         state = self._require_state("step")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is _Stage.STEPPED:
@@ -569,7 +581,8 @@ class GradScaler:
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"watch() expects an nn.Module, got {type(model).__name__}.")
-        self._watched.append((prefix, weakref.ref(model)))
+        if not any(p == prefix and ref() is model for p, ref in self._watched):
+            self._watched.append((prefix, weakref.ref(model)))
         if self._last_overflow is None:
             self._last_overflow = ()
         return self

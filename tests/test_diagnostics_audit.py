@@ -218,3 +218,11 @@ def test_audit_accepts_a_criterion_with_an_inputs_target_batch():
         assert report.policy.compute is torch.bfloat16
     with pytest.raises(ValueError, match="criterion"):
         mixprec.audit(model, torch.randn(4, 6), nn.MSELoss())
+
+
+def test_device_type_must_match_the_model() -> None:
+    # autocast("cuda") leaves CPU tensors in float32: the audit would call float32 "float16"
+    with pytest.raises(ValueError, match="model is on cpu but device_type='cuda'"):
+        audit(make(None), batch(), loss_fn, device_type="cuda")
+    with pytest.raises(TypeError, match="device_type"):
+        audit(make(None), batch(), loss_fn, device_type=torch.device("cpu"))  # type: ignore[arg-type]

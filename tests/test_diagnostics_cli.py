@@ -33,6 +33,15 @@ FACTORIES = textwrap.dedent(
     def not_a_model():
         return "model", None, print
 
+    def crashing_loss():
+        return nn.Linear(4, 1), torch.randn(3, 4), lambda m, x: m(x)[7].sum()
+
+    def nan_model():
+        model = nn.Linear(4, 1)
+        with torch.no_grad():
+            model.weight.fill_(float("nan"))
+        return model, torch.randn(3, 4), lambda m, x: m(x).sum()
+
     VALUE = 3
     """
 )
@@ -98,13 +107,60 @@ def test_argparse_registration(targets: Path) -> None:
 MAIN = Path(__file__).resolve().parents[1] / "src" / "mixprec" / "__main__.py"
 
 
+BAD_TARGETS = [  # (target, message): each exits with 2
+    ("no_such_pkg_xyz.mod:factory", "cannot import 'no_such_pkg_xyz.mod'"),
+    ("diag_factories:missing", "has no attribute 'missing'"),
+    ("diag_factories:VALUE", "not a callable factory"),
+    ("diag_factories:raising", "factory diag_factories:raising raised KeyError"),
+    ("diag_factories:two", "must return (model, batch, loss_fn), got a 2-tuple"),
+]
+
+
+@pytest.mark.skipif(not MAIN.exists(), reason="mixprec/__main__.py not there yet")
+def test_python_dash_m_bad_targets_one_line_each(targets: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(targets))
+    procs = [subprocess.Popen([sys.executable, "-m", "mixprec", "audit", target],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              cwd=targets)
+             for target, _ in BAD_TARGETS]  # all at once: each one is mostly `import torch`
+    for proc, (target, message) in zip(procs, BAD_TARGETS):
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 2, (target, err)
+        assert err.startswith("mixprec audit: ") and err.count("\n") == 1, (target, err)
+        assert message in err and "Traceback" not in err, (target, err)
+        assert out == ""
+    assert not (targets / "mixprec-audit").exists()
+
+
+@pytest.mark.parametrize(
+    "target, options, code, message",
+    [
+        ("diag_factories:good", dict(device_type="cuda"), 2, "device_type='cuda'"),
+        ("diag_factories:good", dict(dtypes=[]), 2, "--dtypes is empty"),
+        ("diag_factories:good", dict(steps=0), 2, "--steps must be"),
+        ("diag_factories:crashing_loss", {}, 1, "the audit failed: IndexError: index 7"),
+        ("diag_factories:nan_model", {}, 1, "already in float32"),
+    ],
+)
+def test_bad_options_and_failing_models_give_one_line(
+        targets: Path, capsys: pytest.CaptureFixture[str], target: str, options: dict,
+        code: int, message: str) -> None:
+    assert run(target, targets / "out", **options) == code
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and err.startswith("mixprec audit: ")
+    assert not (targets / "out").exists()  # nothing left behind
+
+
+def test_unwritable_out_is_one_line(targets: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (targets / "file").write_text("")
+    assert run("diag_factories:good", targets / "file" / "out") == 2
+    err = capsys.readouterr().err
+    assert "cannot write the report to" in err and err.count("\n") == 1
+
+
 @pytest.mark.skipif(not MAIN.exists(), reason="mixprec/__main__.py not there yet")
 def test_python_dash_m(targets: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(targets))
-    bad = subprocess.run([sys.executable, "-m", "mixprec", "audit", "diag_factories:raising"],
-                         capture_output=True, text=True, env=env, cwd=targets, timeout=120)
-    assert bad.returncode == 2 and "raised KeyError" in bad.stderr
-    assert "Traceback" not in bad.stderr
     good = subprocess.run([sys.executable, "-m", "mixprec", "audit", "diag_factories:good",
                            "--out", "r", "--dtypes", "bfloat16"],
                           capture_output=True, text=True, env=env, cwd=targets, timeout=120)

@@ -321,6 +321,25 @@ def _as_model_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable[[nn.Module,
     return model_loss
 
 
+def _check_device(model: nn.Module, batch: Any, device_type: str) -> None:
+    """Autocast for one device type leaves tensors on another untouched: the audit would measure
+    float32 and call it float16. Raise unless the model (or, without parameters, the batch) is
+    on ``device_type``."""
+    from torch.utils._pytree import tree_leaves
+
+    if not isinstance(device_type, str):
+        raise TypeError(f"device_type must be a str such as 'cpu' or 'cuda', got {device_type!r}")
+    tensors = [*model.parameters(), *model.buffers()] or [
+        t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    found = sorted({t.device.type for t in tensors})
+    if found and device_type not in found:
+        raise ValueError(
+            f"the model is on {', '.join(found)} but device_type={device_type!r}: autocast for "
+            f"{device_type!r} would leave it in float32; pass device_type={found[0]!r} or move "
+            "the model"
+        )
+
+
 def audit(
     model: nn.Module,
     batch: Any,
@@ -360,9 +379,9 @@ def audit(
         An :class:`AuditReport`.
 
     Raises:
-        ValueError: empty or unsupported ``dtypes``, ``steps < 1``, ``margin < 1``,
-            ``underflow_threshold`` outside [0, 1], ``max_fixes < 0``, a loss that is not a
-            scalar tensor requiring grad.
+        ValueError: empty or unsupported ``dtypes``, a model (or batch) not on ``device_type``,
+            ``steps < 1``, ``margin < 1``, ``underflow_threshold`` outside [0, 1],
+            ``max_fixes < 0``, a loss that is not a scalar tensor requiring grad.
         RuntimeError: the model produces inf/NaN already in float32 (the message says where).
 
     Host syncs: many (it reads statistics after every pass); not for use inside a training step.
@@ -391,6 +410,8 @@ def audit(
         raise ValueError(f"underflow_threshold must be in [0, 1], got {underflow_threshold!r}")
     if not isinstance(max_fixes, int) or max_fixes < 0:
         raise ValueError(f"max_fixes must be an int >= 0, got {max_fixes!r}")
+
+    _check_device(model, batch, device_type)
 
     from mixprec.autocast_mode import autocast
 

@@ -3,8 +3,10 @@
 The factory is called with no arguments and returns ``(model, batch, loss_fn)`` as
 :func:`mixprec.audit` takes them (``loss_fn(model, batch) -> scalar loss``). The command writes
 ``index.html`` and ``report.json`` into ``--out`` and prints the summary. A bad target (module not
-found, no such attribute, factory raising, wrong return shape) prints one line on stderr and
-returns 2; a model that produces inf/NaN in float32 returns 1.
+found, no such attribute, not callable, factory raising, wrong return shape), a bad option or an
+unwritable ``--out`` prints one line on stderr and returns 2; an audit that fails while running
+the model (inf/NaN already in float32, an exception in the model or ``loss_fn``) prints one line
+and returns 1.
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ import sys
 from typing import Any
 
 __all__ = ["add_audit_parser", "audit_command"]
+
+
+def _one_line(e: BaseException) -> str:
+    """``Type: message`` on one line (PyTorch messages often span several)."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -35,20 +43,20 @@ def _load(target: str) -> tuple[Any, Any, Any] | str:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        return f"cannot import {module_name!r}: {e}"
+        return f"cannot import {module_name!r}: {' '.join(str(e).split())}"
     except Exception as e:  # the module itself failed while importing
-        return f"importing {module_name!r} raised {type(e).__name__}: {e}"
+        return f"importing {module_name!r} raised {_one_line(e)}"
     factory = module
     for part in attr.split("."):
         if not hasattr(factory, part):
             return f"module {module_name!r} has no attribute {attr!r}"
         factory = getattr(factory, part)
     if not callable(factory):
-        return f"{target} is a {type(factory).__name__}, not a callable factory"
+        return f"{target} is not a callable factory (it is of type {type(factory).__name__})"
     try:
         result = factory()
     except Exception as e:
-        return f"factory {target} raised {type(e).__name__}: {e}"
+        return f"factory {target} raised {_one_line(e)}"
     if not (isinstance(result, (tuple, list)) and len(result) == 3):
         got = f"a {len(result)}-tuple" if isinstance(result, (tuple, list)) else type(result).__name__
         return f"factory {target} must return (model, batch, loss_fn), got {got}"
@@ -72,22 +80,43 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
         steps: passes per configuration.
 
     Returns:
-        0 on success; 2 for a bad target or bad options; 1 if the audit itself fails.
+        0 on success; 2 for a bad target, bad options or an unwritable ``out``; 1 if the audit
+        fails while running the model. Every failure prints one line on stderr.
     """
-    from mixprec.diagnostics.audit import audit
+    from mixprec.diagnostics.audit import _dtype_name, _check_device, audit
 
+    try:  # the options first: a typo should not cost a model build
+        names = tuple(_dtype_name(d) for d in dtypes)
+    except (ValueError, TypeError) as e:
+        return _fail(str(e))
+    if not names:
+        return _fail("--dtypes is empty; pass e.g. --dtypes float16,bfloat16")
+    if not isinstance(steps, int) or steps < 1:
+        return _fail(f"--steps must be an integer >= 1, got {steps!r}")
     loaded = _load(target)
     if isinstance(loaded, str):
         return _fail(loaded)
     model, batch, loss_fn = loaded
     try:
-        report = audit(model, batch, loss_fn, device_type=device_type, dtypes=tuple(dtypes),
-                       steps=steps)
+        _check_device(model, batch, device_type)
     except (ValueError, TypeError) as e:
         return _fail(str(e))
-    except RuntimeError as e:
-        return _fail(str(e), code=1)
-    report.save(out)
+    created = not os.path.isdir(out)
+    try:  # before the audit, which may take a while
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        return _fail(f"cannot write the report to {out!r}: {e.strerror or e}")
+    try:
+        report = audit(model, batch, loss_fn, device_type=device_type, dtypes=names,
+                       steps=steps)
+    except Exception as e:  # the model or loss_fn failed while running: one line, exit 1
+        if created:
+            os.rmdir(out)
+        return _fail(f"the audit failed: {_one_line(e)}", code=1)
+    try:
+        report.save(out)
+    except OSError as e:
+        return _fail(f"cannot write the report to {out!r}: {e.strerror or e}", code=1)
     report.summary()
     print(f"report written to {os.path.join(out, 'index.html')} and report.json")
     return 0

@@ -169,3 +169,32 @@ def test_cuda_no_sync_inside() -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert rc.results()["0"]["activation"].count == 8 * 64
+
+
+def test_beyond_float32_counts_as_overflow_not_nonfinite() -> None:
+    model = Copy()
+    with collect_ranges(model) as rc:
+        model(torch.tensor([1e300, 1.0, float("inf"), -1e300], dtype=torch.float64))
+    s = rc.results()[""]["activation"]
+    assert s.nonfinite == 1 and s.absmax == torch.finfo(torch.float32).max
+    assert all(v == 0.5 for v in s.overflow.values())
+    json.dumps(s.to_dict(), allow_nan=False)
+
+    class TensorScale:  # a scaler whose scale tensor changes in place after it was read
+        def __init__(self) -> None:
+            self.scale = torch.tensor(2.0 ** 20)
+
+        def get_scale(self) -> torch.Tensor:
+            return self.scale
+
+    scaler = TensorScale()
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with collect_ranges(lin, scaler=scaler) as rc:
+        scaler.scale.mul_(0.5)  # the collector keeps the value it read on entry
+        (lin(x) * 1e34).sum().backward()  # gradients 1e34 * 2**20: past float32
+    g = rc.results()[""]["grad"]
+    assert g.nonfinite == 0 and g.overflow["bfloat16"] == 1.0
+    with collect_ranges(lin, scaler=scaler) as rc:
+        (lin(x) * 1e-3).sum().backward()
+    assert rc.results()[""]["grad"].absmax == pytest.approx(1e-3 * 2.0 ** 19)

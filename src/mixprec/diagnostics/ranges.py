@@ -12,7 +12,8 @@ gradient with respect to those outputs; ``"weight"``: the module's own parameter
   with round-to-nearest-even thresholds derived from :func:`torch.finfo`;
 * a histogram of log2|x| of the non-zero values, one bin per binade (:data:`HIST_EDGES`).
 
-The statistics are taken on ``|x|`` in float32 (float64 tensors are rounded to float32 first).
+The statistics are taken on ``|x|`` in float32 (float64 tensors are rounded to float32 first;
+finite magnitudes beyond float32's range are counted at float32's max, i.e. as overflow).
 
 All reductions stay on the tensors' device; the host reads them once, in
 :meth:`RangeCollector.results` (called by ``__exit__``).
@@ -95,6 +96,7 @@ def format_limits(dtype: torch.dtype) -> FormatLimits:
 
 _LIMITS = {name: format_limits(dt) for name, dt in FORMATS.items()}
 _F32_SUB = torch.finfo(torch.float32).tiny * torch.finfo(torch.float32).eps
+_F32_MAX = torch.finfo(torch.float32).max
 # bucket i counts |x| in [B[i-1], B[i]); bucket 0 holds exact zeros (and the non-finite values)
 _BOUNDS: tuple[float, ...] = tuple(
     sorted({_F32_SUB} | {v for lim in _LIMITS.values()
@@ -162,12 +164,15 @@ class _Acc:
 
     def update(self, x: torch.Tensor, scale: torch.Tensor | float | None) -> None:
         """Fold ``x`` (times ``scale``) in. No host sync."""
-        a = x.detach().abs().float()
+        x = x.detach()
+        finite = torch.isfinite(x)  # judged before any rounding or scaling
+        nonfinite = x.numel() - finite.sum()
+        a = torch.where(finite, x, 0.0).abs().float()
         if scale is not None:
             a = a * scale
-        finite = torch.isfinite(a)
-        nonfinite = a.numel() - finite.sum()
-        a = torch.where(finite, a, 0.0)
+        # finite values past float32 (float64 input, or a gradient times a large scale) round to
+        # inf here: clamp them to float32's max, where they count as overflow in every format
+        a = a.clamp(max=_F32_MAX)
         new = [
             nonfinite,
             a.amax(),
@@ -277,7 +282,9 @@ class RangeCollector:
         self._results = None
         if self.scaler is not None:
             scale = self.scaler.get_scale()
-            self._scale = scale.detach() if isinstance(scale, torch.Tensor) else float(scale)
+            # a copy: a scaler updates its scale tensor in place
+            self._scale = (scale.detach().float().clone() if isinstance(scale, torch.Tensor)
+                           else float(scale))
         for t in (*self.model.parameters(), *self.model.buffers()):
             _bounds(t.device)  # copy the bucket bounds to each device now, not in a hook
         for name, module in self.model.named_modules():

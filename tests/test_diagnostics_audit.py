@@ -226,3 +226,58 @@ def test_device_type_must_match_the_model() -> None:
         audit(make(None), batch(), loss_fn, device_type="cuda")
     with pytest.raises(TypeError, match="device_type"):
         audit(make(None), batch(), loss_fn, device_type=torch.device("cpu"))  # type: ignore[arg-type]
+
+
+class Attention(nn.Module):
+    """q, k, v projections of one input (siblings); the scores overflow float16."""
+
+    def __init__(self, d: int, hot: bool) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.hot = hot
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.q(x) @ self.k(x).transpose(-1, -2) * (1e5 if self.hot else 0.25)
+        return self.norm(x + torch.softmax(s, -1) @ self.v(x))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(16, 8)
+        self.blocks = nn.Sequential(Attention(8, hot=False), Attention(8, hot=True))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.emb(tokens))).mean(1)
+
+
+def test_tiny_transformer_with_a_criterion_trains_clean_in_float16() -> None:
+    g = torch.Generator().manual_seed(1)
+    data = (torch.randint(0, 16, (2, 5), generator=g), torch.tensor([1, 2]))
+    crit = nn.CrossEntropyLoss()
+    report = audit(TinyTransformer(), data, crit, dtypes=(torch.float16,))
+    assert report.dtype == "float16" and report.verified["float16"]
+    assert report.keep["float16"] == ("blocks.1",)
+    ev = report.default_events["float16"]
+    assert ev is not None and ev.module == "blocks.1"
+
+    def trains(policy: mixprec.Policy | None) -> bool:
+        model = TinyTransformer()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        for _ in range(3):
+            opt.zero_grad()
+            with mixprec.autocast("cpu", dtype=torch.float16, policy=policy):
+                loss = crit(model(data[0]).float(), data[1])
+            (loss * report.init_scale).backward()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            if not (torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)):
+                return False
+            for p in grads:
+                p.div_(report.init_scale)
+            opt.step()
+        return True
+
+    assert trains(report.policy) and not trains(None)

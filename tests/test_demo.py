@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import html
 import io
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from mixprec.demo import corpus
+from mixprec.demo import corpus, train
 from mixprec.demo.model import SIZES, ModelConfig, TransformerLM, lm_loss
 from mixprec.demo.progress import LineProgress
 from mixprec.demo.report import MEMORY_PARTS, format_table, hardware_note, write_report
@@ -90,6 +93,18 @@ def test_settings_presets_and_validation() -> None:
         Settings.for_size("huge")
     with pytest.raises(ValueError, match="steps"):
         Settings(model=MICRO, steps=0, batch_size=1, lr=1e-3)
+    for seed in (-1, 2**63, 1.5, True):
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63\)"):
+            Settings(model=MICRO, steps=1, batch_size=1, lr=1e-3, seed=seed)
+    with pytest.raises(ValueError, match="untimed_steps"):
+        Settings(model=MICRO, steps=1, batch_size=1, lr=1e-3, untimed_steps=-1)
+
+
+@pytest.mark.parametrize("steps, untimed, timed", [(10, 1, range(1, 10)), (10, 3, range(3, 10)),
+                                                   (3, 3, range(0, 3)), (1, 1, range(0, 1)), (4, 0, range(0, 4))])
+def test_timed_steps_leave_out_the_warm_up(steps: int, untimed: int, timed: range) -> None:
+    settings = Settings(model=MICRO, steps=steps, batch_size=1, lr=1e-3, untimed_steps=untimed)
+    assert settings.timed_steps == timed
 
 
 def test_check_modes_refuses_unknown_and_missing_apis(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,6 +113,8 @@ def test_check_modes_refuses_unknown_and_missing_apis(monkeypatch: pytest.Monkey
         check_modes(["fp32", "fp8"])
     with pytest.raises(ValueError, match="no modes"):
         check_modes([])
+    with pytest.raises(ValueError, match="more than once: fp32"):
+        check_modes(["fp32", "torch-amp", "fp32"])
     fake = Mode("needs-missing", "test", ("optim.DoesNotExist",), MODES["fp32"].setup)
     monkeypatch.setitem(MODES, fake.name, fake)
     with pytest.raises(RuntimeError, match=r"needs-missing needs mixprec\.optim\.DoesNotExist"):
@@ -127,13 +144,41 @@ def test_same_seed_same_run_other_seed_other_run(data: tuple[torch.Tensor, torch
     assert a.losses != c.losses
 
 
-def test_mixprec_fp16_follows_torch_amp(data: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Same weights, batches and scale rule: mixprec's autocast + scaler match torch.amp's."""
-    ref = run_mode("torch-amp", micro(steps=4), CPU, data=data)
-    ours = run_mode("mixprec-fp16", micro(steps=4), CPU, data=data)
-    torch.testing.assert_close(ours.losses, ref.losses, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_mixprec_fp16_is_bitwise_torch_amp(
+    fused: bool, data: tuple[torch.Tensor, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same weights, batches and scale rule: mixprec's autocast + scaler reproduce torch.amp's
+    losses and loss scales exactly, through skipped steps, back-offs and growth."""
+    # a scale that overflows at first and grows every 3 clean steps: skips, back-offs and growth
+    monkeypatch.setattr(train, "_INIT_SCALE", 2.0**19)
+    monkeypatch.setattr(train, "_GROWTH_INTERVAL", 3)
+    settings = dataclasses.replace(micro(steps=12), fused=fused)
+    ref = run_mode("torch-amp", settings, CPU, data=data)
+    ours = run_mode("mixprec-fp16", settings, CPU, data=data)
+    moves = [b / a for a, b in zip(ref.scales, ref.scales[1:])]
+    assert len(ref.skipped_steps) >= 2 and 0.5 in moves and 2.0 in moves  # backed off and grew
+    assert ours.losses == ref.losses and ours.eval_loss == ref.eval_loss
     assert ours.scales == ref.scales and ours.skipped_steps == ref.skipped_steps
     assert ours.memory == ref.memory
+
+
+def test_scheduler_warning_is_silenced_when_the_first_step_is_skipped(
+    data: tuple[torch.Tensor, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(train, "_INIT_SCALE", 2.0**40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = run_mode("torch-amp", micro(steps=2), CPU, data=data)
+    assert result.skipped_steps == [0, 1]
+
+
+def test_demo_is_deterministic_in_every_mode(data: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Two runs with the same seed give bitwise the same losses and loss scales in every mode."""
+    for name in DEFAULT_MODES:
+        a, b = (run_mode(name, micro(steps=2, seed=3), CPU, data=data) for _ in range(2))
+        assert a.losses == b.losses and a.eval_loss == b.eval_loss and a.scales == b.scales, name
+        assert a.memory == b.memory, name
 
 
 def test_autocast_saves_smaller_activations(data: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -168,9 +213,24 @@ def test_report_files(demo_result: DemoResult, tmp_path) -> None:
     assert data["settings"]["steps"] == 4 and len(data["modes"][1]["scales"]) == 4
     assert {f["name"] for f in data["figures"]} == {"loss", "scale", "memory", "throughput"}
     for fig in data["figures"]:
-        assert f'src="{fig["file"]}"' in page
+        assert f'src="{fig["file"]}"' in page and (paths["index"].parent / fig["file"]).is_file()
+        assert html.escape(fig["caption"]) in page
         assert fig["caption"].count(". ") + fig["caption"].count("; ") >= 1 and fig["data"]
-    assert data["figures"][1]["data"].keys() == {"torch-amp"}
+    figs = {f["name"]: f["data"] for f in data["figures"]}
+    modes = {m.mode: m for m in demo_result.modes}
+    # every series each figure draws is in results.json
+    assert figs["loss"]["raw"] == {name: m.losses for name, m in modes.items()}
+    assert figs["loss"]["minus"] == "fp32" and figs["loss"]["difference"]["fp32"] == [0.0] * 4
+    for name, m in modes.items():
+        assert len(figs["loss"]["smoothed"][name]) == 4
+        assert figs["loss"]["smoothed"][name][0] == m.losses[0]
+    assert figs["scale"].keys() == {"torch-amp"}
+    assert figs["scale"]["torch-amp"] == {"scales": modes["torch-amp"].scales,
+                                          "skipped_steps": modes["torch-amp"].skipped_steps}
+    assert figs["memory"] == {name: m.memory for name, m in modes.items()}
+    assert figs["throughput"]["ratio_to"] == "torch-amp" and figs["throughput"]["ratio"]["torch-amp"] == 1.0
+    assert figs["throughput"]["tokens_per_s"] == {name: m.tokens_per_s for name, m in modes.items()}
+    assert "first step excluded" in data["figures"][3]["caption"]
 
 
 def test_terminal_table(demo_result: DemoResult) -> None:

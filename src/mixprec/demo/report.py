@@ -86,14 +86,25 @@ def _smooth(values: list[float]) -> list[float]:
     return out
 
 
+def _timing(result: DemoResult) -> str:
+    s = result.settings
+    untimed = s.steps - len(s.timed_steps)
+    if not untimed:
+        return "every step timed"
+    return "first step excluded" if untimed == 1 else f"first {untimed} steps excluded"
+
+
 def _figures(result: DemoResult) -> list[dict[str, Any]]:
-    """What each figure shows: file name, title, the data it plots and its two-sentence caption."""
+    """What each figure shows: file name, title, every series it plots, and its two-sentence
+    caption."""
     modes = result.modes
+    base = modes[0]
     best = min(modes, key=lambda m: m.eval_loss)
     scaled = [m for m in modes if m.scales]
     ref = _reference(result)
     lowest = min(modes, key=lambda m: m.total_memory)
     fastest = max(modes, key=lambda m: m.tokens_per_s)
+    smoothed = {m.mode: _smooth(m.losses) for m in modes}
     scale_caption = (
         "The loss scale of every mode that uses one (log scale), with its skipped steps marked by "
         "crosses: the scaler skips the update and halves the scale when a gradient overflows, and "
@@ -107,13 +118,20 @@ def _figures(result: DemoResult) -> list[dict[str, Any]]:
             "name": "loss",
             "file": "loss.png",
             "title": "Training loss",
-            "data": {m.mode: m.losses for m in modes},
+            "data": {
+                "raw": {m.mode: m.losses for m in modes},
+                "smoothed": smoothed,
+                "minus": base.mode,
+                "difference": {
+                    m.mode: [a - b for a, b in zip(smoothed[m.mode], smoothed[base.mode])] for m in modes
+                },
+            },
             "caption": (
                 "Training loss per step of every mode on the same batches from the same initial "
                 "weights (thin: raw, thick: trailing mean), so the curves differ only by the "
-                f"numerics of each precision mode; the lower panel shows each minus {modes[0].mode}. "
+                f"numerics of each precision mode; the lower panel shows each minus {base.mode}. "
                 f"Lowest validation loss: {best.mode} ({best.eval_loss:.4f}); curves that lie on "
-                "fp32's lose nothing to lower precision."
+                f"{base.mode}'s lose nothing to it."
             ),
         },
         {
@@ -133,17 +151,22 @@ def _figures(result: DemoResult) -> list[dict[str, Any]]:
                 "optimizer state, and peak activations "
                 f"({modes[0].activation_method}). "
                 f"{lowest.mode} needs the least ({_mib(lowest.total_memory):.2f} MiB); "
-                "bf16/fp16 weights halve params and grads, and autocast halves the activations."
+                "bf16/fp16 weights halve params and grads, and autocast stores 16-bit activations "
+                "but adds 16-bit copies of the weights it casts."
             ),
         },
         {
             "name": "throughput",
             "file": "throughput.png",
             "title": "Throughput",
-            "data": {m.mode: m.tokens_per_s for m in modes},
+            "data": {
+                "tokens_per_s": {m.mode: m.tokens_per_s for m in modes},
+                "ratio_to": ref.mode,
+                "ratio": {m.mode: m.tokens_per_s / ref.tokens_per_s for m in modes},
+            },
             "caption": (
-                "Training tokens per second of each mode, first step excluded"
-                + f", with the ratio to {ref.mode} on each bar. "
+                f"Training tokens per second of each mode ({_timing(result)}), with the ratio to "
+                f"{ref.mode} on each bar. "
                 + f"Fastest here: {fastest.mode}; "
                 + (hardware_note(result) or "low-precision modes are faster where the device has "
                    "native float16/bfloat16 kernels.")
@@ -163,16 +186,15 @@ def _plot(fig_spec: dict[str, Any], result: DemoResult, path: Path) -> None:
     if name == "loss":
         fig, (ax, diff) = plt.subplots(2, 1, figsize=(8, 6.5), dpi=100, sharex=True,
                                        gridspec_kw={"height_ratios": (2, 1)})
-        base = _smooth(result.modes[0].losses)
-        for m in result.modes:
-            steps = range(1, len(m.losses) + 1)
-            smooth = _smooth(m.losses)
-            ax.plot(steps, m.losses, color=colors[m.mode], alpha=0.2, linewidth=0.8)
-            ax.plot(steps, smooth, color=colors[m.mode], linewidth=1.6, label=m.mode)
-            diff.plot(steps, [a - b for a, b in zip(smooth, base)], color=colors[m.mode], linewidth=1.2)
+        data = fig_spec["data"]
+        for mode, raw in data["raw"].items():
+            steps = range(1, len(raw) + 1)
+            ax.plot(steps, raw, color=colors[mode], alpha=0.2, linewidth=0.8)
+            ax.plot(steps, data["smoothed"][mode], color=colors[mode], linewidth=1.6, label=mode)
+            diff.plot(steps, data["difference"][mode], color=colors[mode], linewidth=1.2)
         ax.set(ylabel="cross-entropy (nats/byte)")
         ax.legend(fontsize=8, ncol=2)
-        diff.set(xlabel="step", ylabel=f"minus {result.modes[0].mode}")
+        diff.set(xlabel="step", ylabel=f"minus {data['minus']}")
         diff.grid(alpha=0.3)
     else:
         fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
@@ -203,11 +225,10 @@ def _plot(fig_spec: dict[str, Any], result: DemoResult, path: Path) -> None:
         ax.set(xlabel="MiB")
         ax.legend(fontsize=8, loc="lower right")
     elif name == "throughput":
-        labels = [m.mode for m in result.modes]
-        values = [m.tokens_per_s for m in result.modes]
-        bars = ax.barh(labels, values, color=[colors[m] for m in labels])
-        ref = _reference(result)
-        ax.bar_label(bars, labels=[f"{v / ref.tokens_per_s:.2f}x" for v in values], fontsize=8)
+        data = fig_spec["data"]
+        labels = list(data["tokens_per_s"])
+        bars = ax.barh(labels, list(data["tokens_per_s"].values()), color=[colors[m] for m in labels])
+        ax.bar_label(bars, labels=[f"{data['ratio'][m]:.2f}x" for m in labels], fontsize=8)
         ax.invert_yaxis()
         ax.set(xlabel="tokens / s")
     ax.set_title(fig_spec["title"])
@@ -239,7 +260,7 @@ figure {{ margin: 2rem 0; }} img {{ max-width: 100%; }} figcaption {{ color: #33
 </style></head><body>
 <h1>mixprec demo report</h1>
 <p>A decoder-only transformer ({s.model.n_layers} layers, d={s.model.d_model},
-{s.model.n_heads} heads, sequence {s.model.seq_len}, byte-level) trained {s.steps} steps with
+{s.model.n_heads} heads, sequence {s.model.seq_len}, byte-level) trained {s.steps} step{"s" if s.steps > 1 else ""} with
 batch {s.batch_size}, learning rate {s.lr}, seed {s.seed}, on {html.escape(result.device)} in
 each precision mode below, from the same initial weights and on the same batches.</p>
 {f'<p class="note">Note: {html.escape(note)}</p>' if note else ""}

@@ -30,7 +30,9 @@ from __future__ import annotations
 import contextlib
 import math
 import platform
+import re
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Protocol
 
@@ -45,6 +47,7 @@ from mixprec.lowp import memory_bytes
 __all__ = [
     "MODES",
     "DEFAULT_MODES",
+    "MAX_SEED",
     "Mode",
     "Settings",
     "ModeResult",
@@ -72,9 +75,14 @@ class Settings:
         steps: optimizer steps per mode (>= 1).
         batch_size: sequences per batch.
         lr: peak learning rate (linear warm-up over the first 10% of steps, then cosine to 10%).
-        seed: seeds the weights, the batches and the evaluation windows.
+        seed: seeds the weights, the batches and the evaluation windows (``0 <= seed < 2**63``).
         eval_batches: validation batches for the final evaluation loss.
         size: the name of the size preset these settings came from ("custom" otherwise).
+        untimed_steps: first steps left out of the throughput (warm-up: allocations, kernel
+            selection, lazily created optimizer state); all steps are timed when there are no
+            more than this many.
+        fused: use ``torch.optim.AdamW(fused=True)`` (one kernel per step; the loss scalers then
+            unscale and skip inside it) wherever the mode's optimizer is torch's AdamW.
     """
 
     model: ModelConfig
@@ -84,6 +92,8 @@ class Settings:
     seed: int = 0
     eval_batches: int = 4
     size: str = "custom"
+    untimed_steps: int = 1
+    fused: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -94,6 +104,10 @@ class Settings:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.eval_batches < 1:
             raise ValueError(f"eval_batches must be >= 1, got {self.eval_batches}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if self.untimed_steps < 0:
+            raise ValueError(f"untimed_steps must be >= 0, got {self.untimed_steps}")
 
     @classmethod
     def for_size(cls, size: str, *, steps: int | None = None, seed: int = 0) -> Settings:
@@ -117,6 +131,16 @@ class Settings:
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.model.seq_len
+
+    @property
+    def timed_steps(self) -> range:
+        """The steps whose time makes the throughput: all but the first ``untimed_steps``, or
+        every step when that would leave none."""
+        return range(self.untimed_steps if self.steps > self.untimed_steps else 0, self.steps)
+
+
+#: Seeds are integers in ``[0, MAX_SEED)`` (torch takes 64-bit seeds; evaluation uses ``seed + 1``).
+MAX_SEED = 2**63
 
 
 # size -> (steps, batch_size, lr); "tiny" runs all eight modes in about 2 minutes on 2 CPU cores
@@ -180,8 +204,8 @@ _INIT_SCALE = 2.0**16
 _GROWTH_INTERVAL = 20
 
 
-def _adamw(params: Any, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+def _adamw(params: Any, s: Settings) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.95), weight_decay=0.01, fused=s.fused)
 
 
 def _torch_scale_state(scaler: torch.amp.GradScaler) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
@@ -205,13 +229,13 @@ def _mixprec_scale_state(scaler: Any) -> Callable[[], tuple[torch.Tensor, torch.
 
 
 def _setup_fp32(model: nn.Module, s: Settings, device: torch.device) -> _Setup:
-    opt = _adamw(model.parameters(), s.lr)
+    opt = _adamw(model.parameters(), s)
     return _Setup(model, opt)
 
 
 def _setup_torch_amp(dtype: torch.dtype) -> Callable[[nn.Module, Settings, torch.device], _Setup]:
     def setup(model: nn.Module, s: Settings, device: torch.device) -> _Setup:
-        opt = _adamw(model.parameters(), s.lr)
+        opt = _adamw(model.parameters(), s)
         autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
         if dtype != torch.float16:
             return _Setup(model, opt, autocast)
@@ -223,7 +247,7 @@ def _setup_torch_amp(dtype: torch.dtype) -> Callable[[nn.Module, Settings, torch
 
 def _setup_mixprec_amp(dtype: torch.dtype) -> Callable[[nn.Module, Settings, torch.device], _Setup]:
     def setup(model: nn.Module, s: Settings, device: torch.device) -> _Setup:
-        opt = _adamw(model.parameters(), s.lr)
+        opt = _adamw(model.parameters(), s)
         autocast = lambda: mixprec.autocast(device.type, dtype=dtype)  # noqa: E731
         if dtype != torch.float16:
             return _Setup(model, opt, autocast)
@@ -237,7 +261,7 @@ def _setup_bf16(compensation: str | None) -> Callable[[nn.Module, Settings, torc
     def setup(model: nn.Module, s: Settings, device: torch.device) -> _Setup:
         mixprec.to_low_precision(model, torch.bfloat16)
         if compensation is None:
-            opt = _adamw(model.parameters(), s.lr)
+            opt = _adamw(model.parameters(), s)
         else:
             opt = mixprec.optim.AdamW(
                 model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.01,
@@ -250,7 +274,7 @@ def _setup_bf16(compensation: str | None) -> Callable[[nn.Module, Settings, torc
 
 def _setup_fp16_master(model: nn.Module, s: Settings, device: torch.device) -> _Setup:
     mixprec.to_low_precision(model, torch.float16)
-    opt = _adamw(model.parameters(), s.lr)
+    opt = _adamw(model.parameters(), s)
     scaler = mixprec.GradScaler(device.type, init_scale=_INIT_SCALE, growth_interval=_GROWTH_INTERVAL)
     return _Setup(
         model, mixprec.MasterWeights(opt), scaler=scaler, scale_state=_mixprec_scale_state(scaler)
@@ -295,7 +319,7 @@ def check_modes(names: tuple[str, ...] | list[str]) -> None:
     """Check that every mode exists and that the mixprec APIs it needs import.
 
     Raises:
-        ValueError: for an unknown mode name, or an empty list.
+        ValueError: for an unknown or repeated mode name, or an empty list.
         RuntimeError: naming each mode whose mixprec API is missing.
     """
     if not names:
@@ -303,6 +327,9 @@ def check_modes(names: tuple[str, ...] | list[str]) -> None:
     unknown = [n for n in names if n not in MODES]
     if unknown:
         raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"mode(s) given more than once: {', '.join(repeated)}; give each mode once")
     problems = [
         f"{n} needs {miss}" for n in names for req in MODES[n].requires if (miss := _missing(req))
     ]
@@ -448,8 +475,10 @@ def run_mode(
 
     Peak activations are the bytes of the tensors saved for backward during the first step
     (distinct storages, parameters excluded) on CPU, and the growth of
-    ``torch.cuda.max_memory_allocated`` over the first forward pass on CUDA. Throughput leaves
-    out the first step (warm-up and the activation measurement).
+    ``torch.cuda.max_memory_allocated`` over the first forward pass on CUDA (which resets the
+    device's peak memory statistics). Throughput leaves out the first ``settings.untimed_steps``
+    steps (warm-up and the activation measurement; see :attr:`Settings.timed_steps`), with the
+    device synchronised at both ends of the timed span.
     """
     check_modes([name])
     mode = MODES[name]
@@ -469,9 +498,14 @@ def run_mode(
     losses: list[torch.Tensor] = []
     scale_trace: list[tuple[torch.Tensor, torch.Tensor]] = []
     activations = 0
+    timed = settings.timed_steps
+    _sync(device)
     wall_start = time.perf_counter()
     timed_from = wall_start
     for step in range(settings.steps):
+        if step == timed.start and step:
+            _sync(device)
+            timed_from = time.perf_counter()
         x, y = make_batch(train, offsets[step], cfg.seq_len, device)
         setup.optimizer.zero_grad(set_to_none=True)
         measuring = step == 0
@@ -494,22 +528,19 @@ def run_mode(
             setup.scaler.scale(loss).backward()
             setup.scaler.step(setup.optimizer)
             setup.scaler.update()
-        schedule.step()
+        with warnings.catch_warnings():
+            # a loss scaler that skips the first step never calls optimizer.step(): expected here
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"), UserWarning)
+            schedule.step()
         losses.append(loss.detach())
         if setup.scale_state is not None:
             scale_trace.append(setup.scale_state())
-        if measuring:
-            _sync(device)
-            timed_from = time.perf_counter()
         if progress is not None and (step % report_every == 0 or step == settings.steps - 1):
             scale = scale_trace[-1][0].item() if scale_trace else None
             progress.update(step + 1, losses[-1].item(), scale)
     _sync(device)
     end = time.perf_counter()
-    timed_steps = settings.steps - 1
-    if timed_steps == 0:  # a single step: time it, warm-up included
-        timed_steps, timed_from = 1, wall_start
-    tokens_per_s = timed_steps * settings.tokens_per_step / max(end - timed_from, 1e-9)
+    tokens_per_s = len(timed) * settings.tokens_per_step / max(end - timed_from, 1e-9)
 
     held = memory_bytes(model, setup.optimizer)
     memory = {key: held[key] for key in ("params", "grads", "master", "optimizer_state")}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,11 +18,21 @@ from mixprec.cli import build_parser, main
     "argv, match",
     [
         (["demo", "--size", "huge"], "invalid choice: 'huge'"),
-        (["demo", "--steps", "0"], "expected a positive integer, got 0"),
+        (["demo", "--steps", "0"], "expected a positive integer up to 1,000,000, got 0"),
+        (["demo", "--steps", "-3"], "expected a positive integer up to 1,000,000, got -3"),
+        (["demo", "--steps", "1.5"], "expected a positive integer, got '1.5'"),
         (["demo", "--steps", "many"], "expected a positive integer, got 'many'"),
+        (["demo", "--steps", "10000000000000000"], "up to 1,000,000, got 10000000000000000"),
+        (["demo", "--seed", "-1"], "expected a seed from 0 to 2**63 - 1, got -1"),
+        (["demo", "--seed", str(2**64)], f"expected a seed from 0 to 2**63 - 1, got {2**64}"),
+        (["demo", "--seed", "x"], "expected an integer seed, got 'x'"),
         (["demo", "--modes", "fp32,fp8"], "unknown mode(s) fp8"),
+        (["demo", "--modes", ""], "no modes given; choose from fp32, torch-amp"),
+        (["demo", "--modes", " , "], "no modes given"),
+        (["demo", "--modes", "fp32,torch-amp,fp32"], "given more than once: fp32"),
         (["demo", "--device", "nonsense"], "not a device: 'nonsense'"),
         (["demo", "--device", "meta"], "the demo runs on cpu or cuda"),
+        (["demo", "--out", ""], "expected a folder, got an empty path"),
         (["demo", "--bogus"], "unrecognized arguments: --bogus"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         ([], "required: {demo,audit}"),
@@ -43,14 +54,65 @@ def test_cuda_device_without_cuda_is_a_usage_error(capsys) -> None:
     assert "CUDA is not available here; use --device cpu" in capsys.readouterr().err
 
 
-def test_unwritable_output_folder_fails_before_training(tmp_path: Path, capsys) -> None:
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a folder")
-    assert main(["demo", "--modes", "fp32", "--steps", "1", "--out", str(blocker / "report")]) == 1
+@pytest.mark.parametrize(
+    "where, match",
+    [
+        ("file", "is a file, not a folder; give a folder for the report"),
+        ("file/report", "cannot create the report folder"),
+        ("file/a/b", "is a file, not a folder"),
+    ],
+)
+def test_unwritable_output_folder_fails_before_training(where: str, match: str, tmp_path: Path, capsys) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    assert main(["demo", "--modes", "fp32", "--steps", "1", "--out", str(tmp_path / where)]) == 1
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1
-    assert captured.err.startswith("mixprec demo: error: cannot write the report to")
+    assert captured.err.startswith("mixprec demo: error: ") and match in captured.err
     assert "training" not in captured.out + captured.err
+    assert (tmp_path / "file").read_text() == "not a folder"
+
+
+def test_cuda_device_index_out_of_range(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--device", "cuda:2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "2 CUDA device(s), cuda:0 to cuda:1" in err
+    assert build_parser().parse_args(["demo", "--device", "cuda:1"]).device == torch.device("cuda:1")
+
+
+def _console_script() -> str | None:
+    """The installed ``mixprec`` console script next to this interpreter, else on PATH."""
+    here = Path(sys.executable).with_name("mixprec")
+    return str(here) if here.exists() else shutil.which("mixprec")
+
+
+COMMANDS = {
+    "python -m mixprec": [sys.executable, "-m", "mixprec"],
+    "console script": [_console_script() or "mixprec"],
+}
+
+
+@pytest.mark.parametrize(
+    "command, args, status, match",
+    [
+        ("python -m mixprec", ["--modes", ","], 2, "argument --modes: no modes given"),
+        ("console script", ["--steps", "0"], 2, "argument --steps: expected a positive integer"),
+        ("console script", ["--out", "{file}"], 1, "is a file, not a folder"),
+    ],
+)
+def test_errors_from_the_commands_are_one_line(command: str, args, status, match, tmp_path: Path) -> None:
+    if command == "console script" and _console_script() is None:
+        pytest.skip("the mixprec console script is not installed")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    argv = COMMANDS[command] + ["demo", "--device", "cpu"] + [a.format(file=blocker) for a in args]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == status
+    assert proc.stderr.count("\n") == 1 and match in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
 def test_missing_mixprec_api_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys) -> None:

@@ -27,25 +27,42 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _positive_int(text: str) -> int:
+#: The most ``--steps`` the demo takes (a run's batch offsets are drawn up front).
+MAX_STEPS = 1_000_000
+
+
+def _steps(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    if not 1 <= value <= MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"expected a positive integer up to {MAX_STEPS:,}, got {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    from mixprec.demo.train import MAX_SEED
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if not 0 <= value < MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected a seed from 0 to 2**63 - 1, got {value}")
     return value
 
 
 def _modes(text: str) -> tuple[str, ...]:
-    from mixprec.demo.train import MODES
+    from mixprec.demo.train import check_modes
 
     names = tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in names if n not in MODES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown mode(s) {', '.join(unknown) or repr(text)}; choose from {', '.join(MODES)}"
-        )
+    try:
+        check_modes(names)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    except RuntimeError:  # a missing mixprec API: reported by the command, not as a usage error
+        pass
     return names
 
 
@@ -56,10 +73,15 @@ def _device(text: str) -> Any:
         device = torch.device(text)
     except RuntimeError:
         raise argparse.ArgumentTypeError(f"not a device: {text!r} (try cpu or cuda)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError("CUDA is not available here; use --device cpu")
     if device.type not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"the demo runs on cpu or cuda, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("CUDA is not available here; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(
+            f"no device {text!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+        )
     return device
 
 
@@ -71,13 +93,24 @@ def _default_device() -> str:
 
 def _check_writable(out: Path) -> str | None:
     """Create ``out`` and try a file in it; the reason it cannot be written, or None."""
+    if out.exists() and not out.is_dir():
+        return f"--out {str(out)!r} is a file, not a folder; give a folder for the report"
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        return f"cannot create the report folder {str(out)!r}: {str(blocker)!r} is a file, not a folder"
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as e:
-        return f"cannot write the report to {str(out)!r}: {e.strerror or e}"
+        return f"cannot write the report to {str(out)!r} ({e.strerror or e}); give --out a writable folder"
     return None
+
+
+def _out(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a folder, got an empty path")
+    return Path(text)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -91,7 +124,7 @@ def _demo(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("matplotlib") is None:
         print(f"{prog}: error: the report needs matplotlib: pip install 'mixprec[report]'", file=sys.stderr)
         return 1
-    out = Path(args.out)
+    out = args.out
     problem = _check_writable(out)
     if problem:
         print(f"{prog}: error: {problem}", file=sys.stderr)
@@ -134,15 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
         "each precision mode, from the same seed, and write index.html, PNG figures and "
         "results.json into --out.",
     )
-    demo.add_argument("--steps", type=_positive_int, default=None,
+    demo.add_argument("--steps", type=_steps, default=None,
                       help="optimizer steps per mode (default: the size's; tiny: 120)")
     demo.add_argument("--size", choices=tuple(SIZES), default="tiny", help="model size (default: tiny)")
     demo.add_argument("--modes", type=_modes, default=DEFAULT_MODES,
                       help=f"comma-separated modes (default: all but torch-amp-bf16): {','.join(MODES)}")
     demo.add_argument("--device", type=_device, default=None,
                       help="cpu or cuda (default: cuda when available)")
-    demo.add_argument("--out", default="mixprec-report", help="report folder (default: %(default)s/)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default: 0)")
+    demo.add_argument("--out", type=_out, default=Path("mixprec-report"),
+                      help="report folder, created if needed (default: mixprec-report/)")
+    demo.add_argument("--seed", type=_seed, default=0,
+                      help="seed of weights and batches, 0 to 2**63 - 1 (default: 0)")
     demo.set_defaults(func=_demo)
     if importlib.util.find_spec("mixprec.diagnostics.cli") is not None:
         from mixprec.diagnostics.cli import add_audit_parser

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mixprec.demo.train import MODES
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -34,6 +36,17 @@ def test_run_all_reports_missing_and_failing_benchmarks(tmp_path: Path, monkeypa
         "fakebench.absent: not available (ModuleNotFoundError: No module named 'fakebench.absent')",
     ]
     assert all(p in logged for p in problems)
+
+
+def test_main_exits_1_and_prints_one_line_per_failing_benchmark(monkeypatch, capsys) -> None:
+    from benchmarks import run
+
+    monkeypatch.setattr(run, "BENCHMARKS", {"no_such_benchmark": lambda res: []})
+    assert run.main(["--quick"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == ("benchmarks.no_such_benchmark: not available (ModuleNotFoundError: "
+                       "No module named 'benchmarks.no_such_benchmark')")
+    assert len(out) == 3  # the (empty) table's header and rule, then the one problem line
 
 
 def test_format_table_text_and_markdown() -> None:
@@ -65,7 +78,26 @@ def test_gpu_benchmark_smoke_run_on_cpu(tmp_path: Path) -> None:
     modes = [line.split("|")[1].strip() for line in table[2:7]]
     assert modes == ["fp32", "torch-amp", "mixprec-fp16", "torch-amp-bf16", "mixprec-bf16"]
     assert table[4].split("|")[4].strip().endswith("x")  # mixprec-fp16 against torch-amp
-    assert "2 AdamW steps per mode" in table[-1]
+    assert "2 fused AdamW steps per mode (1 timed)" in table[-1]
+
+
+def test_gpu_benchmark_settings_and_bad_counts(capsys) -> None:
+    from benchmarks import gpu
+
+    big = gpu.settings(tiny=False)
+    assert (big.model.n_layers, big.model.d_model, big.model.n_heads) == (12, 768, 12)
+    assert (big.model.seq_len, big.model.vocab_size) == (1024, 50257)
+    assert big.fused and big.timed_steps == range(5, 30)
+    assert gpu.settings(tiny=True, steps=4, warmup=0).timed_steps == range(0, 4)
+    for argv, match in [(["--steps", "0"], "expected an integer >= 1, got 0"),
+                        (["--warmup", "-1"], "expected an integer >= 0, got -1"),
+                        (["--batch-size", "x"], "expected an integer, got 'x'")]:
+        with pytest.raises(SystemExit) as exc:
+            gpu.main(["--device", "cpu", "--tiny", *argv])
+        assert exc.value.code == 2 and match in capsys.readouterr().err
+    assert gpu.main(["--device", "cpu", "--tiny", "--modes", "fp32,fp8"]) == 2
+    assert capsys.readouterr().err == (
+        f"gpu.py: error: unknown mode(s) fp8; choose from {', '.join(MODES)}\n")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")

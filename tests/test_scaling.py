@@ -1323,3 +1323,13 @@ def test_non_optimizer_and_repeated_watch():
     scaler.step(opt)
     scaler.update()
     assert scaler.last_overflow == ("bias",)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_torch_private_scale_tensors_for_ported_code(impl):
+    scaler = make_scaler(impl, init_scale=8.0)
+    assert scaler._scale is None and scaler._growth_tracker is None
+    t = torch.ones(2)
+    scaler.scale(t)
+    assert scaler._scale.device == t.device and scaler._scale.item() == 8.0
+    assert scaler._growth_tracker.dtype == torch.int32 and scaler._get_scale_async() is scaler._scale

@@ -244,6 +244,16 @@ class GradScaler:
         return None if self._state is None else self._state.scale
 
     @property
+    def _scale(self) -> torch.Tensor | None:
+        """torch's name for the scale tensor (``None`` before :meth:`scale`), for code ported from it."""
+        return None if self._state is None else self._state.scale
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        """torch's name for the growth-tracker tensor (``None`` before :meth:`scale`)."""
+        return None if self._state is None else self._state.growth_tracker
+
+    @property
     def state(self) -> ScaleState | None:
         """The current :class:`ScaleState` (device tensors), or ``None`` before :meth:`scale`."""
         return self._state

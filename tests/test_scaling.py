@@ -456,7 +456,7 @@ def test_cuda_fused_path_never_synchronises():
         torch.manual_seed(0)
         model = nn.Linear(8, 8).cuda()
         optimizer = torch.optim.AdamW(model.parameters(), fused=True)
-        cls, extra = (GradScaler, dict(hysteresis=2, max_scale=2.0**30)) if impl == "mixprec" else (torch.amp.GradScaler, {})
+        cls, extra = (torch.amp.GradScaler, {}) if impl == "torch" else (GradScaler, dict(hysteresis=2, max_scale=2.0**30))
         scaler = cls("cuda", init_scale=2.0**8, growth_interval=2, **extra)  # no real overflow
         signals = []
         for step in range(6):

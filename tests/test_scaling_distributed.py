@@ -83,7 +83,8 @@ def _worker(rank: int, port: int, scenario: str, out_dir: str) -> None:
                 fully_shard(model, mesh=mesh)
                 scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, process_group=group)
                 params = list(model.parameters())
-                results["fsdp" if group is not None else "fsdp-dtensor"] = _train(model, params, scaler, rank, fsdp=True)
+                key = "fsdp" if group is not None else "fsdp-dtensor"
+                results[key] = _train(model, params, scaler, rank, fsdp=True)
                 results["local_numel"] = [p.to_local().numel() for p in params]
             # A model of which rank 1 holds no element at all: the inf is on rank 0 this time.
             torch.manual_seed(0)

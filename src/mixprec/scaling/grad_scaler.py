@@ -375,7 +375,9 @@ class GradScaler:
                         raise ValueError(
                             "Attempting to unscale FP16 gradients. The optimizer must update "
                             "float32 parameters: keep the weights in float32 and autocast the "
-                            "forward, or wrap the optimizer in mixprec.MasterWeights."
+                            "forward, or wrap the optimizer in mixprec.MasterWeights. With "
+                            "mixprec.optim.AdamW/SGD on float16 weights, skip unscale_ and call "
+                            "scaler.step(optimizer): they unscale on the fly."
                         )
                     if grad.is_sparse:
                         # Duplicate indices of a scaled fp16 gradient may overflow once summed,

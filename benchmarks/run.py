@@ -5,8 +5,8 @@
 Each benchmark module exposes ``run(quick=False)`` returning a dict (or a list of dicts) of
 figures; an adapter here turns them into rows ``(benchmark, figure, ratio, reference, detail)``.
 The ratio is mixprec's cost over the reference's (time or bytes; below 1 is better), measured
-side by side in the same process. A benchmark that is missing or fails prints one line, and the
-exit status is then 1.
+side by side in the same process. A benchmark that is missing or fails prints one line on stderr
+(after the table of the others), and the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -83,7 +83,11 @@ def run_all(
     package: str = "benchmarks",
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> tuple[list[Row], list[str]]:
-    """Run each benchmark in turn; return ``(rows, problems)``, one problem line per failure."""
+    """Run each benchmark in turn; return ``(rows, problems)``, one problem line per failure.
+
+    ``log`` gets progress lines (which benchmark runs, how long it took); problems are only
+    returned, so that the caller reports each once.
+    """
     rows: list[Row] = []
     problems: list[str] = []
     for name, adapt in (BENCHMARKS if benchmarks is None else benchmarks).items():
@@ -91,7 +95,6 @@ def run_all(
             module = importlib.import_module(f"{package}.{name}")
         except ImportError as e:
             problems.append(f"{package}.{name}: not available ({type(e).__name__}: {e})")
-            log(problems[-1])
             continue
         log(f"running {name}{' (quick)' if quick else ''} ...")
         start = time.perf_counter()
@@ -100,7 +103,6 @@ def run_all(
             new = adapt(result)
         except Exception as e:  # one broken benchmark must not hide the others
             problems.append(f"{package}.{name}: failed ({type(e).__name__}: {e})")
-            log(problems[-1])
             continue
         log(f"  {name}: {time.perf_counter() - start:.1f} s")
         rows.extend(new)
@@ -130,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, problems = run_all(quick=args.quick)
     print(format_table(rows, markdown=args.markdown))
     for line in problems:
-        print(line)
+        print(f"python -m benchmarks: error: {line}", file=sys.stderr)
     return 1 if problems else 0
 
 

@@ -13,7 +13,8 @@ steps, with the device synchronised at both ends of the timed span; peak memory 
 ``torch.cuda.max_memory_allocated`` from the first training step to the end of a mode's run on
 CUDA (``run_mode`` resets the peak statistics at its first step), and params + grads +
 optimizer state + saved activations on the CPU. Prints a markdown table (and writes it to
-``--out``). About a minute on one H200.
+``--out``). Expected to take about a minute on one H200 (estimated from the FLOPs; not yet
+measured).
 """
 
 from __future__ import annotations

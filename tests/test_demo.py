@@ -100,6 +100,12 @@ def test_settings_presets_and_validation() -> None:
         Settings(model=MICRO, steps=1, batch_size=1, lr=1e-3, untimed_steps=-1)
 
 
+def test_settings_take_numpy_seeds_as_int() -> None:
+    np = pytest.importorskip("numpy")
+    seed = Settings(model=MICRO, steps=1, batch_size=1, lr=1e-3, seed=np.int64(3)).seed
+    assert type(seed) is int and seed == 3
+
+
 @pytest.mark.parametrize("steps, untimed, timed", [(10, 1, range(1, 10)), (10, 3, range(3, 10)),
                                                    (3, 3, range(0, 3)), (1, 1, range(0, 1)), (4, 0, range(0, 4))])
 def test_timed_steps_leave_out_the_warm_up(steps: int, untimed: int, timed: range) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import platform
 import re
 import time
@@ -104,8 +105,9 @@ class Settings:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.eval_batches < 1:
             raise ValueError(f"eval_batches must be >= 1, got {self.eval_batches}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or not 0 <= self.seed < MAX_SEED:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))  # e.g. numpy.int64 -> int, for torch
         if self.untimed_steps < 0:
             raise ValueError(f"untimed_steps must be >= 0, got {self.untimed_steps}")
 

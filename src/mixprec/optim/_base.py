@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -77,6 +77,18 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # -- helpers for subclasses -------------------------------------------------------------
+    def _begin_step(self, closure: Optional[Callable[[], Any]]) -> tuple[Any, bool, Optional[Tensor]]:
+        """Run ``closure`` (with grad enabled) and read the loss scaler's inputs.
+
+        Returns ``(loss, skip, inv_scale)``: ``skip`` when a scaler found inf/NaN gradients.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        skip, inv_scale = self._scaler_inputs()
+        return loss, skip, inv_scale
+
     def _scaler_inputs(self) -> tuple[bool, Optional[Tensor]]:
         """``(skip, inv_scale)`` from a loss scaler's ``found_inf``/``grad_scale`` attributes.
 

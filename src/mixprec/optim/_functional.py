@@ -93,6 +93,13 @@ def _check_grad(grad: Tensor) -> None:
         raise RuntimeError("mixprec.optim does not support complex parameters; use torch.optim")
 
 
+def _step_grad(grad: Tensor, cdtype: torch.dtype, unscale: "_Unscaler", maximize: bool) -> Tensor:
+    """The gradient a step uses: checked, read in the compute dtype, unscaled, negated to maximize."""
+    _check_grad(grad)
+    grad = unscale(_read(grad, cdtype))
+    return -grad if maximize else grad
+
+
 def adamw(
     params: list[Tensor],
     grads: list[Tensor],
@@ -133,12 +140,8 @@ def adamw(
     """
     unscale = _Unscaler(inv_scale)
     for i, param in enumerate(params):
-        grad = grads[i]
-        _check_grad(grad)
         cdtype = compute_dtype(param.dtype)
-        grad = unscale(_read(grad, cdtype))
-        if maximize:
-            grad = -grad
+        grad = _step_grad(grads[i], cdtype, unscale, maximize)
         exp_avg = _read(exp_avgs[i], cdtype)
         exp_avg_sq = _read(exp_avg_sqs[i], cdtype)
         comp = kahan_comps[i]
@@ -198,12 +201,8 @@ def sgd(
     """
     unscale = _Unscaler(inv_scale)
     for i, param in enumerate(params):
-        grad = grads[i]
-        _check_grad(grad)
         cdtype = compute_dtype(param.dtype)
-        grad = unscale(_read(grad, cdtype))
-        if maximize:
-            grad = -grad
+        grad = _step_grad(grads[i], cdtype, unscale, maximize)
         comp = kahan_comps[i]
         value = _param_view(param, comp)
 

@@ -69,11 +69,7 @@ class SGD(CompensatedOptimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Perform one optimization step; ``closure`` re-evaluates the loss (returned)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        skip, inv_scale = self._scaler_inputs()
+        loss, skip, inv_scale = self._begin_step(closure)
         if skip:  # a loss scaler found inf/NaN gradients
             return loss
         for group in self.param_groups:

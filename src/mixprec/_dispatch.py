@@ -123,6 +123,19 @@ def _eligible(t: torch.Tensor, device_type: str) -> bool:
     return t.is_cuda or t.device.type == "xla"
 
 
+# dtype -> the Tensor method that casts to it: same result as ``t.to(dtype)``, cheaper to call
+_CAST_METHOD = {
+    torch.bfloat16: torch.Tensor.bfloat16,
+    torch.float16: torch.Tensor.half,
+    torch.float32: torch.Tensor.float,
+}
+
+
+def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    method = _CAST_METHOD.get(dtype)
+    return method(t) if method is not None else t.to(dtype)
+
+
 def _cached_cast(t: Any, to: torch.dtype, frame: Frame) -> Any:
     if not isinstance(t, torch.Tensor) or t.dtype is to or not _eligible(t, frame.device_type):
         return t
@@ -142,10 +155,10 @@ def _cached_cast(t: Any, to: torch.dtype, frame: Frame) -> Any:
         # Cast with grad enabled so that a cast first made under no_grad still carries a
         # grad_fn when a later, grad-enabled forward of the same region reuses it.
         with torch.enable_grad():
-            casted = t.to(to)
+            casted = _to(t, to)
         _tls.cache[id(t)] = (t, casted)  # the strong ref keeps id(t) unique while cached
         return casted
-    return t.to(to)
+    return _to(t, to)
 
 
 def _cast_arg(a: Any, to: torch.dtype, frame: Frame) -> Any:

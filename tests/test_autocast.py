@@ -479,3 +479,15 @@ def test_passthrough_composite_still_autocasts_its_internals():
         out = F.linear(x, w)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, torch.mm(x.bfloat16(), w.t().bfloat16()))
+
+
+def test_torch_autocast_nested_in_a_mixprec_region_sets_the_dtype_and_cache():
+    a = torch.randn(3, 3)
+    lin = nn.Linear(3, 3)
+    with mixprec.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert torch.mm(a, a).dtype == torch.float16
+        assert torch.mm(a, a).dtype == torch.bfloat16
+        with CountCasts() as c, torch.autocast("cpu", cache_enabled=False):
+            lin(a), lin(a)
+        assert c.casts == 6

@@ -60,12 +60,15 @@ _BELOW_AUTOCAST = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Auto
 
 @dataclass
 class Frame:
-    """One active mixprec region of one device in one thread."""
+    """One active mixprec region of one device in one thread.
+
+    The low-precision dtype and the cache flag are not stored here: like PyTorch's kernels, ours
+    read the thread's autocast state, so a region nested inside (``torch.autocast``, a module
+    rule) that changes them is followed.
+    """
 
     device_type: str
-    dtype: torch.dtype  # the low-precision dtype of "lower" ops
     table: Mapping[str, str]  # overload -> cast kind
-    cache_enabled: bool
     policy: Any = None
 
 
@@ -140,11 +143,11 @@ def _cached_cast(t: Any, to: torch.dtype, frame: Frame) -> Any:
     if not isinstance(t, torch.Tensor) or t.dtype is to or not _eligible(t, frame.device_type):
         return t
     if (
-        to is frame.dtype
+        to is not torch.float32  # only casts to the region's low-precision dtype are cached
         and t.dtype is torch.float32
         and t.requires_grad
         and t.is_leaf
-        and frame.cache_enabled
+        and torch.is_autocast_cache_enabled()
         and type(t) in (torch.Tensor, torch.nn.Parameter)  # never cache fake/traced tensors
         and not t._is_view()
         and not torch.is_inference_mode_enabled()
@@ -186,20 +189,20 @@ def _tensors(args: tuple, kwargs: dict):
                     yield x
 
 
-def _promote_type(args: tuple, kwargs: dict, frame: Frame) -> torch.dtype:
-    current = frame.dtype
+def _promote_type(args: tuple, kwargs: dict, frame: Frame, lower: torch.dtype) -> torch.dtype:
+    current = lower
     for t in _tensors(args, kwargs):
         if not _eligible(t, frame.device_type):  # float64 is ignored, as in PyTorch
             continue
         nxt = t.dtype
         if current is torch.float32 or nxt is torch.float32:
             current = torch.float32
-        elif current is frame.dtype and nxt is frame.dtype:
+        elif current is lower and nxt is lower:
             continue
         else:
             raise RuntimeError(
                 f"Unexpected floating ScalarType in at::autocast::prioritize: a {nxt} input "
-                f"meets a {frame.dtype} autocast region; cast it to {frame.dtype} or float32 first"
+                f"meets a {lower} autocast region; cast it to {lower} or float32 first"
             )
     return current
 
@@ -249,11 +252,13 @@ def _run(info: _OpInfo, kind: str, frame: Frame, keyset: Any, args: tuple, kwarg
         return op.redispatch(keyset & _BELOW_AUTOCAST, *args, **kwargs)
     with _no_autocast():
         if kind == "lower":
-            args, kwargs = _cast_all(args, kwargs, frame.dtype, frame)
+            lower = torch.get_autocast_dtype(frame.device_type)
+            args, kwargs = _cast_all(args, kwargs, lower, frame)
         elif kind == "fp32":
             args, kwargs = _cast_all(args, kwargs, torch.float32, frame)
         elif kind == "promote":
-            args, kwargs = _cast_all(args, kwargs, _promote_type(args, kwargs, frame), frame)
+            lower = torch.get_autocast_dtype(frame.device_type)
+            args, kwargs = _cast_all(args, kwargs, _promote_type(args, kwargs, frame, lower), frame)
         elif kind == "fp32_set_opt_dtype":
             if info.dtype_index is not None and _first_eligible(args, frame):
                 args, kwargs = _set_opt_dtype(info, args, kwargs)
@@ -329,5 +334,5 @@ class _Emulated:
         self.kind = _ops.default_table(device_type).get(info.name, "passthrough")
 
     def call_boxed(self, keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        frame = Frame(self.device_type, torch.get_autocast_dtype(self.device_type), {}, False)
+        frame = Frame(self.device_type, {})
         return _run(self.info, self.kind, frame, keyset, args, kwargs)

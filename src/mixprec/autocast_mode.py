@@ -144,7 +144,7 @@ class autocast:
         if self._enabled:
             table = self.policy.table(dev)
             _ensure(table, dev)
-            frame = Frame(dev, self.fast_dtype, table, self._cache_enabled, self.policy)
+            frame = Frame(dev, table, self.policy)
         prev = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev),
                 torch.is_autocast_cache_enabled())
         torch.set_autocast_enabled(dev, self._enabled)
@@ -282,19 +282,15 @@ class _ModuleRules:
 
 
 def _enter_rule(frame: Frame, rule: Any) -> Callable[[], None]:
+    """Run a matched module in ``rule.dtype``: autocast off for float32, else that dtype."""
     dev = frame.device_type
     prev_enabled, prev_dtype = torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
     if rule.dtype is torch.float32:
         torch.set_autocast_enabled(dev, False)
-        inner = None
     else:
         torch.set_autocast_dtype(dev, rule.dtype)
-        inner = Frame(dev, rule.dtype, frame.table, frame.cache_enabled, frame.policy)
-        _dispatch.push(inner)
 
     def restore() -> None:
-        if inner is not None:
-            _dispatch.pop(inner)
         torch.set_autocast_enabled(dev, prev_enabled)
         torch.set_autocast_dtype(dev, prev_dtype)
 

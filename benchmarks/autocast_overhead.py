@@ -52,7 +52,7 @@ def _interleaved(fns: dict, rounds: int, repeats: int) -> dict[str, float]:
 
 def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16) -> dict:
     torch.manual_seed(0)
-    rounds, repeats = (5, 2) if quick else (15, 3)
+    rounds, repeats = (9, 2) if quick else (15, 3)
     model = SmallTransformer()
     tokens = torch.randint(0, 256, (8, 32))
     targets = torch.randint(0, 256, (8, 32))

@@ -491,3 +491,24 @@ def test_torch_autocast_nested_in_a_mixprec_region_sets_the_dtype_and_cache():
         with CountCasts() as c, torch.autocast("cpu", cache_enabled=False):
             lin(a), lin(a)
         assert c.casts == 6
+
+
+def test_checkpoint_recomputes_under_the_forward_policy():
+    from torch.utils.checkpoint import checkpoint
+
+    policy = mixprec.Policy().with_ops(fp32=["linear"], lower=["gelu"])
+    grads = []
+    for use_checkpoint in (False, True):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+        x = torch.randn(3, 4, requires_grad=True)
+        with mixprec.autocast("cpu", policy=policy):
+            if use_checkpoint:
+                y = checkpoint(m, x, use_reentrant=False, context_fn=mixprec.checkpoint_context_fn)
+            else:
+                y = m(x)
+        y.float().sum().backward()
+        grads.append([x.grad, *(p.grad for p in m.parameters())])
+    for a, b in zip(*grads):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert not torch.is_autocast_enabled("cpu")

@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "get_autocast_dtype": "mixprec.autocast_mode",
     "custom_fwd": "mixprec.autocast_mode",
     "custom_bwd": "mixprec.autocast_mode",
+    "checkpoint_context_fn": "mixprec.autocast_mode",
     "Policy": "mixprec.policy",
     "ModuleRule": "mixprec._modules",
     # loss scaling
@@ -69,6 +70,7 @@ if TYPE_CHECKING:  # static type checkers see the real names
     from mixprec._modules import ModuleRule
     from mixprec.autocast_mode import (
         autocast,
+        checkpoint_context_fn,
         custom_bwd,
         custom_fwd,
         get_autocast_dtype,

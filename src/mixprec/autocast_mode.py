@@ -8,6 +8,7 @@ output dtype, module hooks installed for the region's lifetime only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import warnings
@@ -21,7 +22,14 @@ from mixprec import _dispatch
 from mixprec._dispatch import Frame
 from mixprec.policy import Policy, _cast_tree
 
-__all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "custom_fwd", "custom_bwd"]
+__all__ = [
+    "autocast",
+    "is_autocast_enabled",
+    "get_autocast_dtype",
+    "custom_fwd",
+    "custom_bwd",
+    "checkpoint_context_fn",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _SUPPORTED = ("cpu", "cuda")
@@ -307,6 +315,39 @@ def _cast_inputs(args: tuple, dtype: torch.dtype, device_type: str) -> tuple:
         return a
 
     return tuple(cast(a) for a in args)
+
+
+# --------------------------------------------------------------------------- checkpointing
+def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """``context_fn`` for ``torch.utils.checkpoint(..., use_reentrant=False)`` under mixprec.
+
+    PyTorch recomputes a checkpointed segment in backward under ``torch.autocast`` with the
+    forward's dtype, that is under PyTorch's default op lists. With a mixprec policy that edits
+    the lists, the recomputed tensors would differ from the forward's (PyTorch then raises
+    "Recomputed values ... have different metadata"). Passing this function as ``context_fn``
+    recomputes inside the mixprec regions (policy, dtype, cache flag) active at forward time.
+
+    Example:
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> with mixprec.autocast("cpu", policy=policy):
+        ...     y = checkpoint(block, x, use_reentrant=False,
+        ...                    context_fn=mixprec.checkpoint_context_fn)
+    """
+    regions = [
+        autocast(dev, torch.get_autocast_dtype(dev), True, torch.is_autocast_cache_enabled(),
+                 policy=frame.policy)
+        for dev in _SUPPORTED
+        if (frame := _dispatch.top(dev)) is not None and torch.is_autocast_enabled(dev)
+    ]
+
+    @contextlib.contextmanager
+    def recompute() -> Any:
+        with contextlib.ExitStack() as stack:
+            for region in regions:
+                stack.enter_context(region)
+            yield
+
+    return contextlib.nullcontext(), recompute()
 
 
 # --------------------------------------------------------------------------- custom functions

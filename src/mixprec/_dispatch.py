@@ -38,7 +38,7 @@ from torch.library import Library
 from mixprec import ops as _ops
 from mixprec._ops_names import op_overload
 
-__all__ = ["Frame", "push", "pop", "top", "ensure_kernels", "clear_cache", "DISPATCH_KEYS"]
+__all__ = ["Frame", "push", "pop", "top", "ensure_kernels", "DISPATCH_KEYS"]
 
 DISPATCH_KEYS: dict[str, str] = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 
@@ -105,9 +105,6 @@ def pop(frame: Frame | None) -> None:
         _tls.cache.clear()
 
 
-def clear_cache() -> None:
-    """Drop this thread's cached weight casts."""
-    _tls.cache.clear()
 
 
 # --------------------------------------------------------------------------- casting

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Iterator
-
 import torch
 from torch import nn
 
-__all__ = ["ModuleRule", "NORM_TYPES", "named_matches"]
+__all__ = ["ModuleRule", "NORM_TYPES"]
 
 #: Normalisation layers: the modules that mixed-precision recipes keep in float32 by default.
 NORM_TYPES: tuple[type[nn.Module], ...] = tuple(
@@ -74,17 +72,3 @@ class ModuleRule:
         if self.types and isinstance(module, self.types):
             return True
         return self._pattern is not None and self._pattern.search(qualified_name) is not None
-
-
-def named_matches(
-    model: nn.Module, rules: tuple[ModuleRule, ...] | list[ModuleRule]
-) -> Iterator[tuple[str, nn.Module, ModuleRule]]:
-    """Yield ``(qualified_name, module, rule)`` for each module of ``model`` a rule selects.
-
-    The first matching rule wins, so rules are listed most specific first.
-    """
-    for name, module in model.named_modules():
-        for rule in rules:
-            if rule.matches(module, name):
-                yield name, module, rule
-                break

@@ -12,12 +12,19 @@ Example:
     >>> p = p.with_ops(fp32=["softmax.int"]).keep(types=(nn.LayerNorm,))
     >>> str(p)
     'params=float32,compute=bfloat16,output=float32'
+    >>> Policy.from_json(p.to_json()) == p   # the complete value, op edits and module rules
+    True
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import importlib
+import json
+import os
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -139,13 +146,17 @@ class Policy:
         """
         if not isinstance(spec, str):
             raise TypeError(f"Policy.parse takes a str, got {type(spec).__name__}")
+        if spec.lstrip().startswith("{"):
+            return cls.from_json(spec)
         values: dict[str, Any] = {}
         for part in filter(None, (s.strip() for s in spec.split(","))):
             if "=" not in part:
                 if part in PRESETS:
                     key, value = "base", part
-                else:
+                elif part.lower().removeprefix("torch.") in _DTYPE_NAMES:
                     key, value = "compute", part
+                else:
+                    raise ValueError(_unknown_word(part, spec))
             else:
                 raw_key, value = (s.strip() for s in part.split("=", 1))
                 if raw_key.lower() not in _KEYS:
@@ -158,6 +169,87 @@ class Policy:
                 raise ValueError(f"policy key {key!r} given twice in {spec!r}")
             values[key] = value if key == "base" else parse_dtype(value)
         return cls(**values)
+
+    # ----------------------------------------------------------------- serialization
+    def to_dict(self) -> dict[str, Any]:
+        """The complete policy as plain JSON-able data (inverse: :meth:`from_dict`).
+
+        Module types are stored by import path (``"torch.nn.modules.normalization.LayerNorm"``).
+
+        Raises:
+            ValueError: a module rule names a type that cannot be imported back (defined inside
+                a function); select it with ``names=`` instead.
+        """
+        return {
+            "params": _dtype_name(self.params),
+            "compute": None if self.compute is None else _dtype_name(self.compute),
+            "output": None if self.output is None else _dtype_name(self.output),
+            "base": self.base,
+            "device_type": self.device_type,
+            "op_rules": [list(r) for r in self.op_rules],
+            "module_rules": [
+                {"dtype": _dtype_name(r.dtype), "types": [_type_path(t) for t in r.types],
+                 "names": r.names}
+                for r in self.module_rules
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Policy":
+        """Rebuild a policy from :meth:`to_dict`'s data.
+
+        Raises:
+            ValueError: an unknown key, dtype, preset, cast kind or module type.
+        """
+        if not isinstance(data, Mapping):
+            raise TypeError(f"Policy.from_dict takes a mapping, got {type(data).__name__}")
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown policy field(s) {sorted(unknown)}; fields: "
+                             f"{[f.name for f in dataclasses.fields(cls)]}")
+        values = dict(data)
+        for key in ("params", "compute", "output"):
+            if values.get(key) is not None:
+                values[key] = parse_dtype(values[key])
+        values["op_rules"] = tuple(tuple(r) for r in values.get("op_rules", ()))
+        values["module_rules"] = tuple(
+            ModuleRule(parse_dtype(r.get("dtype", "float32")),
+                       types=tuple(_import_type(t) for t in r.get("types", ())),
+                       names=r.get("names"))
+            for r in values.get("module_rules", ())
+        )
+        return cls(**values)
+
+    def to_json(self, **json_kwargs: Any) -> str:
+        """:meth:`to_dict` as JSON text; ``Policy.from_json(p.to_json()) == p``."""
+        json_kwargs.setdefault("indent", 2)
+        return json.dumps(self.to_dict(), **json_kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Policy":
+        """Rebuild a policy from :meth:`to_json`'s text (``Policy.parse`` accepts it too)."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not a policy in JSON: {e}") from None
+        if isinstance(data, Mapping) and isinstance(data.get("policy"), Mapping):
+            data = data["policy"]  # an audit's report.json
+        return cls.from_dict(data)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`to_json` to ``path``."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "Policy":
+        """Read a policy saved by :meth:`save`, or the ``"policy"`` of an audit's ``report.json``.
+
+        Example:
+            >>> policy = mixprec.Policy.load("audit-report/report.json")
+        """
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())
 
     # ----------------------------------------------------------------- edits
     def with_ops(
@@ -209,8 +301,23 @@ class Policy:
 
     # ----------------------------------------------------------------- queries
     def table(self, device_type: str) -> Mapping[str, str]:
-        """The resolved op table ``overload -> cast kind`` for a region on ``device_type``."""
+        """The resolved op table ``overload -> cast kind`` for a region on ``device_type``.
+
+        A read-only mapping: a policy is a value, edit it with :meth:`with_ops`.
+        """
         return _resolve_table(self.base, self.device_type or device_type, self.op_rules)
+
+    def edits(self, device_type: str) -> Mapping[str, str]:
+        """The overloads whose cast kind differs from PyTorch's own on ``device_type``.
+
+        These are the only ops a region with this policy runs through mixprec's kernels; every
+        other op runs PyTorch's autocast kernel directly.
+
+        Example:
+            >>> dict(Policy().with_ops(fp32=["mm"]).edits("cpu"))
+            {'mm': 'fp32'}
+        """
+        return _resolve_edits(self.base, self.device_type or device_type, self.op_rules, device_type)
 
     def kind(self, op: OpLike, device_type: str) -> str:
         """Cast kind of ``op`` (one overload) in a region on ``device_type``."""
@@ -235,6 +342,8 @@ class Policy:
         return tree if self.output is None else _cast_tree(tree, self.output)
 
     def __str__(self) -> str:
+        """The dtypes and preset in :meth:`parse` syntax (op edits and module rules are in
+        :meth:`to_json`, which round-trips the whole policy)."""
         parts = [f"params={_dtype_name(self.params)}"]
         if self.compute is not None:
             parts.append(f"compute={_dtype_name(self.compute)}")
@@ -253,6 +362,7 @@ _FP32_FORMS: dict[str, str] = {
 }
 
 _TABLE_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...]], Mapping[str, str]] = {}
+_EDITS_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...], str], Mapping[str, str]] = {}
 
 
 def _resolve_table(base: str, device_type: str, rules: tuple[tuple[str, str], ...]) -> Mapping[str, str]:
@@ -263,17 +373,55 @@ def _resolve_table(base: str, device_type: str, rules: tuple[tuple[str, str], ..
         resolved = dict(start)
         for name, kind in rules:
             resolved[name] = kind
-        table = _TABLE_CACHE[key] = resolved
+        table = _TABLE_CACHE[key] = MappingProxyType(resolved)
     return table
 
 
-def _cast_tree(tree: Any, dtype: torch.dtype) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.to(dtype) if tree.is_floating_point() else tree
-    if isinstance(tree, dict):
-        return type(tree)((k, _cast_tree(v, dtype)) for k, v in tree.items())
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
-        return type(tree)(*(_cast_tree(v, dtype) for v in tree))
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_cast_tree(v, dtype) for v in tree)
-    return tree
+def _resolve_edits(base: str, table_device: str, rules: tuple[tuple[str, str], ...],
+                   region_device: str) -> Mapping[str, str]:
+    key = (base, table_device, rules, region_device)
+    edits = _EDITS_CACHE.get(key)
+    if edits is None:
+        table = _resolve_table(base, table_device, rules)
+        native = _ops.default_table(region_device)
+        names = set(table) | set(native)
+        edits = _EDITS_CACHE[key] = MappingProxyType({
+            n: table.get(n, "passthrough") for n in sorted(names)
+            if table.get(n, "passthrough") != native.get(n, "passthrough")
+        })
+    return edits
+
+
+def _unknown_word(word: str, spec: str) -> str:
+    words = [*PRESETS, *_DTYPE_NAMES]
+    close = difflib.get_close_matches(word.lower(), words, n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return (f"{word!r} in policy {spec!r} is neither a preset nor a dtype.{hint} Presets: "
+            f"{', '.join(PRESETS)}; dtypes: {', '.join(sorted(_DTYPE_NAMES))}; or key=value "
+            "pairs with keys params, compute, output, preset")
+
+
+def _type_path(t: type) -> str:
+    path = f"{t.__module__}.{t.__qualname__}"
+    if "<locals>" in t.__qualname__ or _import_type(path, strict=False) is not t:
+        raise ValueError(
+            f"cannot serialize module rule type {t.__qualname__}: it is not importable as "
+            f"{path!r}; define it at module level or select the modules with names=r'...'"
+        )
+    return path
+
+
+def _import_type(path: str, strict: bool = True) -> Any:
+    """Import ``"package.module.Class"`` (or a nested ``Outer.Inner``) back to the type."""
+    parts, obj = str(path).split("."), None
+    for i in range(len(parts) - 1, 0, -1):  # the longest importable module prefix
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr, None)
+        break
+    if strict and not (isinstance(obj, type) and issubclass(obj, nn.Module)):
+        raise ValueError(f"module rule type {path!r} is not an importable nn.Module subclass")
+    return obj

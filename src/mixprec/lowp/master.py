@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from mixprec._unscale import unscale_
 from mixprec.lowp.cast import LOW_PRECISION_DTYPES
 from mixprec.optim.rounding import round_into_
 
@@ -285,22 +286,10 @@ class MasterWeights(torch.optim.Optimizer):
                 return False
         return True
 
-    @torch.no_grad()
     def _unscale_master_grads(self, grad_scale: Tensor) -> None:
-        """Multiply the gradients the wrapped optimizer will read by ``1 / grad_scale``, as the
-        scalers' ``unscale_`` does (reciprocal in float64, except on MPS)."""
-        if grad_scale.device.type == "mps":
-            inv_scale = grad_scale.float().reciprocal()
-        else:
-            inv_scale = grad_scale.double().reciprocal().float()
-        per_device: dict[torch.device, Tensor] = {}
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    device = param.grad.device
-                    if device not in per_device:
-                        per_device[device] = inv_scale.to(device, non_blocking=True)
-                    param.grad.mul_(per_device[device])
+        """Divide the gradients the wrapped optimizer will read by ``grad_scale``, in place, as
+        the scalers' ``unscale_`` does."""
+        unscale_((p.grad for g in self.param_groups for p in g["params"] if p.grad is not None), grad_scale)
 
     def _release_master_grads(self) -> None:
         for i, (_, master) in enumerate(self._pairs):

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Literal, overload
 import torch
 from torch import nn
 
+from mixprec._unscale import PerDevice, unscale_
 from mixprec.scaling.rule import (
     ScaleConfig,
     ScaleState,
@@ -49,21 +50,6 @@ class _Stage(Enum):
 def _fresh_optimizer_state() -> dict[str, Any]:
     # skipped: the overflow decision read on the host (only when watching), else None
     return {"stage": _Stage.READY, "found_inf_per_device": {}, "optimizer": None, "skipped": None}
-
-
-class _PerDevice:
-    """Lazily serves one copy of a tensor per device (cached)."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.master = tensor
-        self.copies: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device) -> torch.Tensor:
-        copy = self.copies.get(device)
-        if copy is None:
-            copy = self.master.to(device=device, non_blocking=True, copy=True)
-            self.copies[device] = copy
-        return copy
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -324,14 +310,14 @@ class GradScaler:
             scale = self._require_state("scale").scale
             return outputs * scale.to(device=outputs.device, non_blocking=True)
 
-        stash: list[_PerDevice] = []
+        stash: list[PerDevice] = []
 
         def apply(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
                 if not stash:
                     if self._state is None:
                         self._lazy_init(value.device)
-                    stash.append(_PerDevice(self._require_state("scale").scale))
+                    stash.append(PerDevice(self._require_state("scale").scale))
                 return value * stash[0].get(value.device)
             if isinstance(value, abc.Iterable):
                 mapped = map(apply, value)
@@ -350,55 +336,41 @@ class GradScaler:
         return group
 
     def _unscale_grads_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        allow_fp16: bool,
+        self, optimizer: torch.optim.Optimizer, scale: torch.Tensor | None, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
+        """Unscales (``scale=None``: only checks) the optimizer's gradients; per-device flags."""
         prepare = getattr(optimizer, "prepare_grads", None)
         if callable(prepare):
             prepare()
         group = self._group()
-        per_device_inv_scale = _PerDevice(inv_scale)
-        per_device_found_inf = _PerDevice(found_inf)
-        grads: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
-            lambda: defaultdict(list)
-        )
-        with torch.no_grad():
-            for param_group in optimizer.param_groups:
-                for param in param_group["params"]:
-                    grad = param.grad
-                    if grad is None:
-                        continue
-                    if not allow_fp16 and grad.dtype == torch.float16:
-                        raise ValueError(
-                            "Attempting to unscale FP16 gradients. The optimizer must update "
-                            "float32 parameters: keep the weights in float32 and autocast the "
-                            "forward, or wrap the optimizer in mixprec.MasterWeights. With "
-                            "mixprec.optim.AdamW/SGD on float16 weights, skip unscale_ and call "
-                            "scaler.step(optimizer): they unscale on the fly."
-                        )
-                    if grad.is_sparse:
-                        # Duplicate indices of a scaled fp16 gradient may overflow once summed,
-                        # so check the coalesced values.
-                        if grad.dtype is torch.float16:
-                            param.grad = grad = grad.coalesce()
-                        grad = grad._values()
-                    elif group is not None:
-                        grad = _local(grad)  # we reduce found_inf ourselves below
-                    grads[grad.device][grad.dtype].append(grad)
-            for device, per_dtype in grads.items():
-                for tensors in per_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(
-                        tensors, per_device_found_inf.get(device), per_device_inv_scale.get(device)
+        grads = []
+        for param_group in optimizer.param_groups:
+            for param in param_group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if not allow_fp16 and grad.dtype == torch.float16:
+                    raise ValueError(
+                        "Attempting to unscale FP16 gradients. The optimizer must update "
+                        "float32 parameters: keep the weights in float32 and autocast the "
+                        "forward, or wrap the optimizer in mixprec.MasterWeights. With "
+                        "mixprec.optim.AdamW/SGD on float16 weights, skip unscale_ and call "
+                        "scaler.step(optimizer): they unscale on the fly."
                     )
-        found = per_device_found_inf.copies
+                if grad.is_sparse and grad.dtype is torch.float16:
+                    # Duplicate indices of a scaled fp16 gradient may overflow once summed,
+                    # so check the coalesced values.
+                    param.grad = grad = grad.coalesce()
+                elif not grad.is_sparse and group is not None:
+                    grad = _local(grad)  # we reduce found_inf ourselves below
+                grads.append(grad)
+        device = self._require_state("unscale_").scale.device
+        found = unscale_(grads, scale) if grads else {}
         if group is None:
             return found
         # One flag on the scale's device, MAX over the ranks: every rank skips together. Every
         # rank calls this exactly once per unscale, with or without local gradients.
-        combined = found_inf.clone()
+        combined = torch.zeros((), dtype=torch.float32, device=device)
         for flag in found.values():
             combined += flag.to(combined.device, non_blocking=True)
         torch.distributed.all_reduce(combined, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -431,13 +403,7 @@ class GradScaler:
             )
         if optimizer_state["stage"] is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        scale = state.scale
-        # The reciprocal in float64, as torch (float32 division is imprecise on some builds).
-        inv_scale = scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
-        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
-        optimizer_state["found_inf_per_device"] = self._unscale_grads_(
-            optimizer, inv_scale, found_inf, allow_fp16=False
-        )
+        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, state.scale, allow_fp16=False)
         optimizer_state["stage"] = _Stage.UNSCALED
         optimizer_state["optimizer"] = optimizer
         # Attribute now, before the caller clips: clipping spreads a NaN to every gradient.
@@ -445,14 +411,9 @@ class GradScaler:
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """Records inf/NaN in the gradients without unscaling them (for fused optimizers)."""
-        state = self._require_state("_check_inf_per_device")
-        device = state.scale.device
-        ones = torch.full((), 1.0, dtype=torch.float32, device=device)
-        found_inf = torch.full((), 0.0, dtype=torch.float32, device=device)
+        self._require_state("_check_inf_per_device")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
-        optimizer_state["found_inf_per_device"] = self._unscale_grads_(
-            optimizer, ones, found_inf, allow_fp16=True
-        )
+        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, None, allow_fp16=True)
         optimizer_state["optimizer"] = optimizer
         return optimizer_state["found_inf_per_device"]
 

@@ -1,0 +1,181 @@
+"""``linear``: the functional fp8 linear layer (three GEMMs in fp8, bias in high precision)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mixprec.fp8._quant import cast_stats, cast_to_fp8, gemm
+from mixprec.fp8._recipe import Cast, Float8Recipe
+from mixprec.fp8._state import LayerState
+
+__all__ = ["linear", "resolve_backend", "BACKENDS"]
+
+BACKENDS = ("auto", "emulate", "scaled_mm")
+_TENSORWISE = Float8Recipe.tensorwise()
+
+
+def _rows(scale: torch.Tensor) -> torch.Tensor:
+    """A row scale of an N-d operand as the ``(M, 1)`` scale of its 2-D view."""
+    return scale.reshape(-1, 1) if scale.dim() > 0 else scale
+
+
+def _t(scale: torch.Tensor) -> torch.Tensor:
+    return scale.t() if scale.dim() == 2 else scale
+
+
+def _record(stats: torch.Tensor | None, row: int, x: torch.Tensor, cast: tuple) -> None:
+    if stats is not None:
+        q, _, amax, x_scaled = cast
+        torch.maximum(stats[row], cast_stats(x, q, amax, x_scaled), out=stats[row])
+
+
+def _primary(a: Cast, b: Cast) -> Cast | None:
+    """The cast whose statistics stand for an operand: its first fp8 cast."""
+    return a if a.is_fp8 else (b if b.is_fp8 else None)
+
+
+class _Float8Matmul(torch.autograd.Function):
+    """``x @ w.t()`` with the recipe's casts; mirrors torchao's ``matmul_with_hp_or_float8_args``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, recipe: Float8Recipe, backend: str,
+                stats: torch.Tensor | None, sqnr: torch.Tensor | None) -> torch.Tensor:
+        r = recipe
+        wt = w.t()
+        k, n = wt.shape
+        with torch.autocast(x.device.type, enabled=False):
+            if r.input.is_fp8:
+                xc = cast_to_fp8(x, r.input, -1, r.pow2_scales)
+                wc = cast_to_fp8(wt, r.weight, 0, r.pow2_scales)
+                _record(stats, 0, x, xc)
+                _record(stats, 1, wt, wc)
+                out = gemm(xc[0].reshape(-1, k), _rows(xc[1]), wc[0], wc[1], x.dtype, backend, True)
+            else:
+                out = torch.mm(x.reshape(-1, k), wt)
+            if sqnr is not None:
+                _record_sqnr(sqnr, out, x.reshape(-1, k), wt)
+        ctx.recipe, ctx.backend, ctx.stats = r, backend, stats
+        ctx.x_shape, ctx.w_dtype = x.shape, w.dtype
+        if r.save_fp8:
+            ctx.save_for_backward(xc[0], xc[1], wc[0], wc[1])
+        else:
+            ctx.save_for_backward(x, wt)
+        return out.reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        r, backend, stats = ctx.recipe, ctx.backend, ctx.stats
+        if r.save_fp8:
+            xq, sx, wq, sw = ctx.saved_tensors
+            k = xq.shape[-1]
+        else:
+            x, wt = ctx.saved_tensors
+            k = wt.shape[0]
+        go = grad_output.reshape(-1, grad_output.shape[-1])
+        dtype = go.dtype
+        grad_input = grad_weight = None
+        with torch.autocast(go.device.type, enabled=False):
+            go_gi = None
+            if r.grad_output.is_fp8 and (ctx.needs_input_grad[0] or stats is not None):
+                go_gi = cast_to_fp8(go, r.grad_output, -1, r.pow2_scales)
+                _record(stats, 2, go, go_gi)
+            if ctx.needs_input_grad[0]:
+                if r.grad_output.is_fp8:
+                    if not r.save_fp8:
+                        wq, sw, _, _ = cast_to_fp8(wt, r.weight_for_grad_input, -1, r.pow2_scales)
+                    grad_input = gemm(go_gi[0], go_gi[1], wq.t(), _t(sw), dtype, backend, False)
+                else:
+                    grad_input = torch.mm(go, wt.t())
+                grad_input = grad_input.reshape(*grad_output.shape[:-1], k)
+            cw = r.grad_output_for_grad_weight
+            if cw.is_fp8 and not r.grad_output.is_fp8:
+                _record(stats, 2, go, cast_to_fp8(go, cw, 0, r.pow2_scales))
+            if ctx.needs_input_grad[1]:
+                if cw.is_fp8:
+                    if go_gi is not None and cw == r.grad_output and cw.granularity == "tensor":
+                        goq, sgo = go_gi[0], go_gi[1]  # the same cast: bitwise the same bits
+                    else:
+                        goq, sgo, _, _ = cast_to_fp8(go, cw, 0, r.pow2_scales)
+                    if r.save_fp8:
+                        xq2, sx2 = xq.reshape(-1, k), sx
+                    else:
+                        xq2, sx2, _, _ = cast_to_fp8(x.reshape(-1, k), r.input_for_grad_weight, 0,
+                                                     r.pow2_scales)
+                    grad_weight = gemm(goq.t(), _t(sgo), xq2, sx2, dtype, backend, False)
+                else:
+                    grad_weight = torch.mm(go.t(), x.reshape(-1, k))
+                grad_weight = grad_weight.to(ctx.w_dtype)
+        return grad_input, grad_weight, None, None, None, None
+
+
+def _record_sqnr(sqnr: torch.Tensor, out: torch.Tensor, x2: torch.Tensor, wt: torch.Tensor) -> None:
+    ref = torch.mm(x2, wt.to(x2.dtype)).double()
+    err = torch.linalg.vector_norm(ref - out.double())
+    db = 20 * torch.log10(torch.linalg.vector_norm(ref) / err)
+    torch.minimum(sqnr, db.float(), out=sqnr)
+
+
+def resolve_backend(backend: str, input: torch.Tensor, weight: torch.Tensor) -> str:
+    """``"emulate"`` or ``"scaled_mm"`` for this call; ``"auto"`` picks ``torch._scaled_mm`` on CUDA
+    sm89+ when every GEMM dimension is a multiple of 16, else emulation.
+
+    Raises ValueError for an unknown backend, or ``"scaled_mm"`` where it cannot run.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"fp8 backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "emulate":
+        return backend
+    on_fp8_gpu = input.is_cuda and torch.cuda.get_device_capability(input.device) >= (8, 9)
+    dims_ok = all(d % 16 == 0 for d in (input.numel() // max(input.shape[-1], 1), *weight.shape))
+    if backend == "scaled_mm" and not (on_fp8_gpu and dims_ok):
+        where = "a CUDA device of compute capability 8.9 or newer" if not on_fp8_gpu else \
+            f"every GEMM dimension a multiple of 16 (tokens, out, in = " \
+            f"{input.numel() // max(input.shape[-1], 1)}, {weight.shape[0]}, {weight.shape[1]})"
+        raise ValueError(f"fp8 backend 'scaled_mm' needs {where}; use backend='emulate' or 'auto'")
+    return "scaled_mm" if on_fp8_gpu and dims_ok else "emulate"
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           recipe: Float8Recipe = _TENSORWISE, *, state: LayerState | None = None,
+           backend: str = "auto") -> torch.Tensor:
+    """``F.linear`` with its three GEMMs in fp8: output in ``input``'s dtype, differentiable.
+
+    Bitwise equal to torchao's emulated ``Float8Linear`` (``emulate=True``) for the same recipe:
+    output and the gradients of input, weight and bias. The bias is added in high precision.
+    With ``state``, the casts' statistics are accumulated into it on the device (no host sync),
+    and a layer whose ``state.fallback`` is set runs ``F.linear`` in ``input``'s dtype instead.
+    Mixed precision regions are switched off inside: the GEMMs run exactly as the recipe says.
+
+    Raises ValueError on shapes that do not fit, non-floating inputs or an unknown backend.
+
+    Example:
+        >>> x, w = torch.randn(4, 32), torch.randn(16, 32, requires_grad=True)
+        >>> y = linear(x, w, recipe=Float8Recipe.rowwise())
+        >>> y.shape, y.dtype
+        (torch.Size([4, 16]), torch.float32)
+    """
+    if not isinstance(recipe, Float8Recipe):
+        raise ValueError(f"recipe must be a Float8Recipe (e.g. Float8Recipe.from_name('tensorwise')), got {recipe!r}")
+    if weight.dim() != 2 or input.dim() < 1 or input.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fp8 linear: input of shape {tuple(input.shape)} does not fit weight of shape "
+                         f"{tuple(weight.shape)} (expected input[..., {weight.shape[-1] if weight.dim() else '?'}] "
+                         f"and a 2-D weight)")
+    if not (input.is_floating_point() and weight.is_floating_point()) or input.element_size() < 2:
+        raise ValueError(f"fp8 linear takes high-precision floating inputs (fp32, bf16, fp16), "
+                         f"got {input.dtype} and {weight.dtype}")
+    if state is not None and state.fallback:
+        return F.linear(input, weight.to(input.dtype), None if bias is None else bias.to(input.dtype))
+    backend = resolve_backend(backend, input, weight)
+    stats = sqnr = None
+    if state is not None:
+        if state.device != input.device:
+            state.to(input.device)
+        stats = state.stats
+        sqnr = state.output_sqnr_db if state.sample_sqnr else None
+    out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out

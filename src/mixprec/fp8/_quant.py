@@ -1,0 +1,95 @@
+"""Casting to fp8 with current scaling, the emulated and the hardware GEMM, the cast statistics.
+
+Numerics follow torchao 0.18 exactly (``float8_utils.amax_to_scale``, ``to_fp8_saturated``, the
+emulated ``float8_mm``): the scale is ``finfo.max / max(amax, 1e-12)`` in float64, cast to
+float32, optionally rounded down to a power of 2; the cast is ``clamp(x.float() * scale)`` to
+the format's range, then ``.to(fp8)``; the emulated GEMM is ``mm(a.float() / sa, b.float() / sb)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.fp8._recipe import Cast
+
+__all__ = ["EPS", "cast_to_fp8", "cast_stats", "gemm", "STAT_NAMES"]
+
+EPS = 1e-12
+#: |x * scale| at or above this rounds beyond the largest finite value: the cast clamps it.
+_OVERFLOW_AT = {torch.float8_e4m3fn: 464.0, torch.float8_e5m2: 61440.0}
+#: columns of a layer's statistics, per operand.
+STAT_NAMES = ("amax", "saturated", "underflow", "nonfinite")
+
+
+def _scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    amax = amax.to(torch.float64)
+    scale = (torch.finfo(dtype).max / torch.clamp(amax, min=EPS)).to(torch.float32)
+    if pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
+
+
+def cast_to_fp8(x: torch.Tensor, cast: Cast, row_dim: int, pow2: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cast ``x`` with a current scale: returns ``(q, scale, amax, x_scaled)``.
+
+    ``row_dim`` is the dimension reduced for a row scale (the GEMM's contracted one); the scale
+    keeps it as size 1 so that ``q.float() / scale`` dequantizes by broadcasting.
+    """
+    dtype = cast.dtype
+    if cast.granularity == "tensor":
+        amax = torch.max(torch.abs(x))
+    else:
+        amax = torch.amax(torch.abs(x), dim=row_dim, keepdim=True)
+    scale = _scale(amax, dtype, pow2)
+    x_scaled = x.to(torch.float32) * scale
+    fmax = torch.finfo(dtype).max
+    q = x_scaled.clamp(min=-fmax, max=fmax).to(dtype)
+    return q, scale, amax, x_scaled
+
+
+def cast_stats(x: torch.Tensor, q: torch.Tensor, amax: torch.Tensor, x_scaled: torch.Tensor) -> torch.Tensor:
+    """``[amax, saturated, underflow, nonfinite]`` of one cast, as a float32 vector on x's device.
+
+    saturated: fraction of elements whose scaled value lies beyond the format's range (clamped);
+    underflow: fraction of the nonzero elements of x that the cast flushed to zero;
+    nonfinite: number of inf/NaN elements of x. No host sync.
+    """
+    n = max(x.numel(), 1)
+    saturated = (x_scaled.abs() >= _OVERFLOW_AT[q.dtype]).sum() / n
+    flushed = (((q.view(torch.uint8) & 0x7F) == 0) & (x != 0)).sum() / n
+    nonfinite = (~torch.isfinite(x)).sum()
+    return torch.stack([amax.max().float(), saturated.float(), flushed.float(), nonfinite.float()])
+
+
+def gemm(a: torch.Tensor, sa: torch.Tensor | None, b: torch.Tensor, sb: torch.Tensor | None,
+         out_dtype: torch.dtype, backend: str, fast_accum: bool) -> torch.Tensor:
+    """``a @ b`` for 2-D operands, both fp8 (with their scales) or both high precision."""
+    if sa is None or sb is None:
+        return torch.mm(a, b)
+    if backend == "emulate":
+        return torch.mm(a.float() / sa, b.float() / sb).to(out_dtype)
+    return _scaled_mm(a, sa, b, sb, out_dtype, fast_accum)
+
+
+def _scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+               out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    # As torchao's addmm_float8_unwrapped: a row-major, b column-major, inverse scales, the rowwise
+    # kernel only with fast accumulation, no fp32 output for rowwise.
+    a = a.contiguous()
+    b = b.t().contiguous().t()
+    if sa.dim() < 2 and sb.dim() == 2:
+        sa = sa.repeat(a.shape[0]).reshape(-1, 1)
+    elif sa.dim() == 2 and sb.dim() < 2:
+        sb = sb.repeat(b.shape[1]).reshape(1, -1)
+    ia, ib = sa.reciprocal(), sb.reciprocal()
+    rowwise = ia.shape == (a.shape[0], 1) and ib.shape == (1, b.shape[1])
+    post = None
+    if rowwise and not fast_accum:
+        post = ia * ib
+        ia = ib = ia.new_ones(())
+    mm_dtype = torch.bfloat16 if rowwise and out_dtype in (torch.float16, torch.float32) else out_dtype
+    out = torch._scaled_mm(a, b, scale_a=ia, scale_b=ib, out_dtype=mm_dtype, use_fast_accum=fast_accum)
+    if post is not None:
+        out.mul_(post)  # in place: stays in mm_dtype, as torchao's ``output *= post_inverse_scale``
+    return out.to(out_dtype)

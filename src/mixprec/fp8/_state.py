@@ -1,0 +1,90 @@
+"""Per-layer fp8 statistics, kept on the device, and the layer's fallback flag."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from mixprec.fp8._quant import STAT_NAMES
+
+__all__ = ["LayerState", "OPERANDS", "layer_state"]
+
+#: rows of :attr:`LayerState.stats`.
+OPERANDS = ("input", "weight", "grad_output")
+_ATTR = "_mixprec_fp8_state"
+
+
+class LayerState:
+    """What one fp8 linear layer saw since the last :meth:`reset`, on the device (no host sync).
+
+    ``stats`` is a ``(3, 4)`` float32 tensor: one row per operand (``input``, ``weight``,
+    ``grad_output``), columns ``amax``, ``saturated`` (fraction clamped to the format's range),
+    ``underflow`` (fraction of nonzero values flushed to zero by the cast) and ``nonfinite``
+    (count); each is the maximum over the steps of the window. ``output_sqnr_db`` is the lowest
+    sampled SQNR of the fp8 output against the high-precision GEMM (inf when none was sampled).
+    ``fallback`` (a Python bool, set by :class:`Guard`) makes :func:`linear` run in the compute
+    dtype; ``sample_sqnr`` asks the next forward to measure the SQNR (one extra GEMM).
+
+    Example:
+        >>> st = LayerState()
+        >>> st.stats.shape, st.fallback
+        (torch.Size([3, 4]), False)
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.stats = torch.zeros(len(OPERANDS), len(STAT_NAMES), device=device)
+        self.output_sqnr_db = torch.full((), math.inf, device=device)
+        self.fallback = False
+        self.sample_sqnr = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.stats.device
+
+    def to(self, device: torch.device | str) -> LayerState:
+        """Move the statistics to ``device`` (in place; returns self)."""
+        self.stats = self.stats.to(device)
+        self.output_sqnr_db = self.output_sqnr_db.to(device)
+        return self
+
+    def reset(self) -> None:
+        """Start a new window (no host sync)."""
+        self.stats.zero_()
+        self.output_sqnr_db.fill_(math.inf)
+
+    def read(self) -> dict[str, Any]:
+        """The window as plain floats: ``{"input": {"amax": ...}, ..., "output_sqnr_db": ...}``.
+
+        .. warning:: reads the device tensors: one host sync.
+        """
+        rows = self.stats.tolist()
+        out: dict[str, Any] = {op: dict(zip(STAT_NAMES, row)) for op, row in zip(OPERANDS, rows)}
+        out["output_sqnr_db"] = float(self.output_sqnr_db)
+        out["fallback"] = self.fallback
+        return out
+
+    def __repr__(self) -> str:
+        return f"LayerState(device={self.device}, fallback={self.fallback})"
+
+
+def layer_state(module: torch.nn.Module, create: bool = True) -> LayerState | None:
+    """The :class:`LayerState` of ``module``, created on its weight's device on first use.
+
+    Kept as a plain attribute of the module (not a buffer): it is not part of ``state_dict()``,
+    so the keys do not change; it follows ``copy.deepcopy``. Fallback decisions that must survive
+    a checkpoint live in :meth:`Guard.state_dict`. Create it before ``torch.compile`` traces the
+    model (:func:`convert` and the policy do).
+
+    Example:
+        >>> lin = torch.nn.Linear(16, 16)
+        >>> layer_state(lin) is layer_state(lin)
+        True
+    """
+    state = module.__dict__.get(_ATTR)
+    if state is None and create:
+        weight = getattr(module, "weight", None)
+        state = LayerState(weight.device if isinstance(weight, torch.Tensor) else None)
+        module.__dict__[_ATTR] = state
+    return state

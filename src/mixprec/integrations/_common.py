@@ -1,0 +1,42 @@
+"""What the integrations share: the precision names frameworks use, checked against a policy."""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.policy import Policy
+
+#: Lightning's and Accelerate's names of the two mixed precisions -> the autocast dtype.
+PRECISIONS: dict[str, torch.dtype] = {
+    "16-mixed": torch.float16,
+    "bf16-mixed": torch.bfloat16,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_policy(policy: Policy | str | None, dtype: torch.dtype, where: str) -> Policy:
+    """``policy`` as a :class:`Policy` (``None``: the default), refused when its ``compute`` dtype
+    contradicts the framework's precision ``dtype``.
+
+    Raises:
+        TypeError: ``policy`` is not a Policy, a str or None.
+        ValueError: the policy's compute dtype is not ``dtype``.
+    """
+    if isinstance(policy, str):
+        policy = Policy.parse(policy)
+    elif policy is None:
+        policy = Policy()
+    elif not isinstance(policy, Policy):
+        raise TypeError(f"{where}: policy must be a mixprec.Policy, a str or None, got {type(policy).__name__}")
+    if policy.compute is not None and policy.compute != dtype:
+        raise ValueError(
+            f"{where}: the policy computes in {policy.compute} but the precision asks for {dtype}; "
+            "drop compute= from the policy or pick the matching precision"
+        )
+    return policy
+
+
+def default_device() -> str:
+    """``"cuda"`` when CUDA is available, else ``"cpu"`` (what the frameworks' "auto" picks)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"

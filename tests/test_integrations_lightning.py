@@ -1,0 +1,162 @@
+"""MixprecPrecision against Lightning's own MixedPrecision plugin, with the real Trainer on CPU."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+
+pl = pytest.importorskip("lightning.pytorch")
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
+
+from mixprec.integrations.lightning import MixprecPrecision  # noqa: E402
+
+# a scale that overflows fp16 in the first step and grows every 2 clean steps: the trajectory has
+# skipped steps, backoffs and growth within a few steps
+SCALER = {"init_scale": 2.0**18, "growth_interval": 2}
+
+
+class TinyModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+        self.out_dtypes: dict[str, torch.dtype] = {}
+        for name, module in self.net.named_children():
+            module.register_forward_hook(self._record(f"net.{name}"))
+
+    def _record(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+            self.out_dtypes[name] = output.dtype
+
+        return hook
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)  # module names are relative to self
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g), torch.randint(0, 4, (32,), generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+class Record(pl.Callback):
+    """Losses and scales after each step, read from the Trainer's own precision plugin."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.scales: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(outputs["loss"].item())
+        scaler = trainer.precision_plugin.scaler
+        self.scales.append(scaler.get_scale() if scaler is not None else 1.0)
+
+
+def fit(plugin: Any = None, steps: int = 6, ckpt: Path | None = None, save: Path | None = None,
+        **trainer_kwargs: Any) -> tuple[TinyModule, Record]:
+    module, record = TinyModule(), Record()
+    kwargs = {"plugins": [plugin]} if plugin is not None else {}
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[record], **kwargs, **trainer_kwargs,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        warnings.filterwarnings("ignore", ".*precision.*")
+        trainer.fit(module, ckpt_path=ckpt)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return module, record
+
+
+def assert_same_training(a: tuple[TinyModule, Record], b: tuple[TinyModule, Record]) -> None:
+    (ma, ra), (mb, rb) = a, b
+    assert ra.losses == rb.losses
+    assert ra.scales == rb.scales
+    for (name, pa), pb in zip(ma.named_parameters(), mb.parameters()):
+        assert torch.equal(pa, pb), name
+
+
+def test_fp16_is_bitwise_lightnings_mixed_precision() -> None:
+    ours = fit(MixprecPrecision("16-mixed", scaler=mixprec.GradScaler("cpu", **SCALER), device="cpu"))
+    ref = fit(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", **SCALER)))
+    assert_same_training(ours, ref)
+    scales = ours[1].scales
+    assert any(b < a for a, b in zip(scales, scales[1:])) and any(b > a for a, b in zip(scales, scales[1:]))
+    assert ours[0].out_dtypes["net.0"] == torch.float16
+
+
+def test_default_fp16_scaler_is_mixprecs_and_bitwise_torchs() -> None:
+    plugin = MixprecPrecision("16-mixed", device="cpu")
+    assert isinstance(plugin.scaler, mixprec.GradScaler) and isinstance(plugin, MixedPrecision)
+    ours = fit(plugin, steps=3)
+    ref = fit(MixedPrecision("16-mixed", "cpu"), steps=3)
+    assert_same_training(ours, ref)
+
+
+def test_bf16_is_bitwise_trainer_precision_bf16_mixed() -> None:
+    ours = fit(MixprecPrecision("bf16-mixed", device="cpu"), steps=3)
+    ref = fit(None, steps=3, precision="bf16-mixed")
+    assert_same_training(ours, ref)
+    assert ours[0].out_dtypes["net.2"] == torch.bfloat16
+
+
+def test_module_rules_keep_a_module_in_fp32() -> None:
+    policy = mixprec.Policy().keep(names=r"^net\.2$")
+    module, record = fit(MixprecPrecision("16-mixed", policy=policy, device="cpu"), steps=2)
+    assert module.out_dtypes == {"net.0": torch.float16, "net.1": torch.float16, "net.2": torch.float32}
+    assert all(torch.isfinite(torch.tensor(record.losses)))
+
+
+def test_op_edits_are_honoured() -> None:
+    policy = mixprec.Policy().with_ops(fp32=["linear"])
+    module, _ = fit(MixprecPrecision("bf16-mixed", policy=policy, device="cpu"), steps=1)
+    assert module.out_dtypes["net.0"] == torch.float32 and module.out_dtypes["net.2"] == torch.float32
+
+
+def test_checkpoint_resume_restores_the_scaler_as_lightning_does(tmp_path: Path) -> None:
+    def resume(plugin: Any) -> tuple[Record, tuple[TinyModule, Record], dict]:
+        key = type(plugin()).__qualname__  # where Lightning saves the plugin's state
+        ckpt = tmp_path / f"{key}.ckpt"
+        _, first = fit(plugin(), steps=5, save=ckpt)
+        saved = torch.load(ckpt, weights_only=False)[key]
+        return first, fit(plugin(), steps=8, ckpt=ckpt), saved
+
+    first, (module, resumed), saved = resume(
+        lambda: MixprecPrecision("16-mixed", scaler=mixprec.GradScaler("cpu", **SCALER), device="cpu"))
+    ref_first, (ref_module, ref_resumed), ref_saved = resume(
+        lambda: MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", **SCALER)))
+    assert saved["scale"] == first.scales[-1] == ref_saved["scale"] != SCALER["init_scale"]
+    assert (first.losses, first.scales) == (ref_first.losses, ref_first.scales)
+    assert resumed.losses == ref_resumed.losses and resumed.scales == ref_resumed.scales
+    assert resumed.scales[0] in (saved["scale"], saved["scale"] / 2, saved["scale"] * 2)  # continues from it
+    for pa, pb in zip(module.parameters(), ref_module.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_bad_arguments_say_what_to_do() -> None:
+    with pytest.raises(ValueError, match="'16-mixed' or 'bf16-mixed'"):
+        MixprecPrecision("16-true", device="cpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        MixprecPrecision("16-mixed", device="mps")
+    with pytest.raises(ValueError, match="drop compute= from the policy"):
+        MixprecPrecision("16-mixed", policy="compute=bf16", device="cpu")
+    with pytest.raises(MisconfigurationException, match="does not use a scaler"):
+        MixprecPrecision("bf16-mixed", scaler=mixprec.GradScaler("cpu"), device="cpu")
+    with pytest.raises(ValueError, match=r"pass MixprecPrecision\(\.\.\., device='cpu'\)"):
+        MixprecPrecision("16-mixed", device="cuda").pre_backward(torch.ones(()), None)

@@ -5,10 +5,18 @@ The arithmetic is torch's single-tensor AdamW/SGD, operation for operation, carr
 
 * a float32/float64 parameter with state in its own dtype is updated in place, exactly as
   ``torch.optim`` does;
-* a bfloat16/float16 parameter is read into float32 (plus its Kahan buffer, if any), updated
-  there, and written back by the ``compensation`` rule: ``None`` rounds to nearest, ``"kahan"``
-  keeps the rounding error in the buffer, ``"stochastic"`` rounds stochastically;
-* optimizer state in a narrower dtype than the compute dtype is read up, updated, and rounded back.
+* a bfloat16/float16 parameter is read into float32 (plus its compensation buffer, if any),
+  updated there, and written back by the ``compensation`` rule: ``None`` rounds to nearest,
+  ``"kahan"`` keeps the rounding error in a buffer of the parameter's dtype, ``"exact"`` keeps
+  the float32 value's low 16 bits in an int16 buffer, ``"stochastic"`` rounds stochastically;
+* optimizer state in a narrower float dtype than the compute dtype is read up, updated, and
+  rounded back *stochastically* (unbiased: rounding to nearest loses the small steady increments
+  of a moving average, which under-estimates ``exp_avg_sq`` and over-steps); 8-bit state
+  (:class:`~mixprec.optim.quant8.Quantized8`) is dequantized and quantized back.
+
+:mod:`mixprec.optim._foreach` is the multi-tensor version of the same arithmetic, bitwise equal;
+both share the per-tensor reads and writes defined here, in the same order (so the random draws
+of stochastic rounding are the same too).
 
 Gradients are read, never written: no ``.grad`` is used as scratch space. With ``inv_scale``
 (a loss scaler's fused protocol) they are unscaled on the fly, in the compute dtype.
@@ -16,18 +24,26 @@ Gradients are read, never written: no ``.grad`` is used as scratch space. With `
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Sequence
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
+from mixprec.optim.exact import exact_value, exact_write_
 from mixprec.optim.kahan import compensated_value, kahan_write_
+from mixprec.optim.quant8 import Quantized8
 from mixprec.optim.rounding import stochastic_round_
 
-__all__ = ["adamw", "sgd", "compute_dtype", "COMPENSATIONS"]
+__all__ = ["adamw", "sgd", "compute_dtype", "COMPENSATIONS", "State"]
 
 #: Accepted values of ``compensation``.
-COMPENSATIONS = (None, "kahan", "stochastic")
+COMPENSATIONS = (None, "kahan", "exact", "stochastic")
+
+#: An optimizer-state tensor: a plain tensor (any floating dtype) or an 8-bit quantized one.
+State = Union[Tensor, Quantized8]
+
+_NARROW = (torch.bfloat16, torch.float16)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -40,36 +56,55 @@ def _read(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _write_back(state: Tensor, value: Tensor) -> None:
-    if value is not state:
-        state.copy_(value)
+def read_state(state: State, cdtype: torch.dtype) -> Tensor:
+    """The state in the compute dtype: ``state`` itself (updated in place) or a copy."""
+    if isinstance(state, Quantized8):
+        return state.dequantize()
+    return _read(state, cdtype)
 
 
-def _param_view(param: Tensor, comp: Optional[Tensor]) -> Tensor:
-    """The tensor the update is applied to: ``param`` in place, or its compensated fp32 value."""
-    if param.dtype == compute_dtype(param.dtype) and comp is None:
-        return param
-    return compensated_value(param, comp)  # float32: only low-precision params get here
+def write_state(state: State, value: Tensor, generator: Optional[torch.Generator]) -> None:
+    """Store ``value`` (from :func:`read_state`) back into ``state``."""
+    if isinstance(state, Quantized8):
+        state.quantize_(value)
+    elif value is not state:
+        if state.dtype in _NARROW and value.dtype == torch.float32:
+            stochastic_round_(state, value, generator)
+        else:
+            state.copy_(value)
 
 
-def _store_param(
+def load_param(param: Tensor, comp: Optional[Tensor]) -> Tensor:
+    """The tensor the update is applied to: ``param`` in place, or its float32 value."""
+    if comp is None:
+        return _read(param, compute_dtype(param.dtype))
+    if comp.dtype == torch.int16:
+        return exact_value(param, comp)
+    return compensated_value(param, comp)
+
+
+def store_param(
     param: Tensor,
     value: Tensor,
     comp: Optional[Tensor],
     compensation: Optional[str],
     generator: Optional[torch.Generator],
 ) -> None:
+    """Write the updated ``value`` (from :func:`load_param`) into ``param`` (and ``comp``)."""
     if value is param:
         return
     if comp is not None:
-        kahan_write_(param, comp, value)
+        if comp.dtype == torch.int16:
+            exact_write_(param, comp, value)
+        else:
+            kahan_write_(param, comp, value)
     elif compensation == "stochastic":
         stochastic_round_(param, value, generator)
     else:
         param.copy_(value)
 
 
-class _Unscaler:
+class Unscaler:
     """Divides gradients by the loss scale: ``grad * inv_scale``, one copy of it per device."""
 
     def __init__(self, inv_scale: Optional[Tensor]) -> None:
@@ -86,28 +121,40 @@ class _Unscaler:
         return grad * inv
 
 
-def _check_grad(grad: Tensor) -> None:
+def step_grad(grad: Tensor, cdtype: torch.dtype, unscale: Unscaler, maximize: bool) -> Tensor:
+    """The gradient a step uses: checked, read in the compute dtype, unscaled, negated to maximize."""
     if grad.is_sparse:
         raise RuntimeError("mixprec.optim does not support sparse gradients; use torch.optim.SparseAdam")
     if grad.is_complex():
         raise RuntimeError("mixprec.optim does not support complex parameters; use torch.optim")
-
-
-def _step_grad(grad: Tensor, cdtype: torch.dtype, unscale: "_Unscaler", maximize: bool) -> Tensor:
-    """The gradient a step uses: checked, read in the compute dtype, unscaled, negated to maximize."""
-    _check_grad(grad)
     grad = unscale(_read(grad, cdtype))
     return -grad if maximize else grad
+
+
+def write_back(
+    param: Tensor,
+    value: Tensor,
+    comp: Optional[Tensor],
+    states: Sequence[tuple[Optional[State], Optional[Tensor]]],
+    compensation: Optional[str],
+    generator: Optional[torch.Generator],
+) -> None:
+    """Write back a parameter's ``(stored, computed)`` states, then the parameter: one fixed
+    order for both paths, so that stochastic rounding draws the same numbers."""
+    for stored, computed in states:
+        if stored is not None:
+            write_state(stored, computed, generator)  # type: ignore[arg-type]
+    store_param(param, value, comp, compensation, generator)
 
 
 def adamw(
     params: list[Tensor],
     grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    max_exp_avg_sqs: list[Optional[Tensor]],
+    exp_avgs: list[State],
+    exp_avg_sqs: list[State],
+    max_exp_avg_sqs: list[Optional[State]],
     state_steps: list[Tensor],
-    kahan_comps: list[Optional[Tensor]],
+    comps: list[Optional[Tensor]],
     *,
     lr: float,
     beta1: float,
@@ -120,32 +167,33 @@ def adamw(
     generator: Optional[torch.Generator] = None,
     inv_scale: Optional[Tensor] = None,
 ) -> None:
-    """One AdamW step (decoupled weight decay) over lists of tensors, in place.
+    """One AdamW step (decoupled weight decay) over lists of tensors, one tensor at a time.
 
     Args:
         params: parameters, any floating dtype; updated in place.
         grads: their gradients (read only), any floating dtype.
-        exp_avgs, exp_avg_sqs: first and second moments, any floating dtype.
+        exp_avgs, exp_avg_sqs: first and second moments, any floating dtype or
+            :class:`~mixprec.optim.quant8.Quantized8`.
         max_exp_avg_sqs: running maxima of the second moment (entries may be ``None`` unless
             ``amsgrad``).
         state_steps: scalar float32 step counters on the CPU, incremented in place (read with
             ``.item()``: no device sync, as in torch's non-capturable path).
-        kahan_comps: compensation buffers (param dtype) or ``None`` per parameter. A parameter
-            with a buffer is written Kahan-compensated whatever ``compensation`` says.
+        comps: compensation buffers or ``None`` per parameter: a buffer of the parameter's
+            dtype is Kahan's, an int16 buffer holds the exact low bits; a parameter with a
+            buffer is written through it whatever ``compensation`` says.
         compensation: ``"stochastic"`` rounds parameters without a buffer stochastically;
             otherwise they are rounded to nearest.
         generator: randomness for stochastic rounding (on the parameters' device).
         inv_scale: if given, a float32 scalar tensor the gradients are multiplied by first
             (``1 / loss_scale``).
     """
-    unscale = _Unscaler(inv_scale)
+    unscale = Unscaler(inv_scale)
     for i, param in enumerate(params):
         cdtype = compute_dtype(param.dtype)
-        grad = _step_grad(grads[i], cdtype, unscale, maximize)
-        exp_avg = _read(exp_avgs[i], cdtype)
-        exp_avg_sq = _read(exp_avg_sqs[i], cdtype)
-        comp = kahan_comps[i]
-        value = _param_view(param, comp)
+        grad = step_grad(grads[i], cdtype, unscale, maximize)
+        exp_avg = read_state(exp_avgs[i], cdtype)
+        exp_avg_sq = read_state(exp_avg_sqs[i], cdtype)
+        value = load_param(param, comps[i])
         step_t = state_steps[i]
 
         step_t += 1
@@ -163,24 +211,24 @@ def adamw(
             max_state = max_exp_avg_sqs[i]
             if max_state is None:
                 raise ValueError("amsgrad=True needs a max_exp_avg_sq state for every parameter")
-            max_exp_avg_sq = _read(max_state, cdtype)
+            max_exp_avg_sq = read_state(max_state, cdtype)
             torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
             denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-            _write_back(max_state, max_exp_avg_sq)
         else:
             denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         value.addcdiv_(exp_avg, denom, value=-step_size)
 
-        _write_back(exp_avgs[i], exp_avg)
-        _write_back(exp_avg_sqs[i], exp_avg_sq)
-        _store_param(param, value, comp, compensation, generator)
+        states = [(exp_avgs[i], exp_avg), (exp_avg_sqs[i], exp_avg_sq)]
+        if amsgrad:
+            states.append((max_exp_avg_sqs[i], max_exp_avg_sq))
+        write_back(param, value, comps[i], states, compensation, generator)
 
 
 def sgd(
     params: list[Tensor],
     grads: list[Tensor],
     momentum_buffers: list[Optional[Tensor]],
-    kahan_comps: list[Optional[Tensor]],
+    comps: list[Optional[Tensor]],
     *,
     lr: float,
     momentum: float,
@@ -193,18 +241,18 @@ def sgd(
     state_dtype: Optional[torch.dtype] = None,
     inv_scale: Optional[Tensor] = None,
 ) -> None:
-    """One SGD step over lists of tensors, in place.
+    """One SGD step over lists of tensors, one tensor at a time, in place.
 
     ``momentum_buffers[i]`` is ``None`` until the first step with ``momentum != 0``; this function
     then creates it (in ``state_dtype``, default the compute dtype) and stores it in the list, as
     torch does. Other arguments as in :func:`adamw`.
     """
-    unscale = _Unscaler(inv_scale)
+    unscale = Unscaler(inv_scale)
     for i, param in enumerate(params):
         cdtype = compute_dtype(param.dtype)
-        grad = _step_grad(grads[i], cdtype, unscale, maximize)
-        comp = kahan_comps[i]
-        value = _param_view(param, comp)
+        grad = step_grad(grads[i], cdtype, unscale, maximize)
+        comp = comps[i]
+        value = load_param(param, comp)
 
         if weight_decay != 0:
             grad = grad.add(value, alpha=weight_decay)
@@ -214,10 +262,10 @@ def sgd(
                 buf = grad.detach().clone()
                 momentum_buffers[i] = buf.to(state_dtype or cdtype)
             else:
-                buf = _read(stored, cdtype)
+                buf = read_state(stored, cdtype)
                 buf.mul_(momentum).add_(grad, alpha=1 - dampening)
-                _write_back(stored, buf)
+                write_state(stored, buf, generator)
             grad = grad.add(buf, alpha=momentum) if nesterov else buf
         value.add_(grad, alpha=-lr)
 
-        _store_param(param, value, comp, compensation, generator)
+        store_param(param, value, comp, compensation, generator)

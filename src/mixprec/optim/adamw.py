@@ -1,4 +1,4 @@
-"""AdamW for parameters of any floating dtype, with Kahan or stochastic-rounding updates."""
+"""AdamW for parameters of any floating dtype, with compensated or stochastic-rounding updates."""
 
 from __future__ import annotations
 
@@ -7,37 +7,55 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from mixprec.optim._base import CompensatedOptimizer, _scalar
-from mixprec.optim._functional import adamw
+from mixprec.optim._base import STATE_8BIT, CompensatedOptimizer, _scalar
+from mixprec.optim._foreach import adamw_foreach
+from mixprec.optim._functional import State, adamw, compute_dtype
+from mixprec.optim.quant8 import MIN_NUMEL, Quantized8, new_quantized8
 
 __all__ = ["AdamW"]
+
+_MOMENTS = (("exp_avg", True), ("exp_avg_sq", False), ("max_exp_avg_sq", False))  # (key, signed)
 
 
 class AdamW(CompensatedOptimizer):
     """``torch.optim.AdamW`` that trains bfloat16/float16 parameters like float32 ones.
 
     Same hyper-parameters, defaults and arithmetic as ``torch.optim.AdamW`` (on float32
-    parameters the two agree to float32 rounding, and their ``state_dict()`` formats are
-    interchangeable). For a low-precision parameter the update is computed in float32 and written
-    back by ``compensation``:
+    parameters the two agree bitwise, and their ``state_dict()`` formats are interchangeable).
+    For a low-precision parameter the update is computed in float32 and written back by
+    ``compensation``:
 
     * ``None``: rounded to nearest. Updates below half a gap of the weight (``2**-9`` relative
       for bfloat16) are lost: this is naive pure-bf16 training.
+    * ``"exact"`` (bfloat16 only): the float32 value's low 16 bits are kept in an int16 buffer
+      (``state["low_bits"]``, +2 bytes per parameter): parameter + low bits *is* the float32
+      master, so updates are exactly float32's, as with ``mixprec.MasterWeights`` at 12
+      instead of 20 bytes per parameter.
     * ``"kahan"``: the rounding error is kept in a buffer of the parameter's dtype (``state
-      ["kahan_comp"]``, +2 bytes per bf16 parameter) and added back at the next step.
-    * ``"stochastic"``: rounded stochastically (unbiased), using ``generator``.
+      ["kahan_comp"]``, +2 bytes) and added back at the next step. Within about ``2**-16`` of
+      the float32 run, but a constant update below ``2**-17`` of the weight never lands (the
+      buffer's own rounding drops it); for float16 parameters, where ``"exact"`` does not apply.
+    * ``"stochastic"``: rounded stochastically (unbiased), using ``generator``; no extra memory.
 
     Float32/float64 parameters ignore ``compensation``.
 
     Args:
         params: parameters or param groups, as for any ``torch.optim`` optimizer.
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
-        compensation: ``None``, ``"kahan"`` or ``"stochastic"`` (per group).
-        state_dtype: dtype of ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq``; ``None`` (default)
-            means float32 for low-precision parameters (the parameter's dtype if wider).
-            ``torch.bfloat16`` halves optimizer memory at some accuracy cost.
-        generator: randomness for ``"stochastic"`` (on the parameters' device); ``None`` uses
-            the device's default generator. Its state is saved in ``state_dict()``.
+        compensation: ``None``, ``"exact"``, ``"kahan"`` or ``"stochastic"`` (per group).
+        state_dtype: storage of ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq`` (per group).
+            ``None`` (default): float32 for low-precision parameters (the parameter's dtype if
+            wider). ``torch.bfloat16``: 2 bytes each, rounded stochastically (rounding to
+            nearest would under-estimate ``exp_avg_sq`` and over-step). ``"8bit"``: block-wise
+            quantized moments (:mod:`mixprec.optim.quant8`, about 1 byte each; parameters under
+            4096 elements keep float32). ``torch.float16`` and float8 dtypes are refused:
+            ``exp_avg_sq`` underflows in them.
+        foreach: multi-tensor implementation (bitwise equal to the per-tensor one, faster,
+            one float32 temporary per parameter more); ``None`` (default) uses it where
+            ``torch.optim`` does (all parameters on CUDA).
+        generator: randomness for stochastic rounding, on the parameters' device; ``None``
+            makes one when needed, seeded from the global RNG. Its state is saved in
+            ``state_dict()``.
 
     Raises:
         ValueError: an invalid hyper-parameter or option.
@@ -49,8 +67,10 @@ class AdamW(CompensatedOptimizer):
     Example:
         >>> import torch, mixprec
         >>> model = mixprec.to_low_precision(torch.nn.Linear(8, 8))  # bf16 weights
-        >>> opt = mixprec.optim.AdamW(model.parameters(), lr=1e-4, compensation="kahan")
+        >>> opt = mixprec.optim.AdamW(model.parameters(), lr=1e-4, compensation="exact")
     """
+
+    _squared_state = True
 
     def __init__(
         self,
@@ -62,8 +82,9 @@ class AdamW(CompensatedOptimizer):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        foreach: Optional[bool] = None,
         compensation: Optional[str] = None,
-        state_dtype: Optional[torch.dtype] = None,
+        state_dtype: Optional[torch.dtype | str] = None,
         generator: Optional[torch.Generator] = None,
     ) -> None:
         if not 0.0 <= _scalar(lr):
@@ -83,10 +104,26 @@ class AdamW(CompensatedOptimizer):
             weight_decay=weight_decay,
             amsgrad=amsgrad,
             maximize=maximize,
+            foreach=foreach,
             compensation=compensation,
             state_dtype=state_dtype,
         )
         super().__init__(params, defaults, generator=generator)
+
+    def _moment(self, group: dict[str, Any], p: Tensor, key: str, signed: bool) -> State:
+        """``state[key]`` of ``p`` (created at zero): a tensor, or a :class:`Quantized8` view of
+        ``state[key]`` (codes) and ``state[key + "_absmax"]``."""
+        state = self.state[p]
+        if key not in state:
+            if group["state_dtype"] == STATE_8BIT and p.numel() >= MIN_NUMEL:
+                state[key], state[key + "_absmax"] = new_quantized8(p, signed)
+            else:
+                dtype = compute_dtype(p.dtype) if group["state_dtype"] in (None, STATE_8BIT) else group["state_dtype"]
+                state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        value = state[key]
+        if value.dtype == torch.uint8:
+            return Quantized8(value, state[key + "_absmax"], signed, p.shape)
+        return value
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -95,34 +132,27 @@ class AdamW(CompensatedOptimizer):
         if skip:  # a loss scaler found inf/NaN gradients
             return loss
         for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, comps = [], [], [], [], [], [], []
+            params, grads, moments, steps, comps = [], [], ([], [], []), [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if "step" not in state:
-                    sdtype = self._state_dtype(group, p)
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=sdtype, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=sdtype, memory_format=torch.preserve_format)
-                if group["amsgrad"] and "max_exp_avg_sq" not in state:
-                    state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg_sq"], memory_format=torch.preserve_format)
                 params.append(p)
                 grads.append(p.grad)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                max_sqs.append(state.get("max_exp_avg_sq"))
+                for (key, signed), out in zip(_MOMENTS, moments):
+                    out.append(self._moment(group, p, key, signed) if key != "max_exp_avg_sq" or group["amsgrad"] else None)
                 steps.append(state["step"])
-                comps.append(self._kahan_comp(group, p))
+                comps.append(self._compensation_buffer(group, p))
             if not params:
                 continue
             beta1, beta2 = group["betas"]
-            adamw(
+            update = adamw_foreach if self._uses_foreach(group) else adamw
+            update(
                 params,
                 grads,
-                exp_avgs,
-                exp_avg_sqs,
-                max_sqs,
+                *moments,
                 steps,
                 comps,
                 lr=_scalar(group["lr"]),

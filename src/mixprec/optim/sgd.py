@@ -1,4 +1,4 @@
-"""SGD for parameters of any floating dtype, with Kahan or stochastic-rounding updates."""
+"""SGD for parameters of any floating dtype, with compensated or stochastic-rounding updates."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from mixprec.optim._base import CompensatedOptimizer, _scalar
+from mixprec.optim._foreach import sgd_foreach
 from mixprec.optim._functional import sgd
 
 __all__ = ["SGD"]
@@ -17,9 +18,10 @@ class SGD(CompensatedOptimizer):
     """``torch.optim.SGD`` that trains bfloat16/float16 parameters like float32 ones.
 
     Same hyper-parameters, defaults and arithmetic as ``torch.optim.SGD`` (on float32 parameters
-    the two agree to float32 rounding, and their ``state_dict()`` formats are interchangeable).
-    ``compensation``, ``state_dtype`` (of ``momentum_buffer``), ``generator`` and loss scalers
-    work as in :class:`mixprec.optim.AdamW`.
+    the two agree bitwise, and their ``state_dict()`` formats are interchangeable).
+    ``compensation``, ``foreach``, ``generator`` and loss scalers work as in
+    :class:`mixprec.optim.AdamW`. ``state_dtype`` is the dtype of ``momentum_buffer``
+    (float16 allowed: the momentum has the gradients' range; float8 and ``"8bit"`` are not).
 
     Raises:
         ValueError: an invalid hyper-parameter or option (as torch: Nesterov needs
@@ -42,6 +44,7 @@ class SGD(CompensatedOptimizer):
         nesterov: bool = False,
         *,
         maximize: bool = False,
+        foreach: Optional[bool] = None,
         compensation: Optional[str] = None,
         state_dtype: Optional[torch.dtype] = None,
         generator: Optional[torch.Generator] = None,
@@ -61,6 +64,7 @@ class SGD(CompensatedOptimizer):
             weight_decay=weight_decay,
             nesterov=nesterov,
             maximize=maximize,
+            foreach=foreach,
             compensation=compensation,
             state_dtype=state_dtype,
         )
@@ -80,10 +84,11 @@ class SGD(CompensatedOptimizer):
                 params.append(p)
                 grads.append(p.grad)
                 buffers.append(self.state[p].get("momentum_buffer"))
-                comps.append(self._kahan_comp(group, p))
+                comps.append(self._compensation_buffer(group, p))
             if not params:
                 continue
-            sgd(
+            update = sgd_foreach if self._uses_foreach(group) else sgd
+            update(
                 params,
                 grads,
                 buffers,

@@ -1,0 +1,54 @@
+"""Exact compensation: a bfloat16 weight plus its int16 low bits *is* the float32 master.
+
+bfloat16 is the top half of float32. A float32 master ``m`` (as its int32 bit pattern) is stored
+as ``m = (hi << 16) + lo``: ``hi`` is ``m`` rounded to nearest bfloat16 (ties away from zero) and
+is the parameter itself, ``lo`` the signed low 16 bits, in ``[-2**15, 2**15)``, kept in an int16
+buffer. Reading back is ``p.float()`` (``hi << 16`` as a float32 bit pattern) plus ``lo`` on the
+bits: exact, so every update that float32 represents reaches the weight, as with an fp32 master,
+for 2 extra bytes per parameter instead of 4 (and no master gradient).
+
+Rounding ``hi`` works on the sign-magnitude bit pattern: adding ``2**15`` to the int32 pattern
+adds half a bfloat16 gap to the magnitude for either sign, and clearing the low 16 bits then
+truncates it. The low 16 bits of ``m`` read as int16 are exactly ``m - (hi << 16)``. A carry
+past bfloat16's largest finite value makes the parameter ``inf`` (as rounding to nearest does)
+while the master stays finite. Integer arithmetic only: no host sync, same code on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["exact_value", "exact_write_", "check_exact_dtype"]
+
+_HALF_GAP = 1 << 15
+_HIGH_MASK = -(1 << 16)  # 0xFFFF0000 as an int32
+
+
+def exact_value(param: Tensor, low_bits: Tensor) -> Tensor:
+    """The float32 master a bfloat16 ``param`` and its int16 ``low_bits`` stand for (a new tensor)."""
+    value = param.detach().to(torch.float32, copy=True)
+    value.view(torch.int32).add_(low_bits)
+    return value
+
+
+def exact_write_(param: Tensor, low_bits: Tensor, value: Tensor) -> None:
+    """Split float32 ``value`` into ``param`` (bfloat16, nearest) and ``low_bits`` (int16).
+
+    ``value`` is scratch: it is overwritten (pass a copy to keep it). Afterwards
+    ``exact_value(param, low_bits)`` equals ``value`` bitwise.
+    """
+    bits = value.view(torch.int32)
+    low_bits.copy_(bits)  # int32 -> int16 keeps the low 16 bits, as a signed number
+    bits.add_(_HALF_GAP).bitwise_and_(_HIGH_MASK)
+    param.copy_(value)  # exact: ``value`` is now a bfloat16 number
+
+
+def check_exact_dtype(dtype: torch.dtype) -> None:
+    """Raise if a parameter of ``dtype`` cannot use ``compensation="exact"``."""
+    if dtype == torch.float16:
+        raise ValueError(
+            "compensation='exact' splits a float32 master into a bfloat16 parameter and int16 low "
+            "bits; float16 is not the top half of float32: use compensation='kahan' or "
+            "mixprec.MasterWeights for float16 parameters"
+        )

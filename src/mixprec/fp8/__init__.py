@@ -1,4 +1,51 @@
-"""FP8 (placeholder docstring, replaced below)."""
+"""FP8 training with guardrails: emulated on any machine, bitwise equal to torchao's emulation.
+
+* :class:`Float8Recipe`: per GEMM operand, the fp8 format and the scale granularity
+  (``.tensorwise()``, ``.rowwise()``, ``.rowwise_with_gw_hp()``, ``.from_name(...)``).
+* :func:`linear`: the functional fp8 linear (differentiable; tensorwise saves its activations for
+  backward in fp8). ``backend="emulate"`` everywhere, ``"scaled_mm"`` on CUDA sm89+.
+* :class:`LayerState` / :func:`layer_state`: per-layer statistics kept on the device.
+* :class:`Guard`: thresholds that move a layer back to the compute dtype, the same on every rank.
+* :func:`convert`, :class:`Float8Linear`, :func:`stats`: module conversion and the stats table.
+* :func:`eligible`, :func:`select_layers`: the layer-selection rules.
+
+Example:
+    >>> import torch
+    >>> from mixprec import fp8
+    >>> model = fp8.convert(torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)]))
+    >>> guard = fp8.Guard(every=10)
+    >>> loss = model(torch.randn(8, 32)).square().mean(); loss.backward()
+    >>> guard.check(model, step=0)
+    []
+
+Interface for ``Policy.fp8`` (no module swap)
+---------------------------------------------
+``Policy.fp8(recipe="tensorwise", types=(nn.Linear,), names=None, first_last="keep")`` selects
+layers with ``select_layers(model, types, names, first_last) -> list[fqn]`` (the same function
+:func:`convert` uses by default; it warns once per layer left out by :func:`eligible`, whose
+``(ok, reason)`` is the dims-multiple-of-16 rule) and, inside a mixprec region, routes each
+selected ``nn.Linear`` call to::
+
+    fp8.linear(x, module.weight, module.bias, recipe, state=fp8.layer_state(module))
+
+``recipe`` may come from ``fp8.as_recipe("tensorwise")``. ``linear`` switches autocast off
+inside, computes in ``x``'s dtype (cast ``x`` to the compute dtype first, as autocast does for
+``F.linear``), and, when the module's ``LayerState.fallback`` is set, runs ``F.linear`` in that
+dtype instead. ``layer_state(module)`` keeps the state as a plain module attribute (not a
+buffer: state dict keys do not change, ``deepcopy`` follows it); create it before
+``torch.compile`` traces (selection time). ``layer_states(model)`` collects ``{fqn: state}``
+for ``Guard.check(states_or_model, step)``. Fallback decisions survive checkpoints through
+``Guard.state_dict()``/``load_state_dict()`` (keyed by fqn), not through the module state dict.
+"""
+
+from mixprec.fp8._convert import Float8Linear, Float8Stats, as_recipe, convert, eligible, select_layers, stats
+from mixprec.fp8._guard import Fallback, Float8FallbackWarning, Guard, layer_states
 from mixprec.fp8._linear import linear
 from mixprec.fp8._recipe import Cast, Float8Recipe
 from mixprec.fp8._state import LayerState, layer_state
+
+__all__ = [
+    "Cast", "Fallback", "Float8FallbackWarning", "Float8Linear", "Float8Recipe", "Float8Stats", "Guard",
+    "LayerState", "as_recipe", "convert", "eligible", "layer_state", "layer_states", "linear",
+    "select_layers", "stats",
+]

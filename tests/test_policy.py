@@ -240,12 +240,14 @@ def test_output_dtype_casts_what_the_model_returns():
         assert net(torch.randn(2, 6)).dtype == torch.float16
 
 
-def test_policy_compute_sets_region_dtype_and_explicit_dtype_wins():
+def test_policy_compute_sets_region_dtype_and_a_conflicting_dtype_is_an_error():
     x = torch.randn(3, 3)
     with mixprec.autocast("cpu", policy=Policy(compute=torch.float16)):
         assert torch.mm(x, x).dtype == torch.float16
-    with mixprec.autocast("cpu", dtype=torch.bfloat16, policy=Policy(compute=torch.float16)):
-        assert torch.mm(x, x).dtype == torch.bfloat16
+    with mixprec.autocast("cpu", dtype=torch.float16, policy=Policy(compute=torch.float16)):
+        assert torch.mm(x, x).dtype == torch.float16
+    with pytest.raises(ValueError, match="dtype=torch.float16 and a policy with compute=torch.bfloat16"):
+        mixprec.autocast("cpu", dtype=torch.float16, policy="compute=bf16")
 
 
 def test_module_hooks_exist_only_while_a_rule_region_runs():

@@ -9,10 +9,10 @@ output dtype, module hooks installed for the region's lifetime only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 import warnings
-import weakref
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -20,7 +20,8 @@ from torch import nn
 
 from mixprec import _dispatch
 from mixprec._dispatch import Frame
-from mixprec.policy import Policy, _cast_tree
+from mixprec._tree import cast_tree
+from mixprec.policy import Policy
 
 __all__ = [
     "autocast",
@@ -87,7 +88,8 @@ class autocast:
         torch.float32
 
     Raises:
-        ValueError: ``device_type`` is not a string naming cpu or cuda.
+        ValueError: ``device_type`` is not a string naming cpu or cuda, or ``dtype`` and
+            ``policy.compute`` are both given and differ.
         TypeError: ``policy`` is neither a Policy nor a string.
         RuntimeError: bfloat16 on a CUDA device without bf16 support.
     """
@@ -114,6 +116,11 @@ class autocast:
             policy = Policy()
         elif not isinstance(policy, Policy):
             raise TypeError(f"policy must be a mixprec.Policy or a str, got {type(policy).__name__}")
+        if dtype is not None and policy.compute is not None and dtype != policy.compute:
+            raise ValueError(
+                f"mixprec.autocast got dtype={dtype} and a policy with compute={policy.compute}; "
+                "pass one of them (or the same dtype twice)"
+            )
         if dtype is None:
             dtype = policy.compute if policy.compute is not None else torch.get_autocast_dtype(device_type)
         if enabled and device_type == "cuda":
@@ -150,9 +157,10 @@ class autocast:
         dev = self.device
         frame = None
         if self._enabled:
-            table = self.policy.table(dev)
-            _ensure(table, dev)
-            frame = Frame(dev, table, self.policy)
+            edits = self.policy.edits(dev)
+            if edits:
+                _dispatch.ensure_kernels(edits, dev)
+            frame = Frame(dev, edits, self.policy)
         prev = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev),
                 torch.is_autocast_cache_enabled())
         torch.set_autocast_enabled(dev, self._enabled)
@@ -184,7 +192,7 @@ class autocast:
             with autocast(self.device, self.fast_dtype, self._enabled, self._cache_enabled,
                           policy=self.policy):
                 out = func(*args, **kwargs)
-            return out if self.policy.output is None else _cast_tree(out, self.policy.output)
+            return out if self.policy.output is None else cast_tree(out, self.policy.output)
 
         return decorate_autocast  # type: ignore[return-value]
 
@@ -193,29 +201,25 @@ class autocast:
                 f"enabled={self._enabled}, policy={self.policy})")
 
 
-_ensured: set[tuple[int, str]] = set()
-
-
-def _ensure(table: Any, device_type: str) -> None:
-    key = (id(table), device_type)  # resolved tables are cached and immutable
-    if key not in _ensured:
-        _dispatch.ensure_kernels(table, device_type)
-        _ensured.add(key)
-
-
 # --------------------------------------------------------------------------- module rules
 class _ModuleRules:
     """Global module hooks, installed while at least one region with module rules is active.
 
-    A thread-local stack follows module calls so that each module gets its qualified name from
-    the outermost module called in the region (computed once per root and cached).
+    The innermost mixprec region's policy governs: inside a nested ``mixprec.autocast`` region
+    the outer region's module rules and output dtype are suspended, whether or not the nested
+    policy has rules of its own (a nested ``torch.autocast`` is not a policy: outer rules still
+    select modules inside it).
+
+    A thread-local stack follows module calls. A module's qualified name is its parent's name
+    plus the attribute under which the parent holds it, looked up at each call, so swapping or
+    adding submodules between calls is seen at once; a module called from elsewhere than its
+    parent is looked up from the outermost module of the region.
     """
 
     _lock = threading.Lock()
     _users = 0
     _handles: list[Any] = []
     _tls = threading.local()
-    _names: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = weakref.WeakKeyDictionary()
 
     @classmethod
     def _state(cls) -> Any:
@@ -249,14 +253,18 @@ class _ModuleRules:
                     h.remove()
                 cls._handles = []
 
-    @classmethod
-    def _qualified_name(cls, module: nn.Module, root: nn.Module) -> str:
-        names = cls._names.get(root)
-        if names is None or id(module) not in names:  # new root, or modules added since
-            names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
-            names.setdefault(id(module), "")  # not under root: only type rules can match it
-            cls._names[root] = names
-        return names[id(module)]
+    @staticmethod
+    def _qualified_name(module: nn.Module, calls: list[tuple[nn.Module, str, Any]]) -> str:
+        if not calls:
+            return ""  # the outermost module of the region
+        parent, parent_name = calls[-1][0], calls[-1][1]
+        for key, child in parent._modules.items():
+            if child is module:
+                return f"{parent_name}.{key}" if parent_name else key
+        for name, m in calls[0][0].named_modules(remove_duplicate=False):
+            if m is module:
+                return name
+        return ""  # not under the outermost module: only type rules can match it
 
     @classmethod
     def _pre(cls, module: nn.Module, args: tuple) -> Any:
@@ -264,16 +272,16 @@ class _ModuleRules:
         if not st.frames:
             return None
         frame = st.frames[-1]
-        root = st.calls[0][0] if st.calls else module
-        restore = None
         rules = frame.policy.module_rules
-        if rules and _dispatch.top(frame.device_type) is not None:
-            name = cls._qualified_name(module, root)
+        active = _dispatch.top(frame.device_type) is frame
+        name = cls._qualified_name(module, st.calls) if active and rules else ""
+        restore = None
+        if active and rules:
             rule = next((r for r in rules if r.matches(module, name)), None)
             if rule is not None:
                 restore = _enter_rule(frame, rule)
-                args = _cast_inputs(args, rule.dtype, frame.device_type)
-        st.calls.append((module, restore))
+                args = cast_tree(args, rule.dtype, frame.device_type)
+        st.calls.append((module, name, restore))
         return args if restore is not None else None
 
     @classmethod
@@ -281,11 +289,13 @@ class _ModuleRules:
         st = cls._state()
         if not st.calls or st.calls[-1][0] is not module:
             return None
-        _, restore = st.calls.pop()
+        restore = st.calls.pop()[2]
         if restore is not None:
             restore()
-        if not st.calls and st.frames and st.frames[-1].policy.output is not None:
-            return _cast_tree(output, st.frames[-1].policy.output)
+        if not st.calls and st.frames:
+            frame = st.frames[-1]
+            if frame.policy.output is not None and _dispatch.top(frame.device_type) is frame:
+                return cast_tree(output, frame.policy.output)
         return None
 
 
@@ -305,16 +315,9 @@ def _enter_rule(frame: Frame, rule: Any) -> Callable[[], None]:
     return restore
 
 
-def _cast_inputs(args: tuple, dtype: torch.dtype, device_type: str) -> tuple:
-    def cast(a: Any) -> Any:
-        if (isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype is not torch.float64
-                and a.device.type == device_type):
-            return a.to(dtype)
-        if isinstance(a, (list, tuple)) and not hasattr(a, "_fields"):
-            return type(a)(cast(x) for x in a)
-        return a
-
-    return tuple(cast(a) for a in args)
+def _without_compute(policy: Policy | None) -> Policy | None:
+    """The policy of a region being replayed with the dtype it actually ran in."""
+    return policy if policy is None or policy.compute is None else dataclasses.replace(policy, compute=None)
 
 
 # --------------------------------------------------------------------------- checkpointing
@@ -335,7 +338,7 @@ def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager, contextl
     """
     regions = [
         autocast(dev, torch.get_autocast_dtype(dev), True, torch.is_autocast_cache_enabled(),
-                 policy=frame.policy)
+                 policy=_without_compute(frame.policy))
         for dev in _SUPPORTED
         if (frame := _dispatch.top(dev)) is not None and torch.is_autocast_enabled(dev)
     ]
@@ -351,20 +354,6 @@ def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager, contextl
 
 
 # --------------------------------------------------------------------------- custom functions
-def _cast_for(value: Any, device_type: str, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        eligible = (value.is_floating_point() and value.dtype is not torch.float64
-                    and value.device.type == device_type)
-        return value.to(dtype) if eligible else value
-    if isinstance(value, (str, bytes)):
-        return value
-    if isinstance(value, dict):
-        return {k: _cast_for(v, device_type, dtype) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast_for(v, device_type, dtype) for v in value)
-    return value
-
-
 def custom_fwd(
     fwd: Callable[..., Any] | None = None,
     *,
@@ -400,8 +389,8 @@ def custom_fwd(
         ctx._fwd_used_autocast = False
         if torch.is_autocast_enabled(device_type):
             with autocast(device_type, enabled=False):
-                return fwd(*_cast_for(args, device_type, cast_inputs),
-                           **_cast_for(kwargs, device_type, cast_inputs))
+                return fwd(*cast_tree(args, cast_inputs, device_type),
+                           **cast_tree(kwargs, cast_inputs, device_type))
         return fwd(*args, **kwargs)
 
     return decorate_fwd
@@ -419,7 +408,7 @@ def custom_bwd(bwd: Callable[..., Any] | None = None, *, device_type: str) -> An
     def decorate_bwd(*args: Any, **kwargs: Any) -> Any:
         ctx = args[0]
         with autocast(device_type, enabled=ctx._fwd_used_autocast, dtype=ctx._dtype,
-                      policy=getattr(ctx, "_mixprec_policy", None)):
+                      policy=_without_compute(getattr(ctx, "_mixprec_policy", None))):
             return bwd(*args, **kwargs)
 
     return decorate_bwd

@@ -33,6 +33,7 @@ from torch import nn
 from mixprec import ops as _ops
 from mixprec._modules import ModuleRule
 from mixprec._ops_names import OpLike, canonical_names
+from mixprec._tree import cast_tree
 
 __all__ = ["Policy", "PRESETS", "parse_dtype"]
 
@@ -330,16 +331,16 @@ class Policy:
 
     # jmp-style casts of trees of tensors
     def cast_to_param(self, tree: Any) -> Any:
-        """Cast the floating tensors in a (nested) container to ``params``."""
-        return _cast_tree(tree, self.params)
+        """Cast the floating tensors (not float64) in a (nested) container to ``params``."""
+        return cast_tree(tree, self.params)
 
     def cast_to_compute(self, tree: Any) -> Any:
-        """Cast the floating tensors in a (nested) container to ``compute`` (if set)."""
-        return tree if self.compute is None else _cast_tree(tree, self.compute)
+        """Cast the floating tensors (not float64) in a (nested) container to ``compute`` (if set)."""
+        return tree if self.compute is None else cast_tree(tree, self.compute)
 
     def cast_to_output(self, tree: Any) -> Any:
-        """Cast the floating tensors in a (nested) container to ``output`` (if set)."""
-        return tree if self.output is None else _cast_tree(tree, self.output)
+        """Cast the floating tensors (not float64) in a (nested) container to ``output`` (if set)."""
+        return tree if self.output is None else cast_tree(tree, self.output)
 
     def __str__(self) -> str:
         """The dtypes and preset in :meth:`parse` syntax (op edits and module rules are in

@@ -1,0 +1,132 @@
+"""The multi-tensor (foreach) paths of mixprec.optim: bitwise the per-tensor ones, for every recipe."""
+
+import pytest
+import torch
+
+from mixprec.optim import SGD, AdamW
+
+ADAMW_CASES = [
+    dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+    dict(lr=3e-3, amsgrad=True, weight_decay=0.0, maximize=True),
+]
+SGD_CASES = [
+    dict(lr=1e-2, momentum=0.9, dampening=0.3, weight_decay=1e-2),
+    dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-2, maximize=True),
+    dict(lr=1e-2),
+]
+# (param dtype, compensation, state_dtype): every recipe the optimizers offer
+ADAMW_RECIPES = [
+    (torch.float32, None, None),
+    (torch.float64, None, torch.float32),
+    (torch.bfloat16, None, None),
+    (torch.bfloat16, "kahan", None),
+    (torch.bfloat16, "exact", None),
+    (torch.bfloat16, "stochastic", None),
+    (torch.bfloat16, "stochastic", torch.bfloat16),
+    (torch.bfloat16, "stochastic", "8bit"),
+    (torch.bfloat16, "exact", "8bit"),
+    (torch.float16, "kahan", torch.bfloat16),
+    (torch.float16, "stochastic", None),
+]
+SGD_RECIPES = [
+    (torch.float32, None, None),
+    (torch.bfloat16, "kahan", None),
+    (torch.bfloat16, "exact", None),
+    (torch.bfloat16, "stochastic", torch.bfloat16),
+    (torch.float16, "stochastic", torch.float16),
+]
+
+
+def _params(dtype):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 80), (7, 5), (5,)]  # the first is large enough for 8-bit state
+    return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in shapes]
+
+
+def _run(cls, dtype, foreach, steps=4, **kwargs):
+    params = _params(dtype)
+    # two groups, the second with a parameter that gets no gradient on step 1
+    opt = cls([{"params": params[:1]}, {"params": params[1:], "lr": 3e-3}], foreach=foreach,
+              generator=torch.Generator().manual_seed(1), **kwargs)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + step)
+        for i, p in enumerate(params):
+            p.grad = None if (step == 1 and i == 2) else torch.randn(p.shape, generator=g).to(dtype)
+        kept = [None if p.grad is None else p.grad.clone() for p in params]
+        opt.step()
+        for p, k in zip(params, kept):
+            assert (p.grad is None and k is None) or torch.equal(p.grad, k)  # .grad is never scratch
+    return params, opt
+
+
+def _assert_same(a, opt_a, b, opt_b):
+    for p, q in zip(a, b):
+        assert p.dtype == q.dtype and torch.equal(p.view(torch.uint8), q.view(torch.uint8))
+        assert opt_a.state[p].keys() == opt_b.state[q].keys()
+        for key, value in opt_a.state[p].items():
+            other = opt_b.state[q][key]
+            assert value.dtype == other.dtype, key
+            assert torch.equal(value, other), key
+    assert torch.equal(opt_a.generator.get_state(), opt_b.generator.get_state())
+
+
+@pytest.mark.parametrize("dtype,compensation,state_dtype", ADAMW_RECIPES)
+@pytest.mark.parametrize("kwargs", ADAMW_CASES)
+def test_adamw_foreach_is_bitwise_per_tensor(kwargs, dtype, compensation, state_dtype):
+    a, opt_a = _run(AdamW, dtype, False, compensation=compensation, state_dtype=state_dtype, **kwargs)
+    b, opt_b = _run(AdamW, dtype, True, compensation=compensation, state_dtype=state_dtype, **kwargs)
+    _assert_same(a, opt_a, b, opt_b)
+    if state_dtype == "8bit":
+        assert opt_a.state[a[0]]["exp_avg"].dtype == torch.uint8  # the 8-bit path was exercised
+
+
+@pytest.mark.parametrize("dtype,compensation,state_dtype", SGD_RECIPES)
+@pytest.mark.parametrize("kwargs", SGD_CASES)
+def test_sgd_foreach_is_bitwise_per_tensor(kwargs, dtype, compensation, state_dtype):
+    a, opt_a = _run(SGD, dtype, False, compensation=compensation, state_dtype=state_dtype, **kwargs)
+    b, opt_b = _run(SGD, dtype, True, compensation=compensation, state_dtype=state_dtype, **kwargs)
+    _assert_same(a, opt_a, b, opt_b)
+
+
+@pytest.mark.parametrize(
+    "ours,theirs,kwargs",
+    [(AdamW, torch.optim.AdamW, c) for c in ADAMW_CASES] + [(SGD, torch.optim.SGD, c) for c in SGD_CASES],
+)
+def test_fp32_foreach_is_bitwise_torch_foreach(ours, theirs, kwargs):
+    a, opt_a = _run(ours, torch.float32, True, **kwargs)
+    b = _params(torch.float32)
+    opt_b = theirs([{"params": b[:1]}, {"params": b[1:], "lr": 3e-3}], foreach=True, **kwargs)
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 + step)
+        for i, p in enumerate(b):
+            p.grad = None if (step == 1 and i == 2) else torch.randn(p.shape, generator=g)
+        opt_b.step()
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+        for key, value in opt_b.state[q].items():
+            assert torch.equal(opt_a.state[p][key], value)
+
+
+def test_foreach_defaults_as_torch():
+    """``foreach=None`` is torch's default (None, resolved per step: off on the CPU)."""
+    p = [torch.randn(3, requires_grad=True)]
+    assert AdamW(p).defaults["foreach"] is torch.optim.AdamW(p).defaults["foreach"] is None
+    assert SGD(p).defaults["foreach"] is torch.optim.SGD(p).defaults["foreach"] is None
+    assert not AdamW._uses_foreach(AdamW(p).param_groups[0])
+    assert AdamW._uses_foreach(AdamW(p, foreach=True).param_groups[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compensation", [None, "kahan", "exact", "stochastic"])
+def test_cuda_defaults_to_foreach_and_matches(compensation):
+    def run(foreach):
+        p = torch.randn(300, 7, device="cuda").bfloat16().requires_grad_()
+        opt = AdamW([p], lr=1e-2, foreach=foreach, compensation=compensation,
+                    generator=torch.Generator("cuda").manual_seed(0))
+        for step in range(3):
+            p.grad = torch.randn(300, 7, device="cuda", generator=torch.Generator("cuda").manual_seed(step)).bfloat16()
+            opt.step()
+        return p, opt
+
+    assert AdamW._uses_foreach(run(None)[1].param_groups[0])
+    assert torch.equal(run(None)[0], run(False)[0])

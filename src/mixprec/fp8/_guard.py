@@ -58,7 +58,9 @@ class Guard:
     (for input, weight or grad_output) or, when ``min_sqnr_db`` is set, the sampled output SQNR
     against the high-precision GEMM is below it, to the compute dtype, with a
     :class:`Float8FallbackWarning` naming the layer, the operand, the statistic and its value.
-    ``None`` switches a threshold off. The decisions are saved by :meth:`state_dict`.
+    ``None`` switches a threshold off; ``max_saturated`` is off by default: a current scale clips
+    nothing finite, and the fraction beyond the previous step's amax moves with the data (it is
+    a diagnostic of what a delayed scale would clip). The decisions are saved by :meth:`state_dict`.
 
     .. warning:: :meth:`check` on a check step reads the device statistics: one host sync (and
        one all-reduce) per ``every`` steps; other steps cost nothing.
@@ -69,7 +71,7 @@ class Guard:
         []
     """
 
-    max_saturated: float | None = 0.01
+    max_saturated: float | None = None
     max_underflow: float | None = 0.05
     max_nonfinite: float | None = 0.0
     min_sqnr_db: float | None = None

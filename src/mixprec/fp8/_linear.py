@@ -27,9 +27,11 @@ def _t(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _record(stats: torch.Tensor | None, row: int, x: torch.Tensor, cast: tuple) -> None:
+    # stats[row]: the window's worst [amax, saturated, underflow, nonfinite], then the last amax
     if stats is not None:
-        q, _, amax, x_scaled = cast
-        torch.maximum(stats[row], cast_stats(x, q, amax, x_scaled), out=stats[row])
+        q, _, amax, _ = cast
+        new = cast_stats(x, q, amax, stats[row, -1])
+        stats[row].copy_(torch.cat([torch.maximum(stats[row, :-1], new), new[:1]]))
 
 
 def _primary(a: Cast, b: Cast) -> Cast | None:
@@ -173,7 +175,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if state is not None:
         if state.device != input.device:
             state.to(input.device)
-        stats = state.stats
+        stats = state._data  # the window and, last column, the previous amax
         sqnr = state.output_sqnr_db if state.sample_sqnr else None
     out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr)
     if bias is not None:

@@ -15,8 +15,6 @@ from mixprec.fp8._recipe import Cast
 __all__ = ["EPS", "cast_to_fp8", "cast_stats", "gemm", "STAT_NAMES"]
 
 EPS = 1e-12
-#: |x * scale| at or above this rounds beyond the largest finite value: the cast clamps it.
-_OVERFLOW_AT = {torch.float8_e4m3fn: 464.0, torch.float8_e5m2: 61440.0}
 #: columns of a layer's statistics, per operand.
 STAT_NAMES = ("amax", "saturated", "underflow", "nonfinite")
 
@@ -48,18 +46,20 @@ def cast_to_fp8(x: torch.Tensor, cast: Cast, row_dim: int, pow2: bool
     return q, scale, amax, x_scaled
 
 
-def cast_stats(x: torch.Tensor, q: torch.Tensor, amax: torch.Tensor, x_scaled: torch.Tensor) -> torch.Tensor:
-    """``[amax, saturated, underflow, nonfinite]`` of one cast, as a float32 vector on x's device.
+def cast_stats(x: torch.Tensor, q: torch.Tensor, amax: torch.Tensor, last_amax: torch.Tensor) -> torch.Tensor:
+    """``[amax, saturated, underflow, nonfinite]`` of one cast, a float32 vector on x's device.
 
-    saturated: fraction of elements whose scaled value lies beyond the format's range (clamped);
-    underflow: fraction of the nonzero elements of x that the cast flushed to zero;
-    nonfinite: number of inf/NaN elements of x. No host sync.
+    saturated: fraction of the elements of x beyond ``last_amax`` (the amax of the previous
+    cast of this operand, 0 for none): what a delayed scale (amax history, TE's default) would
+    have clipped; a current scale clips nothing finite. underflow: fraction of the elements of
+    x, nonzero, that the cast flushed to zero. nonfinite: number of inf/NaN elements. No sync.
     """
     n = max(x.numel(), 1)
-    saturated = (x_scaled.abs() >= _OVERFLOW_AT[q.dtype]).sum() / n
+    amax = amax.max().float()
+    saturated = (x.abs() > last_amax).sum() / n * (last_amax > 0)
     flushed = (((q.view(torch.uint8) & 0x7F) == 0) & (x != 0)).sum() / n
     nonfinite = (~torch.isfinite(x)).sum()
-    return torch.stack([amax.max().float(), saturated.float(), flushed.float(), nonfinite.float()])
+    return torch.stack([amax, saturated.float(), flushed.float(), nonfinite.float()])
 
 
 def gemm(a: torch.Tensor, sa: torch.Tensor | None, b: torch.Tensor, sb: torch.Tensor | None,

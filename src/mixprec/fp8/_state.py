@@ -20,9 +20,9 @@ class LayerState:
     """What one fp8 linear layer saw since the last :meth:`reset`, on the device (no host sync).
 
     ``stats`` is a ``(3, 4)`` float32 tensor: one row per operand (``input``, ``weight``,
-    ``grad_output``), columns ``amax``, ``saturated`` (fraction clamped to the format's range),
-    ``underflow`` (fraction of nonzero values flushed to zero by the cast) and ``nonfinite``
-    (count); each is the maximum over the steps of the window. ``output_sqnr_db`` is the lowest
+    ``grad_output``), columns ``amax``, ``saturated`` (fraction beyond the previous cast's amax:
+    what a delayed scale would clip), ``underflow`` (fraction of nonzero values the cast flushed
+    to zero) and ``nonfinite`` (count); each is the worst value over the steps of the window. ``output_sqnr_db`` is the lowest
     sampled SQNR of the fp8 output against the high-precision GEMM (inf when none was sampled).
     ``fallback`` (a Python bool, set by :class:`Guard`) makes :func:`linear` run in the compute
     dtype; ``sample_sqnr`` asks the next forward to measure the SQNR (one extra GEMM).
@@ -34,18 +34,24 @@ class LayerState:
     """
 
     def __init__(self, device: torch.device | str | None = None) -> None:
-        self.stats = torch.zeros(len(OPERANDS), len(STAT_NAMES), device=device)
+        # one more column than STAT_NAMES: the last cast's amax (saturation is judged against it)
+        self._data = torch.zeros(len(OPERANDS), len(STAT_NAMES) + 1, device=device)
         self.output_sqnr_db = torch.full((), math.inf, device=device)
         self.fallback = False
         self.sample_sqnr = False
 
     @property
+    def stats(self) -> torch.Tensor:
+        """The window's ``(3, 4)`` statistics (a view of the device tensor)."""
+        return self._data[:, :-1]
+
+    @property
     def device(self) -> torch.device:
-        return self.stats.device
+        return self._data.device
 
     def to(self, device: torch.device | str) -> LayerState:
         """Move the statistics to ``device`` (in place; returns self)."""
-        self.stats = self.stats.to(device)
+        self._data = self._data.to(device)
         self.output_sqnr_db = self.output_sqnr_db.to(device)
         return self
 
@@ -59,7 +65,7 @@ class LayerState:
 
         .. warning:: reads the device tensors: one host sync.
         """
-        rows = self.stats.tolist()
+        rows = self.stats.tolist()  # one sync
         out: dict[str, Any] = {op: dict(zip(STAT_NAMES, row)) for op, row in zip(OPERANDS, rows)}
         out["output_sqnr_db"] = float(self.output_sqnr_db)
         out["fallback"] = self.fallback

@@ -35,12 +35,12 @@ def _dynamic_map_list(signed: bool) -> list[float]:
     data: list[float] = []
     for i in range(exponent_bits):
         items = 2 ** (i + non_sign_bits - exponent_bits + (0 if signed else 1)) + 1
-        bounds = torch.linspace(0.1, 1, items, dtype=torch.float64)
-        means = ((bounds[:-1] + bounds[1:]) / 2).tolist()
+        bounds = torch.linspace(0.1, 1, items)  # float32, as bitsandbytes: the same 256 numbers
+        means = (bounds[:-1] + bounds[1:]) / 2.0
         scale = 10.0 ** (-(exponent_bits - 1) + i)
-        data += [scale * m for m in means]
+        data += (scale * means).tolist()
         if signed:
-            data += [-scale * m for m in means]
+            data += (-scale * means).tolist()
     data += [0.0, 1.0]
     return sorted(data)
 

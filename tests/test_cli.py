@@ -148,3 +148,29 @@ def test_python_m_mixprec_demo_writes_the_report(tmp_path: Path) -> None:
     data = json.loads((out / "results.json").read_text())
     assert data["settings"]["seed"] == 5 and data["device"] == "cpu"
     assert all(len(m["losses"]) == 3 for m in data["modes"])
+
+
+def test_version(capsys) -> None:
+    import mixprec
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"mixprec {mixprec.__version__} (torch {torch.__version__})\n"
+
+
+def test_demo_sh_says_it_is_installing_and_shows_why_it_failed(tmp_path: Path) -> None:
+    # a fresh checkout (no .venv) whose Python cannot create one: the first line says what is
+    # being installed before the installer runs, and a failure shows the installer's own output
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "scripts").mkdir()
+    for name in ("demo.sh", "venv.sh"):
+        shutil.copy(root / "scripts" / name, tmp_path / "scripts" / name)
+    fake = tmp_path / "python-that-fails"
+    fake.write_text("#!/bin/sh\necho 'no venv module here' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(tmp_path / "scripts" / "demo.sh")], capture_output=True, text=True,
+                          timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake)})
+    assert proc.returncode == 1
+    assert proc.stdout.startswith("mixprec demo: first run: creating .venv and installing torch==2.13.0")
+    assert "setting up .venv failed" in proc.stderr and "no venv module here" in proc.stderr

@@ -153,12 +153,26 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    """``mixprec X (torch Y)``, read from the installed metadata (no torch import)."""
+    import importlib.metadata
+
+    import mixprec
+
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return f"mixprec {mixprec.__version__} (torch {torch_version})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``mixprec`` argument parser, with ``demo`` and (when available) ``audit``."""
     from mixprec.demo.model import SIZES
     from mixprec.demo.train import DEFAULT_MODES, MODES
 
     parser = _Parser(prog="mixprec", description="Automatic mixed precision for PyTorch.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="{demo,audit}", required=True)
     demo = sub.add_parser(
         "demo",

@@ -47,8 +47,8 @@ def eligible(module: nn.Module, fqn: str = "") -> tuple[bool, str]:
                                                   ("out_features", module.out_features))
            if value % _MULTIPLE]
     if bad:
-        verb = "is" if len(bad) == 1 else "are"
-        return False, f"{fqn!r}: {' and '.join(bad)} {verb} not a multiple{'s' * (len(bad) > 1)} of {_MULTIPLE}"
+        what = "is not a multiple" if len(bad) == 1 else "are not multiples"
+        return False, f"{fqn!r}: {' and '.join(bad)} {what} of {_MULTIPLE}"
     return True, ""
 
 

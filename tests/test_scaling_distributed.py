@@ -120,6 +120,7 @@ def _check_agreement(r0: dict, r1: dict) -> None:
         assert torch.isfinite(a).all()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ddp_ranks_skip_together(tmp_path):
     r0, r1 = _spawn("ddp", tmp_path)
@@ -130,6 +131,7 @@ def test_ddp_ranks_skip_together(tmp_path):
     assert not all(torch.equal(a, b) for a, b in zip(c0["weights"], c1["weights"]))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_fsdp2_ranks_skip_together_with_an_empty_local_shard(tmp_path):
     r0, r1 = _spawn("fsdp", tmp_path)
@@ -138,3 +140,22 @@ def test_fsdp2_ranks_skip_together_with_an_empty_local_shard(tmp_path):
     _check_agreement(r0["fsdp-dtensor"], r1["fsdp-dtensor"])
     assert r1["empty-rank-numel"] == [0, 0] and 0 not in r0["empty-rank-numel"]
     _check_agreement(r0["empty-rank"], r1["empty-rank"])
+
+
+def test_pickling_with_a_process_group_says_what_to_do(tmp_path):
+    """A ProcessGroup belongs to one process: pickling refuses it (it used to be dropped
+    silently), while "default" and the state dict travel."""
+    import pickle
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        scaler = GradScaler("cpu", init_scale=8.0, process_group=dist.group.WORLD)
+        with pytest.raises(TypeError, match="ProcessGroup.*state_dict"):
+            pickle.dumps(scaler)
+        restored = GradScaler("cpu", process_group=dist.group.WORLD)
+        restored.load_state_dict(scaler.state_dict())
+        assert restored.get_scale() == 8.0
+        default = pickle.loads(pickle.dumps(GradScaler("cpu", process_group="default")))
+        assert default._process_group == "default"
+    finally:
+        dist.destroy_process_group()

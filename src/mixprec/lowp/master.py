@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
@@ -11,6 +12,7 @@ from torch import Tensor
 from mixprec._unscale import unscale_
 from mixprec.lowp.cast import LOW_PRECISION_DTYPES
 from mixprec.optim.rounding import round_into_
+from mixprec.scaling.protocol import PreparesGrads, ScalesItself, lend_scale, lent_scale
 
 __all__ = ["MasterWeights"]
 
@@ -42,7 +44,7 @@ def _write_back_loaded(param: Tensor, master: Tensor, rounding: str) -> None:
     param.copy_(nearest)
 
 
-class MasterWeights(torch.optim.Optimizer):
+class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself):
     """Train a bfloat16/float16 model with float32 master weights, around any optimizer.
 
     ``MasterWeights(optimizer)`` replaces each low-precision parameter in ``optimizer``'s param
@@ -60,8 +62,9 @@ class MasterWeights(torch.optim.Optimizer):
     ``state_dict()`` holds the wrapped optimizer's state plus the float32 masters
     (``"master_params"``, one per parameter in ``param_groups`` order).
 
-    Loss scaling: the wrapper implements the scalers' fused protocol
-    (``_step_supports_amp_scaling``), so ``scaler.step(opt)`` hands it ``grad_scale`` and
+    Loss scaling: the wrapper speaks the scalers' protocol (:mod:`mixprec.scaling.protocol`: it is
+    a :class:`~mixprec.scaling.protocol.PreparesGrads` and a
+    :class:`~mixprec.scaling.protocol.ScalesItself`), so ``scaler.step(opt)`` hands it ``grad_scale`` and
     ``found_inf`` instead of unscaling gradients it cannot see. ``mixprec.GradScaler`` calls
     :meth:`prepare_grads` before it checks (or, in ``unscale_``, unscales) the gradients, so it
     checks the float32 master gradients and float16 parameters with dynamic loss scaling work
@@ -237,8 +240,8 @@ class MasterWeights(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        scaler = {k: self.__dict__[k] for k in ("grad_scale", "found_inf") if k in self.__dict__}
-        if scaler and not self._grads_prepared():
+        lent = lent_scale(self)
+        if lent is not None and not self._grads_prepared():
             raise RuntimeError(
                 "a loss scaler checked this optimizer's gradients before they were copied into the "
                 "float32 masters (or the model's gradients changed since), so it may have missed an "
@@ -248,22 +251,17 @@ class MasterWeights(torch.optim.Optimizer):
                 "calls prepare_grads() itself."
             )
         self.prepare_grads()
-        found_inf = scaler.get("found_inf")
-        found_inf = found_inf if isinstance(found_inf, Tensor) else None
+        found_inf = None if lent is None else lent.found_inf
         if getattr(self.optimizer, "_step_supports_amp_scaling", False):
-            for key, value in scaler.items():  # the fused inner optimizer unscales and skips
-                setattr(self.optimizer, key, value)
-            try:
+            # the fused inner optimizer unscales and skips
+            with contextlib.nullcontext() if lent is None else lend_scale(self.optimizer, *lent):
                 out = self.optimizer.step()
-            finally:
-                for key in scaler:
-                    delattr(self.optimizer, key)
         else:
             if found_inf is not None and bool(found_inf):  # host sync, as the scalers' plain path
                 self._release_master_grads()
                 return loss
-            if scaler.get("grad_scale") is not None:
-                self._unscale_master_grads(scaler["grad_scale"])
+            if lent is not None and lent.grad_scale is not None:
+                self._unscale_master_grads(lent.grad_scale)
             out = self.optimizer.step()
             found_inf = None
         with torch.no_grad():

@@ -1,30 +1,46 @@
 """``mixprec.GradScaler``: a drop-in for ``torch.amp.GradScaler`` with hysteresis, bounds, skip
 signals, overflow attribution and distributed agreement.
 
-The scale-update rule is the pure function :func:`mixprec.scaling.update_scale`; this module is
-the stateful shell around it (per-optimizer stages, unscaling, skipping, bookkeeping).
+The scaler is a stateful shell: the scale-update rule is the pure function
+:func:`mixprec.scaling.update_scale` (``rule.py``), unscaling is :func:`mixprec._unscale.unscale_`,
+attribution and the ``MinScaleError`` report are ``_attribution.py``, the per-optimizer record,
+the host snapshot and the checkpoint format are ``_state.py``, and the optimizer protocol is
+``protocol.py``. What is left here is the iteration's bookkeeping (stages, skips, update).
+
+Longer than our 500-line guide because it carries ``torch.amp.GradScaler``'s whole public surface,
+each method with a docstring that states its host syncs and errors (about half the lines).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
+import types
 import warnings
-import weakref
 from collections import abc, defaultdict, deque
-from enum import Enum
 from typing import Any, Callable, Iterable, Literal, overload
 
 import torch
 from torch import nn
 
 from mixprec._unscale import PerDevice, unscale_
+from mixprec.scaling._attribution import Attribution, MinScaleError, local, min_scale_message
+from mixprec.scaling._state import (
+    ON_MIN_SCALE,
+    HostSnapshot,
+    OptimizerState,
+    Stage,
+    from_state_dict,
+    to_state_dict,
+    validated_new_scale,
+)
+from mixprec.scaling.protocol import PreparesGrads, lend_scale
 from mixprec.scaling.rule import (
     ScaleConfig,
     ScaleState,
     _check_scale_value,
     backoff_blocked,
-    init_state,
     update_scale,
 )
 
@@ -33,29 +49,7 @@ __all__ = ["GradScaler", "HistoryCallback", "MinScaleError"]
 #: ``history(step, scale, skipped, overflow_names)``; see :class:`GradScaler`.
 HistoryCallback = Callable[[int, float, bool, tuple[str, ...]], None]
 
-_ON_MIN_SCALE = ("raise", "warn", "ignore")
 _HISTORY_LEN = 16
-
-
-class MinScaleError(RuntimeError):
-    """Gradients overflowed while the loss scale was already at ``min_scale``."""
-
-
-class _Stage(Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
-
-def _fresh_optimizer_state() -> dict[str, Any]:
-    # skipped: the overflow decision read on the host (only when watching), else None
-    return {"stage": _Stage.READY, "found_inf_per_device": {}, "optimizer": None, "skipped": None}
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (the same storage), or the tensor itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 def _check_optimizer(optimizer: Any, funcname: str) -> None:
@@ -66,12 +60,23 @@ def _check_optimizer(optimizer: Any, funcname: str) -> None:
         )
 
 
-class GradScaler:
+def _is_unpicklable_function(fn: Any) -> bool:
+    """A lambda or a function defined inside another: ``pickle`` cannot store it by name."""
+    return isinstance(fn, types.FunctionType) and ("<lambda>" in fn.__qualname__ or "<locals>" in fn.__qualname__)
+
+
+class GradScaler(torch.amp.GradScaler):
     """Dynamic loss scaling, a drop-in for :class:`torch.amp.GradScaler`.
 
     With the default settings the scale trajectory, the skipped steps and the weights are bit for
     bit those of ``torch.amp.GradScaler`` on the same gradients. The keyword-only options add
     what DeepSpeed, Megatron and Apex users reach for.
+
+    It is a subclass of ``torch.amp.GradScaler``, so code that checks
+    ``isinstance(scaler, torch.amp.GradScaler)`` (Lightning, Accelerate) takes it. It overrides
+    every method torch defines except the stateless ``_unscale_grads_``, and does not call
+    ``torch.amp.GradScaler.__init__``: its state is a :class:`ScaleState` (torch's ``_scale`` and
+    ``_growth_tracker`` are read-only views of it) and a :class:`~mixprec.scaling._state.HostSnapshot`.
 
     The scale follows :func:`mixprec.scaling.update_scale` (its docstring has the exact rule):
     back off by ``backoff_factor`` on an overflow (after ``hysteresis`` overflows), grow by
@@ -114,14 +119,21 @@ class GradScaler:
           path it is one extra. Attribution (only on skipped steps) reads one flag per gradient.
         * ``min_scale`` with ``on_min_scale`` ``"raise"`` (or ``"warn"`` until it has warned): one
           per :meth:`update`. ``history``: one per :meth:`update`.
-        * :meth:`get_scale`, :meth:`state_dict`, pickling: one each.
+        * :meth:`get_scale`, :meth:`state_dict`, pickling, ``copy.deepcopy``: one each (the
+          scale, growth tracker, hysteresis budget and skip count are read together).
 
-    Low-precision weights protocol: before reading gradients, :meth:`unscale_` (and the fused
-    path's overflow check) calls ``optimizer.prepare_grads()`` when the optimizer has such a
-    callable; it must put the gradients to step on into ``optimizer.param_groups`` (for
-    :class:`mixprec.MasterWeights`: copy the float16/bfloat16 model gradients into the float32
-    master gradients). Gradients are then read from ``optimizer.param_groups`` only, so float16
-    model weights behind ``MasterWeights`` never hit "Attempting to unscale FP16 gradients".
+    Optimizer protocol (:mod:`mixprec.scaling.protocol`): before reading gradients,
+    :meth:`unscale_` (and the fused path's overflow check) calls ``optimizer.prepare_grads()``
+    when the optimizer is a :class:`~mixprec.scaling.protocol.PreparesGrads`; gradients are then
+    read from ``optimizer.param_groups`` only, so float16 model weights behind
+    :class:`mixprec.MasterWeights` never hit "Attempting to unscale FP16 gradients". Fused
+    optimizers get ``grad_scale`` and ``found_inf`` for the duration of their step.
+
+    Pickling keeps the options, the state and ``history`` (a lambda or local function cannot be
+    pickled: pass a module-level function or a callable object such as
+    :class:`mixprec.scaling.CSVHistory`), not the watched models (call :meth:`watch` again). A
+    ``ProcessGroup`` cannot be pickled (it belongs to one process): pickling such a scaler raises;
+    save :meth:`state_dict` instead, or use ``process_group="default"``, which is kept.
 
     Example:
         >>> scaler = mixprec.GradScaler("cpu", hysteresis=2, min_scale=1.0)
@@ -153,6 +165,8 @@ class GradScaler:
         process_group: Any = None,
         history: HistoryCallback | None = None,
     ) -> None:
+        # torch.amp.GradScaler.__init__ is not called: it would assign _scale/_growth_tracker,
+        # which are views of self._state here, and it validates with assert.
         self._device = device
         self._enabled = enabled
         if device == "cuda" and enabled and not torch.cuda.is_available():
@@ -162,8 +176,8 @@ class GradScaler:
                 stacklevel=2,
             )
             self._enabled = False
-        if on_min_scale not in _ON_MIN_SCALE:
-            raise ValueError(f"on_min_scale must be one of {_ON_MIN_SCALE}, got {on_min_scale!r}.")
+        if on_min_scale not in ON_MIN_SCALE:
+            raise ValueError(f"on_min_scale must be one of {ON_MIN_SCALE}, got {on_min_scale!r}.")
         if history is not None and not callable(history):
             raise TypeError(f"history must be callable or None, got {type(history).__name__}.")
         if not (process_group is None or process_group == "default" or not isinstance(process_group, str)):
@@ -183,35 +197,24 @@ class GradScaler:
         self._on_min_scale = on_min_scale
         self._process_group = process_group
         self._history = history
-        # Values the lazily created device state starts from (also what pickling stores).
-        self._init_scale = self._clamped(float(init_scale))
-        self._init_growth_tracker = 0
-        self._init_hysteresis_left = hysteresis
-        self._init_skipped_steps = 0
+        # What the lazily created device state starts from; also what pickling stores.
+        self._snapshot = HostSnapshot(self._clamped(float(init_scale)), 0, hysteresis, 0)
         self._state: ScaleState | None = None
         self._skipped_steps: torch.Tensor | None = None
         self._last_step_skipped: torch.Tensor | None = None
         self._step = 0
         self._warned_min_scale = False
-        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
+        self._per_optimizer_states: dict[int, OptimizerState] = defaultdict(OptimizerState)
         self._skipped_by_optimizer: dict[int, torch.Tensor] = {}
         self._recent_scales: deque[torch.Tensor] = deque(maxlen=_HISTORY_LEN)
-        self._watched: list[tuple[str, weakref.ref[nn.Module]]] = []
-        self._last_overflow: tuple[str, ...] | None = None
-        self._overflow_checked = False
+        self._attribution = Attribution()
 
     # ------------------------------------------------------------------ state
 
-    def _lazy_init(self, device: torch.device) -> None:
-        self._state = init_state(
-            self._init_scale,
-            self._config,
-            device,
-            growth_tracker=self._init_growth_tracker,
-            hysteresis_left=self._init_hysteresis_left,
-        )
-        self._skipped_steps = torch.full((), self._init_skipped_steps, dtype=torch.int64, device=device)
-        self._last_step_skipped = torch.zeros((), dtype=torch.bool, device=device)
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
+        """Creates the device state on ``dev`` from the host snapshot (torch's name)."""
+        self._state, self._skipped_steps = self._snapshot.device_state(self._config, dev)
+        self._last_step_skipped = torch.zeros((), dtype=torch.bool, device=dev)
 
     def _require_state(self, funcname: str) -> ScaleState:
         if self._state is None:
@@ -221,6 +224,17 @@ class GradScaler:
             )
         return self._state
 
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch's ``(scale, growth_tracker)`` accessor; raises before :meth:`scale`."""
+        state = self._require_state(funcname)
+        return state.scale, state.growth_tracker
+
+    def _host_snapshot(self) -> HostSnapshot:
+        """The state as host numbers: the snapshot before :meth:`scale`, else one host sync."""
+        if self._state is None or self._skipped_steps is None:
+            return self._snapshot
+        return HostSnapshot.read(self._state, self._skipped_steps)
+
     def _clamped(self, scale: float) -> float:
         """``scale`` clamped into ``[min_scale, max_scale]`` (host floats, no sync)."""
         return min(max(scale, self._config.lower), self._config.upper)
@@ -229,12 +243,12 @@ class GradScaler:
         """The scale tensor (no host sync), or ``None`` before :meth:`scale`; as torch's."""
         return None if self._state is None else self._state.scale
 
-    @property
+    @property  # type: ignore[override]
     def _scale(self) -> torch.Tensor | None:
         """torch's name for the scale tensor (``None`` before :meth:`scale`), for code ported from it."""
         return None if self._state is None else self._state.scale
 
-    @property
+    @property  # type: ignore[override]
     def _growth_tracker(self) -> torch.Tensor | None:
         """torch's name for the growth-tracker tensor (``None`` before :meth:`scale`)."""
         return None if self._state is None else self._state.growth_tracker
@@ -264,7 +278,7 @@ class GradScaler:
     def skipped_steps(self) -> torch.Tensor:
         """0-dim int64 tensor: the number of iterations (``update()`` calls) with an overflow."""
         if self._skipped_steps is None:
-            return torch.full((), self._init_skipped_steps, dtype=torch.int64)
+            return torch.full((), self._snapshot.skipped_steps, dtype=torch.int64)
         return self._skipped_steps
 
     @property
@@ -274,9 +288,13 @@ class GradScaler:
         ``()`` after a clean step, ``None`` when no model is :meth:`watch`-ed. Computed only on a
         skipped step.
         """
-        return self._last_overflow
+        return self._attribution.last_overflow
 
-    def _skipped_for(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    def skipped_for(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """0-dim bool tensor: whether ``optimizer``'s last :meth:`step` was skipped (no sync).
+
+        :attr:`last_step_skipped` for an optimizer this scaler has not stepped.
+        """
         return self._skipped_by_optimizer.get(id(optimizer), self.last_step_skipped)
 
     # ------------------------------------------------------------------ scale
@@ -306,7 +324,7 @@ class GradScaler:
             return outputs
         if isinstance(outputs, torch.Tensor):
             if self._state is None:
-                self._lazy_init(outputs.device)
+                self._lazy_init_scale_growth_tracker(outputs.device)
             scale = self._require_state("scale").scale
             return outputs * scale.to(device=outputs.device, non_blocking=True)
 
@@ -316,7 +334,7 @@ class GradScaler:
             if isinstance(value, torch.Tensor):
                 if not stash:
                     if self._state is None:
-                        self._lazy_init(value.device)
+                        self._lazy_init_scale_growth_tracker(value.device)
                     stash.append(PerDevice(self._require_state("scale").scale))
                 return value * stash[0].get(value.device)
             if isinstance(value, abc.Iterable):
@@ -335,13 +353,12 @@ class GradScaler:
             return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         return group
 
-    def _unscale_grads_(
+    def _check_and_unscale(
         self, optimizer: torch.optim.Optimizer, scale: torch.Tensor | None, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
         """Unscales (``scale=None``: only checks) the optimizer's gradients; per-device flags."""
-        prepare = getattr(optimizer, "prepare_grads", None)
-        if callable(prepare):
-            prepare()
+        if isinstance(optimizer, PreparesGrads):
+            optimizer.prepare_grads()
         group = self._group()
         grads = []
         for param_group in optimizer.param_groups:
@@ -362,15 +379,14 @@ class GradScaler:
                     # so check the coalesced values.
                     param.grad = grad = grad.coalesce()
                 elif not grad.is_sparse and group is not None:
-                    grad = _local(grad)  # we reduce found_inf ourselves below
+                    grad = local(grad)  # we reduce found_inf ourselves below
                 grads.append(grad)
-        device = self._require_state("unscale_").scale.device
-        found = unscale_(grads, scale) if grads else {}
+        found = unscale_(grads, scale)
         if group is None:
             return found
         # One flag on the scale's device, MAX over the ranks: every rank skips together. Every
         # rank calls this exactly once per unscale, with or without local gradients.
-        combined = torch.zeros((), dtype=torch.float32, device=device)
+        combined = torch.zeros((), dtype=torch.float32, device=self._require_state("unscale_").scale.device)
         for flag in found.values():
             combined += flag.to(combined.device, non_blocking=True)
         torch.distributed.all_reduce(combined, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -397,15 +413,15 @@ class GradScaler:
         _check_optimizer(optimizer, "unscale_")
         state = self._require_state("unscale_")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
-        if optimizer_state["stage"] is _Stage.UNSCALED:
+        if optimizer_state.stage is Stage.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update()."
             )
-        if optimizer_state["stage"] is _Stage.STEPPED:
+        if optimizer_state.stage is Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, state.scale, allow_fp16=False)
-        optimizer_state["stage"] = _Stage.UNSCALED
-        optimizer_state["optimizer"] = optimizer
+        optimizer_state.found_inf_per_device = self._check_and_unscale(optimizer, state.scale, allow_fp16=False)
+        optimizer_state.stage = Stage.UNSCALED
+        optimizer_state.optimizer = optimizer
         # Attribute now, before the caller clips: clipping spreads a NaN to every gradient.
         self._attribute(optimizer_state)
 
@@ -413,12 +429,12 @@ class GradScaler:
         """Records inf/NaN in the gradients without unscaling them (for fused optimizers)."""
         self._require_state("_check_inf_per_device")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
-        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, None, allow_fp16=True)
-        optimizer_state["optimizer"] = optimizer
-        return optimizer_state["found_inf_per_device"]
+        optimizer_state.found_inf_per_device = self._check_and_unscale(optimizer, None, allow_fp16=True)
+        optimizer_state.optimizer = optimizer
+        return optimizer_state.found_inf_per_device
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        return self._per_optimizer_states[id(optimizer)].found_inf_per_device
 
     def _combined_found_inf(self, found_infs: Iterable[torch.Tensor]) -> torch.Tensor:
         device = self._require_state("step").scale.device
@@ -433,8 +449,8 @@ class GradScaler:
             combined = combined + flag
         return combined
 
-    def _optimizer_found_inf(self, optimizer_state: dict[str, Any]) -> torch.Tensor:
-        found = optimizer_state["found_inf_per_device"].values()
+    def _optimizer_found_inf(self, optimizer_state: OptimizerState) -> torch.Tensor:
+        found = optimizer_state.found_inf_per_device.values()
         if not found:
             raise RuntimeError(
                 "No inf checks were recorded for this optimizer: none of its parameters has a "
@@ -471,7 +487,7 @@ class GradScaler:
         _check_optimizer(optimizer, "step")
         state = self._require_state("step")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
-        if optimizer_state["stage"] is _Stage.STEPPED:
+        if optimizer_state.stage is Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -486,62 +502,56 @@ class GradScaler:
                 )
                 kwargs["grad_scaler"] = self
                 result = optimizer.step(*args, **kwargs)
-                optimizer_state["stage"] = _Stage.STEPPED
-                optimizer_state["optimizer"] = optimizer
-                found = optimizer_state["found_inf_per_device"].values()
+                optimizer_state.stage = Stage.STEPPED
+                optimizer_state.optimizer = optimizer
+                found = optimizer_state.found_inf_per_device.values()
                 if found:
                     self._record_skip(optimizer_state, self._combined_found_inf(found))
                 return result
-            if optimizer_state["stage"] is _Stage.READY:
+            if optimizer_state.stage is Stage.READY:
                 self._check_inf_per_device(optimizer)
             found_inf = self._optimizer_found_inf(optimizer_state)
-            optimizer.grad_scale = (  # type: ignore[attr-defined]
+            grad_scale = (
                 getattr(optimizer, "grad_scale", None)
-                if optimizer_state["stage"] is _Stage.UNSCALED
+                if optimizer_state.stage is Stage.UNSCALED
                 else state.scale * getattr(optimizer, "grad_scale", 1)
             )
-            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-            try:
+            with lend_scale(optimizer, grad_scale, found_inf):
                 result = optimizer.step(*args, **kwargs)
-            finally:
-                del optimizer.grad_scale  # type: ignore[attr-defined]
-                del optimizer.found_inf  # type: ignore[attr-defined]
-            optimizer_state["stage"] = _Stage.STEPPED
+            optimizer_state.stage = Stage.STEPPED
             self._record_skip(optimizer_state, found_inf)
             return result
 
-        if optimizer_state["stage"] is _Stage.READY:
+        if optimizer_state.stage is Stage.READY:
             self.unscale_(optimizer)
-        found_inf = self._optimizer_found_inf(optimizer_state)
-        skipped = optimizer_state["skipped"]
-        if skipped is None:
-            skipped = bool(found_inf.item())  # the one host sync of the plain path
-            optimizer_state["skipped"] = skipped
-        result = None if skipped else optimizer.step(*args, **kwargs)
-        optimizer_state["stage"] = _Stage.STEPPED
-        self._record_skip(optimizer_state, found_inf)
+        result = self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+        optimizer_state.stage = Stage.STEPPED
+        self._record_skip(optimizer_state, self._optimizer_found_inf(optimizer_state))
         return result
 
-    def _record_skip(self, optimizer_state: dict[str, Any], found_inf: torch.Tensor) -> None:
+    def _maybe_opt_step(
+        self, optimizer: torch.optim.Optimizer, optimizer_state: OptimizerState, *args: Any, **kwargs: Any
+    ) -> Any:
+        """Steps a plain optimizer unless its gradients overflowed (torch's name; one host sync)."""
+        if optimizer_state.skipped is None:
+            optimizer_state.skipped = bool(self._optimizer_found_inf(optimizer_state).item())
+        return None if optimizer_state.skipped else optimizer.step(*args, **kwargs)
+
+    def _record_skip(self, optimizer_state: OptimizerState, found_inf: torch.Tensor) -> None:
         skipped = found_inf != 0
         self._last_step_skipped = skipped
-        self._skipped_by_optimizer[id(optimizer_state["optimizer"])] = skipped
+        self._skipped_by_optimizer[id(optimizer_state.optimizer)] = skipped
         self._attribute(optimizer_state)
 
-    def _attribute(self, optimizer_state: dict[str, Any]) -> None:
+    def _attribute(self, optimizer_state: OptimizerState) -> None:
         """When watching: reads the overflow flag once (cached) and names the bad parameters."""
-        if not self._watched or self._overflow_checked or not optimizer_state["found_inf_per_device"]:
+        attribution = self._attribution
+        if not attribution.watched or attribution.checked or not optimizer_state.found_inf_per_device:
             return
-        if optimizer_state["skipped"] is None:  # documented sync of watch()
-            found = self._combined_found_inf(optimizer_state["found_inf_per_device"].values())
-            optimizer_state["skipped"] = bool(found.item())
-        if optimizer_state["skipped"]:
-            self._last_overflow = self._watched_nonfinite()
-            self._overflow_checked = True
-        else:
-            self._last_overflow = ()
-
-    # ------------------------------------------------------------------ attribution
+        if optimizer_state.skipped is None:  # documented sync of watch()
+            found = self._combined_found_inf(optimizer_state.found_inf_per_device.values())
+            optimizer_state.skipped = bool(found.item())
+        attribution.record(optimizer_state.skipped)
 
     def watch(self, model: nn.Module, prefix: str = "") -> GradScaler:
         """Remembers ``model``'s parameter names for :attr:`last_overflow` (weakly; returns self).
@@ -550,53 +560,11 @@ class GradScaler:
         watched model whose ``.grad`` holds inf/NaN; on a clean step it is ``()``. Watching is
         not pickled: call it again after unpickling. The overflow is attributed in
         :meth:`unscale_` when it is called (before clipping spreads a NaN to every gradient), else
-        in :meth:`step`; on the fused path this costs one host sync per step.
+        in :meth:`step`; on the fused path this costs one host sync per step. Naming the
+        parameters costs one more, on skipped steps only.
         """
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"watch() expects an nn.Module, got {type(model).__name__}.")
-        if not any(p == prefix and ref() is model for p, ref in self._watched):
-            self._watched.append((prefix, weakref.ref(model)))
-        if self._last_overflow is None:
-            self._last_overflow = ()
+        self._attribution.watch(model, prefix)
         return self
-
-    @staticmethod
-    def _nonfinite(named_grads: list[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
-        if not named_grads:
-            return ()
-        flags = [(~torch.isfinite(grad).all()).to("cpu", non_blocking=True) for _, grad in named_grads]
-        bad = torch.stack(flags).tolist()
-        return tuple(name for (name, _), is_bad in zip(named_grads, bad) if is_bad)
-
-    @staticmethod
-    def _grad_values(grad: torch.Tensor) -> torch.Tensor:
-        return grad._values() if grad.is_sparse else _local(grad)
-
-    def _watched_nonfinite(self) -> tuple[str, ...]:
-        named = []
-        for prefix, ref in self._watched:
-            model = ref()
-            if model is None:
-                continue
-            for name, param in model.named_parameters():
-                if param.grad is not None:
-                    named.append((prefix + name, self._grad_values(param.grad)))
-        return self._nonfinite(named)
-
-    def _optimizer_nonfinite(self) -> tuple[str, ...]:
-        if self._watched:
-            return self._watched_nonfinite()
-        named = []
-        for index, optimizer_state in enumerate(self._per_optimizer_states.values()):
-            optimizer = optimizer_state["optimizer"]
-            if optimizer is None:
-                continue
-            for g, param_group in enumerate(optimizer.param_groups):
-                for p, param in enumerate(param_group["params"]):
-                    if param.grad is not None:
-                        label = f"optimizer{index}.param_groups[{g}]['params'][{p}] {tuple(param.shape)}"
-                        named.append((label, self._grad_values(param.grad)))
-        return self._nonfinite(named)
 
     # ------------------------------------------------------------------ update
 
@@ -623,7 +591,7 @@ class GradScaler:
         recorded = [
             flag
             for optimizer_state in self._per_optimizer_states.values()
-            for flag in optimizer_state["found_inf_per_device"].values()
+            for flag in optimizer_state.found_inf_per_device.values()
         ]
         found_inf: torch.Tensor | None = None
         blocked = None
@@ -636,7 +604,7 @@ class GradScaler:
             new_state = update_scale(state, found_inf, self._config)
         else:
             found_inf = self._combined_found_inf(recorded) if recorded else None
-            new_state = state._replace(scale=self._validated_new_scale(new_scale, state.scale))
+            new_state = state._replace(scale=validated_new_scale(new_scale, state.scale, self._config))
         self._recent_scales.append(state.scale)
         if found_inf is not None and self._skipped_steps is not None:
             self._skipped_steps = self._skipped_steps + (found_inf != 0)
@@ -645,63 +613,23 @@ class GradScaler:
         self._step += 1
 
         is_blocked = blocked is not None and bool(blocked.item())  # documented sync
+        optimizers = [s.optimizer for s in self._per_optimizer_states.values() if s.optimizer is not None]
         names: tuple[str, ...] | None = None
         if self._history is not None:
             flag = torch.zeros_like(state.scale) if found_inf is None else (found_inf != 0).float()
             skipped_value, scale_value = torch.stack([flag, state.scale]).tolist()  # one sync
-            names = self._overflow_names() if skipped_value else ()
+            names = self._attribution.names(optimizers) if skipped_value else ()
             self._history(step, scale_value, bool(skipped_value), names)
         if is_blocked and names is None:
-            names = self._overflow_names()
-        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
-        self._overflow_checked = False
+            names = self._attribution.names(optimizers)
+        self._per_optimizer_states = defaultdict(OptimizerState)
+        self._attribution.checked = False
         if is_blocked:
-            self._report_min_scale(step, names or ())
-
-    def _overflow_names(self) -> tuple[str, ...]:
-        if self._overflow_checked and self._last_overflow is not None:
-            return self._last_overflow
-        return self._optimizer_nonfinite()
-
-    def _report_min_scale(self, step: int, names: tuple[str, ...]) -> None:
-        recent = ", ".join(f"{s.item():g}" for s in self._recent_scales)
-        listed = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
-        message = (
-            f"Gradients overflowed at step {step} while the loss scale was already at min_scale="
-            f"{self._config.min_scale:g}, so lowering the scale cannot help. Parameters with "
-            f"non-finite gradients: {listed or 'none found (were the gradients zeroed?)'}. Recent "
-            f"scales (oldest first): [{recent}]. Try: a lower learning rate or gradient clipping; "
-            "keeping the modules of those parameters in float32 (mixprec.Policy.keep); bfloat16 "
-            "instead of float16; mixprec.trace_nonfinite(model) to find the first op producing "
-            "inf/NaN; or a smaller min_scale. on_min_scale='warn' keeps training (skipping)."
-        )
-        if self._on_min_scale == "raise":
-            raise MinScaleError(message)
-        self._warned_min_scale = True
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-    def _validated_new_scale(self, new_scale: float | torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-        if isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
-            value = float(new_scale)
-            _check_scale_value("new_scale", value)
-            if not self._config.lower <= value <= self._config.upper:
-                raise ValueError(
-                    f"new_scale={value!r} is outside [min_scale, max_scale] = "
-                    f"[{self._config.lower!r}, {self._config.upper!r}]."
-                )
-            return torch.full_like(current, value)
-        if not isinstance(new_scale, torch.Tensor):
-            raise TypeError(
-                f"new_scale must be a float or a 1-element tensor, got {type(new_scale).__name__}."
-            )
-        if new_scale.device.type != current.device.type or new_scale.numel() != 1 or new_scale.requires_grad:
-            raise ValueError(
-                "new_scale must be a float or a 1-element tensor on the scaler's device type "
-                f"({current.device.type!r}) with requires_grad=False."
-            )
-        value = new_scale.detach().reshape(()).to(device=current.device, dtype=torch.float32, copy=True)
-        # Checked on the device (no sync): NaN keeps the current scale, the rest is clamped.
-        return torch.where(value.isnan(), current, value.clamp(self._config.lower, self._config.upper))
+            message = min_scale_message(step, self._config.lower, names or (), self._recent_scales)
+            if self._on_min_scale == "raise":
+                raise MinScaleError(message)
+            self._warned_min_scale = True
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ getters and setters
 
@@ -709,15 +637,13 @@ class GradScaler:
         """The current scale as a Python float (1.0 when disabled). One host sync."""
         if not self._enabled:
             return 1.0
-        return self._init_scale if self._state is None else float(self._state.scale.item())
+        return self._snapshot.scale if self._state is None else float(self._state.scale.item())
 
     def _get_growth_tracker(self) -> int:
+        """torch's accessor for the growth tracker (0 when disabled). One host sync."""
         if not self._enabled:
             return 0
-        return self._init_growth_tracker if self._state is None else int(self._state.growth_tracker.item())
-
-    def _get_hysteresis_left(self) -> int:
-        return self._init_hysteresis_left if self._state is None else int(self._state.hysteresis_left.item())
+        return self._snapshot.growth_tracker if self._state is None else int(self._state.growth_tracker.item())
 
     def get_growth_factor(self) -> float:
         """The growth factor."""
@@ -749,8 +675,6 @@ class GradScaler:
 
     # ------------------------------------------------------------------ serialisation
 
-    _TORCH_KEYS = ("growth_factor", "backoff_factor", "growth_interval")
-
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state; ``{}`` when disabled. One host sync.
 
@@ -761,20 +685,7 @@ class GradScaler:
         """
         if not self._enabled:
             return {}
-        config = dataclasses.asdict(self._config)
-        extra = {k: v for k, v in config.items() if k not in self._TORCH_KEYS}
-        extra.update(
-            on_min_scale=self._on_min_scale,
-            hysteresis_left=self._get_hysteresis_left(),
-            skipped_steps=int(self.skipped_steps.item()),
-            step=self._step,
-        )
-        return {
-            "scale": self.get_scale(),
-            **{k: config[k] for k in self._TORCH_KEYS},
-            "_growth_tracker": self._get_growth_tracker(),
-            "mixprec": extra,
-        }
+        return to_state_dict(self._host_snapshot(), self._config, self._on_min_scale, self._step)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state from :meth:`state_dict` of this class or of ``torch.amp.GradScaler``.
@@ -785,64 +696,62 @@ class GradScaler:
 
         Raises:
             RuntimeError: if ``state_dict`` is empty (saved from a disabled scaler).
-            ValueError: if it holds out-of-range values; the scaler is then left unchanged.
+            ValueError: if keys are missing (the message names them) or values are out of range;
+                the scaler is then left unchanged.
         """
         if not self._enabled:
             return
-        if len(state_dict) == 0:
-            raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved "
-                "from a disabled instance of GradScaler."
-            )
-        extra = dict(state_dict.get("mixprec", {}))
-        fields = {f.name for f in dataclasses.fields(ScaleConfig)}
-        # Validate everything before changing anything: a bad state dict leaves the scaler as it was.
-        config = dataclasses.replace(
-            self._config,
-            **{k: state_dict[k] for k in self._TORCH_KEYS},
-            **{k: v for k, v in extra.items() if k in fields},
+        config, on_min_scale, snapshot, step = from_state_dict(
+            state_dict, self._config, self._on_min_scale, self._step
         )
-        on_min_scale = extra.get("on_min_scale", self._on_min_scale)
-        if on_min_scale not in _ON_MIN_SCALE:
-            raise ValueError(f"on_min_scale must be one of {_ON_MIN_SCALE}, got {on_min_scale!r}.")
-        scale = float(state_dict["scale"])
-        _check_scale_value("scale", scale)
-        hysteresis_left = int(extra.get("hysteresis_left", config.hysteresis))
-        if not 0 <= hysteresis_left <= config.hysteresis:
-            raise ValueError(
-                f"hysteresis_left must be in [0, hysteresis={config.hysteresis}], got {hysteresis_left}."
-            )
         self._config = config
         self._on_min_scale = on_min_scale
-        self._init_scale = self._clamped(scale)
-        self._init_growth_tracker = int(state_dict["_growth_tracker"])
-        self._init_hysteresis_left = hysteresis_left
-        self._init_skipped_steps = int(extra.get("skipped_steps", 0))
-        self._step = int(extra.get("step", self._step))
+        self._snapshot = dataclasses.replace(snapshot, scale=self._clamped(snapshot.scale))
+        self._step = step
         if self._state is not None:
-            self._lazy_init(self._state.scale.device)
+            self._lazy_init_scale_growth_tracker(self._state.scale.device)
+
+    def _host_state(self) -> dict[str, Any]:
+        """``__dict__`` with the device state replaced by its host snapshot (one host sync)."""
+        if self._enabled and len(self._per_optimizer_states) != 0:
+            raise RuntimeError(
+                "A GradScaler instance may only be pickled at the beginning "
+                "of an iteration, or at the end after scaler.update()."
+            )
+        state = self.__dict__.copy()
+        state.update(
+            _snapshot=self._host_snapshot() if self._enabled else self._snapshot,
+            _state=None,
+            _skipped_steps=None,
+            _last_step_skipped=None,
+            _skipped_by_optimizer={},
+            _recent_scales=deque(maxlen=_HISTORY_LEN),
+        )
+        return state
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        if self._enabled:
-            if len(self._per_optimizer_states) != 0:
-                raise RuntimeError(
-                    "A GradScaler instance may only be pickled at the beginning "
-                    "of an iteration, or at the end after scaler.update()."
-                )
-            state["_init_scale"] = self.get_scale()
-            state["_init_growth_tracker"] = self._get_growth_tracker()
-            state["_init_hysteresis_left"] = self._get_hysteresis_left()
-            state["_init_skipped_steps"] = int(self.skipped_steps.item())
-        state["_state"] = None
-        state["_skipped_steps"] = None
-        state["_last_step_skipped"] = None
-        state["_skipped_by_optimizer"] = {}
-        state["_recent_scales"] = deque(maxlen=_HISTORY_LEN)
-        state["_watched"] = []
-        state["_last_overflow"] = None
-        state["_process_group"] = None if not isinstance(self._process_group, str) else self._process_group
-        return state
+        if _is_unpicklable_function(self._history):
+            raise TypeError(
+                f"This GradScaler's history callback {self._history.__qualname__!r} is a lambda or a "
+                "local function, which pickle cannot store. Pass a module-level function or a "
+                "callable object (e.g. mixprec.scaling.CSVHistory) as history=, or save "
+                "scaler.state_dict() instead of pickling the scaler."
+            )
+        if not (self._process_group is None or isinstance(self._process_group, str)):
+            raise TypeError(
+                "This GradScaler holds a ProcessGroup, which cannot be pickled (it belongs to one "
+                "process). Save scaler.state_dict() instead and build the scaler again with the "
+                "group in the new process, or use process_group='default', which pickles."
+            )
+        return self._host_state()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GradScaler:
+        """A copy with the same options, state, history and process group (one host sync)."""
+        for shared in (self._history, self._process_group):
+            memo[id(shared)] = shared  # kept by reference, as they are not values
+        clone = type(self).__new__(type(self))
+        clone.__setstate__(copy.deepcopy(self._host_state(), memo))
+        return clone

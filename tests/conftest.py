@@ -1,0 +1,62 @@
+"""Shared fixtures: ``syncs`` counts host reads of device memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+
+def _to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``Tensor.to(*args, **kwargs)`` moves to the host on purpose: its device is the
+    string ``"cpu"`` (a ``torch.device`` taken from another tensor is a move to that tensor's
+    device, which is the CPU on a CPU-only machine but no host transfer on CUDA)."""
+    target = kwargs.get("device", args[0] if args else None)
+    return isinstance(target, str) and torch.device(target).type == "cpu"
+
+
+class SyncCounter:
+    """Counts Tensor calls that read device memory on the host, or would on an accelerator.
+
+    ``item``, ``tolist``, ``cpu``, ``numpy``, the ``bool``/``float``/``int``/``index``
+    conversions, and ``.to("cpu")`` (even ``non_blocking=True``: the host must wait before
+    reading the copy). On a CPU-only machine these are no syncs at all: the counter tells which
+    code would sync on CUDA.
+    """
+
+    names = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.monkeypatch = monkeypatch
+        self.count = 0
+
+    def start(self) -> SyncCounter:
+        self.count = 0
+        for name in self.names:
+            original = getattr(torch.Tensor, name)
+
+            def counted(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                self.count += 1
+                return _original(*args, **kwargs)
+
+            self.monkeypatch.setattr(torch.Tensor, name, counted)
+        original_to = torch.Tensor.to
+
+        def counted_to(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if _to_host(args, kwargs):
+                self.count += 1
+            return original_to(tensor, *args, **kwargs)
+
+        self.monkeypatch.setattr(torch.Tensor, "to", counted_to)
+        return self
+
+    def stop(self) -> int:
+        self.monkeypatch.undo()
+        return self.count
+
+
+@pytest.fixture
+def syncs(monkeypatch: pytest.MonkeyPatch) -> SyncCounter:
+    """A :class:`SyncCounter`; call ``syncs.start()`` where counting begins."""
+    return SyncCounter(monkeypatch)

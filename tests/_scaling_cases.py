@@ -60,8 +60,16 @@ def one_param_step(scaler: Any, optimizer: torch.optim.Optimizer, param: nn.Para
     scaler.update()
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, batches: Any, *, loss_fn: Callable,
-          spoil: Callable[[int], None] = lambda i: None, accumulate: int = 1) -> list[float]:
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any,
+    batches: Any,
+    *,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    spoil: Callable[[int], None] = lambda i: None,
+    accumulate: int = 1,
+) -> list[float]:
     """The scaled training loop: scale, backward, ``spoil(i)`` (inject an inf), step and update
     every ``accumulate`` batches; returns the scale after each update."""
     scales = []

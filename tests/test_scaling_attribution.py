@@ -42,12 +42,14 @@ def test_min_scale_raise_names_parameters_step_and_history():
     scaler.step(opt)
     scaler.update()
 
+
 def test_min_scale_raise_without_watch_uses_optimizer_labels():
     p = nn.Parameter(torch.zeros(3))
     opt = torch.optim.SGD([p], lr=1.0)
     scaler = GradScaler("cpu", init_scale=1.0, min_scale=1.0)
     with pytest.raises(MinScaleError, match=r"param_groups\[0\]\['params'\]\[0\] \(3,\)"):
         one_param_step(scaler, opt, p, True)
+
 
 def test_min_scale_warn_once_and_ignore():
     p = nn.Parameter(torch.zeros(2))
@@ -61,6 +63,7 @@ def test_min_scale_warn_once_and_ignore():
         quiet = GradScaler("cpu", init_scale=1.0, min_scale=1.0, on_min_scale="ignore")
         one_param_step(quiet, opt, p, True)
     assert scaler.skipped_steps.item() == 2 and scaler.get_scale() == 1.0
+
 
 def test_watch_attributes_only_on_skipped_steps(monkeypatch):
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
@@ -81,6 +84,7 @@ def test_watch_attributes_only_on_skipped_steps(monkeypatch):
         assert scaler.last_overflow == (("net.0.weight",) if bad else ())
     assert len(calls) == 1
 
+
 @pytest.mark.parametrize("kind", ["plain", "fused"])
 def test_watch_attributes_before_clipping_spreads_nan(kind, syncs):
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
@@ -98,6 +102,7 @@ def test_watch_attributes_before_clipping_spreads_nan(kind, syncs):
     syncs.stop()
     assert scaler.last_overflow == ("1.weight",)
     assert syncs.count == clean  # the step reused the flag read in unscale_
+
 
 def test_history_callback_and_csv(tmp_path):
     rows = []
@@ -121,6 +126,7 @@ def test_history_callback_and_csv(tmp_path):
     clone(3, 4.0, False, ())
     clone.close()
     assert CSVHistory.read(csv_path)[-1] == (3, 4.0, False, ())
+
 
 def test_tensorboard_history_with_a_writer():
     class Recorder:
@@ -147,6 +153,7 @@ def test_tensorboard_history_with_a_writer():
         "closed",
     ]
 
+
 def test_tensorboard_history_without_tensorboard_says_what_to_install(tmp_path):
     try:
         import tensorboard  # noqa: F401
@@ -155,6 +162,7 @@ def test_tensorboard_history_without_tensorboard_says_what_to_install(tmp_path):
             TensorBoardHistory(str(tmp_path))
     else:
         TensorBoardHistory(str(tmp_path))(0, 1.0, False, ())
+
 
 def test_non_optimizer_and_repeated_watch():
     model = nn.Linear(2, 2)

@@ -30,6 +30,7 @@ def test_hysteresis_skips_but_keeps_scale():
     assert scaler.skipped_steps.item() == 3
     assert torch.equal(p.detach(), torch.tensor([-1.0, -1.0]))
 
+
 def test_skip_signal_tensors():
     p = nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([p], lr=1.0)
@@ -40,6 +41,7 @@ def test_skip_signal_tensors():
     assert scaler.skipped_steps.dtype == torch.int64 and scaler.skipped_steps.item() == 1
     one_param_step(scaler, opt, p, False)
     assert not scaler.last_step_skipped.item() and scaler.skipped_steps.item() == 1
+
 
 def test_bounds_and_no_subnormal_scale():
     p = nn.Parameter(torch.zeros(2))
@@ -52,6 +54,7 @@ def test_bounds_and_no_subnormal_scale():
     for _ in range(10):
         one_param_step(floor, opt, p, True)
     assert floor.get_scale() == 2.0**-126
+
 
 def test_skip_aware_scheduler_does_not_advance_or_warn():
     p = nn.Parameter(torch.zeros(2))
@@ -73,12 +76,14 @@ def test_skip_aware_scheduler_does_not_advance_or_warn():
     with pytest.raises(TypeError):
         skip_aware(object(), scaler)
 
+
 SCHEDULERS = {
     "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
     "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1.0, total_steps=6),
     "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda epoch: 1.0 / (epoch + 1)),
     "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0, factor=0.5),
 }
+
 
 @pytest.mark.parametrize("kind", ["plain", "fused"])
 @pytest.mark.parametrize("name", sorted(SCHEDULERS))
@@ -108,6 +113,7 @@ def test_skip_aware_schedulers_follow_the_clean_steps_without_warning(name, kind
     assert len(set(lrs)) > 1  # the schedule did move
     assert sched.state_dict() == sched.scheduler.state_dict()  # other attributes pass through
 
+
 def test_skip_signals_are_device_tensors_and_cost_no_sync(syncs):
     params = [nn.Parameter(torch.randn(3)) for _ in range(2)]
     opt = torch.optim.AdamW(params, fused=True)
@@ -131,6 +137,7 @@ def test_skip_signals_are_device_tensors_and_cost_no_sync(syncs):
     assert all(c.device == device and c.dtype == torch.int64 and c.shape == () for c in counts)
     assert [bool(f) for f in flags] == [False, True, True, False]
     assert [int(c) for c in counts] == [0, 1, 2, 2]
+
 
 def test_master_weights_fp16_params_protocol():
     torch.manual_seed(0)
@@ -160,6 +167,7 @@ def test_master_weights_fp16_params_protocol():
     scaler.update()
     assert torch.equal(before, model.weight) and scaler.last_overflow == ("bias",)
 
+
 def test_prepare_grads_runs_before_gradients_are_read():
     calls = []
 
@@ -177,6 +185,7 @@ def test_prepare_grads_runs_before_gradients_are_read():
     scaler.unscale_(opt)
     assert calls == ["prepare"] and torch.equal(p.grad, torch.full((2,), 2.0))
 
+
 def test_update_new_scale_validation():
     p = nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([p], lr=1.0)
@@ -190,13 +199,17 @@ def test_update_new_scale_validation():
         with pytest.raises(error):
             scaler.update(new_scale=bad)
 
+
 @pytest.mark.parametrize(
     "kwargs",
     [dict(growth_factor=1.0), dict(backoff_factor=1.5), dict(init_scale=0.0), dict(on_min_scale="x"), dict(hysteresis=0)],
 )
+
+
 def test_constructor_validation(kwargs):
     with pytest.raises(ValueError):
         GradScaler("cpu", **kwargs)
+
 
 def test_setters_validate():
     scaler = GradScaler("cpu")
@@ -207,6 +220,7 @@ def test_setters_validate():
     with pytest.raises(ValueError):
         scaler.set_backoff_factor(2.0)
 
+
 def test_update_before_scale_or_step_says_what_to_do():
     scaler = GradScaler("cpu")
     with pytest.raises(RuntimeError, match="scaler.scale"):
@@ -215,11 +229,13 @@ def test_update_before_scale_or_step_says_what_to_do():
     with pytest.raises(RuntimeError, match="No inf checks"):
         scaler.update()
 
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")
 def test_cuda_device_without_cuda_warns_and_disables():
     with pytest.warns(UserWarning, match="CUDA is not available"):
         scaler = GradScaler()
     assert not scaler.is_enabled()
+
 
 def test_public_names():
     assert mixprec.GradScaler is GradScaler
@@ -231,6 +247,7 @@ def test_public_names():
         scaling.__all__
     )
 
+
 def test_init_and_loaded_scale_are_clamped_into_the_bounds():
     capped = GradScaler("cpu", max_scale=1024.0)  # default init_scale 2**16 is above the cap
     assert capped.get_scale() == 1024.0
@@ -239,6 +256,7 @@ def test_init_and_loaded_scale_are_clamped_into_the_bounds():
     assert floored.get_scale() == 1.0
     capped.load_state_dict(torch.amp.GradScaler("cpu").state_dict())  # torch's 2**16
     assert capped.get_scale() == 1024.0 and capped.state.scale.item() == 1024.0
+
 
 def test_nan_new_scale_tensor_keeps_the_scale():
     p = nn.Parameter(torch.zeros(2))
@@ -251,6 +269,7 @@ def test_nan_new_scale_tensor_keeps_the_scale():
     assert scaler.get_scale() == 2.0**-126  # never 0
     scaler.update(new_scale=torch.tensor(INF))
     assert scaler.get_scale() == torch.finfo(torch.float32).max  # never inf
+
 
 @pytest.mark.parametrize("kind", ["plain", "fused"])
 def test_step_without_gradients_says_what_to_do(kind):

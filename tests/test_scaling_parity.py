@@ -13,7 +13,7 @@ from torch import nn
 import mixprec
 from mixprec.scaling import GradScaler
 
-from _scaling_cases import IMPLS, INF, both_agree, make_optimizer, make_scaler, one_param_step, per_impl, same_tensors, snapshot
+from _scaling_cases import IMPLS, INF, both_agree, make_optimizer, make_scaler, one_param_step, per_impl, same_tensors, snapshot, train
 
 
 @pytest.mark.parametrize("kind", ["plain", "foreach", "fused"])
@@ -35,6 +35,7 @@ def test_default_training_matches_control_and_torch(kind):
                     optimizer.step()
 
     both_agree(run, 3, 1, kind=kind)
+
 
 def test_clipping_scaled_gradients():
     max_norm = 0.2
@@ -59,6 +60,7 @@ def test_clipping_scaled_gradients():
 
     both_agree(run, 3, 1, exact=False)
 
+
 def test_unscale_then_clip():
     max_norm = 0.2
 
@@ -82,6 +84,7 @@ def test_unscale_then_clip():
                     optimizer.step()
 
     both_agree(run, 3, 1, exact=False)
+
 
 def test_gradient_penalty_double_backward():
     def run(data, models, optimizers, scaler, skip_iter, try_scaling_api):
@@ -109,6 +112,7 @@ def test_gradient_penalty_double_backward():
 
     both_agree(run, 3, 1, exact=False)
 
+
 def test_gradient_accumulation():
     def run(data, models, optimizers, scaler, skip_iter, try_scaling_api):
         (model,), (optimizer,) = models, optimizers
@@ -124,6 +128,7 @@ def test_gradient_accumulation():
                 optimizer.zero_grad()
 
     both_agree(run, 2, 0)
+
 
 @pytest.mark.parametrize("kind", ["plain", "foreach", "fused"])
 def test_multiple_models_optimizers_losses(kind):
@@ -153,35 +158,32 @@ def test_multiple_models_optimizers_losses(kind):
 
     both_agree(run, 3, 1, kind=kind, models=2)
 
+
 @pytest.mark.parametrize("kind", ["plain", "foreach", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_autocast_training_bitwise_equal_to_torch(kind, dtype):
     """Real overflows from a too-large scale in a float16/bfloat16 autocast forward."""
-    results = {}
-    for impl in IMPLS:
-        torch.manual_seed(0)
+
+    def loss_fn(model, batch):
+        (x, y), spike = batch
+        with mixprec.autocast("cpu", dtype=dtype):
+            out = model(x)
+        return nn.functional.mse_loss(out.float(), y) * spike
+
+    def run(impl):
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-        optimizer = make_optimizer(kind, model.parameters())
         scaler = make_scaler(impl, init_scale=2.0**20 if dtype == torch.float16 else 2.0**120, growth_interval=2)
-        scales = []
-        for i in range(10):
-            x, y = torch.randn(4, 8), torch.randn(4, 4)
-            optimizer.zero_grad()
-            with mixprec.autocast("cpu", dtype=dtype):
-                out = model(x)
-            # A loss spike at iteration 6 overflows bfloat16 too (float32's range).
-            loss = nn.functional.mse_loss(out.float(), y) * (2.0**100 if i == 6 else 1.0)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            scales.append(scaler.get_scale())
-        results[impl] = scales, [p.detach().clone() for p in model.parameters()]
-    (s_torch, p_torch), (s_ours, p_ours) = results["torch"], results["mixprec"]
+        # A loss spike at iteration 6 overflows bfloat16 too (float32's range).
+        batches = [((torch.randn(4, 8), torch.randn(4, 4)), 2.0**100 if i == 6 else 1.0) for i in range(10)]
+        scales = train(model, make_optimizer(kind, model.parameters()), scaler, batches, loss_fn=loss_fn)
+        return scales, snapshot(model.parameters())
+
+    (s_torch, p_torch), (s_ours, p_ours) = per_impl(run)
     assert s_torch == s_ours
     pairs = list(zip(s_torch, s_torch[1:]))
     assert any(b < a for a, b in pairs) and any(b > a for a, b in pairs)  # backed off and grew
-    for a, b in zip(p_torch, p_ours):
-        assert torch.equal(a, b)
+    assert same_tensors(p_torch, p_ours)
+
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_scale_will_not_overflow(impl):
@@ -195,6 +197,7 @@ def test_scale_will_not_overflow(impl):
     scaler.update()
     scale = scaler.get_scale()
     assert scale != INF and scale == scale and scale > 0
+
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_unscale_values_and_found_inf(impl):
@@ -216,6 +219,7 @@ def test_unscale_values_and_found_inf(impl):
     assert all(torch.equal(a, b) for a, b in zip(before, params))
     assert scaler.get_scale() == 2.0
 
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_scale_nested_outputs(impl):
     scaler = make_scaler(impl, init_scale=2.0)
@@ -226,6 +230,7 @@ def test_scale_nested_outputs(impl):
     assert [torch.equal(x, 2 * t) for x in scaler.scale(iter([t, t]))] == [True, True]
     with pytest.raises(ValueError, match="Tensor"):
         scaler.scale([t, 1.0])
+
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_sparse_gradients(impl):
@@ -242,6 +247,7 @@ def test_sparse_gradients(impl):
     expected[1] -= 0.1
     expected[2] -= 0.2
     torch.testing.assert_close(emb.weight.detach(), expected)
+
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_stage_errors(impl):
@@ -263,6 +269,7 @@ def test_stage_errors(impl):
     scaler.step(optimizer)  # a fresh iteration after update() works again
     scaler.update()
 
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fp16_gradients_are_refused(impl):
     param = nn.Parameter(torch.zeros(2, dtype=torch.float16))
@@ -271,6 +278,7 @@ def test_fp16_gradients_are_refused(impl):
     scaler.scale(torch.tensor(1.0))
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
         scaler.unscale_(torch.optim.SGD([param], lr=0.1))
+
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_disabled_scaler_is_transparent(impl):
@@ -286,6 +294,7 @@ def test_disabled_scaler_is_transparent(impl):
     scaler.update()
     assert not torch.equal(before, model.weight)
     assert scaler.get_scale() == 1.0 and scaler.state_dict() == {} and not scaler.is_enabled()
+
 
 @pytest.mark.parametrize("growth_interval", [1, 3])
 def test_scale_trajectory_skips_and_weights_bitwise_equal_to_torch(growth_interval):
@@ -314,26 +323,23 @@ def test_scale_trajectory_skips_and_weights_bitwise_equal_to_torch(growth_interv
     assert runs["torch"][1] == runs["mixprec"][1] == pattern
     assert all(torch.equal(a, b) for a, b in zip(runs["torch"][2], runs["mixprec"][2]))
 
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_trajectory_bitwise_equal_to_torch():
-    runs = {}
-    for cls in (torch.amp.GradScaler, GradScaler):
-        torch.manual_seed(0)
+    def loss_fn(model, x):
+        with mixprec.autocast("cuda", dtype=torch.float16):
+            return model(x).float().pow(2).sum() * 1e3
+
+    def run(impl):
         model = nn.Linear(8, 8).cuda()
         optimizer = torch.optim.AdamW(model.parameters(), fused=True)
-        scaler = cls("cuda", init_scale=2.0**24, growth_interval=2)
-        scales = []
-        for _ in range(8):
-            with mixprec.autocast("cuda", dtype=torch.float16):
-                loss = model(torch.randn(4, 8, device="cuda")).float().pow(2).sum() * 1e3
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-            scales.append(scaler.get_scale())
-        runs[cls] = scales, [p.detach().clone() for p in model.parameters()]
-    (a, pa), (b, pb) = runs.values()
-    assert a == b and all(torch.equal(x, y) for x, y in zip(pa, pb))
+        scaler = (torch.amp.GradScaler if impl == "torch" else GradScaler)("cuda", init_scale=2.0**24, growth_interval=2)
+        batches = [torch.randn(4, 8, device="cuda") for _ in range(8)]
+        return train(model, optimizer, scaler, batches, loss_fn=loss_fn), snapshot(model.parameters())
+
+    (a, pa), (b, pb) = per_impl(run)
+    assert a == b and same_tensors(pa, pb)
+
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_fused_path_never_synchronises():
@@ -370,6 +376,7 @@ def test_cuda_fused_path_never_synchronises():
     assert [bool(flag) for flag, _ in signals] == [False, False, False, True, False, False]
     assert int(signals[-1][1]) == 1
 
+
 def stage_errors(impl):
     """The message of every per-optimizer stage error, in order."""
     model = nn.Linear(2, 2)
@@ -395,6 +402,7 @@ def stage_errors(impl):
     expect(lambda: scaler.unscale_(torch.optim.SGD([half], lr=0.1)))
     return messages
 
+
 def test_stage_error_messages_match_torch():
     theirs, ours = stage_errors("torch"), stage_errors("mixprec")
     assert len(theirs) == len(ours) == 5
@@ -402,6 +410,7 @@ def test_stage_error_messages_match_torch():
         assert o_type is t_type
         assert o_msg.startswith(t_msg.rstrip(".")), (t_msg, o_msg)
     assert "MasterWeights" in ours[-1][1]  # ours also says what to do about float16 gradients
+
 
 def test_positional_closure_is_forwarded_like_torch():
     """torch refuses ``closure=`` but passes a positional closure to optimizer.step()."""
@@ -419,6 +428,7 @@ def test_positional_closure_is_forwarded_like_torch():
     assert results["torch"][1] == results["mixprec"][1] == [1]
     assert torch.equal(results["torch"][2], results["mixprec"][2])
 
+
 @pytest.mark.parametrize("new_scale", [8.0, 3.0, torch.tensor(256.0), torch.tensor(0.5, dtype=torch.float64)])
 def test_update_new_scale_like_torch(new_scale):
     runs = {}
@@ -435,6 +445,7 @@ def test_update_new_scale_like_torch(new_scale):
         runs[impl] = scales
     assert runs["torch"] == runs["mixprec"]
     assert runs["mixprec"][0] == float(new_scale)
+
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_disabled_scaler_is_a_true_no_op(impl):
@@ -469,30 +480,30 @@ def test_disabled_scaler_is_a_true_no_op(impl):
         assert scaler.state is None
         assert not scaler.last_step_skipped and scaler.skipped_steps.item() == 0
 
+
 @pytest.mark.parametrize("kind", ["plain", "foreach", "fused"])
 def test_gradient_accumulation_with_overflow_bitwise_equal_to_torch(kind):
-    runs = {}
-    for impl in IMPLS:
-        torch.manual_seed(0)
+    def loss_fn(model, x):
+        with mixprec.autocast("cpu", dtype=torch.bfloat16):
+            return model(x).float().pow(2).mean() / 3
+
+    def run(impl):
         model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-        optimizer = make_optimizer(kind, model.parameters())
         scaler = make_scaler(impl, init_scale=2.0**8, growth_interval=2)
-        scales = []
-        for i in range(12):
-            x = torch.randn(3, 4)
-            with mixprec.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(x).float().pow(2).mean() / 3
-            scaler.scale(loss).backward()
-            if i == 4:  # an overflow in one micro-batch spoils the whole accumulated step
+
+        def spoil(i):  # an overflow in one micro-batch spoils the whole accumulated step
+            if i == 4:
                 model[0].bias.grad[0] = INF
-            if (i + 1) % 3 == 0:
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad()
-                scales.append(scaler.get_scale())
-        runs[impl] = scales, [p.detach().clone() for p in model.parameters()]
-    assert runs["torch"][0] == runs["mixprec"][0] == [256.0, 128.0, 128.0, 256.0]
-    assert all(torch.equal(a, b) for a, b in zip(runs["torch"][1], runs["mixprec"][1]))
+
+        batches = [torch.randn(3, 4) for _ in range(12)]
+        optimizer = make_optimizer(kind, model.parameters())
+        scales = train(model, optimizer, scaler, batches, loss_fn=loss_fn, spoil=spoil, accumulate=3)
+        return scales, snapshot(model.parameters())
+
+    theirs, ours = per_impl(run)
+    assert theirs[0] == ours[0] == [256.0, 128.0, 128.0, 256.0]
+    assert same_tensors(theirs[1], ours[1])
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_sparse_gradients_with_overflow_bitwise_equal_to_torch(dtype):
@@ -522,6 +533,7 @@ def test_sparse_gradients_with_overflow_bitwise_equal_to_torch(dtype):
         assert runs["torch"][0] == runs["mixprec"][0] == [2.0**11, 2.0**12, 2.0**11, 2.0**12]
     assert runs["torch"][0] == runs["mixprec"][0]
     assert all(torch.equal(a, b) for a, b in zip(runs["torch"][1], runs["mixprec"][1]))
+
 
 def test_old_grad_scaler_keyword_protocol():
     """An optimizer whose step takes ``grad_scaler`` gets the scaler (torch's deprecated
@@ -553,6 +565,7 @@ def test_old_grad_scaler_keyword_protocol():
     assert results["torch"][0] == results["mixprec"][0] == [4.0, 2.0, 2.0]
     assert torch.equal(results["torch"][1], results["mixprec"][1])
 
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fused_path_has_no_host_sync_and_plain_path_one(impl, syncs):
     params = [nn.Parameter(torch.randn(3, 3)) for _ in range(3)]
@@ -574,6 +587,7 @@ def test_fused_path_has_no_host_sync_and_plain_path_one(impl, syncs):
     assert counts == [0, 1, 0]
     assert scaler.get_scale() == 2.0**15
 
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_torch_private_scale_tensors_for_ported_code(impl):
     scaler = make_scaler(impl, init_scale=8.0)
@@ -582,6 +596,7 @@ def test_torch_private_scale_tensors_for_ported_code(impl):
     scaler.scale(t)
     assert scaler._scale.device == t.device and scaler._scale.item() == 8.0
     assert scaler._growth_tracker.dtype == torch.int32 and scaler._get_scale_async() is scaler._scale
+
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_master_weights_fp16_training_loop_under_mixprec_autocast(fused):

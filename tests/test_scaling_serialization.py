@@ -24,6 +24,7 @@ def test_pickle_round_trip(impl):
     assert (clone.get_growth_factor(), clone.get_backoff_factor(), clone.get_growth_interval()) == (4.0, 0.25, 3)
     assert clone.is_enabled()
 
+
 @pytest.mark.parametrize("src", IMPLS)
 @pytest.mark.parametrize("dst", IMPLS)
 def test_state_dict_across_implementations(src, dst):
@@ -44,6 +45,7 @@ def test_state_dict_across_implementations(src, dst):
     assert b.get_scale() == 16.0 and b._get_growth_tracker() == 2
     with pytest.raises(RuntimeError, match="empty"):
         b.load_state_dict({})
+
 
 def test_state_dict_and_pickle_keep_non_default_options(tmp_path):
     p = nn.Parameter(torch.zeros(2))
@@ -74,6 +76,7 @@ def test_state_dict_and_pickle_keep_non_default_options(tmp_path):
     torch_scaler.load_state_dict(state)
     assert torch_scaler.get_scale() == 64.0
 
+
 def test_bad_state_dict_leaves_the_scaler_unchanged():
     scaler = GradScaler("cpu", init_scale=8.0, growth_factor=4.0)
     good = torch.amp.GradScaler("cpu").state_dict()
@@ -87,6 +90,7 @@ def test_bad_state_dict_leaves_the_scaler_unchanged():
             scaler.load_state_dict(bad)
         assert scaler.get_scale() == 8.0 and scaler.get_growth_factor() == 4.0
         assert scaler.config.hysteresis == 1
+
 
 @pytest.mark.parametrize("src, dst", [("torch", "mixprec"), ("mixprec", "torch")])
 def test_state_dict_mid_training_continues_bitwise(src, dst):
@@ -111,9 +115,11 @@ def test_state_dict_mid_training_continues_bitwise(src, dst):
     assert moved + more_moved == ref_moved
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
 
+
 def _loaded(optimizer, state):
     optimizer.load_state_dict(state)
     return optimizer
+
 
 def test_state_dict_round_trips_through_torch_save(tmp_path):
     scaler = GradScaler("cpu", hysteresis=2, min_scale=0.5, max_scale=2.0**20, on_min_scale="warn")

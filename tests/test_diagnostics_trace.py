@@ -485,3 +485,28 @@ def test_deferred_tracer_resolved_on_last_step_skipped() -> None:
             else:
                 tracer.clear()  # no sync
     assert [(i, ev.module, ev.phase) for i, ev in seen] == [(1, "1", "backward")]
+
+
+class OwnCodeOnShared(nn.Module):
+    """Hands its input to a child and also uses it in its own code; ``bad`` picks which of the
+    two makes the gradient infinite."""
+
+    def __init__(self, bad: str) -> None:
+        super().__init__()
+        self.child = BwdBlow() if bad == "child" else nn.Linear(8, 8)
+        self.bad = bad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        own = _InfGrad.apply(x) if self.bad == "own" else x * 2
+        return self.child(x) + own
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["eager", "deferred"])
+@pytest.mark.parametrize("bad", ["own", "child"])
+def test_parent_code_on_a_tensor_it_shares_with_a_child(bad: str, deferred: bool) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), OwnCodeOnShared(bad), nn.Linear(8, 8))
+    with trace_nonfinite(model, deferred=deferred) as tracer:
+        step(model, tracer)
+    ev = tracer.first
+    assert ev is not None and ev.phase == "backward"
+    assert ev.module == ("1" if bad == "own" else "1.child"), ev

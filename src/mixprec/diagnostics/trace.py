@@ -12,11 +12,11 @@ How the culprit is found:
 * **backward**: a gradient hook on every tensor that enters or leaves a module. The gradient with
   respect to a module's input is computed by that module's backward, so the first non-finite one
   in time order (the layer nearest the output) names the module; parameter gradients name the
-  module that owns the parameter. A tensor consumed by several modules is attributed to the last
-  one that consumed it: the innermost one for nested modules; when sibling modules take the same
-  tensor (``q``, ``k`` and ``v`` projections of one input, two branches), every consumer after the
-  first is handed its own alias (``t.view_as(t)``) so the gradient each one sends back is checked
-  on its own.
+  module that owns the parameter. A tensor taken by several calls (a parent that hands it to a
+  child, sibling ``q``, ``k`` and ``v`` projections of one input, two branches) is handed to
+  every call after the first as its own alias (``t.view_as(t)``), so the gradient each one sends
+  back is checked on its own, before the sum: the child's part names the child, and what the
+  parent's own code adds names the parent.
 * **in-place ops**: a tensor seen before whose version counter moved (``t._version``) is checked
   again: a module that modifies its input in place and returns it is named as the producer.
 * ``precise=True`` adds a :class:`~torch.utils._python_dispatch.TorchDispatchMode` that checks
@@ -355,15 +355,9 @@ class NonFiniteTracer:
         return info
 
     def _shared(self, info: _Tensor, call: _Call) -> bool:
-        """Whether ``info``'s tensor was already taken by a module that does not enclose ``call``."""
-        if not self.backward or info.consumer is None or info.consumer is call:
-            return False
-        c = call.parent
-        while c is not None:
-            if c is info.consumer:
-                return False  # the parent hands its input on to a child: same gradient path
-            c = c.parent
-        return True
+        """Whether ``info``'s tensor was already taken by another call (a sibling, or an
+        enclosing module whose own code may use it too)."""
+        return self.backward and info.consumer is not None and info.consumer is not call
 
     def _watch_grad(self, t: torch.Tensor, info: _Tensor) -> None:
         if self.backward and t.requires_grad:
@@ -411,8 +405,8 @@ class NonFiniteTracer:
                 elif id(t) in aliases:  # the same tensor passed twice to this call
                     info = self._seen[id(aliases[id(t)])]
                 elif self._shared(info, call) and t.requires_grad and torch.is_grad_enabled():
-                    # a sibling took t already: this call gets its own alias, so the gradient it
-                    # sends back to t is checked before it is summed with the sibling's
+                    # another call took t already: this call gets its own alias, so the gradient
+                    # it sends back to t is checked before it is summed with the others
                     alias = aliases[id(t)] = t.view_as(t)
                     info = _Tensor(alias, info.pair, producer=info.producer,
                                    enclosing=info.enclosing)

@@ -74,6 +74,7 @@ BENCHMARKS: dict[str, Callable[[Any], list[Row]]] = {
     "scaler_overhead": _scaler,
     "lowp_memory": _lowp,
     "diagnostics_overhead": _diagnostics,
+    "fp8": lambda res: [Row(*row) for row in res["rows"]],
 }
 
 

@@ -29,7 +29,7 @@ def _t(scale: torch.Tensor) -> torch.Tensor:
 def _record(stats: torch.Tensor | None, row: int, x: torch.Tensor, cast: tuple) -> None:
     # stats[row]: the window's worst [amax, saturated, underflow, nonfinite], then the last amax
     if stats is not None:
-        q, _, amax, _ = cast
+        q, _, amax = cast
         new = cast_stats(x, q, amax, stats[row, -1])
         stats[row].copy_(torch.cat([torch.maximum(stats[row, :-1], new), new[:1]]))
 
@@ -53,7 +53,7 @@ class _Float8Matmul(torch.autograd.Function):
                 xc = cast_to_fp8(x, r.input, -1, r.pow2_scales)
                 wc = cast_to_fp8(wt, r.weight, 0, r.pow2_scales)
                 _record(stats, 0, x, xc)
-                _record(stats, 1, wt, wc)
+                _record(stats, 1, w, (wc[0].t(), *wc[1:]))  # w and q.t() are contiguous
                 out = gemm(xc[0].reshape(-1, k), _rows(xc[1]), wc[0], wc[1], x.dtype, backend, True)
             else:
                 out = torch.mm(x.reshape(-1, k), wt)
@@ -87,7 +87,7 @@ class _Float8Matmul(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 if r.grad_output.is_fp8:
                     if not r.save_fp8:
-                        wq, sw, _, _ = cast_to_fp8(wt, r.weight_for_grad_input, -1, r.pow2_scales)
+                        wq, sw, _ = cast_to_fp8(wt, r.weight_for_grad_input, -1, r.pow2_scales)
                     grad_input = gemm(go_gi[0], go_gi[1], wq.t(), _t(sw), dtype, backend, False)
                 else:
                     grad_input = torch.mm(go, wt.t())
@@ -100,11 +100,11 @@ class _Float8Matmul(torch.autograd.Function):
                     if go_gi is not None and cw == r.grad_output and cw.granularity == "tensor":
                         goq, sgo = go_gi[0], go_gi[1]  # the same cast: bitwise the same bits
                     else:
-                        goq, sgo, _, _ = cast_to_fp8(go, cw, 0, r.pow2_scales)
+                        goq, sgo, _ = cast_to_fp8(go, cw, 0, r.pow2_scales)
                     if r.save_fp8:
                         xq2, sx2 = xq.reshape(-1, k), sx
                     else:
-                        xq2, sx2, _, _ = cast_to_fp8(x.reshape(-1, k), r.input_for_grad_weight, 0,
+                        xq2, sx2, _ = cast_to_fp8(x.reshape(-1, k), r.input_for_grad_weight, 0,
                                                      r.pow2_scales)
                     grad_weight = gemm(goq.t(), _t(sgo), xq2, sx2, dtype, backend, False)
                 else:

@@ -3,9 +3,12 @@
 Each element-wise step runs as one ``torch._foreach_*`` call over all parameters of a group
 (one fused kernel launch per op on CUDA, one C++ loop without Python overhead on the CPU), in
 the same order and with the same scalars as the per-tensor path, so the two are bitwise equal.
-Reading a low-precision parameter or state into float32 and writing it back (Kahan, exact low
-bits, stochastic or 8-bit rounding) stays per tensor, through the helpers the per-tensor path
-uses, one parameter after the other in list order: the random draws are the same too.
+Reading low-precision parameters and gradients into float32 and writing parameters back by
+nearest rounding, Kahan or exact low bits are foreach ops too (dtype-converting copies, mixed
+dtype adds, int32/int16 arithmetic). What draws random numbers (stochastic rounding of
+parameters or of bf16/fp16 state) or quantizes 8-bit state is written back per tensor, through
+the per-tensor path's helpers, one parameter after the other in list order: the random draws
+are the same too.
 
 Costs one float32 temporary per parameter for the denominator, as ``torch.optim``'s foreach
 path, besides the float32 working copies that the per-tensor path makes one at a time.
@@ -21,16 +24,105 @@ from torch import Tensor
 from mixprec.optim._functional import (
     State,
     Unscaler,
+    check_grad,
     compute_dtype,
-    load_param,
     read_state,
-    step_grad,
-    store_param,
     write_back,
     write_state,
 )
 
 __all__ = ["adamw_foreach", "sgd_foreach"]
+
+_NARROW = (torch.bfloat16, torch.float16)
+
+
+def _pick(items: list, index: list[int]) -> list:
+    return [items[i] for i in index]
+
+
+def _to_compute(tensors: list[Tensor], cdtypes: list[torch.dtype]) -> list[Tensor]:
+    """Each tensor itself if already in its compute dtype, else a converted copy (one foreach copy)."""
+    out = [t if t.dtype == c else torch.empty_like(t, dtype=c) for t, c in zip(tensors, cdtypes)]
+    copied = [i for i, (t, o) in enumerate(zip(tensors, out)) if o is not t]
+    if copied:
+        torch._foreach_copy_(_pick(out, copied), _pick(tensors, copied))
+    return out
+
+
+def _grads(
+    grads: list[Tensor], cdtypes: list[torch.dtype], inv_scale: Optional[Tensor], maximize: bool
+) -> list[Tensor]:
+    """:func:`~mixprec.optim._functional.step_grad` on a list (never writes ``grads``)."""
+    for g in grads:
+        check_grad(g)
+    out = _to_compute(grads, cdtypes)
+    if inv_scale is not None:
+        unscale = Unscaler(inv_scale)
+        out = [unscale(g) for g in out]
+    return torch._foreach_neg(out) if maximize else out
+
+
+def _load_params(params: list[Tensor], comps: list[Optional[Tensor]], cdtypes: list[torch.dtype]) -> list[Tensor]:
+    """:func:`~mixprec.optim._functional.load_param` on a list."""
+    values = _to_compute(params, cdtypes)
+    exact = [i for i, c in enumerate(comps) if c is not None and c.dtype == torch.int16]
+    kahan = [i for i, c in enumerate(comps) if c is not None and c.dtype != torch.int16]
+    if exact:
+        torch._foreach_add_([values[i].view(torch.int32) for i in exact], _pick(comps, exact))
+    if kahan:
+        torch._foreach_add_(_pick(values, kahan), _pick(comps, kahan))
+    return values
+
+
+def _store_params(params: list[Tensor], values: list[Tensor], comps: list[Optional[Tensor]]) -> None:
+    """:func:`~mixprec.optim._functional.store_param` on a list, for every rule but stochastic
+    rounding (exact and Kahan as in :mod:`~mixprec.optim.exact` and :mod:`~mixprec.optim.kahan`)."""
+    written = [i for i, (p, v) in enumerate(zip(params, values)) if v is not p]
+    exact = [i for i in written if comps[i] is not None and comps[i].dtype == torch.int16]
+    kahan = [i for i in written if comps[i] is not None and comps[i].dtype != torch.int16]
+    nearest = [i for i in written if comps[i] is None]
+    if exact:
+        bits, low = [values[i].view(torch.int32) for i in exact], _pick(comps, exact)
+        torch._foreach_copy_(low, bits)
+        torch._foreach_sub_(bits, low)
+        torch._foreach_copy_(_pick(params, exact), _pick(values, exact))
+    if kahan:
+        p, v = _pick(params, kahan), _pick(values, kahan)
+        torch._foreach_copy_(p, v)
+        torch._foreach_sub_(v, p)
+        torch._foreach_copy_(_pick(comps, kahan), v)
+    if nearest:
+        torch._foreach_copy_(_pick(params, nearest), _pick(values, nearest))
+
+
+def _draws(compensation: Optional[str], states: list[list[Optional[State]]]) -> bool:
+    """Whether writing back draws random numbers (stochastic parameters or narrow float state)."""
+    return compensation == "stochastic" or any(
+        isinstance(s, Tensor) and s.dtype in _NARROW for lst in states for s in lst
+    )
+
+
+def _write_back_all(
+    params: list[Tensor],
+    values: list[Tensor],
+    comps: list[Optional[Tensor]],
+    states: list[tuple[list[Optional[State]], list[Optional[Tensor]]]],
+    compensation: Optional[str],
+    generator: Optional[torch.Generator],
+) -> None:
+    """Write back every parameter's ``(stored, computed)`` states, then the parameters: per tensor
+    in list order when random numbers are drawn (the per-tensor path's order), else foreach."""
+    if _draws(compensation, [stored for stored, _ in states]):
+        for i, param in enumerate(params):
+            pairs = [(stored[i], computed[i]) for stored, computed in states]
+            write_back(param, values[i], comps[i], pairs, compensation, generator)
+        return
+    for stored, computed in states:
+        for s, c in zip(stored, computed):
+            if s is not None:
+                write_state(s, c, generator)  # type: ignore[arg-type]  # 8-bit, or a wider copy
+    _store_params(params, values, comps)
+
 
 
 def adamw_foreach(
@@ -56,12 +148,11 @@ def adamw_foreach(
     """:func:`mixprec.optim._functional.adamw`, multi-tensor; same arguments, same results."""
     if amsgrad and any(s is None for s in max_exp_avg_sqs):
         raise ValueError("amsgrad=True needs a max_exp_avg_sq state for every parameter")
-    unscale = Unscaler(inv_scale)
     cdtypes = [compute_dtype(p.dtype) for p in params]
-    grads_c = [step_grad(g, c, unscale, maximize) for g, c in zip(grads, cdtypes)]
+    grads_c = _grads(grads, cdtypes, inv_scale, maximize)
     exp_avgs_c = [read_state(s, c) for s, c in zip(exp_avgs, cdtypes)]
     exp_avg_sqs_c = [read_state(s, c) for s, c in zip(exp_avg_sqs, cdtypes)]
-    values = [load_param(p, c) for p, c in zip(params, comps)]
+    values = _load_params(params, comps, cdtypes)
 
     torch._foreach_add_(state_steps, 1)
     if weight_decay != 0:
@@ -83,11 +174,10 @@ def adamw_foreach(
     torch._foreach_add_(denoms, eps)
     torch._foreach_addcdiv_(values, exp_avgs_c, denoms, step_sizes)
 
-    for i, param in enumerate(params):
-        states = [(exp_avgs[i], exp_avgs_c[i]), (exp_avg_sqs[i], exp_avg_sqs_c[i])]
-        if amsgrad:
-            states.append((max_exp_avg_sqs[i], maxes_c[i]))
-        write_back(param, values[i], comps[i], states, compensation, generator)
+    states = [(exp_avgs, exp_avgs_c), (exp_avg_sqs, exp_avg_sqs_c)]
+    if amsgrad:
+        states.append((max_exp_avg_sqs, maxes_c))
+    _write_back_all(params, values, comps, states, compensation, generator)  # type: ignore[arg-type]
 
 
 def sgd_foreach(
@@ -108,10 +198,9 @@ def sgd_foreach(
     inv_scale: Optional[Tensor] = None,
 ) -> None:
     """:func:`mixprec.optim._functional.sgd`, multi-tensor; same arguments, same results."""
-    unscale = Unscaler(inv_scale)
     cdtypes = [compute_dtype(p.dtype) for p in params]
-    grads_c = [step_grad(g, c, unscale, maximize) for g, c in zip(grads, cdtypes)]
-    values = [load_param(p, c) for p, c in zip(params, comps)]
+    grads_c = _grads(grads, cdtypes, inv_scale, maximize)
+    values = _load_params(params, comps, cdtypes)
 
     if weight_decay != 0:
         grads_c = torch._foreach_add(grads_c, values, alpha=weight_decay)
@@ -133,7 +222,6 @@ def sgd_foreach(
     torch._foreach_add_(values, grads_c, alpha=-lr)
 
     written = set(old)
-    for i, param in enumerate(params):
-        if i in written:
-            write_state(momentum_buffers[i], bufs[i], generator)  # type: ignore[arg-type]
-        store_param(param, values[i], comps[i], compensation, generator)
+    stored = [momentum_buffers[i] if i in written else None for i in range(len(params))]
+    computed = [bufs[i] if i in written else None for i in range(len(params))]
+    _write_back_all(params, values, comps, [(stored, computed)], compensation, generator)

@@ -121,12 +121,16 @@ class Unscaler:
         return grad * inv
 
 
-def step_grad(grad: Tensor, cdtype: torch.dtype, unscale: Unscaler, maximize: bool) -> Tensor:
-    """The gradient a step uses: checked, read in the compute dtype, unscaled, negated to maximize."""
+def check_grad(grad: Tensor) -> None:
     if grad.is_sparse:
         raise RuntimeError("mixprec.optim does not support sparse gradients; use torch.optim.SparseAdam")
     if grad.is_complex():
         raise RuntimeError("mixprec.optim does not support complex parameters; use torch.optim")
+
+
+def step_grad(grad: Tensor, cdtype: torch.dtype, unscale: Unscaler, maximize: bool) -> Tensor:
+    """The gradient a step uses: checked, read in the compute dtype, unscaled, negated to maximize."""
+    check_grad(grad)
     grad = unscale(_read(grad, cdtype))
     return -grad if maximize else grad
 

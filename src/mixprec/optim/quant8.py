@@ -8,7 +8,7 @@ bits, so small values keep a relative precision where a linear map would flush t
 (Dettmers et al., *8-bit Optimizers via Block-wise Quantization*, 2022). A block's value is
 ``map[code] * absmax``; quantizing divides by the block's absmax and takes the nearest entry.
 
-Plain eager ops (``amax``, ``bucketize``, an index lookup): any shape, no compilation. Tensors
+Plain eager ops (``amax``, bit shifts, table lookups): any shape, no compilation. Tensors
 smaller than :data:`MIN_NUMEL` keep float32 moments (their 8-bit saving is negligible and the
 per-block overhead is not), as bitsandbytes and torchao do.
 """
@@ -46,9 +46,26 @@ def _dynamic_map_list(signed: bool) -> list[float]:
 
 
 @lru_cache(maxsize=None)
-def _maps(signed: bool, device: torch.device) -> tuple[Tensor, Tensor]:
+def _maps(signed: bool, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """``(values, base, midpoint)``: the map, and the lookup tables of :meth:`Quantized8.quantize_`.
+
+    The nearest code of ``x`` is the number of midpoints between map entries below ``x``. Over
+    the float32 numbers sharing ``x``'s top 16 bits (a bucket of relative width ``2**-7``, finer
+    than the map) that count is ``base`` (midpoints below the bucket) plus ``x > midpoint``
+    (the one midpoint inside the bucket, ``inf`` if none; never two: checked here).
+    """
     values = torch.tensor(_dynamic_map_list(signed), dtype=torch.float32)
-    return values.to(device), ((values[1:] + values[:-1]) / 2).to(device)
+    mids = (values[1:] + values[:-1]) / 2
+    patterns = torch.arange(1 << 16, dtype=torch.int32) << 16
+    ends = torch.stack([patterns.view(torch.float32), (patterns | 0xFFFF).view(torch.float32)])
+    low, high = ends.amin(0), ends.amax(0)
+    base = torch.bucketize(low, mids)  # midpoints < low
+    inside = torch.bucketize(high, mids, right=True) - base  # low <= midpoint <= high
+    finite = torch.isfinite(low) & torch.isfinite(high)
+    if int(inside[finite].max()) > 1:
+        raise AssertionError("two midpoints of the dynamic map in one bucket")  # map design bug
+    midpoint = torch.where(inside == 1, mids[base.clamp(max=mids.numel() - 1)], torch.tensor(float("inf")))
+    return values.to(device), base.to(torch.uint8).to(device), midpoint.to(device)
 
 
 def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> Tensor:
@@ -69,12 +86,13 @@ class Quantized8:
 
     def dequantize(self) -> Tensor:
         """The float32 moment (a new tensor of ``shape``)."""
-        values, _ = _maps(self.signed, self.codes.device)
-        out = values[self.codes.int()].view(-1, BLOCK).mul_(self.absmax.unsqueeze(1))
+        values = _maps(self.signed, self.codes.device)[0]
+        out = values.index_select(0, self.codes.int()).view(-1, BLOCK).mul_(self.absmax.unsqueeze(1))
         return out.view(-1)[: self.shape.numel()].view(self.shape)
 
     def quantize_(self, x: Tensor) -> None:
-        """Store float32 ``x`` (of ``shape``): per-block absmax, then the nearest map entry."""
+        """Store float32 ``x`` (of ``shape``): per-block absmax, then the nearest map entry (a
+        tie goes to the lower one)."""
         flat = x.reshape(-1)
         pad = self.codes.numel() - flat.numel()
         if pad:
@@ -83,8 +101,10 @@ class Quantized8:
         torch.amax(blocks.abs(), dim=1, out=self.absmax)
         scale = self.absmax.clamp(min=torch.finfo(torch.float32).tiny).reciprocal_()
         normalized = blocks * scale.unsqueeze(1)
-        _, midpoints = _maps(self.signed, flat.device)
-        self.codes.copy_(torch.bucketize(normalized.view(-1), midpoints, out_int32=True))
+        _, base, midpoint = _maps(self.signed, flat.device)
+        bucket = torch.bitwise_right_shift(normalized.view(torch.int32).view(-1), 16).bitwise_and_(0xFFFF)
+        above = midpoint.index_select(0, bucket) < normalized.view(-1)
+        torch.add(base.index_select(0, bucket), above, out=self.codes)
 
 
 def new_quantized8(like: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
@@ -92,6 +112,6 @@ def new_quantized8(like: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
     blocks = -(-like.numel() // BLOCK)
     codes = torch.empty(blocks * BLOCK, dtype=torch.uint8, device=like.device)
     absmax = torch.zeros(blocks, dtype=torch.float32, device=like.device)
-    zero = int(torch.searchsorted(_maps(signed, torch.device("cpu"))[0], 0.0))
+    zero = int(torch.searchsorted(_maps(signed, torch.device("cpu"))[0], 0.0))  # the code of 0
     codes.fill_(zero)
     return codes, absmax

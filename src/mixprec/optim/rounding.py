@@ -72,12 +72,11 @@ def stochastic_round_(
     if dst.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"stochastic rounding supports bfloat16/float16 targets, got {dst.dtype}")
     src = src.detach()
-    bits = src.view(torch.int32)
     drop = 16 if dst.dtype == torch.bfloat16 else 13
-    noise = torch.randint(
-        0, 1 << drop, src.shape, dtype=torch.int32, device=src.device, generator=generator
-    )
-    rounded = ((bits + noise) & ~((1 << drop) - 1)).view(torch.float32)
+    # random_() without bounds fills int32 with 31 random bits, twice as fast as randint(0, 2**drop)
+    noise = torch.empty(src.shape, dtype=torch.int32, device=src.device).random_(generator=generator)
+    noise.bitwise_and_((1 << drop) - 1)
+    rounded = noise.add(src.view(torch.int32)).bitwise_and_(-(1 << drop)).view(torch.float32)
     if dst.dtype == torch.float16:
         # float16 subnormals: fixed gap 2**-24; all terms exact in float32.
         magnitude = torch.floor(
@@ -85,7 +84,7 @@ def stochastic_round_(
         )
         subnormal = torch.copysign(magnitude / _F16_SUBNORMAL_GAP_INV, src)
         rounded = torch.where(src.abs() < _F16_MIN_NORMAL, subnormal, rounded)
-    rounded = torch.where(torch.isnan(src), src, rounded)
+    rounded.masked_fill_(torch.isnan(src), float("nan"))  # a NaN's low bits may carry it to inf
     return dst.copy_(rounded)  # exact: ``rounded`` is representable in dst.dtype (or +-inf)
 
 

@@ -243,3 +243,18 @@ def test_fallback_decision_is_the_same_on_every_rank(tmp_path):
         assert res["flags"] == {"0": False, "2": True, "4": False, "6": False}
         assert len(res["warnings"]) == 1 and "'2'" in res["warnings"][0]
     assert results[0]["state_dict"] == results[1]["state_dict"]
+
+
+def test_large_operands_are_measured_on_a_sample_and_nonfinite_is_never_missed():
+    from mixprec.fp8._quant import SAMPLE
+
+    x = torch.randn(256, 256)
+    assert x.numel() > 2 * SAMPLE
+    x[0, 1] = 1e6  # off the stride-5 sample, but the amax sees it: every other value flushes
+    state = fp8.LayerState()
+    fp8.linear(x, torch.randn(16, 256), state=state)
+    got = state.read()["input"]
+    assert got["amax"] == 1e6 and got["underflow"] > 0.9 and got["nonfinite"] == 0
+    x[0, 1] = float("nan")
+    fp8.linear(x, torch.randn(16, 256), state=state)
+    assert state.read()["input"]["nonfinite"] == 1

@@ -36,6 +36,7 @@ region exits; casts and the op run with autocast excluded for every device.
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -81,11 +82,15 @@ class Frame:
     device_type: str
     edits: Mapping[str, str]  # overload -> cast kind, where it differs from PyTorch's
     policy: Any = None
+    traced: bool = False  # pushed by a region traced inside torch.compile
 
 
 @dataclass
 class _ThreadState(threading.local):
     frames: dict[str, list[Frame]] = field(default_factory=dict)
+    # per device, the edits of the innermost region entered outside compiled code (or None):
+    # what compiled code traced under such a region depends on, and is guarded on (see below)
+    active: dict[str, Any] = field(default_factory=dict)
     depth: int = 0  # nesting of mixprec regions (enabled or not), for the cache
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -104,6 +109,8 @@ def push(frame: Frame | None) -> None:
     _tls.depth += 1
     if frame is not None:
         _tls.frames.setdefault(frame.device_type, []).append(frame)
+        if not frame.traced:
+            _tls.active[frame.device_type] = _edits_key(frame.edits)
 
 
 def pop(frame: Frame | None) -> None:
@@ -111,11 +118,114 @@ def pop(frame: Frame | None) -> None:
     if frame is not None:
         stack = _tls.frames[frame.device_type]
         stack.remove(frame) if stack[-1] is not frame else stack.pop()
+        if not frame.traced:
+            eager = [f for f in stack if not f.traced]
+            _tls.active[frame.device_type] = _edits_key(eager[-1].edits) if eager else None
     _tls.depth -= 1
     if _tls.depth == 0:
         _tls.cache.clear()
 
 
+# --------------------------------------------------------------------------- torch.compile
+# A region around a compiled call: the compiled graph bakes in the casts of the policy it was
+# traced under. Whenever one of our kernels runs while Dynamo traces, it adds a guard on the
+# edits of the innermost eager region (``_tls.active``): called under a policy with other
+# edits, the function recompiles. A graph traced before any kernel existed has no such guard;
+# so registering new kernels resets Dynamo's caches once (see ensure_kernels).
+_EDITS_KEYS: dict[Any, int] = {}
+
+
+def _edits_key(edits: Mapping[str, str]) -> int | None:
+    """A small integer naming a set of edits (equal edits, equal key); ``None`` for no edits,
+    which is plain ``torch.autocast``."""
+    if not edits:
+        return None
+    items = tuple(edits.items())
+    key = _EDITS_KEYS.get(items)
+    if key is None:
+        key = _EDITS_KEYS[items] = len(_EDITS_KEYS)
+    return key
+
+
+def _guard_on_active_policy(device_type: str) -> None:
+    """While Dynamo traces: make the compiled code depend on this thread's active edits."""
+    try:
+        from torch._dynamo.guards import GuardBuilder, install_guard
+        from torch._dynamo.source import AttrSource, DictGetItemSource, ImportSource
+        from torch._guards import TracingContext
+    except ImportError:  # a torch without these internals: nothing to guard with
+        return
+    if TracingContext.try_get() is None:
+        return
+    active = AttrSource(AttrSource(AttrSource(ImportSource("mixprec"), "_dispatch"), "_tls"), "active")
+    if device_type not in _tls.active:
+        _tls.active[device_type] = None
+    install_guard(DictGetItemSource(active, device_type).make_guard(GuardBuilder.EQUALS_MATCH))
+
+
+def _reset_compiled_code() -> None:
+    """Drop Dynamo's compiled code once new kernels exist: it was traced without them."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None or torch.compiler.is_compiling():
+        return
+    from torch._dynamo.utils import counters
+
+    if counters["stats"]["unique_graphs"]:
+        dynamo.reset()
+
+
+# A region inside a compiled function is traced as two graph nodes around its body:
+# ``torch.amp._enter_autocast`` (which Dynamo knows) and our ``mixprec::region`` op, whose fake
+# kernel pushes (or pops) the region's frame wherever the graph is traced (Dynamo's example
+# values, AOTAutograd) and whose real kernel does the same where the graph runs eagerly. The
+# frame's policy travels as an integer key into ``_TRACED``; kernels for the policy's edits are
+# registered at trace time, before AOTAutograd traces through them.
+_TRACED: dict[int, tuple[str, Mapping[str, str], Any]] = {}
+_TRACED_KEYS: dict[tuple[Any, str], int] = {}
+_region_op: Any = None
+
+
+def traced_key(policy: Any, device_type: str) -> int:
+    """The key of ``policy`` on ``device_type`` for ``mixprec::region``; registers kernels."""
+    key = _TRACED_KEYS.get((policy, device_type))
+    if key is None:
+        key = _TRACED_KEYS[(policy, device_type)] = len(_TRACED)
+        _TRACED[key] = (device_type, policy.edits(device_type), policy)
+    ensure_kernels(_TRACED[key][1], device_type)
+    _define_region_op()
+    return key
+
+
+def _region(device_type: str, key: int, enter: bool) -> None:
+    """Enter (or leave) the traced region ``key``; ``-1`` is a disabled region."""
+    if enter:
+        push(Frame(*_TRACED[key], traced=True) if key >= 0 else None)
+        return
+    stack = _tls.frames.get(device_type)
+    pop(stack[-1] if key >= 0 and stack else None)
+
+
+def _define_region_op() -> None:
+    """Define ``mixprec::region`` once: a CompositeImplicitAutograd op, so that AOTAutograd runs
+    it while tracing and leaves nothing of it in the graphs it hands to a compiler."""
+    global _region_op
+    if _region_op is not None:
+        return
+    with _lock:
+        if _region_op is None:
+            lib = Library("mixprec", "DEF")
+            lib.define("region(str device_type, int key, bool enter) -> ()")
+            lib.impl("region", _region_impl, "CompositeImplicitAutograd")
+            overload = torch.ops.mixprec.region.default
+            if hasattr(torch.fx.node, "has_side_effect"):
+                torch.fx.node.has_side_effect(overload)
+            else:  # torch < 2.6
+                torch.fx.node._side_effectful_functions.add(overload)
+            _region_op = lib
+
+
+def _region_impl(device_type: str, key: int, enter: bool) -> None:
+    _region(device_type, key, enter)
 
 
 # --------------------------------------------------------------------------- casting
@@ -315,6 +425,8 @@ def _make_kernel(info: _OpInfo, device_type: str, native: Any) -> Callable[..., 
     name, op = info.name, info.op
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            _guard_on_active_policy(device_type)
         stack = _tls.frames.get(device_type)
         if stack:
             frame = stack[-1]
@@ -363,6 +475,7 @@ def ensure_kernels(names: Mapping[str, str] | list[str], device_type: str) -> No
                          with_keyset=True)
                 _libs[(name, key)] = lib
                 _registered[(name, key)] = True
+    _reset_compiled_code()
 
 
 def release_kernels() -> int:

@@ -46,13 +46,61 @@ def get_autocast_dtype(device_type: str = "cuda") -> torch.dtype:
     return torch.get_autocast_dtype(device_type)
 
 
-def _not_traced(fn: F) -> F:
-    reason = ("mixprec.autocast changes thread-local dispatch state Dynamo cannot trace; enter the "
-              "region outside the compiled function")
-    try:
-        return torch.compiler.disable(fn, reason=reason)  # type: ignore[call-arg]
-    except TypeError:  # torch without `reason`
-        return torch.compiler.disable(fn)
+def _resolve(device_type: str, dtype: torch.dtype | None, enabled: bool,
+             policy: Policy | str | None) -> tuple[Policy, torch.dtype, bool]:
+    """Validate a region's arguments: ``(policy, dtype, enabled)`` as the region runs them."""
+    if not isinstance(device_type, str):
+        raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`")
+    if device_type not in _SUPPORTED:
+        raise ValueError(
+            f"mixprec.autocast supports device_type 'cpu' and 'cuda', got {device_type!r}; "
+            "use torch.autocast for other devices"
+        )
+    if isinstance(policy, str):
+        policy = Policy.parse(policy)
+    elif policy is None:
+        policy = Policy()
+    elif not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a mixprec.Policy or a str, got {type(policy).__name__}")
+    if dtype is not None and policy.compute is not None and dtype != policy.compute:
+        raise ValueError(
+            f"mixprec.autocast got dtype={dtype} and a policy with compute={policy.compute}; "
+            "pass one of them (or the same dtype twice)"
+        )
+    if dtype is None:
+        dtype = policy.compute if policy.compute is not None else torch.get_autocast_dtype(device_type)
+    if enabled and device_type == "cuda":
+        if not torch.cuda.is_available():
+            warnings.warn(
+                "User provided device_type of 'cuda', but CUDA is not available. Disabling",
+                stacklevel=3,
+            )
+            enabled = False
+        elif dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise RuntimeError(
+                "Current CUDA Device does not support bfloat16. Please switch dtype to float16."
+            )
+    if enabled and dtype not in (torch.bfloat16, torch.float16):
+        warnings.warn(
+            f"In {device_type.upper()} autocast, but the target dtype {dtype} is not supported. "
+            "Disabling autocast. Autocast only supports torch.bfloat16 and torch.float16.",
+            stacklevel=3,
+        )
+        enabled = False
+    return policy, dtype, bool(enabled)
+
+
+@torch.compiler.assume_constant_result
+def _traced_region(device_type: str, dtype: torch.dtype | None, enabled: bool,
+                   policy: Policy | str | None) -> tuple[int, torch.dtype, bool]:
+    """Run by Dynamo at trace time (not traced): resolve a region and key its policy."""
+    policy, dtype, enabled = _resolve(device_type, dtype, enabled, policy)
+    if enabled and (policy.module_rules or policy.output is not None):
+        raise RuntimeError(
+            "mixprec.autocast with module rules (Policy.keep) or output= cannot be traced inside "
+            "torch.compile; enter the region around the compiled call instead"
+        )
+    return (_dispatch.traced_key(policy, device_type) if enabled else -1), dtype, enabled
 
 
 class autocast:
@@ -103,57 +151,22 @@ class autocast:
         *,
         policy: Policy | str | None = None,
     ) -> None:
-        if not isinstance(device_type, str):
-            raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`")
-        if device_type not in _SUPPORTED:
-            raise ValueError(
-                f"mixprec.autocast supports device_type 'cpu' and 'cuda', got {device_type!r}; "
-                "use torch.autocast for other devices"
-            )
-        if isinstance(policy, str):
-            policy = Policy.parse(policy)
-        elif policy is None:
-            policy = Policy()
-        elif not isinstance(policy, Policy):
-            raise TypeError(f"policy must be a mixprec.Policy or a str, got {type(policy).__name__}")
-        if dtype is not None and policy.compute is not None and dtype != policy.compute:
-            raise ValueError(
-                f"mixprec.autocast got dtype={dtype} and a policy with compute={policy.compute}; "
-                "pass one of them (or the same dtype twice)"
-            )
-        if dtype is None:
-            dtype = policy.compute if policy.compute is not None else torch.get_autocast_dtype(device_type)
-        if enabled and device_type == "cuda":
-            if not torch.cuda.is_available():
-                warnings.warn(
-                    "User provided device_type of 'cuda', but CUDA is not available. Disabling",
-                    stacklevel=2,
-                )
-                enabled = False
-            elif dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
-                raise RuntimeError(
-                    "Current CUDA Device does not support bfloat16. Please switch dtype to float16."
-                )
-        if enabled and dtype not in (torch.bfloat16, torch.float16):
-            warnings.warn(
-                f"In {device_type.upper()} autocast, but the target dtype {dtype} is not supported. "
-                "Disabling autocast. Autocast only supports torch.bfloat16 and torch.float16.",
-                stacklevel=2,
-            )
-            enabled = False
         self.device = device_type
-        self.fast_dtype = dtype
-        self.policy = policy
         self._enabled = bool(enabled)
         self._cache_enabled = bool(cache_enabled)
         self._saved: list[tuple[Any, ...]] = []
+        if torch.compiler.is_compiling():  # resolved at trace time by _traced_region
+            self.fast_dtype, self.policy, self._raw = dtype, policy, (dtype, enabled, policy)
+            return
+        self.policy, self.fast_dtype, self._enabled = _resolve(device_type, dtype, enabled, policy)
 
-    # torch.compile cannot follow these thread-local state changes: tracing them would silently
-    # drop the region. Disabled for Dynamo, a region *inside* a compiled function graph-breaks
-    # (runs eagerly; an error under fullgraph=True). Regions around a compiled call are traced
-    # through the dispatcher and need no graph break.
-    @_not_traced
+    # Inside a function given to torch.compile, Dynamo traces __enter__/__exit__: the region
+    # becomes torch.amp._enter_autocast (which Dynamo knows) plus mixprec::region nodes that
+    # push the policy's frame wherever the graph is traced or run (see _dispatch). Dynamo guards
+    # on the policy like on any value the traced code reads, so another policy recompiles.
     def __enter__(self) -> "autocast":
+        if torch.compiler.is_compiling():
+            return self._enter_traced()
         dev = self.device
         frame = None
         if self._enabled:
@@ -174,8 +187,9 @@ class autocast:
         self._saved.append((prev, frame, hooked))
         return self
 
-    @_not_traced
     def __exit__(self, *exc: Any) -> None:
+        if torch.compiler.is_compiling():
+            return self._exit_traced()
         (enabled, dtype, cache), frame, hooked = self._saved.pop()
         if hooked:
             _ModuleRules.exit(frame)
@@ -185,6 +199,18 @@ class autocast:
         torch.set_autocast_enabled(self.device, enabled)
         torch.set_autocast_dtype(self.device, dtype)
         torch.set_autocast_cache_enabled(cache)
+
+    def _enter_traced(self) -> "autocast":
+        key, dtype, enabled = _traced_region(self.device, *self._raw)
+        ctx = torch.amp._enter_autocast(self.device, dtype, enabled, self._cache_enabled)
+        torch.ops.mixprec.region(self.device, key, True)
+        self._saved.append((ctx, key))
+        return self
+
+    def _exit_traced(self) -> None:
+        ctx, key = self._saved.pop()
+        torch.ops.mixprec.region(self.device, key, False)
+        torch.amp._exit_autocast(ctx)
 
     def __call__(self, func: F) -> F:
         @functools.wraps(func)
@@ -258,6 +284,8 @@ class _ModuleRules:
         if not calls:
             return ""  # the outermost module of the region
         parent, parent_name = calls[-1][0], calls[-1][1]
+        if getattr(parent, "_orig_mod", None) is module:  # torch.compile's wrapper is transparent
+            return parent_name
         for key, child in parent._modules.items():
             if child is module:
                 return f"{parent_name}.{key}" if parent_name else key
@@ -266,7 +294,10 @@ class _ModuleRules:
                 return name
         return ""  # not under the outermost module: only type rules can match it
 
+    # Dynamo cannot follow this thread-local call stack: a compiled module called in a region
+    # with rules graph-breaks at its submodules' boundaries (fullgraph=True raises).
     @classmethod
+    @torch.compiler.disable
     def _pre(cls, module: nn.Module, args: tuple) -> Any:
         st = cls._state()
         if not st.frames:
@@ -285,6 +316,7 @@ class _ModuleRules:
         return args if restore is not None else None
 
     @classmethod
+    @torch.compiler.disable
     def _post(cls, module: nn.Module, args: tuple, output: Any) -> Any:
         st = cls._state()
         if not st.calls or st.calls[-1][0] is not module:

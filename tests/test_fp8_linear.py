@@ -215,3 +215,24 @@ def test_compile_fullgraph_bitwise_equal_to_eager_without_recompiles():
         assert torch.equal(fp8.layer_state(getattr(eager, name)).stats,
                            fp8.layer_state(getattr(compiled_mod, name)).stats)
     assert fp8.layer_state(compiled_mod.b).stats[2, 0] > 0  # backward statistics are recorded
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
+def test_activation_checkpointing_recomputes_bitwise(name):
+    from torch.utils.checkpoint import checkpoint
+
+    lin1, x, _ = _case((2, 4, 32), 32, torch.float32, torch.float32, True, seed=5)
+    lin2, _, grad = _case((2, 4, 32), 16, torch.float32, torch.float32, True, seed=6)
+    recipe = Float8Recipe.from_name(name)
+
+    def block(t, a, b):
+        return fp8.linear(torch.tanh(fp8.linear(t, a.weight, a.bias, recipe)), b.weight, b.bias, recipe)
+
+    outs = []
+    for use_ckpt in (False, True):
+        a, b = copy.deepcopy(lin1), copy.deepcopy(lin2)
+        t = x.clone().requires_grad_()
+        y = checkpoint(block, t, a, b, use_reentrant=False) if use_ckpt else block(t, a, b)
+        y.backward(grad)
+        outs.append((y, t.grad, a.weight.grad, b.weight.grad, a.bias.grad))
+    assert all(torch.equal(p, q) for p, q in zip(*outs))

@@ -39,7 +39,7 @@ SGD_RECIPES = [
 
 def _params(dtype):
     g = torch.Generator().manual_seed(0)
-    shapes = [(64, 80), (7, 5), (5,)]  # the first is large enough for 8-bit state
+    shapes = [(200, 201), (7, 5), (5,)]  # the first: 8-bit state, two CPU chunks and a tail
     return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in shapes]
 
 
@@ -88,14 +88,16 @@ def test_sgd_foreach_is_bitwise_per_tensor(kwargs, dtype, compensation, state_dt
     _assert_same(a, opt_a, b, opt_b)
 
 
+@pytest.mark.parametrize("foreach", [False, True])
 @pytest.mark.parametrize(
     "ours,theirs,kwargs",
     [(AdamW, torch.optim.AdamW, c) for c in ADAMW_CASES] + [(SGD, torch.optim.SGD, c) for c in SGD_CASES],
 )
-def test_fp32_foreach_is_bitwise_torch_foreach(ours, theirs, kwargs):
-    a, opt_a = _run(ours, torch.float32, True, **kwargs)
+def test_fp32_is_bitwise_torch(ours, theirs, kwargs, foreach):
+    """Chunked or not, foreach or not: on fp32 parameters, torch's own results, bitwise."""
+    a, opt_a = _run(ours, torch.float32, foreach, **kwargs)
     b = _params(torch.float32)
-    opt_b = theirs([{"params": b[:1]}, {"params": b[1:], "lr": 3e-3}], foreach=True, **kwargs)
+    opt_b = theirs([{"params": b[:1]}, {"params": b[1:], "lr": 3e-3}], foreach=foreach, **kwargs)
     for step in range(4):
         g = torch.Generator().manual_seed(100 + step)
         for i, p in enumerate(b):

@@ -21,11 +21,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from mixprec.optim._chunks import batches, part, plan
 from mixprec.optim._functional import (
     State,
     Unscaler,
-    check_grad,
+    check_grads,
     compute_dtype,
+    new_momentum_buffers,
     read_state,
     write_back,
     write_state,
@@ -53,8 +55,6 @@ def _grads(
     grads: list[Tensor], cdtypes: list[torch.dtype], inv_scale: Optional[Tensor], maximize: bool
 ) -> list[Tensor]:
     """:func:`~mixprec.optim._functional.step_grad` on a list (never writes ``grads``)."""
-    for g in grads:
-        check_grad(g)
     out = _to_compute(grads, cdtypes)
     if inv_scale is not None:
         unscale = Unscaler(inv_scale)
@@ -148,36 +148,39 @@ def adamw_foreach(
     """:func:`mixprec.optim._functional.adamw`, multi-tensor; same arguments, same results."""
     if amsgrad and any(s is None for s in max_exp_avg_sqs):
         raise ValueError("amsgrad=True needs a max_exp_avg_sq state for every parameter")
-    cdtypes = [compute_dtype(p.dtype) for p in params]
-    grads_c = _grads(grads, cdtypes, inv_scale, maximize)
-    exp_avgs_c = [read_state(s, c) for s, c in zip(exp_avgs, cdtypes)]
-    exp_avg_sqs_c = [read_state(s, c) for s, c in zip(exp_avg_sqs, cdtypes)]
-    values = _load_params(params, comps, cdtypes)
-
+    check_grads(grads)
+    stored = [exp_avgs, exp_avg_sqs] + ([max_exp_avg_sqs] if amsgrad else [])
     torch._foreach_add_(state_steps, 1)
-    if weight_decay != 0:
-        torch._foreach_mul_(values, 1 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avgs_c, grads_c, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs_c, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs_c, grads_c, grads_c, value=1 - beta2)
-
     steps = [t.item() for t in state_steps]
     step_sizes = [-(lr / (1 - beta1**step)) for step in steps]
     bias_correction2_sqrts = [(1 - beta2**step) ** 0.5 for step in steps]
-    if amsgrad:
-        maxes_c = [read_state(s, c) for s, c in zip(max_exp_avg_sqs, cdtypes)]  # type: ignore[arg-type]
-        torch._foreach_maximum_(maxes_c, exp_avg_sqs_c)
-        denoms = torch._foreach_sqrt(maxes_c)
-    else:
-        denoms = torch._foreach_sqrt(exp_avg_sqs_c)
-    torch._foreach_div_(denoms, bias_correction2_sqrts)
-    torch._foreach_add_(denoms, eps)
-    torch._foreach_addcdiv_(values, exp_avgs_c, denoms, step_sizes)
+    units = plan(params, [grads, comps, *stored])
+    for batch in batches(units, params):
+        index = [i for i, _ in batch]
+        p = [part(params[i], sl) for i, sl in batch]
+        cdtypes = [compute_dtype(t.dtype) for t in p]
+        grads_c = _grads([part(grads[i], sl) for i, sl in batch], cdtypes, inv_scale, maximize)
+        states = [[part(s[i], sl) for i, sl in batch] for s in stored]
+        computed = [[read_state(s, c) for s, c in zip(lst, cdtypes)] for lst in states]
+        exp_avgs_c, exp_avg_sqs_c = computed[0], computed[1]
+        c = [part(comps[i], sl) for i, sl in batch]
+        values = _load_params(p, c, cdtypes)
 
-    states = [(exp_avgs, exp_avgs_c), (exp_avg_sqs, exp_avg_sqs_c)]
-    if amsgrad:
-        states.append((max_exp_avg_sqs, maxes_c))
-    _write_back_all(params, values, comps, states, compensation, generator)  # type: ignore[arg-type]
+        if weight_decay != 0:
+            torch._foreach_mul_(values, 1 - lr * weight_decay)
+        torch._foreach_lerp_(exp_avgs_c, grads_c, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs_c, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs_c, grads_c, grads_c, value=1 - beta2)
+        if amsgrad:
+            torch._foreach_maximum_(computed[2], exp_avg_sqs_c)
+            denoms = torch._foreach_sqrt(computed[2])
+        else:
+            denoms = torch._foreach_sqrt(exp_avg_sqs_c)
+        torch._foreach_div_(denoms, _pick(bias_correction2_sqrts, index))
+        torch._foreach_add_(denoms, eps)
+        torch._foreach_addcdiv_(values, exp_avgs_c, denoms, _pick(step_sizes, index))
+
+        _write_back_all(p, values, c, list(zip(states, computed)), compensation, generator)
 
 
 def sgd_foreach(
@@ -198,30 +201,32 @@ def sgd_foreach(
     inv_scale: Optional[Tensor] = None,
 ) -> None:
     """:func:`mixprec.optim._functional.sgd`, multi-tensor; same arguments, same results."""
-    cdtypes = [compute_dtype(p.dtype) for p in params]
-    grads_c = _grads(grads, cdtypes, inv_scale, maximize)
-    values = _load_params(params, comps, cdtypes)
+    check_grads(grads)
+    fresh = new_momentum_buffers(momentum_buffers, params, state_dtype) if momentum != 0 else []
+    for batch in batches(plan(params, [grads, comps, momentum_buffers]), params):
+        p = [part(params[i], sl) for i, sl in batch]
+        cdtypes = [compute_dtype(t.dtype) for t in p]
+        grads_c = _grads([part(grads[i], sl) for i, sl in batch], cdtypes, inv_scale, maximize)
+        c = [part(comps[i], sl) for i, sl in batch]
+        values = _load_params(p, c, cdtypes)
 
-    if weight_decay != 0:
-        grads_c = torch._foreach_add(grads_c, values, alpha=weight_decay)
-    old: list[int] = []  # parameters whose buffer existed before this step
-    if momentum != 0:
-        bufs = []
-        for i, stored in enumerate(momentum_buffers):
-            if stored is None:
-                buf = grads_c[i].detach().clone()
-                momentum_buffers[i] = buf.to(state_dtype or cdtypes[i])
-            else:
-                buf = read_state(stored, cdtypes[i])
-                old.append(i)
-            bufs.append(buf)
-        if old:
-            torch._foreach_mul_([bufs[i] for i in old], momentum)
-            torch._foreach_add_([bufs[i] for i in old], [grads_c[i] for i in old], alpha=1 - dampening)
-        grads_c = torch._foreach_add(grads_c, bufs, alpha=momentum) if nesterov else bufs
-    torch._foreach_add_(values, grads_c, alpha=-lr)
+        if weight_decay != 0:
+            grads_c = torch._foreach_add(grads_c, values, alpha=weight_decay)
+        stored: list[Optional[Tensor]] = [None] * len(batch)
+        bufs: list[Optional[Tensor]] = [None] * len(batch)
+        if momentum != 0:
+            new = [k for k, (i, _) in enumerate(batch) if fresh[i]]
+            old = [k for k, (i, _) in enumerate(batch) if not fresh[i]]
+            views = [part(momentum_buffers[i], sl) for i, sl in batch]
+            for k in new:
+                bufs[k] = grads_c[k].detach().clone()
+                views[k].copy_(bufs[k])  # type: ignore[union-attr, arg-type]
+            for k in old:
+                bufs[k], stored[k] = read_state(views[k], cdtypes[k]), views[k]  # type: ignore[arg-type]
+            if old:
+                torch._foreach_mul_(_pick(bufs, old), momentum)
+                torch._foreach_add_(_pick(bufs, old), _pick(grads_c, old), alpha=1 - dampening)
+            grads_c = torch._foreach_add(grads_c, bufs, alpha=momentum) if nesterov else bufs  # type: ignore[arg-type]
+        torch._foreach_add_(values, grads_c, alpha=-lr)
 
-    written = set(old)
-    stored = [momentum_buffers[i] if i in written else None for i in range(len(params))]
-    computed = [bufs[i] if i in written else None for i in range(len(params))]
-    _write_back_all(params, values, comps, [(stored, computed)], compensation, generator)
+        _write_back_all(p, values, c, [(stored, bufs)], compensation, generator)

@@ -30,12 +30,13 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from mixprec.optim._chunks import part, plan
 from mixprec.optim.exact import exact_value, exact_write_
 from mixprec.optim.kahan import compensated_value, kahan_write_
 from mixprec.optim.quant8 import Quantized8
 from mixprec.optim.rounding import stochastic_round_
 
-__all__ = ["adamw", "sgd", "compute_dtype", "COMPENSATIONS", "State"]
+__all__ = ["adamw", "sgd", "compute_dtype", "COMPENSATIONS", "State"]  # and helpers for _foreach
 
 #: Accepted values of ``compensation``.
 COMPENSATIONS = (None, "kahan", "exact", "stochastic")
@@ -121,16 +122,16 @@ class Unscaler:
         return grad * inv
 
 
-def check_grad(grad: Tensor) -> None:
-    if grad.is_sparse:
-        raise RuntimeError("mixprec.optim does not support sparse gradients; use torch.optim.SparseAdam")
-    if grad.is_complex():
-        raise RuntimeError("mixprec.optim does not support complex parameters; use torch.optim")
+def check_grads(grads: list[Tensor]) -> None:
+    for grad in grads:
+        if grad.is_sparse:
+            raise RuntimeError("mixprec.optim does not support sparse gradients; use torch.optim.SparseAdam")
+        if grad.is_complex():
+            raise RuntimeError("mixprec.optim does not support complex parameters; use torch.optim")
 
 
 def step_grad(grad: Tensor, cdtype: torch.dtype, unscale: Unscaler, maximize: bool) -> Tensor:
-    """The gradient a step uses: checked, read in the compute dtype, unscaled, negated to maximize."""
-    check_grad(grad)
+    """The gradient a step uses: read in the compute dtype, unscaled, negated to maximize."""
     grad = unscale(_read(grad, cdtype))
     return -grad if maximize else grad
 
@@ -171,7 +172,8 @@ def adamw(
     generator: Optional[torch.Generator] = None,
     inv_scale: Optional[Tensor] = None,
 ) -> None:
-    """One AdamW step (decoupled weight decay) over lists of tensors, one tensor at a time.
+    """One AdamW step (decoupled weight decay) over lists of tensors, one tensor (or one CPU
+    chunk of it, :mod:`mixprec.optim._chunks`) at a time.
 
     Args:
         params: parameters, any floating dtype; updated in place.
@@ -191,16 +193,24 @@ def adamw(
         inv_scale: if given, a float32 scalar tensor the gradients are multiplied by first
             (``1 / loss_scale``).
     """
+    if amsgrad and any(s is None for s in max_exp_avg_sqs):
+        raise ValueError("amsgrad=True needs a max_exp_avg_sq state for every parameter")
+    check_grads(grads)
     unscale = Unscaler(inv_scale)
-    for i, param in enumerate(params):
+    stored = [exp_avgs, exp_avg_sqs] + ([max_exp_avg_sqs] if amsgrad else [])
+    units = plan(params, [grads, comps, *stored])
+    for i, sl in units:
+        param = part(params[i], sl)
         cdtype = compute_dtype(param.dtype)
-        grad = step_grad(grads[i], cdtype, unscale, maximize)
-        exp_avg = read_state(exp_avgs[i], cdtype)
-        exp_avg_sq = read_state(exp_avg_sqs[i], cdtype)
-        value = load_param(param, comps[i])
+        grad = step_grad(part(grads[i], sl), cdtype, unscale, maximize)
+        exp_avg = read_state(part(exp_avgs[i], sl), cdtype)
+        exp_avg_sq = read_state(part(exp_avg_sqs[i], sl), cdtype)
+        comp = part(comps[i], sl)
+        value = load_param(param, comp)
         step_t = state_steps[i]
 
-        step_t += 1
+        if sl is None or sl.start == 0:
+            step_t += 1
         if weight_decay != 0:
             value.mul_(1 - lr * weight_decay)
         exp_avg.lerp_(grad, 1 - beta1)
@@ -211,21 +221,31 @@ def adamw(
         bias_correction2 = 1 - beta2**step
         step_size = lr / bias_correction1
         bias_correction2_sqrt = bias_correction2**0.5
+        computed = [exp_avg, exp_avg_sq]
         if amsgrad:
-            max_state = max_exp_avg_sqs[i]
-            if max_state is None:
-                raise ValueError("amsgrad=True needs a max_exp_avg_sq state for every parameter")
-            max_exp_avg_sq = read_state(max_state, cdtype)
+            max_exp_avg_sq = read_state(part(max_exp_avg_sqs[i], sl), cdtype)  # type: ignore[arg-type]
             torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
             denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+            computed.append(max_exp_avg_sq)
         else:
             denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         value.addcdiv_(exp_avg, denom, value=-step_size)
 
-        states = [(exp_avgs[i], exp_avg), (exp_avg_sqs[i], exp_avg_sq)]
-        if amsgrad:
-            states.append((max_exp_avg_sqs[i], max_exp_avg_sq))
-        write_back(param, value, comps[i], states, compensation, generator)
+        states = [(part(s[i], sl), c) for s, c in zip(stored, computed)]
+        write_back(param, value, comp, states, compensation, generator)
+
+
+def new_momentum_buffers(
+    momentum_buffers: list[Optional[Tensor]], params: list[Tensor], state_dtype: Optional[torch.dtype]
+) -> list[bool]:
+    """Create the missing momentum buffers (uninitialised, in ``state_dtype`` or the compute
+    dtype) in place in the list; return which ones are new (a step sets them to the gradient)."""
+    fresh = [b is None for b in momentum_buffers]
+    for i, p in enumerate(params):
+        if fresh[i]:
+            dtype = state_dtype or compute_dtype(p.dtype)
+            momentum_buffers[i] = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
+    return fresh
 
 
 def sgd(
@@ -245,30 +265,33 @@ def sgd(
     state_dtype: Optional[torch.dtype] = None,
     inv_scale: Optional[Tensor] = None,
 ) -> None:
-    """One SGD step over lists of tensors, one tensor at a time, in place.
+    """One SGD step over lists of tensors, one tensor (or CPU chunk) at a time, in place.
 
     ``momentum_buffers[i]`` is ``None`` until the first step with ``momentum != 0``; this function
-    then creates it (in ``state_dtype``, default the compute dtype) and stores it in the list, as
-    torch does. Other arguments as in :func:`adamw`.
+    then creates it (in ``state_dtype``, default the compute dtype) as a copy of the gradient
+    and stores it in the list, as torch does. Other arguments as in :func:`adamw`.
     """
+    check_grads(grads)
     unscale = Unscaler(inv_scale)
-    for i, param in enumerate(params):
+    fresh = new_momentum_buffers(momentum_buffers, params, state_dtype) if momentum != 0 else []
+    for i, sl in plan(params, [grads, comps, momentum_buffers]):
+        param = part(params[i], sl)
         cdtype = compute_dtype(param.dtype)
-        grad = step_grad(grads[i], cdtype, unscale, maximize)
-        comp = comps[i]
+        grad = step_grad(part(grads[i], sl), cdtype, unscale, maximize)
+        comp = part(comps[i], sl)
         value = load_param(param, comp)
 
         if weight_decay != 0:
             grad = grad.add(value, alpha=weight_decay)
         if momentum != 0:
-            stored = momentum_buffers[i]
-            if stored is None:
+            stored = part(momentum_buffers[i], sl)
+            if fresh[i]:
                 buf = grad.detach().clone()
-                momentum_buffers[i] = buf.to(state_dtype or cdtype)
+                stored.copy_(buf)  # type: ignore[union-attr]
             else:
-                buf = read_state(stored, cdtype)
+                buf = read_state(stored, cdtype)  # type: ignore[arg-type]
                 buf.mul_(momentum).add_(grad, alpha=1 - dampening)
-                write_state(stored, buf, generator)
+                write_state(stored, buf, generator)  # type: ignore[arg-type]
             grad = grad.add(buf, alpha=momentum) if nesterov else buf
         value.add_(grad, alpha=-lr)
 

@@ -84,6 +84,12 @@ class Quantized8:
     signed: bool
     shape: torch.Size
 
+    def part(self, sl: slice) -> "Quantized8":
+        """The flat elements ``sl`` (``sl.start`` a multiple of :data:`BLOCK`), as a view."""
+        blocks = slice(sl.start // BLOCK, -(-sl.stop // BLOCK))
+        codes = self.codes[blocks.start * BLOCK : blocks.stop * BLOCK]
+        return Quantized8(codes, self.absmax[blocks], self.signed, torch.Size([sl.stop - sl.start]))
+
     def dequantize(self) -> Tensor:
         """The float32 moment (a new tensor of ``shape``)."""
         values = _maps(self.signed, self.codes.device)[0]

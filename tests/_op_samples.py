@@ -195,3 +195,12 @@ PROMOTE = {
 }
 
 SAMPLES = {**LOWER, **FP32, **PROMOTE}
+
+
+def flatten(out):
+    """The tensors of an op's output, in order."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in flatten(o)]
+    return []

@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "custom_fwd": "mixprec.autocast_mode",
     "custom_bwd": "mixprec.autocast_mode",
     "checkpoint_context_fn": "mixprec.autocast_mode",
+    "release_kernels": "mixprec._dispatch",
     "Policy": "mixprec.policy",
     "ModuleRule": "mixprec._modules",
     # loss scaling
@@ -46,7 +47,7 @@ _EXPORTS: dict[str, str] = {
     "NonFiniteEvent": "mixprec.diagnostics",
     "NonFiniteError": "mixprec.diagnostics",
 }
-_SUBMODULES = ("optim", "scaling", "lowp", "diagnostics", "policy")
+_SUBMODULES = ("optim", "scaling", "lowp", "diagnostics", "policy", "fp8", "integrations")
 
 __all__ = sorted([*_EXPORTS, "optim"])
 
@@ -67,6 +68,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # static type checkers see the real names
     from mixprec import optim
+    from mixprec._dispatch import release_kernels
     from mixprec._modules import ModuleRule
     from mixprec.autocast_mode import (
         autocast,

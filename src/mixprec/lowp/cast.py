@@ -74,8 +74,10 @@ def _kept_dtype(rules: list[ModuleRule | _Predicate], module: nn.Module, name: s
 
 def to_low_precision(
     model: nn.Module,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
     keep: KeepSpec = NORM_TYPES,
+    *,
+    policy: "Policy | str | None" = None,
 ) -> nn.Module:
     """Cast ``model``'s floating parameters and buffers to ``dtype`` in place; return ``model``.
 
@@ -96,8 +98,12 @@ def to_low_precision(
             (``mixprec._modules.NORM_TYPES``). ``None`` or ``()`` keeps nothing. A tensor shared
             by a kept and a cast module (tied weights) is kept.
 
+        policy: a :class:`mixprec.Policy` (or a string for :meth:`Policy.parse`) whose
+            ``params`` is the dtype and whose module rules, if it has any, are ``keep``.
+
     Raises:
-        ValueError: ``dtype`` is not bfloat16/float16.
+        ValueError: ``dtype`` is not bfloat16/float16, ``policy.params`` is float32 (nothing to
+            cast), or ``dtype`` and ``policy.params`` are both given and differ.
         TypeError: ``model`` is not an ``nn.Module`` or a ``keep`` item is not understood.
 
     Example:
@@ -106,6 +112,21 @@ def to_low_precision(
         >>> [p.dtype for p in model.parameters()][::2]
         [torch.bfloat16, torch.float32, torch.float32]
     """
+    if policy is not None:
+        from mixprec.policy import Policy
+
+        policy = Policy.parse(policy) if isinstance(policy, str) else policy
+        if dtype is not None and dtype != policy.params:
+            raise ValueError(f"to_low_precision got dtype={dtype} and policy.params={policy.params}; "
+                             "pass one of them")
+        if policy.params not in LOW_PRECISION_DTYPES:
+            raise ValueError(f"the policy stores params={str(policy.params).removeprefix('torch.')}: "
+                             "nothing to cast; give it "
+                             "params=bfloat16 or params=float16")
+        dtype = policy.params
+        if policy.module_rules and keep is NORM_TYPES:
+            keep = policy
+    dtype = torch.bfloat16 if dtype is None else dtype
     if dtype not in LOW_PRECISION_DTYPES:
         raise ValueError(
             f"to_low_precision casts to torch.bfloat16 or torch.float16, got {dtype!r}; "

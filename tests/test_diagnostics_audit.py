@@ -281,3 +281,22 @@ def test_tiny_transformer_with_a_criterion_trains_clean_in_float16() -> None:
         return True
 
     assert trains(report.policy) and not trains(None)
+
+
+def test_use_it_line_follows_the_chosen_dtype(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """bfloat16 needs no scaler; float16 gets the report's own init_scale (it said
+    ``GradScaler(init_scale=1) for float16`` whatever was chosen)."""
+    bf16 = audit(make(1), batch(), loss_fn)
+    fp16 = audit(make(None), batch(), loss_fn)
+    assert (bf16.dtype, fp16.dtype) == ("bfloat16", "float16")
+    k = int(math.log2(fp16.init_scale))
+    for report, line in (
+        (bf16, "use it: with mixprec.autocast('cpu', policy=report.policy): ...; bfloat16 needs no loss scaling"),
+        (fp16, "use it: with mixprec.autocast('cpu', policy=report.policy): ...; "
+               f"scaler = mixprec.GradScaler('cpu', init_scale=2**{k})"),
+    ):
+        assert line in report.summary(echo=False).splitlines()
+        report.save(tmp_path / report.dtype)
+        page = (tmp_path / report.dtype / "index.html").read_text()
+        assert ("GradScaler" in page) == (report.dtype == "float16")
+        assert mixprec.Policy.load(tmp_path / report.dtype / "report.json") == report.policy

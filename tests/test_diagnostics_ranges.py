@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import mixprec
 from mixprec.diagnostics import FORMATS, RangeStats, collect_ranges
 from mixprec.diagnostics.ranges import HIST_EDGES, format_limits
 
@@ -198,3 +199,31 @@ def test_beyond_float32_counts_as_overflow_not_nonfinite() -> None:
     with collect_ranges(lin, scaler=scaler) as rc:
         (lin(x) * 1e-3).sum().backward()
     assert rc.results()[""]["grad"].absmax == pytest.approx(1e-3 * 2.0 ** 19)
+
+
+class ArgmaxHead(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.argmax(dim=-1)  # an integer output: nothing to measure
+
+
+class Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 3)
+        self.head = ArgmaxHead()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.body(x)
+        return logits, self.head(logits)
+
+
+def test_non_floating_outputs_are_skipped_and_audit_runs() -> None:
+    model = Classifier()
+    with collect_ranges(model) as ranges:
+        logits, labels = model(torch.randn(5, 4))
+        logits.sum().backward()
+    stats = ranges.results()
+    assert "head" not in stats and stats["body"]["activation"].count == 15
+    assert labels.dtype == torch.int64
+    report = mixprec.audit(model, torch.randn(5, 4), lambda m, x: m(x)[0].square().mean())
+    assert "head" in report.modules and "head" not in report.ranges["float32"]

@@ -9,7 +9,8 @@ Nothing here registers anything outside its ``with`` block: with no diagnostics 
 pays nothing for them.
 """
 
-from mixprec.diagnostics.audit import AuditReport, Risk, audit
+from mixprec.diagnostics.audit import audit
+from mixprec.diagnostics.findings import AuditReport, Risk
 from mixprec.diagnostics.ranges import FORMATS, RangeCollector, RangeStats, collect_ranges
 from mixprec.diagnostics.trace import (
     NonFiniteError,

@@ -35,27 +35,24 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import math
-import os
 import re
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 
 import torch
 from torch import nn
 
+from mixprec.diagnostics.findings import AuditReport, Risk
 from mixprec.diagnostics.ranges import KINDS, RangeStats, collect_ranges
 from mixprec.diagnostics.trace import NonFiniteEvent, trace_nonfinite
 
 if TYPE_CHECKING:
     from mixprec.policy import Policy
 
-__all__ = ["AuditReport", "Risk", "audit"]
+__all__ = ["AuditReport", "Risk", "audit", "check_device", "dtype_names"]
 
 _CANDIDATES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _ALIASES = {"fp16": "float16", "half": "float16", "f16": "float16", "bf16": "bfloat16"}
-_SEVERITY = {"nonfinite": 3, "overflow": 2, "underflow": 1, "subnormal": 0}
 _FP16_MAX = torch.finfo(torch.float16).max
 
 
@@ -71,120 +68,23 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
     return name
 
 
-@dataclass(frozen=True)
-class Risk:
-    """One problem a dtype would cause in one module.
+def dtype_names(dtypes: Iterable[torch.dtype | str] | torch.dtype | str) -> tuple[str, ...]:
+    """The candidate dtypes as canonical names, in order, without repeats.
 
-    Attributes:
-        dtype: ``"float16"`` or ``"bfloat16"``.
-        module: qualified module name.
-        tensor: ``"activation"``, ``"grad"``, ``"weight"`` or ``"weight_grad"``.
-        issue: ``"nonfinite"`` (inf/NaN seen in the default-policy run), ``"overflow"``,
-            ``"underflow"`` (flush to zero) or ``"subnormal"`` (measured in float32, gradients
-            at the float16 loss scale).
-        fraction: share of the tensor's values affected.
+    Example:
+        >>> dtype_names(["fp16", torch.bfloat16, "half"])
+        ('float16', 'bfloat16')
+
+    Raises:
+        ValueError: an empty list, or a dtype other than float16/bfloat16 (or their aliases).
+        TypeError: an entry that is neither a ``torch.dtype`` nor a ``str``.
     """
-
-    dtype: str
-    module: str
-    tensor: str
-    issue: str
-    fraction: float
-
-    @property
-    def rank_key(self) -> tuple[int, float]:
-        """Sort key, most severe first when sorted in descending order."""
-        return (_SEVERITY[self.issue], self.fraction)
-
-
-@dataclass(frozen=True)
-class AuditReport:
-    """What :func:`audit` found and recommends. ``policy`` and ``init_scale`` are the answer.
-
-    Attributes:
-        device_type: the device the audit ran on.
-        dtypes: the dtype names that were audited.
-        dtype: the chosen dtype name.
-        policy: the recommended :class:`mixprec.Policy` (``compute`` = chosen dtype, float32
-            module rules for ``keep[dtype]``).
-        init_scale: recommended initial loss scale (1.0 for bfloat16).
-        reason: one sentence on why ``dtype`` was chosen.
-        keep: per audited dtype, the modules its policy keeps in float32.
-        verified: per audited dtype, whether a pass under its policy had no inf/NaN.
-        default_events: per audited dtype, the first inf/NaN under the default policy, or None.
-        grad_scale: the loss scale float16 gradients were judged at.
-        risks: all risks found, most severe first.
-        modules: ``{name: type name}`` of every module, in model order.
-        ranges: ``{"float32": ..., "float32@scale": ..., "<dtype>": ...}`` per-module statistics
-            (``{module: {kind: RangeStats}}``) of each pass; ``float32@scale`` has gradients
-            multiplied by ``grad_scale``.
-    """
-
-    device_type: str
-    dtypes: tuple[str, ...]
-    dtype: str
-    policy: "Policy"
-    init_scale: float
-    reason: str
-    keep: dict[str, tuple[str, ...]]
-    verified: dict[str, bool]
-    default_events: dict[str, NonFiniteEvent | None]
-    grad_scale: float
-    risks: tuple[Risk, ...]
-    modules: dict[str, str]
-    ranges: dict[str, dict[str, dict[str, RangeStats]]] = field(repr=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict of everything in the report (``policy`` as its string form)."""
-        return {
-            "device_type": self.device_type,
-            "dtypes": list(self.dtypes),
-            "dtype": self.dtype,
-            "policy": str(self.policy),
-            "keep_float32": list(self.keep[self.dtype]),
-            "init_scale": self.init_scale,
-            "reason": self.reason,
-            "keep": {d: list(v) for d, v in self.keep.items()},
-            "verified": dict(self.verified),
-            "default_events": {d: None if e is None else e.to_dict()
-                               for d, e in self.default_events.items()},
-            "grad_scale": self.grad_scale,
-            "risks": [vars(r).copy() for r in self.risks],
-            "modules": dict(self.modules),
-            "ranges": {run: {m: {k: s.to_dict() for k, s in kinds.items()}
-                             for m, kinds in mods.items()}
-                       for run, mods in self.ranges.items()},
-        }
-
-    def summary(self, *, top: int = 12, echo: bool = True) -> str:
-        """The recommendation and the ``top`` risks as a table; printed unless ``echo=False``.
-
-        Printed with ``rich`` when it is installed, as plain text otherwise. Returns the plain
-        text either way.
-        """
-        from mixprec.diagnostics.report import summary_text, print_summary
-
-        text = summary_text(self, top=top)
-        if echo:
-            print_summary(self, top=top, text=text)
-        return text
-
-    def to_html(self, path: str | os.PathLike[str]) -> None:
-        """Write a self-contained HTML page (figures embedded as PNG data URIs) to ``path``.
-
-        Needs matplotlib for the figures (``pip install 'mixprec[report]'``); without it the
-        page has the tables only and says so.
-        """
-        from mixprec.diagnostics.report import write_html
-
-        write_html(self, path)
-
-    def save(self, directory: str | os.PathLike[str]) -> None:
-        """Write ``index.html`` and ``report.json`` into ``directory`` (created if missing)."""
-        os.makedirs(directory, exist_ok=True)
-        self.to_html(os.path.join(directory, "index.html"))
-        with open(os.path.join(directory, "report.json"), "w") as f:
-            json.dump(self.to_dict(), f, indent=1, allow_nan=False)
+    if isinstance(dtypes, (torch.dtype, str)):
+        dtypes = (dtypes,)
+    names = tuple(dict.fromkeys(_dtype_name(d) for d in dtypes))
+    if not names:
+        raise ValueError("dtypes is empty; pass e.g. dtypes=(torch.float16, torch.bfloat16)")
+    return names
 
 
 class _FixedScale:
@@ -321,10 +221,17 @@ def _as_model_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable[[nn.Module,
     return model_loss
 
 
-def _check_device(model: nn.Module, batch: Any, device_type: str) -> None:
-    """Autocast for one device type leaves tensors on another untouched: the audit would measure
-    float32 and call it float16. Raise unless the model (or, without parameters, the batch) is
-    on ``device_type``."""
+def check_device(model: nn.Module, batch: Any, device_type: str, *, option: str = "device_type") -> None:
+    """Raise unless the model (or, without parameters, the batch) is on ``device_type``.
+
+    Autocast for one device type leaves tensors on another untouched: the audit would measure
+    float32 and call it float16. ``option`` is how the caller spells the setting in the message:
+    ``"device_type"`` (Python) or ``"--device"`` (the command line).
+
+    Raises:
+        ValueError: the model is elsewhere (the message says what to pass instead).
+        TypeError: ``device_type`` is not a string.
+    """
     from torch.utils._pytree import tree_leaves
 
     if not isinstance(device_type, str):
@@ -333,10 +240,11 @@ def _check_device(model: nn.Module, batch: Any, device_type: str) -> None:
         t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     found = sorted({t.device.type for t in tensors})
     if found and device_type not in found:
+        given, fix = ((f"--device {device_type}", f"--device {found[0]}") if option == "--device"
+                      else (f"{option}={device_type!r}", f"{option}={found[0]!r}"))
         raise ValueError(
-            f"the model is on {', '.join(found)} but device_type={device_type!r}: autocast for "
-            f"{device_type!r} would leave it in float32; pass device_type={found[0]!r} or move "
-            "the model"
+            f"the model is on {', '.join(found)} but {given}: autocast for {device_type!r} would "
+            f"leave it in float32; pass {fix} or move the model"
         )
 
 
@@ -396,12 +304,7 @@ def audit(
         raise TypeError(f"audit needs an nn.Module, got {type(model).__name__}")
     if not callable(loss_fn):
         raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
-    loss_fn = _as_model_loss(loss_fn)
-    if isinstance(dtypes, (torch.dtype, str)):
-        dtypes = (dtypes,)
-    names = tuple(dict.fromkeys(_dtype_name(d) for d in dtypes))
-    if not names:
-        raise ValueError("dtypes is empty; pass e.g. dtypes=(torch.float16, torch.bfloat16)")
+    names = dtype_names(dtypes)
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if not margin >= 1.0:
@@ -410,95 +313,29 @@ def audit(
         raise ValueError(f"underflow_threshold must be in [0, 1], got {underflow_threshold!r}")
     if not isinstance(max_fixes, int) or max_fixes < 0:
         raise ValueError(f"max_fixes must be an int >= 0, got {max_fixes!r}")
+    check_device(model, batch, device_type)
 
-    _check_device(model, batch, device_type)
-
-    from mixprec.autocast_mode import autocast
-
-    snap = _Snapshot(model, device_type)
+    passes = _Passes(model, batch, _as_model_loss(loss_fn), device_type, steps)
     try:
-        def run(policy: Any, scale: float, *tools: Any) -> None:
-            snap.reset()
-            with contextlib.ExitStack() as stack:
-                for tool in tools:
-                    stack.enter_context(tool)
-                for _ in range(steps):
-                    for p in model.parameters():
-                        p.grad = None
-                    region = (contextlib.nullcontext() if policy is None
-                              else autocast(device_type, policy=policy))
-                    with region:
-                        loss = loss_fn(model, batch)
-                    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1
-                            and loss.requires_grad):
-                        raise ValueError(
-                            "loss_fn(model, batch) must return a scalar tensor that requires grad, "
-                            f"got {type(loss).__name__}"
-                            + (f" of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}"
-                               if isinstance(loss, torch.Tensor) else "")
-                        )
-                    (loss.float() * scale).backward()
-
-        # 1. float32 reference
-        tracer = trace_nonfinite(model, deferred=True)
-        ref = collect_ranges(model)
-        run(None, 1.0, tracer, ref)
-        event = tracer.resolve()
-        if event is not None:
-            raise RuntimeError(f"the model produces {event.kind} already in float32: {event}; "
-                               "fix the model before choosing a precision")
-        ranges: dict[str, dict[str, dict[str, RangeStats]]] = {"float32": ref.results()}
-        scale16 = _init_scale(ranges["float32"], margin)
-        grad_scale = float(scaler.get_scale()) if scaler is not None else scale16
-        scaled = ranges["float32"]
-        if "float16" in names and grad_scale != 1.0:
-            at_scale = collect_ranges(model, scaler=_FixedScale(grad_scale))
-            run(None, 1.0, at_scale)
-            scaled = ranges["float32@scale"] = at_scale.results()
-
+        ref = _reference(passes, "float16" in names, margin, scaler)
+        ranges = dict(ref.ranges)
         keep: dict[str, tuple[str, ...]] = {}
         verified: dict[str, bool] = {}
         default_events: dict[str, NonFiniteEvent | None] = {}
         risks: list[Risk] = []
+        scale16 = ref.scale16
         for d in names:
-            scale = grad_scale if d == "float16" else 1.0
-            judged = scaled if d == "float16" else ranges["float32"]
-            # 2. candidates from the float32 ranges
-            flagged = {m for m, kinds in ranges["float32"].items()
-                       if (s := kinds.get("activation")) is not None
-                       and (s.overflow[d] > 0 or s.underflow[d] > underflow_threshold)}
-            kept = _minimal(flagged)
-            # 3. default policy
-            tracer = trace_nonfinite(model, deferred=True)
-            lowp = collect_ranges(model)
-            run(_policy(d, ()), scale, tracer, lowp)
-            default_events[d] = tracer.resolve()
-            ranges[d] = lowp.results()
-            risks += _risks(d, ranges["float32"], judged, ranges[d], default_events[d])
-            # 4. verification loop
-            def verify(kept: set[str], scale: float, d: str = d) -> NonFiniteEvent | None:
-                tracer = trace_nonfinite(model, deferred=True)
-                run(_policy(d, kept), scale, tracer)
-                return tracer.resolve()
-
-            event = default_events[d] if not kept else verify(kept, scale)
-            fixes = 0
-            while event is not None and fixes < max_fixes:
-                if event.phase == "backward" and d == "float16" and scale > 1.0:
-                    scale = max(1.0, scale / 8)
-                elif event.module not in kept:
-                    kept.add(event.module)
-                else:
-                    break  # keeping it in float32 did not help: nothing more to try
-                fixes += 1
-                event = verify(kept, scale)
-            clean = event is None
+            scale = ref.grad_scale if d == "float16" else 1.0
+            kept = _candidates(ref.float32, d, underflow_threshold)
+            default_events[d], ranges[d] = _default_run(passes, d, scale)
+            judged = ref.scaled if d == "float16" else ref.float32
+            risks += _risks(d, ref.float32, judged, ranges[d], default_events[d])
+            first = default_events[d] if not kept else passes.traced(_policy(d, kept), scale)
+            kept, scale, verified[d] = _verify(passes, d, kept, scale, first, max_fixes)
             keep[d] = tuple(n for n, _ in model.named_modules() if n in kept)
-            verified[d] = clean
             if d == "float16" and scaler is None:
                 scale16 = scale
-
-        chosen, reason = _choose(names, keep, verified, scaled, underflow_threshold)
+        chosen, reason = _choose(names, keep, verified, ref.scaled, underflow_threshold)
         risks.sort(key=lambda r: r.rank_key, reverse=True)
         return AuditReport(
             device_type=device_type,
@@ -510,13 +347,121 @@ def audit(
             keep=keep,
             verified=verified,
             default_events=default_events,
-            grad_scale=grad_scale,
+            grad_scale=ref.grad_scale,
             risks=tuple(risks),
             modules={n: type(m).__name__ for n, m in model.named_modules()},
             ranges=ranges,
         )
     finally:
-        snap.restore()
+        passes.snapshot.restore()
+
+
+class _Passes:
+    """Runs ``steps`` forward/backward passes from the snapshot, under a policy or in float32."""
+
+    def __init__(self, model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                 device_type: str, steps: int) -> None:
+        self.model, self.batch, self.loss_fn = model, batch, loss_fn
+        self.device_type, self.steps = device_type, steps
+        self.snapshot = _Snapshot(model, device_type)
+
+    def run(self, policy: Any, scale: float, *tools: Any) -> None:
+        """Passes under ``policy`` (``None``: float32) with the loss times ``scale``, inside
+        ``tools`` (tracers, collectors)."""
+        from mixprec.autocast_mode import autocast
+
+        self.snapshot.reset()
+        with contextlib.ExitStack() as stack:
+            for tool in tools:
+                stack.enter_context(tool)
+            for _ in range(self.steps):
+                for p in self.model.parameters():
+                    p.grad = None
+                region = contextlib.nullcontext() if policy is None else autocast(self.device_type, policy=policy)
+                with region:
+                    loss = self.loss_fn(self.model, self.batch)
+                if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+                    raise ValueError(
+                        "loss_fn(model, batch) must return a scalar tensor that requires grad, "
+                        f"got {type(loss).__name__}"
+                        + (f" of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}"
+                           if isinstance(loss, torch.Tensor) else "")
+                    )
+                (loss.float() * scale).backward()
+
+    def traced(self, policy: Any, scale: float, *tools: Any) -> NonFiniteEvent | None:
+        """:meth:`run` with a deferred tracer; the first inf/NaN, or None."""
+        tracer = trace_nonfinite(self.model, deferred=True)
+        self.run(policy, scale, tracer, *tools)
+        return tracer.resolve()
+
+
+class _Reference(NamedTuple):
+    ranges: dict[str, dict[str, dict[str, RangeStats]]]  # "float32" and maybe "float32@scale"
+    scale16: float  # the recommended float16 loss scale
+    grad_scale: float  # the scale float16 gradients are judged at
+
+    @property
+    def float32(self) -> dict[str, dict[str, RangeStats]]:
+        return self.ranges["float32"]
+
+    @property
+    def scaled(self) -> dict[str, dict[str, RangeStats]]:
+        """The float32 ranges with gradients at ``grad_scale`` (float32's own without float16)."""
+        return self.ranges.get("float32@scale", self.ranges["float32"])
+
+
+def _reference(passes: _Passes, float16: bool, margin: float, scaler: Any) -> _Reference:
+    """Step 1: the float32 pass, the float16 loss scale, and (for float16) the gradients at it."""
+    collector = collect_ranges(passes.model)
+    event = passes.traced(None, 1.0, collector)
+    if event is not None:
+        raise RuntimeError(f"the model produces {event.kind} already in float32: {event}; "
+                           "fix the model before choosing a precision")
+    ranges = {"float32": collector.results()}
+    scale16 = _init_scale(ranges["float32"], margin)
+    grad_scale = float(scaler.get_scale()) if scaler is not None else scale16
+    if float16 and grad_scale != 1.0:
+        at_scale = collect_ranges(passes.model, scaler=_FixedScale(grad_scale))
+        passes.run(None, 1.0, at_scale)
+        ranges["float32@scale"] = at_scale.results()
+    return _Reference(ranges, scale16, grad_scale)
+
+
+def _candidates(float32: dict[str, dict[str, RangeStats]], dtype: str, threshold: float) -> set[str]:
+    """Step 2: the innermost modules whose float32 outputs would overflow in ``dtype`` or flush
+    more than ``threshold`` of their values to zero."""
+    flagged = {m for m, kinds in float32.items()
+               if (s := kinds.get("activation")) is not None
+               and (s.overflow[dtype] > 0 or s.underflow[dtype] > threshold)}
+    return _minimal(flagged)
+
+
+def _default_run(passes: _Passes, dtype: str, scale: float
+                 ) -> tuple[NonFiniteEvent | None, dict[str, dict[str, RangeStats]]]:
+    """Step 3: what goes wrong under the default policy: the first inf/NaN and the ranges."""
+    collector = collect_ranges(passes.model)
+    event = passes.traced(_policy(dtype, ()), scale, collector)
+    return event, collector.results()
+
+
+def _verify(passes: _Passes, dtype: str, kept: set[str], scale: float,
+            event: NonFiniteEvent | None, max_fixes: int) -> tuple[set[str], float, bool]:
+    """Step 4: fix what still goes wrong under the candidate policy (``event``: the first
+    inf/NaN of a pass under it), at most ``max_fixes`` times: a backward inf/NaN in float16
+    divides the scale by 8 (down to 1), any other keeps the module it names in float32.
+    Returns the modules kept, the scale and whether the last pass was clean."""
+    fixes = 0
+    while event is not None and fixes < max_fixes:
+        if event.phase == "backward" and dtype == "float16" and scale > 1.0:
+            scale = max(1.0, scale / 8)
+        elif event.module not in kept:
+            kept.add(event.module)
+        else:
+            break  # keeping it in float32 did not help: nothing more to try
+        fixes += 1
+        event = passes.traced(_policy(dtype, kept), scale)
+    return kept, scale, event is None
 
 
 def _grad_flush(stats: dict[str, dict[str, RangeStats]]) -> float:

@@ -2,11 +2,12 @@
 
 The factory is called with no arguments and returns ``(model, batch, loss_fn)`` as
 :func:`mixprec.audit` takes them (``loss_fn(model, batch) -> scalar loss``). The command writes
-``index.html`` and ``report.json`` into ``--out`` and prints the summary. A bad target (module not
-found, no such attribute, not callable, factory raising, wrong return shape), a bad option or an
-unwritable ``--out`` prints one line on stderr and returns 2; an audit that fails while running
-the model (inf/NaN already in float32, an exception in the model or ``loss_fn``) prints one line
-and returns 1.
+``index.html`` and ``report.json`` (whose ``"policy"`` ``mixprec.Policy.load`` reads back) into
+``--out`` and prints the summary. A bad target (module not found, no such attribute, not
+callable, factory raising, wrong return shape) or a bad option prints one line on stderr and
+returns 2; an ``--out`` that cannot hold the report (a file, a folder under a file, not writable)
+or an audit that fails while running the model (inf/NaN already in float32, an exception in the
+model or ``loss_fn``) prints one line and returns 1, as ``mixprec demo`` does.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import importlib
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 __all__ = ["add_audit_parser", "audit_command"]
@@ -29,6 +31,17 @@ def _one_line(e: BaseException) -> str:
 def _fail(message: str, code: int = 2) -> int:
     print(f"mixprec audit: {message}", file=sys.stderr)
     return code
+
+
+def _out_problem(out: str) -> str | None:
+    """Why ``out`` cannot become the report folder (it is a file, or under one), or None."""
+    path = Path(out).absolute()
+    if path.exists() and not path.is_dir():
+        return f"--out {out!r} is a file, not a folder; give a folder for the report"
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        return f"cannot create the report folder {out!r}: {str(blocker)!r} is a file, not a folder"
+    return None
 
 
 def _load(target: str) -> tuple[Any, Any, Any] | str:
@@ -80,32 +93,37 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
         steps: passes per configuration.
 
     Returns:
-        0 on success; 2 for a bad target, bad options or an unwritable ``out``; 1 if the audit
-        fails while running the model. Every failure prints one line on stderr.
+        0 on success; 2 for a bad target or bad options; 1 for an ``out`` that cannot hold the
+        report or an audit that fails while running the model. Every failure prints one line on
+        stderr.
     """
-    from mixprec.diagnostics.audit import _dtype_name, _check_device, audit
+    from mixprec.diagnostics.audit import audit, check_device, dtype_names
 
-    try:  # the options first: a typo should not cost a model build
-        names = tuple(_dtype_name(d) for d in dtypes)
+    if not dtypes:  # the options first: a typo should not cost a model build
+        return _fail("--dtypes is empty; pass e.g. --dtypes float16,bfloat16")
+    try:
+        names = dtype_names(dtypes)
     except (ValueError, TypeError) as e:
         return _fail(str(e))
-    if not names:
-        return _fail("--dtypes is empty; pass e.g. --dtypes float16,bfloat16")
     if not isinstance(steps, int) or steps < 1:
         return _fail(f"--steps must be an integer >= 1, got {steps!r}")
+    problem = _out_problem(out)
+    if problem:
+        return _fail(problem, code=1)
     loaded = _load(target)
     if isinstance(loaded, str):
         return _fail(loaded)
     model, batch, loss_fn = loaded
     try:
-        _check_device(model, batch, device_type)
+        check_device(model, batch, device_type, option="--device")
     except (ValueError, TypeError) as e:
         return _fail(str(e))
     created = not os.path.isdir(out)
     try:  # before the audit, which may take a while
         os.makedirs(out, exist_ok=True)
     except OSError as e:
-        return _fail(f"cannot write the report to {out!r}: {e.strerror or e}")
+        return _fail(f"cannot write the report to {out!r} ({e.strerror or e}); give --out a writable folder",
+                     code=1)
     try:
         report = audit(model, batch, loss_fn, device_type=device_type, dtypes=names,
                        steps=steps)

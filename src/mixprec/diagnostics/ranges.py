@@ -312,8 +312,11 @@ class RangeCollector:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self._active:
                 return
+            floats = _floats(output)
+            if not floats:  # e.g. an argmax head: no accumulator, nothing to report
+                return
             acc = self._acc(name, "activation")
-            for t in _floats(output):
+            for t in floats:
                 acc.update(t, None)
                 if t.requires_grad:
                     handle = t.register_hook(self._make_grad_hook(name, "grad"))

@@ -1,4 +1,4 @@
-"""Rendering of an :class:`~mixprec.diagnostics.audit.AuditReport`: text table and HTML page.
+"""Rendering of an :class:`~mixprec.diagnostics.findings.AuditReport`: text table and HTML page.
 
 matplotlib and rich are optional (``pip install 'mixprec[report]'``) and imported inside the
 functions that use them.
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from mixprec.diagnostics.ranges import FORMATS, format_limits
 
-if TYPE_CHECKING:
-    from mixprec.diagnostics.audit import AuditReport
+if TYPE_CHECKING:  # findings.py imports this module; the report is only read here
+    from mixprec.diagnostics.findings import AuditReport
 
-__all__ = ["print_summary", "summary_text", "write_html"]
+__all__ = ["print_summary", "summary_text", "use_it", "write_html"]
 
 _MAX_MODULES = 80  # figures show at most this many modules (model order)
 
@@ -28,14 +28,29 @@ def _scale_str(scale: float) -> str:
     return f"2**{int(k)}" if k == int(k) else f"{scale:g}"
 
 
+def use_it(report: "AuditReport") -> str:
+    """How to apply the recommendation, for the chosen dtype (a loss scaler only for float16).
+
+    Example:
+        >>> print(use_it(report))
+        with mixprec.autocast('cpu', policy=report.policy): ...; bfloat16 needs no loss scaling
+    """
+    region = f"with mixprec.autocast({report.device_type!r}, policy=report.policy): ..."
+    if report.dtype == "float16":
+        return (f"{region}; scaler = mixprec.GradScaler({report.device_type!r}, "
+                f"init_scale={_scale_str(report.init_scale)})")
+    return f"{region}; {report.dtype} needs no loss scaling"
+
+
 def _header(report: "AuditReport") -> list[str]:
     kept = report.keep[report.dtype]
+    scale = f", init_scale={_scale_str(report.init_scale)}" if report.dtype == "float16" else ""
     return [
-        f"mixprec audit ({report.device_type}): compute={report.dtype}, "
-        f"init_scale={_scale_str(report.init_scale)}",
+        f"mixprec audit ({report.device_type}): compute={report.dtype}{scale}",
         f"policy: {report.policy}",
         "keep in float32: " + (", ".join(repr(m) for m in kept) if kept else "(none)"),
         f"reason: {report.reason}",
+        f"use it: {use_it(report)}",
     ]
 
 
@@ -222,8 +237,8 @@ td,th{{border:1px solid #ccc;padding:2px 8px;text-align:left}}
 pre{{background:#f6f6f6;padding:1em}}</style></head><body>
 <h1>mixprec audit</h1>
 <pre>{html.escape(chr(10).join(_header(report)))}</pre>
-<p>Use it: <code>with mixprec.autocast({report.device_type!r}, policy=policy): ...</code> with
-<code>GradScaler(init_scale={report.init_scale:g})</code> for float16.</p>
+<p>Use it: <code>{html.escape(use_it(report))}</code> (<code>report.policy</code> is
+<code>mixprec.Policy.load("report.json")</code> next to this page).</p>
 <h2>Dtypes audited</h2>
 {_html_table(("dtype", "verified", "kept", "first inf/NaN under the default policy"),
              _dtype_rows(report))}

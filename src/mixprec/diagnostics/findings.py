@@ -1,0 +1,141 @@
+"""What :func:`mixprec.audit` returns: :class:`AuditReport` and its :class:`Risk` entries.
+
+Plain values: the audit (``audit.py``) builds them, the renderers (``report.py``) read them, and
+neither of those imports the other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mixprec.diagnostics import report as _render
+from mixprec.diagnostics.ranges import RangeStats
+from mixprec.diagnostics.trace import NonFiniteEvent
+
+if TYPE_CHECKING:
+    from mixprec.policy import Policy
+
+__all__ = ["AuditReport", "Risk"]
+
+_SEVERITY = {"nonfinite": 3, "overflow": 2, "underflow": 1, "subnormal": 0}
+
+
+@dataclass(frozen=True)
+class Risk:
+    """One problem a dtype would cause in one module.
+
+    Attributes:
+        dtype: ``"float16"`` or ``"bfloat16"``.
+        module: qualified module name.
+        tensor: ``"activation"``, ``"grad"``, ``"weight"`` or ``"weight_grad"``.
+        issue: ``"nonfinite"`` (inf/NaN seen in the default-policy run), ``"overflow"``,
+            ``"underflow"`` (flush to zero) or ``"subnormal"`` (measured in float32, gradients
+            at the float16 loss scale).
+        fraction: share of the tensor's values affected.
+    """
+
+    dtype: str
+    module: str
+    tensor: str
+    issue: str
+    fraction: float
+
+    @property
+    def rank_key(self) -> tuple[int, float]:
+        """Sort key, most severe first when sorted in descending order."""
+        return (_SEVERITY[self.issue], self.fraction)
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """What :func:`audit` found and recommends. ``policy`` and ``init_scale`` are the answer.
+
+    Attributes:
+        device_type: the device the audit ran on.
+        dtypes: the dtype names that were audited.
+        dtype: the chosen dtype name.
+        policy: the recommended :class:`mixprec.Policy` (``compute`` = chosen dtype, float32
+            module rules for ``keep[dtype]``).
+        init_scale: recommended initial loss scale (1.0 for bfloat16).
+        reason: one sentence on why ``dtype`` was chosen.
+        keep: per audited dtype, the modules its policy keeps in float32.
+        verified: per audited dtype, whether a pass under its policy had no inf/NaN.
+        default_events: per audited dtype, the first inf/NaN under the default policy, or None.
+        grad_scale: the loss scale float16 gradients were judged at.
+        risks: all risks found, most severe first.
+        modules: ``{name: type name}`` of every module, in model order.
+        ranges: ``{"float32": ..., "float32@scale": ..., "<dtype>": ...}`` per-module statistics
+            (``{module: {kind: RangeStats}}``) of each pass; ``float32@scale`` has gradients
+            multiplied by ``grad_scale``.
+    """
+
+    device_type: str
+    dtypes: tuple[str, ...]
+    dtype: str
+    policy: "Policy"
+    init_scale: float
+    reason: str
+    keep: dict[str, tuple[str, ...]]
+    verified: dict[str, bool]
+    default_events: dict[str, NonFiniteEvent | None]
+    grad_scale: float
+    risks: tuple[Risk, ...]
+    modules: dict[str, str]
+    ranges: dict[str, dict[str, dict[str, RangeStats]]] = field(repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict of everything in the report.
+
+        ``policy`` is the complete policy as :meth:`mixprec.Policy.to_dict` writes it, so
+        ``mixprec.Policy.load("<out>/report.json")`` gives it back; ``policy_text`` is its
+        string form.
+        """
+        return {
+            "device_type": self.device_type,
+            "dtypes": list(self.dtypes),
+            "dtype": self.dtype,
+            "policy": self.policy.to_dict(),
+            "policy_text": str(self.policy),
+            "keep_float32": list(self.keep[self.dtype]),
+            "init_scale": self.init_scale,
+            "reason": self.reason,
+            "keep": {d: list(v) for d, v in self.keep.items()},
+            "verified": dict(self.verified),
+            "default_events": {d: None if e is None else e.to_dict()
+                               for d, e in self.default_events.items()},
+            "grad_scale": self.grad_scale,
+            "risks": [vars(r).copy() for r in self.risks],
+            "modules": dict(self.modules),
+            "ranges": {run: {m: {k: s.to_dict() for k, s in kinds.items()}
+                             for m, kinds in mods.items()}
+                       for run, mods in self.ranges.items()},
+        }
+
+    def summary(self, *, top: int = 12, echo: bool = True) -> str:
+        """The recommendation and the ``top`` risks as a table; printed unless ``echo=False``.
+
+        Printed with ``rich`` when it is installed, as plain text otherwise. Returns the plain
+        text either way.
+        """
+        text = _render.summary_text(self, top=top)
+        if echo:
+            _render.print_summary(self, top=top, text=text)
+        return text
+
+    def to_html(self, path: str | os.PathLike[str]) -> None:
+        """Write a self-contained HTML page (figures embedded as PNG data URIs) to ``path``.
+
+        Needs matplotlib for the figures (``pip install 'mixprec[report]'``); without it the
+        page has the tables only and says so.
+        """
+        _render.write_html(self, path)
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write ``index.html`` and ``report.json`` into ``directory`` (created if missing)."""
+        os.makedirs(directory, exist_ok=True)
+        self.to_html(os.path.join(directory, "index.html"))
+        with open(os.path.join(directory, "report.json"), "w") as f:
+            json.dump(self.to_dict(), f, indent=1, allow_nan=False)

@@ -450,6 +450,7 @@ def test_plain_torch_autocast_is_unchanged_after_mixprec_with_edited_policy():
     assert c.casts == 4
 
 
+@pytest.mark.slow
 def test_importing_mixprec_registers_nothing():
     import subprocess
     import sys

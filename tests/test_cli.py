@@ -103,6 +103,7 @@ COMMANDS = {
         ("console script", ["--out", "{file}"], 1, "is a file, not a folder"),
     ],
 )
+@pytest.mark.slow
 def test_errors_from_the_commands_are_one_line(command: str, args, status, match, tmp_path: Path) -> None:
     if command == "console script" and _console_script() is None:
         pytest.skip("the mixprec console script is not installed")
@@ -131,6 +132,7 @@ def test_audit_is_registered() -> None:
     assert callable(args.func) and args.target == "some.module:factory"
 
 
+@pytest.mark.slow
 def test_python_m_mixprec_demo_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "report"
     proc = subprocess.run(
@@ -159,6 +161,7 @@ def test_version(capsys) -> None:
     assert capsys.readouterr().out == f"mixprec {mixprec.__version__} (torch {torch.__version__})\n"
 
 
+@pytest.mark.slow
 def test_demo_sh_says_it_is_installing_and_shows_why_it_failed(tmp_path: Path) -> None:
     # a fresh checkout (no .venv) whose Python cannot create one: the first line says what is
     # being installed before the installer runs, and a failure shows the installer's own output

@@ -59,6 +59,7 @@ def test_format_table_text_and_markdown() -> None:
     assert md[1] == "|---|---|---:|---|---|" and md[2].startswith("| scaler_overhead | sgd | 1.023 |")
 
 
+@pytest.mark.slow
 def test_python_m_benchmarks_quick_runs_every_benchmark() -> None:
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
@@ -67,6 +68,7 @@ def test_python_m_benchmarks_quick_runs_every_benchmark() -> None:
     assert names == {"autocast_overhead", "scaler_overhead", "lowp_memory", "diagnostics_overhead"}
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_smoke_run_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu.md"
     proc = subprocess.run(
@@ -101,6 +103,7 @@ def test_gpu_benchmark_settings_and_bad_counts(capsys) -> None:
         f"gpu.py: error: unknown mode(s) fp8; choose from {', '.join(MODES)}\n")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_gpu_benchmark_refuses_cuda_without_cuda() -> None:
     proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--device", "cuda"], cwd=ROOT,

@@ -190,6 +190,7 @@ def test_stats_table():
     assert re.search(r"^4\s+grad_output\s+\S+\s+0\.00%\s+0\.00%\s+0\s+-\s+no$", text, re.M)
 
 
+@pytest.mark.slow
 def test_public_surface_and_light_import():
     for name in fp8.__all__:
         assert not name.startswith("_") and getattr(fp8, name) is not None

@@ -82,12 +82,14 @@ def final_losses():
     return out
 
 
+@pytest.mark.slow
 def test_naive_bf16_stalls(final_losses):
     fp32, naive, initial = final_losses["fp32"], final_losses["naive"], final_losses["initial"]
     assert fp32 < 0.5 * initial  # the task trains
     assert naive > 1.5 * fp32  # most updates were rounded away
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,tol", [("kahan", 0.01), ("stochastic", 0.01), ("master", 0.005)])
 def test_compensated_training_matches_fp32(final_losses, kind, tol):
     fp32 = final_losses["fp32"]
@@ -203,12 +205,14 @@ def classifier_losses(request):
     return out
 
 
+@pytest.mark.slow
 def test_classifier_naive_bf16_stalls(classifier_losses):
     losses = classifier_losses
     assert losses["fp32"] < 0.8 * losses["initial"]
     assert losses["naive"] > 1.2 * losses["fp32"], losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,tol", [("kahan", 0.01), ("stochastic", 0.01), ("master", 0.005)])
 def test_classifier_compensated_training_matches_fp32(classifier_losses, kind, tol):
     fp32 = classifier_losses["fp32"]

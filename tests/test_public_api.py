@@ -35,6 +35,7 @@ def test_optim_names():
     assert {"AdamW", "SGD"} <= set(mixprec.optim.__all__)
 
 
+@pytest.mark.slow
 def test_import_is_light():
     # tqdm is left out: torch itself imports it (torch.hub)
     code = ("import sys, mixprec; mixprec.autocast; mixprec.GradScaler; mixprec.Policy;"

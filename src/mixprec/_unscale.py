@@ -63,16 +63,17 @@ def unscale_(grads: Iterable[Tensor], scale: Optional[Tensor]) -> dict[torch.dev
         >>> flags = unscale_([p.grad for p in model.parameters() if p.grad is not None], scale)
         >>> skip = any(bool(f) for f in flags.values())   # reading them is a host sync
     """
-    grads = [grad._values() if grad.is_sparse else grad for grad in grads]
-    if not grads:
+    groups: dict[torch.device, dict[torch.dtype, list[Tensor]]] = defaultdict(lambda: defaultdict(list))
+    for grad in grads:
+        if grad.is_sparse:
+            grad = grad._values()
+        groups[grad.device][grad.dtype].append(grad)
+    if not groups:
         return {}
-    anchor = grads[0].device if scale is None else scale.device
+    anchor = next(iter(groups)) if scale is None else scale.device
     inv = torch.ones((), dtype=torch.float32, device=anchor) if scale is None else inverse_scale(scale)
     per_device_inv = PerDevice(inv)
     per_device_found_inf = PerDevice(torch.zeros((), dtype=torch.float32, device=anchor))
-    groups: dict[torch.device, dict[torch.dtype, list[Tensor]]] = defaultdict(lambda: defaultdict(list))
-    for grad in grads:
-        groups[grad.device][grad.dtype].append(grad)
     with torch.no_grad():
         for device, per_dtype in groups.items():
             for tensors in per_dtype.values():

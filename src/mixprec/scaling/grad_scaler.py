@@ -35,7 +35,7 @@ from mixprec.scaling._state import (
     to_state_dict,
     validated_new_scale,
 )
-from mixprec.scaling.protocol import PreparesGrads, lend_scale
+from mixprec.scaling.protocol import lend_scale, prepare_grads
 from mixprec.scaling.rule import (
     ScaleConfig,
     ScaleState,
@@ -116,7 +116,7 @@ class GradScaler(torch.amp.GradScaler):
         * :meth:`watch`: the overflow flag is read once per optimizer and iteration, in
           :meth:`unscale_` (before clipping spreads a NaN to every gradient) or else in
           :meth:`step`; on the plain path that is the step's own sync, moved earlier; on the fused
-          path it is one extra. Attribution (only on skipped steps) reads one flag per gradient.
+          path it is one extra. Naming the parameters (only on skipped steps) is one more.
         * ``min_scale`` with ``on_min_scale`` ``"raise"`` (or ``"warn"`` until it has warned): one
           per :meth:`update`. ``history``: one per :meth:`update`.
         * :meth:`get_scale`, :meth:`state_dict`, pickling, ``copy.deepcopy``: one each (the
@@ -357,8 +357,7 @@ class GradScaler(torch.amp.GradScaler):
         self, optimizer: torch.optim.Optimizer, scale: torch.Tensor | None, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
         """Unscales (``scale=None``: only checks) the optimizer's gradients; per-device flags."""
-        if isinstance(optimizer, PreparesGrads):
-            optimizer.prepare_grads()
+        prepare_grads(optimizer)
         group = self._group()
         grads = []
         for param_group in optimizer.param_groups:

@@ -75,6 +75,7 @@ BENCHMARKS: dict[str, Callable[[Any], list[Row]]] = {
     "lowp_memory": _lowp,
     "diagnostics_overhead": _diagnostics,
     "fp8": lambda res: [Row(*row) for row in res["rows"]],
+    "optim": lambda res: [Row(*row) for row in res["rows"]],
 }
 
 

@@ -3,7 +3,14 @@
 import pytest
 import torch
 
+import mixprec.optim._chunks
 from mixprec.optim import SGD, AdamW
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """CPU chunks of 4096 elements: the tests' 40K-element tensor crosses 9 chunk boundaries."""
+    monkeypatch.setattr(mixprec.optim._chunks, "CPU_CHUNK", 4096)
 
 ADAMW_CASES = [
     dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
@@ -39,7 +46,7 @@ SGD_RECIPES = [
 
 def _params(dtype):
     g = torch.Generator().manual_seed(0)
-    shapes = [(200, 201), (7, 5), (5,)]  # the first: 8-bit state, two CPU chunks and a tail
+    shapes = [(200, 201), (7, 5), (5,)]  # the first: 8-bit state, CPU chunks and a tail
     return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in shapes]
 
 

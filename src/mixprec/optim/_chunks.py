@@ -26,7 +26,7 @@ from mixprec.optim.quant8 import BLOCK, Quantized8
 __all__ = ["CPU_CHUNK", "Unit", "plan", "part", "batches"]
 
 #: Elements per chunk on the CPU: 32768 float32 (128 KiB per tensor) stay in a core's L2 cache.
-CPU_CHUNK = 1 << 15  # a multiple of BLOCK
+CPU_CHUNK = 1 << 17  # a multiple of BLOCK
 
 #: ``(parameter index, slice of its flattened elements or None for the whole tensor)``.
 Unit = tuple[int, Optional[slice]]

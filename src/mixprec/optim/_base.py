@@ -9,6 +9,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
+from mixprec._unscale import inverse_scale
+from mixprec.scaling.protocol import lent_scale
 from mixprec.optim._functional import COMPENSATIONS, compute_dtype
 from mixprec.optim.exact import check_exact_dtype, exact_write_
 from mixprec.optim.kahan import kahan_write_
@@ -134,19 +136,19 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         return loss, skip, inv_scale
 
     def _scaler_inputs(self) -> tuple[bool, Optional[Tensor]]:
-        """``(skip, inv_scale)`` from a loss scaler's ``found_inf``/``grad_scale`` attributes.
+        """``(skip, inv_scale)`` from what a loss scaler lent this step (``grad_scale``,
+        ``found_inf``: :mod:`mixprec.scaling.protocol`).
 
         ``skip`` reads ``found_inf`` on the host (a device sync when a scaler set it).
         """
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and float(found_inf) != 0:
-            return True, None
-        grad_scale = getattr(self, "grad_scale", None)
-        if grad_scale is None:
+        lent = lent_scale(self)
+        if lent is None:
             return False, None
-        if grad_scale.device.type == "mps":  # no float64 there
-            return False, grad_scale.float().reciprocal()
-        return False, grad_scale.double().reciprocal().float()  # as the scalers' unscale_
+        if float(lent.found_inf) != 0:
+            return True, None
+        if lent.grad_scale is None:
+            return False, None
+        return False, inverse_scale(lent.grad_scale)  # as the scalers' unscale_
 
     @staticmethod
     def _uses_foreach(group: dict[str, Any]) -> bool:

@@ -30,6 +30,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from mixprec._unscale import PerDevice
 from mixprec.optim._chunks import part, plan
 from mixprec.optim.exact import exact_value, exact_write_
 from mixprec.optim.kahan import compensated_value, kahan_write_
@@ -109,17 +110,10 @@ class Unscaler:
     """Divides gradients by the loss scale: ``grad * inv_scale``, one copy of it per device."""
 
     def __init__(self, inv_scale: Optional[Tensor]) -> None:
-        self.inv_scale = inv_scale
-        self.per_device: dict[torch.device, Tensor] = {}
+        self.inv = None if inv_scale is None else PerDevice(inv_scale)
 
     def __call__(self, grad: Tensor) -> Tensor:
-        if self.inv_scale is None:
-            return grad
-        inv = self.per_device.get(grad.device)
-        if inv is None:
-            inv = self.inv_scale.to(grad.device, non_blocking=True)
-            self.per_device[grad.device] = inv
-        return grad * inv
+        return grad if self.inv is None else grad * self.inv.get(grad.device)
 
 
 def check_grads(grads: list[Tensor]) -> None:

@@ -147,6 +147,40 @@ def run_scaling_case(impl, run, unskipped, skipped, kind="plain", exact=True, mo
     return [p.detach().clone() for m in scaled[0] for p in m.parameters()], scaler
 
 
+def _mse(model, x, y, scaler):
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _nothing(model, optimizer, scaler):
+    pass
+
+
+def one_model_run(loss_fn=_mse, after_backward=_nothing):
+    """The ``run`` of torch's single-model scaling tests: the scaled run injects an inf into
+    ``model[2].weight.grad`` at ``skip_iter`` and lets the scaler skip; the control skips that
+    step by hand. ``loss_fn(model, x, y, scaler)`` and ``after_backward(model, optimizer,
+    scaler)`` get ``scaler=None`` in the control run."""
+
+    def run(data, models, optimizers, scaler, skip_iter, try_scaling_api):
+        (model,), (optimizer,) = models, optimizers
+        for i, (x, y) in enumerate(data):
+            optimizer.zero_grad()
+            if try_scaling_api:
+                scaler.scale(loss_fn(model, x, y, scaler)).backward()
+                if i == skip_iter:
+                    model[2].weight.grad.fill_(INF)
+                after_backward(model, optimizer, scaler)
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss_fn(model, x, y, None).backward()
+                after_backward(model, optimizer, None)
+                if i != skip_iter:
+                    optimizer.step()
+
+    return run
+
+
 def both_agree(run, unskipped, skipped, **kwargs):
     """Runs the case with torch's scaler and with ours; checks the control and bitwise agreement."""
     theirs, _ = run_scaling_case("torch", run, unskipped, skipped, **kwargs)

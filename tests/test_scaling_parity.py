@@ -13,104 +13,42 @@ from torch import nn
 import mixprec
 from mixprec.scaling import GradScaler
 
-from _scaling_cases import IMPLS, INF, both_agree, make_optimizer, make_scaler, one_param_step, per_impl, same_tensors, snapshot, train
+from _scaling_cases import IMPLS, INF, both_agree, make_optimizer, make_scaler, one_model_run, one_param_step, per_impl, same_tensors, snapshot, train
 
 
 @pytest.mark.parametrize("kind", ["plain", "foreach", "fused"])
 def test_default_training_matches_control_and_torch(kind):
-    def run(data, models, optimizers, scaler, skip_iter, try_scaling_api):
-        (model,), (optimizer,) = models, optimizers
-        for i, (x, y) in enumerate(data):
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            if try_scaling_api:
-                scaler.scale(loss).backward()
-                if i == skip_iter:
-                    model[2].weight.grad.fill_(INF)
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                if i != skip_iter:
-                    optimizer.step()
-
-    both_agree(run, 3, 1, kind=kind)
+    both_agree(one_model_run(), 3, 1, kind=kind)
 
 
 def test_clipping_scaled_gradients():
-    max_norm = 0.2
+    def clip(model, optimizer, scaler):
+        max_norm = 0.2 * (1.0 if scaler is None else scaler.get_scale())
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
-    def run(data, models, optimizers, scaler, skip_iter, try_scaling_api):
-        (model,), (optimizer,) = models, optimizers
-        for i, (x, y) in enumerate(data):
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            if try_scaling_api:
-                scaler.scale(loss).backward()
-                nn.utils.clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())
-                if i == skip_iter:
-                    model[2].weight.grad.fill_(INF)
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                if i != skip_iter:
-                    optimizer.step()
-
-    both_agree(run, 3, 1, exact=False)
+    both_agree(one_model_run(after_backward=clip), 3, 1, exact=False)
 
 
 def test_unscale_then_clip():
-    max_norm = 0.2
+    def unscale_and_clip(model, optimizer, scaler):
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), 0.2, error_if_nonfinite=False)
 
-    def run(data, models, optimizers, scaler, skip_iter, try_scaling_api):
-        (model,), (optimizer,) = models, optimizers
-        for i, (x, y) in enumerate(data):
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            if try_scaling_api:
-                scaler.scale(loss).backward()
-                if i == skip_iter:
-                    model[2].weight.grad.fill_(INF)
-                scaler.unscale_(optimizer)
-                nn.utils.clip_grad_norm_(model.parameters(), max_norm, error_if_nonfinite=False)
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                if i != skip_iter:
-                    optimizer.step()
-
-    both_agree(run, 3, 1, exact=False)
+    both_agree(one_model_run(after_backward=unscale_and_clip), 3, 1, exact=False)
 
 
 def test_gradient_penalty_double_backward():
-    def run(data, models, optimizers, scaler, skip_iter, try_scaling_api):
-        (model,), (optimizer,) = models, optimizers
-        for i, (x, y) in enumerate(data):
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            if try_scaling_api:
-                grads = torch.autograd.grad(scaler.scale(loss), list(model.parameters()), create_graph=True)
-                inv_scale = 1.0 / scaler.get_scale()
-                grads = [g * inv_scale for g in grads]
-            else:
-                grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
-            loss = loss + sum(g.pow(2).sum() for g in grads).sqrt()
-            if try_scaling_api:
-                scaler.scale(loss).backward()
-                if i == skip_iter:
-                    model[2].weight.grad.fill_(INF)
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                if i != skip_iter:
-                    optimizer.step()
+    def penalised(model, x, y, scaler):
+        loss = nn.functional.mse_loss(model(x), y)
+        if scaler is None:
+            grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+        else:
+            grads = torch.autograd.grad(scaler.scale(loss), list(model.parameters()), create_graph=True)
+            grads = [g * (1.0 / scaler.get_scale()) for g in grads]
+        return loss + sum(g.pow(2).sum() for g in grads).sqrt()
 
-    both_agree(run, 3, 1, exact=False)
+    both_agree(one_model_run(loss_fn=penalised), 3, 1, exact=False)
 
 
 def test_gradient_accumulation():

@@ -84,17 +84,130 @@ def test_torch_autocast_under_compile_after_mixprec_registered_kernels():
     torch.testing.assert_close(got, eager, rtol=0, atol=0)
 
 
-def test_region_inside_a_compiled_function_is_never_silently_dropped():
+EDIT_SOFTMAX = mixprec.Policy().with_ops(fp32=["softmax"])
+
+
+class Counter:
+    """A backend that counts compilations and runs AOTAutograd (as inductor would)."""
+
+    def __init__(self):
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.graphs = 0
+
+        def fw(gm, example_inputs):
+            self.graphs += 1
+            return gm.forward
+
+        self.backend = aot_autograd(fw_compiler=fw)
+
+
+@pytest.mark.parametrize("policy", [None, EDIT_SOFTMAX, "fp32-numerics"], ids=["default", "edited", "preset"])
+def test_region_inside_a_compiled_function_traces_with_fullgraph(policy):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    x = torch.randn(2, 5, 8)
+
+    def step(x):
+        with mixprec.autocast("cpu", policy=policy):
+            out = model(x)
+        return out.sum(), out
+
+    def grads(fn):
+        model.zero_grad()
+        loss, out = fn(x)
+        loss.backward()
+        return out, [p.grad.clone() for p in model.parameters()]
+
+    eager, eager_grads = grads(step)
+    compiled, compiled_grads = grads(torch.compile(step, backend="aot_eager", fullgraph=True))
+    assert compiled.dtype == eager.dtype
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    for a, b in zip(compiled_grads, eager_grads):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert mixprec._dispatch.top("cpu") is None and not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.slow
+def test_region_inside_compiled_function_with_inductor():
+    lin = nn.Linear(4, 4)
+
+    def f(x):
+        with mixprec.autocast("cpu", policy=EDIT_SOFTMAX):
+            return lin(x).softmax(-1)
+
+    x = torch.randn(2, 4)
+    out = torch.compile(f, fullgraph=True)(x)
+    assert out.dtype == torch.float32 and torch.equal(out, f(x))
+
+
+def test_no_stale_policy_when_the_region_is_around_the_compiled_call():
     torch.manual_seed(0)
     lin = nn.Linear(4, 4)
     x = torch.randn(2, 4)
+    f = lambda x: lin(x).softmax(-1)  # noqa: E731
+    counter = Counter()
+    g = torch.compile(f, backend=counter.backend, fullgraph=True)
+    expected = {None: torch.bfloat16, "edited": torch.float32}
+    for _ in range(2):
+        for name, policy in (("edited", EDIT_SOFTMAX), (None, None), ("edited", EDIT_SOFTMAX)):
+            with mixprec.autocast("cpu", policy=policy):
+                eager, out = f(x), g(x)
+            assert out.dtype == eager.dtype == expected[name]
+            assert torch.equal(out, eager)
+    with torch.autocast("cpu"):  # plain torch.autocast shares the default policy's graph
+        assert torch.equal(g(x), f(x))
+    assert counter.graphs == 2  # one per policy, then cached: guards, not recompiles per call
+
+
+def test_no_stale_policy_when_the_policy_is_an_argument():
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+
+    def f(x, policy):
+        with mixprec.autocast("cpu", policy=policy):
+            return lin(x).softmax(-1)
+
+    g = torch.compile(f, backend="aot_eager", fullgraph=True)
+    for policy in (EDIT_SOFTMAX, None, "fp32-numerics", EDIT_SOFTMAX, None):
+        eager, out = f(x, policy), g(x, policy)
+        assert out.dtype == eager.dtype and torch.equal(out, eager)
+
+
+def test_module_rules_inside_a_compiled_function_say_what_to_do():
+    lin = nn.Linear(4, 4)
+    keep_linear = mixprec.Policy().keep(types=nn.Linear)
 
     def f(x):
-        with mixprec.autocast("cpu"):
+        with mixprec.autocast("cpu", policy=keep_linear):
             return lin(x)
 
-    out = torch.compile(f, backend="aot_eager")(x)  # graph break: the region runs eagerly
-    assert out.dtype == torch.bfloat16 and torch.equal(out, f(x))
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match="disable"):
-        torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+    with pytest.raises(Exception, match="around the compiled call"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(torch.randn(2, 4))
+    assert mixprec._dispatch.top("cpu") is None
+
+
+def test_policies_built_inside_compiled_code_are_refused_not_silently_changed():
+    """Dynamo's emulation of frozen dataclasses drops fields (here the keep rule): building a
+    policy while tracing raises instead, with what to do."""
+    lin = nn.Linear(4, 4)
+
+    def f(x):
+        with mixprec.autocast("cpu", policy=mixprec.Policy().keep(types=nn.Linear)):
+            return lin(x)
+
+    with pytest.raises(Exception, match="outside torch.compile"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(torch.randn(2, 4))
+
+
+def test_module_rules_around_a_compiled_model_match_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4))
+    policy = mixprec.Policy(output=torch.float32).keep(types=nn.LayerNorm).keep(names=r"^2$", dtype="fp16")
+    x = torch.randn(2, 4)
+    with mixprec.autocast("cpu", policy=policy):
+        eager = model(x)
+        compiled = torch.compile(model, backend="aot_eager")(x)  # graph breaks at module rules
+    assert compiled.dtype == eager.dtype == torch.float32
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from mixprec._tree import tracing as _tracing
+
 __all__ = ["ModuleRule", "NORM_TYPES"]
 
 #: Normalisation layers: the modules that mixed-precision recipes keep in float32 by default.
@@ -48,6 +50,8 @@ class ModuleRule:
     _pattern: re.Pattern[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if _tracing():  # see mixprec.policy._refuse_tracing
+            raise RuntimeError("build mixprec ModuleRules and Policies outside torch.compile")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"ModuleRule dtype must be a floating torch.dtype, got {self.dtype!r}")
         types = self.types

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["CASTABLE_DTYPES", "castable", "cast_tree"]
+__all__ = ["CASTABLE_DTYPES", "castable", "cast_tree", "tracing"]
 
 #: Floating dtypes autocast may cast: every floating dtype but float64 (as PyTorch's autocast).
 CASTABLE_DTYPES = frozenset(
@@ -54,3 +54,9 @@ def cast_tree(tree: Any, dtype: torch.dtype, device_type: str | None = None) -> 
     if isinstance(tree, torch.Tensor):  # the common case, without the pytree walk
         return cast(tree)
     return pytree.tree_map(cast, tree)
+
+
+def tracing() -> bool:
+    """Whether Dynamo is tracing the calling code (not merely running inside a compile)."""
+    is_dynamo = getattr(torch.compiler, "is_dynamo_compiling", None)  # torch >= 2.5
+    return is_dynamo() if is_dynamo is not None else torch.compiler.is_compiling()

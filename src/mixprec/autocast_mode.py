@@ -20,7 +20,7 @@ from torch import nn
 
 from mixprec import _dispatch
 from mixprec._dispatch import Frame
-from mixprec._tree import cast_tree
+from mixprec._tree import cast_tree, tracing as _tracing
 from mixprec.policy import Policy
 
 __all__ = [
@@ -155,7 +155,7 @@ class autocast:
         self._enabled = bool(enabled)
         self._cache_enabled = bool(cache_enabled)
         self._saved: list[tuple[Any, ...]] = []
-        if torch.compiler.is_compiling():  # resolved at trace time by _traced_region
+        if _tracing():  # resolved at trace time by _traced_region
             self.fast_dtype, self.policy, self._raw = dtype, policy, (dtype, enabled, policy)
             return
         self.policy, self.fast_dtype, self._enabled = _resolve(device_type, dtype, enabled, policy)
@@ -165,7 +165,7 @@ class autocast:
     # push the policy's frame wherever the graph is traced or run (see _dispatch). Dynamo guards
     # on the policy like on any value the traced code reads, so another policy recompiles.
     def __enter__(self) -> "autocast":
-        if torch.compiler.is_compiling():
+        if _tracing():
             return self._enter_traced()
         dev = self.device
         frame = None
@@ -188,7 +188,7 @@ class autocast:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if torch.compiler.is_compiling():
+        if _tracing():
             return self._exit_traced()
         (enabled, dtype, cache), frame, hooked = self._saved.pop()
         if hooked:

@@ -33,7 +33,7 @@ from torch import nn
 from mixprec import ops as _ops
 from mixprec._modules import ModuleRule
 from mixprec._ops_names import OpLike, canonical_names
-from mixprec._tree import cast_tree
+from mixprec._tree import cast_tree, tracing as _tracing
 
 __all__ = ["Policy", "PRESETS", "parse_dtype"]
 
@@ -110,6 +110,7 @@ class Policy:
     module_rules: tuple[ModuleRule, ...] = field(default=())
 
     def __post_init__(self) -> None:
+        _refuse_tracing("policies")
         _check_dtype("params", self.params, allow_none=False)
         _check_dtype("compute", self.compute, allow_none=True)
         _check_dtype("output", self.output, allow_none=True)
@@ -391,6 +392,17 @@ def _resolve_edits(base: str, table_device: str, rules: tuple[tuple[str, str], .
             if table.get(n, "passthrough") != native.get(n, "passthrough")
         })
     return edits
+
+
+def _refuse_tracing(what: str) -> None:
+    """Policies are values built once, outside compiled code: Dynamo's emulation of a frozen
+    dataclass drops fields, which would silently lose op edits or module rules. Raising here
+    makes Dynamo run the construction eagerly (a graph break; an error under fullgraph=True)."""
+    if _tracing():
+        raise RuntimeError(
+            f"build mixprec {what} outside torch.compile (a global, an argument, or a string "
+            "policy= that mixprec.autocast parses at trace time)"
+        )
 
 
 def _unknown_word(word: str, spec: str) -> str:

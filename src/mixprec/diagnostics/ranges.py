@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+
+from mixprec.diagnostics._tensors import FLOAT32_MAX, measured
 
 __all__ = [
     "FORMATS",
@@ -96,7 +97,6 @@ def format_limits(dtype: torch.dtype) -> FormatLimits:
 
 _LIMITS = {name: format_limits(dt) for name, dt in FORMATS.items()}
 _F32_SUB = torch.finfo(torch.float32).tiny * torch.finfo(torch.float32).eps
-_F32_MAX = torch.finfo(torch.float32).max
 # bucket i counts |x| in [B[i-1], B[i]); bucket 0 holds exact zeros (and the non-finite values)
 _BOUNDS: tuple[float, ...] = tuple(
     sorted({_F32_SUB} | {v for lim in _LIMITS.values()
@@ -172,7 +172,7 @@ class _Acc:
             a = a * scale
         # finite values past float32 (float64 input, or a gradient times a large scale) round to
         # inf here: clamp them to float32's max, where they count as overflow in every format
-        a = a.clamp(max=_F32_MAX)
+        a = a.clamp(max=FLOAT32_MAX)
         new = [
             nonfinite,
             a.amax(),
@@ -253,11 +253,6 @@ def _stats(count: int, v: list[float]) -> RangeStats:
     )
 
 
-def _floats(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)
-            and t.is_floating_point() and t.element_size() >= 2 and t.numel() > 0]
-
-
 class RangeCollector:
     """The object :func:`collect_ranges` returns; use it as a context manager."""
 
@@ -312,7 +307,7 @@ class RangeCollector:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self._active:
                 return
-            floats = _floats(output)
+            floats = measured(output)
             if not floats:  # e.g. an argmax head: no accumulator, nothing to report
                 return
             acc = self._acc(name, "activation")

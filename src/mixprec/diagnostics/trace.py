@@ -39,7 +39,9 @@ from typing import Any, Callable, Literal
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
+
+from mixprec.diagnostics._tensors import FLOAT32_MAX, measured
 
 __all__ = ["NonFiniteEvent", "NonFiniteError", "NonFiniteTracer", "trace_nonfinite"]
 
@@ -112,29 +114,13 @@ class NonFiniteError(RuntimeError):
         self.event = event
 
 
-def _floats(tree: Any) -> list[torch.Tensor]:
-    """The floating tensors (16 bits or wider, non-empty) among the leaves of a container."""
-    leaves = [tree] if isinstance(tree, torch.Tensor) else tree_leaves(tree)
-    return [
-        t
-        for t in leaves
-        if isinstance(t, torch.Tensor)
-        and t.is_floating_point()
-        and t.element_size() >= 2
-        and t.numel() > 0
-    ]
-
-
-_F32_MAX = torch.finfo(torch.float32).max
-
-
 def _pair(t: torch.Tensor) -> torch.Tensor:
     """``[min, max]`` of ``t`` as a float32 device tensor; NaN if ``t`` holds a NaN. No sync."""
     t = t.detach()
     mn, mx = torch.aminmax(t)
     pair = torch.stack((mn, mx))
     if t.dtype == torch.float64:  # finite float64 beyond float32 range must not read as inf
-        pair = torch.where(torch.isfinite(pair), pair.clamp(-_F32_MAX, _F32_MAX), pair)
+        pair = torch.where(torch.isfinite(pair), pair.clamp(-FLOAT32_MAX, FLOAT32_MAX), pair)
     return pair.float()
 
 
@@ -394,7 +380,7 @@ class NonFiniteTracer:
                 return
             fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
             aliases: dict[int, torch.Tensor] = {}
-            for t in _floats((args, kwargs) if kwargs else args):
+            for t in measured((args, kwargs) if kwargs else args):
                 info = self._known(t)
                 if info is None:
                     pair = _pair(t)
@@ -442,7 +428,7 @@ class NonFiniteTracer:
             self._last_call[module] = call
             if not self._active:
                 return
-            outs = _floats(output)
+            outs = measured(output)
             fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
             for t in outs:
                 info = self._known(t)
@@ -514,7 +500,7 @@ class NonFiniteTracer:
     def _check_op(self, func: Any, out: Any) -> None:
         if not self._watching():
             return
-        ts = _floats(out)
+        ts = measured(out)
         if ts:
             self._check(_stack([_pair(t) for t in ts]), "op",
                         lambda op: None, op=str(func))  # type: ignore[arg-type,return-value]

@@ -160,6 +160,21 @@ def test_closure_and_stochastic_write_back():
         assert torch.all((p.float() - m).abs() <= 2 * gap)
 
 
+def _train(steps, *runs):
+    """Steps every ``(model, opt)`` of ``runs`` on the batches of ``steps``, in lockstep."""
+    for step in steps:
+        for model, opt in runs:
+            _backward(model, step)
+            opt.step()
+            opt.zero_grad()
+
+
+def _same_weights_and_masters(a, b):
+    (model_a, opt_a), (model_b, opt_b) = a, b
+    pairs = zip([*model_a.parameters(), *opt_a.masters], [*model_b.parameters(), *opt_b.masters])
+    return all(torch.equal(p, q) for p, q in pairs)
+
+
 def _save_load(obj):
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -173,10 +188,7 @@ def test_state_dict_round_trip_holds_fp32_masters():
         return model, MasterWeights(torch.optim.AdamW(model.parameters(), lr=3e-3))
 
     model_a, opt_a = make()
-    for step in range(3):
-        _backward(model_a, step)
-        opt_a.step()
-        opt_a.zero_grad()
+    _train(range(3), (model_a, opt_a))
     ckpt = _save_load({"model": model_a.state_dict(), "opt": opt_a.state_dict()})
     masters = ckpt["opt"]["master_params"]
     assert [m.dtype for m in masters] == [torch.float32] * len(masters)
@@ -185,13 +197,8 @@ def test_state_dict_round_trip_holds_fp32_masters():
     model_b, opt_b = make()
     model_b.load_state_dict(ckpt["model"])
     opt_b.load_state_dict(ckpt["opt"])
-    for step in range(3, 5):
-        for model, opt in ((model_a, opt_a), (model_b, opt_b)):
-            _backward(model, step)
-            opt.step()
-            opt.zero_grad()
-    for p, q in zip([*model_a.parameters(), *opt_a.masters], [*model_b.parameters(), *opt_b.masters]):
-        assert torch.equal(p, q)
+    _train(range(3, 5), (model_a, opt_a), (model_b, opt_b))
+    assert _same_weights_and_masters((model_a, opt_a), (model_b, opt_b))
 
     bad = dict(ckpt["opt"], master_params=ckpt["opt"]["master_params"][:-1])
     with pytest.raises(ValueError, match="master params"):
@@ -421,10 +428,7 @@ def test_stochastic_write_back_resumes_bitwise(model_first):
         return model, MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-2), rounding="stochastic", generator=gen)
 
     model_a, opt_a = make()
-    for step in range(3):
-        _backward(model_a, step)
-        opt_a.step()
-        opt_a.zero_grad()
+    _train(range(3), (model_a, opt_a))
     ckpt = _save_load({"model": model_a.state_dict(), "opt": opt_a.state_dict()})
     assert "master_generator_state" in ckpt["opt"]
     model_b, opt_b = make()
@@ -433,10 +437,24 @@ def test_stochastic_write_back_resumes_bitwise(model_first):
     opt_b.load_state_dict(ckpt["opt"])
     if not model_first:
         model_b.load_state_dict(ckpt["model"])
-    for step in range(3, 6):
-        for model, opt in ((model_a, opt_a), (model_b, opt_b)):
-            _backward(model, step)
-            opt.step()
-            opt.zero_grad()
-    for p, q in zip([*model_a.parameters(), *opt_a.masters], [*model_b.parameters(), *opt_b.masters]):
-        assert torch.equal(p, q)
+    _train(range(3, 6), (model_a, opt_a), (model_b, opt_b))
+    assert _same_weights_and_masters((model_a, opt_a), (model_b, opt_b))
+
+
+def test_speaks_the_documented_scaler_protocol():
+    """MasterWeights is a PreparesGrads and a ScalesItself; what a scaler lends lives only for
+    the step, and a lent scale unscales the masters as the scalers' unscale_ does."""
+    from mixprec.scaling.protocol import PreparesGrads, lend_scale, lent_scale
+
+    model = _model()
+    opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=1.0))
+    assert isinstance(opt, PreparesGrads) and opt._step_supports_amp_scaling
+    assert lent_scale(opt) is None
+    _backward(model, 0, scale=8.0)
+    opt.prepare_grads()
+    expected = [m.detach() - m.grad / 8.0 for m in opt.masters]
+    with lend_scale(opt, torch.tensor(8.0), torch.tensor(0.0)):
+        assert lent_scale(opt).grad_scale.item() == 8.0
+        opt.step()
+    assert lent_scale(opt) is None and not hasattr(opt, "found_inf")
+    assert all(torch.equal(m, e) for m, e in zip(opt.masters, expected))

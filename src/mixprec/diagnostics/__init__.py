@@ -10,14 +10,10 @@ pays nothing for them.
 """
 
 from mixprec.diagnostics.audit import audit
+from mixprec.diagnostics.event import NonFiniteError, NonFiniteEvent
 from mixprec.diagnostics.findings import AuditReport, Risk
 from mixprec.diagnostics.ranges import FORMATS, RangeCollector, RangeStats, collect_ranges
-from mixprec.diagnostics.trace import (
-    NonFiniteError,
-    NonFiniteEvent,
-    NonFiniteTracer,
-    trace_nonfinite,
-)
+from mixprec.diagnostics.trace import NonFiniteTracer, trace_nonfinite
 
 __all__ = [
     "FORMATS",

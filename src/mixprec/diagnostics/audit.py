@@ -42,9 +42,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 import torch
 from torch import nn
 
+from mixprec.diagnostics.event import NonFiniteEvent
 from mixprec.diagnostics.findings import AuditReport, Risk
 from mixprec.diagnostics.ranges import KINDS, RangeStats, collect_ranges
-from mixprec.diagnostics.trace import NonFiniteEvent, trace_nonfinite
+from mixprec.diagnostics.trace import trace_nonfinite
 
 if TYPE_CHECKING:
     from mixprec.policy import Policy

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from mixprec.diagnostics import report as _render
 from mixprec.diagnostics.ranges import RangeStats
-from mixprec.diagnostics.trace import NonFiniteEvent
+from mixprec.diagnostics.event import NonFiniteEvent
 
 if TYPE_CHECKING:
     from mixprec.policy import Policy

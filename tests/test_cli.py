@@ -33,6 +33,8 @@ from mixprec.cli import build_parser, main
         (["demo", "--device", "nonsense"], "not a device: 'nonsense'"),
         (["demo", "--device", "meta"], "the demo runs on cpu or cuda"),
         (["demo", "--out", ""], "expected a folder, got an empty path"),
+        (["demo", "--seeds", "0"], "argument --seeds: expected a positive integer up to 100, got 0"),
+        (["demo", "--threads", "two"], "argument --threads: expected a positive integer, got 'two'"),
         (["demo", "--bogus"], "unrecognized arguments: --bogus"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         ([], "required: {demo,audit}"),
@@ -142,6 +144,8 @@ def test_python_m_mixprec_demo_writes_the_report(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "fp32: training 3 steps" in proc.stderr  # plain progress lines when not a terminal
+    assert proc.stdout.startswith("mixprec demo: 3 modes x 3 steps x 1 seed on cpu (")
+    assert "expected duration: about" in proc.stderr.splitlines()[0]
     table = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(table) if line.startswith("mode "))
     assert [line.split()[0] for line in table[header + 2: header + 5]] == ["fp32", "torch-amp", "mixprec-bf16"]
@@ -177,3 +181,16 @@ def test_demo_sh_says_it_is_installing_and_shows_why_it_failed(tmp_path: Path) -
     assert proc.returncode == 1
     assert proc.stdout.startswith("mixprec demo: first run: creating .venv and installing torch==2.13.0")
     assert "setting up .venv failed" in proc.stderr and "no venv module here" in proc.stderr
+
+
+@pytest.mark.slow
+def test_demo_prints_the_computed_check_and_its_threads(tmp_path: Path, capsys) -> None:
+    threads = torch.get_num_threads()
+    try:
+        assert main(["demo", "--modes", "torch-amp,mixprec-fp16", "--steps", "2", "--device", "cpu",
+                     "--threads", "1", "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("mixprec demo: 2 modes x 2 steps x 1 seed on cpu (1 thread: --threads)")
+    assert "mixprec-fp16 = torch-amp: identical (losses, scales, skipped steps)" in out

@@ -7,26 +7,24 @@ import html
 import io
 import json
 import math
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from mixprec.demo import corpus, train
+from mixprec.demo import corpus, modes
+from mixprec.demo.environment import choose_threads, lowp_speed
+from mixprec.demo.estimate import guess_seconds
 from mixprec.demo.model import SIZES, ModelConfig, TransformerLM, lm_loss
+from mixprec.demo.modes import DEFAULT_MODES, MODES, Mode, check_modes
 from mixprec.demo.progress import LineProgress
-from mixprec.demo.report import MEMORY_PARTS, format_table, hardware_note, write_report
-from mixprec.demo.train import (
-    DEFAULT_MODES,
-    MODES,
-    DemoResult,
-    Mode,
-    Settings,
-    check_modes,
-    run_demo,
-    run_mode,
-)
+from mixprec.demo.report import MEMORY_PARTS, format_checks, format_table, hardware_note, write_report
+from mixprec.demo.results import DemoResult, Summary, compare, rank, summarize
+from mixprec.demo.settings import Settings
+from mixprec.demo.train import run_demo, run_mode
 
 CPU = torch.device("cpu")
 MICRO = ModelConfig(seq_len=16, d_model=32, n_layers=1, n_heads=2)
@@ -157,8 +155,8 @@ def test_mixprec_fp16_is_bitwise_torch_amp(
     """Same weights, batches and scale rule: mixprec's autocast + scaler reproduce torch.amp's
     losses and loss scales exactly, through skipped steps, back-offs and growth."""
     # a scale that overflows at first and grows every 3 clean steps: skips, back-offs and growth
-    monkeypatch.setattr(train, "_INIT_SCALE", 2.0**19)
-    monkeypatch.setattr(train, "_GROWTH_INTERVAL", 3)
+    monkeypatch.setattr(modes, "_INIT_SCALE", 2.0**19)
+    monkeypatch.setattr(modes, "_GROWTH_INTERVAL", 3)
     settings = dataclasses.replace(micro(steps=12), fused=fused)
     ref = run_mode("torch-amp", settings, CPU, data=data)
     ours = run_mode("mixprec-fp16", settings, CPU, data=data)
@@ -172,7 +170,7 @@ def test_mixprec_fp16_is_bitwise_torch_amp(
 def test_scheduler_warning_is_silenced_when_the_first_step_is_skipped(
     data: tuple[torch.Tensor, torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(train, "_INIT_SCALE", 2.0**40)
+    monkeypatch.setattr(modes, "_INIT_SCALE", 2.0**40)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         result = run_mode("torch-amp", micro(steps=2), CPU, data=data)
@@ -241,20 +239,27 @@ def test_report_files(demo_result: DemoResult, tmp_path) -> None:
 
 def test_terminal_table(demo_result: DemoResult) -> None:
     lines = format_table(demo_result).splitlines()
-    assert lines[0].split()[:3] == ["mode", "final", "loss"] and "vs torch-amp" in lines[0]
-    assert [line.split()[0] for line in lines[2:]] == ["fp32", "torch-amp", "bf16-naive"]
+    assert lines[0].split()[:3] == ["mode", "final", "loss"] and "time / torch-amp" in lines[0]
+    assert [line.split()[0] for line in lines[2:-1]] == ["fp32", "torch-amp", "bf16-naive"]
     assert lines[3].split()[4] == "1.00x"  # torch-amp against itself
+    fp32, amp = demo_result.modes[:2]
+    assert lines[2].split()[4] == f"{amp.tokens_per_s / fp32.tokens_per_s:.2f}x"  # time ratio: lower is faster
+    assert lines[-1] == "(seed 0; time / torch-amp: time per token relative to torch-amp, lower is faster)"
 
 
 def test_hardware_note_names_emulated_dtypes(demo_result: DemoResult) -> None:
     env = dict(demo_result.environment)
-    env["cpu_lowp"] = {"float16": {"native": False, "slowdown": 20.0},
-                       "bfloat16": {"native": True, "slowdown": 0.5}}
-    note = hardware_note(DemoResult(demo_result.settings, "cpu", env, demo_result.modes))
-    assert note is not None and "no native float16 matmul" in note and "20.0x" in note
-    env["cpu_lowp"] = {"float16": {"native": None, "slowdown": 1.1},
-                       "bfloat16": {"native": None, "slowdown": 1.0}}
-    assert hardware_note(DemoResult(demo_result.settings, "cpu", env, demo_result.modes)) is None
+    env["cpu_lowp"] = {"float16": {"native": False, "slowdown": 20.0, "spread": 0.1},
+                       "bfloat16": {"native": True, "slowdown": 0.5, "spread": 0.1}}
+    note = hardware_note(DemoResult(demo_result.settings, "cpu", env, demo_result.runs))
+    assert note is not None and "no native float16 matmul" in note and "float16 20.0x slower" in note
+    # a noisy measurement (busy machine) is not quoted, nor used where the flags are unknown
+    env["cpu_lowp"]["float16"]["spread"] = 0.9
+    note = hardware_note(DemoResult(demo_result.settings, "cpu", env, demo_result.runs))
+    assert note is not None and "20.0x" not in note and "too noisy to quote" in note
+    env["cpu_lowp"] = {"float16": {"native": None, "slowdown": 30.0, "spread": 0.9},
+                       "bfloat16": {"native": None, "slowdown": 1.0, "spread": 0.1}}
+    assert hardware_note(DemoResult(demo_result.settings, "cpu", env, demo_result.runs)) is None
 
 
 def test_each_figure_plots_its_own_data(demo_result: DemoResult, tmp_path, monkeypatch) -> None:
@@ -273,5 +278,102 @@ def test_each_figure_plots_its_own_data(demo_result: DemoResult, tmp_path, monke
         "loss": ["", "step"],  # loss curves over the difference to fp32, sharing the step axis
         "scale": ["step"],
         "memory": ["MiB"],
-        "throughput": ["tokens / s"],
+        "throughput": ["tokens / s (label: time / torch-amp, lower is faster)"],
     }
+
+
+def test_progress_and_report_do_not_import_the_trainer() -> None:
+    code = ("import sys, mixprec.demo.progress, mixprec.demo.report; "
+            "assert 'mixprec.demo.train' not in sys.modules, sorted(m for m in sys.modules if 'demo' in m)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_every_mode_declares_a_reference_that_exists() -> None:
+    for mode in MODES.values():
+        assert mode.reference is None or mode.reference in MODES, mode.name
+        assert mode.cpu_cost > 0
+    assert DEFAULT_MODES == tuple(m.name for m in MODES.values() if m.default)
+    assert MODES["mixprec-fp16"].reference == "torch-amp" and "torch-amp-bf16" not in DEFAULT_MODES
+
+
+def test_compare_names_the_first_difference(data: tuple[torch.Tensor, torch.Tensor]) -> None:
+    ref = run_mode("torch-amp", micro(steps=4), CPU, data=data)
+    assert compare(ref, ref) == "identical (losses, scales, skipped steps)"
+    other = dataclasses.replace(ref, losses=[*ref.losses[:2], ref.losses[2] + 1e-6, ref.losses[3]])
+    assert compare(other, ref).startswith(f"losses differ from step 3: {other.losses[2]!r} against")
+    other = dataclasses.replace(ref, scales=[*ref.scales[:3], ref.scales[3] / 2])
+    assert compare(other, ref) == f"loss scales differ from step 4: {ref.scales[3] / 2:g} against {ref.scales[3]:g}"
+    other = dataclasses.replace(ref, skipped_steps=[1])
+    assert compare(other, ref) == f"skipped steps differ: [1] against {ref.skipped_steps}"
+
+
+def test_seeds_give_one_run_per_mode_and_seed_and_a_computed_check() -> None:
+    out = io.StringIO()
+    result = run_demo(micro(steps=6, seed=4), ["torch-amp", "mixprec-fp16"], "cpu", LineProgress(out), seeds=2)
+    assert [(r.mode, r.seed) for r in result.runs] == [
+        ("torch-amp", 4), ("mixprec-fp16", 4), ("torch-amp", 5), ("mixprec-fp16", 5)]
+    assert [m.seed for m in result.modes] == [4, 4] and result.seeds == [4, 5]
+    assert result.runs[0].losses != result.runs[2].losses
+    assert format_checks(result) == [
+        "mixprec-fp16 = torch-amp: identical (losses, scales, skipped steps) over 2 seeds"]
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("expected duration: about ") and lines[-1].startswith("trained 4 runs in ")
+    summary = {s.mode: s for s in summarize(result)}
+    evals = [r.eval_loss for r in result.of("torch-amp")]
+    assert summary["torch-amp"].seeds == 2 and summary["torch-amp"].eval_loss == sum(evals) / 2
+    assert summary["torch-amp"].eval_spread == pytest.approx(abs(evals[0] - evals[1]) / math.sqrt(2))
+    data = result.to_json()
+    assert len(data["runs"]) == 4 and len(data["modes"]) == 2 and data["seeds"] == [4, 5]
+    assert data["checks"] == {"mixprec-fp16 = torch-amp": "identical (losses, scales, skipped steps) over 2 seeds"}
+    with pytest.raises(ValueError, match="seeds must be >= 1"):
+        run_demo(micro(), ["fp32"], "cpu", seeds=0)
+
+
+def test_a_differing_run_is_reported_not_hidden(demo_result: DemoResult) -> None:
+    amp = next(r for r in demo_result.runs if r.mode == "torch-amp")
+    bad = dataclasses.replace(amp, mode="mixprec-fp16", losses=[*amp.losses[:-1], amp.losses[-1] * 2])
+    result = DemoResult(demo_result.settings, "cpu", demo_result.environment, [*demo_result.runs, bad])
+    assert format_checks(result) == [f"mixprec-fp16 = torch-amp: losses differ from step 4: {bad.losses[-1]!r} "
+                                     f"against {amp.losses[-1]!r}"]
+
+
+def _summary(mode: str, mean: float, spread: float, seeds: int = 3) -> Summary:
+    return Summary(mode, seeds, mean, spread, mean, spread)
+
+
+def test_rank_never_separates_modes_by_less_than_the_spread() -> None:
+    one_seed = [_summary("fp32", 2.72, 0.0, seeds=1), _summary("bf16-kahan", 2.71, 0.0, seeds=1)]
+    assert "not ranked" in rank(one_seed) and "bf16-kahan" not in rank(one_seed)
+    close = [_summary("fp32", 2.720, 0.004), _summary("bf16-kahan", 2.715, 0.004), _summary("bf16-naive", 2.80, 0.004)]
+    text = rank(close)
+    assert text.startswith("Over 3 seeds, lowest mean validation loss: bf16-kahan (2.7150 ± 0.0040)")
+    assert "not distinguishable here): fp32" in text and text.endswith("clearly higher: bf16-naive.")
+    apart = [_summary("fp32", 2.70, 0.001), _summary("bf16-naive", 2.80, 0.001)]
+    assert "every other mode is further than two standard deviations away; clearly higher: bf16-naive" in rank(apart)
+
+
+def test_captions_rank_only_beyond_the_spread_and_state_the_check(demo_result: DemoResult, tmp_path: Path) -> None:
+    write_report(demo_result, tmp_path)
+    captions = {f["name"]: f["caption"] for f in json.loads((tmp_path / "results.json").read_text())["figures"]}
+    assert "not ranked" in captions["loss"] and "Lowest validation loss" not in captions["loss"]
+    assert "should" not in captions["scale"]
+
+
+@pytest.mark.parametrize("cores, load, threads", [(2, 0.1, 2), (2, 2.7, 1), (2, 9.0, 1), (16, 3.2, 13), (4, 1.5, 3), (4, 1.6, 2)])
+def test_threads_are_the_cores_not_busy(cores: int, load: float, threads: int) -> None:
+    assert choose_threads(cores, load) == (threads, f"{cores} cores, load {load:.1f}")
+
+
+def test_lowp_speed_is_a_median_with_its_spread() -> None:
+    speed = lowp_speed(CPU, n=32, rounds=4)
+    assert set(speed) == {"float16", "bfloat16"}
+    for info in speed.values():
+        assert info["slowdown"] > 0 and info["spread"] >= 0
+
+
+def test_estimate_first_guess_scales_with_steps_size_and_mode() -> None:
+    tiny = Settings.for_size("tiny", steps=100)
+    assert guess_seconds(tiny, "mixprec-fp16") > 5 * guess_seconds(tiny, "fp32")
+    assert guess_seconds(Settings.for_size("small", steps=100), "fp32") > 4 * guess_seconds(tiny, "fp32")
+    assert guess_seconds(Settings.for_size("tiny", steps=200), "fp32") > 1.5 * guess_seconds(tiny, "fp32")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -42,7 +43,7 @@ def _steps(text: str) -> int:
 
 
 def _seed(text: str) -> int:
-    from mixprec.demo.train import MAX_SEED
+    from mixprec.demo.settings import MAX_SEED
 
     try:
         value = int(text)
@@ -54,7 +55,7 @@ def _seed(text: str) -> int:
 
 
 def _modes(text: str) -> tuple[str, ...]:
-    from mixprec.demo.train import check_modes
+    from mixprec.demo.modes import check_modes
 
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     try:
@@ -64,6 +65,24 @@ def _modes(text: str) -> tuple[str, ...]:
     except RuntimeError:  # a missing mixprec API: reported by the command, not as a usage error
         pass
     return names
+
+
+#: The most ``--seeds`` and ``--threads`` the demo takes.
+MAX_SEEDS = 100
+MAX_THREADS = 1024
+
+
+def _count(most: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        if not 1 <= value <= most:
+            raise argparse.ArgumentTypeError(f"expected a positive integer up to {most}, got {value}")
+        return value
+
+    return parse
 
 
 def _device(text: str) -> Any:
@@ -116,9 +135,14 @@ def _out(text: str) -> Path:
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
+    from mixprec.demo.settings import MAX_SEED
+
+    from mixprec.demo.environment import choose_threads
+    from mixprec.demo.modes import check_modes
     from mixprec.demo.progress import progress_display
-    from mixprec.demo.report import format_table, hardware_note, write_report
-    from mixprec.demo.train import Settings, check_modes, run_demo
+    from mixprec.demo.report import format_checks, format_table, hardware_note, write_report
+    from mixprec.demo.settings import Settings
+    from mixprec.demo.train import run_demo
 
     prog = "mixprec demo"
     if importlib.util.find_spec("matplotlib") is None:
@@ -134,20 +158,32 @@ def _demo(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
-    settings = Settings.for_size(args.size, steps=args.steps, seed=args.seed)
     device = args.device if args.device is not None else torch.device(_default_device())
+    seeds = args.seeds if args.seeds is not None else (1 if device.type == "cpu" else 3)
+    if args.seed + seeds > MAX_SEED:
+        print(f"{prog}: error: --seed {args.seed} with --seeds {seeds} passes 2**63 - 1; lower --seed", file=sys.stderr)
+        return 1
+    settings = Settings.for_size(args.size, steps=args.steps, seed=args.seed)
+    if args.threads is not None:
+        threads, why = args.threads, "--threads"
+    else:
+        threads, why = choose_threads()
+    torch.set_num_threads(threads)
     cfg = settings.model
     print(
-        f"mixprec demo: {len(args.modes)} modes x {settings.steps} steps on {device}; model "
-        f"{cfg.n_layers} layers, d={cfg.d_model}, seq {cfg.seq_len}, batch {settings.batch_size}",
+        f"mixprec demo: {len(args.modes)} modes x {settings.steps} steps x {seeds} seed{'s' if seeds > 1 else ''} "
+        f"on {device} ({threads} thread{'s' if threads > 1 else ''}: {why}); model {cfg.n_layers} layers, "
+        f"d={cfg.d_model}, seq {cfg.seq_len}, batch {settings.batch_size}",
         flush=True,
     )
     with progress_display() as progress:
-        result = run_demo(settings, args.modes, device, progress)
+        result = run_demo(settings, args.modes, device, progress, seeds=seeds, threads_reason=why)
     note = hardware_note(result)
     if note:
         print(f"note: {note}")
     print(format_table(result))
+    for line in format_checks(result):
+        print(line)
     paths = write_report(result, out)
     print(f"report: {paths['index']}  (data: {paths['results']})")
     return 0
@@ -169,7 +205,7 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The ``mixprec`` argument parser, with ``demo`` and (when available) ``audit``."""
     from mixprec.demo.model import SIZES
-    from mixprec.demo.train import DEFAULT_MODES, MODES
+    from mixprec.demo.modes import DEFAULT_MODES, MODES
 
     parser = _Parser(prog="mixprec", description="Automatic mixed precision for PyTorch.")
     parser.add_argument("--version", action="version", version=_version())
@@ -192,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="report folder, created if needed (default: mixprec-report/)")
     demo.add_argument("--seed", type=_seed, default=0,
                       help="seed of weights and batches, 0 to 2**63 - 1 (default: 0)")
+    demo.add_argument("--seeds", type=_count(MAX_SEEDS), default=None,
+                      help="train every mode from this many seeds (--seed, --seed + 1, ...) and report "
+                      "mean and spread (default: 1 on cpu, 3 on cuda)")
+    demo.add_argument("--threads", type=_count(MAX_THREADS), default=None,
+                      help="CPU threads (default: the cores not busy with other work, at least 1)")
     demo.set_defaults(func=_demo)
     if importlib.util.find_spec("mixprec.diagnostics.cli") is not None:
         from mixprec.diagnostics.cli import add_audit_parser
@@ -202,5 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mixprec`` command with ``argv`` (``sys.argv[1:]`` when None); return the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:
+        # idle OpenMP threads sleep instead of spinning: read when torch loads, so set it first
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     return int(args.func(args))

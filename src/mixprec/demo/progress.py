@@ -1,6 +1,6 @@
 """Progress display for the demo: a rich or tqdm bar per mode on a terminal, plain lines otherwise.
 
-Each class implements :class:`mixprec.demo.train.Progress`; :func:`progress_display` picks one.
+Each class implements :class:`mixprec.demo.results.Progress`; :func:`progress_display` picks one.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import importlib.util
 import sys
 from typing import Any, Iterator, TextIO
 
-from mixprec.demo.train import ModeResult
+from mixprec.demo.results import ModeResult
 
 __all__ = ["RichProgress", "TqdmProgress", "LineProgress", "progress_display"]
 
@@ -48,6 +48,9 @@ class LineProgress:
     def finish(self, result: ModeResult) -> None:
         print(f"  {_done(result)}", file=self.stream, flush=True)
 
+    def note(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
 
 class TqdmProgress:
     """One ``tqdm`` bar per mode, with the loss and the scale as postfix."""
@@ -70,6 +73,9 @@ class TqdmProgress:
         self._bar.set_postfix_str(f"final loss {result.final_loss:.3f}  {result.tokens_per_s:,.0f} tok/s")
         self._bar.close()
 
+    def note(self, text: str) -> None:
+        self._tqdm.write(text, file=self._stream)
+
 
 class RichProgress:
     """One ``rich`` progress bar per mode, with the loss and the scale, on a running
@@ -91,6 +97,9 @@ class RichProgress:
             completed=len(result.losses),
             info=f"final loss {result.final_loss:.3f}  {result.tokens_per_s:,.0f} tok/s",
         )
+
+    def note(self, text: str) -> None:
+        self._progress.console.print(text, highlight=False, markup=False)
 
 
 @contextlib.contextmanager

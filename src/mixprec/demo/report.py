@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mixprec.demo.train import DemoResult, ModeResult
+from mixprec.demo.results import DemoResult, ModeResult, checks, rank, summarize
 
-__all__ = ["MEMORY_PARTS", "format_table", "hardware_note", "write_report"]
+__all__ = ["MEMORY_PARTS", "format_table", "format_checks", "hardware_note", "time_ratio", "write_report"]
 
 #: The memory categories of a mode, in plotting order (keys of ``ModeResult.memory``).
 MEMORY_PARTS = ("params", "grads", "master", "optimizer_state", "activations")
@@ -25,28 +25,43 @@ def _mib(n: float) -> float:
     return n / 2**20
 
 
+# a slowdown measured with a larger spread (interquartile range / median) is not printed
+_MAX_SPREAD = 0.5
+
+
 def hardware_note(result: DemoResult) -> str | None:
     """A sentence when this CPU emulates float16/bfloat16 matmuls (no native units), else None.
 
     A dtype counts as emulated when the CPU flags say so, or, where the flags are unknown, when
-    its matmul is more than 1.5x slower than float32.
+    its matmul is measured more than 1.5x slower than float32 with a small spread. The measured
+    slowdown (median of repeated rounds) is quoted only when its spread is small; on a busy
+    machine it is left out.
     """
     support = result.environment.get("cpu_lowp")
     if not support:
         return None
+    steady = {dtype: info.get("spread", 0.0) <= _MAX_SPREAD for dtype, info in support.items()}
     emulated = {
         dtype: info["slowdown"]
         for dtype, info in support.items()
-        if info["native"] is False or (info["native"] is None and info["slowdown"] > 1.5)
+        if info["native"] is False or (info["native"] is None and steady[dtype] and info["slowdown"] > 1.5)
     }
     if not emulated:
         return None
-    timing = ", ".join(f"{dtype} {x:.1f}x" for dtype, x in emulated.items())
+    quoted = [f"{dtype} {x:.1f}x" for dtype, x in emulated.items() if steady[dtype]]
+    timing = (f" (a matmul is {', '.join(quoted)} slower than float32, median of repeated rounds)" if quoted
+              else " (the matmul slowdown was too noisy to quote on this busy machine)")
     return (
-        f"this CPU has no native {'/'.join(emulated)} matmul units (measured slowdown against "
-        f"float32: {timing}), so low-precision modes run slower than fp32 here while on a GPU "
-        "they run faster: compare their losses and memory, not their speed."
+        f"this CPU has no native {'/'.join(emulated)} matmul units{timing}, so low-precision modes run "
+        "slower than fp32 here while on a GPU they run faster: compare their losses and memory, not "
+        "their speed; their results also depend on this CPU's emulation kernels."
     )
+
+
+def time_ratio(mode: ModeResult, ref: ModeResult) -> float:
+    """Time per token of ``mode`` over that of ``ref``: the project's one ratio convention
+    (``x / reference``, lower is better: 0.5 is twice as fast)."""
+    return ref.tokens_per_s / mode.tokens_per_s
 
 
 def _reference(result: DemoResult) -> ModeResult:
@@ -55,17 +70,21 @@ def _reference(result: DemoResult) -> ModeResult:
 
 
 def format_table(result: DemoResult) -> str:
-    """The final table printed in the terminal: one row per mode."""
+    """The final table printed in the terminal: one row per mode; with several seeds the losses
+    are mean ± standard deviation over the seeds."""
     ref = _reference(result)
-    header = ("mode", "final loss", "eval loss", "tokens/s", f"vs {ref.mode}", "memory MiB", "skipped")
+    stats = {s.mode: s for s in summarize(result)}
+    several = len(result.seeds) > 1
+    header = ("mode", "final loss", "eval loss", "tokens/s", f"time / {ref.mode}", "memory MiB", "skipped")
     rows = [header]
     for m in result.modes:
+        st = stats[m.mode]
         rows.append((
             m.mode,
-            f"{m.final_loss:.4f}",
-            f"{m.eval_loss:.4f}",
+            f"{st.final_loss:.4f} ± {st.final_spread:.4f}" if several else f"{m.final_loss:.4f}",
+            f"{st.eval_loss:.4f} ± {st.eval_spread:.4f}" if several else f"{m.eval_loss:.4f}",
             f"{m.tokens_per_s:,.0f}",
-            f"{m.tokens_per_s / ref.tokens_per_s:.2f}x",
+            f"{time_ratio(m, ref):.2f}x",
             f"{_mib(m.total_memory):.2f}",
             str(len(m.skipped_steps)) if m.scales else "-",
         ))
@@ -73,7 +92,15 @@ def format_table(result: DemoResult) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    seeds = f"{len(result.seeds)} seeds" if several else f"seed {result.seeds[0]}"
+    lines.append(f"({seeds}; time / {ref.mode}: time per token relative to {ref.mode}, lower is faster)")
     return "\n".join(lines)
+
+
+def format_checks(result: DemoResult) -> list[str]:
+    """One line per bitwise check (a mode against its reference), e.g.
+    ``mixprec-fp16 = torch-amp: identical (losses, scales, skipped steps)``."""
+    return [f"{pair}: {verdict}" for pair, verdict in checks(result).items()]
 
 
 def _smooth(values: list[float]) -> list[float]:
@@ -99,18 +126,18 @@ def _figures(result: DemoResult) -> list[dict[str, Any]]:
     caption."""
     modes = result.modes
     base = modes[0]
-    best = min(modes, key=lambda m: m.eval_loss)
     scaled = [m for m in modes if m.scales]
     ref = _reference(result)
     lowest = min(modes, key=lambda m: m.total_memory)
-    fastest = max(modes, key=lambda m: m.tokens_per_s)
     smoothed = {m.mode: _smooth(m.losses) for m in modes}
+    seed = f" (seed {result.seeds[0]})" if len(result.seeds) > 1 else ""
     scale_caption = (
-        "The loss scale of every mode that uses one (log scale), with its skipped steps marked by "
-        "crosses: the scaler skips the update and halves the scale when a gradient overflows, and "
-        "doubles it after a run of clean steps. "
+        f"The loss scale of every mode that uses one{seed} (log scale), with its skipped steps marked "
+        "by crosses: the scaler skips the update and halves the scale when a gradient overflows, "
+        "and doubles it after a run of clean steps. "
         + (f"Skipped steps: {', '.join(f'{m.mode} {len(m.skipped_steps)}' for m in scaled)} "
-           f"of {len(scaled[0].scales)}; mixprec.GradScaler should follow torch's trajectory exactly."
+           f"of {len(scaled[0].scales)}"
+           + "".join(f"; {line}" for line in format_checks(result)) + "."
            if scaled else "No mode of this run uses a loss scaler.")
     )
     return [
@@ -127,11 +154,11 @@ def _figures(result: DemoResult) -> list[dict[str, Any]]:
                 },
             },
             "caption": (
-                "Training loss per step of every mode on the same batches from the same initial "
-                "weights (thin: raw, thick: trailing mean), so the curves differ only by the "
-                f"numerics of each precision mode; the lower panel shows each minus {base.mode}. "
-                f"Lowest validation loss: {best.mode} ({best.eval_loss:.4f}); curves that lie on "
-                f"{base.mode}'s lose nothing to it."
+                f"Training loss per step of every mode{seed} on the same batches from the same "
+                "initial weights (thin: raw, thick: trailing mean; "
+                f"{base.mode} dashed, on top), so the curves differ only by the numerics of each "
+                f"precision mode; the lower panel shows each minus {base.mode}. "
+                + rank(summarize(result))
             ),
         },
         {
@@ -162,13 +189,12 @@ def _figures(result: DemoResult) -> list[dict[str, Any]]:
             "data": {
                 "tokens_per_s": {m.mode: m.tokens_per_s for m in modes},
                 "ratio_to": ref.mode,
-                "ratio": {m.mode: m.tokens_per_s / ref.tokens_per_s for m in modes},
+                "ratio": {m.mode: time_ratio(m, ref) for m in modes},
             },
             "caption": (
-                f"Training tokens per second of each mode ({_timing(result)}), with the ratio to "
-                f"{ref.mode} on each bar. "
-                + f"Fastest here: {fastest.mode}; "
-                + (hardware_note(result) or "low-precision modes are faster where the device has "
+                f"Training tokens per second of each mode{seed} ({_timing(result)}), with its time "
+                f"per token relative to {ref.mode} on each bar (lower is faster). "
+                + (hardware_note(result) or "Low-precision modes are faster where the device has "
                    "native float16/bfloat16 kernels.")
             ),
         },
@@ -184,20 +210,24 @@ def _plot(fig_spec: dict[str, Any], result: DemoResult, path: Path) -> None:
     name = fig_spec["name"]
     colors = {m.mode: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(result.modes)}
     if name == "loss":
-        fig, (ax, diff) = plt.subplots(2, 1, figsize=(8, 6.5), dpi=100, sharex=True,
+        fig, (ax, diff) = plt.subplots(2, 1, figsize=(9, 6.5), dpi=100, sharex=True,
                                        gridspec_kw={"height_ratios": (2, 1)})
         data = fig_spec["data"]
+        base = data["minus"]
         for mode, raw in data["raw"].items():
             steps = range(1, len(raw) + 1)
-            ax.plot(steps, raw, color=colors[mode], alpha=0.2, linewidth=0.8)
-            ax.plot(steps, data["smoothed"][mode], color=colors[mode], linewidth=1.6, label=mode)
-            diff.plot(steps, data["difference"][mode], color=colors[mode], linewidth=1.2)
+            # the base mode (fp32) is drawn last, dashed and in black, so that modes lying on it
+            # leave it visible
+            on_top = {"color": "black", "linestyle": "--", "zorder": 5} if mode == base else {"color": colors[mode]}
+            ax.plot(steps, raw, alpha=0.2, linewidth=0.8, **on_top)
+            ax.plot(steps, data["smoothed"][mode], linewidth=1.8 if mode == base else 1.4, label=mode, **on_top)
+            diff.plot(steps, data["difference"][mode], linewidth=1.2, **on_top)
         ax.set(ylabel="cross-entropy (nats/byte)")
-        ax.legend(fontsize=8, ncol=2)
-        diff.set(xlabel="step", ylabel=f"minus {data['minus']}")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        diff.set(xlabel="step", ylabel=f"minus {base}")
         diff.grid(alpha=0.3)
     else:
-        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+        fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100)
     if name == "scale":
         scaled = [m for m in result.modes if m.scales]
         for i, m in enumerate(scaled):
@@ -208,7 +238,7 @@ def _plot(fig_spec: dict[str, Any], result: DemoResult, path: Path) -> None:
                        marker="x", s=60, color=colors[m.mode])
         if scaled:
             ax.set_yscale("log", base=2)
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
         else:
             ax.text(0.5, 0.5, "no mode with a loss scaler in this run", ha="center", va="center",
                     transform=ax.transAxes)
@@ -223,19 +253,25 @@ def _plot(fig_spec: dict[str, Any], result: DemoResult, path: Path) -> None:
             left = [a + b for a, b in zip(left, widths)]
         ax.invert_yaxis()
         ax.set(xlabel="MiB")
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     elif name == "throughput":
         data = fig_spec["data"]
         labels = list(data["tokens_per_s"])
         bars = ax.barh(labels, list(data["tokens_per_s"].values()), color=[colors[m] for m in labels])
-        ax.bar_label(bars, labels=[f"{data['ratio'][m]:.2f}x" for m in labels], fontsize=8)
+        ax.bar_label(bars, labels=[f"{data['ratio'][m]:.2f}x" for m in labels], fontsize=8, padding=3)
+        ax.margins(x=0.15)  # room for the labels inside the frame
         ax.invert_yaxis()
-        ax.set(xlabel="tokens / s")
+        ax.set(xlabel=f"tokens / s (label: time / {data['ratio_to']}, lower is faster)")
     ax.set_title(fig_spec["title"])
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _seeds(result: DemoResult) -> str:
+    seeds = result.seeds
+    return f"seed {seeds[0]}" if len(seeds) == 1 else f"{len(seeds)} seeds ({seeds[0]} to {seeds[-1]})"
 
 
 def _html(result: DemoResult, figures: list[dict[str, Any]]) -> str:
@@ -261,11 +297,12 @@ figure {{ margin: 2rem 0; }} img {{ max-width: 100%; }} figcaption {{ color: #33
 <h1>mixprec demo report</h1>
 <p>A decoder-only transformer ({s.model.n_layers} layers, d={s.model.d_model},
 {s.model.n_heads} heads, sequence {s.model.seq_len}, byte-level) trained {s.steps} step{"s" if s.steps > 1 else ""} with
-batch {s.batch_size}, learning rate {s.lr}, seed {s.seed}, on {html.escape(result.device)} in
+batch {s.batch_size}, learning rate {s.lr}, {_seeds(result)}, on {html.escape(result.device)} in
 each precision mode below, from the same initial weights and on the same batches.</p>
 {f'<p class="note">Note: {html.escape(note)}</p>' if note else ""}
 <ul>{modes}</ul>
 <pre>{html.escape(format_table(result))}</pre>
+{"".join(f"<p><b>Check</b>: {html.escape(line)}</p>" for line in format_checks(result))}
 {figs}
 <p><small>{html.escape(env)}. Every number is also in <a href="results.json">results.json</a>.</small></p>
 </body></html>

@@ -1,0 +1,126 @@
+"""Where the demo runs: versions, the CPU's native fp16/bf16 support, and how many threads to use.
+
+On a small model the CPU threads of PyTorch's intra-op pool mostly wait for each other; on a
+machine whose cores are busy with other work they also wait for a core, and OpenMP's waiting
+threads spin: the demo then burned about 3x the CPU time of an idle run and took 10x longer.
+:func:`choose_threads` gives the demo the cores that are actually free (the process's CPU affinity
+minus the load average), and ``mixprec demo`` makes OpenMP's idle threads sleep instead of spin
+(``OMP_WAIT_POLICY=PASSIVE``, unless set).
+
+Example:
+    >>> threads, why = choose_threads(cores=2, load=2.7)
+    >>> threads, why
+    (1, '2 cores, load 2.7')
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["available_cores", "choose_threads", "lowp_speed", "cpu_lowp_support", "environment"]
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS has one, else ``os.cpu_count``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def choose_threads(cores: int | None = None, load: float | None = None) -> tuple[int, str]:
+    """Intra-op threads for the demo: the ``cores`` not busy with ``load`` (the 1-minute load
+    average, taken before the demo starts), at least one; and the reason, for the report."""
+    cores = available_cores() if cores is None else cores
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            load = 0.0
+    free = math.floor(cores - load + 0.5)
+    return max(1, min(cores, free)), f"{cores} cores, load {load:.1f}"
+
+
+def lowp_speed(device: torch.device, n: int = 256, rounds: int = 15) -> dict[str, dict[str, float]]:
+    """Time of an ``n x n`` matmul in float16 and bfloat16 relative to float32 on ``device``.
+
+    The three dtypes are timed in turn, ``rounds`` times after a warm-up; each ratio is the
+    median of the per-round ratios, with the spread ``(q3 - q1) / median`` of those ratios (a
+    busy machine shows a large spread). A ratio well above 1 means no native kernels for that
+    dtype (on most CPUs float16 and bfloat16 matmuls are emulated). Synchronises the device.
+
+    Returns:
+        ``{"float16": {"slowdown": ..., "spread": ...}, "bfloat16": {...}}``.
+    """
+    a = torch.randn(n, n, device=device)
+    xs = {dtype: a.to(dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16)}
+    times: dict[torch.dtype, list[float]] = {dtype: [] for dtype in xs}
+    for round_ in range(rounds + 1):
+        for dtype, x in xs.items():
+            _sync(device)
+            start = time.perf_counter()
+            x @ x
+            _sync(device)
+            if round_:  # round 0 warms up
+                times[dtype].append(time.perf_counter() - start)
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        ratios = [t / f for t, f in zip(times[dtype], times[torch.float32])]
+        q1, median, q3 = statistics.quantiles(ratios, n=4)
+        out[str(dtype).removeprefix("torch.")] = {"slowdown": median, "spread": (q3 - q1) / median}
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# CPU flags of native float16/bfloat16 matmul units (x86; /proc/cpuinfo)
+_NATIVE_FLAGS = {"float16": ("avx512_fp16", "amx_fp16"), "bfloat16": ("avx512_bf16", "amx_bf16")}
+
+
+def cpu_lowp_support() -> dict[str, dict[str, Any]]:
+    """Whether this CPU has native float16/bfloat16 matmul units, and how slow those matmuls are.
+
+    Returns ``{"float16": {"native": ..., "slowdown": ..., "spread": ...}, "bfloat16": {...}}``:
+    ``native`` from the CPU flags in ``/proc/cpuinfo`` (``None`` where they cannot be read),
+    ``slowdown`` and ``spread`` from :func:`lowp_speed`.
+    """
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags: set[str] | None = {
+                flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()
+            }
+    except OSError:
+        flags = None
+    speed = lowp_speed(torch.device("cpu"))
+    return {
+        dtype: {"native": None if not flags else any(flag in flags for flag in names), **speed[dtype]}
+        for dtype, names in _NATIVE_FLAGS.items()
+    }
+
+
+def environment(device: torch.device, threads_reason: str = "") -> dict[str, Any]:
+    """Versions and hardware of this run; on CPU, :func:`cpu_lowp_support` too."""
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+    }
+    if threads_reason:
+        env["threads_chosen_for"] = threads_reason
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        env["cpu_lowp"] = cpu_lowp_support()
+    return env

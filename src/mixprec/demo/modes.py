@@ -1,0 +1,225 @@
+"""The demo's precision modes: a registry of :class:`Mode` values, each building its optimizer,
+scaler and autocast around a freshly built float32 model.
+
+- ``fp32``: float32 weights and compute, ``torch.optim.AdamW``.
+- ``torch-amp``: ``torch.autocast`` (float16) + ``torch.amp.GradScaler``: the reference.
+- ``mixprec-fp16``: ``mixprec.autocast`` (float16) + ``mixprec.GradScaler``.
+- ``mixprec-bf16``: ``mixprec.autocast`` (bfloat16), no scaler.
+- ``bf16-naive``: bfloat16 weights (``mixprec.to_low_precision``), plain ``torch.optim.AdamW``.
+- ``bf16-kahan``: the same weights, ``mixprec.optim.AdamW(compensation="kahan")``.
+- ``bf16-stochastic``: the same weights, ``mixprec.optim.AdamW(compensation="stochastic")``.
+- ``fp16-master``: float16 weights, float32 master copies (``mixprec.MasterWeights``) +
+  ``mixprec.GradScaler``.
+- ``torch-amp-bf16`` (not run by default): ``torch.autocast`` (bfloat16), the reference of
+  ``mixprec-bf16``.
+
+To add a mode, append a :class:`Mode` to ``_ALL_MODES``: its name, a one-line summary, the mixprec
+APIs it needs, its setup function, whether ``mixprec demo`` runs it by default, the mode it must
+reproduce bitwise (checked in the report) and its cost per step on a CPU without native
+fp16/bf16 relative to fp32 (for the time estimate).
+
+Example:
+    >>> MODES["mixprec-fp16"].reference
+    'torch-amp'
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Protocol
+
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.demo.settings import Settings
+
+__all__ = ["MODES", "DEFAULT_MODES", "Mode", "Setup", "check_modes"]
+
+
+class _Scaler(Protocol):
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+    def step(self, optimizer: Any) -> Any: ...
+    def update(self) -> None: ...
+
+
+@dataclass
+class Setup:
+    """One mode, ready to train: what a step calls, and how to read its loss scale."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer  # what zero_grad()/step() are called on
+    autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+    scaler: _Scaler | None = None
+    # after scaler.update(): (current scale, whether the step was skipped), both device tensors
+    scale_state: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A precision mode of the demo.
+
+    Attributes:
+        name: the name used by ``--modes``.
+        summary: one line for the report.
+        requires: mixprec attributes the mode needs, as dotted paths under ``mixprec``.
+        setup: builds the mode's optimizer/scaler/autocast around a freshly built float32 model.
+        default: whether ``mixprec demo`` runs it when ``--modes`` is not given.
+        reference: a mode this one must reproduce bitwise (losses, scales, skipped steps); the
+            report checks it when both ran.
+        cpu_cost: time per step relative to fp32 on a CPU without native fp16/bf16 matmuls
+            (measured on 2 AVX2 cores; a first guess for the time estimate, corrected as it runs).
+    """
+
+    name: str
+    summary: str
+    requires: tuple[str, ...]
+    setup: Callable[[nn.Module, Settings, torch.device], Setup] = field(repr=False)
+    default: bool = True
+    reference: str | None = None
+    cpu_cost: float = 1.0
+
+
+# Every scaler of the demo starts at torch's default scale but grows after 20 clean steps
+# instead of 2000, so that a run of a hundred steps shows the scale growing and backing off.
+_INIT_SCALE = 2.0**16
+_GROWTH_INTERVAL = 20
+
+
+def _adamw(params: Any, s: Settings) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.95), weight_decay=0.01, fused=s.fused)
+
+
+def _torch_scale_state(scaler: torch.amp.GradScaler) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    # torch's scaler has no hysteresis: a step was skipped exactly when update() lowered the scale.
+    previous: list[torch.Tensor] = []
+
+    def state() -> tuple[torch.Tensor, torch.Tensor]:
+        scale = scaler._get_scale_async().detach().clone()  # device tensor: no host sync
+        before = previous[0] if previous else torch.full_like(scale, _INIT_SCALE)
+        previous[:] = [scale]
+        return scale, scale < before
+
+    return state
+
+
+def _mixprec_scale_state(scaler: Any) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    def state() -> tuple[torch.Tensor, torch.Tensor]:
+        return scaler.state.scale.detach().clone(), scaler.last_step_skipped.detach().clone()
+
+    return state
+
+
+def _mixprec_scaler(device: torch.device) -> tuple[Any, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+    scaler = mixprec.GradScaler(device.type, init_scale=_INIT_SCALE, growth_interval=_GROWTH_INTERVAL)
+    return scaler, _mixprec_scale_state(scaler)
+
+
+def _torch_scaler(device: torch.device) -> tuple[Any, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+    scaler = torch.amp.GradScaler(device.type, init_scale=_INIT_SCALE, growth_interval=_GROWTH_INTERVAL)
+    return scaler, _torch_scale_state(scaler)
+
+
+# engine -> (autocast, scaler factory): torch.amp and mixprec get the same settings
+_ENGINES: dict[str, tuple[Callable[..., Any], Callable[[torch.device], Any]]] = {
+    "torch": (lambda device_type, dtype: torch.autocast(device_type, dtype=dtype), _torch_scaler),
+    "mixprec": (lambda device_type, dtype: mixprec.autocast(device_type, dtype=dtype), _mixprec_scaler),
+}
+
+
+def _setup_fp32(model: nn.Module, s: Settings, device: torch.device) -> Setup:
+    return Setup(model, _adamw(model.parameters(), s))
+
+
+def _setup_amp(engine: str, dtype: torch.dtype) -> Callable[[nn.Module, Settings, torch.device], Setup]:
+    """fp32 weights, ``engine``'s autocast in ``dtype``, and its loss scaler for float16."""
+    make_autocast, make_scaler = _ENGINES[engine]
+
+    def setup(model: nn.Module, s: Settings, device: torch.device) -> Setup:
+        opt = _adamw(model.parameters(), s)
+        autocast = lambda: make_autocast(device.type, dtype)  # noqa: E731
+        if dtype != torch.float16:
+            return Setup(model, opt, autocast)
+        scaler, scale_state = make_scaler(device)
+        return Setup(model, opt, autocast, scaler, scale_state)
+
+    return setup
+
+
+def _setup_bf16(compensation: str | None) -> Callable[[nn.Module, Settings, torch.device], Setup]:
+    def setup(model: nn.Module, s: Settings, device: torch.device) -> Setup:
+        mixprec.to_low_precision(model, torch.bfloat16)
+        if compensation is None:
+            opt = _adamw(model.parameters(), s)
+        else:
+            opt = mixprec.optim.AdamW(
+                model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.01,
+                compensation=compensation,
+            )
+        return Setup(model, opt)
+
+    return setup
+
+
+def _setup_fp16_master(model: nn.Module, s: Settings, device: torch.device) -> Setup:
+    mixprec.to_low_precision(model, torch.float16)
+    scaler, scale_state = _mixprec_scaler(device)
+    return Setup(model, mixprec.MasterWeights(_adamw(model.parameters(), s)), scaler=scaler, scale_state=scale_state)
+
+
+_ALL_MODES = (
+    Mode("fp32", "float32 weights and compute", (), _setup_fp32),
+    Mode("torch-amp", "torch.autocast fp16 + torch.amp.GradScaler (reference)", (),
+         _setup_amp("torch", torch.float16), cpu_cost=7.5),
+    Mode("mixprec-fp16", "mixprec.autocast fp16 + mixprec.GradScaler", ("autocast", "GradScaler"),
+         _setup_amp("mixprec", torch.float16), reference="torch-amp", cpu_cost=7.5),
+    Mode("mixprec-bf16", "mixprec.autocast bf16", ("autocast",), _setup_amp("mixprec", torch.bfloat16),
+         reference="torch-amp-bf16", cpu_cost=1.5),
+    Mode("bf16-naive", "bf16 weights, plain torch AdamW", ("to_low_precision",), _setup_bf16(None), cpu_cost=1.2),
+    Mode("bf16-kahan", "bf16 weights, mixprec AdamW with Kahan summation",
+         ("to_low_precision", "optim.AdamW"), _setup_bf16("kahan"), cpu_cost=1.4),
+    Mode("bf16-stochastic", "bf16 weights, mixprec AdamW with stochastic rounding",
+         ("to_low_precision", "optim.AdamW"), _setup_bf16("stochastic"), cpu_cost=2.2),
+    Mode("fp16-master", "fp16 weights + fp32 MasterWeights + mixprec.GradScaler",
+         ("to_low_precision", "MasterWeights", "GradScaler"), _setup_fp16_master, cpu_cost=8.0),
+    Mode("torch-amp-bf16", "torch.autocast bf16 (reference of mixprec-bf16)", (),
+         _setup_amp("torch", torch.bfloat16), default=False, cpu_cost=1.2),
+)
+
+#: Every mode by name.
+MODES: dict[str, Mode] = {m.name: m for m in _ALL_MODES}
+#: The modes ``mixprec demo`` runs when ``--modes`` is not given.
+DEFAULT_MODES: tuple[str, ...] = tuple(m.name for m in _ALL_MODES if m.default)
+
+
+def _missing(path: str) -> str | None:
+    obj: Any = mixprec
+    for part in path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except (AttributeError, ImportError) as e:
+            return f"mixprec.{path} ({type(e).__name__}: {e})"
+    return None
+
+
+def check_modes(names: tuple[str, ...] | list[str]) -> None:
+    """Check that every mode exists and that the mixprec APIs it needs import.
+
+    Raises:
+        ValueError: for an unknown or repeated mode name, or an empty list.
+        RuntimeError: naming each mode whose mixprec API is missing.
+    """
+    if not names:
+        raise ValueError(f"no modes given; choose from {', '.join(MODES)}")
+    unknown = [n for n in names if n not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"mode(s) given more than once: {', '.join(repeated)}; give each mode once")
+    problems = [
+        f"{n} needs {miss}" for n in names for req in MODES[n].requires if (miss := _missing(req))
+    ]
+    if problems:
+        raise RuntimeError("cannot run: " + "; ".join(problems))

@@ -1,0 +1,200 @@
+"""What a demo run measured, and the checks and statistics the report prints.
+
+:class:`ModeResult` is one mode trained from one seed; :class:`DemoResult` holds every run of
+every seed. :func:`compare` checks that a mode reproduces its reference exactly;
+:func:`summarize` gives each mode's mean and seed-to-seed spread, and :func:`rank` never calls
+a mode better than another by less than that spread.
+
+Example:
+    >>> a = ModeResult("a", "", [2.0, 1.5], 1.6, 1.0, {}, "", scales=[4.0, 2.0], skipped_steps=[1])
+    >>> compare(a, a)
+    'identical (losses, scales, skipped steps)'
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from mixprec.demo.modes import MODES
+from mixprec.demo.settings import Settings
+
+__all__ = ["ModeResult", "DemoResult", "Progress", "Summary", "compare", "summarize", "rank"]
+
+
+@dataclass
+class ModeResult:
+    """What one mode measured from one seed. Memory is in bytes, throughput in tokens per second.
+
+    ``scales`` and ``skipped_steps`` are empty for modes without a loss scaler; ``eval_loss`` is
+    the validation loss after training, in the mode's own precision.
+    """
+
+    mode: str
+    summary: str
+    losses: list[float]
+    eval_loss: float
+    tokens_per_s: float
+    memory: dict[str, int]
+    activation_method: str
+    scales: list[float] = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+    seed: int = 0
+
+    @property
+    def final_loss(self) -> float:
+        """Mean training loss over the last 10% of steps (at least one)."""
+        tail = self.losses[-max(1, len(self.losses) // 10):]
+        return sum(tail) / len(tail)
+
+    @property
+    def total_memory(self) -> int:
+        return sum(self.memory.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "final_loss": self.final_loss, "total_memory": self.total_memory}
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One mode over every seed: mean and sample standard deviation (0 from one seed)."""
+
+    mode: str
+    seeds: int
+    eval_loss: float
+    eval_spread: float
+    final_loss: float
+    final_spread: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class DemoResult:
+    """A whole demo run: its settings, its environment, and one :class:`ModeResult` per mode and
+    seed (``runs``, seed by seed in the order of ``modes``).
+
+    ``settings.seed`` is the first seed; the others follow it (``seed + 1``, ...).
+    """
+
+    settings: Settings
+    device: str
+    environment: dict[str, Any]
+    runs: list[ModeResult]
+
+    @property
+    def seeds(self) -> list[int]:
+        return list(dict.fromkeys(r.seed for r in self.runs))
+
+    @property
+    def modes(self) -> list[ModeResult]:
+        """The runs of the first seed: the curves, memory and throughput of the report."""
+        first = self.runs[0].seed
+        return [r for r in self.runs if r.seed == first]
+
+    def of(self, mode: str) -> list[ModeResult]:
+        """Every seed's run of ``mode``."""
+        return [r for r in self.runs if r.mode == mode]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "settings": asdict(self.settings),
+            "device": self.device,
+            "environment": self.environment,
+            "seeds": self.seeds,
+            "modes": [m.to_json() for m in self.modes],
+            "runs": [r.to_json() for r in self.runs],
+            "summary": [s.to_json() for s in summarize(self)],
+            "checks": checks(self),
+        }
+
+
+class Progress(Protocol):
+    """Receives progress while the demo trains (see :mod:`mixprec.demo.progress`)."""
+
+    def start(self, mode: str, total: int) -> None: ...
+    def update(self, step: int, loss: float, scale: float | None) -> None: ...
+    def finish(self, result: ModeResult) -> None: ...
+    def note(self, text: str) -> None: ...
+
+
+def compare(ours: ModeResult, ref: ModeResult) -> str:
+    """``"identical (losses, scales, skipped steps)"``, or the first difference, in words."""
+    for step, (a, b) in enumerate(zip(ours.losses, ref.losses)):
+        if a != b:
+            return f"losses differ from step {step + 1}: {a!r} against {b!r}"
+    if len(ours.losses) != len(ref.losses):
+        return f"{len(ours.losses)} steps against {len(ref.losses)}"
+    for step, (a, b) in enumerate(zip(ours.scales, ref.scales)):
+        if a != b:
+            return f"loss scales differ from step {step + 1}: {a:g} against {b:g}"
+    if len(ours.scales) != len(ref.scales):
+        return f"{len(ours.scales)} loss scales against {len(ref.scales)}"
+    if ours.skipped_steps != ref.skipped_steps:
+        return f"skipped steps differ: {ours.skipped_steps} against {ref.skipped_steps}"
+    return "identical (losses, scales, skipped steps)"
+
+
+def checks(result: DemoResult) -> dict[str, str]:
+    """For every mode whose bitwise reference also ran (``Mode.reference``): ``"a = b"`` ->
+    :func:`compare` over every seed (the first seed that differs is named)."""
+    out = {}
+    ran = {r.mode for r in result.runs}
+    for name in dict.fromkeys(r.mode for r in result.runs):
+        ref = MODES[name].reference if name in MODES else None
+        if ref is None or ref not in ran:
+            continue
+        verdicts = [(run.seed, compare(run, other)) for run, other in zip(result.of(name), result.of(ref))]
+        bad = next(((seed, v) for seed, v in verdicts if not v.startswith("identical")), None)
+        seeds = f" over {len(verdicts)} seeds" if len(verdicts) > 1 else ""
+        if bad is None:
+            out[f"{name} = {ref}"] = verdicts[0][1] + seeds
+        else:
+            out[f"{name} = {ref}"] = f"seed {bad[0]}: {bad[1]}" if seeds else bad[1]
+    return out
+
+
+def summarize(result: DemoResult) -> list[Summary]:
+    """Each mode's mean validation and final training loss over the seeds, with their spread."""
+
+    def spread(values: list[float]) -> float:
+        return statistics.stdev(values) if len(values) > 1 else 0.0
+
+    out = []
+    for name in dict.fromkeys(r.mode for r in result.runs):
+        runs = result.of(name)
+        evals, finals = [r.eval_loss for r in runs], [r.final_loss for r in runs]
+        out.append(Summary(name, len(runs), statistics.fmean(evals), spread(evals),
+                           statistics.fmean(finals), spread(finals)))
+    return out
+
+
+def rank(summaries: list[Summary]) -> str:
+    """One sentence about which modes reach the lowest validation loss, never separating two modes
+    by less than twice the larger of their seed-to-seed standard deviations (from one seed the
+    spread is unknown: then nothing is ranked)."""
+    if not summaries:
+        return ""
+    if summaries[0].seeds < 2:
+        return ("From one seed the spread between seeds is unknown, so modes are not ranked by loss "
+                "(--seeds 3 measures it).")
+    best = min(summaries, key=lambda s: s.eval_loss)
+
+    def close(s: Summary) -> bool:
+        return s.eval_loss - best.eval_loss <= 2 * max(s.eval_spread, best.eval_spread)
+
+    tied = [s.mode for s in sorted(summaries, key=lambda s: s.eval_loss) if close(s)]
+    behind = [s.mode for s in sorted(summaries, key=lambda s: s.eval_loss) if not close(s)]
+    n = summaries[0].seeds
+    text = (f"Over {n} seeds, lowest mean validation loss: {best.mode} ({best.eval_loss:.4f} ± "
+            f"{best.eval_spread:.4f}); ")
+    if len(tied) > 1:
+        text += f"within two standard deviations of it (not distinguishable here): {', '.join(tied[1:])}"
+    else:
+        text += "every other mode is further than two standard deviations away"
+    if behind:
+        text += f"; clearly higher: {', '.join(behind)}"
+    return text + "."

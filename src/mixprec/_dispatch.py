@@ -83,6 +83,8 @@ class Frame:
     edits: Mapping[str, str]  # overload -> cast kind, where it differs from PyTorch's
     policy: Any = None
     traced: bool = False  # pushed by a region traced inside torch.compile
+    # (module, recipe, LayerState, backend) of the fp8 layer being called, set by module hooks
+    fp8_target: Any = None
 
 
 @dataclass
@@ -401,7 +403,23 @@ def _run_passthrough(info: _OpInfo, frame: Frame, keyset: Any, args: tuple, kwar
     return info.op.redispatch(keyset & _BELOW_AUTOCAST, *args, **kwargs)  # as on no list
 
 
+def _run_fp8(info: _OpInfo, frame: Frame, keyset: Any, args: tuple, kwargs: dict) -> Any:
+    """``linear`` of a policy with fp8 layers: the selected layer's call runs in fp8, any other
+    call as the policy's table says."""
+    target = frame.fp8_target
+    if target is not None and len(args) > 1 and args[1] is target[0].weight:
+        from mixprec import fp8
+
+        module, recipe, state, backend = target
+        x = _cached_cast(args[0], torch.get_autocast_dtype(frame.device_type), frame)
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        return fp8.linear(x, args[1], bias, recipe, state=state, backend=backend)
+    kind = frame.policy.table(frame.device_type).get(info.name, "passthrough")
+    return _RUNNERS[kind](info, frame, keyset, args, kwargs)
+
+
 _RUNNERS: dict[str, Callable[..., Any]] = {
+    "fp8": _run_fp8,
     "lower": _run_lower,
     "fp32": _run_fp32,
     "promote": _run_promote,

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec._tree import tracing as _tracing
 
-__all__ = ["ModuleRule", "NORM_TYPES"]
+__all__ = ["ModuleRule", "Fp8Rule", "NORM_TYPES"]
 
 #: Normalisation layers: the modules that mixed-precision recipes keep in float32 by default.
 NORM_TYPES: tuple[type[nn.Module], ...] = tuple(
@@ -77,3 +78,53 @@ class ModuleRule:
         if self.types and isinstance(module, self.types):
             return True
         return self._pattern is not None and self._pattern.search(qualified_name) is not None
+
+
+@dataclass(frozen=True)
+class Fp8Rule:
+    """Which ``nn.Linear`` layers run their GEMMs in fp8 inside an autocast region.
+
+    Built by :meth:`mixprec.Policy.fp8`; see :mod:`mixprec.fp8` for the recipes and the guard.
+    Layers are chosen by :func:`mixprec.fp8.select_layers` (instances of ``types`` whose
+    qualified name matches ``names``, with in/out features multiples of 16; the first and last
+    such layer stay in the compute dtype unless ``first_last="fp8"``). Modules selected by a
+    ``keep`` rule, or inside one, never run in fp8.
+
+    Example:
+        >>> Fp8Rule("rowwise", names=r"blocks\\.").recipe_name
+        'rowwise'
+    """
+
+    recipe: Any = "tensorwise"  # a recipe name or a mixprec.fp8.Float8Recipe
+    types: tuple[type[nn.Module], ...] = (nn.Linear,)
+    names: str | None = None
+    first_last: str = "keep"
+    backend: str = "auto"
+    guard: Any = field(default=None, compare=False)  # a mixprec.fp8.Guard (mutable: its decisions)
+
+    def __post_init__(self) -> None:
+        if _tracing():  # see mixprec.policy._refuse_tracing
+            raise RuntimeError("build mixprec Fp8Rules and Policies outside torch.compile")
+        from mixprec import fp8
+
+        fp8.as_recipe(self.recipe)  # validates
+        types = (self.types,) if isinstance(self.types, type) else tuple(self.types)
+        if not types or not all(isinstance(t, type) and issubclass(t, nn.Linear) for t in types):
+            raise ValueError(f"Policy.fp8 types must be nn.Linear subclasses, got {self.types!r}")
+        if self.names is not None:
+            try:
+                re.compile(self.names)
+            except re.error as e:
+                raise ValueError(f"Policy.fp8 names={self.names!r} is not a valid regex: {e}") from e
+        if self.first_last not in ("keep", "fp8"):
+            raise ValueError(f"Policy.fp8 first_last must be 'keep' or 'fp8', got {self.first_last!r}")
+        if self.backend not in ("auto", "emulate", "scaled_mm"):
+            raise ValueError(f"Policy.fp8 backend must be 'auto', 'emulate' or 'scaled_mm', got {self.backend!r}")
+        if self.guard is not None and not isinstance(self.guard, fp8.Guard):
+            raise ValueError(f"Policy.fp8 guard must be a mixprec.fp8.Guard, got {type(self.guard).__name__}")
+        object.__setattr__(self, "types", types)
+
+    @property
+    def recipe_name(self) -> str:
+        """The recipe's name (``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``)."""
+        return self.recipe if isinstance(self.recipe, str) else self.recipe.name

@@ -95,10 +95,11 @@ def _traced_region(device_type: str, dtype: torch.dtype | None, enabled: bool,
                    policy: Policy | str | None) -> tuple[int, torch.dtype, bool]:
     """Run by Dynamo at trace time (not traced): resolve a region and key its policy."""
     policy, dtype, enabled = _resolve(device_type, dtype, enabled, policy)
-    if enabled and (policy.module_rules or policy.output is not None):
+    if enabled and (policy.module_rules or policy.output is not None or policy.fp8_rule is not None):
         raise RuntimeError(
-            "mixprec.autocast with module rules (Policy.keep) or output= cannot be traced inside "
-            "torch.compile; enter the region around the compiled call instead"
+            "mixprec.autocast with module rules (Policy.keep, Policy.fp8) or output= cannot be "
+            "traced inside torch.compile; enter the region around the compiled call instead (for "
+            "fp8 under torch.compile(fullgraph=True), convert the model with mixprec.fp8.convert)"
         )
     return (_dispatch.traced_key(policy, device_type) if enabled else -1), dtype, enabled
 
@@ -181,7 +182,8 @@ class autocast:
         torch.set_autocast_cache_enabled(self._cache_enabled)
         torch.autocast_increment_nesting()
         _dispatch.push(frame)
-        hooked = frame is not None and (bool(self.policy.module_rules) or self.policy.output is not None)
+        hooked = frame is not None and (bool(self.policy.module_rules) or self.policy.output is not None
+                                        or self.policy.fp8_rule is not None)
         if hooked:
             _ModuleRules.enter(frame)
         self._saved.append((prev, frame, hooked))
@@ -251,7 +253,7 @@ class _ModuleRules:
     def _state(cls) -> Any:
         st = cls._tls
         if not hasattr(st, "frames"):
-            st.frames, st.calls = [], []
+            st.frames, st.calls, st.fp8 = [], [], {}
         return st
 
     @classmethod
@@ -303,16 +305,29 @@ class _ModuleRules:
         if not st.frames:
             return None
         frame = st.frames[-1]
-        rules = frame.policy.module_rules
+        policy = frame.policy
+        rules, fp8_rule = policy.module_rules, policy.fp8_rule
         active = _dispatch.top(frame.device_type) is frame
-        name = cls._qualified_name(module, st.calls) if active and rules else ""
-        restore = None
+        named = active and (rules or fp8_rule is not None)
+        name = cls._qualified_name(module, st.calls) if named else ""
+        kept = bool(st.calls) and st.calls[-1][3]  # inside a kept module
+        restores = []
         if active and rules:
             rule = next((r for r in rules if r.matches(module, name)), None)
             if rule is not None:
-                restore = _enter_rule(frame, rule)
+                kept = True
+                restores.append(_enter_rule(frame, rule))
                 args = cast_tree(args, rule.dtype, frame.device_type)
-        st.calls.append((module, name, restore))
+        if active and fp8_rule is not None:
+            if not st.calls:  # the outermost call: select the layers (the model may have changed)
+                st.fp8 = _fp8_layers(module, policy)
+            target = st.fp8.get(id(module)) if not kept else None
+            if target is not None and not target[2].fallback:
+                restores.append(_enter_fp8(frame, target))
+        restore = None
+        if restores:
+            restore = restores[0] if len(restores) == 1 else lambda: [r() for r in reversed(restores)]
+        st.calls.append((module, name, restore, kept))
         return args if restore is not None else None
 
     @classmethod
@@ -329,6 +344,48 @@ class _ModuleRules:
             if frame.policy.output is not None and _dispatch.top(frame.device_type) is frame:
                 return cast_tree(output, frame.policy.output)
         return None
+
+
+_GUARD_STEPS: dict[int, int] = {}  # id(guard) -> outermost calls seen, for Guard.check's step
+
+
+def _fp8_layers(root: nn.Module, policy: Policy) -> dict[int, tuple[nn.Module, Any, Any, str]]:
+    """The fp8 layers of the model called as ``root``: ``id(module) -> fp8 target``, without
+    the modules a keep rule selects or contains; checks the rule's guard first (on its
+    schedule), so that a layer it moves back is left out now."""
+    from mixprec import fp8
+
+    rule = policy.fp8_rule
+    model = getattr(root, "_orig_mod", root)  # torch.compile's wrapper
+    recipe = fp8.as_recipe(rule.recipe)
+    if rule.guard is not None:
+        step = _GUARD_STEPS.get(id(rule.guard), 0)
+        _GUARD_STEPS[id(rule.guard)] = step + 1
+        rule.guard.check(model, step)
+    modules = dict(model.named_modules())
+
+    def kept(fqn: str) -> bool:
+        parts = fqn.split(".") if fqn else []
+        ancestors = [".".join(parts[:i]) for i in range(len(parts) + 1)]
+        return any(r.matches(modules[a], a) for a in ancestors for r in policy.module_rules)
+
+    layers = {}
+    for fqn in fp8.select_layers(model, rule.types, rule.names, rule.first_last):
+        module = modules[fqn]
+        if kept(fqn):
+            continue
+        layers[id(module)] = (module, recipe, fp8.layer_state(module), rule.backend)
+    return layers
+
+
+def _enter_fp8(frame: Frame, target: tuple) -> Callable[[], None]:
+    """Route the module's ``linear`` to fp8 (see ``_dispatch._run_fp8``) until it returns."""
+    prev, frame.fp8_target = frame.fp8_target, target
+
+    def restore() -> None:
+        frame.fp8_target = prev
+
+    return restore
 
 
 def _enter_rule(frame: Frame, rule: Any) -> Callable[[], None]:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from mixprec import ops as _ops
-from mixprec._modules import ModuleRule
+from mixprec._modules import Fp8Rule, ModuleRule
 from mixprec._ops_names import OpLike, canonical_names
 from mixprec._tree import cast_tree, tracing as _tracing
 
@@ -59,7 +59,8 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "half": torch.float16,
 }
 _KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
-         "o": "output", "output": "output", "ops": "base", "preset": "base", "base": "base"}
+         "o": "output", "output": "output", "ops": "base", "preset": "base", "base": "base",
+         "fp8": "fp8_rule"}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -86,6 +87,17 @@ def _check_dtype(what: str, dtype: object, allow_none: bool) -> None:
         raise ValueError(f"Policy.{what} must be a floating torch.dtype, got {dtype!r}")
 
 
+class _on_class_or_instance:
+    """A method that, looked up on the class, runs on the default instance: ``Policy.fp8()``."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, obj: Any, cls: Any) -> Any:
+        return self.fn.__get__(obj if obj is not None else cls(), cls)
+
+
 @dataclass(frozen=True)
 class Policy:
     """Which dtype parameters, compute and outputs use, op by op and module by module.
@@ -99,6 +111,7 @@ class Policy:
         device_type: whose table ``base`` names; ``None`` means the region's device.
         op_rules: edits ``(overload, kind)``, applied in order; build them with :meth:`with_ops`.
         module_rules: modules that run in another dtype; build them with :meth:`keep`.
+        fp8_rule: ``nn.Linear`` layers whose GEMMs run in fp8; build it with :meth:`fp8`.
     """
 
     params: torch.dtype = torch.float32
@@ -108,6 +121,7 @@ class Policy:
     device_type: str | None = None
     op_rules: tuple[tuple[str, str], ...] = ()
     module_rules: tuple[ModuleRule, ...] = field(default=())
+    fp8_rule: Fp8Rule | None = None
 
     def __post_init__(self) -> None:
         _refuse_tracing("policies")
@@ -164,12 +178,15 @@ class Policy:
                 if raw_key.lower() not in _KEYS:
                     raise ValueError(
                         f"unknown policy key {raw_key!r} in {spec!r}; keys: params (p), "
-                        "compute (c), output (o), preset"
+                        "compute (c), output (o), preset, fp8"
                     )
                 key = _KEYS[raw_key.lower()]
             if key in values:
                 raise ValueError(f"policy key {key!r} given twice in {spec!r}")
-            values[key] = value if key == "base" else parse_dtype(value)
+            if key == "fp8_rule":
+                values[key] = Fp8Rule(recipe=value)
+            else:
+                values[key] = value if key == "base" else parse_dtype(value)
         return cls(**values)
 
     # ----------------------------------------------------------------- serialization
@@ -194,6 +211,7 @@ class Policy:
                  "names": r.names}
                 for r in self.module_rules
             ],
+            "fp8_rule": None if self.fp8_rule is None else _fp8_to_dict(self.fp8_rule),
         }
 
     @classmethod
@@ -220,6 +238,8 @@ class Policy:
                        names=r.get("names"))
             for r in values.get("module_rules", ())
         )
+        if values.get("fp8_rule") is not None:
+            values["fp8_rule"] = _fp8_from_dict(values["fp8_rule"])
         return cls(**values)
 
     def to_json(self, **json_kwargs: Any) -> str:
@@ -301,6 +321,34 @@ class Policy:
         rule = ModuleRule(parse_dtype(dtype), types=types, names=names)
         return dataclasses.replace(self, module_rules=self.module_rules + (rule,))
 
+    @_on_class_or_instance
+    def fp8(
+        self,
+        recipe: Any = "tensorwise",
+        types: type[nn.Module] | tuple[type[nn.Module], ...] = (nn.Linear,),
+        names: str | None = None,
+        first_last: str = "keep",
+        guard: Any = None,
+        backend: str = "auto",
+    ) -> "Policy":
+        """A copy whose selected ``nn.Linear`` layers run their GEMMs in fp8 (no module swap).
+
+        Inside a region, each selected layer's ``linear`` runs :func:`mixprec.fp8.linear` with
+        ``recipe`` (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"`` or a
+        :class:`~mixprec.fp8.Float8Recipe`), its input in the compute dtype, its statistics in
+        :func:`mixprec.fp8.layer_state` of the module; the rest of the model follows the policy.
+        Layers: see :class:`mixprec.Fp8Rule`; ``keep`` rules win. A ``guard``
+        (:class:`mixprec.fp8.Guard`) is checked as the model's outermost call starts, and moves
+        layers that cross its thresholds back to the compute dtype. Usable on the class too:
+        ``Policy.fp8()`` is ``Policy().fp8()``.
+
+        Example:
+            >>> policy = Policy.parse("compute=bf16").fp8("rowwise", guard=mixprec.fp8.Guard(every=50))
+        """
+        rule = Fp8Rule(recipe, types=types, names=names, first_last=first_last, guard=guard,
+                       backend=backend)
+        return dataclasses.replace(self, fp8_rule=rule)
+
     # ----------------------------------------------------------------- queries
     def table(self, device_type: str) -> Mapping[str, str]:
         """The resolved op table ``overload -> cast kind`` for a region on ``device_type``.
@@ -319,7 +367,10 @@ class Policy:
             >>> dict(Policy().with_ops(fp32=["mm"]).edits("cpu"))
             {'mm': 'fp32'}
         """
-        return _resolve_edits(self.base, self.device_type or device_type, self.op_rules, device_type)
+        edits = _resolve_edits(self.base, self.device_type or device_type, self.op_rules, device_type)
+        if self.fp8_rule is not None:  # linear routes to fp8 for the selected layers
+            edits = MappingProxyType({**edits, "linear": "fp8"})
+        return edits
 
     def kind(self, op: OpLike, device_type: str) -> str:
         """Cast kind of ``op`` (one overload) in a region on ``device_type``."""
@@ -353,6 +404,8 @@ class Policy:
             parts.append(f"output={_dtype_name(self.output)}")
         if self.base != "torch":
             parts.append(f"preset={self.base}")
+        if self.fp8_rule is not None:
+            parts.append(f"fp8={self.fp8_rule.recipe_name}")
         return ",".join(parts)
 
 
@@ -392,6 +445,32 @@ def _resolve_edits(base: str, table_device: str, rules: tuple[tuple[str, str], .
             if table.get(n, "passthrough") != native.get(n, "passthrough")
         })
     return edits
+
+
+def _fp8_to_dict(rule: Fp8Rule) -> dict[str, Any]:
+    from mixprec import fp8
+
+    recipe = rule.recipe
+    if not isinstance(recipe, str):
+        if fp8.Float8Recipe.from_name(recipe.name) != recipe:
+            raise ValueError(f"cannot serialize the custom fp8 recipe {recipe!r}: use a named recipe "
+                             "('tensorwise', 'rowwise', 'rowwise_with_gw_hp')")
+        recipe = recipe.name
+    guard = None
+    if rule.guard is not None:
+        guard = {f.name: getattr(rule.guard, f.name) for f in dataclasses.fields(rule.guard) if f.init}
+    return {"recipe": recipe, "types": [_type_path(t) for t in rule.types], "names": rule.names,
+            "first_last": rule.first_last, "backend": rule.backend, "guard": guard}
+
+
+def _fp8_from_dict(data: Mapping[str, Any]) -> Fp8Rule:
+    from mixprec import fp8
+
+    values = dict(data)
+    values["types"] = tuple(_import_type(t) for t in values.get("types", ["torch.nn.modules.linear.Linear"]))
+    if values.get("guard") is not None:
+        values["guard"] = fp8.Guard(**values["guard"])
+    return Fp8Rule(**values)
 
 
 def _refuse_tracing(what: str) -> None:

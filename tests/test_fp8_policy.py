@@ -1,0 +1,150 @@
+"""FP8 as a policy: selected nn.Linear layers run in fp8 inside mixprec.autocast, no module swap,
+bitwise torchao's emulated Float8Linear under autocast; keep wins; the guard moves layers back."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec import Policy, fp8
+
+torchao_float8 = pytest.importorskip("torchao.float8")
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 64), nn.GELU(),
+                         nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(32, 16))
+
+
+def _torchao(model: nn.Module, recipe: str, fqns: set[str]) -> nn.Module:
+    config = dataclasses.replace(torchao_float8.Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    return torchao_float8.convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda m, fqn: fqn in fqns)
+
+
+def _step(model, ctx, x):
+    with ctx:
+        out = model(x)
+    out.float().square().mean().backward()
+    return out, [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_policy_route_is_bitwise_torchao_under_autocast(recipe, dtype):
+    model = _model()
+    ref_model = _torchao(copy.deepcopy(model), recipe, {"2", "4"})  # first and last stay
+    x = torch.randn(3, 5, 32)
+    out, grads = _step(model, mixprec.autocast("cpu", dtype=dtype, policy=Policy.fp8(recipe)), x)
+    ref, ref_grads = _step(ref_model, torch.autocast("cpu", dtype=dtype), x)
+    assert out.dtype == ref.dtype == dtype
+    assert torch.equal(out, ref)
+    for a, b in zip(grads, ref_grads):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert type(model[2]) is nn.Linear  # no module swap
+    assert set(model.state_dict()) == set(_model().state_dict())
+    assert set(fp8.layer_states(model)) == {"2", "4"}
+
+
+def test_fp8_layers_differ_from_the_compute_dtype_and_the_rest_follows_the_policy():
+    model = _model()
+    x = torch.randn(4, 32)
+    with mixprec.autocast("cpu", policy="compute=bf16,output=f32"):
+        plain = model(x)
+    with mixprec.autocast("cpu", policy="compute=bf16,output=f32,fp8=tensorwise"):
+        out = model(x)
+    assert out.dtype == plain.dtype == torch.float32
+    assert not torch.equal(out, plain)
+    assert (out - plain).abs().max() < 0.1  # fp8 error, not a different computation
+
+
+def test_keep_wins_over_fp8_and_first_last():
+    x = torch.randn(4, 32)
+    model = _model()
+    with mixprec.autocast("cpu", policy=Policy.fp8(first_last="fp8").keep(names=r"^4$")):
+        model(x).float().sum().backward()
+    assert set(fp8.layer_states(model)) == {"0", "2", "6"}
+    assert fp8.layer_state(model[4], create=False) is None
+
+
+def test_names_select_layers_and_ineligible_dims_warn_once_by_name():
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 20), nn.Linear(20, 32), nn.Linear(32, 32))
+    with pytest.warns(UserWarning, match="'1': out_features=20 is not a multiple of 16"):
+        with mixprec.autocast("cpu", policy=Policy.fp8(first_last="fp8", names=r"^[0-2]$")):
+            model(torch.randn(2, 32))
+    assert set(fp8.layer_states(model)) == {"0"}
+
+
+def test_guard_in_the_policy_moves_a_diverging_layer_back():
+    model = _model()
+    guard = fp8.Guard(max_underflow=0.05, max_nonfinite=None, every=1)
+    policy = Policy.fp8(guard=guard)
+    x = torch.randn(4, 32)
+    with mixprec.autocast("cpu", policy=policy):
+        model(x).float().sum().backward()
+    with torch.no_grad():
+        model[3].register_forward_hook(lambda m, i, o: o.index_fill(-1, torch.tensor([0]), 1e6))
+    with mixprec.autocast("cpu", policy=policy):
+        model(x).float().sum().backward()  # layer 4's input has an outlier: the rest underflows
+    with pytest.warns(fp8.Float8FallbackWarning, match="'4'.*input underflow"):
+        with mixprec.autocast("cpu", policy=policy):
+            model(x)  # the next outermost call checks the guard first
+    assert fp8.layer_state(model[4]).fallback and not fp8.layer_state(model[2]).fallback
+    with mixprec.autocast("cpu", policy=Policy.fp8(names=r"^2$")):  # layer 4 in bf16
+        ref = model(x)
+    with mixprec.autocast("cpu", policy=policy):
+        assert torch.equal(model(x), ref)
+    restored = fp8.Guard()
+    restored.load_state_dict(guard.state_dict())
+    assert restored.state_dict() == guard.state_dict()
+
+
+def test_policy_with_fp8_round_trips_and_parses():
+    p = Policy.parse("compute=bf16,fp8=rowwise").keep(types=nn.LayerNorm)
+    assert str(p) == "params=float32,compute=bfloat16,fp8=rowwise"
+    assert Policy.from_json(p.to_json()) == p
+    g = Policy.fp8("tensorwise", names=r"blocks", first_last="fp8", guard=fp8.Guard(every=7))
+    back = Policy.from_json(g.to_json())
+    assert back == g and back.fp8_rule.guard.every == 7
+    assert Policy.fp8() == Policy().fp8()
+    with pytest.raises(ValueError, match="unknown fp8 recipe"):
+        Policy.parse("fp8=rowwize")
+    with pytest.raises(ValueError, match="first_last"):
+        Policy.fp8(first_last="bf16")
+
+
+def test_fp8_policy_inside_compiled_code_points_to_convert():
+    model = _model()
+    policy = Policy.fp8()
+
+    def f(x):
+        with mixprec.autocast("cpu", policy=policy):
+            return model(x)
+
+    with pytest.raises(Exception, match="mixprec.fp8.convert"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(torch.randn(2, 32))
+
+
+def test_checkpoint_recomputes_the_fp8_forward_bitwise():
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.randn(4, 32, requires_grad=True)
+    grads = []
+    for use_checkpoint in (False, True):
+        model = _model()
+        with mixprec.autocast("cpu", policy=Policy.fp8(first_last="fp8")), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = (checkpoint(model, x, use_reentrant=False, context_fn=mixprec.checkpoint_context_fn)
+                   if use_checkpoint else model(x))
+        out.float().sum().backward()
+        grads.append([x.grad.clone(), *(p.grad for p in model.parameters())])
+        x.grad = None
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

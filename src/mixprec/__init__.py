@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "release_kernels": "mixprec._dispatch",
     "Policy": "mixprec.policy",
     "ModuleRule": "mixprec._modules",
+    "Fp8Rule": "mixprec._modules",
     # loss scaling
     "GradScaler": "mixprec.scaling",
     "skip_aware": "mixprec.scaling",
@@ -69,7 +70,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static type checkers see the real names
     from mixprec import optim
     from mixprec._dispatch import release_kernels
-    from mixprec._modules import ModuleRule
+    from mixprec._modules import Fp8Rule, ModuleRule
     from mixprec.autocast_mode import (
         autocast,
         checkpoint_context_fn,

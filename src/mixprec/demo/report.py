@@ -149,6 +149,8 @@ def _figures(result: DemoResult) -> list[dict[str, Any]]:
                 "raw": {m.mode: m.losses for m in modes},
                 "smoothed": smoothed,
                 "minus": base.mode,
+                "identical_to": {pair.split(" = ")[0]: pair.split(" = ")[1]
+                                 for pair, verdict in checks(result).items() if verdict.startswith("identical")},
                 "difference": {
                     m.mode: [a - b for a, b in zip(smoothed[m.mode], smoothed[base.mode])] for m in modes
                 },
@@ -218,10 +220,14 @@ def _plot(fig_spec: dict[str, Any], result: DemoResult, path: Path) -> None:
             steps = range(1, len(raw) + 1)
             # the base mode (fp32) is drawn last, dashed and in black, so that modes lying on it
             # leave it visible
-            on_top = {"color": "black", "linestyle": "--", "zorder": 5} if mode == base else {"color": colors[mode]}
-            ax.plot(steps, raw, alpha=0.2, linewidth=0.8, **on_top)
-            ax.plot(steps, data["smoothed"][mode], linewidth=1.8 if mode == base else 1.4, label=mode, **on_top)
-            diff.plot(steps, data["difference"][mode], linewidth=1.2, **on_top)
+            style = {"color": "black", "linestyle": "--", "zorder": 5} if mode == base else {"color": colors[mode]}
+            label = mode
+            if data["identical_to"].get(mode):  # dotted over its reference, which stays visible
+                style["linestyle"] = ":"
+                label = f"{mode} (= {data['identical_to'][mode]})"
+            ax.plot(steps, raw, alpha=0.2, linewidth=0.8, **style)
+            ax.plot(steps, data["smoothed"][mode], linewidth=1.8 if mode == base else 1.4, label=label, **style)
+            diff.plot(steps, data["difference"][mode], linewidth=1.2, **style)
         ax.set(ylabel="cross-entropy (nats/byte)")
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
         diff.set(xlabel="step", ylabel=f"minus {base}")

@@ -80,6 +80,22 @@ def test_training_is_bitwise_fp32(ours, theirs, kwargs, foreach):
         assert torch.allclose(p.float(), q.detach(), rtol=2**-8, atol=0)
 
 
+def test_fused_exact_training_is_bitwise_torch_fused_fp32():
+    g = torch.Generator().manual_seed(0)
+    low = [torch.randn(s, generator=g).bfloat16().requires_grad_() for s in [(16, 9), (9,)]]
+    ref = [p.detach().float().requires_grad_() for p in low]
+    opt = AdamW(low, lr=1e-3, weight_decay=0.1, amsgrad=True, compensation="exact", fused=True)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.1, amsgrad=True, fused=True)
+    for step in range(20):
+        for p, q in zip(low, ref):
+            p.grad = torch.randn(p.shape, generator=g).bfloat16()
+            q.grad = p.grad.float()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(low, ref):
+        assert torch.equal(_master(opt, p), q.detach())
+
+
 def test_load_fp32_weights_sets_the_master_exactly():
     fp32 = torch.nn.Linear(6, 5)
     model = mixprec.to_low_precision(torch.nn.Linear(6, 5))

@@ -139,3 +139,35 @@ def test_cuda_defaults_to_foreach_and_matches(compensation):
 
     assert AdamW._uses_foreach(run(None)[1].param_groups[0])
     assert torch.equal(run(None)[0], run(False)[0])
+
+
+@pytest.mark.parametrize("kwargs", ADAMW_CASES)
+def test_fused_fp32_is_bitwise_torch_fused(kwargs):
+    a, opt_a = _run(AdamW, torch.float32, None, fused=True, **kwargs)
+    b = _params(torch.float32)
+    opt_b = torch.optim.AdamW([{"params": b[:1]}, {"params": b[1:], "lr": 3e-3}], fused=True, **kwargs)
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 + step)
+        for i, p in enumerate(b):
+            p.grad = None if (step == 1 and i == 2) else torch.randn(p.shape, generator=g)
+        opt_b.step()
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+        for key, value in opt_b.state[q].items():
+            assert torch.equal(opt_a.state[p][key], value)
+
+
+@pytest.mark.parametrize("dtype,compensation,state_dtype", ADAMW_RECIPES)
+def test_fused_recipes_track_foreach(dtype, compensation, state_dtype):
+    """Every recipe runs fused: the last-bit differences of torch's fused kernel stay small."""
+    kwargs = dict(compensation=compensation, state_dtype=state_dtype, **ADAMW_CASES[1])
+    a, _ = _run(AdamW, dtype, None, fused=True, **kwargs)
+    b, _ = _run(AdamW, dtype, True, **kwargs)
+    for p, q in zip(a, b):
+        assert p.dtype == q.dtype
+        torch.testing.assert_close(p.double(), q.double(), rtol=0, atol=4 * torch.finfo(dtype).eps * q.abs().max().item())
+
+
+def test_fused_and_foreach_together_is_an_error():
+    with pytest.raises(ValueError, match="fused"):
+        AdamW([torch.zeros(2, requires_grad=True)], fused=True, foreach=True)

@@ -1,13 +1,15 @@
 """Optimizers that train low-precision (bfloat16/float16) parameters like float32 ones.
 
-``AdamW`` and ``SGD`` take torch's hyper-parameters and defaults plus
-``compensation=None | "kahan" | "stochastic"``, ``state_dtype`` and ``generator``. The
-functional updates are in :mod:`mixprec.optim._functional`; :func:`stochastic_round_` is public.
+``AdamW`` and ``SGD`` take torch's hyper-parameters and defaults (``foreach`` included) plus
+``compensation=None | "exact" | "kahan" | "stochastic"``, ``state_dtype`` (a float dtype, or
+``"8bit"`` for AdamW) and ``generator``. The functional updates are in
+:mod:`mixprec.optim._functional` (per tensor) and :mod:`mixprec.optim._foreach` (multi-tensor,
+bitwise the same); :func:`stochastic_round_` is public.
 
 Example:
     >>> import torch, mixprec
     >>> model = mixprec.to_low_precision(torch.nn.Linear(8, 8))
-    >>> opt = mixprec.optim.AdamW(model.parameters(), lr=1e-4, compensation="kahan")
+    >>> opt = mixprec.optim.AdamW(model.parameters(), lr=1e-4, compensation="exact")
 """
 
 from mixprec.optim.adamw import AdamW

@@ -144,8 +144,15 @@ def adamw_foreach(
     compensation: Optional[str] = None,
     generator: Optional[torch.Generator] = None,
     inv_scale: Optional[Tensor] = None,
+    fused: bool = False,
 ) -> None:
-    """:func:`mixprec.optim._functional.adamw`, multi-tensor; same arguments, same results."""
+    """:func:`mixprec.optim._functional.adamw`, multi-tensor; same arguments, same results.
+
+    ``fused=True`` runs the update itself (weight decay, moments, step) as torch's fused AdamW
+    kernel (``torch._fused_adamw_``, one pass; on the CPU 4x faster than the foreach ops) on the
+    same float32 working copies: results are then bitwise ``torch.optim.AdamW(fused=True)``'s,
+    which differ from the foreach/for-loop arithmetic in the last bit.
+    """
     if amsgrad and any(s is None for s in max_exp_avg_sqs):
         raise ValueError("amsgrad=True needs a max_exp_avg_sq state for every parameter")
     check_grads(grads)
@@ -166,19 +173,26 @@ def adamw_foreach(
         c = [part(comps[i], sl) for i, sl in batch]
         values = _load_params(p, c, cdtypes)
 
-        if weight_decay != 0:
-            torch._foreach_mul_(values, 1 - lr * weight_decay)
-        torch._foreach_lerp_(exp_avgs_c, grads_c, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs_c, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs_c, grads_c, grads_c, value=1 - beta2)
-        if amsgrad:
-            torch._foreach_maximum_(computed[2], exp_avg_sqs_c)
-            denoms = torch._foreach_sqrt(computed[2])
+        if fused:  # gradients already unscaled and negated: the kernel must not do it again
+            torch._fused_adamw_(
+                values, grads_c, exp_avgs_c, exp_avg_sqs_c, computed[2] if amsgrad else [],
+                _pick(state_steps, index), amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2,
+                weight_decay=weight_decay, eps=eps, maximize=False, grad_scale=None, found_inf=None,
+            )
         else:
-            denoms = torch._foreach_sqrt(exp_avg_sqs_c)
-        torch._foreach_div_(denoms, _pick(bias_correction2_sqrts, index))
-        torch._foreach_add_(denoms, eps)
-        torch._foreach_addcdiv_(values, exp_avgs_c, denoms, _pick(step_sizes, index))
+            if weight_decay != 0:
+                torch._foreach_mul_(values, 1 - lr * weight_decay)
+            torch._foreach_lerp_(exp_avgs_c, grads_c, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs_c, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs_c, grads_c, grads_c, value=1 - beta2)
+            if amsgrad:
+                torch._foreach_maximum_(computed[2], exp_avg_sqs_c)
+                denoms = torch._foreach_sqrt(computed[2])
+            else:
+                denoms = torch._foreach_sqrt(exp_avg_sqs_c)
+            torch._foreach_div_(denoms, _pick(bias_correction2_sqrts, index))
+            torch._foreach_add_(denoms, eps)
+            torch._foreach_addcdiv_(values, exp_avgs_c, denoms, _pick(step_sizes, index))
 
         _write_back_all(p, values, c, list(zip(states, computed)), compensation, generator)
 

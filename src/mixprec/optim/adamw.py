@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -32,9 +33,10 @@ class AdamW(CompensatedOptimizer):
       master, so updates are exactly float32's, as with ``mixprec.MasterWeights`` at 12
       instead of 20 bytes per parameter.
     * ``"kahan"``: the rounding error is kept in a buffer of the parameter's dtype (``state
-      ["kahan_comp"]``, +2 bytes) and added back at the next step. Within about ``2**-16`` of
-      the float32 run, but a constant update below ``2**-17`` of the weight never lands (the
-      buffer's own rounding drops it); for float16 parameters, where ``"exact"`` does not apply.
+      ["kahan_comp"]``, +2 bytes) and added back at the next step. Parameter + buffer holds
+      about 16 significant bits, not float32's 24: a steady update below about ``2**-17`` of the
+      weight never lands (the buffer's own rounding drops it). For float16 parameters, where
+      ``"exact"`` does not apply; for bfloat16 ones ``"exact"`` is as fast and exact.
     * ``"stochastic"``: rounded stochastically (unbiased), using ``generator``; no extra memory.
 
     Float32/float64 parameters ignore ``compensation``.
@@ -53,6 +55,10 @@ class AdamW(CompensatedOptimizer):
         foreach: multi-tensor implementation (bitwise equal to the per-tensor one, faster,
             one float32 temporary per parameter more); ``None`` (default) uses it where
             ``torch.optim`` does (all parameters on CUDA).
+        fused: compute the update with torch's fused AdamW kernel (on the CPU about 4x faster
+            than foreach), on the same float32 working copies: bitwise
+            ``torch.optim.AdamW(fused=True)`` rather than the foreach/for-loop arithmetic (they
+            differ in the last bit). ``None``/``False`` (default, as torch): not fused.
         generator: randomness for stochastic rounding, on the parameters' device; ``None``
             makes one when needed, seeded from the global RNG. Its state is saved in
             ``state_dict()``.
@@ -83,6 +89,7 @@ class AdamW(CompensatedOptimizer):
         *,
         maximize: bool = False,
         foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
         compensation: Optional[str] = None,
         state_dtype: Optional[torch.dtype | str] = None,
         generator: Optional[torch.Generator] = None,
@@ -97,6 +104,8 @@ class AdamW(CompensatedOptimizer):
             raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if fused and foreach:
+            raise ValueError("`fused` and `foreach` cannot be `True` together.")
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -105,6 +114,7 @@ class AdamW(CompensatedOptimizer):
             amsgrad=amsgrad,
             maximize=maximize,
             foreach=foreach,
+            fused=fused,
             compensation=compensation,
             state_dtype=state_dtype,
         )
@@ -148,7 +158,10 @@ class AdamW(CompensatedOptimizer):
             if not params:
                 continue
             beta1, beta2 = group["betas"]
-            update = adamw_foreach if self._uses_foreach(group) else adamw
+            if group["fused"]:
+                update: Callable[..., None] = partial(adamw_foreach, fused=True)
+            else:
+                update = adamw_foreach if self._uses_foreach(group) else adamw
             update(
                 params,
                 grads,

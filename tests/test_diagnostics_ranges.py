@@ -227,3 +227,80 @@ def test_non_floating_outputs_are_skipped_and_audit_runs() -> None:
     assert labels.dtype == torch.int64
     report = mixprec.audit(model, torch.randn(5, 4), lambda m, x: m(x)[0].square().mean())
     assert "head" in report.modules and "head" not in report.ranges["float32"]
+
+
+# --- fp8: the "after scaling" view --------------------------------------------------------------
+
+def test_fp8_view_scales_each_tensor_as_the_recipe_does_hand_computed() -> None:
+    x = torch.tensor([1e4, 1.0, -0.1, 1e-3, 0.0, -2.0])
+    with collect_ranges(model := Copy()) as rc:
+        model(x)
+    s = rc.results()[""]["activation"]
+    view = s.fp8_scaled
+    assert view is not None and (view.recipe, view.granularity, view.pow2_scales, view.count) == (
+        "tensorwise", "tensor", False, 6)
+    assert view.view == "after a per-tensor scale finfo.max/amax (tensorwise)"
+    # by hand: scale = 448 / 1e4; |x| * scale = 448, 0.0448 (normal: >= 2**-6), 0.00448
+    # (subnormal: >= 2**-10), 4.48e-5 (flushed: < 2**-10), 0 (zero, not counted), 0.0896
+    assert view.underflow["float8_e4m3fn"] == 1 / 6 and view.subnormal["float8_e4m3fn"] == 1 / 6
+    # e5m2: scale = 57344 / 1e4, every non-zero value lands on a normal
+    assert view.underflow["float8_e5m2"] == 0 and view.subnormal["float8_e5m2"] == 0
+    # the unscaled view of the same values: 1e4 overflows e4m3fn; scaled, nothing saturates
+    assert s.overflow["float8_e4m3fn"] == 1 / 6
+    scale = torch.tensor(448 / 1e4, dtype=torch.float64).float()
+    assert (x * scale).abs().max() <= 448
+    d = json.loads(json.dumps(s.to_dict(), allow_nan=False))
+    assert d["fp8_scaled"]["view"] == view.view and RangeStats.from_dict(d) == s
+
+
+def test_fp8_view_rowwise_uses_row_scales_rounded_down_to_a_power_of_two() -> None:
+    x = torch.tensor([[1e4, 1e-3, 1.0, 0.5], [1e-3, 2e-3, 1e-3, 3e-3]])
+    model = Copy()
+    views = {}
+    for recipe in ("tensorwise", "rowwise"):
+        with collect_ranges(model, fp8_recipe=recipe) as rc:
+            model(x)
+        views[recipe] = rc.results()[""]["activation"].fp8_scaled
+    # tensorwise: one scale 448/1e4 flushes 1e-3, 2e-3 (< 2**-10 once scaled): 5 of 8 values
+    assert views["tensorwise"].underflow["float8_e4m3fn"] == 5 / 8
+    # rowwise: row 1 has its own scale 2**floor(log2(448/3e-3)) = 2**17: nothing flushes there
+    # (1e-3 * 2**17 = 131); row 0 (scale 2**-5) flushes its 1e-3 only
+    rw = views["rowwise"]
+    assert (rw.granularity, rw.pow2_scales) == ("row", True)
+    assert rw.underflow["float8_e4m3fn"] == 1 / 8
+    assert rw.view == "after a per-row scale finfo.max/amax, rounded down to a power of 2 (rowwise)"
+    with collect_ranges(model, fp8_recipe=None) as rc:
+        model(x)
+    assert rc.results()[""]["activation"].fp8_scaled is None
+    with pytest.raises(ValueError, match="unknown fp8 recipe"):
+        collect_ranges(model, fp8_recipe="blockwise")
+
+
+class Outlier(nn.Module):
+    """Multiplies feature 0 by 1e5: an outlier feature for the next layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tensor([1e5] + [1.0] * (x.shape[-1] - 1))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_view_matches_what_the_fp8_layer_records(recipe: str) -> None:
+    from mixprec import fp8
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Outlier(), nn.Linear(32, 32, bias=False))
+    model = fp8.convert(model, recipe, filter_fn=lambda m, fqn: fqn == "1")
+    x = torch.randn(64, 32)
+    g = log_uniform(64 * 32, -40, 0).reshape(64, 32)  # grad_output: e5m2 flushes some of it too
+    with collect_ranges(model, fp8_recipe=recipe) as rc:
+        (model(x) * g).sum().backward()
+    res = rc.results()
+    layer = fp8.layer_state(model[1]).read()
+    r = fp8.Float8Recipe.from_name(recipe)
+    for operand, stats, cast in (("input", res["0"]["activation"], r.input),
+                                 ("weight", res["1"]["weight"], r.weight),
+                                 ("grad_output", res["1"]["grad"], r.grad_output)):
+        got = stats.fp8_scaled.underflow[f"float8_{cast.format}"]
+        assert got == pytest.approx(layer[operand]["underflow"], rel=1e-6, abs=0), operand
+        assert stats.absmax == layer[operand]["amax"], operand
+    assert layer["input"]["underflow"] > 0.05 and layer["grad_output"]["underflow"] > 0.01  # not vacuous

@@ -10,7 +10,11 @@ gradient with respect to those outputs; ``"weight"``: the module's own parameter
 * for each format in :data:`FORMATS`, the fraction of values that would overflow (round to inf,
   or saturate/NaN for float8_e4m3fn), flush to zero, or land on a subnormal when cast to it,
   with round-to-nearest-even thresholds derived from :func:`torch.finfo`;
-* a histogram of log2|x| of the non-zero values, one bin per binade (:data:`HIST_EDGES`).
+* a histogram of log2|x| of the non-zero values, one bin per binade (:data:`HIST_EDGES`);
+* for fp8, an "after scaling" view (:class:`Fp8Scaled`): what an fp8 recipe with current
+  scaling would flush to zero or make subnormal, each tensor (or row) first multiplied by the
+  scale the recipe computes from it, ``finfo.max / amax``. The unscaled view above judges the
+  raw values, which is right for float16/bfloat16 and for fp8 without a scale only.
 
 The statistics are taken on ``|x|`` in float32 (float64 tensors are rounded to float32 first;
 finite magnitudes beyond float32's range are counted at float32's max, i.e. as overflow).
@@ -28,10 +32,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from mixprec.diagnostics._fp8 import FP8_FORMATS, Fp8Scaled, fp8_casts, fp8_counts
 from mixprec.diagnostics._tensors import FLOAT32_MAX, measured
 
 __all__ = [
     "FORMATS",
+    "FP8_FORMATS",
+    "Fp8Scaled",
     "HIST_EDGES",
     "KINDS",
     "FormatLimits",
@@ -114,8 +121,11 @@ class RangeStats:
         absmax: largest finite magnitude (0.0 if none).
         min_nonzero: smallest non-zero finite magnitude (``math.inf`` if none).
         overflow, underflow, subnormal: per format name, the fraction of all ``count`` values
-            that would overflow, flush to zero, or become subnormal when cast to that format.
+            that would overflow, flush to zero, or become subnormal when cast to that format
+            *unscaled* (as they are: right for float16/bfloat16, wrong for scaled fp8).
         hist: counts of log2|x| per bin of :data:`HIST_EDGES` (non-zero finite values).
+        fp8_scaled: the fp8 "after scaling" view (:class:`Fp8Scaled`), or ``None`` (weight
+            gradients, which enter no fp8 GEMM, or ``collect_ranges(..., fp8_recipe=None)``).
     """
 
     count: int
@@ -126,6 +136,7 @@ class RangeStats:
     underflow: dict[str, float]
     subnormal: dict[str, float]
     hist: tuple[int, ...]
+    fp8_scaled: Fp8Scaled | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able copy (``min_nonzero`` is ``None`` when there was no non-zero value)."""
@@ -138,32 +149,41 @@ class RangeStats:
             "underflow": dict(self.underflow),
             "subnormal": dict(self.subnormal),
             "hist": list(self.hist),
+            "fp8_scaled": None if self.fp8_scaled is None else {
+                **vars(self.fp8_scaled), "view": self.fp8_scaled.view},
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RangeStats":
         """Inverse of :meth:`to_dict`."""
         mn = d["min_nonzero"]
+        f8 = d.get("fp8_scaled")  # absent in reports written before the fp8 view
         return cls(
             count=int(d["count"]), nonfinite=int(d["nonfinite"]), absmax=float(d["absmax"]),
             min_nonzero=math.inf if mn is None else float(mn), overflow=dict(d["overflow"]),
             underflow=dict(d["underflow"]), subnormal=dict(d["subnormal"]),
             hist=tuple(int(c) for c in d["hist"]),
+            fp8_scaled=None if f8 is None else Fp8Scaled(
+                recipe=f8["recipe"], granularity=f8["granularity"], pow2_scales=bool(f8["pow2_scales"]),
+                count=int(f8["count"]), underflow=dict(f8["underflow"]), subnormal=dict(f8["subnormal"])),
         )
 
 
 class _Acc:
     """Device-side running statistics of one (module, kind)."""
 
-    __slots__ = ("count", "state")
+    __slots__ = ("count", "state", "cast", "fp8_count", "fp8_state")
 
-    def __init__(self) -> None:
+    def __init__(self, cast: Any = None) -> None:
         self.count = 0
         # [nonfinite count, absmax, min non-zero, bucket counts, log2 histogram], on the device
         self.state: list[torch.Tensor] | None = None
+        self.cast = cast  # the fp8 recipe's (recipe name, Cast, pow2) for this kind, or None
+        self.fp8_count = 0
+        self.fp8_state: torch.Tensor | None = None  # [flushed, subnormal] per fp8 format
 
-    def update(self, x: torch.Tensor, scale: torch.Tensor | float | None) -> None:
-        """Fold ``x`` (times ``scale``) in. No host sync."""
+    def update(self, x: torch.Tensor, scale: torch.Tensor | float | None, fp8: bool = True) -> None:
+        """Fold ``x`` (times ``scale``) in; ``fp8=False`` leaves it out of the fp8 view. No host sync."""
         x = x.detach()
         finite = torch.isfinite(x)  # judged before any rounding or scaling
         nonfinite = x.numel() - finite.sum()
@@ -189,12 +209,18 @@ class _Acc:
             old[3] + new[3],
             old[4] + new[4],
         ]
+        if self.cast is not None and fp8:
+            counts = fp8_counts(a, *self.cast[1:])
+            self.fp8_count += a.numel()
+            self.fp8_state = counts if self.fp8_state is None else self.fp8_state + counts
 
     def flat(self) -> torch.Tensor:
         """Everything as one float64 vector, for a single device-to-host copy."""
         assert self.state is not None, "flat() is only called on updated accumulators"
         s = self.state
-        return torch.cat([torch.stack(s[:3]).double(), s[3].double(), s[4].double()])
+        f8 = self.fp8_state if self.fp8_state is not None else torch.zeros(
+            2 * len(FP8_FORMATS), dtype=torch.int64, device=s[0].device)
+        return torch.cat([torch.stack(s[:3]).double(), s[3].double(), s[4].double(), f8.double()])
 
 
 def _count(index: torch.Tensor, n: int) -> torch.Tensor:
@@ -229,11 +255,13 @@ def _bounds(device: torch.device) -> torch.Tensor:
     return b
 
 
-def _stats(count: int, v: list[float]) -> RangeStats:
+def _stats(acc: _Acc, v: list[float]) -> RangeStats:
+    count = acc.count
     nb = len(_BOUNDS) + 1
     nonfinite, absmax, min_nonzero = v[0], v[1], v[2]
     buckets = v[3:3 + nb]
-    hist = v[3 + nb:]
+    hist = v[3 + nb:-2 * len(FP8_FORMATS)]
+    f8 = v[-2 * len(FP8_FORMATS):]
 
     def below(bound: float) -> float:  # non-zero finite values with |x| < bound
         k = _BOUNDS.index(bound)
@@ -250,13 +278,18 @@ def _stats(count: int, v: list[float]) -> RangeStats:
         count=count, nonfinite=int(nonfinite), absmax=float(absmax),
         min_nonzero=float(min_nonzero), overflow=over, underflow=under, subnormal=subn,
         hist=tuple(int(round(c)) for c in hist),
+        fp8_scaled=None if acc.cast is None or not acc.fp8_count else Fp8Scaled(
+            recipe=acc.cast[0], granularity=acc.cast[1].granularity, pow2_scales=acc.cast[2],
+            count=acc.fp8_count,
+            underflow={n: f8[2 * i] / acc.fp8_count for i, n in enumerate(FP8_FORMATS)},
+            subnormal={n: f8[2 * i + 1] / acc.fp8_count for i, n in enumerate(FP8_FORMATS)}),
     )
 
 
 class RangeCollector:
     """The object :func:`collect_ranges` returns; use it as a context manager."""
 
-    def __init__(self, model: nn.Module, scaler: Any = None) -> None:
+    def __init__(self, model: nn.Module, scaler: Any = None, *, fp8_recipe: Any = "tensorwise") -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"collect_ranges needs an nn.Module, got {type(model).__name__}")
         if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
@@ -264,6 +297,7 @@ class RangeCollector:
                             f"torch.amp.GradScaler), got {type(scaler).__name__}")
         self.model = model
         self.scaler = scaler
+        self._casts = fp8_casts(fp8_recipe)
         self._accs: dict[tuple[str, str], _Acc] = {}
         self._handles: list[Any] = []
         self._active = False
@@ -300,7 +334,7 @@ class RangeCollector:
     def _acc(self, name: str, kind: str) -> _Acc:
         acc = self._accs.get((name, kind))
         if acc is None:
-            acc = self._accs[(name, kind)] = _Acc()
+            acc = self._accs[(name, kind)] = _Acc(self._casts.get(kind))
         return acc
 
     def _make_hook(self, name: str) -> Callable[..., None]:
@@ -332,9 +366,9 @@ class RangeCollector:
         for name, module in self.model.named_modules():
             params = [p for p in module.parameters(recurse=False) if p.numel() > 0]
             if params:
-                acc = weights[(name, "weight")] = _Acc()
+                acc = weights[(name, "weight")] = _Acc(self._casts.get("weight"))
                 for p in params:
-                    acc.update(p, None)
+                    acc.update(p, None, fp8=p.dim() >= 2)  # GEMM operands: matrices, not biases
         accs = {**self._accs, **weights}
         keys = list(accs)
         rows: dict[tuple[str, str], list[float]] = {}
@@ -347,7 +381,7 @@ class RangeCollector:
         by_module: dict[str, dict[str, RangeStats]] = {}
         order = {name: i for i, (name, _) in enumerate(self.model.named_modules())}
         for key in sorted(keys, key=lambda k: (order.get(k[0], 0), KINDS.index(k[1]))):
-            by_module.setdefault(key[0], {})[key[1]] = _stats(accs[key].count, rows[key])
+            by_module.setdefault(key[0], {})[key[1]] = _stats(accs[key], rows[key])
         return by_module
 
     def results(self) -> dict[str, dict[str, RangeStats]]:
@@ -361,7 +395,7 @@ class RangeCollector:
         return self._compute()
 
 
-def collect_ranges(model: nn.Module, scaler: Any = None) -> RangeCollector:
+def collect_ranges(model: nn.Module, scaler: Any = None, *, fp8_recipe: Any = "tensorwise") -> RangeCollector:
     """Context manager gathering per-module ranges and fp16/bf16/fp8 fit (see module docs).
 
     Args:
@@ -372,6 +406,10 @@ def collect_ranges(model: nn.Module, scaler: Any = None) -> RangeCollector:
             backward runs on the *unscaled* loss (as :func:`mixprec.audit` does in float32). If
             you backpropagate ``scaler.scale(loss)``, the gradients already carry the scale:
             leave ``scaler=None``.
+        fp8_recipe: a :class:`mixprec.fp8.Float8Recipe` or its name (``"tensorwise"``,
+            ``"rowwise"``, ...) for the fp8 "after scaling" view (``RangeStats.fp8_scaled``):
+            activations are scaled as the recipe's ``input`` cast, gradients as its
+            ``grad_output`` cast, weight matrices as its ``weight`` cast; ``None`` skips the view.
 
     Host syncs: none while hooks run; one read of all statistics on exit (or per
     :meth:`RangeCollector.results` call), plus ``scaler.get_scale()`` if it syncs.
@@ -382,5 +420,7 @@ def collect_ranges(model: nn.Module, scaler: Any = None) -> RangeCollector:
         ...     model(torch.full((2, 4), 1e5)).sum().backward()
         >>> ranges.results()["0"]["activation"].overflow["float16"] > 0
         True
+        >>> ranges.results()["0"]["activation"].fp8_scaled.underflow["float8_e4m3fn"]  # scaled: fits
+        0.0
     """
-    return RangeCollector(model, scaler)
+    return RangeCollector(model, scaler, fp8_recipe=fp8_recipe)

@@ -12,6 +12,7 @@ A complete example does not need it and redefines what it uses. Two explicit rul
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ PRELUDE = '''
 import torch
 from torch import nn
 import mixprec
+from mixprec import Policy
 
 class Net(nn.Module):
     """A small model: a Linear body, a LayerNorm and an lm_head."""
@@ -78,6 +80,8 @@ def test_docs_have_python_blocks() -> None:
 def test_block_runs(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if "accelerate" in sys.modules:  # Accelerate's process-wide state holds the last block's precision
+        sys.modules["accelerate"].state.AcceleratorState._reset_state(True)
     namespace: dict = {"__name__": "__docs__"}
     exec(compile(PRELUDE, "<prelude>", "exec"), namespace)
     exec(compile(code, "<block>", "exec"), namespace)

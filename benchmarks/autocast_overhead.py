@@ -7,7 +7,8 @@ clean, and the figure is the median over rounds. Cases:
 
 - ``default``: ``mixprec.autocast`` with the default policy (PyTorch's lists);
 - ``after``: plain ``torch.autocast`` in a process where mixprec regions (default and edited
-  policies) ran first: the collateral cost on other code;
+  policies) ran first: the collateral cost on other code (on the softmax loop: the cost of the
+  edited op's kernel, which stays registered, outside the regions that edit it);
 - ``edited``: ``mixprec.autocast`` with one op edited (softmax in float32): the step, and a loop
   of the edited op itself against the same loop under clean ``torch.autocast``.
 
@@ -130,8 +131,8 @@ def format_result(res: dict) -> str:
              "alternating rounds; lower is better"]
     names = {"tiny": "tiny-op loop", "edited_op": "softmax loop", "step": "transformer step"}
     for (case, load), ratio in res["ratios"].items():
-        if case != "edited" and load == "edited_op":
-            continue
+        if case == "default" and load == "edited_op":
+            continue  # softmax is on no CPU list: the default policy runs it as torch does
         target = TARGETS.get((case, load))
         t_case, t_clean = res["seconds"][(case, load)], res["seconds"][("clean", load)]
         unit, k = ("ms", 1e3) if load == "step" else ("us/op", 1e6)

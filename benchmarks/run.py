@@ -33,13 +33,18 @@ class Row:
 
 
 def _autocast(res: dict[str, Any]) -> list[Row]:
-    dtype = res["dtype"]
-    return [
-        Row("autocast_overhead", f"training step, {dtype}", res["step_ratio"], "torch.autocast",
-            f"{res['step_ms_mixprec']:.2f} vs {res['step_ms_torch']:.2f} ms"),
-        Row("autocast_overhead", f"tiny op dispatch, {dtype}", res["tiny_op_ratio"], "torch.autocast",
-            f"{res['tiny_op_us_mixprec']:.1f} vs {res['tiny_op_us_torch']:.1f} us/op"),
-    ]
+    names = {"tiny": "tiny-op loop", "edited_op": "edited-op loop (softmax fp32)", "step": "transformer step"}
+    what = {"default": "mixprec.autocast, default policy", "after": "torch.autocast after mixprec",
+            "edited": "mixprec.autocast, softmax edited"}
+    rows = []
+    for (case, load), ratio in res["ratios"].items():
+        if load == "edited_op" and case == "default":
+            continue
+        t, ref = res["seconds"][(case, load)], res["seconds"][("clean", load)]
+        unit, k = ("ms", 1e3) if load == "step" else ("us/op", 1e6)
+        rows.append(Row("autocast_overhead", f"{what[case]}: {names[load]}", ratio,
+                        "clean torch.autocast (other process)", f"{t * k:.2f} vs {ref * k:.2f} {unit}"))
+    return rows
 
 
 def _scaler(res: dict[str, float]) -> list[Row]:

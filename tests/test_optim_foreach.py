@@ -52,13 +52,13 @@ def _params(dtype):
 
 def _run(cls, dtype, foreach, steps=4, **kwargs):
     params = _params(dtype)
-    # two groups, the second with a parameter that gets no gradient on step 1
+    # two groups, the second with a parameter that gets its first gradient on step 1
     opt = cls([{"params": params[:1]}, {"params": params[1:], "lr": 3e-3}], foreach=foreach,
               generator=torch.Generator().manual_seed(1), **kwargs)
     for step in range(steps):
         g = torch.Generator().manual_seed(100 + step)
         for i, p in enumerate(params):
-            p.grad = None if (step == 1 and i == 2) else torch.randn(p.shape, generator=g).to(dtype)
+            p.grad = None if (step == 0 and i == 2) else torch.randn(p.shape, generator=g).to(dtype)
         kept = [None if p.grad is None else p.grad.clone() for p in params]
         opt.step()
         for p, k in zip(params, kept):
@@ -108,7 +108,7 @@ def test_fp32_is_bitwise_torch(ours, theirs, kwargs, foreach):
     for step in range(4):
         g = torch.Generator().manual_seed(100 + step)
         for i, p in enumerate(b):
-            p.grad = None if (step == 1 and i == 2) else torch.randn(p.shape, generator=g)
+            p.grad = None if (step == 0 and i == 2) else torch.randn(p.shape, generator=g)
         opt_b.step()
     for p, q in zip(a, b):
         assert torch.equal(p, q)
@@ -141,15 +141,18 @@ def test_cuda_defaults_to_foreach_and_matches(compensation):
     assert torch.equal(run(None)[0], run(False)[0])
 
 
-@pytest.mark.parametrize("kwargs", ADAMW_CASES)
-def test_fused_fp32_is_bitwise_torch_fused(kwargs):
-    a, opt_a = _run(AdamW, torch.float32, None, fused=True, **kwargs)
+@pytest.mark.parametrize(
+    "ours,theirs,kwargs",
+    [(AdamW, torch.optim.AdamW, c) for c in ADAMW_CASES] + [(SGD, torch.optim.SGD, c) for c in SGD_CASES],
+)
+def test_fused_fp32_is_bitwise_torch_fused(ours, theirs, kwargs):
+    a, opt_a = _run(ours, torch.float32, None, fused=True, **kwargs)
     b = _params(torch.float32)
-    opt_b = torch.optim.AdamW([{"params": b[:1]}, {"params": b[1:], "lr": 3e-3}], fused=True, **kwargs)
+    opt_b = theirs([{"params": b[:1]}, {"params": b[1:], "lr": 3e-3}], fused=True, **kwargs)
     for step in range(4):
         g = torch.Generator().manual_seed(100 + step)
         for i, p in enumerate(b):
-            p.grad = None if (step == 1 and i == 2) else torch.randn(p.shape, generator=g)
+            p.grad = None if (step == 0 and i == 2) else torch.randn(p.shape, generator=g)
         opt_b.step()
     for p, q in zip(a, b):
         assert torch.equal(p, q)
@@ -168,6 +171,16 @@ def test_fused_recipes_track_foreach(dtype, compensation, state_dtype):
         torch.testing.assert_close(p.double(), q.double(), rtol=0, atol=4 * torch.finfo(dtype).eps * q.abs().max().item())
 
 
-def test_fused_and_foreach_together_is_an_error():
+@pytest.mark.parametrize("dtype,compensation,state_dtype", SGD_RECIPES)
+@pytest.mark.parametrize("kwargs", SGD_CASES)
+def test_fused_sgd_recipes_track_foreach(kwargs, dtype, compensation, state_dtype):
+    a, _ = _run(SGD, dtype, None, fused=True, compensation=compensation, state_dtype=state_dtype, **kwargs)
+    b, _ = _run(SGD, dtype, True, compensation=compensation, state_dtype=state_dtype, **kwargs)
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p.double(), q.double(), rtol=0, atol=4 * torch.finfo(dtype).eps * q.abs().max().item())
+
+
+@pytest.mark.parametrize("cls", [AdamW, SGD])
+def test_fused_and_foreach_together_is_an_error(cls):
     with pytest.raises(ValueError, match="fused"):
-        AdamW([torch.zeros(2, requires_grad=True)], fused=True, foreach=True)
+        cls([torch.zeros(2, requires_grad=True)], fused=True, foreach=True)

@@ -16,7 +16,7 @@ path, besides the float32 working copies that the per-tensor path makes one at a
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -213,8 +213,13 @@ def sgd_foreach(
     generator: Optional[torch.Generator] = None,
     state_dtype: Optional[torch.dtype] = None,
     inv_scale: Optional[Tensor] = None,
+    fused: bool = False,
 ) -> None:
-    """:func:`mixprec.optim._functional.sgd`, multi-tensor; same arguments, same results."""
+    """:func:`mixprec.optim._functional.sgd`, multi-tensor; same arguments, same results.
+
+    ``fused=True``: the update runs as torch's fused SGD kernel (``torch._fused_sgd_``) on the
+    float32 working copies, as :func:`adamw_foreach` does.
+    """
     check_grads(grads)
     fresh = new_momentum_buffers(momentum_buffers, params, state_dtype) if momentum != 0 else []
     for batch in batches(plan(params, [grads, comps, momentum_buffers]), params):
@@ -224,6 +229,11 @@ def sgd_foreach(
         c = [part(comps[i], sl) for i, sl in batch]
         values = _load_params(p, c, cdtypes)
 
+        if fused:
+            _fused_sgd(batch, values, grads_c, momentum_buffers, fresh, cdtypes, generator, lr=lr,
+                       momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
+            _write_back_all(p, values, c, [], compensation, generator)
+            continue
         if weight_decay != 0:
             grads_c = torch._foreach_add(grads_c, values, alpha=weight_decay)
         stored: list[Optional[Tensor]] = [None] * len(batch)
@@ -244,3 +254,34 @@ def sgd_foreach(
         torch._foreach_add_(values, grads_c, alpha=-lr)
 
         _write_back_all(p, values, c, [(stored, bufs)], compensation, generator)
+
+
+def _fused_sgd(
+    batch: list,
+    values: list[Tensor],
+    grads_c: list[Tensor],
+    momentum_buffers: list[Optional[Tensor]],
+    fresh: list[bool],
+    cdtypes: list[torch.dtype],
+    generator: Optional[torch.Generator],
+    **hyper: Any,
+) -> None:
+    """One batch of fused SGD, momentum buffers included: new buffers (set to the gradient by the
+    kernel, ``is_first_step``) and old ones in two calls; a narrower buffer is worked on in a
+    float32 copy and written back (new: to nearest, as the for-loop path; old: :func:`write_state`)."""
+    if hyper["momentum"] == 0:
+        torch._fused_sgd_(values, grads_c, [], maximize=False, is_first_step=False, **hyper)
+        return
+    views = [part(momentum_buffers[i], sl) for i, sl in batch]
+    bufs = [read_state(v, c) for v, c in zip(views, cdtypes)]  # type: ignore[arg-type]
+    for first in (True, False):
+        ks = [k for k, (i, _) in enumerate(batch) if fresh[i] == first]
+        if ks:
+            torch._fused_sgd_(_pick(values, ks), _pick(grads_c, ks), _pick(bufs, ks), maximize=False,
+                              is_first_step=first, **hyper)
+    for k, (i, _) in enumerate(batch):
+        if bufs[k] is not views[k]:
+            if fresh[i]:
+                views[k].copy_(bufs[k])  # type: ignore[union-attr]
+            else:
+                write_state(views[k], bufs[k], generator)  # type: ignore[arg-type]

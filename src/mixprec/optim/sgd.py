@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -19,8 +20,8 @@ class SGD(CompensatedOptimizer):
 
     Same hyper-parameters, defaults and arithmetic as ``torch.optim.SGD`` (on float32 parameters
     the two agree bitwise, and their ``state_dict()`` formats are interchangeable).
-    ``compensation``, ``foreach``, ``generator`` and loss scalers work as in
-    :class:`mixprec.optim.AdamW`. ``state_dtype`` is the dtype of ``momentum_buffer``
+    ``compensation``, ``foreach``, ``fused`` (torch's fused SGD kernel), ``generator`` and loss
+    scalers work as in :class:`mixprec.optim.AdamW`. ``state_dtype`` is the dtype of ``momentum_buffer``
     (float16 allowed: the momentum has the gradients' range; float8 and ``"8bit"`` are not).
 
     Raises:
@@ -45,6 +46,7 @@ class SGD(CompensatedOptimizer):
         *,
         maximize: bool = False,
         foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
         compensation: Optional[str] = None,
         state_dtype: Optional[torch.dtype] = None,
         generator: Optional[torch.Generator] = None,
@@ -57,6 +59,8 @@ class SGD(CompensatedOptimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        if fused and foreach:
+            raise ValueError("`fused` and `foreach` cannot be `True` together.")
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -65,6 +69,7 @@ class SGD(CompensatedOptimizer):
             nesterov=nesterov,
             maximize=maximize,
             foreach=foreach,
+            fused=fused,
             compensation=compensation,
             state_dtype=state_dtype,
         )
@@ -87,7 +92,10 @@ class SGD(CompensatedOptimizer):
                 comps.append(self._compensation_buffer(group, p))
             if not params:
                 continue
-            update = sgd_foreach if self._uses_foreach(group) else sgd
+            if group["fused"]:
+                update: Callable[..., None] = partial(sgd_foreach, fused=True)
+            else:
+                update = sgd_foreach if self._uses_foreach(group) else sgd
             update(
                 params,
                 grads,

@@ -143,7 +143,8 @@ def test_cuda_defaults_to_foreach_and_matches(compensation):
 
 @pytest.mark.parametrize(
     "ours,theirs,kwargs",
-    [(AdamW, torch.optim.AdamW, c) for c in ADAMW_CASES] + [(SGD, torch.optim.SGD, c) for c in SGD_CASES],
+    # torch 2.13's fused SGD without momentum raises on a parameter without a gradient
+    [(AdamW, torch.optim.AdamW, c) for c in ADAMW_CASES] + [(SGD, torch.optim.SGD, c) for c in SGD_CASES if "momentum" in c],
 )
 def test_fused_fp32_is_bitwise_torch_fused(ours, theirs, kwargs):
     a, opt_a = _run(ours, torch.float32, None, fused=True, **kwargs)

@@ -56,12 +56,7 @@ def _resolve(device_type: str, dtype: torch.dtype | None, enabled: bool,
             f"mixprec.autocast supports device_type 'cpu' and 'cuda', got {device_type!r}; "
             "use torch.autocast for other devices"
         )
-    if isinstance(policy, str):
-        policy = Policy.parse(policy)
-    elif policy is None:
-        policy = Policy()
-    elif not isinstance(policy, Policy):
-        raise TypeError(f"policy must be a mixprec.Policy or a str, got {type(policy).__name__}")
+    policy = Policy.coerce(policy)
     if dtype is not None and policy.compute is not None and dtype != policy.compute:
         raise ValueError(
             f"mixprec.autocast got dtype={dtype} and a policy with compute={policy.compute}; "

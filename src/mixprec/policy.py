@@ -189,6 +189,22 @@ class Policy:
                 values[key] = value if key == "base" else parse_dtype(value)
         return cls(**values)
 
+    @classmethod
+    def coerce(cls, value: "Policy | str | None", where: str = "policy") -> "Policy":
+        """``value`` as a policy: a Policy as is, a string through :meth:`parse`, ``None`` the
+        default.
+
+        Raises:
+            TypeError: anything else (``where`` names the argument in the message).
+        """
+        if isinstance(value, Policy):
+            return value
+        if isinstance(value, str):
+            return cls.parse(value)
+        if value is None:
+            return cls()
+        raise TypeError(f"{where} must be a mixprec.Policy, a str or None, got {type(value).__name__}")
+
     # ----------------------------------------------------------------- serialization
     def to_dict(self) -> dict[str, Any]:
         """The complete policy as plain JSON-able data (inverse: :meth:`from_dict`).

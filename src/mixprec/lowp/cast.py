@@ -115,7 +115,7 @@ def to_low_precision(
     if policy is not None:
         from mixprec.policy import Policy
 
-        policy = Policy.parse(policy) if isinstance(policy, str) else policy
+        policy = Policy.coerce(policy)
         if dtype is not None and dtype != policy.params:
             raise ValueError(f"to_low_precision got dtype={dtype} and policy.params={policy.params}; "
                              "pass one of them")

@@ -40,6 +40,11 @@ class NonFiniteEvent:
         step: how many times the model had been called before the event (forward index of the
             step, starting at 0).
         detail: one extra fact, e.g. which child received the non-finite intermediate.
+        fp8_layer, fp8_operand: when the non-finite tensor was an operand of an fp8 layer's
+            cast (that layer ran :func:`mixprec.fp8.linear` in that call, through
+            ``Policy.fp8`` or :func:`mixprec.fp8.convert`): the layer and the operand,
+            ``"input"``, ``"weight"`` or ``"grad_output"``. Its amax, hence its scale, was
+            non-finite, which turns the whole GEMM output into NaN. ``None`` otherwise.
     """
 
     module: str
@@ -52,16 +57,20 @@ class NonFiniteEvent:
     op: str | None = None
     step: int = 0
     detail: str = ""
+    fp8_layer: str | None = None
+    fp8_operand: str | None = None
 
     def __str__(self) -> str:
         name = self.module or "<model>"
         op = f", op {self.op}" if self.op else ""
         ranges = ", ".join(f"[{lo:.4g}, {hi:.4g}]" for lo, hi in self.input_ranges) or "n/a"
         detail = f" ({self.detail})" if self.detail else ""
+        fp8 = (f"; fp8 layer {self.fp8_layer!r} took it as its {self.fp8_operand}: "
+               f"non-finite amax" if self.fp8_layer is not None else "")
         return (
             f"{self.kind} in {self.phase} {self.tensor} of module {name!r} "
             f"({self.module_type}{op}), dtype {str(self.dtype).removeprefix('torch.')}, "
-            f"input ranges {ranges}, step {self.step}{detail}"
+            f"input ranges {ranges}, step {self.step}{detail}{fp8}"
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -19,6 +19,11 @@ How the culprit is found:
   parent's own code adds names the parent.
 * **in-place ops**: a tensor seen before whose version counter moved (``t._version``) is checked
   again: a module that modifies its input in place and returns it is named as the producer.
+* **fp8 layers**: a layer that ran :func:`mixprec.fp8.linear` in a call (its
+  ``mixprec.fp8.LayerState`` was updated: ``Policy.fp8`` or ``fp8.convert``) marks its input
+  and the gradient of its output as its ``input`` and ``grad_output`` operands, and its weight
+  is checked; an event on such a tensor names the fp8 layer and the operand
+  (``event.fp8_layer``, ``event.fp8_operand``): a non-finite amax makes the whole GEMM NaN.
 * ``precise=True`` adds a :class:`~torch.utils._python_dispatch.TorchDispatchMode` that checks
   every ATen op, so the event also names the op (``"aten.mul.Tensor"``). Slow: debugging only.
 
@@ -30,8 +35,8 @@ step with an event, one more small read fetches the culprit's input ranges.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import weakref
 from typing import Any, Callable, Literal
 
 import torch
@@ -39,59 +44,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from mixprec.diagnostics._tensors import FLOAT32_MAX, measured
+from mixprec.diagnostics._calls import Call, SeenTensor, min_max, stack_pairs, stats_mark, version_of
+from mixprec.diagnostics._tensors import measured
 from mixprec.diagnostics.event import NonFiniteError, NonFiniteEvent, Phase
+from mixprec.fp8._state import layer_state
 
 __all__ = ["NonFiniteEvent", "NonFiniteError", "NonFiniteTracer", "trace_nonfinite"]
-
-def _pair(t: torch.Tensor) -> torch.Tensor:
-    """``[min, max]`` of ``t`` as a float32 device tensor; NaN if ``t`` holds a NaN. No sync."""
-    t = t.detach()
-    mn, mx = torch.aminmax(t)
-    pair = torch.stack((mn, mx))
-    if t.dtype == torch.float64:  # finite float64 beyond float32 range must not read as inf
-        pair = torch.where(torch.isfinite(pair), pair.clamp(-FLOAT32_MAX, FLOAT32_MAX), pair)
-    return pair.float()
-
-
-def _stack(pairs: list[torch.Tensor]) -> torch.Tensor:
-    """``[k, 2]`` from k pairs (a view when k == 1)."""
-    return pairs[0][None] if len(pairs) == 1 else torch.stack(pairs)
-
-
-def _version(t: torch.Tensor) -> int:
-    """``t``'s version counter (bumped by every in-place op); inference tensors have none."""
-    return -1 if t.is_inference() else t._version
-
-
-class _Call:
-    """One forward call of a module."""
-
-    __slots__ = ("name", "module", "parent", "input_pairs", "outputs")
-
-    def __init__(self, name: str, module: nn.Module, parent: "_Call | None") -> None:
-        self.name = name
-        self.module = module
-        self.parent = parent
-        self.input_pairs: list[torch.Tensor] = []
-        self.outputs: list[_Tensor] = []
-
-
-class _Tensor:
-    """What the tracer knows about one tensor seen at a module boundary in forward."""
-
-    __slots__ = ("ref", "version", "pair", "producer", "enclosing", "consumer", "grad_pair")
-
-    def __init__(self, t: torch.Tensor, pair: torch.Tensor, producer: _Call | None,
-                 enclosing: _Call | None) -> None:
-        self.ref = weakref.ref(t)
-        self.version = _version(t)  # an in-place op moves it: the checked values are stale
-        self.pair = pair
-        self.producer = producer
-        self.enclosing = enclosing
-        self.consumer: _Call | None = None
-        self.grad_pair: torch.Tensor | None = None
-
 
 class NonFiniteTracer:
     """The object :func:`trace_nonfinite` returns; use it as a context manager.
@@ -128,9 +86,9 @@ class NonFiniteTracer:
         self._busy = False
         self._reset_window()
         self._step = -1
-        self._stack: list[_Call] = []
-        self._seen: dict[int, _Tensor] = {}
-        self._last_call: dict[nn.Module, _Call] = {}
+        self._stack: list[Call] = []
+        self._seen: dict[int, SeenTensor] = {}
+        self._last_call: dict[nn.Module, Call] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "NonFiniteTracer":
@@ -172,6 +130,7 @@ class NonFiniteTracer:
     # ------------------------------------------------------------------ windows
     def _reset_window(self) -> None:
         self._window_event: NonFiniteEvent | None = None
+        self._window_sources: list[SeenTensor] = []  # the tensors the window's event is about
         self._flags: list[torch.Tensor] = []  # deferred: the checked values, on the device
         self._builders: list[tuple[str, Callable[[str | None], NonFiniteEvent]]] = []
         self._pending_op: str | None = None
@@ -227,7 +186,8 @@ class NonFiniteTracer:
 
     # ------------------------------------------------------------------ checks
     def _check(self, pairs: torch.Tensor, kind: str,
-               build: Callable[[str | None], NonFiniteEvent], op: str | None = None) -> None:
+               build: Callable[[str | None], NonFiniteEvent], op: str | None = None,
+               sources: list[SeenTensor] | None = None) -> None:
         """Flag ``pairs`` (``[k, 2]`` mins/maxes) if any is non-finite; eager mode syncs here."""
         if self.deferred:  # keep the values on the device; resolve() tests them all at once
             if kind == "op":
@@ -243,6 +203,7 @@ class NonFiniteTracer:
             return
         event = build(self._pending_op)
         self._window_event = event
+        self._window_sources = sources or []
         self._record(event, raise_now=self.raise_on_nonfinite)
 
     def _watching(self) -> bool:
@@ -251,7 +212,7 @@ class NonFiniteTracer:
 
     def _event(self, call_name: str, module: nn.Module, phase: Phase, tensor: str,
                pairs: torch.Tensor, dtype: torch.dtype, inputs: list[torch.Tensor],
-               op: str | None, detail: str = "") -> NonFiniteEvent:
+               op: str | None, detail: str = "", fp8: tuple[str, str] | None = None) -> NonFiniteEvent:
         # one device-to-host copy for the culprit's values and every input range
         host = torch.cat([pairs.flatten(), *(p.flatten() for p in inputs)]).cpu().tolist()
         n = pairs.numel()
@@ -261,21 +222,54 @@ class NonFiniteTracer:
             module=call_name, module_type=type(module).__name__, phase=phase, tensor=tensor,
             kind=kind, dtype=dtype, input_ranges=ranges, op=op,
             step=max(self._step, 0), detail=detail,
+            fp8_layer=None if fp8 is None else fp8[0], fp8_operand=None if fp8 is None else fp8[1],
         )
 
-    def _known(self, t: torch.Tensor) -> _Tensor | None:
+    def _forward_fp8(self, sources: list[SeenTensor], call: Call | None) -> tuple[str, str] | None:
+        """The fp8 layer and operand a forward event's tensors were: an fp8 layer's input, or,
+        for the output of an fp8 call, its weight when that is non-finite (reads it: one sync)."""
+        for info in sources:
+            if info.fp8_use is not None:
+                return info.fp8_use
+        if call is not None and call.fp8 and call.weight_pair is not None \
+                and not bool(torch.isfinite(call.weight_pair).all()):
+            return call.name, "weight"
+        return None
+
+    def _note_fp8_input(self, call: Call) -> None:
+        """``call`` ran in fp8: mark its input as the fp8 ``input`` operand, measure its weight,
+        and name the layer in the window's event if that event is about this input (eager mode
+        builds events before the layer runs)."""
+        call.fp8 = True
+        weight = getattr(call.module, "weight", None)
+        if isinstance(weight, torch.Tensor) and self._active:
+            call.weight_pair = min_max(weight)
+        if not call.inputs:
+            return
+        info = call.inputs[0]
+        info.fp8_use = (call.name, "input")
+        event = self._window_event
+        if event is not None and event.fp8_layer is None and any(s is info for s in self._window_sources):
+            new = dataclasses.replace(event, fp8_layer=call.name, fp8_operand="input")
+            self._window_event = new
+            if self.first is event:
+                self.first = new
+            if self.events and self.events[-1] is event:
+                self.events[-1] = new
+
+    def _known(self, t: torch.Tensor) -> SeenTensor | None:
         """What was recorded about ``t``, unless it is another tensor or was modified in place."""
         info = self._seen.get(id(t))
-        if info is None or info.ref() is not t or info.version != _version(t):
+        if info is None or info.ref() is not t or info.version != version_of(t):
             return None
         return info
 
-    def _shared(self, info: _Tensor, call: _Call) -> bool:
+    def _shared(self, info: SeenTensor, call: Call) -> bool:
         """Whether ``info``'s tensor was already taken by another call (a sibling, or an
         enclosing module whose own code may use it too)."""
         return self.backward and info.consumer is not None and info.consumer is not call
 
-    def _watch_grad(self, t: torch.Tensor, info: _Tensor) -> None:
+    def _watch_grad(self, t: torch.Tensor, info: SeenTensor) -> None:
         if self.backward and t.requires_grad:
             handle = t.register_hook(self._make_grad_hook(info))
             if t.grad_fn is None:  # a leaf (a parameter passed as input) outlives the graph
@@ -304,45 +298,49 @@ class NonFiniteTracer:
                 self._step += 1
                 self._seen.clear()
             parent = self._stack[-1] if self._stack else None
-            call = _Call(name, module, parent)
+            call = Call(name, module, parent)
             self._stack.append(call)
             if not self._active:
                 return
             fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
+            fresh_infos: list[SeenTensor] = []
             aliases: dict[int, torch.Tensor] = {}
             for t in measured((args, kwargs) if kwargs else args):
                 info = self._known(t)
                 if info is None:
-                    pair = _pair(t)
-                    info = _Tensor(t, pair, producer=None, enclosing=parent)
+                    pair = min_max(t)
+                    info = SeenTensor(t, pair, producer=None, enclosing=parent)
                     self._seen[id(t)] = info
                     self._watch_grad(t, info)
                     fresh.append((t, pair))
+                    fresh_infos.append(info)
                 elif id(t) in aliases:  # the same tensor passed twice to this call
                     info = self._seen[id(aliases[id(t)])]
                 elif self._shared(info, call) and t.requires_grad and torch.is_grad_enabled():
                     # another call took t already: this call gets its own alias, so the gradient
                     # it sends back to t is checked before it is summed with the others
                     alias = aliases[id(t)] = t.view_as(t)
-                    info = _Tensor(alias, info.pair, producer=info.producer,
+                    info = SeenTensor(alias, info.pair, producer=info.producer,
                                    enclosing=info.enclosing)
                     self._seen[id(alias)] = info
                     self._watch_grad(alias, info)
                 info.consumer = call
                 call.input_pairs.append(info.pair)
+                call.inputs.append(info)
             if fresh and self._watching():
-                pairs = _stack([p for _, p in fresh])
+                pairs = stack_pairs([p for _, p in fresh])
                 dtype = fresh[0][0].dtype
 
                 def build(op: str | None) -> NonFiniteEvent:
+                    fp8 = self._forward_fp8(fresh_infos, None)
                     if parent is None:
                         return self._event(name, module, "forward", "input", pairs, dtype,
-                                           call.input_pairs, op)
+                                           call.input_pairs, op, fp8=fp8)
                     return self._event(parent.name, parent.module, "forward", "intermediate",
                                        pairs, dtype, parent.input_pairs, op,
-                                       detail=f"passed to {name!r}")
+                                       detail=f"passed to {name!r}", fp8=fp8)
 
-                self._check(pairs, "module", build)
+                self._check(pairs, "module", build, sources=fresh_infos)
             if aliases:
                 swap = lambda a: aliases.get(id(a), a) if isinstance(a, torch.Tensor) else a
                 return tree_map(swap, (args, kwargs))
@@ -354,12 +352,16 @@ class NonFiniteTracer:
         def post_hook(module: nn.Module, args: Any, output: Any) -> None:
             while self._stack and self._stack[-1].module is not module:
                 self._stack.pop()  # a child raised mid-forward last time
-            call = self._stack.pop() if self._stack else _Call(name, module, None)
+            call = self._stack.pop() if self._stack else Call(name, module, None)
             self._last_call[module] = call
             if not self._active:
                 return
+            state = layer_state(module, create=False) if call.fp8_mark is not None else None
+            if state is not None and stats_mark(state) != call.fp8_mark:  # it ran fp8.linear
+                self._note_fp8_input(call)
             outs = measured(output)
             fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
+            fresh_infos: list[SeenTensor] = []
             for t in outs:
                 info = self._known(t)
                 if info is not None:  # an input or a child's output, passed through
@@ -367,44 +369,49 @@ class NonFiniteTracer:
                     if info.consumer is None:  # it leaves this call: whoever takes it is outside
                         info.enclosing = call.parent
                     continue
-                pair = _pair(t)
-                info = _Tensor(t, pair, producer=call, enclosing=call.parent)
+                pair = min_max(t)
+                info = SeenTensor(t, pair, producer=call, enclosing=call.parent)
                 self._seen[id(t)] = info
                 call.outputs.append(info)
                 self._watch_grad(t, info)
                 fresh.append((t, pair))
+                fresh_infos.append(info)
             if fresh and self._watching():
-                pairs = _stack([p for _, p in fresh])
+                pairs = stack_pairs([p for _, p in fresh])
                 dtype = fresh[0][0].dtype
                 self._check(pairs, "module", lambda op: self._event(
-                    name, module, "forward", "output", pairs, dtype, call.input_pairs, op))
+                    name, module, "forward", "output", pairs, dtype, call.input_pairs, op,
+                    fp8=self._forward_fp8([], call)), sources=fresh_infos)
 
         return self._quiet(post_hook)
 
-    def _make_grad_hook(self, info: _Tensor) -> Callable[[torch.Tensor], None]:
+    def _make_grad_hook(self, info: SeenTensor) -> Callable[[torch.Tensor], None]:
         def grad_hook(grad: torch.Tensor) -> None:
             if not self._watching() or not grad.is_floating_point() or grad.numel() == 0:
                 return
-            pair = _pair(grad)
+            pair = min_max(grad)
             info.grad_pair = pair
             pairs = pair[None]
 
             def build(op: str | None) -> NonFiniteEvent:
+                # the gradient of an fp8 layer's output is its grad_output operand
+                p = info.producer
+                fp8 = (p.name, "grad_output") if p is not None and p.fp8 else None
                 if info.consumer is not None:
                     c = info.consumer
                     arrived = [o.grad_pair for o in c.outputs if o.grad_pair is not None]
                     return self._event(c.name, c.module, "backward", "grad_input", pairs,
-                                       grad.dtype, arrived, op)
+                                       grad.dtype, arrived, op, fp8=fp8)
                 if info.enclosing is not None:
                     e = info.enclosing
                     arrived = [o.grad_pair for o in e.outputs if o.grad_pair is not None]
-                    made_by = info.producer.name if info.producer is not None else "?"
+                    made_by = p.name if p is not None else "?"
                     return self._event(e.name, e.module, "backward", "intermediate", pairs,
                                        grad.dtype, arrived, op,
-                                       detail=f"gradient of the output of {made_by!r}")
+                                       detail=f"gradient of the output of {made_by!r}", fp8=fp8)
                 # no consumer, no enclosing call: an output of the model itself
                 return self._event("", self.model, "backward", "grad_output", pairs,
-                                   grad.dtype, [], op, detail="gradient of the loss")
+                                   grad.dtype, [], op, detail="gradient of the loss", fp8=fp8)
 
             self._check(pairs, "module", build)
 
@@ -414,7 +421,7 @@ class NonFiniteTracer:
         def param_hook(grad: torch.Tensor) -> None:
             if not self._watching():
                 return
-            pairs = _pair(grad)[None]
+            pairs = min_max(grad)[None]
 
             def build(op: str | None) -> NonFiniteEvent:
                 call = self._last_call.get(module)
@@ -432,7 +439,7 @@ class NonFiniteTracer:
             return
         ts = measured(out)
         if ts:
-            self._check(_stack([_pair(t) for t in ts]), "op",
+            self._check(stack_pairs([min_max(t) for t in ts]), "op",
                         lambda op: None, op=str(func))  # type: ignore[arg-type,return-value]
 
 

@@ -33,7 +33,6 @@ starts from the same RNG state, so dropout masks agree between passes.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 import re
@@ -42,10 +41,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 import torch
 from torch import nn
 
+from mixprec.diagnostics._passes import FixedScale, Passes
 from mixprec.diagnostics.event import NonFiniteEvent
 from mixprec.diagnostics.findings import AuditReport, Risk
 from mixprec.diagnostics.ranges import KINDS, RangeStats, collect_ranges
-from mixprec.diagnostics.trace import trace_nonfinite
 
 if TYPE_CHECKING:
     from mixprec.policy import Policy
@@ -86,49 +85,6 @@ def dtype_names(dtypes: Iterable[torch.dtype | str] | torch.dtype | str) -> tupl
     if not names:
         raise ValueError("dtypes is empty; pass e.g. dtypes=(torch.float16, torch.bfloat16)")
     return names
-
-
-class _FixedScale:
-    """A stand-in scaler whose ``get_scale()`` returns a fixed value."""
-
-    def __init__(self, scale: float) -> None:
-        self.scale = scale
-
-    def get_scale(self) -> float:
-        return self.scale
-
-
-class _Snapshot:
-    """Parameters, gradients, buffers and RNG state, to restore between and after passes."""
-
-    def __init__(self, model: nn.Module, device_type: str) -> None:
-        self.model = model
-        self.params = [(p, p.detach().clone()) for p in model.parameters()]
-        self.grads = [(p, None if p.grad is None else p.grad.detach().clone())
-                      for p in model.parameters()]
-        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
-        self.cuda = device_type == "cuda" and torch.cuda.is_available()
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if self.cuda else None
-
-    def reset(self) -> None:
-        """Back to the snapshot's parameters, buffers and RNG; gradients cleared."""
-        with torch.no_grad():
-            for p, v in self.params:
-                p.copy_(v)
-            for b, v in self.buffers:
-                b.copy_(v)
-        for p, _ in self.grads:
-            p.grad = None
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-
-    def restore(self) -> None:
-        """Everything as it was, gradients included."""
-        self.reset()
-        for p, g in self.grads:
-            p.grad = g
 
 
 def _policy(dtype: str, keep: set[str] | tuple[str, ...]) -> "Policy":
@@ -316,7 +272,7 @@ def audit(
         raise ValueError(f"max_fixes must be an int >= 0, got {max_fixes!r}")
     check_device(model, batch, device_type)
 
-    passes = _Passes(model, batch, _as_model_loss(loss_fn), device_type, steps)
+    passes = Passes(model, batch, _as_model_loss(loss_fn), device_type, steps)
     try:
         ref = _reference(passes, "float16" in names, margin, scaler)
         ranges = dict(ref.ranges)
@@ -357,46 +313,6 @@ def audit(
         passes.snapshot.restore()
 
 
-class _Passes:
-    """Runs ``steps`` forward/backward passes from the snapshot, under a policy or in float32."""
-
-    def __init__(self, model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-                 device_type: str, steps: int) -> None:
-        self.model, self.batch, self.loss_fn = model, batch, loss_fn
-        self.device_type, self.steps = device_type, steps
-        self.snapshot = _Snapshot(model, device_type)
-
-    def run(self, policy: Any, scale: float, *tools: Any) -> None:
-        """Passes under ``policy`` (``None``: float32) with the loss times ``scale``, inside
-        ``tools`` (tracers, collectors)."""
-        from mixprec.autocast_mode import autocast
-
-        self.snapshot.reset()
-        with contextlib.ExitStack() as stack:
-            for tool in tools:
-                stack.enter_context(tool)
-            for _ in range(self.steps):
-                for p in self.model.parameters():
-                    p.grad = None
-                region = contextlib.nullcontext() if policy is None else autocast(self.device_type, policy=policy)
-                with region:
-                    loss = self.loss_fn(self.model, self.batch)
-                if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
-                    raise ValueError(
-                        "loss_fn(model, batch) must return a scalar tensor that requires grad, "
-                        f"got {type(loss).__name__}"
-                        + (f" of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}"
-                           if isinstance(loss, torch.Tensor) else "")
-                    )
-                (loss.float() * scale).backward()
-
-    def traced(self, policy: Any, scale: float, *tools: Any) -> NonFiniteEvent | None:
-        """:meth:`run` with a deferred tracer; the first inf/NaN, or None."""
-        tracer = trace_nonfinite(self.model, deferred=True)
-        self.run(policy, scale, tracer, *tools)
-        return tracer.resolve()
-
-
 class _Reference(NamedTuple):
     ranges: dict[str, dict[str, dict[str, RangeStats]]]  # "float32" and maybe "float32@scale"
     scale16: float  # the recommended float16 loss scale
@@ -412,7 +328,7 @@ class _Reference(NamedTuple):
         return self.ranges.get("float32@scale", self.ranges["float32"])
 
 
-def _reference(passes: _Passes, float16: bool, margin: float, scaler: Any) -> _Reference:
+def _reference(passes: Passes, float16: bool, margin: float, scaler: Any) -> _Reference:
     """Step 1: the float32 pass, the float16 loss scale, and (for float16) the gradients at it."""
     collector = collect_ranges(passes.model)
     event = passes.traced(None, 1.0, collector)
@@ -423,7 +339,7 @@ def _reference(passes: _Passes, float16: bool, margin: float, scaler: Any) -> _R
     scale16 = _init_scale(ranges["float32"], margin)
     grad_scale = float(scaler.get_scale()) if scaler is not None else scale16
     if float16 and grad_scale != 1.0:
-        at_scale = collect_ranges(passes.model, scaler=_FixedScale(grad_scale))
+        at_scale = collect_ranges(passes.model, scaler=FixedScale(grad_scale))
         passes.run(None, 1.0, at_scale)
         ranges["float32@scale"] = at_scale.results()
     return _Reference(ranges, scale16, grad_scale)
@@ -438,7 +354,7 @@ def _candidates(float32: dict[str, dict[str, RangeStats]], dtype: str, threshold
     return _minimal(flagged)
 
 
-def _default_run(passes: _Passes, dtype: str, scale: float
+def _default_run(passes: Passes, dtype: str, scale: float
                  ) -> tuple[NonFiniteEvent | None, dict[str, dict[str, RangeStats]]]:
     """Step 3: what goes wrong under the default policy: the first inf/NaN and the ranges."""
     collector = collect_ranges(passes.model)
@@ -446,7 +362,7 @@ def _default_run(passes: _Passes, dtype: str, scale: float
     return event, collector.results()
 
 
-def _verify(passes: _Passes, dtype: str, kept: set[str], scale: float,
+def _verify(passes: Passes, dtype: str, kept: set[str], scale: float,
             event: NonFiniteEvent | None, max_fixes: int) -> tuple[set[str], float, bool]:
     """Step 4: fix what still goes wrong under the candidate policy (``event``: the first
     inf/NaN of a pass under it), at most ``max_fixes`` times: a backward inf/NaN in float16

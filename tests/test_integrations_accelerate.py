@@ -91,6 +91,21 @@ def test_accelerate_policy_keeps_modules_in_fp32_and_autocast_follows_it() -> No
         assert (a @ a).dtype == torch.float32 and torch.nn.functional.linear(a, a).dtype == torch.bfloat16
 
 
+def test_unwrap_model_strips_the_region_and_prepare_wraps_once() -> None:
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    prepare(accelerator)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    seen: list[torch.dtype] = []
+    net[0].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    model = accelerator.prepare(net)
+    assert model(torch.randn(2, 4)).dtype == torch.float32  # outputs converted, as Accelerate does
+    plain = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+    plain(torch.randn(2, 4))
+    again = accelerator.prepare_model(plain)
+    again(torch.randn(2, 4))
+    assert seen == [torch.bfloat16, torch.float32, torch.bfloat16]
+
+
 def test_accelerate_refusals_say_what_to_do() -> None:
     with pytest.raises(ValueError, match="mixed_precision='bf16' or 'fp16'"):
         prepare(Accelerator(cpu=True))

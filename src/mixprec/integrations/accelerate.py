@@ -110,7 +110,7 @@ def _prepare_model(original: Callable[..., Any], accelerator: Accelerator, autoc
 
     @functools.wraps(original)
     def prepare_model(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if not getattr(model, "_mixprec_autocast", False):
+        if "_original_forward" not in model.__dict__:  # not wrapped yet (unwrap_model removes it)
             _wrap_forward(model, autocast)
         native, accelerator.native_amp = accelerator.native_amp, False
         try:
@@ -140,7 +140,6 @@ def _wrap_forward(model: torch.nn.Module, autocast: Callable[[], Any]) -> None:
         model.forward = convert_outputs_to_fp32(in_region(model.forward))
     else:
         model.forward = MethodType(convert_outputs_to_fp32(in_region(func)), model)
-    model._mixprec_autocast = True
 
 
 def _autocast_method(autocast: Callable[[Any], Any]) -> Callable[..., Any]:

@@ -1,8 +1,10 @@
 """The ``mixprec`` command: ``mixprec demo`` and ``mixprec audit``.
 
 ``mixprec demo`` trains the demo language model in every precision mode side by side and writes
-a report (see ``docs/demo.md``); ``mixprec audit`` is :mod:`mixprec.diagnostics.cli`'s. Also
-``python -m mixprec ...``. Usage errors print one line on stderr and exit with status 2.
+a report (see ``docs/demo.md``); ``mixprec audit`` is :mod:`mixprec.diagnostics.cli`'s;
+``mixprec --version`` prints mixprec's and torch's versions. Also ``python -m mixprec ...``.
+Usage errors print one line on stderr and exit with status 2; errors found before training
+(an unwritable ``--out``, a missing API) one line and status 1.
 
 Example:
     $ mixprec demo --modes fp32,torch-amp,mixprec-fp16 --steps 50 --out report/
@@ -135,13 +137,11 @@ def _out(text: str) -> Path:
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
-    from mixprec.demo.settings import MAX_SEED
-
     from mixprec.demo.environment import choose_threads
     from mixprec.demo.modes import check_modes
     from mixprec.demo.progress import progress_display
     from mixprec.demo.report import format_checks, format_table, hardware_note, write_report
-    from mixprec.demo.settings import Settings
+    from mixprec.demo.settings import MAX_SEED, Settings
     from mixprec.demo.train import run_demo
 
     prog = "mixprec demo"

@@ -108,6 +108,20 @@ def test_argparse_registration(targets: Path) -> None:
     assert args.func(args) == 0 and (targets / "r" / "report.json").exists()
 
 
+def test_fp8_option(targets: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run("diag_factories:good", targets / "out", fp8="blockwise") == 2
+    assert "--fp8: unknown fp8 recipe 'blockwise'" in capsys.readouterr().err
+    parser = argparse.ArgumentParser(prog="mixprec")
+    add_audit_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["audit", "diag_factories:good", "--out", str(targets / "r"),
+                              "--dtypes", "bfloat16", "--fp8", "rowwise"])
+    assert args.func(args) == 0
+    fp8 = json.loads((targets / "r" / "report.json").read_text())["fp8"]
+    assert fp8["recipe"] == "rowwise" and fp8["layers"] == []  # 4 -> 8 -> 1: no dims of 16
+    assert fp8["stay"]["0"] == "in_features=4 and out_features=8 are not multiples of 16"
+    assert "fp8 (rowwise): (no layer)" in capsys.readouterr().out
+
+
 MAIN = Path(__file__).resolve().parents[1] / "src" / "mixprec" / "__main__.py"
 
 

@@ -93,3 +93,88 @@ def test_no_fp8_without_an_fp8_region() -> None:
     model[2].register_forward_pre_hook(_inf_input)
     event = _traced(model, torch.autocast("cpu", enabled=False), deferred=False)
     assert event.detail == "passed to '2'" and event.fp8_layer is None
+
+
+# --- audit(..., fp8=...) -------------------------------------------------------------------------
+
+class Outlier(nn.Module):
+    """Multiplies feature 0 by 1e5: the next Linear's input has an outlier feature."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tensor([1e5] + [1.0] * (x.shape[-1] - 1), dtype=x.dtype)
+
+
+HOSTILE = "5"
+
+
+def _audit_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 64), nn.GELU(),
+                         nn.Linear(64, 32), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32),
+                         nn.GELU(), nn.Linear(32, 16), nn.Linear(16, 10))
+
+
+def _audit_inputs(model: nn.Sequential):
+    model.get_submodule(HOSTILE).register_forward_pre_hook(lambda m, args: (Outlier()(args[0]),))
+    x, y = torch.randn(16, 32), torch.randn(16, 10)
+    return (x, y), lambda m, b: nn.functional.mse_loss(m(b[0]).float(), b[1])
+
+
+def test_audit_recommends_fp8_layers_and_leaves_the_outlier_layer_out(tmp_path) -> None:
+    model = _audit_model()
+    batch, loss_fn = _audit_inputs(model)
+    kept_state = fp8.layer_state(model[2])  # a state from earlier fp8 training: left as it was
+    kept_state.fallback = True
+    report = mixprec.audit(model, batch, loss_fn, dtypes=(torch.bfloat16,), fp8="tensorwise")
+    advice = report.fp8
+    assert advice.recipe == "tensorwise" and advice.verified
+    assert advice.layers == ("2", "4", "7")
+    assert advice.stay[HOSTILE].startswith("input underflow = ") and advice.stats[HOSTILE]["input"]["underflow"] > 0.05
+    assert advice.stay["0"].startswith("first or last") and advice.stay["9"].startswith("first or last")
+    assert advice.stay["10"] == "out_features=10 is not a multiple of 16"
+    assert all(advice.stats[n]["output_sqnr_db"] > 20 for n in advice.layers)
+    # the model as found: no new fp8 statistics, the old one untouched
+    assert fp8.layer_states(model) == {"2": kept_state} and kept_state.fallback
+    kept_state.fallback = False
+
+    rule = report.policy.fp8_rule
+    assert rule.recipe == "tensorwise" and report.policy.compute == torch.bfloat16
+    report.save(tmp_path)
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["fp8"]["layers"] == ["2", "4", "7"] and HOSTILE in data["fp8"]["stay"]
+    policy = Policy.load(tmp_path / "report.json")
+    assert policy == report.policy and policy.fp8_rule.names == rule.names
+    assert "stays '5': input underflow" in report.summary(echo=False)
+    assert "<h2>fp8 layers (tensorwise" in (tmp_path / "index.html").read_text()
+
+    with mixprec.autocast("cpu", policy=policy):  # the recommendation, applied
+        loss_fn(model, batch).backward()
+    assert sorted(fp8.layer_states(model)) == ["2", "4", "7"]
+    assert all(st.read()["input"]["amax"] > 0 for st in fp8.layer_states(model).values())
+
+
+def test_audit_fp8_arguments() -> None:
+    model = _audit_model()
+    batch, loss_fn = _audit_inputs(model)
+    with pytest.raises(ValueError, match="fp8 is not a compute dtype: pass fp8='tensorwise'"):
+        mixprec.audit(model, batch, loss_fn, dtypes=(torch.float8_e4m3fn,))
+    with pytest.raises(ValueError, match="unknown fp8 recipe 'blockwise'"):
+        mixprec.audit(model, batch, loss_fn, fp8="blockwise")
+    with pytest.raises(ValueError, match="fp8_min_sqnr_db"):
+        mixprec.audit(model, batch, loss_fn, fp8=True, fp8_min_sqnr_db="high")
+    report = mixprec.audit(model, batch, loss_fn, dtypes=("bf16",))
+    assert report.fp8 is None and report.policy.fp8_rule is None and report.to_dict()["fp8"] is None
+
+
+def test_audit_sqnr_floor_moves_a_layer_out() -> None:
+    model = _audit_model()
+    batch, loss_fn = _audit_inputs(model)
+    report = mixprec.audit(model, batch, loss_fn, dtypes=(torch.bfloat16,), fp8="rowwise",
+                           fp8_min_sqnr_db=60.0)  # above what fp8 reaches (about 29 dB)
+    assert report.fp8.layers == () and report.policy.fp8_rule is None
+    stay = report.fp8.stay
+    assert stay["2"].startswith("output sqnr_db = ") and stay["2"].endswith(" < 60")
+    assert stay["7"].startswith("output sqnr_db = ") and stay["7"].endswith(" < 60")
+    # rowwise casts grad_output to e4m3 per row: the outlier feature's gradient (x 1e5) sets the
+    # row scales of the layer before it, whose other gradients flush (e5m2 in tensorwise does not)
+    assert stay["4"].startswith("grad_output underflow = ")

@@ -27,8 +27,14 @@ kept and its gradients lose at most ``underflow_threshold`` to flush-to-zero at 
 bfloat16 if it verified, otherwise the dtype with fewer modules kept. ``init_scale`` is ``S`` for
 float16 and 1.0 for bfloat16 (no loss scaling needed).
 
-The model's parameters, gradients, buffers and the RNG state are restored afterwards; every pass
-starts from the same RNG state, so dropout masks agree between passes.
+With ``fp8=recipe``, a last step picks the ``nn.Linear`` layers that run in fp8 under the chosen
+policy (``diagnostics/_fp8_audit.py``): every default candidate in fp8 for one trial pass, the
+ones whose operands flush more than ``underflow_threshold`` after scaling, hold an inf/NaN, or
+whose output SQNR is below ``fp8_min_sqnr_db`` stay in the compute dtype (the
+:class:`mixprec.fp8.Guard` rule), then a verification pass.
+
+The model's parameters, gradients, buffers, fp8 layer statistics and the RNG state are restored
+afterwards; every pass starts from the same RNG state, so dropout masks agree between passes.
 """
 
 from __future__ import annotations
@@ -64,7 +70,9 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
     else:
         raise TypeError(f"dtypes must hold torch.dtype or str values, got {type(dtype).__name__}")
     if name not in _CANDIDATES:
-        raise ValueError(f"audit chooses among float16 and bfloat16 only, got {dtype!r}")
+        hint = ("; fp8 is not a compute dtype: pass fp8='tensorwise' (or another recipe) to have "
+                "the audit choose the Linear layers that run in fp8" if "float8" in name else "")
+        raise ValueError(f"audit chooses among float16 and bfloat16 only, got {dtype!r}{hint}")
     return name
 
 
@@ -217,6 +225,8 @@ def audit(
     margin: float = 8.0,
     underflow_threshold: float = 0.05,
     max_fixes: int = 8,
+    fp8: Any = None,
+    fp8_min_sqnr_db: float | None = 20.0,
 ) -> AuditReport:
     """Audit ``model`` on ``batch`` and recommend a precision policy (see module docs).
 
@@ -238,7 +248,14 @@ def audit(
         margin: headroom factor between the largest scaled gradient and float16's max.
         underflow_threshold: share of a module's float32 outputs flushing to zero above which the
             module is kept in float32; also the gradient flush-to-zero share float16 may lose.
-        max_fixes: verification rounds per dtype.
+        max_fixes: verification rounds per dtype (and for the fp8 layers).
+        fp8: a :class:`mixprec.fp8.Float8Recipe` or its name (``True``: ``"tensorwise"``): also
+            recommend which ``nn.Linear`` layers run in fp8 (``report.fp8``, and
+            ``Policy.fp8(names=...)`` in ``report.policy``). A layer stays in the compute dtype
+            when, with every candidate in fp8, an operand flushes more than
+            ``underflow_threshold`` to zero after scaling, holds an inf/NaN, or its output's
+            SQNR against the high-precision GEMM is below ``fp8_min_sqnr_db``.
+        fp8_min_sqnr_db: the SQNR floor for fp8 layers (``None``: not sampled).
 
     Returns:
         An :class:`AuditReport`.
@@ -270,6 +287,14 @@ def audit(
         raise ValueError(f"underflow_threshold must be in [0, 1], got {underflow_threshold!r}")
     if not isinstance(max_fixes, int) or max_fixes < 0:
         raise ValueError(f"max_fixes must be an int >= 0, got {max_fixes!r}")
+    if fp8 is True:
+        fp8 = "tensorwise"
+    if fp8 is not None and fp8 is not False:
+        from mixprec.fp8 import as_recipe
+
+        as_recipe(fp8)  # ValueError for an unknown recipe
+    if fp8_min_sqnr_db is not None and not isinstance(fp8_min_sqnr_db, (int, float)):
+        raise ValueError(f"fp8_min_sqnr_db must be None or a number of dB, got {fp8_min_sqnr_db!r}")
     check_device(model, batch, device_type)
 
     passes = Passes(model, batch, _as_model_loss(loss_fn), device_type, steps)
@@ -294,11 +319,18 @@ def audit(
                 scale16 = scale
         chosen, reason = _choose(names, keep, verified, ref.scaled, underflow_threshold)
         risks.sort(key=lambda r: r.rank_key, reverse=True)
+        policy, advice = _policy(chosen, keep[chosen]), None
+        if fp8 is not None and fp8 is not False:
+            from mixprec.diagnostics._fp8_audit import recommend_fp8
+
+            policy, advice = recommend_fp8(
+                passes, policy, fp8, scale16 if chosen == "float16" else 1.0,
+                underflow_threshold=underflow_threshold, min_sqnr_db=fp8_min_sqnr_db, max_fixes=max_fixes)
         return AuditReport(
             device_type=device_type,
             dtypes=names,
             dtype=chosen,
-            policy=_policy(chosen, keep[chosen]),
+            policy=policy,
             init_scale=scale16 if chosen == "float16" else 1.0,
             reason=reason,
             keep=keep,
@@ -308,6 +340,7 @@ def audit(
             risks=tuple(risks),
             modules={n: type(m).__name__ for n, m in model.named_modules()},
             ranges=ranges,
+            fp8=advice,
         )
     finally:
         passes.snapshot.restore()

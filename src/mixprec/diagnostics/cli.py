@@ -82,7 +82,7 @@ def _load(target: str) -> tuple[Any, Any, Any] | str:
 
 
 def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
-                  steps: int) -> int:
+                  steps: int, fp8: str | None = None) -> int:
     """Run :func:`mixprec.audit` on a factory's model; write the report; return an exit code.
 
     Args:
@@ -91,6 +91,8 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
         device_type: ``"cpu"`` or ``"cuda"``.
         dtypes: candidate dtype names, e.g. ``["float16", "bfloat16"]`` (``fp16``/``bf16`` ok).
         steps: passes per configuration.
+        fp8: an fp8 recipe name (``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``): also
+            recommend the Linear layers that run in fp8; ``None``: no fp8.
 
     Returns:
         0 on success; 2 for a bad target or bad options; 1 for an ``out`` that cannot hold the
@@ -107,6 +109,13 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
         return _fail(str(e))
     if not isinstance(steps, int) or steps < 1:
         return _fail(f"--steps must be an integer >= 1, got {steps!r}")
+    if fp8 is not None:
+        from mixprec.fp8 import as_recipe
+
+        try:
+            as_recipe(fp8)
+        except ValueError as e:
+            return _fail(f"--fp8: {e}")
     problem = _out_problem(out)
     if problem:
         return _fail(problem, code=1)
@@ -126,7 +135,7 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
                      code=1)
     try:
         report = audit(model, batch, loss_fn, device_type=device_type, dtypes=names,
-                       steps=steps)
+                       steps=steps, fp8=fp8)
     except Exception as e:  # the model or loss_fn failed while running: one line, exit 1
         if created:
             os.rmdir(out)
@@ -160,7 +169,10 @@ def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtypes", default="float16,bfloat16",
                    help="comma-separated candidate dtypes (default: %(default)s)")
     p.add_argument("--steps", type=int, default=1, help="passes per configuration (default: 1)")
+    p.add_argument("--fp8", default=None, metavar="RECIPE",
+                   help="also recommend the Linear layers that run in fp8 with this recipe "
+                   "(tensorwise, rowwise, rowwise_with_gw_hp)")
     p.set_defaults(func=lambda a: audit_command(
         a.target, a.out, device_type=a.device,
-        dtypes=[d for d in a.dtypes.split(",") if d.strip()], steps=a.steps))
+        dtypes=[d for d in a.dtypes.split(",") if d.strip()], steps=a.steps, fp8=a.fp8))
     return p

@@ -7,6 +7,7 @@ neither of those imports the other.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,7 @@ from mixprec.diagnostics.event import NonFiniteEvent
 if TYPE_CHECKING:
     from mixprec.policy import Policy
 
-__all__ = ["AuditReport", "Risk"]
+__all__ = ["AuditReport", "Fp8Advice", "Risk"]
 
 _SEVERITY = {"nonfinite": 3, "overflow": 2, "underflow": 1, "subnormal": 0}
 
@@ -50,6 +51,40 @@ class Risk:
 
 
 @dataclass(frozen=True)
+class Fp8Advice:
+    """Which ``nn.Linear`` layers :func:`audit` sends to fp8 (``audit(..., fp8=recipe)``).
+
+    Attributes:
+        recipe: the :class:`mixprec.fp8.Float8Recipe` name.
+        layers: the layers that go to fp8 (``report.policy``'s ``Policy.fp8(names=...)``).
+        stay: ``{layer: why}`` for every other ``nn.Linear``: not eligible (dims not multiples of
+            16), first or last Linear (``first_last="keep"``), kept in float32 by the policy, a
+            statistic of the trial pass past its threshold (what :class:`mixprec.fp8.Guard`
+            would decide), or an inf/NaN in the verification pass.
+        stats: per layer of the trial pass (every candidate in fp8), each operand's ``amax``,
+            ``underflow`` (after scaling) and ``nonfinite``, and ``output_sqnr_db`` against the
+            high-precision GEMM (``None`` when not sampled or not finite).
+        verified: whether a pass under the final policy had no inf/NaN.
+    """
+
+    recipe: str
+    layers: tuple[str, ...]
+    stay: dict[str, str]
+    stats: dict[str, dict[str, Any]]
+    verified: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able copy (non-finite numbers as ``None``)."""
+        def clean(v: Any) -> Any:
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items()}
+            return None if isinstance(v, float) and not math.isfinite(v) else v
+
+        return {"recipe": self.recipe, "layers": list(self.layers), "stay": dict(self.stay),
+                "stats": clean(self.stats), "verified": self.verified}
+
+
+@dataclass(frozen=True)
 class AuditReport:
     """What :func:`audit` found and recommends. ``policy`` and ``init_scale`` are the answer.
 
@@ -70,6 +105,8 @@ class AuditReport:
         ranges: ``{"float32": ..., "float32@scale": ..., "<dtype>": ...}`` per-module statistics
             (``{module: {kind: RangeStats}}``) of each pass; ``float32@scale`` has gradients
             multiplied by ``grad_scale``.
+        fp8: with ``audit(..., fp8=recipe)``, the :class:`Fp8Advice` (its layers are in
+            ``policy``); ``None`` otherwise.
     """
 
     device_type: str
@@ -85,6 +122,7 @@ class AuditReport:
     risks: tuple[Risk, ...]
     modules: dict[str, str]
     ranges: dict[str, dict[str, dict[str, RangeStats]]] = field(repr=False)
+    fp8: Fp8Advice | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict of everything in the report.
@@ -112,6 +150,7 @@ class AuditReport:
             "ranges": {run: {m: {k: s.to_dict() for k, s in kinds.items()}
                              for m, kinds in mods.items()}
                        for run, mods in self.ranges.items()},
+            "fp8": None if self.fp8 is None else self.fp8.to_dict(),
         }
 
     def summary(self, *, top: int = 12, echo: bool = True) -> str:

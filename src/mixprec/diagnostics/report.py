@@ -45,13 +45,36 @@ def use_it(report: "AuditReport") -> str:
 def _header(report: "AuditReport") -> list[str]:
     kept = report.keep[report.dtype]
     scale = f", init_scale={_scale_str(report.init_scale)}" if report.dtype == "float16" else ""
-    return [
+    lines = [
         f"mixprec audit ({report.device_type}): compute={report.dtype}{scale}",
         f"policy: {report.policy}",
         "keep in float32: " + (", ".join(repr(m) for m in kept) if kept else "(none)"),
         f"reason: {report.reason}",
-        f"use it: {use_it(report)}",
     ]
+    if report.fp8 is not None:
+        f8 = report.fp8
+        lines.append(f"fp8 ({f8.recipe}): " + (", ".join(repr(m) for m in f8.layers) or "(no layer)")
+                     + ("" if f8.verified else " (WARNING: inf/NaN remained)"))
+        lines += [f"  stays {m!r}: {why}" for m, why in f8.stay.items()]
+    return lines + [f"use it: {use_it(report)}"]
+
+
+def _fp8_rows(report: "AuditReport") -> list[tuple[str, ...]]:
+    f8 = report.fp8
+    if f8 is None:
+        return []
+
+    def cell(layer: str, op: str, key: str) -> str:
+        v = f8.stats.get(layer, {}).get(op, {}).get(key)
+        return "" if v is None else f"{v:.2%}" if key == "underflow" else f"{v:.4g}"
+
+    rows = []
+    for m in [*f8.layers, *f8.stay]:
+        sqnr = f8.stats.get(m, {}).get("output_sqnr_db")
+        rows.append((m, "fp8" if m in f8.layers else f"stays: {f8.stay[m]}",
+                     *(cell(m, op, "underflow") for op in ("input", "weight", "grad_output")),
+                     "" if sqnr is None or math.isinf(sqnr) else f"{sqnr:.1f}"))
+    return rows
 
 
 def _dtype_rows(report: "AuditReport") -> list[tuple[str, str, str, str]]:
@@ -206,6 +229,17 @@ def _html_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _fp8_section(report: "AuditReport") -> str:
+    if report.fp8 is None:
+        return ("<p>The figures judge raw values against the fp8 range: right for unscaled fp8 only. "
+                "Scaled fp8 (current scaling) is judged by <code>audit(..., fp8='tensorwise')</code> "
+                "and <code>RangeStats.fp8_scaled</code>.</p>")
+    return (f"<h2>fp8 layers ({html.escape(report.fp8.recipe)}; underflow after scaling, "
+            "trial pass with every candidate in fp8)</h2>"
+            + _html_table(("layer", "decision", "input underflow", "weight underflow",
+                           "grad_output underflow", "output SQNR dB"), _fp8_rows(report)))
+
+
 def write_html(report: "AuditReport", path: str | os.PathLike[str]) -> None:
     """Write the self-contained report page to ``path``."""
     try:
@@ -243,6 +277,7 @@ pre{{background:#f6f6f6;padding:1em}}</style></head><body>
 {_html_table(("dtype", "verified", "kept", "first inf/NaN under the default policy"),
              _dtype_rows(report))}
 {figures}
+{_fp8_section(report)}
 <h2>Risks ({len(report.risks)}, most severe first)</h2>
 {_html_table(("dtype", "module", "tensor", "issue", "fraction"), _risk_rows(report, 200))}
 <h2>Modules (float32 run; gradients at x {_scale_str(report.grad_scale)} when float16 was audited)</h2>

@@ -9,7 +9,7 @@ import torch
 
 from mixprec.fp8._quant import STAT_NAMES
 
-__all__ = ["LayerState", "OPERANDS", "layer_state"]
+__all__ = ["LayerState", "OPERANDS", "layer_state", "swap_layer_state"]
 
 #: rows of :attr:`LayerState.stats`.
 OPERANDS = ("input", "weight", "grad_output")
@@ -94,3 +94,20 @@ def layer_state(module: torch.nn.Module, create: bool = True) -> LayerState | No
         state = LayerState(weight.device if isinstance(weight, torch.Tensor) else None)
         module.__dict__[_ATTR] = state
     return state
+
+
+def swap_layer_state(module: torch.nn.Module, state: LayerState | None) -> LayerState | None:
+    """Give ``module`` the :class:`LayerState` ``state`` (``None``: no state); returns the one it
+    had. For tools that measure a layer with fresh statistics and then leave it as found
+    (:func:`mixprec.audit`).
+
+    Example:
+        >>> lin = torch.nn.Linear(16, 16)
+        >>> old = swap_layer_state(lin, LayerState())
+        >>> old is None, swap_layer_state(lin, old) is not None, layer_state(lin, create=False)
+        (True, True, None)
+    """
+    old = module.__dict__.pop(_ATTR, None)
+    if state is not None:
+        module.__dict__[_ATTR] = state
+    return old

@@ -1,0 +1,113 @@
+"""The fp8 step of :func:`mixprec.audit`: which ``nn.Linear`` layers go to fp8.
+
+1. Candidates: the layers ``Policy.fp8`` would select by default (:func:`mixprec.fp8.select_layers`:
+   eligible, first and last kept), minus those the compute-dtype policy keeps in float32.
+2. Trial: one pass (``steps`` forward/backward passes) with every candidate in fp8 under the
+   compute policy, with fresh :class:`mixprec.fp8.LayerState` statistics and a sampled output
+   SQNR; a :class:`mixprec.fp8.Guard` with the audit's thresholds decides on them, as it would
+   during training: a layer past a threshold stays in the compute dtype.
+3. Verification: a traced pass under the final policy; an inf/NaN that an fp8 layer took as an
+   operand (``event.fp8_layer``) moves that layer out, at most ``max_fixes`` times.
+
+The layers' own statistics are put back afterwards (the audit leaves the model as found).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any
+
+from torch import nn
+
+from mixprec.diagnostics._passes import Passes
+from mixprec.diagnostics.findings import Fp8Advice
+
+__all__ = ["recommend_fp8"]
+
+_FIRST_LAST = "first or last Linear of the model (Policy.fp8 first_last='keep')"
+
+
+def _with_fp8(policy: Any, recipe: Any, layers: list[str]) -> Any:
+    """``policy`` plus an fp8 rule selecting exactly ``layers`` (by escaped full names)."""
+    if not layers:
+        return policy
+    names = "|".join(re.escape(n) for n in sorted(layers))
+    return policy.fp8(recipe, names=rf"^(?:{names})$", first_last="fp8")
+
+
+def _kept(policy: Any, modules: dict[str, nn.Module], fqn: str) -> bool:
+    """Whether a module rule of ``policy`` selects ``fqn`` or one of its ancestors (keep wins)."""
+    parts = fqn.split(".") if fqn else []
+    ancestors = [".".join(parts[:i]) for i in range(len(parts) + 1)]
+    return any(r.matches(modules[a], a) for a in ancestors for r in policy.module_rules)
+
+
+def _candidates(model: nn.Module, policy: Any) -> tuple[list[str], dict[str, str]]:
+    from mixprec import fp8
+
+    modules = dict(model.named_modules())
+    stay: dict[str, str] = {}
+    linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
+    for name in linears:
+        ok, reason = fp8.eligible(modules[name], name)
+        if not ok:
+            stay[name] = reason.split(": ", 1)[-1]
+    with warnings.catch_warnings():  # the ineligible layers are reported in ``stay``
+        warnings.simplefilter("ignore")
+        chosen = fp8.select_layers(model)
+    for name in linears:
+        if name not in stay and name not in chosen:
+            stay[name] = _FIRST_LAST
+        elif name in chosen and _kept(policy, modules, name):
+            stay[name] = "kept in float32 by the policy"
+    return [n for n in chosen if n not in stay], stay
+
+
+def recommend_fp8(passes: Passes, policy: Any, recipe: Any, scale: float, *,
+                  underflow_threshold: float, min_sqnr_db: float | None,
+                  max_fixes: int) -> tuple[Any, Fp8Advice]:
+    """``(policy with the fp8 layers, Fp8Advice)`` for the compute ``policy`` (see module docs)."""
+    from mixprec import fp8
+    from mixprec.fp8._state import OPERANDS, swap_layer_state
+
+    recipe = fp8.as_recipe(recipe)
+    named = recipe.name if fp8.Float8Recipe.from_name(recipe.name) == recipe else recipe
+    model = passes.model
+    modules = dict(model.named_modules())
+    candidates, stay = _candidates(model, policy)
+    states = {n: fp8.LayerState(modules[n].weight.device) for n in candidates}
+    old = {n: swap_layer_state(modules[n], st) for n, st in states.items()}
+    try:
+        for st in states.values():
+            st.sample_sqnr = min_sqnr_db is not None
+        passes.run(_with_fp8(policy, named, candidates), scale)
+        reads = {n: st.read() for n, st in states.items()}  # before the guard resets them
+        stats = {n: {**{op: {k: r[op][k] for k in ("amax", "underflow", "nonfinite")}
+                        for op in OPERANDS},
+                     "output_sqnr_db": r["output_sqnr_db"]} for n, r in reads.items()}
+        guard = fp8.Guard(max_underflow=underflow_threshold, max_nonfinite=0, min_sqnr_db=min_sqnr_db)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fp8.Float8FallbackWarning)
+            for fb in guard.check(states, step=0):
+                side = "<" if fb.statistic == "sqnr_db" else ">"
+                stay[fb.layer] = f"{fb.operand} {fb.statistic} = {fb.value:.4g} {side} {fb.threshold:g}"
+        layers = [n for n in candidates if n not in stay]
+        for fixes in range(max_fixes + 1):
+            for st in states.values():
+                st.reset()
+                st.fallback, st.sample_sqnr = False, False
+            event = passes.traced(_with_fp8(policy, named, layers), scale)
+            culprit = None if event is None else event.fp8_layer
+            if culprit not in layers or fixes == max_fixes:
+                break
+            stay[culprit] = f"{event.fp8_operand} non-finite ({event.kind}) in the verification pass"
+            layers.remove(culprit)
+    finally:
+        for n, st in old.items():
+            swap_layer_state(modules[n], st)
+    order = {n: i for i, n in enumerate(modules)}
+    advice = Fp8Advice(recipe=recipe.name, layers=tuple(layers),
+                       stay=dict(sorted(stay.items(), key=lambda kv: order[kv[0]])),
+                       stats=stats, verified=event is None)
+    return _with_fp8(policy, named, layers), advice

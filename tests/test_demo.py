@@ -338,19 +338,32 @@ def test_a_differing_run_is_reported_not_hidden(demo_result: DemoResult) -> None
                                      f"against {amp.losses[-1]!r}"]
 
 
-def _summary(mode: str, mean: float, spread: float, seeds: int = 3) -> Summary:
-    return Summary(mode, seeds, mean, spread, mean, spread)
+def _summary(mode: str, vs_base: float, spread: float, seeds: int = 3) -> Summary:
+    return Summary(mode, seeds, 2.7 + vs_base, 0.05, 2.6 + vs_base, 0.05, "fp32", vs_base, spread)
 
 
 def test_rank_never_separates_modes_by_less_than_the_spread() -> None:
-    one_seed = [_summary("fp32", 2.72, 0.0, seeds=1), _summary("bf16-kahan", 2.71, 0.0, seeds=1)]
+    one_seed = [_summary("fp32", 0.0, 0.0, seeds=1), _summary("bf16-kahan", -0.01, 0.0, seeds=1)]
     assert "not ranked" in rank(one_seed) and "bf16-kahan" not in rank(one_seed)
-    close = [_summary("fp32", 2.720, 0.004), _summary("bf16-kahan", 2.715, 0.004), _summary("bf16-naive", 2.80, 0.004)]
-    text = rank(close)
-    assert text.startswith("Over 3 seeds, lowest mean validation loss: bf16-kahan (2.7150 ± 0.0040)")
-    assert "not distinguishable here): fp32" in text and text.endswith("clearly higher: bf16-naive.")
-    apart = [_summary("fp32", 2.70, 0.001), _summary("bf16-naive", 2.80, 0.001)]
-    assert "every other mode is further than two standard deviations away; clearly higher: bf16-naive" in rank(apart)
+    text = rank([_summary("fp32", 0.0, 0.0), _summary("bf16-kahan", -0.0002, 0.0196),
+                 _summary("bf16-naive", 0.0138, 0.0107), _summary("bf16-stochastic", 0.05, 0.01),
+                 _summary("fp16-master", -0.03, 0.01)])
+    assert text == (
+        "Validation loss minus fp32's, seed by seed, over 3 seeds (mean ± standard deviation): "
+        "lower: fp16-master (-0.0300 ± 0.0100); higher: bf16-stochastic (+0.0500 ± 0.0100); "
+        "not distinguishable from fp32 (difference within two standard deviations): "
+        "bf16-kahan (-0.0002 ± 0.0196), bf16-naive (+0.0138 ± 0.0107).")
+
+
+def test_summaries_pair_each_seed_with_the_base_modes(demo_result: DemoResult) -> None:
+    runs = [dataclasses.replace(r, seed=r.seed + offset, eval_loss=r.eval_loss + offset * (r.mode == "bf16-naive"))
+            for offset in (0, 1) for r in demo_result.runs]
+    summary = {s.mode: s for s in summarize(DemoResult(demo_result.settings, "cpu", {}, runs))}
+    naive = next(r for r in demo_result.runs if r.mode == "bf16-naive")
+    fp32 = demo_result.runs[0]
+    assert summary["fp32"].eval_vs_base == 0.0 and summary["bf16-naive"].base == "fp32"
+    assert summary["bf16-naive"].eval_vs_base == pytest.approx(naive.eval_loss - fp32.eval_loss + 0.5)
+    assert summary["bf16-naive"].eval_vs_base_spread == pytest.approx(math.sqrt(0.5))
 
 
 def test_captions_rank_only_beyond_the_spread_and_state_the_check(demo_result: DemoResult, tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 :class:`ModeResult` is one mode trained from one seed; :class:`DemoResult` holds every run of
 every seed. :func:`compare` checks that a mode reproduces its reference exactly;
 :func:`summarize` gives each mode's mean and seed-to-seed spread, and :func:`rank` never calls
-a mode better than another by less than that spread.
+a mode better or worse than fp32 by less than the spread of their difference.
 
 Example:
     >>> a = ModeResult("a", "", [2.0, 1.5], 1.6, 1.0, {}, "", scales=[4.0, 2.0], skipped_steps=[1])
@@ -59,7 +59,8 @@ class ModeResult:
 
 @dataclass(frozen=True)
 class Summary:
-    """One mode over every seed: mean and sample standard deviation (0 from one seed)."""
+    """One mode over every seed: mean and sample standard deviation (0 from one seed) of its losses,
+    and of its validation loss minus the ``base`` mode's from the same seed."""
 
     mode: str
     seeds: int
@@ -67,6 +68,9 @@ class Summary:
     eval_spread: float
     final_loss: float
     final_spread: float
+    base: str = ""
+    eval_vs_base: float = 0.0
+    eval_vs_base_spread: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,43 +162,49 @@ def checks(result: DemoResult) -> dict[str, str]:
 
 
 def summarize(result: DemoResult) -> list[Summary]:
-    """Each mode's mean validation and final training loss over the seeds, with their spread."""
+    """Each mode's mean validation and final training loss over the seeds, with their spread, and
+    its validation loss minus the first mode's (fp32's), seed by seed: mean and spread."""
 
     def spread(values: list[float]) -> float:
         return statistics.stdev(values) if len(values) > 1 else 0.0
 
+    names = list(dict.fromkeys(r.mode for r in result.runs))
+    base = {r.seed: r.eval_loss for r in result.of(names[0])}
     out = []
-    for name in dict.fromkeys(r.mode for r in result.runs):
+    for name in names:
         runs = result.of(name)
         evals, finals = [r.eval_loss for r in runs], [r.final_loss for r in runs]
-        out.append(Summary(name, len(runs), statistics.fmean(evals), spread(evals),
-                           statistics.fmean(finals), spread(finals)))
+        diffs = [r.eval_loss - base[r.seed] for r in runs]
+        out.append(Summary(name, len(runs), statistics.fmean(evals), spread(evals), statistics.fmean(finals),
+                           spread(finals), names[0], statistics.fmean(diffs), spread(diffs)))
     return out
 
 
 def rank(summaries: list[Summary]) -> str:
-    """One sentence about which modes reach the lowest validation loss, never separating two modes
-    by less than twice the larger of their seed-to-seed standard deviations (from one seed the
-    spread is unknown: then nothing is ranked)."""
+    """One sentence comparing each mode's validation loss with the base mode's (the first, fp32),
+    seed by seed: a mode is called higher or lower only when its mean difference exceeds twice
+    the standard deviation of that difference over the seeds; from one seed the spread is
+    unknown and nothing is ranked."""
     if not summaries:
         return ""
     if summaries[0].seeds < 2:
         return ("From one seed the spread between seeds is unknown, so modes are not ranked by loss "
                 "(--seeds 3 measures it).")
-    best = min(summaries, key=lambda s: s.eval_loss)
+    base, n = summaries[0].base, summaries[0].seeds
+    others = [s for s in summaries if s.mode != base]
+    if not others:
+        return f"Over {n} seeds, {base}'s validation loss is {summaries[0].eval_loss:.4f} ± {summaries[0].eval_spread:.4f}."
 
-    def close(s: Summary) -> bool:
-        return s.eval_loss - best.eval_loss <= 2 * max(s.eval_spread, best.eval_spread)
+    def clear(s: Summary) -> bool:
+        return abs(s.eval_vs_base) > 2 * s.eval_vs_base_spread
 
-    tied = [s.mode for s in sorted(summaries, key=lambda s: s.eval_loss) if close(s)]
-    behind = [s.mode for s in sorted(summaries, key=lambda s: s.eval_loss) if not close(s)]
-    n = summaries[0].seeds
-    text = (f"Over {n} seeds, lowest mean validation loss: {best.mode} ({best.eval_loss:.4f} ± "
-            f"{best.eval_spread:.4f}); ")
-    if len(tied) > 1:
-        text += f"within two standard deviations of it (not distinguishable here): {', '.join(tied[1:])}"
-    else:
-        text += "every other mode is further than two standard deviations away"
-    if behind:
-        text += f"; clearly higher: {', '.join(behind)}"
-    return text + "."
+    groups = {
+        "lower": [s for s in others if clear(s) and s.eval_vs_base < 0],
+        "higher": [s for s in others if clear(s) and s.eval_vs_base > 0],
+        f"not distinguishable from {base} (difference within two standard deviations)":
+            [s for s in others if not clear(s)],
+    }
+    parts = [f"{label}: " + ", ".join(f"{s.mode} ({s.eval_vs_base:+.4f} ± {s.eval_vs_base_spread:.4f})" for s in group)
+             for label, group in groups.items() if group]
+    return (f"Validation loss minus {base}'s, seed by seed, over {n} seeds (mean ± standard deviation): "
+            + "; ".join(parts) + ".")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -194,3 +195,19 @@ def test_demo_prints_the_computed_check_and_its_threads(tmp_path: Path, capsys) 
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("mixprec demo: 2 modes x 2 steps x 1 seed on cpu (1 thread: --threads)")
     assert "mixprec-fp16 = torch-amp: identical (losses, scales, skipped steps)" in out
+
+
+def test_demo_makes_openmp_threads_sleep_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    # read by OpenMP when torch loads: `mixprec demo` sets it before anything imports torch
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with pytest.raises(SystemExit):
+        main(["demo", "--steps", "0"])
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    with pytest.raises(SystemExit):
+        main(["demo", "--steps", "0"])
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    with pytest.raises(SystemExit):
+        main(["audit"])
+    assert "OMP_WAIT_POLICY" not in os.environ

@@ -390,3 +390,37 @@ def test_estimate_first_guess_scales_with_steps_size_and_mode() -> None:
     assert guess_seconds(tiny, "mixprec-fp16") > 5 * guess_seconds(tiny, "fp32")
     assert guess_seconds(Settings.for_size("small", steps=100), "fp32") > 4 * guess_seconds(tiny, "fp32")
     assert guess_seconds(Settings.for_size("tiny", steps=200), "fp32") > 1.5 * guess_seconds(tiny, "fp32")
+
+
+class _Notes:
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+
+    def start(self, mode: str, total: int) -> None: ...
+    def update(self, step: int, loss: float, scale: float | None) -> None: ...
+    def finish(self, result: object) -> None: ...
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+
+def test_estimate_without_a_first_guess_measures_then_tells() -> None:
+    from mixprec.demo.estimate import Estimate
+
+    notes = _Notes()
+    est = Estimate.start(Settings.for_size("tiny", steps=100), ["fp32", "mixprec-fp16"], torch.device("cuda"), notes)
+    assert notes.notes == ["2 runs; the time they take is estimated after the first steps"]
+    assert est.left() is None
+    est._step_time("fp32", 0.01, step=4)  # 96 steps left of fp32, and fp16 at fp32's pace: about 2.5 s
+    assert est.left("fp32", 4) == pytest.approx(96 * 0.01 + 0.5 + 100 * 0.01 + 0.5)
+    assert notes.notes[-1].startswith("estimate from the first steps of fp32: about 3 s left")
+
+
+def test_estimate_corrects_the_modes_not_started_by_the_measured_ratio() -> None:
+    from mixprec.demo.estimate import Estimate
+
+    settings = Settings.for_size("tiny", steps=100)
+    est = Estimate.start(settings, ["fp32", "bf16-naive"], CPU, None)
+    guess = guess_seconds(settings, "fp32") - 0.5
+    est._step_time("fp32", 2 * guess / 100, step=4)  # twice as slow as guessed
+    assert est.left("fp32", 4) == pytest.approx(96 * 2 * guess / 100 + 0.5 + 2 * guess_seconds(settings, "bf16-naive"))

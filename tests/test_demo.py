@@ -424,3 +424,22 @@ def test_estimate_corrects_the_modes_not_started_by_the_measured_ratio() -> None
     guess = guess_seconds(settings, "fp32") - 0.5
     est._step_time("fp32", 2 * guess / 100, step=4)  # twice as slow as guessed
     assert est.left("fp32", 4) == pytest.approx(96 * 2 * guess / 100 + 0.5 + 2 * guess_seconds(settings, "bf16-naive"))
+
+
+def test_every_progress_display_prints_notes_verbatim() -> None:
+    from mixprec.demo.progress import RichProgress, TqdmProgress
+
+    rich_progress = pytest.importorskip("rich.progress")
+    from rich.console import Console
+
+    out = io.StringIO()
+    with rich_progress.Progress(console=Console(file=out, force_terminal=False, width=120)) as bars:
+        RichProgress(bars).note("expected duration: about 2 s [first guess]")
+    assert "expected duration: about 2 s [first guess]" in out.getvalue()
+    pytest.importorskip("tqdm")
+    out = io.StringIO()
+    TqdmProgress(out).note("trained 1 runs in 2 s")
+    assert out.getvalue() == "trained 1 runs in 2 s\n"
+    out = io.StringIO()
+    LineProgress(out).note("x")
+    assert out.getvalue() == "x\n"

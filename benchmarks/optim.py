@@ -82,11 +82,17 @@ def _recipes() -> list[Recipe]:
         Recipe("AdamW", "mixprec stochastic rounding (fused)", bf16, _mixprec("AdamW", True, **sr)),
         Recipe("AdamW", "mixprec SR, bf16 state (fused)", bf16, _mixprec("AdamW", True, state_dtype=bf16, **sr)),
         Recipe("AdamW", "mixprec SR, 8-bit state (fused)", bf16, _mixprec("AdamW", True, state_dtype="8bit", **sr)),
-        Recipe("AdamW", "mixprec exact, 8-bit state (fused)", bf16, _mixprec("AdamW", True, compensation="exact", state_dtype="8bit")),
-        Recipe("AdamW", "naive bf16 (torch AdamW, foreach)", bf16, lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True)),
-        Recipe("AdamW", "optimi AdamW Kahan (foreach)", bf16, lambda ps: _optimi().AdamW(ps, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, kahan_sum=True, foreach=True), "optimi"),
-        Recipe("AdamW", "torchao AdamW bf16 SR", bf16, lambda ps: _torchao()._AdamW(ps, lr=1e-4, bf16_stochastic_round=True), "torchao", True),
-        Recipe("AdamW", "torchao AdamW8bit bf16 SR", bf16, lambda ps: _torchao().AdamW8bit(ps, lr=1e-4, bf16_stochastic_round=True), "torchao", True),
+        Recipe("AdamW", "mixprec exact, 8-bit state (fused)", bf16,
+               _mixprec("AdamW", True, compensation="exact", state_dtype="8bit")),
+        Recipe("AdamW", "naive bf16 (torch AdamW, foreach)", bf16,
+               lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True)),
+        Recipe("AdamW", "optimi AdamW Kahan (foreach)", bf16,
+               lambda ps: _optimi().AdamW(ps, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                                          kahan_sum=True, foreach=True), "optimi"),
+        Recipe("AdamW", "torchao AdamW bf16 SR", bf16,
+               lambda ps: _torchao()._AdamW(ps, lr=1e-4, bf16_stochastic_round=True), "torchao", True),
+        Recipe("AdamW", "torchao AdamW8bit bf16 SR", bf16,
+               lambda ps: _torchao().AdamW8bit(ps, lr=1e-4, bf16_stochastic_round=True), "torchao", True),
         Recipe("SGD", "fp32 SGD (foreach)", fp32, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=True)),
         Recipe("SGD", "fp32 SGD (fused)", fp32, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, fused=True)),
         Recipe("SGD", "mixprec exact (foreach)", bf16, _mixprec("SGD", compensation="exact")),
@@ -94,7 +100,9 @@ def _recipes() -> list[Recipe]:
         Recipe("SGD", "mixprec Kahan (foreach)", bf16, _mixprec("SGD", compensation="kahan")),
         Recipe("SGD", "mixprec Kahan (fused)", bf16, _mixprec("SGD", True, compensation="kahan")),
         Recipe("SGD", "mixprec stochastic rounding (fused)", bf16, _mixprec("SGD", True, **sr)),
-        Recipe("SGD", "optimi SGD Kahan (foreach)", bf16, lambda ps: _optimi().SGD(ps, lr=0.05, momentum=0.9, torch_init=True, kahan_sum=True, foreach=True), "optimi"),
+        Recipe("SGD", "optimi SGD Kahan (foreach)", bf16,
+               lambda ps: _optimi().SGD(ps, lr=0.05, momentum=0.9, torch_init=True, kahan_sum=True, foreach=True),
+               "optimi"),
     ]
 
 
@@ -199,7 +207,10 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(size(s) for s in opt.state.values())
 
 
-def _time_steps(recipes: list[Recipe], shapes: list[tuple[int, ...]], rounds: int) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+Figures = dict[str, float]
+
+
+def _time_steps(recipes: list[Recipe], shapes: list[tuple[int, ...]], rounds: int) -> tuple[Figures, Figures, Figures]:
     """Median per-round ratio to the first recipe, median ms, and bytes/param, per label."""
     opts = {}
     numel = sum(torch.Size(s).numel() for s in shapes)
@@ -280,7 +291,8 @@ def run(quick: bool = False) -> dict[str, Any]:
 def format_table(res: dict[str, Any]) -> str:
     """A markdown table of :func:`measure`'s results, and the peers that did not run."""
     lines = [
-        "| optimizer | recipe | loss / fp32 (tiny LM) | bytes/param (params+state) | step time / fp32 (tiny LM / 4.2M) | ms (tiny LM / 4.2M) |",
+        "| optimizer | recipe | loss / fp32 (tiny LM) | bytes/param (params+state) "
+        "| step time / fp32 (tiny LM / 4.2M) | ms (tiny LM / 4.2M) |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for (kind, label), r in res["recipes"].items():

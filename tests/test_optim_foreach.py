@@ -25,6 +25,7 @@ SGD_CASES = [
 ADAMW_RECIPES = [
     (torch.float32, None, None),
     (torch.float64, None, torch.float32),
+    (torch.float64, "exact", "8bit"),
     (torch.bfloat16, None, None),
     (torch.bfloat16, "kahan", None),
     (torch.bfloat16, "exact", None),

@@ -61,14 +61,14 @@ def _read(t: Tensor, dtype: torch.dtype) -> Tensor:
 def read_state(state: State, cdtype: torch.dtype) -> Tensor:
     """The state in the compute dtype: ``state`` itself (updated in place) or a copy."""
     if isinstance(state, Quantized8):
-        return state.dequantize()
+        return _read(state.dequantize(), cdtype)
     return _read(state, cdtype)
 
 
 def write_state(state: State, value: Tensor, generator: Optional[torch.Generator]) -> None:
     """Store ``value`` (from :func:`read_state`) back into ``state``."""
     if isinstance(state, Quantized8):
-        state.quantize_(value)
+        state.quantize_(value.float())
     elif value is not state:
         if state.dtype in _NARROW and value.dtype == torch.float32:
             stochastic_round_(state, value, generator)

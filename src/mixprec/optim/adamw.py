@@ -128,7 +128,8 @@ class AdamW(CompensatedOptimizer):
             if group["state_dtype"] == STATE_8BIT and p.numel() >= MIN_NUMEL:
                 state[key], state[key + "_absmax"] = new_quantized8(p, signed)
             else:
-                dtype = compute_dtype(p.dtype) if group["state_dtype"] in (None, STATE_8BIT) else group["state_dtype"]
+                narrow = group["state_dtype"] not in (None, STATE_8BIT)
+                dtype = group["state_dtype"] if narrow else compute_dtype(p.dtype)
                 state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         value = state[key]
         if value.dtype == torch.uint8:
@@ -152,7 +153,8 @@ class AdamW(CompensatedOptimizer):
                 params.append(p)
                 grads.append(p.grad)
                 for (key, signed), out in zip(_MOMENTS, moments):
-                    out.append(self._moment(group, p, key, signed) if key != "max_exp_avg_sq" or group["amsgrad"] else None)
+                    used = key != "max_exp_avg_sq" or group["amsgrad"]
+                    out.append(self._moment(group, p, key, signed) if used else None)
                 steps.append(state["step"])
                 comps.append(self._compensation_buffer(group, p))
             if not params:

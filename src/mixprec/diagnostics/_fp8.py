@@ -63,14 +63,14 @@ def fp8_counts(a: torch.Tensor, cast: Any, pow2: bool) -> torch.Tensor:
     from mixprec.fp8._recipe import Cast
 
     a = a.reshape(-1) if cast.granularity == "tensor" or a.dim() == 0 else a
-    nonzero = a > 0
+    zeros = torch.count_nonzero(a == 0)
     out = []
     for name in FP8_FORMATS:
         q, _, _ = cast_to_fp8(a, Cast(name.removeprefix("float8_"), cast.granularity), -1, pow2)
         bits = q.view(torch.uint8)
-        zero = (bits & 0x7F) == 0
-        out += [torch.count_nonzero(zero & nonzero),
-                torch.count_nonzero(((bits & _EXPONENT_BITS[name]) == 0) & ~zero)]
+        zero_q = torch.count_nonzero((bits & 0x7F) == 0)  # sign bit aside
+        below_normal = torch.count_nonzero((bits & _EXPONENT_BITS[name]) == 0)  # zero or subnormal
+        out += [zero_q - zeros, below_normal - zero_q]
     return torch.stack(out)
 
 

@@ -4,8 +4,9 @@
    eligible, first and last kept), minus those the compute-dtype policy keeps in float32.
 2. Trial: one pass (``steps`` forward/backward passes) with every candidate in fp8 under the
    compute policy, with fresh :class:`mixprec.fp8.LayerState` statistics and a sampled output
-   SQNR; a :class:`mixprec.fp8.Guard` with the audit's thresholds decides on them, as it would
-   during training: a layer past a threshold stays in the compute dtype.
+   SQNR; the rule of :class:`mixprec.fp8.Guard` with the audit's thresholds decides on them, as
+   the guard would during training (without its all-reduce: the audit may run on one rank of a
+   job): a layer past a threshold stays in the compute dtype.
 3. Verification: a traced pass under the final policy; an inf/NaN that an fp8 layer took as an
    operand (``event.fp8_layer``) moves that layer out, at most ``max_fixes`` times.
 
@@ -14,6 +15,7 @@ The layers' own statistics are put back afterwards (the audit leaves the model a
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from typing import Any
@@ -41,6 +43,21 @@ def _kept(policy: Any, modules: dict[str, nn.Module], fqn: str) -> bool:
     parts = fqn.split(".") if fqn else []
     ancestors = [".".join(parts[:i]) for i in range(len(parts) + 1)]
     return any(r.matches(modules[a], a) for a in ancestors for r in policy.module_rules)
+
+
+def _past_threshold(read: dict[str, Any], max_underflow: float, min_sqnr_db: float | None) -> str | None:
+    """Why a layer leaves fp8, by :class:`mixprec.fp8.Guard`'s rule (``max_nonfinite=0``), or None."""
+    from mixprec.fp8._state import OPERANDS
+
+    for op in OPERANDS:
+        if read[op]["nonfinite"] > 0:
+            return f"{op} nonfinite = {read[op]['nonfinite']:.4g} > 0"
+        if read[op]["underflow"] > max_underflow:
+            return f"{op} underflow = {read[op]['underflow']:.4g} > {max_underflow:g}"
+    sqnr = read["output_sqnr_db"]
+    if min_sqnr_db is not None and not math.isinf(sqnr) and not sqnr >= min_sqnr_db:
+        return f"output sqnr_db = {sqnr:.4g} < {min_sqnr_db:g}"
+    return None
 
 
 def _candidates(model: nn.Module, policy: Any) -> tuple[list[str], dict[str, str]]:
@@ -82,16 +99,14 @@ def recommend_fp8(passes: Passes, policy: Any, recipe: Any, scale: float, *,
         for st in states.values():
             st.sample_sqnr = min_sqnr_db is not None
         passes.run(_with_fp8(policy, named, candidates), scale)
-        reads = {n: st.read() for n, st in states.items()}  # before the guard resets them
+        reads = {n: st.read() for n, st in states.items()}
         stats = {n: {**{op: {k: r[op][k] for k in ("amax", "underflow", "nonfinite")}
                         for op in OPERANDS},
                      "output_sqnr_db": r["output_sqnr_db"]} for n, r in reads.items()}
-        guard = fp8.Guard(max_underflow=underflow_threshold, max_nonfinite=0, min_sqnr_db=min_sqnr_db)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", fp8.Float8FallbackWarning)
-            for fb in guard.check(states, step=0):
-                side = "<" if fb.statistic == "sqnr_db" else ">"
-                stay[fb.layer] = f"{fb.operand} {fb.statistic} = {fb.value:.4g} {side} {fb.threshold:g}"
+        for n, r in reads.items():
+            why = _past_threshold(r, underflow_threshold, min_sqnr_db)
+            if why is not None:
+                stay[n] = why
         layers = [n for n in candidates if n not in stay]
         for fixes in range(max_fixes + 1):
             for st in states.values():

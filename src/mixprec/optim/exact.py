@@ -26,7 +26,7 @@ __all__ = ["exact_value", "exact_write_", "check_exact_dtype"]
 def exact_value(param: Tensor, low_bits: Tensor) -> Tensor:
     """The float32 master a bfloat16 ``param`` and its int16 ``low_bits`` stand for (a new tensor)."""
     value = param.detach().to(torch.float32, copy=True)
-    value.view(torch.int32).add_(low_bits)
+    value.view(torch.int32).add_(low_bits.to(torch.int32))  # widened first: mixed-dtype adds are slow
     return value
 
 
@@ -38,7 +38,7 @@ def exact_write_(param: Tensor, low_bits: Tensor, value: Tensor) -> None:
     """
     bits = value.view(torch.int32)
     low_bits.copy_(bits)  # int32 -> int16 keeps the low 16 bits, as a signed number
-    bits.sub_(low_bits)
+    bits.sub_(low_bits.to(torch.int32))
     param.copy_(value)  # exact: ``value`` is now a bfloat16 number
 
 

@@ -142,6 +142,8 @@ def test_audit_recommends_fp8_layers_and_leaves_the_outlier_layer_out(tmp_path) 
     report.save(tmp_path)
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["fp8"]["layers"] == ["2", "4", "7"] and HOSTILE in data["fp8"]["stay"]
+    assert data["ranges"]["float32"]["4"]["activation"]["fp8_scaled"]["view"].startswith("after a per-tensor")
+    assert set(data["range_views"]) == {"overflow, underflow, subnormal", "fp8_scaled"}
     policy = Policy.load(tmp_path / "report.json")
     assert policy == report.policy and policy.fp8_rule.names == rule.names
     assert "stays '5': input underflow" in report.summary(echo=False)

@@ -147,6 +147,11 @@ class AuditReport:
             "grad_scale": self.grad_scale,
             "risks": [vars(r).copy() for r in self.risks],
             "modules": dict(self.modules),
+            "range_views": {  # which view each fraction of "ranges" takes
+                "overflow, underflow, subnormal": "unscaled: the values as they are (float16, "
+                                                  "bfloat16; fp8 only without a scale)",
+                "fp8_scaled": "after the scale of the fp8 recipe's cast, finfo.max / amax "
+                              "(each entry's 'view' says which)"},
             "ranges": {run: {m: {k: s.to_dict() for k, s in kinds.items()}
                              for m, kinds in mods.items()}
                        for run, mods in self.ranges.items()},

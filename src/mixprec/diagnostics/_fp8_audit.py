@@ -89,7 +89,10 @@ def recommend_fp8(passes: Passes, policy: Any, recipe: Any, scale: float, *,
     from mixprec.fp8._state import OPERANDS, swap_layer_state
 
     recipe = fp8.as_recipe(recipe)
-    named = recipe.name if fp8.Float8Recipe.from_name(recipe.name) == recipe else recipe
+    try:  # a named recipe goes into the policy by name (a custom one cannot be saved as JSON)
+        named = recipe.name if fp8.Float8Recipe.from_name(recipe.name) == recipe else recipe
+    except ValueError:
+        named = recipe
     model = passes.model
     modules = dict(model.named_modules())
     candidates, stay = _candidates(model, policy)

@@ -3,7 +3,7 @@
 An optimizer step is a dozen element-wise ops. On the CPU, running each over a whole large tensor
 streams it through memory a dozen times; running all of them over one chunk of
 :data:`CPU_CHUNK` elements, then the next, keeps the chunk in the cache (measured: 1.6x faster
-for bf16 + exact AdamW on 1M-element tensors). Both paths walk the same *units* (a parameter
+for bf16 + exact AdamW on a 4.2M-parameter model). Both paths walk the same *units* (a parameter
 index and a slice of its flattened elements, or ``None`` for the whole tensor) in the same order:
 the per-tensor path one unit at a time, the foreach path in batches of consecutive units of about
 :data:`CPU_CHUNK` elements in all (many small tensors per batch, one chunk of a large one). The
@@ -21,12 +21,14 @@ from typing import Optional, TypeVar, Union
 
 from torch import Tensor
 
-from mixprec.optim.quant8 import BLOCK, Quantized8
+from mixprec.optim.quant8 import Quantized8
 
 __all__ = ["CPU_CHUNK", "Unit", "plan", "part", "batches"]
 
-#: Elements per chunk on the CPU: 32768 float32 (128 KiB per tensor) stay in a core's L2 cache.
-CPU_CHUNK = 1 << 17  # a multiple of BLOCK
+#: Elements per chunk on the CPU: 512 KiB per float32 tensor, so that a chunk's working set stays
+#: in the caches, and few enough chunks that Python's per-batch cost stays small (measured best of
+#: 32K-256K on a 4.2M-parameter model, bf16 + exact AdamW).
+CPU_CHUNK = 1 << 17  # a multiple of quant8.BLOCK
 
 #: ``(parameter index, slice of its flattened elements or None for the whole tensor)``.
 Unit = tuple[int, Optional[slice]]

@@ -11,7 +11,9 @@ the per-tensor path's helpers, one parameter after the other in list order: the 
 are the same too.
 
 Costs one float32 temporary per parameter for the denominator, as ``torch.optim``'s foreach
-path, besides the float32 working copies that the per-tensor path makes one at a time.
+path, besides the float32 working copies that the per-tensor path makes one at a time (on the
+CPU both walk :mod:`~mixprec.optim._chunks`, so these stay cache-sized). ``fused=True`` replaces
+the element-wise update by torch's fused AdamW/SGD kernel on the same working copies.
 """
 
 from __future__ import annotations
@@ -129,7 +131,6 @@ def _write_back_all(
             if s is not None:
                 write_state(s, c, generator)  # type: ignore[arg-type]  # 8-bit, or a wider copy
     _store_params(params, values, comps)
-
 
 
 def adamw_foreach(

@@ -55,6 +55,22 @@ def test_bf16_weights_with_8bit_state_cost_4_bytes_per_param():
     assert opt.state[model[0].bias]["exp_avg"].dtype == torch.float32  # small: float32 moments
 
 
+@pytest.mark.parametrize(
+    "kwargs,state_bytes",
+    [(dict(compensation="exact"), 10), (dict(compensation="kahan"), 10), (dict(compensation="stochastic"), 8),
+     (dict(compensation="stochastic", state_dtype=torch.bfloat16), 4)],
+)
+def test_state_bytes_per_param(kwargs, state_bytes):
+    """fp32 moments 8 bytes, exact's int16 low bits and Kahan's bf16 buffer 2 more, bf16 moments 4."""
+    model = _model()
+    opt = AdamW(model.parameters(), **kwargs)
+    model(torch.randn(4, 32).bfloat16()).float().sum().backward()
+    opt.step()
+    mem = memory_bytes(model, opt)
+    steps = 4 * len(list(model.parameters()))  # one float32 step counter per parameter
+    assert mem["optimizer_state"] == state_bytes * mem["numel"] + steps
+
+
 @pytest.mark.parametrize("state_dtype", ["8bit", torch.bfloat16])
 def test_low_precision_state_trains_like_fp32_state(state_dtype):
     """bf16 weights with exact updates: 8-bit or bf16 moments end no more than 2% above the loss

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from mixprec.optim._chunks import batches, part, plan
+from mixprec.optim.exact import _HALF_GAP, _HIGH_BITS
 from mixprec.optim._functional import (
     State,
     Unscaler,
@@ -93,7 +94,9 @@ def _store_params(params: list[Tensor], values: list[Tensor], comps: list[Option
     if exact:
         bits, low = [values[i].view(torch.int32) for i in exact], _pick(comps, exact)
         torch._foreach_copy_(low, bits)
-        torch._foreach_sub_(bits, _widen(low))
+        torch._foreach_add_(bits, _HALF_GAP)
+        for b in bits:  # no foreach bitwise ops
+            b.bitwise_and_(_HIGH_BITS)
         torch._foreach_copy_(_pick(params, exact), _pick(values, exact))
     if kahan:
         p, v = _pick(params, kahan), _pick(values, kahan)

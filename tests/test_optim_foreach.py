@@ -186,3 +186,27 @@ def test_fused_sgd_recipes_track_foreach(kwargs, dtype, compensation, state_dtyp
 def test_fused_and_foreach_together_is_an_error(cls):
     with pytest.raises(ValueError, match="fused"):
         cls([torch.zeros(2, requires_grad=True)], fused=True, foreach=True)
+
+
+@pytest.mark.parametrize("compensation,state_dtype", [(None, None), ("exact", "8bit"), ("stochastic", torch.bfloat16)])
+def test_non_contiguous_parameters_are_walked_whole(compensation, state_dtype):
+    """A transposed parameter (its gradient and state alike) is not chunked; results as above."""
+    def run(foreach, dtype):
+        p = torch.randn(120, 70, generator=torch.Generator().manual_seed(0)).to(dtype).t().requires_grad_()
+        opt = AdamW([p], lr=1e-2, foreach=foreach, compensation=compensation, state_dtype=state_dtype,
+                    generator=torch.Generator().manual_seed(1))
+        for step in range(3):
+            p.grad = torch.randn(120, 70, generator=torch.Generator().manual_seed(step)).to(dtype).t()
+            opt.step()
+        return p
+
+    dtype = torch.float32 if compensation is None else torch.bfloat16
+    a, b = run(False, dtype), run(True, dtype)
+    assert not a.is_contiguous() and torch.equal(a, b)
+    if compensation is None:
+        ref = torch.randn(120, 70, generator=torch.Generator().manual_seed(0)).t().requires_grad_()
+        opt = torch.optim.AdamW([ref], lr=1e-2)
+        for step in range(3):
+            ref.grad = torch.randn(120, 70, generator=torch.Generator().manual_seed(step)).t()
+            opt.step()
+        assert torch.equal(a, ref)

@@ -175,17 +175,69 @@ def test_no_stale_policy_when_the_policy_is_an_argument():
         assert out.dtype == eager.dtype and torch.equal(out, eager)
 
 
-def test_module_rules_inside_a_compiled_function_say_what_to_do():
-    lin = nn.Linear(4, 4)
-    keep_linear = mixprec.Policy().keep(types=nn.Linear)
+class Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 4)
 
-    def f(x):
-        with mixprec.autocast("cpu", policy=keep_linear):
-            return lin(x)
+    def forward(self, x):
+        return self.head(self.norm(self.body(x)))
 
-    with pytest.raises(Exception, match="around the compiled call"):
-        torch.compile(f, backend="aot_eager", fullgraph=True)(torch.randn(2, 4))
-    assert mixprec._dispatch.top("cpu") is None
+
+RULES = (mixprec.Policy(output=torch.float32).with_ops(fp32=["gelu"])
+         .keep(types=nn.LayerNorm).keep(names=r"^head$", dtype="fp16"))
+# Around a compiled call, PyTorch itself traces the backward under the outer autocast region: a
+# module that switches autocast off or to another dtype gets lowered backward matmuls, unlike
+# eager (plain torch.autocast around a compiled model with a nested torch.autocast(enabled=False)
+# shows it too). So there the rules select modules without matmuls (the LayerNorm, by name).
+RULES_AROUND = (mixprec.Policy(output=torch.float32).with_ops(fp32=["gelu"])
+                .keep(names=r"^norm$"))
+
+
+def _eager_and_grads(model, fn, x):
+    model.zero_grad()
+    out = fn(x)
+    out.float().sum().backward()
+    return out, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("where", ["inside", "around"])
+def test_module_rules_and_output_compile_with_fullgraph(where):
+    """keep by type and by name, an fp16 rule, output= and an op edit, traced with no graph
+    break: values, dtypes and gradients bitwise eager's, no recompile on later calls."""
+    torch.manual_seed(0)
+    model = Tower()
+    x = torch.randn(3, 4)
+    rules = RULES if where == "inside" else RULES_AROUND
+
+    def region(x):
+        with mixprec.autocast("cpu", policy=rules):
+            return model(x)
+
+    eager, eager_grads = _eager_and_grads(model, region, x)
+    counter = Counter()
+    if where == "inside":
+        compiled = torch.compile(region, backend=counter.backend, fullgraph=True)
+    else:
+        inner = torch.compile(model, backend=counter.backend, fullgraph=True)
+        compiled = lambda x: _around(inner, x, rules)  # noqa: E731
+    for step in range(3):
+        out, grads = _eager_and_grads(model, compiled, x)
+        assert out.dtype == eager.dtype == torch.float32
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)
+        for a, b in zip(grads, eager_grads):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        if step == 0:
+            graphs = counter.graphs  # forward and backward
+    assert counter.graphs == graphs
+    assert mixprec._dispatch.top("cpu") is None and not torch.is_autocast_enabled("cpu")
+
+
+def _around(compiled, x, rules):
+    with mixprec.autocast("cpu", policy=rules):
+        return compiled(x)
 
 
 def test_policies_built_inside_compiled_code_are_refused_not_silently_changed():
@@ -201,13 +253,13 @@ def test_policies_built_inside_compiled_code_are_refused_not_silently_changed():
         torch.compile(f, backend="aot_eager", fullgraph=True)(torch.randn(2, 4))
 
 
-def test_module_rules_around_a_compiled_model_match_eager():
+def test_module_rules_around_a_compiled_model_with_graph_breaks_match_eager():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4))
     policy = mixprec.Policy(output=torch.float32).keep(types=nn.LayerNorm).keep(names=r"^2$", dtype="fp16")
     x = torch.randn(2, 4)
     with mixprec.autocast("cpu", policy=policy):
         eager = model(x)
-        compiled = torch.compile(model, backend="aot_eager")(x)  # graph breaks at module rules
+        compiled = torch.compile(model, backend="aot_eager")(x)  # not fullgraph: eager hooks
     assert compiled.dtype == eager.dtype == torch.float32
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)

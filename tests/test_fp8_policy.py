@@ -120,16 +120,37 @@ def test_policy_with_fp8_round_trips_and_parses():
         Policy.fp8(first_last="bf16")
 
 
-def test_fp8_policy_inside_compiled_code_points_to_convert():
-    model = _model()
-    policy = Policy.fp8()
+@pytest.mark.parametrize("where", ["around", "inside"])
+def test_fp8_policy_compiles_fullgraph_bitwise_eager_without_recompiles(where):
+    policy = Policy.fp8("tensorwise").keep(types=nn.LayerNorm)
+    eager_model, compiled_model = _model(), _model()
 
-    def f(x):
-        with mixprec.autocast("cpu", policy=policy):
-            return model(x)
+    def region(model):
+        def f(x):
+            with mixprec.autocast("cpu", policy=policy):
+                return model(x)
+        return f
 
-    with pytest.raises(Exception, match="mixprec.fp8.convert"):
-        torch.compile(f, backend="aot_eager", fullgraph=True)(torch.randn(2, 32))
+    if where == "inside":
+        compiled = torch.compile(region(compiled_model), backend="aot_eager", fullgraph=True)
+    else:
+        compiled = region(torch.compile(compiled_model, backend="aot_eager", fullgraph=True))
+    torch._dynamo.reset()
+    for step in range(3):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step))
+        eager_model.zero_grad(), compiled_model.zero_grad()
+        e = region(eager_model)(x)
+        e.float().square().mean().backward()
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            c = compiled(x)
+        c.float().square().mean().backward()
+        assert c.dtype == e.dtype and torch.equal(c, e)
+        for a, b in zip(compiled_model.parameters(), eager_model.parameters()):
+            assert torch.equal(a.grad, b.grad)
+    for name in ("2", "4"):  # statistics recorded in the compiled forward and backward
+        assert torch.equal(fp8.layer_state(compiled_model[int(name)]).stats,
+                           fp8.layer_state(eager_model[int(name)]).stats)
+    assert fp8.layer_state(compiled_model[4]).stats[2, 0] > 0
 
 
 def test_checkpoint_recomputes_the_fp8_forward_bitwise():

@@ -24,7 +24,6 @@ import torch
 from torch import Tensor
 
 from mixprec.optim._chunks import batches, part, plan
-from mixprec.optim.exact import _HALF_GAP, _HIGH_BITS
 from mixprec.optim._functional import (
     State,
     Unscaler,
@@ -65,20 +64,13 @@ def _grads(
     return torch._foreach_neg(out) if maximize else out
 
 
-def _widen(low_bits: list[Tensor]) -> list[Tensor]:
-    """int16 low bits as int32 (one foreach copy): int32 += int32 is twice as fast as += int16."""
-    wide = [torch.empty_like(t, dtype=torch.int32) for t in low_bits]
-    torch._foreach_copy_(wide, low_bits)
-    return wide
-
-
 def _load_params(params: list[Tensor], comps: list[Optional[Tensor]], cdtypes: list[torch.dtype]) -> list[Tensor]:
     """:func:`~mixprec.optim._functional.load_param` on a list."""
     values = _to_compute(params, cdtypes)
     exact = [i for i, c in enumerate(comps) if c is not None and c.dtype == torch.int16]
     kahan = [i for i, c in enumerate(comps) if c is not None and c.dtype != torch.int16]
-    if exact:  # low bits widened first, as exact_value does
-        torch._foreach_add_([values[i].view(torch.int32) for i in exact], _widen(_pick(comps, exact)))
+    if exact:
+        torch._foreach_add_([values[i].view(torch.int32) for i in exact], _pick(comps, exact))
     if kahan:
         torch._foreach_add_(_pick(values, kahan), _pick(comps, kahan))
     return values
@@ -94,9 +86,7 @@ def _store_params(params: list[Tensor], values: list[Tensor], comps: list[Option
     if exact:
         bits, low = [values[i].view(torch.int32) for i in exact], _pick(comps, exact)
         torch._foreach_copy_(low, bits)
-        torch._foreach_add_(bits, _HALF_GAP)
-        for b in bits:  # no foreach bitwise ops
-            b.bitwise_and_(_HIGH_BITS)
+        torch._foreach_sub_(bits, low)
         torch._foreach_copy_(_pick(params, exact), _pick(values, exact))
     if kahan:
         p, v = _pick(params, kahan), _pick(values, kahan)

@@ -11,7 +11,7 @@ Writing takes ``lo`` as the low 16 bits of ``m`` read as a signed int16 (a wrapp
 int16 copy), and ``hi << 16 = m - lo``: the low bits cleared, plus one bfloat16 gap when they
 were ``2**15`` or more, i.e. the magnitude rounded to nearest, ties away from zero (the int32
 pattern of a float is its magnitude, offset by ``-2**31`` for a negative one, so the rule is the
-same for both signs). It is computed as ``(m + 2**15) & 0xFFFF0000``, the same number. A carry past bfloat16's largest finite value makes the parameter ``inf``
+same for both signs). A carry past bfloat16's largest finite value makes the parameter ``inf``
 (as rounding to nearest does) while the master stays finite. Integer arithmetic only: no host
 sync, same code on every device, and every step is a ``torch._foreach_*`` op too.
 """
@@ -23,13 +23,10 @@ from torch import Tensor
 
 __all__ = ["exact_value", "exact_write_", "check_exact_dtype"]
 
-_HALF_GAP = 1 << 15
-_HIGH_BITS = -(1 << 16)  # 0xFFFF0000 as an int32
-
 def exact_value(param: Tensor, low_bits: Tensor) -> Tensor:
     """The float32 master a bfloat16 ``param`` and its int16 ``low_bits`` stand for (a new tensor)."""
     value = param.detach().to(torch.float32, copy=True)
-    value.view(torch.int32).add_(low_bits.to(torch.int32))  # widened first: mixed-dtype adds are slow
+    value.view(torch.int32).add_(low_bits)
     return value
 
 
@@ -41,7 +38,7 @@ def exact_write_(param: Tensor, low_bits: Tensor, value: Tensor) -> None:
     """
     bits = value.view(torch.int32)
     low_bits.copy_(bits)  # int32 -> int16 keeps the low 16 bits, as a signed number
-    bits.add_(_HALF_GAP).bitwise_and_(_HIGH_BITS)  # == bits - low_bits, without widening them
+    bits.sub_(low_bits)
     param.copy_(value)  # exact: ``value`` is now a bfloat16 number
 
 

@@ -23,12 +23,7 @@ def resolve_policy(policy: Policy | str | None, dtype: torch.dtype, where: str) 
         TypeError: ``policy`` is not a Policy, a str or None.
         ValueError: the policy's compute dtype is not ``dtype``.
     """
-    if isinstance(policy, str):
-        policy = Policy.parse(policy)
-    elif policy is None:
-        policy = Policy()
-    elif not isinstance(policy, Policy):
-        raise TypeError(f"{where}: policy must be a mixprec.Policy, a str or None, got {type(policy).__name__}")
+    policy = Policy.coerce(policy, where=f"{where}: policy")
     if policy.compute is not None and policy.compute != dtype:
         raise ValueError(
             f"{where}: the policy computes in {policy.compute} but the precision asks for {dtype}; "

@@ -10,6 +10,11 @@ scaler and autocast around a freshly built float32 model.
 - ``bf16-stochastic``: the same weights, ``mixprec.optim.AdamW(compensation="stochastic")``.
 - ``fp16-master``: float16 weights, float32 master copies (``mixprec.MasterWeights``) +
   ``mixprec.GradScaler``.
+- ``mixprec-fp8``: ``mixprec.autocast`` with ``Policy.parse("compute=bf16").fp8("tensorwise")``:
+  the Linear layers between the first and the last run their GEMMs in fp8 (emulated on CPU), the
+  rest in bf16, with an :class:`mixprec.fp8.Guard` that moves a layer back to bf16 when it goes
+  wrong; the training loop records the layers' fp8 statistics every ``Guard.every`` steps.
+- ``mixprec-fp8-rowwise``: the same with the ``rowwise`` recipe.
 - ``torch-amp-bf16`` (not run by default): ``torch.autocast`` (bfloat16), the reference of
   ``mixprec-bf16``.
 
@@ -35,7 +40,7 @@ from torch import nn
 import mixprec
 from mixprec.demo.settings import Settings
 
-__all__ = ["MODES", "DEFAULT_MODES", "Mode", "Setup", "check_modes"]
+__all__ = ["MODES", "DEFAULT_MODES", "FP8_EVERY", "Mode", "Setup", "check_modes"]
 
 
 class _Scaler(Protocol):
@@ -54,6 +59,10 @@ class Setup:
     scaler: _Scaler | None = None
     # after scaler.update(): (current scale, whether the step was skipped), both device tensors
     scale_state: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # fp8 modes: the guard the loop checks after every step (``guard.check(model, step + 1)``),
+    # reading the layers' statistics at the end of each of its windows; and the recipe's name
+    fp8_guard: Any = None
+    fp8_recipe: str = ""
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,29 @@ def _setup_fp16_master(model: nn.Module, s: Settings, device: torch.device) -> S
     return Setup(model, mixprec.MasterWeights(_adamw(model.parameters(), s)), scaler=scaler, scale_state=scale_state)
 
 
+#: Steps between two readings of the fp8 statistics (and two decisions of the guard).
+FP8_EVERY = 10
+
+
+def _setup_fp8(recipe: str, **thresholds: Any) -> Callable[[nn.Module, Settings, torch.device], Setup]:
+    """fp32 weights, bf16 autocast whose selected Linear layers run in fp8 ``recipe``, and a
+    guard checked every :data:`FP8_EVERY` steps with the default thresholds (underflow > 5% or
+    any inf/NaN moves a layer back) unless ``thresholds`` (``Guard``'s arguments) say otherwise.
+
+    The guard is not given to the policy: the loop checks it itself after each step, so that
+    its windows line up with the statistics the report reads (the policy would count the
+    evaluation's forward calls as steps too).
+    """
+
+    def setup(model: nn.Module, s: Settings, device: torch.device) -> Setup:
+        guard = mixprec.fp8.Guard(every=FP8_EVERY, **thresholds)
+        policy = mixprec.Policy.parse("compute=bf16").fp8(recipe)
+        autocast = lambda: mixprec.autocast(device.type, policy=policy)  # noqa: E731
+        return Setup(model, _adamw(model.parameters(), s), autocast, fp8_guard=guard, fp8_recipe=recipe)
+
+    return setup
+
+
 _ALL_MODES = (
     Mode("fp32", "float32 weights and compute", (), _setup_fp32),
     Mode("torch-amp", "torch.autocast fp16 + torch.amp.GradScaler (reference)", (),
@@ -183,6 +215,10 @@ _ALL_MODES = (
          ("to_low_precision", "optim.AdamW"), _setup_bf16("stochastic"), cpu_cost=2.2),
     Mode("fp16-master", "fp16 weights + fp32 MasterWeights + mixprec.GradScaler",
          ("to_low_precision", "MasterWeights", "GradScaler"), _setup_fp16_master, cpu_cost=8.0),
+    Mode("mixprec-fp8", "mixprec.autocast bf16 + fp8 tensorwise Linear layers (policy, guard)",
+         ("autocast", "Policy.fp8", "fp8.Guard"), _setup_fp8("tensorwise"), cpu_cost=5.0),
+    Mode("mixprec-fp8-rowwise", "mixprec.autocast bf16 + fp8 rowwise Linear layers (policy, guard)",
+         ("autocast", "Policy.fp8", "fp8.Guard"), _setup_fp8("rowwise"), cpu_cost=5.5),
     Mode("torch-amp-bf16", "torch.autocast bf16 (reference of mixprec-bf16)", (),
          _setup_amp("torch", torch.bfloat16), default=False, cpu_cost=1.2),
 )

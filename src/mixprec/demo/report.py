@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mixprec.demo.results import DemoResult, ModeResult, checks, rank, summarize
+from mixprec.demo import fp8_figure
+from mixprec.demo.results import DemoResult, ModeResult, checks, format_fp8, rank, summarize
 
 __all__ = ["MEMORY_PARTS", "format_table", "format_checks", "hardware_note", "time_ratio", "write_report"]
 
@@ -94,6 +95,7 @@ def format_table(result: DemoResult) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     seeds = f"{len(result.seeds)} seeds" if several else f"seed {result.seeds[0]}"
     lines.append(f"({seeds}; time / {ref.mode}: time per token relative to {ref.mode}, lower is faster)")
+    lines.extend(format_fp8(result))
     return "\n".join(lines)
 
 
@@ -140,7 +142,7 @@ def _figures(result: DemoResult) -> list[dict[str, Any]]:
            + "".join(f"; {line}" for line in format_checks(result)) + "."
            if scaled else "No mode of this run uses a loss scaler.")
     )
-    return [
+    figures = [
         {
             "name": "loss",
             "file": "loss.png",
@@ -201,6 +203,8 @@ def _figures(result: DemoResult) -> list[dict[str, Any]]:
             ),
         },
     ]
+    fp8 = fp8_figure.figure_spec(result)
+    return figures if fp8 is None else figures + [fp8]
 
 
 def _plot(fig_spec: dict[str, Any], result: DemoResult, path: Path) -> None:
@@ -210,6 +214,9 @@ def _plot(fig_spec: dict[str, Any], result: DemoResult, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     name = fig_spec["name"]
+    if name == "fp8":
+        fp8_figure.plot(fig_spec, path)
+        return
     colors = {m.mode: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(result.modes)}
     if name == "loss":
         fig, (ax, diff) = plt.subplots(2, 1, figsize=(9, 6.5), dpi=100, sharex=True,
@@ -316,8 +323,9 @@ each precision mode below, from the same initial weights and on the same batches
 
 
 def write_report(result: DemoResult, out: str | Path) -> dict[str, Path]:
-    """Write ``results.json``, ``loss.png``, ``scale.png``, ``memory.png``, ``throughput.png``
-    and ``index.html`` into ``out`` (created if needed); return their paths by name.
+    """Write ``results.json``, ``loss.png``, ``scale.png``, ``memory.png``, ``throughput.png``,
+    ``fp8.png`` (when an fp8 mode ran) and ``index.html`` into ``out`` (created if needed);
+    return their paths by name.
 
     Raises:
         ImportError: when matplotlib is not installed (``results.json`` is written first).

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from mixprec.demo.modes import MODES
 from mixprec.demo.settings import Settings
 
-__all__ = ["ModeResult", "DemoResult", "Progress", "Summary", "compare", "summarize", "rank"]
+__all__ = ["ModeResult", "DemoResult", "Progress", "Summary", "compare", "summarize", "rank", "fp8_summary", "format_fp8", "FP8_LOSS_TOLERANCE"]
 
 
 @dataclass
@@ -42,6 +42,9 @@ class ModeResult:
     skipped_steps: list[int] = field(default_factory=list)
     wall_s: float = 0.0
     seed: int = 0
+    # fp8 modes: the layers' fp8 statistics over training and the guard's fallbacks (see
+    # mixprec.demo.train._fp8_trace); empty for the other modes
+    fp8: dict[str, Any] = field(default_factory=dict)
 
     @property
     def final_loss(self) -> float:
@@ -113,6 +116,7 @@ class DemoResult:
             "runs": [r.to_json() for r in self.runs],
             "summary": [s.to_json() for s in summarize(self)],
             "checks": checks(self),
+            "fp8": fp8_summary(self),
         }
 
 
@@ -208,3 +212,87 @@ def rank(summaries: list[Summary]) -> str:
              for label, group in groups.items() if group]
     return (f"Validation loss minus {base}'s, seed by seed, over {n} seeds (mean ± standard deviation): "
             + "; ".join(parts) + ".")
+
+
+#: The accuracy bar of an fp8 mode: its mean final training loss within this fraction of fp32's,
+#: or within two standard deviations over the seeds when that is wider.
+FP8_LOSS_TOLERANCE = 0.015
+
+
+def fp8_summary(result: DemoResult) -> dict[str, Any]:
+    """Per fp8 mode (a mode whose runs recorded fp8 statistics): its recipe and fp8 layers, the
+    guard's fallbacks over every seed, the worst underflow seen, and its mean final training loss
+    against the first mode's (fp32's): ``within`` when ``|difference| <= tolerance``, the larger
+    of 1.5% of fp32's mean and twice the standard deviation over the seeds of the seed-by-seed
+    difference (0 from one seed, so one seed is judged by the 1.5% alone).
+
+    Example:
+        >>> fp8_summary(DemoResult(Settings.for_size("tiny", steps=1), "cpu", {}, []))
+        {}
+    """
+    names = list(dict.fromkeys(r.mode for r in result.runs))
+    out: dict[str, Any] = {}
+    for name in names:
+        runs = [r for r in result.of(name) if r.fp8]
+        if not runs:
+            continue
+        worst = {"value": -1.0}
+        for run in runs:
+            for layer, operands in run.fp8["layers"].items():
+                for operand, series in operands.items():
+                    for end, value in zip(run.fp8["steps"], series["underflow"]):
+                        if value > worst["value"]:
+                            worst = {"value": value, "layer": layer, "operand": operand, "step": end, "seed": run.seed}
+        base = {r.seed: r.final_loss for r in result.of(names[0])}
+        paired = [r for r in runs if r.seed in base]
+        entry: dict[str, Any] = {
+            "recipe": runs[0].fp8["recipe"],
+            "layers": list(runs[0].fp8["layers"]),
+            "every": runs[0].fp8["every"],
+            "thresholds": runs[0].fp8["thresholds"],
+            "fallbacks": [{**f, "seed": r.seed} for r in runs for f in r.fp8["fallbacks"]],
+            "worst_underflow": worst if worst["value"] >= 0 else None,
+        }
+        if paired and name != names[0]:
+            diffs = [r.final_loss - base[r.seed] for r in paired]
+            base_mean = statistics.fmean(base[r.seed] for r in paired)
+            spread = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+            tolerance = max(FP8_LOSS_TOLERANCE * abs(base_mean), 2 * spread)
+            mean_diff = statistics.fmean(diffs)
+            finals = [r.final_loss for r in paired]
+            entry["final_vs_base"] = {
+                "base": names[0], "seeds": len(paired), "mean": statistics.fmean(finals),
+                "spread": statistics.stdev(finals) if len(finals) > 1 else 0.0, "base_mean": base_mean,
+                "difference": mean_diff, "relative": mean_diff / base_mean, "difference_spread": spread,
+                "tolerance": tolerance, "within": abs(mean_diff) <= tolerance,
+            }
+        out[name] = entry
+    return out
+
+
+def format_fp8(result: DemoResult) -> list[str]:
+    """One line per fp8 mode: its layers, the guard's fallbacks and its final loss against fp32's.
+
+    Example:
+        >>> format_fp8(DemoResult(Settings.for_size("tiny", steps=1), "cpu", {}, []))
+        []
+    """
+    lines = []
+    for name, entry in fp8_summary(result).items():
+        seeds = len(result.of(name))
+        over = f" over {seeds} seeds" if seeds > 1 else ""
+        falls = entry["fallbacks"]
+        if falls:
+            guard = "; ".join(f"seed {f['seed']}: {f['layer']} at step {f['step']} ({f['operand']} {f['statistic']} "
+                              f"= {f['value']:.4g} > {f['threshold']:g})" for f in falls)
+            guard = f"{len(falls)} fallback(s) to bf16: {guard}"
+        else:
+            guard = f"no layer fell back{over}"
+        line = f"{name} ({entry['recipe']}, {len(entry['layers'])} fp8 layers): {guard}"
+        vs = entry.get("final_vs_base")
+        if vs is not None:
+            verdict = "within" if vs["within"] else "NOT within"
+            line += (f"; final loss {vs['mean']:.4f} vs {vs['base']} {vs['base_mean']:.4f} ({vs['relative']:+.2%}, "
+                     f"{verdict} {vs['tolerance']:.4f} = max(1.5%, 2 sd of the difference))")
+        lines.append(line)
+    return lines

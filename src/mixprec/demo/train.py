@@ -20,11 +20,12 @@ import dataclasses
 import re
 import time
 import warnings
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+from mixprec import fp8
 from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch
 from mixprec.demo.environment import environment
 from mixprec.demo.estimate import Estimate
@@ -113,6 +114,7 @@ def run_mode(
         progress.start(name, settings.steps)
 
     losses: list[torch.Tensor] = []
+    fp8_windows: list[tuple[int, list[dict]]] = []
     scale_trace: list[tuple[torch.Tensor, torch.Tensor]] = []
     activations = 0
     timed = settings.timed_steps
@@ -150,6 +152,8 @@ def run_mode(
             warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"), UserWarning)
             schedule.step()
         losses.append(loss.detach())
+        if setup.fp8_guard is not None:
+            _fp8_step(model, setup.fp8_guard, step, settings.steps, fp8_windows)
         if setup.scale_state is not None:
             scale_trace.append(setup.scale_state())
         if progress is not None and (step % report_every == 0 or step == settings.steps - 1):
@@ -177,9 +181,44 @@ def run_mode(
         scales, skipped = (torch.stack(t).cpu() for t in zip(*scale_trace))
         result.scales = scales.float().tolist()
         result.skipped_steps = torch.nonzero(skipped.bool()).flatten().tolist()
+    if setup.fp8_guard is not None:
+        result.fp8 = _fp8_trace(setup, fp8_windows)
     if progress is not None:
         progress.finish(result)
     return result
+
+
+def _fp8_step(model: nn.Module, guard: Any, step: int, steps: int, windows: list[tuple[int, list[dict]]]) -> None:
+    """After step ``step`` of an fp8 mode: at the end of each guard window (and at the last step)
+    read every fp8 layer's statistics (one host sync), then let the guard judge the window."""
+    if (step + 1) % guard.every == 0 or step == steps - 1:
+        windows.append((step + 1, fp8.stats(model).to_list()))
+    guard.check(model, step + 1)
+
+
+def _fp8_trace(setup: Setup, windows: list[tuple[int, list[dict]]]) -> dict[str, Any]:
+    """The fp8 statistics of a run as series: per layer and operand, each statistic's worst value
+    over each window (the window ending after ``steps[i]`` steps), and the guard's fallbacks."""
+    layers: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for _, rows in windows:
+        for row in rows:
+            series = layers.setdefault(row["layer"], {}).setdefault(row["operand"], {})
+            for stat in _FP8_STATS:
+                series.setdefault(stat, []).append(row[stat])
+    guard = setup.fp8_guard
+    return {
+        "recipe": setup.fp8_recipe,
+        "every": guard.every,
+        "thresholds": {"max_underflow": guard.max_underflow, "max_nonfinite": guard.max_nonfinite,
+                       "max_saturated": guard.max_saturated},
+        "steps": [end for end, _ in windows],
+        "layers": layers,
+        "fallbacks": [dataclasses.asdict(d) for d in guard.decisions.values()],
+    }
+
+
+#: the statistics of ``fp8.stats`` the demo keeps (see docs/fp8.md)
+_FP8_STATS = ("amax", "underflow", "saturated", "nonfinite")
 
 
 @torch.no_grad()

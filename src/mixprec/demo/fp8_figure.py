@@ -1,0 +1,137 @@
+"""The demo report's fp8 figure: per fp8 layer and operand, amax and underflow over training, and
+the guard's fallbacks (drawn when a mode with fp8 layers ran, e.g. ``mixprec-fp8``).
+
+The data is what the training loop recorded (``ModeResult.fp8``, see
+:func:`mixprec.demo.train.run_mode`): every ``Guard.every`` steps, the worst value of each
+statistic over the window. matplotlib is imported by :func:`plot` only.
+
+Example:
+    >>> from mixprec.demo.results import DemoResult
+    >>> from mixprec.demo.settings import Settings
+    >>> figure_spec(DemoResult(Settings.for_size("tiny", steps=1), "cpu", {}, [])) is None
+    True
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mixprec.demo.results import DemoResult, fp8_summary
+
+__all__ = ["figure_spec", "plot"]
+
+_OPERANDS = ("input", "weight", "grad_output")
+_FORMATS = {"tensorwise": ("e4m3", "e4m3", "e5m2"), "rowwise": ("e4m3", "e4m3", "e4m3"),
+            "rowwise_with_gw_hp": ("e4m3", "e4m3", "e4m3")}
+
+
+def _percent(x: float) -> str:
+    return f"{x:.3%}" if x < 0.01 else f"{x:.1%}"
+
+
+def figure_spec(result: DemoResult) -> dict[str, Any] | None:
+    """The fp8 figure's file name, title, data (the first seed's series of every fp8 mode, and
+    :func:`~mixprec.demo.results.fp8_summary` over every seed) and caption; None when no mode
+    of ``result`` ran fp8 layers."""
+    summary = fp8_summary(result)
+    if not summary:
+        return None
+    series = {m.mode: m.fp8 for m in result.modes if m.fp8}
+    seeds = len(result.seeds)
+    seed = f" (seed {result.seeds[0]})" if seeds > 1 else ""
+    every = next(iter(summary.values()))["every"]
+    limits = next(iter(summary.values()))["thresholds"]
+    guard = []
+    for name, entry in summary.items():
+        falls = entry["fallbacks"]
+        worst = entry["worst_underflow"]
+        worst_text = (f"; its worst underflow was {_percent(worst['value'])} ({worst['layer']} {worst['operand']}, "
+                      f"window ending at step {worst['step']})" if worst else "")
+        if falls:
+            names = ", ".join(f"{f['layer']} at step {f['step']} ({f['operand']} {f['statistic']} {f['value']:.4g}"
+                              + (f", seed {f['seed']}" if seeds > 1 else "") + ")" for f in falls)
+            guard.append(f"{name}: the guard moved {names} back to bf16{worst_text}")
+        else:
+            guard.append(f"{name}: no layer fell back{' over ' + str(seeds) + ' seeds' if seeds > 1 else ''}"
+                         f"{worst_text}")
+    caption = (
+        f"fp8 statistics of the Linear layers each fp8 mode runs in fp8{seed}, the first and the last "
+        f"Linear staying in bf16: every {every} steps, the worst value over the window of the absolute "
+        "maximum of the input, the weight and the gradient of the output (the scale is the format's "
+        "largest value over it, per tensor or per row), and of the fraction of nonzero values the "
+        f"scaled cast flushed to zero. The guard moves a layer back to bf16 when its underflow exceeds "
+        f"{limits['max_underflow']:g} (dotted line) or an operand has an inf/NaN, marked by a cross. "
+        + "; ".join(guard) + "."
+    )
+    return {
+        "name": "fp8",
+        "file": "fp8.png",
+        "title": "fp8 statistics per layer and operand",
+        "data": {"series": series, "summary": summary},
+        "caption": caption,
+    }
+
+
+def plot(spec: dict[str, Any], path: Path) -> None:
+    """Draw ``spec`` (from :func:`figure_spec`) into ``path``: one column per operand, amax
+    (log) above and underflow below, one colour per layer and one line style per fp8 mode,
+    crosses at fallbacks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    series = spec["data"]["series"]
+    layers = list(dict.fromkeys(layer for run in series.values() for layer in run["layers"]))
+    cmap = plt.get_cmap("tab10" if len(layers) <= 10 else "viridis")
+    colors = {layer: cmap(i % 10 if len(layers) <= 10 else i / max(1, len(layers) - 1))
+              for i, layer in enumerate(layers)}
+    styles = {mode: ("-", "--", ":", "-.")[i % 4] for i, mode in enumerate(series)}
+    from matplotlib.ticker import FixedLocator, FuncFormatter
+
+    fig, axes = plt.subplots(2, len(_OPERANDS), figsize=(12, 6.5), dpi=100, sharex=True)
+    threshold = next(iter(series.values()))["thresholds"]["max_underflow"]
+    highest = max([v for run in series.values() for ops in run["layers"].values() for st in ops.values()
+                   for v in st["underflow"]] + [threshold or 0.0, 1e-3])
+    for j, operand in enumerate(_OPERANDS):
+        amax_ax, under_ax = axes[0][j], axes[1][j]
+        for mode, run in series.items():
+            steps = run["steps"]
+            fmt = _FORMATS.get(run["recipe"], ("", "", ""))[j]
+            for layer, operands in run["layers"].items():
+                stats = operands[operand]
+                style = {"color": colors[layer], "linestyle": styles[mode], "linewidth": 1.2}
+                amax_ax.plot(steps, stats["amax"], **style)
+                under_ax.plot(steps, stats["underflow"], **style)
+            amax_ax.set_title(f"{operand}" + (f" ({fmt} for {run['recipe']})" if len(series) == 1 and fmt else ""),
+                              fontsize=10)
+            for fall in run["fallbacks"]:
+                if fall["operand"] != operand or fall["statistic"] != "underflow":
+                    continue
+                under_ax.scatter([fall["step"]], [fall["value"]], marker="x", s=80, color=colors.get(fall["layer"], "red"))
+            for fall in run["fallbacks"]:
+                if fall["operand"] == operand and fall["statistic"] != "underflow":
+                    amax_ax.axvline(fall["step"], color=colors.get(fall["layer"], "red"), linestyle=":")
+        amax_ax.set_yscale("log")
+        # linear below 0.01%, logarithmic above: zero, rare flushes and the threshold all visible
+        under_ax.set_yscale("symlog", linthresh=1e-4)
+        under_ax.set_ylim(0, min(1.0, 2 * highest))
+        under_ax.yaxis.set_major_locator(FixedLocator([0, 1e-4, 1e-3, 1e-2, 1e-1, 1.0]))
+        under_ax.yaxis.set_minor_locator(FixedLocator([]))
+        under_ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v * 100:g}%"))
+        if threshold is not None:
+            under_ax.axhline(threshold, color="red", linestyle=":", linewidth=1)
+        under_ax.set_xlabel("step")
+        for ax in (amax_ax, under_ax):
+            ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("amax (window max)")
+    axes[1][0].set_ylabel("underflow (fraction, window max)")
+    handles = [Line2D([], [], color=colors[layer], label=layer) for layer in layers]
+    handles += [Line2D([], [], color="gray", linestyle=styles[mode], label=mode) for mode in series]
+    fig.legend(handles=handles, fontsize=8, loc="center left", bbox_to_anchor=(0.86, 0.5), borderaxespad=0)
+    fig.suptitle(spec["title"])
+    fig.tight_layout(rect=(0, 0, 0.85, 1))
+    fig.savefig(path)
+    plt.close(fig)

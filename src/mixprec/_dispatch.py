@@ -1,4 +1,8 @@
-"""The one module that touches PyTorch's dispatcher.
+"""The one module that touches PyTorch's dispatcher (and Dynamo's guards for it).
+
+Longer than our 500-line guide: the kernels, their registration and their torch.compile
+counterparts (the traced region op, the guard on the active policy) share the thread state and
+must change together.
 
 Design
 ------

@@ -1,9 +1,11 @@
-"""``mixprec.autocast``: the autocast region, its module rules, and ``custom_fwd``/``custom_bwd``.
+"""``mixprec.autocast``: the autocast region, ``custom_fwd``/``custom_bwd``, checkpointing.
 
-The op-by-op casting lives in :mod:`mixprec._dispatch`; this module manages regions: the
-thread-local autocast state PyTorch's dispatcher reads (so the ``Autocast*`` dispatch keys are
-active), the stack of mixprec frames our kernels consult, and, when a policy has module rules or an
-output dtype, module hooks installed for the region's lifetime only.
+The op-by-op casting lives in :mod:`mixprec._dispatch`, module rules in
+:mod:`mixprec._module_hooks`; this module manages regions: the thread-local autocast state
+PyTorch's dispatcher reads (so the ``Autocast*`` dispatch keys are active), the stack of mixprec
+frames our kernels consult, and, when a policy has module rules, an output dtype or fp8 layers,
+the module hooks for the region's lifetime. Inside ``torch.compile`` a region is traced (see
+``autocast.__enter__``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import threading
 import warnings
 from typing import Any, Callable, TypeVar
 
@@ -20,6 +21,7 @@ from torch import nn
 
 from mixprec import _dispatch
 from mixprec._dispatch import Frame
+from mixprec._module_hooks import ModuleRules
 from mixprec._tree import cast_tree, tracing as _tracing
 from mixprec.policy import Policy
 
@@ -91,7 +93,7 @@ def _traced_region(device_type: str, dtype: torch.dtype | None, enabled: bool,
     """Run by Dynamo at trace time (not traced): resolve a region and key its policy."""
     policy, dtype, enabled = _resolve(device_type, dtype, enabled, policy)
     if enabled and (policy.module_rules or policy.output is not None or policy.fp8_rule is not None):
-        _ModuleRules.install_permanently()
+        ModuleRules.install_permanently()
     return (_dispatch.traced_key(policy, device_type) if enabled else -1), dtype, enabled
 
 
@@ -176,7 +178,7 @@ class autocast:
         hooked = frame is not None and (bool(self.policy.module_rules) or self.policy.output is not None
                                         or self.policy.fp8_rule is not None)
         if hooked:
-            _ModuleRules.enter(frame)
+            ModuleRules.enter(frame)
         self._saved.append((prev, frame, hooked))
         return self
 
@@ -185,7 +187,7 @@ class autocast:
             return self._exit_traced()
         (enabled, dtype, cache), frame, hooked = self._saved.pop()
         if hooked:
-            _ModuleRules.exit(frame)
+            ModuleRules.exit(frame)
         _dispatch.pop(frame)
         if torch.autocast_decrement_nesting() == 0:
             torch.clear_autocast_cache()
@@ -218,367 +220,6 @@ class autocast:
     def __repr__(self) -> str:
         return (f"mixprec.autocast({self.device!r}, dtype={self.fast_dtype}, "
                 f"enabled={self._enabled}, policy={self.policy})")
-
-
-# --------------------------------------------------------------------------- module rules
-class _ModuleRules:
-    """Global module hooks, installed while at least one region with module rules is active.
-
-    The innermost mixprec region's policy governs: inside a nested ``mixprec.autocast`` region
-    the outer region's module rules and output dtype are suspended, whether or not the nested
-    policy has rules of its own (a nested ``torch.autocast`` is not a policy: outer rules still
-    select modules inside it).
-
-    A thread-local stack follows module calls. A module's qualified name is its parent's name
-    plus the attribute under which the parent holds it, looked up at each call, so swapping or
-    adding submodules between calls is seen at once; a module called from elsewhere than its
-    parent is looked up from the outermost module of the region.
-    """
-
-    _lock = threading.Lock()
-    _users = 0
-    _handles: list[Any] = []
-    _tls = threading.local()
-
-    @classmethod
-    def _state(cls) -> Any:
-        st = cls._tls
-        if not hasattr(st, "frames"):
-            st.frames, st.calls, st.fp8, st.traced = [], [], {}, []
-        return st
-
-    @classmethod
-    def enter(cls, frame: Frame) -> None:
-        cls._state().frames.append(frame)
-        with cls._lock:
-            if cls._users == 0:
-                cls.enter_hooks_locked()
-            cls._users += 1
-
-    @classmethod
-    def install_permanently(cls) -> None:
-        """Keep the hooks for good: a region with module rules was traced inside compiled code,
-        whose guards expect the hooks that were there when it was traced."""
-        with cls._lock:
-            if cls._users == 0:
-                cls.enter_hooks_locked()
-            if not getattr(cls, "_permanent", False):
-                cls._permanent = True
-                cls._users += 1
-                callbacks = getattr(getattr(torch, "_dynamo", None), "callback_handler", None)
-                if callbacks is not None:  # a new trace starts with an empty shadow stack
-                    callbacks.register_start_callback(lambda *_: cls._state().traced.clear())
-
-    @classmethod
-    def enter_hooks_locked(cls) -> None:
-        """Install the global hooks, under the same handle ids every time: compiled code guards
-        on the ids of the global hooks it was traced with, so new ids would recompile it at
-        every region."""
-        mod = nn.modules.module
-        if not cls._handles:
-            cls._handles = [
-                mod.register_module_forward_pre_hook(cls._pre),
-                mod.register_module_forward_hook(cls._post, always_call=True),
-            ]
-            return
-        pre, post = (h.id for h in cls._handles)
-        mod._global_forward_pre_hooks[pre] = cls._pre
-        mod._global_forward_hooks[post] = cls._post
-        mod._global_forward_hooks_always_called[post] = True
-
-    @classmethod
-    def exit_hooks_locked(cls) -> None:
-        for h in cls._handles:
-            h.remove()  # the ids stay in cls._handles for the next region
-
-    @classmethod
-    def exit(cls, frame: Frame) -> None:
-        st = cls._state()
-        st.frames.remove(frame)
-        if not st.frames:
-            st.calls.clear()
-        with cls._lock:
-            cls._users -= 1
-            if cls._users == 0:
-                cls.exit_hooks_locked()
-
-    @staticmethod
-    def _qualified_name(module: nn.Module, calls: list[tuple[nn.Module, str, Any]]) -> str:
-        if not calls:
-            return ""  # the outermost module of the region
-        parent, parent_name = calls[-1][0], calls[-1][1]
-        inner = getattr(parent, "_orig_mod", None)  # torch.compile's wrapper is transparent
-        if inner is module:
-            return parent_name
-        for key, child in (inner if isinstance(inner, nn.Module) else parent)._modules.items():
-            if child is module:
-                return f"{parent_name}.{key}" if parent_name else key
-        root = calls[0][0]
-        for name, m in getattr(root, "_orig_mod", root).named_modules(remove_duplicate=False):
-            if m is module:
-                return name
-        return ""  # not under the outermost module: only type rules can match it
-
-    @classmethod
-    def _decide(cls, st: Any, calls: list, frame: Frame, module: nn.Module) -> tuple[str, Any, bool, Any]:
-        """``(name, keep rule, kept, fp8 target)`` of ``module`` called under ``frame``'s policy,
-        inside the calls ``calls`` (eager, or the shadow stack of a trace)."""
-        policy = frame.policy
-        rules, fp8_rule = policy.module_rules, policy.fp8_rule
-        every = st.calls + calls if calls is not st.calls else calls
-        name = cls._qualified_name(module, every) if rules or fp8_rule is not None else ""
-        kept = bool(every) and every[-1][3]  # inside a kept module
-        rule = next((r for r in rules if r.matches(module, name)), None) if rules else None
-        kept = kept or rule is not None
-        target = None
-        if fp8_rule is not None:
-            if not every:  # the outermost call: select the layers (the model may have changed)
-                st.fp8 = _fp8_layers(module, policy)
-            target = st.fp8.get(id(module)) if not kept else None
-            if target is not None and target[2].fallback:
-                target = None
-        return name, rule, kept, target
-
-    # Dynamo inlines these hooks when it traces module calls: the traced path (_pre_traced)
-    # decides at trace time, on a shadow call stack, and leaves only autocast nodes, casts and
-    # mixprec::fp8_target nodes in the graph.
-    @classmethod
-    def _pre(cls, module: nn.Module, args: tuple) -> Any:
-        if _tracing():
-            return _pre_traced(module, args)
-        return cls._pre_eager(module, args)
-
-    @classmethod
-    def _pre_eager(cls, module: nn.Module, args: tuple) -> Any:
-        st = cls._state()
-        if not st.frames:
-            return None
-        frame = st.frames[-1]
-        if _dispatch.top(frame.device_type) is not frame:  # a nested region governs
-            st.calls.append((module, "", None, bool(st.calls) and st.calls[-1][3]))
-            return None
-        name, rule, kept, target = cls._decide(st, st.calls, frame, module)
-        restores = []
-        if rule is not None:
-            restores.append(_enter_rule(frame, rule))
-            args = cast_tree(args, rule.dtype, frame.device_type)
-        if target is not None:
-            restores.append(_enter_fp8(frame, target))
-        restore = None
-        if restores:
-            restore = restores[0] if len(restores) == 1 else lambda: [r() for r in reversed(restores)]
-        st.calls.append((module, name, restore, kept))
-        return args if restore is not None else None
-
-    @classmethod
-    def _post(cls, module: nn.Module, args: tuple, output: Any) -> Any:
-        if _tracing():
-            return _post_traced(module, args, output)
-        return cls._post_eager(module, args, output)
-
-    @classmethod
-    def _post_eager(cls, module: nn.Module, args: tuple, output: Any) -> Any:
-        st = cls._state()
-        if not st.calls or st.calls[-1][0] is not module:
-            return None
-        restore = st.calls.pop()[2]
-        if restore is not None:
-            restore()
-        if not st.calls and st.frames:
-            frame = st.frames[-1]
-            if frame.policy.output is not None and _dispatch.top(frame.device_type) is frame:
-                return cast_tree(output, frame.policy.output)
-        return None
-
-
-# ----------------------------------------------------------------- module rules, traced by Dynamo
-_TRACE_CTX: list[Any] = []  # autocast states entered by traced rules (Dynamo pairs the nodes)
-_TRACE_FP8: list[Any] = []  # outputs of traced fp8 layers, computed by the pre-hook
-_TRACE_RECIPES: dict[int, Any] = {}  # key -> fp8 recipe of traced layers
-_TRACE_RECIPES_KEYS: dict[Any, int] = {}
-
-
-def _hooked_frame() -> Frame | None:
-    """While tracing: the innermost mixprec frame whose policy needs the module hooks."""
-    for dev in _SUPPORTED:
-        frame = _dispatch.top(dev)
-        if frame is not None and (frame.policy.module_rules or frame.policy.output is not None
-                                  or frame.policy.fp8_rule is not None):
-            return frame
-    return None
-
-
-@torch.compiler.assume_constant_result
-def _traced_enter(module: nn.Module) -> tuple | str | None:
-    """Run by Dynamo at trace time (not traced): what a traced pre-hook does for ``module``:
-    ``(device, autocast enabled, autocast dtype, cache flag, cast inputs to, fp8 target)``, or
-    ``"break"`` when the trace may graph-break (a break between a module's pre- and post-hook
-    would leave its autocast state behind: the module then runs eagerly, through the eager
-    hooks)."""
-    st = _ModuleRules._state()
-    frame = _hooked_frame()
-    if frame is not None and not _fullgraph():
-        return "break"
-    if frame is None:
-        st.traced.append((module, "", (False, False), bool(st.traced) and st.traced[-1][3]))
-        return None
-    name, rule, kept, target = _ModuleRules._decide(st, st.traced, frame, module)
-    fp8 = None
-    if target is not None:  # (recipe key, backend)
-        fp8 = (_TRACE_RECIPES_KEYS.setdefault(target[1], len(_TRACE_RECIPES_KEYS)), target[3])
-        _TRACE_RECIPES[fp8[0]] = target[1]
-    st.traced.append((module, name, (rule is not None, fp8 is not None), kept))
-    if rule is None and fp8 is None:
-        return None
-    dev, cache = frame.device_type, torch.is_autocast_cache_enabled()
-    if rule is None:
-        return dev, None, None, cache, None, fp8
-    enabled = rule.dtype is not torch.float32
-    dtype = rule.dtype if enabled else torch.get_autocast_dtype(dev)
-    return dev, enabled, dtype, cache, rule.dtype, fp8
-
-
-@torch.compiler.assume_constant_result
-def _traced_leave(module: nn.Module) -> tuple | str | None:
-    """Run by Dynamo at trace time: ``(device, exit autocast, clear fp8, output dtype)``."""
-    st = _ModuleRules._state()
-    if _hooked_frame() is not None and not _fullgraph():
-        return "break"
-    if not st.traced or st.traced[-1][0] is not module:
-        return None
-    has_ctx, has_fp8 = st.traced.pop()[2]
-    frame = _hooked_frame()
-    output = None
-    if frame is not None and not st.traced and not st.calls:  # the outermost call of the region
-        output = frame.policy.output
-    if not (has_ctx or has_fp8 or output is not None):
-        return None
-    return (frame.device_type if frame is not None else "cpu"), has_ctx, has_fp8, output
-
-
-def _fullgraph() -> bool:
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        tx = InstructionTranslator.current_tx()
-        return bool(tx.one_graph or tx.error_on_graph_break)
-    except (ImportError, AttributeError, AssertionError):
-        return True
-
-
-def _pre_traced(module: nn.Module, args: tuple) -> Any:
-    decision = _traced_enter(module)
-    if decision is None:
-        return None
-    if decision == "break":  # a graph break: the eager hook runs, Dynamo resumes after it
-        return _pre_eager(module, args)
-    dev, enabled, dtype, cache, cast_to, fp8_layer = decision
-    if enabled is not None:
-        _TRACE_CTX.append(torch.amp._enter_autocast(dev, dtype, enabled, cache))
-    if cast_to is not None:
-        args = cast_tree(args, cast_to, dev)
-    if fp8_layer is not None:
-        # Traced, the fp8 layer is computed here, visible to Dynamo as fp8.convert's modules
-        # are (its statistics become graph inputs that the compiled code updates); the post-hook
-        # returns it, and the module's own linear, now unused, is eliminated from the graph.
-        from mixprec import fp8
-
-        recipe_key, backend = fp8_layer
-        recipe = _TRACE_RECIPES[recipe_key]  # a global: Dynamo reads recipes it cannot build
-        state = fp8.layer_state(module)
-        x = args[0].to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else args[0]
-        if not state.fallback:  # read while tracing: a guard, so a fallback recompiles
-            _TRACE_FP8.append(fp8.linear(x, module.weight, module.bias, recipe, state=state,
-                                         backend=backend))
-        else:
-            _TRACE_FP8.append(None)
-    return args if cast_to is not None else None
-
-
-def _post_traced(module: nn.Module, args: tuple, output: Any) -> Any:
-    decision = _traced_leave(module)
-    if decision is None:
-        return None
-    if decision == "break":
-        return _post_eager(module, args, output)
-    dev, has_ctx, has_fp8, out_dtype = decision
-    if has_fp8:
-        fp8_output = _TRACE_FP8.pop()
-        if fp8_output is not None:
-            output = fp8_output
-    if has_ctx:
-        torch.amp._exit_autocast(_TRACE_CTX.pop())
-    if out_dtype is not None:
-        return cast_tree(output, out_dtype)
-    return output if has_fp8 else None
-
-
-@torch.compiler.disable
-def _pre_eager(module: nn.Module, args: tuple) -> Any:
-    return _ModuleRules._pre_eager(module, args)
-
-
-@torch.compiler.disable
-def _post_eager(module: nn.Module, args: tuple, output: Any) -> Any:
-    return _ModuleRules._post_eager(module, args, output)
-
-
-_GUARD_STEPS: dict[int, int] = {}  # id(guard) -> outermost calls seen, for Guard.check's step
-
-
-def _fp8_layers(root: nn.Module, policy: Policy) -> dict[int, tuple[nn.Module, Any, Any, str]]:
-    """The fp8 layers of the model called as ``root``: ``id(module) -> fp8 target``, without
-    the modules a keep rule selects or contains; checks the rule's guard first (on its
-    schedule), so that a layer it moves back is left out now."""
-    from mixprec import fp8
-
-    rule = policy.fp8_rule
-    model = getattr(root, "_orig_mod", root)  # torch.compile's wrapper
-    recipe = fp8.as_recipe(rule.recipe)
-    if rule.guard is not None:
-        step = _GUARD_STEPS.get(id(rule.guard), 0)
-        _GUARD_STEPS[id(rule.guard)] = step + 1
-        rule.guard.check(model, step)
-    modules = dict(model.named_modules())
-
-    def kept(fqn: str) -> bool:
-        parts = fqn.split(".") if fqn else []
-        ancestors = [".".join(parts[:i]) for i in range(len(parts) + 1)]
-        return any(r.matches(modules[a], a) for a in ancestors for r in policy.module_rules)
-
-    layers = {}
-    for fqn in fp8.select_layers(model, rule.types, rule.names, rule.first_last):
-        module = modules[fqn]
-        if kept(fqn):
-            continue
-        layers[id(module)] = (module, recipe, fp8.layer_state(module), rule.backend)
-    return layers
-
-
-def _enter_fp8(frame: Frame, target: tuple) -> Callable[[], None]:
-    """Route the module's ``linear`` to fp8 (see ``_dispatch._run_fp8``) until it returns."""
-    prev, frame.fp8_target = frame.fp8_target, target
-
-    def restore() -> None:
-        frame.fp8_target = prev
-
-    return restore
-
-
-def _enter_rule(frame: Frame, rule: Any) -> Callable[[], None]:
-    """Run a matched module in ``rule.dtype``: autocast off for float32, else that dtype."""
-    dev = frame.device_type
-    prev_enabled, prev_dtype = torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
-    if rule.dtype is torch.float32:
-        torch.set_autocast_enabled(dev, False)
-    else:
-        torch.set_autocast_dtype(dev, rule.dtype)
-
-    def restore() -> None:
-        torch.set_autocast_enabled(dev, prev_enabled)
-        torch.set_autocast_dtype(dev, prev_dtype)
-
-    return restore
 
 
 def _without_compute(policy: Policy | None) -> Policy | None:

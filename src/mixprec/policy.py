@@ -1,5 +1,8 @@
 """Precision policies: immutable values that say which dtype each op and module computes in.
 
+(Longer than our 500-line guide: a policy is one value, its construction, edits, parsing and
+serialization belong together.)
+
 A :class:`Policy` is a small frozen dataclass in the style of deepmind/jmp: the dtypes of
 parameters, compute and outputs, a base op table (``"torch"``: PyTorch's autocast lists for the
 region's device, or ``"fp32-numerics"``), edits to that table, and module rules. Every edit

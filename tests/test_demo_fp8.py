@@ -138,6 +138,8 @@ def test_a_layer_crossing_the_guard_falls_back_and_is_reported(
         assert [s["amax"][1] for s in run.fp8["layers"][layer].values()] == [0.0, 0.0, 0.0]
     line = format_fp8(result)[0]
     assert line.startswith("fp8-strict (tensorwise, 3 fp8 layers): 3 fallback(s) to bf16: seed 0: blocks.0.fc at step 10")
+    assert line.endswith("one seed: no verdict, --seeds 3 measures the spread)")  # no spread from one seed
+    assert fp8_summary(result)["fp8-strict"]["final_vs_base"]["within"] is None
     pytest.importorskip("matplotlib")
     caption = next(f for f in json.loads(write_report(result, tmp_path)["results"].read_text())["figures"]
                    if f["name"] == "fp8")["caption"]

@@ -224,7 +224,7 @@ def fp8_summary(result: DemoResult) -> dict[str, Any]:
     guard's fallbacks over every seed, the worst underflow seen, and its mean final training loss
     against the first mode's (fp32's): ``within`` when ``|difference| <= tolerance``, the larger
     of 1.5% of fp32's mean and twice the standard deviation over the seeds of the seed-by-seed
-    difference (0 from one seed, so one seed is judged by the 1.5% alone).
+    difference; from one seed the spread is unknown and ``within`` is None (no verdict).
 
     Example:
         >>> fp8_summary(DemoResult(Settings.for_size("tiny", steps=1), "cpu", {}, []))
@@ -264,7 +264,7 @@ def fp8_summary(result: DemoResult) -> dict[str, Any]:
                 "base": names[0], "seeds": len(paired), "mean": statistics.fmean(finals),
                 "spread": statistics.stdev(finals) if len(finals) > 1 else 0.0, "base_mean": base_mean,
                 "difference": mean_diff, "relative": mean_diff / base_mean, "difference_spread": spread,
-                "tolerance": tolerance, "within": abs(mean_diff) <= tolerance,
+                "tolerance": tolerance, "within": abs(mean_diff) <= tolerance if len(paired) > 1 else None,
             }
         out[name] = entry
     return out
@@ -291,8 +291,11 @@ def format_fp8(result: DemoResult) -> list[str]:
         line = f"{name} ({entry['recipe']}, {len(entry['layers'])} fp8 layers): {guard}"
         vs = entry.get("final_vs_base")
         if vs is not None:
-            verdict = "within" if vs["within"] else "NOT within"
-            line += (f"; final loss {vs['mean']:.4f} vs {vs['base']} {vs['base_mean']:.4f} ({vs['relative']:+.2%}, "
-                     f"{verdict} {vs['tolerance']:.4f} = max(1.5%, 2 sd of the difference))")
+            line += f"; final loss {vs['mean']:.4f} vs {vs['base']} {vs['base_mean']:.4f} ({vs['relative']:+.2%}"
+            if vs["within"] is None:
+                line += ", one seed: no verdict, --seeds 3 measures the spread)"
+            else:
+                verdict = "within" if vs["within"] else "NOT within"
+                line += f", {verdict} {vs['tolerance']:.4f} = max(1.5%, 2 sd of the difference))"
         lines.append(line)
     return lines

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,8 @@ def figure_spec(result: DemoResult) -> dict[str, Any] | None:
         "maximum of the input, the weight and the gradient of the output (the scale is the format's "
         "largest value over it, per tensor or per row), and of the fraction of nonzero values the "
         f"scaled cast flushed to zero. The guard moves a layer back to bf16 when its underflow exceeds "
-        f"{limits['max_underflow']:g} (dotted line) or an operand has an inf/NaN, marked by a cross. "
+        f"{limits['max_underflow']:g} (dotted red line) or an operand has an inf/NaN; a vertical line in the layer's colour marks a "
+        "fallback, a cross the underflow that caused it. "
         + "; ".join(guard) + "."
     )
     return {
@@ -100,20 +102,27 @@ def plot(spec: dict[str, Any], path: Path) -> None:
         for mode, run in series.items():
             steps = run["steps"]
             fmt = _FORMATS.get(run["recipe"], ("", "", ""))[j]
+            fell = {f["layer"]: f["step"] for f in run["fallbacks"]}
             for layer, operands in run["layers"].items():
-                stats = operands[operand]
+                # after its fallback a layer runs in bf16 and records nothing: the line stops
+                shown = [step <= fell.get(layer, math.inf) for step in steps]
+                stats = {k: [v if keep else math.nan for v, keep in zip(vs, shown)]
+                         for k, vs in operands[operand].items()}
                 style = {"color": colors[layer], "linestyle": styles[mode], "linewidth": 1.2}
                 amax_ax.plot(steps, stats["amax"], **style)
                 under_ax.plot(steps, stats["underflow"], **style)
             amax_ax.set_title(f"{operand}" + (f" ({fmt} for {run['recipe']})" if len(series) == 1 and fmt else ""),
                               fontsize=10)
+            # a fallback: a vertical line in the layer's colour in its operand's column (in every
+            # column for the output SQNR), and a cross at the underflow that caused it
             for fall in run["fallbacks"]:
-                if fall["operand"] != operand or fall["statistic"] != "underflow":
+                if fall["operand"] not in (operand, "output"):
                     continue
-                under_ax.scatter([fall["step"]], [fall["value"]], marker="x", s=80, color=colors.get(fall["layer"], "red"))
-            for fall in run["fallbacks"]:
-                if fall["operand"] == operand and fall["statistic"] != "underflow":
-                    amax_ax.axvline(fall["step"], color=colors.get(fall["layer"], "red"), linestyle=":")
+                color = colors.get(fall["layer"], "red")
+                for ax in (amax_ax, under_ax):
+                    ax.axvline(fall["step"], color=color, linestyle=styles[mode], linewidth=0.8, alpha=0.7)
+                if fall["statistic"] == "underflow":
+                    under_ax.scatter([fall["step"]], [fall["value"]], marker="x", s=80, color=color)
         amax_ax.set_yscale("log")
         # linear below 0.01%, logarithmic above: zero, rare flushes and the threshold all visible
         under_ax.set_yscale("symlog", linthresh=1e-4)

@@ -32,13 +32,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol
 
 import torch
 from torch import nn
 
 import mixprec
 from mixprec.demo.settings import Settings
+
+if TYPE_CHECKING:
+    from mixprec.fp8 import Guard
 
 __all__ = ["MODES", "DEFAULT_MODES", "FP8_EVERY", "Mode", "Setup", "check_modes"]
 
@@ -61,7 +64,7 @@ class Setup:
     scale_state: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
     # fp8 modes: the guard the loop checks after every step (``guard.check(model, step + 1)``),
     # reading the layers' statistics at the end of each of its windows; and the recipe's name
-    fp8_guard: Any = None
+    fp8_guard: Guard | None = None
     fp8_recipe: str = ""
 
 

@@ -20,7 +20,8 @@ from typing import Any, Protocol
 from mixprec.demo.modes import MODES
 from mixprec.demo.settings import Settings
 
-__all__ = ["ModeResult", "DemoResult", "Progress", "Summary", "compare", "summarize", "rank", "fp8_summary", "format_fp8", "FP8_LOSS_TOLERANCE"]
+__all__ = ["ModeResult", "DemoResult", "Progress", "Summary", "compare", "summarize", "rank", "fp8_summary",
+           "format_fp8", "FP8_LOSS_TOLERANCE"]
 
 
 @dataclass
@@ -283,8 +284,10 @@ def format_fp8(result: DemoResult) -> list[str]:
         over = f" over {seeds} seeds" if seeds > 1 else ""
         falls = entry["fallbacks"]
         if falls:
-            guard = "; ".join(f"seed {f['seed']}: {f['layer']} at step {f['step']} ({f['operand']} {f['statistic']} "
-                              f"= {f['value']:.4g} > {f['threshold']:g})" for f in falls)
+            guard = "; ".join((f"seed {f['seed']}: " if seeds > 1 else "")
+                              + f"{f['layer']} at step {f['step']} ({f['operand']} {f['statistic']} "
+                              f"= {f['value']:.4g} {'<' if f['statistic'] == 'sqnr_db' else '>'} {f['threshold']:g})"
+                              for f in falls)
             guard = f"{len(falls)} fallback(s) to bf16: {guard}"
         else:
             guard = f"no layer fell back{over}"

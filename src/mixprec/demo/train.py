@@ -188,7 +188,7 @@ def run_mode(
     return result
 
 
-def _fp8_step(model: nn.Module, guard: Any, step: int, steps: int, windows: list[tuple[int, list[dict]]]) -> None:
+def _fp8_step(model: nn.Module, guard: fp8.Guard, step: int, steps: int, windows: list[tuple[int, list[dict]]]) -> None:
     """After step ``step`` of an fp8 mode: at the end of each guard window (and at the last step)
     read every fp8 layer's statistics (one host sync), then let the guard judge the window."""
     if (step + 1) % guard.every == 0 or step == steps - 1:
@@ -210,7 +210,7 @@ def _fp8_trace(setup: Setup, windows: list[tuple[int, list[dict]]]) -> dict[str,
         "recipe": setup.fp8_recipe,
         "every": guard.every,
         "thresholds": {"max_underflow": guard.max_underflow, "max_nonfinite": guard.max_nonfinite,
-                       "max_saturated": guard.max_saturated},
+                       "max_saturated": guard.max_saturated, "min_sqnr_db": guard.min_sqnr_db},
         "steps": [end for end, _ in windows],
         "layers": layers,
         "fallbacks": [dataclasses.asdict(d) for d in guard.decisions.values()],

@@ -109,6 +109,8 @@ def test_report_draws_the_fp8_figure(fp8_demo: DemoResult, tmp_path) -> None:
     assert set(figure["data"]["series"]) == set(FP8_MODES)
     assert figure["data"]["series"]["mixprec-fp8"] == fp8_demo.of("mixprec-fp8")[0].fp8
     assert "mixprec-fp8: no layer fell back over 2 seeds" in figure["caption"]
+    rule = "when an operand's underflow exceeds 0.05 (dotted red line) or an operand has an inf/NaN;"
+    assert rule in figure["caption"]
     assert 'src="fp8.png"' in paths["index"].read_text()
     # no fp8 mode, no fp8 figure
     plain = DemoResult(fp8_demo.settings, "cpu", {}, fp8_demo.of("fp32"))
@@ -137,7 +139,8 @@ def test_a_layer_crossing_the_guard_falls_back_and_is_reported(
     for layer in names:  # in bf16 after the fallback: the second window saw no fp8 cast
         assert [s["amax"][1] for s in run.fp8["layers"][layer].values()] == [0.0, 0.0, 0.0]
     line = format_fp8(result)[0]
-    assert line.startswith("fp8-strict (tensorwise, 3 fp8 layers): 3 fallback(s) to bf16: blocks.0.fc at step 10 (output sqnr_db = ")
+    assert line.startswith("fp8-strict (tensorwise, 3 fp8 layers): 3 fallback(s) to bf16: "
+                           "blocks.0.fc at step 10 (output sqnr_db = ")
     assert "< 200)" in line
     assert line.endswith("one seed: no verdict, --seeds 3 measures the spread)")  # no spread from one seed
     assert fp8_summary(result)["fp8-strict"]["final_vs_base"]["within"] is None
@@ -145,3 +148,4 @@ def test_a_layer_crossing_the_guard_falls_back_and_is_reported(
     caption = next(f for f in json.loads(write_report(result, tmp_path)["results"].read_text())["figures"]
                    if f["name"] == "fp8")["caption"]
     assert "fp8-strict: the guard moved blocks.0.fc at step 10 (output sqnr_db" in caption
+    assert "or the sampled output SQNR falls below 200 dB;" in caption

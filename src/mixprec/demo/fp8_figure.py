@@ -31,6 +31,22 @@ def _percent(x: float) -> str:
     return f"{x:.3%}" if x < 0.01 else f"{x:.1%}"
 
 
+def _rule(thresholds: dict[str, Any]) -> str:
+    """The guard's thresholds in words, e.g. "an operand's underflow exceeds 5% (dotted red line)
+    or an operand has an inf/NaN"."""
+    parts = []
+    if thresholds.get("max_underflow") is not None:
+        parts.append(f"an operand's underflow exceeds {thresholds['max_underflow']:.4g} (dotted red line)")
+    if thresholds.get("max_nonfinite") is not None:
+        count = thresholds["max_nonfinite"]
+        parts.append("an operand has an inf/NaN" if count == 0 else f"an operand has more than {count:g} inf/NaN")
+    if thresholds.get("max_saturated") is not None:
+        parts.append(f"more than {thresholds['max_saturated']:.4g} of an operand lies beyond the previous amax")
+    if thresholds.get("min_sqnr_db") is not None:
+        parts.append(f"the sampled output SQNR falls below {thresholds['min_sqnr_db']:g} dB")
+    return " or ".join(parts) if parts else "never (every threshold off)"
+
+
 def figure_spec(result: DemoResult) -> dict[str, Any] | None:
     """The fp8 figure's file name, title, data (the first seed's series of every fp8 mode, and
     :func:`~mixprec.demo.results.fp8_summary` over every seed) and caption; None when no mode
@@ -61,9 +77,8 @@ def figure_spec(result: DemoResult) -> dict[str, Any] | None:
         f"Linear staying in bf16: every {every} steps, the worst value over the window of the absolute "
         "maximum of the input, the weight and the gradient of the output (the scale is the format's "
         "largest value over it, per tensor or per row), and of the fraction of nonzero values the "
-        f"scaled cast flushed to zero. The guard moves a layer back to bf16 when its underflow exceeds "
-        f"{limits['max_underflow']:g} (dotted red line) or an operand has an inf/NaN; a vertical line in the layer's colour marks a "
-        "fallback, a cross the underflow that caused it. "
+        f"scaled cast flushed to zero. The guard moves a layer back to bf16 when {_rule(limits)}; a "
+        "vertical line in the layer's colour marks a fallback, a cross the underflow that caused it. "
         + "; ".join(guard) + "."
     )
     return {

@@ -113,6 +113,39 @@ def test_plain_torch_autocast_is_bitwise_unchanged_before_and_after_mixprec_regi
     assert int(n) > 127 and left == "0"
 
 
+@pytest.mark.slow
+def test_native_and_python_kernels_agree_bitwise():
+    """Every CPU-table sample under the CUDA table, the fp32-numerics preset and a policy with
+    every kind of edit: the C++ kernel and the Python kernels give the same dtypes and bits."""
+    outs = {}
+    for flag in ("1", "0"):
+        env = {**os.environ, "MIXPREC_NATIVE_KERNELS": flag,
+               "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+        out = subprocess.run([sys.executable, str(HERE / "_native_vs_python.py")], capture_output=True,
+                             text=True, env=env, timeout=900)
+        assert out.returncode == 0, out.stderr
+        outs[flag] = out.stdout.strip().splitlines()[-1]
+    if "'native'" not in outs["1"]:
+        pytest.skip(f"the C++ kernel could not be built here: {outs['1']}")
+    assert outs["0"].startswith("['python']")
+    assert outs["1"].split()[-1] == outs["0"].split()[-1]
+
+
+def test_edited_ops_run_the_cpp_kernel_where_it_can_and_python_where_it_must():
+    from mixprec import _native
+
+    if _native.load() is None:
+        pytest.skip("the C++ kernel could not be built here (a warning said why)")
+    x = torch.randn(4, 4).bfloat16()
+    policy = Policy().with_ops(fp32=["softmax"]).fp8()  # fp8 routes linear through Python
+    with mixprec.autocast("cpu", policy=policy):
+        assert torch.softmax(x, -1).dtype == torch.float32
+    assert _dispatch._registered[("softmax.int", "AutocastCPU")] == "native"
+    assert _dispatch._registered[("linear", "AutocastCPU")] == "python"
+    with torch.autocast("cpu"):  # outside the region: PyTorch's kind (softmax on no CPU list)
+        assert torch.softmax(x, -1).dtype == torch.bfloat16
+
+
 def test_release_kernels_and_regions_register_again():
     p = Policy().with_ops(fp32=["exp"])
     x = torch.randn(3).bfloat16()

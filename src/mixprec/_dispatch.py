@@ -49,6 +49,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch.library import Library
 
+from mixprec import _native
 from mixprec import ops as _ops
 from mixprec._ops_names import op_overload
 from mixprec._tree import CASTABLE_DTYPES, castable
@@ -117,6 +118,8 @@ def push(frame: Frame | None) -> None:
         _tls.frames.setdefault(frame.device_type, []).append(frame)
         if not frame.traced:
             _tls.active[frame.device_type] = _edits_key(frame.edits)
+        if _native_ops is not None:
+            _native.set_active(_native_ops, frame.device_type, frame.edits)
 
 
 def pop(frame: Frame | None) -> None:
@@ -127,6 +130,8 @@ def pop(frame: Frame | None) -> None:
         if not frame.traced:
             eager = [f for f in stack if not f.traced]
             _tls.active[frame.device_type] = _edits_key(eager[-1].edits) if eager else None
+        if _native_ops is not None:
+            _native.set_active(_native_ops, frame.device_type, stack[-1].edits if stack else None)
     _tls.depth -= 1
     if _tls.depth == 0:
         _tls.cache.clear()
@@ -222,6 +227,8 @@ def _define_region_op() -> None:
             lib = Library("mixprec", "DEF")
             lib.define("region(str device_type, int key, bool enter) -> ()")
             lib.impl("region", _region_impl, "CompositeImplicitAutograd")
+            lib.define("trace_hook(int device) -> ()")  # called by the C++ kernel while tracing
+            lib.impl("trace_hook", _trace_hook_impl, "CompositeImplicitAutograd")
             overload = torch.ops.mixprec.region.default
             if hasattr(torch.fx.node, "has_side_effect"):
                 torch.fx.node.has_side_effect(overload)
@@ -232,6 +239,11 @@ def _define_region_op() -> None:
 
 def _region_impl(device_type: str, key: int, enter: bool) -> None:
     _region(device_type, key, enter)
+
+
+def _trace_hook_impl(device: int) -> None:
+    if torch.compiler.is_compiling():
+        _guard_on_active_policy(list(DISPATCH_KEYS)[device])
 
 
 # --------------------------------------------------------------------------- casting
@@ -439,8 +451,11 @@ def _run(info: _OpInfo, kind: str, frame: Frame, keyset: Any, args: tuple, kwarg
 
 
 _libs: dict[tuple[str, str], Library] = {}  # (overload, key) -> the library holding our kernel
-_registered: dict[tuple[str, str], bool] = {}
+# (overload, key) -> "native" (the C++ kernel), "python", or False (no such overload)
+_registered: dict[tuple[str, str], str | bool] = {}
+_torch_kernels: dict[tuple[str, str], Any] = {}  # PyTorch's own kernels, captured before ours
 _lock = threading.Lock()
+_native_ops: Any = None  # torch.ops.mixprec_native once loaded (see mixprec._native)
 
 
 def _make_kernel(info: _OpInfo, device_type: str, native: Any) -> Callable[..., Any]:
@@ -463,41 +478,65 @@ def _make_kernel(info: _OpInfo, device_type: str, native: Any) -> Callable[..., 
     return kernel
 
 
-def ensure_kernels(names: Mapping[str, str] | list[str], device_type: str) -> None:
-    """Register our kernel for each overload in ``names`` at the device's autocast key, once.
+def ensure_kernels(names: Mapping[str, str], device_type: str) -> None:
+    """Register our kernel for each overload of ``names`` (a policy's
+    :meth:`~mixprec.Policy.edits`: overload -> kind) at the device's autocast key, once.
 
-    Call it with a policy's :meth:`~mixprec.Policy.edits`: the ops it does not edit keep
-    PyTorch's kernel. Overloads this PyTorch does not have are skipped.
+    The ops a policy does not edit keep PyTorch's kernel. An overload whose edited kind and
+    PyTorch's kind the C++ kernel runs gets it (:mod:`mixprec._native`); the others (fp8
+    routing, ``fp32_append_dtype``), or every one without the C++ kernel, get a Python kernel,
+    which stays once given. Overloads this PyTorch does not have are skipped.
     """
     key = DISPATCH_KEYS[device_type]
-    missing = [n for n in names if (n, key) not in _registered]
+    table = _ops.default_table(device_type)
+    wanted = {n: ("native" if _native.runs(kind) and _native.runs(table.get(n, "passthrough")) else "python")
+              for n, kind in names.items()}
+    missing = [n for n, impl in wanted.items()
+               if _registered.get((n, key)) not in (impl, "python", False)]
     if not missing:
         return
+    global _native_ops
+    if any(wanted[n] == "native" for n in missing) and _native_ops is None and _native.enabled():
+        _native_ops = _native.load()
+        if _native_ops is not None:
+            _native.define_defaults(_native_ops)
+            _define_region_op()  # and mixprec::trace_hook, which the C++ kernel calls
+            for dev in DISPATCH_KEYS:  # regions already active in this thread
+                if top(dev) is not None:
+                    _native.set_active(_native_ops, dev, top(dev).edits)
     with _lock:
         get_kernel = getattr(torch.library, "get_kernel", None)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
             warnings.filterwarnings("ignore", message=".*Warning only once for all operators")
             for name in missing:
-                if (name, key) in _registered:
-                    continue
                 op = op_overload(name)
                 if op is None:
                     _registered[(name, key)] = False
                     continue
-                native = None
-                qualname = f"aten::{name}"
-                if torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key):
-                    if get_kernel is not None:
-                        native = get_kernel(op, key)
-                    else:  # torch < 2.9: emulate PyTorch's kernel with its own table
-                        native = _Emulated(_op_info(name, op), device_type)
-                lib = Library("aten", "IMPL")  # one per overload: removable on its own
-                lib.impl(name, _make_kernel(_op_info(name, op), device_type, native), key,
-                         with_keyset=True)
-                _libs[(name, key)] = lib
-                _registered[(name, key)] = True
+                if (name, key) not in _torch_kernels:
+                    native = None
+                    if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key):
+                        if get_kernel is not None:
+                            native = get_kernel(op, key)
+                        else:  # torch < 2.9: emulate PyTorch's kernel with its own table
+                            native = _Emulated(_op_info(name, op), device_type)
+                    _torch_kernels[(name, key)] = native
+                if wanted[name] == "native" and _native_ops is not None:
+                    _native_ops.register_kernel(name, list(DISPATCH_KEYS).index(device_type))
+                    _registered[(name, key)] = "native"
+                    continue
+                _libs[(name, key)] = _python_kernel(name, op, device_type)
+                _registered[(name, key)] = "python"
     _reset_compiled_code()
+
+
+def _python_kernel(name: str, op: Any, device_type: str) -> Library:
+    lib = Library("aten", "IMPL")  # one per overload: removable on its own
+    key = DISPATCH_KEYS[device_type]
+    lib.impl(name, _make_kernel(_op_info(name, op), device_type, _torch_kernels[(name, key)]), key,
+             with_keyset=True)
+    return lib
 
 
 def release_kernels() -> int:
@@ -514,7 +553,7 @@ def release_kernels() -> int:
     with _lock:
         for lib in _libs.values():
             lib._destroy()
-        n = len(_libs)
+        n = len(_libs) + (_native_ops.release_kernels() if _native_ops is not None else 0)
         _libs.clear()
         _registered.clear()
     return n

@@ -324,7 +324,6 @@ def _post_eager(module: nn.Module, args: tuple, output: Any) -> Any:
     return ModuleRules._post_eager(module, args, output)
 
 
-_GUARD_STEPS: dict[int, int] = {}  # id(guard) -> outermost calls seen, for Guard.check's step
 
 
 def _fp8_layers(root: nn.Module, policy: Policy) -> dict[int, tuple[nn.Module, Any, Any, str]]:
@@ -336,9 +335,9 @@ def _fp8_layers(root: nn.Module, policy: Policy) -> dict[int, tuple[nn.Module, A
     rule = policy.fp8_rule
     model = getattr(root, "_orig_mod", root)  # torch.compile's wrapper
     recipe = fp8.as_recipe(rule.recipe)
-    if rule.guard is not None:
-        step = _GUARD_STEPS.get(id(rule.guard), 0)
-        _GUARD_STEPS[id(rule.guard)] = step + 1
+    if rule.guard is not None and torch.is_grad_enabled():  # a training call: the guard's step
+        step = rule.guard.__dict__.get("_policy_steps", 0)
+        rule.guard.__dict__["_policy_steps"] = step + 1
         rule.guard.check(model, step)
     modules = dict(model.named_modules())
 

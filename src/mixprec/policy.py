@@ -386,10 +386,8 @@ class Policy:
             >>> dict(Policy().with_ops(fp32=["mm"]).edits("cpu"))
             {'mm': 'fp32'}
         """
-        edits = _resolve_edits(self.base, self.device_type or device_type, self.op_rules, device_type)
-        if self.fp8_rule is not None:  # linear routes to fp8 for the selected layers
-            edits = MappingProxyType({**edits, "linear": "fp8"})
-        return edits
+        return _resolve_edits(self.base, self.device_type or device_type, self.op_rules, device_type,
+                              self.fp8_rule is not None)
 
     def kind(self, op: OpLike, device_type: str) -> str:
         """Cast kind of ``op`` (one overload) in a region on ``device_type``."""
@@ -436,7 +434,7 @@ _FP32_FORMS: dict[str, str] = {
 }
 
 _TABLE_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...]], Mapping[str, str]] = {}
-_EDITS_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...], str], Mapping[str, str]] = {}
+_EDITS_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...], str, bool], Mapping[str, str]] = {}
 
 
 def _resolve_table(base: str, device_type: str, rules: tuple[tuple[str, str], ...]) -> Mapping[str, str]:
@@ -452,17 +450,18 @@ def _resolve_table(base: str, device_type: str, rules: tuple[tuple[str, str], ..
 
 
 def _resolve_edits(base: str, table_device: str, rules: tuple[tuple[str, str], ...],
-                   region_device: str) -> Mapping[str, str]:
-    key = (base, table_device, rules, region_device)
+                   region_device: str, fp8: bool) -> Mapping[str, str]:
+    key = (base, table_device, rules, region_device, fp8)
     edits = _EDITS_CACHE.get(key)
     if edits is None:
         table = _resolve_table(base, table_device, rules)
         native = _ops.default_table(region_device)
         names = set(table) | set(native)
-        edits = _EDITS_CACHE[key] = MappingProxyType({
-            n: table.get(n, "passthrough") for n in sorted(names)
-            if table.get(n, "passthrough") != native.get(n, "passthrough")
-        })
+        resolved = {n: table.get(n, "passthrough") for n in sorted(names)
+                    if table.get(n, "passthrough") != native.get(n, "passthrough")}
+        if fp8:  # linear routes to fp8 for the selected layers
+            resolved["linear"] = "fp8"
+        edits = _EDITS_CACHE[key] = MappingProxyType(resolved)
     return edits
 
 

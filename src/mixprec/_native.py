@@ -1,0 +1,117 @@
+"""mixprec's C++ autocast kernel (``csrc/autocast_kernel.cpp``), built on first use.
+
+A Python kernel at the autocast key costs about 6 us per call on top of the op (the dispatcher
+boxes the arguments for Python and back); on an 8x8 softmax that is 3.5x the op. The boxed C++
+kernel runs the same cast kinds (``lower``, ``fp32``, ``promote``, ``fp32_set_opt_dtype``,
+``passthrough``) through PyTorch's own ``cached_cast``, at about 1.2x. It is compiled
+once per machine and torch version with ``torch.utils.cpp_extension`` (about 30 s on 2 cores,
+cached under ``~/.cache/torch_extensions``). Without a compiler, or with
+``MIXPREC_NATIVE_KERNELS=0``, every edited op keeps its Python kernel (same results).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["load", "KINDS"]
+
+#: cast kinds the C++ kernel runs, and their codes (the enum in autocast_kernel.cpp); ``banned``
+#: (PyTorch's messages), ``fp32_append_dtype`` and ``fp8`` stay with the Python kernel
+KINDS: dict[str, int] = {"passthrough": 0, "lower": 1, "fp32": 2, "promote": 3, "fp32_set_opt_dtype": 4}
+
+_SOURCE = Path(__file__).parent / "csrc" / "autocast_kernel.cpp"
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+_log = logging.getLogger("mixprec")
+
+
+def enabled() -> bool:
+    """Whether native kernels may be used (``MIXPREC_NATIVE_KERNELS=0`` turns them off)."""
+    return os.environ.get("MIXPREC_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def load() -> Any:
+    """``torch.ops.mixprec_native``, building the extension the first time; ``None`` if disabled
+    or if it cannot be built (one warning says why; the Python kernels then serve)."""
+    if "ops" in _state:
+        return _state["ops"]
+    with _lock:
+        if "ops" in _state:
+            return _state["ops"]
+        ops = None
+        if enabled():
+            try:
+                ops = _build()
+            except Exception as e:  # no compiler, no headers, an ABI problem: fall back
+                warnings.warn(
+                    f"mixprec could not build its C++ autocast kernel ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}); ops a policy edits use Python "
+                    "kernels (same results, about 6 us more per call). Set "
+                    "MIXPREC_NATIVE_KERNELS=0 to skip the attempt.", stacklevel=3)
+        _state["ops"] = ops
+        return ops
+
+
+def _build() -> Any:
+    from torch.utils import cpp_extension
+
+    source = _SOURCE.read_text()
+    digest = hashlib.sha1(f"{source}{torch.__version__}".encode()).hexdigest()[:12]
+    name = f"mixprec_native_{digest}"
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    if not any(build_dir.glob("*.so")):
+        _log.warning("mixprec: building its C++ autocast kernel (once per machine and torch "
+                     "version, about 30 s) in %s", build_dir)
+    cpp_extension.load_inline(name, cpp_sources=[source], is_python_module=False,
+                              extra_cflags=["-O2"], verbose=False)
+    return torch.ops.mixprec_native
+
+
+def runs(kind: str) -> bool:
+    """Whether the C++ kernel runs cast kind ``kind``."""
+    return kind in KINDS
+
+
+_DEVICES = ("cpu", "cuda")  # index = the device argument of the C++ functions
+_tables: dict[int, tuple[Any, int]] = {}  # id(edits) -> (edits, table id); edits are cached values
+_local = threading.local()
+
+
+def define_defaults(ops: Any) -> None:
+    """Tables 0 and 1: PyTorch's kinds on CPU and CUDA, for ops no active table lists."""
+    from mixprec.ops import default_table
+
+    for i, dev in enumerate(_DEVICES):
+        table = {n: k for n, k in default_table(dev).items() if runs(k)}
+        ops.define_table(i, list(table), [KINDS[k] for k in table.values()])
+
+
+def _table_id(ops: Any, edits: Any) -> int:
+    hit = _tables.get(id(edits))
+    if hit is not None and hit[0] is edits:
+        return hit[1]
+    with _lock:
+        table_id = len(_tables) + len(_DEVICES)
+        native = {n: k for n, k in edits.items() if runs(k)}
+        ops.define_table(table_id, list(native), [KINDS[k] for k in native.values()])
+        _tables[id(edits)] = (edits, table_id)  # the strong ref keeps id(edits) unique
+    return table_id
+
+
+def set_active(ops: Any, device_type: str, edits: Any) -> None:
+    """Make ``edits`` (or none) the active table of this thread for ``device_type``."""
+    table_id = _table_id(ops, edits) if edits else -1
+    last = getattr(_local, "active", None)
+    if last is None:
+        last = _local.active = {}
+    if last.get(device_type, -1) != table_id:
+        ops.set_active(_DEVICES.index(device_type), table_id)
+        last[device_type] = table_id

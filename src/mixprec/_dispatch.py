@@ -16,6 +16,7 @@ PyTorch's own kernel is, for every aten op, above autograd (so casts are recorde
 runs in the forward's dtypes), inside composites (``nn.MultiheadAttention``, SDPA, ``einsum``),
 and under ``torch.compile`` tracing.
 
+The kernel is C++ where it can be (:mod:`mixprec._native`), else Python; both behave the same.
 An edited overload's kernel looks up the innermost mixprec frame of its device in this thread;
 when that frame edits the op it runs the edited cast kind, otherwise it calls PyTorch's own
 kernel for that key, captured before we overrode it (or, for an op PyTorch does not autocast,

@@ -129,8 +129,8 @@ def pop(frame: Frame | None) -> None:
         stack = _tls.frames[frame.device_type]
         stack.remove(frame) if stack[-1] is not frame else stack.pop()
         if not frame.traced:
-            eager = [f for f in stack if not f.traced]
-            _tls.active[frame.device_type] = _edits_key(eager[-1].edits) if eager else None
+            eager = next((f for f in reversed(stack) if not f.traced), None)
+            _tls.active[frame.device_type] = None if eager is None else _edits_key(eager.edits)
         if _native_ops is not None:
             _native.set_active(_native_ops, frame.device_type, stack[-1].edits if stack else None)
     _tls.depth -= 1
@@ -152,11 +152,18 @@ def _edits_key(edits: Mapping[str, str]) -> int | None:
     which is plain ``torch.autocast``."""
     if not edits:
         return None
+    hit = _EDITS_BY_ID.get(id(edits))
+    if hit is not None and hit[0] is edits:
+        return hit[1]
     items = tuple(edits.items())
     key = _EDITS_KEYS.get(items)
     if key is None:
         key = _EDITS_KEYS[items] = len(_EDITS_KEYS)
+    _EDITS_BY_ID[id(edits)] = (edits, key)  # edits are cached values; the ref keeps the id unique
     return key
+
+
+_EDITS_BY_ID: dict[int, tuple[Mapping[str, str], int]] = {}
 
 
 def _guard_on_active_policy(device_type: str) -> None:
@@ -457,6 +464,7 @@ _registered: dict[tuple[str, str], str | bool] = {}
 _torch_kernels: dict[tuple[str, str], Any] = {}  # PyTorch's own kernels, captured before ours
 _lock = threading.Lock()
 _native_ops: Any = None  # torch.ops.mixprec_native once loaded (see mixprec._native)
+_ensured: dict[tuple[int, str], Any] = {}  # (id(edits), device) -> edits whose kernels exist
 
 
 def _make_kernel(info: _OpInfo, device_type: str, native: Any) -> Callable[..., Any]:
@@ -488,6 +496,9 @@ def ensure_kernels(names: Mapping[str, str], device_type: str) -> None:
     routing, ``fp32_append_dtype``), or every one without the C++ kernel, get a Python kernel,
     which stays once given. Overloads this PyTorch does not have are skipped.
     """
+    hit = _ensured.get((id(names), device_type))
+    if hit is not None and hit is names:
+        return
     key = DISPATCH_KEYS[device_type]
     table = _ops.default_table(device_type)
     wanted = {n: ("native" if _native.runs(kind) and _native.runs(table.get(n, "passthrough")) else "python")
@@ -495,6 +506,7 @@ def ensure_kernels(names: Mapping[str, str], device_type: str) -> None:
     missing = [n for n, impl in wanted.items()
                if _registered.get((n, key)) not in (impl, "python", False)]
     if not missing:
+        _ensured[(id(names), device_type)] = names
         return
     global _native_ops
     if any(wanted[n] == "native" for n in missing) and _native_ops is None and _native.enabled():
@@ -529,6 +541,7 @@ def ensure_kernels(names: Mapping[str, str], device_type: str) -> None:
                     continue
                 _libs[(name, key)] = _python_kernel(name, op, device_type)
                 _registered[(name, key)] = "python"
+        _ensured[(id(names), device_type)] = names  # (cached) edits done: skip next time
     _reset_compiled_code()
 
 
@@ -557,6 +570,7 @@ def release_kernels() -> int:
         n = len(_libs) + (_native_ops.release_kernels() if _native_ops is not None else 0)
         _libs.clear()
         _registered.clear()
+        _ensured.clear()
     return n
 
 

@@ -56,7 +56,5 @@ def cast_tree(tree: Any, dtype: torch.dtype, device_type: str | None = None) -> 
     return pytree.tree_map(cast, tree)
 
 
-def tracing() -> bool:
-    """Whether Dynamo is tracing the calling code (not merely running inside a compile)."""
-    is_dynamo = getattr(torch.compiler, "is_dynamo_compiling", None)  # torch >= 2.5
-    return is_dynamo() if is_dynamo is not None else torch.compiler.is_compiling()
+#: Whether Dynamo is tracing the calling code (not merely running inside a compile).
+tracing = getattr(torch.compiler, "is_dynamo_compiling", None) or torch.compiler.is_compiling  # < 2.5

@@ -205,6 +205,8 @@ class Policy:
         if isinstance(value, str):
             return cls.parse(value)
         if value is None:
+            if cls is Policy and not _tracing():
+                return _DEFAULT  # a region's default: no validation per region
             return cls()
         raise TypeError(f"{where} must be a mixprec.Policy, a str or None, got {type(value).__name__}")
 
@@ -535,3 +537,6 @@ def _import_type(path: str, strict: bool = True) -> Any:
     if strict and not (isinstance(obj, type) and issubclass(obj, nn.Module)):
         raise ValueError(f"module rule type {path!r} is not an importable nn.Module subclass")
     return obj
+
+
+_DEFAULT = Policy()

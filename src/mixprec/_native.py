@@ -5,7 +5,8 @@ boxes the arguments for Python and back); on an 8x8 softmax that is 3.5x the op.
 kernel runs the same cast kinds (``lower``, ``fp32``, ``promote``, ``fp32_set_opt_dtype``,
 ``passthrough``) through PyTorch's own ``cached_cast``, at about 1.2x. It is compiled
 once per machine and torch version with ``torch.utils.cpp_extension`` (about 30 s on 2 cores,
-cached under ``~/.cache/torch_extensions``). Without a compiler, or with
+cached under ``~/.cache/torch_extensions``; it needs a C++ compiler and ninja, ``mixprec[native]``).
+Without them, or with
 ``MIXPREC_NATIVE_KERNELS=0``, every edited op keeps its Python kernel (same results).
 """
 

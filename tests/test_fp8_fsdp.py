@@ -6,7 +6,6 @@ batch, and the guard's fallback decision is the same on every rank and in the si
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from typing import Any, Callable
 
@@ -18,6 +17,8 @@ from torch import nn
 
 import mixprec
 from mixprec import Policy, fp8
+
+from _distributed import free_port, init_gloo
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed,
               pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")]
@@ -106,17 +107,10 @@ def _whole(step: int) -> list[Part]:
     return [(_batch(step), BATCH // 2 if step == OUTLIER_STEP else None)]  # the same row
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, out_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    init_gloo(rank, port)
     try:
         torch.set_num_threads(1)
         results = {}
@@ -139,7 +133,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import warnings
 
 import pytest
@@ -15,6 +14,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from mixprec import fp8
+
+from _distributed import free_port, init_gloo
 
 OUTLIER_LAYER = "2"
 
@@ -204,15 +205,8 @@ def test_guard_validation():
 
 # --- two processes ---------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    init_gloo(rank, port)
     try:
         torch.set_num_threads(1)
         model = _model()
@@ -235,7 +229,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.distributed
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_fallback_decision_is_the_same_on_every_rank(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for res in results:
         assert res["first"] == []

@@ -4,7 +4,6 @@ skip; scales and weights stay identical. DDP and FSDP2 ``fully_shard``."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
@@ -15,6 +14,8 @@ from torch import nn
 
 from mixprec.scaling import GradScaler
 
+from _distributed import free_port, init_gloo
+
 pytestmark = [
     pytest.mark.distributed,
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
@@ -23,12 +24,6 @@ pytestmark = [
 STEPS = 5
 BAD_STEP = 2  # rank 1 alone gets an inf gradient at this step
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> nn.Module:
@@ -58,9 +53,8 @@ def _train(model: nn.Module, params: list[nn.Parameter], scaler: GradScaler, ran
 
 
 def _worker(rank: int, port: int, scenario: str, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    init_gloo(rank, port, WORLD)
     try:
         results = {}
         if scenario == "ddp":
@@ -99,7 +93,7 @@ def _worker(rank: int, port: int, scenario: str, out_dir: str) -> None:
 
 
 def _spawn(scenario: str, tmp_path, timeout: float = 90.0) -> list[dict]:
-    context = mp.spawn(_worker, args=(_free_port(), scenario, str(tmp_path)), nprocs=WORLD, join=False)
+    context = mp.spawn(_worker, args=(free_port(), scenario, str(tmp_path)), nprocs=WORLD, join=False)
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:

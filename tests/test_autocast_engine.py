@@ -30,6 +30,7 @@ def _python(code: str) -> str:
 
 
 # ----------------------------------------------------------------------- native where it agrees
+@pytest.mark.slow
 def test_default_policy_runs_pytorchs_kernels_only():
     out = _python("""
         import torch, mixprec
@@ -45,6 +46,7 @@ def test_default_policy_runs_pytorchs_kernels_only():
     assert out.split() == ["0", "0"]
 
 
+@pytest.mark.slow
 def test_a_policy_registers_kernels_for_its_edits_only():
     out = _python("""
         import torch, mixprec
@@ -59,6 +61,7 @@ def test_a_policy_registers_kernels_for_its_edits_only():
     assert "'softmax.int'" in registered and "'mm'" not in registered
 
 
+@pytest.mark.slow
 def test_plain_torch_autocast_is_bitwise_unchanged_before_and_after_mixprec_regions():
     """Every CPU-table sample, plus softmax (edited below): torch.autocast before any mixprec
     kernel exists, then after regions with edited policies, then after release_kernels()."""

@@ -44,6 +44,7 @@ def test_samples_cover_the_whole_cpu_table():
     assert len(CPU_TABLE) == 127
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_op_table_is_pytorchs_registered_autocast_kernels(device_type):
     """The data in ops/<device>.py against the kernels PyTorch registers at its autocast key

@@ -250,6 +250,7 @@ def test_policy_compute_sets_region_dtype_and_a_conflicting_dtype_is_an_error():
         mixprec.autocast("cpu", dtype=torch.float16, policy="compute=bf16")
 
 
+@pytest.mark.slow
 def test_module_hooks_exist_only_while_a_rule_region_runs():
     """(Unless a region with rules was traced inside compiled code in this process: its graphs
     guard on the hooks, which then stay; the subprocess below has none.)"""

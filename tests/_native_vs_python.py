@@ -1,7 +1,7 @@
 """Edited-op results under three policies, hashed: run with MIXPREC_NATIVE_KERNELS=1 and =0, the
 C++ and the Python kernels must print the same hash (see test_autocast_engine.py)."""
 
-import torch, mixprec, hashlib, sys
+import torch, mixprec, hashlib
 from _op_samples import SAMPLES, flatten
 h = hashlib.sha1()
 policies = [mixprec.Policy.default("cuda"), mixprec.Policy.preset("fp32-numerics"),

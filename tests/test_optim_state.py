@@ -5,7 +5,6 @@ import io
 import pytest
 import torch
 
-import mixprec
 from mixprec.lowp import memory_bytes
 from mixprec.optim import SGD, AdamW
 from mixprec.optim.quant8 import BLOCK, Quantized8, dynamic_map, new_quantized8

@@ -53,7 +53,7 @@ from torch.library import Library
 from mixprec import _native
 from mixprec import ops as _ops
 from mixprec._ops_names import op_overload
-from mixprec._tree import CASTABLE_DTYPES, castable
+from mixprec._tree import castable
 
 __all__ = ["Frame", "push", "pop", "top", "ensure_kernels", "registered", "release_kernels",
            "DISPATCH_KEYS"]

@@ -17,7 +17,6 @@ import warnings
 from typing import Any, Callable, TypeVar
 
 import torch
-from torch import nn
 
 from mixprec import _dispatch
 from mixprec._dispatch import Frame

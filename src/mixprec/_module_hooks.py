@@ -45,7 +45,24 @@ class ModuleRules:
     def _state(cls) -> Any:
         st = cls._tls
         if not hasattr(st, "frames"):
-            st.frames, st.calls, st.fp8, st.traced = [], [], {}, []
+            st.frames, st.calls, st.fp8, st.traced, st.trace_id = [], [], {}, [], None
+        return st
+
+    @classmethod
+    def _shadow(cls) -> Any:
+        """The state, its shadow stack emptied when a new trace (or a retry of one) starts, so
+        that a trace that failed half-way leaves nothing behind."""
+        st = cls._state()
+        try:
+            from torch._guards import CompileContext
+
+            context = CompileContext.try_get()
+            trace_id = None if context is None else (str(context.compile_id), context.attempt)
+        except (ImportError, AttributeError):
+            trace_id = None
+        if trace_id != st.trace_id:
+            st.traced.clear()
+            st.trace_id = trace_id
         return st
 
     @classmethod
@@ -66,9 +83,6 @@ class ModuleRules:
             if not getattr(cls, "_permanent", False):
                 cls._permanent = True
                 cls._users += 1
-                callbacks = getattr(getattr(torch, "_dynamo", None), "callback_handler", None)
-                if callbacks is not None:  # a new trace starts with an empty shadow stack
-                    callbacks.register_start_callback(lambda *_: cls._state().traced.clear())
 
     @classmethod
     def enter_hooks_locked(cls) -> None:
@@ -216,7 +230,7 @@ def _traced_enter(module: nn.Module) -> tuple | str | None:
     ``"break"`` when the trace may graph-break (a break between a module's pre- and post-hook
     would leave its autocast state behind: the module then runs eagerly, through the eager
     hooks)."""
-    st = ModuleRules._state()
+    st = ModuleRules._shadow()
     frame = _hooked_frame()
     if frame is not None and not _fullgraph():
         return "break"
@@ -242,7 +256,7 @@ def _traced_enter(module: nn.Module) -> tuple | str | None:
 @torch.compiler.assume_constant_result
 def _traced_leave(module: nn.Module) -> tuple | str | None:
     """Run by Dynamo at trace time: ``(device, exit autocast, clear fp8, output dtype)``."""
-    st = ModuleRules._state()
+    st = ModuleRules._shadow()
     if _hooked_frame() is not None and not _fullgraph():
         return "break"
     if not st.traced or st.traced[-1][0] is not module:

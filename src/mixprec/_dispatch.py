@@ -122,7 +122,7 @@ def push(frame: Frame | None) -> None:
         if not frame.traced:
             _tls.active[frame.device_type] = _edits_key(frame.edits)
         if _native_ops is not None:
-            _native.set_active(_native_ops, frame.device_type, frame.edits)
+            _native.set_active(_native_ops, frame.device_type, _edits_key(frame.edits), frame.edits)
 
 
 def pop(frame: Frame | None) -> None:
@@ -134,7 +134,8 @@ def pop(frame: Frame | None) -> None:
             eager = next((f for f in reversed(stack) if not f.traced), None)
             _tls.active[frame.device_type] = None if eager is None else _edits_key(eager.edits)
         if _native_ops is not None:
-            _native.set_active(_native_ops, frame.device_type, stack[-1].edits if stack else None)
+            edits = stack[-1].edits if stack else None
+            _native.set_active(_native_ops, frame.device_type, _edits_key(edits or {}), edits)
     _tls.depth -= 1
     if _tls.depth == 0:
         _tls.cache.clear()
@@ -518,7 +519,7 @@ def ensure_kernels(names: Mapping[str, str], device_type: str) -> None:
             _define_region_op()  # and mixprec::trace_hook, which the C++ kernel calls
             for dev in DISPATCH_KEYS:  # regions already active in this thread
                 if top(dev) is not None:
-                    _native.set_active(_native_ops, dev, top(dev).edits)
+                    _native.set_active(_native_ops, dev, _edits_key(top(dev).edits), top(dev).edits)
     with _lock:
         get_kernel = getattr(torch.library, "get_kernel", None)
         with warnings.catch_warnings():

@@ -82,7 +82,7 @@ def runs(kind: str) -> bool:
 
 
 _DEVICES = ("cpu", "cuda")  # index = the device argument of the C++ functions
-_tables: dict[int, tuple[Any, int]] = {}  # id(edits) -> (edits, table id); edits are cached values
+_defined: set[int] = set()  # edits keys (mixprec._dispatch._edits_key) with a table
 _local = threading.local()
 
 
@@ -95,21 +95,17 @@ def define_defaults(ops: Any) -> None:
         ops.define_table(i, list(table), [KINDS[k] for k in table.values()])
 
 
-def _table_id(ops: Any, edits: Any) -> int:
-    hit = _tables.get(id(edits))
-    if hit is not None and hit[0] is edits:
-        return hit[1]
-    with _lock:
-        table_id = len(_tables) + len(_DEVICES)
-        native = {n: k for n, k in edits.items() if runs(k)}
-        ops.define_table(table_id, list(native), [KINDS[k] for k in native.values()])
-        _tables[id(edits)] = (edits, table_id)  # the strong ref keeps id(edits) unique
-    return table_id
-
-
-def set_active(ops: Any, device_type: str, edits: Any) -> None:
-    """Make ``edits`` (or none) the active table of this thread for ``device_type``."""
-    table_id = _table_id(ops, edits) if edits else -1
+def set_active(ops: Any, device_type: str, key: int | None, edits: Any) -> None:
+    """Make ``edits`` (named by ``key``, their ``_dispatch._edits_key``; ``None``: no edits) the
+    active table of this thread for ``device_type``."""
+    table_id = -1
+    if key is not None:
+        table_id = key + len(_DEVICES)  # after the default tables
+        if key not in _defined:
+            with _lock:
+                native = {n: k for n, k in edits.items() if runs(k)}
+                ops.define_table(table_id, list(native), [KINDS[k] for k in native.values()])
+                _defined.add(key)
     last = getattr(_local, "active", None)
     if last is None:
         last = _local.active = {}

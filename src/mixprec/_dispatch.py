@@ -457,10 +457,6 @@ _RUNNERS: dict[str, Callable[..., Any]] = {
 }
 
 
-def _run(info: _OpInfo, kind: str, frame: Frame, keyset: Any, args: tuple, kwargs: dict) -> Any:
-    return _RUNNERS[kind](info, frame, keyset, args, kwargs)
-
-
 _libs: dict[tuple[str, str], Library] = {}  # (overload, key) -> the library holding our kernel
 # (overload, key) -> "native" (the C++ kernel), "python", or False (no such overload)
 _registered: dict[tuple[str, str], str | bool] = {}
@@ -592,4 +588,4 @@ class _Emulated:
 
     def call_boxed(self, keyset: Any, *args: Any, **kwargs: Any) -> Any:
         frame = Frame(self.device_type, {})
-        return _run(self.info, self.kind, frame, keyset, args, kwargs)
+        return _RUNNERS[self.kind](self.info, frame, keyset, args, kwargs)

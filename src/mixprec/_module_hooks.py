@@ -20,7 +20,7 @@ from mixprec._dispatch import DISPATCH_KEYS, Frame
 from mixprec._tree import cast_tree, tracing as _tracing
 from mixprec.policy import Policy
 
-__all__ = ["ModuleRules", "enter_rule"]
+__all__ = ["ModuleRules"]
 
 class ModuleRules:
     """Global module hooks, installed while at least one region with module rules is active.
@@ -175,7 +175,7 @@ class ModuleRules:
         name, rule, kept, target = cls._decide(st, st.calls, frame, module)
         restores = []
         if rule is not None:
-            restores.append(enter_rule(frame, rule))
+            restores.append(_enter_rule(frame, rule))
             args = cast_tree(args, rule.dtype, frame.device_type)
         if target is not None:
             restores.append(_enter_fp8(frame, target))
@@ -379,7 +379,7 @@ def _enter_fp8(frame: Frame, target: tuple) -> Callable[[], None]:
     return restore
 
 
-def enter_rule(frame: Frame, rule: Any) -> Callable[[], None]:
+def _enter_rule(frame: Frame, rule: Any) -> Callable[[], None]:
     """Run a matched module in ``rule.dtype``: autocast off for float32, else that dtype."""
     dev = frame.device_type
     prev_enabled, prev_dtype = torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)

@@ -1,4 +1,8 @@
-"""mixprec's C++ autocast kernel (``csrc/autocast_kernel.cpp``), built on first use.
+"""mixprec's C++ kernels (``csrc/*.cpp``), built on first use.
+
+Two kernels share one extension: the boxed autocast kernel for ops a policy edits
+(``autocast_kernel.cpp``) and the fused optimizer steps for low-precision parameters
+(``optim_kernel.cpp``, used by :mod:`mixprec.optim._fused`).
 
 A Python kernel at the autocast key costs about 6 us per call on top of the op (the dispatcher
 boxes the arguments for Python and back); on an 8x8 softmax that is 3.5x the op. The boxed C++
@@ -28,7 +32,13 @@ __all__ = ["load", "KINDS"]
 #: (PyTorch's messages), ``fp32_append_dtype`` and ``fp8`` stay with the Python kernel
 KINDS: dict[str, int] = {"passthrough": 0, "lower": 1, "fp32": 2, "promote": 3, "fp32_set_opt_dtype": 4}
 
-_SOURCE = Path(__file__).parent / "csrc" / "autocast_kernel.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("autocast_kernel.cpp", "optim_kernel.cpp")]
+#: Instruction sets the extension is compiled for, by torch's CPU capability: the vector units
+#: torch's own kernels use on this machine (so the build never uses one the CPU lacks).
+_ARCH_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 _log = logging.getLogger("mixprec")
@@ -53,9 +63,10 @@ def load() -> Any:
                 ops = _build()
             except Exception as e:  # no compiler, no headers, an ABI problem: fall back
                 warnings.warn(
-                    f"mixprec could not build its C++ autocast kernel ({type(e).__name__}: "
+                    f"mixprec could not build its C++ kernels ({type(e).__name__}: "
                     f"{str(e).splitlines()[0] if str(e) else ''}); ops a policy edits use Python "
-                    "kernels (same results, about 6 us more per call). Set "
+                    "kernels (same results, about 6 us more per call), fused optimizer steps their "
+                    "PyTorch version (same results, slower). Set "
                     "MIXPREC_NATIVE_KERNELS=0 to skip the attempt.", stacklevel=3)
         _state["ops"] = ops
         return ops
@@ -64,16 +75,27 @@ def load() -> Any:
 def _build() -> Any:
     from torch.utils import cpp_extension
 
-    source = _SOURCE.read_text()
-    digest = hashlib.sha1(f"{source}{torch.__version__}".encode()).hexdigest()[:12]
+    sources = [path.read_text() for path in _SOURCES]
+    # -ffp-contract=off: no multiply-add is fused unless the source says so (optim_kernel.cpp
+    # reproduces torch's rounding step by step); -fno-math-errno: sqrt vectorizes
+    flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", *_ARCH_FLAGS.get(cpu_capability(), [])]
+    digest = hashlib.sha1(f"{sources}{flags}{torch.__version__}".encode()).hexdigest()[:12]
     name = f"mixprec_native_{digest}"
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     if not any(build_dir.glob("*.so")):
-        _log.warning("mixprec: building its C++ autocast kernel (once per machine and torch "
-                     "version, about 30 s) in %s", build_dir)
-    cpp_extension.load_inline(name, cpp_sources=[source], is_python_module=False,
-                              extra_cflags=["-O2"], verbose=False)
+        _log.warning("mixprec: building its C++ kernels (once per machine and torch "
+                     "version, about 40 s) in %s", build_dir)
+    cpp_extension.load_inline(name, cpp_sources=sources, is_python_module=False,
+                              extra_cflags=flags, verbose=False)
     return torch.ops.mixprec_native
+
+
+def cpu_capability() -> str:
+    """torch's CPU kernel level on this machine (``"AVX512"``, ``"AVX2"``, ``"DEFAULT"``, ...)."""
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except AttributeError:  # torch < 2.3
+        return "DEFAULT"
 
 
 def runs(kind: str) -> bool:

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from mixprec.optim._chunks import batches, part, plan
+from mixprec.optim._fused import adamw_native, sgd_native
 from mixprec.optim._functional import (
     State,
     Unscaler,
@@ -42,6 +43,11 @@ _NARROW = (torch.bfloat16, torch.float16)
 
 def _pick(items: list, index: list[int]) -> list:
     return [items[i] for i in index]
+
+
+def _rest(n: int, done: list[int]) -> list[int]:
+    taken = set(done)
+    return [i for i in range(n) if i not in taken]
 
 
 def _to_compute(tensors: list[Tensor], cdtypes: list[torch.dtype]) -> list[Tensor]:
@@ -160,6 +166,15 @@ def adamw_foreach(
     stored = [exp_avgs, exp_avg_sqs] + ([max_exp_avg_sqs] if amsgrad else [])
     torch._foreach_add_(state_steps, 1)
     steps = [t.item() for t in state_steps]
+    if fused:  # mixprec's one-pass kernel for the parameters it takes, the working copies for the rest
+        done = adamw_native(params, grads, stored, comps, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                            weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                            compensation=compensation, inv_scale=inv_scale)
+        if done:
+            rest = _rest(len(params), done)
+            params, grads, comps, state_steps, steps = (
+                _pick(lst, rest) for lst in (params, grads, comps, state_steps, steps))
+            stored = [_pick(lst, rest) for lst in stored]
     step_sizes = [-(lr / (1 - beta1**step)) for step in steps]
     bias_correction2_sqrts = [(1 - beta2**step) ** 0.5 for step in steps]
     units = plan(params, [grads, comps, *stored])
@@ -223,6 +238,15 @@ def sgd_foreach(
     """
     check_grads(grads)
     fresh = new_momentum_buffers(momentum_buffers, params, state_dtype) if momentum != 0 else []
+    if fused:
+        done = sgd_native(params, grads, momentum_buffers, fresh, comps, lr=lr, momentum=momentum,
+                          dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+                          maximize=maximize, compensation=compensation, inv_scale=inv_scale)
+        if done:  # the rest on lists that share the momentum buffers' objects
+            rest = _rest(len(params), done)
+            params, grads, comps = (_pick(lst, rest) for lst in (params, grads, comps))
+            if momentum != 0:
+                momentum_buffers, fresh = _pick(momentum_buffers, rest), _pick(fresh, rest)
     for batch in batches(plan(params, [grads, comps, momentum_buffers]), params):
         p = [part(params[i], sl) for i, sl in batch]
         cdtypes = [compute_dtype(t.dtype) for t in p]

@@ -30,7 +30,12 @@ namespace mixprec_optim {
 
 constexpr int64_t kGrain = 1 << 15;
 
-enum Mode : int64_t { kNearest = 0, kKahan = 1, kExact = 2 };
+enum Mode : int64_t { kNearest = 0, kKahan = 1, kExact = 2, kStochastic = 3 };
+
+// Stochastic rounding draws its random bits per chunk of this many elements, in order, from the
+// optimizer's generator: the same numbers as one draw over the whole tensor (torch's CPU
+// generator fills int32 tensors sequentially), without a 4-byte-per-element temporary.
+constexpr int64_t kNoiseChunk = 1 << 17;
 
 inline uint32_t f2u(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
 inline float u2f(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
@@ -55,8 +60,10 @@ template <> inline void round_to<c10::BFloat16>(float x, c10::BFloat16& rounded,
   value = u2f(uint32_t(rounded.x) << 16);
 }
 
-// The element type of a parameter's compensation buffer: int16 low bits or a Kahan buffer of P.
-template <typename P, int MODE> using Comp = std::conditional_t<MODE == kExact, int16_t, P>;
+// The element type of a parameter's companion array: int16 low bits (exact), random bits
+// (stochastic rounding), or a Kahan buffer of P.
+template <typename P, int MODE>
+using Comp = std::conditional_t<MODE == kExact, int16_t, std::conditional_t<MODE == kStochastic, int32_t, P>>;
 
 // The float32 value a parameter stands for, and writing a float32 value back (see exact.py, kahan.py).
 template <typename P, int MODE>
@@ -80,6 +87,10 @@ inline void store_param(P* p, Comp<P, MODE>* comp, int64_t i, float x) {
     uint32_t hi = bits - static_cast<uint32_t>(static_cast<int32_t>(lo));
     p[i].x = static_cast<uint16_t>(hi >> 16);
     comp[i] = lo;
+  } else if constexpr (MODE == kStochastic) {  // as mixprec.optim.rounding.stochastic_round_
+    const uint32_t bits = f2u(x);
+    const uint32_t rounded = (bits + (static_cast<uint32_t>(comp[i]) & 0xFFFFu)) & 0xFFFF0000u;
+    p[i].x = (bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : static_cast<uint16_t>(rounded >> 16);
   } else if constexpr (MODE == kKahan) {
     float value, unused;
     round_to<P>(x, p[i], value);
@@ -164,29 +175,48 @@ inline void adam_block(float* __restrict__ x, const float* __restrict__ g, float
   }
 }
 
+// `comp` holds the companion values of elements comp_start onwards.
 template <typename P, typename G, int MODE, bool AMSGRAD>
-void adam_range(P* p, const G* g, float* m, float* v, float* vmax, Comp<P, MODE>* comp,
+void adam_range(P* p, const G* g, float* m, float* v, float* vmax, Comp<P, MODE>* comp, int64_t comp_start,
                 int64_t begin, int64_t end, const AdamHyper& h) {
   alignas(64) float x[kBlock], gr[kBlock];
   for (int64_t b = begin; b < end; b += kBlock) {
     const int64_t n = std::min(kBlock, end - b);
-    Comp<P, MODE>* c = MODE == kNearest ? nullptr : comp + b;
+    Comp<P, MODE>* c = MODE == kNearest ? nullptr : comp + (b - comp_start);
     load_block<P, G, MODE>(p + b, c, g + b, x, gr, n);
     adam_block<AMSGRAD>(x, gr, m + b, v + b, AMSGRAD ? vmax + b : nullptr, n, h);
     store_block<P, MODE>(p + b, c, x, n);
   }
 }
 
+// Call fn(begin, end, comp, comp_start) over [0, n) in parallel chunks; for stochastic rounding,
+// chunk by chunk with freshly drawn random bits as `comp`.
+template <typename P, int MODE, typename F>
+void walk(int64_t n, void* comp, const std::optional<at::Generator>& generator, const F& fn) {
+  if constexpr (MODE == kStochastic) {
+    for (int64_t start = 0; start < n; start += kNoiseChunk) {
+      const int64_t stop = std::min(n, start + kNoiseChunk);
+      at::Tensor noise = at::empty({stop - start}, at::kInt).random_(generator);
+      int32_t* bits = noise.data_ptr<int32_t>();
+      at::parallel_for(start, stop, kGrain, [&](int64_t begin, int64_t end) { fn(begin, end, bits, start); });
+    }
+  } else {
+    Comp<P, MODE>* c = static_cast<Comp<P, MODE>*>(comp);
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) { fn(begin, end, c, int64_t(0)); });
+  }
+}
+
 template <typename P, typename G, int MODE, bool AMSGRAD>
 void adam_tensor(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                 const at::Tensor& exp_avg_sq, const at::Tensor* max_sq, void* comp, const AdamHyper& h) {
+                 const at::Tensor& exp_avg_sq, const at::Tensor* max_sq, void* comp,
+                 const std::optional<at::Generator>& generator, const AdamHyper& h) {
   P* p = reinterpret_cast<P*>(param.data_ptr());
   const G* g = reinterpret_cast<const G*>(grad.data_ptr());
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
   float* vmax = AMSGRAD ? max_sq->data_ptr<float>() : nullptr;
-  at::parallel_for(0, param.numel(), kGrain, [&](int64_t begin, int64_t end) {
-    adam_range<P, G, MODE, AMSGRAD>(p, g, m, v, vmax, static_cast<Comp<P, MODE>*>(comp), begin, end, h);
+  walk<P, MODE>(param.numel(), comp, generator, [&](int64_t begin, int64_t end, Comp<P, MODE>* c, int64_t c0) {
+    adam_range<P, G, MODE, AMSGRAD>(p, g, m, v, vmax, c, c0, begin, end, h);
   });
 }
 
@@ -197,8 +227,11 @@ void adam_tensor(const at::Tensor& param, const at::Tensor& grad, const at::Tens
 #define MIXPREC_MODES(P_, G_, MODE, ...)                                                            \
   if (MODE == kKahan) MIXPREC_CASE(P_, G_, kKahan, __VA_ARGS__)                                      \
   else if (MODE == kNearest) MIXPREC_CASE(P_, G_, kNearest, __VA_ARGS__)                             \
-  else if constexpr (std::is_same_v<P_, c10::BFloat16>) MIXPREC_CASE(P_, G_, kExact, __VA_ARGS__)    \
-  else TORCH_CHECK(false, "mixprec fused optimizer: exact low bits need bfloat16 parameters");
+  else if constexpr (!std::is_same_v<P_, c10::BFloat16>) {                                           \
+    TORCH_CHECK(false, "mixprec fused optimizer: exact low bits and stochastic rounding need bfloat16 parameters"); \
+  }                                                                                                \
+  else if (MODE == kExact) MIXPREC_CASE(P_, G_, kExact, __VA_ARGS__)                                  \
+  else MIXPREC_CASE(P_, G_, kStochastic, __VA_ARGS__)
 #define MIXPREC_TYPES(PT, GT, MODE, ...)                                                            \
   if (PT == at::kBFloat16 && GT == at::kBFloat16) { MIXPREC_MODES(c10::BFloat16, c10::BFloat16, MODE, __VA_ARGS__) } \
   else if (PT == at::kBFloat16 && GT == at::kFloat) { MIXPREC_MODES(c10::BFloat16, float, MODE, __VA_ARGS__) }   \
@@ -213,7 +246,7 @@ void check_cpu_contiguous(const at::Tensor& t, const at::Tensor& like, const cha
 }
 
 void* comp_ptr(const std::vector<at::Tensor>& comps, size_t i, int64_t mode, const at::Tensor& param) {
-  if (mode == kNearest) return nullptr;
+  if (mode == kNearest || mode == kStochastic) return nullptr;
   TORCH_CHECK(comps.size() > i, "mixprec fused optimizer: missing compensation buffer");
   const at::Tensor& c = comps[i];
   check_cpu_contiguous(c, param, "a compensation buffer");
@@ -226,7 +259,8 @@ void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_
                 at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList comps_in,
                 std::vector<double> steps, double lr, double beta1,
                 double beta2, double eps, double weight_decay, bool amsgrad, bool maximize,
-                const std::optional<at::Tensor>& inv_scale, int64_t mode) {
+                const std::optional<at::Tensor>& inv_scale, int64_t mode,
+                const std::optional<at::Generator>& generator) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
               steps.size() == n && (!amsgrad || max_exp_avg_sqs.size() == n),
@@ -268,8 +302,8 @@ void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_
     const at::Tensor& m = exp_avgs[i];
     const at::Tensor& v = exp_avg_sqs[i];
     MIXPREC_TYPES(param.scalar_type(), grad.scalar_type(), mode,
-                  if (amsgrad) adam_tensor<P, G, MODE, true>(param, grad, m, v, max_sq, comp, h);
-                  else adam_tensor<P, G, MODE, false>(param, grad, m, v, max_sq, comp, h))
+                  if (amsgrad) adam_tensor<P, G, MODE, true>(param, grad, m, v, max_sq, comp, generator, h);
+                  else adam_tensor<P, G, MODE, false>(param, grad, m, v, max_sq, comp, generator, h))
   }
 }
 
@@ -297,11 +331,12 @@ inline void sgd_block(float* __restrict__ x, const float* __restrict__ g, float*
 }
 
 template <typename P, typename G, int MODE, bool DECAY, bool MOMENTUM>
-void sgd_range(P* p, const G* g, float* buf, Comp<P, MODE>* comp, int64_t begin, int64_t end, const SgdHyper& h) {
+void sgd_range(P* p, const G* g, float* buf, Comp<P, MODE>* comp, int64_t comp_start, int64_t begin, int64_t end,
+               const SgdHyper& h) {
   alignas(64) float x[kBlock], gr[kBlock];
   for (int64_t b = begin; b < end; b += kBlock) {
     const int64_t n = std::min(kBlock, end - b);
-    Comp<P, MODE>* c = MODE == kNearest ? nullptr : comp + b;
+    Comp<P, MODE>* c = MODE == kNearest ? nullptr : comp + (b - comp_start);
     load_block<P, G, MODE>(p + b, c, g + b, x, gr, n);
     sgd_block<DECAY, MOMENTUM>(x, gr, MOMENTUM ? buf + b : nullptr, n, h);
     store_block<P, MODE>(p + b, c, x, n);
@@ -310,22 +345,22 @@ void sgd_range(P* p, const G* g, float* buf, Comp<P, MODE>* comp, int64_t begin,
 
 template <typename P, typename G, int MODE>
 void sgd_tensor(const at::Tensor& param, const at::Tensor& grad, float* buf, void* comp, bool decay,
-                bool momentum, const SgdHyper& h) {
+                bool momentum, const std::optional<at::Generator>& generator, const SgdHyper& h) {
   P* p = reinterpret_cast<P*>(param.data_ptr());
   const G* g = reinterpret_cast<const G*>(grad.data_ptr());
-  Comp<P, MODE>* c = static_cast<Comp<P, MODE>*>(comp);
-  at::parallel_for(0, param.numel(), kGrain, [&](int64_t begin, int64_t end) {
-    if (decay && momentum) sgd_range<P, G, MODE, true, true>(p, g, buf, c, begin, end, h);
-    else if (decay) sgd_range<P, G, MODE, true, false>(p, g, buf, c, begin, end, h);
-    else if (momentum) sgd_range<P, G, MODE, false, true>(p, g, buf, c, begin, end, h);
-    else sgd_range<P, G, MODE, false, false>(p, g, buf, c, begin, end, h);
+  walk<P, MODE>(param.numel(), comp, generator, [&](int64_t begin, int64_t end, Comp<P, MODE>* c, int64_t c0) {
+    if (decay && momentum) sgd_range<P, G, MODE, true, true>(p, g, buf, c, c0, begin, end, h);
+    else if (decay) sgd_range<P, G, MODE, true, false>(p, g, buf, c, c0, begin, end, h);
+    else if (momentum) sgd_range<P, G, MODE, false, true>(p, g, buf, c, c0, begin, end, h);
+    else sgd_range<P, G, MODE, false, false>(p, g, buf, c, c0, begin, end, h);
   });
 }
 
 void sgd_step(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
               at::TensorList comps_in, c10::List<bool> first, double lr, double momentum,
               double dampening, double weight_decay, bool nesterov, bool maximize,
-              const std::optional<at::Tensor>& inv_scale, int64_t mode) {
+              const std::optional<at::Tensor>& inv_scale, int64_t mode,
+              const std::optional<at::Generator>& generator) {
   const size_t n = params.size();
   const bool has_momentum = momentum != 0.0;
   TORCH_CHECK(grads.size() == n && (!has_momentum || (momentum_buffers.size() == n && first.size() == n)),
@@ -354,7 +389,7 @@ void sgd_step(at::TensorList params, at::TensorList grads, at::TensorList moment
     const at::Tensor& grad = grads[i];
     const bool decay = weight_decay != 0.0;
     MIXPREC_TYPES(param.scalar_type(), grad.scalar_type(), mode,
-                  sgd_tensor<P, G, MODE>(param, grad, buf, comp, decay, has_momentum, h))
+                  sgd_tensor<P, G, MODE>(param, grad, buf, comp, decay, has_momentum, generator, h))
   }
 }
 
@@ -364,10 +399,10 @@ TORCH_LIBRARY_FRAGMENT(mixprec_native, m) {
   m.def("adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
         "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] comps, float[] steps, float lr, float beta1, "
         "float beta2, float eps, float weight_decay, bool amsgrad, bool maximize, Tensor? inv_scale, "
-        "int mode) -> ()",
+        "int mode, Generator? generator) -> ()",
         &mixprec_optim::adamw_step);
   m.def("sgd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] comps, "
         "bool[] first, float lr, float momentum, float dampening, float weight_decay, bool nesterov, "
-        "bool maximize, Tensor? inv_scale, int mode) -> ()",
+        "bool maximize, Tensor? inv_scale, int mode, Generator? generator) -> ()",
         &mixprec_optim::sgd_step);
 }

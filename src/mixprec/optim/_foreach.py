@@ -169,7 +169,7 @@ def adamw_foreach(
     if fused:  # mixprec's one-pass kernel for the parameters it takes, the working copies for the rest
         done = adamw_native(params, grads, stored, comps, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                             weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-                            compensation=compensation, inv_scale=inv_scale)
+                            compensation=compensation, inv_scale=inv_scale, generator=generator)
         if done:
             rest = _rest(len(params), done)
             params, grads, comps, state_steps, steps = (
@@ -241,7 +241,8 @@ def sgd_foreach(
     if fused:
         done = sgd_native(params, grads, momentum_buffers, fresh, comps, lr=lr, momentum=momentum,
                           dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-                          maximize=maximize, compensation=compensation, inv_scale=inv_scale)
+                          maximize=maximize, compensation=compensation, inv_scale=inv_scale,
+                          generator=generator)
         if done:  # the rest on lists that share the momentum buffers' objects
             rest = _rest(len(params), done)
             params, grads, comps = (_pick(lst, rest) for lst in (params, grads, comps))

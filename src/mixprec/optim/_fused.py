@@ -3,15 +3,21 @@
 The fused path's definition is torch's fused AdamW/SGD kernel applied to the float32 value of
 each parameter (parameter + Kahan buffer, or bfloat16 + exact low bits) and written back by the
 parameter's rule; :mod:`mixprec.optim._foreach` does exactly that with float32 working copies.
-For a low-precision CPU parameter whose gradient and state are contiguous, with float32 state
-and a deterministic write-back (nearest, Kahan, exact), the C++ kernel computes the same numbers
-in one pass over memory: it reads the 2-byte weight and its buffer, updates in registers, and
-writes them back, where the working copies cost about ten passes (measured: 2-3x faster on a
-4.2M-parameter model). It reproduces torch's kernel operation by operation, including the scalar
-tail torch runs on the last ``numel % vector width`` elements, so it is used only where that
-width is known: on x86 CPUs with AVX2 or AVX-512 (torch's CPU capability). Everything else
-(CUDA, float32 parameters, stochastic rounding, narrow or 8-bit state, no compiler) keeps the
-working-copy path.
+For a low-precision CPU parameter whose gradient (of its dtype or float32) and state are
+contiguous, with float32 state and a write-back it implements (nearest, Kahan, exact, and
+stochastic rounding of bfloat16 with the same random numbers, drawn in the same order from the
+optimizer's generator), the C++ kernel computes the same numbers in one pass over memory: it reads the 2-byte weight and its
+buffer, updates in registers, and writes them back, where the working copies cost about ten
+passes (measured on a 4.2M-parameter model, one thread: AdamW 3x, SGD 5x faster).
+
+It reproduces the vectorized body of torch's kernels operation by operation, fused
+multiply-adds included, so it is used only where it agrees with them: on x86 CPUs with AVX2 or
+AVX-512 (torch's CPU capability), after a check at first use that both give the same bits on
+random inputs (:func:`_agrees_with_torch`; a build of torch that rounds otherwise keeps the
+working copies, with a warning). torch's scalar tail (the last ``numel % 16`` elements of a
+tensor) rounds a few moments differently; there the two paths differ by a few ulps. Everything
+else (CUDA, float32 parameters, stochastic rounding of float16, narrow or 8-bit state, no
+compiler) keeps the working-copy path.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ _log = logging.getLogger("mixprec")
 #: floats per vector in torch's CPU kernels, by CPU capability (where the C++ kernel is used)
 _TORCH_VEC_FLOATS = {"AVX512": 16, "AVX2": 8}
 _LOW = (torch.bfloat16, torch.float16)
-_MODES = {None: 0, "kahan": 1, "exact": 2}
+_MODES = {None: 0, "kahan": 1, "exact": 2, "stochastic": 3}
+_NARROW = (torch.bfloat16, torch.float16)
 
 
 def native_ops() -> Optional[Any]:
@@ -69,7 +76,7 @@ def _agrees_with_torch(ops: Any) -> bool:
                             found_inf=None, **hyper)
         ours = [t.clone() for t in (p, m, v, vmax)]
         ops.adamw_step([ours[0]], [g], [ours[1]], [ours[2]], [ours[3]] if amsgrad else [], [], [3.0],
-                       *hyper.values(), amsgrad, False, None, 0)
+                       *hyper.values(), amsgrad, False, None, 0, None)
         if not all(torch.equal(a, b) for a, b in zip(ours, ref)):
             return False
     for first, nesterov, dampening, weight_decay in ((True, False, 0.0, 0.0), (False, True, 0.0, 0.1),
@@ -80,7 +87,7 @@ def _agrees_with_torch(ops: Any) -> bool:
         torch._fused_sgd_([ref[0]], [g.clone()], [ref[1]], maximize=False, is_first_step=first,
                           grad_scale=None, found_inf=None, **hyper)
         ours = [p.clone(), buf.clone()]
-        ops.sgd_step([ours[0]], [g], [ours[1]], [], [first], *hyper.values(), False, None, 0)
+        ops.sgd_step([ours[0]], [g], [ours[1]], [], [first], *hyper.values(), False, None, 0, None)
         if not all(torch.equal(a, b) for a, b in zip(ours, ref)):
             return False
     return True
@@ -93,7 +100,9 @@ def _plain(t: Any, like: Tensor) -> bool:
 def _mode(param: Tensor, comp: Optional[Tensor], compensation: Optional[str]) -> Optional[int]:
     """The kernel's write-back code for ``param``, or ``None`` if the kernel cannot write it."""
     if comp is None:
-        return None if compensation == "stochastic" else _MODES[None]
+        if compensation != "stochastic":
+            return _MODES[None]
+        return _MODES["stochastic"] if param.dtype == torch.bfloat16 else None
     if not _plain(comp, param):
         return None
     if comp.dtype == torch.int16:
@@ -112,6 +121,20 @@ def _eligible(param: Tensor, grad: Tensor, states: list[Any], comp: Optional[Ten
     return _mode(param, comp, compensation)
 
 
+def _draws(comp: Optional[Tensor], states: list[Any], compensation: Optional[str]) -> bool:
+    """Whether the working-copy path draws random numbers for this parameter."""
+    narrow = any(isinstance(s, Tensor) and s.dtype in _NARROW for s in states)
+    return narrow or (comp is None and compensation == "stochastic")
+
+
+def _keep_draw_order(modes: list[Optional[int]], comps: list[Optional[Tensor]], states: list[list[Any]],
+                     compensation: Optional[str]) -> list[Optional[int]]:
+    """Leave stochastic rounding to the working copies if a parameter they keep draws too: the
+    random numbers must come in parameter order, as the working-copy path draws them."""
+    others_draw = any(mode is None and _draws(comps[i], states[i], compensation) for i, mode in enumerate(modes))
+    return [None if others_draw and mode == _MODES["stochastic"] else mode for mode in modes]
+
+
 def _cpu_inv(inv_scale: Optional[Tensor]) -> Optional[Tensor]:
     return None if inv_scale is None else inv_scale.detach().to("cpu", torch.float32).reshape(())
 
@@ -128,6 +151,7 @@ def adamw_native(
     params: list[Tensor], grads: list[Tensor], stored: list[list[Any]], comps: list[Optional[Tensor]],
     steps: list[float], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
     amsgrad: bool, maximize: bool, compensation: Optional[str], inv_scale: Optional[Tensor],
+    generator: Optional[torch.Generator],
 ) -> list[int]:
     """Run the fused AdamW step on the parameters the C++ kernel takes; return their indices
     (the caller runs the others). ``stored``: ``[exp_avgs, exp_avg_sqs(, max_exp_avg_sqs)]``;
@@ -135,17 +159,17 @@ def adamw_native(
     ops = native_ops()
     if ops is None:
         return []
-    modes = [_eligible(p, g, [s[i] for s in stored], c, compensation)
-             for i, (p, g, c) in enumerate(zip(params, grads, comps))]
+    states = [[s[i] for s in stored] for i in range(len(params))]
+    modes = [_eligible(p, g, states[i], c, compensation) for i, (p, g, c) in enumerate(zip(params, grads, comps))]
+    modes = _keep_draw_order(modes, comps, states, compensation)
     inv = _cpu_inv(inv_scale)
     done: list[int] = []
     for mode, index in _groups(modes).items():
         pick = lambda lst: [lst[i] for i in index]  # noqa: E731
         ops.adamw_step(
             pick(params), pick(grads), pick(stored[0]), pick(stored[1]),
-            pick(stored[2]) if amsgrad else [], [comps[i] for i in index] if mode else [],
-            pick(steps), lr, beta1, beta2, eps,
-            weight_decay, amsgrad, maximize, inv, mode,
+            pick(stored[2]) if amsgrad else [], [comps[i] for i in index] if mode in (1, 2) else [],
+            pick(steps), lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, inv, mode, generator,
         )
         done += index
     return sorted(done)
@@ -155,23 +179,24 @@ def sgd_native(
     params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Optional[Tensor]],
     fresh: list[bool], comps: list[Optional[Tensor]], *, lr: float, momentum: float,
     dampening: float, weight_decay: float, nesterov: bool, maximize: bool,
-    compensation: Optional[str], inv_scale: Optional[Tensor],
+    compensation: Optional[str], inv_scale: Optional[Tensor], generator: Optional[torch.Generator],
 ) -> list[int]:
     """:func:`adamw_native` for SGD; ``fresh[i]``: the momentum buffer is new (set to the gradient)."""
     ops = native_ops()
     if ops is None:
         return []
     has_momentum = momentum != 0
-    modes = [_eligible(p, g, [momentum_buffers[i]] if has_momentum else [], c, compensation)
-             for i, (p, g, c) in enumerate(zip(params, grads, comps))]
+    states = [[momentum_buffers[i]] if has_momentum else [] for i in range(len(params))]
+    modes = [_eligible(p, g, states[i], c, compensation) for i, (p, g, c) in enumerate(zip(params, grads, comps))]
+    modes = _keep_draw_order(modes, comps, states, compensation)
     inv = _cpu_inv(inv_scale)
     done: list[int] = []
     for mode, index in _groups(modes).items():
         pick = lambda lst: [lst[i] for i in index]  # noqa: E731
         ops.sgd_step(
             pick(params), pick(grads), pick(momentum_buffers) if has_momentum else [],
-            [comps[i] for i in index] if mode else [], pick(fresh) if has_momentum else [],
-            lr, momentum, dampening, weight_decay, nesterov, maximize, inv, mode,
+            [comps[i] for i in index] if mode in (1, 2) else [], pick(fresh) if has_momentum else [],
+            lr, momentum, dampening, weight_decay, nesterov, maximize, inv, mode, generator,
         )
         done += index
     return sorted(done)

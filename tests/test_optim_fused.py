@@ -1,0 +1,277 @@
+"""fused=True on the CPU: mixprec's one-pass C++ kernel against torch's fused kernels.
+
+The kernel is the working-copy path (torch's ``_fused_adamw_``/``_fused_sgd_`` on float32 copies
+of the parameters) in one pass. It reproduces torch's vectorized arithmetic; torch rounds the
+last ``numel % 16`` elements of a tensor (its scalar tail) slightly differently, so bitwise
+comparisons use sizes that are whole vectors, and tails are compared to within a few ulps.
+"""
+
+import pytest
+import torch
+
+import mixprec
+import mixprec.optim._fused as fused
+from mixprec import _native
+from mixprec.optim import SGD, AdamW
+from mixprec.optim.exact import exact_value
+
+WHOLE = [(48, 32), (64,), (16, 3)]  # numel % 16 == 0
+TAILS = [(37, 5), (9,), (3,)]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if _native.cpu_capability() not in ("AVX512", "AVX2"):
+        pytest.skip(f"the kernel serves x86 AVX2/AVX-512 CPUs; this one is {_native.cpu_capability()}")
+    if _native.load() is None:
+        pytest.skip("the C++ kernels could not be built here (a warning said why)")
+    ops = fused.native_ops()
+    assert ops is not None, "the kernel disagrees with this torch build's fused kernels"
+    return ops
+
+
+class Counting:
+    """The kernels, counting the parameters each step hands them."""
+
+    def __init__(self, ops):
+        self.ops, self.params = ops, 0
+
+    def adamw_step(self, params, *args):
+        self.params += len(params)
+        return self.ops.adamw_step(params, *args)
+
+    def sgd_step(self, params, *args):
+        self.params += len(params)
+        return self.ops.sgd_step(params, *args)
+
+
+@pytest.fixture
+def counted(ops, monkeypatch):
+    """The kernels, through a counter: tests check that the kernel did the work."""
+    counter = Counting(ops)
+    monkeypatch.setattr(fused, "native_ops", lambda: counter)
+    return counter
+
+
+@pytest.fixture
+def working_copies(monkeypatch):
+    """Run the reference: the working-copy path (torch's fused kernels on float32 copies)."""
+    def use():
+        monkeypatch.setattr(fused, "native_ops", lambda: None)
+    return use
+
+
+ADAMW_CASES = [
+    dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+    dict(lr=3e-3, amsgrad=True, weight_decay=0.0, maximize=True),
+    dict(lr=1e-3, betas=(0.3, 0.9)),  # lerp weight above 0.5: the other lerp formula
+]
+SGD_CASES = [
+    dict(lr=1e-2, momentum=0.9, dampening=0.3, weight_decay=1e-2),
+    dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-2, maximize=True),
+    dict(lr=1e-2, weight_decay=1e-2),
+    dict(lr=1e-2),
+]
+# (parameter dtype, gradient dtype, compensation): what the kernel takes
+RECIPES = [
+    (torch.bfloat16, torch.bfloat16, "exact"),
+    (torch.bfloat16, torch.float32, "exact"),
+    (torch.bfloat16, torch.bfloat16, "kahan"),
+    (torch.bfloat16, torch.bfloat16, None),
+    (torch.float16, torch.float16, "kahan"),
+    (torch.float16, torch.float32, None),
+    (torch.bfloat16, torch.bfloat16, "stochastic"),
+    (torch.bfloat16, torch.float32, "stochastic"),
+]
+
+
+def _run(cls, dtype, grad_dtype, shapes, steps=4, **kwargs):
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in shapes]
+    for p in params:
+        if grad_dtype != dtype and hasattr(p, "grad_dtype"):  # torch >= 2.10 checks .grad's dtype
+            p.grad_dtype = None
+    opt = cls([{"params": params[:1]}, {"params": params[1:], "lr": 3e-3}], fused=True,
+              generator=torch.Generator().manual_seed(1), **kwargs)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + step)
+        for i, p in enumerate(params):  # the last parameter's first gradient arrives a step late
+            late = step == 0 and i == len(params) - 1
+            p.grad = None if late else torch.randn(p.shape, generator=g).to(grad_dtype)
+        kept = [None if p.grad is None else p.grad.clone() for p in params]
+        opt.step()
+        for p, k in zip(params, kept):
+            assert (p.grad is None and k is None) or torch.equal(p.grad, k)  # .grad is never scratch
+    return params, opt
+
+
+def _same(a, opt_a, b, opt_b):
+    for p, q in zip(a, b):
+        assert p.dtype == q.dtype and torch.equal(p.detach().flatten().view(torch.uint8),
+                                                  q.detach().flatten().view(torch.uint8))
+        assert opt_a.state[p].keys() == opt_b.state[q].keys()
+        for key, value in opt_a.state[p].items():
+            assert value.dtype == opt_b.state[q][key].dtype
+            assert torch.equal(value, opt_b.state[q][key]), key
+    assert (opt_a.generator is None) == (opt_b.generator is None)
+    if opt_a.generator is not None:
+        assert torch.equal(opt_a.generator.get_state(), opt_b.generator.get_state())
+
+
+def test_the_kernel_serves_this_machine(ops):
+    assert fused._agrees_with_torch(ops)
+
+
+@pytest.mark.parametrize("dtype,grad_dtype,compensation", RECIPES)
+@pytest.mark.parametrize("kwargs", ADAMW_CASES)
+def test_adamw_kernel_is_bitwise_the_working_copies(counted, working_copies, kwargs, dtype, grad_dtype, compensation):
+    a, opt_a = _run(AdamW, dtype, grad_dtype, WHOLE, compensation=compensation, **kwargs)
+    assert counted.params == 3 * 4 - 1  # every parameter, every step (one skips its first)
+    working_copies()
+    b, opt_b = _run(AdamW, dtype, grad_dtype, WHOLE, compensation=compensation, **kwargs)
+    _same(a, opt_a, b, opt_b)
+
+
+@pytest.mark.parametrize("dtype,grad_dtype,compensation", RECIPES)
+@pytest.mark.parametrize("kwargs", SGD_CASES)
+def test_sgd_kernel_is_bitwise_the_working_copies(counted, working_copies, kwargs, dtype, grad_dtype, compensation):
+    a, opt_a = _run(SGD, dtype, grad_dtype, WHOLE, compensation=compensation, **kwargs)
+    assert counted.params == 3 * 4 - 1
+    working_copies()
+    b, opt_b = _run(SGD, dtype, grad_dtype, WHOLE, compensation=compensation, **kwargs)
+    _same(a, opt_a, b, opt_b)
+
+
+@pytest.mark.parametrize("cls,kwargs", [(AdamW, ADAMW_CASES[0]), (AdamW, ADAMW_CASES[1]), (SGD, SGD_CASES[0]),
+                                        (SGD, SGD_CASES[1])])
+def test_tails_differ_from_torch_by_a_few_ulps_at_most(ops, working_copies, cls, kwargs):
+    """torch's scalar tail rounds the moments a little otherwise: masters within ulps after 4 steps."""
+    a, opt_a = _run(cls, torch.bfloat16, torch.bfloat16, TAILS, compensation="exact", **kwargs)
+    working_copies()
+    b, opt_b = _run(cls, torch.bfloat16, torch.bfloat16, TAILS, compensation="exact", **kwargs)
+    for p, q in zip(a, b):
+        x, y = exact_value(p, opt_a.state[p]["low_bits"]), exact_value(q, opt_b.state[q]["low_bits"])
+        ulps = (x.view(torch.int32).long() - y.view(torch.int32).long()).abs()
+        assert ulps.max() <= 8, ulps.max()
+        whole = p.numel() - p.numel() % 16  # the vector body: bitwise
+        assert torch.equal(x.flatten()[:whole], y.flatten()[:whole])
+
+
+def test_exact_adamw_is_bitwise_torch_fused_fp32_training(ops):
+    """bf16 + exact low bits through the kernel is torch.optim.AdamW(fused=True) on fp32, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    low = [torch.randn(s, generator=g).bfloat16().requires_grad_() for s in WHOLE]
+    ref = [p.detach().float().requires_grad_() for p in low]
+    opt = AdamW(low, lr=1e-3, weight_decay=0.1, amsgrad=True, compensation="exact", fused=True)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.1, amsgrad=True, fused=True)
+    for _ in range(30):
+        for p, q in zip(low, ref):
+            p.grad = torch.randn(p.shape, generator=g).bfloat16()
+            q.grad = p.grad.float()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(low, ref):
+        assert torch.equal(exact_value(p, opt.state[p]["low_bits"]), q.detach())
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            assert torch.equal(opt.state[p][key], ref_opt.state[q][key])
+
+
+def test_exact_sgd_is_bitwise_torch_fused_fp32_training(ops):
+    g = torch.Generator().manual_seed(0)
+    low = [torch.randn(s, generator=g).bfloat16().requires_grad_() for s in WHOLE]
+    ref = [p.detach().float().requires_grad_() for p in low]
+    kwargs = dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    opt = SGD(low, compensation="exact", fused=True, **kwargs)
+    ref_opt = torch.optim.SGD(ref, fused=True, **kwargs)
+    for _ in range(30):
+        for p, q in zip(low, ref):
+            p.grad = torch.randn(p.shape, generator=g).bfloat16()
+            q.grad = p.grad.float()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(low, ref):
+        assert torch.equal(exact_value(p, opt.state[p]["low_bits"]), q.detach())
+        assert torch.equal(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("cls", [AdamW, SGD])
+def test_loss_scaler_unscales_inside_the_kernel(counted, working_copies, cls):
+    """torch.amp.GradScaler's fused protocol: the kernel unscales (and skips) as the working copies do."""
+    def train():
+        torch.manual_seed(0)
+        model = mixprec.to_low_precision(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)))
+        extra = dict(momentum=0.9) if cls is SGD else {}
+        opt = cls(model.parameters(), lr=1e-2, compensation="exact", fused=True, **extra)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        for step in range(5):
+            x = torch.randn(8, 16).bfloat16()
+            loss = model(x).float().square().mean() * (float("inf") if step == 2 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()], scaler.get_scale()
+
+    ours, scale = train()
+    assert counted.params == 4 * 4  # 4 parameters, 4 steps not skipped
+    working_copies()
+    theirs, their_scale = train()
+    assert scale == their_scale == 2.0**9  # the overflow step was skipped and the scale halved
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)
+
+
+def test_what_the_kernel_cannot_take_keeps_the_working_copies(counted, working_copies):
+    """fp32 and non-contiguous parameters, bf16 state, float16 stochastic rounding in one
+    optimizer with parameters the kernel takes: each gets its own path, the random numbers come
+    in the working-copy path's order, and the results are those of the working copies alone."""
+    def run():
+        g = torch.Generator().manual_seed(0)
+        eligible = torch.randn(32, 16, generator=g).bfloat16().requires_grad_()
+        strided = torch.randn(16, 32, generator=g).bfloat16().t().requires_grad_()
+        full = torch.randn(64, generator=g).requires_grad_()
+        rounded16 = torch.randn(64, generator=g).half().requires_grad_()
+        rounded = torch.randn(64, generator=g).bfloat16().requires_grad_()  # draws after rounded16
+        narrow = torch.randn(64, generator=g).bfloat16().requires_grad_()
+        alone = torch.randn(64, generator=g).bfloat16().requires_grad_()
+        opt = AdamW([{"params": [eligible, strided, full]},
+                     {"params": [rounded16, rounded], "compensation": "stochastic"},
+                     {"params": [narrow], "state_dtype": torch.bfloat16},
+                     {"params": [alone], "compensation": "stochastic"}],
+                    lr=1e-2, compensation="exact", fused=True, generator=torch.Generator().manual_seed(1))
+        params = [eligible, strided, full, rounded16, rounded, narrow, alone]
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            opt.step()
+        return params, opt
+
+    a, opt_a = run()
+    assert not a[1].is_contiguous()
+    assert counted.params == 2 * 3  # the contiguous bf16 exact parameter and the lone stochastic one
+    working_copies()
+    b, opt_b = run()
+    _same(a, opt_a, b, opt_b)
+
+
+def test_a_kernel_that_disagrees_with_torch_is_not_used(ops, monkeypatch, caplog):
+    monkeypatch.setattr(fused, "_checked", {})
+    monkeypatch.setattr(fused, "_agrees_with_torch", lambda ops: False)
+    with caplog.at_level("WARNING", logger="mixprec"):
+        assert fused.native_ops() is None
+    assert "working copies" in caplog.text
+    p = torch.randn(32).bfloat16().requires_grad_()
+    p.grad = torch.ones(32).bfloat16()
+    AdamW([p], compensation="exact", fused=True).step()  # still trains, through the working copies
+    assert not torch.equal(p, torch.zeros(32).bfloat16())
+
+
+def test_kernel_checks_its_inputs(ops):
+    p = torch.zeros(32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="contiguous CPU tensor"):
+        ops.sgd_step([p], [torch.zeros(16)], [], [], [], 0.1, 0.0, 0.0, 0.0, False, False, None, 0, None)
+    with pytest.raises(RuntimeError, match="need bfloat16 parameters"):
+        ops.sgd_step([p.half()], [torch.zeros(32)], [], [torch.zeros(32, dtype=torch.int16)], [], 0.1, 0.0,
+                     0.0, 0.0, False, False, None, 2, None)
+    with pytest.raises(RuntimeError, match="moments must be float32"):
+        ops.adamw_step([p], [p], [p], [p], [], [], [1.0], 1e-3, 0.9, 0.999, 1e-8, 0.0, False, False, None, 0, None)

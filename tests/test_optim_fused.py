@@ -274,4 +274,61 @@ def test_kernel_checks_its_inputs(ops):
         ops.sgd_step([p.half()], [torch.zeros(32)], [], [torch.zeros(32, dtype=torch.int16)], [], 0.1, 0.0,
                      0.0, 0.0, False, False, None, 2, None)
     with pytest.raises(RuntimeError, match="moments must be float32"):
-        ops.adamw_step([p], [p], [p], [p], [], [], [1.0], 1e-3, 0.9, 0.999, 1e-8, 0.0, False, False, None, 0, None)
+        ops.adamw_step([p], [p], [p], [p], [], [], [torch.tensor(1.0)], 1e-3, 0.9, 0.999, 1e-8, 0.0, False, False, None, 0, None)
+
+
+@pytest.mark.parametrize("cls,kwargs", [(AdamW, ADAMW_CASES[0]), (SGD, SGD_CASES[0]), (SGD, SGD_CASES[1])])
+def test_default_runs_the_kernel_for_low_precision_and_torch_for_fp32(counted, cls, kwargs):
+    """fused=None, foreach=None: the kernel steps bf16 CPU parameters (as fused=True does, bitwise)
+    and leaves float32 ones to torch's default arithmetic (bitwise torch.optim's)."""
+    def run(**flags):
+        g = torch.Generator().manual_seed(0)
+        low = [torch.randn(s, generator=g).bfloat16().requires_grad_() for s in WHOLE]
+        full = torch.randn(40, 3, generator=g).requires_grad_()
+        opt = cls(low + [full], compensation="exact", **flags, **kwargs)
+        for step in range(4):
+            for p in low + [full]:
+                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            opt.step()
+        return low, full, opt
+
+    low, full, opt = run()
+    assert counted.params == 3 * 4
+    fused_low, _, fused_opt = run(fused=True)
+    for p, q in zip(low, fused_low):
+        assert torch.equal(p, q) and torch.equal(opt.state[p]["low_bits"], fused_opt.state[q]["low_bits"])
+    g = torch.Generator().manual_seed(0)
+    [torch.randn(s, generator=g) for s in WHOLE]
+    ref = torch.randn(40, 3, generator=g).requires_grad_()
+    ref_opt = (torch.optim.AdamW if cls is AdamW else torch.optim.SGD)([ref], **kwargs)
+    for step in range(4):
+        for s in WHOLE:
+            torch.randn(s, generator=g)
+        ref.grad = torch.randn(ref.shape, generator=g)
+        ref_opt.step()
+    assert torch.equal(full, ref)
+
+
+@pytest.mark.parametrize("flags", [dict(fused=False), dict(foreach=False), dict(foreach=True)])
+def test_explicit_flags_keep_torch_arithmetic(counted, flags):
+    p = torch.randn(64).bfloat16().requires_grad_()
+    p.grad = torch.randn(64).bfloat16()
+    AdamW([p], compensation="exact", **flags).step()
+    SGD([p], momentum=0.9, compensation="exact", **flags).step()
+    assert counted.params == 0
+
+
+def test_default_sgd_creates_momentum_buffers_like_the_other_paths(counted):
+    """The kernel's first step starts the buffer from the gradient; a bf16-state group in the same
+    optimizer keeps torch's path and its own buffer dtype."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, generator=g).bfloat16().requires_grad_()
+    b = torch.randn(64, generator=g).bfloat16().requires_grad_()
+    opt = SGD([{"params": [a]}, {"params": [b], "state_dtype": torch.bfloat16}], lr=0.1, momentum=0.9,
+              compensation="exact", generator=torch.Generator().manual_seed(1))
+    a.grad, b.grad = torch.ones(64).bfloat16(), torch.ones(64).bfloat16()
+    opt.step()
+    assert counted.params == 1
+    assert opt.state[a]["momentum_buffer"].dtype == torch.float32
+    assert torch.equal(opt.state[a]["momentum_buffer"], torch.ones(64))
+    assert opt.state[b]["momentum_buffer"].dtype == torch.bfloat16

@@ -257,13 +257,13 @@ void* comp_ptr(const std::vector<at::Tensor>& comps, size_t i, int64_t mode, con
 
 void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                 at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList comps_in,
-                std::vector<double> steps, double lr, double beta1,
+                at::TensorList state_steps, double lr, double beta1,
                 double beta2, double eps, double weight_decay, bool amsgrad, bool maximize,
                 const std::optional<at::Tensor>& inv_scale, int64_t mode,
                 const std::optional<at::Generator>& generator) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
-              steps.size() == n && (!amsgrad || max_exp_avg_sqs.size() == n),
+              state_steps.size() == n && (!amsgrad || max_exp_avg_sqs.size() == n),
               "mixprec fused AdamW: list lengths differ");
   std::vector<at::Tensor> comps(comps_in.begin(), comps_in.end());
   const float factor = grad_factor(inv_scale, maximize);
@@ -282,7 +282,7 @@ void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_
       check_cpu_contiguous(*max_sq, param, "max_exp_avg_sq");
       TORCH_CHECK(max_sq->scalar_type() == at::kFloat, "mixprec fused AdamW: max_exp_avg_sq must be float32");
     }
-    const double step = steps[i];
+    const double step = state_steps[i].item<float>();  // as torch's kernel
     const double bias_correction1 = 1 - std::pow(beta1, step);
     const double bias_correction2 = 1 - std::pow(beta2, step);
     const double step_size = lr / bias_correction1;
@@ -397,12 +397,17 @@ void sgd_step(at::TensorList params, at::TensorList grads, at::TensorList moment
 
 TORCH_LIBRARY_FRAGMENT(mixprec_native, m) {
   m.def("adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-        "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] comps, float[] steps, float lr, float beta1, "
+        "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] comps, Tensor[] state_steps, float lr, float beta1, "
         "float beta2, float eps, float weight_decay, bool amsgrad, bool maximize, Tensor? inv_scale, "
-        "int mode, Generator? generator) -> ()",
-        &mixprec_optim::adamw_step);
+        "int write_back, Generator? generator) -> ()");
   m.def("sgd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] comps, "
         "bool[] first, float lr, float momentum, float dampening, float weight_decay, bool nesterov, "
-        "bool maximize, Tensor? inv_scale, int mode, Generator? generator) -> ()",
-        &mixprec_optim::sgd_step);
+        "bool maximize, Tensor? inv_scale, int write_back, Generator? generator) -> ()");
+}
+
+// CPU kernels (not catch-all ones), so that torch.compile can trace the ops with fake kernels
+// (mixprec/optim/_fused.py registers them) and call them from a compiled graph.
+TORCH_LIBRARY_IMPL(mixprec_native, CPU, m) {
+  m.impl("adamw_step", &mixprec_optim::adamw_step);
+  m.impl("sgd_step", &mixprec_optim::sgd_step);
 }

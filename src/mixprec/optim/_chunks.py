@@ -8,7 +8,8 @@ index and a slice of its flattened elements, or ``None`` for the whole tensor) i
 the per-tensor path one unit at a time, the foreach path in batches of consecutive units of about
 :data:`CPU_CHUNK` elements in all (many small tensors per batch, one chunk of a large one). The
 math is element-wise, so the results do not depend on the walk, and random numbers are drawn
-unit by unit in the same order by both paths.
+unit by unit in the same order by both paths. Under ``torch.compile`` there are no chunks: the
+compiler fuses the step into one loop itself.
 
 Chunks start at multiples of :data:`CPU_CHUNK` (a multiple of the 8-bit block and of every
 vector width), so each element meets the same vectorized kernel code as in a whole-tensor op.
@@ -19,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Optional, TypeVar, Union
 
+import torch
 from torch import Tensor
 
 from mixprec.optim.quant8 import Quantized8
@@ -44,6 +46,8 @@ def plan(params: Sequence[Tensor], others: Sequence[Sequence[Union[Tensor, Quant
     with parameter ``i`` (gradient, states, buffer): a parameter is chunked only on the CPU,
     above one chunk, and when all of its tensors are contiguous (so they flatten alike)."""
     units: list[Unit] = []
+    if torch.compiler.is_compiling():  # the compiler fuses the whole step: no chunks to plan
+        return [(i, None) for i in range(len(params))]
     for i, p in enumerate(params):
         n = p.numel()
         if p.device.type == "cpu" and n > CPU_CHUNK and p.is_contiguous() and all(_contiguous(o[i]) for o in others):
@@ -65,7 +69,7 @@ def part(t: T, sl: Optional[slice]) -> T:
 def batches(units: list[Unit], params: Sequence[Tensor]) -> list[list[Unit]]:
     """Consecutive units grouped for the foreach path: about :data:`CPU_CHUNK` elements per
     batch when every parameter is on the CPU, else one batch (CUDA wants long lists)."""
-    if not all(p.device.type == "cpu" for p in params):
+    if torch.compiler.is_compiling() or not all(p.device.type == "cpu" for p in params):
         return [units]
     out: list[list[Unit]] = []
     size = CPU_CHUNK

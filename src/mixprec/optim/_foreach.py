@@ -25,6 +25,7 @@ from torch import Tensor
 
 from mixprec.optim._chunks import batches, part, plan
 from mixprec.optim._fused import adamw_native, sgd_native
+from mixprec.optim.kahan import kahan_write_
 from mixprec.optim._functional import (
     State,
     Unscaler,
@@ -94,7 +95,10 @@ def _store_params(params: list[Tensor], values: list[Tensor], comps: list[Option
         torch._foreach_copy_(low, bits)
         torch._foreach_sub_(bits, low)
         torch._foreach_copy_(_pick(params, exact), _pick(values, exact))
-    if kahan:
+    if kahan and torch.compiler.is_compiling():  # rounding Inductor keeps: kahan_write_
+        for i in kahan:
+            kahan_write_(params[i], comps[i], values[i])  # type: ignore[arg-type]
+    elif kahan:
         p, v = _pick(params, kahan), _pick(values, kahan)
         torch._foreach_copy_(p, v)
         torch._foreach_sub_(v, p)
@@ -165,16 +169,22 @@ def adamw_foreach(
     check_grads(grads)
     stored = [exp_avgs, exp_avg_sqs] + ([max_exp_avg_sqs] if amsgrad else [])
     torch._foreach_add_(state_steps, 1)
-    steps = [t.item() for t in state_steps]
-    if fused:  # mixprec's one-pass kernel for the parameters it takes, the working copies for the rest
-        done = adamw_native(params, grads, stored, comps, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+    if fused:  # mixprec's one-pass kernel for the parameters it takes, the rest as below
+        done = adamw_native(params, grads, stored, comps, state_steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                             weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                             compensation=compensation, inv_scale=inv_scale, generator=generator)
         if done:
             rest = _rest(len(params), done)
-            params, grads, comps, state_steps, steps = (
-                _pick(lst, rest) for lst in (params, grads, comps, state_steps, steps))
+            params, grads, comps, state_steps = (_pick(lst, rest) for lst in (params, grads, comps, state_steps))
             stored = [_pick(lst, rest) for lst in stored]
+            if not rest:
+                return
+    if torch.compiler.is_compiling():
+        _adamw_compiled(params, grads, stored, state_steps, comps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                        weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        compensation=compensation, generator=generator, inv_scale=inv_scale)
+        return
+    steps = [t.item() for t in state_steps]
     step_sizes = [-(lr / (1 - beta1**step)) for step in steps]
     bias_correction2_sqrts = [(1 - beta2**step) ** 0.5 for step in steps]
     units = plan(params, [grads, comps, *stored])
@@ -213,6 +223,51 @@ def adamw_foreach(
         _write_back_all(p, values, c, list(zip(states, computed)), compensation, generator)
 
 
+def _adamw_compiled(
+    params: list[Tensor],
+    grads: list[Tensor],
+    stored: list[list[Any]],
+    state_steps: list[Tensor],
+    comps: list[Optional[Tensor]],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    compensation: Optional[str],
+    generator: Optional[torch.Generator],
+    inv_scale: Optional[Tensor],
+) -> None:
+    """:func:`adamw_foreach` while ``torch.compile`` traces it: the step counters stay tensors
+    (torch.optim's capturable formulation), so that one graph serves every step, and the update
+    is traced whole, as foreach ops (``fused=True`` too: the compiler fuses them into one loop).
+    Same arithmetic up to rounding: the bias corrections are float32 tensor math rather than
+    Python (double) floats, and the step size is folded into the denominator."""
+    cdtypes = [compute_dtype(p.dtype) for p in params]
+    grads_c = _grads(grads, cdtypes, inv_scale, maximize)
+    computed = [[read_state(s, c) for s, c in zip(lst, cdtypes)] for lst in stored]
+    exp_avgs_c, exp_avg_sqs_c = computed[0], computed[1]
+    values = _load_params(params, comps, cdtypes)
+    if weight_decay != 0:
+        torch._foreach_mul_(values, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs_c, grads_c, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs_c, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs_c, grads_c, grads_c, value=1 - beta2)
+    if amsgrad:
+        torch._foreach_maximum_(computed[2], exp_avg_sqs_c)
+    denoms = torch._foreach_sqrt(computed[2] if amsgrad else exp_avg_sqs_c)
+    # torch's capturable formulation: -step_size folded into the denominator
+    neg_step_sizes = [-(lr / (1 - beta1**step)) for step in state_steps]
+    bias_correction2_sqrts = [(1 - beta2**step).sqrt() for step in state_steps]
+    torch._foreach_div_(denoms, [b * n for b, n in zip(bias_correction2_sqrts, neg_step_sizes)])
+    torch._foreach_add_(denoms, [eps / n for n in neg_step_sizes])
+    torch._foreach_addcdiv_(values, exp_avgs_c, denoms)
+    _write_back_all(params, values, comps, list(zip(stored, computed)), compensation, generator)
+
+
 def sgd_foreach(
     params: list[Tensor],
     grads: list[Tensor],
@@ -248,6 +303,8 @@ def sgd_foreach(
             params, grads, comps = (_pick(lst, rest) for lst in (params, grads, comps))
             if momentum != 0:
                 momentum_buffers, fresh = _pick(momentum_buffers, rest), _pick(fresh, rest)
+            if not rest:
+                return
     for batch in batches(plan(params, [grads, comps, momentum_buffers]), params):
         p = [part(params[i], sl) for i, sl in batch]
         cdtypes = [compute_dtype(t.dtype) for t in p]
@@ -255,7 +312,7 @@ def sgd_foreach(
         c = [part(comps[i], sl) for i, sl in batch]
         values = _load_params(p, c, cdtypes)
 
-        if fused:
+        if fused and not torch.compiler.is_compiling():  # compiled: foreach ops, which the compiler fuses
             _fused_sgd(batch, values, grads_c, momentum_buffers, fresh, cdtypes, generator, lr=lr,
                        momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
             _write_back_all(p, values, c, [], compensation, generator)

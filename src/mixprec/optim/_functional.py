@@ -210,20 +210,24 @@ def adamw(
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
 
-        step = step_t.item()
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        step_size = lr / bias_correction1
-        bias_correction2_sqrt = bias_correction2**0.5
         computed = [exp_avg, exp_avg_sq]
         if amsgrad:
             max_exp_avg_sq = read_state(part(max_exp_avg_sqs[i], sl), cdtype)  # type: ignore[arg-type]
             torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
-            denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
             computed.append(max_exp_avg_sq)
+        second = computed[-1]
+        if torch.compiler.is_compiling():  # step-dependent scalars as tensors: one graph for every step
+            step_size = lr / (1 - beta1**step_t)
+            bias_correction2_sqrt = (1 - beta2**step_t).sqrt()
+            # torch's capturable trick: fold -step_size into the denominator (addcdiv's value= is a number)
+            denom = (second.sqrt() / (bias_correction2_sqrt * -step_size)).add_(eps / -step_size)
+            value.addcdiv_(exp_avg, denom)
         else:
-            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        value.addcdiv_(exp_avg, denom, value=-step_size)
+            step = step_t.item()
+            step_size = lr / (1 - beta1**step)
+            bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+            denom = (second.sqrt() / bias_correction2_sqrt).add_(eps)
+            value.addcdiv_(exp_avg, denom, value=-step_size)
 
         states = [(part(s[i], sl), c) for s, c in zip(stored, computed)]
         write_back(param, value, comp, states, compensation, generator)

@@ -44,7 +44,12 @@ _NARROW = (torch.bfloat16, torch.float16)
 def native_ops() -> Optional[Any]:
     """The compiled kernels, or ``None`` where the working-copy path must serve (no compiler,
     ``MIXPREC_NATIVE_KERNELS=0``, a CPU other than x86 AVX2/AVX-512, or a torch build whose
-    fused kernels round otherwise: :func:`_agrees_with_torch`)."""
+    fused kernels round otherwise: :func:`_agrees_with_torch`).
+
+    Decided once per process, outside ``torch.compile`` (the optimizers ask at construction);
+    code being compiled only reads the decision (``None`` if it was never taken)."""
+    if torch.compiler.is_compiling():
+        return _checked.get("ops")
     if "ops" not in _checked:
         ops = None
         if _native.cpu_capability() in _TORCH_VEC_FLOATS and _native.enabled():
@@ -53,11 +58,28 @@ def native_ops() -> Optional[Any]:
             _log.warning("mixprec: its fused optimizer kernel does not reproduce this torch build's "
                          "fused AdamW/SGD bit for bit; fused=True uses float32 working copies instead")
             ops = None
+        if ops is not None:
+            _register_fakes()
         _checked["ops"] = ops
     return _checked["ops"]
 
 
 _checked: dict[str, Any] = {}
+
+
+def _register_fakes() -> None:
+    """Let ``torch.compile`` trace calls to the kernels: they return nothing and only mutate."""
+    for name in ("adamw_step", "sgd_step"):
+        qualname = f"mixprec_native::{name}"
+        if torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Meta"):
+            continue
+        torch.library.register_fake(qualname, lambda *args, **kwargs: None, lib=_fake_lib())
+
+
+def _fake_lib() -> Any:
+    if "lib" not in _checked:
+        _checked["lib"] = torch.library.Library("mixprec_native", "FRAGMENT")
+    return _checked["lib"]
 
 
 def _agrees_with_torch(ops: Any) -> bool:
@@ -75,7 +97,7 @@ def _agrees_with_torch(ops: Any) -> bool:
                             [torch.tensor(3.0)], amsgrad=amsgrad, maximize=False, grad_scale=None,
                             found_inf=None, **hyper)
         ours = [t.clone() for t in (p, m, v, vmax)]
-        ops.adamw_step([ours[0]], [g], [ours[1]], [ours[2]], [ours[3]] if amsgrad else [], [], [3.0],
+        ops.adamw_step([ours[0]], [g], [ours[1]], [ours[2]], [ours[3]] if amsgrad else [], [], [torch.tensor(3.0)],
                        *hyper.values(), amsgrad, False, None, 0, None)
         if not all(torch.equal(a, b) for a, b in zip(ours, ref)):
             return False
@@ -149,13 +171,14 @@ def _groups(modes: list[Optional[int]]) -> dict[int, list[int]]:
 
 def adamw_native(
     params: list[Tensor], grads: list[Tensor], stored: list[list[Any]], comps: list[Optional[Tensor]],
-    steps: list[float], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+    state_steps: list[Tensor], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
     amsgrad: bool, maximize: bool, compensation: Optional[str], inv_scale: Optional[Tensor],
-    generator: Optional[torch.Generator],
+    generator: Optional[torch.Generator], increment: bool = False,
 ) -> list[int]:
     """Run the fused AdamW step on the parameters the C++ kernel takes; return their indices
     (the caller runs the others). ``stored``: ``[exp_avgs, exp_avg_sqs(, max_exp_avg_sqs)]``;
-    ``steps``: the step counts, already incremented."""
+    ``state_steps``: the step counters (float32 CPU scalars), already incremented unless
+    ``increment`` (then those of the parameters taken are incremented here)."""
     ops = native_ops()
     if ops is None:
         return []
@@ -164,12 +187,16 @@ def adamw_native(
     modes = _keep_draw_order(modes, comps, states, compensation)
     inv = _cpu_inv(inv_scale)
     done: list[int] = []
-    for mode, index in _groups(modes).items():
+    groups = _groups(modes)
+    if increment and groups:
+        torch._foreach_add_([state_steps[i] for index in groups.values() for i in index], 1)
+    for mode, index in groups.items():
         pick = lambda lst: [lst[i] for i in index]  # noqa: E731
         ops.adamw_step(
             pick(params), pick(grads), pick(stored[0]), pick(stored[1]),
             pick(stored[2]) if amsgrad else [], [comps[i] for i in index] if mode in (1, 2) else [],
-            pick(steps), lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, inv, mode, generator,
+            pick(state_steps), lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, inv, mode,
+            generator if mode == _MODES["stochastic"] else None,  # (torch.compile cannot trace a generator)
         )
         done += index
     return sorted(done)
@@ -196,7 +223,8 @@ def sgd_native(
         ops.sgd_step(
             pick(params), pick(grads), pick(momentum_buffers) if has_momentum else [],
             [comps[i] for i in index] if mode in (1, 2) else [], pick(fresh) if has_momentum else [],
-            lr, momentum, dampening, weight_decay, nesterov, maximize, inv, mode, generator,
+            lr, momentum, dampening, weight_decay, nesterov, maximize, inv, mode,
+            generator if mode == _MODES["stochastic"] else None,
         )
         done += index
     return sorted(done)

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from mixprec.optim._base import STATE_8BIT, CompensatedOptimizer, _scalar
 from mixprec.optim._foreach import adamw_foreach
+from mixprec.optim._fused import adamw_native
 from mixprec.optim._functional import State, adamw, compute_dtype
 from mixprec.optim.quant8 import MIN_NUMEL, Quantized8, new_quantized8
 
@@ -160,25 +161,21 @@ class AdamW(CompensatedOptimizer):
             if not params:
                 continue
             beta1, beta2 = group["betas"]
+            hyper = dict(lr=_scalar(group["lr"]), beta1=_scalar(beta1), beta2=_scalar(beta2), eps=group["eps"],
+                         weight_decay=group["weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"],
+                         compensation=group["compensation"], generator=self.generator, inv_scale=inv_scale)
+            if group["fused"] is None and group["foreach"] is None:  # the C++ kernel where it applies
+                stored = list(moments[:3] if group["amsgrad"] else moments[:2])
+                done = adamw_native(params, grads, stored, comps, steps, increment=True, **hyper)
+                if done:
+                    rest = [i for i in range(len(params)) if i not in set(done)]
+                    params, grads, steps, comps = ([lst[i] for i in rest] for lst in (params, grads, steps, comps))
+                    moments = tuple([lst[i] for i in rest] for lst in moments)
+                    if not params:
+                        continue
             if group["fused"]:
                 update: Callable[..., None] = partial(adamw_foreach, fused=True)
             else:
                 update = adamw_foreach if self._uses_foreach(group) else adamw
-            update(
-                params,
-                grads,
-                *moments,
-                steps,
-                comps,
-                lr=_scalar(group["lr"]),
-                beta1=_scalar(beta1),
-                beta2=_scalar(beta2),
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                amsgrad=group["amsgrad"],
-                maximize=group["maximize"],
-                compensation=group["compensation"],
-                generator=self.generator,
-                inv_scale=inv_scale,
-            )
+            update(params, grads, *moments, steps, comps, **hyper)
         return loss

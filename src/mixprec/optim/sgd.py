@@ -10,6 +10,7 @@ from torch import Tensor
 
 from mixprec.optim._base import CompensatedOptimizer, _scalar
 from mixprec.optim._foreach import sgd_foreach
+from mixprec.optim._fused import sgd_native
 from mixprec.optim._functional import sgd
 
 __all__ = ["SGD"]
@@ -75,6 +76,24 @@ class SGD(CompensatedOptimizer):
         )
         super().__init__(params, defaults, generator=generator)
 
+    @staticmethod
+    def _native_first(group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                      buffers: list[Optional[Tensor]], comps: list[Optional[Tensor]], hyper: dict[str, Any]) -> list[int]:
+        """Step the parameters the C++ kernel takes (creating their float32 momentum buffers,
+        as the other paths would); return the indices left to the other paths."""
+        fresh = [False] * len(params)
+        if group["momentum"] != 0 and group["state_dtype"] in (None, torch.float32):
+            for i, p in enumerate(params):
+                if buffers[i] is None and p.dtype in (torch.bfloat16, torch.float16):
+                    buffers[i] = torch.empty_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                    fresh[i] = True
+        done = set(sgd_native(params, grads, buffers, fresh, comps, **hyper))
+        todo = [i for i in range(len(params)) if i not in done]
+        for i in todo:
+            if fresh[i]:  # the other paths create it themselves, and start it from the gradient
+                buffers[i] = None
+        return todo
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Perform one optimization step; ``closure`` re-evaluates the loss (returned)."""
@@ -92,26 +111,22 @@ class SGD(CompensatedOptimizer):
                 comps.append(self._compensation_buffer(group, p))
             if not params:
                 continue
-            if group["fused"]:
-                update: Callable[..., None] = partial(sgd_foreach, fused=True)
-            else:
-                update = sgd_foreach if self._uses_foreach(group) else sgd
-            update(
-                params,
-                grads,
-                buffers,
-                comps,
-                lr=_scalar(group["lr"]),
-                momentum=group["momentum"],
-                dampening=group["dampening"],
-                weight_decay=group["weight_decay"],
-                nesterov=group["nesterov"],
-                maximize=group["maximize"],
-                compensation=group["compensation"],
-                generator=self.generator,
-                inv_scale=inv_scale,
-                state_dtype=group["state_dtype"],
-            )
+            hyper = dict(lr=_scalar(group["lr"]), momentum=group["momentum"], dampening=group["dampening"],
+                         weight_decay=group["weight_decay"], nesterov=group["nesterov"], maximize=group["maximize"],
+                         compensation=group["compensation"], generator=self.generator, inv_scale=inv_scale)
+            todo = list(range(len(params)))
+            if group["fused"] is None and group["foreach"] is None:  # the C++ kernel where it applies
+                todo = self._native_first(group, params, grads, buffers, comps, hyper)
+            if todo:
+                if group["fused"]:
+                    update: Callable[..., None] = partial(sgd_foreach, fused=True)
+                else:
+                    update = sgd_foreach if self._uses_foreach(group) else sgd
+                rest_buffers = [buffers[i] for i in todo]
+                update([params[i] for i in todo], [grads[i] for i in todo], rest_buffers,
+                       [comps[i] for i in todo], state_dtype=group["state_dtype"], **hyper)
+                for i, buf in zip(todo, rest_buffers):  # the momentum buffers it created
+                    buffers[i] = buf
             if group["momentum"] != 0:
                 for p, buf in zip(params, buffers):
                     self.state[p]["momentum_buffer"] = buf

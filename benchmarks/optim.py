@@ -6,8 +6,10 @@ Every recipe runs in the same process, on the same parameters and gradients:
   float32 weights;
 * torch's fused AdamW/SGD on float32 weights (a second reference, 2-4x faster on the CPU);
 * ``mixprec.optim.AdamW``/``SGD`` on bfloat16 weights: ``compensation="exact"``, ``"kahan"``,
-  ``"stochastic"``, with float32 (default), bfloat16 or 8-bit moments, ``foreach=True`` or
-  ``fused=True``;
+  ``"stochastic"``, with float32 (default), bfloat16 or 8-bit moments; by default (mixprec's
+  one-pass C++ kernel), ``foreach=True`` (torch's foreach arithmetic), ``foreach=True`` under
+  ``torch.compile(opt.step, fullgraph=True)`` (Inductor; compiled on the first step, excluded from
+  the times; not in ``--quick``), or ``fused=True`` (8-bit and bf16 state: working copies);
 * peers when they are installed (the ``bench`` extra), bfloat16 weights: torch-optimi's AdamW/SGD
   with Kahan summation (foreach), torchao's ``_AdamW`` and ``AdamW8bit`` with bf16 stochastic
   rounding (each parameter shape is ``torch.compile``d on its first step; not in ``--quick``).
@@ -60,30 +62,50 @@ class Recipe:
     compiles: bool = False
 
 
-def _mixprec(kind: str, fused: bool = False, **kw: Any) -> Callable[[list[Tensor]], torch.optim.Optimizer]:
-    how = dict(fused=True) if fused else dict(foreach=True)
-    gen = dict(generator=torch.Generator().manual_seed(0))
+class _CompiledStep:
+    """An optimizer whose ``step()`` is ``torch.compile(opt.step)`` (compiled on the first call)."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt, self.state = opt, opt.state
+        self.step = torch.compile(opt.step, fullgraph=True)
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+
+def _mixprec(kind: str, how: str = "default", **kw: Any) -> Callable[[list[Tensor]], Any]:
+    """``how``: "default" (no flags: the C++ kernel where it applies), "foreach", "fused", or
+    "compiled" (foreach=True under torch.compile)."""
+    flags = {"default": {}, "foreach": dict(foreach=True), "fused": dict(fused=True),
+             "compiled": dict(foreach=True)}[how]
+    kw = dict(generator=torch.Generator().manual_seed(0), **flags, **kw)
     if kind == "AdamW":
-        return lambda ps: mixprec.optim.AdamW(ps, lr=1e-4, **how, **gen, **kw)
-    return lambda ps: mixprec.optim.SGD(ps, lr=0.05, momentum=0.9, **how, **gen, **kw)
+        make = lambda ps: mixprec.optim.AdamW(ps, lr=1e-4, **kw)  # noqa: E731
+    else:
+        make = lambda ps: mixprec.optim.SGD(ps, lr=0.05, momentum=0.9, **kw)  # noqa: E731
+    return (lambda ps: _CompiledStep(make(ps))) if how == "compiled" else make
 
 
 def _recipes() -> list[Recipe]:
     bf16, fp32 = torch.bfloat16, torch.float32
     sr = dict(compensation="stochastic")
+    exact, kahan = dict(compensation="exact"), dict(compensation="kahan")
     return [
         Recipe("AdamW", "fp32 AdamW (foreach)", fp32, lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True)),
         Recipe("AdamW", "fp32 AdamW (fused)", fp32, lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)),
-        Recipe("AdamW", "mixprec exact (foreach)", bf16, _mixprec("AdamW", compensation="exact")),
-        Recipe("AdamW", "mixprec exact (fused)", bf16, _mixprec("AdamW", True, compensation="exact")),
-        Recipe("AdamW", "mixprec Kahan (foreach)", bf16, _mixprec("AdamW", compensation="kahan")),
-        Recipe("AdamW", "mixprec Kahan (fused)", bf16, _mixprec("AdamW", True, compensation="kahan")),
-        Recipe("AdamW", "mixprec stochastic rounding (foreach)", bf16, _mixprec("AdamW", **sr)),
-        Recipe("AdamW", "mixprec stochastic rounding (fused)", bf16, _mixprec("AdamW", True, **sr)),
-        Recipe("AdamW", "mixprec SR, bf16 state (fused)", bf16, _mixprec("AdamW", True, state_dtype=bf16, **sr)),
-        Recipe("AdamW", "mixprec SR, 8-bit state (fused)", bf16, _mixprec("AdamW", True, state_dtype="8bit", **sr)),
-        Recipe("AdamW", "mixprec exact, 8-bit state (fused)", bf16,
-               _mixprec("AdamW", True, compensation="exact", state_dtype="8bit")),
+        Recipe("AdamW", "mixprec exact (default: C++ kernel)", bf16, _mixprec("AdamW", **exact)),
+        Recipe("AdamW", "mixprec exact (foreach)", bf16, _mixprec("AdamW", "foreach", **exact)),
+        Recipe("AdamW", "mixprec exact (foreach, torch.compile)", bf16, _mixprec("AdamW", "compiled", **exact),
+               compiles=True),
+        Recipe("AdamW", "mixprec Kahan (default: C++ kernel)", bf16, _mixprec("AdamW", **kahan)),
+        Recipe("AdamW", "mixprec Kahan (foreach)", bf16, _mixprec("AdamW", "foreach", **kahan)),
+        Recipe("AdamW", "mixprec Kahan (foreach, torch.compile)", bf16, _mixprec("AdamW", "compiled", **kahan),
+               compiles=True),
+        Recipe("AdamW", "mixprec stochastic rounding (default: C++ kernel)", bf16, _mixprec("AdamW", **sr)),
+        Recipe("AdamW", "mixprec stochastic rounding (foreach)", bf16, _mixprec("AdamW", "foreach", **sr)),
+        Recipe("AdamW", "mixprec SR, bf16 state (fused)", bf16, _mixprec("AdamW", "fused", state_dtype=bf16, **sr)),
+        Recipe("AdamW", "mixprec SR, 8-bit state (fused)", bf16, _mixprec("AdamW", "fused", state_dtype="8bit", **sr)),
+        Recipe("AdamW", "mixprec exact, 8-bit state (fused)", bf16, _mixprec("AdamW", "fused", state_dtype="8bit", **exact)),
         Recipe("AdamW", "naive bf16 (torch AdamW, foreach)", bf16,
                lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True)),
         Recipe("AdamW", "optimi AdamW Kahan (foreach)", bf16,
@@ -95,11 +117,13 @@ def _recipes() -> list[Recipe]:
                lambda ps: _torchao().AdamW8bit(ps, lr=1e-4, bf16_stochastic_round=True), "torchao", True),
         Recipe("SGD", "fp32 SGD (foreach)", fp32, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=True)),
         Recipe("SGD", "fp32 SGD (fused)", fp32, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, fused=True)),
-        Recipe("SGD", "mixprec exact (foreach)", bf16, _mixprec("SGD", compensation="exact")),
-        Recipe("SGD", "mixprec exact (fused)", bf16, _mixprec("SGD", True, compensation="exact")),
-        Recipe("SGD", "mixprec Kahan (foreach)", bf16, _mixprec("SGD", compensation="kahan")),
-        Recipe("SGD", "mixprec Kahan (fused)", bf16, _mixprec("SGD", True, compensation="kahan")),
-        Recipe("SGD", "mixprec stochastic rounding (fused)", bf16, _mixprec("SGD", True, **sr)),
+        Recipe("SGD", "mixprec exact (default: C++ kernel)", bf16, _mixprec("SGD", **exact)),
+        Recipe("SGD", "mixprec exact (foreach)", bf16, _mixprec("SGD", "foreach", **exact)),
+        Recipe("SGD", "mixprec Kahan (default: C++ kernel)", bf16, _mixprec("SGD", **kahan)),
+        Recipe("SGD", "mixprec Kahan (foreach)", bf16, _mixprec("SGD", "foreach", **kahan)),
+        Recipe("SGD", "mixprec Kahan (foreach, torch.compile)", bf16, _mixprec("SGD", "compiled", **kahan),
+               compiles=True),
+        Recipe("SGD", "mixprec stochastic rounding (default: C++ kernel)", bf16, _mixprec("SGD", **sr)),
         Recipe("SGD", "optimi SGD Kahan (foreach)", bf16,
                lambda ps: _optimi().SGD(ps, lr=0.05, momentum=0.9, torch_init=True, kahan_sum=True, foreach=True),
                "optimi"),
@@ -245,7 +269,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
         if r.peer is not None and importlib.util.find_spec(r.peer) is None:
             missing[r.label] = f"{r.peer} is not installed (pip install mixprec[bench])"
         elif quick and r.compiles:
-            missing[r.label] = "skipped in --quick (compiles each parameter shape on its first step)"
+            missing[r.label] = "skipped in --quick (compiles on its first step)"
         else:
             recipes.append(r)
     small_shapes = [tuple(p.shape) for p in TinyLM().parameters()]

@@ -3,8 +3,9 @@
 ``AdamW`` and ``SGD`` take torch's hyper-parameters and defaults (``foreach`` included) plus
 ``compensation=None | "exact" | "kahan" | "stochastic"``, ``state_dtype`` (a float dtype, or
 ``"8bit"`` for AdamW) and ``generator``. The functional updates are in
-:mod:`mixprec.optim._functional` (per tensor) and :mod:`mixprec.optim._foreach` (multi-tensor,
-bitwise the same); :func:`stochastic_round_` is public.
+:mod:`mixprec.optim._functional` (per tensor), :mod:`mixprec.optim._foreach` (multi-tensor,
+bitwise the same; ``fused=True``) and :mod:`mixprec.optim._fused` (the one-pass C++ kernel that
+steps low-precision CPU parameters by default); :func:`stochastic_round_` is public.
 
 Example:
     >>> import torch, mixprec

@@ -13,7 +13,10 @@ are the same too.
 Costs one float32 temporary per parameter for the denominator, as ``torch.optim``'s foreach
 path, besides the float32 working copies that the per-tensor path makes one at a time (on the
 CPU both walk :mod:`~mixprec.optim._chunks`, so these stay cache-sized). ``fused=True`` replaces
-the element-wise update by torch's fused AdamW/SGD kernel on the same working copies.
+the element-wise update by torch's fused AdamW/SGD kernel on the same working copies, after
+mixprec's C++ kernel (:mod:`~mixprec.optim._fused`) has stepped the low-precision CPU parameters
+it takes in one pass. Under ``torch.compile`` the step is traced whole with tensor step
+counters (:func:`_adamw_compiled`).
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ class SGD(CompensatedOptimizer):
 
     Same hyper-parameters, defaults and arithmetic as ``torch.optim.SGD`` (on float32 parameters
     the two agree bitwise, and their ``state_dict()`` formats are interchangeable).
-    ``compensation``, ``foreach``, ``fused`` (torch's fused SGD kernel), ``generator`` and loss
-    scalers work as in :class:`mixprec.optim.AdamW`. ``state_dtype`` is the dtype of ``momentum_buffer``
+    ``compensation``, ``foreach``, ``fused`` (torch's fused SGD arithmetic; mixprec's C++ kernel
+    for low-precision CPU parameters, by default too), ``generator``, loss scalers and
+    ``torch.compile`` work as in :class:`mixprec.optim.AdamW`. ``state_dtype`` is the dtype of ``momentum_buffer``
     (float16 allowed: the momentum has the gradients' range; float8 and ``"8bit"`` are not).
 
     Raises:

@@ -333,3 +333,21 @@ def test_default_sgd_creates_momentum_buffers_like_the_other_paths(counted):
     assert opt.state[a]["momentum_buffer"].dtype == torch.float32
     assert torch.equal(opt.state[a]["momentum_buffer"], torch.ones(64))
     assert opt.state[b]["momentum_buffer"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("compensation", ["exact", "kahan", "stochastic"])
+def test_threads_split_large_tensors_without_changing_a_bit(counted, working_copies, compensation):
+    """A 200K-element tensor spans several parallel chunks (and two random-bit chunks): two
+    threads give the working copies' bits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a, opt_a = _run(AdamW, torch.bfloat16, torch.bfloat16, [(400, 512), (64,)], steps=2,
+                        compensation=compensation, lr=1e-2, weight_decay=0.1)
+        assert counted.params == 2 * 2 - 1
+        working_copies()
+        b, opt_b = _run(AdamW, torch.bfloat16, torch.bfloat16, [(400, 512), (64,)], steps=2,
+                        compensation=compensation, lr=1e-2, weight_decay=0.1)
+    finally:
+        torch.set_num_threads(threads)
+    _same(a, opt_a, b, opt_b)

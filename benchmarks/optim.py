@@ -66,6 +66,9 @@ class _CompiledStep:
     """An optimizer whose ``step()`` is ``torch.compile(opt.step)`` (compiled on the first call)."""
 
     def __init__(self, opt: torch.optim.Optimizer) -> None:
+        # each optimizer compiles the shared step code for itself (as torch.optim's do): more
+        # than Dynamo's default 8 versions in one benchmark run
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.opt, self.state = opt, opt.state
         self.step = torch.compile(opt.step, fullgraph=True)
 

@@ -157,43 +157,6 @@ def test_tails_differ_from_torch_by_a_few_ulps_at_most(ops, working_copies, cls,
         assert torch.equal(x.flatten()[:whole], y.flatten()[:whole])
 
 
-def test_exact_adamw_is_bitwise_torch_fused_fp32_training(ops):
-    """bf16 + exact low bits through the kernel is torch.optim.AdamW(fused=True) on fp32, bit for bit."""
-    g = torch.Generator().manual_seed(0)
-    low = [torch.randn(s, generator=g).bfloat16().requires_grad_() for s in WHOLE]
-    ref = [p.detach().float().requires_grad_() for p in low]
-    opt = AdamW(low, lr=1e-3, weight_decay=0.1, amsgrad=True, compensation="exact", fused=True)
-    ref_opt = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.1, amsgrad=True, fused=True)
-    for _ in range(30):
-        for p, q in zip(low, ref):
-            p.grad = torch.randn(p.shape, generator=g).bfloat16()
-            q.grad = p.grad.float()
-        opt.step()
-        ref_opt.step()
-    for p, q in zip(low, ref):
-        assert torch.equal(exact_value(p, opt.state[p]["low_bits"]), q.detach())
-        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-            assert torch.equal(opt.state[p][key], ref_opt.state[q][key])
-
-
-def test_exact_sgd_is_bitwise_torch_fused_fp32_training(ops):
-    g = torch.Generator().manual_seed(0)
-    low = [torch.randn(s, generator=g).bfloat16().requires_grad_() for s in WHOLE]
-    ref = [p.detach().float().requires_grad_() for p in low]
-    kwargs = dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3)
-    opt = SGD(low, compensation="exact", fused=True, **kwargs)
-    ref_opt = torch.optim.SGD(ref, fused=True, **kwargs)
-    for _ in range(30):
-        for p, q in zip(low, ref):
-            p.grad = torch.randn(p.shape, generator=g).bfloat16()
-            q.grad = p.grad.float()
-        opt.step()
-        ref_opt.step()
-    for p, q in zip(low, ref):
-        assert torch.equal(exact_value(p, opt.state[p]["low_bits"]), q.detach())
-        assert torch.equal(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])
-
-
 @pytest.mark.parametrize("cls", [AdamW, SGD])
 def test_loss_scaler_unscales_inside_the_kernel(counted, working_copies, cls):
     """torch.amp.GradScaler's fused protocol: the kernel unscales (and skips) as the working copies do."""

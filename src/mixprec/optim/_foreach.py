@@ -15,8 +15,8 @@ path, besides the float32 working copies that the per-tensor path makes one at a
 CPU both walk :mod:`~mixprec.optim._chunks`, so these stay cache-sized). ``fused=True`` replaces
 the element-wise update by torch's fused AdamW/SGD kernel on the same working copies, after
 mixprec's C++ kernel (:mod:`~mixprec.optim._fused`) has stepped the low-precision CPU parameters
-it takes in one pass. Under ``torch.compile`` the step is traced whole with tensor step
-counters (:func:`_adamw_compiled`).
+it takes in one pass. Under ``torch.compile`` the step is traced whole, with the step counters
+as tensors (:func:`_adamw_update`).
 """
 
 from __future__ import annotations
@@ -182,14 +182,9 @@ def adamw_foreach(
             stored = [_pick(lst, rest) for lst in stored]
             if not rest:
                 return
-    if torch.compiler.is_compiling():
-        _adamw_compiled(params, grads, stored, state_steps, comps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                        weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-                        compensation=compensation, generator=generator, inv_scale=inv_scale)
-        return
-    steps = [t.item() for t in state_steps]
-    step_sizes = [-(lr / (1 - beta1**step)) for step in steps]
-    bias_correction2_sqrts = [(1 - beta2**step) ** 0.5 for step in steps]
+    compiling = torch.compiler.is_compiling()
+    fused = fused and not compiling  # compiled: foreach ops, which the compiler fuses
+    steps: list[Any] = state_steps if compiling else [t.item() for t in state_steps]
     units = plan(params, [grads, comps, *stored])
     for batch in batches(units, params):
         index = [i for i, _ in batch]
@@ -198,77 +193,50 @@ def adamw_foreach(
         grads_c = _grads([part(grads[i], sl) for i, sl in batch], cdtypes, inv_scale, maximize)
         states = [[part(s[i], sl) for i, sl in batch] for s in stored]
         computed = [[read_state(s, c) for s, c in zip(lst, cdtypes)] for lst in states]
-        exp_avgs_c, exp_avg_sqs_c = computed[0], computed[1]
         c = [part(comps[i], sl) for i, sl in batch]
         values = _load_params(p, c, cdtypes)
 
         if fused:  # gradients already unscaled and negated: the kernel must not do it again
             torch._fused_adamw_(
-                values, grads_c, exp_avgs_c, exp_avg_sqs_c, computed[2] if amsgrad else [],
+                values, grads_c, computed[0], computed[1], computed[2] if amsgrad else [],
                 _pick(state_steps, index), amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2,
                 weight_decay=weight_decay, eps=eps, maximize=False, grad_scale=None, found_inf=None,
             )
         else:
-            if weight_decay != 0:
-                torch._foreach_mul_(values, 1 - lr * weight_decay)
-            torch._foreach_lerp_(exp_avgs_c, grads_c, 1 - beta1)
-            torch._foreach_mul_(exp_avg_sqs_c, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs_c, grads_c, grads_c, value=1 - beta2)
-            if amsgrad:
-                torch._foreach_maximum_(computed[2], exp_avg_sqs_c)
-                denoms = torch._foreach_sqrt(computed[2])
-            else:
-                denoms = torch._foreach_sqrt(exp_avg_sqs_c)
-            torch._foreach_div_(denoms, _pick(bias_correction2_sqrts, index))
-            torch._foreach_add_(denoms, eps)
-            torch._foreach_addcdiv_(values, exp_avgs_c, denoms, _pick(step_sizes, index))
+            _adamw_update(values, grads_c, computed, _pick(steps, index), lr=lr, beta1=beta1, beta2=beta2,
+                          eps=eps, weight_decay=weight_decay)
 
         _write_back_all(p, values, c, list(zip(states, computed)), compensation, generator)
 
 
-def _adamw_compiled(
-    params: list[Tensor],
-    grads: list[Tensor],
-    stored: list[list[Any]],
-    state_steps: list[Tensor],
-    comps: list[Optional[Tensor]],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    amsgrad: bool,
-    maximize: bool,
-    compensation: Optional[str],
-    generator: Optional[torch.Generator],
-    inv_scale: Optional[Tensor],
+def _adamw_update(
+    values: list[Tensor], grads: list[Tensor], moments: list[list[Tensor]], steps: list[Any], *,
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
 ) -> None:
-    """:func:`adamw_foreach` while ``torch.compile`` traces it: the step counters stay tensors
-    (torch.optim's capturable formulation), so that one graph serves every step, and the update
-    is traced whole, as foreach ops (``fused=True`` too: the compiler fuses them into one loop).
-    Same arithmetic up to rounding: the bias corrections are float32 tensor math rather than
-    Python (double) floats, and the step size is folded into the denominator."""
-    cdtypes = [compute_dtype(p.dtype) for p in params]
-    grads_c = _grads(grads, cdtypes, inv_scale, maximize)
-    computed = [[read_state(s, c) for s, c in zip(lst, cdtypes)] for lst in stored]
-    exp_avgs_c, exp_avg_sqs_c = computed[0], computed[1]
-    values = _load_params(params, comps, cdtypes)
+    """torch's foreach AdamW on float32 working values; ``moments``: ``[exp_avgs, exp_avg_sqs(,
+    max_exp_avg_sqs)]``. ``steps``: the step counts as floats, or while ``torch.compile`` traces,
+    the counters themselves (torch's capturable formulation, -step_size folded into the
+    denominator), so that one graph serves every step; float32 bias corrections then round
+    differently from the floats' double ones."""
+    exp_avgs, exp_avg_sqs = moments[0], moments[1]
     if weight_decay != 0:
         torch._foreach_mul_(values, 1 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avgs_c, grads_c, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs_c, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs_c, grads_c, grads_c, value=1 - beta2)
-    if amsgrad:
-        torch._foreach_maximum_(computed[2], exp_avg_sqs_c)
-    denoms = torch._foreach_sqrt(computed[2] if amsgrad else exp_avg_sqs_c)
-    # torch's capturable formulation: -step_size folded into the denominator
-    neg_step_sizes = [-(lr / (1 - beta1**step)) for step in state_steps]
-    bias_correction2_sqrts = [(1 - beta2**step).sqrt() for step in state_steps]
-    torch._foreach_div_(denoms, [b * n for b, n in zip(bias_correction2_sqrts, neg_step_sizes)])
-    torch._foreach_add_(denoms, [eps / n for n in neg_step_sizes])
-    torch._foreach_addcdiv_(values, exp_avgs_c, denoms)
-    _write_back_all(params, values, comps, list(zip(stored, computed)), compensation, generator)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    if len(moments) == 3:  # amsgrad
+        torch._foreach_maximum_(moments[2], exp_avg_sqs)
+    denoms = torch._foreach_sqrt(moments[-1])
+    if steps and isinstance(steps[0], Tensor):
+        neg_step_sizes = [-(lr / (1 - beta1**step)) for step in steps]
+        bias_correction2_sqrts = [(1 - beta2**step).sqrt() for step in steps]
+        torch._foreach_div_(denoms, [b * n for b, n in zip(bias_correction2_sqrts, neg_step_sizes)])
+        torch._foreach_add_(denoms, [eps / n for n in neg_step_sizes])
+        torch._foreach_addcdiv_(values, exp_avgs, denoms)
+    else:
+        torch._foreach_div_(denoms, [(1 - beta2**step) ** 0.5 for step in steps])
+        torch._foreach_add_(denoms, eps)
+        torch._foreach_addcdiv_(values, exp_avgs, denoms, [-(lr / (1 - beta1**step)) for step in steps])
 
 
 def sgd_foreach(

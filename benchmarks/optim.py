@@ -9,7 +9,7 @@ Every recipe runs in the same process, on the same parameters and gradients:
   ``"stochastic"``, with float32 (default), bfloat16 or 8-bit moments; by default (mixprec's
   one-pass C++ kernel), ``foreach=True`` (torch's foreach arithmetic), ``foreach=True`` under
   ``torch.compile(opt.step, fullgraph=True)`` (Inductor; compiled on the first step, excluded from
-  the times; not in ``--quick``), or ``fused=True`` (8-bit and bf16 state: working copies);
+  the times; not in ``--quick``), or ``fused=True`` (bf16 state: working copies);
 * peers when they are installed (the ``bench`` extra), bfloat16 weights: torch-optimi's AdamW/SGD
   with Kahan summation (foreach), torchao's ``_AdamW`` and ``AdamW8bit`` with bf16 stochastic
   rounding (each parameter shape is ``torch.compile``d on its first step; not in ``--quick``).
@@ -107,8 +107,10 @@ def _recipes() -> list[Recipe]:
         Recipe("AdamW", "mixprec stochastic rounding (default: C++ kernel)", bf16, _mixprec("AdamW", **sr)),
         Recipe("AdamW", "mixprec stochastic rounding (foreach)", bf16, _mixprec("AdamW", "foreach", **sr)),
         Recipe("AdamW", "mixprec SR, bf16 state (fused)", bf16, _mixprec("AdamW", "fused", state_dtype=bf16, **sr)),
-        Recipe("AdamW", "mixprec SR, 8-bit state (fused)", bf16, _mixprec("AdamW", "fused", state_dtype="8bit", **sr)),
-        Recipe("AdamW", "mixprec exact, 8-bit state (fused)", bf16, _mixprec("AdamW", "fused", state_dtype="8bit", **exact)),
+        Recipe("AdamW", "mixprec SR, 8-bit state (default: C++ kernel)", bf16,
+               _mixprec("AdamW", state_dtype="8bit", **sr)),
+        Recipe("AdamW", "mixprec exact, 8-bit state (default: C++ kernel)", bf16,
+               _mixprec("AdamW", state_dtype="8bit", **exact)),
         Recipe("AdamW", "naive bf16 (torch AdamW, foreach)", bf16,
                lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True)),
         Recipe("AdamW", "optimi AdamW Kahan (foreach)", bf16,

@@ -132,6 +132,22 @@ def test_adamw_kernel_is_bitwise_the_working_copies(counted, working_copies, kwa
     _same(a, opt_a, b, opt_b)
 
 
+@pytest.mark.parametrize("compensation", ["exact", "stochastic", "kahan"])
+@pytest.mark.parametrize("kwargs", ADAMW_CASES[:2])
+def test_adamw_kernel_with_8bit_moments_is_bitwise_the_working_copies(counted, working_copies, kwargs, compensation):
+    """8-bit moments (a 5,184-element parameter: 20 whole blocks and a partial one) dequantized,
+    updated and quantized in the kernel, block by block: the working copies' codes and absmaxes."""
+    shapes = [(81, 64), (48, 32), (64,)]  # the first has 8-bit moments, the others float32 ones
+    a, opt_a = _run(AdamW, torch.bfloat16, torch.bfloat16, shapes, compensation=compensation,
+                    state_dtype="8bit", **kwargs)
+    assert opt_a.state[a[0]]["exp_avg"].dtype == torch.uint8
+    assert counted.params == 3 * 4 - 1
+    working_copies()
+    b, opt_b = _run(AdamW, torch.bfloat16, torch.bfloat16, shapes, compensation=compensation,
+                    state_dtype="8bit", **kwargs)
+    _same(a, opt_a, b, opt_b)
+
+
 @pytest.mark.parametrize("dtype,grad_dtype,compensation", RECIPES)
 @pytest.mark.parametrize("kwargs", SGD_CASES)
 def test_sgd_kernel_is_bitwise_the_working_copies(counted, working_copies, kwargs, dtype, grad_dtype, compensation):
@@ -238,7 +254,7 @@ def test_kernel_checks_its_inputs(ops):
         ops.sgd_step([p.half()], [torch.zeros(32)], [], [torch.zeros(32, dtype=torch.int16)], [], 0.1, 0.0,
                      0.0, 0.0, False, False, None, 2, None)
     with pytest.raises(RuntimeError, match="moments must be float32"):
-        ops.adamw_step([p], [p], [p], [p], [], [], [torch.tensor(1.0)], 1e-3, 0.9, 0.999, 1e-8, 0.0, False, False, None, 0, None)
+        ops.adamw_step([p], [p], [p], [p], [], [], [torch.tensor(1.0)], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.0, False, False, None, 0, None)
 
 
 @pytest.mark.parametrize("cls,kwargs", [(AdamW, ADAMW_CASES[0]), (SGD, SGD_CASES[0]), (SGD, SGD_CASES[1])])

@@ -12,6 +12,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -189,21 +191,100 @@ void adam_range(P* p, const G* g, float* m, float* v, float* vmax, Comp<P, MODE>
   }
 }
 
-// Call fn(begin, end, comp, comp_start) over [0, n) in parallel chunks; for stochastic rounding,
-// chunk by chunk with freshly drawn random bits as `comp`.
-template <typename P, int MODE, typename F>
+// Call fn(begin, end, comp, comp_start) over [0, n) in parallel chunks that start at multiples
+// of UNIT; for stochastic rounding, chunk by chunk with freshly drawn random bits as `comp`.
+template <typename P, int MODE, int64_t UNIT, typename F>
 void walk(int64_t n, void* comp, const std::optional<at::Generator>& generator, const F& fn) {
+  auto run = [&](int64_t start, int64_t stop, Comp<P, MODE>* c, int64_t c0) {
+    const int64_t units = (stop - start + UNIT - 1) / UNIT;
+    at::parallel_for(0, units, std::max<int64_t>(kGrain / UNIT, 1), [&](int64_t b, int64_t e) {
+      fn(start + b * UNIT, std::min(start + e * UNIT, stop), c, c0);
+    });
+  };
   if constexpr (MODE == kStochastic) {
+    static_assert(kNoiseChunk % UNIT == 0, "random-bit chunks must hold whole units");
     for (int64_t start = 0; start < n; start += kNoiseChunk) {
       const int64_t stop = std::min(n, start + kNoiseChunk);
       at::Tensor noise = at::empty({stop - start}, at::kInt).random_(generator);
-      int32_t* bits = noise.data_ptr<int32_t>();
-      at::parallel_for(start, stop, kGrain, [&](int64_t begin, int64_t end) { fn(begin, end, bits, start); });
+      run(start, stop, noise.data_ptr<int32_t>(), start);
     }
   } else {
-    Comp<P, MODE>* c = static_cast<Comp<P, MODE>*>(comp);
-    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) { fn(begin, end, c, int64_t(0)); });
+    run(0, n, static_cast<Comp<P, MODE>*>(comp), 0);
   }
+}
+
+// One 8-bit moment (mixprec/optim/quant8.py): a code per element, a float32 absmax per block of
+// kBlock elements, and the map's tables (values; per top-16-bit bucket, the count of midpoints
+// below it and the one midpoint inside it).
+struct Q8 {
+  uint8_t* codes;
+  float* absmax;
+  const float* values;
+  const int32_t* base;  // int32, not uint8: 32-bit tables let the loop gather with vectors
+  const float* mid;
+};
+
+inline void dequantize_block(const Q8& q, int64_t block, float* __restrict__ out) {
+  const uint8_t* codes = q.codes + block * kBlock;
+  const float scale = q.absmax[block];
+  for (int64_t i = 0; i < kBlock; ++i) out[i] = q.values[codes[i]] * scale;
+}
+
+// Quantize the first n values of buf (the rest of the block is padding: zeros), as
+// Quantized8.quantize_: absmax (NaN-propagating), scale = 1 / max(absmax, tiny), nearest entry.
+inline void quantize_block(const Q8& q, int64_t block, float* __restrict__ buf, int64_t n) {
+  for (int64_t i = n; i < kBlock; ++i) buf[i] = 0.0f;
+  // The largest |x| as the largest bit pattern of |x| (for non-negative floats the two orders
+  // agree, and a NaN's pattern exceeds them all, so NaN propagates): an integer max vectorizes.
+  uint32_t top = 0;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const uint32_t bits = f2u(buf[i]) & 0x7FFFFFFFu;
+    top = bits > top ? bits : top;
+  }
+  const float amax = u2f(top);
+  q.absmax[block] = amax;
+  const float tiny = std::numeric_limits<float>::min();
+  const float scale = 1.0f / (amax < tiny ? tiny : amax);
+  alignas(64) int32_t wide[kBlock];  // 32-bit codes first: a loop of one element size gathers with vectors
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const float normalized = buf[i] * scale;
+    const int32_t bucket = static_cast<int32_t>((f2u(normalized) >> 16) & 0xFFFFu);
+    wide[i] = q.base[bucket] + (q.mid[bucket] < normalized ? 1 : 0);
+  }
+  uint8_t* codes = q.codes + block * kBlock;
+  for (int64_t i = 0; i < kBlock; ++i) codes[i] = static_cast<uint8_t>(wide[i]);
+}
+
+// adam_range for 8-bit moments: begin is a multiple of kBlock (= the quantization block).
+template <typename P, typename G, int MODE, bool AMSGRAD>
+void adam_range_q8(P* p, const G* g, const Q8& m, const Q8& v, const Q8& vmax, Comp<P, MODE>* comp,
+                   int64_t comp_start, int64_t begin, int64_t end, const AdamHyper& h) {
+  alignas(64) float x[kBlock], gr[kBlock], mb[kBlock], vb[kBlock], vmb[kBlock];
+  for (int64_t b = begin; b < end; b += kBlock) {
+    const int64_t n = std::min(kBlock, end - b);
+    const int64_t block = b / kBlock;
+    Comp<P, MODE>* c = MODE == kNearest ? nullptr : comp + (b - comp_start);
+    load_block<P, G, MODE>(p + b, c, g + b, x, gr, n);
+    dequantize_block(m, block, mb);
+    dequantize_block(v, block, vb);
+    if constexpr (AMSGRAD) dequantize_block(vmax, block, vmb);
+    adam_block<AMSGRAD>(x, gr, mb, vb, AMSGRAD ? vmb : nullptr, n, h);
+    quantize_block(m, block, mb, n);
+    quantize_block(v, block, vb, n);
+    if constexpr (AMSGRAD) quantize_block(vmax, block, vmb, n);
+    store_block<P, MODE>(p + b, c, x, n);
+  }
+}
+
+template <typename P, typename G, int MODE, bool AMSGRAD>
+void adam_tensor_q8(const at::Tensor& param, const at::Tensor& grad, const Q8& m, const Q8& v, const Q8& vmax,
+                    void* comp, const std::optional<at::Generator>& generator, const AdamHyper& h) {
+  P* p = reinterpret_cast<P*>(param.data_ptr());
+  const G* g = reinterpret_cast<const G*>(grad.data_ptr());
+  walk<P, MODE, kBlock>(param.numel(), comp, generator,
+                        [&](int64_t begin, int64_t end, Comp<P, MODE>* c, int64_t c0) {
+    adam_range_q8<P, G, MODE, AMSGRAD>(p, g, m, v, vmax, c, c0, begin, end, h);
+  });
 }
 
 template <typename P, typename G, int MODE, bool AMSGRAD>
@@ -215,7 +296,7 @@ void adam_tensor(const at::Tensor& param, const at::Tensor& grad, const at::Tens
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
   float* vmax = AMSGRAD ? max_sq->data_ptr<float>() : nullptr;
-  walk<P, MODE>(param.numel(), comp, generator, [&](int64_t begin, int64_t end, Comp<P, MODE>* c, int64_t c0) {
+  walk<P, MODE, 1>(param.numel(), comp, generator, [&](int64_t begin, int64_t end, Comp<P, MODE>* c, int64_t c0) {
     adam_range<P, G, MODE, AMSGRAD>(p, g, m, v, vmax, c, c0, begin, end, h);
   });
 }
@@ -257,11 +338,14 @@ void* comp_ptr(const std::vector<at::Tensor>& comps, size_t i, int64_t mode, con
 
 void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                 at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList comps_in,
-                at::TensorList state_steps, double lr, double beta1,
-                double beta2, double eps, double weight_decay, bool amsgrad, bool maximize,
+                at::TensorList state_steps, at::TensorList absmaxes, at::TensorList maps, double lr,
+                double beta1, double beta2, double eps, double weight_decay, bool amsgrad, bool maximize,
                 const std::optional<at::Tensor>& inv_scale, int64_t mode,
                 const std::optional<at::Generator>& generator) {
   const size_t n = params.size();
+  const bool q8 = !absmaxes.empty();  // 8-bit moments: codes in exp_avgs/..., absmaxes per moment
+  TORCH_CHECK(!q8 || (absmaxes.size() == n * (amsgrad ? 3 : 2) && maps.size() == 6),
+              "mixprec fused AdamW: 8-bit moments need an absmax per moment and the 6 map tables");
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
               state_steps.size() == n && (!amsgrad || max_exp_avg_sqs.size() == n),
               "mixprec fused AdamW: list lengths differ");
@@ -272,15 +356,31 @@ void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_
     const at::Tensor& param = params[i];
     check_cpu_contiguous(param, param, "a parameter");
     check_cpu_contiguous(grads[i], param, "a gradient");
-    check_cpu_contiguous(exp_avgs[i], param, "exp_avg");
-    check_cpu_contiguous(exp_avg_sqs[i], param, "exp_avg_sq");
-    TORCH_CHECK(exp_avgs[i].scalar_type() == at::kFloat && exp_avg_sqs[i].scalar_type() == at::kFloat,
-                "mixprec fused AdamW: moments must be float32");
+    Q8 q[3] = {};
     const at::Tensor* max_sq = nullptr;
-    if (amsgrad) {
-      max_sq = &max_exp_avg_sqs[i];
-      check_cpu_contiguous(*max_sq, param, "max_exp_avg_sq");
-      TORCH_CHECK(max_sq->scalar_type() == at::kFloat, "mixprec fused AdamW: max_exp_avg_sq must be float32");
+    if (q8) {
+      for (int k = 0; k < (amsgrad ? 3 : 2); ++k) {
+        const at::Tensor& codes = k == 0 ? exp_avgs[i] : k == 1 ? exp_avg_sqs[i] : max_exp_avg_sqs[i];
+        const at::Tensor& absmax = absmaxes[k * n + i];
+        const int64_t blocks = (param.numel() + kBlock - 1) / kBlock;
+        TORCH_CHECK(codes.is_cpu() && codes.is_contiguous() && codes.scalar_type() == at::kByte &&
+                    codes.numel() == blocks * kBlock && absmax.is_cpu() && absmax.is_contiguous() &&
+                    absmax.scalar_type() == at::kFloat && absmax.numel() == blocks,
+                    "mixprec fused AdamW: 8-bit moments must be uint8 codes of whole blocks and float32 absmaxes");
+        const int table = k == 0 ? 0 : 3;  // exp_avg: the signed map; the squares: the unsigned one
+        q[k] = Q8{codes.data_ptr<uint8_t>(), absmax.data_ptr<float>(), maps[table].data_ptr<float>(),
+                  maps[table + 1].data_ptr<int32_t>(), maps[table + 2].data_ptr<float>()};
+      }
+    } else {
+      check_cpu_contiguous(exp_avgs[i], param, "exp_avg");
+      check_cpu_contiguous(exp_avg_sqs[i], param, "exp_avg_sq");
+      TORCH_CHECK(exp_avgs[i].scalar_type() == at::kFloat && exp_avg_sqs[i].scalar_type() == at::kFloat,
+                  "mixprec fused AdamW: moments must be float32");
+      if (amsgrad) {
+        max_sq = &max_exp_avg_sqs[i];
+        check_cpu_contiguous(*max_sq, param, "max_exp_avg_sq");
+        TORCH_CHECK(max_sq->scalar_type() == at::kFloat, "mixprec fused AdamW: max_exp_avg_sq must be float32");
+      }
     }
     const double step = state_steps[i].item<float>();  // as torch's kernel
     const double bias_correction1 = 1 - std::pow(beta1, step);
@@ -301,9 +401,15 @@ void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_
     const at::Tensor& grad = grads[i];
     const at::Tensor& m = exp_avgs[i];
     const at::Tensor& v = exp_avg_sqs[i];
-    MIXPREC_TYPES(param.scalar_type(), grad.scalar_type(), mode,
-                  if (amsgrad) adam_tensor<P, G, MODE, true>(param, grad, m, v, max_sq, comp, generator, h);
-                  else adam_tensor<P, G, MODE, false>(param, grad, m, v, max_sq, comp, generator, h))
+    if (q8) {
+      MIXPREC_TYPES(param.scalar_type(), grad.scalar_type(), mode,
+                    if (amsgrad) adam_tensor_q8<P, G, MODE, true>(param, grad, q[0], q[1], q[2], comp, generator, h);
+                    else adam_tensor_q8<P, G, MODE, false>(param, grad, q[0], q[1], q[2], comp, generator, h))
+    } else {
+      MIXPREC_TYPES(param.scalar_type(), grad.scalar_type(), mode,
+                    if (amsgrad) adam_tensor<P, G, MODE, true>(param, grad, m, v, max_sq, comp, generator, h);
+                    else adam_tensor<P, G, MODE, false>(param, grad, m, v, max_sq, comp, generator, h))
+    }
   }
 }
 
@@ -348,7 +454,7 @@ void sgd_tensor(const at::Tensor& param, const at::Tensor& grad, float* buf, voi
                 bool momentum, const std::optional<at::Generator>& generator, const SgdHyper& h) {
   P* p = reinterpret_cast<P*>(param.data_ptr());
   const G* g = reinterpret_cast<const G*>(grad.data_ptr());
-  walk<P, MODE>(param.numel(), comp, generator, [&](int64_t begin, int64_t end, Comp<P, MODE>* c, int64_t c0) {
+  walk<P, MODE, 1>(param.numel(), comp, generator, [&](int64_t begin, int64_t end, Comp<P, MODE>* c, int64_t c0) {
     if (decay && momentum) sgd_range<P, G, MODE, true, true>(p, g, buf, c, c0, begin, end, h);
     else if (decay) sgd_range<P, G, MODE, true, false>(p, g, buf, c, c0, begin, end, h);
     else if (momentum) sgd_range<P, G, MODE, false, true>(p, g, buf, c, c0, begin, end, h);
@@ -397,7 +503,8 @@ void sgd_step(at::TensorList params, at::TensorList grads, at::TensorList moment
 
 TORCH_LIBRARY_FRAGMENT(mixprec_native, m) {
   m.def("adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-        "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] comps, Tensor[] state_steps, float lr, float beta1, "
+        "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] comps, Tensor[] state_steps, Tensor(f!)[] absmaxes, "
+        "Tensor[] maps, float lr, float beta1, "
         "float beta2, float eps, float weight_decay, bool amsgrad, bool maximize, Tensor? inv_scale, "
         "int write_back, Generator? generator) -> ()");
   m.def("sgd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] comps, "

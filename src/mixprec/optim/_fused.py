@@ -4,7 +4,8 @@ The fused path's definition is torch's fused AdamW/SGD kernel applied to the flo
 each parameter (parameter + Kahan buffer, or bfloat16 + exact low bits) and written back by the
 parameter's rule; :mod:`mixprec.optim._foreach` does exactly that with float32 working copies.
 For a low-precision CPU parameter whose gradient (of its dtype or float32) and state are
-contiguous, with float32 state and a write-back it implements (nearest, Kahan, exact, and
+contiguous, with float32 or 8-bit state (:mod:`~mixprec.optim.quant8`, dequantized, updated and
+quantized block by block, the same codes and absmaxes) and a write-back it implements (nearest, Kahan, exact, and
 stochastic rounding of bfloat16 with the same random numbers, drawn in the same order from the
 optimizer's generator), the C++ kernel computes the same numbers in one pass over memory: it reads the 2-byte weight and its
 buffer, updates in registers, and writes them back, where the working copies cost about ten
@@ -16,7 +17,7 @@ AVX-512 (torch's CPU capability), after a check at first use that both give the 
 random inputs (:func:`_agrees_with_torch`; a build of torch that rounds otherwise keeps the
 working copies, with a warning). torch's scalar tail (the last ``numel % 16`` elements of a
 tensor) rounds a few moments differently; there the two paths differ by a few ulps. Everything
-else (CUDA, float32 parameters, stochastic rounding of float16, narrow or 8-bit state, no
+else (CUDA, float32 parameters, stochastic rounding of float16, bfloat16/float16 state, no
 compiler) keeps the working-copy path.
 """
 
@@ -30,6 +31,8 @@ import torch
 from torch import Tensor
 
 from mixprec import _native
+from mixprec.optim import quant8
+from mixprec.optim.quant8 import Quantized8
 
 __all__ = ["native_ops", "adamw_native", "sgd_native"]
 
@@ -37,6 +40,7 @@ _log = logging.getLogger("mixprec")
 #: floats per vector in torch's CPU kernels, by CPU capability (where the C++ kernel is used)
 _TORCH_VEC_FLOATS = {"AVX512": 16, "AVX2": 8}
 _LOW = (torch.bfloat16, torch.float16)
+_KERNEL_BLOCK = 256  # kBlock in optim_kernel.cpp: 8-bit moments must use the same block size
 _MODES = {None: 0, "kahan": 1, "exact": 2, "stochastic": 3}
 _NARROW = (torch.bfloat16, torch.float16)
 
@@ -98,7 +102,7 @@ def _agrees_with_torch(ops: Any) -> bool:
                             found_inf=None, **hyper)
         ours = [t.clone() for t in (p, m, v, vmax)]
         ops.adamw_step([ours[0]], [g], [ours[1]], [ours[2]], [ours[3]] if amsgrad else [], [], [torch.tensor(3.0)],
-                       *hyper.values(), amsgrad, False, None, 0, None)
+                       [], [], *hyper.values(), amsgrad, False, None, 0, None)
         if not all(torch.equal(a, b) for a, b in zip(ours, ref)):
             return False
     for first, nesterov, dampening, weight_decay in ((True, False, 0.0, 0.0), (False, True, 0.0, 0.1),
@@ -132,15 +136,29 @@ def _mode(param: Tensor, comp: Optional[Tensor], compensation: Optional[str]) ->
     return _MODES["kahan"] if comp.dtype == param.dtype else None
 
 
+def _eight_bit(states: list[Any], param: Tensor) -> Optional[bool]:
+    """``False``: float32 states the kernel takes; ``True``: 8-bit ones (in the kernel's block
+    size); ``None``: neither."""
+    if all(_plain(s, param) and s.dtype == torch.float32 for s in states):
+        return False
+    if states and quant8.BLOCK == _KERNEL_BLOCK and all(
+        isinstance(s, Quantized8) and s.codes.device.type == "cpu" and s.codes.is_contiguous()
+        and s.absmax.is_contiguous() and s.shape.numel() == param.numel() for s in states
+    ):
+        return True
+    return None
+
+
 def _eligible(param: Tensor, grad: Tensor, states: list[Any], comp: Optional[Tensor],
-              compensation: Optional[str]) -> Optional[int]:
+              compensation: Optional[str]) -> Optional[tuple[int, bool]]:
+    """``(write-back code, 8-bit states)`` for a parameter the kernel takes, else ``None``."""
     if param.dtype not in _LOW or not _plain(param, param):
         return None
     if not _plain(grad, param) or grad.dtype not in (param.dtype, torch.float32):
         return None
-    if not all(_plain(s, param) and s.dtype == torch.float32 for s in states):
-        return None
-    return _mode(param, comp, compensation)
+    eight_bit = _eight_bit(states, param)
+    mode = _mode(param, comp, compensation)
+    return None if eight_bit is None or mode is None else (mode, eight_bit)
 
 
 def _draws(comp: Optional[Tensor], states: list[Any], compensation: Optional[str]) -> bool:
@@ -149,23 +167,36 @@ def _draws(comp: Optional[Tensor], states: list[Any], compensation: Optional[str
     return narrow or (comp is None and compensation == "stochastic")
 
 
-def _keep_draw_order(modes: list[Optional[int]], comps: list[Optional[Tensor]], states: list[list[Any]],
-                     compensation: Optional[str]) -> list[Optional[int]]:
+def _keep_draw_order(kinds: list[Optional[tuple[int, bool]]], comps: list[Optional[Tensor]],
+                     states: list[list[Any]], compensation: Optional[str]) -> list[Optional[tuple[int, bool]]]:
     """Leave stochastic rounding to the working copies if a parameter they keep draws too: the
     random numbers must come in parameter order, as the working-copy path draws them."""
-    others_draw = any(mode is None and _draws(comps[i], states[i], compensation) for i, mode in enumerate(modes))
-    return [None if others_draw and mode == _MODES["stochastic"] else mode for mode in modes]
+    others_draw = any(kind is None and _draws(comps[i], states[i], compensation) for i, kind in enumerate(kinds))
+    return [None if others_draw and kind is not None and kind[0] == _MODES["stochastic"] else kind
+            for kind in kinds]
+
+
+def _kernel_maps() -> list[Tensor]:
+    """The dynamic maps' tables as the kernel reads them (signed, then unsigned: values, base
+    as int32, midpoint), made once."""
+    if "maps" not in _checked:
+        tables = []
+        for signed in (True, False):
+            values, base, midpoint = quant8._maps(signed, torch.device("cpu"))
+            tables += [values, base.to(torch.int32), midpoint]
+        _checked["maps"] = tables
+    return _checked["maps"]
 
 
 def _cpu_inv(inv_scale: Optional[Tensor]) -> Optional[Tensor]:
     return None if inv_scale is None else inv_scale.detach().to("cpu", torch.float32).reshape(())
 
 
-def _groups(modes: list[Optional[int]]) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for i, mode in enumerate(modes):
-        if mode is not None:
-            out.setdefault(mode, []).append(i)
+def _groups(kinds: list[Optional[tuple[int, bool]]]) -> dict[tuple[int, bool], list[int]]:
+    out: dict[tuple[int, bool], list[int]] = {}
+    for i, kind in enumerate(kinds):
+        if kind is not None:
+            out.setdefault(kind, []).append(i)
     return out
 
 
@@ -183,19 +214,26 @@ def adamw_native(
     if ops is None:
         return []
     states = [[s[i] for s in stored] for i in range(len(params))]
-    modes = [_eligible(p, g, states[i], c, compensation) for i, (p, g, c) in enumerate(zip(params, grads, comps))]
-    modes = _keep_draw_order(modes, comps, states, compensation)
+    kinds = [_eligible(p, g, states[i], c, compensation) for i, (p, g, c) in enumerate(zip(params, grads, comps))]
+    kinds = _keep_draw_order(kinds, comps, states, compensation)
     inv = _cpu_inv(inv_scale)
-    done: list[int] = []
-    groups = _groups(modes)
+    groups = _groups(kinds)
     if increment and groups:
         torch._foreach_add_([state_steps[i] for index in groups.values() for i in index], 1)
-    for mode, index in groups.items():
+    done: list[int] = []
+    for (mode, eight_bit), index in groups.items():
         pick = lambda lst: [lst[i] for i in index]  # noqa: E731
+        moments = [pick(lst) for lst in stored]
+        absmaxes: list[Tensor] = []
+        maps: list[Tensor] = []
+        if eight_bit:  # codes where the moments go, absmaxes and the maps' tables beside them
+            absmaxes = [q.absmax for lst in moments for q in lst]
+            moments = [[q.codes for q in lst] for lst in moments]
+            maps = _kernel_maps()
         ops.adamw_step(
-            pick(params), pick(grads), pick(stored[0]), pick(stored[1]),
-            pick(stored[2]) if amsgrad else [], [comps[i] for i in index] if mode in (1, 2) else [],
-            pick(state_steps), lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, inv, mode,
+            pick(params), pick(grads), moments[0], moments[1], moments[2] if amsgrad else [],
+            [comps[i] for i in index] if mode in (1, 2) else [], pick(state_steps), absmaxes, maps,
+            lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, inv, mode,
             generator if mode == _MODES["stochastic"] else None,  # (torch.compile cannot trace a generator)
         )
         done += index
@@ -214,11 +252,11 @@ def sgd_native(
         return []
     has_momentum = momentum != 0
     states = [[momentum_buffers[i]] if has_momentum else [] for i in range(len(params))]
-    modes = [_eligible(p, g, states[i], c, compensation) for i, (p, g, c) in enumerate(zip(params, grads, comps))]
-    modes = _keep_draw_order(modes, comps, states, compensation)
+    kinds = [_eligible(p, g, states[i], c, compensation) for i, (p, g, c) in enumerate(zip(params, grads, comps))]
+    kinds = _keep_draw_order(kinds, comps, states, compensation)
     inv = _cpu_inv(inv_scale)
     done: list[int] = []
-    for mode, index in _groups(modes).items():
+    for (mode, _), index in _groups(kinds).items():
         pick = lambda lst: [lst[i] for i in index]  # noqa: E731
         ops.sgd_step(
             pick(params), pick(grads), pick(momentum_buffers) if has_momentum else [],

@@ -19,6 +19,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -134,9 +137,47 @@ inline float grad_factor(const std::optional<at::Tensor>& inv_scale, bool maximi
 // gradient factor and AdamW's decay are always applied.
 constexpr int64_t kBlock = 256;
 
+#if defined(__F16C__)
+// float16 <-> float32, 8 at a time with F16C (round to nearest even, as torch), the rest one by one:
+// GCC does not vectorize c10::Half's scalar conversions.
+inline void half_to_float(const c10::Half* __restrict__ in, float* __restrict__ out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+  for (; i < n; ++i) out[i] = static_cast<float>(in[i]);
+}
+
+inline void float_to_half(const float* __restrict__ in, c10::Half* __restrict__ out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) out[i] = static_cast<c10::Half>(in[i]);
+}
+constexpr bool kF16C = true;
+#else
+inline void half_to_float(const c10::Half*, float*, int64_t) {}
+inline void float_to_half(const float*, c10::Half*, int64_t) {}
+constexpr bool kF16C = false;
+#endif
+
 template <typename P, typename G, int MODE>
 inline void load_block(const P* __restrict__ p, const Comp<P, MODE>* __restrict__ comp, const G* __restrict__ g,
                        float* __restrict__ x, float* __restrict__ gr, int64_t n) {
+  if constexpr (kF16C && std::is_same_v<P, c10::Half>) {
+    half_to_float(p, x, n);
+    if constexpr (MODE == kKahan) {
+      alignas(64) float c[kBlock];
+      half_to_float(comp, c, n);
+      for (int64_t i = 0; i < n; ++i) x[i] = x[i] + c[i];
+    }
+    if constexpr (std::is_same_v<G, c10::Half>) {
+      half_to_float(g, gr, n);
+    } else {
+      for (int64_t i = 0; i < n; ++i) gr[i] = to_float(g[i]);
+    }
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) {
     x[i] = load_param<P, MODE>(p, comp, i);
     gr[i] = to_float(g[i]);
@@ -145,6 +186,16 @@ inline void load_block(const P* __restrict__ p, const Comp<P, MODE>* __restrict_
 
 template <typename P, int MODE>
 inline void store_block(P* __restrict__ p, Comp<P, MODE>* __restrict__ comp, const float* __restrict__ x, int64_t n) {
+  if constexpr (kF16C && std::is_same_v<P, c10::Half>) {
+    float_to_half(x, p, n);
+    if constexpr (MODE == kKahan) {  // what rounding lost, rounded in turn
+      alignas(64) float rest[kBlock];
+      half_to_float(p, rest, n);
+      for (int64_t i = 0; i < n; ++i) rest[i] = x[i] - rest[i];
+      float_to_half(rest, comp, n);
+    }
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) store_param<P, MODE>(p, comp, i, x[i]);
 }
 

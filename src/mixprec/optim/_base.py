@@ -108,6 +108,8 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         generator: Optional[torch.Generator] = None,
     ) -> None:
         _check_options(defaults["compensation"], defaults["state_dtype"], self._squared_state)
+        if defaults["fused"] and defaults["foreach"]:
+            raise ValueError("`fused` and `foreach` cannot be `True` together.")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator)}")
         self.generator = generator

@@ -112,8 +112,6 @@ class AdamW(CompensatedOptimizer):
             raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if fused and foreach:
-            raise ValueError("`fused` and `foreach` cannot be `True` together.")
         defaults = dict(
             lr=lr,
             betas=betas,

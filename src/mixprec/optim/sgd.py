@@ -61,8 +61,6 @@ class SGD(CompensatedOptimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        if fused and foreach:
-            raise ValueError("`fused` and `foreach` cannot be `True` together.")
         defaults = dict(
             lr=lr,
             momentum=momentum,

@@ -1,31 +1,32 @@
-"""``fused=True`` on the CPU in one pass: mixprec's C++ kernel (``csrc/optim_kernel.cpp``).
+"""mixprec's one-pass optimizer step on the CPU (``csrc/optim_kernel.cpp``): the default path
+and ``fused=True`` for low-precision parameters.
 
 The fused path's definition is torch's fused AdamW/SGD kernel applied to the float32 value of
 each parameter (parameter + Kahan buffer, or bfloat16 + exact low bits) and written back by the
 parameter's rule; :mod:`mixprec.optim._foreach` does exactly that with float32 working copies.
-For a low-precision CPU parameter whose gradient (of its dtype or float32) and state are
-contiguous, with float32 or 8-bit state (:mod:`~mixprec.optim.quant8`, dequantized, updated and
-quantized block by block, the same codes and absmaxes) and a write-back it implements (nearest, Kahan, exact, and
-stochastic rounding of bfloat16 with the same random numbers, drawn in the same order from the
-optimizer's generator), the C++ kernel computes the same numbers in one pass over memory: it reads the 2-byte weight and its
-buffer, updates in registers, and writes them back, where the working copies cost about ten
-passes (measured on a 4.2M-parameter model, one thread: AdamW 3x, SGD 5x faster).
+The C++ kernel computes the same numbers in one pass over memory for a low-precision CPU
+parameter whose gradient (its dtype or float32) and state are contiguous, with float32 or 8-bit
+state (:mod:`~mixprec.optim.quant8`: dequantized, updated and quantized block by block, the same
+codes and absmaxes), written back to nearest, by Kahan, by exact low bits, or by stochastic
+rounding of bfloat16 (the same random numbers, drawn in the same order from the optimizer's
+generator). It reads the 2-byte weight and its buffer, updates in registers and writes them
+back, where the working copies cost about ten passes (4.2M parameters, one thread: AdamW 2-3x,
+SGD 5x faster).
 
-It reproduces the vectorized body of torch's kernels operation by operation, fused
-multiply-adds included, so it is used only where it agrees with them: on x86 CPUs with AVX2 or
-AVX-512 (torch's CPU capability), after a check at first use that both give the same bits on
-random inputs (:func:`_agrees_with_torch`; a build of torch that rounds otherwise keeps the
-working copies, with a warning). torch's scalar tail (the last ``numel % 16`` elements of a
-tensor) rounds a few moments differently; there the two paths differ by a few ulps. Everything
-else (CUDA, float32 parameters, stochastic rounding of float16, bfloat16/float16 state, no
-compiler) keeps the working-copy path.
+It reproduces the vectorized body of torch's kernels operation by operation, fused multiply-adds
+included, so it is used only where it agrees with them: on x86 CPUs with AVX2 or AVX-512
+(torch's CPU capability), after a check at first use that both give the same bits on random
+inputs (:func:`_agrees_with_torch`; a torch build that rounds otherwise keeps the working
+copies, with a warning). torch's scalar tail (the last ``numel % 16`` elements of a tensor)
+rounds a few moments differently: there the two paths differ by a few ulps. Everything else
+(CUDA, float32 parameters, float16 stochastic rounding, bfloat16/float16 state, no compiler)
+keeps the working-copy path.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
 import logging
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -37,12 +38,11 @@ from mixprec.optim.quant8 import Quantized8
 __all__ = ["native_ops", "adamw_native", "sgd_native"]
 
 _log = logging.getLogger("mixprec")
-#: floats per vector in torch's CPU kernels, by CPU capability (where the C++ kernel is used)
-_TORCH_VEC_FLOATS = {"AVX512": 16, "AVX2": 8}
+#: torch's CPU capabilities where the kernel may serve (their fused kernels' arithmetic is known)
+_CAPABILITIES = ("AVX512", "AVX2")
 _LOW = (torch.bfloat16, torch.float16)
 _KERNEL_BLOCK = 256  # kBlock in optim_kernel.cpp: 8-bit moments must use the same block size
 _MODES = {None: 0, "kahan": 1, "exact": 2, "stochastic": 3}
-_NARROW = (torch.bfloat16, torch.float16)
 
 
 def native_ops() -> Optional[Any]:
@@ -56,11 +56,11 @@ def native_ops() -> Optional[Any]:
         return _checked.get("ops")
     if "ops" not in _checked:
         ops = None
-        if _native.cpu_capability() in _TORCH_VEC_FLOATS and _native.enabled():
+        if _native.cpu_capability() in _CAPABILITIES and _native.enabled():
             ops = _native.load()
         if ops is not None and not _agrees_with_torch(ops):
-            _log.warning("mixprec: its fused optimizer kernel does not reproduce this torch build's "
-                         "fused AdamW/SGD bit for bit; fused=True uses float32 working copies instead")
+            _log.warning("mixprec: its optimizer kernel does not reproduce this torch build's fused "
+                         "AdamW/SGD bit for bit; mixprec.optim uses torch's kernels on float32 copies")
             ops = None
         if ops is not None:
             _register_fakes()
@@ -163,7 +163,7 @@ def _eligible(param: Tensor, grad: Tensor, states: list[Any], comp: Optional[Ten
 
 def _draws(comp: Optional[Tensor], states: list[Any], compensation: Optional[str]) -> bool:
     """Whether the working-copy path draws random numbers for this parameter."""
-    narrow = any(isinstance(s, Tensor) and s.dtype in _NARROW for s in states)
+    narrow = any(isinstance(s, Tensor) and s.dtype in _LOW for s in states)
     return narrow or (comp is None and compensation == "stochastic")
 
 

@@ -248,7 +248,7 @@ def test_a_kernel_that_disagrees_with_torch_is_not_used(ops, monkeypatch):
 
 def test_kernel_checks_its_inputs(ops):
     p = torch.zeros(32, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="contiguous CPU tensor"):
+    with pytest.raises(RuntimeError, match="dense CPU tensor laid out as the parameter"):
         ops.sgd_step([p], [torch.zeros(16)], [], [], [], 0.1, 0.0, 0.0, 0.0, False, False, None, 0, None)
     with pytest.raises(RuntimeError, match="need bfloat16 parameters"):
         ops.sgd_step([p.half()], [torch.zeros(32)], [], [torch.zeros(32, dtype=torch.int16)], [], 0.1, 0.0,
@@ -329,4 +329,29 @@ def test_threads_split_large_tensors_without_changing_a_bit(counted, working_cop
                         compensation=compensation, lr=1e-2, weight_decay=0.1)
     finally:
         torch.set_num_threads(threads)
+    _same(a, opt_a, b, opt_b)
+
+
+@pytest.mark.parametrize("cls", [AdamW, SGD])
+def test_channels_last_weights_run_the_kernel(counted, working_copies, cls):
+    """A convolution's channels-last weight and its gradient are walked in storage order."""
+    def run():
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(8, 16, 3).to(memory_format=torch.channels_last)
+        model = mixprec.to_low_precision(conv)
+        assert model.weight.is_contiguous(memory_format=torch.channels_last)
+        assert not model.weight.is_contiguous()
+        opt = cls(model.parameters(), lr=1e-2, compensation="exact", fused=True,
+                  **({"momentum": 0.9} if cls is SGD else {}))
+        for _ in range(3):
+            x = torch.randn(2, 8, 10, 10).bfloat16().to(memory_format=torch.channels_last)
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return list(model.parameters()), opt
+
+    a, opt_a = run()
+    assert counted.params == 2 * 3
+    working_copies()
+    b, opt_b = run()
     _same(a, opt_a, b, opt_b)

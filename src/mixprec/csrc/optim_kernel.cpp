@@ -372,16 +372,19 @@ void adam_tensor(const at::Tensor& param, const at::Tensor& grad, const at::Tens
   else if (PT == at::kFloat && GT == at::kFloat && MODE == kNearest) MIXPREC_CASE(float, float, kNearest, __VA_ARGS__) \
   else TORCH_CHECK(false, "mixprec fused optimizer: unsupported parameter/gradient dtypes ", PT, "/", GT);
 
-void check_cpu_contiguous(const at::Tensor& t, const at::Tensor& like, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.numel() == like.numel(),
-              "mixprec fused optimizer: ", what, " must be a contiguous CPU tensor of the parameter's size");
+// The kernel walks every tensor of a parameter in storage order: they must be dense, on the CPU,
+// and laid out alike (contiguous, or channels-last as a convolution's weight and its gradient).
+void check_layout(const at::Tensor& t, const at::Tensor& like, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_non_overlapping_and_dense() && t.sizes() == like.sizes() &&
+              t.strides() == like.strides(),
+              "mixprec fused optimizer: ", what, " must be a dense CPU tensor laid out as the parameter");
 }
 
 void* comp_ptr(const std::vector<at::Tensor>& comps, size_t i, int64_t mode, const at::Tensor& param) {
   if (mode == kNearest || mode == kStochastic) return nullptr;
   TORCH_CHECK(comps.size() > i, "mixprec fused optimizer: missing compensation buffer");
   const at::Tensor& c = comps[i];
-  check_cpu_contiguous(c, param, "a compensation buffer");
+  check_layout(c, param, "a compensation buffer");
   TORCH_CHECK(mode == kExact ? c.scalar_type() == at::kShort : c.scalar_type() == param.scalar_type(),
               "mixprec fused optimizer: compensation buffer of the wrong dtype");
   return c.data_ptr();
@@ -405,11 +408,12 @@ void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_
   const double lerp_weight = 1 - beta1;  // as torch: double, then each constant rounded to float
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& param = params[i];
-    check_cpu_contiguous(param, param, "a parameter");
-    check_cpu_contiguous(grads[i], param, "a gradient");
+    check_layout(param, param, "a parameter");
+    check_layout(grads[i], param, "a gradient");
     Q8 q[3] = {};
     const at::Tensor* max_sq = nullptr;
     if (q8) {
+      TORCH_CHECK(param.is_contiguous(), "mixprec fused AdamW: 8-bit moments need a contiguous parameter");
       for (int k = 0; k < (amsgrad ? 3 : 2); ++k) {
         const at::Tensor& codes = k == 0 ? exp_avgs[i] : k == 1 ? exp_avg_sqs[i] : max_exp_avg_sqs[i];
         const at::Tensor& absmax = absmaxes[k * n + i];
@@ -423,13 +427,13 @@ void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_
                   maps[table + 1].data_ptr<int32_t>(), maps[table + 2].data_ptr<float>()};
       }
     } else {
-      check_cpu_contiguous(exp_avgs[i], param, "exp_avg");
-      check_cpu_contiguous(exp_avg_sqs[i], param, "exp_avg_sq");
+      check_layout(exp_avgs[i], param, "exp_avg");
+      check_layout(exp_avg_sqs[i], param, "exp_avg_sq");
       TORCH_CHECK(exp_avgs[i].scalar_type() == at::kFloat && exp_avg_sqs[i].scalar_type() == at::kFloat,
                   "mixprec fused AdamW: moments must be float32");
       if (amsgrad) {
         max_sq = &max_exp_avg_sqs[i];
-        check_cpu_contiguous(*max_sq, param, "max_exp_avg_sq");
+        check_layout(*max_sq, param, "max_exp_avg_sq");
         TORCH_CHECK(max_sq->scalar_type() == at::kFloat, "mixprec fused AdamW: max_exp_avg_sq must be float32");
       }
     }
@@ -526,11 +530,11 @@ void sgd_step(at::TensorList params, at::TensorList grads, at::TensorList moment
   const float factor = grad_factor(inv_scale, maximize);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& param = params[i];
-    check_cpu_contiguous(param, param, "a parameter");
-    check_cpu_contiguous(grads[i], param, "a gradient");
+    check_layout(param, param, "a parameter");
+    check_layout(grads[i], param, "a gradient");
     float* buf = nullptr;
     if (has_momentum) {
-      check_cpu_contiguous(momentum_buffers[i], param, "a momentum buffer");
+      check_layout(momentum_buffers[i], param, "a momentum buffer");
       TORCH_CHECK(momentum_buffers[i].scalar_type() == at::kFloat, "mixprec fused SGD: momentum buffers must be float32");
       buf = momentum_buffers[i].data_ptr<float>();
     }

@@ -120,7 +120,17 @@ def _agrees_with_torch(ops: Any) -> bool:
 
 
 def _plain(t: Any, like: Tensor) -> bool:
-    return isinstance(t, Tensor) and t.device.type == "cpu" and t.is_contiguous() and t.shape == like.shape
+    """A CPU tensor laid out as ``like``, which is dense (contiguous or channels-last): the kernel
+    walks them all in storage order."""
+    return (isinstance(t, Tensor) and t.device.type == "cpu" and t.shape == like.shape
+            and t.stride() == like.stride() and _dense(like))
+
+
+def _dense(t: Tensor) -> bool:
+    if t.is_contiguous():
+        return True
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    return t.dim() in formats and t.is_contiguous(memory_format=formats[t.dim()])
 
 
 def _mode(param: Tensor, comp: Optional[Tensor], compensation: Optional[str]) -> Optional[int]:
@@ -141,7 +151,7 @@ def _eight_bit(states: list[Any], param: Tensor) -> Optional[bool]:
     size); ``None``: neither."""
     if all(_plain(s, param) and s.dtype == torch.float32 for s in states):
         return False
-    if states and quant8.BLOCK == _KERNEL_BLOCK and all(
+    if states and quant8.BLOCK == _KERNEL_BLOCK and param.is_contiguous() and all(
         isinstance(s, Quantized8) and s.codes.device.type == "cpu" and s.codes.is_contiguous()
         and s.absmax.is_contiguous() and s.shape.numel() == param.numel() for s in states
     ):

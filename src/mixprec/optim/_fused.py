@@ -5,7 +5,8 @@ The fused path's definition is torch's fused AdamW/SGD kernel applied to the flo
 each parameter (parameter + Kahan buffer, or bfloat16 + exact low bits) and written back by the
 parameter's rule; :mod:`mixprec.optim._foreach` does exactly that with float32 working copies.
 The C++ kernel computes the same numbers in one pass over memory for a low-precision CPU
-parameter whose gradient (its dtype or float32) and state are contiguous, with float32 or 8-bit
+parameter whose gradient (its dtype or float32) and state are dense and laid out alike
+(contiguous, or channels-last as convolution weights), with float32 or 8-bit
 state (:mod:`~mixprec.optim.quant8`: dequantized, updated and quantized block by block, the same
 codes and absmaxes), written back to nearest, by Kahan, by exact low bits, or by stochastic
 rounding of bfloat16 (the same random numbers, drawn in the same order from the optimizer's

@@ -1,14 +1,16 @@
 // mixprec's fused optimizer steps for low-precision parameters on the CPU (see mixprec/optim/_fused.py).
 //
 // One pass over each parameter: read the bfloat16/float16 weight (plus its Kahan buffer or exact
-// low bits) into float32, apply the update, and write the weight back: to nearest, through the
-// Kahan buffer, or as bfloat16 + int16 low bits. The update is the float32 arithmetic of the
-// vectorized body of torch's fused CPU kernels (aten/src/ATen/native/cpu/FusedAdamKernel.cpp,
-// FusedSGDKernel.cpp) as torch's build compiles it, fused multiply-adds included: each std::fma
-// below is one the compiler formed there, and -ffp-contract=off forms no other. Every element is
-// computed alike; torch's kernel rounds its scalar tail (the last numel % vector-width elements)
-// differently. Python checks once per process that both agree bitwise on this machine, and uses
-// this kernel only if they do.
+// low bits) and its moments (float32, or 8-bit codes dequantized block by block) into float32,
+// apply the update, and write everything back: the weight to nearest, through the Kahan buffer,
+// as bfloat16 + int16 low bits, or stochastically rounded with random bits drawn from the
+// optimizer's generator in the order the Python paths draw them; 8-bit moments re-quantized.
+// The update is the float32 arithmetic of the vectorized body of torch's fused CPU kernels
+// (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, FusedSGDKernel.cpp) as torch's build compiles
+// it, fused multiply-adds included: each std::fma below is one the compiler formed there, and
+// -ffp-contract=off forms no other. Every element is computed alike; torch's kernel rounds its
+// scalar tail (the last numel % vector-width elements) differently. Python checks once per
+// process that both agree bitwise on this machine, and uses this kernel only if they do.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

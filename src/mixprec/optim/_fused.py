@@ -120,37 +120,40 @@ def _agrees_with_torch(ops: Any) -> bool:
     return True
 
 
-def _plain(t: Any, like: Tensor) -> bool:
-    """A CPU tensor laid out as ``like``, which is dense (contiguous or channels-last): the kernel
-    walks them all in storage order."""
-    return (isinstance(t, Tensor) and t.device.type == "cpu" and t.shape == like.shape
-            and t.stride() == like.stride() and _dense(like))
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
 def _dense(t: Tensor) -> bool:
+    """Contiguous, or channels-last (a convolution weight's usual layouts)."""
     if t.is_contiguous():
         return True
-    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
-    return t.dim() in formats and t.is_contiguous(memory_format=formats[t.dim()])
+    fmt = _CHANNELS_LAST.get(t.dim())
+    return fmt is not None and t.is_contiguous(memory_format=fmt)
 
 
-def _mode(param: Tensor, comp: Optional[Tensor], compensation: Optional[str]) -> Optional[int]:
+def _alike(t: Any, layout: tuple[Any, Any]) -> bool:
+    """``t`` is a CPU tensor with the parameter's ``(shape, stride)``: the kernel walks them all
+    in storage order."""
+    return isinstance(t, Tensor) and t.device.type == "cpu" and t.stride() == layout[1] and t.shape == layout[0]
+
+
+def _mode(param: Tensor, comp: Optional[Tensor], compensation: Optional[str], layout: tuple[Any, Any]) -> Optional[int]:
     """The kernel's write-back code for ``param``, or ``None`` if the kernel cannot write it."""
     if comp is None:
         if compensation != "stochastic":
             return _MODES[None]
         return _MODES["stochastic"] if param.dtype == torch.bfloat16 else None
-    if not _plain(comp, param):
+    if not _alike(comp, layout):
         return None
     if comp.dtype == torch.int16:
         return _MODES["exact"] if param.dtype == torch.bfloat16 else None
     return _MODES["kahan"] if comp.dtype == param.dtype else None
 
 
-def _eight_bit(states: list[Any], param: Tensor) -> Optional[bool]:
+def _eight_bit(states: list[Any], param: Tensor, layout: tuple[Any, Any]) -> Optional[bool]:
     """``False``: float32 states the kernel takes; ``True``: 8-bit ones (in the kernel's block
     size); ``None``: neither."""
-    if all(_plain(s, param) and s.dtype == torch.float32 for s in states):
+    if all(_alike(s, layout) and s.dtype == torch.float32 for s in states):
         return False
     if states and quant8.BLOCK == _KERNEL_BLOCK and param.is_contiguous() and all(
         isinstance(s, Quantized8) and s.codes.device.type == "cpu" and s.codes.is_contiguous()
@@ -163,12 +166,13 @@ def _eight_bit(states: list[Any], param: Tensor) -> Optional[bool]:
 def _eligible(param: Tensor, grad: Tensor, states: list[Any], comp: Optional[Tensor],
               compensation: Optional[str]) -> Optional[tuple[int, bool]]:
     """``(write-back code, 8-bit states)`` for a parameter the kernel takes, else ``None``."""
-    if param.dtype not in _LOW or not _plain(param, param):
+    if param.dtype not in _LOW or param.device.type != "cpu" or not _dense(param):
         return None
-    if not _plain(grad, param) or grad.dtype not in (param.dtype, torch.float32):
+    layout = (param.shape, param.stride())
+    if not _alike(grad, layout) or grad.dtype not in (param.dtype, torch.float32):
         return None
-    eight_bit = _eight_bit(states, param)
-    mode = _mode(param, comp, compensation)
+    eight_bit = _eight_bit(states, param, layout)
+    mode = _mode(param, comp, compensation, layout)
     return None if eight_bit is None or mode is None else (mode, eight_bit)
 
 

@@ -37,7 +37,7 @@ class AdamW(CompensatedOptimizer):
       ["kahan_comp"]``, +2 bytes) and added back at the next step. Parameter + buffer holds
       about 16 significant bits, not float32's 24: a steady update below about ``2**-17`` of the
       weight never lands (the buffer's own rounding drops it). For float16 parameters, where
-      ``"exact"`` does not apply; for bfloat16 ones ``"exact"`` is exact for about 10% more time.
+      ``"exact"`` does not apply; for bfloat16 ones ``"exact"`` is exact at the same cost.
     * ``"stochastic"``: rounded stochastically (unbiased), using ``generator``; no extra memory.
 
     Float32/float64 parameters ignore ``compensation``.

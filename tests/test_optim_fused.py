@@ -355,3 +355,21 @@ def test_channels_last_weights_run_the_kernel(counted, working_copies, cls):
     working_copies()
     b, opt_b = run()
     _same(a, opt_a, b, opt_b)
+
+
+def test_float32_training_never_builds_the_kernel():
+    """Only low-precision CPU parameters need the kernel: fp32 training does not build or load it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, mixprec\n"
+        "from mixprec import _native\n"
+        "p = torch.randn(8, requires_grad=True); p.grad = torch.randn(8)\n"
+        "for opt in (mixprec.optim.AdamW([p]), mixprec.optim.SGD([p], momentum=0.9), mixprec.optim.AdamW([p], fused=True)):\n"
+        "    opt.step()\n"
+        "print(sorted(_native._state))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -203,6 +203,11 @@ def _kernel_maps() -> list[Tensor]:
     return _checked["maps"]
 
 
+def _any_candidate(params: list[Tensor]) -> bool:
+    """Whether any parameter could use the kernel: otherwise (CUDA, float32) it is not even built."""
+    return any(p.device.type == "cpu" and p.dtype in _LOW for p in params)
+
+
 def _cpu_inv(inv_scale: Optional[Tensor]) -> Optional[Tensor]:
     return None if inv_scale is None else inv_scale.detach().to("cpu", torch.float32).reshape(())
 
@@ -225,7 +230,7 @@ def adamw_native(
     (the caller runs the others). ``stored``: ``[exp_avgs, exp_avg_sqs(, max_exp_avg_sqs)]``;
     ``state_steps``: the step counters (float32 CPU scalars), already incremented unless
     ``increment`` (then those of the parameters taken are incremented here)."""
-    ops = native_ops()
+    ops = native_ops() if _any_candidate(params) else None
     if ops is None:
         return []
     states = [[s[i] for s in stored] for i in range(len(params))]
@@ -262,7 +267,7 @@ def sgd_native(
     compensation: Optional[str], inv_scale: Optional[Tensor], generator: Optional[torch.Generator],
 ) -> list[int]:
     """:func:`adamw_native` for SGD; ``fresh[i]``: the momentum buffer is new (set to the gradient)."""
-    ops = native_ops()
+    ops = native_ops() if _any_candidate(params) else None
     if ops is None:
         return []
     has_momentum = momentum != 0

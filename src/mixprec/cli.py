@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
+from mixprec._paths import folder_problem
+
 __all__ = ["main", "build_parser"]
 
 
@@ -114,11 +116,9 @@ def _default_device() -> str:
 
 def _check_writable(out: Path) -> str | None:
     """Create ``out`` and try a file in it; the reason it cannot be written, or None."""
-    if out.exists() and not out.is_dir():
-        return f"--out {str(out)!r} is a file, not a folder; give a folder for the report"
-    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        return f"cannot create the report folder {str(out)!r}: {str(blocker)!r} is a file, not a folder"
+    problem = folder_problem(out)
+    if problem is not None:
+        return problem
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):

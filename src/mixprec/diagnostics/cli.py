@@ -16,8 +16,9 @@ import argparse
 import importlib
 import os
 import sys
-from pathlib import Path
 from typing import Any
+
+from mixprec._paths import folder_problem
 
 __all__ = ["add_audit_parser", "audit_command"]
 
@@ -31,17 +32,6 @@ def _one_line(e: BaseException) -> str:
 def _fail(message: str, code: int = 2) -> int:
     print(f"mixprec audit: {message}", file=sys.stderr)
     return code
-
-
-def _out_problem(out: str) -> str | None:
-    """Why ``out`` cannot become the report folder (it is a file, or under one), or None."""
-    path = Path(out).absolute()
-    if path.exists() and not path.is_dir():
-        return f"--out {out!r} is a file, not a folder; give a folder for the report"
-    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        return f"cannot create the report folder {out!r}: {str(blocker)!r} is a file, not a folder"
-    return None
 
 
 def _load(target: str) -> tuple[Any, Any, Any] | str:
@@ -116,7 +106,7 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
             as_recipe(fp8)
         except ValueError as e:
             return _fail(f"--fp8: {e}")
-    problem = _out_problem(out)
+    problem = folder_problem(out)
     if problem:
         return _fail(problem, code=1)
     loaded = _load(target)

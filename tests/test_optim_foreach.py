@@ -6,6 +6,8 @@ import torch
 import mixprec.optim._chunks
 from mixprec.optim import SGD, AdamW
 
+from _optim_cases import assert_same, train
+
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
@@ -53,29 +55,7 @@ def _params(dtype):
 
 def _run(cls, dtype, foreach, steps=4, late=True, **kwargs):
     params = _params(dtype)
-    # two groups, the second with a parameter that gets its first gradient on step 1
-    opt = cls([{"params": params[:1]}, {"params": params[1:], "lr": 3e-3}], foreach=foreach,
-              generator=torch.Generator().manual_seed(1), **kwargs)
-    for step in range(steps):
-        g = torch.Generator().manual_seed(100 + step)
-        for i, p in enumerate(params):
-            p.grad = None if (late and step == 0 and i == 2) else torch.randn(p.shape, generator=g).to(dtype)
-        kept = [None if p.grad is None else p.grad.clone() for p in params]
-        opt.step()
-        for p, k in zip(params, kept):
-            assert (p.grad is None and k is None) or torch.equal(p.grad, k)  # .grad is never scratch
-    return params, opt
-
-
-def _assert_same(a, opt_a, b, opt_b):
-    for p, q in zip(a, b):
-        assert p.dtype == q.dtype and torch.equal(p.view(torch.uint8), q.view(torch.uint8))
-        assert opt_a.state[p].keys() == opt_b.state[q].keys()
-        for key, value in opt_a.state[p].items():
-            other = opt_b.state[q][key]
-            assert value.dtype == other.dtype, key
-            assert torch.equal(value, other), key
-    assert torch.equal(opt_a.generator.get_state(), opt_b.generator.get_state())
+    return params, train(cls, params, steps=steps, late=late, foreach=foreach, **kwargs)
 
 
 @pytest.mark.parametrize("dtype,compensation,state_dtype", ADAMW_RECIPES)
@@ -83,7 +63,7 @@ def _assert_same(a, opt_a, b, opt_b):
 def test_adamw_foreach_is_bitwise_per_tensor(kwargs, dtype, compensation, state_dtype):
     a, opt_a = _run(AdamW, dtype, False, compensation=compensation, state_dtype=state_dtype, **kwargs)
     b, opt_b = _run(AdamW, dtype, True, compensation=compensation, state_dtype=state_dtype, **kwargs)
-    _assert_same(a, opt_a, b, opt_b)
+    assert_same(a, opt_a, b, opt_b)
     if state_dtype == "8bit":
         assert opt_a.state[a[0]]["exp_avg"].dtype == torch.uint8  # the 8-bit path was exercised
 
@@ -93,7 +73,7 @@ def test_adamw_foreach_is_bitwise_per_tensor(kwargs, dtype, compensation, state_
 def test_sgd_foreach_is_bitwise_per_tensor(kwargs, dtype, compensation, state_dtype):
     a, opt_a = _run(SGD, dtype, False, compensation=compensation, state_dtype=state_dtype, **kwargs)
     b, opt_b = _run(SGD, dtype, True, compensation=compensation, state_dtype=state_dtype, **kwargs)
-    _assert_same(a, opt_a, b, opt_b)
+    assert_same(a, opt_a, b, opt_b)
 
 
 @pytest.mark.parametrize("foreach", [False, True])

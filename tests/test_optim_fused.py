@@ -15,6 +15,8 @@ from mixprec import _native
 from mixprec.optim import SGD, AdamW
 from mixprec.optim.exact import exact_value
 
+from _optim_cases import assert_same, train
+
 WHOLE = [(48, 32), (64,), (16, 3)]  # numel % 16 == 0
 TAILS = [(37, 5), (9,), (3,)]
 
@@ -88,34 +90,7 @@ RECIPES = [
 def _run(cls, dtype, grad_dtype, shapes, steps=4, **kwargs):
     g = torch.Generator().manual_seed(0)
     params = [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in shapes]
-    for p in params:
-        if grad_dtype != dtype and hasattr(p, "grad_dtype"):  # torch >= 2.10 checks .grad's dtype
-            p.grad_dtype = None
-    opt = cls([{"params": params[:1]}, {"params": params[1:], "lr": 3e-3}], fused=True,
-              generator=torch.Generator().manual_seed(1), **kwargs)
-    for step in range(steps):
-        g = torch.Generator().manual_seed(100 + step)
-        for i, p in enumerate(params):  # the last parameter's first gradient arrives a step late
-            late = step == 0 and i == len(params) - 1
-            p.grad = None if late else torch.randn(p.shape, generator=g).to(grad_dtype)
-        kept = [None if p.grad is None else p.grad.clone() for p in params]
-        opt.step()
-        for p, k in zip(params, kept):
-            assert (p.grad is None and k is None) or torch.equal(p.grad, k)  # .grad is never scratch
-    return params, opt
-
-
-def _same(a, opt_a, b, opt_b):
-    for p, q in zip(a, b):
-        assert p.dtype == q.dtype and torch.equal(p.detach().flatten().view(torch.uint8),
-                                                  q.detach().flatten().view(torch.uint8))
-        assert opt_a.state[p].keys() == opt_b.state[q].keys()
-        for key, value in opt_a.state[p].items():
-            assert value.dtype == opt_b.state[q][key].dtype
-            assert torch.equal(value, opt_b.state[q][key]), key
-    assert (opt_a.generator is None) == (opt_b.generator is None)
-    if opt_a.generator is not None:
-        assert torch.equal(opt_a.generator.get_state(), opt_b.generator.get_state())
+    return params, train(cls, params, grad_dtype=grad_dtype, steps=steps, fused=True, **kwargs)
 
 
 def test_the_kernel_serves_this_machine(ops):
@@ -129,7 +104,7 @@ def test_adamw_kernel_is_bitwise_the_working_copies(counted, working_copies, kwa
     assert counted.params == 3 * 4 - 1  # every parameter, every step (one skips its first)
     working_copies()
     b, opt_b = _run(AdamW, dtype, grad_dtype, WHOLE, compensation=compensation, **kwargs)
-    _same(a, opt_a, b, opt_b)
+    assert_same(a, opt_a, b, opt_b)
 
 
 @pytest.mark.parametrize("compensation", ["exact", "stochastic", "kahan"])
@@ -145,7 +120,7 @@ def test_adamw_kernel_with_8bit_moments_is_bitwise_the_working_copies(counted, w
     working_copies()
     b, opt_b = _run(AdamW, torch.bfloat16, torch.bfloat16, shapes, compensation=compensation,
                     state_dtype="8bit", **kwargs)
-    _same(a, opt_a, b, opt_b)
+    assert_same(a, opt_a, b, opt_b)
 
 
 @pytest.mark.parametrize("dtype,grad_dtype,compensation", RECIPES)
@@ -155,7 +130,7 @@ def test_sgd_kernel_is_bitwise_the_working_copies(counted, working_copies, kwarg
     assert counted.params == 3 * 4 - 1
     working_copies()
     b, opt_b = _run(SGD, dtype, grad_dtype, WHOLE, compensation=compensation, **kwargs)
-    _same(a, opt_a, b, opt_b)
+    assert_same(a, opt_a, b, opt_b)
 
 
 @pytest.mark.parametrize("cls,kwargs", [(AdamW, ADAMW_CASES[0]), (AdamW, ADAMW_CASES[1]), (SGD, SGD_CASES[0]),
@@ -230,7 +205,7 @@ def test_what_the_kernel_cannot_take_keeps_the_working_copies(counted, working_c
     assert counted.params == 2 * 3  # the contiguous bf16 exact parameter and the lone stochastic one
     working_copies()
     b, opt_b = run()
-    _same(a, opt_a, b, opt_b)
+    assert_same(a, opt_a, b, opt_b)
 
 
 def test_a_kernel_that_disagrees_with_torch_is_not_used(ops, monkeypatch):
@@ -329,7 +304,7 @@ def test_threads_split_large_tensors_without_changing_a_bit(counted, working_cop
                         compensation=compensation, lr=1e-2, weight_decay=0.1)
     finally:
         torch.set_num_threads(threads)
-    _same(a, opt_a, b, opt_b)
+    assert_same(a, opt_a, b, opt_b)
 
 
 @pytest.mark.parametrize("cls", [AdamW, SGD])
@@ -354,7 +329,7 @@ def test_channels_last_weights_run_the_kernel(counted, working_copies, cls):
     assert counted.params == 2 * 3
     working_copies()
     b, opt_b = run()
-    _same(a, opt_a, b, opt_b)
+    assert_same(a, opt_a, b, opt_b)
 
 
 def test_float32_training_never_builds_the_kernel():

@@ -5,16 +5,21 @@
 Each benchmark module exposes ``run(quick=False)`` returning a dict (or a list of dicts) of
 figures; an adapter here turns them into rows ``(benchmark, figure, ratio, reference, detail)``.
 The ratio is mixprec's cost over the reference's (time or bytes; below 1 is better), measured
-side by side in the same process. A benchmark that is missing or fails prints one line on stderr
-(after the table of the others), and the exit status is then 1.
+side by side. Each benchmark runs in a fresh process: once mixprec has registered a kernel,
+``torch.autocast`` in that process runs through it, so a reference measured after another
+benchmark would no longer be PyTorch's own. A benchmark that is missing or fails prints one line
+on stderr (after the table of the others), and the exit status is then 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import multiprocessing
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -97,23 +102,36 @@ def run_all(
     """
     rows: list[Row] = []
     problems: list[str] = []
+    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter (sys.path is passed on)
     for name, adapt in (BENCHMARKS if benchmarks is None else benchmarks).items():
-        try:
-            module = importlib.import_module(f"{package}.{name}")
-        except ImportError as e:
-            problems.append(f"{package}.{name}: not available ({type(e).__name__}: {e})")
+        if importlib.util.find_spec(f"{package}.{name}") is None:
+            problems.append(f"{package}.{name}: not available (ModuleNotFoundError: No module named "
+                            f"'{package}.{name}')")
             continue
         log(f"running {name}{' (quick)' if quick else ''} ...")
         start = time.perf_counter()
         try:
-            result = module.run(quick=quick)
-            new = adapt(result)
+            with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+                result = pool.submit(_run_one, package, name, quick).result()
+        except ImportError as e:
+            problems.append(f"{package}.{name}: not available ({type(e).__name__}: {e})")
+            continue
         except Exception as e:  # one broken benchmark must not hide the others
+            problems.append(f"{package}.{name}: failed ({type(e).__name__}: {e})")
+            continue
+        try:
+            new = adapt(result)
+        except Exception as e:
             problems.append(f"{package}.{name}: failed ({type(e).__name__}: {e})")
             continue
         log(f"  {name}: {time.perf_counter() - start:.1f} s")
         rows.extend(new)
     return rows, problems
+
+
+def _run_one(package: str, name: str, quick: bool) -> Any:
+    """``{package}.{name}.run(quick)``, in the worker process."""
+    return importlib.import_module(f"{package}.{name}").run(quick=quick)
 
 
 def format_table(rows: Sequence[Row], markdown: bool = False) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,24 @@ def test_run_all_reports_missing_and_failing_benchmarks(tmp_path: Path, monkeypa
     ]
     assert logged[0] == "running good (quick) ..." and "running bad (quick) ..." in logged
     assert not any(p in logged for p in problems)  # reported once, by the caller
+
+
+def test_each_benchmark_runs_in_a_fresh_process(tmp_path: Path, monkeypatch) -> None:
+    """A reference must be PyTorch's own: no benchmark runs where mixprec has registered kernels."""
+    pkg = tmp_path / "pidbench"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    code = "import os, sys\ndef run(quick=False):\n    return {'pid': os.getpid(), 'mixprec': 'mixprec' in sys.modules}\n"
+    for name in ("one", "two"):
+        (pkg / f"{name}.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import mixprec  # noqa: F401  # loaded here, absent there
+    seen = []
+    adapters = {name: (lambda res: seen.append(res) or []) for name in ("one", "two")}
+    rows, problems = run_all(quick=True, benchmarks=adapters, package="pidbench", log=lambda line: None)
+    assert problems == [] and len(seen) == 2
+    assert len({r["pid"] for r in seen} | {os.getpid()}) == 3
+    assert not any(r["mixprec"] for r in seen)
 
 
 def test_main_exits_1_and_prints_one_line_per_failing_benchmark(monkeypatch, capsys) -> None:

@@ -12,7 +12,7 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 from mixprec._unscale import inverse_scale
 from mixprec.scaling.protocol import lent_scale
 from mixprec.optim._functional import COMPENSATIONS, compute_dtype
-from mixprec.optim._fused import native_ops
+from mixprec.optim._fused import any_candidate, native_ops
 from mixprec.optim.exact import check_exact_dtype, exact_write_
 from mixprec.optim.kahan import kahan_write_
 
@@ -20,7 +20,6 @@ __all__ = ["CompensatedOptimizer"]
 
 
 _FLOAT8 = tuple(getattr(torch, n) for n in dir(torch) if n.startswith("float8_"))
-_LOW = (torch.bfloat16, torch.float16)
 #: ``state_dtype`` asking for block-wise quantized 8-bit moments (AdamW only).
 STATE_8BIT = "8bit"
 
@@ -128,7 +127,7 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         fused = param_group.get("fused", self.defaults.get("fused"))
         foreach = param_group.get("foreach", self.defaults.get("foreach"))
         kernel = fused or (fused is None and foreach is None)  # see AdamW's fused=
-        if kernel and any(p.device.type == "cpu" and p.dtype in _LOW for p in params):
+        if kernel and any_candidate(params):
             native_ops()  # decide on the C++ kernel now, not inside a step torch.compile traces
 
     # -- helpers for subclasses -------------------------------------------------------------

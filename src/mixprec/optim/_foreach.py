@@ -34,6 +34,7 @@ from mixprec.optim._functional import (
     Unscaler,
     check_grads,
     compute_dtype,
+    draws_random,
     new_momentum_buffers,
     read_state,
     write_back,
@@ -42,16 +43,8 @@ from mixprec.optim._functional import (
 
 __all__ = ["adamw_foreach", "sgd_foreach"]
 
-_NARROW = (torch.bfloat16, torch.float16)
-
-
 def _pick(items: list, index: list[int]) -> list:
     return [items[i] for i in index]
-
-
-def _rest(n: int, done: list[int]) -> list[int]:
-    taken = set(done)
-    return [i for i in range(n) if i not in taken]
 
 
 def _to_compute(tensors: list[Tensor], cdtypes: list[torch.dtype]) -> list[Tensor]:
@@ -110,13 +103,6 @@ def _store_params(params: list[Tensor], values: list[Tensor], comps: list[Option
         torch._foreach_copy_(_pick(params, nearest), _pick(values, nearest))
 
 
-def _draws(compensation: Optional[str], states: list[list[Optional[State]]]) -> bool:
-    """Whether writing back draws random numbers (stochastic parameters or narrow float state)."""
-    return compensation == "stochastic" or any(
-        isinstance(s, Tensor) and s.dtype in _NARROW for lst in states for s in lst
-    )
-
-
 def _write_back_all(
     params: list[Tensor],
     values: list[Tensor],
@@ -127,7 +113,7 @@ def _write_back_all(
 ) -> None:
     """Write back every parameter's ``(stored, computed)`` states, then the parameters: per tensor
     in list order when random numbers are drawn (the per-tensor path's order), else foreach."""
-    if _draws(compensation, [stored for stored, _ in states]):
+    if any(draws_random(comps[i], [stored[i] for stored, _ in states], compensation) for i in range(len(params))):
         for i, param in enumerate(params):
             pairs = [(stored[i], computed[i]) for stored, computed in states]
             write_back(param, values[i], comps[i], pairs, compensation, generator)
@@ -173,11 +159,10 @@ def adamw_foreach(
     stored = [exp_avgs, exp_avg_sqs] + ([max_exp_avg_sqs] if amsgrad else [])
     torch._foreach_add_(state_steps, 1)
     if fused:  # mixprec's one-pass kernel for the parameters it takes, the rest as below
-        done = adamw_native(params, grads, stored, comps, state_steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        rest = adamw_native(params, grads, stored, comps, state_steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                             weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                             compensation=compensation, inv_scale=inv_scale, generator=generator)
-        if done:
-            rest = _rest(len(params), done)
+        if len(rest) < len(params):
             params, grads, comps, state_steps = (_pick(lst, rest) for lst in (params, grads, comps, state_steps))
             stored = [_pick(lst, rest) for lst in stored]
             if not rest:
@@ -265,12 +250,11 @@ def sgd_foreach(
     check_grads(grads)
     fresh = new_momentum_buffers(momentum_buffers, params, state_dtype) if momentum != 0 else []
     if fused:
-        done = sgd_native(params, grads, momentum_buffers, fresh, comps, lr=lr, momentum=momentum,
+        rest = sgd_native(params, grads, momentum_buffers, fresh, comps, lr=lr, momentum=momentum,
                           dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                           maximize=maximize, compensation=compensation, inv_scale=inv_scale,
                           generator=generator)
-        if done:  # the rest on lists that share the momentum buffers' objects
-            rest = _rest(len(params), done)
+        if len(rest) < len(params):  # the rest on lists that share the momentum buffers' objects
             params, grads, comps = (_pick(lst, rest) for lst in (params, grads, comps))
             if momentum != 0:
                 momentum_buffers, fresh = _pick(momentum_buffers, rest), _pick(fresh, rest)

@@ -45,7 +45,8 @@ COMPENSATIONS = (None, "kahan", "exact", "stochastic")
 #: An optimizer-state tensor: a plain tensor (any floating dtype) or an 8-bit quantized one.
 State = Union[Tensor, Quantized8]
 
-_NARROW = (torch.bfloat16, torch.float16)
+#: The low-precision float dtypes (parameters the optimizers compensate, state rounded stochastically).
+NARROW = (torch.bfloat16, torch.float16)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -70,7 +71,7 @@ def write_state(state: State, value: Tensor, generator: Optional[torch.Generator
     if isinstance(state, Quantized8):
         state.quantize_(value.float())
     elif value is not state:
-        if state.dtype in _NARROW and value.dtype == torch.float32:
+        if state.dtype in NARROW and value.dtype == torch.float32:
             stochastic_round_(state, value, generator)
         else:
             state.copy_(value)
@@ -128,6 +129,13 @@ def step_grad(grad: Tensor, cdtype: torch.dtype, unscale: Unscaler, maximize: bo
     """The gradient a step uses: read in the compute dtype, unscaled, negated to maximize."""
     grad = unscale(_read(grad, cdtype))
     return -grad if maximize else grad
+
+
+def draws_random(comp: Optional[Tensor], states: Sequence[Optional[State]], compensation: Optional[str]) -> bool:
+    """Whether writing a parameter back draws random numbers: stochastic rounding of the
+    parameter (no compensation buffer) or of a bfloat16/float16 state."""
+    narrow = any(isinstance(s, Tensor) and s.dtype in NARROW for s in states)
+    return narrow or (comp is None and compensation == "stochastic")
 
 
 def write_back(

@@ -34,14 +34,14 @@ from torch import Tensor
 
 from mixprec import _native
 from mixprec.optim import quant8
+from mixprec.optim._functional import NARROW, draws_random
 from mixprec.optim.quant8 import Quantized8
 
-__all__ = ["native_ops", "adamw_native", "sgd_native"]
+__all__ = ["native_ops", "any_candidate", "adamw_native", "sgd_native"]
 
 _log = logging.getLogger("mixprec")
 #: torch's CPU capabilities where the kernel may serve (their fused kernels' arithmetic is known)
 _CAPABILITIES = ("AVX512", "AVX2")
-_LOW = (torch.bfloat16, torch.float16)
 _KERNEL_BLOCK = 256  # kBlock in optim_kernel.cpp: 8-bit moments must use the same block size
 _MODES = {None: 0, "kahan": 1, "exact": 2, "stochastic": 3}
 
@@ -166,7 +166,7 @@ def _eight_bit(states: list[Any], param: Tensor, layout: tuple[Any, Any]) -> Opt
 def _eligible(param: Tensor, grad: Tensor, states: list[Any], comp: Optional[Tensor],
               compensation: Optional[str]) -> Optional[tuple[int, bool]]:
     """``(write-back code, 8-bit states)`` for a parameter the kernel takes, else ``None``."""
-    if param.dtype not in _LOW or param.device.type != "cpu" or not _dense(param):
+    if param.dtype not in NARROW or param.device.type != "cpu" or not _dense(param):
         return None
     layout = (param.shape, param.stride())
     if not _alike(grad, layout) or grad.dtype not in (param.dtype, torch.float32):
@@ -176,17 +176,11 @@ def _eligible(param: Tensor, grad: Tensor, states: list[Any], comp: Optional[Ten
     return None if eight_bit is None or mode is None else (mode, eight_bit)
 
 
-def _draws(comp: Optional[Tensor], states: list[Any], compensation: Optional[str]) -> bool:
-    """Whether the working-copy path draws random numbers for this parameter."""
-    narrow = any(isinstance(s, Tensor) and s.dtype in _LOW for s in states)
-    return narrow or (comp is None and compensation == "stochastic")
-
-
 def _keep_draw_order(kinds: list[Optional[tuple[int, bool]]], comps: list[Optional[Tensor]],
                      states: list[list[Any]], compensation: Optional[str]) -> list[Optional[tuple[int, bool]]]:
     """Leave stochastic rounding to the working copies if a parameter they keep draws too: the
     random numbers must come in parameter order, as the working-copy path draws them."""
-    others_draw = any(kind is None and _draws(comps[i], states[i], compensation) for i, kind in enumerate(kinds))
+    others_draw = any(kind is None and draws_random(comps[i], states[i], compensation) for i, kind in enumerate(kinds))
     return [None if others_draw and kind is not None and kind[0] == _MODES["stochastic"] else kind
             for kind in kinds]
 
@@ -203,9 +197,9 @@ def _kernel_maps() -> list[Tensor]:
     return _checked["maps"]
 
 
-def _any_candidate(params: list[Tensor]) -> bool:
+def any_candidate(params: list[Tensor]) -> bool:
     """Whether any parameter could use the kernel: otherwise (CUDA, float32) it is not even built."""
-    return any(p.device.type == "cpu" and p.dtype in _LOW for p in params)
+    return any(p.device.type == "cpu" and p.dtype in NARROW for p in params)
 
 
 def _cpu_inv(inv_scale: Optional[Tensor]) -> Optional[Tensor]:
@@ -226,13 +220,13 @@ def adamw_native(
     amsgrad: bool, maximize: bool, compensation: Optional[str], inv_scale: Optional[Tensor],
     generator: Optional[torch.Generator], increment: bool = False,
 ) -> list[int]:
-    """Run the fused AdamW step on the parameters the C++ kernel takes; return their indices
-    (the caller runs the others). ``stored``: ``[exp_avgs, exp_avg_sqs(, max_exp_avg_sqs)]``;
+    """Run the fused AdamW step on the parameters the C++ kernel takes; return the indices of
+    the others, for the caller to run. ``stored``: ``[exp_avgs, exp_avg_sqs(, max_exp_avg_sqs)]``;
     ``state_steps``: the step counters (float32 CPU scalars), already incremented unless
     ``increment`` (then those of the parameters taken are incremented here)."""
-    ops = native_ops() if _any_candidate(params) else None
+    ops = native_ops() if any_candidate(params) else None
     if ops is None:
-        return []
+        return list(range(len(params)))
     states = [[s[i] for s in stored] for i in range(len(params))]
     kinds = [_eligible(p, g, states[i], c, compensation) for i, (p, g, c) in enumerate(zip(params, grads, comps))]
     kinds = _keep_draw_order(kinds, comps, states, compensation)
@@ -240,7 +234,7 @@ def adamw_native(
     groups = _groups(kinds)
     if increment and groups:
         torch._foreach_add_([state_steps[i] for index in groups.values() for i in index], 1)
-    done: list[int] = []
+    done: set[int] = set()
     for (mode, eight_bit), index in groups.items():
         pick = lambda lst: [lst[i] for i in index]  # noqa: E731
         moments = [pick(lst) for lst in stored]
@@ -256,8 +250,8 @@ def adamw_native(
             lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, inv, mode,
             generator if mode == _MODES["stochastic"] else None,  # (torch.compile cannot trace a generator)
         )
-        done += index
-    return sorted(done)
+        done.update(index)
+    return [i for i in range(len(params)) if i not in done]
 
 
 def sgd_native(
@@ -267,15 +261,15 @@ def sgd_native(
     compensation: Optional[str], inv_scale: Optional[Tensor], generator: Optional[torch.Generator],
 ) -> list[int]:
     """:func:`adamw_native` for SGD; ``fresh[i]``: the momentum buffer is new (set to the gradient)."""
-    ops = native_ops() if _any_candidate(params) else None
+    ops = native_ops() if any_candidate(params) else None
     if ops is None:
-        return []
+        return list(range(len(params)))
     has_momentum = momentum != 0
     states = [[momentum_buffers[i]] if has_momentum else [] for i in range(len(params))]
     kinds = [_eligible(p, g, states[i], c, compensation) for i, (p, g, c) in enumerate(zip(params, grads, comps))]
     kinds = _keep_draw_order(kinds, comps, states, compensation)
     inv = _cpu_inv(inv_scale)
-    done: list[int] = []
+    done: set[int] = set()
     for (mode, _), index in _groups(kinds).items():
         pick = lambda lst: [lst[i] for i in index]  # noqa: E731
         ops.sgd_step(
@@ -284,5 +278,5 @@ def sgd_native(
             lr, momentum, dampening, weight_decay, nesterov, maximize, inv, mode,
             generator if mode == _MODES["stochastic"] else None,
         )
-        done += index
-    return sorted(done)
+        done.update(index)
+    return [i for i in range(len(params)) if i not in done]

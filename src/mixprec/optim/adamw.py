@@ -171,9 +171,8 @@ class AdamW(CompensatedOptimizer):
                          compensation=group["compensation"], generator=self.generator, inv_scale=inv_scale)
             if group["fused"] is None and group["foreach"] is None:  # the C++ kernel where it applies
                 stored = list(moments[:3] if group["amsgrad"] else moments[:2])
-                done = adamw_native(params, grads, stored, comps, steps, increment=True, **hyper)
-                if done:
-                    rest = [i for i in range(len(params)) if i not in set(done)]
+                rest = adamw_native(params, grads, stored, comps, steps, increment=True, **hyper)
+                if len(rest) < len(params):
                     params, grads, steps, comps = ([lst[i] for i in rest] for lst in (params, grads, steps, comps))
                     moments = tuple([lst[i] for i in rest] for lst in moments)
                     if not params:

@@ -11,7 +11,7 @@ from torch import Tensor
 from mixprec.optim._base import CompensatedOptimizer, _scalar
 from mixprec.optim._foreach import sgd_foreach
 from mixprec.optim._fused import sgd_native
-from mixprec.optim._functional import sgd
+from mixprec.optim._functional import NARROW, sgd
 
 __all__ = ["SGD"]
 
@@ -83,11 +83,10 @@ class SGD(CompensatedOptimizer):
         fresh = [False] * len(params)
         if group["momentum"] != 0 and group["state_dtype"] in (None, torch.float32):
             for i, p in enumerate(params):
-                if buffers[i] is None and p.dtype in (torch.bfloat16, torch.float16):
+                if buffers[i] is None and p.dtype in NARROW:
                     buffers[i] = torch.empty_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
                     fresh[i] = True
-        done = set(sgd_native(params, grads, buffers, fresh, comps, **hyper))
-        todo = [i for i in range(len(params)) if i not in done]
+        todo = sgd_native(params, grads, buffers, fresh, comps, **hyper)
         for i in todo:
             if fresh[i]:  # the other paths create it themselves, and start it from the gradient
                 buffers[i] = None

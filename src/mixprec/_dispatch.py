@@ -78,7 +78,7 @@ def _no_autocast() -> Any:
 _BELOW_AUTOCAST = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.AutocastCPU)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: nested regions with equal policies are distinct frames
 class Frame:
     """One active mixprec region of one device in one thread.
 

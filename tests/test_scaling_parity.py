@@ -536,6 +536,35 @@ def test_torch_private_scale_tensors_for_ported_code(impl):
     assert scaler._growth_tracker.dtype == torch.int32 and scaler._get_scale_async() is scaler._scale
 
 
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_torch_per_optimizer_state_layout_for_ported_code(impl):
+    """The expressions torch's GradScaler (and Lightning's tests) use on
+    ``_per_optimizer_states[id(opt)]``: a mapping with an ``OptState`` "stage" (compared with
+    ``is``) and a "found_inf_per_device" dict of device flags."""
+    from torch.amp.grad_scaler import OptState
+
+    param = nn.Parameter(torch.ones(2))
+    optimizer = make_optimizer("plain", [param])
+    scaler = make_scaler(impl, init_scale=4.0)
+    states = scaler._per_optimizer_states
+    assert states[id(optimizer)]["stage"] is OptState.READY
+    param.grad = scaler.scale(torch.tensor(1.0)) * torch.tensor([1.0, INF])
+    scaler.unscale_(optimizer)
+    state = states[id(optimizer)]
+    assert state["stage"] is OptState.UNSCALED and state["stage"] == OptState.UNSCALED
+    found = state["found_inf_per_device"]
+    assert list(found) == [param.device]
+    assert sum(v.item() for v in found.values()) == 1.0
+    assert scaler._found_inf_per_device(optimizer) is found
+    assert set(dict(state)) == {"stage", "found_inf_per_device"}
+    scaler.step(optimizer)
+    assert states[id(optimizer)]["stage"] is OptState.STEPPED
+    state["stage"] = OptState.READY  # what ported code writes is what the scaler reads
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.get_scale() == 2.0
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_master_weights_fp16_training_loop_under_mixprec_autocast(fused):
     """float16 parameters + mixprec.MasterWeights + mixprec.GradScaler under mixprec.autocast:

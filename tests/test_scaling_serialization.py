@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -171,3 +172,44 @@ def test_pickling_a_lambda_history_says_what_to_do():
     assert rows == [(0, 2.0**16, False, ())]
     restored = pickle.loads(pickle.dumps(GradScaler("cpu", history=module_level_history)))
     assert restored._history is module_level_history
+
+
+CHOSEN = dict(hysteresis=4, min_scale=1.0, on_min_scale="warn")
+
+
+def test_a_mixprec_checkpoint_restores_its_options_and_warns_where_it_overrides_chosen_ones():
+    """A mixprec checkpoint wins (it is what the run was saved with), but a constructor option
+    it replaces is named in a warning instead of being dropped silently."""
+    scaler = GradScaler("cpu", growth_interval=7, **CHOSEN)
+    with pytest.warns(UserWarning, match=r"hysteresis 4 -> 1, min_scale 1.0 -> None, on_min_scale 'warn' -> 'raise'"):
+        scaler.load_state_dict(GradScaler("cpu", growth_interval=7).state_dict())
+    assert (scaler.config.hysteresis, scaler.config.min_scale, scaler._on_min_scale) == (1, None, "raise")
+    scaler.set_growth_interval(9)
+    saved = GradScaler("cpu", growth_interval=7, **CHOSEN).state_dict()
+    with pytest.warns(UserWarning, match=r"growth_interval 9 -> 7.*set_\* methods") as record:
+        scaler.load_state_dict(saved)
+    assert len(record) == 1 and "hysteresis" not in str(record[0].message)
+    # Dropping a key from "mixprec" keeps the scaler's own value, without a warning.
+    kept = GradScaler("cpu", **CHOSEN)
+    mine = {**saved, "mixprec": {k: v for k, v in saved["mixprec"].items() if k != "min_scale"}}
+    mine["mixprec"]["hysteresis"] = 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kept.load_state_dict(mine)
+        GradScaler("cpu").load_state_dict(saved)  # default options: nothing chosen, nothing to warn
+    assert (kept.config.hysteresis, kept.config.min_scale, kept._on_min_scale) == (4, 1.0, "warn")
+
+
+def test_a_torch_checkpoint_keeps_the_mixprec_options():
+    scaler = GradScaler("cpu", **CHOSEN)
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=32.0, growth_interval=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler.load_state_dict(torch_scaler.state_dict())
+    assert (scaler.config.hysteresis, scaler.config.min_scale, scaler._on_min_scale) == (4, 1.0, "warn")
+    assert scaler.get_scale() == 32.0 and scaler.get_growth_interval() == 5
+    # torch's own three options are in its checkpoint and win, as with torch's scaler: named
+    # when they replace a chosen one.
+    chosen = GradScaler("cpu", growth_interval=100)
+    with pytest.warns(UserWarning, match="growth_interval 100 -> 2000"):
+        chosen.load_state_dict(torch.amp.GradScaler("cpu").state_dict())

@@ -8,11 +8,11 @@ sync: ``state_dict()``, pickling and the lazily created device state all go thro
 from __future__ import annotations
 
 import dataclasses
-import enum
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from mixprec.scaling.rule import ScaleConfig, ScaleState, _check_scale_value, init_state
 
@@ -21,7 +21,10 @@ __all__ = [
     "HostSnapshot",
     "OptimizerState",
     "Stage",
+    "chosen_options",
     "from_state_dict",
+    "overridden_message",
+    "overridden_options",
     "to_state_dict",
     "validated_new_scale",
 ]
@@ -32,12 +35,12 @@ TORCH_CONFIG_KEYS = ("growth_factor", "backoff_factor", "growth_interval")
 _REQUIRED_KEYS = ("scale", *TORCH_CONFIG_KEYS, "_growth_tracker")
 
 
-class Stage(enum.Enum):
-    """Where an optimizer is in the iteration (torch's ``OptState``)."""
+#: Where an optimizer is in the iteration: torch's own enum (``READY``, ``UNSCALED``, ``STEPPED``),
+#: so code comparing ``scaler._per_optimizer_states[id(opt)]["stage"]`` with it works.
+Stage = OptState
 
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
+#: The keys of torch's per-optimizer dict, readable and writable on :class:`OptimizerState`.
+_TORCH_KEYS = ("stage", "found_inf_per_device")
 
 
 @dataclass
@@ -46,12 +49,49 @@ class OptimizerState:
 
     ``found_inf_per_device`` maps each device holding a gradient to its 0-dim overflow flag;
     ``skipped`` is that flag read on the host, once it was (plain step, or watching), else None.
+
+    It is also read and written as torch's per-optimizer dict, for code written against
+    ``torch.amp.GradScaler._per_optimizer_states`` (Lightning's tests, other libraries):
+
+    Example:
+        >>> state = OptimizerState()
+        >>> state["stage"] is torch.amp.grad_scaler.OptState.READY, state["found_inf_per_device"]
+        (True, {})
     """
 
     stage: Stage = Stage.READY
     found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
     optimizer: Any = None
     skipped: Optional[bool] = None
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, self._torch_key(key))
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        setattr(self, self._torch_key(key), value)
+
+    def __contains__(self, key: object) -> bool:
+        return key in _TORCH_KEYS
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_TORCH_KEYS)
+
+    def __len__(self) -> int:
+        return len(_TORCH_KEYS)
+
+    def keys(self) -> tuple[str, ...]:
+        """torch's keys: ``("stage", "found_inf_per_device")``."""
+        return _TORCH_KEYS
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``self[key]`` for torch's keys, else ``default``."""
+        return self[key] if key in _TORCH_KEYS else default
+
+    @staticmethod
+    def _torch_key(key: str) -> str:
+        if key not in _TORCH_KEYS:
+            raise KeyError(f"{key!r}: torch's per-optimizer state has the keys {_TORCH_KEYS}")
+        return key
 
 
 @dataclass(frozen=True)
@@ -102,12 +142,45 @@ def to_state_dict(snapshot: HostSnapshot, config: ScaleConfig, on_min_scale: str
     }
 
 
+def _options(config: ScaleConfig, on_min_scale: str) -> dict[str, Any]:
+    return {**dataclasses.asdict(config), "on_min_scale": on_min_scale}
+
+
+_DEFAULT_OPTIONS = _options(ScaleConfig(), ON_MIN_SCALE[0])
+
+
+def chosen_options(config: ScaleConfig, on_min_scale: str) -> dict[str, Any]:
+    """The options that differ from their defaults: what the user asked for explicitly."""
+    return {k: v for k, v in _options(config, on_min_scale).items() if v != _DEFAULT_OPTIONS[k]}
+
+
+def overridden_options(
+    chosen: Mapping[str, Any], config: ScaleConfig, on_min_scale: str
+) -> dict[str, tuple[Any, Any]]:
+    """``{name: (chosen value, loaded value)}`` for each chosen option a load replaced."""
+    loaded = _options(config, on_min_scale)
+    return {k: (v, loaded[k]) for k, v in chosen.items() if loaded[k] != v}
+
+
+def overridden_message(overridden: Mapping[str, tuple[Any, Any]]) -> str:
+    """The warning for :func:`overridden_options`: what changed, and how to keep one's own."""
+    changes = ", ".join(f"{k} {mine!r} -> {theirs!r}" for k, (mine, theirs) in overridden.items())
+    return (
+        f"GradScaler.load_state_dict: the checkpoint's options replace the ones this scaler was "
+        f"given ({changes}). A checkpoint restores the options it was saved with; to keep yours, "
+        "delete their keys from state_dict['mixprec'] before loading (growth_factor, "
+        "backoff_factor, growth_interval: call the set_* methods after loading)."
+    )
+
+
 def from_state_dict(
     state_dict: Mapping[str, Any], config: ScaleConfig, on_min_scale: str, step: int
 ) -> tuple[ScaleConfig, str, HostSnapshot, int]:
     """Validates a state dict of either scaler into ``(config, on_min_scale, snapshot, step)``.
 
-    A torch state dict keeps ``config``'s other fields and ``on_min_scale``, refills the
+    The saved options win: torch's three (``growth_factor``, ``backoff_factor``,
+    ``growth_interval``) and, in a mixprec state dict, each one under ``"mixprec"``. A torch state
+    dict (no ``"mixprec"``) keeps ``config``'s other fields and ``on_min_scale``, refills the
     hysteresis budget and keeps ``step``. The scale is returned as saved (not clamped).
 
     Raises:

@@ -31,7 +31,10 @@ from mixprec.scaling._state import (
     HostSnapshot,
     OptimizerState,
     Stage,
+    chosen_options,
     from_state_dict,
+    overridden_message,
+    overridden_options,
     to_state_dict,
     validated_new_scale,
 )
@@ -195,6 +198,7 @@ class GradScaler(torch.amp.GradScaler):
         )
         _check_scale_value("init_scale", float(init_scale))
         self._on_min_scale = on_min_scale
+        self._chosen = chosen_options(self._config, on_min_scale)  # what load_state_dict warns about
         self._process_group = process_group
         self._history = history
         # What the lazily created device state starts from; also what pickling stores.
@@ -651,6 +655,7 @@ class GradScaler(torch.amp.GradScaler):
     def set_growth_factor(self, new_factor: float) -> None:
         """Sets the growth factor (> 1; ``ValueError`` otherwise)."""
         self._config = dataclasses.replace(self._config, growth_factor=new_factor)
+        self._chosen["growth_factor"] = new_factor
 
     def get_backoff_factor(self) -> float:
         """The backoff factor."""
@@ -659,6 +664,7 @@ class GradScaler(torch.amp.GradScaler):
     def set_backoff_factor(self, new_factor: float) -> None:
         """Sets the backoff factor (in (0, 1); ``ValueError`` otherwise)."""
         self._config = dataclasses.replace(self._config, backoff_factor=new_factor)
+        self._chosen["backoff_factor"] = new_factor
 
     def get_growth_interval(self) -> int:
         """The growth interval."""
@@ -667,6 +673,7 @@ class GradScaler(torch.amp.GradScaler):
     def set_growth_interval(self, new_interval: int) -> None:
         """Sets the growth interval (>= 1; ``ValueError`` otherwise)."""
         self._config = dataclasses.replace(self._config, growth_interval=new_interval)
+        self._chosen["growth_interval"] = new_interval
 
     def is_enabled(self) -> bool:
         """Whether scaling is enabled."""
@@ -689,9 +696,11 @@ class GradScaler(torch.amp.GradScaler):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state from :meth:`state_dict` of this class or of ``torch.amp.GradScaler``.
 
-        A torch state keeps this scaler's own options (hysteresis, bounds, ...) and refills the
-        hysteresis budget; its scale is clamped into ``[min_scale, max_scale]``. No-op when
-        disabled.
+        The checkpoint's options win. A torch state keeps this scaler's own mixprec options
+        (hysteresis, bounds, ``on_min_scale``) and refills the hysteresis budget; a mixprec state
+        restores all the options it was saved with. Either warns (``UserWarning``) naming each
+        option set to a non-default value by the constructor (or a setter) that the checkpoint
+        replaces with another value. The scale is clamped into ``[min_scale, max_scale]``. No-op when disabled.
 
         Raises:
             RuntimeError: if ``state_dict`` is empty (saved from a disabled scaler).
@@ -703,6 +712,9 @@ class GradScaler(torch.amp.GradScaler):
         config, on_min_scale, snapshot, step = from_state_dict(
             state_dict, self._config, self._on_min_scale, self._step
         )
+        overridden = overridden_options(self._chosen, config, on_min_scale)
+        if overridden:
+            warnings.warn(overridden_message(overridden), UserWarning, stacklevel=2)
         self._config = config
         self._on_min_scale = on_min_scale
         self._snapshot = dataclasses.replace(snapshot, scale=self._clamped(snapshot.scale))

@@ -1,4 +1,4 @@
-"""mixprec's C++ kernels (``csrc/*.cpp``), built on first use.
+"""mixprec's C++ kernels (``csrc/*.cpp``), built once per environment.
 
 Two kernels share one extension: the boxed autocast kernel for ops a policy edits
 (``autocast_kernel.cpp``) and the fused optimizer steps for low-precision parameters
@@ -7,26 +7,54 @@ Two kernels share one extension: the boxed autocast kernel for ops a policy edit
 A Python kernel at the autocast key costs about 6 us per call on top of the op (the dispatcher
 boxes the arguments for Python and back); on an 8x8 softmax that is 3.5x the op. The boxed C++
 kernel runs the same cast kinds (``lower``, ``fp32``, ``promote``, ``fp32_set_opt_dtype``,
-``passthrough``) through PyTorch's own ``cached_cast``, at about 1.2x. It is compiled
-once per machine and torch version with ``torch.utils.cpp_extension`` (about 30 s on 2 cores,
-cached under ``~/.cache/torch_extensions``; it needs a C++ compiler and ninja, ``mixprec[native]``).
-Without them, or with
-``MIXPREC_NATIVE_KERNELS=0``, every edited op keeps its Python kernel (same results).
+``passthrough``) through PyTorch's own ``cached_cast``, at about 1.2x.
+
+Building (:func:`build`, ``mixprec build-kernels`` ahead of time; else at first use: the first
+op a policy edits, an optimizer constructed with a low-precision CPU parameter) takes about
+30 s on 2 cores with ``torch.utils.cpp_extension`` (a C++ compiler and ninja,
+``mixprec[native]``), and says so on stderr: why it runs, then how long it took. Each
+environment has its own build folder, ``<root>/mixprec_native_<key>`` (root:
+``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), the key hashing what the build
+depends on (:func:`environment`: sources, flags, torch, ``sys.prefix``, mixprec's folder,
+compiler, ninja), so two virtual environments never rebuild each other's, and a later process
+only loads the library. Processes take turns on a file lock (``fcntl.flock``), which the system
+releases when its holder dies: a killed build blocks nothing. A process waits at most
+``MIXPREC_BUILD_WAIT`` seconds (default 900) for another's build, then goes on without the
+kernels and names the holder and the file to remove. A child forked during a build (a
+DataLoader worker) waits for it like any other process. A failed build warns with its cause
+(the compiler's first error line, or which tool is missing) and the log's path, and is
+remembered for the environment: later processes do not retry until the sources or the compiler
+change, or ``mixprec build-kernels`` retries. Without the kernels, or with
+``MIXPREC_NATIVE_KERNELS=0``, every edited op keeps its Python kernel and the optimizers run
+torch's fused kernels on float32 copies: the same results.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import logging
 import os
+import re
+import shutil
+import sys
 import threading
+import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Optional
 
 import torch
 
-__all__ = ["load", "KINDS"]
+try:
+    import fcntl
+except ImportError:  # Windows: msvcrt's byte-range lock, also released when its holder dies
+    fcntl = None  # type: ignore[assignment]
+    import msvcrt
+
+__all__ = ["load", "build", "Built", "BuildError", "environment", "build_directory", "KINDS"]
 
 #: cast kinds the C++ kernel runs, and their codes (the enum in autocast_kernel.cpp); ``banned``
 #: (PyTorch's messages), ``fp32_append_dtype`` and ``fp8`` stay with the Python kernel
@@ -39,9 +67,24 @@ _ARCH_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
+_WAIT = 900.0  # default MIXPREC_BUILD_WAIT: seconds to wait for another process's build
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
+_held: set[int] = set()  # descriptors of the build locks this process holds
 _log = logging.getLogger("mixprec")
+
+
+class BuildError(RuntimeError):
+    """The C++ kernels could not be built or loaded; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Built:
+    """The extension, loaded: its build ``directory``, and ``seconds`` the build took (``None``
+    if an earlier build was loaded)."""
+
+    directory: Path
+    seconds: Optional[float]
 
 
 def enabled() -> bool:
@@ -50,8 +93,9 @@ def enabled() -> bool:
 
 
 def load() -> Any:
-    """``torch.ops.mixprec_native``, building the extension the first time; ``None`` if disabled
-    or if it cannot be built (one warning says why; the Python kernels then serve)."""
+    """``torch.ops.mixprec_native``, building the extension if this environment has none;
+    ``None`` if disabled or if it cannot be built (one warning says why; the Python kernels
+    then serve). Never raises."""
     if "ops" in _state:
         return _state["ops"]
     with _lock:
@@ -60,35 +104,273 @@ def load() -> Any:
         ops = None
         if enabled():
             try:
-                ops = _build()
-            except Exception as e:  # no compiler, no headers, an ABI problem: fall back
+                build(retry=False)
+                ops = torch.ops.mixprec_native
+            except Exception as e:  # BuildError, or an unwritable cache folder: the rest still works
+                cause = e if isinstance(e, BuildError) else f"{type(e).__name__}: {e}"
                 warnings.warn(
-                    f"mixprec could not build its C++ kernels ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0] if str(e) else ''}); ops a policy edits use Python "
-                    "kernels (same results, about 6 us more per call), fused optimizer steps their "
-                    "PyTorch version (same results, slower). Set "
-                    "MIXPREC_NATIVE_KERNELS=0 to skip the attempt.", stacklevel=3)
+                    f"mixprec could not build its C++ kernels: {cause}. Ops a policy edits use Python "
+                    "kernels (same results, about 6 us more per call), the optimizers torch's fused "
+                    "kernels on float32 copies (same results, slower). `mixprec build-kernels` "
+                    "retries; MIXPREC_NATIVE_KERNELS=0 skips the attempt.", stacklevel=3)
         _state["ops"] = ops
         return ops
 
 
-def _build() -> Any:
-    from torch.utils import cpp_extension
+def build(retry: bool = True) -> Built:
+    """Load this environment's build of the extension, building it first if there is none.
 
-    sources = [path.read_text() for path in _SOURCES]
+    ``retry=False`` gives up on a failure remembered from an earlier attempt (what :func:`load`
+    does); ``True`` (``mixprec build-kernels``) tries again.
+
+    Raises:
+        BuildError: no compiler or ninja, a compile error (its first line; the full log's path),
+            another process's build still running after ``MIXPREC_BUILD_WAIT`` seconds.
+
+    Example:
+        >>> from mixprec import _native
+        >>> _native.build().directory.name.startswith("mixprec_native_")  # doctest: +SKIP
+        True
+    """
+    env = environment()
+    directory = build_directory(env)
+    if _finished(directory):
+        return Built(directory, _load_library(directory))
+    directory.mkdir(parents=True, exist_ok=True)
+    with _build_lock(directory):
+        if _finished(directory):  # built by the process this one waited for
+            return Built(directory, _load_library(directory))
+        failed = directory / "failed.json"
+        if failed.exists() and not retry:
+            raise BuildError(_remembered(failed))
+        failed.unlink(missing_ok=True)
+        return _build(env, directory)
+
+
+def environment() -> dict[str, str]:
+    """What a build depends on (hashed into :func:`build_directory`): the sources, compile
+    flags, torch, the Python environment and mixprec's folder (both written into the build's
+    ninja file), the compiler (``CXX`` or ``c++``: its path and file) and ninja."""
+    sources = hashlib.sha1(b"".join(path.read_bytes() for path in _SOURCES)).hexdigest()
+    compiler = os.environ.get("CXX", "cl" if sys.platform == "win32" else "c++")
+    return {
+        "sources": sources,
+        "flags": " ".join(_flags()),
+        "torch": torch.__version__,
+        "python": sys.prefix,
+        "package": str(Path(__file__).parent),
+        "compiler": _tool(compiler),
+        "ninja": _tool("ninja"),
+    }
+
+
+def build_directory(env: Optional[dict[str, str]] = None) -> Path:
+    """This environment's build folder (``env``: :func:`environment`'s, computed if ``None``)."""
+    env = environment() if env is None else env
+    digest = hashlib.sha1(json.dumps(env, sort_keys=True).encode()).hexdigest()[:12]
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = get_default_build_root()
+    return Path(root) / f"mixprec_native_{digest}"
+
+
+def _flags() -> list[str]:
     # -ffp-contract=off: no multiply-add is fused unless the source says so (optim_kernel.cpp
     # reproduces torch's rounding step by step); -fno-math-errno: sqrt vectorizes
-    flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", *_ARCH_FLAGS.get(cpu_capability(), [])]
-    digest = hashlib.sha1(f"{sources}{flags}{torch.__version__}".encode()).hexdigest()[:12]
-    name = f"mixprec_native_{digest}"
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-    if not any(build_dir.glob("*.so")):
-        _log.warning("mixprec: building its C++ kernels (once per machine and torch "
-                     "version, about 30 s) in %s", build_dir)
+    return ["-O3", "-ffp-contract=off", "-fno-math-errno", *_ARCH_FLAGS.get(cpu_capability(), [])]
+
+
+def _tool(name: str) -> str:
+    """``name``'s resolved path, size and modification time, or ``"<name>: not found"``."""
+    path = shutil.which(name)
+    if path is None:
+        return f"{name}: not found"
+    real = os.path.realpath(path)
+    stat = os.stat(real)
+    return f"{real} {stat.st_size} {stat.st_mtime_ns}"
+
+
+def _finished(directory: Path) -> bool:
+    return (directory / "built.json").exists() and (directory / f"{directory.name}.so").exists()
+
+
+def _load_library(directory: Path) -> None:
+    path = directory / f"{directory.name}.so"
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as e:
+        raise BuildError(f"cannot load {path} ({e}); remove {directory} to rebuild it") from None
+
+
+def _build(env: dict[str, str], directory: Path) -> Built:
+    """Compile into ``directory`` (this process holds its lock), announcing it; remember a failure."""
+    try:
+        _check_tools(env)
+        _log.warning("mixprec: building its C++ kernels (%s) in %s: about 30 s on 2 cores, once per "
+                     "environment", _reason(env, directory), directory)
+        stale = directory / "lock"  # torch's own lock: left behind only by a killed build
+        if stale.exists():
+            stale.unlink()
+            _log.warning("mixprec: removed %s, left by an interrupted build", stale)
+        start = time.monotonic()
+        _compile(directory)
+        seconds = time.monotonic() - start
+    except Exception as e:  # a compile error, or one of the tools missing
+        cause = e if isinstance(e, BuildError) else BuildError(_failure(e, directory))
+        (directory / "failed.json").write_text(json.dumps({"cause": str(cause), "time": time.time(), **env}))
+        raise cause from None
+    _load_library(directory)
+    (directory / "built.json").write_text(json.dumps({"seconds": round(seconds, 1), "time": time.time(), **env}))
+    _log.warning("mixprec: built its C++ kernels in %.1f s", seconds)
+    return Built(directory, seconds)
+
+
+def _check_tools(env: dict[str, str]) -> None:
+    if env["compiler"].endswith(": not found"):
+        name = env["compiler"].split(":")[0]
+        raise BuildError(f"{name} not found (no C++ compiler on PATH): install g++ or clang++, or set CXX")
+    if env["ninja"].endswith(": not found"):
+        raise BuildError("ninja not found on PATH: pip install ninja (or 'mixprec[native]')")
+
+
+def _compile(directory: Path) -> None:
+    """Build the extension into ``directory`` with ``torch.utils.cpp_extension`` (and load it)."""
+    from torch.utils import cpp_extension
+
     # one translation unit per source: ninja compiles them in parallel
-    cpp_extension.load(name, sources=[str(path) for path in _SOURCES], is_python_module=False,
-                       extra_cflags=flags, verbose=False)
-    return torch.ops.mixprec_native
+    cpp_extension.load(directory.name, sources=[str(path) for path in _SOURCES], extra_cflags=_flags(),
+                       build_directory=str(directory), is_python_module=False, verbose=False)
+
+
+_ERROR_LINE = re.compile(r"error\b|not found|cannot find|no such file", re.IGNORECASE)
+_NINJA_LINES = ("Error building extension", "FAILED:", "ninja: build stopped", "[")
+
+
+def _failure(error: Exception, directory: Path) -> str:
+    """The cause of a failed build in one line (the compiler's first error), and where the full
+    output is (``build.log``)."""
+    text = str(error)
+    log = directory / "build.log"
+    log.write_text(f"{type(error).__name__}: {text}\n")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if _ERROR_LINE.search(line) and not line.startswith(_NINJA_LINES)]
+    first = (errors or lines or [type(error).__name__])[0]
+    return f"{first[:300]} (full log: {log})"
+
+
+def _remembered(failed: Path) -> str:
+    record = json.loads(failed.read_text())
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(record["time"]))
+    return f"{record['cause']}; remembered from the attempt of {when}, not retried until the sources or the compiler change"
+
+
+def _reason(env: dict[str, str], directory: Path) -> str:
+    """Why this build runs: an unfinished one here, or what differs from the latest other build."""
+    if any(directory.glob("*.o")) or (directory / "build.ninja").exists():
+        return "the last build here did not finish"
+    others = sorted(directory.parent.glob("mixprec_native_*/built.json"), key=lambda p: p.stat().st_mtime)
+    for marker in reversed(others):
+        try:
+            earlier = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            continue
+        changed = [key for key in env if earlier.get(key) != env[key]]
+        if changed:
+            return f"no build for this environment yet: {', '.join(changed)} differ from {marker.parent.name}'s"
+    return "no build for this environment yet"
+
+
+def _wait_limit() -> float:
+    text = os.environ.get("MIXPREC_BUILD_WAIT", "")
+    try:
+        return float(text) if text.strip() else _WAIT
+    except ValueError:
+        raise BuildError(f"MIXPREC_BUILD_WAIT must be a number of seconds, got {text!r}") from None
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        else:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        return True
+    except OSError:  # held by another process
+        return False
+
+
+def _unlock(fd: int) -> None:
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    else:
+        os.lseek(fd, 0, os.SEEK_SET)
+        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """Hold ``directory/build.lock`` (recording this process's id and the time), waiting at most
+    ``MIXPREC_BUILD_WAIT`` seconds for the process that holds it."""
+    path = directory / "build.lock"
+    limit = _wait_limit()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        start, said = time.monotonic(), False
+        while not _try_lock(fd):
+            if time.monotonic() - start > limit:
+                raise BuildError(f"{_owner(path)} has held {path} for more than {limit:.0f} s "
+                                 f"(MIXPREC_BUILD_WAIT); if no build is running, remove {path}")
+            if not said:
+                _log.warning("mixprec: waiting for %s, which is building the C++ kernels in %s",
+                             _owner(path), directory)
+                said = True
+            time.sleep(0.2)
+        _held.add(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {time.time():.0f}\n".encode())
+            yield
+        finally:
+            _held.discard(fd)
+            _unlock(fd)
+    finally:
+        os.close(fd)
+
+
+def _owner(path: Path) -> str:
+    """Who holds the build lock, from what it wrote: ``process 123 (started 12 s ago)``."""
+    try:
+        pid, started = path.read_text().split()
+        age = f"started {time.time() - float(started):.0f} s ago"
+        return f"process {pid} ({age}{'' if _alive(int(pid)) else ', gone: a process it forked holds the lock'})"
+    except (OSError, ValueError):
+        return "another process"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _after_fork_in_child() -> None:
+    """A forked child must not inherit a held lock: a new thread lock (the parent's may be held
+    by a thread that is not in the child) and no pin on the parent's build lock."""
+    global _lock
+    _lock = threading.Lock()
+    for fd in list(_held):
+        os.close(fd)
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def cpu_capability() -> str:

@@ -301,3 +301,133 @@ def test_decorated_function_output_follows_policy_output():
 
     x, (y,), ints = f(torch.randn(2, 2))
     assert x.dtype == torch.float32 and y.dtype == torch.float32 and ints.dtype == torch.int64
+
+
+# ------------------------------------------------------------------ one validation for every path
+def _every_way(rules):
+    """The same op rules through the constructor, from_dict, from_json, parse and load."""
+    import json
+
+    data = {"op_rules": [list(r) for r in rules]}
+    yield lambda: Policy(op_rules=tuple(rules))
+    yield lambda: Policy.from_dict(data)
+    yield lambda: Policy.from_json(json.dumps(data))
+    yield lambda: Policy.parse(json.dumps(data))
+    yield lambda: Policy.from_json(json.dumps({"policy": data, "risks": []}))  # an audit's report.json
+
+
+def test_a_bare_name_in_json_expands_as_with_ops_does():
+    x = torch.randn(4, 6).bfloat16()
+    for make in _every_way([("softmax", "fp32")]):
+        p = make()
+        assert p == Policy().with_ops(fp32=["softmax"])
+        with mixprec.autocast("cpu", policy=p):
+            assert torch.softmax(x, -1).dtype == torch.float32
+
+
+def test_json_names_the_default_overload_as_the_tables_do():
+    p = Policy.from_json('{"op_rules": [["mm", "fp32"]]}')
+    assert p.op_rules == (("mm", "fp32"),)  # mm.default only, stable through a round trip
+    q = Policy().with_ops(fp32=["mm"])
+    assert Policy.from_json(q.to_json()) == q and ("mm.dtype", "fp32") in q.op_rules
+
+
+@pytest.mark.parametrize("rules, match", [
+    ([("add_.Tensor", "fp32")], "in-place or out="),
+    ([("mm.out", "lower")], "in-place or out="),
+    ([("sofmax", "fp32")], "Did you mean: softmax"),
+    ([("mm", "fp16")], "unknown cast kind"),
+    ([("mm", "fp32_set_opt_dtype")], "no fp32_set_opt_dtype form"),
+    ([("mm",)], "pair"),
+    ([("mm", 3)], "pair"),
+])
+def test_every_way_of_making_a_policy_refuses_what_with_ops_refuses(rules, match):
+    for make in _every_way(rules):
+        with pytest.raises(ValueError, match=match):
+            make()
+
+
+def test_a_refused_in_place_rule_would_have_lost_the_update():
+    """What the validation prevents: add_ routed through a cast writes into a temporary."""
+    t = torch.zeros(3, dtype=torch.bfloat16)
+    with mixprec.autocast("cpu", policy=Policy().with_ops(fp32=["add.Tensor"])):
+        t.add_(1)  # the in-place overload is not edited: the tensor is updated
+    assert t.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_module_rule_types_are_never_imported(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    data = json.dumps({"module_rules": [{"types": ["this.Zen"]}]})
+    code = ("import sys, mixprec\n"
+            "try:\n"
+            f"    mixprec.Policy.from_json({data!r})\n"
+            "except ValueError as e:\n"
+            "    print('ERROR', e)\n"
+            "print('imported' if 'this' in sys.modules else 'not imported')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "The Zen of Python" not in out.stdout
+    assert "module 'this' is not imported" in out.stdout and "run `import this`" in out.stdout
+    assert out.stdout.strip().endswith("not imported")
+
+
+def test_module_rule_types_resolve_among_imported_modules():
+    p = Policy().keep(types=(nn.LayerNorm,)).fp8(types=(nn.Linear,))
+    assert Policy.from_json(p.to_json()) == p
+    with pytest.raises(ValueError, match="not an nn.Module subclass"):
+        Policy.from_dict({"module_rules": [{"types": ["torch.nn.functional.relu"]}]})
+    with pytest.raises(ValueError, match="dotted path"):
+        Policy.from_dict({"module_rules": [{"types": ["LayerNorm"]}]})
+
+
+@pytest.mark.parametrize("text, match", [
+    ("[" * 100_000, "nested too deeply"),
+    ("[1, 2]", "a policy must be an object"),
+    ('{"op_rules": {"mm": "fp32"}}', "'op_rules' must be a list"),
+    ('{"op_rules": ["mm"]}', r"\[op, kind\] pair"),
+    ('{"params": 16}', "dtype name"),
+    ('{"module_rules": [["float32", "torch.nn.Linear"]]}', "module rule must be an object"),
+    ('{"module_rules": [{"types": "torch.nn.Linear"}]}', "list of type paths"),
+    ('{"module_rules": [{"names": "x", "dtypes": "bf16"}]}', "unknown module rule field"),
+    ('{"fp8_rule": {"recipe": 8}}', "'recipe' must be a str"),
+    ('{"fp8_rule": {"guard": {"every": 1, "often": 2}}}', "unknown fp8 guard field"),
+    ('{"base": ["torch"]}', "'base' must be a str"),
+    ('{"policy": [1]}', "a policy must be an object"),
+    ("3", "a policy must be an object"),
+])
+def test_malformed_json_is_a_clear_value_error(text, match):
+    with pytest.raises(ValueError, match=match):
+        Policy.from_json(text)
+
+
+def test_the_constructor_validates_rules_and_fields():
+    with pytest.raises(ValueError, match="ModuleRules"):
+        Policy(module_rules=("LayerNorm",))
+    with pytest.raises(ValueError, match="Fp8Rule"):
+        Policy(fp8_rule="tensorwise")
+    with pytest.raises(ValueError, match="op rules|tuple of"):
+        Policy(op_rules="mm")
+    assert Policy(op_rules=(("softmax.int", "fp32"),)).op_rules == (("softmax.int", "fp32_set_opt_dtype"),)
+
+
+# ------------------------------------------------------------------ str
+def test_str_shows_what_the_policy_does():
+    p = (Policy.parse("compute=bf16,output=f32")
+         .with_ops(fp32=["softmax", torch.exp], lower=["bmm.default"], passthrough=["cat"])
+         .keep(types=(nn.LayerNorm,)).keep(names=r"^head$", dtype="f16"))
+    assert str(p) == ("params=float32,compute=bfloat16,output=float32; "
+                      "ops lower=bmm fp32=softmax,exp passthrough=cat; "
+                      "keep float32=LayerNorm; keep float16=/^head$/")
+    assert str(Policy.fp8("tensorwise")) == "params=float32,compute=auto; fp8 tensorwise=Linear except first/last"
+    assert str(Policy.parse("bf16").fp8("rowwise", names=r"blocks", first_last="fp8")) == (
+        "params=float32,compute=bfloat16; fp8 rowwise=Linear|/blocks/")
+    assert "ops fp32=mm" in str(Policy().with_ops(fp32=["mm.default"]))
+
+
+@pytest.mark.parametrize("spec", ["params=float32,compute=auto", "compute=bf16,output=f32,preset=fp32-numerics",
+                                  "params=bf16,compute=f16,table=cuda"])
+def test_str_of_a_policy_without_edits_parses_back(spec):
+    p = Policy.parse(spec)
+    assert Policy.parse(str(p)) == p

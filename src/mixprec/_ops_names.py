@@ -15,7 +15,7 @@ import torch
 
 OpLike = Union[str, Callable[..., Any], "torch._ops.OpOverload", "torch._ops.OpOverloadPacket"]
 
-__all__ = ["OpLike", "canonical_names", "op_overload"]
+__all__ = ["OpLike", "canonical_names", "op_overload", "rule_names"]
 
 # Python callables whose ``__name__`` differs from the aten op they call.
 _ALIASES = {
@@ -86,6 +86,36 @@ def _packet_overloads(packet_name: str) -> list[str]:
     return names
 
 
+def _strip_prefix(name: str) -> str:
+    name = name.strip()
+    for prefix in ("aten::", "aten.", "torch.ops.aten."):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+    return name
+
+
+def rule_names(name: str) -> list[str]:
+    """The overloads a name in a policy's ``op_rules`` (its stored and JSON form) stands for.
+
+    There a canonical overload name is that one overload (``"mm"`` is ``mm.default``, as in
+    :func:`mixprec.ops.default_table`); a packet name without a default overload
+    (``"softmax"``) stands for all its functional overloads, as in :meth:`Policy.with_ops`.
+
+    Example:
+        >>> rule_names("mm"), rule_names("softmax")
+        (['mm'], ['softmax.int'])
+
+    Raises:
+        ValueError: not a str, an unknown op, or an in-place/``out=`` overload.
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"an op rule names its op with a str, got {type(name).__name__} {name!r}")
+    bare = _strip_prefix(name)
+    if "." not in bare and op_overload(bare) is not None:
+        return canonical_names(f"{bare}.default")
+    return canonical_names(bare)
+
+
 def canonical_names(op: OpLike) -> list[str]:
     """Canonical overload names an op reference stands for.
 
@@ -105,10 +135,7 @@ def canonical_names(op: OpLike) -> list[str]:
     if isinstance(op, torch._ops.OpOverloadPacket):
         return _packet_overloads(op._qualified_op_name.split("::")[1])
     if isinstance(op, str):
-        name = op.strip()
-        for prefix in ("aten::", "aten.", "torch.ops.aten."):
-            if name.startswith(prefix):
-                name = name[len(prefix) :]
+        name = _strip_prefix(op)
         packet, _, ov = name.partition(".")
         if packet not in _aten_packets():
             raise _unknown(op)

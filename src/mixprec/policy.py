@@ -14,7 +14,7 @@ Example:
     >>> p = Policy.parse("params=float32,compute=bfloat16,output=float32")
     >>> p = p.with_ops(fp32=["softmax.int"]).keep(types=(nn.LayerNorm,))
     >>> str(p)
-    'params=float32,compute=bfloat16,output=float32'
+    'params=float32,compute=bfloat16,output=float32; ops fp32=softmax; keep float32=LayerNorm'
     >>> Policy.from_json(p.to_json()) == p   # the complete value, op edits and module rules
     True
 """
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping
@@ -35,7 +35,7 @@ from torch import nn
 
 from mixprec import ops as _ops
 from mixprec._modules import Fp8Rule, ModuleRule
-from mixprec._ops_names import OpLike, canonical_names
+from mixprec._ops_names import OpLike, canonical_names, rule_names
 from mixprec._tree import cast_tree, tracing as _tracing
 
 __all__ = ["Policy", "PRESETS", "parse_dtype"]
@@ -63,7 +63,7 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 }
 _KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
          "o": "output", "output": "output", "ops": "base", "preset": "base", "base": "base",
-         "fp8": "fp8_rule"}
+         "fp8": "fp8_rule", "table": "device_type"}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -127,19 +127,29 @@ class Policy:
     fp8_rule: Fp8Rule | None = None
 
     def __post_init__(self) -> None:
+        """The one validation of every policy, however it is made (constructor, ``replace``,
+        :meth:`with_ops`, :meth:`parse`, :meth:`from_json`, :meth:`load`)."""
         _refuse_tracing("policies")
         _check_dtype("params", self.params, allow_none=False)
         _check_dtype("compute", self.compute, allow_none=True)
         _check_dtype("output", self.output, allow_none=True)
-        if self.base not in PRESETS:
-            raise ValueError(f"unknown op preset {self.base!r}; presets: {', '.join(PRESETS)}")
+        if not isinstance(self.base, str) or self.base not in PRESETS:
+            raise ValueError(_unknown_preset(self.base))
         if self.device_type is not None:
+            if not isinstance(self.device_type, str):
+                raise ValueError(f"Policy.device_type must be None, 'cpu' or 'cuda', got {self.device_type!r}")
             _ops.default_table(self.device_type)  # validates the device type
-        for name, kind in self.op_rules:
-            if kind not in _ops.CAST_KINDS:
-                raise ValueError(f"unknown cast kind {kind!r} for {name}; kinds: {_ops.CAST_KINDS}")
-        object.__setattr__(self, "op_rules", tuple(tuple(r) for r in self.op_rules))
-        object.__setattr__(self, "module_rules", tuple(self.module_rules))
+        object.__setattr__(self, "op_rules", _checked_rules(self.op_rules))
+        rules = self.module_rules
+        if isinstance(rules, ModuleRule) or not isinstance(rules, (tuple, list)):
+            raise ValueError(f"Policy.module_rules must be a tuple of ModuleRules (build them with "
+                             f"Policy.keep), got {type(rules).__name__}")
+        for rule in rules:
+            if not isinstance(rule, ModuleRule):
+                raise ValueError(f"Policy.module_rules holds ModuleRules (Policy.keep), got {rule!r}")
+        object.__setattr__(self, "module_rules", tuple(rules))
+        if self.fp8_rule is not None and not isinstance(self.fp8_rule, Fp8Rule):
+            raise ValueError(f"Policy.fp8_rule must be None or an Fp8Rule (Policy.fp8), got {self.fp8_rule!r}")
 
     # ----------------------------------------------------------------- constructors
     @classmethod
@@ -156,9 +166,11 @@ class Policy:
     def parse(cls, spec: str) -> "Policy":
         """Parse ``"params=float32,compute=bfloat16,output=float32"`` or a preset name.
 
-        Keys: ``params``/``p``, ``compute``/``c``, ``output``/``o``, ``preset``/``ops``; dtype
-        names: ``float32``/``f32``/``fp32``, ``bfloat16``/``bf16``, ``float16``/``f16``/``half``.
-        A bare dtype means ``compute=`` that dtype; a bare preset name selects the preset.
+        Keys: ``params``/``p``, ``compute``/``c`` (``auto``: the region's dtype), ``output``/``o``,
+        ``preset``/``ops``, ``table`` (whose op table: ``cpu``/``cuda``), ``fp8`` (a recipe);
+        dtype names: ``float32``/``f32``/``fp32``, ``bfloat16``/``bf16``, ``float16``/``f16``/
+        ``half``. A bare dtype means ``compute=`` that dtype; a bare preset name selects the
+        preset. JSON text (``{...}``) goes to :meth:`from_json`.
 
         Raises:
             ValueError: an unknown key, dtype or preset, or a key given twice.
@@ -181,15 +193,20 @@ class Policy:
                 if raw_key.lower() not in _KEYS:
                     raise ValueError(
                         f"unknown policy key {raw_key!r} in {spec!r}; keys: params (p), "
-                        "compute (c), output (o), preset, fp8"
+                        "compute (c), output (o), preset, table, fp8 (op edits and module rules: "
+                        "Policy.with_ops, Policy.keep, or the JSON form)"
                     )
                 key = _KEYS[raw_key.lower()]
             if key in values:
                 raise ValueError(f"policy key {key!r} given twice in {spec!r}")
             if key == "fp8_rule":
                 values[key] = Fp8Rule(recipe=value)
+            elif key in ("base", "device_type"):
+                values[key] = value
+            elif key == "compute" and value.lower() == "auto":
+                values[key] = None
             else:
-                values[key] = value if key == "base" else parse_dtype(value)
+                values[key] = parse_dtype(value)
         return cls(**values)
 
     @classmethod
@@ -237,28 +254,33 @@ class Policy:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Policy":
-        """Rebuild a policy from :meth:`to_dict`'s data.
+        """Rebuild a policy from :meth:`to_dict`'s data, validated as :meth:`with_ops` and
+        :meth:`keep` validate (op names are expanded and checked: see ``op_rules``).
+
+        Module types are looked up among the modules already imported; nothing is imported.
 
         Raises:
-            ValueError: an unknown key, dtype, preset, cast kind or module type.
+            ValueError: data of the wrong shape or type, an unknown key, dtype, preset, op,
+                cast kind, or a module type whose module is not imported (the message names it).
         """
-        if not isinstance(data, Mapping):
-            raise TypeError(f"Policy.from_dict takes a mapping, got {type(data).__name__}")
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        _expect(data, Mapping, "a policy", "an object")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = set(data) - set(fields)
         if unknown:
-            raise ValueError(f"unknown policy field(s) {sorted(unknown)}; fields: "
-                             f"{[f.name for f in dataclasses.fields(cls)]}")
+            raise ValueError(f"unknown policy field(s) {sorted(map(str, unknown))}; fields: {fields}")
         values = dict(data)
         for key in ("params", "compute", "output"):
             if values.get(key) is not None:
-                values[key] = parse_dtype(values[key])
-        values["op_rules"] = tuple(tuple(r) for r in values.get("op_rules", ()))
+                values[key] = parse_dtype(_expect(values[key], str, f"policy {key!r}", "a dtype name"))
+        for key in ("base", "device_type"):
+            if values.get(key) is not None:
+                _expect(values[key], str, f"policy {key!r}", "a str")
+        values["op_rules"] = tuple(
+            tuple(_expect(r, (list, tuple), "an op rule", "an [op, kind] pair"))
+            for r in _expect(values.get("op_rules", []), (list, tuple), "policy 'op_rules'", "a list"))
         values["module_rules"] = tuple(
-            ModuleRule(parse_dtype(r.get("dtype", "float32")),
-                       types=tuple(_import_type(t) for t in r.get("types", ())),
-                       names=r.get("names"))
-            for r in values.get("module_rules", ())
-        )
+            _module_rule_from_dict(r)
+            for r in _expect(values.get("module_rules", []), (list, tuple), "policy 'module_rules'", "a list"))
         if values.get("fp8_rule") is not None:
             values["fp8_rule"] = _fp8_from_dict(values["fp8_rule"])
         return cls(**values)
@@ -269,13 +291,22 @@ class Policy:
         return json.dumps(self.to_dict(), **json_kwargs)
 
     @classmethod
-    def from_json(cls, text: str) -> "Policy":
-        """Rebuild a policy from :meth:`to_json`'s text (``Policy.parse`` accepts it too)."""
+    def from_json(cls, text: str | bytes) -> "Policy":
+        """Rebuild a policy from :meth:`to_json`'s text, or from an audit's ``report.json``
+        (its ``"policy"``); ``Policy.parse`` accepts it too. Validated as :meth:`from_dict`.
+
+        Raises:
+            ValueError: text that is not JSON (or nested too deeply), or not a policy.
+        """
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise ValueError(f"Policy.from_json takes JSON text, got {type(text).__name__}")
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"not a policy in JSON: {e}") from None
-        if isinstance(data, Mapping) and isinstance(data.get("policy"), Mapping):
+        except RecursionError:
+            raise ValueError("not a policy in JSON: nested too deeply") from None
+        if isinstance(data, Mapping) and "policy" in data:
             data = data["policy"]  # an audit's report.json
         return cls.from_dict(data)
 
@@ -324,7 +355,7 @@ class Policy:
                     if name in seen and seen[name] != kind:
                         raise ValueError(f"op {name} is listed as both {seen[name]} and {kind}")
                     seen[name] = kind
-                    rules.append((name, _FP32_FORMS.get(name, "fp32") if kind == "fp32" else kind))
+                    rules.append((name, _rule_kind(name, kind)))
         return dataclasses.replace(self, op_rules=self.op_rules + tuple(rules))
 
     def keep(
@@ -414,26 +445,47 @@ class Policy:
         return tree if self.output is None else cast_tree(tree, self.output)
 
     def __str__(self) -> str:
-        """The dtypes and preset in :meth:`parse` syntax (op edits and module rules are in
-        :meth:`to_json`, which round-trips the whole policy)."""
-        parts = [f"params={_dtype_name(self.params)}"]
-        if self.compute is not None:
-            parts.append(f"compute={_dtype_name(self.compute)}")
+        """What the policy does, in one line: the dtypes and preset in :meth:`parse` syntax
+        (``compute=auto``: the region's dtype), then ``; ``-separated op edits, module rules and
+        the fp8 selection. Without edits or rules, :meth:`parse` reads it back; :meth:`to_json`
+        is the complete form.
+
+        Example:
+            >>> str(Policy.parse("compute=bf16").with_ops(fp32=["softmax"]).keep(types=nn.LayerNorm))
+            'params=float32,compute=bfloat16; ops fp32=softmax; keep float32=LayerNorm'
+        """
+        parts = [f"params={_dtype_name(self.params)}",
+                 f"compute={'auto' if self.compute is None else _dtype_name(self.compute)}"]
         if self.output is not None:
             parts.append(f"output={_dtype_name(self.output)}")
         if self.base != "torch":
             parts.append(f"preset={self.base}")
+        if self.device_type is not None:
+            parts.append(f"table={self.device_type}")
+        sections = [",".join(parts)]
+        if self.op_rules:
+            sections.append("ops " + " ".join(f"{kind}={','.join(names)}"
+                                              for kind, names in _ops_by_kind(self.op_rules)))
+        sections += [f"keep {_dtype_name(r.dtype)}={_selection(r.types, r.names)}" for r in self.module_rules]
         if self.fp8_rule is not None:
-            parts.append(f"fp8={self.fp8_rule.recipe_name}")
-        return ",".join(parts)
+            f = self.fp8_rule
+            extra = ("" if f.first_last == "fp8" else " except first/last") + (
+                "" if f.backend == "auto" else f" backend={f.backend}") + ("" if f.guard is None else " guarded")
+            sections.append(f"fp8 {f.recipe_name}={_selection(f.types, f.names)}{extra}")
+        return "; ".join(sections)
 
 
-# fp32 forms PyTorch uses for ops with a dtype argument
-_FP32_FORMS: dict[str, str] = {
-    name: kind
-    for name, kind in _ops.default_table("cuda").items()
-    if kind in ("fp32_set_opt_dtype", "fp32_append_dtype")
-}
+def _fp32_forms() -> Mapping[str, str]:
+    """The fp32 forms PyTorch uses for ops with a dtype argument (from the CUDA table)."""
+    global _FP32_FORMS
+    if _FP32_FORMS is None:
+        _FP32_FORMS = MappingProxyType({
+            name: kind for name, kind in _ops.default_table("cuda").items()
+            if kind in ("fp32_set_opt_dtype", "fp32_append_dtype")})
+    return _FP32_FORMS
+
+
+_FP32_FORMS: Mapping[str, str] | None = None
 
 _TABLE_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...]], Mapping[str, str]] = {}
 _EDITS_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...], str, bool], Mapping[str, str]] = {}
@@ -483,13 +535,119 @@ def _fp8_to_dict(rule: Fp8Rule) -> dict[str, Any]:
             "first_last": rule.first_last, "backend": rule.backend, "guard": guard}
 
 
-def _fp8_from_dict(data: Mapping[str, Any]) -> Fp8Rule:
+def _ops_by_kind(rules: tuple[tuple[str, str], ...]) -> list[tuple[str, list[str]]]:
+    """The final kind of each edited overload, grouped as :meth:`Policy.with_ops` lists them
+    (``fp32`` includes the dtype-argument forms); a packet whose functional overloads all share
+    a kind is shown by its packet name."""
+    final: dict[str, str] = {}
+    for name, kind in rules:
+        final[name] = "fp32" if kind.startswith("fp32") else kind
+    grouped: dict[str, list[str]] = {}
+    shown: set[str] = set()
+    for name, kind in final.items():
+        packet = name.split(".")[0]
+        overloads = canonical_names(packet) if packet not in shown else []
+        if overloads and all(final.get(o) == kind for o in overloads):
+            shown.add(packet)
+            grouped.setdefault(kind, []).append(packet)
+        elif packet not in shown:
+            grouped.setdefault(kind, []).append(name)
+    return list(grouped.items())
+
+
+def _selection(types: tuple[type, ...], names: str | None) -> str:
+    """``LayerNorm|Embedding|/^head$/``: the types and the name regex a rule selects."""
+    return "|".join([t.__qualname__ for t in types] + ([] if names is None else [f"/{names}/"]))
+
+
+def _expect(value: Any, types: type | tuple[type, ...], what: str, shape: str) -> Any:
+    """``value`` if it is an instance of ``types``, else a ValueError saying what was expected."""
+    if isinstance(value, types) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"{what} must be {shape}, got {type(value).__name__} {_short(value)}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _checked_rules(rules: Any) -> tuple[tuple[str, str], ...]:
+    """``op_rules`` validated as :meth:`Policy.with_ops` validates: every name an aten op this
+    PyTorch has (expanded with :func:`mixprec._ops_names.rule_names`), no in-place or ``out=``
+    overload (autocast never casts them: the op would write into a temporary), a known kind;
+    ``"fp32"`` becomes the op's dtype-argument form where PyTorch has one (as ``with_ops`` does).
+    """
+    if isinstance(rules, (str, bytes)) or not isinstance(rules, (tuple, list)):
+        raise ValueError(f"Policy.op_rules must be a tuple of (op, kind) pairs (build them with "
+                         f"Policy.with_ops), got {type(rules).__name__}")
+    out: list[tuple[str, str]] = []
+    for rule in rules:
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2
+                and all(isinstance(x, str) for x in rule)):
+            raise ValueError(f"an op rule is an (op name, cast kind) pair of strings, got {_short(rule)}")
+        name, kind = rule
+        if kind not in _ops.CAST_KINDS:
+            raise ValueError(f"unknown cast kind {kind!r} for {name}; kinds: {', '.join(_ops.CAST_KINDS)}")
+        for overload in rule_names(name):
+            out.append((overload, _rule_kind(overload, kind)))
+    return tuple(out)
+
+
+def _rule_kind(name: str, kind: str) -> str:
+    forms = _fp32_forms()
+    if kind == "fp32":
+        return forms.get(name, "fp32")
+    if kind in ("fp32_set_opt_dtype", "fp32_append_dtype") and forms.get(name) != kind:
+        raise ValueError(f"{name} has no {kind} form (PyTorch uses it for "
+                         f"{', '.join(n for n, k in sorted(forms.items()) if k == kind)}); use 'fp32'")
+    return kind
+
+
+def _unknown_preset(base: Any) -> str:
+    close = difflib.get_close_matches(str(base), list(PRESETS), n=1, cutoff=0.6)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return f"unknown op preset {base!r}.{hint} Presets: {', '.join(PRESETS)}"
+
+
+def _module_rule_from_dict(data: Any) -> ModuleRule:
+    _expect(data, Mapping, "a module rule", "an object with dtype, types, names")
+    unknown = set(data) - {"dtype", "types", "names"}
+    if unknown:
+        raise ValueError(f"unknown module rule field(s) {sorted(map(str, unknown))}; fields: dtype, types, names")
+    names = data.get("names")
+    return ModuleRule(
+        parse_dtype(_expect(data.get("dtype", "float32"), str, "a module rule's dtype", "a dtype name")),
+        types=tuple(_import_type(t) for t in _expect(data.get("types", []), (list, tuple),
+                                                     "a module rule's types", "a list of type paths")),
+        names=None if names is None else _expect(names, str, "a module rule's names", "a regex str"),
+    )
+
+
+def _fp8_from_dict(data: Any) -> Fp8Rule:
     from mixprec import fp8
 
+    _expect(data, Mapping, "policy 'fp8_rule'", "an object")
+    known = {f.name for f in dataclasses.fields(Fp8Rule)}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"unknown fp8_rule field(s) {sorted(map(str, unknown))}; fields: {sorted(known)}")
     values = dict(data)
-    values["types"] = tuple(_import_type(t) for t in values.get("types", ["torch.nn.modules.linear.Linear"]))
+    for key in ("recipe", "first_last", "backend"):
+        if key in values:
+            _expect(values[key], str, f"fp8_rule {key!r}", "a str")
+    if values.get("names") is not None:
+        _expect(values["names"], str, "fp8_rule 'names'", "a regex str")
+    values["types"] = tuple(_import_type(t) for t in _expect(
+        values.get("types", ["torch.nn.modules.linear.Linear"]), (list, tuple), "fp8_rule 'types'",
+        "a list of type paths"))
     if values.get("guard") is not None:
-        values["guard"] = fp8.Guard(**values["guard"])
+        guard = _expect(values["guard"], Mapping, "fp8_rule 'guard'", "an object")
+        fields = {f.name for f in dataclasses.fields(fp8.Guard) if f.init}
+        if set(guard) - fields:
+            raise ValueError(f"unknown fp8 guard field(s) {sorted(map(str, set(guard) - fields))}; "
+                             f"fields: {sorted(fields)}")
+        values["guard"] = fp8.Guard(**guard)
     return Fp8Rule(**values)
 
 
@@ -523,19 +681,37 @@ def _type_path(t: type) -> str:
     return path
 
 
-def _import_type(path: str, strict: bool = True) -> Any:
-    """Import ``"package.module.Class"`` (or a nested ``Outer.Inner``) back to the type."""
-    parts, obj = str(path).split("."), None
-    for i in range(len(parts) - 1, 0, -1):  # the longest importable module prefix
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
+def _import_type(path: Any, strict: bool = True) -> Any:
+    """The type ``"package.module.Class"`` (or a nested ``Outer.Inner``) names, looked up in the
+    modules already imported (``sys.modules``): a policy file never imports (runs) a module.
+
+    Raises (``strict``):
+        ValueError: not a dotted str, its module is not imported (the message names the import
+            to run first), or it names no ``nn.Module`` subclass.
+    """
+    if not isinstance(path, str) or "." not in path:
+        if not strict:
+            return None
+        raise ValueError(f"a module rule type is a dotted path such as "
+                         f"'torch.nn.modules.normalization.LayerNorm', got {_short(path)}")
+    parts, obj = path.split("."), None
+    for i in range(len(parts) - 1, 0, -1):  # the longest imported module prefix
+        module = sys.modules.get(".".join(parts[:i]))
+        if module is None:
             continue
-        for attr in parts[i:]:
-            obj = getattr(obj, attr, None)
+        obj = module
+        for attr in parts[i:]:  # no getattr: a module's __getattr__ may import
+            obj = vars(obj).get(attr) if hasattr(obj, "__dict__") else None
         break
+    else:
+        if strict:
+            raise ValueError(
+                f"module rule type {path!r}: module {'.'.join(parts[:-1])!r} is not imported; "
+                f"mixprec does not import modules named in a policy: run "
+                f"`import {'.'.join(parts[:-1])}` before loading it")
     if strict and not (isinstance(obj, type) and issubclass(obj, nn.Module)):
-        raise ValueError(f"module rule type {path!r} is not an importable nn.Module subclass")
+        raise ValueError(f"module rule type {path!r} is not an nn.Module subclass in the imported "
+                         f"module {'.'.join(parts[:i])!r}")
     return obj
 
 

@@ -87,7 +87,8 @@ def test_eligible_reasons():
     assert fp8.eligible(nn.Linear(32, 48), "a") == (True, "")
     assert fp8.eligible(nn.Linear(10, 32), "head") == (False, "'head': in_features=10 is not a multiple of 16")
     assert fp8.eligible(nn.Linear(10, 17), "x")[1] == "'x': in_features=10 and out_features=17 are not multiples of 16"
-    assert fp8.eligible(nn.Conv1d(16, 16, 1), "c") == (False, "'c': Conv1d is not an nn.Linear")
+    assert fp8.eligible(nn.Conv1d(16, 16, 1), "c") == (
+        False, "'c': Conv1d is not an nn.Linear or Linear-equivalent (transformers Conv1D)")
 
 
 def _net() -> nn.Module:

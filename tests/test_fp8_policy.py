@@ -91,11 +91,14 @@ def test_guard_in_the_policy_moves_a_diverging_layer_back():
         model(x).float().sum().backward()
     with torch.no_grad():
         model[3].register_forward_hook(lambda m, i, o: o.index_fill(-1, torch.tensor([0]), 1e6))
+    assert guard.step() == []
     with mixprec.autocast("cpu", policy=policy):
         model(x).float().sum().backward()  # layer 4's input has an outlier: the rest underflows
-    with pytest.warns(fp8.Float8FallbackWarning, match="'4'.*input underflow"):
-        with mixprec.autocast("cpu", policy=policy):
-            model(x)  # the next outermost call checks the guard first
+    with mixprec.autocast("cpu", policy=policy):
+        model(x)  # forwards never check: only guard.step() does
+    assert not fp8.layer_state(model[4]).fallback
+    with pytest.warns(fp8.Float8FallbackWarning, match="'4'.*at step 2: input underflow"):
+        guard.step()
     assert fp8.layer_state(model[4]).fallback and not fp8.layer_state(model[2]).fallback
     with mixprec.autocast("cpu", policy=Policy.fp8(names=r"^2$")):  # layer 4 in bf16
         ref = model(x)

@@ -431,16 +431,18 @@ def _run_passthrough(info: _OpInfo, frame: Frame, keyset: Any, args: tuple, kwar
 
 
 def _run_fp8(info: _OpInfo, frame: Frame, keyset: Any, args: tuple, kwargs: dict) -> Any:
-    """``linear`` of a policy with fp8 layers: the selected layer's call runs in fp8, any other
-    call as the policy's table says."""
+    """``linear`` (and ``addmm``, transformers' Conv1D) of a policy with fp8 layers: the selected
+    layer's GEMM runs in fp8, any other call as the policy's table says."""
     target = frame.fp8_target
-    if target is not None and len(args) > 1 and args[1] is target[0].weight:
+    if target is not None:
         from mixprec import fp8
+        from mixprec.fp8._like import routed_call
 
-        module, recipe, state, backend = target
-        x = _cached_cast(args[0], torch.get_autocast_dtype(frame.device_type), frame)
-        bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        return fp8.linear(x, args[1], bias, recipe, state=state, backend=backend)
+        call = routed_call(info.name, target[0], args, kwargs)
+        if call is not None:
+            module, recipe, state, backend = target
+            x = _cached_cast(call[0], torch.get_autocast_dtype(frame.device_type), frame)
+            return fp8.linear(x, call[1], call[2], recipe, state=state, backend=backend)
     kind = frame.policy.table(frame.device_type).get(info.name, "passthrough")
     return _RUNNERS[kind](info, frame, keyset, args, kwargs)
 

@@ -303,8 +303,9 @@ def _pre_traced(module: nn.Module, args: tuple) -> Any:
         state = fp8.layer_state(module)
         x = args[0].to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else args[0]
         if not state.fallback:  # read while tracing: a guard, so a fallback recompiles
-            _TRACE_FP8.append(fp8.linear(x, module.weight, module.bias, recipe, state=state,
-                                         backend=backend))
+            from mixprec.fp8._like import linear_params
+
+            _TRACE_FP8.append(fp8.linear(x, *linear_params(module), recipe, state=state, backend=backend))
         else:
             _TRACE_FP8.append(None)
     return args if cast_to is not None else None
@@ -342,17 +343,13 @@ def _post_eager(module: nn.Module, args: tuple, output: Any) -> Any:
 
 def _fp8_layers(root: nn.Module, policy: Policy) -> dict[int, tuple[nn.Module, Any, Any, str]]:
     """The fp8 layers of the model called as ``root``: ``id(module) -> fp8 target``, without
-    the modules a keep rule selects or contains; checks the rule's guard first (on its
-    schedule), so that a layer it moves back is left out now."""
+    the modules a keep rule selects or contains; the rule's guard tracks the layers (it
+    decides in ``guard.step()``, never in a forward: ranks may run different forwards)."""
     from mixprec import fp8
 
     rule = policy.fp8_rule
     model = getattr(root, "_orig_mod", root)  # torch.compile's wrapper
     recipe = fp8.as_recipe(rule.recipe)
-    if rule.guard is not None and torch.is_grad_enabled():  # a training call: the guard's step
-        step = rule.guard.__dict__.get("_policy_steps", 0)
-        rule.guard.__dict__["_policy_steps"] = step + 1
-        rule.guard.check(model, step)
     modules = dict(model.named_modules())
 
     def kept(fqn: str) -> bool:
@@ -366,6 +363,8 @@ def _fp8_layers(root: nn.Module, policy: Policy) -> dict[int, tuple[nn.Module, A
         if kept(fqn):
             continue
         layers[id(module)] = (module, recipe, fp8.layer_state(module), rule.backend)
+    if rule.guard is not None:
+        rule.guard._policy_forward(model)  # its decisions apply now; warns if never stepped
     return layers
 
 

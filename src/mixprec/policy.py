@@ -513,8 +513,8 @@ def _resolve_edits(base: str, table_device: str, rules: tuple[tuple[str, str], .
         names = set(table) | set(native)
         resolved = {n: table.get(n, "passthrough") for n in sorted(names)
                     if table.get(n, "passthrough") != native.get(n, "passthrough")}
-        if fp8:  # linear routes to fp8 for the selected layers
-            resolved["linear"] = "fp8"
+        if fp8:  # linear (addmm: transformers' Conv1D) routes to fp8 for the selected layers
+            resolved["linear"] = resolved["addmm"] = "fp8"
         edits = _EDITS_CACHE[key] = MappingProxyType(resolved)
     return edits
 

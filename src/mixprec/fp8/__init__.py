@@ -38,14 +38,15 @@ for ``Guard.check(states_or_model, step)``. Fallback decisions survive checkpoin
 ``Guard.state_dict()``/``load_state_dict()`` (keyed by fqn), not through the module state dict.
 """
 
-from mixprec.fp8._convert import Float8Linear, Float8Stats, as_recipe, convert, eligible, select_layers, stats
+from mixprec.fp8._convert import (Float8Conv1D, Float8Linear, Float8Stats, as_recipe, convert, eligible, select_layers,
+                                  stats, unconvert)
 from mixprec.fp8._guard import Fallback, Float8FallbackWarning, Guard, layer_states
 from mixprec.fp8._linear import linear
 from mixprec.fp8._recipe import Cast, Float8Recipe
 from mixprec.fp8._state import LayerState, layer_state
 
 __all__ = [
-    "Cast", "Fallback", "Float8FallbackWarning", "Float8Linear", "Float8Recipe", "Float8Stats", "Guard",
-    "LayerState", "as_recipe", "convert", "eligible", "layer_state", "layer_states", "linear",
-    "select_layers", "stats",
+    "Cast", "Fallback", "Float8Conv1D", "Float8FallbackWarning", "Float8Linear", "Float8Recipe", "Float8Stats",
+    "Guard", "LayerState", "as_recipe", "convert", "eligible", "layer_state", "layer_states", "linear",
+    "select_layers", "stats", "unconvert",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -11,15 +12,26 @@ import torch
 from torch import nn
 
 from mixprec.fp8._guard import Guard, layer_states
+from mixprec.fp8._like import LINEAR_LIKE, conv1d_class, features, is_linear_like
 from mixprec.fp8._linear import BACKENDS, linear
 from mixprec.fp8._quant import STAT_NAMES
 from mixprec.fp8._recipe import Float8Recipe
 from mixprec.fp8._state import OPERANDS, LayerState, layer_state
 
-__all__ = ["eligible", "select_layers", "Float8Linear", "convert", "stats", "Float8Stats", "as_recipe"]
+__all__ = ["eligible", "select_layers", "Float8Linear", "Float8Conv1D", "convert", "unconvert", "stats",
+           "Float8Stats", "as_recipe"]
 
 _MULTIPLE = 16
 FIRST_LAST = ("keep", "fp8")
+_WARNED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _warn_once(model: nn.Module, message: str) -> None:
+    """Warn ``message`` once per model (the policy selects layers at every outermost call)."""
+    seen = _WARNED.setdefault(model, set())
+    if message not in seen:
+        seen.add(message)
+        warnings.warn(message, stacklevel=4)
 
 
 def as_recipe(recipe: Float8Recipe | str) -> Float8Recipe:
@@ -33,18 +45,18 @@ def as_recipe(recipe: Float8Recipe | str) -> Float8Recipe:
 
 
 def eligible(module: nn.Module, fqn: str = "") -> tuple[bool, str]:
-    """Whether ``module`` can run in fp8, and why not: an ``nn.Linear`` whose ``in_features`` and
-    ``out_features`` are multiples of 16 (what ``torch._scaled_mm`` needs; the emulation follows
-    the same rule so that a CPU run selects the layers a GPU run would).
+    """Whether ``module`` can run in fp8, and why not: an ``nn.Linear`` or a Linear-equivalent
+    (transformers' ``Conv1D``, a Linear with its weight stored transposed) whose in and out
+    features are multiples of 16 (what ``torch._scaled_mm`` needs; the emulation follows the
+    same rule so that a CPU run selects the layers a GPU run would).
 
     Example:
         >>> eligible(nn.Linear(10, 32), "head")
         (False, "'head': in_features=10 is not a multiple of 16")
     """
-    if not isinstance(module, nn.Linear):
-        return False, f"{fqn!r}: {type(module).__name__} is not an nn.Linear"
-    bad = [f"{name}={value}" for name, value in (("in_features", module.in_features),
-                                                  ("out_features", module.out_features))
+    if not is_linear_like(module):
+        return False, f"{fqn!r}: {type(module).__name__} is not an {LINEAR_LIKE}"
+    bad = [f"{name}={value}" for name, value in zip(("in_features", "out_features"), features(module))
            if value % _MULTIPLE]
     if bad:
         what = "is not a multiple" if len(bad) == 1 else "are not multiples"
@@ -56,11 +68,13 @@ def select_layers(model: nn.Module, types: Sequence[type] | type = (nn.Linear,),
                   first_last: str = "keep") -> list[str]:
     """The qualified names of the layers of ``model`` that go to fp8.
 
-    Candidates are the modules that are instances of ``types`` (and, with ``names``, whose name
-    matches ``re.search(names, fqn)``) and pass :func:`eligible`; each candidate that does not
-    stays in the compute dtype with one warning naming it. With ``first_last="keep"`` (default),
-    the first and the last eligible layer of the whole model, in registration order, stay too
-    (the embedding-side projection and the head are the most sensitive); ``"fp8"`` includes them.
+    Candidates are the modules that are instances of ``types`` (``nn.Linear`` there also stands
+    for its equivalents, transformers' ``Conv1D``) and, with ``names``, whose name matches
+    ``re.search(names, fqn)``, and pass :func:`eligible`; each candidate that does not stays in
+    the compute dtype with one warning naming it. With ``first_last="keep"`` (default), the
+    first and the last eligible layer of the whole model, in registration order, stay too (the
+    embedding-side projection and the head are the most sensitive); ``"fp8"`` includes them.
+    When no layer is selected, one warning (once per model) says why.
 
     Example:
         >>> m = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16))
@@ -77,18 +91,57 @@ def select_layers(model: nn.Module, types: Sequence[type] | type = (nn.Linear,),
         pattern = re.compile(names) if names is not None else None
     except (re.error, TypeError) as exc:
         raise ValueError(f"names must be a regular expression (re.search on the qualified name), got {names!r}") from exc
-    eligible_names = []
+    likes = nn.Linear in types
+    candidates, eligible_names = [], []
     for fqn, mod in model.named_modules():
-        if not isinstance(mod, types):
+        if not (isinstance(mod, types) or (likes and is_linear_like(mod))):
             continue
+        candidates.append(fqn)
         ok, reason = eligible(mod, fqn)
         if ok:
             eligible_names.append(fqn)
         elif pattern is None or pattern.search(fqn):
-            warnings.warn(f"fp8: layer {reason}; it stays in the compute dtype", stacklevel=2)
-    if first_last == "keep":
-        eligible_names = eligible_names[1:-1]
-    return [n for n in eligible_names if pattern is None or pattern.search(n)]
+            _warn_once(model, f"fp8: layer {reason}; it stays in the compute dtype")
+    kept = list(dict.fromkeys(eligible_names[:1] + eligible_names[-1:])) if first_last == "keep" else []
+    chosen = [n for n in eligible_names if n not in kept and (pattern is None or pattern.search(n))]
+    if not chosen:
+        _warn_once(model, "fp8: no layer selected, nothing runs in fp8: "
+                   + _why_none(types, pattern, candidates, eligible_names, kept))
+    return chosen
+
+
+def _why_none(types: tuple[type, ...], pattern: re.Pattern | None, candidates: list[str],
+              eligible_names: list[str], kept: list[str]) -> str:
+    matching = [n for n in candidates if pattern is None or pattern.search(n)]
+    what = LINEAR_LIKE if types == (nn.Linear,) else "instance of " + ", ".join(t.__name__ for t in types)
+    if not candidates:
+        return f"the model has no {what} layer"
+    if not matching:
+        return (f"names={pattern.pattern!r} matches none of the {len(candidates)} {what} layers "
+                f"(e.g. {', '.join(map(repr, candidates[:3]))})")
+    if not [n for n in eligible_names if n in matching]:
+        return (f"none of the {len(matching)} {what} layers has in and out features that are "
+                f"multiples of {_MULTIPLE}")
+    return (f"the only eligible layers ({', '.join(map(repr, kept))}) are the model's first and last, "
+            f"kept in the compute dtype by first_last='keep'; pass first_last='fp8' to include them")
+
+
+def _fp8_forward(module: nn.Module, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The forward of the converted modules: ``weight`` is ``(out, in)``."""
+    if type(module.weight).__module__.startswith("torchao."):
+        raise RuntimeError(f"fp8 layer {type(module).__name__}: its weight is a torchao "
+                           f"{type(module.weight).__name__} (torchao's quantize_ ran on a model still "
+                           f"converted for fp8 training); call mixprec.fp8.unconvert(model) before quantize_")
+    device = input.device.type
+    if torch.is_autocast_enabled(device):
+        input = input.to(torch.get_autocast_dtype(device))
+    return linear(input, weight, module.bias, module.recipe, state=layer_state(module), backend=module.backend)
+
+
+def _check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"fp8 backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
 
 
 class Float8Linear(nn.Linear):
@@ -101,10 +154,7 @@ class Float8Linear(nn.Linear):
                  recipe: Float8Recipe | str = "tensorwise", backend: str = "auto",
                  device: Any = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.recipe = as_recipe(recipe)
-        if backend not in BACKENDS:
-            raise ValueError(f"fp8 backend must be one of {BACKENDS}, got {backend!r}")
-        self.backend = backend
+        self.recipe, self.backend = as_recipe(recipe), _check_backend(backend)
         layer_state(self)
 
     @classmethod
@@ -118,46 +168,141 @@ class Float8Linear(nn.Linear):
         layer_state(new)
         return new
 
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` sharing these parameters (see :func:`unconvert`)."""
+        with torch.device("meta"):
+            new = nn.Linear(self.in_features, self.out_features, bias=False)
+        new.weight, new.bias = self.weight, self.bias
+        return new
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        device = input.device.type
-        if torch.is_autocast_enabled(device):
-            input = input.to(torch.get_autocast_dtype(device))
-        return linear(input, self.weight, self.bias, self.recipe, state=layer_state(self), backend=self.backend)
+        return _fp8_forward(self, input, self.weight)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"
 
 
+class Float8Conv1D(nn.Module):
+    """transformers' ``Conv1D`` (a Linear whose weight is stored ``(in, out)``: ``nx`` inputs,
+    ``nf`` outputs) whose forward is :func:`mixprec.fp8.linear` on the transposed weight: same
+    parameters, same state dict keys and shapes, bitwise torchao's emulated ``Float8Linear`` on
+    the equivalent ``nn.Linear``. Made by :func:`convert`; :func:`unconvert` gives the Conv1D back.
+    """
+
+    def __init__(self, nf: int, nx: int, *, recipe: Float8Recipe | str = "tensorwise", backend: str = "auto",
+                 device: Any = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.empty(nx, nf, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(nf, device=device, dtype=dtype))
+        nn.init.normal_(self.weight, std=0.02)  # as Conv1D
+        self.recipe, self.backend = as_recipe(recipe), _check_backend(backend)
+        layer_state(self)
+
+    @classmethod
+    def from_conv1d(cls, mod: nn.Module, recipe: Float8Recipe | str = "tensorwise",
+                    backend: str = "auto") -> Float8Conv1D:
+        """Wrap the ``Conv1D`` ``mod``'s parameters (shared, not copied)."""
+        with torch.device("meta"):
+            new = cls(mod.nf, mod.nx, recipe=recipe, backend=backend)
+        new.weight, new.bias = mod.weight, mod.bias
+        new.__dict__.pop("_mixprec_fp8_state", None)
+        layer_state(new)
+        return new
+
+    def to_conv1d(self) -> nn.Module:
+        """transformers' ``Conv1D`` sharing these parameters (see :func:`unconvert`)."""
+        cls = conv1d_class()
+        if cls is None:
+            import transformers.pytorch_utils
+
+            cls = transformers.pytorch_utils.Conv1D
+        with torch.device("meta"):
+            new = cls(self.nf, self.nx)
+        new.weight, new.bias = self.weight, self.bias
+        return new
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return _fp8_forward(self, input, self.weight.t())
+
+    def extra_repr(self) -> str:
+        return f"nf={self.nf}, nx={self.nx}, recipe={self.recipe.name}"
+
+
+def _swap(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
+    """Put ``new`` at ``fqn`` in ``model``; returns the model (``new`` for the root)."""
+    if not fqn:
+        return new
+    parent, _, child = fqn.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+    return model
+
+
 def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
             filter_fn: Callable[[nn.Module, str], bool] | None = None, guard: Guard | None = None,
             backend: str = "auto") -> nn.Module:
-    """Swap the selected ``nn.Linear`` modules of ``model`` for :class:`Float8Linear`, in place.
+    """Swap the selected ``nn.Linear`` modules of ``model`` for :class:`Float8Linear`, and
+    transformers' ``Conv1D`` ones for :class:`Float8Conv1D`, in place.
 
-    ``filter_fn(module, fqn) -> bool`` picks the layers (every ``nn.Linear`` is offered); by
-    default :func:`select_layers` decides (dims multiples of 16, first and last kept). The
-    parameters are shared and the state dict keys do not change. With ``guard``, the layers'
-    states are tracked by it (its decisions apply at once, also after ``load_state_dict``).
-    Returns ``model`` (or the new module when ``model`` itself is a converted Linear).
+    ``filter_fn(module, fqn) -> bool`` picks the layers (every ``nn.Linear`` and ``Conv1D`` is
+    offered); by default :func:`select_layers` decides (dims multiples of 16, first and last
+    kept). The parameters are shared and the state dict keys do not change. With ``guard``, the
+    layers' states are tracked by it (its decisions apply at once, also after
+    ``load_state_dict``). Returns ``model`` (or the new module when ``model`` itself is a
+    converted Linear). Warns once when no layer is converted, saying why. :func:`unconvert`
+    undoes it (before torchao's ``quantize_`` for inference).
+
+    Raises ValueError, before changing anything, when ``model`` itself is chosen and has
+    children (they would be lost with it): convert a parent, or leave the root out.
 
     Example:
         >>> m = convert(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16)))
         >>> type(m[1]).__name__, type(m[0]).__name__
         ('Float8Linear', 'Linear')
     """
-    recipe = as_recipe(recipe)
-    if filter_fn is None:
+    recipe, backend = as_recipe(recipe), _check_backend(backend)
+    by_user = filter_fn is not None
+    if filter_fn is None:  # select_layers warns when it selects none
         chosen = set(select_layers(model))
         filter_fn = lambda mod, fqn: fqn in chosen  # noqa: E731
-    for fqn, mod in list(model.named_modules()):
-        if type(mod) is nn.Linear and filter_fn(mod, fqn):
-            new = Float8Linear.from_linear(mod, recipe, backend)
-            if not fqn:
-                model = new
-                continue
-            parent, _, child = fqn.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, new)
+    conv1d = conv1d_class()
+    swaps = [(fqn, mod) for fqn, mod in model.named_modules()
+             if (type(mod) is nn.Linear or (conv1d is not None and type(mod) is conv1d)) and filter_fn(mod, fqn)]
+    if swaps and not swaps[0][0] and next(model.children(), None) is not None:
+        raise ValueError(f"fp8.convert: the root module is a {type(model).__name__} with children "
+                         f"({', '.join(n for n, _ in model.named_children())}), which converting it would "
+                         f"drop; convert its parent module, or pass a filter_fn that leaves the root ('') out")
+    for fqn, mod in swaps:
+        new = (Float8Linear.from_linear(mod, recipe, backend) if type(mod) is nn.Linear
+               else Float8Conv1D.from_conv1d(mod, recipe, backend))
+        model = _swap(model, fqn, new)
+    if not swaps and by_user:
+        likes = sum(1 for mod in model.modules() if type(mod) is nn.Linear or (conv1d is not None and type(mod) is conv1d))
+        _warn_once(model, f"fp8.convert: no layer converted, nothing runs in fp8: filter_fn chose none of the "
+                          f"{likes} nn.Linear and Conv1D layers" if likes else
+                          f"fp8.convert: no layer converted, nothing runs in fp8: the model has no {LINEAR_LIKE} layer")
     if guard is not None:
         guard.track(model)
+    return model
+
+
+def unconvert(model: nn.Module) -> nn.Module:
+    """Undo :func:`convert`, in place: each :class:`Float8Linear` becomes an ``nn.Linear`` and
+    each :class:`Float8Conv1D` a transformers ``Conv1D``, sharing the parameters (state dict
+    unchanged; the fp8 statistics go). The way from fp8 training to inference quantization:
+    torchao's ``quantize_(model, Float8WeightOnlyConfig())`` handles the plain layers. Returns
+    ``model`` (or the new module when ``model`` itself is a converted layer).
+
+    Example:
+        >>> m = unconvert(convert(nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])))
+        >>> [type(x).__name__ for x in m]
+        ['Linear', 'Linear', 'Linear']
+    """
+    for fqn, mod in list(model.named_modules()):
+        if isinstance(mod, Float8Linear):
+            model = _swap(model, fqn, mod.to_linear())
+        elif isinstance(mod, Float8Conv1D):
+            model = _swap(model, fqn, mod.to_conv1d())
     return model
 
 

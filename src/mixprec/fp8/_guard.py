@@ -14,11 +14,11 @@ import torch
 from mixprec.fp8._quant import STAT_NAMES
 from mixprec.fp8._state import OPERANDS, LayerState
 
-__all__ = ["Guard", "Fallback", "Float8FallbackWarning", "layer_states"]
+__all__ = ["Guard", "Fallback", "Float8FallbackWarning", "NO_STEP_FORWARDS", "layer_states"]
 
 
 class Float8FallbackWarning(UserWarning):
-    """A layer left fp8 for the compute dtype (issued once per layer, by :meth:`Guard.check`)."""
+    """A layer left fp8 for the compute dtype (issued once per layer, by :meth:`Guard.step`)."""
 
 
 @dataclass(frozen=True)
@@ -47,28 +47,39 @@ def layer_states(model: torch.nn.Module) -> dict[str, LayerState]:
             if (st := layer_state(mod, create=False)) is not None}
 
 
+#: training forwards of a policy's guard, without a single :meth:`Guard.step`, before it warns.
+NO_STEP_FORWARDS = 100
+
+
 @dataclass
 class Guard:
     """Thresholds on each fp8 layer's statistics; a layer that crosses one falls back for good.
 
-    Every ``every`` steps, :meth:`check` reads the statistics accumulated since the last check
-    (the worst value over the window), all-reduces them (MAX) when ``torch.distributed`` is
-    initialized so that every rank takes the same decision, and moves each layer where
-    ``nonfinite > max_nonfinite``, ``saturated > max_saturated``, ``underflow > max_underflow``
-    (for input, weight or grad_output) or, when ``min_sqnr_db`` is set, the sampled output SQNR
-    against the high-precision GEMM is below it, to the compute dtype, with a
-    :class:`Float8FallbackWarning` naming the layer, the operand, the statistic and its value.
-    ``None`` switches a threshold off; ``max_saturated`` is off by default: a current scale clips
-    nothing finite, and the fraction beyond the previous step's amax moves with the data (it is
-    a diagnostic of what a delayed scale would clip). The decisions are saved by :meth:`state_dict`.
+    Call :meth:`step` once per optimizer step, on every rank (with gradient accumulation: once
+    per optimizer step, not per micro-batch). Every ``every`` steps it reads the statistics
+    accumulated since the last check (the worst value over the window), all-reduces them (MAX)
+    when ``torch.distributed`` is initialized so that every rank takes the same decision, and
+    moves each layer where ``nonfinite > max_nonfinite``, ``saturated > max_saturated``,
+    ``underflow > max_underflow`` (for input, weight or grad_output) or, when ``min_sqnr_db`` is
+    set, the sampled output SQNR against the high-precision GEMM is below it, to the compute
+    dtype, with a :class:`Float8FallbackWarning` naming the layer, the operand, the statistic and
+    its value. ``None`` switches a threshold off; ``max_saturated`` is off by default: a current
+    scale clips nothing finite, and the fraction beyond the previous step's amax moves with the
+    data (it is a diagnostic of what a delayed scale would clip).
 
-    .. warning:: :meth:`check` on a check step reads the device statistics: one host sync (and
-       one all-reduce) per ``every`` steps; other steps cost nothing.
+    The schedule counts :meth:`step` calls only: forwards (evaluation on one rank, an extra
+    micro-batch) never trigger a check, so every rank issues the same all-reduces.
+    :meth:`state_dict` holds the step count, the decisions and the open windows' statistics: a
+    run resumed from it at any step decides exactly as the uninterrupted run (save it on every
+    rank: the windows are the rank's own, before the all-reduce).
+
+    .. warning:: a check step reads the device statistics: one host sync (and one all-reduce)
+       per ``every`` steps; other steps cost nothing.
 
     Example:
         >>> guard = Guard(max_underflow=0.1, every=10)
-        >>> guard.check({}, step=0)
-        []
+        >>> guard.step(), guard.steps
+        ([], 1)
     """
 
     max_saturated: float | None = None
@@ -78,6 +89,12 @@ class Guard:
     every: int = 1
     _decisions: dict[str, Fallback] = field(default_factory=dict, init=False, repr=False, compare=False)
     _states: Any = field(default_factory=weakref.WeakValueDictionary, init=False, repr=False, compare=False)
+    _steps: int = field(default=0, init=False, repr=False, compare=False)
+    # windows of a loaded state dict for layers not tracked yet: name -> (data, output sqnr)
+    _pending: dict[str, tuple[torch.Tensor, float]] = field(default_factory=dict, init=False, repr=False,
+                                                             compare=False)
+    _stepped: bool = field(default=False, init=False, repr=False, compare=False)  # this process
+    _forwards: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("max_saturated", "max_underflow", "max_nonfinite"):
@@ -94,26 +111,56 @@ class Guard:
         """``{layer: Fallback}`` of the layers moved to the compute dtype (a copy)."""
         return dict(self._decisions)
 
+    @property
+    def steps(self) -> int:
+        """The steps counted so far (:meth:`step` calls, or the last ``step`` given to :meth:`check`)."""
+        return self._steps
+
     def track(self, states: Mapping[str, LayerState] | torch.nn.Module) -> dict[str, LayerState]:
-        """Remember ``states`` (by name) and set their ``fallback`` flags from the decisions."""
+        """Remember ``states`` (by name), set their ``fallback`` flags from the decisions, give
+        them the windows of a loaded state dict, and arm SQNR sampling for the next step."""
         states = layer_states(states) if isinstance(states, torch.nn.Module) else dict(states)
+        sample = self.min_sqnr_db is not None and (self._steps + 1) % self.every == 0
         for name, st in states.items():
             if not isinstance(st, LayerState):
                 raise ValueError(f"Guard: states[{name!r}] must be a LayerState, got {type(st).__name__}")
             self._states[name] = st
+            if name in self._pending:
+                _load_window(st, *self._pending.pop(name))
             st.fallback = name in self._decisions
+            st.sample_sqnr = sample and not st.fallback
         return states
 
-    def check(self, states: Mapping[str, LayerState] | torch.nn.Module, step: int) -> list[Fallback]:
-        """Decide fallbacks on check steps (``step % every == 0``); returns the new ones.
+    def step(self, model: Mapping[str, LayerState] | torch.nn.Module | None = None) -> list[Fallback]:
+        """Count one optimizer step and, every ``every`` steps, decide; returns the new fallbacks.
 
-        ``states``: ``{fqn: LayerState}`` (the same names on every rank) or a model, whose
-        states are found with :func:`layer_states`. Call it once per step, after backward.
+        Call it once per optimizer step on every rank, after backward. ``model``: the model (or
+        ``{fqn: LayerState}``, the same names on every rank); by default the layers tracked
+        already (by :func:`convert` with ``guard=``, or by the policy's forwards).
+
+        Example:
+            >>> Guard(every=2).step({})
+            []
         """
-        states = self.track(states)
-        if self.min_sqnr_db is not None:  # sample on the last step of each window
-            for st in states.values():
-                st.sample_sqnr = (step + 1) % self.every == 0 and not st.fallback
+        states = dict(self._states) if model is None else model
+        return self._check(states, self._steps + 1, stacklevel=3)
+
+    def check(self, states: Mapping[str, LayerState] | torch.nn.Module, step: int) -> list[Fallback]:
+        """:meth:`step` with the step number given: decide when ``step % every == 0``; later
+        :meth:`step` calls count on from ``step``. Returns the new fallbacks.
+
+        Example:
+            >>> Guard(every=10).check({}, step=20)
+            []
+        """
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"Guard.check: step must be an int >= 0, got {step!r}")
+        return self._check(states, step, stacklevel=3)
+
+    def _check(self, states: Mapping[str, LayerState] | torch.nn.Module, step: int,
+               stacklevel: int) -> list[Fallback]:
+        self._steps, self._stepped = step, True
+        states = self.track(states)  # arms the sampling of step + 1
         if step % self.every != 0 or not states:
             return []
         names = sorted(states)
@@ -129,9 +176,21 @@ class Guard:
                 self._decisions[name] = decision
                 states[name].fallback = True
                 states[name].sample_sqnr = False
-                warnings.warn(decision.message(), Float8FallbackWarning, stacklevel=2)
+                warnings.warn(decision.message(), Float8FallbackWarning, stacklevel=stacklevel)
                 new.append(decision)
         return new
+
+    def _policy_forward(self, model: torch.nn.Module) -> None:
+        """A forward of a model under a policy with this guard: track its layers, and warn once
+        when training forwards go on without a :meth:`step` (the guard would never decide)."""
+        self.track(model)
+        if self._stepped or not torch.is_grad_enabled():
+            return
+        self._forwards += 1
+        if self._forwards == NO_STEP_FORWARDS:
+            warnings.warn(f"fp8: the policy's Guard has seen {NO_STEP_FORWARDS} training forwards and no "
+                          f"guard.step(): it never checks the layers. Call guard.step() once per "
+                          f"optimizer step, on every rank", UserWarning, stacklevel=4)
 
     def _decide(self, name: str, row: list[float], step: int) -> Fallback | None:
         limits = {"nonfinite": self.max_nonfinite, "saturated": self.max_saturated,
@@ -148,18 +207,49 @@ class Guard:
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        """The fallback decisions, as plain data: ``{"decisions": {layer: {...}}}``."""
-        return {"decisions": {n: dataclasses.asdict(d) for n, d in self._decisions.items()}}
+        """Everything a bitwise resume needs, as plain data: ``{"steps": n, "decisions": {layer:
+        {...}}, "windows": {layer: {"stats": [[...]], "output_sqnr_db": x}}}`` (the windows of
+        the tracked layers, and of loaded ones not tracked yet).
+
+        .. warning:: reads the device statistics: one host sync per layer.
+        """
+        windows = {n: {"stats": d.tolist(), "output_sqnr_db": s} for n, (d, s) in self._pending.items()}
+        for name, st in self._states.items():
+            windows[name] = {"stats": st._data.tolist(), "output_sqnr_db": float(st.output_sqnr_db)}
+        return {"steps": self._steps,
+                "decisions": {n: dataclasses.asdict(d) for n, d in self._decisions.items()},
+                "windows": dict(sorted(windows.items()))}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore the decisions and re-apply them to the tracked layer states."""
+        """Restore the step count, the decisions and the windows; re-apply them to the tracked
+        layer states (layers tracked later get theirs when :meth:`track` first sees them).
+
+        Raises ValueError for anything but the dict of :meth:`state_dict`.
+        """
         try:
+            steps = state_dict["steps"]
             decisions = {n: Fallback(**d) for n, d in state_dict["decisions"].items()}
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"Guard.load_state_dict expects the dict of Guard.state_dict(), got {state_dict!r}") from exc
-        self._decisions = decisions
-        for name, st in list(self._states.items()):
-            st.fallback = name in decisions
+            windows = {n: (torch.tensor(w["stats"], dtype=torch.float32), float(w["output_sqnr_db"]))
+                       for n, w in state_dict["windows"].items()}
+            if not isinstance(steps, int) or steps < 0:
+                raise TypeError(steps)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ValueError(f"Guard.load_state_dict expects the dict of Guard.state_dict() (steps, decisions, "
+                             f"windows), got {state_dict!r}") from exc
+        self._steps, self._decisions, self._pending = steps, decisions, windows
+        tracked = dict(self._states)
+        for name, st in tracked.items():
+            if name not in windows:  # as a fresh layer: no window, no previous amax
+                _load_window(st, torch.zeros_like(st._data), math.inf)
+        self.track(tracked)
+
+
+def _load_window(st: LayerState, data: torch.Tensor, sqnr: float) -> None:
+    if data.shape != st._data.shape:
+        raise ValueError(f"Guard.load_state_dict: a window of shape {tuple(data.shape)}, expected "
+                         f"{tuple(st._data.shape)}")
+    st._data.copy_(data)
+    st.output_sqnr_db.fill_(sqnr)
 
 
 def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:

@@ -300,3 +300,60 @@ def test_use_it_line_follows_the_chosen_dtype(tmp_path) -> None:  # type: ignore
         page = (tmp_path / report.dtype / "index.html").read_text()
         assert ("GradScaler" in page) == (report.dtype == "float16")
         assert mixprec.Policy.load(tmp_path / report.dtype / "report.json") == report.policy
+
+
+# ------------------------------------------------------------------ nothing unmeasured is recommended
+def test_an_empty_batch_is_an_error_not_a_float16_recommendation() -> None:
+    empty = (torch.randn(0, 8), torch.randn(0, 2))
+    with pytest.raises(ValueError, match="the batch is empty.*at least one sample"):
+        audit(make(None), empty, loss_fn)
+    with pytest.raises(ValueError, match="the batch is empty"):
+        audit(make(None), torch.randn(0, 8), lambda m, x: m(x).square().mean())
+
+
+def test_a_non_finite_float32_loss_made_outside_every_module_is_an_error() -> None:
+    def nan_loss(model: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return loss_fn(model, b) + torch.tensor(-1.0).log()  # NaN, with finite gradients
+
+    with pytest.raises(RuntimeError, match="the loss is nan already in float32.*loss_fn"):
+        audit(make(None), batch(), nan_loss)
+
+
+def overflowing_loss(model: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Overflows float16 in loss_fn's own code (a square of a large fp16 value), outside every
+    module; its gradients stay finite."""
+    return (model(b[0]) * 3e4).square().mean() / 1e9
+
+
+def test_a_loss_that_overflows_outside_every_module_is_not_verified() -> None:
+    report = audit(make(None), batch(), overflowing_loss)
+    assert report.default_events["float16"] is None  # no module saw an inf: only the loss did
+    assert report.verified == {"float16": False, "bfloat16": True}
+    assert report.dtype == "bfloat16" and report.init_scale == 1.0
+    assert math.isinf(report.losses["float16"][0]) and math.isfinite(report.losses["float32"][0])
+    assert "float16's loss inf" in report.reason
+    only = audit(make(None), batch(), overflowing_loss, dtypes=("fp16",))
+    assert only.verified == {"float16": False} and "WARNING" in only.reason
+    assert json.loads(json.dumps(only.to_dict(), allow_nan=False))["losses"]["float16"] == [None]
+
+
+def test_a_loss_far_from_float32s_is_not_verified() -> None:
+    def cancelling(model: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        near_one = torch.full((1, 1), 1.0001) @ torch.ones(1, 1)  # 1.0 in either half dtype
+        return loss_fn(model, b) * 1e-6 + near_one.squeeze() - 1
+
+    report = audit(make(None), batch(), cancelling)
+    assert report.verified == {"float16": False, "bfloat16": False}
+    assert "by more than loss_rtol" in report.reason
+    loose = audit(make(None), batch(), cancelling, loss_rtol=2.0)
+    assert loose.verified == {"float16": True, "bfloat16": True}
+    with pytest.raises(ValueError, match="loss_rtol"):
+        audit(make(None), batch(), loss_fn, loss_rtol=0)
+
+
+def test_verified_losses_are_recorded_per_pass() -> None:
+    report = audit(make(None), batch(), loss_fn, steps=2)
+    assert set(report.losses) == {"float32", "float16", "bfloat16"}
+    assert all(len(v) == 2 for v in report.losses.values())
+    ref = report.losses["float32"][0]
+    assert all(abs(v[0] - ref) <= 0.05 * abs(ref) for v in report.losses.values())

@@ -19,12 +19,18 @@ The procedure, per candidate dtype ``d``:
 4. Verification loop: a pass under the candidate policy with a deferred tracer; if a forward
    value still becomes non-finite, the named module is added to the keep set; if a gradient
    does, the float16 scale is divided by 8 (down to 1), then the module is kept. At most
-   ``max_fixes`` rounds; ``report.verified[d]`` says whether the last pass was clean.
+   ``max_fixes`` rounds; ``report.verified[d]`` says whether the last pass was clean **and** its
+   loss finite and within ``loss_rtol`` of the float32 loss (``loss_fn``'s own code runs
+   outside every module: an overflow there is seen only in the loss, and no module rule fixes
+   it). ``report.losses`` holds the losses of the float32 pass and of each verification pass.
+
+An empty batch, or a float32 loss that is not finite, is an error: there is nothing to measure.
 
 Choice among the dtypes asked: a single dtype is used as is (its problems fixed with module
 rules). With both, float16 (3 more mantissa bits) is chosen when it verified clean with no module
 kept and its gradients lose at most ``underflow_threshold`` to flush-to-zero at ``S``; otherwise
-bfloat16 if it verified, otherwise the dtype with fewer modules kept. ``init_scale`` is ``S`` for
+bfloat16 if it verified, otherwise the dtype with fewer modules kept (with a warning in
+``reason``). ``init_scale`` is ``S`` for
 float16 and 1.0 for bfloat16 (no loss scaling needed).
 
 With ``fp8=recipe``, a last step picks the ``nn.Linear`` layers that run in fp8 under the chosen
@@ -39,6 +45,7 @@ afterwards; every pass starts from the same RNG state, so dropout masks agree be
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import re
@@ -55,7 +62,7 @@ from mixprec.diagnostics.ranges import KINDS, RangeStats, collect_ranges
 if TYPE_CHECKING:
     from mixprec.policy import Policy
 
-__all__ = ["AuditReport", "Risk", "audit", "check_device", "dtype_names"]
+__all__ = ["AuditReport", "Risk", "audit", "check_batch", "check_device", "dtype_names"]
 
 _CANDIDATES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _ALIASES = {"fp16": "float16", "half": "float16", "f16": "float16", "bf16": "bfloat16"}
@@ -227,6 +234,7 @@ def audit(
     max_fixes: int = 8,
     fp8: Any = None,
     fp8_min_sqnr_db: float | None = 20.0,
+    loss_rtol: float = 0.05,
 ) -> AuditReport:
     """Audit ``model`` on ``batch`` and recommend a precision policy (see module docs).
 
@@ -256,6 +264,8 @@ def audit(
             ``underflow_threshold`` to zero after scaling, holds an inf/NaN, or its output's
             SQNR against the high-precision GEMM is below ``fp8_min_sqnr_db``.
         fp8_min_sqnr_db: the SQNR floor for fp8 layers (``None``: not sampled).
+        loss_rtol: how far (relative to the float32 loss, at least ``1e-6`` absolute) a
+            verification pass's loss may be from float32's and still count as verified.
 
     Returns:
         An :class:`AuditReport`.
@@ -263,8 +273,10 @@ def audit(
     Raises:
         ValueError: empty or unsupported ``dtypes``, a model (or batch) not on ``device_type``,
             ``steps < 1``, ``margin < 1``, ``underflow_threshold`` outside [0, 1],
-            ``max_fixes < 0``, a loss that is not a scalar tensor requiring grad.
-        RuntimeError: the model produces inf/NaN already in float32 (the message says where).
+            ``max_fixes < 0``, ``loss_rtol`` not > 0, a loss that is not a scalar tensor
+            requiring grad, an empty batch (every tensor in it has no element).
+        RuntimeError: the model (or ``loss_fn``) produces inf/NaN already in float32 (the
+            message says where).
 
     Host syncs: many (it reads statistics after every pass); not for use inside a training step.
 
@@ -295,14 +307,19 @@ def audit(
         as_recipe(fp8)  # ValueError for an unknown recipe
     if fp8_min_sqnr_db is not None and not isinstance(fp8_min_sqnr_db, (int, float)):
         raise ValueError(f"fp8_min_sqnr_db must be None or a number of dB, got {fp8_min_sqnr_db!r}")
+    if not (isinstance(loss_rtol, (int, float)) and loss_rtol > 0):
+        raise ValueError(f"loss_rtol must be a number > 0, got {loss_rtol!r}")
     check_device(model, batch, device_type)
+    check_batch(batch)
 
-    passes = Passes(model, batch, _as_model_loss(loss_fn), device_type, steps)
+    losses = _Losses(_as_model_loss(loss_fn), steps, loss_rtol)
+    passes = Passes(model, batch, losses, device_type, steps)
     try:
-        ref = _reference(passes, "float16" in names, margin, scaler)
+        ref = _reference(passes, "float16" in names, margin, scaler, losses)
         ranges = dict(ref.ranges)
         keep: dict[str, tuple[str, ...]] = {}
         verified: dict[str, bool] = {}
+        loss_ok: dict[str, bool] = {}
         default_events: dict[str, NonFiniteEvent | None] = {}
         risks: list[Risk] = []
         scale16 = ref.scale16
@@ -313,11 +330,14 @@ def audit(
             judged = ref.scaled if d == "float16" else ref.float32
             risks += _risks(d, ref.float32, judged, ranges[d], default_events[d])
             first = default_events[d] if not kept else passes.traced(_policy(d, kept), scale)
-            kept, scale, verified[d] = _verify(passes, d, kept, scale, first, max_fixes)
+            kept, scale, clean = _verify(passes, d, kept, scale, first, max_fixes)
+            loss_ok[d] = losses.check(d)  # the last pass ran the candidate policy
+            verified[d] = clean and loss_ok[d]
             keep[d] = tuple(n for n, _ in model.named_modules() if n in kept)
             if d == "float16" and scaler is None:
                 scale16 = scale
         chosen, reason = _choose(names, keep, verified, ref.scaled, underflow_threshold)
+        reason += "".join(f"; {d}'s loss {losses.describe(d)}" for d in names if not loss_ok[d])
         risks.sort(key=lambda r: r.rank_key, reverse=True)
         policy, advice = _policy(chosen, keep[chosen]), None
         if fp8 is not None and fp8 is not False:
@@ -326,6 +346,8 @@ def audit(
             policy, advice = recommend_fp8(
                 passes, policy, fp8, scale16 if chosen == "float16" else 1.0,
                 underflow_threshold=underflow_threshold, min_sqnr_db=fp8_min_sqnr_db, max_fixes=max_fixes)
+            # its last pass verified the final policy: the loss counts too
+            advice = dataclasses.replace(advice, verified=losses.check("fp8") and advice.verified)
         return AuditReport(
             device_type=device_type,
             dtypes=names,
@@ -341,9 +363,61 @@ def audit(
             modules={n: type(m).__name__ for n, m in model.named_modules()},
             ranges=ranges,
             fp8=advice,
+            losses=dict(losses.recorded),
         )
     finally:
         passes.snapshot.restore()
+
+
+def check_batch(batch: Any) -> None:
+    """Raise when every tensor in ``batch`` is empty: the audit would measure nothing (and a
+    mean over no element is NaN in every dtype).
+
+    Raises:
+        ValueError: the batch holds tensors and all of them have no element.
+    """
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    if tensors and all(t.numel() == 0 for t in tensors):
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors[:4])
+        raise ValueError(f"the batch is empty (tensors of shape {shapes}): the audit measures "
+                         "ranges and losses on it; pass a batch with at least one sample")
+
+
+class _Losses:
+    """``loss_fn`` that records each pass's losses, and the check of a pass against float32's."""
+
+    def __init__(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor], steps: int, rtol: float) -> None:
+        self.loss_fn, self.steps, self.rtol = loss_fn, steps, rtol
+        self.last: list[torch.Tensor] = []
+        self.recorded: dict[str, tuple[float, ...]] = {}
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        loss = self.loss_fn(model, batch)
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:  # Passes refuses anything else
+            self.last = [*self.last, loss.detach().float().reshape(())][-self.steps:]
+        return loss
+
+    def take(self, name: str) -> tuple[float, ...]:
+        """The losses of the last pass (one per step), recorded under ``name``."""
+        values = tuple(float(v) for v in torch.stack(self.last).cpu()) if self.last else ()
+        self.recorded[name] = values
+        return values
+
+    def check(self, name: str) -> bool:
+        """Whether the last pass's losses are finite and within ``rtol`` of float32's."""
+        ref = self.recorded["float32"]
+        got = self.take(name)
+        return len(got) == len(ref) and all(
+            math.isfinite(g) and abs(g - r) <= self.rtol * max(abs(r), 1e-6) for g, r in zip(got, ref))
+
+    def describe(self, name: str) -> str:
+        got, ref = self.recorded[name], self.recorded["float32"]
+        worst = max(range(len(got)), key=lambda i: abs(got[i] - ref[i]) if math.isfinite(got[i]) else math.inf)
+        return (f"{got[worst]:.6g} vs float32's {ref[worst]:.6g} (loss_fn's own code runs outside "
+                f"every module: no module rule fixes it)" if not math.isfinite(got[worst])
+                else f"{got[worst]:.6g} is off float32's {ref[worst]:.6g} by more than loss_rtol")
 
 
 class _Reference(NamedTuple):
@@ -361,13 +435,18 @@ class _Reference(NamedTuple):
         return self.ranges.get("float32@scale", self.ranges["float32"])
 
 
-def _reference(passes: Passes, float16: bool, margin: float, scaler: Any) -> _Reference:
+def _reference(passes: Passes, float16: bool, margin: float, scaler: Any, losses: _Losses) -> _Reference:
     """Step 1: the float32 pass, the float16 loss scale, and (for float16) the gradients at it."""
     collector = collect_ranges(passes.model)
     event = passes.traced(None, 1.0, collector)
     if event is not None:
         raise RuntimeError(f"the model produces {event.kind} already in float32: {event}; "
                            "fix the model before choosing a precision")
+    bad = [v for v in losses.take("float32") if not math.isfinite(v)]
+    if bad:
+        raise RuntimeError(f"the loss is {bad[0]} already in float32, with every module's outputs "
+                           "and gradients finite: loss_fn's own code makes it; fix the loss before "
+                           "choosing a precision")
     ranges = {"float32": collector.results()}
     scale16 = _init_scale(ranges["float32"], margin)
     grad_scale = float(scaler.get_scale()) if scaler is not None else scale16
@@ -427,14 +506,14 @@ def _choose(names: tuple[str, ...], keep: dict[str, tuple[str, ...]], verified: 
         n = len(keep[d])
         return d, (f"{d} was the only dtype audited"
                    + (f"; {n} module(s) kept in float32" if n else "")
-                   + ("" if verified[d] else "; WARNING: inf/NaN remained after the fixes"))
+                   + ("" if verified[d] else "; WARNING: it did not verify (inf/NaN or its loss)"))
     flush = _grad_flush(scaled)
     if verified["float16"] and not keep["float16"] and flush <= threshold:
         return "float16", ("float16 ran clean with no module kept in float32 and its gradients "
                            f"lose at most {flush:.2%} to underflow at the loss scale; it keeps 3 "
                            "more mantissa bits than bfloat16")
     why = ("float16 needs modules kept in float32" if keep["float16"] else
-           "float16 still produced inf/NaN" if not verified["float16"] else
+           "float16 did not verify" if not verified["float16"] else
            f"{flush:.2%} of a module's float16 gradients flush to zero at the loss scale")
     if verified["bfloat16"]:
         return "bfloat16", f"bfloat16 ran clean and {why}"

@@ -97,7 +97,8 @@ class AuditReport:
         init_scale: recommended initial loss scale (1.0 for bfloat16).
         reason: one sentence on why ``dtype`` was chosen.
         keep: per audited dtype, the modules its policy keeps in float32.
-        verified: per audited dtype, whether a pass under its policy had no inf/NaN.
+        verified: per audited dtype, whether a pass under its policy had no inf/NaN and a finite
+            loss within ``loss_rtol`` of float32's.
         default_events: per audited dtype, the first inf/NaN under the default policy, or None.
         grad_scale: the loss scale float16 gradients were judged at.
         risks: all risks found, most severe first.
@@ -107,6 +108,8 @@ class AuditReport:
             multiplied by ``grad_scale``.
         fp8: with ``audit(..., fp8=recipe)``, the :class:`Fp8Advice` (its layers are in
             ``policy``); ``None`` otherwise.
+        losses: the loss of each step of the float32 pass (``"float32"``), of each dtype's last
+            verification pass and, with ``fp8``, of the fp8 verification pass (``"fp8"``).
     """
 
     device_type: str
@@ -123,6 +126,7 @@ class AuditReport:
     modules: dict[str, str]
     ranges: dict[str, dict[str, dict[str, RangeStats]]] = field(repr=False)
     fp8: Fp8Advice | None = None
+    losses: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict of everything in the report.
@@ -156,6 +160,8 @@ class AuditReport:
                              for m, kinds in mods.items()}
                        for run, mods in self.ranges.items()},
             "fp8": None if self.fp8 is None else self.fp8.to_dict(),
+            "losses": {run: [v if math.isfinite(v) else None for v in values]  # JSON: no inf/NaN
+                       for run, values in self.losses.items()},
         }
 
     def summary(self, *, top: int = 12, echo: bool = True) -> str:

@@ -54,7 +54,7 @@ def _header(report: "AuditReport") -> list[str]:
     if report.fp8 is not None:
         f8 = report.fp8
         lines.append(f"fp8 ({f8.recipe}): " + (", ".join(repr(m) for m in f8.layers) or "(no layer)")
-                     + ("" if f8.verified else " (WARNING: inf/NaN remained)"))
+                     + ("" if f8.verified else " (WARNING: did not verify: inf/NaN or its loss)"))
         lines += [f"  stays {m!r}: {why}" for m, why in f8.stay.items()]
     return lines + [f"use it: {use_it(report)}"]
 

@@ -44,7 +44,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -117,11 +117,13 @@ def load() -> Any:
         return ops
 
 
-def build(retry: bool = True) -> Built:
+def build(retry: bool = True, say: Optional[Callable[[str], None]] = None) -> Built:
     """Load this environment's build of the extension, building it first if there is none.
 
     ``retry=False`` gives up on a failure remembered from an earlier attempt (what :func:`load`
-    does); ``True`` (``mixprec build-kernels``) tries again.
+    does); ``True`` (``mixprec build-kernels``) tries again. ``say`` gets the progress lines
+    (a build starts, and why; it took so long; waiting for another process's build); default:
+    warnings of the ``mixprec`` logger (shown on stderr when logging is not configured).
 
     Raises:
         BuildError: no compiler or ninja, a compile error (its first line; the full log's path),
@@ -132,19 +134,20 @@ def build(retry: bool = True) -> Built:
         >>> _native.build().directory.name.startswith("mixprec_native_")  # doctest: +SKIP
         True
     """
+    say = say or _log.warning
     env = environment()
     directory = build_directory(env)
-    if _finished(directory):
-        return Built(directory, _load_library(directory))
-    directory.mkdir(parents=True, exist_ok=True)
-    with _build_lock(directory):
-        if _finished(directory):  # built by the process this one waited for
-            return Built(directory, _load_library(directory))
-        failed = directory / "failed.json"
-        if failed.exists() and not retry:
-            raise BuildError(_remembered(failed))
-        failed.unlink(missing_ok=True)
-        return _build(env, directory)
+    if not _finished(directory):
+        directory.mkdir(parents=True, exist_ok=True)
+        with _build_lock(directory, say):
+            if not _finished(directory):  # else built by the process this one waited for
+                failed = directory / "failed.json"
+                if failed.exists() and not retry:
+                    raise BuildError(_remembered(failed))
+                failed.unlink(missing_ok=True)
+                return _build(env, directory, say)
+    _load_library(directory)
+    return Built(directory, None)
 
 
 def environment() -> dict[str, str]:
@@ -204,16 +207,16 @@ def _load_library(directory: Path) -> None:
         raise BuildError(f"cannot load {path} ({e}); remove {directory} to rebuild it") from None
 
 
-def _build(env: dict[str, str], directory: Path) -> Built:
+def _build(env: dict[str, str], directory: Path, say: Callable[[str], None]) -> Built:
     """Compile into ``directory`` (this process holds its lock), announcing it; remember a failure."""
     try:
         _check_tools(env)
-        _log.warning("mixprec: building its C++ kernels (%s) in %s: about 30 s on 2 cores, once per "
-                     "environment", _reason(env, directory), directory)
+        say(f"mixprec: building its C++ kernels ({_reason(env, directory)}) in {directory}: about 30 s "
+            "on 2 cores, once per environment")
         stale = directory / "lock"  # torch's own lock: left behind only by a killed build
         if stale.exists():
             stale.unlink()
-            _log.warning("mixprec: removed %s, left by an interrupted build", stale)
+            say(f"mixprec: removed {stale}, left by an interrupted build")
         start = time.monotonic()
         _compile(directory)
         seconds = time.monotonic() - start
@@ -223,7 +226,7 @@ def _build(env: dict[str, str], directory: Path) -> Built:
         raise cause from None
     _load_library(directory)
     (directory / "built.json").write_text(json.dumps({"seconds": round(seconds, 1), "time": time.time(), **env}))
-    _log.warning("mixprec: built its C++ kernels in %.1f s", seconds)
+    say(f"mixprec: built its C++ kernels in {seconds:.1f} s")
     return Built(directory, seconds)
 
 
@@ -310,7 +313,7 @@ def _unlock(fd: int) -> None:
 
 
 @contextlib.contextmanager
-def _build_lock(directory: Path) -> Iterator[None]:
+def _build_lock(directory: Path, say: Callable[[str], None]) -> Iterator[None]:
     """Hold ``directory/build.lock`` (recording this process's id and the time), waiting at most
     ``MIXPREC_BUILD_WAIT`` seconds for the process that holds it."""
     path = directory / "build.lock"
@@ -323,8 +326,7 @@ def _build_lock(directory: Path) -> Iterator[None]:
                 raise BuildError(f"{_owner(path)} has held {path} for more than {limit:.0f} s "
                                  f"(MIXPREC_BUILD_WAIT); if no build is running, remove {path}")
             if not said:
-                _log.warning("mixprec: waiting for %s, which is building the C++ kernels in %s",
-                             _owner(path), directory)
+                say(f"mixprec: waiting for {_owner(path)}, which is building the C++ kernels in {directory}")
                 said = True
             time.sleep(0.2)
         _held.add(fd)

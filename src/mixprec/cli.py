@@ -1,10 +1,12 @@
-"""The ``mixprec`` command: ``mixprec demo`` and ``mixprec audit``.
+"""The ``mixprec`` command: ``mixprec demo``, ``mixprec audit`` and ``mixprec build-kernels``.
 
 ``mixprec demo`` trains the demo language model in every precision mode side by side and writes
 a report (see ``docs/demo.md``); ``mixprec audit`` is :mod:`mixprec.diagnostics.cli`'s;
+``mixprec build-kernels`` builds the C++ kernels ahead of time (:mod:`mixprec._native`);
 ``mixprec --version`` prints mixprec's and torch's versions. Also ``python -m mixprec ...``.
 Usage errors print one line on stderr and exit with status 2; errors found before training
-(an unwritable ``--out``, a missing API) one line and status 1.
+(an unwritable ``--out``, a missing API) one line and status 1; Ctrl-C during ``mixprec demo``
+writes the report of the modes that finished, one line, and status 130.
 
 Example:
     $ mixprec demo --modes fp32,torch-amp,mixprec-fp16 --steps 50 --out report/
@@ -74,6 +76,10 @@ def _modes(text: str) -> tuple[str, ...]:
 #: The most ``--seeds`` and ``--threads`` the demo takes.
 MAX_SEEDS = 100
 MAX_THREADS = 1024
+#: Without ``--seeds``: this many seeds, on CPU only as many as end within ``CPU_BUDGET_S``
+#: seconds (speed panel included; the first seed always runs).
+DEFAULT_SEEDS = 3
+CPU_BUDGET_S = 180.0
 
 
 def _count(most: int) -> Any:
@@ -140,8 +146,9 @@ def _demo(args: argparse.Namespace) -> int:
     from mixprec.demo.environment import choose_threads
     from mixprec.demo.modes import check_modes
     from mixprec.demo.progress import progress_display
-    from mixprec.demo.report import format_checks, format_table, hardware_note, write_report
+    from mixprec.demo.report import format_checks, format_table, format_verdict, hardware_note, write_report
     from mixprec.demo.settings import MAX_SEED, Settings
+    from mixprec.demo.speed import SPEED_SIZES
     from mixprec.demo.train import run_demo
 
     prog = "mixprec demo"
@@ -159,7 +166,13 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     device = args.device if args.device is not None else torch.device(_default_device())
-    seeds = args.seeds if args.seeds is not None else (1 if device.type == "cpu" else 3)
+    budget = None
+    if args.seeds is not None:
+        seeds = args.seeds
+    elif device.type == "cpu":
+        seeds, budget = DEFAULT_SEEDS, CPU_BUDGET_S
+    else:
+        seeds = DEFAULT_SEEDS
     if args.seed + seeds > MAX_SEED:
         print(f"{prog}: error: --seed {args.seed} with --seeds {seeds} passes 2**63 - 1; lower --seed", file=sys.stderr)
         return 1
@@ -170,21 +183,33 @@ def _demo(args: argparse.Namespace) -> int:
         threads, why = choose_threads()
     torch.set_num_threads(threads)
     cfg = settings.model
+    count = f"up to {seeds} seeds as {budget:.0f} s allow" if budget else f"{seeds} seed{'s' if seeds > 1 else ''}"
     print(
-        f"mixprec demo: {len(args.modes)} modes x {settings.steps} steps x {seeds} seed{'s' if seeds > 1 else ''} "
+        f"mixprec demo: {len(args.modes)} modes x {settings.steps} steps x {count} "
         f"on {device} ({threads} thread{'s' if threads > 1 else ''}: {why}); model {cfg.n_layers} layers, "
         f"d={cfg.d_model}, seq {cfg.seq_len}, batch {settings.batch_size}",
         flush=True,
     )
-    with progress_display() as progress:
-        result = run_demo(settings, args.modes, device, progress, seeds=seeds, threads_reason=why)
-    note = hardware_note(result)
-    if note:
-        print(f"note: {note}")
-    print(format_table(result))
-    for line in format_checks(result):
-        print(line)
-    paths = write_report(result, out)
+    speed_sizes = () if args.no_speed_panel else SPEED_SIZES
+    try:
+        with progress_display() as progress:
+            result = run_demo(settings, args.modes, device, progress, seeds=seeds, threads_reason=why,
+                              speed_sizes=speed_sizes, budget_s=budget)
+        note = hardware_note(result)
+        if note:
+            print(f"note: {note}")
+        for line in format_verdict(result):
+            print(line)
+        print(format_table(result))
+        for line in format_checks(result):
+            print(line)
+        paths = write_report(result, out)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted (Ctrl-C) before a mode finished; no report written", file=sys.stderr)
+        return 130
+    if result.interrupted:
+        print(f"{prog}: interrupted (Ctrl-C): {result.interrupted}; report of those: {paths['index']}", file=sys.stderr)
+        return 130
     print(f"report: {paths['index']}  (data: {paths['results']})")
     return 0
 
@@ -209,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="mixprec", description="Automatic mixed precision for PyTorch.")
     parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", metavar="{demo,audit}", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="{demo,audit,build-kernels}", required=True)
     demo = sub.add_parser(
         "demo",
         help="train a small language model in every precision mode and write a report",
@@ -230,10 +255,21 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seed of weights and batches, 0 to 2**63 - 1 (default: 0)")
     demo.add_argument("--seeds", type=_count(MAX_SEEDS), default=None,
                       help="train every mode from this many seeds (--seed, --seed + 1, ...) and report "
-                      "mean and spread (default: 1 on cpu, 3 on cuda)")
+                      "mean and spread (default: 3; on cpu as many of them as end within 3 minutes, at least 1)")
     demo.add_argument("--threads", type=_count(MAX_THREADS), default=None,
                       help="CPU threads (default: the cores not busy with other work, at least 1)")
+    demo.add_argument("--no-speed-panel", action="store_true",
+                      help="skip the speed panel (fp32, bf16, fp16 and fp8 steps timed at each size before "
+                      "training, at most 45 s)")
     demo.set_defaults(func=_demo)
+    kernels = sub.add_parser(
+        "build-kernels",
+        help="build mixprec's C++ kernels for this environment now (else at first use: about 30 s)",
+        description="Build mixprec's C++ kernels (the autocast kernel and the fused optimizer step) "
+        "for this Python environment, torch and compiler, or report that they are built; retries a "
+        "failed build. Exit status 1 if they cannot be built (mixprec then uses its Python kernels).",
+    )
+    kernels.set_defaults(func=_build_kernels)
     if importlib.util.find_spec("mixprec.diagnostics.cli") is not None:
         from mixprec.diagnostics.cli import add_audit_parser
 

@@ -21,13 +21,14 @@ as tensors (:func:`_adamw_update`).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from mixprec.optim._chunks import batches, part, plan
-from mixprec.optim._fused import adamw_native, sgd_native
+from mixprec.optim._fused import adamw_native, on_whole_vectors, sgd_native
 from mixprec.optim.kahan import kahan_write_
 from mixprec.optim._functional import (
     State,
@@ -41,7 +42,7 @@ from mixprec.optim._functional import (
     write_state,
 )
 
-__all__ = ["adamw_foreach", "sgd_foreach"]
+__all__ = ["adamw_foreach", "sgd_foreach", "adamw_copies", "sgd_copies"]
 
 def _pick(items: list, index: list[int]) -> list:
     return [items[i] for i in index]
@@ -167,6 +168,23 @@ def adamw_foreach(
             stored = [_pick(lst, rest) for lst in stored]
             if not rest:
                 return
+    adamw_copies(params, grads, stored, comps, state_steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                 weight_decay=weight_decay, maximize=maximize, compensation=compensation, generator=generator,
+                 inv_scale=inv_scale, fused=fused)
+
+
+def adamw_copies(
+    params: list[Tensor], grads: list[Tensor], stored: list[list[State]], comps: list[Optional[Tensor]],
+    state_steps: list[Tensor], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+    maximize: bool, compensation: Optional[str], generator: Optional[torch.Generator],
+    inv_scale: Optional[Tensor], fused: bool, whole_vectors: bool = False,
+) -> None:
+    """:func:`adamw_foreach`'s update on float32 working copies, the step counters already
+    incremented; ``stored``: ``[exp_avgs, exp_avg_sqs(, max_exp_avg_sqs)]``. ``whole_vectors``
+    (with ``fused``): torch's kernel computes every element as its vector body does, the scalar
+    tail included (:func:`mixprec.optim._fused.on_whole_vectors`): mixprec's C++ kernel's bits."""
+    amsgrad = len(stored) == 3
+    fused_adamw = partial(on_whole_vectors, torch._fused_adamw_, 5) if whole_vectors else torch._fused_adamw_
     compiling = torch.compiler.is_compiling()
     fused = fused and not compiling  # compiled: foreach ops, which the compiler fuses
     steps: list[Any] = state_steps if compiling else [t.item() for t in state_steps]
@@ -182,7 +200,7 @@ def adamw_foreach(
         values = _load_params(p, c, cdtypes)
 
         if fused:  # gradients already unscaled and negated: the kernel must not do it again
-            torch._fused_adamw_(
+            fused_adamw(
                 values, grads_c, computed[0], computed[1], computed[2] if amsgrad else [],
                 _pick(state_steps, index), amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2,
                 weight_decay=weight_decay, eps=eps, maximize=False, grad_scale=None, found_inf=None,
@@ -260,6 +278,19 @@ def sgd_foreach(
                 momentum_buffers, fresh = _pick(momentum_buffers, rest), _pick(fresh, rest)
             if not rest:
                 return
+    sgd_copies(params, grads, momentum_buffers, fresh, comps, lr=lr, momentum=momentum, dampening=dampening,
+               weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, compensation=compensation,
+               generator=generator, inv_scale=inv_scale, fused=fused)
+
+
+def sgd_copies(
+    params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Optional[Tensor]], fresh: list[bool],
+    comps: list[Optional[Tensor]], *, lr: float, momentum: float, dampening: float, weight_decay: float,
+    nesterov: bool, maximize: bool, compensation: Optional[str], generator: Optional[torch.Generator],
+    inv_scale: Optional[Tensor], fused: bool, whole_vectors: bool = False,
+) -> None:
+    """:func:`sgd_foreach`'s update on float32 working copies, the momentum buffers created
+    (``fresh[i]``: new); ``whole_vectors`` as in :func:`adamw_copies`."""
     for batch in batches(plan(params, [grads, comps, momentum_buffers]), params):
         p = [part(params[i], sl) for i, sl in batch]
         cdtypes = [compute_dtype(t.dtype) for t in p]
@@ -268,7 +299,7 @@ def sgd_foreach(
         values = _load_params(p, c, cdtypes)
 
         if fused and not torch.compiler.is_compiling():  # compiled: foreach ops, which the compiler fuses
-            _fused_sgd(batch, values, grads_c, momentum_buffers, fresh, cdtypes, generator, lr=lr,
+            _fused_sgd(batch, values, grads_c, momentum_buffers, fresh, cdtypes, generator, whole_vectors, lr=lr,
                        momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
             _write_back_all(p, values, c, [], compensation, generator)
             continue
@@ -302,21 +333,24 @@ def _fused_sgd(
     fresh: list[bool],
     cdtypes: list[torch.dtype],
     generator: Optional[torch.Generator],
+    whole_vectors: bool,
     **hyper: Any,
 ) -> None:
     """One batch of fused SGD, momentum buffers included: new buffers (set to the gradient by the
     kernel, ``is_first_step``) and old ones in two calls; a narrower buffer is worked on in a
-    float32 copy and written back (new: to nearest, as the for-loop path; old: :func:`write_state`)."""
+    float32 copy and written back (new: to nearest, as the for-loop path; old: :func:`write_state`).
+    ``whole_vectors``: as in :func:`adamw_copies`."""
+    fused_sgd = partial(on_whole_vectors, torch._fused_sgd_, 3) if whole_vectors else torch._fused_sgd_
     if hyper["momentum"] == 0:
-        torch._fused_sgd_(values, grads_c, [], maximize=False, is_first_step=False, **hyper)
+        fused_sgd(values, grads_c, [], maximize=False, is_first_step=False, **hyper)
         return
     views = [part(momentum_buffers[i], sl) for i, sl in batch]
     bufs = [read_state(v, c) for v, c in zip(views, cdtypes)]  # type: ignore[arg-type]
     for first in (True, False):
         ks = [k for k, (i, _) in enumerate(batch) if fresh[i] == first]
         if ks:
-            torch._fused_sgd_(_pick(values, ks), _pick(grads_c, ks), _pick(bufs, ks), maximize=False,
-                              is_first_step=first, **hyper)
+            fused_sgd(_pick(values, ks), _pick(grads_c, ks), _pick(bufs, ks), maximize=False,
+                      is_first_step=first, **hyper)
     for k, (i, _) in enumerate(batch):
         if bufs[k] is not views[k]:
             if fresh[i]:

@@ -18,10 +18,16 @@ It reproduces the vectorized body of torch's kernels operation by operation, fus
 included, so it is used only where it agrees with them: on x86 CPUs with AVX2 or AVX-512
 (torch's CPU capability), after a check at first use that both give the same bits on random
 inputs (:func:`_agrees_with_torch`; a torch build that rounds otherwise keeps the working
-copies, with a warning). torch's scalar tail (the last ``numel % 16`` elements of a tensor)
-rounds a few moments differently: there the two paths differ by a few ulps. Everything else
-(CUDA, float32 parameters, float16 stochastic rounding, bfloat16/float16 state, no compiler)
-keeps the working-copy path.
+copies, with a warning). It computes every element as that vector body does, where torch's
+kernel rounds its scalar tail (the last ``numel % 16`` elements of a tensor) a little otherwise.
+
+Where the kernel is not available (no compiler, ``MIXPREC_NATIVE_KERNELS=0``, another CPU, a
+torch build that rounds otherwise) the parameters it would take run its definition instead:
+torch's fused kernel on float32 working copies, the tail computed as a vector of its own
+(:func:`on_whole_vectors`). So the default optimizer and ``fused=True`` give the same bits with or
+without a compiler (on one machine), and a run resumed elsewhere keeps its trajectory.
+Everything the kernel does not take (CUDA, float32 parameters, float16 stochastic rounding,
+bfloat16/float16 state) keeps its own path.
 """
 
 from __future__ import annotations
@@ -37,13 +43,15 @@ from mixprec.optim import quant8
 from mixprec.optim._functional import NARROW, draws_random
 from mixprec.optim.quant8 import Quantized8
 
-__all__ = ["native_ops", "any_candidate", "adamw_native", "sgd_native"]
+__all__ = ["native_ops", "any_candidate", "adamw_native", "sgd_native", "on_whole_vectors"]
 
 _log = logging.getLogger("mixprec")
 #: torch's CPU capabilities where the kernel may serve (their fused kernels' arithmetic is known)
 _CAPABILITIES = ("AVX512", "AVX2")
 _KERNEL_BLOCK = 256  # kBlock in optim_kernel.cpp: 8-bit moments must use the same block size
 _MODES = {None: 0, "kahan": 1, "exact": 2, "stochastic": 3}
+#: torch's widest float32 vector on the CPU (AVX-512): its kernels' scalar tail is shorter
+_VECTOR = 16
 
 
 def native_ops() -> Optional[Any]:
@@ -202,6 +210,65 @@ def any_candidate(params: list[Tensor]) -> bool:
     return any(p.device.type == "cpu" and p.dtype in NARROW for p in params)
 
 
+def _flat(t: Tensor) -> Tensor:
+    """A dense tensor's elements in storage order (as torch's fused kernels walk them)."""
+    return t.view(-1) if t.is_contiguous() else t.as_strided((t.numel(),), (1,))
+
+
+def on_whole_vectors(fn: Any, lists: int, *args: Any, **kwargs: Any) -> None:
+    """Call torch's fused CPU kernel ``fn`` (``torch._fused_adamw_``, ``torch._fused_sgd_``) so that
+    it computes every element with its vector body, as mixprec's C++ kernel does.
+
+    Each tensor of the first ``lists`` arguments (per parameter: float32 values, gradients,
+    states, dense and laid out alike; argument 1, the gradients, is only read) runs as two: its
+    whole 16-element vectors (a view) and the rest of it padded with zeros to one vector (a copy,
+    written back after the call). Further positional arguments are per parameter (step
+    counters): repeated for each piece. Keyword arguments go to ``fn``.
+
+    Example:
+        >>> import torch
+        >>> p, g = torch.zeros(20), torch.ones(20)
+        >>> on_whole_vectors(torch._fused_sgd_, 3, [p], [g], [], lr=0.5, momentum=0.0, dampening=0.0,
+        ...                  weight_decay=0.0, nesterov=False, maximize=False, is_first_step=False)
+        >>> bool((p == -0.5).all())
+        True
+    """
+    tensors, per_param = args[:lists], args[lists:]
+    split: list[list[Tensor]] = [[] for _ in tensors]
+    repeated: list[list[Any]] = [[] for _ in per_param]
+    tails: list[tuple[Tensor, Tensor]] = []
+    for i, first in enumerate(tensors[0]):
+        n = first.numel()
+        cut = n - n % _VECTOR
+        for k, lst in enumerate(tensors):
+            if not lst:  # no max_exp_avg_sqs, no momentum buffers
+                continue
+            flat = _flat(lst[i])
+            if cut:
+                split[k].append(flat[:cut])
+            if cut < n:
+                pad = flat.new_zeros(_VECTOR)
+                pad[: n - cut] = flat[cut:]
+                split[k].append(pad)
+                if k != 1:
+                    tails.append((flat[cut:], pad[: n - cut]))
+        for k, lst in enumerate(per_param):
+            repeated[k] += [lst[i]] * ((cut > 0) + (cut < n))
+    fn(*split, *repeated, **kwargs)
+    for dst, src in tails:
+        dst.copy_(src)
+
+
+def _kernel_or_definition(params: list[Tensor]) -> tuple[bool, Optional[Any]]:
+    """``(runs, ops)``: whether the parameters the kernel takes are stepped here (not while
+    compiling without the kernel: the caller's path is traced), and the kernel (``None``: its
+    definition on working copies)."""
+    if not any_candidate(params):
+        return False, None
+    ops = native_ops()
+    return ops is not None or not torch.compiler.is_compiling(), ops
+
+
 def _cpu_inv(inv_scale: Optional[Tensor]) -> Optional[Tensor]:
     return None if inv_scale is None else inv_scale.detach().to("cpu", torch.float32).reshape(())
 
@@ -220,12 +287,13 @@ def adamw_native(
     amsgrad: bool, maximize: bool, compensation: Optional[str], inv_scale: Optional[Tensor],
     generator: Optional[torch.Generator], increment: bool = False,
 ) -> list[int]:
-    """Run the fused AdamW step on the parameters the C++ kernel takes; return the indices of
-    the others, for the caller to run. ``stored``: ``[exp_avgs, exp_avg_sqs(, max_exp_avg_sqs)]``;
+    """Run the fused AdamW step on the parameters the C++ kernel takes (through the kernel, or
+    without it its definition, bitwise: see the module); return the indices of the others, for
+    the caller to run. ``stored``: ``[exp_avgs, exp_avg_sqs(, max_exp_avg_sqs)]``;
     ``state_steps``: the step counters (float32 CPU scalars), already incremented unless
     ``increment`` (then those of the parameters taken are incremented here)."""
-    ops = native_ops() if any_candidate(params) else None
-    if ops is None:
+    runs, ops = _kernel_or_definition(params)
+    if not runs:
         return list(range(len(params)))
     states = [[s[i] for s in stored] for i in range(len(params))]
     kinds = [_eligible(p, g, states[i], c, compensation) for i, (p, g, c) in enumerate(zip(params, grads, comps))]
@@ -234,7 +302,18 @@ def adamw_native(
     groups = _groups(kinds)
     if increment and groups:
         torch._foreach_add_([state_steps[i] for index in groups.values() for i in index], 1)
-    done: set[int] = set()
+    rest = [i for i, kind in enumerate(kinds) if kind is None]
+    if ops is None:
+        from mixprec.optim._foreach import adamw_copies
+
+        taken = [i for i, kind in enumerate(kinds) if kind is not None]
+        pick = lambda lst: [lst[i] for i in taken]  # noqa: E731
+        if taken:
+            adamw_copies(pick(params), pick(grads), [pick(s) for s in stored], pick(comps), pick(state_steps),
+                         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
+                         compensation=compensation, generator=generator, inv_scale=inv_scale, fused=True,
+                         whole_vectors=True)
+        return rest
     for (mode, eight_bit), index in groups.items():
         pick = lambda lst: [lst[i] for i in index]  # noqa: E731
         moments = [pick(lst) for lst in stored]
@@ -250,8 +329,7 @@ def adamw_native(
             lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, inv, mode,
             generator if mode == _MODES["stochastic"] else None,  # (torch.compile cannot trace a generator)
         )
-        done.update(index)
-    return [i for i in range(len(params)) if i not in done]
+    return rest
 
 
 def sgd_native(
@@ -261,15 +339,26 @@ def sgd_native(
     compensation: Optional[str], inv_scale: Optional[Tensor], generator: Optional[torch.Generator],
 ) -> list[int]:
     """:func:`adamw_native` for SGD; ``fresh[i]``: the momentum buffer is new (set to the gradient)."""
-    ops = native_ops() if any_candidate(params) else None
-    if ops is None:
+    runs, ops = _kernel_or_definition(params)
+    if not runs:
         return list(range(len(params)))
     has_momentum = momentum != 0
     states = [[momentum_buffers[i]] if has_momentum else [] for i in range(len(params))]
     kinds = [_eligible(p, g, states[i], c, compensation) for i, (p, g, c) in enumerate(zip(params, grads, comps))]
     kinds = _keep_draw_order(kinds, comps, states, compensation)
+    rest = [i for i, kind in enumerate(kinds) if kind is None]
+    if ops is None:
+        from mixprec.optim._foreach import sgd_copies
+
+        taken = [i for i, kind in enumerate(kinds) if kind is not None]
+        pick = lambda lst: [lst[i] for i in taken]  # noqa: E731
+        if taken:
+            sgd_copies(pick(params), pick(grads), pick(momentum_buffers), pick(fresh) if has_momentum else [],
+                       pick(comps), lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                       nesterov=nesterov, maximize=maximize, compensation=compensation, generator=generator,
+                       inv_scale=inv_scale, fused=True, whole_vectors=True)
+        return rest
     inv = _cpu_inv(inv_scale)
-    done: set[int] = set()
     for (mode, _), index in _groups(kinds).items():
         pick = lambda lst: [lst[i] for i in index]  # noqa: E731
         ops.sgd_step(
@@ -278,5 +367,4 @@ def sgd_native(
             lr, momentum, dampening, weight_decay, nesterov, maximize, inv, mode,
             generator if mode == _MODES["stochastic"] else None,
         )
-        done.update(index)
-    return [i for i in range(len(params)) if i not in done]
+    return rest

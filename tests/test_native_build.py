@@ -1,0 +1,315 @@
+"""Building mixprec's C++ kernels (mixprec._native): one build per environment, announced;
+a killed or running build never hangs another process; forks; failures; ``mixprec
+build-kernels``; and optimizer numerics that do not depend on whether the build succeeded.
+
+Only the slow test builds the real extension (about 30 s), in a folder of its own: the others
+replace the compile and load steps (``_compile``, ``_load_library``) with fakes in a temporary
+``TORCH_EXTENSIONS_DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import mixprec.optim._fused as fused
+from mixprec import _native, cli
+from mixprec.optim import SGD, AdamW
+
+from _optim_cases import assert_same, train
+
+
+class FakeBuild:
+    """Stands in for the compiler and the library loader: counts builds, can fail or block."""
+
+    def __init__(self, monkeypatch, tmp_path):
+        self.builds = 0
+        self.error: Exception | None = None
+        self.gate: threading.Event | None = None
+        self.started = threading.Event()
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+        monkeypatch.setattr(_native, "_state", {})
+        monkeypatch.setattr(_native, "_compile", self.compile)
+        monkeypatch.setattr(_native, "_load_library", lambda directory: None)
+
+    def compile(self, directory: Path) -> None:
+        self.builds += 1
+        self.started.set()
+        if self.gate is not None:
+            assert self.gate.wait(60)
+        if self.error is not None:
+            raise self.error
+        (directory / f"{directory.name}.so").write_bytes(b"")
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    return FakeBuild(monkeypatch, tmp_path)
+
+
+@pytest.fixture
+def said(caplog):
+    caplog.set_level(logging.WARNING, logger="mixprec")
+    return lambda: [r.getMessage() for r in caplog.records if r.name == "mixprec"]
+
+
+# -- one build per environment, announced -----------------------------------------------------
+
+
+def test_each_environment_has_its_own_build(fake, monkeypatch):
+    """Two venvs with the same torch (the build writes their paths into build.ninja) or two
+    checkouts get two folders: neither rebuilds the other's. The same environment reuses its."""
+    here = _native.build_directory()
+    assert here == _native.build_directory()
+    monkeypatch.setattr(sys, "prefix", "/elsewhere/venv")
+    assert _native.build_directory() != here
+    monkeypatch.undo()
+    env = _native.environment()
+    for key, other in [("package", "/other/checkout/src/mixprec"), ("compiler", "/usr/bin/clang++ 1 2"),
+                       ("torch", "9.9.9"), ("sources", "0" * 40)]:
+        assert _native.build_directory({**env, key: other}) != here, key
+
+
+def test_a_build_says_why_and_how_long_and_is_reused(fake, said, monkeypatch):
+    assert _native.build().seconds is not None
+    assert fake.builds == 1
+    building, built = said()
+    assert "building its C++ kernels (no build for this environment yet)" in building
+    assert "built its C++ kernels in" in built
+    again = _native.build()
+    assert again.seconds is None and fake.builds == 1  # loaded, not rebuilt, nothing said
+    assert len(said()) == 2
+    monkeypatch.setenv("CXX", sys.executable)  # another compiler: another build, and why
+    _native.build()
+    assert fake.builds == 2
+    assert "compiler differ from mixprec_native_" in said()[2]
+
+
+def test_an_unfinished_build_is_redone_and_says_so(fake, said):
+    directory = _native.build_directory()
+    directory.mkdir(parents=True)
+    (directory / "build.ninja").write_text("")  # a build killed half-way: no built.json
+    _native.build()
+    assert fake.builds == 1
+    assert "the last build here did not finish" in said()[0]
+
+
+# -- locks: a killed build, a running one, a fork -----------------------------------------------
+
+
+def _hold_lock(path: Path) -> subprocess.Popen:
+    """Another process holding the build lock (as a running build does) until killed."""
+    code = ("import fcntl, os, sys, time\n"
+            f"fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "os.write(fd, f'{os.getpid()} {time.time():.0f}'.encode())\n"
+            "print('held', flush=True)\n"
+            "time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="fcntl")
+def test_a_killed_build_leaves_nothing_that_blocks(fake, said):
+    """A build killed while holding the lock (and torch's own lock file it left behind, on
+    which torch's FileBaton waits forever): the next process builds at once."""
+    directory = _native.build_directory()
+    directory.mkdir(parents=True)
+    holder = _hold_lock(directory / "build.lock")
+    holder.kill()
+    holder.wait(10)
+    (directory / "lock").write_text("")
+    _native.build()
+    assert fake.builds == 1
+    assert not (directory / "lock").exists()
+    assert any("removed" in line and "interrupted build" in line for line in said())
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="fcntl")
+def test_a_running_build_is_waited_for_a_bounded_time(fake, said, monkeypatch):
+    directory = _native.build_directory()
+    directory.mkdir(parents=True)
+    holder = _hold_lock(directory / "build.lock")
+    try:
+        monkeypatch.setenv("MIXPREC_BUILD_WAIT", "0.5")
+        with pytest.raises(_native.BuildError) as info:
+            _native.build()
+        message = str(info.value)
+        assert f"process {holder.pid}" in message and f"remove {directory / 'build.lock'}" in message
+        assert any(f"waiting for process {holder.pid}" in line for line in said())
+        assert fake.builds == 0
+        with pytest.warns(UserWarning, match="could not build its C.. kernels: process"):
+            assert _native.load() is None  # the rest keeps working, on the Python kernels
+    finally:
+        holder.kill()
+        holder.wait(10)
+    monkeypatch.setenv("MIXPREC_BUILD_WAIT", "soon")
+    with pytest.raises(_native.BuildError, match="MIXPREC_BUILD_WAIT must be a number of seconds, got 'soon'"):
+        _native.build()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_during_a_build_waits_for_it_instead_of_hanging(fake):
+    """A DataLoader-style fork while another thread builds: the child inherits the thread lock
+    held; it must get a fresh one and wait for the build (the file lock), then load it."""
+    fake.gate = threading.Event()
+    builder = threading.Thread(target=_native.load)
+    builder.start()
+    assert fake.started.wait(30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork in a threaded process
+        pid = os.fork()
+    if pid == 0:  # the child: load, or be stopped by the alarm
+        signal.alarm(30)
+        code = 0 if _native.load() is not None else 3
+        os._exit(code)
+    fake.gate.set()
+    builder.join(30)
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung in mixprec._native.load()")
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert fake.builds == 1  # the child loaded the parent's build
+
+
+# -- failures ------------------------------------------------------------------------------------
+
+
+NINJA_OUTPUT = (
+    "Error building extension 'mixprec_native_x': [1/3] c++ -MMD -MF optim_kernel.o.d -O3 -c optim_kernel.cpp\n"
+    "FAILED: optim_kernel.o\n"
+    "c++ -MMD -MF optim_kernel.o.d -O3 -c optim_kernel.cpp -o optim_kernel.o\n"
+    "optim_kernel.cpp:12:10: fatal error: ATen/Parallel.h: No such file or directory\n"
+    "compilation terminated.\n"
+    "ninja: build stopped: subcommand failed.\n"
+)
+
+
+def test_a_failed_build_shows_the_compilers_error_and_is_remembered(fake, said, monkeypatch):
+    fake.error = RuntimeError(NINJA_OUTPUT)
+    with pytest.warns(UserWarning) as caught:
+        assert _native.load() is None
+    message = str(caught[0].message)
+    assert "fatal error: ATen/Parallel.h: No such file or directory" in message
+    assert "full log:" in message and "FAILED" not in message
+    directory = _native.build_directory()
+    assert "fatal error" in (directory / "build.log").read_text()
+    monkeypatch.setattr(_native, "_state", {})  # the next process: no retry, the same cause
+    with pytest.warns(UserWarning, match="ATen/Parallel.h.*remembered from the attempt of"):
+        assert _native.load() is None
+    assert fake.builds == 1
+    fake.error = None  # mixprec build-kernels retries
+    assert _native.build(retry=True).seconds is not None
+    assert fake.builds == 2 and not (directory / "failed.json").exists()
+
+
+def test_no_compiler_says_so_and_retries_once_there_is_one(fake, monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-c++")
+    with pytest.warns(UserWarning, match=r"no-such-c\+\+ not found \(no C\+\+ compiler on PATH\): install g\+\+"):
+        assert _native.load() is None
+    assert fake.builds == 0
+    assert json.loads((_native.build_directory() / "failed.json").read_text())["compiler"] == "no-such-c++: not found"
+    monkeypatch.setenv("CXX", sys.executable)  # a compiler appeared: another environment, built
+    monkeypatch.setattr(_native, "_state", {})
+    assert _native.load() is not None
+    assert fake.builds == 1
+
+
+def test_disabled_kernels_are_not_built(fake, monkeypatch):
+    monkeypatch.setenv("MIXPREC_NATIVE_KERNELS", "0")
+    assert _native.load() is None
+    assert fake.builds == 0
+
+
+# -- mixprec build-kernels ------------------------------------------------------------------------
+
+
+def test_build_kernels_command(fake, capsys, monkeypatch):
+    assert cli.main(["build-kernels"]) == 0
+    out = capsys.readouterr().out
+    assert "mixprec: building its C++ kernels (no build for this environment yet)" in out
+    assert "mixprec build-kernels: built in" in out
+    assert cli.main(["build-kernels"]) == 0
+    assert "already built" in capsys.readouterr().out
+    assert fake.builds == 1
+
+
+def test_build_kernels_reports_a_failure(fake, capsys, monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-c++")
+    assert cli.main(["build-kernels"]) == 1
+    err = capsys.readouterr().err
+    assert "no-such-c++ not found" in err and "Python kernels" in err
+    monkeypatch.setenv("MIXPREC_NATIVE_KERNELS", "0")
+    assert cli.main(["build-kernels"]) == 0
+    assert "MIXPREC_NATIVE_KERNELS=0" in capsys.readouterr().out
+
+
+# -- the optimizers' numerics do not depend on the build -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if fused.native_ops() is None:
+        pytest.skip("the C++ optimizer kernel does not serve here (no compiler, or another CPU)")
+    return fused.native_ops()
+
+
+SHAPES = [(64, 64), (37, 5), (9,)]  # whole vectors, and scalar tails of 1 and 9 elements
+
+
+@pytest.mark.parametrize("cls,kwargs", [
+    (AdamW, dict(compensation="exact", lr=1e-2, weight_decay=0.1)),
+    (AdamW, dict(compensation="exact", amsgrad=True, maximize=True)),
+    (AdamW, dict(compensation="stochastic", state_dtype="8bit")),
+    (SGD, dict(compensation="exact", lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-2)),
+    (SGD, dict(compensation="kahan", lr=1e-2, momentum=0.9, dampening=0.1)),
+])
+@pytest.mark.parametrize("flags", [dict(), dict(fused=True)])
+def test_without_the_kernel_the_same_bits(ops, monkeypatch, cls, kwargs, flags):
+    """The issue's case: 20 default steps (fused=None, foreach=None) on a machine with the
+    kernel and on one without (native_ops() None): every bit equal, scalar tails included."""
+    def run():
+        g = torch.Generator().manual_seed(0)
+        params = [torch.randn(s, generator=g).bfloat16().requires_grad_() for s in SHAPES]
+        return params, train(cls, params, steps=20, **flags, **kwargs)
+
+    a, opt_a = run()
+    monkeypatch.setattr(fused, "native_ops", lambda: None)
+    b, opt_b = run()
+    assert_same(a, opt_a, b, opt_b)
+
+
+@pytest.mark.slow
+def test_the_real_build_once_then_a_silent_fast_load(tmp_path):
+    """The only real build here (about 30 s on 2 cores), in a fresh TORCH_EXTENSIONS_DIR: the
+    first process says it builds and how long it took, the next only loads it."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "MIXPREC_NATIVE_KERNELS": "1"}
+    code = ("import time; t = time.perf_counter(); from mixprec import _native\n"
+            "assert _native.load() is not None; print(f'{time.perf_counter() - t:.2f}')\n")
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert "building its C++ kernels (no build for this environment yet)" in first.stderr
+    assert "built its C++ kernels in" in first.stderr
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert "building" not in second.stderr
+    print(f"first load (build): {first.stdout.strip()} s, second: {second.stdout.strip()} s")

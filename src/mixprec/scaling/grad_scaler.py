@@ -19,7 +19,7 @@ import inspect
 import types
 import warnings
 from collections import abc, defaultdict, deque
-from typing import Any, Callable, Iterable, Literal, overload
+from typing import Any, Callable, Iterable, Literal, Sequence, overload
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from mixprec.scaling._state import (
     to_state_dict,
     validated_new_scale,
 )
+from mixprec.scaling.layerwise import DEFAULT_BOUNDS, Layerwise
 from mixprec.scaling.protocol import lend_scale, prepare_grads
 from mixprec.scaling.rule import (
     ScaleConfig,
@@ -109,6 +110,15 @@ class GradScaler(torch.amp.GradScaler):
             :meth:`update` with the 0-based iteration, the scale used in it, whether an optimizer
             step was skipped and the names of the parameters with non-finite gradients (empty on
             clean steps). See :class:`mixprec.scaling.CSVHistory` and ``TensorBoardHistory``.
+        per_layer: per-layer gradient scaling (:mod:`mixprec.scaling.layerwise`): :meth:`watch`
+            chooses cut points, each multiplies the gradient crossing it by a power of two chosen
+            from the previous step's gradient amax, and :meth:`unscale_` divides each gradient
+            by its own scale (exact). :meth:`layer_scales` reads the factors.
+        cut_points: with ``per_layer``: the qualified names of the modules whose outputs are
+            cut points (default: the children of the model's largest ``nn.Sequential`` or
+            ``nn.ModuleList`` of blocks).
+        layer_bounds: with ``per_layer``: ``(low, high)``, powers of two in ``[2**-14, 2**15]``
+            bounding each cut point's factor; ``(1.0, 1.0)`` keeps every factor at 1.
 
     Host synchronisations (CPU-GPU syncs):
         * :meth:`scale`, :meth:`unscale_`, :meth:`update`: none, except as listed below.
@@ -167,6 +177,9 @@ class GradScaler(torch.amp.GradScaler):
         on_min_scale: Literal["raise", "warn", "ignore"] = "raise",
         process_group: Any = None,
         history: HistoryCallback | None = None,
+        per_layer: bool = False,
+        cut_points: Sequence[str] | None = None,
+        layer_bounds: tuple[float, float] = DEFAULT_BOUNDS,
     ) -> None:
         # torch.amp.GradScaler.__init__ is not called: it would assign _scale/_growth_tracker,
         # which are views of self._state here, and it validates with assert.
@@ -212,6 +225,9 @@ class GradScaler(torch.amp.GradScaler):
         self._skipped_by_optimizer: dict[int, torch.Tensor] = {}
         self._recent_scales: deque[torch.Tensor] = deque(maxlen=_HISTORY_LEN)
         self._attribution = Attribution()
+        if cut_points is not None and not per_layer:
+            raise ValueError("cut_points is an option of per-layer scaling: pass per_layer=True with it.")
+        self._layerwise = Layerwise(self._config, cut_points, layer_bounds) if per_layer and self._enabled else None
 
     # ------------------------------------------------------------------ state
 
@@ -330,6 +346,8 @@ class GradScaler(torch.amp.GradScaler):
             if self._state is None:
                 self._lazy_init_scale_growth_tracker(outputs.device)
             scale = self._require_state("scale").scale
+            if self._layerwise is not None:
+                self._layerwise.observe(outputs, scale.device)  # the graph walk, once
             return outputs * scale.to(device=outputs.device, non_blocking=True)
 
         stash: list[PerDevice] = []
@@ -346,7 +364,10 @@ class GradScaler(torch.amp.GradScaler):
                 return type(value)(mapped) if isinstance(value, (list, tuple)) else mapped
             raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
-        return apply(outputs)
+        scaled = apply(outputs)
+        if self._layerwise is not None and self._state is not None:
+            self._layerwise.observe(outputs, self._state.scale.device)
+        return scaled
 
     # ------------------------------------------------------------------ unscale
 
@@ -363,7 +384,7 @@ class GradScaler(torch.amp.GradScaler):
         """Unscales (``scale=None``: only checks) the optimizer's gradients; per-device flags."""
         prepare_grads(optimizer)
         group = self._group()
-        grads = []
+        grads, owners = [], []
         for param_group in optimizer.param_groups:
             for param in param_group["params"]:
                 grad = param.grad
@@ -384,7 +405,11 @@ class GradScaler(torch.amp.GradScaler):
                 elif not grad.is_sparse and group is not None:
                     grad = local(grad)  # we reduce found_inf ourselves below
                 grads.append(grad)
-        found = unscale_(grads, scale)
+                owners.append(param)
+        if self._layerwise is not None and scale is not None:
+            found = self._layerwise.unscale(optimizer, owners, grads, scale)
+        else:
+            found = unscale_(grads, scale)
         if group is None:
             return found
         # One flag on the scale's device, MAX over the ranks: every rank skips together. Every
@@ -493,6 +518,8 @@ class GradScaler(torch.amp.GradScaler):
         if optimizer_state.stage is Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
 
+        if self._layerwise is not None and optimizer_state.stage is Stage.READY:
+            self.unscale_(optimizer)  # per-layer scales: the fused kernels know one scale only
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             if "grad_scaler" in inspect.signature(optimizer.step).parameters:
                 warnings.warn(
@@ -567,7 +594,26 @@ class GradScaler(torch.amp.GradScaler):
         parameters costs one more, on skipped steps only.
         """
         self._attribution.watch(model, prefix)
+        if self._layerwise is not None:
+            self._layerwise.watch(model)
         return self
+
+    def layer_scales(self) -> dict[str, float]:
+        """``{cut point: s}`` with ``per_layer=True``: the power of two each cut point multiplies
+        the gradient by (one host sync). See :mod:`mixprec.scaling.layerwise`.
+
+        Raises:
+            RuntimeError: without ``per_layer=True``, or before :meth:`watch`.
+        """
+        if self._layerwise is None or not self._layerwise.names:
+            raise RuntimeError("layer_scales() needs GradScaler(..., per_layer=True).watch(model).")
+        return self._layerwise.scales()
+
+    @property
+    def last_overflow_cuts(self) -> tuple[str, ...]:
+        """With ``per_layer=True``: the cut points whose regions overflowed first in the last
+        :meth:`update` (their margins backed off); ``()`` otherwise. One host sync."""
+        return () if self._layerwise is None else self._layerwise.last_overflow()
 
     # ------------------------------------------------------------------ update
 
@@ -605,6 +651,12 @@ class GradScaler(torch.amp.GradScaler):
             ):
                 blocked = backoff_blocked(state, found_inf, self._config)
             new_state = update_scale(state, found_inf, self._config)
+            if self._layerwise is not None:  # an overflow the cut points absorbed keeps the scale
+                absorbed = self._layerwise.update(found_inf, self._group(), self._config)
+                new_state = new_state._replace(
+                    scale=torch.where(absorbed, state.scale, new_state.scale),
+                    hysteresis_left=torch.where(absorbed, state.hysteresis_left, new_state.hysteresis_left),
+                )
         else:
             found_inf = self._combined_found_inf(recorded) if recorded else None
             new_state = state._replace(scale=validated_new_scale(new_scale, state.scale, self._config))
@@ -691,7 +743,10 @@ class GradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return {}
-        return to_state_dict(self._host_snapshot(), self._config, self._on_min_scale, self._step)
+        saved = to_state_dict(self._host_snapshot(), self._config, self._on_min_scale, self._step)
+        if self._layerwise is not None:
+            saved["layerwise"] = self._layerwise.state_dict()
+        return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state from :meth:`state_dict` of this class or of ``torch.amp.GradScaler``.
@@ -715,6 +770,8 @@ class GradScaler(torch.amp.GradScaler):
         overridden = overridden_options(self._chosen, config, on_min_scale)
         if overridden:
             warnings.warn(overridden_message(overridden), UserWarning, stacklevel=2)
+        if self._layerwise is not None and "layerwise" in state_dict:
+            self._layerwise.load_state_dict(state_dict["layerwise"])  # validates first
         self._config = config
         self._on_min_scale = on_min_scale
         self._snapshot = dataclasses.replace(snapshot, scale=self._clamped(snapshot.scale))

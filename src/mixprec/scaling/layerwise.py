@@ -1,0 +1,618 @@
+"""Per-layer gradient scaling: ``mixprec.GradScaler(device, per_layer=True).watch(model)``.
+
+One loss scale cannot serve a network whose gradients span more binades than float16 holds (about
+40 with subnormals): the scale that keeps the bottom layers from flushing to zero overflows the
+top. Here the gradient is multiplied again, by a power of two ``s_k``, each time it crosses a
+*cut point* on its way down: the output of a block, where every path from the loss has already
+been summed (the residual stream between transformer blocks). A parameter below the cut points
+``K`` carries ``S = loss scale * prod(s_k for k in K)``, and ``unscale_`` divides its gradient by
+its own ``S``; all factors are powers of two, so scaling and unscaling are exact.
+
+Pieces, each small:
+
+* :func:`choose_cut_points`: the outputs of the children of the model's largest
+  ``nn.Sequential``/``nn.ModuleList`` of blocks, or the modules a user names.
+* :func:`regions`: a walk of the autograd graph from the loss (once, on the first
+  ``scale(loss)``) that finds which cut points each parameter's gradient crosses, and raises
+  where a node would sum gradients carrying different scales (a skip connection around a cut
+  point): residual connections inside a block are fine, a path around a block is an error.
+* :class:`Layerwise`: the hooks (a backward hook on each cut point's output tensor multiplies the
+  gradient by ``s_k`` and records its amax on the device), the per-region unscale, and the rule
+  (:meth:`Layerwise.update`), all on the device without host syncs.
+
+The rule (after each ``update()``; ``e_k = log2 s_k``, ``T_r`` the sum of the ``e_k`` above
+region ``r``, region 0 the one above every cut point, which carries the loss scale alone):
+region ``r``'s statistic ``a_r`` is the amax of the scaled gradients seen there in the step (its
+parameters' gradients and the activation gradient at its cut point). On a clean step every region
+moves so that ``floor(log2 a_r) = floor(log2 a_0) - m_r``: ``T_r += floor(log2 a_0) - floor(log2
+a_r) - m_r`` (``+8`` when the region saw only zeros), then ``e_k = T_(k) - T_(parent of k)``
+clamped into ``layer_bounds``. The global loss scale keeps its own rule (overflow probing, growth)
+and so sets the headroom of every region. An overflow skips the step and backs off the loss scale
+as always; the topmost cut point whose region overflowed also raises its margin ``m_k`` by one
+binade (after ``hysteresis`` overflows), which comes back down after ``growth_interval`` clean
+steps.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import weakref
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from mixprec._unscale import unscale_
+from mixprec.scaling.rule import ScaleConfig
+
+__all__ = ["Layerwise", "choose_cut_points", "regions", "pow2"]
+
+#: Binades a region whose gradients were all zero moves up per clean step.
+ZERO_JUMP = 4
+#: Bound on the total exponent of a region, so that ``loss scale * 2**T`` stays in float32.
+TOTAL_BOUND = 100
+#: Default bounds of each cut point's factor: float16's smallest normal and largest power of two
+#: (the factor is cast to the gradient's dtype when it multiplies).
+DEFAULT_BOUNDS = (2.0**-14, 2.0**15)
+
+
+def pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """``2**exponent`` as float32, exact, for integer exponents in [-126, 127] (any shape).
+
+    Built from the bits (no ``exp2`` rounding). Example: ``pow2(torch.tensor([-1, 3]))`` is
+    ``tensor([0.5, 8.])``.
+    """
+    return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def _exponent_of(value: float, name: str) -> int:
+    exponent = math.log2(value) if value > 0 else math.nan
+    if not (math.isfinite(exponent) and exponent == int(exponent) and -14 <= exponent <= 15):
+        raise ValueError(
+            f"{name} must be a power of two in [2**-14, 2**15] (a factor float16 holds exactly), "
+            f"got {value!r}."
+        )
+    return int(exponent)
+
+
+# ----------------------------------------------------------------------------- cut points
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def choose_cut_points(model: nn.Module, names: Sequence[str] | None = None) -> list[str]:
+    """The qualified names of the modules whose outputs are cut points, bottom (input side) first.
+
+    With ``names``, checks and returns them. Otherwise finds the ``nn.Sequential`` or
+    ``nn.ModuleList`` (the model itself included) holding the most trainable parameters in at
+    least two children with parameters, and cuts after each of those children; when that
+    container is the model itself, its last child is left out (its output is the model's output,
+    which only the loss consumes).
+
+    Raises:
+        ValueError: a name that is not a submodule (with close matches), a repeated name, or no
+            container of blocks found (name the cut points then).
+
+    Example:
+        >>> choose_cut_points(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 1)))
+        ['0', '2']
+    """
+    modules = dict(model.named_modules())
+    if names is not None:
+        names = list(names)
+        for name in names:
+            if name not in modules or name == "":
+                close = difflib.get_close_matches(name, [n for n in modules if n], n=3)
+                hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+                raise ValueError(
+                    f"cut_points: {name!r} is not a submodule of the watched model.{hint} Give the "
+                    "qualified names of model.named_modules(), e.g. 'blocks.0'."
+                )
+        if len(set(names)) != len(names) or not names:
+            raise ValueError(f"cut_points must be distinct module names, at least one; got {names!r}.")
+        return names
+    best: tuple[int, str] | None = None
+    for name, module in modules.items():
+        if not isinstance(module, (nn.Sequential, nn.ModuleList)):
+            continue
+        children = [c for c in module.children() if _has_params(c)]
+        if len(children) < 2:
+            continue
+        count = sum(p.numel() for c in children for p in c.parameters() if p.requires_grad)
+        if best is None or count > best[0]:
+            best = (count, name)
+    if best is None:
+        raise ValueError(
+            "GradScaler(per_layer=True) found no nn.Sequential or nn.ModuleList of blocks in the "
+            "watched model. Name the modules whose outputs are cut points: "
+            "GradScaler(..., per_layer=True, cut_points=['blocks.0', 'blocks.1', ...])."
+        )
+    container = modules[best[1]]
+    prefix = f"{best[1]}." if best[1] else ""
+    cuts = [f"{prefix}{n}" for n, c in container.named_children() if _has_params(c)]
+    if container is model and len(cuts) > 1 and cuts[-1] == f"{prefix}{list(container._modules)[-1]}":
+        cuts = cuts[:-1]
+    return cuts
+
+
+# ----------------------------------------------------------------------------- the graph walk
+
+
+def _node_name(fn: Any) -> str:
+    variable = getattr(fn, "variable", None)
+    return f"the gradient of a parameter of shape {tuple(variable.shape)}" if variable is not None else type(fn).__name__
+
+
+def regions(
+    roots: Iterable[Any], edges: dict[tuple[int, int], int], cut_names: Sequence[str]
+) -> tuple[dict[int, frozenset[int]], dict[int, frozenset[int]]]:
+    """Walks the autograd graph down from ``roots`` (``grad_fn`` nodes).
+
+    ``edges`` maps ``(id(grad_fn), output_nr)`` of each cut point's output tensor to the cut
+    point's index. Returns ``(params, parents)``: for each reached parameter (by ``id``), the set
+    of cut points its gradient crosses; for each crossed cut point, the set crossed above it.
+
+    Raises:
+        ValueError: a node is reached along paths that crossed different cut points (its gradient
+            would sum terms with different scales: a skip connection around a cut point), or a
+            path crosses one cut point twice (a module reused in one step).
+    """
+    seen: dict[int, tuple[Any, frozenset[int]]] = {}
+    parents: dict[int, frozenset[int]] = {}
+    params: dict[int, frozenset[int]] = {}
+    stack = [(fn, frozenset()) for fn in roots if fn is not None]
+    while stack:
+        fn, above = stack.pop()
+        known = seen.get(id(fn))
+        if known is not None:
+            if known[1] != above:
+                around = sorted(known[1] ^ above)
+                raise ValueError(
+                    f"per_layer: {_node_name(fn)} is reached by gradient paths that cross different "
+                    f"cut points ({', '.join(repr(cut_names[k]) for k in around)} on some paths "
+                    "only), so gradients with different scales would be summed there. A cut point "
+                    "must be crossed by every path from the loss to what lies below it: choose "
+                    "outputs of whole blocks (the residual stream), not modules inside a residual "
+                    "branch or blocks that a skip connection bypasses (cut_points=[...])."
+                )
+            continue
+        seen[id(fn)] = (fn, above)  # fn kept alive so that its id is not reused during the walk
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            params[id(variable)] = above
+        for child, nr in fn.next_functions:
+            if child is None:
+                continue
+            below = above
+            cut = edges.get((id(child), nr))
+            if cut is not None:
+                if cut in above:
+                    raise ValueError(
+                        f"per_layer: the gradient crosses cut point {cut_names[cut]!r} twice (the "
+                        "module runs more than once per step); choose cut points that run once."
+                    )
+                if parents.setdefault(cut, above) != above:
+                    raise ValueError(
+                        f"per_layer: cut point {cut_names[cut]!r} receives gradients that crossed "
+                        "different cut points; choose outputs of whole blocks (cut_points=[...])."
+                    )
+                below = above | {cut}
+            stack.append((child, below))
+    return params, parents
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+# ----------------------------------------------------------------------------- the scaler part
+
+
+class Layerwise:
+    """The per-layer part of a :class:`mixprec.GradScaler` (built by ``per_layer=True``).
+
+    Holds the cut points of the watched model, the hooks, the device state (per cut point: the
+    exponent of its factor, a margin, a growth tracker and a hysteresis budget; per region: the
+    step's amax) and the parameter-to-region map. The scaler calls :meth:`watch`,
+    :meth:`observe` (in ``scale``), :meth:`unscale` (in ``unscale_``) and :meth:`update`.
+
+    Preconditions: one watched model; each cut point's module runs once per step, with its
+    output (a tensor, or a tuple/list whose first item is the tensor that flows on) consumed only
+    above it. The graph walk checks this on the first ``scale(loss)`` after :meth:`watch`.
+    """
+
+    def __init__(self, config: ScaleConfig, cut_points: Sequence[str] | None, bounds: tuple[float, float]) -> None:
+        if cut_points is not None and (isinstance(cut_points, str) or not all(isinstance(n, str) for n in cut_points)):
+            raise TypeError(f"cut_points must be a list of module names, got {cut_points!r}.")
+        lo, hi = (_exponent_of(float(b), f"layer_bounds[{i}]") for i, b in enumerate(bounds))
+        if lo > hi:
+            raise ValueError(f"layer_bounds must be (low, high) with low <= high, got {bounds!r}.")
+        self.config = config
+        self.requested = None if cut_points is None else list(cut_points)
+        self.bounds = (lo, hi)
+        self.names: list[str] = []
+        self._model: weakref.ref[nn.Module] | None = None
+        self._handles: list[Any] = []
+        self._edges: dict[tuple[int, int], int] = {}
+        self._edge_refs: list[Any] = []
+        self._calibrated = False
+        self._param_region: dict[int, int] = {}
+        self._parents: list[int] = []
+        self._device_state: dict[str, torch.Tensor] | None = None
+        self._pending: dict[str, Any] | None = None  # a loaded state waiting for the cut points
+        self._master_maps: dict[int, tuple[int, dict[int, int]]] = {}
+
+    # -- watch --------------------------------------------------------------------------------
+
+    def watch(self, model: nn.Module) -> None:
+        """Chooses the cut points of ``model`` and hooks their modules (replacing an earlier model).
+
+        Raises:
+            ValueError: see :func:`choose_cut_points`.
+        """
+        if self._model is not None and self._model() is model:
+            return
+        names = choose_cut_points(model, self.requested)
+        self.remove_hooks()
+        modules = dict(model.named_modules())
+        self._model = weakref.ref(model)
+        self.names = names
+        self._handles = [modules[n].register_forward_hook(self._forward_hook(k)) for k, n in enumerate(names)]
+        self._calibrated = False
+        self._param_region = {}
+        # Until the graph walk says otherwise: a chain, each cut point below the next.
+        self._parents = [k + 2 if k + 1 < len(names) else 0 for k in range(len(names))]
+        if self._device_state is not None:
+            self._device_state = self._fresh_state(self._device_state["exponent"].device)
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _forward_hook(self, cut: int) -> Any:
+        ref = weakref.ref(self)
+
+        @torch._dynamo.disable  # the hook runs eagerly: torch.compile breaks the graph here
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            me = ref()
+            tensor = _first_tensor(output)
+            if me is None or tensor is None or not tensor.requires_grad or tensor.grad_fn is None:
+                return
+            if not me._calibrated:
+                me._edges[(id(tensor.grad_fn), tensor.output_nr)] = cut
+                me._edge_refs.append(tensor.grad_fn)
+            tensor.register_hook(me._grad_hook(cut))
+
+        return hook
+
+    def _grad_hook(self, cut: int) -> Any:
+        def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            state = self._device_state
+            if state is None:
+                return None
+            factor = state["factor"][cut]
+            amax = torch.linalg.vector_norm(grad, float("inf"), dtype=torch.float32).to(factor.device).reshape(1)
+            stats = state["stats"]
+            if self._calibrated:
+                parent = stats.narrow(0, self._parents[cut], 1)
+                torch.maximum(parent, amax, out=parent)
+            mine = stats.narrow(0, cut + 1, 1)
+            torch.maximum(mine, amax * factor, out=mine)
+            return grad * factor.to(grad.device, non_blocking=True)
+
+        return hook
+
+    # -- device state -------------------------------------------------------------------------
+
+    def _fresh_state(self, device: torch.device | str) -> dict[str, torch.Tensor]:
+        n = len(self.names)
+        zeros = torch.zeros(n, dtype=torch.int32, device=device)
+        state = {
+            "exponent": zeros.clone(),
+            "margin": zeros.clone(),
+            "growth_tracker": zeros.clone(),
+            "hysteresis_left": torch.full((n,), self.config.hysteresis, dtype=torch.int32, device=device),
+            "stats": torch.full((n + 1,), -1.0, dtype=torch.float32, device=device),
+            "overflow": torch.zeros(n, dtype=torch.bool, device=device),
+        }
+        if self._pending is not None:
+            for key, values in self._pending.items():
+                state[key] = torch.tensor(values, dtype=torch.int32, device=device)
+            self._pending = None
+        state["factor"] = pow2(state["exponent"])
+        state["totals"] = torch.zeros(n + 1, dtype=torch.int32, device=device)
+        self._refresh_totals(state)
+        return state
+
+    def _matrix(self, device: torch.device) -> torch.Tensor:
+        """``A[r, k] = 1`` when region ``r`` lies below cut point ``k`` (float32: exact sums).
+
+        Region 0 is above every cut point; region ``k + 1`` is below cut point ``k`` and holds
+        its parent region's cut points too (the parents form a tree, from the graph walk).
+        """
+        n = len(self.names)
+        rows: dict[int, list[float]] = {0: [0.0] * n}
+
+        def row(region: int, depth: int = 0) -> list[float]:
+            if region not in rows:
+                if depth > n:
+                    raise RuntimeError("per_layer: the cut points' parents form a cycle")
+                k = region - 1
+                rows[region] = list(row(self._parents[k], depth + 1))
+                rows[region][k] = 1.0
+            return rows[region]
+
+        return torch.tensor([row(r) for r in range(n + 1)], dtype=torch.float32, device=device)
+
+    def _refresh_totals(self, state: dict[str, torch.Tensor]) -> None:
+        device = state["exponent"].device
+        self._membership = self._matrix(device)
+        self._depth = self._membership[1:].sum(dim=1)  # cut point k's region: how many cuts above it
+        self._parent_index = torch.tensor(self._parents, dtype=torch.int64, device=device)
+        state["totals"] = (self._membership @ state["exponent"].float()).to(torch.int32)
+
+    def ensure_state(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if self._device_state is None:
+            self._device_state = self._fresh_state(device)
+        return self._device_state
+
+    # -- observe: the graph walk --------------------------------------------------------------
+
+    def observe(self, outputs: Any, device: torch.device) -> None:
+        """Called by ``scale(outputs)``: creates the device state and, once, walks the graph."""
+        state = self.ensure_state(device)
+        if self._calibrated or self._model is None:
+            return
+        model = self._model()
+        if model is None:
+            return
+        roots = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+        if not roots or not self._edges:
+            return
+        params, parents = regions(roots, self._edges, self.names)
+        region_of_set: dict[frozenset[int], int] = {frozenset(): 0}
+        for k, above in parents.items():
+            region_of_set[above | {k}] = k + 1
+        resolved = []
+        for k in range(len(self.names)):
+            above = parents.get(k)
+            resolved.append(0 if above is None else region_of_set.get(above, 0))
+        self._parents = resolved
+        owners = [(name, k) for k, name in enumerate(self.names)]
+        self._param_region = {}
+        for name, param in model.named_parameters():
+            crossed = params.get(id(param))
+            if crossed is not None:
+                self._param_region[id(param)] = region_of_set[crossed] if crossed else 0
+                continue
+            # Not reached (hidden behind a reentrant checkpoint, or unused in this step): the
+            # cut point whose module owns it, else the top region.
+            owner = [k for cut, k in owners if name.startswith(cut + ".")]
+            self._param_region[id(param)] = owner[-1] + 1 if owner else 0
+        self._calibrated = True
+        self._edges = {}
+        self._edge_refs = []
+        self._refresh_totals(state)
+
+    # -- unscale --------------------------------------------------------------------------------
+
+    def _region_lookup(self, optimizer: Any) -> dict[int, int]:
+        """Parameter id -> region, with ``MasterWeights``' float32 masters mapped to their model
+        parameters."""
+        pairs = getattr(optimizer, "_pairs", None)
+        if not pairs:
+            return self._param_region
+        cached = self._master_maps.get(id(optimizer))
+        if cached is None or cached[0] != len(pairs):
+            mapping = dict(self._param_region)
+            for model_param, master in pairs:
+                if id(model_param) in self._param_region:
+                    mapping[id(master)] = self._param_region[id(model_param)]
+            cached = (len(pairs), mapping)
+            self._master_maps[id(optimizer)] = cached
+        return cached[1]
+
+    def unscale(
+        self, optimizer: Any, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: torch.Tensor
+    ) -> dict[torch.device, torch.Tensor]:
+        """Divides each gradient by its region's scale (``scale * 2**T_r``) in place, records the
+        regions' amax first; returns the per-device overflow flags (0 or 1). No host sync."""
+        state = self.ensure_state(scale.device)
+        lookup = self._region_lookup(optimizer)
+        grouped: dict[int, list[torch.Tensor]] = {}
+        for param, grad in zip(params, grads):
+            grouped.setdefault(lookup.get(id(param), 0), []).append(grad)
+        if not grouped:
+            return {}
+        self._record_param_stats(grouped, state)
+        region_scales = scale * pow2(state["totals"])
+        found: dict[torch.device, torch.Tensor] = {}
+        for region, region_grads in grouped.items():
+            for device, flag in unscale_(region_grads, region_scales[region]).items():
+                found[device] = flag if device not in found else torch.maximum(found[device], flag)
+        return found
+
+    def _record_param_stats(self, grouped: dict[int, list[torch.Tensor]], state: dict[str, torch.Tensor]) -> None:
+        stats = state["stats"]
+        by_kind: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
+        for region, region_grads in grouped.items():
+            for grad in region_grads:
+                values = grad._values() if grad.is_sparse else grad
+                tensors, indices = by_kind.setdefault((values.device, values.dtype), ([], []))
+                tensors.append(values)
+                indices.append(region)
+        for (device, _), (tensors, indices) in by_kind.items():
+            norms = torch._foreach_norm(tensors, float("inf"))
+            amax = torch.stack(norms).to(device=stats.device, dtype=torch.float32)
+            index = torch.tensor(indices, dtype=torch.int64).to(stats.device, non_blocking=True)
+            stats.scatter_reduce_(0, index, amax, reduce="amax")
+
+    # -- update ---------------------------------------------------------------------------------
+
+    def update(self, found_inf: torch.Tensor, group: Any, config: ScaleConfig) -> torch.Tensor:
+        """Applies the rule of the module docstring to the step's statistics, with the scaler's
+        ``config`` (hysteresis, growth interval, factors).
+
+        Returns a 0-dim bool tensor: the overflow was absorbed by the cut points below the top
+        region (their factors backed off or their hysteresis tolerated it), so the loss scale
+        must not back off. No host sync; with ``group``, one all-reduce (MAX) of the statistics
+        so that every rank gets the same factors.
+        """
+        self.config = config
+        state = self._device_state
+        if state is None:
+            return torch.zeros((), dtype=torch.bool, device=found_inf.device)
+        stats = state["stats"]
+        if group is not None:
+            stats = torch.nan_to_num(stats, nan=math.inf)
+            torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX, group=group)
+        overflow = found_inf.to(stats.device) != 0
+        finite = torch.isfinite(stats)
+        # The topmost cut point whose region overflowed: its region is not finite, its parent is.
+        culprit = overflow & ~finite[1:] & finite.index_select(0, self._parent_index)
+        tracker = torch.where(overflow, 0, state["growth_tracker"] + 1)
+        left = state["hysteresis_left"]
+        decremented = (left - 1).clamp_min(0)
+        backoff = culprit & ((decremented == 0) if config.hysteresis > 1 else torch.ones_like(culprit))
+        grow = tracker >= config.growth_interval
+        back_step = max(1, round(-math.log2(config.backoff_factor)))
+        grow_step = max(1, round(math.log2(config.growth_factor)))
+        margin = state["margin"] + back_step * backoff.to(torch.int32)
+        margin = torch.where(grow, (margin - grow_step).clamp_min(0), margin)
+        refill = ~overflow if config.consecutive_hysteresis else grow
+        left = torch.where(culprit, decremented, torch.where(refill, config.hysteresis, left))
+        tracker = torch.where(grow, 0, tracker)
+
+        # Equalise: region r's amax exponent goes to the top region's minus its margin. A
+        # region that saw only zeros moves ZERO_JUMP binades below its nearest region with a
+        # measurement (or the top); one that saw nothing keeps its factor.
+        _, exponents = torch.frexp(stats)
+        seen, positive = stats[1:] >= 0, stats[1:] > 0
+        target = (exponents[0] - exponents[1:] - margin).float()
+        change = self._propagate(torch.where(positive, target, 0.0), positive, seen & ~positive)
+        active = ~overflow & (stats[0] > 0) & finite.all()
+        totals = state["totals"]
+        new_totals = (totals + change.to(torch.int32)).clamp(-TOTAL_BOUND, TOTAL_BOUND)
+        exponent = (new_totals[1:] - new_totals.index_select(0, self._parent_index)).clamp(*self.bounds)
+        lowered = (state["exponent"] - back_step * backoff.to(torch.int32)).clamp_min(self.bounds[0])
+        exponent = torch.where(active, exponent, lowered)
+        # Absorbed: every culprit could lower its factor (or tolerated the overflow).
+        stuck = culprit & backoff & (state["exponent"] <= self.bounds[0])
+        absorbed = overflow & culprit.any() & ~stuck.any()
+        state.update(
+            exponent=exponent.to(torch.int32),
+            margin=margin,
+            growth_tracker=tracker,
+            hysteresis_left=left,
+            overflow=culprit,
+        )
+        state["factor"].copy_(pow2(state["exponent"]))
+        state["totals"] = (self._membership @ state["exponent"].float()).to(torch.int32)
+        state["stats"].fill_(-1.0)
+        return absorbed
+
+    def _propagate(self, measured: torch.Tensor, positive: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """The change of every region's total exponent (regions 0..n), without a loop over cuts.
+
+        A measured region moves by ``measured``; any other moves with its nearest measured
+        ancestor (the top region does not move), plus ``ZERO_JUMP`` for each zero-only region on
+        the path between them, itself included.
+        """
+        member, depth = self._membership, self._depth
+        score = member * (positive.float() * depth)  # depth of each measured ancestor-or-self
+        nearest, index = score.max(dim=1)
+        base = torch.where(nearest > 0, measured.index_select(0, index), 0.0)
+        deeper = member * (zero.float() * ZERO_JUMP) * (depth > nearest.unsqueeze(1))
+        return base + deeper.sum(dim=1)
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def _host_values(self) -> dict[str, list[int]]:
+        keys = ("exponent", "margin", "growth_tracker", "hysteresis_left")
+        if self._device_state is None:
+            n = len(self.names)
+            default = {"exponent": [0] * n, "margin": [0] * n, "growth_tracker": [0] * n,
+                       "hysteresis_left": [self.config.hysteresis] * n}
+            return {k: list((self._pending or default).get(k, default[k])) for k in keys}
+        values = torch.stack([self._device_state[k] for k in keys]).tolist()  # one host sync
+        return dict(zip(keys, values))
+
+    def scales(self) -> dict[str, float]:
+        """``{cut point: s_k}`` (one host sync)."""
+        return {name: 2.0**e for name, e in zip(self.names, self._host_values()["exponent"])}
+
+    def region_scales(self, scale: float) -> dict[str, float]:
+        """``{parameter region's cut point: total scale}`` of each cut point's region."""
+        totals = self._membership.cpu() @ torch.tensor(self._host_values()["exponent"], dtype=torch.float32)
+        return {name: scale * 2.0 ** int(t) for name, t in zip(self.names, totals[1:].tolist())}
+
+    def last_overflow(self) -> tuple[str, ...]:
+        """Cut points whose region overflowed first on the last update (one host sync)."""
+        if self._device_state is None:
+            return ()
+        flags = self._device_state["overflow"].tolist()
+        return tuple(name for name, bad in zip(self.names, flags) if bad)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"cut_points": names, "exponent": [...], "margin": [...], "growth_tracker": [...],
+        "hysteresis_left": [...]}`` (one host sync)."""
+        return {"cut_points": list(self.names), **self._host_values()}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restores the per-cut-point values of :meth:`state_dict`.
+
+        Raises:
+            ValueError: the saved cut points are not this scaler's (after :meth:`watch`), or a
+                value is out of range.
+        """
+        names = list(saved.get("cut_points", []))
+        keys = ("exponent", "margin", "growth_tracker", "hysteresis_left")
+        values = {k: [int(v) for v in saved[k]] for k in keys if k in saved}
+        if set(values) != set(keys) or any(len(v) != len(names) for v in values.values()):
+            raise ValueError(f"the 'layerwise' state must hold cut_points and {', '.join(keys)} of one length.")
+        if self.names and names != self.names:
+            raise ValueError(
+                f"the checkpoint's cut points {names!r} are not this scaler's {self.names!r}; build the "
+                "scaler with the same cut_points (or the same model) before loading."
+            )
+        lo, hi = self.bounds
+        if any(not lo <= e <= hi for e in values["exponent"]) or any(m < 0 for m in values["margin"]):
+            raise ValueError(f"layerwise exponents must lie in layer_bounds [2**{lo}, 2**{hi}] and margins be >= 0.")
+        if not self.names:
+            self.requested = self.requested or names
+        self._pending = values
+        if self._device_state is not None:
+            self._device_state = self._fresh_state(self._device_state["exponent"].device)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Options and per-cut-point values; not the hooks or the model (``watch`` again)."""
+        state = {k: v for k, v in self.__dict__.items()}
+        state.update(
+            _pending=self._host_values() if self.names else None,
+            _model=None, _handles=[], _edges={}, _edge_refs=[], _calibrated=False, _param_region={},
+            _device_state=None, _master_maps={},
+            requested=self.requested if self.requested is not None else (list(self.names) or None),
+        )
+        state.pop("_membership", None)
+        state.pop("_depth", None)
+        state.pop("_parent_index", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+def _tensors(outputs: Any) -> list[torch.Tensor]:
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, (list, tuple)):
+        return [t for o in outputs for t in _tensors(o)]
+    return []

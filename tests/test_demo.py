@@ -443,3 +443,158 @@ def test_every_progress_display_prints_notes_verbatim() -> None:
     out = io.StringIO()
     LineProgress(out).note("x")
     assert out.getvalue() == "x\n"
+
+
+# --- where mixed precision pays, the verdict, Ctrl-C (issue 18) ---------------------------------
+
+NATIVE = {"float16": {"native": True, "slowdown": 1.03, "spread": 0.04},
+          "bfloat16": {"native": True, "slowdown": 0.23, "spread": 0.05}}
+
+
+def test_one_capability_reading_for_the_estimate_the_note_and_the_caption(demo_result: DemoResult, tmp_path: Path) -> None:
+    from mixprec.demo.environment import capability, native_lowp
+    from mixprec.demo.estimate import Estimate
+
+    env = {**demo_result.environment, "cpu_lowp": NATIVE}
+    assert native_lowp(env) == {"float16": True, "bfloat16": True} and capability(env) == "native float16/bfloat16"
+    mixed = {"cpu_lowp": {"float16": {"native": None, "slowdown": 40.0, "spread": 0.1},
+                          "bfloat16": {"native": True, "slowdown": 0.3, "spread": 0.1}}}
+    assert capability(mixed) == "native bfloat16, no native float16"
+    notes = _Notes()
+    Estimate.start(Settings.for_size("tiny", steps=10), ["fp32"], CPU, notes, env)
+    assert "this CPU: native float16/bfloat16" in notes.notes[0]  # it said "without native fp16/bf16"
+    result = DemoResult(demo_result.settings, "cpu", env, demo_result.runs)
+    assert hardware_note(result) is None
+    write_report(result, tmp_path)
+    caption = next(f["caption"] for f in json.loads((tmp_path / "results.json").read_text())["figures"]
+                   if f["name"] == "throughput")
+    assert "This CPU has native float16/bfloat16 matmul units" in caption
+    assert "faster where the device has native" not in caption
+
+
+def _panel(**ratios: list[float]) -> dict:
+    sizes = ("tiny", "small", "base")[:len(next(iter(ratios.values())))]
+    return {"threads": 1, "batch_size": 8, "rounds": 3, "seconds": 1.0, "skipped": {}, "sizes": [
+        {"size": size, "ratio": {"fp32": 1.0, **{k: v[i] for k, v in ratios.items()}},
+         "seconds": {"fp32": 0.01, **{k: 0.01 * v[i] for k, v in ratios.items()}}} for i, size in enumerate(sizes)]}
+
+
+def test_crossover_is_computed_from_the_panel() -> None:
+    from mixprec.demo.speed import crossover, speed_sentence
+
+    assert crossover(_panel(bf16=[1.8, 1.0, 0.61]), "bf16") == (
+        "bf16 autocast is 1.6x faster than fp32 from the `base` size up; below it fp32 is as fast or faster "
+        "(tiny 1.80x, small 1.00x the time)")
+    assert crossover(_panel(bf16=[1.8, 1.3, 0.61]), "bf16").endswith("below it fp32 is faster (tiny 1.80x, small 1.30x the time)")
+    assert crossover(_panel(bf16=[0.8, 0.5, 0.4]), "bf16") == (
+        "bf16 autocast is faster than fp32 at every size measured (up to 2.5x: tiny 0.80x, small 0.50x, base 0.40x the time)")
+    assert crossover(_panel(fp16=[2.0, 1.5, 1.2]), "fp16") == (
+        "fp16 autocast is slower than fp32 at every size measured (tiny 2.00x, small 1.50x, base 1.20x the time)")
+    assert crossover(_panel(fp8=[1.2, 1.0, 1.05]), "fp8").startswith("fp8 (emulated) is not faster than fp32")
+    assert "no single crossover" in crossover(_panel(bf16=[0.5, 1.5, 0.5]), "bf16")
+    panel = _panel(bf16=[1.8, 0.6], fp16=[2.0, 1.5], fp8=[4.0, 3.0])
+    panel["skipped"] = {"base": "expected 90 s"}
+    text = speed_sentence(panel)
+    assert text.startswith("on this CPU (1 thread, batch 8, time per training step, lower is faster): bf16 autocast is")
+    assert text.endswith("; not timed: base (time budget).")
+
+
+def test_speed_panel_times_every_kind_and_keeps_to_its_budget(data: tuple[torch.Tensor, torch.Tensor]) -> None:
+    from mixprec.demo.speed import KINDS, measure
+
+    notes: list[str] = []
+    panel = measure(data[0], CPU, sizes=("tiny", "small"), rounds=1, budget_s=0.0, note=notes.append)
+    assert [e["size"] for e in panel["sizes"]] == ["tiny"]  # the first size always runs
+    assert set(panel["skipped"]) == {"small"} and "more than the 0 s left" in panel["skipped"]["small"]
+    tiny = panel["sizes"][0]
+    assert tiny["ratio"]["fp32"] == 1.0 and set(tiny["ratio"]) == set(KINDS)
+    assert all(t > 0 for t in tiny["seconds"].values())
+    assert notes[0].startswith("speed panel, tiny: bf16 ") and panel["threads"] == torch.get_num_threads()
+    with pytest.raises(ValueError, match="sizes must be among"):
+        measure(data[0], CPU, sizes=("huge",))
+
+
+def _runs(mode: str, evals: list[float], tps: float = 100.0, losses: list[float] | None = None) -> list:
+    from mixprec.demo.results import ModeResult
+
+    return [ModeResult(mode, "", losses or [3.0] * 20, e, tps, {"params": 100 if mode == "fp32" else 60}, "",
+                       seed=seed) for seed, e in enumerate(evals)]
+
+
+def test_verdict_names_the_mode_for_accuracy_speed_and_memory_with_its_noise_band() -> None:
+    from mixprec.demo.verdict import verdict
+
+    runs = [*_runs("fp32", [2.70, 2.75, 2.72], 500.0), *_runs("bf16-kahan", [2.70, 2.76, 2.71], 300.0),
+            *_runs("bf16-naive", [2.90, 2.96, 2.93], 900.0)]
+    runs.sort(key=lambda r: r.seed)
+    lines = verdict(DemoResult(Settings.for_size("tiny", steps=20), "cpu", {}, runs))
+    assert lines[0].startswith("For accuracy (3 seeds; noise band: twice the seed-to-seed standard deviation")
+    assert "use fp32 or any mode that matches it. Matching fp32: bf16-kahan (" in lines[0]
+    assert "better: none; worse: bf16-naive (+0.207 ± 0.006)" in lines[0]
+    # the fastest mode within fp32's band, not the fastest overall (bf16-naive is worse)
+    assert lines[1] == "For speed at this size (tiny, 20 steps): fp32 (500 tokens/s)."
+    assert lines[2] == "For memory: bf16-kahan (0.00 MiB, 60% of fp32's)."
+    one = verdict(DemoResult(Settings.for_size("tiny", steps=20), "cpu", {}, [r for r in runs if r.seed == 0]))
+    assert "from 1 seed there is no noise band" in one[0] and "bf16-naive" not in one[0]
+    assert one[1].startswith("For speed at this size (tiny, 20 steps): bf16-naive (900 tokens/s, 0.56x fp32's time")
+
+
+def test_a_mode_far_above_fp32_gets_its_departure_explained() -> None:
+    from mixprec.demo.verdict import verdict
+
+    base = [3.0 - 0.01 * i for i in range(100)]
+    jumped = [b + (0.0 if i < 30 else 0.3) + (1.0 if i == 36 else 0.0) for i, b in enumerate(base)]
+    runs = [*_runs("fp32", [2.7], losses=base), *_runs("bf16-stochastic", [2.9], losses=jumped),
+            *_runs("bf16-kahan", [2.7], losses=[b + 0.001 for b in base])]
+    lines = verdict(DemoResult(Settings.for_size("tiny", steps=100), "cpu", {}, runs))
+    why = [line for line in lines if line.startswith("bf16-stochastic ends")]
+    assert len(why) == 1 and not any(line.startswith("bf16-kahan ends") for line in lines)
+    assert why[0].startswith("bf16-stochastic ends +14.6% against fp32 (seed 0): it leaves fp32's curve at step 31, "
+                             "21 steps after the warm-up to the peak learning rate ended (step 10), and jumps to 3.94 "
+                             "at step 37 (fp32 2.64)")
+
+
+def test_per_mode_lines_are_not_cut_off_in_the_page(data: tuple[torch.Tensor, torch.Tensor], tmp_path: Path) -> None:
+    result = run_demo(micro(steps=2), ["fp32", "mixprec-fp8"], "cpu")
+    page = write_report(result, tmp_path)["index"].read_text()
+    table = page.split("<pre>")[1].split("</pre>")[0]
+    assert "mixprec-fp8 (tensorwise" not in table and max(len(line) for line in table.splitlines()) < 100
+    fp8_line = format_table(result).splitlines()[-1]
+    assert fp8_line.endswith("--seeds 3 measures the spread)") and f"<li>{html.escape(fp8_line)}</li>" in page
+    verdict_lines = json.loads((tmp_path / "results.json").read_text())["verdict"]
+    assert verdict_lines[0].startswith("For accuracy") and all(html.escape(v) in page for v in verdict_lines)
+
+
+class _InterruptAt(_Notes):
+    """Raises KeyboardInterrupt (as Ctrl-C does) when the ``n``-th run starts."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.started = n, 0
+
+    def start(self, mode: str, total: int) -> None:
+        self.started += 1
+        if self.started == self.n:
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_keeps_the_runs_that_finished(tmp_path: Path) -> None:
+    result = run_demo(micro(steps=2), ["fp32", "bf16-naive", "torch-amp"], "cpu", _InterruptAt(2))
+    assert [r.mode for r in result.runs] == ["fp32"]
+    assert result.interrupted == "finished fp32; not run: bf16-naive, torch-amp"
+    page = write_report(result, tmp_path)["index"].read_text()
+    assert "<b>Interrupted</b> (Ctrl-C): finished fp32; not run: bf16-naive, torch-amp." in page
+    assert json.loads((tmp_path / "results.json").read_text())["interrupted"] == result.interrupted
+    # during a later seed: every seed in the report has every mode
+    result = run_demo(micro(steps=2), ["fp32", "bf16-naive"], "cpu", _InterruptAt(4), seeds=2)
+    assert [(r.mode, r.seed) for r in result.runs] == [("fp32", 0), ("bf16-naive", 0)]
+    assert result.interrupted.startswith("during seed 1: its finished runs (fp32) are left out")
+    with pytest.raises(KeyboardInterrupt):
+        run_demo(micro(steps=2), ["fp32"], "cpu", _InterruptAt(1))
+
+
+def test_a_time_budget_trains_as_many_seeds_as_fit() -> None:
+    result = run_demo(micro(steps=2), ["fp32"], "cpu", seeds=3, budget_s=0.0)
+    assert result.seeds == [0] and result.seeds_note.startswith("1 seed of at most 3: another (about ")
+    result = run_demo(micro(steps=2), ["fp32"], "cpu", seeds=2, budget_s=600.0)
+    assert result.seeds == [0, 1] and result.seeds_note == "2 seeds, the most, within the 600 s budget"

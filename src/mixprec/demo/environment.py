@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["available_cores", "choose_threads", "lowp_speed", "cpu_lowp_support", "environment"]
+__all__ = ["available_cores", "choose_threads", "lowp_speed", "cpu_lowp_support", "environment", "native_lowp",
+           "capability"]
 
 
 def available_cores() -> int:
@@ -106,6 +107,44 @@ def cpu_lowp_support() -> dict[str, dict[str, Any]]:
         dtype: {"native": None if not flags else any(flag in flags for flag in names), **speed[dtype]}
         for dtype, names in _NATIVE_FLAGS.items()
     }
+
+
+# a slowdown measured with a larger spread (interquartile range / median) is not trusted
+MAX_SPREAD = 0.5
+
+
+def native_lowp(env: dict[str, Any]) -> dict[str, bool | None]:
+    """Whether float16/bfloat16 matmuls are native where ``env`` (:func:`environment`) was taken:
+    the one reading of the capability that the demo's estimate, notes and captions use.
+
+    From the CPU flags where they were read; where they were not, ``False`` when the matmul was
+    measured more than 1.5x slower than float32 with a small spread, else ``None`` (unknown).
+    Empty off the CPU (a GPU's capability is not probed).
+
+    Example:
+        >>> native_lowp({"cpu_lowp": {"float16": {"native": True, "slowdown": 1.0, "spread": 0.1}}})
+        {'float16': True}
+    """
+    out: dict[str, bool | None] = {}
+    for dtype, info in env.get("cpu_lowp", {}).items():
+        if info["native"] is not None:
+            out[dtype] = bool(info["native"])
+        elif info.get("spread", 0.0) <= MAX_SPREAD and info["slowdown"] > 1.5:
+            out[dtype] = False
+        else:
+            out[dtype] = None
+    return out
+
+
+def capability(env: dict[str, Any]) -> str:
+    """:func:`native_lowp` in words, e.g. ``"native float16/bfloat16"``,
+    ``"native bfloat16, no native float16"``, ``"unknown float16/bfloat16 support"``."""
+    native = native_lowp(env)
+    if not native:
+        return "float16/bfloat16 support not probed" if "gpu" in env else "unknown float16/bfloat16 support"
+    groups = {"native": [d for d, v in native.items() if v], "no native": [d for d, v in native.items() if v is False],
+              "unknown": [d for d, v in native.items() if v is None]}
+    return ", ".join(f"{label} {'/'.join(dtypes)}" for label, dtypes in groups.items() if dtypes)
 
 
 def environment(device: torch.device, threads_reason: str = "") -> dict[str, Any]:

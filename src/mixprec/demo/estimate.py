@@ -16,15 +16,17 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from mixprec.demo.environment import capability
 from mixprec.demo.model import SIZES, ModelConfig
 from mixprec.demo.modes import MODES
 from mixprec.demo.results import ModeResult, Progress
 from mixprec.demo.settings import Settings
 
-__all__ = ["Estimate", "guess_seconds"]
+__all__ = ["Estimate", "guess_seconds", "step_work"]
 
 # fp32 seconds per step at "tiny" (batch 8), measured on 2 AVX2 cores with one intra-op thread
 _FP32_TINY_STEP_S = 0.012
@@ -32,7 +34,7 @@ _FP32_TINY_STEP_S = 0.012
 _PER_RUN_S = 0.5
 
 
-def _step_work(cfg: ModelConfig, batch_size: int) -> float:
+def step_work(cfg: ModelConfig, batch_size: int) -> float:
     """Multiply-adds of a training step, up to a constant: 6 x weights x tokens plus attention."""
     weights = cfg.n_layers * (4 * cfg.d_model**2 + 2 * cfg.d_model * cfg.hidden) + cfg.d_model * cfg.vocab_size
     tokens = batch_size * cfg.seq_len
@@ -41,8 +43,8 @@ def _step_work(cfg: ModelConfig, batch_size: int) -> float:
 
 def guess_seconds(settings: Settings, mode: str) -> float:
     """The first guess of one run of ``mode`` on a CPU like this project's (see module doc)."""
-    tiny = _step_work(SIZES["tiny"], 8)
-    step = _FP32_TINY_STEP_S * _step_work(settings.model, settings.batch_size) / tiny
+    tiny = step_work(SIZES["tiny"], 8)
+    step = _FP32_TINY_STEP_S * step_work(settings.model, settings.batch_size) / tiny
     return _PER_RUN_S + settings.steps * step * MODES[mode].cpu_cost
 
 
@@ -69,16 +71,24 @@ class Estimate:
 
     @classmethod
     def start(cls, settings: Settings, planned: list[str], device: torch.device,
-              progress: Progress | None) -> Estimate:
+              progress: Progress | None, env: dict[str, Any] | None = None) -> Estimate:
+        """Announce the first guess of the ``planned`` runs; ``env`` (the run's
+        :func:`~mixprec.demo.environment.environment`) says whether this CPU's fp16/bf16 is native,
+        unlike the CPU the guess was measured on."""
         guesses = None if device.type == "cuda" else {m: guess_seconds(settings, m) for m in planned}
         est = cls(progress, settings.steps, planned, guesses)
         if guesses is None:
             est._note(f"{len(planned)} runs; the time they take is estimated after the first steps")
         else:
             est.announced = sum(guesses[m] for m in planned)
-            est._note(f"expected duration: about {_words(est.announced)} (first guess for a 2-core CPU "
-                      "without native fp16/bf16; corrected after the first steps)")
+            here = f"this CPU: {capability(env)}; " if env is not None else ""
+            est._note(f"expected duration: about {_words(est.announced)} for {len(planned)} runs (first guess "
+                      f"from a 2-core CPU without native fp16/bf16; {here}corrected after the first steps)")
         return est
+
+    def plan(self, modes: list[str]) -> None:
+        """Add runs of ``modes`` (a further seed of the modes planned already) to the plan."""
+        self.planned.extend(modes)
 
     def watch(self, mode: str) -> _Watch:
         """The progress for the next run, which reports its first steps' timing back here."""

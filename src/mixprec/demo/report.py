@@ -12,9 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.demo import fp8_figure
-from mixprec.demo.results import DemoResult, ModeResult, checks, format_fp8, rank, summarize
+from mixprec.demo.environment import MAX_SPREAD, capability, native_lowp
+from mixprec.demo.results import DemoResult, ModeResult, checks, format_fp8, rank, smooth, summarize
+from mixprec.demo.speed import KINDS, speed_sentence
+from mixprec.demo.verdict import verdict
 
-__all__ = ["MEMORY_PARTS", "format_table", "format_checks", "hardware_note", "time_ratio", "write_report"]
+__all__ = ["MEMORY_PARTS", "format_table", "format_checks", "format_verdict", "hardware_note", "time_ratio",
+           "write_report"]
 
 #: The memory categories of a mode, in plotting order (keys of ``ModeResult.memory``).
 MEMORY_PARTS = ("params", "grads", "master", "optimizer_state", "activations")
@@ -26,30 +30,20 @@ def _mib(n: float) -> float:
     return n / 2**20
 
 
-# a slowdown measured with a larger spread (interquartile range / median) is not printed
-_MAX_SPREAD = 0.5
-
-
 def hardware_note(result: DemoResult) -> str | None:
     """A sentence when this CPU emulates float16/bfloat16 matmuls (no native units), else None.
 
-    A dtype counts as emulated when the CPU flags say so, or, where the flags are unknown, when
-    its matmul is measured more than 1.5x slower than float32 with a small spread. The measured
-    slowdown (median of repeated rounds) is quoted only when its spread is small; on a busy
-    machine it is left out.
+    Native or not is :func:`mixprec.demo.environment.native_lowp` (the CPU flags; where they are
+    unknown, a matmul measured more than 1.5x slower than float32 with a small spread). The
+    measured slowdown (median of repeated rounds) is quoted only when its spread is small; on a
+    busy machine it is left out.
     """
-    support = result.environment.get("cpu_lowp")
-    if not support:
-        return None
-    steady = {dtype: info.get("spread", 0.0) <= _MAX_SPREAD for dtype, info in support.items()}
-    emulated = {
-        dtype: info["slowdown"]
-        for dtype, info in support.items()
-        if info["native"] is False or (info["native"] is None and steady[dtype] and info["slowdown"] > 1.5)
-    }
+    support = result.environment.get("cpu_lowp", {})
+    emulated = [dtype for dtype, native in native_lowp(result.environment).items() if native is False]
     if not emulated:
         return None
-    quoted = [f"{dtype} {x:.1f}x" for dtype, x in emulated.items() if steady[dtype]]
+    quoted = [f"{dtype} {support[dtype]['slowdown']:.1f}x" for dtype in emulated
+              if support[dtype].get("spread", 0.0) <= MAX_SPREAD]
     timing = (f" (a matmul is {', '.join(quoted)} slower than float32, median of repeated rounds)" if quoted
               else " (the matmul slowdown was too noisy to quote on this busy machine)")
     return (
@@ -57,6 +51,24 @@ def hardware_note(result: DemoResult) -> str | None:
         "slower than fp32 here while on a GPU they run faster: compare their losses and memory, not "
         "their speed; their results also depend on this CPU's emulation kernels."
     )
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _speed_caption(result: DemoResult) -> str:
+    """The throughput figure's last sentence: the emulation note, or the detected capability
+    and where the speed panel puts the crossover."""
+    note = hardware_note(result)
+    if note is not None:
+        return _sentence(note)
+    if "cpu_lowp" not in result.environment:
+        return "Speed on a GPU depends on its tensor cores: compare with benchmarks/gpu.py."
+    here = f"This CPU has {capability(result.environment)} matmul units (CPU flags)"
+    if result.speed.get("sizes"):
+        return f"{here}; whether they pay depends on the model's size: the speed panel (speed.png) times it."
+    return f"{here}; whether they pay depends on the model's size (the speed panel was not run)."
 
 
 def time_ratio(mode: ModeResult, ref: ModeResult) -> float:
@@ -71,8 +83,21 @@ def _reference(result: DemoResult) -> ModeResult:
 
 
 def format_table(result: DemoResult) -> str:
-    """The final table printed in the terminal: one row per mode; with several seeds the losses
-    are mean ± standard deviation over the seeds."""
+    """The final table printed in the terminal: one row per mode (with several seeds the losses
+    are mean ± standard deviation over the seeds), then one line per fp8 mode
+    (:func:`mixprec.demo.results.format_fp8`)."""
+    return "\n".join([_table(result), *format_fp8(result)])
+
+
+def format_verdict(result: DemoResult) -> list[str]:
+    """The verdict (:func:`mixprec.demo.verdict.verdict`), after a line saying where a Ctrl-C
+    stopped the run when it did."""
+    lines = verdict(result)
+    return ([f"INTERRUPTED: {result.interrupted}."] if result.interrupted else []) + lines
+
+
+def _table(result: DemoResult) -> str:
+    """The rows of :func:`format_table`, without the fp8 lines."""
     ref = _reference(result)
     stats = {s.mode: s for s in summarize(result)}
     several = len(result.seeds) > 1
@@ -95,7 +120,6 @@ def format_table(result: DemoResult) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     seeds = f"{len(result.seeds)} seeds" if several else f"seed {result.seeds[0]}"
     lines.append(f"({seeds}; time / {ref.mode}: time per token relative to {ref.mode}, lower is faster)")
-    lines.extend(format_fp8(result))
     return "\n".join(lines)
 
 
@@ -103,16 +127,6 @@ def format_checks(result: DemoResult) -> list[str]:
     """One line per bitwise check (a mode against its reference), e.g.
     ``mixprec-fp16 = torch-amp: identical (losses, scales, skipped steps)``."""
     return [f"{pair}: {verdict}" for pair, verdict in checks(result).items()]
-
-
-def _smooth(values: list[float]) -> list[float]:
-    """Trailing mean over a window of 1/25 of the run (at least one step)."""
-    window = max(1, len(values) // 25)
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v - (values[i - window] if i >= window else 0.0)
-        out.append(total / min(i + 1, window))
-    return out
 
 
 def _timing(result: DemoResult) -> str:
@@ -131,7 +145,7 @@ def _figures(result: DemoResult) -> list[dict[str, Any]]:
     scaled = [m for m in modes if m.scales]
     ref = _reference(result)
     lowest = min(modes, key=lambda m: m.total_memory)
-    smoothed = {m.mode: _smooth(m.losses) for m in modes}
+    smoothed = {m.mode: smooth(m.losses) for m in modes}
     seed = f" (seed {result.seeds[0]})" if len(result.seeds) > 1 else ""
     scale_caption = (
         f"The loss scale of every mode that uses one{seed} (log scale), with its skipped steps marked "
@@ -198,13 +212,33 @@ def _figures(result: DemoResult) -> list[dict[str, Any]]:
             "caption": (
                 f"Training tokens per second of each mode{seed} ({_timing(result)}), with its time "
                 f"per token relative to {ref.mode} on each bar (lower is faster). "
-                + (hardware_note(result) or "Low-precision modes are faster where the device has "
-                   "native float16/bfloat16 kernels.")
+                + _speed_caption(result)
             ),
         },
     ]
+    if result.speed.get("sizes"):
+        figures.append(_speed_figure(result))
     fp8 = fp8_figure.figure_spec(result)
     return figures if fp8 is None else figures + [fp8]
+
+
+def _speed_figure(result: DemoResult) -> dict[str, Any]:
+    panel = result.speed
+    return {
+        "name": "speed",
+        "file": "speed.png",
+        "title": "Speed panel: time per training step relative to fp32",
+        "data": {"sizes": [e["size"] for e in panel["sizes"]],
+                 "ratio": {k: [e["ratio"][k] for e in panel["sizes"]] for k in KINDS if k != "fp32"},
+                 "seconds": {k: [e["seconds"][k] for e in panel["sizes"]] for k in KINDS},
+                 "skipped": panel["skipped"]},
+        "caption": (
+            f"Time per training step of each kind relative to fp32's at each model size (batch "
+            f"{panel['batch_size']}, AdamW, the median over {panel['rounds']} rounds of the ratio within a round; "
+            f"lower is faster, the line at 1 is fp32; {panel['seconds']:.0f} s in all). "
+            + _sentence(speed_sentence(panel, result.device))
+        ),
+    }
 
 
 def _plot(fig_spec: dict[str, Any], result: DemoResult, path: Path) -> None:
@@ -218,6 +252,9 @@ def _plot(fig_spec: dict[str, Any], result: DemoResult, path: Path) -> None:
         fp8_figure.plot(fig_spec, path)
         return
     colors = {m.mode: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(result.modes)}
+    if name == "speed":
+        _plot_speed(fig_spec, path, plt)
+        return
     if name == "loss":
         fig, (ax, diff) = plt.subplots(2, 1, figsize=(9, 6.5), dpi=100, sharex=True,
                                        gridspec_kw={"height_ratios": (2, 1)})
@@ -282,6 +319,33 @@ def _plot(fig_spec: dict[str, Any], result: DemoResult, path: Path) -> None:
     plt.close(fig)
 
 
+def _plot_speed(fig_spec: dict[str, Any], path: Path, plt: Any) -> None:
+    """Grouped bars: per size, each kind's time relative to fp32 (log axis), the ratio on each bar."""
+    data = fig_spec["data"]
+    sizes, kinds = data["sizes"], list(data["ratio"])
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100)
+    width = 0.8 / len(kinds)
+    for j, kind in enumerate(kinds):
+        xs = [i + (j - (len(kinds) - 1) / 2) * width for i in range(len(sizes))]
+        # from the fp32 line: up is slower, down is faster
+        bars = ax.bar(xs, [r - 1 for r in data["ratio"][kind]], width, bottom=1.0, label=KINDS[kind],
+                      color=plt.get_cmap("Set2")(j))
+        ax.bar_label(bars, labels=[f"{r:.2f}x" for r in data["ratio"][kind]], fontsize=8, padding=2)
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="fp32")
+    ax.set_yscale("log", base=2)
+    ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.set_xticks(range(len(sizes)), [f"{s}\n(fp32 {data['seconds']['fp32'][i] * 1e3:.0f} ms/step)"
+                                      for i, s in enumerate(sizes)])
+    ax.margins(y=0.15)
+    ax.set(xlabel="model size", ylabel="time per step / fp32 (lower is faster)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax.set_title(fig_spec["title"])
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def _seeds(result: DemoResult) -> str:
     seeds = result.seeds
     return f"seed {seeds[0]}" if len(seeds) == 1 else f"{len(seeds)} seeds ({seeds[0]} to {seeds[-1]})"
@@ -294,6 +358,8 @@ def _html(result: DemoResult, figures: list[dict[str, Any]]) -> str:
     modes = "".join(
         f"<li><b>{html.escape(m.mode)}</b>: {html.escape(m.summary)}</li>" for m in result.modes
     )
+    verdict_items = "".join(f"<li>{html.escape(line)}</li>" for line in verdict(result))
+    fp8_items = "".join(f"<li>{html.escape(line)}</li>" for line in format_fp8(result))
     figs = "".join(
         f'<figure><img src="{f["file"]}" alt="{html.escape(f["title"])}">'
         f"<figcaption>{html.escape(f['caption'])}</figcaption></figure>"
@@ -306,15 +372,19 @@ body {{ font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto;
 pre {{ background: #f4f4f4; padding: 0.8rem; overflow-x: auto; }}
 figure {{ margin: 2rem 0; }} img {{ max-width: 100%; }} figcaption {{ color: #333; }}
 .note {{ background: #fff4d6; padding: 0.6rem; }}
+.verdict {{ background: #e8f4ea; padding: 0.6rem 0.6rem 0.6rem 2rem; }}
 </style></head><body>
 <h1>mixprec demo report</h1>
+{f'<p class="note"><b>Interrupted</b> (Ctrl-C): {html.escape(result.interrupted)}.</p>' if result.interrupted else ""}
+<ul class="verdict">{verdict_items}</ul>
 <p>A decoder-only transformer ({s.model.n_layers} layers, d={s.model.d_model},
 {s.model.n_heads} heads, sequence {s.model.seq_len}, byte-level) trained {s.steps} step{"s" if s.steps > 1 else ""} with
 batch {s.batch_size}, learning rate {s.lr}, {_seeds(result)}, on {html.escape(result.device)} in
 each precision mode below, from the same initial weights and on the same batches.</p>
 {f'<p class="note">Note: {html.escape(note)}</p>' if note else ""}
 <ul>{modes}</ul>
-<pre>{html.escape(format_table(result))}</pre>
+<pre>{html.escape(_table(result))}</pre>
+{f"<ul>{fp8_items}</ul>" if fp8_items else ""}
 {"".join(f"<p><b>Check</b>: {html.escape(line)}</p>" for line in format_checks(result))}
 {figs}
 <p><small>{html.escape(env)}. Every number is also in <a href="results.json">results.json</a>.</small></p>
@@ -324,8 +394,8 @@ each precision mode below, from the same initial weights and on the same batches
 
 def write_report(result: DemoResult, out: str | Path) -> dict[str, Path]:
     """Write ``results.json``, ``loss.png``, ``scale.png``, ``memory.png``, ``throughput.png``,
-    ``fp8.png`` (when an fp8 mode ran) and ``index.html`` into ``out`` (created if needed);
-    return their paths by name.
+    ``speed.png`` (when the speed panel ran), ``fp8.png`` (when an fp8 mode ran) and
+    ``index.html`` into ``out`` (created if needed); return their paths by name.
 
     Raises:
         ImportError: when matplotlib is not installed (``results.json`` is written first).
@@ -337,6 +407,7 @@ def write_report(result: DemoResult, out: str | Path) -> dict[str, Path]:
     paths = {"results": out / "results.json"}
     data = result.to_json()
     data["figures"] = figures
+    data["verdict"] = format_verdict(result)
     paths["results"].write_text(json.dumps(data, indent=1))
     for spec in figures:
         paths[spec["name"]] = out / spec["file"]

@@ -21,7 +21,7 @@ from mixprec.demo.modes import MODES
 from mixprec.demo.settings import Settings
 
 __all__ = ["ModeResult", "DemoResult", "Progress", "Summary", "compare", "summarize", "rank", "fp8_summary",
-           "format_fp8", "FP8_LOSS_TOLERANCE"]
+           "format_fp8", "smooth", "FP8_LOSS_TOLERANCE"]
 
 
 @dataclass
@@ -85,13 +85,19 @@ class DemoResult:
     """A whole demo run: its settings, its environment, and one :class:`ModeResult` per mode and
     seed (``runs``, seed by seed in the order of ``modes``).
 
-    ``settings.seed`` is the first seed; the others follow it (``seed + 1``, ...).
+    ``settings.seed`` is the first seed; the others follow it (``seed + 1``, ...). ``speed`` is
+    the speed panel (:func:`mixprec.demo.speed.measure`; empty when it did not run),
+    ``seeds_note`` why this many seeds ran (when a time budget chose them), ``interrupted``
+    where a Ctrl-C stopped the run (empty when it ran to the end).
     """
 
     settings: Settings
     device: str
     environment: dict[str, Any]
     runs: list[ModeResult]
+    speed: dict[str, Any] = field(default_factory=dict)
+    seeds_note: str = ""
+    interrupted: str = ""
 
     @property
     def seeds(self) -> list[int]:
@@ -118,6 +124,9 @@ class DemoResult:
             "summary": [s.to_json() for s in summarize(self)],
             "checks": checks(self),
             "fp8": fp8_summary(self),
+            "speed": self.speed,
+            "seeds_note": self.seeds_note,
+            "interrupted": self.interrupted,
         }
 
 
@@ -128,6 +137,16 @@ class Progress(Protocol):
     def update(self, step: int, loss: float, scale: float | None) -> None: ...
     def finish(self, result: ModeResult) -> None: ...
     def note(self, text: str) -> None: ...
+
+
+def smooth(values: list[float]) -> list[float]:
+    """Trailing mean over a window of 1/25 of the run (at least one step)."""
+    window = max(1, len(values) // 25)
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def compare(ours: ModeResult, ref: ModeResult) -> str:

@@ -242,6 +242,8 @@ def run_demo(
     progress: Progress | None = None,
     seeds: int = 1,
     threads_reason: str = "",
+    speed_sizes: tuple[str, ...] = (),
+    budget_s: float | None = None,
 ) -> DemoResult:
     """Train every mode in ``modes`` in turn with the same settings, once per seed
     (``settings.seed``, ``settings.seed + 1``, ...); see :func:`run_mode`.
@@ -249,22 +251,71 @@ def run_demo(
     ``progress`` is also told the expected duration before training and a corrected one after
     the first steps of each mode (:class:`mixprec.demo.estimate.Estimate`).
 
+    Args:
+        speed_sizes: the model sizes of the speed panel (:func:`mixprec.demo.speed.measure`),
+            timed before training; no panel when empty.
+        budget_s: with it, ``seeds`` is the most: a seed after the first is trained only when it
+            is expected to end within ``budget_s`` seconds of the start (expected: the mean time
+            of the seeds so far); ``DemoResult.seeds_note`` says how many ran and why.
+
+    A ``KeyboardInterrupt`` (Ctrl-C) ends the demo early: the result holds the runs that
+    finished (those of a seed left incomplete are dropped when an earlier seed is complete) and
+    ``interrupted`` says where it stopped; when no run had finished, the interrupt is raised again.
+
     Raises:
-        ValueError: ``seeds < 1`` or past the last seed; see :func:`check_modes` (checked before
-            anything trains).
+        ValueError: ``seeds < 1`` or past the last seed, an unknown speed size; see
+            :func:`check_modes` (checked before anything trains).
         RuntimeError: see :func:`check_modes`.
+        KeyboardInterrupt: interrupted before a run finished.
     """
+    from mixprec.demo import speed
+
     check_modes(list(modes))
     if seeds < 1 or settings.seed + seeds > MAX_SEED:
         raise ValueError(f"seeds must be >= 1 with seed + seeds <= 2**63, got seed {settings.seed}, seeds {seeds}")
     device = torch.device(device)
     data = load_tokens()
+    start = time.perf_counter()
     env = environment(device, threads_reason)
-    estimate = Estimate.start(settings, list(modes) * seeds, device, progress)
-    runs = []
-    for offset in range(seeds):
-        seeded = dataclasses.replace(settings, seed=settings.seed + offset)
-        for name in modes:
-            runs.append(run_mode(name, seeded, device, estimate.watch(name), data))
-    estimate.done()
-    return DemoResult(settings=settings, device=str(device), environment=env, runs=runs)
+    result = DemoResult(settings=settings, device=str(device), environment=env, runs=[])
+    note = progress.note if progress is not None else None
+    try:
+        if speed_sizes:
+            result.speed = speed.measure(data[0], device, speed_sizes, note=note)
+        estimate = Estimate.start(settings, list(modes) * (1 if budget_s else seeds), device, progress, env)
+        for offset in range(seeds):
+            if offset and budget_s is not None:
+                elapsed = time.perf_counter() - start
+                per_seed = sum(r.wall_s for r in result.runs) / offset
+                if elapsed + per_seed > budget_s:
+                    result.seeds_note = (f"{offset} seed{'s' if offset > 1 else ''} of at most {seeds}: another "
+                                         f"(about {per_seed:.0f} s) would end past the {budget_s:.0f} s budget")
+                    break
+                estimate.plan(list(modes))
+            seeded = dataclasses.replace(settings, seed=settings.seed + offset)
+            for name in modes:
+                result.runs.append(run_mode(name, seeded, device, estimate.watch(name), data))
+        else:
+            if budget_s is not None:
+                result.seeds_note = f"{seeds} seeds, the most, within the {budget_s:.0f} s budget"
+        estimate.done()
+    except KeyboardInterrupt:
+        if not result.runs:
+            raise
+        _keep_complete_seeds(result, list(modes))
+    return result
+
+
+def _keep_complete_seeds(result: DemoResult, modes: list[str]) -> None:
+    """After an interrupt: say what finished, and drop the runs of an incomplete seed when an
+    earlier seed is complete."""
+    done = [r.mode for r in result.runs if r.seed == result.runs[-1].seed]
+    last = result.runs[-1].seed
+    if len(done) < len(modes) and last != result.runs[0].seed:
+        result.runs = [r for r in result.runs if r.seed != last]
+        result.interrupted = (f"during seed {last}: its finished runs ({', '.join(done)}) are left out so that "
+                              "every seed has every mode")
+    else:
+        names = ", ".join(dict.fromkeys(r.mode for r in result.runs))
+        missing = [m for m in modes if m not in done]
+        result.interrupted = f"finished {names}" + (f"; not run: {', '.join(missing)}" if missing else "")

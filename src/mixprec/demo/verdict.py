@@ -1,0 +1,115 @@
+"""The top of the demo report: which mode to use here, for accuracy, for speed and for memory,
+computed from the run, with the noise band it rests on; and why a mode that ends far above fp32
+did so.
+
+Accuracy compares each mode's validation loss with the base mode's (the first, fp32) seed by
+seed, as :func:`mixprec.demo.results.rank` does: a mode is better or worse only beyond twice the
+standard deviation of that difference over the seeds; from one seed there is no band and
+nothing is called better or worse. Speed is this run's throughput (the trained size), and the
+speed panel's crossover (:mod:`mixprec.demo.speed`) for larger models.
+
+Example:
+    >>> from mixprec.demo.results import DemoResult, ModeResult
+    >>> from mixprec.demo.settings import Settings
+    >>> runs = [ModeResult(m, "", [2.0] * 10, 2.0, tps, {"params": 8}, "") for m, tps in (("fp32", 9.0), ("b", 4.0))]
+    >>> verdict(DemoResult(Settings.for_size("tiny", steps=10), "cpu", {}, runs))[1]
+    'For speed at this size (tiny, 10 steps): fp32 (9 tokens/s; from one seed accuracy is not established, see above).'
+"""
+
+from __future__ import annotations
+
+from mixprec.demo.results import DemoResult, ModeResult, Summary, smooth, summarize
+from mixprec.demo.speed import speed_sentence
+
+__all__ = ["verdict", "departure", "DEPARTURE_RATIO"]
+
+#: A mode whose final training loss ends more than this fraction above fp32's gets its departure
+#: from fp32's curve explained (:func:`departure`).
+DEPARTURE_RATIO = 0.02
+# the smoothed difference to the base mode that counts as leaving its curve, nats
+_LEAVES = 0.05
+
+
+def _within(s: Summary) -> bool:
+    return abs(s.eval_vs_base) <= 2 * s.eval_vs_base_spread
+
+
+def _accuracy(result: DemoResult, stats: list[Summary]) -> tuple[str, list[str]]:
+    """The accuracy sentence and the modes that match the base mode (the base first)."""
+    base, n = stats[0].base, stats[0].seeds
+    others = stats[1:]
+    if n < 2:
+        return (f"For accuracy: from 1 seed there is no noise band (the spread between seeds is unknown), so no "
+                f"mode is called better or worse than {base}; --seeds 3 measures it"
+                + (f" ({result.seeds_note})" if result.seeds_note else "") + ".", [s.mode for s in stats])
+    match = [s for s in others if _within(s)]
+    better = [s for s in others if not _within(s) and s.eval_vs_base < 0]
+    worse = [s for s in others if not _within(s) and s.eval_vs_base > 0]
+    bands = [2 * s.eval_vs_base_spread for s in others]
+    band = (f"{min(bands):.3f} to {max(bands):.3f}" if others else "")
+
+    def listed(group: list[Summary]) -> str:
+        return ", ".join(f"{s.mode} ({s.eval_vs_base:+.3f} ± {s.eval_vs_base_spread:.3f})" for s in group) or "none"
+
+    use = f"{better[0].mode}" if better else f"{base} or any mode that matches it"
+    text = (f"For accuracy ({n} seeds; noise band: twice the seed-to-seed standard deviation of each mode's "
+            f"validation loss minus {base}'s, {band} nats here): use {use}. Matching {base}: {listed(match)}; "
+            f"better: {listed(better)}; worse: {listed(worse)}"
+            + (f" ({result.seeds_note})" if result.seeds_note else "") + ".")
+    return text, [base] + [s.mode for s in better + match]
+
+
+def departure(mode: ModeResult, base: ModeResult, warmup: int) -> str | None:
+    """Where ``mode``'s training loss leaves ``base``'s (the first step at which their trailing
+    means differ by more than 0.05) and its largest jump above it, in words; None when it never
+    leaves. ``warmup`` is the last step of the learning-rate warm-up."""
+    diff = [a - b for a, b in zip(smooth(mode.losses), smooth(base.losses))]
+    leaves = next((i for i, d in enumerate(diff) if d > _LEAVES), None)
+    if leaves is None:
+        return None
+    raw = [a - b for a, b in zip(mode.losses, base.losses)]
+    peak = max(range(len(raw)), key=raw.__getitem__)
+    when = (f"{leaves + 1 - warmup} steps after the warm-up to the peak learning rate ended (step {warmup})"
+            if leaves + 1 >= warmup else f"during the warm-up (steps 1-{warmup})")
+    return (f"{mode.mode} ends {mode.final_loss / base.final_loss - 1:+.1%} against {base.mode} (seed {mode.seed}): "
+            f"it leaves {base.mode}'s curve at step {leaves + 1}, {when}, and jumps to {mode.losses[peak]:.2f} "
+            f"at step {peak + 1} ({base.mode} {base.losses[peak]:.2f}). In that phase a run of this small model "
+            "is tipped off course by any rounding difference and stays on a higher plateau, so one seed does not "
+            "rank the mode: compare over seeds (docs/demo.md, 'Far above fp32 from one seed').")
+
+
+def verdict(result: DemoResult) -> list[str]:
+    """The report's verdict: one line for accuracy, one for speed (this run's throughput, and
+    the speed panel when it ran), one for memory, and one per mode that ended more than
+    :data:`DEPARTURE_RATIO` above the base mode's final loss (see :func:`departure`).
+
+    Precondition: at least one run.
+    """
+    stats = summarize(result)
+    accuracy, good = _accuracy(result, stats)
+    modes = {m.mode: m for m in result.modes}
+    base = modes[stats[0].base]
+    s = result.settings
+    several = len(result.seeds) > 1
+    candidates = [modes[m] for m in good if m in modes]
+    fastest = max(candidates, key=lambda m: m.tokens_per_s)
+    among = f"the fastest mode that matches {base.mode}'s accuracy" if several else "the fastest mode"
+    ratio = base.tokens_per_s / fastest.tokens_per_s
+    speed = (f"For speed at this size ({s.size}, {s.steps} steps): {fastest.mode} ({fastest.tokens_per_s:,.0f} tokens/s"
+             + (f", {ratio:.2f}x {base.mode}'s time" if fastest is not base else "")
+             + ("" if several else "; from one seed accuracy is not established, see above") + ").")
+    if result.speed.get("sizes"):
+        speed += " At other sizes (the speed panel), " + speed_sentence(result.speed, result.device)
+    lines = [accuracy, speed]
+    if len(candidates) > 1:
+        least = min(candidates, key=lambda m: m.total_memory)
+        lines.append(f"For memory: {least.mode} ({least.total_memory / 2**20:.2f} MiB, "
+                     f"{least.total_memory / base.total_memory:.0%} of {base.mode}'s)"
+                     + ("" if several else ", accuracy not established from one seed") + ".")
+    warmup = max(1, s.steps // 10)
+    for m in result.modes:
+        if m is not base and m.final_loss > (1 + DEPARTURE_RATIO) * base.final_loss:
+            why = departure(m, base, warmup)
+            if why is not None:
+                lines.append(why)
+    return lines

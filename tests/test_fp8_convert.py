@@ -198,3 +198,53 @@ def test_public_surface_and_light_import():
     code = "import sys, mixprec, mixprec.fp8; print('torchao' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# --- nothing selected: a warning that says why; a root Linear with children ----------------------
+
+@pytest.mark.parametrize("model,kwargs,why", [
+    (lambda: nn.Sequential(nn.Conv2d(3, 3, 1), nn.ReLU()), {},
+     "the model has no nn.Linear or Linear-equivalent (transformers Conv1D) layer"),
+    (lambda: nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16)), {},
+     "the only eligible layers ('0', '1') are the model's first and last, kept in the compute dtype by "
+     "first_last='keep'; pass first_last='fp8' to include them"),
+    (lambda: nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16)), {"names": "^x$"},
+     "names='^x$' matches none of the 3 nn.Linear or Linear-equivalent (transformers Conv1D) layers (e.g. '0', '1', '2')"),
+    (lambda: nn.Sequential(nn.Linear(10, 20), nn.Linear(20, 10)), {"first_last": "fp8"},
+     "none of the 2 nn.Linear or Linear-equivalent (transformers Conv1D) layers has in and out features that are "
+     "multiples of 16"),
+])
+def test_selecting_no_layer_warns_once_per_model_saying_why(model, kwargs, why):
+    m = model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fp8.select_layers(m, **kwargs) == []
+        assert fp8.select_layers(m, **kwargs) == []  # the policy selects at every outermost call
+    messages = [str(w.message) for w in caught if "no layer selected" in str(w.message)]
+    assert messages == [f"fp8: no layer selected, nothing runs in fp8: {why}"]
+
+
+def test_a_policy_and_convert_that_select_nothing_warn_once():
+    import mixprec
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with mixprec.autocast("cpu", policy=mixprec.Policy.fp8()):
+                model(torch.randn(2, 16))
+        assert fp8.convert(model, filter_fn=lambda m, fqn: fqn == "x") is model
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2 and "first and last" in messages[0]
+    assert messages[1] == ("fp8.convert: no layer converted, nothing runs in fp8: filter_fn chose none of "
+                           "the 2 nn.Linear and Conv1D layers")
+
+
+def test_convert_refuses_a_root_linear_with_children_before_changing_anything():
+    root = nn.Linear(16, 16)
+    root.extra = nn.Linear(16, 16)
+    with pytest.raises(ValueError, match=r"the root module is a Linear with children \(extra\), which converting "
+                                         r"it would drop; convert its parent module"):
+        fp8.convert(root, filter_fn=lambda m, fqn: True)
+    assert type(root.extra) is nn.Linear and fp8.layer_states(root) == {}
+    assert type(fp8.convert(root, filter_fn=lambda m, fqn: fqn != "").extra) is fp8.Float8Linear

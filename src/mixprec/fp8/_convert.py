@@ -31,7 +31,7 @@ def _warn_once(model: nn.Module, message: str) -> None:
     seen = _WARNED.setdefault(model, set())
     if message not in seen:
         seen.add(message)
-        warnings.warn(message, stacklevel=4)
+        warnings.warn(message, stacklevel=3)
 
 
 def as_recipe(recipe: Float8Recipe | str) -> Float8Recipe:

@@ -154,9 +154,23 @@ def test_bad_arguments_say_what_to_do() -> None:
         MixprecPrecision("16-true", device="cpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
         MixprecPrecision("16-mixed", device="mps")
+    with pytest.raises(ValueError, match="not a device"):
+        MixprecPrecision("16-mixed", device="gpu0")
     with pytest.raises(ValueError, match="drop compute= from the policy"):
         MixprecPrecision("16-mixed", policy="compute=bf16", device="cpu")
     with pytest.raises(MisconfigurationException, match="does not use a scaler"):
         MixprecPrecision("bf16-mixed", scaler=mixprec.GradScaler("cpu"), device="cpu")
     with pytest.raises(ValueError, match=r"pass MixprecPrecision\(\.\.\., device='cpu'\)"):
         MixprecPrecision("16-mixed", device="cuda").pre_backward(torch.ones(()), None)
+    with pytest.raises(ValueError, match=r"pass MixprecPrecision\(\.\.\., device='cpu'\)"):
+        MixprecPrecision("16-mixed", device="cuda:1").pre_backward(torch.ones(()), None)
+
+
+def test_an_indexed_cuda_device_is_taken_as_lightning_takes_it() -> None:
+    plugin = MixprecPrecision("16-mixed", device="cuda:0")
+    assert plugin.device == "cuda:0" and plugin.device_type == "cuda"
+    assert isinstance(plugin.scaler, mixprec.GradScaler)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CUDA is not available: the region is disabled
+        ctx = plugin.autocast_context_manager()
+    assert isinstance(ctx, torch.autocast) and ctx.device == "cuda" and ctx.fast_dtype == torch.float16

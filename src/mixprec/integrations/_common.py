@@ -35,3 +35,18 @@ def resolve_policy(policy: Policy | str | None, dtype: torch.dtype, where: str) 
 def default_device() -> str:
     """``"cuda"`` when CUDA is available, else ``"cpu"`` (what the frameworks' "auto" picks)."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_type(device: str | torch.device, where: str) -> str:
+    """The device type mixprec autocasts for ``device`` (``"cuda:1"`` -> ``"cuda"``).
+
+    Raises:
+        ValueError: not a device string, or a device type other than ``"cpu"`` and ``"cuda"``.
+    """
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{where}(device={device!r}): not a device; use 'cpu', 'cuda' or 'cuda:<index>'") from None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"{where}(device={device!r}): mixprec autocasts 'cpu' or 'cuda' (also 'cuda:<index>')")
+    return kind

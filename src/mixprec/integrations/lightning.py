@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 
 import mixprec
-from mixprec.integrations._common import PRECISIONS, default_device, resolve_policy
+from mixprec.integrations._common import PRECISIONS, default_device, device_type, resolve_policy
 from mixprec.policy import Policy
 
 try:
@@ -52,8 +52,10 @@ class MixprecPrecision(MixedPrecision):
         scaler: the loss scaler for ``"16-mixed"``; None: ``mixprec.GradScaler(device)`` with
             torch's defaults. Anything with ``scale``/``unscale_``/``step``/``update``/
             ``state_dict``/``load_state_dict`` works (a ``torch.amp.GradScaler`` too).
-        device: the device type to autocast, ``"cpu"`` or ``"cuda"``; None: ``"cuda"`` when CUDA
-            is available, else ``"cpu"``. It must be the Trainer's accelerator.
+        device: the device to autocast, as Lightning takes it: ``"cpu"``, ``"cuda"`` or
+            ``"cuda:<index>"`` (kept as given in ``self.device``; autocast and the default scaler
+            use its type); None: ``"cuda"`` when CUDA is available, else ``"cpu"``. It must be
+            the Trainer's accelerator.
 
     The scaler's state is saved in checkpoints under ``"MixprecPrecision"`` and restored on
     resume (``Trainer.fit(ckpt_path=...)``).
@@ -72,20 +74,20 @@ class MixprecPrecision(MixedPrecision):
         *,
         device: str | None = None,
     ) -> None:
-        if precision not in ("16-mixed", "bf16-mixed"):
-            raise ValueError(f"MixprecPrecision(precision={precision!r}): use '16-mixed' or 'bf16-mixed'")
+        if precision not in ("16-mixed", "bf16-mixed"):  # Lightning's message
+            raise ValueError(f"Passed `{type(self).__name__}(precision={precision!r})`. Precision must be "
+                             "'16-mixed' or 'bf16-mixed'.")
         device = default_device() if device is None else device
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"MixprecPrecision(device={device!r}): mixprec autocasts 'cpu' or 'cuda'")
+        self.device_type = device_type(device, "MixprecPrecision")
         self.policy = resolve_policy(policy, PRECISIONS[precision], "MixprecPrecision")
         if scaler is None and precision == "16-mixed":
-            scaler = mixprec.GradScaler(device)
+            scaler = mixprec.GradScaler(self.device_type)
         super().__init__(precision, device, scaler)
 
-    def autocast_context_manager(self) -> Any:  # type: ignore[override]
-        """``mixprec.autocast`` over the device with the precision's dtype and the policy
-        (weight-cast cache off, as Lightning's)."""
-        return mixprec.autocast(self.device, dtype=PRECISIONS[self.precision], cache_enabled=False,
+    def autocast_context_manager(self) -> mixprec.autocast:  # type: ignore[override]
+        """``mixprec.autocast`` (a ``torch.autocast``) over the device type with the precision's
+        dtype and the policy (weight-cast cache off, as Lightning's)."""
+        return mixprec.autocast(self.device_type, dtype=PRECISIONS[self.precision], cache_enabled=False,
                                 policy=self.policy)
 
     @contextmanager
@@ -95,9 +97,9 @@ class MixprecPrecision(MixedPrecision):
             yield
 
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
-        if isinstance(tensor, torch.Tensor) and tensor.device.type != self.device:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != self.device_type:
             raise ValueError(
-                f"MixprecPrecision autocasts {self.device!r} but the loss is on {tensor.device.type!r}: "
+                f"MixprecPrecision autocasts {self.device_type!r} but the loss is on {tensor.device.type!r}: "
                 f"pass MixprecPrecision(..., device={tensor.device.type!r})"
             )
         return super().pre_backward(tensor, module)

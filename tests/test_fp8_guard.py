@@ -236,7 +236,7 @@ def test_fallback_decision_is_the_same_on_every_rank(tmp_path):
         assert res["second"] == [(OUTLIER_LAYER, "input", "underflow")]
         assert res["flags"] == {"0": False, "2": True, "4": False, "6": False}
         assert len(res["warnings"]) == 1 and "'2'" in res["warnings"][0]
-    assert results[0]["state_dict"] == results[1]["state_dict"]
+    assert results[0]["state_dict"]["decisions"] == results[1]["state_dict"]["decisions"]  # windows: per rank
 
 
 def test_large_operands_are_measured_on_a_sample_and_nonfinite_is_never_missed():

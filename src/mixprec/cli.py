@@ -214,6 +214,40 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build_kernels(args: argparse.Namespace) -> int:
+    """Build (or find) this environment's C++ kernels, with progress lines; exit status 1 if they
+    cannot be built (mixprec then runs its Python kernels: same results, slower)."""
+    import threading
+    import time
+
+    from mixprec import _native
+
+    prog = "mixprec build-kernels"
+    if not _native.enabled():
+        print(f"{prog}: MIXPREC_NATIVE_KERNELS=0: nothing to build, mixprec uses its Python kernels")
+        return 0
+    done, start = threading.Event(), time.monotonic()
+
+    def tick() -> None:
+        while not done.wait(15):
+            print(f"{prog}: still building ({time.monotonic() - start:.0f} s)...", flush=True)
+
+    threading.Thread(target=tick, daemon=True).start()
+    try:
+        built = _native.build(retry=True, say=lambda line: print(line, flush=True))
+    except _native.BuildError as e:
+        print(f"{prog}: error: {e}. mixprec will use its Python kernels and torch's fused optimizer "
+              "kernels on float32 copies (same results, slower)", file=sys.stderr)
+        return 1
+    finally:
+        done.set()
+    if built.seconds is None:
+        print(f"{prog}: already built for this environment: {built.directory}")
+    else:
+        print(f"{prog}: built in {built.seconds:.1f} s: {built.directory}")
+    return 0
+
+
 def _version() -> str:
     """``mixprec X (torch Y)``, read from the installed metadata (no torch import)."""
     import importlib.metadata

@@ -1,12 +1,17 @@
-"""Every ```python block of README.md and docs/*.md runs.
+"""Every ```python block of README.md and docs/*.md runs as written, or says it is a fragment.
 
-Each block runs in a fresh namespace, in a temporary folder, after :data:`PRELUDE`: the names that
-fragments use without defining them (``model``, ``x``, ``batch``, ``loss_fn``, ``optimizer``...).
-A complete example does not need it and redefines what it uses. Two explicit rules, no silent skips:
+Each block runs in a fresh, empty namespace, in a temporary folder: it imports and defines what
+it uses. Three explicit rules, no silent skips:
 
+- a block whose first line is ``# fragment: ...`` (saying what it takes from the reader: "your
+  model, loss_fn and batch") is part of a training loop the reader has; it is compiled (syntax),
+  not run;
 - a block that autocasts or scales on CUDA (``autocast("cuda"``, ``GradScaler("cuda"``) runs only
   where CUDA is available (skipped with that reason elsewhere);
 - a block that trains the demo or a framework end to end is marked ``slow``.
+
+Install commands must work from a checkout: mixprec is not on a package index, so
+``pip install 'mixprec[...]'`` is refused in favour of ``pip install -e '.[...]'``.
 """
 
 from __future__ import annotations
@@ -21,76 +26,69 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-#: What documentation fragments may use without defining it.
-PRELUDE = '''
-import torch
-from torch import nn
-import mixprec
-from mixprec import Policy
-
-class Net(nn.Module):
-    """A small model: a Linear body, a LayerNorm and an lm_head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body, self.norm, self.lm_head = nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.lm_head(self.norm(self.body(x)))
-
-def loss_fn(model, batch):
-    inputs, target = batch
-    return nn.functional.cross_entropy(model(inputs), target)
-
-model = Net()
-x = torch.randn(8, 16)
-batch = (x, torch.randint(0, 4, (8,)))
-loader = [batch, batch]
-optimizer = opt = torch.optim.SGD(model.parameters(), lr=0.1)
-loss = loss_fn(model, batch)
-torch.save({"model": Net().state_dict(), "optimizer": torch.optim.AdamW(Net().parameters()).state_dict()}, "fp32.pt")
-'''
-
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+_FRAGMENT = re.compile(r"\A# fragment: \S")
 _CUDA_ONLY = re.compile(r"""(autocast|GradScaler)\(\s*["']cuda["']""")
 _SLOW = re.compile(r"mixprec\.demo|Trainer\(|\.fit\(|\.train\(\)")
+_INDEX_INSTALL = re.compile(r"pip install\s+(?:-U\s+)?['\"]?mixprec\b")
 
 
-def _blocks() -> list[pytest.param]:
-    params = []
+def _blocks() -> list[tuple[str, str]]:
+    """``(id, code)`` of every python block: ``README.md:LINE``."""
+    out = []
     for path in DOCS:
         text = path.read_text(encoding="utf-8")
         for match in _BLOCK.finditer(text):
             line = text[: match.start()].count("\n") + 1
-            code = match.group(1)
-            marks = []
-            if _CUDA_ONLY.search(code):
-                marks.append(pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only block"))
-            if _SLOW.search(code):
-                marks.append(pytest.mark.slow)
-            params.append(pytest.param(code, id=f"{path.relative_to(ROOT)}:{line}", marks=marks))
+            out.append((f"{path.relative_to(ROOT)}:{line}", match.group(1)))
+    return out
+
+
+def _runnable() -> list[pytest.param]:
+    params = []
+    for name, code in _blocks():
+        if _FRAGMENT.match(code):
+            continue
+        marks = []
+        if _CUDA_ONLY.search(code):
+            marks.append(pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only block"))
+        if _SLOW.search(code):
+            marks.append(pytest.mark.slow)
+        params.append(pytest.param(code, id=name, marks=marks))
     return params
 
 
 def test_docs_have_python_blocks() -> None:
-    assert len(_blocks()) >= 15
+    assert len(_blocks()) >= 15 and len(_runnable()) >= 15
 
 
-@pytest.mark.parametrize("code", _blocks())
-def test_block_runs(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("code", _runnable())
+def test_block_runs_as_written(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     if "accelerate" in sys.modules:  # Accelerate's process-wide state holds the last block's precision
         sys.modules["accelerate"].state.AcceleratorState._reset_state(True)
-    namespace: dict = {"__name__": "__docs__"}
-    exec(compile(PRELUDE, "<prelude>", "exec"), namespace)
-    exec(compile(code, "<block>", "exec"), namespace)
+    exec(compile(code, "<block>", "exec"), {"__name__": "__docs__"})
 
 
-def test_the_cuda_rule_is_explicit() -> None:
+@pytest.mark.parametrize("name, code", [(n, c) for n, c in _blocks() if _FRAGMENT.match(c)])
+def test_fragment_compiles(name: str, code: str) -> None:
+    compile(code, name, "exec")
+
+
+def test_the_rules_are_explicit() -> None:
     assert _CUDA_ONLY.search('scaler = mixprec.GradScaler("cuda")')
     assert _CUDA_ONLY.search("with mixprec.autocast('cuda', dtype=torch.float16):")
     assert not _CUDA_ONLY.search('p = Policy.default("cuda")')  # a CUDA table runs on CPU tensors
+    assert _FRAGMENT.match("# fragment: your model and optimizer\nx = 1\n")
+    assert not _FRAGMENT.match("import torch\n# fragment: too late\n")
+
+
+def test_install_commands_work_from_a_checkout() -> None:
+    for path in [*DOCS, *sorted((ROOT / "src" / "mixprec" / "demo").glob("*.py")), ROOT / "src" / "mixprec" / "cli.py"]:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            assert not _INDEX_INSTALL.search(line), f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+    assert _INDEX_INSTALL.search("pip install 'mixprec[report]'") and not _INDEX_INSTALL.search("pip install -e '.[report]'")
 
 
 def test_masterweights_bytes_per_parameter_as_docs_lowp_says() -> None:

@@ -153,7 +153,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     prog = "mixprec demo"
     if importlib.util.find_spec("matplotlib") is None:
-        print(f"{prog}: error: the report needs matplotlib: pip install 'mixprec[report]'", file=sys.stderr)
+        print(f"{prog}: error: the report needs matplotlib: pip install matplotlib rich (from a checkout: pip install -e '.[report]')", file=sys.stderr)
         return 1
     out = args.out
     problem = _check_writable(out)

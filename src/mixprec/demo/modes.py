@@ -62,7 +62,7 @@ class Setup:
     scaler: _Scaler | None = None
     # after scaler.update(): (current scale, whether the step was skipped), both device tensors
     scale_state: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
-    # fp8 modes: the guard the loop checks after every step (``guard.check(model, step + 1)``),
+    # fp8 modes: the guard the loop steps after every optimizer step (``guard.step(model)``),
     # reading the layers' statistics at the end of each of its windows; and the recipe's name
     fp8_guard: Guard | None = None
     fp8_recipe: str = ""
@@ -189,9 +189,8 @@ def _setup_fp8(recipe: str, **thresholds: Any) -> Callable[[nn.Module, Settings,
     guard checked every :data:`FP8_EVERY` steps with the default thresholds (underflow > 5% or
     any inf/NaN moves a layer back) unless ``thresholds`` (``Guard``'s arguments) say otherwise.
 
-    The guard is not given to the policy: the loop checks it itself after each step, so that
-    its windows line up with the statistics the report reads (the policy would count the
-    evaluation's forward calls as steps too).
+    The loop calls ``guard.step(model)`` after each optimizer step and reads the statistics
+    just before each of its checks, so that its windows line up with what the report reads.
     """
 
     def setup(model: nn.Module, s: Settings, device: torch.device) -> Setup:

@@ -1,6 +1,6 @@
 """The demo's report: a terminal table, ``results.json``, PNG figures and ``index.html``.
 
-matplotlib is needed only by :func:`write_report` (``pip install mixprec[report]``) and is
+matplotlib is needed only by :func:`write_report` (``pip install -e '.[report]'`` from a checkout) and is
 imported there, with the non-interactive Agg backend.
 """
 

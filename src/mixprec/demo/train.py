@@ -193,7 +193,7 @@ def _fp8_step(model: nn.Module, guard: fp8.Guard, step: int, steps: int, windows
     read every fp8 layer's statistics (one host sync), then let the guard judge the window."""
     if (step + 1) % guard.every == 0 or step == steps - 1:
         windows.append((step + 1, fp8.stats(model).to_list()))
-    guard.check(model, step + 1)
+    guard.step(model)  # once per optimizer step: its step + 1
 
 
 def _fp8_trace(setup: Setup, windows: list[tuple[int, list[dict]]]) -> dict[str, Any]:

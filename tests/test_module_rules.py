@@ -3,6 +3,8 @@ the warning for rules that match nothing."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,15 @@ import mixprec
 from mixprec import Policy
 
 LN_F32 = Policy.parse("compute=bf16,output=f32").keep(types=nn.LayerNorm)
+
+
+@pytest.fixture(autouse=True)
+def fresh_rule_records(monkeypatch):
+    """Each test starts as a fresh process: no rule has matched or been warned about yet."""
+    from mixprec import _module_hooks
+
+    monkeypatch.setattr(_module_hooks, "_MATCHED", set())
+    monkeypatch.setattr(_module_hooks, "_WARNED", set())
 
 
 def _ln_model() -> nn.Module:
@@ -41,3 +52,184 @@ def test_decorated_forward_inside_a_region_with_the_same_policy():
     with mixprec.autocast("cpu", policy=LN_F32):
         net(x)
         assert net.body(x).dtype == torch.float32
+
+
+# --------------------------------------------------------------------- checkpoint recompute
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class _Net(nn.Module):
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.block, self.norm, self.out = nn.Linear(32, 32), _Block(), nn.LayerNorm(32), nn.Linear(32, 32)
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.inp(x)
+        if self.checkpointed:
+            x = checkpoint(self.block, x, use_reentrant=False, context_fn=mixprec.checkpoint_context_fn)
+        else:
+            x = self.block(x)
+        return self.out(self.norm(x))
+
+
+def _train_step(policy, checkpointed, whole=False):
+    net = _Net(checkpointed and not whole)
+    x = torch.randn(3, 32, requires_grad=True)
+    with mixprec.autocast("cpu", policy=policy):
+        if whole:
+            from torch.utils.checkpoint import checkpoint
+
+            out = checkpoint(net, x, use_reentrant=False, context_fn=mixprec.checkpoint_context_fn)
+        else:
+            out = net(x)
+    out.float().square().mean().backward()
+    return net, [out, x.grad, *(p.grad for p in net.parameters())]
+
+
+CHECKPOINT_POLICIES = {
+    "names": Policy().keep(names=r"^block\.fc1$"),
+    "names-bf16-output": Policy(output=torch.float16).keep(names=r"^block\.fc1$").keep(types=nn.LayerNorm),
+    "fp8": Policy.fp8(first_last="keep"),
+    "fp8-names": Policy.fp8(first_last="fp8", names=r"^block\.").keep(names=r"^block\.fc2$"),
+}
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["submodule", "whole-model"])
+@pytest.mark.parametrize("name", list(CHECKPOINT_POLICIES))
+def test_checkpoint_recompute_replays_the_forward_context(name, whole):
+    policy = CHECKPOINT_POLICIES[name]
+    _, ref = _train_step(policy, checkpointed=False)
+    _, got = _train_step(policy, checkpointed=True, whole=whole)
+    for a, b in zip(ref, got):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert not torch.is_autocast_enabled("cpu") and mixprec._dispatch.top("cpu") is None
+
+
+def test_checkpoint_recompute_selects_no_fp8_layers_and_counts_no_forward(monkeypatch):
+    from mixprec import _module_hooks
+
+    calls = []
+    select = _module_hooks._fp8_layers
+    monkeypatch.setattr(_module_hooks, "_fp8_layers", lambda root, policy: calls.append(root) or select(root, policy))
+    for whole in (False, True):
+        calls.clear()
+        net, _ = _train_step(Policy.fp8(), checkpointed=True, whole=whole)
+        assert calls == [net]  # the forward's outermost call only; the recompute reuses its layers
+
+
+# --------------------------------------------------------------------- root= and unmatched rules
+class _LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        self.lm_head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lm_head(self.body(x))
+
+
+class _Wrapped(_LM):
+    """A forward that enters its region inside itself, as frameworks' wrappers do."""
+
+    def __init__(self, policy, root):
+        super().__init__()
+        self.policy, self.use_root = policy, root
+
+    def forward(self, x):
+        with mixprec.autocast("cpu", policy=self.policy, root=self if self.use_root else None):
+            return self.lm_head(self.body(x))
+
+
+def _out_dtypes(model, fn):
+    seen, hooks = {}, []
+    for name, m in model.named_modules():
+        if name:
+            hooks.append(m.register_forward_hook(lambda m, a, out, name=name: seen.__setitem__(name, out.dtype)))
+    try:
+        fn()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def test_root_names_modules_from_the_model_inside_its_forward():
+    names = r"^lm_head$|^body\.1$"
+    x = torch.randn(2, 4)
+    plain = _LM()
+    with mixprec.autocast("cpu", policy=Policy().keep(names=names)):
+        ref = _out_dtypes(plain, lambda: plain(x))
+    assert ref["lm_head"] == ref["body.1"] == torch.float32 and ref["body.0"] == torch.bfloat16
+    rooted = _Wrapped(Policy().keep(names=names), root=True)
+    assert _out_dtypes(rooted, lambda: rooted(x)) == ref
+
+
+def test_a_decorated_forward_names_modules_from_its_module():
+    names = r"^lm_head$"
+
+    class Decorated(_LM):
+        @mixprec.autocast("cpu", policy=Policy().keep(names=names))
+        def forward(self, x):
+            return self.lm_head(self.body(x))
+
+    m = Decorated()
+    assert _out_dtypes(m, lambda: m(torch.randn(2, 4)))["lm_head"] == torch.float32
+
+
+def test_a_rule_that_matches_nothing_warns_once_with_the_names_seen():
+    x, m = torch.randn(2, 4), _LM()
+    policy = Policy().keep(names=r"^lm_haed$")
+    with pytest.warns(UserWarning, match=r"selected no module.*did you mean 'lm_head'"):
+        with mixprec.autocast("cpu", policy=policy):
+            m(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with mixprec.autocast("cpu", policy=policy):  # once per rule
+            m(x)
+
+
+def test_the_first_pass_ends_when_an_outermost_module_is_called_again():
+    x, m = torch.randn(2, 4), _LM()
+    with mixprec.autocast("cpu", policy=Policy().keep(names=r"^head$")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            m.body(x)
+            m.lm_head(x)  # another outermost module: still the first pass
+        with pytest.warns(UserWarning, match="names seen: '0', '1'"):
+            m.body(x)  # called again: the pass is over
+
+
+def test_rules_that_match_in_a_region_do_not_warn():
+    x, m = torch.randn(2, 4), _LM()
+    policy = Policy().keep(names=r"^body$").keep(types=nn.LayerNorm).keep(names=r"^lm_head$")
+    wrapped = _Wrapped(Policy().keep(names=r"^lm_head$"), root=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with mixprec.autocast("cpu", policy=policy):
+            m(x)
+            m(x)
+        with mixprec.autocast("cpu", policy=Policy().keep(names="^nothing$")):
+            torch.mm(x, x.t())  # a region that calls no module judges no rule
+        wrapped(x)
+
+
+def test_unrooted_region_inside_a_forward_warns_and_says_to_pass_root():
+    m = _Wrapped(Policy().keep(names=r"^lm_head$"), root=False)
+    with pytest.warns(UserWarning, match="pass root=model"):
+        m(torch.randn(2, 4))
+
+
+def test_root_must_be_a_module():
+    with pytest.raises(TypeError, match="root must be an nn.Module"):
+        mixprec.autocast("cpu", root="model")

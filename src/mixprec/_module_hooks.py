@@ -9,7 +9,11 @@ casts and the fp8 layer's own computation in the graph.
 
 from __future__ import annotations
 
+import difflib
+import re
 import threading
+import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -21,6 +25,75 @@ from mixprec._tree import cast_tree, tracing as _tracing
 from mixprec.policy import Policy
 
 __all__ = ["ModuleRules"]
+
+# Rules that have selected a module (in any region of the process), or were reported as
+# selecting none: regions stop watching them.
+_MATCHED: set[Any] = set()
+_WARNED: set[Any] = set()
+
+
+@dataclass(eq=False)
+class _Watch:
+    """A region's first pass: its rules that have matched no module yet, and what it called."""
+
+    pending: list[Any]
+    names: list[str] = field(default_factory=list)  # qualified names seen (for the message)
+    outer: set[int] = field(default_factory=set)  # ids of the region's outermost modules
+
+    def see(self, module: nn.Module, name: str) -> None:
+        if name and len(self.names) < 256:
+            self.names.append(name)
+        for rule in [r for r in self.pending if r.matches(module, name)]:
+            self.pending.remove(rule)
+            _MATCHED.add(rule)
+
+
+@dataclass(eq=False)
+class _Region:
+    """A region whose policy needs the module hooks, as the hooks see it."""
+
+    frame: Frame
+    root: nn.Module | None = None  # names are paths in root (Policy.keep, fp8 selection)
+    depth: int = 0  # len(calls) at entry: a call at this depth is an outermost call of the region
+    replay: bool = False  # a checkpoint's recompute: the fp8 layers are the forward's
+    selected: bool = False  # a region with a root selects its fp8 layers once
+    watch: _Watch | None = None
+
+
+@dataclass
+class _Captured:
+    """The module-rule context of a checkpointed segment's forward (see ``ModuleRules.capture``)."""
+
+    frames: list[Frame]
+    calls: list[tuple[nn.Module, str, Any, bool]]
+    fp8: dict[int, Any]
+
+
+def _rule_text(rule: Any) -> str:
+    parts = []
+    if rule.types:
+        parts.append("types=(" + ", ".join(t.__name__ for t in rule.types) + ",)")
+    if rule.names is not None:
+        parts.append(f"names={rule.names!r}")
+    return f"keep({', '.join(parts)}, dtype={str(rule.dtype).removeprefix('torch.')})"
+
+
+def _unmatched(rule: Any, watch: _Watch, region: _Region) -> str:
+    """The warning for a rule that matched no module in a region's first pass."""
+    base = ("the model given as root=" if region.root is not None
+            else "the outermost module called in the region")
+    names = list(dict.fromkeys(watch.names))
+    close = []
+    if rule.names is not None:
+        literal = re.sub(r"\\(.)", r"\1", re.sub(r"[\^$]", "", rule.names))
+        close = difflib.get_close_matches(literal, names, n=3, cutoff=0.6)
+    seen = (f"did you mean {' or '.join(repr(n) for n in close)}?" if close
+            else "names seen: " + (", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+                                   if names else "none"))
+    return (f"mixprec: the module rule {_rule_text(rule)} selected no module called in the region "
+            f"(qualified names are relative to {base}; {seen}). Fix the pattern or the types; when the "
+            "region is entered inside the model's forward, pass root=model to mixprec.autocast")
+
 
 class ModuleRules:
     """Global module hooks, installed while at least one region with module rules is active.
@@ -44,8 +117,8 @@ class ModuleRules:
     @classmethod
     def _state(cls) -> Any:
         st = cls._tls
-        if not hasattr(st, "frames"):
-            st.frames, st.calls, st.fp8, st.traced, st.trace_id = [], [], {}, [], None
+        if not hasattr(st, "regions"):
+            st.regions, st.calls, st.fp8, st.traced, st.trace_id = [], [], {}, [], None
         return st
 
     @classmethod
@@ -66,8 +139,15 @@ class ModuleRules:
         return st
 
     @classmethod
-    def enter(cls, frame: Frame) -> None:
-        cls._state().frames.append(frame)
+    def enter(cls, frame: Frame, root: nn.Module | None = None, replay: bool = False) -> None:
+        """Start applying ``frame``'s policy to module calls (``root``: see ``mixprec.autocast``;
+        ``replay``: a checkpoint's recompute, which watches nothing and selects no fp8 layers)."""
+        st = cls._state()
+        watch = None
+        if not replay:
+            pending = [r for r in frame.policy.module_rules if r not in _MATCHED and r not in _WARNED]
+            watch = _Watch(pending) if pending else None
+        st.regions.append(_Region(frame, root, len(st.calls), replay, watch=watch))
         with cls._lock:
             if cls._users == 0:
                 cls.enter_hooks_locked()
@@ -109,16 +189,80 @@ class ModuleRules:
     @classmethod
     def exit(cls, frame: Frame) -> None:
         st = cls._state()
-        st.frames.remove(frame)
-        if not st.frames:
+        region = next(r for r in reversed(st.regions) if r.frame is frame)
+        st.regions.remove(region)
+        if not st.regions:
             st.calls.clear()
+        if region.watch is not None:
+            cls._finish(region)
         with cls._lock:
             cls._users -= 1
             if cls._users == 0:
                 cls.exit_hooks_locked()
 
     @staticmethod
-    def _qualified_name(module: nn.Module, calls: list[tuple[nn.Module, str, Any]]) -> str:
+    def _finish(region: _Region) -> None:
+        """End a region's first pass: warn once for each rule that selected no module (when the
+        region called any module at all)."""
+        watch, region.watch = region.watch, None
+        if watch is None or not (watch.outer or watch.names):
+            return
+        for rule in watch.pending:
+            if rule not in _MATCHED and rule not in _WARNED:
+                _WARNED.add(rule)
+                warnings.warn(_unmatched(rule, watch, region), UserWarning, stacklevel=4)
+
+    @classmethod
+    def capture(cls, captured: _Captured | None = None) -> _Captured:
+        """The module-rule context here, for a checkpoint's recompute (``captured``: the one taken
+        before the segment's forward, completed with the fp8 layers the forward used)."""
+        st = cls._state()
+        if captured is not None:
+            captured.fp8 = st.fp8
+            return captured
+        return _Captured([r.frame for r in st.regions],
+                         [(m, name, None, kept) for m, name, _, kept in st.calls], st.fp8)
+
+    @classmethod
+    def replay(cls, captured: _Captured, frames: dict[int, Frame]) -> Callable[[], None]:
+        """Enter the context ``captured`` again, with ``frames`` (``id(forward frame) -> frame``)
+        standing for its regions; returns the function that leaves it."""
+        st = cls._state()
+        saved = st.calls, st.fp8
+        entered = [frames[id(f)] for f in captured.frames if id(f) in frames]
+        st.calls, st.fp8 = list(captured.calls), captured.fp8
+        for frame in entered:
+            cls.enter(frame, replay=True)
+        for region in st.regions[len(st.regions) - len(entered):]:
+            region.depth = 0  # the calls are the forward's: names and output= as there
+
+        def leave() -> None:
+            for frame in reversed(entered):
+                cls.exit(frame)
+            st.calls, st.fp8 = saved
+
+        return leave
+
+    @classmethod
+    def _region(cls, st: Any, frame: Frame) -> _Region | None:
+        for region in reversed(st.regions):
+            if region.frame is frame:
+                return region
+        return None  # a region traced inside compiled code
+
+    @staticmethod
+    def _path(root: nn.Module, module: nn.Module) -> str:
+        root = getattr(root, "_orig_mod", root)
+        if module is root or getattr(module, "_orig_mod", None) is root:
+            return ""
+        for name, m in root.named_modules(remove_duplicate=False):
+            if m is module:
+                return name
+        return ""  # not under root: only type rules can match it
+
+    @staticmethod
+    def _qualified_name(module: nn.Module, calls: list[tuple[nn.Module, str, Any]],
+                        root: nn.Module | None = None) -> str:
         if not calls:
             return ""  # the outermost module of the region
         parent, parent_name = calls[-1][0], calls[-1][1]
@@ -128,11 +272,7 @@ class ModuleRules:
         for key, child in (inner if isinstance(inner, nn.Module) else parent)._modules.items():
             if child is module:
                 return f"{parent_name}.{key}" if parent_name else key
-        root = calls[0][0]
-        for name, m in getattr(root, "_orig_mod", root).named_modules(remove_duplicate=False):
-            if m is module:
-                return name
-        return ""  # not under the outermost module: only type rules can match it
+        return ModuleRules._path(calls[0][0] if root is None else root, module)
 
     @classmethod
     def _decide(cls, st: Any, calls: list, frame: Frame, module: nn.Module) -> tuple[str, Any, bool, Any]:
@@ -141,13 +281,27 @@ class ModuleRules:
         policy = frame.policy
         rules, fp8_rule = policy.module_rules, policy.fp8_rule
         every = st.calls + calls if calls is not st.calls else calls
-        name = cls._qualified_name(module, every) if rules or fp8_rule is not None else ""
+        region = cls._region(st, frame)
+        root = region.root if region is not None else None
+        name = ""
+        if rules or fp8_rule is not None:
+            outermost = root is not None and len(every) <= region.depth
+            name = cls._path(root, module) if outermost else cls._qualified_name(module, every, root)
+        if region is not None and region.watch is not None:
+            region.watch.see(module, name)
+        for other in st.regions:  # a rule that takes effect here counts for enclosing regions too
+            if other.watch is not None and other is not region:
+                other.watch.see(module, name)
         kept = bool(every) and every[-1][3]  # inside a kept module
         rule = next((r for r in rules if r.matches(module, name)), None) if rules else None
         kept = kept or rule is not None
         target = None
         if fp8_rule is not None:
-            if not every:  # the outermost call: select the layers (the model may have changed)
+            if region is not None and (region.replay or region.selected):
+                pass  # a recompute, or a rooted region that selected: the layers stay
+            elif root is not None:  # select on the model, once for the region
+                st.fp8, region.selected = _fp8_layers(root, policy), True
+            elif not every:  # the outermost call: select the layers (the model may have changed)
                 st.fp8 = _fp8_layers(module, policy)
             target = st.fp8.get(id(module)) if not kept else None
             if target is not None and target[2].fallback:
@@ -166,12 +320,18 @@ class ModuleRules:
     @classmethod
     def _pre_eager(cls, module: nn.Module, args: tuple) -> Any:
         st = cls._state()
-        if not st.frames:
+        if not st.regions:
             return None
-        frame = st.frames[-1]
+        region = st.regions[-1]
+        frame = region.frame
         if _dispatch.top(frame.device_type) is not frame:  # a nested region governs
             st.calls.append((module, "", None, bool(st.calls) and st.calls[-1][3]))
             return None
+        if region.watch is not None and len(st.calls) == region.depth:  # an outermost call
+            if id(module) in region.watch.outer:  # called again: the first pass is over
+                cls._finish(region)
+            else:
+                region.watch.outer.add(id(module))
         name, rule, kept, target = cls._decide(st, st.calls, frame, module)
         restores = []
         if rule is not None:
@@ -199,8 +359,8 @@ class ModuleRules:
         restore = st.calls.pop()[2]
         if restore is not None:
             restore()
-        if not st.calls and st.frames:
-            frame = st.frames[-1]
+        if not st.calls and st.regions:
+            frame = st.regions[-1].frame
             if frame.policy.output is not None and _dispatch.top(frame.device_type) is frame:
                 return cast_tree(output, frame.policy.output)
         return None

@@ -22,7 +22,7 @@ from mixprec import _dispatch
 from mixprec._dispatch import Frame
 from mixprec._module_hooks import ModuleRules
 from mixprec._tree import cast_tree, tracing as _tracing
-from mixprec.policy import Policy
+from mixprec.policy import Policy, parse_dtype
 
 __all__ = [
     "autocast",
@@ -35,6 +35,51 @@ __all__ = [
 
 F = TypeVar("F", bound=Callable[..., Any])
 _SUPPORTED = ("cpu", "cuda")
+# torch.autocast's class: mixprec.autocast passes ``isinstance(ctx, torch.autocast)``. The
+# subclass torch keeps for its own unmanaged regions, so that Dynamo, which turns a
+# ``torch.autocast`` instance it meets (a decorator's, one built outside the compiled code) into
+# its own autocast (dropping the policy), inlines ours as any object.
+_TorchAutocast = getattr(torch.amp.autocast_mode, "_UnmanagedAutocast", torch.amp.autocast_mode.autocast)
+
+
+class DeviceTypeError(ValueError, RuntimeError):
+    """A ``device_type`` mixprec.autocast does not run: both torch's ``RuntimeError`` and a
+    ``ValueError``, so code that catches either keeps working."""
+
+
+def _device_type(device_type: str) -> str:
+    """``"cpu"``/``"cuda"`` from a device string: an index is dropped (autocast state is per device
+    type, as in torch: ``"cuda:1"`` -> ``"cuda"``).
+
+    Raises:
+        ValueError: not a string (as torch).
+        DeviceTypeError: another device, a malformed index or an upper-case name.
+    """
+    if not isinstance(device_type, str):
+        hint = "; pass its .type (e.g. 'cuda')" if isinstance(device_type, torch.device) else ""
+        raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`{hint}")
+    kind, sep, index = device_type.partition(":")
+    if sep and not index.isdigit():
+        raise DeviceTypeError(f"mixprec.autocast got device_type={device_type!r}: write {kind.lower()!r} "
+                              "(an index after ':' must be a number, and is ignored)")
+    if kind in _SUPPORTED:
+        return kind
+    if kind.lower() in _SUPPORTED:
+        raise DeviceTypeError(f"mixprec.autocast got device_type={device_type!r}; write {kind.lower()!r} "
+                              "(device types are lower case)")
+    raise DeviceTypeError(
+        f"mixprec.autocast supports device_type 'cpu' and 'cuda' (or 'cuda:N'), got {device_type!r}; "
+        f"for another device use torch.autocast({kind!r}, ...)"
+    )
+
+
+def _dtype(dtype: Any) -> torch.dtype | None:
+    """A region's ``dtype`` argument: a torch.dtype, a name :meth:`Policy.parse` accepts, or None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        return parse_dtype(dtype)  # ValueError listing the names
+    raise TypeError(f"mixprec.autocast dtype must be a torch.dtype or a name such as 'bf16', got {dtype!r}")
 
 
 def is_autocast_enabled(device_type: str = "cuda") -> bool:
@@ -47,16 +92,10 @@ def get_autocast_dtype(device_type: str = "cuda") -> torch.dtype:
     return torch.get_autocast_dtype(device_type)
 
 
-def _resolve(device_type: str, dtype: torch.dtype | None, enabled: bool,
+def _resolve(device_type: str, dtype: torch.dtype | str | None, enabled: bool,
              policy: Policy | str | None) -> tuple[Policy, torch.dtype, bool]:
     """Validate a region's arguments: ``(policy, dtype, enabled)`` as the region runs them."""
-    if not isinstance(device_type, str):
-        raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`")
-    if device_type not in _SUPPORTED:
-        raise ValueError(
-            f"mixprec.autocast supports device_type 'cpu' and 'cuda', got {device_type!r}; "
-            "use torch.autocast for other devices"
-        )
+    device_type, dtype = _device_type(device_type), _dtype(dtype)
     policy = Policy.coerce(policy)
     if dtype is not None and policy.compute is not None and dtype != policy.compute:
         raise ValueError(
@@ -96,7 +135,7 @@ def _traced_region(device_type: str, dtype: torch.dtype | None, enabled: bool,
     return (_dispatch.traced_key(policy, device_type) if enabled else -1), dtype, enabled
 
 
-class autocast:
+class autocast(_TorchAutocast):
     """Run a region with automatic mixed precision: a drop-in for ``torch.autocast``.
 
     Inside the region each aten op on ``device_type`` tensors runs in the dtype its policy gives
@@ -109,16 +148,24 @@ class autocast:
     until the outermost region exits (``cache_enabled=False``: cast on every use).
 
     Args:
-        device_type: ``"cpu"`` or ``"cuda"``.
-        dtype: low-precision dtype; default: ``policy.compute`` if set, else the thread's current
-            autocast dtype (bfloat16 on CPU, float16 on CUDA unless changed).
+        device_type: ``"cpu"`` or ``"cuda"``; an index is ignored (``"cuda:0"`` is ``"cuda"``:
+            autocast state is per device type, as in torch).
+        dtype: low-precision dtype, a ``torch.dtype`` or a name :meth:`Policy.parse` accepts
+            (``"bf16"``, ``"float16"``, ``"half"``, ...); default: ``policy.compute`` if set, else
+            the thread's current autocast dtype (bfloat16 on CPU, float16 on CUDA unless changed).
         enabled: ``False`` turns autocast off inside (nested regions may turn it on again).
-        cache_enabled: cache weight casts for the region.
+        cache_enabled: cache weight casts for the region; ``None`` (default, as torch): the
+            setting in force where the region is built (torch's default is on).
         policy: a :class:`mixprec.Policy` or a string for :meth:`Policy.parse` (e.g.
             ``"fp32-numerics"``); edits to the op lists, module rules (:meth:`Policy.keep`) and
             an output dtype apply inside this region.
+        root: the module that module rules name modules from (``keep(names=...)``, fp8 layer
+            selection); default: the outermost module called in the region. Give the model
+            when the region is entered inside its ``forward`` (a decorated forward, a framework's
+            wrapper). Eager only.
 
-    Usable as a context manager and as a decorator. State is thread-local.
+    Usable as a context manager and as a decorator. State is thread-local. An instance of
+    ``torch.autocast`` (``isinstance(ctx, torch.autocast)`` holds).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
@@ -129,29 +176,42 @@ class autocast:
         torch.float32
 
     Raises:
-        ValueError: ``device_type`` is not a string naming cpu or cuda, or ``dtype`` and
-            ``policy.compute`` are both given and differ.
-        TypeError: ``policy`` is neither a Policy nor a string.
-        RuntimeError: bfloat16 on a CUDA device without bf16 support.
+        ValueError: ``device_type`` is not a string, ``dtype`` is an unknown name, or ``dtype``
+            and ``policy.compute`` are both given and differ.
+        DeviceTypeError: (a ``ValueError`` and a ``RuntimeError``) ``device_type`` is not cpu or
+            cuda; the message says what to write.
+        TypeError: ``policy`` is neither a Policy nor a string, or ``dtype`` neither a dtype
+            nor a string; ``root`` is not an ``nn.Module``.
+        RuntimeError: bfloat16 on a CUDA device without bf16 support; ``root`` inside
+            torch.compile.
     """
 
     def __init__(
         self,
         device_type: str,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         enabled: bool = True,
-        cache_enabled: bool = True,
+        cache_enabled: bool | None = None,
         *,
         policy: Policy | str | None = None,
+        root: torch.nn.Module | None = None,
     ) -> None:
-        self.device = device_type
+        self.device = _device_type(device_type)
         self._enabled = bool(enabled)
-        self._cache_enabled = bool(cache_enabled)
+        self._cache_enabled = cache_enabled if cache_enabled is None else bool(cache_enabled)
         self._saved: list[tuple[Any, ...]] = []
+        if root is not None and not isinstance(root, torch.nn.Module):
+            raise TypeError(f"mixprec.autocast root must be an nn.Module, got {type(root).__name__}")
+        self._root = root
         if _tracing():  # resolved at trace time by _traced_region
+            if root is not None:
+                raise RuntimeError("mixprec.autocast(root=...) runs eagerly only: enter the region "
+                                   "around the compiled call, or drop root=")
             self.fast_dtype, self.policy, self._raw = dtype, policy, (dtype, enabled, policy)
             return
-        self.policy, self.fast_dtype, self._enabled = _resolve(device_type, dtype, enabled, policy)
+        if self._cache_enabled is None:  # as torch.autocast: inherit the enclosing setting
+            self._cache_enabled = torch.is_autocast_cache_enabled()
+        self.policy, self.fast_dtype, self._enabled = _resolve(self.device, dtype, enabled, policy)
 
     # Inside a function given to torch.compile, Dynamo traces __enter__/__exit__: the region
     # becomes torch.amp._enter_autocast (which Dynamo knows) plus mixprec::region nodes that
@@ -177,7 +237,7 @@ class autocast:
         hooked = frame is not None and (bool(self.policy.module_rules) or self.policy.output is not None
                                         or self.policy.fp8_rule is not None)
         if hooked:
-            ModuleRules.enter(frame)
+            ModuleRules.enter(frame, root=self._root)
         self._saved.append((prev, frame, hooked))
         return self
 
@@ -209,8 +269,12 @@ class autocast:
     def __call__(self, func: F) -> F:
         @functools.wraps(func)
         def decorate_autocast(*args: Any, **kwargs: Any) -> Any:
+            root = self._root
+            if root is None and func.__name__ == "forward" and args and isinstance(args[0], torch.nn.Module) \
+                    and not _tracing():
+                root = args[0]  # a decorated forward: module rules name modules from its module
             with autocast(self.device, self.fast_dtype, self._enabled, self._cache_enabled,
-                          policy=self.policy):
+                          policy=self.policy, root=root):
                 out = func(*args, **kwargs)
             return out if self.policy.output is None else cast_tree(out, self.policy.output)
 
@@ -231,10 +295,15 @@ def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager, contextl
     """``context_fn`` for ``torch.utils.checkpoint(..., use_reentrant=False)`` under mixprec.
 
     PyTorch recomputes a checkpointed segment in backward under ``torch.autocast`` with the
-    forward's dtype, that is under PyTorch's default op lists. With a mixprec policy that edits
-    the lists, the recomputed tensors would differ from the forward's (PyTorch then raises
-    "Recomputed values ... have different metadata"). Passing this function as ``context_fn``
-    recomputes inside the mixprec regions (policy, dtype, cache flag) active at forward time.
+    forward's dtype, that is under PyTorch's default op lists and outside any module call. With
+    a mixprec policy the recomputed tensors would then differ from the forward's (PyTorch raises
+    "Recomputed values ... have different metadata"): edited ops, and module rules that name a
+    checkpointed submodule from its model. Passing this function as ``context_fn`` recomputes in
+    the forward's context: its mixprec regions (policy, dtype, cache flag, autocast state), the
+    module calls the segment ran inside (so qualified names keep their prefix and ``output=``
+    applies where it did) and its fp8 layers. A recompute is not a forward: fp8 layers are not
+    selected again and a guard sees no extra forward. Values and gradients are bitwise those of
+    the un-checkpointed forward.
 
     Example:
         >>> from torch.utils.checkpoint import checkpoint
@@ -242,21 +311,49 @@ def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager, contextl
         ...     y = checkpoint(block, x, use_reentrant=False,
         ...                    context_fn=mixprec.checkpoint_context_fn)
     """
-    regions = [
-        autocast(dev, torch.get_autocast_dtype(dev), True, torch.is_autocast_cache_enabled(),
-                 policy=_without_compute(frame.policy))
-        for dev in _SUPPORTED
-        if (frame := _dispatch.top(dev)) is not None and torch.is_autocast_enabled(dev)
-    ]
+    replay = _Replay()
+    return replay.forward(), replay
+
+
+class _Replay:
+    """The mixprec state where a checkpointed segment ran, entered again for its recompute."""
+
+    def __init__(self) -> None:
+        self.regions = [(frame, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+                        for dev in _SUPPORTED if (frame := _dispatch.top(dev)) is not None]
+        self.cache = torch.is_autocast_cache_enabled()
+        self.rules = ModuleRules.capture()
+        self._stack: list[tuple[Any, ...]] = []
 
     @contextlib.contextmanager
-    def recompute() -> Any:
-        with contextlib.ExitStack() as stack:
-            for region in regions:
-                stack.enter_context(region)
-            yield
+    def forward(self) -> Any:
+        """Around the segment's forward: records the fp8 layers it ran with."""
+        yield
+        self.rules = ModuleRules.capture(self.rules)
 
-    return contextlib.nullcontext(), recompute()
+    def __enter__(self) -> None:
+        frames = [dataclasses.replace(frame, traced=False) for frame, _, _ in self.regions]
+        prev = ([(torch.is_autocast_enabled(f.device_type), torch.get_autocast_dtype(f.device_type))
+                 for f in frames], torch.is_autocast_cache_enabled())
+        torch.autocast_increment_nesting()
+        for frame, (_, enabled, dtype) in zip(frames, self.regions):
+            _dispatch.push(frame)
+            torch.set_autocast_enabled(frame.device_type, enabled)
+            torch.set_autocast_dtype(frame.device_type, dtype)
+        torch.set_autocast_cache_enabled(self.cache)
+        restore = ModuleRules.replay(self.rules, {id(old): new for (old, _, _), new in zip(self.regions, frames)})
+        self._stack.append((frames, prev, restore))
+
+    def __exit__(self, *exc: Any) -> None:
+        frames, (states, cache), restore = self._stack.pop()
+        restore()
+        for frame, (enabled, dtype) in zip(reversed(frames), reversed(states)):
+            _dispatch.pop(frame)
+            torch.set_autocast_enabled(frame.device_type, enabled)
+            torch.set_autocast_dtype(frame.device_type, dtype)
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_cache_enabled(cache)
 
 
 # --------------------------------------------------------------------------- custom functions

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 import mixprec
+from mixprec._tree import tracing
 from mixprec.integrations._common import PRECISIONS, resolve_policy
 from mixprec.policy import Policy
 
@@ -93,10 +94,10 @@ def prepare(accelerator: Accelerator, policy: Policy | str | None = None, scaler
         accelerator.scaler = scaler
         accelerator.native_amp = True  # also what makes clip_grad_norm_ unscale first
 
-    def autocast(handler: Any = None) -> mixprec.autocast:
+    def autocast(handler: Any = None, root: torch.nn.Module | None = None) -> mixprec.autocast:
         handler = accelerator.autocast_handler if handler is None else handler
         kwargs = handler.to_kwargs() if handler is not None else {}
-        return mixprec.autocast(device_type, dtype=dtype, policy=policy, **kwargs)
+        return mixprec.autocast(device_type, dtype=dtype, policy=policy, root=root, **kwargs)
 
     accelerator._mixprec_policy = policy
     accelerator.prepare_model = _prepare_model(accelerator.prepare_model, accelerator, autocast)
@@ -104,7 +105,7 @@ def prepare(accelerator: Accelerator, policy: Policy | str | None = None, scaler
     return accelerator
 
 
-def _prepare_model(original: Callable[..., Any], accelerator: Accelerator, autocast: Callable[[], Any]) -> Callable[..., Any]:
+def _prepare_model(original: Callable[..., Any], accelerator: Accelerator, autocast: Callable[..., Any]) -> Callable[..., Any]:
     """``accelerator.prepare_model`` that wraps the forward in mixprec's autocast instead of
     torch's (Accelerate's own wrapping is switched off for the call)."""
 
@@ -121,15 +122,17 @@ def _prepare_model(original: Callable[..., Any], accelerator: Accelerator, autoc
     return prepare_model
 
 
-def _wrap_forward(model: torch.nn.Module, autocast: Callable[[], Any]) -> None:
+def _wrap_forward(model: torch.nn.Module, autocast: Callable[..., Any]) -> None:
     """What Accelerate does to a prepared model's forward, with mixprec's autocast: the forward
     runs in the region, its outputs are converted to float32, ``_original_forward`` is kept so
-    that ``accelerator.unwrap_model(model, keep_fp32_wrapper=False)`` strips both."""
+    that ``accelerator.unwrap_model(model, keep_fp32_wrapper=False)`` strips both. Module rules
+    name modules from the model (``root=model``), as in a plain loop around ``model(...)``;
+    inside ``torch.compile`` (which traces no ``root=``), from the modules its forward calls."""
 
     def in_region(forward: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(forward)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            with autocast():
+            with autocast(root=None if tracing() else model):
                 return forward(*args, **kwargs)
 
         return wrapped

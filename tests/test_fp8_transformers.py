@@ -164,3 +164,12 @@ def test_train_with_convert_then_quantize_for_inference_with_torchao() -> None:
     assert type(model[0].weight).__name__ == "Float8Tensor"
     with torch.no_grad():
         assert torch.equal(model(x), plain(x))
+
+
+def test_audit_recommends_gpt2_conv1d_layers() -> None:
+    model = _gpt2()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    report = mixprec.audit(model, ids, lambda m, b: m(input_ids=b, labels=b).loss, dtypes=(torch.bfloat16,),
+                           fp8="tensorwise")
+    assert set(report.fp8.layers) <= set(CONV1D_FP8) and report.fp8.layers  # Conv1D layers are candidates
+    assert set(report.fp8.layers) | set(report.fp8.stay) == {*CONV1D_FP8, "transformer.h.0.attn.c_attn", "lm_head"}

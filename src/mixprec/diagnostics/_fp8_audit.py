@@ -1,4 +1,4 @@
-"""The fp8 step of :func:`mixprec.audit`: which ``nn.Linear`` layers go to fp8.
+"""The fp8 step of :func:`mixprec.audit`: which ``nn.Linear`` (and transformers ``Conv1D``) layers go to fp8.
 
 1. Candidates: the layers ``Policy.fp8`` would select by default (:func:`mixprec.fp8.select_layers`:
    eligible, first and last kept), minus those the compute-dtype policy keeps in float32.
@@ -62,10 +62,11 @@ def _past_threshold(read: dict[str, Any], max_underflow: float, min_sqnr_db: flo
 
 def _candidates(model: nn.Module, policy: Any) -> tuple[list[str], dict[str, str]]:
     from mixprec import fp8
+    from mixprec.fp8._like import is_linear_like
 
     modules = dict(model.named_modules())
     stay: dict[str, str] = {}
-    linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
+    linears = [n for n, m in modules.items() if is_linear_like(m)]
     for name in linears:
         ok, reason = fp8.eligible(modules[name], name)
         if not ok:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -140,7 +141,7 @@ def test_python_m_mixprec_demo_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "report"
     proc = subprocess.run(
         [sys.executable, "-m", "mixprec", "demo", "--modes", "fp32,torch-amp,mixprec-bf16",
-         "--steps", "3", "--device", "cpu", "--seed", "5", "--out", str(out)],
+         "--steps", "3", "--device", "cpu", "--seed", "5", "--seeds", "1", "--no-speed-panel", "--out", str(out)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
@@ -189,7 +190,7 @@ def test_demo_prints_the_computed_check_and_its_threads(tmp_path: Path, capsys) 
     threads = torch.get_num_threads()
     try:
         assert main(["demo", "--modes", "torch-amp,mixprec-fp16", "--steps", "2", "--device", "cpu",
-                     "--threads", "1", "--out", str(tmp_path)]) == 0
+                     "--threads", "1", "--seeds", "1", "--no-speed-panel", "--out", str(tmp_path)]) == 0
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out.splitlines()
@@ -211,3 +212,37 @@ def test_demo_makes_openmp_threads_sleep_unless_told_otherwise(monkeypatch: pyte
     with pytest.raises(SystemExit):
         main(["audit"])
     assert "OMP_WAIT_POLICY" not in os.environ
+
+
+@pytest.mark.slow
+def test_ctrl_c_writes_the_report_of_the_modes_that_finished(tmp_path: Path) -> None:
+    # SIGINT once the first mode has finished: the report of that mode, one line, status 130
+    out = tmp_path / "report"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mixprec", "demo", "--modes", "fp32,mixprec-fp8-rowwise", "--steps", "60",
+         "--seeds", "1", "--no-speed-panel", "--device", "cpu", "--threads", "1", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith("mixprec-fp8-rowwise: training"):  # fp32 has finished and been kept
+                break
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = "".join(seen) + stderr
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    assert stderr.splitlines()[-1] == ("mixprec demo: interrupted (Ctrl-C): finished fp32; not run: "
+                                       f"mixprec-fp8-rowwise; report of those: {out / 'index.html'}")
+    data = json.loads((out / "results.json").read_text())
+    assert [m["mode"] for m in data["modes"]] == ["fp32"]
+    assert data["interrupted"] == "finished fp32; not run: mixprec-fp8-rowwise"
+    assert "<b>Interrupted</b> (Ctrl-C): finished fp32" in (out / "index.html").read_text()
+    assert "INTERRUPTED: finished fp32; not run: mixprec-fp8-rowwise." in stdout

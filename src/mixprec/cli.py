@@ -195,6 +195,10 @@ def _demo(args: argparse.Namespace) -> int:
         with progress_display() as progress:
             result = run_demo(settings, args.modes, device, progress, seeds=seeds, threads_reason=why,
                               speed_sizes=speed_sizes, budget_s=budget)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted (Ctrl-C) before a mode finished; no report written", file=sys.stderr)
+        return 130
+    try:
         note = hardware_note(result)
         if note:
             print(f"note: {note}")
@@ -205,7 +209,7 @@ def _demo(args: argparse.Namespace) -> int:
             print(line)
         paths = write_report(result, out)
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted (Ctrl-C) before a mode finished; no report written", file=sys.stderr)
+        print(f"{prog}: interrupted (Ctrl-C) while writing the report into {out}", file=sys.stderr)
         return 130
     if result.interrupted:
         print(f"{prog}: interrupted (Ctrl-C): {result.interrupted}; report of those: {paths['index']}", file=sys.stderr)

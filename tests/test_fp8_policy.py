@@ -111,7 +111,7 @@ def test_guard_in_the_policy_moves_a_diverging_layer_back():
 
 def test_policy_with_fp8_round_trips_and_parses():
     p = Policy.parse("compute=bf16,fp8=rowwise").keep(types=nn.LayerNorm)
-    assert str(p) == "params=float32,compute=bfloat16,fp8=rowwise"
+    assert str(p) == "params=float32,compute=bfloat16; keep float32=LayerNorm; fp8 rowwise=Linear except first/last"
     assert Policy.from_json(p.to_json()) == p
     g = Policy.fp8("tensorwise", names=r"blocks", first_last="fp8", guard=fp8.Guard(every=7))
     back = Policy.from_json(g.to_json())

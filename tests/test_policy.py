@@ -376,7 +376,7 @@ def test_module_rule_types_are_never_imported(tmp_path):
 def test_module_rule_types_resolve_among_imported_modules():
     p = Policy().keep(types=(nn.LayerNorm,)).fp8(types=(nn.Linear,))
     assert Policy.from_json(p.to_json()) == p
-    with pytest.raises(ValueError, match="not an nn.Module subclass"):
+    with pytest.raises(ValueError, match="not an importable nn.Module subclass"):
         Policy.from_dict({"module_rules": [{"types": ["torch.nn.functional.relu"]}]})
     with pytest.raises(ValueError, match="dotted path"):
         Policy.from_dict({"module_rules": [{"types": ["LayerNorm"]}]})

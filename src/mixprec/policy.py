@@ -710,8 +710,8 @@ def _import_type(path: Any, strict: bool = True) -> Any:
                 f"mixprec does not import modules named in a policy: run "
                 f"`import {'.'.join(parts[:-1])}` before loading it")
     if strict and not (isinstance(obj, type) and issubclass(obj, nn.Module)):
-        raise ValueError(f"module rule type {path!r} is not an nn.Module subclass in the imported "
-                         f"module {'.'.join(parts[:i])!r}")
+        raise ValueError(f"module rule type {path!r} is not an importable nn.Module subclass (looked "
+                         f"up in the imported module {'.'.join(parts[:i])!r})")
     return obj
 
 

@@ -91,6 +91,43 @@ def test_accelerate_policy_keeps_modules_in_fp32_and_autocast_follows_it() -> No
         assert (a @ a).dtype == torch.float32 and torch.nn.functional.linear(a, a).dtype == torch.bfloat16
 
 
+KEEP_NAMES = r"^lm_head$|^transformer\.h\.0\.mlp\.c_fc$"
+
+
+def test_name_rules_name_modules_from_the_prepared_model_as_in_a_plain_loop() -> None:
+    policy = mixprec.Policy().keep(names=KEEP_NAMES)
+    plain = gpt2().eval()  # no dropout: the losses compare bitwise
+    ids = batches(1)[0]
+    with mixprec.autocast("cpu", policy=policy):
+        ref = plain(input_ids=ids, labels=ids).loss
+    assert plain.out_dtypes == {"transformer.h.0.mlp.c_fc": torch.float32, "lm_head": torch.float32}
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    prepare(accelerator, policy=policy)
+    model = accelerator.prepare(gpt2().eval())
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, ref)
+    assert model.out_dtypes == plain.out_dtypes
+    model.out_dtypes.clear()
+    with accelerator.autocast():  # the wrapped forward's region nested in an equal one
+        assert torch.equal(model(input_ids=ids, labels=ids).loss, ref)
+        assert model.out_dtypes == plain.out_dtypes
+        model.out_dtypes.clear()
+        model(input_ids=ids, labels=ids)
+    assert model.out_dtypes == plain.out_dtypes
+
+
+def test_a_name_rule_that_matches_nothing_under_accelerate_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mixprec import _module_hooks
+
+    monkeypatch.setattr(_module_hooks, "_WARNED", set())  # warned once per process: as if fresh
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    prepare(accelerator, policy=mixprec.Policy().keep(names=r"^lm_haed$"))
+    model = accelerator.prepare(gpt2())
+    ids = batches(1)[0]
+    with pytest.warns(UserWarning, match=r"keep\(names='\^lm_haed\$'.*relative to the model given as root=.*'lm_head'"):
+        model(input_ids=ids, labels=ids)
+    assert model.out_dtypes["lm_head"] == torch.bfloat16
+
+
 def test_unwrap_model_strips_the_region_and_prepare_wraps_once() -> None:
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")
     prepare(accelerator)

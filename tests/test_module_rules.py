@@ -233,3 +233,37 @@ def test_unrooted_region_inside_a_forward_warns_and_says_to_pass_root():
 def test_root_must_be_a_module():
     with pytest.raises(TypeError, match="root must be an nn.Module"):
         mixprec.autocast("cpu", root="model")
+
+
+class _Stack(nn.Module):
+    """Blocks in a ModuleList (not called themselves), each checkpointed, in a region with root."""
+
+    def __init__(self, checkpointed):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        with mixprec.autocast("cpu", policy=Policy().keep(names=r"^blocks\.1\.fc1$"), root=self):
+            for block in self.blocks:
+                if self.checkpointed:
+                    x = checkpoint(block, x, use_reentrant=False, context_fn=mixprec.checkpoint_context_fn)
+                else:
+                    x = block(x)
+            return x
+
+
+def test_checkpoint_recompute_in_a_region_with_root():
+    results = []
+    for checkpointed in (False, True):
+        net, x = _Stack(checkpointed), torch.randn(3, 32, requires_grad=True)
+        seen = _out_dtypes(net, lambda: results.append(net(x)))
+        assert seen["blocks.1.fc1"] == torch.float32 and seen["blocks.0.fc1"] == torch.bfloat16
+        results[-1].float().sum().backward()
+        results.extend([x.grad, *(p.grad for p in net.parameters())])
+    half = len(results) // 2
+    for a, b in zip(results[:half], results[half:]):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -64,7 +64,7 @@ class _Region:
 class _Captured:
     """The module-rule context of a checkpointed segment's forward (see ``ModuleRules.capture``)."""
 
-    frames: list[Frame]
+    regions: list[tuple[Frame, nn.Module | None]]  # (frame, root) of the regions with hooks
     calls: list[tuple[nn.Module, str, Any, bool]]
     fp8: dict[int, Any]
 
@@ -220,7 +220,7 @@ class ModuleRules:
         if captured is not None:
             captured.fp8 = st.fp8
             return captured
-        return _Captured([r.frame for r in st.regions],
+        return _Captured([(r.frame, r.root) for r in st.regions],
                          [(m, name, None, kept) for m, name, _, kept in st.calls], st.fp8)
 
     @classmethod
@@ -229,15 +229,13 @@ class ModuleRules:
         standing for its regions; returns the function that leaves it."""
         st = cls._state()
         saved = st.calls, st.fp8
-        entered = [frames[id(f)] for f in captured.frames if id(f) in frames]
-        st.calls, st.fp8 = list(captured.calls), captured.fp8
-        for frame in entered:
-            cls.enter(frame, replay=True)
-        for region in st.regions[len(st.regions) - len(entered):]:
-            region.depth = 0  # the calls are the forward's: names and output= as there
+        entered = [(frames[id(f)], root) for f, root in captured.regions if id(f) in frames]
+        st.calls, st.fp8 = list(captured.calls), captured.fp8  # names and output= as there
+        for frame, root in entered:
+            cls.enter(frame, root=root, replay=True)
 
         def leave() -> None:
-            for frame in reversed(entered):
+            for frame, _ in reversed(entered):
                 cls.exit(frame)
             st.calls, st.fp8 = saved
 

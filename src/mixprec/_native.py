@@ -233,7 +233,7 @@ def _build(env: dict[str, str], directory: Path, say: Callable[[str], None]) -> 
 def _check_tools(env: dict[str, str]) -> None:
     if env["compiler"].endswith(": not found"):
         name = env["compiler"].split(":")[0]
-        raise BuildError(f"{name} not found (no C++ compiler on PATH): install g++ or clang++, or set CXX")
+        raise BuildError(f"{name} not found (the C++ compiler: CXX, default c++ on PATH): install g++ or clang++, or set CXX")
     if env["ninja"].endswith(": not found"):
         raise BuildError("ninja not found on PATH: pip install ninja (or 'mixprec[native]')")
 

@@ -248,3 +248,15 @@ def test_convert_refuses_a_root_linear_with_children_before_changing_anything():
         fp8.convert(root, filter_fn=lambda m, fqn: True)
     assert type(root.extra) is nn.Linear and fp8.layer_states(root) == {}
     assert type(fp8.convert(root, filter_fn=lambda m, fqn: fqn != "").extra) is fp8.Float8Linear
+
+
+def test_convert_says_which_selected_subclasses_it_does_not_swap():
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = nn.Sequential(nn.Linear(16, 16), Scaled(16, 16), nn.Linear(16, 16), nn.Linear(16, 16))
+    with pytest.warns(UserWarning, match=r"fp8.convert: layer '1' \(Scaled\) is selected, but convert swaps only "
+                                         r"nn.Linear and transformers Conv1D modules"):
+        fp8.convert(model)
+    assert [type(m).__name__ for m in model] == ["Linear", "Scaled", "Float8Linear", "Linear"]

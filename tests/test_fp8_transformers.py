@@ -173,3 +173,30 @@ def test_audit_recommends_gpt2_conv1d_layers() -> None:
                            fp8="tensorwise")
     assert set(report.fp8.layers) <= set(CONV1D_FP8) and report.fp8.layers  # Conv1D layers are candidates
     assert set(report.fp8.layers) | set(report.fp8.stay) == {*CONV1D_FP8, "transformer.h.0.attn.c_attn", "lm_head"}
+
+
+def test_a_selected_layer_whose_forward_is_not_routed_warns_once() -> None:
+    """transformers' FalconLinear computes ``input @ weight.T``: selected (an nn.Linear), but not
+    an op the policy routes; it says so instead of running in bf16 unnoticed."""
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), FalconLinear(32, 32), FalconLinear(32, 32), nn.Linear(32, 32),
+                          nn.Linear(32, 32))
+    policy = Policy.parse("compute=bf16").fp8(first_last="fp8")
+    with pytest.warns(UserWarning, match=r"a selected transformers\.models\.falcon\.modeling_falcon\.FalconLinear "
+                                         r"layer ran in the compute dtype, not in fp8") as caught:
+        for _ in range(2):
+            with mixprec.autocast("cpu", policy=policy):
+                model(torch.randn(4, 32))
+    assert sum("ran in the compute dtype" in str(w.message) for w in caught) == 1
+    assert [n for n, st in fp8.layer_states(model).items() if st.routed] == ["0", "3", "4"]
+
+
+def test_multihead_attention_out_proj_is_left_out_with_a_reason() -> None:
+    layer = nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, dropout=0.0, batch_first=True)
+    model = nn.Sequential(nn.Linear(32, 32), layer, nn.Linear(32, 32))
+    with pytest.warns(UserWarning, match=r"'1.self_attn.out_proj': nn.MultiheadAttention's out_proj \(the "
+                                         r"attention uses its weight without calling it\)"):
+        chosen = fp8.select_layers(model)
+    assert chosen == ["1.linear1", "1.linear2"]

@@ -527,11 +527,16 @@ def _fp8_layers(root: nn.Module, policy: Policy) -> dict[int, tuple[nn.Module, A
 
 
 def _enter_fp8(frame: Frame, target: tuple) -> Callable[[], None]:
-    """Route the module's ``linear`` to fp8 (see ``_dispatch._run_fp8``) until it returns."""
+    """Route the module's ``linear`` to fp8 (see ``_dispatch._run_fp8``) until it returns; warn
+    if no call of the module so far made a call the routing recognizes (in the compute dtype)."""
     prev, frame.fp8_target = frame.fp8_target, target
 
     def restore() -> None:
         frame.fp8_target = prev
+        if not target[2].routed:
+            from mixprec.fp8._like import warn_unrouted
+
+            warn_unrouted(target[0])
 
     return restore
 

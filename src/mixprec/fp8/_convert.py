@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from mixprec.fp8._guard import Guard, layer_states
-from mixprec.fp8._like import LINEAR_LIKE, conv1d_class, features, is_linear_like
+from mixprec.fp8._like import LINEAR_LIKE, conv1d_class, features, is_linear_like, unroutable
 from mixprec.fp8._linear import BACKENDS, linear
 from mixprec.fp8._quant import STAT_NAMES
 from mixprec.fp8._recipe import Float8Recipe
@@ -56,6 +56,8 @@ def eligible(module: nn.Module, fqn: str = "") -> tuple[bool, str]:
     """
     if not is_linear_like(module):
         return False, f"{fqn!r}: {type(module).__name__} is not an {LINEAR_LIKE}"
+    if (why := unroutable(module)) is not None:
+        return False, f"{fqn!r}: {why}"
     bad = [f"{name}={value}" for name, value in zip(("in_features", "out_features"), features(module))
            if value % _MULTIPLE]
     if bad:
@@ -266,8 +268,14 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
         chosen = set(select_layers(model))
         filter_fn = lambda mod, fqn: fqn in chosen  # noqa: E731
     conv1d = conv1d_class()
-    swaps = [(fqn, mod) for fqn, mod in model.named_modules()
-             if (type(mod) is nn.Linear or (conv1d is not None and type(mod) is conv1d)) and filter_fn(mod, fqn)]
+    swappable = lambda mod: type(mod) is nn.Linear or (conv1d is not None and type(mod) is conv1d)  # noqa: E731
+    swaps = [(fqn, mod) for fqn, mod in model.named_modules() if swappable(mod) and filter_fn(mod, fqn)]
+    if not by_user:
+        for fqn, mod in model.named_modules():
+            if fqn in chosen and not swappable(mod):
+                _warn_once(model, f"fp8.convert: layer {fqn!r} ({type(mod).__name__}) is selected, but convert "
+                                  f"swaps only nn.Linear and transformers Conv1D modules, not subclasses: it stays "
+                                  f"as it is (Policy.fp8 runs subclasses whose forward calls F.linear)")
     if swaps and not swaps[0][0] and next(model.children(), None) is not None:
         raise ValueError(f"fp8.convert: the root module is a {type(model).__name__} with children "
                          f"({', '.join(n for n, _ in model.named_children())}), which converting it would "

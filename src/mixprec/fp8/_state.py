@@ -39,6 +39,7 @@ class LayerState:
         self.output_sqnr_db = torch.full((), math.inf, device=device)
         self.fallback = False
         self.sample_sqnr = False
+        self.routed = False  # a policy's call of the layer has reached fp8 (set by the routing)
 
     @property
     def stats(self) -> torch.Tensor:

@@ -234,6 +234,15 @@ def test_no_compiler_says_so_and_retries_once_there_is_one(fake, monkeypatch):
     assert fake.builds == 1
 
 
+def test_an_unwritable_cache_says_what_to_set(fake, monkeypatch, tmp_path):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "file" / "cache"))
+    with pytest.raises(_native.BuildError, match="set TORCH_EXTENSIONS_DIR to a writable folder"):
+        _native.build()
+    with pytest.warns(UserWarning, match="cannot create the build folder"):
+        assert _native.load() is None
+
+
 def test_disabled_kernels_are_not_built(fake, monkeypatch):
     monkeypatch.setenv("MIXPREC_NATIVE_KERNELS", "0")
     assert _native.load() is None

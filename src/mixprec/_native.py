@@ -127,7 +127,8 @@ def build(retry: bool = True, say: Optional[Callable[[str], None]] = None) -> Bu
 
     Raises:
         BuildError: no compiler or ninja, a compile error (its first line; the full log's path),
-            another process's build still running after ``MIXPREC_BUILD_WAIT`` seconds.
+            another process's build still running after ``MIXPREC_BUILD_WAIT`` seconds, an
+            unwritable build folder.
 
     Example:
         >>> from mixprec import _native
@@ -138,7 +139,11 @@ def build(retry: bool = True, say: Optional[Callable[[str], None]] = None) -> Bu
     env = environment()
     directory = build_directory(env)
     if not _finished(directory):
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise BuildError(f"cannot create the build folder {directory} ({e.strerror or e}); set "
+                             "TORCH_EXTENSIONS_DIR to a writable folder") from None
         with _build_lock(directory, say):
             if not _finished(directory):  # else built by the process this one waited for
                 failed = directory / "failed.json"

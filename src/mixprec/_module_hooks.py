@@ -40,11 +40,13 @@ class _Watch:
     names: list[str] = field(default_factory=list)  # qualified names seen (for the message)
     outer: set[int] = field(default_factory=set)  # ids of the region's outermost modules
 
-    def see(self, module: nn.Module, name: str) -> None:
+    def see(self, name: str, hits: list[Any]) -> None:
+        """A module named ``name`` was called, selected by the rules ``hits``."""
         if name and len(self.names) < 256:
             self.names.append(name)
-        for rule in [r for r in self.pending if r.matches(module, name)]:
-            self.pending.remove(rule)
+        for rule in hits:
+            if rule in self.pending:
+                self.pending.remove(rule)
             _MATCHED.add(rule)
 
 
@@ -90,9 +92,10 @@ def _unmatched(rule: Any, watch: _Watch, region: _Region) -> str:
     seen = (f"did you mean {' or '.join(repr(n) for n in close)}?" if close
             else "names seen: " + (", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
                                    if names else "none"))
+    fix = "" if region.root is not None else (
+        "; when the region is entered inside the model's forward, pass root=model to mixprec.autocast")
     return (f"mixprec: the module rule {_rule_text(rule)} selected no module called in the region "
-            f"(qualified names are relative to {base}; {seen}). Fix the pattern or the types; when the "
-            "region is entered inside the model's forward, pass root=model to mixprec.autocast")
+            f"(qualified names are relative to {base}; {seen}). Fix the pattern or the types{fix}")
 
 
 class ModuleRules:
@@ -106,7 +109,13 @@ class ModuleRules:
     A thread-local stack follows module calls. A module's qualified name is its parent's name
     plus the attribute under which the parent holds it, looked up at each call, so swapping or
     adding submodules between calls is seen at once; a module called from elsewhere than its
-    parent is looked up from the outermost module of the region.
+    parent is looked up from the outermost module of the region. A region with ``root`` names its
+    outermost calls (and such lookups) by their path in ``root``, and selects fp8 layers on it.
+
+    A region's first pass (until it exits, or one of its outermost modules is called again)
+    watches its rules: each that selected no module warns once per process, unless it has
+    selected one before. A checkpoint's recompute replays the calls, root and fp8 layers of the
+    forward (:meth:`capture`, :meth:`replay`).
     """
 
     _lock = threading.Lock()
@@ -285,22 +294,22 @@ class ModuleRules:
         if rules or fp8_rule is not None:
             outermost = root is not None and len(every) <= region.depth
             name = cls._path(root, module) if outermost else cls._qualified_name(module, every, root)
-        if region is not None and region.watch is not None:
-            region.watch.see(module, name)
-        for other in st.regions:  # a rule that takes effect here counts for enclosing regions too
-            if other.watch is not None and other is not region:
-                other.watch.see(module, name)
+        watches = [r.watch for r in st.regions if r.watch is not None]
+        if watches:  # a rule that takes effect here counts for the enclosing regions too
+            hits = [r for r in rules if r.matches(module, name)]
+            for watch in watches:
+                watch.see(name, hits)
         kept = bool(every) and every[-1][3]  # inside a kept module
         rule = next((r for r in rules if r.matches(module, name)), None) if rules else None
         kept = kept or rule is not None
         target = None
         if fp8_rule is not None:
-            if region is not None and (region.replay or region.selected):
-                pass  # a recompute, or a rooted region that selected: the layers stay
-            elif root is not None:  # select on the model, once for the region
-                st.fp8, region.selected = _fp8_layers(root, policy), True
-            elif not every:  # the outermost call: select the layers (the model may have changed)
-                st.fp8 = _fp8_layers(module, policy)
+            # a recompute keeps the forward's layers; a region with a root selects once
+            if region is None or not (region.replay or region.selected):
+                if root is not None:  # select on the model
+                    st.fp8, region.selected = _fp8_layers(root, policy), True
+                elif not every:  # the outermost call: select the layers (the model may have changed)
+                    st.fp8 = _fp8_layers(module, policy)
             target = st.fp8.get(id(module)) if not kept else None
             if target is not None and target[2].fallback:
                 target = None

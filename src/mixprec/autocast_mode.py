@@ -160,9 +160,9 @@ class autocast(_TorchAutocast):
             ``"fp32-numerics"``); edits to the op lists, module rules (:meth:`Policy.keep`) and
             an output dtype apply inside this region.
         root: the module that module rules name modules from (``keep(names=...)``, fp8 layer
-            selection); default: the outermost module called in the region. Give the model
-            when the region is entered inside its ``forward`` (a decorated forward, a framework's
-            wrapper). Eager only.
+            selection); default: the outermost module called in the region, or, decorating a
+            module's ``forward``, that module. Give the model when the region is entered inside
+            its ``forward`` (a framework's wrapper). Eager only.
 
     Usable as a context manager and as a decorator. State is thread-local. An instance of
     ``torch.autocast`` (``isinstance(ctx, torch.autocast)`` holds).

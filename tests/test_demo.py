@@ -490,7 +490,8 @@ def test_crossover_is_computed_from_the_panel() -> None:
         "bf16 autocast is faster than fp32 at every size measured (up to 2.5x: tiny 0.80x, small 0.50x, base 0.40x the time)")
     assert crossover(_panel(fp16=[2.0, 1.5, 1.2]), "fp16") == (
         "fp16 autocast is slower than fp32 at every size measured (tiny 2.00x, small 1.50x, base 1.20x the time)")
-    assert crossover(_panel(fp8=[1.2, 1.0, 1.05]), "fp8").startswith("fp8 (emulated) is not faster than fp32")
+    assert crossover(_panel(fp8=[1.2, 1.0, 1.05]), "fp8") == (
+        "fp8 (emulated) is faster than fp32 at no size measured (tiny 1.20x, small 1.00x, base 1.05x the time)")
     assert "no single crossover" in crossover(_panel(bf16=[0.5, 1.5, 0.5]), "bf16")
     panel = _panel(bf16=[1.8, 0.6], fp16=[2.0, 1.5], fp8=[4.0, 3.0])
     panel["skipped"] = {"base": "expected 90 s"}
@@ -510,6 +511,7 @@ def test_speed_panel_times_every_kind_and_keeps_to_its_budget(data: tuple[torch.
     assert tiny["ratio"]["fp32"] == 1.0 and set(tiny["ratio"]) == set(KINDS)
     assert all(t > 0 for t in tiny["seconds"].values())
     assert notes[0].startswith("speed panel, tiny: bf16 ") and panel["threads"] == torch.get_num_threads()
+    assert notes[1].startswith("speed panel: small not timed (expected ")
     with pytest.raises(ValueError, match="sizes must be among"):
         measure(data[0], CPU, sizes=("huge",))
 
@@ -534,9 +536,12 @@ def test_verdict_names_the_mode_for_accuracy_speed_and_memory_with_its_noise_ban
     # the fastest mode within fp32's band, not the fastest overall (bf16-naive is worse)
     assert lines[1] == "For speed at this size (tiny, 20 steps): fp32 (500 tokens/s)."
     assert lines[2] == "For memory: bf16-kahan (0.00 MiB, 60% of fp32's)."
-    one = verdict(DemoResult(Settings.for_size("tiny", steps=20), "cpu", {}, [r for r in runs if r.seed == 0]))
-    assert "from 1 seed there is no noise band" in one[0] and "bf16-naive" not in one[0]
-    assert one[1].startswith("For speed at this size (tiny, 20 steps): bf16-naive (900 tokens/s, 0.56x fp32's time")
+    for seeds in (1, 2):  # the spread of two values is mostly noise: no band either
+        few = verdict(DemoResult(Settings.for_size("tiny", steps=20), "cpu", {}, [r for r in runs if r.seed < seeds]))
+        assert f"from {seeds} seed{'s' if seeds > 1 else ''} there is no noise band" in few[0]
+        assert "bf16-naive" not in few[0]
+        assert few[1] == ("For speed at this size (tiny, 20 steps): bf16-naive (900 tokens/s, 0.56x fp32's time; "
+                          "accuracy not established, see above).")
 
 
 def test_a_mode_far_above_fp32_gets_its_departure_explained() -> None:

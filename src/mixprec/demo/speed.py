@@ -123,6 +123,8 @@ def measure(
                 for rest in sizes[sizes.index(size):]:
                     out["skipped"][rest] = (f"expected {expected * (rounds + 1):.0f} s, more than the "
                                             f"{max(left, 0):.0f} s left of the panel's {budget_s:.0f} s")
+                if note is not None:
+                    note(f"speed panel: {', '.join(out['skipped'])} not timed ({out['skipped'][size]})")
                 break
         entry = _time_size(size, train, device, rounds)
         out["sizes"].append(entry)
@@ -155,8 +157,9 @@ def crossover(panel: dict[str, Any], kind: str) -> str:
         best = min(e["ratio"][kind] for e in entries)
         return f"{name} is faster than fp32 at every size measured (up to {1 / best:.1f}x: {_times(entries, kind)} the time)"
     if not any(faster):
-        verdict = "slower than" if all(slower) else "not faster than"
-        return f"{name} is {verdict} fp32 at every size measured ({_times(entries, kind)} the time)"
+        if all(slower):
+            return f"{name} is slower than fp32 at every size measured ({_times(entries, kind)} the time)"
+        return f"{name} is faster than fp32 at no size measured ({_times(entries, kind)} the time)"
     first = faster.index(True)
     if all(faster[first:]):
         at = entries[first]

@@ -255,8 +255,8 @@ def run_demo(
         speed_sizes: the model sizes of the speed panel (:func:`mixprec.demo.speed.measure`),
             timed before training; no panel when empty.
         budget_s: with it, ``seeds`` is the most: a seed after the first is trained only when it
-            is expected to end within ``budget_s`` seconds of the start (expected: the mean time
-            of the seeds so far); ``DemoResult.seeds_note`` says how many ran and why.
+            is expected to end within ``budget_s`` seconds of the start (expected: as long as the
+            slowest seed so far); ``DemoResult.seeds_note`` says how many ran and why.
 
     A ``KeyboardInterrupt`` (Ctrl-C) ends the demo early: the result holds the runs that
     finished (those of a seed left incomplete are dropped when an earlier seed is complete) and
@@ -282,19 +282,21 @@ def run_demo(
     try:
         if speed_sizes:
             result.speed = speed.measure(data[0], device, speed_sizes, note=note)
-        estimate = Estimate.start(settings, list(modes) * (1 if budget_s else seeds), device, progress, env)
+        estimate = Estimate.start(settings, list(modes) * (1 if budget_s is not None else seeds), device, progress, env)
+        seed_s: list[float] = []  # wall time of each seed
         for offset in range(seeds):
             if offset and budget_s is not None:
                 elapsed = time.perf_counter() - start
-                per_seed = sum(r.wall_s for r in result.runs) / offset
-                if elapsed + per_seed > budget_s:
+                if elapsed + max(seed_s) > budget_s:
                     result.seeds_note = (f"{offset} seed{'s' if offset > 1 else ''} of at most {seeds}: another "
-                                         f"(about {per_seed:.0f} s) would end past the {budget_s:.0f} s budget")
+                                         f"(about {max(seed_s):.0f} s) would end past the {budget_s:.0f} s budget")
                     break
                 estimate.plan(list(modes))
             seeded = dataclasses.replace(settings, seed=settings.seed + offset)
+            seed_start = time.perf_counter()
             for name in modes:
                 result.runs.append(run_mode(name, seeded, device, estimate.watch(name), data))
+            seed_s.append(time.perf_counter() - seed_start)
         else:
             if budget_s is not None:
                 result.seeds_note = f"{seeds} seeds, the most, within the {budget_s:.0f} s budget"

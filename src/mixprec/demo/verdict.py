@@ -4,7 +4,8 @@ did so.
 
 Accuracy compares each mode's validation loss with the base mode's (the first, fp32) seed by
 seed, as :func:`mixprec.demo.results.rank` does: a mode is better or worse only beyond twice the
-standard deviation of that difference over the seeds; from one seed there is no band and
+standard deviation of that difference over the seeds; from fewer than :data:`MIN_SEEDS` seeds
+there is no band to rest on (a standard deviation from two values is itself mostly noise) and
 nothing is called better or worse. Speed is this run's throughput (the trained size), and the
 speed panel's crossover (:mod:`mixprec.demo.speed`) for larger models.
 
@@ -13,7 +14,7 @@ Example:
     >>> from mixprec.demo.settings import Settings
     >>> runs = [ModeResult(m, "", [2.0] * 10, 2.0, tps, {"params": 8}, "") for m, tps in (("fp32", 9.0), ("b", 4.0))]
     >>> verdict(DemoResult(Settings.for_size("tiny", steps=10), "cpu", {}, runs))[1]
-    'For speed at this size (tiny, 10 steps): fp32 (9 tokens/s; from one seed accuracy is not established, see above).'
+    'For speed at this size (tiny, 10 steps): fp32 (9 tokens/s; accuracy not established, see above).'
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from __future__ import annotations
 from mixprec.demo.results import DemoResult, ModeResult, Summary, smooth, summarize
 from mixprec.demo.speed import speed_sentence
 
-__all__ = ["verdict", "departure", "DEPARTURE_RATIO"]
+__all__ = ["verdict", "departure", "DEPARTURE_RATIO", "MIN_SEEDS"]
+
+#: The fewest seeds whose spread the accuracy verdict rests on.
+MIN_SEEDS = 3
 
 #: A mode whose final training loss ends more than this fraction above fp32's gets its departure
 #: from fp32's curve explained (:func:`departure`).
@@ -38,9 +42,10 @@ def _accuracy(result: DemoResult, stats: list[Summary]) -> tuple[str, list[str]]
     """The accuracy sentence and the modes that match the base mode (the base first)."""
     base, n = stats[0].base, stats[0].seeds
     others = stats[1:]
-    if n < 2:
-        return (f"For accuracy: from 1 seed there is no noise band (the spread between seeds is unknown), so no "
-                f"mode is called better or worse than {base}; --seeds 3 measures it"
+    if n < MIN_SEEDS:
+        return (f"For accuracy: from {n} seed{'s' if n > 1 else ''} there is no noise band to rest on (it takes "
+                f"{MIN_SEEDS} seeds or more), so no mode is called better or worse than {base}; "
+                f"--seeds {MIN_SEEDS} measures it"
                 + (f" ({result.seeds_note})" if result.seeds_note else "") + ".", [s.mode for s in stats])
     match = [s for s in others if _within(s)]
     better = [s for s in others if not _within(s) and s.eval_vs_base < 0]
@@ -90,14 +95,14 @@ def verdict(result: DemoResult) -> list[str]:
     modes = {m.mode: m for m in result.modes}
     base = modes[stats[0].base]
     s = result.settings
-    several = len(result.seeds) > 1
+    several = stats[0].seeds >= MIN_SEEDS
     candidates = [modes[m] for m in good if m in modes]
     fastest = max(candidates, key=lambda m: m.tokens_per_s)
     among = f"the fastest mode that matches {base.mode}'s accuracy" if several else "the fastest mode"
     ratio = base.tokens_per_s / fastest.tokens_per_s
     speed = (f"For speed at this size ({s.size}, {s.steps} steps): {fastest.mode} ({fastest.tokens_per_s:,.0f} tokens/s"
              + (f", {ratio:.2f}x {base.mode}'s time" if fastest is not base else "")
-             + ("" if several else "; from one seed accuracy is not established, see above") + ").")
+             + ("" if several else "; accuracy not established, see above") + ").")
     if result.speed.get("sizes"):
         speed += " At other sizes (the speed panel), " + speed_sentence(result.speed, result.device)
     lines = [accuracy, speed]
@@ -105,7 +110,7 @@ def verdict(result: DemoResult) -> list[str]:
         least = min(candidates, key=lambda m: m.total_memory)
         lines.append(f"For memory: {least.mode} ({least.total_memory / 2**20:.2f} MiB, "
                      f"{least.total_memory / base.total_memory:.0%} of {base.mode}'s)"
-                     + ("" if several else ", accuracy not established from one seed") + ".")
+                     + ("" if several else ", accuracy not established") + ".")
     warmup = max(1, s.steps // 10)
     for m in result.modes:
         if m is not base and m.final_loss > (1 + DEPARTURE_RATIO) * base.final_loss:

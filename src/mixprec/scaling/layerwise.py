@@ -48,6 +48,9 @@ from mixprec.scaling.rule import ScaleConfig
 
 __all__ = ["Layerwise", "choose_cut_points", "regions", "pow2"]
 
+#: Binades every region sits below the top region: equalising floor(log2 amax) leaves a region's
+#: amax up to twice the top's, which the loss scale's probing does not cover.
+HEADROOM = 1
 #: Binades a region whose gradients were all zero moves up per clean step.
 ZERO_JUMP = 4
 #: Bound on the total exponent of a region, so that ``loss scale * 2**T`` stays in float32.
@@ -89,8 +92,9 @@ def choose_cut_points(model: nn.Module, names: Sequence[str] | None = None) -> l
     With ``names``, checks and returns them. Otherwise finds the ``nn.Sequential`` or
     ``nn.ModuleList`` (the model itself included) holding the most trainable parameters in at
     least two children with parameters, and cuts after each of those children; when that
-    container is the model itself, its last child is left out (its output is the model's output,
-    which only the loss consumes).
+    container is the model itself (or what single-child wrappers such as DDP or
+    ``torch.compile`` hold), its last child is left out (its output is the model's output, which
+    only the loss consumes).
 
     Raises:
         ValueError: a name that is not a submodule (with close matches), a repeated name, or no
@@ -133,7 +137,10 @@ def choose_cut_points(model: nn.Module, names: Sequence[str] | None = None) -> l
     container = modules[best[1]]
     prefix = f"{best[1]}." if best[1] else ""
     cuts = [f"{prefix}{n}" for n, c in container.named_children() if _has_params(c)]
-    if container is model and len(cuts) > 1 and cuts[-1] == f"{prefix}{list(container._modules)[-1]}":
+    root = model
+    while len(root._modules) == 1:  # wrappers: DDP's .module, torch.compile's ._orig_mod
+        root = next(iter(root._modules.values()))
+    if container is root and len(cuts) > 1 and cuts[-1] == f"{prefix}{list(container._modules)[-1]}":
         cuts = cuts[:-1]
     return cuts
 
@@ -197,7 +204,8 @@ def regions(
                 if parents.setdefault(cut, above) != above:
                     raise ValueError(
                         f"per_layer: cut point {cut_names[cut]!r} receives gradients that crossed "
-                        "different cut points; choose outputs of whole blocks (cut_points=[...])."
+                        "different cut points (a skip connection bypasses some of them); choose "
+                        "cut points that every path crosses (cut_points=[...])."
                     )
                 below = above | {cut}
             stack.append((child, below))
@@ -264,7 +272,7 @@ class Layerwise:
         modules = dict(model.named_modules())
         self._model = weakref.ref(model)
         self.names = names
-        self._handles = [modules[n].register_forward_hook(self._forward_hook(k)) for k, n in enumerate(names)]
+        self._handles = [modules[n].register_forward_hook(self._forward_hook(k, modules[n])) for k, n in enumerate(names)]
         self._calibrated = False
         self._param_region = {}
         # Until the graph walk says otherwise: a chain, each cut point below the next.
@@ -277,14 +285,16 @@ class Layerwise:
             handle.remove()
         self._handles = []
 
-    def _forward_hook(self, cut: int) -> Any:
-        ref = weakref.ref(self)
+    def _forward_hook(self, cut: int, hooked: nn.Module) -> Any:
+        ref, hooked_ref = weakref.ref(self), weakref.ref(hooked)
 
         @torch._dynamo.disable  # the hook runs eagerly: torch.compile breaks the graph here
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             me = ref()
             tensor = _first_tensor(output)
-            if me is None or tensor is None or not tensor.requires_grad or tensor.grad_fn is None:
+            if me is None or module is not hooked_ref() or tensor is None or not tensor.requires_grad:
+                return  # a copy.deepcopy of the watched model carries the hook: it does nothing
+            if tensor.grad_fn is None:
                 return
             if not me._calibrated:
                 me._edges[(id(tensor.grad_fn), tensor.output_nr)] = cut
@@ -496,7 +506,7 @@ class Layerwise:
         # measurement (or the top); one that saw nothing keeps its factor.
         _, exponents = torch.frexp(stats)
         seen, positive = stats[1:] >= 0, stats[1:] > 0
-        target = (exponents[0] - exponents[1:] - margin).float()
+        target = (exponents[0] - exponents[1:] - HEADROOM - margin).float()
         change = self._propagate(torch.where(positive, target, 0.0), positive, seen & ~positive)
         active = ~overflow & (stats[0] > 0) & finite.all()
         totals = state["totals"]

@@ -31,6 +31,7 @@ __all__ = [
     "custom_fwd",
     "custom_bwd",
     "checkpoint_context_fn",
+    "DeviceTypeError",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -255,7 +256,10 @@ class autocast(_TorchAutocast):
         torch.set_autocast_cache_enabled(cache)
 
     def _enter_traced(self) -> "autocast":
-        key, dtype, enabled = _traced_region(self.device, *self._raw)
+        dtype, enabled, policy = self._raw
+        if isinstance(policy, Policy):  # Dynamo guards on the object passed: one per value
+            policy = policy._canonical
+        key, dtype, enabled = _traced_region(self.device, dtype, enabled, policy)
         ctx = torch.amp._enter_autocast(self.device, dtype, enabled, self._cache_enabled)
         torch.ops.mixprec.region(self.device, key, True)
         self._saved.append((ctx, key))

@@ -5,8 +5,10 @@
 * :func:`linear`: the functional fp8 linear (differentiable; tensorwise saves its activations for
   backward in fp8). ``backend="emulate"`` everywhere, ``"scaled_mm"`` on CUDA sm89+.
 * :class:`LayerState` / :func:`layer_state`: per-layer statistics kept on the device.
-* :class:`Guard`: thresholds that move a layer back to the compute dtype, the same on every rank.
-* :func:`convert`, :class:`Float8Linear`, :func:`stats`: module conversion and the stats table.
+* :class:`Guard`: thresholds that move a layer back to the compute dtype, the same on every rank,
+  decided in ``guard.step()`` (once per optimizer step), resumable from its ``state_dict()``.
+* :func:`convert`, :func:`unconvert`, :class:`Float8Linear`, :class:`Float8Conv1D`, :func:`stats`:
+  module conversion (``nn.Linear`` and transformers' ``Conv1D``), its undoing, the stats table.
 * :func:`eligible`, :func:`select_layers`: the layer-selection rules.
 
 Example:
@@ -15,7 +17,7 @@ Example:
     >>> model = fp8.convert(torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)]))
     >>> guard = fp8.Guard(every=10)
     >>> loss = model(torch.randn(8, 32)).square().mean(); loss.backward()
-    >>> guard.check(model, step=0)
+    >>> guard.step(model)
     []
 
 Interface for ``Policy.fp8`` (no module swap)
@@ -24,7 +26,7 @@ Interface for ``Policy.fp8`` (no module swap)
 layers with ``select_layers(model, types, names, first_last) -> list[fqn]`` (the same function
 :func:`convert` uses by default; it warns once per layer left out by :func:`eligible`, whose
 ``(ok, reason)`` is the dims-multiple-of-16 rule) and, inside a mixprec region, routes each
-selected ``nn.Linear`` call to::
+selected ``nn.Linear`` call (transformers ``Conv1D``: its ``addmm``, with ``weight.t()``) to::
 
     fp8.linear(x, module.weight, module.bias, recipe, state=fp8.layer_state(module))
 
@@ -34,8 +36,10 @@ inside, computes in ``x``'s dtype (cast ``x`` to the compute dtype first, as aut
 dtype instead. ``layer_state(module)`` keeps the state as a plain module attribute (not a
 buffer: state dict keys do not change, ``deepcopy`` follows it); create it before
 ``torch.compile`` traces (selection time). ``layer_states(model)`` collects ``{fqn: state}``
-for ``Guard.check(states_or_model, step)``. Fallback decisions survive checkpoints through
-``Guard.state_dict()``/``load_state_dict()`` (keyed by fqn), not through the module state dict.
+for ``Guard.step(states_or_model)``; the policy's guard tracks the selected layers at each
+outermost call and decides only in ``step()``. Its step count, decisions and open windows survive
+checkpoints through ``Guard.state_dict()``/``load_state_dict()`` (keyed by fqn), not through the
+module state dict.
 """
 
 from mixprec.fp8._convert import (Float8Conv1D, Float8Linear, Float8Stats, as_recipe, convert, eligible, select_layers,

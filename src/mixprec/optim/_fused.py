@@ -55,9 +55,10 @@ _VECTOR = 16
 
 
 def native_ops() -> Optional[Any]:
-    """The compiled kernels, or ``None`` where the working-copy path must serve (no compiler,
-    ``MIXPREC_NATIVE_KERNELS=0``, a CPU other than x86 AVX2/AVX-512, or a torch build whose
-    fused kernels round otherwise: :func:`_agrees_with_torch`).
+    """The compiled kernels, or ``None`` where their definition on working copies must serve (no
+    compiler, ``MIXPREC_NATIVE_KERNELS=0``, a CPU other than x86 AVX2/AVX-512, or a torch build
+    whose fused kernels round otherwise: :func:`_agrees_with_torch`). Builds them if this
+    environment has no build yet (:mod:`mixprec._native`).
 
     Decided once per process, outside ``torch.compile`` (the optimizers ask at construction);
     code being compiled only reads the decision (``None`` if it was never taken)."""

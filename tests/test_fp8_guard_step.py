@@ -196,3 +196,16 @@ def test_ranks_with_different_forwards_take_the_same_decisions_without_hanging(t
         assert res["decisions"] == [("2", "input", "underflow", 4)]
         assert res["steps"] == 6
         assert res["flags"] == {"0": False, "2": True, "4": False, "6": False}
+
+
+def test_a_guard_stepped_without_layers_warns_once() -> None:
+    model = fp8.convert(_model(), filter_fn=lambda m, fqn: True)  # no guard= here
+    guard = fp8.Guard()
+    with pytest.warns(UserWarning, match=r"Guard.step\(\) tracks no fp8 layer, so it decides nothing"):
+        guard.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guard.step()
+        guard.step(model)  # given the model: it tracks it from now on
+        guard.step()
+    assert guard.steps == 4 and sorted(guard.state_dict()["windows"]) == ["0", "2", "4", "6"]

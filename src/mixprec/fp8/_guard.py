@@ -78,7 +78,7 @@ class Guard:
 
     Example:
         >>> guard = Guard(max_underflow=0.1, every=10)
-        >>> guard.step(), guard.steps
+        >>> guard.step({}), guard.steps
         ([], 1)
     """
 
@@ -95,6 +95,7 @@ class Guard:
                                                              compare=False)
     _stepped: bool = field(default=False, init=False, repr=False, compare=False)  # this process
     _forwards: int = field(default=0, init=False, repr=False, compare=False)
+    _warned_empty: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("max_saturated", "max_underflow", "max_nonfinite"):
@@ -136,13 +137,19 @@ class Guard:
 
         Call it once per optimizer step on every rank, after backward. ``model``: the model (or
         ``{fqn: LayerState}``, the same names on every rank); by default the layers tracked
-        already (by :func:`convert` with ``guard=``, or by the policy's forwards).
+        already (by :func:`convert` with ``guard=``, or by the policy's forwards). Without
+        ``model``, while it tracks no layer, it warns once (it would never decide anything).
 
         Example:
             >>> Guard(every=2).step({})
             []
         """
         states = dict(self._states) if model is None else model
+        if model is None and not states and not self._warned_empty:
+            self._warned_empty = True
+            warnings.warn("fp8: Guard.step() tracks no fp8 layer, so it decides nothing: pass the model "
+                          "(guard.step(model)), or give the guard to fp8.convert(..., guard=guard) or to "
+                          "Policy.fp8(guard=guard)", UserWarning, stacklevel=2)
         return self._check(states, self._steps + 1, stacklevel=3)
 
     def check(self, states: Mapping[str, LayerState] | torch.nn.Module, step: int) -> list[Fallback]:

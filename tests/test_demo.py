@@ -136,7 +136,7 @@ def test_every_mode_trains(name: str, data: tuple[torch.Tensor, torch.Tensor]) -
     lowp = name.startswith(("bf16-", "fp16-"))
     assert (result.memory["params"] < 0.6 * fp32_params) == lowp
     assert (result.memory["master"] > 0) == (name == "fp16-master")
-    scaled = name in ("torch-amp", "mixprec-fp16", "fp16-master")
+    scaled = name in ("torch-amp", "mixprec-fp16", "fp16-master", "mixprec-fp16-layerwise")
     assert len(result.scales) == (3 if scaled else 0)
 
 
@@ -552,11 +552,13 @@ def test_a_mode_far_above_fp32_gets_its_departure_explained() -> None:
     runs = [*_runs("fp32", [2.7], losses=base), *_runs("bf16-stochastic", [2.9], losses=jumped),
             *_runs("bf16-kahan", [2.7], losses=[b + 0.001 for b in base])]
     lines = verdict(DemoResult(Settings.for_size("tiny", steps=100), "cpu", {}, runs))
-    why = [line for line in lines if line.startswith("bf16-stochastic ends")]
-    assert len(why) == 1 and not any(line.startswith("bf16-kahan ends") for line in lines)
-    assert why[0].startswith("bf16-stochastic ends +14.6% against fp32 (seed 0): it leaves fp32's curve at step 31, "
-                             "21 steps after the warm-up to the peak learning rate ended (step 10), and jumps to 3.94 "
-                             "at step 37 (fp32 2.64)")
+    assert lines[-1] == (
+        "Far above fp32's final training loss (seed 0): bf16-stochastic +14.6% (leaves the curve at step 31, "
+        "jumps to 3.94 at step 37 against 2.64); each leaves it after the warm-up to the peak learning rate "
+        "(0.003, reached at step 10): in that phase a run of this small model is tipped off course by any "
+        "rounding difference and stays on a higher plateau, so one seed does not rank these modes. "
+        "Compare over seeds (docs/demo.md, 'Far above fp32 from one seed').")
+    assert not any("bf16-kahan +" in line for line in lines)
 
 
 def test_per_mode_lines_are_not_cut_off_in_the_page(data: tuple[torch.Tensor, torch.Tensor], tmp_path: Path) -> None:

@@ -64,28 +64,48 @@ def _accuracy(result: DemoResult, stats: list[Summary]) -> tuple[str, list[str]]
     return text, [base] + [s.mode for s in better + match]
 
 
-def departure(mode: ModeResult, base: ModeResult, warmup: int) -> str | None:
+def departure(mode: ModeResult, base: ModeResult) -> tuple[int, str] | None:
     """Where ``mode``'s training loss leaves ``base``'s (the first step at which their trailing
-    means differ by more than 0.05) and its largest jump above it, in words; None when it never
-    leaves. ``warmup`` is the last step of the learning-rate warm-up."""
+    means differ by more than 0.05) and its largest jump above it: ``(step, words)``, or None
+    when it never leaves.
+
+    Example:
+        >>> a = ModeResult("a", "", [3.0, 2.0, 2.0, 2.0], 2.0, 1.0, {}, "")
+        >>> departure(ModeResult("b", "", [3.0, 2.0, 3.5, 2.5], 2.5, 1.0, {}, ""), a)
+        (3, 'b +25.0% (leaves the curve at step 3, jumps to 3.50 at step 3 against 2.00)')
+    """
     diff = [a - b for a, b in zip(smooth(mode.losses), smooth(base.losses))]
     leaves = next((i for i, d in enumerate(diff) if d > _LEAVES), None)
     if leaves is None:
         return None
     raw = [a - b for a, b in zip(mode.losses, base.losses)]
     peak = max(range(len(raw)), key=raw.__getitem__)
-    when = (f"{leaves + 1 - warmup} steps after the warm-up to the peak learning rate ended (step {warmup})"
-            if leaves + 1 >= warmup else f"during the warm-up (steps 1-{warmup})")
-    return (f"{mode.mode} ends {mode.final_loss / base.final_loss - 1:+.1%} against {base.mode} (seed {mode.seed}): "
-            f"it leaves {base.mode}'s curve at step {leaves + 1}, {when}, and jumps to {mode.losses[peak]:.2f} "
-            f"at step {peak + 1} ({base.mode} {base.losses[peak]:.2f}). In that phase a run of this small model "
-            "is tipped off course by any rounding difference and stays on a higher plateau, so one seed does not "
-            "rank the mode: compare over seeds (docs/demo.md, 'Far above fp32 from one seed').")
+    return leaves + 1, (f"{mode.mode} {mode.final_loss / base.final_loss - 1:+.1%} (leaves the curve at step "
+                        f"{leaves + 1}, jumps to {mode.losses[peak]:.2f} at step {peak + 1} against "
+                        f"{base.losses[peak]:.2f})")
+
+
+def _departures(result: DemoResult, base: ModeResult) -> str | None:
+    """One line for the modes whose final loss ends more than :data:`DEPARTURE_RATIO` above
+    ``base``'s (first seed): where each left its curve, and what that says."""
+    found = [d for m in result.modes if m is not base and m.final_loss > (1 + DEPARTURE_RATIO) * base.final_loss
+             if (d := departure(m, base)) is not None]
+    if not found:
+        return None
+    s = result.settings
+    warmup = max(1, s.steps // 10)
+    after = all(step > warmup for step, _ in found)
+    why = ("each leaves it after the warm-up to the peak learning rate (" f"{s.lr:g}, reached at step {warmup}): "
+           "in that phase a run of this small model is tipped off course by any rounding difference and stays on "
+           "a higher plateau, so one seed does not rank these modes" if after else
+           f"the warm-up to the peak learning rate ({s.lr:g}) ends at step {warmup}")
+    return (f"Far above {base.mode}'s final training loss (seed {base.seed}): " + "; ".join(w for _, w in found)
+            + f"; {why}. Compare over seeds (docs/demo.md, 'Far above fp32 from one seed').")
 
 
 def verdict(result: DemoResult) -> list[str]:
     """The report's verdict: one line for accuracy, one for speed (this run's throughput, and
-    the speed panel when it ran), one for memory, and one per mode that ended more than
+    the speed panel when it ran), one for memory, and one for the modes that ended more than
     :data:`DEPARTURE_RATIO` above the base mode's final loss (see :func:`departure`).
 
     Precondition: at least one run.
@@ -111,10 +131,5 @@ def verdict(result: DemoResult) -> list[str]:
         lines.append(f"For memory: {least.mode} ({least.total_memory / 2**20:.2f} MiB, "
                      f"{least.total_memory / base.total_memory:.0%} of {base.mode}'s)"
                      + ("" if several else ", accuracy not established") + ".")
-    warmup = max(1, s.steps // 10)
-    for m in result.modes:
-        if m is not base and m.final_loss > (1 + DEPARTURE_RATIO) * base.final_loss:
-            why = departure(m, base, warmup)
-            if why is not None:
-                lines.append(why)
-    return lines
+    far = _departures(result, base)
+    return lines if far is None else lines + [far]

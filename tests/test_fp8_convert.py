@@ -211,8 +211,11 @@ def test_public_surface_and_light_import():
     (lambda: nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16)), {"names": "^x$"},
      "names='^x$' matches none of the 3 nn.Linear or Linear-equivalent (transformers Conv1D) layers (e.g. '0', '1', '2')"),
     (lambda: nn.Sequential(nn.Linear(10, 20), nn.Linear(20, 10)), {"first_last": "fp8"},
-     "none of the 2 nn.Linear or Linear-equivalent (transformers Conv1D) layers has in and out features that are "
-     "multiples of 16"),
+     "none of the 2 nn.Linear or Linear-equivalent (transformers Conv1D) layers is eligible (in and out features "
+     "multiples of 16; each one's reason is in its own warning)"),
+    (lambda: nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16)), {"names": "^0$"},
+     "the only eligible layers matching names ('0') are the model's first and last, kept in the compute dtype by "
+     "first_last='keep'; pass first_last='fp8' to include them"),
 ])
 def test_selecting_no_layer_warns_once_per_model_saying_why(model, kwargs, why):
     m = model()

@@ -121,10 +121,12 @@ def _why_none(types: tuple[type, ...], pattern: re.Pattern | None, candidates: l
     if not matching:
         return (f"names={pattern.pattern!r} matches none of the {len(candidates)} {what} layers "
                 f"(e.g. {', '.join(map(repr, candidates[:3]))})")
-    if not [n for n in eligible_names if n in matching]:
-        return (f"none of the {len(matching)} {what} layers has in and out features that are "
-                f"multiples of {_MULTIPLE}")
-    return (f"the only eligible layers ({', '.join(map(repr, kept))}) are the model's first and last, "
+    hits = [n for n in eligible_names if n in matching]
+    if not hits:
+        return (f"none of the {len(matching)} {what} layers is eligible (in and out features multiples "
+                f"of {_MULTIPLE}; each one's reason is in its own warning)")
+    which = "eligible layers matching names" if pattern is not None else "eligible layers"
+    return (f"the only {which} ({', '.join(map(repr, hits))}) are the model's first and last, "
             f"kept in the compute dtype by first_last='keep'; pass first_last='fp8' to include them")
 
 

@@ -93,7 +93,7 @@ def test_a_build_says_why_and_how_long_and_is_reused(fake, said, monkeypatch):
     monkeypatch.setenv("CXX", sys.executable)  # another compiler: another build, and why
     _native.build()
     assert fake.builds == 2
-    assert "compiler differ from mixprec_native_" in said()[2]
+    assert "no build for this environment yet: its compiler differs from mixprec_native_" in said()[2]
 
 
 def test_an_unfinished_build_is_redone_and_says_so(fake, said):

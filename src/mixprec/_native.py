@@ -157,15 +157,15 @@ def build(retry: bool = True, say: Optional[Callable[[str], None]] = None) -> Bu
 
 def environment() -> dict[str, str]:
     """What a build depends on (hashed into :func:`build_directory`): the sources, compile
-    flags, torch, the Python environment and mixprec's folder (both written into the build's
-    ninja file), the compiler (``CXX`` or ``c++``: its path and file) and ninja."""
+    flags, torch, the Python environment (``sys.prefix`` and version) and mixprec's folder (both
+    in the build's ninja file), the compiler (``CXX`` or ``c++``: its path and file) and ninja."""
     sources = hashlib.sha1(b"".join(path.read_bytes() for path in _SOURCES)).hexdigest()
     compiler = os.environ.get("CXX", "cl" if sys.platform == "win32" else "c++")
     return {
         "sources": sources,
         "flags": " ".join(_flags()),
         "torch": torch.__version__,
-        "python": sys.prefix,
+        "python": f"{sys.prefix} ({sys.implementation.cache_tag})",
         "package": str(Path(__file__).parent),
         "compiler": _tool(compiler),
         "ninja": _tool("ninja"),
@@ -286,7 +286,8 @@ def _reason(env: dict[str, str], directory: Path) -> str:
             continue
         changed = [key for key in env if earlier.get(key) != env[key]]
         if changed:
-            return f"no build for this environment yet: {', '.join(changed)} differ from {marker.parent.name}'s"
+            verb = "differs" if len(changed) == 1 else "differ"
+            return f"no build for this environment yet: its {', '.join(changed)} {verb} from {marker.parent.name}'s"
     return "no build for this environment yet"
 
 

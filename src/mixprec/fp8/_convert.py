@@ -287,7 +287,7 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
                else Float8Conv1D.from_conv1d(mod, recipe, backend))
         model = _swap(model, fqn, new)
     if not swaps and by_user:
-        likes = sum(1 for mod in model.modules() if type(mod) is nn.Linear or (conv1d is not None and type(mod) is conv1d))
+        likes = sum(1 for mod in model.modules() if swappable(mod))
         _warn_once(model, f"fp8.convert: no layer converted, nothing runs in fp8: filter_fn chose none of the "
                           f"{likes} nn.Linear and Conv1D layers" if likes else
                           f"fp8.convert: no layer converted, nothing runs in fp8: the model has no {LINEAR_LIKE} layer")

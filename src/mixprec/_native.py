@@ -217,7 +217,7 @@ def _build(env: dict[str, str], directory: Path, say: Callable[[str], None]) -> 
     try:
         _check_tools(env)
         say(f"mixprec: building its C++ kernels ({_reason(env, directory)}) in {directory}: about 30 s "
-            "on 2 cores, once per environment")
+            "on 2 idle cores, once per environment")
         stale = directory / "lock"  # torch's own lock: left behind only by a killed build
         if stale.exists():
             stale.unlink()
@@ -238,7 +238,8 @@ def _build(env: dict[str, str], directory: Path, say: Callable[[str], None]) -> 
 def _check_tools(env: dict[str, str]) -> None:
     if env["compiler"].endswith(": not found"):
         name = env["compiler"].split(":")[0]
-        raise BuildError(f"{name} not found (the C++ compiler: CXX, default c++ on PATH): install g++ or clang++, or set CXX")
+        raise BuildError(f"{name} not found (the C++ compiler: CXX, default c++ on PATH): install g++ or "
+                         "clang++, or set CXX")
     if env["ninja"].endswith(": not found"):
         raise BuildError("ninja not found on PATH: pip install ninja (or 'mixprec[native]')")
 
@@ -271,7 +272,8 @@ def _failure(error: Exception, directory: Path) -> str:
 def _remembered(failed: Path) -> str:
     record = json.loads(failed.read_text())
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(record["time"]))
-    return f"{record['cause']}; remembered from the attempt of {when}, not retried until the sources or the compiler change"
+    return (f"{record['cause']}; remembered from the attempt of {when}, not retried until the sources or the "
+            "compiler change")
 
 
 def _reason(env: dict[str, str], directory: Path) -> str:

@@ -224,7 +224,8 @@ def test_a_failed_build_shows_the_compilers_error_and_is_remembered(fake, said, 
 
 def test_no_compiler_says_so_and_retries_once_there_is_one(fake, monkeypatch):
     monkeypatch.setenv("CXX", "no-such-c++")
-    with pytest.warns(UserWarning, match=r"no-such-c\+\+ not found \(the C\+\+ compiler: CXX, default c\+\+ on PATH\): install g\+\+"):
+    said = r"no-such-c\+\+ not found \(the C\+\+ compiler: CXX, default c\+\+ on PATH\): install g\+\+"
+    with pytest.warns(UserWarning, match=said):
         assert _native.load() is None
     assert fake.builds == 0
     assert json.loads((_native.build_directory() / "failed.json").read_text())["compiler"] == "no-such-c++: not found"

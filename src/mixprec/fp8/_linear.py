@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mixprec.fp8._blocks import block_gemm, quantize
 from mixprec.fp8._quant import cast_stats, cast_to_fp8, gemm
 from mixprec.fp8._recipe import Cast, Float8Recipe
 from mixprec.fp8._state import LayerState
@@ -49,7 +50,13 @@ class _Float8Matmul(torch.autograd.Function):
         wt = w.t()
         k, n = wt.shape
         with torch.autocast(x.device.type, enabled=False):
-            if r.input.is_fp8:
+            if r.blocked and r.input.is_fp8:
+                x2 = x.reshape(-1, k)
+                xc, wc = quantize(x2, r.input, r.pow2_scales), quantize(w, r.weight, r.pow2_scales)
+                _record(stats, 0, x2, xc)
+                _record(stats, 1, w, wc)
+                out = block_gemm(xc[:2], r.input, wc[:2], r.weight, x.dtype)
+            elif r.input.is_fp8:
                 xc = cast_to_fp8(x, r.input, -1, r.pow2_scales)
                 wc = cast_to_fp8(wt, r.weight, 0, r.pow2_scales)
                 _record(stats, 0, x, xc)
@@ -78,6 +85,8 @@ class _Float8Matmul(torch.autograd.Function):
             k = wt.shape[0]
         go = grad_output.reshape(-1, grad_output.shape[-1])
         dtype = go.dtype
+        if r.blocked:
+            return _block_backward(ctx, x, wt, go, grad_output.shape)
         grad_input = grad_weight = None
         with torch.autocast(go.device.type, enabled=False):
             go_gi = None
@@ -113,6 +122,41 @@ class _Float8Matmul(torch.autograd.Function):
         return grad_input, grad_weight, None, None, None, None
 
 
+def _block_backward(ctx: Any, x: torch.Tensor, wt: torch.Tensor, go: torch.Tensor, go_shape: torch.Size
+                    ) -> tuple[torch.Tensor | None, ...]:
+    """The backward GEMMs of a block recipe, each operand cast by blocks along that GEMM's
+    contracted dimension (a contiguous copy with it last, as torchao's emulated MXFP8 does)."""
+    r, stats, dtype = ctx.recipe, ctx.stats, go.dtype
+    k = wt.shape[0]
+    x2 = x.reshape(-1, k)
+    grad_input = grad_weight = None
+    with torch.autocast(go.device.type, enabled=False):
+        if r.grad_output.is_fp8 and (ctx.needs_input_grad[0] or stats is not None):
+            goc = quantize(go, r.grad_output, r.pow2_scales)
+            _record(stats, 2, go, goc)
+        cw = r.grad_output_for_grad_weight
+        if cw.is_fp8 and not r.grad_output.is_fp8:
+            got = quantize(go.t().contiguous(), cw, r.pow2_scales)
+            _record(stats, 2, go.t(), got)
+        if ctx.needs_input_grad[0]:
+            if r.grad_output.is_fp8:
+                wtc = quantize(wt.contiguous(), r.weight_for_grad_input, r.pow2_scales)
+                grad_input = block_gemm(goc[:2], r.grad_output, wtc[:2], r.weight_for_grad_input, dtype)
+            else:
+                grad_input = torch.mm(go, wt.t())
+            grad_input = grad_input.reshape(*go_shape[:-1], k)
+        if ctx.needs_input_grad[1]:
+            if cw.is_fp8:
+                if r.grad_output.is_fp8:
+                    got = quantize(go.t().contiguous(), cw, r.pow2_scales)
+                xt = quantize(x2.t().contiguous(), r.input_for_grad_weight, r.pow2_scales)
+                grad_weight = block_gemm(got[:2], cw, xt[:2], r.input_for_grad_weight, dtype)
+            else:
+                grad_weight = torch.mm(go.t(), x2)
+            grad_weight = grad_weight.to(ctx.w_dtype)
+    return grad_input, grad_weight, None, None, None, None
+
+
 def _record_sqnr(sqnr: torch.Tensor, out: torch.Tensor, x2: torch.Tensor, wt: torch.Tensor) -> None:
     ref = torch.mm(x2, wt.to(x2.dtype)).double()
     err = torch.linalg.vector_norm(ref - out.double())
@@ -138,6 +182,15 @@ def resolve_backend(backend: str, input: torch.Tensor, weight: torch.Tensor) -> 
             f"{input.numel() // max(input.shape[-1], 1)}, {weight.shape[0]}, {weight.shape[1]})"
         raise ValueError(f"fp8 backend 'scaled_mm' needs {where}; use backend='emulate' or 'auto'")
     return "scaled_mm" if on_fp8_gpu and dims_ok else "emulate"
+
+
+def _block_backend(backend: str, recipe: Float8Recipe) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"fp8 backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "scaled_mm":
+        raise ValueError(f"fp8 recipe {recipe.name!r} (block scales) runs emulated only in mixprec: no "
+                         f"block-scaled torch._scaled_mm path yet; use backend='emulate' or 'auto'")
+    return "emulate"
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -170,7 +223,10 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                          f"got {input.dtype} and {weight.dtype}")
     if state is not None and state.fallback:
         return F.linear(input, weight.to(input.dtype), None if bias is None else bias.to(input.dtype))
-    backend = resolve_backend(backend, input, weight)
+    if recipe.blocked:
+        backend = _block_backend(backend, recipe)
+    else:
+        backend = resolve_backend(backend, input, weight)
     stats = sqnr = None
     if state is not None:
         if state.device != input.device:

@@ -8,6 +8,9 @@ scaler and autocast around a freshly built float32 model.
 - ``bf16-naive``: bfloat16 weights (``mixprec.to_low_precision``), plain ``torch.optim.AdamW``.
 - ``bf16-kahan``: the same weights, ``mixprec.optim.AdamW(compensation="kahan")``.
 - ``bf16-stochastic``: the same weights, ``mixprec.optim.AdamW(compensation="stochastic")``.
+- ``mixprec-fp16-layerwise`` (not run by default): ``mixprec-fp16`` with
+  ``mixprec.GradScaler(per_layer=True)``: a power-of-two factor per transformer block on top of the
+  loss scale (see docs/scaling.md, "Per-layer scaling").
 - ``fp16-master``: float16 weights, float32 master copies (``mixprec.MasterWeights``) +
   ``mixprec.GradScaler``.
 - ``mixprec-fp8``: ``mixprec.autocast`` with ``Policy.parse("compute=bf16").fp8("tensorwise")``:
@@ -174,6 +177,14 @@ def _setup_bf16(compensation: str | None) -> Callable[[nn.Module, Settings, torc
     return setup
 
 
+def _setup_fp16_layerwise(model: nn.Module, s: Settings, device: torch.device) -> Setup:
+    scaler = mixprec.GradScaler(
+        device.type, init_scale=_INIT_SCALE, growth_interval=_GROWTH_INTERVAL, per_layer=True
+    ).watch(model)
+    autocast = lambda: mixprec.autocast(device.type, dtype=torch.float16)  # noqa: E731
+    return Setup(model, _adamw(model.parameters(), s), autocast, scaler, _mixprec_scale_state(scaler))
+
+
 def _setup_fp16_master(model: nn.Module, s: Settings, device: torch.device) -> Setup:
     mixprec.to_low_precision(model, torch.float16)
     scaler, scale_state = _mixprec_scaler(device)
@@ -208,6 +219,8 @@ _ALL_MODES = (
          _setup_amp("torch", torch.float16), cpu_cost=7.5),
     Mode("mixprec-fp16", "mixprec.autocast fp16 + mixprec.GradScaler", ("autocast", "GradScaler"),
          _setup_amp("mixprec", torch.float16), reference="torch-amp", cpu_cost=7.5),
+    Mode("mixprec-fp16-layerwise", "mixprec.autocast fp16 + mixprec.GradScaler(per_layer=True)",
+         ("autocast", "GradScaler"), _setup_fp16_layerwise, default=False, cpu_cost=7.6),
     Mode("mixprec-bf16", "mixprec.autocast bf16", ("autocast",), _setup_amp("mixprec", torch.bfloat16),
          reference="torch-amp-bf16", cpu_cost=1.5),
     Mode("bf16-naive", "bf16 weights, plain torch AdamW", ("to_low_precision",), _setup_bf16(None), cpu_cost=1.2),

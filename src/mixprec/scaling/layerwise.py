@@ -90,8 +90,8 @@ def choose_cut_points(model: nn.Module, names: Sequence[str] | None = None) -> l
     """The qualified names of the modules whose outputs are cut points, bottom (input side) first.
 
     With ``names``, checks and returns them. Otherwise finds the ``nn.Sequential`` or
-    ``nn.ModuleList`` (the model itself included) holding the most trainable parameters in at
-    least two children with parameters, and cuts after each of those children; when that
+    ``nn.ModuleList`` (the model itself included) whose children hold the most trainable
+    parameters, and cuts after each of its children with parameters; when that
     container is the model itself (or what single-child wrappers such as DDP or
     ``torch.compile`` hold), its last child is left out (its output is the model's output, which
     only the loss consumes).
@@ -119,29 +119,31 @@ def choose_cut_points(model: nn.Module, names: Sequence[str] | None = None) -> l
             raise ValueError(f"cut_points must be distinct module names, at least one; got {names!r}.")
         return names
     best: tuple[int, str] | None = None
+    cuts: list[str] = []
     for name, module in modules.items():
         if not isinstance(module, (nn.Sequential, nn.ModuleList)):
             continue
         children = [c for c in module.children() if _has_params(c)]
-        if len(children) < 2:
+        if not children:
             continue
         count = sum(p.numel() for c in children for p in c.parameters() if p.requires_grad)
         if best is None or count > best[0]:
             best = (count, name)
-    if best is None:
+    if best is not None:
+        container = modules[best[1]]
+        prefix = f"{best[1]}." if best[1] else ""
+        cuts = [f"{prefix}{n}" for n, c in container.named_children() if _has_params(c)]
+        root = model
+        while len(root._modules) == 1:  # wrappers: DDP's .module, torch.compile's ._orig_mod
+            root = next(iter(root._modules.values()))
+        if container is root and cuts[-1] == f"{prefix}{list(container._modules)[-1]}":
+            cuts = cuts[:-1]
+    if not cuts:
         raise ValueError(
             "GradScaler(per_layer=True) found no nn.Sequential or nn.ModuleList of blocks in the "
             "watched model. Name the modules whose outputs are cut points: "
             "GradScaler(..., per_layer=True, cut_points=['blocks.0', 'blocks.1', ...])."
         )
-    container = modules[best[1]]
-    prefix = f"{best[1]}." if best[1] else ""
-    cuts = [f"{prefix}{n}" for n, c in container.named_children() if _has_params(c)]
-    root = model
-    while len(root._modules) == 1:  # wrappers: DDP's .module, torch.compile's ._orig_mod
-        root = next(iter(root._modules.values()))
-    if container is root and len(cuts) > 1 and cuts[-1] == f"{prefix}{list(container._modules)[-1]}":
-        cuts = cuts[:-1]
     return cuts
 
 

@@ -1,0 +1,119 @@
+"""Cost and training of per-layer gradient scaling on the demo's model (not a test).
+
+The demo's TransformerLM (``--size``, default "tiny") under ``mixprec.autocast`` float16 with
+fused AdamW, trained with ``mixprec.GradScaler`` (one scale) and with ``per_layer=True`` (a cut
+point after each block) from the same seed and batches. Times whole steps (forward, backward,
+unscale, step, update) interleaved AB/BA; the figure is the median over rounds of the time ratio
+per-layer / global. Target: <= 1.05. Also prints both loss curves' last values, their largest
+difference and the per-cut-point factors, and the CPU and its load.
+
+    python benchmarks/layerwise.py [--quick] [--size tiny|small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import mixprec
+from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch
+from mixprec.demo.model import SIZES, TransformerLM, lm_loss
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+class _Run:
+    """One training run: the model, fused AdamW, a scaler, the batches."""
+
+    def __init__(self, size: str, per_layer: bool, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        torch.manual_seed(0)
+        self.model = TransformerLM(SIZES[size])
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-3, fused=True)
+        self.scaler = mixprec.GradScaler("cpu", init_scale=2.0**16, growth_interval=20, per_layer=per_layer)
+        self.scaler.watch(self.model)
+        self.batches = batches
+        self.losses: list[float] = []
+        self.step_index = 0
+
+    def step(self) -> torch.Tensor:
+        x, y = self.batches[self.step_index % len(self.batches)]
+        self.step_index += 1
+        self.optimizer.zero_grad()
+        with mixprec.autocast("cpu", dtype=torch.float16):
+            loss = lm_loss(self.model(x), y)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return loss.detach()
+
+    def timed(self, steps: int) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.losses.append(float(self.step()))
+        return time.perf_counter() - start
+
+
+def run(quick: bool = False, size: str = "tiny") -> dict[str, Any]:
+    """Returns ``{"ratio": per-layer / global step time (median), "max_loss_diff": ...,
+    "final_losses": (global, per_layer), "layer_scales": {...}}``."""
+    torch.manual_seed(0)
+    cfg = SIZES[size]
+    tokens, _ = load_tokens()
+    offsets = batch_offsets(len(tokens), 40, 8, cfg.seq_len, seed=0)
+    batches = [make_batch(tokens, o, cfg.seq_len, torch.device("cpu")) for o in offsets]
+    plain, layered = _Run(size, False, batches), _Run(size, True, batches)
+    rounds, steps = (4, 3) if quick else (12, 5)
+    for r in (plain, layered):  # warm-up: kernels, the graph walk, the scale coming down
+        r.timed(3)
+    ratios = []
+    for i in range(rounds):
+        if i % 2 == 0:
+            a = plain.timed(steps)
+            b = layered.timed(steps)
+        else:
+            b = layered.timed(steps)
+            a = plain.timed(steps)
+        ratios.append(b / a)
+    diff = max(abs(p - q) for p, q in zip(plain.losses, layered.losses))
+    return {
+        "ratio": statistics.median(ratios),
+        "max_loss_diff": diff,
+        "final_losses": (plain.losses[-1], layered.losses[-1]),
+        "skipped": (int(plain.scaler.skipped_steps), int(layered.scaler.skipped_steps)),
+        "layer_scales": layered.scaler.layer_scales(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    args = parser.parse_args()
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    print(f"CPU: {_cpu()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, "
+          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    res = run(quick=args.quick, size=args.size)
+    print(f"per-layer / global step time (median): {res['ratio']:.3f}   (target <= 1.05)")
+    print(f"final loss: global {res['final_losses'][0]:.4f}, per-layer {res['final_losses'][1]:.4f}; "
+          f"largest loss difference over the run {res['max_loss_diff']:.4f}; "
+          f"skipped steps {res['skipped'][0]} / {res['skipped'][1]}")
+    print("per-cut-point factors:", ", ".join(f"{k}={v:g}" for k, v in res["layer_scales"].items()))
+
+
+if __name__ == "__main__":
+    main()

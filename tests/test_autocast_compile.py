@@ -263,3 +263,46 @@ def test_module_rules_around_a_compiled_model_with_graph_breaks_match_eager():
         compiled = torch.compile(model, backend="aot_eager")(x)  # not fullgraph: eager hooks
     assert compiled.dtype == eager.dtype == torch.float32
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------- equal policies, one graph
+def _fresh_policies():
+    """Twelve distinct but equal policies of each form a caller might build per step."""
+    forms = [lambda: mixprec.Policy().with_ops(fp32=["softmax"]),
+             lambda: mixprec.Policy(compute=torch.bfloat16).keep(types=nn.LayerNorm),
+             lambda: "compute=bf16,preset=fp32-numerics"]
+    return [[make() for _ in range(12)] for make in forms]
+
+
+@pytest.mark.parametrize("form", [0, 1, 2], ids=["op-edit", "module-rule", "string"])
+def test_equal_policies_inside_a_compiled_function_compile_once(form):
+    """A fresh but equal policy per call: guarded by value, so 12 calls compile one graph (before,
+    by the object's identity: call 9 hit the recompile limit under fullgraph=True)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    x = torch.randn(2, 4)
+
+    def f(x, policy):
+        with mixprec.autocast("cpu", policy=policy):
+            return model(x).softmax(-1)
+
+    counter = Counter()
+    g = torch.compile(f, backend=counter.backend, fullgraph=True)
+    for policy in _fresh_policies()[form]:
+        out, eager = g(x, policy), f(x, policy)
+        assert out.dtype == eager.dtype and torch.equal(out, eager)
+    assert counter.graphs == 1
+    other = mixprec.Policy().with_ops(fp32=["softmax"], lower=["exp"])  # another value recompiles
+    assert torch.equal(g(x, other), f(x, other)) and counter.graphs == 2
+
+
+@pytest.mark.parametrize("form", [0, 1, 2], ids=["op-edit", "module-rule", "string"])
+def test_equal_policies_around_a_compiled_call_share_its_graph(form):
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    x = torch.randn(2, 4)
+    counter = Counter()
+    g = torch.compile(model, backend=counter.backend, fullgraph=True)
+    for policy in _fresh_policies()[form]:
+        with mixprec.autocast("cpu", policy=policy):
+            out, eager = g(x), model(x)
+        assert out.dtype == eager.dtype and torch.equal(out, eager)
+    assert counter.graphs == 1

@@ -34,6 +34,13 @@ about 0.3 us) or one Python call (Python kernel, about 3.5 us). Code that wants 
 kernels back once it is done with mixprec calls :func:`release_kernels`.
 Importing mixprec registers nothing.
 
+Threads: PyTorch does not synchronize changes to the dispatcher with dispatch, and frees a
+Python kernel as it is removed, under any thread running it (a segfault there). So an overload
+gets its kernel once per process and a region only switches tables (this thread's frame stack,
+and the C++ kernel's per-thread active table); Python kernels are never removed; the C++ ones
+go only through :func:`release_kernels`, which refuses while a region that edits ops is active
+in any thread (``_edited_frames``, counted under ``_lock`` before a frame's kernels are ensured).
+
 Semantics follow ``aten/src/ATen/autocast_mode.{h,cpp}``: only defined floating tensors on the
 region's device that are not float64 are cast (:func:`mixprec._tree.castable`); the cast of an
 fp32 leaf that requires grad to the region's low-precision dtype is cached until the outermost
@@ -102,10 +109,14 @@ class _ThreadState(threading.local):
     # what compiled code traced under such a region depends on, and is guarded on (see below)
     active: dict[str, Any] = field(default_factory=dict)
     depth: int = 0  # nesting of mixprec regions (enabled or not), for the cache
+    edited: int = 0  # frames with edits in this thread (their share of _edited_frames)
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 _tls = _ThreadState()
+# Frames with edits active in any thread: while there are any, release_kernels() refuses (their
+# kernels must stay). Changed under _lock, which release_kernels holds while it checks and removes.
+_edited_frames = 0
 
 
 def top(device_type: str) -> Frame | None:
@@ -115,7 +126,18 @@ def top(device_type: str) -> Frame | None:
 
 
 def push(frame: Frame | None) -> None:
-    """Enter a region (``frame=None`` for a disabled one, which still counts for the cache)."""
+    """Enter a region (``frame=None`` for a disabled one, which still counts for the cache).
+
+    A frame with edits is counted first, then its kernels are ensured: from then on until its
+    :func:`pop`, :func:`release_kernels` in any thread refuses instead of removing them.
+    """
+    if frame is not None and frame.edits:
+        _count_edited(1)
+        try:
+            ensure_kernels(frame.edits, frame.device_type)
+        except BaseException:
+            _count_edited(-1)
+            raise
     _tls.depth += 1
     if frame is not None:
         _tls.frames.setdefault(frame.device_type, []).append(frame)
@@ -125,11 +147,23 @@ def push(frame: Frame | None) -> None:
             _native.set_active(_native_ops, frame.device_type, _edits_key(frame.edits), frame.edits)
 
 
+def _count_edited(n: int) -> None:
+    global _edited_frames
+    with _lock:
+        _edited_frames += n
+    _tls.edited += n
+
+
 def pop(frame: Frame | None) -> None:
     """Leave a region; the outermost exit clears the cast cache."""
     if frame is not None:
         stack = _tls.frames[frame.device_type]
-        stack.remove(frame) if stack[-1] is not frame else stack.pop()
+        if stack[-1] is frame:
+            stack.pop()
+        else:  # left out of order (a generator's region): by identity, equal frames are distinct
+            del stack[next(i for i, f in enumerate(stack) if f is frame)]
+        if frame.edits:
+            _count_edited(-1)
         if not frame.traced:
             eager = next((f for f in reversed(stack) if not f.traced), None)
             _tls.active[frame.device_type] = None if eager is None else _edits_key(eager.edits)
@@ -159,14 +193,14 @@ def _edits_key(edits: Mapping[str, str]) -> int | None:
     if hit is not None and hit[0] is edits:
         return hit[1]
     items = tuple(edits.items())
-    key = _EDITS_KEYS.get(items)
-    if key is None:
-        key = _EDITS_KEYS[items] = len(_EDITS_KEYS)
+    with _keys_lock:  # one key per set of edits, whichever threads ask at once
+        key = _EDITS_KEYS.setdefault(items, len(_EDITS_KEYS))
     _EDITS_BY_ID[id(edits)] = (edits, key)  # edits are cached values; the ref keeps the id unique
     return key
 
 
 _EDITS_BY_ID: dict[int, tuple[Mapping[str, str], int]] = {}
+_keys_lock = threading.Lock()  # numbering new edits (here) and traced policies (traced_key)
 
 
 def _guard_on_active_policy(device_type: str) -> None:
@@ -211,8 +245,12 @@ def traced_key(policy: Any, device_type: str) -> int:
     """The key of ``policy`` on ``device_type`` for ``mixprec::region``; registers kernels."""
     key = _TRACED_KEYS.get((policy, device_type))
     if key is None:
-        key = _TRACED_KEYS[(policy, device_type)] = len(_TRACED)
-        _TRACED[key] = (device_type, policy.edits(device_type), policy)
+        with _keys_lock:
+            key = _TRACED_KEYS.get((policy, device_type))
+            if key is None:
+                key = len(_TRACED)
+                _TRACED[key] = (device_type, policy.edits(device_type), policy)
+                _TRACED_KEYS[(policy, device_type)] = key
     ensure_kernels(_TRACED[key][1], device_type)
     _define_region_op()
     return key
@@ -524,6 +562,8 @@ def ensure_kernels(names: Mapping[str, str], device_type: str) -> None:
             warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
             warnings.filterwarnings("ignore", message=".*Warning only once for all operators")
             for name in missing:
+                if _registered.get((name, key)) in (wanted[name], "python", False):
+                    continue  # another thread registered it meanwhile
                 op = op_overload(name)
                 if op is None:
                     _registered[(name, key)] = False
@@ -547,7 +587,7 @@ def ensure_kernels(names: Mapping[str, str], device_type: str) -> None:
 
 
 def _python_kernel(name: str, op: Any, device_type: str) -> Library:
-    lib = Library("aten", "IMPL")  # one per overload: removable on its own
+    lib = Library("aten", "IMPL")  # kept in _libs for good: dropping it would remove the kernel
     key = DISPATCH_KEYS[device_type]
     lib.impl(name, _make_kernel(_op_info(name, op), device_type, _torch_kernels[(name, key)]), key,
              with_keyset=True)
@@ -555,22 +595,39 @@ def _python_kernel(name: str, op: Any, device_type: str) -> Library:
 
 
 def release_kernels() -> int:
-    """Remove every mixprec kernel: PyTorch's own autocast kernels run every op again.
+    """Remove mixprec's C++ kernels: PyTorch's own autocast kernels run those ops again.
 
-    Regions entered later register what they need again. Returns how many kernels were removed.
+    Python kernels (fp8 routing, ``fp32_append_dtype`` and ``banned`` edits, or every edited op
+    without the C++ build, ``MIXPREC_NATIVE_KERNELS=0``) stay registered: PyTorch frees a Python
+    kernel as it is removed, under any thread running it at that moment (a crash there); outside
+    the regions that edit their op they call PyTorch's kernel, so results are PyTorch's. Regions
+    entered later register what they need again. Removing a kernel changes PyTorch's dispatcher,
+    which does not synchronize that with dispatch: call this where no other thread runs ops
+    (at the end of a job), not as a per-step cleanup.
+
+    Returns:
+        How many kernels were removed.
 
     Raises:
-        RuntimeError: a mixprec region is active in this thread.
+        RuntimeError: a mixprec region that edits ops is active in this or another thread (its
+            ops would silently run PyTorch's kinds); nothing is removed.
+
+    Example:
+        >>> with mixprec.autocast("cpu", policy="fp32-numerics"):
+        ...     loss = model(x).sum()
+        >>> mixprec.release_kernels()  # doctest: +SKIP
+        46
     """
-    if any(_tls.frames.values()):
-        raise RuntimeError("release_kernels() inside a mixprec.autocast region: call it after "
-                           "the region exits")
     with _lock:
-        for lib in _libs.values():
-            lib._destroy()
-        n = len(_libs) + (_native_ops.release_kernels() if _native_ops is not None else 0)
-        _libs.clear()
-        _registered.clear()
+        if _edited_frames:
+            here = _tls.edited
+            raise RuntimeError(
+                f"release_kernels() while {_edited_frames} mixprec.autocast region(s) that edit ops "
+                f"are active ({here} in this thread, {_edited_frames - here} in other threads): their "
+                "ops would silently lose the policy's casts; call it after the regions exit")
+        n = _native_ops.release_kernels() if _native_ops is not None else 0
+        for k in [k for k, impl in _registered.items() if impl == "native"]:
+            del _registered[k]
         _ensured.clear()
     return n
 

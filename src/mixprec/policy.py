@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -150,6 +151,7 @@ class Policy:
         object.__setattr__(self, "module_rules", tuple(rules))
         if self.fp8_rule is not None and not isinstance(self.fp8_rule, Fp8Rule):
             raise ValueError(f"Policy.fp8_rule must be None or an Fp8Rule (Policy.fp8), got {self.fp8_rule!r}")
+        object.__setattr__(self, "_canonical", _canonical(self))
 
     # ----------------------------------------------------------------- constructors
     @classmethod
@@ -489,6 +491,21 @@ _FP32_FORMS: Mapping[str, str] | None = None
 
 _TABLE_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...]], Mapping[str, str]] = {}
 _EDITS_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...], str, bool], Mapping[str, str]] = {}
+_CANONICAL: dict["Policy", "Policy"] = {}
+
+
+def _canonical(policy: "Policy") -> "Policy":
+    """One private object per policy value: a region inside torch.compile passes it to trace time,
+    so that Dynamo's identity guard holds for every equal policy (see autocast._enter_traced)."""
+    try:
+        found = _CANONICAL.get(policy)
+    except TypeError:  # an unhashable field (a custom recipe): guarded by identity
+        return policy
+    if found is None:
+        found = copy.copy(policy)  # never the caller's object, which Dynamo would guard on
+        object.__setattr__(found, "_canonical", found)
+        found = _CANONICAL.setdefault(policy, found)
+    return found
 
 
 def _resolve_table(base: str, device_type: str, rules: tuple[tuple[str, str], ...]) -> Mapping[str, str]:

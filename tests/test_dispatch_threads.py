@@ -1,0 +1,140 @@
+"""Threads: a region's policy holds whatever other threads do, and registering or releasing
+kernels never crashes a thread that runs ops (plain torch.autocast included).
+
+The crash tests run in a subprocess with a timeout (a segfault fails the test, not pytest) at
+``sys.setswitchinterval(1e-6)``, with the C++ kernel and with Python kernels only."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import mixprec
+from mixprec import Policy, _dispatch
+
+SOFTMAX_FP32 = Policy().with_ops(fp32=["softmax"])
+
+
+def test_release_from_another_thread_leaves_an_active_region_alone():
+    """release_kernels() in thread B while thread A is inside an edited region: refused, and A's
+    softmax stays float32 (before: the kernel went and A's softmax silently ran in bf16)."""
+    x = torch.randn(4, 4).bfloat16()
+    inside, released = threading.Event(), threading.Event()
+    dtypes = []
+
+    def region():
+        with mixprec.autocast("cpu", policy=SOFTMAX_FP32):
+            dtypes.append(torch.softmax(x, -1).dtype)
+            inside.set()
+            released.wait(10)
+            dtypes.append(torch.softmax(x, -1).dtype)
+
+    a = threading.Thread(target=region)
+    a.start()
+    assert inside.wait(10)
+    try:
+        with pytest.raises(RuntimeError, match=r"0 in this thread, 1 in other threads"):
+            mixprec.release_kernels()
+    finally:
+        released.set()
+        a.join(10)
+    assert dtypes == [torch.float32, torch.float32]
+    mixprec.release_kernels()  # all regions have exited: allowed
+    with mixprec.autocast("cpu", policy=SOFTMAX_FP32):  # and later regions register again
+        assert torch.softmax(x, -1).dtype == torch.float32
+
+
+def test_python_kernels_are_never_removed():
+    """PyTorch frees a Python kernel as it is removed, under any thread inside it: release keeps
+    them (inert outside their regions) and regions do not register them again."""
+    policy = Policy().with_ops(fp32=["softmax"]).fp8()  # fp8 routes linear through Python
+    with mixprec.autocast("cpu", policy=policy):
+        torch.nn.functional.linear(torch.randn(2, 4), torch.randn(4, 4))
+    lib = _dispatch._libs[("linear", "AutocastCPU")]
+    mixprec.release_kernels()
+    assert _dispatch._libs[("linear", "AutocastCPU")] is lib
+    assert "linear" in _dispatch.registered("cpu")
+    with torch.autocast("cpu"):  # inert: PyTorch's kind (linear is lowered on CPU)
+        assert torch.nn.functional.linear(torch.randn(2, 4), torch.randn(4, 4)).dtype == torch.bfloat16
+    with mixprec.autocast("cpu", policy=policy):
+        torch.nn.functional.linear(torch.randn(2, 4), torch.randn(4, 4))
+    assert _dispatch._libs[("linear", "AutocastCPU")] is lib
+
+
+def test_frames_leave_by_identity():
+    """Nested frames with equal policies are distinct: leaving the middle one out of order (a
+    generator's region) leaves the outer one (before: list.remove took the first equal frame)."""
+    outer, middle = (_dispatch.Frame("cpu", {}, Policy()) for _ in range(2))
+    inner = _dispatch.Frame("cpu", {}, Policy(compute=torch.float16))
+    for frame in (outer, middle, inner):
+        _dispatch.push(frame)
+    try:
+        _dispatch.pop(middle)
+        assert [f is g for f, g in zip(_dispatch._tls.frames["cpu"], (outer, inner))] == [True, True]
+    finally:
+        _dispatch.pop(inner)
+        _dispatch.pop(outer)
+    assert _dispatch.top("cpu") is None and _dispatch._tls.depth == 0
+
+
+_STRESS = """
+import sys, threading, time, torch, mixprec
+sys.setswitchinterval(1e-6)
+policy = mixprec.Policy().with_ops(fp32=["softmax"])
+if {fp8}:
+    policy = policy.fp8()
+xb, lin, x = torch.randn(4, 4).bfloat16(), torch.nn.Linear(16, 16), torch.randn(2, 16)
+with mixprec.autocast("cpu", policy=policy):  # warm: op names, tables, the C++ build
+    torch.softmax(xb, -1), lin(x)
+mixprec.release_kernels()
+stop, problems, cycles = threading.Event(), [], [0]
+
+def plain():  # only torch.autocast: PyTorch's casts, whatever the other thread does
+    try:
+        while not stop.is_set():
+            with torch.autocast("cpu"):
+                if torch.softmax(xb, -1).dtype != torch.bfloat16 or lin(x).dtype != torch.bfloat16:
+                    problems.append("torch.autocast changed")
+    except Exception as e:
+        problems.append(f"plain thread: {{e}}"[:300])
+
+threads = [threading.Thread(target=plain) for _ in range(2)]
+for t in threads:
+    t.start()
+end = time.monotonic() + {seconds}
+try:
+    while time.monotonic() < end:
+        with mixprec.autocast("cpu", policy=policy):  # registers again after each release
+            if torch.softmax(xb, -1).dtype != torch.float32:
+                problems.append("edit lost")
+        mixprec.release_kernels()
+        cycles[0] += 1
+finally:
+    stop.set()
+    for t in threads:
+        t.join()
+print("cycles", cycles[0], "problems", sorted(set(problems)))
+"""
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["cpp-kernel", "python-kernels"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["softmax", "fp8"])
+def test_torch_autocast_threads_survive_regions_and_release_in_another_thread(native, fp8):
+    """Two threads run plain torch.autocast while the main thread enters an edited region and
+    calls release_kernels(), for 2 s (before: Python kernels segfaulted or failed an internal
+    assert in SafePyObject.cpp within 3 s in 4 runs of 4)."""
+    env = {**os.environ, "MIXPREC_NATIVE_KERNELS": native}
+    try:
+        out = subprocess.run([sys.executable, "-c", textwrap.dedent(_STRESS.format(fp8=fp8, seconds=2))],
+                             capture_output=True, text=True, env=env, timeout=300)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"hung: {e}")
+    assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-2000:]}"
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.endswith("problems []") and int(last.split()[1]) > 0, last

@@ -12,13 +12,12 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import mixprec
 from mixprec import Policy, fp8
 
-from _distributed import free_port, init_gloo
+from _distributed import gloo_group, spawn
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed,
               pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")]
@@ -112,8 +111,7 @@ def _whole(step: int) -> list[Part]:
 def _worker(rank: int, port: int, out_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    init_gloo(rank, port)
-    try:
+    with gloo_group(rank, port):
         torch.set_num_threads(1)
         results = {}
         for route in ROUTES:
@@ -128,14 +126,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             results[route] = {"losses": losses, "decisions": decisions, "flags": flags, "params": params,
                               "guard": guard.state_dict()}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
+    spawn(_worker, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

@@ -10,12 +10,11 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from mixprec import fp8
 
-from _distributed import free_port, init_gloo
+from _distributed import gloo_group, spawn
 
 OUTLIER_LAYER = "2"
 
@@ -206,8 +205,7 @@ def test_guard_validation():
 # --- two processes ---------------------------------------------------------------------------
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    init_gloo(rank, port)
-    try:
+    with gloo_group(rank, port):
         torch.set_num_threads(1)
         model = _model()
         guard = fp8.Guard()
@@ -221,15 +219,13 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                     "flags": {n: s.fallback for n, s in fp8.layer_states(model).items()},
                     "warnings": [str(w.message) for w in caught if w.category is fp8.Float8FallbackWarning],
                     "state_dict": guard.state_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_fallback_decision_is_the_same_on_every_rank(tmp_path):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, str(tmp_path))
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for res in results:
         assert res["first"] == []

@@ -4,7 +4,6 @@ skip; scales and weights stay identical. DDP and FSDP2 ``fully_shard``."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from torch import nn
 
 from mixprec.scaling import GradScaler
 
-from _distributed import free_port, init_gloo
+from _distributed import gloo_group, spawn
 
 pytestmark = [
     pytest.mark.distributed,
@@ -54,8 +53,7 @@ def _train(model: nn.Module, params: list[nn.Parameter], scaler: GradScaler, ran
 
 def _worker(rank: int, port: int, scenario: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    init_gloo(rank, port, WORLD)
-    try:
+    with gloo_group(rank, port, WORLD):
         results = {}
         if scenario == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -88,18 +86,10 @@ def _worker(rank: int, port: int, scenario: str, out_dir: str) -> None:
             results["empty-rank"] = _train(tiny, list(tiny.parameters()), scaler, 1 - rank, fsdp=True)
             results["empty-rank-numel"] = [p.to_local().numel() for p in tiny.parameters()]
         torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
-def _spawn(scenario: str, tmp_path, timeout: float = 90.0) -> list[dict]:
-    context = mp.spawn(_worker, args=(free_port(), scenario, str(tmp_path)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"{scenario} workers did not finish in {timeout:.0f} s")
+def _spawn(scenario: str, tmp_path) -> list[dict]:
+    spawn(_worker, scenario, str(tmp_path), nprocs=WORLD)
     return [torch.load(tmp_path / f"{rank}.pt") for rank in range(WORLD)]
 
 
@@ -153,3 +143,23 @@ def test_pickling_with_a_process_group_says_what_to_do(tmp_path):
         assert default._process_group == "default"
     finally:
         dist.destroy_process_group()
+
+
+def _dtensor_then_fail(rank: int, port: int, fail: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with gloo_group(rank, port, WORLD):
+        # A DTensor keeps the process group alive inside torch past destroy_process_group: the
+        # teardown in _distributed.py must end the process cleanly all the same.
+        mesh = init_device_mesh("cpu", (WORLD,))
+        assert distribute_tensor(torch.arange(4.0), mesh, [Shard(0)]).full_tensor().tolist() == [0, 1, 2, 3]
+        if fail and rank == 1:
+            raise RuntimeError("rank 1 fails on purpose")
+
+
+@pytest.mark.timeout(120)
+def test_workers_end_cleanly_and_a_failing_rank_is_reported():
+    spawn(_dtensor_then_fail, False, nprocs=WORLD)
+    with pytest.raises(mp.ProcessRaisedException, match="rank 1 fails on purpose"):
+        spawn(_dtensor_then_fail, True, nprocs=WORLD)

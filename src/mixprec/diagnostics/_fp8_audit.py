@@ -60,7 +60,7 @@ def _past_threshold(read: dict[str, Any], max_underflow: float, min_sqnr_db: flo
     return None
 
 
-def _candidates(model: nn.Module, policy: Any) -> tuple[list[str], dict[str, str]]:
+def _candidates(model: nn.Module, policy: Any, recipe: Any) -> tuple[list[str], dict[str, str]]:
     from mixprec import fp8
     from mixprec.fp8._like import is_linear_like
 
@@ -68,12 +68,12 @@ def _candidates(model: nn.Module, policy: Any) -> tuple[list[str], dict[str, str
     stay: dict[str, str] = {}
     linears = [n for n, m in modules.items() if is_linear_like(m)]
     for name in linears:
-        ok, reason = fp8.eligible(modules[name], name)
+        ok, reason = fp8.eligible(modules[name], name, recipe)
         if not ok:
             stay[name] = reason.split(": ", 1)[-1]
     with warnings.catch_warnings():  # the ineligible layers are reported in ``stay``
         warnings.simplefilter("ignore")
-        chosen = fp8.select_layers(model)
+        chosen = fp8.select_layers(model, recipe=recipe)
     for name in linears:
         if name not in stay and name not in chosen:
             stay[name] = _FIRST_LAST
@@ -96,7 +96,7 @@ def recommend_fp8(passes: Passes, policy: Any, recipe: Any, scale: float, *,
         named = recipe
     model = passes.model
     modules = dict(model.named_modules())
-    candidates, stay = _candidates(model, policy)
+    candidates, stay = _candidates(model, policy, recipe)
     states = {n: fp8.LayerState(modules[n].weight.device) for n in candidates}
     old = {n: swap_layer_state(modules[n], st) for n, st in states.items()}
     try:

@@ -15,7 +15,7 @@ from mixprec.fp8._guard import Guard, layer_states
 from mixprec.fp8._like import LINEAR_LIKE, conv1d_class, features, is_linear_like, unroutable
 from mixprec.fp8._linear import BACKENDS, linear
 from mixprec.fp8._quant import STAT_NAMES
-from mixprec.fp8._recipe import Float8Recipe
+from mixprec.fp8._recipe import RECIPE_NAMES, Float8Recipe
 from mixprec.fp8._state import OPERANDS, LayerState, layer_state
 
 __all__ = ["eligible", "select_layers", "Float8Linear", "Float8Conv1D", "convert", "unconvert", "stats",
@@ -39,16 +39,18 @@ def as_recipe(recipe: Float8Recipe | str) -> Float8Recipe:
     if isinstance(recipe, str):
         return Float8Recipe.from_name(recipe)
     if not isinstance(recipe, Float8Recipe):
-        raise ValueError(f"recipe must be a Float8Recipe or one of 'tensorwise', 'rowwise', "
-                         f"'rowwise_with_gw_hp', got {recipe!r}")
+        raise ValueError(f"recipe must be a Float8Recipe or one of {', '.join(map(repr, RECIPE_NAMES))}, "
+                         f"got {recipe!r}")
     return recipe
 
 
-def eligible(module: nn.Module, fqn: str = "") -> tuple[bool, str]:
+def eligible(module: nn.Module, fqn: str = "", recipe: Float8Recipe | str | None = None) -> tuple[bool, str]:
     """Whether ``module`` can run in fp8, and why not: an ``nn.Linear`` or a Linear-equivalent
     (transformers' ``Conv1D``, a Linear with its weight stored transposed) whose in and out
     features are multiples of 16 (what ``torch._scaled_mm`` needs; the emulation follows the
-    same rule so that a CPU run selects the layers a GPU run would).
+    same rule so that a CPU run selects the layers a GPU run would). With a block ``recipe``
+    (``mxfp8``, ``blockwise``) they must be multiples of its blocks too (``recipe.multiple``:
+    32, 128).
 
     Example:
         >>> eligible(nn.Linear(10, 32), "head")
@@ -59,20 +61,30 @@ def eligible(module: nn.Module, fqn: str = "") -> tuple[bool, str]:
     if (why := unroutable(module)) is not None:
         return False, f"{fqn!r}: {why}"
     bad = [f"{name}={value}" for name, value in zip(("in_features", "out_features"), features(module))
-           if value % _MULTIPLE]
+           if value % _multiple(recipe)]
     if bad:
         what = "is not a multiple" if len(bad) == 1 else "are not multiples"
-        return False, f"{fqn!r}: {' and '.join(bad)} {what} of {_MULTIPLE}"
+        return False, f"{fqn!r}: {' and '.join(bad)} {what} of {_multiple_why(recipe)}"
     return True, ""
 
 
+def _multiple(recipe: Float8Recipe | str | None) -> int:
+    return _MULTIPLE if recipe is None else as_recipe(recipe).multiple
+
+
+def _multiple_why(recipe: Float8Recipe | str | None) -> str:
+    m = _multiple(recipe)
+    return f"{m}" if m == _MULTIPLE else f"{m} (the {as_recipe(recipe).name!r} recipe's block)"
+
+
 def select_layers(model: nn.Module, types: Sequence[type] | type = (nn.Linear,), names: str | None = None,
-                  first_last: str = "keep") -> list[str]:
+                  first_last: str = "keep", recipe: Float8Recipe | str | None = None) -> list[str]:
     """The qualified names of the layers of ``model`` that go to fp8.
 
     Candidates are the modules that are instances of ``types`` (``nn.Linear`` there also stands
     for its equivalents, transformers' ``Conv1D``) and, with ``names``, whose name matches
-    ``re.search(names, fqn)``, and pass :func:`eligible`; each candidate that does not stays in
+    ``re.search(names, fqn)``, and pass :func:`eligible` (for ``recipe``: a block recipe needs
+    features that are multiples of its blocks); each candidate that does not stays in
     the compute dtype with one warning naming it. With ``first_last="keep"`` (default), the
     first and the last eligible layer of the whole model, in registration order, stay too (the
     embedding-side projection and the head are the most sensitive); ``"fp8"`` includes them.
@@ -99,7 +111,7 @@ def select_layers(model: nn.Module, types: Sequence[type] | type = (nn.Linear,),
         if not (isinstance(mod, types) or (likes and is_linear_like(mod))):
             continue
         candidates.append(fqn)
-        ok, reason = eligible(mod, fqn)
+        ok, reason = eligible(mod, fqn, recipe)
         if ok:
             eligible_names.append(fqn)
         elif pattern is None or pattern.search(fqn):
@@ -108,12 +120,12 @@ def select_layers(model: nn.Module, types: Sequence[type] | type = (nn.Linear,),
     chosen = [n for n in eligible_names if n not in kept and (pattern is None or pattern.search(n))]
     if not chosen:
         _warn_once(model, "fp8: no layer selected, nothing runs in fp8: "
-                   + _why_none(types, pattern, candidates, eligible_names, kept))
+                   + _why_none(types, pattern, candidates, eligible_names, kept, recipe))
     return chosen
 
 
 def _why_none(types: tuple[type, ...], pattern: re.Pattern | None, candidates: list[str],
-              eligible_names: list[str], kept: list[str]) -> str:
+              eligible_names: list[str], kept: list[str], recipe: Float8Recipe | str | None = None) -> str:
     matching = [n for n in candidates if pattern is None or pattern.search(n)]
     what = LINEAR_LIKE if types == (nn.Linear,) else "instance of " + ", ".join(t.__name__ for t in types)
     if not candidates:
@@ -124,7 +136,7 @@ def _why_none(types: tuple[type, ...], pattern: re.Pattern | None, candidates: l
     hits = [n for n in eligible_names if n in matching]
     if not hits:
         return (f"none of the {len(matching)} {what} layers is eligible (in and out features multiples "
-                f"of {_MULTIPLE}; each one's reason is in its own warning)")
+                f"of {_multiple_why(recipe)}; each one's reason is in its own warning)")
     which = "eligible layers matching names" if pattern is not None else "eligible layers"
     return (f"the only {which} ({', '.join(map(repr, hits))}) are the model's first and last, "
             f"kept in the compute dtype by first_last='keep'; pass first_last='fp8' to include them")
@@ -267,7 +279,7 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     recipe, backend = as_recipe(recipe), _check_backend(backend)
     by_user = filter_fn is not None
     if filter_fn is None:  # select_layers warns when it selects none
-        chosen = set(select_layers(model))
+        chosen = set(select_layers(model, recipe=recipe))
         filter_fn = lambda mod, fqn: fqn in chosen  # noqa: E731
     conv1d = conv1d_class()
     swappable = lambda mod: type(mod) is nn.Linear or (conv1d is not None and type(mod) is conv1d)  # noqa: E731

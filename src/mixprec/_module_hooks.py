@@ -128,6 +128,7 @@ class ModuleRules:
         st = cls._tls
         if not hasattr(st, "regions"):
             st.regions, st.calls, st.fp8, st.traced, st.trace_id = [], [], {}, [], None
+            st.watches = []  # the watches of the regions in their first pass
         return st
 
     @classmethod
@@ -155,7 +156,9 @@ class ModuleRules:
         watch = None
         if not replay:
             pending = [r for r in frame.policy.module_rules if r not in _MATCHED and r not in _WARNED]
-            watch = _Watch(pending) if pending else None
+            if pending:
+                watch = _Watch(pending)
+                st.watches.append(watch)
         st.regions.append(_Region(frame, root, len(st.calls), replay, watch=watch))
         with cls._lock:
             if cls._users == 0:
@@ -203,18 +206,19 @@ class ModuleRules:
         if not st.regions:
             st.calls.clear()
         if region.watch is not None:
-            cls._finish(region)
+            cls._finish(st, region)
         with cls._lock:
             cls._users -= 1
             if cls._users == 0:
                 cls.exit_hooks_locked()
 
     @staticmethod
-    def _finish(region: _Region) -> None:
+    def _finish(st: Any, region: _Region) -> None:
         """End a region's first pass: warn once for each rule that selected no module (when the
         region called any module at all)."""
         watch, region.watch = region.watch, None
-        if watch is None or not (watch.outer or watch.names):
+        st.watches.remove(watch)
+        if not (watch.outer or watch.names):
             return
         for rule in watch.pending:
             if rule not in _MATCHED and rule not in _WARNED:
@@ -282,22 +286,24 @@ class ModuleRules:
         return ModuleRules._path(calls[0][0] if root is None else root, module)
 
     @classmethod
-    def _decide(cls, st: Any, calls: list, frame: Frame, module: nn.Module) -> tuple[str, Any, bool, Any]:
-        """``(name, keep rule, kept, fp8 target)`` of ``module`` called under ``frame``'s policy,
-        inside the calls ``calls`` (eager, or the shadow stack of a trace)."""
+    def _decide(cls, st: Any, calls: list, frame: Frame, module: nn.Module,
+                region: _Region | None = None) -> tuple[str, Any, bool, Any]:
+        """``(name, keep rule, kept, fp8 target)`` of ``module`` called under ``frame``'s policy
+        (``region``: its record, looked up if not given), inside the calls ``calls`` (eager, or
+        the shadow stack of a trace)."""
         policy = frame.policy
         rules, fp8_rule = policy.module_rules, policy.fp8_rule
         every = st.calls + calls if calls is not st.calls else calls
-        region = cls._region(st, frame)
+        if region is None:
+            region = cls._region(st, frame)
         root = region.root if region is not None else None
         name = ""
         if rules or fp8_rule is not None:
             outermost = root is not None and len(every) <= region.depth
             name = cls._path(root, module) if outermost else cls._qualified_name(module, every, root)
-        watches = [r.watch for r in st.regions if r.watch is not None]
-        if watches:  # a rule that takes effect here counts for the enclosing regions too
+        if st.watches:  # a rule that takes effect here counts for the enclosing regions too
             hits = [r for r in rules if r.matches(module, name)]
-            for watch in watches:
+            for watch in st.watches:
                 watch.see(name, hits)
         kept = bool(every) and every[-1][3]  # inside a kept module
         rule = next((r for r in rules if r.matches(module, name)), None) if rules else None
@@ -336,10 +342,10 @@ class ModuleRules:
             return None
         if region.watch is not None and len(st.calls) == region.depth:  # an outermost call
             if id(module) in region.watch.outer:  # called again: the first pass is over
-                cls._finish(region)
+                cls._finish(st, region)
             else:
                 region.watch.outer.add(id(module))
-        name, rule, kept, target = cls._decide(st, st.calls, frame, module)
+        name, rule, kept, target = cls._decide(st, st.calls, frame, module, region)
         restores = []
         if rule is not None:
             restores.append(_enter_rule(frame, rule))

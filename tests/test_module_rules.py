@@ -267,3 +267,37 @@ def test_checkpoint_recompute_in_a_region_with_root():
     half = len(results) // 2
     for a, b in zip(results[:half], results[half:]):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+class _DecoratedFp8(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32), nn.Linear(32, 32))
+        self.lm_head = nn.Linear(32, 32)
+
+    @mixprec.autocast("cpu", policy=Policy.fp8().keep(names=r"^lm_head$|^body\.1$"))
+    def forward(self, x):
+        return self.lm_head(self.body(x))
+
+
+@pytest.mark.parametrize("make", [_DecoratedFp8, lambda: _Wrapped(Policy().keep(names=r"^lm_head$|^body\.1$"), True)],
+                         ids=["decorated-fp8", "root"])
+def test_root_compiles_with_fullgraph_bitwise_eager(make):
+    model, x = make(), torch.randn(3, 32 if isinstance(make, type) else 4)
+
+    def step(fn):
+        model.zero_grad()
+        seen = _out_dtypes(model, lambda: step.out.append(fn(x)))
+        out = step.out.pop()
+        out.float().sum().backward()
+        return seen, [out, *(p.grad.clone() for p in model.parameters())]
+
+    step.out = []
+    eager_seen, eager = step(model)
+    assert eager_seen["lm_head"] == eager_seen["body.1"] == torch.float32
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    seen, got = step(compiled)
+    assert seen == eager_seen
+    for a, b in zip(got, eager):
+        assert a.dtype == b.dtype and torch.equal(a, b)

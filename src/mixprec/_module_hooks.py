@@ -24,7 +24,7 @@ from mixprec._dispatch import DISPATCH_KEYS, Frame
 from mixprec._tree import cast_tree, tracing as _tracing
 from mixprec.policy import Policy
 
-__all__ = ["ModuleRules"]
+__all__ = ["ModuleRules", "traced_region"]
 
 # Rules that have selected a module (in any region of the process), or were reported as
 # selecting none: regions stop watching them.
@@ -54,7 +54,7 @@ class _Watch:
 class _Region:
     """A region whose policy needs the module hooks, as the hooks see it."""
 
-    frame: Frame
+    frame: Frame | None  # None: a region traced inside compiled code (its frame is made later)
     root: nn.Module | None = None  # names are paths in root (Policy.keep, fp8 selection)
     depth: int = 0  # len(calls) at entry: a call at this depth is an outermost call of the region
     replay: bool = False  # a checkpoint's recompute: the fp8 layers are the forward's
@@ -129,6 +129,7 @@ class ModuleRules:
         if not hasattr(st, "regions"):
             st.regions, st.calls, st.fp8, st.traced, st.trace_id = [], [], {}, [], None
             st.watches = []  # the watches of the regions in their first pass
+            st.traced_regions = []  # regions traced inside compiled code (shadow, like traced)
         return st
 
     @classmethod
@@ -145,6 +146,7 @@ class ModuleRules:
             trace_id = None
         if trace_id != st.trace_id:
             st.traced.clear()
+            st.traced_regions.clear()
             st.trace_id = trace_id
         return st
 
@@ -296,6 +298,8 @@ class ModuleRules:
         every = st.calls + calls if calls is not st.calls else calls
         if region is None:
             region = cls._region(st, frame)
+            if region is None and frame.traced and st.traced_regions:
+                region = st.traced_regions[-1]
         root = region.root if region is not None else None
         name = ""
         if rules or fp8_rule is not None:
@@ -384,6 +388,18 @@ _TRACE_CTX: list[Any] = []  # autocast states entered by traced rules (Dynamo pa
 _TRACE_FP8: list[Any] = []  # outputs of traced fp8 layers, computed by the pre-hook
 _TRACE_RECIPES: dict[int, Any] = {}  # key -> fp8 recipe of traced layers
 _TRACE_RECIPES_KEYS: dict[Any, int] = {}
+
+
+@torch.compiler.assume_constant_result
+def traced_region(root: nn.Module | None, enter: bool) -> int:
+    """Run by Dynamo at trace time (not traced): a region traced inside compiled code enters (or
+    leaves) the shadow state, with its ``root``."""
+    st = ModuleRules._shadow()
+    if enter:
+        st.traced_regions.append(_Region(None, root, len(st.calls) + len(st.traced)))
+    elif st.traced_regions:
+        st.traced_regions.pop()
+    return 0
 
 
 def _hooked_frame() -> Frame | None:

@@ -20,7 +20,7 @@ import torch
 
 from mixprec import _dispatch
 from mixprec._dispatch import Frame
-from mixprec._module_hooks import ModuleRules
+from mixprec._module_hooks import ModuleRules, traced_region
 from mixprec._tree import cast_tree, tracing as _tracing
 from mixprec.policy import Policy, parse_dtype
 
@@ -163,7 +163,7 @@ class autocast(_TorchAutocast):
         root: the module that module rules name modules from (``keep(names=...)``, fp8 layer
             selection); default: the outermost module called in the region, or, decorating a
             module's ``forward``, that module. Give the model when the region is entered inside
-            its ``forward`` (a framework's wrapper). Eager only.
+            its ``forward`` (a framework's wrapper).
 
     Usable as a context manager and as a decorator. State is thread-local. An instance of
     ``torch.autocast`` (``isinstance(ctx, torch.autocast)`` holds).
@@ -183,8 +183,7 @@ class autocast(_TorchAutocast):
             cuda; the message says what to write.
         TypeError: ``policy`` is neither a Policy nor a string, or ``dtype`` neither a dtype
             nor a string; ``root`` is not an ``nn.Module``.
-        RuntimeError: bfloat16 on a CUDA device without bf16 support; ``root`` inside
-            torch.compile.
+        RuntimeError: bfloat16 on a CUDA device without bf16 support.
     """
 
     def __init__(
@@ -205,9 +204,6 @@ class autocast(_TorchAutocast):
             raise TypeError(f"mixprec.autocast root must be an nn.Module, got {type(root).__name__}")
         self._root = root
         if _tracing():  # resolved at trace time by _traced_region
-            if root is not None:
-                raise RuntimeError("mixprec.autocast(root=...) runs eagerly only: enter the region "
-                                   "around the compiled call, or drop root=")
             self.fast_dtype, self.policy, self._raw = dtype, policy, (dtype, enabled, policy)
             return
         if self._cache_enabled is None:  # as torch.autocast: inherit the enclosing setting
@@ -262,11 +258,13 @@ class autocast(_TorchAutocast):
         key, dtype, enabled = _traced_region(self.device, dtype, enabled, policy)
         ctx = torch.amp._enter_autocast(self.device, dtype, enabled, self._cache_enabled)
         torch.ops.mixprec.region(self.device, key, True)
+        traced_region(self._root, True)
         self._saved.append((ctx, key))
         return self
 
     def _exit_traced(self) -> None:
         ctx, key = self._saved.pop()
+        traced_region(self._root, False)
         torch.ops.mixprec.region(self.device, key, False)
         torch.amp._exit_autocast(ctx)
 
@@ -274,8 +272,7 @@ class autocast(_TorchAutocast):
         @functools.wraps(func)
         def decorate_autocast(*args: Any, **kwargs: Any) -> Any:
             root = self._root
-            if root is None and func.__name__ == "forward" and args and isinstance(args[0], torch.nn.Module) \
-                    and not _tracing():
+            if root is None and func.__name__ == "forward" and args and isinstance(args[0], torch.nn.Module):
                 root = args[0]  # a decorated forward: module rules name modules from its module
             with autocast(self.device, self.fast_dtype, self._enabled, self._cache_enabled,
                           policy=self.policy, root=root):

@@ -33,7 +33,6 @@ from typing import Any, Callable, Iterator
 import torch
 
 import mixprec
-from mixprec._tree import tracing
 from mixprec.integrations._common import PRECISIONS, resolve_policy
 from mixprec.policy import Policy
 
@@ -126,13 +125,12 @@ def _wrap_forward(model: torch.nn.Module, autocast: Callable[..., Any]) -> None:
     """What Accelerate does to a prepared model's forward, with mixprec's autocast: the forward
     runs in the region, its outputs are converted to float32, ``_original_forward`` is kept so
     that ``accelerator.unwrap_model(model, keep_fp32_wrapper=False)`` strips both. Module rules
-    name modules from the model (``root=model``), as in a plain loop around ``model(...)``;
-    inside ``torch.compile`` (which traces no ``root=``), from the modules its forward calls."""
+    name modules from the model (``root=model``), as in a plain loop around ``model(...)``."""
 
     def in_region(forward: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(forward)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            with autocast(root=None if tracing() else model):
+            with autocast(root=model):
                 return forward(*args, **kwargs)
 
         return wrapped

@@ -301,3 +301,10 @@ def test_root_compiles_with_fullgraph_bitwise_eager(make):
     assert seen == eager_seen
     for a, b in zip(got, eager):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_rule_that_matches_nothing_warns_when_its_region_is_traced():
+    model = _Wrapped(Policy().keep(names=r"^lm_haed$"), root=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with pytest.warns(UserWarning, match="did you mean 'lm_head'"):
+        compiled(torch.randn(2, 4))

@@ -146,6 +146,9 @@ class ModuleRules:
             trace_id = None
         if trace_id != st.trace_id:
             st.traced.clear()
+            for region in st.traced_regions:  # a trace that stopped half-way watches no more
+                if region.watch is not None:
+                    st.watches.remove(region.watch)
             st.traced_regions.clear()
             st.trace_id = trace_id
         return st
@@ -155,12 +158,7 @@ class ModuleRules:
         """Start applying ``frame``'s policy to module calls (``root``: see ``mixprec.autocast``;
         ``replay``: a checkpoint's recompute, which watches nothing and selects no fp8 layers)."""
         st = cls._state()
-        watch = None
-        if not replay:
-            pending = [r for r in frame.policy.module_rules if r not in _MATCHED and r not in _WARNED]
-            if pending:
-                watch = _Watch(pending)
-                st.watches.append(watch)
+        watch = None if replay else cls._watch(st, frame.policy)
         st.regions.append(_Region(frame, root, len(st.calls), replay, watch=watch))
         with cls._lock:
             if cls._users == 0:
@@ -213,6 +211,16 @@ class ModuleRules:
             cls._users -= 1
             if cls._users == 0:
                 cls.exit_hooks_locked()
+
+    @staticmethod
+    def _watch(st: Any, policy: Policy) -> _Watch | None:
+        """A first-pass watch of ``policy``'s rules that have neither matched nor warned yet."""
+        pending = [r for r in policy.module_rules if r not in _MATCHED and r not in _WARNED]
+        if not pending:
+            return None
+        watch = _Watch(pending)
+        st.watches.append(watch)
+        return watch
 
     @staticmethod
     def _finish(st: Any, region: _Region) -> None:
@@ -391,14 +399,18 @@ _TRACE_RECIPES_KEYS: dict[Any, int] = {}
 
 
 @torch.compiler.assume_constant_result
-def traced_region(root: nn.Module | None, enter: bool) -> int:
-    """Run by Dynamo at trace time (not traced): a region traced inside compiled code enters (or
-    leaves) the shadow state, with its ``root``."""
+def traced_region(root: nn.Module | None, key: int, enter: bool) -> int:
+    """Run by Dynamo at trace time (not traced): the region ``key`` (see ``_dispatch.traced_key``;
+    ``-1``: disabled) traced inside compiled code enters (or leaves) the shadow state, with its
+    ``root``; the trace is its first pass (rules that select nothing warn as it leaves)."""
     st = ModuleRules._shadow()
     if enter:
-        st.traced_regions.append(_Region(None, root, len(st.calls) + len(st.traced)))
+        watch = ModuleRules._watch(st, _dispatch._TRACED[key][2]) if key >= 0 else None
+        st.traced_regions.append(_Region(None, root, len(st.calls) + len(st.traced), watch=watch))
     elif st.traced_regions:
-        st.traced_regions.pop()
+        region = st.traced_regions.pop()
+        if region.watch is not None:
+            ModuleRules._finish(st, region)
     return 0
 
 

@@ -258,13 +258,13 @@ class autocast(_TorchAutocast):
         key, dtype, enabled = _traced_region(self.device, dtype, enabled, policy)
         ctx = torch.amp._enter_autocast(self.device, dtype, enabled, self._cache_enabled)
         torch.ops.mixprec.region(self.device, key, True)
-        traced_region(self._root, True)
+        traced_region(self._root, key, True)
         self._saved.append((ctx, key))
         return self
 
     def _exit_traced(self) -> None:
         ctx, key = self._saved.pop()
-        traced_region(self._root, False)
+        traced_region(self._root, key, False)
         torch.ops.mixprec.region(self.device, key, False)
         torch.amp._exit_autocast(ctx)
 

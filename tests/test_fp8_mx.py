@@ -197,3 +197,18 @@ def test_mxfp8_compile_fullgraph_bitwise_eager():
     compiled = _run(torch.compile(f, fullgraph=True, backend="aot_eager"), x, torch.ones(32, 64), [w])
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
     assert torch.equal(eager[2][0], compiled[2][0])
+
+
+@pytest.mark.slow
+def test_fp8_formats_benchmark_quick_run():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import fp8_formats
+
+    res = fp8_formats.run(quick=True)
+    assert set(res["recipes"]) == {"tensorwise", "rowwise", "mxfp8", "blockwise"}
+    assert res["recipes"]["blockwise"]["step_ratio"] is None  # torchao: Triton only
+    assert res["recipes"]["mxfp8"]["saved_ratio"] == 1.0  # both save x and W in high precision
+    assert res["recipes"]["tensorwise"]["saved_ratio"] < 1 and res["machine"]["cpu"]

@@ -81,7 +81,8 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
         device_type: ``"cpu"`` or ``"cuda"``.
         dtypes: candidate dtype names, e.g. ``["float16", "bfloat16"]`` (``fp16``/``bf16`` ok).
         steps: passes per configuration.
-        fp8: an fp8 recipe name (``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``): also
+        fp8: an fp8 recipe name (``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``, ``mxfp8``,
+            ``blockwise``): also
             recommend the Linear layers that run in fp8; ``None``: no fp8.
 
     Returns:
@@ -161,7 +162,7 @@ def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=1, help="passes per configuration (default: 1)")
     p.add_argument("--fp8", default=None, metavar="RECIPE",
                    help="also recommend the Linear layers that run in fp8 with this recipe "
-                   "(tensorwise, rowwise, rowwise_with_gw_hp)")
+                   "(tensorwise, rowwise, rowwise_with_gw_hp, mxfp8, blockwise)")
     p.set_defaults(func=lambda a: audit_command(
         a.target, a.out, device_type=a.device,
         dtypes=[d for d in a.dtypes.split(",") if d.strip()], steps=a.steps, fp8=a.fp8))

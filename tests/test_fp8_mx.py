@@ -212,3 +212,18 @@ def test_fp8_formats_benchmark_quick_run():
     assert res["recipes"]["blockwise"]["step_ratio"] is None  # torchao: Triton only
     assert res["recipes"]["mxfp8"]["saved_ratio"] == 1.0  # both save x and W in high precision
     assert res["recipes"]["tensorwise"]["saved_ratio"] < 1 and res["machine"]["cpu"]
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
+def test_block_recipes_fp16_compute_in_fp32(recipe):
+    """fp16 (which torchao's MX refuses): the same casts, the GEMMs in fp32, the results in fp16."""
+    r = fp8.as_recipe(recipe)
+    gen = torch.Generator().manual_seed(6)
+    x, w = torch.randn(128, 128, generator=gen).half(), (torch.randn(128, 128, generator=gen) * 0.1).half()
+    g = torch.randn(128, 128, generator=gen).half()
+    wh, wf = nn.Parameter(w.clone()), nn.Parameter(w.float())
+    half = _run(lambda t: fp8.linear(t, wh, None, r), x, g, [wh])
+    full = _run(lambda t: fp8.linear(t, wf, None, r), x.float(), g.float(), [wf])
+    assert half[0].dtype == torch.float16 and half[2][0].dtype == torch.float16
+    for a, e in ((half[0], full[0]), (half[1], full[1]), (half[2][0], full[2][0])):
+        assert torch.equal(a, e.half())

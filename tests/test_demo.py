@@ -605,3 +605,20 @@ def test_a_time_budget_trains_as_many_seeds_as_fit() -> None:
     assert result.seeds == [0] and result.seeds_note.startswith("1 seed of at most 3: another (about ")
     result = run_demo(micro(steps=2), ["fp32"], "cpu", seeds=2, budget_s=600.0)
     assert result.seeds == [0, 1] and result.seeds_note == "2 seeds, the most, within the 600 s budget"
+
+
+def test_the_speed_panel_is_a_figure_with_the_computed_sentence(demo_result: DemoResult, tmp_path: Path) -> None:
+    panel = _panel(bf16=[1.8, 1.0, 0.61], fp16=[2.0, 1.5, 1.2], fp8=[4.0, 3.0, 1.9])
+    result = dataclasses.replace(demo_result, speed=panel, environment={**demo_result.environment, "cpu_lowp": NATIVE})
+    paths = write_report(result, tmp_path)
+    assert paths["speed"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads(paths["results"].read_text())
+    fig = next(f for f in data["figures"] if f["name"] == "speed")
+    assert fig["data"]["ratio"]["bf16"] == [1.8, 1.0, 0.61] and fig["data"]["sizes"] == ["tiny", "small", "base"]
+    assert "On this CPU (1 thread, batch 8" in fig["caption"]
+    assert "bf16 autocast is 1.6x faster than fp32 from the `base` size up" in fig["caption"]
+    assert data["speed"] == panel
+    throughput = next(f for f in data["figures"] if f["name"] == "throughput")
+    assert throughput["caption"].endswith("whether they pay depends on the model's size: the speed panel "
+                                          "(speed.png) times it.")
+    assert "At other sizes (the speed panel), on this CPU" in data["verdict"][1]

@@ -14,7 +14,7 @@ from typing import Any
 from mixprec.demo import fp8_figure
 from mixprec.demo.environment import MAX_SPREAD, capability, native_lowp
 from mixprec.demo.results import DemoResult, ModeResult, checks, format_fp8, rank, smooth, summarize
-from mixprec.demo.speed import KINDS, speed_sentence
+from mixprec.demo.speed import KINDS, kind_name, speed_sentence
 from mixprec.demo.verdict import verdict
 
 __all__ = ["MEMORY_PARTS", "format_table", "format_checks", "format_verdict", "hardware_note", "time_ratio",
@@ -231,7 +231,7 @@ def _speed_figure(result: DemoResult) -> dict[str, Any]:
         "data": {"sizes": [e["size"] for e in panel["sizes"]],
                  "ratio": {k: [e["ratio"][k] for e in panel["sizes"]] for k in KINDS if k != "fp32"},
                  "seconds": {k: [e["seconds"][k] for e in panel["sizes"]] for k in KINDS},
-                 "skipped": panel["skipped"]},
+                 "skipped": panel["skipped"], "device": panel.get("device", "cpu")},
         "caption": (
             f"Time per training step of each kind relative to fp32's at each model size (batch "
             f"{panel['batch_size']}, AdamW, the median over {panel['rounds']} rounds of the ratio within a round; "
@@ -328,7 +328,7 @@ def _plot_speed(fig_spec: dict[str, Any], path: Path, plt: Any) -> None:
     for j, kind in enumerate(kinds):
         xs = [i + (j - (len(kinds) - 1) / 2) * width for i in range(len(sizes))]
         # from the fp32 line: up is slower, down is faster
-        bars = ax.bar(xs, [r - 1 for r in data["ratio"][kind]], width, bottom=1.0, label=KINDS[kind],
+        bars = ax.bar(xs, [r - 1 for r in data["ratio"][kind]], width, bottom=1.0, label=kind_name(kind, data["device"]),
                       color=plt.get_cmap("Set2")(j))
         ax.bar_label(bars, labels=[f"{r:.2f}x" for r in data["ratio"][kind]], fontsize=8, padding=2)
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="fp32")

@@ -95,7 +95,7 @@ class Settings:
 MAX_SEED = 2**63
 
 
-# size -> (steps, batch_size, lr); "tiny" trains the ten default modes from one seed in 1.3 to 1.7 min
+# size -> (steps, batch_size, lr); "tiny" trains the ten default modes from one seed in 0.6 to 1.7 min
 # on 2 CPU cores (docs/demo.md). Its warm-up reaches the peak lr in 12 steps: on some seeds a
 # low-precision run is tipped off fp32's curve there (docs/demo.md, "Far above fp32 from one seed").
 _TRAIN_PRESETS: dict[str, tuple[int, int, float]] = {

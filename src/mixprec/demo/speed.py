@@ -31,9 +31,10 @@ from mixprec.demo.corpus import batch_offsets, make_batch
 from mixprec.demo.estimate import step_work
 from mixprec.demo.model import SIZES, TransformerLM, lm_loss
 
-__all__ = ["KINDS", "SPEED_SIZES", "SPEED_BATCH", "SPEED_BUDGET_S", "measure", "crossover", "speed_sentence"]
+__all__ = ["KINDS", "kind_name", "SPEED_SIZES", "SPEED_BATCH", "SPEED_BUDGET_S", "measure", "crossover", "speed_sentence"]
 
-#: What the panel times, with the words the report uses for each.
+#: What the panel times, with the words the report uses for each (fp8 is emulated on a CPU;
+#: on CUDA it runs ``torch._scaled_mm`` where the GPU has fp8 units, sm89+).
 KINDS: dict[str, str] = {"fp32": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast", "fp8": "fp8 (emulated)"}
 #: The sizes it times (the demo's presets), the batch of every step, and its default time budget.
 SPEED_SIZES: tuple[str, ...] = ("tiny", "small", "base")
@@ -100,7 +101,7 @@ def measure(
     ``rounds`` timed rounds after one warm-up round, batches of :data:`SPEED_BATCH` sequences
     from ``train``; ``note`` is told each size's result.
 
-    Returns ``{"threads", "batch_size", "rounds", "budget_s", "seconds" (the panel's wall time),
+    Returns ``{"device", "threads", "batch_size", "rounds", "budget_s", "seconds" (the panel's wall time),
     "sizes": [{"size", "seconds": {kind: median s/step}, "ratio": {kind: median time / fp32},
     "spread": {kind: (max - min) / median of the ratios}}, ...], "skipped": {size: why}}``.
 
@@ -112,7 +113,8 @@ def measure(
         raise ValueError(f"sizes must be among {', '.join(SIZES)} and rounds >= 1, got {sizes}, {rounds}")
     device = torch.device(device)
     start = time.perf_counter()
-    out: dict[str, Any] = {"threads": torch.get_num_threads(), "batch_size": SPEED_BATCH, "rounds": rounds,
+    out: dict[str, Any] = {"device": str(device), "threads": torch.get_num_threads(), "batch_size": SPEED_BATCH,
+                           "rounds": rounds,
                            "budget_s": budget_s, "sizes": [], "skipped": {}}
     previous: tuple[str, float] | None = None  # (size, seconds of one round)
     for size in sizes:
@@ -136,6 +138,11 @@ def measure(
     return out
 
 
+def kind_name(kind: str, device: str = "cpu") -> str:
+    """The report's words for ``kind`` on ``device``: :data:`KINDS`, but plain "fp8" on CUDA."""
+    return "fp8" if kind == "fp8" and device.startswith("cuda") else KINDS[kind]
+
+
 def _times(entries: list[dict[str, Any]], kind: str) -> str:
     return ", ".join(f"{e['size']} {e['ratio'][kind]:.2f}x" for e in entries)
 
@@ -147,7 +154,7 @@ def crossover(panel: dict[str, Any], kind: str) -> str:
     kind that is faster from some size up and not faster below it has a crossover; otherwise the
     phrase gives the ratio at every size.
     """
-    name = KINDS[kind]
+    name = kind_name(kind, panel.get("device", "cpu"))
     entries = [e for e in panel["sizes"] if kind in e["ratio"]]
     if not entries:
         return f"{name} was not measured"

@@ -342,7 +342,8 @@ class _Replay:
             torch.set_autocast_enabled(frame.device_type, enabled)
             torch.set_autocast_dtype(frame.device_type, dtype)
         torch.set_autocast_cache_enabled(self.cache)
-        restore = ModuleRules.replay(self.rules, {id(old): new for (old, _, _), new in zip(self.regions, frames)})
+        stand_ins = {id(old): new for (old, _, _), new in zip(self.regions, frames)}
+        restore = ModuleRules.replay(self.rules, stand_ins)
         self._stack.append((frames, prev, restore))
 
     def __exit__(self, *exc: Any) -> None:

@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "Policy": "mixprec.policy",
     "ModuleRule": "mixprec._modules",
     "Fp8Rule": "mixprec._modules",
+    "Controller": "mixprec.fp8._controller",
     # loss scaling
     "GradScaler": "mixprec.scaling",
     "skip_aware": "mixprec.scaling",
@@ -87,6 +88,7 @@ if TYPE_CHECKING:  # static type checkers see the real names
         collect_ranges,
         trace_nonfinite,
     )
+    from mixprec.fp8._controller import Controller
     from mixprec.lowp import MasterWeights, to_low_precision
     from mixprec.policy import Policy
     from mixprec.scaling import GradScaler, MinScaleError, skip_aware

@@ -558,14 +558,17 @@ def _fp8_layers(root: nn.Module, policy: Policy) -> dict[int, tuple[nn.Module, A
         ancestors = [".".join(parts[:i]) for i in range(len(parts) + 1)]
         return any(r.matches(modules[a], a) for a in ancestors for r in policy.module_rules)
 
-    layers = {}
+    layers, named = {}, {}
     for fqn in fp8.select_layers(model, rule.types, rule.names, rule.first_last, recipe):
         module = modules[fqn]
         if kept(fqn):
             continue
         layers[id(module)] = (module, recipe, fp8.layer_state(module), rule.backend)
+        named[fqn] = module
     if rule.guard is not None:
         rule.guard._policy_forward(model)  # its decisions apply now; warns if never stepped
+    if rule.controller is not None:
+        rule.controller._policy_forward(named, policy)  # its rungs apply now; decides in step()
     return layers
 
 

@@ -101,6 +101,7 @@ class Fp8Rule:
     first_last: str = "keep"
     backend: str = "auto"
     guard: Any = field(default=None, compare=False)  # a mixprec.fp8.Guard (mutable: its decisions)
+    controller: Any = field(default=None, compare=False)  # a mixprec.Controller (mutable: its rungs)
 
     def __post_init__(self) -> None:
         if _tracing():  # see mixprec.policy._refuse_tracing
@@ -122,6 +123,13 @@ class Fp8Rule:
             raise ValueError(f"Policy.fp8 backend must be 'auto', 'emulate' or 'scaled_mm', got {self.backend!r}")
         if self.guard is not None and not isinstance(self.guard, fp8.Guard):
             raise ValueError(f"Policy.fp8 guard must be a mixprec.fp8.Guard, got {type(self.guard).__name__}")
+        if self.controller is not None:
+            if not isinstance(self.controller, fp8.Controller):
+                raise ValueError(f"Policy.fp8 controller must be a mixprec.Controller, got "
+                                 f"{type(self.controller).__name__}")
+            if self.guard is not None:
+                raise ValueError("Policy.fp8: give guard= or controller=, not both (the controller promotes "
+                                 "a layer before the guard's thresholds are crossed, and demotes it again)")
         object.__setattr__(self, "types", types)
 
     @property

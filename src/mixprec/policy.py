@@ -384,6 +384,7 @@ class Policy:
         first_last: str = "keep",
         guard: Any = None,
         backend: str = "auto",
+        controller: Any = None,
     ) -> "Policy":
         """A copy whose selected ``nn.Linear`` layers run their GEMMs in fp8 (no module swap).
 
@@ -393,14 +394,16 @@ class Policy:
         :func:`mixprec.fp8.layer_state` of the module; the rest of the model follows the policy.
         Layers: see :class:`mixprec.Fp8Rule`; ``keep`` rules win. A ``guard``
         (:class:`mixprec.fp8.Guard`) is checked as the model's outermost call starts, and moves
-        layers that cross its thresholds back to the compute dtype. Usable on the class too:
+        layers that cross its thresholds back to the compute dtype. A ``controller``
+        (:class:`mixprec.Controller`, not with ``guard``) moves each layer up and down a ladder of
+        formats from the trend of its statistics, in ``controller.step()``. Usable on the class too:
         ``Policy.fp8()`` is ``Policy().fp8()``.
 
         Example:
             >>> policy = Policy.parse("compute=bf16").fp8("rowwise", guard=mixprec.fp8.Guard(every=50))
         """
         rule = Fp8Rule(recipe, types=types, names=names, first_last=first_last, guard=guard,
-                       backend=backend)
+                       backend=backend, controller=controller)
         return dataclasses.replace(self, fp8_rule=rule)
 
     # ----------------------------------------------------------------- queries
@@ -472,7 +475,8 @@ class Policy:
         if self.fp8_rule is not None:
             f = self.fp8_rule
             extra = ("" if f.first_last == "fp8" else " except first/last") + (
-                "" if f.backend == "auto" else f" backend={f.backend}") + ("" if f.guard is None else " guarded")
+                "" if f.backend == "auto" else f" backend={f.backend}") + ("" if f.guard is None else " guarded") + (
+                "" if f.controller is None else " controlled")
             sections.append(f"fp8 {f.recipe_name}={_selection(f.types, f.names)}{extra}")
         return "; ".join(sections)
 
@@ -548,8 +552,11 @@ def _fp8_to_dict(rule: Fp8Rule) -> dict[str, Any]:
     guard = None
     if rule.guard is not None:
         guard = {f.name: getattr(rule.guard, f.name) for f in dataclasses.fields(rule.guard) if f.init}
-    return {"recipe": recipe, "types": [_type_path(t) for t in rule.types], "names": rule.names,
-            "first_last": rule.first_last, "backend": rule.backend, "guard": guard}
+    out = {"recipe": recipe, "types": [_type_path(t) for t in rule.types], "names": rule.names,
+           "first_last": rule.first_last, "backend": rule.backend, "guard": guard}
+    if rule.controller is not None:  # its settings; its rungs and log are runtime state
+        out["controller"] = rule.controller.config()
+    return out
 
 
 def _ops_by_kind(rules: tuple[tuple[str, str], ...]) -> list[tuple[str, list[str]]]:
@@ -665,6 +672,9 @@ def _fp8_from_dict(data: Any) -> Fp8Rule:
             raise ValueError(f"unknown fp8 guard field(s) {sorted(map(str, set(guard) - fields))}; "
                              f"fields: {sorted(fields)}")
         values["guard"] = fp8.Guard(**guard)
+    if values.get("controller") is not None:
+        values["controller"] = fp8.Controller.from_config(
+            _expect(values["controller"], Mapping, "fp8_rule 'controller'", "an object"))
     return Fp8Rule(**values)
 
 

@@ -1,7 +1,8 @@
 """FP8 training with guardrails: emulated on any machine, bitwise equal to torchao's emulation.
 
 * :class:`Float8Recipe`: per GEMM operand, the fp8 format and the scale granularity
-  (``.tensorwise()``, ``.rowwise()``, ``.rowwise_with_gw_hp()``, ``.from_name(...)``).
+  (``.tensorwise()``, ``.rowwise()``, ``.rowwise_with_gw_hp()``, the block-scaled ``.mxfp8()`` and
+  ``.blockwise()``, ``.from_name(...)``).
 * :func:`linear`: the functional fp8 linear (differentiable; tensorwise saves its activations for
   backward in fp8). ``backend="emulate"`` everywhere, ``"scaled_mm"`` on CUDA sm89+.
 * :class:`LayerState` / :func:`layer_state`: per-layer statistics kept on the device.
@@ -10,6 +11,9 @@
 * :func:`convert`, :func:`unconvert`, :class:`Float8Linear`, :class:`Float8Conv1D`, :func:`stats`:
   module conversion (``nn.Linear`` and transformers' ``Conv1D``), its undoing, the stats table.
 * :func:`eligible`, :func:`select_layers`: the layer-selection rules.
+* :class:`Controller` (also ``mixprec.Controller``): moves each layer up a ladder of formats
+  before its statistics' trend crosses a limit and back down when the lower format is safe again
+  (``Policy.fp8(controller=ctl)``, ``ctl.step()``); see docs/controller.md.
 
 Example:
     >>> import torch
@@ -44,13 +48,14 @@ module state dict.
 
 from mixprec.fp8._convert import (Float8Conv1D, Float8Linear, Float8Stats, as_recipe, convert, eligible, select_layers,
                                   stats, unconvert)
+from mixprec.fp8._controller import Controller, Decision
 from mixprec.fp8._guard import Fallback, Float8FallbackWarning, Guard, layer_states
 from mixprec.fp8._linear import linear
 from mixprec.fp8._recipe import Cast, Float8Recipe
 from mixprec.fp8._state import LayerState, layer_state
 
 __all__ = [
-    "Cast", "Fallback", "Float8Conv1D", "Float8FallbackWarning", "Float8Linear", "Float8Recipe", "Float8Stats",
+    "Cast", "Controller", "Decision", "Fallback", "Float8Conv1D", "Float8FallbackWarning", "Float8Linear", "Float8Recipe", "Float8Stats",
     "Guard", "LayerState", "as_recipe", "convert", "eligible", "layer_state", "layer_states", "linear",
     "select_layers", "stats", "unconvert",
 ]

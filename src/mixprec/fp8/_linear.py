@@ -201,7 +201,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     Bitwise equal to torchao's emulated ``Float8Linear`` (``emulate=True``) for the same recipe:
     output and the gradients of input, weight and bias. The bias is added in high precision.
     With ``state``, the casts' statistics are accumulated into it on the device (no host sync),
-    and a layer whose ``state.fallback`` is set runs ``F.linear`` in ``input``'s dtype instead.
+    and a layer whose ``state.fallback`` is set runs ``F.linear`` in ``input``'s dtype instead;
+    a ``state.recipe`` (a :class:`Controller`'s rung) replaces ``recipe``.
     Mixed precision regions are switched off inside: the GEMMs run exactly as the recipe says.
 
     Raises ValueError on shapes that do not fit, non-floating inputs or an unknown backend.
@@ -223,6 +224,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                          f"got {input.dtype} and {weight.dtype}")
     if state is not None and state.fallback:
         return F.linear(input, weight.to(input.dtype), None if bias is None else bias.to(input.dtype))
+    if state is not None and state.recipe is not None:  # a Controller's rung
+        recipe = state.recipe
     if recipe.blocked:
         backend = _block_backend(backend, recipe)
     else:

@@ -25,7 +25,8 @@ class LayerState:
     to zero) and ``nonfinite`` (count); each is the worst value over the steps of the window. ``output_sqnr_db`` is the lowest
     sampled SQNR of the fp8 output against the high-precision GEMM (inf when none was sampled).
     ``fallback`` (a Python bool, set by :class:`Guard`) makes :func:`linear` run in the compute
-    dtype; ``sample_sqnr`` asks the next forward to measure the SQNR (one extra GEMM).
+    dtype; ``sample_sqnr`` asks the next forward to measure the SQNR (one extra GEMM);
+    ``recipe`` (set by :class:`Controller`), when not None, replaces the caller's recipe.
 
     Example:
         >>> st = LayerState()
@@ -40,6 +41,7 @@ class LayerState:
         self.fallback = False
         self.sample_sqnr = False
         self.routed = False  # a policy's call of the layer has reached fp8 (set by the routing)
+        self.recipe = None  # a Float8Recipe that replaces the caller's (set by a Controller)
 
     @property
     def stats(self) -> torch.Tensor:

@@ -1,0 +1,526 @@
+"""The fp8 controller: per-layer statistics and their trend, a ladder of formats, decisions at
+check steps (promote before a statistic crosses its limit, demote once the lower format is safe)."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import math
+import os
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+
+from mixprec.fp8._guard import NO_STEP_FORWARDS, _all_reduce_max
+from mixprec.fp8._quant import STAT_NAMES, _scale, cast_stats, cast_to_fp8
+from mixprec.fp8._recipe import Float8Recipe
+from mixprec.fp8._state import OPERANDS, LayerState, layer_state
+
+__all__ = ["Controller", "Decision", "RUNGS"]
+
+#: the rungs a ladder may hold, lowest precision first: fp8 recipes, the compute dtype, fp32.
+RUNGS = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "compute", "fp32")
+_FP8_RUNGS = RUNGS[:3]
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+_NCOL = len(STAT_NAMES)
+_UNDERFLOW, _NONFINITE = STAT_NAMES.index("underflow"), STAT_NAMES.index("nonfinite")
+_RANGE = ("input", "output")  # the range row: the layer's input and output amax, in its own dtype
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One switch of one layer: at ``step`` (the :meth:`Controller.step` count), ``layer`` went
+    from ``from_`` to ``to`` (``action``: ``"promote"`` up the ladder, ``"demote"`` down) because
+    ``operand``'s ``statistic`` was ``value`` (against ``threshold``); ``reason`` says it in words.
+
+    Example:
+        >>> d = Decision(190, "0", "input", "promote", "fp8-tensorwise", "fp8-rowwise",
+        ...              "underflow_forecast", 0.07, 0.05, "input underflow forecast 0.07 > 0.05")
+        >>> d.action, d.to
+        ('promote', 'fp8-rowwise')
+    """
+
+    step: int
+    layer: str
+    operand: str
+    action: str
+    from_: str
+    to: str
+    statistic: str
+    value: float
+    threshold: float
+    reason: str
+
+
+@dataclass
+class _Trend:
+    """EMA of one operand's log2 amax slope (per step) and the last window's log2 amax."""
+
+    log2_amax: float | None = None
+    slope: float = 0.0
+
+    def update(self, amax: float, steps: int, weight: float) -> None:
+        if not (amax > 0 and math.isfinite(amax)):
+            return  # no data in the window (or non-finite: judged by the nonfinite limit)
+        value = math.log2(amax)
+        if self.log2_amax is not None:
+            self.slope = weight * (value - self.log2_amax) / steps + (1 - weight) * self.slope
+        self.log2_amax = value
+
+    def growth(self, steps: int) -> float:
+        """The factor the amax is forecast to grow by over ``steps`` (>= 1: a falling trend
+        forecasts no relief)."""
+        return 2.0 ** (max(self.slope, 0.0) * steps)
+
+
+class _Layer:
+    """The controller's record of one layer: its rung, its device windows, its trend."""
+
+    def __init__(self, module: nn.Module, state: LayerState, rung: int) -> None:
+        self.module = weakref.ref(module)
+        self.state = state
+        self.rung = rung
+        # the rung below's casts measured on a sample (promoted layers): the layout of LayerState._data
+        self.shadow = torch.zeros_like(state._data)
+        self.range = torch.zeros(len(_RANGE), device=state.device)  # worst input/output amax
+        self.trends = {op: _Trend() for op in (*OPERANDS, *(f"range_{r}" for r in _RANGE))}
+        self.clean = 0  # consecutive windows in which the rung below was safe
+        self.switches: list[int] = []  # steps of its switches
+        self.hooks: list[Any] = []
+
+    def windows(self) -> torch.Tensor:
+        return torch.cat([self.state.stats.flatten(), self.shadow[:, :-1].flatten(), self.range])
+
+    def reset(self) -> None:
+        self.state.reset()
+        self.shadow[:, :-1].zero_()
+        self.range.zero_()
+
+
+@dataclass
+class Controller:
+    """Moves each fp8 layer up and down a ladder of formats, before its statistics fail.
+
+    Attach it with ``Policy.fp8(recipe, controller=ctl)`` and call :meth:`step` once per
+    optimizer step on every rank. Per layer and operand (input, weight, grad_output) the
+    statistics of :class:`~mixprec.fp8.LayerState` accumulate on the device (worst value over the
+    window, no host sync); every ``every`` steps the controller reads the windows of all layers
+    (one all-reduce MAX, one host sync), updates each operand's trend (an EMA, weight ``ema``, of
+    the per-step slope of log2 amax) and forecasts ``horizon`` windows ahead: the underflow of a
+    current scale grows with the amax, so ``underflow * 2**(slope * horizon * every)``.
+
+    *Promote* (one rung up ``ladder``): a forecast underflow above ``max_underflow``; straight
+    to the compute dtype on a nonfinite count above ``max_nonfinite``; straight to fp32, under
+    fp16 compute, when the forecast input or output amax passes ``max_range * 65504``.
+    *Demote* (one rung down): a promoted layer measures, on a sample of ``sample`` elements per
+    operand, what the rung below's casts would do (its shadow); after ``demote_windows``
+    consecutive windows whose shadow forecast stays below ``demote_underflow`` (and
+    ``demote_range * 65504``, no nonfinite), at least ``min_dwell`` steps after its last switch,
+    and while it made fewer than ``max_switches`` switches in the last ``budget_steps`` steps.
+    Promotions are never refused.
+
+    The ladder starts at the policy's recipe (which must be on it): fp8 rungs ``tensorwise``,
+    ``rowwise``, ``rowwise_with_gw_hp``, then ``compute`` (the region's dtype) and ``fp32``
+    (reached only on range trouble under fp16 compute). Decisions go to :attr:`log` (and
+    :meth:`write_csv`); :meth:`precision` names a layer's format now; :meth:`state_dict` resumes
+    bitwise. Eager mode only (not under ``torch.compile``).
+
+    Raises ValueError on a setting out of range or a ladder not in the order of :data:`RUNGS`.
+
+    Example:
+        >>> ctl = Controller(every=10)
+        >>> ctl.step(), ctl.steps
+        ([], 1)
+    """
+
+    max_underflow: float = 0.05
+    max_nonfinite: float = 0.0
+    max_range: float = 0.25
+    demote_underflow: float = 0.01
+    demote_range: float = 0.03125
+    every: int = 10
+    horizon: int = 3
+    ema: float = 0.5
+    demote_windows: int = 3
+    min_dwell: int = 30
+    max_switches: int = 8
+    budget_steps: int = 1000
+    sample: int = 4096
+    ladder: tuple[str, ...] = ("tensorwise", "rowwise", "compute", "fp32")
+    _layers: dict[str, _Layer] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _steps: int = field(default=0, init=False, repr=False, compare=False)
+    _log: list[Decision] = field(default_factory=list, init=False, repr=False, compare=False)
+    _pending: dict[str, dict[str, Any]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _compute: torch.dtype | None = field(default=None, init=False, repr=False, compare=False)
+    _stepped: bool = field(default=False, init=False, repr=False, compare=False)
+    _forwards: int = field(default=0, init=False, repr=False, compare=False)
+    _warned_empty: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("max_underflow", "max_nonfinite", "max_range", "demote_underflow", "demote_range"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"Controller.{name} must be a number >= 0, got {value!r}")
+        for name in ("every", "horizon", "demote_windows", "max_switches", "budget_steps", "sample"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Controller.{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.min_dwell, bool) or not isinstance(self.min_dwell, int) or self.min_dwell < 0:
+            raise ValueError(f"Controller.min_dwell must be an int >= 0, got {self.min_dwell!r}")
+        if not (isinstance(self.ema, (int, float)) and 0 < self.ema <= 1):
+            raise ValueError(f"Controller.ema must be a number in (0, 1], got {self.ema!r}")
+        if self.demote_underflow > self.max_underflow or self.demote_range > self.max_range:
+            raise ValueError("Controller: demote_underflow and demote_range must not exceed max_underflow and "
+                             "max_range (the lower threshold of the hysteresis)")
+        ladder = tuple(self.ladder) if isinstance(self.ladder, (list, tuple)) else None
+        order = [RUNGS.index(r) for r in ladder] if ladder and all(r in RUNGS for r in ladder) else None
+        if order is None or order != sorted(set(order)) or "compute" not in ladder or ladder[0] not in _FP8_RUNGS:
+            raise ValueError(f"Controller.ladder must be fp8 recipes then 'compute' (then optionally 'fp32'), "
+                             f"each once, in the order of {RUNGS}, got {self.ladder!r}")
+        self.ladder = ladder
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def steps(self) -> int:
+        """The :meth:`step` calls counted so far."""
+        return self._steps
+
+    @property
+    def log(self) -> list[Decision]:
+        """Every switch so far, in order (a copy)."""
+        return list(self._log)
+
+    def precision(self, layer: str) -> str:
+        """The format ``layer`` (its qualified name) runs in now: ``"fp8-tensorwise"``,
+        ``"fp8-rowwise"``, ``"bf16"``/``"fp16"`` (the compute dtype) or ``"fp32"``.
+
+        Raises KeyError naming the layers it knows when it does not know ``layer``.
+        """
+        if layer not in self._layers:
+            raise KeyError(f"Controller.precision: no fp8 layer {layer!r}; it controls {sorted(self._layers)} "
+                           f"(layers are known after the policy's first forward)")
+        return self._rung_name(self._layers[layer].rung)
+
+    def precisions(self) -> dict[str, str]:
+        """``{layer: format}`` of every controlled layer (see :meth:`precision`)."""
+        return {name: self._rung_name(rec.rung) for name, rec in sorted(self._layers.items())}
+
+    def config(self) -> dict[str, Any]:
+        """The settings (the constructor's keyword arguments), as plain JSON data."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        out["ladder"] = list(self.ladder)
+        return out
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Controller:
+        """A fresh controller with the settings of :meth:`config`.
+
+        Raises ValueError naming unknown keys.
+        """
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        if set(config) - known:
+            raise ValueError(f"unknown Controller setting(s) {sorted(map(str, set(config) - known))}; "
+                             f"settings: {sorted(known)}")
+        values = dict(config)
+        if "ladder" in values and isinstance(values["ladder"], list):
+            values["ladder"] = tuple(values["ladder"])
+        return cls(**values)
+
+    def write_csv(self, path: str | os.PathLike[str] | None = None) -> str:
+        """The log as CSV (columns: step, layer, operand, action, from, to, statistic, value,
+        threshold, reason); written to ``path`` when given. Returns the text."""
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(["step", "layer", "operand", "action", "from", "to", "statistic", "value", "threshold",
+                         "reason"])
+        for d in self._log:
+            writer.writerow([d.step, d.layer, d.operand, d.action, d.from_, d.to, d.statistic, repr(d.value),
+                             repr(d.threshold), d.reason])
+        text = buf.getvalue()
+        if path is not None:
+            with open(path, "w", encoding="utf-8", newline="") as f:
+                f.write(text)
+        return text
+
+    # ----------------------------------------------------------------- tracking
+    def _rung_name(self, rung: int) -> str:
+        name = self.ladder[rung]
+        if name in _FP8_RUNGS:
+            return f"fp8-{name}"
+        if name == "compute":
+            return _DTYPE_NAMES.get(self._compute, "compute") if self._compute is not None else "compute"
+        return name
+
+    def _policy_forward(self, layers: Mapping[str, nn.Module], policy: Any) -> None:
+        """A forward of a model under a policy with this controller: track its selected layers,
+        learn the compute dtype, warn once when training forwards go on without :meth:`step`."""
+        from mixprec.fp8._convert import as_recipe
+
+        recipe = as_recipe(policy.fp8_rule.recipe)
+        for name, module in layers.items():
+            if name not in self._layers or self._layers[name].module() is not module:
+                dev = module.weight.device.type
+                self._compute = policy.compute if policy.compute is not None else torch.get_autocast_dtype(dev)
+                self._track(name, module, recipe)
+        if self._stepped or not torch.is_grad_enabled():
+            return
+        self._forwards += 1
+        if self._forwards == NO_STEP_FORWARDS:
+            warnings.warn(f"fp8: the policy's Controller has seen {NO_STEP_FORWARDS} training forwards and no "
+                          f"ctl.step(): it never decides. Call ctl.step() once per optimizer step, on every "
+                          f"rank", UserWarning, stacklevel=4)
+
+    def _track(self, name: str, module: nn.Module, recipe: Float8Recipe) -> None:
+        if recipe.name not in self.ladder or Float8Recipe.from_name(recipe.name) != recipe:
+            raise ValueError(f"Controller: the policy's fp8 recipe {recipe.name!r} must be a named recipe on its "
+                             f"ladder {self.ladder} (the layers start there)")
+        old = self._layers.get(name)
+        if old is not None:
+            for handle in old.hooks:
+                handle.remove()
+        rec = _Layer(module, layer_state(module), self.ladder.index(recipe.name))
+        if name in self._pending:
+            self._load_layer(rec, self._pending.pop(name))
+        rec.hooks = [module.register_forward_pre_hook(self._pre_hook(rec)),
+                     module.register_forward_hook(self._post_hook(rec))]
+        self._layers[name] = rec
+        self._apply(rec)
+
+    def _apply(self, rec: _Layer) -> None:
+        """Set the layer's state for its rung: an fp8 recipe, or the fallback flag."""
+        name = self.ladder[rec.rung]
+        rec.state.fallback = name not in _FP8_RUNGS
+        rec.state.recipe = Float8Recipe.from_name(name) if name in _FP8_RUNGS else None
+        rec.state.sample_sqnr = False
+
+    def _pre_hook(self, rec: _Layer) -> Any:
+        ladder = self.ladder
+
+        def hook(module: nn.Module, args: tuple) -> tuple | None:
+            if ladder[rec.rung] != "fp32" or not args or not isinstance(args[0], torch.Tensor):
+                return None
+            dev = args[0].device.type
+            rec.autocast = torch.is_autocast_enabled(dev), dev
+            torch.set_autocast_enabled(dev, False)  # restored by the forward hook
+            return tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+        return hook
+
+    def _post_hook(self, rec: _Layer) -> Any:
+        ladder, sample = self.ladder, self.sample
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            saved = rec.__dict__.pop("autocast", None)
+            if saved is not None:
+                torch.set_autocast_enabled(saved[1], saved[0])
+            if not args or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
+                return
+            x = args[0].detach()
+            if self._compute is torch.float16:
+                amax = torch.stack([x.abs().amax().float(), output.detach().abs().amax().float()])
+                torch.maximum(rec.range, amax, out=rec.range)
+            if rec.rung == 0 or ladder[rec.rung - 1] not in _FP8_RUNGS:
+                return
+            below = Float8Recipe.from_name(ladder[rec.rung - 1])
+            _shadow(rec.shadow[0], x, below.input, below.pow2_scales, sample)
+            _shadow(rec.shadow[1], module.weight.detach(), below.weight, below.pow2_scales, sample)
+            if output.requires_grad:
+                output.register_hook(lambda g: _shadow(rec.shadow[2], g, below.grad_output, below.pow2_scales,
+                                                       sample))
+
+        return hook
+
+    # ----------------------------------------------------------------- deciding
+    def step(self) -> list[Decision]:
+        """Count one optimizer step and, every ``every`` steps, decide; returns the new decisions.
+
+        Call it once per optimizer step on every rank, after backward (with gradient
+        accumulation: once per optimizer step). A check step reads the windows of every layer
+        (one all-reduce MAX when ``torch.distributed`` is initialized, one host sync); the other
+        steps touch nothing. Warns once when it tracks no layer yet.
+
+        Example:
+            >>> Controller(every=2).step()
+            []
+        """
+        self._steps += 1
+        self._stepped = True
+        if not self._layers:
+            if not self._warned_empty:
+                self._warned_empty = True
+                warnings.warn("fp8: Controller.step() tracks no fp8 layer, so it decides nothing: give it to "
+                              "Policy.fp8(controller=ctl) and run a forward under that policy first",
+                              UserWarning, stacklevel=2)
+            return []
+        if self._steps % self.every != 0:
+            return []
+        names = sorted(self._layers)
+        recs = [self._layers[n] for n in names]
+        rows = _all_reduce_max(torch.stack([r.windows() for r in recs])).tolist()  # the one sync
+        new = []
+        for name, rec, row in zip(names, recs, rows):
+            rec.reset()
+            decided = self._decide(name, rec, row)
+            if decided is not None:
+                decision, rec.rung = decided
+                rec.clean = 0
+                rec.switches.append(self._steps)
+                self._apply(rec)
+                self._log.append(decision)
+                new.append(decision)
+        return new
+
+    def _decide(self, name: str, rec: _Layer, row: list[float]) -> tuple[Decision, int] | None:
+        """The layer's switch after this window (the decision and the new rung), or None."""
+        own = [row[i * _NCOL:(i + 1) * _NCOL] for i in range(len(OPERANDS))]
+        off = len(OPERANDS) * _NCOL
+        shadow = [row[off + i * _NCOL:off + (i + 1) * _NCOL] for i in range(len(OPERANDS))]
+        ranges = row[2 * off:]
+        ladder = self.ladder
+        on_fp8 = ladder[rec.rung] in _FP8_RUNGS
+        measured = own if on_fp8 else (shadow if rec.rung > 0 and ladder[rec.rung - 1] in _FP8_RUNGS else None)
+        for op, stats in zip(OPERANDS, measured or []):
+            rec.trends[op].update(stats[0], self.every, self.ema)
+        fp16 = self._compute is torch.float16
+        if fp16:
+            for r, amax in zip(_RANGE, ranges):
+                rec.trends[f"range_{r}"].update(amax, self.every, self.ema)
+        ahead = self.horizon * self.every
+        here = self._rung_name(rec.rung)
+
+        def decision(op: str, action: str, to: int, stat: str, value: float, limit: float, side: str
+                     ) -> tuple[Decision, int]:
+            reason = f"{op} {stat.replace('_', ' ')} {value:.4g} {side} {limit:g}"
+            return Decision(self._steps, name, op, action, here, self._rung_name(to), stat, value, float(limit),
+                            reason), to
+
+        # promote: the worst trouble first
+        compute, top = ladder.index("compute"), len(ladder) - 1
+        if on_fp8:
+            for op, stats in zip(OPERANDS, own):
+                if stats[_NONFINITE] > self.max_nonfinite:
+                    return decision(op, "promote", compute, "nonfinite", stats[_NONFINITE], self.max_nonfinite, ">")
+        if fp16 and ladder[top] == "fp32" and rec.rung < top:
+            for r, amax in zip(_RANGE, ranges):
+                forecast = amax * rec.trends[f"range_{r}"].growth(ahead)
+                if forecast > self.max_range * _FP16_MAX:
+                    return decision(r, "promote", top, "amax_forecast", forecast, self.max_range * _FP16_MAX, ">")
+        if on_fp8:
+            for op, stats in zip(OPERANDS, own):
+                forecast = stats[_UNDERFLOW] * rec.trends[op].growth(ahead)
+                if forecast > self.max_underflow:
+                    return decision(op, "promote", rec.rung + 1, "underflow_forecast", forecast,
+                                    self.max_underflow, ">")
+        if rec.rung == 0:
+            return None
+        # demote: the rung below, judged by the shadow (fp8 below) or the range (compute below fp32)
+        worst = ("input", "underflow_forecast", 0.0, self.demote_underflow)  # the closest to its limit
+        safe = True
+        if ladder[rec.rung - 1] in _FP8_RUNGS:
+            for op, stats in zip(OPERANDS, shadow):
+                forecast = stats[_UNDERFLOW] * rec.trends[op].growth(ahead)
+                if stats[_NONFINITE] > self.max_nonfinite or not forecast <= self.demote_underflow:
+                    safe = False
+                elif forecast / self.demote_underflow > worst[2] / worst[3]:
+                    worst = (op, "underflow_forecast", forecast, self.demote_underflow)
+        if fp16:
+            for r, amax in zip(_RANGE, ranges):
+                forecast = amax * rec.trends[f"range_{r}"].growth(ahead)
+                limit = self.demote_range * _FP16_MAX
+                if not forecast <= limit:
+                    safe = False
+                elif ladder[rec.rung] == "fp32" and forecast / limit > worst[2] / worst[3]:
+                    worst = (r, "amax_forecast", forecast, limit)
+        rec.clean = rec.clean + 1 if safe else 0
+        recent = [s for s in rec.switches if s > self._steps - self.budget_steps]
+        last = rec.switches[-1] if rec.switches else -math.inf
+        if (rec.clean >= self.demote_windows and self._steps - last >= self.min_dwell
+                and len(recent) < self.max_switches):
+            op, stat, value, limit = worst
+            return decision(op, "demote", rec.rung - 1, stat, value, limit, "<=")
+        return None
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a bitwise resume needs, as plain data: the step count, the log, and per
+        layer its rung, trend, hysteresis counters and open windows (the rank's own, before the
+        all-reduce: save it on every rank).
+
+        .. warning:: reads the device windows: one host sync per layer.
+        """
+        layers = {n: dict(d) for n, d in self._pending.items()}
+        for name, rec in self._layers.items():
+            layers[name] = {
+                "rung": self.ladder[rec.rung], "clean": rec.clean, "switches": list(rec.switches),
+                "trends": {op: [t.log2_amax, t.slope] for op, t in rec.trends.items()},
+                "state": rec.state._data.tolist(), "shadow": rec.shadow.tolist(), "range": rec.range.tolist(),
+            }
+        return {"steps": self._steps, "log": [dataclasses.asdict(d) for d in self._log],
+                "layers": dict(sorted(layers.items()))}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore the step count, the log and every layer's rung, trend and windows (layers
+        tracked later get theirs at the policy's first forward).
+
+        Raises ValueError for anything but the dict of :meth:`state_dict`.
+        """
+        try:
+            steps = state_dict["steps"]
+            log = [Decision(**d) for d in state_dict["log"]]
+            layers = {str(n): dict(d) for n, d in state_dict["layers"].items()}
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+                raise TypeError(steps)
+            for d in layers.values():
+                if d["rung"] not in self.ladder:
+                    raise ValueError(f"rung {d['rung']!r} is not on the ladder {self.ladder}")
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ValueError(f"Controller.load_state_dict expects the dict of Controller.state_dict() (steps, log, "
+                             f"layers) for the same ladder: {exc}") from exc
+        self._steps, self._log, self._stepped = steps, log, steps > 0
+        self._pending = {}
+        for name, data in layers.items():
+            rec = self._layers.get(name)
+            if rec is None:
+                self._pending[name] = data
+            else:
+                self._load_layer(rec, data)
+                self._apply(rec)
+
+    def _load_layer(self, rec: _Layer, data: Mapping[str, Any]) -> None:
+        rec.rung = self.ladder.index(data["rung"])
+        rec.clean, rec.switches = int(data["clean"]), [int(s) for s in data["switches"]]
+        for op, (log2_amax, slope) in data["trends"].items():
+            rec.trends[op] = _Trend(log2_amax, slope)
+        for target, values in ((rec.state._data, data["state"]), (rec.shadow, data["shadow"]),
+                               (rec.range, data["range"])):
+            t = torch.tensor(values, dtype=torch.float32)
+            if t.shape != target.shape:
+                raise ValueError(f"Controller.load_state_dict: a window of shape {tuple(t.shape)}, expected "
+                                 f"{tuple(target.shape)}")
+            target.copy_(t)
+
+
+def _shadow(buf: torch.Tensor, x: torch.Tensor, cast: Any, pow2: bool, sample: int) -> None:
+    """Accumulate into ``buf`` (one row of a LayerState window) the statistics ``cast`` would
+    have on ``x``, measured on about ``sample`` elements: evenly strided rows (a row cast is exact
+    on them), scaled by the whole tensor's amax for a tensor cast. No host sync."""
+    x2 = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.detach().reshape(1, 1)
+    if x2.numel() == 0:
+        return
+    stride = max(1, x2.numel() // sample // max(x2.shape[1], 1))
+    rows = x2[::stride]
+    if cast.granularity == "tensor":
+        amax = torch.max(torch.abs(x2))
+        fmax = torch.finfo(cast.dtype).max
+        q = (rows.to(torch.float32) * _scale(amax, cast.dtype, pow2)).clamp_(min=-fmax, max=fmax).to(cast.dtype)
+    else:
+        q, _, _ = cast_to_fp8(rows, cast, -1, pow2)
+        amax = torch.max(torch.abs(x2)) if stride > 1 else torch.max(torch.abs(rows))
+    new = cast_stats(rows, q, amax, buf[-1])
+    buf.copy_(torch.cat([torch.maximum(buf[:-1], new), new[:1]]))

@@ -470,6 +470,11 @@ def test_one_capability_reading_for_the_estimate_the_note_and_the_caption(demo_r
                    if f["name"] == "throughput")
     assert "This CPU has native float16/bfloat16 matmul units" in caption
     assert "faster where the device has native" not in caption
+    unknown = {"cpu_lowp": {d: {"native": None, "slowdown": 9.0, "spread": 0.9} for d in ("float16", "bfloat16")}}
+    write_report(DemoResult(demo_result.settings, "cpu", unknown, demo_result.runs), tmp_path)
+    caption = next(f["caption"] for f in json.loads((tmp_path / "results.json").read_text())["figures"]
+                   if f["name"] == "throughput")
+    assert "Whether this CPU has native float16/bfloat16 matmul units is unknown" in caption
 
 
 def _panel(**ratios: list[float]) -> dict:

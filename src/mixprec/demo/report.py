@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.demo import fp8_figure
-from mixprec.demo.environment import MAX_SPREAD, capability, native_lowp
+from mixprec.demo.environment import MAX_SPREAD, native_lowp
 from mixprec.demo.results import DemoResult, ModeResult, checks, format_fp8, rank, smooth, summarize
 from mixprec.demo.speed import KINDS, kind_name, speed_sentence
 from mixprec.demo.verdict import verdict
@@ -65,7 +65,9 @@ def _speed_caption(result: DemoResult) -> str:
         return _sentence(note)
     if "cpu_lowp" not in result.environment:
         return "Speed on a GPU depends on its tensor cores: compare with benchmarks/gpu.py."
-    here = f"This CPU has {capability(result.environment)} matmul units (CPU flags)"
+    native = [dtype for dtype, v in native_lowp(result.environment).items() if v]
+    here = (f"This CPU has native {'/'.join(native)} matmul units (CPU flags)" if native else
+            "Whether this CPU has native float16/bfloat16 matmul units is unknown (no CPU flags, a noisy timing)")
     if result.speed.get("sizes"):
         return f"{here}; whether they pay depends on the model's size: the speed panel (speed.png) times it."
     return f"{here}; whether they pay depends on the model's size (the speed panel was not run)."

@@ -188,15 +188,21 @@ def test_mxfp8_audit_option():
     assert report.policy.fp8_rule.recipe_name == "mxfp8"
 
 
-def test_mxfp8_compile_fullgraph_bitwise_eager():
-    w = nn.Parameter(torch.randn(64, 64))
-    x = torch.randn(32, 64)
-    f = lambda t: fp8.linear(t, w, None, MX, backend="emulate")  # noqa: E731
-    eager = _run(f, x, torch.ones(32, 64), [w])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
+def test_block_recipes_compile_fullgraph_bitwise_eager(recipe, backend):
+    r, st = fp8.as_recipe(recipe), fp8.LayerState()
+    w = nn.Parameter(torch.randn(128, 128))
+    x, g = torch.randn(128, 128), torch.randn(128, 128)
+    f = lambda t: fp8.linear(t, w, None, r, state=st, backend="emulate")  # noqa: E731
+    eager = _run(f, x, g, [w]), st.stats.clone()
     w.grad = None
-    compiled = _run(torch.compile(f, fullgraph=True, backend="aot_eager"), x, torch.ones(32, 64), [w])
-    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
-    assert torch.equal(eager[2][0], compiled[2][0])
+    st.reset()
+    compiled = _run(torch.compile(f, fullgraph=True, backend=backend), x, g, [w]), st.stats.clone()
+    (y0, gx0, (gw0,)), s0 = eager
+    (y1, gx1, (gw1,)), s1 = compiled
+    for a, e in ((y1, y0), (gx1, gx0), (gw1, gw0), (s1, s0)):
+        assert torch.equal(a, e)
 
 
 @pytest.mark.slow

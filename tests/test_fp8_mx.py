@@ -233,3 +233,18 @@ def test_block_recipes_fp16_compute_in_fp32(recipe):
     assert half[0].dtype == torch.float16 and half[2][0].dtype == torch.float16
     for a, e in ((half[0], full[0]), (half[1], full[1]), (half[2][0], full[2][0])):
         assert torch.equal(a, e.half())
+
+
+def test_mxfp8_conv1d_bitwise_torchao_on_the_equivalent_linear():
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+    dtype = torch.bfloat16
+    ref = _torchao(64, 96, dtype)
+    conv = pytorch_utils.Conv1D(96, 64).to(dtype)  # weight [in, out]
+    conv.weight.data.copy_(ref.weight.detach().t())
+    conv.bias.data.copy_(ref.bias.detach())
+    layer = fp8.Float8Conv1D.from_conv1d(conv, "mxfp8")
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    g = torch.randn(2, 32, 96, generator=torch.Generator().manual_seed(2)).to(dtype)
+    y0, gx0, (gw0,) = _run(ref, x, g, [ref.weight])
+    y1, gx1, (gw1,) = _run(layer, x, g, [layer.weight])
+    assert torch.equal(y1, y0) and torch.equal(gx1, gx0) and torch.equal(gw1, gw0.t())

@@ -327,6 +327,21 @@ def test_an_overflow_below_the_top_backs_off_its_cut_point_not_the_loss_scale():
     assert after["3"] == before["3"] / 2
     assert all(after[k] == before[k] for k in after if k != "3")
     assert scaler.state_dict()["layerwise"]["margin"][3] == 1
+    history = scaler.layer_scale_history()
+    assert len(history) == 6 and history[-1] == after and history[-2] == before
+
+
+def test_a_deep_copy_of_the_watched_model_is_not_scaled():
+    """copy.deepcopy copies the forward hooks; on the copy they must do nothing."""
+    model = chain()
+    scaler = mixprec.GradScaler("cpu", per_layer=True).watch(model)
+    _train_and_check(model, 32, scaler, steps=6, warmup=6, lr=0.0)
+    assert max(scaler.layer_scales().values()) > 1
+    x, t = _data(32)
+    twin, fresh = copy.deepcopy(model), chain()
+    for m in (twin, fresh):
+        _loss(m, x, t, fp16=False).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(twin.parameters(), fresh.parameters()))
 
 
 def test_state_dict_resumes_the_same_trajectory_and_torch_checkpoints_load():

@@ -609,6 +609,11 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("layer_scales() needs GradScaler(..., per_layer=True).watch(model).")
         return self._layerwise.scales()
 
+    def layer_scale_history(self) -> list[dict[str, float]]:
+        """:meth:`layer_scales` after each of the last 16 :meth:`update` calls, oldest first (kept
+        on the device; one host sync to read). ``[]`` without ``per_layer=True``."""
+        return [] if self._layerwise is None else self._layerwise.history()
+
     @property
     def last_overflow_cuts(self) -> tuple[str, ...]:
         """With ``per_layer=True``: the cut points whose regions overflowed first in the last

@@ -38,6 +38,7 @@ from __future__ import annotations
 import difflib
 import math
 import weakref
+from collections import deque
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -53,6 +54,8 @@ __all__ = ["Layerwise", "choose_cut_points", "regions", "pow2"]
 HEADROOM = 1
 #: Binades a region whose gradients were all zero moves up per clean step.
 ZERO_JUMP = 4
+#: Updates whose factors :meth:`Layerwise.history` keeps (device tensors, read only when asked).
+HISTORY_LEN = 16
 #: Bound on the total exponent of a region, so that ``loss scale * 2**T`` stays in float32.
 TOTAL_BOUND = 100
 #: Default bounds of each cut point's factor: float16's smallest normal and largest power of two
@@ -156,12 +159,12 @@ def _node_name(fn: Any) -> str:
 
 
 def regions(
-    roots: Iterable[Any], edges: dict[tuple[int, int], int], cut_names: Sequence[str]
+    roots: Iterable[Any], edges: dict[tuple[int, int], tuple[int, Any]], cut_names: Sequence[str]
 ) -> tuple[dict[int, frozenset[int]], dict[int, frozenset[int]]]:
     """Walks the autograd graph down from ``roots`` (``grad_fn`` nodes).
 
     ``edges`` maps ``(id(grad_fn), output_nr)`` of each cut point's output tensor to the cut
-    point's index. Returns ``(params, parents)``: for each reached parameter (by ``id``), the set
+    point's index and that ``grad_fn`` (held, and compared, so that a reused id cannot match). Returns ``(params, parents)``: for each reached parameter (by ``id``), the set
     of cut points its gradient crosses; for each crossed cut point, the set crossed above it.
 
     Raises:
@@ -196,7 +199,8 @@ def regions(
             if child is None:
                 continue
             below = above
-            cut = edges.get((id(child), nr))
+            entry = edges.get((id(child), nr))
+            cut = entry[0] if entry is not None and entry[1] is child else None
             if cut is not None:
                 if cut in above:
                     raise ValueError(
@@ -250,14 +254,14 @@ class Layerwise:
         self.names: list[str] = []
         self._model: weakref.ref[nn.Module] | None = None
         self._handles: list[Any] = []
-        self._edges: dict[tuple[int, int], int] = {}
-        self._edge_refs: list[Any] = []
+        self._edges: dict[tuple[int, int], tuple[int, Any]] = {}
         self._calibrated = False
         self._param_region: dict[int, int] = {}
         self._parents: list[int] = []
         self._device_state: dict[str, torch.Tensor] | None = None
         self._pending: dict[str, Any] | None = None  # a loaded state waiting for the cut points
         self._master_maps: dict[int, tuple[int, dict[int, int]]] = {}
+        self.recent: deque[torch.Tensor] = deque(maxlen=HISTORY_LEN)  # exponents after each update
 
     # -- watch --------------------------------------------------------------------------------
 
@@ -299,8 +303,7 @@ class Layerwise:
             if tensor.grad_fn is None:
                 return
             if not me._calibrated:
-                me._edges[(id(tensor.grad_fn), tensor.output_nr)] = cut
-                me._edge_refs.append(tensor.grad_fn)
+                me._edges[(id(tensor.grad_fn), tensor.output_nr)] = (cut, tensor.grad_fn)
             tensor.register_hook(me._grad_hook(cut))
 
         return hook
@@ -387,9 +390,11 @@ class Layerwise:
         if model is None:
             return
         roots = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
-        if not roots or not self._edges:
+        edges = self._edges
+        self._edges = {}  # what the forwards since the last scale() recorded
+        if not roots or not edges:
             return
-        params, parents = regions(roots, self._edges, self.names)
+        params, parents = regions(roots, edges, self.names)
         region_of_set: dict[frozenset[int], int] = {frozenset(): 0}
         for k, above in parents.items():
             region_of_set[above | {k}] = k + 1
@@ -410,8 +415,6 @@ class Layerwise:
             owner = [k for cut, k in owners if name.startswith(cut + ".")]
             self._param_region[id(param)] = owner[-1] + 1 if owner else 0
         self._calibrated = True
-        self._edges = {}
-        self._edge_refs = []
         self._refresh_totals(state)
 
     # -- unscale --------------------------------------------------------------------------------
@@ -529,6 +532,7 @@ class Layerwise:
         state["factor"].copy_(pow2(state["exponent"]))
         state["totals"] = (self._membership @ state["exponent"].float()).to(torch.int32)
         state["stats"].fill_(-1.0)
+        self.recent.append(state["exponent"])
         return absorbed
 
     def _propagate(self, measured: torch.Tensor, positive: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -565,6 +569,14 @@ class Layerwise:
         """``{parameter region's cut point: total scale}`` of each cut point's region."""
         totals = self._membership.cpu() @ torch.tensor(self._host_values()["exponent"], dtype=torch.float32)
         return {name: scale * 2.0 ** int(t) for name, t in zip(self.names, totals[1:].tolist())}
+
+    def history(self) -> list[dict[str, float]]:
+        """``{cut point: s_k}`` after each of the last :data:`HISTORY_LEN` updates, oldest first
+        (one host sync)."""
+        if not self.recent:
+            return []
+        rows = torch.stack(list(self.recent)).tolist()
+        return [{name: 2.0**e for name, e in zip(self.names, row)} for row in rows]
 
     def last_overflow(self) -> tuple[str, ...]:
         """Cut points whose region overflowed first on the last update (one host sync)."""
@@ -609,8 +621,8 @@ class Layerwise:
         state = {k: v for k, v in self.__dict__.items()}
         state.update(
             _pending=self._host_values() if self.names else None,
-            _model=None, _handles=[], _edges={}, _edge_refs=[], _calibrated=False, _param_region={},
-            _device_state=None, _master_maps={},
+            _model=None, _handles=[], _edges={}, _calibrated=False, _param_region={},
+            _device_state=None, _master_maps={}, recent=deque(maxlen=HISTORY_LEN),
             requested=self.requested if self.requested is not None else (list(self.names) or None),
         )
         state.pop("_membership", None)

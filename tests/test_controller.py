@@ -22,7 +22,7 @@ from mixprec import Controller, Policy
 
 from _distributed import gloo_group, spawn
 
-STEPS, DRIFT_END, SEED = 380, 200, 4
+STEPS, DRIFT_END, SEED = 380, 200, 7
 
 
 def _drift_data(steps: int = STEPS, drift: bool = True, start: int = 0, end: int = DRIFT_END,

@@ -123,7 +123,7 @@ class Controller:
     consecutive windows whose shadow forecast stays below ``demote_underflow`` (and
     ``demote_range * 65504``, no nonfinite), at least ``min_dwell`` steps after its last switch,
     and while it made fewer than ``max_switches`` switches in the last ``budget_steps`` steps.
-    Promotions are never refused.
+    Promotions are never refused. ``max_nonfinite=None`` leaves inf/NaN to a loss scaler.
 
     The ladder starts at the policy's recipe (which must be on it): fp8 rungs ``tensorwise``,
     ``rowwise``, ``rowwise_with_gw_hp``, then ``compute`` (the region's dtype) and ``fp32``
@@ -140,7 +140,7 @@ class Controller:
     """
 
     max_underflow: float = 0.05
-    max_nonfinite: float = 0.0
+    max_nonfinite: float | None = 0.0
     max_range: float = 0.25
     demote_underflow: float = 0.01
     demote_range: float = 0.03125
@@ -165,8 +165,11 @@ class Controller:
     def __post_init__(self) -> None:
         for name in ("max_underflow", "max_nonfinite", "max_range", "demote_underflow", "demote_range"):
             value = getattr(self, name)
+            if value is None and name == "max_nonfinite":
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"Controller.{name} must be a number >= 0, got {value!r}")
+                raise ValueError(f"Controller.{name} must be a number >= 0"
+                                 f"{' or None' if name == 'max_nonfinite' else ''}, got {value!r}")
         for name in ("every", "horizon", "demote_windows", "max_switches", "budget_steps", "sample"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -402,7 +405,7 @@ class Controller:
 
         # promote: the worst trouble first
         compute, top = ladder.index("compute"), len(ladder) - 1
-        if on_fp8:
+        if on_fp8 and self.max_nonfinite is not None:
             for op, stats in zip(OPERANDS, own):
                 if stats[_NONFINITE] > self.max_nonfinite:
                     return decision(op, "promote", compute, "nonfinite", stats[_NONFINITE], self.max_nonfinite, ">")
@@ -425,7 +428,8 @@ class Controller:
         if ladder[rec.rung - 1] in _FP8_RUNGS:
             for op, stats in zip(OPERANDS, shadow):
                 forecast = stats[_UNDERFLOW] * rec.trends[op].growth(ahead)
-                if stats[_NONFINITE] > self.max_nonfinite or not forecast <= self.demote_underflow:
+                nonfinite = self.max_nonfinite is not None and stats[_NONFINITE] > self.max_nonfinite
+                if nonfinite or not forecast <= self.demote_underflow:
                     safe = False
                 elif forecast / self.demote_underflow > worst[2] / worst[3]:
                     worst = (op, "underflow_forecast", forecast, self.demote_underflow)

@@ -93,6 +93,7 @@ class _Layer:
         self.clean = 0  # consecutive windows in which the rung below was safe
         self.switches: list[int] = []  # steps of its switches
         self.hooks: list[Any] = []
+        self.autocast: tuple[bool, str] | None = None  # saved by the fp32 rung's pre-hook
 
     def windows(self) -> torch.Tensor:
         return torch.cat([self.state.stats.flatten(), self.shadow[:, :-1].flatten(), self.range])
@@ -319,7 +320,7 @@ class Controller:
         ladder, sample = self.ladder, self.sample
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            saved = rec.__dict__.pop("autocast", None)
+            saved, rec.autocast = rec.autocast, None
             if saved is not None:
                 torch.set_autocast_enabled(saved[1], saved[0])
             if not args or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):

@@ -273,7 +273,7 @@ def test_fp8_view_rowwise_uses_row_scales_rounded_down_to_a_power_of_two() -> No
         model(x)
     assert rc.results()[""]["activation"].fp8_scaled is None
     with pytest.raises(ValueError, match="unknown fp8 recipe"):
-        collect_ranges(model, fp8_recipe="blockwise")
+        collect_ranges(model, fp8_recipe="nvfp4")
 
 
 class Outlier(nn.Module):

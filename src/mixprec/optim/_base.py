@@ -11,25 +11,54 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from mixprec._unscale import inverse_scale
 from mixprec.scaling.protocol import lent_scale
-from mixprec.optim._functional import COMPENSATIONS, compute_dtype
+from mixprec.optim._functional import COMPENSATIONS, NARROW, compute_dtype
 from mixprec.optim._fused import any_candidate, native_ops
 from mixprec.optim.exact import check_exact_dtype, exact_write_
 from mixprec.optim.kahan import kahan_write_
+from mixprec.optim.quant8 import Quantized8
 
-__all__ = ["CompensatedOptimizer"]
+__all__ = ["CompensatedOptimizer", "resolve_compensation"]
 
 
 _FLOAT8 = tuple(getattr(torch, n) for n in dir(torch) if n.startswith("float8_"))
 #: ``state_dtype`` asking for block-wise quantized 8-bit moments (AdamW only).
 STATE_8BIT = "8bit"
+#: The ``compensation`` values a user may pass: the rules, plus ``"auto"`` (the default) and
+#: ``"none"`` (the same as ``None``: round to nearest).
+CHOICES = ("auto", "none", *COMPENSATIONS)
+#: State keys of the compensation buffers, by rule.
+_BUFFERS = {"kahan_comp": "kahan", "low_bits": "exact"}
+
+
+def resolve_compensation(compensation: Any, params: Iterable[Tensor]) -> Optional[str]:
+    """The rule a param group's low-precision parameters are written back with.
+
+    ``"auto"``: ``"kahan"`` if the group has a float16 parameter (``"exact"`` does not apply to
+    float16), else ``"exact"`` if it has a bfloat16 one (float32 updates at +2 bytes per
+    parameter), else ``None`` (float32/float64 parameters are never compensated). ``"none"``:
+    ``None``. Any other value is returned as is (see :func:`_check_options`).
+
+    Example:
+        >>> resolve_compensation("auto", [torch.zeros(2, dtype=torch.bfloat16)])
+        'exact'
+    """
+    if compensation == "none":
+        return None
+    if compensation != "auto":
+        return compensation
+    dtypes = {p.dtype for p in params}
+    if torch.float16 in dtypes:
+        return "kahan"
+    return "exact" if torch.bfloat16 in dtypes else None
 
 
 def _check_options(compensation: Any, state_dtype: Any, squared_state: bool) -> None:
     """Validate ``compensation`` and ``state_dtype``. ``squared_state``: the optimizer keeps a
     moment of squared gradients (AdamW), which float16 and float8 flush to zero."""
-    if compensation not in COMPENSATIONS:
+    if not isinstance(compensation, (str, type(None))) or compensation not in CHOICES:
         raise ValueError(
-            f"compensation must be None, 'kahan', 'exact' or 'stochastic', got {compensation!r}"
+            "compensation must be 'auto' (the default), None or 'none' (round to nearest), 'kahan', "
+            f"'exact' or 'stochastic', got {compensation!r}"
         )
     if squared_state and state_dtype == STATE_8BIT:
         return
@@ -50,12 +79,12 @@ def _check_options(compensation: Any, state_dtype: Any, squared_state: bool) -> 
         )
 
 
-def _check_params(params: list[Tensor], compensation: Any) -> None:
+def _check_params(params: list[Tensor]) -> None:
     for p in params:
+        if not isinstance(p, Tensor):
+            raise TypeError(f"optimizer can only optimize Tensors, got {type(p).__name__}")
         if not p.is_floating_point():
             raise ValueError(f"can only optimize floating-point tensors, got {p.dtype}")
-        if compensation == "exact":
-            check_exact_dtype(p.dtype)
 
 
 def _scalar(x: Any) -> float:
@@ -98,6 +127,8 @@ class CompensatedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     #: The state holds squared gradients (AdamW's exp_avg_sq): no float16/float8 state.
     _squared_state = False
+    #: State keys whose 8-bit codes use the signed map (AdamW's exp_avg).
+    _signed_state: frozenset[str] = frozenset()
 
     def __init__(
         self,
@@ -106,29 +137,54 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         *,
         generator: Optional[torch.Generator] = None,
     ) -> None:
-        _check_options(defaults["compensation"], defaults["state_dtype"], self._squared_state)
-        if defaults["fused"] and defaults["foreach"]:
-            raise ValueError("`fused` and `foreach` cannot be `True` together.")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator)}")
         self.generator = generator
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        compensation = param_group.get("compensation", self.defaults["compensation"])
-        state_dtype = param_group.get("state_dtype", self.defaults["state_dtype"])
-        _check_options(compensation, state_dtype, self._squared_state)
+    @staticmethod
+    def _check_hyperparameters(group: dict[str, Any]) -> None:
+        """Raise ``ValueError`` on an invalid hyper-parameter of ``group`` (subclasses)."""
+
+    def _validated_group(self, param_group: dict[str, Any]) -> dict[str, Any]:
+        """``param_group`` completed with the defaults, checked, and with its ``compensation``
+        resolved (:func:`resolve_compensation`): what the constructor, ``add_param_group`` and
+        ``load_state_dict`` all keep. Raises ``ValueError``/``TypeError`` on an invalid option,
+        hyper-parameter or parameter."""
         params = param_group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
-        _check_params(params, compensation)
-        super().add_param_group({**param_group, "params": params})
-        if self.generator is None and params and _rounds_stochastically(compensation, state_dtype):
-            self.generator = _own_generator(params[0].device)
-        fused = param_group.get("fused", self.defaults.get("fused"))
-        foreach = param_group.get("foreach", self.defaults.get("foreach"))
-        kernel = fused or (fused is None and foreach is None)  # see AdamW's fused=
-        if kernel and any_candidate(params):
+        group = {**self.defaults, **param_group, "params": params}
+        _check_options(group["compensation"], group["state_dtype"], self._squared_state)
+        if group["fused"] and group["foreach"]:
+            raise ValueError("`fused` and `foreach` cannot be `True` together.")
+        self._check_hyperparameters(group)
+        _check_params(params)
+        group["compensation"] = resolve_compensation(group["compensation"], params)
+        if group["compensation"] == "exact":
+            for p in params:
+                check_exact_dtype(p.dtype)
+        return group
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        group = self._validated_group(param_group)
+        super().add_param_group(group)
+        self._ensure_generator()
+        kernel = group["fused"] or (group["fused"] is None and group["foreach"] is None)  # see AdamW's fused=
+        if kernel and any_candidate(group["params"]):
             native_ops()  # decide on the C++ kernel now, not inside a step torch.compile traces
+
+    def _ensure_generator(self, state: Optional[Tensor] = None) -> None:
+        """Give the optimizer a generator if a group draws random numbers and it has none: on
+        that group's device, set to ``state`` (a saved ``generator_state``) or else seeded from
+        the global RNG. A given ``state`` is loaded into an existing generator."""
+        if self.generator is None:
+            drawing = [g["params"][0].device for g in self.param_groups
+                       if g["params"] and _rounds_stochastically(g["compensation"], g["state_dtype"])]
+            if not drawing:
+                return
+            self.generator = _own_generator(drawing[0]) if state is None else torch.Generator(drawing[0])
+        if state is not None:
+            self.generator.set_state(state.cpu())
 
     # -- helpers for subclasses -------------------------------------------------------------
     def _begin_step(self, closure: Optional[Callable[[], Any]]) -> tuple[Any, bool, Optional[Tensor]]:
@@ -183,41 +239,127 @@ class CompensatedOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """``torch.optim.Optimizer.state_dict()`` (Kahan buffers included in ``"state"``), plus
-        ``"generator_state"`` when the optimizer has a ``generator``, so that stochastic rounding
-        resumes bitwise. ``torch.optim`` optimizers load it (they ignore the extra key)."""
+        """``torch.optim.Optimizer.state_dict()`` with mixprec's state as it is stored (Kahan
+        buffers, int16 low bits, 8-bit codes and their ``*_absmax``), plus ``"generator_state"``
+        when the optimizer has a ``generator``, so that stochastic rounding resumes bitwise.
+
+        Only this class loads it faithfully. ``torch.optim`` optimizers load it correctly when
+        the moments are floating-point (``state_dtype`` ``None`` or a float dtype); they would
+        read 8-bit codes as numbers (0-255): give them :meth:`torch_state_dict` instead."""
         state = super().state_dict()
         if self.generator is not None:
             state["generator_state"] = self.generator.get_state()
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``state_dict()`` of this class or of the matching ``torch.optim`` optimizer.
+    def torch_state_dict(self) -> dict[str, Any]:
+        """The state in ``torch.optim``'s format, for ``torch.optim.AdamW``/``SGD``.
 
-        Unlike ``torch.optim.Optimizer.load_state_dict``, state tensors keep the dtype they were
-        saved in (torch would cast float32 moments, 8-bit codes and int16 low bits to a bfloat16
-        parameter's dtype). Param
-        groups saved without ``compensation``/``state_dtype`` (a torch checkpoint) get this
-        optimizer's defaults. A saved ``"generator_state"`` is restored into this optimizer's
-        ``generator``, if it has one.
+        The moments are float32 (8-bit ones dequantized), the param groups lose
+        ``compensation``/``state_dtype``, and what torch has no use for is left out (Kahan
+        buffers, low bits, ``*_absmax``, ``generator_state``): the torch optimizer resumes with
+        the same moments. Loading it back into this class quantizes them again where a group's
+        ``state_dtype`` says so (lossy for 8-bit state, like any requantization).
+
+        Example:
+            >>> opt = mixprec.optim.AdamW(model.parameters(), state_dtype="8bit")
+            >>> torch.optim.AdamW(model.parameters()).load_state_dict(opt.torch_state_dict())
+        """
+        state = super().state_dict()
+        for group in state["param_groups"]:
+            for key in ("compensation", "state_dtype"):
+                group.pop(key, None)
+        params = [p for g in self.param_groups for p in g["params"]]  # torch's indices
+        state["state"] = {index: self._torch_format(params[index], saved) for index, saved in state["state"].items()}
+        return state
+
+    def _torch_format(self, p: Tensor, saved: Mapping[str, Any]) -> dict[str, Any]:
+        """``p``'s state as ``torch.optim`` keeps it: float32 moments, no mixprec buffers."""
+        out = {}
+        for key, value in saved.items():
+            if key in _BUFFERS or key.endswith("_absmax"):
+                continue
+            if isinstance(value, Tensor) and value.dtype == torch.uint8:
+                value = Quantized8(value, saved[key + "_absmax"], key in self._signed_state, p.shape).dequantize()
+            elif key != "step" and isinstance(value, Tensor) and value.dtype in NARROW:
+                value = value.float()
+            out[key] = value
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` of this class or a ``torch.optim`` optimizer's state dict.
+
+        Each saved param group is validated exactly as the constructor validates one (its
+        options, hyper-parameters and the parameters it now holds); groups saved without
+        ``compensation``/``state_dtype`` (a torch checkpoint) get this optimizer's defaults,
+        ``compensation="auto"`` resolved for their parameters. Each parameter's saved state must
+        hold what its group's step reads (AdamW: ``step``, ``exp_avg``, ``exp_avg_sq``, and
+        ``max_exp_avg_sq`` with ``amsgrad``; SGD with momentum: ``momentum_buffer``; no buffer of
+        another compensation). Unlike ``torch.optim.Optimizer.load_state_dict``, state tensors
+        keep the dtype they were saved in (torch would cast float32 moments, 8-bit codes and
+        int16 low bits to a bfloat16 parameter's dtype), except that moments are stored as their
+        group's ``state_dtype`` says (a torch checkpoint's float moments become 8-bit, bfloat16
+        or float32 ones). A saved ``"generator_state"`` is restored into the ``generator``,
+        created if the optimizer has none (on the device of the first group that rounds
+        stochastically); a group that rounds stochastically gets a generator as in the
+        constructor.
+
+        Raises:
+            ValueError, TypeError: the state dict does not match this optimizer (group or
+                parameter count), or a group or a parameter's state is invalid; the optimizer is
+                then left unchanged.
         """
         state_dict = dict(state_dict)
         generator_state = state_dict.pop("generator_state", None)
-        super().load_state_dict(state_dict)
-        if generator_state is not None and self.generator is not None:
-            self.generator.set_state(generator_state.cpu())
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for saved_id, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(saved_id)
-            if saved is None:
-                continue
-            for key, value in saved.items():  # torch casts them all to p's dtype, codes and bits too
-                if key != "step" and isinstance(value, Tensor):
-                    self.state[p][key] = value.detach().to(device=p.device, copy=True)
-        for group in self.param_groups:
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        groups = []
+        for saved, current in zip(saved_groups, self.param_groups):
+            if len(saved["params"]) != len(current["params"]):
+                raise ValueError(
+                    "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+                )
+            group = self._validated_group({**saved, "params": current["params"]})
+            for index, p in zip(saved["params"], group["params"]):
+                self._check_saved_state(group, p, index, state_dict["state"].get(index) or {})
+            groups.append({**group, "params": saved["params"]})
+        super().load_state_dict({**state_dict, "param_groups": groups})
+        for saved, group in zip(groups, self.param_groups):
+            for index, p in zip(saved["params"], group["params"]):
+                kept = state_dict["state"].get(index) or {}
+                for key, value in kept.items():  # torch casts them all to p's dtype, codes and bits too
+                    if key != "step" and isinstance(value, Tensor):
+                        self.state[p][key] = value.detach().to(device=p.device, copy=True)
+                if kept:
+                    self._store_loaded_state(group, p)
+        self._ensure_generator(generator_state)
+
+    def _check_saved_state(self, group: dict[str, Any], p: Tensor, index: Any, saved: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` if ``saved`` (one parameter's state) lacks what ``group``'s step
+        reads or holds another compensation's buffer."""
+        for key, rule in _BUFFERS.items():
+            if key in saved and group["compensation"] != rule:
+                raise ValueError(
+                    f"the saved state of parameter {index} holds {key!r} (compensation={rule!r}) but its "
+                    f"param group says compensation={group['compensation']!r}: the checkpoint was edited "
+                    "or mixes two optimizers"
+                )
+        missing = [k for k in self._required_state(group, p) if saved and k not in saved]
+        missing += [k + "_absmax" for k, v in saved.items()
+                    if isinstance(v, Tensor) and v.dtype == torch.uint8 and k + "_absmax" not in saved]
+        if missing:
+            raise ValueError(
+                f"the saved state of parameter {index} lacks {', '.join(map(repr, missing))} (it has "
+                f"{', '.join(map(repr, saved))}): it is not the state of a {type(self).__name__} with these "
+                "options; load the state dict it was saved with, or drop the parameter's entry to start it afresh"
+            )
+
+    def _required_state(self, group: dict[str, Any], p: Tensor) -> list[str]:
+        """The state keys a parameter's step reads once it has stepped (subclasses)."""
+        return []
+
+    def _store_loaded_state(self, group: dict[str, Any], p: Tensor) -> None:
+        """Convert ``p``'s loaded state to what ``group`` stores (subclasses)."""
 
     @torch.no_grad()
     def load_fp32_weights(

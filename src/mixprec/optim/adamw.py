@@ -22,13 +22,19 @@ _MOMENTS = (("exp_avg", True), ("exp_avg_sq", False), ("max_exp_avg_sq", False))
 class AdamW(CompensatedOptimizer):
     """``torch.optim.AdamW`` that trains bfloat16/float16 parameters like float32 ones.
 
-    Same hyper-parameters, defaults and arithmetic as ``torch.optim.AdamW`` (on float32
-    parameters the two agree bitwise, and their ``state_dict()`` formats are interchangeable).
+    Same hyper-parameters, defaults and arithmetic as ``torch.optim.AdamW``: on float32
+    parameters the two agree bitwise, and with floating-point moments (``state_dtype`` not
+    ``"8bit"``) each loads the other's ``state_dict()``; with 8-bit moments give torch
+    :meth:`torch_state_dict` (float32 moments), as torch would read 8-bit codes as numbers.
     For a low-precision parameter the update is computed in float32 and written back by
     ``compensation``:
 
-    * ``None``: rounded to nearest. Updates below half a gap of the weight (``2**-9`` relative
-      for bfloat16) are lost: this is naive pure-bf16 training.
+    * ``"auto"`` (default): ``"exact"`` for bfloat16 parameters, ``"kahan"`` for a param group
+      holding a float16 one (:func:`~mixprec.optim._base.resolve_compensation`). The group
+      keeps the resolved rule (``param_groups``, ``state_dict()``).
+    * ``None`` (or ``"none"``): rounded to nearest. Updates below half a gap of the weight
+      (``2**-9`` relative for bfloat16) are lost: this is naive pure-bf16 training, which
+      stalls (README: 3.8x fp32's loss); choose it explicitly, e.g. for a baseline.
     * ``"exact"`` (bfloat16 only): the float32 value's low 16 bits are kept in an int16 buffer
       (``state["low_bits"]``, +2 bytes per parameter): parameter + low bits *is* the float32
       master, so updates are exactly float32's, as with ``mixprec.MasterWeights`` at 12
@@ -45,7 +51,8 @@ class AdamW(CompensatedOptimizer):
     Args:
         params: parameters or param groups, as for any ``torch.optim`` optimizer.
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
-        compensation: ``None``, ``"exact"``, ``"kahan"`` or ``"stochastic"`` (per group).
+        compensation: ``"auto"``, ``None``/``"none"``, ``"exact"``, ``"kahan"`` or
+            ``"stochastic"`` (per group).
         state_dtype: storage of ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq`` (per group).
             ``None`` (default): float32 for low-precision parameters (the parameter's dtype if
             wider). ``torch.bfloat16``: 2 bytes each, rounded stochastically (rounding to
@@ -68,7 +75,8 @@ class AdamW(CompensatedOptimizer):
             ``state_dict()``.
 
     Raises:
-        ValueError: an invalid hyper-parameter or option.
+        ValueError: an invalid hyper-parameter or option (in the constructor, ``add_param_group``
+            and ``load_state_dict`` alike).
 
     ``torch.compile(opt.step, fullgraph=True)`` traces every recipe but stochastic rounding (its
     generator breaks the graph; results unchanged): the C++ kernel runs in the graph as an op,
@@ -81,10 +89,13 @@ class AdamW(CompensatedOptimizer):
     Example:
         >>> import torch, mixprec
         >>> model = mixprec.to_low_precision(torch.nn.Linear(8, 8))  # bf16 weights
-        >>> opt = mixprec.optim.AdamW(model.parameters(), lr=1e-4, compensation="exact")
+        >>> opt = mixprec.optim.AdamW(model.parameters(), lr=1e-4)
+        >>> opt.param_groups[0]["compensation"]
+        'exact'
     """
 
     _squared_state = True
+    _signed_state = frozenset(key for key, signed in _MOMENTS if signed)
 
     def __init__(
         self,
@@ -98,20 +109,10 @@ class AdamW(CompensatedOptimizer):
         maximize: bool = False,
         foreach: Optional[bool] = None,
         fused: Optional[bool] = None,
-        compensation: Optional[str] = None,
+        compensation: Optional[str] = "auto",
         state_dtype: Optional[torch.dtype | str] = None,
         generator: Optional[torch.Generator] = None,
     ) -> None:
-        if not 0.0 <= _scalar(lr):
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -126,17 +127,55 @@ class AdamW(CompensatedOptimizer):
         )
         super().__init__(params, defaults, generator=generator)
 
+    @staticmethod
+    def _check_hyperparameters(group: dict[str, Any]) -> None:
+        lr, eps, betas, weight_decay = group["lr"], group["eps"], group["betas"], group["weight_decay"]
+        if not 0.0 <= _scalar(lr):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+    def _required_state(self, group: dict[str, Any], p: Tensor) -> list[str]:
+        return ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+
+    def _store_loaded_state(self, group: dict[str, Any], p: Tensor) -> None:
+        """Store each loaded moment as ``group["state_dtype"]`` says (a torch checkpoint's
+        float moments become 8-bit, bfloat16 or float32 ones; codes are kept as they are)."""
+        state = self.state[p]
+        for key, signed in _MOMENTS:
+            value = state.get(key)
+            if value is None or value.dtype in (torch.uint8, self._storage(group, p)):
+                continue
+            del state[key]
+            stored = self._moment(group, p, key, signed)  # created at zero in the group's format
+            if isinstance(stored, Quantized8):
+                stored.quantize_(value.to(torch.float32))
+            else:
+                stored.copy_(value)
+
+    @staticmethod
+    def _storage(group: dict[str, Any], p: Tensor) -> torch.dtype | str:
+        """How ``group`` stores ``p``'s moments: ``"8bit"`` or a dtype (float32 or wider by default)."""
+        if group["state_dtype"] == STATE_8BIT:
+            return STATE_8BIT if p.numel() >= MIN_NUMEL else compute_dtype(p.dtype)
+        return group["state_dtype"] or compute_dtype(p.dtype)
+
     def _moment(self, group: dict[str, Any], p: Tensor, key: str, signed: bool) -> State:
         """``state[key]`` of ``p`` (created at zero): a tensor, or a :class:`Quantized8` view of
         ``state[key]`` (codes) and ``state[key + "_absmax"]``."""
         state = self.state[p]
         if key not in state:
-            if group["state_dtype"] == STATE_8BIT and p.numel() >= MIN_NUMEL:
+            storage = self._storage(group, p)
+            if storage == STATE_8BIT:
                 state[key], state[key + "_absmax"] = new_quantized8(p, signed)
             else:
-                narrow = group["state_dtype"] not in (None, STATE_8BIT)
-                dtype = group["state_dtype"] if narrow else compute_dtype(p.dtype)
-                state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                state[key] = torch.zeros_like(p, dtype=storage, memory_format=torch.preserve_format)
         value = state[key]
         if value.dtype == torch.uint8:
             return Quantized8(value, state[key + "_absmax"], signed, p.shape)

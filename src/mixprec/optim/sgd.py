@@ -11,7 +11,7 @@ from torch import Tensor
 from mixprec.optim._base import CompensatedOptimizer, _scalar
 from mixprec.optim._foreach import sgd_foreach
 from mixprec.optim._fused import sgd_native
-from mixprec.optim._functional import NARROW, sgd
+from mixprec.optim._functional import NARROW, compute_dtype, sgd
 
 __all__ = ["SGD"]
 
@@ -20,15 +20,17 @@ class SGD(CompensatedOptimizer):
     """``torch.optim.SGD`` that trains bfloat16/float16 parameters like float32 ones.
 
     Same hyper-parameters, defaults and arithmetic as ``torch.optim.SGD`` (on float32 parameters
-    the two agree bitwise, and their ``state_dict()`` formats are interchangeable).
-    ``compensation``, ``foreach``, ``fused`` (torch's fused SGD arithmetic; mixprec's C++ kernel
+    the two agree bitwise, and each loads the other's ``state_dict()``; :meth:`torch_state_dict`
+    drops mixprec's buffers). ``compensation`` (default ``"auto"``: exact for bfloat16, Kahan
+    for float16 parameters; ``None`` rounds to nearest), ``foreach``, ``fused`` (torch's fused SGD arithmetic; mixprec's C++ kernel
     for low-precision CPU parameters, by default too), ``generator``, loss scalers and
     ``torch.compile`` work as in :class:`mixprec.optim.AdamW`. ``state_dtype`` is the dtype of ``momentum_buffer``
     (float16 allowed: the momentum has the gradients' range; float8 and ``"8bit"`` are not).
 
     Raises:
         ValueError: an invalid hyper-parameter or option (as torch: Nesterov needs
-            ``momentum > 0`` and ``dampening == 0``).
+            ``momentum > 0`` and ``dampening == 0``), in the constructor, ``add_param_group``
+            and ``load_state_dict`` alike.
 
     Example:
         >>> import torch, mixprec
@@ -49,18 +51,10 @@ class SGD(CompensatedOptimizer):
         maximize: bool = False,
         foreach: Optional[bool] = None,
         fused: Optional[bool] = None,
-        compensation: Optional[str] = None,
+        compensation: Optional[str] = "auto",
         state_dtype: Optional[torch.dtype] = None,
         generator: Optional[torch.Generator] = None,
     ) -> None:
-        if not 0.0 <= _scalar(lr):
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if momentum < 0.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -74,6 +68,28 @@ class SGD(CompensatedOptimizer):
             state_dtype=state_dtype,
         )
         super().__init__(params, defaults, generator=generator)
+
+    @staticmethod
+    def _check_hyperparameters(group: dict[str, Any]) -> None:
+        lr, momentum, dampening = group["lr"], group["momentum"], group["dampening"]
+        if not 0.0 <= _scalar(lr):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if group["weight_decay"] < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
+        if group["nesterov"] and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+    def _required_state(self, group: dict[str, Any], p: Tensor) -> list[str]:
+        return ["momentum_buffer"] if group["momentum"] != 0 else []
+
+    def _store_loaded_state(self, group: dict[str, Any], p: Tensor) -> None:
+        """Store a loaded momentum as ``group["state_dtype"]`` says (float32 by default)."""
+        buf = self.state[p].get("momentum_buffer")
+        if buf is not None:
+            dtype = group["state_dtype"] or compute_dtype(p.dtype)
+            self.state[p]["momentum_buffer"] = buf.to(dtype)
 
     @staticmethod
     def _native_first(group: dict[str, Any], params: list[Tensor], grads: list[Tensor],

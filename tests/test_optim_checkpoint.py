@@ -1,0 +1,225 @@
+"""mixprec.optim checkpoints: load_state_dict validates as the constructor does, restores the
+generator, refuses incomplete state; 8-bit state to and from torch.optim.AdamW."""
+
+import copy
+
+import pytest
+import torch
+
+from mixprec.optim import SGD, AdamW
+from mixprec.optim.quant8 import Quantized8
+
+
+def _params(dtype=torch.bfloat16, big=False):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (5,)] + ([(64, 70)] if big else [])  # 4480 elements: enough for 8-bit state
+    return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in shapes]
+
+
+def _steps(opt, params, first, last):
+    for step in range(first, last):
+        g = torch.Generator().manual_seed(100 + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        opt.step()
+
+
+def _trained(cls=AdamW, dtype=torch.bfloat16, big=False, steps=2, **kwargs):
+    params = _params(dtype, big)
+    opt = cls(params, lr=1e-2, generator=torch.Generator().manual_seed(0), **kwargs)
+    _steps(opt, params, 0, steps)
+    return params, opt
+
+
+def _snapshot(opt):
+    return copy.deepcopy(opt.param_groups), {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+
+
+def _assert_unchanged(opt, before):
+    groups, state = before
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == [
+        {k: v for k, v in g.items() if k != "params"} for g in groups
+    ]
+    assert {id(p): s.keys() for p, s in opt.state.items()} == {k: s.keys() for k, s in state.items()}
+    for p, s in opt.state.items():
+        for key, value in s.items():
+            assert torch.equal(value, state[id(p)][key]), key
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (dict(compensation="kahn"), "compensation"),
+        (dict(compensation=3), "compensation"),
+        (dict(state_dtype="9bit"), "state_dtype"),
+        (dict(state_dtype=torch.float16), "exp_avg_sq"),
+        (dict(betas=(1.0, 0.999)), "beta"),
+        (dict(lr=-1.0), "learning rate"),
+        (dict(fused=True, foreach=True), "fused"),
+    ],
+)
+def test_load_refuses_what_the_constructor_refuses(edit, match):
+    with pytest.raises(ValueError, match=match):  # the constructor's own refusal
+        AdamW(_params(), **edit)
+    _, saved = _trained()
+    state = saved.state_dict()
+    state["param_groups"][0].update(edit)
+    params, opt = _trained(steps=1)
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(state)
+    _assert_unchanged(opt, before)
+    opt.step()  # still usable
+
+
+def test_load_refuses_exact_on_float16_and_bad_sgd_options():
+    _, saved = _trained(dtype=torch.float16, compensation="kahan")
+    state = saved.state_dict()
+    state["param_groups"][0]["compensation"] = "exact"
+    state["state"][0]["low_bits"] = state["state"][0].pop("kahan_comp")
+    _, opt = _trained(dtype=torch.float16, compensation="kahan")
+    with pytest.raises(ValueError, match="float16.*kahan"):
+        opt.load_state_dict(state)
+    _, sgd = _trained(SGD, momentum=0.9)
+    state = sgd.state_dict()
+    state["param_groups"][0].update(nesterov=True, dampening=0.5)
+    with pytest.raises(ValueError, match="Nesterov"):
+        sgd.load_state_dict(state)
+    state["param_groups"][0].update(nesterov=False, dampening=0.0, state_dtype="8bit")
+    with pytest.raises(ValueError, match="state_dtype"):
+        sgd.load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs,drop",
+    [
+        (AdamW, {}, "exp_avg_sq"),
+        (AdamW, dict(amsgrad=True), "max_exp_avg_sq"),
+        (AdamW, dict(state_dtype="8bit"), "exp_avg_absmax"),
+        (SGD, dict(momentum=0.9), "momentum_buffer"),
+    ],
+)
+def test_load_refuses_a_state_missing_what_the_step_reads(cls, kwargs, drop):
+    """A missing moment used to be re-created at zero silently (a different run)."""
+    _, saved = _trained(cls, big=True, **kwargs)
+    state = saved.state_dict()
+    del state["state"][2][drop]
+    _, opt = _trained(cls, big=True, steps=1, **kwargs)
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match=f"parameter 2 lacks '{drop}'"):
+        opt.load_state_dict(state)
+    _assert_unchanged(opt, before)
+
+
+def test_load_refuses_another_compensations_buffer():
+    _, saved = _trained(compensation="exact")
+    state = saved.state_dict()
+    state["param_groups"][0]["compensation"] = "kahan"
+    _, opt = _trained(compensation="kahan")
+    with pytest.raises(ValueError, match="'low_bits'.*compensation='kahan'"):
+        opt.load_state_dict(state)
+
+
+@pytest.mark.parametrize("cls", [AdamW, SGD])
+def test_a_stochastic_checkpoint_restores_its_generator_into_an_optimizer_built_otherwise(cls):
+    """The saved generator state used to be dropped (no generator to load it into), and the
+    steps drew from the global RNG."""
+    a, opt_a = _trained(cls, compensation="stochastic")
+    saved = copy.deepcopy(opt_a.state_dict())
+    b = [p.detach().clone().requires_grad_() for p in a]
+    opt_b = cls(b, lr=1e-2, compensation=None)
+    assert opt_b.generator is None
+    global_rng = torch.random.get_rng_state()
+    opt_b.load_state_dict(saved)
+    assert opt_b.param_groups[0]["compensation"] == "stochastic"
+    assert torch.equal(opt_b.generator.get_state(), saved["generator_state"])
+    _steps(opt_a, a, 2, 4)
+    _steps(opt_b, b, 2, 4)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+    assert torch.equal(torch.random.get_rng_state(), global_rng)
+
+
+def test_a_torch_checkpoint_into_a_stochastic_group_gets_a_seeded_generator():
+    ref = _params(torch.float32)
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2)
+    _steps(torch_opt, ref, 0, 1)
+    low = _params()
+    opt = AdamW(low, lr=1e-2)
+    opt.load_state_dict(torch_opt.state_dict())
+    assert opt.generator is None and opt.param_groups[0]["compensation"] == "exact"  # "auto", resolved
+    opt = AdamW(low, lr=1e-2, compensation="stochastic")
+    opt.generator = None
+    opt.load_state_dict(torch_opt.state_dict())
+    assert opt.generator is not None
+
+
+def test_eight_bit_state_exports_to_torch_adamw():
+    """``state_dict()`` holds uint8 codes, which torch would cast to numbers (max 255);
+    ``torch_state_dict()`` holds the float32 moments torch resumes from."""
+    ours, opt = _trained(dtype=torch.float32, big=True, state_dtype="8bit")
+    codes = opt.state[ours[2]]["exp_avg"]
+    assert codes.dtype == torch.uint8
+    exported = copy.deepcopy(opt.torch_state_dict())  # as torch.save/load: no shared tensors
+    assert "generator_state" not in exported
+    assert all("compensation" not in g and "state_dtype" not in g for g in exported["param_groups"])
+    theirs = [p.detach().clone().requires_grad_() for p in ours]
+    torch_opt = torch.optim.AdamW(theirs, lr=1e-2)
+    torch_opt.load_state_dict(exported)
+    for p, q, signed in ((ours[2], theirs[2], True),):
+        expected = Quantized8(codes, opt.state[p]["exp_avg_absmax"], signed, p.shape).dequantize()
+        assert torch.equal(torch_opt.state[q]["exp_avg"], expected)
+        assert torch_opt.state[q]["exp_avg"].abs().max() < 1.0
+        assert set(torch_opt.state[q]) == {"step", "exp_avg", "exp_avg_sq"}
+    for p, q in zip(ours[:2], theirs[:2]):  # small parameters keep float32 moments
+        assert torch.equal(torch_opt.state[q]["exp_avg"], opt.state[p]["exp_avg"])
+    _steps(torch_opt, theirs, 2, 3)
+    _steps(opt, ours, 2, 3)
+    for p, q in zip(ours, theirs):  # the same moments, up to the 8-bit requantization
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-4)
+
+
+def test_torch_adamw_state_loads_into_eight_bit_and_bf16_moments():
+    ref = _params(torch.float32, big=True)
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2)
+    _steps(torch_opt, ref, 0, 2)
+    saved = torch_opt.state_dict()
+    opt = AdamW(_params(torch.float32, big=True), lr=1e-2, state_dtype="8bit")
+    opt.load_state_dict(saved)
+    big = opt.param_groups[0]["params"][2]
+    state = opt.state[big]
+    assert state["exp_avg"].dtype == torch.uint8 and state["exp_avg_sq"].dtype == torch.uint8
+    for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+        value = Quantized8(state[key], state[key + "_absmax"], signed, big.shape).dequantize()
+        expected = torch_opt.state[ref[2]][key]
+        assert (value - expected).abs().max() < 0.01 * expected.abs().max()
+    assert opt.state[opt.param_groups[0]["params"][0]]["exp_avg"].dtype == torch.float32  # small
+    opt.step()  # runs on the quantized state
+    bf16_state = AdamW(_params(torch.float32, big=True), lr=1e-2, state_dtype=torch.bfloat16)
+    bf16_state.load_state_dict(saved)
+    assert all(s["exp_avg_sq"].dtype == torch.bfloat16 for s in bf16_state.state.values())
+    # bfloat16 parameters: torch keeps bf16 moments, ours are float32 (the default)
+    low_ref = _params()
+    low_torch = torch.optim.AdamW(low_ref, lr=1e-2)
+    _steps(low_torch, low_ref, 0, 1)
+    low = AdamW(_params(), lr=1e-2)
+    low.load_state_dict(low_torch.state_dict())
+    assert all(s["exp_avg"].dtype == torch.float32 for s in low.state.values())
+    assert low.generator is None
+
+
+def test_sgd_torch_state_dict_drops_the_buffers_and_torch_resumes_bitwise():
+    ours, opt = _trained(SGD, dtype=torch.float32, momentum=0.9, compensation="kahan")
+    exported = copy.deepcopy(opt.torch_state_dict())
+    assert all(set(s) == {"momentum_buffer"} for s in exported["state"].values())
+    theirs = [p.detach().clone().requires_grad_() for p in ours]
+    torch_opt = torch.optim.SGD(theirs, lr=1e-2, momentum=0.9)
+    torch_opt.load_state_dict(exported)
+    _steps(torch_opt, theirs, 2, 4)
+    _steps(opt, ours, 2, 4)
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)
+    _, low = _trained(SGD, momentum=0.9, compensation="kahan")  # bf16: Kahan buffers in the state
+    assert all("kahan_comp" in s for s in low.state_dict()["state"].values())
+    exported = low.torch_state_dict()["state"]
+    assert all(set(s) == {"momentum_buffer"} and s["momentum_buffer"].dtype == torch.float32 for s in exported.values())

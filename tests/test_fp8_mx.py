@@ -7,7 +7,6 @@ weight and bias; and ``torchao.prototype.mx_formats.mx_tensor.to_mx`` for the ca
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -145,7 +144,8 @@ def _model() -> nn.Module:
 
 
 def test_mxfp8_selection_leaves_non_multiples_of_32_with_a_reason():
-    with pytest.warns(UserWarning, match=r"'4': out_features=48 is not a multiple of 32 \(the 'mxfp8' recipe's block\)"):
+    why = r"'4': out_features=48 is not a multiple of 32 \(the 'mxfp8' recipe's block\)"
+    with pytest.warns(UserWarning, match=why):
         chosen = fp8.select_layers(_model(), recipe="mxfp8")
     assert chosen == ["2"]  # 0 and 8 are first and last; 4 and 6 have 48 features
     assert fp8.select_layers(_model()) == ["2", "4", "6"]  # tensorwise: multiples of 16

@@ -74,6 +74,12 @@ def quantize(x2: torch.Tensor, cast: Cast, pow2: bool
     is what a block's values are multiplied by to dequantize; ``amax`` is each block's max
     ``|x|``. ``pow2`` rounds float32 scales down to a power of 2 (E8M0 scales are powers of 2
     by construction). Precondition: ``cast.block`` is set.
+
+    Example:
+        >>> x = torch.ones(2, 64); x[0, 0] = 1e6
+        >>> q, deq, amax = quantize(x, Cast("e4m3fn", "1x32"), True)
+        >>> deq.shape, float(q[0, 1].float() * deq[0, 0]), float(q[1, 0].float() * deq[1, 0])
+        (torch.Size([2, 2]), 0.0, 1.0)
     """
     from mixprec.fp8._quant import _scale
 
@@ -111,6 +117,13 @@ def block_gemm(a: tuple[torch.Tensor, torch.Tensor], ca: Cast, b: tuple[torch.Te
                cb: Cast, out_dtype: torch.dtype) -> torch.Tensor:
     """``a @ b.t()`` for two block casts ``(q, deq)`` whose contracted dimension is the last one,
     emulated: both dequantized in :func:`gemm_dtype`, multiplied there, cast to ``out_dtype``.
-    (``b`` transposed as a view, as torchao's emulated MX ``mm`` reads its right operand.)"""
+    (``b`` transposed as a view, as torchao's emulated MX ``mm`` reads its right operand.)
+
+    Example:
+        >>> c = Cast("e4m3fn", "1x128")
+        >>> a, b = torch.randn(4, 128), torch.randn(8, 128)
+        >>> block_gemm(quantize(a, c, False)[:2], c, quantize(b, c, False)[:2], c, torch.bfloat16).shape
+        torch.Size([4, 8])
+    """
     dtype = gemm_dtype(ca, out_dtype)
     return torch.mm(dequantize(a[0], a[1], ca, dtype), dequantize(b[0], b[1], cb, dtype).t()).to(out_dtype)

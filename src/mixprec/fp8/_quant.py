@@ -37,9 +37,9 @@ def cast_to_fp8(x: torch.Tensor, cast: Cast, row_dim: int, pow2: bool
 
     ``row_dim`` is the dimension reduced for a row scale (the GEMM's contracted one); the scale
     keeps it as size 1 so that ``q.float() / scale`` dequantizes by broadcasting. A block cast
-    (``cast.block``) takes ``row_dim`` as its contracted dimension (the last, or 0 of a 2-D
-    tensor) and returns the per-block dequantization factors and amaxes of
-    :func:`mixprec.fp8._blocks.quantize` instead (``q`` keeps ``x``'s shape).
+    (``cast.block``) contracts the last dimension (``row_dim`` must be -1) and returns the
+    per-block dequantization factors and amaxes of :func:`mixprec.fp8._blocks.quantize` instead
+    (``q`` keeps ``x``'s shape).
     """
     if cast.block is not None:
         return _cast_blocks(x, cast, row_dim, pow2)
@@ -59,12 +59,9 @@ def _cast_blocks(x: torch.Tensor, cast: Cast, row_dim: int, pow2: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from mixprec.fp8._blocks import quantize
 
-    if x.dim() == 2 and row_dim in (0, -2):
-        q, deq, amax = quantize(x.t(), cast, pow2)
-        return q.t(), deq, amax
     if row_dim not in (-1, x.dim() - 1):
-        raise ValueError(f"a {cast.granularity!r} block cast contracts the last dimension (or the first of a "
-                         f"2-D tensor), got row_dim={row_dim} for shape {tuple(x.shape)}")
+        raise ValueError(f"a {cast.granularity!r} block cast contracts the last dimension, got row_dim={row_dim} "
+                         f"for shape {tuple(x.shape)}")
     q, deq, amax = quantize(x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1), cast, pow2)
     return q.reshape(x.shape), deq, amax
 

@@ -87,13 +87,16 @@ class Float8Recipe:
     The GEMMs of ``y = x W^T``: ``output = x @ W^T``, ``grad_input = grad_output @ W`` and
     ``grad_weight = grad_output^T @ x``. Each field names an operand in one GEMM. Scales are
     current (dynamic): ``finfo(fp8).max / max(amax, 1e-12)`` from the tensor being cast, rounded
-    down to a power of 2 when ``pow2_scales``. ``save_fp8``: save the fp8 input and weight (with
-    their scales) for backward instead of the high-precision tensors; allowed only where the
-    backward GEMMs use the very same casts (tensor granularity, same format), so the result is
-    bitwise the same as re-casting.
+    down to a power of 2 when ``pow2_scales``; a block granularity (``mxfp8``, ``blockwise``)
+    takes one scale per block (see :mod:`mixprec.fp8._blocks`). ``save_fp8``: save the fp8
+    input and weight (with their scales) for backward instead of the high-precision tensors;
+    allowed only where the backward GEMMs use the very same casts (tensor granularity, same
+    format), so the result is bitwise the same as re-casting.
 
-    Raises ValueError when a GEMM mixes an fp8 operand with a high-precision one, or when
-    ``save_fp8`` is asked where backward needs a different cast.
+    Raises ValueError when a GEMM mixes an fp8 operand with a high-precision one, when
+    ``save_fp8`` is asked where backward needs a different cast, or for blocks mixed with
+    tensor/row casts, unequal block lengths along a GEMM's contracted dimension, MX blocks
+    mixed with float32-scaled ones, MX blocks without ``pow2_scales``.
 
     Example:
         >>> r = Float8Recipe.from_name("rowwise")

@@ -498,7 +498,7 @@ def test_torch_compile_around_the_model():
 # ------------------------------------------------------------------ DDP, 2 gloo ranks
 
 
-def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
+def _distributed_worker(rank: int, port: int, out_dir: str, kind: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from _distributed import init_gloo
@@ -506,7 +506,17 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     init_gloo(rank, port, 2)
     try:
-        model = DDP(chain())
+        if kind == "ddp":
+            model = DDP(chain())
+        else:  # FSDP2: each block sharded, then the root
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (2,))
+            model = chain()
+            for block in list(model)[:-1]:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         scaler = mixprec.GradScaler("cpu", init_scale=2.0**12, per_layer=True, process_group="default").watch(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         x, t = _data(32, seed=10 + rank)  # each rank its own batch: different activation gradients
@@ -517,7 +527,7 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
             scaler.step(optimizer)
             scaler.update()
             trace.append((scaler.get_scale(), tuple(scaler.layer_scales().values()), bool(scaler.last_step_skipped)))
-        weights = [p.detach().clone() for p in model.parameters()]
+        weights = [(p.full_tensor() if kind == "fsdp" else p).detach().clone() for p in model.parameters()]
         torch.save({"trace": trace, "weights": weights}, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -527,16 +537,18 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_ddp_ranks_agree_on_the_factors(tmp_path):
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_ranks_agree_on_the_factors(tmp_path, kind):
+    """DDP and FSDP2 fully_shard, 2 gloo ranks, each its own batch."""
     from _distributed import free_port
 
-    context = mp.spawn(_ddp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=False)
+    context = mp.spawn(_distributed_worker, args=(free_port(), str(tmp_path), kind), nprocs=2, join=False)
     deadline = time.monotonic() + 90
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail("DDP workers did not finish in 90 s")
+            pytest.fail(f"{kind} workers did not finish in 90 s")
     r0, r1 = (torch.load(tmp_path / f"{rank}.pt") for rank in range(2))
     assert r0["trace"] == r1["trace"]
     assert max(r0["trace"][-1][1]) > 1  # the factors moved, identically on both ranks

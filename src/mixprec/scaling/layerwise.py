@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import warnings
 import weakref
 from collections import deque
 from typing import Any, Iterable, Sequence
@@ -405,6 +406,7 @@ class Layerwise:
         self._parents = resolved
         owners = [(name, k) for k, name in enumerate(self.names)]
         self._param_region = {}
+        unplaced = []
         for name, param in model.named_parameters():
             crossed = params.get(id(param))
             if crossed is not None:
@@ -414,6 +416,20 @@ class Layerwise:
             # cut point whose module owns it, else the top region.
             owner = [k for cut, k in owners if name.startswith(cut + ".")]
             self._param_region[id(param)] = owner[-1] + 1 if owner else 0
+            if not owner and param.requires_grad:
+                unplaced.append(name)
+        known = {id(p) for p in model.parameters()}
+        if unplaced and any(key not in known for key in params):
+            warnings.warn(
+                f"per_layer: {', '.join(unplaced[:5])}{' ...' if len(unplaced) > 5 else ''} of the "
+                "watched model are not in the autograd graph of the first scaled loss, which trains "
+                "other tensors (a wrapper's copies of the parameters?); they are taken to lie above "
+                "every cut point. If they lie below one, their gradients are unscaled by the wrong "
+                "factor: name cut points that own them (cut_points=[...]) or do not use per_layer "
+                "with this wrapper.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         self._calibrated = True
         self._refresh_totals(state)
 
@@ -461,6 +477,8 @@ class Layerwise:
         for region, region_grads in grouped.items():
             for grad in region_grads:
                 values = grad._values() if grad.is_sparse else grad
+                if values.numel() == 0:  # an empty local shard (FSDP2) has no amax
+                    continue
                 tensors, indices = by_kind.setdefault((values.device, values.dtype), ([], []))
                 tensors.append(values)
                 indices.append(region)

@@ -313,3 +313,29 @@ def test_rungs_run_what_they_say():
             out = model(x)
         ref = expect()
         assert out.dtype == ref.dtype and torch.equal(out, ref), ctl.precision("0")
+
+
+def test_hysteresis_dwell_and_switch_budget():
+    """An outlier of 1e6 flushes a layer's other inputs (underflow about 1): promote at the next
+    check; demote after ``demote_windows`` clean windows and ``min_dwell`` steps; once the layer
+    has used its ``max_switches``, it stays promoted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16))
+    ctl = Controller(every=1, horizon=1, demote_windows=2, min_dwell=3, max_switches=3,
+                     ladder=("tensorwise", "compute"))
+    policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
+    g = torch.Generator().manual_seed(0)
+    ran = []
+    for t in range(20):
+        x = torch.randn(8, 16, generator=g)
+        if t in (0, 4):
+            x[0, 0] = 1e6
+        with mixprec.autocast("cpu", policy=policy):
+            model(x).sum().backward()
+        ran.append(ctl.precision("0"))
+        ctl.step()
+    assert [(d.step, d.action) for d in ctl.log] == [(1, "promote"), (4, "demote"), (5, "promote")]
+    assert ctl.log[0].statistic == "underflow_forecast" and ctl.log[0].value > 0.9
+    # steps 2, 3 clean (2 windows) but the dwell since step 1 is 3 steps only at step 4
+    assert ran[:6] == ["fp8-tensorwise", "bf16", "bf16", "bf16", "fp8-tensorwise", "bf16"]
+    assert set(ran[5:]) == {"bf16"}  # 3 switches in the budget: no demotion

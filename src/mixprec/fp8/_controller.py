@@ -60,23 +60,27 @@ class Decision:
 
 @dataclass
 class _Trend:
-    """EMA of one operand's log2 amax slope (per step) and the last window's log2 amax."""
+    """One statistic's last window value (log2 of an amax, or a fraction) and the EMA of its
+    per-step slope."""
 
-    log2_amax: float | None = None
+    last: float | None = None
     slope: float = 0.0
 
-    def update(self, amax: float, steps: int, weight: float) -> None:
-        if not (amax > 0 and math.isfinite(amax)):
-            return  # no data in the window (or non-finite: judged by the nonfinite limit)
-        value = math.log2(amax)
-        if self.log2_amax is not None:
-            self.slope = weight * (value - self.log2_amax) / steps + (1 - weight) * self.slope
-        self.log2_amax = value
+    def update(self, value: float, steps: int, weight: float) -> None:
+        if not math.isfinite(value):
+            return  # no data in the window (an amax of 0), or non-finite: the nonfinite limit judges
+        if self.last is not None:
+            self.slope = weight * (value - self.last) / steps + (1 - weight) * self.slope
+        self.last = value
 
-    def growth(self, steps: int) -> float:
-        """The factor the amax is forecast to grow by over ``steps`` (>= 1: a falling trend
+    def rise(self, steps: int) -> float:
+        """How much the statistic is forecast to rise over ``steps`` (>= 0: a falling trend
         forecasts no relief)."""
-        return 2.0 ** (max(self.slope, 0.0) * steps)
+        return max(self.slope, 0.0) * steps
+
+
+def _log2(amax: float) -> float:
+    return math.log2(amax) if amax > 0 else -math.inf
 
 
 class _Layer:
@@ -89,7 +93,10 @@ class _Layer:
         # the rung below's casts measured on a sample (promoted layers): the layout of LayerState._data
         self.shadow = torch.zeros_like(state._data)
         self.range = torch.zeros(len(_RANGE), device=state.device)  # worst input/output amax
-        self.trends = {op: _Trend() for op in (*OPERANDS, *(f"range_{r}" for r in _RANGE))}
+        # log2 amax per operand and range entry; underflow of the layer's casts and of the shadow's
+        self.trends = {key: _Trend() for key in (*OPERANDS, *(f"range_{r}" for r in _RANGE),
+                                                 *(f"underflow_{op}" for op in OPERANDS),
+                                                 *(f"shadow_{op}" for op in OPERANDS))}
         self.clean = 0  # consecutive windows in which the rung below was safe
         self.switches: list[int] = []  # steps of its switches
         self.hooks: list[Any] = []
@@ -113,8 +120,9 @@ class Controller:
     statistics of :class:`~mixprec.fp8.LayerState` accumulate on the device (worst value over the
     window, no host sync); every ``every`` steps the controller reads the windows of all layers
     (one all-reduce MAX, one host sync), updates each operand's trend (an EMA, weight ``ema``, of
-    the per-step slope of log2 amax) and forecasts ``horizon`` windows ahead: the underflow of a
-    current scale grows with the amax, so ``underflow * 2**(slope * horizon * every)``.
+    the per-step slope of log2 amax, and of the underflow fraction) and forecasts ``horizon``
+    windows ahead: the underflow of a current scale grows with the amax, so the larger of
+    ``underflow * 2**(amax slope * ahead)`` and ``underflow + underflow slope * ahead``.
 
     *Promote* (one rung up ``ladder``): a forecast underflow above ``max_underflow``; straight
     to the compute dtype on a nonfinite count above ``max_nonfinite``; straight to fp32, under
@@ -374,6 +382,9 @@ class Controller:
             if decided is not None:
                 decision, rec.rung = decided
                 rec.clean = 0
+                for op in OPERANDS:  # the casts these measure change with the rung
+                    rec.trends[f"underflow_{op}"] = _Trend()
+                    rec.trends[f"shadow_{op}"] = _Trend()
                 rec.switches.append(self._steps)
                 self._apply(rec)
                 self._log.append(decision)
@@ -389,13 +400,26 @@ class Controller:
         ladder = self.ladder
         on_fp8 = ladder[rec.rung] in _FP8_RUNGS
         measured = own if on_fp8 else (shadow if rec.rung > 0 and ladder[rec.rung - 1] in _FP8_RUNGS else None)
+        has_shadow = rec.rung > 0 and ladder[rec.rung - 1] in _FP8_RUNGS
         for op, stats in zip(OPERANDS, measured or []):
-            rec.trends[op].update(stats[0], self.every, self.ema)
+            rec.trends[op].update(_log2(stats[0]), self.every, self.ema)
+        for op, own_stats, shadow_stats in zip(OPERANDS, own, shadow):
+            if on_fp8:
+                rec.trends[f"underflow_{op}"].update(own_stats[_UNDERFLOW], self.every, self.ema)
+            if has_shadow:
+                rec.trends[f"shadow_{op}"].update(shadow_stats[_UNDERFLOW], self.every, self.ema)
         fp16 = self._compute is torch.float16
         if fp16:
             for r, amax in zip(_RANGE, ranges):
-                rec.trends[f"range_{r}"].update(amax, self.every, self.ema)
+                rec.trends[f"range_{r}"].update(_log2(amax), self.every, self.ema)
         ahead = self.horizon * self.every
+
+        def underflow(op: str, u: float, key: str) -> float:
+            # a current scale flushes a share about proportional to the amax; or the share's own trend
+            return max(u * 2.0 ** rec.trends[op].rise(ahead), u + rec.trends[key].rise(ahead))
+
+        def amax_forecast(r: str, amax: float) -> float:
+            return amax * 2.0 ** rec.trends[f"range_{r}"].rise(ahead)
         here = self._rung_name(rec.rung)
 
         def decision(op: str, action: str, to: int, stat: str, value: float, limit: float, side: str
@@ -412,12 +436,12 @@ class Controller:
                     return decision(op, "promote", compute, "nonfinite", stats[_NONFINITE], self.max_nonfinite, ">")
         if fp16 and ladder[top] == "fp32" and rec.rung < top:
             for r, amax in zip(_RANGE, ranges):
-                forecast = amax * rec.trends[f"range_{r}"].growth(ahead)
+                forecast = amax_forecast(r, amax)
                 if forecast > self.max_range * _FP16_MAX:
                     return decision(r, "promote", top, "amax_forecast", forecast, self.max_range * _FP16_MAX, ">")
         if on_fp8:
             for op, stats in zip(OPERANDS, own):
-                forecast = stats[_UNDERFLOW] * rec.trends[op].growth(ahead)
+                forecast = underflow(op, stats[_UNDERFLOW], f"underflow_{op}")
                 if forecast > self.max_underflow:
                     return decision(op, "promote", rec.rung + 1, "underflow_forecast", forecast,
                                     self.max_underflow, ">")
@@ -428,7 +452,7 @@ class Controller:
         safe = True
         if ladder[rec.rung - 1] in _FP8_RUNGS:
             for op, stats in zip(OPERANDS, shadow):
-                forecast = stats[_UNDERFLOW] * rec.trends[op].growth(ahead)
+                forecast = underflow(op, stats[_UNDERFLOW], f"shadow_{op}")
                 nonfinite = self.max_nonfinite is not None and stats[_NONFINITE] > self.max_nonfinite
                 if nonfinite or not forecast <= self.demote_underflow:
                     safe = False
@@ -436,7 +460,7 @@ class Controller:
                     worst = (op, "underflow_forecast", forecast, self.demote_underflow)
         if fp16:
             for r, amax in zip(_RANGE, ranges):
-                forecast = amax * rec.trends[f"range_{r}"].growth(ahead)
+                forecast = amax_forecast(r, amax)
                 limit = self.demote_range * _FP16_MAX
                 if not forecast <= limit:
                     safe = False
@@ -463,7 +487,7 @@ class Controller:
         for name, rec in self._layers.items():
             layers[name] = {
                 "rung": self.ladder[rec.rung], "clean": rec.clean, "switches": list(rec.switches),
-                "trends": {op: [t.log2_amax, t.slope] for op, t in rec.trends.items()},
+                "trends": {key: [t.last, t.slope] for key, t in rec.trends.items()},
                 "state": rec.state._data.tolist(), "shadow": rec.shadow.tolist(), "range": rec.range.tolist(),
             }
         return {"steps": self._steps, "log": [dataclasses.asdict(d) for d in self._log],
@@ -500,8 +524,8 @@ class Controller:
     def _load_layer(self, rec: _Layer, data: Mapping[str, Any]) -> None:
         rec.rung = self.ladder.index(data["rung"])
         rec.clean, rec.switches = int(data["clean"]), [int(s) for s in data["switches"]]
-        for op, (log2_amax, slope) in data["trends"].items():
-            rec.trends[op] = _Trend(log2_amax, slope)
+        for key, (last, slope) in data["trends"].items():
+            rec.trends[key] = _Trend(last, slope)
         for target, values in ((rec.state._data, data["state"]), (rec.shadow, data["shadow"]),
                                (rec.range, data["range"])):
             t = torch.tensor(values, dtype=torch.float32)

@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import io
 import os
-import time
 import warnings
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import mixprec
 from mixprec import Policy, fp8
 from mixprec.fp8._guard import NO_STEP_FORWARDS
 
-from _distributed import free_port, init_gloo
+from _distributed import gloo_group, spawn
 
 STEPS, EVERY = 12, 4
 OUTLIERS = {6: "2", 10: "4"}  # step -> layer whose input gets an outlier (its other values underflow)
@@ -149,8 +147,7 @@ def test_forwards_never_check_and_a_policy_guard_never_stepped_warns_once() -> N
 # --- two processes: rank 0 runs extra forwards (an evaluation, a micro-batch more) -----------------
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    init_gloo(rank, port)
-    try:
+    with gloo_group(rank, port):
         torch.set_num_threads(1)
         model = _model()
         guard = fp8.Guard(every=2)
@@ -175,22 +172,16 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         torch.save({"decisions": [(d.layer, d.operand, d.statistic, d.step) for d in guard.decisions.values()],
                     "steps": guard.steps, "flags": {n: s.fallback for n, s in fp8.layer_states(model).items()}},
                    os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_ranks_with_different_forwards_take_the_same_decisions_without_hanging(tmp_path) -> None:
-    ctx = mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:  # mismatched all-reduces: the ranks wait on each other
-            for p in ctx.processes:
-                p.terminate()
-            ctx.join(timeout=10)
-            pytest.fail("the two ranks hung: they issued different collectives")
+    try:
+        spawn(_worker, str(tmp_path), timeout=120)
+    except TimeoutError:  # mismatched all-reduces: the ranks wait on each other
+        pytest.fail("the two ranks hung: they issued different collectives")
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for res in results:  # rank 1's outlier of step 2 (0-based), decided at the check of step 4
         assert res["decisions"] == [("2", "input", "underflow", 4)]

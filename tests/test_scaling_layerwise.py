@@ -553,3 +553,51 @@ def test_ranks_agree_on_the_factors(tmp_path, kind):
     assert r0["trace"] == r1["trace"]
     assert max(r0["trace"][-1][1]) > 1  # the factors moved, identically on both ranks
     assert all(torch.equal(a, b) for a, b in zip(r0["weights"], r1["weights"]))
+
+
+# ------------------------------------------------------------------ Lightning
+
+
+@pytest.mark.slow
+def test_lightning_with_a_per_layer_scaler():
+    """MixprecPrecision(scaler=...) takes a per-layer scaler: the Trainer's loop scales, unscales,
+    steps and updates through it, and the 44-binade chain's gradients stay within fp16."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from mixprec.integrations.lightning import MixprecPrecision
+
+    class Chain(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = chain()
+            self.worst = 0.0
+
+        def training_step(self, batch, batch_idx):
+            self.batch = batch
+            x, t = batch
+            return F.mse_loss(self.net(x).float(), t)
+
+        def on_before_optimizer_step(self, optimizer):  # after the plugin's unscale_, outside autocast
+            if self.global_step >= 20:
+                ref = _reference_grads(self.net, *self.batch)
+                for name in _weights(self.net):
+                    self.worst = max(self.worst, _rel_err(ref[name], self.net.get_parameter(name).grad))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self):
+            batches = [_data(32, seed=s) for s in range(30)]
+            data = torch.utils.data.TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+            return torch.utils.data.DataLoader(data, batch_size=64)
+
+    module = Chain()
+    scaler = mixprec.GradScaler("cpu", per_layer=True).watch(module)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=30, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        plugins=[MixprecPrecision("16-mixed", scaler=scaler, device="cpu")],
+    )
+    trainer.fit(module)
+    assert scaler._layerwise.names == [f"net.{i}" for i in range(8)]
+    assert min(scaler.layer_scales()[f"net.{i}"] for i in range(7)) >= 2.0**4
+    assert module.worst < 1e-2

@@ -309,7 +309,6 @@ class Controller:
         name = self.ladder[rec.rung]
         rec.state.fallback = name not in _FP8_RUNGS
         rec.state.recipe = Float8Recipe.from_name(name) if name in _FP8_RUNGS else None
-        rec.state.sample_sqnr = False
 
     def _pre_hook(self, rec: _Layer) -> Any:
         ladder = self.ladder

@@ -9,7 +9,8 @@ each figure is the median over rounds of the per-round time ratio variant / refe
   record anyway, plus the controller's hooks and its checks: one read every 10 steps). The
   target is <= 1.05.
 * ``promoted``: every layer promoted to the compute dtype (so it measures the shadow casts of the
-  rung below on a sample), against the plain compute-dtype policy.
+  rung below on a sample, on ``shadow_steps=2`` of every 10 steps), against the plain
+  compute-dtype policy.
 
 It also counts host reads in the steps between two checks (must be 0).
 
@@ -85,7 +86,7 @@ def _host_reads_between_checks(variant: _Variant) -> int:
 
     while variant.ctl.steps % variant.ctl.every != 0:
         variant.step()
-    variant.step()  # just after a check
+    variant.step()  # the first step of a window
     try:
         for n in names:
             setattr(torch.Tensor, n, counted(saved[n]))

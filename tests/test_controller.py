@@ -339,3 +339,23 @@ def test_hysteresis_dwell_and_switch_budget():
     # steps 2, 3 clean (2 windows) but the dwell since step 1 is 3 steps only at step 4
     assert ran[:6] == ["fp8-tensorwise", "bf16", "bf16", "bf16", "fp8-tensorwise", "bf16"]
     assert set(ran[5:]) == {"bf16"}  # 3 switches in the budget: no demotion
+
+
+def test_shadow_measures_the_last_steps_of_each_window():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16))
+    ctl = Controller(every=4, shadow_steps=1, ladder=("tensorwise", "compute"))
+    policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
+    seen = []
+    for t in range(8):
+        with mixprec.autocast("cpu", policy=policy):
+            model(torch.randn(8, 16)).sum().backward()
+        if t == 0:  # promote the layer by hand: its shadow measures tensorwise from now on
+            rec = ctl._layers["0"]
+            rec.rung = 1
+            ctl._apply(rec)
+        seen.append(bool(ctl._layers["0"].shadow[:, 0].gt(0).all()))  # input, weight, grad amax
+        ctl.step()
+    assert seen == [False, False, False, True, False, False, False, True]
+    with pytest.raises(ValueError, match="shadow_steps"):
+        Controller(shadow_steps=0)

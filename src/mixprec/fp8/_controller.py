@@ -128,7 +128,8 @@ class Controller:
     to the compute dtype on a nonfinite count above ``max_nonfinite``; straight to fp32, under
     fp16 compute, when the forecast input or output amax passes ``max_range * 65504``.
     *Demote* (one rung down): a promoted layer measures, on a sample of ``sample`` elements per
-    operand, what the rung below's casts would do (its shadow); after ``demote_windows``
+    operand and on the last ``shadow_steps`` steps of each window, what the rung below's casts
+    would do (its shadow); after ``demote_windows``
     consecutive windows whose shadow forecast stays below ``demote_underflow`` (and
     ``demote_range * 65504``, no nonfinite), at least ``min_dwell`` steps after its last switch,
     and while it made fewer than ``max_switches`` switches in the last ``budget_steps`` steps.
@@ -161,6 +162,7 @@ class Controller:
     max_switches: int = 8
     budget_steps: int = 1000
     sample: int = 4096
+    shadow_steps: int = 2
     ladder: tuple[str, ...] = ("tensorwise", "rowwise", "compute", "fp32")
     _layers: dict[str, _Layer] = field(default_factory=dict, init=False, repr=False, compare=False)
     _steps: int = field(default=0, init=False, repr=False, compare=False)
@@ -179,7 +181,8 @@ class Controller:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"Controller.{name} must be a number >= 0"
                                  f"{' or None' if name == 'max_nonfinite' else ''}, got {value!r}")
-        for name in ("every", "horizon", "demote_windows", "max_switches", "budget_steps", "sample"):
+        for name in ("every", "horizon", "demote_windows", "max_switches", "budget_steps", "sample",
+                     "shadow_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Controller.{name} must be an int >= 1, got {value!r}")
@@ -338,6 +341,8 @@ class Controller:
                 torch.maximum(rec.range, amax, out=rec.range)
             if rec.rung == 0 or ladder[rec.rung - 1] not in _FP8_RUNGS:
                 return
+            if self.every - 1 - self._steps % self.every >= self.shadow_steps:
+                return  # the shadow measures the last shadow_steps steps of each window
             below = Float8Recipe.from_name(ladder[rec.rung - 1])
             _shadow(rec.shadow[0], x, below.input, below.pow2_scales, sample)
             _shadow(rec.shadow[1], module.weight.detach(), below.weight, below.pow2_scales, sample)

@@ -110,11 +110,10 @@ def test_plain_torch_autocast_is_bitwise_unchanged_before_and_after_mixprec_regi
                     assert a.dtype == b.dtype and a.shape == b.shape, k
                     assert torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(
                         a.nan_to_num(), b.nan_to_num()), k
-        # Python kernels (here fp32_append_dtype edits) stay registered, inert outside regions
-        print(len(before), sorted({v for v in mixprec._dispatch._registered.values() if v}))
+        print(len(before), len(mixprec._dispatch.registered("cpu")))
     """)
-    n, left = out.split(maxsplit=1)
-    assert int(n) > 127 and left.strip() in ("[]", "['python']")
+    n, left = out.split()
+    assert int(n) > 127 and left == "0"
 
 
 @pytest.mark.slow
@@ -157,10 +156,8 @@ def test_release_kernels_and_regions_register_again():
         assert torch.exp(x).dtype == torch.float32
         with pytest.raises(RuntimeError, match="1 in this thread.*after the regions exit"):
             mixprec.release_kernels()
-    native = _dispatch._registered[("exp", "AutocastCPU")] == "native"
-    assert mixprec.release_kernels() >= native
-    # the C++ kernels go; Python kernels stay (removing one can crash a thread running it)
-    assert ("exp" in _dispatch.registered("cpu")) is not native
+    assert mixprec.release_kernels() >= 1
+    assert not _dispatch.registered("cpu")
     with torch.autocast("cpu"):
         assert torch.exp(x).dtype == torch.bfloat16
     with mixprec.autocast("cpu", policy=p):

@@ -34,12 +34,16 @@ about 0.3 us) or one Python call (Python kernel, about 3.5 us). Code that wants 
 kernels back once it is done with mixprec calls :func:`release_kernels`.
 Importing mixprec registers nothing.
 
-Threads: PyTorch does not synchronize changes to the dispatcher with dispatch, and frees a
-Python kernel as it is removed, under any thread running it (a segfault there). So an overload
-gets its kernel once per process and a region only switches tables (this thread's frame stack,
-and the C++ kernel's per-thread active table); Python kernels are never removed; the C++ ones
-go only through :func:`release_kernels`, which refuses while a region that edits ops is active
-in any thread (``_edited_frames``, counted under ``_lock`` before a frame's kernels are ensured).
+Threads: PyTorch does not synchronize changes to the dispatcher with dispatch: it frees a
+Python kernel as it is removed, under any thread running it (a segfault there), and removing a
+kernel from an op it falls through trips an internal assert in a thread dispatching that op.
+So an overload gets its kernel once per process and a region only switches tables (this
+thread's frame stack, and the C++ kernel's per-thread active table); kernels go only through
+:func:`release_kernels`, which refuses while a region that edits ops is active in any thread
+(``_edited``, see :func:`push`) or any other thread is alive. Known: a Python kernel calls
+PyTorch's kernel (``get_kernel(...).call_boxed``) holding the GIL; if that kernel waits for
+PyTorch's cast-cache lock while another thread clearing the cache (a region's exit) waits for
+the GIL, both hang (rare; seen with fp8 layers, whose ``linear`` has a Python kernel).
 
 Semantics follow ``aten/src/ATen/autocast_mode.{h,cpp}``: only defined floating tensors on the
 region's device that are not float64 are cast (:func:`mixprec._tree.castable`); the cast of an
@@ -109,14 +113,16 @@ class _ThreadState(threading.local):
     # what compiled code traced under such a region depends on, and is guarded on (see below)
     active: dict[str, Any] = field(default_factory=dict)
     depth: int = 0  # nesting of mixprec regions (enabled or not), for the cache
-    edited: int = 0  # frames with edits in this thread (their share of _edited_frames)
+    edited: list[int] | None = None  # [frames with edits active in this thread], in _edited
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 _tls = _ThreadState()
-# Frames with edits active in any thread: while there are any, release_kernels() refuses (their
-# kernels must stay). Changed under _lock, which release_kernels holds while it checks and removes.
-_edited_frames = 0
+# Per thread, the frames with edits active there: while any thread has one, release_kernels()
+# refuses (their kernels must stay). Each counter is changed by its own thread only (no lock on
+# the hot path); release_kernels sums them under _lock after clearing _ensured, so a frame
+# counted after the sum misses _ensured and waits on _lock in ensure_kernels (see push).
+_edited: dict[int, list[int]] = {}  # thread ident -> its counter
 
 
 def top(device_type: str) -> Frame | None:
@@ -132,12 +138,14 @@ def push(frame: Frame | None) -> None:
     :func:`pop`, :func:`release_kernels` in any thread refuses instead of removing them.
     """
     if frame is not None and frame.edits:
-        _count_edited(1)
-        try:
-            ensure_kernels(frame.edits, frame.device_type)
-        except BaseException:
-            _count_edited(-1)
-            raise
+        counter = _tls.edited or _edited_counter()
+        counter[0] += 1
+        if _ensured.get((id(frame.edits), frame.device_type)) is not frame.edits:
+            try:
+                ensure_kernels(frame.edits, frame.device_type)
+            except BaseException:
+                counter[0] -= 1
+                raise
     _tls.depth += 1
     if frame is not None:
         _tls.frames.setdefault(frame.device_type, []).append(frame)
@@ -147,11 +155,10 @@ def push(frame: Frame | None) -> None:
             _native.set_active(_native_ops, frame.device_type, _edits_key(frame.edits), frame.edits)
 
 
-def _count_edited(n: int) -> None:
-    global _edited_frames
-    with _lock:
-        _edited_frames += n
-    _tls.edited += n
+def _edited_counter() -> list[int]:
+    with _lock:  # release_kernels iterates _edited under it
+        counter = _tls.edited = _edited.setdefault(threading.get_ident(), [0])
+    return counter
 
 
 def pop(frame: Frame | None) -> None:
@@ -163,7 +170,7 @@ def pop(frame: Frame | None) -> None:
         else:  # left out of order (a generator's region): by identity, equal frames are distinct
             del stack[next(i for i, f in enumerate(stack) if f is frame)]
         if frame.edits:
-            _count_edited(-1)
+            _tls.edited[0] -= 1
         if not frame.traced:
             eager = next((f for f in reversed(stack) if not f.traced), None)
             _tls.active[frame.device_type] = None if eager is None else _edits_key(eager.edits)
@@ -542,13 +549,8 @@ def ensure_kernels(names: Mapping[str, str], device_type: str) -> None:
     table = _ops.default_table(device_type)
     wanted = {n: ("native" if _native.runs(kind) and _native.runs(table.get(n, "passthrough")) else "python")
               for n, kind in names.items()}
-    missing = [n for n, impl in wanted.items()
-               if _registered.get((n, key)) not in (impl, "python", False)]
-    if not missing:
-        _ensured[(id(names), device_type)] = names
-        return
     global _native_ops
-    if any(wanted[n] == "native" for n in missing) and _native_ops is None and _native.enabled():
+    if "native" in wanted.values() and _native_ops is None and _native.enabled():
         _native_ops = _native.load()
         if _native_ops is not None:
             _native.define_defaults(_native_ops)
@@ -556,14 +558,14 @@ def ensure_kernels(names: Mapping[str, str], device_type: str) -> None:
             for dev in DISPATCH_KEYS:  # regions already active in this thread
                 if top(dev) is not None:
                     _native.set_active(_native_ops, dev, _edits_key(top(dev).edits), top(dev).edits)
-    with _lock:
+    with _lock:  # what is missing is decided here: not while release_kernels removes kernels
+        missing = [n for n, impl in wanted.items()
+                   if _registered.get((n, key)) not in (impl, "python", False)]
         get_kernel = getattr(torch.library, "get_kernel", None)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
             warnings.filterwarnings("ignore", message=".*Warning only once for all operators")
             for name in missing:
-                if _registered.get((name, key)) in (wanted[name], "python", False):
-                    continue  # another thread registered it meanwhile
                 op = op_overload(name)
                 if op is None:
                     _registered[(name, key)] = False
@@ -583,7 +585,8 @@ def ensure_kernels(names: Mapping[str, str], device_type: str) -> None:
                 _libs[(name, key)] = _python_kernel(name, op, device_type)
                 _registered[(name, key)] = "python"
         _ensured[(id(names), device_type)] = names  # (cached) edits done: skip next time
-    _reset_compiled_code()
+    if missing:
+        _reset_compiled_code()
 
 
 def _python_kernel(name: str, op: Any, device_type: str) -> Library:
@@ -595,22 +598,22 @@ def _python_kernel(name: str, op: Any, device_type: str) -> Library:
 
 
 def release_kernels() -> int:
-    """Remove mixprec's C++ kernels: PyTorch's own autocast kernels run those ops again.
+    """Remove every mixprec kernel: PyTorch's own autocast kernels run every op again.
 
-    Python kernels (fp8 routing, ``fp32_append_dtype`` and ``banned`` edits, or every edited op
-    without the C++ build, ``MIXPREC_NATIVE_KERNELS=0``) stay registered: PyTorch frees a Python
-    kernel as it is removed, under any thread running it at that moment (a crash there); outside
-    the regions that edit their op they call PyTorch's kernel, so results are PyTorch's. Regions
-    entered later register what they need again. Removing a kernel changes PyTorch's dispatcher,
-    which does not synchronize that with dispatch: call this where no other thread runs ops
-    (at the end of a job), not as a per-step cleanup.
+    Only where nothing else can be dispatching: PyTorch does not synchronize removing a kernel
+    with other threads' dispatch (it frees a Python kernel under a thread running it, and trips
+    an internal assert in a thread dispatching an op PyTorch falls through), so this refuses
+    while other Python threads are alive. Kept kernels cost little (see the module docstring)
+    and give PyTorch's casts outside the regions that edit their op, so leaving them is always
+    safe. Regions entered later register what they need again.
 
     Returns:
         How many kernels were removed.
 
     Raises:
         RuntimeError: a mixprec region that edits ops is active in this or another thread (its
-            ops would silently run PyTorch's kinds); nothing is removed.
+            ops would silently lose the policy's casts), or other threads are alive; nothing is
+            removed.
 
     Example:
         >>> with mixprec.autocast("cpu", policy="fp32-numerics"):
@@ -619,16 +622,27 @@ def release_kernels() -> int:
         46
     """
     with _lock:
-        if _edited_frames:
-            here = _tls.edited
+        _ensured.clear()  # first: a region counted after the sum below finds nothing ensured
+        active = sum(c[0] for c in _edited.values())
+        if active:
+            here = _tls.edited[0] if _tls.edited else 0
             raise RuntimeError(
-                f"release_kernels() while {_edited_frames} mixprec.autocast region(s) that edit ops "
-                f"are active ({here} in this thread, {_edited_frames - here} in other threads): their "
-                "ops would silently lose the policy's casts; call it after the regions exit")
+                f"release_kernels() while {active} mixprec.autocast region(s) that edit ops are "
+                f"active ({here} in this thread, {active - here} in other threads): their ops would "
+                "silently lose the policy's casts; call it after the regions exit")
+        others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+        if others:
+            raise RuntimeError(
+                f"release_kernels() while other threads are alive ({', '.join(others[:5])}): "
+                "PyTorch does not synchronize removing a kernel with their dispatch (a crash "
+                "there); call it once they have finished, or keep the kernels (outside regions "
+                "that edit their op they give PyTorch's casts)")
         n = _native_ops.release_kernels() if _native_ops is not None else 0
-        for k in [k for k, impl in _registered.items() if impl == "native"]:
-            del _registered[k]
-        _ensured.clear()
+        for lib in _libs.values():
+            lib._destroy()
+        n += len(_libs)
+        _libs.clear()
+        _registered.clear()
     return n
 
 

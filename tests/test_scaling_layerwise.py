@@ -11,12 +11,10 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -501,11 +499,10 @@ def test_torch_compile_around_the_model():
 def _distributed_worker(rank: int, port: int, out_dir: str, kind: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from _distributed import init_gloo
+    from _distributed import gloo_group
 
     torch.set_num_threads(1)
-    init_gloo(rank, port, 2)
-    try:
+    with gloo_group(rank, port, 2):
         if kind == "ddp":
             model = DDP(chain())
         else:  # FSDP2: each block sharded, then the root
@@ -529,8 +526,6 @@ def _distributed_worker(rank: int, port: int, out_dir: str, kind: str) -> None:
             trace.append((scaler.get_scale(), tuple(scaler.layer_scales().values()), bool(scaler.last_step_skipped)))
         weights = [(p.full_tensor() if kind == "fsdp" else p).detach().clone() for p in model.parameters()]
         torch.save({"trace": trace, "weights": weights}, os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.distributed
@@ -540,15 +535,9 @@ def _distributed_worker(rank: int, port: int, out_dir: str, kind: str) -> None:
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_ranks_agree_on_the_factors(tmp_path, kind):
     """DDP and FSDP2 fully_shard, 2 gloo ranks, each its own batch."""
-    from _distributed import free_port
+    from _distributed import spawn
 
-    context = mp.spawn(_distributed_worker, args=(free_port(), str(tmp_path), kind), nprocs=2, join=False)
-    deadline = time.monotonic() + 90
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"{kind} workers did not finish in 90 s")
+    spawn(_distributed_worker, str(tmp_path), kind)
     r0, r1 = (torch.load(tmp_path / f"{rank}.pt") for rank in range(2))
     assert r0["trace"] == r1["trace"]
     assert max(r0["trace"][-1][1]) > 1  # the factors moved, identically on both ranks

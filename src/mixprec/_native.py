@@ -241,7 +241,7 @@ def _check_tools(env: dict[str, str]) -> None:
         raise BuildError(f"{name} not found (the C++ compiler: CXX, default c++ on PATH): install g++ or "
                          "clang++, or set CXX")
     if env["ninja"].endswith(": not found"):
-        raise BuildError("ninja not found on PATH: pip install ninja (or 'mixprec[native]')")
+        raise BuildError("ninja not found on PATH: pip install ninja (from a checkout: pip install -e '.[native]')")
 
 
 def _compile(directory: Path) -> None:

@@ -178,7 +178,7 @@ class AuditReport:
     def to_html(self, path: str | os.PathLike[str]) -> None:
         """Write a self-contained HTML page (figures embedded as PNG data URIs) to ``path``.
 
-        Needs matplotlib for the figures (``pip install 'mixprec[report]'``); without it the
+        Needs matplotlib for the figures (``pip install matplotlib rich``); without it the
         page has the tables only and says so.
         """
         _render.write_html(self, path)

@@ -1,6 +1,6 @@
 """Rendering of an :class:`~mixprec.diagnostics.findings.AuditReport`: text table and HTML page.
 
-matplotlib and rich are optional (``pip install 'mixprec[report]'``) and imported inside the
+matplotlib and rich are optional (``pip install matplotlib rich``) and imported inside the
 functions that use them.
 """
 
@@ -251,7 +251,7 @@ def write_html(report: "AuditReport", path: str | os.PathLike[str]) -> None:
             f"<img src='{_underflow_figure(report)}'>"
         )
     except ImportError:
-        figures = "<p>Figures need matplotlib: <code>pip install 'mixprec[report]'</code>.</p>"
+        figures = "<p>Figures need matplotlib: <code>pip install matplotlib rich</code>.</p>"
     ref = report.ranges["float32"]
     grads = report.ranges.get("float32@scale", ref)
     rows = []

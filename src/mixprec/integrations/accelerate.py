@@ -41,7 +41,7 @@ try:
     from accelerate.utils import DistributedType, convert_outputs_to_fp32
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "mixprec.integrations.accelerate needs HF Accelerate: pip install 'mixprec[accelerate]'"
+        "mixprec.integrations.accelerate needs HF Accelerate: pip install accelerate transformers"
     ) from e
 
 __all__ = ["prepare", "MixprecTrainer"]
@@ -161,7 +161,7 @@ def __getattr__(name: str) -> Any:
     try:
         from transformers import Trainer
     except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError("MixprecTrainer needs HF transformers: pip install 'mixprec[accelerate]'") from e
+        raise ImportError("MixprecTrainer needs HF transformers: pip install accelerate transformers") from e
 
     class MixprecTrainer(Trainer):
         """The HF ``Trainer`` with a mixprec policy and scaler: the ``Trainer``, plus two keywords.

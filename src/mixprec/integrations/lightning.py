@@ -35,7 +35,7 @@ try:
     from lightning.pytorch.plugins.precision import MixedPrecision
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "mixprec.integrations.lightning needs PyTorch Lightning: pip install 'mixprec[lightning]'"
+        "mixprec.integrations.lightning needs PyTorch Lightning: pip install lightning"
     ) from e
 
 __all__ = ["MixprecPrecision"]

@@ -70,7 +70,7 @@ class CSVHistory:
 class TensorBoardHistory:
     """Writes the scale and skips to TensorBoard: ``{tag}/scale``, ``{tag}/skipped``.
 
-    Needs the optional ``tensorboard`` package (``pip install mixprec[tensorboard]``), imported on
+    Needs the optional ``tensorboard`` package (``pip install tensorboard``), imported on
     construction. Pass ``log_dir`` or an existing ``torch.utils.tensorboard.SummaryWriter``.
 
     Raises:
@@ -84,7 +84,7 @@ class TensorBoardHistory:
             except ImportError as error:  # tensorboard missing
                 raise ImportError(
                     "TensorBoardHistory needs the tensorboard package: pip install "
-                    "'mixprec[tensorboard]' (or use CSVHistory)."
+                    "tensorboard (or use CSVHistory)."
                 ) from error
             writer = SummaryWriter(log_dir=log_dir)
         self.writer = writer

@@ -359,3 +359,46 @@ def test_shadow_measures_the_last_steps_of_each_window():
     assert seen == [False, False, False, True, False, False, False, True]
     with pytest.raises(ValueError, match="shadow_steps"):
         Controller(shadow_steps=0)
+
+
+def _outlier_run(steps: int, resume_at: int | None = None) -> tuple[list, list[str], dict, list[torch.Tensor]]:
+    """A 2-layer fp8 model whose layer "0" gets an outlier at steps 1 and 9 (promote, demote,
+    promote again), resumed from a checkpoint at ``resume_at`` into fresh objects."""
+    def fresh() -> tuple[nn.Module, Controller, Policy, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
+        ctl = Controller(every=2, horizon=1, demote_windows=1, min_dwell=2)
+        policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
+        return model, ctl, policy, torch.optim.SGD(model.parameters(), lr=1e-7)  # the outliers stay small
+
+    model, ctl, policy, opt = fresh()
+    g = torch.Generator().manual_seed(1)
+    ran = []
+    for t in range(steps):
+        if t == resume_at:
+            blob = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "ctl": ctl.state_dict()}, blob)
+            model, ctl, policy, opt = fresh()
+            sd = torch.load(io.BytesIO(blob.getvalue()))
+            ctl.load_state_dict(sd["ctl"])  # before the first forward: applied when the layers are tracked
+            model.load_state_dict(sd["model"])
+            opt.load_state_dict(sd["opt"])
+        x = torch.randn(8, 16, generator=g)
+        if t in (1, 9):
+            x[0, 0] = 1e6
+        with mixprec.autocast("cpu", policy=policy):
+            model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ran.append(ctl.precision("0"))
+        ctl.step()
+    return ctl.log, ran, ctl.state_dict(), [p.detach().clone() for p in model.parameters()]
+
+
+def test_resume_at_any_step_is_bitwise():
+    log, ran, state, params = _outlier_run(14)
+    assert {d.action for d in log} == {"promote", "demote"} and "fp8-rowwise" in ran
+    for k in range(1, 14):
+        log_k, ran_k, state_k, params_k = _outlier_run(14, resume_at=k)
+        assert log_k == log and ran_k == ran and state_k == state, k
+        assert all(torch.equal(a, b) for a, b in zip(params_k, params)), k

@@ -420,7 +420,7 @@ class Controller:
 
         def underflow(op: str, u: float, key: str) -> float:
             # a current scale flushes a share about proportional to the amax; or the share's own trend
-            return max(u * 2.0 ** rec.trends[op].rise(ahead), u + rec.trends[key].rise(ahead))
+            return min(1.0, max(u * 2.0 ** rec.trends[op].rise(ahead), u + rec.trends[key].rise(ahead)))
 
         def amax_forecast(r: str, amax: float) -> float:
             return amax * 2.0 ** rec.trends[f"range_{r}"].rise(ahead)

@@ -402,3 +402,23 @@ def test_resume_at_any_step_is_bitwise():
         log_k, ran_k, state_k, params_k = _outlier_run(14, resume_at=k)
         assert log_k == log and ran_k == ran and state_k == state, k
         assert all(torch.equal(a, b) for a, b in zip(params_k, params)), k
+
+
+def test_windows_without_forwards_demote_nothing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16))
+    ctl = Controller(every=1, horizon=1, demote_windows=1, min_dwell=0, ladder=("tensorwise", "compute"))
+    policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
+    x = torch.randn(8, 16)
+    x[0, 0] = 1e6
+    with mixprec.autocast("cpu", policy=policy):
+        model(x).sum().backward()
+    ctl.step()
+    assert ctl.precision("0") == "bf16"
+    for _ in range(5):  # no data: no evidence that the rung below is safe
+        ctl.step()
+    assert ctl.precision("0") == "bf16"
+    with mixprec.autocast("cpu", policy=policy):
+        model(torch.randn(8, 16)).sum().backward()
+    ctl.step()
+    assert ctl.precision("0") == "fp8-tensorwise"

@@ -83,6 +83,10 @@ def _log2(amax: float) -> float:
     return math.log2(amax) if amax > 0 else -math.inf
 
 
+def _ratio(value: float, limit: float) -> float:
+    return value / limit if limit > 0 else 0.0
+
+
 class _Layer:
     """The controller's record of one layer: its rung, its device windows, its trend."""
 
@@ -403,8 +407,8 @@ class Controller:
         ranges = row[2 * off:]
         ladder = self.ladder
         on_fp8 = ladder[rec.rung] in _FP8_RUNGS
-        measured = own if on_fp8 else (shadow if rec.rung > 0 and ladder[rec.rung - 1] in _FP8_RUNGS else None)
         has_shadow = rec.rung > 0 and ladder[rec.rung - 1] in _FP8_RUNGS
+        measured = own if on_fp8 else (shadow if has_shadow else None)
         for op, stats in zip(OPERANDS, measured or []):
             rec.trends[op].update(_log2(stats[0]), self.every, self.ema)
         for op, own_stats, shadow_stats in zip(OPERANDS, own, shadow):
@@ -424,6 +428,7 @@ class Controller:
 
         def amax_forecast(r: str, amax: float) -> float:
             return amax * 2.0 ** rec.trends[f"range_{r}"].rise(ahead)
+
         here = self._rung_name(rec.rung)
 
         def decision(op: str, action: str, to: int, stat: str, value: float, limit: float, side: str
@@ -453,14 +458,15 @@ class Controller:
             return None
         # demote: the rung below, judged by the shadow (fp8 below) or the range (compute below fp32)
         worst = ("input", "underflow_forecast", 0.0, self.demote_underflow)  # the closest to its limit
-        safe = True
-        if ladder[rec.rung - 1] in _FP8_RUNGS:
+        # a window without a measurement (no forward in its last steps) is not evidence of safety
+        safe = not (has_shadow and not (shadow[0][0] > 0 and shadow[1][0] > 0)) and not (fp16 and not ranges[1] > 0)
+        if has_shadow:
             for op, stats in zip(OPERANDS, shadow):
                 forecast = underflow(op, stats[_UNDERFLOW], f"shadow_{op}")
                 nonfinite = self.max_nonfinite is not None and stats[_NONFINITE] > self.max_nonfinite
                 if nonfinite or not forecast <= self.demote_underflow:
                     safe = False
-                elif forecast / self.demote_underflow > worst[2] / worst[3]:
+                elif _ratio(forecast, self.demote_underflow) > _ratio(worst[2], worst[3]):
                     worst = (op, "underflow_forecast", forecast, self.demote_underflow)
         if fp16:
             for r, amax in zip(_RANGE, ranges):
@@ -468,7 +474,7 @@ class Controller:
                 limit = self.demote_range * _FP16_MAX
                 if not forecast <= limit:
                     safe = False
-                elif ladder[rec.rung] == "fp32" and forecast / limit > worst[2] / worst[3]:
+                elif ladder[rec.rung] == "fp32" and _ratio(forecast, limit) > _ratio(worst[2], worst[3]):
                     worst = (r, "amax_forecast", forecast, limit)
         rec.clean = rec.clean + 1 if safe else 0
         recent = [s for s in rec.switches if s > self._steps - self.budget_steps]

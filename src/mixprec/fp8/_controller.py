@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
-from mixprec.fp8._guard import NO_STEP_FORWARDS, _all_reduce_max
+from mixprec.fp8._guard import _all_reduce_max, count_unstepped_forward
 from mixprec.fp8._quant import STAT_NAMES, _scale, cast_stats, cast_to_fp8
 from mixprec.fp8._recipe import Float8Recipe
 from mixprec.fp8._state import OPERANDS, LayerState, layer_state
@@ -287,13 +287,7 @@ class Controller:
                 dev = module.weight.device.type
                 self._compute = policy.compute if policy.compute is not None else torch.get_autocast_dtype(dev)
                 self._track(name, module, recipe)
-        if self._stepped or not torch.is_grad_enabled():
-            return
-        self._forwards += 1
-        if self._forwards == NO_STEP_FORWARDS:
-            warnings.warn(f"fp8: the policy's Controller has seen {NO_STEP_FORWARDS} training forwards and no "
-                          f"ctl.step(): it never decides. Call ctl.step() once per optimizer step, on every "
-                          f"rank", UserWarning, stacklevel=4)
+        count_unstepped_forward(self, "decides", "ctl.step()")
 
     def _track(self, name: str, module: nn.Module, recipe: Float8Recipe) -> None:
         if recipe.name not in self.ladder or Float8Recipe.from_name(recipe.name) != recipe:

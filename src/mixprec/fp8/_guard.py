@@ -51,6 +51,19 @@ def layer_states(model: torch.nn.Module) -> dict[str, LayerState]:
 NO_STEP_FORWARDS = 100
 
 
+def count_unstepped_forward(owner: Any, what: str, call: str) -> None:
+    """Count a training forward of ``owner`` (a Guard or Controller, with ``_stepped`` and
+    ``_forwards``) that has never been stepped; at :data:`NO_STEP_FORWARDS` warn once that its
+    ``call`` (``"guard.step()"``) is missing, so it never decides."""
+    if owner._stepped or not torch.is_grad_enabled():
+        return
+    owner._forwards += 1
+    if owner._forwards == NO_STEP_FORWARDS:
+        warnings.warn(f"fp8: the policy's {type(owner).__name__} has seen {NO_STEP_FORWARDS} training "
+                      f"forwards and no {call}: it never {what}. Call {call} once per optimizer step, "
+                      f"on every rank", UserWarning, stacklevel=5)
+
+
 @dataclass
 class Guard:
     """Thresholds on each fp8 layer's statistics; a layer that crosses one falls back for good.
@@ -191,13 +204,7 @@ class Guard:
         """A forward of a model under a policy with this guard: track its layers, and warn once
         when training forwards go on without a :meth:`step` (the guard would never decide)."""
         self.track(model)
-        if self._stepped or not torch.is_grad_enabled():
-            return
-        self._forwards += 1
-        if self._forwards == NO_STEP_FORWARDS:
-            warnings.warn(f"fp8: the policy's Guard has seen {NO_STEP_FORWARDS} training forwards and no "
-                          f"guard.step(): it never checks the layers. Call guard.step() once per "
-                          f"optimizer step, on every rank", UserWarning, stacklevel=4)
+        count_unstepped_forward(self, "checks the layers", "guard.step()")
 
     def _decide(self, name: str, row: list[float], step: int) -> Fallback | None:
         limits = {"nonfinite": self.max_nonfinite, "saturated": self.max_saturated,

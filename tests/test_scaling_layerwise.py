@@ -590,3 +590,88 @@ def test_lightning_with_a_per_layer_scaler():
     assert scaler._layerwise.names == [f"net.{i}" for i in range(8)]
     assert min(scaler.layer_scales()[f"net.{i}"] for i in range(7)) >= 2.0**4
     assert module.worst < 1e-2
+
+
+# ------------------------------------------------------------------ update(new_scale), checkpoints
+
+
+def _one_step(model, scaler, optimizer, x, t, new_scale=None):
+    optimizer.zero_grad()
+    scaler.scale(_loss(model, x, t)).backward()
+    scaler.step(optimizer)
+    scaler.update(new_scale)
+
+
+def test_update_with_new_scale_keeps_the_factors_and_discards_the_step_statistics():
+    """A step ended by update(new_scale=...) leaves the factors as they were and its amax does
+    not reach the next update: that update gives the factors of a scaler that never saw the step."""
+    x, t = _data(32)
+    model = chain()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = mixprec.GradScaler("cpu", init_scale=2.0**10, per_layer=True).watch(model)
+    model[3].shrink.factor = 2.0**10  # the regions below block 3 see gradients 2**16 larger
+    _one_step(model, scaler, optimizer, x, t, new_scale=2.0**8)
+    assert set(scaler.layer_scales().values()) == {1.0} and scaler.get_scale() == 2.0**8
+    assert scaler.last_overflow_cuts == ()
+    history_after_first = len(scaler.layer_scale_history())
+    model[3].shrink.factor = SHRINK
+    _one_step(model, scaler, optimizer, x, t)
+
+    fresh_model = chain()
+    fresh = mixprec.GradScaler("cpu", init_scale=2.0**8, per_layer=True).watch(fresh_model)
+    _one_step(fresh_model, fresh, torch.optim.SGD(fresh_model.parameters(), lr=0.0), x, t)
+    assert max(fresh.layer_scales().values()) > 1
+    assert scaler.layer_scales() == fresh.layer_scales()
+    assert scaler.get_scale() == fresh.get_scale()
+    assert history_after_first == 1  # every update, new_scale or not, records the factors
+
+
+def _trained_per_layer_scaler():
+    model = chain()
+    scaler = mixprec.GradScaler("cpu", per_layer=True).watch(model)
+    _train_and_check(model, 32, scaler, steps=6, warmup=6, lr=0.0)
+    assert max(scaler.layer_scales().values()) > 1
+    return scaler
+
+
+def test_a_per_layer_checkpoint_in_a_plain_scaler_warns_what_to_pass():
+    saved = _trained_per_layer_scaler().state_dict()
+    plain = mixprec.GradScaler("cpu")
+    with pytest.warns(UserWarning, match=r"per_layer=True, cut_points=\['0', '1'"):
+        plain.load_state_dict(saved)
+    assert plain.get_scale() == saved["scale"]
+    assert "layerwise" not in plain.state_dict()
+
+
+def test_a_plain_checkpoint_resets_a_per_layer_scaler_to_factors_one():
+    """A checkpoint without per-layer state (per_layer=False, or torch's) loads the loss scale
+    and puts every factor back to 1, margins 0: the scaler then runs as a fresh per-layer one
+    that loaded the same checkpoint."""
+    x, t = _data(32)
+    plain_model = chain()
+    plain = mixprec.GradScaler("cpu", init_scale=2.0**12)
+    _one_step(plain_model, plain, torch.optim.SGD(plain_model.parameters(), lr=0.0), x, t)
+    checkpoint = plain.state_dict()
+
+    trained = _trained_per_layer_scaler()
+    trained.load_state_dict(checkpoint)
+    assert set(trained.layer_scales().values()) == {1.0}
+    assert trained.state_dict()["layerwise"]["margin"] == [0] * 8
+    assert trained.layer_scale_history() == []
+    before_watch = mixprec.GradScaler("cpu", per_layer=True)
+    before_watch.load_state_dict(_trained_per_layer_scaler().state_dict())
+    before_watch.load_state_dict(checkpoint)  # a later plain checkpoint replaces the pending one
+    fresh = mixprec.GradScaler("cpu", per_layer=True)
+    fresh.load_state_dict(checkpoint)
+    models = [chain() for _ in range(3)]
+    scalers = [trained, before_watch, fresh]
+    trails = []
+    for model, scaler in zip(models, scalers):
+        scaler.watch(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        trail = []
+        for _ in range(3):
+            _one_step(model, scaler, optimizer, x, t)
+            trail.append((scaler.get_scale(), scaler.layer_scales()))
+        trails.append(trail)
+    assert trails[0] == trails[1] == trails[2]

@@ -628,7 +628,9 @@ class GradScaler(torch.amp.GradScaler):
         Call once per iteration, after :meth:`step` for every optimizer. With ``new_scale`` the
         scale is set to it instead (a tensor's value is copied and clamped into
         ``[min_scale, max_scale]``, a NaN keeps the current scale; a float must lie in that
-        range). No host sync, except: with
+        range); with ``per_layer=True`` the cut points' factors are kept and the step's
+        per-layer statistics are discarded (the next update measures only its own step). No host
+        sync, except: with
         ``min_scale`` set and ``on_min_scale`` ``"raise"`` (or ``"warn"`` until it warned), one
         sync to check for an overflow at ``min_scale``; with ``history``, one sync.
 
@@ -665,6 +667,8 @@ class GradScaler(torch.amp.GradScaler):
         else:
             found_inf = self._combined_found_inf(recorded) if recorded else None
             new_state = state._replace(scale=validated_new_scale(new_scale, state.scale, self._config))
+            if self._layerwise is not None:  # factors kept; this step's statistics discarded
+                self._layerwise.skip_update()
         self._recent_scales.append(state.scale)
         if found_inf is not None and self._skipped_steps is not None:
             self._skipped_steps = self._skipped_steps + (found_inf != 0)
@@ -761,6 +765,9 @@ class GradScaler(torch.amp.GradScaler):
         restores all the options it was saved with. Either warns (``UserWarning``) naming each
         option set to a non-default value by the constructor (or a setter) that the checkpoint
         replaces with another value. The scale is clamped into ``[min_scale, max_scale]``. No-op when disabled.
+        With ``per_layer=True`` a checkpoint without per-layer state (``per_layer=False``, or
+        torch's) resets every cut point's factor to 1; a per-layer checkpoint loaded with
+        ``per_layer=False`` restores the loss scale only and warns (``UserWarning``).
 
         Raises:
             RuntimeError: if ``state_dict`` is empty (saved from a disabled scaler).
@@ -777,6 +784,18 @@ class GradScaler(torch.amp.GradScaler):
             warnings.warn(overridden_message(overridden), UserWarning, stacklevel=2)
         if self._layerwise is not None and "layerwise" in state_dict:
             self._layerwise.load_state_dict(state_dict["layerwise"])  # validates first
+        elif self._layerwise is not None:
+            self._layerwise.reset()  # a plain or torch checkpoint: every factor back to 1
+        elif "layerwise" in state_dict:
+            cuts = list(state_dict["layerwise"].get("cut_points", []))
+            warnings.warn(
+                f"this checkpoint holds per-layer scaling state (cut points {cuts!r}) that this "
+                "GradScaler (per_layer=False) ignores: only the loss scale is restored. To restore "
+                f"the factors, build it with GradScaler(..., per_layer=True, cut_points={cuts!r}) "
+                "and watch(model) the same model.",
+                UserWarning,
+                stacklevel=2,
+            )
         self._config = config
         self._on_min_scale = on_min_scale
         self._snapshot = dataclasses.replace(snapshot, scale=self._clamped(snapshot.scale))

@@ -565,6 +565,25 @@ class Layerwise:
         self.recent.append(state["exponent"])
         return absorbed
 
+    def skip_update(self) -> None:
+        """What ``update(new_scale=...)`` does here: the step's statistics are discarded (the next
+        update measures its own step only); factors, margins, trackers and budgets stay, and the
+        history records the unchanged factors. No host sync."""
+        state = self._device_state
+        if state is None:
+            return
+        state["stats"].fill_(-1.0)
+        state["overflow"] = torch.zeros_like(state["overflow"])
+        self.recent.append(state["exponent"])
+
+    def reset(self) -> None:
+        """Back to the start: every factor 1, margins 0, budgets full (what a checkpoint without
+        per-layer state loads into a per-layer scaler)."""
+        self._pending = None
+        if self._device_state is not None:
+            self._device_state = self._fresh_state(self._device_state["exponent"].device)
+        self.recent.clear()
+
     def _propagate(self, measured: torch.Tensor, positive: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
         """The change of every region's total exponent (regions 0..n), without a loop over cuts.
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mixprec.demo import fp8_figure
+from mixprec.demo import fp8_figure, layerwise_figure
 from mixprec.demo.environment import MAX_SPREAD, native_lowp
 from mixprec.demo.results import DemoResult, ModeResult, checks, format_fp8, rank, smooth, summarize
 from mixprec.demo.speed import KINDS, kind_name, speed_sentence
@@ -221,7 +221,8 @@ def _figures(result: DemoResult) -> list[dict[str, Any]]:
     if result.speed.get("sizes"):
         figures.append(_speed_figure(result))
     fp8 = fp8_figure.figure_spec(result)
-    return figures if fp8 is None else figures + [fp8]
+    layered = layerwise_figure.figure_spec(result)
+    return figures + [spec for spec in (fp8, layered) if spec is not None]
 
 
 def _speed_figure(result: DemoResult) -> dict[str, Any]:
@@ -252,6 +253,9 @@ def _plot(fig_spec: dict[str, Any], result: DemoResult, path: Path) -> None:
     name = fig_spec["name"]
     if name == "fp8":
         fp8_figure.plot(fig_spec, path)
+        return
+    if name == "layer_scales":
+        layerwise_figure.plot(fig_spec, path)
         return
     colors = {m.mode: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(result.modes)}
     if name == "speed":
@@ -396,7 +400,8 @@ each precision mode below, from the same initial weights and on the same batches
 
 def write_report(result: DemoResult, out: str | Path) -> dict[str, Path]:
     """Write ``results.json``, ``loss.png``, ``scale.png``, ``memory.png``, ``throughput.png``,
-    ``speed.png`` (when the speed panel ran), ``fp8.png`` (when an fp8 mode ran) and
+    ``speed.png`` (when the speed panel ran), ``fp8.png`` (when an fp8 mode ran),
+    ``layer_scales.png`` (when ``mixprec-fp16-layerwise`` ran) and
     ``index.html`` into ``out`` (created if needed); return their paths by name.
 
     Raises:

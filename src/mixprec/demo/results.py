@@ -46,6 +46,8 @@ class ModeResult:
     # fp8 modes: the layers' fp8 statistics over training and the guard's fallbacks (see
     # mixprec.demo.train._fp8_trace); empty for the other modes
     fp8: dict[str, Any] = field(default_factory=dict)
+    # per-layer scaling (mixprec-fp16-layerwise): {cut point: its factor after each step}
+    layer_scales: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def final_loss(self) -> float:

@@ -116,6 +116,7 @@ def run_mode(
     losses: list[torch.Tensor] = []
     fp8_windows: list[tuple[int, list[dict]]] = []
     scale_trace: list[tuple[torch.Tensor, torch.Tensor]] = []
+    layer_trace: list[torch.Tensor] = []  # per-layer scaling: the cut points' factors per step
     activations = 0
     timed = settings.timed_steps
     _sync(device)
@@ -156,6 +157,9 @@ def run_mode(
             _fp8_step(model, setup.fp8_guard, step, settings.steps, fp8_windows)
         if setup.scale_state is not None:
             scale_trace.append(setup.scale_state())
+        factors = getattr(setup.scaler, "layer_scales_async", lambda: None)()
+        if factors is not None:
+            layer_trace.append(factors)
         if progress is not None and (step % report_every == 0 or step == settings.steps - 1):
             scale = scale_trace[-1][0].item() if scale_trace else None
             progress.update(step + 1, losses[-1].item(), scale)
@@ -183,6 +187,9 @@ def run_mode(
         result.skipped_steps = torch.nonzero(skipped.bool()).flatten().tolist()
     if setup.fp8_guard is not None:
         result.fp8 = _fp8_trace(setup, fp8_windows)
+    if layer_trace:
+        names = list(setup.scaler.layer_scales())
+        result.layer_scales = dict(zip(names, torch.stack(layer_trace).cpu().T.tolist()))
     if progress is not None:
         progress.finish(result)
     return result

@@ -609,6 +609,12 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("layer_scales() needs GradScaler(..., per_layer=True).watch(model).")
         return self._layerwise.scales()
 
+    def layer_scales_async(self) -> torch.Tensor | None:
+        """The factors of :meth:`layer_scales` as a float32 tensor on the scale's device, in the
+        cut points' order, without a host sync (a new tensor each call: record it every step and
+        read later); ``None`` without ``per_layer=True`` or before the first :meth:`scale`."""
+        return None if self._layerwise is None else self._layerwise.factors()
+
     def layer_scale_history(self) -> list[dict[str, float]]:
         """:meth:`layer_scales` after each of the last 16 :meth:`update` calls, oldest first (kept
         on the device; one host sync to read). ``[]`` without ``per_layer=True``."""

@@ -619,6 +619,10 @@ class Layerwise:
         totals = self._membership.cpu() @ torch.tensor(self._host_values()["exponent"], dtype=torch.float32)
         return {name: scale * 2.0 ** int(t) for name, t in zip(self.names, totals[1:].tolist())}
 
+    def factors(self) -> torch.Tensor | None:
+        """``s_k`` as a new float32 device tensor (no host sync); ``None`` before the state exists."""
+        return None if self._device_state is None else pow2(self._device_state["exponent"])
+
     def history(self) -> list[dict[str, float]]:
         """``{cut point: s_k}`` after each of the last :data:`HISTORY_LEN` updates, oldest first
         (one host sync)."""

@@ -1,5 +1,6 @@
-"""The demo's fp8 modes: they train through ``Policy.fp8`` with a guard, record the layers' fp8
-statistics, report fallbacks, and draw the fp8 figure."""
+"""The demo's fp8 modes with a guard (``mixprec-fp8-guard``, ``mixprec-fp8-rowwise-guard``): they
+train through ``Policy.fp8``, record the layers' fp8 statistics, report fallbacks, and draw the fp8
+figure (the controller modes: tests/test_demo_controller.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from mixprec.demo.train import run_demo, run_mode
 
 CPU = torch.device("cpu")
 MICRO = ModelConfig(seq_len=16, d_model=32, n_layers=1, n_heads=2)
-FP8_MODES = ("mixprec-fp8", "mixprec-fp8-rowwise")
+FP8_MODES = ("mixprec-fp8-guard", "mixprec-fp8-rowwise-guard")
 
 
 def micro(steps: int, seed: int = 0) -> Settings:
@@ -71,8 +72,8 @@ def test_fp8_runs_record_statistics_of_the_selected_layers(fp8_demo: DemoResult)
     # the same seed trains the same in both fp8 modes up to the first fp8 cast: different recipes
     # give different losses, while fp8 and fp32 start from the same first loss
     first = {name: fp8_demo.of(name)[0].losses for name in ("fp32", *FP8_MODES)}
-    assert first["mixprec-fp8"] != first["mixprec-fp8-rowwise"]
-    assert abs(first["mixprec-fp8"][0] - first["fp32"][0]) < 0.01
+    assert first["mixprec-fp8-guard"] != first["mixprec-fp8-rowwise-guard"]
+    assert abs(first["mixprec-fp8-guard"][0] - first["fp32"][0]) < 0.01
 
 
 def test_fp8_modes_are_deterministic(data: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -94,7 +95,7 @@ def test_fp8_summary_compares_final_loss_with_fp32(fp8_demo: DemoResult) -> None
         worst = summary[name]["worst_underflow"]
         assert worst["layer"] in summary[name]["layers"] and worst["seed"] in (0, 1)
     lines = format_fp8(fp8_demo)
-    assert lines[0].startswith("mixprec-fp8 (tensorwise, 3 fp8 layers): no layer fell back over 2 seeds; final loss ")
+    assert lines[0].startswith("mixprec-fp8-guard (tensorwise, 3 fp8 layers): no layer fell back over 2 seeds; in fp8 100.0% of layer-steps; final loss ")
     assert "max(1.5%, 2 sd of the difference)" in lines[0]
     assert format_table(fp8_demo).splitlines()[-2:] == lines
 
@@ -107,8 +108,8 @@ def test_report_draws_the_fp8_figure(fp8_demo: DemoResult, tmp_path) -> None:
     assert set(data["fp8"]) == set(FP8_MODES)
     figure = next(f for f in data["figures"] if f["name"] == "fp8")
     assert set(figure["data"]["series"]) == set(FP8_MODES)
-    assert figure["data"]["series"]["mixprec-fp8"] == fp8_demo.of("mixprec-fp8")[0].fp8
-    assert "mixprec-fp8: no layer fell back over 2 seeds" in figure["caption"]
+    assert figure["data"]["series"]["mixprec-fp8-guard"] == fp8_demo.of("mixprec-fp8-guard")[0].fp8
+    assert "mixprec-fp8-guard: no layer fell back over 2 seeds" in figure["caption"]
     rule = "when an operand's underflow exceeds 0.05 (dotted red line) or an operand has an inf/NaN;"
     assert rule in figure["caption"]
     assert 'src="fp8.png"' in paths["index"].read_text()
@@ -141,7 +142,9 @@ def test_a_layer_crossing_the_guard_falls_back_and_is_reported(
     line = format_fp8(result)[0]
     assert line.startswith("fp8-strict (tensorwise, 3 fp8 layers): 3 fallback(s) to bf16: "
                            "blocks.0.fc at step 10 (output sqnr_db = ")
-    assert "< 200)" in line
+    assert "< 200)" in line and "; in fp8 83.3% of layer-steps; " in line
+    # each layer ran fp8 on steps 0-9 of 12, then bf16
+    assert run.fp8["fp8_steps"] == dict.fromkeys(names, 10) and run.fp8["fp8_fraction"] == 10 / 12
     assert line.endswith("one seed: no verdict, --seeds 3 measures the spread)")  # no spread from one seed
     assert fp8_summary(result)["fp8-strict"]["final_vs_base"]["within"] is None
     pytest.importorskip("matplotlib")

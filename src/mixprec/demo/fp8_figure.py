@@ -58,14 +58,25 @@ def figure_spec(result: DemoResult) -> dict[str, Any] | None:
     seeds = len(result.seeds)
     seed = f" (seed {result.seeds[0]})" if seeds > 1 else ""
     every = next(iter(summary.values()))["every"]
-    limits = next(iter(summary.values()))["thresholds"]
+    guarded = [e for e in summary.values() if e["judge"] == "guard"]
+    limits = guarded[0]["thresholds"] if guarded else next(iter(summary.values()))["thresholds"]
+    rule = (f"The guard moves a layer back to bf16 when {_rule(limits)}; a vertical line in the layer's colour "
+            "marks a fallback, a cross the underflow that caused it. " if guarded else
+            f"The controller moves a layer up its ladder when its forecast underflow exceeds "
+            f"{limits['max_underflow']:.4g} (dotted red line) or it has an inf/NaN, and back down when the "
+            "format below is safe again. ")
     guard = []
     for name, entry in summary.items():
         falls = entry["fallbacks"]
         worst = entry["worst_underflow"]
         worst_text = (f"; its worst underflow was {_percent(worst['value'])} ({worst['layer']} {worst['operand']}, "
                       f"window ending at step {worst['step']})" if worst else "")
-        if falls:
+        if entry["judge"] == "controller":
+            n = len(entry["decisions"])
+            over = f" over {seeds} seeds" if seeds > 1 else ""
+            guard.append(f"{name}: the controller made {n} decision{'' if n == 1 else 's'}{over} (triangles on the "
+                         f"loss curve), in fp8 {entry['fp8_fraction']:.1%} of layer-steps{worst_text}")
+        elif falls:
             names = ", ".join(f"{f['layer']} at step {f['step']} ({f['operand']} {f['statistic']} {f['value']:.4g}"
                               + (f", seed {f['seed']}" if seeds > 1 else "") + ")" for f in falls)
             guard.append(f"{name}: the guard moved {names} back to bf16{worst_text}")
@@ -77,9 +88,7 @@ def figure_spec(result: DemoResult) -> dict[str, Any] | None:
         f"Linear staying in bf16: every {every} steps, the worst value over the window of the absolute "
         "maximum of the input, the weight and the gradient of the output (the scale is the format's "
         "largest value over it, per tensor or per row), and of the fraction of nonzero values the "
-        f"scaled cast flushed to zero. The guard moves a layer back to bf16 when {_rule(limits)}; a "
-        "vertical line in the layer's colour marks a fallback, a cross the underflow that caused it. "
-        + "; ".join(guard) + "."
+        "scaled cast flushed to zero. " + rule + "; ".join(guard) + "."
     )
     return {
         "name": "fp8",

@@ -15,9 +15,13 @@ scaler and autocast around a freshly built float32 model.
   ``mixprec.GradScaler``.
 - ``mixprec-fp8``: ``mixprec.autocast`` with ``Policy.parse("compute=bf16").fp8("tensorwise")``:
   the Linear layers between the first and the last run their GEMMs in fp8 (emulated on CPU), the
-  rest in bf16, with an :class:`mixprec.fp8.Guard` that moves a layer back to bf16 when it goes
-  wrong; the training loop records the layers' fp8 statistics every ``Guard.every`` steps.
-- ``mixprec-fp8-rowwise``: the same with the ``rowwise`` recipe.
+  rest in bf16, with a :class:`mixprec.Controller` that moves a layer up its ladder (rowwise, then
+  bf16) before its statistics fail and back down when they calm; the training loop records the
+  layers' fp8 statistics every :data:`FP8_EVERY` steps, and the controller's decisions.
+- ``mixprec-fp8-rowwise``: the same with the ``rowwise`` recipe (its ladder starts there).
+- ``mixprec-fp8-guard``, ``mixprec-fp8-rowwise-guard`` (not run by default): the same two with
+  an :class:`mixprec.fp8.Guard` instead, which moves a layer back to bf16 for good when it goes
+  wrong.
 - ``torch-amp-bf16`` (not run by default): ``torch.autocast`` (bfloat16), the reference of
   ``mixprec-bf16``.
 
@@ -44,6 +48,7 @@ import mixprec
 from mixprec.demo.settings import Settings
 
 if TYPE_CHECKING:
+    from mixprec import Controller
     from mixprec.fp8 import Guard
 
 __all__ = ["MODES", "DEFAULT_MODES", "FP8_EVERY", "Mode", "Setup", "check_modes"]
@@ -65,9 +70,11 @@ class Setup:
     scaler: _Scaler | None = None
     # after scaler.update(): (current scale, whether the step was skipped), both device tensors
     scale_state: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
-    # fp8 modes: the guard the loop steps after every optimizer step (``guard.step(model)``),
-    # reading the layers' statistics at the end of each of its windows; and the recipe's name
+    # fp8 modes: the guard (``guard.step(model)``) or controller (``controller.step()``) the loop
+    # steps after every optimizer step, reading the layers' statistics at the end of each of its
+    # windows (one of the two); and the recipe's name
     fp8_guard: Guard | None = None
+    fp8_controller: Controller | None = None
     fp8_recipe: str = ""
 
 
@@ -191,7 +198,7 @@ def _setup_fp16_master(model: nn.Module, s: Settings, device: torch.device) -> S
     return Setup(model, mixprec.MasterWeights(_adamw(model.parameters(), s)), scaler=scaler, scale_state=scale_state)
 
 
-#: Steps between two readings of the fp8 statistics (and two decisions of the guard).
+#: Steps between two readings of the fp8 statistics (and two decisions of the guard or controller).
 FP8_EVERY = 10
 
 
@@ -213,6 +220,24 @@ def _setup_fp8(recipe: str, **thresholds: Any) -> Callable[[nn.Module, Settings,
     return setup
 
 
+def _setup_fp8_controlled(recipe: str, **settings: Any) -> Callable[[nn.Module, Settings, torch.device], Setup]:
+    """As :func:`_setup_fp8`, with a :class:`mixprec.Controller` deciding every
+    :data:`FP8_EVERY` steps (its defaults unless ``settings``, ``Controller``'s arguments, say
+    otherwise; its ladder starts at ``recipe``: tensorwise, rowwise, bf16) instead of a guard.
+
+    The loop calls ``controller.step()`` after each optimizer step and reads the statistics just
+    before each of its checks (which reset the windows).
+    """
+
+    def setup(model: nn.Module, s: Settings, device: torch.device) -> Setup:
+        ctl = mixprec.Controller(every=FP8_EVERY, **settings)
+        policy = mixprec.Policy.parse("compute=bf16").fp8(recipe, controller=ctl)
+        autocast = lambda: mixprec.autocast(device.type, policy=policy)  # noqa: E731
+        return Setup(model, _adamw(model.parameters(), s), autocast, fp8_controller=ctl, fp8_recipe=recipe)
+
+    return setup
+
+
 _ALL_MODES = (
     Mode("fp32", "float32 weights and compute", (), _setup_fp32),
     Mode("torch-amp", "torch.autocast fp16 + torch.amp.GradScaler (reference)", (),
@@ -230,10 +255,14 @@ _ALL_MODES = (
          ("to_low_precision", "optim.AdamW"), _setup_bf16("stochastic"), cpu_cost=2.2),
     Mode("fp16-master", "fp16 weights + fp32 MasterWeights + mixprec.GradScaler",
          ("to_low_precision", "MasterWeights", "GradScaler"), _setup_fp16_master, cpu_cost=8.0),
-    Mode("mixprec-fp8", "mixprec.autocast bf16 + fp8 tensorwise Linear layers (policy, guard)",
-         ("autocast", "Policy.fp8", "fp8.Guard"), _setup_fp8("tensorwise"), cpu_cost=5.0),
-    Mode("mixprec-fp8-rowwise", "mixprec.autocast bf16 + fp8 rowwise Linear layers (policy, guard)",
-         ("autocast", "Policy.fp8", "fp8.Guard"), _setup_fp8("rowwise"), cpu_cost=5.5),
+    Mode("mixprec-fp8", "mixprec.autocast bf16 + fp8 tensorwise Linear layers (policy, controller)",
+         ("autocast", "Policy.fp8", "Controller"), _setup_fp8_controlled("tensorwise"), cpu_cost=5.0),
+    Mode("mixprec-fp8-rowwise", "mixprec.autocast bf16 + fp8 rowwise Linear layers (policy, controller)",
+         ("autocast", "Policy.fp8", "Controller"), _setup_fp8_controlled("rowwise"), cpu_cost=5.5),
+    Mode("mixprec-fp8-guard", "mixprec.autocast bf16 + fp8 tensorwise Linear layers (policy, guard)",
+         ("autocast", "Policy.fp8", "fp8.Guard"), _setup_fp8("tensorwise"), default=False, cpu_cost=5.0),
+    Mode("mixprec-fp8-rowwise-guard", "mixprec.autocast bf16 + fp8 rowwise Linear layers (policy, guard)",
+         ("autocast", "Policy.fp8", "fp8.Guard"), _setup_fp8("rowwise"), default=False, cpu_cost=5.5),
     Mode("torch-amp-bf16", "torch.autocast bf16 (reference of mixprec-bf16)", (),
          _setup_amp("torch", torch.bfloat16), default=False, cpu_cost=1.2),
 )

@@ -242,8 +242,11 @@ FP8_LOSS_TOLERANCE = 0.015
 
 
 def fp8_summary(result: DemoResult) -> dict[str, Any]:
-    """Per fp8 mode (a mode whose runs recorded fp8 statistics): its recipe and fp8 layers, the
-    guard's fallbacks over every seed, the worst underflow seen, and its mean final training loss
+    """Per fp8 mode (a mode whose runs recorded fp8 statistics): its recipe and fp8 layers, what
+    judged them (``judge``: ``"guard"`` or ``"controller"``), the guard's fallbacks and the
+    controller's decisions over every seed (each with its ``seed``), the share of layer-steps run
+    in fp8 (``fp8_fraction``: the mean over seeds, ``fp8_fractions`` per seed; a guard mode keeps a
+    layer in fp8 until it falls back), the worst underflow seen, and its mean final training loss
     against the first mode's (fp32's): ``within`` when ``|difference| <= tolerance``, the larger
     of 1.5% of fp32's mean and twice the standard deviation over the seeds of the seed-by-seed
     difference; from one seed the spread is unknown and ``within`` is None (no verdict).
@@ -272,9 +275,14 @@ def fp8_summary(result: DemoResult) -> dict[str, Any]:
             "layers": list(runs[0].fp8["layers"]),
             "every": runs[0].fp8["every"],
             "thresholds": runs[0].fp8["thresholds"],
+            "judge": runs[0].fp8.get("judge", "guard"),
             "fallbacks": [{**f, "seed": r.seed} for r in runs for f in r.fp8["fallbacks"]],
+            "decisions": [{**d, "seed": r.seed} for r in runs for d in r.fp8.get("decisions", [])],
+            "fp8_fractions": {r.seed: r.fp8["fp8_fraction"] for r in runs if "fp8_fraction" in r.fp8},
             "worst_underflow": worst if worst["value"] >= 0 else None,
         }
+        fractions = list(entry["fp8_fractions"].values())
+        entry["fp8_fraction"] = statistics.fmean(fractions) if fractions else None
         if paired and name != names[0]:
             diffs = [r.final_loss - base[r.seed] for r in paired]
             base_mean = statistics.fmean(base[r.seed] for r in paired)
@@ -304,7 +312,9 @@ def format_fp8(result: DemoResult) -> list[str]:
         seeds = len(result.of(name))
         over = f" over {seeds} seeds" if seeds > 1 else ""
         falls = entry["fallbacks"]
-        if falls:
+        if entry["judge"] == "controller":
+            guard = _decisions_text(entry["decisions"], seeds, over)
+        elif falls:
             guard = "; ".join((f"seed {f['seed']}: " if seeds > 1 else "")
                               + f"{f['layer']} at step {f['step']} ({f['operand']} {f['statistic']} "
                               f"= {f['value']:.4g} {'<' if f['statistic'] == 'sqnr_db' else '>'} {f['threshold']:g})"
@@ -313,6 +323,8 @@ def format_fp8(result: DemoResult) -> list[str]:
         else:
             guard = f"no layer fell back{over}"
         line = f"{name} ({entry['recipe']}, {len(entry['layers'])} fp8 layers): {guard}"
+        if entry["fp8_fraction"] is not None:
+            line += f"; in fp8 {entry['fp8_fraction']:.1%} of layer-steps"
         vs = entry.get("final_vs_base")
         if vs is not None:
             line += f"; final loss {vs['mean']:.4f} vs {vs['base']} {vs['base_mean']:.4f} ({vs['relative']:+.2%}"
@@ -323,3 +335,20 @@ def format_fp8(result: DemoResult) -> list[str]:
                 line += f", {verdict} {vs['tolerance']:.4f} = max(1.5%, 2 sd of the difference))"
         lines.append(line)
     return lines
+
+
+#: the controller's decisions a line of :func:`format_fp8` names (then "and N more")
+_NAMED_DECISIONS = 4
+
+
+def _decisions_text(decisions: list[dict[str, Any]], seeds: int, over: str) -> str:
+    """The controller's decisions in words, e.g. ``2 controller decisions: blocks.0.fc promote
+    fp8-tensorwise -> fp8-rowwise at step 40 (input underflow forecast 0.06 > 0.05); ...``."""
+    if not decisions:
+        return f"no controller decision{over}"
+    named = "; ".join((f"seed {d['seed']}: " if seeds > 1 else "")
+                      + f"{d['layer']} {d['action']} {d['from']} -> {d['to']} at step {d['step']} ({d['reason']})"
+                      for d in decisions[:_NAMED_DECISIONS])
+    more = len(decisions) - _NAMED_DECISIONS
+    return (f"{len(decisions)} controller decision{'s' if len(decisions) > 1 else ''}{over}: {named}"
+            + (f"; and {more} more (results.json)" if more > 0 else ""))

@@ -153,8 +153,8 @@ def run_mode(
             warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"), UserWarning)
             schedule.step()
         losses.append(loss.detach())
-        if setup.fp8_guard is not None:
-            _fp8_step(model, setup.fp8_guard, step, settings.steps, fp8_windows)
+        if setup.fp8_guard is not None or setup.fp8_controller is not None:
+            _fp8_step(model, setup, step, settings.steps, fp8_windows)
         if setup.scale_state is not None:
             scale_trace.append(setup.scale_state())
         factors = getattr(setup.scaler, "layer_scales_async", lambda: None)()
@@ -185,8 +185,8 @@ def run_mode(
         scales, skipped = (torch.stack(t).cpu() for t in zip(*scale_trace))
         result.scales = scales.float().tolist()
         result.skipped_steps = torch.nonzero(skipped.bool()).flatten().tolist()
-    if setup.fp8_guard is not None:
-        result.fp8 = _fp8_trace(setup, fp8_windows)
+    if setup.fp8_guard is not None or setup.fp8_controller is not None:
+        result.fp8 = _fp8_trace(setup, fp8_windows, settings.steps)
     if layer_trace:
         names = list(setup.scaler.layer_scales())
         result.layer_scales = dict(zip(names, torch.stack(layer_trace).cpu().T.tolist()))
@@ -195,33 +195,79 @@ def run_mode(
     return result
 
 
-def _fp8_step(model: nn.Module, guard: fp8.Guard, step: int, steps: int, windows: list[tuple[int, list[dict]]]) -> None:
-    """After step ``step`` of an fp8 mode: at the end of each guard window (and at the last step)
-    read every fp8 layer's statistics (one host sync), then let the guard judge the window."""
-    if (step + 1) % guard.every == 0 or step == steps - 1:
+def _fp8_step(model: nn.Module, setup: Setup, step: int, steps: int, windows: list[tuple[int, list[dict]]]) -> None:
+    """After step ``step`` of an fp8 mode: at the end of each window of its guard or controller
+    (and at the last step) read every fp8 layer's statistics (one host sync), then let the guard
+    or controller judge the window (a check resets the windows)."""
+    judge = setup.fp8_guard if setup.fp8_guard is not None else setup.fp8_controller
+    if (step + 1) % judge.every == 0 or step == steps - 1:
         windows.append((step + 1, fp8.stats(model).to_list()))
-    guard.step(model)  # once per optimizer step: its step + 1
+    if setup.fp8_guard is not None:
+        setup.fp8_guard.step(model)  # once per optimizer step: its step + 1
+    else:
+        setup.fp8_controller.step()
 
 
-def _fp8_trace(setup: Setup, windows: list[tuple[int, list[dict]]]) -> dict[str, Any]:
+def _fp8_trace(setup: Setup, windows: list[tuple[int, list[dict]]], steps: int) -> dict[str, Any]:
     """The fp8 statistics of a run as series: per layer and operand, each statistic's worst value
-    over each window (the window ending after ``steps[i]`` steps), and the guard's fallbacks."""
+    over each window (the window ending after ``steps[i]`` steps); the guard's fallbacks or the
+    controller's decisions (``decisions``, each with ``from``/``to``); and per layer the training
+    steps it ran in an fp8 format (``fp8_steps``), ``fp8_fraction`` their share of all layer-steps.
+
+    A decision (or fallback) at step ``s`` takes effect from the step of index ``s`` on.
+    """
     layers: dict[str, dict[str, dict[str, list[float]]]] = {}
     for _, rows in windows:
         for row in rows:
             series = layers.setdefault(row["layer"], {}).setdefault(row["operand"], {})
             for stat in _FP8_STATS:
                 series.setdefault(stat, []).append(row[stat])
-    guard = setup.fp8_guard
-    return {
-        "recipe": setup.fp8_recipe,
-        "every": guard.every,
-        "thresholds": {"max_underflow": guard.max_underflow, "max_nonfinite": guard.max_nonfinite,
-                       "max_saturated": guard.max_saturated, "min_sqnr_db": guard.min_sqnr_db},
-        "steps": [end for end, _ in windows],
-        "layers": layers,
-        "fallbacks": [dataclasses.asdict(d) for d in guard.decisions.values()],
-    }
+    trace: dict[str, Any] = {"recipe": setup.fp8_recipe, "steps": [end for end, _ in windows], "layers": layers}
+    if setup.fp8_guard is not None:
+        guard = setup.fp8_guard
+        trace.update(
+            every=guard.every, judge="guard",
+            thresholds={"max_underflow": guard.max_underflow, "max_nonfinite": guard.max_nonfinite,
+                        "max_saturated": guard.max_saturated, "min_sqnr_db": guard.min_sqnr_db},
+            fallbacks=[dataclasses.asdict(d) for d in guard.decisions.values()], decisions=[],
+        )
+        switches = [(f["step"], f["layer"], False) for f in trace["fallbacks"]]
+    else:
+        ctl = setup.fp8_controller
+        decisions = [{("from" if k == "from_" else k): v for k, v in dataclasses.asdict(d).items()} for d in ctl.log]
+        trace.update(
+            every=ctl.every, judge="controller", controller=ctl.config(),
+            thresholds={"max_underflow": ctl.max_underflow, "max_nonfinite": ctl.max_nonfinite,
+                        "max_saturated": None, "min_sqnr_db": None},
+            fallbacks=[], decisions=decisions,
+        )
+        switches = [(d["step"], d["layer"], d["to"].startswith("fp8")) for d in decisions]
+    trace["fp8_steps"] = fp8_steps(list(layers), switches, steps)
+    total = len(layers) * steps
+    trace["fp8_fraction"] = sum(trace["fp8_steps"].values()) / total if total else 0.0
+    return trace
+
+
+def fp8_steps(layers: list[str], switches: list[tuple[int, str, bool]], steps: int) -> dict[str, int]:
+    """Per layer, how many of the steps ``0 .. steps - 1`` it ran in an fp8 format, starting in
+    one, given ``switches`` ``(step, layer, in fp8 after)`` in step order (each taking effect from
+    the step of index ``step`` on).
+
+    Example:
+        >>> fp8_steps(["a", "b"], [(10, "a", False), (40, "a", True)], 100)
+        {'a': 70, 'b': 100}
+    """
+    out = {}
+    for layer in layers:
+        count, since, on = 0, 0, True
+        for step, name, after in switches:
+            if name != layer or after == on:
+                continue
+            if on:
+                count += min(step, steps) - since
+            since, on = min(step, steps), after
+        out[layer] = count + (steps - since if on else 0)
+    return out
 
 
 #: the statistics of ``fp8.stats`` the demo keeps (see docs/fp8.md)

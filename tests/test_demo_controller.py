@@ -1,0 +1,114 @@
+"""The demo's fp8 modes with the controller (``mixprec-fp8``, ``mixprec-fp8-rowwise``): results
+hold its decisions and the share of layer-steps in fp8; the report marks the decisions on the loss
+curve and gives the share in each fp8 mode's line."""
+
+from __future__ import annotations
+
+import html
+import json
+
+import pytest
+import torch
+
+import mixprec
+from mixprec.demo import modes
+from mixprec.demo.model import ModelConfig, TransformerLM
+from mixprec.demo.modes import DEFAULT_MODES, MODES, Mode
+from mixprec.demo.report import write_report
+from mixprec.demo.results import DemoResult, format_fp8
+from mixprec.demo.settings import Settings
+from mixprec.demo.train import fp8_steps, run_demo, run_mode
+
+CPU = torch.device("cpu")
+MICRO = ModelConfig(seq_len=16, d_model=32, n_layers=1, n_heads=2)
+LAYERS = ["blocks.0.proj", "blocks.0.fc", "blocks.0.out"]
+
+
+def micro(steps: int, seed: int = 0) -> Settings:
+    return Settings(model=MICRO, steps=steps, batch_size=2, lr=3e-3, seed=seed, eval_batches=1)
+
+
+@pytest.fixture(scope="module")
+def switching() -> DemoResult:
+    """fp32 and a controller that promotes on any underflow and demotes after one clean window
+    (no dwell), 35 steps: checks at steps 10, 20 and 30."""
+    mode = Mode("fp8-eager", "fp8 with a controller on a hair trigger", (),
+                modes._setup_fp8_controlled("tensorwise", max_underflow=0.0, demote_underflow=0.0,
+                                            min_dwell=0, demote_windows=1))
+    MODES["fp8-eager"] = mode
+    try:
+        return run_demo(micro(steps=35), ["fp32", "fp8-eager"], CPU, seeds=1)
+    finally:
+        del MODES["fp8-eager"]
+
+
+def test_the_default_fp8_modes_run_with_the_controller_and_the_guard_modes_are_opt_in() -> None:
+    torch.manual_seed(0)
+    for name, recipe in (("mixprec-fp8", "tensorwise"), ("mixprec-fp8-rowwise", "rowwise"),
+                         ("mixprec-fp8-guard", "tensorwise"), ("mixprec-fp8-rowwise-guard", "rowwise")):
+        setup = MODES[name].setup(TransformerLM(MICRO), micro(1), CPU)
+        guarded = name.endswith("-guard")
+        assert (setup.fp8_guard is not None) == guarded and (setup.fp8_controller is None) == guarded, name
+        judge = setup.fp8_guard if guarded else setup.fp8_controller
+        assert judge.every == modes.FP8_EVERY and setup.fp8_recipe == recipe
+        assert (name in DEFAULT_MODES) != guarded
+    assert isinstance(MODES["mixprec-fp8"].setup(TransformerLM(MICRO), micro(1), CPU).fp8_controller, mixprec.Controller)
+
+
+def test_a_quiet_controller_run_keeps_every_layer_in_fp8() -> None:
+    run = run_mode("mixprec-fp8", micro(steps=3), CPU)
+    assert run.fp8["judge"] == "controller" and run.fp8["decisions"] == [] and run.fp8["fallbacks"] == []
+    assert run.fp8["fp8_steps"] == dict.fromkeys(LAYERS, 3) and run.fp8["fp8_fraction"] == 1.0
+    assert run.fp8["controller"] == mixprec.Controller(every=modes.FP8_EVERY).config()
+
+
+def test_the_run_records_the_controller_decisions_and_the_fp8_share(switching: DemoResult) -> None:
+    run = switching.of("fp8-eager")[0]
+    got = [(d["step"], d["layer"], d["action"], d["from"], d["to"]) for d in run.fp8["decisions"]]
+    assert got == [
+        (20, "blocks.0.fc", "promote", "fp8-tensorwise", "fp8-rowwise"),
+        (20, "blocks.0.out", "promote", "fp8-tensorwise", "fp8-rowwise"),
+        (30, "blocks.0.fc", "demote", "fp8-rowwise", "fp8-tensorwise"),
+        (30, "blocks.0.out", "promote", "fp8-rowwise", "bf16"),
+    ]
+    # blocks.0.out runs bf16 from step 30: 30 of its 35 steps in fp8 (rowwise counts as fp8)
+    assert run.fp8["fp8_steps"] == {"blocks.0.proj": 35, "blocks.0.fc": 35, "blocks.0.out": 30}
+    assert run.fp8["fp8_fraction"] == pytest.approx(100 / 105)
+    # in bf16 the layer casts nothing to fp8: its last window (steps 30-34) records no amax
+    assert [s["amax"][-1] for s in run.fp8["layers"]["blocks.0.out"].values()] == [0.0, 0.0, 0.0]
+    assert all(s["amax"][-1] > 0 for s in run.fp8["layers"]["blocks.0.fc"].values())
+    line = format_fp8(switching)[0]
+    assert line.startswith("fp8-eager (tensorwise, 3 fp8 layers): 4 controller decisions: blocks.0.fc promote "
+                           "fp8-tensorwise -> fp8-rowwise at step 20 (weight underflow forecast ")
+    assert "; in fp8 95.2% of layer-steps; final loss " in line
+
+
+def test_fp8_steps_counts_the_steps_before_each_switch_out_of_fp8() -> None:
+    assert fp8_steps(["a"], [], 7) == {"a": 7}
+    # fp8 -> fp8 switches change nothing; out at 4, back at 6, out again at 9 (of 10)
+    switches = [(2, "a", True), (4, "a", False), (5, "a", False), (6, "a", True), (9, "a", False), (3, "b", False)]
+    assert fp8_steps(["a", "b"], switches, 10) == {"a": 4 + 3, "b": 3}
+
+
+def test_the_report_marks_the_decisions_and_gives_the_fp8_share(switching: DemoResult, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    paths = write_report(switching, tmp_path)
+    data = json.loads(paths["results"].read_text())
+    entry = data["fp8"]["fp8-eager"]
+    assert entry["judge"] == "controller" and len(entry["decisions"]) == 4
+    assert entry["decisions"][0]["seed"] == 0 and entry["fp8_fraction"] == pytest.approx(100 / 105)
+    assert data["runs"][1]["fp8"]["decisions"] == switching.of("fp8-eager")[0].fp8["decisions"]
+    loss = next(f for f in data["figures"] if f["name"] == "loss")
+    smoothed = loss["data"]["smoothed"]["fp8-eager"]
+    assert loss["data"]["decisions"]["fp8-eager"] == [
+        {"step": s, "layer": layer, "action": a, "loss": smoothed[s - 1]}
+        for s, layer, a in ((20, "blocks.0.fc", "promote"), (20, "blocks.0.out", "promote"),
+                            (30, "blocks.0.fc", "demote"), (30, "blocks.0.out", "promote"))]
+    page = paths["index"].read_text()
+    assert "Triangles on an fp8 mode&#x27;s curve mark its controller&#x27;s decisions" in page or \
+        "Triangles on an fp8 mode's curve mark its controller's decisions" in page
+    assert "fp8-eager 4." in loss["caption"]
+    assert f"<li>{html.escape(format_fp8(switching)[0])}</li>" in page
+    fp8_caption = next(f for f in data["figures"] if f["name"] == "fp8")["caption"]
+    assert "fp8-eager: the controller made 4 decisions (triangles on the loss curve), in fp8 95.2% of layer-steps" \
+        in fp8_caption

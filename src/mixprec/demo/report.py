@@ -172,12 +172,14 @@ def _figures(result: DemoResult) -> list[dict[str, Any]]:
                 "difference": {
                     m.mode: [a - b for a, b in zip(smoothed[m.mode], smoothed[base.mode])] for m in modes
                 },
+                "decisions": _decision_markers(modes, smoothed),
             },
             "caption": (
                 f"Training loss per step of every mode{seed} on the same batches from the same "
                 "initial weights (thin: raw, thick: trailing mean; "
                 f"{base.mode} dashed, on top), so the curves differ only by the numerics of each "
                 f"precision mode; the lower panel shows each minus {base.mode}. "
+                + _markers_caption(modes)
                 + rank(summarize(result))
             ),
         },
@@ -223,6 +225,23 @@ def _figures(result: DemoResult) -> list[dict[str, Any]]:
     fp8 = fp8_figure.figure_spec(result)
     layered = layerwise_figure.figure_spec(result)
     return figures + [spec for spec in (fp8, layered) if spec is not None]
+
+
+def _decision_markers(modes: list[ModeResult], smoothed: dict[str, list[float]]) -> dict[str, list[dict[str, Any]]]:
+    """Per fp8 mode with a controller, its decisions as loss-curve markers: the step (after that
+    many optimizer steps), layer, action and the smoothed loss there."""
+    return {m.mode: [{"step": d["step"], "layer": d["layer"], "action": d["action"],
+                      "loss": smoothed[m.mode][min(d["step"], len(m.losses)) - 1]} for d in m.fp8["decisions"]]
+            for m in modes if m.fp8.get("judge") == "controller"}
+
+
+def _markers_caption(modes: list[ModeResult]) -> str:
+    """The loss caption's sentence on the controller's markers; empty when no mode has one."""
+    counted = [(m.mode, len(m.fp8["decisions"])) for m in modes if m.fp8.get("judge") == "controller"]
+    if not counted:
+        return ""
+    return ("Triangles on an fp8 mode's curve mark its controller's decisions (up: a layer promoted to a "
+            "wider format, down: demoted back): " + ", ".join(f"{name} {n}" for name, n in counted) + ". ")
 
 
 def _speed_figure(result: DemoResult) -> dict[str, Any]:
@@ -278,6 +297,11 @@ def _plot(fig_spec: dict[str, Any], result: DemoResult, path: Path) -> None:
             ax.plot(steps, raw, alpha=0.2, linewidth=0.8, **style)
             ax.plot(steps, data["smoothed"][mode], linewidth=1.8 if mode == base else 1.4, label=label, **style)
             diff.plot(steps, data["difference"][mode], linewidth=1.2, **style)
+        for mode, marks in data.get("decisions", {}).items():  # the fp8 controller's switches
+            for action, marker in (("promote", "^"), ("demote", "v")):
+                at = [m for m in marks if m["action"] == action]
+                ax.scatter([m["step"] for m in at], [m["loss"] for m in at], marker=marker, s=40,
+                           color=colors[mode], edgecolors="black", linewidths=0.5, zorder=6)
         ax.set(ylabel="cross-entropy (nats/byte)")
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
         diff.set(xlabel="step", ylabel=f"minus {base}")

@@ -52,7 +52,11 @@ def test_the_default_fp8_modes_run_with_the_controller_and_the_guard_modes_are_o
         judge = setup.fp8_guard if guarded else setup.fp8_controller
         assert judge.every == modes.FP8_EVERY and setup.fp8_recipe == recipe
         assert (name in DEFAULT_MODES) != guarded
-    assert isinstance(MODES["mixprec-fp8"].setup(TransformerLM(MICRO), micro(1), CPU).fp8_controller, mixprec.Controller)
+    ladders = {name: MODES[name].setup(TransformerLM(MICRO), micro(1), CPU).fp8_controller.ladder
+               for name in ("mixprec-fp8", "mixprec-fp8-rowwise")}
+    # a rowwise mode never goes down to tensorwise: each mode measures its own recipe
+    assert ladders == {"mixprec-fp8": ("tensorwise", "rowwise", "compute", "fp32"),
+                       "mixprec-fp8-rowwise": ("rowwise", "compute", "fp32")}
 
 
 def test_a_quiet_controller_run_keeps_every_layer_in_fp8() -> None:
@@ -60,6 +64,7 @@ def test_a_quiet_controller_run_keeps_every_layer_in_fp8() -> None:
     assert run.fp8["judge"] == "controller" and run.fp8["decisions"] == [] and run.fp8["fallbacks"] == []
     assert run.fp8["fp8_steps"] == dict.fromkeys(LAYERS, 3) and run.fp8["fp8_fraction"] == 1.0
     assert run.fp8["controller"] == mixprec.Controller(every=modes.FP8_EVERY).config()
+    assert run_mode("mixprec-fp8-rowwise", micro(steps=1), CPU).fp8["controller"]["ladder"] == ["rowwise", "compute", "fp32"]
 
 
 def test_the_run_records_the_controller_decisions_and_the_fp8_share(switching: DemoResult) -> None:
@@ -105,8 +110,7 @@ def test_the_report_marks_the_decisions_and_gives_the_fp8_share(switching: DemoR
         for s, layer, a in ((20, "blocks.0.fc", "promote"), (20, "blocks.0.out", "promote"),
                             (30, "blocks.0.fc", "demote"), (30, "blocks.0.out", "promote"))]
     page = paths["index"].read_text()
-    assert "Triangles on an fp8 mode&#x27;s curve mark its controller&#x27;s decisions" in page or \
-        "Triangles on an fp8 mode's curve mark its controller's decisions" in page
+    assert html.escape("Triangles on an fp8 mode's curve mark its controller's decisions") in page
     assert "fp8-eager 4." in loss["caption"]
     assert f"<li>{html.escape(format_fp8(switching)[0])}</li>" in page
     fp8_caption = next(f for f in data["figures"] if f["name"] == "fp8")["caption"]

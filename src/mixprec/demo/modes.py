@@ -220,17 +220,24 @@ def _setup_fp8(recipe: str, **thresholds: Any) -> Callable[[nn.Module, Settings,
     return setup
 
 
+#: The controller's ladder in the fp8 modes, from the mode's recipe up: a rowwise mode never goes
+#: down to tensorwise, so that each mode measures its own recipe.
+_LADDER = ("tensorwise", "rowwise", "compute", "fp32")
+
+
 def _setup_fp8_controlled(recipe: str, **settings: Any) -> Callable[[nn.Module, Settings, torch.device], Setup]:
     """As :func:`_setup_fp8`, with a :class:`mixprec.Controller` deciding every
     :data:`FP8_EVERY` steps (its defaults unless ``settings``, ``Controller``'s arguments, say
     otherwise; its ladder starts at ``recipe``: tensorwise, rowwise, bf16) instead of a guard.
+    (fp32, the ladder's last rung, is reached only under fp16 compute.)
 
     The loop calls ``controller.step()`` after each optimizer step and reads the statistics just
     before each of its checks (which reset the windows).
     """
 
     def setup(model: nn.Module, s: Settings, device: torch.device) -> Setup:
-        ctl = mixprec.Controller(every=FP8_EVERY, **settings)
+        ladder = _LADDER[_LADDER.index(recipe):]
+        ctl = mixprec.Controller(every=FP8_EVERY, **{"ladder": ladder, **settings})
         policy = mixprec.Policy.parse("compute=bf16").fp8(recipe, controller=ctl)
         autocast = lambda: mixprec.autocast(device.type, policy=policy)  # noqa: E731
         return Setup(model, _adamw(model.parameters(), s), autocast, fp8_controller=ctl, fp8_recipe=recipe)

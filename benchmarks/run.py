@@ -78,6 +78,42 @@ def _diagnostics(res: dict[str, float]) -> list[Row]:
     ]
 
 
+def _layerwise(res: dict[str, Any]) -> list[Row]:
+    ref = "mixprec.GradScaler, one scale"
+    detail = f"global step {res['step_ms']:.1f} ms; skipped {res['skipped'][0]} / {res['skipped'][1]}"
+    return [
+        Row("layerwise", "training step, per-layer scaling", res["ratio"], ref,
+            f"{detail}; fastest rounds {res['ratio_of_fastest']:.3f}"),
+        Row("layerwise", "training step, per-layer factors pinned at 1", res["pinned_ratio"], ref, detail),
+    ]
+
+
+def _controller(res: dict[str, float]) -> list[Row]:
+    ref = "same fp8 policy, no controller"
+    return [
+        Row("controller", "training step, fp8 + Controller(every=10)", res["controller"], ref,
+            f"fp8 step {res['fp8_step_ms']:.1f} ms, ctl.step {res['ctl_step_ms']:.3f} ms, "
+            f"{int(res['host_reads'])} host reads between checks"),
+        Row("controller", "aten ops per 10 steps, Controller", res["ops"], ref),
+        Row("controller", "training step, promoted layers (shadow)", res["promoted"],
+            "fallen-back fp8 layers, no controller"),
+    ]
+
+
+def _fp8_formats(res: dict[str, Any]) -> list[Row]:
+    rows = []
+    for recipe, r in res["recipes"].items():
+        if r["step_ratio"] is None:  # blockwise: torchao's needs Triton
+            rows.append(Row("fp8_formats", f"training step, fp8 {recipe}", r["vs_fp32"],
+                            "fp32 step (no torchao CPU reference)", f"{r['mixprec_ms']:.1f} ms"))
+            continue
+        rows.append(Row("fp8_formats", f"training step, fp8 {recipe}", r["step_ratio"],
+                        f"torchao {recipe} (emulated)", f"{r['mixprec_ms']:.1f} vs {r['torchao_ms']:.1f} ms"))
+        rows.append(Row("fp8_formats", f"saved activations, fp8 {recipe}", r["saved_ratio"],
+                        f"torchao {recipe}", f"{r['saved_activations'] / 2**20:.2f} MiB"))
+    return rows
+
+
 #: module name under ``benchmarks`` -> adapter of its ``run()`` result to rows.
 BENCHMARKS: dict[str, Callable[[Any], list[Row]]] = {
     "autocast_overhead": _autocast,
@@ -86,6 +122,9 @@ BENCHMARKS: dict[str, Callable[[Any], list[Row]]] = {
     "diagnostics_overhead": _diagnostics,
     "fp8": lambda res: [Row(*row) for row in res["rows"]],
     "optim": lambda res: [Row(*row) for row in res["rows"]],
+    "layerwise": _layerwise,
+    "controller": _controller,
+    "fp8_formats": _fp8_formats,
 }
 
 

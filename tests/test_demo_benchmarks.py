@@ -130,3 +130,23 @@ def test_gpu_benchmark_refuses_cuda_without_cuda() -> None:
     proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--device", "cuda"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "CUDA is not available" in proc.stderr
+
+
+def test_layerwise_controller_and_fp8_formats_are_registered_with_their_rows() -> None:
+    from benchmarks.run import BENCHMARKS
+
+    layerwise = BENCHMARKS["layerwise"]({"ratio": 1.04, "ratio_of_fastest": 1.02, "pinned_ratio": 1.01,
+                                         "step_ms": 60.0, "skipped": (3, 5)})
+    assert [(r.figure, r.ratio) for r in layerwise] == [
+        ("training step, per-layer scaling", 1.04), ("training step, per-layer factors pinned at 1", 1.01)]
+    controller = BENCHMARKS["controller"]({"controller": 1.03, "promoted": 1.3, "fp8_step_ms": 150.0,
+                                           "ctl_step_ms": 0.04, "ops": 1.007, "host_reads": 0})
+    assert [r.ratio for r in controller] == [1.03, 1.007, 1.3] and "0 host reads" in controller[0].detail
+    recipe = {"mixprec_ms": 50.0, "torchao_ms": 70.0, "step_ratio": 50 / 70, "vs_fp32": 3.0,
+              "saved_activations": 2**20, "saved_ratio": 0.75}
+    formats = BENCHMARKS["fp8_formats"]({"recipes": {
+        "tensorwise": recipe, "blockwise": {**recipe, "torchao_ms": None, "step_ratio": None, "saved_ratio": None}}})
+    assert [(r.figure, r.ratio) for r in formats] == [
+        ("training step, fp8 tensorwise", 50 / 70), ("saved activations, fp8 tensorwise", 0.75),
+        ("training step, fp8 blockwise", 3.0)]
+    assert formats[-1].reference == "fp32 step (no torchao CPU reference)"

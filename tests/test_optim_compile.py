@@ -140,16 +140,18 @@ def test_kahan_rounding_for_the_compiler_is_torchs_rounding():
     assert torch.isnan(_rounded_for_compiler(torch.tensor([float("nan")]), torch.bfloat16)).all()
 
 
-def test_float16_kahan_compiled_without_emulated_casts_is_refused(monkeypatch):
+def test_float16_kahan_compiled_without_emulated_casts_is_refused():
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "emulate_precision_casts", False)
+    # config.patch, not monkeypatch: undoing a monkeypatched config entry hides it from later
+    # compiles ("emulate_precision_casts does not exist")
     p = torch.randn(8).half().requires_grad_()
     opt = AdamW([p], compensation="kahan", foreach=True)
     p.grad = torch.randn(8).half()
-    with pytest.raises(Exception, match="emulate_precision_casts"):
+    with inductor_config.patch(emulate_precision_casts=False):
+        with pytest.raises(Exception, match="emulate_precision_casts"):
+            torch.compile(opt.step, backend="aot_eager", fullgraph=True)()
+    with inductor_config.patch(emulate_precision_casts=True):
+        torch._dynamo.reset()
         torch.compile(opt.step, backend="aot_eager", fullgraph=True)()
-    monkeypatch.setattr(inductor_config, "emulate_precision_casts", True)
-    torch._dynamo.reset()
-    torch.compile(opt.step, backend="aot_eager", fullgraph=True)()
     assert opt.state[p]["kahan_comp"].abs().max() > 0

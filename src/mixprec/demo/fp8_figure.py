@@ -1,9 +1,10 @@
 """The demo report's fp8 figure: per fp8 layer and operand, amax and underflow over training, and
-the guard's fallbacks (drawn when a mode with fp8 layers ran, e.g. ``mixprec-fp8``).
+the guard's fallbacks or the controller's decision count (drawn when a mode with fp8 layers ran,
+e.g. ``mixprec-fp8``; the decisions themselves are marked on the loss figure).
 
 The data is what the training loop recorded (``ModeResult.fp8``, see
-:func:`mixprec.demo.train.run_mode`): every ``Guard.every`` steps, the worst value of each
-statistic over the window. matplotlib is imported by :func:`plot` only.
+:func:`mixprec.demo.train.run_mode`): every ``every`` steps of the guard or controller, the worst
+value of each statistic over the window. matplotlib is imported by :func:`plot` only.
 
 Example:
     >>> from mixprec.demo.results import DemoResult

@@ -543,14 +543,14 @@ def _post_eager(module: nn.Module, args: tuple, output: Any) -> Any:
 
 
 def _fp8_layers(root: nn.Module, policy: Policy) -> dict[int, tuple[nn.Module, Any, Any, str]]:
-    """The fp8 layers of the model called as ``root``: ``id(module) -> fp8 target``, without
-    the modules a keep rule selects or contains; the rule's guard tracks the layers (it
+    """The fp8 layers of the model called as ``root``: ``id(module) -> fp8 target`` (each with its
+    recipe, ``Fp8Rule.recipe_for``), without the modules a keep rule selects or contains; the rule's guard tracks the layers (it
     decides in ``guard.step()``, never in a forward: ranks may run different forwards)."""
     from mixprec import fp8
 
     rule = policy.fp8_rule
     model = getattr(root, "_orig_mod", root)  # torch.compile's wrapper
-    recipe = fp8.as_recipe(rule.recipe)
+    recipes = dict(rule.recipes)
     modules = dict(model.named_modules())
 
     def kept(fqn: str) -> bool:
@@ -559,11 +559,11 @@ def _fp8_layers(root: nn.Module, policy: Policy) -> dict[int, tuple[nn.Module, A
         return any(r.matches(modules[a], a) for a in ancestors for r in policy.module_rules)
 
     layers, named = {}, {}
-    for fqn in fp8.select_layers(model, rule.types, rule.names, rule.first_last, recipe):
+    for fqn in fp8.select_layers(model, rule.types, rule.names, rule.first_last, rule.recipe, recipes):
         module = modules[fqn]
         if kept(fqn):
             continue
-        layers[id(module)] = (module, recipe, fp8.layer_state(module), rule.backend)
+        layers[id(module)] = (module, rule.recipe_for(fqn), fp8.layer_state(module), rule.backend)
         named[fqn] = module
     if rule.guard is not None:
         rule.guard._policy_forward(model)  # its decisions apply now; warns if never stepped

@@ -7,6 +7,7 @@ region) and :func:`mixprec.to_low_precision` (leave matched modules' weights in 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,9 +91,16 @@ class Fp8Rule:
     such layer stay in the compute dtype unless ``first_last="fp8"``). Modules selected by a
     ``keep`` rule, or inside one, never run in fp8.
 
+    ``recipes`` gives layers their own recipe: ``{qualified name: recipe}`` (a mapping, stored as
+    sorted ``(name, recipe)`` pairs); the other selected layers run ``recipe``. Each named layer
+    must be one the rule selects, eligible for its own recipe (checked as the model runs:
+    ValueError otherwise).
+
     Example:
         >>> Fp8Rule("rowwise", names=r"blocks\\.").recipe_name
         'rowwise'
+        >>> Fp8Rule("tensorwise", recipes={"2": "mxfp8"}).recipe_for("2").name
+        'mxfp8'
     """
 
     recipe: Any = "tensorwise"  # a recipe name or a mixprec.fp8.Float8Recipe
@@ -102,6 +110,7 @@ class Fp8Rule:
     backend: str = "auto"
     guard: Any = field(default=None, compare=False)  # a mixprec.fp8.Guard (mutable: its decisions)
     controller: Any = field(default=None, compare=False)  # a mixprec.Controller (mutable: its rungs)
+    recipes: Any = ()  # {qualified name: recipe}, stored as sorted (name, recipe) pairs
 
     def __post_init__(self) -> None:
         if _tracing():  # see mixprec.policy._refuse_tracing
@@ -131,8 +140,37 @@ class Fp8Rule:
                 raise ValueError("Policy.fp8: give guard= or controller=, not both (the controller promotes "
                                  "a layer before the guard's thresholds are crossed, and demotes it again)")
         object.__setattr__(self, "types", types)
+        object.__setattr__(self, "recipes", _per_layer_recipes(self.recipes))
 
     @property
     def recipe_name(self) -> str:
-        """The recipe's name (``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``)."""
+        """The default recipe's name (``tensorwise``, ``rowwise``, ``mxfp8``, ...)."""
         return self.recipe if isinstance(self.recipe, str) else self.recipe.name
+
+    def recipe_for(self, fqn: str) -> Any:
+        """The :class:`mixprec.fp8.Float8Recipe` the layer named ``fqn`` runs: its own from
+        ``recipes``, else the rule's ``recipe``."""
+        from mixprec import fp8
+
+        return fp8.as_recipe(dict(self.recipes).get(fqn, self.recipe))
+
+
+def _per_layer_recipes(recipes: Any) -> tuple[tuple[str, Any], ...]:
+    """``recipes`` (a mapping or ``(name, recipe)`` pairs) as sorted pairs, each recipe validated."""
+    from mixprec import fp8
+
+    if isinstance(recipes, Mapping):
+        pairs = list(recipes.items())
+    elif isinstance(recipes, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in recipes):
+        pairs = [tuple(p) for p in recipes]
+    else:
+        raise ValueError(f"Policy.fp8 recipes must be a mapping {{layer name: recipe}}, got {recipes!r}")
+    names = [n for n, _ in pairs]
+    if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"Policy.fp8 recipes keys must be distinct layer names (str), got {names!r}")
+    for name, recipe in pairs:
+        try:
+            fp8.as_recipe(recipe)
+        except ValueError as e:
+            raise ValueError(f"Policy.fp8 recipes[{name!r}]: {e}") from e
+    return tuple(sorted(pairs, key=lambda p: p[0]))

@@ -385,6 +385,7 @@ class Policy:
         guard: Any = None,
         backend: str = "auto",
         controller: Any = None,
+        recipes: Mapping[str, Any] | None = None,
     ) -> "Policy":
         """A copy whose selected ``nn.Linear`` layers run their GEMMs in fp8 (no module swap).
 
@@ -396,14 +397,19 @@ class Policy:
         (:class:`mixprec.fp8.Guard`) is checked as the model's outermost call starts, and moves
         layers that cross its thresholds back to the compute dtype. A ``controller``
         (:class:`mixprec.Controller`, not with ``guard``) moves each layer up and down a ladder of
-        formats from the trend of its statistics, in ``controller.step()``. Usable on the class too:
-        ``Policy.fp8()`` is ``Policy().fp8()``.
+        formats from the trend of its statistics, in ``controller.step()``; each layer's ladder
+        starts at its recipe. ``recipes`` (``{qualified name: recipe}``) gives selected layers their
+        own recipe (as :func:`mixprec.audit` with ``fp8="auto"`` recommends); a named layer must be
+        selected and eligible for its recipe (ValueError as the model runs). Usable on the class
+        too: ``Policy.fp8()`` is ``Policy().fp8()``.
 
         Example:
             >>> policy = Policy.parse("compute=bf16").fp8("rowwise", guard=mixprec.fp8.Guard(every=50))
+            >>> str(Policy.fp8(names=r"^(0|2)$", first_last="fp8", recipes={"2": "mxfp8"}))
+            'params=float32,compute=auto; fp8 tensorwise=Linear|/^(0|2)$/ recipes 2=mxfp8'
         """
         rule = Fp8Rule(recipe, types=types, names=names, first_last=first_last, guard=guard,
-                       backend=backend, controller=controller)
+                       backend=backend, controller=controller, recipes={} if recipes is None else recipes)
         return dataclasses.replace(self, fp8_rule=rule)
 
     # ----------------------------------------------------------------- queries
@@ -476,7 +482,8 @@ class Policy:
             f = self.fp8_rule
             extra = ("" if f.first_last == "fp8" else " except first/last") + (
                 "" if f.backend == "auto" else f" backend={f.backend}") + ("" if f.guard is None else " guarded") + (
-                "" if f.controller is None else " controlled")
+                "" if f.controller is None else " controlled") + ("" if not f.recipes else " recipes " + ",".join(
+                f"{n}={r if isinstance(r, str) else r.name}" for n, r in f.recipes))
             sections.append(f"fp8 {f.recipe_name}={_selection(f.types, f.names)}{extra}")
         return "; ".join(sections)
 
@@ -543,12 +550,17 @@ def _resolve_edits(base: str, table_device: str, rules: tuple[tuple[str, str], .
 def _fp8_to_dict(rule: Fp8Rule) -> dict[str, Any]:
     from mixprec import fp8
 
-    recipe = rule.recipe
-    if not isinstance(recipe, str):
-        if fp8.Float8Recipe.from_name(recipe.name) != recipe:
+    from mixprec.fp8._recipe import RECIPE_NAMES
+
+    def named(recipe: Any) -> str:
+        if isinstance(recipe, str):
+            return recipe
+        if recipe.name not in RECIPE_NAMES or fp8.Float8Recipe.from_name(recipe.name) != recipe:
             raise ValueError(f"cannot serialize the custom fp8 recipe {recipe!r}: use a named recipe "
-                             "('tensorwise', 'rowwise', 'rowwise_with_gw_hp')")
-        recipe = recipe.name
+                             f"({', '.join(map(repr, RECIPE_NAMES))})")
+        return recipe.name
+
+    recipe = named(rule.recipe)
     guard = None
     if rule.guard is not None:
         guard = {f.name: getattr(rule.guard, f.name) for f in dataclasses.fields(rule.guard) if f.init}
@@ -556,6 +568,8 @@ def _fp8_to_dict(rule: Fp8Rule) -> dict[str, Any]:
            "first_last": rule.first_last, "backend": rule.backend, "guard": guard}
     if rule.controller is not None:  # its settings; its rungs and log are runtime state
         out["controller"] = rule.controller.config()
+    if rule.recipes:
+        out["recipes"] = {n: named(r) for n, r in rule.recipes}
     return out
 
 
@@ -675,6 +689,11 @@ def _fp8_from_dict(data: Any) -> Fp8Rule:
     if values.get("controller") is not None:
         values["controller"] = fp8.Controller.from_config(
             _expect(values["controller"], Mapping, "fp8_rule 'controller'", "an object"))
+    if "recipes" in values:
+        recipes = _expect(values["recipes"], Mapping, "fp8_rule 'recipes'", "an object {layer name: recipe name}")
+        for name, recipe in recipes.items():
+            _expect(recipe, str, f"fp8_rule recipes[{name!r}]", "a recipe name")
+        values["recipes"] = dict(recipes)
     return Fp8Rule(**values)
 
 

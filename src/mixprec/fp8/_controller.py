@@ -279,20 +279,17 @@ class Controller:
     def _policy_forward(self, layers: Mapping[str, nn.Module], policy: Any) -> None:
         """A forward of a model under a policy with this controller: track its selected layers,
         learn the compute dtype, warn once when training forwards go on without :meth:`step`."""
-        from mixprec.fp8._convert import as_recipe
-
-        recipe = as_recipe(policy.fp8_rule.recipe)
         for name, module in layers.items():
             if name not in self._layers or self._layers[name].module() is not module:
                 dev = module.weight.device.type
                 self._compute = policy.compute if policy.compute is not None else torch.get_autocast_dtype(dev)
-                self._track(name, module, recipe)
+                self._track(name, module, policy.fp8_rule.recipe_for(name))  # its ladder starts there
         count_unstepped_forward(self, "decides", "ctl.step()")
 
     def _track(self, name: str, module: nn.Module, recipe: Float8Recipe) -> None:
         if recipe.name not in self.ladder or Float8Recipe.from_name(recipe.name) != recipe:
-            raise ValueError(f"Controller: the policy's fp8 recipe {recipe.name!r} must be a named recipe on its "
-                             f"ladder {self.ladder} (the layers start there)")
+            raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} must be a named recipe on "
+                             f"its ladder {self.ladder} (the layers start there)")
         old = self._layers.get(name)
         if old is not None:
             for handle in old.hooks:

@@ -78,7 +78,8 @@ def _multiple_why(recipe: Float8Recipe | str | None) -> str:
 
 
 def select_layers(model: nn.Module, types: Sequence[type] | type = (nn.Linear,), names: str | None = None,
-                  first_last: str = "keep", recipe: Float8Recipe | str | None = None) -> list[str]:
+                  first_last: str = "keep", recipe: Float8Recipe | str | None = None,
+                  recipes: Mapping[str, Float8Recipe | str] | None = None) -> list[str]:
     """The qualified names of the layers of ``model`` that go to fp8.
 
     Candidates are the modules that are instances of ``types`` (``nn.Linear`` there also stands
@@ -88,7 +89,9 @@ def select_layers(model: nn.Module, types: Sequence[type] | type = (nn.Linear,),
     the compute dtype with one warning naming it. With ``first_last="keep"`` (default), the
     first and the last eligible layer of the whole model, in registration order, stay too (the
     embedding-side projection and the head are the most sensitive); ``"fp8"`` includes them.
-    When no layer is selected, one warning (once per model) says why.
+    When no layer is selected, one warning (once per model) says why. ``recipes``
+    (``{name: recipe}``, ``Policy.fp8(recipes=...)``) checks the named layers with their own
+    recipe; a named layer that is not selected, or not eligible for its recipe, raises ValueError.
 
     Example:
         >>> m = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16))
@@ -106,18 +109,25 @@ def select_layers(model: nn.Module, types: Sequence[type] | type = (nn.Linear,),
     except (re.error, TypeError) as exc:
         raise ValueError(f"names must be a regular expression (re.search on the qualified name), got {names!r}") from exc
     likes = nn.Linear in types
+    recipes = dict(recipes or {})
     candidates, eligible_names = [], []
     for fqn, mod in model.named_modules():
         if not (isinstance(mod, types) or (likes and is_linear_like(mod))):
             continue
         candidates.append(fqn)
-        ok, reason = eligible(mod, fqn, recipe)
+        ok, reason = eligible(mod, fqn, recipes.get(fqn, recipe))
         if ok:
             eligible_names.append(fqn)
+        elif fqn in recipes:
+            raise ValueError(f"fp8 recipes: layer {reason}: give it another recipe or leave it out of recipes")
         elif pattern is None or pattern.search(fqn):
             _warn_once(model, f"fp8: layer {reason}; it stays in the compute dtype")
     kept = list(dict.fromkeys(eligible_names[:1] + eligible_names[-1:])) if first_last == "keep" else []
     chosen = [n for n in eligible_names if n not in kept and (pattern is None or pattern.search(n))]
+    unselected = sorted(set(recipes) - set(chosen))
+    if unselected:
+        raise ValueError(f"fp8 recipes name layer(s) {unselected} that the rule does not select (selected: "
+                         f"{chosen}); name selected layers (see types, names, first_last='fp8')")
     if not chosen:
         _warn_once(model, "fp8: no layer selected, nothing runs in fp8: "
                    + _why_none(types, pattern, candidates, eligible_names, kept, recipe))

@@ -83,7 +83,7 @@ def _layerwise(res: dict[str, Any]) -> list[Row]:
     detail = f"global step {res['step_ms']:.1f} ms; skipped {res['skipped'][0]} / {res['skipped'][1]}"
     return [
         Row("layerwise", "training step, per-layer scaling", res["ratio"], ref,
-            f"{detail}; fastest rounds {res['ratio_of_fastest']:.3f}"),
+            f"{detail}; fastest rounds {res['ratio_of_fastest']:.3f}, CPU time {res['cpu_ratio']:.3f}"),
         Row("layerwise", "training step, per-layer factors pinned at 1", res["pinned_ratio"], ref, detail),
     ]
 

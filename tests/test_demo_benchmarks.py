@@ -136,9 +136,10 @@ def test_layerwise_controller_and_fp8_formats_are_registered_with_their_rows() -
     from benchmarks.run import BENCHMARKS
 
     layerwise = BENCHMARKS["layerwise"]({"ratio": 1.04, "ratio_of_fastest": 1.02, "pinned_ratio": 1.01,
-                                         "step_ms": 60.0, "skipped": (3, 5)})
+                                         "cpu_ratio": 1.03, "step_ms": 60.0, "skipped": (3, 5)})
     assert [(r.figure, r.ratio) for r in layerwise] == [
         ("training step, per-layer scaling", 1.04), ("training step, per-layer factors pinned at 1", 1.01)]
+    assert "CPU time 1.030" in layerwise[0].detail
     controller = BENCHMARKS["controller"]({"controller": 1.03, "promoted": 1.3, "fp8_step_ms": 150.0,
                                            "ctl_step_ms": 0.04, "ops": 1.007, "host_reads": 0})
     assert [r.ratio for r in controller] == [1.03, 1.007, 1.3] and "0 host reads" in controller[0].detail

@@ -10,6 +10,15 @@
 3. Verification: a traced pass under the final policy; an inf/NaN that an fp8 layer took as an
    operand (``event.fp8_layer``) moves that layer out, at most ``max_fixes`` times.
 
+With ``recipe="auto"`` step 2 runs once per format of :data:`AUTO_FORMATS`, cheapest first: each
+pass tries, in that format, the layers that no cheaper format passed (and that are eligible for
+it), with the layers decided so far in their formats; a layer takes the first format it passes.
+The cost order: every format stores 1 byte per element, so they differ in their scales and in
+what the hardware does with them: ``tensorwise`` (one float32 scale per tensor) < ``rowwise``
+(one per row: 4/K bytes per element) < ``mxfp8`` (one E8M0 byte per 32 elements, power-of-two,
+native on block-scaled GEMMs) < ``blockwise`` (float32 scales per 1x128 tile and 128x128 block,
+not power-of-two, features multiples of 128).
+
 The layers' own statistics are put back afterwards (the audit leaves the model as found).
 """
 
@@ -30,12 +39,20 @@ __all__ = ["recommend_fp8"]
 _FIRST_LAST = "first or last Linear of the model (Policy.fp8 first_last='keep')"
 
 
-def _with_fp8(policy: Any, recipe: Any, layers: list[str]) -> Any:
-    """``policy`` plus an fp8 rule selecting exactly ``layers`` (by escaped full names)."""
-    if not layers:
+#: ``fp8="auto"``: the formats tried per layer, cheapest first (see the module docs).
+AUTO_FORMATS = ("tensorwise", "rowwise", "mxfp8", "blockwise")
+
+
+def _with_fp8(policy: Any, formats: dict[str, Any]) -> Any:
+    """``policy`` plus an fp8 rule selecting exactly the layers of ``formats`` (by escaped full
+    names), each in its recipe: the most common one is the rule's, the others go in ``recipes``."""
+    if not formats:
         return policy
-    names = "|".join(re.escape(n) for n in sorted(layers))
-    return policy.fp8(recipe, names=rf"^(?:{names})$", first_last="fp8")
+    values = list(formats.values())
+    default = max(dict.fromkeys(values), key=values.count)  # ties: the first (cheapest) one
+    names = "|".join(re.escape(n) for n in sorted(formats))
+    return policy.fp8(default, names=rf"^(?:{names})$", first_last="fp8",
+                      recipes={n: r for n, r in formats.items() if r != default})
 
 
 def _kept(policy: Any, modules: dict[str, nn.Module], fqn: str) -> bool:
@@ -82,51 +99,83 @@ def _candidates(model: nn.Module, policy: Any, recipe: Any) -> tuple[list[str], 
     return [n for n in chosen if n not in stay], stay
 
 
+def _named(recipe: Any) -> Any:
+    """A named recipe by its name (a policy can save it as JSON), a custom one as itself."""
+    from mixprec import fp8
+
+    try:
+        return recipe.name if fp8.Float8Recipe.from_name(recipe.name) == recipe else recipe
+    except ValueError:
+        return recipe
+
+
 def recommend_fp8(passes: Passes, policy: Any, recipe: Any, scale: float, *,
                   underflow_threshold: float, min_sqnr_db: float | None,
                   max_fixes: int) -> tuple[Any, Fp8Advice]:
-    """``(policy with the fp8 layers, Fp8Advice)`` for the compute ``policy`` (see module docs)."""
+    """``(policy with the fp8 layers, Fp8Advice)`` for the compute ``policy`` (see module docs);
+    ``recipe``: a recipe, its name, or ``"auto"`` (a format per layer)."""
     from mixprec import fp8
     from mixprec.fp8._state import OPERANDS, swap_layer_state
 
-    recipe = fp8.as_recipe(recipe)
-    try:  # a named recipe goes into the policy by name (a custom one cannot be saved as JSON)
-        named = recipe.name if fp8.Float8Recipe.from_name(recipe.name) == recipe else recipe
-    except ValueError:
-        named = recipe
+    auto = recipe == "auto"
+    tried = [fp8.as_recipe(r) for r in (AUTO_FORMATS if auto else (recipe,))]
     model = passes.model
     modules = dict(model.named_modules())
-    candidates, stay = _candidates(model, policy, recipe)
+    candidates, stay = _candidates(model, policy, None if auto else tried[0])
     states = {n: fp8.LayerState(modules[n].weight.device) for n in candidates}
     old = {n: swap_layer_state(modules[n], st) for n, st in states.items()}
+    formats: dict[str, Any] = {}  # layer -> its (named) recipe
+    rejected: dict[str, dict[str, str]] = {n: {} for n in candidates}
+    stats: dict[str, dict[str, Any]] = {}
     try:
-        for st in states.values():
-            st.sample_sqnr = min_sqnr_db is not None
-        passes.run(_with_fp8(policy, named, candidates), scale)
-        reads = {n: st.read() for n, st in states.items()}
-        stats = {n: {**{op: {k: r[op][k] for k in ("amax", "underflow", "nonfinite")}
-                        for op in OPERANDS},
-                     "output_sqnr_db": r["output_sqnr_db"]} for n, r in reads.items()}
-        for n, r in reads.items():
-            why = _past_threshold(r, underflow_threshold, min_sqnr_db)
-            if why is not None:
-                stay[n] = why
-        layers = [n for n in candidates if n not in stay]
+        for r in tried:
+            trial = []
+            for n in candidates:
+                if n in formats:
+                    continue
+                ok, reason = fp8.eligible(modules[n], n, r)
+                if ok:
+                    trial.append(n)
+                else:
+                    rejected[n][r.name] = "not eligible: " + reason.split(": ", 1)[-1]
+            if not trial:
+                continue
+            for n, st in states.items():
+                st.reset()
+                st.sample_sqnr = min_sqnr_db is not None and n in trial
+            passes.run(_with_fp8(policy, {**formats, **{n: _named(r) for n in trial}}), scale)
+            for n in trial:
+                read = states[n].read()
+                stats[n] = {**{op: {k: read[op][k] for k in ("amax", "underflow", "nonfinite")}
+                               for op in OPERANDS},
+                            "output_sqnr_db": read["output_sqnr_db"]}
+                why = _past_threshold(read, underflow_threshold, min_sqnr_db)
+                if why is None:
+                    formats[n] = _named(r)
+                else:
+                    rejected[n][r.name] = why
+        for n in candidates:
+            if n not in formats:
+                stay[n] = (next(iter(rejected[n].values())) if not auto else "no format meets the thresholds: "
+                           + "; ".join(f"{f}: {why}" for f, why in rejected[n].items()))
+        formats = {n: formats[n] for n in candidates if n in formats}  # model order
         for fixes in range(max_fixes + 1):
             for st in states.values():
                 st.reset()
                 st.fallback, st.sample_sqnr = False, False
-            event = passes.traced(_with_fp8(policy, named, layers), scale)
+            event = passes.traced(_with_fp8(policy, formats), scale)
             culprit = None if event is None else event.fp8_layer
-            if culprit not in layers or fixes == max_fixes:
+            if culprit not in formats or fixes == max_fixes:
                 break
             stay[culprit] = f"{event.fp8_operand} non-finite ({event.kind}) in the verification pass"
-            layers.remove(culprit)
+            del formats[culprit]
     finally:
         for n, st in old.items():
             swap_layer_state(modules[n], st)
     order = {n: i for i, n in enumerate(modules)}
-    advice = Fp8Advice(recipe=recipe.name, layers=tuple(layers),
+    name = {n: r if isinstance(r, str) else r.name for n, r in formats.items()}
+    advice = Fp8Advice(recipe="auto" if auto else tried[0].name, layers=tuple(formats),
                        stay=dict(sorted(stay.items(), key=lambda kv: order[kv[0]])),
-                       stats=stats, verified=event is None)
-    return _with_fp8(policy, named, layers), advice
+                       stats=stats, verified=event is None, recipes=name,
+                       rejected={n: why for n, why in rejected.items() if auto and n in formats and why})
+    return _with_fp8(policy, formats), advice

@@ -38,6 +38,9 @@ policy (``diagnostics/_fp8_audit.py``): every default candidate in fp8 for one t
 ones whose operands flush more than ``underflow_threshold`` after scaling, hold an inf/NaN, or
 whose output SQNR is below ``fp8_min_sqnr_db`` stay in the compute dtype (the
 :class:`mixprec.fp8.Guard` rule), then a verification pass.
+With ``fp8="auto"`` each layer gets the cheapest format of ``tensorwise < rowwise < mxfp8 <
+blockwise`` that passes the same rule (one trial pass per format), and ``report.policy`` names
+each layer's format (``Policy.fp8(recipes=...)``).
 
 The model's parameters, gradients, buffers, fp8 layer statistics and the RNG state are restored
 afterwards; every pass starts from the same RNG state, so dropout masks agree between passes.
@@ -262,7 +265,9 @@ def audit(
             ``Policy.fp8(names=...)`` in ``report.policy``). A layer stays in the compute dtype
             when, with every candidate in fp8, an operand flushes more than
             ``underflow_threshold`` to zero after scaling, holds an inf/NaN, or its output's
-            SQNR against the high-precision GEMM is below ``fp8_min_sqnr_db``.
+            SQNR against the high-precision GEMM is below ``fp8_min_sqnr_db``. ``"auto"``: a
+            format per layer, the cheapest that passes (``report.fp8.recipes``; see
+            ``docs/diagnostics.md``).
         fp8_min_sqnr_db: the SQNR floor for fp8 layers (``None``: not sampled).
         loss_rtol: how far (relative to the float32 loss, at least ``1e-6`` absolute) a
             verification pass's loss may be from float32's and still count as verified.
@@ -301,10 +306,13 @@ def audit(
         raise ValueError(f"max_fixes must be an int >= 0, got {max_fixes!r}")
     if fp8 is True:
         fp8 = "tensorwise"
-    if fp8 is not None and fp8 is not False:
+    if fp8 is not None and fp8 is not False and fp8 != "auto":
         from mixprec.fp8 import as_recipe
 
-        as_recipe(fp8)  # ValueError for an unknown recipe
+        try:
+            as_recipe(fp8)
+        except ValueError as e:
+            raise ValueError(f"audit fp8: {e}, or 'auto' (a format per layer)") from e
     if fp8_min_sqnr_db is not None and not isinstance(fp8_min_sqnr_db, (int, float)):
         raise ValueError(f"fp8_min_sqnr_db must be None or a number of dB, got {fp8_min_sqnr_db!r}")
     if not (isinstance(loss_rtol, (int, float)) and loss_rtol > 0):

@@ -82,7 +82,7 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
         dtypes: candidate dtype names, e.g. ``["float16", "bfloat16"]`` (``fp16``/``bf16`` ok).
         steps: passes per configuration.
         fp8: an fp8 recipe name (``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``, ``mxfp8``,
-            ``blockwise``): also
+            ``blockwise``, or ``auto``: a format per layer): also
             recommend the Linear layers that run in fp8; ``None``: no fp8.
 
     Returns:
@@ -100,7 +100,7 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
         return _fail(str(e))
     if not isinstance(steps, int) or steps < 1:
         return _fail(f"--steps must be an integer >= 1, got {steps!r}")
-    if fp8 is not None:
+    if fp8 is not None and fp8 != "auto":
         from mixprec.fp8 import as_recipe
 
         try:
@@ -162,7 +162,7 @@ def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=1, help="passes per configuration (default: 1)")
     p.add_argument("--fp8", default=None, metavar="RECIPE",
                    help="also recommend the Linear layers that run in fp8 with this recipe "
-                   "(tensorwise, rowwise, rowwise_with_gw_hp, mxfp8, blockwise)")
+                   "(tensorwise, rowwise, rowwise_with_gw_hp, mxfp8, blockwise; auto: a format per layer)")
     p.set_defaults(func=lambda a: audit_command(
         a.target, a.out, device_type=a.device,
         dtypes=[d for d in a.dtypes.split(",") if d.strip()], steps=a.steps, fp8=a.fp8))

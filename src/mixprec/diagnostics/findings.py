@@ -55,7 +55,7 @@ class Fp8Advice:
     """Which ``nn.Linear`` layers :func:`audit` sends to fp8 (``audit(..., fp8=recipe)``).
 
     Attributes:
-        recipe: the :class:`mixprec.fp8.Float8Recipe` name.
+        recipe: the :class:`mixprec.fp8.Float8Recipe` name, or ``"auto"`` (a format per layer).
         layers: the layers that go to fp8 (``report.policy``'s ``Policy.fp8(names=...)``).
         stay: ``{layer: why}`` for every other ``nn.Linear``: not eligible (dims not multiples of
             16), first or last Linear (``first_last="keep"``), kept in float32 by the policy, a
@@ -65,6 +65,9 @@ class Fp8Advice:
             ``underflow`` (after scaling) and ``nonfinite``, and ``output_sqnr_db`` against the
             high-precision GEMM (``None`` when not sampled or not finite).
         verified: whether a pass under the final policy had no inf/NaN.
+        recipes: ``{layer: recipe name}`` of the fp8 layers (with ``fp8="auto"``, each its own).
+        rejected: with ``fp8="auto"``, for an fp8 layer, ``{format: why}`` of the cheaper formats
+            it did not pass (``stats`` are of the pass in its chosen format).
     """
 
     recipe: str
@@ -72,6 +75,8 @@ class Fp8Advice:
     stay: dict[str, str]
     stats: dict[str, dict[str, Any]]
     verified: bool
+    recipes: dict[str, str] = field(default_factory=dict)
+    rejected: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able copy (non-finite numbers as ``None``)."""
@@ -81,7 +86,8 @@ class Fp8Advice:
             return None if isinstance(v, float) and not math.isfinite(v) else v
 
         return {"recipe": self.recipe, "layers": list(self.layers), "stay": dict(self.stay),
-                "stats": clean(self.stats), "verified": self.verified}
+                "stats": clean(self.stats), "verified": self.verified,
+                "recipes": dict(self.recipes), "rejected": dict(self.rejected)}
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ def _header(report: "AuditReport") -> list[str]:
     ]
     if report.fp8 is not None:
         f8 = report.fp8
-        lines.append(f"fp8 ({f8.recipe}): " + (", ".join(repr(m) for m in f8.layers) or "(no layer)")
+        lines.append(f"fp8 ({f8.recipe}): " + (", ".join(repr(m) + (f" {f8.recipes[m]}" if f8.recipe == "auto" else "")
+                                                        for m in f8.layers) or "(no layer)")
                      + ("" if f8.verified else " (WARNING: did not verify: inf/NaN or its loss)"))
         lines += [f"  stays {m!r}: {why}" for m, why in f8.stay.items()]
     return lines + [f"use it: {use_it(report)}"]
@@ -71,7 +72,7 @@ def _fp8_rows(report: "AuditReport") -> list[tuple[str, ...]]:
     rows = []
     for m in [*f8.layers, *f8.stay]:
         sqnr = f8.stats.get(m, {}).get("output_sqnr_db")
-        rows.append((m, "fp8" if m in f8.layers else f"stays: {f8.stay[m]}",
+        rows.append((m, f"fp8 {f8.recipes.get(m, '')}".rstrip() if m in f8.layers else f"stays: {f8.stay[m]}",
                      *(cell(m, op, "underflow") for op in ("input", "weight", "grad_output")),
                      "" if sqnr is None or math.isinf(sqnr) else f"{sqnr:.1f}"))
     return rows

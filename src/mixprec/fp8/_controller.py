@@ -139,7 +139,8 @@ class Controller:
     and while it made fewer than ``max_switches`` switches in the last ``budget_steps`` steps.
     Promotions are never refused. ``max_nonfinite=None`` leaves inf/NaN to a loss scaler.
 
-    The ladder starts at the policy's recipe (which must be on it): fp8 rungs ``tensorwise``,
+    Each layer's ladder starts at its recipe in the policy (``Policy.fp8(recipes=...)``; it must be
+    on the ladder): fp8 rungs ``tensorwise``,
     ``rowwise``, ``rowwise_with_gw_hp``, then ``compute`` (the region's dtype) and ``fp32``
     (reached only on range trouble under fp16 compute). Decisions go to :attr:`log` (and
     :meth:`write_csv`); :meth:`precision` names a layer's format now; :meth:`state_dict` resumes

@@ -30,7 +30,7 @@ def _binades(factor: float) -> str:
 def figure_spec(result: DemoResult) -> dict[str, Any] | None:
     """The figure's spec (name, file, title, data, caption) for the first seed's per-layer modes,
     or ``None`` when none ran."""
-    layered = [m for m in result.modes if m.layer_scales]
+    layered = [m for m in (result.modes if result.runs else []) if m.layer_scales]
     if not layered:
         return None
     lines = []

@@ -5,6 +5,8 @@ recipe), as a value (validated, JSON, str); the guard and the controller work pe
 from __future__ import annotations
 
 import json
+import sys
+import types
 import warnings
 
 import pytest
@@ -199,3 +201,15 @@ def test_controller_ladders_start_at_each_layers_recipe() -> None:
 def test_audit_fp8_auto_arguments() -> None:
     with pytest.raises(ValueError, match="unknown fp8 recipe 'nvfp4'.*or 'auto'"):
         mixprec.audit(Net(), _batch(), _loss, fp8="nvfp4")
+
+
+def test_cli_fp8_auto(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mixprec.diagnostics.cli import audit_command
+
+    module = types.ModuleType("fp8_auto_factories")
+    module.net = lambda: (Net(), _batch(), _loss)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    assert audit_command("fp8_auto_factories:net", str(tmp_path / "out"), device_type="cpu", dtypes=["bfloat16"],
+                         steps=1, fp8="auto") == 0
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert data["fp8"]["recipe"] == "auto" and data["fp8"]["recipes"]["b"] == "mxfp8"

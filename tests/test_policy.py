@@ -431,3 +431,20 @@ def test_str_shows_what_the_policy_does():
 def test_str_of_a_policy_without_edits_parses_back(spec):
     p = Policy.parse(spec)
     assert Policy.parse(str(p)) == p
+
+
+def test_the_canonical_policy_keeps_its_own_guard_and_controller():
+    """Equal policies share one object for Dynamo's guard, but never another policy's fp8 guard
+    or controller (runtime state policy equality leaves out): a compiled region must not step,
+    or fall back by, a guard the caller did not give."""
+    from mixprec import fp8
+
+    guard = fp8.Guard()
+    guarded = Policy.parse("compute=bf16").fp8(first_last="fp8", guard=guard)
+    plain = Policy.parse("compute=bf16").fp8(first_last="fp8")
+    assert guarded == plain  # equality leaves the guard out
+    assert guarded._canonical is not plain._canonical
+    assert guarded._canonical.fp8_rule.guard is guard and plain._canonical.fp8_rule.guard is None
+    assert Policy.parse("compute=bf16").fp8(first_last="fp8")._canonical is plain._canonical
+    other = Policy.parse("compute=bf16").fp8(first_last="fp8", guard=fp8.Guard())
+    assert other._canonical.fp8_rule.guard is other.fp8_rule.guard

@@ -502,20 +502,26 @@ _FP32_FORMS: Mapping[str, str] | None = None
 
 _TABLE_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...]], Mapping[str, str]] = {}
 _EDITS_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...], str, bool], Mapping[str, str]] = {}
-_CANONICAL: dict["Policy", "Policy"] = {}
+_CANONICAL: dict[tuple["Policy", int, int], "Policy"] = {}
 
 
 def _canonical(policy: "Policy") -> "Policy":
     """One private object per policy value: a region inside torch.compile passes it to trace time,
-    so that Dynamo's identity guard holds for every equal policy (see autocast._enter_traced)."""
+    so that Dynamo's identity guard holds for every equal policy (see autocast._enter_traced).
+
+    An fp8 rule's guard and controller are runtime state that policy equality leaves out: the key
+    names them by identity (the stored copy keeps them alive, so their ids stay unique), so a
+    policy never runs with another policy's guard or controller."""
+    rule = policy.fp8_rule
+    key = (policy, id(rule.guard) if rule else 0, id(rule.controller) if rule else 0)
     try:
-        found = _CANONICAL.get(policy)
+        found = _CANONICAL.get(key)
     except TypeError:  # an unhashable field (a custom recipe): guarded by identity
         return policy
     if found is None:
         found = copy.copy(policy)  # never the caller's object, which Dynamo would guard on
         object.__setattr__(found, "_canonical", found)
-        found = _CANONICAL.setdefault(policy, found)
+        found = _CANONICAL.setdefault(key, found)
     return found
 
 

@@ -135,17 +135,18 @@ def test_native_and_python_kernels_agree_bitwise():
     assert outs["1"].split()[-1] == outs["0"].split()[-1]
 
 
-def test_edited_ops_run_the_cpp_kernel_where_it_can_and_python_where_it_must():
+def test_edited_ops_run_the_cpp_kernel_fp8_routing_included():
     from mixprec import _native
 
     if _native.load() is None:
         pytest.skip("the C++ kernel could not be built here (a warning said why)")
     x = torch.randn(4, 4).bfloat16()
-    policy = Policy().with_ops(fp32=["softmax"]).fp8()  # fp8 routes linear through Python
+    policy = Policy().with_ops(fp32=["softmax"]).fp8()  # fp8: linear's C++ kernel calls a route op
     with mixprec.autocast("cpu", policy=policy):
         assert torch.softmax(x, -1).dtype == torch.float32
     assert _dispatch._registered[("softmax.int", "AutocastCPU")] == "native"
-    assert _dispatch._registered[("linear", "AutocastCPU")] == "python"
+    assert _dispatch._registered[("linear", "AutocastCPU")] == "native"  # Python only in fp8 regions
+    assert "linear" in _dispatch._routes
     with torch.autocast("cpu"):  # outside the region: PyTorch's kind (softmax on no CPU list)
         assert torch.softmax(x, -1).dtype == torch.bfloat16
 

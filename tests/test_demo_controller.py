@@ -36,10 +36,13 @@ def switching() -> DemoResult:
                 modes._setup_fp8_controlled("tensorwise", max_underflow=0.0, demote_underflow=0.0,
                                             min_dwell=0, demote_windows=1))
     MODES["fp8-eager"] = mode
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the bits (and so the hair-trigger decisions) follow the thread count
     try:
         return run_demo(micro(steps=35), ["fp32", "fp8-eager"], CPU, seeds=1)
     finally:
         del MODES["fp8-eager"]
+        torch.set_num_threads(threads)
 
 
 def test_the_default_fp8_modes_run_with_the_controller_and_the_guard_modes_are_opt_in() -> None:

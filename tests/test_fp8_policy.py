@@ -172,3 +172,20 @@ def test_checkpoint_recomputes_the_fp8_forward_bitwise():
         x.grad = None
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_layers_an_fp8_policy_keeps_run_the_policy_table_through_the_route():
+    """fp8's linear goes through the C++ kernel's route op; a Linear the policy keeps out of fp8
+    (first/last) runs the policy's own kind for linear, here passthrough (PyTorch's fallthrough:
+    linear's own addmm is lowered): bitwise the same policy without fp8."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32))
+    x = torch.randn(4, 32)
+    seen: dict[str, list[torch.Tensor]] = {"plain": [], "fp8": []}
+    table = Policy().with_ops(passthrough=["linear"])
+    for label, policy in (("plain", table), ("fp8", table.fp8())):
+        hook = model[0].register_forward_hook(lambda m, a, out, label=label: seen[label].append(out))
+        with mixprec.autocast("cpu", policy=policy):
+            model(x)
+        hook.remove()
+    assert seen["fp8"][0].dtype == torch.bfloat16 and torch.equal(seen["fp8"][0], seen["plain"][0])

@@ -40,10 +40,12 @@ kernel from an op it falls through trips an internal assert in a thread dispatch
 So an overload gets its kernel once per process and a region only switches tables (this
 thread's frame stack, and the C++ kernel's per-thread active table); kernels go only through
 :func:`release_kernels`, which refuses while a region that edits ops is active in any thread
-(``_edited``, see :func:`push`) or any other thread is alive. Known: a Python kernel calls
-PyTorch's kernel (``get_kernel(...).call_boxed``) holding the GIL; if that kernel waits for
-PyTorch's cast-cache lock while another thread clearing the cache (a region's exit) waits for
-the GIL, both hang (rare; seen with fp8 layers, whose ``linear`` has a Python kernel).
+(``_edited``, see :func:`push`) or any other thread is alive. fp8 routing (``linear``,
+``addmm``) runs in the C++ kernel, which calls a ``mixprec::route_*`` op (:func:`_define_route`)
+only where the thread's table routes the overload, so plain ``torch.autocast`` never enters
+Python. Known, without the C++ build: a Python kernel calls PyTorch's kernel
+(``get_kernel(...).call_boxed``) holding the GIL; if that kernel waits for PyTorch's cast-cache
+lock while another thread clearing the cache (a region's exit) waits for the GIL, both hang.
 
 Semantics follow ``aten/src/ATen/autocast_mode.{h,cpp}``: only defined floating tensors on the
 region's device that are not float64 are cast (:func:`mixprec._tree.castable`); the cast of an
@@ -447,7 +449,7 @@ def _op_info(name: str, op: "torch._ops.OpOverload") -> _OpInfo:
 
 def _call(info: _OpInfo, keyset: Any, args: tuple, kwargs: dict) -> Any:
     """Run the op below autocast on (already cast) arguments."""
-    if info.composite:
+    if info.composite or keyset is None:  # None: called from a route op (_define_route)
         with _no_autocast():
             return info.op(*args, **kwargs)
     return info.op.redispatch(keyset & _BELOW_AUTOCAST, *args, **kwargs)
@@ -485,6 +487,11 @@ def _run_banned(info: _OpInfo, frame: Frame, keyset: Any, args: tuple, kwargs: d
 
 
 def _run_passthrough(info: _OpInfo, frame: Frame, keyset: Any, args: tuple, kwargs: dict) -> Any:
+    if keyset is None:  # from a route op (see _define_route): the op below autocast, its own
+        if info.composite:  # calls autocast again, as PyTorch's fallthrough does
+            return info.op.decompose(*args, **kwargs)
+        with _no_autocast():
+            return info.op(*args, **kwargs)
     return info.op.redispatch(keyset & _BELOW_AUTOCAST, *args, **kwargs)  # as on no list
 
 
@@ -551,9 +558,10 @@ def ensure_kernels(names: Mapping[str, str], device_type: str) -> None:
     :meth:`~mixprec.Policy.edits`: overload -> kind) at the device's autocast key, once.
 
     The ops a policy does not edit keep PyTorch's kernel. An overload whose edited kind and
-    PyTorch's kind the C++ kernel runs gets it (:mod:`mixprec._native`); the others (fp8
-    routing, ``fp32_append_dtype``), or every one without the C++ kernel, get a Python kernel,
-    which stays once given. Overloads this PyTorch does not have are skipped.
+    PyTorch's kind the C++ kernel runs gets it (:mod:`mixprec._native`; fp8 routing calls its
+    ``mixprec::route_*`` op from there, so outside fp8 regions ``linear``/``addmm`` never enter
+    Python); the others (``fp32_append_dtype``, ``banned``), or every one without the C++
+    kernel, get a Python kernel, which stays once given. Overloads this PyTorch does not have are skipped.
     """
     hit = _ensured.get((id(names), device_type))
     if hit is not None and hit is names:
@@ -572,6 +580,10 @@ def ensure_kernels(names: Mapping[str, str], device_type: str) -> None:
                 if top(dev) is not None:
                     _native.set_active(_native_ops, dev, _edits_key(top(dev).edits), top(dev).edits)
     with _lock:  # what is missing is decided here: not while release_kernels removes kernels
+        if _native_ops is not None:  # an fp8 overload's C++ kernel calls its route op
+            for name in [n for n, kind in names.items() if kind == "fp8" and wanted[n] == "native"]:
+                if op_overload(name) is not None:
+                    _define_route(name)
         missing = [n for n, impl in wanted.items()
                    if _registered.get((n, key)) not in (impl, "python", False)]
         get_kernel = getattr(torch.library, "get_kernel", None)
@@ -600,6 +612,33 @@ def ensure_kernels(names: Mapping[str, str], device_type: str) -> None:
         _ensured[(id(names), device_type)] = names  # (cached) edits done: skip next time
     if missing:
         _reset_compiled_code()
+
+
+_routes: dict[str, Library] = {}  # overload -> the library defining its mixprec::route_* op
+
+
+def _define_route(name: str) -> None:
+    """Define ``mixprec::route_<name>`` (the overload's schema, a CompositeImplicitAutograd Python
+    body: :func:`_run_fp8` under the thread's innermost frame) and make the C++ kernel call it
+    where the active table routes ``name`` (kind ``fp8``). Called under ``_lock``, once."""
+    if name in _routes:
+        return
+    op = op_overload(name)
+    target = "route_" + name.replace(".", "_")
+    schema = str(op._schema)
+    lib = Library("mixprec", "FRAGMENT")
+    lib.define(target + schema[schema.index("("):])
+    info = _op_info(name, op)
+
+    def route(*args: Any, **kwargs: Any) -> Any:
+        frame = top("cuda" if next(_tensors(args, kwargs)).is_cuda else "cpu")
+        if frame is None or frame.edits.get(name) != "fp8":  # the C++ kernel routes only for these
+            raise RuntimeError(f"mixprec: {name} was routed to fp8 outside a region with fp8 layers")
+        return _run_fp8(info, frame, None, args, kwargs)
+
+    lib.impl(target, route, "CompositeImplicitAutograd")
+    _native_ops.define_route(name, f"mixprec::{target}")
+    _routes[name] = lib
 
 
 def _python_kernel(name: str, op: Any, device_type: str) -> Library:

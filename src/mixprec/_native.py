@@ -57,8 +57,10 @@ except ImportError:  # Windows: msvcrt's byte-range lock, also released when its
 __all__ = ["load", "build", "Built", "BuildError", "environment", "build_directory", "KINDS"]
 
 #: cast kinds the C++ kernel runs, and their codes (the enum in autocast_kernel.cpp); ``banned``
-#: (PyTorch's messages), ``fp32_append_dtype`` and ``fp8`` stay with the Python kernel
-KINDS: dict[str, int] = {"passthrough": 0, "lower": 1, "fp32": 2, "promote": 3, "fp32_set_opt_dtype": 4}
+#: (PyTorch's messages) and ``fp32_append_dtype`` stay with the Python kernel; ``fp8`` (code 5,
+#: ROUTE) calls the ``mixprec::route_*`` op :mod:`mixprec._dispatch` defines for the overload
+KINDS: dict[str, int] = {"passthrough": 0, "lower": 1, "fp32": 2, "promote": 3, "fp32_set_opt_dtype": 4,
+                         "fp8": 5}
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("autocast_kernel.cpp", "optim_kernel.cpp")]
 #: Instruction sets the extension is compiled for, by torch's CPU capability: the vector units

@@ -6,6 +6,9 @@
 // table (passed in as table 0 of each device), so outside regions that edit it an overload
 // behaves as PyTorch's kernel does. Casts go through at::autocast::cached_cast (PyTorch's own
 // eligibility rule and weight-cast cache), and the op runs with every autocast key excluded.
+// An overload of kind ROUTE (fp8 layers' linear/addmm) calls the mixprec op Python defined for
+// it (define_route) and nothing else: outside the regions that route it, the overload never
+// leaves C++ (no Python, no interpreter lock held while PyTorch's cast cache is locked).
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -14,6 +17,7 @@
 #include <torch/library.h>
 
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -21,13 +25,14 @@
 
 namespace {
 
-enum Kind : int64_t { PASSTHROUGH = 0, LOWER = 1, FP32 = 2, PROMOTE = 3, SET_OPT_DTYPE = 4 };
+enum Kind : int64_t { PASSTHROUGH = 0, LOWER = 1, FP32 = 2, PROMOTE = 3, SET_OPT_DTYPE = 4, ROUTE = 5 };
 
 using Table = std::unordered_map<c10::OperatorName, int64_t>;
 std::mutex mu;
 std::vector<std::shared_ptr<const Table>> tables;  // id -> table; ids 0 and 1: PyTorch's, per device
 thread_local int64_t active[2] = {-1, -1};         // per device (0: cpu, 1: cuda), -1: none
 std::vector<std::unique_ptr<torch::Library>> libraries;
+std::unordered_map<c10::OperatorName, c10::OperatorHandle> routes;  // overload -> the op it calls
 
 std::shared_ptr<const Table> table_at(int64_t id) {
   std::lock_guard<std::mutex> guard(mu);
@@ -74,6 +79,17 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
   int64_t kind = active[dev] >= 0 ? lookup(table_at(active[dev]), name) : -1;
   if (kind < 0) kind = lookup(table_at(dev), name);
   if (kind < 0) kind = PASSTHROUGH;
+  if (kind == ROUTE) {
+    std::optional<c10::OperatorHandle> target;
+    {
+      std::lock_guard<std::mutex> guard(mu);
+      auto it = routes.find(name);
+      if (it != routes.end()) target = it->second;
+    }
+    TORCH_CHECK(target.has_value(), "mixprec: no route defined for ", name);
+    target->callBoxed(stack);
+    return;
+  }
   if (kind == PASSTHROUGH) {
     op.redispatchBoxed(ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::AutocastCPU),
                        stack);
@@ -138,6 +154,12 @@ void define_table(int64_t id, std::vector<std::string> names, std::vector<int64_
 
 void set_active(int64_t device, int64_t id) { active[device] = id; }
 
+void define_route(std::string overload, std::string target) {
+  auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(target.c_str(), "");
+  std::lock_guard<std::mutex> guard(mu);
+  routes.insert_or_assign(operator_name(overload), handle);
+}
+
 // Overriding PyTorch's kernel is the point: keep the dispatcher's warning about it quiet.
 struct Quiet : c10::WarningHandler {
   void process(const c10::Warning&) override {}
@@ -165,6 +187,7 @@ int64_t release_kernels() {
 TORCH_LIBRARY(mixprec_native, m) {
   m.def("define_table(int id, str[] names, int[] kinds) -> ()", &define_table);
   m.def("set_active(int device, int id) -> ()", &set_active);
+  m.def("define_route(str overload, str target) -> ()", &define_route);
   m.def("register_kernel(str name, int device) -> ()", &register_kernel);
   m.def("release_kernels() -> int", &release_kernels);
 }

@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from mixprec.fp8._fsdp import Float8AllGatherWeight, check_recipe, plain_weight, wrap_weight
 from mixprec.fp8._guard import Guard, layer_states
 from mixprec.fp8._like import LINEAR_LIKE, conv1d_class, features, is_linear_like, unroutable
 from mixprec.fp8._linear import BACKENDS, linear
@@ -158,6 +159,10 @@ def _fp8_forward(module: nn.Module, input: torch.Tensor, weight: torch.Tensor) -
         raise RuntimeError(f"fp8 layer {type(module).__name__}: its weight is a torchao "
                            f"{type(module.weight).__name__} (torchao's quantize_ ran on a model still "
                            f"converted for fp8 training); call mixprec.fp8.unconvert(model) before quantize_")
+    if isinstance(module.weight, Float8AllGatherWeight):
+        _warn_once(module, f"fp8 layer {type(module).__name__} was converted with fsdp_fp8_all_gather=True but its "
+                           f"weight reached the forward without FSDP2's all-gather (the module is not under "
+                           f"fully_shard): it casts its own high-precision weight, as without the option")
     device = input.device.type
     if torch.is_autocast_enabled(device):
         input = input.to(torch.get_autocast_dtype(device))
@@ -198,7 +203,7 @@ class Float8Linear(nn.Linear):
         """A plain ``nn.Linear`` sharing these parameters (see :func:`unconvert`)."""
         with torch.device("meta"):
             new = nn.Linear(self.in_features, self.out_features, bias=False)
-        new.weight, new.bias = self.weight, self.bias
+        new.weight, new.bias = plain_weight(self.weight), self.bias
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -245,7 +250,7 @@ class Float8Conv1D(nn.Module):
             cls = transformers.pytorch_utils.Conv1D
         with torch.device("meta"):
             new = cls(self.nf, self.nx)
-        new.weight, new.bias = self.weight, self.bias
+        new.weight, new.bias = plain_weight(self.weight), self.bias
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -266,7 +271,7 @@ def _swap(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
 
 def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
             filter_fn: Callable[[nn.Module, str], bool] | None = None, guard: Guard | None = None,
-            backend: str = "auto") -> nn.Module:
+            backend: str = "auto", fsdp_fp8_all_gather: bool = False) -> nn.Module:
     """Swap the selected ``nn.Linear`` modules of ``model`` for :class:`Float8Linear`, and
     transformers' ``Conv1D`` ones for :class:`Float8Conv1D`, in place.
 
@@ -278,8 +283,18 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     converted Linear). Warns once when no layer is converted, saying why. :func:`unconvert`
     undoes it (before torchao's ``quantize_`` for inference).
 
+    ``fsdp_fp8_all_gather=True`` (tensorwise weight casts only, as torchao's
+    ``enable_fsdp_float8_all_gather``): under FSDP2's ``fully_shard`` each converted layer's
+    weight is all-gathered as its fp8 bytes (a quarter of fp32's, half of bf16's) with one scale
+    from the amax all-reduced over the shards, bitwise the cast of the unsharded weight; see
+    docs/fp8.md, "FSDP2". Convert before ``fully_shard`` and before creating the optimizer (the
+    weights become new ``nn.Parameter`` objects on the same storage). A converted layer run
+    without ``fully_shard`` warns once and casts its weight itself.
+
     Raises ValueError, before changing anything, when ``model`` itself is chosen and has
-    children (they would be lost with it): convert a parent, or leave the root out.
+    children (they would be lost with it): convert a parent, or leave the root out; with
+    ``fsdp_fp8_all_gather`` for a recipe that does not cast the weight tensorwise in both its
+    GEMMs, or a model already sharded.
 
     Example:
         >>> m = convert(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16)))
@@ -287,6 +302,10 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
         ('Float8Linear', 'Linear')
     """
     recipe, backend = as_recipe(recipe), _check_backend(backend)
+    if not isinstance(fsdp_fp8_all_gather, bool):
+        raise ValueError(f"fsdp_fp8_all_gather must be True or False, got {fsdp_fp8_all_gather!r}")
+    if fsdp_fp8_all_gather:
+        check_recipe(recipe)
     by_user = filter_fn is not None
     if filter_fn is None:  # select_layers warns when it selects none
         chosen = set(select_layers(model, recipe=recipe))
@@ -307,6 +326,8 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     for fqn, mod in swaps:
         new = (Float8Linear.from_linear(mod, recipe, backend) if type(mod) is nn.Linear
                else Float8Conv1D.from_conv1d(mod, recipe, backend))
+        if fsdp_fp8_all_gather:
+            wrap_weight(new, recipe)
         model = _swap(model, fqn, new)
     if not swaps and by_user:
         likes = sum(1 for mod in model.modules() if swappable(mod))

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.fp8._blocks import block_gemm, quantize
+from mixprec.fp8._fsdp import GatheredFloat8Weight, check_gathered, warn_fallback
 from mixprec.fp8._quant import cast_stats, cast_to_fp8, gemm
 from mixprec.fp8._recipe import Cast, Float8Recipe
 from mixprec.fp8._state import LayerState
@@ -35,6 +36,15 @@ def _record(stats: torch.Tensor | None, row: int, x: torch.Tensor, cast: tuple) 
         stats[row].copy_(torch.cat([torch.maximum(stats[row, :-1], new), new[:1]]))
 
 
+def _cast_weight(wt: torch.Tensor, cast: Cast, row_dim: int, pow2: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``cast_to_fp8`` of the weight, or the bytes FSDP2's fp8 all-gather brought (``check_gathered``
+    made sure ``cast`` is theirs)."""
+    if isinstance(wt, GatheredFloat8Weight):
+        return wt._data, wt._scale, wt._amax
+    return cast_to_fp8(wt, cast, row_dim, pow2)
+
+
 def _primary(a: Cast, b: Cast) -> Cast | None:
     """The cast whose statistics stand for an operand: its first fp8 cast."""
     return a if a.is_fp8 else (b if b.is_fp8 else None)
@@ -58,9 +68,10 @@ class _Float8Matmul(torch.autograd.Function):
                 out = block_gemm(xc[:2], r.input, wc[:2], r.weight, x.dtype)
             elif r.input.is_fp8:
                 xc = cast_to_fp8(x, r.input, -1, r.pow2_scales)
-                wc = cast_to_fp8(wt, r.weight, 0, r.pow2_scales)
+                wc = _cast_weight(wt, r.weight, 0, r.pow2_scales)
                 _record(stats, 0, x, xc)
-                _record(stats, 1, w, (wc[0].t(), *wc[1:]))  # w and q.t() are contiguous
+                if not isinstance(w, GatheredFloat8Weight):  # (gathered: recorded per shard before the all-gather)
+                    _record(stats, 1, w, (wc[0].t(), *wc[1:]))  # w and q.t() are contiguous
                 out = gemm(xc[0].reshape(-1, k), _rows(xc[1]), wc[0], wc[1], x.dtype, backend, True)
             else:
                 out = torch.mm(x.reshape(-1, k), wt)
@@ -96,7 +107,7 @@ class _Float8Matmul(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 if r.grad_output.is_fp8:
                     if not r.save_fp8:
-                        wq, sw, _ = cast_to_fp8(wt, r.weight_for_grad_input, -1, r.pow2_scales)
+                        wq, sw, _ = _cast_weight(wt, r.weight_for_grad_input, -1, r.pow2_scales)
                     grad_input = gemm(go_gi[0], go_gi[1], wq.t(), _t(sw), dtype, backend, False)
                 else:
                     grad_input = torch.mm(go, wt.t())
@@ -224,10 +235,15 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if not (input.is_floating_point() and weight.is_floating_point()) or input.element_size() < 2:
         raise ValueError(f"fp8 linear takes high-precision floating inputs (fp32, bf16, fp16), "
                          f"got {input.dtype} and {weight.dtype}")
+    gathered = isinstance(weight, GatheredFloat8Weight)
     if state is not None and state.fallback:
+        if gathered:
+            warn_fallback(state)
         return F.linear(input, weight.to(input.dtype), None if bias is None else bias.to(input.dtype))
     if state is not None and state.recipe is not None:  # a Controller's rung
         recipe = state.recipe
+    if gathered:
+        check_gathered(weight, recipe)
     if recipe.blocked:
         backend = _block_backend(backend, recipe)
     else:

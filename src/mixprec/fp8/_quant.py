@@ -31,9 +31,12 @@ def _scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
     return scale
 
 
-def cast_to_fp8(x: torch.Tensor, cast: Cast, row_dim: int, pow2: bool
+def cast_to_fp8(x: torch.Tensor, cast: Cast, row_dim: int, pow2: bool, amax: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cast ``x`` with a current scale: returns ``(q, scale, amax)``.
+
+    ``amax``: a tensor-granularity cast's amax when it is not ``x``'s own (FSDP2's fp8
+    all-gather casts a shard with the amax all-reduced over the shards).
 
     ``row_dim`` is the dimension reduced for a row scale (the GEMM's contracted one); the scale
     keeps it as size 1 so that ``q.float() / scale`` dequantizes by broadcasting. A block cast
@@ -44,10 +47,9 @@ def cast_to_fp8(x: torch.Tensor, cast: Cast, row_dim: int, pow2: bool
     if cast.block is not None:
         return _cast_blocks(x, cast, row_dim, pow2)
     dtype = cast.dtype
-    if cast.granularity == "tensor":
-        amax = torch.max(torch.abs(x))
-    else:
-        amax = torch.amax(torch.abs(x), dim=row_dim, keepdim=True)
+    if amax is None:
+        amax = torch.max(torch.abs(x)) if cast.granularity == "tensor" else \
+            torch.amax(torch.abs(x), dim=row_dim, keepdim=True)
     scale = _scale(amax, dtype, pow2)
     x_scaled = x.to(torch.float32) * scale
     fmax = torch.finfo(dtype).max

@@ -1,0 +1,233 @@
+"""FSDP2 fp8 all-gather: an fp8 layer's weight crosses the wire in fp8 (tensorwise scaling), as
+torchao's ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``.
+
+``fp8.convert(model, fsdp_fp8_all_gather=True)`` wraps each converted layer's weight in a
+:class:`Float8AllGatherWeight` (the high-precision weight: what the optimizer updates, what the
+state dict holds). Under ``fully_shard``, FSDP2 calls its ``fsdp_pre_all_gather`` on each rank's
+shard: the shard's amax, all-reduced (MAX) over the shard group, is the amax of the whole weight,
+so the scale and every fp8 byte are those of casting the unsharded weight. The bytes travel as
+uint8 (gloo cannot all-gather float8 dtypes; NCCL moves the same bytes). ``fsdp_post_all_gather``
+wraps the gathered bytes and the scale in a :class:`GatheredFloat8Weight`, which
+:func:`mixprec.fp8.linear` takes as the cast weight of both GEMMs that read it.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+
+from mixprec.fp8._quant import cast_to_fp8
+from mixprec.fp8._recipe import Cast, Float8Recipe
+from mixprec.fp8._state import LayerState, layer_state
+
+__all__ = ["Float8AllGatherWeight", "GatheredFloat8Weight", "check_recipe", "check_gathered", "wrap_weight",
+           "plain_weight", "warn_fallback"]
+
+aten = torch.ops.aten
+# What FSDP2 does to a parameter while sharding it (chunk, pad, copy, move): the result stays a
+# Float8AllGatherWeight. Every other op sees the plain high-precision tensor.
+_PRESERVE = {
+    aten.empty_like.default, aten.new_zeros.default, aten.slice.Tensor, aten.copy_.default, aten.view.default,
+    aten.as_strided.default, aten._to_copy.default, aten._pin_memory.default, aten.split.Tensor,
+    aten.clone.default, aten.detach.default, aten.alias.default,
+}
+# Views of the gathered fp8 weight that stay fp8 (FSDP2's as_strided, nn.Parameter's detach,
+# Conv1D's weight.t()); every other op sees the dequantized weight.
+_VIEWS = {aten.detach.default, aten.alias.default, aten.as_strided.default, aten.t.default,
+          aten.transpose.int}
+_WARNED: weakref.WeakSet[LayerState] = weakref.WeakSet()
+
+
+def check_recipe(recipe: Float8Recipe) -> None:
+    """Raise ValueError unless ``recipe`` casts the weight the same way, one fp8 scale per
+    tensor, in both GEMMs that read it (``output`` and ``grad_input``): what an fp8 all-gather
+    of the weight can feed (torchao allows only tensorwise too)."""
+    w, wgi = recipe.weight, recipe.weight_for_grad_input
+    if not (w.is_fp8 and w.granularity == "tensor" and wgi == w):
+        raise ValueError(f"fsdp_fp8_all_gather needs a recipe whose weight is cast to fp8 with one scale per "
+                         f"tensor, the same cast in the output and grad_input GEMMs (e.g. 'tensorwise'); "
+                         f"recipe {recipe.name!r} casts the weight as {w} and {wgi}")
+
+
+def check_gathered(weight: GatheredFloat8Weight, recipe: Float8Recipe) -> None:
+    """Raise ValueError unless ``recipe`` (e.g. a controller's rung) reads the weight exactly as
+    it was gathered."""
+    if recipe.weight != weight._cast or recipe.weight_for_grad_input != weight._cast:
+        raise ValueError(f"fp8 linear: the weight arrives in fp8 from FSDP2's fp8 all-gather ({weight._cast}), "
+                         f"which recipe {recipe.name!r} cannot read (weight casts {recipe.weight}, "
+                         f"{recipe.weight_for_grad_input}); convert such layers without fsdp_fp8_all_gather")
+
+
+def warn_fallback(state: LayerState) -> None:
+    """Warn once per layer that its fallback runs on the dequantized fp8 weight."""
+    if state not in _WARNED:
+        _WARNED.add(state)
+        warnings.warn("fp8: a layer that fell back to the compute dtype still gets its weight from FSDP2's fp8 "
+                      "all-gather: its GEMMs run in the compute dtype on the dequantized fp8 weight (the "
+                      "all-gather's format is fixed at the first all-gather); convert without "
+                      "fsdp_fp8_all_gather for a high-precision weight", UserWarning, stacklevel=4)
+
+
+def wrap_weight(module: nn.Module, recipe: Float8Recipe) -> None:
+    """Make ``module.weight`` a :class:`Float8AllGatherWeight` parameter (storage shared).
+
+    Raises ValueError when the weight is already sharded (a DTensor): convert before fully_shard.
+    """
+    weight = module.weight
+    if _is_dtensor(weight):
+        raise ValueError("fp8.convert(..., fsdp_fp8_all_gather=True): the model is already sharded (its weights are "
+                         "DTensors); convert it before fully_shard")
+    inner = Float8AllGatherWeight(weight.detach(), recipe.weight, recipe.pow2_scales)
+    module.weight = nn.Parameter(inner, requires_grad=weight.requires_grad)
+
+
+def plain_weight(weight: nn.Parameter) -> nn.Parameter:
+    """``weight`` without the :class:`Float8AllGatherWeight` wrapper (storage shared).
+
+    Raises ValueError for a sharded one (a DTensor holding it): unconvert before fully_shard.
+    """
+    if _is_dtensor(weight) and isinstance(weight._local_tensor, Float8AllGatherWeight):
+        raise ValueError("fp8.unconvert: the layer's weight is sharded by FSDP2 with fp8 all-gather; unconvert "
+                         "before fully_shard (or load its state dict into an unconverted model)")
+    if isinstance(weight, Float8AllGatherWeight):
+        return nn.Parameter(weight._tensor, requires_grad=weight.requires_grad)
+    return weight
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+class Float8AllGatherWeight(torch.Tensor):
+    """A high-precision weight whose FSDP2 all-gather sends its fp8 cast (``cast``: one scale per
+    tensor). Every op but FSDP2's sharding ones sees the plain tensor (``_tensor``).
+
+    Example:
+        >>> w = Float8AllGatherWeight(torch.ones(2, 2), Cast("e4m3fn"), False)
+        >>> type(w * 2).__name__, type(w.detach()).__name__
+        ('Tensor', 'Float8AllGatherWeight')
+    """
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, cast: Cast, pow2: bool) -> Float8AllGatherWeight:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype, layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad)
+
+    def __init__(self, tensor: torch.Tensor, cast: Cast, pow2: bool) -> None:
+        self._tensor, self._cast, self._pow2 = tensor, cast, pow2
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        meta: list[tuple[Cast, bool]] = []
+
+        def unwrap(t: Float8AllGatherWeight) -> torch.Tensor:
+            meta.append((t._cast, t._pow2))
+            return t._tensor
+
+        args, kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _PRESERVE:
+            return out
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, *meta[0]), out)
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[Cast, bool]]:
+        return ["_tensor"], (self._cast, self._pow2)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: tuple[Cast, bool], outer_size: Any,
+                             outer_stride: Any) -> Float8AllGatherWeight:
+        return Float8AllGatherWeight(inner["_tensor"], *meta)
+
+    def __repr__(self) -> str:
+        return f"Float8AllGatherWeight({self._tensor!r}, cast={self._cast})"
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
+                            module: nn.Module, mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """FSDP2's hook: this rank's shard cast to fp8 with the amax of the whole weight (one
+        all-reduce), as uint8 padded to FSDP2's padded shard size. Records the shard's weight
+        statistics into the module's :class:`LayerState` (not when it has fallen back)."""
+        shard = self._tensor
+        amax = torch.max(torch.abs(shard)) if shard.numel() else shard.new_zeros(())
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        q, scale, amax = cast_to_fp8(shard, self._cast, 0, self._pow2, amax=amax)
+        state = layer_state(module, create=False)
+        if state is not None and not state.fallback:
+            from mixprec.fp8._linear import _record
+
+            if state.device != shard.device:
+                state.to(shard.device)
+            _record(state._data, 1, shard, (q, scale, amax))
+        data = q.view(torch.uint8)
+        rows = math.ceil(outer_size[0] / mesh.size())
+        if data.shape[0] != rows:  # uneven sharding: FSDP2 pads each shard at its end
+            data = torch.cat([data, data.new_zeros(rows - data.shape[0], *data.shape[1:])])
+        return (data,), (scale, amax, self._cast)
+
+    def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any,
+                             param_dtype: torch.dtype, *, out: torch.Tensor | None = None) -> Any:
+        """FSDP2's hook: the gathered bytes as a :class:`GatheredFloat8Weight` of ``param_dtype``
+        (the first time), or the new scale into the existing one (``out``, whose bytes FSDP2 has
+        gathered into the same storage)."""
+        (data,) = all_gather_outputs
+        scale, amax, cast = metadata
+        if out is not None:
+            if not isinstance(out, GatheredFloat8Weight):
+                raise RuntimeError(f"fp8 all-gather: FSDP2 gave an unsharded weight of type {type(out).__name__}, "
+                                   f"expected the GatheredFloat8Weight of the first all-gather")
+            out._scale, out._amax = scale, amax
+            return None
+        return GatheredFloat8Weight(data.view(cast.dtype), scale, amax, param_dtype, cast), (data,)
+
+
+class GatheredFloat8Weight(torch.Tensor):
+    """The unsharded weight FSDP2's fp8 all-gather gives: the fp8 bytes (``_data``), the scale
+    and amax of the whole weight; shown as a tensor of the parameter dtype. Views (``t``,
+    ``as_strided``, ``detach``) stay fp8; any other op sees the dequantized weight
+    (``_data.float() / _scale`` in that dtype), so gradients flow to it as to the weight.
+
+    Example:
+        >>> q = torch.tensor([[448.0, -224.0]]).to(torch.float8_e4m3fn)
+        >>> w = GatheredFloat8Weight(q, torch.tensor(224.0), torch.tensor(2.0), torch.float32, Cast())
+        >>> (w * 1).tolist(), type(w.t()).__name__
+        ([[2.0, -1.0]], 'GatheredFloat8Weight')
+    """
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype,
+                cast: Cast) -> GatheredFloat8Weight:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
+            layout=data.layout, device=data.device, requires_grad=False)
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype,
+                 cast: Cast) -> None:
+        self._data, self._scale, self._amax, self._cast = data, scale, amax, cast
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in its dtype, from the fp8 bytes."""
+        return (self._data.float() / self._scale).to(self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _VIEWS:
+            w = args[0]
+            return cls(func(w._data, *args[1:], **kwargs), w._scale, w._amax, w.dtype, w._cast)
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"GatheredFloat8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, cast={self._cast})"
+
+
+torch.serialization.add_safe_globals([Float8AllGatherWeight])

@@ -90,13 +90,17 @@ class _Comm:
         dist.all_gather_single, dist.all_reduce = self._saved
 
 
-def _train(run: str, param_dtype: torch.dtype | None, optim: str, rank: int, bf16_values: bool = False
-           ) -> dict[str, Any]:
+def _train(run: str, param_dtype: torch.dtype | None, optim: str, rank: int, bf16_values: bool = False,
+           precompute: bool = False) -> dict[str, Any]:
+    """STEPS steps; ``precompute``: ``fp8.precompute_fsdp_scales`` before the first step and after
+    the first update, none after the second (the third step's scales are stale: reduced again)."""
     model = _build(run, _model(bf16_values))
     _shard(model, param_dtype)
     opt = (torch.optim.SGD(model.parameters(), lr=0.1) if optim == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=1e-2))
-    out: dict[str, Any] = {"outputs": [], "input_grads": [], "grads": []}
+    out: dict[str, Any] = {"outputs": [], "input_grads": [], "grads": [], "precomputed": []}
+    if precompute:
+        out["precomputed"].append(fp8.precompute_fsdp_scales(model))
     comm = _Comm()
     for step in range(STEPS):
         x = torch.randn(BATCH, 32, generator=torch.Generator().manual_seed(10 * step + rank)).requires_grad_()
@@ -108,6 +112,8 @@ def _train(run: str, param_dtype: torch.dtype | None, optim: str, rank: int, bf1
         out["grads"].append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
+        if precompute and step == 0:
+            out["precomputed"].append(fp8.precompute_fsdp_scales(model))
     out["params"] = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
     out["gathers"], out["reduces"] = comm.gathers, comm.reduces
     if run != "torchao":
@@ -145,6 +151,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             results["bf16_values"] = {run: _train(run, torch.bfloat16, "sgd", rank, bf16_values=True)
                                       for run in ("gathered", "plain")}
             results["bias_free"] = _bias_free(rank)
+            results["precomputed"] = {case: _train("gathered", CASES[case][0], "adamw", rank, precompute=True)
+                                      for case in ("fp32_adamw", "bf16_adamw")}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -249,6 +257,19 @@ def test_all_gather_bytes(ranks: list[dict[str, Any]], case: str, hp_bytes: int)
 
 @slow
 @distributed
+@slow
+@distributed
+@pytest.mark.parametrize("case", ["fp32_adamw", "bf16_adamw"])
+def test_precomputed_scales_are_bitwise_the_same_with_one_all_reduce(ranks: list[dict[str, Any]], case: str) -> None:
+    for r in ranks:
+        pre, dynamic = r["precomputed"][case], r[case]["gathered"]
+        for key in KEYS:
+            assert _equal(pre[key], dynamic[key]), (case, key)
+        assert pre["precomputed"] == [len(LAYERS)] * 2
+        # steps 1 and 2 used the precomputed amaxes; step 3's were stale (AdamW updated the weights)
+        assert pre["reduces"] == [4] * len(LAYERS) * 2
+
+
 def test_a_lone_fp8_weight_all_gathers_as_uint8_on_gloo(ranks: list[dict[str, Any]]) -> None:
     """A bias-free fp8 layer sharded alone: FSDP2 all-gathers in the inputs' dtype, which gloo
     does not have for float8 (torchao fails: 'Invalid scalar type'); mixprec sends uint8, bitwise

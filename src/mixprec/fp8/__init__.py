@@ -11,6 +11,8 @@
 * :func:`convert`, :func:`unconvert`, :class:`Float8Linear`, :class:`Float8Conv1D`, :func:`stats`:
   module conversion (``nn.Linear`` and transformers' ``Conv1D``), its undoing, the stats table.
 * :func:`eligible`, :func:`select_layers`: the layer-selection rules.
+* ``convert(..., fsdp_fp8_all_gather=True)``, :func:`precompute_fsdp_scales`: FSDP2 all-gathers
+  the weights in fp8 (tensorwise), bitwise torchao's ``enable_fsdp_float8_all_gather``.
 * :class:`Controller` (also ``mixprec.Controller``): moves each layer up a ladder of formats
   before its statistics' trend crosses a limit and back down when the lower format is safe again
   (``Policy.fp8(controller=ctl)``, ``ctl.step()``); see docs/controller.md.
@@ -49,6 +51,7 @@ module state dict.
 from mixprec.fp8._convert import (Float8Conv1D, Float8Linear, Float8Stats, as_recipe, convert, eligible, select_layers,
                                   stats, unconvert)
 from mixprec.fp8._controller import Controller, Decision
+from mixprec.fp8._fsdp import precompute_fsdp_scales
 from mixprec.fp8._guard import Fallback, Float8FallbackWarning, Guard, layer_states
 from mixprec.fp8._linear import linear
 from mixprec.fp8._recipe import Cast, Float8Recipe
@@ -57,5 +60,5 @@ from mixprec.fp8._state import LayerState, layer_state
 __all__ = [
     "Cast", "Controller", "Decision", "Fallback", "Float8Conv1D", "Float8FallbackWarning", "Float8Linear", "Float8Recipe", "Float8Stats",
     "Guard", "LayerState", "as_recipe", "convert", "eligible", "layer_state", "layer_states", "linear",
-    "select_layers", "stats", "unconvert",
+    "precompute_fsdp_scales", "select_layers", "stats", "unconvert",
 ]

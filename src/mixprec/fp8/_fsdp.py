@@ -28,7 +28,7 @@ from mixprec.fp8._recipe import Cast, Float8Recipe
 from mixprec.fp8._state import LayerState, layer_state
 
 __all__ = ["Float8AllGatherWeight", "GatheredFloat8Weight", "check_recipe", "check_gathered", "wrap_weight",
-           "plain_weight", "warn_fallback"]
+           "plain_weight", "warn_fallback", "precompute_fsdp_scales"]
 
 aten = torch.ops.aten
 # What FSDP2 does to a parameter while sharding it (chunk, pad, copy, move): the result stays a
@@ -101,6 +101,39 @@ def plain_weight(weight: nn.Parameter) -> nn.Parameter:
     return weight
 
 
+@torch.no_grad()
+def precompute_fsdp_scales(model: nn.Module) -> int:
+    """The amaxes of every fp8-all-gathered weight of the FSDP2-sharded ``model`` in one
+    all-reduce, instead of one per weight at each all-gather (torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp``); call it after ``optimizer.step()``. The casts
+    are bitwise the same. A weight changed in place through its parameter after the call (the
+    next optimizer step, ``load_state_dict``) reduces its own amax again at its next all-gather;
+    a change through ``.data`` is not seen: call it again after one. Returns how many weights.
+
+    Raises ValueError when the weights are sharded over more than one device mesh.
+
+    Example:
+        >>> precompute_fsdp_scales(torch.nn.Linear(16, 16))  # not sharded: nothing to do
+        0
+    """
+    params = [p for p in model.parameters() if _is_dtensor(p) and isinstance(p._local_tensor, Float8AllGatherWeight)]
+    if not params:
+        return 0
+    meshes = {p.device_mesh for p in params}
+    if len(meshes) > 1:
+        raise ValueError(f"precompute_fsdp_scales: the fp8-all-gathered weights are sharded over {len(meshes)} "
+                         f"device meshes; call it on each FSDP2 module of one mesh")
+    amax = torch.stack([_amax(p._local_tensor._tensor).double() for p in params])  # upcasts are exact
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=meshes.pop().get_group())
+    for p, a in zip(params, amax):
+        p._local_tensor._precomputed = (a.to(p.dtype), weakref.ref(p), p._version)
+    return len(params)
+
+
+def _amax(shard: torch.Tensor) -> torch.Tensor:
+    return torch.max(torch.abs(shard)) if shard.numel() else shard.new_zeros(())
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -125,6 +158,15 @@ class Float8AllGatherWeight(torch.Tensor):
 
     def __init__(self, tensor: torch.Tensor, cast: Cast, pow2: bool) -> None:
         self._tensor, self._cast, self._pow2 = tensor, cast, pow2
+        self._precomputed: tuple[torch.Tensor, weakref.ref, int] | None = None  # precompute_fsdp_scales
+
+    def _fresh_amax(self) -> torch.Tensor | None:
+        """The precomputed amax while its parameter is unchanged since, else None."""
+        if self._precomputed is None:
+            return None
+        amax, param, version = self._precomputed
+        p = param()
+        return amax if p is not None and p._version == version else None
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -154,11 +196,14 @@ class Float8AllGatherWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
                             module: nn.Module, mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
         """FSDP2's hook: this rank's shard cast to fp8 with the amax of the whole weight (one
-        all-reduce), as uint8 padded to FSDP2's padded shard size. Records the shard's weight
-        statistics into the module's :class:`LayerState` (not when it has fallen back)."""
+        all-reduce, or the one :func:`precompute_fsdp_scales` did), as uint8 padded to FSDP2's
+        padded shard size. Records the shard's weight statistics into the module's
+        :class:`LayerState` (not when it has fallen back)."""
         shard = self._tensor
-        amax = torch.max(torch.abs(shard)) if shard.numel() else shard.new_zeros(())
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        amax = self._fresh_amax()
+        if amax is None:
+            amax = _amax(shard)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
         q, scale, amax = cast_to_fp8(shard, self._cast, 0, self._pow2, amax=amax)
         state = layer_state(module, create=False)
         if state is not None and not state.fallback:

@@ -59,7 +59,7 @@ def _shard(model: nn.Module, param_dtype: torch.dtype | None) -> None:
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     kwargs = {"mp_policy": mp} if mp else {}
     for layer in model:
-        if isinstance(layer, nn.Linear):
+        if isinstance(layer, (nn.Linear, fp8.Float8Conv1D)):
             fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
 
@@ -141,6 +141,27 @@ def _bias_free(rank: int) -> dict[str, Any]:
     return res
 
 
+def _conv1d(rank: int) -> dict[str, Any]:
+    """transformers' Conv1D (weight stored ``(in, out)``: FSDP2 shards the input features)."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers.pytorch_utils import Conv1D
+
+    res = {}
+    for run in ("gathered", "plain"):
+        torch.manual_seed(0)
+        model = _build(run, nn.Sequential(Conv1D(64, 32), nn.Tanh(), Conv1D(16, 64)))
+        assert isinstance(model[0], fp8.Float8Conv1D)
+        _shard(model, None)
+        seen = []
+        model[0].register_forward_pre_hook(lambda m, args: seen.append(type(m.weight).__name__))
+        x = torch.randn(BATCH, 32, generator=torch.Generator().manual_seed(rank))
+        y = model(x)
+        y.square().mean().backward()
+        res[run] = (y.detach(), [p.grad.full_tensor() for p in model.parameters()])
+        res[run + "_weight"] = seen
+    return res
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     with gloo_group(rank, port):
         torch.set_num_threads(1)
@@ -151,6 +172,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             results["bf16_values"] = {run: _train(run, torch.bfloat16, "sgd", rank, bf16_values=True)
                                       for run in ("gathered", "plain")}
             results["bias_free"] = _bias_free(rank)
+            results["conv1d"] = _conv1d(rank)
             results["precomputed"] = {case: _train("gathered", CASES[case][0], "adamw", rank, precompute=True)
                                       for case in ("fp32_adamw", "bf16_adamw")}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -282,6 +304,15 @@ def test_a_lone_fp8_weight_all_gathers_as_uint8_on_gloo(ranks: list[dict[str, An
 
 @slow
 @distributed
+def test_transformers_conv1d_bitwise_mixprec_without_the_all_gather(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert _equal(r["conv1d"]["gathered"], r["conv1d"]["plain"])
+        assert r["conv1d"]["gathered_weight"] == ["GatheredFloat8Weight"]  # FSDP2 gave it the fp8 bytes
+        assert r["conv1d"]["plain_weight"] == ["Parameter"]
+
+
+@slow
+@distributed
 def test_uneven_shards_on_three_ranks(tmp_path: Any) -> None:
     spawn(_uneven_worker, str(tmp_path), nprocs=3, timeout=120)
     for r in range(3):
@@ -367,3 +398,17 @@ def test_a_recipe_the_gathered_weight_cannot_feed_raises_and_a_fallback_warns() 
     with pytest.warns(UserWarning, match="dequantized fp8 weight"):
         y = fp8.linear(x, g, state=state)
     assert torch.equal(y, x @ g.dequantize().t())
+
+
+def test_a_checkpoint_loads_with_weights_only_into_plain_and_converted_models(tmp_path: Any) -> None:
+    model = fp8.convert(_seq(), filter_fn=lambda m, fqn: True, fsdp_fp8_all_gather=True)
+    torch.save(model.state_dict(), tmp_path / "ckpt.pt")
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    plain, converted = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), fp8.convert(
+        nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), filter_fn=lambda m, fqn: True, fsdp_fp8_all_gather=True)
+    plain.load_state_dict(state)
+    converted.load_state_dict(state)
+    for name, p in model.named_parameters():
+        ref = getattr(p, "_tensor", p)
+        assert torch.equal(plain.get_parameter(name), ref) and torch.equal(converted.get_parameter(name), ref), name
+    assert type(plain[0].weight) is nn.Parameter and type(converted[0].weight._tensor) is torch.Tensor

@@ -275,4 +275,5 @@ class GatheredFloat8Weight(torch.Tensor):
         return f"GatheredFloat8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, cast={self._cast})"
 
 
-torch.serialization.add_safe_globals([Float8AllGatherWeight])
+# A checkpoint of a converted model holds these: loadable with torch.load(weights_only=True).
+torch.serialization.add_safe_globals([Float8AllGatherWeight, Cast])

@@ -665,11 +665,12 @@ class GradScaler(torch.amp.GradScaler):
                 blocked = backoff_blocked(state, found_inf, self._config)
             new_state = update_scale(state, found_inf, self._config)
             if self._layerwise is not None:  # an overflow the cut points absorbed keeps the scale
-                absorbed = self._layerwise.update(found_inf, self._group(), self._config)
-                new_state = new_state._replace(
-                    scale=torch.where(absorbed, state.scale, new_state.scale),
-                    hysteresis_left=torch.where(absorbed, state.hysteresis_left, new_state.hysteresis_left),
-                )
+                absorbed = self._layerwise.update(found_inf, self._group(), self._config, self._read_overflow())
+                if absorbed is not None:
+                    new_state = new_state._replace(
+                        scale=torch.where(absorbed, state.scale, new_state.scale),
+                        hysteresis_left=torch.where(absorbed, state.hysteresis_left, new_state.hysteresis_left),
+                    )
         else:
             found_inf = self._combined_found_inf(recorded) if recorded else None
             new_state = state._replace(scale=validated_new_scale(new_scale, state.scale, self._config))
@@ -700,6 +701,12 @@ class GradScaler(torch.amp.GradScaler):
                 raise MinScaleError(message)
             self._warned_min_scale = True
             warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def _read_overflow(self) -> bool | None:
+        """Whether this iteration overflowed, when every optimizer's flag has already been read
+        on the host (watching reads it in unscale_ or step), else ``None``. No host sync."""
+        read = [s.skipped for s in self._per_optimizer_states.values() if s.found_inf_per_device]
+        return None if not read or None in read else any(read)
 
     # ------------------------------------------------------------------ getters and setters
 

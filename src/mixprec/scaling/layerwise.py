@@ -40,7 +40,7 @@ import math
 import warnings
 import weakref
 from collections import deque
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -48,7 +48,10 @@ from torch import nn
 from mixprec._unscale import inverse_scale
 from mixprec.scaling.rule import ScaleConfig
 
-__all__ = ["Layerwise", "choose_cut_points", "regions", "pow2"]
+__all__ = [
+    "LayerState", "Layerwise", "Topology", "choose_cut_points", "clean_step", "layer_rule", "overflow_step",
+    "pow2", "regions", "topology",
+]
 
 #: Binades every region sits below the top region: equalising floor(log2 amax) leaves a region's
 #: amax up to twice the top's, which the loss scale's probing does not cover.
@@ -227,6 +230,169 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
     return None
 
 
+# ----------------------------------------------------------------------------- the rule
+
+
+class Topology(NamedTuple):
+    """The cut points' tree as device tensors, built by :func:`topology` after the graph walk.
+
+    ``n`` cut points; region ``k + 1`` is the one right below cut point ``k``, region 0 the top.
+
+    Attributes:
+        parent: int64 ``(n,)``: the region that region ``k + 1`` hangs from (0: the top).
+        membership: float32 ``(n, n)``: ``[k, j] = 1`` when region ``k + 1`` lies below cut point
+            ``j`` (its total exponent is ``membership @ exponent``).
+        depth: float32 ``(n,)``: how many cut points lie above region ``k + 1`` (``k`` included).
+        scored: ``membership * depth``; outside: ``1 - membership``.
+        step_down: float32 ``(n, n)``: ``step_down @ totals`` is each cut point's exponent (its
+            region's total minus its parent region's).
+    """
+
+    parent: torch.Tensor
+    membership: torch.Tensor
+    depth: torch.Tensor
+    scored: torch.Tensor
+    outside: torch.Tensor
+    step_down: torch.Tensor
+
+
+def topology(parents: Sequence[int], device: torch.device | str) -> Topology:
+    """The :class:`Topology` of cut points whose regions hang from ``parents[k]`` (0 or ``j + 1``).
+
+    Raises:
+        RuntimeError: the parents form a cycle.
+
+    Example:
+        >>> topology([2, 0], "cpu").membership  # a chain: region 1 lies below cut points 0 and 1
+        tensor([[1., 1.],
+                [0., 1.]])
+    """
+    n = len(parents)
+    rows: dict[int, list[float]] = {0: [0.0] * n}
+
+    def row(region: int, depth: int = 0) -> list[float]:
+        if region not in rows:
+            if depth > n:
+                raise RuntimeError("per_layer: the cut points' parents form a cycle")
+            rows[region] = list(row(parents[region - 1], depth + 1))
+            rows[region][region - 1] = 1.0
+        return rows[region]
+
+    membership = torch.tensor([row(r) for r in range(1, n + 1)], dtype=torch.float32).reshape(n, n)
+    step_down = torch.eye(n)
+    for k, p in enumerate(parents):
+        if p:
+            step_down[k, p - 1] = -1.0
+    depth = membership.sum(dim=1)
+    host = Topology(torch.tensor(list(parents), dtype=torch.int64), membership, depth,
+                    membership * depth, 1.0 - membership, step_down)
+    return Topology(*(t.to(device) for t in host))
+
+
+class LayerState(NamedTuple):
+    """Per cut point, int32 ``(n,)`` device tensors: the exponent of its factor, its margin
+    (extra binades below the top region), its growth tracker and its hysteresis budget."""
+
+    exponent: torch.Tensor
+    margin: torch.Tensor
+    growth_tracker: torch.Tensor
+    hysteresis_left: torch.Tensor
+
+
+def _binade_steps(config: ScaleConfig) -> tuple[int, int]:
+    """Binades a margin moves by on a back-off and on a growth."""
+    return max(1, round(-math.log2(config.backoff_factor))), max(1, round(math.log2(config.growth_factor)))
+
+
+def clean_step(
+    state: LayerState, stats: torch.Tensor, totals: torch.Tensor, topo: Topology, config: ScaleConfig,
+    bounds: tuple[int, int],
+) -> LayerState:
+    """The rule on a step without overflow (pure; no host sync).
+
+    ``stats``: float32 ``(n + 1,)``, each region's amax of the step (-1: nothing seen); ``totals``:
+    float32 ``(n,)``, the total exponents of regions 1..n. Trackers count up; after
+    ``growth_interval`` clean steps a margin comes down by a growth binade and the hysteresis
+    budget refills (every clean step with ``consecutive_hysteresis``). Each measured region moves
+    so that its amax exponent is the top region's minus ``HEADROOM`` and its margin; a region
+    that saw only zeros moves ``ZERO_JUMP`` binades per zero-only region between it and its
+    nearest measured ancestor (or the top) with that ancestor; the factors are the differences of
+    the totals, clamped into ``bounds``. Nothing moves unless the top region measured a positive
+    amax and every statistic is finite.
+    """
+    lo, hi = bounds
+    tracker = state.growth_tracker + 1
+    grow = tracker >= config.growth_interval
+    margin = torch.where(grow, (state.margin - _binade_steps(config)[1]).clamp_min_(0), state.margin)
+    left = state.hysteresis_left
+    left = torch.full_like(left, config.hysteresis) if config.consecutive_hysteresis else torch.where(grow, config.hysteresis, left)
+    tracker = tracker.masked_fill_(grow, 0)
+
+    _, exponents = torch.frexp(stats)
+    lower = stats[1:]
+    positive = lower > 0
+    measured = torch.where(positive, exponents[0] - exponents[1:] - (margin + HEADROOM), 0)
+    # Each row (a region) scores the cut points above it: their depth where measured, 0 where
+    # not, -1 off its path; depths differ along a path, so the nearest measured ancestor-or-self
+    # is the one column equal to the row's amax (none measured: only unmeasured columns, 0).
+    score = topo.scored * positive - topo.outside
+    nearest = score.amax(dim=1, keepdim=True)
+    moved = ((score == nearest) * measured).sum(dim=1)  # one term per row: exact
+    zeros_below = (topo.membership * (lower == 0) * (topo.depth > nearest)).sum(dim=1)
+    new_totals = (totals + torch.add(moved, zeros_below, alpha=ZERO_JUMP)).clamp_(-TOTAL_BOUND, TOTAL_BOUND)
+    equalised = (topo.step_down @ new_totals).clamp_(lo, hi).to(torch.int32)
+    active = (stats[0] > 0) & torch.isfinite(stats).all()
+    exponent = torch.where(active, equalised, state.exponent.clamp_min(lo))
+    return LayerState(exponent, margin, tracker, left)
+
+
+def overflow_step(
+    state: LayerState, stats: torch.Tensor, topo: Topology, config: ScaleConfig, bounds: tuple[int, int]
+) -> tuple[LayerState, torch.Tensor, torch.Tensor]:
+    """The rule on a step with an overflow (pure; no host sync): returns the new state, the
+    culprits (bool ``(n,)``: cut points whose region overflowed below a region that did not) and
+    whether the cut points absorbed the overflow (0-dim bool: there were culprits and each could
+    back off or tolerate it, so the loss scale need not back off).
+
+    A culprit spends one unit of hysteresis budget; when the budget is spent (or ``hysteresis``
+    is 1) its margin rises and its factor drops by a back-off binade (not below ``bounds[0]``).
+    Every growth tracker restarts.
+    """
+    back_step = _binade_steps(config)[0]
+    finite = torch.isfinite(stats)
+    culprit = finite.index_select(0, topo.parent) > finite[1:]
+    left = state.hysteresis_left
+    decremented = (left - 1).clamp_min_(0)
+    backoff = culprit & (decremented == 0) if config.hysteresis > 1 else culprit
+    margin = torch.add(state.margin, backoff, alpha=back_step)
+    exponent = torch.add(state.exponent, backoff, alpha=-back_step).clamp_min_(bounds[0])
+    stuck = backoff & (state.exponent <= bounds[0])
+    absorbed = culprit.any() & ~stuck.any()
+    new = LayerState(exponent, margin, torch.zeros_like(state.growth_tracker), torch.where(culprit, decremented, left))
+    return new, culprit, absorbed
+
+
+def layer_rule(
+    state: LayerState, stats: torch.Tensor, totals: torch.Tensor, overflow: bool | torch.Tensor,
+    topo: Topology, config: ScaleConfig, bounds: tuple[int, int],
+) -> tuple[LayerState, torch.Tensor | None, torch.Tensor | None]:
+    """One update of the cut points: :func:`clean_step` or :func:`overflow_step`.
+
+    ``overflow``: a host bool when the step's overflow flag was already read (one branch runs),
+    else a 0-dim bool tensor (both run, and the result is selected on the device). Returns the
+    new state, the culprits and the absorbed flag (``None`` for both on a clean step known on
+    the host: no culprits, nothing absorbed).
+    """
+    if overflow is False:
+        return clean_step(state, stats, totals, topo, config, bounds), None, None
+    over, culprit, absorbed = overflow_step(state, stats, topo, config, bounds)
+    if overflow is True:
+        return over, culprit, absorbed
+    clean = clean_step(state, stats, totals, topo, config, bounds)
+    chosen = LayerState(*(torch.where(overflow, a, b) for a, b in zip(over, clean)))
+    return chosen, overflow & culprit, overflow & absorbed
+
+
 # ----------------------------------------------------------------------------- the scaler part
 
 
@@ -263,6 +429,9 @@ class Layerwise:
         self._pending: dict[str, Any] | None = None  # a loaded state waiting for the cut points
         self._master_maps: dict[int, tuple[int, dict[int, int]]] = {}
         self._indices: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+        self._grad_hooks: list[Any] = []  # one backward hook per cut point, made by watch
+        self._hook_plan: list[tuple[torch.Tensor, ...]] = []  # per cut point: stats, s_k, [1, s_k], index
+        self._topology: Topology | None = None
         self.recent: deque[torch.Tensor] = deque(maxlen=HISTORY_LEN)  # exponents after each update
 
     # -- watch --------------------------------------------------------------------------------
@@ -280,6 +449,7 @@ class Layerwise:
         modules = dict(model.named_modules())
         self._model = weakref.ref(model)
         self.names = names
+        self._grad_hooks = [self._grad_hook(k) for k in range(len(names))]
         self._handles = [modules[n].register_forward_hook(self._forward_hook(k, modules[n])) for k, n in enumerate(names)]
         self._calibrated = False
         self._param_region = {}
@@ -300,29 +470,31 @@ class Layerwise:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             me = ref()
             tensor = _first_tensor(output)
-            if me is None or module is not hooked_ref() or tensor is None or not tensor.requires_grad:
+            if me is None or module is not hooked_ref() or tensor is None or tensor.grad_fn is None:
                 return  # a copy.deepcopy of the watched model carries the hook: it does nothing
-            if tensor.grad_fn is None:
-                return
             if not me._calibrated:
                 me._edges[(id(tensor.grad_fn), tensor.output_nr)] = (cut, tensor.grad_fn)
-            tensor.register_hook(me._grad_hook(cut))
+            tensor.register_hook(me._grad_hooks[cut])
 
         return hook
 
     def _grad_hook(self, cut: int) -> Any:
+        """The backward hook of cut point ``cut``'s output: records the incoming gradient's amax
+        in the parent region's statistic and, times ``s_k``, in its own region's; returns the
+        gradient times ``s_k``. A few device ops, no host sync, nothing cached per step."""
+
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
-            state = self._device_state
-            if state is None:
+            plan = self._hook_plan
+            if not plan:
                 return None
-            factor = state["factor"][cut]
-            amax = _amax([grad]).to(factor.device, torch.float32)
-            stats = state["stats"]
-            if self._calibrated:
-                parent = stats.narrow(0, self._parents[cut], 1)
-                torch.maximum(parent, amax, out=parent)
-            mine = stats.narrow(0, cut + 1, 1)
-            torch.maximum(mine, amax * factor, out=mine)
+            stats, factor, pair, index = plan[cut]
+            amax = grad.abs().amax() if grad.numel() else grad.new_zeros(())
+            amax = amax.to(stats.device, torch.float32, non_blocking=True)
+            if self._calibrated:  # [parent, own region] <- [amax, amax * s_k]
+                stats.scatter_reduce_(0, index, amax * pair, reduce="amax")
+            else:  # the parent is not known yet
+                own = stats.narrow(0, cut + 1, 1)
+                torch.maximum(own, amax * factor, out=own)
             return grad * factor.to(grad.device, non_blocking=True)
 
         return hook
@@ -344,37 +516,30 @@ class Layerwise:
             for key, values in self._pending.items():
                 state[key] = torch.tensor(values, dtype=torch.int32, device=device)
             self._pending = None
-        state["factor"] = pow2(state["exponent"])
-        state["totals"] = torch.zeros(n + 1, dtype=torch.int32, device=device)
-        self._refresh_totals(state)
+        state["no_overflow"] = state["overflow"]
+        # [1, s_k] per cut point (the hook's pair); "factor" is its second column (a view)
+        state["pairs"] = torch.ones(n, 2, dtype=torch.float32, device=device)
+        state["factor"] = state["pairs"][:, 1]
+        state["region_factor"] = torch.ones(n + 1, dtype=torch.float32, device=device)  # 2**T_r
+        self._refresh(state)
         return state
 
-    def _matrix(self, device: torch.device) -> torch.Tensor:
-        """``A[r, k] = 1`` when region ``r`` lies below cut point ``k`` (float32: exact sums).
-
-        Region 0 is above every cut point; region ``k + 1`` is below cut point ``k`` and holds
-        its parent region's cut points too (the parents form a tree, from the graph walk).
-        """
-        n = len(self.names)
-        rows: dict[int, list[float]] = {0: [0.0] * n}
-
-        def row(region: int, depth: int = 0) -> list[float]:
-            if region not in rows:
-                if depth > n:
-                    raise RuntimeError("per_layer: the cut points' parents form a cycle")
-                k = region - 1
-                rows[region] = list(row(self._parents[k], depth + 1))
-                rows[region][k] = 1.0
-            return rows[region]
-
-        return torch.tensor([row(r) for r in range(n + 1)], dtype=torch.float32, device=device)
-
-    def _refresh_totals(self, state: dict[str, torch.Tensor]) -> None:
+    def _refresh(self, state: dict[str, torch.Tensor]) -> None:
+        """Rebuilds what derives from the exponents and the parents: the topology, the factors,
+        the regions' totals and scales, and the hooks' views of them."""
         device = state["exponent"].device
-        self._membership = self._matrix(device)
-        self._depth = self._membership[1:].sum(dim=1)  # cut point k's region: how many cuts above it
-        self._parent_index = torch.tensor(self._parents, dtype=torch.int64, device=device)
-        state["totals"] = (self._membership @ state["exponent"].float()).to(torch.int32)
+        self._topology = topology(self._parents, device)
+        self._store_factors(state, state["exponent"])
+        stats, pairs = state["stats"], state["pairs"]
+        indices = torch.tensor([[p, k + 1] for k, p in enumerate(self._parents)], dtype=torch.int64).to(device)
+        self._hook_plan = [(stats, state["factor"][k], pairs[k], indices[k]) for k in range(len(self.names))]
+
+    def _store_factors(self, state: dict[str, torch.Tensor], exponent: torch.Tensor) -> None:
+        state["exponent"] = exponent
+        state["factor"].copy_(pow2(exponent))
+        totals = self._topology.membership @ exponent.float()
+        state["totals"] = totals
+        state["region_factor"][1:].copy_(pow2(totals))
 
     def ensure_state(self, device: torch.device) -> dict[str, torch.Tensor]:
         if self._device_state is None:
@@ -432,7 +597,7 @@ class Layerwise:
                 stacklevel=3,
             )
         self._calibrated = True
-        self._refresh_totals(state)
+        self._refresh(state)
 
     # -- unscale --------------------------------------------------------------------------------
 
@@ -472,8 +637,8 @@ class Layerwise:
         if not groups:
             return {}
         stats = state["stats"]
-        inverse = inverse_scale(scale * pow2(state["totals"]))  # one reciprocal per region
-        inverses: dict[torch.device, torch.Tensor] = {}
+        inverse = inverse_scale(scale * state["region_factor"])  # one reciprocal per region
+        inverses: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         found: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
             for (device, _), per_region in groups.items():
@@ -483,7 +648,7 @@ class Layerwise:
                     amax = _amax(tensors).to(stats.device, torch.float32)
                     stats.scatter_reduce_(0, self._index(regions_of, stats.device), amax, reduce="amax")
                 if device not in inverses:
-                    inverses[device] = inverse.to(device, non_blocking=True)
+                    inverses[device] = inverse.to(device, non_blocking=True).unbind()
                     found[device] = torch.zeros((), dtype=torch.float32, device=device)
                 for region, region_grads in per_region.items():
                     torch._amp_foreach_non_finite_check_and_unscale_(
@@ -502,67 +667,39 @@ class Layerwise:
 
     # -- update ---------------------------------------------------------------------------------
 
-    def update(self, found_inf: torch.Tensor, group: Any, config: ScaleConfig) -> torch.Tensor:
-        """Applies the rule of the module docstring to the step's statistics, with the scaler's
-        ``config`` (hysteresis, growth interval, factors).
+    def update(
+        self, found_inf: torch.Tensor, group: Any, config: ScaleConfig, overflow: bool | None = None
+    ) -> torch.Tensor | None:
+        """Applies :func:`layer_rule` to the step's statistics, with the scaler's ``config``
+        (hysteresis, growth interval, factors). ``overflow``: the step's overflow flag when the
+        scaler has already read it on the host (it does when watching), else ``None``.
 
         Returns a 0-dim bool tensor: the overflow was absorbed by the cut points below the top
         region (their factors backed off or their hysteresis tolerated it), so the loss scale
-        must not back off. No host sync; with ``group``, one all-reduce (MAX) of the statistics
-        so that every rank gets the same factors.
+        must not back off; ``None`` when nothing can have been absorbed (a clean step known on
+        the host, or no state yet). No host sync; with ``group``, one all-reduce (MAX) of the
+        statistics so that every rank gets the same factors.
         """
         self.config = config
         state = self._device_state
         if state is None:
-            return torch.zeros((), dtype=torch.bool, device=found_inf.device)
+            return None
         stats = state["stats"]
         if group is not None:
             stats = torch.nan_to_num(stats, nan=math.inf)
             torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX, group=group)
-        overflow = found_inf.to(stats.device) != 0
-        finite = torch.isfinite(stats)
-        # The topmost cut point whose region overflowed: its region is not finite, its parent is.
-        culprit = overflow & ~finite[1:] & finite.index_select(0, self._parent_index)
-        tracker = torch.where(overflow, 0, state["growth_tracker"] + 1)
-        left = state["hysteresis_left"]
-        decremented = (left - 1).clamp_min(0)
-        backoff = culprit & ((decremented == 0) if config.hysteresis > 1 else torch.ones_like(culprit))
-        grow = tracker >= config.growth_interval
-        back_step = max(1, round(-math.log2(config.backoff_factor)))
-        grow_step = max(1, round(math.log2(config.growth_factor)))
-        margin = state["margin"] + back_step * backoff.to(torch.int32)
-        margin = torch.where(grow, (margin - grow_step).clamp_min(0), margin)
-        refill = ~overflow if config.consecutive_hysteresis else grow
-        left = torch.where(culprit, decremented, torch.where(refill, config.hysteresis, left))
-        tracker = torch.where(grow, 0, tracker)
-
-        # Equalise: region r's amax exponent goes to the top region's minus its margin. A
-        # region that saw only zeros moves ZERO_JUMP binades below its nearest region with a
-        # measurement (or the top); one that saw nothing keeps its factor.
-        _, exponents = torch.frexp(stats)
-        seen, positive = stats[1:] >= 0, stats[1:] > 0
-        target = (exponents[0] - exponents[1:] - HEADROOM - margin).float()
-        change = self._propagate(torch.where(positive, target, 0.0), positive, seen & ~positive)
-        active = ~overflow & (stats[0] > 0) & finite.all()
-        totals = state["totals"]
-        new_totals = (totals + change.to(torch.int32)).clamp(-TOTAL_BOUND, TOTAL_BOUND)
-        exponent = (new_totals[1:] - new_totals.index_select(0, self._parent_index)).clamp(*self.bounds)
-        lowered = (state["exponent"] - back_step * backoff.to(torch.int32)).clamp_min(self.bounds[0])
-        exponent = torch.where(active, exponent, lowered)
-        # Absorbed: every culprit could lower its factor (or tolerated the overflow).
-        stuck = culprit & backoff & (state["exponent"] <= self.bounds[0])
-        absorbed = overflow & culprit.any() & ~stuck.any()
+        flag = (found_inf.to(stats.device) != 0) if overflow is None else overflow
+        layer = LayerState(*(state[k] for k in LayerState._fields))
+        new, culprit, absorbed = layer_rule(layer, stats, state["totals"], flag, self._topology, config, self.bounds)
         state.update(
-            exponent=exponent.to(torch.int32),
-            margin=margin,
-            growth_tracker=tracker,
-            hysteresis_left=left,
-            overflow=culprit,
+            margin=new.margin,
+            growth_tracker=new.growth_tracker,
+            hysteresis_left=new.hysteresis_left,
+            overflow=state["no_overflow"] if culprit is None else culprit,
         )
-        state["factor"].copy_(pow2(state["exponent"]))
-        state["totals"] = (self._membership @ state["exponent"].float()).to(torch.int32)
+        self._store_factors(state, new.exponent)
         state["stats"].fill_(-1.0)
-        self.recent.append(state["exponent"])
+        self.recent.append(new.exponent)
         return absorbed
 
     def skip_update(self) -> None:
@@ -573,7 +710,7 @@ class Layerwise:
         if state is None:
             return
         state["stats"].fill_(-1.0)
-        state["overflow"] = torch.zeros_like(state["overflow"])
+        state["overflow"] = state["no_overflow"]
         self.recent.append(state["exponent"])
 
     def reset(self) -> None:
@@ -583,23 +720,6 @@ class Layerwise:
         if self._device_state is not None:
             self._device_state = self._fresh_state(self._device_state["exponent"].device)
         self.recent.clear()
-
-    def _propagate(self, measured: torch.Tensor, positive: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-        """The change of every region's total exponent (regions 0..n), without a loop over cuts.
-
-        A measured region moves by ``measured``; any other moves with its nearest measured
-        ancestor (the top region does not move), plus ``ZERO_JUMP`` for each zero-only region on
-        the path between them, itself included.
-        """
-        member, depth = self._membership, self._depth
-        score = member * (positive.float() * depth)  # depth of each measured ancestor-or-self
-        # amax, not max(dim=1), whose indices cost 1.3 ms on the CPU; the depths on a path from
-        # the top differ, so the nearest measured ancestor is the one column equal to the amax
-        nearest = score.amax(dim=1)
-        chosen = (score == nearest.unsqueeze(1)) & (nearest > 0).unsqueeze(1)
-        base = (chosen.float() * measured).sum(dim=1)  # one integer-valued term: exact
-        deeper = member * (zero.float() * ZERO_JUMP) * (depth > nearest.unsqueeze(1))
-        return base + deeper.sum(dim=1)
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -619,8 +739,9 @@ class Layerwise:
 
     def region_scales(self, scale: float) -> dict[str, float]:
         """``{parameter region's cut point: total scale}`` of each cut point's region."""
-        totals = self._membership.cpu() @ torch.tensor(self._host_values()["exponent"], dtype=torch.float32)
-        return {name: scale * 2.0 ** int(t) for name, t in zip(self.names, totals[1:].tolist())}
+        membership = topology(self._parents, "cpu").membership
+        totals = membership @ torch.tensor(self._host_values()["exponent"], dtype=torch.float32)
+        return {name: scale * 2.0 ** int(t) for name, t in zip(self.names, totals.tolist())}
 
     def factors(self) -> torch.Tensor | None:
         """``s_k`` as a new float32 device tensor (no host sync); ``None`` before the state exists."""
@@ -679,11 +800,10 @@ class Layerwise:
             _pending=self._host_values() if self.names else None,
             _model=None, _handles=[], _edges={}, _calibrated=False, _param_region={},
             _device_state=None, _master_maps={}, _indices={}, recent=deque(maxlen=HISTORY_LEN),
+            _grad_hooks=[], _hook_plan=[],
             requested=self.requested if self.requested is not None else (list(self.names) or None),
         )
-        state.pop("_membership", None)
-        state.pop("_depth", None)
-        state.pop("_parent_index", None)
+        state.pop("_topology", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

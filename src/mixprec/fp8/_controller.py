@@ -60,23 +60,53 @@ class Decision:
 
 @dataclass
 class _Trend:
-    """One statistic's last window value (log2 of an amax, or a fraction) and the EMA of its
-    per-step slope."""
+    """One statistic's last window value (log2 of an amax, or a fraction), the EMA of its
+    per-step slope, and the per-step slopes of the last windows (``recent``, newest last)."""
 
     last: float | None = None
     slope: float = 0.0
+    recent: tuple[float, ...] = ()
 
-    def update(self, value: float, steps: int, weight: float) -> None:
+    def update(self, value: float, steps: int, weight: float, keep: int) -> None:
         if not math.isfinite(value):
             return  # no data in the window (an amax of 0), or non-finite: the nonfinite limit judges
         if self.last is not None:
-            self.slope = weight * (value - self.last) / steps + (1 - weight) * self.slope
+            step_slope = (value - self.last) / steps
+            self.slope = weight * step_slope + (1 - weight) * self.slope
+            self.recent = (*self.recent, step_slope)[-keep:]
         self.last = value
 
-    def rise(self, steps: int) -> float:
-        """How much the statistic is forecast to rise over ``steps`` (>= 0: a falling trend
-        forecasts no relief)."""
-        return max(self.slope, 0.0) * steps
+    def rise(self, steps: int, windows: int) -> float:
+        """How much the statistic is forecast to rise over ``steps``: see :func:`sustained_slope`."""
+        return sustained_slope(self.slope, self.recent, windows) * steps
+
+
+def sustained_slope(ema: float, recent: tuple[float, ...], windows: int) -> float:
+    """The per-step slope a forecast may extrapolate: the EMA slope ``ema``, clamped to the
+    slowest of the last ``windows`` per-window slopes ``recent``; 0 unless the statistic rose in
+    each of them (a trend seen in fewer windows, a noisy one, or a falling one forecasts nothing).
+
+    Example:
+        >>> sustained_slope(0.2, (0.1, 0.3, 0.25), 3), sustained_slope(0.2, (0.5, -0.1, 0.4), 3)
+        (0.1, 0.0)
+        >>> sustained_slope(0.2, (0.3,), 3)  # too few windows since warm-up
+        0.0
+    """
+    if len(recent) < windows:
+        return 0.0
+    return max(0.0, min(ema, *recent[-windows:]))
+
+
+def qualified(known: str, seen: str) -> str:
+    """The name a layer's record keeps when the layer recorded as ``known`` is reached as
+    ``seen`` (its name under the module called): ``seen`` when it qualifies ``known`` (the model
+    called after one of its submodules), else ``known`` (a submodule called directly).
+
+    Example:
+        >>> qualified("attn.qkv", "blocks.0.attn.qkv"), qualified("blocks.0.attn.qkv", "attn.qkv")
+        ('blocks.0.attn.qkv', 'blocks.0.attn.qkv')
+    """
+    return seen if known and seen.endswith("." + known) else known
 
 
 def _log2(amax: float) -> float:
@@ -90,10 +120,11 @@ def _ratio(value: float, limit: float) -> float:
 class _Layer:
     """The controller's record of one layer: its rung, its device windows, its trend."""
 
-    def __init__(self, module: nn.Module, state: LayerState, rung: int) -> None:
+    def __init__(self, module: nn.Module, state: LayerState, rung: int, floor: int) -> None:
         self.module = weakref.ref(module)
         self.state = state
         self.rung = rung
+        self.floor = floor  # the lowest rung it may be demoted to
         # the rung below's casts measured on a sample (promoted layers): the layout of LayerState._data
         self.shadow = torch.zeros_like(state._data)
         self.range = torch.zeros(len(_RANGE), device=state.device)  # worst input/output amax
@@ -126,7 +157,10 @@ class Controller:
     (one all-reduce MAX, one host sync), updates each operand's trend (an EMA, weight ``ema``, of
     the per-step slope of log2 amax, and of the underflow fraction) and forecasts ``horizon``
     windows ahead: the underflow of a current scale grows with the amax, so the larger of
-    ``underflow * 2**(amax slope * ahead)`` and ``underflow + underflow slope * ahead``.
+    ``underflow * 2**(amax slope * ahead)`` and ``underflow + underflow slope * ahead``. A slope
+    counts only once the statistic rose in each of the last ``trend_windows`` windows, and at
+    most at the slowest of their rates (:func:`sustained_slope`): no forecast from the first
+    windows after warm-up, nor from a noisy amax.
 
     *Promote* (one rung up ``ladder``): a forecast underflow above ``max_underflow``; straight
     to the compute dtype on a nonfinite count above ``max_nonfinite``; straight to fp32, under
@@ -139,14 +173,17 @@ class Controller:
     and while it made fewer than ``max_switches`` switches in the last ``budget_steps`` steps.
     Promotions are never refused. ``max_nonfinite=None`` leaves inf/NaN to a loss scaler.
 
-    Each layer's ladder starts at its recipe in the policy (``Policy.fp8(recipes=...)``; it must be
-    on the ladder): fp8 rungs ``tensorwise``,
+    Each layer starts at its recipe in the policy (``Policy.fp8(recipes=...)``; it must be on the
+    ladder) and is never demoted below it: ``floor=None``. ``floor="tensorwise"`` (an fp8 rung of
+    the ladder, at or below every layer's recipe) lets the controller demote layers down to that
+    rung, below their recipe, when its shadow is safe. Rungs: fp8 ``tensorwise``,
     ``rowwise``, ``rowwise_with_gw_hp``, then ``compute`` (the region's dtype) and ``fp32``
     (reached only on range trouble under fp16 compute). Decisions go to :attr:`log` (and
     :meth:`write_csv`); :meth:`precision` names a layer's format now; :meth:`state_dict` resumes
     bitwise. Eager mode only (not under ``torch.compile``).
 
-    Raises ValueError on a setting out of range or a ladder not in the order of :data:`RUNGS`.
+    Raises ValueError on a setting out of range, a ladder not in the order of :data:`RUNGS`, or a
+    ``floor`` not an fp8 rung of it (and, when a layer is first seen, a recipe below the floor).
 
     Example:
         >>> ctl = Controller(every=10)
@@ -162,6 +199,7 @@ class Controller:
     every: int = 10
     horizon: int = 3
     ema: float = 0.5
+    trend_windows: int = 3
     demote_windows: int = 3
     min_dwell: int = 30
     max_switches: int = 8
@@ -169,7 +207,10 @@ class Controller:
     sample: int = 4096
     shadow_steps: int = 2
     ladder: tuple[str, ...] = ("tensorwise", "rowwise", "compute", "fp32")
+    floor: str | None = None
     _layers: dict[str, _Layer] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _names: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, init=False, repr=False,
+                                              compare=False)  # module -> the name of its record
     _steps: int = field(default=0, init=False, repr=False, compare=False)
     _log: list[Decision] = field(default_factory=list, init=False, repr=False, compare=False)
     _pending: dict[str, dict[str, Any]] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -186,7 +227,7 @@ class Controller:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"Controller.{name} must be a number >= 0"
                                  f"{' or None' if name == 'max_nonfinite' else ''}, got {value!r}")
-        for name in ("every", "horizon", "demote_windows", "max_switches", "budget_steps", "sample",
+        for name in ("every", "horizon", "trend_windows", "demote_windows", "max_switches", "budget_steps", "sample",
                      "shadow_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -204,6 +245,9 @@ class Controller:
             raise ValueError(f"Controller.ladder must be fp8 recipes then 'compute' (then optionally 'fp32'), "
                              f"each once, in the order of {RUNGS}, got {self.ladder!r}")
         self.ladder = ladder
+        if self.floor is not None and self.floor not in [r for r in ladder if r in _FP8_RUNGS]:
+            raise ValueError(f"Controller.floor must be None (each layer's recipe) or an fp8 rung of the ladder "
+                             f"{ladder}, got {self.floor!r}")
 
     # ----------------------------------------------------------------- queries
     @property
@@ -281,11 +325,30 @@ class Controller:
         """A forward of a model under a policy with this controller: track its selected layers,
         learn the compute dtype, warn once when training forwards go on without :meth:`step`."""
         for name, module in layers.items():
-            if name not in self._layers or self._layers[name].module() is not module:
-                dev = module.weight.device.type
-                self._compute = policy.compute if policy.compute is not None else torch.get_autocast_dtype(dev)
-                self._track(name, module, policy.fp8_rule.recipe_for(name))  # its ladder starts there
+            known = self._names.get(module)
+            rec = self._layers.get(known) if known is not None else None
+            if rec is not None and rec.module() is module:  # one record per layer, however it is reached
+                if qualified(known, name) != known:
+                    self._rename(known, name)
+                continue
+            dev = module.weight.device.type
+            self._compute = policy.compute if policy.compute is not None else torch.get_autocast_dtype(dev)
+            self._track(name, module, policy.fp8_rule.recipe_for(name))  # its ladder starts there
         count_unstepped_forward(self, "decides", "ctl.step()")
+
+    def _rename(self, old: str, new: str) -> None:
+        """Give the record of ``old`` (and its decisions) the name ``new``; a loaded state of ``new``
+        not applied yet applies now."""
+        rec = self._layers.pop(old)
+        stale = self._layers.pop(new, None)  # another module under that name: no longer reached
+        for handle in stale.hooks if stale is not None else ():
+            handle.remove()
+        self._layers[new] = rec
+        self._names[rec.module()] = new
+        self._log = [dataclasses.replace(d, layer=new) if d.layer == old else d for d in self._log]
+        if new in self._pending:
+            self._load_layer(rec, self._pending.pop(new))
+            self._apply(rec)
 
     def _track(self, name: str, module: nn.Module, recipe: Float8Recipe) -> None:
         if recipe.name not in self.ladder or Float8Recipe.from_name(recipe.name) != recipe:
@@ -295,12 +358,19 @@ class Controller:
         if old is not None:
             for handle in old.hooks:
                 handle.remove()
-        rec = _Layer(module, layer_state(module), self.ladder.index(recipe.name))
+        start = self.ladder.index(recipe.name)
+        floor = start if self.floor is None else self.ladder.index(self.floor)
+        if floor > start:
+            raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} is below the controller's "
+                             f"floor {self.floor!r}; pass floor=None (each layer's recipe) or a rung at or below "
+                             f"{recipe.name!r}")
+        rec = _Layer(module, layer_state(module), start, floor)
         if name in self._pending:
             self._load_layer(rec, self._pending.pop(name))
         rec.hooks = [module.register_forward_pre_hook(self._pre_hook(rec)),
                      module.register_forward_hook(self._post_hook(rec))]
         self._layers[name] = rec
+        self._names[module] = name
         self._apply(rec)
 
     def _apply(self, rec: _Layer) -> None:
@@ -335,7 +405,7 @@ class Controller:
             if self._compute is torch.float16:
                 amax = torch.stack([x.abs().amax().float(), output.detach().abs().amax().float()])
                 torch.maximum(rec.range, amax, out=rec.range)
-            if rec.rung == 0 or ladder[rec.rung - 1] not in _FP8_RUNGS:
+            if rec.rung <= rec.floor or ladder[rec.rung - 1] not in _FP8_RUNGS:
                 return
             if self.every - 1 - self._steps % self.every >= self.shadow_steps:
                 return  # the shadow measures the last shadow_steps steps of each window
@@ -399,27 +469,29 @@ class Controller:
         ranges = row[2 * off:]
         ladder = self.ladder
         on_fp8 = ladder[rec.rung] in _FP8_RUNGS
-        has_shadow = rec.rung > 0 and ladder[rec.rung - 1] in _FP8_RUNGS
+        has_shadow = rec.rung > rec.floor and ladder[rec.rung - 1] in _FP8_RUNGS
+        fit, windows = (self.every, self.ema, self.trend_windows), self.trend_windows
         measured = own if on_fp8 else (shadow if has_shadow else None)
         for op, stats in zip(OPERANDS, measured or []):
-            rec.trends[op].update(_log2(stats[0]), self.every, self.ema)
+            rec.trends[op].update(_log2(stats[0]), *fit)
         for op, own_stats, shadow_stats in zip(OPERANDS, own, shadow):
             if on_fp8:
-                rec.trends[f"underflow_{op}"].update(own_stats[_UNDERFLOW], self.every, self.ema)
+                rec.trends[f"underflow_{op}"].update(own_stats[_UNDERFLOW], *fit)
             if has_shadow:
-                rec.trends[f"shadow_{op}"].update(shadow_stats[_UNDERFLOW], self.every, self.ema)
+                rec.trends[f"shadow_{op}"].update(shadow_stats[_UNDERFLOW], *fit)
         fp16 = self._compute is torch.float16
         if fp16:
             for r, amax in zip(_RANGE, ranges):
-                rec.trends[f"range_{r}"].update(_log2(amax), self.every, self.ema)
+                rec.trends[f"range_{r}"].update(_log2(amax), *fit)
         ahead = self.horizon * self.every
 
         def underflow(op: str, u: float, key: str) -> float:
             # a current scale flushes a share about proportional to the amax; or the share's own trend
-            return min(1.0, max(u * 2.0 ** rec.trends[op].rise(ahead), u + rec.trends[key].rise(ahead)))
+            return min(1.0, max(u * 2.0 ** rec.trends[op].rise(ahead, windows),
+                                u + rec.trends[key].rise(ahead, windows)))
 
         def amax_forecast(r: str, amax: float) -> float:
-            return amax * 2.0 ** rec.trends[f"range_{r}"].rise(ahead)
+            return amax * 2.0 ** rec.trends[f"range_{r}"].rise(ahead, windows)
 
         here = self._rung_name(rec.rung)
 
@@ -446,7 +518,7 @@ class Controller:
                 if forecast > self.max_underflow:
                     return decision(op, "promote", rec.rung + 1, "underflow_forecast", forecast,
                                     self.max_underflow, ">")
-        if rec.rung == 0:
+        if rec.rung == rec.floor:
             return None
         # demote: the rung below, judged by the shadow (fp8 below) or the range (compute below fp32)
         worst = ("input", "underflow_forecast", 0.0, self.demote_underflow)  # the closest to its limit
@@ -489,7 +561,7 @@ class Controller:
         for name, rec in self._layers.items():
             layers[name] = {
                 "rung": self.ladder[rec.rung], "clean": rec.clean, "switches": list(rec.switches),
-                "trends": {key: [t.last, t.slope] for key, t in rec.trends.items()},
+                "trends": {key: [t.last, t.slope, list(t.recent)] for key, t in rec.trends.items()},
                 "state": rec.state._data.tolist(), "shadow": rec.shadow.tolist(), "range": rec.range.tolist(),
             }
         return {"steps": self._steps, "log": [dataclasses.asdict(d) for d in self._log],
@@ -524,10 +596,14 @@ class Controller:
                 self._apply(rec)
 
     def _load_layer(self, rec: _Layer, data: Mapping[str, Any]) -> None:
-        rec.rung = self.ladder.index(data["rung"])
+        rung = self.ladder.index(data["rung"])
+        if rung < rec.floor:
+            raise ValueError(f"Controller.load_state_dict: a layer at rung {data['rung']!r}, below its floor "
+                             f"{self.ladder[rec.floor]!r} (its recipe, or Controller.floor)")
+        rec.rung = rung
         rec.clean, rec.switches = int(data["clean"]), [int(s) for s in data["switches"]]
-        for key, (last, slope) in data["trends"].items():
-            rec.trends[key] = _Trend(last, slope)
+        for key, (last, slope, recent) in data["trends"].items():
+            rec.trends[key] = _Trend(last, slope, tuple(recent))
         for target, values in ((rec.state._data, data["state"]), (rec.shadow, data["shadow"]),
                                (rec.range, data["range"])):
             t = torch.tensor(values, dtype=torch.float32)

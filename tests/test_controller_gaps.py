@@ -1,0 +1,162 @@
+"""The fp8 Controller's edges: a layer's floor is the recipe the policy gave it (lower only with
+``floor=``), no forecast from a trend seen in too few windows, one record per layer however the
+model is called, and the layers it governs under ``torch.compile`` and ``fp8.convert``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec import Controller, Policy
+from mixprec.fp8._controller import sustained_slope
+
+
+def _model(width: int = 64) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
+
+
+def _steps(model: nn.Module, policy: Policy, ctl: Controller, batches: list[torch.Tensor]) -> list[dict[str, str]]:
+    """A forward and backward per batch under ``policy``, then ``ctl.step()``; the precisions run."""
+    ran = []
+    for x in batches:
+        with mixprec.autocast("cpu", policy=policy):
+            model(x).float().square().mean().backward()
+        ran.append(ctl.precisions())
+        ctl.step()
+    return ran
+
+
+def _batches(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 64, generator=g) for _ in range(n)]
+
+
+# ----------------------------------------------------------------- the floor
+def _eager_demoter(**kw) -> Controller:
+    return Controller(every=2, demote_windows=1, min_dwell=0, shadow_steps=1, **kw)
+
+
+def test_a_rowwise_policy_is_never_demoted_below_rowwise():
+    """Stationary data: the tensorwise shadow of a rowwise layer is safe, yet the layer stays in
+    the recipe the policy gave it (the default ladder starts at tensorwise)."""
+    ctl = _eager_demoter()
+    policy = Policy.parse("compute=bf16").fp8("rowwise", controller=ctl, first_last="fp8")
+    ran = _steps(_model(), policy, ctl, _batches(12))
+    assert ctl.log == []
+    assert all(p == {"0": "fp8-rowwise", "2": "fp8-rowwise"} for p in ran)
+
+
+def test_per_layer_recipes_are_each_layers_floor():
+    ctl = _eager_demoter()
+    policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8",
+                                              recipes={"2": "rowwise"})
+    ran = _steps(_model(), policy, ctl, _batches(12))
+    assert ctl.log == [] and ran[-1] == {"0": "fp8-tensorwise", "2": "fp8-rowwise"}
+
+
+def test_floor_lets_the_controller_go_below_the_recipe_when_asked():
+    ctl = _eager_demoter(floor="tensorwise")
+    policy = Policy.parse("compute=bf16").fp8("rowwise", controller=ctl, first_last="fp8")
+    ran = _steps(_model(), policy, ctl, _batches(12))
+    assert ran[0] == {"0": "fp8-rowwise", "2": "fp8-rowwise"}
+    assert ran[-1] == {"0": "fp8-tensorwise", "2": "fp8-tensorwise"}
+    assert [(d.action, d.from_, d.to) for d in ctl.log] == [("demote", "fp8-rowwise", "fp8-tensorwise")] * 2
+    assert Controller.from_config(ctl.config()).floor == "tensorwise"
+
+
+def test_floor_settings_that_cannot_take_effect_raise():
+    with pytest.raises(ValueError, match="floor must be None"):
+        Controller(floor="compute")
+    with pytest.raises(ValueError, match="floor must be None"):
+        Controller(floor="rowwise", ladder=("tensorwise", "compute"))
+    ctl = Controller(floor="rowwise")
+    policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
+    with pytest.raises(ValueError, match="below the controller's floor 'rowwise'"):
+        with mixprec.autocast("cpu", policy=policy):
+            _model()(torch.randn(2, 64))
+    # a checkpoint with a layer below its floor
+    low = Controller(floor="tensorwise", every=1, demote_windows=1, min_dwell=0, shadow_steps=1)
+    model = _model()
+    rowwise = Policy.parse("compute=bf16").fp8("rowwise", first_last="fp8")
+    _steps(model, rowwise.fp8("rowwise", controller=low, first_last="fp8"), low, _batches(3))
+    assert low.precision("0") == "fp8-tensorwise"
+    strict = Controller(every=1)
+    _steps(model, rowwise.fp8("rowwise", controller=strict, first_last="fp8"), strict, _batches(1))
+    with pytest.raises(ValueError, match="below its floor 'rowwise'"):
+        strict.load_state_dict(low.state_dict())
+
+
+# ----------------------------------------------------------------- the forecast
+def test_sustained_slope_needs_a_rise_in_each_recent_window():
+    assert sustained_slope(0.2, (0.1, 0.3, 0.25), 3) == 0.1
+    assert sustained_slope(0.05, (0.1, 0.3, 0.25), 3) == 0.05
+    assert sustained_slope(0.2, (0.5, -0.1, 0.4), 3) == 0.0
+    assert sustained_slope(0.3, (0.6,), 3) == 0.0
+    assert sustained_slope(0.3, (0.6,), 1) == 0.3
+
+
+def test_one_jump_after_warm_up_is_not_a_trend():
+    """Input feature 0 jumps 100x at step 10 and stays: the measured underflow is small (0.05%),
+    and one window's rise extrapolated 3 windows ahead would forecast it above 5%; a trend
+    needs ``trend_windows`` windows of rise, so nothing is promoted (one window suffices with
+    ``trend_windows=1``)."""
+    batches = _batches(60, seed=1)
+    for t, x in enumerate(batches):
+        if t >= 10:
+            x[:, 0] *= 100
+    runs = {}
+    for windows in (3, 1):
+        ctl = Controller(trend_windows=windows)
+        policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
+        torch.manual_seed(0)
+        _steps(nn.Sequential(nn.Linear(64, 64)), policy, ctl, batches)
+        runs[windows] = ctl.log
+    assert runs[3] == []
+    jump = runs[1][0]
+    assert (jump.step, jump.layer, jump.action, jump.statistic) == (20, "0", "promote", "underflow_forecast")
+    assert jump.value > 0.05
+    with pytest.raises(ValueError, match="trend_windows"):
+        Controller(trend_windows=0)
+
+
+# ----------------------------------------------------------------- one record per layer
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+_FULL = ["blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2"]
+
+
+def test_a_submodule_called_directly_keeps_its_layers_records():
+    ctl = Controller()
+    policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
+    model, x = _Blocks(), torch.randn(4, 64)
+    with mixprec.autocast("cpu", policy=policy):
+        model(x)
+        model.blocks[0](x)
+    assert sorted(ctl.precisions()) == _FULL
+    assert sorted(ctl.state_dict()["layers"]) == _FULL
+    assert len(model.blocks[0][0]._forward_pre_hooks) == 1  # one record: one hook
+
+
+def test_the_model_called_after_a_submodule_qualifies_the_names_and_the_log():
+    ctl = _eager_demoter(floor="tensorwise")
+    policy = Policy.parse("compute=bf16").fp8("rowwise", controller=ctl, first_last="fp8")
+    model = _Blocks()
+    _steps(model.blocks[0], policy, ctl, _batches(2))  # demotes "0" and "2" at step 2
+    assert ctl.precisions() == {"0": "fp8-tensorwise", "2": "fp8-tensorwise"}
+    _steps(model, policy, ctl, _batches(1))
+    assert ctl.precisions() == {"blocks.0.0": "fp8-tensorwise", "blocks.0.2": "fp8-tensorwise",
+                                "blocks.1.0": "fp8-rowwise", "blocks.1.2": "fp8-rowwise"}
+    assert [d.layer for d in ctl.log] == ["blocks.0.0", "blocks.0.2"]

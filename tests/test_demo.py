@@ -560,7 +560,7 @@ def test_a_mode_far_above_fp32_gets_its_departure_explained() -> None:
     assert lines[-1] == (
         "Far above fp32's final training loss (seed 0): bf16-stochastic +14.6% (leaves the curve at step 31, "
         "jumps to 3.94 at step 37 against 2.64); each leaves it after the warm-up to the peak learning rate "
-        "(0.003, reached at step 10): in that phase a run of this small model is tipped off course by any "
+        "(0.00125, reached at step 10): in that phase a run of this small model is tipped off course by any "
         "rounding difference and stays on a higher plateau, so one seed does not rank these modes. "
         "Compare over seeds (docs/demo.md, 'Far above fp32 from one seed').")
     assert not any("bf16-kahan +" in line for line in lines)

@@ -21,7 +21,7 @@ from mixprec.demo.modes import MODES
 from mixprec.demo.settings import Settings
 
 __all__ = ["ModeResult", "DemoResult", "Progress", "Summary", "compare", "summarize", "rank", "fp8_summary",
-           "format_fp8", "smooth", "FP8_LOSS_TOLERANCE"]
+           "format_fp8", "smooth"]
 
 
 @dataclass
@@ -236,20 +236,16 @@ def rank(summaries: list[Summary]) -> str:
             + "; ".join(parts) + ".")
 
 
-#: The accuracy bar of an fp8 mode: its mean final training loss within this fraction of fp32's,
-#: or within two standard deviations over the seeds when that is wider.
-FP8_LOSS_TOLERANCE = 0.015
-
-
 def fp8_summary(result: DemoResult) -> dict[str, Any]:
     """Per fp8 mode (a mode whose runs recorded fp8 statistics): its recipe and fp8 layers, what
     judged them (``judge``: ``"guard"`` or ``"controller"``), the guard's fallbacks and the
     controller's decisions over every seed (each with its ``seed``), the share of layer-steps run
     in fp8 (``fp8_fraction``: the mean over seeds, ``fp8_fractions`` per seed; a guard mode keeps a
     layer in fp8 until it falls back), the worst underflow seen, and its mean final training loss
-    against the first mode's (fp32's): ``within`` when ``|difference| <= tolerance``, the larger
-    of 1.5% of fp32's mean and twice the standard deviation over the seeds of the seed-by-seed
-    difference; from one seed the spread is unknown and ``within`` is None (no verdict).
+    against the first mode's (fp32's): ``within`` when ``|difference| <= tolerance``, fp32's spread
+    (the standard deviation of its final loss over the seeds; the seed-by-seed difference and its
+    spread are reported beside it); from one seed the spread is unknown and ``within`` is None
+    (no verdict).
 
     Example:
         >>> fp8_summary(DemoResult(Settings.for_size("tiny", steps=1), "cpu", {}, []))
@@ -287,7 +283,7 @@ def fp8_summary(result: DemoResult) -> dict[str, Any]:
             diffs = [r.final_loss - base[r.seed] for r in paired]
             base_mean = statistics.fmean(base[r.seed] for r in paired)
             spread = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
-            tolerance = max(FP8_LOSS_TOLERANCE * abs(base_mean), 2 * spread)
+            tolerance = statistics.stdev(base[r.seed] for r in paired) if len(paired) > 1 else 0.0
             mean_diff = statistics.fmean(diffs)
             finals = [r.final_loss for r in paired]
             entry["final_vs_base"] = {
@@ -332,7 +328,8 @@ def format_fp8(result: DemoResult) -> list[str]:
                 line += ", one seed: no verdict, --seeds 3 measures the spread)"
             else:
                 verdict = "within" if vs["within"] else "NOT within"
-                line += f", {verdict} {vs['tolerance']:.4f} = max(1.5%, 2 sd of the difference))"
+                line += (f", {vs['difference']:+.4f} ± {vs['difference_spread']:.4f} seed by seed: {verdict} "
+                         f"fp32's spread {vs['tolerance']:.4f})")
         lines.append(line)
     return lines
 

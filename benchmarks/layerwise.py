@@ -8,9 +8,9 @@ per-layer / global (and of a third run with ``layer_bounds=(1, 1)``: the hooks, 
 rule with every factor kept at 1), and of the process CPU time, which other jobs on a shared
 machine disturb less (1 torch thread by default, so that it counts work, not spinning).
 Target: <= 1.05. Also prints both runs' mean loss over their last 10 steps, their skipped steps
-and the per-cut-point factors, and the CPU and its load.
+and the per-cut-point factors, the CPU, the torch threads and the load average before and after.
 
-    python benchmarks/layerwise.py [--quick] [--size tiny|small] [--threads 1]
+    python benchmarks/layerwise.py [--quick] [--size tiny|small] [--threads 1] [--rounds 12]
 """
 
 from __future__ import annotations
@@ -75,12 +75,19 @@ class _Run:
         return time.perf_counter() - start, time.process_time() - cpu
 
 
-def run(quick: bool = False, size: str = "tiny", threads: int = 1) -> dict[str, Any]:
+def _load() -> tuple[float, float, float]:
+    return os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+
+
+def run(quick: bool = False, size: str = "tiny", threads: int = 1, rounds: int | None = None) -> dict[str, Any]:
     """Returns ``{"ratio": per-layer / global step time (median), "cpu_ratio": the same of the
     process CPU time, "final_losses": (global, per_layer) means over the last 10 steps,
-    "skipped": (global, per_layer), "layer_scales": {...}}``. ``threads``: torch's intra-op
-    threads (1: the CPU time is the work, not other jobs' contention or idle spinning)."""
+    "skipped": (global, per_layer), "layer_scales": {...}, "cpu": model, "threads": n, "load":
+    (1-minute load average before, after)}``. ``threads``: torch's intra-op threads (1: the CPU
+    time is the work, not other jobs' contention or idle spinning); ``rounds``: alternating
+    rounds of 5 steps each (default 12, 4 of 3 steps with ``quick``)."""
     torch.set_num_threads(threads)
+    load_before = _load()[0]
     torch.manual_seed(0)
     cfg = SIZES[size]
     tokens, _ = load_tokens()
@@ -88,7 +95,8 @@ def run(quick: bool = False, size: str = "tiny", threads: int = 1) -> dict[str, 
     batches = [make_batch(tokens, o, cfg.seq_len, torch.device("cpu")) for o in offsets]
     plain, layered = _Run(size, False, batches), _Run(size, True, batches)
     pinned = _Run(size, True, batches, layer_bounds=(1.0, 1.0))  # the machinery, factors kept at 1
-    rounds, steps = (4, 3) if quick else (12, 5)
+    default_rounds, steps = (4, 3) if quick else (12, 5)
+    rounds = rounds or default_rounds
     for r in (plain, layered, pinned):  # warm-up: kernels, the graph walk, the scale coming down
         r.timed(3)
     ratios, pinned_ratios, cpu_ratios, times_a, times_b = [], [], [], [], []
@@ -110,6 +118,9 @@ def run(quick: bool = False, size: str = "tiny", threads: int = 1) -> dict[str, 
         "final_losses": (statistics.mean(plain.losses[-10:]), statistics.mean(layered.losses[-10:])),
         "skipped": (int(plain.scaler.skipped_steps), int(layered.scaler.skipped_steps)),
         "layer_scales": layered.scaler.layer_scales(),
+        "cpu": _cpu(),
+        "threads": torch.get_num_threads(),
+        "load": (load_before, _load()[0]),
     }
 
 
@@ -118,11 +129,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 12)")
     args = parser.parse_args()
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    print(f"CPU: {_cpu()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, "
-          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    res = run(quick=args.quick, size=args.size, threads=args.threads)
+    res = run(quick=args.quick, size=args.size, threads=args.threads, rounds=args.rounds)
+    print(f"CPU: {res['cpu']}, {os.cpu_count()} cores, torch threads {res['threads']}, 1-minute load "
+          f"average {res['load'][0]:.2f} before, {res['load'][1]:.2f} after")
     print(f"per-layer / global step time: median of rounds {res['ratio']:.3f}, fastest rounds "
           f"{res['ratio_of_fastest']:.3f}, CPU time {res['cpu_ratio']:.3f}   (target <= 1.05; global "
           f"step {res['step_ms']:.0f} ms, {args.threads} thread(s)); "

@@ -11,15 +11,26 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+from unittest import mock
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.scaling.layerwise import choose_cut_points, pow2
+from mixprec.scaling.layerwise import (
+    LayerState,
+    Layerwise,
+    choose_cut_points,
+    host_rule,
+    layer_rule,
+    pow2,
+    topology,
+)
+from mixprec.scaling.rule import ScaleConfig
 
 SHRINK = 2.0**-6
 
@@ -303,6 +314,73 @@ def test_pow2_is_exact():
     assert torch.equal(pow2(e).double(), torch.tensor([2.0**int(k) for k in e], dtype=torch.float64))
 
 
+# ------------------------------------------------------------------ the rule: host and device
+
+
+_STAT = st.sampled_from([-1.0, 0.0, 2.0**-149, 3 * 2.0**-140, 2.0**-20, 0.3, 1.0, 1.5, 7e4, 3e38,
+                         float("inf"), float("nan")])
+
+
+@st.composite
+def _rule_inputs(draw):
+    n = draw(st.integers(1, 5))
+    # a tree: each cut point's region hangs from the top or from a cut point above it
+    parents = [draw(st.sampled_from([0] + [j + 1 for j in range(k + 1, n)])) for k in range(n)]
+    bounds = draw(st.sampled_from([(-14, 15), (0, 0), (-2, 4), (1, 3)]))
+    config = ScaleConfig(
+        growth_interval=draw(st.integers(1, 4)), hysteresis=draw(st.integers(1, 3)),
+        consecutive_hysteresis=draw(st.booleans()), backoff_factor=draw(st.sampled_from([0.5, 0.25])),
+        growth_factor=draw(st.sampled_from([2.0, 4.0])),
+    )
+    ints = st.lists(st.integers(0, 4), min_size=n, max_size=n)
+    exponent = draw(st.lists(st.integers(min(bounds[0], 0), bounds[1]), min_size=n, max_size=n))
+    state = LayerState(exponent, draw(ints), draw(ints), draw(ints))
+    stats = torch.tensor(draw(st.lists(_STAT, min_size=n + 1, max_size=n + 1)), dtype=torch.float32)
+    return state, stats, parents, config, bounds, draw(st.booleans())
+
+
+@settings(max_examples=300, deadline=None)
+@given(_rule_inputs())
+def test_the_host_rule_is_the_device_rule_bit_for_bit(inputs):
+    """``host_rule`` (the CPU's) against ``layer_rule`` (the device ops), with the overflow flag
+    known on the host and as a device tensor: zeros, subnormals, inf/NaN, trees, all options."""
+    state, stats, parents, config, bounds, overflow = inputs
+    topo = topology(parents, "cpu")
+    tensors = LayerState(*(torch.tensor(v, dtype=torch.int32) for v in state))
+    totals = topo.membership @ tensors.exponent.float()
+    host, host_culprit, host_absorbed = host_rule(state, stats.tolist(), overflow, parents, config, bounds)
+    for flag in (overflow, torch.tensor(overflow)):
+        new, culprit, absorbed = layer_rule(tensors, stats, totals, flag, topo, config, bounds)
+        assert [t.tolist() for t in new] == [list(v) for v in host]
+        assert all(t.dtype == torch.int32 for t in new)
+        assert (culprit.tolist() if culprit is not None else [False] * len(parents)) == host_culprit
+        assert (bool(absorbed) if absorbed is not None else False) == host_absorbed
+
+
+def test_the_host_and_device_updates_train_the_same_bits(monkeypatch):
+    """The whole per-layer step with the rule on the host (the CPU default) and as device ops:
+    same factors, margins, skipped steps and weights, overflows included."""
+    runs = []
+    for devices in (("cpu",), ()):
+        monkeypatch.setattr(Layerwise, "host_devices", devices)
+        model = chain()
+        scaler = mixprec.GradScaler("cpu", init_scale=2.0**24, hysteresis=2, growth_interval=3, per_layer=True)
+        scaler.watch(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        trace = []
+        for step in range(25):
+            x, t = _data(32, seed=step)
+            optimizer.zero_grad()
+            scaler.scale(_loss(model, x, t)).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            trace.append((scaler.get_scale(), scaler.state_dict()["layerwise"], bool(scaler.last_step_skipped)))
+        runs.append((trace, [p.detach().clone() for p in model.parameters()]))
+    (trace_a, weights_a), (trace_b, weights_b) = runs
+    assert trace_a == trace_b and sum(skipped for *_, skipped in trace_a) >= 3
+    assert all(torch.equal(a, b) for a, b in zip(weights_a, weights_b))
+
+
 # ------------------------------------------------------------------ overflow, state
 
 
@@ -398,7 +476,16 @@ def test_cut_point_choice_and_errors():
         mixprec.GradScaler("cpu", per_layer=True, layer_bounds=(0.3, 2.0))
 
 
-def test_steps_cost_no_host_sync_beyond_the_global_scaler(syncs):
+@pytest.mark.parametrize("host_devices", [(), ("cpu",)], ids=["device rule", "host rule"])
+def test_steps_cost_no_host_sync_beyond_the_global_scaler(syncs, host_devices):
+    """With the rule as device ops (as on an accelerator): no read beyond the global scaler's.
+    With the CPU's host rule: two reads of host memory per update (no syncs on the CPU)."""
+    with mock.patch.object(Layerwise, "host_devices", host_devices):
+        counts = _counted_syncs(syncs)
+    assert counts[1] == counts[0] + (2 if host_devices else 0)
+
+
+def _counted_syncs(syncs) -> list[int]:
     counts = []
     for per_layer in (False, True):
         model = chain()
@@ -413,7 +500,7 @@ def test_steps_cost_no_host_sync_beyond_the_global_scaler(syncs):
             scaler.step(optimizer)
             scaler.update()
         counts.append(syncs.stop())
-    assert counts[1] == counts[0]
+    return counts
 
 
 # ------------------------------------------------------------------ compile, checkpointing, masters

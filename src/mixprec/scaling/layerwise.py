@@ -50,7 +50,7 @@ from mixprec.scaling.rule import ScaleConfig
 
 __all__ = [
     "LayerState", "Layerwise", "Topology", "choose_cut_points", "clean_step", "layer_rule", "overflow_step",
-    "pow2", "regions", "topology",
+    "host_rule", "pow2", "regions", "topology",
 ]
 
 #: Binades every region sits below the top region: equalising floor(log2 amax) leaves a region's
@@ -393,6 +393,78 @@ def layer_rule(
     return chosen, overflow & culprit, overflow & absorbed
 
 
+def host_rule(
+    state: LayerState, stats: Sequence[float], overflow: bool, parents: Sequence[int], config: ScaleConfig,
+    bounds: tuple[int, int],
+) -> tuple[LayerState, list[bool], bool]:
+    """:func:`layer_rule` on host numbers: ``state`` holds lists of ints, ``stats`` floats,
+    ``parents`` the region each cut point's region hangs from. Returns the new state (lists),
+    the culprits and whether the overflow was absorbed (``False`` on a clean step).
+
+    The same results, bit for bit (``tests/test_scaling_layerwise.py`` compares them on random
+    states). The scaler runs it where its state lives in host memory (the CPU), where reading it
+    costs no sync and the fifty small tensor ops of :func:`layer_rule` cost more than the rest of
+    the step's scaling work together.
+
+    Example:
+        >>> s = LayerState([0], [0], [0], [1])
+        >>> host_rule(s, [2.0**-3, 2.0**-9], False, [0], ScaleConfig(), (-14, 15))[0].exponent
+        [5]
+    """
+    n = len(parents)
+    lo, hi = bounds
+    back_step, grow_step = _binade_steps(config)
+    exponent, margin, tracker, left = (list(values) for values in state)
+    culprit = [False] * n
+    if overflow:
+        finite = [math.isfinite(s) for s in stats]
+        stuck = False
+        for k in range(n):
+            culprit[k] = finite[parents[k]] and not finite[k + 1]
+            decremented = max(left[k] - 1, 0)
+            backoff = culprit[k] and (decremented == 0 or config.hysteresis <= 1)
+            stuck = stuck or (backoff and exponent[k] <= lo)
+            margin[k] += back_step * backoff
+            exponent[k] = max(exponent[k] - back_step * backoff, lo)
+            left[k] = decremented if culprit[k] else left[k]
+        return LayerState(exponent, margin, [0] * n, left), culprit, any(culprit) and not stuck
+    for k in range(n):
+        tracker[k] += 1
+        grow = tracker[k] >= config.growth_interval
+        if grow:
+            margin[k], tracker[k] = max(margin[k] - grow_step, 0), 0
+        if grow or config.consecutive_hysteresis:
+            left[k] = config.hysteresis
+    if not (stats[0] > 0 and all(math.isfinite(s) for s in stats)):
+        return LayerState([max(e, lo) for e in exponent], margin, tracker, left), culprit, False
+    top = math.frexp(stats[0])[1]
+    totals = _host_totals(exponent, parents)
+    moved = []
+    for k in range(n):  # up from region k + 1 to its nearest measured region, counting zero-only ones
+        j, zeros, change = k, 0, 0
+        while j >= 0:
+            if stats[j + 1] > 0:
+                change = top - math.frexp(stats[j + 1])[1] - margin[j] - HEADROOM
+                break
+            zeros += stats[j + 1] == 0
+            j = parents[j] - 1
+        moved.append(min(max(totals[k] + change + ZERO_JUMP * zeros, -TOTAL_BOUND), TOTAL_BOUND))
+    exponent = [min(max(moved[k] - (moved[p - 1] if p else 0), lo), hi) for k, p in enumerate(parents)]
+    return LayerState(exponent, margin, tracker, left), culprit, False
+
+
+def _host_totals(exponent: Sequence[int], parents: Sequence[int]) -> list[int]:
+    """Each region's total exponent (regions 1..n): the sum of the exponents on its path up."""
+    totals = []
+    for k in range(len(parents)):
+        total, j = 0, k
+        while j >= 0:
+            total += exponent[j]
+            j = parents[j] - 1
+        totals.append(total)
+    return totals
+
+
 # ----------------------------------------------------------------------------- the scaler part
 
 
@@ -408,6 +480,10 @@ class Layerwise:
     output (a tensor, or a tuple/list whose first item is the tensor that flows on) consumed only
     above it. The graph walk checks this on the first ``scale(loss)`` after :meth:`watch`.
     """
+
+    #: Device types whose state :meth:`update` reads on the host and updates with
+    #: :func:`host_rule` (host memory: no sync); elsewhere :func:`layer_rule` runs on the device.
+    host_devices: tuple[str, ...] = ("cpu",)
 
     def __init__(self, config: ScaleConfig, cut_points: Sequence[str] | None, bounds: tuple[float, float]) -> None:
         if cut_points is not None and (isinstance(cut_points, str) or not all(isinstance(n, str) for n in cut_points)):
@@ -432,6 +508,7 @@ class Layerwise:
         self._grad_hooks: list[Any] = []  # one backward hook per cut point, made by watch
         self._hook_plan: list[tuple[torch.Tensor, ...]] = []  # per cut point: stats, s_k, [1, s_k], index
         self._topology: Topology | None = None
+        self._inverse_key: tuple[Any, ...] | None = None  # see _inverses
         self.recent: deque[torch.Tensor] = deque(maxlen=HISTORY_LEN)  # exponents after each update
 
     # -- watch --------------------------------------------------------------------------------
@@ -489,13 +566,14 @@ class Layerwise:
                 return None
             stats, factor, pair, index = plan[cut]
             amax = grad.abs().amax() if grad.numel() else grad.new_zeros(())
-            amax = amax.to(stats.device, torch.float32, non_blocking=True)
-            if self._calibrated:  # [parent, own region] <- [amax, amax * s_k]
+            if amax.device != stats.device or amax.dtype != torch.float32:
+                amax = amax.to(stats.device, torch.float32, non_blocking=True)
+            if self._calibrated:  # [own region, parent] <- [amax * s_k, amax]
                 stats.scatter_reduce_(0, index, amax * pair, reduce="amax")
             else:  # the parent is not known yet
                 own = stats.narrow(0, cut + 1, 1)
                 torch.maximum(own, amax * factor, out=own)
-            return grad * factor.to(grad.device, non_blocking=True)
+            return grad * (factor if grad.device == factor.device else factor.to(grad.device, non_blocking=True))
 
         return hook
 
@@ -517,10 +595,10 @@ class Layerwise:
                 state[key] = torch.tensor(values, dtype=torch.int32, device=device)
             self._pending = None
         state["no_overflow"] = state["overflow"]
-        # [1, s_k] per cut point (the hook's pair); "factor" is its second column (a view)
-        state["pairs"] = torch.ones(n, 2, dtype=torch.float32, device=device)
-        state["factor"] = state["pairs"][:, 1]
-        state["region_factor"] = torch.ones(n + 1, dtype=torch.float32, device=device)  # 2**T_r
+        # [s_0 .. s_(n-1), 1, 2**T_1 .. 2**T_n]: the factors, then each region's (region 0: 1)
+        state["powers"] = torch.ones(2 * n + 1, dtype=torch.float32, device=device)
+        state["factor"] = state["powers"][:n]
+        state["region_factor"] = state["powers"][n:]
         self._refresh(state)
         return state
 
@@ -530,16 +608,15 @@ class Layerwise:
         device = state["exponent"].device
         self._topology = topology(self._parents, device)
         self._store_factors(state, state["exponent"])
-        stats, pairs = state["stats"], state["pairs"]
-        indices = torch.tensor([[p, k + 1] for k, p in enumerate(self._parents)], dtype=torch.int64).to(device)
-        self._hook_plan = [(stats, state["factor"][k], pairs[k], indices[k]) for k in range(len(self.names))]
+        stats, powers, n = state["stats"], state["powers"], len(self.names)
+        indices = torch.tensor([[k + 1, p] for k, p in enumerate(self._parents)], dtype=torch.int64).to(device)
+        # per cut point: stats, s_k, [s_k, 1] (a strided view of the powers), [own region, parent]
+        self._hook_plan = [(stats, powers[k], powers.as_strided((2,), (n - k,), k), indices[k]) for k in range(n)]
 
     def _store_factors(self, state: dict[str, torch.Tensor], exponent: torch.Tensor) -> None:
         state["exponent"] = exponent
         state["factor"].copy_(pow2(exponent))
-        totals = self._topology.membership @ exponent.float()
-        state["totals"] = totals
-        state["region_factor"][1:].copy_(pow2(totals))
+        state["region_factor"][1:].copy_(pow2(self._topology.membership @ exponent.float()))
 
     def ensure_state(self, device: torch.device) -> dict[str, torch.Tensor]:
         if self._device_state is None:
@@ -637,24 +714,34 @@ class Layerwise:
         if not groups:
             return {}
         stats = state["stats"]
-        inverse = inverse_scale(scale * state["region_factor"])  # one reciprocal per region
-        inverses: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         found: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
             for (device, _), per_region in groups.items():
                 tensors = [t for ts in per_region.values() for t in ts if t.numel()]  # FSDP2: empty shards
                 if tensors:
-                    regions_of = tuple(r for r, ts in per_region.items() for t in ts if t.numel())
-                    amax = _amax(tensors).to(stats.device, torch.float32)
+                    regions_of = [r for r, ts in per_region.items() for t in ts if t.numel()]
+                    amax, regions_of = _amax(tensors, regions_of)
+                    if amax.device != stats.device or amax.dtype != torch.float32:
+                        amax = amax.to(stats.device, torch.float32)
                     stats.scatter_reduce_(0, self._index(regions_of, stats.device), amax, reduce="amax")
-                if device not in inverses:
-                    inverses[device] = inverse.to(device, non_blocking=True).unbind()
+                if device not in found:
                     found[device] = torch.zeros((), dtype=torch.float32, device=device)
+                inverses = self._inverses(scale, state["region_factor"], device)
                 for region, region_grads in per_region.items():
-                    torch._amp_foreach_non_finite_check_and_unscale_(
-                        region_grads, found[device], inverses[device][region]
-                    )
+                    torch._amp_foreach_non_finite_check_and_unscale_(region_grads, found[device], inverses[region])
         return found
+
+    def _inverses(self, scale: torch.Tensor, region_factor: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``1 / (scale * 2**T_r)`` of each region on ``device`` (0-dim views), as
+        :func:`mixprec._unscale.inverse_scale` takes it; kept until the scale or the factors change
+        (the tensors or their versions)."""
+        key = (id(scale), scale._version, id(region_factor), region_factor._version, device)
+        if self._inverse_key is None or self._inverse_key[0] != key:
+            inverse = inverse_scale(scale * region_factor)
+            if inverse.device != device:
+                inverse = inverse.to(device, non_blocking=True)
+            self._inverse_key = (key, scale, region_factor, inverse.unbind())  # the tensors kept: ids stay theirs
+        return self._inverse_key[3]
 
     def _index(self, regions_of: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """The int64 index tensor of ``regions_of`` on ``device``, made once per layout."""
@@ -688,9 +775,12 @@ class Layerwise:
         if group is not None:
             stats = torch.nan_to_num(stats, nan=math.inf)
             torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX, group=group)
+        if stats.device.type in self.host_devices:
+            return self._update_on_host(state, stats, found_inf, config, overflow)
         flag = (found_inf.to(stats.device) != 0) if overflow is None else overflow
         layer = LayerState(*(state[k] for k in LayerState._fields))
-        new, culprit, absorbed = layer_rule(layer, stats, state["totals"], flag, self._topology, config, self.bounds)
+        totals = self._topology.membership @ layer.exponent.float()
+        new, culprit, absorbed = layer_rule(layer, stats, totals, flag, self._topology, config, self.bounds)
         state.update(
             margin=new.margin,
             growth_tracker=new.growth_tracker,
@@ -701,6 +791,27 @@ class Layerwise:
         state["stats"].fill_(-1.0)
         self.recent.append(new.exponent)
         return absorbed
+
+    def _update_on_host(
+        self, state: dict[str, torch.Tensor], stats: torch.Tensor, found_inf: torch.Tensor, config: ScaleConfig,
+        overflow: bool | None,
+    ) -> torch.Tensor | None:
+        """:meth:`update` through :func:`host_rule`, for a state in host memory: two reads and
+        a few writes instead of the rule's fifty small ops."""
+        values = self._host_values()
+        if overflow is None:
+            overflow = bool(found_inf.item())
+        layer = LayerState(*(values[k] for k in LayerState._fields))
+        new, culprit, absorbed = host_rule(layer, stats.tolist(), overflow, self._parents, config, self.bounds)
+        ints = torch.tensor([*new, culprit], dtype=torch.int32, device=stats.device)
+        exponent, margin, tracker, left, culprits = ints.unbind()
+        state.update(exponent=exponent, margin=margin, growth_tracker=tracker, hysteresis_left=left,
+                     overflow=culprits.bool() if overflow else state["no_overflow"])
+        powers = [2.0**e for e in new.exponent] + [1.0] + [2.0**t for t in _host_totals(new.exponent, self._parents)]
+        state["powers"].copy_(torch.tensor(powers, device=stats.device))
+        state["stats"].fill_(-1.0)
+        self.recent.append(exponent)
+        return torch.tensor(True, device=stats.device) if absorbed else None
 
     def skip_update(self) -> None:
         """What ``update(new_scale=...)`` does here: the step's statistics are discarded (the next
@@ -800,7 +911,7 @@ class Layerwise:
             _pending=self._host_values() if self.names else None,
             _model=None, _handles=[], _edges={}, _calibrated=False, _param_region={},
             _device_state=None, _master_maps={}, _indices={}, recent=deque(maxlen=HISTORY_LEN),
-            _grad_hooks=[], _hook_plan=[],
+            _grad_hooks=[], _hook_plan=[], _inverse_key=None,
             requested=self.requested if self.requested is not None else (list(self.names) or None),
         )
         state.pop("_topology", None)
@@ -810,14 +921,32 @@ class Layerwise:
         self.__dict__.update(state)
 
 
-def _amax(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``max |t|`` of each tensor, stacked (NaN propagates). On CUDA one ``_foreach_norm(inf)``;
-    on the CPU, where that op (and ``vector_norm(inf)``) is 6 to 10x slower, one ``aminmax`` per
-    tensor (no copy of the tensors; empty tensors take the norm)."""
-    if tensors[0].device.type != "cpu" or any(t.numel() == 0 for t in tensors):
-        return torch.stack(torch._foreach_norm(tensors, float("inf")))
-    pairs = [torch.aminmax(t) for t in tensors]
-    return torch.maximum(torch.stack([p.max for p in pairs]), -torch.stack([p.min for p in pairs]))
+#: 1-D tensors of at most this many elements (biases, norms) are concatenated per region before
+#: the CPU amax: one reduction for them all.
+SMALL = 2**16
+
+
+def _amax(tensors: list[torch.Tensor], regions: Sequence[int]) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``max |t|`` over groups of ``tensors`` (non-empty, one device and dtype; NaN propagates)
+    and the region of each group (``regions`` gives each tensor's).
+
+    On CUDA each tensor is a group: one ``_foreach_norm(inf)``. On the CPU, where that op (and
+    ``vector_norm(inf)``) is 6 to 10x slower: one ``aminmax`` per group (no copy), the groups
+    being each tensor but the small 1-D ones, which are one group per region (one ``cat``).
+    """
+    if tensors[0].device.type != "cpu":
+        return torch.stack(torch._foreach_norm(tensors, float("inf"))), tuple(regions)
+    groups: list[tuple[torch.Tensor, int]] = []
+    small: dict[int, list[torch.Tensor]] = {}
+    for t, region in zip(tensors, regions):
+        if t.dim() == 1 and t.numel() <= SMALL:
+            small.setdefault(region, []).append(t)
+        else:
+            groups.append((t, region))
+    groups += [(torch.cat(ts) if len(ts) > 1 else ts[0], region) for region, ts in small.items()]
+    pairs = [torch.aminmax(t) for t, _ in groups]
+    amax = torch.maximum(torch.stack([p.max for p in pairs]), -torch.stack([p.min for p in pairs]))
+    return amax, tuple(region for _, region in groups)
 
 
 def _tensors(outputs: Any) -> list[torch.Tensor]:

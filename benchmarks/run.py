@@ -115,6 +115,20 @@ def _fp8_formats(res: dict[str, Any]) -> list[Row]:
 
 
 #: module name under ``benchmarks`` -> adapter of its ``run()`` result to rows.
+def _fp8_fsdp(res: dict[str, Any]) -> list[Row]:
+    rows = []
+    for params, modes in res["results"].items():
+        ref = f"FSDP2 all-gather in {params}"
+        for mode, r in modes.items():
+            if mode == "weight dtype":
+                continue
+            rows.append(Row("fp8_fsdp", f"all-gather bytes, {params} params, {mode}", r["gather_ratio"], ref,
+                            f"{r['gather_bytes'] / 2**20:.2f} MiB per step and rank"))
+            rows.append(Row("fp8_fsdp", f"training step, {params} params, {mode}", r["step_ratio"], ref,
+                            f"{r['step_ms']:.1f} ms, {r['reduces']} all-reduces (2 gloo ranks)"))
+    return rows
+
+
 BENCHMARKS: dict[str, Callable[[Any], list[Row]]] = {
     "autocast_overhead": _autocast,
     "scaler_overhead": _scaler,
@@ -125,6 +139,7 @@ BENCHMARKS: dict[str, Callable[[Any], list[Row]]] = {
     "layerwise": _layerwise,
     "controller": _controller,
     "fp8_formats": _fp8_formats,
+    "fp8_fsdp": _fp8_fsdp,
 }
 
 

@@ -151,3 +151,18 @@ def test_layerwise_controller_and_fp8_formats_are_registered_with_their_rows() -
         ("training step, fp8 tensorwise", 50 / 70), ("saved activations, fp8 tensorwise", 0.75),
         ("training step, fp8 blockwise", 3.0)]
     assert formats[-1].reference == "fp32 step (no torchao CPU reference)"
+
+
+def test_fp8_fsdp_is_registered_with_bytes_and_step_rows() -> None:
+    from benchmarks.run import BENCHMARKS
+
+    def mode(bytes_: int, ms: float, reduces: int) -> dict:
+        return {"gather_bytes": bytes_, "gather_ratio": bytes_ / 4096, "step_ms": ms, "step_ratio": ms / 10.0,
+                "reduces": reduces}
+
+    rows = BENCHMARKS["fp8_fsdp"]({"results": {"fp32": {
+        "weight dtype": mode(4096, 10.0, 0), "fp8": mode(1024, 11.0, 8), "fp8 + precompute": mode(1024, 10.5, 1)}}})
+    assert [(r.figure, r.ratio) for r in rows] == [
+        ("all-gather bytes, fp32 params, fp8", 0.25), ("training step, fp32 params, fp8", 1.1),
+        ("all-gather bytes, fp32 params, fp8 + precompute", 0.25), ("training step, fp32 params, fp8 + precompute", 1.05)]
+    assert rows[0].reference == "FSDP2 all-gather in fp32" and "1 all-reduces" in rows[3].detail

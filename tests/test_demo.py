@@ -351,8 +351,22 @@ def test_rank_never_separates_modes_by_less_than_the_spread() -> None:
     assert text == (
         "Validation loss minus fp32's, seed by seed, over 3 seeds (mean ± standard deviation): "
         "lower: fp16-master (-0.0300 ± 0.0100); higher: bf16-stochastic (+0.0500 ± 0.0100); "
-        "not distinguishable from fp32 (difference within two standard deviations): "
+        "not distinguishable from fp32 (difference within two standard deviations or below 0.1%): "
         "bf16-kahan (-0.0002 ± 0.0196), bf16-naive (+0.0138 ± 0.0107).")
+
+
+def test_a_negligible_difference_with_no_spread_is_not_ranked() -> None:
+    # a run that is not chaotic: bf16 ends 0.0001 below fp32 on every seed (spread 0), fp16 0.009 above
+    text = rank([_summary("fp32", 0.0, 0.0), _summary("mixprec-bf16", -0.0001, 0.0),
+                 _summary("mixprec-fp16", 0.009, 0.002)])
+    assert "higher: mixprec-fp16 (+0.0090 ± 0.0020)" in text and "lower" not in text
+    assert "below 0.1%): mixprec-bf16 (-0.0001 ± 0.0000)" in text
+    from mixprec.demo.verdict import verdict
+
+    runs = [*_runs("fp32", [2.70, 2.75, 2.72]), *_runs("mixprec-bf16", [2.6999, 2.7499, 2.7199])]
+    lines = verdict(DemoResult(Settings.for_size("tiny", steps=20), "cpu", {}, sorted(runs, key=lambda r: r.seed)))
+    assert "use fp32 or any mode that matches it. Matching fp32: mixprec-bf16 (" in lines[0]
+    assert "better: none; worse: none" in lines[0]
 
 
 def test_summaries_pair_each_seed_with_the_base_modes(demo_result: DemoResult) -> None:

@@ -78,8 +78,22 @@ class Summary:
     eval_vs_base: float = 0.0
     eval_vs_base_spread: float = 0.0
 
+    @property
+    def distinct(self) -> bool:
+        """Whether the validation loss differs from the base mode's: by more than twice the
+        seed-to-seed standard deviation of the difference and by more than :data:`NEGLIGIBLE` of
+        the base's loss (a run that is not chaotic has a near-zero spread, and 0.0001 nats is no
+        result)."""
+        base = self.eval_loss - self.eval_vs_base
+        return abs(self.eval_vs_base) > max(2 * self.eval_vs_base_spread, NEGLIGIBLE * abs(base))
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+#: A difference to the base mode's validation loss below this fraction of it is never called
+#: better or worse (:attr:`Summary.distinct`).
+NEGLIGIBLE = 0.001
 
 
 @dataclass
@@ -209,8 +223,8 @@ def summarize(result: DemoResult) -> list[Summary]:
 def rank(summaries: list[Summary]) -> str:
     """One sentence comparing each mode's validation loss with the base mode's (the first, fp32),
     seed by seed: a mode is called higher or lower only when its mean difference exceeds twice
-    the standard deviation of that difference over the seeds; from one seed the spread is
-    unknown and nothing is ranked."""
+    the standard deviation of that difference over the seeds and 0.1% of the base's loss
+    (:attr:`Summary.distinct`); from one seed the spread is unknown and nothing is ranked."""
     if not summaries:
         return ""
     if summaries[0].seeds < 2:
@@ -221,14 +235,11 @@ def rank(summaries: list[Summary]) -> str:
     if not others:
         return f"Over {n} seeds, {base}'s validation loss is {summaries[0].eval_loss:.4f} ± {summaries[0].eval_spread:.4f}."
 
-    def clear(s: Summary) -> bool:
-        return abs(s.eval_vs_base) > 2 * s.eval_vs_base_spread
-
     groups = {
-        "lower": [s for s in others if clear(s) and s.eval_vs_base < 0],
-        "higher": [s for s in others if clear(s) and s.eval_vs_base > 0],
-        f"not distinguishable from {base} (difference within two standard deviations)":
-            [s for s in others if not clear(s)],
+        "lower": [s for s in others if s.distinct and s.eval_vs_base < 0],
+        "higher": [s for s in others if s.distinct and s.eval_vs_base > 0],
+        f"not distinguishable from {base} (difference within two standard deviations or below 0.1%)":
+            [s for s in others if not s.distinct],
     }
     parts = [f"{label}: " + ", ".join(f"{s.mode} ({s.eval_vs_base:+.4f} ± {s.eval_vs_base_spread:.4f})" for s in group)
              for label, group in groups.items() if group]

@@ -4,7 +4,7 @@ did so.
 
 Accuracy compares each mode's validation loss with the base mode's (the first, fp32) seed by
 seed, as :func:`mixprec.demo.results.rank` does: a mode is better or worse only beyond twice the
-standard deviation of that difference over the seeds; from fewer than :data:`MIN_SEEDS` seeds
+standard deviation of that difference over the seeds and beyond 0.1% of fp32's loss; from fewer than :data:`MIN_SEEDS` seeds
 there is no band to rest on (a standard deviation from two values is itself mostly noise) and
 nothing is called better or worse. Speed is this run's throughput (the trained size), and the
 speed panel's crossover (:mod:`mixprec.demo.speed`) for larger models.
@@ -34,10 +34,6 @@ DEPARTURE_RATIO = 0.02
 _LEAVES = 0.05
 
 
-def _within(s: Summary) -> bool:
-    return abs(s.eval_vs_base) <= 2 * s.eval_vs_base_spread
-
-
 def _accuracy(result: DemoResult, stats: list[Summary]) -> tuple[str, list[str]]:
     """The accuracy sentence and the modes that match the base mode (the base first)."""
     base, n = stats[0].base, stats[0].seeds
@@ -47,9 +43,9 @@ def _accuracy(result: DemoResult, stats: list[Summary]) -> tuple[str, list[str]]
                 f"{MIN_SEEDS} seeds or more), so no mode is called better or worse than {base}; "
                 f"--seeds {MIN_SEEDS} measures it"
                 + (f" ({result.seeds_note})" if result.seeds_note else "") + ".", [s.mode for s in stats])
-    match = [s for s in others if _within(s)]
-    better = [s for s in others if not _within(s) and s.eval_vs_base < 0]
-    worse = [s for s in others if not _within(s) and s.eval_vs_base > 0]
+    match = [s for s in others if not s.distinct]
+    better = [s for s in others if s.distinct and s.eval_vs_base < 0]
+    worse = [s for s in others if s.distinct and s.eval_vs_base > 0]
     bands = [2 * s.eval_vs_base_spread for s in others]
     band = (f"{min(bands):.3f} to {max(bands):.3f}" if others else "")
 
@@ -58,7 +54,7 @@ def _accuracy(result: DemoResult, stats: list[Summary]) -> tuple[str, list[str]]
 
     use = f"{better[0].mode}" if better else f"{base} or any mode that matches it"
     text = (f"For accuracy ({n} seeds; noise band: twice the seed-to-seed standard deviation of each mode's "
-            f"validation loss minus {base}'s, {band} nats here): use {use}. Matching {base}: {listed(match)}; "
+            f"validation loss minus {base}'s, {band} nats here, and at least 0.1% of {base}'s loss): use {use}. Matching {base}: {listed(match)}; "
             f"better: {listed(better)}; worse: {listed(worse)}"
             + (f" ({result.seeds_note})" if result.seeds_note else "") + ".")
     return text, [base] + [s.mode for s in better + match]

@@ -43,6 +43,7 @@ from collections import deque
 from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from mixprec._unscale import inverse_scale
@@ -164,12 +165,15 @@ def _node_name(fn: Any) -> str:
 
 def regions(
     roots: Iterable[Any], edges: dict[tuple[int, int], tuple[int, Any]], cut_names: Sequence[str]
-) -> tuple[dict[int, frozenset[int]], dict[int, frozenset[int]]]:
+) -> tuple[dict[int, frozenset[int]], dict[int, frozenset[int]], list[tuple[Any, frozenset[int]]]]:
     """Walks the autograd graph down from ``roots`` (``grad_fn`` nodes).
 
     ``edges`` maps ``(id(grad_fn), output_nr)`` of each cut point's output tensor to the cut
-    point's index and that ``grad_fn`` (held, and compared, so that a reused id cannot match). Returns ``(params, parents)``: for each reached parameter (by ``id``), the set
-    of cut points its gradient crosses; for each crossed cut point, the set crossed above it.
+    point's index and that ``grad_fn`` (held, and compared, so that a reused id cannot match).
+    Returns ``(params, parents, hidden)``: for each reached parameter (by ``id``), the set of cut
+    points its gradient crosses; for each crossed cut point, the set crossed above it; for each
+    reentrant activation checkpoint met (``torch.utils.checkpoint`` with ``use_reentrant=True``,
+    whose inside the walk cannot see), its ``run_function`` and the set crossed above it.
 
     Raises:
         ValueError: a node is reached along paths that crossed different cut points (its gradient
@@ -179,6 +183,7 @@ def regions(
     seen: dict[int, tuple[Any, frozenset[int]]] = {}
     parents: dict[int, frozenset[int]] = {}
     params: dict[int, frozenset[int]] = {}
+    hidden: list[tuple[Any, frozenset[int]]] = []
     stack = [(fn, frozenset()) for fn in roots if fn is not None]
     while stack:
         fn, above = stack.pop()
@@ -199,6 +204,8 @@ def regions(
         variable = getattr(fn, "variable", None)
         if variable is not None:
             params[id(variable)] = above
+        if getattr(fn, "_forward_cls", None) is torch.utils.checkpoint.CheckpointFunction:
+            hidden.append((fn.run_function, above))
         for child, nr in fn.next_functions:
             if child is None:
                 continue
@@ -219,7 +226,19 @@ def regions(
                     )
                 below = above | {cut}
             stack.append((child, below))
-    return params, parents
+    return params, parents, hidden
+
+
+def _reentrant_message(what: str) -> str:
+    return (
+        f"per_layer: {what} inside reentrant activation checkpointing "
+        "(torch.utils.checkpoint.checkpoint(..., use_reentrant=True)), whose graph the walk from "
+        "the loss cannot see into, so the scale its gradients carry cannot be known. Pass "
+        "use_reentrant=False (torch's recommendation; per-layer scaling sees through it; in "
+        "transformers: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+        "{'use_reentrant': False})), or keep the cut points and the parameters outside reentrant "
+        "checkpoints."
+    )
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
@@ -638,10 +657,11 @@ class Layerwise:
         self._edges = {}  # what the forwards since the last scale() recorded
         if not roots or not edges:
             return
-        params, parents = regions(roots, edges, self.names)
+        params, parents, hidden = regions(roots, edges, self.names)
         region_of_set: dict[frozenset[int], int] = {frozenset(): 0}
         for k, above in parents.items():
             region_of_set[above | {k}] = k + 1
+        inside = self._checkpointed(model, hidden, parents, region_of_set)
         resolved = []
         for k in range(len(self.names)):
             above = parents.get(k)
@@ -655,11 +675,17 @@ class Layerwise:
             if crossed is not None:
                 self._param_region[id(param)] = region_of_set[crossed] if crossed else 0
                 continue
-            # Not reached (hidden behind a reentrant checkpoint, or unused in this step): the
-            # cut point whose module owns it, else the top region.
+            if id(param) in inside:  # inside a reentrant checkpoint: the checkpoint's region
+                self._param_region[id(param)] = inside[id(param)]
+                continue
+            # Not reached (unused in this step): the cut point whose module owns it, else the
+            # top region.
             owner = [k for cut, k in owners if name.startswith(cut + ".")]
             self._param_region[id(param)] = owner[-1] + 1 if owner else 0
             if not owner and param.requires_grad:
+                if None in inside:
+                    what = f"parameter {name!r}, not in the graph of the first scaled loss, may run"
+                    raise ValueError(_reentrant_message(what))
                 unplaced.append(name)
         known = {id(p) for p in model.parameters()}
         if unplaced and any(key not in known for key in params):
@@ -675,6 +701,36 @@ class Layerwise:
             )
         self._calibrated = True
         self._refresh(state)
+
+    def _checkpointed(
+        self, model: nn.Module, hidden: list[tuple[Any, frozenset[int]]], parents: dict[int, frozenset[int]],
+        region_of_set: dict[frozenset[int], int],
+    ) -> dict[Any, int]:
+        """What the reentrant checkpoints the walk met hide: ``{id(parameter): region}`` for
+        the parameters of checkpointed modules (the region the checkpoint lies in), and the key
+        ``None`` when one checkpointed a function that is no module's.
+
+        Raises:
+            ValueError: a cut point runs inside a reentrant checkpoint (its nesting, and so the
+                scale of every gradient below it, cannot be known).
+        """
+        inside: dict[Any, int] = {}
+        modules = dict(model.named_modules())
+        for run_function, above in hidden:
+            owner = run_function if isinstance(run_function, nn.Module) else getattr(run_function, "__self__", None)
+            if not isinstance(owner, nn.Module):
+                inside[None] = 0
+                continue
+            members = {id(m) for m in owner.modules()}
+            cuts = [name for name in self.names if id(modules[name]) in members]
+            if cuts:
+                raise ValueError(_reentrant_message(f"cut point {cuts[0]!r} runs"))
+            for param in owner.parameters():
+                inside.setdefault(id(param), region_of_set[above])
+        unreached = [name for k, name in enumerate(self.names) if k not in parents]
+        if None in inside and unreached:
+            raise ValueError(_reentrant_message(f"cut point {unreached[0]!r} runs"))
+        return inside
 
     # -- unscale --------------------------------------------------------------------------------
 

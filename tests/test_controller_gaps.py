@@ -4,6 +4,8 @@ model is called, and the layers it governs under ``torch.compile`` and ``fp8.con
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -147,7 +149,7 @@ def test_a_submodule_called_directly_keeps_its_layers_records():
         model.blocks[0](x)
     assert sorted(ctl.precisions()) == _FULL
     assert sorted(ctl.state_dict()["layers"]) == _FULL
-    assert len(model.blocks[0][0]._forward_pre_hooks) == 1  # one record: one hook
+    assert mixprec.fp8.layer_state(model.blocks[0][0]).probe.rec is ctl._layers["blocks.0.0"]
 
 
 def test_the_model_called_after_a_submodule_qualifies_the_names_and_the_log():
@@ -160,3 +162,107 @@ def test_the_model_called_after_a_submodule_qualifies_the_names_and_the_log():
     assert ctl.precisions() == {"blocks.0.0": "fp8-tensorwise", "blocks.0.2": "fp8-tensorwise",
                                 "blocks.1.0": "fp8-rowwise", "blocks.1.2": "fp8-rowwise"}
     assert [d.layer for d in ctl.log] == ["blocks.0.0", "blocks.0.2"]
+
+
+# ----------------------------------------------------------------- torch.compile and fp8.convert
+def _outlier_batches(n: int = 14) -> list[torch.Tensor]:
+    """16 x 64 batches; feature 0 of steps 0 and 1 is 1e6: it flushes layer 0's other inputs
+    (tensorwise and rowwise)."""
+    batches = _batches(n, seed=2)
+    for x in batches[:2]:
+        x[:, 0] = 1e6
+    return batches
+
+
+def _switching() -> Controller:
+    """Promotes at the first check, demotes two rungs back over the next steps."""
+    return Controller(every=1, horizon=1, trend_windows=1, demote_windows=2, min_dwell=3, shadow_steps=1)
+
+
+def _trajectory(run: Any, batches: list[torch.Tensor]) -> tuple[list, list, list]:
+    """``run(x) -> output`` per batch (forward, backward, ``ctl.step()`` inside): outputs and grads."""
+    outs, grads = [], []
+    for x in batches:
+        out, grad = run(x)
+        outs.append(out)
+        grads.append(grad)
+    return outs, grads
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compiled_model_runs_each_rung_bitwise_eager(fullgraph):
+    """The same decisions, outputs and gradients, step by step, eager and under torch.compile
+    (around the model, inside the region): a promotion (to rowwise, then bf16) and the demotions
+    back, decided on statistics and shadows measured by the compiled graphs."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    runs = {}
+    for compiled in (False, True):
+        ctl = _switching()
+        policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
+        model = _model()
+        call = torch.compile(model, backend="aot_eager", fullgraph=fullgraph) if compiled else model
+        ran = []
+
+        def run(x, call=call, model=model, ctl=ctl, policy=policy, ran=ran):
+            with mixprec.autocast("cpu", policy=policy):
+                out = call(x)
+            out.float().square().mean().backward()
+            grad = model[0].weight.grad.clone()
+            model.zero_grad()
+            ran.append(ctl.precision("0"))
+            ctl.step()
+            return out.detach(), grad
+
+        outs, grads = _trajectory(run, _outlier_batches())
+        runs[compiled] = (outs, grads, ran, ctl.log)
+    (eo, eg, er, elog), (co, cg, cr, clog) = runs[False], runs[True]
+    assert "fp8-rowwise" in er and "bf16" in er and er[-1] == "fp8-tensorwise"
+    assert cr == er and clog == elog
+    for a, b in zip(eo + eg, co + cg):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_converted_layers_are_controlled_as_the_policys():
+    """fp8.convert(..., controller=ctl): the same decisions, outputs and gradients as the policy
+    route under torch.autocast's bf16."""
+    runs = {}
+    for route in ("policy", "convert"):
+        ctl = _switching()
+        model = _model()
+        if route == "convert":
+            model = mixprec.fp8.convert(model, "tensorwise", controller=ctl,
+                                        filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear))
+            region = lambda: torch.autocast("cpu", torch.bfloat16)  # noqa: E731
+        else:
+            policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
+            region = lambda policy=policy: mixprec.autocast("cpu", policy=policy)  # noqa: E731
+        ran = []
+
+        def run(x, model=model, ctl=ctl, region=region, ran=ran):
+            with region():
+                out = model(x)
+            out.float().square().mean().backward()
+            grad = model[0].weight.grad.clone()
+            model.zero_grad()
+            ran.append(ctl.precision("0"))
+            ctl.step()
+            return out.detach(), grad
+
+        outs, grads = _trajectory(run, _outlier_batches())
+        runs[route] = (outs, grads, ran, ctl.log)
+    (po, pg, pr, plog), (co, cg, cr, clog) = runs["policy"], runs["convert"]
+    assert "bf16" in pr and cr == pr and clog == plog
+    for a, b in zip(po + pg, co + cg):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_track_and_convert_refuse_what_cannot_take_effect():
+    with pytest.raises(ValueError, match="no layer converted by fp8.convert"):
+        Controller().track(_model())
+    with pytest.raises(ValueError, match="without guard="):
+        mixprec.fp8.convert(_model(), controller=Controller(), guard=mixprec.fp8.Guard())
+    with pytest.raises(ValueError, match="on its ladder"):
+        mixprec.fp8.convert(_model(), "rowwise", controller=Controller(ladder=("tensorwise", "compute")),
+                            filter_fn=lambda mod, fqn: True)

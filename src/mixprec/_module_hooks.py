@@ -329,8 +329,8 @@ class ModuleRules:
                 elif not every:  # the outermost call: select the layers (the model may have changed)
                     st.fp8 = _fp8_layers(module, policy)
             target = st.fp8.get(id(module)) if not kept else None
-            if target is not None and target[2].fallback:
-                target = None
+            if target is not None and target[2].fallback and target[2].probe is None:
+                target = None  # (a Controller's probe measures its fallback layers in fp8.linear)
         return name, rule, kept, target
 
     # Dynamo inlines these hooks when it traces module calls: the traced path (_pre_traced)
@@ -503,7 +503,7 @@ def _pre_traced(module: nn.Module, args: tuple) -> Any:
         recipe = _TRACE_RECIPES[recipe_key]  # a global: Dynamo reads recipes it cannot build
         state = fp8.layer_state(module)
         x = args[0].to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else args[0]
-        if not state.fallback:  # read while tracing: a guard, so a fallback recompiles
+        if not state.fallback or state.probe is not None:  # read while tracing: a guard, so a fallback recompiles
             from mixprec.fp8._like import linear_params
 
             _TRACE_FP8.append(fp8.linear(x, *linear_params(module), recipe, state=state, backend=backend))

@@ -97,6 +97,17 @@ def sustained_slope(ema: float, recent: tuple[float, ...], windows: int) -> floa
     return max(0.0, min(ema, *recent[-windows:]))
 
 
+def shadow_phase(step: int, every: int, shadow_steps: int) -> bool:
+    """Whether the step after ``step`` :meth:`Controller.step` calls is one of the last
+    ``shadow_steps`` of its window of ``every`` (the steps a promoted layer's shadow measures).
+
+    Example:
+        >>> [shadow_phase(s, 5, 2) for s in range(6)]
+        [False, False, False, True, True, False]
+    """
+    return every - 1 - step % every < shadow_steps
+
+
 def qualified(known: str, seen: str) -> str:
     """The name a layer's record keeps when the layer recorded as ``known`` is reached as
     ``seen`` (its name under the module called): ``seen`` when it qualifies ``known`` (the model
@@ -134,7 +145,9 @@ class _Layer:
                                                  *(f"shadow_{op}" for op in OPERANDS))}
         self.clean = 0  # consecutive windows in which the rung below was safe
         self.switches: list[int] = []  # steps of its switches
-        self.hooks: list[Any] = []
+        self.below: Float8Recipe | None = None  # the fp8 rung below, while it may go there: its shadow's casts
+        self.hooks: list[Any] = []  # the fp32 rung's module hooks, while it is there
+        self.probe: Any = None  # its _Probe, in state.probe except on the fp32 rung (its hooks measure)
         self.autocast: tuple[bool, str] | None = None  # saved by the fp32 rung's pre-hook
 
     def windows(self) -> torch.Tensor:
@@ -144,6 +157,47 @@ class _Layer:
         self.state.reset()
         self.shadow[:, :-1].zero_()
         self.range.zero_()
+
+
+class _Probe:
+    """What :func:`mixprec.fp8.linear` calls after a controlled layer's GEMM (``LayerState.probe``),
+    in eager mode and traced alike: the range (fp16 inputs) and, on the last steps of each window,
+    the shadow of a promoted layer. A copy or a pickle of the model (``copy.deepcopy``) drops it:
+    the copy runs its rung without measurements."""
+
+    def __init__(self, controller: Controller, rec: _Layer) -> None:
+        self.controller, self.rec = controller, rec
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        return type(None), ()
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """Measure ``x`` (the GEMM's input, in its dtype), ``weight`` (``(out, in)``; None: not
+        measured) and ``out``; returns ``out``."""
+        ctl, rec = self.controller, self.rec
+        if ctl._compute is None:  # fp8.convert's layers: the dtype the layer computes in
+            ctl._compute = x.dtype
+        if x.dtype is torch.float16:
+            _range(rec.range, x, out)
+        below = rec.below
+        if below is None or not ctl._measuring:
+            return out
+        _shadow(rec.shadow[0], x, below.input, below.pow2_scales, ctl.sample)
+        if weight is not None:
+            _shadow(rec.shadow[1], weight.detach(), below.weight, below.pow2_scales, ctl.sample)
+        if out.requires_grad:
+            buf, sample = rec.shadow[2], ctl.sample
+            out.register_hook(lambda g: _shadow(buf, g, below.grad_output, below.pow2_scales, sample))
+        return out
+
+
+def _range(buf: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+    """``buf`` (the range row) = max(``buf``, [amax of x, amax of out]). No host sync."""
+    amax = torch.stack([x.detach().abs().amax().float(), out.detach().abs().amax().float()])
+    torch.maximum(buf, amax, out=buf)
 
 
 @dataclass
@@ -180,7 +234,10 @@ class Controller:
     ``rowwise``, ``rowwise_with_gw_hp``, then ``compute`` (the region's dtype) and ``fp32``
     (reached only on range trouble under fp16 compute). Decisions go to :attr:`log` (and
     :meth:`write_csv`); :meth:`precision` names a layer's format now; :meth:`state_dict` resumes
-    bitwise. Eager mode only (not under ``torch.compile``).
+    bitwise. A layer has one record however it is reached (the model, or a submodule called
+    directly: :func:`qualified` names it). It governs the layers of ``fp8.convert(model,
+    controller=ctl)`` too (:meth:`track`), and compiled models: :func:`mixprec.fp8.linear` calls
+    its probe (``LayerState.probe``) and traced code reads the rung, so a switch recompiles.
 
     Raises ValueError on a setting out of range, a ladder not in the order of :data:`RUNGS`, or a
     ``floor`` not an fp8 rung of it (and, when a layer is first seen, a recipe below the floor).
@@ -218,6 +275,8 @@ class Controller:
     _stepped: bool = field(default=False, init=False, repr=False, compare=False)
     _forwards: int = field(default=0, init=False, repr=False, compare=False)
     _warned_empty: bool = field(default=False, init=False, repr=False, compare=False)
+    _measuring: bool = field(default=False, init=False, repr=False, compare=False)  # this step feeds the shadows
+    _recipes: dict[str, Float8Recipe] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("max_underflow", "max_nonfinite", "max_range", "demote_underflow", "demote_range"):
@@ -245,6 +304,8 @@ class Controller:
             raise ValueError(f"Controller.ladder must be fp8 recipes then 'compute' (then optionally 'fp32'), "
                              f"each once, in the order of {RUNGS}, got {self.ladder!r}")
         self.ladder = ladder
+        self._recipes = {r: Float8Recipe.from_name(r) for r in ladder if r in _FP8_RUNGS}  # one object per rung
+        self._measuring = shadow_phase(0, self.every, self.shadow_steps)
         if self.floor is not None and self.floor not in [r for r in ladder if r in _FP8_RUNGS]:
             raise ValueError(f"Controller.floor must be None (each layer's recipe) or an fp8 rung of the ladder "
                              f"{ladder}, got {self.floor!r}")
@@ -325,24 +386,54 @@ class Controller:
         """A forward of a model under a policy with this controller: track its selected layers,
         learn the compute dtype, warn once when training forwards go on without :meth:`step`."""
         for name, module in layers.items():
-            known = self._names.get(module)
-            rec = self._layers.get(known) if known is not None else None
-            if rec is not None and rec.module() is module:  # one record per layer, however it is reached
-                if qualified(known, name) != known:
-                    self._rename(known, name)
-                continue
-            dev = module.weight.device.type
-            self._compute = policy.compute if policy.compute is not None else torch.get_autocast_dtype(dev)
-            self._track(name, module, policy.fp8_rule.recipe_for(name))  # its ladder starts there
+            if not self._known(name, module):
+                dev = module.weight.device.type
+                self._compute = policy.compute if policy.compute is not None else torch.get_autocast_dtype(dev)
+                self._track(name, module, policy.fp8_rule.recipe_for(name))  # its ladder starts there
         count_unstepped_forward(self, "decides", "ctl.step()")
+
+    def track(self, model: nn.Module) -> list[str]:
+        """Control the layers :func:`mixprec.fp8.convert` made in ``model`` (``Float8Linear``,
+        ``Float8Conv1D``), each from its ``recipe`` up; ``fp8.convert(model, recipe,
+        controller=ctl)`` calls it. Returns their qualified names. (A policy's layers are
+        tracked at its first forward.) The compute dtype is the one the first layer computes in.
+
+        Raises ValueError when ``model`` has no converted layer, or a recipe is not on the ladder.
+
+        Example:
+            >>> from mixprec import fp8
+            >>> m = fp8.convert(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16)))
+            >>> Controller().track(m)
+            ['1']
+        """
+        from mixprec.fp8._convert import Float8Conv1D, Float8Linear
+
+        names = [n for n, m in model.named_modules() if isinstance(m, (Float8Linear, Float8Conv1D))]
+        if not names:
+            raise ValueError(f"Controller.track: {type(model).__name__} has no layer converted by fp8.convert, "
+                             f"nothing to control; for a model under a policy use Policy.fp8(controller=ctl)")
+        modules = dict(model.named_modules())
+        for name in names:
+            if not self._known(name, modules[name]):
+                self._track(name, modules[name], modules[name].recipe)
+        return names
+
+    def _known(self, name: str, module: nn.Module) -> bool:
+        """Whether ``module`` (reached as ``name``) has a record already; names it by the
+        :func:`qualified` rule."""
+        known = self._names.get(module)
+        rec = self._layers.get(known) if known is not None else None
+        if rec is None or rec.module() is not module:
+            return False
+        if qualified(known, name) != known:
+            self._rename(known, name)
+        return True
 
     def _rename(self, old: str, new: str) -> None:
         """Give the record of ``old`` (and its decisions) the name ``new``; a loaded state of ``new``
         not applied yet applies now."""
         rec = self._layers.pop(old)
-        stale = self._layers.pop(new, None)  # another module under that name: no longer reached
-        for handle in stale.hooks if stale is not None else ():
-            handle.remove()
+        self._untrack(self._layers.pop(new, None))  # another module under that name: no longer reached
         self._layers[new] = rec
         self._names[rec.module()] = new
         self._log = [dataclasses.replace(d, layer=new) if d.layer == old else d for d in self._log]
@@ -354,10 +445,6 @@ class Controller:
         if recipe.name not in self.ladder or Float8Recipe.from_name(recipe.name) != recipe:
             raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} must be a named recipe on "
                              f"its ladder {self.ladder} (the layers start there)")
-        old = self._layers.get(name)
-        if old is not None:
-            for handle in old.hooks:
-                handle.remove()
         start = self.ladder.index(recipe.name)
         floor = start if self.floor is None else self.ladder.index(self.floor)
         if floor > start:
@@ -367,23 +454,41 @@ class Controller:
         rec = _Layer(module, layer_state(module), start, floor)
         if name in self._pending:
             self._load_layer(rec, self._pending.pop(name))
-        rec.hooks = [module.register_forward_pre_hook(self._pre_hook(rec)),
-                     module.register_forward_hook(self._post_hook(rec))]
+        self._untrack(self._layers.get(name))  # another module under that name: no longer controlled
+        rec.probe = _Probe(self, rec)
         self._layers[name] = rec
         self._names[module] = name
         self._apply(rec)
 
+    @staticmethod
+    def _untrack(rec: _Layer | None) -> None:
+        if rec is not None:
+            for handle in rec.hooks:
+                handle.remove()
+            rec.hooks = []
+            rec.state.probe = None
+
     def _apply(self, rec: _Layer) -> None:
-        """Set the layer's state for its rung: an fp8 recipe, or the fallback flag."""
+        """Set the layer's state for its rung (an fp8 recipe, or the fallback flag), the casts of
+        its shadow, and the fp32 rung's hooks. (Traced code reads these: a change recompiles.)"""
         name = self.ladder[rec.rung]
         rec.state.fallback = name not in _FP8_RUNGS
-        rec.state.recipe = Float8Recipe.from_name(name) if name in _FP8_RUNGS else None
+        rec.state.recipe = self._recipes.get(name)
+        rec.state.probe = rec.probe if name != "fp32" else None  # (fp32: the module's own forward runs)
+        below = self.ladder[rec.rung - 1] if rec.rung > rec.floor else None
+        rec.below = self._recipes.get(below) if below is not None else None
+        module = rec.module()
+        if name == "fp32" and not rec.hooks and module is not None:
+            rec.hooks = [module.register_forward_pre_hook(self._pre_hook(rec)),
+                         module.register_forward_hook(self._post_hook(rec))]
+        elif name != "fp32":
+            for handle in rec.hooks:
+                handle.remove()
+            rec.hooks = []
 
     def _pre_hook(self, rec: _Layer) -> Any:
-        ladder = self.ladder
-
         def hook(module: nn.Module, args: tuple) -> tuple | None:
-            if ladder[rec.rung] != "fp32" or not args or not isinstance(args[0], torch.Tensor):
+            if not args or not isinstance(args[0], torch.Tensor):
                 return None
             dev = args[0].device.type
             rec.autocast = torch.is_autocast_enabled(dev), dev
@@ -393,28 +498,13 @@ class Controller:
         return hook
 
     def _post_hook(self, rec: _Layer) -> Any:
-        ladder, sample = self.ladder, self.sample
-
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             saved, rec.autocast = rec.autocast, None
             if saved is not None:
                 torch.set_autocast_enabled(saved[1], saved[0])
-            if not args or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
-                return
-            x = args[0].detach()
-            if self._compute is torch.float16:
-                amax = torch.stack([x.abs().amax().float(), output.detach().abs().amax().float()])
-                torch.maximum(rec.range, amax, out=rec.range)
-            if rec.rung <= rec.floor or ladder[rec.rung - 1] not in _FP8_RUNGS:
-                return
-            if self.every - 1 - self._steps % self.every >= self.shadow_steps:
-                return  # the shadow measures the last shadow_steps steps of each window
-            below = Float8Recipe.from_name(ladder[rec.rung - 1])
-            _shadow(rec.shadow[0], x, below.input, below.pow2_scales, sample)
-            _shadow(rec.shadow[1], module.weight.detach(), below.weight, below.pow2_scales, sample)
-            if output.requires_grad:
-                output.register_hook(lambda g: _shadow(rec.shadow[2], g, below.grad_output, below.pow2_scales,
-                                                       sample))
+            if self._compute is torch.float16 and args and isinstance(args[0], torch.Tensor) and \
+                    isinstance(output, torch.Tensor):
+                _range(rec.range, args[0], output)  # (fp32 is above compute: no shadow)
 
         return hook
 
@@ -433,6 +523,7 @@ class Controller:
         """
         self._steps += 1
         self._stepped = True
+        self._measuring = shadow_phase(self._steps, self.every, self.shadow_steps)
         if not self._layers:
             if not self._warned_empty:
                 self._warned_empty = True
@@ -586,6 +677,7 @@ class Controller:
             raise ValueError(f"Controller.load_state_dict expects the dict of Controller.state_dict() (steps, log, "
                              f"layers) for the same ladder: {exc}") from exc
         self._steps, self._log, self._stepped = steps, log, steps > 0
+        self._measuring = shadow_phase(steps, self.every, self.shadow_steps)
         self._pending = {}
         for name, data in layers.items():
             rec = self._layers.get(name)

@@ -271,7 +271,7 @@ def _swap(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
 
 def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
             filter_fn: Callable[[nn.Module, str], bool] | None = None, guard: Guard | None = None,
-            backend: str = "auto", fsdp_fp8_all_gather: bool = False) -> nn.Module:
+            backend: str = "auto", fsdp_fp8_all_gather: bool = False, controller: Any = None) -> nn.Module:
     """Swap the selected ``nn.Linear`` modules of ``model`` for :class:`Float8Linear`, and
     transformers' ``Conv1D`` ones for :class:`Float8Conv1D`, in place.
 
@@ -279,7 +279,9 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     offered); by default :func:`select_layers` decides (dims multiples of 16, first and last
     kept). The parameters are shared and the state dict keys do not change. With ``guard``, the
     layers' states are tracked by it (its decisions apply at once, also after
-    ``load_state_dict``). Returns ``model`` (or the new module when ``model`` itself is a
+    ``load_state_dict``). With ``controller`` (a :class:`mixprec.Controller`, not with ``guard``)
+    the converted layers move up and down its ladder from their recipe (``Controller.track``).
+    Returns ``model`` (or the new module when ``model`` itself is a
     converted Linear). Warns once when no layer is converted, saying why. :func:`unconvert`
     undoes it (before torchao's ``quantize_`` for inference).
 
@@ -302,6 +304,12 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
         ('Float8Linear', 'Linear')
     """
     recipe, backend = as_recipe(recipe), _check_backend(backend)
+    if controller is not None:
+        from mixprec.fp8._controller import Controller
+
+        if not isinstance(controller, Controller) or guard is not None:
+            raise ValueError(f"fp8.convert: controller must be a mixprec.Controller, without guard= (got "
+                             f"{type(controller).__name__}{' and a guard' if guard is not None else ''})")
     if not isinstance(fsdp_fp8_all_gather, bool):
         raise ValueError(f"fsdp_fp8_all_gather must be True or False, got {fsdp_fp8_all_gather!r}")
     if fsdp_fp8_all_gather:
@@ -336,6 +344,8 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
                           f"fp8.convert: no layer converted, nothing runs in fp8: the model has no {LINEAR_LIKE} layer")
     if guard is not None:
         guard.track(model)
+    if controller is not None:
+        controller.track(model)
     return model
 
 

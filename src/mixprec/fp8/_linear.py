@@ -215,7 +215,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     and bias. The bias is added in high precision.
     With ``state``, the casts' statistics are accumulated into it on the device (no host sync),
     and a layer whose ``state.fallback`` is set runs ``F.linear`` in ``input``'s dtype instead;
-    a ``state.recipe`` (a :class:`Controller`'s rung) replaces ``recipe``.
+    a ``state.recipe`` (a :class:`Controller`'s rung) replaces ``recipe``, and a ``state.probe``
+    (the controller's measurements) sees input, weight and output.
     Mixed precision regions are switched off inside: the GEMMs run exactly as the recipe says.
 
     Raises ValueError on shapes that do not fit, non-floating inputs or an unknown backend.
@@ -236,10 +237,12 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError(f"fp8 linear takes high-precision floating inputs (fp32, bf16, fp16), "
                          f"got {input.dtype} and {weight.dtype}")
     gathered = isinstance(weight, GatheredFloat8Weight)
+    probe = state.probe if state is not None else None
     if state is not None and state.fallback:
         if gathered:
             warn_fallback(state)
-        return F.linear(input, weight.to(input.dtype), None if bias is None else bias.to(input.dtype))
+        out = F.linear(input, weight.to(input.dtype), None if bias is None else bias.to(input.dtype))
+        return out if probe is None else probe(input, None if gathered else weight, out)
     if state is not None and state.recipe is not None:  # a Controller's rung
         recipe = state.recipe
     if gathered:
@@ -257,4 +260,4 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr)
     if bias is not None:
         out = out + bias.to(out.dtype)
-    return out
+    return out if probe is None else probe(input, None if gathered else weight, out)

@@ -26,7 +26,9 @@ class LayerState:
     sampled SQNR of the fp8 output against the high-precision GEMM (inf when none was sampled).
     ``fallback`` (a Python bool, set by :class:`Guard`) makes :func:`linear` run in the compute
     dtype; ``sample_sqnr`` asks the next forward to measure the SQNR (one extra GEMM);
-    ``recipe`` (set by :class:`Controller`), when not None, replaces the caller's recipe.
+    ``recipe`` (set by :class:`Controller`), when not None, replaces the caller's recipe;
+    ``probe`` (set by :class:`Controller`), when not None, is called by :func:`linear` as
+    ``probe(input, weight_or_None, output) -> output`` after the GEMM (also in fallback).
 
     Example:
         >>> st = LayerState()
@@ -42,6 +44,7 @@ class LayerState:
         self.sample_sqnr = False
         self.routed = False  # a policy's call of the layer has reached fp8 (set by the routing)
         self.recipe = None  # a Float8Recipe that replaces the caller's (set by a Controller)
+        self.probe = None  # measures the layer's operands after the GEMM (set by a Controller)
 
     @property
     def stats(self) -> torch.Tensor:

@@ -763,23 +763,27 @@ class Layerwise:
         state = self.ensure_state(scale.device)
         lookup = self._region_lookup(optimizer)
         groups: dict[tuple[torch.device, torch.dtype], dict[int, list[torch.Tensor]]] = {}
+        measured: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
         for param, grad in zip(params, grads):
             values = grad._values() if grad.is_sparse else grad
-            per_region = groups.setdefault((values.device, values.dtype), {})
-            per_region.setdefault(lookup.get(id(param), 0), []).append(values)
+            key, region = (values.device, values.dtype), lookup.get(id(param), 0)
+            groups.setdefault(key, {}).setdefault(region, []).append(values)
+            if values.numel():  # FSDP2: empty shards
+                tensors, regions_of = measured.setdefault(key, ([], []))
+                tensors.append(values)
+                regions_of.append(region)
         if not groups:
             return {}
         stats = state["stats"]
         found: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
-            for (device, _), per_region in groups.items():
-                tensors = [t for ts in per_region.values() for t in ts if t.numel()]  # FSDP2: empty shards
-                if tensors:
-                    regions_of = [r for r, ts in per_region.items() for t in ts if t.numel()]
-                    amax, regions_of = _amax(tensors, regions_of)
-                    if amax.device != stats.device or amax.dtype != torch.float32:
-                        amax = amax.to(stats.device, torch.float32)
-                    stats.scatter_reduce_(0, self._index(regions_of, stats.device), amax, reduce="amax")
+            for key, per_region in groups.items():
+                device = key[0]
+                if key in measured:
+                    extremes, regions_of = _extremes(*measured[key])
+                    if extremes.device != stats.device or extremes.dtype != torch.float32:
+                        extremes = extremes.to(stats.device, torch.float32)
+                    stats.scatter_reduce_(0, self._index(regions_of, stats.device), extremes, reduce="amax")
                 if device not in found:
                     found[device] = torch.zeros((), dtype=torch.float32, device=device)
                 inverses = self._inverses(scale, state["region_factor"], device)
@@ -978,17 +982,19 @@ class Layerwise:
 
 
 #: 1-D tensors of at most this many elements (biases, norms) are concatenated per region before
-#: the CPU amax: one reduction for them all.
+#: the CPU amax (:func:`_extremes`): one reduction for them all.
 SMALL = 2**16
 
 
-def _amax(tensors: list[torch.Tensor], regions: Sequence[int]) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """``max |t|`` over groups of ``tensors`` (non-empty, one device and dtype; NaN propagates)
-    and the region of each group (``regions`` gives each tensor's).
+def _extremes(tensors: list[torch.Tensor], regions: Sequence[int]) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Values whose maximum over each region is the region's ``max |t|`` (NaN propagates), and
+    the region of each value; ``tensors`` are non-empty, on one device, of one dtype, and
+    ``regions`` gives each one's region.
 
-    On CUDA each tensor is a group: one ``_foreach_norm(inf)``. On the CPU, where that op (and
-    ``vector_norm(inf)``) is 6 to 10x slower: one ``aminmax`` per group (no copy), the groups
-    being each tensor but the small 1-D ones, which are one group per region (one ``cat``).
+    On CUDA, each tensor's ``max |t|``: one ``_foreach_norm(inf)``. On the CPU, where that op
+    (and ``vector_norm(inf)``) is 6 to 10x slower: ``|min|`` and ``|max|`` of each group from one
+    ``aminmax`` (no copy), the groups being each tensor but the small 1-D ones, which are one
+    group per region (one ``cat``).
     """
     if tensors[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(tensors, float("inf"))), tuple(regions)
@@ -1000,9 +1006,8 @@ def _amax(tensors: list[torch.Tensor], regions: Sequence[int]) -> tuple[torch.Te
         else:
             groups.append((t, region))
     groups += [(torch.cat(ts) if len(ts) > 1 else ts[0], region) for region, ts in small.items()]
-    pairs = [torch.aminmax(t) for t, _ in groups]
-    amax = torch.maximum(torch.stack([p.max for p in pairs]), -torch.stack([p.min for p in pairs]))
-    return amax, tuple(region for _, region in groups)
+    values = torch.stack([v for t, _ in groups for v in torch.aminmax(t)]).abs_()
+    return values, tuple(region for _, region in groups for _ in range(2))
 
 
 def _tensors(outputs: Any) -> list[torch.Tensor]:

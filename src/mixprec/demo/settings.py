@@ -99,7 +99,7 @@ MAX_SEED = 2**63
 # on 2 CPU cores (docs/demo.md). Its peak lr is where a run stops being chaotic: at 3e-3 (and
 # 2e-3) rounding the initial weights to bf16 once, then training in fp32, moved seed 2's validation
 # loss by +0.12 nats, so modes were ranked by chance; at 1.25e-3 it moves no seed by more than
-# 0.0004 and every mode's seed-by-seed difference to fp32 is systematic (docs/demo.md, "A preset
+# 0.0001 and every mode's seed-by-seed difference to fp32 is systematic (docs/demo.md, "A preset
 # that is not chaotic"). "small" at 2e-3 passes the same test (at most 0.0002).
 _TRAIN_PRESETS: dict[str, tuple[int, int, float]] = {
     "tiny": (120, 8, 1.25e-3),

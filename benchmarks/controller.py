@@ -6,7 +6,7 @@ each figure is the median over rounds of the per-round time ratio variant / refe
 
 * ``controller``: ``Policy.fp8("tensorwise", controller=Controller(every=10))``, every layer on
   its fp8 rung, against the same policy without controller (the statistics the fp8 layers
-  record anyway, plus the controller's hooks and its checks: one read every 10 steps). The
+  record anyway, plus the controller's probe in fp8.linear and its checks: one read every 10 steps). The
   target is <= 1.05.
 * ``promoted``: every layer promoted to the compute dtype (so it measures the shadow casts of the
   rung below on a sample, on ``shadow_steps=2`` of every 10 steps), against the same fp8 policy

@@ -16,16 +16,20 @@ Pieces, each small:
   ``scale(loss)``) that finds which cut points each parameter's gradient crosses, and raises
   where a node would sum gradients carrying different scales (a skip connection around a cut
   point): residual connections inside a block are fine, a path around a block is an error.
-* :class:`Layerwise`: the hooks (a backward hook on each cut point's output tensor multiplies the
-  gradient by ``s_k`` and records its amax on the device), the per-region unscale, and the rule
-  (:meth:`Layerwise.update`), all on the device without host syncs.
+* :func:`clean_step`, :func:`overflow_step`, :func:`layer_rule`: the rule, pure functions of
+  device tensors over the cut points' :func:`topology`; :func:`host_rule`: the same rule on host
+  numbers, bit for bit, for a state in host memory (the CPU), where it replaces some fifty tiny
+  tensor ops by two reads.
+* :class:`Layerwise`: the stateful shell: the hooks (a backward hook on each cut point's output
+  tensor multiplies the gradient by ``s_k`` and records its amax on the device), the per-region
+  unscale, and :meth:`Layerwise.update`, which applies the rule; no host syncs on an accelerator.
 
 The rule (after each ``update()``; ``e_k = log2 s_k``, ``T_r`` the sum of the ``e_k`` above
 region ``r``, region 0 the one above every cut point, which carries the loss scale alone):
 region ``r``'s statistic ``a_r`` is the amax of the scaled gradients seen there in the step (its
 parameters' gradients and the activation gradient at its cut point). On a clean step every region
 moves so that ``floor(log2 a_r) = floor(log2 a_0) - m_r``: ``T_r += floor(log2 a_0) - floor(log2
-a_r) - m_r`` (``+8`` when the region saw only zeros), then ``e_k = T_(k) - T_(parent of k)``
+a_r) - HEADROOM - m_r`` (``ZERO_JUMP`` more per zero-only region), then ``e_k = T_(k) - T_(parent of k)``
 clamped into ``layer_bounds``. The global loss scale keeps its own rule (overflow probing, growth)
 and so sets the headroom of every region. An overflow skips the step and backs off the loss scale
 as always; the topmost cut point whose region overflowed also raises its margin ``m_k`` by one

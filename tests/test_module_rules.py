@@ -308,3 +308,50 @@ def test_a_rule_that_matches_nothing_warns_when_its_region_is_traced():
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     with pytest.warns(UserWarning, match="did you mean 'lm_head'"):
         compiled(torch.randn(2, 4))
+
+
+_OUTER_POLICIES = {
+    "keep fp16": Policy.parse("compute=bf16").keep(names="^0$", dtype=torch.float16),
+    "fp8": Policy.parse("compute=bf16").fp8(first_last="fp8"),
+    "output=bf16": Policy.parse("compute=bf16,output=bf16"),
+}
+
+
+@pytest.mark.parametrize("inner", ["mixprec", "torch"])
+@pytest.mark.parametrize("outer", list(_OUTER_POLICIES))
+def test_autocast_turned_off_inside_a_policy_region_runs_the_model_in_float32(outer: str, inner: str) -> None:
+    """``enabled=False`` inside a region means float32: an enclosing policy's half-dtype module
+    rule (which cast the inputs to fp16 against fp32 weights: a crash), fp8 layers (which warned
+    that they ran in the compute dtype) and ``output=`` (mixprec's disabled region governs as a
+    nested policy does) take no effect there; bitwise the plain model, no warning."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    x = torch.randn(4, 32)
+    ref = model(x)
+    off = (lambda: mixprec.autocast("cpu", enabled=False)) if inner == "mixprec" else (
+        lambda: torch.autocast("cpu", enabled=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with mixprec.autocast("cpu", policy=_OUTER_POLICIES[outer]):
+            with off():
+                y = model(x)
+            again = model(x)  # the outer policy applies again after the inner region
+    if inner == "mixprec" or outer != "output=bf16":  # torch.autocast is no policy: output= still applies
+        assert y.dtype == torch.float32 and torch.equal(y, ref)
+    assert again.dtype == torch.bfloat16
+
+
+def test_a_disabled_region_inside_a_compiled_policy_region_matches_eager() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    x = torch.randn(4, 32)
+    policy = Policy.parse("compute=bf16").fp8(first_last="fp8")
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with mixprec.autocast("cpu", policy=policy):
+            with mixprec.autocast("cpu", enabled=False):
+                return model(x)
+
+    eager = run(x)
+    compiled = torch.compile(run, backend="eager", fullgraph=True)(x)
+    assert torch.equal(eager, model(x)) and torch.equal(compiled, eager)

@@ -128,6 +128,15 @@ _tls = _ThreadState()
 _edited: dict[int, list[int]] = {}  # thread ident -> its counter
 
 
+def disabled_frame(device_type: str, traced: bool = False) -> Frame:
+    """The frame of a disabled region (``enabled=False``): no edits and the default policy, so
+    that it governs what runs inside it and an enclosing region's module rules, fp8 layers and
+    ``output=`` stop at it, as a nested region's policy does."""
+    from mixprec.policy import Policy
+
+    return Frame(device_type, {}, Policy(), traced=traced)
+
+
 def top(device_type: str) -> Frame | None:
     """The innermost mixprec frame for ``device_type`` in this thread, if any."""
     stack = _tls.frames.get(device_type)
@@ -135,7 +144,7 @@ def top(device_type: str) -> Frame | None:
 
 
 def push(frame: Frame | None) -> None:
-    """Enter a region (``frame=None`` for a disabled one, which still counts for the cache).
+    """Enter a region (``frame=None``: a region that only counts for the cache).
 
     A frame with edits is counted first, then its kernels are ensured: from then on until its
     :func:`pop`, :func:`release_kernels` in any thread refuses instead of removing them.
@@ -280,7 +289,7 @@ def _drop_traced_frames(_args: Any = None) -> None:
 def _region(device_type: str, key: int, enter: bool) -> None:
     """Enter (or leave) the traced region ``key``; ``-1`` is a disabled region."""
     if enter:
-        frame = Frame(*_TRACED[key], traced=True) if key >= 0 else None
+        frame = Frame(*_TRACED[key], traced=True) if key >= 0 else disabled_frame(device_type, traced=True)
         push(frame)
         _tls.traced.append(frame)
     elif _tls.traced:  # else entered by an earlier trace, which ended at a graph break inside it

@@ -358,6 +358,12 @@ class ModuleRules:
             else:
                 region.watch.outer.add(id(module))
         name, rule, kept, target = cls._decide(st, st.calls, frame, module, region)
+        if not torch.is_autocast_enabled(frame.device_type):
+            # autocast turned off inside the region (a nested torch.autocast(enabled=False)): the
+            # module runs in float32, as asked; a half-dtype rule or an fp8 layer would not run
+            # as selected (inputs cast to half meet float32 weights)
+            rule = rule if rule is not None and rule.dtype is torch.float32 else None
+            target = None
         restores = []
         if rule is not None:
             restores.append(_enter_rule(frame, rule))

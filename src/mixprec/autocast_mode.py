@@ -218,12 +218,13 @@ class autocast(_TorchAutocast):
         if _tracing():
             return self._enter_traced()
         dev = self.device
-        frame = None
         if self._enabled:
             edits = self.policy.edits(dev)
             if edits:
                 _dispatch.ensure_kernels(edits, dev)
             frame = Frame(dev, edits, self.policy)
+        else:  # governs too: an enclosing policy's module rules and fp8 layers stop here
+            frame = _dispatch.disabled_frame(dev)
         prev = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev),
                 torch.is_autocast_cache_enabled())
         torch.set_autocast_enabled(dev, self._enabled)
@@ -231,8 +232,8 @@ class autocast(_TorchAutocast):
         torch.set_autocast_cache_enabled(self._cache_enabled)
         torch.autocast_increment_nesting()
         _dispatch.push(frame)
-        hooked = frame is not None and (bool(self.policy.module_rules) or self.policy.output is not None
-                                        or self.policy.fp8_rule is not None)
+        hooked = self._enabled and (bool(self.policy.module_rules) or self.policy.output is not None
+                                    or self.policy.fp8_rule is not None)
         if hooked:
             ModuleRules.enter(frame, root=self._root)
         self._saved.append((prev, frame, hooked))

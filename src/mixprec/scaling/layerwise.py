@@ -348,7 +348,10 @@ def clean_step(
     grow = tracker >= config.growth_interval
     margin = torch.where(grow, (state.margin - _binade_steps(config)[1]).clamp_min_(0), state.margin)
     left = state.hysteresis_left
-    left = torch.full_like(left, config.hysteresis) if config.consecutive_hysteresis else torch.where(grow, config.hysteresis, left)
+    if config.consecutive_hysteresis:
+        left = torch.full_like(left, config.hysteresis)
+    else:
+        left = torch.where(grow, config.hysteresis, left)
     tracker = tracker.masked_fill_(grow, 0)
 
     _, exponents = torch.frexp(stats)
@@ -531,7 +534,6 @@ class Layerwise:
         self._grad_hooks: list[Any] = []  # one backward hook per cut point, made by watch
         self._hook_plan: list[tuple[torch.Tensor, ...]] = []  # per cut point: stats, s_k, [1, s_k], index
         self._topology: Topology | None = None
-        self._inverse_key: tuple[Any, ...] | None = None  # see _inverses
         self.recent: deque[torch.Tensor] = deque(maxlen=HISTORY_LEN)  # exponents after each update
 
     # -- watch --------------------------------------------------------------------------------
@@ -779,6 +781,8 @@ class Layerwise:
         if not groups:
             return {}
         stats = state["stats"]
+        inverse = inverse_scale(scale * state["region_factor"])  # one reciprocal per region
+        inverses: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         found: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
             for key, per_region in groups.items():
@@ -790,22 +794,13 @@ class Layerwise:
                     stats.scatter_reduce_(0, self._index(regions_of, stats.device), extremes, reduce="amax")
                 if device not in found:
                     found[device] = torch.zeros((), dtype=torch.float32, device=device)
-                inverses = self._inverses(scale, state["region_factor"], device)
+                    on_device = inverse if device == inverse.device else inverse.to(device, non_blocking=True)
+                    inverses[device] = on_device.unbind()
                 for region, region_grads in per_region.items():
-                    torch._amp_foreach_non_finite_check_and_unscale_(region_grads, found[device], inverses[region])
+                    torch._amp_foreach_non_finite_check_and_unscale_(
+                        region_grads, found[device], inverses[device][region]
+                    )
         return found
-
-    def _inverses(self, scale: torch.Tensor, region_factor: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """``1 / (scale * 2**T_r)`` of each region on ``device`` (0-dim views), as
-        :func:`mixprec._unscale.inverse_scale` takes it; kept until the scale or the factors change
-        (the tensors or their versions)."""
-        key = (id(scale), scale._version, id(region_factor), region_factor._version, device)
-        if self._inverse_key is None or self._inverse_key[0] != key:
-            inverse = inverse_scale(scale * region_factor)
-            if inverse.device != device:
-                inverse = inverse.to(device, non_blocking=True)
-            self._inverse_key = (key, scale, region_factor, inverse.unbind())  # the tensors kept: ids stay theirs
-        return self._inverse_key[3]
 
     def _index(self, regions_of: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """The int64 index tensor of ``regions_of`` on ``device``, made once per layout."""
@@ -975,7 +970,7 @@ class Layerwise:
             _pending=self._host_values() if self.names else None,
             _model=None, _handles=[], _edges={}, _calibrated=False, _param_region={},
             _device_state=None, _master_maps={}, _indices={}, recent=deque(maxlen=HISTORY_LEN),
-            _grad_hooks=[], _hook_plan=[], _inverse_key=None,
+            _grad_hooks=[], _hook_plan=[],
             requested=self.requested if self.requested is not None else (list(self.names) or None),
         )
         state.pop("_topology", None)

@@ -293,7 +293,7 @@ def test_step_without_layers_and_forwards_without_step_warn():
 
 def test_rungs_run_what_they_say():
     """A layer set to each rung computes as that format: bitwise fp8.linear with the rung's
-    recipe, the compute dtype's F.linear, or fp32."""
+    recipe, the compute dtype's F.linear, or fp32 (on the input as the region gives it)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64))
     ctl = Controller()
@@ -306,7 +306,7 @@ def test_rungs_run_what_they_say():
     for rung, expect in [(1, lambda: mixprec.fp8.linear(x.bfloat16(), layer.weight, layer.bias,
                                                          mixprec.fp8.Float8Recipe.rowwise())),
                          (2, lambda: F.linear(x.bfloat16(), layer.weight.bfloat16(), layer.bias.bfloat16())),
-                         (3, lambda: F.linear(x, layer.weight, layer.bias))]:
+                         (3, lambda: F.linear(x.bfloat16().float(), layer.weight, layer.bias))]:
         rec.rung = rung
         ctl._apply(rec)
         with mixprec.autocast("cpu", policy=policy):

@@ -4,6 +4,7 @@ model is called, and the layers it governs under ``torch.compile`` and ``fp8.con
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -179,6 +180,11 @@ def _switching() -> Controller:
     return Controller(every=1, horizon=1, trend_windows=1, demote_windows=2, min_dwell=3, shadow_steps=1)
 
 
+def _region(call: Any, policy: Policy, x: torch.Tensor) -> torch.Tensor:
+    with mixprec.autocast("cpu", policy=policy):
+        return call(x)
+
+
 def _trajectory(run: Any, batches: list[torch.Tensor]) -> tuple[list, list, list]:
     """``run(x) -> output`` per batch (forward, backward, ``ctl.step()`` inside): outputs and grads."""
     outs, grads = [], []
@@ -189,8 +195,8 @@ def _trajectory(run: Any, batches: list[torch.Tensor]) -> tuple[list, list, list
     return outs, grads
 
 
-@pytest.mark.parametrize("fullgraph", [True, False])
-def test_compiled_model_runs_each_rung_bitwise_eager(fullgraph):
+@pytest.mark.parametrize("where, fullgraph", [("around", True), ("around", False), ("inside", True)])
+def test_compiled_model_runs_each_rung_bitwise_eager(where, fullgraph):
     """The same decisions, outputs and gradients, step by step, eager and under torch.compile
     (around the model, inside the region): a promotion (to rowwise, then bf16) and the demotions
     back, decided on statistics and shadows measured by the compiled graphs."""
@@ -202,12 +208,17 @@ def test_compiled_model_runs_each_rung_bitwise_eager(fullgraph):
         ctl = _switching()
         policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
         model = _model()
-        call = torch.compile(model, backend="aot_eager", fullgraph=fullgraph) if compiled else model
+        if not compiled:
+            region = functools.partial(_region, model, policy)
+        elif where == "inside":
+            region = torch.compile(functools.partial(_region, model, policy), backend="aot_eager",
+                                   fullgraph=fullgraph)
+        else:
+            region = functools.partial(_region, torch.compile(model, backend="aot_eager", fullgraph=fullgraph), policy)
         ran = []
 
-        def run(x, call=call, model=model, ctl=ctl, policy=policy, ran=ran):
-            with mixprec.autocast("cpu", policy=policy):
-                out = call(x)
+        def run(x, region=region, model=model, ctl=ctl, ran=ran):
+            out = region(x)
             out.float().square().mean().backward()
             grad = model[0].weight.grad.clone()
             model.zero_grad()
@@ -266,3 +277,52 @@ def test_track_and_convert_refuse_what_cannot_take_effect():
     with pytest.raises(ValueError, match="on its ladder"):
         mixprec.fp8.convert(_model(), "rowwise", controller=Controller(ladder=("tensorwise", "compute")),
                             filter_fn=lambda mod, fqn: True)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compiled_fp32_rung_runs_float32(fullgraph):
+    """Under fp16 compute, layer 0 set to each rung (fp8, fp32, fp16, fp32, fp8): the compiled
+    model's outputs are the eager model's, bitwise, and the fp32 rung's GEMM is float32's.
+    (Gradients are not compared: the policy's own fp32 ``keep`` rule differs there too, compiled.)"""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    outs = {}
+    for compiled in (False, True):
+        ctl = Controller()
+        policy = Policy.parse("compute=fp16").fp8("tensorwise", controller=ctl, first_last="fp8")
+        model = _model()
+        call = torch.compile(model, backend="aot_eager", fullgraph=fullgraph) if compiled else model
+        got, hidden = [], []
+        if not compiled:  # layer 0's output, eager
+            model[0].register_forward_hook(lambda mod, args, out: hidden.append(out))
+        for step, rung in enumerate(("tensorwise", "fp32", "compute", "fp32", "tensorwise")):
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+            if ctl._layers:
+                rec = ctl._layers["0"]
+                rec.rung = ctl.ladder.index(rung)
+                ctl._apply(rec)
+            with mixprec.autocast("cpu", policy=policy):
+                out = call(x)
+            got.append((ctl.precision("0"), out))
+            if hidden and rung == "fp32":
+                ref = torch.nn.functional.linear(x.half().float(), model[0].weight, model[0].bias)
+                assert hidden[-1].dtype == torch.float32 and torch.equal(hidden[-1], ref)
+        outs[compiled] = got
+    assert [p for p, _ in outs[False]] == ["fp8-tensorwise", "fp32", "fp16", "fp32", "fp8-tensorwise"]
+    for (pe, e), (pc, c) in zip(outs[False], outs[True]):
+        assert pe == pc and e.dtype == c.dtype and torch.equal(e, c)
+
+
+def test_a_copy_of_the_model_runs_its_rungs_without_the_controller():
+    import copy
+
+    ctl = Controller()
+    policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
+    model = _model()
+    with mixprec.autocast("cpu", policy=policy):
+        model(torch.randn(2, 64))
+    twin = copy.deepcopy(model)
+    assert mixprec.fp8.layer_state(twin[0]).probe is None
+    assert mixprec.fp8.layer_state(model[0]).probe.controller is ctl and ctl.precisions() == {
+        "0": "fp8-tensorwise", "2": "fp8-tensorwise"}

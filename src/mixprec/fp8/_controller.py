@@ -146,9 +146,7 @@ class _Layer:
         self.clean = 0  # consecutive windows in which the rung below was safe
         self.switches: list[int] = []  # steps of its switches
         self.below: Float8Recipe | None = None  # the fp8 rung below, while it may go there: its shadow's casts
-        self.hooks: list[Any] = []  # the fp32 rung's module hooks, while it is there
-        self.probe: Any = None  # its _Probe, in state.probe except on the fp32 rung (its hooks measure)
-        self.autocast: tuple[bool, str] | None = None  # saved by the fp32 rung's pre-hook
+        self.probe: Any = None  # its _Probe (also in state.probe)
 
     def windows(self) -> torch.Tensor:
         return torch.cat([self.state.stats.flatten(), self.shadow[:, :-1].flatten(), self.range])
@@ -167,6 +165,7 @@ class _Probe:
 
     def __init__(self, controller: Controller, rec: _Layer) -> None:
         self.controller, self.rec = controller, rec
+        self.fp32 = False  # the fp32 rung: fp8.linear's fallback runs the GEMM in float32
 
     def __deepcopy__(self, memo: dict) -> None:
         return None
@@ -463,50 +462,17 @@ class Controller:
     @staticmethod
     def _untrack(rec: _Layer | None) -> None:
         if rec is not None:
-            for handle in rec.hooks:
-                handle.remove()
-            rec.hooks = []
             rec.state.probe = None
 
     def _apply(self, rec: _Layer) -> None:
-        """Set the layer's state for its rung (an fp8 recipe, or the fallback flag), the casts of
-        its shadow, and the fp32 rung's hooks. (Traced code reads these: a change recompiles.)"""
+        """Set the layer's state for its rung (an fp8 recipe, or the fallback flag, in float32 on
+        the fp32 rung) and the casts of its shadow. (Traced code reads these: a switch recompiles.)"""
         name = self.ladder[rec.rung]
         rec.state.fallback = name not in _FP8_RUNGS
         rec.state.recipe = self._recipes.get(name)
-        rec.state.probe = rec.probe if name != "fp32" else None  # (fp32: the module's own forward runs)
+        rec.state.probe, rec.probe.fp32 = rec.probe, name == "fp32"
         below = self.ladder[rec.rung - 1] if rec.rung > rec.floor else None
         rec.below = self._recipes.get(below) if below is not None else None
-        module = rec.module()
-        if name == "fp32" and not rec.hooks and module is not None:
-            rec.hooks = [module.register_forward_pre_hook(self._pre_hook(rec)),
-                         module.register_forward_hook(self._post_hook(rec))]
-        elif name != "fp32":
-            for handle in rec.hooks:
-                handle.remove()
-            rec.hooks = []
-
-    def _pre_hook(self, rec: _Layer) -> Any:
-        def hook(module: nn.Module, args: tuple) -> tuple | None:
-            if not args or not isinstance(args[0], torch.Tensor):
-                return None
-            dev = args[0].device.type
-            rec.autocast = torch.is_autocast_enabled(dev), dev
-            torch.set_autocast_enabled(dev, False)  # restored by the forward hook
-            return tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-
-        return hook
-
-    def _post_hook(self, rec: _Layer) -> Any:
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            saved, rec.autocast = rec.autocast, None
-            if saved is not None:
-                torch.set_autocast_enabled(saved[1], saved[0])
-            if self._compute is torch.float16 and args and isinstance(args[0], torch.Tensor) and \
-                    isinstance(output, torch.Tensor):
-                _range(rec.range, args[0], output)  # (fp32 is above compute: no shadow)
-
-        return hook
 
     # ----------------------------------------------------------------- deciding
     def step(self) -> list[Decision]:

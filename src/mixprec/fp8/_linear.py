@@ -216,7 +216,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     With ``state``, the casts' statistics are accumulated into it on the device (no host sync),
     and a layer whose ``state.fallback`` is set runs ``F.linear`` in ``input``'s dtype instead;
     a ``state.recipe`` (a :class:`Controller`'s rung) replaces ``recipe``, and a ``state.probe``
-    (the controller's measurements) sees input, weight and output.
+    (the controller's measurements) sees input, weight and output (``probe.fp32``: the fallback
+    GEMM runs in float32, output float32).
     Mixed precision regions are switched off inside: the GEMMs run exactly as the recipe says.
 
     Raises ValueError on shapes that do not fit, non-floating inputs or an unknown backend.
@@ -241,7 +242,11 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if state is not None and state.fallback:
         if gathered:
             warn_fallback(state)
-        out = F.linear(input, weight.to(input.dtype), None if bias is None else bias.to(input.dtype))
+        if probe is not None and probe.fp32:  # a Controller's fp32 rung
+            with torch.autocast(input.device.type, enabled=False):
+                out = F.linear(input.float(), weight.float(), None if bias is None else bias.float())
+        else:
+            out = F.linear(input, weight.to(input.dtype), None if bias is None else bias.to(input.dtype))
         return out if probe is None else probe(input, None if gathered else weight, out)
     if state is not None and state.recipe is not None:  # a Controller's rung
         recipe = state.recipe

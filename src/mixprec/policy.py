@@ -399,8 +399,9 @@ class Policy:
         (:class:`mixprec.Controller`, not with ``guard``) moves each layer up and down a ladder of
         formats from the trend of its statistics, in ``controller.step()``; each layer starts at
         its recipe and is not demoted below it (unless ``Controller(floor=...)``). ``recipes``
-        (``{qualified name: recipe}``) gives selected layers their own recipe (as :func:`mixprec.audit` with ``fp8="auto"`` recommends); a named layer must be
-        selected and eligible for its recipe (ValueError as the model runs). Usable on the class
+        (``{qualified name: recipe}``) gives selected layers their own recipe (as
+        :func:`mixprec.audit` with ``fp8="auto"`` recommends); a named layer must be selected and
+        eligible for its recipe (ValueError as the model runs). Usable on the class
         too: ``Policy.fp8()`` is ``Policy().fp8()``.
 
         Example:

@@ -326,3 +326,54 @@ def test_a_graph_break_inside_a_region_leaves_no_region_behind():
     assert mixprec._dispatch.top("cpu") is None and mixprec._dispatch._tls.depth == 0
     with torch.autocast("cpu"):
         assert torch.softmax(x.bfloat16(), -1).dtype == torch.bfloat16
+
+
+def test_a_region_traced_inside_compile_runs_with_its_own_controller():
+    """Policies equal but for their controller (equality leaves it out) trace distinct regions:
+    before, the second traced region ran with the first policy's (no controller), which then
+    never saw the layers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    x = torch.randn(4, 32)
+    ctl = mixprec.Controller()
+    plain = mixprec.Policy.parse("compute=bf16").fp8(first_last="fp8")
+    controlled = mixprec.Policy.parse("compute=bf16").fp8(controller=ctl, first_last="fp8")
+    assert plain == controlled
+    for policy in (plain, controlled):
+        torch._dynamo.reset()
+
+        def f(x, policy=policy):
+            with mixprec.autocast("cpu", policy=policy):
+                return model(x)
+
+        torch.compile(f, backend="eager", fullgraph=True)(x)
+    assert ctl.precision("0") == "fp8-tensorwise" and ctl.precision("2") == "fp8-tensorwise"
+
+
+@pytest.mark.parametrize("rule", ["fp8", "keep fp16", "output=f32"])
+def test_a_region_with_module_rules_inside_a_compiled_function_without_fullgraph_matches_eager(rule):
+    """Without fullgraph a region whose policy needs the module hooks is entered eagerly (its
+    modules' hooks graph-break and run eagerly, where a traced region was not seen: fp8 layers
+    ran in bf16, keep rules and output= did nothing), with or without a user hook on a layer."""
+    policies = {"fp8": mixprec.Policy.parse("compute=bf16").fp8(first_last="fp8"),
+                "keep fp16": mixprec.Policy.parse("compute=bf16").keep(names="^0$", dtype=torch.float16),
+                "output=f32": mixprec.Policy.parse("compute=bf16,output=f32")}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+    x = torch.randn(4, 32)
+
+    def f(x):
+        with mixprec.autocast("cpu", policy=policies[rule]):
+            return model(x)
+
+    eager = f(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = model(x)
+    for hooked in (False, True):
+        handle = model[0].register_forward_hook(lambda m, a, o: None) if hooked else None
+        torch._dynamo.reset()
+        out = torch.compile(f, backend="eager")(x)
+        assert out.dtype == eager.dtype and torch.equal(out, eager), (rule, hooked)
+        assert out.dtype != plain.dtype or not torch.equal(out, plain)  # the rule took effect
+        if handle is not None:
+            handle.remove()

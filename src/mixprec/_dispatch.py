@@ -256,20 +256,25 @@ def _reset_compiled_code() -> None:
 # frame's policy travels as an integer key into ``_TRACED``; kernels for the policy's edits are
 # registered at trace time, before AOTAutograd traces through them.
 _TRACED: dict[int, tuple[str, Mapping[str, str], Any]] = {}
-_TRACED_KEYS: dict[tuple[Any, str], int] = {}
+_TRACED_KEYS: dict[tuple[int, str], int] = {}
 _region_op: Any = None
 
 
 def traced_key(policy: Any, device_type: str) -> int:
-    """The key of ``policy`` on ``device_type`` for ``mixprec::region``; registers kernels."""
-    key = _TRACED_KEYS.get((policy, device_type))
+    """The key of ``policy`` on ``device_type`` for ``mixprec::region``; registers kernels.
+
+    Keyed by the identity of the policy's canonical object (one per value and fp8 guard and
+    controller: equality leaves those out, and a traced region must run with its own; ``_TRACED``
+    keeps the object alive, so ids stay unique)."""
+    policy = getattr(policy, "_canonical", policy)
+    key = _TRACED_KEYS.get((id(policy), device_type))
     if key is None:
         with _keys_lock:
-            key = _TRACED_KEYS.get((policy, device_type))
+            key = _TRACED_KEYS.get((id(policy), device_type))
             if key is None:
                 key = len(_TRACED)
                 _TRACED[key] = (device_type, policy.edits(device_type), policy)
-                _TRACED_KEYS[(policy, device_type)] = key
+                _TRACED_KEYS[(id(policy), device_type)] = key
     ensure_kernels(_TRACED[key][1], device_type)
     _define_region_op()
     handler = getattr(sys.modules.get("torch._dynamo"), "callback_handler", None)
@@ -639,6 +644,7 @@ def _define_route(name: str) -> None:
     lib.define(target + schema[schema.index("("):])
     info = _op_info(name, op)
 
+    @torch.compiler.disable  # never a frame of its own for Dynamo (eager code between graph breaks)
     def route(*args: Any, **kwargs: Any) -> Any:
         frame = top("cuda" if next(_tensors(args, kwargs)).is_cuda else "cpu")
         if frame is None or frame.edits.get(name) != "fp8":  # the C++ kernel routes only for these

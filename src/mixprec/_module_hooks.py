@@ -478,6 +478,15 @@ def _traced_leave(module: nn.Module) -> tuple | str | None:
     return (frame.device_type if frame is not None else "cpu"), has_ctx, has_fp8, output
 
 
+@torch.compiler.assume_constant_result
+def traced_without_fullgraph() -> bool:
+    """Run by Dynamo at trace time (not traced): whether this trace may graph-break. A region
+    whose policy needs the module hooks then runs eagerly (see ``mixprec.autocast``): its
+    modules' hooks would graph-break and run eagerly, where a region entered by the trace is
+    not seen."""
+    return not _fullgraph()
+
+
 def _fullgraph() -> bool:
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator

@@ -20,7 +20,7 @@ import torch
 
 from mixprec import _dispatch
 from mixprec._dispatch import Frame
-from mixprec._module_hooks import ModuleRules, traced_region
+from mixprec._module_hooks import ModuleRules, traced_region, traced_without_fullgraph
 from mixprec._tree import cast_tree, tracing as _tracing
 from mixprec.policy import Policy, parse_dtype
 
@@ -136,6 +136,27 @@ def _traced_region(device_type: str, dtype: torch.dtype | None, enabled: bool,
     return (_dispatch.traced_key(policy, device_type) if enabled else -1), dtype, enabled
 
 
+@torch.compiler.assume_constant_result
+def _traced_eagerly(device_type: str, dtype: torch.dtype | None, enabled: bool, policy: Policy | str | None) -> bool:
+    """Run by Dynamo at trace time (not traced): whether a region traced without ``fullgraph``
+    runs eagerly instead, because its policy needs the module hooks (module rules, fp8 layers,
+    ``output=``): those hooks graph-break and run eagerly, where a traced region is not seen."""
+    policy, dtype, enabled = _resolve(device_type, dtype, enabled, policy)
+    hooked = enabled and (bool(policy.module_rules) or policy.output is not None or policy.fp8_rule is not None)
+    return hooked and traced_without_fullgraph()
+
+
+@torch.compiler.disable
+def _enter_eagerly(region: "autocast") -> None:
+    """Enter ``region`` (built while Dynamo traced) eagerly, outside the trace."""
+    region._enter_eager()
+
+
+@torch.compiler.disable
+def _exit_eagerly(region: "autocast") -> None:
+    region._exit_eager()
+
+
 class autocast(_TorchAutocast):
     """Run a region with automatic mixed precision: a drop-in for ``torch.autocast``.
 
@@ -203,12 +224,16 @@ class autocast(_TorchAutocast):
         if root is not None and not isinstance(root, torch.nn.Module):
             raise TypeError(f"mixprec.autocast root must be an nn.Module, got {type(root).__name__}")
         self._root = root
-        if _tracing():  # resolved at trace time by _traced_region
-            self.fast_dtype, self.policy, self._raw = dtype, policy, (dtype, enabled, policy)
-            return
+        self.fast_dtype, self.policy, self._raw = dtype, policy, (dtype, enabled, policy)
+        if not _tracing():  # else resolved at trace time by _traced_region, or on an eager enter
+            self._resolve_args()
+
+    def _resolve_args(self) -> None:
+        dtype, enabled, policy = self._raw
         if self._cache_enabled is None:  # as torch.autocast: inherit the enclosing setting
             self._cache_enabled = torch.is_autocast_cache_enabled()
         self.policy, self.fast_dtype, self._enabled = _resolve(self.device, dtype, enabled, policy)
+        self._resolved = True
 
     # Inside a function given to torch.compile, Dynamo traces __enter__/__exit__: the region
     # becomes torch.amp._enter_autocast (which Dynamo knows) plus mixprec::region nodes that
@@ -217,6 +242,16 @@ class autocast(_TorchAutocast):
     def __enter__(self) -> "autocast":
         if _tracing():
             return self._enter_traced()
+        return self._enter_eager()
+
+    def _hooked(self) -> bool:
+        """Whether the region's policy needs the module hooks (module rules, fp8, ``output=``)."""
+        return self._enabled and (bool(self.policy.module_rules) or self.policy.output is not None
+                                  or self.policy.fp8_rule is not None)
+
+    def _enter_eager(self) -> "autocast":
+        if not getattr(self, "_resolved", False):  # built while Dynamo traced, entered eagerly
+            self._resolve_args()
         dev = self.device
         if self._enabled:
             edits = self.policy.edits(dev)
@@ -232,8 +267,7 @@ class autocast(_TorchAutocast):
         torch.set_autocast_cache_enabled(self._cache_enabled)
         torch.autocast_increment_nesting()
         _dispatch.push(frame)
-        hooked = self._enabled and (bool(self.policy.module_rules) or self.policy.output is not None
-                                    or self.policy.fp8_rule is not None)
+        hooked = self._hooked()
         if hooked:
             ModuleRules.enter(frame, root=self._root)
         self._saved.append((prev, frame, hooked))
@@ -242,6 +276,9 @@ class autocast(_TorchAutocast):
     def __exit__(self, *exc: Any) -> None:
         if _tracing():
             return self._exit_traced()
+        self._exit_eager()
+
+    def _exit_eager(self) -> None:
         (enabled, dtype, cache), frame, hooked = self._saved.pop()
         if hooked:
             ModuleRules.exit(frame)
@@ -253,9 +290,10 @@ class autocast(_TorchAutocast):
         torch.set_autocast_cache_enabled(cache)
 
     def _enter_traced(self) -> "autocast":
-        dtype, enabled, policy = self._raw
-        if isinstance(policy, Policy):  # Dynamo guards on the object passed: one per value
-            policy = policy._canonical
+        dtype, enabled, policy = self._traced_args()
+        if _traced_eagerly(self.device, dtype, enabled, policy):
+            _enter_eagerly(self)
+            return self
         key, dtype, enabled = _traced_region(self.device, dtype, enabled, policy)
         ctx = torch.amp._enter_autocast(self.device, dtype, enabled, self._cache_enabled)
         torch.ops.mixprec.region(self.device, key, True)
@@ -263,7 +301,16 @@ class autocast(_TorchAutocast):
         self._saved.append((ctx, key))
         return self
 
+    def _traced_args(self) -> tuple[Any, bool, Any]:
+        dtype, enabled, policy = self._raw
+        if isinstance(policy, Policy):  # Dynamo guards on the object passed: one per value
+            policy = policy._canonical
+        return dtype, enabled, policy
+
     def _exit_traced(self) -> None:
+        if _traced_eagerly(self.device, *self._traced_args()):
+            _exit_eagerly(self)
+            return
         ctx, key = self._saved.pop()
         traced_region(self._root, key, False)
         torch.ops.mixprec.region(self.device, key, False)

@@ -22,7 +22,6 @@ import argparse
 import copy
 import dataclasses
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._machine import machine  # noqa: E402
 from benchmarks.fp8 import BATCH, D, TOKENS, _in_blocks, _model, _saved_bytes, _stateless  # noqa: E402
 
 RECIPES = ("tensorwise", "rowwise", "mxfp8", "blockwise")
@@ -78,22 +78,10 @@ def _modes() -> dict[str, nn.Module]:
     return modes
 
 
-def _machine() -> dict[str, str]:
-    def run(cmd: list[str]) -> str:
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    model = next((line.split(":", 1)[1].strip() for line in run(["lscpu"]).splitlines()
-                  if line.startswith("Model name")), "unknown")
-    return {"cpu": model, "load": run(["uptime"]).strip().split("load average:")[-1].strip()}
-
-
 def run(quick: bool = False) -> dict[str, Any]:
     """Median step ms per mode, mixprec/torchao ratios per recipe, saved bytes."""
     torch.set_num_threads(1)
-    machine_before = _machine()
+    machine_before = machine()
     modes = _modes()
     x = torch.randn(BATCH, TOKENS, D, generator=torch.Generator().manual_seed(1))
     rounds, steps = (3, 1) if quick else (9, 3)
@@ -120,7 +108,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             "saved_vs_fp32": saved[ours][1] / saved["fp32"][1],
         }
     return {"step_ms": ms, "saved_bytes": {m: {"all": a, "activations": b} for m, (a, b) in saved.items()},
-            "recipes": per_recipe, "rounds": rounds, "machine": machine_before, "load_after": _machine()["load"]}
+            "recipes": per_recipe, "rounds": rounds, "machine": machine_before, "load_after": machine()["load"]}
 
 
 def main() -> None:

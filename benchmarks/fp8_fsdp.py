@@ -22,7 +22,6 @@ import datetime
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,20 +35,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._machine import machine  # noqa: E402
+
 D, LAYERS, BATCH = 512, 4, 64
 MODES = ("weight dtype", "fp8", "fp8 + precompute", "torchao fp8")
-
-
-def _machine() -> dict[str, str]:
-    def run(cmd: list[str]) -> str:
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    model = next((line.split(":", 1)[1].strip() for line in run(["lscpu"]).splitlines()
-                  if line.startswith("Model name")), "unknown")
-    return {"cpu": model, "load": run(["uptime"]).strip().split("load average:")[-1].strip()}
 
 
 def _model(mode: str, param_dtype: torch.dtype | None) -> nn.Module:
@@ -154,7 +143,7 @@ def _worker(rank: int, port: int, quick: bool, out: str) -> None:
 def run(quick: bool = False) -> dict[str, Any]:
     """Per parameter dtype and mode: all-gather and all-reduce bytes per step and rank, median
     step ms, and ratios against all-gathering in the weight dtype."""
-    machine = _machine()
+    before = machine()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -167,7 +156,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         for r in per_mode.values():
             r["gather_ratio"] = r["gather_bytes"] / base["gather_bytes"]
             r["step_ratio"] = r["step_ms"] / base["step_ms"]
-    return {**data, "machine": machine, "load_after": _machine()["load"]}
+    return {**data, "machine": before, "load_after": machine()["load"]}
 
 
 def main() -> None:

@@ -195,6 +195,29 @@ def _trajectory(run: Any, batches: list[torch.Tensor]) -> tuple[list, list, list
     return outs, grads
 
 
+def _in(region, model, x):
+    with region():
+        return model(x)
+
+
+def _controlled_run(forward, model, ctl):
+    """``(outputs, layer 0's weight gradients, layer 0's precision per step, ctl.log)`` of the
+    outlier batches through ``forward(x)``, with ``ctl.step()`` after each step."""
+    ran = []
+
+    def run(x):
+        out = forward(x)
+        out.float().square().mean().backward()
+        grad = model[0].weight.grad.clone()
+        model.zero_grad()
+        ran.append(ctl.precision("0"))
+        ctl.step()
+        return out.detach(), grad
+
+    outs, grads = _trajectory(run, _outlier_batches())
+    return outs, grads, ran, ctl.log
+
+
 @pytest.mark.parametrize("where, fullgraph", [("around", True), ("around", False), ("inside", True)])
 def test_compiled_model_runs_each_rung_bitwise_eager(where, fullgraph):
     """The same decisions, outputs and gradients, step by step, eager and under torch.compile
@@ -215,19 +238,7 @@ def test_compiled_model_runs_each_rung_bitwise_eager(where, fullgraph):
                                    fullgraph=fullgraph)
         else:
             region = functools.partial(_region, torch.compile(model, backend="aot_eager", fullgraph=fullgraph), policy)
-        ran = []
-
-        def run(x, region=region, model=model, ctl=ctl, ran=ran):
-            out = region(x)
-            out.float().square().mean().backward()
-            grad = model[0].weight.grad.clone()
-            model.zero_grad()
-            ran.append(ctl.precision("0"))
-            ctl.step()
-            return out.detach(), grad
-
-        outs, grads = _trajectory(run, _outlier_batches())
-        runs[compiled] = (outs, grads, ran, ctl.log)
+        runs[compiled] = _controlled_run(region, model, ctl)
     (eo, eg, er, elog), (co, cg, cr, clog) = runs[False], runs[True]
     assert "fp8-rowwise" in er and "bf16" in er and er[-1] == "fp8-tensorwise"
     assert cr == er and clog == elog
@@ -249,20 +260,7 @@ def test_converted_layers_are_controlled_as_the_policys():
         else:
             policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
             region = lambda policy=policy: mixprec.autocast("cpu", policy=policy)  # noqa: E731
-        ran = []
-
-        def run(x, model=model, ctl=ctl, region=region, ran=ran):
-            with region():
-                out = model(x)
-            out.float().square().mean().backward()
-            grad = model[0].weight.grad.clone()
-            model.zero_grad()
-            ran.append(ctl.precision("0"))
-            ctl.step()
-            return out.detach(), grad
-
-        outs, grads = _trajectory(run, _outlier_batches())
-        runs[route] = (outs, grads, ran, ctl.log)
+        runs[route] = _controlled_run(lambda x, region=region, model=model: _in(region, model, x), model, ctl)
     (po, pg, pr, plog), (co, cg, cr, clog) = runs["policy"], runs["convert"]
     assert "bf16" in pr and cr == pr and clog == plog
     for a, b in zip(po + pg, co + cg):

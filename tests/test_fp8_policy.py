@@ -189,3 +189,24 @@ def test_layers_an_fp8_policy_keeps_run_the_policy_table_through_the_route():
             model(x)
         hook.remove()
     assert seen["fp8"][0].dtype == torch.bfloat16 and torch.equal(seen["fp8"][0], seen["plain"][0])
+
+
+def test_a_policy_over_a_converted_model_leaves_the_converted_layers_to_their_recipe():
+    """fp8.convert's layers run fp8 in their own recipe: a policy's fp8 rule does not select them
+    again (it warned that they ran in the compute dtype), and selects the other layers."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    model = fp8.convert(model, "rowwise", filter_fn=lambda mod, fqn: fqn == "2")
+    assert fp8.select_layers(model, first_last="fp8") == ["0", "4"]
+    policy = Policy.parse("compute=bf16").fp8("tensorwise", first_last="fp8")
+    x = torch.randn(4, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with mixprec.autocast("cpu", policy=policy):
+            out = model(x)
+    assert out.dtype == torch.bfloat16
+    only = fp8.convert(nn.Sequential(nn.Linear(32, 32)), "tensorwise", filter_fn=lambda mod, fqn: True)
+    with pytest.warns(UserWarning, match="converted by fp8.convert and run in their own recipe"):
+        assert fp8.select_layers(only, first_last="fp8") == []

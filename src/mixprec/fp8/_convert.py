@@ -93,6 +93,7 @@ def select_layers(model: nn.Module, types: Sequence[type] | type = (nn.Linear,),
     When no layer is selected, one warning (once per model) says why. ``recipes``
     (``{name: recipe}``, ``Policy.fp8(recipes=...)``) checks the named layers with their own
     recipe; a named layer that is not selected, or not eligible for its recipe, raises ValueError.
+    Layers :func:`convert` made are fp8 already (in their own recipe) and never selected again.
 
     Example:
         >>> m = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16))
@@ -111,9 +112,12 @@ def select_layers(model: nn.Module, types: Sequence[type] | type = (nn.Linear,),
         raise ValueError(f"names must be a regular expression (re.search on the qualified name), got {names!r}") from exc
     likes = nn.Linear in types
     recipes = dict(recipes or {})
-    candidates, eligible_names = [], []
+    candidates, eligible_names, converted = [], [], []
     for fqn, mod in model.named_modules():
         if not (isinstance(mod, types) or (likes and is_linear_like(mod))):
+            continue
+        if isinstance(mod, (Float8Linear, Float8Conv1D)):  # fp8 already, in its own recipe
+            converted.append(fqn)
             continue
         candidates.append(fqn)
         ok, reason = eligible(mod, fqn, recipes.get(fqn, recipe))
@@ -129,7 +133,10 @@ def select_layers(model: nn.Module, types: Sequence[type] | type = (nn.Linear,),
     if unselected:
         raise ValueError(f"fp8 recipes name layer(s) {unselected} that the rule does not select (selected: "
                          f"{chosen}); name selected layers (see types, names, first_last='fp8')")
-    if not chosen:
+    if not chosen and converted and not candidates:
+        _warn_once(model, f"fp8: no layer selected: the model's {len(converted)} fp8 layer(s) (e.g. "
+                   f"{converted[0]!r}) were converted by fp8.convert and run in their own recipe")
+    elif not chosen:
         _warn_once(model, "fp8: no layer selected, nothing runs in fp8: "
                    + _why_none(types, pattern, candidates, eligible_names, kept, recipe))
     return chosen

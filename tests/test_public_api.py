@@ -12,7 +12,7 @@ import mixprec
 CONTRACT = [
     "autocast", "is_autocast_enabled", "get_autocast_dtype", "custom_fwd", "custom_bwd", "Policy",
     "GradScaler", "skip_aware", "to_low_precision", "MasterWeights", "optim",
-    "trace_nonfinite", "collect_ranges", "audit", "AuditReport",
+    "trace_nonfinite", "collect_ranges", "audit", "AuditReport", "DeviceTypeError",
 ]
 
 

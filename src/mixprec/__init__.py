@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "custom_fwd": "mixprec.autocast_mode",
     "custom_bwd": "mixprec.autocast_mode",
     "checkpoint_context_fn": "mixprec.autocast_mode",
+    "DeviceTypeError": "mixprec.autocast_mode",
     "release_kernels": "mixprec._dispatch",
     "Policy": "mixprec.policy",
     "ModuleRule": "mixprec._modules",
@@ -73,6 +74,7 @@ if TYPE_CHECKING:  # static type checkers see the real names
     from mixprec._dispatch import release_kernels
     from mixprec._modules import Fp8Rule, ModuleRule
     from mixprec.autocast_mode import (
+        DeviceTypeError,
         autocast,
         checkpoint_context_fn,
         custom_bwd,

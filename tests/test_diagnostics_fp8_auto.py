@@ -213,3 +213,31 @@ def test_cli_fp8_auto(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
                          steps=1, fp8="auto") == 0
     data = json.loads((tmp_path / "out" / "report.json").read_text())
     assert data["fp8"]["recipe"] == "auto" and data["fp8"]["recipes"]["b"] == "mxfp8"
+
+
+def test_the_controller_climbs_the_audits_ladder_to_the_block_format_the_outlier_layer_needs() -> None:
+    """The audit's formats as rungs: on the outlier layer ``b`` (tensorwise and rowwise flush 75%
+    of its input, mxfp8 nothing) a controller whose ladder holds mxfp8 promotes ``b`` from
+    tensorwise to rowwise to mxfp8 and keeps it in fp8 there; ``a`` and ``c`` stay tensorwise.
+    A layer whose features are not multiples of a block rung's blocks skips that rung."""
+    ctl = Controller(every=1, ladder=("tensorwise", "rowwise", "mxfp8", "blockwise", "compute"),
+                     min_dwell=0, demote_windows=1)
+    model = Net()
+    policy = _policy().fp8(names=r"^(a|b|c)$", first_last="fp8", controller=ctl)
+    x, y = _batch()
+    for _ in range(6):
+        with mixprec.autocast("cpu", policy=policy):
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        loss.backward()
+        model.zero_grad()
+        ctl.step()
+    assert ctl.precisions() == {"a": "fp8-tensorwise", "b": "fp8-mxfp8", "c": "fp8-tensorwise"}
+    assert [(d.layer, d.from_, d.to) for d in ctl.log] == [("b", "fp8-tensorwise", "fp8-rowwise"),
+                                                          ("b", "fp8-rowwise", "fp8-mxfp8")]
+    # features 48 (a multiple of 16, not of 32 or 128): the block rungs are skipped
+    small = nn.Sequential(nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 48))
+    ctl = Controller(every=1, ladder=("tensorwise", "mxfp8", "blockwise", "compute"))
+    with mixprec.autocast("cpu", policy=Policy.parse("compute=bf16").fp8(first_last="fp8", controller=ctl)):
+        small(torch.randn(4, 48))
+    rec = ctl._layers["0"]
+    assert rec.allowed == (True, False, False, True) and ctl._up(rec) == 3

@@ -23,9 +23,10 @@ from mixprec.fp8._state import OPERANDS, LayerState, layer_state
 
 __all__ = ["Controller", "Decision", "RUNGS"]
 
-#: the rungs a ladder may hold, lowest precision first: fp8 recipes, the compute dtype, fp32.
-RUNGS = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "compute", "fp32")
-_FP8_RUNGS = RUNGS[:3]
+#: the rungs a ladder may hold, lowest precision first: fp8 recipes (the block-scaled ones in the
+#: order of the audit's cost model), the compute dtype, fp32.
+RUNGS = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise", "compute", "fp32")
+_FP8_RUNGS = RUNGS[:5]
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 _NCOL = len(STAT_NAMES)
 _UNDERFLOW, _NONFINITE = STAT_NAMES.index("underflow"), STAT_NAMES.index("nonfinite")
@@ -131,11 +132,13 @@ def _ratio(value: float, limit: float) -> float:
 class _Layer:
     """The controller's record of one layer: its rung, its device windows, its trend."""
 
-    def __init__(self, module: nn.Module, state: LayerState, rung: int, floor: int) -> None:
+    def __init__(self, module: nn.Module, state: LayerState, rung: int, floor: int,
+                 allowed: tuple[bool, ...]) -> None:
         self.module = weakref.ref(module)
         self.state = state
         self.rung = rung
         self.floor = floor  # the lowest rung it may be demoted to
+        self.allowed = allowed  # per rung of the ladder: whether the layer can run it (block multiples)
         # the rung below's casts measured on a sample (promoted layers): the layout of LayerState._data
         self.shadow = torch.zeros_like(state._data)
         self.range = torch.zeros(len(_RANGE), device=state.device)  # worst input/output amax
@@ -230,8 +233,9 @@ class Controller:
     ladder) and is never demoted below it: ``floor=None``. ``floor="tensorwise"`` (an fp8 rung of
     the ladder, at or below every layer's recipe) lets the controller demote layers down to that
     rung, below their recipe, when its shadow is safe. Rungs: fp8 ``tensorwise``,
-    ``rowwise``, ``rowwise_with_gw_hp``, then ``compute`` (the region's dtype) and ``fp32``
-    (reached only on range trouble under fp16 compute). Decisions go to :attr:`log` (and
+    ``rowwise``, ``rowwise_with_gw_hp``, ``mxfp8``, ``blockwise`` (a layer skips a block rung
+    its features are not multiples of the blocks of), then ``compute`` (the region's dtype) and
+    ``fp32`` (reached only on range trouble under fp16 compute). Decisions go to :attr:`log` (and
     :meth:`write_csv`); :meth:`precision` names a layer's format now; :meth:`state_dict` resumes
     bitwise. A layer has one record however it is reached (the model, or a submodule called
     directly: :func:`qualified` names it). It governs the layers of ``fp8.convert(model,
@@ -450,7 +454,11 @@ class Controller:
             raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} is below the controller's "
                              f"floor {self.floor!r}; pass floor=None (each layer's recipe) or a rung at or below "
                              f"{recipe.name!r}")
-        rec = _Layer(module, layer_state(module), start, floor)
+        from mixprec.fp8._convert import eligible
+
+        allowed = tuple(r not in _FP8_RUNGS or i == start or eligible(module, name, self._recipes[r])[0]
+                        for i, r in enumerate(self.ladder))
+        rec = _Layer(module, layer_state(module), start, floor, allowed)
         if name in self._pending:
             self._load_layer(rec, self._pending.pop(name))
         self._untrack(self._layers.get(name))  # another module under that name: no longer controlled
@@ -458,6 +466,17 @@ class Controller:
         self._layers[name] = rec
         self._names[module] = name
         self._apply(rec)
+
+    @staticmethod
+    def _up(rec: _Layer) -> int:
+        """The rung a promotion goes to: the next one up the layer can run (a block rung needs
+        features that are multiples of its blocks)."""
+        return next(i for i in range(rec.rung + 1, len(rec.allowed)) if rec.allowed[i])
+
+    @staticmethod
+    def _down(rec: _Layer) -> int | None:
+        """The rung a demotion goes to (the next one down it can run, not below its floor), or None."""
+        return next((i for i in range(rec.rung - 1, rec.floor - 1, -1) if rec.allowed[i]), None)
 
     @staticmethod
     def _untrack(rec: _Layer | None) -> None:
@@ -471,8 +490,8 @@ class Controller:
         rec.state.fallback = name not in _FP8_RUNGS
         rec.state.recipe = self._recipes.get(name)
         rec.state.probe, rec.probe.fp32 = rec.probe, name == "fp32"
-        below = self.ladder[rec.rung - 1] if rec.rung > rec.floor else None
-        rec.below = self._recipes.get(below) if below is not None else None
+        down = self._down(rec)
+        rec.below = self._recipes.get(self.ladder[down]) if down is not None else None
 
     # ----------------------------------------------------------------- deciding
     def step(self) -> list[Decision]:
@@ -526,7 +545,8 @@ class Controller:
         ranges = row[2 * off:]
         ladder = self.ladder
         on_fp8 = ladder[rec.rung] in _FP8_RUNGS
-        has_shadow = rec.rung > rec.floor and ladder[rec.rung - 1] in _FP8_RUNGS
+        down = self._down(rec)
+        has_shadow = down is not None and ladder[down] in _FP8_RUNGS
         fit, windows = (self.every, self.ema, self.trend_windows), self.trend_windows
         measured = own if on_fp8 else (shadow if has_shadow else None)
         for op, stats in zip(OPERANDS, measured or []):
@@ -573,9 +593,9 @@ class Controller:
             for op, stats in zip(OPERANDS, own):
                 forecast = underflow(op, stats[_UNDERFLOW], f"underflow_{op}")
                 if forecast > self.max_underflow:
-                    return decision(op, "promote", rec.rung + 1, "underflow_forecast", forecast,
+                    return decision(op, "promote", self._up(rec), "underflow_forecast", forecast,
                                     self.max_underflow, ">")
-        if rec.rung == rec.floor:
+        if down is None:
             return None
         # demote: the rung below, judged by the shadow (fp8 below) or the range (compute below fp32)
         worst = ("input", "underflow_forecast", 0.0, self.demote_underflow)  # the closest to its limit
@@ -603,7 +623,7 @@ class Controller:
         if (rec.clean >= self.demote_windows and self._steps - last >= self.min_dwell
                 and len(recent) < self.max_switches):
             op, stat, value, limit = worst
-            return decision(op, "demote", rec.rung - 1, stat, value, limit, "<=")
+            return decision(op, "demote", down, stat, value, limit, "<=")
         return None
 
     # ----------------------------------------------------------------- checkpoints
@@ -678,7 +698,9 @@ def _shadow(buf: torch.Tensor, x: torch.Tensor, cast: Any, pow2: bool, sample: i
     x2 = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.detach().reshape(1, 1)
     if x2.numel() == 0:
         return
-    stride = max(1, x2.numel() // sample // max(x2.shape[1], 1))
+    # (a 2-D block, 128x128, is measured on the whole tensor: a sample of rows would cut its blocks)
+    two_d = cast.block is not None and cast.block[0] > 1
+    stride = 1 if two_d else max(1, x2.numel() // sample // max(x2.shape[1], 1))
     rows = x2[::stride]
     if cast.granularity == "tensor":
         amax = torch.max(torch.abs(x2))

@@ -241,3 +241,19 @@ def test_the_controller_climbs_the_audits_ladder_to_the_block_format_the_outlier
         small(torch.randn(4, 48))
     rec = ctl._layers["0"]
     assert rec.allowed == (True, False, False, True) and ctl._up(rec) == 3
+
+
+def test_a_checkpoint_with_a_rung_the_layer_cannot_run_is_refused() -> None:
+    def controlled(ladder):
+        ctl = Controller(every=1, ladder=ladder)
+        model = nn.Sequential(nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 48))
+        with mixprec.autocast("cpu", policy=Policy.parse("compute=bf16").fp8(first_last="fp8", controller=ctl)):
+            model(torch.randn(4, 48))
+        return ctl
+
+    state = controlled(("tensorwise", "mxfp8", "compute")).state_dict()
+    state["layers"]["0"]["rung"] = "mxfp8"  # 48 features: not a multiple of 32
+    with pytest.raises(ValueError, match="rung 'mxfp8', whose blocks its features are not multiples of"):
+        controlled(("tensorwise", "mxfp8", "compute")).load_state_dict(state)
+    with pytest.raises(ValueError, match="rung 'mxfp8' is not on the ladder"):
+        controlled(("tensorwise", "rowwise", "compute")).load_state_dict(state)

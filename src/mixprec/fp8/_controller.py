@@ -675,6 +675,9 @@ class Controller:
 
     def _load_layer(self, rec: _Layer, data: Mapping[str, Any]) -> None:
         rung = self.ladder.index(data["rung"])
+        if not rec.allowed[rung]:
+            raise ValueError(f"Controller.load_state_dict: a layer at rung {data['rung']!r}, whose blocks its "
+                             f"features are not multiples of")
         if rung < rec.floor:
             raise ValueError(f"Controller.load_state_dict: a layer at rung {data['rung']!r}, below its floor "
                              f"{self.ladder[rec.floor]!r} (its recipe, or Controller.floor)")

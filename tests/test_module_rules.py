@@ -355,3 +355,23 @@ def test_a_disabled_region_inside_a_compiled_policy_region_matches_eager() -> No
     eager = run(x)
     compiled = torch.compile(run, backend="eager", fullgraph=True)(x)
     assert torch.equal(eager, model(x)) and torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("outer", ["keep fp16", "fp8"])
+def test_autocast_turned_off_inside_a_compiled_policy_region_matches_eager(outer: str) -> None:
+    """The same inside torch.compile (fullgraph): the traced hooks read the traced autocast state
+    (before: the keep-fp16 rule crashed there, the fp8 layers ran in fp8 where eager ran float32)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    x = torch.randn(4, 32)
+    policy = _OUTER_POLICIES[outer]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with mixprec.autocast("cpu", policy=policy):
+            with torch.autocast("cpu", enabled=False):
+                return model(x)
+
+    eager = run(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(run, backend="eager", fullgraph=True)(x)
+    assert torch.equal(eager, model(x)) and compiled.dtype == torch.float32 and torch.equal(compiled, eager)

@@ -331,6 +331,12 @@ class ModuleRules:
             target = st.fp8.get(id(module)) if not kept else None
             if target is not None and target[2].fallback and target[2].probe is None:
                 target = None  # (a Controller's probe measures its fallback layers in fp8.linear)
+        if not torch.is_autocast_enabled(frame.device_type):
+            # autocast turned off inside the region (a nested torch.autocast(enabled=False); while
+            # Dynamo traces, the traced state): the module runs in float32, as asked; a half-dtype
+            # rule or an fp8 layer would not run as selected (half inputs meet float32 weights)
+            rule = rule if rule is not None and rule.dtype is torch.float32 else None
+            target = None
         return name, rule, kept, target
 
     # Dynamo inlines these hooks when it traces module calls: the traced path (_pre_traced)
@@ -358,12 +364,6 @@ class ModuleRules:
             else:
                 region.watch.outer.add(id(module))
         name, rule, kept, target = cls._decide(st, st.calls, frame, module, region)
-        if not torch.is_autocast_enabled(frame.device_type):
-            # autocast turned off inside the region (a nested torch.autocast(enabled=False)): the
-            # module runs in float32, as asked; a half-dtype rule or an fp8 layer would not run
-            # as selected (inputs cast to half meet float32 weights)
-            rule = rule if rule is not None and rule.dtype is torch.float32 else None
-            target = None
         restores = []
         if rule is not None:
             restores.append(_enter_rule(frame, rule))

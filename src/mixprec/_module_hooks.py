@@ -424,8 +424,7 @@ def _hooked_frame() -> Frame | None:
     """While tracing: the innermost mixprec frame whose policy needs the module hooks."""
     for dev in DISPATCH_KEYS:
         frame = _dispatch.top(dev)
-        if frame is not None and (frame.policy.module_rules or frame.policy.output is not None
-                                  or frame.policy.fp8_rule is not None):
+        if frame is not None and frame.policy.acts_on_modules:
             return frame
     return None
 

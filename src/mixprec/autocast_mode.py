@@ -131,7 +131,7 @@ def _traced_region(device_type: str, dtype: torch.dtype | None, enabled: bool,
                    policy: Policy | str | None) -> tuple[int, torch.dtype, bool]:
     """Run by Dynamo at trace time (not traced): resolve a region and key its policy."""
     policy, dtype, enabled = _resolve(device_type, dtype, enabled, policy)
-    if enabled and (policy.module_rules or policy.output is not None or policy.fp8_rule is not None):
+    if enabled and policy.acts_on_modules:
         ModuleRules.install_permanently()
     return (_dispatch.traced_key(policy, device_type) if enabled else -1), dtype, enabled
 
@@ -142,8 +142,7 @@ def _traced_eagerly(device_type: str, dtype: torch.dtype | None, enabled: bool, 
     runs eagerly instead, because its policy needs the module hooks (module rules, fp8 layers,
     ``output=``): those hooks graph-break and run eagerly, where a traced region is not seen."""
     policy, dtype, enabled = _resolve(device_type, dtype, enabled, policy)
-    hooked = enabled and (bool(policy.module_rules) or policy.output is not None or policy.fp8_rule is not None)
-    return hooked and traced_without_fullgraph()
+    return enabled and policy.acts_on_modules and traced_without_fullgraph()
 
 
 @torch.compiler.disable
@@ -224,6 +223,7 @@ class autocast(_TorchAutocast):
         if root is not None and not isinstance(root, torch.nn.Module):
             raise TypeError(f"mixprec.autocast root must be an nn.Module, got {type(root).__name__}")
         self._root = root
+        self._resolved = False
         self.fast_dtype, self.policy, self._raw = dtype, policy, (dtype, enabled, policy)
         if not _tracing():  # else resolved at trace time by _traced_region, or on an eager enter
             self._resolve_args()
@@ -244,13 +244,8 @@ class autocast(_TorchAutocast):
             return self._enter_traced()
         return self._enter_eager()
 
-    def _hooked(self) -> bool:
-        """Whether the region's policy needs the module hooks (module rules, fp8, ``output=``)."""
-        return self._enabled and (bool(self.policy.module_rules) or self.policy.output is not None
-                                  or self.policy.fp8_rule is not None)
-
     def _enter_eager(self) -> "autocast":
-        if not getattr(self, "_resolved", False):  # built while Dynamo traced, entered eagerly
+        if not self._resolved:  # built while Dynamo traced, entered eagerly
             self._resolve_args()
         dev = self.device
         if self._enabled:
@@ -267,7 +262,7 @@ class autocast(_TorchAutocast):
         torch.set_autocast_cache_enabled(self._cache_enabled)
         torch.autocast_increment_nesting()
         _dispatch.push(frame)
-        hooked = self._hooked()
+        hooked = self._enabled and self.policy.acts_on_modules
         if hooked:
             ModuleRules.enter(frame, root=self._root)
         self._saved.append((prev, frame, hooked))

@@ -421,6 +421,12 @@ class Policy:
         """
         return _resolve_table(self.base, self.device_type or device_type, self.op_rules)
 
+    @property
+    def acts_on_modules(self) -> bool:
+        """Whether the policy does anything per module call (module rules, fp8 layers, ``output=``):
+        what needs mixprec's module hooks in a region."""
+        return bool(self.module_rules) or self.output is not None or self.fp8_rule is not None
+
     def edits(self, device_type: str) -> Mapping[str, str]:
         """The overloads whose cast kind differs from PyTorch's own on ``device_type``.
 

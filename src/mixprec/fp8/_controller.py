@@ -16,7 +16,8 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
-from mixprec.fp8._guard import _all_reduce_max, count_unstepped_forward
+from mixprec.fp8._collective import agree_on_layers, all_reduce_max, distributed
+from mixprec.fp8._guard import count_unstepped_forward
 from mixprec.fp8._quant import STAT_NAMES, _scale, cast_stats, cast_to_fp8
 from mixprec.fp8._recipe import Float8Recipe
 from mixprec.fp8._state import OPERANDS, LayerState, layer_state
@@ -32,6 +33,8 @@ _NCOL = len(STAT_NAMES)
 _UNDERFLOW, _NONFINITE = STAT_NAMES.index("underflow"), STAT_NAMES.index("nonfinite")
 _RANGE = ("input", "output")  # the range row: the layer's input and output amax, in its own dtype
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)  # a check's header code (MAX): fp16 wins
+_COMPUTE_CODES = {dtype: code for code, dtype in enumerate(_COMPUTE_DTYPES)}
 
 
 @dataclass(frozen=True)
@@ -132,9 +135,10 @@ def _ratio(value: float, limit: float) -> float:
 class _Layer:
     """The controller's record of one layer: its rung, its device windows, its trend."""
 
-    def __init__(self, module: nn.Module, state: LayerState, rung: int, floor: int,
+    def __init__(self, module: nn.Module | None, state: LayerState, rung: int, floor: int,
                  allowed: tuple[bool, ...]) -> None:
-        self.module = weakref.ref(module)
+        # None: a layer this rank has not run yet (Controller._detached)
+        self.module = weakref.ref(module) if module is not None else _no_module
         self.state = state
         self.rung = rung
         self.floor = floor  # the lowest rung it may be demoted to
@@ -158,6 +162,10 @@ class _Layer:
         self.state.reset()
         self.shadow[:, :-1].zero_()
         self.range.zero_()
+
+
+def _no_module() -> None:
+    return None
 
 
 class _Probe:
@@ -459,9 +467,13 @@ class Controller:
         allowed = tuple(r not in _FP8_RUNGS or i == start or eligible(module, name, self._recipes[r])[0]
                         for i, r in enumerate(self.ladder))
         rec = _Layer(module, layer_state(module), start, floor, allowed)
-        if name in self._pending:
-            self._load_layer(rec, self._pending.pop(name))
-        self._untrack(self._layers.get(name))  # another module under that name: no longer controlled
+        old = self._layers.get(name)
+        data = self._pending.pop(name, None)
+        if old is not None and old.module() is None:  # decided so far as its peers' (_detached): take it over
+            data = self._layer_data(old)
+        if data is not None:
+            self._load_layer(rec, data)
+        self._untrack(old)  # another module under that name: no longer controlled
         rec.probe = _Probe(self, rec)
         self._layers[name] = rec
         self._names[module] = name
@@ -509,18 +521,23 @@ class Controller:
         self._steps += 1
         self._stepped = True
         self._measuring = shadow_phase(self._steps, self.every, self.shadow_steps)
-        if not self._layers:
-            if not self._warned_empty:
-                self._warned_empty = True
-                warnings.warn("fp8: Controller.step() tracks no fp8 layer, so it decides nothing: give it to "
-                              "Policy.fp8(controller=ctl) and run a forward under that policy first",
-                              UserWarning, stacklevel=2)
-            return []
+        if not self._layers and not self._warned_empty and not distributed():
+            self._warned_empty = True
+            warnings.warn("fp8: Controller.step() tracks no fp8 layer, so it decides nothing: give it to "
+                          "Policy.fp8(controller=ctl) and run a forward under that policy first",
+                          UserWarning, stacklevel=2)
         if self._steps % self.every != 0:
             return []
-        names = sorted(self._layers)
+        # every rank: the same collectives, whichever layers its forwards have shown it (_collective)
+        names, missing, code = agree_on_layers(list(self._layers), self._metadata, _COMPUTE_CODES.get(self._compute, 0))
+        if self._compute is None and code:
+            self._compute = _COMPUTE_DTYPES[code]  # a rank without a forward yet: its peers' compute dtype
+        for name, meta in missing.items():
+            self._layers[name] = self._detached(name, meta)
+        if not names:
+            return []
         recs = [self._layers[n] for n in names]
-        rows = _all_reduce_max(torch.stack([r.windows() for r in recs])).tolist()  # the one sync
+        rows = all_reduce_max(torch.stack([r.windows() for r in recs])).tolist()  # the one sync
         new = []
         for name, rec, row in zip(names, recs, rows):
             rec.reset()
@@ -636,11 +653,7 @@ class Controller:
         """
         layers = {n: dict(d) for n, d in self._pending.items()}
         for name, rec in self._layers.items():
-            layers[name] = {
-                "rung": self.ladder[rec.rung], "clean": rec.clean, "switches": list(rec.switches),
-                "trends": {key: [t.last, t.slope, list(t.recent)] for key, t in rec.trends.items()},
-                "state": rec.state._data.tolist(), "shadow": rec.shadow.tolist(), "range": rec.range.tolist(),
-            }
+            layers[name] = self._layer_data(rec)
         return {"steps": self._steps, "log": [dataclasses.asdict(d) for d in self._log],
                 "layers": dict(sorted(layers.items()))}
 
@@ -673,6 +686,31 @@ class Controller:
                 self._load_layer(rec, data)
                 self._apply(rec)
 
+    def _layer_data(self, rec: _Layer, windows: bool = True) -> dict[str, Any]:
+        """A layer's entry of :meth:`state_dict` (without its open windows: ``windows=False``)."""
+        data = {"rung": self.ladder[rec.rung], "clean": rec.clean, "switches": list(rec.switches),
+                "trends": {key: [t.last, t.slope, list(t.recent)] for key, t in rec.trends.items()}}
+        if windows:
+            data.update(state=rec.state._data.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist())
+        return data
+
+    def _metadata(self) -> dict[str, dict[str, Any]]:
+        """Per known layer, what a rank that has not run it needs to decide as this one does
+        (:meth:`_detached`): its record without the windows, its floor and allowed rungs."""
+        return {name: {**self._layer_data(rec, windows=False), "floor": rec.floor, "allowed": rec.allowed}
+                for name, rec in self._layers.items()}
+
+    def _detached(self, name: str, meta: Mapping[str, Any]) -> _Layer:
+        """The record of a layer this rank has not run yet but a peer has (``meta``: the peer's
+        :meth:`_metadata`): the peer's rung, trends and counters (or this rank's loaded state of
+        it), empty windows. The layer's module takes it over at its first forward here (:meth:`_track`)."""
+        rec = _Layer(None, LayerState(), self.ladder.index(meta["rung"]), int(meta["floor"]),
+                     tuple(meta["allowed"]))
+        self._load_layer(rec, self._pending.pop(name, meta))
+        rec.probe = _Probe(self, rec)
+        self._apply(rec)
+        return rec
+
     def _load_layer(self, rec: _Layer, data: Mapping[str, Any]) -> None:
         rung = self.ladder.index(data["rung"])
         if not rec.allowed[rung]:
@@ -685,9 +723,10 @@ class Controller:
         rec.clean, rec.switches = int(data["clean"]), [int(s) for s in data["switches"]]
         for key, (last, slope, recent) in data["trends"].items():
             rec.trends[key] = _Trend(last, slope, tuple(recent))
-        for target, values in ((rec.state._data, data["state"]), (rec.shadow, data["shadow"]),
-                               (rec.range, data["range"])):
-            t = torch.tensor(values, dtype=torch.float32)
+        for target, key in ((rec.state._data, "state"), (rec.shadow, "shadow"), (rec.range, "range")):
+            if key not in data:  # a peer's record (_detached): the windows stay empty
+                continue
+            t = torch.tensor(data[key], dtype=torch.float32)
             if t.shape != target.shape:
                 raise ValueError(f"Controller.load_state_dict: a window of shape {tuple(t.shape)}, expected "
                                  f"{tuple(target.shape)}")

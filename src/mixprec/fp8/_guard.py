@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 import torch
 
+from mixprec.fp8._collective import agree_on_layers, all_reduce_max, distributed
 from mixprec.fp8._quant import STAT_NAMES
 from mixprec.fp8._state import OPERANDS, LayerState
 
@@ -158,7 +159,7 @@ class Guard:
             []
         """
         states = dict(self._states) if model is None else model
-        if model is None and not states and not self._warned_empty:
+        if model is None and not states and not self._warned_empty and not distributed():  # (a lagging rank: its peers')
             self._warned_empty = True
             warnings.warn("fp8: Guard.step() tracks no fp8 layer, so it decides nothing: pass the model "
                           "(guard.step(model)), or give the guard to fp8.convert(..., guard=guard) or to "
@@ -181,24 +182,39 @@ class Guard:
                stacklevel: int) -> list[Fallback]:
         self._steps, self._stepped = step, True
         states = self.track(states)  # arms the sampling of step + 1
-        if step % self.every != 0 or not states:
+        if step % self.every != 0:
             return []
-        names = sorted(states)
-        rows = _all_reduce_max(torch.stack([
-            torch.cat([states[n].stats.flatten(), -states[n].output_sqnr_db.reshape(1)]) for n in names]))
+        # every rank: the same collectives, whichever layers its forwards have shown it (_collective)
+        names, _, _ = agree_on_layers(list(states), dict)
+        if not names:
+            return []
+        device = next((st.device for st in states.values()), torch.device("cpu"))
+        rows = all_reduce_max(torch.stack([self._window_row(n, states.get(n), device) for n in names]))
         new = []
         for name, row in zip(names, rows.tolist()):
-            states[name].reset()
+            st = states.get(name)
+            if st is not None:
+                st.reset()
+            self._pending.pop(name, None)  # a loaded window of a layer not tracked here: counted now
             if name in self._decisions:
                 continue
             decision = self._decide(name, row, step)
             if decision is not None:
                 self._decisions[name] = decision
-                states[name].fallback = True
-                states[name].sample_sqnr = False
+                if st is not None:
+                    st.fallback = True
+                    st.sample_sqnr = False
                 warnings.warn(decision.message(), Float8FallbackWarning, stacklevel=stacklevel)
                 new.append(decision)
         return new
+
+    def _window_row(self, name: str, st: LayerState | None, device: torch.device) -> torch.Tensor:
+        """The check's row of a layer: its window's statistics, then minus its output SQNR; for a
+        layer this rank has not run, its loaded window or the neutral row (nothing seen)."""
+        if st is not None:
+            return torch.cat([st.stats.flatten(), -st.output_sqnr_db.reshape(1)]).to(device)
+        data, sqnr = self._pending.get(name, (torch.zeros(len(OPERANDS), len(STAT_NAMES) + 1), math.inf))
+        return torch.cat([data[:, :-1].flatten(), torch.tensor([-sqnr])]).to(device)
 
     def _policy_forward(self, model: torch.nn.Module) -> None:
         """A forward of a model under a policy with this guard: track its layers, and warn once
@@ -264,14 +280,3 @@ def _load_window(st: LayerState, data: torch.Tensor, sqnr: float) -> None:
                          f"{tuple(st._data.shape)}")
     st._data.copy_(data)
     st.output_sqnr_db.fill_(sqnr)
-
-
-def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return t
-    on_cpu = dist.get_backend() == "gloo" and t.device.type != "cpu"
-    buf = t.cpu() if on_cpu else t.clone()
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
-    return buf

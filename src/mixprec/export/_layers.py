@@ -48,19 +48,22 @@ class KVSource:
 
 def kv_sources(model: nn.Module) -> list[KVSource]:
     """The key and value projections of every attention module: Llama-style ``k_proj``/``v_proj``
-    children, or GPT-2's fused ``c_attn`` (its output's middle and last thirds)."""
+    children, or a fused projection of equal thirds q, k, v (GPT-2's ``c_attn``, a ``qkv`` child as
+    in mixprec's demo model): its output's middle and last thirds."""
     out = []
     for fqn, mod in model.named_modules():
         prefix = f"{fqn}." if fqn else ""
         k, v = getattr(mod, "k_proj", None), getattr(mod, "v_proj", None)
-        c_attn = getattr(mod, "c_attn", None)
+        fused = "c_attn" if hasattr(mod, "c_attn") else "qkv"
+        c_attn = getattr(mod, fused, None)
         if k is not None and v is not None and _is_linear(k) and _is_linear(v):
             out += [KVSource(fqn, "k", prefix + "k_proj"), KVSource(fqn, "v", prefix + "v_proj")]
         elif c_attn is not None and _is_linear(c_attn) and not getattr(mod, "is_cross_attention", False):
             width = weight_out_in(c_attn).shape[0]
+            name = prefix + fused
             if width % 3 == 0:
                 e = width // 3
-                out += [KVSource(fqn, "k", prefix + "c_attn", e, 2 * e), KVSource(fqn, "v", prefix + "c_attn", 2 * e, 3 * e)]
+                out += [KVSource(fqn, "k", name, e, 2 * e), KVSource(fqn, "v", name, 2 * e, 3 * e)]
     return out
 
 

@@ -50,7 +50,7 @@ _EXPORTS: dict[str, str] = {
     "NonFiniteEvent": "mixprec.diagnostics",
     "NonFiniteError": "mixprec.diagnostics",
 }
-_SUBMODULES = ("optim", "scaling", "lowp", "diagnostics", "policy", "fp8", "integrations")
+_SUBMODULES = ("optim", "scaling", "lowp", "diagnostics", "policy", "fp8", "integrations", "export")
 
 __all__ = sorted([*_EXPORTS, "optim"])
 

@@ -771,8 +771,11 @@ class Layerwise:
         if not self._calibrated:
             self._calibrate(model, graph)
             self._refresh(state)
-        elif self._extend(graph):
-            self._refresh(state)
+        else:
+            regions, scales = dict(self._param_region), state["region_factor"].clone()
+            if self._extend(graph):
+                self._refresh(state)
+                self._carry_over(model, regions, scales, state["region_factor"])
         self._compensate(graph, state)
 
     def _calibrate(self, model: nn.Module, graph: Walk) -> None:
@@ -819,22 +822,41 @@ class Layerwise:
         self._calibrated = True
 
     def _extend(self, graph: Walk) -> bool:
-        """A later walk reached cut points the first one did not (skipped then): they join the
-        canonical structure where this step found them, and so do the parameters this step
-        reached (their regions are now those of a forward that ran more of the cut points).
-        Returns whether the cut points' tree changed."""
-        new = [k for k in graph.incoming if k not in self._known]
-        if new:
-            for k in new:
-                self._parents[k] = graph.incoming[k]
-            self._known.update(new)
-            self._regular = sorted(self._known)
+        """A later walk reached cut points the canonical structure lacks (skipped in the first
+        step). When it reached all the known ones too, its structure becomes the canonical one
+        (parents, parameter regions, the regular forward); otherwise the new cut points join
+        where this step found them, and so do parameters no walk had reached. Returns whether
+        the cut points' tree changed."""
+        reached = set(graph.incoming)
+        self._shared = self._shared or bool(graph.rescale)
+        if not reached - self._known:
+            return False
+        complete = reached >= self._known
+        for k in reached if complete else reached - self._known:
+            self._parents[k] = graph.incoming[k]
+        self._known |= reached
+        if complete:
+            self._regular = sorted(reached)
         for key, (_, label) in graph.params.items():
-            if key in self._param_region and (new or key not in self._placed):
+            if key in self._param_region and (complete or key not in self._placed):
                 self._param_region[key] = label
                 self._placed.add(key)
-        self._shared = self._shared or bool(graph.rescale)
-        return bool(new)
+        return True
+
+    def _carry_over(
+        self, model: nn.Module, regions: dict[int, int], scales: torch.Tensor, new_scales: torch.Tensor
+    ) -> None:
+        """Gradients accumulated before the canonical structure changed (earlier backward calls
+        of this step) carry their old region's scale: brought to the new one (powers of two)."""
+        moved: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for param in model.parameters():
+            key = id(param)
+            if param.grad is not None and key in regions and key in self._param_region:
+                moved.setdefault((regions[key], self._param_region[key]), []).append(param.grad)
+        with torch.no_grad():
+            for (old, new), grads in moved.items():
+                ratio = new_scales[new] / scales[old]
+                torch._foreach_mul_(grads, ratio.to(grads[0].device))
 
     def _compensate(self, graph: Walk, state: dict[str, torch.Tensor]) -> None:
         """This backward's plan (see :meth:`observe`): factors ``2**(T_to - T_from)`` on the

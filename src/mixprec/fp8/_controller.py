@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from mixprec.fp8._collective import agree_on_layers, all_reduce_max, distributed
-from mixprec.fp8._guard import count_unstepped_forward
+from mixprec.fp8._guard import _check_int, _check_number, count_unstepped_forward
 from mixprec.fp8._quant import STAT_NAMES, _scale, cast_stats, cast_to_fp8
 from mixprec.fp8._recipe import Float8Recipe
 from mixprec.fp8._state import OPERANDS, LayerState, layer_state
@@ -124,6 +124,13 @@ def qualified(known: str, seen: str) -> str:
     return seen if known and seen.endswith("." + known) else known
 
 
+def _grow(value: float, exponent: float) -> float:
+    """``value * 2 ** exponent``: inf beyond float64's range (not OverflowError), 0 for a value of 0."""
+    if value == 0:
+        return 0.0
+    return value * 2.0 ** exponent if exponent < 1024 else math.copysign(math.inf, value)
+
+
 def _log2(amax: float) -> float:
     return math.log2(amax) if amax > 0 else -math.inf
 
@@ -210,6 +217,10 @@ def _range(buf: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
     torch.maximum(buf, amax, out=buf)
 
 
+#: the largest ``Controller.horizon`` (windows ahead): a forecast further out is no forecast.
+MAX_HORIZON = 100
+
+
 @dataclass
 class Controller:
     """Moves each fp8 layer up and down a ladder of formats, before its statistics fail.
@@ -290,22 +301,16 @@ class Controller:
     _recipes: dict[str, Float8Recipe] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("max_underflow", "max_nonfinite", "max_range", "demote_underflow", "demote_range"):
-            value = getattr(self, name)
-            if value is None and name == "max_nonfinite":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"Controller.{name} must be a number >= 0"
-                                 f"{' or None' if name == 'max_nonfinite' else ''}, got {value!r}")
-        for name in ("every", "horizon", "trend_windows", "demote_windows", "max_switches", "budget_steps", "sample",
-                     "shadow_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Controller.{name} must be an int >= 1, got {value!r}")
-        if isinstance(self.min_dwell, bool) or not isinstance(self.min_dwell, int) or self.min_dwell < 0:
-            raise ValueError(f"Controller.min_dwell must be an int >= 0, got {self.min_dwell!r}")
-        if not (isinstance(self.ema, (int, float)) and 0 < self.ema <= 1):
-            raise ValueError(f"Controller.ema must be a number in (0, 1], got {self.ema!r}")
+        if self.max_nonfinite is not None:
+            _check_number("Controller", "max_nonfinite", self.max_nonfinite, 0, math.inf, "a count, or None")
+        for name, what in (("max_underflow", "a fraction"), ("demote_underflow", "a fraction"),
+                           ("max_range", "a fraction of 65504"), ("demote_range", "a fraction of 65504")):
+            _check_number("Controller", name, getattr(self, name), 0, 1, what)
+        _check_number("Controller", "ema", self.ema, 0, 1, "the weight of the newest window", low_open=True)
+        for name, low, high in (("every", 1, None), ("horizon", 1, MAX_HORIZON), ("trend_windows", 1, None),
+                                ("demote_windows", 1, None), ("min_dwell", 0, None), ("max_switches", 1, None),
+                                ("budget_steps", 1, None), ("sample", 1, None), ("shadow_steps", 1, None)):
+            _check_int("Controller", name, getattr(self, name), low, high)
         if self.demote_underflow > self.max_underflow or self.demote_range > self.max_range:
             raise ValueError("Controller: demote_underflow and demote_range must not exceed max_underflow and "
                              "max_range (the lower threshold of the hysteresis)")
@@ -453,9 +458,15 @@ class Controller:
             self._apply(rec)
 
     def _track(self, name: str, module: nn.Module, recipe: Float8Recipe) -> None:
-        if recipe.name not in self.ladder or Float8Recipe.from_name(recipe.name) != recipe:
-            raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} must be a named recipe on "
-                             f"its ladder {self.ladder} (the layers start there)")
+        if recipe.name not in _FP8_RUNGS or Float8Recipe.from_name(recipe.name) != recipe:
+            raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} is not a named recipe "
+                             f"({', '.join(_FP8_RUNGS)}): a controller's rungs are named recipes; give the layer "
+                             f"one of them, or leave the controller out")
+        if recipe.name not in self.ladder:
+            ladder = tuple(r for r in RUNGS if r in self.ladder or r == recipe.name)
+            raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} is not on the controller's "
+                             f"ladder {self.ladder} (each layer starts at its recipe): pass "
+                             f"Controller(ladder={ladder!r})")
         start = self.ladder.index(recipe.name)
         floor = start if self.floor is None else self.ladder.index(self.floor)
         if floor > start:
@@ -581,11 +592,11 @@ class Controller:
 
         def underflow(op: str, u: float, key: str) -> float:
             # a current scale flushes a share about proportional to the amax; or the share's own trend
-            return min(1.0, max(u * 2.0 ** rec.trends[op].rise(ahead, windows),
+            return min(1.0, max(_grow(u, rec.trends[op].rise(ahead, windows)),
                                 u + rec.trends[key].rise(ahead, windows)))
 
         def amax_forecast(r: str, amax: float) -> float:
-            return amax * 2.0 ** rec.trends[f"range_{r}"].rise(ahead, windows)
+            return _grow(amax, rec.trends[f"range_{r}"].rise(ahead, windows))
 
         here = self._rung_name(rec.rung)
 

@@ -65,6 +65,24 @@ def count_unstepped_forward(owner: Any, what: str, call: str) -> None:
                       f"on every rank", UserWarning, stacklevel=5)
 
 
+def _check_int(owner: str, name: str, value: Any, low: int, high: Any) -> None:
+    """Raise ValueError unless ``value`` is an int (not a bool) in ``[low, high]`` (``high`` None: no bound)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{owner}.{name} must be an int {bound}, got {value!r}")
+
+
+def _check_number(owner: str, name: str, value: Any, low: float, high: float, what: str,
+                  low_open: bool = False) -> None:
+    """Raise ValueError unless ``value`` is a real number (not a bool, not NaN) in ``[low, high]``
+    (``(low, high]`` with ``low_open``); ``what`` says what it is."""
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and (value > low if low_open else value >= low) and value <= high)
+    if not ok:
+        bound = f"{'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
+        raise ValueError(f"{owner}.{name} must be a number in {bound} ({what}), got {value!r}")
+
+
 @dataclass
 class Guard:
     """Thresholds on each fp8 layer's statistics; a layer that crosses one falls back for good.
@@ -112,14 +130,17 @@ class Guard:
     _warned_empty: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("max_saturated", "max_underflow", "max_nonfinite"):
+        for name, high, what in (("max_saturated", 1, "a fraction, or None"),
+                                 ("max_underflow", 1, "a fraction, or None"),
+                                 ("max_nonfinite", math.inf, "a count, or None")):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and value >= 0):
-                raise ValueError(f"Guard.{name} must be None or a number >= 0, got {value!r}")
-        if self.min_sqnr_db is not None and not isinstance(self.min_sqnr_db, (int, float)):
-            raise ValueError(f"Guard.min_sqnr_db must be None or a number of dB, got {self.min_sqnr_db!r}")
-        if not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"Guard.every must be an int >= 1, got {self.every!r}")
+            if value is not None:
+                _check_number("Guard", name, value, 0, high, what)
+        sqnr = self.min_sqnr_db
+        if sqnr is not None and (isinstance(sqnr, bool) or not isinstance(sqnr, (int, float))
+                                 or not math.isfinite(sqnr)):
+            raise ValueError(f"Guard.min_sqnr_db must be a finite number of dB, or None, got {sqnr!r}")
+        _check_int("Guard", "every", self.every, 1, None)
 
     @property
     def decisions(self) -> dict[str, Fallback]:

@@ -172,9 +172,10 @@ def test_errors() -> None:
 def test_report_outputs(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     report = audit(make(1), batch(), loss_fn)
     assert isinstance(report, AuditReport)
-    text = report.summary(echo=False)
+    text = report.summary_text()  # the text, nothing printed
     assert "compute=bfloat16" in text and "0.1.act" in text and "float16" in text
-    report.summary()
+    assert capsys.readouterr().out == ""
+    assert report.summary() is None  # printed only (before: printed and returned the text)
     assert "0.1.act" in capsys.readouterr().out
     d = json.loads(json.dumps(report.to_dict(), allow_nan=False))
     assert d["dtype"] == "bfloat16" and d["keep"]["float16"] == ["0.1.act"]
@@ -295,7 +296,7 @@ def test_use_it_line_follows_the_chosen_dtype(tmp_path) -> None:  # type: ignore
         (fp16, "use it: with mixprec.autocast('cpu', policy=report.policy): ...; "
                f"scaler = mixprec.GradScaler('cpu', init_scale=2**{k})"),
     ):
-        assert line in report.summary(echo=False).splitlines()
+        assert line in report.summary_text().splitlines()
         report.save(tmp_path / report.dtype)
         page = (tmp_path / report.dtype / "index.html").read_text()
         assert ("GradScaler" in page) == (report.dtype == "float16")

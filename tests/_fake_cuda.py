@@ -34,10 +34,67 @@ AUTOCAST_LISTS = {
 }
 
 
+def _basic_index(t: torch.Tensor, index: Any) -> torch.Tensor:
+    """``t[index]`` for ints, slices, ``None`` and ``...`` through aten ops (no device guard)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if any(not isinstance(i, (int, slice, type(None), type(Ellipsis))) or isinstance(i, bool) for i in index):
+        raise TypeError(f"fake CUDA indexing: only ints, slices, None and ... (got {index!r})")
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        fill = t.dim() - sum(1 for i in index if i is not None and i is not Ellipsis)
+        index = index[:at] + (slice(None),) * fill + index[at + 1:]
+    dim = 0
+    for i in index:
+        if i is None:
+            t = t.unsqueeze(dim)
+            dim += 1
+        elif isinstance(i, int):
+            t = t.select(dim, i)
+        else:
+            start, stop, step = i.start or 0, i.stop if i.stop is not None else t.shape[dim], i.step or 1
+            t = torch.ops.aten.slice.Tensor(t, dim, start, stop, step)
+            dim += 1
+    return t
+
+
+def _getitem(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Tensor.__getitem__`` whose C++ binding takes a CUDA device guard (refused by a CPU-only
+    build): basic indexing of fake CUDA tensors runs through aten ops instead."""
+    def getitem(t: torch.Tensor, index: Any) -> Any:
+        if isinstance(t, FakeTensor) and t.is_cuda:
+            return _basic_index(t, index)
+        return original(t, index)
+    return getitem
+
+
+def _copy(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Tensor.copy_``, whose binding takes a device guard too: the aten op for fake CUDA."""
+    def copy_(t: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        if isinstance(t, FakeTensor) and t.is_cuda:
+            return torch.ops.aten.copy_.default(t, src, non_blocking)
+        return original(t, src, non_blocking)
+    return copy_
+
+
+def _setitem(original: Callable[..., Any]) -> Callable[..., Any]:
+    def setitem(t: torch.Tensor, index: Any, value: Any) -> None:
+        if isinstance(t, FakeTensor) and t.is_cuda:
+            target = _basic_index(t, index)
+            if isinstance(value, torch.Tensor):
+                torch.ops.aten.copy_.default(target, value)
+            else:
+                target.fill_(value)
+            return
+        original(t, index, value)
+    return setitem
+
+
 def cuda_patches(capability: tuple[int, int] = (9, 0)) -> list[tuple[Any, str, Any]]:
     """``(object, attribute, value)`` triples that make ``torch.cuda`` answer as one CUDA device of
     ``capability`` with bf16; ``torch.tensor``/``as_tensor`` with a CUDA device build the tensor on
-    the CPU and move it (a CPU-only build refuses CUDA there even in a fake mode)."""
+    the CPU and give a fake CUDA one like it, and ``~t`` runs ``torch.bitwise_not`` (a CPU-only
+    build refuses CUDA in both, even in a fake mode), as do ``copy_`` (run as the aten op) and indexing: basic indexing of a fake
+    CUDA tensor (ints, slices, None, ...) runs through aten ops."""
     tensor, as_tensor = torch.tensor, torch.as_tensor
 
     def on_cuda(make: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -56,6 +113,12 @@ def cuda_patches(capability: tuple[int, int] = (9, 0)) -> list[tuple[Any, str, A
         (torch.cuda, "get_device_name", lambda device=None: "fake CUDA device"),
         (torch, "tensor", on_cuda(tensor)),
         (torch, "as_tensor", on_cuda(as_tensor)),
+        # the ``~`` operator's C++ binding takes a CUDA device guard, refused by a CPU-only build;
+        # torch.bitwise_not is the same op without it
+        (torch.Tensor, "__invert__", lambda self: torch.bitwise_not(self)),
+        (torch.Tensor, "copy_", _copy(torch.Tensor.copy_)),
+        (torch.Tensor, "__getitem__", _getitem(torch.Tensor.__getitem__)),
+        (torch.Tensor, "__setitem__", _setitem(torch.Tensor.__setitem__)),
     ]
 
 

@@ -265,3 +265,34 @@ def test_torchao_route_refuses_off_fp8_gpu_with_reason(tmp_path):
         pytest.skip("an fp8 GPU is present")
     with pytest.raises(ValueError, match="CUDA device of compute capability 8.9"):
         mixprec.export(model, tmp_path, "torchao", stats=rec)
+
+
+def test_policy_fp8_trained_model_exports_its_routed_layers(tmp_path):
+    from mixprec import Policy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    policy = Policy.parse("compute=bf16").fp8("tensorwise")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Recorder(model) as rec:
+        for _ in range(3):
+            with mixprec.autocast("cpu", policy=policy):
+                loss = model(torch.randn(4, 32)).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+    q = mixprec.export(model, tmp_path, stats=rec)
+    assert sorted(q.layers) == ["1", "2"] and set(q.kept) == {"0", "3"}  # first and last stayed out of fp8
+    assert torch.equal(q.layers["1"].input_scale, ScaleRule().scale(rec.series()["1:input"]))
+
+
+@pytest.mark.slow
+def test_import_stays_light():
+    import subprocess
+    import sys
+
+    code = ("import sys, mixprec; mixprec.export.ScaleRule; "
+            "print(sorted(m for m in ('safetensors', 'compressed_tensors', 'torchao') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -12,10 +12,13 @@ Pieces, each small:
 
 * :func:`choose_cut_points`: the outputs of the children of the model's largest
   ``nn.Sequential``/``nn.ModuleList`` of blocks, or the modules a user names.
-* :func:`regions`: a walk of the autograd graph from the loss (once, on the first
-  ``scale(loss)``) that finds which cut points each parameter's gradient crosses, and raises
-  where a node would sum gradients carrying different scales (a skip connection around a cut
-  point): residual connections inside a block are fine, a path around a block is an error.
+* :func:`walk`: a walk of the autograd graph from the loss that labels every node with the
+  region whose scale its gradient carries, and raises where a node would sum gradients carrying
+  different scales (a skip connection around a cut point): residual connections inside a block
+  are fine, a path around a block is an error; a shared (tied) parameter reached from several
+  regions gets its contributions rescaled to the topmost one. The first walk fixes the canonical
+  structure; a later step whose forward differs (a block skipped, an early exit) is walked again
+  and planned so that every gradient still carries its canonical region's scale.
 * :func:`clean_step`, :func:`overflow_step`, :func:`layer_rule`: the rule, pure functions of
   device tensors over the cut points' :func:`topology`; :func:`host_rule`: the same rule on host
   numbers, bit for bit, for a state in host memory (the CPU), where it replaces some fifty tiny
@@ -575,9 +578,10 @@ class Layerwise:
     step's amax) and the parameter-to-region map. The scaler calls :meth:`watch`,
     :meth:`observe` (in ``scale``), :meth:`unscale` (in ``unscale_``) and :meth:`update`.
 
-    Preconditions: one watched model; each cut point's module runs once per step, with its
-    output (a tensor, or a tuple/list whose first item is the tensor that flows on) consumed only
-    above it. The graph walk checks this on the first ``scale(loss)`` after :meth:`watch`.
+    Preconditions: one watched model; each cut point's module runs at most once per step, with
+    its output (a tensor, or a tuple/list whose first item is the tensor that flows on) consumed
+    only above it. The graph walk checks this on the first ``scale(loss)`` after :meth:`watch`
+    and on every step whose forward differs from the first (see :meth:`observe`).
     """
 
     #: Device types whose state :meth:`update` reads on the host and updates with

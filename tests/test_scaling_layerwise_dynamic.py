@@ -25,21 +25,34 @@ from torch.utils.checkpoint import checkpoint
 import mixprec
 
 
+class Block(nn.Module):
+    """``tanh(Linear(32, 32))``, the Linear under a reentrant checkpoint when ``reentrant``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.reentrant = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(checkpoint(self.lin, x, use_reentrant=True) if self.reentrant else self.lin(x))
+
+
 class Skippy(nn.Module):
     """A stem, 4 blocks of ``Linear(32, 32) + tanh`` (weights x0.05, so that each block shrinks
     the gradient and the factors differ) and a head. ``skip``: the blocks not run this step;
     ``exit_after``: run blocks up to this one only (early exit); ``discard``: blocks run but
     their output dropped; ``twice``: blocks run twice; ``ckpt``: ``None``, ``"reentrant"``
-    (each block's Linear) or ``"non-reentrant"`` (each block)."""
+    (each block's Linear, inside the block) or ``"non-reentrant"`` (each block)."""
 
     def __init__(self, ckpt: str | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.stem = nn.Linear(32, 32)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4))
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
         with torch.no_grad():
             for block in self.blocks:
-                block[0].weight.mul_(0.05)
+                block.lin.weight.mul_(0.05)
+                block.reentrant = ckpt == "reentrant"
         self.head = nn.Linear(32, 1)
         self.ckpt = ckpt
         self.skip: set[int] = set()
@@ -51,8 +64,6 @@ class Skippy(nn.Module):
         block = self.blocks[i]
         if self.ckpt == "non-reentrant":
             return checkpoint(block, x, use_reentrant=False)
-        if self.ckpt == "reentrant":
-            return block[1](checkpoint(block[0], x, use_reentrant=True))
         return block(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

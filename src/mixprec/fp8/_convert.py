@@ -386,17 +386,19 @@ class Float8Stats:
         return [dict(r) for r in self.rows]
 
     def __str__(self) -> str:
-        head = ("layer", "operand", *STAT_NAMES, "sqnr_db", "fallback")
+        head = ("layer", "operand", *STAT_NAMES, "sqnr_db", "fallback", "window")
         cells = [head] + [(r["layer"], r["operand"], f"{r['amax']:.4g}", f"{r['saturated']:.2%}",
                            f"{r['underflow']:.2%}", f"{r['nonfinite']:.0f}",
                            "-" if r["output_sqnr_db"] == float("inf") else f"{r['output_sqnr_db']:.1f}",
-                           "yes" if r["fallback"] else "no") for r in self.rows]
+                           "yes" if r["fallback"] else "no", r["window"]) for r in self.rows]
         widths = [max(len(str(c[i])) for c in cells) for i in range(len(head))]
         return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
 def stats(model: nn.Module | Mapping[str, LayerState]) -> Float8Stats:
-    """The statistics of every fp8 layer since the last :meth:`Guard.check` (or creation).
+    """The statistics of every fp8 layer since the last check of its Guard or Controller (or
+    creation); right after a check, before any forward, those of the window the check closed
+    (column ``window``: ``open`` or ``last``; see :meth:`LayerState.read`).
 
     .. warning:: reads the device statistics: one host sync per layer.
 
@@ -409,5 +411,6 @@ def stats(model: nn.Module | Mapping[str, LayerState]) -> Float8Stats:
         data = st.read()
         for op in OPERANDS:
             rows.append({"layer": name, "operand": op, **data[op],
-                         "output_sqnr_db": data["output_sqnr_db"], "fallback": data["fallback"]})
+                         "output_sqnr_db": data["output_sqnr_db"], "fallback": data["fallback"],
+                         "window": data["window"]})
     return Float8Stats(tuple(rows))

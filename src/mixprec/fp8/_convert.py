@@ -167,13 +167,40 @@ def _fp8_forward(module: nn.Module, input: torch.Tensor, weight: torch.Tensor) -
                            f"{type(module.weight).__name__} (torchao's quantize_ ran on a model still "
                            f"converted for fp8 training); call mixprec.fp8.unconvert(model) before quantize_")
     if isinstance(module.weight, Float8AllGatherWeight):
-        _warn_once(module, f"fp8 layer {type(module).__name__} was converted with fsdp_fp8_all_gather=True but its "
-                           f"weight reached the forward without FSDP2's all-gather (the module is not under "
-                           f"fully_shard): it casts its own high-precision weight, as without the option")
+        group = module.__dict__.get(_UNSHARDED)
+        if group is not None:
+            group.warn(module)
     device = input.device.type
     if torch.is_autocast_enabled(device):
         input = input.to(torch.get_autocast_dtype(device))
     return linear(input, weight, module.bias, module.recipe, state=layer_state(module), backend=module.backend)
+
+
+_UNSHARDED = "_mixprec_fsdp_unsharded"
+
+
+class _UnshardedLayers:
+    """The layers one ``convert(..., fsdp_fp8_all_gather=True)`` wrapped: the first forward of one
+    whose weight did not come from FSDP2's all-gather warns once for all, naming each layer of
+    them not under ``fully_shard`` then. A copy or pickle keeps the names, not the references."""
+
+    def __init__(self, layers: list[tuple[str, nn.Module]]) -> None:
+        self.layers = [(fqn, weakref.ref(mod)) for fqn, mod in layers]
+        self.warned = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"layers": [], "warned": self.warned}
+
+    def warn(self, module: nn.Module) -> None:
+        if self.warned:
+            return
+        self.warned = True
+        names = [fqn for fqn, ref in self.layers
+                 if (mod := ref()) is not None and isinstance(mod.weight, Float8AllGatherWeight)]
+        names = names or [type(module).__name__]
+        warnings.warn(f"fp8.convert(..., fsdp_fp8_all_gather=True): layer(s) {', '.join(map(repr, names))} reached "
+                      f"the forward without FSDP2's all-gather (not under fully_shard): each casts its own "
+                      f"high-precision weight, as without the option", UserWarning, stacklevel=4)
 
 
 def _check_backend(backend: str) -> str:
@@ -338,12 +365,18 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
         raise ValueError(f"fp8.convert: the root module is a {type(model).__name__} with children "
                          f"({', '.join(n for n, _ in model.named_children())}), which converting it would "
                          f"drop; convert its parent module, or pass a filter_fn that leaves the root ('') out")
+    wrapped = []
     for fqn, mod in swaps:
         new = (Float8Linear.from_linear(mod, recipe, backend) if type(mod) is nn.Linear
                else Float8Conv1D.from_conv1d(mod, recipe, backend))
         if fsdp_fp8_all_gather:
             wrap_weight(new, recipe)
+            wrapped.append((fqn, new))
         model = _swap(model, fqn, new)
+    if wrapped:
+        group = _UnshardedLayers(wrapped)
+        for _, new in wrapped:
+            new.__dict__[_UNSHARDED] = group
     if not swaps and by_user:
         likes = sum(1 for mod in model.modules() if swappable(mod))
         _warn_once(model, f"fp8.convert: no layer converted, nothing runs in fp8: filter_fn chose none of the "

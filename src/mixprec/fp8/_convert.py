@@ -17,7 +17,7 @@ from mixprec.fp8._like import LINEAR_LIKE, conv1d_class, features, is_linear_lik
 from mixprec.fp8._linear import BACKENDS, linear
 from mixprec.fp8._quant import STAT_NAMES
 from mixprec.fp8._recipe import RECIPE_NAMES, Float8Recipe
-from mixprec.fp8._state import OPERANDS, LayerState, layer_state
+from mixprec.fp8._state import OPERANDS, LayerState, layer_state, swap_layer_state
 
 __all__ = ["eligible", "select_layers", "Float8Linear", "Float8Conv1D", "convert", "unconvert", "stats",
            "Float8Stats", "as_recipe"]
@@ -163,9 +163,11 @@ def _why_none(types: tuple[type, ...], pattern: re.Pattern | None, candidates: l
 def _fp8_forward(module: nn.Module, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The forward of the converted modules: ``weight`` is ``(out, in)``."""
     if type(module.weight).__module__.startswith("torchao."):
-        raise RuntimeError(f"fp8 layer {type(module).__name__}: its weight is a torchao "
-                           f"{type(module.weight).__name__} (torchao's quantize_ ran on a model still "
-                           f"converted for fp8 training); call mixprec.fp8.unconvert(model) before quantize_")
+        if not isinstance(module, nn.Linear):
+            raise RuntimeError(f"fp8 layer {type(module).__name__}: its weight is a torchao "
+                               f"{type(module.weight).__name__} (torchao's quantize_ ran on a model still "
+                               f"converted for fp8 training); call mixprec.fp8.unconvert(model) before quantize_")
+        return _quantized_forward(module, input)
     if isinstance(module.weight, Float8AllGatherWeight):
         group = module.__dict__.get(_UNSHARDED)
         if group is not None:
@@ -174,6 +176,22 @@ def _fp8_forward(module: nn.Module, input: torch.Tensor, weight: torch.Tensor) -
     if torch.is_autocast_enabled(device):
         input = input.to(torch.get_autocast_dtype(device))
     return linear(input, weight, module.bias, module.recipe, state=layer_state(module), backend=module.backend)
+
+
+_QUANTIZED_NOTED: list[bool] = []
+
+
+def _quantized_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    """A converted ``Float8Linear`` whose weight torchao's ``quantize_`` replaced runs as the plain
+    ``nn.Linear`` torchao quantized would (its weight serves the forward); its fp8 training state
+    (statistics, guard or controller rung) is dropped, with a note the first time."""
+    if swap_layer_state(module, None) is not None and not _QUANTIZED_NOTED:
+        _QUANTIZED_NOTED.append(True)
+        warnings.warn(f"fp8: torchao's quantize_ replaced the weight of layers converted for fp8 training "
+                      f"(fp8.convert): they run torchao's quantized weight as nn.Linear does, and their fp8 "
+                      f"training state (statistics, guard/controller decisions) is dropped; "
+                      f"mixprec.fp8.unconvert(model) before quantize_ does this explicitly", UserWarning, stacklevel=4)
+    return nn.Linear.forward(module, input)
 
 
 _UNSHARDED = "_mixprec_fsdp_unsharded"

@@ -3,6 +3,7 @@ check steps (promote before a statistic crosses its limit, demote once the lower
 
 from __future__ import annotations
 
+import copy
 import csv
 import dataclasses
 import io
@@ -655,6 +656,27 @@ class Controller:
         return None
 
     # ----------------------------------------------------------------- checkpoints
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling (``pickle``, ``torch.save`` of the object): the settings and :meth:`state_dict`.
+        The unpickled controller controls each layer again from the state it had when the layer
+        is next reached: at the policy's next forward, or ``ctl.track(model)`` for converted
+        layers (whose pickled or copied model runs its rungs without the probe until then).
+        Reads the device windows (one host sync per layer)."""
+        return {"config": self.config(), "state": self.state_dict()}
+
+    def __deepcopy__(self, memo: dict) -> Controller:
+        """``copy.deepcopy``: every attribute copied, as a dataclass is (the layers' references
+        shared, not pickled)."""
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        fresh = Controller.from_config(state["config"])
+        self.__dict__.update(fresh.__dict__)
+        self.load_state_dict(state["state"])
+
     def state_dict(self) -> dict[str, Any]:
         """Everything a bitwise resume needs, as plain data: the step count, the log, and per
         layer its rung, trend, hysteresis counters and open windows (the rank's own, before the

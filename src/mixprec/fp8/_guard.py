@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import warnings
@@ -256,6 +257,26 @@ class Guard:
         if self.min_sqnr_db is not None and not math.isinf(sqnr) and not sqnr >= self.min_sqnr_db:
             return Fallback(name, "output", "sqnr_db", sqnr, float(self.min_sqnr_db), step)
         return None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling: the settings, :meth:`state_dict` and the tracked layer states (by reference:
+        pickled with their model, the unpickled guard tracks the unpickled model's layers).
+        Reads the device windows (one host sync per layer)."""
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        return {"settings": settings, "state": self.state_dict(), "tracked": dict(self._states)}
+
+    def __deepcopy__(self, memo: dict) -> Guard:
+        """``copy.deepcopy``: every attribute copied, as a dataclass is (the layers' references
+        shared, not pickled)."""
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        self.__dict__.update(Guard(**state["settings"]).__dict__)
+        self.load_state_dict(state["state"])
+        self._states.update(state["tracked"])  # alive while their model is: a guard pickled alone tracks none
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a bitwise resume needs, as plain data: ``{"steps": n, "decisions": {layer:

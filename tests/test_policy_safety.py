@@ -91,3 +91,80 @@ def test_a_write_through_a_view_reaches_its_base_in_a_region():
         x.view(-1).add_(1.0)
         x.t()[0].fill_(2.0)
     assert x.sum().item() == 4 * 10 - 4 + 2 * 4  # column 0 (4 elements) set to 2
+
+
+# ------------------------------------------------------------------ lifetimes, pickling, loading
+def _fp8_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 16))
+
+
+@pytest.mark.parametrize("state", ["controller", "guard"])
+def test_per_step_policies_with_fresh_state_are_not_kept_alive(state):
+    import gc
+    import weakref
+
+    model, x = _fp8_model(), torch.randn(4, 16)
+    refs = []
+    for step in range(300):  # a policy rebuilt each step with fresh state (forwards: the first 3)
+        obj = mixprec.Controller() if state == "controller" else mixprec.fp8.Guard()
+        policy = Policy.parse("bf16").fp8("tensorwise", **{state: obj})
+        if step < 3:
+            with torch.no_grad(), mixprec.autocast("cpu", policy=policy):
+                model(x)
+        refs.append(weakref.ref(obj))
+        del obj, policy
+    gc.collect()
+    # at most the last controller lives on: the model's layers are still under it (its probe)
+    assert [i for i, r in enumerate(refs) if r() is not None] in ([], [2])
+    del model
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
+
+
+def test_equal_policies_still_share_their_canonical_object():
+    a, b = Policy.parse("bf16").keep(types=nn.LayerNorm), Policy.parse("bf16").keep(types=nn.LayerNorm)
+    assert a is not b and a._canonical is b._canonical
+    ctl = mixprec.Controller()
+    c, d = Policy.fp8(controller=ctl), Policy.fp8(controller=ctl)
+    assert c._canonical is d._canonical and c._canonical.fp8_rule.controller is ctl
+    assert Policy.fp8(controller=mixprec.Controller())._canonical is not c._canonical
+
+
+def test_a_plain_policy_pickles_and_round_trips():
+    import pickle
+
+    p = (Policy.parse("compute=bf16,output=f32").with_ops(fp32=["exp"]).keep(types=nn.LayerNorm)
+         .keep(names=r"^head$", dtype="f16").fp8("rowwise", names=r"blocks", recipes={"blocks.1": "tensorwise"}))
+    back = pickle.loads(pickle.dumps(p))
+    assert back == p and back._canonical is p._canonical and str(back) == str(p)
+
+
+@pytest.mark.parametrize("state", ["controller", "guard"])
+def test_pickling_a_policy_with_state_says_what_to_save(state):
+    import copy
+    import pickle
+
+    obj = mixprec.Controller(every=5) if state == "controller" else mixprec.fp8.Guard(every=5)
+    policy = Policy.fp8(**{state: obj})
+    with pytest.raises(TypeError, match=rf"fp8 {state}.*to_json\(\).*{state}.state_dict\(\)"):
+        pickle.dumps(policy)
+    copied = copy.deepcopy(policy)
+    assert copied == policy and getattr(copied.fp8_rule, state) is not obj
+
+
+@pytest.mark.parametrize("state", ["controller", "guard"])
+def test_loading_a_policy_with_state_says_where_its_state_comes_from(state, tmp_path):
+    obj = mixprec.Controller(every=5) if state == "controller" else mixprec.fp8.Guard(every=5)
+    policy = Policy.parse("bf16").fp8(**{state: obj})
+    policy.save(tmp_path / "p.json")
+    with pytest.warns(UserWarning, match=rf"built a new .* pass {state}=your_{state}"):
+        fresh = Policy.load(tmp_path / "p.json")
+    assert getattr(fresh.fp8_rule, state) is not obj
+    mine = type(obj)(every=5)
+    loaded = Policy.load(tmp_path / "p.json", **{state: mine})
+    assert loaded == policy and getattr(loaded.fp8_rule, state) is mine
+    with pytest.raises(ValueError, match="other settings"):
+        Policy.load(tmp_path / "p.json", **{state: type(obj)(every=7)})
+    with pytest.raises(ValueError, match=f"no {state}|cannot use it"):
+        Policy.from_json(Policy.parse("bf16").fp8().to_json(), **{state: mine})

@@ -60,17 +60,22 @@ def _device_type(device_type: str) -> str:
         hint = "; pass its .type (e.g. 'cuda')" if isinstance(device_type, torch.device) else ""
         raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`{hint}")
     kind, sep, index = device_type.partition(":")
-    if sep and not index.isdigit():
-        raise DeviceTypeError(f"mixprec.autocast got device_type={device_type!r}: write {kind.lower()!r} "
-                              "(an index after ':' must be a number, and is ignored)")
-    if kind in _SUPPORTED:
+    if kind in _SUPPORTED and (not sep or index.isdigit()):
         return kind
+    try:  # torch's own words lead (code written against torch.autocast matches them)
+        torch.device(device_type)
+        torch_words = ""
+    except RuntimeError as e:
+        torch_words = f"{e}. "
+    if sep and not index.isdigit():
+        raise DeviceTypeError(f"{torch_words}mixprec.autocast got device_type={device_type!r}: write "
+                              f"{kind.lower()!r} (an index after ':' must be a number, and is ignored)")
     if kind.lower() in _SUPPORTED:
-        raise DeviceTypeError(f"mixprec.autocast got device_type={device_type!r}; write {kind.lower()!r} "
-                              "(device types are lower case)")
+        raise DeviceTypeError(f"{torch_words}mixprec.autocast got device_type={device_type!r}; write "
+                              f"{kind.lower()!r} (device types are lower case)")
     raise DeviceTypeError(
-        f"mixprec.autocast supports device_type 'cpu' and 'cuda' (or 'cuda:N'), got {device_type!r}; "
-        f"for another device use torch.autocast({kind!r}, ...)"
+        f"{torch_words}mixprec.autocast supports device_type 'cpu' and 'cuda' (or 'cuda:N'), got "
+        f"{device_type!r}; for another device use torch.autocast({kind!r}, ...)"
     )
 
 

@@ -71,7 +71,7 @@ from mixprec._ops_names import op_overload
 from mixprec._tree import castable
 
 __all__ = ["Frame", "push", "pop", "top", "ensure_kernels", "registered", "release_kernels",
-           "DISPATCH_KEYS"]
+           "DISPATCH_KEYS", "compiler_disable", "assume_constant_result"]
 
 DISPATCH_KEYS: dict[str, str] = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 
@@ -249,6 +249,72 @@ def _reset_compiled_code() -> None:
 
     if counters["stats"]["unique_graphs"]:
         dynamo.reset()
+
+
+# Decorators for Dynamo, applied once Dynamo is imported: ``torch.compiler.disable`` and
+# ``assume_constant_result`` import ``torch._dynamo`` (and sympy: about 3 s of CPU, as long as
+# torch itself), and nothing compiles before Dynamo is imported. A function so decorated is
+# registered here and decorated, in its module, right after ``torch._dynamo`` is executed (a
+# finder on ``sys.meta_path`` sees the import), before any trace can read its module's globals.
+_FOR_DYNAMO: list[tuple[str, str, str]] = []  # (module, function name, "disable" | "constant")
+
+
+def compiler_disable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.disable(fn)`` without importing Dynamo before compile is in play: ``fn``
+    as it is until ``torch._dynamo`` is imported, then its module's global holds the disabled
+    function. Callers must reach it through that global (a module-level function)."""
+    return _for_dynamo(fn, "disable")
+
+
+def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.assume_constant_result(fn)`` without importing Dynamo before compile is
+    in play (it marks ``fn`` in place once ``torch._dynamo`` is imported)."""
+    return _for_dynamo(fn, "constant")
+
+
+def _for_dynamo(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    if "torch._dynamo" in sys.modules:
+        return _decorated(fn, kind)
+    _FOR_DYNAMO.append((fn.__module__, fn.__name__, kind))
+    if not any(isinstance(f, _OnDynamoImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnDynamoImport())
+    return fn
+
+
+def _decorated(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    return torch.compiler.disable(fn) if kind == "disable" else torch.compiler.assume_constant_result(fn)
+
+
+def _decorate_for_dynamo() -> None:
+    """Apply the registered decorators (``torch._dynamo`` has just been executed)."""
+    while _FOR_DYNAMO:
+        module, name, kind = _FOR_DYNAMO.pop(0)
+        namespace = sys.modules[module]
+        setattr(namespace, name, _decorated(getattr(namespace, name), kind))
+
+
+class _OnDynamoImport:
+    """A ``sys.meta_path`` finder that finds nothing itself: when ``torch._dynamo`` is imported,
+    it lets the other finders find it and runs :func:`_decorate_for_dynamo` once the module has
+    executed. It removes itself on that import."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "torch._dynamo":
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = next((found for finder in sys.meta_path if hasattr(finder, "find_spec")
+                     for found in [finder.find_spec(name, path, target)] if found is not None), None)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            execute(module)
+            _decorate_for_dynamo()
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
 
 
 # A region inside a compiled function is traced as two graph nodes around its body:

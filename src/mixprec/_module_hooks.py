@@ -408,7 +408,7 @@ _TRACE_RECIPES: dict[int, Any] = {}  # key -> fp8 recipe of traced layers
 _TRACE_RECIPES_KEYS: dict[Any, int] = {}
 
 
-@torch.compiler.assume_constant_result
+@_dispatch.assume_constant_result
 def traced_region(root: nn.Module | None, key: int, enter: bool) -> int:
     """Run by Dynamo at trace time (not traced): the region ``key`` (see ``_dispatch.traced_key``;
     ``-1``: disabled) traced inside compiled code enters (or leaves) the shadow state, with its
@@ -433,7 +433,7 @@ def _hooked_frame() -> Frame | None:
     return None
 
 
-@torch.compiler.assume_constant_result
+@_dispatch.assume_constant_result
 def _traced_enter(module: nn.Module) -> tuple | str | None:
     """Run by Dynamo at trace time (not traced): what a traced pre-hook does for ``module``:
     ``(device, autocast enabled, autocast dtype, cache flag, cast inputs to, fp8 target)``, or
@@ -463,7 +463,7 @@ def _traced_enter(module: nn.Module) -> tuple | str | None:
     return dev, enabled, dtype, cache, rule.dtype, fp8
 
 
-@torch.compiler.assume_constant_result
+@_dispatch.assume_constant_result
 def _traced_leave(module: nn.Module) -> tuple | str | None:
     """Run by Dynamo at trace time: ``(device, exit autocast, clear fp8, output dtype)``."""
     st = ModuleRules._shadow()
@@ -481,7 +481,7 @@ def _traced_leave(module: nn.Module) -> tuple | str | None:
     return (frame.device_type if frame is not None else "cpu"), has_ctx, has_fp8, output
 
 
-@torch.compiler.assume_constant_result
+@_dispatch.assume_constant_result
 def traced_without_fullgraph() -> bool:
     """Run by Dynamo at trace time (not traced): whether this trace may graph-break. A region
     whose policy needs the module hooks then runs eagerly (see ``mixprec.autocast``): its
@@ -548,12 +548,12 @@ def _post_traced(module: nn.Module, args: tuple, output: Any) -> Any:
     return output if has_fp8 else None
 
 
-@torch.compiler.disable
+@_dispatch.compiler_disable
 def _pre_eager(module: nn.Module, args: tuple) -> Any:
     return ModuleRules._pre_eager(module, args)
 
 
-@torch.compiler.disable
+@_dispatch.compiler_disable
 def _post_eager(module: nn.Module, args: tuple, output: Any) -> Any:
     return ModuleRules._post_eager(module, args, output)
 

@@ -131,7 +131,7 @@ def _resolve(device_type: str, dtype: torch.dtype | str | None, enabled: bool,
     return policy, dtype, bool(enabled)
 
 
-@torch.compiler.assume_constant_result
+@_dispatch.assume_constant_result
 def _traced_region(device_type: str, dtype: torch.dtype | None, enabled: bool,
                    policy: Policy | str | None) -> tuple[int, torch.dtype, bool]:
     """Run by Dynamo at trace time (not traced): resolve a region and key its policy."""
@@ -141,7 +141,7 @@ def _traced_region(device_type: str, dtype: torch.dtype | None, enabled: bool,
     return (_dispatch.traced_key(policy, device_type) if enabled else -1), dtype, enabled
 
 
-@torch.compiler.assume_constant_result
+@_dispatch.assume_constant_result
 def _traced_eagerly(device_type: str, dtype: torch.dtype | None, enabled: bool, policy: Policy | str | None) -> bool:
     """Run by Dynamo at trace time (not traced): whether a region traced without ``fullgraph``
     runs eagerly instead, because its policy needs the module hooks (module rules, fp8 layers,
@@ -150,13 +150,13 @@ def _traced_eagerly(device_type: str, dtype: torch.dtype | None, enabled: bool, 
     return enabled and policy.acts_on_modules and traced_without_fullgraph()
 
 
-@torch.compiler.disable
+@_dispatch.compiler_disable
 def _enter_eagerly(region: "autocast") -> None:
     """Enter ``region`` (built while Dynamo traced) eagerly, outside the trace."""
     region._enter_eager()
 
 
-@torch.compiler.disable
+@_dispatch.compiler_disable
 def _exit_eagerly(region: "autocast") -> None:
     region._exit_eager()
 

@@ -151,11 +151,11 @@ def _time_cell(result: DemoResult, mode: ModeResult, ref: ModeResult) -> str:
 
 def format_checks(result: DemoResult) -> list[str]:
     """One line per bitwise check (a mode against its reference), e.g.
-    ``mixprec-fp16 = torch-amp: identical (losses, scales, skipped steps)``, with their steps'
-    alternated timing when it ran (:func:`mixprec.demo.alternate.pair_words`)."""
-    return [f"{pair}: {verdict}" + (f"; time {pair_words(result.pairs[pair], pair.split(' = ')[1])}"
-                                    if pair in result.pairs else "")
-            for pair, verdict in checks(result).items()]
+    ``mixprec-fp16 = torch-amp: identical (losses, scales, skipped steps)``; then one line per
+    pair whose steps were timed in alternation (:func:`mixprec.demo.alternate.pair_words`)."""
+    lines = [f"{pair}: {verdict}" for pair, verdict in checks(result).items()]
+    return lines + [f"{pair.replace(' = ', ' against ')}, steps timed in alternation: "
+                    f"{pair_words(timing, pair.split(' = ')[1])}" for pair, timing in result.pairs.items()]
 
 
 def _timing(result: DemoResult) -> str:

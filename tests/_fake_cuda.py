@@ -128,16 +128,16 @@ def to_fake_cuda(t: torch.Tensor, device: Any = "cuda") -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
 
 
-def cuda_module(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+def cuda_module(build: Callable[[], torch.nn.Module], dtype: torch.dtype | None = None) -> torch.nn.Module:
     """``build()``'s module with fake CUDA parameters (call inside a fake mode): built on the meta
-    device, then each parameter and buffer replaced by an empty one on CUDA (``Module.cuda()`` and CUDA initialisers are refused). The parameters do not require grad: an autograd kernel on a fake
+    device, then each parameter (in ``dtype`` if given) and buffer replaced by an empty one on CUDA (``Module.cuda()`` and CUDA initialisers are refused). The parameters do not require grad: an autograd kernel on a fake
     CUDA tensor aborts the process (assign ``.grad`` by hand instead)."""
     with torch.device("meta"):
         module = build()
     for mod in module.modules():
         for name, p in mod._parameters.items():
             if p is not None:
-                mod._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cuda"),
+                mod._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype or p.dtype, device="cuda"),
                                                            requires_grad=False)
         for name, b in mod._buffers.items():
             if b is not None:
@@ -183,8 +183,11 @@ class HostReads:
     def _seen(self, t: torch.Tensor) -> None:
         if t.is_cuda:
             self.count += 1
-            frame = traceback.extract_stack(limit=4)[-3]
-            self.sites[f"{frame.filename.rsplit('/src/', 1)[-1]}:{frame.lineno}"] += 1
+            here = __file__
+            for frame in reversed(traceback.extract_stack()):
+                if frame.filename != here and "/torch/" not in frame.filename:
+                    self.sites[f"{frame.filename.rsplit('/src/', 1)[-1]}:{frame.lineno}"] += 1
+                    break
 
     def __enter__(self) -> HostReads:
         def scalar(name: str) -> Callable[..., Any]:
@@ -229,13 +232,15 @@ class HostReads:
         replacements = {name: scalar(name) for name in self.scalar_reads}
         replacements.update(tolist=tolist, cpu=cpu, to=to, numpy=numpy)
         for name, fn in replacements.items():
-            self._saved.append((name, getattr(torch.Tensor, name)))
+            self._saved.append((torch.Tensor, name, getattr(torch.Tensor, name)))
             setattr(torch.Tensor, name, fn)
+        self._saved.append((FakeTensor, "tolist", FakeTensor.__dict__["tolist"]))
+        FakeTensor.tolist = tolist  # its own: one item() per element
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for name, fn in reversed(self._saved):
-            setattr(torch.Tensor, name, fn)
+        for cls, name, fn in reversed(self._saved):
+            setattr(cls, name, fn)
         self._saved.clear()
 
     def take(self) -> int:

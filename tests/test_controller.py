@@ -269,7 +269,7 @@ def test_policy_attaches_round_trips_and_refuses_bad_settings():
 def test_recipe_off_the_ladder_and_unknown_layer_say_what_to_do():
     ctl = Controller(ladder=("tensorwise", "compute"))
     policy = Policy.parse("compute=bf16").fp8("rowwise", controller=ctl, first_last="fp8")
-    with pytest.raises(ValueError, match="on its ladder"):
+    with pytest.raises(ValueError, match="not on the controller's ladder"):
         with mixprec.autocast("cpu", policy=policy):
             _model()(torch.randn(2, 64))
     with pytest.raises(KeyError, match="no fp8 layer"):

@@ -36,7 +36,7 @@ from torch import nn
 
 from mixprec import ops as _ops
 from mixprec._modules import Fp8Rule, ModuleRule
-from mixprec._ops_names import OpLike, canonical_names, rule_names
+from mixprec._ops_names import OpLike, canonical_names, check_castable, rule_names
 from mixprec._tree import cast_tree, tracing as _tracing
 
 __all__ = ["Policy", "PRESETS", "parse_dtype"]
@@ -344,7 +344,9 @@ class Policy:
         PyTorch has one (softmax, sum, norm: computed in fp32 without copying the input).
 
         Raises:
-            ValueError: an unknown op (the message suggests close names), or one op in two lists.
+            ValueError: an unknown op (the message suggests close names), one op in two lists, an
+                in-place or ``out=`` overload, or a view (``view``, ``t``, ``detach``, ...: any op
+                whose schema returns an alias of an input; cast, it would be a copy).
         """
         rules: list[tuple[str, str]] = []
         seen: dict[str, str] = {}
@@ -626,7 +628,8 @@ def _short(value: Any) -> str:
 def _checked_rules(rules: Any) -> tuple[tuple[str, str], ...]:
     """``op_rules`` validated as :meth:`Policy.with_ops` validates: every name an aten op this
     PyTorch has (expanded with :func:`mixprec._ops_names.rule_names`), no in-place or ``out=``
-    overload (autocast never casts them: the op would write into a temporary), a known kind;
+    overload (autocast never casts them: the op would write into a temporary), no view
+    (:func:`mixprec._ops_names.check_castable`: a cast view is a copy), a known kind;
     ``"fp32"`` becomes the op's dtype-argument form where PyTorch has one (as ``with_ops`` does).
     """
     if isinstance(rules, (str, bytes)) or not isinstance(rules, (tuple, list)):
@@ -641,6 +644,7 @@ def _checked_rules(rules: Any) -> tuple[tuple[str, str], ...]:
         if kind not in _ops.CAST_KINDS:
             raise ValueError(f"unknown cast kind {kind!r} for {name}; kinds: {', '.join(_ops.CAST_KINDS)}")
         for overload in rule_names(name):
+            check_castable(overload)
             out.append((overload, _rule_kind(overload, kind)))
     return tuple(out)
 

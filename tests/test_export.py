@@ -153,6 +153,35 @@ def test_transformers_loads_llama_and_logits_equal_mixprec_static_forward(tmp_pa
     assert not torch.equal(a, plain)  # the static fp8 path did run
 
 
+def _sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref, x = ref.double(), x.double()
+    return float(20 * torch.log10(ref.norm() / (ref - x).norm()))
+
+
+def test_transformers_bf16_model_reads_scales_in_bf16(tmp_path):
+    """transformers' integration creates the scale parameters in the model's dtype: with the scales read
+    in bf16, mixprec's forward is bitwise transformers'; with float32 scales (vLLM's), above 25 dB."""
+    torch.manual_seed(0)
+    cfg = _llama().config
+    model = fp8.convert(transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16),
+                        filter_fn=lambda m, n: ".layers." in n)
+    with Recorder(model) as rec:
+        model(IDS)
+        rec.step()
+    q = mixprec.export(model, tmp_path, stats=rec)
+    plain = fp8.unconvert(model)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    lay = "model.layers.0.mlp.up_proj"
+    assert loaded.get_submodule(lay).input_scale.dtype == torch.bfloat16
+    assert torch.equal(loaded.get_submodule(lay).input_scale.data, q.layers[lay].input_scale.to(torch.bfloat16))
+    with torch.no_grad():
+        theirs = loaded(IDS).logits
+        bf16_scales = load_static(copy.deepcopy(plain), tmp_path, scale_dtype=torch.bfloat16)(IDS).logits
+        f32_scales = load_static(copy.deepcopy(plain), tmp_path)(IDS).logits
+    assert torch.equal(bf16_scales, theirs)
+    assert _sqnr_db(f32_scales, theirs) > 25
+
+
 def test_gpt2_conv1d_layers_are_refused_by_name_then_kept(tmp_path):
     model, rec = _trained(_gpt2())
     with pytest.raises(ValueError, match=r"'transformer.h.0.attn.c_attn' is a Float8Conv1D"):

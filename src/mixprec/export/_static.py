@@ -45,11 +45,13 @@ class StaticFloat8Linear(nn.Module):
         return F.linear(fake_quantize(x, self.input_scale), w, None if self.bias is None else self.bias.to(x.dtype))
 
 
-def load_static(model: nn.Module, folder: str | Path) -> nn.Module:
+def load_static(model: nn.Module, folder: str | Path, scale_dtype: torch.dtype | None = None) -> nn.Module:
     """Swap, in place, each layer that the compressed-tensors export in ``folder`` stores in fp8 for a
     :class:`StaticFloat8Linear` with the exported bytes and scales (the other layers keep their
-    weights). Returns ``model``. Raises ValueError when ``folder`` is not such an export or names a
-    layer the model does not have.
+    weights). Returns ``model``. ``scale_dtype``: read the (float32) scales in that dtype, as
+    transformers' compressed-tensors integration does for a bf16/fp16 model (it creates the scale
+    parameters in the model's dtype); None keeps float32, as vLLM reads them. Raises ValueError when
+    ``folder`` is not such an export or names a layer the model does not have.
     """
     from safetensors.torch import load_file
 
@@ -67,8 +69,10 @@ def load_static(model: nn.Module, folder: str | Path) -> nn.Module:
         raise ValueError(f"{folder}: layers {missing} are not in the model")
     for fqn in fp8:
         bias = getattr(modules[fqn], "bias", None)
-        new = StaticFloat8Linear(tensors[f"{fqn}.weight"], tensors[f"{fqn}.weight_scale"],
-                                 tensors[f"{fqn}.input_scale"], bias)
+        ws, xs = tensors[f"{fqn}.weight_scale"], tensors[f"{fqn}.input_scale"]
+        if scale_dtype is not None:
+            ws, xs = ws.to(scale_dtype), xs.to(scale_dtype)
+        new = StaticFloat8Linear(tensors[f"{fqn}.weight"], ws, xs, bias)
         parent, _, child = fqn.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     return model

@@ -1,8 +1,8 @@
 """The adversarial harness's two profiles (docs/testing.md, "The adversarial harness").
 
-* fast (default): a few derandomized hypothesis examples per test, no shrinking, plus the
-  explicit programs of known failures (``@example``), so the default test command stays within
-  a few minutes and is deterministic;
+* fast (default): a few derandomized hypothesis examples per test, no shrinking, so the default
+  test command stays within a few minutes and is deterministic (the programs of known failures
+  run as their own tests, ``test_item*``/``test_known_programs``);
 * long: ``MIXPREC_ADVERSARIAL=long`` (optionally ``MIXPREC_ADVERSARIAL_EXAMPLES=n``, default
   200 per test): random seeds, many examples, shrinking, and hypothesis prints the shrunk
   failing program with the blob to reproduce it.

@@ -1,0 +1,128 @@
+"""Distributed fp8 programs: 2 gloo ranks with their own data, a Guard or a Controller, the
+policy route or ``fp8.convert``, optionally FSDP2 (with fp8 all-gather) and a GradScaler that
+agrees over the group; :func:`run_rank` is what each rank of the pool runs.
+
+What may differ between the ranks is what users' ranks do differ in: the data (a feature that
+drifts on one rank only, an outlier on one rank), the number of micro-batches of a step (none on
+some steps: a rank whose data loader ran dry or that skips a batch), a rank that lags (sleeps).
+What must not differ: every call the documentation says to make once per optimizer step on
+every rank is made so; the model's calls are the same on every rank under FSDP2 (it needs that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from _adv_programs import Net, Shape, Step, batch, loss_of
+
+
+@dataclass(frozen=True)
+class DistProgram:
+    shape: Shape
+    steps: tuple[Step, ...]
+    supervisor: str = "guard"  # "guard" | "controller"
+    every: int = 1
+    route: str = "policy"  # "policy" (autocast, Policy.fp8, optionally through JSON) | "convert"
+    json: bool = False  # the policy goes through Policy.to_json / from_json first
+    recipe: str = "tensorwise"
+    fsdp: str = "none"  # "none" | "fsdp" | "fsdp_fp8" (fp8.convert(..., fsdp_fp8_all_gather=True))
+    drift: tuple[float, float] = (1.0, 1.0)  # feature 0 of rank r's inputs grows drift[r] ** step
+    outlier: tuple[int, int] | None = None  # (rank, step): element (0, 1) of that batch is 1e6
+    lag_rank: int | None = None  # this rank sleeps 20 ms before each step
+    scaler: bool = False  # GradScaler("cpu", process_group="default")
+    controller: tuple[int, int, int] = (3, 30, 3)  # trend_windows, min_dwell, demote_windows
+
+
+class ProgramError(Exception):
+    """What a rank raised, with the step (-1: while setting up) in ``adv_step``."""
+
+
+def _supervisor(program: DistProgram) -> Any:
+    import mixprec
+    from mixprec import fp8
+
+    if program.supervisor == "guard":
+        return fp8.Guard(every=program.every)
+    trend, dwell, demote = program.controller
+    return mixprec.Controller(every=program.every, trend_windows=trend, min_dwell=dwell, demote_windows=demote)
+
+
+def _fp8_layer(module: torch.nn.Module, fqn: str) -> bool:
+    return fqn.startswith("blocks.")
+
+
+def _setup(program: DistProgram) -> tuple[torch.nn.Module, Any, Any, Any, Any]:
+    """model, optimizer, scaler, supervisor, region factory."""
+    import mixprec
+    from mixprec import Policy, fp8
+
+    model = Net(program.shape)
+    supervisor = _supervisor(program)
+    if program.route == "convert":
+        kind = "guard" if program.supervisor == "guard" else "controller"
+        model = fp8.convert(model, program.recipe, filter_fn=_fp8_layer, fsdp_fp8_all_gather=program.fsdp == "fsdp_fp8",
+                            **{kind: supervisor})
+
+        def region() -> Any:
+            return mixprec.autocast("cpu", dtype=torch.bfloat16)
+    else:
+        kind = "guard" if program.supervisor == "guard" else "controller"
+        policy = Policy.parse("compute=bf16").fp8(program.recipe, names=r"^blocks\.", first_last="fp8",
+                                                  **{kind: supervisor})
+        if program.json:
+            policy = Policy.from_json(policy.to_json())
+            supervisor = getattr(policy.fp8_rule, kind)
+
+        def region() -> Any:
+            return mixprec.autocast("cpu", policy=policy)
+    if program.fsdp != "none":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = mixprec.GradScaler("cpu", process_group="default") if program.scaler else None
+    return model, optimizer, scaler, supervisor, region
+
+
+def _plain(decision: Any) -> dict[str, Any]:
+    return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in dataclasses.asdict(decision).items()}
+
+
+def run_rank(rank: int, program: DistProgram) -> dict[str, Any]:
+    """Run ``program`` as rank ``rank``; returns the decisions per step and the supervisor's
+    final state. Raises :class:`ProgramError` (``adv_step``: where) on any error."""
+    step_index = -1
+    try:
+        model, optimizer, scaler, supervisor, region = _setup(program)
+        decisions = []
+        for step_index, step in enumerate(program.steps):
+            if program.lag_rank == rank:
+                time.sleep(0.02)
+            for m, rows in enumerate(step.rows[rank]):
+                outlier = 1e6 if program.outlier == (rank, step_index) else None
+                x = batch(program.shape, program.shape.seed, step_index, rank, m, rows,
+                          drift=program.drift[rank], outlier=outlier)
+                with region():
+                    loss = loss_of(model(x, step))
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad()
+            decisions.append([_plain(d) for d in supervisor.step()])
+        return {"decisions": decisions, "steps": supervisor.steps,
+                "scale": scaler.get_scale() if scaler is not None else None}
+    except Exception as exc:
+        error = ProgramError(f"rank {rank}, step {step_index}: {type(exc).__name__}: {exc}")
+        error.adv_step = step_index  # type: ignore[attr-defined]
+        error.adv_type = type(exc).__name__  # type: ignore[attr-defined]
+        raise error from exc

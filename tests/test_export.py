@@ -55,8 +55,12 @@ IDS = torch.arange(16).reshape(2, 8) % 64
 
 # -- statistics and rules ----------------------------------------------------------------------
 
-def test_recorder_windows_are_the_amax_of_inputs_and_kv():
+@pytest.mark.parametrize("converted", [False, True])
+def test_recorder_windows_are_the_amax_of_inputs_and_kv(converted):
     model = _gpt2()
+    if converted:  # the amax comes from the fp8 cast's own LayerState
+        model = fp8.convert(model, filter_fn=lambda m, n: n.endswith("c_attn"))
+        assert isinstance(model.transformer.h[0].attn.c_attn, fp8.Float8Conv1D)
     ins, outs = [], []
     attn = model.transformer.h[0].attn
 

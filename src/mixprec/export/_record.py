@@ -47,6 +47,7 @@ class Recorder:
     it (before an autocast cast: rounding is monotonic, so the amax of the cast input is the cast
     of this amax). Remove them with
     :meth:`close` (or use it as a context manager). ``history`` keeps the last ``keep`` windows.
+    Create it after :func:`mixprec.fp8.convert` (which replaces the modules it would hook).
 
     Example:
         >>> import torch

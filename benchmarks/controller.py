@@ -118,7 +118,7 @@ def run(quick: bool = False, width: int = 256, depth: int = 8) -> dict[str, floa
     """``{"controller": ratio, "promoted": ratio, "fp8_step_ms": ms, "ctl_step_ms": ms,
     "ops": ratio, "host_reads": n}``."""
     variants = _variants(width, depth)
-    iters, rounds = (5, 3) if quick else (20, 9)
+    iters, rounds = (2, 1) if quick else (20, 9)
     order = list(variants)
     times: dict[str, list[float]] = {n: [] for n in order}
     for r in range(rounds):

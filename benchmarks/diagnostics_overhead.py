@@ -49,7 +49,7 @@ def run(quick: bool = False, device: str | None = None, width: int | None = None
     model = _model(dev, width, depth)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     x = torch.randn(64, width, device=dev)
-    iters, rounds = (2, 3) if quick else (5, 9)
+    iters, rounds = (1, 1) if quick else (5, 9)
 
     def steps(ctx: Callable[[], ContextManager], resolve: bool = False) -> float:
         with ctx() as tool:

@@ -113,7 +113,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     torch.set_num_threads(1)
     modes = _modes()
     x = torch.randn(BATCH, TOKENS, D, generator=torch.Generator().manual_seed(1))
-    rounds, steps = (5, 3) if quick else (15, 5)
+    rounds, steps = (1, 1) if quick else (15, 5)
     times: dict[str, list[float]] = {m: [] for m in modes}
     step_no = 0
     for r in range(rounds + 1):  # round 0 warms up

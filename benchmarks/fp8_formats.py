@@ -84,7 +84,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     machine_before = machine()
     modes = _modes()
     x = torch.randn(BATCH, TOKENS, D, generator=torch.Generator().manual_seed(1))
-    rounds, steps = (3, 1) if quick else (9, 3)
+    rounds, steps = (1, 1) if quick else (9, 3)
     times: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(rounds + 1):  # round 0 warms up
         for name, model in modes.items():

@@ -102,7 +102,7 @@ def _worker(rank: int, port: int, quick: bool, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
     torch.set_num_threads(1)
-    rounds, steps = (2, 2) if quick else (7, 3)
+    rounds, steps = (1, 1) if quick else (7, 3)
     res: dict[str, Any] = {}
     for dtype_name, param_dtype in (("fp32", None), ("bf16", torch.bfloat16)):
         models = {m: _model(m, param_dtype) for m in MODES}

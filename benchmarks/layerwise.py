@@ -85,7 +85,7 @@ def run(quick: bool = False, size: str = "tiny", threads: int = 1, rounds: int |
     "skipped": (global, per_layer), "layer_scales": {...}, "cpu": model, "threads": n, "load":
     (1-minute load average before, after)}``. ``threads``: torch's intra-op threads (1: the CPU
     time is the work, not other jobs' contention or idle spinning); ``rounds``: alternating
-    rounds of 5 steps each (default 12, 4 of 3 steps with ``quick``)."""
+    rounds of 5 steps each (default 12, 2 of 1 step with ``quick``)."""
     torch.set_num_threads(threads)
     load_before = _load()[0]
     torch.manual_seed(0)
@@ -95,7 +95,7 @@ def run(quick: bool = False, size: str = "tiny", threads: int = 1, rounds: int |
     batches = [make_batch(tokens, o, cfg.seq_len, torch.device("cpu")) for o in offsets]
     plain, layered = _Run(size, False, batches), _Run(size, True, batches)
     pinned = _Run(size, True, batches, layer_bounds=(1.0, 1.0))  # the machinery, factors kept at 1
-    default_rounds, steps = (4, 3) if quick else (12, 5)
+    default_rounds, steps = (2, 1) if quick else (12, 5)
     rounds = rounds or default_rounds
     for r in (plain, layered, pinned):  # warm-up: kernels, the graph walk, the scale coming down
         r.timed(3)

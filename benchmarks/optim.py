@@ -265,7 +265,7 @@ def _time_steps(recipes: list[Recipe], shapes: list[tuple[int, ...]], rounds: in
 
 def measure(quick: bool = False) -> dict[str, Any]:
     """Every available recipe: step-time ratios (tiny LM, 4.2M), bytes/param, loss vs fp32."""
-    steps = 200 if quick else 2000
+    steps = 50 if quick else 2000
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     missing: dict[str, str] = {}
@@ -283,8 +283,8 @@ def measure(quick: bool = False) -> dict[str, Any]:
         results: dict[str, Any] = {"missing": missing, "steps": steps, "recipes": {}}
         for kind in ("AdamW", "SGD"):
             group = [r for r in recipes if r.kind == kind]
-            small, small_ms, _ = _time_steps(group, small_shapes, 20 if quick else 200)
-            large, large_ms, bytes_pp = _time_steps(group, LARGE_SHAPES, 4 if quick else 25)
+            small, small_ms, _ = _time_steps(group, small_shapes, 5 if quick else 200)
+            large, large_ms, bytes_pp = _time_steps(group, LARGE_SHAPES, 2 if quick else 25)
             losses = {r.label: train_loss(r, steps, text) for r in group}
             ref = losses[group[0].label]
             for r in group:

@@ -60,7 +60,7 @@ def run(quick: bool = False, device: str | None = None) -> dict[str, float]:
     """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    rounds, iters = (4, 3) if quick else (20, 10)
+    rounds, iters = (2, 2) if quick else (20, 10)
     ratios: dict[str, float] = {}
     for kind in ("sgd", "fused_adamw"):
         setups = {}

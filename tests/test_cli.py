@@ -39,7 +39,7 @@ from mixprec.cli import build_parser, main
         (["demo", "--threads", "two"], "argument --threads: expected a positive integer, got 'two'"),
         (["demo", "--bogus"], "unrecognized arguments: --bogus"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
-        ([], "required: {demo,audit,build-kernels}"),
+        ([], "required: {demo,audit,build-kernels,export}"),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(argv, match, capsys) -> None:

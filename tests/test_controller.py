@@ -88,7 +88,7 @@ class _Run:
 
 
 def _train(data: list, resume_at: int | None = None) -> _Run:
-    run = _Run()
+    run, windows = _Run(), {}
     for t, (x, y) in enumerate(data):
         if t == resume_at:  # a fresh process: new model, optimizer, controller and policy
             fresh = _Run()
@@ -96,6 +96,11 @@ def _train(data: list, resume_at: int | None = None) -> _Run:
             fresh.precisions = run.precisions
             run = fresh
         run.step(x, y)
+        if run.ctl.steps % run.ctl.every == 0:  # right after a check: the window it judged
+            rows = mixprec.fp8.stats(run.model).to_list()
+            assert {r["window"] for r in rows} == {"last"}
+            windows[run.ctl.steps] = {(r["layer"], r["operand"]): r for r in rows}
+    run.windows = windows
     return run
 
 
@@ -116,24 +121,38 @@ def test_the_drift_crosses_5_percent_underflow_at_step_190(drift_data):
 
 
 def test_drift_promotes_before_trouble_and_demotes_after(drift_run, drift_data):
+    """Expectations from the run's own measurements, not one machine's counts: where bf16
+    rounds differently (no native bf16, e.g. an AVX2 EPYC) layer 0's grad_output may reach e5m2's
+    floor and be promoted for it early; that promotion must then be justified by its statistics."""
     underflow = [_underflow(x) for x, _ in drift_data]
+    crossing = next(t for t, u in enumerate(underflow) if u > 0.05)
     first = [p["0"] for p in drift_run.precisions]
     in_fp8 = [p.startswith("fp8-") for p in first]
     bad = [t for t, u in enumerate(underflow) if u > 0.05 and in_fp8[t]]
     assert not bad, f"layer 0 ran fp8 at steps {bad} with input underflow above 5%"
-    assert sum(in_fp8[:150]) >= 0.9 * 150
-    assert in_fp8[300], first[300]
-    assert first[0] == "fp8-tensorwise" and first[-1] == "fp8-tensorwise"
-    log0 = [d for d in drift_run.ctl.log if d.layer == "0"]
-    assert [d.action for d in log0][:2] == ["promote", "promote"]
-    assert any(d.action == "demote" for d in log0)
-    promote = log0[0]
-    assert promote.operand == "input" and promote.statistic == "underflow_forecast"
-    assert promote.value > promote.threshold == 0.05 and "underflow" in promote.reason
-    assert all(d.step % drift_run.ctl.every == 0 for d in drift_run.ctl.log)
-    # each decision's step is where the precision changes
+    log = drift_run.ctl.log
+    assert all(d.step % drift_run.ctl.every == 0 for d in log)
+    for d in log:  # every promotion justified by its operand's window, measured by the run itself
+        measured = drift_run.windows[d.step][(d.layer, d.operand)]
+        if d.action == "promote":
+            assert d.statistic == "underflow_forecast" and d.value > d.threshold == 0.05, d
+            assert 0 < measured["underflow"] <= d.value, (d, measured)
+            assert d.reason == f"{d.operand} underflow forecast {d.value:.4g} > 0.05"
+        else:
+            assert d.statistic == "underflow_forecast" and d.value <= d.threshold == 0.01, d
+    log0 = [d for d in log if d.layer == "0"]
+    # the drifting input promotes layer 0 before its crossing, out of fp8 by then
+    up = [d for d in log0 if d.action == "promote" and d.operand == "input"]
+    assert up and up[0].step <= crossing and not in_fp8[crossing]
+    assert first[0] == "fp8-tensorwise" and all(in_fp8[:log0[0].step])
+    # demoted after the drift: back to tensorwise by the end
+    assert any(d.action == "demote" and d.step > DRIFT_END for d in log0)
+    assert first[-1] == "fp8-tensorwise"
+    # the precision changes exactly at the decisions' steps
     for d in log0:
         assert first[d.step - 1] == d.from_ and first[d.step] == d.to
+    changes = {t for t in range(1, len(first)) if first[t] != first[t - 1]}
+    assert changes == {d.step for d in log0}
 
 
 def test_stationary_data_moves_nothing():
@@ -269,7 +288,7 @@ def test_policy_attaches_round_trips_and_refuses_bad_settings():
 def test_recipe_off_the_ladder_and_unknown_layer_say_what_to_do():
     ctl = Controller(ladder=("tensorwise", "compute"))
     policy = Policy.parse("compute=bf16").fp8("rowwise", controller=ctl, first_last="fp8")
-    with pytest.raises(ValueError, match="on its ladder"):
+    with pytest.raises(ValueError, match="not on the controller's ladder"):
         with mixprec.autocast("cpu", policy=policy):
             _model()(torch.randn(2, 64))
     with pytest.raises(KeyError, match="no fp8 layer"):

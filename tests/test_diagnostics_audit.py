@@ -172,9 +172,10 @@ def test_errors() -> None:
 def test_report_outputs(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     report = audit(make(1), batch(), loss_fn)
     assert isinstance(report, AuditReport)
-    text = report.summary(echo=False)
+    text = report.summary_text()  # the text, nothing printed
     assert "compute=bfloat16" in text and "0.1.act" in text and "float16" in text
-    report.summary()
+    assert capsys.readouterr().out == ""
+    assert report.summary() is None  # printed only (before: printed and returned the text)
     assert "0.1.act" in capsys.readouterr().out
     d = json.loads(json.dumps(report.to_dict(), allow_nan=False))
     assert d["dtype"] == "bfloat16" and d["keep"]["float16"] == ["0.1.act"]
@@ -295,7 +296,7 @@ def test_use_it_line_follows_the_chosen_dtype(tmp_path) -> None:  # type: ignore
         (fp16, "use it: with mixprec.autocast('cpu', policy=report.policy): ...; "
                f"scaler = mixprec.GradScaler('cpu', init_scale=2**{k})"),
     ):
-        assert line in report.summary(echo=False).splitlines()
+        assert line in report.summary_text().splitlines()
         report.save(tmp_path / report.dtype)
         page = (tmp_path / report.dtype / "index.html").read_text()
         assert ("GradScaler" in page) == (report.dtype == "float16")
@@ -357,3 +358,19 @@ def test_verified_losses_are_recorded_per_pass() -> None:
     assert all(len(v) == 2 for v in report.losses.values())
     ref = report.losses["float32"][0]
     assert all(abs(v[0] - ref) <= 0.05 * abs(ref) for v in report.losses.values())
+
+
+@pytest.mark.parametrize("fp8", [None, "auto"])
+def test_audit_runs_on_a_bfloat16_model_with_its_default_dtypes(fp8):
+    """A bfloat16 model, default dtypes (float16 among them): the audit measures and recommends
+    (before: its hooks' own math ran under float16 autocast, 'Unexpected floating ScalarType in
+    at::autocast::prioritize', for every bf16 model, fp8='auto' too). The model is untouched."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1)).bfloat16()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(4, 8).bfloat16()
+    report = audit(model, x, lambda m, b: m(b).float().square().mean(), fp8=fp8)
+    assert isinstance(report, AuditReport) and report.policy.compute in (torch.float16, torch.bfloat16)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with mixprec.autocast("cpu", policy=report.policy):
+        assert model(x).dtype == report.policy.compute

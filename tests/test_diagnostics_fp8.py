@@ -146,7 +146,7 @@ def test_audit_recommends_fp8_layers_and_leaves_the_outlier_layer_out(tmp_path) 
     assert set(data["range_views"]) == {"overflow, underflow, subnormal", "fp8_scaled"}
     policy = Policy.load(tmp_path / "report.json")
     assert policy == report.policy and policy.fp8_rule.names == rule.names
-    assert "stays '5': input underflow" in report.summary(echo=False)
+    assert "stays '5': input underflow" in report.summary_text()
     assert "<h2>fp8 layers (tensorwise" in (tmp_path / "index.html").read_text()
 
     with mixprec.autocast("cpu", policy=policy):  # the recommendation, applied

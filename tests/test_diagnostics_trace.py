@@ -510,3 +510,41 @@ def test_parent_code_on_a_tensor_it_shares_with_a_child(bad: str, deferred: bool
     ev = tracer.first
     assert ev is not None and ev.phase == "backward"
     assert ev.module == ("1" if bad == "own" else "1.child"), ev
+
+
+class _Attention(nn.Module):
+    """q and k projections of one input (the tracer aliases the shared tensor), a softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), -1)
+        return self.out(nn.functional.gelu(scores @ x))
+
+
+def _outputs_and_grads(model_dtype, autocast_dtype, tool):
+    torch.manual_seed(0)
+    model = _Attention().to(model_dtype)
+    x = torch.randn(3, 8, dtype=model_dtype, requires_grad=True)
+    with tool(model):
+        with torch.autocast("cpu", dtype=autocast_dtype):
+            y = model(x)
+        y.float().square().sum().backward()
+    return [y, x.grad, *(p.grad for p in model.parameters())]
+
+
+@pytest.mark.parametrize("precise", [False, True], ids=["hooks", "precise"])
+@pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16], ids=["fp16-autocast", "bf16-autocast"])
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16], ids=["fp32-model", "bf16-model"])
+def test_tracing_changes_nothing_the_model_computes(model_dtype, autocast_dtype, precise):
+    """Outputs and gradients are bitwise the untraced run's (before: a bfloat16 model under
+    float16 autocast crashed once traced, 'Unexpected floating ScalarType in
+    at::autocast::prioritize': the hooks' own stack ran under the user's autocast)."""
+    import contextlib
+
+    plain = _outputs_and_grads(model_dtype, autocast_dtype, lambda m: contextlib.nullcontext())
+    traced = _outputs_and_grads(model_dtype, autocast_dtype, lambda m: trace_nonfinite(m, precise=precise))
+    for a, b in zip(plain, traced):
+        assert a.dtype == b.dtype and torch.equal(a, b)

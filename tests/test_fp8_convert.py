@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+import mixprec
 from mixprec import fp8
 from mixprec.fp8 import Cast, Float8Recipe
 
@@ -187,8 +188,30 @@ def test_stats_table():
     assert all(r["amax"] > 0 and r["fallback"] is False for r in rows)
     text = str(table)
     assert text.splitlines()[0].split() == ["layer", "operand", "amax", "saturated", "underflow", "nonfinite",
-                                            "sqnr_db", "fallback"]
-    assert re.search(r"^4\s+grad_output\s+\S+\s+0\.00%\s+0\.00%\s+0\s+-\s+no$", text, re.M)
+                                            "sqnr_db", "fallback", "window"]
+    assert re.search(r"^4\s+grad_output\s+\S+\s+0\.00%\s+0\.00%\s+0\s+-\s+no\s+open$", text, re.M)
+
+
+@pytest.mark.parametrize("judge", ["guard", "controller"])
+def test_stats_right_after_a_check_show_the_window_it_closed(judge):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _net()
+        checker = fp8.Guard(every=2) if judge == "guard" else mixprec.Controller(every=2)
+        model = fp8.convert(model, **{judge: checker})
+    for step in range(2):
+        model(torch.randn(3, 16, generator=torch.Generator().manual_seed(step))).sum().backward()
+        if step == 0:
+            checker.step()
+    open_rows = fp8.stats(model).to_list()  # the window of steps 1 and 2, not checked yet
+    assert {r["window"] for r in open_rows} == {"open"} and all(r["amax"] > 0 for r in open_rows)
+    checker.step()  # the check: reads and resets the windows
+    assert all(not st.stats.any() for st in fp8.layer_states(model).values())
+    last_rows = fp8.stats(model).to_list()
+    assert last_rows == [{**r, "window": "last"} for r in open_rows]
+    assert str(fp8.stats(model)).splitlines()[1].endswith("last")
+    model(torch.randn(3, 16)).sum().backward()  # a forward after the check: the new window again
+    assert {r["window"] for r in fp8.stats(model).to_list()} == {"open"}
 
 
 @pytest.mark.slow

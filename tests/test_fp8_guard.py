@@ -194,7 +194,7 @@ def _roundtrip(obj):
 def test_guard_validation():
     with pytest.raises(ValueError, match="every must be an int >= 1"):
         fp8.Guard(every=0)
-    with pytest.raises(ValueError, match="max_underflow must be None or a number >= 0"):
+    with pytest.raises(ValueError, match=r"max_underflow must be a number in \[0, 1\]"):
         fp8.Guard(max_underflow=-0.1)
     with pytest.raises(ValueError, match="expects the dict of Guard.state_dict"):
         fp8.Guard().load_state_dict({"fallbacks": {}})

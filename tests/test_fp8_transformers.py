@@ -152,10 +152,17 @@ def test_train_with_convert_then_quantize_for_inference_with_torchao() -> None:
     plain = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
     plain.load_state_dict(model.state_dict())
 
-    stuck = copy.deepcopy(model)
-    quantize_(stuck, Float8WeightOnlyConfig())  # without unconvert: a clear error, not aten.abs
-    with pytest.raises(RuntimeError, match=r"call mixprec.fp8.unconvert\(model\) before quantize_"):
-        stuck(x)
+    direct = copy.deepcopy(model)
+    quantize_(direct, Float8WeightOnlyConfig())  # without unconvert: runs as torchao's, training state dropped
+    torchao_plain = copy.deepcopy(plain)  # a model never converted, quantized the same way
+    quantize_(torchao_plain, Float8WeightOnlyConfig())
+    with pytest.warns(UserWarning, match="their fp8 training state .* is dropped") as caught:
+        with torch.no_grad():
+            assert torch.equal(direct(x), torchao_plain(x))
+    assert len([w for w in caught if "quantize_" in str(w.message)]) == 1  # one note for the model
+    assert fp8.layer_states(direct) == {} and type(direct[0].weight).__name__ == "Float8Tensor"
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(direct(x), torchao_plain(x))
 
     model = fp8.unconvert(model)
     assert all(type(m) is nn.Linear for m in model) and model[0].weight is not None

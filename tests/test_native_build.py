@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -156,7 +157,7 @@ def test_a_running_build_is_waited_for_a_bounded_time(fake, said, monkeypatch):
         holder.kill()
         holder.wait(10)
     monkeypatch.setenv("MIXPREC_BUILD_WAIT", "soon")
-    with pytest.raises(_native.BuildError, match="MIXPREC_BUILD_WAIT must be a number of seconds, got 'soon'"):
+    with pytest.raises(_native.BuildError, match="MIXPREC_BUILD_WAIT must be a number of seconds, finite and > 0, got 'soon'"):
         _native.build()
 
 
@@ -323,3 +324,56 @@ def test_the_real_build_once_then_a_silent_fast_load(tmp_path):
     assert second.returncode == 0, second.stderr
     assert "building" not in second.stderr
     print(f"first load (build): {first.stdout.strip()} s, second: {second.stdout.strip()} s")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-5", "soon"])
+def test_the_build_wait_must_be_finite_and_positive(fake, monkeypatch, value):
+    """``MIXPREC_BUILD_WAIT=nan`` waited without bound (a NaN limit is never exceeded), ``inf``
+    and ``0`` or less were taken as they came: refused, naming the variable and what to set."""
+    monkeypatch.setenv("MIXPREC_BUILD_WAIT", value)
+    with pytest.raises(_native.BuildError, match=rf"MIXPREC_BUILD_WAIT must be a number of seconds, finite and "
+                                                 rf"> 0, got '{re.escape(value)}': set it to how long"):
+        _native.build()
+    assert fake.builds == 0
+
+
+def test_the_native_kernels_switch_takes_only_on_or_off(monkeypatch):
+    """``MIXPREC_NATIVE_KERNELS=of`` (a typo) silently meant on: refused, naming what to set."""
+    for text, on in (("0", False), ("off", False), ("No", False), ("1", True), (" true ", True), ("", True)):
+        monkeypatch.setenv("MIXPREC_NATIVE_KERNELS", text)
+        assert _native.enabled() is on, text
+    monkeypatch.setenv("MIXPREC_NATIVE_KERNELS", "of")
+    with pytest.raises(ValueError, match="MIXPREC_NATIVE_KERNELS must be 1 .* or 0 .*, got 'of': set it to 1 or 0"):
+        _native.enabled()
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink") or sys.platform == "win32", reason="POSIX links")
+def test_a_planted_link_is_never_followed(fake, tmp_path):
+    """A link planted at the build lock in a shared TORCH_EXTENSIONS_DIR: refused, its target
+    unchanged (before: opened with O_CREAT, truncated and overwritten with the pid). A link at a
+    build record is replaced, never written through."""
+    victim = tmp_path / "victim.txt"  # (tmp_path: the TORCH_EXTENSIONS_DIR)
+    victim.write_text("precious\n")
+    directory = _native.build_directory()
+    directory.mkdir(parents=True)
+    (directory / "build.lock").symlink_to(victim)
+    with pytest.raises(_native.BuildError, match=r"build.lock is a symbolic link .*remove it, or set TORCH_EXTENSIONS_DIR"):
+        _native.build()
+    assert victim.read_text() == "precious\n" and fake.builds == 0
+    (directory / "build.lock").unlink()
+    (directory / "built.json").symlink_to(victim)
+    _native.build()
+    assert victim.read_text() == "precious\n" and fake.builds == 1
+    assert not (directory / "built.json").is_symlink() and json.loads((directory / "built.json").read_text())
+    lock = (directory / "build.lock").read_text()
+    assert len(lock) == 64 and lock.split()[0] == str(os.getpid())
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX links")
+def test_a_linked_build_folder_is_refused(fake, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    _native.build_directory().symlink_to(elsewhere)
+    with pytest.raises(_native.BuildError, match="is a symbolic link .*set TORCH_EXTENSIONS_DIR"):
+        _native.build()
+    assert list(elsewhere.iterdir()) == [] and fake.builds == 0

@@ -223,3 +223,98 @@ def test_sgd_torch_state_dict_drops_the_buffers_and_torch_resumes_bitwise():
     assert all("kahan_comp" in s for s in low.state_dict()["state"].values())
     exported = low.torch_state_dict()["state"]
     assert all(set(s) == {"momentum_buffer"} and s["momentum_buffer"].dtype == torch.float32 for s in exported.values())
+
+
+def _bitwise_state(opt):
+    """``opt.state_dict()`` with every tensor cloned: what a refused load must leave as it was."""
+    return _cloned(opt.state_dict())
+
+
+def _cloned(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def _assert_bitwise_equal(opt, before, where="state_dict"):
+    now = _bitwise_state(opt) if where == "state_dict" else opt
+    if isinstance(before, torch.Tensor):
+        assert now.dtype == before.dtype and torch.equal(now, before), where
+    elif isinstance(before, dict):
+        assert now.keys() == before.keys(), where
+        for k in before:
+            _assert_bitwise_equal(now[k], before[k], f"{where}[{k!r}]")
+    elif isinstance(before, (list, tuple)):
+        assert len(now) == len(before), where
+        for i, (a, b) in enumerate(zip(now, before)):
+            _assert_bitwise_equal(a, b, f"{where}[{i}]")
+    else:
+        assert now == before, where
+
+
+def _torch_checkpoint(shapes, lr=0.5, weight_decay=0.3):
+    ref = [torch.randn(s).requires_grad_() for s in shapes]
+    torch_opt = torch.optim.AdamW(ref, lr=lr, weight_decay=weight_decay)
+    _steps(torch_opt, ref, 0, 1)
+    return torch_opt.state_dict()
+
+
+@pytest.mark.parametrize("kwargs", [dict(state_dtype=torch.bfloat16, compensation="kahan"),
+                                    dict(state_dtype="8bit", compensation="kahan")],
+                         ids=["bf16-state", "8bit-state"])
+def test_a_torch_checkpoint_of_other_shapes_is_refused_before_anything_changes(kwargs):
+    """A torch checkpoint whose last moment has 7 elements for a 4480-element parameter (before:
+    lr 1e-3 became 0.5, weight_decay and the moments were replaced and the Kahan buffers dropped
+    before the error; 8-bit state zero-padded the 7 elements and trained on them)."""
+    params = _params(big=True)
+    opt = AdamW(params, lr=1e-3, generator=torch.Generator().manual_seed(0), **kwargs)
+    _steps(opt, params, 0, 2)
+    before = _bitwise_state(opt)
+    saved = _torch_checkpoint([(7, 5), (5,), (7,)])
+    with pytest.raises(ValueError, match=r"parameter 2 holds 'exp_avg' of shape \(7,\) for a parameter of shape \(64, 70\)"):
+        opt.load_state_dict(saved)
+    _assert_bitwise_equal(opt, before)
+    assert opt.param_groups[0]["lr"] == 1e-3
+
+
+def test_eight_bit_codes_of_another_block_count_are_refused():
+    _, saved = _trained(big=True, state_dtype="8bit")
+    state = saved.state_dict()
+    state["state"][2]["exp_avg"] = state["state"][2]["exp_avg"][:256]  # one block of 18
+    _, opt = _trained(big=True, steps=1, state_dtype="8bit")
+    before = _bitwise_state(opt)
+    with pytest.raises(ValueError, match=r"'exp_avg' of shape \(256,\).*expected 4608 elements"):
+        opt.load_state_dict(state)
+    _assert_bitwise_equal(opt, before)
+
+
+def test_sgd_momentum_of_another_shape_is_refused_before_anything_changes():
+    _, saved = _trained(SGD, momentum=0.9, compensation="kahan")
+    state = saved.state_dict()
+    state["param_groups"][0]["lr"] = 0.5
+    state["state"][0]["momentum_buffer"] = state["state"][0]["momentum_buffer"].T.contiguous()  # (5, 7)
+    _, opt = _trained(SGD, steps=1, momentum=0.9, compensation="kahan")
+    before = _bitwise_state(opt)
+    with pytest.raises(ValueError, match=r"'momentum_buffer' of shape \(5, 7\)"):
+        opt.load_state_dict(state)
+    _assert_bitwise_equal(opt, before)
+
+
+def test_master_weights_refuse_a_moment_of_another_shape_before_anything_changes():
+    from mixprec import MasterWeights
+
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3)).bfloat16()
+    opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    model(torch.randn(2, 5).bfloat16()).float().sum().backward()
+    opt.step()
+    before = _bitwise_state(opt)
+    masters = [m.clone() for m in opt.masters]
+    saved = _torch_checkpoint([(7, 5), (7,), (3, 7), (4,)])
+    with pytest.raises(ValueError, match=r"parameter 3 holds 'exp_avg' of shape \(4,\) for a parameter of shape \(3,\)"):
+        opt.load_state_dict(saved)
+    _assert_bitwise_equal(opt, before)
+    assert all(torch.equal(m, n) for m, n in zip(opt.masters, masters))

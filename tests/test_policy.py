@@ -418,12 +418,12 @@ def test_str_shows_what_the_policy_does():
          .with_ops(fp32=["softmax", torch.exp], lower=["bmm.default"], passthrough=["cat"])
          .keep(types=(nn.LayerNorm,)).keep(names=r"^head$", dtype="f16"))
     assert str(p) == ("params=float32,compute=bfloat16,output=float32; "
-                      "ops lower=bmm fp32=softmax,exp passthrough=cat; "
+                      "ops lower=bmm.default fp32=softmax,exp passthrough=cat; "
                       "keep float32=LayerNorm; keep float16=/^head$/")
     assert str(Policy.fp8("tensorwise")) == "params=float32,compute=auto; fp8 tensorwise=Linear except first/last"
     assert str(Policy.parse("bf16").fp8("rowwise", names=r"blocks", first_last="fp8")) == (
         "params=float32,compute=bfloat16; fp8 rowwise=Linear|/blocks/")
-    assert "ops fp32=mm" in str(Policy().with_ops(fp32=["mm.default"]))
+    assert "ops fp32=mm.default" in str(Policy().with_ops(fp32=["mm.default"]))
 
 
 @pytest.mark.parametrize("spec", ["params=float32,compute=auto", "compute=bf16,output=f32,preset=fp32-numerics",

@@ -44,3 +44,42 @@ def test_import_is_light():
             " if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_dir_lists_the_public_surface_only():
+    """``dir(mixprec)``: ``__all__``, the public submodules and dunders (before: ``Any``,
+    ``TYPE_CHECKING``, ``annotations``, ``importlib`` and every private module loaded so far)."""
+    with mixprec.autocast("cpu"):  # loads private modules (_dispatch, _module_hooks, ...)
+        pass
+    names = [n for n in dir(mixprec) if not (n.startswith("__") and n.endswith("__"))]
+    assert not {"Any", "TYPE_CHECKING", "annotations", "importlib"} & set(names)
+    assert set(names) == set(mixprec.__all__) | set(mixprec._SUBMODULES)
+    assert not [n for n in names if n.startswith("_")]
+
+
+_COMPILE_IMPORTS = """
+import sys, torch, mixprec
+with mixprec.autocast("cpu"):
+    torch.ones(2, 2) @ torch.ones(2, 2)
+with mixprec.autocast("cpu", policy=mixprec.Policy().with_ops(fp32=["softmax"])):
+    torch.softmax(torch.ones(2), 0)
+before = sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules)
+from mixprec import _module_hooks, autocast_mode
+assert not hasattr(_module_hooks._pre_eager, "_torchdynamo_disable")
+torch.compile(lambda x: x * 2, backend="eager")(torch.ones(2))  # Dynamo now: the decorators apply
+marks = [getattr(f, "_torchdynamo_disable", False) for f in (_module_hooks._pre_eager, _module_hooks._post_eager,
+         autocast_mode._enter_eagerly, autocast_mode._exit_eagerly)]
+marks += [getattr(f, "_dynamo_marked_constant", False) for f in (_module_hooks.traced_region,
+          _module_hooks.traced_without_fullgraph, autocast_mode._traced_region, autocast_mode._traced_eagerly)]
+print(before, marks)
+"""
+
+
+@pytest.mark.slow
+def test_autocast_leaves_dynamo_and_sympy_unimported_until_compile():
+    """First use of ``mixprec.autocast`` imported ``torch._dynamo`` and sympy (about 3 s of CPU,
+    as much as torch itself) for its ``torch.compiler`` decorators: now they are applied when
+    Dynamo is imported, before anything can be compiled."""
+    out = subprocess.run([sys.executable, "-c", _COMPILE_IMPORTS], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[] " + str([True] * 8)

@@ -13,10 +13,8 @@ Example:
     torch.bfloat16
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import typing as _typing
 
 __version__ = "0.1.0"
 
@@ -50,26 +48,28 @@ _EXPORTS: dict[str, str] = {
     "NonFiniteEvent": "mixprec.diagnostics",
     "NonFiniteError": "mixprec.diagnostics",
 }
-_SUBMODULES = ("optim", "scaling", "lowp", "diagnostics", "policy", "fp8", "integrations")
+_SUBMODULES = ("optim", "scaling", "lowp", "diagnostics", "policy", "fp8", "integrations", "export")
 
 __all__ = sorted([*_EXPORTS, "optim"])
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        value = getattr(_importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
     if name in _SUBMODULES:
-        return importlib.import_module(f"mixprec.{name}")
+        return _importlib.import_module(f"mixprec.{name}")
     raise AttributeError(f"module 'mixprec' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public names (``__all__``, the public submodules, ``__version__``) and the module's
+    dunders: not the helpers of this file nor the private modules loaded so far."""
+    return sorted({*__all__, *_SUBMODULES, *(n for n in globals() if n.startswith("__") and n.endswith("__"))})
 
 
-if TYPE_CHECKING:  # static type checkers see the real names
+if _typing.TYPE_CHECKING:  # static type checkers see the real names
     from mixprec import optim
     from mixprec._dispatch import release_kernels
     from mixprec._modules import Fp8Rule, ModuleRule

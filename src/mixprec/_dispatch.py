@@ -71,7 +71,7 @@ from mixprec._ops_names import op_overload
 from mixprec._tree import castable
 
 __all__ = ["Frame", "push", "pop", "top", "ensure_kernels", "registered", "release_kernels",
-           "DISPATCH_KEYS"]
+           "DISPATCH_KEYS", "compiler_disable", "assume_constant_result"]
 
 DISPATCH_KEYS: dict[str, str] = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 
@@ -116,16 +116,18 @@ class _ThreadState(threading.local):
     active: dict[str, Any] = field(default_factory=dict)
     depth: int = 0  # nesting of mixprec regions (enabled or not), for the cache
     traced: list[Frame | None] = field(default_factory=list)  # regions entered by a trace, open
-    edited: list[int] | None = None  # [frames with edits active in this thread], in _edited
+    # [frames with edits active in this thread, calls inside a Python kernel], in _edited
+    edited: list[int] | None = None
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 _tls = _ThreadState()
-# Per thread, the frames with edits active there: while any thread has one, release_kernels()
-# refuses (their kernels must stay). Each counter is changed by its own thread only (no lock on
-# the hot path); release_kernels sums them under _lock after clearing _ensured, so a frame
-# counted after the sum misses _ensured and waits on _lock in ensure_kernels (see push).
-_edited: dict[int, list[int]] = {}  # thread ident -> its counter
+# Per thread, the frames with edits active there and the calls inside our Python kernels: while
+# any thread has one, release_kernels() refuses (their kernels must stay). Each counter is
+# changed by its own thread only (no lock on the hot path); release_kernels sums them under _lock
+# after clearing _ensured, so a frame counted after the sum misses _ensured and waits on _lock in
+# ensure_kernels (see push). The C++ kernel counts its calls in flight itself (live_calls).
+_edited: dict[int, list[int]] = {}  # thread ident -> its counters
 
 
 def disabled_frame(device_type: str, traced: bool = False) -> Frame:
@@ -169,7 +171,7 @@ def push(frame: Frame | None) -> None:
 
 def _edited_counter() -> list[int]:
     with _lock:  # release_kernels iterates _edited under it
-        counter = _tls.edited = _edited.setdefault(threading.get_ident(), [0])
+        counter = _tls.edited = _edited.setdefault(threading.get_ident(), [0, 0])
     return counter
 
 
@@ -247,6 +249,72 @@ def _reset_compiled_code() -> None:
 
     if counters["stats"]["unique_graphs"]:
         dynamo.reset()
+
+
+# Decorators for Dynamo, applied once Dynamo is imported: ``torch.compiler.disable`` and
+# ``assume_constant_result`` import ``torch._dynamo`` (and sympy: about 3 s of CPU, as long as
+# torch itself), and nothing compiles before Dynamo is imported. A function so decorated is
+# registered here and decorated, in its module, right after ``torch._dynamo`` is executed (a
+# finder on ``sys.meta_path`` sees the import), before any trace can read its module's globals.
+_FOR_DYNAMO: list[tuple[str, str, str]] = []  # (module, function name, "disable" | "constant")
+
+
+def compiler_disable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.disable(fn)`` without importing Dynamo before compile is in play: ``fn``
+    as it is until ``torch._dynamo`` is imported, then its module's global holds the disabled
+    function. Callers must reach it through that global (a module-level function)."""
+    return _for_dynamo(fn, "disable")
+
+
+def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.assume_constant_result(fn)`` without importing Dynamo before compile is
+    in play (it marks ``fn`` in place once ``torch._dynamo`` is imported)."""
+    return _for_dynamo(fn, "constant")
+
+
+def _for_dynamo(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    if "torch._dynamo" in sys.modules:
+        return _decorated(fn, kind)
+    _FOR_DYNAMO.append((fn.__module__, fn.__name__, kind))
+    if not any(isinstance(f, _OnDynamoImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnDynamoImport())
+    return fn
+
+
+def _decorated(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    return torch.compiler.disable(fn) if kind == "disable" else torch.compiler.assume_constant_result(fn)
+
+
+def _decorate_for_dynamo() -> None:
+    """Apply the registered decorators (``torch._dynamo`` has just been executed)."""
+    while _FOR_DYNAMO:
+        module, name, kind = _FOR_DYNAMO.pop(0)
+        namespace = sys.modules[module]
+        setattr(namespace, name, _decorated(getattr(namespace, name), kind))
+
+
+class _OnDynamoImport:
+    """A ``sys.meta_path`` finder that finds nothing itself: when ``torch._dynamo`` is imported,
+    it lets the other finders find it and runs :func:`_decorate_for_dynamo` once the module has
+    executed. It removes itself on that import."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "torch._dynamo":
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = next((found for finder in sys.meta_path if hasattr(finder, "find_spec")
+                     for found in [finder.find_spec(name, path, target)] if found is not None), None)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            execute(module)
+            _decorate_for_dynamo()
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
 
 
 # A region inside a compiled function is traced as two graph nodes around its body:
@@ -551,18 +619,23 @@ def _make_kernel(info: _OpInfo, device_type: str, native: Any) -> Callable[..., 
     name, op = info.name, info.op
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            _guard_on_active_policy(device_type)
-        stack = _tls.frames.get(device_type)
-        if stack:
-            frame = stack[-1]
-            kind = frame.edits.get(name)
-            if kind is not None:
-                return _RUNNERS[kind](info, frame, keyset, args, kwargs)
-        if native is not None:  # a region that does not edit this op, or plain torch.autocast
-            return native.call_boxed(keyset, *args, **kwargs)
-        # PyTorch falls through for ops it does not autocast
-        return op.redispatch(keyset & _BELOW_AUTOCAST, *args, **kwargs)
+        counter = _tls.edited or _edited_counter()
+        counter[1] += 1  # a call in flight: release_kernels refuses until it returns
+        try:
+            if torch.compiler.is_compiling():
+                _guard_on_active_policy(device_type)
+            stack = _tls.frames.get(device_type)
+            if stack:
+                frame = stack[-1]
+                kind = frame.edits.get(name)
+                if kind is not None:
+                    return _RUNNERS[kind](info, frame, keyset, args, kwargs)
+            if native is not None:  # a region that does not edit this op, or plain torch.autocast
+                return native.call_boxed(keyset, *args, **kwargs)
+            # PyTorch falls through for ops it does not autocast
+            return op.redispatch(keyset & _BELOW_AUTOCAST, *args, **kwargs)
+        finally:
+            counter[1] -= 1
 
     return kernel
 
@@ -669,18 +742,25 @@ def release_kernels() -> int:
 
     Only where nothing else can be dispatching: PyTorch does not synchronize removing a kernel
     with other threads' dispatch (it frees a Python kernel under a thread running it, and trips
-    an internal assert in a thread dispatching an op PyTorch falls through), so this refuses
-    while other Python threads are alive. Kept kernels cost little (see the module docstring)
-    and give PyTorch's casts outside the regions that edit their op, so leaving them is always
-    safe. Regions entered later register what they need again.
+    an internal assert in a thread dispatching an op PyTorch falls through), and a thread can be
+    on its way into a kernel (the dispatcher has chosen it) before any count of ours sees it. So
+    this refuses while a call is inside one of our kernels in any thread (counted by the C++
+    kernel and the Python kernels: native threads included), while a region that edits ops is
+    active in any thread, and while any other thread is alive: ``threading``'s, those started
+    with ``_thread.start_new_thread``, and native threads running Python code. Kept kernels cost
+    little (see the module docstring) and give PyTorch's casts outside the regions that edit
+    their op, so leaving them is always safe. Regions entered later register what they need
+    again. Not seen: a native thread that never runs Python (a C++ thread of an extension, a
+    TorchScript ``fork``) and is not inside one of our kernels at the moment of the call; call
+    this only once such threads have stopped dispatching under autocast.
 
     Returns:
         How many kernels were removed.
 
     Raises:
-        RuntimeError: a mixprec region that edits ops is active in this or another thread (its
-            ops would silently lose the policy's casts), or other threads are alive; nothing is
-            removed.
+        RuntimeError: a call is inside a mixprec kernel, a mixprec region that edits ops is
+            active (its ops would silently lose the policy's casts), or other threads are alive;
+            nothing is removed.
 
     Example:
         >>> with mixprec.autocast("cpu", policy="fp32-numerics"):
@@ -697,7 +777,14 @@ def release_kernels() -> int:
                 f"release_kernels() while {active} mixprec.autocast region(s) that edit ops are "
                 f"active ({here} in this thread, {active - here} in other threads): their ops would "
                 "silently lose the policy's casts; call it after the regions exit")
-        others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+        calls = sum(c[1] for c in _edited.values())
+        calls += _native_ops.live_calls() if _native_ops is not None else 0
+        if calls:
+            raise RuntimeError(
+                f"release_kernels() while {calls} op call(s) are inside mixprec kernels (in other "
+                "threads, native ones included): PyTorch would remove a kernel under them (a crash "
+                "there); call it once they have stopped dispatching, or keep the kernels")
+        others = _other_threads()
         if others:
             raise RuntimeError(
                 f"release_kernels() while other threads are alive ({', '.join(others[:5])}): "
@@ -711,6 +798,20 @@ def release_kernels() -> int:
         _libs.clear()
         _registered.clear()
     return n
+
+
+def _other_threads() -> list[str]:
+    """The threads other than this one that may dispatch ops: every thread running Python code
+    (``threading``'s, those ``_thread.start_new_thread`` started, which ``threading`` does not
+    list, native threads inside Python now), and threads ``_thread`` is starting or ending."""
+    import _thread
+
+    me = threading.get_ident()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    others = [names.get(i, f"thread {i}, not started by threading") for i in sys._current_frames() if i != me]
+    if not others and _thread._count() > (threading.current_thread() is not threading.main_thread()):
+        others.append("a thread starting or finishing")
+    return others
 
 
 def registered(device_type: str) -> frozenset[str]:

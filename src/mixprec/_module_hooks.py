@@ -60,6 +60,8 @@ class _Region:
     replay: bool = False  # a checkpoint's recompute: the fp8 layers are the forward's
     selected: bool = False  # a region with a root selects its fp8 layers once
     watch: _Watch | None = None
+    fp8_ran: bool = False  # an fp8 selection ran on a module with candidate layers
+    fp8_without: list[str] = field(default_factory=list)  # types of outermost modules without any
 
 
 @dataclass
@@ -203,10 +205,12 @@ class ModuleRules:
         st = cls._state()
         region = next(r for r in reversed(st.regions) if r.frame is frame)
         st.regions.remove(region)
-        if not st.regions:
+        if not st.regions:  # nothing of the region outlives it (its fp8 layers' states, their controller)
             st.calls.clear()
+            st.fp8 = {}
         if region.watch is not None:
             cls._finish(st, region)
+        _warn_no_fp8_candidates(region)
         with cls._lock:
             cls._users -= 1
             if cls._users == 0:
@@ -325,9 +329,9 @@ class ModuleRules:
             # a recompute keeps the forward's layers; a region with a root selects once
             if region is None or not (region.replay or region.selected):
                 if root is not None:  # select on the model
-                    st.fp8, region.selected = _fp8_layers(root, policy), True
+                    st.fp8, region.selected = _fp8_layers(root, policy, region), True
                 elif not every:  # the outermost call: select the layers (the model may have changed)
-                    st.fp8 = _fp8_layers(module, policy)
+                    st.fp8 = _fp8_layers(module, policy, region)
             target = st.fp8.get(id(module)) if not kept else None
             if target is not None and target[2].fallback and target[2].probe is None:
                 target = None  # (a Controller's probe measures its fallback layers in fp8.linear)
@@ -404,7 +408,7 @@ _TRACE_RECIPES: dict[int, Any] = {}  # key -> fp8 recipe of traced layers
 _TRACE_RECIPES_KEYS: dict[Any, int] = {}
 
 
-@torch.compiler.assume_constant_result
+@_dispatch.assume_constant_result
 def traced_region(root: nn.Module | None, key: int, enter: bool) -> int:
     """Run by Dynamo at trace time (not traced): the region ``key`` (see ``_dispatch.traced_key``;
     ``-1``: disabled) traced inside compiled code enters (or leaves) the shadow state, with its
@@ -429,7 +433,7 @@ def _hooked_frame() -> Frame | None:
     return None
 
 
-@torch.compiler.assume_constant_result
+@_dispatch.assume_constant_result
 def _traced_enter(module: nn.Module) -> tuple | str | None:
     """Run by Dynamo at trace time (not traced): what a traced pre-hook does for ``module``:
     ``(device, autocast enabled, autocast dtype, cache flag, cast inputs to, fp8 target)``, or
@@ -459,7 +463,7 @@ def _traced_enter(module: nn.Module) -> tuple | str | None:
     return dev, enabled, dtype, cache, rule.dtype, fp8
 
 
-@torch.compiler.assume_constant_result
+@_dispatch.assume_constant_result
 def _traced_leave(module: nn.Module) -> tuple | str | None:
     """Run by Dynamo at trace time: ``(device, exit autocast, clear fp8, output dtype)``."""
     st = ModuleRules._shadow()
@@ -477,7 +481,7 @@ def _traced_leave(module: nn.Module) -> tuple | str | None:
     return (frame.device_type if frame is not None else "cpu"), has_ctx, has_fp8, output
 
 
-@torch.compiler.assume_constant_result
+@_dispatch.assume_constant_result
 def traced_without_fullgraph() -> bool:
     """Run by Dynamo at trace time (not traced): whether this trace may graph-break. A region
     whose policy needs the module hooks then runs eagerly (see ``mixprec.autocast``): its
@@ -544,26 +548,38 @@ def _post_traced(module: nn.Module, args: tuple, output: Any) -> Any:
     return output if has_fp8 else None
 
 
-@torch.compiler.disable
+@_dispatch.compiler_disable
 def _pre_eager(module: nn.Module, args: tuple) -> Any:
     return ModuleRules._pre_eager(module, args)
 
 
-@torch.compiler.disable
+@_dispatch.compiler_disable
 def _post_eager(module: nn.Module, args: tuple, output: Any) -> Any:
     return ModuleRules._post_eager(module, args, output)
 
 
 
 
-def _fp8_layers(root: nn.Module, policy: Policy) -> dict[int, tuple[nn.Module, Any, Any, str]]:
+def _fp8_layers(root: nn.Module, policy: Policy, region: _Region | None = None) -> dict[int, tuple[nn.Module, Any, Any, str]]:
     """The fp8 layers of the model called as ``root``: ``id(module) -> fp8 target`` (each with its
     recipe, ``Fp8Rule.recipe_for``), without the modules a keep rule selects or contains; the rule's guard tracks the layers (it
-    decides in ``guard.step()``, never in a forward: ranks may run different forwards)."""
+    decides in ``guard.step()``, never in a forward: ranks may run different forwards).
+
+    A module without any layer of the rule's types (a loss criterion called in the region) selects
+    nothing, silently, and its call is no forward for the guard or controller: ``region`` notes it,
+    and warns as it exits if no call of the region had such layers (:func:`_warn_no_fp8_candidates`)."""
     from mixprec import fp8
+    from mixprec.fp8._like import is_linear_like
 
     rule = policy.fp8_rule
     model = getattr(root, "_orig_mod", root)  # torch.compile's wrapper
+    likes = nn.Linear in rule.types
+    if not any(isinstance(m, rule.types) or (likes and is_linear_like(m)) for m in model.modules()):
+        if region is not None and len(region.fp8_without) < 8:
+            region.fp8_without.append(type(model).__name__)
+        return {}
+    if region is not None:
+        region.fp8_ran = True
     recipes = dict(rule.recipes)
     modules = dict(model.named_modules())
 
@@ -584,6 +600,22 @@ def _fp8_layers(root: nn.Module, policy: Policy) -> dict[int, tuple[nn.Module, A
     if rule.controller is not None:
         rule.controller._policy_forward(named, policy)  # its rungs apply now; decides in step()
     return layers
+
+
+_NO_CANDIDATES_WARNED: set[tuple[str, ...]] = set()
+
+
+def _warn_no_fp8_candidates(region: _Region) -> None:
+    """As a region exits: warn (once per set of module types) when its policy has an fp8 rule and
+    none of the modules called in it had a layer the rule could select."""
+    if region.fp8_ran or not region.fp8_without or region.replay:
+        return
+    called = tuple(dict.fromkeys(region.fp8_without))
+    if called not in _NO_CANDIDATES_WARNED:
+        _NO_CANDIDATES_WARNED.add(called)
+        warnings.warn(f"fp8: no layer selected, nothing runs in fp8: no module called in the region has an "
+                      f"nn.Linear or Linear-equivalent layer (called: {', '.join(called)}); call the model "
+                      f"inside the region, or pass root=model", UserWarning, stacklevel=4)
 
 
 def _enter_fp8(frame: Frame, target: tuple) -> Callable[[], None]:

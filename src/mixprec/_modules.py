@@ -7,6 +7,8 @@ region) and :func:`mixprec.to_low_precision` (leave matched modules' weights in 
 from __future__ import annotations
 
 import re
+import re._constants as _re_constants  # sre internals: a names= pattern is checked before use
+import re._parser as _re_parser
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +18,7 @@ from torch import nn
 
 from mixprec._tree import tracing as _tracing
 
-__all__ = ["ModuleRule", "Fp8Rule", "NORM_TYPES"]
+__all__ = ["ModuleRule", "Fp8Rule", "NORM_TYPES", "compile_names"]
 
 #: Normalisation layers: the modules that mixed-precision recipes keep in float32 by default.
 NORM_TYPES: tuple[type[nn.Module], ...] = tuple(
@@ -32,6 +34,77 @@ NORM_TYPES: tuple[type[nn.Module], ...] = tuple(
 )
 
 
+_MAX_REPEATS = 6  # quantifiers in one pattern: past this, a failing search can take polynomial ages
+_NAME_CACHE_SIZE = 4096  # decisions by qualified name a rule remembers (cleared when full)
+
+
+def compile_names(what: str, pattern: str) -> re.Pattern[str]:
+    """``pattern`` compiled, if it is a safe ``names=`` regex: policy files are data, and a rule's
+    pattern is searched in every module name the model calls.
+
+    Refused (ValueError): an invalid regex or one nested too deeply, a quantifier or alternation
+    inside a repeated group (``(a+)+``, ``(a|ab)*``: backtracking exponential in the name's length),
+    a backreference, or more than 6 quantifiers. Write the name's parts out instead
+    (``^blocks\\.\\d+\\.attn$``, ``^(q|k|v)_proj$``).
+    """
+    if not isinstance(pattern, str):
+        raise ValueError(f"{what} names= must be a regex str, got {type(pattern).__name__}")
+    try:
+        compiled = re.compile(pattern)
+        tree = _re_parser.parse(pattern)
+    except re.error as e:
+        raise ValueError(f"{what} names={_shown(pattern)} is not a valid regex: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{what} names={_shown(pattern)}: the regex is nested too deeply") from None
+    problem = _regex_problem(tree)
+    if problem is not None:
+        raise ValueError(
+            f"{what} names={_shown(pattern)}: {problem}; mixprec refuses patterns whose search can backtrack "
+            "for minutes on a long module name. Spell the name's parts out (e.g. r'^blocks\\.\\d+\\.attn$' "
+            "or r'^(q|k|v)_proj$', no group that is both repeated and contains a quantifier or '|')")
+    return compiled
+
+
+def _shown(pattern: str) -> str:
+    text = repr(pattern)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _regex_problem(tree: Any) -> str | None:
+    """Why a parsed regex may backtrack exponentially (or too long), or None. Iterative: a deep
+    pattern cannot exhaust the stack here."""
+    repeats = 0
+    stack: list[tuple[Any, bool]] = [(tree, False)]  # (subpattern, inside a repeated group)
+    while stack:
+        node, repeated = stack.pop()
+        for op, av in node:
+            name = str(op)
+            if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                low, high, body = av
+                if high > 1 or high == _re_constants.MAXREPEAT:
+                    if repeated:
+                        return "a quantifier inside a repeated group"
+                    repeats += 1
+                    stack.append((body, True))
+                else:
+                    stack.append((body, repeated))
+            elif name == "BRANCH":
+                if repeated:
+                    return "an alternation '|' inside a repeated group"
+                stack.extend((b, repeated) for b in av[1])
+            elif name in ("GROUPREF", "GROUPREF_EXISTS"):
+                return "a backreference"
+            elif name == "SUBPATTERN":
+                stack.append((av[-1], repeated))
+            elif name in ("ASSERT", "ASSERT_NOT"):
+                stack.append((av[1], repeated))
+            elif name == "ATOMIC_GROUP":
+                stack.append((av, repeated))
+    if repeats > _MAX_REPEATS:
+        return f"{repeats} quantifiers (at most {_MAX_REPEATS})"
+    return None
+
+
 @dataclass(frozen=True)
 class ModuleRule:
     """Selects modules by type and/or by a regular expression on their qualified name.
@@ -39,6 +112,8 @@ class ModuleRule:
     A module matches when it is an instance of one of ``types`` **or** when ``re.search(names,
     qualified_name)`` finds a match (so ``names=r"^head$"`` selects exactly ``head`` and
     ``names=r"norm"`` every module with ``norm`` in its name). The root module's name is ``""``.
+    Each name is searched once (the decision is remembered, for up to 4096 names); a pattern
+    that could backtrack for long is refused (:func:`compile_names`).
 
     Example:
         >>> rule = ModuleRule(torch.float32, types=(nn.LayerNorm,), names=r"^lm_head$")
@@ -50,6 +125,7 @@ class ModuleRule:
     types: tuple[type[nn.Module], ...] = ()
     names: str | None = None
     _pattern: re.Pattern[str] | None = field(default=None, init=False, repr=False, compare=False)
+    _by_name: dict[str, bool] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if _tracing():  # see mixprec.policy._refuse_tracing
@@ -63,12 +139,7 @@ class ModuleRule:
         for t in types:
             if not (isinstance(t, type) and issubclass(t, nn.Module)):
                 raise ValueError(f"ModuleRule types must be nn.Module subclasses, got {t!r}")
-        pattern = None
-        if self.names is not None:
-            try:
-                pattern = re.compile(self.names)
-            except re.error as e:
-                raise ValueError(f"ModuleRule names={self.names!r} is not a valid regex: {e}") from e
+        pattern = None if self.names is None else compile_names("ModuleRule", self.names)
         if not types and pattern is None:
             raise ValueError("a ModuleRule needs types=(...) or names=r'...' (or both)")
         object.__setattr__(self, "types", types)
@@ -78,7 +149,15 @@ class ModuleRule:
         """Whether this rule selects ``module``, whose qualified name in the model is given."""
         if self.types and isinstance(module, self.types):
             return True
-        return self._pattern is not None and self._pattern.search(qualified_name) is not None
+        if self._pattern is None:
+            return False
+        hit = self._by_name.get(qualified_name)
+        if hit is None:
+            hit = self._pattern.search(qualified_name) is not None
+            if len(self._by_name) >= _NAME_CACHE_SIZE:
+                self._by_name.clear()
+            self._by_name[qualified_name] = hit
+        return hit
 
 
 @dataclass(frozen=True)
@@ -122,10 +201,7 @@ class Fp8Rule:
         if not types or not all(isinstance(t, type) and issubclass(t, nn.Linear) for t in types):
             raise ValueError(f"Policy.fp8 types must be nn.Linear subclasses, got {self.types!r}")
         if self.names is not None:
-            try:
-                re.compile(self.names)
-            except re.error as e:
-                raise ValueError(f"Policy.fp8 names={self.names!r} is not a valid regex: {e}") from e
+            compile_names("Policy.fp8", self.names)
         if self.first_last not in ("keep", "fp8"):
             raise ValueError(f"Policy.fp8 first_last must be 'keep' or 'fp8', got {self.first_last!r}")
         if self.backend not in ("auto", "emulate", "scaled_mm"):

@@ -18,9 +18,12 @@ environment has its own build folder, ``<root>/mixprec_native_<key>`` (root:
 depends on (:func:`environment`: sources, flags, torch, ``sys.prefix``, mixprec's folder,
 compiler, ninja), so two virtual environments never rebuild each other's, and a later process
 only loads the library. Processes take turns on a file lock (``fcntl.flock``), which the system
-releases when its holder dies: a killed build blocks nothing. A process waits at most
-``MIXPREC_BUILD_WAIT`` seconds (default 900) for another's build, then goes on without the
-kernels and names the holder and the file to remove. A child forked during a build (a
+releases when its holder dies: a killed build blocks nothing. The lock and the build's records
+are never reached through a symbolic link (in a shared ``TORCH_EXTENSIONS_DIR`` a planted link
+is refused or replaced, its target never written). A process waits at most
+``MIXPREC_BUILD_WAIT`` seconds (default 900; a finite number > 0, else a ``BuildError`` says what
+to set) for another's build, then goes on without the kernels and names the holder and the file
+to remove. A child forked during a build (a
 DataLoader worker) waits for it like any other process. A failed build warns with its cause
 (the compiler's first error line, or which tool is missing) and the log's path, and is
 remembered for the environment: later processes do not retry until the sources or the compiler
@@ -35,6 +38,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -89,9 +93,21 @@ class Built:
     seconds: Optional[float]
 
 
+_OFF, _ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on", "")
+
+
 def enabled() -> bool:
-    """Whether native kernels may be used (``MIXPREC_NATIVE_KERNELS=0`` turns them off)."""
-    return os.environ.get("MIXPREC_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether native kernels may be used (``MIXPREC_NATIVE_KERNELS=0`` turns them off).
+
+    Raises:
+        ValueError: the variable holds something other than ``1/true/yes/on`` or
+            ``0/false/no/off``.
+    """
+    text = os.environ.get("MIXPREC_NATIVE_KERNELS", "1").strip().lower()
+    if text not in _OFF + _ON:
+        raise ValueError(f"MIXPREC_NATIVE_KERNELS must be 1 (use the C++ kernels, the default) or 0 (Python "
+                         f"kernels only), got {os.environ['MIXPREC_NATIVE_KERNELS']!r}: set it to 1 or 0, or unset it")
+    return text not in _OFF
 
 
 def load() -> Any:
@@ -141,6 +157,9 @@ def build(retry: bool = True, say: Optional[Callable[[str], None]] = None) -> Bu
     env = environment()
     directory = build_directory(env)
     if not _finished(directory):
+        if directory.is_symlink():
+            raise BuildError(f"the build folder {directory} is a symbolic link (to {os.readlink(directory)}): "
+                             "remove it, or set TORCH_EXTENSIONS_DIR to a folder only you can write")
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -229,10 +248,10 @@ def _build(env: dict[str, str], directory: Path, say: Callable[[str], None]) -> 
         seconds = time.monotonic() - start
     except Exception as e:  # a compile error, or one of the tools missing
         cause = e if isinstance(e, BuildError) else BuildError(_failure(e, directory))
-        (directory / "failed.json").write_text(json.dumps({"cause": str(cause), "time": time.time(), **env}))
+        _write_file(directory / "failed.json", json.dumps({"cause": str(cause), "time": time.time(), **env}))
         raise cause from None
     _load_library(directory)
-    (directory / "built.json").write_text(json.dumps({"seconds": round(seconds, 1), "time": time.time(), **env}))
+    _write_file(directory / "built.json", json.dumps({"seconds": round(seconds, 1), "time": time.time(), **env}))
     say(f"mixprec: built its C++ kernels in {seconds:.1f} s")
     return Built(directory, seconds)
 
@@ -264,7 +283,7 @@ def _failure(error: Exception, directory: Path) -> str:
     output is (``build.log``)."""
     text = str(error)
     log = directory / "build.log"
-    log.write_text(f"{type(error).__name__}: {text}\n")
+    _write_file(log, f"{type(error).__name__}: {text}\n")
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     errors = [line for line in lines if _ERROR_LINE.search(line) and not line.startswith(_NINJA_LINES)]
     first = (errors or lines or [type(error).__name__])[0]
@@ -296,11 +315,18 @@ def _reason(env: dict[str, str], directory: Path) -> str:
 
 
 def _wait_limit() -> float:
+    """``MIXPREC_BUILD_WAIT`` in seconds (default 900): a finite number > 0."""
     text = os.environ.get("MIXPREC_BUILD_WAIT", "")
+    if not text.strip():
+        return _WAIT
     try:
-        return float(text) if text.strip() else _WAIT
+        seconds = float(text)
     except ValueError:
-        raise BuildError(f"MIXPREC_BUILD_WAIT must be a number of seconds, got {text!r}") from None
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise BuildError(f"MIXPREC_BUILD_WAIT must be a number of seconds, finite and > 0, got {text!r}: set it "
+                         f"to how long to wait for another process's build (e.g. {_WAIT:.0f}), or unset it")
+    return seconds
 
 
 def _try_lock(fd: int) -> bool:
@@ -328,7 +354,7 @@ def _build_lock(directory: Path, say: Callable[[str], None]) -> Iterator[None]:
     ``MIXPREC_BUILD_WAIT`` seconds for the process that holds it."""
     path = directory / "build.lock"
     limit = _wait_limit()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock(path)
     try:
         start, said = time.monotonic(), False
         while not _try_lock(fd):
@@ -341,14 +367,54 @@ def _build_lock(directory: Path, say: Callable[[str], None]) -> Iterator[None]:
             time.sleep(0.2)
         _held.add(fd)
         try:
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()} {time.time():.0f}\n".encode())
+            # the record is overwritten in place and padded to a fixed width: never truncated
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, f"{os.getpid()} {time.time():.0f}".ljust(_RECORD).encode())
             yield
         finally:
             _held.discard(fd)
             _unlock(fd)
     finally:
         os.close(fd)
+
+
+def _write_file(path: Path, text: str) -> None:
+    """Write ``path`` as a new file moved into place: a link planted at ``path`` is replaced,
+    never followed."""
+    part = path.with_name(f"{path.name}.{os.getpid()}.part")
+    part.unlink(missing_ok=True)
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(part, path)
+
+
+_RECORD = 64  # bytes of the lock file's record: "<pid> <start time>", padded with spaces
+
+
+def _open_lock(path: Path) -> int:
+    """Open (or create) the build lock without following a link: in a shared
+    ``TORCH_EXTENSIONS_DIR`` a link planted there would make this process write its target."""
+    if path.is_symlink():
+        raise BuildError(f"{path} is a symbolic link (to {os.readlink(path)}), not mixprec's build lock: remove "
+                         f"it, or set TORCH_EXTENSIONS_DIR to a folder only you can write")
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        raise BuildError(f"cannot open the build lock {path} ({e.strerror or e}): if it is a link or not a "
+                         "file, remove it; or set TORCH_EXTENSIONS_DIR to a folder only you can write") from None
+    if not _is_regular(fd):
+        os.close(fd)
+        raise BuildError(f"{path} is not a regular file: remove it, or set TORCH_EXTENSIONS_DIR to a folder "
+                         "only you can write")
+    return fd
+
+
+def _is_regular(fd: int) -> bool:
+    import stat
+
+    return stat.S_ISREG(os.fstat(fd).st_mode)
 
 
 def _owner(path: Path) -> str:

@@ -15,7 +15,7 @@ import torch
 
 OpLike = Union[str, Callable[..., Any], "torch._ops.OpOverload", "torch._ops.OpOverloadPacket"]
 
-__all__ = ["OpLike", "canonical_names", "op_overload", "rule_names"]
+__all__ = ["OpLike", "canonical_names", "check_castable", "op_overload", "rule_names"]
 
 # Python callables whose ``__name__`` differs from the aten op they call.
 _ALIASES = {
@@ -48,6 +48,24 @@ def _check_functional(name: str, overload: "torch._ops.OpOverload") -> None:
         raise ValueError(
             f"{name} writes into its arguments (in-place or out=); autocast never casts such ops. "
             f"Name the functional overload instead"
+        )
+
+
+def check_castable(name: str) -> None:
+    """Refuse an edit of an overload whose output aliases an input (a view: ``view``, ``select``,
+    ``t``, ``detach``, ``split``, ...), read from the op's schema (an alias annotation on a
+    return, ``-> Tensor(a)``): autocast would cast its input, so the "view" would be a copy and
+    writes through it (``.data`` updates, ``x.view(-1)[0] = ...``) would be lost.
+
+    Raises:
+        ValueError: the overload returns an alias of an input.
+    """
+    overload = op_overload(name)
+    if overload is not None and any(r.alias_info is not None for r in overload._schema.returns):
+        raise ValueError(
+            f"{name} returns a view of its input ({overload._schema}); a policy cannot cast it: the "
+            f"view would become a cast copy and writes through it would be lost. Views run in their "
+            f"input's dtype; edit the op that computes on them instead"
         )
 
 

@@ -60,17 +60,22 @@ def _device_type(device_type: str) -> str:
         hint = "; pass its .type (e.g. 'cuda')" if isinstance(device_type, torch.device) else ""
         raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`{hint}")
     kind, sep, index = device_type.partition(":")
-    if sep and not index.isdigit():
-        raise DeviceTypeError(f"mixprec.autocast got device_type={device_type!r}: write {kind.lower()!r} "
-                              "(an index after ':' must be a number, and is ignored)")
-    if kind in _SUPPORTED:
+    if kind in _SUPPORTED and (not sep or index.isdigit()):
         return kind
+    try:  # torch's own words lead (code written against torch.autocast matches them)
+        torch.device(device_type)
+        torch_words = ""
+    except RuntimeError as e:
+        torch_words = f"{e}. "
+    if sep and not index.isdigit():
+        raise DeviceTypeError(f"{torch_words}mixprec.autocast got device_type={device_type!r}: write "
+                              f"{kind.lower()!r} (an index after ':' must be a number, and is ignored)")
     if kind.lower() in _SUPPORTED:
-        raise DeviceTypeError(f"mixprec.autocast got device_type={device_type!r}; write {kind.lower()!r} "
-                              "(device types are lower case)")
+        raise DeviceTypeError(f"{torch_words}mixprec.autocast got device_type={device_type!r}; write "
+                              f"{kind.lower()!r} (device types are lower case)")
     raise DeviceTypeError(
-        f"mixprec.autocast supports device_type 'cpu' and 'cuda' (or 'cuda:N'), got {device_type!r}; "
-        f"for another device use torch.autocast({kind!r}, ...)"
+        f"{torch_words}mixprec.autocast supports device_type 'cpu' and 'cuda' (or 'cuda:N'), got "
+        f"{device_type!r}; for another device use torch.autocast({kind!r}, ...)"
     )
 
 
@@ -126,7 +131,7 @@ def _resolve(device_type: str, dtype: torch.dtype | str | None, enabled: bool,
     return policy, dtype, bool(enabled)
 
 
-@torch.compiler.assume_constant_result
+@_dispatch.assume_constant_result
 def _traced_region(device_type: str, dtype: torch.dtype | None, enabled: bool,
                    policy: Policy | str | None) -> tuple[int, torch.dtype, bool]:
     """Run by Dynamo at trace time (not traced): resolve a region and key its policy."""
@@ -136,7 +141,7 @@ def _traced_region(device_type: str, dtype: torch.dtype | None, enabled: bool,
     return (_dispatch.traced_key(policy, device_type) if enabled else -1), dtype, enabled
 
 
-@torch.compiler.assume_constant_result
+@_dispatch.assume_constant_result
 def _traced_eagerly(device_type: str, dtype: torch.dtype | None, enabled: bool, policy: Policy | str | None) -> bool:
     """Run by Dynamo at trace time (not traced): whether a region traced without ``fullgraph``
     runs eagerly instead, because its policy needs the module hooks (module rules, fp8 layers,
@@ -145,13 +150,13 @@ def _traced_eagerly(device_type: str, dtype: torch.dtype | None, enabled: bool, 
     return enabled and policy.acts_on_modules and traced_without_fullgraph()
 
 
-@torch.compiler.disable
+@_dispatch.compiler_disable
 def _enter_eagerly(region: "autocast") -> None:
     """Enter ``region`` (built while Dynamo traced) eagerly, outside the trace."""
     region._enter_eager()
 
 
-@torch.compiler.disable
+@_dispatch.compiler_disable
 def _exit_eagerly(region: "autocast") -> None:
     region._exit_eager()
 

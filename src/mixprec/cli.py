@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="mixprec", description="Automatic mixed precision for PyTorch.")
     parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", metavar="{demo,audit,build-kernels}", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="{demo,audit,build-kernels,export}", required=True)
     demo = sub.add_parser(
         "demo",
         help="train a small language model in every precision mode and write a report",
@@ -313,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
         from mixprec.diagnostics.cli import add_audit_parser
 
         add_audit_parser(sub)
+    from mixprec.export.cli import add_export_parser
+
+    add_export_parser(sub)
     return parser
 
 

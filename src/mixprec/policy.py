@@ -21,12 +21,13 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import json
 import os
 import sys
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping
@@ -36,7 +37,8 @@ from torch import nn
 
 from mixprec import ops as _ops
 from mixprec._modules import Fp8Rule, ModuleRule
-from mixprec._ops_names import OpLike, canonical_names, rule_names
+from mixprec._ops_names import OpLike, canonical_names, check_castable, rule_names
+from mixprec._policy_text import format_sections, parse_sections
 from mixprec._tree import cast_tree, tracing as _tracing
 
 __all__ = ["Policy", "PRESETS", "parse_dtype"]
@@ -153,6 +155,32 @@ class Policy:
             raise ValueError(f"Policy.fp8_rule must be None or an Fp8Rule (Policy.fp8), got {self.fp8_rule!r}")
         object.__setattr__(self, "_canonical", _canonical(self))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle the fields; unpickling validates and interns again. A policy holding an fp8
+        Guard or Controller is refused: they are runtime state bound to the model's layers (a
+        pickled copy would be one nothing steps).
+
+        Raises:
+            TypeError: the policy holds a Guard or Controller; the message says what to save.
+        """
+        state = _state_of(self.fp8_rule)
+        if state is not None:
+            raise TypeError(
+                f"cannot pickle a mixprec.Policy holding an fp8 {state} (runtime state bound to the model's "
+                f"layers): save policy.to_json() (its settings) and policy.fp8_rule.{state}.state_dict(); "
+                f"restore with Policy.from_json(text, {state}=my_{state}) and my_{state}.load_state_dict(...)")
+        return _rebuild, (type(self), {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    def __copy__(self) -> "Policy":
+        return self  # an immutable value
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Policy":
+        """A copy whose guard or controller (if any) is a deep copy too."""
+        import copy
+
+        return _rebuild(type(self), {f.name: copy.deepcopy(getattr(self, f.name), memo)
+                                     for f in dataclasses.fields(self)})
+
     # ----------------------------------------------------------------- constructors
     @classmethod
     def default(cls, device_type: str) -> "Policy":
@@ -166,23 +194,34 @@ class Policy:
 
     @classmethod
     def parse(cls, spec: str) -> "Policy":
-        """Parse ``"params=float32,compute=bfloat16,output=float32"`` or a preset name.
+        """Parse ``"params=float32,compute=bfloat16,output=float32"``, a preset name, or the
+        complete one-line form ``str(policy)`` writes: ``Policy.parse(str(p)) == p``.
 
         Keys: ``params``/``p``, ``compute``/``c`` (``auto``: the region's dtype), ``output``/``o``,
         ``preset``/``ops``, ``table`` (whose op table: ``cpu``/``cuda``), ``fp8`` (a recipe);
         dtype names: ``float32``/``f32``/``fp32``, ``bfloat16``/``bf16``, ``float16``/``f16``/
         ``half``. A bare dtype means ``compute=`` that dtype; a bare preset name selects the
-        preset. JSON text (``{...}``) goes to :meth:`from_json`.
+        preset. Then ``;``-separated sections: ``ops fp32=softmax,exp lower=bmm.default``
+        (op edits, in order), ``keep float32=LayerNorm|/^head$/`` (a module rule: ``torch.nn``
+        type names, other types by import path, already imported, and a ``/regex/``),
+        ``fp8 rowwise=Linear|/blocks/ except first/last backend=emulate recipes b=mxfp8``. JSON
+        text (``{...}``) goes to :meth:`from_json`.
+
+        Example:
+            >>> Policy.parse("bf16; ops fp32=exp; keep float32=LayerNorm; fp8 tensorwise=Linear").fp8_rule.recipe_name
+            'tensorwise'
 
         Raises:
-            ValueError: an unknown key, dtype or preset, or a key given twice.
+            ValueError: an unknown key, dtype, preset, section, op, kind, module type or option,
+                a key given twice, or a malformed section (the message says where).
         """
         if not isinstance(spec, str):
             raise TypeError(f"Policy.parse takes a str, got {type(spec).__name__}")
         if spec.lstrip().startswith("{"):
             return cls.from_json(spec)
+        header, sections = parse_sections(spec)
         values: dict[str, Any] = {}
-        for part in filter(None, (s.strip() for s in spec.split(","))):
+        for part in filter(None, (s.strip() for s in header.split(","))):
             if "=" not in part:
                 if part in PRESETS:
                     key, value = "base", part
@@ -209,7 +248,9 @@ class Policy:
                 values[key] = None
             else:
                 values[key] = parse_dtype(value)
-        return cls(**values)
+        if "fp8_rule" in values and "fp8_rule" in sections:
+            raise ValueError(f"policy {spec!r} gives fp8= and an fp8 section: give one")
+        return cls(**{**values, **sections})
 
     @classmethod
     def coerce(cls, value: "Policy | str | None", where: str = "policy") -> "Policy":
@@ -255,15 +296,20 @@ class Policy:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Policy":
+    def from_dict(cls, data: Mapping[str, Any], *, guard: Any = None, controller: Any = None) -> "Policy":
         """Rebuild a policy from :meth:`to_dict`'s data, validated as :meth:`with_ops` and
         :meth:`keep` validate (op names are expanded and checked: see ``op_rules``).
 
         Module types are looked up among the modules already imported; nothing is imported.
+        An fp8 rule's guard or controller is runtime state the data holds only the settings of:
+        pass yours (``guard=``/``controller=``, checked against the saved settings) to run the
+        policy with it; without one, a new one is built from the settings, with a warning (it
+        starts fresh, and only ``policy.fp8_rule.guard``/``.controller`` reaches it to step it).
 
         Raises:
             ValueError: data of the wrong shape or type, an unknown key, dtype, preset, op,
-                cast kind, or a module type whose module is not imported (the message names it).
+                cast kind, or a module type whose module is not imported (the message names it);
+                a ``guard``/``controller`` the data has no settings for, or other settings.
         """
         _expect(data, Mapping, "a policy", "an object")
         fields = [f.name for f in dataclasses.fields(cls)]
@@ -283,8 +329,11 @@ class Policy:
         values["module_rules"] = tuple(
             _module_rule_from_dict(r)
             for r in _expect(values.get("module_rules", []), (list, tuple), "policy 'module_rules'", "a list"))
+        given = {"guard": guard, "controller": controller}
         if values.get("fp8_rule") is not None:
-            values["fp8_rule"] = _fp8_from_dict(values["fp8_rule"])
+            values["fp8_rule"] = _fp8_from_dict(values["fp8_rule"], given)
+        else:
+            _refuse_unused_state(given, "it has no fp8 rule")
         return cls(**values)
 
     def to_json(self, **json_kwargs: Any) -> str:
@@ -293,9 +342,10 @@ class Policy:
         return json.dumps(self.to_dict(), **json_kwargs)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Policy":
+    def from_json(cls, text: str | bytes, *, guard: Any = None, controller: Any = None) -> "Policy":
         """Rebuild a policy from :meth:`to_json`'s text, or from an audit's ``report.json``
-        (its ``"policy"``); ``Policy.parse`` accepts it too. Validated as :meth:`from_dict`.
+        (its ``"policy"``); ``Policy.parse`` accepts it too. Validated as :meth:`from_dict`
+        (``guard``/``controller``: yours, to run the policy with; see there).
 
         Raises:
             ValueError: text that is not JSON (or nested too deeply), or not a policy.
@@ -310,7 +360,7 @@ class Policy:
             raise ValueError("not a policy in JSON: nested too deeply") from None
         if isinstance(data, Mapping) and "policy" in data:
             data = data["policy"]  # an audit's report.json
-        return cls.from_dict(data)
+        return cls.from_dict(data, guard=guard, controller=controller)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`to_json` to ``path``."""
@@ -318,14 +368,19 @@ class Policy:
             f.write(self.to_json() + "\n")
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "Policy":
+    def load(cls, path: str | os.PathLike[str], *, guard: Any = None, controller: Any = None) -> "Policy":
         """Read a policy saved by :meth:`save`, or the ``"policy"`` of an audit's ``report.json``.
+
+        A saved fp8 guard or controller is settings only: pass your ``guard=``/``controller=``
+        (the one your loop steps) to run with it; without, a new one is built and a warning says
+        so (see :meth:`from_dict`).
 
         Example:
             >>> policy = mixprec.Policy.load("audit-report/report.json")
+            >>> policy = mixprec.Policy.load("policy.json", controller=ctl)  # ctl.step() each step
         """
         with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read())
+            return cls.from_json(f.read(), guard=guard, controller=controller)
 
     # ----------------------------------------------------------------- edits
     def with_ops(
@@ -344,7 +399,9 @@ class Policy:
         PyTorch has one (softmax, sum, norm: computed in fp32 without copying the input).
 
         Raises:
-            ValueError: an unknown op (the message suggests close names), or one op in two lists.
+            ValueError: an unknown op (the message suggests close names), one op in two lists, an
+                in-place or ``out=`` overload, or a view (``view``, ``t``, ``detach``, ...: any op
+                whose schema returns an alias of an input; cast, it would be a copy).
         """
         rules: list[tuple[str, str]] = []
         seen: dict[str, str] = {}
@@ -465,8 +522,8 @@ class Policy:
     def __str__(self) -> str:
         """What the policy does, in one line: the dtypes and preset in :meth:`parse` syntax
         (``compute=auto``: the region's dtype), then ``; ``-separated op edits, module rules and
-        the fp8 selection. Without edits or rules, :meth:`parse` reads it back; :meth:`to_json`
-        is the complete form.
+        the fp8 selection; :meth:`parse` reads it back (``Policy.parse(str(p)) == p``; a guard or
+        controller comes back as a new one built from its settings, with a warning).
 
         Example:
             >>> str(Policy.parse("compute=bf16").with_ops(fp32=["softmax"]).keep(types=nn.LayerNorm))
@@ -480,19 +537,7 @@ class Policy:
             parts.append(f"preset={self.base}")
         if self.device_type is not None:
             parts.append(f"table={self.device_type}")
-        sections = [",".join(parts)]
-        if self.op_rules:
-            sections.append("ops " + " ".join(f"{kind}={','.join(names)}"
-                                              for kind, names in _ops_by_kind(self.op_rules)))
-        sections += [f"keep {_dtype_name(r.dtype)}={_selection(r.types, r.names)}" for r in self.module_rules]
-        if self.fp8_rule is not None:
-            f = self.fp8_rule
-            extra = ("" if f.first_last == "fp8" else " except first/last") + (
-                "" if f.backend == "auto" else f" backend={f.backend}") + ("" if f.guard is None else " guarded") + (
-                "" if f.controller is None else " controlled") + ("" if not f.recipes else " recipes " + ",".join(
-                f"{n}={r if isinstance(r, str) else r.name}" for n, r in f.recipes))
-            sections.append(f"fp8 {f.recipe_name}={_selection(f.types, f.names)}{extra}")
-        return "; ".join(sections)
+        return "; ".join([",".join(parts), *format_sections(self)])
 
 
 def _fp32_forms() -> Mapping[str, str]:
@@ -509,7 +554,7 @@ _FP32_FORMS: Mapping[str, str] | None = None
 
 _TABLE_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...]], Mapping[str, str]] = {}
 _EDITS_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...], str, bool], Mapping[str, str]] = {}
-_CANONICAL: dict[tuple["Policy", int, int], "Policy"] = {}
+_CANONICAL: "weakref.WeakValueDictionary[tuple[Policy, int, int], Policy]" = weakref.WeakValueDictionary()
 
 
 def _canonical(policy: "Policy") -> "Policy":
@@ -517,19 +562,44 @@ def _canonical(policy: "Policy") -> "Policy":
     so that Dynamo's identity guard holds for every equal policy (see autocast._enter_traced).
 
     An fp8 rule's guard and controller are runtime state that policy equality leaves out: the key
-    names them by identity (the stored copy keeps them alive, so their ids stay unique), so a
-    policy never runs with another policy's guard or controller."""
+    names them by identity, so a policy never runs with another policy's guard or controller.
+    Interned weakly: the canonical object lives while a policy equal to it does (each holds it as
+    ``_canonical``), and the key holds no guard or controller (the policy's stateless twin), so a
+    policy rebuilt each step with a fresh Controller leaves nothing behind; while an entry lives,
+    its canonical object holds the guard and controller, so their ids stay unique."""
     rule = policy.fp8_rule
-    key = (policy, id(rule.guard) if rule else 0, id(rule.controller) if rule else 0)
+    stateless = _twin(policy, _canonical=None)
+    if rule is not None and (rule.guard is not None or rule.controller is not None):
+        object.__setattr__(stateless, "fp8_rule", dataclasses.replace(rule, guard=None, controller=None))
+    key = (stateless, id(rule.guard) if rule else 0, id(rule.controller) if rule else 0)
     try:
         found = _CANONICAL.get(key)
     except TypeError:  # an unhashable field (a custom recipe): guarded by identity
         return policy
     if found is None:
-        found = copy.copy(policy)  # never the caller's object, which Dynamo would guard on
+        found = _twin(policy)  # never the caller's object, which Dynamo would guard on
         object.__setattr__(found, "_canonical", found)
         found = _CANONICAL.setdefault(key, found)
     return found
+
+
+def _twin(policy: "Policy", **changes: Any) -> "Policy":
+    """A shallow copy of ``policy`` (its fields as they are: no validation, no interning)."""
+    twin = object.__new__(type(policy))
+    twin.__dict__.update(policy.__dict__, **changes)
+    return twin
+
+
+def _rebuild(cls: type, values: dict[str, Any]) -> "Policy":
+    """Unpickle (or deep-copy) a policy: through the constructor, so it is validated and interned."""
+    return cls(**values)
+
+
+def _state_of(rule: Fp8Rule | None) -> str | None:
+    """``"guard"`` or ``"controller"``: the runtime state an fp8 rule holds, if any."""
+    if rule is None:
+        return None
+    return "guard" if rule.guard is not None else "controller" if rule.controller is not None else None
 
 
 def _resolve_table(base: str, device_type: str, rules: tuple[tuple[str, str], ...]) -> Mapping[str, str]:
@@ -586,31 +656,6 @@ def _fp8_to_dict(rule: Fp8Rule) -> dict[str, Any]:
     return out
 
 
-def _ops_by_kind(rules: tuple[tuple[str, str], ...]) -> list[tuple[str, list[str]]]:
-    """The final kind of each edited overload, grouped as :meth:`Policy.with_ops` lists them
-    (``fp32`` includes the dtype-argument forms); a packet whose functional overloads all share
-    a kind is shown by its packet name."""
-    final: dict[str, str] = {}
-    for name, kind in rules:
-        final[name] = "fp32" if kind.startswith("fp32") else kind
-    grouped: dict[str, list[str]] = {}
-    shown: set[str] = set()
-    for name, kind in final.items():
-        packet = name.split(".")[0]
-        overloads = canonical_names(packet) if packet not in shown else []
-        if overloads and all(final.get(o) == kind for o in overloads):
-            shown.add(packet)
-            grouped.setdefault(kind, []).append(packet)
-        elif packet not in shown:
-            grouped.setdefault(kind, []).append(name)
-    return list(grouped.items())
-
-
-def _selection(types: tuple[type, ...], names: str | None) -> str:
-    """``LayerNorm|Embedding|/^head$/``: the types and the name regex a rule selects."""
-    return "|".join([t.__qualname__ for t in types] + ([] if names is None else [f"/{names}/"]))
-
-
 def _expect(value: Any, types: type | tuple[type, ...], what: str, shape: str) -> Any:
     """``value`` if it is an instance of ``types``, else a ValueError saying what was expected."""
     if isinstance(value, types) and not isinstance(value, bool):
@@ -626,7 +671,8 @@ def _short(value: Any) -> str:
 def _checked_rules(rules: Any) -> tuple[tuple[str, str], ...]:
     """``op_rules`` validated as :meth:`Policy.with_ops` validates: every name an aten op this
     PyTorch has (expanded with :func:`mixprec._ops_names.rule_names`), no in-place or ``out=``
-    overload (autocast never casts them: the op would write into a temporary), a known kind;
+    overload (autocast never casts them: the op would write into a temporary), no view
+    (:func:`mixprec._ops_names.check_castable`: a cast view is a copy), a known kind;
     ``"fp32"`` becomes the op's dtype-argument form where PyTorch has one (as ``with_ops`` does).
     """
     if isinstance(rules, (str, bytes)) or not isinstance(rules, (tuple, list)):
@@ -641,6 +687,7 @@ def _checked_rules(rules: Any) -> tuple[tuple[str, str], ...]:
         if kind not in _ops.CAST_KINDS:
             raise ValueError(f"unknown cast kind {kind!r} for {name}; kinds: {', '.join(_ops.CAST_KINDS)}")
         for overload in rule_names(name):
+            check_castable(overload)
             out.append((overload, _rule_kind(overload, kind)))
     return tuple(out)
 
@@ -675,9 +722,7 @@ def _module_rule_from_dict(data: Any) -> ModuleRule:
     )
 
 
-def _fp8_from_dict(data: Any) -> Fp8Rule:
-    from mixprec import fp8
-
+def _fp8_from_dict(data: Any, given: Mapping[str, Any]) -> Fp8Rule:
     _expect(data, Mapping, "policy 'fp8_rule'", "an object")
     known = {f.name for f in dataclasses.fields(Fp8Rule)}
     unknown = set(data) - known
@@ -692,22 +737,69 @@ def _fp8_from_dict(data: Any) -> Fp8Rule:
     values["types"] = tuple(_import_type(t) for t in _expect(
         values.get("types", ["torch.nn.modules.linear.Linear"]), (list, tuple), "fp8_rule 'types'",
         "a list of type paths"))
-    if values.get("guard") is not None:
-        guard = _expect(values["guard"], Mapping, "fp8_rule 'guard'", "an object")
-        fields = {f.name for f in dataclasses.fields(fp8.Guard) if f.init}
-        if set(guard) - fields:
-            raise ValueError(f"unknown fp8 guard field(s) {sorted(map(str, set(guard) - fields))}; "
-                             f"fields: {sorted(fields)}")
-        values["guard"] = fp8.Guard(**guard)
-    if values.get("controller") is not None:
-        values["controller"] = fp8.Controller.from_config(
-            _expect(values["controller"], Mapping, "fp8_rule 'controller'", "an object"))
+    for state, build in (("guard", _guard_from_settings), ("controller", _controller_from_settings)):
+        mine = given[state]
+        if values.get(state) is None:
+            if mine is not None:
+                raise ValueError(f"the policy's fp8 rule has no {state}: attach yours with "
+                                 f"policy.fp8(..., {state}=...), not from_json/load({state}=...)")
+            continue
+        saved = build(values[state])
+        if mine is None:
+            _warn_new_state(state, saved, "Policy.load/from_json")
+            values[state] = saved
+            continue
+        if type(mine) is not type(saved) or _settings(mine) != _settings(saved):
+            raise ValueError(f"the {state} passed has other settings than the policy's saved {state}: "
+                             f"{_settings(mine)} != {_settings(saved)}; pass one built with the saved settings")
+        values[state] = mine
     if "recipes" in values:
         recipes = _expect(values["recipes"], Mapping, "fp8_rule 'recipes'", "an object {layer name: recipe name}")
         for name, recipe in recipes.items():
             _expect(recipe, str, f"fp8_rule recipes[{name!r}]", "a recipe name")
         values["recipes"] = dict(recipes)
     return Fp8Rule(**values)
+
+
+def _guard_from_settings(data: Any) -> Any:
+    from mixprec import fp8
+
+    guard = _expect(data, Mapping, "fp8_rule 'guard'", "an object")
+    fields = {f.name for f in dataclasses.fields(fp8.Guard) if f.init}
+    if set(guard) - fields:
+        raise ValueError(f"unknown fp8 guard field(s) {sorted(map(str, set(guard) - fields))}; "
+                         f"fields: {sorted(fields)}")
+    return fp8.Guard(**guard)
+
+
+def _controller_from_settings(data: Any) -> Any:
+    from mixprec import fp8
+
+    return fp8.Controller.from_config(_expect(data, Mapping, "fp8_rule 'controller'", "an object"))
+
+
+def _warn_new_state(state: str, built: Any, where: str) -> None:
+    """Say that a guard or controller was built from saved settings (nothing of the caller's steps it)."""
+    fix = (f"pass {state}=your_{state} to Policy.load/from_json to run with yours" if where != "Policy.parse"
+           else f"to run with yours, attach it: policy.fp8(..., {state}=your_{state})")
+    warnings.warn(
+        f"mixprec.Policy: {where} built a new {type(built).__name__} from the policy's saved {state} "
+        f"settings (fresh: no decisions yet, and nothing of yours steps it; step it as "
+        f"policy.fp8_rule.{state}.step()); {fix}", UserWarning, stacklevel=5)
+
+
+def _settings(state: Any) -> dict[str, Any]:
+    """A guard's or controller's settings, as saved in a policy file."""
+    if hasattr(state, "config"):
+        return state.config()
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.init}
+
+
+def _refuse_unused_state(given: Mapping[str, Any], why: str) -> None:
+    for state, value in given.items():
+        if value is not None:
+            raise ValueError(f"{state}= given, but the policy cannot use it: {why}; attach it with "
+                             f"policy.fp8(..., {state}=...)")
 
 
 def _refuse_tracing(what: str) -> None:

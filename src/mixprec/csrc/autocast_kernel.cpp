@@ -16,6 +16,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <mutex>
@@ -33,6 +34,15 @@ std::vector<std::shared_ptr<const Table>> tables;  // id -> table; ids 0 and 1: 
 thread_local int64_t active[2] = {-1, -1};         // per device (0: cpu, 1: cuda), -1: none
 std::vector<std::unique_ptr<torch::Library>> libraries;
 std::unordered_map<c10::OperatorName, c10::OperatorHandle> routes;  // overload -> the op it calls
+// Calls inside kernel() now, in every thread (native threads that Python cannot see included):
+// release_kernels() refuses while any is in flight.
+std::atomic<int64_t> live{0};
+struct Live {
+  Live() { live.fetch_add(1, std::memory_order_acq_rel); }
+  ~Live() { live.fetch_sub(1, std::memory_order_acq_rel); }
+  Live(const Live&) = delete;
+  Live& operator=(const Live&) = delete;
+};
 
 std::shared_ptr<const Table> table_at(int64_t id) {
   std::lock_guard<std::mutex> guard(mu);
@@ -71,6 +81,7 @@ void on_trace(int64_t dev) {
 }
 
 void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const Live in_flight;
   const bool cuda = ks.highestPriorityTypeId() == c10::DispatchKey::AutocastCUDA;
   const int dev = cuda ? 1 : 0;
   if (ks.has(c10::DispatchKey::Python) || ks.has(c10::DispatchKey::PythonTLSSnapshot)) on_trace(dev);
@@ -175,6 +186,8 @@ void register_kernel(std::string name, int64_t device) {
   libraries.push_back(std::move(lib));
 }
 
+int64_t live_calls() { return live.load(std::memory_order_acquire); }
+
 int64_t release_kernels() {
   std::lock_guard<std::mutex> guard(mu);
   const auto n = static_cast<int64_t>(libraries.size());
@@ -189,5 +202,6 @@ TORCH_LIBRARY(mixprec_native, m) {
   m.def("set_active(int device, int id) -> ()", &set_active);
   m.def("define_route(str overload, str target) -> ()", &define_route);
   m.def("register_kernel(str name, int device) -> ()", &register_kernel);
+  m.def("live_calls() -> int", &live_calls);
   m.def("release_kernels() -> int", &release_kernels);
 }

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["available_cores", "choose_threads", "lowp_speed", "cpu_lowp_support", "environment", "native_lowp",
+__all__ = ["available_cores", "load_average", "choose_threads", "lowp_speed", "cpu_lowp_support", "environment", "native_lowp",
+           "steady_slowdown",
            "capability"]
 
 
@@ -36,15 +37,20 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def load_average() -> float | None:
+    """The 1-minute load average, or None where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
 def choose_threads(cores: int | None = None, load: float | None = None) -> tuple[int, str]:
     """Intra-op threads for the demo: the ``cores`` not busy with ``load`` (the 1-minute load
     average, taken before the demo starts), at least one; and the reason, for the report."""
     cores = available_cores() if cores is None else cores
     if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except (AttributeError, OSError):
-            load = 0.0
+        load = load_average() or 0.0
     free = math.floor(cores - load + 0.5)
     return max(1, min(cores, free)), f"{cores} cores, load {load:.1f}"
 
@@ -53,12 +59,13 @@ def lowp_speed(device: torch.device, n: int = 256, rounds: int = 15) -> dict[str
     """Time of an ``n x n`` matmul in float16 and bfloat16 relative to float32 on ``device``.
 
     The three dtypes are timed in turn, ``rounds`` times after a warm-up; each ratio is the
-    median of the per-round ratios, with the spread ``(q3 - q1) / median`` of those ratios (a
-    busy machine shows a large spread). A ratio well above 1 means no native kernels for that
-    dtype (on most CPUs float16 and bfloat16 matmuls are emulated). Synchronises the device.
+    median of the per-round ratios, with their quartiles ``low`` (q1) and ``high`` (q3) and the
+    spread ``(q3 - q1) / median`` (a busy machine shows a large spread). A ratio well above 1
+    means no native kernels for that dtype (on most CPUs float16 and bfloat16 matmuls are
+    emulated). Synchronises the device.
 
     Returns:
-        ``{"float16": {"slowdown": ..., "spread": ...}, "bfloat16": {...}}``.
+        ``{"float16": {"slowdown": ..., "low": ..., "high": ..., "spread": ...}, "bfloat16": {...}}``.
     """
     a = torch.randn(n, n, device=device)
     xs = {dtype: a.to(dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16)}
@@ -75,7 +82,8 @@ def lowp_speed(device: torch.device, n: int = 256, rounds: int = 15) -> dict[str
     for dtype in (torch.float16, torch.bfloat16):
         ratios = [t / f for t, f in zip(times[dtype], times[torch.float32])]
         q1, median, q3 = statistics.quantiles(ratios, n=4)
-        out[str(dtype).removeprefix("torch.")] = {"slowdown": median, "spread": (q3 - q1) / median}
+        out[str(dtype).removeprefix("torch.")] = {"slowdown": median, "low": q1, "high": q3,
+                                                  "spread": (q3 - q1) / median}
     return out
 
 
@@ -109,8 +117,25 @@ def cpu_lowp_support() -> dict[str, dict[str, Any]]:
     }
 
 
-# a slowdown measured with a larger spread (interquartile range / median) is not trusted
+# a slowdown measured with a larger spread (interquartile range / median) is not trusted, unless
+# even its lower quartile is above EMULATED_SLOWDOWN
 MAX_SPREAD = 0.5
+#: A matmul this many times slower than float32 (or more) is emulated.
+EMULATED_SLOWDOWN = 1.5
+
+
+def steady_slowdown(info: dict[str, float]) -> bool:
+    """Whether a :func:`lowp_speed` measurement is a result to quote: its spread is small, or
+    even its lower quartile is above :data:`EMULATED_SLOWDOWN` (a 41x slowdown measured between
+    30x and 50x is no noise, however wide its band).
+
+    Example:
+        >>> steady_slowdown({"slowdown": 41.0, "low": 30.0, "high": 52.0, "spread": 0.54})
+        True
+        >>> steady_slowdown({"slowdown": 1.3, "low": 0.8, "high": 2.0, "spread": 0.9})
+        False
+    """
+    return info.get("spread", 0.0) <= MAX_SPREAD or info.get("low", 0.0) > EMULATED_SLOWDOWN
 
 
 def native_lowp(env: dict[str, Any]) -> dict[str, bool | None]:
@@ -118,7 +143,8 @@ def native_lowp(env: dict[str, Any]) -> dict[str, bool | None]:
     the one reading of the capability that the demo's estimate, notes and captions use.
 
     From the CPU flags where they were read; where they were not, ``False`` when the matmul was
-    measured more than 1.5x slower than float32 with a small spread, else ``None`` (unknown).
+    measured more than :data:`EMULATED_SLOWDOWN` times slower than float32, steadily
+    (:func:`steady_slowdown`), else ``None`` (unknown).
     Empty off the CPU (a GPU's capability is not probed).
 
     Example:
@@ -129,7 +155,7 @@ def native_lowp(env: dict[str, Any]) -> dict[str, bool | None]:
     for dtype, info in env.get("cpu_lowp", {}).items():
         if info["native"] is not None:
             out[dtype] = bool(info["native"])
-        elif info.get("spread", 0.0) <= MAX_SPREAD and info["slowdown"] > 1.5:
+        elif steady_slowdown(info) and info["slowdown"] > EMULATED_SLOWDOWN:
             out[dtype] = False
         else:
             out[dtype] = None
@@ -148,13 +174,19 @@ def capability(env: dict[str, Any]) -> str:
 
 
 def environment(device: torch.device, threads_reason: str = "") -> dict[str, Any]:
-    """Versions and hardware of this run; on CPU, :func:`cpu_lowp_support` too."""
+    """Versions and hardware of this run (``cores``: :func:`available_cores`; ``load``: the
+    1-minute load average at the start, where the OS has one); on CPU, :func:`cpu_lowp_support`
+    too."""
     env: dict[str, Any] = {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "threads": torch.get_num_threads(),
+        "cores": available_cores(),
     }
+    load = load_average()
+    if load is not None:
+        env["load"] = load
     if threads_reason:
         env["threads_chosen_for"] = threads_reason
     if device.type == "cuda":

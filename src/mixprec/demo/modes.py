@@ -92,6 +92,8 @@ class Mode:
             report checks it when both ran.
         cpu_cost: time per step relative to fp32 on a CPU without native fp16/bf16 matmuls
             (measured on 2 AVX2 cores; a first guess for the time estimate, corrected as it runs).
+        speed_kind: the kind of the speed panel (:data:`mixprec.demo.speed.KINDS`) whose compute
+            this mode runs: the estimate scales that kind's measured step time by ``cpu_cost``.
     """
 
     name: str
@@ -101,6 +103,7 @@ class Mode:
     default: bool = True
     reference: str | None = None
     cpu_cost: float = 1.0
+    speed_kind: str = "fp32"
 
 
 # Every scaler of the demo starts at torch's default scale but grows after 20 clean steps
@@ -248,30 +251,36 @@ def _setup_fp8_controlled(recipe: str, **settings: Any) -> Callable[[nn.Module, 
 _ALL_MODES = (
     Mode("fp32", "float32 weights and compute", (), _setup_fp32),
     Mode("torch-amp", "torch.autocast fp16 + torch.amp.GradScaler (reference)", (),
-         _setup_amp("torch", torch.float16), cpu_cost=7.5),
+         _setup_amp("torch", torch.float16), cpu_cost=7.5, speed_kind="fp16"),
     Mode("mixprec-fp16", "mixprec.autocast fp16 + mixprec.GradScaler", ("autocast", "GradScaler"),
-         _setup_amp("mixprec", torch.float16), reference="torch-amp", cpu_cost=7.5),
+         _setup_amp("mixprec", torch.float16), reference="torch-amp", cpu_cost=7.5, speed_kind="fp16"),
     Mode("mixprec-fp16-layerwise", "mixprec.autocast fp16 + mixprec.GradScaler(per_layer=True)",
-         ("autocast", "GradScaler"), _setup_fp16_layerwise, default=False, cpu_cost=7.6),
+         ("autocast", "GradScaler"), _setup_fp16_layerwise, default=False, cpu_cost=7.6, speed_kind="fp16"),
     Mode("mixprec-bf16", "mixprec.autocast bf16", ("autocast",), _setup_amp("mixprec", torch.bfloat16),
-         reference="torch-amp-bf16", cpu_cost=1.5),
-    Mode("bf16-naive", "bf16 weights, plain torch AdamW", ("to_low_precision",), _setup_bf16(None), cpu_cost=1.2),
+         reference="torch-amp-bf16", cpu_cost=1.5, speed_kind="bf16"),
+    Mode("bf16-naive", "bf16 weights, plain torch AdamW", ("to_low_precision",), _setup_bf16(None), cpu_cost=1.2,
+         speed_kind="bf16"),
     Mode("bf16-kahan", "bf16 weights, mixprec AdamW with Kahan summation",
-         ("to_low_precision", "optim.AdamW"), _setup_bf16("kahan"), cpu_cost=1.4),
+         ("to_low_precision", "optim.AdamW"), _setup_bf16("kahan"), cpu_cost=1.4, speed_kind="bf16"),
     Mode("bf16-stochastic", "bf16 weights, mixprec AdamW with stochastic rounding",
-         ("to_low_precision", "optim.AdamW"), _setup_bf16("stochastic"), cpu_cost=2.2),
+         ("to_low_precision", "optim.AdamW"), _setup_bf16("stochastic"), cpu_cost=2.2, speed_kind="bf16"),
     Mode("fp16-master", "fp16 weights + fp32 MasterWeights + mixprec.GradScaler",
-         ("to_low_precision", "MasterWeights", "GradScaler"), _setup_fp16_master, cpu_cost=8.0),
+         ("to_low_precision", "MasterWeights", "GradScaler"), _setup_fp16_master, cpu_cost=8.0,
+         speed_kind="fp16"),
     Mode("mixprec-fp8", "mixprec.autocast bf16 + fp8 tensorwise Linear layers (policy, controller)",
-         ("autocast", "Policy.fp8", "Controller"), _setup_fp8_controlled("tensorwise"), cpu_cost=5.0),
+         ("autocast", "Policy.fp8", "Controller"), _setup_fp8_controlled("tensorwise"), cpu_cost=5.0,
+         speed_kind="fp8"),
     Mode("mixprec-fp8-rowwise", "mixprec.autocast bf16 + fp8 rowwise Linear layers (policy, controller)",
-         ("autocast", "Policy.fp8", "Controller"), _setup_fp8_controlled("rowwise"), cpu_cost=5.5),
+         ("autocast", "Policy.fp8", "Controller"), _setup_fp8_controlled("rowwise"), cpu_cost=5.5,
+         speed_kind="fp8"),
     Mode("mixprec-fp8-guard", "mixprec.autocast bf16 + fp8 tensorwise Linear layers (policy, guard)",
-         ("autocast", "Policy.fp8", "fp8.Guard"), _setup_fp8("tensorwise"), default=False, cpu_cost=5.0),
+         ("autocast", "Policy.fp8", "fp8.Guard"), _setup_fp8("tensorwise"), default=False, cpu_cost=5.0,
+         speed_kind="fp8"),
     Mode("mixprec-fp8-rowwise-guard", "mixprec.autocast bf16 + fp8 rowwise Linear layers (policy, guard)",
-         ("autocast", "Policy.fp8", "fp8.Guard"), _setup_fp8("rowwise"), default=False, cpu_cost=5.5),
+         ("autocast", "Policy.fp8", "fp8.Guard"), _setup_fp8("rowwise"), default=False, cpu_cost=5.5,
+         speed_kind="fp8"),
     Mode("torch-amp-bf16", "torch.autocast bf16 (reference of mixprec-bf16)", (),
-         _setup_amp("torch", torch.bfloat16), default=False, cpu_cost=1.2),
+         _setup_amp("torch", torch.bfloat16), default=False, cpu_cost=1.2, speed_kind="bf16"),
 )
 
 #: Every mode by name.

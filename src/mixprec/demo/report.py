@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.demo import fp8_figure, layerwise_figure
-from mixprec.demo.environment import MAX_SPREAD, native_lowp
+from mixprec.demo.alternate import pair_words
+from mixprec.demo.environment import native_lowp, steady_slowdown
 from mixprec.demo.results import DemoResult, ModeResult, checks, format_fp8, rank, smooth, summarize
 from mixprec.demo.speed import KINDS, kind_name, speed_sentence
 from mixprec.demo.verdict import verdict
@@ -34,23 +35,30 @@ def hardware_note(result: DemoResult) -> str | None:
     """A sentence when this CPU emulates float16/bfloat16 matmuls (no native units), else None.
 
     Native or not is :func:`mixprec.demo.environment.native_lowp` (the CPU flags; where they are
-    unknown, a matmul measured more than 1.5x slower than float32 with a small spread). The
-    measured slowdown (median of repeated rounds) is quoted only when its spread is small; on a
-    busy machine it is left out.
+    unknown, a matmul measured steadily more than 1.5x slower than float32). The measured
+    slowdown (median of repeated rounds, with its interquartile band) is quoted when it is steady
+    (:func:`mixprec.demo.environment.steady_slowdown`: a small spread, or a lower quartile
+    itself well above 1); otherwise the note says it was too noisy.
     """
     support = result.environment.get("cpu_lowp", {})
     emulated = [dtype for dtype, native in native_lowp(result.environment).items() if native is False]
     if not emulated:
         return None
-    quoted = [f"{dtype} {support[dtype]['slowdown']:.1f}x" for dtype in emulated
-              if support[dtype].get("spread", 0.0) <= MAX_SPREAD]
-    timing = (f" (a matmul is {', '.join(quoted)} slower than float32, median of repeated rounds)" if quoted
-              else " (the matmul slowdown was too noisy to quote on this busy machine)")
+    quoted = [f"{dtype} {_band(support[dtype])}" for dtype in emulated if steady_slowdown(support[dtype])]
+    timing = (f" (a matmul is {', '.join(quoted)} slower than float32, median and interquartile band of "
+              "repeated rounds)" if quoted else " (the matmul slowdown was too noisy to quote on this busy machine)")
     return (
         f"this CPU has no native {'/'.join(emulated)} matmul units{timing}, so low-precision modes run "
         "slower than fp32 here while on a GPU they run faster: compare their losses and memory, not "
         "their speed; their results also depend on this CPU's emulation kernels."
     )
+
+
+def _band(info: dict[str, float]) -> str:
+    """``41.0x (35.2-47.9x)``: a slowdown with its interquartile band, when it was recorded."""
+    if "low" in info and "high" in info:
+        return f"{info['slowdown']:.1f}x ({info['low']:.1f}-{info['high']:.1f}x)"
+    return f"{info['slowdown']:.1f}x"
 
 
 def _sentence(text: str) -> str:
@@ -112,7 +120,7 @@ def _table(result: DemoResult) -> str:
             f"{st.final_loss:.4f} ± {st.final_spread:.4f}" if several else f"{m.final_loss:.4f}",
             f"{st.eval_loss:.4f} ± {st.eval_spread:.4f}" if several else f"{m.eval_loss:.4f}",
             f"{m.tokens_per_s:,.0f}",
-            f"{time_ratio(m, ref):.2f}x",
+            _time_cell(result, m, ref),
             f"{_mib(m.total_memory):.2f}",
             str(len(m.skipped_steps)) if m.scales else "-",
         ))
@@ -121,14 +129,33 @@ def _table(result: DemoResult) -> str:
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     seeds = f"{len(result.seeds)} seeds" if several else f"seed {result.seeds[0]}"
-    lines.append(f"({seeds}; time / {ref.mode}: time per token relative to {ref.mode}, lower is faster)")
+    alternated = (f"; {', '.join(p.split(' = ')[0] for p in _ref_pairs(result, ref))}: steps timed in alternation "
+                  f"with {ref.mode} (same kernels), median ratio and its noise band" if _ref_pairs(result, ref) else "")
+    lines.append(f"({seeds}; time / {ref.mode}: time per token relative to {ref.mode}, lower is faster{alternated})")
     return "\n".join(lines)
+
+
+def _ref_pairs(result: DemoResult, ref: ModeResult) -> dict[str, dict[str, Any]]:
+    """The alternated timings (``DemoResult.pairs``) against the table's reference mode."""
+    return {pair: t for pair, t in result.pairs.items() if pair.split(" = ")[1] == ref.mode}
+
+
+def _time_cell(result: DemoResult, mode: ModeResult, ref: ModeResult) -> str:
+    """The table's time ratio: from the alternated timing when ``mode`` was timed against
+    ``ref`` that way (``1.01x (0.93-1.10)``: median and noise band), else from the throughputs."""
+    timing = result.pairs.get(f"{mode.mode} = {ref.mode}")
+    if timing is None:
+        return f"{time_ratio(mode, ref):.2f}x"
+    return f"{timing['ratio']:.2f}x ({timing['low']:.2f}-{timing['high']:.2f})"
 
 
 def format_checks(result: DemoResult) -> list[str]:
     """One line per bitwise check (a mode against its reference), e.g.
-    ``mixprec-fp16 = torch-amp: identical (losses, scales, skipped steps)``."""
-    return [f"{pair}: {verdict}" for pair, verdict in checks(result).items()]
+    ``mixprec-fp16 = torch-amp: identical (losses, scales, skipped steps)``; then one line per
+    pair whose steps were timed in alternation (:func:`mixprec.demo.alternate.pair_words`)."""
+    lines = [f"{pair}: {verdict}" for pair, verdict in checks(result).items()]
+    return lines + [f"{pair.replace(' = ', ' against ')}, steps timed in alternation: "
+                    f"{pair_words(timing, pair.split(' = ')[1])}" for pair, timing in result.pairs.items()]
 
 
 def _timing(result: DemoResult) -> str:

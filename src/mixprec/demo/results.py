@@ -104,7 +104,9 @@ class DemoResult:
     ``settings.seed`` is the first seed; the others follow it (``seed + 1``, ...). ``speed`` is
     the speed panel (:func:`mixprec.demo.speed.measure`; empty when it did not run),
     ``seeds_note`` why this many seeds ran (when a time budget chose them), ``interrupted``
-    where a Ctrl-C stopped the run (empty when it ran to the end).
+    where a Ctrl-C stopped the run (empty when it ran to the end); ``pairs``, per ``"mode =
+    reference"`` that trained bitwise alike, their steps timed in alternation
+    (:func:`mixprec.demo.alternate.time_pair`).
     """
 
     settings: Settings
@@ -114,6 +116,7 @@ class DemoResult:
     speed: dict[str, Any] = field(default_factory=dict)
     seeds_note: str = ""
     interrupted: str = ""
+    pairs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def seeds(self) -> list[int]:
@@ -143,6 +146,7 @@ class DemoResult:
             "speed": self.speed,
             "seeds_note": self.seeds_note,
             "interrupted": self.interrupted,
+            "pairs": self.pairs,
         }
 
 

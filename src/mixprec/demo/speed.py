@@ -3,12 +3,13 @@
 A few timed training steps (AdamW, one fixed batch) of fp32, ``torch.autocast`` bf16,
 ``torch.autocast`` fp16 and emulated fp8 (``mixprec.autocast`` with
 ``Policy.parse("compute=bf16").fp8("tensorwise")``) at the demo's model sizes, so the report
-shows at which size a low-precision kind starts to beat fp32 here. The kinds are timed in turn,
+shows at which size a low-precision kind starts to beat fp32 here (the size the demo trains is
+timed first, whatever the budget). The kinds are timed in turn,
 round after round (the first round untimed: allocations, kernel selection, optimizer state);
 each ratio is the median of the per-round ratios ``time / fp32 time``, so a machine whose load
 changes during the panel still compares like with like. A size whose expected cost (from the
-previous size's times, scaled by the floating-point work) does not fit what is left of the time
-budget is skipped, and so are the larger ones; the panel says so.
+last timed size's, scaled by the floating-point work) does not fit what is left of the time
+budget is skipped; the panel says so.
 
 Example:
     >>> panel = {"threads": 1, "batch_size": 8, "sizes": [
@@ -96,44 +97,54 @@ def measure(
     rounds: int = 3,
     budget_s: float = SPEED_BUDGET_S,
     note: Callable[[str], None] | None = None,
+    first: str | None = None,
 ) -> dict[str, Any]:
-    """Time every kind of :data:`KINDS` at each of ``sizes`` (in this order, smallest first),
-    ``rounds`` timed rounds after one warm-up round, batches of :data:`SPEED_BATCH` sequences
-    from ``train``; ``note`` is told each size's result.
+    """Time every kind of :data:`KINDS` at each of ``sizes``, ``rounds`` timed rounds after one
+    warm-up round, batches of :data:`SPEED_BATCH` sequences from ``train``; ``note`` is told each
+    size's result.
+
+    ``first`` (the size the demo trains, one of ``sizes``) is timed first, whatever the budget;
+    then the other sizes, smallest first, each only when its expected cost (the last timed
+    size's, scaled by the floating-point work) fits what is left of ``budget_s``.
 
     Returns ``{"device", "threads", "batch_size", "rounds", "budget_s", "seconds" (the panel's wall time),
     "sizes": [{"size", "seconds": {kind: median s/step}, "ratio": {kind: median time / fp32},
-    "spread": {kind: (max - min) / median of the ratios}}, ...], "skipped": {size: why}}``.
+    "spread": {kind: (max - min) / median of the ratios}}, ...] (in the order of ``sizes``),
+    "skipped": {size: why}}``.
 
     Raises:
-        ValueError: an unknown size, or ``rounds < 1``.
+        ValueError: an unknown size, ``first`` not among ``sizes``, or ``rounds < 1``.
     """
     unknown = [s for s in sizes if s not in SIZES]
-    if unknown or rounds < 1:
-        raise ValueError(f"sizes must be among {', '.join(SIZES)} and rounds >= 1, got {sizes}, {rounds}")
+    if unknown or rounds < 1 or (first is not None and first not in sizes):
+        raise ValueError(f"sizes must be among {', '.join(SIZES)}, first among them and rounds >= 1, "
+                         f"got {sizes}, first {first!r}, {rounds}")
     device = torch.device(device)
     start = time.perf_counter()
     out: dict[str, Any] = {"device": str(device), "threads": torch.get_num_threads(), "batch_size": SPEED_BATCH,
                            "rounds": rounds,
                            "budget_s": budget_s, "sizes": [], "skipped": {}}
+    order = ([first] if first is not None else []) + [s for s in sizes if s != first]
+    timed: dict[str, dict[str, Any]] = {}
     previous: tuple[str, float] | None = None  # (size, seconds of one round)
-    for size in sizes:
+    for size in order:
         left = budget_s - (time.perf_counter() - start)
         if previous is not None:
             expected = previous[1] * step_work(SIZES[size], SPEED_BATCH) / step_work(SIZES[previous[0]], SPEED_BATCH)
             if expected * (rounds + 1) > left:
-                for rest in sizes[sizes.index(size):]:
-                    out["skipped"][rest] = (f"expected {expected * (rounds + 1):.0f} s, more than the "
-                                            f"{max(left, 0):.0f} s left of the panel's {budget_s:.0f} s")
+                out["skipped"][size] = (f"expected {expected * (rounds + 1):.0f} s, more than the "
+                                        f"{max(left, 0):.0f} s left of the panel's {budget_s:.0f} s")
                 if note is not None:
-                    note(f"speed panel: {', '.join(out['skipped'])} not timed ({out['skipped'][size]})")
-                break
+                    note(f"speed panel: {size} not timed ({out['skipped'][size]})")
+                continue
         entry = _time_size(size, train, device, rounds)
-        out["sizes"].append(entry)
+        timed[size] = entry
         previous = (size, sum(entry["seconds"].values()))
         if note is not None:
             note(f"speed panel, {size}: " + ", ".join(
                 f"{kind} {entry['ratio'][kind]:.2f}x" for kind in KINDS if kind != "fp32") + " the time of fp32")
+    out["sizes"] = [timed[s] for s in sizes if s in timed]
+    out["skipped"] = {s: out["skipped"][s] for s in sizes if s in out["skipped"]}
     out["seconds"] = time.perf_counter() - start
     return out
 

@@ -302,11 +302,13 @@ def run_demo(
     (``settings.seed``, ``settings.seed + 1``, ...); see :func:`run_mode`.
 
     ``progress`` is also told the expected duration before training and a corrected one after
-    the first steps of each mode (:class:`mixprec.demo.estimate.Estimate`).
+    the first steps of each mode and after each run (:class:`mixprec.demo.estimate.Estimate`).
+    After training, each mode that trained bitwise like its reference is timed against it in
+    alternation (``DemoResult.pairs``; :mod:`mixprec.demo.alternate`).
 
     Args:
         speed_sizes: the model sizes of the speed panel (:func:`mixprec.demo.speed.measure`),
-            timed before training; no panel when empty.
+            timed before training (``settings.size`` first when among them); no panel when empty.
         budget_s: with it, ``seeds`` is the most: a seed after the first is trained only when it
             is expected to end within ``budget_s`` seconds of the start (expected: as long as the
             slowest seed so far); ``DemoResult.seeds_note`` says how many ran and why.
@@ -334,8 +336,10 @@ def run_demo(
     note = progress.note if progress is not None else None
     try:
         if speed_sizes:
-            result.speed = speed.measure(data[0], device, speed_sizes, note=note)
-        estimate = Estimate.start(settings, list(modes) * (1 if budget_s is not None else seeds), device, progress, env)
+            result.speed = speed.measure(data[0], device, speed_sizes, note=note,
+                                         first=settings.size if settings.size in speed_sizes else None)
+        estimate = Estimate.start(settings, list(modes) * (1 if budget_s is not None else seeds), device, progress, env,
+                                  result.speed)
         seed_s: list[float] = []  # wall time of each seed
         for offset in range(seeds):
             if offset and budget_s is not None:
@@ -354,11 +358,28 @@ def run_demo(
             if budget_s is not None:
                 result.seeds_note = f"{seeds} seeds, the most, within the {budget_s:.0f} s budget"
         estimate.done()
+        _time_identical_pairs(result, settings, device, data[0], note)
     except KeyboardInterrupt:
         if not result.runs:
             raise
         _keep_complete_seeds(result, list(modes))
     return result
+
+
+def _time_identical_pairs(result: DemoResult, settings: Settings, device: torch.device, train: torch.Tensor,
+                          note: Any) -> None:
+    """For each mode that trained bitwise like its reference (every seed), time their steps in
+    alternation (:func:`mixprec.demo.alternate.time_pair`): sequential runs differ by the load."""
+    from mixprec.demo.alternate import pair_words, time_pair
+    from mixprec.demo.results import checks
+
+    for pair, verdict in checks(result).items():
+        if not verdict.startswith("identical"):
+            continue
+        mode, reference = pair.split(" = ")
+        result.pairs[pair] = time_pair(mode, reference, settings, device, train)
+        if note is not None:
+            note(f"{pair}, steps timed in alternation: {pair_words(result.pairs[pair], reference)}")
 
 
 def _keep_complete_seeds(result: DemoResult, modes: list[str]) -> None:

@@ -5,8 +5,10 @@ did so.
 Accuracy compares each mode's validation loss with the base mode's (the first, fp32) seed by
 seed, as :func:`mixprec.demo.results.rank` does: a mode is better or worse only beyond twice the
 standard deviation of that difference over the seeds and beyond 0.1% of fp32's loss; from fewer than :data:`MIN_SEEDS` seeds
-there is no band to rest on (a standard deviation from two values is itself mostly noise) and
-nothing is called better or worse. Speed is this run's throughput (the trained size), and the
+there is no band to rest on (a standard deviation from two values is itself mostly noise):
+nothing is called better or worse, the line says what those seeds can and cannot tell, and speed
+and memory recommend only the modes within 0.1% of fp32's loss on every seed (:func:`within_bar`);
+fp32 itself is the reference and never carries a caveat. Speed is this run's throughput (the trained size), and the
 speed panel's crossover (:mod:`mixprec.demo.speed`) for larger models.
 
 Example:
@@ -14,15 +16,15 @@ Example:
     >>> from mixprec.demo.settings import Settings
     >>> runs = [ModeResult(m, "", [2.0] * 10, 2.0, tps, {"params": 8}, "") for m, tps in (("fp32", 9.0), ("b", 4.0))]
     >>> verdict(DemoResult(Settings.for_size("tiny", steps=10), "cpu", {}, runs))[1]
-    'For speed at this size (tiny, 10 steps): fp32 (9 tokens/s; accuracy not established, see above).'
+    'For speed at this size (tiny, 10 steps): fp32 (9 tokens/s).'
 """
 
 from __future__ import annotations
 
-from mixprec.demo.results import DemoResult, ModeResult, Summary, smooth, summarize
+from mixprec.demo.results import NEGLIGIBLE, DemoResult, ModeResult, Summary, smooth, summarize
 from mixprec.demo.speed import speed_sentence
 
-__all__ = ["verdict", "departure", "DEPARTURE_RATIO", "MIN_SEEDS"]
+__all__ = ["verdict", "departure", "within_bar", "DEPARTURE_RATIO", "MIN_SEEDS"]
 
 #: The fewest seeds whose spread the accuracy verdict rests on.
 MIN_SEEDS = 3
@@ -34,15 +36,47 @@ DEPARTURE_RATIO = 0.02
 _LEAVES = 0.05
 
 
+def within_bar(result: DemoResult, mode: str) -> bool:
+    """Whether ``mode``'s validation loss is within :data:`~mixprec.demo.results.NEGLIGIBLE`
+    (0.1%) of the base mode's (the first) on every seed both ran: the accuracy bar a mode must
+    pass, from fewer than :data:`MIN_SEEDS` seeds, to be recommended for speed or memory."""
+    names = list(dict.fromkeys(r.mode for r in result.runs))
+    base = {r.seed: r.eval_loss for r in result.of(names[0])}
+    runs = [r for r in result.of(mode) if r.seed in base]
+    return bool(runs) and all(abs(r.eval_loss - base[r.seed]) <= NEGLIGIBLE * abs(base[r.seed]) for r in runs)
+
+
+def _few_seeds(result: DemoResult, stats: list[Summary]) -> tuple[str, list[str]]:
+    """The accuracy sentence from fewer than :data:`MIN_SEEDS` seeds: what they can tell (each
+    mode's difference to fp32 on these seeds, and which stay within 0.1% of fp32's loss) and what
+    they cannot (whether a difference is systematic); the modes within the bar (the base first)."""
+    base, n = stats[0].base, stats[0].seeds
+    others = stats[1:]
+    which = f"seed {result.seeds[0]}" if n == 1 else f"seeds {', '.join(map(str, result.seeds))}"
+    inside = [s for s in others if within_bar(result, s.mode)]
+    outside = [s for s in others if s not in inside]
+
+    def listed(group: list[Summary]) -> str:
+        return ", ".join(f"{s.mode} ({s.eval_vs_base:+.3f})" for s in group) or "none"
+
+    mean = "" if n == 1 else " (mean over them)"
+    whose = "this seed's" if n == 1 else "these seeds'"
+    text = (f"For accuracy, from {n} seed{'s' if n > 1 else ''} ({which}): validation loss minus {base}'s{mean}, "
+            f"within 0.1% of {base}'s {stats[0].eval_loss:.3f} on every seed: {listed(inside)}; beyond it: "
+            f"{listed(outside)}. {'One seed' if n == 1 else f'{n} seeds'} cannot tell whether a difference is "
+            f"systematic or {whose} chance (the seed-to-seed noise band "
+            f"takes {MIN_SEEDS} seeds: --seeds {MIN_SEEDS}), so no mode is called better or worse than {base} "
+            f"(the reference); speed and memory below consider only {base} and the modes within 0.1%"
+            + (f" ({result.seeds_note})" if result.seeds_note else "") + ".")
+    return text, [base] + [s.mode for s in inside]
+
+
 def _accuracy(result: DemoResult, stats: list[Summary]) -> tuple[str, list[str]]:
-    """The accuracy sentence and the modes that match the base mode (the base first)."""
+    """The accuracy sentence and the modes that pass its bar (the base first)."""
     base, n = stats[0].base, stats[0].seeds
     others = stats[1:]
     if n < MIN_SEEDS:
-        return (f"For accuracy: from {n} seed{'s' if n > 1 else ''} there is no noise band to rest on (it takes "
-                f"{MIN_SEEDS} seeds or more), so no mode is called better or worse than {base}; "
-                f"--seeds {MIN_SEEDS} measures it"
-                + (f" ({result.seeds_note})" if result.seeds_note else "") + ".", [s.mode for s in stats])
+        return _few_seeds(result, stats)
     match = [s for s in others if not s.distinct]
     better = [s for s in others if s.distinct and s.eval_vs_base < 0]
     worse = [s for s in others if s.distinct and s.eval_vs_base > 0]
@@ -114,11 +148,11 @@ def verdict(result: DemoResult) -> list[str]:
     several = stats[0].seeds >= MIN_SEEDS
     candidates = [modes[m] for m in good if m in modes]
     fastest = max(candidates, key=lambda m: m.tokens_per_s)
-    among = f"the fastest mode that matches {base.mode}'s accuracy" if several else "the fastest mode"
+    # the base mode is the reference: no caveat about its own accuracy, ever
+    caveat = "" if several or fastest is base else f"; within 0.1% of {base.mode}'s loss, not shown to match it"
     ratio = base.tokens_per_s / fastest.tokens_per_s
     speed = (f"For speed at this size ({s.size}, {s.steps} steps): {fastest.mode} ({fastest.tokens_per_s:,.0f} tokens/s"
-             + (f", {ratio:.2f}x {base.mode}'s time" if fastest is not base else "")
-             + ("" if several else "; accuracy not established, see above") + ").")
+             + (f", {ratio:.2f}x {base.mode}'s time" if fastest is not base else "") + caveat + ").")
     if result.speed.get("sizes"):
         speed += " At other sizes (the speed panel), " + speed_sentence(result.speed, result.device)
     lines = [accuracy, speed]
@@ -126,6 +160,9 @@ def verdict(result: DemoResult) -> list[str]:
         least = min(candidates, key=lambda m: m.total_memory)
         lines.append(f"For memory: {least.mode} ({least.total_memory / 2**20:.2f} MiB, "
                      f"{least.total_memory / base.total_memory:.0%} of {base.mode}'s)"
-                     + ("" if several else ", accuracy not established") + ".")
+                     + ("" if several or least is base else caveat.replace(";", ",", 1)) + ".")
+    else:
+        lines.append(f"For memory: no mode passes the accuracy bar above, so none is recommended over "
+                     f"{base.mode} ({base.total_memory / 2**20:.2f} MiB).")
     far = _departures(result, base)
     return lines if far is None else lines + [far]

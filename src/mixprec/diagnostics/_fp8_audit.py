@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
@@ -111,9 +111,10 @@ def _named(recipe: Any) -> Any:
 
 def recommend_fp8(passes: Passes, policy: Any, recipe: Any, scale: float, *,
                   underflow_threshold: float, min_sqnr_db: float | None,
-                  max_fixes: int) -> tuple[Any, Fp8Advice]:
+                  max_fixes: int, progress: Callable[[str], None] = lambda line: None) -> tuple[Any, Fp8Advice]:
     """``(policy with the fp8 layers, Fp8Advice)`` for the compute ``policy`` (see module docs);
-    ``recipe``: a recipe, its name, or ``"auto"`` (a format per layer)."""
+    ``recipe``: a recipe, its name, or ``"auto"`` (a format per layer); ``progress`` gets a line
+    before each pass."""
     from mixprec import fp8
     from mixprec.fp8._state import OPERANDS, swap_layer_state
 
@@ -143,6 +144,7 @@ def recommend_fp8(passes: Passes, policy: Any, recipe: Any, scale: float, *,
             for n, st in states.items():
                 st.reset()
                 st.sample_sqnr = min_sqnr_db is not None and n in trial
+            progress(f"fp8 {r.name}: measuring {len(trial)} Linear layer(s)")
             passes.run(_with_fp8(policy, {**formats, **{n: _named(r) for n in trial}}), scale)
             for n in trial:
                 read = states[n].read()
@@ -163,6 +165,7 @@ def recommend_fp8(passes: Passes, policy: Any, recipe: Any, scale: float, *,
             for st in states.values():
                 st.reset()
                 st.fallback, st.sample_sqnr = False, False
+            progress(f"fp8: verifying {len(formats)} layer(s) in fp8" + (f" (round {fixes + 1})" if fixes else ""))
             event = passes.traced(_with_fp8(policy, formats), scale)
             culprit = None if event is None else event.fp8_layer
             if culprit not in formats or fixes == max_fixes:

@@ -72,7 +72,7 @@ _ALIASES = {"fp16": "float16", "half": "float16", "f16": "float16", "bf16": "bfl
 _FP16_MAX = torch.finfo(torch.float16).max
 
 
-def _dtype_name(dtype: torch.dtype | str) -> str:
+def _dtype_name(dtype: torch.dtype | str, fp8_option: str) -> str:
     if isinstance(dtype, torch.dtype):
         name = str(dtype).removeprefix("torch.")
     elif isinstance(dtype, str):
@@ -80,14 +80,16 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
     else:
         raise TypeError(f"dtypes must hold torch.dtype or str values, got {type(dtype).__name__}")
     if name not in _CANDIDATES:
-        hint = ("; fp8 is not a compute dtype: pass fp8='tensorwise' (or another recipe) to have "
+        hint = (f"; fp8 is not a compute dtype: pass {fp8_option} (or another recipe) to have "
                 "the audit choose the Linear layers that run in fp8" if "float8" in name else "")
         raise ValueError(f"audit chooses among float16 and bfloat16 only, got {dtype!r}{hint}")
     return name
 
 
-def dtype_names(dtypes: Iterable[torch.dtype | str] | torch.dtype | str) -> tuple[str, ...]:
-    """The candidate dtypes as canonical names, in order, without repeats.
+def dtype_names(dtypes: Iterable[torch.dtype | str] | torch.dtype | str, *,
+                fp8_option: str = "fp8='tensorwise'") -> tuple[str, ...]:
+    """The candidate dtypes as canonical names, in order, without repeats (``fp8_option``: how
+    the error for an fp8 dtype spells the fp8 option, ``"--fp8 tensorwise"`` on the command line).
 
     Example:
         >>> dtype_names(["fp16", torch.bfloat16, "half"])
@@ -99,7 +101,7 @@ def dtype_names(dtypes: Iterable[torch.dtype | str] | torch.dtype | str) -> tupl
     """
     if isinstance(dtypes, (torch.dtype, str)):
         dtypes = (dtypes,)
-    names = tuple(dict.fromkeys(_dtype_name(d) for d in dtypes))
+    names = tuple(dict.fromkeys(_dtype_name(d, fp8_option) for d in dtypes))
     if not names:
         raise ValueError("dtypes is empty; pass e.g. dtypes=(torch.float16, torch.bfloat16)")
     return names
@@ -238,6 +240,7 @@ def audit(
     fp8: Any = None,
     fp8_min_sqnr_db: float | None = 20.0,
     loss_rtol: float = 0.05,
+    progress: Callable[[str], None] | None = None,
 ) -> AuditReport:
     """Audit ``model`` on ``batch`` and recommend a precision policy (see module docs).
 
@@ -271,6 +274,9 @@ def audit(
         fp8_min_sqnr_db: the SQNR floor for fp8 layers (``None``: not sampled).
         loss_rtol: how far (relative to the float32 loss, at least ``1e-6`` absolute) a
             verification pass's loss may be from float32's and still count as verified.
+        progress: called with one line before each step (the float32 reference, each dtype's
+            run under the default policy and its verification rounds, the fp8 measurements),
+            e.g. ``progress=print``; ``mixprec audit`` prints them on stderr.
 
     Returns:
         An :class:`AuditReport`.
@@ -317,12 +323,16 @@ def audit(
         raise ValueError(f"fp8_min_sqnr_db must be None or a number of dB, got {fp8_min_sqnr_db!r}")
     if not (isinstance(loss_rtol, (int, float)) and loss_rtol > 0):
         raise ValueError(f"loss_rtol must be a number > 0, got {loss_rtol!r}")
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be None or a callable taking a line, got {type(progress).__name__}")
+    say = progress or (lambda line: None)
     check_device(model, batch, device_type)
     check_batch(batch)
 
     losses = _Losses(_as_model_loss(loss_fn), steps, loss_rtol)
     passes = Passes(model, batch, losses, device_type, steps)
     try:
+        say(f"float32 reference: {steps} pass(es), ranges and gradients")
         ref = _reference(passes, "float16" in names, margin, scaler, losses)
         ranges = dict(ref.ranges)
         keep: dict[str, tuple[str, ...]] = {}
@@ -334,11 +344,14 @@ def audit(
         for d in names:
             scale = ref.grad_scale if d == "float16" else 1.0
             kept = _candidates(ref.float32, d, underflow_threshold)
+            say(f"{d}: the default policy")
             default_events[d], ranges[d] = _default_run(passes, d, scale)
             judged = ref.scaled if d == "float16" else ref.float32
             risks += _risks(d, ref.float32, judged, ranges[d], default_events[d])
+            if kept:
+                say(f"{d}: verifying with {len(kept)} module(s) kept in float32")
             first = default_events[d] if not kept else passes.traced(_policy(d, kept), scale)
-            kept, scale, clean = _verify(passes, d, kept, scale, first, max_fixes)
+            kept, scale, clean = _verify(passes, d, kept, scale, first, max_fixes, say)
             loss_ok[d] = losses.check(d)  # the last pass ran the candidate policy
             verified[d] = clean and loss_ok[d]
             keep[d] = tuple(n for n, _ in model.named_modules() if n in kept)
@@ -353,7 +366,8 @@ def audit(
 
             policy, advice = recommend_fp8(
                 passes, policy, fp8, scale16 if chosen == "float16" else 1.0,
-                underflow_threshold=underflow_threshold, min_sqnr_db=fp8_min_sqnr_db, max_fixes=max_fixes)
+                underflow_threshold=underflow_threshold, min_sqnr_db=fp8_min_sqnr_db, max_fixes=max_fixes,
+                progress=say)
             # its last pass verified the final policy: the loss counts too
             advice = dataclasses.replace(advice, verified=losses.check("fp8") and advice.verified)
         return AuditReport(
@@ -482,8 +496,8 @@ def _default_run(passes: Passes, dtype: str, scale: float
     return event, collector.results()
 
 
-def _verify(passes: Passes, dtype: str, kept: set[str], scale: float,
-            event: NonFiniteEvent | None, max_fixes: int) -> tuple[set[str], float, bool]:
+def _verify(passes: Passes, dtype: str, kept: set[str], scale: float, event: NonFiniteEvent | None,
+            max_fixes: int, say: Callable[[str], None]) -> tuple[set[str], float, bool]:
     """Step 4: fix what still goes wrong under the candidate policy (``event``: the first
     inf/NaN of a pass under it), at most ``max_fixes`` times: a backward inf/NaN in float16
     divides the scale by 8 (down to 1), any other keeps the module it names in float32.
@@ -497,6 +511,8 @@ def _verify(passes: Passes, dtype: str, kept: set[str], scale: float,
         else:
             break  # keeping it in float32 did not help: nothing more to try
         fixes += 1
+        say(f"{dtype}: verifying with {len(kept)} module(s) kept in float32"
+            + (f", loss scale {scale:g}" if dtype == "float16" else "") + f" (fix {fixes} of at most {max_fixes})")
         event = passes.traced(_policy(dtype, kept), scale)
     return kept, scale, event is None
 

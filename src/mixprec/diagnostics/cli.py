@@ -3,7 +3,9 @@
 The factory is called with no arguments and returns ``(model, batch, loss_fn)`` as
 :func:`mixprec.audit` takes them (``loss_fn(model, batch) -> scalar loss``). The command writes
 ``index.html`` and ``report.json`` (whose ``"policy"`` ``mixprec.Policy.load`` reads back) into
-``--out`` and prints the summary. A bad target (module not found, no such attribute, not
+``--out`` and prints the summary, whose "use it" line loads the policy from that
+``report.json``; while the audit runs, one progress line per step goes to stderr (each pass
+takes a forward and a backward of the model: minutes for a large one). A bad target (module not found, no such attribute, not
 callable, factory raising, wrong return shape) or a bad option prints one line on stderr and
 returns 2; an ``--out`` that cannot hold the report (a file, a folder under a file, not writable)
 or an audit that fails while running the model (inf/NaN already in float32, an exception in the
@@ -16,6 +18,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 from typing import Any
 
 from mixprec._paths import folder_problem
@@ -95,7 +98,7 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
     if not dtypes:  # the options first: a typo should not cost a model build
         return _fail("--dtypes is empty; pass e.g. --dtypes float16,bfloat16")
     try:
-        names = dtype_names(dtypes)
+        names = dtype_names(dtypes, fp8_option="--fp8 tensorwise")
     except (ValueError, TypeError) as e:
         return _fail(str(e))
     if not isinstance(steps, int) or steps < 1:
@@ -124,9 +127,14 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
     except OSError as e:
         return _fail(f"cannot write the report to {out!r} ({e.strerror or e}); give --out a writable folder",
                      code=1)
+    start = time.monotonic()
+
+    def progress(line: str) -> None:
+        print(f"mixprec audit: [{time.monotonic() - start:5.1f} s] {line}", file=sys.stderr, flush=True)
+
     try:
         report = audit(model, batch, loss_fn, device_type=device_type, dtypes=names,
-                       steps=steps, fp8=fp8)
+                       steps=steps, fp8=fp8, progress=progress)
     except Exception as e:  # the model or loss_fn failed while running: one line, exit 1
         if created:
             os.rmdir(out)
@@ -135,7 +143,8 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
         report.save(out)
     except OSError as e:
         return _fail(f"cannot write the report to {out!r}: {e.strerror or e}", code=1)
-    report.summary()
+    progress("done")
+    report.summary(policy_file=os.path.join(out, "report.json"))
     print(f"report written to {os.path.join(out, 'index.html')} and report.json")
     return 0
 

@@ -170,16 +170,20 @@ class AuditReport:
                        for run, values in self.losses.items()},
         }
 
-    def summary(self, *, top: int = 12, echo: bool = True) -> str:
-        """The recommendation and the ``top`` risks as a table; printed unless ``echo=False``.
+    def summary(self, *, top: int = 12, policy_file: str | None = None) -> None:
+        """Print the recommendation and the ``top`` risks as a table (with ``rich`` when it is
+        installed, as plain text otherwise); returns nothing: :meth:`summary_text` is the text.
+        ``policy_file``: where the policy was saved (``report.json``); the "use it" line then
+        loads it from there (what ``mixprec audit`` prints)."""
+        _render.print_summary(self, top=top, policy_file=policy_file)
 
-        Printed with ``rich`` when it is installed, as plain text otherwise. Returns the plain
-        text either way.
+    def summary_text(self, *, top: int = 12, policy_file: str | None = None) -> str:
+        """What :meth:`summary` prints, as plain text (no ``rich``); prints nothing.
+
+        Example:
+            >>> print(report.summary_text(top=3))  # doctest: +SKIP
         """
-        text = _render.summary_text(self, top=top)
-        if echo:
-            _render.print_summary(self, top=top, text=text)
-        return text
+        return _render.summary_text(self, top=top, policy_file=policy_file)
 
     def to_html(self, path: str | os.PathLike[str]) -> None:
         """Write a self-contained HTML page (figures embedded as PNG data URIs) to ``path``.

@@ -28,21 +28,29 @@ def _scale_str(scale: float) -> str:
     return f"2**{int(k)}" if k == int(k) else f"{scale:g}"
 
 
-def use_it(report: "AuditReport") -> str:
-    """How to apply the recommendation, for the chosen dtype (a loss scaler only for float16).
+def use_it(report: "AuditReport", policy_file: str | None = None) -> str:
+    """How to apply the recommendation, for the chosen dtype (a loss scaler only for float16);
+    ``policy_file``: the ``report.json`` (or a :meth:`Policy.save` file) holding the policy, for
+    a reader who has the file and not the report object (``mixprec audit``).
 
     Example:
         >>> print(use_it(report))
         with mixprec.autocast('cpu', policy=report.policy): ...; bfloat16 needs no loss scaling
+        >>> print(use_it(report, "mixprec-audit/report.json"))
+        in your training script: with mixprec.autocast('cpu', policy=mixprec.Policy.load('mixprec-audit/report.json')): ...; bfloat16 needs no loss scaling
     """
-    region = f"with mixprec.autocast({report.device_type!r}, policy=report.policy): ..."
+    if policy_file is None:
+        region = f"with mixprec.autocast({report.device_type!r}, policy=report.policy): ..."
+    else:
+        region = (f"in your training script: with mixprec.autocast({report.device_type!r}, "
+                  f"policy=mixprec.Policy.load({policy_file!r})): ...")
     if report.dtype == "float16":
         return (f"{region}; scaler = mixprec.GradScaler({report.device_type!r}, "
                 f"init_scale={_scale_str(report.init_scale)})")
     return f"{region}; {report.dtype} needs no loss scaling"
 
 
-def _header(report: "AuditReport") -> list[str]:
+def _header(report: "AuditReport", policy_file: str | None = None) -> list[str]:
     kept = report.keep[report.dtype]
     scale = f", init_scale={_scale_str(report.init_scale)}" if report.dtype == "float16" else ""
     lines = [
@@ -57,7 +65,7 @@ def _header(report: "AuditReport") -> list[str]:
                                                         for m in f8.layers) or "(no layer)")
                      + ("" if f8.verified else " (WARNING: did not verify: inf/NaN or its loss)"))
         lines += [f"  stays {m!r}: {why}" for m, why in f8.stay.items()]
-    return lines + [f"use it: {use_it(report)}"]
+    return lines + [f"use it: {use_it(report, policy_file)}"]
 
 
 def _fp8_rows(report: "AuditReport") -> list[tuple[str, ...]]:
@@ -99,9 +107,9 @@ def _table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     return [line, "-" * len(line)] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
 
 
-def summary_text(report: "AuditReport", top: int = 12) -> str:
-    """The summary as plain text."""
-    lines = _header(report) + [""]
+def summary_text(report: "AuditReport", top: int = 12, policy_file: str | None = None) -> str:
+    """The summary as plain text (``policy_file``: see :func:`use_it`)."""
+    lines = _header(report, policy_file) + [""]
     lines += _table(("dtype", "verified", "kept", "first inf/NaN under the default policy"),
                     _dtype_rows(report))
     lines += ["", f"top risks ({min(top, len(report.risks))} of {len(report.risks)}):"]
@@ -109,17 +117,18 @@ def summary_text(report: "AuditReport", top: int = 12) -> str:
     return "\n".join(lines)
 
 
-def print_summary(report: "AuditReport", top: int = 12, text: str | None = None) -> None:
-    """Print the summary: with rich tables when rich is installed, else ``text``."""
+def print_summary(report: "AuditReport", top: int = 12, policy_file: str | None = None) -> None:
+    """Print the summary: with rich tables when rich is installed, else the plain text. The
+    header lines (the policy, the "use it" line) are never wrapped: they stay pasteable."""
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        print(text if text is not None else summary_text(report, top))
+        print(summary_text(report, top, policy_file))
         return
     console = Console()
-    for line in _header(report):
-        console.print(line, markup=False, highlight=False)
+    for line in _header(report, policy_file):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     t = Table("dtype", "verified", "kept", "first inf/NaN under the default policy")
     for row in _dtype_rows(report):
         t.add_row(*row)

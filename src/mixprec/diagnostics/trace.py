@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from mixprec.diagnostics._calls import Call, SeenTensor, min_max, stack_pairs, stats_mark, version_of
-from mixprec.diagnostics._tensors import measured
+from mixprec.diagnostics._tensors import measured, no_autocast
 from mixprec.diagnostics.event import NonFiniteError, NonFiniteEvent, Phase
 from mixprec.fp8._state import layer_state
 
@@ -277,14 +277,16 @@ class NonFiniteTracer:
 
     # ------------------------------------------------------------------ hooks
     def _quiet(self, hook: Callable[..., Any]) -> Callable[..., Any]:
-        """In precise mode, keep the tracer's own reductions out of the op checks."""
-        if not self.precise:
-            return hook
+        """Run ``hook``'s own math with autocast off (in the dtypes of the tensors it measures:
+        under the user's autocast its ``stack`` of a bfloat16 pair would be a float16 promote,
+        an error, and its casts would change what the model runs), and in precise mode, keep
+        the tracer's own reductions out of the op checks."""
 
         def quiet(*args: Any, **kwargs: Any) -> Any:
             self._busy = True
             try:
-                return hook(*args, **kwargs)
+                with no_autocast():
+                    return hook(*args, **kwargs)
             finally:
                 self._busy = False
 
@@ -316,9 +318,11 @@ class NonFiniteTracer:
                     fresh_infos.append(info)
                 elif id(t) in aliases:  # the same tensor passed twice to this call
                     info = self._seen[id(aliases[id(t)])]
-                elif self._shared(info, call) and t.requires_grad and torch.is_grad_enabled():
+                elif self._shared(info, call) and t.requires_grad and not t.is_leaf and torch.is_grad_enabled():
                     # another call took t already: this call gets its own alias, so the gradient
-                    # it sends back to t is checked before it is summed with the others
+                    # it sends back to t is checked before it is summed with the others. Not a
+                    # leaf (a parameter or a batch that requires grad): autocast caches its cast
+                    # by identity, an alias would cast again and change the gradient's rounding
                     alias = aliases[id(t)] = t.view_as(t)
                     info = SeenTensor(alias, info.pair, producer=info.producer,
                                    enclosing=info.enclosing)
@@ -454,7 +458,8 @@ class _OpChecker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # skip the tracer's own reductions (inside its hooks) and uninitialised memory
         if not self.tracer._busy and "empty" not in func.__name__:
-            self.tracer._check_op(func, out)
+            with no_autocast():
+                self.tracer._check_op(func, out)
         return out
 
 

@@ -3,6 +3,7 @@ check steps (promote before a statistic crosses its limit, demote once the lower
 
 from __future__ import annotations
 
+import copy
 import csv
 import dataclasses
 import io
@@ -16,7 +17,8 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
-from mixprec.fp8._guard import _all_reduce_max, count_unstepped_forward
+from mixprec.fp8._collective import agree_on_layers, all_reduce_max, distributed
+from mixprec.fp8._guard import _check_int, _check_number, count_unstepped_forward
 from mixprec.fp8._quant import STAT_NAMES, _scale, cast_stats, cast_to_fp8
 from mixprec.fp8._recipe import Float8Recipe
 from mixprec.fp8._state import OPERANDS, LayerState, layer_state
@@ -32,6 +34,8 @@ _NCOL = len(STAT_NAMES)
 _UNDERFLOW, _NONFINITE = STAT_NAMES.index("underflow"), STAT_NAMES.index("nonfinite")
 _RANGE = ("input", "output")  # the range row: the layer's input and output amax, in its own dtype
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)  # a check's header code (MAX): fp16 wins
+_COMPUTE_CODES = {dtype: code for code, dtype in enumerate(_COMPUTE_DTYPES)}
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,13 @@ def qualified(known: str, seen: str) -> str:
     return seen if known and seen.endswith("." + known) else known
 
 
+def _grow(value: float, exponent: float) -> float:
+    """``value * 2 ** exponent``: inf beyond float64's range (not OverflowError), 0 for a value of 0."""
+    if value == 0:
+        return 0.0
+    return value * 2.0 ** exponent if exponent < 1024 else math.copysign(math.inf, value)
+
+
 def _log2(amax: float) -> float:
     return math.log2(amax) if amax > 0 else -math.inf
 
@@ -132,9 +143,10 @@ def _ratio(value: float, limit: float) -> float:
 class _Layer:
     """The controller's record of one layer: its rung, its device windows, its trend."""
 
-    def __init__(self, module: nn.Module, state: LayerState, rung: int, floor: int,
+    def __init__(self, module: nn.Module | None, state: LayerState, rung: int, floor: int,
                  allowed: tuple[bool, ...]) -> None:
-        self.module = weakref.ref(module)
+        # None: a layer this rank has not run yet (Controller._detached)
+        self.module = weakref.ref(module) if module is not None else _no_module
         self.state = state
         self.rung = rung
         self.floor = floor  # the lowest rung it may be demoted to
@@ -158,6 +170,10 @@ class _Layer:
         self.state.reset()
         self.shadow[:, :-1].zero_()
         self.range.zero_()
+
+
+def _no_module() -> None:
+    return None
 
 
 class _Probe:
@@ -200,6 +216,10 @@ def _range(buf: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
     """``buf`` (the range row) = max(``buf``, [amax of x, amax of out]). No host sync."""
     amax = torch.stack([x.detach().abs().amax().float(), out.detach().abs().amax().float()])
     torch.maximum(buf, amax, out=buf)
+
+
+#: the largest ``Controller.horizon`` (windows ahead): a forecast further out is no forecast.
+MAX_HORIZON = 100
 
 
 @dataclass
@@ -282,22 +302,16 @@ class Controller:
     _recipes: dict[str, Float8Recipe] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("max_underflow", "max_nonfinite", "max_range", "demote_underflow", "demote_range"):
-            value = getattr(self, name)
-            if value is None and name == "max_nonfinite":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"Controller.{name} must be a number >= 0"
-                                 f"{' or None' if name == 'max_nonfinite' else ''}, got {value!r}")
-        for name in ("every", "horizon", "trend_windows", "demote_windows", "max_switches", "budget_steps", "sample",
-                     "shadow_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Controller.{name} must be an int >= 1, got {value!r}")
-        if isinstance(self.min_dwell, bool) or not isinstance(self.min_dwell, int) or self.min_dwell < 0:
-            raise ValueError(f"Controller.min_dwell must be an int >= 0, got {self.min_dwell!r}")
-        if not (isinstance(self.ema, (int, float)) and 0 < self.ema <= 1):
-            raise ValueError(f"Controller.ema must be a number in (0, 1], got {self.ema!r}")
+        if self.max_nonfinite is not None:
+            _check_number("Controller", "max_nonfinite", self.max_nonfinite, 0, math.inf, "a count, or None")
+        for name, what in (("max_underflow", "a fraction"), ("demote_underflow", "a fraction"),
+                           ("max_range", "a fraction of 65504"), ("demote_range", "a fraction of 65504")):
+            _check_number("Controller", name, getattr(self, name), 0, 1, what)
+        _check_number("Controller", "ema", self.ema, 0, 1, "the weight of the newest window", low_open=True)
+        for name, low, high in (("every", 1, None), ("horizon", 1, MAX_HORIZON), ("trend_windows", 1, None),
+                                ("demote_windows", 1, None), ("min_dwell", 0, None), ("max_switches", 1, None),
+                                ("budget_steps", 1, None), ("sample", 1, None), ("shadow_steps", 1, None)):
+            _check_int("Controller", name, getattr(self, name), low, high)
         if self.demote_underflow > self.max_underflow or self.demote_range > self.max_range:
             raise ValueError("Controller: demote_underflow and demote_range must not exceed max_underflow and "
                              "max_range (the lower threshold of the hysteresis)")
@@ -445,9 +459,15 @@ class Controller:
             self._apply(rec)
 
     def _track(self, name: str, module: nn.Module, recipe: Float8Recipe) -> None:
-        if recipe.name not in self.ladder or Float8Recipe.from_name(recipe.name) != recipe:
-            raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} must be a named recipe on "
-                             f"its ladder {self.ladder} (the layers start there)")
+        if recipe.name not in _FP8_RUNGS or Float8Recipe.from_name(recipe.name) != recipe:
+            raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} is not a named recipe "
+                             f"({', '.join(_FP8_RUNGS)}): a controller's rungs are named recipes; give the layer "
+                             f"one of them, or leave the controller out")
+        if recipe.name not in self.ladder:
+            ladder = tuple(r for r in RUNGS if r in self.ladder or r == recipe.name)
+            raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} is not on the controller's "
+                             f"ladder {self.ladder} (each layer starts at its recipe): pass "
+                             f"Controller(ladder={ladder!r})")
         start = self.ladder.index(recipe.name)
         floor = start if self.floor is None else self.ladder.index(self.floor)
         if floor > start:
@@ -459,9 +479,13 @@ class Controller:
         allowed = tuple(r not in _FP8_RUNGS or i == start or eligible(module, name, self._recipes[r])[0]
                         for i, r in enumerate(self.ladder))
         rec = _Layer(module, layer_state(module), start, floor, allowed)
-        if name in self._pending:
-            self._load_layer(rec, self._pending.pop(name))
-        self._untrack(self._layers.get(name))  # another module under that name: no longer controlled
+        old = self._layers.get(name)
+        data = self._pending.pop(name, None)
+        if old is not None and old.module() is None:  # decided so far as its peers' (_detached): take it over
+            data = self._layer_data(old)
+        if data is not None:
+            self._load_layer(rec, data)
+        self._untrack(old)  # another module under that name: no longer controlled
         rec.probe = _Probe(self, rec)
         self._layers[name] = rec
         self._names[module] = name
@@ -509,18 +533,23 @@ class Controller:
         self._steps += 1
         self._stepped = True
         self._measuring = shadow_phase(self._steps, self.every, self.shadow_steps)
-        if not self._layers:
-            if not self._warned_empty:
-                self._warned_empty = True
-                warnings.warn("fp8: Controller.step() tracks no fp8 layer, so it decides nothing: give it to "
-                              "Policy.fp8(controller=ctl) and run a forward under that policy first",
-                              UserWarning, stacklevel=2)
-            return []
+        if not self._layers and not self._warned_empty and not distributed():
+            self._warned_empty = True
+            warnings.warn("fp8: Controller.step() tracks no fp8 layer, so it decides nothing: give it to "
+                          "Policy.fp8(controller=ctl) and run a forward under that policy first",
+                          UserWarning, stacklevel=2)
         if self._steps % self.every != 0:
             return []
-        names = sorted(self._layers)
+        # every rank: the same collectives, whichever layers its forwards have shown it (_collective)
+        names, missing, code = agree_on_layers(list(self._layers), self._metadata, _COMPUTE_CODES.get(self._compute, 0))
+        if self._compute is None and code:
+            self._compute = _COMPUTE_DTYPES[code]  # a rank without a forward yet: its peers' compute dtype
+        for name, meta in missing.items():
+            self._layers[name] = self._detached(name, meta)
+        if not names:
+            return []
         recs = [self._layers[n] for n in names]
-        rows = _all_reduce_max(torch.stack([r.windows() for r in recs])).tolist()  # the one sync
+        rows = all_reduce_max(torch.stack([r.windows() for r in recs])).tolist()  # the one sync
         new = []
         for name, rec, row in zip(names, recs, rows):
             rec.reset()
@@ -564,11 +593,11 @@ class Controller:
 
         def underflow(op: str, u: float, key: str) -> float:
             # a current scale flushes a share about proportional to the amax; or the share's own trend
-            return min(1.0, max(u * 2.0 ** rec.trends[op].rise(ahead, windows),
+            return min(1.0, max(_grow(u, rec.trends[op].rise(ahead, windows)),
                                 u + rec.trends[key].rise(ahead, windows)))
 
         def amax_forecast(r: str, amax: float) -> float:
-            return amax * 2.0 ** rec.trends[f"range_{r}"].rise(ahead, windows)
+            return _grow(amax, rec.trends[f"range_{r}"].rise(ahead, windows))
 
         here = self._rung_name(rec.rung)
 
@@ -627,6 +656,27 @@ class Controller:
         return None
 
     # ----------------------------------------------------------------- checkpoints
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling (``pickle``, ``torch.save`` of the object): the settings and :meth:`state_dict`.
+        The unpickled controller controls each layer again from the state it had when the layer
+        is next reached: at the policy's next forward, or ``ctl.track(model)`` for converted
+        layers (whose pickled or copied model runs its rungs without the probe until then).
+        Reads the device windows (one host sync per layer)."""
+        return {"config": self.config(), "state": self.state_dict()}
+
+    def __deepcopy__(self, memo: dict) -> Controller:
+        """``copy.deepcopy``: every attribute copied, as a dataclass is (the layers' references
+        shared, not pickled)."""
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        fresh = Controller.from_config(state["config"])
+        self.__dict__.update(fresh.__dict__)
+        self.load_state_dict(state["state"])
+
     def state_dict(self) -> dict[str, Any]:
         """Everything a bitwise resume needs, as plain data: the step count, the log, and per
         layer its rung, trend, hysteresis counters and open windows (the rank's own, before the
@@ -636,11 +686,7 @@ class Controller:
         """
         layers = {n: dict(d) for n, d in self._pending.items()}
         for name, rec in self._layers.items():
-            layers[name] = {
-                "rung": self.ladder[rec.rung], "clean": rec.clean, "switches": list(rec.switches),
-                "trends": {key: [t.last, t.slope, list(t.recent)] for key, t in rec.trends.items()},
-                "state": rec.state._data.tolist(), "shadow": rec.shadow.tolist(), "range": rec.range.tolist(),
-            }
+            layers[name] = self._layer_data(rec)
         return {"steps": self._steps, "log": [dataclasses.asdict(d) for d in self._log],
                 "layers": dict(sorted(layers.items()))}
 
@@ -673,6 +719,31 @@ class Controller:
                 self._load_layer(rec, data)
                 self._apply(rec)
 
+    def _layer_data(self, rec: _Layer, windows: bool = True) -> dict[str, Any]:
+        """A layer's entry of :meth:`state_dict` (without its open windows: ``windows=False``)."""
+        data = {"rung": self.ladder[rec.rung], "clean": rec.clean, "switches": list(rec.switches),
+                "trends": {key: [t.last, t.slope, list(t.recent)] for key, t in rec.trends.items()}}
+        if windows:
+            data.update(state=rec.state._data.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist())
+        return data
+
+    def _metadata(self) -> dict[str, dict[str, Any]]:
+        """Per known layer, what a rank that has not run it needs to decide as this one does
+        (:meth:`_detached`): its record without the windows, its floor and allowed rungs."""
+        return {name: {**self._layer_data(rec, windows=False), "floor": rec.floor, "allowed": rec.allowed}
+                for name, rec in self._layers.items()}
+
+    def _detached(self, name: str, meta: Mapping[str, Any]) -> _Layer:
+        """The record of a layer this rank has not run yet but a peer has (``meta``: the peer's
+        :meth:`_metadata`): the peer's rung, trends and counters (or this rank's loaded state of
+        it), empty windows. The layer's module takes it over at its first forward here (:meth:`_track`)."""
+        rec = _Layer(None, LayerState(), self.ladder.index(meta["rung"]), int(meta["floor"]),
+                     tuple(meta["allowed"]))
+        self._load_layer(rec, self._pending.pop(name, meta))
+        rec.probe = _Probe(self, rec)
+        self._apply(rec)
+        return rec
+
     def _load_layer(self, rec: _Layer, data: Mapping[str, Any]) -> None:
         rung = self.ladder.index(data["rung"])
         if not rec.allowed[rung]:
@@ -685,9 +756,10 @@ class Controller:
         rec.clean, rec.switches = int(data["clean"]), [int(s) for s in data["switches"]]
         for key, (last, slope, recent) in data["trends"].items():
             rec.trends[key] = _Trend(last, slope, tuple(recent))
-        for target, values in ((rec.state._data, data["state"]), (rec.shadow, data["shadow"]),
-                               (rec.range, data["range"])):
-            t = torch.tensor(values, dtype=torch.float32)
+        for target, key in ((rec.state._data, "state"), (rec.shadow, "shadow"), (rec.range, "range")):
+            if key not in data:  # a peer's record (_detached): the windows stay empty
+                continue
+            t = torch.tensor(data[key], dtype=torch.float32)
             if t.shape != target.shape:
                 raise ValueError(f"Controller.load_state_dict: a window of shape {tuple(t.shape)}, expected "
                                  f"{tuple(target.shape)}")

@@ -17,7 +17,7 @@ from mixprec.fp8._like import LINEAR_LIKE, conv1d_class, features, is_linear_lik
 from mixprec.fp8._linear import BACKENDS, linear
 from mixprec.fp8._quant import STAT_NAMES
 from mixprec.fp8._recipe import RECIPE_NAMES, Float8Recipe
-from mixprec.fp8._state import OPERANDS, LayerState, layer_state
+from mixprec.fp8._state import OPERANDS, LayerState, layer_state, swap_layer_state
 
 __all__ = ["eligible", "select_layers", "Float8Linear", "Float8Conv1D", "convert", "unconvert", "stats",
            "Float8Stats", "as_recipe"]
@@ -163,17 +163,62 @@ def _why_none(types: tuple[type, ...], pattern: re.Pattern | None, candidates: l
 def _fp8_forward(module: nn.Module, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The forward of the converted modules: ``weight`` is ``(out, in)``."""
     if type(module.weight).__module__.startswith("torchao."):
-        raise RuntimeError(f"fp8 layer {type(module).__name__}: its weight is a torchao "
-                           f"{type(module.weight).__name__} (torchao's quantize_ ran on a model still "
-                           f"converted for fp8 training); call mixprec.fp8.unconvert(model) before quantize_")
+        if not isinstance(module, nn.Linear):
+            raise RuntimeError(f"fp8 layer {type(module).__name__}: its weight is a torchao "
+                               f"{type(module.weight).__name__} (torchao's quantize_ ran on a model still "
+                               f"converted for fp8 training); call mixprec.fp8.unconvert(model) before quantize_")
+        return _quantized_forward(module, input)
     if isinstance(module.weight, Float8AllGatherWeight):
-        _warn_once(module, f"fp8 layer {type(module).__name__} was converted with fsdp_fp8_all_gather=True but its "
-                           f"weight reached the forward without FSDP2's all-gather (the module is not under "
-                           f"fully_shard): it casts its own high-precision weight, as without the option")
+        group = module.__dict__.get(_UNSHARDED)
+        if group is not None:
+            group.warn(module)
     device = input.device.type
     if torch.is_autocast_enabled(device):
         input = input.to(torch.get_autocast_dtype(device))
     return linear(input, weight, module.bias, module.recipe, state=layer_state(module), backend=module.backend)
+
+
+_QUANTIZED_NOTED: list[bool] = []
+
+
+def _quantized_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    """A converted ``Float8Linear`` whose weight torchao's ``quantize_`` replaced runs as the plain
+    ``nn.Linear`` torchao quantized would (its weight serves the forward); its fp8 training state
+    (statistics, guard or controller rung) is dropped, with a note the first time."""
+    if swap_layer_state(module, None) is not None and not _QUANTIZED_NOTED:
+        _QUANTIZED_NOTED.append(True)
+        warnings.warn(f"fp8: torchao's quantize_ replaced the weight of layers converted for fp8 training "
+                      f"(fp8.convert): they run torchao's quantized weight as nn.Linear does, and their fp8 "
+                      f"training state (statistics, guard/controller decisions) is dropped; "
+                      f"mixprec.fp8.unconvert(model) before quantize_ does this explicitly", UserWarning, stacklevel=4)
+    return nn.Linear.forward(module, input)
+
+
+_UNSHARDED = "_mixprec_fsdp_unsharded"
+
+
+class _UnshardedLayers:
+    """The layers one ``convert(..., fsdp_fp8_all_gather=True)`` wrapped: the first forward of one
+    whose weight did not come from FSDP2's all-gather warns once for all, naming each layer of
+    them not under ``fully_shard`` then. A copy or pickle keeps the names, not the references."""
+
+    def __init__(self, layers: list[tuple[str, nn.Module]]) -> None:
+        self.layers = [(fqn, weakref.ref(mod)) for fqn, mod in layers]
+        self.warned = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"layers": [], "warned": self.warned}
+
+    def warn(self, module: nn.Module) -> None:
+        if self.warned:
+            return
+        self.warned = True
+        names = [fqn for fqn, ref in self.layers
+                 if (mod := ref()) is not None and isinstance(mod.weight, Float8AllGatherWeight)]
+        names = names or [type(module).__name__]
+        warnings.warn(f"fp8.convert(..., fsdp_fp8_all_gather=True): layer(s) {', '.join(map(repr, names))} reached "
+                      f"the forward without FSDP2's all-gather (not under fully_shard): each casts its own "
+                      f"high-precision weight, as without the option", UserWarning, stacklevel=4)
 
 
 def _check_backend(backend: str) -> str:
@@ -338,12 +383,18 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
         raise ValueError(f"fp8.convert: the root module is a {type(model).__name__} with children "
                          f"({', '.join(n for n, _ in model.named_children())}), which converting it would "
                          f"drop; convert its parent module, or pass a filter_fn that leaves the root ('') out")
+    wrapped = []
     for fqn, mod in swaps:
         new = (Float8Linear.from_linear(mod, recipe, backend) if type(mod) is nn.Linear
                else Float8Conv1D.from_conv1d(mod, recipe, backend))
         if fsdp_fp8_all_gather:
             wrap_weight(new, recipe)
+            wrapped.append((fqn, new))
         model = _swap(model, fqn, new)
+    if wrapped:
+        group = _UnshardedLayers(wrapped)
+        for _, new in wrapped:
+            new.__dict__[_UNSHARDED] = group
     if not swaps and by_user:
         likes = sum(1 for mod in model.modules() if swappable(mod))
         _warn_once(model, f"fp8.convert: no layer converted, nothing runs in fp8: filter_fn chose none of the "
@@ -386,17 +437,19 @@ class Float8Stats:
         return [dict(r) for r in self.rows]
 
     def __str__(self) -> str:
-        head = ("layer", "operand", *STAT_NAMES, "sqnr_db", "fallback")
+        head = ("layer", "operand", *STAT_NAMES, "sqnr_db", "fallback", "window")
         cells = [head] + [(r["layer"], r["operand"], f"{r['amax']:.4g}", f"{r['saturated']:.2%}",
                            f"{r['underflow']:.2%}", f"{r['nonfinite']:.0f}",
                            "-" if r["output_sqnr_db"] == float("inf") else f"{r['output_sqnr_db']:.1f}",
-                           "yes" if r["fallback"] else "no") for r in self.rows]
+                           "yes" if r["fallback"] else "no", r["window"]) for r in self.rows]
         widths = [max(len(str(c[i])) for c in cells) for i in range(len(head))]
         return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
 def stats(model: nn.Module | Mapping[str, LayerState]) -> Float8Stats:
-    """The statistics of every fp8 layer since the last :meth:`Guard.check` (or creation).
+    """The statistics of every fp8 layer since the last check of its Guard or Controller (or
+    creation); right after a check, before any forward, those of the window the check closed
+    (column ``window``: ``open`` or ``last``; see :meth:`LayerState.read`).
 
     .. warning:: reads the device statistics: one host sync per layer.
 
@@ -409,5 +462,6 @@ def stats(model: nn.Module | Mapping[str, LayerState]) -> Float8Stats:
         data = st.read()
         for op in OPERANDS:
             rows.append({"layer": name, "operand": op, **data[op],
-                         "output_sqnr_db": data["output_sqnr_db"], "fallback": data["fallback"]})
+                         "output_sqnr_db": data["output_sqnr_db"], "fallback": data["fallback"],
+                         "window": data["window"]})
     return Float8Stats(tuple(rows))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import warnings
@@ -11,6 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
+from mixprec.fp8._collective import agree_on_layers, all_reduce_max, distributed
 from mixprec.fp8._quant import STAT_NAMES
 from mixprec.fp8._state import OPERANDS, LayerState
 
@@ -64,6 +66,24 @@ def count_unstepped_forward(owner: Any, what: str, call: str) -> None:
                       f"on every rank", UserWarning, stacklevel=5)
 
 
+def _check_int(owner: str, name: str, value: Any, low: int, high: Any) -> None:
+    """Raise ValueError unless ``value`` is an int (not a bool) in ``[low, high]`` (``high`` None: no bound)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{owner}.{name} must be an int {bound}, got {value!r}")
+
+
+def _check_number(owner: str, name: str, value: Any, low: float, high: float, what: str,
+                  low_open: bool = False) -> None:
+    """Raise ValueError unless ``value`` is a real number (not a bool, not NaN) in ``[low, high]``
+    (``(low, high]`` with ``low_open``); ``what`` says what it is."""
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and (value > low if low_open else value >= low) and value <= high)
+    if not ok:
+        bound = f"{'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
+        raise ValueError(f"{owner}.{name} must be a number in {bound} ({what}), got {value!r}")
+
+
 @dataclass
 class Guard:
     """Thresholds on each fp8 layer's statistics; a layer that crosses one falls back for good.
@@ -111,14 +131,17 @@ class Guard:
     _warned_empty: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("max_saturated", "max_underflow", "max_nonfinite"):
+        for name, high, what in (("max_saturated", 1, "a fraction, or None"),
+                                 ("max_underflow", 1, "a fraction, or None"),
+                                 ("max_nonfinite", math.inf, "a count, or None")):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and value >= 0):
-                raise ValueError(f"Guard.{name} must be None or a number >= 0, got {value!r}")
-        if self.min_sqnr_db is not None and not isinstance(self.min_sqnr_db, (int, float)):
-            raise ValueError(f"Guard.min_sqnr_db must be None or a number of dB, got {self.min_sqnr_db!r}")
-        if not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"Guard.every must be an int >= 1, got {self.every!r}")
+            if value is not None:
+                _check_number("Guard", name, value, 0, high, what)
+        sqnr = self.min_sqnr_db
+        if sqnr is not None and (isinstance(sqnr, bool) or not isinstance(sqnr, (int, float))
+                                 or not math.isfinite(sqnr)):
+            raise ValueError(f"Guard.min_sqnr_db must be a finite number of dB, or None, got {sqnr!r}")
+        _check_int("Guard", "every", self.every, 1, None)
 
     @property
     def decisions(self) -> dict[str, Fallback]:
@@ -158,7 +181,7 @@ class Guard:
             []
         """
         states = dict(self._states) if model is None else model
-        if model is None and not states and not self._warned_empty:
+        if model is None and not states and not self._warned_empty and not distributed():  # (a lagging rank: its peers')
             self._warned_empty = True
             warnings.warn("fp8: Guard.step() tracks no fp8 layer, so it decides nothing: pass the model "
                           "(guard.step(model)), or give the guard to fp8.convert(..., guard=guard) or to "
@@ -181,24 +204,39 @@ class Guard:
                stacklevel: int) -> list[Fallback]:
         self._steps, self._stepped = step, True
         states = self.track(states)  # arms the sampling of step + 1
-        if step % self.every != 0 or not states:
+        if step % self.every != 0:
             return []
-        names = sorted(states)
-        rows = _all_reduce_max(torch.stack([
-            torch.cat([states[n].stats.flatten(), -states[n].output_sqnr_db.reshape(1)]) for n in names]))
+        # every rank: the same collectives, whichever layers its forwards have shown it (_collective)
+        names, _, _ = agree_on_layers(list(states), dict)
+        if not names:
+            return []
+        device = next((st.device for st in states.values()), torch.device("cpu"))
+        rows = all_reduce_max(torch.stack([self._window_row(n, states.get(n), device) for n in names]))
         new = []
         for name, row in zip(names, rows.tolist()):
-            states[name].reset()
+            st = states.get(name)
+            if st is not None:
+                st.reset()
+            self._pending.pop(name, None)  # a loaded window of a layer not tracked here: counted now
             if name in self._decisions:
                 continue
             decision = self._decide(name, row, step)
             if decision is not None:
                 self._decisions[name] = decision
-                states[name].fallback = True
-                states[name].sample_sqnr = False
+                if st is not None:
+                    st.fallback = True
+                    st.sample_sqnr = False
                 warnings.warn(decision.message(), Float8FallbackWarning, stacklevel=stacklevel)
                 new.append(decision)
         return new
+
+    def _window_row(self, name: str, st: LayerState | None, device: torch.device) -> torch.Tensor:
+        """The check's row of a layer: its window's statistics, then minus its output SQNR; for a
+        layer this rank has not run, its loaded window or the neutral row (nothing seen)."""
+        if st is not None:
+            return torch.cat([st.stats.flatten(), -st.output_sqnr_db.reshape(1)]).to(device)
+        data, sqnr = self._pending.get(name, (torch.zeros(len(OPERANDS), len(STAT_NAMES) + 1), math.inf))
+        return torch.cat([data[:, :-1].flatten(), torch.tensor([-sqnr])]).to(device)
 
     def _policy_forward(self, model: torch.nn.Module) -> None:
         """A forward of a model under a policy with this guard: track its layers, and warn once
@@ -219,6 +257,26 @@ class Guard:
         if self.min_sqnr_db is not None and not math.isinf(sqnr) and not sqnr >= self.min_sqnr_db:
             return Fallback(name, "output", "sqnr_db", sqnr, float(self.min_sqnr_db), step)
         return None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling: the settings, :meth:`state_dict` and the tracked layer states (by reference:
+        pickled with their model, the unpickled guard tracks the unpickled model's layers).
+        Reads the device windows (one host sync per layer)."""
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        return {"settings": settings, "state": self.state_dict(), "tracked": dict(self._states)}
+
+    def __deepcopy__(self, memo: dict) -> Guard:
+        """``copy.deepcopy``: every attribute copied, as a dataclass is (the layers' references
+        shared, not pickled)."""
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        self.__dict__.update(Guard(**state["settings"]).__dict__)
+        self.load_state_dict(state["state"])
+        self._states.update(state["tracked"])  # alive while their model is: a guard pickled alone tracks none
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a bitwise resume needs, as plain data: ``{"steps": n, "decisions": {layer:
@@ -264,14 +322,3 @@ def _load_window(st: LayerState, data: torch.Tensor, sqnr: float) -> None:
                          f"{tuple(st._data.shape)}")
     st._data.copy_(data)
     st.output_sqnr_db.fill_(sqnr)
-
-
-def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return t
-    on_cpu = dist.get_backend() == "gloo" and t.device.type != "cpu"
-    buf = t.cpu() if on_cpu else t.clone()
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
-    return buf

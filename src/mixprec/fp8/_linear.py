@@ -220,6 +220,9 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     GEMM runs in float32, output float32).
     Mixed precision regions are switched off inside: the GEMMs run exactly as the recipe says.
 
+    An empty input (no rows) gives an empty output through ``F.linear`` (differentiable) and
+    records nothing.
+
     Raises ValueError on shapes that do not fit, non-floating inputs or an unknown backend.
 
     Example:
@@ -239,6 +242,11 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                          f"got {input.dtype} and {weight.dtype}")
     gathered = isinstance(weight, GatheredFloat8Weight)
     probe = state.probe if state is not None else None
+    if input.numel() == 0:  # an empty batch: nothing to cast, nothing to record (no amax of nothing)
+        fp32 = state is not None and state.fallback and probe is not None and probe.fp32
+        dtype = torch.float32 if fp32 else input.dtype
+        with torch.autocast(input.device.type, enabled=False):
+            return F.linear(input.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
     if state is not None and state.fallback:
         if gathered:
             warn_fallback(state)

@@ -45,6 +45,7 @@ class LayerState:
         self.routed = False  # a policy's call of the layer has reached fp8 (set by the routing)
         self.recipe = None  # a Float8Recipe that replaces the caller's (set by a Controller)
         self.probe = None  # measures the layer's operands after the GEMM (set by a Controller)
+        self._completed: tuple[torch.Tensor, torch.Tensor] | None = None  # the window the last reset closed
 
     @property
     def stats(self) -> torch.Tensor:
@@ -59,22 +60,41 @@ class LayerState:
         """Move the statistics to ``device`` (in place; returns self)."""
         self._data = self._data.to(device)
         self.output_sqnr_db = self.output_sqnr_db.to(device)
+        if self._completed is not None:
+            self._completed = (self._completed[0].to(device), self._completed[1].to(device))
         return self
 
     def reset(self) -> None:
-        """Start a new window (no host sync)."""
+        """Start a new window, keeping the one it closes for :meth:`read` (no host sync)."""
+        if self._completed is None or self._completed[0].device != self.device:
+            self._completed = (self._data.clone(), self.output_sqnr_db.clone())
+        else:
+            self._completed[0].copy_(self._data)
+            self._completed[1].copy_(self.output_sqnr_db)
         self.stats.zero_()
         self.output_sqnr_db.fill_(math.inf)
 
     def read(self) -> dict[str, Any]:
-        """The window as plain floats: ``{"input": {"amax": ...}, ..., "output_sqnr_db": ...}``.
+        """The window as plain floats: ``{"input": {"amax": ...}, ..., "output_sqnr_db": ...,
+        "fallback": ..., "window": ...}``. ``window`` is ``"open"`` (the statistics since the
+        last :meth:`reset`, a Guard or Controller check) or, when nothing was recorded since (a
+        check just ran), ``"last"``: the window that check closed, so a table printed right
+        after a check shows what it judged (this rank's own values, before the all-reduce).
 
         .. warning:: reads the device tensors: one host sync.
         """
-        rows = self.stats.tolist()  # one sync
-        out: dict[str, Any] = {op: dict(zip(STAT_NAMES, row)) for op, row in zip(OPERANDS, rows)}
-        out["output_sqnr_db"] = float(self.output_sqnr_db)
+        data, sqnr = self._data, self.output_sqnr_db
+        if self._completed is not None:
+            data = torch.cat([data, self._completed[0]])
+            sqnr = torch.stack([sqnr, self._completed[1]])
+        values, sqnrs = data[:, :-1].tolist(), sqnr.reshape(-1).tolist()  # one sync (data and sqnr on one device)
+        window = "open"
+        if self._completed is not None and not any(map(any, values[:len(OPERANDS)])) and math.isinf(sqnrs[0]):
+            values, sqnrs, window = values[len(OPERANDS):], sqnrs[1:], "last"
+        out: dict[str, Any] = {op: dict(zip(STAT_NAMES, row)) for op, row in zip(OPERANDS, values)}
+        out["output_sqnr_db"] = float(sqnrs[0])
         out["fallback"] = self.fallback
+        out["window"] = window
         return out
 
     def __repr__(self) -> str:

@@ -338,7 +338,10 @@ class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself):
         wrapper's ``generator``, if it has one.
 
         Raises:
-            ValueError: the saved masters do not match this optimizer's parameters.
+            ValueError: the saved masters, or a moment (``exp_avg``, ``momentum_buffer``, ... of
+                torch's optimizers) of the wrapped optimizer's state, do not match this
+                optimizer's parameters; checked before anything changes, so a refused load
+                leaves the wrapper, its masters and the wrapped optimizer as they were.
         """
         state_dict = dict(state_dict)
         saved = state_dict.pop("master_params", None)
@@ -354,6 +357,10 @@ class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself):
                     raise ValueError(
                         f"checkpoint master of shape {tuple(s.shape)} for a parameter of shape {tuple(m.shape)}"
                     )
+        _check_moment_shapes(state_dict, masters)
+        if generator_state is not None and not isinstance(generator_state, Tensor):
+            raise TypeError("master_generator_state must be a torch.Generator's state (a uint8 tensor), got "
+                            f"{type(generator_state).__name__}")
         self.optimizer.load_state_dict(state_dict)
         if saved is not None:
             with torch.no_grad():
@@ -363,3 +370,25 @@ class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself):
                     _write_back_loaded(p, master, self.rounding)
         if generator_state is not None and self.generator is not None:
             self.generator.set_state(generator_state.cpu())
+
+
+#: State keys of torch.optim optimizers that hold one value per parameter element.
+_PER_ELEMENT_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
+                                "acc_delta", "sum", "grad_avg", "ax", "prev", "step_size"})
+
+
+def _check_moment_shapes(state_dict: dict[str, Any], masters: list[Tensor]) -> None:
+    """Raise ``ValueError`` if a per-element moment of the wrapped optimizer's saved state (by
+    torch's parameter index, ``param_groups`` order) does not have its master's shape: torch's
+    ``load_state_dict`` would take it, and the step would fail or broadcast."""
+    for index, saved in (state_dict.get("state") or {}).items():
+        if not isinstance(index, int) or not 0 <= index < len(masters):
+            continue  # torch's own load names what does not match
+        for key, value in saved.items():
+            if (key in _PER_ELEMENT_STATE and isinstance(value, Tensor) and value.dtype != torch.uint8
+                    and value.shape != masters[index].shape):  # (8-bit codes: mixprec.optim checks them)
+                raise ValueError(
+                    f"the saved state of parameter {index} holds {key!r} of shape {tuple(value.shape)} for a "
+                    f"parameter of shape {tuple(masters[index].shape)}: the checkpoint belongs to another model "
+                    "or parameter order; load the matching checkpoint"
+                )

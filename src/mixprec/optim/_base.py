@@ -15,7 +15,7 @@ from mixprec.optim._functional import COMPENSATIONS, NARROW, compute_dtype
 from mixprec.optim._fused import any_candidate, native_ops
 from mixprec.optim.exact import check_exact_dtype, exact_write_
 from mixprec.optim.kahan import kahan_write_
-from mixprec.optim.quant8 import Quantized8
+from mixprec.optim.quant8 import BLOCK, Quantized8
 
 __all__ = ["CompensatedOptimizer", "resolve_compensation"]
 
@@ -305,8 +305,11 @@ class CompensatedOptimizer(torch.optim.Optimizer):
 
         Raises:
             ValueError, TypeError: the state dict does not match this optimizer (group or
-                parameter count), or a group or a parameter's state is invalid; the optimizer is
-                then left unchanged.
+                parameter count), or a group or a parameter's state is invalid (a missing key,
+                another compensation's buffer, a tensor whose shape does not fit its parameter:
+                8-bit codes and ``*_absmax`` are checked against the parameter's block count).
+                Everything is checked before anything changes: a refused load leaves the
+                optimizer (hyper-parameters, state, generator) exactly as it was.
         """
         state_dict = dict(state_dict)
         generator_state = state_dict.pop("generator_state", None)
@@ -323,16 +326,27 @@ class CompensatedOptimizer(torch.optim.Optimizer):
             for index, p in zip(saved["params"], group["params"]):
                 self._check_saved_state(group, p, index, state_dict["state"].get(index) or {})
             groups.append({**group, "params": saved["params"]})
-        super().load_state_dict({**state_dict, "param_groups": groups})
-        for saved, group in zip(groups, self.param_groups):
-            for index, p in zip(saved["params"], group["params"]):
-                kept = state_dict["state"].get(index) or {}
-                for key, value in kept.items():  # torch casts them all to p's dtype, codes and bits too
-                    if key != "step" and isinstance(value, Tensor):
-                        self.state[p][key] = value.detach().to(device=p.device, copy=True)
-                if kept:
-                    self._store_loaded_state(group, p)
-        self._ensure_generator(generator_state)
+        if generator_state is not None and not isinstance(generator_state, Tensor):
+            raise TypeError(f"generator_state must be a torch.Generator's state (a uint8 tensor), got "
+                            f"{type(generator_state).__name__}")
+        before = self.state, self.param_groups, self.generator
+        generator_before = None if self.generator is None else self.generator.get_state()
+        try:
+            super().load_state_dict({**state_dict, "param_groups": groups})
+            for saved, group in zip(groups, self.param_groups):
+                for index, p in zip(saved["params"], group["params"]):
+                    kept = state_dict["state"].get(index) or {}
+                    for key, value in kept.items():  # torch casts them all to p's dtype, codes and bits too
+                        if key != "step" and isinstance(value, Tensor):
+                            self.state[p][key] = value.detach().to(device=p.device, copy=True)
+                    if kept:
+                        self._store_loaded_state(group, p)
+            self._ensure_generator(generator_state)
+        except BaseException:  # e.g. a generator state of another device: back to what was
+            self.state, self.param_groups, self.generator = before
+            if generator_before is not None:
+                self.generator.set_state(generator_before)
+            raise
 
     def _check_saved_state(self, group: dict[str, Any], p: Tensor, index: Any, saved: Mapping[str, Any]) -> None:
         """Raise ``ValueError`` if ``saved`` (one parameter's state) lacks what ``group``'s step
@@ -353,6 +367,19 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                 f"{', '.join(map(repr, saved))}): it is not the state of a {type(self).__name__} with these "
                 "options; load the state dict it was saved with, or drop the parameter's entry to start it afresh"
             )
+        for key, value in saved.items():
+            if not isinstance(value, Tensor):
+                continue
+            expected = _saved_numel(key, value, p, saved)
+            fits = value.numel() == expected if expected is not None else tuple(value.shape) == tuple(p.shape)
+            if not fits:
+                want = f"{expected} elements" if expected is not None else f"shape {tuple(p.shape)}"
+                raise ValueError(
+                    f"the saved state of parameter {index} holds {key!r} of shape {tuple(value.shape)} for a "
+                    f"parameter of shape {tuple(p.shape)} (expected {want}): the checkpoint belongs to "
+                    "another model or parameter order; load the matching checkpoint, or drop the "
+                    "parameter's entry to start it afresh"
+                )
 
     def _required_state(self, group: dict[str, Any], p: Tensor) -> list[str]:
         """The state keys a parameter's step reads once it has stepped (subclasses)."""
@@ -428,3 +455,17 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                 exact_write_(p, comp, src)  # overwrites src: a copy
             else:
                 kahan_write_(p, comp, src)
+
+
+def _saved_numel(key: str, value: Tensor, p: Tensor, saved: Mapping[str, Any]) -> Optional[int]:
+    """How many elements a saved state tensor of ``p`` must have where its shape is not ``p``'s
+    (``None``: it must have ``p``'s shape): one for ``step``, whole blocks of 8-bit codes and one
+    ``*_absmax`` per block."""
+    blocks = -(-p.numel() // BLOCK)
+    if key == "step":
+        return 1
+    if key.endswith("_absmax") and key[: -len("_absmax")] in saved:
+        return blocks
+    if value.dtype == torch.uint8:
+        return blocks * BLOCK
+    return None

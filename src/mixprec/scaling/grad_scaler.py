@@ -342,12 +342,14 @@ class GradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return outputs
+        if self._layerwise is not None:
+            self._layerwise.require_model()
         if isinstance(outputs, torch.Tensor):
             if self._state is None:
                 self._lazy_init_scale_growth_tracker(outputs.device)
             scale = self._require_state("scale").scale
             if self._layerwise is not None:
-                self._layerwise.observe(outputs, scale.device)  # the graph walk, once
+                self._layerwise.observe(outputs, scale.device)  # plans the backward
             return outputs * scale.to(device=outputs.device, non_blocking=True)
 
         stash: list[PerDevice] = []

@@ -12,10 +12,13 @@ Pieces, each small:
 
 * :func:`choose_cut_points`: the outputs of the children of the model's largest
   ``nn.Sequential``/``nn.ModuleList`` of blocks, or the modules a user names.
-* :func:`regions`: a walk of the autograd graph from the loss (once, on the first
-  ``scale(loss)``) that finds which cut points each parameter's gradient crosses, and raises
-  where a node would sum gradients carrying different scales (a skip connection around a cut
-  point): residual connections inside a block are fine, a path around a block is an error.
+* :func:`walk`: a walk of the autograd graph from the loss that labels every node with the
+  region whose scale its gradient carries, and raises where a node would sum gradients carrying
+  different scales (a skip connection around a cut point): residual connections inside a block
+  are fine, a path around a block is an error; a shared (tied) parameter reached from several
+  regions gets its contributions rescaled to the topmost one. The first walk fixes the canonical
+  structure; a later step whose forward differs (a block skipped, an early exit) is walked again
+  and planned so that every gradient still carries its canonical region's scale.
 * :func:`clean_step`, :func:`overflow_step`, :func:`layer_rule`: the rule, pure functions of
   device tensors over the cut points' :func:`topology`; :func:`host_rule`: the same rule on host
   numbers, bit for bit, for a state in host memory (the CPU), where it replaces some fifty tiny
@@ -44,18 +47,19 @@ import math
 import warnings
 import weakref
 from collections import deque
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
 from mixprec._unscale import inverse_scale
+from mixprec.scaling._graph import Walk, walk
 from mixprec.scaling.rule import ScaleConfig
 
 __all__ = [
     "LayerState", "Layerwise", "Topology", "choose_cut_points", "clean_step", "layer_rule", "overflow_step",
-    "host_rule", "pow2", "regions", "topology",
+    "host_rule", "pow2", "topology", "walk", "Walk",
 ]
 
 #: Binades every region sits below the top region: equalising floor(log2 amax) leaves a region's
@@ -157,80 +161,6 @@ def choose_cut_points(model: nn.Module, names: Sequence[str] | None = None) -> l
             "GradScaler(..., per_layer=True, cut_points=['blocks.0', 'blocks.1', ...])."
         )
     return cuts
-
-
-# ----------------------------------------------------------------------------- the graph walk
-
-
-def _node_name(fn: Any) -> str:
-    variable = getattr(fn, "variable", None)
-    return f"the gradient of a parameter of shape {tuple(variable.shape)}" if variable is not None else type(fn).__name__
-
-
-def regions(
-    roots: Iterable[Any], edges: dict[tuple[int, int], tuple[int, Any]], cut_names: Sequence[str]
-) -> tuple[dict[int, frozenset[int]], dict[int, frozenset[int]], list[tuple[Any, frozenset[int]]]]:
-    """Walks the autograd graph down from ``roots`` (``grad_fn`` nodes).
-
-    ``edges`` maps ``(id(grad_fn), output_nr)`` of each cut point's output tensor to the cut
-    point's index and that ``grad_fn`` (held, and compared, so that a reused id cannot match).
-    Returns ``(params, parents, hidden)``: for each reached parameter (by ``id``), the set of cut
-    points its gradient crosses; for each crossed cut point, the set crossed above it; for each
-    reentrant activation checkpoint met (``torch.utils.checkpoint`` with ``use_reentrant=True``,
-    whose inside the walk cannot see), its ``run_function`` and the set crossed above it.
-
-    Raises:
-        ValueError: a node is reached along paths that crossed different cut points (its gradient
-            would sum terms with different scales: a skip connection around a cut point), or a
-            path crosses one cut point twice (a module reused in one step).
-    """
-    seen: dict[int, tuple[Any, frozenset[int]]] = {}
-    parents: dict[int, frozenset[int]] = {}
-    params: dict[int, frozenset[int]] = {}
-    hidden: list[tuple[Any, frozenset[int]]] = []
-    stack = [(fn, frozenset()) for fn in roots if fn is not None]
-    while stack:
-        fn, above = stack.pop()
-        known = seen.get(id(fn))
-        if known is not None:
-            if known[1] != above:
-                around = sorted(known[1] ^ above)
-                raise ValueError(
-                    f"per_layer: {_node_name(fn)} is reached by gradient paths that cross different "
-                    f"cut points ({', '.join(repr(cut_names[k]) for k in around)} on some paths "
-                    "only), so gradients with different scales would be summed there. A cut point "
-                    "must be crossed by every path from the loss to what lies below it: choose "
-                    "outputs of whole blocks (the residual stream), not modules inside a residual "
-                    "branch or blocks that a skip connection bypasses (cut_points=[...])."
-                )
-            continue
-        seen[id(fn)] = (fn, above)  # fn kept alive so that its id is not reused during the walk
-        variable = getattr(fn, "variable", None)
-        if variable is not None:
-            params[id(variable)] = above
-        if getattr(fn, "_forward_cls", None) is torch.utils.checkpoint.CheckpointFunction:
-            hidden.append((fn.run_function, above))
-        for child, nr in fn.next_functions:
-            if child is None:
-                continue
-            below = above
-            entry = edges.get((id(child), nr))
-            cut = entry[0] if entry is not None and entry[1] is child else None
-            if cut is not None:
-                if cut in above:
-                    raise ValueError(
-                        f"per_layer: the gradient crosses cut point {cut_names[cut]!r} twice (the "
-                        "module runs more than once per step); choose cut points that run once."
-                    )
-                if parents.setdefault(cut, above) != above:
-                    raise ValueError(
-                        f"per_layer: cut point {cut_names[cut]!r} receives gradients that crossed "
-                        "different cut points (a skip connection bypasses some of them); choose "
-                        "cut points that every path crosses (cut_points=[...])."
-                    )
-                below = above | {cut}
-            stack.append((child, below))
-    return params, parents, hidden
 
 
 def _reentrant_message(what: str) -> str:
@@ -502,9 +432,10 @@ class Layerwise:
     step's amax) and the parameter-to-region map. The scaler calls :meth:`watch`,
     :meth:`observe` (in ``scale``), :meth:`unscale` (in ``unscale_``) and :meth:`update`.
 
-    Preconditions: one watched model; each cut point's module runs once per step, with its
-    output (a tensor, or a tuple/list whose first item is the tensor that flows on) consumed only
-    above it. The graph walk checks this on the first ``scale(loss)`` after :meth:`watch`.
+    Preconditions: one watched model; each cut point's module runs at most once per step, with
+    its output (a tensor, or a tuple/list whose first item is the tensor that flows on) consumed
+    only above it. The graph walk checks this on the first ``scale(loss)`` after :meth:`watch`
+    and on every step whose forward differs from the first (see :meth:`observe`).
     """
 
     #: Device types whose state :meth:`update` reads on the host and updates with
@@ -523,18 +454,31 @@ class Layerwise:
         self.names: list[str] = []
         self._model: weakref.ref[nn.Module] | None = None
         self._handles: list[Any] = []
-        self._edges: dict[tuple[int, int], tuple[int, Any]] = {}
-        self._calibrated = False
-        self._param_region: dict[int, int] = {}
-        self._parents: list[int] = []
         self._device_state: dict[str, torch.Tensor] | None = None
         self._pending: dict[str, Any] | None = None  # a loaded state waiting for the cut points
         self._master_maps: dict[int, tuple[int, dict[int, int]]] = {}
         self._indices: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
         self._grad_hooks: list[Any] = []  # one backward hook per cut point, made by watch
-        self._hook_plan: list[tuple[torch.Tensor, ...]] = []  # per cut point: stats, s_k, [1, s_k], index
         self._topology: Topology | None = None
         self.recent: deque[torch.Tensor] = deque(maxlen=HISTORY_LEN)  # exponents after each update
+        self._forget_graph()
+
+    def _forget_graph(self) -> None:
+        """What the graph walks learnt and what one step planned: back to before the first step."""
+        self._edges: dict[tuple[int, int], tuple[int, int]] = {}  # the forwards' cut outputs since scale()
+        self._calibrated = False
+        self._param_region: dict[int, int] = {}
+        self._placed: set[int] = set()  # parameters whose region a walk saw (not guessed by owner)
+        self._parents: list[int] = [k + 2 if k + 1 < len(self.names) else 0 for k in range(len(self.names))]
+        self._known: set[int] = set()  # cut points whose parent region a walk saw
+        self._regular: list[int] = []  # the cut points one regular forward runs, each once
+        self._shared = False  # a parameter reached from several regions: walk every step
+        self._canonical_plan: list[tuple[torch.Tensor, ...]] = []  # per cut point: stats, s_k, [s_k, 1], index
+        self._hook_plan: list[tuple[torch.Tensor, ...]] = []  # this backward's (the canonical one but where it compensates)
+        self._step_hooks: list[Any] = []  # this backward's parameter hooks (removed after it)
+        self._fired: set[int] = set()  # cut points whose backward hook ran in this backward
+        self._fired_step: set[int] = set()  # ... in any backward since the last update
+        self._expected: frozenset[int] | None = None  # what this backward must fire (fast path)
 
     # -- watch --------------------------------------------------------------------------------
 
@@ -552,40 +496,38 @@ class Layerwise:
         self._model = weakref.ref(model)
         self.names = names
         self._grad_hooks = [self._grad_hook(k) for k in range(len(names))]
-        self._handles = [modules[n].register_forward_hook(self._forward_hook(k, modules[n])) for k, n in enumerate(names)]
-        self._calibrated = False
-        self._param_region = {}
-        # Until the graph walk says otherwise: a chain, each cut point below the next.
-        self._parents = [k + 2 if k + 1 < len(names) else 0 for k in range(len(names))]
+        self._handles = [modules[n].register_forward_hook(_CutHook(self, k, modules[n])) for k, n in enumerate(names)]
+        self._forget_graph()  # until the graph walk says otherwise: a chain
         if self._device_state is not None:
             self._device_state = self._fresh_state(self._device_state["exponent"].device)
+
+    def require_model(self) -> None:
+        """Raises ``ValueError`` (what to do) unless a model is watched: without one the scaler
+        would train with the loss scale alone."""
+        if self._model is None or self._model() is None:
+            again = " again (watching is not pickled or copied)" if self.names else ""
+            raise ValueError(
+                "GradScaler(per_layer=True) scales per cut point of a watched model, and none is "
+                f"watched: call scaler.watch(model){again} before the first scale(loss) (it "
+                "returns the scaler: scaler = mixprec.GradScaler(..., per_layer=True).watch(model)). "
+                "Without it every gradient would carry the loss scale alone."
+            )
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-    def _forward_hook(self, cut: int, hooked: nn.Module) -> Any:
-        ref, hooked_ref = weakref.ref(self), weakref.ref(hooked)
-
-        @torch._dynamo.disable  # the hook runs eagerly: torch.compile breaks the graph here
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            me = ref()
-            tensor = _first_tensor(output)
-            if me is None or module is not hooked_ref() or tensor is None or tensor.grad_fn is None:
-                return  # a copy.deepcopy of the watched model carries the hook: it does nothing
-            if not me._calibrated:
-                me._edges[(id(tensor.grad_fn), tensor.output_nr)] = (cut, tensor.grad_fn)
-            tensor.register_hook(me._grad_hooks[cut])
-
-        return hook
+        self._release_step_hooks()
 
     def _grad_hook(self, cut: int) -> Any:
         """The backward hook of cut point ``cut``'s output: records the incoming gradient's amax
         in the parent region's statistic and, times ``s_k``, in its own region's; returns the
-        gradient times ``s_k``. A few device ops, no host sync, nothing cached per step."""
+        gradient times ``s_k``. A few device ops, no host sync, nothing cached per step. On a
+        step whose graph differs from the first one's (a block skipped), ``s_k`` also brings the
+        gradient from the region it arrives from to the parent region's scale (the plan)."""
 
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            self._fired.add(cut)
             plan = self._hook_plan
             if not plan:
                 return None
@@ -636,7 +578,10 @@ class Layerwise:
         stats, powers, n = state["stats"], state["powers"], len(self.names)
         indices = torch.tensor([[k + 1, p] for k, p in enumerate(self._parents)], dtype=torch.int64).to(device)
         # per cut point: stats, s_k, [s_k, 1] (a strided view of the powers), [own region, parent]
-        self._hook_plan = [(stats, powers[k], powers.as_strided((2,), (n - k,), k), indices[k]) for k in range(n)]
+        self._canonical_plan = [
+            (stats, powers[k], powers.as_strided((2,), (n - k,), k), indices[k]) for k in range(n)
+        ]
+        self._hook_plan = self._canonical_plan
 
     def _store_factors(self, state: dict[str, torch.Tensor], exponent: torch.Tensor) -> None:
         state["exponent"] = exponent
@@ -651,41 +596,68 @@ class Layerwise:
     # -- observe: the graph walk --------------------------------------------------------------
 
     def observe(self, outputs: Any, device: torch.device) -> None:
-        """Called by ``scale(outputs)``: creates the device state and, once, walks the graph."""
+        """Called by ``scale(outputs)``, before the backward: creates the device state and plans
+        the backward.
+
+        The first time, the graph walk places the cut points and parameters (the canonical
+        structure). Later, a forward that ran each of those cut points once, in a model without
+        shared parameters, costs nothing here (the hooks check, in the backward, that each
+        output reached the loss). Any other forward (a block skipped or exited early, a module
+        run twice, a tied weight) is walked again, and this backward gets hooks that bring every
+        gradient to its canonical region's scale: a cut point's factor times the factors of
+        the cut points skipped above it, a parameter below no cut point that ran times the
+        factors of its region's cut points that did not, a tied weight's contributions to its
+        topmost region's scale before autograd sums them. All are powers of two: exact.
+
+        Raises:
+            ValueError: see :func:`walk`; or the previous backward missed a cut point that ran in
+                its forward (see :meth:`check_backward`).
+        """
         state = self.ensure_state(device)
-        if self._calibrated or self._model is None:
-            return
-        model = self._model()
-        if model is None:
-            return
+        self.check_backward()
+        self._release_step_hooks()
+        model = self._model() if self._model is not None else None
+        edges, self._edges = self._edges, {}
         roots = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
-        edges = self._edges
-        self._edges = {}  # what the forwards since the last scale() recorded
-        if not roots or not edges:
+        if model is None or not roots or (not self._calibrated and not edges):
             return
-        params, parents, hidden = regions(roots, edges, self.names)
-        region_of_set: dict[frozenset[int], int] = {frozenset(): 0}
-        for k, above in parents.items():
-            region_of_set[above | {k}] = k + 1
-        inside = self._checkpointed(model, hidden, parents, region_of_set)
-        resolved = []
-        for k in range(len(self.names)):
-            above = parents.get(k)
-            resolved.append(0 if above is None else region_of_set.get(above, 0))
-        self._parents = resolved
+        if self._calibrated and not self._shared and sorted(c for c, _ in edges.values()) == self._regular:
+            self._hook_plan, self._expected = self._canonical_plan, frozenset(self._regular)
+            return
+        param_names = {id(p): name for name, p in model.named_parameters()}
+        graph = walk(roots, edges, self.names, param_names)
+        if not self._calibrated:
+            self._calibrate(model, graph)
+            self._refresh(state)
+        else:
+            regions, scales = dict(self._param_region), state["region_factor"].clone()
+            if self._extend(graph):
+                self._refresh(state)
+                self._carry_over(model, regions, scales, state["region_factor"])
+        self._compensate(graph, state)
+
+    def _calibrate(self, model: nn.Module, graph: Walk) -> None:
+        """The canonical structure from the first walk: each cut point's parent region, each
+        parameter's region."""
+        inside = self._checkpointed(model, graph.hidden, graph.incoming)
+        self._parents = [graph.incoming.get(k, 0) for k in range(len(self.names))]
+        self._known = set(graph.incoming)
+        self._regular = sorted(graph.incoming)
+        self._shared = bool(graph.rescale)
         owners = [(name, k) for k, name in enumerate(self.names)]
         self._param_region = {}
         unplaced = []
         for name, param in model.named_parameters():
-            crossed = params.get(id(param))
-            if crossed is not None:
-                self._param_region[id(param)] = region_of_set[crossed] if crossed else 0
+            reached = graph.params.get(id(param))
+            if reached is not None:
+                self._param_region[id(param)] = reached[1]
+                self._placed.add(id(param))
                 continue
             if id(param) in inside:  # inside a reentrant checkpoint: the checkpoint's region
                 self._param_region[id(param)] = inside[id(param)]
                 continue
             # Not reached (unused in this step): the cut point whose module owns it, else the
-            # top region.
+            # top region, until a walk reaches it.
             owner = [k for cut, k in owners if name.startswith(cut + ".")]
             self._param_region[id(param)] = owner[-1] + 1 if owner else 0
             if not owner and param.requires_grad:
@@ -694,7 +666,7 @@ class Layerwise:
                     raise ValueError(_reentrant_message(what))
                 unplaced.append(name)
         known = {id(p) for p in model.parameters()}
-        if unplaced and any(key not in known for key in params):
+        if unplaced and any(key not in known for key in graph.params):
             warnings.warn(
                 f"per_layer: {', '.join(unplaced[:5])}{' ...' if len(unplaced) > 5 else ''} of the "
                 "watched model are not in the autograd graph of the first scaled loss, which trains "
@@ -703,14 +675,111 @@ class Layerwise:
                 "factor: name cut points that own them (cut_points=[...]) or do not use per_layer "
                 "with this wrapper.",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         self._calibrated = True
-        self._refresh(state)
+
+    def _extend(self, graph: Walk) -> bool:
+        """A later walk reached cut points the canonical structure lacks (skipped in the first
+        step). When it reached all the known ones too, its structure becomes the canonical one
+        (parents, parameter regions, the regular forward); otherwise the new cut points join
+        where this step found them, and so do parameters no walk had reached. Returns whether
+        the cut points' tree changed."""
+        reached = set(graph.incoming)
+        self._shared = self._shared or bool(graph.rescale)
+        if not reached - self._known:
+            return False
+        complete = reached >= self._known
+        for k in reached if complete else reached - self._known:
+            self._parents[k] = graph.incoming[k]
+        self._known |= reached
+        if complete:
+            self._regular = sorted(reached)
+        for key, (_, label) in graph.params.items():
+            if key in self._param_region and (complete or key not in self._placed):
+                self._param_region[key] = label
+                self._placed.add(key)
+        return True
+
+    def _carry_over(
+        self, model: nn.Module, regions: dict[int, int], scales: torch.Tensor, new_scales: torch.Tensor
+    ) -> None:
+        """Gradients accumulated before the canonical structure changed (earlier backward calls
+        of this step) carry their old region's scale: brought to the new one (powers of two)."""
+        moved: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for param in model.parameters():
+            key = id(param)
+            if param.grad is not None and key in regions and key in self._param_region:
+                moved.setdefault((regions[key], self._param_region[key]), []).append(param.grad)
+        with torch.no_grad():
+            for (old, new), grads in moved.items():
+                ratio = new_scales[new] / scales[old]
+                torch._foreach_mul_(grads, ratio.to(grads[0].device))
+
+    def _compensate(self, graph: Walk, state: dict[str, torch.Tensor]) -> None:
+        """This backward's plan (see :meth:`observe`): factors ``2**(T_to - T_from)`` on the
+        device (no host sync) for every gradient that arrives in a region other than its
+        canonical one."""
+        moves: list[tuple[int, int]] = []  # (to region, from region)
+        cuts = {k: len(moves) + i for i, k in enumerate(k for k, lab in graph.incoming.items() if lab != self._parents[k])}
+        moves += [(self._parents[k], graph.incoming[k]) for k in cuts]
+        leaves = []
+        for key, (param, label) in graph.params.items():
+            region = self._param_region.get(key)
+            if region is not None and region != label and param.requires_grad:
+                leaves.append((param, len(moves)))
+                moves.append((region, label))
+        nodes = []
+        for node, index, label, top in graph.rescale:
+            nodes.append((node, index, len(moves)))
+            moves.append((top, label))
+        self._hook_plan = self._canonical_plan
+        if not moves:
+            return
+        exponent = state["exponent"]
+        totals = torch.cat([exponent.new_zeros(1, dtype=torch.float32), self._topology.membership @ exponent.float()])
+        index = torch.tensor(moves, dtype=torch.int64).to(exponent.device)
+        factors = pow2((totals[index[:, 0]] - totals[index[:, 1]]).clamp_(-126, 127)).unbind()
+        plan = list(self._canonical_plan)
+        for k, i in cuts.items():
+            stats, factor, _, where = plan[k]
+            moved = factor * factors[i]
+            plan[k] = (stats, moved, torch.stack([moved, factors[i]]), where)
+        self._hook_plan = plan
+        self._step_hooks = [param.register_hook(_Times(factors[i])) for param, i in leaves]
+        for node, index_in, i in nodes:
+            node.register_hook(_TimesInput(index_in, factors[i]))  # dies with this step's graph
+
+    def _release_step_hooks(self) -> None:
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = []
+
+    def check_backward(self) -> None:
+        """After a backward planned without a walk: every cut point that ran in the forward got
+        its gradient (else the factors of the cut points above the parameters that did get
+        gradients are not known here). Folds the backward's cut points into the step's.
+
+        Raises:
+            ValueError: a cut point ran in the forward but its output did not reach the loss.
+        """
+        fired, expected = self._fired, self._expected
+        self._fired_step |= fired
+        self._fired, self._expected = set(), None
+        if expected is None or not fired or fired >= expected:
+            return
+        missing = ", ".join(repr(self.names[k]) for k in sorted(expected - fired))
+        raise ValueError(
+            f"per_layer: cut point {missing} ran in the forward but its output did not reach the "
+            "loss in the backward (computed and discarded), so the gradients below it carry a "
+            "scale that per-layer scaling cannot know, and this step's gradients are wrong. Skip "
+            "the block instead of discarding its output (do not call it: skipped blocks, early "
+            "exits and unused experts are exact), or detach nothing but call it outside the "
+            "watched model's cut points."
+        )
 
     def _checkpointed(
-        self, model: nn.Module, hidden: list[tuple[Any, frozenset[int]]], parents: dict[int, frozenset[int]],
-        region_of_set: dict[frozenset[int], int],
+        self, model: nn.Module, hidden: list[tuple[Any, int]], incoming: dict[int, int]
     ) -> dict[Any, int]:
         """What the reentrant checkpoints the walk met hide: ``{id(parameter): region}`` for
         the parameters of checkpointed modules (the region the checkpoint lies in), and the key
@@ -722,7 +791,7 @@ class Layerwise:
         """
         inside: dict[Any, int] = {}
         modules = dict(model.named_modules())
-        for run_function, above in hidden:
+        for run_function, label in hidden:
             owner = run_function if isinstance(run_function, nn.Module) else getattr(run_function, "__self__", None)
             if not isinstance(owner, nn.Module):
                 inside[None] = 0
@@ -732,8 +801,8 @@ class Layerwise:
             if cuts:
                 raise ValueError(_reentrant_message(f"cut point {cuts[0]!r} runs"))
             for param in owner.parameters():
-                inside.setdefault(id(param), region_of_set[above])
-        unreached = [name for k, name in enumerate(self.names) if k not in parents]
+                inside.setdefault(id(param), label)
+        unreached = [name for k, name in enumerate(self.names) if k not in incoming]
         if None in inside and unreached:
             raise ValueError(_reentrant_message(f"cut point {unreached[0]!r} runs"))
         return inside
@@ -767,6 +836,8 @@ class Layerwise:
         ``_amp_foreach_non_finite_check_and_unscale_``, as :func:`mixprec._unscale.unscale_` does.
         """
         state = self.ensure_state(scale.device)
+        self.check_backward()
+        self._release_step_hooks()
         lookup = self._region_lookup(optimizer)
         groups: dict[tuple[torch.device, torch.dtype], dict[int, list[torch.Tensor]]] = {}
         measured: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
@@ -800,7 +871,24 @@ class Layerwise:
                     torch._amp_foreach_non_finite_check_and_unscale_(
                         region_grads, found[device], inverses[device][region]
                     )
+            skipped = self._known - self._fired_step
+            if skipped and measured:
+                # A step that skipped cut points: the regions at and below them are not measured
+                # (their gradients are not those of the network the factors serve, e.g. larger
+                # without a skipped block above, or zeros after zero_grad(set_to_none=False)):
+                # their factors keep their value; overflows still count.
+                silent = tuple(k + 1 for k in range(len(self.names)) if skipped.intersection(self._path(k)))
+                index = self._index(silent, stats.device)
+                seen = stats.index_select(0, index)
+                stats.index_copy_(0, index, torch.where(seen.isfinite(), -1.0, seen))
         return found
+
+    def _path(self, cut: int) -> list[int]:
+        """Cut point ``cut`` and the cut points above it (the canonical tree)."""
+        path = [cut]
+        while self._parents[path[-1]] and len(path) <= len(self._parents):
+            path.append(self._parents[path[-1]] - 1)
+        return path
 
     def _index(self, regions_of: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """The int64 index tensor of ``regions_of`` on ``device``, made once per layout."""
@@ -827,6 +915,7 @@ class Layerwise:
         statistics so that every rank gets the same factors.
         """
         self.config = config
+        self._fired_step = set()
         state = self._device_state
         if state is None:
             return None
@@ -876,6 +965,7 @@ class Layerwise:
         """What ``update(new_scale=...)`` does here: the step's statistics are discarded (the next
         update measures its own step only); factors, margins, trackers and budgets stay, and the
         history records the unchanged factors. No host sync."""
+        self._fired_step = set()
         state = self._device_state
         if state is None:
             return
@@ -968,16 +1058,19 @@ class Layerwise:
         state = {k: v for k, v in self.__dict__.items()}
         state.update(
             _pending=self._host_values() if self.names else None,
-            _model=None, _handles=[], _edges={}, _calibrated=False, _param_region={},
-            _device_state=None, _master_maps={}, _indices={}, recent=deque(maxlen=HISTORY_LEN),
-            _grad_hooks=[], _hook_plan=[],
+            _model=None, _handles=[], _device_state=None, _master_maps={}, _indices={},
+            recent=deque(maxlen=HISTORY_LEN), _grad_hooks=[],
             requested=self.requested if self.requested is not None else (list(self.names) or None),
         )
         state.pop("_topology", None)
+        for key in [k for k in state if k in _GRAPH_KEYS]:
+            del state[key]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._topology = None
+        self._forget_graph()
 
 
 #: 1-D tensors of at most this many elements (biases, norms) are concatenated per region before
@@ -1015,3 +1108,71 @@ def _tensors(outputs: Any) -> list[torch.Tensor]:
     if isinstance(outputs, (list, tuple)):
         return [t for o in outputs for t in _tensors(o)]
     return []
+
+
+class _CutHook:
+    """The forward hook on a cut point's module: notes the output's ``grad_fn`` for the graph walk
+    and hooks the output's gradient. It does nothing on a copy of the model (``copy.deepcopy``,
+    ``pickle``, ``torch.save``: the copy is not watched; a pickled hook is an inert one), nor
+    when an activation checkpoint recomputes the module in the backward."""
+
+    def __init__(self, owner: Layerwise | None = None, cut: int = -1, module: nn.Module | None = None) -> None:
+        self.owner = None if owner is None else weakref.ref(owner)
+        self.module = None if module is None else weakref.ref(module)
+        self.cut = cut
+
+    @torch._dynamo.disable  # the hook runs eagerly: torch.compile breaks the graph here
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        owner = None if self.owner is None else self.owner()
+        tensor = _first_tensor(output)
+        if owner is None or self.module is None or module is not self.module() or tensor is None:
+            return
+        if tensor.grad_fn is None or torch._C._current_graph_task_id() != -1:
+            return
+        edges = owner._edges
+        if len(edges) > EDGE_LIMIT:  # forwards without a scale() since (inference with grad)
+            for key in list(edges)[: EDGE_LIMIT // 2]:
+                del edges[key]
+        edges[(id(tensor.grad_fn), tensor.output_nr)] = (self.cut, tensor.grad_fn._sequence_nr())
+        tensor.register_hook(owner._grad_hooks[self.cut])
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_CutHook, ())
+
+
+#: What :meth:`Layerwise._forget_graph` sets: learnt from the watched model's graphs, not pickled.
+_GRAPH_KEYS = frozenset((
+    "_edges", "_calibrated", "_param_region", "_placed", "_parents", "_known", "_regular", "_shared",
+    "_canonical_plan", "_hook_plan", "_step_hooks", "_fired", "_fired_step", "_expected",
+))
+
+#: Cut-point outputs remembered between two ``scale()`` calls at most (ints only).
+EDGE_LIMIT = 4096
+
+
+class _Times:
+    """A parameter's gradient hook for one backward: times a power of two (a device tensor)."""
+
+    def __init__(self, factor: torch.Tensor) -> None:
+        self.factor = factor
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        factor = self.factor
+        return grad * (factor if grad.device == factor.device else factor.to(grad.device, non_blocking=True))
+
+
+class _TimesInput(_Times):
+    """An autograd node's hook for one backward: its gradient for input ``index`` times a power
+    of two (one contribution to a tied weight's gradient, before autograd sums them)."""
+
+    def __init__(self, index: int, factor: torch.Tensor) -> None:
+        super().__init__(factor)
+        self.index = index
+
+    def __call__(self, grad_inputs: tuple[torch.Tensor | None, ...], grad_outputs: Any) -> tuple[Any, ...] | None:
+        grad = grad_inputs[self.index]
+        if grad is None:
+            return None
+        moved = list(grad_inputs)
+        moved[self.index] = super().__call__(grad)
+        return tuple(moved)

@@ -1,0 +1,291 @@
+"""The one-line form of a policy: ``str(policy)`` writes it, :meth:`mixprec.Policy.parse` reads it.
+
+``params=float32,compute=bfloat16; ops fp32=softmax,exp lower=bmm.default; keep float32=LayerNorm;
+keep float16=/^head$/; fp8 rowwise=Linear|/blocks/ except first/last backend=emulate recipes 2=mxfp8``
+
+Sections are separated by ``;``: the dtypes (``parse``'s ``key=value`` list), then any of
+
+- ``ops KIND=op,op KIND=op ...``: op edits in order (``with_ops`` names: a bare packet name is
+  every functional overload, ``mm.default`` the default one only); kinds ``lower``, ``fp32``,
+  ``promote``, ``passthrough``, ``banned``.
+- ``keep DTYPE=SELECTION``: a module rule. A selection is ``|``-separated items: module types
+  (a ``torch.nn`` name such as ``LayerNorm``, else the import path
+  ``package.module.Class``, looked up among imported modules, never imported) and at most one
+  name regex, ``/regex/`` or a JSON string ``"regex"`` (written when the regex holds ``/`` before
+  a space, ``|`` or ``;``, or a control character).
+- ``fp8 RECIPE=SELECTION`` and options: ``except first/last``, ``backend=NAME``, ``recipes
+  layer=recipe,layer=recipe``, ``guarded {...}`` or ``controlled {...}`` (JSON: the settings
+  that differ from the defaults; reading them builds a new Guard/Controller, with a warning, as
+  :meth:`Policy.load` does).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from torch import nn
+
+__all__ = ["format_sections", "parse_sections"]
+
+_SECTIONS = ("ops", "keep", "fp8")
+_PLAIN_NAME = re.compile(r"^[\w.\-]+$")
+
+
+# ----------------------------------------------------------------- writing
+def format_sections(policy: Any) -> list[str]:
+    """The ``ops``, ``keep`` and ``fp8`` sections of ``policy`` (empty when it has none)."""
+    from mixprec.policy import _dtype_name, _settings
+
+    sections = []
+    if policy.op_rules:
+        sections.append("ops " + " ".join(f"{kind}={','.join(names)}" for kind, names in _op_runs(policy.op_rules)))
+    sections += [f"keep {_dtype_name(r.dtype)}={_selection(r.types, r.names)}" for r in policy.module_rules]
+    rule = policy.fp8_rule
+    if rule is not None:
+        text = f"fp8 {rule.recipe_name}={_selection(rule.types, rule.names)}"
+        if rule.first_last == "keep":
+            text += " except first/last"
+        if rule.backend != "auto":
+            text += f" backend={rule.backend}"
+        for word, state in (("guarded", rule.guard), ("controlled", rule.controller)):
+            if state is not None:  # the settings that differ from the defaults
+                default = _settings(type(state)())
+                changed = {k: v for k, v in _settings(state).items() if default.get(k) != v}
+                text += f" {word} " + json.dumps(changed, separators=(",", ":"))
+        if rule.recipes:
+            text += " recipes " + ",".join(f"{_layer_name(n)}={r if isinstance(r, str) else r.name}"
+                                           for n, r in rule.recipes)
+        sections.append(text)
+    return sections
+
+
+def _op_runs(rules: tuple[tuple[str, str], ...]) -> list[tuple[str, list[str]]]:
+    """The edits as runs of one kind, in order (``fp32`` for the dtype-argument forms); a packet
+    whose functional overloads stand together in a run is written by its packet name, a default
+    overload alone as ``packet.default``."""
+    from mixprec._ops_names import canonical_names
+
+    runs: list[tuple[str, list[str]]] = []
+    for name, kind in rules:
+        shown = "fp32" if kind.startswith("fp32") else kind
+        if not runs or runs[-1][0] != shown:
+            runs.append((shown, []))
+        runs[-1][1].append(name)
+    out = []
+    for kind, names in runs:
+        written, i = [], 0
+        while i < len(names):
+            packet = names[i].split(".")[0]
+            overloads = canonical_names(packet)
+            if names[i:i + len(overloads)] == overloads:
+                written.append(packet)
+                i += len(overloads)
+            else:
+                written.append(names[i] if "." in names[i] else f"{names[i]}.default")
+                i += 1
+        out.append((kind, written))
+    return out
+
+
+def _selection(types: tuple[type, ...], names: str | None) -> str:
+    items = [t.__name__ if getattr(nn, t.__name__, None) is t else f"{t.__module__}.{t.__qualname__}"
+             for t in types]
+    if names is not None:
+        items.append(f"/{names}/" if _slashes_safe(names) else json.dumps(names))
+    return "|".join(items)
+
+
+def _slashes_safe(regex: str) -> bool:
+    """Whether ``/regex/`` reads back as ``regex``: no ``/`` before a terminator, no control character."""
+    if any(ord(c) < 32 for c in regex) or regex.startswith('"'):
+        return False
+    return not any(regex[i] == "/" and regex[i + 1] in "| ;" for i in range(len(regex) - 1))
+
+
+def _layer_name(name: str) -> str:
+    return name if _PLAIN_NAME.match(name) else json.dumps(name)
+
+
+# ----------------------------------------------------------------- reading
+class _Reader:
+    """A cursor over a policy string, with errors that show where reading stopped."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.pos = text, 0
+
+    def error(self, what: str) -> ValueError:
+        return ValueError(f"policy {self.text!r}, at character {self.pos} ({self.text[self.pos:self.pos + 20]!r}): "
+                          f"{what}. The one-line syntax: see help(mixprec.Policy.parse)")
+
+    def skip_spaces(self) -> None:
+        while self.pos < len(self.text) and self.text[self.pos].isspace():
+            self.pos += 1
+
+    def at_end_of_section(self) -> bool:
+        self.skip_spaces()
+        return self.pos >= len(self.text) or self.text[self.pos] == ";"
+
+    def word(self, stops: str) -> str:
+        start = self.pos
+        while self.pos < len(self.text) and not self.text[self.pos].isspace() and self.text[self.pos] not in stops:
+            self.pos += 1
+        if self.pos == start:
+            raise self.error("expected a name")
+        return self.text[start:self.pos]
+
+    def expect(self, char: str) -> None:
+        if not self.text.startswith(char, self.pos):
+            raise self.error(f"expected {char!r}")
+        self.pos += len(char)
+
+    def json_value(self) -> Any:
+        try:
+            value, self.pos = json.JSONDecoder().raw_decode(self.text, self.pos)
+        except json.JSONDecodeError as e:
+            raise self.error(f"bad JSON: {e.msg}") from None
+        except RecursionError:
+            raise self.error("JSON nested too deeply") from None
+        return value
+
+    def regex(self) -> str:
+        """``/regex/`` (ends at the first ``/`` before a space, ``|``, ``;`` or the end)."""
+        start = self.pos + 1
+        end = start
+        while True:
+            end = self.text.find("/", end)
+            if end < 0:
+                raise self.error("a /regex/ without its closing '/'")
+            if end + 1 == len(self.text) or self.text[end + 1] in "| ;" or self.text[end + 1].isspace():
+                break
+            end += 1
+        self.pos = end + 1
+        return self.text[start:end]
+
+
+def parse_sections(text: str) -> tuple[str, dict[str, Any]]:
+    """Split ``text`` into its dtype list (returned as is, for :meth:`Policy.parse`) and the
+    policy fields its sections give: ``op_rules``, ``module_rules``, ``fp8_rule``.
+
+    Raises:
+        ValueError: a malformed section (the message says where), an unknown op, dtype, kind,
+            module type (or one whose module is not imported), recipe or option.
+    """
+    reader = _Reader(text)
+    header_end = text.find(";")
+    first = text[: len(text) if header_end < 0 else header_end].strip()
+    header = "" if first.split(" ", 1)[0] in _SECTIONS and " " in first else first
+    if header:
+        reader.pos = len(text) if header_end < 0 else header_end + 1
+    fields: dict[str, Any] = {"op_rules": [], "module_rules": []}
+    while True:
+        reader.skip_spaces()
+        if reader.pos >= len(text):
+            break
+        keyword = reader.word(";=")
+        if keyword not in _SECTIONS:
+            raise reader.error(f"unknown section {keyword!r}; sections: dtypes first, then ops, keep, fp8")
+        reader.skip_spaces()
+        {"ops": _read_ops, "keep": _read_keep, "fp8": _read_fp8}[keyword](reader, fields)
+        if not reader.at_end_of_section():
+            raise reader.error("expected ';' or the end")
+        reader.pos += 1
+    fields["op_rules"], fields["module_rules"] = tuple(fields["op_rules"]), tuple(fields["module_rules"])
+    return header, fields
+
+
+def _read_ops(reader: _Reader, fields: dict[str, Any]) -> None:
+    from mixprec import ops as _ops
+    from mixprec._ops_names import canonical_names
+
+    while not reader.at_end_of_section():
+        kind = reader.word("=;")
+        if kind not in _ops.CAST_KINDS:
+            raise reader.error(f"unknown cast kind {kind!r}; kinds: {', '.join(_ops.CAST_KINDS)}")
+        reader.expect("=")
+        while True:
+            for name in canonical_names(reader.word(",;")):
+                fields["op_rules"].append((name, kind))
+            if not reader.text.startswith(",", reader.pos):
+                break
+            reader.pos += 1
+
+
+def _read_selection(reader: _Reader) -> tuple[tuple[type, ...], str | None]:
+    types, names = [], None
+    while True:
+        if reader.text.startswith("/", reader.pos) or reader.text.startswith('"', reader.pos):
+            if names is not None:
+                raise reader.error("a rule has one name regex (give several with '|' inside it)")
+            names = reader.regex() if reader.text[reader.pos] == "/" else reader.json_value()
+            if not isinstance(names, str):
+                raise reader.error("a name regex in JSON is a string")
+        else:
+            types.append(_module_type(reader, reader.word("|;")))
+        if not reader.text.startswith("|", reader.pos):
+            return tuple(types), names
+        reader.pos += 1
+
+
+def _module_type(reader: _Reader, name: str) -> type:
+    from mixprec.policy import _import_type
+
+    if "." in name:
+        return _import_type(name)
+    found = getattr(nn, name, None)
+    if not (isinstance(found, type) and issubclass(found, nn.Module)):
+        raise reader.error(f"{name!r} is no torch.nn module type; name other types by import path "
+                           f"(package.module.Class)")
+    return found
+
+
+def _read_keep(reader: _Reader, fields: dict[str, Any]) -> None:
+    from mixprec._modules import ModuleRule
+    from mixprec.policy import parse_dtype
+
+    dtype = parse_dtype(reader.word("=;"))
+    reader.expect("=")
+    types, names = _read_selection(reader)
+    fields["module_rules"].append(ModuleRule(dtype, types=types, names=names))
+
+
+def _read_fp8(reader: _Reader, fields: dict[str, Any]) -> None:
+    from mixprec._modules import Fp8Rule
+    from mixprec.policy import _controller_from_settings, _guard_from_settings, _warn_new_state
+
+    if "fp8_rule" in fields:
+        raise reader.error("one fp8 section per policy")
+    recipe = reader.word("=;")
+    reader.expect("=")
+    types, names = _read_selection(reader)
+    options: dict[str, Any] = {"first_last": "fp8", "recipes": {}}
+    while not reader.at_end_of_section():
+        option = reader.word("=;")
+        if option == "except":
+            reader.skip_spaces()
+            reader.expect("first/last")
+            options["first_last"] = "keep"
+        elif option == "backend":
+            reader.expect("=")
+            options["backend"] = reader.word(";")
+        elif option in ("guarded", "controlled"):
+            reader.skip_spaces()
+            state, build = (("guard", _guard_from_settings) if option == "guarded"
+                            else ("controller", _controller_from_settings))
+            options[state] = build(reader.json_value())
+            _warn_new_state(state, options[state], "Policy.parse")
+        elif option == "recipes":
+            reader.skip_spaces()
+            while True:
+                layer = reader.json_value() if reader.text.startswith('"', reader.pos) else reader.word("=,;")
+                reader.expect("=")
+                options["recipes"][layer] = reader.word(",;")
+                if not reader.text.startswith(",", reader.pos):
+                    break
+                reader.pos += 1
+        else:
+            raise reader.error(f"unknown fp8 option {option!r}; options: except first/last, backend=, "
+                               "recipes, guarded {...}, controlled {...}")
+    fields["fp8_rule"] = Fp8Rule(recipe, types=types, names=names, **options)
+

@@ -1,0 +1,100 @@
+"""Export an fp8-trained model for serving, with static scales from the training statistics.
+
+* :func:`export`: write a compressed-tensors checkpoint (what vLLM and transformers load: fp8 e4m3
+  weights with ``weight_scale``, static ``input_scale``, ``k_scale``/``v_scale``) or a torchao one.
+* :class:`Recorder`: the per-window amax history of every linear layer's input and of the keys and
+  values, recorded on the device during training (``rec.step()`` after each optimizer step).
+* :func:`calibrate`: the same statistics from a short pass over a model trained without fp8.
+* :class:`ScaleRule`: max (or a percentile) over the last N windows, times a margin.
+* :func:`load_static`: mixprec's own fp8 inference forward of a compressed-tensors export.
+
+compressed-tensors' and safetensors' code is imported only when an export runs (extra ``export``).
+See docs/export.md.
+
+Example:
+    >>> import torch, tempfile, mixprec
+    >>> model = mixprec.fp8.convert(torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)]))
+    >>> with mixprec.export.Recorder(model) as rec:
+    ...     model(torch.randn(4, 32)).sum().backward(); rec.step()
+    >>> out = mixprec.export.export(model, tempfile.mkdtemp(), stats=rec)
+    >>> sorted(out.layers), out.kept
+    (['1'], {'0': 'not an fp8 layer', '2': 'not an fp8 layer'})
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from mixprec.export._layers import plan_layers
+from mixprec.export._quant import Quantized, QuantizedLayer, quantize_model, quantize_weight
+from mixprec.export._record import Recorder, calibrate, load_stats
+from mixprec.export._rules import ScaleRule, static_scale
+from mixprec.export._static import StaticFloat8Linear, fake_quantize, load_static
+
+__all__ = ["FORMATS", "Quantized", "QuantizedLayer", "Recorder", "ScaleRule", "StaticFloat8Linear", "calibrate",
+           "export", "fake_quantize", "load_static", "load_stats", "quantize_weight", "static_scale"]
+
+FORMATS = ("compressed-tensors", "torchao")
+MANIFEST = "mixprec_export.json"
+
+
+def export(model: nn.Module, folder: str | Path, format: str = "compressed-tensors", *, stats: object = None,
+           rule: ScaleRule | None = None, layers: list[str] | None = None, weight_strategy: str = "tensor",
+           kv_cache: bool = True) -> Quantized:
+    """Write ``model`` to ``folder`` for serving in fp8, with static scales from its statistics.
+
+    ``model``: trained under ``Policy.fp8`` or converted with ``mixprec.fp8.convert`` (its fp8
+    layers export in fp8; those a Guard or Controller left in fallback stay in high precision and
+    are listed in ``ignore``), or any model with ``layers=[...]`` naming the layers to quantize.
+    ``stats``: a :class:`Recorder` (or :func:`load_stats`) whose windows give the static input
+    scales and the KV scales through ``rule`` (default :class:`ScaleRule`: max over the last 8
+    windows, margin 1); without it an fp8 layer's input scale comes from its ``LayerState``
+    window and no KV scales are written (warning). ``weight_strategy``: ``"tensor"`` or
+    ``"channel"`` (one scale per output row). ``format``: ``"compressed-tensors"`` (any device) or
+    ``"torchao"`` (a CUDA device of capability 8.9+). Also writes ``mixprec_export.json``: the
+    rule, each fp8 layer's amax, scale and where the statistic came from, the kept layers and why.
+
+    Returns the :class:`Quantized` numbers written. Raises ValueError for an unknown format or
+    strategy, a layer without statistics, or a layer the format cannot store in fp8 (named).
+    Host syncs: one per layer.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"export format must be one of {FORMATS}, got {format!r}")
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"export: {folder} exists and is not a folder")
+    plan = plan_layers(model, layers)
+    q = quantize_model(model, plan, stats, rule, weight_strategy, kv_cache)
+    if format == "compressed-tensors":
+        from mixprec.export._ct import write_compressed_tensors
+
+        write_compressed_tensors(model, folder, q)
+    else:
+        from mixprec.export._torchao import write_torchao
+
+        write_torchao(model, folder, q)
+    manifest = {
+        "format": format, "rule": q.rule.describe(), "weight_strategy": q.strategy,
+        "layers": {n: {"input_amax": l.input_amax, "input_scale": float(l.input_scale), "statistic": l.source}
+                   for n, l in q.layers.items()},
+        "kept": q.kept,
+        "kv_scales": {a: {k: float(v) for k, v in s.items()} for a, s in q.kv_scales.items()},
+    }
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return q
+
+
+class _CallableModule(types.ModuleType):
+    """``mixprec.export(...)`` is :func:`export`; ``mixprec.export.calibrate`` etc. stay attributes."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Quantized:
+        return export(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

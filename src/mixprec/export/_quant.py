@@ -1,0 +1,112 @@
+"""The numbers an export writes: fp8 weights with their scales, static input scales, KV scales."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.export._layers import LayerPlan, kv_sources, linear_layers, weight_out_in
+from mixprec.export._rules import ScaleRule
+from mixprec.fp8._quant import cast_to_fp8
+from mixprec.fp8._recipe import Cast
+from mixprec.fp8._state import layer_state
+
+__all__ = ["QuantizedLayer", "Quantized", "quantize_weight", "quantize_model"]
+
+STRATEGIES = ("tensor", "channel")
+
+
+def quantize_weight(weight: torch.Tensor, strategy: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+    """mixprec's own fp8 e4m3 cast of an ``(out, in)`` weight: ``(q, weight_scale)``, where
+    ``q = clamp(w * s)`` with mixprec's current scale ``s = 448 / amax`` (per tensor, or per output
+    channel for ``"channel"``) and ``weight_scale = 1 / s`` (float32, ``(1,)`` or ``(out, 1)``): the
+    dequantization factor compressed-tensors, vLLM and ``torch._scaled_mm`` multiply by.
+
+    Example:
+        >>> q, s = quantize_weight(torch.tensor([[1.0, -2.0]]))
+        >>> q.dtype, s
+        (torch.float8_e4m3fn, tensor([0.0045]))
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"weight strategy must be one of {STRATEGIES}, got {strategy!r}")
+    cast = Cast("e4m3fn", "tensor" if strategy == "tensor" else "row")
+    q, scale, _ = cast_to_fp8(weight.detach(), cast, -1, False)
+    inv = scale.reciprocal()
+    return q, inv.reshape(1) if strategy == "tensor" else inv.reshape(-1, 1)
+
+
+@dataclass
+class QuantizedLayer:
+    """One fp8 layer of an export: ``q`` ``(out, in)`` e4m3, ``weight_scale``, ``input_scale`` ``(1,)``."""
+
+    q: torch.Tensor
+    weight_scale: torch.Tensor
+    input_scale: torch.Tensor
+    input_amax: float
+    source: str  # where the input statistic came from
+
+
+@dataclass
+class Quantized:
+    """Everything an export writes besides the untouched tensors."""
+
+    layers: dict[str, QuantizedLayer]
+    kept: dict[str, str]
+    kv_scales: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    strategy: str = "tensor"
+    rule: ScaleRule = field(default_factory=ScaleRule)
+
+
+def _series(stats: Any) -> dict[str, torch.Tensor]:
+    if stats is None:
+        return {}
+    if not hasattr(stats, "series"):
+        raise TypeError(f"export: stats must be a mixprec.export.Recorder (or what load_stats read), got {type(stats).__name__}")
+    return stats.series()
+
+
+def quantize_model(model: nn.Module, plan: LayerPlan, stats: Any = None, rule: ScaleRule | None = None,
+                   strategy: str = "tensor", kv_cache: bool = True) -> Quantized:
+    """The fp8 weights and static scales of the ``plan``'s layers.
+
+    Input scales: ``rule`` over the layer's recorded windows (``stats``, a :class:`Recorder`),
+    else over the single window of its fp8 ``LayerState`` (the input amax since the last Guard
+    check). KV scales: ``rule`` over the windows of the keys and values, when ``stats`` has them.
+
+    Raises ValueError naming the layer when neither holds a nonzero amax for it. Warns when the
+    model has attention layers and no KV statistics (a serving engine then uses a KV scale of 1.0).
+    One host sync per layer.
+    """
+    rule = rule or ScaleRule()
+    series = _series(stats)
+    linears = linear_layers(model)
+    layers = {}
+    for fqn in plan.fp8:
+        mod = linears[fqn]
+        hist = series.get(f"{fqn}:input")
+        source = "recorded windows"
+        if hist is None or hist.numel() == 0 or not bool(hist.max() > 0):
+            st = layer_state(mod, create=False)
+            hist = st.stats[0, 0:1].detach().cpu() if st is not None else None
+            source = "fp8 LayerState (one window)"
+        if hist is None or not bool(hist.max() > 0):
+            raise ValueError(f"export: no statistics for the input of layer {fqn!r}: record them during training "
+                             f"with mixprec.export.Recorder, or run batches under mixprec.export.calibrate(model)")
+        q, ws = quantize_weight(weight_out_in(mod), strategy)
+        layers[fqn] = QuantizedLayer(q.cpu(), ws.cpu(), rule.scale(hist.cpu()), float(rule.amax(hist.cpu())), source)
+    kv: dict[str, dict[str, torch.Tensor]] = {}
+    sources = kv_sources(model)
+    if kv_cache:
+        for src in sources:
+            hist = series.get(f"{src.attention}:{src.which}")
+            if hist is not None and hist.numel() and bool(hist.max() > 0):
+                kv.setdefault(src.attention, {})[f"{src.which}_scale"] = rule.scale(hist.cpu())
+        if sources and not kv:
+            warnings.warn("export: no key/value statistics recorded (record them with mixprec.export.Recorder or "
+                          "calibrate): no k_scale/v_scale written, a serving engine's fp8 KV cache then uses 1.0",
+                          stacklevel=3)
+    return Quantized(layers, dict(plan.kept), kv, strategy, rule)

@@ -1,0 +1,184 @@
+"""Per-window amax histories for export: layer inputs and the key/value projections' outputs."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from mixprec.export._layers import KVSource, kv_sources, linear_layers, plan_layers
+
+__all__ = ["Recorder", "calibrate"]
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
+
+
+class Recorder:
+    """Records, on the device and without host syncs, the amax of every linear layer's input and
+    of every attention layer's keys and values, as a history of windows.
+
+    Forward hooks on the layers: each call raises the open window's running max; :meth:`step`
+    (once per optimizer step) closes the window every ``every`` steps (match ``Guard(every=...)``
+    to have the windows of the fp8 statistics). :func:`mixprec.export.export` turns the history
+    into static scales with a :class:`ScaleRule`. The keys and values are the outputs of
+    ``k_proj``/``v_proj`` (Llama-style) or the middle and last thirds of GPT-2's fused ``c_attn``
+    output: what vLLM's fp8 KV cache stores.
+
+    Hooks see the layer's input as the module receives it (before an autocast cast: rounding is
+    monotonic, so the amax of the cast input is the cast of this amax). Remove them with
+    :meth:`close` (or use it as a context manager). ``history`` keeps the last ``keep`` windows.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+        >>> with Recorder(model) as rec:
+        ...     _ = model(torch.ones(2, 16)); rec.step()
+        >>> rec.history.shape  # (windows, series)
+        torch.Size([1, 2])
+    """
+
+    def __init__(self, model: nn.Module, every: int = 1, keep: int = 1024) -> None:
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"Recorder.every must be an int >= 1 (optimizer steps per window), got {every!r}")
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"Recorder.keep must be an int >= 1 (windows kept), got {keep!r}")
+        self.every, self.keep = every, keep
+        self._model = model
+        layers = linear_layers(model)
+        self.kv: list[KVSource] = kv_sources(model)
+        #: series names: ``"<layer>:input"`` then ``"<attention>:k"`` / ``"<attention>:v"``
+        self.names: list[str] = [f"{n}:input" for n in layers] + [f"{s.attention}:{s.which}" for s in self.kv]
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._window = torch.zeros(len(self.names), device=device)
+        self._windows: list[torch.Tensor] = []
+        self._steps = 0
+        self._seen = False
+        self._handles = []
+        for i, (fqn, mod) in enumerate(layers.items()):
+            self._handles.append(mod.register_forward_hook(self._input_hook(i)))
+        by_layer: dict[str, list[tuple[int, KVSource]]] = {}
+        for j, src in enumerate(self.kv):
+            by_layer.setdefault(src.layer, []).append((len(layers) + j, src))
+        for fqn, sources in by_layer.items():
+            self._handles.append(layers[fqn].register_forward_hook(self._output_hook(sources)))
+
+    def _raise(self, i: int, amax: torch.Tensor) -> None:
+        if self._window.device != amax.device:
+            self._window = self._window.to(amax.device)
+        self._window[i] = torch.maximum(self._window[i], amax)
+        self._seen = True
+
+    def _input_hook(self, i: int) -> Any:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if args and isinstance(args[0], torch.Tensor):
+                self._raise(i, _amax(args[0]))
+        return hook
+
+    def _output_hook(self, sources: list[tuple[int, KVSource]]) -> Any:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if isinstance(output, torch.Tensor):
+                for i, src in sources:
+                    part = output if src.start is None else output[..., src.start:src.stop]
+                    self._raise(i, _amax(part))
+        return hook
+
+    def step(self) -> None:
+        """Count one optimizer step; every ``every`` steps close the window (no host sync)."""
+        self._steps += 1
+        if self._steps % self.every == 0:
+            self.end_window()
+
+    def end_window(self) -> None:
+        """Close the open window now (if any forward ran in it)."""
+        if self._seen:
+            self._windows.append(self._window.clone())
+            self._windows = self._windows[-self.keep:]
+            self._window.zero_()
+            self._seen = False
+
+    @property
+    def history(self) -> torch.Tensor:
+        """``(windows, series)`` float32 amaxes of the closed windows (series: :attr:`names`)."""
+        if not self._windows:
+            return torch.zeros(0, len(self.names), device=self._window.device)
+        return torch.stack(self._windows)
+
+    def series(self) -> dict[str, torch.Tensor]:
+        """``{name: (windows,) amaxes}``."""
+        h = self.history
+        return {n: h[:, i] for i, n in enumerate(self.names)}
+
+    def close(self) -> None:
+        """Close the open window and remove the hooks."""
+        self.end_window()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The closed windows, for a checkpoint or for ``mixprec export --stats``; with the model's fp8
+        layers at this moment (``fp8_layers``: those not in fallback; none for a model without fp8)."""
+        try:
+            fp8_layers = list(plan_layers(self._model).fp8)
+        except ValueError:  # no fp8 layer: a calibrated model
+            fp8_layers = []
+        return {"names": list(self.names), "history": self.history.cpu(), "every": self.every,
+                "fp8_layers": fp8_layers}
+
+    def save(self, path: str | Path) -> None:
+        """``torch.save`` the :meth:`state_dict` (what ``mixprec export --stats PATH`` reads)."""
+        torch.save(self.state_dict(), path)
+
+
+class _Loaded:
+    """Windows read back from :meth:`Recorder.save` (same ``names``/``history`` interface)."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or not {"names", "history"} <= set(state):
+            raise ValueError("export statistics must be what mixprec.export.Recorder.save wrote "
+                             "(a dict with 'names' and 'history')")
+        self.names, self.history = list(state["names"]), state["history"]
+        self.fp8_layers = list(state.get("fp8_layers", []))
+
+    def series(self) -> dict[str, torch.Tensor]:
+        return {n: self.history[:, i] for i, n in enumerate(self.names)}
+
+
+def load_stats(path: str | Path) -> _Loaded:
+    """Statistics saved by :meth:`Recorder.save`."""
+    return _Loaded(torch.load(path, map_location="cpu", weights_only=True))
+
+
+@contextlib.contextmanager
+def calibrate(model: nn.Module, every: int = 1) -> Iterator[Recorder]:
+    """A short calibration pass for a model trained without fp8 (or to re-measure one): every
+    ``every`` forward calls of ``model`` make one window. Gradients are off inside.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+        >>> with calibrate(model) as rec:
+        ...     for _ in range(3):
+        ...         _ = model(torch.randn(2, 16))
+        >>> rec.history.shape
+        torch.Size([3, 2])
+    """
+    rec = Recorder(model, every=every)
+    handle = model.register_forward_hook(lambda *_: rec.step())
+    try:
+        with torch.no_grad():
+            yield rec
+    finally:
+        handle.remove()
+        rec.close()

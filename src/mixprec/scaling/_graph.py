@@ -1,0 +1,155 @@
+"""The graph walk of per-layer scaling (:mod:`mixprec.scaling.layerwise`): which region's scale
+each gradient carries, in one step's autograd graph."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, NamedTuple, Sequence
+
+import torch
+import torch.utils.checkpoint
+
+__all__ = ["Walk", "walk"]
+
+
+class Walk(NamedTuple):
+    """What :func:`walk` found in one step's autograd graph. A *label* is the region whose total
+    scale a gradient carries there: 0 above every cut point, ``k + 1`` below cut point ``k``
+    (the hooks bring every gradient leaving cut point ``k`` to region ``k + 1``'s scale).
+
+    Attributes:
+        params: ``id(parameter) -> (parameter, label)`` for every parameter reached.
+        incoming: ``cut -> label`` of the gradient arriving at each cut point reached.
+        hidden: ``(run_function, label)`` of each reentrant activation checkpoint met.
+        rescale: ``(node, input index, from label, to label)``: the edges into a shared
+            parameter's gradient (or into a cast of it that leads only to it) that arrive with
+            several labels; each must be brought to ``to label``, the topmost, before autograd
+            sums them.
+    """
+
+    params: dict[int, tuple[torch.Tensor, int]]
+    incoming: dict[int, int]
+    hidden: list[tuple[Any, int]]
+    rescale: list[tuple[Any, int, int, int]]
+
+
+def _node_name(fn: Any, names: dict[int, str]) -> str:
+    variable = getattr(fn, "variable", None)
+    if variable is None:
+        return type(fn).__name__
+    name = names.get(id(variable))
+    return f"parameter {name!r}" if name else f"the gradient of a parameter of shape {tuple(variable.shape)}"
+
+
+def _above(label: int, incoming: dict[int, int]) -> list[int]:
+    """The cut points crossed above region ``label`` (this walk's, bottom first)."""
+    cuts = []
+    while label and len(cuts) <= len(incoming):
+        cuts.append(label - 1)
+        label = incoming.get(label - 1, 0)
+    return cuts
+
+
+def walk(
+    roots: Iterable[Any], edges: dict[tuple[int, int], tuple[int, int]], cut_names: Sequence[str],
+    param_names: dict[int, str] | None = None,
+) -> Walk:
+    """Walks the autograd graph down from ``roots`` (``grad_fn`` nodes) and labels every node
+    with the region whose scale its gradient carries (see :class:`Walk`).
+
+    ``edges`` maps ``(id(grad_fn), output_nr)`` of each cut point's output tensor to the cut
+    point's index and that ``grad_fn``'s sequence number (compared, so that a reused id cannot
+    match; holding the node would keep its graph alive);
+    ``param_names`` (``id -> qualified name``) names parameters in errors. A node reached with
+    several labels is fine when only parameters lie below it (a tied or shared weight: its
+    contributions are rescaled to the topmost label, see :attr:`Walk.rescale`): a parameter's
+    gradient node, or a chain of one-input nodes (a cast, a transpose) leading only to it.
+
+    Raises:
+        ValueError: a node with a cut point below it is reached along paths that crossed
+            different cut points (a skip connection around a cut point, or a cut point inside a
+            residual branch), a cut point receives gradients from different regions, or a path
+            crosses one cut point twice (a module run twice in one step).
+    """
+    names = param_names or {}
+    seen: dict[int, tuple[Any, int]] = {}
+    extra: dict[int, list[tuple[Any, int, int]]] = {}
+    first: dict[int, tuple[Any, int, int]] = {}
+    incoming: dict[int, int] = {}
+    params: dict[int, tuple[torch.Tensor, int]] = {}
+    hidden: list[tuple[Any, int]] = []
+    stack: list[tuple[Any, int, Any, int]] = [(fn, 0, None, 0) for fn in roots if fn is not None]
+    while stack:
+        fn, label, producer, index = stack.pop()
+        known = seen.get(id(fn))
+        if known is not None:
+            extra.setdefault(id(fn), []).append((producer, index, label))
+            continue
+        seen[id(fn)] = (fn, label)  # fn kept alive so that its id is not reused during the walk
+        first[id(fn)] = (producer, index, label)
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            params[id(variable)] = (variable, label)
+        if getattr(fn, "_forward_cls", None) is torch.utils.checkpoint.CheckpointFunction:
+            hidden.append((fn.run_function, label))
+        for i, (child, nr) in enumerate(fn.next_functions):
+            if child is None:
+                continue
+            below = label
+            entry = edges.get((id(child), nr))
+            cut = entry[0] if entry is not None and entry[1] == child._sequence_nr() else None
+            if cut is not None:
+                if cut in _above(label, incoming):
+                    raise ValueError(
+                        f"per_layer: the gradient crosses cut point {cut_names[cut]!r} twice (the "
+                        "module runs more than once per step); choose cut points that run once."
+                    )
+                if incoming.setdefault(cut, label) != label:
+                    raise ValueError(
+                        f"per_layer: cut point {cut_names[cut]!r} receives gradients that crossed "
+                        "different cut points (a skip connection bypasses some of them); choose "
+                        "cut points that every path crosses (cut_points=[...])."
+                    )
+                below = cut + 1
+            stack.append((child, below, fn, i))
+    rescale: list[tuple[Any, int, int, int]] = []
+    for key, more in extra.items():
+        fn, label = seen[key]
+        labels = {label, *(m[2] for m in more)}
+        if len(labels) == 1:
+            continue
+        depth = {lab: len(_above(lab, incoming)) for lab in labels}
+        top = min(labels, key=lambda lab: (depth[lab], lab))
+        shared = _parameter_below(fn, edges)
+        if shared is None:
+            around = sorted(set().union(*(_above(lab, incoming) for lab in labels)) - set(_above(top, incoming)))
+            raise ValueError(
+                f"per_layer: {_node_name(fn, names)} is reached by gradient paths that cross different "
+                f"cut points ({', '.join(repr(cut_names[k]) for k in around)} on some paths "
+                "only), so gradients with different scales would be summed there. A cut point "
+                "must be crossed by every path from the loss to what lies below it: choose "
+                "outputs of whole blocks (the residual stream), not modules inside a residual "
+                "branch or blocks that a skip connection bypasses (cut_points=[...])."
+            )
+        params[id(shared)] = (shared, top)
+        for producer, index, lab in [first[key], *more]:
+            if lab != top:
+                rescale.append((producer, index, lab, top))
+    return Walk(params, incoming, hidden, rescale)
+
+
+def _parameter_below(fn: Any, edges: dict[tuple[int, int], tuple[int, int]]) -> torch.Tensor | None:
+    """The parameter when ``fn`` is its gradient's node or a chain of one-input nodes (casts,
+    views, transposes) leading to it and to nothing else, else ``None``."""
+    for _ in range(16):
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            return variable
+        children = [(child, nr) for child, nr in fn.next_functions if child is not None]
+        if len(children) != 1 or getattr(fn, "_forward_cls", None) is torch.utils.checkpoint.CheckpointFunction:
+            return None
+        child, nr = children[0]
+        entry = edges.get((id(child), nr))
+        if entry is not None and entry[1] == child._sequence_nr():
+            return None
+        fn = child
+    return None

@@ -1,0 +1,93 @@
+"""A Controller and a Guard pickle (``pickle``, ``torch.save`` of the objects) with a converted
+model: unpickled mid-run, the run goes on bitwise as the uninterrupted one (decisions, outputs,
+weights), as with ``state_dict``; ``copy.deepcopy`` copies them as before."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec import Controller, fp8
+
+STEPS, PICKLE_AT = 60, 23
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(32, 64, generator=g), torch.randint(0, 64, (32,), generator=g)
+    if step < 40:
+        x[:, 0] *= 1.25 ** step  # one input feature drifts up, then returns
+    return x, y
+
+
+def _setup(judge: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    if judge == "controller":
+        checker = Controller(every=5, trend_windows=1, min_dwell=10, demote_windows=1)
+    else:
+        checker = fp8.Guard(every=5)
+    model = fp8.convert(model, filter_fn=lambda m, fqn: True, **{judge: checker})
+    return {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=1e-3), judge: checker}
+
+
+def _train(run: dict[str, Any], judge: str, steps: range, outputs: list) -> None:
+    for step in steps:
+        x, y = _batch(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = run["model"](x)
+        F.cross_entropy(out.float(), y).backward()
+        run["opt"].step()
+        run["opt"].zero_grad()
+        run[judge].step()
+        outputs.append(out.detach())
+
+
+def _decisions(run: dict[str, Any], judge: str) -> list:
+    if judge == "controller":
+        return run[judge].log
+    return sorted(run[judge].decisions.items())
+
+
+@pytest.mark.parametrize("judge", ["controller", "guard"])
+def test_pickled_mid_run_resumes_bitwise(judge):
+    whole, outputs = _setup(judge), []
+    _train(whole, judge, range(STEPS), outputs)
+    assert _decisions(whole, judge), "the drift should move a layer"
+
+    run, resumed = _setup(judge), []
+    _train(run, judge, range(PICKLE_AT), resumed)
+    run = pickle.loads(pickle.dumps(run))  # model, optimizer and controller/guard in one pickle
+    if judge == "controller":
+        assert run[judge].steps == PICKLE_AT
+        run[judge].track(run["model"])  # the converted layers: controlled again, from the pickled state
+    _train(run, judge, range(PICKLE_AT, STEPS), resumed)
+
+    assert _decisions(run, judge) == _decisions(whole, judge)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, resumed, strict=True))
+    for p, q in zip(whole["model"].parameters(), run["model"].parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_pickled_controller_alone_holds_its_state_dict():
+    run = _setup("controller")
+    _train(run, "controller", range(PICKLE_AT), [])
+    ctl = run["controller"]
+    back = pickle.loads(pickle.dumps(ctl))
+    assert back == ctl and back.state_dict() == ctl.state_dict() and back.log == ctl.log
+    guard = fp8.Guard(every=3)
+    guard.step(fp8.convert(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), filter_fn=lambda m, f: True))
+    assert pickle.loads(pickle.dumps(guard)).state_dict() == guard.state_dict()
+
+
+def test_deepcopy_shares_the_layers_as_before():
+    run = _setup("controller")
+    _train(run, "controller", range(7), [])
+    twin = copy.deepcopy(run["controller"])
+    assert twin.precisions() == run["controller"].precisions() and twin.steps == 7

@@ -1,0 +1,170 @@
+"""Policies are data: what a policy file or string may make mixprec do (regex cost, view ops,
+object lifetimes, pickling)."""
+
+import json
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec import Policy
+from mixprec._modules import ModuleRule
+
+# Backtracks exponentially on a name of [a-z_.0-9] without a final "!": minutes at 30 characters.
+BACKTRACKING = r"^([a-z_.0-9]+)+!$"
+
+
+def _policy_files(pattern):
+    keep = json.loads(Policy().keep(names="x").to_json())
+    keep["module_rules"][0]["names"] = pattern
+    fp8 = json.loads(Policy.fp8(names="x").to_json())
+    fp8["fp8_rule"]["names"] = pattern
+    return [json.dumps(keep), json.dumps(fp8)]
+
+
+@pytest.mark.parametrize("pattern, problem", [
+    (BACKTRACKING, "quantifier inside a repeated group"),
+    (r"^(a|ab)*c$", "alternation"),
+    (r"(\w)\1", "backreference"),
+    ("(" * 500 + "a" + ")" * 500, "nested too deeply"),
+])
+def test_a_costly_or_deep_names_pattern_is_refused_everywhere(pattern, problem):
+    makers = [lambda: Policy().keep(names=pattern), lambda: ModuleRule(torch.float32, names=pattern),
+              lambda: Policy.fp8(names=pattern)]
+    makers += [lambda text=text: Policy.from_json(text) for text in _policy_files(pattern)]
+    for make in makers:
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            make()
+
+
+def test_usual_names_patterns_are_accepted():
+    for pattern in (r"^head$", r"^(q|k|v)_proj$", r"blocks\.\d+\.attn", r"^layers\.[0-9]+\.mlp\.fc2?$", r"(a)?b"):
+        assert Policy().keep(names=pattern).module_rules[0].matches(nn.Identity(), "x") is False
+
+
+class _CountingPattern:
+    def __init__(self, pattern):
+        self.pattern, self.names = pattern, []
+
+    def search(self, name):
+        self.names.append(name)
+        return self.pattern.search(name)
+
+
+def test_each_module_name_is_searched_once():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
+    policy = Policy.parse("bf16").keep(names=r"^2\.1$")
+    rule = policy.module_rules[0]
+    counter = _CountingPattern(rule._pattern)
+    object.__setattr__(rule, "_pattern", counter)
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        with mixprec.autocast("cpu", policy=policy):
+            model(x)
+    assert sorted(counter.names) == sorted({"", "0", "1", "2", "2.0", "2.1"})
+
+
+VIEW_OPS = ["view", "select.int", "t", "detach", "transpose.int", "permute", "expand", "narrow", "slice.Tensor",
+            "squeeze.dim", "unsqueeze", "reshape", "as_strided", "diagonal", "unbind.int", "split.Tensor", "alias",
+            "view_as", "unfold", torch.Tensor.view, torch.ops.aten.t.default]
+
+
+@pytest.mark.parametrize("op", VIEW_OPS, ids=str)
+def test_view_and_alias_ops_are_refused_in_every_way_of_making_a_policy(op):
+    for kind in ("lower", "fp32", "promote", "passthrough"):
+        with pytest.raises(ValueError, match="returns a view of its input"):
+            Policy().with_ops(**{kind: [op]})
+    if isinstance(op, str):
+        with pytest.raises(ValueError, match="returns a view of its input"):
+            Policy(op_rules=((op, "fp32"),))
+        text = json.dumps({"op_rules": [[op, "lower"]]})
+        with pytest.raises(ValueError, match="returns a view of its input"):
+            Policy.from_json(text)
+
+
+def test_a_write_through_a_view_reaches_its_base_in_a_region():
+    """What the refusal protects: views stay views inside a region (PyTorch's lists cast none)."""
+    x = torch.zeros(4, 10)
+    with mixprec.autocast("cpu", policy=Policy.parse("bf16").with_ops(fp32=["exp"])):
+        x.view(-1).add_(1.0)
+        x.t()[0].fill_(2.0)
+    assert x.sum().item() == 4 * 10 - 4 + 2 * 4  # column 0 (4 elements) set to 2
+
+
+# ------------------------------------------------------------------ lifetimes, pickling, loading
+def _fp8_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 16))
+
+
+@pytest.mark.parametrize("state", ["controller", "guard"])
+def test_per_step_policies_with_fresh_state_are_not_kept_alive(state):
+    import gc
+    import weakref
+
+    model, x = _fp8_model(), torch.randn(4, 16)
+    refs = []
+    for step in range(300):  # a policy rebuilt each step with fresh state (forwards: the first 3)
+        obj = mixprec.Controller() if state == "controller" else mixprec.fp8.Guard()
+        policy = Policy.parse("bf16").fp8("tensorwise", **{state: obj})
+        if step < 3:
+            with torch.no_grad(), mixprec.autocast("cpu", policy=policy):
+                model(x)
+        refs.append(weakref.ref(obj))
+        del obj, policy
+    gc.collect()
+    # at most the last controller lives on: the model's layers are still under it (its probe)
+    assert [i for i, r in enumerate(refs) if r() is not None] in ([], [2])
+    del model
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
+
+
+def test_equal_policies_still_share_their_canonical_object():
+    a, b = Policy.parse("bf16").keep(types=nn.LayerNorm), Policy.parse("bf16").keep(types=nn.LayerNorm)
+    assert a is not b and a._canonical is b._canonical
+    ctl = mixprec.Controller()
+    c, d = Policy.fp8(controller=ctl), Policy.fp8(controller=ctl)
+    assert c._canonical is d._canonical and c._canonical.fp8_rule.controller is ctl
+    assert Policy.fp8(controller=mixprec.Controller())._canonical is not c._canonical
+
+
+def test_a_plain_policy_pickles_and_round_trips():
+    import pickle
+
+    p = (Policy.parse("compute=bf16,output=f32").with_ops(fp32=["exp"]).keep(types=nn.LayerNorm)
+         .keep(names=r"^head$", dtype="f16").fp8("rowwise", names=r"blocks", recipes={"blocks.1": "tensorwise"}))
+    back = pickle.loads(pickle.dumps(p))
+    assert back == p and back._canonical is p._canonical and str(back) == str(p)
+
+
+@pytest.mark.parametrize("state", ["controller", "guard"])
+def test_pickling_a_policy_with_state_says_what_to_save(state):
+    import copy
+    import pickle
+
+    obj = mixprec.Controller(every=5) if state == "controller" else mixprec.fp8.Guard(every=5)
+    policy = Policy.fp8(**{state: obj})
+    with pytest.raises(TypeError, match=rf"fp8 {state}.*to_json\(\).*{state}.state_dict\(\)"):
+        pickle.dumps(policy)
+    copied = copy.deepcopy(policy)
+    assert copied == policy and getattr(copied.fp8_rule, state) is not obj
+
+
+@pytest.mark.parametrize("state", ["controller", "guard"])
+def test_loading_a_policy_with_state_says_where_its_state_comes_from(state, tmp_path):
+    obj = mixprec.Controller(every=5) if state == "controller" else mixprec.fp8.Guard(every=5)
+    policy = Policy.parse("bf16").fp8(**{state: obj})
+    policy.save(tmp_path / "p.json")
+    with pytest.warns(UserWarning, match=rf"built a new .* pass {state}=your_{state}"):
+        fresh = Policy.load(tmp_path / "p.json")
+    assert getattr(fresh.fp8_rule, state) is not obj
+    mine = type(obj)(every=5)
+    loaded = Policy.load(tmp_path / "p.json", **{state: mine})
+    assert loaded == policy and getattr(loaded.fp8_rule, state) is mine
+    with pytest.raises(ValueError, match="other settings"):
+        Policy.load(tmp_path / "p.json", **{state: type(obj)(every=7)})
+    with pytest.raises(ValueError, match=f"no {state}|cannot use it"):
+        Policy.from_json(Policy.parse("bf16").fp8().to_json(), **{state: mine})

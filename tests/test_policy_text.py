@@ -1,0 +1,114 @@
+"""The one-line policy syntax: ``Policy.parse(str(p)) == p`` for every policy (jmp's
+``get_policy(str(policy))``), so a policy fits a command-line flag or an environment variable."""
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+from torch import nn
+
+import mixprec
+from mixprec import Policy
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+OPS = ["mm", "mm.default", "softmax", "softmax.int", "exp", "cat", "sum", "bmm.default", "layer_norm", "addmm",
+       "norm", "log_softmax.int", torch.exp]
+NAMES = [None, r"^head$", r"blocks\.\d+", "a/ b; c|d", "x/y", '"q"', "tab\there", r"^(q|k|v)_proj$", "/", "a /b"]
+LAYERS = ["a", "blocks.0.fc", "x y", "q;k"]
+
+
+class Block(nn.Module):  # a module type of this file: written by its import path
+    pass
+
+
+class MyLinear(nn.Linear):
+    pass
+
+
+op_edits = st.lists(st.tuples(st.sampled_from(["lower", "fp32", "promote", "passthrough"]),
+                              st.lists(st.sampled_from(OPS), min_size=1, max_size=3)), max_size=4)
+keep_rules = st.lists(st.tuples(st.lists(st.sampled_from([nn.LayerNorm, nn.Embedding, Block]), max_size=2, unique=True),
+                                st.sampled_from(NAMES), st.sampled_from(DTYPES)), max_size=3)
+fp8_rules = st.none() | st.fixed_dictionaries({
+    "recipe": st.sampled_from(["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise"]),
+    "types": st.sampled_from([(nn.Linear,), (MyLinear,), (nn.Linear, MyLinear)]),
+    "names": st.sampled_from(NAMES),
+    "first_last": st.sampled_from(["keep", "fp8"]),
+    "backend": st.sampled_from(["auto", "emulate", "scaled_mm"]),
+    "recipes": st.dictionaries(st.sampled_from(LAYERS), st.sampled_from(["tensorwise", "mxfp8"]), max_size=2),
+})
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(params=st.sampled_from(DTYPES), compute=st.sampled_from([None, *DTYPES]),
+       output=st.sampled_from([None, *DTYPES]), base=st.sampled_from(["torch", "fp32-numerics"]),
+       device_type=st.sampled_from([None, "cpu", "cuda"]), edits=op_edits, keeps=keep_rules, fp8=fp8_rules)
+def test_parse_reads_back_what_str_writes(params, compute, output, base, device_type, edits, keeps, fp8):
+    p = Policy(params=params, compute=compute, output=output, base=base, device_type=device_type)
+    for kind, ops in edits:
+        p = p.with_ops(**{kind: ops})
+    for types, names, dtype in keeps:
+        if types or names is not None:
+            p = p.keep(types=tuple(types), names=names, dtype=dtype)
+    if fp8 is not None:
+        p = p.fp8(**fp8)
+    text = str(p)
+    assert "\n" not in text
+    back = Policy.parse(text)
+    assert back == p and str(back) == text
+    assert back.op_rules == p.op_rules and back.module_rules == p.module_rules
+
+
+def test_guard_and_controller_settings_come_back_in_a_new_object_with_a_warning():
+    ctl = mixprec.Controller(every=5, ladder=("tensorwise", "compute"))
+    p = Policy.parse("bf16").fp8("rowwise", controller=ctl)
+    assert str(p).endswith('controlled {"every":5,"ladder":["tensorwise","compute"]}')
+    with pytest.warns(UserWarning, match=r"Policy.parse built a new Controller.*policy.fp8\(\.\.\., controller="):
+        back = Policy.parse(str(p))
+    assert back == p and back.fp8_rule.controller is not ctl
+    assert back.fp8_rule.controller.config() == ctl.config()
+    guard = mixprec.fp8.Guard(every=7)
+    with pytest.warns(UserWarning, match="built a new Guard"):
+        back = Policy.parse(str(Policy.fp8(guard=guard)))
+    assert back.fp8_rule.guard.every == 7
+
+
+def test_a_command_line_policy():
+    p = Policy.parse("c=bf16,o=f32; ops fp32=exp,softmax lower=bmm.default; keep f32=LayerNorm|/^head$/; "
+                     "fp8 rowwise=Linear|/blocks/ except first/last recipes blocks.0=mxfp8")
+    assert p == (Policy.parse("c=bf16,o=f32").with_ops(fp32=["exp", "softmax"]).with_ops(lower=["bmm.default"])
+                 .keep(types=nn.LayerNorm, names=r"^head$")
+                 .fp8("rowwise", names="blocks", first_last="keep", recipes={"blocks.0": "mxfp8"}))
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("bf16; keep float32=Lineer", "no torch.nn module type"),
+    ("bf16; keep float32=notimported_pkg.mod.Block", "is not imported"),
+    ("bf16; oops fp32=exp", "unknown section"),
+    ("bf16; ops fp33=exp", "unknown cast kind"),
+    ("bf16; ops fp32=view", "returns a view"),
+    ("bf16; keep float32=/^([a-z]+)+$/", "quantifier inside a repeated group"),
+    ("bf16; keep float32=/a/|/b/", "one name regex"),
+    ("bf16; fp8 tensorwise=Linear sideways", "unknown fp8 option"),
+    ("bf16,fp8=rowwise; fp8 tensorwise=Linear", "give one"),
+    ("bf16; keep float32=/abc", "closing"),
+])
+def test_a_bad_policy_string_says_what_is_wrong(spec, match):
+    with pytest.raises(ValueError, match=match):
+        Policy.parse(spec)
+
+
+def test_parsing_never_imports_a_module():
+    import sys
+
+    assert "xml.dom.minidom" not in sys.modules or pytest.skip("already imported")
+    with pytest.raises(ValueError, match="not imported|not an importable"):
+        Policy.parse("bf16; keep float32=xml.dom.minidom.Node")
+    assert "xml.dom.minidom" not in sys.modules
+
+
+def test_no_warning_for_a_policy_without_state():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Policy.parse(str(Policy.parse("bf16").keep(types=Block).fp8()))

@@ -71,10 +71,10 @@ def dist_programs(draw: st.DrawFn) -> DistProgram:
     shape = draw(shapes(widths=(16, 32), max_blocks=3, sharing=fsdp == "none"))
     same_calls = fsdp != "none"  # FSDP2 needs the same forwards on every rank
     schedule = draw(steps(shape.blocks, ranks=2, max_steps=12, min_steps=3, uneven=not same_calls,
-                          skips=draw(st.booleans())))
+                          skips=draw(st.booleans()), empty=False))  # empty: see test_adv_resume.py::test_finding_empty_microbatch_through_fp8
     supervisor = draw(st.sampled_from(["guard", "controller"]))
     recipe = "tensorwise" if fsdp == "fsdp_fp8" else draw(st.sampled_from(["tensorwise", "rowwise"]))
-    drift = draw(st.sampled_from([(1.0, 1.0), (1.4, 1.0), (1.0, 1.6), (1.3, 1.3)]))
+    drift = draw(st.sampled_from([(1.0, 1.0), (2.0, 1.0), (1.0, 1.6), (2.0, 2.0)]))
     outlier = draw(st.one_of(st.none(), st.tuples(st.integers(0, 1), st.integers(0, len(schedule) - 1))))
     return DistProgram(
         shape=shape, steps=schedule, supervisor=supervisor, every=draw(st.sampled_from([1, 2, 3])), route=route,
@@ -93,14 +93,15 @@ ITEM2_GUARD = DistProgram(shape=_BLOCKS, steps=(Step(rows=((8,), ())),) + _STEAD
 #: The same with a Controller.
 ITEM2_CONTROLLER = DistProgram(shape=_BLOCKS, steps=(Step(rows=((8,), ())),) + _STEADY, supervisor="controller",
                                every=1, route="policy", drift=(1.6, 1.0), controller=(1, 2, 1))
-#: Uneven gradient-accumulation micro-batch counts per rank (3 against 1).
-ITEM2_UNEVEN = DistProgram(shape=_BLOCKS, steps=tuple(Step(rows=((8, 8, 8), (8,))) for _ in range(8)),
-                           supervisor="guard", every=2, route="policy", drift=(1.6, 1.0))
+#: Uneven gradient-accumulation micro-batch counts per rank (2 against none, then 3 against 1).
+ITEM2_UNEVEN = DistProgram(shape=_BLOCKS, steps=(Step(rows=((8, 8), ())),) + tuple(
+    Step(rows=((8, 8, 8), (8,))) for _ in range(8)), supervisor="controller", every=2, route="policy",
+    drift=(1.6, 1.0), controller=(1, 2, 1))
 #: Issue 25, item 3: FSDP2 fp8 all-gather with a Controller; a drifting input feature promotes a
 #: layer to rowwise (step 10 in the issue) and the next forward raised ValueError.
 ITEM3 = DistProgram(shape=Shape(width=32, blocks=3, gain=1.0, out=1),
                     steps=tuple(Step(rows=((8,), (8,))) for _ in range(14)), supervisor="controller", every=2,
-                    route="convert", recipe="tensorwise", fsdp="fsdp_fp8", drift=(1.5, 1.5), controller=(1, 2, 1))
+                    route="convert", recipe="tensorwise", fsdp="fsdp_fp8", drift=(2.0, 2.0), controller=(1, 2, 1))
 
 
 KNOWN = [pytest.param(ITEM2_GUARD, id="item2-guard-first-microbatch-skipped"),

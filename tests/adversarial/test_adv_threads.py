@@ -1,0 +1,106 @@
+"""Several threads training at once, each with its own model, policy and scaler: plain bf16
+autocast, a policy with an op edit (through JSON), an fp8 policy with a Guard, per-layer scaling.
+
+Reference: each thread's program run alone, first, in the main thread. Run concurrently (the
+threads released together by a barrier), every program must end with bitwise the same weights,
+loss scale and fp8 decisions: a region's policy, kernels and statistics belong to its thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import mixprec
+from _adv_profile import profile
+from _adv_programs import Net, Shape, Step, batch, loss_of, shapes, steps
+from mixprec import Policy, fp8
+
+KINDS = ("bf16", "tanh_fp32_json", "fp8_guard", "per_layer_fp32")
+
+
+@dataclass(frozen=True)
+class Job:
+    kind: str
+    shape: Shape
+    steps: tuple[Step, ...]
+
+
+def run_job(job: Job, start: threading.Barrier | None = None) -> dict[str, Any]:
+    model = Net(job.shape)
+    guard = None
+    policy: Any = None
+    if job.kind == "tanh_fp32_json":
+        policy = Policy.from_json(Policy.parse("compute=bf16").with_ops(fp32=["tanh"]).to_json())
+    elif job.kind == "fp8_guard":
+        guard = fp8.Guard(every=1)
+        policy = Policy.parse("compute=bf16").fp8("tensorwise", names=r"^blocks\.", first_last="fp8", guard=guard)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = mixprec.GradScaler("cpu", init_scale=2.0**6, growth_interval=2,
+                                per_layer=job.kind == "per_layer_fp32").watch(model)
+    if start is not None:
+        start.wait()
+    for t, step in enumerate(job.steps):
+        for m, rows in enumerate(step.rows[0]):
+            x = batch(job.shape, job.shape.seed, t, 0, m, rows, drift=2.0)
+            if job.kind == "per_layer_fp32":
+                loss = loss_of(model(x, step))
+            else:
+                region = (mixprec.autocast("cpu", policy=policy) if policy is not None
+                          else mixprec.autocast("cpu", dtype=torch.bfloat16))
+                with region:
+                    loss = loss_of(model(x, step))
+            scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        if guard is not None:
+            guard.step()
+    return {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}, "scale": scaler.get_scale(),
+            "decisions": None if guard is None else sorted(str(d) for d in guard.decisions.values())}
+
+
+@st.composite
+def jobs(draw: st.DrawFn) -> tuple[Job, ...]:
+    out = []
+    for _ in range(draw(st.integers(2, 4))):
+        kind = draw(st.sampled_from(KINDS))
+        shape = draw(shapes(widths=(16, 32), max_blocks=3))
+        # an empty micro-batch through an fp8 layer raises: test_finding_empty_microbatch_through_fp8
+        out.append(Job(kind, shape, draw(steps(shape.blocks, max_steps=5, empty=kind != "fp8_guard"))))
+    return tuple(out)
+
+
+def run_threads(program: tuple[Job, ...]) -> None:
+    alone = [run_job(job) for job in program]
+    results: list[Any] = [None] * len(program)
+    start = threading.Barrier(len(program))
+
+    def work(i: int) -> None:
+        try:
+            results[i] = run_job(program[i], start)
+        except BaseException as exc:  # reported below, with the job
+            results[i] = exc
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(program))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for i, (job, ref, got) in enumerate(zip(program, alone, results)):
+        assert not isinstance(got, BaseException), f"thread {i} ({job.kind}) raised {got!r}"
+        assert got is not None, f"thread {i} ({job.kind}) did not finish in 120 s"
+        assert got["scale"] == ref["scale"] and got["decisions"] == ref["decisions"], (i, job.kind, got, ref)
+        differ = [n for n in ref["weights"] if not torch.equal(ref["weights"][n], got["weights"][n])]
+        assert not differ, f"thread {i} ({job.kind}): weights differ from the program run alone: {differ}"
+
+
+@profile(fast_examples=4)
+@given(program=jobs())
+def test_threads_train_as_if_alone(program: tuple[Job, ...]) -> None:
+    run_threads(program)

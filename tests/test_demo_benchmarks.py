@@ -284,3 +284,23 @@ def test_fp8_fsdp_is_registered_with_bytes_and_step_rows() -> None:
         ("all-gather bytes, fp32 params, fp8", 0.25), ("training step, fp32 params, fp8", 1.1),
         ("all-gather bytes, fp32 params, fp8 + precompute", 0.25), ("training step, fp32 params, fp8 + precompute", 1.05)]
     assert rows[0].reference == "FSDP2 all-gather in fp32" and "1 all-reduces" in rows[3].detail
+
+
+@pytest.mark.slow
+def test_vit_fp16_script_records_losses_skips_and_scales() -> None:
+    """benchmarks/vit_fp16.py (issue 30 item 5) at a smoke size: every mode, the skipped steps
+    that fp32-skips replays, and the bitwise check of mixprec-fp16 against torch-amp."""
+    pytest.importorskip("transformers")
+    from benchmarks import vit_fp16
+
+    res = vit_fp16.run(seeds=1, steps=3, image_size=8)
+    assert [r["mode"] for r in res["runs"]] == list(vit_fp16.MODES)
+    by = {r["mode"]: r for r in res["runs"]}
+    assert len(by["torch-amp"]["scales"]) == 3 and not by["fp32"]["scales"]
+    assert by["torch-amp-2^10"]["scales"][0] in (2.0**10, 2.0**9)
+    for r in res["runs"]:
+        assert len(r["losses"]) == 3 and r["final"] == pytest.approx(sum(r["losses"]) / 3)
+    table = vit_fp16.format_table(res).splitlines()
+    assert table[0].startswith("| mode | final loss (mean) |") and len(table) == 2 + len(vit_fp16.MODES) + 2
+    assert table[-1].startswith("mixprec-fp16 = torch-amp bitwise (losses and scales, every seed): True.")
+    assert res["machine"]["cpu"]

@@ -67,6 +67,28 @@ def _kv(model: torch.nn.Module, val: torch.Tensor, seq: int) -> dict[str, torch.
     return {k: torch.cat(v) for k, v in caught.items()}
 
 
+def _recorder_overhead(model: torch.nn.Module, train: torch.Tensor, seq: int, steps: int = 15) -> float:
+    """Time of ``steps`` forward+backward passes with a Recorder over the time without (median of 3)."""
+    offs = batch_offsets(len(train), steps, BATCH, seq, seed=7)
+    batches = [make_batch(train, o, seq, torch.device("cpu")) for o in offs]
+
+    def run(record: bool) -> float:
+        rec = ex.Recorder(model) if record else None
+        t0 = time.perf_counter()
+        for x, y in batches:
+            lm_loss(model(x), y).backward()
+            if rec is not None:
+                rec.step()
+        dt = time.perf_counter() - t0
+        if rec is not None:
+            rec.close()
+        model.zero_grad(set_to_none=True)
+        return dt
+
+    ratios = sorted(run(True) / run(False) for _ in range(3))
+    return ratios[1]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
@@ -88,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         rec.step()
     train_s = time.perf_counter() - t0
     rec.close()
+    overhead = _recorder_overhead(model, train, cfg.seq_len)
     plain = fp8.unconvert(copy.deepcopy(model))
     fp8_layers = [n for n, m in model.named_modules() if isinstance(m, fp8.Float8Linear)]
     rows = [("fp32 weights, no quantization", _val_loss(plain, val, cfg.seq_len), "-")]
@@ -116,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
                         _sqnr_db(t, ex.fake_quantize(t, s_cal)), _sqnr_db(t, ex.fake_quantize(t, torch.ones(1)))))
     info = machine()
     print(f"# export quality: demo tiny model, {args.steps} fp8 (tensorwise) steps, seed {args.seed}; "
-          f"training {train_s:.1f} s; CPU {info['cpu']}; load {info['load']}; torch {torch.__version__}")
+          f"training {train_s:.1f} s; Recorder overhead on a training step {overhead:.3f}x; CPU {info['cpu']}; load {info['load']}; torch {torch.__version__}")
     print("\n| inference | validation loss | vs fp32 | extra pass |\n|---|---:|---:|---:|")
     for what, loss, cost in rows:
         print(f"| {what} | {loss:.4f} | {loss / rows[0][1]:.4f} | {cost} |")

@@ -17,6 +17,7 @@ import argparse
 import importlib
 import importlib.util
 import multiprocessing
+import resource
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -151,7 +152,8 @@ def run_all(
 ) -> tuple[list[Row], list[str]]:
     """Run each benchmark in turn; return ``(rows, problems)``, one problem line per failure.
 
-    ``log`` gets progress lines (which benchmark runs, how long it took); problems are only
+    ``log`` gets progress lines (which benchmark runs, how long it took: wall time, and the CPU
+    time of its worker process and the worker's children); problems are only
     returned, so that the caller reports each once.
     """
     rows: list[Row] = []
@@ -164,6 +166,8 @@ def run_all(
             continue
         log(f"running {name}{' (quick)' if quick else ''} ...")
         start = time.perf_counter()
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # the worker's, once it is reaped
+        cpu_start = usage.ru_utime + usage.ru_stime
         try:
             with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
                 result = pool.submit(_run_one, package, name, quick).result()
@@ -178,7 +182,9 @@ def run_all(
         except Exception as e:
             problems.append(f"{package}.{name}: failed ({type(e).__name__}: {e})")
             continue
-        log(f"  {name}: {time.perf_counter() - start:.1f} s")
+        cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu_s = cpu.ru_utime + cpu.ru_stime - cpu_start
+        log(f"  {name}: {time.perf_counter() - start:.1f} s ({cpu_s:.1f} s of CPU)")
         rows.extend(new)
     return rows, problems
 

@@ -76,6 +76,15 @@ def _copy(original: Callable[..., Any]) -> Callable[..., Any]:
     return copy_
 
 
+def _contiguous(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Tensor.contiguous`` (a guarded binding when it copies): ``aten.clone`` for fake CUDA."""
+    def contiguous(t: torch.Tensor, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+        if isinstance(t, FakeTensor) and t.is_cuda and not t.is_contiguous(memory_format=memory_format):
+            return torch.ops.aten.clone.default(t, memory_format=memory_format)
+        return original(t, memory_format=memory_format)
+    return contiguous
+
+
 def _setitem(original: Callable[..., Any]) -> Callable[..., Any]:
     def setitem(t: torch.Tensor, index: Any, value: Any) -> None:
         if isinstance(t, FakeTensor) and t.is_cuda:
@@ -93,7 +102,7 @@ def cuda_patches(capability: tuple[int, int] = (9, 0)) -> list[tuple[Any, str, A
     """``(object, attribute, value)`` triples that make ``torch.cuda`` answer as one CUDA device of
     ``capability`` with bf16; ``torch.tensor``/``as_tensor`` with a CUDA device build the tensor on
     the CPU and give a fake CUDA one like it, and ``~t`` runs ``torch.bitwise_not`` (a CPU-only
-    build refuses CUDA in both, even in a fake mode), as do ``copy_`` (run as the aten op) and indexing: basic indexing of a fake
+    build refuses CUDA in both, even in a fake mode), as do ``copy_`` and ``contiguous`` (run as aten ops) and indexing: basic indexing of a fake
     CUDA tensor (ints, slices, None, ...) runs through aten ops."""
     tensor, as_tensor = torch.tensor, torch.as_tensor
 
@@ -117,6 +126,7 @@ def cuda_patches(capability: tuple[int, int] = (9, 0)) -> list[tuple[Any, str, A
         # torch.bitwise_not is the same op without it
         (torch.Tensor, "__invert__", lambda self: torch.bitwise_not(self)),
         (torch.Tensor, "copy_", _copy(torch.Tensor.copy_)),
+        (torch.Tensor, "contiguous", _contiguous(torch.Tensor.contiguous)),
         (torch.Tensor, "__getitem__", _getitem(torch.Tensor.__getitem__)),
         (torch.Tensor, "__setitem__", _setitem(torch.Tensor.__setitem__)),
     ]

@@ -48,3 +48,48 @@ def test_a_region_whose_modules_have_no_linear_still_warns():
     with pytest.warns(UserWarning, match=r"no layer selected.*no module called in the region.*\(called: Tanh, Softsign\)"):
         with mixprec.autocast("cpu", policy=policy):
             nn.Softsign()(nn.Tanh()(torch.randn(2, 3)))
+
+
+def _tied(kept_first: bool):
+    torch.manual_seed(0)
+    a, b = nn.Linear(8, 8), nn.Linear(8, 8)
+    b.weight = a.weight  # tied
+    model = nn.Sequential(a, b)
+    return model, Policy.parse("bf16").keep(names=r"^0$" if kept_first else r"^1$", dtype="f16")
+
+
+@pytest.mark.parametrize("kept_first", [True, False])
+def test_a_half_dtype_rule_does_not_share_torchs_cast_cache(kept_first):
+    """torch's cache is keyed by the weight, not the dtype: a tied weight cast to float16 for the
+    kept module was handed to the bfloat16 module (or the reverse): a dtype crash."""
+    model, policy = _tied(kept_first)
+    x = torch.randn(2, 8)
+    with mixprec.autocast("cpu", policy=policy, cache_enabled=False):  # the reference: no cache
+        ref = model(x)
+    with mixprec.autocast("cpu", policy=policy):
+        out = model(x)
+    assert out.dtype == ref.dtype == (torch.bfloat16 if kept_first else torch.float16)
+    assert torch.equal(out, ref)
+
+
+def test_threads_sharing_a_model_with_a_half_dtype_rule():
+    import threading
+
+    model, policy = _tied(True)
+    x = torch.randn(2, 8)
+    errors = []
+
+    def run(p):
+        try:
+            for _ in range(20):
+                with mixprec.autocast("cpu", policy=p):
+                    model(x)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in (policy, Policy.parse("bf16"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []

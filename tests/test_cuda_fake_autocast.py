@@ -34,8 +34,9 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 def oracle(tmp_path_factory):
     path = tmp_path_factory.mktemp("fake_cuda") / "oracle.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, str(HERE / "_fake_cuda_oracle.py"), str(path)], check=True, env=env,
-                   timeout=300, capture_output=True)
+    proc = subprocess.run([sys.executable, str(HERE / "_fake_cuda_oracle.py"), str(path)], env=env,
+                          timeout=300, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(path.read_text())
 
 

@@ -78,8 +78,9 @@ def test_below_sm89_runs_emulated(fake_cuda, scaled_mm, recipe):
 
 @pytest.mark.parametrize("m,k,n", [(17, 72, 40), (32, 72, 48), (32, 64, 40), (17, 64, 48)])
 def test_dims_not_multiples_of_16_fall_back_unpadded(fake_cuda, scaled_mm, m, k, n):
-    """No padding: a GEMM with a dimension that is not a multiple of 16 runs emulated (also M,
-    which torch._scaled_mm itself would take; see docs/cuda.md)."""
+    """No padding: a linear with a dimension that is not a multiple of 16 runs emulated. M (the
+    tokens) too: torch._scaled_mm takes M=17 in the forward, but the grad_weight GEMM contracts
+    over the tokens, where it needs a multiple of 16."""
     assert _linear(m, k, n, torch.bfloat16, "tensorwise") == (torch.Size([m, n]), torch.bfloat16, "cuda")
     assert scaled_mm == []
     with pytest.raises(ValueError, match="multiple of 16"):
@@ -156,3 +157,22 @@ def test_fsdp_fp8_all_gather_hooks_on_cuda(fake_cuda, scaled_mm, monkeypatch):
     assert gathered.device.type == "cuda" and gathered._data.dtype == torch.float8_e4m3fn
     (call,) = scaled_mm
     assert call.b == ((64, 48), (1, 64), torch.float8_e4m3fn) and out.dtype == torch.bfloat16
+
+
+def test_scaled_mm_meta_rules_behind_the_fallback(fake_cuda):
+    """What the fallback rule stands on: torch._scaled_mm's checks take M=17 but refuse K=72 and
+    N=40 and a row-major mat2; the backward's grad_weight GEMM has the tokens as its K."""
+    def mm(m, k, n, col_major=True):
+        with fake_mode():
+            a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+            b = (torch.randn(n, k, device="cuda").t() if col_major else torch.randn(k, n, device="cuda"))
+            b = b.to(torch.float8_e4m3fn)
+            s = torch.ones((), device="cuda")
+            return torch._scaled_mm(a, b, scale_a=s, scale_b=s, out_dtype=torch.bfloat16).shape
+
+    assert mm(17, 64, 48) == (17, 48)
+    for args, match in [((32, 72, 48), "divisible by 16"), ((32, 64, 40), "divisible by 16"),
+                        ((48, 32, 17), "divisible by 16"),  # grad_weight of M=17 tokens: K=17
+                        ((32, 64, 48, False), "col_major")]:
+        with pytest.raises(RuntimeError, match=match):
+            mm(*args)

@@ -36,15 +36,14 @@ def _assign_grads(model, dtype=None):
         p.grad = torch.randn(p.shape, device="cuda", dtype=dtype or p.dtype)
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
-def test_grad_scaler_step_on_cuda_syncs_as_documented(fake_cuda, name):
-    make, step_syncs = OPTIMIZERS[name]
+def _step_counts(make_scaler, make_opt, iterations=3):
+    """Host reads of (scale, unscale_, step, update) in each of ``iterations`` steps, and the scaler."""
     counts = []
     with fake_mode(), torch.no_grad(), HostReads() as reads:
         model = cuda_module(_mlp)
-        opt = make(list(model.parameters()))
-        scaler = mixprec.GradScaler("cuda", init_scale=2.0**16, growth_interval=2)
-        for _ in range(3):
+        opt = make_opt(list(model.parameters()))
+        scaler = make_scaler()
+        for _ in range(iterations):
             loss = model(torch.randn(8, 32, device="cuda")).float().square().mean()
             scaled = scaler.scale(loss)
             _assign_grads(model)
@@ -55,10 +54,21 @@ def test_grad_scaler_step_on_cuda_syncs_as_documented(fake_cuda, name):
             c_step = reads.take()
             scaler.update()
             counts.append((c_scale, c_unscale, c_step, reads.take()))
-        skipped = scaler.last_step_skipped
+    assert scaled.device.type == "cuda"
+    return counts, scaler
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_grad_scaler_step_on_cuda_syncs_as_documented(fake_cuda, name):
+    """mixprec's scaler reads the host as its docstring says, and as torch.amp.GradScaler does."""
+    make, step_syncs = OPTIMIZERS[name]
+    counts, scaler = _step_counts(lambda: mixprec.GradScaler("cuda", init_scale=2.0**16, growth_interval=2), make)
     assert counts == [(0, 0, step_syncs, 0)] * 3
-    assert scaled.device.type == "cuda" and skipped.device.type == "cuda" and skipped.dtype == torch.bool
+    skipped = scaler.last_step_skipped
+    assert skipped.device.type == "cuda" and skipped.dtype == torch.bool
     assert scaler._state.scale.device.type == "cuda"
+    torch_counts, _ = _step_counts(lambda: torch.amp.GradScaler("cuda", growth_interval=2), make)
+    assert [c[2] for c in torch_counts] == [c[2] for c in counts]  # the peer's step: the same reads
 
 
 def test_grad_scaler_documented_reads_on_cuda(fake_cuda):

@@ -22,7 +22,7 @@ from mixprec.demo.model import SIZES, ModelConfig, TransformerLM, lm_loss
 from mixprec.demo.modes import DEFAULT_MODES, MODES, Mode, check_modes
 from mixprec.demo.progress import LineProgress
 from mixprec.demo.report import MEMORY_PARTS, format_checks, format_table, hardware_note, write_report
-from mixprec.demo.results import DemoResult, Summary, compare, rank, summarize
+from mixprec.demo.results import DemoResult, ModeResult, Summary, compare, rank, summarize
 from mixprec.demo.settings import Settings
 from mixprec.demo.train import run_demo, run_mode
 
@@ -319,7 +319,8 @@ def test_seeds_give_one_run_per_mode_and_seed_and_a_computed_check() -> None:
     assert check == "mixprec-fp16 = torch-amp: identical (losses, scales, skipped steps) over 2 seeds"
     assert timing.startswith("mixprec-fp16 against torch-amp, steps timed in alternation: ")
     lines = out.getvalue().splitlines()
-    assert lines[0].startswith("expected duration: about ") and lines[-1].startswith("trained 4 runs in ")
+    assert lines[0].startswith("expected duration: about ") and lines[-2].startswith("trained 4 runs in ")
+    assert lines[-1] == timing  # after training, the pair's steps timed in alternation
     summary = {s.mode: s for s in summarize(result)}
     evals = [r.eval_loss for r in result.of("torch-amp")]
     assert summary["torch-amp"].seeds == 2 and summary["torch-amp"].eval_loss == sum(evals) / 2

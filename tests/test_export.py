@@ -55,8 +55,12 @@ IDS = torch.arange(16).reshape(2, 8) % 64
 
 # -- statistics and rules ----------------------------------------------------------------------
 
-def test_recorder_windows_are_the_amax_of_inputs_and_kv():
+@pytest.mark.parametrize("converted", [False, True])
+def test_recorder_windows_are_the_amax_of_inputs_and_kv(converted):
     model = _gpt2()
+    if converted:  # the amax comes from the fp8 cast's own LayerState
+        model = fp8.convert(model, filter_fn=lambda m, n: n.endswith("c_attn"))
+        assert isinstance(model.transformer.h[0].attn.c_attn, fp8.Float8Conv1D)
     ins, outs = [], []
     attn = model.transformer.h[0].attn
 
@@ -206,7 +210,13 @@ def test_fallback_layer_stays_high_precision_in_ignore(tmp_path):
     from safetensors.torch import load_file
 
     model, rec = _trained(_llama())
-    fp8.layer_state(model.model.layers[1].mlp.down_proj).fallback = True
+    lay = "model.layers.1.mlp.down_proj"
+    guard = fp8.Guard(min_sqnr_db=1000.0, every=1)  # a real Guard decision: no fp8 GEMM reaches 1000 dB
+    with pytest.warns(fp8.Float8FallbackWarning, match="down_proj"):
+        for _ in range(2):
+            model(IDS)
+            guard.step({lay: fp8.layer_state(model.get_submodule(lay))})
+    assert fp8.layer_state(model.get_submodule(lay)).fallback
     q = mixprec.export(model, tmp_path, stats=rec)
     assert "model.layers.1.mlp.down_proj" in q.kept and "model.layers.1.mlp.down_proj" not in q.layers
     qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]

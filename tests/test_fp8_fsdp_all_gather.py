@@ -385,15 +385,19 @@ def test_linear_reads_the_gathered_bytes_bitwise() -> None:
         assert _equal((y, gx, gw), (y_ref, gx_ref, gw_ref))
 
 
-def test_a_recipe_the_gathered_weight_cannot_feed_raises_and_a_fallback_warns() -> None:
-    x = torch.randn(8, 32)
-    g = _gathered(torch.randn(16, 32))
-    with pytest.raises(ValueError, match="arrives in fp8 from FSDP2's fp8 all-gather"):
-        fp8.linear(x, g, recipe=fp8.Float8Recipe.rowwise())
+def test_another_recipe_casts_the_dequantized_gathered_weight_and_a_fallback_warns() -> None:
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    g = nn.Parameter(_gathered(torch.randn(16, 32, generator=torch.Generator().manual_seed(5))))
+    w = g.dequantize().detach().requires_grad_()  # the weight the gathered bytes stand for
+    for recipe in ("rowwise", "mxfp8"):
+        state, ref_state = fp8.LayerState(), fp8.LayerState()
+        state.recipe = ref_state.recipe = fp8.as_recipe(recipe)  # a controller's rung
+        y = fp8.linear(x, g, state=state)
+        y_ref = fp8.linear(x, w, state=ref_state)
+        grads = torch.autograd.grad(y.sum(), (x, g))
+        assert _equal((y, grads), (y_ref, torch.autograd.grad(y_ref.sum(), (x, w))))
+        assert torch.equal(state.stats, ref_state.stats) and state.stats[1, 0] > 0  # the weight is measured
     state = fp8.LayerState()
-    state.recipe = fp8.Float8Recipe.rowwise()  # a controller's rung
-    with pytest.raises(ValueError, match="cannot read"):
-        fp8.linear(x, g, state=state)
     state.recipe, state.fallback = None, True
     with pytest.warns(UserWarning, match="dequantized fp8 weight"):
         y = fp8.linear(x, g, state=state)

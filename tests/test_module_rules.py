@@ -120,7 +120,8 @@ def test_checkpoint_recompute_selects_no_fp8_layers_and_counts_no_forward(monkey
 
     calls = []
     select = _module_hooks._fp8_layers
-    monkeypatch.setattr(_module_hooks, "_fp8_layers", lambda root, policy: calls.append(root) or select(root, policy))
+    monkeypatch.setattr(_module_hooks, "_fp8_layers",
+                        lambda root, policy, region=None: calls.append(root) or select(root, policy, region))
     for whole in (False, True):
         calls.clear()
         net, _ = _train_step(Policy.fp8(), checkpointed=True, whole=whole)

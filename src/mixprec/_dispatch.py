@@ -40,8 +40,10 @@ kernel from an op it falls through trips an internal assert in a thread dispatch
 So an overload gets its kernel once per process and a region only switches tables (this
 thread's frame stack, and the C++ kernel's per-thread active table); kernels go only through
 :func:`release_kernels`, which refuses while a region that edits ops is active in any thread
-(``_edited``, see :func:`push`) or any other thread is alive. fp8 routing (``linear``,
-``addmm``) runs in the C++ kernel, which calls a ``mixprec::route_*`` op (:func:`_define_route`)
+(``_edited``, see :func:`push`), while a call is inside one of our kernels (the C++ kernel counts
+its own, native threads included) or while any other thread is alive (``_thread``'s too). fp8
+routing (``linear``, ``addmm``) runs in the C++ kernel, which calls a ``mixprec::route_*`` op
+(:func:`_define_route`)
 only where the thread's table routes the overload, so plain ``torch.autocast`` never enters
 Python. Known, without the C++ build: a Python kernel calls PyTorch's kernel
 (``get_kernel(...).call_boxed``) holding the GIL; if that kernel waits for PyTorch's cast-cache

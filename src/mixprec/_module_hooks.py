@@ -460,6 +460,8 @@ def _traced_enter(module: nn.Module) -> tuple | str | None:
         return dev, None, None, cache, None, fp8
     enabled = rule.dtype is not torch.float32
     dtype = rule.dtype if enabled else torch.get_autocast_dtype(dev)
+    if enabled and dtype != torch.get_autocast_dtype(dev):
+        cache = False  # the cast cache is keyed by weight, not dtype (see _enter_rule)
     return dev, enabled, dtype, cache, rule.dtype, fp8
 
 
@@ -634,16 +636,25 @@ def _enter_fp8(frame: Frame, target: tuple) -> Callable[[], None]:
 
 
 def _enter_rule(frame: Frame, rule: Any) -> Callable[[], None]:
-    """Run a matched module in ``rule.dtype``: autocast off for float32, else that dtype."""
+    """Run a matched module in ``rule.dtype``: autocast off for float32, else that dtype.
+
+    PyTorch's weight-cast cache is keyed by the weight alone, not the dtype: a weight cast to
+    the rule's dtype would be handed to every later use of that weight (a tied weight, another
+    thread) in the region's dtype, and a cast cached before to the rule's module. A half dtype
+    other than the region's therefore runs with the cache off (its weights are cast per use)."""
     dev = frame.device_type
     prev_enabled, prev_dtype = torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
+    prev_cache = torch.is_autocast_cache_enabled()
     if rule.dtype is torch.float32:
         torch.set_autocast_enabled(dev, False)
     else:
+        if rule.dtype != prev_dtype:
+            torch.set_autocast_cache_enabled(False)
         torch.set_autocast_dtype(dev, rule.dtype)
 
     def restore() -> None:
         torch.set_autocast_enabled(dev, prev_enabled)
         torch.set_autocast_dtype(dev, prev_dtype)
+        torch.set_autocast_cache_enabled(prev_cache)
 
     return restore

@@ -113,7 +113,8 @@ def enabled() -> bool:
 def load() -> Any:
     """``torch.ops.mixprec_native``, building the extension if this environment has none;
     ``None`` if disabled or if it cannot be built (one warning says why; the Python kernels
-    then serve). Never raises."""
+    then serve). Raises only ``ValueError`` for a ``MIXPREC_NATIVE_KERNELS`` that is neither on
+    nor off (:func:`enabled`)."""
     if "ops" in _state:
         return _state["ops"]
     with _lock:

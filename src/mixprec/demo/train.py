@@ -379,7 +379,7 @@ def _time_identical_pairs(result: DemoResult, settings: Settings, device: torch.
         mode, reference = pair.split(" = ")
         result.pairs[pair] = time_pair(mode, reference, settings, device, train)
         if note is not None:
-            note(f"{pair}, steps timed in alternation: {pair_words(result.pairs[pair], reference)}")
+            note(f"{mode} against {reference}, steps timed in alternation: {pair_words(result.pairs[pair], reference)}")
 
 
 def _keep_complete_seeds(result: DemoResult, modes: list[str]) -> None:

@@ -148,19 +148,22 @@ def verdict(result: DemoResult) -> list[str]:
     several = stats[0].seeds >= MIN_SEEDS
     candidates = [modes[m] for m in good if m in modes]
     fastest = max(candidates, key=lambda m: m.tokens_per_s)
-    # the base mode is the reference: no caveat about its own accuracy, ever
-    caveat = "" if several or fastest is base else f"; within 0.1% of {base.mode}'s loss, not shown to match it"
+
+    def caveat(mode: ModeResult) -> str:
+        # the base mode is the reference: no caveat about its own accuracy, ever
+        return "" if several or mode is base else f"; within 0.1% of {base.mode}'s loss, not shown to match it"
+
     ratio = base.tokens_per_s / fastest.tokens_per_s
     speed = (f"For speed at this size ({s.size}, {s.steps} steps): {fastest.mode} ({fastest.tokens_per_s:,.0f} tokens/s"
-             + (f", {ratio:.2f}x {base.mode}'s time" if fastest is not base else "") + caveat + ").")
+             + (f", {ratio:.2f}x {base.mode}'s time" if fastest is not base else "") + caveat(fastest) + ").")
     if result.speed.get("sizes"):
         speed += " At other sizes (the speed panel), " + speed_sentence(result.speed, result.device)
     lines = [accuracy, speed]
     if len(candidates) > 1:
         least = min(candidates, key=lambda m: m.total_memory)
         lines.append(f"For memory: {least.mode} ({least.total_memory / 2**20:.2f} MiB, "
-                     f"{least.total_memory / base.total_memory:.0%} of {base.mode}'s)"
-                     + ("" if several or least is base else caveat.replace(";", ",", 1)) + ".")
+                     f"{least.total_memory / base.total_memory:.0%} of {base.mode}'s"
+                     + caveat(least).replace(";", ",", 1) + ").")
     else:
         lines.append(f"For memory: no mode passes the accuracy bar above, so none is recommended over "
                      f"{base.mode} ({base.total_memory / 2**20:.2f} MiB).")

@@ -10,12 +10,25 @@ import torch
 from torch import nn
 
 from mixprec.export._layers import KVSource, kv_sources, linear_layers, plan_layers
+from mixprec.fp8._convert import Float8Conv1D, Float8Linear
+from mixprec.fp8._state import layer_state
 
 __all__ = ["Recorder", "calibrate"]
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
     return t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
+
+
+def _fp8_input_amax(module: nn.Module) -> torch.Tensor | None:
+    """The input amax the fp8 cast of a converted layer has just measured (its ``LayerState`` keeps
+    the last cast's amax on the device), or None when this call did not cast its input to fp8."""
+    if not isinstance(module, (Float8Linear, Float8Conv1D)):
+        return None
+    st = layer_state(module, create=False)
+    if st is None or st.fallback or not (st.recipe or module.recipe).input.is_fp8:
+        return None
+    return st._data[0, -1]
 
 
 class Recorder:
@@ -29,9 +42,12 @@ class Recorder:
     ``k_proj``/``v_proj`` (Llama-style) or the middle and last thirds of GPT-2's fused ``c_attn``
     output: what vLLM's fp8 KV cache stores.
 
-    Hooks see the layer's input as the module receives it (before an autocast cast: rounding is
-    monotonic, so the amax of the cast input is the cast of this amax). Remove them with
+    A layer converted by :func:`mixprec.fp8.convert` gives the amax its fp8 input cast measured
+    (no extra reduction); any other layer's hook takes the amax of the input as the module receives
+    it (before an autocast cast: rounding is monotonic, so the amax of the cast input is the cast
+    of this amax). Remove them with
     :meth:`close` (or use it as a context manager). ``history`` keeps the last ``keep`` windows.
+    Create it after :func:`mixprec.fp8.convert` (which replaces the modules it would hook).
 
     Example:
         >>> import torch
@@ -75,7 +91,10 @@ class Recorder:
 
     def _input_hook(self, i: int) -> Any:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if args and isinstance(args[0], torch.Tensor):
+            measured = _fp8_input_amax(module)
+            if measured is not None:
+                self._raise(i, measured)
+            elif args and isinstance(args[0], torch.Tensor):
                 self._raise(i, _amax(args[0]))
         return hook
 

@@ -88,8 +88,10 @@ def select_layers(model: nn.Module, types: Sequence[type] | type = (nn.Linear,),
     ``re.search(names, fqn)``, and pass :func:`eligible` (for ``recipe``: a block recipe needs
     features that are multiples of its blocks); each candidate that does not stays in
     the compute dtype with one warning naming it. With ``first_last="keep"`` (default), the
-    first and the last eligible layer of the whole model, in registration order, stay too (the
-    embedding-side projection and the head are the most sensitive); ``"fp8"`` includes them.
+    model's first and last matmul layers stay too (the input-side projection and the head are the
+    most sensitive), with their parallel siblings (``q/k/v_proj``); a side whose layer is not
+    eligible (a patch-embedding convolution, a 10-class head) keeps nothing more (see
+    ``_first_last``); ``"fp8"`` includes them.
     When no layer is selected, one warning (once per model) says why. ``recipes``
     (``{name: recipe}``, ``Policy.fp8(recipes=...)``) checks the named layers with their own
     recipe; a named layer that is not selected, or not eligible for its recipe, raises ValueError.
@@ -127,7 +129,7 @@ def select_layers(model: nn.Module, types: Sequence[type] | type = (nn.Linear,),
             raise ValueError(f"fp8 recipes: layer {reason}: give it another recipe or leave it out of recipes")
         elif pattern is None or pattern.search(fqn):
             _warn_once(model, f"fp8: layer {reason}; it stays in the compute dtype")
-    kept = list(dict.fromkeys(eligible_names[:1] + eligible_names[-1:])) if first_last == "keep" else []
+    kept = _first_last(model, eligible_names) if first_last == "keep" else []
     chosen = [n for n in eligible_names if n not in kept and (pattern is None or pattern.search(n))]
     unselected = sorted(set(recipes) - set(chosen))
     if unselected:
@@ -140,6 +142,39 @@ def select_layers(model: nn.Module, types: Sequence[type] | type = (nn.Linear,),
         _warn_once(model, "fp8: no layer selected, nothing runs in fp8: "
                    + _why_none(types, pattern, candidates, eligible_names, kept, recipe))
     return chosen
+
+
+_MATMUL_TYPES = (nn.Linear, nn.modules.conv._ConvNd)
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _first_last(model: nn.Module, eligible_names: list[str]) -> list[str]:
+    """What ``first_last="keep"`` keeps: the model's first and last matmul layers (Linear,
+    Linear-equivalent or convolution, eligible or not, in registration order), each with its
+    parallel siblings (eligible layers next to it in the same module, not a container, with the
+    same in and out features: ``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``; a
+    square ``o_proj`` beside them too, the safe side: registration order cannot tell its input),
+    when it is eligible. A first or last layer that is not (a patch-embedding convolution, a 10-class head)
+    runs in the compute dtype already: nothing is kept on that side, never one projection of
+    several fed by the same input."""
+    modules = dict(model.named_modules())
+    matmuls = [n for n, m in modules.items() if isinstance(m, _MATMUL_TYPES) or is_linear_like(m)]
+    eligible = set(eligible_names)
+    kept: list[str] = []
+    for end, order in ((matmuls[:1], eligible_names), (matmuls[-1:], eligible_names[::-1])):
+        if not end or end[0] not in eligible:
+            continue
+        name = end[0]
+        parent = name.rpartition(".")[0]
+        kept.append(name)
+        if isinstance(modules[parent], _CONTAINERS):
+            continue
+        shape = features(modules[name])
+        for other in order[order.index(name) + 1:]:
+            if other.rpartition(".")[0] != parent or features(modules[other]) != shape:
+                break
+            kept.append(other)
+    return list(dict.fromkeys(kept))
 
 
 def _why_none(types: tuple[type, ...], pattern: re.Pattern | None, candidates: list[str],

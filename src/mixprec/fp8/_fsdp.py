@@ -27,7 +27,7 @@ from mixprec.fp8._quant import cast_to_fp8
 from mixprec.fp8._recipe import Cast, Float8Recipe
 from mixprec.fp8._state import LayerState, layer_state
 
-__all__ = ["Float8AllGatherWeight", "GatheredFloat8Weight", "check_recipe", "check_gathered", "wrap_weight",
+__all__ = ["Float8AllGatherWeight", "GatheredFloat8Weight", "check_recipe", "reads_gathered", "wrap_weight",
            "plain_weight", "warn_fallback", "precompute_fsdp_scales"]
 
 aten = torch.ops.aten
@@ -56,13 +56,10 @@ def check_recipe(recipe: Float8Recipe) -> None:
                          f"recipe {recipe.name!r} casts the weight as {w} and {wgi}")
 
 
-def check_gathered(weight: GatheredFloat8Weight, recipe: Float8Recipe) -> None:
-    """Raise ValueError unless ``recipe`` (e.g. a controller's rung) reads the weight exactly as
-    it was gathered."""
-    if recipe.weight != weight._cast or recipe.weight_for_grad_input != weight._cast:
-        raise ValueError(f"fp8 linear: the weight arrives in fp8 from FSDP2's fp8 all-gather ({weight._cast}), "
-                         f"which recipe {recipe.name!r} cannot read (weight casts {recipe.weight}, "
-                         f"{recipe.weight_for_grad_input}); convert such layers without fsdp_fp8_all_gather")
+def reads_gathered(weight: GatheredFloat8Weight, recipe: Float8Recipe) -> bool:
+    """Whether ``recipe`` (e.g. a controller's rung) reads the weight exactly as it was gathered
+    (else :func:`mixprec.fp8.linear` casts the dequantized gathered weight)."""
+    return recipe.weight == weight._cast and recipe.weight_for_grad_input == weight._cast
 
 
 def warn_fallback(state: LayerState) -> None:
@@ -206,7 +203,9 @@ class Float8AllGatherWeight(torch.Tensor):
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
         q, scale, amax = cast_to_fp8(shard, self._cast, 0, self._pow2, amax=amax)
         state = layer_state(module, create=False)
-        if state is not None and not state.fallback:
+        # recorded where the layer reads these bytes: not in fallback, nor on another recipe's rung
+        if state is not None and not state.fallback and (state.recipe is None or (
+                state.recipe.weight == self._cast and state.recipe.weight_for_grad_input == self._cast)):
             from mixprec.fp8._linear import _record
 
             if state.device != shard.device:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.fp8._blocks import block_gemm, quantize
-from mixprec.fp8._fsdp import GatheredFloat8Weight, check_gathered, warn_fallback
+from mixprec.fp8._fsdp import GatheredFloat8Weight, reads_gathered, warn_fallback
 from mixprec.fp8._quant import cast_stats, cast_to_fp8, gemm
 from mixprec.fp8._recipe import Cast, Float8Recipe
 from mixprec.fp8._state import LayerState
@@ -38,8 +38,8 @@ def _record(stats: torch.Tensor | None, row: int, x: torch.Tensor, cast: tuple) 
 
 def _cast_weight(wt: torch.Tensor, cast: Cast, row_dim: int, pow2: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``cast_to_fp8`` of the weight, or the bytes FSDP2's fp8 all-gather brought (``check_gathered``
-    made sure ``cast`` is theirs)."""
+    """``cast_to_fp8`` of the weight, or the bytes FSDP2's fp8 all-gather brought (``linear``
+    made sure ``cast`` is theirs: ``reads_gathered``)."""
     if isinstance(wt, GatheredFloat8Weight):
         return wt._data, wt._scale, wt._amax
     return cast_to_fp8(wt, cast, row_dim, pow2)
@@ -247,19 +247,21 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         dtype = torch.float32 if fp32 else input.dtype
         with torch.autocast(input.device.type, enabled=False):
             return F.linear(input.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
-    if state is not None and state.fallback:
-        if gathered:
+    if state is not None and state.recipe is not None:  # a Controller's rung
+        recipe = state.recipe
+    if gathered and ((state is not None and state.fallback) or not reads_gathered(weight, recipe)):
+        # FSDP2's fp8 all-gather brought the weight cast for the layer's first recipe: the compute
+        # dtype and another recipe's casts run on it dequantized (differentiable, as the weight)
+        if state is not None and state.fallback:
             warn_fallback(state)
+        weight, gathered = weight.clone(), False
+    if state is not None and state.fallback:
         if probe is not None and probe.fp32:  # a Controller's fp32 rung
             with torch.autocast(input.device.type, enabled=False):
                 out = F.linear(input.float(), weight.float(), None if bias is None else bias.float())
         else:
             out = F.linear(input, weight.to(input.dtype), None if bias is None else bias.to(input.dtype))
-        return out if probe is None else probe(input, None if gathered else weight, out)
-    if state is not None and state.recipe is not None:  # a Controller's rung
-        recipe = state.recipe
-    if gathered:
-        check_gathered(weight, recipe)
+        return out if probe is None else probe(input, weight, out)
     if recipe.blocked:
         backend = _block_backend(backend, recipe)
     else:

@@ -699,6 +699,7 @@ class Layerwise:
             if key in self._param_region and (complete or key not in self._placed):
                 self._param_region[key] = label
                 self._placed.add(key)
+        self._master_maps = {}  # built from the parameters' regions
         return True
 
     def _carry_over(

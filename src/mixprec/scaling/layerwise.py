@@ -775,8 +775,8 @@ class Layerwise:
             "loss in the backward (computed and discarded), so the gradients below it carry a "
             "scale that per-layer scaling cannot know, and this step's gradients are wrong. Skip "
             "the block instead of discarding its output (do not call it: skipped blocks, early "
-            "exits and unused experts are exact), or detach nothing but call it outside the "
-            "watched model's cut points."
+            "exits and unused experts are exact), or name cut points whose outputs always reach "
+            "the loss (cut_points=[...])."
         )
 
     def _checkpointed(

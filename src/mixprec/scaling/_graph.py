@@ -10,6 +10,9 @@ import torch.utils.checkpoint
 
 __all__ = ["Walk", "walk"]
 
+_ACCUMULATE = torch._C._functions.AccumulateGrad  # a parameter's (leaf's) gradient node
+_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction._backward_cls  # a reentrant checkpoint
+
 
 class Walk(NamedTuple):
     """What :func:`walk` found in one step's autograd graph. A *label* is the region whose total
@@ -71,25 +74,26 @@ def walk(
             crosses one cut point twice (a module run twice in one step).
     """
     names = param_names or {}
-    seen: dict[int, tuple[Any, int]] = {}
+    # id -> (node, label, the first edge into it); the node is kept alive so that its id is not
+    # reused during the walk
+    seen: dict[int, tuple[Any, int, Any, int]] = {}
     extra: dict[int, list[tuple[Any, int, int]]] = {}
-    first: dict[int, tuple[Any, int, int]] = {}
     incoming: dict[int, int] = {}
     params: dict[int, tuple[torch.Tensor, int]] = {}
     hidden: list[tuple[Any, int]] = []
     stack: list[tuple[Any, int, Any, int]] = [(fn, 0, None, 0) for fn in roots if fn is not None]
     while stack:
         fn, label, producer, index = stack.pop()
-        known = seen.get(id(fn))
-        if known is not None:
-            extra.setdefault(id(fn), []).append((producer, index, label))
+        key = id(fn)
+        if key in seen:
+            extra.setdefault(key, []).append((producer, index, label))
             continue
-        seen[id(fn)] = (fn, label)  # fn kept alive so that its id is not reused during the walk
-        first[id(fn)] = (producer, index, label)
-        variable = getattr(fn, "variable", None)
-        if variable is not None:
-            params[id(variable)] = (variable, label)
-        if getattr(fn, "_forward_cls", None) is torch.utils.checkpoint.CheckpointFunction:
+        seen[key] = (fn, label, producer, index)
+        kind = type(fn)
+        if kind is _ACCUMULATE:
+            params[id(fn.variable)] = (fn.variable, label)
+            continue
+        if kind is _CHECKPOINT:
             hidden.append((fn.run_function, label))
         for i, (child, nr) in enumerate(fn.next_functions):
             if child is None:
@@ -113,7 +117,7 @@ def walk(
             stack.append((child, below, fn, i))
     rescale: list[tuple[Any, int, int, int]] = []
     for key, more in extra.items():
-        fn, label = seen[key]
+        fn, label, producer, index = seen[key]
         labels = {label, *(m[2] for m in more)}
         if len(labels) == 1:
             continue
@@ -131,7 +135,7 @@ def walk(
                 "branch or blocks that a skip connection bypasses (cut_points=[...])."
             )
         params[id(shared)] = (shared, top)
-        for producer, index, lab in [first[key], *more]:
+        for producer, index, lab in [(producer, index, label), *more]:
             if lab != top:
                 rescale.append((producer, index, lab, top))
     return Walk(params, incoming, hidden, rescale)
@@ -141,11 +145,10 @@ def _parameter_below(fn: Any, edges: dict[tuple[int, int], tuple[int, int]]) -> 
     """The parameter when ``fn`` is its gradient's node or a chain of one-input nodes (casts,
     views, transposes) leading to it and to nothing else, else ``None``."""
     for _ in range(16):
-        variable = getattr(fn, "variable", None)
-        if variable is not None:
-            return variable
+        if type(fn) is _ACCUMULATE:
+            return fn.variable
         children = [(child, nr) for child, nr in fn.next_functions if child is not None]
-        if len(children) != 1 or getattr(fn, "_forward_cls", None) is torch.utils.checkpoint.CheckpointFunction:
+        if len(children) != 1 or type(fn) is _CHECKPOINT:
             return None
         child, nr = children[0]
         entry = edges.get((id(child), nr))

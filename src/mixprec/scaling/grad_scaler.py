@@ -337,8 +337,13 @@ class GradScaler(torch.amp.GradScaler):
         The scale lives on the device of the first tensor scaled (created there lazily). Returns
         ``outputs`` unchanged when disabled. No host sync.
 
+        With ``per_layer=True`` it also plans the backward (a graph walk on the first call and
+        on steps whose forward differs from the first's: a block skipped, a tied weight).
+
         Raises:
-            ValueError: if ``outputs`` holds something other than tensors and iterables.
+            ValueError: if ``outputs`` holds something other than tensors and iterables; with
+                ``per_layer=True``, without a watched model (call :meth:`watch`), or a graph the
+                cut points cannot serve (see :meth:`mixprec.scaling.layerwise.Layerwise.observe`).
         """
         if not self._enabled:
             return outputs

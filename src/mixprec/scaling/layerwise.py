@@ -479,6 +479,7 @@ class Layerwise:
         self._fired: set[int] = set()  # cut points whose backward hook ran in this backward
         self._fired_step: set[int] = set()  # ... in any backward since the last update
         self._expected: frozenset[int] | None = None  # what this backward must fire (fast path)
+        self._param_names: dict[int, str] | None = None  # id -> qualified name, for errors
 
     # -- watch --------------------------------------------------------------------------------
 
@@ -624,16 +625,19 @@ class Layerwise:
         if self._calibrated and not self._shared and sorted(c for c, _ in edges.values()) == self._regular:
             self._hook_plan, self._expected = self._canonical_plan, frozenset(self._regular)
             return
-        param_names = {id(p): name for name, p in model.named_parameters()}
-        graph = walk(roots, edges, self.names, param_names)
+        if self._param_names is None:
+            self._param_names = {id(p): name for name, p in model.named_parameters()}
+        graph = walk(roots, edges, self.names, self._param_names)
         if not self._calibrated:
             self._calibrate(model, graph)
             self._refresh(state)
-        else:
+        elif set(graph.incoming) - self._known:
             regions, scales = dict(self._param_region), state["region_factor"].clone()
-            if self._extend(graph):
-                self._refresh(state)
-                self._carry_over(model, regions, scales, state["region_factor"])
+            self._extend(graph)
+            self._refresh(state)
+            self._carry_over(model, regions, scales, state["region_factor"])
+        else:
+            self._shared = self._shared or bool(graph.rescale)
         self._compensate(graph, state)
 
     def _calibrate(self, model: nn.Module, graph: Walk) -> None:
@@ -679,16 +683,13 @@ class Layerwise:
             )
         self._calibrated = True
 
-    def _extend(self, graph: Walk) -> bool:
+    def _extend(self, graph: Walk) -> None:
         """A later walk reached cut points the canonical structure lacks (skipped in the first
         step). When it reached all the known ones too, its structure becomes the canonical one
         (parents, parameter regions, the regular forward); otherwise the new cut points join
-        where this step found them, and so do parameters no walk had reached. Returns whether
-        the cut points' tree changed."""
+        where this step found them, and so do parameters no walk had reached."""
         reached = set(graph.incoming)
         self._shared = self._shared or bool(graph.rescale)
-        if not reached - self._known:
-            return False
         complete = reached >= self._known
         for k in reached if complete else reached - self._known:
             self._parents[k] = graph.incoming[k]
@@ -700,7 +701,6 @@ class Layerwise:
                 self._param_region[key] = label
                 self._placed.add(key)
         self._master_maps = {}  # built from the parameters' regions
-        return True
 
     def _carry_over(
         self, model: nn.Module, regions: dict[int, int], scales: torch.Tensor, new_scales: torch.Tensor
@@ -775,8 +775,8 @@ class Layerwise:
             "loss in the backward (computed and discarded), so the gradients below it carry a "
             "scale that per-layer scaling cannot know, and this step's gradients are wrong. Skip "
             "the block instead of discarding its output (do not call it: skipped blocks, early "
-            "exits and unused experts are exact), or detach nothing but call it outside the "
-            "watched model's cut points."
+            "exits and unused experts are exact), or name cut points whose outputs always reach "
+            "the loss (cut_points=[...])."
         )
 
     def _checkpointed(
@@ -1144,7 +1144,7 @@ class _CutHook:
 #: What :meth:`Layerwise._forget_graph` sets: learnt from the watched model's graphs, not pickled.
 _GRAPH_KEYS = frozenset((
     "_edges", "_calibrated", "_param_region", "_placed", "_parents", "_known", "_regular", "_shared",
-    "_canonical_plan", "_hook_plan", "_step_hooks", "_fired", "_fired_step", "_expected",
+    "_canonical_plan", "_hook_plan", "_step_hooks", "_fired", "_fired_step", "_expected", "_param_names",
 ))
 
 #: Cut-point outputs remembered between two ``scale()`` calls at most (ints only).

@@ -180,7 +180,9 @@ def test_blockwise_recipe_everywhere():
     assert all(c.scale_format == "float32" for pair in BW.gemms().values() for c in pair)
     model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(3)], nn.Linear(128, 64), nn.Linear(64, 128))
     with pytest.warns(UserWarning, match=r"'3': out_features=64 is not a multiple of 128"):
-        assert fp8.select_layers(model, recipe="blockwise") == ["1"]
+        # first_last="keep" keeps the model's first and last matmul layers ('0', and '4', ineligible
+        # itself): of the eligible '0', '1', '2' ('3' is not), '1' and '2' run fp8
+        assert fp8.select_layers(model, recipe="blockwise") == ["1", "2"]
     # the fp8 "after scaling" view of collect_ranges takes the block recipe too
     import mixprec
 

@@ -141,9 +141,10 @@ def test_drift_promotes_before_trouble_and_demotes_after(drift_run, drift_data):
         else:
             assert d.statistic == "underflow_forecast" and d.value <= d.threshold == 0.01, d
     log0 = [d for d in log if d.layer == "0"]
-    # the drifting input promotes layer 0 before its crossing, out of fp8 by then
-    up = [d for d in log0 if d.action == "promote" and d.operand == "input"]
-    assert up and up[0].step <= crossing and not in_fp8[crossing]
+    # layer 0 promoted before its input's crossing (for the input, or on a machine whose bf16
+    # rounding brings its grad_output to e5m2's floor first, for that): out of fp8 by then
+    up = [d for d in log0 if d.action == "promote"]
+    assert up and up[0].step <= crossing and not in_fp8[crossing], log0
     assert first[0] == "fp8-tensorwise" and all(in_fp8[:log0[0].step])
     # demoted after the drift: back to tensorwise by the end
     assert any(d.action == "demote" and d.step > DRIFT_END for d in log0)
@@ -288,7 +289,7 @@ def test_policy_attaches_round_trips_and_refuses_bad_settings():
 def test_recipe_off_the_ladder_and_unknown_layer_say_what_to_do():
     ctl = Controller(ladder=("tensorwise", "compute"))
     policy = Policy.parse("compute=bf16").fp8("rowwise", controller=ctl, first_last="fp8")
-    with pytest.raises(ValueError, match="not on the controller's ladder"):
+    with pytest.raises(ValueError, match=r"on its ladder .* pass Controller\(ladder="):
         with mixprec.autocast("cpu", policy=policy):
             _model()(torch.randn(2, 64))
     with pytest.raises(KeyError, match="no fp8 layer"):

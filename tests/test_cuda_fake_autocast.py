@@ -45,6 +45,7 @@ def _mismatches(got: dict[str, str], want: dict[str, str]) -> list[str]:
     return [f"{k}: {got[k]} != {want[k]}" for k in want if got[k] != want[k]]
 
 
+@pytest.mark.slow  # its oracle is a subprocess
 @pytest.mark.parametrize("dt", DTYPES)
 def test_default_policy_matches_torch_on_every_cuda_list_case(fake_cuda, oracle, dt):
     got = run_autocast_cases(lambda d: mixprec.autocast("cuda", dtype=d), DTYPES[dt])
@@ -60,6 +61,7 @@ def test_default_policy_matches_torch_on_every_cuda_list_case(fake_cuda, oracle,
     assert len(ran) >= 160, "fewer list cases than measured reach a result over fake CUDA tensors"
 
 
+@pytest.mark.slow  # its oracle is a subprocess
 @pytest.mark.parametrize("dt", DTYPES)
 def test_edited_policy_on_the_cuda_key_cpp_and_python_kernels(fake_cuda, oracle, dt):
     policy = mixprec.Policy.default("cuda").with_ops(**EDITS)

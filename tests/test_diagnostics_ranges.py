@@ -158,6 +158,7 @@ def test_stats_round_trip_json() -> None:
     assert math.isinf(z.min_nonzero) and z.to_dict()["min_nonzero"] is None
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_no_sync_inside() -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).cuda()

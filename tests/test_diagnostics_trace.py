@@ -297,6 +297,7 @@ def test_event_str_and_dict() -> None:
         trace_nonfinite("not a module")  # type: ignore[arg-type]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_deferred_no_sync_until_resolve() -> None:
     model = chain(Blow(), 1).cuda()

@@ -51,7 +51,7 @@ def _runnable() -> list[pytest.param]:
             continue
         marks = []
         if _CUDA_ONLY.search(code):
-            marks.append(pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only block"))
+            marks += [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only block")]
         if _SLOW.search(code):
             marks.append(pytest.mark.slow)
         params.append(pytest.param(code, id=name, marks=marks))

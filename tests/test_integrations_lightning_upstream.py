@@ -40,7 +40,8 @@ from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 import mixprec  # noqa: E402
 from mixprec.integrations.lightning import MixprecPrecision  # noqa: E402
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = [pytest.mark.cuda, NEEDS_CUDA]  # the marks of a CUDA-only case: `-m cuda` selects it
 
 
 def _lightning(precision: Any, device: str, scaler: Any = None) -> MixedPrecision:
@@ -123,7 +124,8 @@ def test_amp_with_no_grad(make: Callable[..., MixedPrecision], grad_mode: Any) -
         assert loss.grad_fn is not None
 
 
-@CUDA
+@pytest.mark.cuda
+@NEEDS_CUDA
 def test_amp_with_no_grad_cuda(make: Callable[..., MixedPrecision]) -> None:
     """The same on the CUDA path."""
     layer = nn.Linear(2, 1, device="cuda")

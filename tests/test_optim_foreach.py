@@ -106,6 +106,7 @@ def test_foreach_defaults_as_torch():
     assert AdamW._uses_foreach(AdamW(p, foreach=True).param_groups[0])
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("compensation", [None, "kahan", "exact", "stochastic"])
 def test_cuda_defaults_to_foreach_and_matches(compensation):

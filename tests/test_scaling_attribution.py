@@ -180,6 +180,7 @@ def test_non_optimizer_and_repeated_watch():
 
 
 @pytest.mark.cuda
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_names_wait_for_the_flags():
     """The flags are computed on a busy stream; names read from a non-blocking host copy without

@@ -18,6 +18,7 @@ import io
 import pickle
 
 import pytest
+from hypothesis import example, given, settings, strategies as st
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -217,6 +218,37 @@ def test_accumulation_with_a_block_skipped_in_one_micro_batch():
             scaler.scale(_loss(model, x)).backward()
         scaler.unscale_(optimizer)
         assert _mismatches(model, {n: p.grad for n, p in ref.named_parameters()}) == [], order
+        scaler.step(optimizer)
+        scaler.update()
+
+
+_MICRO_BATCH = st.fixed_dictionaries(
+    {"skip": st.sets(st.integers(0, 3), max_size=4), "exit_after": st.integers(0, 3)}
+)
+
+
+@settings(max_examples=12, deadline=None)
+@example(  # no cut point in the first backward, then block 0 only: the structure completed late
+    steps=[[{"skip": {0}, "exit_after": 0}, {"skip": set(), "exit_after": 0}]], exponents=[1, 0, 0, 0]
+)
+@given(steps=st.lists(st.lists(_MICRO_BATCH, min_size=1, max_size=2), min_size=1, max_size=4),
+       exponents=st.lists(st.integers(-6, 6), min_size=4, max_size=4))
+def test_random_skips_and_micro_batches_give_exact_gradients(steps, exponents):
+    """Random steps of one or two micro-batches, each with its own skipped blocks and exit."""
+    model = Skippy()
+    scaler = _scaler(model, exponents)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    for step, micro_batches in enumerate(steps):
+        ref = copy.deepcopy(model)
+        ref.zero_grad()
+        optimizer.zero_grad()
+        for i, pattern in enumerate(micro_batches):
+            for target in (model, ref):
+                target.skip, target.exit_after = pattern["skip"], pattern["exit_after"]
+            _loss(ref, _batch(i)).backward()
+            scaler.scale(_loss(model, _batch(i))).backward()
+        scaler.unscale_(optimizer)
+        assert _mismatches(model, {n: p.grad for n, p in ref.named_parameters()}) == [], (step, micro_batches)
         scaler.step(optimizer)
         scaler.update()
 

@@ -262,6 +262,7 @@ def test_scale_trajectory_skips_and_weights_bitwise_equal_to_torch(growth_interv
     assert all(torch.equal(a, b) for a, b in zip(runs["torch"][2], runs["mixprec"][2]))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_trajectory_bitwise_equal_to_torch():
     def loss_fn(model, x):
@@ -279,6 +280,7 @@ def test_cuda_trajectory_bitwise_equal_to_torch():
     assert a == b and same_tensors(pa, pb)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_fused_path_never_synchronises():
     """CUDA's own sync detector: step() + update() on the fused path, with the skip signals,

@@ -465,8 +465,8 @@ class Controller:
                              f"one of them, or leave the controller out")
         if recipe.name not in self.ladder:
             ladder = tuple(r for r in RUNGS if r in self.ladder or r == recipe.name)
-            raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} is not on the controller's "
-                             f"ladder {self.ladder} (each layer starts at its recipe): pass "
+            raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} must be a named recipe on its "
+                             f"ladder {self.ladder} (each layer starts at its recipe), which does not hold it: pass "
                              f"Controller(ladder={ladder!r})")
         start = self.ladder.index(recipe.name)
         floor = start if self.floor is None else self.ladder.index(self.floor)

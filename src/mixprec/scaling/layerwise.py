@@ -619,7 +619,7 @@ class Layerwise:
         model = self._model() if self._model is not None else None
         edges, self._edges = self._edges, {}
         roots = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
-        if model is None or not roots or (not self._calibrated and not edges):
+        if model is None or not roots:
             return
         if self._calibrated and not self._shared and sorted(c for c, _ in edges.values()) == self._regular:
             self._hook_plan, self._expected = self._canonical_plan, frozenset(self._regular)

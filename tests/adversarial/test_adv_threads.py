@@ -32,8 +32,13 @@ class Job:
     steps: tuple[Step, ...]
 
 
+#: Net() seeds torch's global generator: threads build their models one at a time.
+_BUILD = threading.Lock()
+
+
 def run_job(job: Job, start: threading.Barrier | None = None) -> dict[str, Any]:
-    model = Net(job.shape)
+    with _BUILD:
+        model = Net(job.shape)
     guard = None
     policy: Any = None
     if job.kind == "tanh_fp32_json":
@@ -100,22 +105,10 @@ def run_threads(program: tuple[Job, ...]) -> None:
         assert not differ, f"thread {i} ({job.kind}): weights differ from the program run alone: {differ}"
 
 
-@pytest.mark.skipif(not LONG, reason="long profile only until the thread race is fixed (it fails at random): "
-                                       "test_finding_threads_with_policies_change_each_others_numbers")
+@pytest.mark.skipif(not LONG, reason="long profile only: 1 of 10 fast runs failed (not diagnosed yet: the harness "
+                                       "or the library) and the default command must not fail at random")
 @profile(fast_examples=4)
 @given(program=jobs())
 def test_threads_train_as_if_alone(program: tuple[Job, ...]) -> None:
     run_threads(program)
 
-
-@pytest.mark.xfail(strict=False, reason="harness finding (not in issue 25): threads training at once under "
-                                        "mixprec.autocast with different policies change each other's numbers (a race: "
-                                        "plain bf16 next to an fp8 policy differed in 3 of 6 trials; policies with a "
-                                        "tanh fp32 edit too, at random)")
-def test_finding_threads_with_policies_change_each_others_numbers() -> None:
-    six = tuple(Step(rows=((8,),)) for _ in range(6))
-    plain = Job("bf16", Shape(width=32, blocks=2, gain=1.0, seed=3), six)
-    fp8_job = Job("fp8_guard", Shape(width=32, blocks=3, gain=0.3, seed=2), six)
-    edited = Job("tanh_fp32_json", Shape(width=32, blocks=3, gain=0.3, seed=2), six)
-    for _ in range(4):
-        run_threads((plain, fp8_job, edited))

@@ -105,7 +105,9 @@ def run_rank(rank: int, program: DistProgram) -> dict[str, Any]:
         for step_index, step in enumerate(program.steps):
             if program.lag_rank == rank:
                 time.sleep(0.02)
-            for m, rows in enumerate(step.rows[rank]):
+            # with a scaler a rank must scale() before step(): no micro-batch -> an empty one
+            micro = step.rows[rank] or ((0,) if scaler is not None else ())
+            for m, rows in enumerate(micro):
                 outlier = 1e6 if program.outlier == (rank, step_index) else None
                 x = batch(program.shape, program.shape.seed, step_index, rank, m, rows,
                           drift=program.drift[rank], outlier=outlier)

@@ -17,6 +17,7 @@ import io
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -159,12 +160,16 @@ def resume_programs(draw: st.DrawFn) -> ResumeProgram:
     route = draw(st.sampled_from(["policy", "convert", "none"]))
     schedule = draw(steps(shape.blocks, max_steps=8, min_steps=2))
     optimizer = draw(st.sampled_from(["adamw", "sgd", "lowp"]))
+    scaler = "none" if optimizer == "lowp" else draw(st.sampled_from(["global", "per_layer", "none"]))
+    # per-layer scaling with blocks skipped before the checkpoint does not resume bitwise (yet):
+    # test_finding_per_layer_resume_after_skipped_blocks; those schedules are left out until fixed
+    schedule = draw(steps(shape.blocks, max_steps=8, min_steps=2, skips=scaler != "per_layer"))
     return ResumeProgram(
         shape=shape, steps=schedule, resume_at=draw(st.integers(1, len(schedule) - 1)), route=route,
         json=route == "policy" and draw(st.booleans()),
         supervisor="none" if route == "none" else draw(st.sampled_from(["guard", "controller", "none"])),
         every=draw(st.sampled_from([1, 2, 3])), recipe=draw(st.sampled_from(["tensorwise", "rowwise"])),
-        scaler="none" if optimizer == "lowp" else draw(st.sampled_from(["global", "per_layer", "none"])),
+        scaler=scaler,
         optimizer=optimizer, drift=draw(st.sampled_from([1.0, 2.0])),
         outlier_step=draw(st.one_of(st.none(), st.integers(0, len(schedule) - 1))))
 
@@ -180,4 +185,22 @@ def test_empty_microbatch_through_fp8() -> None:
     tensor); fixed concurrently in branch fp8rt."""
     program = ResumeProgram(shape=Shape(width=16, blocks=2), steps=(Step(rows=((0,),)), Step(rows=((8,),))),
                             resume_at=1, route="policy", supervisor="guard", every=1, scaler="none")
+    assert run_resume(program) == "ran"
+
+
+def _step(skip: set[int], depth: int | None, rows: tuple[int, ...]) -> Step:
+    return Step(skip=frozenset(skip), depth=depth, rows=(rows,))
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="harness finding (not in issue 25): per-layer scaling resumed after steps that skipped "
+                          "blocks ends with other factors than the straight run")
+def test_finding_per_layer_resume_after_skipped_blocks() -> None:
+    """Found by the fast profile on main after the per-layer fixes (also on e8643bb): no fp8,
+    bf16 autocast, SGD; straight, the exponents end at [12, 6, 1], resumed at step 4 at [6, 5, 1]."""
+    program = ResumeProgram(
+        shape=Shape(width=32, blocks=3, gain=0.05, seed=2),
+        steps=(_step({0, 2}, 1, (4, 4)), _step(set(), 1, (8,)), _step({0, 1}, None, (8, 8)), _step({0}, 2, (4, 4, 4)),
+               _step(set(), 3, (8, 4, 4))),
+        resume_at=4, route="none", supervisor="none", scaler="per_layer", optimizer="sgd")
     assert run_resume(program) == "ran"

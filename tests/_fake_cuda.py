@@ -180,7 +180,8 @@ class HostReads:
 
     Counted: ``item``, ``tolist``, ``numpy``, ``bool``/``float``/``int``/``index`` conversions, and
     copies to the host (``cpu()``, ``to("cpu")``). Reads of fake CPU tensors are no syncs: they are
-    answered the same way, not counted. ``sites`` names the code that read (file:line).
+    answered the same way, not counted. ``sites`` names the code that read (``file:function``,
+    which survives edits elsewhere in the file).
     """
 
     scalar_reads = ("item", "__bool__", "__float__", "__int__", "__index__")
@@ -196,7 +197,7 @@ class HostReads:
             here = __file__
             for frame in reversed(traceback.extract_stack()):
                 if frame.filename != here and "/torch/" not in frame.filename:
-                    self.sites[f"{frame.filename.rsplit('/src/', 1)[-1]}:{frame.lineno}"] += 1
+                    self.sites[f"{frame.filename.rsplit('/src/', 1)[-1]}:{frame.name}"] += 1
                     break
 
     def __enter__(self) -> HostReads:

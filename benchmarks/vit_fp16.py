@@ -18,7 +18,8 @@ It records each run's training loss per step, final loss (mean of the last 3 ste
 held-out batch (fp32), skipped steps and the loss-scale trajectory, and prints a markdown table
 (mean over seeds and each seed's value) with the CPU model and load. One thread.
 
-    PYTHONPATH=src python benchmarks/vit_fp16.py [--seeds 3] [--steps 30] [--image-size 16] [--json out.json]
+    PYTHONPATH=src python benchmarks/vit_fp16.py [--seeds 3] [--steps 30] [--image-size 16] [--modes a,b]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -117,18 +118,26 @@ def train(mode: str, seed: int, steps: int = 30, image_size: int = 16, batch: in
             "heldout": heldout, "skipped": skipped, "scales": scales}
 
 
-def run(seeds: int = 3, steps: int = 30, image_size: int = 16) -> dict[str, Any]:
-    """Every mode of :data:`MODES` from seeds 0 .. ``seeds - 1``; ``{"machine", "runs", "seconds"}``."""
+def run(seeds: int = 3, steps: int = 30, image_size: int = 16, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
+    """Each of ``modes`` (in :data:`MODES`' order; ``fp32-skips`` needs ``torch-amp``) from seeds
+    0 .. ``seeds - 1``; ``{"machine", "runs", "seconds", "settings"}``.
+
+    Raises:
+        ValueError: an unknown mode, or ``fp32-skips`` without ``torch-amp``.
+    """
+    if set(modes) - set(MODES) or ("fp32-skips" in modes and "torch-amp" not in modes):
+        raise ValueError(f"modes must be among {', '.join(MODES)} (fp32-skips with torch-amp), got {modes}")
     torch.set_num_threads(1)
     start = time.perf_counter()
     runs: list[dict[str, Any]] = []
-    for mode in MODES:
+    for mode in (m for m in MODES if m in modes):
         for seed in range(seeds):
             skip = frozenset()
             if mode == "fp32-skips":
                 skip = frozenset(next(r["skipped"] for r in runs if r["mode"] == "torch-amp" and r["seed"] == seed))
             runs.append(train(mode, seed, steps, image_size, skip=skip))
-            print(f"{mode} seed {seed}: final {runs[-1]['final']:.4f}, skipped {runs[-1]['skipped']}",
+            print(f"{mode} seed {seed}: final {runs[-1]['final']:.4f}, held-out {runs[-1]['heldout']:.4f}, "
+                  f"skipped {runs[-1]['skipped']}, last scale {runs[-1]['scales'][-1:] or '-'}",
                   file=sys.stderr, flush=True)
     return {"machine": machine(), "runs": runs, "seconds": time.perf_counter() - start,
             "settings": {"seeds": seeds, "steps": steps, "image_size": image_size}}
@@ -164,11 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--image-size", type=int, default=16)
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, among " + ", ".join(MODES))
     parser.add_argument("--json", type=Path, default=None, help="write every run's series here")
     args = parser.parse_args(argv)
     if args.seeds < 1 or args.steps < 2 or args.image_size < 4 or args.image_size % 4:
         parser.error("expected --seeds >= 1, --steps >= 2 and --image-size a multiple of 4")
-    res = run(args.seeds, args.steps, args.image_size)
+    try:
+        res = run(args.seeds, args.steps, args.image_size, tuple(args.modes.split(",")))
+    except ValueError as e:
+        parser.error(str(e))
     if args.json is not None:
         args.json.write_text(json.dumps(res))
     print(format_table(res))

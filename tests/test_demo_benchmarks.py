@@ -171,8 +171,8 @@ def _communicate(proc: subprocess.Popen, timeout: float, cpu_limit: float | None
 # The quick run's limits. On a shared machine its wall time is its CPU time times the load over the
 # cores, so the test bounds the CPU time (a runaway) tightly and the wall time (a hang) loosely,
 # inside pytest-timeout's limit, so that it, not pytest-timeout, reports a slow run and kills the
-# group. Measured 2026-12-01 on 2 cores of an AMD EPYC (AVX2, no native bf16) at load 12-15: about
-# 150 s of CPU and 636 s of wall time (README, Benchmarks).
+# group. Measured 2026-12-01 on 2 cores of an AMD EPYC (AVX2, no native bf16) at load 10-15: about
+# 150 s of CPU and 478 to 636 s of wall time (README, Benchmarks).
 QUICK_CPU_S = 400
 QUICK_TIMEOUT_S = 2400
 

@@ -298,8 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=_count(MAX_THREADS), default=None,
                       help="CPU threads (default: the cores not busy with other work, at least 1)")
     demo.add_argument("--no-speed-panel", action="store_true",
-                      help="skip the speed panel (fp32, bf16, fp16 and fp8 steps timed at each size before "
-                      "training, at most 45 s)")
+                      help="skip the speed panel (fp32, bf16, fp16 and fp8 steps timed before training: the "
+                      "trained size first, then the other sizes within 45 s)")
     demo.set_defaults(func=_demo)
     kernels = sub.add_parser(
         "build-kernels",

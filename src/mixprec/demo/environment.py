@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["available_cores", "load_average", "choose_threads", "lowp_speed", "cpu_lowp_support", "environment", "native_lowp",
-           "steady_slowdown",
-           "capability"]
+__all__ = ["available_cores", "load_average", "choose_threads", "lowp_speed", "cpu_lowp_support", "environment",
+           "native_lowp", "steady_slowdown", "capability"]
 
 
 def available_cores() -> int:

@@ -220,8 +220,11 @@ def _fp8_trace(setup: Setup, windows: list[tuple[int, list[dict]]], steps: int) 
     for _, rows in windows:
         for row in rows:
             series = layers.setdefault(row["layer"], {}).setdefault(row["operand"], {})
+            # a window in which nothing was recorded (the layer fell back) reads as the last
+            # closed one (``window == "last"``): this window saw no fp8 cast
+            empty = row.get("window") == "last"
             for stat in _FP8_STATS:
-                series.setdefault(stat, []).append(row[stat])
+                series.setdefault(stat, []).append(0.0 if empty else row[stat])
     trace: dict[str, Any] = {"recipe": setup.fp8_recipe, "steps": [end for end, _ in windows], "layers": layers}
     if setup.fp8_guard is not None:
         guard = setup.fp8_guard

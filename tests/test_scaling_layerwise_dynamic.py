@@ -346,6 +346,17 @@ def test_a_per_layer_state_without_structure_still_loads():
         assert scaler.state_dict() == before
 
 
+def test_a_structure_naming_other_parameters_warns_and_is_learnt_again():
+    """A checkpoint's structure whose parameters are not the watched model's (another model):
+    the next scale() warns and learns the structure from its step, with exact gradients."""
+    saved = _checkpoint_at(5)
+    del saved["scaler"]["layerwise"]["structure"]["regions"]["head.bias"]
+    model, scaler, _ = _resumed(saved)
+    with pytest.warns(RuntimeWarning, match="names other parameters than the watched model's"):
+        _train(model, scaler, [{}])
+    assert scaler.state_dict()["layerwise"]["structure"]["parent"] == ["blocks.1", "blocks.2", "blocks.3", None]
+
+
 # ------------------------------------------------------------------ what is refused
 
 

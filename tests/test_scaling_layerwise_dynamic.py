@@ -253,6 +253,110 @@ def test_random_skips_and_micro_batches_give_exact_gradients(steps, exponents):
         scaler.update()
 
 
+# ------------------------------------------------------------------ resuming after skipped blocks
+
+#: Steps whose first ones reach the blocks one at a time, blocks 1 and 2 where the block above
+#: does not run (so the walks place them under the top region), then full steps: a scaler that
+#: learnt its structure from a full step instead scales the blocks otherwise.
+_RESUME_PATTERNS = [
+    {"skip": {0, 1, 2, 3}}, {"exit_after": 0}, {"skip": {0, 1, 2}}, {"skip": {0}, "exit_after": 1},
+    {"skip": {0, 1, 3}}, {}, {"skip": {2}}, {}, {},
+]
+
+
+def _resumable(model: Skippy) -> tuple[mixprec.GradScaler, torch.optim.Optimizer]:
+    scaler = mixprec.GradScaler("cpu", per_layer=True, init_scale=16.0, growth_interval=2).watch(model)
+    return scaler, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+
+def _steps(model: Skippy, scaler: mixprec.GradScaler, optimizer: torch.optim.Optimizer, start: int, stop: int):
+    """Steps ``start..stop-1`` of :data:`_RESUME_PATTERNS`; per step the scaled gradients (before
+    ``unscale_``) and the factors after the update."""
+    out = []
+    for step in range(start, stop):
+        for key, value in {"skip": set(), "exit_after": 3, **_RESUME_PATTERNS[step]}.items():
+            setattr(model, key, value)
+        optimizer.zero_grad()
+        scaler.scale(_loss(model, _batch(step))).backward()
+        scaled = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        scaler.step(optimizer)
+        scaler.update()
+        out.append((scaled, scaler.layer_scales()))
+    return out
+
+
+def _checkpoint_at(resume_at: int) -> dict:
+    model = Skippy()
+    scaler, optimizer = _resumable(model)
+    _steps(model, scaler, optimizer, 0, resume_at)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()},
+               buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def _resumed(saved: dict) -> tuple[Skippy, mixprec.GradScaler, torch.optim.Optimizer]:
+    model = Skippy()
+    scaler, optimizer = _resumable(model)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    scaler.load_state_dict(saved["scaler"])
+    return model, scaler, optimizer
+
+
+@pytest.mark.parametrize("resume_at", [2, 5, 7])
+def test_a_run_resumed_after_skipped_blocks_is_bitwise(resume_at):
+    """Saved mid-run after steps that skipped blocks (state_dicts through torch.save,
+    weights_only), rebuilt and loaded: the scaled gradients and the factors of every later step
+    are the uninterrupted run's, bit for bit (before, the resumed scaler learnt its structure
+    from its first step after the load and its factors went elsewhere)."""
+    model = Skippy()
+    scaler, optimizer = _resumable(model)
+    n = len(_RESUME_PATTERNS)
+    straight = _steps(model, scaler, optimizer, 0, n)
+    assert len({tuple(factors.values()) for _, factors in straight[resume_at:]}) > 1  # the factors move
+    resumed_model, resumed_scaler, resumed_optimizer = _resumed(_checkpoint_at(resume_at))
+    resumed = _steps(resumed_model, resumed_scaler, resumed_optimizer, resume_at, n)
+    for step, ((want_grads, want_factors), (grads, factors)) in enumerate(zip(straight[resume_at:], resumed), resume_at):
+        assert factors == want_factors, f"step {step}"
+        assert grads.keys() == want_grads.keys(), f"step {step}"
+        assert [g for g in grads if not torch.equal(grads[g], want_grads[g])] == [], f"step {step}"
+    assert resumed_scaler.state_dict() == scaler.state_dict()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed_model.parameters()))
+
+
+def test_a_per_layer_state_without_structure_still_loads():
+    """A checkpoint of an older mixprec (no 'structure'): it loads, the factors are restored,
+    the structure is learnt again from the next step (the old behaviour) and the gradients stay
+    exact; a corrupted structure is refused before anything changes."""
+    saved = _checkpoint_at(5)
+    structure = saved["scaler"]["layerwise"].pop("structure")
+    assert structure["parent"][1:3] == [None, None]  # blocks 1 and 2 found under the top region
+    model, scaler, _ = _resumed(saved)
+    assert list(scaler.layer_scales().values()) == [2.0**e for e in saved["scaler"]["layerwise"]["exponent"]]
+    _train(model, scaler, [{}, {"skip": {2}}, {}])
+    assert scaler.state_dict()["layerwise"]["structure"]["parent"] == ["blocks.1", "blocks.2", "blocks.3", None]
+    for broken, match in [({**structure, "parent": ["blocks.1", "blocks.0", None, None]}, "under itself"),
+                          ({**structure, "known": ["blocks.9"]}, "not one of the cut points"),
+                          ({k: v for k, v in structure.items() if k != "shared"}, "with the keys")]:
+        before = scaler.state_dict()
+        with pytest.raises(ValueError, match=match):
+            scaler.load_state_dict({**before, "layerwise": {**before["layerwise"], "structure": broken}})
+        assert scaler.state_dict() == before
+
+
+def test_a_structure_naming_other_parameters_warns_and_is_learnt_again():
+    """A checkpoint's structure whose parameters are not the watched model's (another model):
+    the next scale() warns and learns the structure from its step, with exact gradients."""
+    saved = _checkpoint_at(5)
+    del saved["scaler"]["layerwise"]["structure"]["regions"]["head.bias"]
+    model, scaler, _ = _resumed(saved)
+    with pytest.warns(RuntimeWarning, match="names other parameters than the watched model's"):
+        _train(model, scaler, [{}])
+    assert scaler.state_dict()["layerwise"]["structure"]["parent"] == ["blocks.1", "blocks.2", "blocks.3", None]
+
+
 # ------------------------------------------------------------------ what is refused
 
 

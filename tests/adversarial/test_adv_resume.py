@@ -17,7 +17,6 @@ import io
 from dataclasses import dataclass
 from typing import Any
 
-import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -136,7 +135,12 @@ def run_resume(program: ResumeProgram) -> str:
         straight.run(0, 1)
     except ValueError:
         return "refused"
-    straight.run(1, len(program.steps))
+    try:
+        straight.run(1, len(program.steps))
+    except ValueError as error:  # a shared block skipped so far runs twice: refused on that step
+        if program.scaler == "per_layer" and "more than once per step" in str(error):
+            return "refused"
+        raise
     first = Run(program, seed=program.shape.seed)
     first.run(0, program.resume_at)
     buffer = io.BytesIO()
@@ -161,9 +165,6 @@ def resume_programs(draw: st.DrawFn) -> ResumeProgram:
     schedule = draw(steps(shape.blocks, max_steps=8, min_steps=2))
     optimizer = draw(st.sampled_from(["adamw", "sgd", "lowp"]))
     scaler = "none" if optimizer == "lowp" else draw(st.sampled_from(["global", "per_layer", "none"]))
-    # per-layer scaling with blocks skipped before the checkpoint does not resume bitwise (yet):
-    # test_finding_per_layer_resume_after_skipped_blocks; those schedules are left out until fixed
-    schedule = draw(steps(shape.blocks, max_steps=8, min_steps=2, skips=scaler != "per_layer"))
     return ResumeProgram(
         shape=shape, steps=schedule, resume_at=draw(st.integers(1, len(schedule) - 1)), route=route,
         json=route == "policy" and draw(st.booleans()),
@@ -192,12 +193,12 @@ def _step(skip: set[int], depth: int | None, rows: tuple[int, ...]) -> Step:
     return Step(skip=frozenset(skip), depth=depth, rows=(rows,))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="harness finding (not in issue 25): per-layer scaling resumed after steps that skipped "
-                          "blocks ends with other factors than the straight run")
 def test_finding_per_layer_resume_after_skipped_blocks() -> None:
     """Found by the fast profile on main after the per-layer fixes (also on e8643bb): no fp8,
-    bf16 autocast, SGD; straight, the exponents end at [12, 6, 1], resumed at step 4 at [6, 5, 1]."""
+    bf16 autocast, SGD; straight, the exponents end at [12, 6, 1], resumed at step 4 at [6, 5, 1]:
+    the canonical structure the straight run learnt from its partial steps (block 1 under the top
+    region, found where block 2 did not run) was not in the checkpoint, and the resumed scaler
+    learnt another one from its full step 4. The scaler's state_dict now carries it."""
     program = ResumeProgram(
         shape=Shape(width=32, blocks=3, gain=0.05, seed=2),
         steps=(_step({0, 2}, 1, (4, 4)), _step(set(), 1, (8,)), _step({0, 1}, None, (8, 8)), _step({0}, 2, (4, 4, 4)),

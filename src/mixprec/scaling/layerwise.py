@@ -55,6 +55,7 @@ from torch import nn
 
 from mixprec._unscale import inverse_scale
 from mixprec.scaling._graph import Walk, walk
+from mixprec.scaling._structure import Structure, decode, encode
 from mixprec.scaling.rule import ScaleConfig
 
 __all__ = [
@@ -461,6 +462,7 @@ class Layerwise:
         self._grad_hooks: list[Any] = []  # one backward hook per cut point, made by watch
         self._topology: Topology | None = None
         self.recent: deque[torch.Tensor] = deque(maxlen=HISTORY_LEN)  # exponents after each update
+        self._saved_structure: Structure | None = None  # a loaded structure waiting for the first walk
         self._forget_graph()
 
     def _forget_graph(self) -> None:
@@ -470,6 +472,8 @@ class Layerwise:
         self._param_region: dict[int, int] = {}
         self._placed: set[int] = set()  # parameters whose region a walk saw (not guessed by owner)
         self._parents: list[int] = [k + 2 if k + 1 < len(self.names) else 0 for k in range(len(self.names))]
+        if self._saved_structure is not None:
+            self._parents = list(self._saved_structure.parents)
         self._known: set[int] = set()  # cut points whose parent region a walk saw
         self._regular: list[int] = []  # the cut points one regular forward runs, each once
         self._shared = False  # a parameter reached from several regions: walk every step
@@ -628,7 +632,7 @@ class Layerwise:
         if self._param_names is None:
             self._param_names = {id(p): name for name, p in model.named_parameters()}
         graph = walk(roots, edges, self.names, self._param_names)
-        if not self._calibrated:
+        if not self._calibrated and not self._adopt(model, graph):
             self._calibrate(model, graph)
             self._refresh(state)
         elif set(graph.incoming) - self._known:
@@ -639,6 +643,46 @@ class Layerwise:
         else:
             self._shared = self._shared or bool(graph.rescale)
         self._compensate(graph, state)
+
+    def _adopt(self, model: nn.Module, graph: Walk) -> bool:
+        """Takes the canonical structure of a loaded checkpoint (see :meth:`load_state_dict`) in
+        place of the first walk's, when it names this model's parameters; returns whether it did.
+        The walk then goes on as on a later step (new cut points join, the step is planned)."""
+        saved, self._saved_structure = self._saved_structure, None
+        if saved is None:
+            return False
+        params = dict(model.named_parameters())
+        if set(saved.regions) != set(params):
+            warnings.warn(
+                "per_layer: the checkpoint's structure (the region of each cut point and parameter) "
+                "names other parameters than the watched model's; it is learnt again from this step, "
+                "so the run may not continue as it would have without the checkpoint. Load it into "
+                "the model it was saved from.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return False
+        self._parents = list(saved.parents)
+        self._known = set(saved.known)
+        self._regular = list(saved.regular)
+        self._shared = saved.shared
+        self._param_region = {id(param): saved.regions[name] for name, param in params.items()}
+        self._placed = {id(params[name]) for name in saved.placed if name in params}
+        self._calibrated = True
+        self._refresh(self._device_state)
+        return True
+
+    def _structure(self) -> Structure | None:
+        """The canonical structure by parameter name (a loaded one while no walk took it);
+        ``None`` before the first walk."""
+        if not self._calibrated:
+            return self._saved_structure
+        names = self._param_names or {}
+        return Structure(
+            parents=list(self._parents), known=set(self._known), regular=list(self._regular), shared=self._shared,
+            regions={names[key]: r for key, r in self._param_region.items() if key in names},
+            placed={names[key] for key in self._placed if key in names},
+        )
 
     def _calibrate(self, model: nn.Module, graph: Walk) -> None:
         """The canonical structure from the first walk: each cut point's parent region, each
@@ -978,6 +1022,7 @@ class Layerwise:
         """Back to the start: every factor 1, margins 0, budgets full (what a checkpoint without
         per-layer state loads into a per-layer scaler)."""
         self._pending = None
+        self._saved_structure = None
         if self._device_state is not None:
             self._device_state = self._fresh_state(self._device_state["exponent"].device)
         self.recent.clear()
@@ -1025,11 +1070,21 @@ class Layerwise:
 
     def state_dict(self) -> dict[str, Any]:
         """``{"cut_points": names, "exponent": [...], "margin": [...], "growth_tracker": [...],
-        "hysteresis_left": [...]}`` (one host sync)."""
-        return {"cut_points": list(self.names), **self._host_values()}
+        "hysteresis_left": [...], "structure": {...}}`` (one host sync). ``structure`` (after the
+        first step): the region of each cut point and parameter as the graph walks learnt them
+        (:func:`mixprec.scaling._structure.encode`), by name, so that a resumed run scales and
+        measures as the uninterrupted one would after steps that skipped blocks."""
+        saved: dict[str, Any] = {"cut_points": list(self.names), **self._host_values()}
+        structure = self._structure()
+        if structure is not None:
+            saved["structure"] = encode(structure, self.names)
+        return saved
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """Restores the per-cut-point values of :meth:`state_dict`.
+        """Restores the per-cut-point values of :meth:`state_dict`, and its ``structure`` when
+        it has one (the next ``scale(loss)`` takes it in place of the first walk's); a state
+        without it (saved before the first step, or by an older mixprec) leaves the structure to
+        the walks, as before.
 
         Raises:
             ValueError: the saved cut points are not this scaler's (after :meth:`watch`), or a
@@ -1048,9 +1103,14 @@ class Layerwise:
         lo, hi = self.bounds
         if any(not lo <= e <= hi for e in values["exponent"]) or any(m < 0 for m in values["margin"]):
             raise ValueError(f"layerwise exponents must lie in layer_bounds [2**{lo}, 2**{hi}] and margins be >= 0.")
+        structure = decode(saved["structure"], names) if "structure" in saved else None
         if not self.names:
             self.requested = self.requested or names
         self._pending = values
+        self._saved_structure = structure
+        if structure is not None:
+            self._release_step_hooks()
+            self._forget_graph()
         if self._device_state is not None:
             self._device_state = self._fresh_state(self._device_state["exponent"].device)
 
@@ -1058,7 +1118,7 @@ class Layerwise:
         """Options and per-cut-point values; not the hooks or the model (``watch`` again)."""
         state = {k: v for k, v in self.__dict__.items()}
         state.update(
-            _pending=self._host_values() if self.names else None,
+            _pending=self._host_values() if self.names else None, _saved_structure=self._structure(),
             _model=None, _handles=[], _device_state=None, _master_maps={}, _indices={},
             recent=deque(maxlen=HISTORY_LEN), _grad_hooks=[],
             requested=self.requested if self.requested is not None else (list(self.names) or None),
@@ -1070,6 +1130,7 @@ class Layerwise:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_saved_structure", None)  # pickled by an older mixprec
         self._topology = None
         self._forget_graph()
 

@@ -75,9 +75,11 @@ def test_a_region_around_a_compiled_model_traces_its_hooks_without_graph_breaks(
     assert mixprec._dispatch.top("cpu") is None and not torch.is_autocast_enabled("cpu")
 
 
-def test_a_region_around_a_model_compiled_with_inductor_matches_eager_within_a_rounding():
-    """Inductor fuses the tensorwise scale into the cast (a multiply by the scale's reciprocal
-    where eager divides) and GELU into the matmul's epilogue: within one bf16 rounding of eager."""
+def test_a_region_around_a_model_compiled_with_inductor_is_the_fullgraph_compile():
+    """With inductor, the hooks traced without fullgraph give the graph ``fullgraph=True`` gives:
+    bitwise its outputs. Neither is bitwise eager with fp8 (inductor fuses the tensorwise scale
+    into the cast, and a few elements round to the neighbouring fp8 value: here about 1e-3 on
+    outputs of about 0.3, as large as fp8's own difference from bf16), hence the loose bound."""
     policy = POLICIES["tensorwise"]()
     model = _model()
     x = torch.randn(8, 64)
@@ -87,6 +89,39 @@ def test_a_region_around_a_model_compiled_with_inductor_matches_eager_within_a_r
         first, second = compiled(x), compiled(x)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1
-    assert first.dtype == eager.dtype == torch.bfloat16 and torch.equal(first, second)
-    ulp = torch.finfo(torch.bfloat16).eps * eager.float().abs().clamp_min(1.0)
-    assert ((first.float() - eager.float()).abs() <= ulp).all()
+    torch._dynamo.reset()
+    with torch.no_grad(), mixprec.autocast("cpu", policy=policy):
+        fullgraph = torch.compile(model, fullgraph=True)(x)
+    assert first.dtype == eager.dtype == fullgraph.dtype == torch.bfloat16
+    assert torch.equal(first, second) and torch.equal(first, fullgraph)
+    bound = 4 * torch.finfo(torch.bfloat16).eps * eager.float().abs().max()
+    assert (first.float() - eager.float()).abs().max() <= bound
+
+
+class _BreakingModel(nn.Module):
+    """Its forward graph-breaks between its submodules, inside its own hooks."""
+
+    def __init__(self):
+        super().__init__()
+        model = _model()
+        self.blocks, self.head = model[:4], model[4]
+
+    def forward(self, x):
+        y = self.blocks(x)
+        torch._dynamo.graph_break()
+        return self.head(y)
+
+
+@pytest.mark.xfail(strict=True, reason="known, as on e8643bb: around a compiled model whose forward "
+                   "graph-breaks inside a hooked module (whose hooks then run eagerly, as before), "
+                   "output= is lost (bf16 out) and fp8 layers and keep rules differ from eager")
+def test_a_graph_break_inside_a_hooked_module_runs_its_hooks_eagerly():
+    policy = POLICIES["output=f32"]()
+    model = _BreakingModel()
+    x = torch.randn(8, 64)
+    with mixprec.autocast("cpu", policy=policy):
+        eager = model(x)
+        out = torch.compile(model, backend="aot_eager")(x)
+    assert mixprec._dispatch.top("cpu") is None and not torch.is_autocast_enabled("cpu")
+    assert out.dtype == eager.dtype == torch.float32
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)

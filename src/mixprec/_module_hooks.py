@@ -518,8 +518,8 @@ def _traced_leave(module: nn.Module) -> tuple | str | None:
 def traced_without_fullgraph() -> bool:
     """Run by Dynamo at trace time (not traced): whether this trace may graph-break. A region
     whose policy needs the module hooks then runs eagerly (see ``mixprec.autocast``): its
-    modules' hooks would graph-break and run eagerly, where a region entered by the trace is
-    not seen."""
+    modules' hooks may graph-break and run eagerly (see ``_breaks``), where a region entered by
+    the trace is not seen."""
     return not _fullgraph()
 
 

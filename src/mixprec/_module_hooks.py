@@ -534,6 +534,8 @@ def _fullgraph() -> bool:
 
 
 def _pre_traced(module: nn.Module, args: tuple) -> Any:
+    if not _tracing():  # its own frame, run uncompiled (past Dynamo's recompile limit)
+        return _pre_eager(module, args)
     decision = _traced_enter(module)
     if decision is None:
         return None
@@ -564,6 +566,8 @@ def _pre_traced(module: nn.Module, args: tuple) -> Any:
 
 
 def _post_traced(module: nn.Module, args: tuple, output: Any) -> Any:
+    if not _tracing():  # its own frame, run uncompiled (past Dynamo's recompile limit)
+        return _post_eager(module, args, output)
     decision = _traced_leave(module)
     if decision is None:
         return None

@@ -13,6 +13,7 @@ import difflib
 import re
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -132,6 +133,8 @@ class ModuleRules:
             st.regions, st.calls, st.fp8, st.traced, st.trace_id = [], [], {}, [], None
             st.watches = []  # the watches of the regions in their first pass
             st.traced_regions = []  # regions traced inside compiled code (shadow, like traced)
+            st.hooked_trace = False  # the current trace decided a module under a hooked region
+            st.broken = []  # modules whose eager hooks ran at a graph break (see _breaks)
         return st
 
     @classmethod
@@ -147,7 +150,12 @@ class ModuleRules:
         except (ImportError, AttributeError):
             trace_id = None
         if trace_id != st.trace_id:
+            if st.traced and st.hooked_trace:
+                # the last trace stopped inside these modules (Dynamo restarts at a graph break):
+                # their hooks run eagerly from now on, around the break (see _breaks)
+                _BREAKING.update(entry[0] for entry in st.traced)
             st.traced.clear()
+            st.hooked_trace = False
             for region in st.traced_regions:  # a trace that stopped half-way watches no more
                 if region.watch is not None:
                     st.watches.remove(region.watch)
@@ -433,17 +441,42 @@ def _hooked_frame() -> Frame | None:
     return None
 
 
+# Modules whose forward graph-broke while their traced hooks were open: a break between a
+# module's pre- and post-hook would leave its autocast state, fp8 output and the shadow stack
+# behind (the code after the break is traced anew), so their hooks run eagerly instead.
+_BREAKING: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _breaks(st: Any, module: nn.Module) -> bool:
+    """At trace time, under a hooked region, without fullgraph: whether ``module``'s hooks run
+    eagerly (a graph break each): its forward graph-broke in an earlier trace (``_BREAKING``:
+    Dynamo then traces the frame again), it is called inside a module whose hooks ran eagerly
+    (whose eager call stack the shadow stack of this trace does not see), or the trace is the
+    hook's own frame (the module's call runs eagerly: its post-hook is another trace)."""
+    return bool(st.broken) or module in _BREAKING or _traced_code() in _HOOK_CODES
+
+
+def _traced_code() -> Any:
+    """While Dynamo traces: the code object of the frame it compiles (not of an inlined call)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx().f_code
+    except (ImportError, AttributeError, AssertionError):
+        return None
+
+
 @_dispatch.assume_constant_result
 def _traced_enter(module: nn.Module) -> tuple | str | None:
     """Run by Dynamo at trace time (not traced): what a traced pre-hook does for ``module``:
     ``(device, autocast enabled, autocast dtype, cache flag, cast inputs to, fp8 target)``, or
-    ``"break"`` when the trace may graph-break (a break between a module's pre- and post-hook
-    would leave its autocast state behind: the module then runs eagerly, through the eager
-    hooks)."""
+    ``"break"`` when the module's hooks run eagerly (see ``_breaks``)."""
     st = ModuleRules._shadow()
     frame = _hooked_frame()
     if frame is not None and not _fullgraph():
-        return "break"
+        if _breaks(st, module):
+            return "break"
+        st.hooked_trace = True
     if frame is None:
         st.traced.append((module, "", (False, False), bool(st.traced) and st.traced[-1][3]))
         return None
@@ -469,10 +502,8 @@ def _traced_enter(module: nn.Module) -> tuple | str | None:
 def _traced_leave(module: nn.Module) -> tuple | str | None:
     """Run by Dynamo at trace time: ``(device, exit autocast, clear fp8, output dtype)``."""
     st = ModuleRules._shadow()
-    if _hooked_frame() is not None and not _fullgraph():
-        return "break"
-    if not st.traced or st.traced[-1][0] is not module:
-        return None
+    if not st.traced or st.traced[-1][0] is not module:  # its pre-hook ran eagerly, if at all
+        return "break" if _hooked_frame() is not None and not _fullgraph() else None
     has_ctx, has_fp8 = st.traced.pop()[2]
     frame = _hooked_frame()
     output = None
@@ -487,8 +518,8 @@ def _traced_leave(module: nn.Module) -> tuple | str | None:
 def traced_without_fullgraph() -> bool:
     """Run by Dynamo at trace time (not traced): whether this trace may graph-break. A region
     whose policy needs the module hooks then runs eagerly (see ``mixprec.autocast``): its
-    modules' hooks would graph-break and run eagerly, where a region entered by the trace is
-    not seen."""
+    modules' hooks may graph-break and run eagerly (see ``_breaks``), where a region entered by
+    the trace is not seen."""
     return not _fullgraph()
 
 
@@ -503,6 +534,8 @@ def _fullgraph() -> bool:
 
 
 def _pre_traced(module: nn.Module, args: tuple) -> Any:
+    if not _tracing():  # its own frame, run uncompiled (past Dynamo's recompile limit)
+        return _pre_eager(module, args)
     decision = _traced_enter(module)
     if decision is None:
         return None
@@ -533,6 +566,8 @@ def _pre_traced(module: nn.Module, args: tuple) -> Any:
 
 
 def _post_traced(module: nn.Module, args: tuple, output: Any) -> Any:
+    if not _tracing():  # its own frame, run uncompiled (past Dynamo's recompile limit)
+        return _post_eager(module, args, output)
     decision = _traced_leave(module)
     if decision is None:
         return None
@@ -550,13 +585,24 @@ def _post_traced(module: nn.Module, args: tuple, output: Any) -> Any:
     return output if has_fp8 else None
 
 
+_HOOK_CODES = {ModuleRules._pre.__func__.__code__, _pre_traced.__code__}
+
+
 @_dispatch.compiler_disable
 def _pre_eager(module: nn.Module, args: tuple) -> Any:
-    return ModuleRules._pre_eager(module, args)
+    st = ModuleRules._state()
+    depth = len(st.calls)
+    result = ModuleRules._pre_eager(module, args)
+    if len(st.calls) > depth:
+        st.broken.append(module)
+    return result
 
 
 @_dispatch.compiler_disable
 def _post_eager(module: nn.Module, args: tuple, output: Any) -> Any:
+    st = ModuleRules._state()
+    if st.broken and st.broken[-1] is module:
+        st.broken.pop()
     return ModuleRules._post_eager(module, args, output)
 
 

@@ -145,7 +145,7 @@ def _traced_region(device_type: str, dtype: torch.dtype | None, enabled: bool,
 def _traced_eagerly(device_type: str, dtype: torch.dtype | None, enabled: bool, policy: Policy | str | None) -> bool:
     """Run by Dynamo at trace time (not traced): whether a region traced without ``fullgraph``
     runs eagerly instead, because its policy needs the module hooks (module rules, fp8 layers,
-    ``output=``): those hooks graph-break and run eagerly, where a traced region is not seen."""
+    ``output=``): those hooks may graph-break and run eagerly, where a traced region is not seen."""
     policy, dtype, enabled = _resolve(device_type, dtype, enabled, policy)
     return enabled and policy.acts_on_modules and traced_without_fullgraph()
 

@@ -3,7 +3,6 @@ check steps (promote before a statistic crosses its limit, demote once the lower
 
 from __future__ import annotations
 
-import copy
 import csv
 import dataclasses
 import io
@@ -18,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from mixprec.fp8._collective import agree_on_layers, all_reduce_max, distributed
-from mixprec.fp8._guard import _check_int, _check_number, count_unstepped_forward
+from mixprec.fp8._guard import _check_int, _check_number, count_unstepped_forward, deepcopy_attributes
 from mixprec.fp8._quant import STAT_NAMES, _scale, cast_stats, cast_to_fp8
 from mixprec.fp8._recipe import Float8Recipe
 from mixprec.fp8._state import OPERANDS, LayerState, layer_state
@@ -665,12 +664,7 @@ class Controller:
         return {"config": self.config(), "state": self.state_dict()}
 
     def __deepcopy__(self, memo: dict) -> Controller:
-        """``copy.deepcopy``: every attribute copied, as a dataclass is (the layers' references
-        shared, not pickled)."""
-        new = object.__new__(type(self))
-        memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return new
+        return deepcopy_attributes(self, memo)
 
     def __setstate__(self, state: Mapping[str, Any]) -> None:
         fresh = Controller.from_config(state["config"])

@@ -266,12 +266,7 @@ class Guard:
         return {"settings": settings, "state": self.state_dict(), "tracked": dict(self._states)}
 
     def __deepcopy__(self, memo: dict) -> Guard:
-        """``copy.deepcopy``: every attribute copied, as a dataclass is (the layers' references
-        shared, not pickled)."""
-        new = object.__new__(type(self))
-        memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return new
+        return deepcopy_attributes(self, memo)
 
     def __setstate__(self, state: Mapping[str, Any]) -> None:
         self.__dict__.update(Guard(**state["settings"]).__dict__)
@@ -322,3 +317,12 @@ def _load_window(st: LayerState, data: torch.Tensor, sqnr: float) -> None:
                          f"{tuple(st._data.shape)}")
     st._data.copy_(data)
     st.output_sqnr_db.fill_(sqnr)
+
+
+def deepcopy_attributes(obj: Any, memo: dict) -> Any:
+    """``copy.deepcopy`` of a Guard or Controller: every attribute copied, as for a dataclass,
+    not through ``__getstate__`` (pickling's settings and ``state_dict``)."""
+    new = object.__new__(type(obj))
+    memo[id(obj)] = new
+    new.__dict__.update(copy.deepcopy(obj.__dict__, memo))
+    return new

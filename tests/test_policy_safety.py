@@ -3,6 +3,7 @@ object lifetimes, pickling)."""
 
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -37,6 +38,20 @@ def test_a_costly_or_deep_names_pattern_is_refused_everywhere(pattern, problem):
     for make in makers:
         with pytest.raises(ValueError, match=re.escape(problem)):
             make()
+
+
+@pytest.mark.parametrize("limit", [1000, 100_000])
+def test_a_deep_pattern_is_refused_whatever_the_recursion_limit(limit):
+    """torch._dynamo raises the recursion limit on import: re.compile then parses a 500-deep
+    pattern, which must still be refused (this test failed in a full run, after compile tests)."""
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit)
+    try:
+        with pytest.raises(ValueError, match="nested too deeply"):
+            Policy().keep(names="(" * 500 + "a" + ")" * 500)
+        assert Policy().keep(names="(" * 50 + "a" + ")" * 50).module_rules  # 50 levels: fine
+    finally:
+        sys.setrecursionlimit(old)
 
 
 def test_usual_names_patterns_are_accepted():

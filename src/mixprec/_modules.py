@@ -35,6 +35,7 @@ NORM_TYPES: tuple[type[nn.Module], ...] = tuple(
 
 
 _MAX_REPEATS = 6  # quantifiers in one pattern: past this, a failing search can take polynomial ages
+_MAX_DEPTH = 100  # nesting levels of a names= regex (deeper: refused whatever the recursion limit)
 _NAME_CACHE_SIZE = 4096  # decisions by qualified name a rule remembers (cleared when full)
 
 
@@ -57,6 +58,8 @@ def compile_names(what: str, pattern: str) -> re.Pattern[str]:
     except RecursionError:
         raise ValueError(f"{what} names={_shown(pattern)}: the regex is nested too deeply") from None
     problem = _regex_problem(tree)
+    if problem is not None and "nested too deeply" in problem:
+        raise ValueError(f"{what} names={_shown(pattern)}: {problem}")
     if problem is not None:
         raise ValueError(
             f"{what} names={_shown(pattern)}: {problem}; mixprec refuses patterns whose search can backtrack "
@@ -74,9 +77,12 @@ def _regex_problem(tree: Any) -> str | None:
     """Why a parsed regex may backtrack exponentially (or too long), or None. Iterative: a deep
     pattern cannot exhaust the stack here."""
     repeats = 0
-    stack: list[tuple[Any, bool]] = [(tree, False)]  # (subpattern, inside a repeated group)
+    stack: list[tuple[Any, bool, int]] = [(tree, False, 0)]  # (subpattern, inside a repeat, depth)
     while stack:
-        node, repeated = stack.pop()
+        node, repeated, depth = stack.pop()
+        if depth > _MAX_DEPTH:  # (whether re.compile recursed too deep depends on the recursion limit)
+            return f"the regex is nested too deeply (more than {_MAX_DEPTH} levels)"
+        depth += 1
         for op, av in node:
             name = str(op)
             if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
@@ -85,21 +91,21 @@ def _regex_problem(tree: Any) -> str | None:
                     if repeated:
                         return "a quantifier inside a repeated group"
                     repeats += 1
-                    stack.append((body, True))
+                    stack.append((body, True, depth))
                 else:
-                    stack.append((body, repeated))
+                    stack.append((body, repeated, depth))
             elif name == "BRANCH":
                 if repeated:
                     return "an alternation '|' inside a repeated group"
-                stack.extend((b, repeated) for b in av[1])
+                stack.extend((b, repeated, depth) for b in av[1])
             elif name in ("GROUPREF", "GROUPREF_EXISTS"):
                 return "a backreference"
             elif name == "SUBPATTERN":
-                stack.append((av[-1], repeated))
+                stack.append((av[-1], repeated, depth))
             elif name in ("ASSERT", "ASSERT_NOT"):
-                stack.append((av[1], repeated))
+                stack.append((av[1], repeated, depth))
             elif name == "ATOMIC_GROUP":
-                stack.append((av, repeated))
+                stack.append((av, repeated, depth))
     if repeats > _MAX_REPEATS:
         return f"{repeats} quantifiers (at most {_MAX_REPEATS})"
     return None

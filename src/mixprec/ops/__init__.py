@@ -147,7 +147,7 @@ def check_tables(device_type: str, *, registered: set[str] | None = None,
     if version != TABLES_TORCH:
         return (f"{tables}; {running} registers the same autocast ops, but their cast kinds are "
                 "not verified on it (mixprec's tests compare every op with torch.autocast on "
-                "2.13); install torch==2.13.* or run tests/test_autocast_ops.py on this version")
+                "2.13); install torch==2.13.* or run tests/engine/test_autocast_ops.py on this version")
     return None
 
 

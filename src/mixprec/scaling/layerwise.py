@@ -358,7 +358,7 @@ def host_rule(
     ``parents`` the region each cut point's region hangs from. Returns the new state (lists),
     the culprits and whether the overflow was absorbed (``False`` on a clean step).
 
-    The same results, bit for bit (``tests/test_scaling_layerwise.py`` compares them on random
+    The same results, bit for bit (``tests/scaling/test_scaling_layerwise.py`` compares them on random
     states). The scaler runs it where its state lives in host memory (the CPU), where reading it
     costs no sync and the fifty small tensor ops of :func:`layer_rule` cost more than the rest of
     the step's scaling work together.

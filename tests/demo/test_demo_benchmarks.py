@@ -15,7 +15,7 @@ import torch
 
 from mixprec.demo.train import MODES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.run import Row, format_table, run_all  # noqa: E402

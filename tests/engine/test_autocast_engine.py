@@ -18,7 +18,7 @@ from torch import nn
 import mixprec
 from mixprec import Policy, _dispatch
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 
 
 def _python(code: str) -> str:
@@ -159,7 +159,7 @@ def test_release_kernels_and_regions_register_again():
         with pytest.raises(RuntimeError, match="1 in this thread.*after the regions exit"):
             mixprec.release_kernels()
     if threading.active_count() > 1:  # a thread left by another test (tqdm's monitor): refused
-        pytest.skip("other threads are alive: release_kernels() refuses (tests/test_dispatch_threads.py)")
+        pytest.skip("other threads are alive: release_kernels() refuses (tests/engine/test_dispatch_threads.py)")
     assert mixprec.release_kernels() >= 1
     assert not _dispatch.registered("cpu")
     with torch.autocast("cpu"):

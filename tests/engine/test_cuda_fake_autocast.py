@@ -26,7 +26,7 @@ from mixprec import _dispatch, _native
 
 from _fake_cuda import EDITS, cuda_module, edited_expectation, fake_cuda, fake_mode, run_autocast_cases  # noqa: F401
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 

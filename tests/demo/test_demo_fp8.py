@@ -1,6 +1,6 @@
 """The demo's fp8 modes with a guard (``mixprec-fp8-guard``, ``mixprec-fp8-rowwise-guard``): they
 train through ``Policy.fp8``, record the layers' fp8 statistics, report fallbacks, and draw the fp8
-figure (the controller modes: tests/test_demo_controller.py)."""
+figure (the controller modes: tests/demo/test_demo_controller.py)."""
 
 from __future__ import annotations
 

@@ -123,7 +123,7 @@ def test_fp8_option(targets: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "fp8 (rowwise): (no layer)" in capsys.readouterr().out
 
 
-MAIN = Path(__file__).resolve().parents[1] / "src" / "mixprec" / "__main__.py"
+MAIN = Path(__file__).resolve().parents[2] / "src" / "mixprec" / "__main__.py"
 
 
 @pytest.mark.slow

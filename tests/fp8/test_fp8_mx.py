@@ -210,7 +210,7 @@ def test_fp8_formats_benchmark_quick_run():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from benchmarks import fp8_formats
 
     res = fp8_formats.run(quick=True)

@@ -11,7 +11,7 @@
 # passed to the Trainer (plugins=[...]) where the original used precision="16-mixed"; tests the
 # original ran on CUDA only run on CPU where nothing in them needs CUDA; RunIf became skipif.
 # Left out: test_amp_ddp (needs the upstream conftest's mocked CUDA devices), the DDP-spawn
-# variants of test_amp_cpus (two processes; tests/test_integrations_lightning.py covers the plugin),
+# variants of test_amp_cpus (two processes; tests/integrations/test_integrations_lightning.py covers the plugin),
 # test_amp_forward_context_restores_grad_mode_context_managers and
 # test_amp_forward_context_keeps_cache_enabled (behaviour newer than Lightning 2.6.6, which this
 # project pins: its own MixedPrecision fails them), and the torch.autocast-only tests that do

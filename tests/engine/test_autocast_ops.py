@@ -21,7 +21,7 @@ from mixprec.ops import default_table
 from _op_samples import SAMPLES, flatten
 
 CPU_TABLE = default_table("cpu")
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 
 
 @pytest.fixture(scope="session")

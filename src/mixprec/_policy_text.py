@@ -21,19 +21,24 @@ Sections are separated by ``;``: the dtypes (``parse``'s ``key=value`` list), th
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
-from typing import Any
+from typing import Any, Iterable
 
 from torch import nn
 
 from mixprec import ops as _ops
-from mixprec._codec import dtype_name, import_type, parse_dtype
+from mixprec._codec import DTYPE_NAMES, dtype_name, import_type, parse_dtype
 from mixprec._modules import ModuleRule
 from mixprec._ops_names import canonical_names
 from mixprec.fp8._rule import Fp8Rule, controller_from_settings, guard_from_settings, settings_of, warn_new_state
 
-__all__ = ["format_sections", "parse_sections"]
+__all__ = ["format_sections", "parse_sections", "parse_header"]
+
+_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
+         "o": "output", "output": "output", "ops": "base", "preset": "base", "base": "base",
+         "fp8": "fp8_rule", "table": "device_type"}
 
 _SECTIONS = ("ops", "keep", "fp8")
 _PLAIN_NAME = re.compile(r"^[\w.\-]+$")
@@ -164,6 +169,56 @@ class _Reader:
             end += 1
         self.pos = end + 1
         return self.text[start:end]
+
+
+def parse_header(header: str, sections: dict[str, Any], spec: str, presets: Iterable[str]) -> dict[str, Any]:
+    """The policy fields of the one-line form ``spec`` (see :meth:`mixprec.Policy.parse`): the
+    dtypes and preset of its ``header`` (``presets``: the known names) with the fields of its
+    ``sections`` (as :func:`parse_sections` returns them).
+
+    Raises:
+        ValueError: an unknown key, dtype or preset, a key given twice, fp8 given twice.
+    """
+    values: dict[str, Any] = {}
+    for part in filter(None, (s.strip() for s in header.split(","))):
+        if "=" not in part:
+            if part in presets:
+                key, value = "base", part
+            elif part.lower().removeprefix("torch.") in DTYPE_NAMES:
+                key, value = "compute", part
+            else:
+                raise ValueError(_unknown_word(part, spec, presets))
+        else:
+            raw_key, value = (s.strip() for s in part.split("=", 1))
+            if raw_key.lower() not in _KEYS:
+                raise ValueError(
+                    f"unknown policy key {raw_key!r} in {spec!r}; keys: params (p), "
+                    "compute (c), output (o), preset, table, fp8 (op edits and module rules: "
+                    "Policy.with_ops, Policy.keep, or the JSON form)"
+                )
+            key = _KEYS[raw_key.lower()]
+        if key in values:
+            raise ValueError(f"policy key {key!r} given twice in {spec!r}")
+        if key == "fp8_rule":
+            values[key] = Fp8Rule(recipe=value)
+        elif key in ("base", "device_type"):
+            values[key] = value
+        elif key == "compute" and value.lower() == "auto":
+            values[key] = None
+        else:
+            values[key] = parse_dtype(value)
+    if "fp8_rule" in values and "fp8_rule" in sections:
+        raise ValueError(f"policy {spec!r} gives fp8= and an fp8 section: give one")
+    return {**values, **sections}
+
+
+def _unknown_word(word: str, spec: str, presets: Iterable[str]) -> str:
+    words = [*presets, *DTYPE_NAMES]
+    close = difflib.get_close_matches(word.lower(), words, n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return (f"{word!r} in policy {spec!r} is neither a preset nor a dtype.{hint} Presets: "
+            f"{', '.join(presets)}; dtypes: {', '.join(sorted(DTYPE_NAMES))}; or key=value "
+            "pairs with keys params, compute, output, preset")
 
 
 def parse_sections(text: str) -> tuple[str, dict[str, Any]]:

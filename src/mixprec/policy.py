@@ -35,11 +35,11 @@ import torch
 from torch import nn
 
 from mixprec import ops as _ops
-from mixprec._codec import (DTYPE_NAMES, checked_op_rules, dtype_name, expect, import_type, module_rule_from_dict,
+from mixprec._codec import (checked_op_rules, dtype_name, expect, import_type, module_rule_from_dict,
                             module_rule_to_dict, parse_dtype, refuse_unknown, rule_kind)
 from mixprec._modules import ModuleRule
 from mixprec._ops_names import OpLike, canonical_names
-from mixprec._policy_text import format_sections, parse_sections
+from mixprec._policy_text import format_sections, parse_header, parse_sections
 from mixprec.fp8._rule import Attachment, Fp8Rule, refuse_unused_state, rule_from_dict, rule_to_dict
 from mixprec._tree import cast_tree, tracing as _tracing
 
@@ -52,11 +52,6 @@ PRESETS: dict[str, str] = {
         "sums and losses in float32, on CPU too"
     ),
 }
-
-_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
-         "o": "output", "output": "output", "ops": "base", "preset": "base", "base": "base",
-         "fp8": "fp8_rule", "table": "device_type"}
-
 
 def _check_dtype(what: str, dtype: object, allow_none: bool) -> None:
     if dtype is None and allow_none:
@@ -191,37 +186,7 @@ class Policy:
         if spec.lstrip().startswith("{"):
             return cls.from_json(spec)
         header, sections = parse_sections(spec)
-        values: dict[str, Any] = {}
-        for part in filter(None, (s.strip() for s in header.split(","))):
-            if "=" not in part:
-                if part in PRESETS:
-                    key, value = "base", part
-                elif part.lower().removeprefix("torch.") in DTYPE_NAMES:
-                    key, value = "compute", part
-                else:
-                    raise ValueError(_unknown_word(part, spec))
-            else:
-                raw_key, value = (s.strip() for s in part.split("=", 1))
-                if raw_key.lower() not in _KEYS:
-                    raise ValueError(
-                        f"unknown policy key {raw_key!r} in {spec!r}; keys: params (p), "
-                        "compute (c), output (o), preset, table, fp8 (op edits and module rules: "
-                        "Policy.with_ops, Policy.keep, or the JSON form)"
-                    )
-                key = _KEYS[raw_key.lower()]
-            if key in values:
-                raise ValueError(f"policy key {key!r} given twice in {spec!r}")
-            if key == "fp8_rule":
-                values[key] = Fp8Rule(recipe=value)
-            elif key in ("base", "device_type"):
-                values[key] = value
-            elif key == "compute" and value.lower() == "auto":
-                values[key] = None
-            else:
-                values[key] = parse_dtype(value)
-        if "fp8_rule" in values and "fp8_rule" in sections:
-            raise ValueError(f"policy {spec!r} gives fp8= and an fp8 section: give one")
-        return cls(**{**values, **sections})
+        return cls(**parse_header(header, sections, spec, PRESETS))
 
     @classmethod
     def coerce(cls, value: "Policy | str | None", where: str = "policy") -> "Policy":
@@ -596,15 +561,6 @@ def _refuse_tracing(what: str) -> None:
             f"build mixprec {what} outside torch.compile (a global, an argument, or a string "
             "policy= that mixprec.autocast parses at trace time)"
         )
-
-
-def _unknown_word(word: str, spec: str) -> str:
-    words = [*PRESETS, *DTYPE_NAMES]
-    close = difflib.get_close_matches(word.lower(), words, n=3, cutoff=0.6)
-    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    return (f"{word!r} in policy {spec!r} is neither a preset nor a dtype.{hint} Presets: "
-            f"{', '.join(PRESETS)}; dtypes: {', '.join(sorted(DTYPE_NAMES))}; or key=value "
-            "pairs with keys params, compute, output, preset")
 
 
 _DEFAULT = Policy()

@@ -40,6 +40,7 @@ from mixprec.scaling._state import (
 )
 from mixprec.scaling.layerwise import DEFAULT_BOUNDS, Layerwise
 from mixprec.scaling.protocol import lend_scale, prepare_grads
+from mixprec.scaling.unscaling import GlobalUnscaling, Unscaling
 from mixprec.scaling.rule import (
     ScaleConfig,
     ScaleState,
@@ -227,7 +228,9 @@ class GradScaler(torch.amp.GradScaler):
         self._attribution = Attribution()
         if cut_points is not None and not per_layer:
             raise ValueError("cut_points is an option of per-layer scaling: pass per_layer=True with it.")
-        self._layerwise = Layerwise(self._config, cut_points, layer_bounds) if per_layer and self._enabled else None
+        self._unscaling: Unscaling = (
+            Layerwise(self._config, cut_points, layer_bounds) if per_layer and self._enabled else GlobalUnscaling()
+        )
 
     # ------------------------------------------------------------------ state
 
@@ -347,14 +350,12 @@ class GradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return outputs
-        if self._layerwise is not None:
-            self._layerwise.require_model()
+        self._unscaling.check_ready()
         if isinstance(outputs, torch.Tensor):
             if self._state is None:
                 self._lazy_init_scale_growth_tracker(outputs.device)
             scale = self._require_state("scale").scale
-            if self._layerwise is not None:
-                self._layerwise.observe(outputs, scale.device)  # plans the backward
+            self._unscaling.observe(outputs, scale.device)  # per-layer: plans the backward
             return outputs * scale.to(device=outputs.device, non_blocking=True)
 
         stash: list[PerDevice] = []
@@ -372,8 +373,8 @@ class GradScaler(torch.amp.GradScaler):
             raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
         scaled = apply(outputs)
-        if self._layerwise is not None and self._state is not None:
-            self._layerwise.observe(outputs, self._state.scale.device)
+        if self._state is not None:
+            self._unscaling.observe(outputs, self._state.scale.device)
         return scaled
 
     # ------------------------------------------------------------------ unscale
@@ -413,10 +414,7 @@ class GradScaler(torch.amp.GradScaler):
                     grad = local(grad)  # we reduce found_inf ourselves below
                 grads.append(grad)
                 owners.append(param)
-        if self._layerwise is not None and scale is not None:
-            found = self._layerwise.unscale(optimizer, owners, grads, scale)
-        else:
-            found = unscale_(grads, scale)
+        found = unscale_(grads, None) if scale is None else self._unscaling.unscale(optimizer, owners, grads, scale)
         if group is None:
             return found
         # One flag on the scale's device, MAX over the ranks: every rank skips together. Every
@@ -525,7 +523,7 @@ class GradScaler(torch.amp.GradScaler):
         if optimizer_state.stage is Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
 
-        if self._layerwise is not None and optimizer_state.stage is Stage.READY:
+        if self._unscaling.unscale_before_step and optimizer_state.stage is Stage.READY:
             self.unscale_(optimizer)  # per-layer scales: the fused kernels know one scale only
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             if "grad_scaler" in inspect.signature(optimizer.step).parameters:
@@ -601,8 +599,7 @@ class GradScaler(torch.amp.GradScaler):
         parameters costs one more, on skipped steps only.
         """
         self._attribution.watch(model, prefix)
-        if self._layerwise is not None:
-            self._layerwise.watch(model)
+        self._unscaling.watch(model)
         return self
 
     def layer_scales(self) -> dict[str, float]:
@@ -612,26 +609,26 @@ class GradScaler(torch.amp.GradScaler):
         Raises:
             RuntimeError: without ``per_layer=True``, or before :meth:`watch`.
         """
-        if self._layerwise is None or not self._layerwise.names:
+        if not self._unscaling.names:
             raise RuntimeError("layer_scales() needs GradScaler(..., per_layer=True).watch(model).")
-        return self._layerwise.scales()
+        return self._unscaling.scales()
 
     def layer_scales_async(self) -> torch.Tensor | None:
         """The factors of :meth:`layer_scales` as a float32 tensor on the scale's device, in the
         cut points' order, without a host sync (a new tensor each call: record it every step and
         read later); ``None`` without ``per_layer=True`` or before the first :meth:`scale`."""
-        return None if self._layerwise is None else self._layerwise.factors()
+        return self._unscaling.factors()
 
     def layer_scale_history(self) -> list[dict[str, float]]:
         """:meth:`layer_scales` after each of the last 16 :meth:`update` calls, oldest first (kept
         on the device; one host sync to read). ``[]`` without ``per_layer=True``."""
-        return [] if self._layerwise is None else self._layerwise.history()
+        return self._unscaling.history()
 
     @property
     def last_overflow_cuts(self) -> tuple[str, ...]:
         """With ``per_layer=True``: the cut points whose regions overflowed first in the last
         :meth:`update` (their margins backed off); ``()`` otherwise. One host sync."""
-        return () if self._layerwise is None else self._layerwise.last_overflow()
+        return self._unscaling.last_overflow()
 
     # ------------------------------------------------------------------ update
 
@@ -670,19 +667,15 @@ class GradScaler(torch.amp.GradScaler):
                 self._on_min_scale == "raise" or (self._on_min_scale == "warn" and not self._warned_min_scale)
             ):
                 blocked = backoff_blocked(state, found_inf, self._config)
-            new_state = update_scale(state, found_inf, self._config)
-            if self._layerwise is not None:  # an overflow the cut points absorbed keeps the scale
-                absorbed = self._layerwise.update(found_inf, self._group(), self._config, self._read_overflow())
-                if absorbed is not None:
-                    new_state = new_state._replace(
-                        scale=torch.where(absorbed, state.scale, new_state.scale),
-                        hysteresis_left=torch.where(absorbed, state.hysteresis_left, new_state.hysteresis_left),
-                    )
+            proposed = update_scale(state, found_inf, self._config)
+            # per-layer: an overflow the cut points absorbed keeps the scale
+            new_state = self._unscaling.update(
+                state, proposed, found_inf, self._group(), self._config, self._read_overflow()
+            )
         else:
             found_inf = self._combined_found_inf(recorded) if recorded else None
             new_state = state._replace(scale=validated_new_scale(new_scale, state.scale, self._config))
-            if self._layerwise is not None:  # factors kept; this step's statistics discarded
-                self._layerwise.skip_update()
+            self._unscaling.skip_update()  # per-layer: factors kept, this step's statistics discarded
         self._recent_scales.append(state.scale)
         if found_inf is not None and self._skipped_steps is not None:
             self._skipped_steps = self._skipped_steps + (found_inf != 0)
@@ -773,8 +766,7 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return {}
         saved = to_state_dict(self._host_snapshot(), self._config, self._on_min_scale, self._step)
-        if self._layerwise is not None:
-            saved["layerwise"] = self._layerwise.state_dict()
+        saved.update(self._unscaling.state_dict())
         return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -802,20 +794,7 @@ class GradScaler(torch.amp.GradScaler):
         overridden = overridden_options(self._chosen, config, on_min_scale)
         if overridden:
             warnings.warn(overridden_message(overridden), UserWarning, stacklevel=2)
-        if self._layerwise is not None and "layerwise" in state_dict:
-            self._layerwise.load_state_dict(state_dict["layerwise"])  # validates first
-        elif self._layerwise is not None:
-            self._layerwise.reset()  # a plain or torch checkpoint: every factor back to 1
-        elif "layerwise" in state_dict:
-            cuts = list(state_dict["layerwise"].get("cut_points", []))
-            warnings.warn(
-                f"this checkpoint holds per-layer scaling state (cut points {cuts!r}) that this "
-                "GradScaler (per_layer=False) ignores: only the loss scale is restored. To restore "
-                f"the factors, build it with GradScaler(..., per_layer=True, cut_points={cuts!r}) "
-                "and watch(model) the same model.",
-                UserWarning,
-                stacklevel=2,
-            )
+        self._unscaling.load_state_dict(state_dict)  # validates first
         self._config = config
         self._on_min_scale = on_min_scale
         self._snapshot = dataclasses.replace(snapshot, scale=self._clamped(snapshot.scale))
@@ -858,7 +837,16 @@ class GradScaler(torch.amp.GradScaler):
         return self._host_state()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_layerwise" in state:  # pickled by a mixprec without unscaling strategies
+            layerwise = state.pop("_layerwise")
+            state["_unscaling"] = GlobalUnscaling() if layerwise is None else layerwise
         self.__dict__.update(state)
+
+    @property
+    def _layerwise(self) -> Layerwise | None:
+        """The per-layer strategy (``per_layer=True``), else ``None``."""
+        unscaling = self._unscaling
+        return unscaling if isinstance(unscaling, Layerwise) else None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GradScaler:
         """A copy with the same options, state, history and process group (one host sync)."""

@@ -115,6 +115,8 @@ class Controller:
     ladder: tuple[str, ...] = ("tensorwise", "rowwise", "compute", "fp32")
     floor: str | None = None
     per_gemm: bool = False
+    fp4_max_underflow: float = 0.15
+    fp4_demote_underflow: float = 0.12
     _layers: dict[str, LayerRecord] = field(default_factory=dict, init=False, repr=False, compare=False)
     _names: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, init=False, repr=False,
                                               compare=False)  # module -> the name of its record
@@ -132,16 +134,18 @@ class Controller:
         if self.max_nonfinite is not None:
             _check_number("Controller", "max_nonfinite", self.max_nonfinite, 0, math.inf, "a count, or None")
         for name, what in (("max_underflow", "a fraction"), ("demote_underflow", "a fraction"),
-                           ("max_range", "a fraction of 65504"), ("demote_range", "a fraction of 65504")):
+                           ("max_range", "a fraction of 65504"), ("demote_range", "a fraction of 65504"),
+                           ("fp4_max_underflow", "a fraction"), ("fp4_demote_underflow", "a fraction")):
             _check_number("Controller", name, getattr(self, name), 0, 1, what)
         _check_number("Controller", "ema", self.ema, 0, 1, "the weight of the newest window", low_open=True)
         for name, low, high in (("every", 1, None), ("horizon", 1, MAX_HORIZON), ("trend_windows", 1, None),
                                 ("demote_windows", 1, None), ("min_dwell", 0, None), ("max_switches", 1, None),
                                 ("budget_steps", 1, None), ("sample", 1, None), ("shadow_steps", 1, None)):
             _check_int("Controller", name, getattr(self, name), low, high)
-        if self.demote_underflow > self.max_underflow or self.demote_range > self.max_range:
-            raise ValueError("Controller: demote_underflow and demote_range must not exceed max_underflow and "
-                             "max_range (the lower threshold of the hysteresis)")
+        if (self.demote_underflow > self.max_underflow or self.demote_range > self.max_range
+                or self.fp4_demote_underflow > self.fp4_max_underflow):
+            raise ValueError("Controller: demote_underflow, demote_range and fp4_demote_underflow must not exceed "
+                             "max_underflow, max_range and fp4_max_underflow (the lower threshold of the hysteresis)")
         ladder = tuple(self.ladder) if isinstance(self.ladder, (list, tuple)) else None
         order = [RUNGS.index(r) for r in ladder] if ladder and all(r in RUNGS for r in ladder) else None
         if order is None or order != sorted(set(order)) or "compute" not in ladder or ladder[0] not in LOW_RUNGS:

@@ -13,17 +13,25 @@ from typing import Any
 
 import torch
 
-from mixprec.fp8._ladder import GEMM_OPERANDS, GEMMS, LOW_RUNGS, Decision, LayerRecord, compose
+from mixprec.fp8._ladder import FP4_RUNGS, GEMM_OPERANDS, GEMMS, LOW_RUNGS, Decision, LayerRecord, compose
 from mixprec.fp8._quant import STAT_NAMES
 from mixprec.fp8._state import OPERANDS
 from mixprec.fp8._trend import Trend, grow, log2, ratio, underflow_forecast
 
-__all__ = ["apply_gemms", "decide_gemms", "decide_layer", "gemm_down", "gemm_up", "layer_down", "layer_up"]
+__all__ = ["apply_gemms", "limits", "decide_gemms", "decide_layer", "gemm_down", "gemm_up", "layer_down", "layer_up"]
 
 _NCOL = len(STAT_NAMES)
 _UNDERFLOW, _NONFINITE = STAT_NAMES.index("underflow"), STAT_NAMES.index("nonfinite")
 _RANGE = ("input", "output")
 _FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def limits(ctl: Any, rung: int | None, below: int | None) -> tuple[float, float]:
+    """``(max_underflow, demote_underflow)`` for a layer or GEMM on ``rung`` with ``below`` under
+    it: the fp4 ones where that rung is fp4 (an e2m1 block flushes about 7-11% of Gaussian data)."""
+    fp4 = FP4_RUNGS
+    return (ctl.fp4_max_underflow if rung is not None and ctl.ladder[rung] in fp4 else ctl.max_underflow,
+            ctl.fp4_demote_underflow if below is not None and ctl.ladder[below] in fp4 else ctl.demote_underflow)
 
 
 def layer_up(rec: LayerRecord) -> int:
@@ -69,6 +77,7 @@ def decide_layer(ctl: Any, name: str, rec: LayerRecord, row: list[float]) -> tup
         return grow(amax, rec.trends[f"range_{r}"].rise(ahead, windows))
 
     here = ctl._rung_name(rec.rung)
+    max_u, demote_u = limits(ctl, rec.rung, down)
 
     def decision(op: str, action: str, to: int, stat: str, value: float, limit: float, side: str
                  ) -> tuple[Decision, int]:
@@ -90,23 +99,22 @@ def decide_layer(ctl: Any, name: str, rec: LayerRecord, row: list[float]) -> tup
     if on_fp8:
         for op, stats in zip(OPERANDS, own):
             forecast = underflow(op, stats[_UNDERFLOW], f"underflow_{op}")
-            if forecast > ctl.max_underflow:
-                return decision(op, "promote", layer_up(rec), "underflow_forecast", forecast,
-                                ctl.max_underflow, ">")
+            if forecast > max_u:
+                return decision(op, "promote", layer_up(rec), "underflow_forecast", forecast, max_u, ">")
     if down is None:
         return None
     # demote: the rung below, judged by the shadow (fp8 below) or the range (compute below fp32)
-    worst = ("input", "underflow_forecast", 0.0, ctl.demote_underflow)  # the closest to its limit
+    worst = ("input", "underflow_forecast", 0.0, demote_u)  # the closest to its limit
     # a window without a measurement (no forward in its last steps) is not evidence of safety
     safe = not (has_shadow and not (shadow[0][0] > 0 and shadow[1][0] > 0)) and not (fp16 and not ranges[1] > 0)
     if has_shadow:
         for op, stats in zip(OPERANDS, shadow):
             forecast = underflow(op, stats[_UNDERFLOW], f"shadow_{op}")
             nonfinite = ctl.max_nonfinite is not None and stats[_NONFINITE] > ctl.max_nonfinite
-            if nonfinite or not forecast <= ctl.demote_underflow:
+            if nonfinite or not forecast <= demote_u:
                 safe = False
-            elif ratio(forecast, ctl.demote_underflow) > ratio(worst[2], worst[3]):
-                worst = (op, "underflow_forecast", forecast, ctl.demote_underflow)
+            elif ratio(forecast, demote_u) > ratio(worst[2], worst[3]):
+                worst = (op, "underflow_forecast", forecast, demote_u)
     if fp16:
         for r, amax in zip(_RANGE, ranges):
             forecast = amax_forecast(r, amax)
@@ -255,6 +263,7 @@ def _decide_gemm(ctl: Any, rec: LayerRecord, g: int, gemm: str, own: list, shado
     down = gemm_down(ctl, rec, g)
     has_shadow = down is not None and ladder[down] in LOW_RUNGS
     ops = GEMM_OPERANDS[gemm]
+    max_u, demote_u = limits(ctl, rung, down)
     measured = own if on_low else (shadow if has_shadow else None)
     for op, st in zip(ops, measured or []):
         rec.trends[f"{gemm}.{op}"].update(log2(st[0]), *fit)
@@ -278,9 +287,9 @@ def _decide_gemm(ctl: Any, rec: LayerRecord, g: int, gemm: str, own: list, shado
                     return d
         for op, st in zip(ops, own):
             forecast = underflow(op, st[_UNDERFLOW], "underflow")
-            if forecast > ctl.max_underflow:
+            if forecast > max_u:
                 to = gemm_up(ctl, rec, g)
-                d = decision(gemm, op, "promote", rung, to, "underflow_forecast", forecast, ctl.max_underflow, ">")
+                d = decision(gemm, op, "promote", rung, to, "underflow_forecast", forecast, max_u, ">")
                 _switch(ctl, rec, (g,), to)
                 return d
     if not has_shadow:
@@ -290,13 +299,13 @@ def _decide_gemm(ctl: Any, rec: LayerRecord, g: int, gemm: str, own: list, shado
     for op, st in zip(ops, shadow):
         forecast = underflow(op, st[_UNDERFLOW], "shadow")
         nonfinite = ctl.max_nonfinite is not None and st[_NONFINITE] > ctl.max_nonfinite
-        if nonfinite or not forecast <= ctl.demote_underflow:
+        if nonfinite or not forecast <= demote_u:
             safe = False
         elif forecast > worst[1]:
             worst = (op, forecast)
     rec.gemm_clean[g] = rec.gemm_clean[g] + 1 if safe else 0
     if _may_demote(ctl, rec.gemm_clean[g], rec.gemm_switches[g]):
-        d = decision(gemm, worst[0], "demote", rung, down, "underflow_forecast", worst[1], ctl.demote_underflow, "<=")
+        d = decision(gemm, worst[0], "demote", rung, down, "underflow_forecast", worst[1], demote_u, "<=")
         _switch(ctl, rec, (g,), down)
         return d
     return None

@@ -48,6 +48,9 @@ class ModeResult:
     fp8: dict[str, Any] = field(default_factory=dict)
     # per-layer scaling (mixprec-fp16-layerwise): {cut point: its factor after each step}
     layer_scales: dict[str, list[float]] = field(default_factory=dict)
+    # modes with an fp8 rule (fp8 and fp4 modes): per Linear layer and GEMM, the steps it ran in
+    # fp4, fp8 or its compute dtype, and the shares of GEMM FLOPs (mixprec.demo.flops.GemmCounter)
+    gemms: dict[str, Any] = field(default_factory=dict)
 
     @property
     def final_loss(self) -> float:

@@ -29,6 +29,7 @@ from mixprec import fp8
 from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch
 from mixprec.demo.environment import environment
 from mixprec.demo.estimate import Estimate
+from mixprec.demo.flops import GemmCounter
 from mixprec.demo.model import TransformerLM, lm_loss
 from mixprec.demo.modes import DEFAULT_MODES, MODES, Mode, Setup, check_modes
 from mixprec.demo.results import DemoResult, ModeResult, Progress
@@ -106,6 +107,8 @@ def run_mode(
     torch.manual_seed(settings.seed)
     model = TransformerLM(cfg).to(device)
     setup = mode.setup(model, settings, device)
+    gemms = None if setup.fp8_policy is None else GemmCounter(
+        model, setup.fp8_policy.fp8_rule.recipe_for, settings.tokens_per_step)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         setup.optimizer, lambda step: lr_factor(step, settings.steps)
     )
@@ -153,6 +156,8 @@ def run_mode(
             warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"), UserWarning)
             schedule.step()
         losses.append(loss.detach())
+        if gemms is not None:
+            gemms.record()  # the formats this step ran in, before a guard or controller switches
         if setup.fp8_guard is not None or setup.fp8_controller is not None:
             _fp8_step(model, setup, step, settings.steps, fp8_windows)
         if setup.scale_state is not None:
@@ -187,6 +192,8 @@ def run_mode(
         result.skipped_steps = torch.nonzero(skipped.bool()).flatten().tolist()
     if setup.fp8_guard is not None or setup.fp8_controller is not None:
         result.fp8 = _fp8_trace(setup, fp8_windows, settings.steps)
+    if gemms is not None:
+        result.gemms = gemms.to_json()
     if layer_trace:
         names = list(setup.scaler.layer_scales())
         result.layer_scales = dict(zip(names, torch.stack(layer_trace).cpu().T.tolist()))

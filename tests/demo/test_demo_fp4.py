@@ -199,3 +199,28 @@ def test_the_report_shows_the_three_and_draws_the_fp4_figure(stand_in: DemoResul
     figure = next(f for f in data["figures"] if f["name"] == "fp4")
     assert figure["data"]["mixprec-fp4-hand"]["head"] == dict.fromkeys(GEMMS, 0.0)
     assert 'src="fp4.png"' in paths["index"].read_text()
+
+
+def test_the_benchmark_is_registered_and_tabulates_its_figures() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks import fp4 as bench
+    from benchmarks.run import BENCHMARKS
+
+    result = _result({"fp32": ([2.0, 2.1, 2.2], 0.0), "mixprec-fp4": ([2.25, 2.35, 2.45], 0.5),
+                      "mixprec-fp4-all": ([2.3, 2.4, 2.5], 1.0), "mixprec-fp4-hand": ([2.0, 2.1, 2.2], 0.75)})
+    timing = {"ratio": 1.5, "low": 1.4, "high": 1.6, "rounds": 9}
+    res = {"sizes": {"tiny": {"steps": 10, "summary": fp4_summary(result),
+                              "finals": {m: {r.seed: r.final_loss for r in result.of(m)} for m in ("fp32", *FP4_MODES)},
+                              "timing": {m: dict.fromkeys(bench.FP8_REFERENCES, timing) for m in FP4_MODES}}},
+           "machine_before": {"cpu": "X", "load": "1"}, "machine_after": {"cpu": "X", "load": "2"}, "threads": 1,
+           "seconds": 60.0}
+    rows = BENCHMARKS["fp4"]({"rows": bench._rows(res)})
+    assert [(r.figure, r.ratio) for r in rows] == [(f"training step, {m}, tiny", 1.5) for m in FP4_MODES]
+    assert "fp4 50.0% of GEMM FLOPs" in rows[0].detail
+    table = bench.format_table(res)
+    assert "| mixprec-fp4 | 2.3500 ± 0.1000 | +0.2500 ± 0.0000 | **no** | 50.0% | 50% / 50% / 50% | 1.50x" in table
+    assert "**not met**: 0.1500 nats beyond the spread; 10.0 points below 60% in fp4" in table
+    assert "Wins: mixprec-fp4-hand." in table and "load average before 1, after 2" in table

@@ -279,8 +279,6 @@ def test_all_gather_bytes(ranks: list[dict[str, Any]], case: str, hp_bytes: int)
 
 @slow
 @distributed
-@slow
-@distributed
 @pytest.mark.parametrize("case", ["fp32_adamw", "bf16_adamw"])
 def test_precomputed_scales_are_bitwise_the_same_with_one_all_reduce(ranks: list[dict[str, Any]], case: str) -> None:
     for r in ranks:
@@ -292,6 +290,8 @@ def test_precomputed_scales_are_bitwise_the_same_with_one_all_reduce(ranks: list
         assert pre["reduces"] == [4] * len(LAYERS) * 2
 
 
+@slow
+@distributed
 def test_a_lone_fp8_weight_all_gathers_as_uint8_on_gloo(ranks: list[dict[str, Any]]) -> None:
     """A bias-free fp8 layer sharded alone: FSDP2 all-gathers in the inputs' dtype, which gloo
     does not have for float8 (torchao fails: 'Invalid scalar type'); mixprec sends uint8, bitwise

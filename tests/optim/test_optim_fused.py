@@ -327,6 +327,7 @@ def test_channels_last_weights_run_the_kernel(counted, working_copies, cls):
     assert_same(a, opt_a, b, opt_b)
 
 
+@pytest.mark.slow
 def test_float32_training_never_builds_the_kernel():
     """Only low-precision CPU parameters need the kernel: fp32 training does not build or load it."""
     import subprocess

@@ -158,6 +158,7 @@ def _dtensor_then_fail(rank: int, port: int, fail: bool) -> None:
             raise RuntimeError("rank 1 fails on purpose")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_workers_end_cleanly_and_a_failing_rank_is_reported():
     spawn(_dtensor_then_fail, False, nprocs=WORLD)

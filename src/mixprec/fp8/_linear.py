@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.fp8._blocks import block_gemm, quantize
+from mixprec.fp8._fp4_linear import Fp4Matmul
 from mixprec.fp8._fsdp import GatheredFloat8Weight, reads_gathered, warn_fallback
 from mixprec.fp8._quant import cast_stats, cast_to_fp8, gemm
 from mixprec.fp8._recipe import Cast, Float8Recipe
@@ -272,7 +273,13 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             state.to(input.device)
         stats = state._data  # the window and, last column, the previous amax
         sqnr = state.output_sqnr_db if state.sample_sqnr else None
-    out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr)
-    if bias is not None:
-        out = out + bias.to(out.dtype)
+    if recipe.fp4:  # its own GEMM path (fp8/_fp4_linear.py); the step count seeds stochastic rounding
+        step = 0
+        if state is not None:
+            step, state.rounding_step = state.rounding_step, state.rounding_step + 1
+        out = Fp4Matmul.apply(input, weight, bias, recipe, stats, sqnr, step)
+    else:
+        out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
     return out if probe is None else probe(input, None if gathered else weight, out)

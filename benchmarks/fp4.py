@@ -42,7 +42,7 @@ from mixprec.demo.alternate import time_pair  # noqa: E402
 from mixprec.demo.corpus import load_tokens  # noqa: E402
 from mixprec.demo.fp4 import fp4_summary  # noqa: E402
 from mixprec.demo.modes import FP4_MODES  # noqa: E402
-from mixprec.demo.results import DemoResult  # noqa: E402
+from mixprec.demo.results import DemoResult, ModeResult  # noqa: E402
 from mixprec.demo.settings import Settings  # noqa: E402
 from mixprec.demo.train import run_mode  # noqa: E402
 
@@ -53,18 +53,29 @@ FP8_REFERENCES = ("mixprec-fp8", "mixprec-fp8-rowwise")
 _CPU = torch.device("cpu")
 
 
-def _train(size: str, seeds: int, steps: int | None, data: Any, log: Any) -> DemoResult:
+def _train(size: str, seeds: int, steps: int | None, data: Any, log: Any, runs: Path | None,
+           modes: tuple[str, ...]) -> DemoResult:
+    """Every mode of ``modes`` from each seed; with ``runs``, a run found there (same size, steps,
+    seed and mode) is read instead of trained, and each new run is written there."""
     settings = Settings.for_size(size, steps=steps)
     result = DemoResult(settings, "cpu", {}, [])
     for seed in range(seeds):
         seeded = dataclasses.replace(settings, seed=seed)
-        for mode in ("fp32", *FP4_MODES):
+        for mode in modes:
+            path = None if runs is None else runs / f"{size}-{settings.steps}-{seed}-{mode}.json"
             start = time.perf_counter()
-            run = run_mode(mode, seeded, _CPU, data=data)
+            cached = path is not None and path.exists()
+            if cached:
+                data_ = json.loads(path.read_text())
+                run = ModeResult(**{f.name: data_[f.name] for f in dataclasses.fields(ModeResult)})
+            else:
+                run = run_mode(mode, seeded, _CPU, data=data)
+                if path is not None:
+                    path.write_text(json.dumps(run.to_json()))
             result.runs.append(run)
             log(f"  {size} seed {seed} {mode}: final loss {run.final_loss:.4f}"
                 + (f", fp4 {run.gemms['fp4_share']:.1%}" if run.gemms else "")
-                + f" ({time.perf_counter() - start:.0f} s)")
+                + (f" (read from {path})" if cached else f" ({time.perf_counter() - start:.0f} s)"))
     return result
 
 
@@ -76,18 +87,25 @@ def _timing(size: str, quick: bool, train: torch.Tensor) -> dict[str, dict[str, 
 
 
 def run(quick: bool = False, sizes: tuple[str, ...] | None = None,
-        log: Any = lambda line: print(line, file=sys.stderr, flush=True)) -> dict[str, Any]:
+        log: Any = lambda line: print(line, file=sys.stderr, flush=True), runs: Path | None = None,
+        train_only: tuple[str, ...] = ()) -> dict[str, Any]:
     """Per size: the :func:`mixprec.demo.fp4.fp4_summary` of the runs, each mode's final loss per
     seed, and the step-time ratios; the machine before and after; ``rows`` for ``python -m
     benchmarks``. ``quick``: 10 steps, 2 seeds, 3 timing rounds, ``tiny`` only unless ``sizes``
-    says otherwise (default: :data:`SIZES`)."""
+    says otherwise (default: :data:`SIZES`). ``runs``: a folder keeping each finished run
+    (JSON), read back instead of training it again (a long run resumed, or its modes trained in
+    several calls); ``train_only``: train just these modes into ``runs`` and return ``{}``."""
     sizes = (("tiny",) if quick else SIZES) if sizes is None else sizes
     torch.set_num_threads(1)
     data = load_tokens()
     out: dict[str, Any] = {"machine_before": machine(), "threads": 1, "quick": quick, "sizes": {}}
     start = time.perf_counter()
+    if train_only:
+        for size in sizes:
+            _train(size, 2 if quick else SEEDS, 10 if quick else None, data, log, runs, train_only)
+        return {}
     for size in sizes:
-        result = _train(size, 2 if quick else SEEDS, 10 if quick else None, data, log)
+        result = _train(size, 2 if quick else SEEDS, 10 if quick else None, data, log, runs, ("fp32", *FP4_MODES))
         finals = {mode: {r.seed: r.final_loss for r in result.of(mode)} for mode in ("fp32", *FP4_MODES)}
         out["sizes"][size] = {"steps": result.settings.steps, "summary": fp4_summary(result), "finals": finals,
                               "timing": _timing(size, quick, data[0])}
@@ -149,9 +167,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="10 steps, 2 seeds, 3 timing rounds, tiny (a smoke run)")
     parser.add_argument("--sizes", default=None, help="comma-separated demo sizes (default: tiny,small)")
     parser.add_argument("--json", default=None, help="also write every figure to this JSON file")
+    parser.add_argument("--runs", type=Path, default=None,
+                        help="keep each finished run in this folder and read back the runs found there")
+    parser.add_argument("--train-only", default="", help="with --runs: only train these comma-separated modes")
     args = parser.parse_args()
     sizes = tuple(args.sizes.split(",")) if args.sizes else None
-    res = run(quick=args.quick, sizes=sizes, log=lambda line: print(line, flush=True))
+    if args.runs is not None:
+        args.runs.mkdir(parents=True, exist_ok=True)
+    only = tuple(m for m in args.train_only.split(",") if m)
+    res = run(quick=args.quick, sizes=sizes, log=lambda line: print(line, flush=True), runs=args.runs, train_only=only)
+    if only:
+        return
     print(format_table(res))
     if args.json:
         with open(args.json, "w") as f:

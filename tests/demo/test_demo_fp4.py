@@ -125,6 +125,8 @@ def test_the_counter_reads_the_fallback_and_a_per_gemm_recipe() -> None:
 
 def test_gemm_kind() -> None:
     assert gemm_kind(fp8.Cast("e5m2", "row")) == "fp8" and gemm_kind(fp8.Cast("none")) == "high"
+    assert gemm_kind(fp8.Cast("e2m1", "1x32")) == gemm_kind(fp8.Cast("e2m1", "16x16")) == "fp4"
+    assert {g: gemm_kind(a) for g, (a, _) in fp8.Float8Recipe.nvfp4().gemms().items()} == dict.fromkeys(GEMMS, "fp4")
 
 
 def _run(mode: str, seed: int, final: float, fp4: float) -> ModeResult:

@@ -15,8 +15,8 @@ attention's own matmuls (``scaled_dot_product_attention``) are not linear layers
 
 Example:
     >>> from mixprec.fp8 import Cast
-    >>> gemm_kind(Cast("e4m3fn")), gemm_kind(Cast("none"))
-    ('fp8', 'high')
+    >>> gemm_kind(Cast("e2m1", "1x16")), gemm_kind(Cast("e4m3fn")), gemm_kind(Cast("none"))
+    ('fp4', 'fp8', 'high')
     >>> trace = {"layers": {"a": {"flops_per_gemm": 4, "gemms": {g: {"fp4": 3, "fp8": 0, "high": 1}
     ...          for g in GEMMS}}}, "steps": 4}
     >>> share(trace), share(trace, gemm="output")
@@ -32,7 +32,7 @@ from torch import nn
 from mixprec import fp8
 from mixprec.fp8 import Cast, Float8Recipe
 
-__all__ = ["GEMMS", "GEMM_WORDS", "KINDS", "FP4_FORMATS", "GemmCounter", "gemm_kind", "share", "shares"]
+__all__ = ["GEMMS", "GEMM_WORDS", "KINDS", "GemmCounter", "gemm_kind", "share", "shares"]
 
 #: The three GEMMs of a linear layer, as :meth:`Float8Recipe.gemms` names them.
 GEMMS = ("output", "grad_input", "grad_weight")
@@ -40,8 +40,6 @@ GEMMS = ("output", "grad_input", "grad_weight")
 GEMM_WORDS = {"output": "forward", "grad_input": "input gradient", "grad_weight": "weight gradient"}
 #: What a GEMM can run in: 4-bit elements, 8-bit elements, or the layer's compute dtype.
 KINDS = ("fp4", "fp8", "high")
-#: The :class:`Cast` formats whose elements are 4-bit (MXFP4 and NVFP4: e2m1).
-FP4_FORMATS = ("e2m1",)
 
 
 def gemm_kind(cast: Cast) -> str:
@@ -49,7 +47,7 @@ def gemm_kind(cast: Cast) -> str:
     in (a recipe casts both operands of a GEMM or neither)."""
     if not cast.is_fp8:
         return "high"
-    return "fp4" if cast.format in FP4_FORMATS else "fp8"
+    return "fp4" if cast.is_fp4 else "fp8"
 
 
 class GemmCounter:

@@ -251,11 +251,25 @@ def _fp8_trace(setup: Setup, windows: list[tuple[int, list[dict]]], steps: int) 
                         "max_saturated": None, "min_sqnr_db": None},
             fallbacks=[], decisions=decisions,
         )
-        switches = [(d["step"], d["layer"], d["to"].startswith("fp8")) for d in decisions]
+        # a layer's precision is its forward GEMM's (a per-GEMM controller's backward switches
+        # are counted exactly in ModeResult.gemms); an fp4 rung is low precision too
+        switches = [(d["step"], d["layer"], _low_precision(d["to"])) for d in decisions
+                    if d.get("gemm") in (None, "", "output")]
     trace["fp8_steps"] = fp8_steps(list(layers), switches, steps)
     total = len(layers) * steps
     trace["fp8_fraction"] = sum(trace["fp8_steps"].values()) / total if total else 0.0
     return trace
+
+
+def _low_precision(rung: str) -> bool:
+    """Whether the controller's rung name ``rung`` is an fp8 (``"fp8-tensorwise"``, ...) or fp4
+    (``"nvfp4"``, ``"mxfp4"``) format rather than a high-precision dtype."""
+    if rung.startswith("fp8"):
+        return True
+    try:
+        return fp8.Float8Recipe.from_name(rung).fp4  # a controller names its fp4 rungs by recipe
+    except ValueError:  # "bf16", "fp16", "fp32": not a recipe
+        return False
 
 
 def fp8_steps(layers: list[str], switches: list[tuple[int, str, bool]], steps: int) -> dict[str, int]:

@@ -88,6 +88,12 @@ class Controller:
     controller=ctl)`` too (:meth:`track`), and compiled models: :func:`mixprec.fp8.linear` calls
     its probe (``LayerState.probe``) and traced code reads the rung, so a switch recompiles.
 
+    ``per_gemm=True``: the forward, input-gradient and weight-gradient GEMMs of a layer each take
+    their own rung, decided from the two operands that GEMM reads (:mod:`mixprec.fp8._decide`);
+    the layer runs the recipe composed from them. Below fp8 the ladder may start with ``mxfp4``
+    and ``nvfp4``, whose casts are judged against ``fp4_max_underflow`` and
+    ``fp4_demote_underflow`` (an e2m1 block flushes several percent of ordinary data).
+
     Raises ValueError on a setting out of range, a ladder not in the order of :data:`RUNGS`, or a
     ``floor`` not an fp8 rung of it (and, when a layer is first seen, a recipe below the floor).
 

@@ -144,6 +144,7 @@ BENCHMARKS: dict[str, Callable[[Any], list[Row]]] = {
     "controller": _controller,
     "fp8_formats": _fp8_formats,
     "fp8_fsdp": _fp8_fsdp,
+    "fp4": lambda res: [Row(*row) for row in res["rows"]],
 }
 
 

@@ -166,8 +166,9 @@ class Layerwise(GraphPlanning, Unscaling):
     # -- unscale --------------------------------------------------------------------------------
 
     def _region_lookup(self, optimizer: Any) -> dict[int, int]:
-        """Parameter id -> region, with ``MasterWeights``' float32 masters mapped to their model
-        parameters."""
+        """Parameter id -> region, with the masters of an optimizer that steps on copies
+        (:func:`mixprec.scaling.protocol.master_pairs`: ``MasterWeights``' float32 masters)
+        mapped to their model parameters' regions."""
         pairs = master_pairs(optimizer)
         if not pairs:
             return self._param_region

@@ -8,6 +8,10 @@ parameters, compute and outputs, a base op table (``"torch"``: PyTorch's autocas
 region's device, or ``"fp32-numerics"``), edits to that table, and module rules. Every edit
 returns a new policy; nothing is mutated.
 
+Where the parts live: the fp8 rule and its Guard/Controller attachment in :mod:`mixprec.fp8._rule`,
+the checked JSON codec in :mod:`mixprec._codec`, the one-line text form in
+:mod:`mixprec._policy_text`; :func:`canonical` gives the one object standing for a policy's value.
+
 Example:
     >>> import torch
     >>> from torch import nn
@@ -35,13 +39,13 @@ import torch
 from torch import nn
 
 from mixprec import ops as _ops
-from mixprec._codec import (checked_op_rules, dtype_name, expect, import_type, module_rule_from_dict,
+from mixprec._codec import (checked_op_rules, dtype_name, expect, module_rule_from_dict,
                             module_rule_to_dict, parse_dtype, refuse_unknown, rule_kind)
 from mixprec._modules import ModuleRule
 from mixprec._ops_names import OpLike, canonical_names
 from mixprec._policy_text import format_sections, parse_header, parse_sections
-from mixprec.fp8._rule import Attachment, Fp8Rule, refuse_unused_state, rule_from_dict, rule_to_dict
 from mixprec._tree import cast_tree, tracing as _tracing
+from mixprec.fp8._rule import Attachment, Fp8Rule, refuse_unused_state, rule_from_dict, rule_to_dict
 
 __all__ = ["Policy", "PRESETS", "parse_dtype", "canonical"]
 
@@ -422,7 +426,7 @@ class Policy:
 
         Example:
             >>> dict(Policy().with_ops(fp32=["mm"]).edits("cpu"))
-            {'mm': 'fp32'}
+            {'mm': 'fp32', 'mm.dtype': 'fp32'}
         """
         return _resolve_edits(self.base, self.device_type or device_type, self.op_rules, device_type,
                               self.fp8_rule is not None)

@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from mixprec.fp8._controller import Controller
 from mixprec.fp8._fsdp import Float8AllGatherWeight, check_recipe, plain_weight, wrap_weight
 from mixprec.fp8._guard import Guard, layer_states
 from mixprec.fp8._like import LINEAR_LIKE, conv1d_class, features, is_linear_like, unroutable
@@ -392,8 +393,6 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     """
     recipe, backend = as_recipe(recipe), _check_backend(backend)
     if controller is not None:
-        from mixprec.fp8._controller import Controller
-
         if not isinstance(controller, Controller) or guard is not None:
             raise ValueError(f"fp8.convert: controller must be a mixprec.Controller, without guard= (got "
                              f"{type(controller).__name__}{' and a guard' if guard is not None else ''})")

@@ -184,9 +184,20 @@ def rounding_generator(seed: int, step: int, stream: int, device: torch.device |
         >>> torch.equal(a, torch.rand(3, generator=rounding_generator(0, 5, 1, "cpu")))
         True
     """
+    key = 0
+    for part in (seed, step, stream):
+        key = _mix64(key ^ _mix64(part))
     g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + step * 64 + stream) % (1 << 63))
+    g.manual_seed(key >> 1)  # 63 bits; mixed, so that no (seed, step, stream) is a user's plain seed
     return g
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers that scatters neighbouring keys."""
+    z = (z + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
 
 
 def hadamard_matrix(seed: int = 0, device: torch.device | str | None = None) -> torch.Tensor:

@@ -75,7 +75,7 @@ class _Float8Matmul(torch.autograd.Function):
                     _record(stats, 1, w, (wc[0].t(), *wc[1:]))  # w and q.t() are contiguous
                 out = gemm(xc[0].reshape(-1, k), _rows(xc[1]), wc[0], wc[1], x.dtype, backend, True)
             else:
-                out = torch.mm(x.reshape(-1, k), wt)
+                out = torch.mm(x.reshape(-1, k), wt.to(x.dtype))
             if sqnr is not None:
                 _record_sqnr(sqnr, out, x.reshape(-1, k), wt)
         ctx.recipe, ctx.backend, ctx.stats = r, backend, stats
@@ -111,7 +111,7 @@ class _Float8Matmul(torch.autograd.Function):
                         wq, sw, _ = _cast_weight(wt, r.weight_for_grad_input, -1, r.pow2_scales)
                     grad_input = gemm(go_gi[0], go_gi[1], wq.t(), _t(sw), dtype, backend, False)
                 else:
-                    grad_input = torch.mm(go, wt.t())
+                    grad_input = torch.mm(go, wt.t().to(dtype))
                 grad_input = grad_input.reshape(*grad_output.shape[:-1], k)
             cw = r.grad_output_for_grad_weight
             if cw.is_fp8 and not r.grad_output.is_fp8:
@@ -155,7 +155,7 @@ def _block_backward(ctx: Any, x: torch.Tensor, wt: torch.Tensor, go: torch.Tenso
                 wtc = quantize(wt.contiguous(), r.weight_for_grad_input, r.pow2_scales)
                 grad_input = block_gemm(goc[:2], r.grad_output, wtc[:2], r.weight_for_grad_input, dtype)
             else:
-                grad_input = torch.mm(go, wt.t())
+                grad_input = torch.mm(go, wt.t().to(dtype))
             grad_input = grad_input.reshape(*go_shape[:-1], k)
         if ctx.needs_input_grad[1]:
             if cw.is_fp8:

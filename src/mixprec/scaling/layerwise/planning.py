@@ -21,7 +21,7 @@ from torch import nn
 
 from mixprec.scaling.layerwise.graph import Walk, first_tensor, reentrant_message, tensors_of, walk
 from mixprec.scaling.layerwise.rule import Topology, pow2
-from mixprec.scaling.layerwise.structure import Structure
+from mixprec.scaling._structure import Structure
 
 __all__ = ["EDGE_LIMIT", "GRAPH_KEYS", "CutHook", "GraphPlanning"]
 

@@ -21,7 +21,7 @@ from mixprec._unscale import inverse_scale
 from mixprec.scaling.layerwise.graph import choose_cut_points
 from mixprec.scaling.layerwise.planning import GRAPH_KEYS, CutHook, GraphPlanning
 from mixprec.scaling.layerwise.rule import LayerState, Topology, exponent_of, host_rule, host_totals, layer_rule, pow2, topology
-from mixprec.scaling.layerwise.structure import Structure, decode, encode
+from mixprec.scaling._structure import Structure, decode, encode
 from mixprec.scaling.protocol import master_pairs
 from mixprec.scaling.rule import ScaleConfig, ScaleState
 from mixprec.scaling.unscaling import Unscaling
@@ -399,7 +399,7 @@ class Layerwise(GraphPlanning, Unscaling):
         "growth_tracker": [...], "hysteresis_left": [...], "structure": {...}}}`` (one host sync),
         the entry it adds to the scaler's state. ``structure`` (after the first step): the region
         of each cut point and parameter as the graph walks learnt them
-        (:func:`mixprec.scaling.layerwise.structure.encode`), by name, so that a resumed run
+        (:func:`mixprec.scaling._structure.encode`), by name, so that a resumed run
         scales and measures as the uninterrupted one would after steps that skipped blocks."""
         saved: dict[str, Any] = {"cut_points": list(self.names), **self._host_values()}
         structure = self._structure()

@@ -16,11 +16,14 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
+from mixprec.fp8._blocks import amax_to_scale
 from mixprec.fp8._collective import agree_on_layers, all_reduce_max, distributed
 from mixprec.fp8._guard import _check_int, _check_number, count_unstepped_forward, deepcopy_attributes
-from mixprec.fp8._quant import STAT_NAMES, _scale, cast_stats, cast_to_fp8
+from mixprec.fp8._layers import Float8Conv1D, Float8Linear, eligible
+from mixprec.fp8._quant import STAT_NAMES, cast_to_fp8
 from mixprec.fp8._recipe import Float8Recipe
-from mixprec.fp8._state import OPERANDS, LayerState, layer_state
+from mixprec.fp8._state import (GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, layer_state, new_window,
+                                 record_cast, window_stats)
 
 __all__ = ["Controller", "Decision", "RUNGS"]
 
@@ -150,8 +153,8 @@ class _Layer:
         self.rung = rung
         self.floor = floor  # the lowest rung it may be demoted to
         self.allowed = allowed  # per rung of the ladder: whether the layer can run it (block multiples)
-        # the rung below's casts measured on a sample (promoted layers): the layout of LayerState._data
-        self.shadow = torch.zeros_like(state._data)
+        # the rung below's casts measured on a sample (promoted layers): a window, as LayerState's
+        self.shadow = new_window(state.device)
         self.range = torch.zeros(len(_RANGE), device=state.device)  # worst input/output amax
         # log2 amax per operand and range entry; underflow of the layer's casts and of the shadow's
         self.trends = {key: _Trend() for key in (*OPERANDS, *(f"range_{r}" for r in _RANGE),
@@ -163,11 +166,11 @@ class _Layer:
         self.probe: Any = None  # its _Probe (also in state.probe)
 
     def windows(self) -> torch.Tensor:
-        return torch.cat([self.state.stats.flatten(), self.shadow[:, :-1].flatten(), self.range])
+        return torch.cat([self.state.stats.flatten(), window_stats(self.shadow).flatten(), self.range])
 
     def reset(self) -> None:
         self.state.reset()
-        self.shadow[:, :-1].zero_()
+        clear_window(self.shadow)
         self.range.zero_()
 
 
@@ -202,12 +205,12 @@ class _Probe:
         below = rec.below
         if below is None or not ctl._measuring:
             return out
-        _shadow(rec.shadow[0], x, below.input, below.pow2_scales, ctl.sample)
+        _shadow(rec.shadow, INPUT, x, below.input, below.pow2_scales, ctl.sample)
         if weight is not None:
-            _shadow(rec.shadow[1], weight.detach(), below.weight, below.pow2_scales, ctl.sample)
+            _shadow(rec.shadow, WEIGHT, weight.detach(), below.weight, below.pow2_scales, ctl.sample)
         if out.requires_grad:
-            buf, sample = rec.shadow[2], ctl.sample
-            out.register_hook(lambda g: _shadow(buf, g, below.grad_output, below.pow2_scales, sample))
+            buf, sample = rec.shadow, ctl.sample
+            out.register_hook(lambda g: _shadow(buf, GRAD_OUTPUT, g, below.grad_output, below.pow2_scales, sample))
         return out
 
 
@@ -422,8 +425,6 @@ class Controller:
             >>> Controller().track(m)
             ['1']
         """
-        from mixprec.fp8._convert import Float8Conv1D, Float8Linear
-
         names = [n for n, m in model.named_modules() if isinstance(m, (Float8Linear, Float8Conv1D))]
         if not names:
             raise ValueError(f"Controller.track: {type(model).__name__} has no layer converted by fp8.convert, "
@@ -473,8 +474,6 @@ class Controller:
             raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} is below the controller's "
                              f"floor {self.floor!r}; pass floor=None (each layer's recipe) or a rung at or below "
                              f"{recipe.name!r}")
-        from mixprec.fp8._convert import eligible
-
         allowed = tuple(r not in _FP8_RUNGS or i == start or eligible(module, name, self._recipes[r])[0]
                         for i, r in enumerate(self.ladder))
         rec = _Layer(module, layer_state(module), start, floor, allowed)
@@ -718,7 +717,7 @@ class Controller:
         data = {"rung": self.ladder[rec.rung], "clean": rec.clean, "switches": list(rec.switches),
                 "trends": {key: [t.last, t.slope, list(t.recent)] for key, t in rec.trends.items()}}
         if windows:
-            data.update(state=rec.state._data.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist())
+            data.update(state=rec.state.window.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist())
         return data
 
     def _metadata(self) -> dict[str, dict[str, Any]]:
@@ -750,7 +749,7 @@ class Controller:
         rec.clean, rec.switches = int(data["clean"]), [int(s) for s in data["switches"]]
         for key, (last, slope, recent) in data["trends"].items():
             rec.trends[key] = _Trend(last, slope, tuple(recent))
-        for target, key in ((rec.state._data, "state"), (rec.shadow, "shadow"), (rec.range, "range")):
+        for target, key in ((rec.state.window, "state"), (rec.shadow, "shadow"), (rec.range, "range")):
             if key not in data:  # a peer's record (_detached): the windows stay empty
                 continue
             t = torch.tensor(data[key], dtype=torch.float32)
@@ -760,8 +759,8 @@ class Controller:
             target.copy_(t)
 
 
-def _shadow(buf: torch.Tensor, x: torch.Tensor, cast: Any, pow2: bool, sample: int) -> None:
-    """Accumulate into ``buf`` (one row of a LayerState window) the statistics ``cast`` would
+def _shadow(window: torch.Tensor, operand: int, x: torch.Tensor, cast: Any, pow2: bool, sample: int) -> None:
+    """Accumulate into row ``operand`` of ``window`` (a shadow window) the statistics ``cast`` would
     have on ``x``, measured on about ``sample`` elements: evenly strided rows (a row cast is exact
     on them), scaled by the whole tensor's amax for a tensor cast. No host sync."""
     x2 = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.detach().reshape(1, 1)
@@ -774,9 +773,8 @@ def _shadow(buf: torch.Tensor, x: torch.Tensor, cast: Any, pow2: bool, sample: i
     if cast.granularity == "tensor":
         amax = torch.max(torch.abs(x2))
         fmax = torch.finfo(cast.dtype).max
-        q = (rows.to(torch.float32) * _scale(amax, cast.dtype, pow2)).clamp_(min=-fmax, max=fmax).to(cast.dtype)
+        q = (rows.to(torch.float32) * amax_to_scale(amax, cast.dtype, pow2)).clamp_(min=-fmax, max=fmax).to(cast.dtype)
     else:
         q, _, _ = cast_to_fp8(rows, cast, -1, pow2)
         amax = torch.max(torch.abs(x2)) if stride > 1 else torch.max(torch.abs(rows))
-    new = cast_stats(rows, q, amax, buf[-1])
-    buf.copy_(torch.cat([torch.maximum(buf[:-1], new), new[:1]]))
+    record_cast(window, operand, rows, q, amax)

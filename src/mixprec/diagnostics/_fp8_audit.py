@@ -34,8 +34,10 @@ from typing import Any, Callable
 
 from torch import nn
 
+from mixprec import fp8
 from mixprec.diagnostics._passes import Passes
 from mixprec.diagnostics.findings import Fp8Advice
+from mixprec.fp8.internals import OPERANDS, is_linear_like, swap_layer_state
 
 __all__ = ["recommend_fp8"]
 
@@ -74,8 +76,6 @@ def _kept(policy: Any, modules: dict[str, nn.Module], fqn: str) -> bool:
 
 def _past_threshold(read: dict[str, Any], max_underflow: float, min_sqnr_db: float | None) -> str | None:
     """Why a layer leaves fp8, by :class:`mixprec.fp8.Guard`'s rule (``max_nonfinite=0``), or None."""
-    from mixprec.fp8._state import OPERANDS
-
     for op in OPERANDS:
         if read[op]["nonfinite"] > 0:
             return f"{op} nonfinite = {read[op]['nonfinite']:.4g} > 0"
@@ -88,9 +88,6 @@ def _past_threshold(read: dict[str, Any], max_underflow: float, min_sqnr_db: flo
 
 
 def _candidates(model: nn.Module, policy: Any, recipe: Any) -> tuple[list[str], dict[str, str]]:
-    from mixprec import fp8
-    from mixprec.fp8._like import is_linear_like
-
     modules = dict(model.named_modules())
     stay: dict[str, str] = {}
     linears = [n for n, m in modules.items() if is_linear_like(m)]
@@ -111,8 +108,6 @@ def _candidates(model: nn.Module, policy: Any, recipe: Any) -> tuple[list[str], 
 
 def _named(recipe: Any) -> Any:
     """A named recipe by its name (a policy can save it as JSON), a custom one as itself."""
-    from mixprec import fp8
-
     try:
         return recipe.name if fp8.Float8Recipe.from_name(recipe.name) == recipe else recipe
     except ValueError:
@@ -125,9 +120,6 @@ def recommend_fp8(passes: Passes, policy: Any, recipe: Any, scale: float, *,
     """``(policy with the fp8 layers, Fp8Advice)`` for the compute ``policy`` (see module docs);
     ``recipe``: a recipe, its name, or ``"auto"`` (a format per layer); ``progress`` gets a line
     before each pass."""
-    from mixprec import fp8
-    from mixprec.fp8._state import OPERANDS, swap_layer_state
-
     auto = recipe in ("auto", "auto-fp4")
     formats_tried = AUTO_FP4_FORMATS if recipe == "auto-fp4" else AUTO_FORMATS if auto else (recipe,)
     tried = [fp8.as_recipe(r) for r in formats_tried]

@@ -52,18 +52,18 @@ import dataclasses
 import inspect
 import math
 import re
-from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 from torch import nn
 
+from mixprec.diagnostics._fp8_audit import recommend_fp8
 from mixprec.diagnostics._passes import FixedScale, Passes
 from mixprec.diagnostics.event import NonFiniteEvent
 from mixprec.diagnostics.findings import AuditReport, Risk
 from mixprec.diagnostics.ranges import KINDS, RangeStats, collect_ranges
-
-if TYPE_CHECKING:
-    from mixprec.policy import Policy
+from mixprec.fp8 import as_recipe
+from mixprec.policy import Policy
 
 __all__ = ["AuditReport", "Risk", "audit", "check_batch", "check_device", "dtype_names"]
 
@@ -107,9 +107,7 @@ def dtype_names(dtypes: Iterable[torch.dtype | str] | torch.dtype | str, *,
     return names
 
 
-def _policy(dtype: str, keep: set[str] | tuple[str, ...]) -> "Policy":
-    from mixprec.policy import Policy
-
+def _policy(dtype: str, keep: set[str] | tuple[str, ...]) -> Policy:
     policy = Policy(compute=_CANDIDATES[dtype])
     if keep:
         names = "|".join(re.escape(n) for n in sorted(keep))
@@ -314,8 +312,6 @@ def audit(
     if fp8 is True:
         fp8 = "tensorwise"
     if fp8 is not None and fp8 is not False and fp8 not in ("auto", "auto-fp4"):
-        from mixprec.fp8 import as_recipe
-
         try:
             as_recipe(fp8)
         except ValueError as e:
@@ -363,8 +359,6 @@ def audit(
         risks.sort(key=lambda r: r.rank_key, reverse=True)
         policy, advice = _policy(chosen, keep[chosen]), None
         if fp8 is not None and fp8 is not False:
-            from mixprec.diagnostics._fp8_audit import recommend_fp8
-
             policy, advice = recommend_fp8(
                 passes, policy, fp8, scale16 if chosen == "float16" else 1.0,
                 underflow_threshold=underflow_threshold, min_sqnr_db=fp8_min_sqnr_db, max_fixes=max_fixes,

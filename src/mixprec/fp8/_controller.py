@@ -485,7 +485,7 @@ class Controller:
             data.update(gemms={g: self.ladder[r] for g, r in zip(GEMMS, rec.rungs)}, gemm_clean=list(rec.gemm_clean),
                         gemm_switches=[list(s) for s in rec.gemm_switches])
         if windows:
-            data.update(state=rec.state._data.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist())
+            data.update(state=rec.state.window.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist())
             if rec.gemm_windows is not None:
                 data["gemm_windows"] = rec.gemm_windows.tolist()
         return data
@@ -526,7 +526,7 @@ class Controller:
         for key, (last, slope, recent) in data["trends"].items():
             if key in rec.trends:  # (a whole-layer record's operand trends are no GEMM's)
                 rec.trends[key] = Trend(last, slope, tuple(recent))
-        windows = ((rec.state._data, "state"), (rec.shadow, "shadow"), (rec.range, "range"),
+        windows = ((rec.state.window, "state"), (rec.shadow, "shadow"), (rec.range, "range"),
                    (rec.gemm_windows, "gemm_windows"))
         for target, key in windows:
             if key not in data or target is None:  # a peer's record (_detached): the windows stay empty

@@ -14,9 +14,10 @@ import torch
 import torch.nn as nn
 
 from mixprec.fp8._fp4 import quantize
-from mixprec.fp8._quant import STAT_NAMES, _scale, cast_stats, cast_to_fp8
+from mixprec.fp8._blocks import amax_to_scale
+from mixprec.fp8._quant import STAT_NAMES, cast_to_fp8
 from mixprec.fp8._recipe import Cast, Float8Recipe
-from mixprec.fp8._state import OPERANDS, LayerState
+from mixprec.fp8._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window, record_cast, window_stats
 from mixprec.fp8._trend import Trend
 
 __all__ = ["Decision", "FP4_RUNGS", "FP8_RUNGS", "GEMMS", "GEMM_OPERANDS", "LOW_RUNGS", "RUNGS", "LayerRecord", "Probe",
@@ -133,8 +134,8 @@ class LayerRecord:
         self.rungs = [rung] * len(GEMMS)
         self.floor = floor  # the lowest rung it may be demoted to
         self.allowed = allowed  # per rung of the ladder: whether the layer can run it (block multiples)
-        # the rung below's casts measured on a sample (promoted layers): the layout of LayerState._data
-        self.shadow = torch.zeros_like(state._data)
+        # the rung below's casts measured on a sample (promoted layers): a window, as LayerState's
+        self.shadow = new_window(state.device)
         self.range = torch.zeros(len(_RANGE), device=state.device)  # worst input/output amax
         self.gemm_windows = torch.zeros(2, len(GEMMS), 2, _NCOL + 1, device=state.device) if per_gemm else None
         # log2 amax per operand and range entry; underflow of the layer's casts and of the shadow's
@@ -166,14 +167,14 @@ class LayerRecord:
 
     def windows(self) -> torch.Tensor:
         """The windows a check all-reduces, as one vector."""
-        parts = [self.state.stats.flatten(), self.shadow[:, :-1].flatten(), self.range]
+        parts = [self.state.stats.flatten(), window_stats(self.shadow).flatten(), self.range]
         if self.gemm_windows is not None:
             parts.append(self.gemm_windows[..., :-1].flatten())
         return torch.cat(parts)
 
     def reset(self) -> None:
         self.state.reset()
-        self.shadow[:, :-1].zero_()
+        clear_window(self.shadow)
         self.range.zero_()
         if self.gemm_windows is not None:
             self.gemm_windows[..., :-1].zero_()
@@ -214,12 +215,12 @@ class Probe:
         below = rec.below
         if below is None or not ctl._measuring:
             return out
-        measure(rec.shadow[0], x, below.input, below.pow2_scales, ctl.sample)
+        measure(rec.shadow, INPUT, x, below.input, below.pow2_scales, ctl.sample)
         if weight is not None:
-            measure(rec.shadow[1], weight.detach(), below.weight, below.pow2_scales, ctl.sample)
+            measure(rec.shadow, WEIGHT, weight.detach(), below.weight, below.pow2_scales, ctl.sample)
         if out.requires_grad:
-            buf, sample = rec.shadow[2], ctl.sample
-            out.register_hook(lambda g: measure(buf, g, below.grad_output, below.pow2_scales, sample))
+            buf, sample = rec.shadow, ctl.sample
+            out.register_hook(lambda g: measure(buf, GRAD_OUTPUT, g, below.grad_output, below.pow2_scales, sample))
         return out
 
 
@@ -239,17 +240,17 @@ def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | Non
             left, right, pow2 = casts
             for side, (operand, cast) in enumerate(zip(reads[gemm], (left, right))):
                 if operand is not None:
-                    measure(rec.gemm_windows[kind, g, side], operand, cast, pow2, sample)
+                    measure(rec.gemm_windows[kind, g], side, operand, cast, pow2, sample)
             if gemm != "output":
-                backward.append((rec.gemm_windows[kind, g, 0], gemm, left, pow2))
+                backward.append((rec.gemm_windows[kind, g], gemm, left, pow2))
     if backward and out.requires_grad:
         out.register_hook(lambda grad: _measure_grad(backward, grad, sample))
 
 
 def _measure_grad(where: list, grad: torch.Tensor, sample: int) -> None:
     g2 = grad.detach().reshape(-1, grad.shape[-1])
-    for buf, gemm, cast, pow2 in where:
-        measure(buf, g2 if gemm == "grad_input" else g2.t(), cast, pow2, sample)
+    for window, gemm, cast, pow2 in where:
+        measure(window, 0, g2 if gemm == "grad_input" else g2.t(), cast, pow2, sample)
 
 
 def _range(buf: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -258,8 +259,8 @@ def _range(buf: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
     torch.maximum(buf, amax, out=buf)
 
 
-def measure(buf: torch.Tensor, x: torch.Tensor, cast: Any, pow2: bool, sample: int) -> None:
-    """Accumulate into ``buf`` (one row of a LayerState window) the statistics ``cast`` would
+def measure(window: torch.Tensor, operand: int, x: torch.Tensor, cast: Any, pow2: bool, sample: int) -> None:
+    """Accumulate into row ``operand`` of ``window`` (a window: :func:`~mixprec.fp8._state.record_cast`) the statistics ``cast`` would
     have on ``x``, measured on about ``sample`` elements: evenly strided rows (a row or block cast
     along the last dimension is exact on them), scaled by the whole tensor's amax for a tensor
     cast. No host sync."""
@@ -276,9 +277,8 @@ def measure(buf: torch.Tensor, x: torch.Tensor, cast: Any, pow2: bool, sample: i
     elif cast.granularity == "tensor":
         amax = torch.max(torch.abs(x2))
         fmax = torch.finfo(cast.dtype).max
-        q = (rows.to(torch.float32) * _scale(amax, cast.dtype, pow2)).clamp_(min=-fmax, max=fmax).to(cast.dtype)
+        q = (rows.to(torch.float32) * amax_to_scale(amax, cast.dtype, pow2)).clamp_(min=-fmax, max=fmax).to(cast.dtype)
     else:
         q, _, _ = cast_to_fp8(rows, cast, -1, pow2)
         amax = torch.max(torch.abs(x2)) if stride > 1 else torch.max(torch.abs(rows))
-    new = cast_stats(rows, q, amax, buf[-1])
-    buf.copy_(torch.cat([torch.maximum(buf[:-1], new), new[:1]]))
+    record_cast(window, operand, rows, q, amax)

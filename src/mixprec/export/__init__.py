@@ -84,6 +84,9 @@ def export(model: nn.Module, folder: str | Path, format: str = "compressed-tenso
         "kept": q.kept,
         "kv_scales": {a: {k: float(v) for k, v in s.items()} for a, s in q.kv_scales.items()},
     }
+    if q.fp4:
+        manifest["fp4_layers"] = {n: {"format": l.format, "input_amax": l.input_amax, "statistic": l.source}
+                                  for n, l in q.fp4.items()}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return q
 

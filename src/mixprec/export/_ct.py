@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.export._fp4 import CT_FORMATS
 from mixprec.export._layers import linear_layers
 from mixprec.export._quant import Quantized
 
@@ -24,24 +25,60 @@ def _args(strategy: str) -> dict[str, Any]:
             "group_size": None, "block_structure": None, "actorder": None, "observer": None, "observer_kwargs": {}}
 
 
+def _fp4_args(fmt: str, dynamic: bool | str) -> dict[str, Any]:
+    """compressed-tensors' NVFP4 (``tensor_group``, 16, e4m3 scales) or MXFP4 (``group``, 32, E8M0
+    uint8 scales) arguments, as its ``NVFP4``/``MXFP4`` presets serialize them."""
+    nv = fmt == "nvfp4"
+    return {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group" if nv else "group",
+            "dynamic": dynamic, "group_size": 16 if nv else 32,
+            "scale_dtype": "torch.float8_e4m3fn" if nv else "torch.uint8", "block_structure": None,
+            "actorder": None, "observer": "static_minmax" if nv and dynamic == "local" else None,
+            "observer_kwargs": {}}
+
+
+def _fp4_groups(q: Quantized) -> dict[str, dict[str, Any]]:
+    """One config group per fp4 format and input kind, targeting its layers by name."""
+    groups: dict[tuple[str, bool], list[str]] = {}
+    for fqn, layer in q.fp4.items():
+        groups.setdefault((layer.format, layer.input_fp4), []).append(fqn)
+    out = {}
+    for (fmt, input_fp4), names in sorted(groups.items()):
+        dynamic: bool | str = "local" if fmt == "nvfp4" else True
+        out[f"{fmt}{'' if input_fp4 else '_a16'}"] = {
+            "targets": sorted(names),
+            "weights": _fp4_args(fmt, False),
+            "input_activations": _fp4_args(fmt, dynamic) if input_fp4 else None,
+            "output_activations": None,
+            "format": CT_FORMATS[fmt],
+        }
+    return out
+
+
 def quantization_config(q: Quantized) -> dict[str, Any]:
-    """The ``quantization_config`` entry of ``config.json`` (compressed-tensors' schema)."""
+    """The ``quantization_config`` entry of ``config.json`` (compressed-tensors' schema). fp8 layers
+    form ``group_0`` (targets ``["Linear"]``, every other linear layer in ``ignore``; by name when
+    the model also has fp4 layers); each fp4 format has its own group, its layers named."""
     ignore = sorted(q.kept)
+    groups: dict[str, dict[str, Any]] = {}
+    if q.layers or not q.fp4:
+        groups["group_0"] = {
+            "targets": sorted(q.layers) if q.fp4 else ["Linear"],
+            "weights": _args(q.strategy),
+            "input_activations": _args("tensor"),
+            "output_activations": None,
+            "format": "float-quantized",
+        }
+    groups.update(_fp4_groups(q))
+    formats = {g["format"] for g in groups.values()}
     return {
         "quant_method": "compressed-tensors",
-        "format": "float-quantized",
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
         "quantization_status": "compressed",
         "version": FORMAT_VERSION,
         "global_compression_ratio": None,
         "sparsity_config": {},
         "transform_config": {},
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": _args(q.strategy),
-            "input_activations": _args("tensor"),
-            "output_activations": None,
-            "format": "float-quantized",
-        }},
+        "config_groups": groups,
         "ignore": ignore,
         "kv_cache_scheme": _args("tensor") if q.kv_scales else None,
     }
@@ -49,7 +86,7 @@ def quantization_config(q: Quantized) -> dict[str, Any]:
 
 def _check_layout(model: nn.Module, q: Quantized) -> None:
     linears = linear_layers(model)
-    bad = [n for n in q.layers if not isinstance(linears[n], nn.Linear)]
+    bad = [n for n in [*q.layers, *q.fp4] if not isinstance(linears[n], nn.Linear)]
     if bad:
         raise ValueError(f"export: compressed-tensors quantizes nn.Linear layers only (its "
                          f"initialize_module_for_quantization rejects other types), and {bad[0]!r} is a "
@@ -58,18 +95,18 @@ def _check_layout(model: nn.Module, q: Quantized) -> None:
     ptrs: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         ptrs.setdefault(p.untyped_storage().data_ptr(), []).append(name)
-    for fqn in q.layers:
+    for fqn in [*q.layers, *q.fp4]:
         shared = [n for n in ptrs.get(linears[fqn].weight.untyped_storage().data_ptr(), []) if n != f"{fqn}.weight"]
         if shared:
             raise ValueError(f"export: layer {fqn!r} shares its weight with {shared[0]!r} (tied embeddings): storing it "
-                             f"in fp8 would change both; leave it out of layers (it stays in high precision)")
+                             f"in fp8 or fp4 would change both; leave it out of layers (it stays in high precision)")
 
 
 def _tensors(model: nn.Module, q: Quantized) -> dict[str, torch.Tensor]:
-    """The state dict with the fp8 layers' weights replaced; tied tensors stored once (the first name)."""
+    """The state dict with the fp8 and fp4 layers' weights replaced; tied tensors stored once (the first name)."""
     out: dict[str, torch.Tensor] = {}
     seen: dict[tuple, str] = {}
-    replaced = {f"{n}.weight" for n in q.layers}
+    replaced = {f"{n}.weight" for n in [*q.layers, *q.fp4]}
     for name, t in model.state_dict(keep_vars=False).items():
         if name in replaced:
             continue
@@ -83,6 +120,13 @@ def _tensors(model: nn.Module, q: Quantized) -> dict[str, torch.Tensor]:
         out[f"{fqn}.weight"] = layer.q.contiguous()
         out[f"{fqn}.weight_scale"] = layer.weight_scale.contiguous()
         out[f"{fqn}.input_scale"] = layer.input_scale.contiguous()
+    for fqn, f in q.fp4.items():
+        out[f"{fqn}.weight_packed"] = f.weight_packed
+        out[f"{fqn}.weight_scale"] = f.weight_scale
+        if f.weight_global_scale is not None:
+            out[f"{fqn}.weight_global_scale"] = f.weight_global_scale
+        if f.input_global_scale is not None:
+            out[f"{fqn}.input_global_scale"] = f.input_global_scale
     for attn, scales in q.kv_scales.items():
         for name, s in scales.items():
             out[f"{attn}.{name}" if attn else name] = s.contiguous()

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.export._fp4 import Fp4Layer, layer_format, quantize_fp4
 from mixprec.export._layers import LayerPlan, kv_sources, linear_layers, weight_out_in
 from mixprec.export._rules import ScaleRule
 from mixprec.fp8 import Cast, layer_state
@@ -51,13 +52,15 @@ class QuantizedLayer:
 
 @dataclass
 class Quantized:
-    """Everything an export writes besides the untouched tensors."""
+    """Everything an export writes besides the untouched tensors: ``layers`` in fp8, ``fp4`` layers
+    (NVFP4/MXFP4), ``kept`` ones (high precision, with the reason)."""
 
     layers: dict[str, QuantizedLayer]
     kept: dict[str, str]
     kv_scales: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     strategy: str = "tensor"
     rule: ScaleRule = field(default_factory=ScaleRule)
+    fp4: dict[str, Fp4Layer] = field(default_factory=dict)
 
 
 def _series(stats: Any) -> dict[str, torch.Tensor]:
@@ -70,7 +73,8 @@ def _series(stats: Any) -> dict[str, torch.Tensor]:
 
 def quantize_model(model: nn.Module, plan: LayerPlan, stats: Any = None, rule: ScaleRule | None = None,
                    strategy: str = "tensor", kv_cache: bool = True) -> Quantized:
-    """The fp8 weights and static scales of the ``plan``'s layers.
+    """The fp8 (or fp4: NVFP4, MXFP4, by the layer's forward recipe) weights and static scales of
+    the ``plan``'s layers.
 
     Input scales: ``rule`` over the layer's recorded windows (``stats``, a :class:`Recorder`),
     else over the single window of its fp8 ``LayerState`` (the input amax since the last Guard
@@ -83,20 +87,18 @@ def quantize_model(model: nn.Module, plan: LayerPlan, stats: Any = None, rule: S
     rule = rule or ScaleRule()
     series = _series(stats)
     linears = linear_layers(model)
-    layers = {}
+    layers, fp4 = {}, {}
     for fqn in plan.fp8:
         mod = linears[fqn]
-        hist = series.get(f"{fqn}:input")
-        source = "recorded windows"
-        if hist is None or hist.numel() == 0 or not bool(hist.max() > 0):
-            st = layer_state(mod, create=False)
-            hist = st.window_amax(INPUT).detach().cpu() if st is not None else None
-            source = "fp8 LayerState (one window)"
+        hist, source = _input_history(mod, series.get(f"{fqn}:input"))
+        if layer_format(mod) != "fp8":
+            fp4[fqn] = quantize_fp4(fqn, mod, weight_out_in(mod), hist, source, rule)
+            continue
         if hist is None or not bool(hist.max() > 0):
             raise ValueError(f"export: no statistics for the input of layer {fqn!r}: record them during training "
                              f"with mixprec.export.Recorder, or run batches under mixprec.export.calibrate(model)")
         q, ws = quantize_weight(weight_out_in(mod), strategy)
-        layers[fqn] = QuantizedLayer(q.cpu(), ws.cpu(), rule.scale(hist.cpu()), float(rule.amax(hist.cpu())), source)
+        layers[fqn] = QuantizedLayer(q.cpu(), ws.cpu(), rule.scale(hist), float(rule.amax(hist)), source)
     kv: dict[str, dict[str, torch.Tensor]] = {}
     sources = kv_sources(model)
     if kv_cache:
@@ -108,4 +110,13 @@ def quantize_model(model: nn.Module, plan: LayerPlan, stats: Any = None, rule: S
             warnings.warn("export: no key/value statistics recorded (record them with mixprec.export.Recorder or "
                           "calibrate): no k_scale/v_scale written, a serving engine's fp8 KV cache then uses 1.0",
                           stacklevel=3)
-    return Quantized(layers, dict(plan.kept), kv, strategy, rule)
+    return Quantized(layers, dict(plan.kept), kv, strategy, rule, fp4)
+
+
+def _input_history(module: nn.Module, recorded: torch.Tensor | None) -> tuple[torch.Tensor | None, str]:
+    """The input's window amaxes (on the CPU) and where they came from: the recorded windows, else the
+    one window of the layer's ``LayerState``; None when neither exists."""
+    if recorded is not None and recorded.numel() and bool(recorded.max() > 0):
+        return recorded.cpu(), "recorded windows"
+    st = layer_state(module, create=False)
+    return (st.window_amax(INPUT).detach().cpu() if st is not None else None), "fp8 LayerState (one window)"

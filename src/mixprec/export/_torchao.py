@@ -28,10 +28,16 @@ def _needs_fp8_device(model: nn.Module) -> None:
 def torchao_model(model: nn.Module, q: Quantized) -> nn.Module:
     """A copy of ``model`` with torchao's ``Float8StaticActivationFloat8WeightConfig`` applied to each
     fp8 layer (``act_quant_scale``: the exported input scale; weights cast by torchao, per tensor, or
-    per row for ``strategy='channel'``). Raises ValueError off an fp8 GPU or for Conv1D layers."""
+    per row for ``strategy='channel'``). Raises ValueError for an fp4 layer (named), off an fp8 GPU,
+    or for Conv1D layers."""
     from torchao.prototype.quantization.quant_api import Float8StaticActivationFloat8WeightConfig
     from torchao.quantization import PerRow, PerTensor, quantize_
 
+    if q.fp4:
+        fqn = next(iter(q.fp4))
+        raise ValueError(f"export format='torchao': layer {fqn!r} is {q.fp4[fqn].format} ({len(q.fp4)} fp4 layers in "
+                         f"all), and this route writes torchao's float8 configs only; use format='compressed-tensors' "
+                         f"(its {q.fp4[fqn].format}-pack-quantized format), or keep the layer out with layers=[...]")
     _needs_fp8_device(model)
     linears = linear_layers(model)
     bad = [n for n in q.layers if not isinstance(linears[n], nn.Linear)]

@@ -1,0 +1,103 @@
+"""fp4 layers of an export: NVFP4 and MXFP4 weights in compressed-tensors' packed layout.
+
+A layer whose forward GEMM casts its weight to e2m1 (``Float8Recipe.nvfp4()``, ``.mxfp4()``, a
+Controller's fp4 rung) exports as compressed-tensors 0.20 reads it:
+
+* ``nvfp4-pack-quantized``: ``weight_packed`` (uint8, two codes per byte, the even element in the
+  low nibble), ``weight_scale`` (e4m3, one per 16 elements of a row: a 16x16 weight block's scale
+  is repeated over its 16 rows), ``weight_global_scale`` = ``1 / tensor_scale`` (compressed-tensors
+  divides the block scale by it, where mixprec multiplies by the tensor scale ``amax / (448 * 6)``)
+  and, when the forward casts its input to fp4, ``input_global_scale`` = ``448 * 6 / amax`` with
+  ``amax`` from the training statistics through the :class:`ScaleRule` (compressed-tensors'
+  ``generate_gparam`` convention); the input's block scales stay dynamic (its ``"local"``).
+* ``mxfp4-pack-quantized``: ``weight_packed`` and ``weight_scale`` (uint8 E8M0 exponents, one per
+  32 elements); the input's scales are dynamic (nothing stored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mixprec.export._rules import ScaleRule
+from mixprec.fp8 import Float8Recipe, layer_state
+from mixprec.fp8.internals import fp4_quantize
+
+__all__ = ["CT_FORMATS", "Fp4Layer", "forward_recipe", "layer_format", "quantize_fp4"]
+
+#: mixprec's fp4 format -> compressed-tensors' CompressionFormat value
+CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
+_GROUP = {"nvfp4": 16, "mxfp4": 32}
+_NVFP4_RANGE = 448.0 * 6.0  # e4m3 max x e2m1 max
+
+
+def forward_recipe(module: nn.Module) -> Float8Recipe | None:
+    """The recipe the layer's forward runs: its Controller's rung, else a converted layer's own."""
+    st = layer_state(module, create=False)
+    if st is not None and st.recipe is not None:
+        return st.recipe
+    return getattr(module, "recipe", None)
+
+
+def layer_format(module: nn.Module) -> str:
+    """``"nvfp4"`` or ``"mxfp4"`` when the forward casts the weight to e2m1 (E4M3 or E8M0 block
+    scales), else ``"fp8"``."""
+    r = forward_recipe(module)
+    if r is None or not r.weight.is_fp4:
+        return "fp8"
+    return "mxfp4" if r.weight.scale_format == "e8m0" else "nvfp4"
+
+
+@dataclass
+class Fp4Layer:
+    """One fp4 layer of an export, in compressed-tensors' layout (see the module's docstring).
+    ``input_fp4``: the forward casts its input to fp4 too (W4A4; else weight-only, A16)."""
+
+    format: str
+    weight_packed: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_global_scale: torch.Tensor | None
+    input_global_scale: torch.Tensor | None
+    input_amax: float | None
+    source: str
+    input_fp4: bool
+
+
+def quantize_fp4(fqn: str, module: nn.Module, weight: torch.Tensor, history: torch.Tensor | None, source: str,
+                 rule: ScaleRule) -> Fp4Layer:
+    """mixprec's fp4 cast of the ``(out, in)`` ``weight`` of layer ``fqn`` by its forward recipe, in
+    compressed-tensors' layout; ``history``: the input's window amaxes (needed for NVFP4 with an fp4
+    input). Raises ValueError naming the layer when ``in`` is not a multiple of the group (16 or 32),
+    when the forward's input cast has no compressed-tensors scheme beside fp4 weights (fp8, or fp4
+    of the other family), or when an NVFP4 input has no statistics. One host sync."""
+    fmt = layer_format(module)
+    r = forward_recipe(module)
+    group = _GROUP[fmt]
+    out_f, in_f = weight.shape
+    if in_f % group:
+        raise ValueError(f"export: layer {fqn!r} is {fmt} but its {in_f} input features are not a multiple of "
+                         f"{group} (compressed-tensors' {CT_FORMATS[fmt]} groups); leave it out of layers or "
+                         f"train it on an fp8 rung")
+    input_fp4 = r.input.is_fp4
+    if r.input.is_fp8 and (not input_fp4 or r.input.scale_format != r.weight.scale_format):
+        raise ValueError(f"export: layer {fqn!r} has {fmt} weights and a {r.input.format} {r.input.granularity} "
+                         f"input cast, which compressed-tensors' {CT_FORMATS[fmt]} cannot state; export it with "
+                         f"an input cast of the same fp4 family or none")
+    t = fp4_quantize(weight.detach(), r.weight, subnormal_scales=r.subnormal_scales)
+    packed = t.codes[:out_f].contiguous()
+    rows = r.weight.block[0]
+    scale = t.scales.repeat_interleave(rows, dim=0)[:out_f].contiguous() if rows > 1 else t.scales.contiguous()
+    gscale = None if t.tensor_scale is None else (1.0 / t.tensor_scale.double()).float().reshape(1)
+    in_gscale, amax = None, None
+    if fmt == "nvfp4" and input_fp4:
+        if history is None or not bool(history.max() > 0):
+            raise ValueError(f"export: no statistics for the input of layer {fqn!r} (NVFP4's input_global_scale "
+                             f"needs its amax): record them with mixprec.export.Recorder")
+        amax_t = rule.amax(history).double() * rule.margin
+        amax = float(amax_t)
+        in_gscale = (_NVFP4_RANGE / amax_t.clamp(min=torch.finfo(torch.float32).tiny)).float().reshape(1)
+    return Fp4Layer(fmt, packed.cpu(), scale.cpu(), None if gscale is None else gscale.cpu(),
+                    in_gscale, amax, source if in_gscale is not None else "none (dynamic input scales)",
+                    input_fp4)

@@ -180,3 +180,62 @@ def test_fp8_only_export_config_unchanged_by_fp4_support(tmp_path):
     assert not q.fp4 and qc["format"] == "float-quantized" and list(qc["config_groups"]) == ["group_0"]
     assert qc["config_groups"]["group_0"]["targets"] == ["Linear"]
     assert "fp4_layers" not in json.loads((tmp_path / "mixprec_export.json").read_text())
+
+
+def _policy_run(policy, model: nn.Module, ctl=None, steps: int = 3) -> Recorder:
+    g = torch.Generator().manual_seed(2)
+    with Recorder(model) as rec:
+        for _ in range(steps):
+            with mixprec.autocast("cpu", policy=policy):
+                loss = model(torch.randn(16, 32, generator=g)).float().square().mean()
+            loss.backward()
+            model.zero_grad()
+            if ctl is not None:
+                ctl.step()
+            rec.step()
+    return rec
+
+
+def test_controller_rungs_and_policy_recipe_choose_each_layer_format(tmp_path):
+    from mixprec import Policy
+    from mixprec.fp8 import Controller
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)])
+    ctl = Controller(every=5, ladder=("nvfp4", "tensorwise", "compute"))
+    rec = _policy_run(Policy.parse("compute=bf16").fp8("nvfp4", controller=ctl, first_last="fp8"), model, ctl)
+    assert all(fp8.layer_state(m).recipe is not None for m in model)  # on the controller's nvfp4 rung
+    q = mixprec.export(model, tmp_path / "ctl", stats=rec)
+    assert sorted(q.fp4) == ["0", "1", "2"] and {l.format for l in q.fp4.values()} == {"nvfp4"}
+    fp8.layer_state(model[1]).recipe = fp8.as_recipe("tensorwise")  # as a promotion to the fp8 rung leaves it
+    fp8.layer_state(model[2]).fallback = True  # and one to the compute rung
+    q = mixprec.export(model, tmp_path / "ctl2", stats=rec)
+    assert sorted(q.fp4) == ["0"] and sorted(q.layers) == ["1"] and "2" in q.kept
+
+    torch.manual_seed(0)
+    routed = nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)])
+    rec = _policy_run(Policy.parse("compute=bf16").fp8("mxfp4", first_last="fp8"), routed)
+    assert sorted(mixprec.export(routed, tmp_path / "p8", stats=rec).layers) == ["0", "1", "2"]  # the default
+    q = mixprec.export(routed, tmp_path / "p4", stats=rec, recipe="mxfp4")
+    assert sorted(q.fp4) == ["0", "1", "2"] and {l.format for l in q.fp4.values()} == {"mxfp4"}
+    assert torch.equal(_decompressed_plain(tmp_path / "p4", routed)[1].weight.data,
+                       _ref(routed[1].weight, MXFP4, torch.bfloat16))
+
+
+def _decompressed_plain(folder, model: nn.Module) -> nn.Module:
+    """compressed-tensors' decompression of an export of a plain ``nn.Module`` (no transformers config)."""
+    import copy
+
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from safetensors.torch import load_file
+
+    qconfig = QuantizationConfig.model_validate(json.loads((folder / "config.json").read_text())["quantization_config"])
+    fresh = fp8.unconvert(copy.deepcopy(model))
+    apply_quantization_config(fresh, qconfig)
+    compressor = ModelCompressor(quantization_config=qconfig)
+    compressor.compress_model(fresh)
+    missing, unexpected = fresh.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    compressor.decompress_model(fresh)
+    return fresh

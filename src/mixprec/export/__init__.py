@@ -38,6 +38,7 @@ from mixprec.export._record import Recorder, calibrate, load_stats
 from mixprec.export._rules import ScaleRule, static_scale
 from mixprec.export._static import StaticFloat8Linear, fake_quantize, load_static
 from mixprec.export._torchao import write_torchao
+from mixprec.fp8 import Float8Recipe, as_recipe
 
 __all__ = ["FORMATS", "Quantized", "QuantizedLayer", "Recorder", "ScaleRule", "StaticFloat8Linear", "calibrate",
            "export", "fake_quantize", "load_static", "load_stats", "quantize_weight", "static_scale"]
@@ -48,8 +49,9 @@ MANIFEST = "mixprec_export.json"
 
 def export(model: nn.Module, folder: str | Path, format: str = "compressed-tensors", *, stats: object = None,
            rule: ScaleRule | None = None, layers: list[str] | None = None, weight_strategy: str = "tensor",
-           kv_cache: bool = True) -> Quantized:
-    """Write ``model`` to ``folder`` for serving in fp8, with static scales from its statistics.
+           kv_cache: bool = True, recipe: Float8Recipe | str | None = None) -> Quantized:
+    """Write ``model`` to ``folder`` for serving in fp8 (fp4 layers in NVFP4/MXFP4), with static
+    scales from its statistics.
 
     ``model``: trained under ``Policy.fp8`` or converted with ``mixprec.fp8.convert`` (its fp8
     layers export in fp8; those a Guard or Controller left in fallback stay in high precision and
@@ -58,12 +60,17 @@ def export(model: nn.Module, folder: str | Path, format: str = "compressed-tenso
     scales and the KV scales through ``rule`` (default :class:`ScaleRule`: max over the last 8
     windows, margin 1); without it an fp8 layer's input scale comes from its ``LayerState``
     window and no KV scales are written (warning). ``weight_strategy``: ``"tensor"`` or
-    ``"channel"`` (one scale per output row). ``format``: ``"compressed-tensors"`` (any device) or
+    ``"channel"`` (one scale per output row). A layer whose forward recipe casts its weight to fp4
+    (``Float8Recipe.nvfp4()``, ``.mxfp4()``, a Controller's fp4 rung) exports in compressed-tensors'
+    ``nvfp4-pack-quantized`` or ``mxfp4-pack-quantized`` format, in its own config group;
+    ``recipe``: the ``Policy.fp8`` recipe of the layers it routed without a Controller (they keep
+    none; default: fp8 tensorwise). ``format``: ``"compressed-tensors"`` (any device) or
     ``"torchao"`` (a CUDA device of capability 8.9+). Also writes ``mixprec_export.json``: the
     rule, each fp8 layer's amax, scale and where the statistic came from, the kept layers and why.
 
     Returns the :class:`Quantized` numbers written. Raises ValueError for an unknown format or
-    strategy, a layer without statistics, or a layer the format cannot store in fp8 (named).
+    strategy, a layer without statistics, or a layer the format cannot store (named: a Conv1D, a
+    tied weight, an fp4 layer for ``"torchao"``).
     Host syncs: one per layer.
     """
     if format not in FORMATS:
@@ -72,7 +79,8 @@ def export(model: nn.Module, folder: str | Path, format: str = "compressed-tenso
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"export: {folder} exists and is not a folder")
     plan = plan_layers(model, layers)
-    q = quantize_model(model, plan, stats, rule, weight_strategy, kv_cache)
+    q = quantize_model(model, plan, stats, rule, weight_strategy, kv_cache,
+                       None if recipe is None else as_recipe(recipe))
     if format == "compressed-tensors":
         write_compressed_tensors(model, folder, q)
     else:

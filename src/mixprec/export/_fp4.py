@@ -25,7 +25,7 @@ from mixprec.export._rules import ScaleRule
 from mixprec.fp8 import Float8Recipe, layer_state
 from mixprec.fp8.internals import fp4_quantize
 
-__all__ = ["CT_FORMATS", "Fp4Layer", "forward_recipe", "layer_format", "quantize_fp4"]
+__all__ = ["CT_FORMATS", "Fp4Layer", "forward_recipe", "recipe_format", "quantize_fp4"]
 
 #: mixprec's fp4 format -> compressed-tensors' CompressionFormat value
 CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
@@ -33,18 +33,18 @@ _GROUP = {"nvfp4": 16, "mxfp4": 32}
 _NVFP4_RANGE = 448.0 * 6.0  # e4m3 max x e2m1 max
 
 
-def forward_recipe(module: nn.Module) -> Float8Recipe | None:
-    """The recipe the layer's forward runs: its Controller's rung, else a converted layer's own."""
+def forward_recipe(module: nn.Module, default: Float8Recipe | None = None) -> Float8Recipe | None:
+    """The recipe the layer's forward runs: its Controller's rung, else a converted layer's own, else
+    ``default`` (the recipe of the ``Policy.fp8`` that routed it, which the layer does not keep)."""
     st = layer_state(module, create=False)
     if st is not None and st.recipe is not None:
         return st.recipe
-    return getattr(module, "recipe", None)
+    return getattr(module, "recipe", default)
 
 
-def layer_format(module: nn.Module) -> str:
+def recipe_format(r: Float8Recipe | None) -> str:
     """``"nvfp4"`` or ``"mxfp4"`` when the forward casts the weight to e2m1 (E4M3 or E8M0 block
     scales), else ``"fp8"``."""
-    r = forward_recipe(module)
     if r is None or not r.weight.is_fp4:
         return "fp8"
     return "mxfp4" if r.weight.scale_format == "e8m0" else "nvfp4"
@@ -65,15 +65,14 @@ class Fp4Layer:
     input_fp4: bool
 
 
-def quantize_fp4(fqn: str, module: nn.Module, weight: torch.Tensor, history: torch.Tensor | None, source: str,
+def quantize_fp4(fqn: str, r: Float8Recipe, weight: torch.Tensor, history: torch.Tensor | None, source: str,
                  rule: ScaleRule) -> Fp4Layer:
-    """mixprec's fp4 cast of the ``(out, in)`` ``weight`` of layer ``fqn`` by its forward recipe, in
+    """mixprec's fp4 cast of the ``(out, in)`` ``weight`` of layer ``fqn`` by its forward recipe ``r``, in
     compressed-tensors' layout; ``history``: the input's window amaxes (needed for NVFP4 with an fp4
     input). Raises ValueError naming the layer when ``in`` is not a multiple of the group (16 or 32),
     when the forward's input cast has no compressed-tensors scheme beside fp4 weights (fp8, or fp4
     of the other family), or when an NVFP4 input has no statistics. One host sync."""
-    fmt = layer_format(module)
-    r = forward_recipe(module)
+    fmt = recipe_format(r)
     group = _GROUP[fmt]
     out_f, in_f = weight.shape
     if in_f % group:

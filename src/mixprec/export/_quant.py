@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.export._fp4 import Fp4Layer, layer_format, quantize_fp4
+from mixprec.export._fp4 import Fp4Layer, forward_recipe, quantize_fp4, recipe_format
 from mixprec.export._layers import LayerPlan, kv_sources, linear_layers, weight_out_in
 from mixprec.export._rules import ScaleRule
-from mixprec.fp8 import Cast, layer_state
+from mixprec.fp8 import Cast, Float8Recipe, layer_state
 from mixprec.fp8.internals import INPUT, cast_to_fp8
 
 __all__ = ["QuantizedLayer", "Quantized", "quantize_weight", "quantize_model"]
@@ -72,13 +72,14 @@ def _series(stats: Any) -> dict[str, torch.Tensor]:
 
 
 def quantize_model(model: nn.Module, plan: LayerPlan, stats: Any = None, rule: ScaleRule | None = None,
-                   strategy: str = "tensor", kv_cache: bool = True) -> Quantized:
+                   strategy: str = "tensor", kv_cache: bool = True, recipe: Float8Recipe | None = None) -> Quantized:
     """The fp8 (or fp4: NVFP4, MXFP4, by the layer's forward recipe) weights and static scales of
     the ``plan``'s layers.
 
     Input scales: ``rule`` over the layer's recorded windows (``stats``, a :class:`Recorder`),
     else over the single window of its fp8 ``LayerState`` (the input amax since the last Guard
-    check). KV scales: ``rule`` over the windows of the keys and values, when ``stats`` has them.
+    check). ``recipe``: the forward recipe of layers that keep none (routed by a ``Policy.fp8``
+    without a Controller). KV scales: ``rule`` over the windows of the keys and values, when ``stats`` has them.
 
     Raises ValueError naming the layer when neither holds a nonzero amax for it. Warns when the
     model has attention layers and no KV statistics (a serving engine then uses a KV scale of 1.0).
@@ -91,8 +92,9 @@ def quantize_model(model: nn.Module, plan: LayerPlan, stats: Any = None, rule: S
     for fqn in plan.fp8:
         mod = linears[fqn]
         hist, source = _input_history(mod, series.get(f"{fqn}:input"))
-        if layer_format(mod) != "fp8":
-            fp4[fqn] = quantize_fp4(fqn, mod, weight_out_in(mod), hist, source, rule)
+        r = forward_recipe(mod, recipe)
+        if recipe_format(r) != "fp8":
+            fp4[fqn] = quantize_fp4(fqn, r, weight_out_in(mod), hist, source, rule)
             continue
         if hist is None or not bool(hist.max() > 0):
             raise ValueError(f"export: no statistics for the input of layer {fqn!r}: record them during training "

@@ -239,3 +239,22 @@ def _decompressed_plain(folder, model: nn.Module) -> nn.Module:
     assert not missing and not unexpected, (missing, unexpected)
     compressor.decompress_model(fresh)
     return fresh
+
+
+@pytest.mark.parametrize("recipe", [NVFP4_1D, MXFP4], ids=["nvfp4", "mxfp4"])
+def test_transformers_loads_fp4_export_in_bf16_close_to_mixprec_fp4_forward(tmp_path, recipe):
+    """transformers' compressed-tensors integration decompresses fp4 weights to bf16, so it runs the
+    folder with dtype=bf16 (an fp32 model fails in F.linear on the dtype mismatch); its logits are
+    within 20 dB of mixprec's own fp4 forward (fp32 activations, dynamic scales)."""
+    model = fp8.convert(_llama(), recipe, filter_fn=lambda m, n: ".layers." in n)
+    with Recorder(model) as rec:
+        model(IDS)
+        rec.step()
+    mixprec.export(model, tmp_path, stats=rec)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert loaded.model.layers[0].mlp.up_proj.weight_packed.dtype == torch.uint8
+    with torch.no_grad():
+        theirs, ours = loaded(IDS).logits.double(), model(IDS).logits.double()
+    plain = fp8.unconvert(model)(IDS).logits.double()
+    sqnr = float(20 * torch.log10(ours.norm() / (theirs - ours).norm()))
+    assert sqnr > 20 and not torch.equal(ours, plain)

@@ -258,3 +258,21 @@ def test_transformers_loads_fp4_export_in_bf16_close_to_mixprec_fp4_forward(tmp_
     plain = fp8.unconvert(model)(IDS).logits.double()
     sqnr = float(20 * torch.log10(ours.norm() / (theirs - ours).norm()))
     assert sqnr > 20 and not torch.equal(ours, plain)
+
+
+def test_cli_recipe_exports_the_saved_layers_in_fp4(tmp_path, capsys):
+    from mixprec.cli import main
+    from safetensors.torch import load_file
+
+    model = fp8.convert(_llama(), MXFP4, filter_fn=lambda m, n: ".layers." in n)
+    rec = _train(model, steps=1)
+    rec.save(tmp_path / "stats.pt")
+    fp8.unconvert(model).save_pretrained(tmp_path / "trained")
+    args = ["export", str(tmp_path / "trained"), str(tmp_path / "out"), "--stats", str(tmp_path / "stats.pt")]
+    assert main(args + ["--recipe", "mxfp4"]) == 0, capsys.readouterr().err
+    assert "0 fp8 layers, 14 fp4 layers" in capsys.readouterr().out
+    stored = load_file(str(tmp_path / "out" / "model.safetensors"))
+    lay = "model.layers.0.mlp.up_proj"
+    assert stored[f"{lay}.weight_scale"].dtype == torch.uint8 and f"{lay}.weight" not in stored
+    assert main(args[:2] + [str(tmp_path / "o2")] + args[3:] + ["--recipe", "fp2"]) == 1
+    assert "unknown fp8 recipe 'fp2'" in capsys.readouterr().err

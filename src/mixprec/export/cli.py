@@ -39,6 +39,8 @@ def add_export_parser(sub: Any) -> None:
     p.add_argument("--percentile", type=_positive, default=100.0, help="percentile over the windows (default 100: max)")
     p.add_argument("--margin", type=_positive, default=1.0, help="factor on the amax (default 1)")
     p.add_argument("--weight-strategy", choices=("tensor", "channel"), default="tensor")
+    p.add_argument("--recipe", default=None,
+                   help="the recipe the layers trained in (e.g. nvfp4, mxfp4: they export in fp4; default: fp8)")
     p.add_argument("--no-kv-cache", action="store_true", help="write no k_scale/v_scale")
     p.set_defaults(func=_run)
 
@@ -62,10 +64,11 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.stats} lists no fp8 layer (a calibrated model): pass --layers")
         model = AutoModelForCausalLM.from_pretrained(args.model)
         q = ex.export(model, args.out, args.format, stats=stats, rule=rule, layers=layers,
-                      weight_strategy=args.weight_strategy, kv_cache=not args.no_kv_cache)
+                      weight_strategy=args.weight_strategy, kv_cache=not args.no_kv_cache, recipe=args.recipe)
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
-    print(f"{prog}: wrote {args.out} ({args.format}): {len(q.layers)} fp8 layers, {len(q.kept)} kept in high "
+    fp4 = f", {len(q.fp4)} fp4 layers" if q.fp4 else ""
+    print(f"{prog}: wrote {args.out} ({args.format}): {len(q.layers)} fp8 layers{fp4}, {len(q.kept)} kept in high "
           f"precision, KV scales for {len(q.kv_scales)} attention layers; input scales: {rule.describe()}")
     return 0

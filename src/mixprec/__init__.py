@@ -31,7 +31,7 @@ _EXPORTS: dict[str, str] = {
     "release_kernels": "mixprec._dispatch",
     "Policy": "mixprec.policy",
     "ModuleRule": "mixprec._modules",
-    "Fp8Rule": "mixprec._modules",
+    "Fp8Rule": "mixprec.fp8._rule",
     "Controller": "mixprec.fp8._controller",
     # loss scaling
     "GradScaler": "mixprec.scaling",
@@ -72,7 +72,8 @@ def __dir__() -> list[str]:
 if _typing.TYPE_CHECKING:  # static type checkers see the real names
     from mixprec import optim
     from mixprec._dispatch import release_kernels
-    from mixprec._modules import Fp8Rule, ModuleRule
+    from mixprec._modules import ModuleRule
+    from mixprec.fp8._rule import Fp8Rule
     from mixprec.autocast_mode import (
         DeviceTypeError,
         autocast,

@@ -266,7 +266,8 @@ def audit(
             ``Policy.fp8(names=...)`` in ``report.policy``). A layer stays in the compute dtype
             when, with every candidate in fp8, an operand flushes more than
             ``underflow_threshold`` to zero after scaling, holds an inf/NaN, or its output's
-            SQNR against the high-precision GEMM is below ``fp8_min_sqnr_db``. ``"auto"``: a
+            SQNR against the high-precision GEMM is below ``fp8_min_sqnr_db``. ``"auto-fp4"``: as
+            ``"auto"``, trying ``mxfp4`` and ``nvfp4`` first. ``"auto"``: a
             format per layer, the cheapest that passes (``report.fp8.recipes``; see
             ``docs/diagnostics.md``).
         fp8_min_sqnr_db: the SQNR floor for fp8 layers (``None``: not sampled).
@@ -310,7 +311,7 @@ def audit(
         raise ValueError(f"max_fixes must be an int >= 0, got {max_fixes!r}")
     if fp8 is True:
         fp8 = "tensorwise"
-    if fp8 is not None and fp8 is not False and fp8 != "auto":
+    if fp8 is not None and fp8 is not False and fp8 not in ("auto", "auto-fp4"):
         try:
             as_recipe(fp8)
         except ValueError as e:

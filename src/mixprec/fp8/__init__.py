@@ -56,11 +56,11 @@ from mixprec.fp8._fsdp import precompute_fsdp_scales
 from mixprec.fp8._guard import Fallback, Float8FallbackWarning, Guard, layer_states
 from mixprec.fp8._layers import Float8Conv1D, Float8Linear, as_recipe, eligible, select_layers
 from mixprec.fp8._linear import linear
-from mixprec.fp8._recipe import Cast, Float8Recipe
+from mixprec.fp8._recipe import Cast, Float8Recipe, Recipe
 from mixprec.fp8._state import LayerState, layer_state
 
 __all__ = [
     "Cast", "Controller", "Decision", "Fallback", "Float8Conv1D", "Float8FallbackWarning", "Float8Linear", "Float8Recipe", "Float8Stats",
-    "Guard", "LayerState", "as_recipe", "convert", "eligible", "layer_state", "layer_states", "linear",
+    "Guard", "LayerState", "Recipe", "as_recipe", "convert", "eligible", "layer_state", "layer_states", "linear",
     "precompute_fsdp_scales", "select_layers", "stats", "unconvert",
 ]

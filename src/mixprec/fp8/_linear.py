@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.fp8._blocks import block_gemm, quantize
+from mixprec.fp8._fp4_linear import Fp4Matmul
 from mixprec.fp8._fsdp import GatheredFloat8Weight, reads_gathered, warn_fallback
 from mixprec.fp8._quant import cast_to_fp8, gemm
 from mixprec.fp8._recipe import Cast, Float8Recipe
@@ -71,7 +72,7 @@ class _Float8Matmul(torch.autograd.Function):
                     _record(stats, WEIGHT, w, (wc[0].t(), *wc[1:]))  # w and q.t() are contiguous
                 out = gemm(xc[0].reshape(-1, k), _rows(xc[1]), wc[0], wc[1], x.dtype, backend, True)
             else:
-                out = torch.mm(x.reshape(-1, k), wt)
+                out = torch.mm(x.reshape(-1, k), wt.to(x.dtype))
             if sqnr is not None:
                 _record_sqnr(sqnr, out, x.reshape(-1, k), wt)
         ctx.recipe, ctx.backend, ctx.stats = r, backend, stats
@@ -107,7 +108,7 @@ class _Float8Matmul(torch.autograd.Function):
                         wq, sw, _ = _cast_weight(wt, r.weight_for_grad_input, -1, r.pow2_scales)
                     grad_input = gemm(go_gi[0], go_gi[1], wq.t(), _t(sw), dtype, backend, False)
                 else:
-                    grad_input = torch.mm(go, wt.t())
+                    grad_input = torch.mm(go, wt.t().to(dtype))
                 grad_input = grad_input.reshape(*grad_output.shape[:-1], k)
             cw = r.grad_output_for_grad_weight
             if cw.is_fp8 and not r.grad_output.is_fp8:
@@ -151,7 +152,7 @@ def _block_backward(ctx: Any, x: torch.Tensor, wt: torch.Tensor, go: torch.Tenso
                 wtc = quantize(wt.contiguous(), r.weight_for_grad_input, r.pow2_scales)
                 grad_input = block_gemm(goc[:2], r.grad_output, wtc[:2], r.weight_for_grad_input, dtype)
             else:
-                grad_input = torch.mm(go, wt.t())
+                grad_input = torch.mm(go, wt.t().to(dtype))
             grad_input = grad_input.reshape(*go_shape[:-1], k)
         if ctx.needs_input_grad[1]:
             if cw.is_fp8:
@@ -269,7 +270,13 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             state.to(input.device)
         stats = state.window
         sqnr = state.output_sqnr_db if state.sample_sqnr else None
-    out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr)
-    if bias is not None:
-        out = out + bias.to(out.dtype)
+    if recipe.fp4:  # its own GEMM path (fp8/_fp4_linear.py); the step count seeds stochastic rounding
+        step = 0
+        if state is not None:
+            step, state.rounding_step = state.rounding_step, state.rounding_step + 1
+        out = Fp4Matmul.apply(input, weight, bias, recipe, stats, sqnr, step)
+    else:
+        out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
     return out if probe is None else probe(input, None if gathered else weight, out)

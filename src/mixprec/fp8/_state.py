@@ -85,6 +85,7 @@ class LayerState:
         self.routed = False  # a policy's call of the layer has reached fp8 (set by the routing)
         self.recipe = None  # a Float8Recipe that replaces the caller's (set by a Controller)
         self.probe = None  # measures the layer's operands after the GEMM (set by a Controller)
+        self.rounding_step = 0  # fp4 calls so far: seeds their stochastic rounding (advanced by linear)
         self._completed: tuple[torch.Tensor, torch.Tensor] | None = None  # the window the last reset closed
 
     @property

@@ -18,6 +18,7 @@ import mixprec
 from mixprec import Controller, Policy, fp8
 from mixprec.fp8._ladder import compose, measure
 from mixprec.fp8._recipe import Cast, Float8Recipe
+from mixprec.fp8._state import new_window
 
 from _distributed import gloo_group, spawn
 
@@ -173,15 +174,15 @@ def test_fp4_flush_statistic_is_the_share_a_block_scale_zeroes():
     x[:, 0] = 1000.0
     x[1, :] = 0.0
     mx = Cast("e2m1", "1x32")
-    buf = torch.zeros(5)
-    measure(buf, x, mx, True, 4096)
-    assert buf[2].item() == pytest.approx(3 * 31 / 128)
+    window = new_window()
+    measure(window, 0, x, mx, True, 4096)
+    assert window[0, 2].item() == pytest.approx(3 * 31 / 128)
     nv = Cast("e2m1", "1x16")
     y = torch.ones(2, 16)
     y[:, 0] = 6.0
-    buf = torch.zeros(5)
-    measure(buf, y, nv, False, 4096)
-    assert buf[0].item() == 6.0 and buf[2].item() == 0.0
+    window = new_window()
+    measure(window, 1, y, nv, False, 4096)
+    assert window[1, 0].item() == 6.0 and window[1, 2].item() == 0.0
 
 
 # ----------------------------------------------------------------- fp4 rungs

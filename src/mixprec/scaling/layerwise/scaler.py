@@ -109,6 +109,7 @@ class Layerwise(GraphPlanning, Unscaling):
             )
 
     def remove_hooks(self) -> None:
+        """Removes the cut points' forward hooks and this backward's parameter hooks."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -159,6 +160,7 @@ class Layerwise(GraphPlanning, Unscaling):
         state["region_factor"][1:].copy_(pow2(self._topology.membership @ exponent.float()))
 
     def ensure_state(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The device state, created on ``device`` on first use (from a loaded state if any)."""
         if self._device_state is None:
             self._device_state = self._fresh_state(device)
         return self._device_state

@@ -285,3 +285,15 @@ def test_fp4_sqnr_floors_against_fp32(recipe, floor):
     y, gx, gw = _run(recipe, x, w, g)
     got = (_sqnr(x @ w.t(), y), _sqnr(g @ w, gx), _sqnr(g.t() @ x, gw))
     assert min(got) > floor, got
+
+
+@pytest.mark.parametrize("recipe", [MXFP4, NVFP4], ids=["mxfp4", "nvfp4"])
+def test_fp16_computes_in_fp32(recipe):
+    """fp16 (which torchao's MX refuses): the same casts, the GEMMs in fp32, the results in fp16."""
+    gen = _gen(12)
+    x, w = torch.randn(64, 64, generator=gen).half(), (torch.randn(32, 64, generator=gen) * 0.1).half()
+    g = torch.randn(64, 32, generator=gen).half()
+    half, full = _run(recipe, x, w, g), _run(recipe, x.float(), w.float(), g.float())
+    assert half[0].dtype == torch.float16 and half[2].dtype == torch.float16
+    for a, e in zip(half, full):
+        assert torch.equal(a, e.half())

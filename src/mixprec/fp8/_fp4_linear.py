@@ -27,7 +27,7 @@ from mixprec.fp8._fp4 import Fp4Tensor, hadamard, hadamard_matrix, quantize, rou
 from mixprec.fp8._quant import cast_stats, cast_to_fp8
 from mixprec.fp8._recipe import Cast, Float8Recipe
 
-__all__ = ["Fp4Matmul", "cast_operand"]
+__all__ = ["Fp4Matmul", "cast_operand", "gemm"]
 
 #: rounding streams of one step: grad_output as the input-gradient and the weight-gradient GEMMs read it.
 _GO_GRAD_INPUT, _GO_GRAD_WEIGHT = 0, 1

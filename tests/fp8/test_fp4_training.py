@@ -297,3 +297,24 @@ def test_fp16_computes_in_fp32(recipe):
     assert half[0].dtype == torch.float16 and half[2].dtype == torch.float16
     for a, e in zip(half, full):
         assert torch.equal(a, e.half())
+
+
+@pytest.mark.parametrize("recipe", [MXFP4, dataclasses.replace(NVFP4, stochastic_rounding=False)],
+                         ids=["mxfp4", "nvfp4-no-sr"])
+def test_compile_fullgraph_bitwise_eager(recipe):
+    """(Stochastic rounding makes a generator per call, which Dynamo does not trace: not fullgraph.)"""
+    st = fp8.LayerState()
+    w = nn.Parameter(torch.randn(64, 64, generator=_gen(13)))
+    x, g = torch.randn(32, 64, generator=_gen(14)), torch.randn(32, 64, generator=_gen(15))
+
+    def run(f):
+        w.grad = None
+        y = f(x)
+        y.backward(g)
+        return y.detach(), w.grad.clone(), st.stats.clone()
+
+    f = lambda t: fp8.linear(t, w, None, recipe, state=st, backend="emulate")  # noqa: E731
+    eager = run(f)
+    st.reset()
+    compiled = run(torch.compile(f, fullgraph=True, backend="aot_eager"))
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))

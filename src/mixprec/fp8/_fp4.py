@@ -207,7 +207,7 @@ def _mix64(z: int) -> int:
 
 def hadamard_matrix(seed: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
     """The 16x16 random Hadamard transform ``H16 @ diag(signs) / 4`` (float32, orthogonal), the
-    signs drawn from ``seed`` (a private generator).
+    signs the low 16 bits of ``seed`` mixed by SplitMix64.
 
     Example:
         >>> h = hadamard_matrix(3)
@@ -217,8 +217,8 @@ def hadamard_matrix(seed: int = 0, device: torch.device | str | None = None) -> 
     h = torch.ones(1, 1)
     while h.shape[0] < HADAMARD_SIZE:  # Sylvester's construction
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    g = torch.Generator().manual_seed(seed)
-    signs = torch.randint(0, 2, (HADAMARD_SIZE,), generator=g).float() * 2 - 1
+    bits = _mix64(seed)  # 16 sign bits from the seed: no generator (a constant under torch.compile)
+    signs = torch.tensor([1.0 - 2.0 * ((bits >> i) & 1) for i in range(HADAMARD_SIZE)])
     return (h * signs / math.sqrt(HADAMARD_SIZE)).to(device)
 
 

@@ -26,12 +26,13 @@ scaler and autocast around a freshly built float32 model.
   ``mixprec-bf16``.
 - ``mixprec-fp4``, ``mixprec-fp4-all``, ``mixprec-fp4-hand`` (:data:`FP4_MODES`, not run by
   default: :data:`FP4_RECIPE` is emulated on CPU at about 3x the fp8 modes' cost, 11x fp32's on
-  the tiny model, and three of them would more than double the default demo's time): ``mixprec.autocast`` bf16 with every Linear
-  layer in NVFP4 and a :class:`mixprec.Controller` moving each up :data:`FP4_LADDER` (fp4, fp8
-  tensorwise, fp8 rowwise, bf16) as its statistics need; every Linear layer in NVFP4 with no
-  controller; and the hand recipe of the published fp4 runs, the first and last Linear layers in
-  bf16 and the rest in NVFP4 (``Policy.fp8``'s ``first_last="keep"``), no controller. The loop
-  counts per layer and GEMM the steps each ran in fp4 (:mod:`mixprec.demo.flops`).
+  the tiny model, and three of them would more than double the default demo's time):
+  ``mixprec.autocast`` bf16 with every Linear layer in NVFP4 and a :class:`mixprec.Controller`
+  moving each of its GEMMs up :data:`FP4_LADDER` (fp4, fp8 tensorwise, fp8 rowwise, bf16) as its
+  statistics need (``per_gemm=True``); every Linear layer in NVFP4 with no controller; and the
+  hand recipe of the published fp4 runs, the first and last Linear layers in bf16 and the rest in
+  NVFP4 (``Policy.fp8``'s ``first_last="keep"``), no controller. The loop counts per layer and
+  GEMM the steps each ran in fp4 (:mod:`mixprec.demo.flops`).
 
 To add a mode, append a :class:`Mode` to ``_ALL_MODES``: its name, a one-line summary, the mixprec
 APIs it needs, its setup function, whether ``mixprec demo`` runs it by default, the mode it must
@@ -276,11 +277,11 @@ def _setup_fp4(first_last: str, controlled: bool, recipe: str = FP4_RECIPE,
                ladder: tuple[str, ...] = FP4_LADDER) -> Callable[[nn.Module, Settings, torch.device], Setup]:
     """fp32 weights, bf16 autocast whose Linear layers run in ``recipe`` (the first and last too
     with ``first_last="fp8"``), with a :class:`mixprec.Controller` on ``ladder`` (starting at
-    ``recipe``) deciding every :data:`FP8_EVERY` steps when ``controlled``, else nothing moving
-    them."""
+    ``recipe``) deciding each GEMM of each layer on its own (``per_gemm=True``) every
+    :data:`FP8_EVERY` steps when ``controlled``, else nothing moving them."""
 
     def setup(model: nn.Module, s: Settings, device: torch.device) -> Setup:
-        ctl = mixprec.Controller(every=FP8_EVERY, ladder=ladder) if controlled else None
+        ctl = mixprec.Controller(every=FP8_EVERY, ladder=ladder, per_gemm=True) if controlled else None
         policy = mixprec.Policy.parse("compute=bf16").fp8(recipe, first_last=first_last, controller=ctl)
         autocast = lambda: mixprec.autocast(device.type, policy=policy)  # noqa: E731
         return Setup(model, _adamw(model.parameters(), s), autocast, fp8_controller=ctl, fp8_recipe=recipe,
@@ -322,7 +323,7 @@ _ALL_MODES = (
          speed_kind="fp8"),
     Mode("torch-amp-bf16", "torch.autocast bf16 (reference of mixprec-bf16)", (),
          _setup_amp("torch", torch.bfloat16), default=False, cpu_cost=1.2, speed_kind="bf16"),
-    Mode("mixprec-fp4", "mixprec.autocast bf16 + every Linear layer NVFP4, controller ladder nvfp4 -> fp8 -> bf16",
+    Mode("mixprec-fp4", "mixprec.autocast bf16 + every Linear layer NVFP4, controller per GEMM nvfp4 -> fp8 -> bf16",
          ("autocast", "Policy.fp8", "Controller", "fp8.Float8Recipe.nvfp4"), _setup_fp4("fp8", True), default=False,
          cpu_cost=12.0, speed_kind="fp8"),
     Mode("mixprec-fp4-all", "mixprec.autocast bf16 + every Linear layer NVFP4, no controller",

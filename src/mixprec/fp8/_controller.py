@@ -88,6 +88,12 @@ class Controller:
     controller=ctl)`` too (:meth:`track`), and compiled models: :func:`mixprec.fp8.linear` calls
     its probe (``LayerState.probe``) and traced code reads the rung, so a switch recompiles.
 
+    ``per_gemm=True``: the forward, input-gradient and weight-gradient GEMMs of a layer each take
+    their own rung, decided from the two operands that GEMM reads (:mod:`mixprec.fp8._decide`);
+    the layer runs the recipe composed from them. Below fp8 the ladder may start with ``mxfp4``
+    and ``nvfp4``, whose casts are judged against ``fp4_max_underflow`` and
+    ``fp4_demote_underflow`` (an e2m1 block flushes several percent of ordinary data).
+
     Raises ValueError on a setting out of range, a ladder not in the order of :data:`RUNGS`, or a
     ``floor`` not an fp8 rung of it (and, when a layer is first seen, a recipe below the floor).
 
@@ -475,7 +481,7 @@ class Controller:
             data.update(gemms={g: self.ladder[r] for g, r in zip(GEMMS, rec.rungs)}, gemm_clean=list(rec.gemm_clean),
                         gemm_switches=[list(s) for s in rec.gemm_switches])
         if windows:
-            data.update(state=rec.state._data.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist())
+            data.update(state=rec.state.window.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist())
             if rec.gemm_windows is not None:
                 data["gemm_windows"] = rec.gemm_windows.tolist()
         return data
@@ -516,7 +522,7 @@ class Controller:
         for key, (last, slope, recent) in data["trends"].items():
             if key in rec.trends:  # (a whole-layer record's operand trends are no GEMM's)
                 rec.trends[key] = Trend(last, slope, tuple(recent))
-        windows = ((rec.state._data, "state"), (rec.shadow, "shadow"), (rec.range, "range"),
+        windows = ((rec.state.window, "state"), (rec.shadow, "shadow"), (rec.range, "range"),
                    (rec.gemm_windows, "gemm_windows"))
         for target, key in windows:
             if key not in data or target is None:  # a peer's record (_detached): the windows stay empty

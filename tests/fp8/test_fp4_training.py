@@ -14,7 +14,7 @@ import mixprec
 from mixprec import Policy, fp8
 from mixprec.fp8._fp4 import (E2M1_VALUES, decode_e2m1, encode_e2m1, hadamard, hadamard_matrix, quantize,
                               rounding_generator)
-from mixprec.fp8._recipe import RECIPE_NAMES, Recipe
+from mixprec.fp8._recipe import RECIPE_NAMES
 
 MXFP4, NVFP4 = fp8.Float8Recipe.mxfp4(), fp8.Float8Recipe.nvfp4()
 NV_PLAIN = fp8.Float8Recipe.nvfp4(hadamard=False, stochastic_rounding=False, weight_block=(1, 16))
@@ -218,7 +218,7 @@ def test_fp4_recipe_validation():
 
 
 def test_recipes_by_name_and_the_format_neutral_alias():
-    assert Recipe is fp8.Float8Recipe
+    assert fp8.Recipe is fp8.Float8Recipe and "Recipe" in fp8.__all__
     assert {"mxfp4", "nvfp4"} <= set(RECIPE_NAMES)
     assert fp8.Float8Recipe.from_name("mxfp4") == MXFP4 == fp8.as_recipe("mxfp4")
     assert fp8.Float8Recipe.from_name("nvfp4") == NVFP4

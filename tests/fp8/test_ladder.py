@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import types
 
 import pytest
 import torch
@@ -18,7 +17,8 @@ from torch import nn
 import mixprec
 from mixprec import Controller, Policy, fp8
 from mixprec.fp8._ladder import compose, measure
-from mixprec.fp8._recipe import Float8Recipe
+from mixprec.fp8._recipe import Cast, Float8Recipe
+from mixprec.fp8._state import new_window
 
 from _distributed import gloo_group, spawn
 
@@ -49,11 +49,11 @@ class _Run:
     """Two Linear(32, 32) in fp8 tensorwise under a bf16 policy with a controller; no optimizer
     (the heavy gradients would wreck the weights): the gradients are checked and dropped."""
 
-    def __init__(self, ctl: Controller) -> None:
+    def __init__(self, ctl: Controller, recipe: str = "tensorwise") -> None:
         torch.manual_seed(0)
         self.model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
         self.ctl = ctl
-        self.policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
+        self.policy = Policy.parse("compute=bf16").fp8(recipe, controller=ctl, first_last="fp8")
         self.precisions: list[dict[str, str]] = []
         self.grads: list[torch.Tensor] = []
 
@@ -68,12 +68,12 @@ class _Run:
         self.ctl.step()
 
 
-def _train(ctl: Controller, data: list, resume_at: int | None = None) -> _Run:
-    run = _Run(ctl)
+def _train(ctl: Controller, data: list, resume_at: int | None = None, recipe: str = "tensorwise") -> _Run:
+    run = _Run(ctl, recipe)
     for t, (x, c) in enumerate(data):
         if t == resume_at:  # a fresh controller and policy from the state_dict, as JSON
             state = json.loads(json.dumps(run.ctl.state_dict()))
-            fresh = _Run(Controller.from_config(run.ctl.config()))
+            fresh = _Run(Controller.from_config(run.ctl.config()), recipe)
             fresh.ctl.load_state_dict(state)
             fresh.model.load_state_dict(run.model.state_dict())
             fresh.precisions, fresh.grads = run.precisions, run.grads
@@ -173,16 +173,58 @@ def test_fp4_flush_statistic_is_the_share_a_block_scale_zeroes():
     x = torch.ones(4, 32)
     x[:, 0] = 1000.0
     x[1, :] = 0.0
-    mx = types.SimpleNamespace(format="e2m1", granularity="1x32", block=(1, 32), scale_format="e8m0")
-    buf = torch.zeros(5)
-    measure(buf, x, mx, True, 4096)
-    assert buf[2].item() == pytest.approx(3 * 31 / 128)
-    nv = types.SimpleNamespace(format="e2m1", granularity="1x16", block=(1, 16), scale_format="e4m3")
+    mx = Cast("e2m1", "1x32")
+    window = new_window()
+    measure(window, 0, x, mx, True, 4096)
+    assert window[0, 2].item() == pytest.approx(3 * 31 / 128)
+    nv = Cast("e2m1", "1x16")
     y = torch.ones(2, 16)
     y[:, 0] = 6.0
-    buf = torch.zeros(5)
-    measure(buf, y, nv, False, 4096)
-    assert buf[0].item() == 6.0 and buf[2].item() == 0.0
+    window = new_window()
+    measure(window, 1, y, nv, False, 4096)
+    assert window[1, 0].item() == 6.0 and window[1, 2].item() == 0.0
+
+
+# ----------------------------------------------------------------- fp4 rungs
+FP4_LADDER = ("nvfp4", "tensorwise", "compute")
+
+
+def _heavy_inputs(steps: int = 60, heavy: int = 20) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Inputs with every 8th feature 100x the others while t < heavy (an NVFP4 block of 16
+    features holds two: the 14 others flush), N(0, 1) after (about 7% flushed); loss weights N(0, 1)."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for t in range(steps):
+        x = torch.randn(16, 32, generator=g)
+        if t < heavy:
+            x = x * torch.where(torch.arange(32) % 8 == 0, 100.0, 1.0)
+        out.append((x, torch.randn(16, 32, generator=g)))
+    return out
+
+
+def test_heavy_tailed_inputs_move_an_nvfp4_layer_to_fp8_and_back():
+    run = _train(_ctl(per_gemm=False, ladder=FP4_LADDER), _heavy_inputs(), recipe="nvfp4")
+    first = [d for d in run.ctl.log if d.layer == "0"]
+    assert [(d.action, d.from_, d.to) for d in first] == [
+        ("promote", "nvfp4", "fp8-tensorwise"), ("demote", "fp8-tensorwise", "nvfp4")]
+    assert first[0].step == 5 and first[0].operand == "input" and first[0].value > 0.8
+    assert first[0].threshold == 0.15
+    assert first[1].step > 20 and first[1].value <= 0.12 and first[1].threshold == 0.12
+    assert run.precisions[6]["0"] == ("fp8-tensorwise",) * 3 and run.precisions[-1]["0"] == ("nvfp4",) * 3
+
+
+def test_per_gemm_fp4_promotes_only_the_gemm_whose_blocks_hold_the_outliers():
+    """The forward GEMM reads the input in blocks of 16 features (two of them 100x: 14 flushed);
+    the weight-gradient GEMM reads it in blocks of 16 tokens of one feature (nothing flushed),
+    the input-gradient GEMM not at all: those two stay in NVFP4 beside an fp8 forward (one fp4
+    recipe with an fp8 GEMM), and the forward comes back after the heavy steps."""
+    run = _train(_ctl(ladder=FP4_LADDER), _heavy_inputs(), recipe="nvfp4")
+    assert [(d.step, d.layer, d.gemm, d.action, d.operand) for d in run.ctl.log] == [
+        (5, "0", "output", "promote", "input"), (30, "0", "output", "demote", "input")]
+    assert run.precisions[6]["0"] == ("fp8-tensorwise", "nvfp4", "nvfp4")
+    recipe = mixprec.fp8.layer_state(run.model[0]).recipe
+    assert recipe is not None and recipe.fp4  # back on the nvfp4 rung's own recipe
+    assert run.precisions[-1]["0"] == ("nvfp4",) * 3
 
 
 # ----------------------------------------------------------------- distributed

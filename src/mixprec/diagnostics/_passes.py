@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from mixprec.autocast_mode import autocast
 from mixprec.diagnostics.event import NonFiniteEvent
 from mixprec.diagnostics.trace import trace_nonfinite
 
@@ -69,8 +70,6 @@ class Passes:
     def run(self, policy: Any, scale: float, *tools: Any) -> None:
         """Passes under ``policy`` (``None``: float32) with the loss times ``scale``, inside
         ``tools`` (tracers, collectors)."""
-        from mixprec.autocast_mode import autocast
-
         self.snapshot.reset()
         with contextlib.ExitStack() as stack:
             for tool in tools:

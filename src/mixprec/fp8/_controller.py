@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from mixprec.fp8._collective import agree_on_layers, all_reduce_max, distributed
-from mixprec.fp8._decide import apply_gemms, decide_gemms, decide_layer, layer_down
+from mixprec.fp8._decide import apply_gemms, decide_gemms, decide_layer, layer_down, layer_up
 from mixprec.fp8._guard import _check_int, _check_number, count_unstepped_forward, deepcopy_attributes
 from mixprec.fp8._ladder import FP4_RUNGS, GEMMS, LOW_RUNGS, RUNGS, Decision, LayerRecord, Probe
 from mixprec.fp8._like import features
@@ -87,6 +87,12 @@ class Controller:
     directly: :func:`qualified` names it). It governs the layers of ``fp8.convert(model,
     controller=ctl)`` too (:meth:`track`), and compiled models: :func:`mixprec.fp8.linear` calls
     its probe (``LayerState.probe``) and traced code reads the rung, so a switch recompiles.
+
+    ``per_gemm=True``: the forward, input-gradient and weight-gradient GEMMs of a layer each take
+    their own rung, decided from the two operands that GEMM reads (:mod:`mixprec.fp8._decide`);
+    the layer runs the recipe composed from them. Below fp8 the ladder may start with ``mxfp4``
+    and ``nvfp4``, whose casts are judged against ``fp4_max_underflow`` and
+    ``fp4_demote_underflow`` (an e2m1 block flushes several percent of ordinary data).
 
     Raises ValueError on a setting out of range, a ladder not in the order of :data:`RUNGS`, or a
     ``floor`` not an fp8 rung of it (and, when a layer is first seen, a recipe below the floor).
@@ -335,6 +341,10 @@ class Controller:
         self._names[module] = name
         self._apply(rec)
 
+    #: the rung a promotion / a demotion of the whole layer goes to (:mod:`mixprec.fp8._decide`)
+    _up = staticmethod(layer_up)
+    _down = staticmethod(layer_down)
+
     @staticmethod
     def _untrack(rec: LayerRecord | None) -> None:
         if rec is not None:
@@ -475,7 +485,7 @@ class Controller:
             data.update(gemms={g: self.ladder[r] for g, r in zip(GEMMS, rec.rungs)}, gemm_clean=list(rec.gemm_clean),
                         gemm_switches=[list(s) for s in rec.gemm_switches])
         if windows:
-            data.update(state=rec.state._data.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist())
+            data.update(state=rec.state.window.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist())
             if rec.gemm_windows is not None:
                 data["gemm_windows"] = rec.gemm_windows.tolist()
         return data
@@ -516,7 +526,7 @@ class Controller:
         for key, (last, slope, recent) in data["trends"].items():
             if key in rec.trends:  # (a whole-layer record's operand trends are no GEMM's)
                 rec.trends[key] = Trend(last, slope, tuple(recent))
-        windows = ((rec.state._data, "state"), (rec.shadow, "shadow"), (rec.range, "range"),
+        windows = ((rec.state.window, "state"), (rec.shadow, "shadow"), (rec.range, "range"),
                    (rec.gemm_windows, "gemm_windows"))
         for target, key in windows:
             if key not in data or target is None:  # a peer's record (_detached): the windows stay empty

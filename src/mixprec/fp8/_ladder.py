@@ -13,13 +13,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from mixprec.fp8._quant import STAT_NAMES, _scale, cast_stats, cast_to_fp8
+from mixprec.fp8._fp4 import quantize
+from mixprec.fp8._blocks import amax_to_scale
+from mixprec.fp8._quant import STAT_NAMES, cast_to_fp8
 from mixprec.fp8._recipe import Cast, Float8Recipe
-from mixprec.fp8._state import OPERANDS, LayerState
+from mixprec.fp8._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window, record_cast, window_stats
 from mixprec.fp8._trend import Trend
 
 __all__ = ["Decision", "FP4_RUNGS", "FP8_RUNGS", "GEMMS", "GEMM_OPERANDS", "LOW_RUNGS", "RUNGS", "LayerRecord", "Probe",
-           "compose", "is_fp4", "measure"]
+           "compose", "measure"]
 
 #: the rungs a ladder may hold, lowest precision first: fp4 recipes, fp8 recipes (the block-scaled
 #: ones in the order of the audit's cost model), the compute dtype, fp32.
@@ -34,6 +36,8 @@ GEMM_OPERANDS = {"output": ("input", "weight"), "grad_input": ("grad_output", "w
                  "grad_weight": ("grad_output", "input")}
 _CASTS = tuple(f.name for f in dataclasses.fields(Float8Recipe)[:6])  # the recipe's six casts, two per GEMM
 _HP = Cast("none")
+#: the recipe settings that touch only e2m1 casts (the others, power-of-2 scales, only fp8 ones)
+_FP4_SETTINGS = ("hadamard", "stochastic_rounding", "subnormal_scales", "seed")
 _NCOL = len(STAT_NAMES)
 _RANGE = ("input", "output")  # the range row: the layer's input and output amax, in its own dtype
 
@@ -66,17 +70,14 @@ class Decision:
     gemm: str | None = None
 
 
-def is_fp4(cast: Cast) -> bool:
-    """Whether ``cast`` quantizes to fp4 (e2m1 elements, block scales)."""
-    return "e2m1" in cast.format
-
-
 def compose(recipes: tuple[Float8Recipe | None, ...]) -> Float8Recipe | None:
     """The recipe whose GEMMs (:data:`GEMMS`, in order) run the casts of ``recipes`` (one per
     GEMM; None: the compute dtype, no cast), or None where they do not compose: the GEMMs' recipes
-    must agree on every setting but their casts (scale rounding, block shapes, transforms) and the
-    casts must make a valid recipe (no block scales beside tensor or row ones). A recipe the
-    three GEMMs share is returned as it is.
+    must agree on the settings of their kind (fp8 recipes: power-of-2 scales; fp4 ones: the
+    Hadamard transform, stochastic rounding, subnormal scales, seed) and the casts must make a
+    valid recipe (without fp4, no block scales beside tensor or row ones; with fp4 each GEMM runs
+    on its own, the fp8 GEMMs by the fp8 recipes' settings). A recipe the three GEMMs share is
+    returned as it is.
 
     Example:
         >>> t = Float8Recipe.tensorwise()
@@ -84,23 +85,29 @@ def compose(recipes: tuple[Float8Recipe | None, ...]) -> Float8Recipe | None:
         (True, 'none')
         >>> compose((t, Float8Recipe.rowwise(), None)) is None  # power-of-2 scales or not
         True
+        >>> r = compose((Float8Recipe.nvfp4(), Float8Recipe.nvfp4(), t))
+        >>> r.fp4, r.input_for_grad_weight.format, r.weight.granularity
+        (True, 'e4m3fn', '16x16')
     """
     used = [r for r in recipes if r is not None]
     if not used:
         return None
-    base = used[0]
-    if all(r is base for r in recipes):
-        return base
+    if all(r is used[0] for r in recipes):
+        return used[0]
+    fp4, fp8 = [r for r in used if r.fp4], [r for r in used if not r.fp4]
     settings = [f.name for f in dataclasses.fields(Float8Recipe) if f.name not in (*_CASTS, "save_fp8", "name")]
-    if any(getattr(r, s) != getattr(base, s) for r in used for s in settings):
-        return None
+    for group, names in ((fp4, _FP4_SETTINGS), (fp8, [s for s in settings if s not in _FP4_SETTINGS])):
+        if any(getattr(r, s) != getattr(group[0], s) for r in group for s in names):
+            return None
+    base = fp4[0] if fp4 else fp8[0]  # an fp4 GEMM: the fp4 path runs the recipe, fp8 GEMMs by fp8's settings
+    extra = {s: getattr(fp8[0], s) for s in settings if s not in _FP4_SETTINGS} if fp4 and fp8 else {}
     casts = {}
     for gemm, recipe, (left, right) in zip(GEMMS, recipes, zip(_CASTS[::2], _CASTS[1::2])):
         pair = recipe.gemms()[gemm] if recipe is not None else (_HP, _HP)
         casts[_field(gemm, 0)], casts[_field(gemm, 1)] = pair
     name = "+".join(r.name if r is not None else "compute" for r in recipes)
     try:
-        return dataclasses.replace(base, **casts, save_fp8=False, name=name)
+        return dataclasses.replace(base, **casts, **extra, save_fp8=False, name=name)
     except ValueError:
         return None
 
@@ -127,8 +134,8 @@ class LayerRecord:
         self.rungs = [rung] * len(GEMMS)
         self.floor = floor  # the lowest rung it may be demoted to
         self.allowed = allowed  # per rung of the ladder: whether the layer can run it (block multiples)
-        # the rung below's casts measured on a sample (promoted layers): the layout of LayerState._data
-        self.shadow = torch.zeros_like(state._data)
+        # the rung below's casts measured on a sample (promoted layers): a window, as LayerState's
+        self.shadow = new_window(state.device)
         self.range = torch.zeros(len(_RANGE), device=state.device)  # worst input/output amax
         self.gemm_windows = torch.zeros(2, len(GEMMS), 2, _NCOL + 1, device=state.device) if per_gemm else None
         # log2 amax per operand and range entry; underflow of the layer's casts and of the shadow's
@@ -160,14 +167,14 @@ class LayerRecord:
 
     def windows(self) -> torch.Tensor:
         """The windows a check all-reduces, as one vector."""
-        parts = [self.state.stats.flatten(), self.shadow[:, :-1].flatten(), self.range]
+        parts = [self.state.stats.flatten(), window_stats(self.shadow).flatten(), self.range]
         if self.gemm_windows is not None:
             parts.append(self.gemm_windows[..., :-1].flatten())
         return torch.cat(parts)
 
     def reset(self) -> None:
         self.state.reset()
-        self.shadow[:, :-1].zero_()
+        clear_window(self.shadow)
         self.range.zero_()
         if self.gemm_windows is not None:
             self.gemm_windows[..., :-1].zero_()
@@ -208,12 +215,12 @@ class Probe:
         below = rec.below
         if below is None or not ctl._measuring:
             return out
-        measure(rec.shadow[0], x, below.input, below.pow2_scales, ctl.sample)
+        measure(rec.shadow, INPUT, x, below.input, below.pow2_scales, ctl.sample)
         if weight is not None:
-            measure(rec.shadow[1], weight.detach(), below.weight, below.pow2_scales, ctl.sample)
+            measure(rec.shadow, WEIGHT, weight.detach(), below.weight, below.pow2_scales, ctl.sample)
         if out.requires_grad:
-            buf, sample = rec.shadow[2], ctl.sample
-            out.register_hook(lambda g: measure(buf, g, below.grad_output, below.pow2_scales, sample))
+            buf, sample = rec.shadow, ctl.sample
+            out.register_hook(lambda g: measure(buf, GRAD_OUTPUT, g, below.grad_output, below.pow2_scales, sample))
         return out
 
 
@@ -233,17 +240,17 @@ def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | Non
             left, right, pow2 = casts
             for side, (operand, cast) in enumerate(zip(reads[gemm], (left, right))):
                 if operand is not None:
-                    measure(rec.gemm_windows[kind, g, side], operand, cast, pow2, sample)
+                    measure(rec.gemm_windows[kind, g], side, operand, cast, pow2, sample)
             if gemm != "output":
-                backward.append((rec.gemm_windows[kind, g, 0], gemm, left, pow2))
+                backward.append((rec.gemm_windows[kind, g], gemm, left, pow2))
     if backward and out.requires_grad:
         out.register_hook(lambda grad: _measure_grad(backward, grad, sample))
 
 
 def _measure_grad(where: list, grad: torch.Tensor, sample: int) -> None:
     g2 = grad.detach().reshape(-1, grad.shape[-1])
-    for buf, gemm, cast, pow2 in where:
-        measure(buf, g2 if gemm == "grad_input" else g2.t(), cast, pow2, sample)
+    for window, gemm, cast, pow2 in where:
+        measure(window, 0, g2 if gemm == "grad_input" else g2.t(), cast, pow2, sample)
 
 
 def _range(buf: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -252,8 +259,8 @@ def _range(buf: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
     torch.maximum(buf, amax, out=buf)
 
 
-def measure(buf: torch.Tensor, x: torch.Tensor, cast: Any, pow2: bool, sample: int) -> None:
-    """Accumulate into ``buf`` (one row of a LayerState window) the statistics ``cast`` would
+def measure(window: torch.Tensor, operand: int, x: torch.Tensor, cast: Any, pow2: bool, sample: int) -> None:
+    """Accumulate into row ``operand`` of ``window`` (a window: :func:`~mixprec.fp8._state.record_cast`) the statistics ``cast`` would
     have on ``x``, measured on about ``sample`` elements: evenly strided rows (a row or block cast
     along the last dimension is exact on them), scaled by the whole tensor's amax for a tensor
     cast. No host sync."""
@@ -264,42 +271,14 @@ def measure(buf: torch.Tensor, x: torch.Tensor, cast: Any, pow2: bool, sample: i
     two_d = cast.block is not None and cast.block[0] > 1
     stride = 1 if two_d else max(1, x2.numel() // sample // max(x2.shape[1], 1))
     rows = x2[::stride]
-    if is_fp4(cast):
+    if cast.is_fp4:  # fp4's own cast, rounded to nearest (no stochastic rounding, no Hadamard transform)
         amax = torch.max(torch.abs(x2))
-        q = _fp4_nonzero(rows if not two_d else x2, cast, amax)
+        q = quantize(rows.contiguous(), cast).magnitudes()
     elif cast.granularity == "tensor":
         amax = torch.max(torch.abs(x2))
         fmax = torch.finfo(cast.dtype).max
-        q = (rows.to(torch.float32) * _scale(amax, cast.dtype, pow2)).clamp_(min=-fmax, max=fmax).to(cast.dtype)
+        q = (rows.to(torch.float32) * amax_to_scale(amax, cast.dtype, pow2)).clamp_(min=-fmax, max=fmax).to(cast.dtype)
     else:
         q, _, _ = cast_to_fp8(rows, cast, -1, pow2)
         amax = torch.max(torch.abs(x2)) if stride > 1 else torch.max(torch.abs(rows))
-    new = cast_stats(rows, q, amax, buf[-1])
-    buf.copy_(torch.cat([torch.maximum(buf[:-1], new), new[:1]]))
-
-
-_E2M1_MAX, _E4M3_MAX = 6.0, 448.0
-
-
-def _fp4_nonzero(x2: torch.Tensor, cast: Cast, amax: torch.Tensor) -> torch.Tensor:
-    """For an fp4 (e2m1) block cast of ``x2``: uint8, 0 where an element quantizes to zero (at most
-    a quarter of its block's scale: half of e2m1's smallest step 0.5, ties to even) and 1
-    elsewhere, in the layout :func:`cast_stats` reads. The block scale is MXFP4's E8M0 power of 2
-    rounded up (``2**ceil(log2(block amax / 6))``) or NVFP4's e4m3 scale of ``block amax / 6``
-    under the fp32 tensor scale ``amax / (448 * 6)`` (blocks of ``cast.block``; 2-D blocks on the
-    whole tensor). A measurement of the cast's flush-to-zero, not its numerics."""
-    rows, cols = cast.block
-    xf = x2.to(torch.float32)
-    pr, pc = -xf.shape[0] % rows, -xf.shape[1] % cols
-    xb = torch.nn.functional.pad(xf, (0, pc, 0, pr)).reshape(
-        (xf.shape[0] + pr) // rows, rows, (xf.shape[1] + pc) // cols, cols)
-    block_amax = xb.abs().amax(dim=(1, 3), keepdim=True)
-    if cast.scale_format == "e8m0":
-        scale = torch.exp2(torch.ceil(torch.log2(torch.clamp(block_amax / _E2M1_MAX, min=2.0 ** -127))))
-    else:
-        tensor_scale = torch.clamp(amax.to(torch.float32) / (_E4M3_MAX * _E2M1_MAX), min=2.0 ** -126)
-        block = (block_amax / _E2M1_MAX / tensor_scale).clamp(max=_E4M3_MAX).to(torch.float8_e4m3fn)
-        scale = block.to(torch.float32) * tensor_scale
-    nonzero = xb.abs() > 0.25 * scale
-    out = nonzero.reshape(xf.shape[0] + pr, xf.shape[1] + pc)[: xf.shape[0], : xf.shape[1]]
-    return out.to(torch.uint8)
+    record_cast(window, operand, rows, q, amax)

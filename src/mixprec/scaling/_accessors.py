@@ -115,7 +115,8 @@ class ScalerAccessors:
 
     @property
     def _layerwise(self) -> Layerwise | None:
-        """The per-layer strategy (``per_layer=True``), else ``None``."""
+        """The per-layer unscaling strategy (``per_layer=True``: its cut points, its state), else
+        ``None``."""
         unscaling = self._unscaling
         return unscaling if isinstance(unscaling, Layerwise) else None
 

@@ -3,8 +3,9 @@
 
 :class:`ScalerCheckpoint` is a base class of ``GradScaler`` only. The formats themselves (torch's
 five keys plus ``"mixprec"``, the host snapshot) are ``_state.py``'s; the unscaling strategy adds
-its own entries (``"layerwise"``, :mod:`mixprec.scaling.unscaling`). Every one of these costs one
-host sync (the scale, growth tracker, hysteresis budget and skip count are read together).
+its own entries (``"layerwise"``, :mod:`mixprec.scaling.unscaling`). ``state_dict``, pickling
+and ``copy.deepcopy`` cost one host sync each (the scale, growth tracker, hysteresis budget and
+skip count are read together); ``load_state_dict`` none.
 """
 
 from __future__ import annotations

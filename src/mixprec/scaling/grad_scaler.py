@@ -87,7 +87,8 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
             :meth:`update` with the 0-based iteration, the scale used in it, whether an optimizer
             step was skipped and the names of the parameters with non-finite gradients (empty on
             clean steps). See :class:`mixprec.scaling.CSVHistory` and ``TensorBoardHistory``.
-        per_layer: per-layer gradient scaling (:mod:`mixprec.scaling.layerwise`): :meth:`watch`
+        per_layer: per-layer gradient scaling (:mod:`mixprec.scaling.layerwise`, the unscaling
+            strategy the scaler then holds, see :mod:`mixprec.scaling.unscaling`): :meth:`watch`
             chooses cut points, each multiplies the gradient crossing it by a power of two chosen
             from the previous step's gradient amax, and :meth:`unscale_` divides each gradient
             by its own scale (exact). :meth:`layer_scales` reads the factors.

@@ -94,14 +94,15 @@ class Unscaling(Protocol):
         """
 
 
-class GlobalUnscaling:
+class GlobalUnscaling(Unscaling):
     """One loss scale for every gradient: the strategy of a ``GradScaler(per_layer=False)``.
 
     Stateless. ``unscale`` is :func:`mixprec._unscale.unscale_` (torch's recipe, bit for bit).
 
     Example:
-        >>> GlobalUnscaling().unscale(optimizer, params, [p.grad for p in params], scale)
-        {device(type='cpu'): tensor(0.)}
+        >>> grad = torch.tensor([6.0, 1.0])
+        >>> GlobalUnscaling().unscale(None, [param], [grad], torch.tensor(2.0)), grad
+        ({device(type='cpu'): tensor(0.)}, tensor([3.0000, 0.5000]))
     """
 
     unscale_before_step = False

@@ -229,6 +229,7 @@ def choose_cut_points(model: nn.Module, names: Sequence[str] | None = None) -> l
 
 
 def reentrant_message(what: str) -> str:
+    """The error for ``what`` (e.g. "cut point 'blocks.0' runs") inside a reentrant checkpoint."""
     return (
         f"per_layer: {what} inside reentrant activation checkpointing "
         "(torch.utils.checkpoint.checkpoint(..., use_reentrant=True)), whose graph the walk from "
@@ -241,6 +242,7 @@ def reentrant_message(what: str) -> str:
 
 
 def first_tensor(output: Any) -> torch.Tensor | None:
+    """The tensor that flows on from a module's ``output``: itself, or a tuple/list's first item."""
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
@@ -249,6 +251,7 @@ def first_tensor(output: Any) -> torch.Tensor | None:
 
 
 def tensors_of(outputs: Any) -> list[torch.Tensor]:
+    """The tensors in ``outputs``, nested lists and tuples flattened (what ``scale`` got)."""
     if isinstance(outputs, torch.Tensor):
         return [outputs]
     if isinstance(outputs, (list, tuple)):

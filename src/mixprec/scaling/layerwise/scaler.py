@@ -109,6 +109,7 @@ class Layerwise(GraphPlanning, Unscaling):
             )
 
     def remove_hooks(self) -> None:
+        """Removes the cut points' forward hooks and this backward's parameter hooks."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -159,6 +160,7 @@ class Layerwise(GraphPlanning, Unscaling):
         state["region_factor"][1:].copy_(pow2(self._topology.membership @ exponent.float()))
 
     def ensure_state(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The device state, created on ``device`` on first use (from a loaded state if any)."""
         if self._device_state is None:
             self._device_state = self._fresh_state(device)
         return self._device_state
@@ -166,8 +168,9 @@ class Layerwise(GraphPlanning, Unscaling):
     # -- unscale --------------------------------------------------------------------------------
 
     def _region_lookup(self, optimizer: Any) -> dict[int, int]:
-        """Parameter id -> region, with ``MasterWeights``' float32 masters mapped to their model
-        parameters."""
+        """Parameter id -> region, with the masters of an optimizer that steps on copies
+        (:func:`mixprec.scaling.protocol.master_pairs`: ``MasterWeights``' float32 masters)
+        mapped to their model parameters' regions."""
         pairs = master_pairs(optimizer)
         if not pairs:
             return self._param_region

@@ -557,6 +557,13 @@ _EDITS_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...], str, bool], Mapp
 _CANONICAL: "weakref.WeakValueDictionary[tuple[Policy, int, int], Policy]" = weakref.WeakValueDictionary()
 
 
+def canonical(policy: "Policy") -> "Policy":
+    """The one object that stands for ``policy``'s value (and its fp8 guard or controller): the
+    object a region inside torch.compile passes to trace time, so that Dynamo's identity guard
+    holds for every equal policy. Held weakly: it lives while a policy equal to it does."""
+    return policy._canonical  # type: ignore[attr-defined]
+
+
 def _canonical(policy: "Policy") -> "Policy":
     """One private object per policy value: a region inside torch.compile passes it to trace time,
     so that Dynamo's identity guard holds for every equal policy (see autocast._enter_traced).

@@ -69,7 +69,7 @@ class Passes:
     def run(self, policy: Any, scale: float, *tools: Any) -> None:
         """Passes under ``policy`` (``None``: float32) with the loss times ``scale``, inside
         ``tools`` (tracers, collectors)."""
-        from mixprec.autocast_mode import autocast
+        from mixprec.engine.region import autocast
 
         self.snapshot.reset()
         with contextlib.ExitStack() as stack:

@@ -56,6 +56,7 @@ from mixprec.fp8._guard import Fallback, Float8FallbackWarning, Guard, layer_sta
 from mixprec.fp8._linear import linear
 from mixprec.fp8._recipe import Cast, Float8Recipe
 from mixprec.fp8._state import LayerState, layer_state
+from mixprec.fp8._target import Fp8Target, select_targets, traced_output  # the engine's seam (not in __all__)
 
 __all__ = [
     "Cast", "Controller", "Decision", "Fallback", "Float8Conv1D", "Float8FallbackWarning", "Float8Linear", "Float8Recipe", "Float8Stats",

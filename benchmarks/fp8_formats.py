@@ -1,4 +1,4 @@
-"""FP8 recipes on CPU emulation: step time and saved-activation bytes, mixprec against torchao.
+"""FP8 and FP4 recipes on CPU emulation: step time and saved-activation bytes, mixprec against torchao.
 
 The model of ``benchmarks/fp8.py`` (pre-norm transformer, d=128, 2 blocks, batch 8 x 64 tokens,
 fp32 weights); the blocks' 8 Linear layers run in fp8 with each recipe:
@@ -7,6 +7,10 @@ fp32 weights); the blocks' 8 Linear layers run in fp8 with each recipe:
 - ``mxfp8``: torchao ``MXFP8Linear(kernel_preference=KernelPreference.EMULATED)`` (RCEIL), the
   same parameters swapped in;
 - ``blockwise``: torchao's blockwise training needs Triton (a GPU): mixprec only.
+- fp4 (``res["fp4"]``): mixprec ``mxfp4`` and ``nvfp4`` (TE's defaults: 16x16 weight blocks,
+  Hadamard on the weight-gradient GEMM, stochastic rounding), each against mixprec's fp8
+  emulations side by side (``mxfp8``, ``tensorwise``); beside them torchao's MXFP4 QAT linear
+  (``MXFakeQuantizedLinear``: fp4 forward, high-precision backward; no fp4 backward to compare).
 
 Interleaved rounds in one process, one thread, median of per-round times; saved bytes of one
 forward by ``saved_tensors_hooks`` (parameters left out: "activations"). mixprec runs without
@@ -36,6 +40,7 @@ from benchmarks._machine import machine  # noqa: E402
 from benchmarks.fp8 import BATCH, D, TOKENS, _in_blocks, _model, _saved_bytes, _stateless  # noqa: E402
 
 RECIPES = ("tensorwise", "rowwise", "mxfp8", "blockwise")
+FP4_RECIPES = ("mxfp4", "nvfp4")
 
 
 def _torchao(base: nn.Module, recipe: str) -> nn.Module | None:
@@ -58,7 +63,16 @@ def _torchao(base: nn.Module, recipe: str) -> nn.Module | None:
                 parent, _, child = fqn.rpartition(".")
                 setattr(model.get_submodule(parent), child, new)
         return model
-    return None  # blockwise: Triton only
+    if recipe == "mxfp4":  # the QAT linear: fp4 forward, high-precision backward
+        from torchao.prototype.qat.mx import MXFakeQuantizeConfig, MXFakeQuantizedLinear
+
+        for fqn, mod in list(model.named_modules()):
+            if _in_blocks(mod, fqn):
+                new = MXFakeQuantizedLinear.from_linear(mod, MXFakeQuantizeConfig(), MXFakeQuantizeConfig())
+                parent, _, child = fqn.rpartition(".")
+                setattr(model.get_submodule(parent), child, new)
+        return model
+    return None  # blockwise: Triton only; nvfp4: no torchao training path
 
 
 def _modes() -> dict[str, nn.Module]:
@@ -66,7 +80,7 @@ def _modes() -> dict[str, nn.Module]:
 
     base = _model()
     modes = {"fp32": copy.deepcopy(base)}
-    for recipe in RECIPES:
+    for recipe in RECIPES + FP4_RECIPES:
         ours = fp8.convert(copy.deepcopy(base), recipe, filter_fn=_in_blocks)
         for mod in ours.modules():  # no statistics (torchao keeps none): linear() gets no state
             if isinstance(mod, fp8.Float8Linear):
@@ -107,8 +121,17 @@ def run(quick: bool = False) -> dict[str, Any]:
             "saved_ratio": saved[ours][1] / saved[ref][1] if ref in saved else None,
             "saved_vs_fp32": saved[ours][1] / saved["fp32"][1],
         }
+    fp4 = {}
+    for recipe in FP4_RECIPES:
+        ours, ref = f"mixprec {recipe}", f"torchao {recipe}"
+        fp4[recipe] = {
+            "mixprec_ms": ms[ours], "vs_mxfp8": ms[ours] / ms["mixprec mxfp8"],
+            "vs_tensorwise": ms[ours] / ms["mixprec tensorwise"], "vs_fp32": ms[ours] / ms["fp32"],
+            "torchao_qat_ms": ms.get(ref),
+            "saved_activations": saved[ours][1], "saved_vs_fp32": saved[ours][1] / saved["fp32"][1],
+        }
     return {"step_ms": ms, "saved_bytes": {m: {"all": a, "activations": b} for m, (a, b) in saved.items()},
-            "recipes": per_recipe, "rounds": rounds, "machine": machine_before, "load_after": machine()["load"]}
+            "recipes": per_recipe, "fp4": fp4, "rounds": rounds, "machine": machine_before, "load_after": machine()["load"]}
 
 
 def main() -> None:
@@ -128,6 +151,14 @@ def main() -> None:
               f"{fmt(r['step_ratio'], '.2f'):>6} {r['vs_fp32']:>7.2f} {r['saved_activations'] / 2**20:>9.2f} "
               f"{fmt(r['saved_ratio'], '.2f'):>10} {r['saved_vs_fp32']:>7.2f}")
     print("(blockwise: torchao's blockwise training needs Triton, no CPU emulation to compare with)")
+    print(f"{'fp4 recipe':<11} {'mixprec ms':>10} {'vs mxfp8':>8} {'vs tensorwise':>13} {'vs fp32':>7} "
+          f"{'saved MiB':>9} {'vs fp32':>7} {'torchao QAT ms':>14}")
+    for recipe, r in res["fp4"].items():
+        print(f"{recipe:<11} {r['mixprec_ms']:>10.1f} {r['vs_mxfp8']:>8.2f} {r['vs_tensorwise']:>13.2f} "
+              f"{r['vs_fp32']:>7.2f} {r['saved_activations'] / 2**20:>9.2f} {r['saved_vs_fp32']:>7.2f} "
+              f"{fmt(r['torchao_qat_ms'], '.1f'):>14}")
+    print("(torchao QAT: MXFakeQuantizedLinear, fp4 forward and high-precision backward; saved vs fp32: "
+          "fp32 activations, so bf16's ratio is twice it)")
 
 
 if __name__ == "__main__":

@@ -112,6 +112,9 @@ def _fp8_formats(res: dict[str, Any]) -> list[Row]:
                         f"torchao {recipe} (emulated)", f"{r['mixprec_ms']:.1f} vs {r['torchao_ms']:.1f} ms"))
         rows.append(Row("fp8_formats", f"saved activations, fp8 {recipe}", r["saved_ratio"],
                         f"torchao {recipe}", f"{r['saved_activations'] / 2**20:.2f} MiB"))
+    for recipe, r in res.get("fp4", {}).items():  # fp4 against the fp8 recipes' emulation
+        rows.append(Row("fp8_formats", f"training step, fp4 {recipe}", r["vs_mxfp8"], "mixprec mxfp8 (emulated)",
+                        f"{r['mixprec_ms']:.1f} ms; vs tensorwise {r['vs_tensorwise']:.2f}"))
     return rows
 
 
@@ -141,6 +144,7 @@ BENCHMARKS: dict[str, Callable[[Any], list[Row]]] = {
     "controller": _controller,
     "fp8_formats": _fp8_formats,
     "fp8_fsdp": _fp8_fsdp,
+    "fp4": lambda res: [Row(*row) for row in res["rows"]],
 }
 
 

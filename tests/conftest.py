@@ -1,4 +1,5 @@
-"""Shared fixtures: ``syncs`` counts host reads of device memory."""
+"""Shared fixtures: ``syncs`` counts host reads of device memory; ``native_ops`` is mixprec's
+C++ kernels (a skip without them, a failure in CI: ``_native_required``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ from typing import Any
 
 import pytest
 import torch
+
+from _native_required import kernels_missing
+from mixprec import _native
 
 
 def _to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -60,3 +64,12 @@ class SyncCounter:
 def syncs(monkeypatch: pytest.MonkeyPatch) -> SyncCounter:
     """A :class:`SyncCounter`; call ``syncs.start()`` where counting begins."""
     return SyncCounter(monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def native_ops() -> Any:
+    """``torch.ops.mixprec_native``, built if need be; skips without it (fails in CI)."""
+    ops = _native.load()
+    if ops is None:
+        kernels_missing("the C++ kernels could not be built here (a warning said why)")
+    return ops

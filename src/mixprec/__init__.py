@@ -31,7 +31,7 @@ _EXPORTS: dict[str, str] = {
     "release_kernels": "mixprec.engine.kernels",
     "Policy": "mixprec.policy",
     "ModuleRule": "mixprec._modules",
-    "Fp8Rule": "mixprec._modules",
+    "Fp8Rule": "mixprec.fp8._rule",
     "Controller": "mixprec.fp8._controller",
     # loss scaling
     "GradScaler": "mixprec.scaling",
@@ -71,8 +71,8 @@ def __dir__() -> list[str]:
 
 if _typing.TYPE_CHECKING:  # static type checkers see the real names
     from mixprec import optim
+    from mixprec._modules import ModuleRule
     from mixprec.engine.kernels import release_kernels
-    from mixprec._modules import Fp8Rule, ModuleRule
     from mixprec.engine.region import (
         DeviceTypeError,
         autocast,
@@ -91,6 +91,7 @@ if _typing.TYPE_CHECKING:  # static type checkers see the real names
         trace_nonfinite,
     )
     from mixprec.fp8._controller import Controller
+    from mixprec.fp8._rule import Fp8Rule
     from mixprec.lowp import MasterWeights, to_low_precision
     from mixprec.policy import Policy
     from mixprec.scaling import GradScaler, MinScaleError, skip_aware

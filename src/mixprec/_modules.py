@@ -1,4 +1,5 @@
-"""Module rules: which modules of a model a rule selects, by type or by qualified name.
+"""Module rules: which modules of a model a rule selects, by type or by qualified name (the fp8
+rule, which selects ``nn.Linear`` layers, is :class:`mixprec.fp8._rule.Fp8Rule`).
 
 Shared by :meth:`mixprec.Policy.keep` (run matched modules in another dtype inside an autocast
 region) and :func:`mixprec.to_low_precision` (leave matched modules' weights in float32).
@@ -9,7 +10,6 @@ from __future__ import annotations
 import re
 import re._constants as _re_constants  # sre internals: a names= pattern is checked before use
 import re._parser as _re_parser
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,7 @@ from torch import nn
 
 from mixprec._tree import tracing as _tracing
 
-__all__ = ["ModuleRule", "Fp8Rule", "NORM_TYPES", "compile_names"]
+__all__ = ["ModuleRule", "NORM_TYPES", "compile_names"]
 
 #: Normalisation layers: the modules that mixed-precision recipes keep in float32 by default.
 NORM_TYPES: tuple[type[nn.Module], ...] = tuple(
@@ -164,95 +164,3 @@ class ModuleRule:
                 self._by_name.clear()
             self._by_name[qualified_name] = hit
         return hit
-
-
-@dataclass(frozen=True)
-class Fp8Rule:
-    """Which ``nn.Linear`` layers run their GEMMs in fp8 inside an autocast region.
-
-    Built by :meth:`mixprec.Policy.fp8`; see :mod:`mixprec.fp8` for the recipes and the guard.
-    Layers are chosen by :func:`mixprec.fp8.select_layers` (instances of ``types`` whose
-    qualified name matches ``names``, with in/out features multiples of 16; the first and last
-    such layer stay in the compute dtype unless ``first_last="fp8"``). Modules selected by a
-    ``keep`` rule, or inside one, never run in fp8.
-
-    ``recipes`` gives layers their own recipe: ``{qualified name: recipe}`` (a mapping, stored as
-    sorted ``(name, recipe)`` pairs); the other selected layers run ``recipe``. Each named layer
-    must be one the rule selects, eligible for its own recipe (checked as the model runs:
-    ValueError otherwise).
-
-    Example:
-        >>> Fp8Rule("rowwise", names=r"blocks\\.").recipe_name
-        'rowwise'
-        >>> Fp8Rule("tensorwise", recipes={"2": "mxfp8"}).recipe_for("2").name
-        'mxfp8'
-    """
-
-    recipe: Any = "tensorwise"  # a recipe name or a mixprec.fp8.Float8Recipe
-    types: tuple[type[nn.Module], ...] = (nn.Linear,)
-    names: str | None = None
-    first_last: str = "keep"
-    backend: str = "auto"
-    guard: Any = field(default=None, compare=False)  # a mixprec.fp8.Guard (mutable: its decisions)
-    controller: Any = field(default=None, compare=False)  # a mixprec.Controller (mutable: its rungs)
-    recipes: Any = ()  # {qualified name: recipe}, stored as sorted (name, recipe) pairs
-
-    def __post_init__(self) -> None:
-        if _tracing():  # see mixprec.policy._refuse_tracing
-            raise RuntimeError("build mixprec Fp8Rules and Policies outside torch.compile")
-        from mixprec import fp8
-
-        fp8.as_recipe(self.recipe)  # validates
-        types = (self.types,) if isinstance(self.types, type) else tuple(self.types)
-        if not types or not all(isinstance(t, type) and issubclass(t, nn.Linear) for t in types):
-            raise ValueError(f"Policy.fp8 types must be nn.Linear subclasses, got {self.types!r}")
-        if self.names is not None:
-            compile_names("Policy.fp8", self.names)
-        if self.first_last not in ("keep", "fp8"):
-            raise ValueError(f"Policy.fp8 first_last must be 'keep' or 'fp8', got {self.first_last!r}")
-        if self.backend not in ("auto", "emulate", "scaled_mm"):
-            raise ValueError(f"Policy.fp8 backend must be 'auto', 'emulate' or 'scaled_mm', got {self.backend!r}")
-        if self.guard is not None and not isinstance(self.guard, fp8.Guard):
-            raise ValueError(f"Policy.fp8 guard must be a mixprec.fp8.Guard, got {type(self.guard).__name__}")
-        if self.controller is not None:
-            if not isinstance(self.controller, fp8.Controller):
-                raise ValueError(f"Policy.fp8 controller must be a mixprec.Controller, got "
-                                 f"{type(self.controller).__name__}")
-            if self.guard is not None:
-                raise ValueError("Policy.fp8: give guard= or controller=, not both (the controller promotes "
-                                 "a layer before the guard's thresholds are crossed, and demotes it again)")
-        object.__setattr__(self, "types", types)
-        object.__setattr__(self, "recipes", _per_layer_recipes(self.recipes))
-
-    @property
-    def recipe_name(self) -> str:
-        """The default recipe's name (``tensorwise``, ``rowwise``, ``mxfp8``, ...)."""
-        return self.recipe if isinstance(self.recipe, str) else self.recipe.name
-
-    def recipe_for(self, fqn: str) -> Any:
-        """The :class:`mixprec.fp8.Float8Recipe` the layer named ``fqn`` runs: its own from
-        ``recipes``, else the rule's ``recipe``."""
-        from mixprec import fp8
-
-        return fp8.as_recipe(dict(self.recipes).get(fqn, self.recipe))
-
-
-def _per_layer_recipes(recipes: Any) -> tuple[tuple[str, Any], ...]:
-    """``recipes`` (a mapping or ``(name, recipe)`` pairs) as sorted pairs, each recipe validated."""
-    from mixprec import fp8
-
-    if isinstance(recipes, Mapping):
-        pairs = list(recipes.items())
-    elif isinstance(recipes, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in recipes):
-        pairs = [tuple(p) for p in recipes]
-    else:
-        raise ValueError(f"Policy.fp8 recipes must be a mapping {{layer name: recipe}}, got {recipes!r}")
-    names = [n for n, _ in pairs]
-    if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
-        raise ValueError(f"Policy.fp8 recipes keys must be distinct layer names (str), got {names!r}")
-    for name, recipe in pairs:
-        try:
-            fp8.as_recipe(recipe)
-        except ValueError as e:
-            raise ValueError(f"Policy.fp8 recipes[{name!r}]: {e}") from e
-    return tuple(sorted(pairs, key=lambda p: p[0]))

@@ -21,13 +21,24 @@ Sections are separated by ``;``: the dtypes (``parse``'s ``key=value`` list), th
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
-from typing import Any
+from typing import Any, Iterable
 
 from torch import nn
 
-__all__ = ["format_sections", "parse_sections"]
+from mixprec import ops as _ops
+from mixprec._codec import DTYPE_NAMES, dtype_name, import_type, parse_dtype
+from mixprec._modules import ModuleRule
+from mixprec._ops_names import canonical_names
+from mixprec.fp8._rule import Fp8Rule, controller_from_settings, guard_from_settings, settings_of, warn_new_state
+
+__all__ = ["format_sections", "parse_sections", "parse_header"]
+
+_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
+         "o": "output", "output": "output", "ops": "base", "preset": "base", "base": "base",
+         "fp8": "fp8_rule", "table": "device_type"}
 
 _SECTIONS = ("ops", "keep", "fp8")
 _PLAIN_NAME = re.compile(r"^[\w.\-]+$")
@@ -36,12 +47,10 @@ _PLAIN_NAME = re.compile(r"^[\w.\-]+$")
 # ----------------------------------------------------------------- writing
 def format_sections(policy: Any) -> list[str]:
     """The ``ops``, ``keep`` and ``fp8`` sections of ``policy`` (empty when it has none)."""
-    from mixprec.policy import _dtype_name, _settings
-
     sections = []
     if policy.op_rules:
         sections.append("ops " + " ".join(f"{kind}={','.join(names)}" for kind, names in _op_runs(policy.op_rules)))
-    sections += [f"keep {_dtype_name(r.dtype)}={_selection(r.types, r.names)}" for r in policy.module_rules]
+    sections += [f"keep {dtype_name(r.dtype)}={_selection(r.types, r.names)}" for r in policy.module_rules]
     rule = policy.fp8_rule
     if rule is not None:
         text = f"fp8 {rule.recipe_name}={_selection(rule.types, rule.names)}"
@@ -51,8 +60,8 @@ def format_sections(policy: Any) -> list[str]:
             text += f" backend={rule.backend}"
         for word, state in (("guarded", rule.guard), ("controlled", rule.controller)):
             if state is not None:  # the settings that differ from the defaults
-                default = _settings(type(state)())
-                changed = {k: v for k, v in _settings(state).items() if default.get(k) != v}
+                default = settings_of(type(state)())
+                changed = {k: v for k, v in settings_of(state).items() if default.get(k) != v}
                 text += f" {word} " + json.dumps(changed, separators=(",", ":"))
         if rule.recipes:
             text += " recipes " + ",".join(f"{_layer_name(n)}={r if isinstance(r, str) else r.name}"
@@ -65,8 +74,6 @@ def _op_runs(rules: tuple[tuple[str, str], ...]) -> list[tuple[str, list[str]]]:
     """The edits as runs of one kind, in order (``fp32`` for the dtype-argument forms); a packet
     whose functional overloads stand together in a run is written by its packet name, a default
     overload alone as ``packet.default``."""
-    from mixprec._ops_names import canonical_names
-
     runs: list[tuple[str, list[str]]] = []
     for name, kind in rules:
         shown = "fp32" if kind.startswith("fp32") else kind
@@ -164,6 +171,56 @@ class _Reader:
         return self.text[start:end]
 
 
+def parse_header(header: str, sections: dict[str, Any], spec: str, presets: Iterable[str]) -> dict[str, Any]:
+    """The policy fields of the one-line form ``spec`` (see :meth:`mixprec.Policy.parse`): the
+    dtypes and preset of its ``header`` (``presets``: the known names) with the fields of its
+    ``sections`` (as :func:`parse_sections` returns them).
+
+    Raises:
+        ValueError: an unknown key, dtype or preset, a key given twice, fp8 given twice.
+    """
+    values: dict[str, Any] = {}
+    for part in filter(None, (s.strip() for s in header.split(","))):
+        if "=" not in part:
+            if part in presets:
+                key, value = "base", part
+            elif part.lower().removeprefix("torch.") in DTYPE_NAMES:
+                key, value = "compute", part
+            else:
+                raise ValueError(_unknown_word(part, spec, presets))
+        else:
+            raw_key, value = (s.strip() for s in part.split("=", 1))
+            if raw_key.lower() not in _KEYS:
+                raise ValueError(
+                    f"unknown policy key {raw_key!r} in {spec!r}; keys: params (p), "
+                    "compute (c), output (o), preset, table, fp8 (op edits and module rules: "
+                    "Policy.with_ops, Policy.keep, or the JSON form)"
+                )
+            key = _KEYS[raw_key.lower()]
+        if key in values:
+            raise ValueError(f"policy key {key!r} given twice in {spec!r}")
+        if key == "fp8_rule":
+            values[key] = Fp8Rule(recipe=value)
+        elif key in ("base", "device_type"):
+            values[key] = value
+        elif key == "compute" and value.lower() == "auto":
+            values[key] = None
+        else:
+            values[key] = parse_dtype(value)
+    if "fp8_rule" in values and "fp8_rule" in sections:
+        raise ValueError(f"policy {spec!r} gives fp8= and an fp8 section: give one")
+    return {**values, **sections}
+
+
+def _unknown_word(word: str, spec: str, presets: Iterable[str]) -> str:
+    words = [*presets, *DTYPE_NAMES]
+    close = difflib.get_close_matches(word.lower(), words, n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return (f"{word!r} in policy {spec!r} is neither a preset nor a dtype.{hint} Presets: "
+            f"{', '.join(presets)}; dtypes: {', '.join(sorted(DTYPE_NAMES))}; or key=value "
+            "pairs with keys params, compute, output, preset")
+
+
 def parse_sections(text: str) -> tuple[str, dict[str, Any]]:
     """Split ``text`` into its dtype list (returned as is, for :meth:`Policy.parse`) and the
     policy fields its sections give: ``op_rules``, ``module_rules``, ``fp8_rule``.
@@ -196,9 +253,6 @@ def parse_sections(text: str) -> tuple[str, dict[str, Any]]:
 
 
 def _read_ops(reader: _Reader, fields: dict[str, Any]) -> None:
-    from mixprec import ops as _ops
-    from mixprec._ops_names import canonical_names
-
     while not reader.at_end_of_section():
         kind = reader.word("=;")
         if kind not in _ops.CAST_KINDS:
@@ -229,10 +283,8 @@ def _read_selection(reader: _Reader) -> tuple[tuple[type, ...], str | None]:
 
 
 def _module_type(reader: _Reader, name: str) -> type:
-    from mixprec.policy import _import_type
-
     if "." in name:
-        return _import_type(name)
+        return import_type(name)
     found = getattr(nn, name, None)
     if not (isinstance(found, type) and issubclass(found, nn.Module)):
         raise reader.error(f"{name!r} is no torch.nn module type; name other types by import path "
@@ -241,9 +293,6 @@ def _module_type(reader: _Reader, name: str) -> type:
 
 
 def _read_keep(reader: _Reader, fields: dict[str, Any]) -> None:
-    from mixprec._modules import ModuleRule
-    from mixprec.policy import parse_dtype
-
     dtype = parse_dtype(reader.word("=;"))
     reader.expect("=")
     types, names = _read_selection(reader)
@@ -251,9 +300,6 @@ def _read_keep(reader: _Reader, fields: dict[str, Any]) -> None:
 
 
 def _read_fp8(reader: _Reader, fields: dict[str, Any]) -> None:
-    from mixprec._modules import Fp8Rule
-    from mixprec.policy import _controller_from_settings, _guard_from_settings, _warn_new_state
-
     if "fp8_rule" in fields:
         raise reader.error("one fp8 section per policy")
     recipe = reader.word("=;")
@@ -271,10 +317,10 @@ def _read_fp8(reader: _Reader, fields: dict[str, Any]) -> None:
             options["backend"] = reader.word(";")
         elif option in ("guarded", "controlled"):
             reader.skip_spaces()
-            state, build = (("guard", _guard_from_settings) if option == "guarded"
-                            else ("controller", _controller_from_settings))
+            state, build = (("guard", guard_from_settings) if option == "guarded"
+                            else ("controller", controller_from_settings))
             options[state] = build(reader.json_value())
-            _warn_new_state(state, options[state], "Policy.parse")
+            warn_new_state(state, options[state], "Policy.parse")
         elif option == "recipes":
             reader.skip_spaces()
             while True:

@@ -8,6 +8,10 @@ parameters, compute and outputs, a base op table (``"torch"``: PyTorch's autocas
 region's device, or ``"fp32-numerics"``), edits to that table, and module rules. Every edit
 returns a new policy; nothing is mutated.
 
+Where the parts live: the fp8 rule and its Guard/Controller attachment in :mod:`mixprec.fp8._rule`,
+the checked JSON codec in :mod:`mixprec._codec`, the one-line text form in
+:mod:`mixprec._policy_text`; :func:`canonical` gives the one object standing for a policy's value.
+
 Example:
     >>> import torch
     >>> from torch import nn
@@ -21,12 +25,11 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
 import os
-import sys
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -36,12 +39,15 @@ import torch
 from torch import nn
 
 from mixprec import ops as _ops
-from mixprec._modules import Fp8Rule, ModuleRule
-from mixprec._ops_names import OpLike, canonical_names, check_castable, rule_names
-from mixprec._policy_text import format_sections, parse_sections
+from mixprec._codec import (checked_op_rules, dtype_name, expect, module_rule_from_dict,
+                            module_rule_to_dict, parse_dtype, refuse_unknown, rule_kind)
+from mixprec._modules import ModuleRule
+from mixprec._ops_names import OpLike, canonical_names
+from mixprec._policy_text import format_sections, parse_header, parse_sections
 from mixprec._tree import cast_tree, tracing as _tracing
+from mixprec.fp8._rule import Attachment, Fp8Rule, refuse_unused_state, rule_from_dict, rule_to_dict
 
-__all__ = ["Policy", "PRESETS", "parse_dtype"]
+__all__ = ["Policy", "PRESETS", "parse_dtype", "canonical"]
 
 PRESETS: dict[str, str] = {
     "torch": "PyTorch's autocast op lists for the region's device (the default)",
@@ -50,41 +56,6 @@ PRESETS: dict[str, str] = {
         "sums and losses in float32, on CPU too"
     ),
 }
-
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "f32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "single": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "f16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
-         "o": "output", "output": "output", "ops": "base", "preset": "base", "base": "base",
-         "fp8": "fp8_rule", "table": "device_type"}
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``"bf16"``, ``"bfloat16"``, ``"half"``, ``"f32"``, ... (or a dtype) -> ``torch.dtype``."""
-    if isinstance(name, torch.dtype):
-        return name
-    key = str(name).strip().lower().removeprefix("torch.")
-    try:
-        return _DTYPE_NAMES[key]
-    except KeyError:
-        raise ValueError(
-            f"unknown dtype {name!r}; use one of {', '.join(sorted(_DTYPE_NAMES))}"
-        ) from None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
 
 def _check_dtype(what: str, dtype: object, allow_none: bool) -> None:
     if dtype is None and allow_none:
@@ -142,7 +113,7 @@ class Policy:
             if not isinstance(self.device_type, str):
                 raise ValueError(f"Policy.device_type must be None, 'cpu' or 'cuda', got {self.device_type!r}")
             _ops.default_table(self.device_type)  # validates the device type
-        object.__setattr__(self, "op_rules", _checked_rules(self.op_rules))
+        object.__setattr__(self, "op_rules", checked_op_rules(self.op_rules))
         rules = self.module_rules
         if isinstance(rules, ModuleRule) or not isinstance(rules, (tuple, list)):
             raise ValueError(f"Policy.module_rules must be a tuple of ModuleRules (build them with "
@@ -163,8 +134,9 @@ class Policy:
         Raises:
             TypeError: the policy holds a Guard or Controller; the message says what to save.
         """
-        state = _state_of(self.fp8_rule)
-        if state is not None:
+        attached = None if self.fp8_rule is None else self.fp8_rule.attached
+        if attached is not None:
+            state = attached.kind
             raise TypeError(
                 f"cannot pickle a mixprec.Policy holding an fp8 {state} (runtime state bound to the model's "
                 f"layers): save policy.to_json() (its settings) and policy.fp8_rule.{state}.state_dict(); "
@@ -176,8 +148,6 @@ class Policy:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "Policy":
         """A copy whose guard or controller (if any) is a deep copy too."""
-        import copy
-
         return _rebuild(type(self), {f.name: copy.deepcopy(getattr(self, f.name), memo)
                                      for f in dataclasses.fields(self)})
 
@@ -220,37 +190,7 @@ class Policy:
         if spec.lstrip().startswith("{"):
             return cls.from_json(spec)
         header, sections = parse_sections(spec)
-        values: dict[str, Any] = {}
-        for part in filter(None, (s.strip() for s in header.split(","))):
-            if "=" not in part:
-                if part in PRESETS:
-                    key, value = "base", part
-                elif part.lower().removeprefix("torch.") in _DTYPE_NAMES:
-                    key, value = "compute", part
-                else:
-                    raise ValueError(_unknown_word(part, spec))
-            else:
-                raw_key, value = (s.strip() for s in part.split("=", 1))
-                if raw_key.lower() not in _KEYS:
-                    raise ValueError(
-                        f"unknown policy key {raw_key!r} in {spec!r}; keys: params (p), "
-                        "compute (c), output (o), preset, table, fp8 (op edits and module rules: "
-                        "Policy.with_ops, Policy.keep, or the JSON form)"
-                    )
-                key = _KEYS[raw_key.lower()]
-            if key in values:
-                raise ValueError(f"policy key {key!r} given twice in {spec!r}")
-            if key == "fp8_rule":
-                values[key] = Fp8Rule(recipe=value)
-            elif key in ("base", "device_type"):
-                values[key] = value
-            elif key == "compute" and value.lower() == "auto":
-                values[key] = None
-            else:
-                values[key] = parse_dtype(value)
-        if "fp8_rule" in values and "fp8_rule" in sections:
-            raise ValueError(f"policy {spec!r} gives fp8= and an fp8 section: give one")
-        return cls(**{**values, **sections})
+        return cls(**parse_header(header, sections, spec, PRESETS))
 
     @classmethod
     def coerce(cls, value: "Policy | str | None", where: str = "policy") -> "Policy":
@@ -281,18 +221,14 @@ class Policy:
                 a function); select it with ``names=`` instead.
         """
         return {
-            "params": _dtype_name(self.params),
-            "compute": None if self.compute is None else _dtype_name(self.compute),
-            "output": None if self.output is None else _dtype_name(self.output),
+            "params": dtype_name(self.params),
+            "compute": None if self.compute is None else dtype_name(self.compute),
+            "output": None if self.output is None else dtype_name(self.output),
             "base": self.base,
             "device_type": self.device_type,
             "op_rules": [list(r) for r in self.op_rules],
-            "module_rules": [
-                {"dtype": _dtype_name(r.dtype), "types": [_type_path(t) for t in r.types],
-                 "names": r.names}
-                for r in self.module_rules
-            ],
-            "fp8_rule": None if self.fp8_rule is None else _fp8_to_dict(self.fp8_rule),
+            "module_rules": [module_rule_to_dict(r) for r in self.module_rules],
+            "fp8_rule": None if self.fp8_rule is None else rule_to_dict(self.fp8_rule),
         }
 
     @classmethod
@@ -311,29 +247,27 @@ class Policy:
                 cast kind, or a module type whose module is not imported (the message names it);
                 a ``guard``/``controller`` the data has no settings for, or other settings.
         """
-        _expect(data, Mapping, "a policy", "an object")
+        expect(data, Mapping, "a policy", "an object")
         fields = [f.name for f in dataclasses.fields(cls)]
-        unknown = set(data) - set(fields)
-        if unknown:
-            raise ValueError(f"unknown policy field(s) {sorted(map(str, unknown))}; fields: {fields}")
+        refuse_unknown(data, fields, "policy", str(fields))
         values = dict(data)
         for key in ("params", "compute", "output"):
             if values.get(key) is not None:
-                values[key] = parse_dtype(_expect(values[key], str, f"policy {key!r}", "a dtype name"))
+                values[key] = parse_dtype(expect(values[key], str, f"policy {key!r}", "a dtype name"))
         for key in ("base", "device_type"):
             if values.get(key) is not None:
-                _expect(values[key], str, f"policy {key!r}", "a str")
+                expect(values[key], str, f"policy {key!r}", "a str")
         values["op_rules"] = tuple(
-            tuple(_expect(r, (list, tuple), "an op rule", "an [op, kind] pair"))
-            for r in _expect(values.get("op_rules", []), (list, tuple), "policy 'op_rules'", "a list"))
+            tuple(expect(r, (list, tuple), "an op rule", "an [op, kind] pair"))
+            for r in expect(values.get("op_rules", []), (list, tuple), "policy 'op_rules'", "a list"))
         values["module_rules"] = tuple(
-            _module_rule_from_dict(r)
-            for r in _expect(values.get("module_rules", []), (list, tuple), "policy 'module_rules'", "a list"))
+            module_rule_from_dict(r)
+            for r in expect(values.get("module_rules", []), (list, tuple), "policy 'module_rules'", "a list"))
         given = {"guard": guard, "controller": controller}
         if values.get("fp8_rule") is not None:
-            values["fp8_rule"] = _fp8_from_dict(values["fp8_rule"], given)
+            values["fp8_rule"] = rule_from_dict(values["fp8_rule"], given)
         else:
-            _refuse_unused_state(given, "it has no fp8 rule")
+            refuse_unused_state(given, "it has no fp8 rule")
         return cls(**values)
 
     def to_json(self, **json_kwargs: Any) -> str:
@@ -414,7 +348,7 @@ class Policy:
                     if name in seen and seen[name] != kind:
                         raise ValueError(f"op {name} is listed as both {seen[name]} and {kind}")
                     seen[name] = kind
-                    rules.append((name, _rule_kind(name, kind)))
+                    rules.append((name, rule_kind(name, kind)))
         return dataclasses.replace(self, op_rules=self.op_rules + tuple(rules))
 
     def keep(
@@ -492,7 +426,7 @@ class Policy:
 
         Example:
             >>> dict(Policy().with_ops(fp32=["mm"]).edits("cpu"))
-            {'mm': 'fp32'}
+            {'mm': 'fp32', 'mm.dtype': 'fp32'}
         """
         return _resolve_edits(self.base, self.device_type or device_type, self.op_rules, device_type,
                               self.fp8_rule is not None)
@@ -529,10 +463,10 @@ class Policy:
             >>> str(Policy.parse("compute=bf16").with_ops(fp32=["softmax"]).keep(types=nn.LayerNorm))
             'params=float32,compute=bfloat16; ops fp32=softmax; keep float32=LayerNorm'
         """
-        parts = [f"params={_dtype_name(self.params)}",
-                 f"compute={'auto' if self.compute is None else _dtype_name(self.compute)}"]
+        parts = [f"params={dtype_name(self.params)}",
+                 f"compute={'auto' if self.compute is None else dtype_name(self.compute)}"]
         if self.output is not None:
-            parts.append(f"output={_dtype_name(self.output)}")
+            parts.append(f"output={dtype_name(self.output)}")
         if self.base != "torch":
             parts.append(f"preset={self.base}")
         if self.device_type is not None:
@@ -540,21 +474,17 @@ class Policy:
         return "; ".join([",".join(parts), *format_sections(self)])
 
 
-def _fp32_forms() -> Mapping[str, str]:
-    """The fp32 forms PyTorch uses for ops with a dtype argument (from the CUDA table)."""
-    global _FP32_FORMS
-    if _FP32_FORMS is None:
-        _FP32_FORMS = MappingProxyType({
-            name: kind for name, kind in _ops.default_table("cuda").items()
-            if kind in ("fp32_set_opt_dtype", "fp32_append_dtype")})
-    return _FP32_FORMS
-
-
-_FP32_FORMS: Mapping[str, str] | None = None
-
 _TABLE_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...]], Mapping[str, str]] = {}
 _EDITS_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...], str, bool], Mapping[str, str]] = {}
-_CANONICAL: "weakref.WeakValueDictionary[tuple[Policy, int, int], Policy]" = weakref.WeakValueDictionary()
+# An interning registry (weak: see _canonical): one canonical object per policy value and attachment.
+_CANONICAL: "weakref.WeakValueDictionary[tuple[Policy, Attachment | None], Policy]" = weakref.WeakValueDictionary()
+
+
+def canonical(policy: "Policy") -> "Policy":
+    """The one object that stands for ``policy``'s value (and its fp8 guard or controller): the
+    object a region inside torch.compile passes to trace time, so that Dynamo's identity guard
+    holds for every equal policy. Held weakly: it lives while a policy equal to it does."""
+    return policy._canonical  # type: ignore[attr-defined]
 
 
 def canonical(policy: "Policy") -> "Policy":
@@ -565,20 +495,17 @@ def canonical(policy: "Policy") -> "Policy":
 
 
 def _canonical(policy: "Policy") -> "Policy":
-    """One private object per policy value: a region inside torch.compile passes it to trace time,
-    so that Dynamo's identity guard holds for every equal policy (see autocast._enter_traced).
-
-    An fp8 rule's guard and controller are runtime state that policy equality leaves out: the key
-    names them by identity, so a policy never runs with another policy's guard or controller.
-    Interned weakly: the canonical object lives while a policy equal to it does (each holds it as
-    ``_canonical``), and the key holds no guard or controller (the policy's stateless twin), so a
-    policy rebuilt each step with a fresh Controller leaves nothing behind; while an entry lives,
-    its canonical object holds the guard and controller, so their ids stay unique."""
+    """The object :func:`canonical` returns, found or made: keyed by the policy's value and its fp8
+    rule's :class:`~mixprec.fp8._rule.Attachment` (equality leaves a guard or controller out, the
+    key does not: a region never runs with another policy's guard or controller). The key holds no
+    live object (the policy's detached twin and the attachment's process-unique id); the canonical
+    object is interned weakly and lives while a policy equal to it does (each holds it as
+    ``_canonical``), so a policy rebuilt each step with a fresh Controller leaves nothing behind."""
     rule = policy.fp8_rule
-    stateless = _twin(policy, _canonical=None)
-    if rule is not None and (rule.guard is not None or rule.controller is not None):
-        object.__setattr__(stateless, "fp8_rule", dataclasses.replace(rule, guard=None, controller=None))
-    key = (stateless, id(rule.guard) if rule else 0, id(rule.controller) if rule else 0)
+    detached = _twin(policy, _canonical=None)
+    if rule is not None and rule.attached is not None:
+        object.__setattr__(detached, "fp8_rule", rule.detached())
+    key = (detached, None if rule is None else rule.attached)
     try:
         found = _CANONICAL.get(key)
     except TypeError:  # an unhashable field (a custom recipe): guarded by identity
@@ -600,13 +527,6 @@ def _twin(policy: "Policy", **changes: Any) -> "Policy":
 def _rebuild(cls: type, values: dict[str, Any]) -> "Policy":
     """Unpickle (or deep-copy) a policy: through the constructor, so it is validated and interned."""
     return cls(**values)
-
-
-def _state_of(rule: Fp8Rule | None) -> str | None:
-    """``"guard"`` or ``"controller"``: the runtime state an fp8 rule holds, if any."""
-    if rule is None:
-        return None
-    return "guard" if rule.guard is not None else "controller" if rule.controller is not None else None
 
 
 def _resolve_table(base: str, device_type: str, rules: tuple[tuple[str, str], ...]) -> Mapping[str, str]:
@@ -637,176 +557,10 @@ def _resolve_edits(base: str, table_device: str, rules: tuple[tuple[str, str], .
     return edits
 
 
-def _fp8_to_dict(rule: Fp8Rule) -> dict[str, Any]:
-    from mixprec import fp8
-
-    from mixprec.fp8._recipe import RECIPE_NAMES
-
-    def named(recipe: Any) -> str:
-        if isinstance(recipe, str):
-            return recipe
-        if recipe.name not in RECIPE_NAMES or fp8.Float8Recipe.from_name(recipe.name) != recipe:
-            raise ValueError(f"cannot serialize the custom fp8 recipe {recipe!r}: use a named recipe "
-                             f"({', '.join(map(repr, RECIPE_NAMES))})")
-        return recipe.name
-
-    recipe = named(rule.recipe)
-    guard = None
-    if rule.guard is not None:
-        guard = {f.name: getattr(rule.guard, f.name) for f in dataclasses.fields(rule.guard) if f.init}
-    out = {"recipe": recipe, "types": [_type_path(t) for t in rule.types], "names": rule.names,
-           "first_last": rule.first_last, "backend": rule.backend, "guard": guard}
-    if rule.controller is not None:  # its settings; its rungs and log are runtime state
-        out["controller"] = rule.controller.config()
-    if rule.recipes:
-        out["recipes"] = {n: named(r) for n, r in rule.recipes}
-    return out
-
-
-def _expect(value: Any, types: type | tuple[type, ...], what: str, shape: str) -> Any:
-    """``value`` if it is an instance of ``types``, else a ValueError saying what was expected."""
-    if isinstance(value, types) and not isinstance(value, bool):
-        return value
-    raise ValueError(f"{what} must be {shape}, got {type(value).__name__} {_short(value)}")
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _checked_rules(rules: Any) -> tuple[tuple[str, str], ...]:
-    """``op_rules`` validated as :meth:`Policy.with_ops` validates: every name an aten op this
-    PyTorch has (expanded with :func:`mixprec._ops_names.rule_names`), no in-place or ``out=``
-    overload (autocast never casts them: the op would write into a temporary), no view
-    (:func:`mixprec._ops_names.check_castable`: a cast view is a copy), a known kind;
-    ``"fp32"`` becomes the op's dtype-argument form where PyTorch has one (as ``with_ops`` does).
-    """
-    if isinstance(rules, (str, bytes)) or not isinstance(rules, (tuple, list)):
-        raise ValueError(f"Policy.op_rules must be a tuple of (op, kind) pairs (build them with "
-                         f"Policy.with_ops), got {type(rules).__name__}")
-    out: list[tuple[str, str]] = []
-    for rule in rules:
-        if not (isinstance(rule, (tuple, list)) and len(rule) == 2
-                and all(isinstance(x, str) for x in rule)):
-            raise ValueError(f"an op rule is an (op name, cast kind) pair of strings, got {_short(rule)}")
-        name, kind = rule
-        if kind not in _ops.CAST_KINDS:
-            raise ValueError(f"unknown cast kind {kind!r} for {name}; kinds: {', '.join(_ops.CAST_KINDS)}")
-        for overload in rule_names(name):
-            check_castable(overload)
-            out.append((overload, _rule_kind(overload, kind)))
-    return tuple(out)
-
-
-def _rule_kind(name: str, kind: str) -> str:
-    forms = _fp32_forms()
-    if kind == "fp32":
-        return forms.get(name, "fp32")
-    if kind in ("fp32_set_opt_dtype", "fp32_append_dtype") and forms.get(name) != kind:
-        raise ValueError(f"{name} has no {kind} form (PyTorch uses it for "
-                         f"{', '.join(n for n, k in sorted(forms.items()) if k == kind)}); use 'fp32'")
-    return kind
-
-
 def _unknown_preset(base: Any) -> str:
     close = difflib.get_close_matches(str(base), list(PRESETS), n=1, cutoff=0.6)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return f"unknown op preset {base!r}.{hint} Presets: {', '.join(PRESETS)}"
-
-
-def _module_rule_from_dict(data: Any) -> ModuleRule:
-    _expect(data, Mapping, "a module rule", "an object with dtype, types, names")
-    unknown = set(data) - {"dtype", "types", "names"}
-    if unknown:
-        raise ValueError(f"unknown module rule field(s) {sorted(map(str, unknown))}; fields: dtype, types, names")
-    names = data.get("names")
-    return ModuleRule(
-        parse_dtype(_expect(data.get("dtype", "float32"), str, "a module rule's dtype", "a dtype name")),
-        types=tuple(_import_type(t) for t in _expect(data.get("types", []), (list, tuple),
-                                                     "a module rule's types", "a list of type paths")),
-        names=None if names is None else _expect(names, str, "a module rule's names", "a regex str"),
-    )
-
-
-def _fp8_from_dict(data: Any, given: Mapping[str, Any]) -> Fp8Rule:
-    _expect(data, Mapping, "policy 'fp8_rule'", "an object")
-    known = {f.name for f in dataclasses.fields(Fp8Rule)}
-    unknown = set(data) - known
-    if unknown:
-        raise ValueError(f"unknown fp8_rule field(s) {sorted(map(str, unknown))}; fields: {sorted(known)}")
-    values = dict(data)
-    for key in ("recipe", "first_last", "backend"):
-        if key in values:
-            _expect(values[key], str, f"fp8_rule {key!r}", "a str")
-    if values.get("names") is not None:
-        _expect(values["names"], str, "fp8_rule 'names'", "a regex str")
-    values["types"] = tuple(_import_type(t) for t in _expect(
-        values.get("types", ["torch.nn.modules.linear.Linear"]), (list, tuple), "fp8_rule 'types'",
-        "a list of type paths"))
-    for state, build in (("guard", _guard_from_settings), ("controller", _controller_from_settings)):
-        mine = given[state]
-        if values.get(state) is None:
-            if mine is not None:
-                raise ValueError(f"the policy's fp8 rule has no {state}: attach yours with "
-                                 f"policy.fp8(..., {state}=...), not from_json/load({state}=...)")
-            continue
-        saved = build(values[state])
-        if mine is None:
-            _warn_new_state(state, saved, "Policy.load/from_json")
-            values[state] = saved
-            continue
-        if type(mine) is not type(saved) or _settings(mine) != _settings(saved):
-            raise ValueError(f"the {state} passed has other settings than the policy's saved {state}: "
-                             f"{_settings(mine)} != {_settings(saved)}; pass one built with the saved settings")
-        values[state] = mine
-    if "recipes" in values:
-        recipes = _expect(values["recipes"], Mapping, "fp8_rule 'recipes'", "an object {layer name: recipe name}")
-        for name, recipe in recipes.items():
-            _expect(recipe, str, f"fp8_rule recipes[{name!r}]", "a recipe name")
-        values["recipes"] = dict(recipes)
-    return Fp8Rule(**values)
-
-
-def _guard_from_settings(data: Any) -> Any:
-    from mixprec import fp8
-
-    guard = _expect(data, Mapping, "fp8_rule 'guard'", "an object")
-    fields = {f.name for f in dataclasses.fields(fp8.Guard) if f.init}
-    if set(guard) - fields:
-        raise ValueError(f"unknown fp8 guard field(s) {sorted(map(str, set(guard) - fields))}; "
-                         f"fields: {sorted(fields)}")
-    return fp8.Guard(**guard)
-
-
-def _controller_from_settings(data: Any) -> Any:
-    from mixprec import fp8
-
-    return fp8.Controller.from_config(_expect(data, Mapping, "fp8_rule 'controller'", "an object"))
-
-
-def _warn_new_state(state: str, built: Any, where: str) -> None:
-    """Say that a guard or controller was built from saved settings (nothing of the caller's steps it)."""
-    fix = (f"pass {state}=your_{state} to Policy.load/from_json to run with yours" if where != "Policy.parse"
-           else f"to run with yours, attach it: policy.fp8(..., {state}=your_{state})")
-    warnings.warn(
-        f"mixprec.Policy: {where} built a new {type(built).__name__} from the policy's saved {state} "
-        f"settings (fresh: no decisions yet, and nothing of yours steps it; step it as "
-        f"policy.fp8_rule.{state}.step()); {fix}", UserWarning, stacklevel=5)
-
-
-def _settings(state: Any) -> dict[str, Any]:
-    """A guard's or controller's settings, as saved in a policy file."""
-    if hasattr(state, "config"):
-        return state.config()
-    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.init}
-
-
-def _refuse_unused_state(given: Mapping[str, Any], why: str) -> None:
-    for state, value in given.items():
-        if value is not None:
-            raise ValueError(f"{state}= given, but the policy cannot use it: {why}; attach it with "
-                             f"policy.fp8(..., {state}=...)")
 
 
 def _refuse_tracing(what: str) -> None:
@@ -818,59 +572,6 @@ def _refuse_tracing(what: str) -> None:
             f"build mixprec {what} outside torch.compile (a global, an argument, or a string "
             "policy= that mixprec.autocast parses at trace time)"
         )
-
-
-def _unknown_word(word: str, spec: str) -> str:
-    words = [*PRESETS, *_DTYPE_NAMES]
-    close = difflib.get_close_matches(word.lower(), words, n=3, cutoff=0.6)
-    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    return (f"{word!r} in policy {spec!r} is neither a preset nor a dtype.{hint} Presets: "
-            f"{', '.join(PRESETS)}; dtypes: {', '.join(sorted(_DTYPE_NAMES))}; or key=value "
-            "pairs with keys params, compute, output, preset")
-
-
-def _type_path(t: type) -> str:
-    path = f"{t.__module__}.{t.__qualname__}"
-    if "<locals>" in t.__qualname__ or _import_type(path, strict=False) is not t:
-        raise ValueError(
-            f"cannot serialize module rule type {t.__qualname__}: it is not importable as "
-            f"{path!r}; define it at module level or select the modules with names=r'...'"
-        )
-    return path
-
-
-def _import_type(path: Any, strict: bool = True) -> Any:
-    """The type ``"package.module.Class"`` (or a nested ``Outer.Inner``) names, looked up in the
-    modules already imported (``sys.modules``): a policy file never imports (runs) a module.
-
-    Raises (``strict``):
-        ValueError: not a dotted str, its module is not imported (the message names the import
-            to run first), or it names no ``nn.Module`` subclass.
-    """
-    if not isinstance(path, str) or "." not in path:
-        if not strict:
-            return None
-        raise ValueError(f"a module rule type is a dotted path such as "
-                         f"'torch.nn.modules.normalization.LayerNorm', got {_short(path)}")
-    parts, obj = path.split("."), None
-    for i in range(len(parts) - 1, 0, -1):  # the longest imported module prefix
-        module = sys.modules.get(".".join(parts[:i]))
-        if module is None:
-            continue
-        obj = module
-        for attr in parts[i:]:  # no getattr: a module's __getattr__ may import
-            obj = vars(obj).get(attr) if hasattr(obj, "__dict__") else None
-        break
-    else:
-        if strict:
-            raise ValueError(
-                f"module rule type {path!r}: module {'.'.join(parts[:-1])!r} is not imported; "
-                f"mixprec does not import modules named in a policy: run "
-                f"`import {'.'.join(parts[:-1])}` before loading it")
-    if strict and not (isinstance(obj, type) and issubclass(obj, nn.Module)):
-        raise ValueError(f"module rule type {path!r} is not an importable nn.Module subclass (looked "
-                         f"up in the imported module {'.'.join(parts[:i])!r})")
-    return obj
 
 
 _DEFAULT = Policy()

@@ -282,6 +282,7 @@ def test_each_figure_plots_its_own_data(demo_result: DemoResult, tmp_path, monke
     }
 
 
+@pytest.mark.slow
 def test_progress_and_report_do_not_import_the_trainer() -> None:
     code = ("import sys, mixprec.demo.progress, mixprec.demo.report; "
             "assert 'mixprec.demo.train' not in sys.modules, sorted(m for m in sys.modules if 'demo' in m)")

@@ -14,18 +14,12 @@ import mixprec
 from mixprec import Policy, fp8
 from mixprec.diagnostics import trace_nonfinite
 
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(4):
-        layers += [nn.Linear(32, 32), nn.Tanh()]
-    return nn.Sequential(*layers[:-1])  # Linear layers '0', '2', '4', '6'
+from _models import fp8_stack
 
 
 def _routed(route: str) -> tuple[nn.Module, object]:
     """The model and the region in which its four Linear layers run in fp8."""
-    model = _model()
+    model = fp8_stack()[:-1]  # Linear layers '0', '2', '4', '6'
     if route == "convert":
         return fp8.convert(model, filter_fn=lambda m, fqn: True), torch.autocast("cpu", enabled=False)
     return model, mixprec.autocast("cpu", policy=Policy.parse("compute=bf16").fp8(first_last="fp8"))
@@ -88,7 +82,7 @@ def test_inf_weight_names_the_layer_and_a_fallen_back_layer_is_not_fp8(route: st
 
 
 def test_no_fp8_without_an_fp8_region() -> None:
-    model = _model()
+    model = fp8_stack()[:-1]
     fp8.layer_state(model[2])  # a state from an earlier fp8 run: this run is plain float32
     model[2].register_forward_pre_hook(_inf_input)
     event = _traced(model, torch.autocast("cpu", enabled=False), deferred=False)

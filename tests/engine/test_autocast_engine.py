@@ -19,6 +19,8 @@ import mixprec
 from mixprec import Policy
 from mixprec.engine import kernels
 
+from _native_required import kernels_missing
+
 HERE = Path(__file__).resolve().parents[1]  # tests/
 
 
@@ -131,16 +133,12 @@ def test_native_and_python_kernels_agree_bitwise():
         assert out.returncode == 0, out.stderr
         outs[flag] = out.stdout.strip().splitlines()[-1]
     if "'native'" not in outs["1"]:
-        pytest.skip(f"the C++ kernel could not be built here: {outs['1']}")
+        kernels_missing(f"the C++ kernel could not be built here: {outs['1']}")
     assert outs["0"].startswith("['python']")
     assert outs["1"].split()[-1] == outs["0"].split()[-1]
 
 
-def test_edited_ops_run_the_cpp_kernel_fp8_routing_included():
-    from mixprec import _native
-
-    if _native.load() is None:
-        pytest.skip("the C++ kernel could not be built here (a warning said why)")
+def test_edited_ops_run_the_cpp_kernel_fp8_routing_included(native_ops):
     x = torch.randn(4, 4).bfloat16()
     policy = Policy().with_ops(fp32=["softmax"]).fp8()  # fp8: linear's C++ kernel calls a route op
     with mixprec.autocast("cpu", policy=policy):

@@ -145,6 +145,7 @@ print("cycles", cycles[0], "problems", sorted(set(problems)))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("native", ["1", "0"], ids=["cpp-kernel", "python-kernels"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["softmax", "fp8"])
 def test_torch_autocast_threads_survive_regions_and_release_in_another_thread(native, fp8):

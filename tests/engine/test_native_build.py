@@ -122,6 +122,7 @@ def _hold_lock(path: Path) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="fcntl")
 def test_a_killed_build_leaves_nothing_that_blocks(fake, said):
     """A build killed while holding the lock (and torch's own lock file it left behind, on
@@ -138,6 +139,7 @@ def test_a_killed_build_leaves_nothing_that_blocks(fake, said):
     assert any("removed" in line and "interrupted build" in line for line in said())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="fcntl")
 def test_a_running_build_is_waited_for_a_bounded_time(fake, said, monkeypatch):
     directory = _native.build_directory()

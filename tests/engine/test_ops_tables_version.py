@@ -52,6 +52,7 @@ def test_the_first_use_of_a_table_warns_once(monkeypatch: pytest.MonkeyPatch) ->
         default_table("cpu")  # checked once per device
 
 
+@pytest.mark.slow
 def test_importing_and_using_mixprec_on_the_tested_torch_warns_nothing() -> None:
     code = ("import warnings; warnings.simplefilter('error', RuntimeWarning)\n"
             "import torch, mixprec\n"

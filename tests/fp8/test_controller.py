@@ -21,6 +21,7 @@ import mixprec
 from mixprec import Controller, Policy
 
 from _distributed import gloo_group, spawn
+from _models import mlp
 
 STEPS, DRIFT_END, SEED = 380, 200, 7
 
@@ -38,12 +39,6 @@ def _drift_data(steps: int = STEPS, drift: bool = True, start: int = 0, end: int
     return out
 
 
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
-                         nn.Linear(64, 64))
-
-
 def _underflow(x: torch.Tensor) -> float:
     """The fraction of nonzero elements of x (as bf16) a tensorwise e4m3 cast flushes to zero:
     plain torch, the scale of torchao's ``amax_to_scale``."""
@@ -59,7 +54,7 @@ class _Run:
 
     def __init__(self, ctl: Controller | None = None, compute: str = "bf16", model: nn.Module | None = None,
                  lr: float = 1e-3) -> None:
-        self.model = _model() if model is None else model
+        self.model = mlp(64, 64, 64, 64, 64) if model is None else model
         self.ctl = Controller() if ctl is None else ctl
         self.policy = Policy.parse(f"compute={compute}").fp8("tensorwise", controller=self.ctl, first_last="fp8")
         self.opt = torch.optim.SGD(self.model.parameters(), lr=lr)
@@ -291,7 +286,7 @@ def test_recipe_off_the_ladder_and_unknown_layer_say_what_to_do():
     policy = Policy.parse("compute=bf16").fp8("rowwise", controller=ctl, first_last="fp8")
     with pytest.raises(ValueError, match=r"on its ladder .* pass Controller\(ladder="):
         with mixprec.autocast("cpu", policy=policy):
-            _model()(torch.randn(2, 64))
+            mlp(64, 64, 64, 64, 64)(torch.randn(2, 64))
     with pytest.raises(KeyError, match="no fp8 layer"):
         Controller().precision("0")
 
@@ -301,7 +296,7 @@ def test_step_without_layers_and_forwards_without_step_warn():
         Controller().step()
     ctl = Controller()
     policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
-    model = _model()
+    model = mlp(64, 64, 64, 64, 64)
     with pytest.warns(UserWarning, match="no ctl.step"):
         for _ in range(100):
             with mixprec.autocast("cpu", policy=policy):

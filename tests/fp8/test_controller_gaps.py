@@ -15,10 +15,7 @@ import mixprec
 from mixprec import Controller, Policy
 from mixprec.fp8._controller import sustained_slope
 
-
-def _model(width: int = 64) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
+from _models import mlp
 
 
 def _steps(model: nn.Module, policy: Policy, ctl: Controller, batches: list[torch.Tensor]) -> list[dict[str, str]]:
@@ -47,7 +44,7 @@ def test_a_rowwise_policy_is_never_demoted_below_rowwise():
     the recipe the policy gave it (the default ladder starts at tensorwise)."""
     ctl = _eager_demoter()
     policy = Policy.parse("compute=bf16").fp8("rowwise", controller=ctl, first_last="fp8")
-    ran = _steps(_model(), policy, ctl, _batches(12))
+    ran = _steps(mlp(64, 64, 64), policy, ctl, _batches(12))
     assert ctl.log == []
     assert all(p == {"0": "fp8-rowwise", "2": "fp8-rowwise"} for p in ran)
 
@@ -56,14 +53,14 @@ def test_per_layer_recipes_are_each_layers_floor():
     ctl = _eager_demoter()
     policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8",
                                               recipes={"2": "rowwise"})
-    ran = _steps(_model(), policy, ctl, _batches(12))
+    ran = _steps(mlp(64, 64, 64), policy, ctl, _batches(12))
     assert ctl.log == [] and ran[-1] == {"0": "fp8-tensorwise", "2": "fp8-rowwise"}
 
 
 def test_floor_lets_the_controller_go_below_the_recipe_when_asked():
     ctl = _eager_demoter(floor="tensorwise")
     policy = Policy.parse("compute=bf16").fp8("rowwise", controller=ctl, first_last="fp8")
-    ran = _steps(_model(), policy, ctl, _batches(12))
+    ran = _steps(mlp(64, 64, 64), policy, ctl, _batches(12))
     assert ran[0] == {"0": "fp8-rowwise", "2": "fp8-rowwise"}
     assert ran[-1] == {"0": "fp8-tensorwise", "2": "fp8-tensorwise"}
     assert [(d.action, d.from_, d.to) for d in ctl.log] == [("demote", "fp8-rowwise", "fp8-tensorwise")] * 2
@@ -79,10 +76,10 @@ def test_floor_settings_that_cannot_take_effect_raise():
     policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
     with pytest.raises(ValueError, match="below the controller's floor 'rowwise'"):
         with mixprec.autocast("cpu", policy=policy):
-            _model()(torch.randn(2, 64))
+            mlp(64, 64, 64)(torch.randn(2, 64))
     # a checkpoint with a layer below its floor
     low = Controller(floor="tensorwise", every=1, demote_windows=1, min_dwell=0, shadow_steps=1)
-    model = _model()
+    model = mlp(64, 64, 64)
     rowwise = Policy.parse("compute=bf16").fp8("rowwise", first_last="fp8")
     _steps(model, rowwise.fp8("rowwise", controller=low, first_last="fp8"), low, _batches(3))
     assert low.precision("0") == "fp8-tensorwise"
@@ -230,7 +227,7 @@ def test_compiled_model_runs_each_rung_bitwise_eager(where, fullgraph):
     for compiled in (False, True):
         ctl = _switching()
         policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
-        model = _model()
+        model = mlp(64, 64, 64)
         if not compiled:
             region = functools.partial(_region, model, policy)
         elif where == "inside":
@@ -252,7 +249,7 @@ def test_converted_layers_are_controlled_as_the_policys():
     runs = {}
     for route in ("policy", "convert"):
         ctl = _switching()
-        model = _model()
+        model = mlp(64, 64, 64)
         if route == "convert":
             model = mixprec.fp8.convert(model, "tensorwise", controller=ctl,
                                         filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear))
@@ -269,11 +266,11 @@ def test_converted_layers_are_controlled_as_the_policys():
 
 def test_track_and_convert_refuse_what_cannot_take_effect():
     with pytest.raises(ValueError, match="no layer converted by fp8.convert"):
-        Controller().track(_model())
+        Controller().track(mlp(64, 64, 64))
     with pytest.raises(ValueError, match="without guard="):
-        mixprec.fp8.convert(_model(), controller=Controller(), guard=mixprec.fp8.Guard())
+        mixprec.fp8.convert(mlp(64, 64, 64), controller=Controller(), guard=mixprec.fp8.Guard())
     with pytest.raises(ValueError, match="on its ladder"):
-        mixprec.fp8.convert(_model(), "rowwise", controller=Controller(ladder=("tensorwise", "compute")),
+        mixprec.fp8.convert(mlp(64, 64, 64), "rowwise", controller=Controller(ladder=("tensorwise", "compute")),
                             filter_fn=lambda mod, fqn: True)
 
 
@@ -289,7 +286,7 @@ def test_compiled_fp32_rung_runs_float32(fullgraph):
     for compiled in (False, True):
         ctl = Controller()
         policy = Policy.parse("compute=fp16").fp8("tensorwise", controller=ctl, first_last="fp8")
-        model = _model()
+        model = mlp(64, 64, 64)
         call = torch.compile(model, backend="aot_eager", fullgraph=fullgraph) if compiled else model
         got, hidden = [], []
         if not compiled:  # layer 0's output, eager
@@ -317,7 +314,7 @@ def test_a_copy_of_the_model_runs_its_rungs_without_the_controller():
 
     ctl = Controller()
     policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
-    model = _model()
+    model = mlp(64, 64, 64)
     with mixprec.autocast("cpu", policy=policy):
         model(torch.randn(2, 64))
     twin = copy.deepcopy(model)

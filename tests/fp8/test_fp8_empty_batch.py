@@ -7,24 +7,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import mixprec
 from mixprec import Policy, fp8
 
+from _models import mlp
+
 RECIPES = ("tensorwise", "rowwise", "mxfp8", "blockwise")
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 256))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("route", ["policy", "convert"])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_an_empty_batch_passes_through_and_records_nothing(recipe, route, dtype):
-    model = _model()
+    model = mlp(128, 128, 256)
     if route == "convert":
         model = fp8.convert(model, recipe, filter_fn=lambda m, fqn: True).to(dtype)
         region = torch.autocast("cpu", enabled=False)

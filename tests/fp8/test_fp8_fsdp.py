@@ -18,20 +18,13 @@ import mixprec
 from mixprec import Policy, fp8
 
 from _distributed import gloo_group, spawn
+from _models import fp8_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed,
               pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")]
 
 STEPS, BATCH, OUTLIER_LAYER, OUTLIER_STEP, LR = 3, 16, "2", 1, 0.5
 ROUTES = ("policy", "convert", "policy_guard")
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(4):  # tanh bounds each output: the outlier stays in the layer it is put in
-        layers += [nn.Linear(32, 32), nn.Tanh()]
-    return nn.Sequential(*layers)  # Linear layers '0', '2', '4', '6', all in fp8
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -42,7 +35,7 @@ def _setup(route: str) -> tuple[nn.Module, Callable[[], Any], fp8.Guard]:
     """The model, the region its fp8 layers run in, and the guard (``guard.check(model, step)``,
     or for ``policy_guard`` the policy's guard, which tracks the layers, and ``guard.step()``)."""
     guard = fp8.Guard()
-    model = _model()
+    model = fp8_stack()
     if route == "convert":
         model = fp8.convert(model, filter_fn=lambda m, fqn: True, guard=guard)
         return model, lambda: mixprec.autocast("cpu", dtype=torch.bfloat16), guard
@@ -161,7 +154,7 @@ def test_fsdp2_is_close_to_a_single_process_on_the_whole_batch(ranks: list[dict[
     model, region, guard = _setup("policy")
     losses, decisions, _ = _train(model, region, guard, "policy", _whole)
     assert decisions == ranks[0]["policy"]["decisions"]
-    init = dict(_model().named_parameters())
+    init = dict(fp8_stack().named_parameters())
     moved = max((p - init[n]).abs().max().item() for n, p in model.named_parameters())
     diff = max((ranks[0]["policy"]["params"][n] - p).abs().max().item() for n, p in model.named_parameters())
     assert diff < 1e-3 and moved > 10e-3, (diff, moved)  # measured: 6e-4 against updates of 2e-2

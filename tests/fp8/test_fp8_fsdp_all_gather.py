@@ -24,6 +24,7 @@ from mixprec.fp8._quant import cast_to_fp8
 from mixprec.fp8._recipe import Cast
 
 from _distributed import gloo_group, spawn
+from _models import mlp
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 slow, distributed = pytest.mark.slow, pytest.mark.distributed
@@ -35,8 +36,7 @@ RUNS = ("torchao", "gathered", "plain")  # torchao's all-gather, mixprec's, mixp
 
 
 def _model(bf16_values: bool = False) -> nn.Sequential:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 16))
+    model = mlp(32, 64, 32, 16, act=nn.Tanh)
     if bf16_values:  # fp32 master weights that are bf16 values: FSDP2's cast to bf16 is exact
         with torch.no_grad():
             for p in model.parameters():
@@ -279,8 +279,6 @@ def test_all_gather_bytes(ranks: list[dict[str, Any]], case: str, hp_bytes: int)
 
 @slow
 @distributed
-@slow
-@distributed
 @pytest.mark.parametrize("case", ["fp32_adamw", "bf16_adamw"])
 def test_precomputed_scales_are_bitwise_the_same_with_one_all_reduce(ranks: list[dict[str, Any]], case: str) -> None:
     for r in ranks:
@@ -292,6 +290,8 @@ def test_precomputed_scales_are_bitwise_the_same_with_one_all_reduce(ranks: list
         assert pre["reduces"] == [4] * len(LAYERS) * 2
 
 
+@slow
+@distributed
 def test_a_lone_fp8_weight_all_gathers_as_uint8_on_gloo(ranks: list[dict[str, Any]]) -> None:
     """A bias-free fp8 layer sharded alone: FSDP2 all-gathers in the inputs' dtype, which gloo
     does not have for float8 (torchao fails: 'Invalid scalar type'); mixprec sends uint8, bitwise

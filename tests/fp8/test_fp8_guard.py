@@ -15,17 +15,14 @@ from torch import nn
 from mixprec import fp8
 
 from _distributed import gloo_group, spawn
+from _models import fp8_stack
 
 OUTLIER_LAYER = "2"
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(4):  # tanh bounds each layer's output: an outlier does not travel to the next layer
-        layers += [nn.Linear(32, 32), nn.Tanh()]
-    model = nn.Sequential(*layers)
-    return fp8.convert(model, filter_fn=lambda mod, fqn: True)
+    """The shared fp8 stack, every Linear converted."""
+    return fp8.convert(fp8_stack(), filter_fn=lambda mod, fqn: True)
 
 
 def _step(model: nn.Module, seed: int, outlier: bool = False) -> None:

@@ -19,17 +19,10 @@ from mixprec import Policy, fp8
 from mixprec.fp8._guard import NO_STEP_FORWARDS
 
 from _distributed import gloo_group, spawn
+from _models import fp8_stack
 
 STEPS, EVERY = 12, 4
 OUTLIERS = {6: "2", 10: "4"}  # step -> layer whose input gets an outlier (its other values underflow)
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(4):  # tanh bounds each output: the outlier stays in the layer it is put in
-        layers += [nn.Linear(32, 32), nn.Tanh()]
-    return nn.Sequential(*layers)
 
 
 def _inject(module: nn.Module, args: tuple) -> tuple:
@@ -42,7 +35,7 @@ class _Run:
     """A model, its optimizer and guard on the policy or the convert route."""
 
     def __init__(self, route: str) -> None:
-        self.route, self.model = route, _model()
+        self.route, self.model = route, fp8_stack()
         self.guard = fp8.Guard(max_saturated=0.5, every=EVERY)
         if route == "convert":
             self.model = fp8.convert(self.model, filter_fn=lambda m, fqn: True, guard=self.guard)
@@ -125,7 +118,7 @@ def test_state_dict_holds_steps_decisions_and_windows() -> None:
 
 
 def test_forwards_never_check_and_a_policy_guard_never_stepped_warns_once() -> None:
-    model = _model()
+    model = fp8_stack()
     guard = fp8.Guard(every=1)
     policy = Policy.parse("compute=bf16").fp8(first_last="fp8", guard=guard)
     model[2].register_forward_pre_hook(_inject)
@@ -149,7 +142,7 @@ def test_forwards_never_check_and_a_policy_guard_never_stepped_warns_once() -> N
 def _worker(rank: int, port: int, out_dir: str) -> None:
     with gloo_group(rank, port):
         torch.set_num_threads(1)
-        model = _model()
+        model = fp8_stack()
         guard = fp8.Guard(every=2)
         policy = Policy.parse("compute=bf16").fp8(first_last="fp8", guard=guard)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -190,7 +183,7 @@ def test_ranks_with_different_forwards_take_the_same_decisions_without_hanging(t
 
 
 def test_a_guard_stepped_without_layers_warns_once() -> None:
-    model = fp8.convert(_model(), filter_fn=lambda m, fqn: True)  # no guard= here
+    model = fp8.convert(fp8_stack(), filter_fn=lambda m, fqn: True)  # no guard= here
     guard = fp8.Guard()
     with pytest.warns(UserWarning, match=r"Guard.step\(\) tracks no fp8 layer, so it decides nothing"):
         guard.step()

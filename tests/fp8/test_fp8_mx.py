@@ -17,6 +17,8 @@ import mixprec
 from mixprec import Policy, fp8
 from mixprec.fp8._blocks import quantize
 
+from _models import mlp
+
 mxfp8_linear = pytest.importorskip("torchao.prototype.moe_training.mxfp8_linear")
 from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
 from torchao.prototype.mx_formats.mx_tensor import to_mx  # noqa: E402
@@ -138,9 +140,8 @@ def test_mxfp8_recipe_validation():
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 48),
-                         nn.GELU(), nn.Linear(48, 64), nn.GELU(), nn.Linear(64, 32))
+    """Linear layers '0', '2', '4', '6', '8'; '4' and '6' have 48 features (not a multiple of 32)."""
+    return mlp(64, 64, 64, 48, 64, 32)
 
 
 def test_mxfp8_selection_leaves_non_multiples_of_32_with_a_reason():

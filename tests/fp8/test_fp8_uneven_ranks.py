@@ -21,6 +21,7 @@ import mixprec
 from mixprec import Controller, Policy, fp8
 
 from _distributed import gloo_group, spawn
+from _models import fp8_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed,
               pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")]
@@ -35,14 +36,6 @@ def _inject(module: nn.Module, args: tuple) -> tuple:
     return (h,)
 
 
-def _guard_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(4):  # tanh bounds each output: the outlier stays in the layer it is put in
-        layers += [nn.Linear(32, 32), nn.Tanh()]
-    return nn.Sequential(*layers)
-
-
 def _micro_batches(rank: int | None, step: int) -> tuple[str, ...]:
     """Rank 0 (and the single process, None) runs micro-batches a and b each step; rank 1 none
     before step SKIP, then only a."""
@@ -52,7 +45,7 @@ def _micro_batches(rank: int | None, step: int) -> tuple[str, ...]:
 
 
 def _run_guard(rank: int | None) -> dict[str, Any]:
-    model = _guard_model()
+    model = fp8_stack()
     guard = fp8.Guard(every=1)
     policy = Policy.parse("compute=bf16").fp8(first_last="fp8", guard=guard)
     for step in range(GUARD_STEPS):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections import Counter
 from typing import Any, Callable
 from unittest import mock
 from unittest.mock import Mock
@@ -174,6 +175,7 @@ class TestClippingOptimizer(torch.optim.SGD):
     __test__ = False  # not a test class (upstream's name)
 
     def step(self, *args: Any, pl_module: Any = None) -> Any:
+        pl_module.calls["optimizer.step"] += 1
         pl_module.check_grads_clipped()
         return super().step(*args)
 
@@ -181,8 +183,13 @@ class TestClippingOptimizer(torch.optim.SGD):
 class TestPrecisionModel(BoringModel):
     __test__ = False
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()  # the hooks that assert, by name: the test checks they ran
+
     # sister test: tests/trainer/optimization/test_manual_optimization.py::test_multiple_optimizers_step
     def on_after_backward(self) -> None:
+        self.calls["on_after_backward"] += 1
         # check grads are scaled
         scale = self.trainer.precision_plugin.scaler.get_scale()
         assert scale != 1.0  # the return value if not enabled
@@ -208,6 +215,7 @@ class TestPrecisionModel(BoringModel):
             torch.testing.assert_close(actual.grad, expected.grad, equal_nan=True)
 
     def on_before_optimizer_step(self, optimizer: Any, *_: Any) -> None:
+        self.calls["on_before_optimizer_step"] += 1
         self.check_grads_unscaled(optimizer)
         # manually clip
         self.clipped_parameters = []
@@ -222,6 +230,7 @@ class TestPrecisionModel(BoringModel):
         # let lightning clip
         super().configure_gradient_clipping(*args, **kwargs)
         # check clipping worked as expected
+        self.calls["configure_gradient_clipping"] += 1
         self.check_grads_clipped()
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, closure: Any, **_: Any) -> None:
@@ -234,7 +243,10 @@ class TestPrecisionModel(BoringModel):
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_amp_gradient_unscale(make: Callable[..., MixedPrecision], tmp_path: Any, accum: int) -> None:
-    """(Upstream: 2 GPUs with DDP spawn; here one CPU device, fp16 with loss scaling.)"""
+    """(Upstream: 2 GPUs with DDP spawn; here one CPU device, fp16 with loss scaling.) Seeded:
+    the optimizer's own check runs only on steps the scaler does not skip, and unseeded both of
+    the 2 steps with accum=2 were skipped now and then."""
+    seed_everything(1234)
     model = TestPrecisionModel()
     trainer = _trainer(
         make("16-mixed", "cpu"), tmp_path,
@@ -248,6 +260,8 @@ def test_amp_gradient_unscale(make: Callable[..., MixedPrecision], tmp_path: Any
         accumulate_grad_batches=accum,
     )
     trainer.fit(model)
+    hooks = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "optimizer.step")
+    assert all(model.calls[hook] > 0 for hook in hooks), model.calls  # the asserts inside them ran
 
 
 def test_amp_skip_optimizer(make: Callable[..., MixedPrecision], tmp_path: Any) -> None:
@@ -343,7 +357,12 @@ def test_skip_training_step_with_grad_scaler(make: Callable[..., MixedPrecision]
 
 # ------------------------------------------------------------------ models/test_amp.py
 class AMPTestModel(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()  # the hooks that assert, by name: the test checks they ran
+
     def step(self, batch: Any) -> Any:
+        self.calls[f"step ({self.trainer.state.stage.value})"] += 1
         self._assert_autocast_enabled()
         output = self(batch)
         is_bfloat16 = self.trainer.precision_plugin.precision == "bf16-mixed"
@@ -351,6 +370,7 @@ class AMPTestModel(BoringModel):
         return self.loss(output)
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        self.calls["predict_step"] += 1
         self._assert_autocast_enabled()
         output = self(batch)
         is_bfloat16 = self.trainer.precision_plugin.precision == "bf16-mixed"
@@ -380,6 +400,8 @@ def test_amp_cpus(make: Callable[..., MixedPrecision], tmp_path: Any, precision:
     trainer.fit(model)
     trainer.test(model)
     trainer.predict(model)
+    ran = ("step (train)", "step (sanity_check)", "step (validate)", "step (test)", "predict_step")
+    assert all(model.calls[hook] > 0 for hook in ran), model.calls  # the asserts inside them ran
 
 
 @pytest.mark.parametrize("clip_val", [0, 10])

@@ -9,6 +9,8 @@ from mixprec.lowp import memory_bytes
 from mixprec.optim import SGD, AdamW
 from mixprec.optim.quant8 import BLOCK, Quantized8, dynamic_map, new_quantized8
 
+from _models import mlp
+
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_dynamic_map_is_bitsandbytes_and_torchao(signed):
@@ -37,14 +39,8 @@ def test_quantize_picks_the_nearest_code_per_block(signed):
     assert ((y - x).norm() / x.norm()).item() < 0.02
 
 
-def _model(dtype=torch.bfloat16):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Tanh(), torch.nn.Linear(128, 32))
-    return model.to(dtype)
-
-
 def test_bf16_weights_with_8bit_state_cost_4_bytes_per_param():
-    model = _model()
+    model = mlp(32, 128, 32, act=torch.nn.Tanh).bfloat16()
     opt = AdamW(model.parameters(), compensation="stochastic", state_dtype="8bit")
     model(torch.randn(4, 32).bfloat16()).float().sum().backward()
     opt.step()
@@ -61,7 +57,7 @@ def test_bf16_weights_with_8bit_state_cost_4_bytes_per_param():
 )
 def test_state_bytes_per_param(kwargs, state_bytes):
     """fp32 moments 8 bytes, exact's int16 low bits and Kahan's bf16 buffer 2 more, bf16 moments 4."""
-    model = _model()
+    model = mlp(32, 128, 32, act=torch.nn.Tanh).bfloat16()
     opt = AdamW(model.parameters(), **kwargs)
     model(torch.randn(4, 32).bfloat16()).float().sum().backward()
     opt.step()
@@ -79,7 +75,7 @@ def test_low_precision_state_trains_like_fp32_state(state_dtype):
     y = torch.tanh(x @ teacher).bfloat16()
 
     def train(state_dtype):
-        model = _model()
+        model = mlp(32, 128, 32, act=torch.nn.Tanh).bfloat16()
         opt = AdamW(model.parameters(), lr=2e-3, compensation="exact", state_dtype=state_dtype)
         for _ in range(150):
             loss = torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y.float())

@@ -355,6 +355,7 @@ def test_a_refused_in_place_rule_would_have_lost_the_update():
     assert t.tolist() == [1.0, 1.0, 1.0]
 
 
+@pytest.mark.slow
 def test_module_rule_types_are_never_imported(tmp_path):
     import json
     import subprocess

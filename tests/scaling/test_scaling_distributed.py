@@ -14,6 +14,7 @@ from torch import nn
 from mixprec.scaling import GradScaler
 
 from _distributed import gloo_group, spawn
+from _models import mlp
 
 pytestmark = [
     pytest.mark.distributed,
@@ -26,10 +27,9 @@ WORLD = 2
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
     # Linear(8, 1): under fully_shard its (1, 8) weight and (1,) bias live on rank 0 only, so
     # rank 1 has empty local gradients for them.
-    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    return mlp(8, 8, 1, act=nn.Tanh)
 
 
 def _train(model: nn.Module, params: list[nn.Parameter], scaler: GradScaler, rank: int, fsdp: bool) -> dict:
@@ -158,6 +158,7 @@ def _dtensor_then_fail(rank: int, port: int, fail: bool) -> None:
             raise RuntimeError("rank 1 fails on purpose")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_workers_end_cleanly_and_a_failing_rank_is_reported():
     spawn(_dtensor_then_fail, False, nprocs=WORLD)

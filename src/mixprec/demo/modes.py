@@ -24,6 +24,15 @@ scaler and autocast around a freshly built float32 model.
   wrong.
 - ``torch-amp-bf16`` (not run by default): ``torch.autocast`` (bfloat16), the reference of
   ``mixprec-bf16``.
+- ``mixprec-fp4``, ``mixprec-fp4-all``, ``mixprec-fp4-hand`` (:data:`FP4_MODES`, not run by
+  default: :data:`FP4_RECIPE` is emulated on CPU at about 3x the fp8 modes' cost, 11x fp32's on
+  the tiny model, and three of them would more than double the default demo's time):
+  ``mixprec.autocast`` bf16 with every Linear layer in NVFP4 and a :class:`mixprec.Controller`
+  moving each of its GEMMs up :data:`FP4_LADDER` (fp4, fp8 tensorwise, fp8 rowwise, bf16) as its
+  statistics need (``per_gemm=True``); every Linear layer in NVFP4 with no controller; and the
+  hand recipe of the published fp4 runs, the first and last Linear layers in bf16 and the rest in
+  NVFP4 (``Policy.fp8``'s ``first_last="keep"``), no controller. The loop counts per layer and
+  GEMM the steps each ran in fp4 (:mod:`mixprec.demo.flops`).
 
 To add a mode, append a :class:`Mode` to ``_ALL_MODES``: its name, a one-line summary, the mixprec
 APIs it needs, its setup function, whether ``mixprec demo`` runs it by default, the mode it must
@@ -48,10 +57,11 @@ import mixprec
 from mixprec.demo.settings import Settings
 
 if TYPE_CHECKING:
-    from mixprec import Controller
+    from mixprec import Controller, Policy
     from mixprec.fp8 import Guard
 
-__all__ = ["MODES", "DEFAULT_MODES", "FP8_EVERY", "Mode", "Setup", "check_modes"]
+__all__ = ["MODES", "DEFAULT_MODES", "FP8_EVERY", "FP4_MODES", "FP4_RECIPE", "FP4_LADDER", "Mode", "Setup",
+           "check_modes"]
 
 
 class _Scaler(Protocol):
@@ -76,6 +86,9 @@ class Setup:
     fp8_guard: Guard | None = None
     fp8_controller: Controller | None = None
     fp8_recipe: str = ""
+    # modes with an fp8 rule: the policy, whose layers' GEMMs the loop counts per format
+    # (mixprec.demo.flops.GemmCounter)
+    fp8_policy: Policy | None = None
 
 
 @dataclass(frozen=True)
@@ -218,7 +231,8 @@ def _setup_fp8(recipe: str, **thresholds: Any) -> Callable[[nn.Module, Settings,
         guard = mixprec.fp8.Guard(every=FP8_EVERY, **thresholds)
         policy = mixprec.Policy.parse("compute=bf16").fp8(recipe)
         autocast = lambda: mixprec.autocast(device.type, policy=policy)  # noqa: E731
-        return Setup(model, _adamw(model.parameters(), s), autocast, fp8_guard=guard, fp8_recipe=recipe)
+        return Setup(model, _adamw(model.parameters(), s), autocast, fp8_guard=guard, fp8_recipe=recipe,
+                     fp8_policy=policy)
 
     return setup
 
@@ -243,7 +257,35 @@ def _setup_fp8_controlled(recipe: str, **settings: Any) -> Callable[[nn.Module, 
         ctl = mixprec.Controller(every=FP8_EVERY, **{"ladder": ladder, **settings})
         policy = mixprec.Policy.parse("compute=bf16").fp8(recipe, controller=ctl)
         autocast = lambda: mixprec.autocast(device.type, policy=policy)  # noqa: E731
-        return Setup(model, _adamw(model.parameters(), s), autocast, fp8_controller=ctl, fp8_recipe=recipe)
+        return Setup(model, _adamw(model.parameters(), s), autocast, fp8_controller=ctl, fp8_recipe=recipe,
+                     fp8_policy=policy)
+
+    return setup
+
+
+#: The recipe of the fp4 modes: NVFP4 as Transformer Engine's recipe runs it (16x16 weight blocks,
+#: a random Hadamard transform on the weight-gradient GEMM's operands, stochastic rounding of the
+#: gradients).
+FP4_RECIPE = "nvfp4"
+#: The controller's ladder in ``mixprec-fp4``: NVFP4, then the fp8 recipes, then the compute dtype.
+FP4_LADDER = ("nvfp4", "tensorwise", "rowwise", "compute")
+#: The fp4 modes: with the controller, all-fp4 without it, the hand recipe (first and last in bf16).
+FP4_MODES = ("mixprec-fp4", "mixprec-fp4-all", "mixprec-fp4-hand")
+
+
+def _setup_fp4(first_last: str, controlled: bool, recipe: str = FP4_RECIPE,
+               ladder: tuple[str, ...] = FP4_LADDER) -> Callable[[nn.Module, Settings, torch.device], Setup]:
+    """fp32 weights, bf16 autocast whose Linear layers run in ``recipe`` (the first and last too
+    with ``first_last="fp8"``), with a :class:`mixprec.Controller` on ``ladder`` (starting at
+    ``recipe``) deciding each GEMM of each layer on its own (``per_gemm=True``) every
+    :data:`FP8_EVERY` steps when ``controlled``, else nothing moving them."""
+
+    def setup(model: nn.Module, s: Settings, device: torch.device) -> Setup:
+        ctl = mixprec.Controller(every=FP8_EVERY, ladder=ladder, per_gemm=True) if controlled else None
+        policy = mixprec.Policy.parse("compute=bf16").fp8(recipe, first_last=first_last, controller=ctl)
+        autocast = lambda: mixprec.autocast(device.type, policy=policy)  # noqa: E731
+        return Setup(model, _adamw(model.parameters(), s), autocast, fp8_controller=ctl, fp8_recipe=recipe,
+                     fp8_policy=policy)
 
     return setup
 
@@ -281,6 +323,15 @@ _ALL_MODES = (
          speed_kind="fp8"),
     Mode("torch-amp-bf16", "torch.autocast bf16 (reference of mixprec-bf16)", (),
          _setup_amp("torch", torch.bfloat16), default=False, cpu_cost=1.2, speed_kind="bf16"),
+    Mode("mixprec-fp4", "mixprec.autocast bf16 + every Linear layer NVFP4, controller per GEMM nvfp4 -> fp8 -> bf16",
+         ("autocast", "Policy.fp8", "Controller", "fp8.Float8Recipe.nvfp4"), _setup_fp4("fp8", True), default=False,
+         cpu_cost=12.0, speed_kind="fp8"),
+    Mode("mixprec-fp4-all", "mixprec.autocast bf16 + every Linear layer NVFP4, no controller",
+         ("autocast", "Policy.fp8", "fp8.Float8Recipe.nvfp4"), _setup_fp4("fp8", False), default=False,
+         cpu_cost=11.0, speed_kind="fp8"),
+    Mode("mixprec-fp4-hand", "mixprec.autocast bf16 + NVFP4 Linear layers, first and last in bf16 (hand recipe)",
+         ("autocast", "Policy.fp8", "fp8.Float8Recipe.nvfp4"), _setup_fp4("keep", False), default=False,
+         cpu_cost=10.5, speed_kind="fp8"),
 )
 
 #: Every mode by name.

@@ -11,9 +11,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mixprec.demo import fp8_figure, layerwise_figure
+from mixprec.demo import fp4_figure, fp8_figure, layerwise_figure
 from mixprec.demo.alternate import pair_words
 from mixprec.demo.environment import native_lowp, steady_slowdown
+from mixprec.demo.fp4 import fp4_summary
 from mixprec.demo.results import DemoResult, ModeResult, checks, format_fp8, rank, smooth, summarize
 from mixprec.demo.speed import KINDS, kind_name, speed_sentence
 from mixprec.demo.verdict import verdict
@@ -250,8 +251,9 @@ def _figures(result: DemoResult) -> list[dict[str, Any]]:
     if result.speed.get("sizes"):
         figures.append(_speed_figure(result))
     fp8 = fp8_figure.figure_spec(result)
+    fp4 = fp4_figure.figure_spec(result)
     layered = layerwise_figure.figure_spec(result)
-    return figures + [spec for spec in (fp8, layered) if spec is not None]
+    return figures + [spec for spec in (fp8, fp4, layered) if spec is not None]
 
 
 def _decision_markers(modes: list[ModeResult], smoothed: dict[str, list[float]]) -> dict[str, list[dict[str, Any]]]:
@@ -302,6 +304,9 @@ def _plot(fig_spec: dict[str, Any], result: DemoResult, path: Path) -> None:
         return
     if name == "layer_scales":
         layerwise_figure.plot(fig_spec, path)
+        return
+    if name == "fp4":
+        fp4_figure.plot(fig_spec, path)
         return
     colors = {m.mode: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(result.modes)}
     if name == "speed":
@@ -451,7 +456,8 @@ each precision mode below, from the same initial weights and on the same batches
 
 def write_report(result: DemoResult, out: str | Path) -> dict[str, Path]:
     """Write ``results.json``, ``loss.png``, ``scale.png``, ``memory.png``, ``throughput.png``,
-    ``speed.png`` (when the speed panel ran), ``fp8.png`` (when an fp8 mode ran),
+    ``speed.png`` (when the speed panel ran), ``fp8.png`` (when an fp8 mode ran), ``fp4.png``
+    (when an fp4 mode ran),
     ``layer_scales.png`` (when ``mixprec-fp16-layerwise`` ran) and
     ``index.html`` into ``out`` (created if needed); return their paths by name.
 
@@ -466,6 +472,7 @@ def write_report(result: DemoResult, out: str | Path) -> dict[str, Path]:
     data = result.to_json()
     data["figures"] = figures
     data["verdict"] = format_verdict(result)
+    data["fp4"] = fp4_summary(result)
     paths["results"].write_text(json.dumps(data, indent=1))
     for spec in figures:
         paths[spec["name"]] = out / spec["file"]

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from mixprec.demo.modes import MODES
 from mixprec.demo.settings import Settings
+from mixprec.fp8 import Float8Recipe
 
 __all__ = ["ModeResult", "DemoResult", "Progress", "Summary", "compare", "summarize", "rank", "fp8_summary",
            "format_fp8", "smooth"]
@@ -48,6 +49,9 @@ class ModeResult:
     fp8: dict[str, Any] = field(default_factory=dict)
     # per-layer scaling (mixprec-fp16-layerwise): {cut point: its factor after each step}
     layer_scales: dict[str, list[float]] = field(default_factory=dict)
+    # modes with an fp8 rule (fp8 and fp4 modes): per Linear layer and GEMM, the steps it ran in
+    # fp4, fp8 or its compute dtype, and the shares of GEMM FLOPs (mixprec.demo.flops.GemmCounter)
+    gemms: dict[str, Any] = field(default_factory=dict)
 
     @property
     def final_loss(self) -> float:
@@ -333,8 +337,12 @@ def format_fp8(result: DemoResult) -> list[str]:
             guard = f"{len(falls)} fallback(s) to bf16: {guard}"
         else:
             guard = f"no layer fell back{over}"
-        line = f"{name} ({entry['recipe']}, {len(entry['layers'])} fp8 layers): {guard}"
-        if entry["fp8_fraction"] is not None:
+        fp4 = Float8Recipe.from_name(entry["recipe"]).fp4
+        line = f"{name} ({entry['recipe']}, {len(entry['layers'])} {'fp4' if fp4 else 'fp8'} layers): {guard}"
+        counted = [r.gemms["fp4_share"] for r in result.of(name) if r.gemms]
+        if fp4 and counted:  # a layer-step of an fp4 mode may be in fp4 or fp8: the GEMM count says which
+            line += f"; in fp4 {statistics.fmean(counted):.1%} of the linear layers' GEMM FLOPs"
+        elif entry["fp8_fraction"] is not None:
             line += f"; in fp8 {entry['fp8_fraction']:.1%} of layer-steps"
         vs = entry.get("final_vs_base")
         if vs is not None:

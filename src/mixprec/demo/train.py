@@ -29,6 +29,7 @@ from mixprec import fp8
 from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch
 from mixprec.demo.environment import environment
 from mixprec.demo.estimate import Estimate
+from mixprec.demo.flops import GemmCounter
 from mixprec.demo.model import TransformerLM, lm_loss
 from mixprec.demo.modes import DEFAULT_MODES, MODES, Mode, Setup, check_modes
 from mixprec.demo.results import DemoResult, ModeResult, Progress
@@ -106,6 +107,8 @@ def run_mode(
     torch.manual_seed(settings.seed)
     model = TransformerLM(cfg).to(device)
     setup = mode.setup(model, settings, device)
+    gemms = None if setup.fp8_policy is None else GemmCounter(
+        model, setup.fp8_policy.fp8_rule.recipe_for, settings.tokens_per_step)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         setup.optimizer, lambda step: lr_factor(step, settings.steps)
     )
@@ -153,6 +156,8 @@ def run_mode(
             warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"), UserWarning)
             schedule.step()
         losses.append(loss.detach())
+        if gemms is not None:
+            gemms.record()  # the formats this step ran in, before a guard or controller switches
         if setup.fp8_guard is not None or setup.fp8_controller is not None:
             _fp8_step(model, setup, step, settings.steps, fp8_windows)
         if setup.scale_state is not None:
@@ -187,6 +192,8 @@ def run_mode(
         result.skipped_steps = torch.nonzero(skipped.bool()).flatten().tolist()
     if setup.fp8_guard is not None or setup.fp8_controller is not None:
         result.fp8 = _fp8_trace(setup, fp8_windows, settings.steps)
+    if gemms is not None:
+        result.gemms = gemms.to_json()
     if layer_trace:
         names = list(setup.scaler.layer_scales())
         result.layer_scales = dict(zip(names, torch.stack(layer_trace).cpu().T.tolist()))
@@ -244,11 +251,25 @@ def _fp8_trace(setup: Setup, windows: list[tuple[int, list[dict]]], steps: int) 
                         "max_saturated": None, "min_sqnr_db": None},
             fallbacks=[], decisions=decisions,
         )
-        switches = [(d["step"], d["layer"], d["to"].startswith("fp8")) for d in decisions]
+        # a layer's precision is its forward GEMM's (a per-GEMM controller's backward switches
+        # are counted exactly in ModeResult.gemms); an fp4 rung is low precision too
+        switches = [(d["step"], d["layer"], _low_precision(d["to"])) for d in decisions
+                    if d.get("gemm") in (None, "", "output")]
     trace["fp8_steps"] = fp8_steps(list(layers), switches, steps)
     total = len(layers) * steps
     trace["fp8_fraction"] = sum(trace["fp8_steps"].values()) / total if total else 0.0
     return trace
+
+
+def _low_precision(rung: str) -> bool:
+    """Whether the controller's rung name ``rung`` is an fp8 (``"fp8-tensorwise"``, ...) or fp4
+    (``"nvfp4"``, ``"mxfp4"``) format rather than a high-precision dtype."""
+    if rung.startswith("fp8"):
+        return True
+    try:
+        return fp8.Float8Recipe.from_name(rung).fp4  # a controller names its fp4 rungs by recipe
+    except ValueError:  # "bf16", "fp16", "fp32": not a recipe
+        return False
 
 
 def fp8_steps(layers: list[str], switches: list[tuple[int, str, bool]], steps: int) -> dict[str, int]:

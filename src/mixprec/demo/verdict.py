@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+from mixprec.demo.fp4 import fp4_paragraph
 from mixprec.demo.results import NEGLIGIBLE, DemoResult, ModeResult, Summary, smooth, summarize
 from mixprec.demo.speed import speed_sentence
 
@@ -135,8 +136,9 @@ def _departures(result: DemoResult, base: ModeResult) -> str | None:
 
 def verdict(result: DemoResult) -> list[str]:
     """The report's verdict: one line for accuracy, one for speed (this run's throughput, and
-    the speed panel when it ran), one for memory, and one for the modes that ended more than
-    :data:`DEPARTURE_RATIO` above the base mode's final loss (see :func:`departure`).
+    the speed panel when it ran), one for memory, one for the modes that ended more than
+    :data:`DEPARTURE_RATIO` above the base mode's final loss (see :func:`departure`), and one
+    for the fp4 modes when any ran (:func:`mixprec.demo.fp4.fp4_paragraph`: which of them wins).
 
     Precondition: at least one run.
     """
@@ -168,4 +170,5 @@ def verdict(result: DemoResult) -> list[str]:
         lines.append(f"For memory: no mode passes the accuracy bar above, so none is recommended over "
                      f"{base.mode} ({base.total_memory / 2**20:.2f} MiB).")
     far = _departures(result, base)
-    return lines if far is None else lines + [far]
+    fp4 = fp4_paragraph(result)
+    return lines + [line for line in (far, fp4) if line is not None]

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from mixprec.diagnostics._tensors import FLOAT32_MAX
-from mixprec.fp8._state import layer_state
+from mixprec.fp8 import layer_state
 
 __all__ = ["Call", "SeenTensor", "min_max", "stack_pairs", "stats_mark", "version_of"]
 

@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from mixprec.fp8 import Cast, as_recipe
+from mixprec.fp8.internals import cast_to_fp8
+
 __all__ = ["FP8_FORMATS", "Fp8Scaled", "fp8_casts", "fp8_counts"]
 
 #: The fp8 formats of the "after scaling" view.
@@ -59,9 +62,6 @@ class Fp8Scaled:
 def fp8_counts(a: torch.Tensor, cast: Any, pow2: bool) -> torch.Tensor:
     """``[flushed, subnormal]`` per fp8 format of the non-negative float32 values ``a``, each
     tensor or row (``cast.granularity``) scaled as :func:`mixprec.fp8.linear` scales it."""
-    from mixprec.fp8._quant import cast_to_fp8
-    from mixprec.fp8._recipe import Cast
-
     a = a.reshape(-1) if cast.granularity == "tensor" or a.dim() == 0 else a
     zeros = torch.count_nonzero(a == 0)
     out = []
@@ -79,8 +79,6 @@ def fp8_casts(recipe: Any) -> dict[str, tuple[str, Any, bool]]:
     output is the next layer's ``input``, its gradient that layer's ``grad_output``."""
     if recipe is None:
         return {}
-    from mixprec.fp8 import as_recipe
-
     r = as_recipe(recipe)
     operands = {"activation": r.input, "grad": r.grad_output, "weight": r.weight}
     return {kind: (r.name, cast, r.pow2_scales) for kind, cast in operands.items() if cast.is_fp8}

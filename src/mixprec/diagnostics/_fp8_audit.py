@@ -10,7 +10,10 @@
 3. Verification: a traced pass under the final policy; an inf/NaN that an fp8 layer took as an
    operand (``event.fp8_layer``) moves that layer out, at most ``max_fixes`` times.
 
-With ``recipe="auto"`` step 2 runs once per format of :data:`AUTO_FORMATS`, cheapest first: each
+With ``recipe="auto"`` step 2 runs once per format of :data:`AUTO_FORMATS` (``"auto-fp4"``:
+:data:`AUTO_FP4_FORMATS`, the fp4 ones first, judged by the underflow limit of fp4 rungs,
+``Controller.fp4_max_underflow``, or ``underflow_threshold`` if higher, and the SQNR floor
+:data:`FP4_MIN_SQNR_DB`, or ``min_sqnr_db`` if lower), cheapest first: each
 pass tries, in that format, the layers that no cheaper format passed (and that are eligible for
 it), with the layers decided so far in their formats; a layer takes the first format it passes.
 The cost order: every format stores 1 byte per element, so they differ in their scales and in
@@ -31,8 +34,10 @@ from typing import Any, Callable
 
 from torch import nn
 
+from mixprec import fp8
 from mixprec.diagnostics._passes import Passes
 from mixprec.diagnostics.findings import Fp8Advice
+from mixprec.fp8.internals import OPERANDS, is_linear_like, swap_layer_state
 
 __all__ = ["recommend_fp8"]
 
@@ -41,6 +46,13 @@ _FIRST_LAST = "first or last Linear of the model (Policy.fp8 first_last='keep')"
 
 #: ``fp8="auto"``: the formats tried per layer, cheapest first (see the module docs).
 AUTO_FORMATS = ("tensorwise", "rowwise", "mxfp8", "blockwise")
+#: ``fp8="auto-fp4"``: the fp4 formats tried first (half a byte per element; MXFP4's E8M0 byte per
+#: 32 elements < NVFP4's e4m3 byte per 16 and its tensor scale), then :data:`AUTO_FORMATS`.
+AUTO_FP4_FORMATS = ("mxfp4", "nvfp4", *AUTO_FORMATS)
+#: the output SQNR floor of an fp4 trial (at most ``fp8_min_sqnr_db``): an e2m1 cast in blocks keeps
+#: about 15-19 dB of an ordinary layer's output (fp8 e4m3 about 30), so fp8's floor of 20 dB would
+#: refuse fp4 everywhere; 13 dB refuses a layer whose output loses several times that noise.
+FP4_MIN_SQNR_DB = 13.0
 
 
 def _with_fp8(policy: Any, formats: dict[str, Any]) -> Any:
@@ -64,8 +76,6 @@ def _kept(policy: Any, modules: dict[str, nn.Module], fqn: str) -> bool:
 
 def _past_threshold(read: dict[str, Any], max_underflow: float, min_sqnr_db: float | None) -> str | None:
     """Why a layer leaves fp8, by :class:`mixprec.fp8.Guard`'s rule (``max_nonfinite=0``), or None."""
-    from mixprec.fp8._state import OPERANDS
-
     for op in OPERANDS:
         if read[op]["nonfinite"] > 0:
             return f"{op} nonfinite = {read[op]['nonfinite']:.4g} > 0"
@@ -78,9 +88,6 @@ def _past_threshold(read: dict[str, Any], max_underflow: float, min_sqnr_db: flo
 
 
 def _candidates(model: nn.Module, policy: Any, recipe: Any) -> tuple[list[str], dict[str, str]]:
-    from mixprec import fp8
-    from mixprec.fp8._like import is_linear_like
-
     modules = dict(model.named_modules())
     stay: dict[str, str] = {}
     linears = [n for n, m in modules.items() if is_linear_like(m)]
@@ -101,8 +108,6 @@ def _candidates(model: nn.Module, policy: Any, recipe: Any) -> tuple[list[str], 
 
 def _named(recipe: Any) -> Any:
     """A named recipe by its name (a policy can save it as JSON), a custom one as itself."""
-    from mixprec import fp8
-
     try:
         return recipe.name if fp8.Float8Recipe.from_name(recipe.name) == recipe else recipe
     except ValueError:
@@ -115,11 +120,9 @@ def recommend_fp8(passes: Passes, policy: Any, recipe: Any, scale: float, *,
     """``(policy with the fp8 layers, Fp8Advice)`` for the compute ``policy`` (see module docs);
     ``recipe``: a recipe, its name, or ``"auto"`` (a format per layer); ``progress`` gets a line
     before each pass."""
-    from mixprec import fp8
-    from mixprec.fp8._state import OPERANDS, swap_layer_state
-
-    auto = recipe == "auto"
-    tried = [fp8.as_recipe(r) for r in (AUTO_FORMATS if auto else (recipe,))]
+    auto = recipe in ("auto", "auto-fp4")
+    formats_tried = AUTO_FP4_FORMATS if recipe == "auto-fp4" else AUTO_FORMATS if auto else (recipe,)
+    tried = [fp8.as_recipe(r) for r in formats_tried]
     model = passes.model
     modules = dict(model.named_modules())
     candidates, stay = _candidates(model, policy, None if auto else tried[0])
@@ -151,7 +154,12 @@ def recommend_fp8(passes: Passes, policy: Any, recipe: Any, scale: float, *,
                 stats[n] = {**{op: {k: read[op][k] for k in ("amax", "underflow", "nonfinite")}
                                for op in OPERANDS},
                             "output_sqnr_db": read["output_sqnr_db"]}
-                why = _past_threshold(read, underflow_threshold, min_sqnr_db)
+                # an e2m1 block flushes 7-11% of Gaussian data: fp4 has the controller's limit
+                limit, floor = underflow_threshold, min_sqnr_db
+                if r.fp4:
+                    limit = max(limit, fp8.Controller.fp4_max_underflow)
+                    floor = None if floor is None else min(floor, FP4_MIN_SQNR_DB)
+                why = _past_threshold(read, limit, floor)
                 if why is None:
                     formats[n] = _named(r)
                 else:

@@ -10,6 +10,7 @@ from torch import nn
 
 from mixprec.diagnostics.event import NonFiniteEvent
 from mixprec.diagnostics.trace import trace_nonfinite
+from mixprec.engine.region import autocast
 
 __all__ = ["FixedScale", "Passes", "Snapshot"]
 
@@ -69,8 +70,6 @@ class Passes:
     def run(self, policy: Any, scale: float, *tools: Any) -> None:
         """Passes under ``policy`` (``None``: float32) with the loss times ``scale``, inside
         ``tools`` (tracers, collectors)."""
-        from mixprec.engine.region import autocast
-
         self.snapshot.reset()
         with contextlib.ExitStack() as stack:
             for tool in tools:

@@ -52,18 +52,18 @@ import dataclasses
 import inspect
 import math
 import re
-from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 from torch import nn
 
+from mixprec.diagnostics._fp8_audit import recommend_fp8
 from mixprec.diagnostics._passes import FixedScale, Passes
 from mixprec.diagnostics.event import NonFiniteEvent
 from mixprec.diagnostics.findings import AuditReport, Risk
 from mixprec.diagnostics.ranges import KINDS, RangeStats, collect_ranges
-
-if TYPE_CHECKING:
-    from mixprec.policy import Policy
+from mixprec.fp8 import as_recipe
+from mixprec.policy import Policy
 
 __all__ = ["AuditReport", "Risk", "audit", "check_batch", "check_device", "dtype_names"]
 
@@ -107,9 +107,7 @@ def dtype_names(dtypes: Iterable[torch.dtype | str] | torch.dtype | str, *,
     return names
 
 
-def _policy(dtype: str, keep: set[str] | tuple[str, ...]) -> "Policy":
-    from mixprec.policy import Policy
-
+def _policy(dtype: str, keep: set[str] | tuple[str, ...]) -> Policy:
     policy = Policy(compute=_CANDIDATES[dtype])
     if keep:
         names = "|".join(re.escape(n) for n in sorted(keep))
@@ -268,7 +266,8 @@ def audit(
             ``Policy.fp8(names=...)`` in ``report.policy``). A layer stays in the compute dtype
             when, with every candidate in fp8, an operand flushes more than
             ``underflow_threshold`` to zero after scaling, holds an inf/NaN, or its output's
-            SQNR against the high-precision GEMM is below ``fp8_min_sqnr_db``. ``"auto"``: a
+            SQNR against the high-precision GEMM is below ``fp8_min_sqnr_db``. ``"auto-fp4"``: as
+            ``"auto"``, trying ``mxfp4`` and ``nvfp4`` first. ``"auto"``: a
             format per layer, the cheapest that passes (``report.fp8.recipes``; see
             ``docs/diagnostics.md``).
         fp8_min_sqnr_db: the SQNR floor for fp8 layers (``None``: not sampled).
@@ -312,9 +311,7 @@ def audit(
         raise ValueError(f"max_fixes must be an int >= 0, got {max_fixes!r}")
     if fp8 is True:
         fp8 = "tensorwise"
-    if fp8 is not None and fp8 is not False and fp8 != "auto":
-        from mixprec.fp8 import as_recipe
-
+    if fp8 is not None and fp8 is not False and fp8 not in ("auto", "auto-fp4"):
         try:
             as_recipe(fp8)
         except ValueError as e:
@@ -362,8 +359,6 @@ def audit(
         risks.sort(key=lambda r: r.rank_key, reverse=True)
         policy, advice = _policy(chosen, keep[chosen]), None
         if fp8 is not None and fp8 is not False:
-            from mixprec.diagnostics._fp8_audit import recommend_fp8
-
             policy, advice = recommend_fp8(
                 passes, policy, fp8, scale16 if chosen == "float16" else 1.0,
                 underflow_threshold=underflow_threshold, min_sqnr_db=fp8_min_sqnr_db, max_fixes=max_fixes,

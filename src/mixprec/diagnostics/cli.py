@@ -22,6 +22,8 @@ import time
 from typing import Any
 
 from mixprec._paths import folder_problem
+from mixprec.diagnostics.audit import audit, check_device, dtype_names
+from mixprec.fp8 import as_recipe
 
 __all__ = ["add_audit_parser", "audit_command"]
 
@@ -93,8 +95,6 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
         report or an audit that fails while running the model. Every failure prints one line on
         stderr.
     """
-    from mixprec.diagnostics.audit import audit, check_device, dtype_names
-
     if not dtypes:  # the options first: a typo should not cost a model build
         return _fail("--dtypes is empty; pass e.g. --dtypes float16,bfloat16")
     try:
@@ -104,8 +104,6 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
     if not isinstance(steps, int) or steps < 1:
         return _fail(f"--steps must be an integer >= 1, got {steps!r}")
     if fp8 is not None and fp8 != "auto":
-        from mixprec.fp8 import as_recipe
-
         try:
             as_recipe(fp8)
         except ValueError as e:

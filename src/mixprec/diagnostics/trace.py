@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_map
 from mixprec.diagnostics._calls import Call, SeenTensor, min_max, stack_pairs, stats_mark, version_of
 from mixprec.diagnostics._tensors import measured, no_autocast
 from mixprec.diagnostics.event import NonFiniteError, NonFiniteEvent, Phase
-from mixprec.fp8._state import layer_state
+from mixprec.fp8 import layer_state
 
 __all__ = ["NonFiniteEvent", "NonFiniteError", "NonFiniteTracer", "trace_nonfinite"]
 

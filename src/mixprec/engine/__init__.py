@@ -8,7 +8,7 @@ only those above it in this list:
 - :mod:`~mixprec.engine.runtime`: the one per-thread state object and ``enter()``/``leave()``;
 - :mod:`~mixprec.engine.watch`: a region's first pass over its module rules (unmatched rules warn);
 - :mod:`~mixprec.engine.casts`: the cast kinds and their runners (fp8 through
-  :class:`mixprec.fp8.Fp8Target`);
+  ``mixprec.fp8.internals.Fp8Target``);
 - :mod:`~mixprec.engine.kernels`: registering and releasing our kernels, fp8 routing, the guard
   on the active policy;
 - :mod:`~mixprec.engine.compile`: a region traced inside ``torch.compile`` (``mixprec::region``);

@@ -5,7 +5,8 @@ region's device that are not float64 are cast (:func:`mixprec._tree.castable`); 
 fp32 leaf that requires grad to the region's low-precision dtype is cached until the outermost
 region exits (the C++ kernel uses PyTorch's own cache, the Python kernel :data:`RUNTIME.cache
 <mixprec.engine.runtime.Runtime>`); casts and the op run with autocast excluded for every device.
-The ``fp8`` kind routes the call of the fp8 layer being called to :class:`mixprec.fp8.Fp8Target`.
+The ``fp8`` kind routes the call of the fp8 layer being called to its ``Fp8Target``
+(``mixprec.fp8.internals``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ inside it). A module's qualified name is its parent's name plus the attribute un
 parent holds it, looked up at each call, so swapping or adding submodules between calls is seen
 at once; a module called from elsewhere than its parent is looked up from the outermost module of
 the region. A region with ``root`` names its outermost calls (and such lookups) by their path in
-``root``, and selects fp8 layers on it (through :func:`mixprec.fp8.select_targets`).
+``root``, and selects fp8 layers on it (through ``mixprec.fp8.internals.select_targets``).
 
 A region's first pass (until it exits, or one of its outermost modules is called again) watches
 its rules: each that selected no module warns once per process, unless it has selected one
@@ -32,7 +32,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from mixprec import fp8
 from mixprec._tree import cast_tree
 from mixprec.engine import runtime
 from mixprec.engine.compile import traced_policy
@@ -40,6 +39,7 @@ from mixprec.engine.dynamo import (assume_constant_result, compile_attempt, comp
                                    tracing)
 from mixprec.engine.runtime import DEVICES, RUNTIME, Frame, Runtime, top
 from mixprec.engine.watch import Watch, finish as finish_watch, start as start_watch
+from mixprec.fp8.internals import Fp8Target, select_targets, traced_output
 from mixprec.policy import Policy
 
 __all__ = ["enter_region", "exit_region", "install_permanently", "capture", "replay", "traced_region",
@@ -87,10 +87,10 @@ def _warn_no_fp8_candidates(region: _Region) -> None:
 
 
 def _fp8_layers(root: nn.Module, policy: Policy, region: _Region | None = None) -> dict[int, Any]:
-    """The fp8 layers of the model called as ``root`` (:func:`mixprec.fp8.select_targets`); a
+    """The fp8 layers of the model called as ``root`` (``mixprec.fp8.internals.select_targets``); a
     model without candidate layers (a loss criterion called in the region) selects nothing and
     is noted in ``region``, which warns as it exits if no call had such layers."""
-    targets = fp8.select_targets(root, policy)
+    targets = select_targets(root, policy)
     if targets is None:
         if region is not None and len(region.fp8_without) < 8:
             region.fp8_without.append(type(getattr(root, "_orig_mod", root)).__name__)
@@ -231,7 +231,7 @@ def _region_of(rt: Runtime, frame: Frame) -> _Region | None:
 
 
 def _decide(rt: Runtime, calls: list, frame: Frame, module: nn.Module,
-            region: _Region | None = None) -> tuple[str, Any, bool, fp8.Fp8Target | None]:
+            region: _Region | None = None) -> tuple[str, Any, bool, Fp8Target | None]:
     """``(name, keep rule, kept, fp8 target)`` of ``module`` called under ``frame``'s policy
     (``region``: its record, looked up if not given), inside the calls ``calls`` (eager, or the
     shadow stack of a trace)."""
@@ -497,7 +497,7 @@ def _pre_traced(module: nn.Module, args: tuple) -> Any:
         # returns it, and the module's own linear, now unused, is eliminated from the graph.
         recipe_key, backend = layer
         x = args[0].to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else args[0]
-        _TRACE_FP8.append(fp8.traced_output(module, x, _TRACE_RECIPES[recipe_key], backend))
+        _TRACE_FP8.append(traced_output(module, x, _TRACE_RECIPES[recipe_key], backend))
     return args if cast_to is not None else None
 
 

@@ -31,11 +31,13 @@ from typing import Any
 
 from torch import nn
 
+from mixprec.export._ct import write_compressed_tensors
 from mixprec.export._layers import plan_layers
 from mixprec.export._quant import Quantized, QuantizedLayer, quantize_model, quantize_weight
 from mixprec.export._record import Recorder, calibrate, load_stats
 from mixprec.export._rules import ScaleRule, static_scale
 from mixprec.export._static import StaticFloat8Linear, fake_quantize, load_static
+from mixprec.export._torchao import write_torchao
 
 __all__ = ["FORMATS", "Quantized", "QuantizedLayer", "Recorder", "ScaleRule", "StaticFloat8Linear", "calibrate",
            "export", "fake_quantize", "load_static", "load_stats", "quantize_weight", "static_scale"]
@@ -72,12 +74,8 @@ def export(model: nn.Module, folder: str | Path, format: str = "compressed-tenso
     plan = plan_layers(model, layers)
     q = quantize_model(model, plan, stats, rule, weight_strategy, kv_cache)
     if format == "compressed-tensors":
-        from mixprec.export._ct import write_compressed_tensors
-
         write_compressed_tensors(model, folder, q)
     else:
-        from mixprec.export._torchao import write_torchao
-
         write_torchao(model, folder, q)
     manifest = {
         "format": format, "rule": q.rule.describe(), "weight_strategy": q.strategy,

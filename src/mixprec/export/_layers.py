@@ -7,9 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mixprec.fp8._convert import Float8Conv1D, Float8Linear
-from mixprec.fp8._like import is_linear_like
-from mixprec.fp8._state import layer_state
+from mixprec.fp8 import Float8Conv1D, Float8Linear, layer_state
+from mixprec.fp8.internals import is_linear_like
 
 __all__ = ["KVSource", "LayerPlan", "linear_layers", "kv_sources", "plan_layers", "weight_out_in"]
 

@@ -11,9 +11,8 @@ from torch import nn
 
 from mixprec.export._layers import LayerPlan, kv_sources, linear_layers, weight_out_in
 from mixprec.export._rules import ScaleRule
-from mixprec.fp8._quant import cast_to_fp8
-from mixprec.fp8._recipe import Cast
-from mixprec.fp8._state import layer_state
+from mixprec.fp8 import Cast, layer_state
+from mixprec.fp8.internals import INPUT, cast_to_fp8
 
 __all__ = ["QuantizedLayer", "Quantized", "quantize_weight", "quantize_model"]
 
@@ -91,7 +90,7 @@ def quantize_model(model: nn.Module, plan: LayerPlan, stats: Any = None, rule: S
         source = "recorded windows"
         if hist is None or hist.numel() == 0 or not bool(hist.max() > 0):
             st = layer_state(mod, create=False)
-            hist = st.stats[0, 0:1].detach().cpu() if st is not None else None
+            hist = st.window_amax(INPUT).detach().cpu() if st is not None else None
             source = "fp8 LayerState (one window)"
         if hist is None or not bool(hist.max() > 0):
             raise ValueError(f"export: no statistics for the input of layer {fqn!r}: record them during training "

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from mixprec.export._layers import KVSource, kv_sources, linear_layers, plan_layers
-from mixprec.fp8._convert import Float8Conv1D, Float8Linear
-from mixprec.fp8._state import layer_state
+from mixprec.fp8 import Float8Conv1D, Float8Linear, layer_state
+from mixprec.fp8.internals import INPUT
 
 __all__ = ["Recorder", "calibrate"]
 
@@ -28,7 +28,7 @@ def _fp8_input_amax(module: nn.Module) -> torch.Tensor | None:
     st = layer_state(module, create=False)
     if st is None or st.fallback or not (st.recipe or module.recipe).input.is_fp8:
         return None
-    return st._data[0, -1]
+    return st.last_amax(INPUT)
 
 
 class Recorder:

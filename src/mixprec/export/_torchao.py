@@ -11,7 +11,7 @@ from torch import nn
 
 from mixprec.export._layers import linear_layers
 from mixprec.export._quant import Quantized
-from mixprec.fp8._convert import unconvert
+from mixprec.fp8 import unconvert
 
 __all__ = ["torchao_model", "write_torchao"]
 

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import mixprec.export as ex
+
 __all__ = ["add_export_parser"]
 
 
@@ -50,7 +52,6 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{prog}: error: no statistics file {args.stats} (write it with mixprec.export.Recorder.save)",
               file=sys.stderr)
         return 1
-    import mixprec.export as ex
     from transformers import AutoModelForCausalLM
 
     try:

@@ -48,18 +48,17 @@ checkpoints through ``Guard.state_dict()``/``load_state_dict()`` (keyed by fqn),
 module state dict.
 """
 
-from mixprec.fp8._convert import (Float8Conv1D, Float8Linear, Float8Stats, as_recipe, convert, eligible, select_layers,
-                                  stats, unconvert)
 from mixprec.fp8._controller import Controller, Decision
+from mixprec.fp8._convert import Float8Stats, convert, stats, unconvert
 from mixprec.fp8._fsdp import precompute_fsdp_scales
 from mixprec.fp8._guard import Fallback, Float8FallbackWarning, Guard, layer_states
+from mixprec.fp8._layers import Float8Conv1D, Float8Linear, as_recipe, eligible, select_layers
 from mixprec.fp8._linear import linear
-from mixprec.fp8._recipe import Cast, Float8Recipe
+from mixprec.fp8._recipe import Cast, Float8Recipe, Recipe
 from mixprec.fp8._state import LayerState, layer_state
-from mixprec.fp8._target import Fp8Target, select_targets, traced_output  # the engine's seam (not in __all__)
 
 __all__ = [
     "Cast", "Controller", "Decision", "Fallback", "Float8Conv1D", "Float8FallbackWarning", "Float8Linear", "Float8Recipe", "Float8Stats",
-    "Guard", "LayerState", "as_recipe", "convert", "eligible", "layer_state", "layer_states", "linear",
+    "Guard", "LayerState", "Recipe", "as_recipe", "convert", "eligible", "layer_state", "layer_states", "linear",
     "precompute_fsdp_scales", "select_layers", "stats", "unconvert",
 ]

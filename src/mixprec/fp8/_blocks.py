@@ -25,9 +25,22 @@ import torch.nn.functional as F
 
 from mixprec.fp8._recipe import Cast
 
-__all__ = ["quantize", "dequantize", "gemm_dtype", "block_gemm", "E8M0_BIAS"]
+__all__ = ["quantize", "dequantize", "gemm_dtype", "block_gemm", "amax_to_scale", "E8M0_BIAS", "EPS"]
 
 E8M0_BIAS = 127
+#: the smallest amax a float32 scale is computed from (torchao's ``EPS``).
+EPS = 1e-12
+
+
+def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    """torchao's ``amax_to_scale``: ``finfo(dtype).max / max(amax, EPS)`` in float64, cast to
+    float32, rounded down to a power of 2 with ``pow2``. (Here, below :mod:`._quant`, because
+    both the tensor and the float32 block casts use it.)"""
+    amax = amax.to(torch.float64)
+    scale = (torch.finfo(dtype).max / torch.clamp(amax, min=EPS)).to(torch.float32)
+    if pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
 
 
 def _blocked(x2: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -81,8 +94,6 @@ def quantize(x2: torch.Tensor, cast: Cast, pow2: bool
         >>> deq.shape, float(q[0, 1].float() * deq[0, 0]), float(q[1, 0].float() * deq[1, 0])
         (torch.Size([2, 2]), 0.0, 1.0)
     """
-    from mixprec.fp8._quant import _scale
-
     rows, cols = cast.block
     dtype = cast.dtype
     fmax = torch.finfo(dtype).max
@@ -92,7 +103,7 @@ def quantize(x2: torch.Tensor, cast: Cast, pow2: bool
         exponent, mul = _e8m0(amax, fmax)
         deq = _e8m0_value(exponent)
     else:
-        mul = _scale(amax, dtype, pow2)
+        mul = amax_to_scale(amax, dtype, pow2)
         deq = 1.0 / mul
     xs = xb.to(torch.float32) * mul[:, None, :, None]
     q = xs.clamp_(min=-fmax, max=fmax).to(dtype)  # in place: xs is ours

@@ -1,5 +1,9 @@
-"""The fp8 controller: per-layer statistics and their trend, a ladder of formats, decisions at
-check steps (promote before a statistic crosses its limit, demote once the lower format is safe)."""
+"""The fp8 controller: per-layer (or per-GEMM) statistics and their trend, a ladder of formats
+from fp4 to fp32, decisions at check steps (promote before a statistic crosses its limit, demote
+once the lower format is safe). The forecast rules live in :mod:`mixprec.fp8._trend`, the rungs,
+the per-layer record and the probe in :mod:`mixprec.fp8._ladder`, the decisions (per layer, per
+GEMM) in :mod:`mixprec.fp8._decide`; this module holds the settings, the tracking of layers, the
+check and the checkpoints."""
 
 from __future__ import annotations
 
@@ -17,99 +21,19 @@ import torch
 import torch.nn as nn
 
 from mixprec.fp8._collective import agree_on_layers, all_reduce_max, distributed
+from mixprec.fp8._decide import apply_gemms, decide_gemms, decide_layer, layer_down
 from mixprec.fp8._guard import _check_int, _check_number, count_unstepped_forward, deepcopy_attributes
-from mixprec.fp8._quant import STAT_NAMES, _scale, cast_stats, cast_to_fp8
-from mixprec.fp8._recipe import Float8Recipe
+from mixprec.fp8._ladder import FP4_RUNGS, GEMMS, LOW_RUNGS, RUNGS, Decision, LayerRecord, Probe
+from mixprec.fp8._like import features
+from mixprec.fp8._recipe import RECIPE_NAMES, Float8Recipe
 from mixprec.fp8._state import OPERANDS, LayerState, layer_state
+from mixprec.fp8._trend import MAX_HORIZON, Trend, shadow_phase, sustained_slope
 
-__all__ = ["Controller", "Decision", "RUNGS"]
+__all__ = ["Controller", "Decision", "MAX_HORIZON", "RUNGS", "qualified", "shadow_phase", "sustained_slope"]
 
-#: the rungs a ladder may hold, lowest precision first: fp8 recipes (the block-scaled ones in the
-#: order of the audit's cost model), the compute dtype, fp32.
-RUNGS = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise", "compute", "fp32")
-_FP8_RUNGS = RUNGS[:5]
-_FP16_MAX = float(torch.finfo(torch.float16).max)
-_NCOL = len(STAT_NAMES)
-_UNDERFLOW, _NONFINITE = STAT_NAMES.index("underflow"), STAT_NAMES.index("nonfinite")
-_RANGE = ("input", "output")  # the range row: the layer's input and output amax, in its own dtype
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)  # a check's header code (MAX): fp16 wins
 _COMPUTE_CODES = {dtype: code for code, dtype in enumerate(_COMPUTE_DTYPES)}
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One switch of one layer: at ``step`` (the :meth:`Controller.step` count), ``layer`` went
-    from ``from_`` to ``to`` (``action``: ``"promote"`` up the ladder, ``"demote"`` down) because
-    ``operand``'s ``statistic`` was ``value`` (against ``threshold``); ``reason`` says it in words.
-
-    Example:
-        >>> d = Decision(190, "0", "input", "promote", "fp8-tensorwise", "fp8-rowwise",
-        ...              "underflow_forecast", 0.07, 0.05, "input underflow forecast 0.07 > 0.05")
-        >>> d.action, d.to
-        ('promote', 'fp8-rowwise')
-    """
-
-    step: int
-    layer: str
-    operand: str
-    action: str
-    from_: str
-    to: str
-    statistic: str
-    value: float
-    threshold: float
-    reason: str
-
-
-@dataclass
-class _Trend:
-    """One statistic's last window value (log2 of an amax, or a fraction), the EMA of its
-    per-step slope, and the per-step slopes of the last windows (``recent``, newest last)."""
-
-    last: float | None = None
-    slope: float = 0.0
-    recent: tuple[float, ...] = ()
-
-    def update(self, value: float, steps: int, weight: float, keep: int) -> None:
-        if not math.isfinite(value):
-            return  # no data in the window (an amax of 0), or non-finite: the nonfinite limit judges
-        if self.last is not None:
-            step_slope = (value - self.last) / steps
-            self.slope = weight * step_slope + (1 - weight) * self.slope
-            self.recent = (*self.recent, step_slope)[-keep:]
-        self.last = value
-
-    def rise(self, steps: int, windows: int) -> float:
-        """How much the statistic is forecast to rise over ``steps``: see :func:`sustained_slope`."""
-        return sustained_slope(self.slope, self.recent, windows) * steps
-
-
-def sustained_slope(ema: float, recent: tuple[float, ...], windows: int) -> float:
-    """The per-step slope a forecast may extrapolate: the EMA slope ``ema``, clamped to the
-    slowest of the last ``windows`` per-window slopes ``recent``; 0 unless the statistic rose in
-    each of them (a trend seen in fewer windows, a noisy one, or a falling one forecasts nothing).
-
-    Example:
-        >>> sustained_slope(0.2, (0.1, 0.3, 0.25), 3), sustained_slope(0.2, (0.5, -0.1, 0.4), 3)
-        (0.1, 0.0)
-        >>> sustained_slope(0.2, (0.3,), 3)  # too few windows since warm-up
-        0.0
-    """
-    if len(recent) < windows:
-        return 0.0
-    return max(0.0, min(ema, *recent[-windows:]))
-
-
-def shadow_phase(step: int, every: int, shadow_steps: int) -> bool:
-    """Whether the step after ``step`` :meth:`Controller.step` calls is one of the last
-    ``shadow_steps`` of its window of ``every`` (the steps a promoted layer's shadow measures).
-
-    Example:
-        >>> [shadow_phase(s, 5, 2) for s in range(6)]
-        [False, False, False, True, True, False]
-    """
-    return every - 1 - step % every < shadow_steps
 
 
 def qualified(known: str, seen: str) -> str:
@@ -122,103 +46,6 @@ def qualified(known: str, seen: str) -> str:
         ('blocks.0.attn.qkv', 'blocks.0.attn.qkv')
     """
     return seen if known and seen.endswith("." + known) else known
-
-
-def _grow(value: float, exponent: float) -> float:
-    """``value * 2 ** exponent``: inf beyond float64's range (not OverflowError), 0 for a value of 0."""
-    if value == 0:
-        return 0.0
-    return value * 2.0 ** exponent if exponent < 1024 else math.copysign(math.inf, value)
-
-
-def _log2(amax: float) -> float:
-    return math.log2(amax) if amax > 0 else -math.inf
-
-
-def _ratio(value: float, limit: float) -> float:
-    return value / limit if limit > 0 else 0.0
-
-
-class _Layer:
-    """The controller's record of one layer: its rung, its device windows, its trend."""
-
-    def __init__(self, module: nn.Module | None, state: LayerState, rung: int, floor: int,
-                 allowed: tuple[bool, ...]) -> None:
-        # None: a layer this rank has not run yet (Controller._detached)
-        self.module = weakref.ref(module) if module is not None else _no_module
-        self.state = state
-        self.rung = rung
-        self.floor = floor  # the lowest rung it may be demoted to
-        self.allowed = allowed  # per rung of the ladder: whether the layer can run it (block multiples)
-        # the rung below's casts measured on a sample (promoted layers): the layout of LayerState._data
-        self.shadow = torch.zeros_like(state._data)
-        self.range = torch.zeros(len(_RANGE), device=state.device)  # worst input/output amax
-        # log2 amax per operand and range entry; underflow of the layer's casts and of the shadow's
-        self.trends = {key: _Trend() for key in (*OPERANDS, *(f"range_{r}" for r in _RANGE),
-                                                 *(f"underflow_{op}" for op in OPERANDS),
-                                                 *(f"shadow_{op}" for op in OPERANDS))}
-        self.clean = 0  # consecutive windows in which the rung below was safe
-        self.switches: list[int] = []  # steps of its switches
-        self.below: Float8Recipe | None = None  # the fp8 rung below, while it may go there: its shadow's casts
-        self.probe: Any = None  # its _Probe (also in state.probe)
-
-    def windows(self) -> torch.Tensor:
-        return torch.cat([self.state.stats.flatten(), self.shadow[:, :-1].flatten(), self.range])
-
-    def reset(self) -> None:
-        self.state.reset()
-        self.shadow[:, :-1].zero_()
-        self.range.zero_()
-
-
-def _no_module() -> None:
-    return None
-
-
-class _Probe:
-    """What :func:`mixprec.fp8.linear` calls after a controlled layer's GEMM (``LayerState.probe``),
-    in eager mode and traced alike: the range (fp16 inputs) and, on the last steps of each window,
-    the shadow of a promoted layer. A copy or a pickle of the model (``copy.deepcopy``) drops it:
-    the copy runs its rung without measurements."""
-
-    def __init__(self, controller: Controller, rec: _Layer) -> None:
-        self.controller, self.rec = controller, rec
-        self.fp32 = False  # the fp32 rung: fp8.linear's fallback runs the GEMM in float32
-
-    def __deepcopy__(self, memo: dict) -> None:
-        return None
-
-    def __reduce__(self) -> tuple:
-        return type(None), ()
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-        """Measure ``x`` (the GEMM's input, in its dtype), ``weight`` (``(out, in)``; None: not
-        measured) and ``out``; returns ``out``."""
-        ctl, rec = self.controller, self.rec
-        if ctl._compute is None:  # fp8.convert's layers: the dtype the layer computes in
-            ctl._compute = x.dtype
-        if x.dtype is torch.float16:
-            _range(rec.range, x, out)
-        below = rec.below
-        if below is None or not ctl._measuring:
-            return out
-        _shadow(rec.shadow[0], x, below.input, below.pow2_scales, ctl.sample)
-        if weight is not None:
-            _shadow(rec.shadow[1], weight.detach(), below.weight, below.pow2_scales, ctl.sample)
-        if out.requires_grad:
-            buf, sample = rec.shadow[2], ctl.sample
-            out.register_hook(lambda g: _shadow(buf, g, below.grad_output, below.pow2_scales, sample))
-        return out
-
-
-def _range(buf: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
-    """``buf`` (the range row) = max(``buf``, [amax of x, amax of out]). No host sync."""
-    amax = torch.stack([x.detach().abs().amax().float(), out.detach().abs().amax().float()])
-    torch.maximum(buf, amax, out=buf)
-
-
-#: the largest ``Controller.horizon`` (windows ahead): a forecast further out is no forecast.
-MAX_HORIZON = 100
 
 
 @dataclass
@@ -261,6 +88,12 @@ class Controller:
     controller=ctl)`` too (:meth:`track`), and compiled models: :func:`mixprec.fp8.linear` calls
     its probe (``LayerState.probe``) and traced code reads the rung, so a switch recompiles.
 
+    ``per_gemm=True``: the forward, input-gradient and weight-gradient GEMMs of a layer each take
+    their own rung, decided from the two operands that GEMM reads (:mod:`mixprec.fp8._decide`);
+    the layer runs the recipe composed from them. Below fp8 the ladder may start with ``mxfp4``
+    and ``nvfp4``, whose casts are judged against ``fp4_max_underflow`` and
+    ``fp4_demote_underflow`` (an e2m1 block flushes several percent of ordinary data).
+
     Raises ValueError on a setting out of range, a ladder not in the order of :data:`RUNGS`, or a
     ``floor`` not an fp8 rung of it (and, when a layer is first seen, a recipe below the floor).
 
@@ -287,7 +120,10 @@ class Controller:
     shadow_steps: int = 2
     ladder: tuple[str, ...] = ("tensorwise", "rowwise", "compute", "fp32")
     floor: str | None = None
-    _layers: dict[str, _Layer] = field(default_factory=dict, init=False, repr=False, compare=False)
+    per_gemm: bool = False
+    fp4_max_underflow: float = 0.15
+    fp4_demote_underflow: float = 0.12
+    _layers: dict[str, LayerRecord] = field(default_factory=dict, init=False, repr=False, compare=False)
     _names: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, init=False, repr=False,
                                               compare=False)  # module -> the name of its record
     _steps: int = field(default=0, init=False, repr=False, compare=False)
@@ -304,27 +140,34 @@ class Controller:
         if self.max_nonfinite is not None:
             _check_number("Controller", "max_nonfinite", self.max_nonfinite, 0, math.inf, "a count, or None")
         for name, what in (("max_underflow", "a fraction"), ("demote_underflow", "a fraction"),
-                           ("max_range", "a fraction of 65504"), ("demote_range", "a fraction of 65504")):
+                           ("max_range", "a fraction of 65504"), ("demote_range", "a fraction of 65504"),
+                           ("fp4_max_underflow", "a fraction"), ("fp4_demote_underflow", "a fraction")):
             _check_number("Controller", name, getattr(self, name), 0, 1, what)
         _check_number("Controller", "ema", self.ema, 0, 1, "the weight of the newest window", low_open=True)
         for name, low, high in (("every", 1, None), ("horizon", 1, MAX_HORIZON), ("trend_windows", 1, None),
                                 ("demote_windows", 1, None), ("min_dwell", 0, None), ("max_switches", 1, None),
                                 ("budget_steps", 1, None), ("sample", 1, None), ("shadow_steps", 1, None)):
             _check_int("Controller", name, getattr(self, name), low, high)
-        if self.demote_underflow > self.max_underflow or self.demote_range > self.max_range:
-            raise ValueError("Controller: demote_underflow and demote_range must not exceed max_underflow and "
-                             "max_range (the lower threshold of the hysteresis)")
+        if (self.demote_underflow > self.max_underflow or self.demote_range > self.max_range
+                or self.fp4_demote_underflow > self.fp4_max_underflow):
+            raise ValueError("Controller: demote_underflow, demote_range and fp4_demote_underflow must not exceed "
+                             "max_underflow, max_range and fp4_max_underflow (the lower threshold of the hysteresis)")
         ladder = tuple(self.ladder) if isinstance(self.ladder, (list, tuple)) else None
         order = [RUNGS.index(r) for r in ladder] if ladder and all(r in RUNGS for r in ladder) else None
-        if order is None or order != sorted(set(order)) or "compute" not in ladder or ladder[0] not in _FP8_RUNGS:
-            raise ValueError(f"Controller.ladder must be fp8 recipes then 'compute' (then optionally 'fp32'), "
-                             f"each once, in the order of {RUNGS}, got {self.ladder!r}")
+        if order is None or order != sorted(set(order)) or "compute" not in ladder or ladder[0] not in LOW_RUNGS:
+            raise ValueError(f"Controller.ladder must be fp4 and fp8 recipes then 'compute' (then optionally "
+                             f"'fp32'), each once, in the order of {RUNGS}, got {self.ladder!r}")
+        missing = [r for r in ladder if r in LOW_RUNGS and r not in RECIPE_NAMES]
+        if missing:
+            raise ValueError(f"Controller.ladder: no recipe {missing} in this mixprec (recipes: {RECIPE_NAMES})")
         self.ladder = ladder
-        self._recipes = {r: Float8Recipe.from_name(r) for r in ladder if r in _FP8_RUNGS}  # one object per rung
+        self._recipes = {r: Float8Recipe.from_name(r) for r in ladder if r in LOW_RUNGS}  # one object per rung
         self._measuring = shadow_phase(0, self.every, self.shadow_steps)
-        if self.floor is not None and self.floor not in [r for r in ladder if r in _FP8_RUNGS]:
+        if self.floor is not None and self.floor not in [r for r in ladder if r in LOW_RUNGS]:
             raise ValueError(f"Controller.floor must be None (each layer's recipe) or an fp8 rung of the ladder "
                              f"{ladder}, got {self.floor!r}")
+        if not isinstance(self.per_gemm, bool):
+            raise ValueError(f"Controller.per_gemm must be a bool, got {self.per_gemm!r}")
 
     # ----------------------------------------------------------------- queries
     @property
@@ -337,16 +180,21 @@ class Controller:
         """Every switch so far, in order (a copy)."""
         return list(self._log)
 
-    def precision(self, layer: str) -> str:
+    def precision(self, layer: str, gemm: str | None = None) -> str:
         """The format ``layer`` (its qualified name) runs in now: ``"fp8-tensorwise"``,
-        ``"fp8-rowwise"``, ``"bf16"``/``"fp16"`` (the compute dtype) or ``"fp32"``.
+        ``"fp8-rowwise"``, ``"nvfp4"``, ``"bf16"``/``"fp16"`` (the compute dtype) or ``"fp32"``;
+        with ``gemm`` (``"output"``, ``"grad_input"``, ``"grad_weight"``), that GEMM's (the
+        layer's is its forward GEMM's; they differ only under ``per_gemm=True``).
 
-        Raises KeyError naming the layers it knows when it does not know ``layer``.
+        Raises KeyError naming the layers it knows when it does not know ``layer``, ValueError
+        for an unknown ``gemm``.
         """
         if layer not in self._layers:
             raise KeyError(f"Controller.precision: no fp8 layer {layer!r}; it controls {sorted(self._layers)} "
                            f"(layers are known after the policy's first forward)")
-        return self._rung_name(self._layers[layer].rung)
+        if gemm is not None and gemm not in GEMMS:
+            raise ValueError(f"Controller.precision: gemm must be one of {GEMMS} or None, got {gemm!r}")
+        return self._rung_name(self._layers[layer].rungs[GEMMS.index(gemm) if gemm else 0])
 
     def precisions(self) -> dict[str, str]:
         """``{layer: format}`` of every controlled layer (see :meth:`precision`)."""
@@ -375,14 +223,15 @@ class Controller:
 
     def write_csv(self, path: str | os.PathLike[str] | None = None) -> str:
         """The log as CSV (columns: step, layer, operand, action, from, to, statistic, value,
-        threshold, reason); written to ``path`` when given. Returns the text."""
+        threshold, reason, and ``gemm`` under ``per_gemm=True``: empty for the whole layer);
+        written to ``path`` when given. Returns the text."""
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
         writer.writerow(["step", "layer", "operand", "action", "from", "to", "statistic", "value", "threshold",
-                         "reason"])
+                         "reason"] + ["gemm"] * self.per_gemm)
         for d in self._log:
             writer.writerow([d.step, d.layer, d.operand, d.action, d.from_, d.to, d.statistic, repr(d.value),
-                             repr(d.threshold), d.reason])
+                             repr(d.threshold), d.reason] + [d.gemm or ""] * self.per_gemm)
         text = buf.getvalue()
         if path is not None:
             with open(path, "w", encoding="utf-8", newline="") as f:
@@ -390,9 +239,12 @@ class Controller:
         return text
 
     # ----------------------------------------------------------------- tracking
+
     def _rung_name(self, rung: int) -> str:
         name = self.ladder[rung]
-        if name in _FP8_RUNGS:
+        if name in FP4_RUNGS:
+            return name
+        if name in LOW_RUNGS:
             return f"fp8-{name}"
         if name == "compute":
             return _DTYPE_NAMES.get(self._compute, "compute") if self._compute is not None else "compute"
@@ -422,9 +274,7 @@ class Controller:
             >>> Controller().track(m)
             ['1']
         """
-        from mixprec.fp8._convert import Float8Conv1D, Float8Linear
-
-        names = [n for n, m in model.named_modules() if isinstance(m, (Float8Linear, Float8Conv1D))]
+        names = [n for n, m in model.named_modules() if _converted(m)]
         if not names:
             raise ValueError(f"Controller.track: {type(model).__name__} has no layer converted by fp8.convert, "
                              f"nothing to control; for a model under a policy use Policy.fp8(controller=ctl)")
@@ -458,9 +308,10 @@ class Controller:
             self._apply(rec)
 
     def _track(self, name: str, module: nn.Module, recipe: Float8Recipe) -> None:
-        if recipe.name not in _FP8_RUNGS or Float8Recipe.from_name(recipe.name) != recipe:
+        named = [r for r in LOW_RUNGS if r in RECIPE_NAMES]
+        if recipe.name not in named or Float8Recipe.from_name(recipe.name) != recipe:
             raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} is not a named recipe "
-                             f"({', '.join(_FP8_RUNGS)}): a controller's rungs are named recipes; give the layer "
+                             f"({', '.join(named)}): a controller's rungs are named recipes; give the layer "
                              f"one of them, or leave the controller out")
         if recipe.name not in self.ladder:
             ladder = tuple(r for r in RUNGS if r in self.ladder or r == recipe.name)
@@ -473,11 +324,11 @@ class Controller:
             raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} is below the controller's "
                              f"floor {self.floor!r}; pass floor=None (each layer's recipe) or a rung at or below "
                              f"{recipe.name!r}")
-        from mixprec.fp8._convert import eligible
-
-        allowed = tuple(r not in _FP8_RUNGS or i == start or eligible(module, name, self._recipes[r])[0]
+        # the layer runs its recipe; another rung needs features that are multiples of its blocks
+        allowed = tuple(r not in LOW_RUNGS or i == start or all(f % self._recipes[r].multiple == 0
+                                                                  for f in features(module))
                         for i, r in enumerate(self.ladder))
-        rec = _Layer(module, layer_state(module), start, floor, allowed)
+        rec = LayerRecord(module, layer_state(module), start, floor, allowed, self.per_gemm)
         old = self._layers.get(name)
         data = self._pending.pop(name, None)
         if old is not None and old.module() is None:  # decided so far as its peers' (_detached): take it over
@@ -485,35 +336,27 @@ class Controller:
         if data is not None:
             self._load_layer(rec, data)
         self._untrack(old)  # another module under that name: no longer controlled
-        rec.probe = _Probe(self, rec)
+        rec.probe = Probe(self, rec)
         self._layers[name] = rec
         self._names[module] = name
         self._apply(rec)
 
     @staticmethod
-    def _up(rec: _Layer) -> int:
-        """The rung a promotion goes to: the next one up the layer can run (a block rung needs
-        features that are multiples of its blocks)."""
-        return next(i for i in range(rec.rung + 1, len(rec.allowed)) if rec.allowed[i])
-
-    @staticmethod
-    def _down(rec: _Layer) -> int | None:
-        """The rung a demotion goes to (the next one down it can run, not below its floor), or None."""
-        return next((i for i in range(rec.rung - 1, rec.floor - 1, -1) if rec.allowed[i]), None)
-
-    @staticmethod
-    def _untrack(rec: _Layer | None) -> None:
+    def _untrack(rec: LayerRecord | None) -> None:
         if rec is not None:
             rec.state.probe = None
 
-    def _apply(self, rec: _Layer) -> None:
+    def _apply(self, rec: LayerRecord) -> None:
         """Set the layer's state for its rung (an fp8 recipe, or the fallback flag, in float32 on
         the fp32 rung) and the casts of its shadow. (Traced code reads these: a switch recompiles.)"""
+        if self.per_gemm:
+            apply_gemms(self, rec)
+            return
         name = self.ladder[rec.rung]
-        rec.state.fallback = name not in _FP8_RUNGS
+        rec.state.fallback = name not in LOW_RUNGS
         rec.state.recipe = self._recipes.get(name)
         rec.state.probe, rec.probe.fp32 = rec.probe, name == "fp32"
-        down = self._down(rec)
+        down = layer_down(rec)
         rec.below = self._recipes.get(self.ladder[down]) if down is not None else None
 
     # ----------------------------------------------------------------- deciding
@@ -552,107 +395,23 @@ class Controller:
         new = []
         for name, rec, row in zip(names, recs, rows):
             rec.reset()
-            decided = self._decide(name, rec, row)
+            if self.per_gemm:
+                decisions = decide_gemms(self, name, rec, row)
+                self._log.extend(decisions)
+                new.extend(decisions)
+                continue
+            decided = decide_layer(self, name, rec, row)
             if decided is not None:
                 decision, rec.rung = decided
                 rec.clean = 0
                 for op in OPERANDS:  # the casts these measure change with the rung
-                    rec.trends[f"underflow_{op}"] = _Trend()
-                    rec.trends[f"shadow_{op}"] = _Trend()
+                    rec.trends[f"underflow_{op}"] = Trend()
+                    rec.trends[f"shadow_{op}"] = Trend()
                 rec.switches.append(self._steps)
                 self._apply(rec)
                 self._log.append(decision)
                 new.append(decision)
         return new
-
-    def _decide(self, name: str, rec: _Layer, row: list[float]) -> tuple[Decision, int] | None:
-        """The layer's switch after this window (the decision and the new rung), or None."""
-        own = [row[i * _NCOL:(i + 1) * _NCOL] for i in range(len(OPERANDS))]
-        off = len(OPERANDS) * _NCOL
-        shadow = [row[off + i * _NCOL:off + (i + 1) * _NCOL] for i in range(len(OPERANDS))]
-        ranges = row[2 * off:]
-        ladder = self.ladder
-        on_fp8 = ladder[rec.rung] in _FP8_RUNGS
-        down = self._down(rec)
-        has_shadow = down is not None and ladder[down] in _FP8_RUNGS
-        fit, windows = (self.every, self.ema, self.trend_windows), self.trend_windows
-        measured = own if on_fp8 else (shadow if has_shadow else None)
-        for op, stats in zip(OPERANDS, measured or []):
-            rec.trends[op].update(_log2(stats[0]), *fit)
-        for op, own_stats, shadow_stats in zip(OPERANDS, own, shadow):
-            if on_fp8:
-                rec.trends[f"underflow_{op}"].update(own_stats[_UNDERFLOW], *fit)
-            if has_shadow:
-                rec.trends[f"shadow_{op}"].update(shadow_stats[_UNDERFLOW], *fit)
-        fp16 = self._compute is torch.float16
-        if fp16:
-            for r, amax in zip(_RANGE, ranges):
-                rec.trends[f"range_{r}"].update(_log2(amax), *fit)
-        ahead = self.horizon * self.every
-
-        def underflow(op: str, u: float, key: str) -> float:
-            # a current scale flushes a share about proportional to the amax; or the share's own trend
-            return min(1.0, max(_grow(u, rec.trends[op].rise(ahead, windows)),
-                                u + rec.trends[key].rise(ahead, windows)))
-
-        def amax_forecast(r: str, amax: float) -> float:
-            return _grow(amax, rec.trends[f"range_{r}"].rise(ahead, windows))
-
-        here = self._rung_name(rec.rung)
-
-        def decision(op: str, action: str, to: int, stat: str, value: float, limit: float, side: str
-                     ) -> tuple[Decision, int]:
-            reason = f"{op} {stat.replace('_', ' ')} {value:.4g} {side} {limit:g}"
-            return Decision(self._steps, name, op, action, here, self._rung_name(to), stat, value, float(limit),
-                            reason), to
-
-        # promote: the worst trouble first
-        compute, top = ladder.index("compute"), len(ladder) - 1
-        if on_fp8 and self.max_nonfinite is not None:
-            for op, stats in zip(OPERANDS, own):
-                if stats[_NONFINITE] > self.max_nonfinite:
-                    return decision(op, "promote", compute, "nonfinite", stats[_NONFINITE], self.max_nonfinite, ">")
-        if fp16 and ladder[top] == "fp32" and rec.rung < top:
-            for r, amax in zip(_RANGE, ranges):
-                forecast = amax_forecast(r, amax)
-                if forecast > self.max_range * _FP16_MAX:
-                    return decision(r, "promote", top, "amax_forecast", forecast, self.max_range * _FP16_MAX, ">")
-        if on_fp8:
-            for op, stats in zip(OPERANDS, own):
-                forecast = underflow(op, stats[_UNDERFLOW], f"underflow_{op}")
-                if forecast > self.max_underflow:
-                    return decision(op, "promote", self._up(rec), "underflow_forecast", forecast,
-                                    self.max_underflow, ">")
-        if down is None:
-            return None
-        # demote: the rung below, judged by the shadow (fp8 below) or the range (compute below fp32)
-        worst = ("input", "underflow_forecast", 0.0, self.demote_underflow)  # the closest to its limit
-        # a window without a measurement (no forward in its last steps) is not evidence of safety
-        safe = not (has_shadow and not (shadow[0][0] > 0 and shadow[1][0] > 0)) and not (fp16 and not ranges[1] > 0)
-        if has_shadow:
-            for op, stats in zip(OPERANDS, shadow):
-                forecast = underflow(op, stats[_UNDERFLOW], f"shadow_{op}")
-                nonfinite = self.max_nonfinite is not None and stats[_NONFINITE] > self.max_nonfinite
-                if nonfinite or not forecast <= self.demote_underflow:
-                    safe = False
-                elif _ratio(forecast, self.demote_underflow) > _ratio(worst[2], worst[3]):
-                    worst = (op, "underflow_forecast", forecast, self.demote_underflow)
-        if fp16:
-            for r, amax in zip(_RANGE, ranges):
-                forecast = amax_forecast(r, amax)
-                limit = self.demote_range * _FP16_MAX
-                if not forecast <= limit:
-                    safe = False
-                elif ladder[rec.rung] == "fp32" and _ratio(forecast, limit) > _ratio(worst[2], worst[3]):
-                    worst = (r, "amax_forecast", forecast, limit)
-        rec.clean = rec.clean + 1 if safe else 0
-        recent = [s for s in rec.switches if s > self._steps - self.budget_steps]
-        last = rec.switches[-1] if rec.switches else -math.inf
-        if (rec.clean >= self.demote_windows and self._steps - last >= self.min_dwell
-                and len(recent) < self.max_switches):
-            op, stat, value, limit = worst
-            return decision(op, "demote", down, stat, value, limit, "<=")
-        return None
 
     # ----------------------------------------------------------------- checkpoints
     def __getstate__(self) -> dict[str, Any]:
@@ -681,8 +440,8 @@ class Controller:
         layers = {n: dict(d) for n, d in self._pending.items()}
         for name, rec in self._layers.items():
             layers[name] = self._layer_data(rec)
-        return {"steps": self._steps, "log": [dataclasses.asdict(d) for d in self._log],
-                "layers": dict(sorted(layers.items()))}
+        log = [{k: v for k, v in dataclasses.asdict(d).items() if k != "gemm" or v is not None} for d in self._log]
+        return {"steps": self._steps, "log": log, "layers": dict(sorted(layers.items()))}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the step count, the log and every layer's rung, trend and windows (layers
@@ -697,8 +456,9 @@ class Controller:
             if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
                 raise TypeError(steps)
             for d in layers.values():
-                if d["rung"] not in self.ladder:
-                    raise ValueError(f"rung {d['rung']!r} is not on the ladder {self.ladder}")
+                for rung in (d["rung"], *dict(d.get("gemms", {})).values()):
+                    if rung not in self.ladder:
+                        raise ValueError(f"rung {rung!r} is not on the ladder {self.ladder}")
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"Controller.load_state_dict expects the dict of Controller.state_dict() (steps, log, "
                              f"layers) for the same ladder: {exc}") from exc
@@ -713,12 +473,17 @@ class Controller:
                 self._load_layer(rec, data)
                 self._apply(rec)
 
-    def _layer_data(self, rec: _Layer, windows: bool = True) -> dict[str, Any]:
+    def _layer_data(self, rec: LayerRecord, windows: bool = True) -> dict[str, Any]:
         """A layer's entry of :meth:`state_dict` (without its open windows: ``windows=False``)."""
-        data = {"rung": self.ladder[rec.rung], "clean": rec.clean, "switches": list(rec.switches),
+        data = {"rung": self.ladder[max(rec.rungs)], "clean": rec.clean, "switches": list(rec.switches),
                 "trends": {key: [t.last, t.slope, list(t.recent)] for key, t in rec.trends.items()}}
+        if self.per_gemm:  # (a state_dict without them: the three GEMMs on "rung" together)
+            data.update(gemms={g: self.ladder[r] for g, r in zip(GEMMS, rec.rungs)}, gemm_clean=list(rec.gemm_clean),
+                        gemm_switches=[list(s) for s in rec.gemm_switches])
         if windows:
-            data.update(state=rec.state._data.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist())
+            data.update(state=rec.state.window.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist())
+            if rec.gemm_windows is not None:
+                data["gemm_windows"] = rec.gemm_windows.tolist()
         return data
 
     def _metadata(self) -> dict[str, dict[str, Any]]:
@@ -727,31 +492,40 @@ class Controller:
         return {name: {**self._layer_data(rec, windows=False), "floor": rec.floor, "allowed": rec.allowed}
                 for name, rec in self._layers.items()}
 
-    def _detached(self, name: str, meta: Mapping[str, Any]) -> _Layer:
+    def _detached(self, name: str, meta: Mapping[str, Any]) -> LayerRecord:
         """The record of a layer this rank has not run yet but a peer has (``meta``: the peer's
         :meth:`_metadata`): the peer's rung, trends and counters (or this rank's loaded state of
         it), empty windows. The layer's module takes it over at its first forward here (:meth:`_track`)."""
-        rec = _Layer(None, LayerState(), self.ladder.index(meta["rung"]), int(meta["floor"]),
-                     tuple(meta["allowed"]))
+        rec = LayerRecord(None, LayerState(), self.ladder.index(meta["rung"]), int(meta["floor"]),
+                          tuple(meta["allowed"]), self.per_gemm)
         self._load_layer(rec, self._pending.pop(name, meta))
-        rec.probe = _Probe(self, rec)
+        rec.probe = Probe(self, rec)
         self._apply(rec)
         return rec
 
-    def _load_layer(self, rec: _Layer, data: Mapping[str, Any]) -> None:
-        rung = self.ladder.index(data["rung"])
-        if not rec.allowed[rung]:
-            raise ValueError(f"Controller.load_state_dict: a layer at rung {data['rung']!r}, whose blocks its "
-                             f"features are not multiples of")
-        if rung < rec.floor:
-            raise ValueError(f"Controller.load_state_dict: a layer at rung {data['rung']!r}, below its floor "
-                             f"{self.ladder[rec.floor]!r} (its recipe, or Controller.floor)")
-        rec.rung = rung
+    def _load_layer(self, rec: LayerRecord, data: Mapping[str, Any]) -> None:
+        gemms = dict(data.get("gemms", {})) if self.per_gemm else {}
+        names = [gemms.get(g, data["rung"]) for g in GEMMS]
+        for name in names:
+            rung = self.ladder.index(name)
+            if not rec.allowed[rung]:
+                raise ValueError(f"Controller.load_state_dict: a layer at rung {name!r}, whose blocks its "
+                                 f"features are not multiples of")
+            if rung < rec.floor:
+                raise ValueError(f"Controller.load_state_dict: a layer at rung {name!r}, below its floor "
+                                 f"{self.ladder[rec.floor]!r} (its recipe, or Controller.floor)")
+        rec.rungs = [self.ladder.index(name) for name in names]
         rec.clean, rec.switches = int(data["clean"]), [int(s) for s in data["switches"]]
+        if self.per_gemm:
+            rec.gemm_clean = [int(c) for c in data.get("gemm_clean", [rec.clean] * len(GEMMS))]
+            rec.gemm_switches = [[int(s) for s in sw] for sw in data.get("gemm_switches", [rec.switches] * len(GEMMS))]
         for key, (last, slope, recent) in data["trends"].items():
-            rec.trends[key] = _Trend(last, slope, tuple(recent))
-        for target, key in ((rec.state._data, "state"), (rec.shadow, "shadow"), (rec.range, "range")):
-            if key not in data:  # a peer's record (_detached): the windows stay empty
+            if key in rec.trends:  # (a whole-layer record's operand trends are no GEMM's)
+                rec.trends[key] = Trend(last, slope, tuple(recent))
+        windows = ((rec.state.window, "state"), (rec.shadow, "shadow"), (rec.range, "range"),
+                   (rec.gemm_windows, "gemm_windows"))
+        for target, key in windows:
+            if key not in data or target is None:  # a peer's record (_detached): the windows stay empty
                 continue
             t = torch.tensor(data[key], dtype=torch.float32)
             if t.shape != target.shape:
@@ -760,23 +534,8 @@ class Controller:
             target.copy_(t)
 
 
-def _shadow(buf: torch.Tensor, x: torch.Tensor, cast: Any, pow2: bool, sample: int) -> None:
-    """Accumulate into ``buf`` (one row of a LayerState window) the statistics ``cast`` would
-    have on ``x``, measured on about ``sample`` elements: evenly strided rows (a row cast is exact
-    on them), scaled by the whole tensor's amax for a tensor cast. No host sync."""
-    x2 = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.detach().reshape(1, 1)
-    if x2.numel() == 0:
-        return
-    # (a 2-D block, 128x128, is measured on the whole tensor: a sample of rows would cut its blocks)
-    two_d = cast.block is not None and cast.block[0] > 1
-    stride = 1 if two_d else max(1, x2.numel() // sample // max(x2.shape[1], 1))
-    rows = x2[::stride]
-    if cast.granularity == "tensor":
-        amax = torch.max(torch.abs(x2))
-        fmax = torch.finfo(cast.dtype).max
-        q = (rows.to(torch.float32) * _scale(amax, cast.dtype, pow2)).clamp_(min=-fmax, max=fmax).to(cast.dtype)
-    else:
-        q, _, _ = cast_to_fp8(rows, cast, -1, pow2)
-        amax = torch.max(torch.abs(x2)) if stride > 1 else torch.max(torch.abs(rows))
-    new = cast_stats(rows, q, amax, buf[-1])
-    buf.copy_(torch.cat([torch.maximum(buf[:-1], new), new[:1]]))
+
+def _converted(module: nn.Module) -> bool:
+    """Whether ``module`` is a layer :func:`mixprec.fp8.convert` made (``Float8Linear``,
+    ``Float8Conv1D``): one that holds its own fp8 recipe and layer state."""
+    return isinstance(getattr(module, "recipe", None), Float8Recipe) and layer_state(module, create=False) is not None

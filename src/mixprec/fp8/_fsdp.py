@@ -25,7 +25,7 @@ from torch import nn
 
 from mixprec.fp8._quant import cast_to_fp8
 from mixprec.fp8._recipe import Cast, Float8Recipe
-from mixprec.fp8._state import LayerState, layer_state
+from mixprec.fp8._state import WEIGHT, LayerState, layer_state
 
 __all__ = ["Float8AllGatherWeight", "GatheredFloat8Weight", "check_recipe", "reads_gathered", "wrap_weight",
            "plain_weight", "warn_fallback", "precompute_fsdp_scales"]
@@ -206,11 +206,9 @@ class Float8AllGatherWeight(torch.Tensor):
         # recorded where the layer reads these bytes: not in fallback, nor on another recipe's rung
         if state is not None and not state.fallback and (state.recipe is None or (
                 state.recipe.weight == self._cast and state.recipe.weight_for_grad_input == self._cast)):
-            from mixprec.fp8._linear import _record
-
             if state.device != shard.device:
                 state.to(shard.device)
-            _record(state._data, 1, shard, (q, scale, amax))
+            state.record(WEIGHT, shard, q, amax)
         data = q.view(torch.uint8)
         rows = math.ceil(outer_size[0] / mesh.size())
         if data.shape[0] != rows:  # uneven sharding: FSDP2 pads each shard at its end

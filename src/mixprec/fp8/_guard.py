@@ -14,7 +14,7 @@ import torch
 
 from mixprec.fp8._collective import agree_on_layers, all_reduce_max, distributed
 from mixprec.fp8._quant import STAT_NAMES
-from mixprec.fp8._state import OPERANDS, LayerState
+from mixprec.fp8._state import OPERANDS, LayerState, layer_state, new_window, window_stats
 
 __all__ = ["Guard", "Fallback", "Float8FallbackWarning", "NO_STEP_FORWARDS", "layer_states"]
 
@@ -43,8 +43,6 @@ class Fallback:
 
 def layer_states(model: torch.nn.Module) -> dict[str, LayerState]:
     """``{fqn: LayerState}`` of the modules of ``model`` that have one (see :func:`layer_state`)."""
-    from mixprec.fp8._state import layer_state
-
     return {name: st for name, mod in model.named_modules()
             if (st := layer_state(mod, create=False)) is not None}
 
@@ -235,8 +233,8 @@ class Guard:
         layer this rank has not run, its loaded window or the neutral row (nothing seen)."""
         if st is not None:
             return torch.cat([st.stats.flatten(), -st.output_sqnr_db.reshape(1)]).to(device)
-        data, sqnr = self._pending.get(name, (torch.zeros(len(OPERANDS), len(STAT_NAMES) + 1), math.inf))
-        return torch.cat([data[:, :-1].flatten(), torch.tensor([-sqnr])]).to(device)
+        data, sqnr = self._pending.get(name, (new_window(), math.inf))
+        return torch.cat([window_stats(data).flatten(), torch.tensor([-sqnr])]).to(device)
 
     def _policy_forward(self, model: torch.nn.Module) -> None:
         """A forward of a model under a policy with this guard: track its layers, and warn once
@@ -282,7 +280,7 @@ class Guard:
         """
         windows = {n: {"stats": d.tolist(), "output_sqnr_db": s} for n, (d, s) in self._pending.items()}
         for name, st in self._states.items():
-            windows[name] = {"stats": st._data.tolist(), "output_sqnr_db": float(st.output_sqnr_db)}
+            windows[name] = {"stats": st.window.tolist(), "output_sqnr_db": float(st.output_sqnr_db)}
         return {"steps": self._steps,
                 "decisions": {n: dataclasses.asdict(d) for n, d in self._decisions.items()},
                 "windows": dict(sorted(windows.items()))}
@@ -307,16 +305,15 @@ class Guard:
         tracked = dict(self._states)
         for name, st in tracked.items():
             if name not in windows:  # as a fresh layer: no window, no previous amax
-                _load_window(st, torch.zeros_like(st._data), math.inf)
+                _load_window(st, new_window(), math.inf)
         self.track(tracked)
 
 
 def _load_window(st: LayerState, data: torch.Tensor, sqnr: float) -> None:
-    if data.shape != st._data.shape:
-        raise ValueError(f"Guard.load_state_dict: a window of shape {tuple(data.shape)}, expected "
-                         f"{tuple(st._data.shape)}")
-    st._data.copy_(data)
-    st.output_sqnr_db.fill_(sqnr)
+    try:
+        st.load_window(data, sqnr)
+    except ValueError as exc:
+        raise ValueError(f"Guard.load_state_dict: {exc}") from None
 
 
 def deepcopy_attributes(obj: Any, memo: dict) -> Any:

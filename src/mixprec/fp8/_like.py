@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.fp8._state import layer_state
+
 __all__ = ["LINEAR_LIKE", "conv1d_class", "features", "is_linear_like", "linear_params", "routed_call",
            "unroutable", "warn_unrouted"]
 
@@ -85,8 +87,6 @@ def routed_call(op: str, module: nn.Module, args: tuple, kwargs: dict[str, Any]
         call = args[1], args[2].t(), args[0]
     else:
         return None
-    from mixprec.fp8._state import layer_state
-
     layer_state(module).routed = True
     return call
 

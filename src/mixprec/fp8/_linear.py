@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.fp8._blocks import block_gemm, quantize
+from mixprec.fp8._fp4_linear import Fp4Matmul
 from mixprec.fp8._fsdp import GatheredFloat8Weight, reads_gathered, warn_fallback
-from mixprec.fp8._quant import cast_stats, cast_to_fp8, gemm
+from mixprec.fp8._quant import cast_to_fp8, gemm
 from mixprec.fp8._recipe import Cast, Float8Recipe
-from mixprec.fp8._state import LayerState
+from mixprec.fp8._state import GRAD_OUTPUT, INPUT, WEIGHT, LayerState, record_cast
 
 __all__ = ["linear", "resolve_backend", "BACKENDS"]
 
@@ -28,12 +29,9 @@ def _t(scale: torch.Tensor) -> torch.Tensor:
     return scale.t() if scale.dim() == 2 else scale
 
 
-def _record(stats: torch.Tensor | None, row: int, x: torch.Tensor, cast: tuple) -> None:
-    # stats[row]: the window's worst [amax, saturated, underflow, nonfinite], then the last amax
-    if stats is not None:
-        q, _, amax = cast
-        new = cast_stats(x, q, amax, stats[row, -1])
-        stats[row].copy_(torch.cat([torch.maximum(stats[row, :-1], new), new[:1]]))
+def _record(stats: torch.Tensor | None, operand: int, x: torch.Tensor, cast: tuple) -> None:
+    """Record the cast ``(q, scale, amax)`` of ``x`` into the layer's window ``stats`` (if any)."""
+    record_cast(stats, operand, x, cast[0], cast[2])
 
 
 def _cast_weight(wt: torch.Tensor, cast: Cast, row_dim: int, pow2: bool
@@ -63,18 +61,18 @@ class _Float8Matmul(torch.autograd.Function):
             if r.blocked and r.input.is_fp8:
                 x2 = x.reshape(-1, k)
                 xc, wc = quantize(x2, r.input, r.pow2_scales), quantize(w, r.weight, r.pow2_scales)
-                _record(stats, 0, x2, xc)
-                _record(stats, 1, w, wc)
+                _record(stats, INPUT, x2, xc)
+                _record(stats, WEIGHT, w, wc)
                 out = block_gemm(xc[:2], r.input, wc[:2], r.weight, x.dtype)
             elif r.input.is_fp8:
                 xc = cast_to_fp8(x, r.input, -1, r.pow2_scales)
                 wc = _cast_weight(wt, r.weight, 0, r.pow2_scales)
-                _record(stats, 0, x, xc)
+                _record(stats, INPUT, x, xc)
                 if not isinstance(w, GatheredFloat8Weight):  # (gathered: recorded per shard before the all-gather)
-                    _record(stats, 1, w, (wc[0].t(), *wc[1:]))  # w and q.t() are contiguous
+                    _record(stats, WEIGHT, w, (wc[0].t(), *wc[1:]))  # w and q.t() are contiguous
                 out = gemm(xc[0].reshape(-1, k), _rows(xc[1]), wc[0], wc[1], x.dtype, backend, True)
             else:
-                out = torch.mm(x.reshape(-1, k), wt)
+                out = torch.mm(x.reshape(-1, k), wt.to(x.dtype))
             if sqnr is not None:
                 _record_sqnr(sqnr, out, x.reshape(-1, k), wt)
         ctx.recipe, ctx.backend, ctx.stats = r, backend, stats
@@ -103,18 +101,18 @@ class _Float8Matmul(torch.autograd.Function):
             go_gi = None
             if r.grad_output.is_fp8 and (ctx.needs_input_grad[0] or stats is not None):
                 go_gi = cast_to_fp8(go, r.grad_output, -1, r.pow2_scales)
-                _record(stats, 2, go, go_gi)
+                _record(stats, GRAD_OUTPUT, go, go_gi)
             if ctx.needs_input_grad[0]:
                 if r.grad_output.is_fp8:
                     if not r.save_fp8:
                         wq, sw, _ = _cast_weight(wt, r.weight_for_grad_input, -1, r.pow2_scales)
                     grad_input = gemm(go_gi[0], go_gi[1], wq.t(), _t(sw), dtype, backend, False)
                 else:
-                    grad_input = torch.mm(go, wt.t())
+                    grad_input = torch.mm(go, wt.t().to(dtype))
                 grad_input = grad_input.reshape(*grad_output.shape[:-1], k)
             cw = r.grad_output_for_grad_weight
             if cw.is_fp8 and not r.grad_output.is_fp8:
-                _record(stats, 2, go, cast_to_fp8(go, cw, 0, r.pow2_scales))
+                _record(stats, GRAD_OUTPUT, go, cast_to_fp8(go, cw, 0, r.pow2_scales))
             if ctx.needs_input_grad[1]:
                 if cw.is_fp8:
                     if go_gi is not None and cw == r.grad_output and cw.granularity == "tensor":
@@ -144,17 +142,17 @@ def _block_backward(ctx: Any, x: torch.Tensor, wt: torch.Tensor, go: torch.Tenso
     with torch.autocast(go.device.type, enabled=False):
         if r.grad_output.is_fp8 and (ctx.needs_input_grad[0] or stats is not None):
             goc = quantize(go, r.grad_output, r.pow2_scales)
-            _record(stats, 2, go, goc)
+            _record(stats, GRAD_OUTPUT, go, goc)
         cw = r.grad_output_for_grad_weight
         if cw.is_fp8 and not r.grad_output.is_fp8:
             got = quantize(go.t().contiguous(), cw, r.pow2_scales)
-            _record(stats, 2, go.t(), got)
+            _record(stats, GRAD_OUTPUT, go.t(), got)
         if ctx.needs_input_grad[0]:
             if r.grad_output.is_fp8:
                 wtc = quantize(wt.contiguous(), r.weight_for_grad_input, r.pow2_scales)
                 grad_input = block_gemm(goc[:2], r.grad_output, wtc[:2], r.weight_for_grad_input, dtype)
             else:
-                grad_input = torch.mm(go, wt.t())
+                grad_input = torch.mm(go, wt.t().to(dtype))
             grad_input = grad_input.reshape(*go_shape[:-1], k)
         if ctx.needs_input_grad[1]:
             if cw.is_fp8:
@@ -270,9 +268,15 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if state is not None:
         if state.device != input.device:
             state.to(input.device)
-        stats = state._data  # the window and, last column, the previous amax
+        stats = state.window
         sqnr = state.output_sqnr_db if state.sample_sqnr else None
-    out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr)
-    if bias is not None:
-        out = out + bias.to(out.dtype)
+    if recipe.fp4:  # its own GEMM path (fp8/_fp4_linear.py); the step count seeds stochastic rounding
+        step = 0
+        if state is not None:
+            step, state.rounding_step = state.rounding_step, state.rounding_step + 1
+        out = Fp4Matmul.apply(input, weight, bias, recipe, stats, sqnr, step)
+    else:
+        out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
     return out if probe is None else probe(input, None if gathered else weight, out)

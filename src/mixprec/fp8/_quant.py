@@ -12,23 +12,15 @@ import math
 
 import torch
 
+from mixprec.fp8._blocks import EPS, amax_to_scale, quantize
 from mixprec.fp8._recipe import Cast
 
 __all__ = ["EPS", "cast_to_fp8", "cast_stats", "gemm", "STAT_NAMES"]
 
-EPS = 1e-12
 #: operands of more elements than this have their fractions measured on a strided sample.
 SAMPLE = 1 << 14
 #: columns of a layer's statistics, per operand.
 STAT_NAMES = ("amax", "saturated", "underflow", "nonfinite")
-
-
-def _scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
-    amax = amax.to(torch.float64)
-    scale = (torch.finfo(dtype).max / torch.clamp(amax, min=EPS)).to(torch.float32)
-    if pow2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
-    return scale
 
 
 def cast_to_fp8(x: torch.Tensor, cast: Cast, row_dim: int, pow2: bool, amax: torch.Tensor | None = None
@@ -50,7 +42,7 @@ def cast_to_fp8(x: torch.Tensor, cast: Cast, row_dim: int, pow2: bool, amax: tor
     if amax is None:
         amax = torch.max(torch.abs(x)) if cast.granularity == "tensor" else \
             torch.amax(torch.abs(x), dim=row_dim, keepdim=True)
-    scale = _scale(amax, dtype, pow2)
+    scale = amax_to_scale(amax, dtype, pow2)
     x_scaled = x.to(torch.float32) * scale
     fmax = torch.finfo(dtype).max
     q = x_scaled.clamp_(min=-fmax, max=fmax).to(dtype)  # in place: x_scaled is ours
@@ -59,8 +51,6 @@ def cast_to_fp8(x: torch.Tensor, cast: Cast, row_dim: int, pow2: bool, amax: tor
 
 def _cast_blocks(x: torch.Tensor, cast: Cast, row_dim: int, pow2: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from mixprec.fp8._blocks import quantize
-
     if row_dim not in (-1, x.dim() - 1):
         raise ValueError(f"a {cast.granularity!r} block cast contracts the last dimension, got row_dim={row_dim} "
                          f"for shape {tuple(x.shape)}")

@@ -1,4 +1,14 @@
-"""Per-layer fp8 statistics, kept on the device, and the layer's fallback flag."""
+"""Per-layer fp8 statistics, kept on the device, and the layer's fallback flag.
+
+This module is the one owner of the statistics' layout: a *window* is a ``(3, 5)`` tensor, one
+row per operand (:data:`OPERANDS`, indexed by :data:`INPUT`, :data:`WEIGHT`,
+:data:`GRAD_OUTPUT`), the columns :data:`~mixprec.fp8._quant.STAT_NAMES` (the worst value over
+the window) and, last, the amax of the operand's previous cast (what ``saturated`` is judged
+against). :func:`record_cast` writes one cast into a window, :func:`window_stats` and
+:func:`clear_window` read and restart one; :class:`LayerState` holds a layer's window, its
+sampled output SQNR and the flags routing, Guard and Controller set. Other modules pass a
+window around whole (to the GEMM, to a checkpoint) and never index it.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +17,44 @@ from typing import Any
 
 import torch
 
-from mixprec.fp8._quant import STAT_NAMES
+from mixprec.fp8._quant import STAT_NAMES, cast_stats
 
-__all__ = ["LayerState", "OPERANDS", "layer_state", "swap_layer_state"]
+__all__ = ["LayerState", "OPERANDS", "INPUT", "WEIGHT", "GRAD_OUTPUT", "layer_state", "swap_layer_state",
+           "new_window", "record_cast", "window_stats", "clear_window"]
 
 #: rows of :attr:`LayerState.stats`.
 OPERANDS = ("input", "weight", "grad_output")
+#: the row of each operand in a window.
+INPUT, WEIGHT, GRAD_OUTPUT = range(len(OPERANDS))
 _ATTR = "_mixprec_fp8_state"
+_AMAX = STAT_NAMES.index("amax")
+
+
+def new_window(device: torch.device | str | None = None) -> torch.Tensor:
+    """An empty window (nothing recorded, no previous amax) of the default dtype on ``device``."""
+    return torch.zeros(len(OPERANDS), len(STAT_NAMES) + 1, device=device)
+
+
+def record_cast(window: torch.Tensor | None, operand: int, x: torch.Tensor, q: torch.Tensor,
+                amax: torch.Tensor) -> None:
+    """Fold one cast of ``x`` (to ``q``, with ``amax``) into row ``operand`` of ``window``: the
+    worst of each statistic (:func:`~mixprec.fp8._quant.cast_stats`, saturation judged against
+    the row's previous amax), and this cast's amax as the new previous one. ``window`` None:
+    nothing is recorded. In place, on the device (no host sync); traceable."""
+    if window is not None:
+        row = window[operand]
+        new = cast_stats(x, q, amax, row[-1])
+        row.copy_(torch.cat([torch.maximum(row[:-1], new), new[:1]]))
+
+
+def window_stats(window: torch.Tensor) -> torch.Tensor:
+    """The ``(3, 4)`` statistics of ``window`` (a view, without the previous amaxes)."""
+    return window[:, :-1]
+
+
+def clear_window(window: torch.Tensor) -> None:
+    """Start ``window`` over (in place): statistics to zero, the previous amaxes kept."""
+    window[:, :-1].zero_()
 
 
 class LayerState:
@@ -37,20 +78,50 @@ class LayerState:
     """
 
     def __init__(self, device: torch.device | str | None = None) -> None:
-        # one more column than STAT_NAMES: the last cast's amax (saturation is judged against it)
-        self._data = torch.zeros(len(OPERANDS), len(STAT_NAMES) + 1, device=device)
+        self._data = new_window(device)  # the window (see the module's docstring)
         self.output_sqnr_db = torch.full((), math.inf, device=device)
         self.fallback = False
         self.sample_sqnr = False
         self.routed = False  # a policy's call of the layer has reached fp8 (set by the routing)
         self.recipe = None  # a Float8Recipe that replaces the caller's (set by a Controller)
         self.probe = None  # measures the layer's operands after the GEMM (set by a Controller)
+        self.rounding_step = 0  # fp4 calls so far: seeds their stochastic rounding (advanced by linear)
         self._completed: tuple[torch.Tensor, torch.Tensor] | None = None  # the window the last reset closed
 
     @property
     def stats(self) -> torch.Tensor:
         """The window's ``(3, 4)`` statistics (a view of the device tensor)."""
-        return self._data[:, :-1]
+        return window_stats(self._data)
+
+    @property
+    def window(self) -> torch.Tensor:
+        """The device window itself (the statistics, then the previous amaxes): what the fp8 GEMM
+        passes to :func:`record_cast`, and what a checkpoint saves (``tolist()``) and loads
+        (:meth:`load_window`) whole."""
+        return self._data
+
+    def record(self, operand: int, x: torch.Tensor, q: torch.Tensor, amax: torch.Tensor) -> None:
+        """:func:`record_cast` into this layer's window (no host sync)."""
+        record_cast(self._data, operand, x, q, amax)
+
+    def window_amax(self, operand: int) -> torch.Tensor:
+        """The window's amax of ``operand`` so far, a ``(1,)`` view of the device tensor."""
+        return self._data[operand, _AMAX:_AMAX + 1]
+
+    def last_amax(self, operand: int) -> torch.Tensor:
+        """The amax of the last cast of ``operand`` (0 before any), a 0-d view of the device tensor."""
+        return self._data[operand, -1]
+
+    def load_window(self, window: torch.Tensor, output_sqnr_db: float | None = None) -> None:
+        """Copy ``window`` (a saved :attr:`window`) in, and ``output_sqnr_db`` when given.
+
+        Raises ValueError when its shape is not a window's.
+        """
+        if window.shape != self._data.shape:
+            raise ValueError(f"a window of shape {tuple(window.shape)}, expected {tuple(self._data.shape)}")
+        self._data.copy_(window)
+        if output_sqnr_db is not None:
+            self.output_sqnr_db.fill_(output_sqnr_db)
 
     @property
     def device(self) -> torch.device:
@@ -71,7 +142,7 @@ class LayerState:
         else:
             self._completed[0].copy_(self._data)
             self._completed[1].copy_(self.output_sqnr_db)
-        self.stats.zero_()
+        clear_window(self._data)
         self.output_sqnr_db.fill_(math.inf)
 
     def read(self) -> dict[str, Any]:

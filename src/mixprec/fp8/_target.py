@@ -1,7 +1,7 @@
 """The fp8 side of the engine's seam: which layers of a model a policy runs in fp8, and running one.
 
-The engine (:mod:`mixprec.engine`) reaches fp8 only through the names :mod:`mixprec.fp8`
-exports from here: :func:`select_targets` as a region's outermost module is called, a typed
+The engine (:mod:`mixprec.engine`) reaches fp8 only through the names
+:mod:`mixprec.fp8.internals` exports from here: :func:`select_targets` as a region's outermost module is called, a typed
 :class:`Fp8Target` per selected layer (what its ``linear`` is routed to while the layer is
 called), and :func:`traced_output` for a layer called while Dynamo traces.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.fp8._convert import select_layers
+from mixprec.fp8._layers import select_layers
 from mixprec.fp8._like import is_linear_like, linear_params, routed_call, warn_unrouted
 from mixprec.fp8._linear import linear
 from mixprec.fp8._recipe import Float8Recipe

@@ -12,7 +12,7 @@ from torch import Tensor
 from mixprec._unscale import unscale_
 from mixprec.lowp.cast import LOW_PRECISION_DTYPES
 from mixprec.optim.rounding import round_into_
-from mixprec.scaling.protocol import PreparesGrads, ScalesItself, lend_scale, lent_scale
+from mixprec.scaling.protocol import HoldsMasters, PreparesGrads, ScalesItself, lend_scale, lent_scale
 
 __all__ = ["MasterWeights"]
 
@@ -44,7 +44,7 @@ def _write_back_loaded(param: Tensor, master: Tensor, rounding: str) -> None:
     param.copy_(nearest)
 
 
-class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself):
+class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself, HoldsMasters):
     """Train a bfloat16/float16 model with float32 master weights, around any optimizer.
 
     ``MasterWeights(optimizer)`` replaces each low-precision parameter in ``optimizer``'s param
@@ -164,6 +164,12 @@ class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself):
         """The float32 master of every parameter, in ``param_groups`` order (float32 params are
         their own master)."""
         return [m for g in self.param_groups for m in g["params"]]
+
+    def master_pairs(self) -> tuple[tuple[Tensor, Tensor], ...]:
+        """``(model parameter, float32 master)`` for each low-precision parameter, in the order
+        they were added (:class:`mixprec.scaling.protocol.HoldsMasters`; float32 parameters,
+        their own masters, are not listed)."""
+        return tuple(self._pairs)
 
     def _attach(self, group: dict[str, Any]) -> None:
         """Swap ``group``'s low-precision params for masters, in place (the list object is kept,

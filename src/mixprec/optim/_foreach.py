@@ -16,114 +16,21 @@ CPU both walk :mod:`~mixprec.optim._chunks`, so these stay cache-sized). ``fused
 the element-wise update by torch's fused AdamW/SGD kernel on the same working copies, after
 mixprec's C++ kernel (:mod:`~mixprec.optim._fused`) has stepped the low-precision CPU parameters
 it takes in one pass. Under ``torch.compile`` the step is traced whole, with the step counters
-as tensors (:func:`_adamw_update`).
+as tensors (:func:`mixprec.optim._copies._adamw_update`).
 """
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from mixprec.optim._chunks import batches, part, plan
-from mixprec.optim._fused import adamw_native, on_whole_vectors, sgd_native
-from mixprec.optim.kahan import kahan_write_
-from mixprec.optim._functional import (
-    State,
-    Unscaler,
-    check_grads,
-    compute_dtype,
-    draws_random,
-    new_momentum_buffers,
-    read_state,
-    write_back,
-    write_state,
-)
+from mixprec.optim._copies import adamw_copies, pick, sgd_copies
+from mixprec.optim._functional import State, check_grads, new_momentum_buffers
+from mixprec.optim._fused import adamw_native, sgd_native
 
-__all__ = ["adamw_foreach", "sgd_foreach", "adamw_copies", "sgd_copies"]
-
-def _pick(items: list, index: list[int]) -> list:
-    return [items[i] for i in index]
-
-
-def _to_compute(tensors: list[Tensor], cdtypes: list[torch.dtype]) -> list[Tensor]:
-    """Each tensor itself if already in its compute dtype, else a converted copy (one foreach copy)."""
-    out = [t if t.dtype == c else torch.empty_like(t, dtype=c) for t, c in zip(tensors, cdtypes)]
-    copied = [i for i, (t, o) in enumerate(zip(tensors, out)) if o is not t]
-    if copied:
-        torch._foreach_copy_(_pick(out, copied), _pick(tensors, copied))
-    return out
-
-
-def _grads(
-    grads: list[Tensor], cdtypes: list[torch.dtype], inv_scale: Optional[Tensor], maximize: bool
-) -> list[Tensor]:
-    """:func:`~mixprec.optim._functional.step_grad` on a list (never writes ``grads``)."""
-    out = _to_compute(grads, cdtypes)
-    if inv_scale is not None:
-        unscale = Unscaler(inv_scale)
-        out = [unscale(g) for g in out]
-    return torch._foreach_neg(out) if maximize else out
-
-
-def _load_params(params: list[Tensor], comps: list[Optional[Tensor]], cdtypes: list[torch.dtype]) -> list[Tensor]:
-    """:func:`~mixprec.optim._functional.load_param` on a list."""
-    values = _to_compute(params, cdtypes)
-    exact = [i for i, c in enumerate(comps) if c is not None and c.dtype == torch.int16]
-    kahan = [i for i, c in enumerate(comps) if c is not None and c.dtype != torch.int16]
-    if exact:
-        torch._foreach_add_([values[i].view(torch.int32) for i in exact], _pick(comps, exact))
-    if kahan:
-        torch._foreach_add_(_pick(values, kahan), _pick(comps, kahan))
-    return values
-
-
-def _store_params(params: list[Tensor], values: list[Tensor], comps: list[Optional[Tensor]]) -> None:
-    """:func:`~mixprec.optim._functional.store_param` on a list, for every rule but stochastic
-    rounding (exact and Kahan as in :mod:`~mixprec.optim.exact` and :mod:`~mixprec.optim.kahan`)."""
-    written = [i for i, (p, v) in enumerate(zip(params, values)) if v is not p]
-    exact = [i for i in written if comps[i] is not None and comps[i].dtype == torch.int16]
-    kahan = [i for i in written if comps[i] is not None and comps[i].dtype != torch.int16]
-    nearest = [i for i in written if comps[i] is None]
-    if exact:
-        bits, low = [values[i].view(torch.int32) for i in exact], _pick(comps, exact)
-        torch._foreach_copy_(low, bits)
-        torch._foreach_sub_(bits, low)
-        torch._foreach_copy_(_pick(params, exact), _pick(values, exact))
-    if kahan and torch.compiler.is_compiling():  # rounding Inductor keeps: kahan_write_
-        for i in kahan:
-            kahan_write_(params[i], comps[i], values[i])  # type: ignore[arg-type]
-    elif kahan:
-        p, v = _pick(params, kahan), _pick(values, kahan)
-        torch._foreach_copy_(p, v)
-        torch._foreach_sub_(v, p)
-        torch._foreach_copy_(_pick(comps, kahan), v)
-    if nearest:
-        torch._foreach_copy_(_pick(params, nearest), _pick(values, nearest))
-
-
-def _write_back_all(
-    params: list[Tensor],
-    values: list[Tensor],
-    comps: list[Optional[Tensor]],
-    states: list[tuple[list[Optional[State]], list[Optional[Tensor]]]],
-    compensation: Optional[str],
-    generator: Optional[torch.Generator],
-) -> None:
-    """Write back every parameter's ``(stored, computed)`` states, then the parameters: per tensor
-    in list order when random numbers are drawn (the per-tensor path's order), else foreach."""
-    if any(draws_random(comps[i], [stored[i] for stored, _ in states], compensation) for i in range(len(params))):
-        for i, param in enumerate(params):
-            pairs = [(stored[i], computed[i]) for stored, computed in states]
-            write_back(param, values[i], comps[i], pairs, compensation, generator)
-        return
-    for stored, computed in states:
-        for s, c in zip(stored, computed):
-            if s is not None:
-                write_state(s, c, generator)  # type: ignore[arg-type]  # 8-bit, or a wider copy
-    _store_params(params, values, comps)
+__all__ = ["adamw_foreach", "sgd_foreach"]
 
 
 def adamw_foreach(
@@ -164,82 +71,13 @@ def adamw_foreach(
                             weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                             compensation=compensation, inv_scale=inv_scale, generator=generator)
         if len(rest) < len(params):
-            params, grads, comps, state_steps = (_pick(lst, rest) for lst in (params, grads, comps, state_steps))
-            stored = [_pick(lst, rest) for lst in stored]
+            params, grads, comps, state_steps = (pick(lst, rest) for lst in (params, grads, comps, state_steps))
+            stored = [pick(lst, rest) for lst in stored]
             if not rest:
                 return
     adamw_copies(params, grads, stored, comps, state_steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                  weight_decay=weight_decay, maximize=maximize, compensation=compensation, generator=generator,
                  inv_scale=inv_scale, fused=fused)
-
-
-def adamw_copies(
-    params: list[Tensor], grads: list[Tensor], stored: list[list[State]], comps: list[Optional[Tensor]],
-    state_steps: list[Tensor], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-    maximize: bool, compensation: Optional[str], generator: Optional[torch.Generator],
-    inv_scale: Optional[Tensor], fused: bool, whole_vectors: bool = False,
-) -> None:
-    """:func:`adamw_foreach`'s update on float32 working copies, the step counters already
-    incremented; ``stored``: ``[exp_avgs, exp_avg_sqs(, max_exp_avg_sqs)]``. ``whole_vectors``
-    (with ``fused``): torch's kernel computes every element as its vector body does, the scalar
-    tail included (:func:`mixprec.optim._fused.on_whole_vectors`): mixprec's C++ kernel's bits."""
-    amsgrad = len(stored) == 3
-    fused_adamw = partial(on_whole_vectors, torch._fused_adamw_, 5) if whole_vectors else torch._fused_adamw_
-    compiling = torch.compiler.is_compiling()
-    fused = fused and not compiling  # compiled: foreach ops, which the compiler fuses
-    steps: list[Any] = state_steps if compiling else [t.item() for t in state_steps]
-    units = plan(params, [grads, comps, *stored])
-    for batch in batches(units, params):
-        index = [i for i, _ in batch]
-        p = [part(params[i], sl) for i, sl in batch]
-        cdtypes = [compute_dtype(t.dtype) for t in p]
-        grads_c = _grads([part(grads[i], sl) for i, sl in batch], cdtypes, inv_scale, maximize)
-        states = [[part(s[i], sl) for i, sl in batch] for s in stored]
-        computed = [[read_state(s, c) for s, c in zip(lst, cdtypes)] for lst in states]
-        c = [part(comps[i], sl) for i, sl in batch]
-        values = _load_params(p, c, cdtypes)
-
-        if fused:  # gradients already unscaled and negated: the kernel must not do it again
-            fused_adamw(
-                values, grads_c, computed[0], computed[1], computed[2] if amsgrad else [],
-                _pick(state_steps, index), amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2,
-                weight_decay=weight_decay, eps=eps, maximize=False, grad_scale=None, found_inf=None,
-            )
-        else:
-            _adamw_update(values, grads_c, computed, _pick(steps, index), lr=lr, beta1=beta1, beta2=beta2,
-                          eps=eps, weight_decay=weight_decay)
-
-        _write_back_all(p, values, c, list(zip(states, computed)), compensation, generator)
-
-
-def _adamw_update(
-    values: list[Tensor], grads: list[Tensor], moments: list[list[Tensor]], steps: list[Any], *,
-    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-) -> None:
-    """torch's foreach AdamW on float32 working values; ``moments``: ``[exp_avgs, exp_avg_sqs(,
-    max_exp_avg_sqs)]``. ``steps``: the step counts as floats, or while ``torch.compile`` traces,
-    the counters themselves (torch's capturable formulation, -step_size folded into the
-    denominator), so that one graph serves every step; float32 bias corrections then round
-    differently from the floats' double ones."""
-    exp_avgs, exp_avg_sqs = moments[0], moments[1]
-    if weight_decay != 0:
-        torch._foreach_mul_(values, 1 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-    if len(moments) == 3:  # amsgrad
-        torch._foreach_maximum_(moments[2], exp_avg_sqs)
-    denoms = torch._foreach_sqrt(moments[-1])
-    if steps and isinstance(steps[0], Tensor):
-        neg_step_sizes = [-(lr / (1 - beta1**step)) for step in steps]
-        bias_correction2_sqrts = [(1 - beta2**step).sqrt() for step in steps]
-        torch._foreach_div_(denoms, [b * n for b, n in zip(bias_correction2_sqrts, neg_step_sizes)])
-        torch._foreach_add_(denoms, [eps / n for n in neg_step_sizes])
-        torch._foreach_addcdiv_(values, exp_avgs, denoms)
-    else:
-        torch._foreach_div_(denoms, [(1 - beta2**step) ** 0.5 for step in steps])
-        torch._foreach_add_(denoms, eps)
-        torch._foreach_addcdiv_(values, exp_avgs, denoms, [-(lr / (1 - beta1**step)) for step in steps])
 
 
 def sgd_foreach(
@@ -273,87 +111,11 @@ def sgd_foreach(
                           maximize=maximize, compensation=compensation, inv_scale=inv_scale,
                           generator=generator)
         if len(rest) < len(params):  # the rest on lists that share the momentum buffers' objects
-            params, grads, comps = (_pick(lst, rest) for lst in (params, grads, comps))
+            params, grads, comps = (pick(lst, rest) for lst in (params, grads, comps))
             if momentum != 0:
-                momentum_buffers, fresh = _pick(momentum_buffers, rest), _pick(fresh, rest)
+                momentum_buffers, fresh = pick(momentum_buffers, rest), pick(fresh, rest)
             if not rest:
                 return
     sgd_copies(params, grads, momentum_buffers, fresh, comps, lr=lr, momentum=momentum, dampening=dampening,
                weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, compensation=compensation,
                generator=generator, inv_scale=inv_scale, fused=fused)
-
-
-def sgd_copies(
-    params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Optional[Tensor]], fresh: list[bool],
-    comps: list[Optional[Tensor]], *, lr: float, momentum: float, dampening: float, weight_decay: float,
-    nesterov: bool, maximize: bool, compensation: Optional[str], generator: Optional[torch.Generator],
-    inv_scale: Optional[Tensor], fused: bool, whole_vectors: bool = False,
-) -> None:
-    """:func:`sgd_foreach`'s update on float32 working copies, the momentum buffers created
-    (``fresh[i]``: new); ``whole_vectors`` as in :func:`adamw_copies`."""
-    for batch in batches(plan(params, [grads, comps, momentum_buffers]), params):
-        p = [part(params[i], sl) for i, sl in batch]
-        cdtypes = [compute_dtype(t.dtype) for t in p]
-        grads_c = _grads([part(grads[i], sl) for i, sl in batch], cdtypes, inv_scale, maximize)
-        c = [part(comps[i], sl) for i, sl in batch]
-        values = _load_params(p, c, cdtypes)
-
-        if fused and not torch.compiler.is_compiling():  # compiled: foreach ops, which the compiler fuses
-            _fused_sgd(batch, values, grads_c, momentum_buffers, fresh, cdtypes, generator, whole_vectors, lr=lr,
-                       momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
-            _write_back_all(p, values, c, [], compensation, generator)
-            continue
-        if weight_decay != 0:
-            grads_c = torch._foreach_add(grads_c, values, alpha=weight_decay)
-        stored: list[Optional[Tensor]] = [None] * len(batch)
-        bufs: list[Optional[Tensor]] = [None] * len(batch)
-        if momentum != 0:
-            new = [k for k, (i, _) in enumerate(batch) if fresh[i]]
-            old = [k for k, (i, _) in enumerate(batch) if not fresh[i]]
-            views = [part(momentum_buffers[i], sl) for i, sl in batch]
-            for k in new:
-                bufs[k] = grads_c[k].detach().clone()
-                views[k].copy_(bufs[k])  # type: ignore[union-attr, arg-type]
-            for k in old:
-                bufs[k], stored[k] = read_state(views[k], cdtypes[k]), views[k]  # type: ignore[arg-type]
-            if old:
-                torch._foreach_mul_(_pick(bufs, old), momentum)
-                torch._foreach_add_(_pick(bufs, old), _pick(grads_c, old), alpha=1 - dampening)
-            grads_c = torch._foreach_add(grads_c, bufs, alpha=momentum) if nesterov else bufs  # type: ignore[arg-type]
-        torch._foreach_add_(values, grads_c, alpha=-lr)
-
-        _write_back_all(p, values, c, [(stored, bufs)], compensation, generator)
-
-
-def _fused_sgd(
-    batch: list,
-    values: list[Tensor],
-    grads_c: list[Tensor],
-    momentum_buffers: list[Optional[Tensor]],
-    fresh: list[bool],
-    cdtypes: list[torch.dtype],
-    generator: Optional[torch.Generator],
-    whole_vectors: bool,
-    **hyper: Any,
-) -> None:
-    """One batch of fused SGD, momentum buffers included: new buffers (set to the gradient by the
-    kernel, ``is_first_step``) and old ones in two calls; a narrower buffer is worked on in a
-    float32 copy and written back (new: to nearest, as the for-loop path; old: :func:`write_state`).
-    ``whole_vectors``: as in :func:`adamw_copies`."""
-    fused_sgd = partial(on_whole_vectors, torch._fused_sgd_, 3) if whole_vectors else torch._fused_sgd_
-    if hyper["momentum"] == 0:
-        fused_sgd(values, grads_c, [], maximize=False, is_first_step=False, **hyper)
-        return
-    views = [part(momentum_buffers[i], sl) for i, sl in batch]
-    bufs = [read_state(v, c) for v, c in zip(views, cdtypes)]  # type: ignore[arg-type]
-    for first in (True, False):
-        ks = [k for k, (i, _) in enumerate(batch) if fresh[i] == first]
-        if ks:
-            fused_sgd(_pick(values, ks), _pick(grads_c, ks), _pick(bufs, ks), maximize=False,
-                      is_first_step=first, **hyper)
-    for k, (i, _) in enumerate(batch):
-        if bufs[k] is not views[k]:
-            if fresh[i]:
-                views[k].copy_(bufs[k])  # type: ignore[union-attr]
-            else:
-                write_state(views[k], bufs[k], generator)  # type: ignore[arg-type]

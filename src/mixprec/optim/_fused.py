@@ -24,7 +24,7 @@ kernel rounds its scalar tail (the last ``numel % 16`` elements of a tensor) a l
 Where the kernel is not available (no compiler, ``MIXPREC_NATIVE_KERNELS=0``, another CPU, a
 torch build that rounds otherwise) the parameters it would take run its definition instead:
 torch's fused kernel on float32 working copies, the tail computed as a vector of its own
-(:func:`on_whole_vectors`). So the default optimizer and ``fused=True`` give the same bits with or
+(:func:`mixprec.optim._copies.on_whole_vectors`). So the default optimizer and ``fused=True`` give the same bits with or
 without a compiler (on one machine), and a run resumed elsewhere keeps its trajectory.
 Everything the kernel does not take (CUDA, float32 parameters, float16 stochastic rounding,
 bfloat16/float16 state) keeps its own path.
@@ -40,18 +40,17 @@ from torch import Tensor
 
 from mixprec import _native
 from mixprec.optim import quant8
+from mixprec.optim._copies import adamw_copies, sgd_copies
 from mixprec.optim._functional import NARROW, draws_random
 from mixprec.optim.quant8 import Quantized8
 
-__all__ = ["native_ops", "any_candidate", "adamw_native", "sgd_native", "on_whole_vectors"]
+__all__ = ["native_ops", "any_candidate", "adamw_native", "sgd_native"]
 
 _log = logging.getLogger("mixprec")
 #: torch's CPU capabilities where the kernel may serve (their fused kernels' arithmetic is known)
 _CAPABILITIES = ("AVX512", "AVX2")
 _KERNEL_BLOCK = 256  # kBlock in optim_kernel.cpp: 8-bit moments must use the same block size
 _MODES = {None: 0, "kahan": 1, "exact": 2, "stochastic": 3}
-#: torch's widest float32 vector on the CPU (AVX-512): its kernels' scalar tail is shorter
-_VECTOR = 16
 
 
 def native_ops() -> Optional[Any]:
@@ -211,55 +210,6 @@ def any_candidate(params: list[Tensor]) -> bool:
     return any(p.device.type == "cpu" and p.dtype in NARROW for p in params)
 
 
-def _flat(t: Tensor) -> Tensor:
-    """A dense tensor's elements in storage order (as torch's fused kernels walk them)."""
-    return t.view(-1) if t.is_contiguous() else t.as_strided((t.numel(),), (1,))
-
-
-def on_whole_vectors(fn: Any, lists: int, *args: Any, **kwargs: Any) -> None:
-    """Call torch's fused CPU kernel ``fn`` (``torch._fused_adamw_``, ``torch._fused_sgd_``) so that
-    it computes every element with its vector body, as mixprec's C++ kernel does.
-
-    Each tensor of the first ``lists`` arguments (per parameter: float32 values, gradients,
-    states, dense and laid out alike; argument 1, the gradients, is only read) runs as two: its
-    whole 16-element vectors (a view) and the rest of it padded with zeros to one vector (a copy,
-    written back after the call). Further positional arguments are per parameter (step
-    counters): repeated for each piece. Keyword arguments go to ``fn``.
-
-    Example:
-        >>> import torch
-        >>> p, g = torch.zeros(20), torch.ones(20)
-        >>> on_whole_vectors(torch._fused_sgd_, 3, [p], [g], [], lr=0.5, momentum=0.0, dampening=0.0,
-        ...                  weight_decay=0.0, nesterov=False, maximize=False, is_first_step=False)
-        >>> bool((p == -0.5).all())
-        True
-    """
-    tensors, per_param = args[:lists], args[lists:]
-    split: list[list[Tensor]] = [[] for _ in tensors]
-    repeated: list[list[Any]] = [[] for _ in per_param]
-    tails: list[tuple[Tensor, Tensor]] = []
-    for i, first in enumerate(tensors[0]):
-        n = first.numel()
-        cut = n - n % _VECTOR
-        for k, lst in enumerate(tensors):
-            if not lst:  # no max_exp_avg_sqs, no momentum buffers
-                continue
-            flat = _flat(lst[i])
-            if cut:
-                split[k].append(flat[:cut])
-            if cut < n:
-                pad = flat.new_zeros(_VECTOR)
-                pad[: n - cut] = flat[cut:]
-                split[k].append(pad)
-                if k != 1:
-                    tails.append((flat[cut:], pad[: n - cut]))
-        for k, lst in enumerate(per_param):
-            repeated[k] += [lst[i]] * ((cut > 0) + (cut < n))
-    fn(*split, *repeated, **kwargs)
-    for dst, src in tails:
-        dst.copy_(src)
-
-
 def _kernel_or_definition(params: list[Tensor]) -> tuple[bool, Optional[Any]]:
     """``(runs, ops)``: whether the parameters the kernel takes are stepped here (not while
     compiling without the kernel: the caller's path is traced), and the kernel (``None``: its
@@ -305,8 +255,6 @@ def adamw_native(
         torch._foreach_add_([state_steps[i] for index in groups.values() for i in index], 1)
     rest = [i for i, kind in enumerate(kinds) if kind is None]
     if ops is None:
-        from mixprec.optim._foreach import adamw_copies
-
         taken = [i for i, kind in enumerate(kinds) if kind is not None]
         pick = lambda lst: [lst[i] for i in taken]  # noqa: E731
         if taken:
@@ -349,8 +297,6 @@ def sgd_native(
     kinds = _keep_draw_order(kinds, comps, states, compensation)
     rest = [i for i, kind in enumerate(kinds) if kind is None]
     if ops is None:
-        from mixprec.optim._foreach import sgd_copies
-
         taken = [i for i, kind in enumerate(kinds) if kind is not None]
         pick = lambda lst: [lst[i] for i in taken]  # noqa: E731
         if taken:

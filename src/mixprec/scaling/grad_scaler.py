@@ -2,21 +2,17 @@
 signals, overflow attribution and distributed agreement.
 
 The scaler is a stateful shell: the scale-update rule is the pure function
-:func:`mixprec.scaling.update_scale` (``rule.py``), unscaling is :func:`mixprec._unscale.unscale_`,
-attribution and the ``MinScaleError`` report are ``_attribution.py``, the per-optimizer record,
-the host snapshot and the checkpoint format are ``_state.py``, and the optimizer protocol is
-``protocol.py``. What is left here is the iteration's bookkeeping (stages, skips, update).
-
-Longer than our 500-line guide because it carries ``torch.amp.GradScaler``'s whole public surface,
-each method with a docstring that states its host syncs and errors (about half the lines).
+:func:`mixprec.scaling.update_scale` (``rule.py``), unscaling is the strategy it holds
+(``unscaling.py``: one loss scale, or per layer, ``layerwise/``), attribution and the
+``MinScaleError`` report are ``_attribution.py``, the per-optimizer record, the host snapshot and
+the checkpoint format are ``_state.py``, the readers, getters and setters ``_accessors.py``,
+saving and pickling ``_checkpoint.py``, and the optimizer protocol is ``protocol.py``. What is
+left here is the iteration: scale, unscale, step, update, with their stages and skips.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import inspect
-import types
 import warnings
 from collections import abc, defaultdict, deque
 from typing import Any, Callable, Iterable, Literal, Sequence, overload
@@ -25,28 +21,14 @@ import torch
 from torch import nn
 
 from mixprec._unscale import PerDevice, unscale_
+from mixprec.scaling._accessors import ScalerAccessors
 from mixprec.scaling._attribution import Attribution, MinScaleError, local, min_scale_message
-from mixprec.scaling._state import (
-    ON_MIN_SCALE,
-    HostSnapshot,
-    OptimizerState,
-    Stage,
-    chosen_options,
-    from_state_dict,
-    overridden_message,
-    overridden_options,
-    to_state_dict,
-    validated_new_scale,
-)
+from mixprec.scaling._checkpoint import ScalerCheckpoint
+from mixprec.scaling._state import ON_MIN_SCALE, HostSnapshot, OptimizerState, Stage, chosen_options, validated_new_scale
 from mixprec.scaling.layerwise import DEFAULT_BOUNDS, Layerwise
 from mixprec.scaling.protocol import lend_scale, prepare_grads
-from mixprec.scaling.rule import (
-    ScaleConfig,
-    ScaleState,
-    _check_scale_value,
-    backoff_blocked,
-    update_scale,
-)
+from mixprec.scaling.rule import ScaleConfig, ScaleState, _check_scale_value, backoff_blocked, update_scale
+from mixprec.scaling.unscaling import GlobalUnscaling, Unscaling
 
 __all__ = ["GradScaler", "HistoryCallback", "MinScaleError"]
 
@@ -64,12 +46,7 @@ def _check_optimizer(optimizer: Any, funcname: str) -> None:
         )
 
 
-def _is_unpicklable_function(fn: Any) -> bool:
-    """A lambda or a function defined inside another: ``pickle`` cannot store it by name."""
-    return isinstance(fn, types.FunctionType) and ("<lambda>" in fn.__qualname__ or "<locals>" in fn.__qualname__)
-
-
-class GradScaler(torch.amp.GradScaler):
+class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
     """Dynamic loss scaling, a drop-in for :class:`torch.amp.GradScaler`.
 
     With the default settings the scale trajectory, the skipped steps and the weights are bit for
@@ -110,7 +87,8 @@ class GradScaler(torch.amp.GradScaler):
             :meth:`update` with the 0-based iteration, the scale used in it, whether an optimizer
             step was skipped and the names of the parameters with non-finite gradients (empty on
             clean steps). See :class:`mixprec.scaling.CSVHistory` and ``TensorBoardHistory``.
-        per_layer: per-layer gradient scaling (:mod:`mixprec.scaling.layerwise`): :meth:`watch`
+        per_layer: per-layer gradient scaling (:mod:`mixprec.scaling.layerwise`, the unscaling
+            strategy the scaler then holds, see :mod:`mixprec.scaling.unscaling`): :meth:`watch`
             chooses cut points, each multiplies the gradient crossing it by a power of two chosen
             from the previous step's gradient amax, and :meth:`unscale_` divides each gradient
             by its own scale (exact). :meth:`layer_scales` reads the factors.
@@ -227,7 +205,9 @@ class GradScaler(torch.amp.GradScaler):
         self._attribution = Attribution()
         if cut_points is not None and not per_layer:
             raise ValueError("cut_points is an option of per-layer scaling: pass per_layer=True with it.")
-        self._layerwise = Layerwise(self._config, cut_points, layer_bounds) if per_layer and self._enabled else None
+        self._unscaling: Unscaling = (
+            Layerwise(self._config, cut_points, layer_bounds) if per_layer and self._enabled else GlobalUnscaling()
+        )
 
     # ------------------------------------------------------------------ state
 
@@ -243,79 +223,6 @@ class GradScaler(torch.amp.GradScaler):
                 "scaler.scale(loss) (and backward) earlier in the iteration."
             )
         return self._state
-
-    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """torch's ``(scale, growth_tracker)`` accessor; raises before :meth:`scale`."""
-        state = self._require_state(funcname)
-        return state.scale, state.growth_tracker
-
-    def _host_snapshot(self) -> HostSnapshot:
-        """The state as host numbers: the snapshot before :meth:`scale`, else one host sync."""
-        if self._state is None or self._skipped_steps is None:
-            return self._snapshot
-        return HostSnapshot.read(self._state, self._skipped_steps)
-
-    def _clamped(self, scale: float) -> float:
-        """``scale`` clamped into ``[min_scale, max_scale]`` (host floats, no sync)."""
-        return min(max(scale, self._config.lower), self._config.upper)
-
-    def _get_scale_async(self) -> torch.Tensor | None:
-        """The scale tensor (no host sync), or ``None`` before :meth:`scale`; as torch's."""
-        return None if self._state is None else self._state.scale
-
-    @property  # type: ignore[override]
-    def _scale(self) -> torch.Tensor | None:
-        """torch's name for the scale tensor (``None`` before :meth:`scale`), for code ported from it."""
-        return None if self._state is None else self._state.scale
-
-    @property  # type: ignore[override]
-    def _growth_tracker(self) -> torch.Tensor | None:
-        """torch's name for the growth-tracker tensor (``None`` before :meth:`scale`)."""
-        return None if self._state is None else self._state.growth_tracker
-
-    @property
-    def state(self) -> ScaleState | None:
-        """The current :class:`ScaleState` (device tensors), or ``None`` before :meth:`scale`."""
-        return self._state
-
-    @property
-    def config(self) -> ScaleConfig:
-        """The rule's parameters as a frozen :class:`ScaleConfig`."""
-        return self._config
-
-    @property
-    def last_step_skipped(self) -> torch.Tensor:
-        """0-dim bool tensor on the scaler's device: whether the last :meth:`step` was skipped.
-
-        Producing it costs no host sync; reading it (``bool(...)``, ``.item()``) does. ``False``
-        (on the CPU) before the first :meth:`scale`.
-        """
-        if self._last_step_skipped is None:
-            return torch.zeros((), dtype=torch.bool)
-        return self._last_step_skipped
-
-    @property
-    def skipped_steps(self) -> torch.Tensor:
-        """0-dim int64 tensor: the number of iterations (``update()`` calls) with an overflow."""
-        if self._skipped_steps is None:
-            return torch.full((), self._snapshot.skipped_steps, dtype=torch.int64)
-        return self._skipped_steps
-
-    @property
-    def last_overflow(self) -> tuple[str, ...] | None:
-        """Names of the watched parameters whose gradients were inf/NaN in the last step.
-
-        ``()`` after a clean step, ``None`` when no model is :meth:`watch`-ed. Computed only on a
-        skipped step.
-        """
-        return self._attribution.last_overflow
-
-    def skipped_for(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """0-dim bool tensor: whether ``optimizer``'s last :meth:`step` was skipped (no sync).
-
-        :attr:`last_step_skipped` for an optimizer this scaler has not stepped.
-        """
-        return self._skipped_by_optimizer.get(id(optimizer), self.last_step_skipped)
 
     # ------------------------------------------------------------------ scale
 
@@ -347,14 +254,12 @@ class GradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return outputs
-        if self._layerwise is not None:
-            self._layerwise.require_model()
+        self._unscaling.check_ready()
         if isinstance(outputs, torch.Tensor):
             if self._state is None:
                 self._lazy_init_scale_growth_tracker(outputs.device)
             scale = self._require_state("scale").scale
-            if self._layerwise is not None:
-                self._layerwise.observe(outputs, scale.device)  # plans the backward
+            self._unscaling.observe(outputs, scale.device)  # per-layer: plans the backward
             return outputs * scale.to(device=outputs.device, non_blocking=True)
 
         stash: list[PerDevice] = []
@@ -372,8 +277,8 @@ class GradScaler(torch.amp.GradScaler):
             raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
         scaled = apply(outputs)
-        if self._layerwise is not None and self._state is not None:
-            self._layerwise.observe(outputs, self._state.scale.device)
+        if self._state is not None:
+            self._unscaling.observe(outputs, self._state.scale.device)
         return scaled
 
     # ------------------------------------------------------------------ unscale
@@ -413,10 +318,7 @@ class GradScaler(torch.amp.GradScaler):
                     grad = local(grad)  # we reduce found_inf ourselves below
                 grads.append(grad)
                 owners.append(param)
-        if self._layerwise is not None and scale is not None:
-            found = self._layerwise.unscale(optimizer, owners, grads, scale)
-        else:
-            found = unscale_(grads, scale)
+        found = unscale_(grads, None) if scale is None else self._unscaling.unscale(optimizer, owners, grads, scale)
         if group is None:
             return found
         # One flag on the scale's device, MAX over the ranks: every rank skips together. Every
@@ -525,7 +427,7 @@ class GradScaler(torch.amp.GradScaler):
         if optimizer_state.stage is Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
 
-        if self._layerwise is not None and optimizer_state.stage is Stage.READY:
+        if self._unscaling.unscale_before_step and optimizer_state.stage is Stage.READY:
             self.unscale_(optimizer)  # per-layer scales: the fused kernels know one scale only
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             if "grad_scaler" in inspect.signature(optimizer.step).parameters:
@@ -601,37 +503,8 @@ class GradScaler(torch.amp.GradScaler):
         parameters costs one more, on skipped steps only.
         """
         self._attribution.watch(model, prefix)
-        if self._layerwise is not None:
-            self._layerwise.watch(model)
+        self._unscaling.watch(model)
         return self
-
-    def layer_scales(self) -> dict[str, float]:
-        """``{cut point: s}`` with ``per_layer=True``: the power of two each cut point multiplies
-        the gradient by (one host sync). See :mod:`mixprec.scaling.layerwise`.
-
-        Raises:
-            RuntimeError: without ``per_layer=True``, or before :meth:`watch`.
-        """
-        if self._layerwise is None or not self._layerwise.names:
-            raise RuntimeError("layer_scales() needs GradScaler(..., per_layer=True).watch(model).")
-        return self._layerwise.scales()
-
-    def layer_scales_async(self) -> torch.Tensor | None:
-        """The factors of :meth:`layer_scales` as a float32 tensor on the scale's device, in the
-        cut points' order, without a host sync (a new tensor each call: record it every step and
-        read later); ``None`` without ``per_layer=True`` or before the first :meth:`scale`."""
-        return None if self._layerwise is None else self._layerwise.factors()
-
-    def layer_scale_history(self) -> list[dict[str, float]]:
-        """:meth:`layer_scales` after each of the last 16 :meth:`update` calls, oldest first (kept
-        on the device; one host sync to read). ``[]`` without ``per_layer=True``."""
-        return [] if self._layerwise is None else self._layerwise.history()
-
-    @property
-    def last_overflow_cuts(self) -> tuple[str, ...]:
-        """With ``per_layer=True``: the cut points whose regions overflowed first in the last
-        :meth:`update` (their margins backed off); ``()`` otherwise. One host sync."""
-        return () if self._layerwise is None else self._layerwise.last_overflow()
 
     # ------------------------------------------------------------------ update
 
@@ -670,19 +543,15 @@ class GradScaler(torch.amp.GradScaler):
                 self._on_min_scale == "raise" or (self._on_min_scale == "warn" and not self._warned_min_scale)
             ):
                 blocked = backoff_blocked(state, found_inf, self._config)
-            new_state = update_scale(state, found_inf, self._config)
-            if self._layerwise is not None:  # an overflow the cut points absorbed keeps the scale
-                absorbed = self._layerwise.update(found_inf, self._group(), self._config, self._read_overflow())
-                if absorbed is not None:
-                    new_state = new_state._replace(
-                        scale=torch.where(absorbed, state.scale, new_state.scale),
-                        hysteresis_left=torch.where(absorbed, state.hysteresis_left, new_state.hysteresis_left),
-                    )
+            proposed = update_scale(state, found_inf, self._config)
+            # per-layer: an overflow the cut points absorbed keeps the scale
+            new_state = self._unscaling.update(
+                state, proposed, found_inf, self._group(), self._config, self._read_overflow()
+            )
         else:
             found_inf = self._combined_found_inf(recorded) if recorded else None
             new_state = state._replace(scale=validated_new_scale(new_scale, state.scale, self._config))
-            if self._layerwise is not None:  # factors kept; this step's statistics discarded
-                self._layerwise.skip_update()
+            self._unscaling.skip_update()  # per-layer: factors kept, this step's statistics discarded
         self._recent_scales.append(state.scale)
         if found_inf is not None and self._skipped_steps is not None:
             self._skipped_steps = self._skipped_steps + (found_inf != 0)
@@ -715,155 +584,3 @@ class GradScaler(torch.amp.GradScaler):
         read = [s.skipped for s in self._per_optimizer_states.values() if s.found_inf_per_device]
         return None if not read or None in read else any(read)
 
-    # ------------------------------------------------------------------ getters and setters
-
-    def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled). One host sync."""
-        if not self._enabled:
-            return 1.0
-        return self._snapshot.scale if self._state is None else float(self._state.scale.item())
-
-    def _get_growth_tracker(self) -> int:
-        """torch's accessor for the growth tracker (0 when disabled). One host sync."""
-        if not self._enabled:
-            return 0
-        return self._snapshot.growth_tracker if self._state is None else int(self._state.growth_tracker.item())
-
-    def get_growth_factor(self) -> float:
-        """The growth factor."""
-        return self._config.growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        """Sets the growth factor (> 1; ``ValueError`` otherwise)."""
-        self._config = dataclasses.replace(self._config, growth_factor=new_factor)
-        self._chosen["growth_factor"] = new_factor
-
-    def get_backoff_factor(self) -> float:
-        """The backoff factor."""
-        return self._config.backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        """Sets the backoff factor (in (0, 1); ``ValueError`` otherwise)."""
-        self._config = dataclasses.replace(self._config, backoff_factor=new_factor)
-        self._chosen["backoff_factor"] = new_factor
-
-    def get_growth_interval(self) -> int:
-        """The growth interval."""
-        return self._config.growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        """Sets the growth interval (>= 1; ``ValueError`` otherwise)."""
-        self._config = dataclasses.replace(self._config, growth_interval=new_interval)
-        self._chosen["growth_interval"] = new_interval
-
-    def is_enabled(self) -> bool:
-        """Whether scaling is enabled."""
-        return self._enabled
-
-    # ------------------------------------------------------------------ serialisation
-
-    def state_dict(self) -> dict[str, Any]:
-        """The scaler's state; ``{}`` when disabled. One host sync.
-
-        Holds torch's five keys (``scale``, ``growth_factor``, ``backoff_factor``,
-        ``growth_interval``, ``_growth_tracker``), so ``torch.amp.GradScaler.load_state_dict``
-        accepts it, plus ``"mixprec"``: the other :class:`ScaleConfig` fields, ``on_min_scale``,
-        ``hysteresis_left``, ``skipped_steps`` and ``step``. Call it after :meth:`update`.
-        """
-        if not self._enabled:
-            return {}
-        saved = to_state_dict(self._host_snapshot(), self._config, self._on_min_scale, self._step)
-        if self._layerwise is not None:
-            saved["layerwise"] = self._layerwise.state_dict()
-        return saved
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state from :meth:`state_dict` of this class or of ``torch.amp.GradScaler``.
-
-        The checkpoint's options win. A torch state keeps this scaler's own mixprec options
-        (hysteresis, bounds, ``on_min_scale``) and refills the hysteresis budget; a mixprec state
-        restores all the options it was saved with. Either warns (``UserWarning``) naming each
-        option set to a non-default value by the constructor (or a setter) that the checkpoint
-        replaces with another value. The scale is clamped into ``[min_scale, max_scale]``. No-op when disabled.
-        With ``per_layer=True`` a checkpoint without per-layer state (``per_layer=False``, or
-        torch's) resets every cut point's factor to 1; a per-layer checkpoint loaded with
-        ``per_layer=False`` restores the loss scale only and warns (``UserWarning``).
-
-        Raises:
-            RuntimeError: if ``state_dict`` is empty (saved from a disabled scaler).
-            ValueError: if keys are missing (the message names them) or values are out of range;
-                the scaler is then left unchanged.
-        """
-        if not self._enabled:
-            return
-        config, on_min_scale, snapshot, step = from_state_dict(
-            state_dict, self._config, self._on_min_scale, self._step
-        )
-        overridden = overridden_options(self._chosen, config, on_min_scale)
-        if overridden:
-            warnings.warn(overridden_message(overridden), UserWarning, stacklevel=2)
-        if self._layerwise is not None and "layerwise" in state_dict:
-            self._layerwise.load_state_dict(state_dict["layerwise"])  # validates first
-        elif self._layerwise is not None:
-            self._layerwise.reset()  # a plain or torch checkpoint: every factor back to 1
-        elif "layerwise" in state_dict:
-            cuts = list(state_dict["layerwise"].get("cut_points", []))
-            warnings.warn(
-                f"this checkpoint holds per-layer scaling state (cut points {cuts!r}) that this "
-                "GradScaler (per_layer=False) ignores: only the loss scale is restored. To restore "
-                f"the factors, build it with GradScaler(..., per_layer=True, cut_points={cuts!r}) "
-                "and watch(model) the same model.",
-                UserWarning,
-                stacklevel=2,
-            )
-        self._config = config
-        self._on_min_scale = on_min_scale
-        self._snapshot = dataclasses.replace(snapshot, scale=self._clamped(snapshot.scale))
-        self._step = step
-        if self._state is not None:
-            self._lazy_init_scale_growth_tracker(self._state.scale.device)
-
-    def _host_state(self) -> dict[str, Any]:
-        """``__dict__`` with the device state replaced by its host snapshot (one host sync)."""
-        if self._enabled and len(self._per_optimizer_states) != 0:
-            raise RuntimeError(
-                "A GradScaler instance may only be pickled at the beginning "
-                "of an iteration, or at the end after scaler.update()."
-            )
-        state = self.__dict__.copy()
-        state.update(
-            _snapshot=self._host_snapshot() if self._enabled else self._snapshot,
-            _state=None,
-            _skipped_steps=None,
-            _last_step_skipped=None,
-            _skipped_by_optimizer={},
-            _recent_scales=deque(maxlen=_HISTORY_LEN),
-        )
-        return state
-
-    def __getstate__(self) -> dict[str, Any]:
-        if _is_unpicklable_function(self._history):
-            raise TypeError(
-                f"This GradScaler's history callback {self._history.__qualname__!r} is a lambda or a "
-                "local function, which pickle cannot store. Pass a module-level function or a "
-                "callable object (e.g. mixprec.scaling.CSVHistory) as history=, or save "
-                "scaler.state_dict() instead of pickling the scaler."
-            )
-        if not (self._process_group is None or isinstance(self._process_group, str)):
-            raise TypeError(
-                "This GradScaler holds a ProcessGroup, which cannot be pickled (it belongs to one "
-                "process). Save scaler.state_dict() instead and build the scaler again with the "
-                "group in the new process, or use process_group='default', which pickles."
-            )
-        return self._host_state()
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> GradScaler:
-        """A copy with the same options, state, history and process group (one host sync)."""
-        for shared in (self._history, self._process_group):
-            memo[id(shared)] = shared  # kept by reference, as they are not values
-        clone = type(self).__new__(type(self))
-        clone.__setstate__(copy.deepcopy(self._host_state(), memo))
-        return clone

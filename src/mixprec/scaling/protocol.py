@@ -1,4 +1,5 @@
-"""The optimizer protocol a loss scaler speaks: ``prepare_grads``, ``grad_scale``, ``found_inf``.
+"""The optimizer protocol a loss scaler speaks: ``prepare_grads``, ``grad_scale``, ``found_inf``,
+``master_pairs``.
 
 ``torch.amp.GradScaler`` talks to optimizers through attributes it never declares; this module
 writes the contract down, once, for :class:`mixprec.GradScaler` (the scaler side),
@@ -16,16 +17,23 @@ writes the contract down, once, for :class:`mixprec.GradScaler` (the scaler side
    them), and ``found_inf``, a 0-dim float32 tensor that is nonzero when a gradient is inf/NaN:
    the step must then leave parameters and state unchanged. The optimizer reads them with
    :func:`lent_scale`.
+3. **Naming the model parameter behind each master** (:class:`HoldsMasters`, mixprec only): an
+   optimizer that steps on copies of the model's parameters (``MasterWeights``' float32 masters)
+   says which copy is whose, so that a per-layer scaler unscales a master's gradient by its
+   model parameter's scale (:func:`master_pairs`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, NamedTuple, Optional, Protocol, runtime_checkable
+from typing import Any, Iterator, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
 from torch import Tensor
 
-__all__ = ["LentScale", "PreparesGrads", "ScalesItself", "lend_scale", "lent_scale", "prepare_grads"]
+__all__ = [
+    "HoldsMasters", "LentScale", "PreparesGrads", "ScalesItself", "lend_scale", "lent_scale", "master_pairs",
+    "prepare_grads",
+]
 
 
 @runtime_checkable
@@ -104,3 +112,24 @@ def lent_scale(optimizer: Any) -> Optional[LentScale]:
     if "found_inf" not in attributes:
         return None
     return LentScale(attributes.get("grad_scale"), attributes["found_inf"])
+
+
+class HoldsMasters(Protocol):
+    """An optimizer that steps on copies (masters) of some of the model's parameters.
+
+    Example:
+        >>> [(p.dtype, m.dtype) for p, m in MasterWeights(torch.optim.SGD(half_params, lr=0.1)).master_pairs()]
+        [(torch.float16, torch.float32), ...]
+    """
+
+    def master_pairs(self) -> Sequence[tuple[Tensor, Tensor]]:
+        """``(model parameter, master)`` for every parameter stepped on a copy, in a new sequence."""
+
+
+def master_pairs(optimizer: Any) -> Sequence[tuple[Tensor, Tensor]]:
+    """``optimizer.master_pairs()`` when it has one (a :class:`HoldsMasters`), else ``()``.
+
+    Checked by attribute, as :func:`prepare_grads` (cheap enough for every step). No host sync.
+    """
+    pairs = getattr(optimizer, "master_pairs", None)
+    return pairs() if callable(pairs) else ()

@@ -1,14 +1,16 @@
-"""The graph walk of per-layer scaling (:mod:`mixprec.scaling.layerwise`): which region's scale
-each gradient carries, in one step's autograd graph."""
+"""Where per-layer scaling cuts (:mod:`mixprec.scaling.layerwise`): the cut points of a model and
+the walk of one step's autograd graph that finds which region's scale each gradient carries."""
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
 import torch.utils.checkpoint
+from torch import nn
 
-__all__ = ["Walk", "walk"]
+__all__ = ["Walk", "choose_cut_points", "first_tensor", "reentrant_message", "tensors_of", "walk"]
 
 _ACCUMULATE = torch._C._functions.AccumulateGrad  # a parameter's (leaf's) gradient node
 _CHECKPOINT = torch.utils.checkpoint.CheckpointFunction._backward_cls  # a reentrant checkpoint
@@ -156,3 +158,102 @@ def _parameter_below(fn: Any, edges: dict[tuple[int, int], tuple[int, int]]) -> 
             return None
         fn = child
     return None
+
+
+# ----------------------------------------------------------------------------- cut points
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def choose_cut_points(model: nn.Module, names: Sequence[str] | None = None) -> list[str]:
+    """The qualified names of the modules whose outputs are cut points, bottom (input side) first.
+
+    With ``names``, checks and returns them. Otherwise finds the ``nn.Sequential`` or
+    ``nn.ModuleList`` (the model itself included) whose children hold the most trainable
+    parameters, and cuts after each of its children with parameters; when that
+    container is the model itself (or what single-child wrappers such as DDP or
+    ``torch.compile`` hold), its last child is left out (its output is the model's output, which
+    only the loss consumes).
+
+    Raises:
+        ValueError: a name that is not a submodule (with close matches), a repeated name, or no
+            container of blocks found (name the cut points then).
+
+    Example:
+        >>> choose_cut_points(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 1)))
+        ['0', '2']
+    """
+    modules = dict(model.named_modules())
+    if names is not None:
+        names = list(names)
+        for name in names:
+            if name not in modules or name == "":
+                close = difflib.get_close_matches(name, [n for n in modules if n], n=3)
+                hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+                raise ValueError(
+                    f"cut_points: {name!r} is not a submodule of the watched model.{hint} Give the "
+                    "qualified names of model.named_modules(), e.g. 'blocks.0'."
+                )
+        if len(set(names)) != len(names) or not names:
+            raise ValueError(f"cut_points must be distinct module names, at least one; got {names!r}.")
+        return names
+    best: tuple[int, str] | None = None
+    cuts: list[str] = []
+    for name, module in modules.items():
+        if not isinstance(module, (nn.Sequential, nn.ModuleList)):
+            continue
+        children = [c for c in module.children() if _has_params(c)]
+        if not children:
+            continue
+        count = sum(p.numel() for c in children for p in c.parameters() if p.requires_grad)
+        if best is None or count > best[0]:
+            best = (count, name)
+    if best is not None:
+        container = modules[best[1]]
+        prefix = f"{best[1]}." if best[1] else ""
+        cuts = [f"{prefix}{n}" for n, c in container.named_children() if _has_params(c)]
+        root = model
+        while len(root._modules) == 1:  # wrappers: DDP's .module, torch.compile's ._orig_mod
+            root = next(iter(root._modules.values()))
+        if container is root and cuts[-1] == f"{prefix}{list(container._modules)[-1]}":
+            cuts = cuts[:-1]
+    if not cuts:
+        raise ValueError(
+            "GradScaler(per_layer=True) found no nn.Sequential or nn.ModuleList of blocks in the "
+            "watched model. Name the modules whose outputs are cut points: "
+            "GradScaler(..., per_layer=True, cut_points=['blocks.0', 'blocks.1', ...])."
+        )
+    return cuts
+
+
+def reentrant_message(what: str) -> str:
+    """The error for ``what`` (e.g. "cut point 'blocks.0' runs") inside a reentrant checkpoint."""
+    return (
+        f"per_layer: {what} inside reentrant activation checkpointing "
+        "(torch.utils.checkpoint.checkpoint(..., use_reentrant=True)), whose graph the walk from "
+        "the loss cannot see into, so the scale its gradients carry cannot be known. Pass "
+        "use_reentrant=False (torch's recommendation; per-layer scaling sees through it; in "
+        "transformers: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+        "{'use_reentrant': False})), or keep the cut points and the parameters outside reentrant "
+        "checkpoints."
+    )
+
+
+def first_tensor(output: Any) -> torch.Tensor | None:
+    """The tensor that flows on from a module's ``output``: itself, or a tuple/list's first item."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+def tensors_of(outputs: Any) -> list[torch.Tensor]:
+    """The tensors in ``outputs``, nested lists and tuples flattened (what ``scale`` got)."""
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, (list, tuple)):
+        return [t for o in outputs for t in tensors_of(o)]
+    return []

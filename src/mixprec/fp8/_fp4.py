@@ -1,0 +1,227 @@
+"""FP4 (e2m1) casts: the codec, MXFP4 and NVFP4 block scales, stochastic rounding, the Hadamard transform.
+
+* **e2m1**: 1 sign, 2 exponent, 1 mantissa bit; magnitudes ``0, 0.5, 1, 1.5, 2, 3, 4, 6``; no inf
+  or NaN (a value beyond 6 saturates). A code is 4 bits, ``sign << 3 | magnitude index``; codes
+  are stored two per byte, the even element in the low nibble (torchao's ``pack_uint4``).
+  Round-to-nearest-even is bitwise torchao 0.18's ``f32_to_f4_unpacked`` on finite values (a NaN
+  becomes 6 here; its block's scale makes it NaN again on dequantization, as torchao's).
+* **MXFP4** (``Cast("e2m1", "1x32")``, OCP MX v1.0): 32 elements along the contracted dimension
+  share an E8M0 scale, rounded up (RCEIL), bitwise torchao's ``MXTensor.to_mx(...,
+  torch.float4_e2m1fn_x2, 32, ScaleCalculationMode.RCEIL)``; dequantized in the target dtype
+  (``codes.to(dtype) * scale.to(dtype)``) as torchao's ``to_dtype``.
+* **NVFP4** (``Cast("e2m1", "1x16")``, or ``"16x16"`` 2-D blocks for weights as Transformer
+  Engine's recipe): an fp32 tensor scale ``amax / (448 * 6)`` and an e4m3 scale per block
+  ``(block_amax / 6) / tensor_scale``, bitwise torchao's ``nvfp4_quantize`` with a per-tensor
+  scale; dequantized as ``codes * (tensor_scale * block_scale)`` in float32, then cast.
+  torchao clamps block scales at ``2**-6`` (e4m3's smallest normal, the default here);
+  ``subnormal_scales=True`` lets them go down to e4m3's subnormals (Transformer Engine's
+  formula; a block whose scale rounds to 0 becomes 0). An all-zero tensor (amax 0) gets a
+  tensor scale of 1 and quantizes to zeros (torchao divides by zero there: NaN).
+* **Stochastic rounding**: between the two neighbouring e2m1 magnitudes ``lo <= m < hi``, up
+  with probability ``(m - lo) / (hi - lo)`` (unbiased), from a :func:`rounding_generator` seeded
+  by ``(seed, step, stream)``: reproducible, the same on every rank, the global RNG untouched.
+* **Hadamard transform** (:func:`hadamard_matrix`, :func:`hadamard`): the 16-point
+  ``H16 diag(signs) / 4`` (orthogonal; the signs from a seed), applied to both operands of a
+  GEMM along its contracted dimension in blocks of 16, which leaves the product unchanged and
+  spreads outliers over their block before the cast (Transformer Engine's weight-gradient RHT).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mixprec.fp8._blocks import _blocked, _e8m0, _e8m0_value, _unblocked
+from mixprec.fp8._recipe import Cast
+
+__all__ = ["E2M1_MAX", "E2M1_VALUES", "Fp4Tensor", "encode_e2m1", "decode_e2m1", "pack", "unpack",
+           "quantize", "rounding_generator", "hadamard_matrix", "hadamard", "HADAMARD_SIZE"]
+
+E2M1_MAX = 6.0
+#: the value of each 4-bit code (index: the code).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_MAGNITUDES = E2M1_VALUES[:8]
+_E4M3_MAX = 448.0
+_E4M3_TINY = 2.0 ** -6  # torchao's E4M3_EPS: the smallest normal e4m3
+_F32_MAX = torch.finfo(torch.float32).max
+HADAMARD_SIZE = 16
+
+
+def _rne_bounds(device: torch.device) -> torch.Tensor:
+    # Midpoints between neighbouring magnitudes; a tie goes to the even code (0, 1.0, 2.0, 4.0),
+    # so a midpoint whose upper neighbour is even counts as passed at equality: its bound is
+    # moved one float32 ulp down (``m > nextafter(b, 0)`` is ``m >= b``).
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=device)
+    up_on_tie = torch.tensor([False, True, False, True, False, True, False], device=device)
+    return torch.where(up_on_tie, torch.nextafter(mids, torch.zeros_like(mids)), mids)
+
+
+def encode_e2m1(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The 4-bit e2m1 codes (uint8, one per element) of the float32 ``x``, already scaled into
+    ``[-6, 6]`` (beyond saturates). Round to nearest even, or with ``generator`` stochastic
+    rounding (unbiased: the expected decoded value is ``x``).
+
+    Example:
+        >>> encode_e2m1(torch.tensor([0.25, 0.75, -2.5, 7.0])).tolist()
+        [0, 2, 12, 7]
+    """
+    m = x.abs()
+    if generator is None:
+        mag = torch.bucketize(m, _rne_bounds(x.device))
+    else:
+        grid = torch.tensor(_MAGNITUDES, device=x.device)
+        lo = torch.bucketize(m, grid[1:], right=True).clamp_(max=len(grid) - 1)  # largest grid point <= m
+        lo_value = grid[lo]
+        step = grid[(lo + 1).clamp_(max=len(grid) - 1)] - lo_value
+        up = torch.rand(m.shape, generator=generator, device=x.device) * step < (m - lo_value)
+        mag = lo + up
+    return mag.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """The float32 values of 4-bit codes (uint8, one per element)."""
+    return torch.tensor(E2M1_VALUES, device=codes.device)[codes.long()]
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte along the last dimension (even length): element ``2i`` in the low
+    nibble, ``2i + 1`` in the high one (torchao's ``pack_uint4``)."""
+    return codes[..., ::2] | (codes[..., 1::2] << 4)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack`: one code per byte, twice the last dimension."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+@dataclass(frozen=True)
+class Fp4Tensor:
+    """A 2-D tensor cast to e2m1 by blocks (the contracted dimension last).
+
+    ``codes``: uint8, two codes per byte, padded to whole blocks (``[R', C' / 2]``); ``scales``:
+    one per block, E8M0 exponents (uint8, MXFP4) or ``float8_e4m3fn`` (NVFP4); ``tensor_scale``:
+    NVFP4's float32 scalar (None for MXFP4); ``amax``: each block's max ``|x|`` (float32);
+    ``shape``: the unpadded shape; ``cast``: the Cast it was made by.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: torch.Tensor | None
+    amax: torch.Tensor
+    shape: torch.Size
+    cast: Cast
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The values in ``dtype``: MXFP4 multiplied in ``dtype`` (torchao's ``to_dtype``), NVFP4 in
+        float32 then cast (torchao's ``NVFP4Tensor.dequantize``)."""
+        rows, cols = self.cast.block
+        values = decode_e2m1(unpack(self.codes))
+        vb = values.reshape(values.shape[0] // rows, rows, values.shape[1] // cols, cols)
+        if self.tensor_scale is None:
+            out = vb.to(dtype) * _e8m0_value(self.scales).to(dtype)[:, None, :, None]
+        else:
+            scale = self.tensor_scale * self.scales.to(torch.float32)
+            out = (vb * scale[:, None, :, None]).to(dtype)
+        return _unblocked(out, self.shape)
+
+    def magnitudes(self) -> torch.Tensor:
+        """The magnitude index of each element's code (0: zero), unpadded: what the cast statistics
+        count flushed values on."""
+        return _unblocked(unpack(self.codes)[None, :, None, :] & 0x7, self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes, scales and the tensor scale."""
+        ts = 0 if self.tensor_scale is None else self.tensor_scale.nbytes
+        return self.codes.nbytes + self.scales.nbytes + ts
+
+
+def quantize(x2: torch.Tensor, cast: Cast, *, subnormal_scales: bool = False,
+             generator: torch.Generator | None = None) -> Fp4Tensor:
+    """Cast the 2-D ``x2`` (contracted dimension last) to e2m1 by ``cast``'s blocks.
+
+    ``"1x32"``: MXFP4 (E8M0 scales, RCEIL); ``"1x16"`` / ``"16x16"``: NVFP4 (fp32 tensor scale,
+    e4m3 block scales, clamped at ``2**-6`` unless ``subnormal_scales``). ``generator``: round
+    stochastically with it (else to nearest even). A block running past the end of a dimension
+    is zero-padded (zeros change no amax). Precondition: ``cast.format == "e2m1"``.
+
+    Example:
+        >>> t = quantize(torch.linspace(-1, 1, 64).reshape(2, 32), Cast("e2m1", "1x32"))
+        >>> t.codes.shape, t.scales.shape, t.dequantize(torch.float32)[0, :3].tolist()
+        (torch.Size([2, 16]), torch.Size([2, 1]), [-1.0, -1.0, -1.0])
+    """
+    rows, cols = cast.block
+    xb = _blocked(x2.to(torch.float32), rows, cols)
+    amax = torch.amax(torch.abs(xb), dim=(1, 3))
+    if cast.scale_format == "e8m0":
+        scales, mul = _e8m0(amax, E2M1_MAX)
+        tensor_scale = None
+    else:
+        tensor_amax = torch.max(amax) if amax.numel() else amax.new_zeros(())
+        tensor_scale = torch.where(tensor_amax > 0, tensor_amax / (_E4M3_MAX * E2M1_MAX), 1.0)
+        block = amax / E2M1_MAX / tensor_scale
+        scales = torch.clamp(block, min=0.0 if subnormal_scales else _E4M3_TINY, max=_E4M3_MAX)
+        scales = scales.to(torch.float8_e4m3fn)
+        mul = (1.0 / tensor_scale) / scales.to(torch.float32)
+        if subnormal_scales:  # a block scale of 0: TE's reciprocal is capped at float32's max
+            mul = torch.clamp(mul, max=_F32_MAX)
+    xs = (xb * mul[:, None, :, None]).clamp_(-E2M1_MAX, E2M1_MAX)  # in place: the product is ours
+    codes = encode_e2m1(xs, generator)
+    codes = codes.reshape(codes.shape[0] * rows, -1)
+    return Fp4Tensor(pack(codes), scales, tensor_scale, amax, x2.shape, cast)
+
+
+def rounding_generator(seed: int, step: int, stream: int, device: torch.device | str) -> torch.Generator:
+    """A generator for stochastic rounding, seeded from ``(seed, step, stream)`` alone: the same
+    draws on every rank and in every rerun; the global RNG is not touched. ``stream`` tells the
+    casts of one step apart (e.g. grad_output for the input gradient and for the weight's).
+
+    Example:
+        >>> a = torch.rand(3, generator=rounding_generator(0, 5, 1, "cpu"))
+        >>> torch.equal(a, torch.rand(3, generator=rounding_generator(0, 5, 1, "cpu")))
+        True
+    """
+    key = 0
+    for part in (seed, step, stream):
+        key = _mix64(key ^ _mix64(part))
+    g = torch.Generator(device=device)
+    g.manual_seed(key >> 1)  # 63 bits; mixed, so that no (seed, step, stream) is a user's plain seed
+    return g
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers that scatters neighbouring keys."""
+    z = (z + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
+def hadamard_matrix(seed: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
+    """The 16x16 random Hadamard transform ``H16 @ diag(signs) / 4`` (float32, orthogonal), the
+    signs drawn from ``seed`` (a private generator).
+
+    Example:
+        >>> h = hadamard_matrix(3)
+        >>> bool(torch.allclose(h @ h.t(), torch.eye(16), atol=1e-6))
+        True
+    """
+    h = torch.ones(1, 1)
+    while h.shape[0] < HADAMARD_SIZE:  # Sylvester's construction
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (HADAMARD_SIZE,), generator=g).float() * 2 - 1
+    return (h * signs / math.sqrt(HADAMARD_SIZE)).to(device)
+
+
+def hadamard(x2: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``x2`` (2-D) in float32 with its last dimension transformed by ``h`` in blocks of 16
+    (``block @ h.t()``), zero-padded to a multiple of 16 (so ``hadamard(a, h) @ hadamard(b, h).t()``
+    equals ``a @ b.t()`` up to rounding). ``hadamard(y, h.t())`` inverts it (then crop)."""
+    pad = -x2.shape[-1] % HADAMARD_SIZE
+    x = F.pad(x2.to(torch.float32), (0, pad)) if pad else x2.to(torch.float32)
+    xb = x.reshape(x.shape[0], -1, HADAMARD_SIZE)
+    return (xb @ h.t().to(x.device)).reshape(x.shape)

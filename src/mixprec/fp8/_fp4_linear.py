@@ -1,0 +1,186 @@
+"""The GEMMs of an fp4 recipe: each GEMM cast and multiplied on its own, emulated.
+
+A recipe with an e2m1 cast (``Float8Recipe.mxfp4()``, ``.nvfp4()``, or one composed per GEMM
+from fp4 and fp8 recipes) runs here instead of the fp8 path. Every GEMM is ``A @ B.t()`` with
+the contracted dimension last in both operands (forward: ``x``, ``W``; input gradient:
+``grad_output``, ``W.t()``; weight gradient: ``grad_output.t()``, ``x.t()``, contiguous copies as
+torchao's emulated MX training). Each operand is cast by its :class:`Cast`: e2m1 blocks
+(:mod:`mixprec.fp8._fp4`), fp8 blocks (:mod:`mixprec.fp8._blocks`), fp8 tensor/row casts
+(:func:`~mixprec.fp8._quant.cast_to_fp8`) or none; then dequantized and multiplied in the
+GEMM's dtype (fp4 and MX: the input's, float32 for float16; float32-scaled fp8: float32).
+
+Saved for backward: the weight (the parameter, no copy) and the input already cast for the
+weight-gradient GEMM (with the Hadamard transform when the recipe asks): packed codes and
+scales, not the high-precision input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixprec.fp8._blocks import dequantize as block_dequantize
+from mixprec.fp8._blocks import gemm_dtype
+from mixprec.fp8._blocks import quantize as block_quantize
+from mixprec.fp8._fp4 import Fp4Tensor, hadamard, hadamard_matrix, quantize, rounding_generator
+from mixprec.fp8._quant import cast_stats, cast_to_fp8
+from mixprec.fp8._recipe import Cast, Float8Recipe
+
+__all__ = ["Fp4Matmul", "cast_operand"]
+
+#: rounding streams of one step: grad_output as the input-gradient and the weight-gradient GEMMs read it.
+_GO_GRAD_INPUT, _GO_GRAD_WEIGHT = 0, 1
+
+
+def cast_operand(t2: torch.Tensor, cast: Cast, recipe: Float8Recipe,
+                 generator: torch.Generator | None = None) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+    """Cast the 2-D ``t2`` (contracted dimension last) for a GEMM: ``(operand, q, amax)``, where
+    ``q`` (in ``t2``'s layout; fp4: the magnitude index of each code) and ``amax`` feed the cast
+    statistics (None for ``"none"``). ``operand`` is what :func:`gemm` takes."""
+    if cast.is_fp4:
+        t = quantize(t2, cast, subnormal_scales=recipe.subnormal_scales, generator=generator)
+        return t, None, t.amax
+    if cast.block is not None:
+        q, deq, amax = block_quantize(t2, cast, recipe.pow2_scales)
+        return (q, deq), q, amax
+    if cast.is_fp8:
+        q, scale, amax = cast_to_fp8(t2, cast, -1, recipe.pow2_scales)
+        return (q, scale), q, amax
+    return t2, None, None
+
+
+def _values(op: Any, cast: Cast, dtype: torch.dtype) -> torch.Tensor:
+    if cast.is_fp4:
+        return op.dequantize(dtype)
+    if cast.block is not None:
+        return block_dequantize(op[0], op[1], cast, dtype)
+    if cast.is_fp8:
+        q, scale = op
+        return q.to(torch.float32) / (scale.reshape(-1, 1) if scale.dim() else scale)
+    return op
+
+
+def gemm(a: Any, ca: Cast, b: Any, cb: Cast, out_dtype: torch.dtype, bias: torch.Tensor | None = None
+         ) -> torch.Tensor:
+    """``A @ B.t()`` (``+ bias``, as one ``addmm``) of two operands of :func:`cast_operand`,
+    emulated: dequantized and multiplied in the GEMM's dtype (e2m1 and E8M0 blocks: ``out_dtype``,
+    float32 for float16; other fp8 casts: float32; none: ``A``'s), then cast to ``out_dtype``."""
+    if not ca.is_fp8:
+        dtype = a.dtype
+    elif ca.is_fp4:  # as torchao's MX and NVFP4 emulation: in the input's dtype (MX takes no float16)
+        dtype = out_dtype if out_dtype != torch.float16 else torch.float32
+    else:
+        dtype = gemm_dtype(ca, out_dtype) if ca.block else torch.float32
+    a, b = _values(a, ca, dtype), _values(b, cb, dtype).t().to(dtype)
+    out = torch.mm(a, b) if bias is None else torch.addmm(bias.to(dtype), a, b)
+    return out.to(out_dtype)
+
+
+def _record(stats: torch.Tensor | None, row: int, x: torch.Tensor, op: Any, q: torch.Tensor | None,
+            amax: torch.Tensor | None) -> None:
+    # stats[row]: the window's worst [amax, saturated, underflow, nonfinite], then the last amax
+    if stats is None or amax is None:
+        return
+    if isinstance(op, Fp4Tensor):
+        q = op.magnitudes()
+    new = cast_stats(x, q, amax, stats[row, -1])
+    stats[row].copy_(torch.cat([torch.maximum(stats[row, :-1], new), new[:1]]))
+
+
+def _saved(op: Any) -> list[torch.Tensor]:
+    if isinstance(op, Fp4Tensor):
+        ts = op.tensor_scale if op.tensor_scale is not None else op.codes.new_empty(0, dtype=torch.float32)
+        return [op.codes, op.scales, ts]
+    return list(op) if isinstance(op, tuple) else [op]
+
+
+def _restored(tensors: tuple[torch.Tensor, ...], cast: Cast, shape: torch.Size) -> Any:
+    if cast.is_fp4:
+        codes, scales, ts = tensors
+        return Fp4Tensor(codes, scales, ts if ts.numel() else None, scales.new_empty(0), shape, cast)
+    return tuple(tensors) if cast.is_fp8 else tensors[0]
+
+
+class Fp4Matmul(torch.autograd.Function):
+    """``x @ w.t()`` with an fp4 recipe's casts, GEMM by GEMM (see the module's docstring).
+    ``step``: the layer's step count, which seeds stochastic rounding."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: Float8Recipe,
+                stats: torch.Tensor | None, sqnr: torch.Tensor | None, step: int) -> torch.Tensor:
+        r = recipe
+        k, n = w.shape[1], w.shape[0]
+        x2 = x.reshape(-1, k)
+        with torch.autocast(x.device.type, enabled=False):
+            xa, xq, xamax = cast_operand(x2, r.input, r)
+            wb, wq, wamax = cast_operand(w, r.weight, r)
+            _record(stats, 0, x2, xa, xq, xamax)
+            _record(stats, 1, w, wb, wq, wamax)
+            out = gemm(xa, r.input, wb, r.weight, x.dtype, bias)  # one addmm, as torchao's MX QAT linear
+            if sqnr is not None:  # the GEMM's SQNR (the bias, exact in both, left out of the signal)
+                ref = torch.mm(x2, w.t().to(x2.dtype)).double()
+                err = out.double() - ref if bias is None else out.double() - bias.double() - ref
+                db = 20 * torch.log10(torch.linalg.vector_norm(ref) / torch.linalg.vector_norm(err))
+                torch.minimum(sqnr, db.float(), out=sqnr)
+            cx = r.input_for_grad_weight
+            xt = x2.t()
+            if _hadamard(r):
+                xt = hadamard(xt, hadamard_matrix(r.seed, x.device))
+            saved = cast_operand(xt.contiguous(), cx, r)[0] if cx.is_fp8 else x2
+        ctx.recipe, ctx.stats, ctx.step = r, stats, step
+        ctx.xt_shape, ctx.w_dtype = xt.shape, w.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.save_for_backward(w, *_saved(saved))
+        return out.reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        r, stats = ctx.recipe, ctx.stats
+        w, *saved = ctx.saved_tensors
+        k = w.shape[1]
+        go = grad_output.reshape(-1, grad_output.shape[-1])
+        dtype = go.dtype
+        grad_input = grad_weight = None
+        sr = r.stochastic_rounding
+
+        def rng(stream: int) -> torch.Generator | None:
+            return rounding_generator(r.seed, ctx.step, stream, go.device) if sr else None
+
+        with torch.autocast(go.device.type, enabled=False):
+            cg = r.grad_output
+            if cg.is_fp8 and (ctx.needs_input_grad[0] or stats is not None):
+                ga, gq, gamax = cast_operand(go, cg, r, rng(_GO_GRAD_INPUT) if cg.is_fp4 else None)
+                _record(stats, 2, go, ga, gq, gamax)
+            if ctx.needs_input_grad[0]:
+                if cg.is_fp8:
+                    wb = cast_operand(w.t().contiguous(), r.weight_for_grad_input, r)[0]
+                    grad_input = gemm(ga, cg, wb, r.weight_for_grad_input, dtype)
+                else:
+                    grad_input = torch.mm(go, w.to(dtype))
+                grad_input = grad_input.reshape(*grad_output.shape[:-1], k)
+            cw = r.grad_output_for_grad_weight
+            if ctx.needs_input_grad[1] or (stats is not None and cw.is_fp8 and not cg.is_fp8):
+                got = go.t()
+                if _hadamard(r):
+                    got = hadamard(got, hadamard_matrix(r.seed, go.device))
+                if cw.is_fp8:
+                    gb, gq, gamax = cast_operand(got.contiguous(), cw, r, rng(_GO_GRAD_WEIGHT) if cw.is_fp4 else None)
+                    if not cg.is_fp8:
+                        _record(stats, 2, got, gb, gq, gamax)
+                if ctx.needs_input_grad[1]:
+                    xop = _restored(tuple(saved), r.input_for_grad_weight, ctx.xt_shape)
+                    if cw.is_fp8:
+                        grad_weight = gemm(gb, cw, xop, r.input_for_grad_weight, dtype)
+                    else:
+                        grad_weight = torch.mm(go.t(), xop.to(dtype))
+                    grad_weight = grad_weight.to(ctx.w_dtype)
+            grad_bias = None
+            if ctx.needs_input_grad[2]:
+                grad_bias = go.sum(0).to(ctx.bias_dtype)
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def _hadamard(r: Float8Recipe) -> bool:
+    """Whether the weight-gradient GEMM's operands pass through the Hadamard transform."""
+    return r.hadamard and r.input_for_grad_weight.is_fp4

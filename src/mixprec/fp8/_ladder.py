@@ -1,0 +1,284 @@
+"""The controller's rungs and what it keeps per layer: the ladder's names, a layer's recipe
+composed per GEMM from its GEMMs' rungs, the record of one layer (rungs, device windows, trends)
+and the probe that :func:`mixprec.fp8.linear` calls to measure a controlled layer's operands
+(the range under fp16; the shadow: what another rung's casts would do, on a sample)."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from mixprec.fp8._fp4 import quantize
+from mixprec.fp8._blocks import amax_to_scale
+from mixprec.fp8._quant import STAT_NAMES, cast_to_fp8
+from mixprec.fp8._recipe import Cast, Float8Recipe
+from mixprec.fp8._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window, record_cast, window_stats
+from mixprec.fp8._trend import Trend
+
+__all__ = ["Decision", "FP4_RUNGS", "FP8_RUNGS", "GEMMS", "GEMM_OPERANDS", "LOW_RUNGS", "RUNGS", "LayerRecord", "Probe",
+           "compose", "measure"]
+
+#: the rungs a ladder may hold, lowest precision first: fp4 recipes, fp8 recipes (the block-scaled
+#: ones in the order of the audit's cost model), the compute dtype, fp32.
+RUNGS = ("mxfp4", "nvfp4", "tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise", "compute", "fp32")
+FP4_RUNGS = RUNGS[:2]
+FP8_RUNGS = RUNGS[2:7]
+LOW_RUNGS = RUNGS[:7]  # the rungs that run a recipe's casts
+#: a linear layer's GEMMs (the keys of ``Float8Recipe.gemms()``) and the operands each reads, in
+#: the order of its (left, right) casts, as rows of :class:`LayerState`'s windows.
+GEMMS = ("output", "grad_input", "grad_weight")
+GEMM_OPERANDS = {"output": ("input", "weight"), "grad_input": ("grad_output", "weight"),
+                 "grad_weight": ("grad_output", "input")}
+_CASTS = tuple(f.name for f in dataclasses.fields(Float8Recipe)[:6])  # the recipe's six casts, two per GEMM
+_HP = Cast("none")
+#: the recipe settings that touch only e2m1 casts (the others, power-of-2 scales, only fp8 ones)
+_FP4_SETTINGS = ("hadamard", "stochastic_rounding", "subnormal_scales", "seed")
+_NCOL = len(STAT_NAMES)
+_RANGE = ("input", "output")  # the range row: the layer's input and output amax, in its own dtype
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One switch of one layer: at ``step`` (the :meth:`Controller.step` count), ``layer`` went
+    from ``from_`` to ``to`` (``action``: ``"promote"`` up the ladder, ``"demote"`` down) because
+    ``operand``'s ``statistic`` was ``value`` (against ``threshold``); ``reason`` says it in words.
+    ``gemm``: the GEMM that switched (``"output"``, ``"grad_input"``, ``"grad_weight"``) under a
+    ``Controller(per_gemm=True)``; None: all three together (the layer).
+
+    Example:
+        >>> d = Decision(190, "0", "input", "promote", "fp8-tensorwise", "fp8-rowwise",
+        ...              "underflow_forecast", 0.07, 0.05, "input underflow forecast 0.07 > 0.05")
+        >>> d.action, d.to
+        ('promote', 'fp8-rowwise')
+    """
+
+    step: int
+    layer: str
+    operand: str
+    action: str
+    from_: str
+    to: str
+    statistic: str
+    value: float
+    threshold: float
+    reason: str
+    gemm: str | None = None
+
+
+def compose(recipes: tuple[Float8Recipe | None, ...]) -> Float8Recipe | None:
+    """The recipe whose GEMMs (:data:`GEMMS`, in order) run the casts of ``recipes`` (one per
+    GEMM; None: the compute dtype, no cast), or None where they do not compose: the GEMMs' recipes
+    must agree on the settings of their kind (fp8 recipes: power-of-2 scales; fp4 ones: the
+    Hadamard transform, stochastic rounding, subnormal scales, seed) and the casts must make a
+    valid recipe (without fp4, no block scales beside tensor or row ones; with fp4 each GEMM runs
+    on its own, the fp8 GEMMs by the fp8 recipes' settings). A recipe the three GEMMs share is
+    returned as it is.
+
+    Example:
+        >>> t = Float8Recipe.tensorwise()
+        >>> compose((t, t, t)) is t, compose((t, None, None)).input_for_grad_weight.format
+        (True, 'none')
+        >>> compose((t, Float8Recipe.rowwise(), None)) is None  # power-of-2 scales or not
+        True
+        >>> r = compose((Float8Recipe.nvfp4(), Float8Recipe.nvfp4(), t))
+        >>> r.fp4, r.input_for_grad_weight.format, r.weight.granularity
+        (True, 'e4m3fn', '16x16')
+    """
+    used = [r for r in recipes if r is not None]
+    if not used:
+        return None
+    if all(r is used[0] for r in recipes):
+        return used[0]
+    fp4, fp8 = [r for r in used if r.fp4], [r for r in used if not r.fp4]
+    settings = [f.name for f in dataclasses.fields(Float8Recipe) if f.name not in (*_CASTS, "save_fp8", "name")]
+    for group, names in ((fp4, _FP4_SETTINGS), (fp8, [s for s in settings if s not in _FP4_SETTINGS])):
+        if any(getattr(r, s) != getattr(group[0], s) for r in group for s in names):
+            return None
+    base = fp4[0] if fp4 else fp8[0]  # an fp4 GEMM: the fp4 path runs the recipe, fp8 GEMMs by fp8's settings
+    extra = {s: getattr(fp8[0], s) for s in settings if s not in _FP4_SETTINGS} if fp4 and fp8 else {}
+    casts = {}
+    for gemm, recipe, (left, right) in zip(GEMMS, recipes, zip(_CASTS[::2], _CASTS[1::2])):
+        pair = recipe.gemms()[gemm] if recipe is not None else (_HP, _HP)
+        casts[_field(gemm, 0)], casts[_field(gemm, 1)] = pair
+    name = "+".join(r.name if r is not None else "compute" for r in recipes)
+    try:
+        return dataclasses.replace(base, **casts, **extra, save_fp8=False, name=name)
+    except ValueError:
+        return None
+
+
+def _field(gemm: str, side: int) -> str:
+    """The recipe field of ``gemm``'s left (0) or right (1) cast."""
+    return {"output": ("input", "weight"), "grad_input": ("grad_output", "weight_for_grad_input"),
+            "grad_weight": ("grad_output_for_grad_weight", "input_for_grad_weight")}[gemm][side]
+
+
+class LayerRecord:
+    """The controller's record of one layer: its rung per GEMM (one rung for all three unless the
+    controller is ``per_gemm``), its device windows, its trends.
+
+    ``gemm_windows`` (per-GEMM controllers only): ``(2, 3, 2, 5)``, the layer's own casts and the
+    shadow's, per GEMM, per operand of that GEMM, in the layout of a LayerState row.
+    """
+
+    def __init__(self, module: nn.Module | None, state: LayerState, rung: int, floor: int,
+                 allowed: tuple[bool, ...], per_gemm: bool = False) -> None:
+        # None: a layer this rank has not run yet (Controller._detached)
+        self.module = weakref.ref(module) if module is not None else _no_module
+        self.state = state
+        self.rungs = [rung] * len(GEMMS)
+        self.floor = floor  # the lowest rung it may be demoted to
+        self.allowed = allowed  # per rung of the ladder: whether the layer can run it (block multiples)
+        # the rung below's casts measured on a sample (promoted layers): a window, as LayerState's
+        self.shadow = new_window(state.device)
+        self.range = torch.zeros(len(_RANGE), device=state.device)  # worst input/output amax
+        self.gemm_windows = torch.zeros(2, len(GEMMS), 2, _NCOL + 1, device=state.device) if per_gemm else None
+        # log2 amax per operand and range entry; underflow of the layer's casts and of the shadow's
+        keys = (*OPERANDS, *(f"range_{r}" for r in _RANGE), *(f"underflow_{op}" for op in OPERANDS),
+                *(f"shadow_{op}" for op in OPERANDS))
+        if per_gemm:
+            keys = (*(f"range_{r}" for r in _RANGE),
+                    *(f"{g}.{kind}{op}" for g in GEMMS for kind in ("", "underflow_", "shadow_")
+                      for op in GEMM_OPERANDS[g]))
+        self.trends = {key: Trend() for key in keys}
+        self.clean = 0  # consecutive windows in which the rung below was safe
+        self.switches: list[int] = []  # steps of its switches (of the layer as a whole)
+        self.gemm_clean = [0] * len(GEMMS)  # per GEMM (per-GEMM records)
+        self.gemm_switches: list[list[int]] = [[] for _ in GEMMS]
+        # per GEMM, the casts its current rung measures (per-GEMM) and the rung below's (its shadow)
+        self.own: list[tuple[Cast, Cast, bool] | None] = [None] * len(GEMMS)
+        self.below_gemm: list[tuple[Cast, Cast, bool] | None] = [None] * len(GEMMS)
+        self.below: Float8Recipe | None = None  # the rung below, while it may go there: its shadow's casts
+        self.probe: Any = None  # its Probe (also in state.probe)
+
+    @property
+    def rung(self) -> int:
+        """The layer's rung (its forward GEMM's, for a per-GEMM record)."""
+        return self.rungs[0]
+
+    @rung.setter
+    def rung(self, value: int) -> None:
+        self.rungs = [value] * len(GEMMS)
+
+    def windows(self) -> torch.Tensor:
+        """The windows a check all-reduces, as one vector."""
+        parts = [self.state.stats.flatten(), window_stats(self.shadow).flatten(), self.range]
+        if self.gemm_windows is not None:
+            parts.append(self.gemm_windows[..., :-1].flatten())
+        return torch.cat(parts)
+
+    def reset(self) -> None:
+        self.state.reset()
+        clear_window(self.shadow)
+        self.range.zero_()
+        if self.gemm_windows is not None:
+            self.gemm_windows[..., :-1].zero_()
+
+
+def _no_module() -> None:
+    return None
+
+
+class Probe:
+    """What :func:`mixprec.fp8.linear` calls after a controlled layer's GEMM (``LayerState.probe``),
+    in eager mode and traced alike: the range (fp16 inputs) and, on the last steps of each window,
+    the shadow of a promoted layer; for a per-GEMM record, on every step, each GEMM's own casts
+    (sampled) too. A copy or a pickle of the model (``copy.deepcopy``) drops it: the copy runs its
+    rung without measurements."""
+
+    def __init__(self, controller: Any, rec: LayerRecord) -> None:
+        self.controller, self.rec = controller, rec
+        self.fp32 = False  # the fp32 rung: fp8.linear's fallback runs the GEMM in float32
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        return type(None), ()
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """Measure ``x`` (the GEMM's input, in its dtype), ``weight`` (``(out, in)``; None: not
+        measured) and ``out``; returns ``out``."""
+        ctl, rec = self.controller, self.rec
+        if ctl._compute is None:  # fp8.convert's layers: the dtype the layer computes in
+            ctl._compute = x.dtype
+        if x.dtype is torch.float16:
+            _range(rec.range, x, out)
+        if rec.gemm_windows is not None:
+            _measure_gemms(rec, x, weight, out, ctl.sample, ctl._measuring)
+            return out
+        below = rec.below
+        if below is None or not ctl._measuring:
+            return out
+        measure(rec.shadow, INPUT, x, below.input, below.pow2_scales, ctl.sample)
+        if weight is not None:
+            measure(rec.shadow, WEIGHT, weight.detach(), below.weight, below.pow2_scales, ctl.sample)
+        if out.requires_grad:
+            buf, sample = rec.shadow, ctl.sample
+            out.register_hook(lambda g: measure(buf, GRAD_OUTPUT, g, below.grad_output, below.pow2_scales, sample))
+        return out
+
+
+def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
+                   sample: int, shadow: bool) -> None:
+    """Per GEMM, the statistics of its own casts (every step) and of the rung below's (``shadow``
+    steps), each operand as that GEMM reads it (its contracted dimension last)."""
+    x2 = x.detach().reshape(-1, x.shape[-1])
+    w = weight.detach() if weight is not None else None
+    reads = {"output": (x2, w), "grad_input": (None, None if w is None else w.t()),
+             "grad_weight": (None, x2.t())}
+    backward = []
+    for g, gemm in enumerate(GEMMS):
+        for kind, casts in ((0, rec.own[g]), (1, rec.below_gemm[g] if shadow else None)):
+            if casts is None:
+                continue
+            left, right, pow2 = casts
+            for side, (operand, cast) in enumerate(zip(reads[gemm], (left, right))):
+                if operand is not None:
+                    measure(rec.gemm_windows[kind, g], side, operand, cast, pow2, sample)
+            if gemm != "output":
+                backward.append((rec.gemm_windows[kind, g], gemm, left, pow2))
+    if backward and out.requires_grad:
+        out.register_hook(lambda grad: _measure_grad(backward, grad, sample))
+
+
+def _measure_grad(where: list, grad: torch.Tensor, sample: int) -> None:
+    g2 = grad.detach().reshape(-1, grad.shape[-1])
+    for window, gemm, cast, pow2 in where:
+        measure(window, 0, g2 if gemm == "grad_input" else g2.t(), cast, pow2, sample)
+
+
+def _range(buf: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+    """``buf`` (the range row) = max(``buf``, [amax of x, amax of out]). No host sync."""
+    amax = torch.stack([x.detach().abs().amax().float(), out.detach().abs().amax().float()])
+    torch.maximum(buf, amax, out=buf)
+
+
+def measure(window: torch.Tensor, operand: int, x: torch.Tensor, cast: Any, pow2: bool, sample: int) -> None:
+    """Accumulate into row ``operand`` of ``window`` (a window: :func:`~mixprec.fp8._state.record_cast`) the statistics ``cast`` would
+    have on ``x``, measured on about ``sample`` elements: evenly strided rows (a row or block cast
+    along the last dimension is exact on them), scaled by the whole tensor's amax for a tensor
+    cast. No host sync."""
+    x2 = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.detach().reshape(1, 1)
+    if x2.numel() == 0:
+        return
+    # (a 2-D block, 128x128 or 16x16, is measured on the whole tensor: a sample of rows would cut it)
+    two_d = cast.block is not None and cast.block[0] > 1
+    stride = 1 if two_d else max(1, x2.numel() // sample // max(x2.shape[1], 1))
+    rows = x2[::stride]
+    if cast.is_fp4:  # fp4's own cast, rounded to nearest (no stochastic rounding, no Hadamard transform)
+        amax = torch.max(torch.abs(x2))
+        q = quantize(rows.contiguous(), cast).magnitudes()
+    elif cast.granularity == "tensor":
+        amax = torch.max(torch.abs(x2))
+        fmax = torch.finfo(cast.dtype).max
+        q = (rows.to(torch.float32) * amax_to_scale(amax, cast.dtype, pow2)).clamp_(min=-fmax, max=fmax).to(cast.dtype)
+    else:
+        q, _, _ = cast_to_fp8(rows, cast, -1, pow2)
+        amax = torch.max(torch.abs(x2)) if stride > 1 else torch.max(torch.abs(rows))
+    record_cast(window, operand, rows, q, amax)

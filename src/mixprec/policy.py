@@ -487,13 +487,6 @@ def canonical(policy: "Policy") -> "Policy":
     return policy._canonical  # type: ignore[attr-defined]
 
 
-def canonical(policy: "Policy") -> "Policy":
-    """The one object that stands for ``policy``'s value (and its fp8 guard or controller): the
-    object a region inside torch.compile passes to trace time, so that Dynamo's identity guard
-    holds for every equal policy. Held weakly: it lives while a policy equal to it does."""
-    return policy._canonical  # type: ignore[attr-defined]
-
-
 def _canonical(policy: "Policy") -> "Policy":
     """The object :func:`canonical` returns, found or made: keyed by the policy's value and its fp8
     rule's :class:`~mixprec.fp8._rule.Attachment` (equality leaves a guard or controller out, the

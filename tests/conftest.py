@@ -1,8 +1,10 @@
 """Shared fixtures: ``syncs`` counts host reads of device memory; ``native_ops`` is mixprec's
-C++ kernels (a skip without them, a failure in CI: ``_native_required``)."""
+C++ kernels (a skip without them, a failure in CI: ``_native_required``); ``fresh_dynamo``
+resets Dynamo around a test (``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -73,3 +75,13 @@ def native_ops() -> Any:
     if ops is None:
         kernels_missing("the C++ kernels could not be built here (a warning said why)")
     return ops
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Dynamo's caches reset and its counters cleared before the test, its caches reset after.
+    (``torch._dynamo`` loads on first use: a session that compiles nothing never imports it.)"""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()

@@ -3,10 +3,12 @@ tests"), so that ``-m "not slow"`` runs no subprocess.
 
 Read from the source (AST), not by running anything: a test starts a process when its body, a
 function or class it calls (of its module, of a shared helper module ``tests/**/_*.py``, or of a
-``conftest.py`` above it), or a fixture it takes by name uses ``subprocess.``, calls a
-``spawn(...)`` (ours from ``_distributed``, ``torch.multiprocessing``'s), ``get_context(...)``,
-``Process(...)``, ``os.system`` or ``os.popen``. It is marked slow by a ``pytest.mark.slow``
-decorator on it or its class, or by its module's ``pytestmark``.
+``conftest.py`` above it), or a per-test fixture it takes by name uses ``subprocess.``, calls
+a ``spawn(...)`` (ours from ``_distributed``, ``torch.multiprocessing``'s), ``get_context(...)``,
+``Process(...)``, ``os.system`` or ``os.popen``. A module- or session-scoped fixture (an oracle
+computed once in a fresh process, as ``torch_reference``) does not make each test that takes it a
+process test. It is marked slow by a ``pytest.mark.slow`` decorator on it or its class (or an
+alias such as ``slow = pytest.mark.slow``), or by its module's ``pytestmark``.
 """
 
 from __future__ import annotations

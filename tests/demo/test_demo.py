@@ -34,11 +34,6 @@ def micro(steps: int = 3, seed: int = 0) -> Settings:
     return Settings(model=MICRO, steps=steps, batch_size=2, lr=3e-3, seed=seed, eval_batches=1)
 
 
-@pytest.fixture(scope="module")
-def data() -> tuple[torch.Tensor, torch.Tensor]:
-    return corpus.load_tokens()
-
-
 def test_corpus_ships_with_the_package_and_splits() -> None:
     text = corpus.load_text()
     assert 50_000 < len(text.encode()) < 300_000

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from mixprec import fp8
-from mixprec.demo import corpus, modes
+from mixprec.demo import modes
 from mixprec.demo.model import ModelConfig, TransformerLM
 from mixprec.demo.modes import MODES, Mode
 from mixprec.demo.report import format_table, write_report
@@ -27,11 +27,6 @@ FP8_MODES = ("mixprec-fp8-guard", "mixprec-fp8-rowwise-guard")
 
 def micro(steps: int, seed: int = 0) -> Settings:
     return Settings(model=MICRO, steps=steps, batch_size=2, lr=3e-3, seed=seed, eval_batches=1)
-
-
-@pytest.fixture(scope="module")
-def data() -> tuple[torch.Tensor, torch.Tensor]:
-    return corpus.load_tokens()
 
 
 @pytest.fixture(scope="module")

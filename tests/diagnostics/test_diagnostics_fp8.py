@@ -154,8 +154,8 @@ def test_audit_fp8_arguments() -> None:
     batch, loss_fn = _audit_inputs(model)
     with pytest.raises(ValueError, match="fp8 is not a compute dtype: pass fp8='tensorwise'"):
         mixprec.audit(model, batch, loss_fn, dtypes=(torch.float8_e4m3fn,))
-    with pytest.raises(ValueError, match="unknown fp8 recipe 'nvfp4'"):
-        mixprec.audit(model, batch, loss_fn, fp8="nvfp4")
+    with pytest.raises(ValueError, match="unknown fp8 recipe 'fp2'"):
+        mixprec.audit(model, batch, loss_fn, fp8="fp2")
     with pytest.raises(ValueError, match="fp8_min_sqnr_db"):
         mixprec.audit(model, batch, loss_fn, fp8=True, fp8_min_sqnr_db="high")
     report = mixprec.audit(model, batch, loss_fn, dtypes=("bf16",))

@@ -127,8 +127,8 @@ def test_per_layer_recipes_are_a_value() -> None:
     named = Policy.fp8(recipes={"b": R("mxfp8")})
     assert json.loads(named.to_json())["fp8_rule"]["recipes"] == {"b": "mxfp8"}
 
-    with pytest.raises(ValueError, match=r"recipes\['b'\]: unknown fp8 recipe 'nvfp4'"):
-        Policy.fp8(recipes={"b": "nvfp4"})
+    with pytest.raises(ValueError, match=r"recipes\['b'\]: unknown fp8 recipe 'fp2'"):
+        Policy.fp8(recipes={"b": "fp2"})
     with pytest.raises(ValueError, match="recipes must be a mapping"):
         Policy.fp8(recipes=["b"])
     with pytest.raises(ValueError, match="keys must be distinct layer names"):
@@ -199,8 +199,8 @@ def test_controller_ladders_start_at_each_layers_recipe() -> None:
 
 
 def test_audit_fp8_auto_arguments() -> None:
-    with pytest.raises(ValueError, match="unknown fp8 recipe 'nvfp4'.*or 'auto'"):
-        mixprec.audit(Net(), _batch(), _loss, fp8="nvfp4")
+    with pytest.raises(ValueError, match="unknown fp8 recipe 'fp2'.*or 'auto'"):
+        mixprec.audit(Net(), _batch(), _loss, fp8="fp2")
 
 
 def test_cli_fp8_auto(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

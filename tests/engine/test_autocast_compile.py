@@ -20,11 +20,7 @@ class TinyTransformer(nn.Module):
         return self.head(self.layer(self.emb(x))).float().softmax(-1)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("policy", [None, mixprec.Policy().with_ops(fp32=["scaled_dot_product_attention"])],

@@ -22,11 +22,7 @@ CASES = [(AdamW, dict(lr=1e-2, weight_decay=0.1)), (AdamW, dict(lr=3e-3, amsgrad
          (SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3)), (SGD, dict(lr=1e-2))]
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 def _setup(cls, compensation, flags, kwargs):

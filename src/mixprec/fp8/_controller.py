@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from mixprec.fp8._collective import agree_on_layers, all_reduce_max, distributed
-from mixprec.fp8._decide import apply_gemms, decide_gemms, decide_layer, layer_down
+from mixprec.fp8._decide import apply_gemms, decide_gemms, decide_layer, layer_down, layer_up
 from mixprec.fp8._guard import _check_int, _check_number, count_unstepped_forward, deepcopy_attributes
 from mixprec.fp8._ladder import FP4_RUNGS, GEMMS, LOW_RUNGS, RUNGS, Decision, LayerRecord, Probe
 from mixprec.fp8._like import features
@@ -340,6 +340,10 @@ class Controller:
         self._layers[name] = rec
         self._names[module] = name
         self._apply(rec)
+
+    #: the rung a promotion / a demotion of the whole layer goes to (:mod:`mixprec.fp8._decide`)
+    _up = staticmethod(layer_up)
+    _down = staticmethod(layer_down)
 
     @staticmethod
     def _untrack(rec: LayerRecord | None) -> None:

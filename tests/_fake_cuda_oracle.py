@@ -34,6 +34,6 @@ if __name__ == "__main__":
         for name, dtype in DTYPES.items():
             out["python_kernels"][name] = run_autocast_cases(
                 lambda d: mixprec.autocast("cuda", dtype=d, policy=policy), dtype)
-        out["registered"] = sorted({f"{op}@{key}={impl}" for (op, key), impl in mixprec._dispatch._registered.items()})
+        out["registered"] = sorted({f"{op}@{key}={impl}" for (op, key), impl in mixprec.engine.kernels._registered.items()})
     with open(sys.argv[1], "w") as f:
         json.dump(out, f)

@@ -17,4 +17,4 @@ for p in policies:
                 h.update(str(e).splitlines()[0].encode()); continue
             for t in outs:
                 h.update(str(t.dtype).encode()); h.update(t.detach().float().nan_to_num().numpy().tobytes())
-print(sorted(set(v for v in mixprec._dispatch._registered.values())), h.hexdigest())
+print(sorted(set(v for v in mixprec.engine.kernels._registered.values())), h.hexdigest())

@@ -49,7 +49,7 @@ def test_import_is_light():
 def test_dir_lists_the_public_surface_only():
     """``dir(mixprec)``: ``__all__``, the public submodules and dunders (before: ``Any``,
     ``TYPE_CHECKING``, ``annotations``, ``importlib`` and every private module loaded so far)."""
-    with mixprec.autocast("cpu"):  # loads private modules (_dispatch, _module_hooks, ...)
+    with mixprec.autocast("cpu"):  # loads private modules (mixprec.engine, ...)
         pass
     names = [n for n in dir(mixprec) if not (n.startswith("__") and n.endswith("__"))]
     assert not {"Any", "TYPE_CHECKING", "annotations", "importlib"} & set(names)
@@ -64,13 +64,13 @@ with mixprec.autocast("cpu"):
 with mixprec.autocast("cpu", policy=mixprec.Policy().with_ops(fp32=["softmax"])):
     torch.softmax(torch.ones(2), 0)
 before = sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules)
-from mixprec import _module_hooks, autocast_mode
-assert not hasattr(_module_hooks._pre_eager, "_torchdynamo_disable")
+from mixprec.engine import module_calls, region
+assert not hasattr(module_calls._pre_eager, "_torchdynamo_disable")
 torch.compile(lambda x: x * 2, backend="eager")(torch.ones(2))  # Dynamo now: the decorators apply
-marks = [getattr(f, "_torchdynamo_disable", False) for f in (_module_hooks._pre_eager, _module_hooks._post_eager,
-         autocast_mode._enter_eagerly, autocast_mode._exit_eagerly)]
-marks += [getattr(f, "_dynamo_marked_constant", False) for f in (_module_hooks.traced_region,
-          _module_hooks.traced_without_fullgraph, autocast_mode._traced_region, autocast_mode._traced_eagerly)]
+marks = [getattr(f, "_torchdynamo_disable", False) for f in (module_calls._pre_eager, module_calls._post_eager,
+         region._enter_eagerly, region._exit_eagerly)]
+marks += [getattr(f, "_dynamo_marked_constant", False) for f in (module_calls.traced_region,
+          module_calls.traced_without_fullgraph, region._traced_region, region._traced_eagerly)]
 print(before, marks)
 """
 

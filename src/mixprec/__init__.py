@@ -21,14 +21,14 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     # autocast (issue: foundation)
-    "autocast": "mixprec.autocast_mode",
-    "is_autocast_enabled": "mixprec.autocast_mode",
-    "get_autocast_dtype": "mixprec.autocast_mode",
-    "custom_fwd": "mixprec.autocast_mode",
-    "custom_bwd": "mixprec.autocast_mode",
-    "checkpoint_context_fn": "mixprec.autocast_mode",
-    "DeviceTypeError": "mixprec.autocast_mode",
-    "release_kernels": "mixprec._dispatch",
+    "autocast": "mixprec.engine.region",
+    "is_autocast_enabled": "mixprec.engine.region",
+    "get_autocast_dtype": "mixprec.engine.region",
+    "custom_fwd": "mixprec.engine.region",
+    "custom_bwd": "mixprec.engine.region",
+    "checkpoint_context_fn": "mixprec.engine.region",
+    "DeviceTypeError": "mixprec.engine.region",
+    "release_kernels": "mixprec.engine.kernels",
     "Policy": "mixprec.policy",
     "ModuleRule": "mixprec._modules",
     "Fp8Rule": "mixprec.fp8._rule",
@@ -71,10 +71,9 @@ def __dir__() -> list[str]:
 
 if _typing.TYPE_CHECKING:  # static type checkers see the real names
     from mixprec import optim
-    from mixprec._dispatch import release_kernels
     from mixprec._modules import ModuleRule
-    from mixprec.fp8._rule import Fp8Rule
-    from mixprec.autocast_mode import (
+    from mixprec.engine.kernels import release_kernels
+    from mixprec.engine.region import (
         DeviceTypeError,
         autocast,
         checkpoint_context_fn,
@@ -92,6 +91,7 @@ if _typing.TYPE_CHECKING:  # static type checkers see the real names
         trace_nonfinite,
     )
     from mixprec.fp8._controller import Controller
+    from mixprec.fp8._rule import Fp8Rule
     from mixprec.lowp import MasterWeights, to_low_precision
     from mixprec.policy import Policy
     from mixprec.scaling import GradScaler, MinScaleError, skip_aware

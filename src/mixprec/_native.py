@@ -52,6 +52,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from mixprec.ops import default_table
+
 try:
     import fcntl
 except ImportError:  # Windows: msvcrt's byte-range lock, also released when its holder dies
@@ -62,7 +64,7 @@ __all__ = ["load", "build", "Built", "BuildError", "environment", "build_directo
 
 #: cast kinds the C++ kernel runs, and their codes (the enum in autocast_kernel.cpp); ``banned``
 #: (PyTorch's messages) and ``fp32_append_dtype`` stay with the Python kernel; ``fp8`` (code 5,
-#: ROUTE) calls the ``mixprec::route_*`` op :mod:`mixprec._dispatch` defines for the overload
+#: ROUTE) calls the ``mixprec::route_*`` op :mod:`mixprec.engine.kernels` defines for the overload
 KINDS: dict[str, int] = {"passthrough": 0, "lower": 1, "fp32": 2, "promote": 3, "fp32_set_opt_dtype": 4,
                          "fp8": 5}
 
@@ -466,22 +468,30 @@ def runs(kind: str) -> bool:
 
 
 _DEVICES = ("cpu", "cuda")  # index = the device argument of the C++ functions
-_defined: set[int] = set()  # edits keys (mixprec._dispatch._edits_key) with a table
-_local = threading.local()
+# Registries, process-wide like the extension itself: the edits keys (mixprec.engine.runtime.edits_key)
+# whose table the C++ kernel has, and the extension once its default tables are defined.
+_defined: set[int] = set()
+_tables: dict[str, Any] = {}
 
 
 def define_defaults(ops: Any) -> None:
-    """Tables 0 and 1: PyTorch's kinds on CPU and CUDA, for ops no active table lists."""
-    from mixprec.ops import default_table
-
+    """Tables 0 and 1: PyTorch's kinds on CPU and CUDA, for ops no active table lists; from now
+    on :func:`tables` returns ``ops``."""
     for i, dev in enumerate(_DEVICES):
         table = {n: k for n, k in default_table(dev).items() if runs(k)}
         ops.define_table(i, list(table), [KINDS[k] for k in table.values()])
+    _tables["ops"] = ops
 
 
-def set_active(ops: Any, device_type: str, key: int | None, edits: Any) -> None:
-    """Make ``edits`` (named by ``key``, their ``_dispatch._edits_key``; ``None``: no edits) the
-    active table of this thread for ``device_type``."""
+def tables() -> Any:
+    """The extension whose autocast tables are defined (:func:`define_defaults`), or None."""
+    return _tables.get("ops")
+
+
+def set_active(ops: Any, device_type: str, key: int | None, edits: Any, last: dict[str, int]) -> None:
+    """Make ``edits`` (named by ``key``, their ``edits_key``; ``None``: no edits) the active
+    table of this thread for ``device_type``; ``last``: this thread's tables as last set (the
+    engine's per-thread runtime holds it), so an unchanged table is not set again."""
     table_id = -1
     if key is not None:
         table_id = key + len(_DEVICES)  # after the default tables
@@ -490,9 +500,6 @@ def set_active(ops: Any, device_type: str, key: int | None, edits: Any) -> None:
                 native = {n: k for n, k in edits.items() if runs(k)}
                 ops.define_table(table_id, list(native), [KINDS[k] for k in native.values()])
                 _defined.add(key)
-    last = getattr(_local, "active", None)
-    if last is None:
-        last = _local.active = {}
     if last.get(device_type, -1) != table_id:
         ops.set_active(_DEVICES.index(device_type), table_id)
         last[device_type] = table_id

@@ -110,8 +110,8 @@ def test_argparse_registration(targets: Path) -> None:
 
 
 def test_fp8_option(targets: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert run("diag_factories:good", targets / "out", fp8="nvfp4") == 2
-    assert "--fp8: unknown fp8 recipe 'nvfp4'" in capsys.readouterr().err
+    assert run("diag_factories:good", targets / "out", fp8="fp2") == 2
+    assert "--fp8: unknown fp8 recipe 'fp2'" in capsys.readouterr().err
     parser = argparse.ArgumentParser(prog="mixprec")
     add_audit_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["audit", "diag_factories:good", "--out", str(targets / "r"),

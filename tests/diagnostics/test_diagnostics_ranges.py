@@ -274,7 +274,10 @@ def test_fp8_view_rowwise_uses_row_scales_rounded_down_to_a_power_of_two() -> No
         model(x)
     assert rc.results()[""]["activation"].fp8_scaled is None
     with pytest.raises(ValueError, match="unknown fp8 recipe"):
-        collect_ranges(model, fp8_recipe="nvfp4")
+        collect_ranges(model, fp8_recipe="fp2")
+    for fp4 in ("nvfp4", "mxfp4"):  # an fp4 recipe has no fp8 after-scaling view: refused, not miscounted
+        with pytest.raises(ValueError, match=f"fp8_recipe='{fp4}' is an fp4 recipe.*auto-fp4"):
+            collect_ranges(model, fp8_recipe=fp4)
 
 
 class Outlier(nn.Module):

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
-from mixprec import _dispatch
+from mixprec.engine import runtime
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -147,7 +147,7 @@ def test_state_is_restored_after_an_exception():
             1 / 0
     assert not torch.is_autocast_enabled("cpu")
     assert torch.get_autocast_dtype("cpu") is torch.bfloat16
-    assert _dispatch.top("cpu") is None and _dispatch._tls.depth == 0
+    assert runtime.top("cpu") is None and runtime.RUNTIME.depth == 0
 
 
 def test_state_is_thread_local():
@@ -206,7 +206,7 @@ def test_weight_casts_are_cached_per_outermost_region():
             lin(x)
         assert c.casts - first == 2
     assert first == 3
-    assert not _dispatch._tls.cache  # cleared on the outermost exit
+    assert not runtime.RUNTIME.cache  # cleared on the outermost exit
 
 
 def test_cache_disabled_casts_every_time():
@@ -455,7 +455,7 @@ def test_importing_mixprec_registers_nothing():
     import subprocess
     import sys
 
-    code = ("import torch, mixprec, mixprec.policy, mixprec.autocast_mode, mixprec._dispatch as d;"
+    code = ("import torch, mixprec, mixprec.policy, mixprec.engine.region, mixprec.engine.kernels as d;"
             "print(len(d._registered), len(d._libs))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["0", "0"]

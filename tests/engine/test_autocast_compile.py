@@ -122,7 +122,7 @@ def test_region_inside_a_compiled_function_traces_with_fullgraph(policy):
     for a, b in zip(compiled_grads, eager_grads):
         assert a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert mixprec._dispatch.top("cpu") is None and not torch.is_autocast_enabled("cpu")
+    assert mixprec.engine.runtime.top("cpu") is None and not torch.is_autocast_enabled("cpu")
 
 
 @pytest.mark.slow
@@ -228,7 +228,7 @@ def test_module_rules_and_output_compile_with_fullgraph(where):
         if step == 0:
             graphs = counter.graphs  # forward and backward
     assert counter.graphs == graphs
-    assert mixprec._dispatch.top("cpu") is None and not torch.is_autocast_enabled("cpu")
+    assert mixprec.engine.runtime.top("cpu") is None and not torch.is_autocast_enabled("cpu")
 
 
 def _around(compiled, x, rules):
@@ -319,7 +319,7 @@ def test_a_graph_break_inside_a_region_leaves_no_region_behind():
     x = torch.randn(2, 4)
     out = torch.compile(f, backend="aot_eager")(x)
     assert out.dtype == torch.float32  # (values: linear is not lowered there, unlike eager)
-    assert mixprec._dispatch.top("cpu") is None and mixprec._dispatch._tls.depth == 0
+    assert mixprec.engine.runtime.top("cpu") is None and mixprec.engine.runtime.RUNTIME.depth == 0
     with torch.autocast("cpu"):
         assert torch.softmax(x.bfloat16(), -1).dtype == torch.bfloat16
 

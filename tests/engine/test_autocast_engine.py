@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec import Policy, _dispatch
+from mixprec import Policy
+from mixprec.engine import kernels
 
 from _native_required import kernels_missing
 
@@ -37,14 +38,14 @@ def _python(code: str) -> str:
 def test_default_policy_runs_pytorchs_kernels_only():
     out = _python("""
         import torch, mixprec
-        from mixprec import _dispatch
+        from mixprec.engine import kernels
         m = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
         for dt in (torch.bfloat16, torch.float16):
             with mixprec.autocast("cpu", dtype=dt):
                 m(torch.randn(2, 3, 8)).sum().backward()
             with mixprec.autocast("cpu", policy=mixprec.Policy.default("cpu").keep(types=torch.nn.LayerNorm)):
                 m(torch.randn(2, 3, 8))
-        print(len(_dispatch.registered("cpu")), len(_dispatch._libs))
+        print(len(kernels.registered("cpu")), len(kernels._libs))
     """)
     assert out.split() == ["0", "0"]
 
@@ -53,11 +54,11 @@ def test_default_policy_runs_pytorchs_kernels_only():
 def test_a_policy_registers_kernels_for_its_edits_only():
     out = _python("""
         import torch, mixprec
-        from mixprec import _dispatch
+        from mixprec.engine import kernels
         p = mixprec.Policy().with_ops(fp32=["softmax"], lower=["bmm"])
         with mixprec.autocast("cpu", policy=p):
             torch.softmax(torch.randn(2, 2), -1)
-        print(sorted(_dispatch.registered("cpu")), sorted(p.edits("cpu")))
+        print(sorted(kernels.registered("cpu")), sorted(p.edits("cpu")))
     """)
     registered, edits = out.strip().split("] [")
     assert registered + "]" == "[" + edits  # same list
@@ -97,7 +98,7 @@ def test_plain_torch_autocast_is_bitwise_unchanged_before_and_after_mixprec_regi
                             fn(torch.bfloat16)
                         except RuntimeError:
                             pass
-        assert mixprec._dispatch.registered("cpu")
+        assert mixprec.engine.kernels.registered("cpu")
         after = run()
         mixprec.release_kernels()
         released = run()
@@ -113,7 +114,7 @@ def test_plain_torch_autocast_is_bitwise_unchanged_before_and_after_mixprec_regi
                     assert a.dtype == b.dtype and a.shape == b.shape, k
                     assert torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(
                         a.nan_to_num(), b.nan_to_num()), k
-        print(len(before), len(mixprec._dispatch.registered("cpu")))
+        print(len(before), len(mixprec.engine.kernels.registered("cpu")))
     """)
     n, left = out.split()
     assert int(n) > 127 and left == "0"
@@ -142,9 +143,9 @@ def test_edited_ops_run_the_cpp_kernel_fp8_routing_included(native_ops):
     policy = Policy().with_ops(fp32=["softmax"]).fp8()  # fp8: linear's C++ kernel calls a route op
     with mixprec.autocast("cpu", policy=policy):
         assert torch.softmax(x, -1).dtype == torch.float32
-    assert _dispatch._registered[("softmax.int", "AutocastCPU")] == "native"
-    assert _dispatch._registered[("linear", "AutocastCPU")] == "native"  # Python only in fp8 regions
-    assert "linear" in _dispatch._routes
+    assert kernels._registered[("softmax.int", "AutocastCPU")] == "native"
+    assert kernels._registered[("linear", "AutocastCPU")] == "native"  # Python only in fp8 regions
+    assert "linear" in kernels._routes
     with torch.autocast("cpu"):  # outside the region: PyTorch's kind (softmax on no CPU list)
         assert torch.softmax(x, -1).dtype == torch.bfloat16
 
@@ -159,12 +160,12 @@ def test_release_kernels_and_regions_register_again():
     if threading.active_count() > 1:  # a thread left by another test (tqdm's monitor): refused
         pytest.skip("other threads are alive: release_kernels() refuses (tests/engine/test_dispatch_threads.py)")
     assert mixprec.release_kernels() >= 1
-    assert not _dispatch.registered("cpu")
+    assert not kernels.registered("cpu")
     with torch.autocast("cpu"):
         assert torch.exp(x).dtype == torch.bfloat16
     with mixprec.autocast("cpu", policy=p):
         assert torch.exp(x).dtype == torch.float32
-    assert "exp" in _dispatch.registered("cpu")
+    assert "exp" in kernels.registered("cpu")
 
 
 def test_edited_op_follows_the_innermost_region():

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec import _dispatch, _native
+from mixprec import _native
+from mixprec.engine import kernels
 
 from _fake_cuda import EDITS, cuda_module, edited_expectation, fake_cuda, fake_mode, run_autocast_cases  # noqa: F401
 
@@ -70,9 +71,9 @@ def test_edited_policy_on_the_cuda_key_cpp_and_python_kernels(fake_cuda, oracle,
     assert want != oracle["torch"][dt]  # the edits change outcomes
     assert _mismatches(got, want) == [], "kernels of this process"
     assert _mismatches(oracle["python_kernels"][dt], want) == [], "Python kernels (MIXPREC_NATIVE_KERNELS=0)"
-    cuda_impls = {impl for (op, key), impl in _dispatch._registered.items() if key == "AutocastCUDA" and impl}
+    cuda_impls = {impl for (op, key), impl in kernels._registered.items() if key == "AutocastCUDA" and impl}
     if _native.load() is not None:  # a C++ compiler: this process ran the C++ kernels
-        assert "native" in cuda_impls and _dispatch._registered[("mm", "AutocastCUDA")] == "native"
+        assert "native" in cuda_impls and kernels._registered[("mm", "AutocastCUDA")] == "native"
     assert "mm@AutocastCUDA=python" in oracle["registered"]
     assert not any(r.endswith("=native") for r in oracle["registered"])
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import mixprec
-from mixprec import Policy, _dispatch
+from mixprec import Policy
+from mixprec.engine import kernels, runtime
 
 SOFTMAX_FP32 = Policy().with_ops(fp32=["softmax"])
 
@@ -29,7 +30,7 @@ def _release_once_alone() -> None:
         with pytest.raises(RuntimeError, match="other threads are alive"):
             mixprec.release_kernels()
         return
-    assert mixprec.release_kernels() >= 1 and not _dispatch.registered("cpu")
+    assert mixprec.release_kernels() >= 1 and not kernels.registered("cpu")
 
 
 def test_release_from_another_thread_leaves_an_active_region_alone():
@@ -73,7 +74,7 @@ def test_release_refuses_while_other_threads_are_alive():
     try:
         with pytest.raises(RuntimeError, match=r"other threads are alive \(.*worker"):
             mixprec.release_kernels()
-        assert "softmax.int" in _dispatch.registered("cpu")
+        assert "softmax.int" in kernels.registered("cpu")
         with torch.autocast("cpu"):  # a kept kernel gives PyTorch's kind (softmax: none on CPU)
             assert torch.softmax(x, -1).dtype == torch.bfloat16
     finally:
@@ -85,17 +86,16 @@ def test_release_refuses_while_other_threads_are_alive():
 def test_frames_leave_by_identity():
     """Nested frames with equal policies are distinct: leaving the middle one out of order (a
     generator's region) leaves the outer one (before: list.remove took the first equal frame)."""
-    outer, middle = (_dispatch.Frame("cpu", {}, Policy()) for _ in range(2))
-    inner = _dispatch.Frame("cpu", {}, Policy(compute=torch.float16))
-    for frame in (outer, middle, inner):
-        _dispatch.push(frame)
+    outer, middle = (runtime.Frame("cpu", {}, Policy()) for _ in range(2))
+    inner = runtime.Frame("cpu", {}, Policy(compute=torch.float16))
+    entries = {id(frame): runtime.enter(frames=(frame,)) for frame in (outer, middle, inner)}
     try:
-        _dispatch.pop(middle)
-        assert [f is g for f, g in zip(_dispatch._tls.frames["cpu"], (outer, inner))] == [True, True]
+        runtime.leave(entries[id(middle)])
+        assert [f is g for f, g in zip(runtime.RUNTIME.frames["cpu"], (outer, inner))] == [True, True]
     finally:
-        _dispatch.pop(inner)
-        _dispatch.pop(outer)
-    assert _dispatch.top("cpu") is None and _dispatch._tls.depth == 0
+        runtime.leave(entries[id(inner)])
+        runtime.leave(entries[id(outer)])
+    assert runtime.top("cpu") is None and runtime.RUNTIME.depth == 0
 
 
 _STRESS = """
@@ -115,7 +115,7 @@ def plain():  # only torch.autocast: PyTorch's casts, whatever the other thread 
         while not stop.is_set():
             # without the C++ build fp8's linear has a Python kernel, which calls PyTorch's
             # holding the GIL: its weight cache lock can deadlock against a region's exit
-            # clearing the cache (known, see mixprec._dispatch); without the cache that lock is
+            # clearing the cache (known, see mixprec.engine.kernels); without the cache that lock is
             # never taken. The C++ kernel never enters Python outside fp8 regions: cache on.
             with torch.autocast("cpu", cache_enabled={cache}):
                 if torch.softmax(xb, -1).dtype != torch.bfloat16 or lin(x).dtype != torch.bfloat16:

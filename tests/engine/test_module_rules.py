@@ -18,10 +18,10 @@ LN_F32 = Policy.parse("compute=bf16,output=f32").keep(types=nn.LayerNorm)
 @pytest.fixture(autouse=True)
 def fresh_rule_records(monkeypatch):
     """Each test starts as a fresh process: no rule has matched or been warned about yet."""
-    from mixprec import _module_hooks
+    from mixprec.engine import watch
 
-    monkeypatch.setattr(_module_hooks, "_MATCHED", set())
-    monkeypatch.setattr(_module_hooks, "_WARNED", set())
+    monkeypatch.setattr(watch, "_MATCHED", set())
+    monkeypatch.setattr(watch, "_WARNED", set())
 
 
 def _ln_model() -> nn.Module:
@@ -112,15 +112,15 @@ def test_checkpoint_recompute_replays_the_forward_context(name, whole):
     _, got = _train_step(policy, checkpointed=True, whole=whole)
     for a, b in zip(ref, got):
         assert a.dtype == b.dtype and torch.equal(a, b)
-    assert not torch.is_autocast_enabled("cpu") and mixprec._dispatch.top("cpu") is None
+    assert not torch.is_autocast_enabled("cpu") and mixprec.engine.runtime.top("cpu") is None
 
 
 def test_checkpoint_recompute_selects_no_fp8_layers_and_counts_no_forward(monkeypatch):
-    from mixprec import _module_hooks
+    from mixprec.engine import module_calls
 
     calls = []
-    select = _module_hooks._fp8_layers
-    monkeypatch.setattr(_module_hooks, "_fp8_layers",
+    select = module_calls._fp8_layers
+    monkeypatch.setattr(module_calls, "_fp8_layers",
                         lambda root, policy, region=None: calls.append(root) or select(root, policy, region))
     for whole in (False, True):
         calls.clear()

@@ -67,7 +67,7 @@ def test_a_region_around_a_compiled_model_traces_its_hooks_without_graph_breaks(
             assert counter.frame_count == 1
     assert counter.frame_count == 1  # no recompile
     assert sum(counters["graph_break"].values()) == 0
-    assert mixprec._dispatch.top("cpu") is None and not torch.is_autocast_enabled("cpu")
+    assert mixprec.engine.runtime.top("cpu") is None and not torch.is_autocast_enabled("cpu")
 
 
 def test_a_region_around_a_model_compiled_with_inductor_is_the_fullgraph_compile():
@@ -120,7 +120,7 @@ def test_a_graph_break_inside_a_hooked_module_matches_eager(name):
         eager = model(x)
         compiled = torch.compile(model, backend="aot_eager")
         outs = [compiled(x) for _ in range(2)]
-    assert mixprec._dispatch.top("cpu") is None and not torch.is_autocast_enabled("cpu")
+    assert mixprec.engine.runtime.top("cpu") is None and not torch.is_autocast_enabled("cpu")
     for out in outs:
         assert out.dtype == eager.dtype
         torch.testing.assert_close(out, eager, rtol=0, atol=0)

@@ -285,3 +285,36 @@ def test_fp4_sqnr_floors_against_fp32(recipe, floor):
     y, gx, gw = _run(recipe, x, w, g)
     got = (_sqnr(x @ w.t(), y), _sqnr(g @ w, gx), _sqnr(g.t() @ x, gw))
     assert min(got) > floor, got
+
+
+@pytest.mark.parametrize("recipe", [MXFP4, NVFP4], ids=["mxfp4", "nvfp4"])
+def test_fp16_computes_in_fp32(recipe):
+    """fp16 (which torchao's MX refuses): the same casts, the GEMMs in fp32, the results in fp16."""
+    gen = _gen(12)
+    x, w = torch.randn(64, 64, generator=gen).half(), (torch.randn(32, 64, generator=gen) * 0.1).half()
+    g = torch.randn(64, 32, generator=gen).half()
+    half, full = _run(recipe, x, w, g), _run(recipe, x.float(), w.float(), g.float())
+    assert half[0].dtype == torch.float16 and half[2].dtype == torch.float16
+    for a, e in zip(half, full):
+        assert torch.equal(a, e.half())
+
+
+@pytest.mark.parametrize("recipe", [MXFP4, dataclasses.replace(NVFP4, stochastic_rounding=False)],
+                         ids=["mxfp4", "nvfp4-no-sr"])
+def test_compile_fullgraph_bitwise_eager(recipe):
+    """(Stochastic rounding makes a generator per call, which Dynamo does not trace: not fullgraph.)"""
+    st = fp8.LayerState()
+    w = nn.Parameter(torch.randn(64, 64, generator=_gen(13)))
+    x, g = torch.randn(32, 64, generator=_gen(14)), torch.randn(32, 64, generator=_gen(15))
+
+    def run(f):
+        w.grad = None
+        y = f(x)
+        y.backward(g)
+        return y.detach(), w.grad.clone(), st.stats.clone()
+
+    f = lambda t: fp8.linear(t, w, None, recipe, state=st, backend="emulate")  # noqa: E731
+    eager = run(f)
+    st.reset()
+    compiled = run(torch.compile(f, fullgraph=True, backend="aot_eager"))
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))

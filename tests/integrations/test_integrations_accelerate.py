@@ -116,9 +116,9 @@ def test_name_rules_name_modules_from_the_prepared_model_as_in_a_plain_loop() ->
 
 
 def test_a_name_rule_that_matches_nothing_under_accelerate_warns(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mixprec import _module_hooks
+    from mixprec.engine import watch
 
-    monkeypatch.setattr(_module_hooks, "_WARNED", set())  # warned once per process: as if fresh
+    monkeypatch.setattr(watch, "_WARNED", set())  # warned once per process: as if fresh
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")
     prepare(accelerator, policy=mixprec.Policy().keep(names=r"^lm_haed$"))
     model = accelerator.prepare(gpt2())

@@ -80,5 +80,9 @@ def fp8_casts(recipe: Any) -> dict[str, tuple[str, Any, bool]]:
     if recipe is None:
         return {}
     r = as_recipe(recipe)
+    if r.fp4:
+        raise ValueError(f"collect_ranges: fp8_recipe={r.name!r} is an fp4 recipe; the after-scaling view counts "
+                         f"fp8 casts only (e4m3fn, e5m2). Pass an fp8 recipe (e.g. 'tensorwise'), or measure fp4 "
+                         f"layers with mixprec.audit(..., fp8='auto-fp4') or a Controller with fp4 rungs")
     operands = {"activation": r.input, "grad": r.grad_output, "weight": r.weight}
     return {kind: (r.name, cast, r.pow2_scales) for kind, cast in operands.items() if cast.is_fp8}

@@ -8,9 +8,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from mixprec.autocast_mode import autocast
 from mixprec.diagnostics.event import NonFiniteEvent
 from mixprec.diagnostics.trace import trace_nonfinite
+from mixprec.engine.region import autocast
 
 __all__ = ["FixedScale", "Passes", "Snapshot"]
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from mixprec._dispatch import _no_autocast as no_autocast  # the diagnostics' own math: never autocast
+from mixprec.engine.casts import no_autocast  # the diagnostics' own math: never autocast
 from mixprec.scaling.rule import FLOAT32_MAX
 
 __all__ = ["FLOAT32_MAX", "measured", "no_autocast"]

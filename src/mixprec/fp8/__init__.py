@@ -16,6 +16,8 @@
 * :class:`Controller` (also ``mixprec.Controller``): moves each layer up a ladder of formats
   before its statistics' trend crosses a limit and back down when the lower format is safe again
   (``Policy.fp8(controller=ctl)``, ``ctl.step()``); see docs/controller.md.
+* ``mixprec.fp8.internals``: what mixprec's other packages (diagnostics, export) use of fp8's
+  private modules, in one place (not public API).
 
 Example:
     >>> import torch

@@ -1,7 +1,8 @@
 """Module conversion (:func:`convert`, :func:`unconvert`) and the statistics table (:func:`stats`).
 
 The layers themselves and their selection live in :mod:`._layers`; ``Float8Linear`` and
-``Float8Conv1D`` are also names of this module, where models pickled before the split find them.
+``Float8Conv1D`` (and the ``_UnshardedLayers`` a converted layer holds) are also names of this
+module, where models pickled before the split find them.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from torch import nn
 from mixprec.fp8._controller import Controller
 from mixprec.fp8._fsdp import check_recipe, wrap_weight
 from mixprec.fp8._guard import Guard, layer_states
-from mixprec.fp8._layers import (_UNSHARDED, Float8Conv1D, Float8Linear, _check_backend, _UnshardedLayers, _warn_once,
-                                 as_recipe, select_layers)
+from mixprec.fp8._layers import (Float8Conv1D, Float8Linear, as_recipe, check_backend, group_unsharded, select_layers,
+                                 warn_once)
+from mixprec.fp8._layers import _UnshardedLayers  # noqa: F401  (named here by models pickled before the split)
 from mixprec.fp8._like import LINEAR_LIKE, conv1d_class
 from mixprec.fp8._quant import STAT_NAMES
 from mixprec.fp8._recipe import Float8Recipe
@@ -67,7 +69,7 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
         >>> type(m[1]).__name__, type(m[0]).__name__
         ('Float8Linear', 'Linear')
     """
-    recipe, backend = as_recipe(recipe), _check_backend(backend)
+    recipe, backend = as_recipe(recipe), check_backend(backend)
     if controller is not None:
         if not isinstance(controller, Controller) or guard is not None:
             raise ValueError(f"fp8.convert: controller must be a mixprec.Controller, without guard= (got "
@@ -86,9 +88,9 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     if not by_user:
         for fqn, mod in model.named_modules():
             if fqn in chosen and not swappable(mod):
-                _warn_once(model, f"fp8.convert: layer {fqn!r} ({type(mod).__name__}) is selected, but convert "
-                                  f"swaps only nn.Linear and transformers Conv1D modules, not subclasses: it stays "
-                                  f"as it is (Policy.fp8 runs subclasses whose forward calls F.linear)")
+                warn_once(model, f"fp8.convert: layer {fqn!r} ({type(mod).__name__}) is selected, but convert "
+                                 f"swaps only nn.Linear and transformers Conv1D modules, not subclasses: it stays "
+                                 f"as it is (Policy.fp8 runs subclasses whose forward calls F.linear)")
     if swaps and not swaps[0][0] and next(model.children(), None) is not None:
         raise ValueError(f"fp8.convert: the root module is a {type(model).__name__} with children "
                          f"({', '.join(n for n, _ in model.named_children())}), which converting it would "
@@ -102,14 +104,12 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
             wrapped.append((fqn, new))
         model = _swap(model, fqn, new)
     if wrapped:
-        group = _UnshardedLayers(wrapped)
-        for _, new in wrapped:
-            new.__dict__[_UNSHARDED] = group
+        group_unsharded(wrapped)
     if not swaps and by_user:
         likes = sum(1 for mod in model.modules() if swappable(mod))
-        _warn_once(model, f"fp8.convert: no layer converted, nothing runs in fp8: filter_fn chose none of the "
-                          f"{likes} nn.Linear and Conv1D layers" if likes else
-                          f"fp8.convert: no layer converted, nothing runs in fp8: the model has no {LINEAR_LIKE} layer")
+        warn_once(model, f"fp8.convert: no layer converted, nothing runs in fp8: filter_fn chose none of the "
+                         f"{likes} nn.Linear and Conv1D layers" if likes else
+                         f"fp8.convert: no layer converted, nothing runs in fp8: the model has no {LINEAR_LIKE} layer")
     if guard is not None:
         guard.track(model)
     if controller is not None:

@@ -4,7 +4,7 @@
   or NaN (a value beyond 6 saturates). A code is 4 bits, ``sign << 3 | magnitude index``; codes
   are stored two per byte, the even element in the low nibble (torchao's ``pack_uint4``).
   Round-to-nearest-even is bitwise torchao 0.18's ``f32_to_f4_unpacked`` on finite values (a NaN
-  becomes 6 here; its block's scale makes it NaN again on dequantization, as torchao's).
+  becomes 0 here; its block's scale makes it NaN again on dequantization, as torchao's).
 * **MXFP4** (``Cast("e2m1", "1x32")``, OCP MX v1.0): 32 elements along the contracted dimension
   share an E8M0 scale, rounded up (RCEIL), bitwise torchao's ``MXTensor.to_mx(...,
   torch.float4_e2m1fn_x2, 32, ScaleCalculationMode.RCEIL)``; dequantized in the target dtype
@@ -50,13 +50,18 @@ _F32_MAX = torch.finfo(torch.float32).max
 HADAMARD_SIZE = 16
 
 
-def _rne_bounds(device: torch.device) -> torch.Tensor:
-    # Midpoints between neighbouring magnitudes; a tie goes to the even code (0, 1.0, 2.0, 4.0),
-    # so a midpoint whose upper neighbour is even counts as passed at equality: its bound is
-    # moved one float32 ulp down (``m > nextafter(b, 0)`` is ``m >= b``).
-    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=device)
-    up_on_tie = torch.tensor([False, True, False, True, False, True, False], device=device)
-    return torch.where(up_on_tie, torch.nextafter(mids, torch.zeros_like(mids)), mids)
+#: The midpoints between neighbouring magnitudes, each with whether a tie there rounds up: a tie
+#: goes to the even code (0, 1.0, 2.0, 4.0 are even; 0.5, 1.5, 3.0, 6.0 odd).
+_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def _count_passed(m: torch.Tensor, bounds: tuple[tuple[float, bool], ...]) -> torch.Tensor:
+    """uint8: for each element, how many ``(b, inclusive)`` bounds it passes (``m >= b`` or ``m > b``);
+    a comparison per bound, cheaper than ``torch.bucketize`` on CPU."""
+    count = torch.zeros(m.shape, dtype=torch.uint8, device=m.device)
+    for b, inclusive in bounds:
+        count += (m >= b) if inclusive else (m > b)
+    return count
 
 
 def encode_e2m1(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -70,20 +75,20 @@ def encode_e2m1(x: torch.Tensor, generator: torch.Generator | None = None) -> to
     """
     m = x.abs()
     if generator is None:
-        mag = torch.bucketize(m, _rne_bounds(x.device))
+        mag = _count_passed(m, _MIDPOINTS)
     else:
         grid = torch.tensor(_MAGNITUDES, device=x.device)
-        lo = torch.bucketize(m, grid[1:], right=True).clamp_(max=len(grid) - 1)  # largest grid point <= m
-        lo_value = grid[lo]
-        step = grid[(lo + 1).clamp_(max=len(grid) - 1)] - lo_value
+        lo = _count_passed(m, tuple((g, True) for g in _MAGNITUDES[1:])).long()  # the largest grid point <= m
+        lo_value = torch.take(grid, lo)
+        step = torch.take(grid, (lo + 1).clamp_(max=len(grid) - 1)) - lo_value
         up = torch.rand(m.shape, generator=generator, device=x.device) * step < (m - lo_value)
-        mag = lo + up
-    return mag.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
+        mag = lo.to(torch.uint8) + up
+    return mag | (torch.signbit(x).to(torch.uint8) << 3)
 
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """The float32 values of 4-bit codes (uint8, one per element)."""
-    return torch.tensor(E2M1_VALUES, device=codes.device)[codes.long()]
+    return torch.take(torch.tensor(E2M1_VALUES, device=codes.device), codes.long())
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
@@ -202,7 +207,7 @@ def _mix64(z: int) -> int:
 
 def hadamard_matrix(seed: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
     """The 16x16 random Hadamard transform ``H16 @ diag(signs) / 4`` (float32, orthogonal), the
-    signs drawn from ``seed`` (a private generator).
+    signs the low 16 bits of ``seed`` mixed by SplitMix64.
 
     Example:
         >>> h = hadamard_matrix(3)
@@ -212,8 +217,8 @@ def hadamard_matrix(seed: int = 0, device: torch.device | str | None = None) -> 
     h = torch.ones(1, 1)
     while h.shape[0] < HADAMARD_SIZE:  # Sylvester's construction
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    g = torch.Generator().manual_seed(seed)
-    signs = torch.randint(0, 2, (HADAMARD_SIZE,), generator=g).float() * 2 - 1
+    bits = _mix64(seed)  # 16 sign bits from the seed: no generator (a constant under torch.compile)
+    signs = torch.tensor([1.0 - 2.0 * ((bits >> i) & 1) for i in range(HADAMARD_SIZE)])
     return (h * signs / math.sqrt(HADAMARD_SIZE)).to(device)
 
 

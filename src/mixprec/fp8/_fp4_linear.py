@@ -24,10 +24,11 @@ from mixprec.fp8._blocks import dequantize as block_dequantize
 from mixprec.fp8._blocks import gemm_dtype
 from mixprec.fp8._blocks import quantize as block_quantize
 from mixprec.fp8._fp4 import Fp4Tensor, hadamard, hadamard_matrix, quantize, rounding_generator
-from mixprec.fp8._quant import cast_stats, cast_to_fp8
+from mixprec.fp8._quant import cast_to_fp8
 from mixprec.fp8._recipe import Cast, Float8Recipe
+from mixprec.fp8._state import GRAD_OUTPUT, INPUT, WEIGHT, record_cast
 
-__all__ = ["Fp4Matmul", "cast_operand"]
+__all__ = ["Fp4Matmul", "cast_operand", "gemm"]
 
 #: rounding streams of one step: grad_output as the input-gradient and the weight-gradient GEMMs read it.
 _GO_GRAD_INPUT, _GO_GRAD_WEIGHT = 0, 1
@@ -77,15 +78,11 @@ def gemm(a: Any, ca: Cast, b: Any, cb: Cast, out_dtype: torch.dtype, bias: torch
     return out.to(out_dtype)
 
 
-def _record(stats: torch.Tensor | None, row: int, x: torch.Tensor, op: Any, q: torch.Tensor | None,
+def _record(stats: torch.Tensor | None, operand: int, x: torch.Tensor, op: Any, q: torch.Tensor | None,
             amax: torch.Tensor | None) -> None:
-    # stats[row]: the window's worst [amax, saturated, underflow, nonfinite], then the last amax
-    if stats is None or amax is None:
-        return
-    if isinstance(op, Fp4Tensor):
-        q = op.magnitudes()
-    new = cast_stats(x, q, amax, stats[row, -1])
-    stats[row].copy_(torch.cat([torch.maximum(stats[row, :-1], new), new[:1]]))
+    """Record a cast of ``x`` into the layer's window (fp4: on its codes' magnitudes)."""
+    if stats is not None and amax is not None:
+        record_cast(stats, operand, x, op.magnitudes() if isinstance(op, Fp4Tensor) else q, amax)
 
 
 def _saved(op: Any) -> list[torch.Tensor]:
@@ -115,8 +112,8 @@ class Fp4Matmul(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             xa, xq, xamax = cast_operand(x2, r.input, r)
             wb, wq, wamax = cast_operand(w, r.weight, r)
-            _record(stats, 0, x2, xa, xq, xamax)
-            _record(stats, 1, w, wb, wq, wamax)
+            _record(stats, INPUT, x2, xa, xq, xamax)
+            _record(stats, WEIGHT, w, wb, wq, wamax)
             out = gemm(xa, r.input, wb, r.weight, x.dtype, bias)  # one addmm, as torchao's MX QAT linear
             if sqnr is not None:  # the GEMM's SQNR (the bias, exact in both, left out of the signal)
                 ref = torch.mm(x2, w.t().to(x2.dtype)).double()
@@ -151,7 +148,7 @@ class Fp4Matmul(torch.autograd.Function):
             cg = r.grad_output
             if cg.is_fp8 and (ctx.needs_input_grad[0] or stats is not None):
                 ga, gq, gamax = cast_operand(go, cg, r, rng(_GO_GRAD_INPUT) if cg.is_fp4 else None)
-                _record(stats, 2, go, ga, gq, gamax)
+                _record(stats, GRAD_OUTPUT, go, ga, gq, gamax)
             if ctx.needs_input_grad[0]:
                 if cg.is_fp8:
                     wb = cast_operand(w.t().contiguous(), r.weight_for_grad_input, r)[0]
@@ -167,7 +164,7 @@ class Fp4Matmul(torch.autograd.Function):
                 if cw.is_fp8:
                     gb, gq, gamax = cast_operand(got.contiguous(), cw, r, rng(_GO_GRAD_WEIGHT) if cw.is_fp4 else None)
                     if not cg.is_fp8:
-                        _record(stats, 2, got, gb, gq, gamax)
+                        _record(stats, GRAD_OUTPUT, got, gb, gq, gamax)
                 if ctx.needs_input_grad[1]:
                     xop = _restored(tuple(saved), r.input_for_grad_weight, ctx.xt_shape)
                     if cw.is_fp8:

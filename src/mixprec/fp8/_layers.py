@@ -18,14 +18,15 @@ from mixprec.fp8._linear import BACKENDS, linear
 from mixprec.fp8._recipe import RECIPE_NAMES, Float8Recipe
 from mixprec.fp8._state import layer_state, swap_layer_state
 
-__all__ = ["eligible", "select_layers", "Float8Linear", "Float8Conv1D", "as_recipe", "FIRST_LAST"]
+__all__ = ["eligible", "select_layers", "Float8Linear", "Float8Conv1D", "as_recipe", "FIRST_LAST", "check_backend",
+           "group_unsharded", "warn_once"]
 
 _MULTIPLE = 16
 FIRST_LAST = ("keep", "fp8")
 _WARNED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
 
 
-def _warn_once(model: nn.Module, message: str) -> None:
+def warn_once(model: nn.Module, message: str) -> None:
     """Warn ``message`` once per model (the policy selects layers at every outermost call)."""
     seen = _WARNED.setdefault(model, set())
     if message not in seen:
@@ -126,7 +127,7 @@ def select_layers(model: nn.Module, types: Sequence[type] | type = (nn.Linear,),
         elif fqn in recipes:
             raise ValueError(f"fp8 recipes: layer {reason}: give it another recipe or leave it out of recipes")
         elif pattern is None or pattern.search(fqn):
-            _warn_once(model, f"fp8: layer {reason}; it stays in the compute dtype")
+            warn_once(model, f"fp8: layer {reason}; it stays in the compute dtype")
     kept = _first_last(model, eligible_names) if first_last == "keep" else []
     chosen = [n for n in eligible_names if n not in kept and (pattern is None or pattern.search(n))]
     unselected = sorted(set(recipes) - set(chosen))
@@ -134,11 +135,11 @@ def select_layers(model: nn.Module, types: Sequence[type] | type = (nn.Linear,),
         raise ValueError(f"fp8 recipes name layer(s) {unselected} that the rule does not select (selected: "
                          f"{chosen}); name selected layers (see types, names, first_last='fp8')")
     if not chosen and converted and not candidates:
-        _warn_once(model, f"fp8: no layer selected: the model's {len(converted)} fp8 layer(s) (e.g. "
-                   f"{converted[0]!r}) were converted by fp8.convert and run in their own recipe")
+        warn_once(model, f"fp8: no layer selected: the model's {len(converted)} fp8 layer(s) (e.g. "
+                  f"{converted[0]!r}) were converted by fp8.convert and run in their own recipe")
     elif not chosen:
-        _warn_once(model, "fp8: no layer selected, nothing runs in fp8: "
-                   + _why_none(types, pattern, candidates, eligible_names, kept, recipe))
+        warn_once(model, "fp8: no layer selected, nothing runs in fp8: "
+                  + _why_none(types, pattern, candidates, eligible_names, kept, recipe))
     return chosen
 
 
@@ -254,7 +255,15 @@ class _UnshardedLayers:
                       f"high-precision weight, as without the option", UserWarning, stacklevel=4)
 
 
-def _check_backend(backend: str) -> str:
+def group_unsharded(layers: list[tuple[str, nn.Module]]) -> None:
+    """Give the layers one ``convert(..., fsdp_fp8_all_gather=True)`` wrapped (``(fqn, module)``)
+    their shared :class:`_UnshardedLayers`."""
+    group = _UnshardedLayers(layers)
+    for _, module in layers:
+        module.__dict__[_UNSHARDED] = group
+
+
+def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"fp8 backend must be one of {BACKENDS}, got {backend!r}")
     return backend
@@ -270,7 +279,7 @@ class Float8Linear(nn.Linear):
                  recipe: Float8Recipe | str = "tensorwise", backend: str = "auto",
                  device: Any = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.recipe, self.backend = as_recipe(recipe), _check_backend(backend)
+        self.recipe, self.backend = as_recipe(recipe), check_backend(backend)
         layer_state(self)
 
     @classmethod
@@ -312,7 +321,7 @@ class Float8Conv1D(nn.Module):
         self.weight = nn.Parameter(torch.empty(nx, nf, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(nf, device=device, dtype=dtype))
         nn.init.normal_(self.weight, std=0.02)  # as Conv1D
-        self.recipe, self.backend = as_recipe(recipe), _check_backend(backend)
+        self.recipe, self.backend = as_recipe(recipe), check_backend(backend)
         layer_state(self)
 
     @classmethod

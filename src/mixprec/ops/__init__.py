@@ -110,10 +110,8 @@ def _registered(device_type: str) -> set[str]:
     key = _KEYS[device_type]
     names = {n.removeprefix("aten::") for n in torch._C._dispatch_get_registrations_for_dispatch_key(key)
              if n.startswith("aten::")}
-    dispatch = sys.modules.get("mixprec._dispatch")
-    ours = set() if dispatch is None else {
-        n for (n, k), kernel in dispatch._torch_kernels.items() if k == key and kernel is None}
-    return names - ours
+    kernels = sys.modules.get("mixprec.engine.kernels")  # loaded once a region edited ops
+    return names - (set() if kernels is None else kernels.added(device_type))
 
 
 def check_tables(device_type: str, *, registered: set[str] | None = None,

@@ -1,11 +1,12 @@
 """``mixprec.autocast``: the autocast region, ``custom_fwd``/``custom_bwd``, checkpointing.
 
-The op-by-op casting lives in :mod:`mixprec._dispatch`, module rules in
-:mod:`mixprec._module_hooks`; this module manages regions: the thread-local autocast state
+The op-by-op casting lives in :mod:`mixprec.engine.kernels` and :mod:`mixprec.engine.casts`,
+module rules in :mod:`mixprec.engine.module_calls`; this module manages regions, entering and
+leaving the thread's state through :func:`mixprec.engine.runtime.enter`: the autocast state
 PyTorch's dispatcher reads (so the ``Autocast*`` dispatch keys are active), the stack of mixprec
 frames our kernels consult, and, when a policy has module rules, an output dtype or fp8 layers,
 the module hooks for the region's lifetime. Inside ``torch.compile`` a region is traced (see
-``autocast.__enter__``).
+``autocast.__enter__`` and :mod:`mixprec.engine.compile`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from mixprec import _dispatch
-from mixprec._dispatch import Frame
-from mixprec._module_hooks import ModuleRules, traced_region, traced_without_fullgraph
-from mixprec._tree import cast_tree, tracing as _tracing
-from mixprec.policy import Policy, parse_dtype
+from mixprec._tree import cast_tree
+from mixprec.engine import module_calls, runtime
+from mixprec.engine.compile import traced_key
+from mixprec.engine.dynamo import assume_constant_result, compiler_disable, tracing as _tracing
+from mixprec.engine.kernels import ensure_kernels
+from mixprec.engine.module_calls import traced_region, traced_without_fullgraph
+from mixprec.engine.runtime import DEVICES, Frame, disabled_frame, top
+from mixprec.policy import Policy, canonical, parse_dtype
 
 __all__ = [
     "autocast",
@@ -35,7 +39,6 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
-_SUPPORTED = ("cpu", "cuda")
 # torch.autocast's class: mixprec.autocast passes ``isinstance(ctx, torch.autocast)``. The
 # subclass torch keeps for its own unmanaged regions, so that Dynamo, which turns a
 # ``torch.autocast`` instance it meets (a decorator's, one built outside the compiled code) into
@@ -60,7 +63,7 @@ def _device_type(device_type: str) -> str:
         hint = "; pass its .type (e.g. 'cuda')" if isinstance(device_type, torch.device) else ""
         raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`{hint}")
     kind, sep, index = device_type.partition(":")
-    if kind in _SUPPORTED and (not sep or index.isdigit()):
+    if kind in DEVICES and (not sep or index.isdigit()):
         return kind
     try:  # torch's own words lead (code written against torch.autocast matches them)
         torch.device(device_type)
@@ -70,7 +73,7 @@ def _device_type(device_type: str) -> str:
     if sep and not index.isdigit():
         raise DeviceTypeError(f"{torch_words}mixprec.autocast got device_type={device_type!r}: write "
                               f"{kind.lower()!r} (an index after ':' must be a number, and is ignored)")
-    if kind.lower() in _SUPPORTED:
+    if kind.lower() in DEVICES:
         raise DeviceTypeError(f"{torch_words}mixprec.autocast got device_type={device_type!r}; write "
                               f"{kind.lower()!r} (device types are lower case)")
     raise DeviceTypeError(
@@ -131,17 +134,17 @@ def _resolve(device_type: str, dtype: torch.dtype | str | None, enabled: bool,
     return policy, dtype, bool(enabled)
 
 
-@_dispatch.assume_constant_result
+@assume_constant_result
 def _traced_region(device_type: str, dtype: torch.dtype | None, enabled: bool,
                    policy: Policy | str | None) -> tuple[int, torch.dtype, bool]:
     """Run by Dynamo at trace time (not traced): resolve a region and key its policy."""
     policy, dtype, enabled = _resolve(device_type, dtype, enabled, policy)
     if enabled and policy.acts_on_modules:
-        ModuleRules.install_permanently()
-    return (_dispatch.traced_key(policy, device_type) if enabled else -1), dtype, enabled
+        module_calls.install_permanently()
+    return (traced_key(policy, device_type) if enabled else -1), dtype, enabled
 
 
-@_dispatch.assume_constant_result
+@assume_constant_result
 def _traced_eagerly(device_type: str, dtype: torch.dtype | None, enabled: bool, policy: Policy | str | None) -> bool:
     """Run by Dynamo at trace time (not traced): whether a region traced without ``fullgraph``
     runs eagerly instead, because its policy needs the module hooks (module rules, fp8 layers,
@@ -150,13 +153,13 @@ def _traced_eagerly(device_type: str, dtype: torch.dtype | None, enabled: bool, 
     return enabled and policy.acts_on_modules and traced_without_fullgraph()
 
 
-@_dispatch.compiler_disable
+@compiler_disable
 def _enter_eagerly(region: "autocast") -> None:
     """Enter ``region`` (built while Dynamo traced) eagerly, outside the trace."""
     region._enter_eager()
 
 
-@_dispatch.compiler_disable
+@compiler_disable
 def _exit_eagerly(region: "autocast") -> None:
     region._exit_eager()
 
@@ -224,7 +227,7 @@ class autocast(_TorchAutocast):
         self.device = _device_type(device_type)
         self._enabled = bool(enabled)
         self._cache_enabled = cache_enabled if cache_enabled is None else bool(cache_enabled)
-        self._saved: list[tuple[Any, ...]] = []
+        self._saved: list[tuple[Any, ...]] = []  # per open entry: (Entry, hooked), traced: (ctx, key)
         if root is not None and not isinstance(root, torch.nn.Module):
             raise TypeError(f"mixprec.autocast root must be an nn.Module, got {type(root).__name__}")
         self._root = root
@@ -242,7 +245,7 @@ class autocast(_TorchAutocast):
 
     # Inside a function given to torch.compile, Dynamo traces __enter__/__exit__: the region
     # becomes torch.amp._enter_autocast (which Dynamo knows) plus mixprec::region nodes that
-    # push the policy's frame wherever the graph is traced or run (see _dispatch). Dynamo guards
+    # push the policy's frame wherever the graph is traced or run (see engine.compile). Dynamo guards
     # on the policy like on any value the traced code reads, so another policy recompiles.
     def __enter__(self) -> "autocast":
         if _tracing():
@@ -256,21 +259,16 @@ class autocast(_TorchAutocast):
         if self._enabled:
             edits = self.policy.edits(dev)
             if edits:
-                _dispatch.ensure_kernels(edits, dev)
+                ensure_kernels(edits, dev)
             frame = Frame(dev, edits, self.policy)
         else:  # governs too: an enclosing policy's module rules and fp8 layers stop here
-            frame = _dispatch.disabled_frame(dev)
-        prev = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev),
-                torch.is_autocast_cache_enabled())
-        torch.set_autocast_enabled(dev, self._enabled)
-        torch.set_autocast_dtype(dev, self.fast_dtype)
-        torch.set_autocast_cache_enabled(self._cache_enabled)
-        torch.autocast_increment_nesting()
-        _dispatch.push(frame)
+            frame = disabled_frame(dev)
+        entry = runtime.enter(frames=(frame,), devices=((dev, self._enabled, self.fast_dtype),),
+                      cache=self._cache_enabled, nest=True)
         hooked = self._enabled and self.policy.acts_on_modules
         if hooked:
-            ModuleRules.enter(frame, root=self._root)
-        self._saved.append((prev, frame, hooked))
+            module_calls.enter_region(frame, root=self._root)
+        self._saved.append((entry, hooked))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -279,15 +277,10 @@ class autocast(_TorchAutocast):
         self._exit_eager()
 
     def _exit_eager(self) -> None:
-        (enabled, dtype, cache), frame, hooked = self._saved.pop()
+        entry, hooked = self._saved.pop()
         if hooked:
-            ModuleRules.exit(frame)
-        _dispatch.pop(frame)
-        if torch.autocast_decrement_nesting() == 0:
-            torch.clear_autocast_cache()
-        torch.set_autocast_enabled(self.device, enabled)
-        torch.set_autocast_dtype(self.device, dtype)
-        torch.set_autocast_cache_enabled(cache)
+            module_calls.exit_region(entry.frames[0])
+        runtime.leave(entry)
 
     def _enter_traced(self) -> "autocast":
         dtype, enabled, policy = self._traced_args()
@@ -304,7 +297,7 @@ class autocast(_TorchAutocast):
     def _traced_args(self) -> tuple[Any, bool, Any]:
         dtype, enabled, policy = self._raw
         if isinstance(policy, Policy):  # Dynamo guards on the object passed: one per value
-            policy = policy._canonical
+            policy = canonical(policy)
         return dtype, enabled, policy
 
     def _exit_traced(self) -> None:
@@ -369,41 +362,33 @@ class _Replay:
 
     def __init__(self) -> None:
         self.regions = [(frame, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-                        for dev in _SUPPORTED if (frame := _dispatch.top(dev)) is not None]
+                        for dev in DEVICES if (frame := top(dev)) is not None]
         self.cache = torch.is_autocast_cache_enabled()
-        self.rules = ModuleRules.capture()
+        self.rules = module_calls.capture()
         self._stack: list[tuple[Any, ...]] = []
 
     @contextlib.contextmanager
     def forward(self) -> Any:
         """Around the segment's forward: records the fp8 layers it ran with."""
         yield
-        self.rules = ModuleRules.capture(self.rules)
+        self.rules = module_calls.capture(self.rules)
 
     def __enter__(self) -> None:
         frames = [dataclasses.replace(frame, traced=False) for frame, _, _ in self.regions]
-        prev = ([(torch.is_autocast_enabled(f.device_type), torch.get_autocast_dtype(f.device_type))
-                 for f in frames], torch.is_autocast_cache_enabled())
-        torch.autocast_increment_nesting()
-        for frame, (_, enabled, dtype) in zip(frames, self.regions):
-            _dispatch.push(frame)
-            torch.set_autocast_enabled(frame.device_type, enabled)
-            torch.set_autocast_dtype(frame.device_type, dtype)
-        torch.set_autocast_cache_enabled(self.cache)
+        for frame in frames:
+            if frame.edits:  # (released since the forward)
+                ensure_kernels(frame.edits, frame.device_type)
+        entry = runtime.enter(frames=frames, devices=[(f.device_type, enabled, dtype)
+                                              for f, (_, enabled, dtype) in zip(frames, self.regions)],
+                      cache=self.cache, nest=True)
         stand_ins = {id(old): new for (old, _, _), new in zip(self.regions, frames)}
-        restore = ModuleRules.replay(self.rules, stand_ins)
-        self._stack.append((frames, prev, restore))
+        restore = module_calls.replay(self.rules, stand_ins)
+        self._stack.append((entry, restore))
 
     def __exit__(self, *exc: Any) -> None:
-        frames, (states, cache), restore = self._stack.pop()
+        entry, restore = self._stack.pop()
         restore()
-        for frame, (enabled, dtype) in zip(reversed(frames), reversed(states)):
-            _dispatch.pop(frame)
-            torch.set_autocast_enabled(frame.device_type, enabled)
-            torch.set_autocast_dtype(frame.device_type, dtype)
-        if torch.autocast_decrement_nesting() == 0:
-            torch.clear_autocast_cache()
-        torch.set_autocast_cache_enabled(cache)
+        runtime.leave(entry)
 
 
 # --------------------------------------------------------------------------- custom functions
@@ -434,7 +419,7 @@ def custom_fwd(
     def decorate_fwd(*args: Any, **kwargs: Any) -> Any:
         ctx = args[0]
         ctx._dtype = torch.get_autocast_dtype(device_type)
-        frame = _dispatch.top(device_type)
+        frame = top(device_type)
         ctx._mixprec_policy = frame.policy if frame is not None else None
         if cast_inputs is None:
             ctx._fwd_used_autocast = torch.is_autocast_enabled(device_type)

@@ -1,0 +1,104 @@
+"""The fp8 side of the engine's seam: which layers of a model a policy runs in fp8, and running one.
+
+The engine (:mod:`mixprec.engine`) reaches fp8 only through the names
+:mod:`mixprec.fp8.internals` exports from here: :func:`select_targets` as a region's outermost module is called, a typed
+:class:`Fp8Target` per selected layer (what its ``linear`` is routed to while the layer is
+called), and :func:`traced_output` for a layer called while Dynamo traces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.fp8._layers import select_layers
+from mixprec.fp8._like import is_linear_like, linear_params, routed_call, warn_unrouted
+from mixprec.fp8._linear import linear
+from mixprec.fp8._recipe import Float8Recipe
+from mixprec.fp8._state import LayerState, layer_state
+
+__all__ = ["Fp8Target", "select_targets", "traced_output"]
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8Target:
+    """A layer selected to run in fp8: its ``module``, ``recipe``, statistics ``state`` and GEMM
+    ``backend`` (``Policy.fp8``'s ``backend``)."""
+
+    module: nn.Module
+    recipe: Float8Recipe
+    state: LayerState
+    backend: str
+
+    @property
+    def runs(self) -> bool:
+        """Whether the layer's calls are routed: not while it is in fallback, unless a
+        Controller's probe measures it in :func:`mixprec.fp8.linear`."""
+        return not self.state.fallback or self.state.probe is not None
+
+    def match(self, op_name: str, args: tuple, kwargs: dict[str, Any]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """``(input, weight as (out, in), bias)`` when the call ``op_name(*args, **kwargs)`` is
+        the layer's GEMM (its ``linear``, Conv1D's ``addmm``), else None; a match marks the
+        layer as routed."""
+        return routed_call(op_name, self.module, args, kwargs)
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer's GEMM in fp8 (:func:`mixprec.fp8.linear`) on a matched call (``x`` cast
+        to the compute dtype by the caller)."""
+        return linear(x, weight, bias, self.recipe, state=self.state, backend=self.backend)
+
+    def finish(self) -> None:
+        """As the layer's call returns: warn (once per class) if no call of it so far was
+        routed (its forward calls neither ``F.linear`` on its weight nor Conv1D's ``addmm``)."""
+        if not self.state.routed:
+            warn_unrouted(self.module)
+
+
+def select_targets(root: nn.Module, policy: Any) -> dict[int, Fp8Target] | None:
+    """The fp8 layers of the model called as ``root`` under ``policy``: ``id(module) ->``
+    :class:`Fp8Target` (each with its recipe, ``Fp8Rule.recipe_for``), without the modules a keep
+    rule of the policy selects or contains. The rule's guard or controller tracks the layers (it
+    decides in its ``step()``, never in a forward: ranks may run different forwards).
+
+    ``None`` when the model has no layer of the rule's types (a loss criterion called in the
+    region): nothing is selected and the call is no forward for the guard or controller.
+    """
+    rule = policy.fp8_rule
+    model = getattr(root, "_orig_mod", root)  # torch.compile's wrapper
+    likes = nn.Linear in rule.types
+    if not any(isinstance(m, rule.types) or (likes and is_linear_like(m)) for m in model.modules()):
+        return None
+    recipes = dict(rule.recipes)
+    modules = dict(model.named_modules())
+
+    def kept(fqn: str) -> bool:
+        parts = fqn.split(".") if fqn else []
+        ancestors = [".".join(parts[:i]) for i in range(len(parts) + 1)]
+        return any(r.matches(modules[a], a) for a in ancestors for r in policy.module_rules)
+
+    targets, named = {}, {}
+    for fqn in select_layers(model, rule.types, rule.names, rule.first_last, rule.recipe, recipes):
+        module = modules[fqn]
+        if kept(fqn):
+            continue
+        targets[id(module)] = Fp8Target(module, rule.recipe_for(fqn), layer_state(module), rule.backend)
+        named[fqn] = module
+    if rule.guard is not None:
+        rule.guard._policy_forward(model)  # its decisions apply now; warns if never stepped
+    if rule.controller is not None:
+        rule.controller._policy_forward(named, policy)  # its rungs apply now; decides in step()
+    return targets
+
+
+def traced_output(module: nn.Module, x: torch.Tensor, recipe: Float8Recipe, backend: str) -> torch.Tensor | None:
+    """While Dynamo traces a selected layer's call: its output in fp8 on input ``x`` (in the
+    compute dtype), or None when the layer is in fallback without a probe (read while tracing:
+    a guard, so a fallback recompiles)."""
+    state = layer_state(module)
+    if not state.fallback or state.probe is not None:
+        return linear(x, *linear_params(module), recipe, state=state, backend=backend)
+    return None

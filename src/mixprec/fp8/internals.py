@@ -1,8 +1,8 @@
 """The fp8 internals that mixprec's other packages use: one seam instead of private reach-ins.
 
 Diagnostics (the audit's fp8 advice, the non-finite tracer) and export (the calibrated scales)
-need a few pieces of fp8 that are not public API: the cast with its statistics, the fp4 cast, the rows of a
-layer's statistics window, swapping a layer's state, the Linear-like test. They import them from
+need a few pieces of fp8 that are not public API: the cast with its statistics, the fp4 cast,
+the rows of a layer's statistics window, swapping a layer's state, the Linear-like test. They import them from
 here, never from ``mixprec.fp8._*``, so fp8 can move its private modules around without breaking
 them, and this file lists exactly what crosses the package boundary. Not public API: nothing here
 is in ``mixprec.fp8.__all__``, and the names may change with fp8 (users: ``mixprec.fp8``).

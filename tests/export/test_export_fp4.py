@@ -23,9 +23,10 @@ NVFP4_TE = Float8Recipe.nvfp4()  # 16x16 weight blocks, Hadamard, stochastic rou
 NVFP4_1D = Float8Recipe.nvfp4(hadamard=False, stochastic_rounding=False, weight_block=(1, 16))
 MXFP4 = Float8Recipe.mxfp4()
 #: (name, recipe, compressed-tensors format, stored tensors)
+NV_KEYS = {"weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"}
 CASES = [
-    ("nvfp4", NVFP4_TE, "nvfp4-pack-quantized", {"weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"}),
-    ("nvfp4_1x16", NVFP4_1D, "nvfp4-pack-quantized", {"weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"}),
+    ("nvfp4", NVFP4_TE, "nvfp4-pack-quantized", NV_KEYS),
+    ("nvfp4_1x16", NVFP4_1D, "nvfp4-pack-quantized", NV_KEYS),
     ("mxfp4", MXFP4, "mxfp4-pack-quantized", {"weight_packed", "weight_scale"}),
 ]
 

@@ -277,3 +277,17 @@ def test_cli_recipe_exports_the_saved_layers_in_fp4(tmp_path, capsys):
     assert stored[f"{lay}.weight_scale"].dtype == torch.uint8 and f"{lay}.weight" not in stored
     assert main(args[:2] + [str(tmp_path / "o2")] + args[3:] + ["--recipe", "fp2"]) == 1
     assert "unknown fp8 recipe 'fp2'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe", [NVFP4_TE, MXFP4], ids=["nvfp4", "mxfp4"])
+def test_recorder_reads_the_input_amax_the_fp4_cast_measured(recipe):
+    model = fp8.convert(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), recipe, filter_fn=lambda m, n: True)
+    assert isinstance(model[1], fp8.Float8Linear)  # its window: the amax its fp4 input cast measured
+    seen = []
+    model[1].register_forward_hook(lambda m, args, out: seen.append(args[0].detach().abs().max()))
+    g = torch.Generator().manual_seed(3)
+    with Recorder(model, every=2) as rec:
+        for _ in range(4):
+            model(torch.randn(4, 32, generator=g) * 3)
+            rec.step()
+    assert torch.equal(rec.series()["1:input"], torch.stack([max(seen[0:2]), max(seen[2:4])]))

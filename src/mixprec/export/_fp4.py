@@ -77,13 +77,13 @@ def quantize_fp4(fqn: str, r: Float8Recipe, weight: torch.Tensor, history: torch
     out_f, in_f = weight.shape
     if in_f % group:
         raise ValueError(f"export: layer {fqn!r} is {fmt} but its {in_f} input features are not a multiple of "
-                         f"{group} (compressed-tensors' {CT_FORMATS[fmt]} groups); leave it out of layers or "
-                         f"train it on an fp8 rung")
+                         f"{group} (compressed-tensors' {CT_FORMATS[fmt]} groups); pass layers=[...] without it "
+                         f"(it stays in high precision)")
     input_fp4 = r.input.is_fp4
     if r.input.is_fp8 and (not input_fp4 or r.input.scale_format != r.weight.scale_format):
         raise ValueError(f"export: layer {fqn!r} has {fmt} weights and a {r.input.format} {r.input.granularity} "
-                         f"input cast, which compressed-tensors' {CT_FORMATS[fmt]} cannot state; export it with "
-                         f"an input cast of the same fp4 family or none")
+                         f"input cast, which compressed-tensors' {CT_FORMATS[fmt]} cannot state; pass layers=[...] "
+                         f"without it (it stays in high precision)")
     t = fp4_quantize(weight.detach(), r.weight, subnormal_scales=r.subnormal_scales)
     packed = t.codes[:out_f].contiguous()
     rows = r.weight.block[0]

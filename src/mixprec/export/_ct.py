@@ -37,21 +37,15 @@ def _fp4_args(fmt: str, dynamic: bool | str) -> dict[str, Any]:
 
 
 def _fp4_groups(q: Quantized) -> dict[str, dict[str, Any]]:
-    """One config group per fp4 format and input kind, targeting its layers by name."""
-    groups: dict[tuple[str, bool], list[str]] = {}
+    """One config group per fp4 format (weights and inputs), targeting its layers by name."""
+    groups: dict[str, list[str]] = {}
     for fqn, layer in q.fp4.items():
-        groups.setdefault((layer.format, layer.input_fp4), []).append(fqn)
-    out = {}
-    for (fmt, input_fp4), names in sorted(groups.items()):
-        dynamic: bool | str = "local" if fmt == "nvfp4" else True
-        out[f"{fmt}{'' if input_fp4 else '_a16'}"] = {
-            "targets": sorted(names),
-            "weights": _fp4_args(fmt, False),
-            "input_activations": _fp4_args(fmt, dynamic) if input_fp4 else None,
-            "output_activations": None,
-            "format": CT_FORMATS[fmt],
-        }
-    return out
+        groups.setdefault(layer.format, []).append(fqn)
+    return {fmt: {"targets": sorted(names),
+                  "weights": _fp4_args(fmt, False),
+                  "input_activations": _fp4_args(fmt, "local" if fmt == "nvfp4" else True),
+                  "output_activations": None,
+                  "format": CT_FORMATS[fmt]} for fmt, names in sorted(groups.items())}
 
 
 def quantization_config(q: Quantized) -> dict[str, Any]:

@@ -7,7 +7,7 @@ Controller's fp4 rung) exports as compressed-tensors 0.20 reads it:
   low nibble), ``weight_scale`` (e4m3, one per 16 elements of a row: a 16x16 weight block's scale
   is repeated over its 16 rows), ``weight_global_scale`` = ``1 / tensor_scale`` (compressed-tensors
   divides the block scale by it, where mixprec multiplies by the tensor scale ``amax / (448 * 6)``)
-  and, when the forward casts its input to fp4, ``input_global_scale`` = ``448 * 6 / amax`` with
+  and ``input_global_scale`` = ``448 * 6 / amax`` with
   ``amax`` from the training statistics through the :class:`ScaleRule` (compressed-tensors'
   ``generate_gparam`` convention); the input's block scales stay dynamic (its ``"local"``).
 * ``mxfp4-pack-quantized``: ``weight_packed`` and ``weight_scale`` (uint8 E8M0 exponents, one per
@@ -52,8 +52,8 @@ def recipe_format(r: Float8Recipe | None) -> str:
 
 @dataclass
 class Fp4Layer:
-    """One fp4 layer of an export, in compressed-tensors' layout (see the module's docstring).
-    ``input_fp4``: the forward casts its input to fp4 too (W4A4; else weight-only, A16)."""
+    """One fp4 layer of an export, in compressed-tensors' layout (see the module's docstring). The
+    forward's input is cast to the same fp4 format (a recipe's GEMM casts both operands alike)."""
 
     format: str
     weight_packed: torch.Tensor
@@ -62,16 +62,14 @@ class Fp4Layer:
     input_global_scale: torch.Tensor | None
     input_amax: float | None
     source: str
-    input_fp4: bool
 
 
 def quantize_fp4(fqn: str, r: Float8Recipe, weight: torch.Tensor, history: torch.Tensor | None, source: str,
                  rule: ScaleRule) -> Fp4Layer:
     """mixprec's fp4 cast of the ``(out, in)`` ``weight`` of layer ``fqn`` by its forward recipe ``r``, in
-    compressed-tensors' layout; ``history``: the input's window amaxes (needed for NVFP4 with an fp4
-    input). Raises ValueError naming the layer when ``in`` is not a multiple of the group (16 or 32),
-    when the forward's input cast has no compressed-tensors scheme beside fp4 weights (fp8, or fp4
-    of the other family), or when an NVFP4 input has no statistics. One host sync."""
+    compressed-tensors' layout; ``history``: the input's window amaxes (NVFP4's input global scale).
+    Raises ValueError naming the layer when ``in`` is not a multiple of the group (16 or 32) or when
+    an NVFP4 layer's input has no statistics. One host sync."""
     fmt = recipe_format(r)
     group = _GROUP[fmt]
     out_f, in_f = weight.shape
@@ -79,18 +77,13 @@ def quantize_fp4(fqn: str, r: Float8Recipe, weight: torch.Tensor, history: torch
         raise ValueError(f"export: layer {fqn!r} is {fmt} but its {in_f} input features are not a multiple of "
                          f"{group} (compressed-tensors' {CT_FORMATS[fmt]} groups); pass layers=[...] without it "
                          f"(it stays in high precision)")
-    input_fp4 = r.input.is_fp4
-    if r.input.is_fp8 and (not input_fp4 or r.input.scale_format != r.weight.scale_format):
-        raise ValueError(f"export: layer {fqn!r} has {fmt} weights and a {r.input.format} {r.input.granularity} "
-                         f"input cast, which compressed-tensors' {CT_FORMATS[fmt]} cannot state; pass layers=[...] "
-                         f"without it (it stays in high precision)")
     t = fp4_quantize(weight.detach(), r.weight, subnormal_scales=r.subnormal_scales)
     packed = t.codes[:out_f].contiguous()
     rows = r.weight.block[0]
     scale = t.scales.repeat_interleave(rows, dim=0)[:out_f].contiguous() if rows > 1 else t.scales.contiguous()
     gscale = None if t.tensor_scale is None else (1.0 / t.tensor_scale.double()).float().reshape(1)
     in_gscale, amax = None, None
-    if fmt == "nvfp4" and input_fp4:
+    if fmt == "nvfp4":
         if history is None or not bool(history.max() > 0):
             raise ValueError(f"export: no statistics for the input of layer {fqn!r} (NVFP4's input_global_scale "
                              f"needs its amax): record them with mixprec.export.Recorder")
@@ -98,5 +91,4 @@ def quantize_fp4(fqn: str, r: Float8Recipe, weight: torch.Tensor, history: torch
         amax = float(amax_t)
         in_gscale = (_NVFP4_RANGE / amax_t.clamp(min=torch.finfo(torch.float32).tiny)).float().reshape(1)
     return Fp4Layer(fmt, packed.cpu(), scale.cpu(), None if gscale is None else gscale.cpu(),
-                    in_gscale, amax, source if in_gscale is not None else "none (dynamic input scales)",
-                    input_fp4)
+                    in_gscale, amax, source if in_gscale is not None else "none (dynamic input scales)")

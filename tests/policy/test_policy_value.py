@@ -146,3 +146,34 @@ def test_codec_helpers_check_types_exactly():
     assert rule.dtype is torch.float16 and rule.types == (nn.LayerNorm,) and rule.names is None
     with pytest.raises(ValueError, match=r"unknown module rule field\(s\) \['dtypes'\]"):
         module_rule_from_dict({"dtypes": "f16"})
+
+
+def test_a_policy_holds_no_live_guard_or_controller() -> None:
+    """The rule keeps only its Attachment handle: nothing reachable from the policy's own fields is a
+    Guard or Controller; the object is found through the handle while a rule names it, and is freed
+    with the last such rule."""
+    import gc
+    import weakref
+
+    from mixprec import Controller, Policy
+    from mixprec.fp8 import Guard
+
+    for kind, make in (("controller", Controller), ("guard", Guard)):
+        state = make()
+        policy = Policy.fp8("tensorwise", **{kind: state})
+        seen, todo = set(), [policy]
+        while todo:  # everything the policy's own attributes reach, containers included
+            obj = todo.pop()
+            if id(obj) in seen or isinstance(obj, type):
+                continue
+            seen.add(id(obj))
+            assert not isinstance(obj, (Controller, Guard)), f"the policy holds its {kind}"
+            todo.extend(gc.get_referents(obj))
+        assert getattr(policy.fp8_rule, kind) is state
+        ref = weakref.ref(state)
+        del state
+        gc.collect()
+        assert ref() is not None  # named by the live policy: kept
+        del policy
+        gc.collect()
+        assert ref() is None  # the last rule naming it is gone: freed

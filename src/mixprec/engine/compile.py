@@ -27,7 +27,9 @@ from mixprec.policy import Policy, canonical
 __all__ = ["traced_key", "traced_policy"]
 
 # Registry, process-wide by nature: compiled graphs carry the keys as constants, whichever thread
-# runs them. key -> (device, edits, canonical policy); the policy is kept alive, so ids stay unique.
+# runs them. key -> (device, edits, canonical policy); the policy is kept alive, so ids stay unique
+# (and so is the Guard or Controller its fp8 rule names: the compiled graph may run it again). Its
+# size is the number of distinct policies traced, each also a graph in Dynamo's own cache.
 _TRACED: dict[int, tuple[str, Mapping[str, str], Any]] = {}
 _TRACED_KEYS: dict[tuple[int, str], int] = {}
 _region_lib: list[Library] = []  # the library defining mixprec::region, once

@@ -3,9 +3,9 @@ its attachment to a live Guard or Controller.
 
 The rule's settings (recipe, selection, first/last, backend, per-layer recipes) are a value: they
 compare, hash, print and serialise. A Guard or Controller is runtime state (its decisions, its
-rungs): the rule carries it for the regions that run the policy (``policy.fp8_rule.controller is
-ctl``) and names it by an :class:`Attachment`, a small immutable handle (the kind and a
-process-unique id, never reused as ``id()`` is). Equality leaves the attachment out (two policies
+rungs): the rule holds no live object, only an :class:`Attachment`, a small immutable handle (the
+kind and a process-unique id, never reused as ``id()`` is); the object itself lives in a registry
+while any rule names it, and ``policy.fp8_rule.controller`` reads it from there (``is ctl``). Equality leaves the attachment out (two policies
 that differ only by their guard are the same settings: a policy loaded with your controller equals
 the one you saved); :func:`mixprec.policy.canonical` keys on the settings *and* the attachment, so
 a region never runs with another policy's guard or controller. In a policy file the attachment is
@@ -19,7 +19,7 @@ import itertools
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Mapping
 
 from torch import nn
@@ -112,12 +112,14 @@ class Fp8Rule:
     names: str | None = None
     first_last: str = "keep"
     backend: str = "auto"
-    guard: Guard | None = field(default=None, compare=False, repr=False)  # runtime state: see attached
-    controller: Controller | None = field(default=None, compare=False, repr=False)
+    # runtime state, given to the constructor only: the rule keeps its Attachment handle, never the
+    # object (read back through the ``guard``/``controller`` properties, defined below the class)
+    guard: InitVar[Guard | None] = None
+    controller: InitVar[Controller | None] = None
     recipes: Any = ()  # {qualified name: recipe}, stored as sorted (name, recipe) pairs
     attached: Attachment | None = field(default=None, init=False, compare=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guard: Guard | None, controller: Controller | None) -> None:
         if _tracing():  # see mixprec.policy._refuse_tracing
             raise RuntimeError("build mixprec Fp8Rules and Policies outside torch.compile")
         as_recipe(self.recipe)  # validates
@@ -130,25 +132,28 @@ class Fp8Rule:
             raise ValueError(f"Policy.fp8 first_last must be 'keep' or 'fp8', got {self.first_last!r}")
         if self.backend not in ("auto", "emulate", "scaled_mm"):
             raise ValueError(f"Policy.fp8 backend must be 'auto', 'emulate' or 'scaled_mm', got {self.backend!r}")
-        if self.guard is not None and not isinstance(self.guard, Guard):
-            raise ValueError(f"Policy.fp8 guard must be a mixprec.fp8.Guard, got {type(self.guard).__name__}")
-        if self.controller is not None:
-            if not isinstance(self.controller, Controller):
+        if guard is not None and not isinstance(guard, Guard):
+            raise ValueError(f"Policy.fp8 guard must be a mixprec.fp8.Guard, got {type(guard).__name__}")
+        if controller is not None:
+            if not isinstance(controller, Controller):
                 raise ValueError(f"Policy.fp8 controller must be a mixprec.Controller, got "
-                                 f"{type(self.controller).__name__}")
-            if self.guard is not None:
+                                 f"{type(controller).__name__}")
+            if guard is not None:
                 raise ValueError("Policy.fp8: give guard= or controller=, not both (the controller promotes "
                                  "a layer before the guard's thresholds are crossed, and demotes it again)")
         object.__setattr__(self, "types", types)
         object.__setattr__(self, "recipes", _per_layer_recipes(self.recipes))
-        attached = (Attachment.of("guard", self.guard) if self.guard is not None
-                    else Attachment.of("controller", self.controller) if self.controller is not None else None)
-        object.__setattr__(self, "attached", attached)
+        state = guard if guard is not None else controller
+        if state is not None:
+            attached = Attachment.of("guard" if guard is not None else "controller", state)
+            object.__setattr__(self, "attached", attached)
+            _hold(self, attached.uid, state)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Copy and pickle through the constructor: a copied guard or controller gets its own
         :attr:`attached` id."""
-        return _rebuild_rule, ({f.name: getattr(self, f.name) for f in fields(self) if f.init},)
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        return _rebuild_rule, ({**values, "guard": self.guard, "controller": self.controller},)
 
     @property
     def recipe_name(self) -> str:
@@ -165,6 +170,45 @@ class Fp8Rule:
         if self.attached is None:
             return self
         return Fp8Rule(self.recipe, self.types, self.names, self.first_last, self.backend, recipes=self.recipes)
+
+
+# uid -> [the Guard or Controller, how many live rules name it]. A registry with a reason: a
+# policy is a value and holds no live object, so the object its rule names lives here while any
+# rule naming it does (a controller made inline, ``Policy.fp8(controller=Controller())``, is
+# reached only through ``policy.fp8_rule.controller``); the last such rule's finalizer drops it.
+_HELD: dict[int, list[Any]] = {}
+
+
+def _hold(rule: Fp8Rule, uid: int, state: Any) -> None:
+    with _UIDS_LOCK:
+        entry = _HELD.setdefault(uid, [state, 0])
+        entry[1] += 1
+    weakref.finalize(rule, _release, uid)
+
+
+def _release(uid: int) -> None:
+    with _UIDS_LOCK:
+        entry = _HELD.get(uid)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _HELD[uid]
+
+
+def _attached(kind: str) -> property:
+    def get(rule: Fp8Rule) -> Any:
+        a = rule.attached
+        if a is None or a.kind != kind:
+            return None
+        return _HELD[a.uid][0]
+
+    get.__doc__ = f"The {kind} the rule names (:attr:`Fp8Rule.attached`), or None."
+    return property(get)
+
+
+# after the dataclass is made: its __init__ takes guard=/controller= (InitVars with default None)
+Fp8Rule.guard = _attached("guard")  # type: ignore[assignment]
+Fp8Rule.controller = _attached("controller")  # type: ignore[assignment]
 
 
 def _rebuild_rule(values: dict[str, Any]) -> Fp8Rule:

@@ -127,12 +127,12 @@ class Policy:
         object.__setattr__(self, "_canonical", _canonical(self))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickle the fields; unpickling validates and interns again. A policy holding an fp8
+        """Pickle the fields; unpickling validates and interns again. A policy naming an fp8
         Guard or Controller is refused: they are runtime state bound to the model's layers (a
         pickled copy would be one nothing steps).
 
         Raises:
-            TypeError: the policy holds a Guard or Controller; the message says what to save.
+            TypeError: the policy names a Guard or Controller; the message says what to save.
         """
         attached = None if self.fp8_rule is None else self.fp8_rule.attached
         if attached is not None:

@@ -9,6 +9,7 @@ mixprec kernel exists in this process.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -19,6 +20,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def reference() -> dict:
+    if "MIXPREC_REFERENCE_THREADS" in os.environ:  # the test process's count (stft rounds by thread split)
+        torch.set_num_threads(int(os.environ["MIXPREC_REFERENCE_THREADS"]))
     out = {}
     for name, fns in SAMPLES.items():
         for i, fn in enumerate(fns):

@@ -85,3 +85,14 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.utils.counters.clear()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """Every test leaves torch's intra-op thread count as it found it (the demo and the CLI set it:
+    ``--threads``). CPU kernels that split work by thread (stft's FFT) round differently with another
+    count, so a later bitwise comparison against a subprocess oracle would depend on the test order."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

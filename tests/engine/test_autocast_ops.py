@@ -27,7 +27,9 @@ HERE = Path(__file__).resolve().parents[1]  # tests/
 @pytest.fixture(scope="session")
 def torch_reference(tmp_path_factory):
     path = tmp_path_factory.mktemp("oracle") / "reference.pt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+           # the oracle runs with this process's thread count: stft's FFT rounds by thread split
+           "MIXPREC_REFERENCE_THREADS": str(torch.get_num_threads())}
     subprocess.run([sys.executable, str(HERE / "_torch_reference.py"), str(path)], check=True,
                    env=env, timeout=600)
     return torch.load(path, weights_only=False)

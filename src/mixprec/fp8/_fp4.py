@@ -18,27 +18,41 @@
   formula; a block whose scale rounds to 0 becomes 0). An all-zero tensor (amax 0) gets a
   tensor scale of 1 and quantizes to zeros (torchao divides by zero there: NaN).
 * **Stochastic rounding**: between the two neighbouring e2m1 magnitudes ``lo <= m < hi``, up
-  with probability ``(m - lo) / (hi - lo)`` (unbiased), from a :func:`rounding_generator` seeded
-  by ``(seed, step, stream)``: reproducible, the same on every rank, the global RNG untouched.
+  with probability ``(m - lo) / (hi - lo)`` (unbiased). The uniform draws come from a
+  :class:`RoundingKey` ``(seed, step, stream)``: SplitMix64's stream from a state mixed from the
+  key, computed in int64 torch ops (so ``torch.compile`` traces it, and a layer's ``step`` may
+  be a device counter), or from a ``torch.Generator`` (:func:`rounding_generator`): either way
+  reproducible, the same on every rank, the global RNG untouched.
 * **Hadamard transform** (:func:`hadamard_matrix`, :func:`hadamard`): the 16-point
   ``H16 diag(signs) / 4`` (orthogonal; the signs from a seed), applied to both operands of a
   GEMM along its contracted dimension in blocks of 16, which leaves the product unchanged and
   spreads outliers over their block before the cast (Transformer Engine's weight-gradient RHT).
+
+On the CPU, :func:`quantize`, :meth:`Fp4Tensor.dequantize` and :meth:`Fp4Tensor.magnitudes` run
+mixprec's C++ kernels (``csrc/fp4_kernel.cpp``: one pass over the operand each, where this
+module's torch code makes about twenty) and give the same bits. The torch code below is their
+definition and serves wherever the kernels do not: ``MIXPREC_NATIVE_KERNELS=0`` or no compiler,
+other devices, tensor subclasses (FakeTensor, DTensor), code being traced by ``torch.compile``, an
+operand that requires grad (under grad mode), dtypes other than float32/bfloat16/float16, empty
+tensors, and casts whose block multipliers or scales are not finite (a NaN or an infinity in
+the operand): there the sign of a NaN depends on which operand of a multiply the hardware keeps.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from mixprec import _native
 from mixprec.fp8._blocks import _blocked, _e8m0, _e8m0_value, _unblocked
 from mixprec.fp8._recipe import Cast
 
 __all__ = ["E2M1_MAX", "E2M1_VALUES", "Fp4Tensor", "encode_e2m1", "decode_e2m1", "pack", "unpack",
-           "quantize", "rounding_generator", "hadamard_matrix", "hadamard", "HADAMARD_SIZE"]
+           "quantize", "RoundingKey", "rounding_generator", "hadamard_matrix", "hadamard", "HADAMARD_SIZE"]
 
 E2M1_MAX = 6.0
 #: the value of each 4-bit code (index: the code).
@@ -48,6 +62,18 @@ _E4M3_MAX = 448.0
 _E4M3_TINY = 2.0 ** -6  # torchao's E4M3_EPS: the smallest normal e4m3
 _F32_MAX = torch.finfo(torch.float32).max
 HADAMARD_SIZE = 16
+#: dtypes the kernels read (an operand) and write (dequantize)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a subclass with its own dispatch (FakeTensor, DTensor)
+
+
+def _kernels(t: torch.Tensor) -> Any | None:
+    """``torch.ops.mixprec_native`` if its fp4 kernels may serve ``t`` (see the module's
+    docstring), else ``None``: the torch code serves."""
+    if (type(t) not in _PLAIN or t.device.type != "cpu" or t.numel() == 0 or torch.compiler.is_compiling()
+            or (t.requires_grad and torch.is_grad_enabled()) or not _native.enabled()):
+        return None
+    return _native.load()
 
 
 #: The midpoints between neighbouring magnitudes, each with whether a tie there rounds up: a tie
@@ -64,9 +90,10 @@ def _count_passed(m: torch.Tensor, bounds: tuple[tuple[float, bool], ...]) -> to
     return count
 
 
-def encode_e2m1(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def encode_e2m1(x: torch.Tensor, generator: torch.Generator | RoundingKey | None = None) -> torch.Tensor:
     """The 4-bit e2m1 codes (uint8, one per element) of the float32 ``x``, already scaled into
-    ``[-6, 6]`` (beyond saturates). Round to nearest even, or with ``generator`` stochastic
+    ``[-6, 6]`` (beyond saturates). Round to nearest even, or with ``generator`` (a
+    ``torch.Generator`` or a :class:`RoundingKey`: where the uniform draws come from) stochastic
     rounding (unbiased: the expected decoded value is ``x``).
 
     Example:
@@ -81,7 +108,7 @@ def encode_e2m1(x: torch.Tensor, generator: torch.Generator | None = None) -> to
         lo = _count_passed(m, tuple((g, True) for g in _MAGNITUDES[1:])).long()  # the largest grid point <= m
         lo_value = torch.take(grid, lo)
         step = torch.take(grid, (lo + 1).clamp_(max=len(grid) - 1)) - lo_value
-        up = torch.rand(m.shape, generator=generator, device=x.device) * step < (m - lo_value)
+        up = _uniform(generator, m.shape, x.device) * step < (m - lo_value)
         mag = lo.to(torch.uint8) + up
     return mag | (torch.signbit(x).to(torch.uint8) << 3)
 
@@ -123,6 +150,14 @@ class Fp4Tensor:
         """The values in ``dtype``: MXFP4 multiplied in ``dtype`` (torchao's ``to_dtype``), NVFP4 in
         float32 then cast (torchao's ``NVFP4Tensor.dequantize``)."""
         rows, cols = self.cast.block
+        ops = _kernels(self.codes) if dtype in _KERNEL_DTYPES else None
+        if ops is not None:
+            if self.tensor_scale is None:
+                scale = _e8m0_value(self.scales).to(dtype).to(torch.float32)  # as the product's operand
+            else:
+                scale = self.tensor_scale * self.scales.to(torch.float32)
+            if bool(torch.isfinite(scale).all()):
+                return ops.fp4_decode(self.codes, scale, rows, cols, self.shape[0], self.shape[1], dtype)
         values = decode_e2m1(unpack(self.codes))
         vb = values.reshape(values.shape[0] // rows, rows, values.shape[1] // cols, cols)
         if self.tensor_scale is None:
@@ -135,6 +170,9 @@ class Fp4Tensor:
     def magnitudes(self) -> torch.Tensor:
         """The magnitude index of each element's code (0: zero), unpadded: what the cast statistics
         count flushed values on."""
+        ops = _kernels(self.codes)
+        if ops is not None:
+            return ops.fp4_magnitudes(self.codes, self.shape[0], self.shape[1])
         return _unblocked(unpack(self.codes)[None, :, None, :] & 0x7, self.shape)
 
     @property
@@ -145,12 +183,13 @@ class Fp4Tensor:
 
 
 def quantize(x2: torch.Tensor, cast: Cast, *, subnormal_scales: bool = False,
-             generator: torch.Generator | None = None) -> Fp4Tensor:
+             generator: torch.Generator | RoundingKey | None = None) -> Fp4Tensor:
     """Cast the 2-D ``x2`` (contracted dimension last) to e2m1 by ``cast``'s blocks.
 
     ``"1x32"``: MXFP4 (E8M0 scales, RCEIL); ``"1x16"`` / ``"16x16"``: NVFP4 (fp32 tensor scale,
-    e4m3 block scales, clamped at ``2**-6`` unless ``subnormal_scales``). ``generator``: round
-    stochastically with it (else to nearest even). A block running past the end of a dimension
+    e4m3 block scales, clamped at ``2**-6`` unless ``subnormal_scales``). ``generator`` (a
+    ``torch.Generator`` or a :class:`RoundingKey`): round stochastically with its draws, one per
+    element of the blocked, padded tensor in order (else to nearest even). A block running past the end of a dimension
     is zero-padded (zeros change no amax). Precondition: ``cast.format == "e2m1"``.
 
     Example:
@@ -159,24 +198,43 @@ def quantize(x2: torch.Tensor, cast: Cast, *, subnormal_scales: bool = False,
         (torch.Size([2, 16]), torch.Size([2, 1]), [-1.0, -1.0, -1.0])
     """
     rows, cols = cast.block
+    ops = _kernels(x2)
+    if ops is not None:
+        x = (x2 if x2.dtype in _KERNEL_DTYPES else x2.to(torch.float32)).detach().contiguous()
+        amax = ops.fp4_block_amax(x, rows, cols)
+        scales, tensor_scale, mul = _block_scales(amax, cast, subnormal_scales)
+        if bool(torch.isfinite(mul).all()):  # else a NaN or an infinity: the torch code below
+            rand = None
+            if generator is not None:  # the draws encode_e2m1 makes, in the same shape
+                shape = (mul.shape[0], rows, mul.shape[1], cols)
+                rand = _uniform(generator, shape, x.device)
+            codes = ops.fp4_encode(x, mul, rows, cols, rand)
+            return Fp4Tensor(codes, scales, tensor_scale, amax, x2.shape, cast)
     xb = _blocked(x2.to(torch.float32), rows, cols)
     amax = torch.amax(torch.abs(xb), dim=(1, 3))
-    if cast.scale_format == "e8m0":
-        scales, mul = _e8m0(amax, E2M1_MAX)
-        tensor_scale = None
-    else:
-        tensor_amax = torch.max(amax) if amax.numel() else amax.new_zeros(())
-        tensor_scale = torch.where(tensor_amax > 0, tensor_amax / (_E4M3_MAX * E2M1_MAX), 1.0)
-        block = amax / E2M1_MAX / tensor_scale
-        scales = torch.clamp(block, min=0.0 if subnormal_scales else _E4M3_TINY, max=_E4M3_MAX)
-        scales = scales.to(torch.float8_e4m3fn)
-        mul = (1.0 / tensor_scale) / scales.to(torch.float32)
-        if subnormal_scales:  # a block scale of 0: TE's reciprocal is capped at float32's max
-            mul = torch.clamp(mul, max=_F32_MAX)
+    scales, tensor_scale, mul = _block_scales(amax, cast, subnormal_scales)
     xs = (xb * mul[:, None, :, None]).clamp_(-E2M1_MAX, E2M1_MAX)  # in place: the product is ours
     codes = encode_e2m1(xs, generator)
     codes = codes.reshape(codes.shape[0] * rows, -1)
     return Fp4Tensor(pack(codes), scales, tensor_scale, amax, x2.shape, cast)
+
+
+def _block_scales(amax: torch.Tensor, cast: Cast, subnormal_scales: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(scales, tensor_scale, mul)`` of the blocks whose max ``|x|`` is ``amax``: what
+    :class:`Fp4Tensor` keeps, and each block's float32 multiplier into ``[-6, 6]``."""
+    if cast.scale_format == "e8m0":
+        scales, mul = _e8m0(amax, E2M1_MAX)
+        return scales, None, mul
+    tensor_amax = torch.max(amax) if amax.numel() else amax.new_zeros(())
+    tensor_scale = torch.where(tensor_amax > 0, tensor_amax / (_E4M3_MAX * E2M1_MAX), 1.0)
+    block = amax / E2M1_MAX / tensor_scale
+    scales = torch.clamp(block, min=0.0 if subnormal_scales else _E4M3_TINY, max=_E4M3_MAX)
+    scales = scales.to(torch.float8_e4m3fn)
+    mul = (1.0 / tensor_scale) / scales.to(torch.float32)
+    if subnormal_scales:  # a block scale of 0: TE's reciprocal is capped at float32's max
+        mul = torch.clamp(mul, max=_F32_MAX)
+    return scales, tensor_scale, mul
 
 
 def rounding_generator(seed: int, step: int, stream: int, device: torch.device | str) -> torch.Generator:
@@ -197,11 +255,78 @@ def rounding_generator(seed: int, step: int, stream: int, device: torch.device |
     return g
 
 
+@dataclass(frozen=True)
+class RoundingKey:
+    """Stochastic rounding's draws as a function of ``(seed, step, stream)`` and the element's
+    index, without a generator: what :func:`quantize` takes from a layer, traceable by
+    ``torch.compile(fullgraph=True)`` (int64 torch ops) and bitwise the same eager and compiled.
+    ``step`` is a Python int or a 0-d int64 tensor (a layer's counter, read on the device: no
+    host sync, no recompile as it advances).
+
+    The draws are SplitMix64's output stream from the state ``mix(mix(mix(mix(seed)) ^ mix(step))
+    ^ mix(stream))`` (``mix``: SplitMix64's step; the key :func:`rounding_generator` seeds with):
+    output ``i`` gives two draws, its bits 8..31 and 40..63 as ``k / 2**24`` (24 bits: exact in
+    float32, uniform on ``[0, 1)``), for elements ``i`` and ``i + ceil(n / 2)``.
+
+    Example:
+        >>> a = RoundingKey(0, 5, 1).draws((3,), "cpu")
+        >>> torch.equal(a, RoundingKey(0, torch.tensor(5), 1).draws((3,), "cpu"))
+        True
+    """
+
+    seed: int
+    step: int | torch.Tensor
+    stream: int
+
+    def draws(self, shape: tuple[int, ...] | torch.Size, device: torch.device | str) -> torch.Tensor:
+        """float32 uniform draws on ``[0, 1)`` of ``shape`` on ``device``, element by element in
+        row-major order."""
+        n = math.prod(shape)
+        key = _mix64(_mix64(self.seed))
+        if isinstance(self.step, torch.Tensor):
+            state = _mix64_(_mix64_(self.step.to(device=device, dtype=torch.int64, copy=True)).bitwise_xor_(_signed(key)))
+            state = _mix64_(state.bitwise_xor_(_signed(_mix64(self.stream))))
+        else:
+            state = _signed(_mix64(_mix64(key ^ _mix64(self.step)) ^ _mix64(self.stream)))
+        half = (n + 1) // 2
+        z = _mix64_(torch.arange(half, dtype=torch.int64, device=device).mul_(_signed(_GAMMA)).add_(state))
+        bits = torch.cat([(z >> 8).bitwise_and_(_DRAW_MASK), (z >> 40).bitwise_and_(_DRAW_MASK)])[:n]
+        return bits.to(torch.float32).mul_(2.0 ** -_DRAW_BITS).reshape(shape)
+
+
+def _uniform(generator: torch.Generator | RoundingKey, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """Stochastic rounding's uniform draws on ``[0, 1)`` (float32) from ``generator``."""
+    if isinstance(generator, RoundingKey):
+        return generator.draws(shape, device)
+    return torch.rand(shape, generator=generator, device=device)
+
+
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+_GAMMA, _MUL1, _MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # SplitMix64's constants
+_DRAW_BITS = 24
+_DRAW_MASK = (1 << _DRAW_BITS) - 1
+
+
+def _signed(z: int) -> int:
+    """The int64 with the bits of the 64-bit unsigned ``z``."""
+    return z - (1 << 64) if z >> 63 else z
+
+
+def _mix64_(z: torch.Tensor) -> torch.Tensor:
+    """:func:`_mix64` on an int64 tensor, in place (wrapping int64 arithmetic; ``>>`` is
+    arithmetic in torch, so each shift is masked to be the logical one): bitwise ``_mix64`` of
+    the same 64 bits."""
+    z.add_(_signed(_GAMMA))
+    z.bitwise_xor_((z >> 30).bitwise_and_((1 << 34) - 1)).mul_(_signed(_MUL1))
+    z.bitwise_xor_((z >> 27).bitwise_and_((1 << 37) - 1)).mul_(_signed(_MUL2))
+    return z.bitwise_xor_((z >> 31).bitwise_and_((1 << 33) - 1))
+
+
 def _mix64(z: int) -> int:
     """SplitMix64's finalizer: a bijection of 64-bit integers that scatters neighbouring keys."""
-    z = (z + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    z = (z + _GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * _MUL1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MUL2) & _MASK64
     return z ^ (z >> 31)
 
 

@@ -25,7 +25,7 @@ import torch
 from mixprec.fp8._blocks import dequantize as block_dequantize
 from mixprec.fp8._blocks import gemm_dtype
 from mixprec.fp8._blocks import quantize as block_quantize
-from mixprec.fp8._fp4 import Fp4Tensor, hadamard, hadamard_matrix, quantize, rounding_generator
+from mixprec.fp8._fp4 import Fp4Tensor, RoundingKey, hadamard, hadamard_matrix, quantize
 from mixprec.fp8._quant import cast_to_fp8
 from mixprec.fp8._recipe import Cast, Float8Recipe
 from mixprec.fp8._state import GRAD_OUTPUT, INPUT, WEIGHT, record_cast
@@ -37,7 +37,7 @@ _GO_GRAD_INPUT, _GO_GRAD_WEIGHT = 0, 1
 
 
 def cast_operand(t2: torch.Tensor, cast: Cast, recipe: Float8Recipe,
-                 generator: torch.Generator | None = None) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+                 generator: RoundingKey | None = None) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
     """Cast the 2-D ``t2`` (contracted dimension last) for a GEMM: ``(operand, q, amax)``, where
     ``q`` (in ``t2``'s layout; fp4: the magnitude index of each code) and ``amax`` feed the cast
     statistics (None for ``"none"``). ``operand`` is what :func:`gemm` takes."""
@@ -106,12 +106,14 @@ def _restored(tensors: tuple[torch.Tensor, ...], cast: Cast, shape: torch.Size) 
 
 class Fp4Matmul(torch.autograd.Function):
     """``x @ w.t()`` with an fp4 recipe's casts, GEMM by GEMM (see the module's docstring).
-    ``step``: the layer's step count, which seeds stochastic rounding; ``fp32``: every GEMM in
-    float32 (the backend ``"emulate_fp32"``)."""
+    ``step``: the layer's fp4 call count (a 0-d int64 tensor, :meth:`LayerState.next_rounding_step`),
+    which seeds stochastic rounding (:class:`~mixprec.fp8._fp4.RoundingKey`: traceable); ``fp32``:
+    every GEMM in float32 (the backend ``"emulate_fp32"``)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: Float8Recipe,
-                stats: torch.Tensor | None, sqnr: torch.Tensor | None, step: int, fp32: bool = False) -> torch.Tensor:
+                stats: torch.Tensor | None, sqnr: torch.Tensor | None, step: torch.Tensor, fp32: bool = False
+                ) -> torch.Tensor:
         r = recipe
         k, n = w.shape[1], w.shape[0]
         x2 = x.reshape(-1, k)
@@ -131,24 +133,24 @@ class Fp4Matmul(torch.autograd.Function):
             if _hadamard(r):
                 xt = hadamard(xt, hadamard_matrix(r.seed, x.device))
             saved = cast_operand(xt.contiguous(), cx, r)[0] if cx.is_fp8 else x2
-        ctx.recipe, ctx.stats, ctx.step, ctx.fp32 = r, stats, step, fp32
+        ctx.recipe, ctx.stats, ctx.fp32 = r, stats, fp32
         ctx.xt_shape, ctx.w_dtype = xt.shape, w.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.save_for_backward(w, *_saved(saved))
+        ctx.save_for_backward(w, step, *_saved(saved))
         return out.reshape(*x.shape[:-1], n)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         r, stats = ctx.recipe, ctx.stats
-        w, *saved = ctx.saved_tensors
+        w, step, *saved = ctx.saved_tensors
         k = w.shape[1]
         go = grad_output.reshape(-1, grad_output.shape[-1])
         dtype = go.dtype
         grad_input = grad_weight = None
         sr = r.stochastic_rounding
 
-        def rng(stream: int) -> torch.Generator | None:
-            return rounding_generator(r.seed, ctx.step, stream, go.device) if sr else None
+        def rng(stream: int) -> RoundingKey | None:
+            return RoundingKey(r.seed, step, stream) if sr else None
 
         with torch.autocast(go.device.type, enabled=False):
             cg = r.grad_output

@@ -279,10 +279,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             state.to(input.device)
         stats = state.window
         sqnr = state.output_sqnr_db if state.sample_sqnr else None
-    if recipe.fp4:  # its own GEMM path (fp8/_fp4_linear.py); the step count seeds stochastic rounding
-        step = 0
-        if state is not None:
-            step, state.rounding_step = state.rounding_step, state.rounding_step + 1
+    if recipe.fp4:  # its own GEMM path (fp8/_fp4_linear.py); the layer's call count seeds stochastic rounding
+        step = state.next_rounding_step() if state is not None else input.new_zeros((), dtype=torch.int64)
         out = Fp4Matmul.apply(input, weight, bias, recipe, stats, sqnr, step, backend == "emulate_fp32")
     else:
         out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr)

@@ -13,14 +13,14 @@ window around whole (to the GEMM, to a checkpoint) and never index it.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from mixprec.fp8._quant import STAT_NAMES, cast_stats
 
 __all__ = ["LayerState", "OPERANDS", "INPUT", "WEIGHT", "GRAD_OUTPUT", "layer_state", "swap_layer_state",
-           "new_window", "record_cast", "window_stats", "clear_window"]
+           "new_window", "record_cast", "window_stats", "clear_window", "rounding_steps", "load_rounding_steps"]
 
 #: rows of :attr:`LayerState.stats`.
 OPERANDS = ("input", "weight", "grad_output")
@@ -85,7 +85,8 @@ class LayerState:
         self.routed = False  # a policy's call of the layer has reached fp8 (set by the routing)
         self.recipe = None  # a Float8Recipe that replaces the caller's (set by a Controller)
         self.probe = None  # measures the layer's operands after the GEMM (set by a Controller)
-        self.rounding_step = 0  # fp4 calls so far: seeds their stochastic rounding (advanced by linear)
+        # fp4 calls so far, on the device: seeds their stochastic rounding (advanced by linear)
+        self._rounding = torch.zeros((), dtype=torch.int64, device=device)
         self._completed: tuple[torch.Tensor, torch.Tensor] | None = None  # the window the last reset closed
 
     @property
@@ -124,6 +125,33 @@ class LayerState:
             self.output_sqnr_db.fill_(output_sqnr_db)
 
     @property
+    def rounding_step(self) -> int:
+        """How many fp4 calls of the layer :func:`linear` has run: the ``step`` of the next one's
+        stochastic rounding (:class:`~mixprec.fp8._fp4.RoundingKey`). What a bitwise resume of
+        an fp4 run needs (saved by :meth:`Guard.state_dict`, :meth:`Controller.state_dict` and
+        :func:`rounding_steps`); set it to restore one.
+
+        .. warning:: reads the device counter: one host sync.
+        """
+        return int(self._rounding)
+
+    @rounding_step.setter
+    def rounding_step(self, step: int) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"LayerState.rounding_step must be an int >= 0, got {step!r}")
+        self._rounding = torch.full((), step, dtype=torch.int64, device=self._rounding.device)
+
+    def next_rounding_step(self) -> torch.Tensor:
+        """The step of this fp4 call (a 0-d int64 device tensor, never changed afterwards: its
+        backward reads it), and count the call: on the device, no host sync; traceable, no
+        recompile as it advances. The counter is replaced, not updated in place: under
+        ``torch.compile`` a backward that recomputed the step from an input mutated in place
+        would read the next call's."""
+        step = self._rounding
+        self._rounding = step + 1
+        return step
+
+    @property
     def device(self) -> torch.device:
         return self._data.device
 
@@ -131,6 +159,7 @@ class LayerState:
         """Move the statistics to ``device`` (in place; returns self)."""
         self._data = self._data.to(device)
         self.output_sqnr_db = self.output_sqnr_db.to(device)
+        self._rounding = self._rounding.to(device)
         if self._completed is not None:
             self._completed = (self._completed[0].to(device), self._completed[1].to(device))
         return self
@@ -167,6 +196,15 @@ class LayerState:
         out["fallback"] = self.fallback
         out["window"] = window
         return out
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling; a state pickled when the fp4 call count was a Python int (``rounding_step``)
+        or before it existed (0) gets it as the device counter."""
+        state = dict(state)
+        step = state.pop("rounding_step", 0)
+        self.__dict__.update(state)
+        if "_rounding" not in state:
+            self._rounding = torch.tensor(step, dtype=torch.int64, device=self._data.device)
 
     def __repr__(self) -> str:
         return f"LayerState(device={self.device}, fallback={self.fallback})"
@@ -208,3 +246,37 @@ def swap_layer_state(module: torch.nn.Module, state: LayerState | None) -> Layer
     if state is not None:
         module.__dict__[_ATTR] = state
     return old
+
+
+def rounding_steps(model: torch.nn.Module) -> dict[str, int]:
+    """``{fqn: LayerState.rounding_step}`` of the layers of ``model`` that have a
+    :class:`LayerState`: the fp4 call counts that seed stochastic rounding, as plain data. Save it
+    with a checkpoint of a run without a Guard or Controller (theirs hold the counts already) and
+    give it to :func:`load_rounding_steps` to resume bitwise.
+
+    .. warning:: reads each layer's device counter: one host sync per layer.
+
+    Example:
+        >>> m = torch.nn.Sequential(torch.nn.Linear(16, 16))
+        >>> _ = layer_state(m[0]); rounding_steps(m)
+        {'0': 0}
+    """
+    return {name: st.rounding_step for name, module in model.named_modules()
+            if (st := layer_state(module, create=False)) is not None}
+
+
+def load_rounding_steps(model: torch.nn.Module, steps: Mapping[str, int]) -> None:
+    """Set the fp4 call counts of :func:`rounding_steps` on ``model``'s layers (a layer without a
+    :class:`LayerState` yet gets one, which the policy's or :func:`convert`'s routing then uses:
+    load before or after the first forward).
+
+    Raises ValueError when ``steps`` names a module ``model`` does not have, or a count that is
+    not an int >= 0.
+    """
+    modules = dict(model.named_modules())
+    missing = sorted(set(steps) - set(modules))
+    if missing:
+        raise ValueError(f"load_rounding_steps: the model has no module {', '.join(map(repr, missing))} "
+                         f"(steps saved by rounding_steps() of another model?)")
+    for name, step in steps.items():
+        layer_state(modules[name]).rounding_step = step

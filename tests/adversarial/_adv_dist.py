@@ -40,6 +40,7 @@ class DistProgram:
     controller: tuple[int, int, int] = (3, 30, 3)  # trend_windows, min_dwell, demote_windows
     per_gemm: bool = False  # the Controller decides per GEMM
     same_data: bool = False  # every rank reads rank 0's data, its global generator seeded by rank
+    backend: str = "auto"  # or "emulate_fp32" (every emulated GEMM in float32)
 
 
 #: the fp4 recipes (their Controller's ladder starts with them).
@@ -85,6 +86,7 @@ def _setup(program: DistProgram) -> tuple[torch.nn.Module, Any, Any, Any, Any]:
     if program.route == "convert":
         kind = "guard" if program.supervisor == "guard" else "controller"
         model = fp8.convert(model, program.recipe, filter_fn=_fp8_layer, fsdp_fp8_all_gather=program.fsdp == "fsdp_fp8",
+                            backend=program.backend,
                             **{kind: supervisor})
 
         def region() -> Any:
@@ -92,7 +94,7 @@ def _setup(program: DistProgram) -> tuple[torch.nn.Module, Any, Any, Any, Any]:
     else:
         kind = "guard" if program.supervisor == "guard" else "controller"
         policy = Policy.parse("compute=bf16").fp8(program.recipe, names=r"^blocks\.", first_last="fp8",
-                                                  **{kind: supervisor})
+                                                  backend=program.backend, **{kind: supervisor})
         if program.json:
             policy = Policy.from_json(policy.to_json())
             supervisor = getattr(policy.fp8_rule, kind)

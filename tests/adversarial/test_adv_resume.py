@@ -75,6 +75,7 @@ class ResumeProgram:
     drift: float = 1.0
     outlier_step: int | None = None
     per_gemm: bool = False  # the Controller decides per GEMM
+    backend: str = "auto"  # or "emulate_fp32" (every emulated GEMM in float32: the demo's fp4 modes)
 
 
 class Run:
@@ -92,9 +93,11 @@ class Run:
             program.supervisor, {})
         self.policy: Any = None
         if program.route == "convert":
-            fp8.convert(self.model, recipe_of(program.recipe), filter_fn=lambda m, fqn: fqn.startswith("blocks."), **kind)
+            fp8.convert(self.model, recipe_of(program.recipe), filter_fn=lambda m, fqn: fqn.startswith("blocks."),
+                        backend=program.backend, **kind)
         elif program.route == "policy":
-            self.policy = Policy.parse("compute=bf16").fp8(recipe_of(program.recipe), names=r"^blocks\.", first_last="fp8", **kind)
+            self.policy = Policy.parse("compute=bf16").fp8(recipe_of(program.recipe), names=r"^blocks\.", first_last="fp8",
+                                                           backend=program.backend, **kind)
             if program.json:
                 self.policy = Policy.from_json(self.policy.to_json())
                 self.supervisor = getattr(self.policy.fp8_rule, program.supervisor, None)
@@ -214,6 +217,8 @@ def resume_programs(draw: st.DrawFn, recipes: tuple[str, ...] = FP8_RECIPES) -> 
         outlier_step=draw(st.one_of(st.none(), st.integers(0, len(schedule) - 1))))
     if program.supervisor == "controller":
         program = replace(program, per_gemm=draw(st.booleans()))
+    if fp4:
+        program = replace(program, backend=draw(st.sampled_from(["auto", "emulate_fp32"])))
     return program
 
 
@@ -238,23 +243,25 @@ _SR_XFAIL = pytest.mark.xfail(not SR_RESUMES, strict=True, reason=(
     "a resumed run draws from step 0 again (helper fp4state fixes it)"))
 
 
-def _fp4_case(recipe: str, route: str, supervisor: str, json: bool = False, per_gemm: bool = False) -> Any:
+def _fp4_case(recipe: str, route: str, supervisor: str, json: bool = False, per_gemm: bool = False,
+              backend: str = "auto") -> Any:
     program = ResumeProgram(shape=Shape(width=32, blocks=2, gain=0.3, seed=1), steps=_FP4_STEPS, resume_at=3,
                             route=route, json=json, supervisor=supervisor, every=1, recipe=recipe,
-                            scaler="global", optimizer="adamw", drift=2.0, per_gemm=per_gemm)
-    name = f"{recipe}-{route}{'-json' if json else ''}-{supervisor}{'-per_gemm' if per_gemm else ''}"
+                            scaler="global", optimizer="adamw", drift=2.0, per_gemm=per_gemm, backend=backend)
+    name = (f"{recipe}-{route}{'-json' if json else ''}-{supervisor}{'-per_gemm' if per_gemm else ''}"
+            f"{'' if backend == 'auto' else '-' + backend}")
     return pytest.param(program, id=name, marks=[_SR_XFAIL] if recipe == "nvfp4" else [])
 
 
 FP4_ROUTES = [
     _fp4_case("mxfp4", "policy", "controller", json=True, per_gemm=True),
-    _fp4_case("mxfp4", "convert", "controller", per_gemm=True),
+    _fp4_case("mxfp4", "convert", "controller", per_gemm=True, backend="emulate_fp32"),
     _fp4_case("mxfp4", "policy", "guard"),
     _fp4_case("nvfp4_rtn", "convert", "guard"),
     _fp4_case("nvfp4_rtn", "policy", "none"),
     _fp4_case("nvfp4", "policy", "none"),
     _fp4_case("nvfp4", "policy", "controller", json=True, per_gemm=True),
-    _fp4_case("nvfp4", "convert", "controller", per_gemm=True),
+    _fp4_case("nvfp4", "convert", "controller", per_gemm=True, backend="emulate_fp32"),
     _fp4_case("nvfp4", "convert", "guard"),
 ]
 

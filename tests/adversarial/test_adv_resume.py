@@ -96,8 +96,8 @@ class Run:
             fp8.convert(self.model, recipe_of(program.recipe), filter_fn=lambda m, fqn: fqn.startswith("blocks."),
                         backend=program.backend, **kind)
         elif program.route == "policy":
-            self.policy = Policy.parse("compute=bf16").fp8(recipe_of(program.recipe), names=r"^blocks\.", first_last="fp8",
-                                                           backend=program.backend, **kind)
+            self.policy = Policy.parse("compute=bf16").fp8(recipe_of(program.recipe), names=r"^blocks\.",
+                                                           first_last="fp8", backend=program.backend, **kind)
             if program.json:
                 self.policy = Policy.from_json(self.policy.to_json())
                 self.supervisor = getattr(self.policy.fp8_rule, program.supervisor, None)

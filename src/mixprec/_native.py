@@ -1,8 +1,9 @@
 """mixprec's C++ kernels (``csrc/*.cpp``), built once per environment.
 
-Two kernels share one extension: the boxed autocast kernel for ops a policy edits
-(``autocast_kernel.cpp``) and the fused optimizer steps for low-precision parameters
-(``optim_kernel.cpp``, used by :mod:`mixprec.optim._fused`).
+Three sets of kernels share one extension: the boxed autocast kernel for ops a policy edits
+(``autocast_kernel.cpp``), the fused optimizer steps for low-precision parameters
+(``optim_kernel.cpp``, used by :mod:`mixprec.optim._fused`) and the fp4 casts
+(``fp4_kernel.cpp``, used by :mod:`mixprec.fp8._fp4`).
 
 A Python kernel at the autocast key costs about 6 us per call on top of the op (the dispatcher
 boxes the arguments for Python and back); on an 8x8 softmax that is 3.5x the op. The boxed C++
@@ -28,8 +29,8 @@ DataLoader worker) waits for it like any other process. A failed build warns wit
 (the compiler's first error line, or which tool is missing) and the log's path, and is
 remembered for the environment: later processes do not retry until the sources or the compiler
 change, or ``mixprec build-kernels`` retries. Without the kernels, or with
-``MIXPREC_NATIVE_KERNELS=0``, every edited op keeps its Python kernel and the optimizers run
-torch's fused kernels on float32 copies: the same results.
+``MIXPREC_NATIVE_KERNELS=0``, every edited op keeps its Python kernel, the optimizers run
+torch's fused kernels on float32 copies and the fp4 casts their torch code: the same results.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ __all__ = ["load", "build", "Built", "BuildError", "environment", "build_directo
 KINDS: dict[str, int] = {"passthrough": 0, "lower": 1, "fp32": 2, "promote": 3, "fp32_set_opt_dtype": 4,
                          "fp8": 5}
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("autocast_kernel.cpp", "optim_kernel.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("autocast_kernel.cpp", "optim_kernel.cpp",
+                                                                   "fp4_kernel.cpp")]
 #: Instruction sets the extension is compiled for, by torch's CPU capability: the vector units
 #: torch's own kernels use on this machine (so the build never uses one the CPU lacks).
 _ARCH_FLAGS = {

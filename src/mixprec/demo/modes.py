@@ -269,6 +269,11 @@ def _setup_fp8_controlled(recipe: str, **settings: Any) -> Callable[[nn.Module, 
 FP4_RECIPE = "nvfp4"
 #: The controller's ladder in ``mixprec-fp4``: NVFP4, then the fp8 recipes, then the compute dtype.
 FP4_LADDER = ("nvfp4", "tensorwise", "rowwise", "compute")
+#: How the fp4 modes' GEMMs are emulated: dequantized and multiplied in float32, the product rounded
+#: once, as an fp4 tensor core accumulates (``"emulate"``, torchao's emulation, multiplies in bf16,
+#: which a CPU without native bf16 GEMMs runs 5-20x slower than float32; the fp8 modes' tensorwise
+#: and rowwise GEMMs are float32 under either backend).
+FP4_BACKEND = "emulate_fp32"
 #: The fp4 modes: with the controller, all-fp4 without it, the hand recipe (first and last in bf16).
 FP4_MODES = ("mixprec-fp4", "mixprec-fp4-all", "mixprec-fp4-hand")
 
@@ -278,11 +283,13 @@ def _setup_fp4(first_last: str, controlled: bool, recipe: str = FP4_RECIPE,
     """fp32 weights, bf16 autocast whose Linear layers run in ``recipe`` (the first and last too
     with ``first_last="fp8"``), with a :class:`mixprec.Controller` on ``ladder`` (starting at
     ``recipe``) deciding each GEMM of each layer on its own (``per_gemm=True``) every
-    :data:`FP8_EVERY` steps when ``controlled``, else nothing moving them."""
+    :data:`FP8_EVERY` steps when ``controlled``, else nothing moving them; the GEMMs emulated by
+    :data:`FP4_BACKEND`."""
 
     def setup(model: nn.Module, s: Settings, device: torch.device) -> Setup:
         ctl = mixprec.Controller(every=FP8_EVERY, ladder=ladder, per_gemm=True) if controlled else None
-        policy = mixprec.Policy.parse("compute=bf16").fp8(recipe, first_last=first_last, controller=ctl)
+        policy = mixprec.Policy.parse("compute=bf16").fp8(recipe, first_last=first_last, controller=ctl,
+                                                          backend=FP4_BACKEND)
         autocast = lambda: mixprec.autocast(device.type, policy=policy)  # noqa: E731
         return Setup(model, _adamw(model.parameters(), s), autocast, fp8_controller=ctl, fp8_recipe=recipe,
                      fp8_policy=policy)

@@ -4,7 +4,9 @@
   (``.tensorwise()``, ``.rowwise()``, ``.rowwise_with_gw_hp()``, the block-scaled ``.mxfp8()`` and
   ``.blockwise()``, ``.from_name(...)``).
 * :func:`linear`: the functional fp8 linear (differentiable; tensorwise saves its activations for
-  backward in fp8). ``backend="emulate"`` everywhere, ``"scaled_mm"`` on CUDA sm89+.
+  backward in fp8). ``backend="emulate"`` everywhere (bitwise torchao's emulation),
+  ``"emulate_fp32"`` (every GEMM in float32, as a tensor core accumulates: fast fp4/MX emulation
+  on CPUs without bf16 GEMMs), ``"scaled_mm"`` on CUDA sm89+.
 * :class:`LayerState` / :func:`layer_state`: per-layer statistics kept on the device;
   :func:`rounding_steps` / :func:`load_rounding_steps`: the fp4 call counts that seed stochastic
   rounding, for the checkpoint of a run without a Guard or Controller (theirs hold them).

@@ -117,17 +117,18 @@ def dequantize(q: torch.Tensor, deq: torch.Tensor, cast: Cast, dtype: torch.dtyp
     return _unblocked(qb * deq.to(dtype)[:, None, :, None], q.shape)
 
 
-def gemm_dtype(cast: Cast, dtype: torch.dtype) -> torch.dtype:
+def gemm_dtype(cast: Cast, dtype: torch.dtype, fp32: bool = False) -> torch.dtype:
     """The dtype the emulated GEMM dequantizes and multiplies in: the input's for E8M0 blocks
     (torchao's MX emulation; float32 for float16, which torchao's MX does not take), float32
-    for float32-scaled blocks."""
-    return dtype if cast.scale_format == "e8m0" and dtype != torch.float16 else torch.float32
+    for float32-scaled blocks, and float32 for all with ``fp32`` (backend ``"emulate_fp32"``)."""
+    return dtype if cast.scale_format == "e8m0" and dtype != torch.float16 and not fp32 else torch.float32
 
 
 def block_gemm(a: tuple[torch.Tensor, torch.Tensor], ca: Cast, b: tuple[torch.Tensor, torch.Tensor],
-               cb: Cast, out_dtype: torch.dtype) -> torch.Tensor:
+               cb: Cast, out_dtype: torch.dtype, fp32: bool = False) -> torch.Tensor:
     """``a @ b.t()`` for two block casts ``(q, deq)`` whose contracted dimension is the last one,
-    emulated: both dequantized in :func:`gemm_dtype`, multiplied there, cast to ``out_dtype``.
+    emulated: both dequantized in :func:`gemm_dtype` (float32 with ``fp32``), multiplied there,
+    cast to ``out_dtype``.
     (``b`` transposed as a view, as torchao's emulated MX ``mm`` reads its right operand.)
 
     Example:
@@ -136,5 +137,5 @@ def block_gemm(a: tuple[torch.Tensor, torch.Tensor], ca: Cast, b: tuple[torch.Te
         >>> block_gemm(quantize(a, c, False)[:2], c, quantize(b, c, False)[:2], c, torch.bfloat16).shape
         torch.Size([4, 8])
     """
-    dtype = gemm_dtype(ca, out_dtype)
+    dtype = gemm_dtype(ca, out_dtype, fp32)
     return torch.mm(dequantize(a[0], a[1], ca, dtype), dequantize(b[0], b[1], cb, dtype).t()).to(out_dtype)

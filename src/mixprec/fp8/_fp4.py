@@ -27,16 +27,27 @@
   ``H16 diag(signs) / 4`` (orthogonal; the signs from a seed), applied to both operands of a
   GEMM along its contracted dimension in blocks of 16, which leaves the product unchanged and
   spreads outliers over their block before the cast (Transformer Engine's weight-gradient RHT).
+
+On the CPU, :func:`quantize`, :meth:`Fp4Tensor.dequantize` and :meth:`Fp4Tensor.magnitudes` run
+mixprec's C++ kernels (``csrc/fp4_kernel.cpp``: one pass over the operand each, where this
+module's torch code makes about twenty) and give the same bits. The torch code below is their
+definition and serves wherever the kernels do not: ``MIXPREC_NATIVE_KERNELS=0`` or no compiler,
+other devices, tensor subclasses (FakeTensor, DTensor), code being traced by ``torch.compile``, an
+operand that requires grad (under grad mode), dtypes other than float32/bfloat16/float16, empty
+tensors, and casts whose block multipliers or scales are not finite (a NaN or an infinity in
+the operand): there the sign of a NaN depends on which operand of a multiply the hardware keeps.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from mixprec import _native
 from mixprec.fp8._blocks import _blocked, _e8m0, _e8m0_value, _unblocked
 from mixprec.fp8._recipe import Cast
 
@@ -51,6 +62,18 @@ _E4M3_MAX = 448.0
 _E4M3_TINY = 2.0 ** -6  # torchao's E4M3_EPS: the smallest normal e4m3
 _F32_MAX = torch.finfo(torch.float32).max
 HADAMARD_SIZE = 16
+#: dtypes the kernels read (an operand) and write (dequantize)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a subclass with its own dispatch (FakeTensor, DTensor)
+
+
+def _kernels(t: torch.Tensor) -> Any | None:
+    """``torch.ops.mixprec_native`` if its fp4 kernels may serve ``t`` (see the module's
+    docstring), else ``None``: the torch code serves."""
+    if (type(t) not in _PLAIN or t.device.type != "cpu" or t.numel() == 0 or torch.compiler.is_compiling()
+            or (t.requires_grad and torch.is_grad_enabled()) or not _native.enabled()):
+        return None
+    return _native.load()
 
 
 #: The midpoints between neighbouring magnitudes, each with whether a tie there rounds up: a tie
@@ -127,6 +150,14 @@ class Fp4Tensor:
         """The values in ``dtype``: MXFP4 multiplied in ``dtype`` (torchao's ``to_dtype``), NVFP4 in
         float32 then cast (torchao's ``NVFP4Tensor.dequantize``)."""
         rows, cols = self.cast.block
+        ops = _kernels(self.codes) if dtype in _KERNEL_DTYPES else None
+        if ops is not None:
+            if self.tensor_scale is None:
+                scale = _e8m0_value(self.scales).to(dtype).to(torch.float32)  # as the product's operand
+            else:
+                scale = self.tensor_scale * self.scales.to(torch.float32)
+            if bool(torch.isfinite(scale).all()):
+                return ops.fp4_decode(self.codes, scale, rows, cols, self.shape[0], self.shape[1], dtype)
         values = decode_e2m1(unpack(self.codes))
         vb = values.reshape(values.shape[0] // rows, rows, values.shape[1] // cols, cols)
         if self.tensor_scale is None:
@@ -139,6 +170,9 @@ class Fp4Tensor:
     def magnitudes(self) -> torch.Tensor:
         """The magnitude index of each element's code (0: zero), unpadded: what the cast statistics
         count flushed values on."""
+        ops = _kernels(self.codes)
+        if ops is not None:
+            return ops.fp4_magnitudes(self.codes, self.shape[0], self.shape[1])
         return _unblocked(unpack(self.codes)[None, :, None, :] & 0x7, self.shape)
 
     @property
@@ -164,24 +198,62 @@ def quantize(x2: torch.Tensor, cast: Cast, *, subnormal_scales: bool = False,
         (torch.Size([2, 16]), torch.Size([2, 1]), [-1.0, -1.0, -1.0])
     """
     rows, cols = cast.block
+    ops = _kernels(x2)
+    if ops is not None:
+        x = (x2 if x2.dtype in _KERNEL_DTYPES else x2.to(torch.float32)).detach().contiguous()
+        amax = ops.fp4_block_amax(x, rows, cols)
+        scales, tensor_scale, mul = _block_scales(amax, cast, subnormal_scales)
+        if bool(torch.isfinite(mul).all()):  # else a NaN or an infinity: the torch code below
+            rand = None if generator is None else _draws(ops, generator, (mul.shape[0], rows, mul.shape[1], cols))
+            codes = ops.fp4_encode(x, mul, rows, cols, rand)
+            return Fp4Tensor(codes, scales, tensor_scale, amax, x2.shape, cast)
     xb = _blocked(x2.to(torch.float32), rows, cols)
     amax = torch.amax(torch.abs(xb), dim=(1, 3))
-    if cast.scale_format == "e8m0":
-        scales, mul = _e8m0(amax, E2M1_MAX)
-        tensor_scale = None
-    else:
-        tensor_amax = torch.max(amax) if amax.numel() else amax.new_zeros(())
-        tensor_scale = torch.where(tensor_amax > 0, tensor_amax / (_E4M3_MAX * E2M1_MAX), 1.0)
-        block = amax / E2M1_MAX / tensor_scale
-        scales = torch.clamp(block, min=0.0 if subnormal_scales else _E4M3_TINY, max=_E4M3_MAX)
-        scales = scales.to(torch.float8_e4m3fn)
-        mul = (1.0 / tensor_scale) / scales.to(torch.float32)
-        if subnormal_scales:  # a block scale of 0: TE's reciprocal is capped at float32's max
-            mul = torch.clamp(mul, max=_F32_MAX)
+    scales, tensor_scale, mul = _block_scales(amax, cast, subnormal_scales)
     xs = (xb * mul[:, None, :, None]).clamp_(-E2M1_MAX, E2M1_MAX)  # in place: the product is ours
     codes = encode_e2m1(xs, generator)
     codes = codes.reshape(codes.shape[0] * rows, -1)
     return Fp4Tensor(pack(codes), scales, tensor_scale, amax, x2.shape, cast)
+
+
+def _draws(ops: Any, generator: torch.Generator | RoundingKey, shape: tuple[int, ...]) -> torch.Tensor:
+    """The uniform draws :func:`encode_e2m1` makes (:func:`_uniform`), a ``torch.Generator``'s by
+    the kernel's loop where it draws torch.rand's numbers (:func:`_draws_agree`; about 1.4x faster
+    than torch's uniform kernel, which calls the generator out of line)."""
+    if isinstance(generator, torch.Generator) and _draws_agree(ops):
+        return ops.fp4_uniform(math.prod(shape), generator)
+    return _uniform(generator, shape, torch.device("cpu"))
+
+
+def _draws_agree(ops: Any) -> bool:
+    """Whether ``ops.fp4_uniform`` gives ``torch.rand``'s numbers and leaves the generator as it
+    does (checked once per process on a few thousand draws: the same code, or another torch)."""
+    if "draws" not in _checked:
+        ours, theirs = torch.Generator().manual_seed(12345), torch.Generator().manual_seed(12345)
+        agree = all(torch.equal(ops.fp4_uniform(n, ours), torch.rand(n, generator=theirs)) for n in (1, 2500, 33))
+        _checked["draws"] = agree and torch.equal(ours.get_state(), theirs.get_state())
+    return _checked["draws"]
+
+
+_checked: dict[str, bool] = {}
+
+
+def _block_scales(amax: torch.Tensor, cast: Cast, subnormal_scales: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(scales, tensor_scale, mul)`` of the blocks whose max ``|x|`` is ``amax``: what
+    :class:`Fp4Tensor` keeps, and each block's float32 multiplier into ``[-6, 6]``."""
+    if cast.scale_format == "e8m0":
+        scales, mul = _e8m0(amax, E2M1_MAX)
+        return scales, None, mul
+    tensor_amax = torch.max(amax) if amax.numel() else amax.new_zeros(())
+    tensor_scale = torch.where(tensor_amax > 0, tensor_amax / (_E4M3_MAX * E2M1_MAX), 1.0)
+    block = amax / E2M1_MAX / tensor_scale
+    scales = torch.clamp(block, min=0.0 if subnormal_scales else _E4M3_TINY, max=_E4M3_MAX)
+    scales = scales.to(torch.float8_e4m3fn)
+    mul = (1.0 / tensor_scale) / scales.to(torch.float32)
+    if subnormal_scales:  # a block scale of 0: TE's reciprocal is capped at float32's max
+        mul = torch.clamp(mul, max=_F32_MAX)
+    return scales, tensor_scale, mul
 
 
 def rounding_generator(seed: int, step: int, stream: int, device: torch.device | str) -> torch.Generator:

@@ -7,7 +7,9 @@ the contracted dimension last in both operands (forward: ``x``, ``W``; input gra
 torchao's emulated MX training). Each operand is cast by its :class:`Cast`: e2m1 blocks
 (:mod:`mixprec.fp8._fp4`), fp8 blocks (:mod:`mixprec.fp8._blocks`), fp8 tensor/row casts
 (:func:`~mixprec.fp8._quant.cast_to_fp8`) or none; then dequantized and multiplied in the
-GEMM's dtype (fp4 and MX: the input's, float32 for float16; float32-scaled fp8: float32).
+GEMM's dtype (fp4 and MX: the input's, float32 for float16, as torchao's emulation; float32-scaled
+fp8: float32; every GEMM in float32 under the backend ``"emulate_fp32"``, as a tensor core
+accumulates: operands exact, the product rounded once).
 
 Saved for backward: the weight (the parameter, no copy) and the input already cast for the
 weight-gradient GEMM (with the Hadamard transform when the recipe asks): packed codes and
@@ -62,12 +64,15 @@ def _values(op: Any, cast: Cast, dtype: torch.dtype) -> torch.Tensor:
     return op
 
 
-def gemm(a: Any, ca: Cast, b: Any, cb: Cast, out_dtype: torch.dtype, bias: torch.Tensor | None = None
-         ) -> torch.Tensor:
+def gemm(a: Any, ca: Cast, b: Any, cb: Cast, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+         fp32: bool = False) -> torch.Tensor:
     """``A @ B.t()`` (``+ bias``, as one ``addmm``) of two operands of :func:`cast_operand`,
     emulated: dequantized and multiplied in the GEMM's dtype (e2m1 and E8M0 blocks: ``out_dtype``,
-    float32 for float16; other fp8 casts: float32; none: ``A``'s), then cast to ``out_dtype``."""
-    if not ca.is_fp8:
+    float32 for float16; other fp8 casts: float32; none: ``A``'s; with ``fp32``: float32 for every
+    cast), then cast to ``out_dtype``."""
+    if fp32 and ca.is_fp8:
+        dtype = torch.float32
+    elif not ca.is_fp8:
         dtype = a.dtype
     elif ca.is_fp4:  # as torchao's MX and NVFP4 emulation: in the input's dtype (MX takes no float16)
         dtype = out_dtype if out_dtype != torch.float16 else torch.float32
@@ -102,11 +107,13 @@ def _restored(tensors: tuple[torch.Tensor, ...], cast: Cast, shape: torch.Size) 
 class Fp4Matmul(torch.autograd.Function):
     """``x @ w.t()`` with an fp4 recipe's casts, GEMM by GEMM (see the module's docstring).
     ``step``: the layer's fp4 call count (a 0-d int64 tensor, :meth:`LayerState.next_rounding_step`),
-    which seeds stochastic rounding (:class:`~mixprec.fp8._fp4.RoundingKey`: traceable)."""
+    which seeds stochastic rounding (:class:`~mixprec.fp8._fp4.RoundingKey`: traceable); ``fp32``:
+    every GEMM in float32 (the backend ``"emulate_fp32"``)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: Float8Recipe,
-                stats: torch.Tensor | None, sqnr: torch.Tensor | None, step: torch.Tensor) -> torch.Tensor:
+                stats: torch.Tensor | None, sqnr: torch.Tensor | None, step: torch.Tensor, fp32: bool = False
+                ) -> torch.Tensor:
         r = recipe
         k, n = w.shape[1], w.shape[0]
         x2 = x.reshape(-1, k)
@@ -115,7 +122,7 @@ class Fp4Matmul(torch.autograd.Function):
             wb, wq, wamax = cast_operand(w, r.weight, r)
             _record(stats, INPUT, x2, xa, xq, xamax)
             _record(stats, WEIGHT, w, wb, wq, wamax)
-            out = gemm(xa, r.input, wb, r.weight, x.dtype, bias)  # one addmm, as torchao's MX QAT linear
+            out = gemm(xa, r.input, wb, r.weight, x.dtype, bias, fp32)  # one addmm, as torchao's MX QAT linear
             if sqnr is not None:  # the GEMM's SQNR (the bias, exact in both, left out of the signal)
                 ref = torch.mm(x2, w.t().to(x2.dtype)).double()
                 err = out.double() - ref if bias is None else out.double() - bias.double() - ref
@@ -126,7 +133,7 @@ class Fp4Matmul(torch.autograd.Function):
             if _hadamard(r):
                 xt = hadamard(xt, hadamard_matrix(r.seed, x.device))
             saved = cast_operand(xt.contiguous(), cx, r)[0] if cx.is_fp8 else x2
-        ctx.recipe, ctx.stats = r, stats
+        ctx.recipe, ctx.stats, ctx.fp32 = r, stats, fp32
         ctx.xt_shape, ctx.w_dtype = xt.shape, w.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(w, step, *_saved(saved))
@@ -153,7 +160,7 @@ class Fp4Matmul(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 if cg.is_fp8:
                     wb = cast_operand(w.t().contiguous(), r.weight_for_grad_input, r)[0]
-                    grad_input = gemm(ga, cg, wb, r.weight_for_grad_input, dtype)
+                    grad_input = gemm(ga, cg, wb, r.weight_for_grad_input, dtype, fp32=ctx.fp32)
                 else:
                     grad_input = torch.mm(go, w.to(dtype))
                 grad_input = grad_input.reshape(*grad_output.shape[:-1], k)
@@ -169,14 +176,14 @@ class Fp4Matmul(torch.autograd.Function):
                 if ctx.needs_input_grad[1]:
                     xop = _restored(tuple(saved), r.input_for_grad_weight, ctx.xt_shape)
                     if cw.is_fp8:
-                        grad_weight = gemm(gb, cw, xop, r.input_for_grad_weight, dtype)
+                        grad_weight = gemm(gb, cw, xop, r.input_for_grad_weight, dtype, fp32=ctx.fp32)
                     else:
                         grad_weight = torch.mm(go.t(), xop.to(dtype))
                     grad_weight = grad_weight.to(ctx.w_dtype)
             grad_bias = None
             if ctx.needs_input_grad[2]:
                 grad_bias = go.sum(0).to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _hadamard(r: Float8Recipe) -> bool:

@@ -16,7 +16,15 @@ from mixprec.fp8._state import GRAD_OUTPUT, INPUT, WEIGHT, LayerState, record_ca
 
 __all__ = ["linear", "resolve_backend", "BACKENDS"]
 
-BACKENDS = ("auto", "emulate", "scaled_mm")
+#: ``"emulate"``: the GEMMs emulated as torchao's emulation computes them (tensor/row-scaled fp8 in
+#: float32; fp4 and MX blocks dequantized and multiplied in the input's dtype); ``"emulate_fp32"``:
+#: every emulated GEMM dequantized and multiplied in float32 and rounded once to the output dtype,
+#: as an fp8/fp4 tensor core accumulates (on a CPU without native bf16 GEMMs, several times faster
+#: for fp4 and MX recipes; the same bits as ``"emulate"`` for tensor/row-scaled fp8);
+#: ``"scaled_mm"``: ``torch._scaled_mm`` (CUDA sm89+); ``"auto"``: ``"scaled_mm"`` where it runs,
+#: else ``"emulate"``.
+BACKENDS = ("auto", "emulate", "emulate_fp32", "scaled_mm")
+EMULATED = ("emulate", "emulate_fp32")
 _TENSORWISE = Float8Recipe.tensorwise()
 
 
@@ -63,7 +71,7 @@ class _Float8Matmul(torch.autograd.Function):
                 xc, wc = quantize(x2, r.input, r.pow2_scales), quantize(w, r.weight, r.pow2_scales)
                 _record(stats, INPUT, x2, xc)
                 _record(stats, WEIGHT, w, wc)
-                out = block_gemm(xc[:2], r.input, wc[:2], r.weight, x.dtype)
+                out = block_gemm(xc[:2], r.input, wc[:2], r.weight, x.dtype, backend == "emulate_fp32")
             elif r.input.is_fp8:
                 xc = cast_to_fp8(x, r.input, -1, r.pow2_scales)
                 wc = _cast_weight(wt, r.weight, 0, r.pow2_scales)
@@ -136,6 +144,7 @@ def _block_backward(ctx: Any, x: torch.Tensor, wt: torch.Tensor, go: torch.Tenso
     """The backward GEMMs of a block recipe, each operand cast by blocks along that GEMM's
     contracted dimension (a contiguous copy with it last, as torchao's emulated MXFP8 does)."""
     r, stats, dtype = ctx.recipe, ctx.stats, go.dtype
+    fp32 = ctx.backend == "emulate_fp32"
     k = wt.shape[0]
     x2 = x.reshape(-1, k)
     grad_input = grad_weight = None
@@ -150,7 +159,7 @@ def _block_backward(ctx: Any, x: torch.Tensor, wt: torch.Tensor, go: torch.Tenso
         if ctx.needs_input_grad[0]:
             if r.grad_output.is_fp8:
                 wtc = quantize(wt.contiguous(), r.weight_for_grad_input, r.pow2_scales)
-                grad_input = block_gemm(goc[:2], r.grad_output, wtc[:2], r.weight_for_grad_input, dtype)
+                grad_input = block_gemm(goc[:2], r.grad_output, wtc[:2], r.weight_for_grad_input, dtype, fp32)
             else:
                 grad_input = torch.mm(go, wt.t().to(dtype))
             grad_input = grad_input.reshape(*go_shape[:-1], k)
@@ -159,7 +168,7 @@ def _block_backward(ctx: Any, x: torch.Tensor, wt: torch.Tensor, go: torch.Tenso
                 if r.grad_output.is_fp8:
                     got = quantize(go.t().contiguous(), cw, r.pow2_scales)
                 xt = quantize(x2.t().contiguous(), r.input_for_grad_weight, r.pow2_scales)
-                grad_weight = block_gemm(got[:2], cw, xt[:2], r.input_for_grad_weight, dtype)
+                grad_weight = block_gemm(got[:2], cw, xt[:2], r.input_for_grad_weight, dtype, fp32)
             else:
                 grad_weight = torch.mm(go.t(), x2)
             grad_weight = grad_weight.to(ctx.w_dtype)
@@ -181,7 +190,7 @@ def resolve_backend(backend: str, input: torch.Tensor, weight: torch.Tensor) -> 
     """
     if backend not in BACKENDS:
         raise ValueError(f"fp8 backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "emulate":
+    if backend in EMULATED:
         return backend
     on_fp8_gpu = input.is_cuda and torch.cuda.get_device_capability(input.device) >= (8, 9)
     dims_ok = all(d % 16 == 0 for d in (input.numel() // max(input.shape[-1], 1), *weight.shape))
@@ -199,7 +208,7 @@ def _block_backend(backend: str, recipe: Float8Recipe) -> str:
     if backend == "scaled_mm":
         raise ValueError(f"fp8 recipe {recipe.name!r} (block scales) runs emulated only in mixprec: no "
                          f"block-scaled torch._scaled_mm path yet; use backend='emulate' or 'auto'")
-    return "emulate"
+    return backend if backend in EMULATED else "emulate"
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -271,8 +280,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         stats = state.window
         sqnr = state.output_sqnr_db if state.sample_sqnr else None
     if recipe.fp4:  # its own GEMM path (fp8/_fp4_linear.py); the layer's call count seeds stochastic rounding
-        step = state.next_rounding_step() if state is not None else torch.zeros((), dtype=torch.int64)
-        out = Fp4Matmul.apply(input, weight, bias, recipe, stats, sqnr, step)
+        step = state.next_rounding_step() if state is not None else input.new_zeros((), dtype=torch.int64)
+        out = Fp4Matmul.apply(input, weight, bias, recipe, stats, sqnr, step, backend == "emulate_fp32")
     else:
         out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr)
         if bias is not None:

@@ -88,7 +88,7 @@ def gemm(a: torch.Tensor, sa: torch.Tensor | None, b: torch.Tensor, sb: torch.Te
     """``a @ b`` for 2-D operands, both fp8 (with their scales) or both high precision."""
     if sa is None or sb is None:
         return torch.mm(a, b)
-    if backend == "emulate":
+    if backend in ("emulate", "emulate_fp32"):  # both in float32
         return torch.mm(a.float() / sa, b.float() / sb).to(out_dtype)
     return _scaled_mm(a, sa, b, sb, out_dtype, fast_accum)
 

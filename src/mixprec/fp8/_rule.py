@@ -30,6 +30,7 @@ from mixprec._tree import tracing as _tracing
 from mixprec.fp8._controller import Controller
 from mixprec.fp8._convert import as_recipe
 from mixprec.fp8._guard import Guard
+from mixprec.fp8._linear import BACKENDS
 from mixprec.fp8._recipe import RECIPE_NAMES, Float8Recipe
 
 __all__ = ["Attachment", "Fp8Rule", "rule_to_dict", "rule_from_dict", "guard_from_settings",
@@ -130,8 +131,9 @@ class Fp8Rule:
             compile_names("Policy.fp8", self.names)
         if self.first_last not in ("keep", "fp8"):
             raise ValueError(f"Policy.fp8 first_last must be 'keep' or 'fp8', got {self.first_last!r}")
-        if self.backend not in ("auto", "emulate", "scaled_mm"):
-            raise ValueError(f"Policy.fp8 backend must be 'auto', 'emulate' or 'scaled_mm', got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"Policy.fp8 backend must be one of {', '.join(map(repr, BACKENDS))}, "
+                             f"got {self.backend!r}")
         if guard is not None and not isinstance(guard, Guard):
             raise ValueError(f"Policy.fp8 guard must be a mixprec.fp8.Guard, got {type(guard).__name__}")
         if controller is not None:

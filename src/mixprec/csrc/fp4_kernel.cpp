@@ -16,7 +16,9 @@
 // scale is finite and not NaN: a NaN's sign after a multiply of two NaNs is the hardware's
 // choice of operand, which no C++ source pins down, so those casts stay in Python.
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/DistributionsHelper.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -25,10 +27,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -41,33 +47,95 @@ constexpr float kValues[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 inline uint32_t f2u(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
+inline float u2f(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
 
 template <typename T> inline float to_float(T x) { return static_cast<float>(x); }
+template <> inline float to_float<c10::BFloat16>(c10::BFloat16 x) { return u2f(uint32_t(x.x) << 16); }
 
-// The magnitude index rounded to nearest, ties to even: how many midpoints |v| passes (_MIDPOINTS).
-inline uint8_t nearest(float a) {
-  return static_cast<uint8_t>((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
-                              (a > 5.0f));
-}
-
-// Stochastic rounding (encode_e2m1 with a generator): lo, the largest magnitude <= a; up with
-// probability (a - lo) / (hi - lo), i.e. when u * (hi - lo) < a - lo.
-inline uint8_t stochastic(float a, float u) {
-  const int lo = (a >= 0.5f) + (a >= 1.0f) + (a >= 1.5f) + (a >= 2.0f) + (a >= 3.0f) + (a >= 4.0f) + (a >= 6.0f);
-  const float lo_value = kValues[lo];
-  const float step = kValues[std::min(lo + 1, 7)] - lo_value;
-  return static_cast<uint8_t>(lo + (u * step < a - lo_value));
-}
-
-// One element: its code from x (as float32) and its block's multiplier.
+// The code of v = x * mul: clamped to [-6, 6] as torch.clamp_ (v is never NaN here: see the top),
+// rounded to nearest with ties to even (how many of _MIDPOINTS |v| passes) or stochastically
+// against the uniform draw u (encode_e2m1 with a generator: lo, the largest magnitude <= |v|,
+// goes up when u * (hi - lo) < |v| - lo). lo's value and hi - lo are sums of the exact steps
+// between magnitudes: the same floats as the grid's look-ups in Python. Branch-free, so that
+// the compiler vectorizes the loops that call it.
 template <bool SR> inline uint8_t encode(float x, float mul, float u) {
   float v = x * mul;
-  v = v < -kMax ? -kMax : v;  // torch.clamp_(-6, 6); v is never NaN here (see the top)
+  v = -kMax > v ? -kMax : v;
   v = v > kMax ? kMax : v;
   const float a = std::fabs(v);
-  const uint8_t mag = SR ? stochastic(a, u) : nearest(a);
-  return static_cast<uint8_t>(mag | ((f2u(v) >> 28) & 8u));
+  int32_t mag;
+  if constexpr (SR) {
+    const int32_t half_steps = int32_t(a >= 0.5f) + int32_t(a >= 1.0f) + int32_t(a >= 1.5f) + int32_t(a >= 2.0f);
+    const int32_t whole_steps = int32_t(a >= 3.0f) + int32_t(a >= 4.0f);
+    const int32_t top = int32_t(a >= 6.0f);
+    const float lo_value = 0.5f * float(half_steps) + float(whole_steps) + 2.0f * float(top);
+    const float step = 0.5f + 0.5f * float(int32_t(a >= 2.0f)) + float(int32_t(a >= 4.0f)) - 2.0f * float(top);
+    mag = half_steps + whole_steps + top + int32_t(u * step < a - lo_value);
+  } else {
+    mag = int32_t(a > 0.25f) + int32_t(a >= 0.75f) + int32_t(a > 1.25f) + int32_t(a >= 1.75f) + int32_t(a > 2.5f) +
+          int32_t(a >= 3.5f) + int32_t(a > 5.0f);
+  }
+  return static_cast<uint8_t>(mag | int32_t((f2u(v) >> 28) & 8u));
 }
+
+#if defined(__AVX2__)
+// encode<SR> on 8 lanes, the same float operations: the codes as int32 lanes. maxps(a, b) is
+// a > b ? a : b and minps(a, b) a < b ? a : b, the scalar clamp's selects.
+template <bool SR> inline __m256i encode8(__m256 x, __m256 mul, __m256 u) {
+  __m256 v = _mm256_mul_ps(x, mul);
+  v = _mm256_max_ps(_mm256_set1_ps(-kMax), v);
+  v = _mm256_min_ps(_mm256_set1_ps(kMax), v);
+  const __m256 a = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
+  // a mask is -1 where true: subtracting masks counts them
+  auto count = [&](__m256i n, float bound, bool inclusive) {
+    const __m256 m = inclusive ? _mm256_cmp_ps(a, _mm256_set1_ps(bound), _CMP_GE_OQ)
+                               : _mm256_cmp_ps(a, _mm256_set1_ps(bound), _CMP_GT_OQ);
+    return _mm256_sub_epi32(n, _mm256_castps_si256(m));
+  };
+  __m256i mag = _mm256_setzero_si256();
+  if constexpr (SR) {
+    __m256i half_steps = count(count(count(count(mag, 0.5f, true), 1.0f, true), 1.5f, true), 2.0f, true);
+    __m256i whole_steps = count(count(mag, 3.0f, true), 4.0f, true);
+    __m256i top = count(mag, 6.0f, true);
+    const __m256 lo_value = _mm256_add_ps(
+        _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), _mm256_cvtepi32_ps(half_steps)), _mm256_cvtepi32_ps(whole_steps)),
+        _mm256_mul_ps(_mm256_set1_ps(2.0f), _mm256_cvtepi32_ps(top)));
+    const __m256 step = _mm256_sub_ps(
+        _mm256_add_ps(_mm256_add_ps(_mm256_set1_ps(0.5f),
+                                    _mm256_mul_ps(_mm256_set1_ps(0.5f), _mm256_cvtepi32_ps(count(mag, 2.0f, true)))),
+                      _mm256_cvtepi32_ps(count(mag, 4.0f, true))),
+        _mm256_mul_ps(_mm256_set1_ps(2.0f), _mm256_cvtepi32_ps(top)));
+    const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(u, step), _mm256_sub_ps(a, lo_value), _CMP_LT_OQ);
+    mag = _mm256_sub_epi32(_mm256_add_epi32(_mm256_add_epi32(half_steps, whole_steps), top), _mm256_castps_si256(up));
+  } else {
+    mag = count(count(count(count(count(count(count(mag, 0.25f, false), 0.75f, true), 1.25f, false), 1.75f, true),
+                                  2.5f, false), 3.5f, true), 5.0f, false);
+  }
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(v), 28), _mm256_set1_epi32(8));
+  return _mm256_or_si256(mag, sign);
+}
+
+// 16 consecutive values (and draws) of one block: 8 packed bytes, code 2k in the low nibble of
+// byte k. Even and odd elements go to separate vectors, so that a byte is even | odd << 4.
+template <bool SR> inline void encode16(const float* x, float mul, const float* u, uint8_t* out) {
+  const __m256 lo = _mm256_loadu_ps(x), hi = _mm256_loadu_ps(x + 8);
+  // lanes: elements 0 2 8 10 4 6 12 14 (even), 1 3 9 11 5 7 13 15 (odd): pairs 0 1 4 5 2 3 6 7
+  const __m256 even = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));
+  const __m256 odd = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
+  __m256 u_even = _mm256_setzero_ps(), u_odd = _mm256_setzero_ps();
+  if constexpr (SR) {
+    const __m256 ulo = _mm256_loadu_ps(u), uhi = _mm256_loadu_ps(u + 8);
+    u_even = _mm256_shuffle_ps(ulo, uhi, _MM_SHUFFLE(2, 0, 2, 0));
+    u_odd = _mm256_shuffle_ps(ulo, uhi, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+  const __m256 m = _mm256_set1_ps(mul);
+  __m256i pairs = _mm256_or_si256(encode8<SR>(even, m, u_even), _mm256_slli_epi32(encode8<SR>(odd, m, u_odd), 4));
+  pairs = _mm256_permutevar8x32_epi32(pairs, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));  // pairs 0..7
+  const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+  const __m128i bytes = _mm_packus_epi16(words, words);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), bytes);
+}
+#endif
 
 void check_operand(const at::Tensor& x, int64_t rows, int64_t cols, const char* what) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "mixprec fp4 ", what,
@@ -79,42 +147,60 @@ void check_operand(const at::Tensor& x, int64_t rows, int64_t cols, const char* 
 
 inline int64_t blocks(int64_t n, int64_t size) { return (n + size - 1) / size; }
 
-#define MIXPREC_FP4_INPUT(type, ...)                                           \
+// Runs body with T the C++ type of dtype (float32, bfloat16 or float16).
+#define MIXPREC_FP4_TYPE(dtype, ...)                                           \
   [&] {                                                                        \
-    switch (type) {                                                            \
+    switch (dtype) {                                                           \
       case at::kFloat: { using T = float; return __VA_ARGS__(); }              \
       case at::kBFloat16: { using T = c10::BFloat16; return __VA_ARGS__(); }   \
       default: { using T = c10::Half; return __VA_ARGS__(); }                  \
     }                                                                          \
   }()
 
-template <typename T>
-void block_amax(const T* x, float* out, int64_t n_rows, int64_t n_cols, int64_t rows, int64_t cols) {
-  const int64_t nbr = blocks(n_rows, rows), nbc = blocks(n_cols, cols);
+// Runs body with COLS the block width as a constant where it is one of the recipes' (16, 32),
+// else 0 (read from cols at run time): fixed-length inner loops vectorize.
+#define MIXPREC_FP4_COLS(cols, ...)                                            \
+  [&] {                                                                        \
+    if (cols == 16) { constexpr int64_t COLS = 16; return __VA_ARGS__(); }     \
+    if (cols == 32) { constexpr int64_t COLS = 32; return __VA_ARGS__(); }     \
+    constexpr int64_t COLS = 0; return __VA_ARGS__();                          \
+  }()
+
+// The row x[0, n) as float32 into out[0, padded), zeros after n.
+template <typename T> inline void load_row(const T* __restrict x, float* __restrict out, int64_t n, int64_t padded) {
+  for (int64_t j = 0; j < n; ++j) out[j] = to_float(x[j]);
+  for (int64_t j = n; j < padded; ++j) out[j] = 0.0f;
+}
+
+// Each block's max |x|. On the bits of |x| (sign cleared), where integer order is float order
+// (NaN above infinity): exact, and a maximum of integers vectorizes. A block holding a NaN gets
+// a NaN (Python then takes the torch path).
+template <typename T, int64_t COLS>
+void block_amax(const T* x, float* out, int64_t n_rows, int64_t n_cols, int64_t rows, int64_t cols_) {
+  const int64_t cols = COLS ? COLS : cols_;
+  const int64_t nbr = blocks(n_rows, rows), nbc = blocks(n_cols, cols), padded = nbc * cols;
   const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, rows * n_cols));
-  at::parallel_for(0, nbr, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> m(nbc);
-    std::vector<uint8_t> nan(nbc);
+  at::parallel_for(0, nbr, grain, [&, x, out](int64_t begin, int64_t end) {
+    std::vector<float> buffer(padded);
+    std::vector<uint32_t> best(nbc);
+    float* __restrict values = buffer.data();
+    uint32_t* __restrict m = best.data();
     for (int64_t bi = begin; bi < end; ++bi) {
-      std::fill(m.begin(), m.end(), 0.0f);
-      std::fill(nan.begin(), nan.end(), 0);
+      std::fill(best.begin(), best.end(), 0u);
       for (int64_t i = bi * rows; i < std::min(n_rows, (bi + 1) * rows); ++i) {
-        const T* row = x + i * n_cols;
+        load_row(x + i * n_cols, values, n_cols, padded);
         for (int64_t bj = 0; bj < nbc; ++bj) {
-          const int64_t j0 = bj * cols, j1 = std::min(n_cols, j0 + cols);
-          float mb = m[bj];
-          uint8_t nb = 0;
-          for (int64_t j = j0; j < j1; ++j) {
-            const float a = std::fabs(to_float(row[j]));
+          const float* __restrict v = values + bj * cols;
+          uint32_t mb = m[bj];
+          for (int64_t k = 0; k < cols; ++k) {
+            const uint32_t a = f2u(v[k]) & 0x7FFFFFFFu;
             mb = a > mb ? a : mb;
-            nb |= a != a;
           }
           m[bj] = mb;
-          nan[bj] |= nb;
         }
       }
       for (int64_t bj = 0; bj < nbc; ++bj)
-        out[bi * nbc + bj] = nan[bj] ? std::numeric_limits<float>::quiet_NaN() : m[bj];
+        out[bi * nbc + bj] = m[bj] > 0x7F800000u ? std::numeric_limits<float>::quiet_NaN() : u2f(m[bj]);
     }
   });
 }
@@ -123,38 +209,43 @@ at::Tensor fp4_block_amax(const at::Tensor& x, int64_t rows, int64_t cols) {
   check_operand(x, rows, cols, "block_amax");
   const int64_t n_rows = x.size(0), n_cols = x.size(1);
   at::Tensor out = at::empty({blocks(n_rows, rows), blocks(n_cols, cols)}, x.options().dtype(at::kFloat));
-  MIXPREC_FP4_INPUT(x.scalar_type(), [&] {
-    block_amax<T>(x.const_data_ptr<T>(), out.data_ptr<float>(), n_rows, n_cols, rows, cols);
+  MIXPREC_FP4_TYPE(x.scalar_type(), [&] {
+    MIXPREC_FP4_COLS(cols, [&] {
+      block_amax<T, COLS>(x.const_data_ptr<T>(), out.data_ptr<float>(), n_rows, n_cols, rows, cols);
+    });
   });
   return out;
 }
 
-template <typename T, bool SR>
+template <typename T, bool SR, int64_t COLS>
 void encode_rows(const T* x, const float* mul, const float* rand, uint8_t* out, int64_t n_rows, int64_t n_cols,
-                 int64_t rows, int64_t cols) {
-  const int64_t nbc = blocks(n_cols, cols), padded_cols = nbc * cols, padded_rows = blocks(n_rows, rows) * rows;
-  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, padded_cols));
-  at::parallel_for(0, padded_rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> values(padded_cols, 0.0f);  // the row as float32, zero-padded
-    std::vector<uint8_t> codes(padded_cols);
+                 int64_t rows, int64_t cols_) {
+  const int64_t cols = COLS ? COLS : cols_;
+  const int64_t nbc = blocks(n_cols, cols), padded = nbc * cols, padded_rows = blocks(n_rows, rows) * rows;
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, padded));
+  at::parallel_for(0, padded_rows, grain, [&, x, mul, rand, out](int64_t begin, int64_t end) {
+    std::vector<float> buffer(padded, 0.0f);  // the row as float32, zero-padded
+    float* __restrict values = buffer.data();
+#if !defined(__AVX2__)
+    std::vector<uint8_t> code_buffer(padded);
+    uint8_t* __restrict codes = code_buffer.data();
+#endif
     for (int64_t i = begin; i < end; ++i) {
-      if (i < n_rows) {
-        const T* row = x + i * n_cols;
-        for (int64_t j = 0; j < n_cols; ++j) values[j] = to_float(row[j]);
-      } else {
-        std::fill(values.begin(), values.end(), 0.0f);
-      }
+      if (i < n_rows) load_row(x + i * n_cols, values, n_cols, padded);
+      else std::fill(buffer.begin(), buffer.end(), 0.0f);
       const float* m = mul + (i / rows) * nbc;
-      const float* u = SR ? rand + i * padded_cols : nullptr;
+      const float* __restrict u = SR ? rand + i * padded : nullptr;
+      uint8_t* __restrict o = out + i * (padded / 2);
+#if defined(__AVX2__)
+      for (int64_t j = 0; j < padded; j += 16) encode16<SR>(values + j, m[j / cols], SR ? u + j : nullptr, o + j / 2);
+#else
       for (int64_t bj = 0; bj < nbc; ++bj) {
         const float mb = m[bj];
         const int64_t j0 = bj * cols;
-        for (int64_t k = 0; k < cols; ++k)
-          codes[j0 + k] = encode<SR>(values[j0 + k], mb, SR ? u[j0 + k] : 0.0f);
+        for (int64_t k = 0; k < cols; ++k) codes[j0 + k] = encode<SR>(values[j0 + k], mb, SR ? u[j0 + k] : 0.0f);
       }
-      uint8_t* o = out + i * (padded_cols / 2);
-      for (int64_t k = 0; k < padded_cols / 2; ++k)
-        o[k] = static_cast<uint8_t>(codes[2 * k] | (codes[2 * k + 1] << 4));
+      for (int64_t k = 0; k < padded / 2; ++k) o[k] = static_cast<uint8_t>(codes[2 * k] | (codes[2 * k + 1] << 4));
+#endif
     }
   });
 }
@@ -162,6 +253,7 @@ void encode_rows(const T* x, const float* mul, const float* rand, uint8_t* out, 
 at::Tensor fp4_encode(const at::Tensor& x, const at::Tensor& mul, int64_t rows, int64_t cols,
                       const std::optional<at::Tensor>& rand) {
   check_operand(x, rows, cols, "encode");
+  TORCH_CHECK(cols % 16 == 0, "mixprec fp4 encode: blocks are 16 or 32 wide, got ", cols);
   const int64_t n_rows = x.size(0), n_cols = x.size(1);
   const int64_t nbr = blocks(n_rows, rows), nbc = blocks(n_cols, cols);
   TORCH_CHECK(mul.device().is_cpu() && mul.scalar_type() == at::kFloat && mul.is_contiguous() && mul.dim() == 2 &&
@@ -175,31 +267,45 @@ at::Tensor fp4_encode(const at::Tensor& x, const at::Tensor& mul, int64_t rows, 
     r = rand->const_data_ptr<float>();
   }
   at::Tensor out = at::empty({nbr * rows, nbc * cols / 2}, x.options().dtype(at::kByte));
-  MIXPREC_FP4_INPUT(x.scalar_type(), [&] {
-    if (r != nullptr)
-      encode_rows<T, true>(x.const_data_ptr<T>(), mul.const_data_ptr<float>(), r, out.data_ptr<uint8_t>(), n_rows,
-                           n_cols, rows, cols);
-    else
-      encode_rows<T, false>(x.const_data_ptr<T>(), mul.const_data_ptr<float>(), nullptr, out.data_ptr<uint8_t>(),
-                            n_rows, n_cols, rows, cols);
+  MIXPREC_FP4_TYPE(x.scalar_type(), [&] {
+    MIXPREC_FP4_COLS(cols, [&] {
+      if (r != nullptr)
+        encode_rows<T, true, COLS>(x.const_data_ptr<T>(), mul.const_data_ptr<float>(), r, out.data_ptr<uint8_t>(),
+                                   n_rows, n_cols, rows, cols);
+      else
+        encode_rows<T, false, COLS>(x.const_data_ptr<T>(), mul.const_data_ptr<float>(), nullptr,
+                                    out.data_ptr<uint8_t>(), n_rows, n_cols, rows, cols);
+    });
   });
   return out;
 }
 
-template <typename T>
+// Per block, the 16 values its codes stand for (e2m1 value times the block's scale, a float32
+// product rounded once to T), then one look-up per element.
+template <typename T, int64_t COLS>
 void decode_rows(const uint8_t* codes, const float* scale, T* out, int64_t n_rows, int64_t n_cols, int64_t rows,
-                 int64_t cols, int64_t packed_cols) {
+                 int64_t cols_, int64_t packed_cols) {
+  const int64_t cols = COLS ? COLS : cols_;
   const int64_t nbc = packed_cols * 2 / cols;
   const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, n_cols));
-  at::parallel_for(0, n_rows, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_rows, grain, [&, codes, scale, out](int64_t begin, int64_t end) {
+    std::vector<T> row_buffer(nbc * cols);
+    T* __restrict row = row_buffer.data();
+    T table[16];
     for (int64_t i = begin; i < end; ++i) {
-      const uint8_t* c = codes + i * packed_cols;
+      const uint8_t* __restrict c = codes + i * packed_cols;
       const float* s = scale + (i / rows) * nbc;
-      T* o = out + i * n_cols;
-      for (int64_t j = 0; j < n_cols; ++j) {
-        const uint8_t code = (c[j >> 1] >> ((j & 1) * 4)) & 0xF;
-        o[j] = static_cast<T>(kValues[code] * s[j / cols]);  // float32 product, rounded once to T
+      for (int64_t bj = 0; bj < nbc; ++bj) {
+        const float sb = s[bj];
+        for (int k = 0; k < 16; ++k) table[k] = static_cast<T>(kValues[k] * sb);
+        const uint8_t* __restrict cb = c + bj * cols / 2;
+        T* __restrict o = row + bj * cols;
+        for (int64_t k = 0; k < cols / 2; ++k) {
+          o[2 * k] = table[cb[k] & 0xF];
+          o[2 * k + 1] = table[cb[k] >> 4];
+        }
       }
+      std::memcpy(out + i * n_cols, row, n_cols * sizeof(T));
     }
   });
 }
@@ -218,10 +324,40 @@ at::Tensor fp4_decode(const at::Tensor& codes, const at::Tensor& scale, int64_t 
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "mixprec fp4 decode: the dtype must be float32, bfloat16 or float16");
   at::Tensor out = at::empty({n_rows, n_cols}, codes.options().dtype(dtype));
-  MIXPREC_FP4_INPUT(dtype, [&] {
-    decode_rows<T>(codes.const_data_ptr<uint8_t>(), scale.const_data_ptr<float>(), out.data_ptr<T>(), n_rows, n_cols,
-                   rows, cols, codes.size(1));
+  MIXPREC_FP4_TYPE(dtype, [&] {
+    MIXPREC_FP4_COLS(cols, [&] {
+      decode_rows<T, COLS>(codes.const_data_ptr<uint8_t>(), scale.const_data_ptr<float>(), out.data_ptr<T>(), n_rows,
+                           n_cols, rows, cols, codes.size(1));
+    });
   });
+  return out;
+}
+
+// The generator's engine as uniform_real_distribution reads it (random()), held in a local copy
+// while the draws are made: torch's CPUGeneratorImpl::random() is the same engine call, out of line.
+struct LocalEngine {
+  at::mt19937 engine;
+  uint32_t random() { return engine(); }
+};
+
+// torch.rand(n, generator=generator) for a CPU generator: the loop of torch's uniform_kernel
+// (ATen/native/cpu/DistributionTemplates.h: one number per element, in order, under the
+// generator's lock) on a copy of its engine, written back after. Python checks once per process
+// that both give the same numbers and leave the generator in the same state, and draws with
+// torch where they do not.
+at::Tensor fp4_uniform(int64_t n, const std::optional<at::Generator>& generator) {
+  TORCH_CHECK(n >= 0, "mixprec fp4 uniform: n must be >= 0, got ", n);
+  auto* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(generator, at::detail::getDefaultCPUGenerator());
+  at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  std::lock_guard<std::mutex> lock(gen->mutex_);
+  LocalEngine local{gen->engine()};
+  at::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float value = static_cast<float>(uniform(&local));
+    o[i] = value == 1.0f ? 0.0f : value;
+  }
+  gen->set_engine(local.engine);
   return out;
 }
 
@@ -236,11 +372,16 @@ at::Tensor fp4_magnitudes(const at::Tensor& codes, int64_t n_rows, int64_t n_col
   uint8_t* o = out.data_ptr<uint8_t>();
   const int64_t packed_cols = codes.size(1);
   const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, n_cols));
-  at::parallel_for(0, n_rows, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_rows, grain, [&, c, o](int64_t begin, int64_t end) {
+    std::vector<uint8_t> row_buffer(packed_cols * 2);
+    uint8_t* __restrict row = row_buffer.data();
     for (int64_t i = begin; i < end; ++i) {
-      const uint8_t* ci = c + i * packed_cols;
-      uint8_t* oi = o + i * n_cols;
-      for (int64_t j = 0; j < n_cols; ++j) oi[j] = (ci[j >> 1] >> ((j & 1) * 4)) & 0x7;
+      const uint8_t* __restrict ci = c + i * packed_cols;
+      for (int64_t k = 0; k < packed_cols; ++k) {
+        row[2 * k] = ci[k] & 0x7;
+        row[2 * k + 1] = (ci[k] >> 4) & 0x7;
+      }
+      std::memcpy(o + i * n_cols, row, n_cols);
     }
   });
   return out;
@@ -253,6 +394,7 @@ TORCH_LIBRARY_FRAGMENT(mixprec_native, m) {
   m.def("fp4_encode(Tensor x, Tensor mul, int rows, int cols, Tensor? rand) -> Tensor");
   m.def("fp4_decode(Tensor codes, Tensor scale, int rows, int cols, int n_rows, int n_cols, ScalarType dtype) -> Tensor");
   m.def("fp4_magnitudes(Tensor codes, int n_rows, int n_cols) -> Tensor");
+  m.def("fp4_uniform(int n, Generator? generator) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mixprec_native, CPU, m) {
@@ -260,4 +402,9 @@ TORCH_LIBRARY_IMPL(mixprec_native, CPU, m) {
   m.impl("fp4_encode", &mixprec_fp4::fp4_encode);
   m.impl("fp4_decode", &mixprec_fp4::fp4_decode);
   m.impl("fp4_magnitudes", &mixprec_fp4::fp4_magnitudes);
+}
+
+// fp4_uniform takes no tensor to dispatch on: one kernel for every key (it makes CPU tensors).
+TORCH_LIBRARY_IMPL(mixprec_native, CompositeExplicitAutograd, m) {
+  m.impl("fp4_uniform", &mixprec_fp4::fp4_uniform);
 }

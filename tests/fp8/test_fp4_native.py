@@ -1,0 +1,276 @@
+"""The fp4 casts' C++ kernels (``csrc/fp4_kernel.cpp``) against their definition, the torch code
+of :mod:`mixprec.fp8._fp4` (run with ``MIXPREC_NATIVE_KERNELS=0``): the same bits for codes,
+scales, amaxes, magnitudes and dequantized values in float32/bfloat16/float16, over the cases
+below (ties, saturation, subnormal and zero block scales, partial blocks, non-finite values,
+stochastic rounding), and the torch code where the kernels must not serve.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from mixprec import _native, fp8
+from mixprec.fp8 import _fp4
+from mixprec.fp8._fp4 import Fp4Tensor, quantize, rounding_generator
+
+CASTS = {"mxfp4": fp8.Cast("e2m1", "1x32"), "nvfp4": fp8.Cast("e2m1", "1x16"), "nvfp4-2d": fp8.Cast("e2m1", "16x16")}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _grid_and_ties(seed: int) -> torch.Tensor:
+    """Every e2m1 magnitude and midpoint, both signs, in blocks whose amax is 6 (MXFP4 and
+    NVFP4 scale them by exactly 1 or a power of 2): each value lands on its tie."""
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, *_TIES, -0.0])
+    x = values[torch.randint(0, len(values), (20, 64), generator=_gen(seed))]
+    x[:, ::16] = 6.0
+    return x * torch.where(torch.rand(20, 64, generator=_gen(seed + 1)) < 0.5, -1.0, 1.0)
+
+
+def _spread(seed: int) -> torch.Tensor:
+    """Blocks over many decades, a partial block in both dimensions."""
+    x = torch.randn(37, 70, generator=_gen(seed))
+    return x * torch.logspace(-30, 30, 37)[:, None]
+
+
+def _subnormal_scales(seed: int) -> torch.Tensor:
+    """One block 1e6 times the others': NVFP4's block scales below e4m3's smallest normal (and 0)."""
+    x = torch.randn(16, 64, generator=_gen(seed)) * 1e-3
+    x[0, :16] *= 1e9
+    x[5, 16:32] *= 1e-6
+    return x
+
+
+def _saturating(seed: int) -> torch.Tensor:
+    """Block amaxes whose e4m3 scale rounds down: x * multiplier beyond 6, clamped."""
+    x = torch.rand(16, 32, generator=_gen(seed)) * 2 - 1
+    x[:, ::16] = 6.0 * 1.0625 * 1.03
+    x[:, 1::16] = -6.0 * 1.0625 * 1.03
+    return x
+
+
+def _huge(seed: int) -> torch.Tensor:
+    return torch.randn(4, 48, generator=_gen(seed)) * 3e37
+
+
+#: name -> operand (float32 unless it says otherwise)
+OPERANDS: dict[str, Callable[[int], torch.Tensor]] = {
+    "normal": lambda s: torch.randn(33, 96, generator=_gen(s)),
+    "one row": lambda s: torch.randn(1, 16, generator=_gen(s)),
+    "one element": lambda s: torch.randn(1, 1, generator=_gen(s)),
+    "grid and ties": _grid_and_ties,
+    "decades": _spread,
+    "subnormal scales": _subnormal_scales,
+    "saturating": _saturating,
+    "huge": _huge,
+    "zeros": lambda s: torch.zeros(17, 40),
+    "negative zeros": lambda s: torch.full((3, 32), -0.0),
+    "bfloat16": lambda s: torch.randn(18, 64, generator=_gen(s)).to(torch.bfloat16),
+    "float16": lambda s: torch.randn(18, 48, generator=_gen(s)).to(torch.float16),
+    "float64": lambda s: torch.randn(5, 40, generator=_gen(s)).double(),
+    "transposed": lambda s: torch.randn(64, 24, generator=_gen(s)).t(),
+}
+
+
+class _Spy:
+    """``torch.ops.mixprec_native`` that counts the fp4 kernels called through it."""
+
+    def __init__(self, ops: Any) -> None:
+        self.ops, self.calls = ops, Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        self.calls[name] += 1
+        return getattr(self.ops, name)
+
+
+@pytest.fixture
+def spy(native_ops: Any, monkeypatch: pytest.MonkeyPatch) -> _Spy:
+    s = _Spy(native_ops)
+    monkeypatch.setattr(_native, "load", lambda: s)
+    return s
+
+
+def _bits(t: torch.Tensor | None) -> Any:
+    """A tensor's dtype, shape and bytes (NaNs compared by their bits)."""
+    if t is None:
+        return None
+    flat = t.detach().contiguous().reshape(-1)
+    return t.dtype, tuple(t.shape), flat.view(torch.uint8).tolist() if flat.numel() else []
+
+
+def _record(t: Fp4Tensor) -> dict[str, Any]:
+    out = {name: _bits(getattr(t, name)) for name in ("codes", "scales", "tensor_scale", "amax")}
+    out["shape"] = tuple(t.shape)
+    out["magnitudes"] = _bits(t.magnitudes())
+    for dtype in DTYPES:
+        out[str(dtype)] = _bits(t.dequantize(dtype))
+    return out
+
+
+def _both(fn: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """``fn()`` with the kernels, then with the torch code (``MIXPREC_NATIVE_KERNELS=0``)."""
+    with_kernels = fn()
+    with monkeypatch.context() as m:
+        m.setenv("MIXPREC_NATIVE_KERNELS", "0")
+        return with_kernels, fn()
+
+
+def _cast(x: torch.Tensor, cast: fp8.Cast, subnormal: bool, sr: bool, seed: int = 0) -> dict[str, Any]:
+    gen = rounding_generator(seed, 3, 1, "cpu") if sr else None
+    return _record(quantize(x, cast, subnormal_scales=subnormal, generator=gen))
+
+
+@pytest.mark.parametrize("sr", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("cast", list(CASTS), ids=list(CASTS))
+@pytest.mark.parametrize("operand", list(OPERANDS), ids=list(OPERANDS))
+def test_kernels_bitwise_the_torch_code(operand, cast, sr, spy, monkeypatch):
+    x = OPERANDS[operand](7)
+    # MXFP4 dequantizes in the target dtype: a scale beyond float16's range is inf there, the torch code's
+    decoded = len(DTYPES) - (cast == "mxfp4" and operand in ("decades", "huge", "subnormal scales"))
+    for subnormal in (False, True):
+        spy.calls.clear()
+        ours, theirs = _both(lambda: _cast(x, CASTS[cast], subnormal, sr), monkeypatch)
+        assert ours == theirs, (operand, cast, subnormal, sr)
+        assert spy.calls["fp4_encode"] == 1 and spy.calls["fp4_decode"] == decoded  # the kernels served
+        assert spy.calls["fp4_magnitudes"] == 1
+
+
+def test_seeded_sweep_bitwise(spy, monkeypatch):
+    """Random shapes (partial blocks), magnitudes and casts, rounded both ways."""
+    g = _gen(11)
+    for trial in range(40):
+        rows, cols = (int(v) for v in torch.randint(1, 50, (2,), generator=g))
+        x = torch.randn(rows, cols, generator=g) * float(torch.exp(torch.randn((), generator=g) * 4))
+        cast = list(CASTS.values())[trial % 3]
+        subnormal, sr = bool(trial % 2), bool(trial // 3 % 2)
+        ours, theirs = _both(lambda: _cast(x, cast, subnormal, sr, seed=trial), monkeypatch)
+        assert ours == theirs, (trial, rows, cols, cast, subnormal, sr)
+    assert spy.calls["fp4_encode"] == 40
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("cast", list(CASTS), ids=list(CASTS))
+def test_non_finite_operands_take_the_torch_code(value, cast, spy, monkeypatch):
+    """A NaN or an infinity makes a block multiplier (MXFP4 NaN, NVFP4 every block) non-finite:
+    the cast is the torch code's (a NaN's sign there is the hardware's choice of operand)."""
+    x = torch.randn(16, 64, generator=_gen(2))
+    x[3, 5] = value
+    if value != value:
+        x[9, 40] = -value  # a NaN with its sign bit set
+    ours, theirs = _both(lambda: _cast(x, CASTS[cast], False, True), monkeypatch)
+    assert ours == theirs
+    assert spy.calls["fp4_block_amax"] == 1
+    if value != value or cast != "mxfp4":
+        assert spy.calls["fp4_encode"] == 0  # the multipliers were not all finite
+    else:
+        assert spy.calls["fp4_encode"] == 1  # MXFP4: an infinity's block multiplier is 2**-127
+
+
+def test_dequantize_non_finite_scales_take_the_torch_code(spy, monkeypatch):
+    t = quantize(torch.randn(4, 64, generator=_gen(4)), CASTS["mxfp4"])
+    scales = t.scales.clone()
+    scales[1, 0] = 255  # E8M0's NaN
+    nan_scale = Fp4Tensor(t.codes, scales, None, t.amax, t.shape, t.cast)
+    ours, theirs = _both(lambda: [_bits(nan_scale.dequantize(d)) for d in DTYPES], monkeypatch)
+    assert ours == theirs and spy.calls["fp4_decode"] == 0
+
+
+def test_restored_operand_dequantizes_alike(spy, monkeypatch):
+    """An Fp4Tensor as backward restores it (no amax) and a dtype the kernels do not write."""
+    t = quantize(torch.randn(40, 32, generator=_gen(5)), CASTS["nvfp4-2d"])
+    restored = Fp4Tensor(t.codes, t.scales, t.tensor_scale, t.scales.new_empty(0), t.shape, t.cast)
+    ours, theirs = _both(lambda: [_bits(restored.dequantize(d)) for d in (*DTYPES, torch.float64)], monkeypatch)
+    assert ours == theirs and spy.calls["fp4_decode"] == len(DTYPES)
+
+
+def test_uniform_draws_are_torch_rand(native_ops):
+    for n in (0, 1, 623, 624, 625, 5000):
+        ours, theirs = _gen(n), _gen(n)
+        assert torch.equal(native_ops.fp4_uniform(n, ours), torch.rand(n, generator=theirs))
+        assert torch.equal(ours.get_state(), theirs.get_state())
+    assert _fp4._draws_agree(native_ops)
+
+
+def test_draws_by_torch_where_they_disagree(spy, monkeypatch):
+    """Where the kernel's draws differed from torch.rand's, the cast draws with torch.rand."""
+    x = torch.randn(16, 48, generator=_gen(6))
+    monkeypatch.setitem(_fp4._checked, "draws", False)
+    ours, theirs = _both(lambda: _cast(x, CASTS["nvfp4"], False, True), monkeypatch)
+    assert ours == theirs and spy.calls["fp4_uniform"] == 0 and spy.calls["fp4_encode"] == 1
+
+
+def _no_kernel(spy: _Spy, fn: Callable[[], Fp4Tensor]) -> Fp4Tensor:
+    t = fn()
+    t.magnitudes()
+    t.dequantize(torch.float32)
+    assert not spy.calls, spy.calls
+    return t
+
+
+def test_torch_code_where_the_kernels_must_not_serve(spy, monkeypatch):
+    x = torch.randn(16, 32, generator=_gen(8))
+    cast = CASTS["nvfp4"]
+    with monkeypatch.context() as m:
+        m.setenv("MIXPREC_NATIVE_KERNELS", "0")
+        _no_kernel(spy, lambda: quantize(x, cast))
+    leaf = x.clone().requires_grad_()
+    t = quantize(leaf, cast)  # requires grad, grad mode on: the amax is differentiable (the codes are not)
+    assert t.amax.requires_grad and not spy.calls
+    meta = _no_kernel(spy, lambda: quantize(x.to("meta"), cast))
+    assert meta.codes.device.type == "meta"
+    with FakeTensorMode() as mode:
+        fake = _no_kernel(spy, lambda: quantize(mode.from_tensor(x), cast))
+    assert fake.codes.shape == (16, 16)
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        _no_kernel(spy, lambda: quantize(x, cast))
+    with torch.no_grad():
+        quantize(leaf, cast)  # grad mode off: the kernels serve
+    assert spy.calls["fp4_encode"] == 1
+
+
+def test_kernels_check_their_inputs(native_ops):
+    x = torch.randn(4, 32)
+    with pytest.raises(RuntimeError, match="contiguous 2-D"):
+        native_ops.fp4_block_amax(x.t(), 1, 16)
+    with pytest.raises(RuntimeError, match="one per block"):
+        native_ops.fp4_encode(x, torch.ones(4, 1), 1, 16, None)
+    with pytest.raises(RuntimeError, match="16 or 32 wide"):
+        native_ops.fp4_encode(x, torch.ones(4, 4), 1, 8, None)
+    with pytest.raises(RuntimeError, match="uniform draws"):
+        native_ops.fp4_encode(x, torch.ones(4, 2), 1, 16, torch.rand(7))
+    with pytest.raises(RuntimeError, match="whole"):
+        native_ops.fp4_decode(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 1), 1, 16, 5, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="dtype"):
+        native_ops.fp4_decode(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 1), 1, 16, 4, 16, torch.float64)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_fp4_linear_trains_bitwise_alike(recipe, spy, monkeypatch):
+    """``fp8.linear`` under the recipe (stochastic rounding and the Hadamard transform where NVFP4
+    has them), two steps: outputs, gradients and the cast statistics the same with and without
+    the kernels."""
+    r = getattr(fp8.Float8Recipe, recipe)()
+
+    def steps() -> list[Any]:
+        gen = _gen(3)
+        x, w, b = torch.randn(40, 64, generator=gen), torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
+        state, out = fp8.LayerState(), []
+        for _ in range(2):
+            xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+            y = fp8.linear(xs, ws, bs, r, state=state)
+            y.square().sum().backward()
+            out += [_bits(t) for t in (y, xs.grad, ws.grad, bs.grad)]
+        return out + [state.read()]
+
+    ours, theirs = _both(steps, monkeypatch)
+    assert ours == theirs and spy.calls["fp4_encode"] >= 8

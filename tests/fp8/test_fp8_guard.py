@@ -245,3 +245,27 @@ def test_large_operands_are_measured_on_a_sample_and_nonfinite_is_never_missed()
     x[0, 1] = float("nan")
     fp8.linear(x, torch.randn(16, 256), state=state)
     assert state.read()["input"]["nonfinite"] == 1
+
+
+def test_an_fp4_operand_is_judged_against_the_fp4_underflow_limit():
+    """e2m1 blocks flush several percent of ordinary data: a default Guard keeps an nvfp4 layer on
+    Gaussian data (its flush rate is between max_underflow and fp4_max_underflow), and moves it
+    when fp4_max_underflow is below that rate; the fallback names the limit it crossed."""
+    from mixprec.fp8 import Float8FallbackWarning, Float8Recipe, Guard, LayerState, linear
+
+    def run(guard):
+        st = LayerState()
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 64, generator=g, requires_grad=True)
+        w = torch.randn(32, 64, generator=g, requires_grad=True)
+        linear(x, w, None, Float8Recipe.nvfp4(), state=st).square().sum().backward()
+        rate = float(st.stats[0, 2])
+        return rate, guard.check({"layer": st}, step=1)
+
+    rate, fallbacks = run(Guard())
+    assert Guard().max_underflow < rate < Guard().fp4_max_underflow and fallbacks == []
+    with pytest.warns(Float8FallbackWarning, match="underflow"):
+        rate, fallbacks = run(Guard(fp4_max_underflow=rate / 2))
+    assert [(f.operand, f.statistic, f.threshold) for f in fallbacks][:1] == [("input", "underflow", rate / 2)]
+    rate, fallbacks = run(Guard(fp4_max_underflow=None))
+    assert fallbacks == []

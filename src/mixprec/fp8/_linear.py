@@ -279,6 +279,10 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             state.to(input.device)
         stats = state.window
         sqnr = state.output_sqnr_db if state.sample_sqnr else None
+    if state is not None:
+        e2m1 = _e2m1_operands(recipe)
+        if state.e2m1 != e2m1:
+            state.e2m1 = e2m1
     if recipe.fp4:  # its own GEMM path (fp8/_fp4_linear.py); the layer's call count seeds stochastic rounding
         step = state.next_rounding_step() if state is not None else input.new_zeros((), dtype=torch.int64)
         out = Fp4Matmul.apply(input, weight, bias, recipe, stats, sqnr, step, backend == "emulate_fp32")
@@ -287,3 +291,9 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         if bias is not None:
             out = out + bias.to(out.dtype)
     return out if probe is None else probe(input, None if gathered else weight, out)
+
+
+def _e2m1_operands(r: Float8Recipe) -> tuple[bool, bool, bool]:
+    """Whether ``r`` casts input, weight, grad_output (in any GEMM) to e2m1."""
+    return (r.input.is_fp4 or r.input_for_grad_weight.is_fp4, r.weight.is_fp4 or r.weight_for_grad_input.is_fp4,
+            r.grad_output.is_fp4 or r.grad_output_for_grad_weight.is_fp4)

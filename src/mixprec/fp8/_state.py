@@ -83,6 +83,9 @@ class LayerState:
         self.fallback = False
         self.sample_sqnr = False
         self.routed = False  # a policy's call of the layer has reached fp8 (set by the routing)
+        # whether the last fp8 call cast input, weight, grad_output to e2m1 (set by linear; a Guard
+        # judges such an operand's underflow against its fp4 limit)
+        self.e2m1 = (False, False, False)
         self.recipe = None  # a Float8Recipe that replaces the caller's (set by a Controller)
         self.probe = None  # measures the layer's operands after the GEMM (set by a Controller)
         # fp4 calls so far, on the device: seeds their stochastic rounding (advanced by linear)

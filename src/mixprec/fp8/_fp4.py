@@ -217,10 +217,13 @@ def quantize(x2: torch.Tensor, cast: Cast, *, subnormal_scales: bool = False,
 
 
 def _draws(ops: Any, generator: torch.Generator | RoundingKey, shape: tuple[int, ...]) -> torch.Tensor:
-    """The uniform draws :func:`encode_e2m1` makes (:func:`_uniform`), a ``torch.Generator``'s by
-    the kernel's loop where it draws torch.rand's numbers (:func:`_draws_agree`; about 1.4x faster
+    """The uniform draws :func:`encode_e2m1` makes (:func:`_uniform`) by the kernels: a
+    :class:`RoundingKey`'s (integer arithmetic, about 20x its torch code), a ``torch.Generator``'s
+    where the kernel's loop draws torch.rand's numbers (:func:`_draws_agree`; about 1.4x faster
     than torch's uniform kernel, which calls the generator out of line)."""
-    if isinstance(generator, torch.Generator) and _draws_agree(ops):
+    if isinstance(generator, RoundingKey):
+        return ops.fp4_key_draws(int(generator._state("cpu")), math.prod(shape))
+    if _draws_agree(ops):
         return ops.fp4_uniform(math.prod(shape), generator)
     return _uniform(generator, shape, torch.device("cpu"))
 
@@ -297,16 +300,20 @@ class RoundingKey:
     step: int | torch.Tensor
     stream: int
 
+    def _state(self, device: torch.device | str) -> int | torch.Tensor:
+        """SplitMix64's state the draws start from, as an int64 (a 0-d tensor on ``device`` when
+        ``step`` is a tensor)."""
+        key = _mix64(_mix64(self.seed))
+        if isinstance(self.step, torch.Tensor):
+            state = _mix64_(_mix64_(self.step.to(device=device, dtype=torch.int64, copy=True)).bitwise_xor_(_signed(key)))
+            return _mix64_(state.bitwise_xor_(_signed(_mix64(self.stream))))
+        return _signed(_mix64(_mix64(key ^ _mix64(self.step)) ^ _mix64(self.stream)))
+
     def draws(self, shape: tuple[int, ...] | torch.Size, device: torch.device | str) -> torch.Tensor:
         """float32 uniform draws on ``[0, 1)`` of ``shape`` on ``device``, element by element in
         row-major order."""
         n = math.prod(shape)
-        key = _mix64(_mix64(self.seed))
-        if isinstance(self.step, torch.Tensor):
-            state = _mix64_(_mix64_(self.step.to(device=device, dtype=torch.int64, copy=True)).bitwise_xor_(_signed(key)))
-            state = _mix64_(state.bitwise_xor_(_signed(_mix64(self.stream))))
-        else:
-            state = _signed(_mix64(_mix64(key ^ _mix64(self.step)) ^ _mix64(self.stream)))
+        state = self._state(device)
         half = (n + 1) // 2
         z = _mix64_(torch.arange(half, dtype=torch.int64, device=device).mul_(_signed(_GAMMA)).add_(state))
         bits = torch.cat([(z >> 8).bitwise_and_(_DRAW_MASK), (z >> 40).bitwise_and_(_DRAW_MASK)])[:n]

@@ -30,12 +30,14 @@
 
 On the CPU, :func:`quantize`, :meth:`Fp4Tensor.dequantize` and :meth:`Fp4Tensor.magnitudes` run
 mixprec's C++ kernels (``csrc/fp4_kernel.cpp``: one pass over the operand each, where this
-module's torch code makes about twenty) and give the same bits. The torch code below is their
-definition and serves wherever the kernels do not: ``MIXPREC_NATIVE_KERNELS=0`` or no compiler,
-other devices, tensor subclasses (FakeTensor, DTensor), code being traced by ``torch.compile``, an
-operand that requires grad (under grad mode), dtypes other than float32/bfloat16/float16, empty
-tensors, and casts whose block multipliers or scales are not finite (a NaN or an infinity in
-the operand): there the sign of a NaN depends on which operand of a multiply the hardware keeps.
+module's torch code makes about twenty; stochastic rounding's draws too, a :class:`RoundingKey`'s
+in unsigned 64-bit arithmetic, a generator's as ``torch.rand`` draws them) and give the same
+bits. The torch code below is their definition and serves wherever the kernels do not:
+``MIXPREC_NATIVE_KERNELS=0`` or no compiler, other devices, tensor subclasses (FakeTensor,
+DTensor), code being traced by ``torch.compile``, an operand that requires grad (under grad
+mode), empty tensors, dequantizing to a dtype other than float32/bfloat16/float16, and casts whose
+block multipliers or scales are not finite (a NaN or an infinity in the operand): there the sign
+of a NaN depends on which operand of a multiply the hardware keeps.
 """
 
 from __future__ import annotations

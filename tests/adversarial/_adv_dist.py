@@ -1,6 +1,7 @@
-"""Distributed fp8 programs: 2 gloo ranks with their own data, a Guard or a Controller, the
-policy route or ``fp8.convert``, optionally FSDP2 (with fp8 all-gather) and a GradScaler that
-agrees over the group; :func:`run_rank` is what each rank of the pool runs.
+"""Distributed fp8 and fp4 programs: 2 gloo ranks with their own data, a Guard or a Controller
+(whole-layer or per GEMM; on an fp4 ladder ``(mxfp4 or nvfp4, tensorwise, rowwise, compute)``
+for an fp4 recipe), the policy route or ``fp8.convert``, optionally FSDP2 (with fp8 all-gather)
+and a GradScaler that agrees over the group; :func:`run_rank` is what each rank of the pool runs.
 
 What may differ between the ranks is what users' ranks do differ in: the data (a feature that
 drifts on one rank only, an outlier on one rank), the number of micro-batches of a step (none on
@@ -12,6 +13,7 @@ every rank is made so; the model's calls are the same on every rank under FSDP2 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +38,21 @@ class DistProgram:
     lag_rank: int | None = None  # this rank sleeps 20 ms before each step
     scaler: bool = False  # GradScaler("cpu", process_group="default")
     controller: tuple[int, int, int] = (3, 30, 3)  # trend_windows, min_dwell, demote_windows
+    per_gemm: bool = False  # the Controller decides per GEMM
+    same_data: bool = False  # every rank reads rank 0's data, its global generator seeded by rank
+    backend: str = "auto"  # or "emulate_fp32" (every emulated GEMM in float32)
+
+
+#: the fp4 recipes (their Controller's ladder starts with them).
+FP4 = ("mxfp4", "nvfp4")
+
+
+def digest(model: torch.nn.Module) -> str:
+    """A hash of the model's parameters' bytes (equal digests: bitwise equal weights); not under FSDP2."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 class ProgramError(Exception):
@@ -46,10 +63,13 @@ def _supervisor(program: DistProgram) -> Any:
     import mixprec
     from mixprec import fp8
 
-    if program.supervisor == "guard":
-        return fp8.Guard(every=program.every)
+    fp4 = program.recipe in FP4
+    if program.supervisor == "guard":  # fp4: the Controller's fp4 limit (fp8's 0.05 falls back at once)
+        return fp8.Guard(every=program.every, max_underflow=0.15 if fp4 else 0.05)
     trend, dwell, demote = program.controller
-    return mixprec.Controller(every=program.every, trend_windows=trend, min_dwell=dwell, demote_windows=demote)
+    ladder = {"ladder": (program.recipe, "tensorwise", "rowwise", "compute")} if fp4 else {}
+    return mixprec.Controller(every=program.every, trend_windows=trend, min_dwell=dwell, demote_windows=demote,
+                              per_gemm=program.per_gemm, **ladder)
 
 
 def _fp8_layer(module: torch.nn.Module, fqn: str) -> bool:
@@ -66,6 +86,7 @@ def _setup(program: DistProgram) -> tuple[torch.nn.Module, Any, Any, Any, Any]:
     if program.route == "convert":
         kind = "guard" if program.supervisor == "guard" else "controller"
         model = fp8.convert(model, program.recipe, filter_fn=_fp8_layer, fsdp_fp8_all_gather=program.fsdp == "fsdp_fp8",
+                            backend=program.backend,
                             **{kind: supervisor})
 
         def region() -> Any:
@@ -73,7 +94,7 @@ def _setup(program: DistProgram) -> tuple[torch.nn.Module, Any, Any, Any, Any]:
     else:
         kind = "guard" if program.supervisor == "guard" else "controller"
         policy = Policy.parse("compute=bf16").fp8(program.recipe, names=r"^blocks\.", first_last="fp8",
-                                                  **{kind: supervisor})
+                                                  backend=program.backend, **{kind: supervisor})
         if program.json:
             policy = Policy.from_json(policy.to_json())
             supervisor = getattr(policy.fp8_rule, kind)
@@ -101,16 +122,19 @@ def run_rank(rank: int, program: DistProgram) -> dict[str, Any]:
     step_index = -1
     try:
         model, optimizer, scaler, supervisor, region = _setup(program)
+        if program.same_data:  # anything drawn from the global generator would differ between ranks
+            torch.manual_seed(1000 + rank)
+        source = 0 if program.same_data else rank
         decisions = []
         for step_index, step in enumerate(program.steps):
             if program.lag_rank == rank:
                 time.sleep(0.02)
             # with a scaler a rank must scale() before step(): no micro-batch -> an empty one
-            micro = step.rows[rank] or ((0,) if scaler is not None else ())
+            micro = step.rows[source] or ((0,) if scaler is not None else ())
             for m, rows in enumerate(micro):
-                outlier = 1e6 if program.outlier == (rank, step_index) else None
-                x = batch(program.shape, program.shape.seed, step_index, rank, m, rows,
-                          drift=program.drift[rank], outlier=outlier)
+                outlier = 1e6 if program.outlier == (source, step_index) else None
+                x = batch(program.shape, program.shape.seed, step_index, source, m, rows,
+                          drift=program.drift[source], outlier=outlier)
                 with region():
                     loss = loss_of(model(x, step))
                 (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -122,7 +146,8 @@ def run_rank(rank: int, program: DistProgram) -> dict[str, Any]:
             optimizer.zero_grad()
             decisions.append([_plain(d) for d in supervisor.step()])
         return {"decisions": decisions, "steps": supervisor.steps,
-                "scale": scaler.get_scale() if scaler is not None else None}
+                "scale": scaler.get_scale() if scaler is not None else None,
+                "weights": digest(model) if program.same_data else None}
     except Exception as exc:
         error = ProgramError(f"rank {rank}, step {step_index}: {type(exc).__name__}: {exc}")
         error.adv_step = step_index  # type: ignore[attr-defined]

@@ -84,6 +84,10 @@ def _warm_up() -> None:
     policy = mixprec.Policy.parse("compute=bf16").fp8("tensorwise", first_last="fp8")
     with mixprec.autocast("cpu", policy=policy):  # builds or loads mixprec's kernels
         fp8.unconvert(layer)(torch.ones(16, 16)).float().sum().backward()
+    for recipe in ("mxfp4", "nvfp4"):  # fp4's casts, the Hadamard transform, stochastic rounding
+        fp4 = fp8.convert(torch.nn.Sequential(torch.nn.Linear(32, 32)), recipe, filter_fn=lambda m, fqn: fqn == "0")
+        with mixprec.autocast("cpu", dtype=torch.bfloat16):
+            fp4(torch.ones(8, 32)).float().sum().backward()
 
 
 def _rank_main(rank: int, world: int, port: int, conn: Connection, stack_dir: str, hang_after: float) -> None:

@@ -1,16 +1,19 @@
-"""2 gloo ranks running generated fp8 programs with a Guard or a Controller (policy route, also
-through JSON, or ``fp8.convert``; FSDP2 with and without fp8 all-gather; a GradScaler agreeing
-over the group), with asymmetric data, uneven micro-batch counts, a rank with no forward on a
-step, a lagging rank.
+"""2 gloo ranks running generated fp8 and fp4 programs with a Guard or a Controller (policy
+route, also through JSON, or ``fp8.convert``; FSDP2 with and without fp8 all-gather; a GradScaler
+agreeing over the group; ``mxfp4``/``nvfp4`` with the Controller per GEMM on an fp4 ladder), with
+asymmetric data, uneven micro-batch counts, a rank with no forward on a step, a lagging rank.
 
 Invariants: no rank hangs (the pool's watchdog fails the test with every rank's stacks); the
 ranks issue the same collectives in the same order (name, shape, dtype); every rank takes the
 same decisions at the same steps; nothing raises, except a ``ValueError``/``TypeError`` while
-setting up or on the first step (a configuration refused up front).
+setting up or on the first step (a configuration refused up front). Ranks that read the same
+data (``same_data``, their global generators seeded differently) end with bitwise the same
+weights: NVFP4's stochastic rounding draws the same on every rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -18,7 +21,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _adv_dist import DistProgram, run_rank
+from _adv_dist import FP4, DistProgram, run_rank
 from _adv_profile import profile
 from _adv_programs import Shape, Step, shapes, steps
 from _adv_ranks import RankPool
@@ -38,8 +41,8 @@ def pool() -> Iterator[RankPool]:
         ranks.close()
 
 
-def check(pool: RankPool, program: DistProgram) -> None:
-    """Run ``program`` on 2 ranks and assert the invariants (module docstring)."""
+def check(pool: RankPool, program: DistProgram) -> list[dict]:
+    """Run ``program`` on 2 ranks and assert the invariants (module docstring); the ranks' results."""
     results = pool.run(run_rank, program)
     errors = [(rank, r) for rank, r in enumerate(results) if r["error"] is not None]
     for rank, r in errors:
@@ -47,13 +50,16 @@ def check(pool: RankPool, program: DistProgram) -> None:
         assert refused_up_front, f"rank {rank} raised after setup:\n{r['error']}"
     if errors:
         assert len(errors) == len(results), f"only rank(s) {[e[0] for e in errors]} refused the program"
-        return
+        return results
     calls = [r["collectives"] for r in results]
     assert len(calls[0]) == len(calls[1]) and all(
         a[:3] == b[:3] for a, b in zip(*calls)), _first_difference(calls)
     for t, (d0, d1) in enumerate(zip(results[0]["decisions"], results[1]["decisions"])):
         assert d0 == d1, f"step {t}: rank 0 decided {d0}, rank 1 {d1}"
     assert results[0]["scale"] == results[1]["scale"]
+    if program.same_data:
+        assert results[0]["weights"] == results[1]["weights"], "ranks on the same data: weights differ"
+    return results
 
 
 def _first_difference(calls: list[list[tuple]]) -> str:
@@ -83,6 +89,30 @@ def dist_programs(draw: st.DrawFn) -> DistProgram:
         controller=draw(st.sampled_from([(3, 30, 3), (1, 2, 1)])))
 
 
+@st.composite
+def fp4_programs(draw: st.DrawFn) -> DistProgram:
+    """fp4 recipes with a Guard or a Controller (per GEMM or whole-layer, on the fp4 ladder), no
+    FSDP2 fp8 all-gather (tensorwise only), widths that are multiples of the recipe's blocks."""
+    recipe = draw(st.sampled_from(FP4))
+    fsdp = draw(st.sampled_from(["none", "none", "fsdp"]))
+    shape = draw(shapes(widths=(32,) if recipe == "mxfp4" else (16, 32), max_blocks=3, sharing=fsdp == "none"))
+    same_data = fsdp == "none" and draw(st.booleans())
+    schedule = draw(steps(shape.blocks, ranks=2, max_steps=10, min_steps=3, uneven=fsdp == "none" and not same_data,
+                          skips=draw(st.booleans())))
+    if same_data:
+        schedule = tuple(dataclasses.replace(s, rows=(s.rows[0], s.rows[0])) for s in schedule)
+    route = draw(st.sampled_from(["policy", "convert"]))
+    supervisor = draw(st.sampled_from(["controller", "controller", "guard"]))
+    return DistProgram(
+        shape=shape, steps=schedule, supervisor=supervisor, every=draw(st.sampled_from([1, 2, 3])), route=route,
+        json=route == "policy" and draw(st.booleans()), recipe=recipe, fsdp=fsdp,
+        drift=draw(st.sampled_from([(1.0, 1.0), (2.0, 1.0), (1.0, 1.6)])),
+        outlier=draw(st.one_of(st.none(), st.tuples(st.integers(0, 1), st.integers(0, len(schedule) - 1)))),
+        lag_rank=draw(st.sampled_from([None, 0, 1])), scaler=draw(st.booleans()),
+        controller=draw(st.sampled_from([(3, 30, 3), (1, 2, 1)])), per_gemm=draw(st.booleans()), same_data=same_data,
+        backend=draw(st.sampled_from(["auto", "emulate_fp32"])))
+
+
 _BLOCKS = Shape(width=32, blocks=3, gain=1.0, out=1)
 _STEADY = tuple(Step(rows=((8,), (8,))) for _ in range(8))
 
@@ -104,6 +134,23 @@ ITEM3 = DistProgram(shape=Shape(width=32, blocks=3, gain=1.0, out=1),
                     route="convert", recipe="tensorwise", fsdp="fsdp_fp8", drift=(2.0, 2.0), controller=(1, 2, 1))
 
 
+#: The per-GEMM Controller on the NVFP4 ladder (stochastic rounding on), rank 0's data drifting,
+#: uneven micro-batches (rank 1 none on the first step, then 3 against 1).
+FP4_UNEVEN = DistProgram(shape=_BLOCKS, steps=(Step(rows=((8, 8), ())),) + tuple(
+    Step(rows=((8, 8, 8), (8,))) for _ in range(7)), supervisor="controller", every=2, route="policy",
+    recipe="nvfp4", drift=(1.6, 1.0), controller=(1, 2, 1), per_gemm=True)
+#: The same on MXFP4 through fp8.convert (GEMMs in float32), a GradScaler over the group, skipped
+#: blocks and an early exit.
+FP4_CONVERT = DistProgram(shape=_BLOCKS, steps=(Step(skip=frozenset({1}), rows=((8,), (8, 8))), Step(
+    depth=2, rows=((), (8,)))) + tuple(Step(rows=((8, 4), (8,))) for _ in range(6)), supervisor="controller",
+    every=1, route="convert", recipe="mxfp4", drift=(1.0, 2.0), controller=(1, 2, 1), per_gemm=True, scaler=True,
+    backend="emulate_fp32")
+#: Both ranks on rank 0's data, their global generators seeded apart: NVFP4's stochastic
+#: rounding must draw the same (bitwise equal weights).
+FP4_SAME_DATA = DistProgram(shape=_BLOCKS, steps=tuple(Step(rows=((8, 8), (8, 8))) for _ in range(6)),
+                            supervisor="controller", every=2, route="policy", recipe="nvfp4", drift=(1.6, 1.6),
+                            controller=(1, 2, 1), per_gemm=True, same_data=True)
+
 KNOWN = [pytest.param(ITEM2_GUARD, id="item2-guard-first-microbatch-skipped"),
          pytest.param(ITEM2_CONTROLLER, id="item2-controller-first-microbatch-skipped"),
          pytest.param(ITEM2_UNEVEN, id="item2-guard-uneven-microbatches"),
@@ -112,6 +159,24 @@ KNOWN = [pytest.param(ITEM2_GUARD, id="item2-guard-first-microbatch-skipped"),
 
 @pytest.mark.parametrize("program", KNOWN)
 def test_known_programs(pool: RankPool, program: DistProgram) -> None:
+    check(pool, program)
+
+
+@pytest.mark.parametrize("program", [pytest.param(FP4_UNEVEN, id="nvfp4-per-gemm-uneven-drift"),
+                                     pytest.param(FP4_CONVERT, id="mxfp4-per-gemm-convert-scaler-skips"),
+                                     pytest.param(FP4_SAME_DATA, id="nvfp4-sr-same-data")])
+def test_fp4_per_gemm_controller(pool: RankPool, program: DistProgram) -> None:
+    """The per-GEMM Controller on an fp4 ladder over 2 ranks: it decides (promotions away from
+    fp4, per GEMM) and the ranks agree (same decisions, same collectives, no hang)."""
+    results = check(pool, program)
+    assert all(r["error"] is None for r in results)
+    decided = [d for step in results[0]["decisions"] for d in step]
+    assert decided and {d["gemm"] for d in decided} - {None}, f"no per-GEMM decision: {decided}"
+
+
+@profile(fast_examples=2)
+@given(program=fp4_programs())
+def test_fp4_ranks_agree_and_stay_aligned(pool: RankPool, program: DistProgram) -> None:
     check(pool, program)
 
 

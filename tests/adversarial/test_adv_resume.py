@@ -2,7 +2,10 @@
 mixprec's AdamW on bf16 weights with stochastic rounding and its own generator), GradScaler
 (global or per-layer), fp8 Guard or Controller (policy route, also through JSON, or
 ``fp8.convert``), under generated schedules (skipped blocks, early exit, accumulation, empty
-micro-batches) and data that drifts or has an outlier.
+micro-batches) and data that drifts or has an outlier. The recipes: fp8 tensorwise and rowwise,
+fp4 ``mxfp4`` and ``nvfp4`` (Hadamard, 16x16 weight blocks; stochastic rounding on or off), and
+the Controller whole-layer or per GEMM (``per_gemm=True``), on an fp4 ladder
+``(fp4 recipe, "tensorwise", "rowwise", "compute")`` when the recipe is fp4.
 
 Reference: the same program run straight through. The resumed run (k steps, ``state_dict`` of
 each object through ``torch.save``/``torch.load(weights_only=True)``, everything rebuilt from
@@ -14,9 +17,10 @@ while setting up or on the first step (a refused configuration) is accepted; not
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -25,6 +29,35 @@ import mixprec
 from _adv_profile import profile
 from _adv_programs import Net, Shape, Step, batch, loss_of, shapes, steps
 from mixprec import Policy, fp8
+from mixprec.fp8 import Float8Recipe
+
+#: Whether NVFP4's stochastic-rounding step count (``LayerState.rounding_step``) is checkpointed:
+#: not yet (helper ``fp4state`` fixes it). While False the stochastic-rounding resume cases are
+#: strict xfails and the generator leaves them out; set True when the fix merges.
+SR_RESUMES = False
+
+#: the harness's recipes: a name, or ``nvfp4_rtn`` (NVFP4 without stochastic rounding, a custom
+#: recipe: the JSON route and the Controller take named recipes only).
+FP8_RECIPES = ("tensorwise", "rowwise")
+FP4_RECIPES = ("mxfp4", "nvfp4_rtn") + (("nvfp4",) if SR_RESUMES else ())
+
+
+def recipe_of(key: str) -> Float8Recipe | str:
+    """The recipe a program's ``recipe`` key names."""
+    return Float8Recipe.nvfp4(stochastic_rounding=False) if key == "nvfp4_rtn" else key
+
+
+def make_guard(recipe: str, every: int) -> fp8.Guard:
+    """The harness's Guard; with an fp4 recipe its underflow limit is the Controller's fp4 one
+    (0.15: an e2m1 block flushes 7 to 11% of Gaussian data, so fp8's 0.05 falls back at once)."""
+    return fp8.Guard(every=every, max_underflow=0.15 if recipe in FP4_RECIPES + ("nvfp4",) else 0.05)
+
+
+def make_controller(recipe: str, every: int, per_gemm: bool) -> mixprec.Controller:
+    """The harness's Controller (quick to react); an fp4 recipe starts an fp4 ladder."""
+    ladder = (recipe, "tensorwise", "rowwise", "compute") if recipe in ("mxfp4", "nvfp4") else None
+    return mixprec.Controller(every=every, trend_windows=1, min_dwell=2, demote_windows=1, per_gemm=per_gemm,
+                              **({"ladder": ladder} if ladder else {}))
 
 
 @dataclass(frozen=True)
@@ -41,28 +74,30 @@ class ResumeProgram:
     optimizer: str = "adamw"  # "adamw" | "sgd" | "lowp" (mixprec.optim.AdamW, bf16 weights, stochastic)
     drift: float = 1.0
     outlier_step: int | None = None
+    per_gemm: bool = False  # the Controller decides per GEMM
+    backend: str = "auto"  # or "emulate_fp32" (every emulated GEMM in float32: the demo's fp4 modes)
 
 
 class Run:
     """One program's objects, built from scratch (``seed`` picks the initial weights)."""
 
     def __init__(self, program: ResumeProgram, seed: int) -> None:
-        from dataclasses import replace
-
         self.program = program
         self.model = Net(replace(program.shape, seed=seed))
         self.supervisor: Any = None
         if program.supervisor == "guard":
-            self.supervisor = fp8.Guard(every=program.every)
+            self.supervisor = make_guard(program.recipe, program.every)
         elif program.supervisor == "controller":
-            self.supervisor = mixprec.Controller(every=program.every, trend_windows=1, min_dwell=2, demote_windows=1)
+            self.supervisor = make_controller(program.recipe, program.every, program.per_gemm)
         kind = {"guard": {"guard": self.supervisor}, "controller": {"controller": self.supervisor}}.get(
             program.supervisor, {})
         self.policy: Any = None
         if program.route == "convert":
-            fp8.convert(self.model, program.recipe, filter_fn=lambda m, fqn: fqn.startswith("blocks."), **kind)
+            fp8.convert(self.model, recipe_of(program.recipe), filter_fn=lambda m, fqn: fqn.startswith("blocks."),
+                        backend=program.backend, **kind)
         elif program.route == "policy":
-            self.policy = Policy.parse("compute=bf16").fp8(program.recipe, names=r"^blocks\.", first_last="fp8", **kind)
+            self.policy = Policy.parse("compute=bf16").fp8(recipe_of(program.recipe), names=r"^blocks\.", first_last="fp8",
+                                                           backend=program.backend, **kind)
             if program.json:
                 self.policy = Policy.from_json(self.policy.to_json())
                 self.supervisor = getattr(self.policy.fp8_rule, program.supervisor, None)
@@ -159,20 +194,32 @@ def run_resume(program: ResumeProgram) -> str:
 
 
 @st.composite
-def resume_programs(draw: st.DrawFn) -> ResumeProgram:
-    shape = draw(shapes(widths=(16, 32), max_blocks=3))
-    route = draw(st.sampled_from(["policy", "convert", "none"]))
+def resume_programs(draw: st.DrawFn, recipes: tuple[str, ...] = FP8_RECIPES) -> ResumeProgram:
+    """A resume program over ``recipes``; fp4 ones get widths that are multiples of their blocks,
+    the policy or convert route, JSON and a Controller only with a named recipe."""
+    fp4 = recipes == FP4_RECIPES
+    recipe = draw(st.sampled_from(recipes)) if fp4 else None
+    widths = (16, 32) if recipe in (None, "nvfp4", "nvfp4_rtn") else (32,)
+    shape = draw(shapes(widths=widths, max_blocks=3))
+    route = draw(st.sampled_from(["policy", "convert"] if fp4 else ["policy", "convert", "none"]))
     schedule = draw(steps(shape.blocks, max_steps=8, min_steps=2))
     optimizer = draw(st.sampled_from(["adamw", "sgd", "lowp"]))
     scaler = "none" if optimizer == "lowp" else draw(st.sampled_from(["global", "per_layer", "none"]))
-    return ResumeProgram(
+    named = recipe != "nvfp4_rtn"
+    supervisors = ["guard", "controller", "none"] if named else ["guard", "none"]
+    program = ResumeProgram(
         shape=shape, steps=schedule, resume_at=draw(st.integers(1, len(schedule) - 1)), route=route,
-        json=route == "policy" and draw(st.booleans()),
-        supervisor="none" if route == "none" else draw(st.sampled_from(["guard", "controller", "none"])),
-        every=draw(st.sampled_from([1, 2, 3])), recipe=draw(st.sampled_from(["tensorwise", "rowwise"])),
+        json=route == "policy" and named and draw(st.booleans()),
+        supervisor="none" if route == "none" else draw(st.sampled_from(supervisors)),
+        every=draw(st.sampled_from([1, 2, 3])), recipe=recipe or draw(st.sampled_from(recipes)),
         scaler=scaler,
         optimizer=optimizer, drift=draw(st.sampled_from([1.0, 2.0])),
         outlier_step=draw(st.one_of(st.none(), st.integers(0, len(schedule) - 1))))
+    if program.supervisor == "controller":
+        program = replace(program, per_gemm=draw(st.booleans()))
+    if fp4:
+        program = replace(program, backend=draw(st.sampled_from(["auto", "emulate_fp32"])))
+    return program
 
 
 @profile(fast_examples=8)
@@ -181,11 +228,73 @@ def test_resume_is_bitwise(program: ResumeProgram) -> None:
     run_resume(program)
 
 
+@profile(fast_examples=3)
+@given(program=resume_programs(FP4_RECIPES))
+def test_fp4_resume_is_bitwise(program: ResumeProgram) -> None:
+    run_resume(program)
+
+
+#: A schedule for the fp4 routes: gradient accumulation, an empty micro-batch, a skipped block,
+#: an early exit; feature 0 doubles every step, so the Controller promotes before the resume.
+_FP4_STEPS = (Step(rows=((8, 4),)), Step(rows=((8,),)), Step(skip=frozenset({1}), rows=((0, 8),)),
+              Step(rows=((8, 8),)), Step(depth=1, rows=((4,),)), Step(rows=((8,),)))
+_SR_XFAIL = pytest.mark.xfail(not SR_RESUMES, strict=True, reason=(
+    "NVFP4's stochastic-rounding step count (LayerState.rounding_step) is not checkpointed yet: "
+    "a resumed run draws from step 0 again (helper fp4state fixes it)"))
+
+
+def _fp4_case(recipe: str, route: str, supervisor: str, json: bool = False, per_gemm: bool = False,
+              backend: str = "auto") -> Any:
+    program = ResumeProgram(shape=Shape(width=32, blocks=2, gain=0.3, seed=1), steps=_FP4_STEPS, resume_at=3,
+                            route=route, json=json, supervisor=supervisor, every=1, recipe=recipe,
+                            scaler="global", optimizer="adamw", drift=2.0, per_gemm=per_gemm, backend=backend)
+    name = (f"{recipe}-{route}{'-json' if json else ''}-{supervisor}{'-per_gemm' if per_gemm else ''}"
+            f"{'' if backend == 'auto' else '-' + backend}")
+    return pytest.param(program, id=name, marks=[_SR_XFAIL] if recipe == "nvfp4" else [])
+
+
+FP4_ROUTES = [
+    _fp4_case("mxfp4", "policy", "controller", json=True, per_gemm=True),
+    _fp4_case("mxfp4", "convert", "controller", per_gemm=True, backend="emulate_fp32"),
+    _fp4_case("mxfp4", "policy", "guard"),
+    _fp4_case("nvfp4_rtn", "convert", "guard"),
+    _fp4_case("nvfp4_rtn", "policy", "none"),
+    _fp4_case("nvfp4", "policy", "none"),
+    _fp4_case("nvfp4", "policy", "controller", json=True, per_gemm=True),
+    _fp4_case("nvfp4", "convert", "controller", per_gemm=True, backend="emulate_fp32"),
+    _fp4_case("nvfp4", "convert", "guard"),
+]
+
+
+@pytest.mark.parametrize("program", FP4_ROUTES)
+def test_fp4_resume_by_route(program: ResumeProgram) -> None:
+    """fp4 recipes by every route, the Controller per GEMM on the fp4 ladder: resumed, bitwise
+    the straight run (and the run is not refused: these settings are valid)."""
+    assert run_resume(program) == "ran"
+
+
 def test_empty_microbatch_through_fp8() -> None:
     """Found by the harness on e8643bb: RuntimeError in fp8/_quant.py (torch.max of an empty
     tensor); fixed concurrently in branch fp8rt."""
     program = ResumeProgram(shape=Shape(width=16, blocks=2), steps=(Step(rows=((0,),)), Step(rows=((8,),))),
                             resume_at=1, route="policy", supervisor="guard", every=1, scaler="none")
+    assert run_resume(program) == "ran"
+
+
+def test_finding_controller_compute_rung_on_bf16_weights() -> None:
+    """Found by the fast profile on 18aaf0b: a Controller (policy route, rowwise) promotes a layer
+    to the compute dtype after an outlier; its weights are bf16 (mixprec.optim.AdamW on
+    ``to_low_precision``), so the fallback's ``F.linear(input, weight.to(bf16))`` passed the very
+    weight tensor and the region routed that call to the layer again: RecursionError. Fixed in
+    engine/casts.py (a matched fp8 call's own GEMM is no longer matched)."""
+    program = ResumeProgram(
+        shape=Shape(width=32, blocks=3, gain=0.3, seed=1),
+        steps=(Step(rows=((8, 8, 0),)), Step(rows=((4, 4),)), Step(rows=((0, 0, 8),))), resume_at=1,
+        route="policy", supervisor="controller", every=2, recipe="rowwise", scaler="none", optimizer="lowp",
+        outlier_step=1)
+    run = Run(program, seed=1)
+    run.run(0, 3)
+    assert [d.to for d in run.supervisor.log] == ["bf16"]
     assert run_resume(program) == "ran"
 
 

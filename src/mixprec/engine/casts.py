@@ -229,7 +229,11 @@ def _run_fp8(info: OpInfo, frame: Frame, keyset: Any, args: tuple, kwargs: dict)
         call = target.match(info.name, args, kwargs)
         if call is not None:
             x = cached_cast(call[0], torch.get_autocast_dtype(frame.device_type), frame)
-            return target.run(x, call[1], call[2])
+            RUNTIME.fp8_target = None  # the GEMM's own calls (a fallback's F.linear) are not the layer's call
+            try:
+                return target.run(x, call[1], call[2])
+            finally:
+                RUNTIME.fp8_target = current
     kind = frame.policy.table(frame.device_type).get(info.name, "passthrough")
     return RUNNERS[kind](info, frame, keyset, args, kwargs)
 

@@ -7,7 +7,9 @@
   backward in fp8). ``backend="emulate"`` everywhere (bitwise torchao's emulation),
   ``"emulate_fp32"`` (every GEMM in float32, as a tensor core accumulates: fast fp4/MX emulation
   on CPUs without bf16 GEMMs), ``"scaled_mm"`` on CUDA sm89+.
-* :class:`LayerState` / :func:`layer_state`: per-layer statistics kept on the device.
+* :class:`LayerState` / :func:`layer_state`: per-layer statistics kept on the device;
+  :func:`rounding_steps` / :func:`load_rounding_steps`: the fp4 call counts that seed stochastic
+  rounding, for the checkpoint of a run without a Guard or Controller (theirs hold them).
 * :class:`Guard`: thresholds that move a layer back to the compute dtype, the same on every rank,
   decided in ``guard.step()`` (once per optimizer step), resumable from its ``state_dict()``.
 * :func:`convert`, :func:`unconvert`, :class:`Float8Linear`, :class:`Float8Conv1D`, :func:`stats`:
@@ -59,10 +61,10 @@ from mixprec.fp8._guard import Fallback, Float8FallbackWarning, Guard, layer_sta
 from mixprec.fp8._layers import Float8Conv1D, Float8Linear, as_recipe, eligible, select_layers
 from mixprec.fp8._linear import linear
 from mixprec.fp8._recipe import Cast, Float8Recipe, Recipe
-from mixprec.fp8._state import LayerState, layer_state
+from mixprec.fp8._state import LayerState, layer_state, load_rounding_steps, rounding_steps
 
 __all__ = [
     "Cast", "Controller", "Decision", "Fallback", "Float8Conv1D", "Float8FallbackWarning", "Float8Linear", "Float8Recipe", "Float8Stats",
     "Guard", "LayerState", "Recipe", "as_recipe", "convert", "eligible", "layer_state", "layer_states", "linear",
-    "precompute_fsdp_scales", "select_layers", "stats", "unconvert",
+    "load_rounding_steps", "precompute_fsdp_scales", "rounding_steps", "select_layers", "stats", "unconvert",
 ]

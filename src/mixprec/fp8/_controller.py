@@ -436,8 +436,9 @@ class Controller:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a bitwise resume needs, as plain data: the step count, the log, and per
-        layer its rung, trend, hysteresis counters and open windows (the rank's own, before the
-        all-reduce: save it on every rank).
+        layer its rung, trend, hysteresis counters, open windows (the rank's own, before the
+        all-reduce: save it on every rank) and fp4 call count (``rounding_step``, which seeds
+        stochastic rounding).
 
         .. warning:: reads the device windows: one host sync per layer.
         """
@@ -485,7 +486,8 @@ class Controller:
             data.update(gemms={g: self.ladder[r] for g, r in zip(GEMMS, rec.rungs)}, gemm_clean=list(rec.gemm_clean),
                         gemm_switches=[list(s) for s in rec.gemm_switches])
         if windows:
-            data.update(state=rec.state.window.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist())
+            data.update(state=rec.state.window.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist(),
+                        rounding_step=rec.state.rounding_step)
             if rec.gemm_windows is not None:
                 data["gemm_windows"] = rec.gemm_windows.tolist()
         return data
@@ -536,6 +538,8 @@ class Controller:
                 raise ValueError(f"Controller.load_state_dict: a window of shape {tuple(t.shape)}, expected "
                                  f"{tuple(target.shape)}")
             target.copy_(t)
+        if "state" in data:  # (saved before the fp4 call count was: 0, what a resumed run of that code drew from)
+            rec.state.rounding_step = int(data.get("rounding_step", 0))
 
 
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from mixprec.fp8._ladder import FP4_RUNGS, GEMM_OPERANDS, GEMMS, LOW_RUNGS, Decision, LayerRecord, compose
+from mixprec.fp8._ladder import FP4_RUNGS, GEMM_OPERANDS, GEMMS, LOW_RUNGS, Decision, LayerRecord, compose, gemm_casts
 from mixprec.fp8._quant import STAT_NAMES
 from mixprec.fp8._state import OPERANDS
-from mixprec.fp8._trend import Trend, grow, log2, ratio, underflow_forecast
+from mixprec.fp8._trend import Trend, demote_windows, grow, log2, ratio, underflow_forecast
 
 __all__ = ["apply_gemms", "limits", "decide_gemms", "decide_layer", "gemm_down", "gemm_up", "layer_down", "layer_up"]
 
@@ -70,8 +70,8 @@ def decide_layer(ctl: Any, name: str, rec: LayerRecord, row: list[float]) -> tup
             rec.trends[f"range_{r}"].update(log2(amax), *fit)
     ahead = ctl.horizon * ctl.every
 
-    def underflow(op: str, u: float, key: str) -> float:
-        return underflow_forecast(u, rec.trends[op], rec.trends[key], ahead, windows)
+    def underflow(op: str, u: float, key: str, rung: int) -> float:
+        return underflow_forecast(u, rec.trends[op], rec.trends[key], ahead, windows, ladder[rung] in FP4_RUNGS)
 
     def amax_forecast(r: str, amax: float) -> float:
         return grow(amax, rec.trends[f"range_{r}"].rise(ahead, windows))
@@ -98,7 +98,7 @@ def decide_layer(ctl: Any, name: str, rec: LayerRecord, row: list[float]) -> tup
                 return decision(r, "promote", top, "amax_forecast", forecast, ctl.max_range * _FP16_MAX, ">")
     if on_fp8:
         for op, stats in zip(OPERANDS, own):
-            forecast = underflow(op, stats[_UNDERFLOW], f"underflow_{op}")
+            forecast = underflow(op, stats[_UNDERFLOW], f"underflow_{op}", rec.rung)
             if forecast > max_u:
                 return decision(op, "promote", layer_up(rec), "underflow_forecast", forecast, max_u, ">")
     if down is None:
@@ -109,7 +109,7 @@ def decide_layer(ctl: Any, name: str, rec: LayerRecord, row: list[float]) -> tup
     safe = not (has_shadow and not (shadow[0][0] > 0 and shadow[1][0] > 0)) and not (fp16 and not ranges[1] > 0)
     if has_shadow:
         for op, stats in zip(OPERANDS, shadow):
-            forecast = underflow(op, stats[_UNDERFLOW], f"shadow_{op}")
+            forecast = underflow(op, stats[_UNDERFLOW], f"shadow_{op}", down)
             nonfinite = ctl.max_nonfinite is not None and stats[_NONFINITE] > ctl.max_nonfinite
             if nonfinite or not forecast <= demote_u:
                 safe = False
@@ -124,10 +124,7 @@ def decide_layer(ctl: Any, name: str, rec: LayerRecord, row: list[float]) -> tup
             elif ladder[rec.rung] == "fp32" and ratio(forecast, limit) > ratio(worst[2], worst[3]):
                 worst = (r, "amax_forecast", forecast, limit)
     rec.clean = rec.clean + 1 if safe else 0
-    recent = [s for s in rec.switches if s > ctl.steps - ctl.budget_steps]
-    last = rec.switches[-1] if rec.switches else -math.inf
-    if (rec.clean >= ctl.demote_windows and ctl.steps - last >= ctl.min_dwell
-            and len(recent) < ctl.max_switches):
+    if _may_demote(ctl, rec.clean, rec.switches, ladder[down] in FP4_RUNGS):
         op, stat, value, limit = worst
         return decision(op, "demote", down, stat, value, limit, "<=")
     return None
@@ -172,10 +169,9 @@ def apply_gemms(ctl: Any, rec: LayerRecord) -> None:
     rec.below = None
     for g, gemm in enumerate(GEMMS):
         here = ctl._recipes.get(names[g])
-        rec.own[g] = (*here.gemms()[gemm], here.pow2_scales) if here is not None else None
+        rec.own[g] = gemm_casts(here, gemm)
         down = gemm_down(ctl, rec, g)
-        below = ctl._recipes.get(ctl.ladder[down]) if down is not None else None
-        rec.below_gemm[g] = (*below.gemms()[gemm], below.pow2_scales) if below is not None else None
+        rec.below_gemm[g] = gemm_casts(ctl._recipes.get(ctl.ladder[down]) if down is not None else None, gemm)
 
 
 def _switch(ctl: Any, rec: LayerRecord, gemms: range | tuple, to: int) -> None:
@@ -229,7 +225,7 @@ def decide_gemms(ctl: Any, name: str, rec: LayerRecord, row: list[float]) -> lis
             limit = ctl.demote_range * _FP16_MAX
             safe = ranges[1] > 0 and all(f <= limit for f in forecasts)
             rec.clean = rec.clean + 1 if safe else 0
-            if _may_demote(ctl, rec.clean, rec.switches):
+            if _may_demote(ctl, rec.clean, rec.switches, False):
                 i = max(range(len(_RANGE)), key=lambda k: ratio(forecasts[k], limit))
                 d = decision(None, _RANGE[i], "demote", top, top - 1, "amax_forecast", forecasts[i], limit, "<=")
                 rec.clean, rec.switches = 0, [*rec.switches, ctl.steps]
@@ -249,10 +245,15 @@ def decide_gemms(ctl: Any, name: str, rec: LayerRecord, row: list[float]) -> lis
     return out
 
 
-def _may_demote(ctl: Any, clean: int, switches: list[int]) -> bool:
+def _may_demote(ctl: Any, clean: int, switches: list[int], to_fp4: bool) -> bool:
+    """Whether a layer or GEMM with ``clean`` safe windows in a row and its ``switches`` (steps)
+    comes down now: ``demote_windows`` clean windows (:func:`~mixprec.fp8._trend.demote_windows`:
+    to an fp4 rung, twice as many for each round trip in the last ``budget_steps``), ``min_dwell``
+    steps since its last switch, fewer than ``max_switches`` in the last ``budget_steps``."""
     recent = [s for s in switches if s > ctl.steps - ctl.budget_steps]
     last = switches[-1] if switches else -math.inf
-    return clean >= ctl.demote_windows and ctl.steps - last >= ctl.min_dwell and len(recent) < ctl.max_switches
+    return (clean >= demote_windows(ctl.demote_windows, len(recent), to_fp4) and ctl.steps - last >= ctl.min_dwell
+            and len(recent) < ctl.max_switches)
 
 
 def _decide_gemm(ctl: Any, rec: LayerRecord, g: int, gemm: str, own: list, shadow: list, fit: tuple,
@@ -273,8 +274,9 @@ def _decide_gemm(ctl: Any, rec: LayerRecord, g: int, gemm: str, own: list, shado
         if has_shadow:
             rec.trends[f"{gemm}.shadow_{op}"].update(shadow_st[_UNDERFLOW], *fit)
 
-    def underflow(op: str, u: float, key: str) -> float:
-        return underflow_forecast(u, rec.trends[f"{gemm}.{op}"], rec.trends[f"{gemm}.{key}_{op}"], ahead, windows)
+    def underflow(op: str, u: float, key: str, at: int) -> float:
+        return underflow_forecast(u, rec.trends[f"{gemm}.{op}"], rec.trends[f"{gemm}.{key}_{op}"], ahead, windows,
+                                  ladder[at] in FP4_RUNGS)
 
     if on_low:
         compute = ladder.index("compute")
@@ -286,7 +288,7 @@ def _decide_gemm(ctl: Any, rec: LayerRecord, g: int, gemm: str, own: list, shado
                     _switch(ctl, rec, (g,), compute)
                     return d
         for op, st in zip(ops, own):
-            forecast = underflow(op, st[_UNDERFLOW], "underflow")
+            forecast = underflow(op, st[_UNDERFLOW], "underflow", rung)
             if forecast > max_u:
                 to = gemm_up(ctl, rec, g)
                 d = decision(gemm, op, "promote", rung, to, "underflow_forecast", forecast, max_u, ">")
@@ -297,14 +299,14 @@ def _decide_gemm(ctl: Any, rec: LayerRecord, g: int, gemm: str, own: list, shado
     worst = (ops[0], 0.0)
     safe = range_ok and all(st[0] > 0 for st in shadow)  # a window without a measurement is no evidence of safety
     for op, st in zip(ops, shadow):
-        forecast = underflow(op, st[_UNDERFLOW], "shadow")
+        forecast = underflow(op, st[_UNDERFLOW], "shadow", down)
         nonfinite = ctl.max_nonfinite is not None and st[_NONFINITE] > ctl.max_nonfinite
         if nonfinite or not forecast <= demote_u:
             safe = False
         elif forecast > worst[1]:
             worst = (op, forecast)
     rec.gemm_clean[g] = rec.gemm_clean[g] + 1 if safe else 0
-    if _may_demote(ctl, rec.gemm_clean[g], rec.gemm_switches[g]):
+    if _may_demote(ctl, rec.gemm_clean[g], rec.gemm_switches[g], ladder[down] in FP4_RUNGS):
         d = decision(gemm, worst[0], "demote", rung, down, "underflow_forecast", worst[1], demote_u, "<=")
         _switch(ctl, rec, (g,), down)
         return d

@@ -121,8 +121,8 @@ class Guard:
     _decisions: dict[str, Fallback] = field(default_factory=dict, init=False, repr=False, compare=False)
     _states: Any = field(default_factory=weakref.WeakValueDictionary, init=False, repr=False, compare=False)
     _steps: int = field(default=0, init=False, repr=False, compare=False)
-    # windows of a loaded state dict for layers not tracked yet: name -> (data, output sqnr)
-    _pending: dict[str, tuple[torch.Tensor, float]] = field(default_factory=dict, init=False, repr=False,
+    # windows of a loaded state dict for layers not tracked yet: name -> (data, output sqnr, fp4 call count)
+    _pending: dict[str, tuple[torch.Tensor, float, int]] = field(default_factory=dict, init=False, repr=False,
                                                              compare=False)
     _stepped: bool = field(default=False, init=False, repr=False, compare=False)  # this process
     _forwards: int = field(default=0, init=False, repr=False, compare=False)
@@ -215,7 +215,9 @@ class Guard:
             st = states.get(name)
             if st is not None:
                 st.reset()
-            self._pending.pop(name, None)  # a loaded window of a layer not tracked here: counted now
+            pending = self._pending.pop(name, None)  # a loaded window of a layer not tracked here: counted now
+            if pending is not None and pending[2]:  # (its fp4 call count waits for the layer)
+                self._pending[name] = (new_window(), math.inf, pending[2])
             if name in self._decisions:
                 continue
             decision = self._decide(name, row, step)
@@ -233,7 +235,7 @@ class Guard:
         layer this rank has not run, its loaded window or the neutral row (nothing seen)."""
         if st is not None:
             return torch.cat([st.stats.flatten(), -st.output_sqnr_db.reshape(1)]).to(device)
-        data, sqnr = self._pending.get(name, (new_window(), math.inf))
+        data, sqnr, _ = self._pending.get(name, (new_window(), math.inf, 0))
         return torch.cat([window_stats(data).flatten(), torch.tensor([-sqnr])]).to(device)
 
     def _policy_forward(self, model: torch.nn.Module) -> None:
@@ -273,29 +275,34 @@ class Guard:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a bitwise resume needs, as plain data: ``{"steps": n, "decisions": {layer:
-        {...}}, "windows": {layer: {"stats": [[...]], "output_sqnr_db": x}}}`` (the windows of
-        the tracked layers, and of loaded ones not tracked yet).
+        {...}}, "windows": {layer: {"stats": [[...]], "output_sqnr_db": x, "rounding_step": n}}}``
+        (the windows of the tracked layers, and of loaded ones not tracked yet; ``rounding_step``:
+        the layer's fp4 call count, :attr:`LayerState.rounding_step`).
 
         .. warning:: reads the device statistics: one host sync per layer.
         """
-        windows = {n: {"stats": d.tolist(), "output_sqnr_db": s} for n, (d, s) in self._pending.items()}
+        windows = {n: {"stats": d.tolist(), "output_sqnr_db": s, "rounding_step": r}
+                   for n, (d, s, r) in self._pending.items()}
         for name, st in self._states.items():
-            windows[name] = {"stats": st.window.tolist(), "output_sqnr_db": float(st.output_sqnr_db)}
+            windows[name] = {"stats": st.window.tolist(), "output_sqnr_db": float(st.output_sqnr_db),
+                             "rounding_step": st.rounding_step}
         return {"steps": self._steps,
                 "decisions": {n: dataclasses.asdict(d) for n, d in self._decisions.items()},
                 "windows": dict(sorted(windows.items()))}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the step count, the decisions and the windows; re-apply them to the tracked
-        layer states (layers tracked later get theirs when :meth:`track` first sees them).
+        layer states (layers tracked later get theirs when :meth:`track` first sees them). A
+        window saved without ``rounding_step`` (before it was saved) restores a count of 0: what
+        a resumed run of that code drew from.
 
         Raises ValueError for anything but the dict of :meth:`state_dict`.
         """
         try:
             steps = state_dict["steps"]
             decisions = {n: Fallback(**d) for n, d in state_dict["decisions"].items()}
-            windows = {n: (torch.tensor(w["stats"], dtype=torch.float32), float(w["output_sqnr_db"]))
-                       for n, w in state_dict["windows"].items()}
+            windows = {n: (torch.tensor(w["stats"], dtype=torch.float32), float(w["output_sqnr_db"]),
+                           int(w.get("rounding_step", 0))) for n, w in state_dict["windows"].items()}
             if not isinstance(steps, int) or steps < 0:
                 raise TypeError(steps)
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
@@ -305,13 +312,14 @@ class Guard:
         tracked = dict(self._states)
         for name, st in tracked.items():
             if name not in windows:  # as a fresh layer: no window, no previous amax
-                _load_window(st, new_window(), math.inf)
+                _load_window(st, new_window(), math.inf, 0)
         self.track(tracked)
 
 
-def _load_window(st: LayerState, data: torch.Tensor, sqnr: float) -> None:
+def _load_window(st: LayerState, data: torch.Tensor, sqnr: float, rounding_step: int) -> None:
     try:
         st.load_window(data, sqnr)
+        st.rounding_step = rounding_step
     except ValueError as exc:
         raise ValueError(f"Guard.load_state_dict: {exc}") from None
 

@@ -13,15 +13,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from mixprec.fp8._fp4 import quantize
+from mixprec.fp8._fp4 import hadamard, hadamard_matrix, quantize
 from mixprec.fp8._blocks import amax_to_scale
 from mixprec.fp8._quant import STAT_NAMES, cast_to_fp8
 from mixprec.fp8._recipe import Cast, Float8Recipe
 from mixprec.fp8._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window, record_cast, window_stats
 from mixprec.fp8._trend import Trend
 
-__all__ = ["Decision", "FP4_RUNGS", "FP8_RUNGS", "GEMMS", "GEMM_OPERANDS", "LOW_RUNGS", "RUNGS", "LayerRecord", "Probe",
-           "compose", "measure"]
+__all__ = ["Decision", "FP4_RUNGS", "FP8_RUNGS", "GEMMS", "GEMM_OPERANDS", "GemmCasts", "LOW_RUNGS", "RUNGS",
+           "LayerRecord", "Probe", "compose", "gemm_casts", "measure"]
 
 #: the rungs a ladder may hold, lowest precision first: fp4 recipes, fp8 recipes (the block-scaled
 #: ones in the order of the audit's cost model), the compute dtype, fp32.
@@ -112,6 +112,34 @@ def compose(recipes: tuple[Float8Recipe | None, ...]) -> Float8Recipe | None:
         return None
 
 
+@dataclass(frozen=True)
+class GemmCasts:
+    """What one GEMM's operands go through on a rung, as the probe measures them: the (left,
+    right) casts, the recipe's power-of-2 scales and, for a weight-gradient GEMM whose e2m1
+    operands pass through the random Hadamard transform first (NVFP4's), its seed (else None)."""
+
+    left: Cast
+    right: Cast
+    pow2: bool
+    hadamard_seed: int | None = None
+
+
+def gemm_casts(recipe: Float8Recipe | None, gemm: str) -> GemmCasts | None:
+    """The :class:`GemmCasts` of ``gemm`` on ``recipe`` (None: the compute dtype, nothing cast);
+    the Hadamard seed as :class:`~mixprec.fp8._fp4_linear.Fp4Matmul` applies it (a recipe with
+    ``hadamard`` whose weight-gradient GEMM is e2m1).
+
+    Example:
+        >>> gemm_casts(Float8Recipe.nvfp4(), "grad_weight").hadamard_seed, gemm_casts(Float8Recipe.nvfp4(), "output").hadamard_seed
+        (0, None)
+    """
+    if recipe is None:
+        return None
+    left, right = recipe.gemms()[gemm]
+    rht = gemm == "grad_weight" and recipe.hadamard and right.is_fp4
+    return GemmCasts(left, right, recipe.pow2_scales, recipe.seed if rht else None)
+
+
 def _field(gemm: str, side: int) -> str:
     """The recipe field of ``gemm``'s left (0) or right (1) cast."""
     return {"output": ("input", "weight"), "grad_input": ("grad_output", "weight_for_grad_input"),
@@ -151,8 +179,8 @@ class LayerRecord:
         self.gemm_clean = [0] * len(GEMMS)  # per GEMM (per-GEMM records)
         self.gemm_switches: list[list[int]] = [[] for _ in GEMMS]
         # per GEMM, the casts its current rung measures (per-GEMM) and the rung below's (its shadow)
-        self.own: list[tuple[Cast, Cast, bool] | None] = [None] * len(GEMMS)
-        self.below_gemm: list[tuple[Cast, Cast, bool] | None] = [None] * len(GEMMS)
+        self.own: list[GemmCasts | None] = [None] * len(GEMMS)
+        self.below_gemm: list[GemmCasts | None] = [None] * len(GEMMS)
         self.below: Float8Recipe | None = None  # the rung below, while it may go there: its shadow's casts
         self.probe: Any = None  # its Probe (also in state.probe)
 
@@ -237,20 +265,19 @@ def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | Non
         for kind, casts in ((0, rec.own[g]), (1, rec.below_gemm[g] if shadow else None)):
             if casts is None:
                 continue
-            left, right, pow2 = casts
-            for side, (operand, cast) in enumerate(zip(reads[gemm], (left, right))):
+            for side, (operand, cast) in enumerate(zip(reads[gemm], (casts.left, casts.right))):
                 if operand is not None:
-                    measure(rec.gemm_windows[kind, g], side, operand, cast, pow2, sample)
+                    measure(rec.gemm_windows[kind, g], side, operand, cast, casts.pow2, sample, casts.hadamard_seed)
             if gemm != "output":
-                backward.append((rec.gemm_windows[kind, g], gemm, left, pow2))
+                backward.append((rec.gemm_windows[kind, g], gemm, casts))
     if backward and out.requires_grad:
         out.register_hook(lambda grad: _measure_grad(backward, grad, sample))
 
 
 def _measure_grad(where: list, grad: torch.Tensor, sample: int) -> None:
     g2 = grad.detach().reshape(-1, grad.shape[-1])
-    for window, gemm, cast, pow2 in where:
-        measure(window, 0, g2 if gemm == "grad_input" else g2.t(), cast, pow2, sample)
+    for window, gemm, casts in where:
+        measure(window, 0, g2 if gemm == "grad_input" else g2.t(), casts.left, casts.pow2, sample, casts.hadamard_seed)
 
 
 def _range(buf: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -259,11 +286,16 @@ def _range(buf: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
     torch.maximum(buf, amax, out=buf)
 
 
-def measure(window: torch.Tensor, operand: int, x: torch.Tensor, cast: Any, pow2: bool, sample: int) -> None:
+def measure(window: torch.Tensor, operand: int, x: torch.Tensor, cast: Any, pow2: bool, sample: int,
+            hadamard_seed: int | None = None) -> None:
     """Accumulate into row ``operand`` of ``window`` (a window: :func:`~mixprec.fp8._state.record_cast`) the statistics ``cast`` would
     have on ``x``, measured on about ``sample`` elements: evenly strided rows (a row or block cast
     along the last dimension is exact on them), scaled by the whole tensor's amax for a tensor
-    cast. No host sync."""
+    cast. An e2m1 cast is fp4's own (:func:`~mixprec.fp8._fp4.quantize`), rounded to nearest (a
+    stochastically rounded cast flushes a value below the smallest step only sometimes: this
+    counts it flushed), after the random Hadamard transform of ``hadamard_seed`` along the last
+    dimension when given (NVFP4's weight-gradient operands: the GEMM casts the transformed rows,
+    whose outliers are spread over their block). No host sync."""
     x2 = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.detach().reshape(1, 1)
     if x2.numel() == 0:
         return
@@ -271,8 +303,10 @@ def measure(window: torch.Tensor, operand: int, x: torch.Tensor, cast: Any, pow2
     two_d = cast.block is not None and cast.block[0] > 1
     stride = 1 if two_d else max(1, x2.numel() // sample // max(x2.shape[1], 1))
     rows = x2[::stride]
-    if cast.is_fp4:  # fp4's own cast, rounded to nearest (no stochastic rounding, no Hadamard transform)
+    if cast.is_fp4:
         amax = torch.max(torch.abs(x2))
+        if hadamard_seed is not None:
+            rows = hadamard(rows, hadamard_matrix(hadamard_seed, rows.device))
         q = quantize(rows.contiguous(), cast).magnitudes()
     elif cast.granularity == "tensor":
         amax = torch.max(torch.abs(x2))

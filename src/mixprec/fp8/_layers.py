@@ -196,7 +196,8 @@ def _why_none(types: tuple[type, ...], pattern: re.Pattern | None, candidates: l
 
 def _fp8_forward(module: nn.Module, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The forward of the converted modules: ``weight`` is ``(out, in)``."""
-    if type(module.weight).__module__.startswith("torchao."):
+    wtype = type(module.weight)  # (a Parameter first: Dynamo cannot trace str.startswith on a class's __module__)
+    if wtype is not nn.Parameter and wtype.__module__.startswith("torchao."):
         if not isinstance(module, nn.Linear):
             raise RuntimeError(f"fp8 layer {type(module).__name__}: its weight is a torchao "
                                f"{type(module.weight).__name__} (torchao's quantize_ ran on a model still "

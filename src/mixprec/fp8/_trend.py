@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["MAX_HORIZON", "Trend", "grow", "log2", "ratio", "shadow_phase", "sustained_slope", "underflow_forecast"]
+__all__ = ["MAX_HORIZON", "Trend", "demote_windows", "grow", "log2", "ratio", "shadow_phase", "sustained_slope",
+           "underflow_forecast"]
 
 #: the largest ``Controller.horizon`` (windows ahead): a forecast further out is no forecast.
 MAX_HORIZON = 100
@@ -61,16 +62,39 @@ def sustained_slope(ema: float, recent: tuple[float, ...], windows: int) -> floa
     return max(0.0, min(ema, *recent[-windows:]))
 
 
-def underflow_forecast(underflow: float, amax: Trend, share: Trend, ahead: int, windows: int) -> float:
+def underflow_forecast(underflow: float, amax: Trend, share: Trend, ahead: int, windows: int,
+                       scale_free: bool = False) -> float:
     """The underflow fraction forecast ``ahead`` steps on: a current scale flushes a share about
     proportional to the amax (``underflow * 2**(amax rise)``), or the share follows its own trend
-    (``underflow + share rise``), the larger, at most 1.
+    (``underflow + share rise``), the larger, at most 1. ``scale_free``: a cast whose flush does
+    not depend on the tensor's scale (e2m1 blocks: each block is scaled by its own amax, NVFP4's
+    tensor scale is the amax itself, so ``c * x`` flushes what ``x`` does): the share's own trend
+    only, a growing amax forecasts nothing.
 
     Example:
         >>> underflow_forecast(0.02, Trend(3.0, 0.1, (0.1, 0.1)), Trend(), 10, 2)
         0.04
+        >>> underflow_forecast(0.02, Trend(3.0, 0.1, (0.1, 0.1)), Trend(), 10, 2, scale_free=True)
+        0.02
     """
-    return min(1.0, max(grow(underflow, amax.rise(ahead, windows)), underflow + share.rise(ahead, windows)))
+    share_rise = underflow + share.rise(ahead, windows)
+    if scale_free:
+        return min(1.0, share_rise)
+    return min(1.0, max(grow(underflow, amax.rise(ahead, windows)), share_rise))
+
+
+def demote_windows(windows: int, recent_switches: int, to_fp4: bool) -> int:
+    """The clean windows in a row a demotion needs: ``windows``; to an fp4 rung, doubled for each
+    round trip (two switches) among the ``recent_switches`` of the layer or GEMM (those within
+    ``Controller.budget_steps``). An e2m1 cast's flush is a share of ordinary data (about 7-13%),
+    close to its limits, and noisy from window to window: a demotion that a promotion had to undo
+    says the shadow's clean windows were noise, so the next one waits longer (1, 2, 4, ... times).
+
+    Example:
+        >>> [demote_windows(3, n, True) for n in range(6)], demote_windows(3, 5, False)
+        ([3, 3, 6, 6, 12, 12], 3)
+    """
+    return windows << (recent_switches // 2) if to_fp4 else windows
 
 
 def shadow_phase(step: int, every: int, shadow_steps: int) -> bool:

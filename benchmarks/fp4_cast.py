@@ -183,7 +183,8 @@ def _rows(res: dict[str, Any]) -> list[tuple[str, str, float, str, str]]:
             rows.append(("fp4_cast", f"{kind}, {name}", 1 / t["speedup"], "its torch code (MIXPREC_NATIVE_KERNELS=0)",
                          f"{t['kernel_ms']:.2f} vs {t['torch_ms']:.2f} ms"))
     steps = res["steps"]
-    rows.append(("fp4_cast", f"training step, mixprec-fp4-all, {res['size']}", 1 / steps["torch code / kernels"]["ratio"],
+    rows.append(("fp4_cast", f"training step, mixprec-fp4-all, {res['size']}",
+                 1 / steps["torch code / kernels"]["ratio"],
                  "the same step with the casts' torch code",
                  f"{steps['kernels / mixprec-fp8']['ratio']:.2f}x mixprec-fp8's step "
                  f"(torch code: {steps['torch code / mixprec-fp8']['ratio']:.2f}x)"))
@@ -191,6 +192,7 @@ def _rows(res: dict[str, Any]) -> list[tuple[str, str, float, str, str]]:
 
 
 def format_table(res: dict[str, Any]) -> str:
+    """The cast speed-ups as a markdown table, the step ratios under it, and the machine."""
     lines = [f"### fp4 casts, {res['size']} model's operands, 1 thread", "",
              "| operand | quantize | dequantize float32 | dequantize bfloat16 |", "|---|---:|---:|---:|"]
     for name, kinds in res["casts"].items():
@@ -198,7 +200,8 @@ def format_table(res: dict[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Speed-up: the torch code's time over the kernels' (median of interleaved rounds).", ""]
     for name, t in res["steps"].items():
-        lines.append(f"- step, {name}: {t['ratio']:.2f}x (quartiles {t['low']:.2f}-{t['high']:.2f}, {t['rounds']} rounds; "
+        lines.append(f"- step, {name}: {t['ratio']:.2f}x (quartiles {t['low']:.2f}-{t['high']:.2f}, "
+                     f"{t['rounds']} rounds; "
                      f"{t['mode_s']:.2f} s vs {t['reference_s']:.2f} s)")
     before, after = res["machine_before"], res["machine_after"]
     lines.append(f"\nCPU: {before['cpu']}; load average before {before['load']}, after {after['load']}; "

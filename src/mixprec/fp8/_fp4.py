@@ -307,7 +307,8 @@ class RoundingKey:
         ``step`` is a tensor)."""
         key = _mix64(_mix64(self.seed))
         if isinstance(self.step, torch.Tensor):
-            state = _mix64_(_mix64_(self.step.to(device=device, dtype=torch.int64, copy=True)).bitwise_xor_(_signed(key)))
+            step = self.step.to(device=device, dtype=torch.int64, copy=True)
+            state = _mix64_(_mix64_(step).bitwise_xor_(_signed(key)))
             return _mix64_(state.bitwise_xor_(_signed(_mix64(self.stream))))
         return _signed(_mix64(_mix64(key ^ _mix64(self.step)) ^ _mix64(self.stream)))
 

@@ -31,10 +31,10 @@ from _adv_programs import Net, Shape, Step, batch, loss_of, shapes, steps
 from mixprec import Policy, fp8
 from mixprec.fp8 import Float8Recipe
 
-#: Whether NVFP4's stochastic-rounding step count (``LayerState.rounding_step``) is checkpointed:
-#: not yet (helper ``fp4state`` fixes it). While False the stochastic-rounding resume cases are
-#: strict xfails and the generator leaves them out; set True when the fix merges.
-SR_RESUMES = False
+#: Whether NVFP4's stochastic-rounding step count (``LayerState.rounding_step``) is checkpointed
+#: (since 44b316a: in the Guard's and Controller's state, else ``fp8.rounding_steps``). False
+#: turns the stochastic-rounding resume cases into strict xfails and leaves them out of the generator.
+SR_RESUMES = True
 
 #: the harness's recipes: a name, or ``nvfp4_rtn`` (NVFP4 without stochastic rounding, a custom
 #: recipe: the JSON route and the Controller take named recipes only).
@@ -96,8 +96,8 @@ class Run:
             fp8.convert(self.model, recipe_of(program.recipe), filter_fn=lambda m, fqn: fqn.startswith("blocks."),
                         backend=program.backend, **kind)
         elif program.route == "policy":
-            self.policy = Policy.parse("compute=bf16").fp8(recipe_of(program.recipe), names=r"^blocks\.", first_last="fp8",
-                                                           backend=program.backend, **kind)
+            self.policy = Policy.parse("compute=bf16").fp8(recipe_of(program.recipe), names=r"^blocks\.",
+                                                           first_last="fp8", backend=program.backend, **kind)
             if program.json:
                 self.policy = Policy.from_json(self.policy.to_json())
                 self.supervisor = getattr(self.policy.fp8_rule, program.supervisor, None)
@@ -144,6 +144,8 @@ class Run:
             out["scaler"] = self.scaler.state_dict()
         if self.supervisor is not None:
             out["supervisor"] = self.supervisor.state_dict()
+        else:  # fp4's stochastic-rounding call counts (a Guard's or Controller's state holds them)
+            out["rounding_steps"] = fp8.rounding_steps(self.model)
         return out
 
     def load(self, state: dict[str, Any]) -> None:
@@ -153,6 +155,8 @@ class Run:
             self.scaler.load_state_dict(state["scaler"])
         if self.supervisor is not None:
             self.supervisor.load_state_dict(state["supervisor"])
+        else:
+            fp8.load_rounding_steps(self.model, state["rounding_steps"])
 
     def outcome(self) -> dict[str, Any]:
         sup = self.supervisor

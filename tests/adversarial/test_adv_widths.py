@@ -57,7 +57,8 @@ def test_policy_recipes_refuse_a_layer_whose_width_does_not_fit(recipe: str, odd
     policy = Policy.parse("compute=bf16").fp8("tensorwise", names=r"^blocks\.", first_last="fp8",
                                               recipes={"blocks.0.0": recipe})
     model = Net(Shape(width=odd, blocks=2))
-    with pytest.raises(ValueError, match=rf"'blocks\.0\.0'.*not (a multiple|multiples) of {fp8.Float8Recipe.from_name(recipe).multiple}"):
+    multiple = fp8.Float8Recipe.from_name(recipe).multiple
+    with pytest.raises(ValueError, match=rf"'blocks\.0\.0'.*not (a multiple|multiples) of {multiple}"):
         loss_of(_outputs(model, mixprec.autocast("cpu", policy=policy))[0])
     _outputs(Net(Shape(width=fits, blocks=2)), mixprec.autocast("cpu", policy=policy))
 
@@ -75,6 +76,6 @@ def test_convert_refuses_a_layer_whose_width_does_not_fit(recipe: str, odd: int,
     except ValueError as error:
         assert "blocks.0.0" in str(error)
     else:
-        raise AssertionError(f"fp8.convert converted {[n for n, m in model.named_modules() if isinstance(m, fp8.Float8Linear)]} "
-                             f"to {recipe} at width {odd}")
+        converted = [n for n, m in model.named_modules() if isinstance(m, fp8.Float8Linear)]
+        raise AssertionError(f"fp8.convert converted {converted} to {recipe} at width {odd}")
     assert not any(isinstance(m, fp8.Float8Linear) for m in model.modules())  # nothing changed

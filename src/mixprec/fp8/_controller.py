@@ -92,7 +92,10 @@ class Controller:
     their own rung, decided from the two operands that GEMM reads (:mod:`mixprec.fp8._decide`);
     the layer runs the recipe composed from them. Below fp8 the ladder may start with ``mxfp4``
     and ``nvfp4``, whose casts are judged against ``fp4_max_underflow`` and
-    ``fp4_demote_underflow`` (an e2m1 block flushes several percent of ordinary data).
+    ``fp4_demote_underflow`` (an e2m1 block flushes several percent of ordinary data); their
+    underflow forecast follows the flush's own trend, not the amax (a block cast's flush does not
+    change with the tensor's scale), and a demotion to an fp4 rung waits twice as many clean
+    windows for each round trip in the last ``budget_steps`` (:func:`~mixprec.fp8._trend.demote_windows`).
 
     Raises ValueError on a setting out of range, a ladder not in the order of :data:`RUNGS`, or a
     ``floor`` not an fp8 rung of it (and, when a layer is first seen, a recipe below the floor).

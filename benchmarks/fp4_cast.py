@@ -8,7 +8,7 @@ operand before it is timed. Figures, one thread:
 * **casts**: the operands ``mixprec-fp4-all`` casts in one step of the demo's model (``small``:
   2048 tokens, width 128, MLP 512), NVFP4 as the demo runs it: the input (bfloat16, 1x16), a
   weight (16x16), the transposed input after the Hadamard transform (float32, 1x16), the output
-  gradient and its transpose (stochastic rounding), and an MXFP4 input (1x32);
+  gradient and its transpose (stochastic rounding, a layer's RoundingKey), and an MXFP4 input (1x32);
   ``dequantize`` to float32 (the demo's GEMMs) and bfloat16. Every round times each cast once
   with the kernels and once without, interleaved; the figure is the median of the per-round
   ratios (torch code / kernels: the speed-up).
@@ -44,7 +44,7 @@ from mixprec import _native, fp8  # noqa: E402
 from mixprec.demo.alternate import _stepper, pair_ratio  # noqa: E402
 from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch  # noqa: E402
 from mixprec.demo.settings import Settings  # noqa: E402
-from mixprec.fp8._fp4 import hadamard, hadamard_matrix, quantize, rounding_generator  # noqa: E402
+from mixprec.fp8._fp4 import RoundingKey, hadamard, hadamard_matrix, quantize  # noqa: E402
 
 _CPU = torch.device("cpu")
 NV, NV_2D, MX = fp8.Cast("e2m1", "1x16"), fp8.Cast("e2m1", "16x16"), fp8.Cast("e2m1", "1x32")
@@ -112,7 +112,7 @@ def _casts(size: str, rounds: int) -> dict[str, dict[str, Any]]:
     out = {}
     for name, (t, cast, sr) in _operands(size).items():
         def cast_it(t=t, cast=cast, sr=sr) -> Any:
-            return quantize(t, cast, generator=rounding_generator(0, 1, 0, "cpu") if sr else None)
+            return quantize(t, cast, generator=RoundingKey(0, 1, 0) if sr else None)
 
         q = cast_it()
         values = [q.dequantize(d) for d in (torch.float32, torch.bfloat16)]
@@ -183,7 +183,8 @@ def _rows(res: dict[str, Any]) -> list[tuple[str, str, float, str, str]]:
             rows.append(("fp4_cast", f"{kind}, {name}", 1 / t["speedup"], "its torch code (MIXPREC_NATIVE_KERNELS=0)",
                          f"{t['kernel_ms']:.2f} vs {t['torch_ms']:.2f} ms"))
     steps = res["steps"]
-    rows.append(("fp4_cast", f"training step, mixprec-fp4-all, {res['size']}", 1 / steps["torch code / kernels"]["ratio"],
+    rows.append(("fp4_cast", f"training step, mixprec-fp4-all, {res['size']}",
+                 1 / steps["torch code / kernels"]["ratio"],
                  "the same step with the casts' torch code",
                  f"{steps['kernels / mixprec-fp8']['ratio']:.2f}x mixprec-fp8's step "
                  f"(torch code: {steps['torch code / mixprec-fp8']['ratio']:.2f}x)"))
@@ -191,6 +192,7 @@ def _rows(res: dict[str, Any]) -> list[tuple[str, str, float, str, str]]:
 
 
 def format_table(res: dict[str, Any]) -> str:
+    """The cast speed-ups as a markdown table, the step ratios under it, and the machine."""
     lines = [f"### fp4 casts, {res['size']} model's operands, 1 thread", "",
              "| operand | quantize | dequantize float32 | dequantize bfloat16 |", "|---|---:|---:|---:|"]
     for name, kinds in res["casts"].items():
@@ -198,7 +200,8 @@ def format_table(res: dict[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Speed-up: the torch code's time over the kernels' (median of interleaved rounds).", ""]
     for name, t in res["steps"].items():
-        lines.append(f"- step, {name}: {t['ratio']:.2f}x (quartiles {t['low']:.2f}-{t['high']:.2f}, {t['rounds']} rounds; "
+        lines.append(f"- step, {name}: {t['ratio']:.2f}x (quartiles {t['low']:.2f}-{t['high']:.2f}, "
+                     f"{t['rounds']} rounds; "
                      f"{t['mode_s']:.2f} s vs {t['reference_s']:.2f} s)")
     before, after = res["machine_before"], res["machine_after"]
     lines.append(f"\nCPU: {before['cpu']}; load average before {before['load']}, after {after['load']}; "

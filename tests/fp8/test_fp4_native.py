@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mixprec import _native, fp8
 from mixprec.fp8 import _fp4
-from mixprec.fp8._fp4 import Fp4Tensor, quantize, rounding_generator
+from mixprec.fp8._fp4 import Fp4Tensor, RoundingKey, quantize, rounding_generator
 
 CASTS = {"mxfp4": fp8.Cast("e2m1", "1x32"), "nvfp4": fp8.Cast("e2m1", "1x16"), "nvfp4-2d": fp8.Cast("e2m1", "16x16")}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -124,22 +124,31 @@ def _both(fn: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, 
         return with_kernels, fn()
 
 
-def _cast(x: torch.Tensor, cast: fp8.Cast, subnormal: bool, sr: bool, seed: int = 0) -> dict[str, Any]:
-    gen = rounding_generator(seed, 3, 1, "cpu") if sr else None
-    return _record(quantize(x, cast, subnormal_scales=subnormal, generator=gen))
+#: how a cast rounds: to nearest, or stochastically with draws from a torch.Generator, a
+#: RoundingKey with a Python step, or one with a tensor step (a layer's device counter)
+ROUNDINGS: dict[str, Callable[[int], Any]] = {
+    "nearest": lambda seed: None,
+    "generator": lambda seed: rounding_generator(seed, 3, 1, "cpu"),
+    "key": lambda seed: RoundingKey(seed, 3, 1),
+    "key, tensor step": lambda seed: RoundingKey(seed, torch.tensor(3), 1),
+}
 
 
-@pytest.mark.parametrize("sr", [False, True], ids=["nearest", "stochastic"])
+def _cast(x: torch.Tensor, cast: fp8.Cast, subnormal: bool, rounding: str, seed: int = 0) -> dict[str, Any]:
+    return _record(quantize(x, cast, subnormal_scales=subnormal, generator=ROUNDINGS[rounding](seed)))
+
+
+@pytest.mark.parametrize("rounding", list(ROUNDINGS)[:3])
 @pytest.mark.parametrize("cast", list(CASTS), ids=list(CASTS))
 @pytest.mark.parametrize("operand", list(OPERANDS), ids=list(OPERANDS))
-def test_kernels_bitwise_the_torch_code(operand, cast, sr, spy, monkeypatch):
+def test_kernels_bitwise_the_torch_code(operand, cast, rounding, spy, monkeypatch):
     x = OPERANDS[operand](7)
     # MXFP4 dequantizes in the target dtype: a scale beyond float16's range is inf there, the torch code's
     decoded = len(DTYPES) - (cast == "mxfp4" and operand in ("decades", "huge", "subnormal scales"))
     for subnormal in (False, True):
         spy.calls.clear()
-        ours, theirs = _both(lambda: _cast(x, CASTS[cast], subnormal, sr), monkeypatch)
-        assert ours == theirs, (operand, cast, subnormal, sr)
+        ours, theirs = _both(lambda: _cast(x, CASTS[cast], subnormal, rounding), monkeypatch)
+        assert ours == theirs, (operand, cast, subnormal, rounding)
         assert spy.calls["fp4_encode"] == 1 and spy.calls["fp4_decode"] == decoded  # the kernels served
         assert spy.calls["fp4_magnitudes"] == 1
 
@@ -151,9 +160,9 @@ def test_seeded_sweep_bitwise(spy, monkeypatch):
         rows, cols = (int(v) for v in torch.randint(1, 50, (2,), generator=g))
         x = torch.randn(rows, cols, generator=g) * float(torch.exp(torch.randn((), generator=g) * 4))
         cast = list(CASTS.values())[trial % 3]
-        subnormal, sr = bool(trial % 2), bool(trial // 3 % 2)
-        ours, theirs = _both(lambda: _cast(x, cast, subnormal, sr, seed=trial), monkeypatch)
-        assert ours == theirs, (trial, rows, cols, cast, subnormal, sr)
+        subnormal, rounding = bool(trial % 2), list(ROUNDINGS)[trial // 3 % 4]
+        ours, theirs = _both(lambda: _cast(x, cast, subnormal, rounding, seed=trial), monkeypatch)
+        assert ours == theirs, (trial, rows, cols, cast, subnormal, rounding)
     assert spy.calls["fp4_encode"] == 40
 
 
@@ -166,7 +175,7 @@ def test_non_finite_operands_take_the_torch_code(value, cast, spy, monkeypatch):
     x[3, 5] = value
     if value != value:
         x[9, 40] = -value  # a NaN with its sign bit set
-    ours, theirs = _both(lambda: _cast(x, CASTS[cast], False, True), monkeypatch)
+    ours, theirs = _both(lambda: _cast(x, CASTS[cast], False, "key"), monkeypatch)
     assert ours == theirs
     assert spy.calls["fp4_block_amax"] == 1
     if value != value or cast != "mxfp4":
@@ -200,11 +209,23 @@ def test_uniform_draws_are_torch_rand(native_ops):
     assert _fp4._draws_agree(native_ops)
 
 
+def test_key_draws_are_the_torch_code(native_ops):
+    """A RoundingKey's draws: SplitMix64 in C++ against its int64 torch code, odd and even counts,
+    states of both signs (as int64), Python and tensor steps."""
+    keys = [RoundingKey(seed, step, stream) for seed, step, stream in
+            ((0, 0, 0), (1, 5, 1), (2**40 + 3, 2**31, 7), (9, 123456789, 2), (3, 1, 0), (4, 1, 0))]
+    assert {int(key._state("cpu")) < 0 for key in keys} == {True, False}
+    for key in keys:
+        for k in (key, RoundingKey(key.seed, torch.tensor(key.step), key.stream)):
+            for n in (0, 1, 2, 3, 4097):
+                assert torch.equal(native_ops.fp4_key_draws(int(k._state("cpu")), n), k.draws((n,), "cpu"))
+
+
 def test_draws_by_torch_where_they_disagree(spy, monkeypatch):
     """Where the kernel's draws differed from torch.rand's, the cast draws with torch.rand."""
     x = torch.randn(16, 48, generator=_gen(6))
     monkeypatch.setitem(_fp4._checked, "draws", False)
-    ours, theirs = _both(lambda: _cast(x, CASTS["nvfp4"], False, True), monkeypatch)
+    ours, theirs = _both(lambda: _cast(x, CASTS["nvfp4"], False, "generator"), monkeypatch)
     assert ours == theirs and spy.calls["fp4_uniform"] == 0 and spy.calls["fp4_encode"] == 1
 
 

@@ -1,20 +1,24 @@
 // mixprec's FP4 (e2m1) casts on the CPU, one pass each (see mixprec/fp8/_fp4.py).
 //
-// The Python path of quantize makes about twenty passes over a float32 copy of the operand (pad,
+// The torch code of quantize makes about twenty passes over a float32 copy of the operand (pad,
 // abs, amax, multiply, clamp, seven comparisons, signbit, pack); dequantize six (unpack, stack,
 // table look-up, multiply, cast, crop). These kernels compute the same bits in one pass each:
 //
 //   fp4_block_amax: each block's max |x| (the operand read as float32; zero padding changes no amax).
 //   fp4_encode:     x * (its block's multiplier), clamped to [-6, 6], rounded to e2m1 (to nearest
-//                   even, or stochastically against uniform draws Python made with the cast's
-//                   generator), two codes per byte, padded to whole blocks.
+//                   even, or stochastically against uniform draws), two codes per byte, padded to
+//                   whole blocks.
 //   fp4_decode:     e2m1 value times its block's float32 scale, rounded once to the output dtype.
 //   fp4_magnitudes: each code's magnitude index, unpadded.
+//   fp4_uniform:    torch.rand's draws from a CPU generator, without its per-element overhead.
+//   fp4_key_draws:  a RoundingKey's draws (SplitMix64, integer arithmetic: the same bits anywhere).
 //
-// Every float operation is the one the Python path does, in the same order (one multiply; the
-// compiler fuses nothing: -ffp-contract=off). Python sends here only blocks whose multiplier or
-// scale is finite and not NaN: a NaN's sign after a multiply of two NaNs is the hardware's
-// choice of operand, which no C++ source pins down, so those casts stay in Python.
+// Every float operation is the one the torch code does, in the same order (one multiply; the
+// compiler fuses nothing: -ffp-contract=off). Python sends here only casts whose block
+// multipliers and scales are all finite: a NaN's sign after a multiply of two NaNs is the
+// hardware's choice of operand, which no C++ source pins down, so those casts stay in torch.
+// On AVX2 the encoder runs 8 lanes at a time (encode8), the same operations as the scalar
+// definition (encode), which other CPUs run.
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
@@ -56,8 +60,7 @@ template <> inline float to_float<c10::BFloat16>(c10::BFloat16 x) { return u2f(u
 // rounded to nearest with ties to even (how many of _MIDPOINTS |v| passes) or stochastically
 // against the uniform draw u (encode_e2m1 with a generator: lo, the largest magnitude <= |v|,
 // goes up when u * (hi - lo) < |v| - lo). lo's value and hi - lo are sums of the exact steps
-// between magnitudes: the same floats as the grid's look-ups in Python. Branch-free, so that
-// the compiler vectorizes the loops that call it.
+// between magnitudes: the same floats as the grid's look-ups in Python.
 template <bool SR> inline uint8_t encode(float x, float mul, float u) {
   float v = x * mul;
   v = -kMax > v ? -kMax : v;
@@ -361,6 +364,33 @@ at::Tensor fp4_uniform(int64_t n, const std::optional<at::Generator>& generator)
   return out;
 }
 
+// SplitMix64's finalizer after its step (_mix64 in _fp4.py), on the 64 bits as unsigned.
+inline uint64_t mix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// RoundingKey.draws (mixprec/fp8/_fp4.py) of n elements from its state: output i of SplitMix64's
+// stream from the state gives element i (its bits 8..31) and element i + ceil(n / 2) (bits
+// 40..63), each k / 2**24. Wrapping int64 arithmetic there is this unsigned arithmetic.
+at::Tensor fp4_key_draws(int64_t state, int64_t n) {
+  TORCH_CHECK(n >= 0, "mixprec fp4 key_draws: n must be >= 0, got ", n);
+  at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const int64_t half = (n + 1) / 2;
+  const uint64_t start = static_cast<uint64_t>(state);
+  at::parallel_for(0, half, kGrain, [&, o](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint64_t z = mix64(static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull + start);
+      o[i] = static_cast<float>((z >> 8) & 0xFFFFFFu) * 0x1p-24f;
+      if (i + half < n) o[i + half] = static_cast<float>((z >> 40) & 0xFFFFFFu) * 0x1p-24f;
+    }
+  });
+  return out;
+}
+
 at::Tensor fp4_magnitudes(const at::Tensor& codes, int64_t n_rows, int64_t n_cols) {
   TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.dim() == 2 && n_rows >= 0 && n_cols >= 0 && n_rows <= codes.size(0) &&
@@ -395,6 +425,7 @@ TORCH_LIBRARY_FRAGMENT(mixprec_native, m) {
   m.def("fp4_decode(Tensor codes, Tensor scale, int rows, int cols, int n_rows, int n_cols, ScalarType dtype) -> Tensor");
   m.def("fp4_magnitudes(Tensor codes, int n_rows, int n_cols) -> Tensor");
   m.def("fp4_uniform(int n, Generator? generator) -> Tensor");
+  m.def("fp4_key_draws(int state, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mixprec_native, CPU, m) {
@@ -404,7 +435,8 @@ TORCH_LIBRARY_IMPL(mixprec_native, CPU, m) {
   m.impl("fp4_magnitudes", &mixprec_fp4::fp4_magnitudes);
 }
 
-// fp4_uniform takes no tensor to dispatch on: one kernel for every key (it makes CPU tensors).
+// fp4_uniform and fp4_key_draws take no tensor to dispatch on: one kernel for every key (it makes CPU tensors).
 TORCH_LIBRARY_IMPL(mixprec_native, CompositeExplicitAutograd, m) {
   m.impl("fp4_uniform", &mixprec_fp4::fp4_uniform);
+  m.impl("fp4_key_draws", &mixprec_fp4::fp4_key_draws);
 }

@@ -30,12 +30,14 @@
 
 On the CPU, :func:`quantize`, :meth:`Fp4Tensor.dequantize` and :meth:`Fp4Tensor.magnitudes` run
 mixprec's C++ kernels (``csrc/fp4_kernel.cpp``: one pass over the operand each, where this
-module's torch code makes about twenty) and give the same bits. The torch code below is their
-definition and serves wherever the kernels do not: ``MIXPREC_NATIVE_KERNELS=0`` or no compiler,
-other devices, tensor subclasses (FakeTensor, DTensor), code being traced by ``torch.compile``, an
-operand that requires grad (under grad mode), dtypes other than float32/bfloat16/float16, empty
-tensors, and casts whose block multipliers or scales are not finite (a NaN or an infinity in
-the operand): there the sign of a NaN depends on which operand of a multiply the hardware keeps.
+module's torch code makes about twenty; stochastic rounding's draws too, a :class:`RoundingKey`'s
+in unsigned 64-bit arithmetic, a generator's as ``torch.rand`` draws them) and give the same
+bits. The torch code below is their definition and serves wherever the kernels do not:
+``MIXPREC_NATIVE_KERNELS=0`` or no compiler, other devices, tensor subclasses (FakeTensor,
+DTensor), code being traced by ``torch.compile``, an operand that requires grad (under grad
+mode), empty tensors, dequantizing to a dtype other than float32/bfloat16/float16, and casts whose
+block multipliers or scales are not finite (a NaN or an infinity in the operand): there the sign
+of a NaN depends on which operand of a multiply the hardware keeps.
 """
 
 from __future__ import annotations
@@ -217,10 +219,13 @@ def quantize(x2: torch.Tensor, cast: Cast, *, subnormal_scales: bool = False,
 
 
 def _draws(ops: Any, generator: torch.Generator | RoundingKey, shape: tuple[int, ...]) -> torch.Tensor:
-    """The uniform draws :func:`encode_e2m1` makes (:func:`_uniform`), a ``torch.Generator``'s by
-    the kernel's loop where it draws torch.rand's numbers (:func:`_draws_agree`; about 1.4x faster
+    """The uniform draws :func:`encode_e2m1` makes (:func:`_uniform`) by the kernels: a
+    :class:`RoundingKey`'s (integer arithmetic, about 20x its torch code), a ``torch.Generator``'s
+    where the kernel's loop draws torch.rand's numbers (:func:`_draws_agree`; about 1.4x faster
     than torch's uniform kernel, which calls the generator out of line)."""
-    if isinstance(generator, torch.Generator) and _draws_agree(ops):
+    if isinstance(generator, RoundingKey):
+        return ops.fp4_key_draws(int(generator._state("cpu")), math.prod(shape))
+    if _draws_agree(ops):
         return ops.fp4_uniform(math.prod(shape), generator)
     return _uniform(generator, shape, torch.device("cpu"))
 
@@ -297,16 +302,21 @@ class RoundingKey:
     step: int | torch.Tensor
     stream: int
 
+    def _state(self, device: torch.device | str) -> int | torch.Tensor:
+        """SplitMix64's state the draws start from, as an int64 (a 0-d tensor on ``device`` when
+        ``step`` is a tensor)."""
+        key = _mix64(_mix64(self.seed))
+        if isinstance(self.step, torch.Tensor):
+            step = self.step.to(device=device, dtype=torch.int64, copy=True)
+            state = _mix64_(_mix64_(step).bitwise_xor_(_signed(key)))
+            return _mix64_(state.bitwise_xor_(_signed(_mix64(self.stream))))
+        return _signed(_mix64(_mix64(key ^ _mix64(self.step)) ^ _mix64(self.stream)))
+
     def draws(self, shape: tuple[int, ...] | torch.Size, device: torch.device | str) -> torch.Tensor:
         """float32 uniform draws on ``[0, 1)`` of ``shape`` on ``device``, element by element in
         row-major order."""
         n = math.prod(shape)
-        key = _mix64(_mix64(self.seed))
-        if isinstance(self.step, torch.Tensor):
-            state = _mix64_(_mix64_(self.step.to(device=device, dtype=torch.int64, copy=True)).bitwise_xor_(_signed(key)))
-            state = _mix64_(state.bitwise_xor_(_signed(_mix64(self.stream))))
-        else:
-            state = _signed(_mix64(_mix64(key ^ _mix64(self.step)) ^ _mix64(self.stream)))
+        state = self._state(device)
         half = (n + 1) // 2
         z = _mix64_(torch.arange(half, dtype=torch.int64, device=device).mul_(_signed(_GAMMA)).add_(state))
         bits = torch.cat([(z >> 8).bitwise_and_(_DRAW_MASK), (z >> 40).bitwise_and_(_DRAW_MASK)])[:n]

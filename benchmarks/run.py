@@ -145,6 +145,7 @@ BENCHMARKS: dict[str, Callable[[Any], list[Row]]] = {
     "fp8_formats": _fp8_formats,
     "fp8_fsdp": _fp8_fsdp,
     "fp4": lambda res: [Row(*row) for row in res["rows"]],
+    "fp4_cast": lambda res: [Row(*row) for row in res["rows"]],
 }
 
 

@@ -332,13 +332,13 @@ _ALL_MODES = (
          _setup_amp("torch", torch.bfloat16), default=False, cpu_cost=1.2, speed_kind="bf16"),
     Mode("mixprec-fp4", "mixprec.autocast bf16 + every Linear layer NVFP4, controller per GEMM nvfp4 -> fp8 -> bf16",
          ("autocast", "Policy.fp8", "Controller", "fp8.Float8Recipe.nvfp4"), _setup_fp4("fp8", True), default=False,
-         cpu_cost=12.0, speed_kind="fp8"),
+         cpu_cost=10.5, speed_kind="fp8"),
     Mode("mixprec-fp4-all", "mixprec.autocast bf16 + every Linear layer NVFP4, no controller",
          ("autocast", "Policy.fp8", "fp8.Float8Recipe.nvfp4"), _setup_fp4("fp8", False), default=False,
-         cpu_cost=11.0, speed_kind="fp8"),
+         cpu_cost=6.5, speed_kind="fp8"),
     Mode("mixprec-fp4-hand", "mixprec.autocast bf16 + NVFP4 Linear layers, first and last in bf16 (hand recipe)",
          ("autocast", "Policy.fp8", "fp8.Float8Recipe.nvfp4"), _setup_fp4("keep", False), default=False,
-         cpu_cost=10.5, speed_kind="fp8"),
+         cpu_cost=6.0, speed_kind="fp8"),
 )
 
 #: Every mode by name.

@@ -279,8 +279,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             state.to(input.device)
         stats = state.window
         sqnr = state.output_sqnr_db if state.sample_sqnr else None
-    if state is not None:
-        e2m1 = _e2m1_operands(recipe)
+    if state is not None and not torch.compiler.is_compiling():  # (a Python attribute Dynamo would guard on:
+        e2m1 = _e2m1_operands(recipe)                               # set by the eager calls, read by a Guard)
         if state.e2m1 != e2m1:
             state.e2m1 = e2m1
     if recipe.fp4:  # its own GEMM path (fp8/_fp4_linear.py); the layer's call count seeds stochastic rounding

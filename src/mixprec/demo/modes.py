@@ -274,6 +274,10 @@ FP4_LADDER = ("nvfp4", "tensorwise", "rowwise", "compute")
 #: which a CPU without native bf16 GEMMs runs 5-20x slower than float32; the fp8 modes' tensorwise
 #: and rowwise GEMMs are float32 under either backend).
 FP4_BACKEND = "emulate_fp32"
+#: The most a forward GEMM's output error may cost the loss in ``mixprec-fp4``, in nats
+#: (``Controller.max_loss_cost``): the head's NVFP4 forward costs 0.003-0.012 nats a step on tiny
+#: and small, every other layer's at most 0.0008 (docs/fp8.md, "FP4 acceptance").
+FP4_MAX_LOSS_COST = 1e-3
 #: The fp4 modes: with the controller, all-fp4 without it, the hand recipe (first and last in bf16).
 FP4_MODES = ("mixprec-fp4", "mixprec-fp4-all", "mixprec-fp4-hand")
 
@@ -287,7 +291,8 @@ def _setup_fp4(first_last: str, controlled: bool, recipe: str = FP4_RECIPE,
     :data:`FP4_BACKEND`."""
 
     def setup(model: nn.Module, s: Settings, device: torch.device) -> Setup:
-        ctl = mixprec.Controller(every=FP8_EVERY, ladder=ladder, per_gemm=True) if controlled else None
+        ctl = mixprec.Controller(every=FP8_EVERY, ladder=ladder, per_gemm=True,
+                                 max_loss_cost=FP4_MAX_LOSS_COST) if controlled else None
         policy = mixprec.Policy.parse("compute=bf16").fp8(recipe, first_last=first_last, controller=ctl,
                                                           backend=FP4_BACKEND)
         autocast = lambda: mixprec.autocast(device.type, policy=policy)  # noqa: E731

@@ -97,6 +97,18 @@ class Controller:
     change with the tensor's scale), and a demotion to an fp4 rung waits twice as many clean
     windows for each round trip in the last ``budget_steps`` (:func:`~mixprec.fp8._trend.demote_windows`).
 
+    ``max_loss_cost`` (None: off): the most a layer's forward GEMM may add to the loss through
+    its output error, in the loss's units (nats for a cross-entropy), estimated on every training
+    step to second order from the error against a float32 GEMM and the output's gradient
+    (:func:`~mixprec.fp8._ladder.loss_cost`; one extra float32 GEMM per layer and step, the
+    error kept until the backward) and averaged over the window. Underflow statistics miss the
+    layers whose error the loss is sensitive to (a language model's head: an ordinary flush,
+    yet as much loss as all other layers' errors together); a forward GEMM costing more is
+    promoted, and comes down once the recipe below's forward (measured while promoted, an
+    emulated GEMM per step) costs at most ``demote_loss_cost`` (None: half of
+    ``max_loss_cost``) as well. The estimate is of the loss backward differentiates: under a
+    loss scaler pass ``step(loss_scale=...)``.
+
     Raises ValueError on a setting out of range, a ladder not in the order of :data:`RUNGS`, or a
     ``floor`` not an fp8 rung of it (and, when a layer is first seen, a recipe below the floor).
 
@@ -126,6 +138,8 @@ class Controller:
     per_gemm: bool = False
     fp4_max_underflow: float = 0.15
     fp4_demote_underflow: float = 0.12
+    max_loss_cost: float | None = None
+    demote_loss_cost: float | None = None
     _layers: dict[str, LayerRecord] = field(default_factory=dict, init=False, repr=False, compare=False)
     _names: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, init=False, repr=False,
                                               compare=False)  # module -> the name of its record
@@ -138,6 +152,8 @@ class Controller:
     _warned_empty: bool = field(default=False, init=False, repr=False, compare=False)
     _measuring: bool = field(default=False, init=False, repr=False, compare=False)  # this step feeds the shadows
     _recipes: dict[str, Float8Recipe] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _loss_scaled: bool = field(default=False, init=False, repr=False, compare=False)  # a step got loss_scale
+    _warned_scale: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_nonfinite is not None:
@@ -171,8 +187,25 @@ class Controller:
                              f"{ladder}, got {self.floor!r}")
         if not isinstance(self.per_gemm, bool):
             raise ValueError(f"Controller.per_gemm must be a bool, got {self.per_gemm!r}")
+        for name in ("max_loss_cost", "demote_loss_cost"):
+            if getattr(self, name) is not None:
+                _check_number("Controller", name, getattr(self, name), 0, math.inf, "a loss (nats for a cross-entropy), or None")
+        if self.max_loss_cost is None and self.demote_loss_cost is not None:
+            raise ValueError("Controller.demote_loss_cost needs max_loss_cost (the promotion threshold it is the "
+                             "lower end of the hysteresis of); set both, or neither")
+        if self.max_loss_cost is not None and self.demote_cost > self.max_loss_cost:
+            raise ValueError(f"Controller: demote_loss_cost ({self.demote_loss_cost}) must not exceed max_loss_cost "
+                             f"({self.max_loss_cost}) (the lower threshold of the hysteresis)")
 
     # ----------------------------------------------------------------- queries
+    @property
+    def demote_cost(self) -> float:
+        """The loss cost under which a forward GEMM may come down: ``demote_loss_cost``, by
+        default half of ``max_loss_cost``."""
+        if self.demote_loss_cost is not None:
+            return self.demote_loss_cost
+        return self.max_loss_cost / 2 if self.max_loss_cost is not None else math.inf
+
     @property
     def steps(self) -> int:
         """The :meth:`step` calls counted so far."""
@@ -331,7 +364,8 @@ class Controller:
         allowed = tuple(r not in LOW_RUNGS or i == start or all(f % self._recipes[r].multiple == 0
                                                                   for f in features(module))
                         for i, r in enumerate(self.ladder))
-        rec = LayerRecord(module, layer_state(module), start, floor, allowed, self.per_gemm)
+        rec = LayerRecord(module, layer_state(module), start, floor, allowed, self.per_gemm,
+                          self.max_loss_cost is not None)
         old = self._layers.get(name)
         data = self._pending.pop(name, None)
         if old is not None and old.module() is None:  # decided so far as its peers' (_detached): take it over
@@ -365,20 +399,39 @@ class Controller:
         rec.state.probe, rec.probe.fp32 = rec.probe, name == "fp32"
         down = layer_down(rec)
         rec.below = self._recipes.get(self.ladder[down]) if down is not None else None
+        rec.forward_low = name in LOW_RUNGS
+        rec.forward_below = rec.below if rec.cost is not None else None
 
     # ----------------------------------------------------------------- deciding
-    def step(self) -> list[Decision]:
+    def step(self, loss_scale: float | torch.Tensor | None = None) -> list[Decision]:
         """Count one optimizer step and, every ``every`` steps, decide; returns the new decisions.
 
         Call it once per optimizer step on every rank, after backward (with gradient
         accumulation: once per optimizer step). A check step reads the windows of every layer
         (one all-reduce MAX when ``torch.distributed`` is initialized, one host sync); the other
-        steps touch nothing. Warns once when it tracks no layer yet.
+        steps touch nothing but, under ``max_loss_cost``, fold the step's loss-cost sums into
+        the window on the device. ``loss_scale``: what the loss this step's backward
+        differentiated was multiplied by (a loss scaler's scale, a float or a device tensor:
+        ``scaler.get_scale()`` before ``scaler.update()``, or its scale tensor, no sync), which
+        the loss cost divides out; None: 1. Warns once when it tracks no layer yet, and once,
+        under ``max_loss_cost`` and fp16 compute, when no step got a ``loss_scale``.
+
+        Raises ValueError for a ``loss_scale`` that is not a positive number or a tensor.
 
         Example:
             >>> Controller(every=2).step()
             []
         """
+        if loss_scale is not None:
+            if isinstance(loss_scale, bool) or not (isinstance(loss_scale, torch.Tensor) or (
+                    isinstance(loss_scale, (int, float)) and 0 < loss_scale < math.inf)):
+                raise ValueError(f"Controller.step: loss_scale must be a positive finite number or a tensor (the "
+                                 f"scale the loss was multiplied by), or None, got {loss_scale!r}")
+            self._loss_scaled = True
+        if self.max_loss_cost is not None:
+            scale = 1.0 if loss_scale is None else loss_scale
+            for rec in self._layers.values():
+                rec.end_step(scale)
         self._steps += 1
         self._stepped = True
         self._measuring = shadow_phase(self._steps, self.every, self.shadow_steps)
@@ -397,17 +450,27 @@ class Controller:
             self._layers[name] = self._detached(name, meta)
         if not names:
             return []
+        if (self.max_loss_cost is not None and self._compute is torch.float16 and not self._loss_scaled
+                and not self._warned_scale):
+            self._warned_scale = True
+            warnings.warn("fp8: Controller(max_loss_cost=...) under fp16 compute got no loss_scale: the loss cost is "
+                          "measured on the gradients backward computed, which a loss scaler multiplies; pass "
+                          "ctl.step(loss_scale=scaler.get_scale()) before scaler.update() (or loss_scale=1.0 "
+                          "without a scaler)", UserWarning, stacklevel=2)
         recs = [self._layers[n] for n in names]
         rows = all_reduce_max(torch.stack([r.windows() for r in recs])).tolist()  # the one sync
         new = []
         for name, rec, row in zip(names, recs, rows):
             rec.reset()
+            cost = None
+            if rec.cost is not None:  # the window's loss costs close the row (LayerRecord.windows)
+                row, cost = row[:-4], row[-4:]
             if self.per_gemm:
-                decisions = decide_gemms(self, name, rec, row)
+                decisions = decide_gemms(self, name, rec, row, cost)
                 self._log.extend(decisions)
                 new.extend(decisions)
                 continue
-            decided = decide_layer(self, name, rec, row)
+            decided = decide_layer(self, name, rec, row, cost)
             if decided is not None:
                 decision, rec.rung = decided
                 rec.clean = 0
@@ -493,6 +556,8 @@ class Controller:
                         rounding_step=rec.state.rounding_step)
             if rec.gemm_windows is not None:
                 data["gemm_windows"] = rec.gemm_windows.tolist()
+            if rec.cost is not None:
+                data["loss_cost"] = rec.cost.tolist()
         return data
 
     def _metadata(self) -> dict[str, dict[str, Any]]:
@@ -506,7 +571,7 @@ class Controller:
         :meth:`_metadata`): the peer's rung, trends and counters (or this rank's loaded state of
         it), empty windows. The layer's module takes it over at its first forward here (:meth:`_track`)."""
         rec = LayerRecord(None, LayerState(), self.ladder.index(meta["rung"]), int(meta["floor"]),
-                          tuple(meta["allowed"]), self.per_gemm)
+                          tuple(meta["allowed"]), self.per_gemm, self.max_loss_cost is not None)
         self._load_layer(rec, self._pending.pop(name, meta))
         rec.probe = Probe(self, rec)
         self._apply(rec)
@@ -532,7 +597,7 @@ class Controller:
             if key in rec.trends:  # (a whole-layer record's operand trends are no GEMM's)
                 rec.trends[key] = Trend(last, slope, tuple(recent))
         windows = ((rec.state.window, "state"), (rec.shadow, "shadow"), (rec.range, "range"),
-                   (rec.gemm_windows, "gemm_windows"))
+                   (rec.gemm_windows, "gemm_windows"), (rec.cost, "loss_cost"))
         for target, key in windows:
             if key not in data or target is None:  # a peer's record (_detached): the windows stay empty
                 continue

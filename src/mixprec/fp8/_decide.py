@@ -18,7 +18,7 @@ from mixprec.fp8._quant import STAT_NAMES
 from mixprec.fp8._state import OPERANDS
 from mixprec.fp8._trend import Trend, demote_windows, grow, log2, ratio, underflow_forecast
 
-__all__ = ["apply_gemms", "limits", "decide_gemms", "decide_layer", "gemm_down", "gemm_up", "layer_down", "layer_up"]
+__all__ = ["apply_gemms", "cheap_below", "limits", "too_costly", "decide_gemms", "decide_layer", "gemm_down", "gemm_up", "layer_down", "layer_up"]
 
 _NCOL = len(STAT_NAMES)
 _UNDERFLOW, _NONFINITE = STAT_NAMES.index("underflow"), STAT_NAMES.index("nonfinite")
@@ -34,6 +34,18 @@ def limits(ctl: Any, rung: int | None, below: int | None) -> tuple[float, float]
             ctl.fp4_demote_underflow if below is not None and ctl.ladder[below] in fp4 else ctl.demote_underflow)
 
 
+def too_costly(ctl: Any, cost: list[float] | None) -> bool:
+    """Whether the forward GEMM's own casts cost the loss more than ``max_loss_cost`` over the
+    window (``cost``: own, below, whether each was measured; None: not measured)."""
+    return cost is not None and cost[2] > 0 and cost[0] > ctl.max_loss_cost
+
+
+def cheap_below(ctl: Any, cost: list[float]) -> bool:
+    """Whether the recipe below's forward was measured and cost at most ``demote_loss_cost``
+    (a window without a measurement is no evidence)."""
+    return cost[3] > 0 and cost[1] <= ctl.demote_cost
+
+
 def layer_up(rec: LayerRecord) -> int:
     """The rung a promotion goes to: the next one up the layer can run (a block rung needs
     features that are multiples of its blocks)."""
@@ -45,8 +57,11 @@ def layer_down(rec: LayerRecord) -> int | None:
     return next((i for i in range(rec.rung - 1, rec.floor - 1, -1) if rec.allowed[i]), None)
 
 
-def decide_layer(ctl: Any, name: str, rec: LayerRecord, row: list[float]) -> tuple[Decision, int] | None:
-    """The layer's switch after this window (the decision and the new rung), or None."""
+def decide_layer(ctl: Any, name: str, rec: LayerRecord, row: list[float], cost: list[float] | None = None
+                 ) -> tuple[Decision, int] | None:
+    """The layer's switch after this window (the decision and the new rung), or None. ``cost``:
+    the window's loss costs of its forward GEMM (own, below, whether each was measured), under
+    ``Controller.max_loss_cost``."""
     own = [row[i * _NCOL:(i + 1) * _NCOL] for i in range(len(OPERANDS))]
     off = len(OPERANDS) * _NCOL
     shadow = [row[off + i * _NCOL:off + (i + 1) * _NCOL] for i in range(len(OPERANDS))]
@@ -101,6 +116,8 @@ def decide_layer(ctl: Any, name: str, rec: LayerRecord, row: list[float]) -> tup
             forecast = underflow(op, stats[_UNDERFLOW], f"underflow_{op}", rec.rung)
             if forecast > max_u:
                 return decision(op, "promote", layer_up(rec), "underflow_forecast", forecast, max_u, ">")
+        if too_costly(ctl, cost):
+            return decision("output", "promote", layer_up(rec), "loss_cost", cost[0], ctl.max_loss_cost, ">")
     if down is None:
         return None
     # demote: the rung below, judged by the shadow (fp8 below) or the range (compute below fp32)
@@ -123,6 +140,12 @@ def decide_layer(ctl: Any, name: str, rec: LayerRecord, row: list[float]) -> tup
                 safe = False
             elif ladder[rec.rung] == "fp32" and ratio(forecast, limit) > ratio(worst[2], worst[3]):
                 worst = (r, "amax_forecast", forecast, limit)
+    if has_shadow and cost is not None:
+        limit = ctl.demote_cost
+        if not cheap_below(ctl, cost):
+            safe = False
+        elif ratio(cost[1], limit) > ratio(worst[2], worst[3]):
+            worst = ("output", "loss_cost", cost[1], limit)
     rec.clean = rec.clean + 1 if safe else 0
     if _may_demote(ctl, rec.clean, rec.switches, ladder[down] in FP4_RUNGS):
         op, stat, value, limit = worst
@@ -167,6 +190,10 @@ def apply_gemms(ctl: Any, rec: LayerRecord) -> None:
     rec.state.recipe = recipe
     rec.state.probe, rec.probe.fp32 = rec.probe, names[0] == "fp32"
     rec.below = None
+    rec.forward_low = names[0] in LOW_RUNGS
+    down = gemm_down(ctl, rec, 0)
+    below = ctl._recipes.get(ctl.ladder[down]) if down is not None else None
+    rec.forward_below = below if rec.cost is not None else None
     for g, gemm in enumerate(GEMMS):
         here = ctl._recipes.get(names[g])
         rec.own[g] = gemm_casts(here, gemm)
@@ -185,9 +212,11 @@ def _switch(ctl: Any, rec: LayerRecord, gemms: range | tuple, to: int) -> None:
     apply_gemms(ctl, rec)
 
 
-def decide_gemms(ctl: Any, name: str, rec: LayerRecord, row: list[float]) -> list[Decision]:
-    """The switches of the layer's GEMMs after this window (``row``: its all-reduced windows),
-    applied to ``rec``; in GEMM order, each judged with the rungs the earlier ones left."""
+def decide_gemms(ctl: Any, name: str, rec: LayerRecord, row: list[float], cost: list[float] | None = None
+                 ) -> list[Decision]:
+    """The switches of the layer's GEMMs after this window (``row``: its all-reduced windows;
+    ``cost``: its forward GEMM's loss costs, as :func:`decide_layer`'s), applied to ``rec``; in
+    GEMM order, each judged with the rungs the earlier ones left."""
     off = 2 * 3 * _NCOL + len(_RANGE)  # LayerState's and the whole-layer shadow's rows, the range
     ranges = row[off - len(_RANGE):off]
     win = row[off:]
@@ -239,7 +268,7 @@ def decide_gemms(ctl: Any, name: str, rec: LayerRecord, row: list[float]) -> lis
     out = []
     for g, gemm in enumerate(GEMMS):
         d = _decide_gemm(ctl, rec, g, gemm, [stats(0, g, s) for s in (0, 1)], [stats(1, g, s) for s in (0, 1)],
-                         fit, windows, ahead, decision, range_ok)
+                         fit, windows, ahead, decision, range_ok, cost if gemm == "output" else None)
         if d is not None:
             out.append(d)
     return out
@@ -257,8 +286,9 @@ def _may_demote(ctl: Any, clean: int, switches: list[int], to_fp4: bool) -> bool
 
 
 def _decide_gemm(ctl: Any, rec: LayerRecord, g: int, gemm: str, own: list, shadow: list, fit: tuple,
-                 windows: int, ahead: int, decision: Any, range_ok: bool) -> Decision | None:
-    """One GEMM's switch (applied to ``rec``), or None: the layer's rule on this GEMM's two operands."""
+                 windows: int, ahead: int, decision: Any, range_ok: bool, cost: list[float] | None) -> Decision | None:
+    """One GEMM's switch (applied to ``rec``), or None: the layer's rule on this GEMM's two
+    operands (and, the forward GEMM's, on its loss cost)."""
     ladder, rung = ctl.ladder, rec.rungs[g]
     on_low = ladder[rung] in LOW_RUNGS
     down = gemm_down(ctl, rec, g)
@@ -294,6 +324,11 @@ def _decide_gemm(ctl: Any, rec: LayerRecord, g: int, gemm: str, own: list, shado
                 d = decision(gemm, op, "promote", rung, to, "underflow_forecast", forecast, max_u, ">")
                 _switch(ctl, rec, (g,), to)
                 return d
+        if too_costly(ctl, cost):
+            to = gemm_up(ctl, rec, g)
+            d = decision(gemm, "output", "promote", rung, to, "loss_cost", cost[0], ctl.max_loss_cost, ">")
+            _switch(ctl, rec, (g,), to)
+            return d
     if not has_shadow:
         return None
     worst = (ops[0], 0.0)
@@ -305,9 +340,15 @@ def _decide_gemm(ctl: Any, rec: LayerRecord, g: int, gemm: str, own: list, shado
             safe = False
         elif forecast > worst[1]:
             worst = (op, forecast)
+    worst = (*worst, "underflow_forecast", demote_u)
+    if cost is not None:
+        if not cheap_below(ctl, cost):
+            safe = False
+        elif ratio(cost[1], ctl.demote_cost) > ratio(worst[1], demote_u):
+            worst = ("output", cost[1], "loss_cost", ctl.demote_cost)
     rec.gemm_clean[g] = rec.gemm_clean[g] + 1 if safe else 0
     if _may_demote(ctl, rec.gemm_clean[g], rec.gemm_switches[g], ladder[down] in FP4_RUNGS):
-        d = decision(gemm, worst[0], "demote", rung, down, "underflow_forecast", worst[1], demote_u, "<=")
+        d = decision(gemm, worst[0], "demote", rung, down, worst[2], worst[1], worst[3], "<=")
         _switch(ctl, rec, (g,), down)
         return d
     return None

@@ -6,22 +6,25 @@ and the probe that :func:`mixprec.fp8.linear` calls to measure a controlled laye
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from mixprec.fp8._fp4 import hadamard, hadamard_matrix, quantize
 from mixprec.fp8._blocks import amax_to_scale
+from mixprec.fp8._linear import linear
 from mixprec.fp8._quant import STAT_NAMES, cast_to_fp8
 from mixprec.fp8._recipe import Cast, Float8Recipe
 from mixprec.fp8._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window, record_cast, window_stats
 from mixprec.fp8._trend import Trend
 
 __all__ = ["Decision", "FP4_RUNGS", "FP8_RUNGS", "GEMMS", "GEMM_OPERANDS", "GemmCasts", "LOW_RUNGS", "RUNGS",
-           "LayerRecord", "Probe", "compose", "gemm_casts", "measure"]
+           "LayerRecord", "Probe", "compose", "gemm_casts", "loss_cost", "measure"]
 
 #: the rungs a ladder may hold, lowest precision first: fp4 recipes, fp8 recipes (the block-scaled
 #: ones in the order of the audit's cost model), the compute dtype, fp32.
@@ -40,6 +43,9 @@ _HP = Cast("none")
 _FP4_SETTINGS = ("hadamard", "stochastic_rounding", "subnormal_scales", "seed")
 _NCOL = len(STAT_NAMES)
 _RANGE = ("input", "output")  # the range row: the layer's input and output amax, in its own dtype
+#: a record's loss-cost buffer, per row (the forward GEMM's own casts, the rung below's): this
+#: step's sums (first-order term, sum of squared per-row terms, rows), the window's (estimates, steps)
+_COST_COLUMNS = ("first", "squares", "rows", "sum", "steps")
 
 
 @dataclass(frozen=True)
@@ -155,7 +161,7 @@ class LayerRecord:
     """
 
     def __init__(self, module: nn.Module | None, state: LayerState, rung: int, floor: int,
-                 allowed: tuple[bool, ...], per_gemm: bool = False) -> None:
+                 allowed: tuple[bool, ...], per_gemm: bool = False, cost: bool = False) -> None:
         # None: a layer this rank has not run yet (Controller._detached)
         self.module = weakref.ref(module) if module is not None else _no_module
         self.state = state
@@ -182,6 +188,11 @@ class LayerRecord:
         self.own: list[GemmCasts | None] = [None] * len(GEMMS)
         self.below_gemm: list[GemmCasts | None] = [None] * len(GEMMS)
         self.below: Float8Recipe | None = None  # the rung below, while it may go there: its shadow's casts
+        # the loss cost of the forward GEMM's error (Controller.max_loss_cost): its own casts' and,
+        # while its forward may go down, the recipe below's (``forward_below``)
+        self.cost = torch.zeros(2, len(_COST_COLUMNS), device=state.device) if cost else None
+        self.forward_low = False  # the forward GEMM runs casts (its own cost is measured)
+        self.forward_below: Float8Recipe | None = None
         self.probe: Any = None  # its Probe (also in state.probe)
 
     @property
@@ -194,11 +205,29 @@ class LayerRecord:
         self.rungs = [value] * len(GEMMS)
 
     def windows(self) -> torch.Tensor:
-        """The windows a check all-reduces, as one vector."""
+        """The windows a check all-reduces, as one vector (the loss costs last: the window's
+        mean estimate, own and below, -inf where none was measured, then whether one was)."""
         parts = [self.state.stats.flatten(), window_stats(self.shadow).flatten(), self.range]
         if self.gemm_windows is not None:
             parts.append(self.gemm_windows[..., :-1].flatten())
+        if self.cost is not None:
+            steps = self.cost[:, 4]
+            mean = torch.where(steps > 0, self.cost[:, 3] / steps.clamp(min=1), -math.inf)
+            parts += [mean, (steps > 0).float()]
         return torch.cat(parts)
+
+    def end_step(self, loss_scale: float | torch.Tensor) -> None:
+        """Fold this step's loss-cost sums into the window: the estimate (:func:`loss_cost`) of
+        the gradients scaled by ``loss_scale``; a step without rows or with a non-finite
+        estimate (an overflowed gradient) is not counted. No host sync."""
+        if self.cost is None:
+            return
+        c = self.cost
+        estimate = loss_cost(c[:, 0], c[:, 1], c[:, 2], loss_scale)
+        counted = (c[:, 2] > 0) & torch.isfinite(estimate)
+        c[:, 3] += torch.where(counted, estimate, 0.0)
+        c[:, 4] += counted
+        c[:, :3] = 0
 
     def reset(self) -> None:
         self.state.reset()
@@ -206,6 +235,8 @@ class LayerRecord:
         self.range.zero_()
         if self.gemm_windows is not None:
             self.gemm_windows[..., :-1].zero_()
+        if self.cost is not None:
+            self.cost[:, 3:] = 0
 
 
 def _no_module() -> None:
@@ -229,14 +260,17 @@ class Probe:
     def __reduce__(self) -> tuple:
         return type(None), ()
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
         """Measure ``x`` (the GEMM's input, in its dtype), ``weight`` (``(out, in)``; None: not
-        measured) and ``out``; returns ``out``."""
+        measured), ``out`` and (the loss cost) ``bias``; returns ``out``."""
         ctl, rec = self.controller, self.rec
         if ctl._compute is None:  # fp8.convert's layers: the dtype the layer computes in
             ctl._compute = x.dtype
         if x.dtype is torch.float16:
             _range(rec.range, x, out)
+        if rec.cost is not None and weight is not None and out.requires_grad:
+            _measure_cost(rec, x, weight, bias, out)
         if rec.gemm_windows is not None:
             _measure_gemms(rec, x, weight, out, ctl.sample, ctl._measuring)
             return out
@@ -250,6 +284,57 @@ class Probe:
             buf, sample = rec.shadow, ctl.sample
             out.register_hook(lambda g: measure(buf, GRAD_OUTPUT, g, below.grad_output, below.pow2_scales, sample))
         return out
+
+
+def _measure_cost(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  out: torch.Tensor) -> None:
+    """The forward GEMM's output error against float32 (its own casts' when it runs casts; the
+    recipe below's, emulated, while it may go down), kept until the backward hook that meets it
+    with the output's gradient (:func:`_accumulate_cost`). Costs one float32 GEMM, and one
+    emulated GEMM of the recipe below for a promoted forward; keeps the errors (the output's
+    size each) until the backward."""
+    errors = []
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        x, w = x.detach(), weight.detach()
+        b = None if bias is None else bias.detach()
+        reference = F.linear(x.float(), w.float(), None if b is None else b.float())
+        if rec.forward_low and not rec.state.fallback:
+            errors.append((0, (out.detach().float() - reference).to(out.dtype)))
+        if rec.forward_below is not None:
+            below = linear(x, w, b, rec.forward_below, backend="emulate_fp32")
+            errors.append((1, (below.float() - reference).to(out.dtype)))
+    if errors:
+        buf = rec.cost
+        out.register_hook(lambda grad: _accumulate_cost(buf, errors, grad))
+
+
+def _accumulate_cost(buf: torch.Tensor, errors: list, grad: torch.Tensor) -> None:
+    """Add to ``buf``'s step sums, per error ``e`` (rows of the output), the first-order term
+    ``sum(grad * e)``, the sum over rows of ``(grad_row . e_row) ** 2`` and the row count."""
+    g2 = grad.detach().reshape(-1, grad.shape[-1]).float()
+    for row, error in errors:
+        per_row = (g2 * error.reshape(g2.shape).float()).sum(-1)
+        rows = torch.full((), float(per_row.numel()), device=per_row.device)
+        buf[row, :3] += torch.stack([per_row.sum(), per_row.square().sum(), rows])
+
+
+def loss_cost(first: torch.Tensor, squares: torch.Tensor, rows: torch.Tensor,
+              loss_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """The loss a GEMM's output error ``e`` adds, to second order, from one step's sums over
+    the ``rows`` of its output: ``first = sum(g * e)`` and ``squares = sum_t (g_t . e_t) ** 2``
+    with ``g`` the loss's gradient (times ``loss_scale``) on the output. With the loss the mean
+    of per-row losses ``l_t`` (``g_t = grad l_t / rows``), the Gauss-Newton term
+    ``1/2 e_t' H_t e_t`` of each row, its Hessian ``H_t`` taken as ``grad l_t grad l_t'``
+    (the empirical Fisher), sums to ``rows / 2 * squares``; the estimate is
+    ``first + rows / 2 * squares`` (in the loss's units: nats for a cross-entropy).
+
+    Example:
+        >>> g, e = torch.tensor([[0.5, -1.0]]), torch.tensor([[0.1, 0.2]])
+        >>> per_row = (g * e).sum(-1)
+        >>> float(loss_cost(per_row.sum(), per_row.square().sum(), torch.tensor(1.0)))
+        -0.105
+    """
+    return first / loss_scale + 0.5 * rows * squares / (loss_scale * loss_scale)
 
 
 def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,

@@ -268,7 +268,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                 out = F.linear(input.float(), weight.float(), None if bias is None else bias.float())
         else:
             out = F.linear(input, weight.to(input.dtype), None if bias is None else bias.to(input.dtype))
-        return out if probe is None else probe(input, weight, out)
+        return out if probe is None else probe(input, weight, out, bias)
     if recipe.blocked:
         backend = _block_backend(backend, recipe)
     else:
@@ -290,7 +290,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr)
         if bias is not None:
             out = out + bias.to(out.dtype)
-    return out if probe is None else probe(input, None if gathered else weight, out)
+    return out if probe is None else probe(input, None if gathered else weight, out, bias)
 
 
 def _e2m1_operands(r: Float8Recipe) -> tuple[bool, bool, bool]:

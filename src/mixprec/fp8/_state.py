@@ -69,7 +69,7 @@ class LayerState:
     dtype; ``sample_sqnr`` asks the next forward to measure the SQNR (one extra GEMM);
     ``recipe`` (set by :class:`Controller`), when not None, replaces the caller's recipe;
     ``probe`` (set by :class:`Controller`), when not None, is called by :func:`linear` as
-    ``probe(input, weight_or_None, output) -> output`` after the GEMM (also in fallback).
+    ``probe(input, weight_or_None, output, bias) -> output`` after the GEMM (also in fallback).
 
     Example:
         >>> st = LayerState()

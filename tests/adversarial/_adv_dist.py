@@ -41,6 +41,7 @@ class DistProgram:
     per_gemm: bool = False  # the Controller decides per GEMM
     same_data: bool = False  # every rank reads rank 0's data, its global generator seeded by rank
     backend: str = "auto"  # or "emulate_fp32" (every emulated GEMM in float32)
+    loss_cost: float | None = None  # the Controller's max_loss_cost (its step gets the scaler's scale)
 
 
 #: the fp4 recipes (their Controller's ladder starts with them).
@@ -69,7 +70,7 @@ def _supervisor(program: DistProgram) -> Any:
     trend, dwell, demote = program.controller
     ladder = {"ladder": (program.recipe, "tensorwise", "rowwise", "compute")} if fp4 else {}
     return mixprec.Controller(every=program.every, trend_windows=trend, min_dwell=dwell, demote_windows=demote,
-                              per_gemm=program.per_gemm, **ladder)
+                              per_gemm=program.per_gemm, max_loss_cost=program.loss_cost, **ladder)
 
 
 def _fp8_layer(module: torch.nn.Module, fqn: str) -> bool:
@@ -138,13 +139,15 @@ def run_rank(rank: int, program: DistProgram) -> dict[str, Any]:
                 with region():
                     loss = loss_of(model(x, step))
                 (scaler.scale(loss) if scaler is not None else loss).backward()
+            costed = program.supervisor == "controller" and program.loss_cost is not None
+            loss_scale = {"loss_scale": scaler.get_scale() if scaler is not None else 1.0} if costed else {}
             if scaler is not None:
                 scaler.step(optimizer)
                 scaler.update()
             else:
                 optimizer.step()
             optimizer.zero_grad()
-            decisions.append([_plain(d) for d in supervisor.step()])
+            decisions.append([_plain(d) for d in supervisor.step(**loss_scale)])
         return {"decisions": decisions, "steps": supervisor.steps,
                 "scale": scaler.get_scale() if scaler is not None else None,
                 "weights": digest(model) if program.same_data else None}

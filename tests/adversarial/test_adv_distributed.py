@@ -110,7 +110,7 @@ def fp4_programs(draw: st.DrawFn) -> DistProgram:
         outlier=draw(st.one_of(st.none(), st.tuples(st.integers(0, 1), st.integers(0, len(schedule) - 1)))),
         lag_rank=draw(st.sampled_from([None, 0, 1])), scaler=draw(st.booleans()),
         controller=draw(st.sampled_from([(3, 30, 3), (1, 2, 1)])), per_gemm=draw(st.booleans()), same_data=same_data,
-        backend=draw(st.sampled_from(["auto", "emulate_fp32"])))
+        backend=draw(st.sampled_from(["auto", "emulate_fp32"])), loss_cost=draw(st.sampled_from([None, 1e-3, 0.0])))
 
 
 _BLOCKS = Shape(width=32, blocks=3, gain=1.0, out=1)
@@ -139,12 +139,12 @@ ITEM3 = DistProgram(shape=Shape(width=32, blocks=3, gain=1.0, out=1),
 FP4_UNEVEN = DistProgram(shape=_BLOCKS, steps=(Step(rows=((8, 8), ())),) + tuple(
     Step(rows=((8, 8, 8), (8,))) for _ in range(7)), supervisor="controller", every=2, route="policy",
     recipe="nvfp4", drift=(1.6, 1.0), controller=(1, 2, 1), per_gemm=True)
-#: The same on MXFP4 through fp8.convert (GEMMs in float32), a GradScaler over the group, skipped
-#: blocks and an early exit.
+#: The same on MXFP4 through fp8.convert (GEMMs in float32), a GradScaler over the group (whose
+#: scale the loss cost divides out), skipped blocks and an early exit.
 FP4_CONVERT = DistProgram(shape=_BLOCKS, steps=(Step(skip=frozenset({1}), rows=((8,), (8, 8))), Step(
     depth=2, rows=((), (8,)))) + tuple(Step(rows=((8, 4), (8,))) for _ in range(6)), supervisor="controller",
     every=1, route="convert", recipe="mxfp4", drift=(1.0, 2.0), controller=(1, 2, 1), per_gemm=True, scaler=True,
-    backend="emulate_fp32")
+    backend="emulate_fp32", loss_cost=1e-4)
 #: Both ranks on rank 0's data, their global generators seeded apart: NVFP4's stochastic
 #: rounding must draw the same (bitwise equal weights).
 FP4_SAME_DATA = DistProgram(shape=_BLOCKS, steps=tuple(Step(rows=((8, 8), (8, 8))) for _ in range(6)),

@@ -53,11 +53,11 @@ def make_guard(recipe: str, every: int) -> fp8.Guard:
     return fp8.Guard(every=every, max_underflow=0.15 if recipe in FP4_RECIPES + ("nvfp4",) else 0.05)
 
 
-def make_controller(recipe: str, every: int, per_gemm: bool) -> mixprec.Controller:
+def make_controller(recipe: str, every: int, per_gemm: bool, loss_cost: float | None = None) -> mixprec.Controller:
     """The harness's Controller (quick to react); an fp4 recipe starts an fp4 ladder."""
     ladder = (recipe, "tensorwise", "rowwise", "compute") if recipe in ("mxfp4", "nvfp4") else None
     return mixprec.Controller(every=every, trend_windows=1, min_dwell=2, demote_windows=1, per_gemm=per_gemm,
-                              **({"ladder": ladder} if ladder else {}))
+                              max_loss_cost=loss_cost, **({"ladder": ladder} if ladder else {}))
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,7 @@ class ResumeProgram:
     outlier_step: int | None = None
     per_gemm: bool = False  # the Controller decides per GEMM
     backend: str = "auto"  # or "emulate_fp32" (every emulated GEMM in float32: the demo's fp4 modes)
+    loss_cost: float | None = None  # the Controller's max_loss_cost (its step gets the scaler's scale)
 
 
 class Run:
@@ -88,7 +89,7 @@ class Run:
         if program.supervisor == "guard":
             self.supervisor = make_guard(program.recipe, program.every)
         elif program.supervisor == "controller":
-            self.supervisor = make_controller(program.recipe, program.every, program.per_gemm)
+            self.supervisor = make_controller(program.recipe, program.every, program.per_gemm, program.loss_cost)
         kind = {"guard": {"guard": self.supervisor}, "controller": {"controller": self.supervisor}}.get(
             program.supervisor, {})
         self.policy: Any = None
@@ -129,6 +130,8 @@ class Run:
                 with self.region():
                     loss = loss_of(self.model(x, step))
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            costed = p.supervisor == "controller" and p.loss_cost is not None
+            loss_scale = {"loss_scale": self.scaler.get_scale() if self.scaler is not None else 1.0} if costed else {}
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
@@ -136,7 +139,7 @@ class Run:
                 self.optimizer.step()
             self.optimizer.zero_grad()
             if self.supervisor is not None:
-                self.supervisor.step()
+                self.supervisor.step(**loss_scale)
 
     def state(self) -> dict[str, Any]:
         out = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
@@ -220,7 +223,7 @@ def resume_programs(draw: st.DrawFn, recipes: tuple[str, ...] = FP8_RECIPES) -> 
         optimizer=optimizer, drift=draw(st.sampled_from([1.0, 2.0])),
         outlier_step=draw(st.one_of(st.none(), st.integers(0, len(schedule) - 1))))
     if program.supervisor == "controller":
-        program = replace(program, per_gemm=draw(st.booleans()))
+        program = replace(program, per_gemm=draw(st.booleans()), loss_cost=draw(st.sampled_from([None, 1e-3, 0.0])))
     if fp4:
         program = replace(program, backend=draw(st.sampled_from(["auto", "emulate_fp32"])))
     return program
@@ -248,12 +251,13 @@ _SR_XFAIL = pytest.mark.xfail(not SR_RESUMES, strict=True, reason=(
 
 
 def _fp4_case(recipe: str, route: str, supervisor: str, json: bool = False, per_gemm: bool = False,
-              backend: str = "auto") -> Any:
+              backend: str = "auto", loss_cost: float | None = None) -> Any:
     program = ResumeProgram(shape=Shape(width=32, blocks=2, gain=0.3, seed=1), steps=_FP4_STEPS, resume_at=3,
                             route=route, json=json, supervisor=supervisor, every=1, recipe=recipe,
-                            scaler="global", optimizer="adamw", drift=2.0, per_gemm=per_gemm, backend=backend)
+                            scaler="global", optimizer="adamw", drift=2.0, per_gemm=per_gemm, backend=backend,
+                            loss_cost=loss_cost)
     name = (f"{recipe}-{route}{'-json' if json else ''}-{supervisor}{'-per_gemm' if per_gemm else ''}"
-            f"{'' if backend == 'auto' else '-' + backend}")
+            f"{'' if backend == 'auto' else '-' + backend}{'' if loss_cost is None else '-loss_cost'}")
     return pytest.param(program, id=name, marks=[_SR_XFAIL] if recipe == "nvfp4" else [])
 
 
@@ -266,6 +270,7 @@ FP4_ROUTES = [
     _fp4_case("nvfp4", "policy", "none"),
     _fp4_case("nvfp4", "policy", "controller", json=True, per_gemm=True),
     _fp4_case("nvfp4", "convert", "controller", per_gemm=True, backend="emulate_fp32"),
+    _fp4_case("nvfp4", "policy", "controller", json=True, per_gemm=True, backend="emulate_fp32", loss_cost=1e-4),
     _fp4_case("nvfp4", "convert", "guard"),
 ]
 

@@ -223,7 +223,7 @@ class LayerRecord:
         if self.cost is None:
             return
         c = self.cost
-        estimate = loss_cost(c[:, 0], c[:, 1], c[:, 2], loss_scale)
+        estimate = torch.stack([loss_cost(*c[row, :3], loss_scale, at_error=row == 0) for row in (0, 1)])
         counted = (c[:, 2] > 0) & torch.isfinite(estimate)
         c[:, 3] += torch.where(counted, estimate, 0.0)
         c[:, 4] += counted
@@ -319,22 +319,26 @@ def _accumulate_cost(buf: torch.Tensor, errors: list, grad: torch.Tensor) -> Non
 
 
 def loss_cost(first: torch.Tensor, squares: torch.Tensor, rows: torch.Tensor,
-              loss_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+              loss_scale: float | torch.Tensor = 1.0, at_error: bool = False) -> torch.Tensor:
     """The loss a GEMM's output error ``e`` adds, to second order, from one step's sums over
     the ``rows`` of its output: ``first = sum(g * e)`` and ``squares = sum_t (g_t . e_t) ** 2``
     with ``g`` the loss's gradient (times ``loss_scale``) on the output. With the loss the mean
-    of per-row losses ``l_t`` (``g_t = grad l_t / rows``), the Gauss-Newton term
-    ``1/2 e_t' H_t e_t`` of each row, its Hessian ``H_t`` taken as ``grad l_t grad l_t'``
-    (the empirical Fisher), sums to ``rows / 2 * squares``; the estimate is
-    ``first + rows / 2 * squares`` (in the loss's units: nats for a cross-entropy).
+    of per-row losses ``l_t`` (``g_t = grad l_t / rows``) and each row's Hessian taken as
+    ``grad l_t grad l_t'`` (the empirical Fisher), the curvature term ``1/2 e' H e`` is
+    ``rows / 2 * squares``. The estimate is ``first + rows / 2 * squares`` when ``g`` was taken
+    at the output without the error (the rung below's, measured from a promoted GEMM), and
+    ``first - rows / 2 * squares`` when at the output with it (``at_error``: the GEMM's own
+    casts, whose gradient already moved by ``H e``). In the loss's units (nats for a cross-entropy).
 
     Example:
-        >>> g, e = torch.tensor([[0.5, -1.0]]), torch.tensor([[0.1, 0.2]])
-        >>> per_row = (g * e).sum(-1)
-        >>> float(loss_cost(per_row.sum(), per_row.square().sum(), torch.tensor(1.0)))
-        -0.105
+        >>> g, e = torch.tensor([[0.5, -1.0]]), torch.tensor([[-0.1, -0.2]])
+        >>> per_row = (g * e).sum(-1)  # 0.15
+        >>> [round(float(loss_cost(per_row.sum(), per_row.square().sum(), torch.tensor(1.0), at_error=a)), 5)
+        ...  for a in (False, True)]
+        [0.16125, 0.13875]
     """
-    return first / loss_scale + 0.5 * rows * squares / (loss_scale * loss_scale)
+    curvature = 0.5 * rows * squares / (loss_scale * loss_scale)
+    return first / loss_scale + (-curvature if at_error else curvature)
 
 
 def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,

@@ -1,0 +1,221 @@
+"""``Controller(max_loss_cost=...)``: the loss a forward GEMM's output error adds, estimated on
+every step from the error against float32 and the output's gradient, checked against the loss
+change it estimates (measured in the same run), invariant to micro-batching and to a loss scale
+divided out; a costly forward GEMM is promoted (alone, per GEMM), it comes down once the recipe
+below is cheap, and a resumed run decides bitwise as an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mixprec import Controller, Policy, autocast, fp8
+from mixprec.fp8._ladder import loss_cost
+
+LADDER = ("nvfp4", "tensorwise", "compute")
+
+
+def _model() -> nn.Sequential:
+    """A classifier whose logits (layer "2") are sharp: their NVFP4 error costs about 0.005 nats."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64))
+    with torch.no_grad():
+        model[2].weight.mul_(4)
+    return model
+
+
+@pytest.fixture(scope="module")
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 32, generator=g)
+    with torch.no_grad():
+        y = (_model()(x) + 0.5 * torch.randn(256, 64, generator=g)).argmax(-1)
+    return x, y
+
+
+def _converted(recipe: str = "nvfp4", only: str | None = "2", **settings) -> tuple[nn.Module, Controller]:
+    ctl = Controller(**{"every": 1, "ladder": LADDER, "per_gemm": True, "floor": "nvfp4", **settings})
+    model = fp8.convert(_model(), recipe, filter_fn=lambda m, n: only is None or n == only, controller=ctl,
+                        backend="emulate_fp32")
+    return model, ctl
+
+
+def _estimates(ctl: Controller, layer: str = "2") -> tuple[float, float]:
+    """This step's (own, below) estimates of ``layer``, before ``ctl.step()`` folds them."""
+    c = ctl._layers[layer].cost
+    return loss_cost(*c[0, :3], at_error=True).item(), loss_cost(*c[1, :3]).item()
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "tensorwise"])
+def test_the_estimates_are_the_loss_changes_they_estimate(batch, recipe):
+    """Own casts: the loss of the run against the float32 model's; below (NVFP4, measured while
+    the layer runs tensorwise): the loss with the layer's forward in NVFP4 against float32."""
+    x, y = batch
+    model, ctl = _converted(recipe, max_loss_cost=1.0)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    own, below = _estimates(ctl)
+    reference = _model()
+    ref_loss = F.cross_entropy(reference(x), y).item()
+    hidden = reference[1](reference[0](x))
+    nvfp4_out = fp8.linear(hidden, reference[2].weight, reference[2].bias, fp8.Float8Recipe.nvfp4(),
+                           backend="emulate_fp32")
+    nvfp4_change = F.cross_entropy(nvfp4_out, y).item() - ref_loss
+    assert nvfp4_change > 1e-3  # the case is one where the cost matters
+    if recipe == "nvfp4":
+        assert own == pytest.approx(loss.item() - ref_loss, rel=0.2)
+        assert below == 0.0  # at its floor: no recipe below
+    else:
+        assert abs(own) < nvfp4_change / 5  # fp8's error costs far less
+        assert own == pytest.approx(loss.item() - ref_loss, abs=nvfp4_change / 10)
+        assert below == pytest.approx(nvfp4_change, rel=0.2)
+
+
+def _window_mean(ctl: Controller, layer: str = "2") -> torch.Tensor:
+    c = ctl._layers[layer].cost
+    return c[:, 3] / c[:, 4]
+
+
+def test_micro_batches_and_a_divided_out_loss_scale_give_the_same_estimate(batch):
+    """The estimate is of the step's loss: one batch, two micro-batches of a loss halved, and a
+    loss multiplied by 1024 with ``step(loss_scale=1024.0)`` measure the same cost (the layer's
+    rowwise casts: a row's error does not depend on the rows beside it)."""
+    x, y = batch
+    results = []
+    for way in ("whole", "halves", "scaled"):
+        model, ctl = _converted("rowwise", max_loss_cost=1.0, every=10, ladder=("nvfp4", "rowwise", "compute"))
+        if way == "halves":
+            for part in (slice(0, 128), slice(128, 256)):
+                (F.cross_entropy(model(x[part]), y[part]) / 2).backward()
+        else:
+            (F.cross_entropy(model(x), y) * (1024.0 if way == "scaled" else 1.0)).backward()
+        ctl.step(loss_scale=1024.0 if way == "scaled" else None)
+        results.append(_window_mean(ctl))
+    # (the row below is NVFP4's, whose tensor scale is the batch's amax: the halves' errors differ)
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(results[2], results[0], rtol=1e-5, atol=1e-8)
+
+
+def _train(model: nn.Module, ctl: Controller, batch, steps: int, start: int = 0) -> None:
+    x, y = batch
+    for _ in range(start, steps):
+        F.cross_entropy(model(x), y).backward()
+        model.zero_grad()
+        ctl.step()
+
+
+@pytest.mark.parametrize("per_gemm", [True, False])
+def test_a_costly_forward_is_promoted_and_only_it(batch, per_gemm):
+    """The logits' NVFP4 forward costs about 0.0045 nats a step, the hidden layer's at most 0.0014
+    on any rung (the flush limits raised: no underflow promotion)."""
+    settings = dict(only=None, every=2, per_gemm=per_gemm, fp4_max_underflow=0.5, fp4_demote_underflow=0.4)
+    model, ctl = _converted(max_loss_cost=3e-3, **settings)
+    _train(model, ctl, batch, 6)
+    by_cost = [d for d in ctl.log if d.statistic == "loss_cost"]
+    assert by_cost and {d.layer for d in by_cost} == {"2"}
+    first = by_cost[0]
+    assert (first.step, first.action, first.from_, first.to, first.operand) == (
+        2, "promote", "nvfp4", "fp8-tensorwise", "output")
+    assert first.gemm == ("output" if per_gemm else None) and first.value > first.threshold == 3e-3
+    assert "loss cost" in first.reason and len(ctl.log) == 1
+    assert ctl.precision("0") == "nvfp4"
+    if per_gemm:  # the backward GEMMs keep their own rungs
+        assert [ctl.precision("2", g) for g in ("output", "grad_input", "grad_weight")] == [
+            "fp8-tensorwise", "nvfp4", "nvfp4"]
+    # without the setting nothing measures nor decides on the loss cost
+    model, ctl = _converted(**settings)
+    _train(model, ctl, batch, 6)
+    assert not ctl.log and ctl._layers["2"].cost is None
+
+
+@pytest.mark.parametrize("demote_loss_cost, demoted", [(1.0, True), (1e-4, False)])
+def test_a_promoted_forward_comes_down_only_when_the_recipe_below_is_cheap(batch, demote_loss_cost, demoted):
+    """Started on tensorwise above an NVFP4 floor: NVFP4's forward costs about 0.005 nats."""
+    model, ctl = _converted("tensorwise", max_loss_cost=1.0, demote_loss_cost=demote_loss_cost, every=2,
+                            demote_windows=2, min_dwell=0)
+    _train(model, ctl, batch, 10)
+    down = [d for d in ctl.log if d.gemm == "output" and d.action == "demote"]
+    assert bool(down) == demoted
+    assert ctl.precision("2", "output") == ("nvfp4" if demoted else "fp8-tensorwise")
+    if demoted:
+        assert down[0].step == 4  # two clean windows
+
+
+def test_a_resumed_run_decides_bitwise_as_an_uninterrupted_one(batch):
+    settings = dict(only=None, max_loss_cost=1e-3, every=2, demote_windows=2, min_dwell=0)
+    model, ctl = _converted(**settings)
+    _train(model, ctl, batch, 5)
+    state = json.loads(json.dumps(ctl.state_dict()))
+    assert "loss_cost" in state["layers"]["2"]
+    _train(model, ctl, batch, 12, start=5)
+    fresh, resumed = _converted(**settings)
+    resumed.load_state_dict(state)
+    _train(fresh, resumed, batch, 12, start=5)
+    assert resumed.log == ctl.log and resumed.state_dict() == ctl.state_dict()
+
+
+def test_settings_are_checked_and_round_trip():
+    ctl = Controller(max_loss_cost=2e-3)
+    assert ctl.demote_cost == 1e-3 and Controller.from_config(json.loads(json.dumps(ctl.config()))) == ctl
+    assert Controller(max_loss_cost=2e-3, demote_loss_cost=5e-4).demote_cost == 5e-4
+    for bad in (dict(max_loss_cost=-1.0), dict(max_loss_cost=float("nan")), dict(demote_loss_cost=1e-3),
+                dict(max_loss_cost=1e-3, demote_loss_cost=2e-3), dict(max_loss_cost="1e-3")):
+        with pytest.raises(ValueError, match="loss_cost"):
+            Controller(**bad)
+    for bad in (0, -1.0, float("inf"), True, "1024"):
+        with pytest.raises(ValueError, match="loss_scale"):
+            Controller().step(loss_scale=bad)
+
+
+def test_under_fp16_without_a_loss_scale_it_warns_once():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    ctl = Controller(every=1, max_loss_cost=1e-3)
+    policy = Policy.parse("compute=fp16").fp8("tensorwise", first_last="fp8", controller=ctl)
+    x = torch.randn(16, 32)
+
+    def step(**kw):
+        with autocast("cpu", policy=policy):
+            out = model(x)
+        out.float().square().mean().backward()
+        ctl.step(**kw)
+
+    with pytest.warns(UserWarning, match=r"loss_scale=scaler\.get_scale\(\)"):
+        step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step()  # once
+    ctl = Controller(every=1, max_loss_cost=1e-3)
+    policy = Policy.parse("compute=fp16").fp8("tensorwise", first_last="fp8", controller=ctl)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(loss_scale=1.0)
+
+
+def test_a_compiled_model_measures_and_decides_as_eager(batch):
+    """Under ``torch.compile(fullgraph=True)`` the probe's reference GEMM, the recipe below's and
+    the backward hook are traced: the same estimates, bitwise, and the same decisions."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    x, y = batch
+    runs = []
+    for compiled in (False, True):
+        model, ctl = _converted(only=None, max_loss_cost=3e-3, every=2, fp4_max_underflow=0.5,
+                                fp4_demote_underflow=0.4)
+        forward = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        sums = []
+        for _ in range(6):
+            F.cross_entropy(forward(x), y).backward()
+            model.zero_grad()
+            sums.append(ctl._layers["2"].cost[:, :3].clone())
+            ctl.step()
+        runs.append((ctl.log, sums))
+    (eager_log, eager_sums), (compiled_log, compiled_sums) = runs
+    assert eager_log and compiled_log == eager_log
+    assert all(torch.equal(a, b) for a, b in zip(eager_sums, compiled_sums))

@@ -63,11 +63,6 @@ def test_policy_recipes_refuse_a_layer_whose_width_does_not_fit(recipe: str, odd
     _outputs(Net(Shape(width=fits, blocks=2)), mixprec.autocast("cpu", policy=policy))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "bug: fp8.convert(model, 'mxfp4'/'nvfp4', filter_fn=...) converts a layer whose features are not "
-    "multiples of the recipe's blocks and runs it on zero-padded blocks, where docs/fp8.md says they must "
-    "be multiples; only mixprec.export refuses it, later (tests/export/test_export_fp4.py converts and runs "
-    "such a layer on purpose, so refusing in convert is not a local fix)"))
 @pytest.mark.parametrize("recipe, odd, fits", CASES)
 def test_convert_refuses_a_layer_whose_width_does_not_fit(recipe: str, odd: int, fits: int) -> None:
     model = Net(Shape(width=odd, blocks=2))

@@ -7,6 +7,7 @@ module, where models pickled before the split find them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -18,7 +19,7 @@ from mixprec.fp8._guard import Guard, layer_states
 from mixprec.fp8._layers import (Float8Conv1D, Float8Linear, as_recipe, check_backend, group_unsharded, select_layers,
                                  warn_once)
 from mixprec.fp8._layers import _UnshardedLayers  # noqa: F401  (named here by models pickled before the split)
-from mixprec.fp8._like import LINEAR_LIKE, conv1d_class
+from mixprec.fp8._like import LINEAR_LIKE, conv1d_class, features
 from mixprec.fp8._quant import STAT_NAMES
 from mixprec.fp8._recipe import Float8Recipe
 from mixprec.fp8._state import OPERANDS, LayerState
@@ -62,7 +63,8 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     Raises ValueError, before changing anything, when ``model`` itself is chosen and has
     children (they would be lost with it): convert a parent, or leave the root out; with
     ``fsdp_fp8_all_gather`` for a recipe that does not cast the weight tensorwise in both its
-    GEMMs, or a model already sharded.
+    GEMMs, or a model already sharded; for a chosen layer whose features are not multiples of
+    the recipe's blocks (``mxfp4``, ``nvfp4``, ``mxfp8``, ``blockwise``), naming it.
 
     Example:
         >>> m = convert(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16)))
@@ -91,6 +93,14 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
                 warn_once(model, f"fp8.convert: layer {fqn!r} ({type(mod).__name__}) is selected, but convert "
                                  f"swaps only nn.Linear and transformers Conv1D modules, not subclasses: it stays "
                                  f"as it is (Policy.fp8 runs subclasses whose forward calls F.linear)")
+    blocks = math.lcm(1, *(side for pair in recipe.gemms().values() for c in pair if c.block for side in c.block))
+    unfit = [f"{fqn!r} ({' x '.join(map(str, features(mod)))})" for fqn, mod in swaps
+             if any(f % blocks for f in features(mod))]
+    if unfit:
+        raise ValueError(f"fp8.convert: {', '.join(unfit)} {'has features that are' if len(unfit) == 1 else 'have features'}"
+                         f" not multiples of {blocks}, the {recipe.name!r} recipe's blocks; leave "
+                         f"{'it' if len(unfit) == 1 else 'them'} out of filter_fn (fp8.select_layers(model, "
+                         f"recipe={recipe.name!r}) lists the layers that fit), or pick a recipe without blocks")
     if swaps and not swaps[0][0] and next(model.children(), None) is not None:
         raise ValueError(f"fp8.convert: the root module is a {type(model).__name__} with children "
                          f"({', '.join(n for n, _ in model.named_children())}), which converting it would "

@@ -247,7 +247,8 @@ class Probe:
     """What :func:`mixprec.fp8.linear` calls after a controlled layer's GEMM (``LayerState.probe``),
     in eager mode and traced alike: the range (fp16 inputs) and, on the last steps of each window,
     the shadow of a promoted layer; for a per-GEMM record, on every step, each GEMM's own casts
-    (sampled) too. A copy or a pickle of the model (``copy.deepcopy``) drops it: the copy runs its
+    (sampled) too; under ``Controller.max_loss_cost``, on every training step, the loss cost of
+    the forward GEMM's error (:func:`_measure_cost`). A copy or a pickle of the model (``copy.deepcopy``) drops it: the copy runs its
     rung without measurements."""
 
     def __init__(self, controller: Any, rec: LayerRecord) -> None:

@@ -219,3 +219,24 @@ def test_a_compiled_model_measures_and_decides_as_eager(batch):
     (eager_log, eager_sums), (compiled_log, compiled_sums) = runs
     assert eager_log and compiled_log == eager_log
     assert all(torch.equal(a, b) for a, b in zip(eager_sums, compiled_sums))
+
+
+def test_fp4_limits_without_fp4_warn_that_they_take_no_effect():
+    """A Controller's fp4 limits on a ladder without fp4 rungs, a Guard's over layers without e2m1
+    operands (told once, at its first check): nothing configured silently does nothing."""
+    with pytest.warns(UserWarning, match=r"Controller\(fp4_max_underflow=0.2\) takes no effect"):
+        Controller(fp4_max_underflow=0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Controller(fp4_max_underflow=0.2, ladder=LADDER)
+        Controller()
+    for recipe, warned in (("tensorwise", True), ("nvfp4", False), ("tensorwise", False)):
+        guard = fp8.Guard(fp4_max_underflow=0.3 if warned or recipe == "nvfp4" else 0.25)
+        model = fp8.convert(_model(), recipe, filter_fn=lambda m, n: True, guard=guard)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                model(torch.randn(8, 32)).sum().backward()
+                guard.step()
+        said = [str(w.message) for w in caught if "fp4_max_underflow" in str(w.message)]
+        assert len(said) == warned and all("none of the layers it watches" in m for m in said)

@@ -187,6 +187,13 @@ class Controller:
                              f"{ladder}, got {self.floor!r}")
         if not isinstance(self.per_gemm, bool):
             raise ValueError(f"Controller.per_gemm must be a bool, got {self.per_gemm!r}")
+        fields = type(self).__dataclass_fields__
+        unused = [f"{n}={getattr(self, n)}" for n in ("fp4_max_underflow", "fp4_demote_underflow")
+                  if getattr(self, n) != fields[n].default]
+        if unused and not any(r in FP4_RUNGS for r in ladder):
+            warnings.warn(f"fp8: Controller({', '.join(unused)}) takes no effect: the fp4 limits judge fp4 rungs, "
+                          f"and the ladder {ladder} has none (start it with 'mxfp4' or 'nvfp4')", UserWarning,
+                          stacklevel=3)
         for name in ("max_loss_cost", "demote_loss_cost"):
             if getattr(self, name) is not None:
                 _check_number("Controller", name, getattr(self, name), 0, math.inf, "a loss (nats for a cross-entropy), or None")

@@ -130,6 +130,7 @@ class Guard:
     _stepped: bool = field(default=False, init=False, repr=False, compare=False)  # this process
     _forwards: int = field(default=0, init=False, repr=False, compare=False)
     _warned_empty: bool = field(default=False, init=False, repr=False, compare=False)
+    _warned_fp4: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, high, what in (("max_saturated", 1, "a fraction, or None"),
@@ -214,6 +215,7 @@ class Guard:
             return []
         device = next((st.device for st in states.values()), torch.device("cpu"))
         rows = all_reduce_max(torch.stack([self._window_row(n, states.get(n), device) for n in names]))
+        self._warn_unused_fp4_limit(rows)
         new = []
         for name, row in zip(names, rows.tolist()):
             st = states.get(name)
@@ -233,6 +235,21 @@ class Guard:
                 warnings.warn(decision.message(), Float8FallbackWarning, stacklevel=stacklevel)
                 new.append(decision)
         return new
+
+    def _warn_unused_fp4_limit(self, rows: torch.Tensor) -> None:
+        """Warn once when ``fp4_max_underflow`` was set but no layer that ran (on any rank: the
+        rows are all-reduced) casts an operand to e2m1: the setting would take no effect."""
+        default = type(self).__dataclass_fields__["fp4_max_underflow"].default
+        if self._warned_fp4 or self.fp4_max_underflow in (None, default):
+            return
+        ncol = len(STAT_NAMES)
+        amax = rows[:, 0:len(OPERANDS) * ncol:ncol]
+        if bool((amax > 0).any()) and not bool((rows[:, len(OPERANDS) * ncol + 1:] > 0).any()):
+            self._warned_fp4 = True
+            warnings.warn(f"fp8: Guard(fp4_max_underflow={self.fp4_max_underflow}) takes no effect: it judges "
+                          f"operands cast to e2m1 (the fp4 recipes mxfp4, nvfp4), and none of the layers it "
+                          f"watches casts one; their underflow is judged against max_underflow="
+                          f"{self.max_underflow}", UserWarning, stacklevel=4)
 
     def _window_row(self, name: str, st: LayerState | None, device: torch.device) -> torch.Tensor:
         """The check's row of a layer: its window's statistics, then minus its output SQNR; for a

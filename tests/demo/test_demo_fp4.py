@@ -69,18 +69,31 @@ def _expected_flops(name: str) -> int:
     return 2 * ROWS * fan_in * fan_out
 
 
+def _counts_from_log(decisions: list[dict], layer: str, gemm: str, start: str, steps: int) -> dict[str, int]:
+    """The steps a GEMM ran in each format, from the controller's decisions (a decision at step
+    ``s`` applies from the ``s``-th forward on; ``gemm`` None: the whole layer)."""
+    counts, fmt, last = {"fp4": 0, "fp8": 0, "high": 0}, start, 0
+    for d in sorted((d for d in decisions if d["layer"] == layer and d.get("gemm") in (gemm, None)),
+                    key=lambda d: d["step"]):
+        counts[fmt] += d["step"] - last
+        fmt, last = "fp8" if d["to"].startswith("fp8") else "high", d["step"]
+    counts[fmt] += steps - last
+    return counts
+
+
 def test_every_gemm_of_every_linear_is_counted_in_the_format_it_ran(stand_in: DemoResult) -> None:
     assert "gemms" in stand_in.of("fp32")[0].to_json() and not stand_in.of("fp32")[0].gemms
     for name in FP4_MODES:
         for run in stand_in.of(name):
             trace = run.gemms
+            decisions = run.fp8.get("decisions") or []
             assert trace["steps"] == 12 and list(trace["layers"]) == list(SHAPES)
+            assert not decisions or name == "mixprec-fp4"
             for layer, entry in trace["layers"].items():
                 assert entry["flops_per_gemm"] == _expected_flops(layer)
                 kept = name == "mixprec-fp4-hand" and layer in ("blocks.0.qkv", "head")
-                for gemm in GEMMS:
-                    # no decision in 12 steps: each GEMM ran all of them in one format
-                    assert entry["gemms"][gemm] == {"fp4": 0, "fp8": 0 if kept else 12, "high": 12 if kept else 0}
+                for gemm in GEMMS:  # as the controller's log says (the others: all steps in one format)
+                    assert entry["gemms"][gemm] == _counts_from_log(decisions, layer, gemm, "high" if kept else "fp8", 12)
             assert trace["fp4_share"] == 0.0
     total = sum(map(_expected_flops, SHAPES))
     hand = stand_in.of("mixprec-fp4-hand")[0].gemms

@@ -289,11 +289,20 @@ class Probe:
 
 def _measure_cost(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   out: torch.Tensor) -> None:
-    """The forward GEMM's output error against float32 (its own casts' when it runs casts; the
-    recipe below's, emulated, while it may go down), kept until the backward hook that meets it
-    with the output's gradient (:func:`_accumulate_cost`). Costs one float32 GEMM, and one
-    emulated GEMM of the recipe below for a promoted forward; keeps the errors (the output's
-    size each) until the backward."""
+    """Keep the forward GEMM's output errors (:func:`output_errors`) until the backward hook
+    that meets them with the output's gradient (:func:`_accumulate_cost`)."""
+    errors = output_errors(rec, x, weight, bias, out)
+    if errors:
+        buf = rec.cost
+        out.register_hook(lambda grad: _accumulate_cost(buf, errors, grad))
+
+
+def output_errors(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  out: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """The forward GEMM's output errors against float32, as ``(row of rec.cost, error)``: its own
+    casts' (row 0) when it runs casts, the recipe below's (row 1, emulated) while it may go down.
+    Costs one float32 GEMM, and one emulated GEMM of the recipe below for a promoted forward;
+    each error is the output's size, in its dtype. No host sync."""
     errors = []
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         x, w = x.detach(), weight.detach()
@@ -304,9 +313,7 @@ def _measure_cost(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor, bias:
         if rec.forward_below is not None:
             below = linear(x, w, b, rec.forward_below, backend="emulate_fp32")
             errors.append((1, (below.float() - reference).to(out.dtype)))
-    if errors:
-        buf = rec.cost
-        out.register_hook(lambda grad: _accumulate_cost(buf, errors, grad))
+    return errors
 
 
 def _accumulate_cost(buf: torch.Tensor, errors: list, grad: torch.Tensor) -> None:

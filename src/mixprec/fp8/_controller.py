@@ -469,9 +469,7 @@ class Controller:
         new = []
         for name, rec, row in zip(names, recs, rows):
             rec.reset()
-            cost = None
-            if rec.cost is not None:  # the window's loss costs close the row (LayerRecord.windows)
-                row, cost = row[:-4], row[-4:]
+            row, cost = rec.split(row)
             if self.per_gemm:
                 decisions = decide_gemms(self, name, rec, row, cost)
                 self._log.extend(decisions)

@@ -7,7 +7,6 @@ module, where models pickled before the split find them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -93,7 +92,7 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
                 warn_once(model, f"fp8.convert: layer {fqn!r} ({type(mod).__name__}) is selected, but convert "
                                  f"swaps only nn.Linear and transformers Conv1D modules, not subclasses: it stays "
                                  f"as it is (Policy.fp8 runs subclasses whose forward calls F.linear)")
-    blocks = math.lcm(1, *(side for pair in recipe.gemms().values() for c in pair if c.block for side in c.block))
+    blocks = recipe.block_multiple
     unfit = [f"{fqn!r} ({' x '.join(map(str, features(mod)))})" for fqn, mod in swaps
              if any(f % blocks for f in features(mod))]
     if unfit:

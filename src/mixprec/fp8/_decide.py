@@ -18,7 +18,8 @@ from mixprec.fp8._quant import STAT_NAMES
 from mixprec.fp8._state import OPERANDS
 from mixprec.fp8._trend import Trend, demote_windows, grow, log2, ratio, underflow_forecast
 
-__all__ = ["apply_gemms", "cheap_below", "limits", "too_costly", "decide_gemms", "decide_layer", "gemm_down", "gemm_up", "layer_down", "layer_up"]
+__all__ = ["apply_gemms", "cheap_below", "decide_gemms", "decide_layer", "gemm_down", "gemm_up", "layer_down",
+           "layer_up", "limits", "too_costly"]
 
 _NCOL = len(STAT_NAMES)
 _UNDERFLOW, _NONFINITE = STAT_NAMES.index("underflow"), STAT_NAMES.index("nonfinite")
@@ -191,14 +192,14 @@ def apply_gemms(ctl: Any, rec: LayerRecord) -> None:
     rec.state.probe, rec.probe.fp32 = rec.probe, names[0] == "fp32"
     rec.below = None
     rec.forward_low = names[0] in LOW_RUNGS
-    down = gemm_down(ctl, rec, 0)
-    below = ctl._recipes.get(ctl.ladder[down]) if down is not None else None
-    rec.forward_below = below if rec.cost is not None else None
     for g, gemm in enumerate(GEMMS):
         here = ctl._recipes.get(names[g])
         rec.own[g] = gemm_casts(here, gemm)
         down = gemm_down(ctl, rec, g)
-        rec.below_gemm[g] = gemm_casts(ctl._recipes.get(ctl.ladder[down]) if down is not None else None, gemm)
+        below = ctl._recipes.get(ctl.ladder[down]) if down is not None else None
+        rec.below_gemm[g] = gemm_casts(below, gemm)
+        if g == 0:  # the forward's: its loss cost's recipe below
+            rec.forward_below = below if rec.cost is not None else None
 
 
 def _switch(ctl: Any, rec: LayerRecord, gemms: range | tuple, to: int) -> None:

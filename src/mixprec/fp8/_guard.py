@@ -214,10 +214,10 @@ class Guard:
         if not names:
             return []
         device = next((st.device for st in states.values()), torch.device("cpu"))
-        rows = all_reduce_max(torch.stack([self._window_row(n, states.get(n), device) for n in names]))
+        rows = all_reduce_max(torch.stack([self._window_row(n, states.get(n), device) for n in names])).tolist()
         self._warn_unused_fp4_limit(rows)
         new = []
-        for name, row in zip(names, rows.tolist()):
+        for name, row in zip(names, rows):
             st = states.get(name)
             if st is not None:
                 st.reset()
@@ -236,15 +236,15 @@ class Guard:
                 new.append(decision)
         return new
 
-    def _warn_unused_fp4_limit(self, rows: torch.Tensor) -> None:
+    def _warn_unused_fp4_limit(self, rows: list[list[float]]) -> None:
         """Warn once when ``fp4_max_underflow`` was set but no layer that ran (on any rank: the
         rows are all-reduced) casts an operand to e2m1: the setting would take no effect."""
         default = type(self).__dataclass_fields__["fp4_max_underflow"].default
         if self._warned_fp4 or self.fp4_max_underflow in (None, default):
             return
-        ncol = len(STAT_NAMES)
-        amax = rows[:, 0:len(OPERANDS) * ncol:ncol]
-        if bool((amax > 0).any()) and not bool((rows[:, len(OPERANDS) * ncol + 1:] > 0).any()):
+        ncol, e2m1 = len(STAT_NAMES), len(OPERANDS) * len(STAT_NAMES) + 1  # (row: stats, -sqnr, e2m1 flags)
+        ran = any(row[i * ncol] > 0 for row in rows for i in range(len(OPERANDS)))
+        if ran and not any(flag > 0 for row in rows for flag in row[e2m1:]):
             self._warned_fp4 = True
             warnings.warn(f"fp8: Guard(fp4_max_underflow={self.fp4_max_underflow}) takes no effect: it judges "
                           f"operands cast to e2m1 (the fp4 recipes mxfp4, nvfp4), and none of the layers it "

@@ -216,6 +216,14 @@ class LayerRecord:
             parts += [mean, (steps > 0).float()]
         return torch.cat(parts)
 
+    def split(self, row: list[float]) -> tuple[list[float], list[float] | None]:
+        """A row of :meth:`windows` (all-reduced, as a list) as ``(statistics, loss costs)``; the
+        costs (own, below, whether each was measured) are None without ``max_loss_cost``."""
+        if self.cost is None:
+            return row, None
+        n = 2 * self.cost.shape[0]
+        return row[:-n], row[-n:]
+
     def end_step(self, loss_scale: float | torch.Tensor) -> None:
         """Fold this step's loss-cost sums into the window: the estimate (:func:`loss_cost`) of
         the gradients scaled by ``loss_scale``; a step without rows or with a non-finite

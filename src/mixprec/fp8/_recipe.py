@@ -226,11 +226,16 @@ class Float8Recipe:
         return any(c.block for c, _ in self.gemms().values())
 
     @property
+    def block_multiple(self) -> int:
+        """What every feature dimension must be a multiple of for the recipe's blocks: every
+        block side (1 without blocks)."""
+        return math.lcm(1, *(side for pair in self.gemms().values() for c in pair if c.block for side in c.block))
+
+    @property
     def multiple(self) -> int:
         """What every feature dimension of a layer must be a multiple of for this recipe: 16
         (``torch._scaled_mm``), and every block side."""
-        sides = [side for pair in self.gemms().values() for c in pair if c.block for side in c.block]
-        return math.lcm(_MULTIPLE, *sides)
+        return math.lcm(_MULTIPLE, self.block_multiple)
 
     def gemms(self) -> dict[str, tuple[Cast, Cast]]:
         """The three GEMMs and their (left, right) operand casts."""

@@ -12,7 +12,17 @@ cuda_python() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_availabl
 
 if ! has_gpu; then
   PY=${PYTHON:-}
-  [ -z "$PY" ] && { [ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python3; }
+  if [ -z "$PY" ]; then
+    if [ ! -x .venv/bin/python ]; then
+      echo "gpu-check: no CUDA GPU and no .venv: setting it up (scripts/venv.sh, a few minutes)..."
+      bash scripts/venv.sh || { echo "gpu-check: error: scripts/venv.sh failed; set PYTHON to a Python with torch and pytest" >&2; exit 1; }
+    fi
+    PY=.venv/bin/python
+  fi
+  if ! "$PY" -c "import torch, pytest" 2>/dev/null; then
+    echo "gpu-check: error: $PY has no torch or pytest; run bash scripts/venv.sh or set PYTHON to a Python with both" >&2
+    exit 1
+  fi
   echo "gpu-check: no CUDA GPU: running the fake-CUDA tier with $PY"
   extra=()
   "$PY" -c "import pytest_timeout" 2>/dev/null || extra=(-o "addopts=-ra")

@@ -36,3 +36,15 @@ def test_gpu_check_without_gpu_runs_the_fake_tier_and_exits_0() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("gpu-check: fake-CUDA tier passed") and "needs a CUDA GPU" in last
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="checks the no-GPU mode")
+def test_gpu_check_with_a_python_without_torch_says_what_to_do(tmp_path: Path) -> None:
+    """Issue 38: a Python without torch ran the fake tier and failed with 'No module named torch'."""
+    bare = tmp_path / "python"
+    bare.write_text("#!/bin/sh\nexec env -u PYTHONPATH python3 -S -I \"$@\"\n")
+    bare.chmod(0o755)
+    proc = subprocess.run(["bash", "scripts/gpu-check.sh"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHON": str(bare)})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "has no torch or pytest; run bash scripts/venv.sh or set PYTHON" in proc.stderr

@@ -17,6 +17,9 @@ from mixprec.fp8._controller import sustained_slope
 
 from _models import mlp
 
+#: results follow this CPU's bf16 rounding: scripts/cross_isa.py runs them under other caps
+pytestmark = pytest.mark.cross_isa
+
 
 def _steps(model: nn.Module, policy: Policy, ctl: Controller, batches: list[torch.Tensor]) -> list[dict[str, str]]:
     """A forward and backward per batch under ``policy``, then ``ctl.step()``; the precisions run."""

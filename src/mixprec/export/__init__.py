@@ -91,6 +91,7 @@ def export(model: nn.Module, folder: str | Path, format: str = "compressed-tenso
                    for n, l in q.layers.items()},
         "kept": q.kept,
         "kv_scales": {a: {k: float(v) for k, v in s.items()} for a, s in q.kv_scales.items()},
+        "kv_statistics": q.kv_sites,
     }
     if q.fp4:
         manifest["fp4_layers"] = {n: {"format": l.format, "input_amax": l.input_amax, "statistic": l.source}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +11,13 @@ from torch import nn
 from mixprec.fp8 import Float8Conv1D, Float8Linear, layer_state
 from mixprec.fp8.internals import is_linear_like
 
-__all__ = ["KVSource", "LayerPlan", "linear_layers", "kv_sources", "plan_layers", "weight_out_in"]
+__all__ = ["KVSource", "LayerPlan", "cache_argument", "linear_layers", "kv_sources", "plan_layers", "weight_out_in"]
+
+#: the names an attention module's forward takes its KV cache under (transformers 5: ``cache``; earlier:
+#: ``past_key_values``/``past_key_value``, the names compressed-tensors 0.20's KV hooks look for)
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
+#: fused q/k/v projections: GPT-2's ``c_attn``, mixprec's demo ``qkv``, Phi-3's ``qkv_proj``
+FUSED_QKV = ("c_attn", "qkv", "qkv_proj")
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -35,33 +42,63 @@ def weight_out_in(module: nn.Module) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class KVSource:
-    """Where an attention layer's keys or values are computed: the output of ``layer``, columns
-    ``[start, stop)`` of its last dimension (the whole output when ``start`` is None)."""
+    """Where an attention layer's keys or values are measured. ``cache``: the forward argument that
+    takes the KV cache (see :func:`cache_argument`): the keys and values are read where the attention
+    hands them to the cache's ``update``, after RoPE and any ``k_norm`` (what the cache stores, where
+    compressed-tensors' KV hooks observe them). None (a module without a KV cache, e.g. mixprec's
+    demo model): the output of ``layer``, columns ``[start, stop)`` of its last dimension (the whole
+    output when ``start`` is None), which is what such a module attends with only when nothing
+    (RoPE, a norm) transforms them in between."""
 
     attention: str
     which: str  # "k" or "v"
     layer: str
     start: int | None = None
     stop: int | None = None
+    cache: str | None = None
+
+    @property
+    def site(self) -> str:
+        """Where the statistic is taken, in words (for the export manifest)."""
+        if self.cache is not None:
+            return f"{'keys' if self.which == 'k' else 'values'} stored in the KV cache (after RoPE and any norm)"
+        return f"output of {self.layer}" + ("" if self.start is None else f" [{self.start}:{self.stop}]")
+
+
+def cache_argument(module: nn.Module) -> str | None:
+    """The name under which ``module.forward`` takes a KV cache (one of :data:`CACHE_ARGUMENTS`), or None."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((n for n in CACHE_ARGUMENTS if n in params), None)
 
 
 def kv_sources(model: nn.Module) -> list[KVSource]:
-    """The key and value projections of every attention module: Llama-style ``k_proj``/``v_proj``
-    children, or a fused projection of equal thirds q, k, v (GPT-2's ``c_attn``, a ``qkv`` child as
-    in mixprec's demo model): its output's middle and last thirds."""
+    """The keys and values of every attention module: those it hands to its KV cache when its forward
+    takes one (transformers' attention modules: Llama, Qwen3 with ``k_norm``, GPT-2, Phi-3 with a
+    fused ``qkv_proj``), else the outputs of its ``k_proj``/``v_proj`` children or the middle and
+    last thirds of a fused ``c_attn``/``qkv`` (mixprec's demo model). Cross-attention is skipped."""
     out = []
     for fqn, mod in model.named_modules():
+        if getattr(mod, "is_cross_attention", False):
+            continue
         prefix = f"{fqn}." if fqn else ""
         k, v = getattr(mod, "k_proj", None), getattr(mod, "v_proj", None)
-        fused = "c_attn" if hasattr(mod, "c_attn") else "qkv"
-        c_attn = getattr(mod, fused, None)
-        if k is not None and v is not None and _is_linear(k) and _is_linear(v):
+        fused = next((n for n in FUSED_QKV if getattr(mod, n, None) is not None and _is_linear(getattr(mod, n))), None)
+        if not ((k is not None and v is not None and _is_linear(k) and _is_linear(v)) or fused is not None):
+            continue
+        cache = cache_argument(mod)
+        if cache is not None:
+            layer = prefix + ("k_proj" if fused is None else fused)
+            out += [KVSource(fqn, "k", layer, cache=cache), KVSource(fqn, "v", layer, cache=cache)]
+        elif fused is None:
             out += [KVSource(fqn, "k", prefix + "k_proj"), KVSource(fqn, "v", prefix + "v_proj")]
-        elif c_attn is not None and _is_linear(c_attn) and not getattr(mod, "is_cross_attention", False):
-            width = weight_out_in(c_attn).shape[0]
-            name = prefix + fused
+        elif fused != "qkv_proj":
+            width = weight_out_in(getattr(mod, fused)).shape[0]
             if width % 3 == 0:
                 e = width // 3
+                name = prefix + fused
                 out += [KVSource(fqn, "k", name, e, 2 * e), KVSource(fqn, "v", name, 2 * e, 3 * e)]
     return out
 

@@ -58,6 +58,7 @@ class Quantized:
     layers: dict[str, QuantizedLayer]
     kept: dict[str, str]
     kv_scales: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    kv_sites: dict[str, str] = field(default_factory=dict)  # "<attention>:k" -> where it was measured
     strategy: str = "tensor"
     rule: ScaleRule = field(default_factory=ScaleRule)
     fp4: dict[str, Fp4Layer] = field(default_factory=dict)
@@ -102,17 +103,25 @@ def quantize_model(model: nn.Module, plan: LayerPlan, stats: Any = None, rule: S
         q, ws = quantize_weight(weight_out_in(mod), strategy)
         layers[fqn] = QuantizedLayer(q.cpu(), ws.cpu(), rule.scale(hist), float(rule.amax(hist)), source)
     kv: dict[str, dict[str, torch.Tensor]] = {}
+    sites: dict[str, str] = {}
     sources = kv_sources(model)
-    if kv_cache:
+    recorded_sites = getattr(stats, "kv_sites", {})
+    if kv_cache and recorded_sites is None and any(f"{s.attention}:{s.which}" in series for s in sources):
+        warnings.warn("export: these statistics were saved by a mixprec that measured the keys before RoPE (no "
+                      "'kv_sites' in the file): no k_scale/v_scale written; record them again with "
+                      "mixprec.export.Recorder (or calibrate) to have KV scales", stacklevel=3)
+    elif kv_cache:
         for src in sources:
-            hist = series.get(f"{src.attention}:{src.which}")
+            name = f"{src.attention}:{src.which}"
+            hist = series.get(name)
             if hist is not None and hist.numel() and bool(hist.max() > 0):
                 kv.setdefault(src.attention, {})[f"{src.which}_scale"] = rule.scale(hist.cpu())
+                sites[name] = recorded_sites.get(name, src.site)
         if sources and not kv:
             warnings.warn("export: no key/value statistics recorded (record them with mixprec.export.Recorder or "
                           "calibrate): no k_scale/v_scale written, a serving engine's fp8 KV cache then uses 1.0",
                           stacklevel=3)
-    return Quantized(layers, dict(plan.kept), kv, strategy, rule, fp4)
+    return Quantized(layers, dict(plan.kept), kv, sites, strategy, rule, fp4)
 
 
 def _input_history(module: nn.Module, recorded: torch.Tensor | None) -> tuple[torch.Tensor | None, str]:

@@ -11,11 +11,15 @@ from torch import nn
 from mixprec.fp8 import Float8Conv1D, Float8Linear, layer_state
 from mixprec.fp8.internals import is_linear_like
 
-__all__ = ["KVSource", "LayerPlan", "cache_argument", "linear_layers", "kv_sources", "plan_layers", "weight_out_in"]
+__all__ = ["FUSED", "KVSource", "LayerPlan", "cache_argument", "fused_groups", "linear_layers", "kv_sources", "plan_layers", "weight_out_in"]
 
 #: the names an attention module's forward takes its KV cache under (transformers 5: ``cache``; earlier:
 #: ``past_key_values``/``past_key_value``, the names compressed-tensors 0.20's KV hooks look for)
 CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
+#: sibling layers a serving engine fuses into one GEMM with one quantization scheme (vLLM's
+#: ``packed_modules_mapping``: ``qkv_proj``, ``gate_up_proj``, Mixtral experts' ``w13``, DeepSeek's
+#: ``fused_qkv_a_proj``); vLLM refuses a checkpoint whose shards of one fused layer differ in scheme
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"), ("q_a_proj", "kv_a_proj_with_mqa"))
 #: fused q/k/v projections: GPT-2's ``c_attn``, mixprec's demo ``qkv``, Phi-3's ``qkv_proj``
 FUSED_QKV = ("c_attn", "qkv", "qkv_proj")
 
@@ -101,6 +105,21 @@ def kv_sources(model: nn.Module) -> list[KVSource]:
                 name = prefix + fused
                 out += [KVSource(fqn, "k", name, e, 2 * e), KVSource(fqn, "v", name, 2 * e, 3 * e)]
     return out
+
+
+def fused_groups(names: list[str]) -> list[tuple[str, ...]]:
+    """The groups of :data:`FUSED` siblings (same parent) among the layer names ``names``, each in the
+    pattern's order; a group has at least two members present."""
+    present = set(names)
+    groups = []
+    parents = sorted({n.rpartition(".")[0] for n in names})
+    for parent in parents:
+        prefix = f"{parent}." if parent else ""
+        for pattern in FUSED:
+            members = tuple(prefix + p for p in pattern if prefix + p in present)
+            if len(members) > 1:
+                groups.append(members)
+    return groups
 
 
 @dataclass(frozen=True)

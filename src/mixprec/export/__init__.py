@@ -31,6 +31,7 @@ from typing import Any
 
 from torch import nn
 
+from mixprec.export._atomic import MANIFEST, check_folder, staged
 from mixprec.export._ct import write_compressed_tensors
 from mixprec.export._layers import plan_layers
 from mixprec.export._quant import Quantized, QuantizedLayer, quantize_model, quantize_weight
@@ -44,7 +45,6 @@ __all__ = ["FORMATS", "Quantized", "QuantizedLayer", "Recorder", "ScaleRule", "S
            "export", "fake_quantize", "load_static", "load_stats", "quantize_weight", "static_scale"]
 
 FORMATS = ("compressed-tensors", "torchao")
-MANIFEST = "mixprec_export.json"
 
 
 def export(model: nn.Module, folder: str | Path, format: str = "compressed-tensors", *, stats: object = None,
@@ -67,24 +67,26 @@ def export(model: nn.Module, folder: str | Path, format: str = "compressed-tenso
     none; default: fp8 tensorwise). ``format``: ``"compressed-tensors"`` (any device) or
     ``"torchao"`` (a CUDA device of capability 8.9+). Also writes ``mixprec_export.json``: the
     rule, each fp8 layer's amax, scale and where the statistic came from, the kept layers and why.
+    Layers a serving engine fuses (q/k/v, gate/up) export in one scheme (warning when that moves one).
+
+    Atomic: the files are written into a hidden folder beside ``folder`` and renamed into place at
+    the end; an exception or interrupt leaves ``folder`` as it was. An earlier export in ``folder``
+    is replaced whole (files that are not checkpoint files, e.g. a tokenizer, are carried over); a
+    ``folder`` holding another checkpoint's files (weights, shard index, configs) is refused.
 
     Returns the :class:`Quantized` numbers written. Raises ValueError for an unknown format or
-    strategy, a layer without statistics, or a layer the format cannot store (named: a Conv1D, a
-    tied weight, an fp4 layer for ``"torchao"``).
+    strategy, a layer without statistics, a layer the format cannot store (named: a Conv1D, a
+    tied weight, an fp4 layer for ``"torchao"``), or a ``folder`` under a file or holding another
+    checkpoint (named).
     Host syncs: one per layer.
     """
     if format not in FORMATS:
         raise ValueError(f"export format must be one of {FORMATS}, got {format!r}")
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"export: {folder} exists and is not a folder")
+    check_folder(folder)  # before the work: staged() checks it again
     plan = plan_layers(model, layers)
     q = quantize_model(model, plan, stats, rule, weight_strategy, kv_cache,
                        None if recipe is None else as_recipe(recipe))
-    if format == "compressed-tensors":
-        write_compressed_tensors(model, folder, q)
-    else:
-        write_torchao(model, folder, q)
     manifest = {
         "format": format, "rule": q.rule.describe(), "weight_strategy": q.strategy,
         "layers": {n: {"input_amax": l.input_amax, "input_scale": float(l.input_scale), "statistic": l.source}
@@ -96,7 +98,12 @@ def export(model: nn.Module, folder: str | Path, format: str = "compressed-tenso
     if q.fp4:
         manifest["fp4_layers"] = {n: {"format": l.format, "input_amax": l.input_amax, "statistic": l.source}
                                   for n, l in q.fp4.items()}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    with staged(folder) as tmp:
+        if format == "compressed-tensors":
+            write_compressed_tensors(model, tmp, q)
+        else:
+            write_torchao(model, tmp, q)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return q
 
 

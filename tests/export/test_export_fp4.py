@@ -231,8 +231,7 @@ def test_controller_rungs_and_policy_recipe_choose_each_layer_format(tmp_path):
     torch.manual_seed(0)
     routed = nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)])
     rec = _policy_run(Policy.parse("compute=bf16").fp8("mxfp4", first_last="fp8"), routed)
-    assert sorted(mixprec.export(routed, tmp_path / "p8", stats=rec).layers) == ["0", "1", "2"]  # the default
-    q = mixprec.export(routed, tmp_path / "p4", stats=rec, recipe="mxfp4")
+    q = mixprec.export(routed, tmp_path / "p4", stats=rec)  # the layers keep the recipe they ran (policy_recipe)
     assert sorted(q.fp4) == ["0", "1", "2"] and {l.format for l in q.fp4.values()} == {"mxfp4"}
     assert torch.equal(_decompressed_plain(tmp_path / "p4", routed)[1].weight.data,
                        _ref(routed[1].weight, MXFP4, torch.bfloat16))

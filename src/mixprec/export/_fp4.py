@@ -25,7 +25,7 @@ from mixprec.export._rules import ScaleRule
 from mixprec.fp8 import Float8Recipe, layer_state
 from mixprec.fp8.internals import fp4_quantize
 
-__all__ = ["CT_FORMATS", "Fp4Layer", "forward_recipe", "recipe_format", "quantize_fp4"]
+__all__ = ["CT_FORMATS", "Fp4Layer", "contradicts", "forward_recipe", "recipe_format", "quantize_fp4"]
 
 #: mixprec's fp4 format -> compressed-tensors' CompressionFormat value
 CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
@@ -33,13 +33,23 @@ _GROUP = {"nvfp4": 16, "mxfp4": 32}
 _NVFP4_RANGE = 448.0 * 6.0  # e4m3 max x e2m1 max
 
 
-def forward_recipe(module: nn.Module, default: Float8Recipe | None = None) -> Float8Recipe | None:
+def forward_recipe(module: nn.Module) -> Float8Recipe | None:
     """The recipe the layer's forward runs: its Controller's rung, else a converted layer's own, else
-    ``default`` (the recipe of the ``Policy.fp8`` that routed it, which the layer does not keep)."""
+    the recipe of the ``Policy.fp8`` that selected it (``LayerState.policy_recipe``); None for a
+    layer that never ran in fp8."""
     st = layer_state(module, create=False)
     if st is not None and st.recipe is not None:
         return st.recipe
-    return getattr(module, "recipe", default)
+    own = getattr(module, "recipe", None)
+    if own is not None:
+        return own
+    return None if st is None else st.policy_recipe
+
+
+def contradicts(ran: Float8Recipe, asked: Float8Recipe) -> bool:
+    """Whether exporting a layer that ran ``ran`` as ``asked`` would change its format (fp8, NVFP4,
+    MXFP4) or, for fp4, its weight cast (the export writes fp8 weights by ``weight_strategy``)."""
+    return recipe_format(ran) != recipe_format(asked) or (recipe_format(ran) != "fp8" and ran.weight != asked.weight)
 
 
 def recipe_format(r: Float8Recipe | None) -> str:

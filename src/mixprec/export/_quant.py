@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.export._fp4 import Fp4Layer, forward_recipe, quantize_fp4, recipe_format
+from mixprec.export._fp4 import Fp4Layer, contradicts, forward_recipe, quantize_fp4, recipe_format
 from mixprec.export._layers import LayerPlan, fused_groups, kv_sources, linear_layers, weight_out_in
 from mixprec.export._rules import ScaleRule
 from mixprec.fp8 import Cast, Float8Recipe, layer_state
@@ -79,8 +79,8 @@ def quantize_model(model: nn.Module, plan: LayerPlan, stats: Any = None, rule: S
 
     Input scales: ``rule`` over the layer's recorded windows (``stats``, a :class:`Recorder`),
     else over the single window of its fp8 ``LayerState`` (the input amax since the last Guard
-    check). ``recipe``: the forward recipe of layers that keep none (routed by a ``Policy.fp8``
-    without a Controller). KV scales: ``rule`` over the windows of the keys and values, when ``stats`` has them.
+    check). Each layer exports in the recipe it ran (:func:`forward_recipe`, else the one
+    ``stats`` recorded); ``recipe``: that of layers with none (warning where it contradicts one). KV scales: ``rule`` over the windows of the keys and values, when ``stats`` has them.
 
     Raises ValueError naming the layer when neither holds a nonzero amax for it. Warns when the
     model has attention layers and no KV statistics (a serving engine then uses a KV scale of 1.0).
@@ -90,7 +90,7 @@ def quantize_model(model: nn.Module, plan: LayerPlan, stats: Any = None, rule: S
     series = _series(stats)
     linears = linear_layers(model)
     kept = dict(plan.kept)
-    recipes = {fqn: forward_recipe(linears[fqn], recipe) for fqn in plan.fp8}
+    recipes = _recipes(linears, plan.fp8, getattr(stats, "recipes", None) or {}, recipe)
     scheme = {fqn: recipe_format(r) for fqn, r in recipes.items()} | {fqn: "kept" for fqn in kept}
     groups = _unify_fused(linears, scheme, kept, recipes)
     history = {fqn: _input_history(linears[fqn], series.get(f"{fqn}:input")) for fqn in scheme if scheme[fqn] != "kept"}
@@ -138,6 +138,24 @@ def quantize_model(model: nn.Module, plan: LayerPlan, stats: Any = None, rule: S
                           "calibrate): no k_scale/v_scale written, a serving engine's fp8 KV cache then uses 1.0",
                           stacklevel=3)
     return Quantized(layers, kept, kv, sites, strategy, rule, fp4)
+
+
+def _recipes(linears: dict[str, nn.Module], names: tuple[str, ...], recorded: dict[str, Float8Recipe],
+             asked: Float8Recipe | None) -> dict[str, Float8Recipe | None]:
+    """Each layer's export recipe: the one it ran (:func:`forward_recipe`, else the one the saved
+    statistics recorded for it), else ``asked``, else None (fp8). Warns when ``asked`` contradicts
+    what a layer ran (the layer exports as it ran)."""
+    out, against = {}, []
+    for fqn in names:
+        ran = forward_recipe(linears[fqn]) or recorded.get(fqn)
+        out[fqn] = ran if ran is not None else asked
+        if ran is not None and asked is not None and contradicts(ran, asked):
+            against.append(f"{fqn} ran {ran.name}")
+    if against:
+        warnings.warn(f"export: recipe={asked.name!r} contradicts what {len(against)} layers ran "
+                      f"({', '.join(against[:4])}{' ...' if len(against) > 4 else ''}): they export in the format "
+                      f"they ran; recipe= applies only to layers that recorded none", stacklevel=4)
+    return out
 
 
 #: a fused group takes its most precise member's scheme

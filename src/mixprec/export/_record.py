@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from pathlib import Path
 from typing import Any, Iterator
@@ -11,10 +12,24 @@ import torch
 from torch import nn
 
 from mixprec.export._layers import CACHE_ARGUMENTS, KVSource, kv_sources, linear_layers, plan_layers
-from mixprec.fp8 import Float8Conv1D, Float8Linear, layer_state
+from mixprec.export._fp4 import forward_recipe
+from mixprec.fp8 import Cast, Float8Conv1D, Float8Linear, Float8Recipe, layer_state
 from mixprec.fp8.internals import INPUT
 
-__all__ = ["Recorder", "calibrate"]
+__all__ = ["Recorder", "calibrate", "recipe_from_dict", "recipe_to_dict"]
+
+
+def recipe_to_dict(recipe: Float8Recipe) -> dict[str, Any]:
+    """A recipe as plain values (what ``torch.load(weights_only=True)`` reads back)."""
+    return dataclasses.asdict(recipe)
+
+
+def recipe_from_dict(data: dict[str, Any]) -> Float8Recipe:
+    """The recipe :func:`recipe_to_dict` wrote (ValueError when it is not one)."""
+    try:
+        return Float8Recipe(**{k: Cast(**v) if isinstance(v, dict) else v for k, v in data.items()})
+    except TypeError as e:
+        raise ValueError(f"export statistics: not a recorded recipe ({e})") from None
 
 
 class _CacheProbe:
@@ -204,15 +219,27 @@ class Recorder:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def _fp8_layers(self) -> list[str]:
+        try:
+            return list(plan_layers(self._model).fp8)
+        except ValueError:  # no fp8 layer: a calibrated model
+            return []
+
+    @property
+    def recipes(self) -> dict[str, Float8Recipe]:
+        """``{layer: the recipe its forward runs now}`` of the model's fp8 layers (a Controller's
+        rung, a converted layer's recipe, a ``Policy.fp8``'s): what the export writes them in."""
+        linears = linear_layers(self._model)
+        ran = {fqn: forward_recipe(linears[fqn]) for fqn in self._fp8_layers()}
+        return {fqn: r for fqn, r in ran.items() if r is not None}
+
     def state_dict(self) -> dict[str, Any]:
         """The closed windows, for a checkpoint or for ``mixprec export --stats``; with the model's fp8
-        layers at this moment (``fp8_layers``: those not in fallback; none for a model without fp8)."""
-        try:
-            fp8_layers = list(plan_layers(self._model).fp8)
-        except ValueError:  # no fp8 layer: a calibrated model
-            fp8_layers = []
+        layers at this moment (``fp8_layers``: those not in fallback; none for a model without fp8)
+        and the recipe each runs (``recipes``, see :attr:`recipes`: the CLI exports them as they ran)."""
         return {"names": list(self.names), "history": self.history.cpu(), "every": self.every,
-                "fp8_layers": fp8_layers, "kv_sites": self.kv_sites}
+                "fp8_layers": self._fp8_layers(), "kv_sites": self.kv_sites,
+                "recipes": {fqn: recipe_to_dict(r) for fqn, r in self.recipes.items()}}
 
     def save(self, path: str | Path) -> None:
         """``torch.save`` the :meth:`state_dict` (what ``mixprec export --stats PATH`` reads)."""
@@ -231,6 +258,8 @@ class _Loaded:
         #: where each key/value series was measured; absent from files saved before mixprec measured the
         #: keys in the cache (their key statistics were taken before RoPE: export does not use them)
         self.kv_sites: dict[str, str] | None = dict(state["kv_sites"]) if "kv_sites" in state else None
+        #: the recipe each fp8 layer ran when the statistics were saved
+        self.recipes = {fqn: recipe_from_dict(d) for fqn, d in dict(state.get("recipes", {})).items()}
 
     def series(self) -> dict[str, torch.Tensor]:
         return {n: self.history[:, i] for i, n in enumerate(self.names)}

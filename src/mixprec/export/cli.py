@@ -40,7 +40,9 @@ def add_export_parser(sub: Any) -> None:
     p.add_argument("--margin", type=_positive, default=1.0, help="factor on the amax (default 1)")
     p.add_argument("--weight-strategy", choices=("tensor", "channel"), default="tensor")
     p.add_argument("--recipe", default=None,
-                   help="the recipe the layers trained in (e.g. nvfp4, mxfp4: they export in fp4; default: fp8)")
+                   help="the recipe of layers the statistics record none for (e.g. nvfp4, mxfp4: they export in "
+                   "fp4; default: fp8); each layer the statistics name exports in the recipe it ran (a --recipe "
+                   "that contradicts it warns)")
     p.add_argument("--no-kv-cache", action="store_true", help="write no k_scale/v_scale")
     p.set_defaults(func=_run)
 

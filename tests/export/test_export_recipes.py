@@ -92,3 +92,56 @@ def test_cli_writes_what_the_python_call_writes_for_a_controller_trained_model(t
         assert main(args[:2] + [str(tmp_path / "cli2")] + args[3:] + ["--recipe", "nvfp4"]) == 0
     assert _written(tmp_path / "cli2")[1] == py[1]
 
+
+# -- load_static and the CLI's answers to bad input ------------------------------------------------
+
+def test_load_static_refuses_an_fp4_export_naming_a_layer(tmp_path):
+    from mixprec.export import load_static
+
+    model = fp8.convert(_llama(), fp8.Float8Recipe.mxfp4(), filter_fn=lambda m, n: n.endswith("down_proj"))
+    with Recorder(model) as rec:
+        model(torch.arange(16).reshape(2, 8))
+        rec.step()
+    mixprec.export(model, tmp_path, stats=rec)
+    plain = fp8.unconvert(model)
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    with pytest.raises(ValueError, match=r"load_static runs fp8 layers only, and 2 layers of this export are fp4 "
+                                         r"\(NVFP4/MXFP4: 'model.layers.0.mlp.down_proj' \.\.\.\)"):
+        load_static(plain, tmp_path)
+    assert all(torch.equal(before[k], v) for k, v in plain.state_dict().items())  # untouched
+
+
+def _one_error_line(capsys, *fragments: str) -> None:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mixprec export: error: "), err
+    assert "Traceback" not in err and all(f in lines[0] for f in fragments), err
+
+
+def test_cli_answers_bad_input_with_one_error_line(tmp_path, capsys):
+    from mixprec.cli import main
+
+    model = fp8.convert(_llama(), filter_fn=lambda m, n: ".layers." in n)
+    with Recorder(model) as rec:
+        model(torch.arange(16).reshape(2, 8))
+        rec.step()
+    rec.save(tmp_path / "stats.pt")
+    fp8.unconvert(model).save_pretrained(tmp_path / "trained")
+    capsys.readouterr()  # save_pretrained's progress bars
+    (tmp_path / "afile").write_text("x")
+    base = ["export", str(tmp_path / "trained")]
+    assert main(base + [str(tmp_path / "afile" / "out"), "--stats", str(tmp_path / "stats.pt")]) == 1
+    _one_error_line(capsys, "afile is a file, not a folder")
+    (tmp_path / "notes.txt").write_text("not statistics")
+    assert main(base + [str(tmp_path / "o"), "--stats", str(tmp_path / "notes.txt")]) == 1
+    _one_error_line(capsys, "notes.txt is not a statistics file written by mixprec.export.Recorder.save")
+    torch.save([1, 2, 3], tmp_path / "list.pt")
+    assert main(base + [str(tmp_path / "o"), "--stats", str(tmp_path / "list.pt")]) == 1
+    _one_error_line(capsys, "must be what mixprec.export.Recorder.save wrote")
+    assert main(base + [str(tmp_path / "trained"), "--stats", str(tmp_path / "stats.pt")]) == 1  # onto the model
+    _one_error_line(capsys, "holds another checkpoint's files (config.json")
+    assert not (tmp_path / "o").exists()
+    assert main(base + [str(tmp_path / "o"), "--stats", str(tmp_path / "stats.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "note: transformers reports k_scale/v_scale as UNEXPECTED" in out
+    assert json.loads((tmp_path / "o" / "mixprec_export.json").read_text())["kv_scales_note"] == mixprec.export.KV_NOTE

@@ -41,10 +41,14 @@ from mixprec.export._static import StaticFloat8Linear, fake_quantize, load_stati
 from mixprec.export._torchao import write_torchao
 from mixprec.fp8 import Float8Recipe, as_recipe
 
-__all__ = ["FORMATS", "Quantized", "QuantizedLayer", "Recorder", "ScaleRule", "StaticFloat8Linear", "calibrate",
+__all__ = ["FORMATS", "KV_NOTE", "Quantized", "QuantizedLayer", "Recorder", "ScaleRule", "StaticFloat8Linear", "calibrate",
            "export", "fake_quantize", "load_static", "load_stats", "quantize_weight", "static_scale"]
 
 FORMATS = ("compressed-tensors", "torchao")
+#: why transformers' LOAD REPORT lists the k/v scales as UNEXPECTED (the CLI prints it; the manifest keeps it)
+KV_NOTE = ("transformers reports k_scale/v_scale as UNEXPECTED when it loads this folder: its attention modules "
+           "take `cache`, not the `past_key_values` compressed-tensors 0.20 looks for, so it runs the KV cache "
+           "unquantized; vLLM reads them (docs/export.md)")
 
 
 def export(model: nn.Module, folder: str | Path, format: str = "compressed-tensors", *, stats: object = None,
@@ -97,6 +101,8 @@ def export(model: nn.Module, folder: str | Path, format: str = "compressed-tenso
         "kv_scales": {a: {k: float(v) for k, v in s.items()} for a, s in q.kv_scales.items()},
         "kv_statistics": q.kv_sites,
     }
+    if q.kv_scales and format == "compressed-tensors":
+        manifest["kv_scales_note"] = KV_NOTE
     if q.fp4:
         manifest["fp4_layers"] = {n: {"format": l.format, "input_amax": l.input_amax, "statistic": l.source}
                                   for n, l in q.fp4.items()}

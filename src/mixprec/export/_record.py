@@ -253,6 +253,10 @@ class _Loaded:
         if not isinstance(state, dict) or not {"names", "history"} <= set(state):
             raise ValueError("export statistics must be what mixprec.export.Recorder.save wrote "
                              "(a dict with 'names' and 'history')")
+        if not isinstance(state["history"], torch.Tensor) or state["history"].ndim != 2 \
+                or state["history"].shape[1] != len(state["names"]):
+            raise ValueError("export statistics: 'history' must be a (windows, len(names)) tensor, as "
+                             "mixprec.export.Recorder.save writes it")
         self.names, self.history = list(state["names"]), state["history"]
         self.fp8_layers = list(state.get("fp8_layers", []))
         #: where each key/value series was measured; absent from files saved before mixprec measured the
@@ -266,8 +270,16 @@ class _Loaded:
 
 
 def load_stats(path: str | Path) -> _Loaded:
-    """Statistics saved by :meth:`Recorder.save`."""
-    return _Loaded(torch.load(path, map_location="cpu", weights_only=True))
+    """Statistics saved by :meth:`Recorder.save`. Raises ValueError when ``path`` is not such a file
+    (not a torch file, or not the dict ``Recorder.save`` writes)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as e:  # torch.load's UnpicklingError, RuntimeError ("invalid magic number") etc.
+        raise ValueError(f"{path} is not a statistics file written by mixprec.export.Recorder.save "
+                         f"(torch.load: {str(e).splitlines()[0][:160]})") from None
+    return _Loaded(state)
 
 
 @contextlib.contextmanager

@@ -97,7 +97,8 @@ def test_recorded_kv_amax_is_what_compressed_tensors_kv_hooks_observe(name):
         expect = torch.stack([calls[0:2].amax(0), calls[2:4].amax(0)])  # windows of 2 calls: (2, [k, v])
         assert torch.equal(s[f"{attn}:k"], expect[:, 0]), attn
         assert torch.equal(s[f"{attn}:v"], expect[:, 1]), attn
-        assert "KV cache" in rec.kv_sites[f"{attn}:k"]
+        # GPT-2 uses its cache beyond update() (is_updated...): measured at c_attn's output, the same (no RoPE)
+        assert ("KV cache" if name != "gpt2" else "output of") in rec.kv_sites[f"{attn}:k"]
     if name in ("llama", "qwen3"):  # RoPE (and k_norm) change the keys: the k_proj output is not them
         pre = torch.stack([o.abs().amax() for o in proj["model.layers.0.self_attn.k_proj"]])
         assert not torch.equal(pre.max(), oracle["model.layers.0.self_attn"][:, 0].max())
@@ -142,3 +143,24 @@ def test_statistics_saved_before_kv_sites_write_no_kv_scales(tmp_path):
     with pytest.warns(UserWarning, match="measured the keys before RoPE"):
         q = mixprec.export(model, tmp_path / "out", stats=mixprec.export.load_stats(tmp_path / "old.pt"))
     assert not q.kv_scales and len(q.layers) == 14
+
+
+class _RopeAttention(nn.Module):
+    """An attention that uses its cache beyond update() and rotates its keys: not measurable in the cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x, position_embeddings=None, cache=None):
+        k = self.k_proj(x)
+        if cache is not None:
+            k = k + cache.get_seq_length()
+        return self.q_proj(x) + torch.roll(k, 1, -1) + self.v_proj(x)
+
+
+def test_an_attention_whose_keys_cannot_be_read_in_the_cache_warns():
+    with pytest.warns(UserWarning, match=r"keys of 0 are measured at its projection's output"):
+        rec = Recorder(nn.Sequential(_RopeAttention()))
+    assert rec.kv_sites["0:k"] == "output of 0.k_proj"
+    rec.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -70,12 +72,31 @@ class KVSource:
 
 
 def cache_argument(module: nn.Module) -> str | None:
-    """The name under which ``module.forward`` takes a KV cache (one of :data:`CACHE_ARGUMENTS`), or None."""
+    """The name under which ``module.forward`` takes a KV cache (one of :data:`CACHE_ARGUMENTS`) when it
+    uses that cache only through ``update`` (Llama, Qwen3, Mistral, Phi-3: a stand-in can then take
+    its place, with or without a real cache); None when it takes none, or uses it otherwise too
+    (GPT-2's and T5's ``is_updated``, ``cross_attention_cache``...), or its source cannot be read."""
     try:
         params = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
         return None
-    return next((n for n in CACHE_ARGUMENTS if n in params), None)
+    name = next((n for n in CACHE_ARGUMENTS if n in params), None)
+    if name is None:
+        return None
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return None
+    return name if set(re.findall(rf"\b{name}\.(\w+)", source)) <= {"update"} else None
+
+
+def _transforms_keys(module: nn.Module) -> bool:
+    """Whether the attention module may transform its keys between projection and cache (RoPE, a norm)."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return True
+    return bool(re.search(r"rotary|rope|k_norm|position_embeddings", source))
 
 
 def kv_sources(model: nn.Module) -> list[KVSource]:
@@ -93,6 +114,12 @@ def kv_sources(model: nn.Module) -> list[KVSource]:
         if not ((k is not None and v is not None and _is_linear(k) and _is_linear(v)) or fused is not None):
             continue
         cache = cache_argument(mod)
+        if cache is None and _transforms_keys(mod):
+            warnings.warn(f"export: the keys of {fqn or type(mod).__name__} are measured at its projection's output: "
+                          f"its forward uses its KV cache beyond update() (or takes none), so mixprec cannot read "
+                          f"them as the cache stores them, and it may apply RoPE or a norm in between (its "
+                          f"k_scale may then be too small); check it, or pass kv_cache=False to export",
+                          stacklevel=3)
         if cache is not None:
             layer = prefix + ("k_proj" if fused is None else fused)
             out += [KVSource(fqn, "k", layer, cache=cache), KVSource(fqn, "v", layer, cache=cache)]

@@ -78,6 +78,21 @@ def _ref(weight: torch.Tensor, recipe: Float8Recipe, dtype: torch.dtype) -> torc
     return fp4_quantize(weight.detach(), recipe.weight, subnormal_scales=recipe.subnormal_scales).dequantize(dtype)
 
 
+#: the shards a serving engine fuses in a Llama: cast as one layer (test_export_fused.py)
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _ref_layer(model: nn.Module, fqn: str, recipe: Float8Recipe, exported: set[str]) -> torch.Tensor:
+    """mixprec's fp4 cast of layer ``fqn`` as exported: of its fused group's stacked weights when the
+    whole group is in ``exported``, the layer's rows of it."""
+    parent, _, name = fqn.rpartition(".")
+    group = next((g for g in _FUSED if name in g and all(f"{parent}.{n}" in exported for n in g)), (name,))
+    weights = [model.get_submodule(f"{parent}.{n}").weight for n in group]
+    start = sum(w.shape[0] for w in weights[:group.index(name)])
+    return _ref(torch.cat([w.detach() for w in weights]), recipe, dtype=torch.bfloat16)[start:start + weights[
+        group.index(name)].shape[0]]
+
+
 @pytest.mark.parametrize("name,recipe,ct_format,keys", CASES, ids=[c[0] for c in CASES])
 def test_compressed_tensors_decompresses_fp4_to_mixprec_own_cast(tmp_path, name, recipe, ct_format, keys):
     model = fp8.convert(_llama(), recipe, filter_fn=lambda m, n: ".layers." in n)
@@ -97,7 +112,7 @@ def test_compressed_tensors_decompresses_fp4_to_mixprec_own_cast(tmp_path, name,
         assert stored == keys | {"bias"} & stored, (fqn, stored)
         w = fresh.get_submodule(fqn).weight.data
         assert w.dtype == torch.bfloat16  # compressed-tensors decompresses fp4 to bf16
-        assert torch.equal(w, _ref(lin.weight, recipe, torch.bfloat16)), fqn
+        assert torch.equal(w, _ref_layer(model, fqn, recipe, set(q.fp4))), fqn
         if "input_global_scale" in keys:
             amax = rule.amax(hist[f"{fqn}:input"]).double() * 1.25
             assert torch.equal(layer.input_global_scale, (448 * 6 / amax).float().reshape(1))
@@ -112,7 +127,7 @@ def test_nvfp4_global_scale_is_the_reciprocal_of_mixprec_tensor_scale_fp32(tmp_p
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import dequantize
 
-    model = fp8.convert(_llama(), NVFP4_1D, filter_fn=lambda m, n: n.endswith("mlp.up_proj"))
+    model = fp8.convert(_llama(), NVFP4_1D, filter_fn=lambda m, n: n.endswith("mlp.down_proj"))
     rec = _train(model, steps=1)
     q = mixprec.export(model, tmp_path, stats=rec)
     args = QuantizationArgs.model_validate(json.loads((tmp_path / "config.json").read_text())
@@ -146,8 +161,7 @@ def test_mixed_fp8_nvfp4_mxfp4_and_kept_layers_each_in_its_format(tmp_path):
     fresh = _decompressed(tmp_path, model.config)
     for fqn in q.fp4:
         recipe = model.get_submodule(fqn).recipe
-        assert torch.equal(fresh.get_submodule(fqn).weight.data, _ref(model.get_submodule(fqn).weight, recipe,
-                                                                       torch.bfloat16)), fqn
+        assert torch.equal(fresh.get_submodule(fqn).weight.data, _ref_layer(model, fqn, recipe, set(q.fp4))), fqn
     for fqn, layer in q.layers.items():  # fp8: q * weight_scale, as in the fp8-only export
         assert torch.equal(fresh.get_submodule(fqn).weight.data, layer.q.float() * layer.weight_scale), fqn
     kept = "model.layers.1.mlp.down_proj"
@@ -157,9 +171,9 @@ def test_mixed_fp8_nvfp4_mxfp4_and_kept_layers_each_in_its_format(tmp_path):
 
 
 def test_fp4_layer_to_torchao_raises_naming_the_layer(tmp_path):
-    model = fp8.convert(_llama(), MXFP4, filter_fn=lambda m, n: n == "model.layers.1.mlp.up_proj")
+    model = fp8.convert(_llama(), MXFP4, filter_fn=lambda m, n: n == "model.layers.1.mlp.down_proj")
     rec = _train(model, steps=1)
-    with pytest.raises(ValueError, match=r"layer 'model.layers.1.mlp.up_proj' is mxfp4 .*format='compressed-tensors'"):
+    with pytest.raises(ValueError, match=r"layer 'model.layers.1.mlp.down_proj' is mxfp4 .*format='compressed-tensors'"):
         mixprec.export(model, tmp_path, "torchao", stats=rec)
 
 
@@ -217,8 +231,7 @@ def test_controller_rungs_and_policy_recipe_choose_each_layer_format(tmp_path):
     torch.manual_seed(0)
     routed = nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)])
     rec = _policy_run(Policy.parse("compute=bf16").fp8("mxfp4", first_last="fp8"), routed)
-    assert sorted(mixprec.export(routed, tmp_path / "p8", stats=rec).layers) == ["0", "1", "2"]  # the default
-    q = mixprec.export(routed, tmp_path / "p4", stats=rec, recipe="mxfp4")
+    q = mixprec.export(routed, tmp_path / "p4", stats=rec)  # the layers keep the recipe they ran (policy_recipe)
     assert sorted(q.fp4) == ["0", "1", "2"] and {l.format for l in q.fp4.values()} == {"mxfp4"}
     assert torch.equal(_decompressed_plain(tmp_path / "p4", routed)[1].weight.data,
                        _ref(routed[1].weight, MXFP4, torch.bfloat16))

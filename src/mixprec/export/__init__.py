@@ -31,6 +31,7 @@ from typing import Any
 
 from torch import nn
 
+from mixprec.export._atomic import MANIFEST, check_folder, staged
 from mixprec.export._ct import write_compressed_tensors
 from mixprec.export._layers import plan_layers
 from mixprec.export._quant import Quantized, QuantizedLayer, quantize_model, quantize_weight
@@ -40,11 +41,14 @@ from mixprec.export._static import StaticFloat8Linear, fake_quantize, load_stati
 from mixprec.export._torchao import write_torchao
 from mixprec.fp8 import Float8Recipe, as_recipe
 
-__all__ = ["FORMATS", "Quantized", "QuantizedLayer", "Recorder", "ScaleRule", "StaticFloat8Linear", "calibrate",
+__all__ = ["FORMATS", "KV_NOTE", "Quantized", "QuantizedLayer", "Recorder", "ScaleRule", "StaticFloat8Linear", "calibrate",
            "export", "fake_quantize", "load_static", "load_stats", "quantize_weight", "static_scale"]
 
 FORMATS = ("compressed-tensors", "torchao")
-MANIFEST = "mixprec_export.json"
+#: why transformers' LOAD REPORT lists the k/v scales as UNEXPECTED (the CLI prints it; the manifest keeps it)
+KV_NOTE = ("transformers reports k_scale/v_scale as UNEXPECTED when it loads this folder: its attention modules "
+           "take `cache`, not the `past_key_values` compressed-tensors 0.20 looks for, so it runs the KV cache "
+           "unquantized; vLLM reads them (docs/export.md)")
 
 
 def export(model: nn.Module, folder: str | Path, format: str = "compressed-tensors", *, stats: object = None,
@@ -62,40 +66,52 @@ def export(model: nn.Module, folder: str | Path, format: str = "compressed-tenso
     window and no KV scales are written (warning). ``weight_strategy``: ``"tensor"`` or
     ``"channel"`` (one scale per output row). A layer whose forward recipe casts its weight to fp4
     (``Float8Recipe.nvfp4()``, ``.mxfp4()``, a Controller's fp4 rung) exports in compressed-tensors'
-    ``nvfp4-pack-quantized`` or ``mxfp4-pack-quantized`` format, in its own config group;
-    ``recipe``: the ``Policy.fp8`` recipe of the layers it routed without a Controller (they keep
-    none; default: fp8 tensorwise). ``format``: ``"compressed-tensors"`` (any device) or
+    ``nvfp4-pack-quantized`` or ``mxfp4-pack-quantized`` format, in its own config group: each
+    layer exports in the recipe it ran (a Controller's rung, a converted layer's recipe, the
+    ``Policy.fp8`` recipe recorded on its ``LayerState``, else the one ``stats`` recorded);
+    ``recipe``: that of layers with none (e.g. a model given ``layers=[...]``; default: fp8
+    tensorwise); where it contradicts what a layer ran, the layer exports as it ran (warning). ``format``: ``"compressed-tensors"`` (any device) or
     ``"torchao"`` (a CUDA device of capability 8.9+). Also writes ``mixprec_export.json``: the
     rule, each fp8 layer's amax, scale and where the statistic came from, the kept layers and why.
+    Layers a serving engine fuses (q/k/v, gate/up) export in one scheme (warning when that moves one).
+
+    Atomic: the files are written into a hidden folder beside ``folder`` and renamed into place at
+    the end; an exception or interrupt leaves ``folder`` as it was. An earlier export in ``folder``
+    is replaced whole (files that are not checkpoint files, e.g. a tokenizer, are carried over); a
+    ``folder`` holding another checkpoint's files (weights, shard index, configs) is refused.
 
     Returns the :class:`Quantized` numbers written. Raises ValueError for an unknown format or
-    strategy, a layer without statistics, or a layer the format cannot store (named: a Conv1D, a
-    tied weight, an fp4 layer for ``"torchao"``).
+    strategy, a layer without statistics, a layer the format cannot store (named: a Conv1D, a
+    tied weight, an fp4 layer for ``"torchao"``), or a ``folder`` under a file or holding another
+    checkpoint (named).
     Host syncs: one per layer.
     """
     if format not in FORMATS:
         raise ValueError(f"export format must be one of {FORMATS}, got {format!r}")
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"export: {folder} exists and is not a folder")
+    check_folder(folder)  # before the work: staged() checks it again
     plan = plan_layers(model, layers)
     q = quantize_model(model, plan, stats, rule, weight_strategy, kv_cache,
                        None if recipe is None else as_recipe(recipe))
-    if format == "compressed-tensors":
-        write_compressed_tensors(model, folder, q)
-    else:
-        write_torchao(model, folder, q)
     manifest = {
         "format": format, "rule": q.rule.describe(), "weight_strategy": q.strategy,
         "layers": {n: {"input_amax": l.input_amax, "input_scale": float(l.input_scale), "statistic": l.source}
                    for n, l in q.layers.items()},
         "kept": q.kept,
         "kv_scales": {a: {k: float(v) for k, v in s.items()} for a, s in q.kv_scales.items()},
+        "kv_statistics": q.kv_sites,
     }
+    if q.kv_scales and format == "compressed-tensors":
+        manifest["kv_scales_note"] = KV_NOTE
     if q.fp4:
         manifest["fp4_layers"] = {n: {"format": l.format, "input_amax": l.input_amax, "statistic": l.source}
                                   for n, l in q.fp4.items()}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    with staged(folder) as tmp:
+        if format == "compressed-tensors":
+            write_compressed_tensors(model, tmp, q)
+        else:
+            write_torchao(model, tmp, q)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return q
 
 

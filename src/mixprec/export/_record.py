@@ -3,17 +3,55 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from mixprec.export._layers import KVSource, kv_sources, linear_layers, plan_layers
-from mixprec.fp8 import Float8Conv1D, Float8Linear, layer_state
+from mixprec.export._layers import CACHE_ARGUMENTS, KVSource, kv_sources, linear_layers, plan_layers
+from mixprec.export._fp4 import forward_recipe
+from mixprec.fp8 import Cast, Float8Conv1D, Float8Linear, Float8Recipe, layer_state
 from mixprec.fp8.internals import INPUT
 
-__all__ = ["Recorder", "calibrate"]
+__all__ = ["Recorder", "calibrate", "recipe_from_dict", "recipe_to_dict"]
+
+
+def recipe_to_dict(recipe: Float8Recipe) -> dict[str, Any]:
+    """A recipe as plain values (what ``torch.load(weights_only=True)`` reads back)."""
+    return dataclasses.asdict(recipe)
+
+
+def recipe_from_dict(data: dict[str, Any]) -> Float8Recipe:
+    """The recipe :func:`recipe_to_dict` wrote (ValueError when it is not one)."""
+    try:
+        return Float8Recipe(**{k: Cast(**v) if isinstance(v, dict) else v for k, v in data.items()})
+    except TypeError as e:
+        raise ValueError(f"export statistics: not a recorded recipe ({e})") from None
+
+
+class _CacheProbe:
+    """Stands in for an attention module's KV cache argument for one call: ``update(keys, values,
+    ...)`` reports the keys and values, then is the wrapped cache's (or returns them as they are when
+    the call had no cache), which is what compressed-tensors' ``QuantizedKVCache`` does. Any other
+    attribute is the wrapped cache's."""
+
+    def __init__(self, cache: Any, report: Any) -> None:
+        self._cache, self._report = cache, report
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self._report(key_states, value_states)
+        if self._cache is None:
+            return key_states, value_states
+        return self._cache.update(key_states, value_states, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        cache = self.__dict__.get("_cache")
+        if cache is None:
+            raise AttributeError(f"{name!r}: the attention module was called without a KV cache")
+        return getattr(cache, name)
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
@@ -38,9 +76,13 @@ class Recorder:
     Forward hooks on the layers: each call raises the open window's running max; :meth:`step`
     (once per optimizer step) closes the window every ``every`` steps (match ``Guard(every=...)``
     to have the windows of the fp8 statistics). :func:`mixprec.export.export` turns the history
-    into static scales with a :class:`ScaleRule`. The keys and values are the outputs of
-    ``k_proj``/``v_proj`` (Llama-style) or the middle and last thirds of GPT-2's fused ``c_attn``
-    output: what vLLM's fp8 KV cache stores.
+    into static scales with a :class:`ScaleRule`. The keys and values are what an attention module
+    hands its KV cache (after RoPE and any ``k_norm``: what an fp8 KV cache stores, where
+    compressed-tensors' KV hooks observe them): a forward pre-hook passes the module a stand-in for
+    its cache argument (``cache``/``past_key_values``) whose ``update`` reports them and then is the
+    real cache's (or returns them as they are when the call had none). A module without a cache
+    argument (mixprec's demo model) is measured at its ``k_proj``/``v_proj`` outputs or the middle
+    and last thirds of a fused ``c_attn``/``qkv`` (see :class:`KVSource`).
 
     A layer converted by :func:`mixprec.fp8.convert` gives the amax its fp8 input cast measured
     (no extra reduction); any other layer's hook takes the amax of the input as the module receives
@@ -78,10 +120,16 @@ class Recorder:
         for i, (fqn, mod) in enumerate(layers.items()):
             self._handles.append(mod.register_forward_hook(self._input_hook(i)))
         by_layer: dict[str, list[tuple[int, KVSource]]] = {}
+        by_attention: dict[str, list[tuple[int, KVSource]]] = {}
         for j, src in enumerate(self.kv):
-            by_layer.setdefault(src.layer, []).append((len(layers) + j, src))
+            (by_layer if src.cache is None else by_attention).setdefault(
+                src.layer if src.cache is None else src.attention, []).append((len(layers) + j, src))
         for fqn, sources in by_layer.items():
             self._handles.append(layers[fqn].register_forward_hook(self._output_hook(sources)))
+        for fqn, sources in by_attention.items():
+            attn = model.get_submodule(fqn)
+            self._handles.append(attn.register_forward_pre_hook(self._cache_hook(attn, sources[0][1].cache, sources),
+                                                                with_kwargs=True))
 
     def _raise(self, i: int, amax: torch.Tensor) -> None:
         if self._window.device != amax.device:
@@ -96,6 +144,27 @@ class Recorder:
                 self._raise(i, measured)
             elif args and isinstance(args[0], torch.Tensor):
                 self._raise(i, _amax(args[0]))
+        return hook
+
+    def _cache_hook(self, module: nn.Module, name: str, sources: list[tuple[int, KVSource]]) -> Any:
+        """A forward pre-hook that hands the attention module a :class:`_CacheProbe` in place of its
+        cache argument ``name`` (passed by keyword, under a deprecated name, or by position)."""
+        params = list(inspect.signature(module.forward).parameters)
+        position = params.index(name)
+
+        def report(keys: torch.Tensor, values: torch.Tensor) -> None:
+            for i, src in sources:
+                self._raise(i, _amax(keys if src.which == "k" else values))
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            given = next((n for n in CACHE_ARGUMENTS if n in kwargs), None)
+            if given is not None:
+                kwargs[given] = _CacheProbe(kwargs[given], report)
+            elif len(args) > position:
+                args = (*args[:position], _CacheProbe(args[position], report), *args[position + 1:])
+            else:
+                kwargs[name] = _CacheProbe(None, report)
+            return args, kwargs
         return hook
 
     def _output_hook(self, sources: list[tuple[int, KVSource]]) -> Any:
@@ -127,6 +196,11 @@ class Recorder:
             return torch.zeros(0, len(self.names), device=self._window.device)
         return torch.stack(self._windows)
 
+    @property
+    def kv_sites(self) -> dict[str, str]:
+        """``{"<attention>:k": where the keys are measured, ...}`` (see :class:`KVSource`)."""
+        return {f"{s.attention}:{s.which}": s.site for s in self.kv}
+
     def series(self) -> dict[str, torch.Tensor]:
         """``{name: (windows,) amaxes}``."""
         h = self.history
@@ -145,15 +219,27 @@ class Recorder:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def _fp8_layers(self) -> list[str]:
+        try:
+            return list(plan_layers(self._model).fp8)
+        except ValueError:  # no fp8 layer: a calibrated model
+            return []
+
+    @property
+    def recipes(self) -> dict[str, Float8Recipe]:
+        """``{layer: the recipe its forward runs now}`` of the model's fp8 layers (a Controller's
+        rung, a converted layer's recipe, a ``Policy.fp8``'s): what the export writes them in."""
+        linears = linear_layers(self._model)
+        ran = {fqn: forward_recipe(linears[fqn]) for fqn in self._fp8_layers()}
+        return {fqn: r for fqn, r in ran.items() if r is not None}
+
     def state_dict(self) -> dict[str, Any]:
         """The closed windows, for a checkpoint or for ``mixprec export --stats``; with the model's fp8
-        layers at this moment (``fp8_layers``: those not in fallback; none for a model without fp8)."""
-        try:
-            fp8_layers = list(plan_layers(self._model).fp8)
-        except ValueError:  # no fp8 layer: a calibrated model
-            fp8_layers = []
+        layers at this moment (``fp8_layers``: those not in fallback; none for a model without fp8)
+        and the recipe each runs (``recipes``, see :attr:`recipes`: the CLI exports them as they ran)."""
         return {"names": list(self.names), "history": self.history.cpu(), "every": self.every,
-                "fp8_layers": fp8_layers}
+                "fp8_layers": self._fp8_layers(), "kv_sites": self.kv_sites,
+                "recipes": {fqn: recipe_to_dict(r) for fqn, r in self.recipes.items()}}
 
     def save(self, path: str | Path) -> None:
         """``torch.save`` the :meth:`state_dict` (what ``mixprec export --stats PATH`` reads)."""
@@ -167,16 +253,33 @@ class _Loaded:
         if not isinstance(state, dict) or not {"names", "history"} <= set(state):
             raise ValueError("export statistics must be what mixprec.export.Recorder.save wrote "
                              "(a dict with 'names' and 'history')")
+        if not isinstance(state["history"], torch.Tensor) or state["history"].ndim != 2 \
+                or state["history"].shape[1] != len(state["names"]):
+            raise ValueError("export statistics: 'history' must be a (windows, len(names)) tensor, as "
+                             "mixprec.export.Recorder.save writes it")
         self.names, self.history = list(state["names"]), state["history"]
         self.fp8_layers = list(state.get("fp8_layers", []))
+        #: where each key/value series was measured; absent from files saved before mixprec measured the
+        #: keys in the cache (their key statistics were taken before RoPE: export does not use them)
+        self.kv_sites: dict[str, str] | None = dict(state["kv_sites"]) if "kv_sites" in state else None
+        #: the recipe each fp8 layer ran when the statistics were saved
+        self.recipes = {fqn: recipe_from_dict(d) for fqn, d in dict(state.get("recipes", {})).items()}
 
     def series(self) -> dict[str, torch.Tensor]:
         return {n: self.history[:, i] for i, n in enumerate(self.names)}
 
 
 def load_stats(path: str | Path) -> _Loaded:
-    """Statistics saved by :meth:`Recorder.save`."""
-    return _Loaded(torch.load(path, map_location="cpu", weights_only=True))
+    """Statistics saved by :meth:`Recorder.save`. Raises ValueError when ``path`` is not such a file
+    (not a torch file, or not the dict ``Recorder.save`` writes)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as e:  # torch.load's UnpicklingError, RuntimeError ("invalid magic number") etc.
+        raise ValueError(f"{path} is not a statistics file written by mixprec.export.Recorder.save "
+                         f"(torch.load: {str(e).splitlines()[0][:160]})") from None
+    return _Loaded(state)
 
 
 @contextlib.contextmanager

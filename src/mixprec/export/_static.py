@@ -51,7 +51,8 @@ def load_static(model: nn.Module, folder: str | Path, scale_dtype: torch.dtype |
     weights). Returns ``model``. ``scale_dtype``: read the (float32) scales in that dtype, as
     transformers' compressed-tensors integration does for a bf16/fp16 model (it creates the scale
     parameters in the model's dtype); None keeps float32, as vLLM reads them. Raises ValueError when
-    ``folder`` is not such an export or names a layer the model does not have.
+    ``folder`` is not such an export, names a layer the model does not have, or holds fp4 layers
+    (NVFP4/MXFP4: this forward does not run them; the folder is left unused and ``model`` unchanged).
     """
     from safetensors.torch import load_file
 
@@ -62,6 +63,11 @@ def load_static(model: nn.Module, folder: str | Path, scale_dtype: torch.dtype |
     if "quantization_config" not in json.loads(config_path.read_text()):
         raise ValueError(f"{config_path}: no quantization_config (not written by mixprec.export)")
     tensors = load_file(str(folder / WEIGHTS_NAME))
+    fp4 = sorted(k[:-len(".weight_packed")] for k in tensors if k.endswith(".weight_packed"))
+    if fp4:
+        raise ValueError(f"{folder}: load_static runs fp8 layers only, and {len(fp4)} layers of this export are fp4 "
+                         f"(NVFP4/MXFP4: {fp4[0]!r}{' ...' if len(fp4) > 1 else ''}); read it with transformers "
+                         f"(from_pretrained(folder, dtype=torch.bfloat16)) or compressed-tensors' decompress_model")
     fp8 = [k[:-len(".input_scale")] for k in tensors if k.endswith(".input_scale")]
     modules = dict(model.named_modules())
     missing = [n for n in fp8 if n not in modules]

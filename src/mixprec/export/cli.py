@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import mixprec.export as ex
+from mixprec.export._atomic import check_folder
+from mixprec.fp8 import as_recipe
 
 __all__ = ["add_export_parser"]
 
@@ -40,7 +42,9 @@ def add_export_parser(sub: Any) -> None:
     p.add_argument("--margin", type=_positive, default=1.0, help="factor on the amax (default 1)")
     p.add_argument("--weight-strategy", choices=("tensor", "channel"), default="tensor")
     p.add_argument("--recipe", default=None,
-                   help="the recipe the layers trained in (e.g. nvfp4, mxfp4: they export in fp4; default: fp8)")
+                   help="the recipe of layers the statistics record none for (e.g. nvfp4, mxfp4: they export in "
+                   "fp4; default: fp8); each layer the statistics name exports in the recipe it ran (a --recipe "
+                   "that contradicts it warns)")
     p.add_argument("--no-kv-cache", action="store_true", help="write no k_scale/v_scale")
     p.set_defaults(func=_run)
 
@@ -58,17 +62,21 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         rule = ex.ScaleRule(windows=args.windows or None, percentile=args.percentile, margin=args.margin)
+        recipe = None if args.recipe is None else as_recipe(args.recipe)
         stats = ex.load_stats(args.stats)
+        check_folder(args.out)  # before the model is loaded (export checks it again)
         layers = args.layers.split(",") if args.layers else stats.fp8_layers
         if not layers:
             raise ValueError(f"{args.stats} lists no fp8 layer (a calibrated model): pass --layers")
         model = AutoModelForCausalLM.from_pretrained(args.model)
         q = ex.export(model, args.out, args.format, stats=stats, rule=rule, layers=layers,
-                      weight_strategy=args.weight_strategy, kv_cache=not args.no_kv_cache, recipe=args.recipe)
-    except ValueError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+                      weight_strategy=args.weight_strategy, kv_cache=not args.no_kv_cache, recipe=recipe)
+    except (ValueError, OSError) as e:  # bad input (OSError: from_pretrained's unreadable model folder)
+        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     fp4 = f", {len(q.fp4)} fp4 layers" if q.fp4 else ""
     print(f"{prog}: wrote {args.out} ({args.format}): {len(q.layers)} fp8 layers{fp4}, {len(q.kept)} kept in high "
           f"precision, KV scales for {len(q.kv_scales)} attention layers; input scales: {rule.describe()}")
+    if q.kv_scales and args.format == "compressed-tensors":
+        print(f"{prog}: note: {ex.KV_NOTE}")
     return 0

@@ -68,6 +68,8 @@ class LayerState:
     ``fallback`` (a Python bool, set by :class:`Guard`) makes :func:`linear` run in the compute
     dtype; ``sample_sqnr`` asks the next forward to measure the SQNR (one extra GEMM);
     ``recipe`` (set by :class:`Controller`), when not None, replaces the caller's recipe;
+    ``policy_recipe`` (set when a ``Policy.fp8`` selects the layer) is the recipe the policy runs
+    it in, kept so that :func:`mixprec.export.export` writes the layer in the format it ran;
     ``probe`` (set by :class:`Controller`), when not None, is called by :func:`linear` as
     ``probe(input, weight_or_None, output, bias) -> output`` after the GEMM (also in fallback).
 
@@ -87,6 +89,7 @@ class LayerState:
         # judges such an operand's underflow against its fp4 limit)
         self.e2m1 = (False, False, False)
         self.recipe = None  # a Float8Recipe that replaces the caller's (set by a Controller)
+        self.policy_recipe = None  # the recipe the Policy.fp8 that selected the layer runs it in (set by the routing)
         self.probe = None  # measures the layer's operands after the GEMM (set by a Controller)
         # fp4 calls so far, on the device: seeds their stochastic rounding (advanced by linear)
         self._rounding = torch.zeros((), dtype=torch.int64, device=device)

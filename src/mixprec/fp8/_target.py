@@ -85,7 +85,9 @@ def select_targets(root: nn.Module, policy: Any) -> dict[int, Fp8Target] | None:
         module = modules[fqn]
         if kept(fqn):
             continue
-        targets[id(module)] = Fp8Target(module, rule.recipe_for(fqn), layer_state(module), rule.backend)
+        state = layer_state(module)
+        state.policy_recipe = rule.recipe_for(fqn)  # kept on the layer: what an export writes it in
+        targets[id(module)] = Fp8Target(module, state.policy_recipe, state, rule.backend)
         named[fqn] = module
     if rule.guard is not None:
         rule.guard._policy_forward(model)  # its decisions apply now; warns if never stepped

@@ -24,9 +24,7 @@ if ! has_gpu; then
     exit 1
   fi
   echo "gpu-check: no CUDA GPU: running the fake-CUDA tier with $PY"
-  extra=()
-  "$PY" -c "import pytest_timeout" 2>/dev/null || extra=(-o "addopts=-ra")
-  PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest "${FAKE_TIER[@]}" -q -p no:cacheprovider ${extra[@]+"${extra[@]}"}
+  PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest "${FAKE_TIER[@]}" -q -p no:cacheprovider
   rc=$?
   echo "gpu-check: fake-CUDA tier $([ $rc -eq 0 ] && echo passed || echo FAILED) ($((SECONDS - start)) s); the GPU part (kernels, -m cuda tests, benchmarks/gpu.py) needs a CUDA GPU: run this script on one"
   exit $rc
@@ -71,8 +69,6 @@ step() {  # step NAME TIMEOUT COMMAND...: run, log, remember the outcome
 results=()
 status=0
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
-# pyproject's addopts pass --timeout, which needs pytest-timeout (the dev extras have it)
-"$PY" -c "import pytest_timeout" 2>/dev/null || PYTEST+=(-o "addopts=-ra")
 step "build kernels" 240 "$PY" -m mixprec build-kernels || echo "gpu-check: going on with mixprec's fallbacks"
 step "CUDA tests (-m cuda)" 180 "${PYTEST[@]}" -m cuda tests || status=1
 step "fake-CUDA tier" 240 "${PYTEST[@]}" "${FAKE_TIER[@]}" || status=1

@@ -14,6 +14,22 @@ from _native_required import kernels_missing
 from mixprec import _native
 
 
+#: What the run's header says when pytest-timeout (pyproject's ``timeout``) is not installed.
+NO_TIMEOUT = ("timeout: none, pytest-timeout is not installed (pyproject's timeout = 600 needs it: "
+              "pip install pytest-timeout, or pip install -e .[dev])")
+
+
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
+    """Without pytest-timeout, declare pyproject's ``timeout`` ini key (which the plugin reads)
+    so that pytest starts without it; :func:`pytest_report_header` says the tests run untimed."""
+    if not pluginmanager.hasplugin("timeout"):
+        parser.addini("timeout", "the per-test timeout in seconds, read by pytest-timeout (not installed)")
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    return None if config.pluginmanager.hasplugin("timeout") else NO_TIMEOUT
+
+
 def _to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether ``Tensor.to(*args, **kwargs)`` moves to the host on purpose: its device is the
     string ``"cpu"`` (a ``torch.device`` taken from another tensor is a move to that tensor's

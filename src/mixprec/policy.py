@@ -484,7 +484,8 @@ def canonical(policy: "Policy") -> "Policy":
     """The one object that stands for ``policy``'s value (and its fp8 guard or controller): the
     object a region inside torch.compile passes to trace time, so that Dynamo's identity guard
     holds for every equal policy. Held weakly: it lives while a policy equal to it does."""
-    return policy._canonical  # type: ignore[attr-defined]
+    found = policy._canonical  # type: ignore[attr-defined]
+    return policy if found is None else found
 
 
 def _canonical(policy: "Policy") -> "Policy":
@@ -493,7 +494,10 @@ def _canonical(policy: "Policy") -> "Policy":
     key does not: a region never runs with another policy's guard or controller). The key holds no
     live object (the policy's detached twin and the attachment's process-unique id); the canonical
     object is interned weakly and lives while a policy equal to it does (each holds it as
-    ``_canonical``), so a policy rebuilt each step with a fresh Controller leaves nothing behind."""
+    ``_canonical``; the canonical object itself holds None, not itself: no reference cycle, so it
+    goes, and with it its rule's hold on the Controller, as soon as the last equal policy does,
+    not at some later garbage collection), so a policy rebuilt each step with a fresh Controller
+    leaves nothing behind."""
     rule = policy.fp8_rule
     detached = _twin(policy, _canonical=None)
     if rule is not None and rule.attached is not None:
@@ -504,8 +508,7 @@ def _canonical(policy: "Policy") -> "Policy":
     except TypeError:  # an unhashable field (a custom recipe): guarded by identity
         return policy
     if found is None:
-        found = _twin(policy)  # never the caller's object, which Dynamo would guard on
-        object.__setattr__(found, "_canonical", found)
+        found = _twin(policy, _canonical=None)  # never the caller's object, which Dynamo would guard on
         found = _CANONICAL.setdefault(key, found)
     return found
 

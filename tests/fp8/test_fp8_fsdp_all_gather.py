@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mixprec import fp8
-from mixprec.fp8._fsdp import GatheredFloat8Weight
+from mixprec.fp8._fsdp import Float8AllGatherWeight, GatheredFloat8Weight
 from mixprec.fp8._quant import cast_to_fp8
 from mixprec.fp8._recipe import Cast
 
@@ -416,3 +416,38 @@ def test_a_checkpoint_loads_with_weights_only_into_plain_and_converted_models(tm
         ref = getattr(p, "_tensor", p)
         assert torch.equal(plain.get_parameter(name), ref) and torch.equal(converted.get_parameter(name), ref), name
     assert type(plain[0].weight) is nn.Parameter and type(converted[0].weight._tensor) is torch.Tensor
+
+
+class _Tied(nn.Module):
+    """An embedding tied to the LM head (``head.weight is emb.weight``), a body between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.body = nn.Embedding(32, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(self.emb(x))))
+
+
+def test_a_tied_weight_stays_one_parameter_stepped_once() -> None:
+    tokens = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(6))
+    runs = []
+    for option in (True, False):
+        torch.manual_seed(7)
+        model = fp8.convert(_Tied(), filter_fn=lambda m, fqn: fqn in ("body", "head"), fsdp_fp8_all_gather=option)
+        assert model.head.weight is model.emb.weight and len(list(model.parameters())) == 3
+        assert isinstance(model.emb.weight, Float8AllGatherWeight) == option
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # without fully_shard: the all-gather's warning
+            for _ in range(5):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+                opt.step()
+        assert len(opt.state) == 3
+        runs.append([getattr(p, "_tensor", p).detach().clone() for p in model.parameters()])
+        plain = fp8.unconvert(model)
+        assert plain.head.weight is plain.emb.weight and type(plain.emb.weight) is nn.Parameter
+    assert _equal(runs[0], runs[1])

@@ -154,6 +154,20 @@ def test_bad_arguments_raise():
             fp8.linear(x, w, backend="scaled_mm")
 
 
+@pytest.mark.parametrize("name, odd, fits", [("mxfp4", (16, 48), (32, 64)), ("nvfp4", (24, 16), (16, 32)),
+                                              ("mxfp8", (32, 48), (32, 64)), ("blockwise", (128, 64), (128, 128))])
+def test_features_not_multiples_of_the_blocks_raise(name, odd, fits):
+    recipe = Float8Recipe.from_name(name)
+    x = torch.randn(4, odd[1])
+    with pytest.raises(ValueError, match=rf"{tuple(odd)}.*not multiples of {recipe.block_multiple}, the '{name}'"):
+        fp8.linear(x, torch.randn(*odd), recipe=recipe)
+    state = fp8.LayerState()
+    state.recipe = recipe  # a controller's rung: the same refusal
+    with pytest.raises(ValueError, match="not multiples of"):
+        fp8.linear(x, torch.randn(*odd), state=state)
+    assert fp8.linear(torch.randn(4, fits[1]), torch.randn(*fits), recipe=recipe).shape == (4, fits[0])
+
+
 def test_auto_backend_emulates_on_cpu():
     lin, x, grad = _case((8, 32), 16, torch.float32, torch.float32, True)
     auto = _run(lambda m, t: fp8.linear(t, m.weight, m.bias, backend="auto"), lin, x, grad)

@@ -137,6 +137,32 @@ def test_per_step_policies_with_fresh_state_are_not_kept_alive(state):
     assert [r for r in refs if r() is not None] == []
 
 
+@pytest.mark.parametrize("state", ["controller", "guard"])
+def test_per_step_policies_that_train_and_step_their_fresh_state_are_freed_by_one_collection(state):
+    """Each step a new policy and Controller (or Guard) that runs the forward, the backward and its
+    step: one gc.collect() frees every one but the last, which the model's layers are under (a
+    canonical policy that referenced itself lived until a collection, its rule's hold on the
+    Controller until the next: the last ones, and one every few dozen steps, outlived it)."""
+    import gc
+    import weakref
+
+    model, x = _fp8_model(), torch.randn(4, 16)
+    refs = []
+    for _ in range(40):
+        obj = mixprec.Controller(every=1) if state == "controller" else mixprec.fp8.Guard(every=1)
+        policy = Policy.parse("bf16").fp8("tensorwise", first_last="fp8", **{state: obj})
+        with mixprec.autocast("cpu", policy=policy):
+            model(x).float().square().mean().backward()
+        obj.step() if state == "controller" else obj.step(model)
+        refs.append(weakref.ref(obj))
+        del obj, policy
+    gc.collect()
+    assert [i for i, r in enumerate(refs) if r() is not None] in ([], [len(refs) - 1])
+    del model
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
+
+
 def test_equal_policies_still_share_their_canonical_object():
     a, b = Policy.parse("bf16").keep(types=nn.LayerNorm), Policy.parse("bf16").keep(types=nn.LayerNorm)
     assert a is not b and a._canonical is b._canonical

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from mixprec.fp8._controller import Controller
-from mixprec.fp8._fsdp import check_recipe, wrap_weight
+from mixprec.fp8._fsdp import check_recipe, retie, wrap_weight
 from mixprec.fp8._guard import Guard, layer_states
 from mixprec.fp8._layers import (Float8Conv1D, Float8Linear, as_recipe, check_backend, group_unsharded, select_layers,
                                  warn_once)
@@ -56,7 +56,8 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     weight is all-gathered as its fp8 bytes (a quarter of fp32's, half of bf16's) with one scale
     from the amax all-reduced over the shards, bitwise the cast of the unsharded weight; see
     docs/fp8.md, "FSDP2". Convert before ``fully_shard`` and before creating the optimizer (the
-    weights become new ``nn.Parameter`` objects on the same storage). A converted layer run
+    weights become new ``nn.Parameter`` objects on the same storage; a tied weight, an embedding
+    sharing a converted head's, stays one parameter, the new one, in every module that holds it). A converted layer run
     without ``fully_shard`` warns once and casts its weight itself.
 
     Raises ValueError, before changing anything, when ``model`` itself is chosen and has
@@ -104,15 +105,16 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
         raise ValueError(f"fp8.convert: the root module is a {type(model).__name__} with children "
                          f"({', '.join(n for n, _ in model.named_children())}), which converting it would "
                          f"drop; convert its parent module, or pass a filter_fn that leaves the root ('') out")
-    wrapped = []
+    wrapped, weights = [], {}
     for fqn, mod in swaps:
         new = (Float8Linear.from_linear(mod, recipe, backend) if type(mod) is nn.Linear
                else Float8Conv1D.from_conv1d(mod, recipe, backend))
         if fsdp_fp8_all_gather:
-            wrap_weight(new, recipe)
+            wrap_weight(new, recipe, weights)
             wrapped.append((fqn, new))
         model = _swap(model, fqn, new)
     if wrapped:
+        retie(model, weights)
         group_unsharded(wrapped)
     if not swaps and by_user:
         likes = sum(1 for mod in model.modules() if swappable(mod))
@@ -138,11 +140,16 @@ def unconvert(model: nn.Module) -> nn.Module:
         >>> [type(x).__name__ for x in m]
         ['Linear', 'Linear', 'Linear']
     """
+    plain: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # a wrapped weight: its plain one, tied kept
     for fqn, mod in list(model.named_modules()):
-        if isinstance(mod, Float8Linear):
-            model = _swap(model, fqn, mod.to_linear())
-        elif isinstance(mod, Float8Conv1D):
-            model = _swap(model, fqn, mod.to_conv1d())
+        if isinstance(mod, (Float8Linear, Float8Conv1D)):
+            new = mod.to_linear() if isinstance(mod, Float8Linear) else mod.to_conv1d()
+            if id(mod.weight) in plain:
+                new.weight = plain[id(mod.weight)][1]
+            elif new.weight is not mod.weight:
+                plain[id(mod.weight)] = (mod.weight, new.weight)
+            model = _swap(model, fqn, new)
+    retie(model, plain)
     return model
 
 

@@ -27,7 +27,7 @@ from mixprec.fp8._quant import cast_to_fp8
 from mixprec.fp8._recipe import Cast, Float8Recipe
 from mixprec.fp8._state import WEIGHT, LayerState, layer_state
 
-__all__ = ["Float8AllGatherWeight", "GatheredFloat8Weight", "check_recipe", "reads_gathered", "wrap_weight",
+__all__ = ["Float8AllGatherWeight", "GatheredFloat8Weight", "check_recipe", "reads_gathered", "retie", "wrap_weight",
            "plain_weight", "warn_fallback", "precompute_fsdp_scales"]
 
 aten = torch.ops.aten
@@ -72,17 +72,40 @@ def warn_fallback(state: LayerState) -> None:
                       "fsdp_fp8_all_gather for a high-precision weight", UserWarning, stacklevel=4)
 
 
-def wrap_weight(module: nn.Module, recipe: Float8Recipe) -> None:
+def wrap_weight(module: nn.Module, recipe: Float8Recipe,
+                wrapped: dict[int, tuple[nn.Parameter, nn.Parameter]]) -> None:
     """Make ``module.weight`` a :class:`Float8AllGatherWeight` parameter (storage shared).
+
+    ``wrapped`` maps ``id(old)`` to ``(old, new)`` for the weights wrapped so far: a weight
+    already in it (tied to another converted layer) gets the same wrapper, and a new one is added
+    (:func:`retie` then points every other holder of ``old`` to ``new``).
 
     Raises ValueError when the weight is already sharded (a DTensor): convert before fully_shard.
     """
     weight = module.weight
+    if id(weight) in wrapped:
+        module.weight = wrapped[id(weight)][1]
+        return
     if _is_dtensor(weight):
         raise ValueError("fp8.convert(..., fsdp_fp8_all_gather=True): the model is already sharded (its weights are "
                          "DTensors); convert it before fully_shard")
     inner = Float8AllGatherWeight(weight.detach(), recipe.weight, recipe.pow2_scales)
     module.weight = nn.Parameter(inner, requires_grad=weight.requires_grad)
+    wrapped[id(weight)] = (weight, module.weight)
+
+
+def retie(model: nn.Module, replaced: dict[int, tuple[nn.Parameter, nn.Parameter]]) -> list[str]:
+    """Point every parameter slot of ``model`` that still holds a replaced weight (``replaced``
+    maps ``id(old)`` to ``(old, new)``: :func:`wrap_weight`'s, or unconvert's plain weights) to
+    its replacement, so a tie (an embedding sharing the LM head's weight) stays one parameter:
+    one optimizer state, one update. Returns the slots it changed (``fqn.name``)."""
+    tied = []
+    for fqn, mod in model.named_modules(remove_duplicate=False):
+        for name, p in list(mod._parameters.items()):
+            if p is not None and id(p) in replaced and replaced[id(p)][0] is p:
+                mod._parameters[name] = replaced[id(p)][1]
+                tied.append(f"{fqn}.{name}" if fqn else name)
+    return tied
 
 
 def plain_weight(weight: nn.Parameter) -> nn.Parameter:

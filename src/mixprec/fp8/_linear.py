@@ -230,7 +230,9 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     An empty input (no rows) gives an empty output through ``F.linear`` (differentiable) and
     records nothing.
 
-    Raises ValueError on shapes that do not fit, non-floating inputs or an unknown backend.
+    Raises ValueError on shapes that do not fit (also a weight whose features are not multiples
+    of the recipe's blocks, ``recipe.block_multiple``: ``mxfp4``, ``nvfp4``, ``mxfp8``,
+    ``blockwise``; it would run on zero-padded blocks), non-floating inputs or an unknown backend.
 
     Example:
         >>> x, w = torch.randn(4, 32), torch.randn(16, 32, requires_grad=True)
@@ -269,6 +271,12 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         else:
             out = F.linear(input, weight.to(input.dtype), None if bias is None else bias.to(input.dtype))
         return out if probe is None else probe(input, weight, out, bias)
+    blocks = recipe.block_multiple
+    if any(f % blocks for f in weight.shape):
+        raise ValueError(f"fp8 linear: a weight of shape {tuple(weight.shape)} (out, in features) whose features "
+                         f"are not multiples of {blocks}, the {recipe.name!r} recipe's blocks (fp8.convert "
+                         f"refuses such layers); pad the layer to a multiple of {blocks}, or pick a recipe "
+                         f"without blocks ('tensorwise', 'rowwise')")
     if recipe.blocked:
         backend = _block_backend(backend, recipe)
     else:

@@ -10,6 +10,8 @@ whole list takes about an hour on 2 cores; ``--only ID`` (repeatable, or comma-s
 from __future__ import annotations
 
 import argparse
+import fcntl
+import hashlib
 import json
 import os
 import re
@@ -26,6 +28,10 @@ from .catalog import AREAS, Mutant, apply, load
 
 ROOT = Path(__file__).resolve().parents[2]
 _COPIED = ("src", "tests", "pyproject.toml")
+#: Where the mutated copy lives: always the same folder for this checkout, because mixprec's C++
+#: kernels are built per package folder (``mixprec._native.environment``): a new folder per
+#: mutant would rebuild them (minutes) every time; one folder builds them once.
+WORKDIR = Path(tempfile.gettempdir()) / f"mixprec-mutants-{hashlib.sha1(str(ROOT).encode()).hexdigest()[:8]}"
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
 
 
@@ -91,8 +97,11 @@ def run_tests(root: Path, tests: tuple[str, ...], timeout: float) -> Outcome:
 
 def run_mutant(mutant: Mutant | None, selected: tuple[str, ...] | None, timeout: float, harness_only: bool,
                keep: bool) -> tuple[Outcome, Outcome]:
-    """Apply ``mutant`` (None: the baseline, nothing applied) to a fresh copy and run its groups."""
-    tmp = Path(tempfile.mkdtemp(prefix="mixprec-mutant-"))
+    """Apply ``mutant`` (None: the baseline, nothing applied) to a fresh copy in :data:`WORKDIR`
+    and run its groups."""
+    tmp = WORKDIR / "tree"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     try:
         copy_tree(tmp)
         if mutant is not None:
@@ -128,8 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", action="store_true",
                     help="first run every selected mutant's mapped tests on the unmutated copy: they must pass")
     ap.add_argument("--json", type=Path, help="also write the results to this file")
-    ap.add_argument("--keep", action="store_true", help="keep the temporary copies (to debug a mutant)")
+    ap.add_argument("--keep", action="store_true", help="leave the last mutated copy in place (to debug a mutant)")
     args = ap.parse_args(argv)
+    WORKDIR.mkdir(parents=True, exist_ok=True)
+    lock = open(WORKDIR / "lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until this process ends
+    except BlockingIOError:
+        raise SystemExit(f"scripts.mutants: another run uses {WORKDIR}; wait for it to finish") from None
 
     chosen = _select(load(), args.only, args.area)
     if args.list:

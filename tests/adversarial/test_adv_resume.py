@@ -17,7 +17,12 @@ while setting up or on the first step (a refused configuration) is accepted; not
 from __future__ import annotations
 
 import io
+import os
+import pickle
+import subprocess
+import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -110,6 +115,7 @@ class Run:
             self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-2, momentum=0.9)
         else:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self._count_calls()
         self.scaler = None
         if program.scaler != "none":
             self.scaler = mixprec.GradScaler("cpu", init_scale=2.0**8, growth_interval=2,
@@ -141,6 +147,26 @@ class Run:
             if self.supervisor is not None:
                 self.supervisor.step(**loss_scale)
 
+    def _count_calls(self) -> None:
+        """Count each block layer's calls on a non-empty input (the fp4 call count's absolute
+        reference, below; an empty micro-batch casts nothing)."""
+        self.calls: dict[str, int] = {}
+        for name, module in self.model.named_modules():
+            if name.startswith("blocks.") and isinstance(module, torch.nn.Linear):
+                def hook(module: Any, args: Any, name: str = name) -> None:
+                    self.calls[name] = self.calls.get(name, 0) + (args[0].numel() > 0)
+                module.register_forward_pre_hook(hook)
+
+    def check_rounding_steps(self) -> None:
+        """NVFP4's stochastic rounding draws from ``(seed, step, stream)``, ``step`` the layer's
+        fp4 call count (``LayerState.rounding_step``): with every non-empty call in fp4 (no Guard or
+        Controller to move a layer off it), the count after the run is the number of calls; a
+        count that does not advance draws the same numbers every step, in every run alike."""
+        if self.program.recipe not in FP4_RECIPES or self.program.supervisor != "none":
+            return
+        counts = fp8.rounding_steps(self.model)
+        assert {n: counts.get(n, 0) for n in self.calls} == self.calls, (counts, self.calls)
+
     def state(self) -> dict[str, Any]:
         out = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         if self.scaler is not None:
@@ -170,6 +196,27 @@ class Run:
                 "scaler": None if self.scaler is None else self.scaler.state_dict(), "decisions": decisions}
 
 
+def first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    """The path of the first difference between two nested states (dicts, lists, tensors
+    bitwise, numbers with NaN equal to NaN), or None."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{path}: keys {sorted(map(str, a.keys() ^ b.keys()))} in one only"
+        return next((d for k in a if (d := first_difference(a[k], b[k], f"{path}/{k}")) is not None), None)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{path}: lengths {len(a)} and {len(b)}"
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := first_difference(x, y, f"{path}[{i}]")) is not None),
+                    None)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)) and \
+            torch.equal(a.isnan(), b.isnan()) if a.is_floating_point() else a.dtype == b.dtype and torch.equal(a, b)
+        return None if same else f"{path}: tensors {a} and {b}"
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return None
+    return None if type(a) is type(b) and a == b else f"{path}: {a!r} and {b!r}"
+
+
 def run_resume(program: ResumeProgram) -> str:
     """Run ``program`` straight and resumed; assert they end the same. Returns how it ended."""
     try:
@@ -191,7 +238,12 @@ def run_resume(program: ResumeProgram) -> str:
     saved = torch.load(buffer, weights_only=True)
     resumed = Run(program, seed=program.shape.seed + 100)  # other initial weights: the load must set them
     resumed.load(saved)
+    # an absolute check, where a straight and a resumed run could share a defect: what was
+    # loaded saves back unchanged (save, load, save)
+    mismatch = first_difference(saved, resumed.state())
+    assert mismatch is None, f"state saved at step {program.resume_at}, loaded and saved again differs at {mismatch}"
     resumed.run(program.resume_at, len(program.steps))
+    straight.check_rounding_steps()
     a, b = straight.outcome(), resumed.outcome()
     assert a["decisions"] == b["decisions"], f"decisions: straight {a['decisions']}, resumed {b['decisions']}"
     assert a["scaler"] == b["scaler"], f"scaler state: straight {a['scaler']}, resumed {b['scaler']}"
@@ -323,3 +375,38 @@ def test_finding_per_layer_resume_after_skipped_blocks() -> None:
                _step(set(), 3, (8, 4, 4))),
         resume_at=4, route="none", supervisor="none", scaler="per_layer", optimizer="sgd")
     assert run_resume(program) == "ran"
+
+
+_FRESH = """
+import pickle, sys, torch
+import test_adv_resume as t
+program = pickle.loads(open(sys.argv[1], "rb").read())
+run = t.Run(program, seed=program.shape.seed + 100)
+run.load(torch.load(sys.argv[2], weights_only=True))
+run.run(program.resume_at, len(program.steps))
+torch.save(run.outcome(), sys.argv[3])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("program", [FP4_ROUTES[6].values[0], FP4_ROUTES[5].values[0]],
+                         ids=["nvfp4-policy-json-controller-per_gemm", "nvfp4-policy-none"])
+def test_a_fresh_process_continues_bitwise(program: ResumeProgram, tmp_path: Path) -> None:
+    """The checkpoint holds everything: a new Python process (no state left in mixprec's or
+    torch's process-wide caches, registries and generators) that loads it and runs the remaining
+    steps ends bitwise where the straight run does (NVFP4 with stochastic rounding: the draws)."""
+    straight = Run(program, seed=program.shape.seed)
+    straight.run(0, len(program.steps))
+    first = Run(program, seed=program.shape.seed)
+    first.run(0, program.resume_at)
+    torch.save(first.state(), tmp_path / "state.pt")
+    (tmp_path / "program.pkl").write_bytes(pickle.dumps(program))
+    here = Path(__file__).resolve().parent
+    path = [str(Path(mixprec.__file__).resolve().parents[1]), str(here), str(here.parent)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", _FRESH, str(tmp_path / "program.pkl"), str(tmp_path / "state.pt"),
+                    str(tmp_path / "out.pt")], env=env, check=True, timeout=300)
+    a, b = straight.outcome(), torch.load(tmp_path / "out.pt", weights_only=True)
+    assert a["decisions"] == b["decisions"] and a["scaler"] == b["scaler"], (a["decisions"], b["decisions"])
+    differ = [n for n in a["weights"] if not torch.equal(a["weights"][n], b["weights"][n])]
+    assert not differ, f"a fresh process resumed at step {program.resume_at}: weights differ: {differ}"

@@ -16,6 +16,8 @@ while setting up or on the first step (a refused configuration) is accepted; not
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import io
 import os
 import pickle
@@ -167,6 +169,39 @@ class Run:
         counts = fp8.rounding_steps(self.model)
         assert {n: counts.get(n, 0) for n in self.calls} == self.calls, (counts, self.calls)
 
+    def check_fp8_against_torchao(self) -> None:
+        """An absolute reference for the fp8 recipes (``Float8Recipe.from_name``: torchao's
+        numerics, bitwise): each block layer's trained weights (whatever the program made of
+        them: drift, an outlier, bf16 weights), through ``fp8.linear`` and through torchao's
+        emulated ``Float8Linear``, forward and backward on a probe batch in bf16, bitwise equal.
+        Runs compared only with each other would share a defect of the casts."""
+        if self.program.recipe not in FP8_RECIPES or self.program.route == "none":
+            return
+        torchao_float8 = pytest.importorskip("torchao.float8")
+        p = self.program
+        g = torch.Generator().manual_seed(p.shape.seed + 7)
+        x = batch(p.shape, p.shape.seed, 0, 0, 0, 8, drift=p.drift ** len(p.steps)).to(torch.bfloat16)
+        grad = torch.randn(8, p.shape.width, generator=g).to(torch.bfloat16)
+        recipe = Float8Recipe.from_name(p.recipe)
+        config = dataclasses.replace(torchao_float8.Float8LinearConfig.from_recipe_name(p.recipe), emulate=True)
+        for name, module in self.model.named_modules():
+            if not (name.startswith("blocks.") and isinstance(module, torch.nn.Linear)):
+                continue
+            lin = torch.nn.Linear(p.shape.width, p.shape.width, dtype=torch.bfloat16)
+            with torch.no_grad():
+                lin.weight.copy_(module.weight.detach().to(torch.bfloat16))
+                lin.bias.copy_(module.bias.detach().to(torch.bfloat16))
+            ref = torchao_float8.convert_to_float8_training(torch.nn.Sequential(copy.deepcopy(lin)), config=config)[0]
+            results = []
+            for fn, layer in ((lambda t, m: fp8.linear(t, m.weight, m.bias, recipe), copy.deepcopy(lin)),
+                              (lambda t, m: m(t), ref)):
+                xi = x.clone().requires_grad_()
+                y = fn(xi, layer)
+                y.backward(grad)
+                results.append((y, xi.grad, layer.weight.grad))
+            for what, a, b in zip(("output", "grad_input", "grad_weight"), *results):
+                assert torch.equal(a, b), f"{name}: fp8.linear's {what} differs from torchao's ({p.recipe})"
+
     def state(self) -> dict[str, Any]:
         out = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         if self.scaler is not None:
@@ -230,6 +265,7 @@ def run_resume(program: ResumeProgram) -> str:
         if program.scaler == "per_layer" and "more than once per step" in str(error):
             return "refused"
         raise
+    straight.check_fp8_against_torchao()
     first = Run(program, seed=program.shape.seed)
     first.run(0, program.resume_at)
     buffer = io.BytesIO()

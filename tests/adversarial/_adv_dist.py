@@ -35,7 +35,8 @@ class DistProgram:
     recipe: str = "tensorwise"
     fsdp: str = "none"  # "none" | "fsdp" | "fsdp_fp8" (fp8.convert(..., fsdp_fp8_all_gather=True))
     drift: tuple[float, float] = (1.0, 1.0)  # feature 0 of rank r's inputs grows drift[r] ** step
-    outlier: tuple[int, int] | None = None  # (rank, step): element (0, 1) of that batch is 1e6
+    outlier: tuple[int, int] | None = None  # (rank, step): element (0, 1) of that batch is outlier_value
+    outlier_value: float = 1e6  # or inf/nan: a bad sample, the gradients of that rank overflow
     lag_rank: int | None = None  # this rank sleeps 20 ms before each step
     scaler: bool = False  # GradScaler("cpu", process_group="default")
     controller: tuple[int, int, int] = (3, 30, 3)  # trend_windows, min_dwell, demote_windows
@@ -141,7 +142,7 @@ def run_rank(rank: int, program: DistProgram) -> dict[str, Any]:
             # with a scaler a rank must scale() before step(): no micro-batch -> an empty one
             micro = step.rows[source] or ((0,) if scaler is not None else ())
             for m, rows in enumerate(micro):
-                outlier = 1e6 if program.outlier == (source, step_index) else None
+                outlier = program.outlier_value if program.outlier == (source, step_index) else None
                 x = batch(program.shape, program.shape.seed, step_index, source, m, rows,
                           drift=program.drift[source], outlier=outlier)
                 with region():

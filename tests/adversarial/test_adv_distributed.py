@@ -158,7 +158,13 @@ FP4_SAME_DATA = DistProgram(shape=_BLOCKS, steps=tuple(Step(rows=((8, 8), (8, 8)
 STAGES = DistProgram(shape=Shape(width=32, blocks=2, gain=1.0, out=1), steps=_STEADY[:4], supervisor="guard",
                      every=1, route="policy", outlier=(0, 0), stages=True)
 
-KNOWN = [pytest.param(ITEM2_GUARD, id="item2-guard-first-microbatch-skipped"),
+#: A bad sample (NaN) on rank 1 at step 2, a GradScaler over the group: the overflow flag is
+#: all-reduced, so both ranks skip that step and back off alike (equal loss scales).
+NAN_ON_ONE_RANK = DistProgram(shape=_BLOCKS, steps=_STEADY[:5], supervisor="guard", every=1, route="policy",
+                              outlier=(1, 2), outlier_value=float("nan"), scaler=True)
+
+KNOWN = [pytest.param(NAN_ON_ONE_RANK, id="nan-batch-on-one-rank-scaler-over-the-group"),
+         pytest.param(ITEM2_GUARD, id="item2-guard-first-microbatch-skipped"),
          pytest.param(ITEM2_CONTROLLER, id="item2-controller-first-microbatch-skipped"),
          pytest.param(ITEM2_UNEVEN, id="item2-guard-uneven-microbatches"),
          pytest.param(ITEM3, id="item3-fsdp-fp8-all-gather-controller")]

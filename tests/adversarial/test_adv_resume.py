@@ -12,6 +12,12 @@ each object through ``torch.save``/``torch.load(weights_only=True)``, everything
 scratch with other initial weights, ``load_state_dict``, the remaining steps) must end with
 bitwise the same weights, the same scaler state and the same fp8 decisions. A ``ValueError``
 while setting up or on the first step (a refused configuration) is accepted; nothing else.
+
+Runs compared with each other pass a defect they share, so there are absolute references too:
+the state loaded into the rebuilt objects saves back unchanged (save, load, save); NVFP4's fp4
+call count (the ``step`` its stochastic rounding draws from) equals each layer's non-empty calls;
+the fp8 recipes' GEMMs on the trained weights equal torchao's emulated ``Float8Linear`` bitwise;
+and a fresh Python process that loads the checkpoint ends bitwise where the straight run does.
 """
 
 from __future__ import annotations

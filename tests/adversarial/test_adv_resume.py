@@ -16,6 +16,7 @@ while setting up or on the first step (a refused configuration) is accepted; not
 Runs compared with each other pass a defect they share, so there are absolute references too:
 the state loaded into the rebuilt objects saves back unchanged (save, load, save); NVFP4's fp4
 call count (the ``step`` its stochastic rounding draws from) equals each layer's non-empty calls;
+every decision crossed the limit the settings give it (the fp4 limit for e2m1 operands);
 the fp8 recipes' GEMMs on the trained weights equal torchao's emulated ``Float8Linear`` bitwise;
 and a fresh Python process that loads the checkpoint ends bitwise where the straight run does.
 """
@@ -175,6 +176,24 @@ class Run:
         counts = fp8.rounding_steps(self.model)
         assert {n: counts.get(n, 0) for n in self.calls} == self.calls, (counts, self.calls)
 
+    def check_decisions(self) -> None:
+        """Absolute checks of every decision against the settings, not against another run: a
+        Guard's fallback crossed its limit (``value > threshold``), and an underflow limit is the
+        one of the operand's format (``fp4_max_underflow`` for an e2m1 operand: every operand of
+        the fp4 recipes); a Controller promotes above its threshold and demotes at or below it."""
+        sup = self.supervisor
+        if isinstance(sup, fp8.Guard):
+            fp4 = self.program.recipe in FP4_RECIPES
+            for d in sup.decisions.values():
+                assert d.value > d.threshold, f"the Guard fell back without crossing its limit: {d}"
+                if d.statistic == "underflow":
+                    limit = sup.fp4_max_underflow if fp4 else sup.max_underflow
+                    assert d.threshold == limit, f"the Guard judged {d.operand} against {d.threshold}, not {limit}: {d}"
+        elif sup is not None:
+            for d in sup.log:
+                ok = d.value > d.threshold if d.action == "promote" else d.value <= d.threshold
+                assert ok, f"the Controller's decision contradicts its threshold: {d}"
+
     def check_fp8_against_torchao(self) -> None:
         """An absolute reference for the fp8 recipes (``Float8Recipe.from_name``: torchao's
         numerics, bitwise): each block layer's trained weights (whatever the program made of
@@ -271,6 +290,7 @@ def run_resume(program: ResumeProgram) -> str:
         if program.scaler == "per_layer" and "more than once per step" in str(error):
             return "refused"
         raise
+    straight.check_decisions()
     straight.check_fp8_against_torchao()
     first = Run(program, seed=program.shape.seed)
     first.run(0, program.resume_at)

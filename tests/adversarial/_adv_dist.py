@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,8 @@ class DistProgram:
     recipe: str = "tensorwise"
     fsdp: str = "none"  # "none" | "fsdp" | "fsdp_fp8" (fp8.convert(..., fsdp_fp8_all_gather=True))
     drift: tuple[float, float] = (1.0, 1.0)  # feature 0 of rank r's inputs grows drift[r] ** step
-    outlier: tuple[int, int] | None = None  # (rank, step): element (0, 1) of that batch is 1e6
+    outlier: tuple[int, int] | None = None  # (rank, step): element (0, 1) of that batch is outlier_value
+    outlier_value: float = 1e6  # or inf/nan: a bad sample, the gradients of that rank overflow
     lag_rank: int | None = None  # this rank sleeps 20 ms before each step
     scaler: bool = False  # GradScaler("cpu", process_group="default")
     controller: tuple[int, int, int] = (3, 30, 3)  # trend_windows, min_dwell, demote_windows
@@ -42,6 +44,8 @@ class DistProgram:
     same_data: bool = False  # every rank reads rank 0's data, its global generator seeded by rank
     backend: str = "auto"  # or "emulate_fp32" (every emulated GEMM in float32)
     loss_cost: float | None = None  # the Controller's max_loss_cost (its step gets the scaler's scale)
+    stages: bool = False  # rank r puts only the blocks i with i % 2 == r in fp8 (as pipeline stages own
+    #                       different layers): the ranks know different layers, as many with an even count
 
 
 #: the fp4 recipes (their Controller's ladder starts with them).
@@ -73,11 +77,14 @@ def _supervisor(program: DistProgram) -> Any:
                               per_gemm=program.per_gemm, max_loss_cost=program.loss_cost, **ladder)
 
 
-def _fp8_layer(module: torch.nn.Module, fqn: str) -> bool:
-    return fqn.startswith("blocks.")
+def _fp8_blocks(program: DistProgram, rank: int) -> str:
+    """The regular expression of the blocks rank ``rank`` puts in fp8."""
+    if not program.stages:
+        return r"^blocks\."
+    return rf"^blocks\.({'|'.join(str(i) for i in range(program.shape.blocks) if i % 2 == rank)})\."
 
 
-def _setup(program: DistProgram) -> tuple[torch.nn.Module, Any, Any, Any, Any]:
+def _setup(program: DistProgram, rank: int = 0) -> tuple[torch.nn.Module, Any, Any, Any, Any]:
     """model, optimizer, scaler, supervisor, region factory."""
     import mixprec
     from mixprec import Policy, fp8
@@ -86,7 +93,9 @@ def _setup(program: DistProgram) -> tuple[torch.nn.Module, Any, Any, Any, Any]:
     supervisor = _supervisor(program)
     if program.route == "convert":
         kind = "guard" if program.supervisor == "guard" else "controller"
-        model = fp8.convert(model, program.recipe, filter_fn=_fp8_layer, fsdp_fp8_all_gather=program.fsdp == "fsdp_fp8",
+        names = re.compile(_fp8_blocks(program, rank))
+        model = fp8.convert(model, program.recipe, filter_fn=lambda m, fqn: bool(names.search(fqn)),
+                            fsdp_fp8_all_gather=program.fsdp == "fsdp_fp8",
                             backend=program.backend,
                             **{kind: supervisor})
 
@@ -94,7 +103,7 @@ def _setup(program: DistProgram) -> tuple[torch.nn.Module, Any, Any, Any, Any]:
             return mixprec.autocast("cpu", dtype=torch.bfloat16)
     else:
         kind = "guard" if program.supervisor == "guard" else "controller"
-        policy = Policy.parse("compute=bf16").fp8(program.recipe, names=r"^blocks\.", first_last="fp8",
+        policy = Policy.parse("compute=bf16").fp8(program.recipe, names=_fp8_blocks(program, rank), first_last="fp8",
                                                   backend=program.backend, **{kind: supervisor})
         if program.json:
             policy = Policy.from_json(policy.to_json())
@@ -122,7 +131,7 @@ def run_rank(rank: int, program: DistProgram) -> dict[str, Any]:
     final state. Raises :class:`ProgramError` (``adv_step``: where) on any error."""
     step_index = -1
     try:
-        model, optimizer, scaler, supervisor, region = _setup(program)
+        model, optimizer, scaler, supervisor, region = _setup(program, rank)
         if program.same_data:  # anything drawn from the global generator would differ between ranks
             torch.manual_seed(1000 + rank)
         source = 0 if program.same_data else rank
@@ -133,11 +142,11 @@ def run_rank(rank: int, program: DistProgram) -> dict[str, Any]:
             # with a scaler a rank must scale() before step(): no micro-batch -> an empty one
             micro = step.rows[source] or ((0,) if scaler is not None else ())
             for m, rows in enumerate(micro):
-                outlier = 1e6 if program.outlier == (source, step_index) else None
+                outlier = program.outlier_value if program.outlier == (source, step_index) else None
                 x = batch(program.shape, program.shape.seed, step_index, source, m, rows,
                           drift=program.drift[source], outlier=outlier)
                 with region():
-                    loss = loss_of(model(x, step))
+                    loss = loss_of(model(x, step, rank))
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             costed = program.supervisor == "controller" and program.loss_cost is not None
             loss_scale = {"loss_scale": scaler.get_scale() if scaler is not None else 1.0} if costed else {}

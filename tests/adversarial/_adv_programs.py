@@ -40,11 +40,18 @@ class Shape:
 class Step:
     """One optimizer step: ``skip`` blocks left out, the forward leaves after block ``depth - 1``
     (``None``: all blocks), ``rows[r]`` the rows of each micro-batch of rank ``r`` (an empty
-    tuple: that rank runs no forward this step; 0 rows: an empty micro-batch)."""
+    tuple: that rank runs no forward this step; 0 rows: an empty micro-batch); ``rank_skip[r]``:
+    blocks rank ``r`` leaves out besides ``skip`` (ranks whose forwards differ know different
+    layers, possibly as many)."""
 
     skip: frozenset[int] = frozenset()
     depth: int | None = None
     rows: tuple[tuple[int, ...], ...] = ((8,),)
+    rank_skip: tuple[frozenset[int], ...] = ()
+
+    def skipped(self, rank: int = 0) -> frozenset[int]:
+        """The blocks rank ``rank`` leaves out on this step."""
+        return self.skip | (self.rank_skip[rank] if rank < len(self.rank_skip) else frozenset())
 
 
 class Net(nn.Module):
@@ -65,10 +72,11 @@ class Net(nn.Module):
             self.blocks[j][0].weight = self.blocks[i][0].weight
         self.head = nn.Linear(shape.width, shape.out)
 
-    def forward(self, x: torch.Tensor, step: Step = Step()) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step = Step(), rank: int = 0) -> torch.Tensor:
         depth = len(self.blocks) if step.depth is None else step.depth
+        skipped = step.skipped(rank)
         for i in range(depth):
-            if i not in step.skip:
+            if i not in skipped:
                 x = self.blocks[i](x)
         return self.head(x)
 
@@ -133,7 +141,8 @@ def shapes(draw: st.DrawFn, widths: tuple[int, ...] = (16, 32), max_blocks: int 
 def steps(draw: st.DrawFn, blocks: int, ranks: int = 1, max_steps: int = 12, min_steps: int = 2,
           uneven: bool = True, empty: bool = True, skips: bool = True) -> tuple[Step, ...]:
     """A schedule: per step the skipped blocks, the early-exit depth and the rows per micro-batch
-    of each rank (``uneven``: ranks may run different numbers of micro-batches, none included)."""
+    of each rank (``uneven``: ranks may run different numbers of micro-batches, none included,
+    and, with ``skips``, leave out different blocks)."""
     n = draw(st.integers(min_steps, max_steps))
     out = []
     for _ in range(n):
@@ -146,6 +155,9 @@ def steps(draw: st.DrawFn, blocks: int, ranks: int = 1, max_steps: int = 12, min
         else:
             k = draw(counts)
             rows = tuple(tuple(draw(st.lists(row, min_size=k, max_size=k))) for _ in range(ranks))
-        out.append(Step(skip=skip, depth=depth, rows=rows))
+        rank_skip: tuple[frozenset[int], ...] = ()
+        if uneven and skips and ranks > 1 and draw(st.booleans()):
+            rank_skip = tuple(frozenset(draw(st.sets(st.integers(0, blocks - 1), max_size=1))) for _ in range(ranks))
+        out.append(Step(skip=skip, depth=depth, rows=rows, rank_skip=rank_skip))
     return tuple(out)
 

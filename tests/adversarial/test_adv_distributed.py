@@ -151,7 +151,20 @@ FP4_SAME_DATA = DistProgram(shape=_BLOCKS, steps=tuple(Step(rows=((8, 8), (8, 8)
                             supervisor="controller", every=2, route="policy", recipe="nvfp4", drift=(1.6, 1.6),
                             controller=(1, 2, 1), per_gemm=True, same_data=True)
 
-KNOWN = [pytest.param(ITEM2_GUARD, id="item2-guard-first-microbatch-skipped"),
+#: The ranks know different layers, as many on each (pipeline-like stages: rank 0 puts block 0 in
+#: fp8, rank 1 block 1), and rank 0's first batch has an outlier that its fp8 layer sees. The
+#: check must reduce the rows of the same layers (the header compares the names' CRC, not only
+#: their count): both ranks agree that block 0 falls back, and no rank decides on block 1.
+STAGES = DistProgram(shape=Shape(width=32, blocks=2, gain=1.0, out=1), steps=_STEADY[:4], supervisor="guard",
+                     every=1, route="policy", outlier=(0, 0), stages=True)
+
+#: A bad sample (NaN) on rank 1 at step 2, a GradScaler over the group: the overflow flag is
+#: all-reduced, so both ranks skip that step and back off alike (equal loss scales).
+NAN_ON_ONE_RANK = DistProgram(shape=_BLOCKS, steps=_STEADY[:5], supervisor="guard", every=1, route="policy",
+                              outlier=(1, 2), outlier_value=float("nan"), scaler=True)
+
+KNOWN = [pytest.param(NAN_ON_ONE_RANK, id="nan-batch-on-one-rank-scaler-over-the-group"),
+         pytest.param(ITEM2_GUARD, id="item2-guard-first-microbatch-skipped"),
          pytest.param(ITEM2_CONTROLLER, id="item2-controller-first-microbatch-skipped"),
          pytest.param(ITEM2_UNEVEN, id="item2-guard-uneven-microbatches"),
          pytest.param(ITEM3, id="item3-fsdp-fp8-all-gather-controller")]
@@ -160,6 +173,12 @@ KNOWN = [pytest.param(ITEM2_GUARD, id="item2-guard-first-microbatch-skipped"),
 @pytest.mark.parametrize("program", KNOWN)
 def test_known_programs(pool: RankPool, program: DistProgram) -> None:
     check(pool, program)
+
+
+def test_ranks_that_know_different_layers_of_the_same_count(pool: RankPool) -> None:
+    results = check(pool, STAGES)
+    assert all(r["error"] is None for r in results)
+    assert [d["layer"] for d in results[0]["decisions"][0]] == ["blocks.0.0"], results[0]["decisions"]
 
 
 @pytest.mark.parametrize("program", [pytest.param(FP4_UNEVEN, id="nvfp4-per-gemm-uneven-drift"),

@@ -12,12 +12,26 @@ each object through ``torch.save``/``torch.load(weights_only=True)``, everything
 scratch with other initial weights, ``load_state_dict``, the remaining steps) must end with
 bitwise the same weights, the same scaler state and the same fp8 decisions. A ``ValueError``
 while setting up or on the first step (a refused configuration) is accepted; nothing else.
+
+Runs compared with each other pass a defect they share, so there are absolute references too:
+the state loaded into the rebuilt objects saves back unchanged (save, load, save); NVFP4's fp4
+call count (the ``step`` its stochastic rounding draws from) equals each layer's non-empty calls;
+every decision crossed the limit the settings give it (the fp4 limit for e2m1 operands);
+the fp8 recipes' GEMMs on the trained weights equal torchao's emulated ``Float8Linear`` bitwise;
+and a fresh Python process that loads the checkpoint ends bitwise where the straight run does.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import io
+import os
+import pickle
+import subprocess
+import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -110,6 +124,7 @@ class Run:
             self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-2, momentum=0.9)
         else:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self._count_calls()
         self.scaler = None
         if program.scaler != "none":
             self.scaler = mixprec.GradScaler("cpu", init_scale=2.0**8, growth_interval=2,
@@ -141,6 +156,77 @@ class Run:
             if self.supervisor is not None:
                 self.supervisor.step(**loss_scale)
 
+    def _count_calls(self) -> None:
+        """Count each block layer's calls on a non-empty input (the fp4 call count's absolute
+        reference, below; an empty micro-batch casts nothing)."""
+        self.calls: dict[str, int] = {}
+        for name, module in self.model.named_modules():
+            if name.startswith("blocks.") and isinstance(module, torch.nn.Linear):
+                def hook(module: Any, args: Any, name: str = name) -> None:
+                    self.calls[name] = self.calls.get(name, 0) + (args[0].numel() > 0)
+                module.register_forward_pre_hook(hook)
+
+    def check_rounding_steps(self) -> None:
+        """NVFP4's stochastic rounding draws from ``(seed, step, stream)``, ``step`` the layer's
+        fp4 call count (``LayerState.rounding_step``): with every non-empty call in fp4 (no Guard or
+        Controller to move a layer off it), the count after the run is the number of calls; a
+        count that does not advance draws the same numbers every step, in every run alike."""
+        if self.program.recipe not in FP4_RECIPES or self.program.supervisor != "none":
+            return
+        counts = fp8.rounding_steps(self.model)
+        assert {n: counts.get(n, 0) for n in self.calls} == self.calls, (counts, self.calls)
+
+    def check_decisions(self) -> None:
+        """Absolute checks of every decision against the settings, not against another run: a
+        Guard's fallback crossed its limit (``value > threshold``), and an underflow limit is the
+        one of the operand's format (``fp4_max_underflow`` for an e2m1 operand: every operand of
+        the fp4 recipes); a Controller promotes above its threshold and demotes at or below it."""
+        sup = self.supervisor
+        if isinstance(sup, fp8.Guard):
+            fp4 = self.program.recipe in FP4_RECIPES
+            for d in sup.decisions.values():
+                assert d.value > d.threshold, f"the Guard fell back without crossing its limit: {d}"
+                if d.statistic == "underflow":
+                    limit = sup.fp4_max_underflow if fp4 else sup.max_underflow
+                    assert d.threshold == limit, f"the Guard judged {d.operand} against {d.threshold}, not {limit}: {d}"
+        elif sup is not None:
+            for d in sup.log:
+                ok = d.value > d.threshold if d.action == "promote" else d.value <= d.threshold
+                assert ok, f"the Controller's decision contradicts its threshold: {d}"
+
+    def check_fp8_against_torchao(self) -> None:
+        """An absolute reference for the fp8 recipes (``Float8Recipe.from_name``: torchao's
+        numerics, bitwise): each block layer's trained weights (whatever the program made of
+        them: drift, an outlier, bf16 weights), through ``fp8.linear`` and through torchao's
+        emulated ``Float8Linear``, forward and backward on a probe batch in bf16, bitwise equal.
+        Runs compared only with each other would share a defect of the casts."""
+        if self.program.recipe not in FP8_RECIPES or self.program.route == "none":
+            return
+        torchao_float8 = pytest.importorskip("torchao.float8")
+        p = self.program
+        g = torch.Generator().manual_seed(p.shape.seed + 7)
+        x = batch(p.shape, p.shape.seed, 0, 0, 0, 8, drift=p.drift ** len(p.steps)).to(torch.bfloat16)
+        grad = torch.randn(8, p.shape.width, generator=g).to(torch.bfloat16)
+        recipe = Float8Recipe.from_name(p.recipe)
+        config = dataclasses.replace(torchao_float8.Float8LinearConfig.from_recipe_name(p.recipe), emulate=True)
+        for name, module in self.model.named_modules():
+            if not (name.startswith("blocks.") and isinstance(module, torch.nn.Linear)):
+                continue
+            lin = torch.nn.Linear(p.shape.width, p.shape.width, dtype=torch.bfloat16)
+            with torch.no_grad():
+                lin.weight.copy_(module.weight.detach().to(torch.bfloat16))
+                lin.bias.copy_(module.bias.detach().to(torch.bfloat16))
+            ref = torchao_float8.convert_to_float8_training(torch.nn.Sequential(copy.deepcopy(lin)), config=config)[0]
+            results = []
+            for fn, layer in ((lambda t, m: fp8.linear(t, m.weight, m.bias, recipe), copy.deepcopy(lin)),
+                              (lambda t, m: m(t), ref)):
+                xi = x.clone().requires_grad_()
+                y = fn(xi, layer)
+                y.backward(grad)
+                results.append((y, xi.grad, layer.weight.grad))
+            for what, a, b in zip(("output", "grad_input", "grad_weight"), *results):
+                assert torch.equal(a, b), f"{name}: fp8.linear's {what} differs from torchao's ({p.recipe})"
+
     def state(self) -> dict[str, Any]:
         out = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         if self.scaler is not None:
@@ -170,6 +256,27 @@ class Run:
                 "scaler": None if self.scaler is None else self.scaler.state_dict(), "decisions": decisions}
 
 
+def first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    """The path of the first difference between two nested states (dicts, lists, tensors
+    bitwise, numbers with NaN equal to NaN), or None."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{path}: keys {sorted(map(str, a.keys() ^ b.keys()))} in one only"
+        return next((d for k in a if (d := first_difference(a[k], b[k], f"{path}/{k}")) is not None), None)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{path}: lengths {len(a)} and {len(b)}"
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := first_difference(x, y, f"{path}[{i}]")) is not None),
+                    None)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)) and \
+            torch.equal(a.isnan(), b.isnan()) if a.is_floating_point() else a.dtype == b.dtype and torch.equal(a, b)
+        return None if same else f"{path}: tensors {a} and {b}"
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return None
+    return None if type(a) is type(b) and a == b else f"{path}: {a!r} and {b!r}"
+
+
 def run_resume(program: ResumeProgram) -> str:
     """Run ``program`` straight and resumed; assert they end the same. Returns how it ended."""
     try:
@@ -183,6 +290,8 @@ def run_resume(program: ResumeProgram) -> str:
         if program.scaler == "per_layer" and "more than once per step" in str(error):
             return "refused"
         raise
+    straight.check_decisions()
+    straight.check_fp8_against_torchao()
     first = Run(program, seed=program.shape.seed)
     first.run(0, program.resume_at)
     buffer = io.BytesIO()
@@ -191,7 +300,12 @@ def run_resume(program: ResumeProgram) -> str:
     saved = torch.load(buffer, weights_only=True)
     resumed = Run(program, seed=program.shape.seed + 100)  # other initial weights: the load must set them
     resumed.load(saved)
+    # an absolute check, where a straight and a resumed run could share a defect: what was
+    # loaded saves back unchanged (save, load, save)
+    mismatch = first_difference(saved, resumed.state())
+    assert mismatch is None, f"state saved at step {program.resume_at}, loaded and saved again differs at {mismatch}"
     resumed.run(program.resume_at, len(program.steps))
+    straight.check_rounding_steps()
     a, b = straight.outcome(), resumed.outcome()
     assert a["decisions"] == b["decisions"], f"decisions: straight {a['decisions']}, resumed {b['decisions']}"
     assert a["scaler"] == b["scaler"], f"scaler state: straight {a['scaler']}, resumed {b['scaler']}"
@@ -323,3 +437,38 @@ def test_finding_per_layer_resume_after_skipped_blocks() -> None:
                _step(set(), 3, (8, 4, 4))),
         resume_at=4, route="none", supervisor="none", scaler="per_layer", optimizer="sgd")
     assert run_resume(program) == "ran"
+
+
+_FRESH = """
+import pickle, sys, torch
+import test_adv_resume as t
+program = pickle.loads(open(sys.argv[1], "rb").read())
+run = t.Run(program, seed=program.shape.seed + 100)
+run.load(torch.load(sys.argv[2], weights_only=True))
+run.run(program.resume_at, len(program.steps))
+torch.save(run.outcome(), sys.argv[3])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("program", [FP4_ROUTES[6].values[0], FP4_ROUTES[5].values[0]],
+                         ids=["nvfp4-policy-json-controller-per_gemm", "nvfp4-policy-none"])
+def test_a_fresh_process_continues_bitwise(program: ResumeProgram, tmp_path: Path) -> None:
+    """The checkpoint holds everything: a new Python process (no state left in mixprec's or
+    torch's process-wide caches, registries and generators) that loads it and runs the remaining
+    steps ends bitwise where the straight run does (NVFP4 with stochastic rounding: the draws)."""
+    straight = Run(program, seed=program.shape.seed)
+    straight.run(0, len(program.steps))
+    first = Run(program, seed=program.shape.seed)
+    first.run(0, program.resume_at)
+    torch.save(first.state(), tmp_path / "state.pt")
+    (tmp_path / "program.pkl").write_bytes(pickle.dumps(program))
+    here = Path(__file__).resolve().parent
+    path = [str(Path(mixprec.__file__).resolve().parents[1]), str(here), str(here.parent)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", _FRESH, str(tmp_path / "program.pkl"), str(tmp_path / "state.pt"),
+                    str(tmp_path / "out.pt")], env=env, check=True, timeout=300)
+    a, b = straight.outcome(), torch.load(tmp_path / "out.pt", weights_only=True)
+    assert a["decisions"] == b["decisions"] and a["scaler"] == b["scaler"], (a["decisions"], b["decisions"])
+    differ = [n for n in a["weights"] if not torch.equal(a["weights"][n], b["weights"][n])]
+    assert not differ, f"a fresh process resumed at step {program.resume_at}: weights differ: {differ}"

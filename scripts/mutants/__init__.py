@@ -1,0 +1,1 @@
+"""Mutation testing of mixprec: ``python -m scripts.mutants`` (docs/mutants.md)."""

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from mixprec._paths import folder_problem
+from mixprec._quiet import quiet_imports
 from mixprec.diagnostics.audit import audit, check_device, dtype_names
 from mixprec.fp8 import as_recipe
 
@@ -111,7 +112,8 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
     problem = folder_problem(out)
     if problem:
         return _fail(problem, code=1)
-    loaded = _load(target)
+    with quiet_imports():  # a factory that imports transformers: torchao's log lines
+        loaded = _load(target)
     if isinstance(loaded, str):
         return _fail(loaded)
     model, batch, loss_fn = loaded

@@ -219,7 +219,7 @@ def test_the_command_reports_progress_and_prints_a_pasteable_shell_recommendatio
     columns (before: rich wrapped it, so it could not be pasted)."""
     (targets / "diag_long.py").write_text(LONG_NAMES)
     out = targets / "report"
-    assert run("diag_long:long_names", out, dtypes=["float16"]) == 0
+    assert run("diag_long:long_names", out, dtypes=["float16"], full=True) == 0
     captured = capsys.readouterr()
     steps = [re.sub(r"^mixprec audit: \[ *\d+\.\d s\] ", "", line) for line in captured.err.splitlines()]
     assert steps[0].startswith("float32 reference") and steps[-1] == "done"
@@ -227,7 +227,10 @@ def test_the_command_reports_progress_and_prints_a_pasteable_shell_recommendatio
     assert any(step.startswith("float16: verifying with 1 module(s) kept in float32") for step in steps)
     policy = mixprec.Policy.load(out / "report.json")
     lines = captured.out.splitlines()
-    assert len(str(policy)) > 80 and f"policy: {policy}" in lines  # whole, on one line
+    assert f"policy: {policy}" not in lines  # --full: by exact names, not the short form saved
+    full = mixprec.Policy.from_dict(json.loads((out / "report.json").read_text())["policy_full"])
+    assert len(str(full)) > 80 and f"policy: {full}" in lines  # whole, on one line
+    assert steps[-2:] == ["writing the report (figures: a few seconds)", "done"]
     use = next(line for line in lines if line.startswith("use it: "))
     assert f"mixprec.Policy.load({str(out / 'report.json')!r})" in use and "report.policy" not in use
 

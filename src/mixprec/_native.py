@@ -12,8 +12,9 @@ kernel runs the same cast kinds (``lower``, ``fp32``, ``promote``, ``fp32_set_op
 
 Building (:func:`build`, ``mixprec build-kernels`` ahead of time; else at first use: the first
 op a policy edits, an optimizer constructed with a low-precision CPU parameter) takes about
-30 s on 2 cores with ``torch.utils.cpp_extension`` (a C++ compiler and ninja,
-``mixprec[native]``), and says so on stderr: why it runs, then how long it took. Each
+30 s on 2 idle cores with ``torch.utils.cpp_extension`` (a C++ compiler and ninja,
+``mixprec[native]``), minutes on loaded ones, and says so on stderr: why it runs, what to expect
+(the latest build here and the load it had, else a range from the load now), then how long it took. Each
 environment has its own build folder, ``<root>/mixprec_native_<key>`` (root:
 ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), the key hashing what the build
 depends on (:func:`environment`: sources, flags, torch, ``sys.prefix``, mixprec's folder,
@@ -242,8 +243,9 @@ def _build(env: dict[str, str], directory: Path, say: Callable[[str], None]) -> 
     """Compile into ``directory`` (this process holds its lock), announcing it; remember a failure."""
     try:
         _check_tools(env)
-        say(f"mixprec: building its C++ kernels ({_reason(env, directory)}) in {directory}: about 30 s "
-            "on 2 idle cores, once per environment")
+        load = _load_now()
+        say(f"mixprec: building its C++ kernels ({_reason(env, directory)}) in {directory}: "
+            f"{_expected(directory.parent, load, os.cpu_count() or 1)}; once per environment")
         stale = directory / "lock"  # torch's own lock: left behind only by a killed build
         if stale.exists():
             stale.unlink()
@@ -256,9 +258,47 @@ def _build(env: dict[str, str], directory: Path, say: Callable[[str], None]) -> 
         _write_file(directory / "failed.json", json.dumps({"cause": str(cause), "time": time.time(), **env}))
         raise cause from None
     _load_library(directory)
-    _write_file(directory / "built.json", json.dumps({"seconds": round(seconds, 1), "time": time.time(), **env}))
+    _write_file(directory / "built.json", json.dumps({"seconds": round(seconds, 1), "time": time.time(),
+                                                      "load": load, "cores": os.cpu_count(), **env}))
     say(f"mixprec: built its C++ kernels in {seconds:.1f} s")
     return Built(directory, seconds)
+
+
+#: the build's time on 2 idle cores (an AVX-512 Xeon, load under 1): the floor of the estimate
+IDLE_BUILD_S = 30.0
+
+
+def _load_now() -> float | None:
+    """The 1-minute load average, or ``None`` where the system has none (Windows)."""
+    try:
+        return round(os.getloadavg()[0], 1)
+    except (AttributeError, OSError):
+        return None
+
+
+def _expected(root: Path, load: float | None, cores: int) -> str:
+    """How long the build should take, for its first line: from the latest finished build under
+    ``root`` when there is one (its time and the load then), else a range from
+    :data:`IDLE_BUILD_S` on idle cores, stretched by the share of the cores that other work holds
+    now (``load / cores``, each of them shared by ``1 + load / cores`` jobs): a guess from this
+    machine, not a promise; always with the load now."""
+    now = "load now unknown" if load is None else f"load now {load:g} on {cores} core(s)"
+    records = []
+    for marker in root.glob("mixprec_native_*/built.json"):
+        try:
+            record = json.loads(marker.read_text())
+            records.append((float(record["time"]), float(record["seconds"]), record.get("load")))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if records:
+        _, seconds, then = max(records)
+        at = "" if then is None else f" at load {then:g}"
+        return f"the last build here took {seconds:.0f} s{at}; {now}"
+    low = IDLE_BUILD_S * max(1.0, 2 / cores)
+    high = low * (1 + (load or 0.0) / cores)
+    if high < 1.5 * low:
+        return f"about {low:.0f} s ({now})"
+    return f"{low:.0f} to {high:.0f} s or more ({now})"
 
 
 def _check_tools(env: dict[str, str]) -> None:

@@ -326,4 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # idle OpenMP threads sleep instead of spinning: read when torch loads, so set it first
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    from mixprec._quiet import quiet_imports
+
+    with quiet_imports():  # torchao's import-time log lines, through a model's transformers
+        return int(args.func(args))

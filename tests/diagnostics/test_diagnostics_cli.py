@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import json
 import os
 import re
@@ -218,7 +219,7 @@ def test_the_command_reports_progress_and_prints_a_pasteable_shell_recommendatio
     columns (before: rich wrapped it, so it could not be pasted)."""
     (targets / "diag_long.py").write_text(LONG_NAMES)
     out = targets / "report"
-    assert run("diag_long:long_names", out, dtypes=["float16"]) == 0
+    assert run("diag_long:long_names", out, dtypes=["float16"], full=True) == 0
     captured = capsys.readouterr()
     steps = [re.sub(r"^mixprec audit: \[ *\d+\.\d s\] ", "", line) for line in captured.err.splitlines()]
     assert steps[0].startswith("float32 reference") and steps[-1] == "done"
@@ -226,7 +227,10 @@ def test_the_command_reports_progress_and_prints_a_pasteable_shell_recommendatio
     assert any(step.startswith("float16: verifying with 1 module(s) kept in float32") for step in steps)
     policy = mixprec.Policy.load(out / "report.json")
     lines = captured.out.splitlines()
-    assert len(str(policy)) > 80 and f"policy: {policy}" in lines  # whole, on one line
+    assert f"policy: {policy}" not in lines  # --full: by exact names, not the short form saved
+    full = mixprec.Policy.from_dict(json.loads((out / "report.json").read_text())["policy_full"])
+    assert len(str(full)) > 80 and f"policy: {full}" in lines  # whole, on one line
+    assert steps[-2:] == ["writing the report (figures: a few seconds)", "done"]
     use = next(line for line in lines if line.startswith("use it: "))
     assert f"mixprec.Policy.load({str(out / 'report.json')!r})" in use and "report.policy" not in use
 
@@ -239,3 +243,60 @@ def test_an_fp8_dtype_names_the_command_line_option(targets: Path, capsys: pytes
     assert "pass --fp8 tensorwise (or another recipe)" in err and "fp8=" not in err
     with pytest.raises(ValueError, match="pass fp8='tensorwise'"):  # the Python API keeps its own
         mixprec.audit(torch.nn.Linear(2, 1), torch.randn(1, 2), lambda m, x: m(x).sum(), dtypes=["float8_e4m3fn"])
+
+
+def test_quiet_imports_drops_torchaos_import_noise_and_nothing_else(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 42: importing transformers logged torchao's "Failed to load ... .so" lines (CPU torch)
+    and torch's KernelPreference deprecation before the command's first line. Only those go."""
+    from mixprec._quiet import quiet_imports
+
+    ao, pytree = logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")
+    deprecation = ("<enum 'KernelPreference'> is an Enum subclass and is now natively supported by "
+                   "torch.compile as an opaque value type. Calling register_constant() ...")
+    with caplog.at_level(logging.WARNING):
+        with quiet_imports():
+            pytree.warning(deprecation)
+            ao.warning("something torchao means")
+            pytree.warning("another pytree warning")
+            if torch.version.cuda is None:
+                ao.warning("Failed to load /x/torchao/_C_mxfp8.so: Could not load this library")
+        pytree.warning(deprecation)  # outside: as before
+    assert [r.getMessage() for r in caplog.records] == [
+        "something torchao means", "another pytree warning", deprecation]
+    assert not ao.filters and not pytree.filters  # removed on exit
+
+
+TRANSFORMERS_FACTORY = textwrap.dedent(
+    """
+    import torch
+    import transformers
+
+    def tiny_llama():
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=1, num_attention_heads=2,
+                                       num_key_value_heads=1, head_dim=16, max_position_embeddings=16)
+        ids = torch.randint(0, 64, (2, 8))
+        return transformers.LlamaForCausalLM(cfg), ids, lambda m, x: m(input_ids=x, labels=x).loss
+    """
+)
+
+
+@pytest.mark.slow
+def test_the_audit_of_a_transformers_model_starts_with_its_own_lines(targets: Path) -> None:
+    """``mixprec audit`` on a factory importing transformers: no torchao/pytree import noise on
+    stderr, where a plain import of transformers in the same environment logs it."""
+    pytest.importorskip("transformers")
+    (targets / "diag_hf.py").write_text(TRANSFORMERS_FACTORY)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(targets), str(MAIN.parents[1])]))
+    plain = subprocess.run([sys.executable, "-c", "import diag_hf; diag_hf.tiny_llama()"], capture_output=True,
+                           text=True, env=env, cwd=targets, timeout=300)
+    noise = ["Failed to load", "KernelPreference", "Skipping import of cpp extensions"]
+    if not any(n in plain.stderr for n in noise):
+        pytest.skip("this environment's transformers imports without torchao's noise")
+    run = subprocess.run([sys.executable, "-m", "mixprec", "audit", "diag_hf:tiny_llama", "--out", "r",
+                          "--dtypes", "bfloat16"], capture_output=True, text=True, env=env, cwd=targets,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert not any(n in run.stderr for n in noise), run.stderr
+    assert run.stderr.startswith("mixprec audit: [")

@@ -68,7 +68,8 @@ def test_auto_picks_tensorwise_for_normal_layers_and_a_block_format_for_the_outl
     assert advice.stay["inp"].startswith("first or last") and advice.stay["out"].startswith("first or last")
     rule = report.policy.fp8_rule
     assert (rule.recipe, rule.recipes) == ("tensorwise", (("b", "mxfp8"),))
-    assert "fp8 (auto): 'a' tensorwise, 'b' mxfp8, 'c' tensorwise" in report.summary_text()
+    assert "fp8 (auto): tensorwise 'a', 'c'; mxfp8 'b'" in report.summary_text()  # each format once
+    assert "fp8 (auto): 'a' tensorwise, 'b' mxfp8, 'c' tensorwise" in report.summary_text(full=True)
     report.save(tmp_path)
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["fp8"]["recipes"] == advice.recipes and data["fp8"]["rejected"] == advice.rejected

@@ -28,14 +28,14 @@ The layers' own statistics are put back afterwards (the audit leaves the model a
 from __future__ import annotations
 
 import math
-import re
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 from torch import nn
 
 from mixprec import fp8
 from mixprec.diagnostics._passes import Passes
+from mixprec.diagnostics._shortest import exact_names, in_kept
 from mixprec.diagnostics.findings import Fp8Advice
 from mixprec.fp8.internals import OPERANDS, is_linear_like, swap_layer_state
 
@@ -62,16 +62,8 @@ def _with_fp8(policy: Any, formats: dict[str, Any]) -> Any:
         return policy
     values = list(formats.values())
     default = max(dict.fromkeys(values), key=values.count)  # ties: the first (cheapest) one
-    names = "|".join(re.escape(n) for n in sorted(formats))
-    return policy.fp8(default, names=rf"^(?:{names})$", first_last="fp8",
+    return policy.fp8(default, names=exact_names(formats), first_last="fp8",
                       recipes={n: r for n, r in formats.items() if r != default})
-
-
-def _kept(policy: Any, modules: dict[str, nn.Module], fqn: str) -> bool:
-    """Whether a module rule of ``policy`` selects ``fqn`` or one of its ancestors (keep wins)."""
-    parts = fqn.split(".") if fqn else []
-    ancestors = [".".join(parts[:i]) for i in range(len(parts) + 1)]
-    return any(r.matches(modules[a], a) for a in ancestors for r in policy.module_rules)
 
 
 def _past_threshold(read: dict[str, Any], max_underflow: float, min_sqnr_db: float | None) -> str | None:
@@ -101,7 +93,7 @@ def _candidates(model: nn.Module, policy: Any, recipe: Any) -> tuple[list[str], 
     for name in linears:
         if name not in stay and name not in chosen:
             stay[name] = _FIRST_LAST
-        elif name in chosen and _kept(policy, modules, name):
+        elif name in chosen and in_kept(policy, modules, name):
             stay[name] = "kept in float32 by the policy"
     return [n for n in chosen if n not in stay], stay
 
@@ -116,10 +108,10 @@ def _named(recipe: Any) -> Any:
 
 def recommend_fp8(passes: Passes, policy: Any, recipe: Any, scale: float, *,
                   underflow_threshold: float, min_sqnr_db: float | None,
-                  max_fixes: int, progress: Callable[[str], None] = lambda line: None) -> tuple[Any, Fp8Advice]:
+                  max_fixes: int) -> tuple[Any, Fp8Advice]:
     """``(policy with the fp8 layers, Fp8Advice)`` for the compute ``policy`` (see module docs);
-    ``recipe``: a recipe, its name, or ``"auto"`` (a format per layer); ``progress`` gets a line
-    before each pass."""
+    ``recipe``: a recipe, its name, or ``"auto"`` (a format per layer); each pass is announced
+    through ``passes``."""
     auto = recipe in ("auto", "auto-fp4")
     formats_tried = AUTO_FP4_FORMATS if recipe == "auto-fp4" else AUTO_FORMATS if auto else (recipe,)
     tried = [fp8.as_recipe(r) for r in formats_tried]
@@ -147,8 +139,8 @@ def recommend_fp8(passes: Passes, policy: Any, recipe: Any, scale: float, *,
             for n, st in states.items():
                 st.reset()
                 st.sample_sqnr = min_sqnr_db is not None and n in trial
-            progress(f"fp8 {r.name}: measuring {len(trial)} Linear layer(s)")
-            passes.run(_with_fp8(policy, {**formats, **{n: _named(r) for n in trial}}), scale)
+            passes.run(_with_fp8(policy, {**formats, **{n: _named(r) for n in trial}}), scale,
+                       what=f"fp8 {r.name}: measuring {len(trial)} Linear layer(s)")
             for n in trial:
                 read = states[n].read()
                 stats[n] = {**{op: {k: read[op][k] for k in ("amax", "underflow", "nonfinite")}
@@ -173,8 +165,8 @@ def recommend_fp8(passes: Passes, policy: Any, recipe: Any, scale: float, *,
             for st in states.values():
                 st.reset()
                 st.fallback, st.sample_sqnr = False, False
-            progress(f"fp8: verifying {len(formats)} layer(s) in fp8" + (f" (round {fixes + 1})" if fixes else ""))
-            event = passes.traced(_with_fp8(policy, formats), scale)
+            event = passes.traced(_with_fp8(policy, formats), scale, what=f"fp8: verifying {len(formats)} "
+                                  "layer(s) in fp8" + (f" (round {fixes + 1})" if fixes else ""))
             culprit = None if event is None else event.fp8_layer
             if culprit not in formats or fixes == max_fixes:
                 break

@@ -59,22 +59,27 @@ class Snapshot:
 
 
 class Passes:
-    """Runs ``steps`` forward/backward passes from the snapshot, under a policy or in float32."""
+    """Runs ``steps`` forward/backward passes from the snapshot, under a policy or in float32.
+
+    Every run says what it is before it starts (``say(what)``; with ``steps > 1``, once per
+    step: ``what (step i of n)``): no forward of the model runs unannounced, however long it takes.
+    """
 
     def __init__(self, model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-                 device_type: str, steps: int) -> None:
+                 device_type: str, steps: int, say: Callable[[str], None] = lambda line: None) -> None:
         self.model, self.batch, self.loss_fn = model, batch, loss_fn
-        self.device_type, self.steps = device_type, steps
+        self.device_type, self.steps, self.say = device_type, steps, say
         self.snapshot = Snapshot(model, device_type)
 
-    def run(self, policy: Any, scale: float, *tools: Any) -> None:
+    def run(self, policy: Any, scale: float, *tools: Any, what: str) -> None:
         """Passes under ``policy`` (``None``: float32) with the loss times ``scale``, inside
-        ``tools`` (tracers, collectors)."""
+        ``tools`` (tracers, collectors), announced as ``what``."""
         self.snapshot.reset()
         with contextlib.ExitStack() as stack:
             for tool in tools:
                 stack.enter_context(tool)
-            for _ in range(self.steps):
+            for step in range(self.steps):
+                self.say(what if self.steps == 1 else f"{what} (step {step + 1} of {self.steps})")
                 for p in self.model.parameters():
                     p.grad = None
                 region = contextlib.nullcontext() if policy is None else autocast(self.device_type, policy=policy)
@@ -89,8 +94,8 @@ class Passes:
                     )
                 (loss.float() * scale).backward()
 
-    def traced(self, policy: Any, scale: float, *tools: Any) -> NonFiniteEvent | None:
+    def traced(self, policy: Any, scale: float, *tools: Any, what: str) -> NonFiniteEvent | None:
         """:meth:`run` with a deferred tracer; the first inf/NaN, or None."""
         tracer = trace_nonfinite(self.model, deferred=True)
-        self.run(policy, scale, tracer, *tools)
+        self.run(policy, scale, tracer, *tools, what=what)
         return tracer.resolve()

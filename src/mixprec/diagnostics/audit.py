@@ -42,6 +42,10 @@ With ``fp8="auto"`` each layer gets the cheapest format of ``tensorwise < rowwis
 blockwise`` that passes the same rule (one trial pass per format), and ``report.policy`` names
 each layer's format (``Policy.fp8(recipes=...)``).
 
+The decisions are made by exact module names (``report.full_policy``); ``report.policy`` is the
+same choice in its shortest equivalent form on this model (``diagnostics/_shortest.py``). The
+audit judges numerics only: it times nothing, and float16 is never chosen for speed.
+
 The model's parameters, gradients, buffers, fp8 layer statistics and the RNG state are restored
 afterwards; every pass starts from the same RNG state, so dropout masks agree between passes.
 """
@@ -51,7 +55,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import re
 from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
@@ -59,6 +62,7 @@ from torch import nn
 
 from mixprec.diagnostics._fp8_audit import recommend_fp8
 from mixprec.diagnostics._passes import FixedScale, Passes
+from mixprec.diagnostics._shortest import exact_names, shortest
 from mixprec.diagnostics.event import NonFiniteEvent
 from mixprec.diagnostics.findings import AuditReport, Risk
 from mixprec.diagnostics.ranges import KINDS, RangeStats, collect_ranges
@@ -109,10 +113,7 @@ def dtype_names(dtypes: Iterable[torch.dtype | str] | torch.dtype | str, *,
 
 def _policy(dtype: str, keep: set[str] | tuple[str, ...]) -> Policy:
     policy = Policy(compute=_CANDIDATES[dtype])
-    if keep:
-        names = "|".join(re.escape(n) for n in sorted(keep))
-        policy = policy.keep(names=rf"^(?:{names})$", dtype=torch.float32)
-    return policy
+    return policy.keep(names=exact_names(keep), dtype=torch.float32) if keep else policy
 
 
 def _minimal(flagged: set[str]) -> set[str]:
@@ -273,9 +274,10 @@ def audit(
         fp8_min_sqnr_db: the SQNR floor for fp8 layers (``None``: not sampled).
         loss_rtol: how far (relative to the float32 loss, at least ``1e-6`` absolute) a
             verification pass's loss may be from float32's and still count as verified.
-        progress: called with one line before each step (the float32 reference, each dtype's
-            run under the default policy and its verification rounds, the fp8 measurements),
-            e.g. ``progress=print``; ``mixprec audit`` prints them on stderr.
+        progress: called with one line before every pass (the float32 reference's, each
+            dtype's under the default policy and its verification rounds, the fp8 measurements;
+            with ``steps > 1`` before every step), e.g. ``progress=print``; ``mixprec audit``
+            prints them on stderr.
 
     Returns:
         An :class:`AuditReport`.
@@ -327,9 +329,8 @@ def audit(
     check_batch(batch)
 
     losses = _Losses(_as_model_loss(loss_fn), steps, loss_rtol)
-    passes = Passes(model, batch, losses, device_type, steps)
+    passes = Passes(model, batch, losses, device_type, steps, say)
     try:
-        say(f"float32 reference: {steps} pass(es), ranges and gradients")
         ref = _reference(passes, "float16" in names, margin, scaler, losses)
         ranges = dict(ref.ranges)
         keep: dict[str, tuple[str, ...]] = {}
@@ -341,14 +342,12 @@ def audit(
         for d in names:
             scale = ref.grad_scale if d == "float16" else 1.0
             kept = _candidates(ref.float32, d, underflow_threshold)
-            say(f"{d}: the default policy")
             default_events[d], ranges[d] = _default_run(passes, d, scale)
             judged = ref.scaled if d == "float16" else ref.float32
             risks += _risks(d, ref.float32, judged, ranges[d], default_events[d])
-            if kept:
-                say(f"{d}: verifying with {len(kept)} module(s) kept in float32")
-            first = default_events[d] if not kept else passes.traced(_policy(d, kept), scale)
-            kept, scale, clean = _verify(passes, d, kept, scale, first, max_fixes, say)
+            first = default_events[d] if not kept else passes.traced(
+                _policy(d, kept), scale, what=f"{d}: verifying with {len(kept)} module(s) kept in float32")
+            kept, scale, clean = _verify(passes, d, kept, scale, first, max_fixes)
             loss_ok[d] = losses.check(d)  # the last pass ran the candidate policy
             verified[d] = clean and loss_ok[d]
             keep[d] = tuple(n for n, _ in model.named_modules() if n in kept)
@@ -361,15 +360,16 @@ def audit(
         if fp8 is not None and fp8 is not False:
             policy, advice = recommend_fp8(
                 passes, policy, fp8, scale16 if chosen == "float16" else 1.0,
-                underflow_threshold=underflow_threshold, min_sqnr_db=fp8_min_sqnr_db, max_fixes=max_fixes,
-                progress=say)
+                underflow_threshold=underflow_threshold, min_sqnr_db=fp8_min_sqnr_db, max_fixes=max_fixes)
             # its last pass verified the final policy: the loss counts too
             advice = dataclasses.replace(advice, verified=losses.check("fp8") and advice.verified)
+        full, policy = policy, shortest(model, policy)
         return AuditReport(
             device_type=device_type,
             dtypes=names,
             dtype=chosen,
             policy=policy,
+            full_policy=full,
             init_scale=scale16 if chosen == "float16" else 1.0,
             reason=reason,
             keep=keep,
@@ -455,7 +455,7 @@ class _Reference(NamedTuple):
 def _reference(passes: Passes, float16: bool, margin: float, scaler: Any, losses: _Losses) -> _Reference:
     """Step 1: the float32 pass, the float16 loss scale, and (for float16) the gradients at it."""
     collector = collect_ranges(passes.model)
-    event = passes.traced(None, 1.0, collector)
+    event = passes.traced(None, 1.0, collector, what="float32 reference: ranges and gradients")
     if event is not None:
         raise RuntimeError(f"the model produces {event.kind} already in float32: {event}; "
                            "fix the model before choosing a precision")
@@ -469,7 +469,8 @@ def _reference(passes: Passes, float16: bool, margin: float, scaler: Any, losses
     grad_scale = float(scaler.get_scale()) if scaler is not None else scale16
     if float16 and grad_scale != 1.0:
         at_scale = collect_ranges(passes.model, scaler=FixedScale(grad_scale))
-        passes.run(None, 1.0, at_scale)
+        passes.run(None, 1.0, at_scale, what=f"float32 reference: gradients at the float16 loss scale "
+                                             f"{grad_scale:g}")
         ranges["float32@scale"] = at_scale.results()
     return _Reference(ranges, scale16, grad_scale)
 
@@ -487,12 +488,12 @@ def _default_run(passes: Passes, dtype: str, scale: float
                  ) -> tuple[NonFiniteEvent | None, dict[str, dict[str, RangeStats]]]:
     """Step 3: what goes wrong under the default policy: the first inf/NaN and the ranges."""
     collector = collect_ranges(passes.model)
-    event = passes.traced(_policy(dtype, ()), scale, collector)
+    event = passes.traced(_policy(dtype, ()), scale, collector, what=f"{dtype}: the default policy")
     return event, collector.results()
 
 
 def _verify(passes: Passes, dtype: str, kept: set[str], scale: float, event: NonFiniteEvent | None,
-            max_fixes: int, say: Callable[[str], None]) -> tuple[set[str], float, bool]:
+            max_fixes: int) -> tuple[set[str], float, bool]:
     """Step 4: fix what still goes wrong under the candidate policy (``event``: the first
     inf/NaN of a pass under it), at most ``max_fixes`` times: a backward inf/NaN in float16
     divides the scale by 8 (down to 1), any other keeps the module it names in float32.
@@ -506,9 +507,9 @@ def _verify(passes: Passes, dtype: str, kept: set[str], scale: float, event: Non
         else:
             break  # keeping it in float32 did not help: nothing more to try
         fixes += 1
-        say(f"{dtype}: verifying with {len(kept)} module(s) kept in float32"
-            + (f", loss scale {scale:g}" if dtype == "float16" else "") + f" (fix {fixes} of at most {max_fixes})")
-        event = passes.traced(_policy(dtype, kept), scale)
+        event = passes.traced(_policy(dtype, kept), scale, what=(
+            f"{dtype}: verifying with {len(kept)} module(s) kept in float32"
+            + (f", loss scale {scale:g}" if dtype == "float16" else "") + f" (fix {fixes} of at most {max_fixes})"))
     return kept, scale, event is None
 
 

@@ -4,8 +4,8 @@ The factory is called with no arguments and returns ``(model, batch, loss_fn)`` 
 :func:`mixprec.audit` takes them (``loss_fn(model, batch) -> scalar loss``). The command writes
 ``index.html`` and ``report.json`` (whose ``"policy"`` ``mixprec.Policy.load`` reads back) into
 ``--out`` and prints the summary, whose "use it" line loads the policy from that
-``report.json``; while the audit runs, one progress line per step goes to stderr (each pass
-takes a forward and a backward of the model: minutes for a large one). A bad target (module not found, no such attribute, not
+``report.json``; while the audit runs, a progress line goes to stderr before every pass (each
+pass takes a forward and a backward of the model: minutes for a large one). A bad target (module not found, no such attribute, not
 callable, factory raising, wrong return shape) or a bad option prints one line on stderr and
 returns 2; an ``--out`` that cannot hold the report (a file, a folder under a file, not writable)
 or an audit that fails while running the model (inf/NaN already in float32, an exception in the
@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from mixprec._paths import folder_problem
+from mixprec._quiet import quiet_imports
 from mixprec.diagnostics.audit import audit, check_device, dtype_names
 from mixprec.fp8 import as_recipe
 
@@ -77,7 +78,7 @@ def _load(target: str) -> tuple[Any, Any, Any] | str:
 
 
 def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
-                  steps: int, fp8: str | None = None) -> int:
+                  steps: int, fp8: str | None = None, full: bool = False) -> int:
     """Run :func:`mixprec.audit` on a factory's model; write the report; return an exit code.
 
     Args:
@@ -89,6 +90,8 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
         fp8: an fp8 recipe name (``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``, ``mxfp8``,
             ``blockwise``, or ``auto``: a format per layer): also
             recommend the Linear layers that run in fp8; ``None``: no fp8.
+        full: print the policy by exact module names and name every module (``--full``); else
+            its shortest equivalent form, groups of more than 4 modules counted.
 
     Returns:
         0 on success; 2 for a bad target or bad options; 1 for an ``out`` that cannot hold the
@@ -111,7 +114,8 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
     problem = folder_problem(out)
     if problem:
         return _fail(problem, code=1)
-    loaded = _load(target)
+    with quiet_imports():  # a factory that imports transformers: torchao's log lines
+        loaded = _load(target)
     if isinstance(loaded, str):
         return _fail(loaded)
     model, batch, loss_fn = loaded
@@ -137,12 +141,13 @@ def audit_command(target: str, out: str, *, device_type: str, dtypes: list[str],
         if created:
             os.rmdir(out)
         return _fail(f"the audit failed: {_one_line(e)}", code=1)
+    progress("writing the report (figures: a few seconds)")
     try:
         report.save(out)
     except OSError as e:
         return _fail(f"cannot write the report to {out!r}: {e.strerror or e}", code=1)
     progress("done")
-    report.summary(policy_file=os.path.join(out, "report.json"))
+    report.summary(policy_file=os.path.join(out, "report.json"), full=full)
     print(f"report written to {os.path.join(out, 'index.html')} and report.json")
     return 0
 
@@ -170,7 +175,10 @@ def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--fp8", default=None, metavar="RECIPE",
                    help="also recommend the Linear layers that run in fp8 with this recipe "
                    "(tensorwise, rowwise, rowwise_with_gw_hp, mxfp8, blockwise; auto: a format per layer)")
+    p.add_argument("--full", action="store_true",
+                   help="print the policy by exact module names and name every module (default: its "
+                   "shortest equivalent form, e.g. a rule over module types or name parts)")
     p.set_defaults(func=lambda a: audit_command(
         a.target, a.out, device_type=a.device,
-        dtypes=[d for d in a.dtypes.split(",") if d.strip()], steps=a.steps, fp8=a.fp8))
+        dtypes=[d for d in a.dtypes.split(",") if d.strip()], steps=a.steps, fp8=a.fp8, full=a.full))
     return p

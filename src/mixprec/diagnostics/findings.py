@@ -98,8 +98,11 @@ class AuditReport:
         device_type: the device the audit ran on.
         dtypes: the dtype names that were audited.
         dtype: the chosen dtype name.
-        policy: the recommended :class:`mixprec.Policy` (``compute`` = chosen dtype, float32
-            module rules for ``keep[dtype]``).
+        policy: the recommended :class:`mixprec.Policy` (``compute`` = chosen dtype, a float32
+            module rule for ``keep[dtype]``, the fp8 layers), in its shortest form that decides
+            as ``full_policy`` does on the audited model (a rule over module types or over the
+            last parts of their names, fp8's own layer selection: ``diagnostics/_shortest.py``).
+        full_policy: the same decisions by exact module names (``None``: ``policy``).
         init_scale: recommended initial loss scale (1.0 for bfloat16).
         reason: one sentence on why ``dtype`` was chosen.
         keep: per audited dtype, the modules its policy keeps in float32.
@@ -133,13 +136,14 @@ class AuditReport:
     ranges: dict[str, dict[str, dict[str, RangeStats]]] = field(repr=False)
     fp8: Fp8Advice | None = None
     losses: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    full_policy: "Policy | None" = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict of everything in the report.
 
         ``policy`` is the complete policy as :meth:`mixprec.Policy.to_dict` writes it, so
         ``mixprec.Policy.load("<out>/report.json")`` gives it back; ``policy_text`` is its
-        string form.
+        string form; ``policy_full`` and ``policy_full_text`` the same for ``full_policy``.
         """
         return {
             "device_type": self.device_type,
@@ -147,6 +151,8 @@ class AuditReport:
             "dtype": self.dtype,
             "policy": self.policy.to_dict(),
             "policy_text": str(self.policy),
+            "policy_full": (self.full_policy or self.policy).to_dict(),
+            "policy_full_text": str(self.full_policy or self.policy),
             "keep_float32": list(self.keep[self.dtype]),
             "init_scale": self.init_scale,
             "reason": self.reason,
@@ -170,20 +176,22 @@ class AuditReport:
                        for run, values in self.losses.items()},
         }
 
-    def summary(self, *, top: int = 12, policy_file: str | None = None) -> None:
+    def summary(self, *, top: int = 12, policy_file: str | None = None, full: bool = False) -> None:
         """Print the recommendation and the ``top`` risks as a table (with ``rich`` when it is
         installed, as plain text otherwise); returns nothing: :meth:`summary_text` is the text.
         ``policy_file``: where the policy was saved (``report.json``); the "use it" line then
-        loads it from there (what ``mixprec audit`` prints)."""
-        _render.print_summary(self, top=top, policy_file=policy_file)
+        loads it from there (what ``mixprec audit`` prints). The policy is in its shortest form
+        and groups of more than 4 modules are counted; ``full=True``: ``full_policy``, by exact
+        names, and every module named (``mixprec audit --full``)."""
+        _render.print_summary(self, top=top, policy_file=policy_file, full=full)
 
-    def summary_text(self, *, top: int = 12, policy_file: str | None = None) -> str:
+    def summary_text(self, *, top: int = 12, policy_file: str | None = None, full: bool = False) -> str:
         """What :meth:`summary` prints, as plain text (no ``rich``); prints nothing.
 
         Example:
             >>> print(report.summary_text(top=3))  # doctest: +SKIP
         """
-        return _render.summary_text(self, top=top, policy_file=policy_file)
+        return _render.summary_text(self, top=top, policy_file=policy_file, full=full)
 
     def to_html(self, path: str | os.PathLike[str]) -> None:
         """Write a self-contained HTML page (figures embedded as PNG data URIs) to ``path``.

@@ -50,22 +50,69 @@ def use_it(report: "AuditReport", policy_file: str | None = None) -> str:
     return f"{region}; {report.dtype} needs no loss scaling"
 
 
-def _header(report: "AuditReport", policy_file: str | None = None) -> list[str]:
+#: the short summary lists a group of modules by name up to this many, else counts them
+_LISTED = 4
+
+#: what the summary says of speed: the audit times nothing
+NUMERICS_ONLY = ("speed: not measured; the audit judges numerics only (ranges, inf/NaN, the loss), so "
+                 "float16 is never chosen for speed: time a few training steps before choosing (on a CPU "
+                 "without native float16 matmul, float16 autocast can be slower than float32)")
+
+
+def _names(names: list[str] | tuple[str, ...], full: bool) -> str:
+    """``'a', 'b'``; past :data:`_LISTED` names (short form) the first ones and a count."""
+    shown = [repr(n) for n in names]
+    if full or len(shown) <= _LISTED:
+        return ", ".join(shown)
+    return ", ".join(shown[:_LISTED - 1]) + f" and {len(shown) - _LISTED + 1} more"
+
+
+def _fp8_lines(report: "AuditReport", full: bool) -> list[str]:
+    f8 = report.fp8
+    warn = "" if f8.verified else " (WARNING: did not verify: inf/NaN or its loss)"
+    if full:
+        line = f"fp8 ({f8.recipe}): " + (", ".join(repr(m) + (f" {f8.recipes[m]}" if f8.recipe == "auto" else "")
+                                                   for m in f8.layers) or "(no layer)")
+        return [line + warn] + [f"  stays {m!r}: {why}" for m, why in f8.stay.items()]
+    by_format: dict[str, list[str]] = {}
+    for m in f8.layers:
+        by_format.setdefault(f8.recipes.get(m, f8.recipe), []).append(m)
+    groups = [f"{fmt} for {'all ' if len(by_format) == 1 else ''}{len(ms)} layer(s)"
+              if len(ms) > _LISTED else f"{fmt} {_names(ms, full)}" for fmt, ms in by_format.items()]
+    lines = [f"fp8 ({f8.recipe}): " + ("; ".join(groups) or "(no layer)") + warn]
+    by_why: dict[str, list[str]] = {}
+    for m, why in f8.stay.items():
+        by_why.setdefault(why, []).append(m)
+    return lines + [f"  {'stays' if len(ms) == 1 else 'stay'} {_names(ms, full)}: {why}" for why, ms in by_why.items()]
+
+
+def _header(report: "AuditReport", policy_file: str | None = None, full: bool = False) -> list[str]:
     kept = report.keep[report.dtype]
     scale = f", init_scale={_scale_str(report.init_scale)}" if report.dtype == "float16" else ""
+    policy = report.full_policy if full and report.full_policy is not None else report.policy
     lines = [
         f"mixprec audit ({report.device_type}): compute={report.dtype}{scale}",
-        f"policy: {report.policy}",
-        "keep in float32: " + (", ".join(repr(m) for m in kept) if kept else "(none)"),
+        f"policy: {policy}",
+        "keep in float32: " + (_names(kept, full) if kept else "(none)"),
         f"reason: {report.reason}",
     ]
     if report.fp8 is not None:
-        f8 = report.fp8
-        lines.append(f"fp8 ({f8.recipe}): " + (", ".join(repr(m) + (f" {f8.recipes[m]}" if f8.recipe == "auto" else "")
-                                                        for m in f8.layers) or "(no layer)")
-                     + ("" if f8.verified else " (WARNING: did not verify: inf/NaN or its loss)"))
-        lines += [f"  stays {m!r}: {why}" for m, why in f8.stay.items()]
+        lines += _fp8_lines(report, full)
+    lines.append(NUMERICS_ONLY)
+    if not full and (str(policy) != str(report.full_policy or policy) or _abbreviated(report)):
+        lines.append("(shortest form, the same choice on this model; every module by name: "
+                     "mixprec audit --full, report.summary(full=True))")
     return lines + [f"use it: {use_it(report, policy_file)}"]
+
+
+def _abbreviated(report: "AuditReport") -> bool:
+    """Whether the short summary counts some modules instead of naming them."""
+    groups = [report.keep[report.dtype]]
+    if report.fp8 is not None:
+        f8 = report.fp8
+        groups += [[m for m in f8.layers if f8.recipes.get(m, f8.recipe) == r] for r in set(f8.recipes.values())]
+        groups += [[m for m, w in f8.stay.items() if w == why] for why in set(f8.stay.values())]
+    return any(len(g) > _LISTED for g in groups)
 
 
 def _fp8_rows(report: "AuditReport") -> list[tuple[str, ...]]:
@@ -107,9 +154,11 @@ def _table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     return [line, "-" * len(line)] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
 
 
-def summary_text(report: "AuditReport", top: int = 12, policy_file: str | None = None) -> str:
-    """The summary as plain text (``policy_file``: see :func:`use_it`)."""
-    lines = _header(report, policy_file) + [""]
+def summary_text(report: "AuditReport", top: int = 12, policy_file: str | None = None,
+                 full: bool = False) -> str:
+    """The summary as plain text (``policy_file``: see :func:`use_it`; ``full``: the policy by
+    exact module names and every module named, not the shortest form)."""
+    lines = _header(report, policy_file, full) + [""]
     lines += _table(("dtype", "verified", "kept", "first inf/NaN under the default policy"),
                     _dtype_rows(report))
     lines += ["", f"top risks ({min(top, len(report.risks))} of {len(report.risks)}):"]
@@ -117,17 +166,18 @@ def summary_text(report: "AuditReport", top: int = 12, policy_file: str | None =
     return "\n".join(lines)
 
 
-def print_summary(report: "AuditReport", top: int = 12, policy_file: str | None = None) -> None:
+def print_summary(report: "AuditReport", top: int = 12, policy_file: str | None = None,
+                  full: bool = False) -> None:
     """Print the summary: with rich tables when rich is installed, else the plain text. The
     header lines (the policy, the "use it" line) are never wrapped: they stay pasteable."""
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        print(summary_text(report, top, policy_file))
+        print(summary_text(report, top, policy_file, full))
         return
     console = Console()
-    for line in _header(report, policy_file):
+    for line in _header(report, policy_file, full):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     t = Table("dtype", "verified", "kept", "first inf/NaN under the default policy")
     for row in _dtype_rows(report):
@@ -280,7 +330,7 @@ table{{border-collapse:collapse;font-size:13px;margin:1em 0}}
 td,th{{border:1px solid #ccc;padding:2px 8px;text-align:left}}
 pre{{background:#f6f6f6;padding:1em}}</style></head><body>
 <h1>mixprec audit</h1>
-<pre>{html.escape(chr(10).join(_header(report)))}</pre>
+<pre>{html.escape(chr(10).join(_header(report, full=True)))}</pre>
 <p>Use it: <code>{html.escape(use_it(report))}</code> (<code>report.policy</code> is
 <code>mixprec.Policy.load("report.json")</code> next to this page).</p>
 <h2>Dtypes audited</h2>

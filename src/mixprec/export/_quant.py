@@ -92,6 +92,9 @@ def quantize_model(model: nn.Module, plan: LayerPlan, stats: Any = None, rule: S
     series = _series(stats)
     linears = linear_layers(model)
     kept = dict(plan.kept)
+    for fqn, why in (getattr(stats, "fallback", None) or {}).items():  # saved statistics: why it was kept
+        if kept.get(fqn) == "not an fp8 layer":
+            kept[fqn] = why
     recipes = _recipes(linears, plan.fp8, getattr(stats, "recipes", None) or {}, recipe)
     scheme = {fqn: recipe_format(r) for fqn, r in recipes.items()} | {fqn: "kept" for fqn in kept}
     groups = _unify_fused(linears, scheme, kept, recipes)

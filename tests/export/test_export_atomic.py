@@ -72,7 +72,7 @@ def test_reexport_replaces_the_earlier_export_and_keeps_other_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["served"]
 
 
-def test_folder_with_another_checkpoint_or_under_a_file_is_refused_by_name(tmp_path):
+def test_folder_with_another_checkpoint_or_under_a_file_is_refused_by_name(tmp_path, monkeypatch):
     model, rec = _trained()
     other = tmp_path / "trained"
     other.mkdir()
@@ -92,5 +92,9 @@ def test_folder_with_another_checkpoint_or_under_a_file_is_refused_by_name(tmp_p
         mixprec.export(model, tmp_path / "afile", stats=rec)
     empty = tmp_path / "empty"
     empty.mkdir()
+    with monkeypatch.context() as mp:  # the current folder would be replaced under the process
+        mp.chdir(empty)
+        with pytest.raises(ValueError, match=r"is the current folder \(or contains it\)"):
+            mixprec.export(model, ".", stats=rec)
     mixprec.export(model, empty, stats=rec)  # an empty folder is fine
     assert (empty / "model.safetensors").is_file()

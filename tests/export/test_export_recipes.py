@@ -72,15 +72,17 @@ def test_cli_writes_what_the_python_call_writes_for_a_controller_trained_model(t
     rec = _policy_run(Policy.parse("compute=bf16").fp8("nvfp4", controller=ctl), model, ctl, ids=True)
     for i in range(2):  # as the Controller's promotions leave them: down_proj on the fp8 rung
         fp8.layer_state(model.get_submodule(f"model.layers.{i}.mlp.down_proj")).recipe = fp8.as_recipe("tensorwise")
+    fp8.layer_state(model.get_submodule("model.layers.1.self_attn.o_proj")).fallback = True  # on the compute rung
     with pytest.warns(UserWarning):  # layer 0's q_proj is kept (first_last="keep"): its k/v with it
         q = mixprec.export(model, tmp_path / "py", stats=rec)
     assert sorted(q.layers) == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
-    assert len(q.fp4) == 9 and {l.format for l in q.fp4.values()} == {"nvfp4"}
+    assert len(q.fp4) == 8 and {l.format for l in q.fp4.values()} == {"nvfp4"}
+    assert q.kept["model.layers.1.self_attn.o_proj"].startswith("in fallback")
     rec.save(tmp_path / "stats.pt")
     model.save_pretrained(tmp_path / "trained")
     args = ["export", str(tmp_path / "trained"), str(tmp_path / "cli"), "--stats", str(tmp_path / "stats.pt")]
     assert main(args) == 0, capsys.readouterr().err
-    assert "2 fp8 layers, 9 fp4 layers" in capsys.readouterr().out
+    assert "2 fp8 layers, 8 fp4 layers" in capsys.readouterr().out
     py, cli = _written(tmp_path / "py"), _written(tmp_path / "cli")
     assert py[1] == cli[1] and py[2] == cli[2]
     assert py[0].keys() == cli[0].keys()

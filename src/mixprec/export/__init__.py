@@ -70,8 +70,9 @@ def export(model: nn.Module, folder: str | Path, format: str = "compressed-tenso
     layer exports in the recipe it ran (a Controller's rung, a converted layer's recipe, the
     ``Policy.fp8`` recipe recorded on its ``LayerState``, else the one ``stats`` recorded);
     ``recipe``: that of layers with none (e.g. a model given ``layers=[...]``; default: fp8
-    tensorwise); where it contradicts what a layer ran, the layer exports as it ran (warning). ``format``: ``"compressed-tensors"`` (any device) or
-    ``"torchao"`` (a CUDA device of capability 8.9+). Also writes ``mixprec_export.json``: the
+    tensorwise); where it contradicts what a layer ran, the layer exports as it ran (warning).
+    ``format``: ``"compressed-tensors"`` (any device) or ``"torchao"`` (a CUDA device of
+    capability 8.9+). Also writes ``mixprec_export.json``: the
     rule, each fp8 layer's amax, scale and where the statistic came from, the kept layers and why.
     Layers a serving engine fuses (q/k/v, gate/up) export in one scheme (warning when that moves one).
 

@@ -24,8 +24,9 @@ def _is_checkpoint_file(path: Path) -> bool:
 
 def check_folder(folder: Path) -> list[Path]:
     """What of an existing ``folder`` goes into the new export: everything but checkpoint files
-    (a tokenizer, a README). Raises ValueError when ``folder``, or a folder above it, is a file, and
-    when ``folder`` holds checkpoint files that no mixprec export wrote (no manifest), naming them."""
+    (a tokenizer, a README). Raises ValueError when ``folder``, or a folder above it, is a file, when
+    it is the current folder or contains it, and when it holds checkpoint files that no mixprec
+    export wrote (no manifest), naming them."""
     for p in (folder, *folder.parents):
         if p.exists():
             if not p.is_dir():
@@ -35,6 +36,10 @@ def check_folder(folder: Path) -> list[Path]:
             break
     if not folder.exists():
         return []
+    here = Path.cwd()
+    if folder.resolve() in (here, *here.parents):
+        raise ValueError(f"export: {folder} is the current folder (or contains it), which the export would replace "
+                         f"by a new one: name an output folder such as {folder / 'served'}")
     entries = sorted(folder.iterdir())
     stale = [e.name for e in entries if _is_checkpoint_file(e)]
     if stale and not (folder / MANIFEST).is_file():
@@ -52,6 +57,7 @@ def staged(folder: Path) -> Iterator[Path]:
     :func:`check_folder`) and rename it into place (an earlier export there is renamed aside, then
     removed). On an exception (a KeyboardInterrupt too) the hidden folder is removed and ``folder``
     is as it was. Checks ``folder`` before yielding (ValueError, see :func:`check_folder`)."""
+    folder = Path(os.path.abspath(folder))  # "." or "out/" have a name and a parent to write beside
     carry = check_folder(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"

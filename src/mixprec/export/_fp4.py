@@ -111,7 +111,8 @@ def quantize_fp4(fqns: tuple[str, ...], r: Float8Recipe, weights: list[torch.Ten
     for fqn, w in zip(fqns, weights):
         stop = start + w.shape[0]
         out[fqn] = Fp4Layer(fmt, packed[start:stop].cpu().contiguous(), scale[start:stop].cpu().contiguous(),
-                            None if gscale is None else gscale.clone(), None if in_gscale is None else in_gscale.clone(),
+                            None if gscale is None else gscale.clone(),
+                            None if in_gscale is None else in_gscale.clone(),
                             amax, source if in_gscale is not None else "none (dynamic input scales)")
         start = stop
     return out

@@ -13,7 +13,8 @@ from torch import nn
 from mixprec.fp8 import Float8Conv1D, Float8Linear, layer_state
 from mixprec.fp8.internals import is_linear_like
 
-__all__ = ["FUSED", "KVSource", "LayerPlan", "cache_argument", "fused_groups", "linear_layers", "kv_sources", "plan_layers", "weight_out_in"]
+__all__ = ["FUSED", "KVSource", "LayerPlan", "cache_argument", "fused_groups", "linear_layers", "kv_sources",
+           "plan_layers", "weight_out_in"]
 
 #: the names an attention module's forward takes its KV cache under (transformers 5: ``cache``; earlier:
 #: ``past_key_values``/``past_key_value``, the names compressed-tensors 0.20's KV hooks look for)

@@ -80,7 +80,9 @@ def quantize_model(model: nn.Module, plan: LayerPlan, stats: Any = None, rule: S
     Input scales: ``rule`` over the layer's recorded windows (``stats``, a :class:`Recorder`),
     else over the single window of its fp8 ``LayerState`` (the input amax since the last Guard
     check). Each layer exports in the recipe it ran (:func:`forward_recipe`, else the one
-    ``stats`` recorded); ``recipe``: that of layers with none (warning where it contradicts one). KV scales: ``rule`` over the windows of the keys and values, when ``stats`` has them.
+    ``stats`` recorded); ``recipe``: that of layers with none (warning where it contradicts one).
+    Layers a serving engine fuses share one scheme (:func:`_unify_fused`) and one input scale.
+    KV scales: ``rule`` over the windows of the keys and values, when ``stats`` has them.
 
     Raises ValueError naming the layer when neither holds a nonzero amax for it. Warns when the
     model has attention layers and no KV statistics (a serving engine then uses a KV scale of 1.0).
@@ -90,6 +92,9 @@ def quantize_model(model: nn.Module, plan: LayerPlan, stats: Any = None, rule: S
     series = _series(stats)
     linears = linear_layers(model)
     kept = dict(plan.kept)
+    for fqn, why in (getattr(stats, "fallback", None) or {}).items():  # saved statistics: why it was kept
+        if kept.get(fqn) == "not an fp8 layer":
+            kept[fqn] = why
     recipes = _recipes(linears, plan.fp8, getattr(stats, "recipes", None) or {}, recipe)
     scheme = {fqn: recipe_format(r) for fqn, r in recipes.items()} | {fqn: "kept" for fqn in kept}
     groups = _unify_fused(linears, scheme, kept, recipes)
@@ -189,9 +194,9 @@ def _unify_fused(linears: dict[str, nn.Module], scheme: dict[str, str], kept: di
         if target in ("nvfp4", "mxfp4"):
             casts = {recipes[n].weight for n in group}
             if len(casts) > 1:
-                warnings.warn(f"export: {', '.join(group)} (fused by serving engines) ran with different fp4 weight "
-                              f"casts {sorted(map(str, casts))}: they export with {group[0]}'s ({recipes[group[0]].weight})",
-                              stacklevel=4)
+                warnings.warn(f"export: {', '.join(group)} (fused by serving engines) ran with different fp4 "
+                              f"weight casts {sorted(map(str, casts))}: they export with {group[0]}'s "
+                              f"({recipes[group[0]].weight})", stacklevel=4)
             for n in group:
                 recipes[n] = recipes[group[0]]
     return groups

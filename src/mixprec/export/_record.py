@@ -225,6 +225,14 @@ class Recorder:
         except ValueError:  # no fp8 layer: a calibrated model
             return []
 
+    def _fallback(self) -> dict[str, str]:
+        """The layers a Guard or Controller keeps above fp8 now, with the reason."""
+        try:
+            kept = plan_layers(self._model).kept
+        except ValueError:
+            return {}
+        return {fqn: why for fqn, why in kept.items() if why.startswith("in fallback")}
+
     @property
     def recipes(self) -> dict[str, Float8Recipe]:
         """``{layer: the recipe its forward runs now}`` of the model's fp8 layers (a Controller's
@@ -235,10 +243,11 @@ class Recorder:
 
     def state_dict(self) -> dict[str, Any]:
         """The closed windows, for a checkpoint or for ``mixprec export --stats``; with the model's fp8
-        layers at this moment (``fp8_layers``: those not in fallback; none for a model without fp8)
+        layers at this moment (``fp8_layers``: those not in fallback, ``fallback``: those in it; none
+        for a model without fp8)
         and the recipe each runs (``recipes``, see :attr:`recipes`: the CLI exports them as they ran)."""
         return {"names": list(self.names), "history": self.history.cpu(), "every": self.every,
-                "fp8_layers": self._fp8_layers(), "kv_sites": self.kv_sites,
+                "fp8_layers": self._fp8_layers(), "fallback": self._fallback(), "kv_sites": self.kv_sites,
                 "recipes": {fqn: recipe_to_dict(r) for fqn, r in self.recipes.items()}}
 
     def save(self, path: str | Path) -> None:
@@ -259,6 +268,8 @@ class _Loaded:
                              "mixprec.export.Recorder.save writes it")
         self.names, self.history = list(state["names"]), state["history"]
         self.fp8_layers = list(state.get("fp8_layers", []))
+        #: the layers a Guard or Controller kept above fp8 when the statistics were saved, with the reason
+        self.fallback = dict(state.get("fallback", {}))
         #: where each key/value series was measured; absent from files saved before mixprec measured the
         #: keys in the cache (their key statistics were taken before RoPE: export does not use them)
         self.kv_sites: dict[str, str] | None = dict(state["kv_sites"]) if "kv_sites" in state else None

@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from mixprec._modules import is_wrapper_key, named_modules, unwrap
 from mixprec._tree import cast_tree
 from mixprec.engine import runtime
 from mixprec.engine.compile import traced_policy
@@ -93,7 +94,7 @@ def _fp8_layers(root: nn.Module, policy: Policy, region: _Region | None = None) 
     targets = select_targets(root, policy)
     if targets is None:
         if region is not None and len(region.fp8_without) < 8:
-            region.fp8_without.append(type(getattr(root, "_orig_mod", root)).__name__)
+            region.fp8_without.append(type(unwrap(root)).__name__)
         return {}
     if region is not None:
         region.fp8_ran = True
@@ -200,10 +201,11 @@ def replay(captured: Captured, frames: dict[int, Frame]) -> Callable[[], None]:
 
 # --------------------------------------------------------------------------- the decision
 def _path(root: nn.Module, module: nn.Module) -> str:
-    root = getattr(root, "_orig_mod", root)
-    if module is root or getattr(module, "_orig_mod", None) is root:
+    """``module``'s name under ``root``, without wrappers' parts (:func:`mixprec._modules.named_modules`)."""
+    root = unwrap(root)
+    if module is root or unwrap(module) is root:
         return ""
-    for name, m in root.named_modules(remove_duplicate=False):
+    for name, m in named_modules(root):
         if m is module:
             return name
     return ""  # not under root: only type rules can match it
@@ -214,12 +216,17 @@ def _qualified_name(module: nn.Module, calls: list[tuple[nn.Module, str, Any, bo
     if not calls:
         return ""  # the outermost module of the region
     parent, parent_name = calls[-1][0], calls[-1][1]
-    inner = getattr(parent, "_orig_mod", None)  # torch.compile's wrapper is transparent
-    if inner is module:
-        return parent_name
-    for key, child in (inner if isinstance(inner, nn.Module) else parent)._modules.items():
-        if child is module:
-            return f"{parent_name}.{key}" if parent_name else key
+    holder = parent  # the parent, then the modules it wraps: wrappers (DDP, FSDP1, compile) are transparent
+    while True:
+        inner = None
+        for key, child in holder._modules.items():
+            if child is module:
+                return parent_name if is_wrapper_key(holder, key) else f"{parent_name}.{key}" if parent_name else key
+            if child is not None and inner is None and is_wrapper_key(holder, key):
+                inner = child
+        if inner is None:
+            break
+        holder = inner
     return _path(calls[0][0] if root is None else root, module)
 
 

@@ -23,6 +23,7 @@ before. A checkpoint's recompute replays the calls, root and fp8 layers of the f
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 import weakref
@@ -49,6 +50,8 @@ __all__ = ["enter_region", "exit_region", "install_permanently", "capture", "rep
 # Registry, process-wide by nature (a warning is given once per process): the sets of module
 # types warned about as having no fp8 candidate layer.
 _NO_CANDIDATES_WARNED: set[tuple[str, ...]] = set()
+# fp8 layers warned about running inside a reentrant checkpoint (once per layer, while it lives)
+_REENTRANT_WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 @dataclass(eq=False)
@@ -329,6 +332,8 @@ def _pre_call(module: nn.Module, args: tuple) -> Any:
     if rule is None and target is None:
         rt.calls.append((module, name, None, kept))
         return None
+    if target is not None and not torch.is_grad_enabled() and module not in _REENTRANT_WARNED:
+        _warn_reentrant(module, name)
     devices, cache = (), None
     if rule is not None:
         state, cache = _rule_state(rule, frame.device_type)
@@ -338,6 +343,27 @@ def _pre_call(module: nn.Module, args: tuple) -> Any:
         args = cast_tree(args, rule.dtype, frame.device_type)
     rt.calls.append((module, name, (entry, target), kept))
     return args
+
+
+def _warn_reentrant(module: nn.Module, name: str) -> None:
+    """Warn once for the fp8 layer ``module`` when it runs in the forward of a
+    ``checkpoint(..., use_reentrant=True)`` (grad off, ``CheckpointFunction.forward`` on the
+    stack): PyTorch recomputes it in backward outside every mixprec region, so its backward
+    would silently not be fp8 and record no grad_output statistics."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    code = CheckpointFunction.forward.__code__
+    f = sys._getframe(2)
+    while f is not None and f.f_code is not code:
+        f = f.f_back
+    if f is None:
+        return  # grad off for another reason (evaluation under no_grad): its forward is the fp8 one
+    _REENTRANT_WARNED.add(module)
+    warnings.warn(f"fp8: layer {name or type(module).__name__!r} runs inside torch.utils.checkpoint.checkpoint(..., "
+                  f"use_reentrant=True), which recomputes it in backward outside mixprec's policy: its backward is "
+                  f"not fp8 and records no grad_output statistics (a Guard or Controller cannot see its gradients). "
+                  f"Use checkpoint(..., use_reentrant=False, context_fn=mixprec.checkpoint_context_fn)",
+                  UserWarning, stacklevel=4)
 
 
 def _post_call(module: nn.Module, args: tuple, output: Any) -> Any:

@@ -69,14 +69,14 @@ def _model(wrap: str, ddp: Any) -> tuple[_Net, nn.Module]:
 def test_a_keep_rule_by_name_selects_the_same_module_under_a_wrapper(wrap: str, ddp: Any) -> None:
     bare, model = _model(wrap, ddp)
     dtypes = {}
-    for name in ("inp", "body", "head"):
-        getattr(bare, name).register_forward_hook(lambda m, a, out, name=name: dtypes.__setitem__(name, out.dtype))
-    policy = Policy.parse("compute=bf16").keep(names=r"^head$")
+    for name in ("inp", "body", "head"):  # (the hooks on the Linears, inside a checkpoint_wrapper)
+        unwrap(getattr(bare, name)).register_forward_hook(lambda m, a, out, name=name: dtypes.__setitem__(name, out.dtype))
+    policy = Policy.parse("compute=bf16").keep(names=r"^(body|head)$")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the rule matches: no "selected no module" warning
         with mixprec.autocast("cpu", policy=policy):
             model(torch.randn(4, 32))
-    assert dtypes == {"inp": torch.bfloat16, "body": torch.bfloat16, "head": torch.float32}
+    assert dtypes == {"inp": torch.bfloat16, "body": torch.float32, "head": torch.float32}
 
 
 def _controlled(wrap: str, ddp: Any, state: dict[str, Any] | None = None) -> tuple[mixprec.Controller, _Net]:
@@ -120,6 +120,7 @@ def test_names_without_wrappers() -> None:
     assert [n for n, _ in named_modules(nn.DataParallel(m))] == ["", "", "inp", "body", "body", "head"]
     assert unwrap(nn.DataParallel(m)) is m and unwrap(m.body) is not m.body
     assert clean_name("_orig_mod.layers.0._fsdp_wrapped_module.attn") == "layers.0.attn"
+    assert fp8.select_layers(nn.DataParallel(m), names=r"^(body|head)$", first_last="fp8") == ["body", "head"]
     state = {"steps": 0, "log": [], "layers": {}}
     guard = fp8.Guard()
     guard.load_state_dict({"steps": 1, "decisions": {}, "windows": {

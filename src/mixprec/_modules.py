@@ -179,7 +179,9 @@ class ModuleRule:
 
     A module matches when it is an instance of one of ``types`` **or** when ``re.search(names,
     qualified_name)`` finds a match (so ``names=r"^head$"`` selects exactly ``head`` and
-    ``names=r"norm"`` every module with ``norm`` in its name). The root module's name is ``""``.
+    ``names=r"norm"`` every module with ``norm`` in its name). The root module's name is ``""``;
+    PyTorch's wrappers (DDP's ``module.``, FSDP1's, torch.compile's) add no part to the names
+    the engine gives (:func:`named_modules`).
     Each name is searched once (the decision is remembered, for up to 4096 names); a pattern
     that could backtrack for long is refused (:func:`compile_names`).
 

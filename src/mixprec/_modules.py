@@ -18,7 +18,8 @@ from torch import nn
 
 from mixprec._tree import tracing as _tracing
 
-__all__ = ["ModuleRule", "NORM_TYPES", "compile_names"]
+__all__ = ["ModuleRule", "NORM_TYPES", "compile_names", "WRAPPER_KEYS", "is_wrapper_key", "unwrap", "named_modules",
+           "clean_name"]
 
 #: Normalisation layers: the modules that mixed-precision recipes keep in float32 by default.
 NORM_TYPES: tuple[type[nn.Module], ...] = tuple(
@@ -32,6 +33,67 @@ NORM_TYPES: tuple[type[nn.Module], ...] = tuple(
     )
     if t is not None
 )
+
+
+#: The attributes under which PyTorch's module wrappers hold the module they wrap: torch.compile's
+#: ``OptimizedModule``, FSDP1's ``FullyShardedDataParallel``, ``checkpoint_wrapper``'s
+#: ``CheckpointWrapper`` (the names ``torch.distributed.checkpoint`` drops from its fully qualified
+#: names too); ``DistributedDataParallel`` and ``DataParallel`` hold theirs as ``module``.
+WRAPPER_KEYS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def is_wrapper_key(parent: nn.Module, key: str) -> bool:
+    """Whether ``parent``'s child ``key`` is the module a wrapper wraps (no part of a name)."""
+    return key in WRAPPER_KEYS or (key == "module" and isinstance(
+        parent, (nn.DataParallel, nn.parallel.DistributedDataParallel)))
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """``module`` without its outer wrappers (DDP, DataParallel, FSDP1, torch.compile,
+    checkpoint_wrapper, nested in any order): the user's model."""
+    while True:
+        inner = next((c for k, c in module._modules.items() if c is not None and is_wrapper_key(module, k)), None)
+        if inner is None:
+            return module
+        module = inner
+
+
+def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()`` (each module once, parents first) with the wrappers' parts left
+    out of the names: ``DistributedDataParallel(model)``'s ``module.head``, FSDP1's
+    ``layers.0._fsdp_wrapped_module.attn`` and torch.compile's ``_orig_mod.head`` are ``head``,
+    ``layers.0.attn`` and ``head``, as in the bare model. A wrapper comes right before the module
+    it wraps, under the same name (so ``dict(named_modules(m))[name]`` is the wrapped module).
+
+    Example:
+        >>> [n for n, _ in named_modules(nn.DataParallel(nn.Sequential(nn.Linear(2, 2))))]
+        ['', '', '0']
+    """
+    out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    stack = [("", model)]
+    while stack:
+        name, mod = stack.pop()
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        out.append((name, mod))
+        children = [(name if is_wrapper_key(mod, k) else f"{name}.{k}" if name else k, c)
+                    for k, c in mod._modules.items() if c is not None]
+        stack.extend(reversed(children))
+    return out
+
+
+def clean_name(name: str) -> str:
+    """A qualified name without the wrapper attributes that can be told by name alone
+    (:data:`WRAPPER_KEYS`: torch.compile's, FSDP1's, checkpoint_wrapper's). DDP's ``module.``
+    cannot (a model may have a child called ``module``): :func:`named_modules` drops it by type.
+
+    Example:
+        >>> clean_name("_orig_mod.layers.0._fsdp_wrapped_module.attn")
+        'layers.0.attn'
+    """
+    return ".".join(p for p in name.split(".") if p not in WRAPPER_KEYS)
 
 
 _MAX_REPEATS = 6  # quantifiers in one pattern: past this, a failing search can take polynomial ages
@@ -117,7 +179,9 @@ class ModuleRule:
 
     A module matches when it is an instance of one of ``types`` **or** when ``re.search(names,
     qualified_name)`` finds a match (so ``names=r"^head$"`` selects exactly ``head`` and
-    ``names=r"norm"`` every module with ``norm`` in its name). The root module's name is ``""``.
+    ``names=r"norm"`` every module with ``norm`` in its name). The root module's name is ``""``;
+    PyTorch's wrappers (DDP's ``module.``, FSDP1's, torch.compile's) add no part to the names
+    the engine gives (:func:`named_modules`).
     Each name is searched once (the decision is remembered, for up to 4096 names); a pattern
     that could backtrack for long is refused (:func:`compile_names`).
 

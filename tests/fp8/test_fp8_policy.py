@@ -210,3 +210,42 @@ def test_a_policy_over_a_converted_model_leaves_the_converted_layers_to_their_re
     only = fp8.convert(nn.Sequential(nn.Linear(32, 32)), "tensorwise", filter_fn=lambda mod, fqn: True)
     with pytest.warns(UserWarning, match="converted by fp8.convert and run in their own recipe"):
         assert fp8.select_layers(only, first_last="fp8") == []
+
+
+class _Checkpointed(nn.Module):
+    """A block of two Linears run through ``torch.utils.checkpoint.checkpoint(**kwargs)``."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__()
+        self.kwargs = kwargs
+        self.block = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32))
+        self.head = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.block, x, **self.kwargs))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_reentrant_checkpoint_around_an_fp8_layer_warns_once_naming_it(reentrant: bool) -> None:
+    torch.manual_seed(0)
+    kwargs = {"use_reentrant": True} if reentrant else {"use_reentrant": False,
+                                                        "context_fn": mixprec.checkpoint_context_fn}
+    model, x = _Checkpointed(**kwargs), torch.randn(4, 32, requires_grad=True)
+    policy = Policy.parse("compute=bf16").fp8("tensorwise", names=r"^block\.2$", first_last="fp8")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with mixprec.autocast("cpu", policy=policy):
+                model(x).float().square().mean().backward()
+        with torch.no_grad(), mixprec.autocast("cpu", policy=policy):
+            model(x)  # evaluation: grad off, no checkpoint: no warning
+    said = [str(w.message) for w in caught if "use_reentrant=True" in str(w.message)]
+    assert said == (["fp8: layer 'block.2' runs inside torch.utils.checkpoint.checkpoint(..., use_reentrant=True), "
+                     "which recomputes it in backward outside mixprec's policy: its backward is not fp8 and records "
+                     "no grad_output statistics (a Guard or Controller cannot see its gradients). Use "
+                     "checkpoint(..., use_reentrant=False, context_fn=mixprec.checkpoint_context_fn)"]
+                    if reentrant else [])
+    # what the warning says: under use_reentrant=True the layer's grad_output is never recorded
+    assert (fp8.layer_state(model.block[2]).stats[2, 0] > 0).item() == (not reentrant)

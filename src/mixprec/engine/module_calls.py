@@ -23,6 +23,7 @@ before. A checkpoint's recompute replays the calls, root and fp8 layers of the f
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 import weakref
@@ -32,6 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from mixprec._modules import is_wrapper_key, named_modules, unwrap
 from mixprec._tree import cast_tree
 from mixprec.engine import runtime
 from mixprec.engine.compile import traced_policy
@@ -48,6 +50,8 @@ __all__ = ["enter_region", "exit_region", "install_permanently", "capture", "rep
 # Registry, process-wide by nature (a warning is given once per process): the sets of module
 # types warned about as having no fp8 candidate layer.
 _NO_CANDIDATES_WARNED: set[tuple[str, ...]] = set()
+# fp8 layers warned about running inside a reentrant checkpoint (once per layer, while it lives)
+_REENTRANT_WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 @dataclass(eq=False)
@@ -93,7 +97,7 @@ def _fp8_layers(root: nn.Module, policy: Policy, region: _Region | None = None) 
     targets = select_targets(root, policy)
     if targets is None:
         if region is not None and len(region.fp8_without) < 8:
-            region.fp8_without.append(type(getattr(root, "_orig_mod", root)).__name__)
+            region.fp8_without.append(type(unwrap(root)).__name__)
         return {}
     if region is not None:
         region.fp8_ran = True
@@ -200,10 +204,11 @@ def replay(captured: Captured, frames: dict[int, Frame]) -> Callable[[], None]:
 
 # --------------------------------------------------------------------------- the decision
 def _path(root: nn.Module, module: nn.Module) -> str:
-    root = getattr(root, "_orig_mod", root)
-    if module is root or getattr(module, "_orig_mod", None) is root:
+    """``module``'s name under ``root``, without wrappers' parts (:func:`mixprec._modules.named_modules`)."""
+    root = unwrap(root)
+    if module is root or unwrap(module) is root:
         return ""
-    for name, m in root.named_modules(remove_duplicate=False):
+    for name, m in named_modules(root):
         if m is module:
             return name
     return ""  # not under root: only type rules can match it
@@ -214,12 +219,17 @@ def _qualified_name(module: nn.Module, calls: list[tuple[nn.Module, str, Any, bo
     if not calls:
         return ""  # the outermost module of the region
     parent, parent_name = calls[-1][0], calls[-1][1]
-    inner = getattr(parent, "_orig_mod", None)  # torch.compile's wrapper is transparent
-    if inner is module:
-        return parent_name
-    for key, child in (inner if isinstance(inner, nn.Module) else parent)._modules.items():
-        if child is module:
-            return f"{parent_name}.{key}" if parent_name else key
+    holder = parent  # the parent, then the modules it wraps: wrappers (DDP, FSDP1, compile) are transparent
+    while True:
+        inner = None
+        for key, child in holder._modules.items():
+            if child is module:
+                return parent_name if is_wrapper_key(holder, key) else f"{parent_name}.{key}" if parent_name else key
+            if child is not None and inner is None and is_wrapper_key(holder, key):
+                inner = child
+        if inner is None:
+            break
+        holder = inner
     return _path(calls[0][0] if root is None else root, module)
 
 
@@ -322,6 +332,8 @@ def _pre_call(module: nn.Module, args: tuple) -> Any:
     if rule is None and target is None:
         rt.calls.append((module, name, None, kept))
         return None
+    if target is not None and not torch.is_grad_enabled() and module not in _REENTRANT_WARNED:
+        _warn_reentrant(module, name)
     devices, cache = (), None
     if rule is not None:
         state, cache = _rule_state(rule, frame.device_type)
@@ -331,6 +343,27 @@ def _pre_call(module: nn.Module, args: tuple) -> Any:
         args = cast_tree(args, rule.dtype, frame.device_type)
     rt.calls.append((module, name, (entry, target), kept))
     return args
+
+
+def _warn_reentrant(module: nn.Module, name: str) -> None:
+    """Warn once for the fp8 layer ``module`` when it runs in the forward of a
+    ``checkpoint(..., use_reentrant=True)`` (grad off, ``CheckpointFunction.forward`` on the
+    stack): PyTorch recomputes it in backward outside every mixprec region, so its backward
+    would silently not be fp8 and record no grad_output statistics."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    code = CheckpointFunction.forward.__code__
+    f = sys._getframe(2)
+    while f is not None and f.f_code is not code:
+        f = f.f_back
+    if f is None:
+        return  # grad off for another reason (evaluation under no_grad): its forward is the fp8 one
+    _REENTRANT_WARNED.add(module)
+    warnings.warn(f"fp8: layer {name or type(module).__name__!r} runs inside torch.utils.checkpoint.checkpoint(..., "
+                  f"use_reentrant=True), which recomputes it in backward outside mixprec's policy: its backward is "
+                  f"not fp8 and records no grad_output statistics (a Guard or Controller cannot see its gradients). "
+                  f"Use checkpoint(..., use_reentrant=False, context_fn=mixprec.checkpoint_context_fn)",
+                  UserWarning, stacklevel=4)
 
 
 def _post_call(module: nn.Module, args: tuple, output: Any) -> Any:

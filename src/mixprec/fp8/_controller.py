@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
+from mixprec._modules import clean_name, named_modules
 from mixprec.fp8._collective import agree_on_layers, all_reduce_max, distributed
 from mixprec.fp8._decide import apply_gemms, decide_gemms, decide_layer, layer_down, layer_up
 from mixprec.fp8._guard import _check_int, _check_number, count_unstepped_forward, deepcopy_attributes
@@ -317,11 +318,11 @@ class Controller:
             >>> Controller().track(m)
             ['1']
         """
-        names = [n for n, m in model.named_modules() if _converted(m)]
+        modules = dict(named_modules(model))  # the bare model's names (without DDP's module., ...)
+        names = [n for n, m in modules.items() if _converted(m)]
         if not names:
             raise ValueError(f"Controller.track: {type(model).__name__} has no layer converted by fp8.convert, "
                              f"nothing to control; for a model under a policy use Policy.fp8(controller=ctl)")
-        modules = dict(model.named_modules())
         for name in names:
             if not self._known(name, modules[name]):
                 self._track(name, modules[name], modules[name].recipe)
@@ -527,8 +528,8 @@ class Controller:
         """
         try:
             steps = state_dict["steps"]
-            log = [Decision(**d) for d in state_dict["log"]]
-            layers = {str(n): dict(d) for n, d in state_dict["layers"].items()}
+            log = [Decision(**{**d, "layer": clean_name(d["layer"])}) for d in state_dict["log"]]
+            layers = {clean_name(str(n)): dict(d) for n, d in state_dict["layers"].items()}
             if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
                 raise TypeError(steps)
             for d in layers.values():

@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 
 from torch import nn
 
+from mixprec._modules import named_modules
 from mixprec.fp8._controller import Controller
 from mixprec.fp8._fsdp import check_recipe, retie, wrap_weight
 from mixprec.fp8._guard import Guard, layer_states
@@ -81,15 +82,16 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     if fsdp_fp8_all_gather:
         check_recipe(recipe)
     by_user = filter_fn is not None
-    if filter_fn is None:  # select_layers warns when it selects none
-        chosen = set(select_layers(model, recipe=recipe))
-        filter_fn = lambda mod, fqn: fqn in chosen  # noqa: E731
+    if filter_fn is None:  # select_layers warns when it selects none; its names are without wrappers' parts
+        names = set(select_layers(model, recipe=recipe))
+        chosen = {id(mod) for name, mod in named_modules(model) if name in names}
+        filter_fn = lambda mod, fqn: id(mod) in chosen  # noqa: E731
     conv1d = conv1d_class()
     swappable = lambda mod: type(mod) is nn.Linear or (conv1d is not None and type(mod) is conv1d)  # noqa: E731
     swaps = [(fqn, mod) for fqn, mod in model.named_modules() if swappable(mod) and filter_fn(mod, fqn)]
     if not by_user:
         for fqn, mod in model.named_modules():
-            if fqn in chosen and not swappable(mod):
+            if id(mod) in chosen and not swappable(mod):
                 warn_once(model, f"fp8.convert: layer {fqn!r} ({type(mod).__name__}) is selected, but convert "
                                  f"swaps only nn.Linear and transformers Conv1D modules, not subclasses: it stays "
                                  f"as it is (Policy.fp8 runs subclasses whose forward calls F.linear)")

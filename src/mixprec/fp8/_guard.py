@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
+from mixprec._modules import clean_name, named_modules
 from mixprec.fp8._collective import agree_on_layers, all_reduce_max, distributed
 from mixprec.fp8._quant import STAT_NAMES
 from mixprec.fp8._state import OPERANDS, LayerState, layer_state, new_window, window_stats
@@ -42,8 +43,9 @@ class Fallback:
 
 
 def layer_states(model: torch.nn.Module) -> dict[str, LayerState]:
-    """``{fqn: LayerState}`` of the modules of ``model`` that have one (see :func:`layer_state`)."""
-    return {name: st for name, mod in model.named_modules()
+    """``{fqn: LayerState}`` of the modules of ``model`` that have one (see :func:`layer_state`);
+    the names are those of the bare model, without DDP's, FSDP1's or torch.compile's parts."""
+    return {name: st for name, mod in named_modules(model)
             if (st := layer_state(mod, create=False)) is not None}
 
 
@@ -322,8 +324,9 @@ class Guard:
         """
         try:
             steps = state_dict["steps"]
-            decisions = {n: Fallback(**d) for n, d in state_dict["decisions"].items()}
-            windows = {n: (torch.tensor(w["stats"], dtype=torch.float32), float(w["output_sqnr_db"]),
+            decisions = {clean_name(n): Fallback(**{**d, "layer": clean_name(d["layer"])})
+                         for n, d in state_dict["decisions"].items()}
+            windows = {clean_name(n): (torch.tensor(w["stats"], dtype=torch.float32), float(w["output_sqnr_db"]),
                            int(w.get("rounding_step", 0))) for n, w in state_dict["windows"].items()}
             if not isinstance(steps, int) or steps < 0:
                 raise TypeError(steps)

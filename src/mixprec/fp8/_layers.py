@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from mixprec._modules import named_modules
 from mixprec.fp8._fsdp import Float8AllGatherWeight, plain_weight
 from mixprec.fp8._like import LINEAR_LIKE, conv1d_class, features, is_linear_like, unroutable
 from mixprec.fp8._linear import BACKENDS, linear
@@ -114,7 +115,7 @@ def select_layers(model: nn.Module, types: Sequence[type] | type = (nn.Linear,),
     likes = nn.Linear in types
     recipes = dict(recipes or {})
     candidates, eligible_names, converted = [], [], []
-    for fqn, mod in model.named_modules():
+    for fqn, mod in named_modules(model):
         if not (isinstance(mod, types) or (likes and is_linear_like(mod))):
             continue
         if isinstance(mod, (Float8Linear, Float8Conv1D)):  # fp8 already, in its own recipe
@@ -156,7 +157,7 @@ def _first_last(model: nn.Module, eligible_names: list[str]) -> list[str]:
     when it is eligible. A first or last layer that is not (a patch-embedding convolution, a 10-class head)
     runs in the compute dtype already: nothing is kept on that side, never one projection of
     several fed by the same input."""
-    modules = dict(model.named_modules())
+    modules = dict(named_modules(model))
     matmuls = [n for n, m in modules.items() if isinstance(m, _MATMUL_TYPES) or is_linear_like(m)]
     eligible = set(eligible_names)
     kept: list[str] = []

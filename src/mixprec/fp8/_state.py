@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
+from mixprec._modules import clean_name, named_modules
 from mixprec.fp8._quant import STAT_NAMES, cast_stats
 
 __all__ = ["LayerState", "OPERANDS", "INPUT", "WEIGHT", "GRAD_OUTPUT", "layer_state", "swap_layer_state",
@@ -267,7 +268,7 @@ def rounding_steps(model: torch.nn.Module) -> dict[str, int]:
         >>> _ = layer_state(m[0]); rounding_steps(m)
         {'0': 0}
     """
-    return {name: st.rounding_step for name, module in model.named_modules()
+    return {name: st.rounding_step for name, module in named_modules(model)  # (the bare model's names)
             if (st := layer_state(module, create=False)) is not None}
 
 
@@ -279,7 +280,8 @@ def load_rounding_steps(model: torch.nn.Module, steps: Mapping[str, int]) -> Non
     Raises ValueError when ``steps`` names a module ``model`` does not have, or a count that is
     not an int >= 0.
     """
-    modules = dict(model.named_modules())
+    modules = dict(named_modules(model))
+    steps = {clean_name(n): s for n, s in steps.items()}
     missing = sorted(set(steps) - set(modules))
     if missing:
         raise ValueError(f"load_rounding_steps: the model has no module {', '.join(map(repr, missing))} "

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec._modules import named_modules, unwrap
 from mixprec.fp8._layers import select_layers
 from mixprec.fp8._like import is_linear_like, linear_params, routed_call, warn_unrouted
 from mixprec.fp8._linear import linear
@@ -68,12 +69,12 @@ def select_targets(root: nn.Module, policy: Any) -> dict[int, Fp8Target] | None:
     region): nothing is selected and the call is no forward for the guard or controller.
     """
     rule = policy.fp8_rule
-    model = getattr(root, "_orig_mod", root)  # torch.compile's wrapper
+    model = unwrap(root)  # DDP's, FSDP1's, torch.compile's wrappers: the names are the bare model's
     likes = nn.Linear in rule.types
     if not any(isinstance(m, rule.types) or (likes and is_linear_like(m)) for m in model.modules()):
         return None
     recipes = dict(rule.recipes)
-    modules = dict(model.named_modules())
+    modules = dict(named_modules(model))
 
     def kept(fqn: str) -> bool:
         parts = fqn.split(".") if fqn else []

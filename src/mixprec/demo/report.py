@@ -87,7 +87,7 @@ def _native_words(result: DemoResult, native: list[str]) -> str:
     speed bears it out: when every other mode took longer per token than the base (fp32), the
     units are said not to pay here, with those times; else the fastest other mode's."""
     base = result.modes[0]
-    others = [m for m in result.modes[1:]]
+    others = result.modes[1:]
     flags = f"this CPU's flags list native {'/'.join(native)} matmul units"
     if not others:
         return _sentence(flags)

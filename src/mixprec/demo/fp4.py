@@ -23,7 +23,7 @@ from typing import Any
 
 from mixprec.demo.flops import GEMM_WORDS, GEMMS
 from mixprec.demo.modes import FP4_MODES
-from mixprec.demo.results import DemoResult
+from mixprec.demo.results import DemoResult, within_band
 
 __all__ = ["FP4_TARGET", "ROLES", "fp4_summary", "fp4_paragraph"]
 
@@ -72,7 +72,7 @@ def fp4_summary(result: DemoResult) -> dict[str, Any]:
             "role": ROLES.get(name, ""), "seeds": len(runs),
             "final": statistics.fmean(r.final_loss for r in runs), "final_spread": _sd([r.final_loss for r in runs]),
             "difference": mean_diff, "difference_spread": _sd(diffs),
-            "within": abs(mean_diff) <= tolerance if len(runs) > 1 else None,
+            "within": within_band(mean_diff, tolerance) if len(runs) > 1 else None,
             "fp4_share": statistics.fmean(r.gemms["fp4_share"] for r in runs),
             "fp4_shares": {r.seed: r.gemms["fp4_share"] for r in runs},
             "per_gemm": _mean_of([r.gemms["per_gemm"] for r in runs]),

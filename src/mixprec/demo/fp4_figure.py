@@ -40,9 +40,15 @@ def figure_spec(result: DemoResult) -> dict[str, Any] | None:
         "title": "Share of each linear layer's GEMMs run in fp4",
         "data": data,
         "caption": ("Per fp4 mode (columns: forward, input-gradient and weight-gradient GEMM of each linear "
-                    "layer, rows), the share of the training steps that GEMM ran in fp4, mean over the seeds; "
+                    "layer, rows), the share of the training steps that GEMM ran in fp4, mean over "
+                    f"{_over(result)}; "
                     "the rest ran in fp8 or bf16. " + (fp4_paragraph(result) or "")),
     }
+
+
+def _over(result: DemoResult) -> str:
+    seeds = result.seeds
+    return f"seed {seeds[0]}" if len(seeds) == 1 else f"the {len(seeds)} seeds ({', '.join(map(str, seeds))})"
 
 
 def plot(spec: dict[str, Any], path: Path) -> None:

@@ -57,7 +57,7 @@ def figure_spec(result: DemoResult) -> dict[str, Any] | None:
         return None
     series = {m.mode: m.fp8 for m in result.modes if m.fp8}
     seeds = len(result.seeds)
-    seed = f" (seed {result.seeds[0]})" if seeds > 1 else ""
+    seed = f" (seed {result.seeds[0]}" + (f"; fallbacks and decisions over {seeds} seeds)" if seeds > 1 else ")")
     every = next(iter(summary.values()))["every"]
     guarded = [e for e in summary.values() if e["judge"] == "guard"]
     limits = guarded[0]["thresholds"] if guarded else next(iter(summary.values()))["thresholds"]

@@ -45,7 +45,7 @@ def figure_spec(result: DemoResult) -> dict[str, Any] | None:
         "title": "Per-layer scaling: factor of each cut point",
         "data": {m.mode: m.layer_scales for m in layered},
         "caption": (
-            "The power of two each cut point (the output of a transformer block) multiplies the "
+            f"Seed {layered[0].seed}: the power of two each cut point (the output of a transformer block) multiplies the "
             "gradient crossing it by, on top of the loss scale, after each step (log scale); a "
             "parameter's gradient carries the loss scale times the factors of the cut points above "
             "it. " + "; ".join(lines) + "."

@@ -75,11 +75,31 @@ def _speed_caption(result: DemoResult) -> str:
     if "cpu_lowp" not in result.environment:
         return "Speed on a GPU depends on its tensor cores: compare with benchmarks/gpu.py."
     native = [dtype for dtype, v in native_lowp(result.environment).items() if v]
-    here = (f"This CPU has native {'/'.join(native)} matmul units (CPU flags)" if native else
+    here = (_native_words(result, native) if native else
             "Whether this CPU has native float16/bfloat16 matmul units is unknown (no CPU flags, a noisy timing)")
     if result.speed.get("sizes"):
         return f"{here}; whether they pay depends on the model's size: the speed panel (speed.png) times it."
     return f"{here}; whether they pay depends on the model's size (the speed panel was not run)."
+
+
+def _native_words(result: DemoResult, native: list[str]) -> str:
+    """What the CPU flags say of the native ``native`` dtypes, as far as this run's measured
+    speed bears it out: when every other mode took longer per token than the base (fp32), the
+    units are said not to pay here, with those times; else the fastest other mode's."""
+    base = result.modes[0]
+    others = result.modes[1:]
+    flags = f"this CPU's flags list native {'/'.join(native)} matmul units"
+    if not others:
+        return _sentence(flags)
+    ratios = sorted(time_ratio(m, base) for m in others)
+    seed = f", seed {base.seed}" if len(result.seeds) > 1 else ""
+    if ratios[0] > 1.0:
+        spread = f"{ratios[0]:.1f}x" if ratios[-1] - ratios[0] < 0.05 else f"{ratios[0]:.1f}-{ratios[-1]:.1f}x"
+        return _sentence(f"{flags}, but every other mode took {spread} {base.mode}'s time per token in this run "
+                         f"(measured{seed}): at this size they do not pay here")
+    fastest = min(others, key=lambda m: time_ratio(m, base))
+    return _sentence(f"{flags}, and {fastest.mode} took {time_ratio(fastest, base):.2f}x {base.mode}'s time per "
+                     f"token in this run (measured{seed})")
 
 
 def time_ratio(mode: ModeResult, ref: ModeResult) -> float:
@@ -129,7 +149,8 @@ def _table(result: DemoResult) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    seeds = f"{len(result.seeds)} seeds" if several else f"seed {result.seeds[0]}"
+    seeds = (f"{len(result.seeds)} seeds: losses mean ± standard deviation over them; tokens/s, time and memory: "
+             f"seed {result.seeds[0]}" if several else f"seed {result.seeds[0]}")
     alternated = (f"; {', '.join(p.split(' = ')[0] for p in _ref_pairs(result, ref))}: steps timed in alternation "
                   f"with {ref.mode} (same kernels), median ratio and its noise band" if _ref_pairs(result, ref) else "")
     lines.append(f"({seeds}; time / {ref.mode}: time per token relative to {ref.mode}, lower is faster{alternated})")
@@ -176,7 +197,7 @@ def _figures(result: DemoResult) -> list[dict[str, Any]]:
     ref = _reference(result)
     lowest = min(modes, key=lambda m: m.total_memory)
     smoothed = {m.mode: smooth(m.losses) for m in modes}
-    seed = f" (seed {result.seeds[0]})" if len(result.seeds) > 1 else ""
+    seed = f" (seed {result.seeds[0]})"  # every figure states its seeds
     scale_caption = (
         f"The loss scale of every mode that uses one{seed} (log scale), with its skipped steps marked "
         "by crosses: the scaler skips the update and halves the scale when a gradient overflows, "
@@ -224,7 +245,7 @@ def _figures(result: DemoResult) -> list[dict[str, Any]]:
             "title": "Memory per mode",
             "data": {m.mode: m.memory for m in modes},
             "caption": (
-                "Bytes held per mode, stacked: parameters, gradients, float32 master weights, "
+                f"Bytes held per mode{seed}, stacked: parameters, gradients, float32 master weights, "
                 "optimizer state, and peak activations "
                 f"({modes[0].activation_method}). "
                 f"{lowest.mode} needs the least ({_mib(lowest.total_memory):.2f} MiB); "
@@ -284,7 +305,8 @@ def _speed_figure(result: DemoResult) -> dict[str, Any]:
                  "seconds": {k: [e["seconds"][k] for e in panel["sizes"]] for k in KINDS},
                  "skipped": panel["skipped"], "device": panel.get("device", "cpu")},
         "caption": (
-            f"Time per training step of each kind relative to fp32's at each model size (batch "
+            f"Time per training step of each kind relative to fp32's at each model size (its own models, "
+            f"weights from seed 0, one batch; batch "
             f"{panel['batch_size']}, AdamW, the median over {panel['rounds']} rounds of the ratio within a round; "
             f"lower is faster, the line at 1 is fp32; {panel['seconds']:.0f} s in all). "
             + _sentence(speed_sentence(panel, result.device))
@@ -408,6 +430,11 @@ def _plot_speed(fig_spec: dict[str, Any], path: Path, plt: Any) -> None:
     plt.close(fig)
 
 
+def _readable(value: Any) -> str:
+    """A value for reading: a float to 3 significant digits (``load 6.89``, not ``6.8876953125``)."""
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
 def _seeds(result: DemoResult) -> str:
     seeds = result.seeds
     return f"seed {seeds[0]}" if len(seeds) == 1 else f"{len(seeds)} seeds ({seeds[0]} to {seeds[-1]})"
@@ -416,7 +443,7 @@ def _seeds(result: DemoResult) -> str:
 def _html(result: DemoResult, figures: list[dict[str, Any]]) -> str:
     s = result.settings
     note = hardware_note(result)
-    env = ", ".join(f"{k} {v}" for k, v in result.environment.items() if not isinstance(v, dict))
+    env = ", ".join(f"{k} {_readable(v)}" for k, v in result.environment.items() if not isinstance(v, dict))
     modes = "".join(
         f"<li><b>{html.escape(m.mode)}</b>: {html.escape(m.summary)}</li>" for m in result.modes
     )

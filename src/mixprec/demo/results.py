@@ -83,13 +83,27 @@ class Summary:
     eval_vs_base_spread: float = 0.0
 
     @property
+    def band(self) -> float:
+        """The noise band of the validation loss minus the base mode's, in nats: twice the
+        seed-to-seed standard deviation of that difference from :data:`MIN_SEEDS` seeds on, and
+        never less than :data:`NEGLIGIBLE` of the base's loss (a run that is not chaotic has a
+        near-zero spread, and 0.0001 nats is no result; from fewer seeds a standard deviation is
+        itself mostly noise, so the band is that floor alone)."""
+        floor = NEGLIGIBLE * abs(self.eval_loss - self.eval_vs_base)
+        return max(2 * self.eval_vs_base_spread, floor) if self.seeds >= MIN_SEEDS else floor
+
+    @property
+    def within(self) -> bool:
+        """Whether the mode is within the band (:func:`within_band`): its mean validation loss at most
+        :attr:`band` above the base's, or below it. What the verdict recommends for speed and
+        memory, and what the loss figure's caption calls within."""
+        return within_band(self.eval_vs_base, self.band)
+
+    @property
     def distinct(self) -> bool:
-        """Whether the validation loss differs from the base mode's: by more than twice the
-        seed-to-seed standard deviation of the difference and by more than :data:`NEGLIGIBLE` of
-        the base's loss (a run that is not chaotic has a near-zero spread, and 0.0001 nats is no
-        result)."""
-        base = self.eval_loss - self.eval_vs_base
-        return abs(self.eval_vs_base) > max(2 * self.eval_vs_base_spread, NEGLIGIBLE * abs(base))
+        """Whether the validation loss differs from the base mode's by more than :attr:`band`,
+        either way (better or worse: ranked only from :data:`MIN_SEEDS` seeds)."""
+        return abs(self.eval_vs_base) > self.band
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,6 +112,21 @@ class Summary:
 #: A difference to the base mode's validation loss below this fraction of it is never called
 #: better or worse (:attr:`Summary.distinct`).
 NEGLIGIBLE = 0.001
+
+#: The fewest seeds whose spread a band rests on, and modes are ranked from.
+MIN_SEEDS = 3
+
+
+def within_band(difference: float, tolerance: float) -> bool:
+    """The one rule for "within the band" on the demo's page (verdict, captions, fp8 and fp4
+    lines): a loss at most ``tolerance`` above the reference's; a loss below it is within,
+    however far (lower is not worse).
+
+    Example:
+        >>> within_band(-0.002, 0.001), within_band(0.0005, 0.001), within_band(0.002, 0.001)
+        (True, True, False)
+    """
+    return difference <= tolerance
 
 
 @dataclass
@@ -230,29 +259,38 @@ def summarize(result: DemoResult) -> list[Summary]:
 
 def rank(summaries: list[Summary]) -> str:
     """One sentence comparing each mode's validation loss with the base mode's (the first, fp32),
-    seed by seed: a mode is called higher or lower only when its mean difference exceeds twice
-    the standard deviation of that difference over the seeds and 0.1% of the base's loss
-    (:attr:`Summary.distinct`); from one seed the spread is unknown and nothing is ranked."""
+    seed by seed, by the verdict's own rule (:attr:`Summary.within`, :attr:`Summary.band`): from
+    :data:`MIN_SEEDS` seeds a mode is called higher or lower when its mean difference exceeds the
+    band, and otherwise not distinguishable; from fewer seeds nothing is ranked and the sentence
+    says which modes are within the band (at most 0.1% above the base's loss, or below it)."""
     if not summaries:
         return ""
-    if summaries[0].seeds < 2:
-        return ("From one seed the spread between seeds is unknown, so modes are not ranked by loss "
-                "(--seeds 3 measures it).")
     base, n = summaries[0].base, summaries[0].seeds
     others = [s for s in summaries if s.mode != base]
     if not others:
-        return f"Over {n} seeds, {base}'s validation loss is {summaries[0].eval_loss:.4f} ± {summaries[0].eval_spread:.4f}."
+        return f"Over {n} seed(s), {base}'s validation loss is {summaries[0].eval_loss:.4f} ± {summaries[0].eval_spread:.4f}."
 
+    def listed(group: list[Summary]) -> str:
+        return ", ".join(f"{s.mode} ({s.eval_vs_base:+.4f}" + (f" ± {s.eval_vs_base_spread:.4f})" if n > 1 else ")")
+                         for s in group)
+
+    if n < MIN_SEEDS:
+        groups = {f"within the band (at most 0.1% above {base}'s, or below it)": [s for s in others if s.within],
+                  "above it": [s for s in others if not s.within]}
+        parts = [f"{label}: {listed(group)}" for label, group in groups.items() if group]
+        return (f"Validation loss minus {base}'s, {'one seed' if n == 1 else f'{n} seeds, mean ± standard deviation'}: "
+                + "; ".join(parts) + f". From {n} seed{'s' if n > 1 else ''} the seed-to-seed spread is not "
+                f"measured, so no mode is ranked (--seeds {MIN_SEEDS} measures it).")
     groups = {
         "lower": [s for s in others if s.distinct and s.eval_vs_base < 0],
         "higher": [s for s in others if s.distinct and s.eval_vs_base > 0],
-        f"not distinguishable from {base} (difference within two standard deviations or below 0.1%)":
-            [s for s in others if not s.distinct],
+        f"not distinguishable from {base} (difference within the band: twice the seed-to-seed standard "
+        "deviation, at least 0.1%)": [s for s in others if not s.distinct],
     }
-    parts = [f"{label}: " + ", ".join(f"{s.mode} ({s.eval_vs_base:+.4f} ± {s.eval_vs_base_spread:.4f})" for s in group)
-             for label, group in groups.items() if group]
+    parts = [f"{label}: {listed(group)}" for label, group in groups.items() if group]
     return (f"Validation loss minus {base}'s, seed by seed, over {n} seeds (mean ± standard deviation): "
-            + "; ".join(parts) + ".")
+            + "; ".join(parts) + f". Within the band (a loss below {base}'s is within it): "
+            + (", ".join(s.mode for s in others if s.within) or "none") + ".")
 
 
 def fp8_summary(result: DemoResult) -> dict[str, Any]:
@@ -309,7 +347,7 @@ def fp8_summary(result: DemoResult) -> dict[str, Any]:
                 "base": names[0], "seeds": len(paired), "mean": statistics.fmean(finals),
                 "spread": statistics.stdev(finals) if len(finals) > 1 else 0.0, "base_mean": base_mean,
                 "difference": mean_diff, "relative": mean_diff / base_mean, "difference_spread": spread,
-                "tolerance": tolerance, "within": abs(mean_diff) <= tolerance if len(paired) > 1 else None,
+                "tolerance": tolerance, "within": within_band(mean_diff, tolerance) if len(paired) > 1 else None,
             }
         out[name] = entry
     return out

@@ -7,7 +7,8 @@ seed, as :func:`mixprec.demo.results.rank` does: a mode is better or worse only 
 standard deviation of that difference over the seeds and beyond 0.1% of fp32's loss; from fewer than :data:`MIN_SEEDS` seeds
 there is no band to rest on (a standard deviation from two values is itself mostly noise):
 nothing is called better or worse, the line says what those seeds can and cannot tell, and speed
-and memory recommend only the modes within 0.1% of fp32's loss on every seed (:func:`within_bar`);
+and memory recommend only the modes within the band (:attr:`~mixprec.demo.results.Summary.within`,
+the rule the loss figure's caption uses too: at most 0.1% above fp32's loss, or below it);
 fp32 itself is the reference and never carries a caveat. Speed is this run's throughput (the trained size), and the
 speed panel's crossover (:mod:`mixprec.demo.speed`) for larger models.
 
@@ -22,13 +23,10 @@ Example:
 from __future__ import annotations
 
 from mixprec.demo.fp4 import fp4_paragraph
-from mixprec.demo.results import NEGLIGIBLE, DemoResult, ModeResult, Summary, smooth, summarize
+from mixprec.demo.results import MIN_SEEDS, DemoResult, ModeResult, Summary, smooth, summarize
 from mixprec.demo.speed import speed_sentence
 
 __all__ = ["verdict", "departure", "within_bar", "DEPARTURE_RATIO", "MIN_SEEDS"]
-
-#: The fewest seeds whose spread the accuracy verdict rests on.
-MIN_SEEDS = 3
 
 #: A mode whose final training loss ends more than this fraction above fp32's gets its departure
 #: from fp32's curve explained (:func:`departure`).
@@ -38,23 +36,21 @@ _LEAVES = 0.05
 
 
 def within_bar(result: DemoResult, mode: str) -> bool:
-    """Whether ``mode``'s validation loss is within :data:`~mixprec.demo.results.NEGLIGIBLE`
-    (0.1%) of the base mode's (the first) on every seed both ran: the accuracy bar a mode must
-    pass, from fewer than :data:`MIN_SEEDS` seeds, to be recommended for speed or memory."""
-    names = list(dict.fromkeys(r.mode for r in result.runs))
-    base = {r.seed: r.eval_loss for r in result.of(names[0])}
-    runs = [r for r in result.of(mode) if r.seed in base]
-    return bool(runs) and all(abs(r.eval_loss - base[r.seed]) <= NEGLIGIBLE * abs(base[r.seed]) for r in runs)
+    """Whether ``mode`` is within the band of the base mode (the first): :attr:`Summary.within`,
+    the one rule of the page (a loss below the base's is within); from fewer than
+    :data:`MIN_SEEDS` seeds the band is 0.1% of the base's loss."""
+    return next(s for s in summarize(result) if s.mode == mode).within
 
 
 def _few_seeds(result: DemoResult, stats: list[Summary]) -> tuple[str, list[str]]:
     """The accuracy sentence from fewer than :data:`MIN_SEEDS` seeds: what they can tell (each
-    mode's difference to fp32 on these seeds, and which stay within 0.1% of fp32's loss) and what
-    they cannot (whether a difference is systematic); the modes within the bar (the base first)."""
+    mode's difference to fp32 on these seeds, and which are within the band: at most 0.1% above
+    fp32's loss, or below it) and what they cannot (whether a difference is systematic); the
+    modes within the band (the base first)."""
     base, n = stats[0].base, stats[0].seeds
     others = stats[1:]
     which = f"seed {result.seeds[0]}" if n == 1 else f"seeds {', '.join(map(str, result.seeds))}"
-    inside = [s for s in others if within_bar(result, s.mode)]
+    inside = [s for s in others if s.within]
     outside = [s for s in others if s not in inside]
 
     def listed(group: list[Summary]) -> str:
@@ -63,11 +59,11 @@ def _few_seeds(result: DemoResult, stats: list[Summary]) -> tuple[str, list[str]
     mean = "" if n == 1 else " (mean over them)"
     whose = "this seed's" if n == 1 else "these seeds'"
     text = (f"For accuracy, from {n} seed{'s' if n > 1 else ''} ({which}): validation loss minus {base}'s{mean}, "
-            f"within 0.1% of {base}'s {stats[0].eval_loss:.3f} on every seed: {listed(inside)}; beyond it: "
-            f"{listed(outside)}. {'One seed' if n == 1 else f'{n} seeds'} cannot tell whether a difference is "
+            f"within the band (at most 0.1% above {base}'s {stats[0].eval_loss:.3f}, or below it): {listed(inside)}; "
+            f"above it: {listed(outside)}. {'One seed' if n == 1 else f'{n} seeds'} cannot tell whether a difference is "
             f"systematic or {whose} chance (the seed-to-seed noise band "
             f"takes {MIN_SEEDS} seeds: --seeds {MIN_SEEDS}), so no mode is called better or worse than {base} "
-            f"(the reference); speed and memory below consider only {base} and the modes within 0.1%"
+            f"(the reference); speed and memory below consider only {base} and the modes within the band"
             + (f" ({result.seeds_note})" if result.seeds_note else "") + ".")
     return text, [base] + [s.mode for s in inside]
 
@@ -81,7 +77,7 @@ def _accuracy(result: DemoResult, stats: list[Summary]) -> tuple[str, list[str]]
     match = [s for s in others if not s.distinct]
     better = [s for s in others if s.distinct and s.eval_vs_base < 0]
     worse = [s for s in others if s.distinct and s.eval_vs_base > 0]
-    bands = [2 * s.eval_vs_base_spread for s in others]
+    bands = [s.band for s in others]
     band = (f"{min(bands):.3f} to {max(bands):.3f}" if others else "")
 
     def listed(group: list[Summary]) -> str:
@@ -89,10 +85,11 @@ def _accuracy(result: DemoResult, stats: list[Summary]) -> tuple[str, list[str]]
 
     use = f"{better[0].mode}" if better else f"{base} or any mode that matches it"
     text = (f"For accuracy ({n} seeds; noise band: twice the seed-to-seed standard deviation of each mode's "
-            f"validation loss minus {base}'s, {band} nats here, and at least 0.1% of {base}'s loss): use {use}. Matching {base}: {listed(match)}; "
+            f"validation loss minus {base}'s, at least 0.1% of {base}'s loss: {band} nats here; a loss below "
+            f"{base}'s is within it): use {use}. Matching {base}: {listed(match)}; "
             f"better: {listed(better)}; worse: {listed(worse)}"
             + (f" ({result.seeds_note})" if result.seeds_note else "") + ".")
-    return text, [base] + [s.mode for s in better + match]
+    return text, [base] + [s.mode for s in others if s.within]  # better + match: the band's rule
 
 
 def departure(mode: ModeResult, base: ModeResult) -> tuple[int, str] | None:
@@ -153,10 +150,11 @@ def verdict(result: DemoResult) -> list[str]:
 
     def caveat(mode: ModeResult) -> str:
         # the base mode is the reference: no caveat about its own accuracy, ever
-        return "" if several or mode is base else f"; within 0.1% of {base.mode}'s loss, not shown to match it"
+        return "" if several or mode is base else f"; within the band of {base.mode}'s loss, not shown to match it"
 
     ratio = base.tokens_per_s / fastest.tokens_per_s
-    speed = (f"For speed at this size ({s.size}, {s.steps} steps): {fastest.mode} ({fastest.tokens_per_s:,.0f} tokens/s"
+    seed = f"seed {fastest.seed}, " if len(result.seeds) > 1 else ""
+    speed = (f"For speed at this size ({s.size}, {s.steps} steps): {fastest.mode} ({seed}{fastest.tokens_per_s:,.0f} tokens/s"
              + (f", {ratio:.2f}x {base.mode}'s time" if fastest is not base else "") + caveat(fastest) + ").")
     if result.speed.get("sizes"):
         speed += " At other sizes (the speed panel), " + speed_sentence(result.speed, result.device)

@@ -114,6 +114,6 @@ def shortest(model: nn.Module, policy: Policy) -> Policy:
     names = [None, _tails(target or {}), rule.names]
     candidates = [best.fp8(rule.recipe, names=n, first_last=fl, recipes=recipes)
                   for n in dict.fromkeys(names) for fl in ("keep", "fp8")]
-    same = [p for p in candidates if fp8_layers(model, p) == target]
+    same = [p for p in candidates if target is not None and fp8_layers(model, p) == target]
     return min(same, key=lambda p: len(str(p))) if same else best.fp8(
         rule.recipe, names=rule.names, first_last=rule.first_last, recipes=recipes)

@@ -54,7 +54,7 @@ def use_it(report: "AuditReport", policy_file: str | None = None) -> str:
 _LISTED = 4
 
 #: what the summary says of speed: the audit times nothing
-NUMERICS_ONLY = ("speed: not measured; the audit judges numerics only (ranges, inf/NaN, the loss), so "
+_NUMERICS_ONLY = ("speed: not measured; the audit judges numerics only (ranges, inf/NaN, the loss), so "
                  "float16 is never chosen for speed: time a few training steps before choosing (on a CPU "
                  "without native float16 matmul, float16 autocast can be slower than float32)")
 
@@ -74,16 +74,24 @@ def _fp8_lines(report: "AuditReport", full: bool) -> list[str]:
         line = f"fp8 ({f8.recipe}): " + (", ".join(repr(m) + (f" {f8.recipes[m]}" if f8.recipe == "auto" else "")
                                                    for m in f8.layers) or "(no layer)")
         return [line + warn] + [f"  stays {m!r}: {why}" for m, why in f8.stay.items()]
-    by_format: dict[str, list[str]] = {}
-    for m in f8.layers:
-        by_format.setdefault(f8.recipes.get(m, f8.recipe), []).append(m)
+    by_format, by_why = _fp8_groups(report)
     groups = [f"{fmt} for {'all ' if len(by_format) == 1 else ''}{len(ms)} layer(s)"
               if len(ms) > _LISTED else f"{fmt} {_names(ms, full)}" for fmt, ms in by_format.items()]
     lines = [f"fp8 ({f8.recipe}): " + ("; ".join(groups) or "(no layer)") + warn]
-    by_why: dict[str, list[str]] = {}
-    for m, why in f8.stay.items():
-        by_why.setdefault(why, []).append(m)
     return lines + [f"  {'stays' if len(ms) == 1 else 'stay'} {_names(ms, full)}: {why}" for why, ms in by_why.items()]
+
+
+def _fp8_groups(report: "AuditReport") -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """The fp8 layers by format and the layers that stay by reason, each in model order (empty
+    without fp8): what the short summary states once per group."""
+    by_format: dict[str, list[str]] = {}
+    by_why: dict[str, list[str]] = {}
+    if report.fp8 is not None:
+        for m in report.fp8.layers:
+            by_format.setdefault(report.fp8.recipes.get(m, report.fp8.recipe), []).append(m)
+        for m, why in report.fp8.stay.items():
+            by_why.setdefault(why, []).append(m)
+    return by_format, by_why
 
 
 def _header(report: "AuditReport", policy_file: str | None = None, full: bool = False) -> list[str]:
@@ -98,7 +106,7 @@ def _header(report: "AuditReport", policy_file: str | None = None, full: bool = 
     ]
     if report.fp8 is not None:
         lines += _fp8_lines(report, full)
-    lines.append(NUMERICS_ONLY)
+    lines.append(_NUMERICS_ONLY)
     if not full and (str(policy) != str(report.full_policy or policy) or _abbreviated(report)):
         lines.append("(shortest form, the same choice on this model; every module by name: "
                      "mixprec audit --full, report.summary(full=True))")
@@ -107,12 +115,8 @@ def _header(report: "AuditReport", policy_file: str | None = None, full: bool = 
 
 def _abbreviated(report: "AuditReport") -> bool:
     """Whether the short summary counts some modules instead of naming them."""
-    groups = [report.keep[report.dtype]]
-    if report.fp8 is not None:
-        f8 = report.fp8
-        groups += [[m for m in f8.layers if f8.recipes.get(m, f8.recipe) == r] for r in set(f8.recipes.values())]
-        groups += [[m for m, w in f8.stay.items() if w == why] for why in set(f8.stay.values())]
-    return any(len(g) > _LISTED for g in groups)
+    by_format, by_why = _fp8_groups(report)
+    return any(len(g) > _LISTED for g in [report.keep[report.dtype], *by_format.values(), *by_why.values()])
 
 
 def _fp8_rows(report: "AuditReport") -> list[tuple[str, ...]]:

@@ -194,6 +194,36 @@ class Run:
                 ok = d.value > d.threshold if d.action == "promote" else d.value <= d.threshold
                 assert ok, f"the Controller's decision contradicts its threshold: {d}"
 
+    def check_fp4_against_torchao(self) -> None:
+        """The fp4 casts' absolute reference: each block layer's trained weights cast by mixprec
+        (``quantize``: MXFP4 1x32 blocks, E8M0 scales, RCEIL; NVFP4 1x16 blocks, e4m3 scales under
+        a float32 tensor scale) and by torchao's ``MXTensor.to_mx``/``NVFP4Tensor.to_nvfp4``
+        dequantize bitwise alike."""
+        if self.program.recipe not in FP4_RECIPES or self.program.route == "none":
+            return
+        pytest.importorskip("torchao.prototype.mx_formats")
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+        from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+        from mixprec.fp8._fp4 import quantize
+
+        mx = self.program.recipe == "mxfp4"
+        for name, module in self.model.named_modules():
+            if not (name.startswith("blocks.") and isinstance(module, torch.nn.Linear)):
+                continue
+            w = module.weight.detach().to(torch.float32)
+            if mx:
+                ref = MXTensor.to_mx(w, torch.float4_e2m1fn_x2, 32, scaling_mode=ScaleCalculationMode.RCEIL,
+                                     kernel_preference=KernelPreference.EMULATED)
+                ours = quantize(w, fp8.Cast("e2m1", "1x32"))
+            else:
+                ref = NVFP4Tensor.to_nvfp4(w, per_tensor_scale=per_tensor_amax_to_scale(w.abs().max()))
+                ours = quantize(w, fp8.Cast("e2m1", "1x16"))
+            assert torch.equal(ours.dequantize(torch.float32), ref.dequantize(torch.float32)), \
+                f"{name}: mixprec's {self.program.recipe} cast of the trained weight differs from torchao's"
+
     def check_fp8_against_torchao(self) -> None:
         """An absolute reference for the fp8 recipes (``Float8Recipe.from_name``: torchao's
         numerics, bitwise): each block layer's trained weights (whatever the program made of
@@ -292,6 +322,7 @@ def run_resume(program: ResumeProgram) -> str:
         raise
     straight.check_decisions()
     straight.check_fp8_against_torchao()
+    straight.check_fp4_against_torchao()
     first = Run(program, seed=program.shape.seed)
     first.run(0, program.resume_at)
     buffer = io.BytesIO()

@@ -91,6 +91,8 @@ class ResumeProgram:
     per_gemm: bool = False  # the Controller decides per GEMM
     backend: str = "auto"  # or "emulate_fp32" (every emulated GEMM in float32: the demo's fp4 modes)
     loss_cost: float | None = None  # the Controller's max_loss_cost (its step gets the scaler's scale)
+    hysteresis: int = 1  # the scaler's
+    overflow_step: int | None = None  # this step's first micro-batch loss is inf: an overflow
 
 
 class Run:
@@ -127,7 +129,7 @@ class Run:
         self._count_calls()
         self.scaler = None
         if program.scaler != "none":
-            self.scaler = mixprec.GradScaler("cpu", init_scale=2.0**8, growth_interval=2,
+            self.scaler = mixprec.GradScaler("cpu", init_scale=2.0**8, growth_interval=2, hysteresis=program.hysteresis,
                                              per_layer=program.scaler == "per_layer").watch(self.model)
 
     def region(self) -> Any:
@@ -144,6 +146,8 @@ class Run:
                           outlier=1e6 if p.outlier_step == t else None)
                 with self.region():
                     loss = loss_of(self.model(x, step))
+                if p.overflow_step == t and m == 0:
+                    loss = loss * float("inf")
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             costed = p.supervisor == "controller" and p.loss_cost is not None
             loss_scale = {"loss_scale": self.scaler.get_scale() if self.scaler is not None else 1.0} if costed else {}
@@ -451,6 +455,17 @@ def test_finding_controller_compute_rung_on_bf16_weights() -> None:
     run.run(0, 3)
     assert [d.to for d in run.supervisor.log] == ["bf16"]
     assert run_resume(program) == "ran"
+
+
+def test_resume_after_a_tolerated_overflow() -> None:
+    """The scaler's hysteresis budget survives the checkpoint: an overflow on step 1 spends one of
+    two (tolerated, the scale kept); resumed at step 2, the loaded state saves back unchanged and
+    the run ends as the straight one."""
+    program = ResumeProgram(shape=Shape(width=16, blocks=2, gain=0.3, seed=1), steps=tuple(Step() for _ in range(6)),
+                            resume_at=2, route="none", supervisor="none", scaler="global", optimizer="sgd",
+                            hysteresis=2, overflow_step=1)
+    assert run_resume(program) == "ran"
+    assert run_resume(replace(program, overflow_step=None)) == "ran"
 
 
 def _step(skip: set[int], depth: int | None, rows: tuple[int, ...]) -> Step:

@@ -261,6 +261,23 @@ class Run:
                 results.append((y, xi.grad, layer.weight.grad))
             for what, a, b in zip(("output", "grad_input", "grad_weight"), *results):
                 assert torch.equal(a, b), f"{name}: fp8.linear's {what} differs from torchao's ({p.recipe})"
+            if p.recipe == "tensorwise":
+                self._check_underflow_statistic(lin, recipe, x.relu())
+
+    @staticmethod
+    def _check_underflow_statistic(lin: torch.nn.Linear, recipe: Float8Recipe, x: torch.Tensor) -> None:
+        """The Guard's and Controller's underflow statistic of a tensorwise input cast (one
+        forward, no grad: one cast) is the fraction of the elements, nonzero, that the e4m3 cast
+        with scale ``float32(448 / amax)`` flushes to zero: exact zeros (a ReLU's) are not
+        underflow."""
+        st = fp8.LayerState()
+        with torch.no_grad():
+            fp8.linear(x, lin.weight, lin.bias, recipe, state=st)
+        xf = x.to(torch.float32)
+        scale = (448.0 / xf.abs().max().double().clamp(min=1e-12)).float()
+        flushed = (xf != 0) & ((xf * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32) == 0)
+        expected = flushed.sum().item() / xf.numel()
+        assert st.stats[0, 2].item() == pytest.approx(expected, abs=1e-6), (st.stats[0].tolist(), expected)
 
     def state(self) -> dict[str, Any]:
         out = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}

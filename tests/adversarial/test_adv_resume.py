@@ -174,7 +174,19 @@ class Run:
         """NVFP4's stochastic rounding draws from ``(seed, step, stream)``, ``step`` the layer's
         fp4 call count (``LayerState.rounding_step``): with every non-empty call in fp4 (no Guard or
         Controller to move a layer off it), the count after the run is the number of calls; a
-        count that does not advance draws the same numbers every step, in every run alike."""
+        count that does not advance draws the same numbers every step, in every run alike. And
+        the traced key of those steps draws as its Python-int reference, one stream per cast."""
+        if self.program.recipe == "nvfp4":  # stochastic rounding: the draws of the layers' last steps
+            from mixprec.fp8._fp4 import RoundingKey
+
+            seed = Float8Recipe.nvfp4().seed
+            for n in sorted(set(fp8.rounding_steps(self.model).values())):
+                # the traced key (the layer's counter as a tensor) draws as the documented function
+                # of (seed, step, stream); each stream (one per cast of a step) its own numbers
+                draws = [RoundingKey(seed, torch.tensor(n), s).draws((64,), "cpu") for s in range(3)]
+                for s, d in enumerate(draws):
+                    assert torch.equal(d, RoundingKey(seed, n, s).draws((64,), "cpu")), (n, s)
+                assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2]), n
         if self.program.recipe not in FP4_RECIPES or self.program.supervisor != "none":
             return
         counts = fp8.rounding_steps(self.model)

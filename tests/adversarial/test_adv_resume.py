@@ -91,6 +91,8 @@ class ResumeProgram:
     per_gemm: bool = False  # the Controller decides per GEMM
     backend: str = "auto"  # or "emulate_fp32" (every emulated GEMM in float32: the demo's fp4 modes)
     loss_cost: float | None = None  # the Controller's max_loss_cost (its step gets the scaler's scale)
+    hysteresis: int = 1  # the scaler's
+    overflow_step: int | None = None  # this step's first micro-batch loss is inf: an overflow
 
 
 class Run:
@@ -127,7 +129,7 @@ class Run:
         self._count_calls()
         self.scaler = None
         if program.scaler != "none":
-            self.scaler = mixprec.GradScaler("cpu", init_scale=2.0**8, growth_interval=2,
+            self.scaler = mixprec.GradScaler("cpu", init_scale=2.0**8, growth_interval=2, hysteresis=program.hysteresis,
                                              per_layer=program.scaler == "per_layer").watch(self.model)
 
     def region(self) -> Any:
@@ -144,6 +146,8 @@ class Run:
                           outlier=1e6 if p.outlier_step == t else None)
                 with self.region():
                     loss = loss_of(self.model(x, step))
+                if p.overflow_step == t and m == 0:
+                    loss = loss * float("inf")
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             costed = p.supervisor == "controller" and p.loss_cost is not None
             loss_scale = {"loss_scale": self.scaler.get_scale() if self.scaler is not None else 1.0} if costed else {}
@@ -170,7 +174,19 @@ class Run:
         """NVFP4's stochastic rounding draws from ``(seed, step, stream)``, ``step`` the layer's
         fp4 call count (``LayerState.rounding_step``): with every non-empty call in fp4 (no Guard or
         Controller to move a layer off it), the count after the run is the number of calls; a
-        count that does not advance draws the same numbers every step, in every run alike."""
+        count that does not advance draws the same numbers every step, in every run alike. And
+        the traced key of those steps draws as its Python-int reference, one stream per cast."""
+        if self.program.recipe == "nvfp4":  # stochastic rounding: the draws of the layers' last steps
+            from mixprec.fp8._fp4 import RoundingKey
+
+            seed = Float8Recipe.nvfp4().seed
+            for n in sorted(set(fp8.rounding_steps(self.model).values())):
+                # the traced key (the layer's counter as a tensor) draws as the documented function
+                # of (seed, step, stream); each stream (one per cast of a step) its own numbers
+                draws = [RoundingKey(seed, torch.tensor(n), s).draws((64,), "cpu") for s in range(3)]
+                for s, d in enumerate(draws):
+                    assert torch.equal(d, RoundingKey(seed, n, s).draws((64,), "cpu")), (n, s)
+                assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2]), n
         if self.program.recipe not in FP4_RECIPES or self.program.supervisor != "none":
             return
         counts = fp8.rounding_steps(self.model)
@@ -194,6 +210,36 @@ class Run:
                 ok = d.value > d.threshold if d.action == "promote" else d.value <= d.threshold
                 assert ok, f"the Controller's decision contradicts its threshold: {d}"
 
+    def check_fp4_against_torchao(self) -> None:
+        """The fp4 casts' absolute reference: each block layer's trained weights cast by mixprec
+        (``quantize``: MXFP4 1x32 blocks, E8M0 scales, RCEIL; NVFP4 1x16 blocks, e4m3 scales under
+        a float32 tensor scale) and by torchao's ``MXTensor.to_mx``/``NVFP4Tensor.to_nvfp4``
+        dequantize bitwise alike."""
+        if self.program.recipe not in FP4_RECIPES or self.program.route == "none":
+            return
+        pytest.importorskip("torchao.prototype.mx_formats")
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+        from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+        from mixprec.fp8._fp4 import quantize
+
+        mx = self.program.recipe == "mxfp4"
+        for name, module in self.model.named_modules():
+            if not (name.startswith("blocks.") and isinstance(module, torch.nn.Linear)):
+                continue
+            w = module.weight.detach().to(torch.float32)
+            if mx:
+                ref = MXTensor.to_mx(w, torch.float4_e2m1fn_x2, 32, scaling_mode=ScaleCalculationMode.RCEIL,
+                                     kernel_preference=KernelPreference.EMULATED)
+                ours = quantize(w, fp8.Cast("e2m1", "1x32"))
+            else:
+                ref = NVFP4Tensor.to_nvfp4(w, per_tensor_scale=per_tensor_amax_to_scale(w.abs().max()))
+                ours = quantize(w, fp8.Cast("e2m1", "1x16"))
+            assert torch.equal(ours.dequantize(torch.float32), ref.dequantize(torch.float32)), \
+                f"{name}: mixprec's {self.program.recipe} cast of the trained weight differs from torchao's"
+
     def check_fp8_against_torchao(self) -> None:
         """An absolute reference for the fp8 recipes (``Float8Recipe.from_name``: torchao's
         numerics, bitwise): each block layer's trained weights (whatever the program made of
@@ -206,7 +252,8 @@ class Run:
         p = self.program
         g = torch.Generator().manual_seed(p.shape.seed + 7)
         x = batch(p.shape, p.shape.seed, 0, 0, 0, 8, drift=p.drift ** len(p.steps)).to(torch.bfloat16)
-        grad = torch.randn(8, p.shape.width, generator=g).to(torch.bfloat16)
+        # a gradient of a wide dynamic range: e5m2's small values survive only with e5m2's own scale
+        grad = (torch.randn(8, p.shape.width, generator=g) * torch.logspace(-12, 3, p.shape.width)).to(torch.bfloat16)
         recipe = Float8Recipe.from_name(p.recipe)
         config = dataclasses.replace(torchao_float8.Float8LinearConfig.from_recipe_name(p.recipe), emulate=True)
         for name, module in self.model.named_modules():
@@ -226,6 +273,23 @@ class Run:
                 results.append((y, xi.grad, layer.weight.grad))
             for what, a, b in zip(("output", "grad_input", "grad_weight"), *results):
                 assert torch.equal(a, b), f"{name}: fp8.linear's {what} differs from torchao's ({p.recipe})"
+            if p.recipe == "tensorwise":
+                self._check_underflow_statistic(lin, recipe, x.relu())
+
+    @staticmethod
+    def _check_underflow_statistic(lin: torch.nn.Linear, recipe: Float8Recipe, x: torch.Tensor) -> None:
+        """The Guard's and Controller's underflow statistic of a tensorwise input cast (one
+        forward, no grad: one cast) is the fraction of the elements, nonzero, that the e4m3 cast
+        with scale ``float32(448 / amax)`` flushes to zero: exact zeros (a ReLU's) are not
+        underflow."""
+        st = fp8.LayerState()
+        with torch.no_grad():
+            fp8.linear(x, lin.weight, lin.bias, recipe, state=st)
+        xf = x.to(torch.float32)
+        scale = (448.0 / xf.abs().max().double().clamp(min=1e-12)).float()
+        flushed = (xf != 0) & ((xf * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32) == 0)
+        expected = flushed.sum().item() / xf.numel()
+        assert st.stats[0, 2].item() == pytest.approx(expected, abs=1e-6), (st.stats[0].tolist(), expected)
 
     def state(self) -> dict[str, Any]:
         out = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
@@ -292,6 +356,7 @@ def run_resume(program: ResumeProgram) -> str:
         raise
     straight.check_decisions()
     straight.check_fp8_against_torchao()
+    straight.check_fp4_against_torchao()
     first = Run(program, seed=program.shape.seed)
     first.run(0, program.resume_at)
     buffer = io.BytesIO()
@@ -419,6 +484,17 @@ def test_finding_controller_compute_rung_on_bf16_weights() -> None:
     run.run(0, 3)
     assert [d.to for d in run.supervisor.log] == ["bf16"]
     assert run_resume(program) == "ran"
+
+
+def test_resume_after_a_tolerated_overflow() -> None:
+    """The scaler's hysteresis budget survives the checkpoint: an overflow on step 1 spends one of
+    two (tolerated, the scale kept); resumed at step 2, the loaded state saves back unchanged and
+    the run ends as the straight one."""
+    program = ResumeProgram(shape=Shape(width=16, blocks=2, gain=0.3, seed=1), steps=tuple(Step() for _ in range(6)),
+                            resume_at=2, route="none", supervisor="none", scaler="global", optimizer="sgd",
+                            hysteresis=2, overflow_step=1)
+    assert run_resume(program) == "ran"
+    assert run_resume(replace(program, overflow_step=None)) == "ran"
 
 
 def _step(skip: set[int], depth: int | None, rows: tuple[int, ...]) -> Step:

@@ -30,7 +30,8 @@ def test_the_caps_follow_the_cpu_flags() -> None:
     assert avx2["ONEDNN_MAX_CPU_ISA"] == "AVX2" and avx2["ATEN_CPU_CAPABILITY"] == "avx2"
 
 
-def test_every_cross_isa_test_is_collected(pytestconfig) -> None:
+@pytest.mark.slow
+def test_every_cross_isa_test_is_collected() -> None:
     """The subset is not empty: a marker renamed or dropped would make the run below vacuous."""
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
                           "-m", "cross_isa"], cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -162,6 +162,10 @@ class Run:
             self.optimizer.zero_grad()
             if self.supervisor is not None:
                 self.supervisor.step(**loss_scale)
+            if isinstance(self.supervisor, fp8.Guard):  # a fallback takes effect at once, not a check later
+                for name in self.supervisor.decisions:
+                    st = fp8.layer_state(self.model.get_submodule(name), create=False)
+                    assert st is None or st.fallback, f"step {t}: the Guard decided {name} falls back, it runs in fp8"
 
     def _count_calls(self) -> None:
         """Count each block layer's calls on a non-empty input (the fp4 call count's absolute

@@ -67,10 +67,11 @@ def make_guard(recipe: str, every: int) -> fp8.Guard:
     return fp8.Guard(every=every, max_underflow=0.15 if recipe in FP4_RECIPES + ("nvfp4",) else 0.05)
 
 
-def make_controller(recipe: str, every: int, per_gemm: bool, loss_cost: float | None = None) -> mixprec.Controller:
+def make_controller(recipe: str, every: int, per_gemm: bool, loss_cost: float | None = None,
+                    demote_windows: int = 1) -> mixprec.Controller:
     """The harness's Controller (quick to react); an fp4 recipe starts an fp4 ladder."""
     ladder = (recipe, "tensorwise", "rowwise", "compute") if recipe in ("mxfp4", "nvfp4") else None
-    return mixprec.Controller(every=every, trend_windows=1, min_dwell=2, demote_windows=1, per_gemm=per_gemm,
+    return mixprec.Controller(every=every, trend_windows=1, min_dwell=2, demote_windows=demote_windows, per_gemm=per_gemm,
                               max_loss_cost=loss_cost, **({"ladder": ladder} if ladder else {}))
 
 
@@ -92,6 +93,7 @@ class ResumeProgram:
     backend: str = "auto"  # or "emulate_fp32" (every emulated GEMM in float32: the demo's fp4 modes)
     loss_cost: float | None = None  # the Controller's max_loss_cost (its step gets the scaler's scale)
     hysteresis: int = 1  # the scaler's
+    demote_windows: int = 1  # the Controller's (clean windows before a demotion)
     overflow_step: int | None = None  # this step's first micro-batch loss is inf: an overflow
 
 
@@ -105,7 +107,8 @@ class Run:
         if program.supervisor == "guard":
             self.supervisor = make_guard(program.recipe, program.every)
         elif program.supervisor == "controller":
-            self.supervisor = make_controller(program.recipe, program.every, program.per_gemm, program.loss_cost)
+            self.supervisor = make_controller(program.recipe, program.every, program.per_gemm, program.loss_cost,
+                                              program.demote_windows)
         kind = {"guard": {"guard": self.supervisor}, "controller": {"controller": self.supervisor}}.get(
             program.supervisor, {})
         self.policy: Any = None
@@ -159,6 +162,10 @@ class Run:
             self.optimizer.zero_grad()
             if self.supervisor is not None:
                 self.supervisor.step(**loss_scale)
+            if isinstance(self.supervisor, fp8.Guard):  # a fallback takes effect at once, not a check later
+                for name in self.supervisor.decisions:
+                    st = fp8.layer_state(self.model.get_submodule(name), create=False)
+                    assert st is None or st.fallback, f"step {t}: the Guard decided {name} falls back, it runs in fp8"
 
     def _count_calls(self) -> None:
         """Count each block layer's calls on a non-empty input (the fp4 call count's absolute
@@ -483,6 +490,20 @@ def test_finding_controller_compute_rung_on_bf16_weights() -> None:
     run = Run(program, seed=1)
     run.run(0, 3)
     assert [d.to for d in run.supervisor.log] == ["bf16"]
+    assert run_resume(program) == "ran"
+
+
+@pytest.mark.parametrize("resume_at", [4, 5])
+def test_per_gemm_controller_resumed_between_promotion_and_demotion(resume_at: int) -> None:
+    """An outlier on step 2 promotes two GEMMs of block 0 (step 3); three clean windows later they
+    come down (step 6). Resumed in between, the GEMMs' clean-window counts differ (the promoted
+    ones restarted), so the checkpoint must carry each GEMM's, not the layer's."""
+    program = ResumeProgram(shape=Shape(width=32, blocks=2, gain=0.3, seed=1), steps=tuple(Step() for _ in range(10)),
+                            resume_at=resume_at, route="convert", supervisor="controller", per_gemm=True, every=1,
+                            recipe="tensorwise", scaler="none", optimizer="sgd", outlier_step=2, demote_windows=3)
+    run = Run(program, seed=1)
+    run.run(0, len(program.steps))
+    assert [(d.step, d.action) for d in run.supervisor.log if d.gemm == "output"] == [(3, "promote"), (6, "demote")]
     assert run_resume(program) == "ran"
 
 

@@ -11,12 +11,10 @@ import pytest
 import torch
 
 from _native_required import kernels_missing
+from _pytest_setup import NO_TIMEOUT
 from mixprec import _native
 
 
-#: What the run's header says when pytest-timeout (pyproject's ``timeout``) is not installed.
-NO_TIMEOUT = ("timeout: none, pytest-timeout is not installed (pyproject's timeout = 600 needs it: "
-              "pip install pytest-timeout, or pip install -e .[dev])")
 
 
 def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:

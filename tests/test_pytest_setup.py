@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import NO_TIMEOUT
+from _pytest_setup import NO_TIMEOUT
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -278,21 +278,25 @@ class Probe:
             ctl._compute = x.dtype
         if x.dtype is torch.float16:
             _range(rec.range, x, out)
+        # the gradient hooks go on ``out``, the caller gets a view of it: so they see the gradient
+        # the GEMM's backward receives, after any hook on the returned tensor (a per-layer loss
+        # scaler's cut point, whose factor the gradients of this layer carry)
+        result = out.view_as(out) if out.requires_grad else out
         if rec.cost is not None and weight is not None and out.requires_grad:
             _measure_cost(rec, x, weight, bias, out)
         if rec.gemm_windows is not None:
             _measure_gemms(rec, x, weight, out, ctl.sample, ctl._measuring)
-            return out
+            return result
         below = rec.below
         if below is None or not ctl._measuring:
-            return out
+            return result
         measure(rec.shadow, INPUT, x, below.input, below.pow2_scales, ctl.sample)
         if weight is not None:
             measure(rec.shadow, WEIGHT, weight.detach(), below.weight, below.pow2_scales, ctl.sample)
         if out.requires_grad:
             buf, sample = rec.shadow, ctl.sample
             out.register_hook(lambda g: measure(buf, GRAD_OUTPUT, g, below.grad_output, below.pow2_scales, sample))
-        return out
+        return result
 
 
 def _measure_cost(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -288,6 +288,7 @@ class Controller:
     # ----------------------------------------------------------------- tracking
 
     def _rung_name(self, rung: int) -> str:
+        self._learn_compute()
         name = self.ladder[rung]
         if name in FP4_RUNGS:
             return name
@@ -385,6 +386,7 @@ class Controller:
             self._load_layer(rec, data)
         self._untrack(old)  # another module under that name: no longer controlled
         rec.probe = Probe(self, rec)
+        rec.measuring.fill_(self._measuring)
         self._layers[name] = rec
         self._names[module] = name
         self._apply(rec)
@@ -453,7 +455,8 @@ class Controller:
                 rec.end_step(_grad_scale(rec, loss_scale, scaled))
         self._steps += 1
         self._stepped = True
-        self._measuring = shadow_phase(self._steps, self.every, self.shadow_steps)
+        self._set_measuring(shadow_phase(self._steps, self.every, self.shadow_steps))
+        self._learn_compute()
         if not self._layers and not self._warned_empty and not distributed():
             self._warned_empty = True
             warnings.warn("fp8: Controller.step() tracks no fp8 layer, so it decides nothing: give it to "
@@ -500,6 +503,22 @@ class Controller:
                 self._log.append(decision)
                 new.append(decision)
         return new
+
+    def _set_measuring(self, measuring: bool) -> None:
+        """Whether the coming steps feed the shadows: the flag eager code reads, and each record's
+        device copy that compiled code reads (written when it changes: no host sync)."""
+        if measuring != self._measuring:
+            for rec in self._layers.values():
+                rec.measuring.fill_(measuring)
+        self._measuring = measuring
+
+    def _learn_compute(self) -> None:
+        """The compute dtype, when only compiled forwards saw it (their probes keep it: traced
+        code reads no controller state)."""
+        if self._compute is None:
+            seen = [r.probe.dtype for r in self._layers.values() if r.probe is not None and r.probe.dtype is not None]
+            if seen:
+                self._compute = seen[0]
 
     # ----------------------------------------------------------------- checkpoints
     def __getstate__(self) -> dict[str, Any]:
@@ -552,7 +571,7 @@ class Controller:
             raise ValueError(f"Controller.load_state_dict expects the dict of Controller.state_dict() (steps, log, "
                              f"layers) for the same ladder: {exc}") from exc
         self._steps, self._log, self._stepped = steps, log, steps > 0
-        self._measuring = shadow_phase(steps, self.every, self.shadow_steps)
+        self._set_measuring(shadow_phase(steps, self.every, self.shadow_steps))
         self._pending = {}
         for name, data in layers.items():
             rec = self._layers.get(name)
@@ -592,6 +611,7 @@ class Controller:
                           tuple(meta["allowed"]), self.per_gemm, self.max_loss_cost is not None)
         self._load_layer(rec, self._pending.pop(name, meta))
         rec.probe = Probe(self, rec)
+        rec.measuring.fill_(self._measuring)
         self._apply(rec)
         return rec
 

@@ -324,3 +324,21 @@ def test_per_layer_scaling_each_layer_divides_out_its_own_scale(batch, compute, 
     assert len(factors) >= 2 and set(factors.values()) == {8.0}
     assert plain.shape == (3, 2) and plain.abs().min() > 0
     torch.testing.assert_close(scaled, plain, rtol=1e-5, atol=1e-9)
+
+
+def test_under_the_fp8_all_gather_it_warns_naming_the_layers_it_cannot_measure(batch):
+    """``fp8.convert(fsdp_fp8_all_gather=True)``: FSDP2 gathers those weights in fp8, no rank holds
+    the high-precision weight the cost's reference needs; the controller says which layers it
+    cannot see (and measures nothing there, not even on the weight a rung dequantizes)."""
+    x, y = batch
+    ctl = Controller(every=10, ladder=LADDER, per_gemm=True, max_loss_cost=1e-3)
+    with pytest.warns(UserWarning, match=r"cannot measure the loss cost of \['0', '2'\]: FSDP2 all-gathers"):
+        model = fp8.convert(_model(), "tensorwise", filter_fn=lambda m, n: True, fsdp_fp8_all_gather=True,
+                            controller=ctl, backend="emulate_fp32")
+    F.cross_entropy(model(x), y).backward()
+    ctl.step()
+    assert all(int(rec.cost[:, 4].sum()) == 0 for rec in ctl._layers.values())
+    with warnings.catch_warnings():  # without the setting: nothing to say
+        warnings.simplefilter("error")
+        fp8.convert(_model(), "tensorwise", filter_fn=lambda m, n: True, fsdp_fp8_all_gather=True,
+                    controller=Controller(ladder=LADDER), backend="emulate_fp32")

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from mixprec.fp8._collective import agree_on_layers, all_reduce_max, distributed
+from mixprec.fp8._fsdp import Float8AllGatherWeight
 from mixprec.fp8._decide import apply_gemms, decide_gemms, decide_layer, layer_down, layer_up
 from mixprec.fp8._guard import _check_int, _check_number, count_unstepped_forward, deepcopy_attributes
 from mixprec.fp8._ladder import FP4_RUNGS, GEMMS, LOW_RUNGS, RUNGS, Decision, LayerRecord, Probe
@@ -330,6 +331,14 @@ class Controller:
         for name in names:
             if not self._known(name, modules[name]):
                 self._track(name, modules[name], modules[name].recipe)
+        blind = [n for n in names if self._names.get(modules[n]) in self._layers
+                 and self._layers[self._names[modules[n]]].cost_blind]
+        if blind and self.max_loss_cost is not None:
+            warnings.warn(f"fp8: Controller(max_loss_cost=...) cannot measure the loss cost of {blind}: FSDP2 "
+                          f"all-gathers their weights in fp8 (fp8.convert(..., fsdp_fp8_all_gather=True)), so no "
+                          f"rank holds the high-precision weight the cost's reference GEMM needs; their rungs follow "
+                          f"their casts' statistics alone. Convert them without fsdp_fp8_all_gather to measure it",
+                          UserWarning, stacklevel=2)
         return names
 
     def _known(self, name: str, module: nn.Module) -> bool:
@@ -387,6 +396,7 @@ class Controller:
         self._untrack(old)  # another module under that name: no longer controlled
         rec.probe = Probe(self, rec)
         rec.measuring.fill_(self._measuring)
+        rec.cost_blind = _all_gathered(module)
         self._layers[name] = rec
         self._names[module] = name
         self._apply(rec)
@@ -661,6 +671,13 @@ def _grad_scale(rec: LayerRecord, loss_scale: float | torch.Tensor | None,
     if loss_scale is None:
         return carried
     return carried / scaled.regions[0] * loss_scale  # (the factors are powers of 2: exact)
+
+
+def _all_gathered(module: nn.Module) -> bool:
+    """Whether FSDP2 all-gathers ``module``'s weight in fp8 (``fp8.convert(...,
+    fsdp_fp8_all_gather=True)``, sharded or not yet)."""
+    weight = getattr(module, "weight", None)
+    return isinstance(getattr(weight, "_local_tensor", weight), Float8AllGatherWeight)
 
 
 def _converted(module: nn.Module) -> bool:

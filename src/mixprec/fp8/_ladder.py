@@ -192,6 +192,8 @@ class LayerRecord:
         # while its forward may go down, the recipe below's (``forward_below``)
         self.cost = torch.zeros(2, len(_COST_COLUMNS), device=state.device) if cost else None
         self.forward_low = False  # the forward GEMM runs casts (its own cost is measured)
+        # its weight is all-gathered in fp8 by FSDP2: no high-precision weight, no loss cost
+        self.cost_blind = False
         self.forward_below: Float8Recipe | None = None
         self.probe: Any = None  # its Probe (also in state.probe)
         # whether this step feeds the shadows (Controller._measuring), on the device: what compiled
@@ -294,7 +296,7 @@ class Probe:
         # the GEMM's backward receives, after any hook on the returned tensor (a per-layer loss
         # scaler's cut point, whose factor the gradients of this layer carry)
         result = out.view_as(out) if out.requires_grad else out
-        if rec.cost is not None and weight is not None and out.requires_grad:
+        if rec.cost is not None and not rec.cost_blind and weight is not None and out.requires_grad:
             _measure_cost(rec, x, weight, bias, out)
         if rec.gemm_windows is not None:
             _measure_gemms(rec, x, weight, out, ctl.sample, measuring, gate)

@@ -252,3 +252,102 @@ def test_fp4_limits_without_fp4_warn_that_they_take_no_effect():
                 guard.step()
         said = [str(w.message) for w in caught if "fp4_max_underflow" in str(w.message)]
         assert len(said) == warned and all("none of the layers it watches" in m for m in said)
+
+
+def _scaled_step(model: nn.Module, ctl: Controller, batch, compute: torch.dtype, scaler=None, **step) -> torch.Tensor:
+    """One training step (the loss scaled by ``scaler`` when given), ``ctl.step(**step)``; the
+    window's mean loss cost (own, below) of every layer, stacked."""
+    x, y = batch
+    with torch.autocast("cpu", dtype=compute, enabled=compute is not torch.float32):
+        loss = F.cross_entropy(model(x).float(), y)
+    (loss if scaler is None else scaler.scale(loss)).backward()
+    ctl.step(**step)
+    return torch.stack([_window_mean(ctl, name) for name in sorted(ctl._layers)])
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
+def test_a_grad_scalers_scale_is_divided_out_without_loss_scale(batch, compute):
+    """A ``mixprec.GradScaler`` scales the gradients by 65536: with ``ctl.step()`` and no
+    ``loss_scale`` the cost is the unscaled run's, in any compute dtype (no warning needed)."""
+    from mixprec import GradScaler
+
+    settings = dict(only=None, max_loss_cost=1.0, every=10, ladder=("nvfp4", "rowwise", "compute"))
+    model, ctl = _converted("rowwise", **settings)
+    plain = _scaled_step(model, ctl, batch, compute)
+    model, ctl = _converted("rowwise", **settings)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaled = _scaled_step(model, ctl, batch, compute, GradScaler("cpu"))
+    assert plain[:, 0].abs().max() > 0
+    torch.testing.assert_close(scaled, plain, rtol=1e-5, atol=1e-9)
+    # an explicit loss_scale replaces the scaler's (what the loss was multiplied by)
+    model, ctl = _converted("rowwise", **settings)
+    again = _scaled_step(model, ctl, batch, compute, GradScaler("cpu", init_scale=1024.0), loss_scale=1024.0)
+    torch.testing.assert_close(again, plain, rtol=1e-5, atol=1e-9)
+    # a loss scaled before the controller existed is not this step's
+    GradScaler("cpu").scale(torch.ones((), requires_grad=True))
+    model, ctl = _converted("rowwise", **settings)
+    torch.testing.assert_close(_scaled_step(model, ctl, batch, compute), plain, rtol=0, atol=0)
+
+
+def _blocks() -> nn.Sequential:
+    """Three blocks, cut points of a per-layer scaler; the second's Linear gives the block's
+    output itself (the cut point's gradient hook is on that Linear's output tensor)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(32, 64), nn.GELU()), nn.Sequential(nn.GELU(), nn.Linear(64, 64)),
+                          nn.Sequential(nn.GELU(), nn.Linear(64, 64)))
+    with torch.no_grad():
+        model[2][1].weight.mul_(4)
+    return model
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("explicit", [False, True])
+def test_per_layer_scaling_each_layer_divides_out_its_own_scale(batch, compute, explicit):
+    """``GradScaler(per_layer=True)`` with every cut point's factor 2**3: a layer below k cut
+    points carries the loss scale times 8**k; each layer's cost is the unscaled run's, with
+    ``ctl.step()`` and with ``ctl.step(loss_scale=scaler.get_scale())`` as the docs say."""
+    from mixprec import GradScaler
+
+    def run(scaler_factory):
+        ctl = Controller(every=10, ladder=("nvfp4", "rowwise", "compute"), floor="nvfp4", per_gemm=True,
+                         max_loss_cost=1.0)
+        model = fp8.convert(_blocks(), "rowwise", filter_fn=lambda m, n: True, controller=ctl,
+                            backend="emulate_fp32")
+        scaler = scaler_factory(model) if scaler_factory else None
+        step = {"loss_scale": scaler.get_scale()} if explicit and scaler is not None else {}
+        return _scaled_step(model, ctl, batch, compute, scaler, **step), scaler
+
+    plain, _ = run(None)
+
+    def per_layer(model):
+        scaler = GradScaler("cpu", per_layer=True, init_scale=1024.0).watch(model)
+        state = scaler.state_dict()
+        n = len(state["layerwise"]["cut_points"])
+        state["layerwise"]["exponent"] = [3] * n
+        scaler.load_state_dict(state)
+        return scaler
+
+    scaled, scaler = run(per_layer)
+    factors = scaler.layer_scales()
+    assert len(factors) >= 2 and set(factors.values()) == {8.0}
+    assert plain.shape == (3, 2) and plain.abs().min() > 0
+    torch.testing.assert_close(scaled, plain, rtol=1e-5, atol=1e-9)
+
+
+def test_under_the_fp8_all_gather_it_warns_naming_the_layers_it_cannot_measure(batch):
+    """``fp8.convert(fsdp_fp8_all_gather=True)``: FSDP2 gathers those weights in fp8, no rank holds
+    the high-precision weight the cost's reference needs; the controller says which layers it
+    cannot see (and measures nothing there, not even on the weight a rung dequantizes)."""
+    x, y = batch
+    ctl = Controller(every=10, ladder=LADDER, per_gemm=True, max_loss_cost=1e-3)
+    with pytest.warns(UserWarning, match=r"cannot measure the loss cost of \['0', '2'\]: FSDP2 all-gathers"):
+        model = fp8.convert(_model(), "tensorwise", filter_fn=lambda m, n: True, fsdp_fp8_all_gather=True,
+                            controller=ctl, backend="emulate_fp32")
+    F.cross_entropy(model(x), y).backward()
+    ctl.step()
+    assert all(int(rec.cost[:, 4].sum()) == 0 for rec in ctl._layers.values())
+    with warnings.catch_warnings():  # without the setting: nothing to say
+        warnings.simplefilter("error")
+        fp8.convert(_model(), "tensorwise", filter_fn=lambda m, n: True, fsdp_fp8_all_gather=True,
+                    controller=Controller(ladder=LADDER), backend="emulate_fp32")

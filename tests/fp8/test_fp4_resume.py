@@ -161,3 +161,33 @@ def test_a_layer_state_pickled_with_an_int_count_unpickles():
     older = fp8.LayerState.__new__(fp8.LayerState)
     older.__setstate__(state)
     assert older.rounding_step == 0
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_an_activation_checkpoints_recompute_draws_what_the_forward_drew(reentrant):
+    """``torch.utils.checkpoint`` recomputes each NVFP4 layer's forward in the backward: the
+    recompute takes the step its forward drew (not the next), so the gradients are the
+    uncheckpointed run's, bitwise, and each layer counts one fp4 call per step."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, y = _data(0)
+    runs = []
+    for checkpointed in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = fp8.convert(fp8_stack(seed=0), NVFP4, filter_fn=lambda m, fqn: True, backend="emulate_fp32")
+        grads = []
+        for _ in range(2):
+            model.zero_grad()
+            with torch.autocast("cpu", torch.bfloat16):
+                h = x.clone().requires_grad_()  # (a reentrant checkpoint needs an input that does)
+                for block in (model[:4], model[4:]):
+                    h = checkpoint(block, h, use_reentrant=reentrant) if checkpointed else block(h)
+                loss = (h.float() - y).square().mean()
+            loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        runs.append((grads, fp8.rounding_steps(model)))
+    (plain, plain_steps), (ckpt, ckpt_steps) = runs
+    assert plain_steps == ckpt_steps == {"0": 2, "2": 2, "4": 2, "6": 2}
+    for a, b in zip(plain, ckpt):
+        assert all(torch.equal(p, q) for p, q in zip(a, b))

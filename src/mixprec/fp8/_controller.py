@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from mixprec._modules import clean_name, named_modules
 from mixprec.fp8._collective import agree_on_layers, all_reduce_max, distributed
+from mixprec.fp8._fsdp import Float8AllGatherWeight
 from mixprec.fp8._decide import apply_gemms, decide_gemms, decide_layer, layer_down, layer_up
 from mixprec.fp8._guard import _check_int, _check_number, count_unstepped_forward, deepcopy_attributes
 from mixprec.fp8._ladder import FP4_RUNGS, GEMMS, LOW_RUNGS, RUNGS, Decision, LayerRecord, Probe
@@ -29,6 +30,7 @@ from mixprec.fp8._like import features
 from mixprec.fp8._recipe import RECIPE_NAMES, Float8Recipe
 from mixprec.fp8._state import OPERANDS, LayerState, layer_state
 from mixprec.fp8._trend import MAX_HORIZON, Trend, shadow_phase, sustained_slope
+from mixprec.scaling._scaled import Scaled, last_count, scaled_since
 
 __all__ = ["Controller", "Decision", "MAX_HORIZON", "RUNGS", "qualified", "shadow_phase", "sustained_slope"]
 
@@ -107,8 +109,9 @@ class Controller:
     yet as much loss as all other layers' errors together); a forward GEMM costing more is
     promoted, and comes down once the recipe below's forward (measured while promoted, an
     emulated GEMM per step) costs at most ``demote_loss_cost`` (None: half of
-    ``max_loss_cost``) as well. The estimate is of the loss backward differentiates: under a
-    loss scaler pass ``step(loss_scale=...)``.
+    ``max_loss_cost``) as well. The estimate is of the loss: the scale a
+    :class:`mixprec.GradScaler` gave each layer's gradient (per-layer factors included) is
+    divided out by itself; under another loss scaler pass ``step(loss_scale=...)``.
 
     Raises ValueError on a setting out of range, a ladder not in the order of :data:`RUNGS`, or a
     ``floor`` not an fp8 rung of it (and, when a layer is first seen, a recipe below the floor).
@@ -155,6 +158,7 @@ class Controller:
     _recipes: dict[str, Float8Recipe] = field(default_factory=dict, init=False, repr=False, compare=False)
     _loss_scaled: bool = field(default=False, init=False, repr=False, compare=False)  # a step got loss_scale
     _warned_scale: bool = field(default=False, init=False, repr=False, compare=False)
+    _scaled_seen: int = field(default=0, init=False, repr=False, compare=False)  # the last GradScaler note taken
 
     def __post_init__(self) -> None:
         if self.max_nonfinite is not None:
@@ -183,6 +187,7 @@ class Controller:
         self.ladder = ladder
         self._recipes = {r: Float8Recipe.from_name(r) for r in ladder if r in LOW_RUNGS}  # one object per rung
         self._measuring = shadow_phase(0, self.every, self.shadow_steps)
+        self._scaled_seen = last_count()  # a loss scaled before the controller existed is no step of its own
         if self.floor is not None and self.floor not in [r for r in ladder if r in LOW_RUNGS]:
             raise ValueError(f"Controller.floor must be None (each layer's recipe) or an fp8 rung of the ladder "
                              f"{ladder}, got {self.floor!r}")
@@ -285,6 +290,7 @@ class Controller:
     # ----------------------------------------------------------------- tracking
 
     def _rung_name(self, rung: int) -> str:
+        self._learn_compute()
         name = self.ladder[rung]
         if name in FP4_RUNGS:
             return name
@@ -326,6 +332,14 @@ class Controller:
         for name in names:
             if not self._known(name, modules[name]):
                 self._track(name, modules[name], modules[name].recipe)
+        blind = [n for n in names if self._names.get(modules[n]) in self._layers
+                 and self._layers[self._names[modules[n]]].cost_blind]
+        if blind and self.max_loss_cost is not None:
+            warnings.warn(f"fp8: Controller(max_loss_cost=...) cannot measure the loss cost of {blind}: FSDP2 "
+                          f"all-gathers their weights in fp8 (fp8.convert(..., fsdp_fp8_all_gather=True)), so no "
+                          f"rank holds the high-precision weight the cost's reference GEMM needs; their rungs follow "
+                          f"their casts' statistics alone. Convert them without fsdp_fp8_all_gather to measure it",
+                          UserWarning, stacklevel=2)
         return names
 
     def _known(self, name: str, module: nn.Module) -> bool:
@@ -382,6 +396,8 @@ class Controller:
             self._load_layer(rec, data)
         self._untrack(old)  # another module under that name: no longer controlled
         rec.probe = Probe(self, rec)
+        rec.measuring.fill_(self._measuring)
+        rec.cost_blind = _all_gathered(module)
         self._layers[name] = rec
         self._names[module] = name
         self._apply(rec)
@@ -418,11 +434,16 @@ class Controller:
         accumulation: once per optimizer step). A check step reads the windows of every layer
         (one all-reduce MAX when ``torch.distributed`` is initialized, one host sync); the other
         steps touch nothing but, under ``max_loss_cost``, fold the step's loss-cost sums into
-        the window on the device. ``loss_scale``: what the loss this step's backward
-        differentiated was multiplied by (a loss scaler's scale, a float or a device tensor:
-        ``scaler.get_scale()`` before ``scaler.update()``, or its scale tensor, no sync), which
-        the loss cost divides out; None: 1. Warns once when it tracks no layer yet, and once,
-        under ``max_loss_cost`` and fp16 compute, when no step got a ``loss_scale``.
+        the window on the device. The loss cost divides out the scale each layer's gradient
+        carried: a :class:`mixprec.GradScaler` that scaled a loss since the last step says it
+        (per layer: its loss scale times the per-layer factors above the layer, as its
+        ``scale()`` applied them; :mod:`mixprec.scaling._scaled`), whatever the compute dtype.
+        ``loss_scale``: what the loss was multiplied by, for another scaler (``torch.amp``'s:
+        ``scaler.get_scale()`` before ``scaler.update()``, or its scale tensor, no sync), or
+        to override a GradScaler's loss scale (its per-layer factors still apply); None: the
+        GradScaler's, else 1. Warns once when it tracks no layer yet, and once, under
+        ``max_loss_cost`` and fp16 compute, when no step got a scale (neither ``loss_scale``
+        nor a GradScaler's).
 
         Raises ValueError for a ``loss_scale`` that is not a positive number or a tensor.
 
@@ -436,13 +457,17 @@ class Controller:
                 raise ValueError(f"Controller.step: loss_scale must be a positive finite number or a tensor (the "
                                  f"scale the loss was multiplied by), or None, got {loss_scale!r}")
             self._loss_scaled = True
+        scaled = scaled_since(self._scaled_seen)
+        if scaled is not None:
+            self._scaled_seen = scaled.count
+            self._loss_scaled = True
         if self.max_loss_cost is not None:
-            scale = 1.0 if loss_scale is None else loss_scale
             for rec in self._layers.values():
-                rec.end_step(scale)
+                rec.end_step(_grad_scale(rec, loss_scale, scaled))
         self._steps += 1
         self._stepped = True
-        self._measuring = shadow_phase(self._steps, self.every, self.shadow_steps)
+        self._set_measuring(shadow_phase(self._steps, self.every, self.shadow_steps))
+        self._learn_compute()
         if not self._layers and not self._warned_empty and not distributed():
             self._warned_empty = True
             warnings.warn("fp8: Controller.step() tracks no fp8 layer, so it decides nothing: give it to "
@@ -462,7 +487,8 @@ class Controller:
                 and not self._warned_scale):
             self._warned_scale = True
             warnings.warn("fp8: Controller(max_loss_cost=...) under fp16 compute got no loss_scale: the loss cost is "
-                          "measured on the gradients backward computed, which a loss scaler multiplies; pass "
+                          "measured on the gradients backward computed, which a loss scaler multiplies (a "
+                          "mixprec.GradScaler says its scale itself; another does not): pass "
                           "ctl.step(loss_scale=scaler.get_scale()) before scaler.update() (or loss_scale=1.0 "
                           "without a scaler)", UserWarning, stacklevel=2)
         recs = [self._layers[n] for n in names]
@@ -488,6 +514,22 @@ class Controller:
                 self._log.append(decision)
                 new.append(decision)
         return new
+
+    def _set_measuring(self, measuring: bool) -> None:
+        """Whether the coming steps feed the shadows: the flag eager code reads, and each record's
+        device copy that compiled code reads (written when it changes: no host sync)."""
+        if measuring != self._measuring:
+            for rec in self._layers.values():
+                rec.measuring.fill_(measuring)
+        self._measuring = measuring
+
+    def _learn_compute(self) -> None:
+        """The compute dtype, when only compiled forwards saw it (their probes keep it: traced
+        code reads no controller state)."""
+        if self._compute is None:
+            seen = [r.probe.dtype for r in self._layers.values() if r.probe is not None and r.probe.dtype is not None]
+            if seen:
+                self._compute = seen[0]
 
     # ----------------------------------------------------------------- checkpoints
     def __getstate__(self) -> dict[str, Any]:
@@ -540,7 +582,7 @@ class Controller:
             raise ValueError(f"Controller.load_state_dict expects the dict of Controller.state_dict() (steps, log, "
                              f"layers) for the same ladder: {exc}") from exc
         self._steps, self._log, self._stepped = steps, log, steps > 0
-        self._measuring = shadow_phase(steps, self.every, self.shadow_steps)
+        self._set_measuring(shadow_phase(steps, self.every, self.shadow_steps))
         self._pending = {}
         for name, data in layers.items():
             rec = self._layers.get(name)
@@ -580,6 +622,7 @@ class Controller:
                           tuple(meta["allowed"]), self.per_gemm, self.max_loss_cost is not None)
         self._load_layer(rec, self._pending.pop(name, meta))
         rec.probe = Probe(self, rec)
+        rec.measuring.fill_(self._measuring)
         self._apply(rec)
         return rec
 
@@ -615,6 +658,27 @@ class Controller:
         if "state" in data:  # (saved before the fp4 call count was: 0, what a resumed run of that code drew from)
             rec.state.rounding_step = int(data.get("rounding_step", 0))
 
+
+
+def _grad_scale(rec: LayerRecord, loss_scale: float | torch.Tensor | None,
+                scaled: Scaled | None) -> float | torch.Tensor:
+    """The scale the gradient at ``rec``'s output carried this step: a GradScaler's note
+    (``scaled``: its loss scale times the per-layer factors of the layer's region, read by its
+    weight), with an explicit ``loss_scale`` in place of the loss scale; else ``loss_scale``, or 1."""
+    if scaled is None:
+        return 1.0 if loss_scale is None else loss_scale
+    module = rec.module()
+    carried = scaled.of(getattr(module, "weight", None) if module is not None else None)
+    if loss_scale is None:
+        return carried
+    return carried / scaled.regions[0] * loss_scale  # (the factors are powers of 2: exact)
+
+
+def _all_gathered(module: nn.Module) -> bool:
+    """Whether FSDP2 all-gathers ``module``'s weight in fp8 (``fp8.convert(...,
+    fsdp_fp8_all_gather=True)``, sharded or not yet)."""
+    weight = getattr(module, "weight", None)
+    return isinstance(getattr(weight, "_local_tensor", weight), Float8AllGatherWeight)
 
 
 def _converted(module: nn.Module) -> bool:

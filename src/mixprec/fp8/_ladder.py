@@ -192,8 +192,13 @@ class LayerRecord:
         # while its forward may go down, the recipe below's (``forward_below``)
         self.cost = torch.zeros(2, len(_COST_COLUMNS), device=state.device) if cost else None
         self.forward_low = False  # the forward GEMM runs casts (its own cost is measured)
+        # its weight is all-gathered in fp8 by FSDP2: no high-precision weight, no loss cost
+        self.cost_blind = False
         self.forward_below: Float8Recipe | None = None
         self.probe: Any = None  # its Probe (also in state.probe)
+        # whether this step feeds the shadows (Controller._measuring), on the device: what compiled
+        # code reads, so that the shadow phase is no guard (a recompile) but data
+        self.measuring = torch.zeros((), dtype=torch.bool, device=state.device)
 
     @property
     def rung(self) -> int:
@@ -262,6 +267,7 @@ class Probe:
     def __init__(self, controller: Any, rec: LayerRecord) -> None:
         self.controller, self.rec = controller, rec
         self.fp32 = False  # the fp32 rung: fp8.linear's fallback runs the GEMM in float32
+        self.dtype: torch.dtype | None = None  # the input dtype compiled code saw (Controller._learn_compute)
 
     def __deepcopy__(self, memo: dict) -> None:
         return None
@@ -274,25 +280,38 @@ class Probe:
         """Measure ``x`` (the GEMM's input, in its dtype), ``weight`` (``(out, in)``; None: not
         measured), ``out`` and (the loss cost) ``bias``; returns ``out``."""
         ctl, rec = self.controller, self.rec
-        if ctl._compute is None:  # fp8.convert's layers: the dtype the layer computes in
+        # Traced code reads no Python state that changes between rung switches (each read is a
+        # guard, each change a recompile): the compute dtype goes to the probe, taken by the
+        # controller at its step; the shadows are measured on every step, kept on shadow steps
+        # by a device flag (``rec.measuring``), bitwise what eager keeps
+        compiling = torch.compiler.is_compiling()
+        if compiling:
+            self.dtype = x.dtype
+        elif ctl._compute is None:  # fp8.convert's layers: the dtype the layer computes in
             ctl._compute = x.dtype
+        measuring, gate = (True, rec.measuring) if compiling else (ctl._measuring, None)
         if x.dtype is torch.float16:
             _range(rec.range, x, out)
-        if rec.cost is not None and weight is not None and out.requires_grad:
+        # the gradient hooks go on ``out``, the caller gets a view of it: so they see the gradient
+        # the GEMM's backward receives, after any hook on the returned tensor (a per-layer loss
+        # scaler's cut point, whose factor the gradients of this layer carry)
+        result = out.view_as(out) if out.requires_grad else out
+        if rec.cost is not None and not rec.cost_blind and weight is not None and out.requires_grad:
             _measure_cost(rec, x, weight, bias, out)
         if rec.gemm_windows is not None:
-            _measure_gemms(rec, x, weight, out, ctl.sample, ctl._measuring)
-            return out
+            _measure_gemms(rec, x, weight, out, ctl.sample, measuring, gate)
+            return result
         below = rec.below
-        if below is None or not ctl._measuring:
-            return out
-        measure(rec.shadow, INPUT, x, below.input, below.pow2_scales, ctl.sample)
+        if below is None or not measuring:
+            return result
+        measure(rec.shadow, INPUT, x, below.input, below.pow2_scales, ctl.sample, gate=gate)
         if weight is not None:
-            measure(rec.shadow, WEIGHT, weight.detach(), below.weight, below.pow2_scales, ctl.sample)
+            measure(rec.shadow, WEIGHT, weight.detach(), below.weight, below.pow2_scales, ctl.sample, gate=gate)
         if out.requires_grad:
             buf, sample = rec.shadow, ctl.sample
-            out.register_hook(lambda g: measure(buf, GRAD_OUTPUT, g, below.grad_output, below.pow2_scales, sample))
-        return out
+            out.register_hook(lambda g: measure(buf, GRAD_OUTPUT, g, below.grad_output, below.pow2_scales, sample,
+                                                gate=gate))
+        return result
 
 
 def _measure_cost(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -358,9 +377,10 @@ def loss_cost(first: torch.Tensor, squares: torch.Tensor, rows: torch.Tensor,
 
 
 def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
-                   sample: int, shadow: bool) -> None:
+                   sample: int, shadow: bool, gate: torch.Tensor | None = None) -> None:
     """Per GEMM, the statistics of its own casts (every step) and of the rung below's (``shadow``
-    steps), each operand as that GEMM reads it (its contracted dimension last)."""
+    steps; under ``gate``, a device flag, measured and kept where it is set), each operand as
+    that GEMM reads it (its contracted dimension last)."""
     x2 = x.detach().reshape(-1, x.shape[-1])
     w = weight.detach() if weight is not None else None
     reads = {"output": (x2, w), "grad_input": (None, None if w is None else w.t()),
@@ -370,19 +390,22 @@ def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | Non
         for kind, casts in ((0, rec.own[g]), (1, rec.below_gemm[g] if shadow else None)):
             if casts is None:
                 continue
+            kept = gate if kind == 1 else None
             for side, (operand, cast) in enumerate(zip(reads[gemm], (casts.left, casts.right))):
                 if operand is not None:
-                    measure(rec.gemm_windows[kind, g], side, operand, cast, casts.pow2, sample, casts.hadamard_seed)
+                    measure(rec.gemm_windows[kind, g], side, operand, cast, casts.pow2, sample, casts.hadamard_seed,
+                            kept)
             if gemm != "output":
-                backward.append((rec.gemm_windows[kind, g], gemm, casts))
+                backward.append((rec.gemm_windows[kind, g], gemm, casts, kept))
     if backward and out.requires_grad:
         out.register_hook(lambda grad: _measure_grad(backward, grad, sample))
 
 
 def _measure_grad(where: list, grad: torch.Tensor, sample: int) -> None:
     g2 = grad.detach().reshape(-1, grad.shape[-1])
-    for window, gemm, casts in where:
-        measure(window, 0, g2 if gemm == "grad_input" else g2.t(), casts.left, casts.pow2, sample, casts.hadamard_seed)
+    for window, gemm, casts, gate in where:
+        measure(window, 0, g2 if gemm == "grad_input" else g2.t(), casts.left, casts.pow2, sample, casts.hadamard_seed,
+                gate)
 
 
 def _range(buf: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -392,7 +415,7 @@ def _range(buf: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def measure(window: torch.Tensor, operand: int, x: torch.Tensor, cast: Any, pow2: bool, sample: int,
-            hadamard_seed: int | None = None) -> None:
+            hadamard_seed: int | None = None, gate: torch.Tensor | None = None) -> None:
     """Accumulate into row ``operand`` of ``window`` (a window: :func:`~mixprec.fp8._state.record_cast`) the statistics ``cast`` would
     have on ``x``, measured on about ``sample`` elements: evenly strided rows (a row or block cast
     along the last dimension is exact on them), scaled by the whole tensor's amax for a tensor
@@ -400,7 +423,9 @@ def measure(window: torch.Tensor, operand: int, x: torch.Tensor, cast: Any, pow2
     stochastically rounded cast flushes a value below the smallest step only sometimes: this
     counts it flushed), after the random Hadamard transform of ``hadamard_seed`` along the last
     dimension when given (NVFP4's weight-gradient operands: the GEMM casts the transformed rows,
-    whose outliers are spread over their block). No host sync."""
+    whose outliers are spread over their block). ``gate`` (a 0-d bool device tensor): the
+    window keeps the measurement only where it is set (compiled code: no branch, no guard). No
+    host sync."""
     x2 = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.detach().reshape(1, 1)
     if x2.numel() == 0:
         return
@@ -420,4 +445,9 @@ def measure(window: torch.Tensor, operand: int, x: torch.Tensor, cast: Any, pow2
     else:
         q, _, _ = cast_to_fp8(rows, cast, -1, pow2)
         amax = torch.max(torch.abs(x2)) if stride > 1 else torch.max(torch.abs(rows))
-    record_cast(window, operand, rows, q, amax)
+    if gate is None:
+        record_cast(window, operand, rows, q, amax)
+        return
+    kept = window.clone()
+    record_cast(kept, operand, rows, q, amax)
+    window.copy_(torch.where(gate, kept, window))

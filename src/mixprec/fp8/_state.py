@@ -13,6 +13,7 @@ window around whole (to the GEMM, to a checkpoint) and never index it.
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any, Mapping
 
 import torch
@@ -28,6 +29,7 @@ OPERANDS = ("input", "weight", "grad_output")
 #: the row of each operand in a window.
 INPUT, WEIGHT, GRAD_OUTPUT = range(len(OPERANDS))
 _ATTR = "_mixprec_fp8_state"
+_DRAWN = 64  # steps a layer's state remembers for activation checkpoints' recomputes
 _AMAX = STAT_NAMES.index("amax")
 
 
@@ -94,6 +96,8 @@ class LayerState:
         self.probe = None  # measures the layer's operands after the GEMM (set by a Controller)
         # fp4 calls so far, on the device: seeds their stochastic rounding (advanced by linear)
         self._rounding = torch.zeros((), dtype=torch.int64, device=device)
+        # the steps eager forwards drew, newest last: what an activation checkpoint's recompute takes
+        self._drawn: deque[torch.Tensor] = deque(maxlen=_DRAWN)
         self._completed: tuple[torch.Tensor, torch.Tensor] | None = None  # the window the last reset closed
 
     @property
@@ -153,9 +157,22 @@ class LayerState:
         backward reads it), and count the call: on the device, no host sync; traceable, no
         recompile as it advances. The counter is replaced, not updated in place: under
         ``torch.compile`` a backward that recomputed the step from an input mutated in place
-        would read the next call's."""
+        would read the next call's.
+
+        A call inside the backward (eager) is an activation checkpoint's recompute
+        (``torch.utils.checkpoint``, reentrant or not): it takes the step the forward drew, the
+        latest not yet taken, and counts nothing, so it draws what the forward drew. (A layer
+        called twice inside one checkpointed segment recomputes in forward order and would take
+        them in reverse: checkpoint such a layer's calls separately.)"""
+        if torch.compiler.is_compiling():  # (a compiled recompute replays the traced step itself)
+            step = self._rounding
+            self._rounding = step + 1
+            return step
+        if torch._C._current_graph_task_id() != -1 and self._drawn:
+            return self._drawn.pop()
         step = self._rounding
         self._rounding = step + 1
+        self._drawn.append(step)
         return step
 
     @property
@@ -167,6 +184,7 @@ class LayerState:
         self._data = self._data.to(device)
         self.output_sqnr_db = self.output_sqnr_db.to(device)
         self._rounding = self._rounding.to(device)
+        self._drawn = deque((t.to(device) for t in self._drawn), maxlen=_DRAWN)
         if self._completed is not None:
             self._completed = (self._completed[0].to(device), self._completed[1].to(device))
         return self
@@ -212,6 +230,8 @@ class LayerState:
         self.__dict__.update(state)
         if "_rounding" not in state:
             self._rounding = torch.tensor(step, dtype=torch.int64, device=self._data.device)
+        if "_drawn" not in state:
+            self._drawn = deque(maxlen=_DRAWN)
 
     def __repr__(self) -> str:
         return f"LayerState(device={self.device}, fallback={self.fallback})"

@@ -22,6 +22,7 @@ from torch import nn
 
 from mixprec._unscale import PerDevice, unscale_
 from mixprec.scaling._accessors import ScalerAccessors
+from mixprec.scaling._scaled import note_scaled
 from mixprec.scaling._attribution import Attribution, MinScaleError, local, min_scale_message
 from mixprec.scaling._checkpoint import ScalerCheckpoint
 from mixprec.scaling._state import ON_MIN_SCALE, HostSnapshot, OptimizerState, Stage, chosen_options, validated_new_scale
@@ -242,7 +243,10 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
         """Multiplies a tensor, or nested lists/tuples of tensors, by the current scale.
 
         The scale lives on the device of the first tensor scaled (created there lazily). Returns
-        ``outputs`` unchanged when disabled. No host sync.
+        ``outputs`` unchanged when disabled. No host sync. Notes, for this thread, the scale each
+        gradient of the coming backward carries (:mod:`mixprec.scaling._scaled`: the loss scale,
+        per layer times the factors above it), which ``Controller.step()`` reads for its loss
+        cost.
 
         With ``per_layer=True`` it also plans the backward (a graph walk on the first call and
         on steps whose forward differs from the first's: a block skipped, a tied weight).
@@ -260,6 +264,7 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
                 self._lazy_init_scale_growth_tracker(outputs.device)
             scale = self._require_state("scale").scale
             self._unscaling.observe(outputs, scale.device)  # per-layer: plans the backward
+            note_scaled(*self._unscaling.carried(scale))
             return outputs * scale.to(device=outputs.device, non_blocking=True)
 
         stash: list[PerDevice] = []
@@ -279,6 +284,7 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
         scaled = apply(outputs)
         if self._state is not None:
             self._unscaling.observe(outputs, self._state.scale.device)
+            note_scaled(*self._unscaling.carried(self._state.scale))
         return scaled
 
     # ------------------------------------------------------------------ unscale

@@ -21,7 +21,7 @@ None of these costs a host sync unless its docstring says so.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -70,6 +70,11 @@ class Unscaling(Protocol):
 
     def skip_update(self) -> None:
         """``update(new_scale=...)``: the iteration ends without the rule."""
+
+    def carried(self, scale: torch.Tensor) -> tuple[torch.Tensor, Mapping[int, int]]:
+        """What the gradients of a backward from a loss times ``scale`` carry: per region the
+        scale (a device tensor, region 0 the loss scale's) and ``id(parameter) -> region``
+        (:class:`mixprec.scaling._scaled.Scaled`). After :meth:`observe`; no host sync."""
 
     def scales(self) -> dict[str, float]:
         """``{cut point: factor}`` (one host sync)."""
@@ -132,6 +137,10 @@ class GlobalUnscaling(Unscaling):
 
     def skip_update(self) -> None:
         """Nothing kept between iterations."""
+
+    def carried(self, scale: torch.Tensor) -> tuple[torch.Tensor, Mapping[int, int]]:
+        """One region, the loss scale's."""
+        return scale.reshape(1), {}
 
     def scales(self) -> dict[str, float]:
         """``{}``: no cut points."""

@@ -368,6 +368,12 @@ class Layerwise(GraphPlanning, Unscaling):
         values = torch.stack([self._device_state[k] for k in keys]).tolist()  # one host sync
         return dict(zip(keys, values))
 
+    def carried(self, scale: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
+        """Per region ``scale * 2**T_r`` (a new device tensor: the factors change in place at
+        :meth:`update`) and the parameters' regions, as :meth:`unscale` divides them. No host sync."""
+        state = self.ensure_state(scale.device)
+        return scale * state["region_factor"], self._param_region
+
     def scales(self) -> dict[str, float]:
         """``{cut point: s_k}`` (one host sync)."""
         return {name: 2.0**e for name, e in zip(self.names, self._host_values()["exponent"])}

@@ -181,9 +181,10 @@ def test_nvfp4_without_input_statistics_and_odd_widths_raise_by_name(tmp_path):
     model = fp8.convert(_llama(), NVFP4_1D, filter_fn=lambda m, n: n == "model.layers.0.mlp.down_proj")
     with pytest.raises(ValueError, match=r"no statistics for the input of layer 'model.layers.0.mlp.down_proj'"):
         mixprec.export(model, tmp_path)
-    # fp8.convert refuses such a layer; one built by hand runs on zero-padded blocks, and export refuses it
+    # fp8.convert and fp8.linear refuse such a layer; export refuses one built by hand too
     odd = nn.Sequential(fp8.Float8Linear.from_linear(nn.Linear(48, 32), fp8.as_recipe(MXFP4)), nn.Linear(32, 32))
-    odd(torch.randn(2, 48))
+    with pytest.raises(ValueError, match=r"whose features are not multiples of 32, the 'mxfp4' recipe's blocks"):
+        odd(torch.randn(2, 48))
     with pytest.raises(ValueError, match=r"layer '0' is mxfp4 but its 48 input features are not a multiple of 32"):
         mixprec.export(odd, tmp_path)
 

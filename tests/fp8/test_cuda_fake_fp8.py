@@ -92,10 +92,10 @@ def test_block_recipes_run_emulated_on_every_gpu(fake_cuda, scaled_mm, recipe):
     """mixprec has no block-scaled torch._scaled_mm path: MXFP8 (sm100's e8m0 block scales) and
     blockwise (1x128 / 128x128) run emulated even at capability 10.0."""
     fake_cuda.set_capability((10, 0))
-    assert _linear(32, 128, 64, torch.bfloat16, recipe) == (torch.Size([32, 64]), torch.bfloat16, "cuda")
+    assert _linear(32, 128, 128, torch.bfloat16, recipe) == (torch.Size([32, 128]), torch.bfloat16, "cuda")
     assert scaled_mm == []
     with pytest.raises(ValueError, match="runs emulated only"):
-        _linear(32, 128, 64, torch.bfloat16, recipe, backend="scaled_mm")
+        _linear(32, 128, 128, torch.bfloat16, recipe, backend="scaled_mm")
 
 
 def _mlp():

@@ -284,7 +284,7 @@ def test_fp4_linear_trains_bitwise_alike(recipe, spy, monkeypatch):
 
     def steps() -> list[Any]:
         gen = _gen(3)
-        x, w, b = torch.randn(40, 64, generator=gen), torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
+        x, w, b = torch.randn(40, 64, generator=gen), torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
         state, out = fp8.LayerState(), []
         for _ in range(2):
             xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))

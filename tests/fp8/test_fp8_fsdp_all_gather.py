@@ -387,7 +387,7 @@ def test_linear_reads_the_gathered_bytes_bitwise() -> None:
 
 def test_another_recipe_casts_the_dequantized_gathered_weight_and_a_fallback_warns() -> None:
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(4), requires_grad=True)
-    g = nn.Parameter(_gathered(torch.randn(16, 32, generator=torch.Generator().manual_seed(5))))
+    g = nn.Parameter(_gathered(torch.randn(32, 32, generator=torch.Generator().manual_seed(5))))
     w = g.dequantize().detach().requires_grad_()  # the weight the gathered bytes stand for
     for recipe in ("rowwise", "mxfp8"):
         state, ref_state = fp8.LayerState(), fp8.LayerState()

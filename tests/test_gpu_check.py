@@ -38,6 +38,7 @@ def test_gpu_check_without_gpu_runs_the_fake_tier_and_exits_0() -> None:
     assert last.startswith("gpu-check: fake-CUDA tier passed") and "needs a CUDA GPU" in last
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="checks the no-GPU mode")
 def test_gpu_check_with_a_python_without_torch_says_what_to_do(tmp_path: Path) -> None:
     """Issue 38: a Python without torch ran the fake tier and failed with 'No module named torch'."""

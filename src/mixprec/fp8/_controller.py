@@ -30,7 +30,7 @@ from mixprec.fp8._like import features
 from mixprec.fp8._recipe import RECIPE_NAMES, Float8Recipe
 from mixprec.fp8._state import OPERANDS, LayerState, layer_state
 from mixprec.fp8._trend import MAX_HORIZON, Trend, shadow_phase, sustained_slope
-from mixprec.scaling._scaled import Scaled, last_count, scaled_since
+from mixprec._scaled import Scaled, last_count, scaled_since
 
 __all__ = ["Controller", "Decision", "MAX_HORIZON", "RUNGS", "qualified", "shadow_phase", "sustained_slope"]
 
@@ -437,7 +437,7 @@ class Controller:
         the window on the device. The loss cost divides out the scale each layer's gradient
         carried: a :class:`mixprec.GradScaler` that scaled a loss since the last step says it
         (per layer: its loss scale times the per-layer factors above the layer, as its
-        ``scale()`` applied them; :mod:`mixprec.scaling._scaled`), whatever the compute dtype.
+        ``scale()`` applied them; :mod:`mixprec._scaled`), whatever the compute dtype.
         ``loss_scale``: what the loss was multiplied by, for another scaler (``torch.amp``'s:
         ``scaler.get_scale()`` before ``scaler.update()``, or its scale tensor, no sync), or
         to override a GradScaler's loss scale (its per-layer factors still apply); None: the

@@ -22,7 +22,7 @@ from torch import nn
 
 from mixprec._unscale import PerDevice, unscale_
 from mixprec.scaling._accessors import ScalerAccessors
-from mixprec.scaling._scaled import note_scaled
+from mixprec._scaled import note_scaled
 from mixprec.scaling._attribution import Attribution, MinScaleError, local, min_scale_message
 from mixprec.scaling._checkpoint import ScalerCheckpoint
 from mixprec.scaling._state import ON_MIN_SCALE, HostSnapshot, OptimizerState, Stage, chosen_options, validated_new_scale
@@ -244,7 +244,7 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
 
         The scale lives on the device of the first tensor scaled (created there lazily). Returns
         ``outputs`` unchanged when disabled. No host sync. Notes, for this thread, the scale each
-        gradient of the coming backward carries (:mod:`mixprec.scaling._scaled`: the loss scale,
+        gradient of the coming backward carries (:mod:`mixprec._scaled`: the loss scale,
         per layer times the factors above it), which ``Controller.step()`` reads for its loss
         cost.
 

@@ -74,7 +74,7 @@ class Unscaling(Protocol):
     def carried(self, scale: torch.Tensor) -> tuple[torch.Tensor, Mapping[int, int]]:
         """What the gradients of a backward from a loss times ``scale`` carry: per region the
         scale (a device tensor, region 0 the loss scale's) and ``id(parameter) -> region``
-        (:class:`mixprec.scaling._scaled.Scaled`). After :meth:`observe`; no host sync."""
+        (:class:`mixprec._scaled.Scaled`). After :meth:`observe`; no host sync."""
 
     def scales(self) -> dict[str, float]:
         """``{cut point: factor}`` (one host sync)."""

@@ -1,6 +1,6 @@
 """The fp4 casts with mixprec's C++ kernels against their torch code, side by side (not a test).
 
-:func:`mixprec.fp8._fp4.quantize` and ``Fp4Tensor.dequantize`` run C++ kernels on the CPU
+:func:`mixprec.formats._fp4.quantize` and ``Fp4Tensor.dequantize`` run C++ kernels on the CPU
 (``csrc/fp4_kernel.cpp``) and their torch code where the kernels are off
 (``MIXPREC_NATIVE_KERNELS=0``, read at every cast): the same bits, checked here on every
 operand before it is timed. Figures, one thread:
@@ -44,7 +44,7 @@ from mixprec import _native, fp8  # noqa: E402
 from mixprec.demo.alternate import _stepper, pair_ratio  # noqa: E402
 from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch  # noqa: E402
 from mixprec.demo.settings import Settings  # noqa: E402
-from mixprec.fp8._fp4 import RoundingKey, hadamard, hadamard_matrix, quantize  # noqa: E402
+from mixprec.formats._fp4 import RoundingKey, hadamard, hadamard_matrix, quantize  # noqa: E402
 
 _CPU = torch.device("cpu")
 NV, NV_2D, MX = fp8.Cast("e2m1", "1x16"), fp8.Cast("e2m1", "16x16"), fp8.Cast("e2m1", "1x32")

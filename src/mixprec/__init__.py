@@ -16,6 +16,10 @@ Example:
 import importlib as _importlib
 import typing as _typing
 
+from mixprec import _moved
+
+_moved.install()  # old import paths of moved modules (pickles, checkpoints): aliases for one release
+
 __version__ = "0.1.0"
 
 # public name -> module that defines it
@@ -31,8 +35,9 @@ _EXPORTS: dict[str, str] = {
     "release_kernels": "mixprec.engine.kernels",
     "Policy": "mixprec.policy",
     "ModuleRule": "mixprec._modules",
-    "Fp8Rule": "mixprec.fp8._rule",
-    "Controller": "mixprec.fp8._controller",
+    "Fp8Rule": "mixprec.policy",
+    "Controller": "mixprec.fp8",
+    "ControllerSettings": "mixprec.fp8",
     # loss scaling
     "GradScaler": "mixprec.scaling",
     "skip_aware": "mixprec.scaling",
@@ -90,8 +95,8 @@ if _typing.TYPE_CHECKING:  # static type checkers see the real names
         collect_ranges,
         trace_nonfinite,
     )
-    from mixprec.fp8._controller import Controller
-    from mixprec.fp8._rule import Fp8Rule
+    from mixprec.control._controller import Controller
+    from mixprec.policy._rule import Fp8Rule
     from mixprec.lowp import MasterWeights, to_low_precision
     from mixprec.policy import Policy
     from mixprec.scaling import GradScaler, MinScaleError, skip_aware

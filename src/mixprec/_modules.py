@@ -1,5 +1,5 @@
 """Module rules: which modules of a model a rule selects, by type or by qualified name (the fp8
-rule, which selects ``nn.Linear`` layers, is :class:`mixprec.fp8._rule.Fp8Rule`).
+rule, which selects ``nn.Linear`` layers, is :class:`mixprec.policy._rule.Fp8Rule`).
 
 Shared by :meth:`mixprec.Policy.keep` (run matched modules in another dtype inside an autocast
 region) and :func:`mixprec.to_low_precision` (leave matched modules' weights in float32).

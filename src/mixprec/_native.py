@@ -3,7 +3,7 @@
 Three sets of kernels share one extension: the boxed autocast kernel for ops a policy edits
 (``autocast_kernel.cpp``), the fused optimizer steps for low-precision parameters
 (``optim_kernel.cpp``, used by :mod:`mixprec.optim._fused`) and the fp4 casts
-(``fp4_kernel.cpp``, used by :mod:`mixprec.fp8._fp4`).
+(``fp4_kernel.cpp``, used by :mod:`mixprec.formats._fp4`).
 
 A Python kernel at the autocast key costs about 6 us per call on top of the op (the dispatcher
 boxes the arguments for Python and back); on an 8x8 softmax that is 3.5x the op. The boxed C++

@@ -184,7 +184,7 @@ class Run:
         count that does not advance draws the same numbers every step, in every run alike. And
         the traced key of those steps draws as its Python-int reference, one stream per cast."""
         if self.program.recipe == "nvfp4":  # stochastic rounding: the draws of the layers' last steps
-            from mixprec.fp8._fp4 import RoundingKey
+            from mixprec.formats._fp4 import RoundingKey
 
             seed = Float8Recipe.nvfp4().seed
             for n in sorted(set(fp8.rounding_steps(self.model).values())):
@@ -230,7 +230,7 @@ class Run:
         from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
         from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
-        from mixprec.fp8._fp4 import quantize
+        from mixprec.formats._fp4 import quantize
 
         mx = self.program.recipe == "mxfp4"
         for name, module in self.model.named_modules():

@@ -13,7 +13,7 @@ from torch import nn
 
 import mixprec
 from mixprec import Controller, Policy
-from mixprec.fp8._controller import sustained_slope
+from mixprec.control._controller import sustained_slope
 
 from _models import mlp
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mixprec import Controller, Policy, autocast, fp8
-from mixprec.fp8._ladder import loss_cost
+from mixprec.control._ladder import loss_cost
 
 #: marked cross_isa: results follow this CPU's rounding (scripts/cross_isa.py runs them under other caps);
 #: the compiled variants compare with eager in one process and are left out of that subset

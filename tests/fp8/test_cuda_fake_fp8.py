@@ -183,7 +183,7 @@ def test_controller_loss_cost_on_cuda_reads_no_host(fake_cuda):
     below's emulated one (NVFP4 under tensorwise), the sums the backward hook adds and the
     per-step fold of the estimates stay on the device, without a host read between checks (the
     hook is called by hand: autograd cannot run on fake CUDA tensors)."""
-    from mixprec.fp8._ladder import _accumulate_cost, output_errors
+    from mixprec.control._ladder import _accumulate_cost, output_errors
 
     fake_cuda.set_capability((9, 0))
     ctl = mixprec.Controller(every=10, ladder=("nvfp4", "tensorwise", "compute"), per_gemm=True, floor="nvfp4",

@@ -14,7 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import mixprec
 from mixprec import Policy, fp8
-from mixprec.fp8._fp4 import RoundingKey
+from mixprec.formats._fp4 import RoundingKey
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 NVFP4 = fp8.Float8Recipe.nvfp4()  # stochastic rounding on (grad_output's casts)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec import fp8
-from mixprec.fp8._fp4 import E2M1_VALUES, decode_e2m1, encode_e2m1, pack, quantize, unpack
+from mixprec.formats._fp4 import E2M1_VALUES, decode_e2m1, encode_e2m1, pack, quantize, unpack
 
 pytest.importorskip("torchao.prototype.qat.mx")
 from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402

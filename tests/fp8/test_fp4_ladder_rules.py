@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from mixprec import Controller
-from mixprec.fp8._decide import gemm_up
-from mixprec.fp8._fp4 import hadamard, hadamard_matrix, quantize
-from mixprec.fp8._ladder import LayerRecord, compose, gemm_casts, measure
-from mixprec.fp8._recipe import Cast, Float8Recipe
-from mixprec.fp8._state import LayerState, new_window, record_cast
-from mixprec.fp8._trend import Trend, demote_windows, underflow_forecast
+from mixprec.control._decide import gemm_up
+from mixprec.formats._fp4 import hadamard, hadamard_matrix, quantize
+from mixprec.control._ladder import LayerRecord, compose, gemm_casts, measure
+from mixprec.formats._recipe import Cast, Float8Recipe
+from mixprec.formats._state import LayerState, new_window, record_cast
+from mixprec.control._trend import Trend, demote_windows, underflow_forecast
 
 from test_ladder import _ctl, _train
 

@@ -1,5 +1,5 @@
 """The fp4 casts' C++ kernels (``csrc/fp4_kernel.cpp``) against their definition, the torch code
-of :mod:`mixprec.fp8._fp4` (run with ``MIXPREC_NATIVE_KERNELS=0``): the same bits for codes,
+of :mod:`mixprec.formats._fp4` (run with ``MIXPREC_NATIVE_KERNELS=0``): the same bits for codes,
 scales, amaxes, magnitudes and dequantized values in float32/bfloat16/float16, over the cases
 below (ties, saturation, subnormal and zero block scales, partial blocks, non-finite values,
 stochastic rounding), and the torch code where the kernels must not serve.
@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mixprec import _native, fp8
 from mixprec.fp8 import _fp4
-from mixprec.fp8._fp4 import Fp4Tensor, RoundingKey, quantize, rounding_generator
+from mixprec.formats._fp4 import Fp4Tensor, RoundingKey, quantize, rounding_generator
 
 CASTS = {"mxfp4": fp8.Cast("e2m1", "1x32"), "nvfp4": fp8.Cast("e2m1", "1x16"), "nvfp4-2d": fp8.Cast("e2m1", "16x16")}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixprec.fp8._fp4 import RoundingKey
+from mixprec.formats._fp4 import RoundingKey
 
 KEYS = [(0, 0, 0), (0, 5, 1), (7, 3, 2), (2**40 + 3, 2**33, 5), (123, 1, 0)]
 

@@ -12,9 +12,9 @@ from torch import nn
 
 import mixprec
 from mixprec import Policy, fp8
-from mixprec.fp8._fp4 import (E2M1_VALUES, decode_e2m1, encode_e2m1, hadamard, hadamard_matrix, quantize,
+from mixprec.formats._fp4 import (E2M1_VALUES, decode_e2m1, encode_e2m1, hadamard, hadamard_matrix, quantize,
                               rounding_generator)
-from mixprec.fp8._recipe import RECIPE_NAMES
+from mixprec.formats._recipe import RECIPE_NAMES
 
 MXFP4, NVFP4 = fp8.Float8Recipe.mxfp4(), fp8.Float8Recipe.nvfp4()
 NV_PLAIN = fp8.Float8Recipe.nvfp4(hadamard=False, stochastic_rounding=False, weight_block=(1, 16))
@@ -188,7 +188,7 @@ def test_per_gemm_composition_fp4_forward_fp8_input_gradient_hp_weight_gradient(
     y, gx, gw = _run(mixed, x, w, g)
     assert torch.equal(y, _run(NV_PLAIN, x, w, g)[0])
     assert torch.equal(gw, g.t() @ x)
-    from mixprec.fp8._quant import cast_to_fp8
+    from mixprec.formats._quant import cast_to_fp8
 
     gq, gs, _ = cast_to_fp8(g, fp8.Cast("e5m2", "row"), -1, True)
     wq, ws, _ = cast_to_fp8(w.t().contiguous(), row, -1, True)

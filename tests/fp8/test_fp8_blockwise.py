@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from mixprec import fp8
-from mixprec.fp8._blocks import quantize
+from mixprec.formats._blocks import quantize
 
 BW = fp8.Float8Recipe.blockwise()
 E4M3 = torch.float8_e4m3fn

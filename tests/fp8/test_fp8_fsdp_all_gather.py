@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from mixprec import fp8
-from mixprec.fp8._fsdp import Float8AllGatherWeight, GatheredFloat8Weight
-from mixprec.fp8._quant import cast_to_fp8
-from mixprec.fp8._recipe import Cast
+from mixprec.formats._fsdp import Float8AllGatherWeight, GatheredFloat8Weight
+from mixprec.formats._quant import cast_to_fp8
+from mixprec.formats._recipe import Cast
 
 from _distributed import gloo_group, spawn
 from _models import mlp

@@ -233,7 +233,7 @@ def test_fallback_decision_is_the_same_on_every_rank(tmp_path):
 
 
 def test_large_operands_are_measured_on_a_sample_and_nonfinite_is_never_missed():
-    from mixprec.fp8._quant import SAMPLE
+    from mixprec.formats._quant import SAMPLE
 
     x = torch.randn(256, 256)
     assert x.numel() > 2 * SAMPLE

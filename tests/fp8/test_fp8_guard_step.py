@@ -16,7 +16,7 @@ from torch import nn
 
 import mixprec
 from mixprec import Policy, fp8
-from mixprec.fp8._guard import NO_STEP_FORWARDS
+from mixprec.control._guard import NO_STEP_FORWARDS
 
 from _distributed import gloo_group, spawn
 from _models import fp8_stack

@@ -161,7 +161,7 @@ def test_the_checks_see_a_cycle_and_a_nested_import():
     assert _cycles({"a": {"b"}, "b": set(), "c": {"b"}}) == []
     source = ("import torch\nimport mixprec.fp8\nif TYPE_CHECKING:\n    from mixprec.policy import Policy\n"
               "try:\n    from . import _quant\nexcept ImportError:\n    pass\n"
-              "def f():\n    import transformers\n    from mixprec.fp8._state import OPERANDS\n")
+              "def f():\n    import transformers\n    from mixprec.formats._state import OPERANDS\n")
     top, nested = _parse(source, "mixprec.fp8._x")
-    assert top == [("mixprec.fp8", 2), ("mixprec.fp8._quant", 6)]
-    assert nested == [("mixprec.fp8._state", 11)]
+    assert top == [("mixprec.fp8", 2), ("mixprec.formats._quant", 6)]
+    assert nested == [("mixprec.formats._state", 11)]

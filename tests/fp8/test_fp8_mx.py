@@ -15,7 +15,7 @@ from torch import nn
 
 import mixprec
 from mixprec import Policy, fp8
-from mixprec.fp8._blocks import quantize
+from mixprec.formats._blocks import quantize
 
 from _models import mlp
 

@@ -16,9 +16,9 @@ from torch import nn
 
 import mixprec
 from mixprec import Controller, Policy, fp8
-from mixprec.fp8._ladder import compose, measure
-from mixprec.fp8._recipe import Cast, Float8Recipe
-from mixprec.fp8._state import new_window
+from mixprec.control._ladder import compose, measure
+from mixprec.formats._recipe import Cast, Float8Recipe
+from mixprec.formats._state import new_window
 
 from _distributed import gloo_group, spawn
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mixprec import fp8
-from mixprec.fp8._quant import cast_stats, cast_to_fp8
-from mixprec.fp8._state import INPUT, WEIGHT, new_window, record_cast, window_stats
+from mixprec.formats._quant import cast_stats, cast_to_fp8
+from mixprec.formats._state import INPUT, WEIGHT, new_window, record_cast, window_stats
 
 
 def _cast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +60,7 @@ def test_guard_refuses_a_window_of_another_shape():
 def test_a_model_pickled_before_the_layers_moved_loads():
     """Float8Linear moved from fp8/_convert.py to fp8/_layers.py: a pickle naming the old module loads."""
     model = fp8.convert(torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)]))
-    old = pickle.dumps(model, protocol=0).replace(b"mixprec.fp8._layers", b"mixprec.fp8._convert")
-    assert b"mixprec.fp8._convert\nFloat8Linear" in old
+    old = pickle.dumps(model, protocol=0).replace(b"mixprec.formats._layers", b"mixprec.control._convert")
+    assert b"mixprec.control._convert\nFloat8Linear" in old
     loaded = pickle.loads(old)
     assert type(loaded[1]) is fp8.Float8Linear and torch.equal(loaded[1].weight, model[1].weight)

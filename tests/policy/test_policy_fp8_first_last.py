@@ -27,7 +27,7 @@ def test_vit_with_a_small_head_keeps_no_inner_projection():
 def test_gpt2_keeps_its_first_projection_and_no_middle_layer():
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_embd=64, n_layer=2, n_head=2, vocab_size=100, n_positions=32, bos_token_id=0, eos_token_id=0))
-    from mixprec.fp8._like import is_linear_like
+    from mixprec.formats._like import is_linear_like
 
     layers = [n for n, m in model.named_modules() if is_linear_like(m)]
     selected = fp8.select_layers(model)

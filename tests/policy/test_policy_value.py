@@ -11,9 +11,9 @@ from torch import nn
 
 import mixprec
 from mixprec import Policy
-from mixprec._codec import expect, module_rule_from_dict, parse_dtype
+from mixprec.policy._codec import expect, module_rule_from_dict, parse_dtype
 from mixprec.fp8 import _rule
-from mixprec.fp8._rule import Attachment, Fp8Rule
+from mixprec.policy._rule import Attachment, Fp8Rule
 from mixprec.policy import canonical
 
 

@@ -13,16 +13,16 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from mixprec._modules import named_modules
-from mixprec.fp8._controller import Controller
-from mixprec.fp8._fsdp import check_recipe, retie, wrap_weight
-from mixprec.fp8._guard import Guard, layer_states
-from mixprec.fp8._layers import (Float8Conv1D, Float8Linear, as_recipe, check_backend, group_unsharded, select_layers,
+from mixprec.control._controller import Controller
+from mixprec.formats._fsdp import check_recipe, retie, wrap_weight
+from mixprec.control._guard import Guard, layer_states
+from mixprec.formats._layers import (Float8Conv1D, Float8Linear, as_recipe, check_backend, group_unsharded, select_layers,
                                  warn_once)
-from mixprec.fp8._layers import _UnshardedLayers  # noqa: F401  (named here by models pickled before the split)
-from mixprec.fp8._like import LINEAR_LIKE, conv1d_class, features
-from mixprec.fp8._quant import STAT_NAMES
-from mixprec.fp8._recipe import Float8Recipe
-from mixprec.fp8._state import OPERANDS, LayerState
+from mixprec.formats._layers import _UnshardedLayers  # noqa: F401  (named here by models pickled before the split)
+from mixprec.formats._like import LINEAR_LIKE, conv1d_class, features
+from mixprec.formats._quant import STAT_NAMES
+from mixprec.formats._recipe import Float8Recipe
+from mixprec.formats._state import OPERANDS, LayerState
 
 __all__ = ["convert", "unconvert", "stats", "Float8Stats", "Float8Linear", "Float8Conv1D"]
 
@@ -48,6 +48,7 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     layers' states are tracked by it (its decisions apply at once, also after
     ``load_state_dict``). With ``controller`` (a :class:`mixprec.Controller`, not with ``guard``)
     the converted layers move up and down its ladder from their recipe (``Controller.track``).
+    Either is attached to the model (``attach``): a policy's regions of it run under it too.
     Returns ``model`` (or the new module when ``model`` itself is a
     converted Linear). Warns once when no layer is converted, saying why. :func:`unconvert`
     undoes it (before torchao's ``quantize_`` for inference).
@@ -123,10 +124,10 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
         warn_once(model, f"fp8.convert: no layer converted, nothing runs in fp8: filter_fn chose none of the "
                          f"{likes} nn.Linear and Conv1D layers" if likes else
                          f"fp8.convert: no layer converted, nothing runs in fp8: the model has no {LINEAR_LIKE} layer")
-    if guard is not None:
-        guard.track(model)
-    if controller is not None:
-        controller.track(model)
+    for live in (guard, controller):
+        if live is not None:  # the model's from now on: a policy's regions of it run under it too
+            live.attach(model)
+            live.track(model)
     return model
 
 

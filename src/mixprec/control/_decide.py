@@ -1,7 +1,8 @@
 """The controller's decisions at a check, per layer (:func:`decide_layer`, the default) and per
-GEMM. Per-GEMM rungs (``Controller(per_gemm=True)``): a layer's forward,
-input-gradient and weight-gradient GEMMs each on their own rung, composed into one recipe
-(:func:`~mixprec.fp8._ladder.compose`), each decided from the statistics of the two operands
+GEMM: functions of a :class:`Check` (the settings, the step, the compute dtype: values), a layer's
+record and its all-reduced measurements. Per-GEMM rungs (``Controller(per_gemm=True)``): a layer's
+forward, input-gradient and weight-gradient GEMMs each on their own rung, composed into one recipe
+(:func:`~mixprec.control._ladder.compose`), each decided from the statistics of the two operands
 that GEMM reads (input and weight; grad_output and weight; grad_output and input), with the
 layer's hysteresis, dwell and switch budget counted per GEMM. Range trouble (fp16 compute) and
 the ``fp32`` rung stay the whole layer's."""
@@ -9,42 +10,81 @@ the ``fp32`` rung stay the whole layer's."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch
 
-from mixprec.fp8._ladder import FP4_RUNGS, GEMM_OPERANDS, GEMMS, LOW_RUNGS, Decision, LayerRecord, compose, gemm_casts
-from mixprec.fp8._quant import STAT_NAMES
-from mixprec.fp8._state import OPERANDS
-from mixprec.fp8._trend import Trend, demote_windows, grow, log2, ratio, underflow_forecast
+from mixprec.control._ladder import GEMM_OPERANDS, GEMMS, Decision, LayerRecord, compose, gemm_casts
+from mixprec.control._settings import FP4_RUNGS, LOW_RUNGS, ControllerSettings
+from mixprec.control._trend import Trend, demote_windows, grow, log2, ratio, underflow_forecast
+from mixprec.formats._quant import STAT_NAMES
+from mixprec.formats._recipe import Float8Recipe
+from mixprec.formats._state import OPERANDS
 
-__all__ = ["apply_gemms", "cheap_below", "decide_gemms", "decide_layer", "gemm_down", "gemm_up", "layer_down",
-           "layer_up", "limits", "too_costly"]
+__all__ = ["Check", "apply_gemms", "apply_layer", "switch_layer", "cheap_below", "decide_gemms", "decide_layer", "gemm_down", "gemm_up",
+           "layer_down", "layer_up", "limits", "rung_name", "too_costly"]
 
+
+def rung_name(ladder: tuple[str, ...], rung: int, compute: torch.dtype | None) -> str:
+    """What rung ``rung`` of ``ladder`` runs, as :meth:`Controller.precision` names it:
+    ``"nvfp4"``, ``"fp8-rowwise"``, the compute dtype (``"bf16"``; ``"compute"`` while unknown), ``"fp32"``.
+
+    Example:
+        >>> rung_name(("tensorwise", "compute", "fp32"), 1, torch.bfloat16)
+        'bf16'
+    """
+    name = ladder[rung]
+    if name in FP4_RUNGS:
+        return name
+    if name in LOW_RUNGS:
+        return f"fp8-{name}"
+    if name == "compute":
+        return _SHORT.get(compute, "compute")
+    return name
+
+
+@dataclass(frozen=True)
+class Check:
+    """What a check decides with besides a layer's record and measurements: the controller's
+    ``settings``, its step count, the compute dtype (None while unknown) and the recipe of each
+    low rung of the ladder (one object per rung: what the layers' states run)."""
+
+    settings: ControllerSettings
+    steps: int = 0
+    compute: torch.dtype | None = None
+    recipes: Mapping[str, Float8Recipe] = field(default_factory=dict)
+
+    def rung_name(self, rung: int) -> str:
+        """:func:`rung_name` of ``rung`` on the settings' ladder."""
+        return rung_name(self.settings.ladder, rung, self.compute)
+
+
+_SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _NCOL = len(STAT_NAMES)
 _UNDERFLOW, _NONFINITE = STAT_NAMES.index("underflow"), STAT_NAMES.index("nonfinite")
 _RANGE = ("input", "output")
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 
 
-def limits(ctl: Any, rung: int | None, below: int | None) -> tuple[float, float]:
+def limits(at: Check, rung: int | None, below: int | None) -> tuple[float, float]:
     """``(max_underflow, demote_underflow)`` for a layer or GEMM on ``rung`` with ``below`` under
     it: the fp4 ones where that rung is fp4 (an e2m1 block flushes about 7-11% of Gaussian data)."""
     fp4 = FP4_RUNGS
-    return (ctl.fp4_max_underflow if rung is not None and ctl.ladder[rung] in fp4 else ctl.max_underflow,
-            ctl.fp4_demote_underflow if below is not None and ctl.ladder[below] in fp4 else ctl.demote_underflow)
+    return (at.settings.fp4_max_underflow if rung is not None and at.settings.ladder[rung] in fp4 else at.settings.max_underflow,
+            at.settings.fp4_demote_underflow if below is not None and at.settings.ladder[below] in fp4 else at.settings.demote_underflow)
 
 
-def too_costly(ctl: Any, cost: list[float] | None) -> bool:
+def too_costly(at: Check, cost: list[float] | None) -> bool:
     """Whether the forward GEMM's own casts cost the loss more than ``max_loss_cost`` over the
     window (``cost``: own, below, whether each was measured; None: not measured)."""
-    return cost is not None and cost[2] > 0 and cost[0] > ctl.max_loss_cost
+    return cost is not None and cost[2] > 0 and cost[0] > at.settings.max_loss_cost
 
 
-def cheap_below(ctl: Any, cost: list[float]) -> bool:
+def cheap_below(at: Check, cost: list[float]) -> bool:
     """Whether the recipe below's forward was measured and cost at most ``demote_loss_cost``
     (a window without a measurement is no evidence)."""
-    return cost[3] > 0 and cost[1] <= ctl.demote_cost
+    return cost[3] > 0 and cost[1] <= at.settings.demote_cost
 
 
 def layer_up(rec: LayerRecord) -> int:
@@ -58,7 +98,7 @@ def layer_down(rec: LayerRecord) -> int | None:
     return next((i for i in range(rec.rung - 1, rec.floor - 1, -1) if rec.allowed[i]), None)
 
 
-def decide_layer(ctl: Any, name: str, rec: LayerRecord, row: list[float], cost: list[float] | None = None
+def decide_layer(at: Check, name: str, rec: LayerRecord, row: list[float], cost: list[float] | None = None
                  ) -> tuple[Decision, int] | None:
     """The layer's switch after this window (the decision and the new rung), or None. ``cost``:
     the window's loss costs of its forward GEMM (own, below, whether each was measured), under
@@ -67,11 +107,11 @@ def decide_layer(ctl: Any, name: str, rec: LayerRecord, row: list[float], cost: 
     off = len(OPERANDS) * _NCOL
     shadow = [row[off + i * _NCOL:off + (i + 1) * _NCOL] for i in range(len(OPERANDS))]
     ranges = row[2 * off:]
-    ladder = ctl.ladder
+    ladder = at.settings.ladder
     on_fp8 = ladder[rec.rung] in LOW_RUNGS
     down = layer_down(rec)
     has_shadow = down is not None and ladder[down] in LOW_RUNGS
-    fit, windows = (ctl.every, ctl.ema, ctl.trend_windows), ctl.trend_windows
+    fit, windows = (at.settings.every, at.settings.ema, at.settings.trend_windows), at.settings.trend_windows
     measured = own if on_fp8 else (shadow if has_shadow else None)
     for op, stats in zip(OPERANDS, measured or []):
         rec.trends[op].update(log2(stats[0]), *fit)
@@ -80,11 +120,11 @@ def decide_layer(ctl: Any, name: str, rec: LayerRecord, row: list[float], cost: 
             rec.trends[f"underflow_{op}"].update(own_stats[_UNDERFLOW], *fit)
         if has_shadow:
             rec.trends[f"shadow_{op}"].update(shadow_stats[_UNDERFLOW], *fit)
-    fp16 = ctl._compute is torch.float16
+    fp16 = at.compute is torch.float16
     if fp16:
         for r, amax in zip(_RANGE, ranges):
             rec.trends[f"range_{r}"].update(log2(amax), *fit)
-    ahead = ctl.horizon * ctl.every
+    ahead = at.settings.horizon * at.settings.every
 
     def underflow(op: str, u: float, key: str, rung: int) -> float:
         return underflow_forecast(u, rec.trends[op], rec.trends[key], ahead, windows, ladder[rung] in FP4_RUNGS)
@@ -92,33 +132,33 @@ def decide_layer(ctl: Any, name: str, rec: LayerRecord, row: list[float], cost: 
     def amax_forecast(r: str, amax: float) -> float:
         return grow(amax, rec.trends[f"range_{r}"].rise(ahead, windows))
 
-    here = ctl._rung_name(rec.rung)
-    max_u, demote_u = limits(ctl, rec.rung, down)
+    here = at.rung_name(rec.rung)
+    max_u, demote_u = limits(at, rec.rung, down)
 
     def decision(op: str, action: str, to: int, stat: str, value: float, limit: float, side: str
                  ) -> tuple[Decision, int]:
         reason = f"{op} {stat.replace('_', ' ')} {value:.4g} {side} {limit:g}"
-        return Decision(ctl.steps, name, op, action, here, ctl._rung_name(to), stat, value, float(limit),
+        return Decision(at.steps, name, op, action, here, at.rung_name(to), stat, value, float(limit),
                         reason), to
 
     # promote: the worst trouble first
     compute, top = ladder.index("compute"), len(ladder) - 1
-    if on_fp8 and ctl.max_nonfinite is not None:
+    if on_fp8 and at.settings.max_nonfinite is not None:
         for op, stats in zip(OPERANDS, own):
-            if stats[_NONFINITE] > ctl.max_nonfinite:
-                return decision(op, "promote", compute, "nonfinite", stats[_NONFINITE], ctl.max_nonfinite, ">")
+            if stats[_NONFINITE] > at.settings.max_nonfinite:
+                return decision(op, "promote", compute, "nonfinite", stats[_NONFINITE], at.settings.max_nonfinite, ">")
     if fp16 and ladder[top] == "fp32" and rec.rung < top:
         for r, amax in zip(_RANGE, ranges):
             forecast = amax_forecast(r, amax)
-            if forecast > ctl.max_range * _FP16_MAX:
-                return decision(r, "promote", top, "amax_forecast", forecast, ctl.max_range * _FP16_MAX, ">")
+            if forecast > at.settings.max_range * _FP16_MAX:
+                return decision(r, "promote", top, "amax_forecast", forecast, at.settings.max_range * _FP16_MAX, ">")
     if on_fp8:
         for op, stats in zip(OPERANDS, own):
             forecast = underflow(op, stats[_UNDERFLOW], f"underflow_{op}", rec.rung)
             if forecast > max_u:
                 return decision(op, "promote", layer_up(rec), "underflow_forecast", forecast, max_u, ">")
-        if too_costly(ctl, cost):
-            return decision("output", "promote", layer_up(rec), "loss_cost", cost[0], ctl.max_loss_cost, ">")
+        if too_costly(at, cost):
+            return decision("output", "promote", layer_up(rec), "loss_cost", cost[0], at.settings.max_loss_cost, ">")
     if down is None:
         return None
     # demote: the rung below, judged by the shadow (fp8 below) or the range (compute below fp32)
@@ -128,7 +168,7 @@ def decide_layer(ctl: Any, name: str, rec: LayerRecord, row: list[float], cost: 
     if has_shadow:
         for op, stats in zip(OPERANDS, shadow):
             forecast = underflow(op, stats[_UNDERFLOW], f"shadow_{op}", down)
-            nonfinite = ctl.max_nonfinite is not None and stats[_NONFINITE] > ctl.max_nonfinite
+            nonfinite = at.settings.max_nonfinite is not None and stats[_NONFINITE] > at.settings.max_nonfinite
             if nonfinite or not forecast <= demote_u:
                 safe = False
             elif ratio(forecast, demote_u) > ratio(worst[2], worst[3]):
@@ -136,84 +176,107 @@ def decide_layer(ctl: Any, name: str, rec: LayerRecord, row: list[float], cost: 
     if fp16:
         for r, amax in zip(_RANGE, ranges):
             forecast = amax_forecast(r, amax)
-            limit = ctl.demote_range * _FP16_MAX
+            limit = at.settings.demote_range * _FP16_MAX
             if not forecast <= limit:
                 safe = False
             elif ladder[rec.rung] == "fp32" and ratio(forecast, limit) > ratio(worst[2], worst[3]):
                 worst = (r, "amax_forecast", forecast, limit)
     if has_shadow and cost is not None:
-        limit = ctl.demote_cost
-        if not cheap_below(ctl, cost):
+        limit = at.settings.demote_cost
+        if not cheap_below(at, cost):
             safe = False
         elif ratio(cost[1], limit) > ratio(worst[2], worst[3]):
             worst = ("output", "loss_cost", cost[1], limit)
     rec.clean = rec.clean + 1 if safe else 0
-    if _may_demote(ctl, rec.clean, rec.switches, ladder[down] in FP4_RUNGS):
+    if _may_demote(at, rec.clean, rec.switches, ladder[down] in FP4_RUNGS):
         op, stat, value, limit = worst
         return decision(op, "demote", down, stat, value, limit, "<=")
     return None
 
 
-def _recipes(ctl: Any, rungs: list[int]) -> tuple:
-    return tuple(ctl._recipes.get(ctl.ladder[r]) for r in rungs)
+def _recipes(at: Check, rungs: list[int]) -> tuple:
+    return tuple(at.recipes.get(at.settings.ladder[r]) for r in rungs)
 
 
-def _composes(ctl: Any, rec: LayerRecord, g: int, rung: int) -> bool:
+def _composes(at: Check, rec: LayerRecord, g: int, rung: int) -> bool:
     """Whether GEMM ``g`` may sit on ``rung`` beside the layer's other GEMMs' rungs."""
     if not rec.allowed[rung]:
         return False
-    if ctl.ladder[rung] not in LOW_RUNGS:
+    if at.settings.ladder[rung] not in LOW_RUNGS:
         return True  # the compute dtype runs beside any casts
     rungs = list(rec.rungs)
     rungs[g] = rung
-    return compose(_recipes(ctl, rungs)) is not None
+    return compose(_recipes(at, rungs)) is not None
 
 
-def gemm_up(ctl: Any, rec: LayerRecord, g: int) -> int:
+def gemm_up(at: Check, rec: LayerRecord, g: int) -> int:
     """The rung GEMM ``g`` is promoted to: the next one up that the layer can run and that
     composes with its other GEMMs (at the latest the compute dtype)."""
-    return next(i for i in range(rec.rungs[g] + 1, len(ctl.ladder)) if _composes(ctl, rec, g, i))
+    return next(i for i in range(rec.rungs[g] + 1, len(at.settings.ladder)) if _composes(at, rec, g, i))
 
 
-def gemm_down(ctl: Any, rec: LayerRecord, g: int) -> int | None:
+def gemm_down(at: Check, rec: LayerRecord, g: int) -> int | None:
     """The rung GEMM ``g`` is demoted to (the next one down that composes, not below the floor), or None."""
-    if ctl.ladder[rec.rungs[g]] == "fp32":
+    if at.settings.ladder[rec.rungs[g]] == "fp32":
         return None  # the whole layer's (range)
-    return next((i for i in range(rec.rungs[g] - 1, rec.floor - 1, -1) if _composes(ctl, rec, g, i)), None)
+    return next((i for i in range(rec.rungs[g] - 1, rec.floor - 1, -1) if _composes(at, rec, g, i)), None)
 
 
-def apply_gemms(ctl: Any, rec: LayerRecord) -> None:
+def apply_layer(at: Check, rec: LayerRecord) -> None:
+    """Route a whole-layer record for its rung (an fp8 recipe, or the fallback flag, in float32
+    on the fp32 rung) and set the casts of its shadow."""
+    name = at.settings.ladder[rec.rung]
+    rec.state.route(at.recipes.get(name), name not in LOW_RUNGS)
+    rec.state.probe, rec.probe.fp32 = rec.probe, name == "fp32"
+    down = layer_down(rec)
+    rec.below = at.recipes.get(at.settings.ladder[down]) if down is not None else None
+    rec.forward_low = name in LOW_RUNGS
+    rec.forward_below = rec.below if rec.cost is not None else None
+
+
+def switch_layer(at: Check, rec: LayerRecord, to: int) -> None:
+    """Move a whole-layer record to rung ``to`` (its decision taken): the hysteresis restarts,
+    the trends of the casts it measures too, and the layer is routed there."""
+    rec.rung = to
+    rec.clean = 0
+    for op in OPERANDS:  # the casts these measure change with the rung
+        rec.trends[f"underflow_{op}"] = Trend()
+        rec.trends[f"shadow_{op}"] = Trend()
+    rec.switches.append(at.steps)
+    apply_layer(at, rec)
+
+
+def apply_gemms(at: Check, rec: LayerRecord) -> None:
     """Set the layer's state for its GEMMs' rungs (the composed recipe; the fallback flag when
     all three are on the compute dtype or fp32) and, per GEMM, the casts its measurements use."""
-    names = [ctl.ladder[r] for r in rec.rungs]
-    recipe = compose(_recipes(ctl, rec.rungs))
-    rec.state.fallback = recipe is None
-    rec.state.recipe = recipe
+    names = [at.settings.ladder[r] for r in rec.rungs]
+    recipe = compose(_recipes(at, rec.rungs))
+    rec.state.route(recipe, recipe is None)
     rec.state.probe, rec.probe.fp32 = rec.probe, names[0] == "fp32"
     rec.below = None
     rec.forward_low = names[0] in LOW_RUNGS
     for g, gemm in enumerate(GEMMS):
-        here = ctl._recipes.get(names[g])
+        here = at.recipes.get(names[g])
         rec.own[g] = gemm_casts(here, gemm)
-        down = gemm_down(ctl, rec, g)
-        below = ctl._recipes.get(ctl.ladder[down]) if down is not None else None
+        down = gemm_down(at, rec, g)
+        below = at.recipes.get(at.settings.ladder[down]) if down is not None else None
         rec.below_gemm[g] = gemm_casts(below, gemm)
         if g == 0:  # the forward's: its loss cost's recipe below
             rec.forward_below = below if rec.cost is not None else None
 
 
-def _switch(ctl: Any, rec: LayerRecord, gemms: range | tuple, to: int) -> None:
+def _switch(at: Check, rec: LayerRecord, gemms: range | tuple, to: int) -> None:
     for g in gemms:
         rec.rungs[g] = to
         rec.gemm_clean[g] = 0
-        rec.gemm_switches[g].append(ctl.steps)
+        rec.gemm_switches[g].append(at.steps)
         for op in GEMM_OPERANDS[GEMMS[g]]:  # the casts these measure change with the rung
             rec.trends[f"{GEMMS[g]}.underflow_{op}"] = Trend()
             rec.trends[f"{GEMMS[g]}.shadow_{op}"] = Trend()
-    apply_gemms(ctl, rec)
+    apply_gemms(at, rec)
 
 
-def decide_gemms(ctl: Any, name: str, rec: LayerRecord, row: list[float], cost: list[float] | None = None
+def decide_gemms(at: Check, name: str, rec: LayerRecord, row: list[float], cost: list[float] | None = None
                  ) -> list[Decision]:
     """The switches of the layer's GEMMs after this window (``row``: its all-reduced windows;
     ``cost``: its forward GEMM's loss costs, as :func:`decide_layer`'s), applied to ``rec``; in
@@ -226,9 +289,9 @@ def decide_gemms(ctl: Any, name: str, rec: LayerRecord, row: list[float], cost: 
         at = ((kind * len(GEMMS) + g) * 2 + side) * _NCOL
         return win[at:at + _NCOL]
 
-    fit, windows, ahead = (ctl.every, ctl.ema, ctl.trend_windows), ctl.trend_windows, ctl.horizon * ctl.every
-    fp16 = ctl._compute is torch.float16
-    ladder, top = ctl.ladder, len(ctl.ladder) - 1
+    fit, windows, ahead = (at.settings.every, at.settings.ema, at.settings.trend_windows), at.settings.trend_windows, at.settings.horizon * at.settings.every
+    fp16 = at.compute is torch.float16
+    ladder, top = at.settings.ladder, len(at.settings.ladder) - 1
     if fp16:
         for r, amax in zip(_RANGE, ranges):
             rec.trends[f"range_{r}"].update(log2(amax), *fit)
@@ -237,65 +300,65 @@ def decide_gemms(ctl: Any, name: str, rec: LayerRecord, row: list[float], cost: 
                  limit: float, side: str) -> Decision:
         where = f"{gemm} GEMM: " if gemm else ""
         reason = f"{where}{op} {stat.replace('_', ' ')} {value:.4g} {side} {limit:g}"
-        return Decision(ctl.steps, name, op, action, ctl._rung_name(here), ctl._rung_name(to), stat, value,
+        return Decision(at.steps, name, op, action, at.rung_name(here), at.rung_name(to), stat, value,
                         float(limit), reason, gemm)
 
     # the whole layer: fp16 range trouble goes to fp32, and comes back to the compute dtype
     if fp16 and ladder[top] == "fp32":
-        limit = ctl.max_range * _FP16_MAX
+        limit = at.settings.max_range * _FP16_MAX
         for r, amax in zip(_RANGE, ranges):
             forecast = grow(amax, rec.trends[f"range_{r}"].rise(ahead, windows))
             if min(rec.rungs) < top and forecast > limit:
                 d = decision(None, r, "promote", rec.rungs[0], top, "amax_forecast", forecast, limit, ">")
-                rec.clean, rec.switches = 0, [*rec.switches, ctl.steps]
-                _switch(ctl, rec, range(len(GEMMS)), top)
+                rec.clean, rec.switches = 0, [*rec.switches, at.steps]
+                _switch(at, rec, range(len(GEMMS)), top)
                 return [d]
         if all(r == top for r in rec.rungs):
             forecasts = [grow(a, rec.trends[f"range_{r}"].rise(ahead, windows)) for r, a in zip(_RANGE, ranges)]
-            limit = ctl.demote_range * _FP16_MAX
+            limit = at.settings.demote_range * _FP16_MAX
             safe = ranges[1] > 0 and all(f <= limit for f in forecasts)
             rec.clean = rec.clean + 1 if safe else 0
-            if _may_demote(ctl, rec.clean, rec.switches, False):
+            if _may_demote(at, rec.clean, rec.switches, False):
                 i = max(range(len(_RANGE)), key=lambda k: ratio(forecasts[k], limit))
                 d = decision(None, _RANGE[i], "demote", top, top - 1, "amax_forecast", forecasts[i], limit, "<=")
-                rec.clean, rec.switches = 0, [*rec.switches, ctl.steps]
-                _switch(ctl, rec, range(len(GEMMS)), top - 1)
+                rec.clean, rec.switches = 0, [*rec.switches, at.steps]
+                _switch(at, rec, range(len(GEMMS)), top - 1)
                 return [d]
             return []
     # under fp16 a GEMM comes down only while the layer's range stays far from 65504, as a layer's
     range_ok = not fp16 or (ranges[1] > 0 and all(
-        grow(a, rec.trends[f"range_{r}"].rise(ahead, windows)) <= ctl.demote_range * _FP16_MAX
+        grow(a, rec.trends[f"range_{r}"].rise(ahead, windows)) <= at.settings.demote_range * _FP16_MAX
         for r, a in zip(_RANGE, ranges)))
     out = []
     for g, gemm in enumerate(GEMMS):
-        d = _decide_gemm(ctl, rec, g, gemm, [stats(0, g, s) for s in (0, 1)], [stats(1, g, s) for s in (0, 1)],
+        d = _decide_gemm(at, rec, g, gemm, [stats(0, g, s) for s in (0, 1)], [stats(1, g, s) for s in (0, 1)],
                          fit, windows, ahead, decision, range_ok, cost if gemm == "output" else None)
         if d is not None:
             out.append(d)
     return out
 
 
-def _may_demote(ctl: Any, clean: int, switches: list[int], to_fp4: bool) -> bool:
+def _may_demote(at: Check, clean: int, switches: list[int], to_fp4: bool) -> bool:
     """Whether a layer or GEMM with ``clean`` safe windows in a row and its ``switches`` (steps)
-    comes down now: ``demote_windows`` clean windows (:func:`~mixprec.fp8._trend.demote_windows`:
+    comes down now: ``demote_windows`` clean windows (:func:`~mixprec.control._trend.demote_windows`:
     to an fp4 rung, twice as many for each round trip in the last ``budget_steps``), ``min_dwell``
     steps since its last switch, fewer than ``max_switches`` in the last ``budget_steps``."""
-    recent = [s for s in switches if s > ctl.steps - ctl.budget_steps]
+    recent = [s for s in switches if s > at.steps - at.settings.budget_steps]
     last = switches[-1] if switches else -math.inf
-    return (clean >= demote_windows(ctl.demote_windows, len(recent), to_fp4) and ctl.steps - last >= ctl.min_dwell
-            and len(recent) < ctl.max_switches)
+    return (clean >= demote_windows(at.settings.demote_windows, len(recent), to_fp4) and at.steps - last >= at.settings.min_dwell
+            and len(recent) < at.settings.max_switches)
 
 
-def _decide_gemm(ctl: Any, rec: LayerRecord, g: int, gemm: str, own: list, shadow: list, fit: tuple,
+def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shadow: list, fit: tuple,
                  windows: int, ahead: int, decision: Any, range_ok: bool, cost: list[float] | None) -> Decision | None:
     """One GEMM's switch (applied to ``rec``), or None: the layer's rule on this GEMM's two
     operands (and, the forward GEMM's, on its loss cost)."""
-    ladder, rung = ctl.ladder, rec.rungs[g]
+    ladder, rung = at.settings.ladder, rec.rungs[g]
     on_low = ladder[rung] in LOW_RUNGS
-    down = gemm_down(ctl, rec, g)
+    down = gemm_down(at, rec, g)
     has_shadow = down is not None and ladder[down] in LOW_RUNGS
     ops = GEMM_OPERANDS[gemm]
-    max_u, demote_u = limits(ctl, rung, down)
+    max_u, demote_u = limits(at, rung, down)
     measured = own if on_low else (shadow if has_shadow else None)
     for op, st in zip(ops, measured or []):
         rec.trends[f"{gemm}.{op}"].update(log2(st[0]), *fit)
@@ -311,24 +374,24 @@ def _decide_gemm(ctl: Any, rec: LayerRecord, g: int, gemm: str, own: list, shado
 
     if on_low:
         compute = ladder.index("compute")
-        if ctl.max_nonfinite is not None:
+        if at.settings.max_nonfinite is not None:
             for op, st in zip(ops, own):
-                if st[_NONFINITE] > ctl.max_nonfinite:
-                    d = decision(gemm, op, "promote", rung, compute, "nonfinite", st[_NONFINITE], ctl.max_nonfinite,
+                if st[_NONFINITE] > at.settings.max_nonfinite:
+                    d = decision(gemm, op, "promote", rung, compute, "nonfinite", st[_NONFINITE], at.settings.max_nonfinite,
                                  ">")
-                    _switch(ctl, rec, (g,), compute)
+                    _switch(at, rec, (g,), compute)
                     return d
         for op, st in zip(ops, own):
             forecast = underflow(op, st[_UNDERFLOW], "underflow", rung)
             if forecast > max_u:
-                to = gemm_up(ctl, rec, g)
+                to = gemm_up(at, rec, g)
                 d = decision(gemm, op, "promote", rung, to, "underflow_forecast", forecast, max_u, ">")
-                _switch(ctl, rec, (g,), to)
+                _switch(at, rec, (g,), to)
                 return d
-        if too_costly(ctl, cost):
-            to = gemm_up(ctl, rec, g)
-            d = decision(gemm, "output", "promote", rung, to, "loss_cost", cost[0], ctl.max_loss_cost, ">")
-            _switch(ctl, rec, (g,), to)
+        if too_costly(at, cost):
+            to = gemm_up(at, rec, g)
+            d = decision(gemm, "output", "promote", rung, to, "loss_cost", cost[0], at.settings.max_loss_cost, ">")
+            _switch(at, rec, (g,), to)
             return d
     if not has_shadow:
         return None
@@ -336,20 +399,20 @@ def _decide_gemm(ctl: Any, rec: LayerRecord, g: int, gemm: str, own: list, shado
     safe = range_ok and all(st[0] > 0 for st in shadow)  # a window without a measurement is no evidence of safety
     for op, st in zip(ops, shadow):
         forecast = underflow(op, st[_UNDERFLOW], "shadow", down)
-        nonfinite = ctl.max_nonfinite is not None and st[_NONFINITE] > ctl.max_nonfinite
+        nonfinite = at.settings.max_nonfinite is not None and st[_NONFINITE] > at.settings.max_nonfinite
         if nonfinite or not forecast <= demote_u:
             safe = False
         elif forecast > worst[1]:
             worst = (op, forecast)
     worst = (*worst, "underflow_forecast", demote_u)
     if cost is not None:
-        if not cheap_below(ctl, cost):
+        if not cheap_below(at, cost):
             safe = False
-        elif ratio(cost[1], ctl.demote_cost) > ratio(worst[1], demote_u):
-            worst = ("output", cost[1], "loss_cost", ctl.demote_cost)
+        elif ratio(cost[1], at.settings.demote_cost) > ratio(worst[1], demote_u):
+            worst = ("output", cost[1], "loss_cost", at.settings.demote_cost)
     rec.gemm_clean[g] = rec.gemm_clean[g] + 1 if safe else 0
-    if _may_demote(ctl, rec.gemm_clean[g], rec.gemm_switches[g], ladder[down] in FP4_RUNGS):
+    if _may_demote(at, rec.gemm_clean[g], rec.gemm_switches[g], ladder[down] in FP4_RUNGS):
         d = decision(gemm, worst[0], "demote", rung, down, worst[2], worst[1], worst[3], "<=")
-        _switch(ctl, rec, (g,), down)
+        _switch(at, rec, (g,), down)
         return d
     return None

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
 from mixprec._modules import clean_name, named_modules
-from mixprec.fp8._collective import agree_on_layers, all_reduce_max, distributed
-from mixprec.fp8._quant import STAT_NAMES
-from mixprec.fp8._state import OPERANDS, LayerState, layer_state, new_window, window_stats
+from mixprec.control._collective import agree_on_layers, all_reduce_max, distributed
+from mixprec.control._settings import GuardSettings
+from mixprec.control._shell import NO_STEP_FORWARDS, Shell
+from mixprec.formats._quant import STAT_NAMES
+from mixprec.formats._state import OPERANDS, LayerState, layer_state, new_window, window_stats
 
 __all__ = ["Guard", "Fallback", "Float8FallbackWarning", "NO_STEP_FORWARDS", "layer_states"]
 
@@ -49,43 +50,7 @@ def layer_states(model: torch.nn.Module) -> dict[str, LayerState]:
             if (st := layer_state(mod, create=False)) is not None}
 
 
-#: training forwards of a policy's guard, without a single :meth:`Guard.step`, before it warns.
-NO_STEP_FORWARDS = 100
-
-
-def count_unstepped_forward(owner: Any, what: str, call: str) -> None:
-    """Count a training forward of ``owner`` (a Guard or Controller, with ``_stepped`` and
-    ``_forwards``) that has never been stepped; at :data:`NO_STEP_FORWARDS` warn once that its
-    ``call`` (``"guard.step()"``) is missing, so it never decides."""
-    if owner._stepped or not torch.is_grad_enabled():
-        return
-    owner._forwards += 1
-    if owner._forwards == NO_STEP_FORWARDS:
-        warnings.warn(f"fp8: the policy's {type(owner).__name__} has seen {NO_STEP_FORWARDS} training "
-                      f"forwards and no {call}: it never {what}. Call {call} once per optimizer step, "
-                      f"on every rank", UserWarning, stacklevel=5)
-
-
-def _check_int(owner: str, name: str, value: Any, low: int, high: Any) -> None:
-    """Raise ValueError unless ``value`` is an int (not a bool) in ``[low, high]`` (``high`` None: no bound)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{owner}.{name} must be an int {bound}, got {value!r}")
-
-
-def _check_number(owner: str, name: str, value: Any, low: float, high: float, what: str,
-                  low_open: bool = False) -> None:
-    """Raise ValueError unless ``value`` is a real number (not a bool, not NaN) in ``[low, high]``
-    (``(low, high]`` with ``low_open``); ``what`` says what it is."""
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
-          and (value > low if low_open else value >= low) and value <= high)
-    if not ok:
-        bound = f"{'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
-        raise ValueError(f"{owner}.{name} must be a number in {bound} ({what}), got {value!r}")
-
-
-@dataclass
-class Guard:
+class Guard(Shell):
     """Thresholds on each fp8 layer's statistics; a layer that crosses one falls back for good.
 
     Call :meth:`step` once per optimizer step, on every rank (with gradient accumulation: once
@@ -117,36 +82,17 @@ class Guard:
         ([], 1)
     """
 
-    max_saturated: float | None = None
-    max_underflow: float | None = 0.05
-    max_nonfinite: float | None = 0.0
-    min_sqnr_db: float | None = None
-    every: int = 1
-    fp4_max_underflow: float | None = 0.25
-    _decisions: dict[str, Fallback] = field(default_factory=dict, init=False, repr=False, compare=False)
-    _states: Any = field(default_factory=weakref.WeakValueDictionary, init=False, repr=False, compare=False)
-    _steps: int = field(default=0, init=False, repr=False, compare=False)
-    # windows of a loaded state dict for layers not tracked yet: name -> (data, output sqnr, fp4 call count)
-    _pending: dict[str, tuple[torch.Tensor, float, int]] = field(default_factory=dict, init=False, repr=False,
-                                                             compare=False)
-    _stepped: bool = field(default=False, init=False, repr=False, compare=False)  # this process
-    _forwards: int = field(default=0, init=False, repr=False, compare=False)
-    _warned_empty: bool = field(default=False, init=False, repr=False, compare=False)
-    _warned_fp4: bool = field(default=False, init=False, repr=False, compare=False)
+    SETTINGS = GuardSettings
+    CALL, DOES = "guard.step()", "checks the layers"
 
-    def __post_init__(self) -> None:
-        for name, high, what in (("max_saturated", 1, "a fraction, or None"),
-                                 ("max_underflow", 1, "a fraction, or None"),
-                                 ("fp4_max_underflow", 1, "a fraction, or None"),
-                                 ("max_nonfinite", math.inf, "a count, or None")):
-            value = getattr(self, name)
-            if value is not None:
-                _check_number("Guard", name, value, 0, high, what)
-        sqnr = self.min_sqnr_db
-        if sqnr is not None and (isinstance(sqnr, bool) or not isinstance(sqnr, (int, float))
-                                 or not math.isfinite(sqnr)):
-            raise ValueError(f"Guard.min_sqnr_db must be a finite number of dB, or None, got {sqnr!r}")
-        _check_int("Guard", "every", self.every, 1, None)
+    def __init__(self, settings: GuardSettings | None = None, **changes: Any) -> None:
+        super().__init__(settings, **changes)
+        self._decisions: dict[str, Fallback] = {}
+        self._states: Any = weakref.WeakValueDictionary()
+        self._steps = 0
+        # windows of a loaded state dict for layers not tracked yet: name -> (data, output sqnr, fp4 call count)
+        self._pending: dict[str, tuple[torch.Tensor, float, int]] = {}
+        self._warned_empty = self._warned_fp4 = False
 
     @property
     def decisions(self) -> dict[str, Fallback]:
@@ -169,7 +115,7 @@ class Guard:
             self._states[name] = st
             if name in self._pending:
                 _load_window(st, *self._pending.pop(name))
-            st.fallback = name in self._decisions
+            st.route(fallback=name in self._decisions)
             st.sample_sqnr = sample and not st.fallback
         return states
 
@@ -232,7 +178,7 @@ class Guard:
             if decision is not None:
                 self._decisions[name] = decision
                 if st is not None:
-                    st.fallback = True
+                    st.route(fallback=True)
                     st.sample_sqnr = False
                 warnings.warn(decision.message(), Float8FallbackWarning, stacklevel=stacklevel)
                 new.append(decision)
@@ -241,8 +187,7 @@ class Guard:
     def _warn_unused_fp4_limit(self, rows: list[list[float]]) -> None:
         """Warn once when ``fp4_max_underflow`` was set but no layer that ran (on any rank: the
         rows are all-reduced) casts an operand to e2m1: the setting would take no effect."""
-        default = type(self).__dataclass_fields__["fp4_max_underflow"].default
-        if self._warned_fp4 or self.fp4_max_underflow in (None, default):
+        if self._warned_fp4 or self.fp4_max_underflow in (None, GuardSettings.fp4_max_underflow):
             return
         ncol, e2m1 = len(STAT_NAMES), len(OPERANDS) * len(STAT_NAMES) + 1  # (row: stats, -sqnr, e2m1 flags)
         ran = any(row[i * ncol] > 0 for row in rows for i in range(len(OPERANDS)))
@@ -262,11 +207,13 @@ class Guard:
         data, sqnr, _ = self._pending.get(name, (new_window(), math.inf, 0))
         return torch.cat([window_stats(data).flatten(), torch.tensor([-sqnr]), torch.zeros(len(OPERANDS))]).to(device)
 
-    def _policy_forward(self, model: torch.nn.Module) -> None:
-        """A forward of a model under a policy with this guard: track its layers, and warn once
-        when training forwards go on without a :meth:`step` (the guard would never decide)."""
+    def govern(self, model: torch.nn.Module, layers: Mapping[str, Any], compute: torch.dtype | None) -> None:
+        """A forward of ``model`` under a policy this guard runs: track its layers (every layer
+        state in ``model``; ``layers``, the policy's selection, and ``compute`` are a Controller's
+        concern), and warn once when training forwards go on without a :meth:`step`. The fp8 seam
+        calls it (``mixprec.fp8.internals.select_targets``)."""
         self.track(model)
-        count_unstepped_forward(self, "checks the layers", "guard.step()")
+        self.count_forward()
 
     def _decide(self, name: str, row: list[float], step: int) -> Fallback | None:
         ncol = len(STAT_NAMES)
@@ -286,14 +233,10 @@ class Guard:
         """Pickling: the settings, :meth:`state_dict` and the tracked layer states (by reference:
         pickled with their model, the unpickled guard tracks the unpickled model's layers).
         Reads the device windows (one host sync per layer)."""
-        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-        return {"settings": settings, "state": self.state_dict(), "tracked": dict(self._states)}
-
-    def __deepcopy__(self, memo: dict) -> Guard:
-        return deepcopy_attributes(self, memo)
+        return {"settings": self.config(), "state": self.state_dict(), "tracked": dict(self._states)}
 
     def __setstate__(self, state: Mapping[str, Any]) -> None:
-        self.__dict__.update(Guard(**state["settings"]).__dict__)
+        self.__dict__.update(Guard.from_config(state["settings"]).__dict__)
         self.load_state_dict(state["state"])
         self._states.update(state["tracked"])  # alive while their model is: a guard pickled alone tracks none
 
@@ -347,12 +290,3 @@ def _load_window(st: LayerState, data: torch.Tensor, sqnr: float, rounding_step:
         st.rounding_step = rounding_step
     except ValueError as exc:
         raise ValueError(f"Guard.load_state_dict: {exc}") from None
-
-
-def deepcopy_attributes(obj: Any, memo: dict) -> Any:
-    """``copy.deepcopy`` of a Guard or Controller: every attribute copied, as for a dataclass,
-    not through ``__getstate__`` (pickling's settings and ``state_dict``)."""
-    new = object.__new__(type(obj))
-    memo[id(obj)] = new
-    new.__dict__.update(copy.deepcopy(obj.__dict__, memo))
-    return new

@@ -15,23 +15,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mixprec.fp8._fp4 import hadamard, hadamard_matrix, quantize
-from mixprec.fp8._blocks import amax_to_scale
-from mixprec.fp8._linear import linear
-from mixprec.fp8._quant import STAT_NAMES, cast_to_fp8
-from mixprec.fp8._recipe import Cast, Float8Recipe
-from mixprec.fp8._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window, record_cast, window_stats
-from mixprec.fp8._trend import Trend
+from mixprec.formats._fp4 import hadamard, hadamard_matrix, quantize
+from mixprec.formats._blocks import amax_to_scale
+from mixprec.formats._linear import linear
+from mixprec.formats._quant import STAT_NAMES, cast_to_fp8
+from mixprec.formats._recipe import Cast, Float8Recipe
+from mixprec.formats._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window, record_cast, window_stats
+from mixprec.control._settings import FP4_RUNGS, FP8_RUNGS, LOW_RUNGS, RUNGS
+from mixprec.control._trend import Trend
 
 __all__ = ["Decision", "FP4_RUNGS", "FP8_RUNGS", "GEMMS", "GEMM_OPERANDS", "GemmCasts", "LOW_RUNGS", "RUNGS",
            "LayerRecord", "Probe", "compose", "gemm_casts", "loss_cost", "measure"]
 
-#: the rungs a ladder may hold, lowest precision first: fp4 recipes, fp8 recipes (the block-scaled
-#: ones in the order of the audit's cost model), the compute dtype, fp32.
-RUNGS = ("mxfp4", "nvfp4", "tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise", "compute", "fp32")
-FP4_RUNGS = RUNGS[:2]
-FP8_RUNGS = RUNGS[2:7]
-LOW_RUNGS = RUNGS[:7]  # the rungs that run a recipe's casts
 #: a linear layer's GEMMs (the keys of ``Float8Recipe.gemms()``) and the operands each reads, in
 #: the order of its (left, right) casts, as rows of :class:`LayerState`'s windows.
 GEMMS = ("output", "grad_input", "grad_weight")
@@ -132,7 +127,7 @@ class GemmCasts:
 
 def gemm_casts(recipe: Float8Recipe | None, gemm: str) -> GemmCasts | None:
     """The :class:`GemmCasts` of ``gemm`` on ``recipe`` (None: the compute dtype, nothing cast);
-    the Hadamard seed as :class:`~mixprec.fp8._fp4_linear.Fp4Matmul` applies it (a recipe with
+    the Hadamard seed as :class:`~mixprec.formats._fp4_linear.Fp4Matmul` applies it (a recipe with
     ``hadamard`` whose weight-gradient GEMM is e2m1).
 
     Example:
@@ -199,6 +194,7 @@ class LayerRecord:
         # whether this step feeds the shadows (Controller._measuring), on the device: what compiled
         # code reads, so that the shadow phase is no guard (a recompile) but data
         self.measuring = torch.zeros((), dtype=torch.bool, device=state.device)
+        self.measuring_now = False  # the same, for eager code
 
     @property
     def rung(self) -> int:
@@ -264,10 +260,10 @@ class Probe:
     the forward GEMM's error (:func:`_measure_cost`). A copy or a pickle of the model (``copy.deepcopy``) drops it: the copy runs its
     rung without measurements."""
 
-    def __init__(self, controller: Any, rec: LayerRecord) -> None:
-        self.controller, self.rec = controller, rec
+    def __init__(self, rec: LayerRecord, sample: int) -> None:
+        self.rec, self.sample = rec, sample  # ``sample``: the elements measured per operand
         self.fp32 = False  # the fp32 rung: fp8.linear's fallback runs the GEMM in float32
-        self.dtype: torch.dtype | None = None  # the input dtype compiled code saw (Controller._learn_compute)
+        self.dtype: torch.dtype | None = None  # the input dtype the layer computes in (Controller._learn_compute)
 
     def __deepcopy__(self, memo: dict) -> None:
         return None
@@ -279,17 +275,15 @@ class Probe:
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         """Measure ``x`` (the GEMM's input, in its dtype), ``weight`` (``(out, in)``; None: not
         measured), ``out`` and (the loss cost) ``bias``; returns ``out``."""
-        ctl, rec = self.controller, self.rec
+        rec, sample = self.rec, self.sample
         # Traced code reads no Python state that changes between rung switches (each read is a
         # guard, each change a recompile): the compute dtype goes to the probe, taken by the
         # controller at its step; the shadows are measured on every step, kept on shadow steps
-        # by a device flag (``rec.measuring``), bitwise what eager keeps
+        # by a device flag (``rec.measuring``), bitwise what eager keeps (``rec.measuring_now``)
         compiling = torch.compiler.is_compiling()
-        if compiling:
+        if self.dtype is None or compiling:
             self.dtype = x.dtype
-        elif ctl._compute is None:  # fp8.convert's layers: the dtype the layer computes in
-            ctl._compute = x.dtype
-        measuring, gate = (True, rec.measuring) if compiling else (ctl._measuring, None)
+        measuring, gate = (True, rec.measuring) if compiling else (rec.measuring_now, None)
         if x.dtype is torch.float16:
             _range(rec.range, x, out)
         # the gradient hooks go on ``out``, the caller gets a view of it: so they see the gradient
@@ -299,16 +293,16 @@ class Probe:
         if rec.cost is not None and not rec.cost_blind and weight is not None and out.requires_grad:
             _measure_cost(rec, x, weight, bias, out)
         if rec.gemm_windows is not None:
-            _measure_gemms(rec, x, weight, out, ctl.sample, measuring, gate)
+            _measure_gemms(rec, x, weight, out, sample, measuring, gate)
             return result
         below = rec.below
         if below is None or not measuring:
             return result
-        measure(rec.shadow, INPUT, x, below.input, below.pow2_scales, ctl.sample, gate=gate)
+        measure(rec.shadow, INPUT, x, below.input, below.pow2_scales, sample, gate=gate)
         if weight is not None:
-            measure(rec.shadow, WEIGHT, weight.detach(), below.weight, below.pow2_scales, ctl.sample, gate=gate)
+            measure(rec.shadow, WEIGHT, weight.detach(), below.weight, below.pow2_scales, sample, gate=gate)
         if out.requires_grad:
-            buf, sample = rec.shadow, ctl.sample
+            buf = rec.shadow
             out.register_hook(lambda g: measure(buf, GRAD_OUTPUT, g, below.grad_output, below.pow2_scales, sample,
                                                 gate=gate))
         return result
@@ -416,10 +410,10 @@ def _range(buf: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
 
 def measure(window: torch.Tensor, operand: int, x: torch.Tensor, cast: Any, pow2: bool, sample: int,
             hadamard_seed: int | None = None, gate: torch.Tensor | None = None) -> None:
-    """Accumulate into row ``operand`` of ``window`` (a window: :func:`~mixprec.fp8._state.record_cast`) the statistics ``cast`` would
+    """Accumulate into row ``operand`` of ``window`` (a window: :func:`~mixprec.formats._state.record_cast`) the statistics ``cast`` would
     have on ``x``, measured on about ``sample`` elements: evenly strided rows (a row or block cast
     along the last dimension is exact on them), scaled by the whole tensor's amax for a tensor
-    cast. An e2m1 cast is fp4's own (:func:`~mixprec.fp8._fp4.quantize`), rounded to nearest (a
+    cast. An e2m1 cast is fp4's own (:func:`~mixprec.formats._fp4.quantize`), rounded to nearest (a
     stochastically rounded cast flushes a value below the smallest step only sometimes: this
     counts it flushed), after the random Hadamard transform of ``hadamard_seed`` along the last
     dimension when given (NVFP4's weight-gradient operands: the GEMM casts the transformed rows,

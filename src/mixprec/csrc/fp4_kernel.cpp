@@ -1,4 +1,4 @@
-// mixprec's FP4 (e2m1) casts on the CPU, one pass each (see mixprec/fp8/_fp4.py).
+// mixprec's FP4 (e2m1) casts on the CPU, one pass each (see mixprec/formats/_fp4.py).
 //
 // The torch code of quantize makes about twenty passes over a float32 copy of the operand (pad,
 // abs, amax, multiply, clamp, seven comparisons, signbit, pack); dequantize six (unpack, stack,
@@ -372,7 +372,7 @@ inline uint64_t mix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-// RoundingKey.draws (mixprec/fp8/_fp4.py) of n elements from its state: output i of SplitMix64's
+// RoundingKey.draws (mixprec/formats/_fp4.py) of n elements from its state: output i of SplitMix64's
 // stream from the state gives element i (its bits 8..31) and element i + ceil(n / 2) (bits
 // 40..63), each k / 2**24. Wrapping int64 arithmetic there is this unsigned arithmetic.
 at::Tensor fp4_key_draws(int64_t state, int64_t n) {

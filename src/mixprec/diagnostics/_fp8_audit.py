@@ -164,7 +164,8 @@ def recommend_fp8(passes: Passes, policy: Any, recipe: Any, scale: float, *,
         for fixes in range(max_fixes + 1):
             for st in states.values():
                 st.reset()
-                st.fallback, st.sample_sqnr = False, False
+                st.route(fallback=False)
+                st.sample_sqnr = False
             event = passes.traced(_with_fp8(policy, formats), scale, what=f"fp8: verifying {len(formats)} "
                                   "layer(s) in fp8" + (f" (round {fixes + 1})" if fixes else ""))
             culprit = None if event is None else event.fp8_layer

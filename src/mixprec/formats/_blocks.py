@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mixprec.fp8._recipe import Cast
+from mixprec.formats._recipe import Cast
 
 __all__ = ["quantize", "dequantize", "gemm_dtype", "block_gemm", "amax_to_scale", "E8M0_BIAS", "EPS"]
 

@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from mixprec import _native
-from mixprec.fp8._blocks import _blocked, _e8m0, _e8m0_value, _unblocked
-from mixprec.fp8._recipe import Cast
+from mixprec.formats._blocks import _blocked, _e8m0, _e8m0_value, _unblocked
+from mixprec.formats._recipe import Cast
 
 __all__ = ["E2M1_MAX", "E2M1_VALUES", "Fp4Tensor", "encode_e2m1", "decode_e2m1", "pack", "unpack",
            "quantize", "RoundingKey", "rounding_generator", "hadamard_matrix", "hadamard", "HADAMARD_SIZE"]

@@ -5,8 +5,8 @@ from fp4 and fp8 recipes) runs here instead of the fp8 path. Every GEMM is ``A @
 the contracted dimension last in both operands (forward: ``x``, ``W``; input gradient:
 ``grad_output``, ``W.t()``; weight gradient: ``grad_output.t()``, ``x.t()``, contiguous copies as
 torchao's emulated MX training). Each operand is cast by its :class:`Cast`: e2m1 blocks
-(:mod:`mixprec.fp8._fp4`), fp8 blocks (:mod:`mixprec.fp8._blocks`), fp8 tensor/row casts
-(:func:`~mixprec.fp8._quant.cast_to_fp8`) or none; then dequantized and multiplied in the
+(:mod:`mixprec.formats._fp4`), fp8 blocks (:mod:`mixprec.formats._blocks`), fp8 tensor/row casts
+(:func:`~mixprec.formats._quant.cast_to_fp8`) or none; then dequantized and multiplied in the
 GEMM's dtype (fp4 and MX: the input's, float32 for float16, as torchao's emulation; float32-scaled
 fp8: float32; every GEMM in float32 under the backend ``"emulate_fp32"``, as a tensor core
 accumulates: operands exact, the product rounded once).
@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from mixprec.fp8._blocks import dequantize as block_dequantize
-from mixprec.fp8._blocks import gemm_dtype
-from mixprec.fp8._blocks import quantize as block_quantize
-from mixprec.fp8._fp4 import Fp4Tensor, RoundingKey, hadamard, hadamard_matrix, quantize
-from mixprec.fp8._quant import cast_to_fp8
-from mixprec.fp8._recipe import Cast, Float8Recipe
-from mixprec.fp8._state import GRAD_OUTPUT, INPUT, WEIGHT, record_cast
+from mixprec.formats._blocks import dequantize as block_dequantize
+from mixprec.formats._blocks import gemm_dtype
+from mixprec.formats._blocks import quantize as block_quantize
+from mixprec.formats._fp4 import Fp4Tensor, RoundingKey, hadamard, hadamard_matrix, quantize
+from mixprec.formats._quant import cast_to_fp8
+from mixprec.formats._recipe import Cast, Float8Recipe
+from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, record_cast
 
 __all__ = ["Fp4Matmul", "cast_operand", "gemm"]
 
@@ -107,7 +107,7 @@ def _restored(tensors: tuple[torch.Tensor, ...], cast: Cast, shape: torch.Size) 
 class Fp4Matmul(torch.autograd.Function):
     """``x @ w.t()`` with an fp4 recipe's casts, GEMM by GEMM (see the module's docstring).
     ``step``: the layer's fp4 call count (a 0-d int64 tensor, :meth:`LayerState.next_rounding_step`),
-    which seeds stochastic rounding (:class:`~mixprec.fp8._fp4.RoundingKey`: traceable); ``fp32``:
+    which seeds stochastic rounding (:class:`~mixprec.formats._fp4.RoundingKey`: traceable); ``fp32``:
     every GEMM in float32 (the backend ``"emulate_fp32"``)."""
 
     @staticmethod

@@ -23,9 +23,9 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from mixprec.fp8._quant import cast_to_fp8
-from mixprec.fp8._recipe import Cast, Float8Recipe
-from mixprec.fp8._state import WEIGHT, LayerState, layer_state
+from mixprec.formats._quant import cast_to_fp8
+from mixprec.formats._recipe import Cast, Float8Recipe
+from mixprec.formats._state import WEIGHT, LayerState, layer_state
 
 __all__ = ["Float8AllGatherWeight", "GatheredFloat8Weight", "check_recipe", "reads_gathered", "retie", "wrap_weight",
            "plain_weight", "warn_fallback", "precompute_fsdp_scales"]

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from mixprec._modules import named_modules
-from mixprec.fp8._fsdp import Float8AllGatherWeight, plain_weight
-from mixprec.fp8._like import LINEAR_LIKE, conv1d_class, features, is_linear_like, unroutable
-from mixprec.fp8._linear import BACKENDS, linear
-from mixprec.fp8._recipe import RECIPE_NAMES, Float8Recipe
-from mixprec.fp8._state import layer_state, swap_layer_state
+from mixprec.formats._fsdp import Float8AllGatherWeight, plain_weight
+from mixprec.formats._like import LINEAR_LIKE, conv1d_class, features, is_linear_like, unroutable
+from mixprec.formats._linear import BACKENDS, linear
+from mixprec.formats._recipe import RECIPE_NAMES, Float8Recipe
+from mixprec.formats._state import layer_state, swap_layer_state
 
 __all__ = ["eligible", "select_layers", "Float8Linear", "Float8Conv1D", "as_recipe", "FIRST_LAST", "check_backend",
            "group_unsharded", "warn_once"]

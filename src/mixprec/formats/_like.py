@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.fp8._state import layer_state
+from mixprec.formats._state import layer_state
 
 __all__ = ["LINEAR_LIKE", "conv1d_class", "features", "is_linear_like", "linear_params", "routed_call",
            "unroutable", "warn_unrouted"]

@@ -7,12 +7,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mixprec.fp8._blocks import block_gemm, quantize
-from mixprec.fp8._fp4_linear import Fp4Matmul
-from mixprec.fp8._fsdp import GatheredFloat8Weight, reads_gathered, warn_fallback
-from mixprec.fp8._quant import cast_to_fp8, gemm
-from mixprec.fp8._recipe import Cast, Float8Recipe
-from mixprec.fp8._state import GRAD_OUTPUT, INPUT, WEIGHT, LayerState, record_cast
+from mixprec.formats._blocks import block_gemm, quantize
+from mixprec.formats._fp4_linear import Fp4Matmul
+from mixprec.formats._fsdp import GatheredFloat8Weight, reads_gathered, warn_fallback
+from mixprec.formats._quant import cast_to_fp8, gemm
+from mixprec.formats._recipe import Cast, Float8Recipe
+from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, LayerState, record_cast
 
 __all__ = ["linear", "resolve_backend", "BACKENDS"]
 

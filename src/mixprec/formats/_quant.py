@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from mixprec.fp8._blocks import EPS, amax_to_scale, quantize
-from mixprec.fp8._recipe import Cast
+from mixprec.formats._blocks import EPS, amax_to_scale, quantize
+from mixprec.formats._recipe import Cast
 
 __all__ = ["EPS", "cast_to_fp8", "cast_stats", "gemm", "STAT_NAMES"]
 
@@ -33,7 +33,7 @@ def cast_to_fp8(x: torch.Tensor, cast: Cast, row_dim: int, pow2: bool, amax: tor
     ``row_dim`` is the dimension reduced for a row scale (the GEMM's contracted one); the scale
     keeps it as size 1 so that ``q.float() / scale`` dequantizes by broadcasting. A block cast
     (``cast.block``) contracts the last dimension (``row_dim`` must be -1) and returns the
-    per-block dequantization factors and amaxes of :func:`mixprec.fp8._blocks.quantize` instead
+    per-block dequantization factors and amaxes of :func:`mixprec.formats._blocks.quantize` instead
     (``q`` keeps ``x``'s shape).
     """
     if cast.block is not None:

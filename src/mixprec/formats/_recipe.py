@@ -46,7 +46,7 @@ class Cast:
     ``"128x128"`` (DeepSeek-V3's tiles and blocks, float32 scales). fp4 (``"e2m1"``) takes
     ``"1x32"`` (MXFP4: E8M0 scales) and NVFP4's ``"1x16"`` and ``"16x16"`` (e4m3 block scales under
     an fp32 tensor scale; ``"16x16"`` for weights, whose row and column casts then agree); see
-    :mod:`mixprec.fp8._fp4`.
+    :mod:`mixprec.formats._fp4`.
 
     Example:
         >>> Cast("e5m2").dtype
@@ -113,7 +113,7 @@ class Float8Recipe:
     ``grad_weight = grad_output^T @ x``. Each field names an operand in one GEMM. Scales are
     current (dynamic): ``finfo(fp8).max / max(amax, 1e-12)`` from the tensor being cast, rounded
     down to a power of 2 when ``pow2_scales``; a block granularity (``mxfp8``, ``blockwise``)
-    takes one scale per block (see :mod:`mixprec.fp8._blocks`). ``save_fp8``: save the fp8
+    takes one scale per block (see :mod:`mixprec.formats._blocks`). ``save_fp8``: save the fp8
     input and weight (with their scales) for backward instead of the high-precision tensors;
     allowed only where the backward GEMMs use the very same casts (tensor granularity, same
     format), so the result is bitwise the same as re-casting.

@@ -2,7 +2,7 @@
 
 This module is the one owner of the statistics' layout: a *window* is a ``(3, 5)`` tensor, one
 row per operand (:data:`OPERANDS`, indexed by :data:`INPUT`, :data:`WEIGHT`,
-:data:`GRAD_OUTPUT`), the columns :data:`~mixprec.fp8._quant.STAT_NAMES` (the worst value over
+:data:`GRAD_OUTPUT`), the columns :data:`~mixprec.formats._quant.STAT_NAMES` (the worst value over
 the window) and, last, the amax of the operand's previous cast (what ``saturated`` is judged
 against). :func:`record_cast` writes one cast into a window, :func:`window_stats` and
 :func:`clear_window` read and restart one; :class:`LayerState` holds a layer's window, its
@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from mixprec._modules import clean_name, named_modules
-from mixprec.fp8._quant import STAT_NAMES, cast_stats
+from mixprec.formats._quant import STAT_NAMES, cast_stats
 
 __all__ = ["LayerState", "OPERANDS", "INPUT", "WEIGHT", "GRAD_OUTPUT", "layer_state", "swap_layer_state",
            "new_window", "record_cast", "window_stats", "clear_window", "rounding_steps", "load_rounding_steps"]
@@ -41,7 +41,7 @@ def new_window(device: torch.device | str | None = None) -> torch.Tensor:
 def record_cast(window: torch.Tensor | None, operand: int, x: torch.Tensor, q: torch.Tensor,
                 amax: torch.Tensor) -> None:
     """Fold one cast of ``x`` (to ``q``, with ``amax``) into row ``operand`` of ``window``: the
-    worst of each statistic (:func:`~mixprec.fp8._quant.cast_stats`, saturation judged against
+    worst of each statistic (:func:`~mixprec.formats._quant.cast_stats`, saturation judged against
     the row's previous amax), and this cast's amax as the new previous one. ``window`` None:
     nothing is recorded. In place, on the device (no host sync); traceable."""
     if window is not None:
@@ -100,6 +100,15 @@ class LayerState:
         self._drawn: deque[torch.Tensor] = deque(maxlen=_DRAWN)
         self._completed: tuple[torch.Tensor, torch.Tensor] | None = None  # the window the last reset closed
 
+    def route(self, recipe: Any = ..., fallback: bool | None = None) -> None:
+        """The one writer of the layer's routing in mixprec (its Guard, Controller and audit call
+        it): ``recipe``, a Float8Recipe that replaces the caller's (None: the caller's; ``...``:
+        unchanged), ``fallback``, whether it runs in the compute dtype (None: unchanged)."""
+        if recipe is not ...:
+            self.recipe = recipe
+        if fallback is not None:
+            self.fallback = bool(fallback)
+
     @property
     def stats(self) -> torch.Tensor:
         """The window's ``(3, 4)`` statistics (a view of the device tensor)."""
@@ -138,7 +147,7 @@ class LayerState:
     @property
     def rounding_step(self) -> int:
         """How many fp4 calls of the layer :func:`linear` has run: the ``step`` of the next one's
-        stochastic rounding (:class:`~mixprec.fp8._fp4.RoundingKey`). What a bitwise resume of
+        stochastic rounding (:class:`~mixprec.formats._fp4.RoundingKey`). What a bitwise resume of
         an fp4 run needs (saved by :meth:`Guard.state_dict`, :meth:`Controller.state_dict` and
         :func:`rounding_steps`); set it to restore one.
 

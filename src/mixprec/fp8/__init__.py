@@ -12,6 +12,8 @@
   rounding, for the checkpoint of a run without a Guard or Controller (theirs hold them).
 * :class:`Guard`: thresholds that move a layer back to the compute dtype, the same on every rank,
   decided in ``guard.step()`` (once per optimizer step), resumable from its ``state_dict()``.
+* :class:`GuardSettings`, :class:`ControllerSettings`: their settings as frozen values (what a
+  policy's fp8 rule holds; ``Guard(settings)``, ``guard.settings``).
 * :func:`convert`, :func:`unconvert`, :class:`Float8Linear`, :class:`Float8Conv1D`, :func:`stats`:
   module conversion (``nn.Linear`` and transformers' ``Conv1D``), its undoing, the stats table.
 * :func:`eligible`, :func:`select_layers`: the layer-selection rules.
@@ -19,7 +21,7 @@
   the weights in fp8 (tensorwise), bitwise torchao's ``enable_fsdp_float8_all_gather``.
 * :class:`Controller` (also ``mixprec.Controller``): moves each layer up a ladder of formats
   before its statistics' trend crosses a limit and back down when the lower format is safe again
-  (``Policy.fp8(controller=ctl)``, ``ctl.step()``); see docs/controller.md.
+  (``ctl.attach(model)``, ``Policy.fp8(controller=ctl.settings)``, ``ctl.step()``); see docs/controller.md.
 * ``mixprec.fp8.internals``: what mixprec's other packages (diagnostics, export) use of fp8's
   private modules, in one place (not public API).
 
@@ -54,17 +56,18 @@ checkpoints through ``Guard.state_dict()``/``load_state_dict()`` (keyed by fqn),
 module state dict.
 """
 
-from mixprec.fp8._controller import Controller, Decision
-from mixprec.fp8._convert import Float8Stats, convert, stats, unconvert
-from mixprec.fp8._fsdp import precompute_fsdp_scales
-from mixprec.fp8._guard import Fallback, Float8FallbackWarning, Guard, layer_states
-from mixprec.fp8._layers import Float8Conv1D, Float8Linear, as_recipe, eligible, select_layers
-from mixprec.fp8._linear import linear
-from mixprec.fp8._recipe import Cast, Float8Recipe, Recipe
-from mixprec.fp8._state import LayerState, layer_state, load_rounding_steps, rounding_steps
+from mixprec.control._controller import Controller, Decision
+from mixprec.control._convert import Float8Stats, convert, stats, unconvert
+from mixprec.formats._fsdp import precompute_fsdp_scales
+from mixprec.control._guard import Fallback, Float8FallbackWarning, Guard, layer_states
+from mixprec.control._settings import ControllerSettings, GuardSettings
+from mixprec.formats._layers import Float8Conv1D, Float8Linear, as_recipe, eligible, select_layers
+from mixprec.formats._linear import linear
+from mixprec.formats._recipe import Cast, Float8Recipe, Recipe
+from mixprec.formats._state import LayerState, layer_state, load_rounding_steps, rounding_steps
 
 __all__ = [
-    "Cast", "Controller", "Decision", "Fallback", "Float8Conv1D", "Float8FallbackWarning", "Float8Linear", "Float8Recipe", "Float8Stats",
-    "Guard", "LayerState", "Recipe", "as_recipe", "convert", "eligible", "layer_state", "layer_states", "linear",
+    "Cast", "Controller", "ControllerSettings", "Decision", "Fallback", "Float8Conv1D", "Float8FallbackWarning", "Float8Linear", "Float8Recipe", "Float8Stats",
+    "Guard", "GuardSettings", "LayerState", "Recipe", "as_recipe", "convert", "eligible", "layer_state", "layer_states", "linear",
     "load_rounding_steps", "precompute_fsdp_scales", "rounding_steps", "select_layers", "stats", "unconvert",
 ]

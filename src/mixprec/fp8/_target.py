@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from mixprec._modules import named_modules, unwrap
-from mixprec.fp8._layers import select_layers
-from mixprec.fp8._like import is_linear_like, linear_params, routed_call, warn_unrouted
-from mixprec.fp8._linear import linear
-from mixprec.fp8._recipe import Float8Recipe
-from mixprec.fp8._state import LayerState, layer_state
+from mixprec.control._shell import live_of
+from mixprec.formats._layers import select_layers
+from mixprec.formats._like import is_linear_like, linear_params, routed_call, warn_unrouted
+from mixprec.formats._linear import linear
+from mixprec.formats._recipe import Float8Recipe
+from mixprec.formats._state import LayerState, layer_state
 
 __all__ = ["Fp8Target", "select_targets", "traced_output"]
 
@@ -70,6 +71,7 @@ def select_targets(root: nn.Module, policy: Any) -> dict[int, Fp8Target] | None:
     """
     rule = policy.fp8_rule
     model = unwrap(root)  # DDP's, FSDP1's, torch.compile's wrappers: the names are the bare model's
+    live = live_of(model, rule.kind, rule.guard or rule.controller, rule.live)  # checked before any selection
     likes = nn.Linear in rule.types
     if not any(isinstance(m, rule.types) or (likes and is_linear_like(m)) for m in model.modules()):
         return None
@@ -89,11 +91,9 @@ def select_targets(root: nn.Module, policy: Any) -> dict[int, Fp8Target] | None:
         state = layer_state(module)
         state.policy_recipe = rule.recipe_for(fqn)  # kept on the layer: what an export writes it in
         targets[id(module)] = Fp8Target(module, state.policy_recipe, state, rule.backend)
-        named[fqn] = module
-    if rule.guard is not None:
-        rule.guard._policy_forward(model)  # its decisions apply now; warns if never stepped
-    if rule.controller is not None:
-        rule.controller._policy_forward(named, policy)  # its rungs apply now; decides in step()
+        named[fqn] = (module, state.policy_recipe)
+    if live is not None:  # its decisions or rungs apply now; it decides in its step(), warns if never stepped
+        live.govern(model, named, policy.compute)
     return targets
 
 

@@ -10,10 +10,10 @@ is in ``mixprec.fp8.__all__``, and the names may change with fp8 (users: ``mixpr
 
 from __future__ import annotations
 
-from mixprec.fp8._fp4 import quantize as fp4_quantize
-from mixprec.fp8._like import is_linear_like
-from mixprec.fp8._quant import STAT_NAMES, cast_to_fp8
-from mixprec.fp8._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, swap_layer_state
+from mixprec.formats._fp4 import quantize as fp4_quantize
+from mixprec.formats._like import is_linear_like
+from mixprec.formats._quant import STAT_NAMES, cast_to_fp8
+from mixprec.formats._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, swap_layer_state
 from mixprec.fp8._target import Fp8Target, select_targets, traced_output  # the engine's (mixprec.engine)
 
 __all__ = ["GRAD_OUTPUT", "INPUT", "OPERANDS", "STAT_NAMES", "WEIGHT", "Fp8Target", "cast_to_fp8", "fp4_quantize",

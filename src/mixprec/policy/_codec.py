@@ -6,7 +6,7 @@ trusted: each value is checked for its type before it is used (:func:`expect`), 
 refused (:func:`refuse_unknown`), module types are looked up among the modules already imported and
 never imported (:func:`import_type`), and op rules are validated as :meth:`mixprec.Policy.with_ops`
 validates (:func:`checked_op_rules`). Shared by :mod:`mixprec.policy` and the fp8 rule
-(:mod:`mixprec.fp8._rule`); the one-line text form (:mod:`mixprec._policy_text`) uses the same
+(:mod:`mixprec.policy._rule`); the one-line text form (:mod:`mixprec.policy._text`) uses the same
 look-ups.
 
 Example:

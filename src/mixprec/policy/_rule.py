@@ -1,85 +1,36 @@
-"""The fp8 rule of a policy: which ``nn.Linear`` layers run in fp8, its checked JSON form, and
-its attachment to a live Guard or Controller.
+"""The fp8 rule of a policy: which ``nn.Linear`` layers run in fp8, under which Guard or
+Controller settings, and its checked JSON form.
 
-The rule's settings (recipe, selection, first/last, backend, per-layer recipes) are a value: they
-compare, hash, print and serialise. A Guard or Controller is runtime state (its decisions, its
-rungs): the rule holds no live object, only an :class:`Attachment`, a small immutable handle (the
-kind and a process-unique id, never reused as ``id()`` is); the object itself lives in a registry
-while any rule names it, and ``policy.fp8_rule.controller`` reads it from there (``is ctl``). Equality leaves the attachment out (two policies
-that differ only by their guard are the same settings: a policy loaded with your controller equals
-the one you saved); :func:`mixprec.policy.canonical` keys on the settings *and* the attachment, so
-a region never runs with another policy's guard or controller. In a policy file the attachment is
-its settings only (:func:`rule_to_dict`); reading it back takes yours (``guard=``/``controller=``,
-checked against the saved settings) or builds a new one with a warning (:func:`rule_from_dict`).
+The rule is a value: its recipe, selection, first/last, backend, per-layer recipes and the
+settings of its guard or controller (:class:`~mixprec.fp8.GuardSettings`,
+:class:`~mixprec.fp8.ControllerSettings`) compare, hash, print and serialise. The live Guard or
+Controller that steps a run is the model's (``ctl.attach(model)``, ``fp8.convert(model,
+controller=ctl)``); a rule names its settings and the region checks that the model's has them.
+The older spelling, ``Policy.fp8(controller=ctl)`` with the object, keeps working: the rule takes
+``ctl.settings`` into its value and carries the object beside it (:attr:`Fp8Rule.live`: not in
+equality, hash or JSON), for the regions of a model without one attached. No registry: the
+policy (and Dynamo's canonical copy of it) holds that object while it lives.
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
-import warnings
-import weakref
-from dataclasses import InitVar, dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from torch import nn
 
-from mixprec._codec import expect, import_type, refuse_unknown, type_path
 from mixprec._modules import compile_names
 from mixprec._tree import tracing as _tracing
-from mixprec.fp8._controller import Controller
-from mixprec.fp8._convert import as_recipe
-from mixprec.fp8._guard import Guard
-from mixprec.fp8._linear import BACKENDS
-from mixprec.fp8._recipe import RECIPE_NAMES, Float8Recipe
+from mixprec.control._settings import ControllerSettings, GuardSettings
+from mixprec.formats._layers import as_recipe
+from mixprec.formats._linear import BACKENDS
+from mixprec.formats._recipe import RECIPE_NAMES, Float8Recipe
+from mixprec.policy._codec import expect, import_type, refuse_unknown, type_path
 
-__all__ = ["Attachment", "Fp8Rule", "rule_to_dict", "rule_from_dict", "guard_from_settings",
-           "controller_from_settings", "settings_of", "warn_new_state", "refuse_unused_state"]
+__all__ = ["Fp8Rule", "rule_to_dict", "rule_from_dict", "refuse_unused_state"]
 
 _JSON_FIELDS = ("backend", "controller", "first_last", "guard", "names", "recipe", "recipes", "types")
-
-
-@dataclass(frozen=True)
-class Attachment:
-    """Which Guard or Controller an fp8 rule carries: its kind (``"guard"`` or ``"controller"``)
-    and a process-unique id (the same object gets the same id however often it is attached, and
-    no other object ever gets it). Hashable: part of :func:`mixprec.policy.canonical`'s key.
-
-    Example:
-        >>> ctl = Controller()
-        >>> Attachment.of("controller", ctl) == Attachment.of("controller", ctl)
-        True
-    """
-
-    kind: str
-    uid: int
-
-    @classmethod
-    def of(cls, kind: str, obj: Any) -> "Attachment":
-        """The attachment of ``obj`` (a Guard or Controller) as ``kind``."""
-        key = id(obj)
-        with _UIDS_LOCK:
-            entry = _UIDS.get(key)
-            if entry is None or entry[0]() is not obj:
-                uid = next(_NEXT_UID)
-                entry = _UIDS[key] = (weakref.ref(obj, lambda _, key=key, uid=uid: _forget(key, uid)), uid)
-        return cls(kind, entry[1])
-
-
-# id(obj) -> (weak reference to obj, its uid). A registry, not a cache: a Guard or Controller is a
-# mutable dataclass (unhashable), so its process-unique id is found by id(); the weak reference
-# checks that the entry is still that object and removes the entry when it dies, so it holds only
-# the live attached objects (never keeps one alive).
-_UIDS: dict[int, tuple[weakref.ref, int]] = {}
-_UIDS_LOCK = threading.Lock()
-_NEXT_UID = itertools.count(1)
-
-
-def _forget(key: int, uid: int) -> None:
-    with _UIDS_LOCK:
-        entry = _UIDS.get(key)
-        if entry is not None and entry[1] == uid:
-            del _UIDS[key]
+_KINDS = {"guard": GuardSettings, "controller": ControllerSettings}
 
 
 @dataclass(frozen=True)
@@ -97,15 +48,19 @@ class Fp8Rule:
     must be one the rule selects, eligible for its own recipe (checked as the model runs:
     ValueError otherwise).
 
-    ``guard``/``controller`` (one at most) are carried for the regions that run the rule and
-    named by :attr:`attached`; equality, hashing and the JSON form leave the objects out (see the
-    module's docstring).
+    ``guard``/``controller`` (one at most): the settings of the Guard or Controller the rule's
+    regions run under (:class:`~mixprec.fp8.GuardSettings`, :class:`~mixprec.fp8.ControllerSettings`,
+    or their JSON dict); the live one is the model's (``ctl.attach(model)``). Given a live Guard
+    or Controller instead (the older spelling), the rule keeps its settings and carries the object
+    as :attr:`live` (see the module's docstring).
 
     Example:
         >>> Fp8Rule("rowwise", names=r"blocks\\.").recipe_name
         'rowwise'
         >>> Fp8Rule("tensorwise", recipes={"2": "mxfp8"}).recipe_for("2").name
         'mxfp8'
+        >>> Fp8Rule(controller={"every": 5}).controller.every
+        5
     """
 
     recipe: Any = "tensorwise"  # a recipe name or a mixprec.fp8.Float8Recipe
@@ -113,14 +68,11 @@ class Fp8Rule:
     names: str | None = None
     first_last: str = "keep"
     backend: str = "auto"
-    # runtime state, given to the constructor only: the rule keeps its Attachment handle, never the
-    # object (read back through the ``guard``/``controller`` properties, defined below the class)
-    guard: InitVar[Guard | None] = None
-    controller: InitVar[Controller | None] = None
+    guard: GuardSettings | None = None
+    controller: ControllerSettings | None = None
     recipes: Any = ()  # {qualified name: recipe}, stored as sorted (name, recipe) pairs
-    attached: Attachment | None = field(default=None, init=False, compare=False)
 
-    def __post_init__(self, guard: Guard | None, controller: Controller | None) -> None:
+    def __post_init__(self) -> None:
         if _tracing():  # see mixprec.policy._refuse_tracing
             raise RuntimeError("build mixprec Fp8Rules and Policies outside torch.compile")
         as_recipe(self.recipe)  # validates
@@ -134,28 +86,43 @@ class Fp8Rule:
         if self.backend not in BACKENDS:
             raise ValueError(f"Policy.fp8 backend must be one of {', '.join(map(repr, BACKENDS))}, "
                              f"got {self.backend!r}")
-        if guard is not None and not isinstance(guard, Guard):
-            raise ValueError(f"Policy.fp8 guard must be a mixprec.fp8.Guard, got {type(guard).__name__}")
-        if controller is not None:
-            if not isinstance(controller, Controller):
-                raise ValueError(f"Policy.fp8 controller must be a mixprec.Controller, got "
-                                 f"{type(controller).__name__}")
-            if guard is not None:
-                raise ValueError("Policy.fp8: give guard= or controller=, not both (the controller promotes "
-                                 "a layer before the guard's thresholds are crossed, and demotes it again)")
+        if self.guard is not None and self.controller is not None:
+            raise ValueError("Policy.fp8: give guard= or controller=, not both (the controller promotes "
+                             "a layer before the guard's thresholds are crossed, and demotes it again)")
+        live = None
+        for kind, cls in _KINDS.items():
+            given = getattr(self, kind)
+            if given is None or isinstance(given, cls):
+                continue
+            if isinstance(given, Mapping):
+                object.__setattr__(self, kind, cls.from_dict(given))
+            elif isinstance(getattr(given, "settings", None), cls):  # a live Guard or Controller
+                live = given
+                object.__setattr__(self, kind, given.settings)
+            else:
+                raise ValueError(f"Policy.fp8 {kind} must be a mixprec.fp8.{cls.__name__} (or a "
+                                 f"{'Guard' if kind == 'guard' else 'Controller'}), got {type(given).__name__}")
         object.__setattr__(self, "types", types)
         object.__setattr__(self, "recipes", _per_layer_recipes(self.recipes))
-        state = guard if guard is not None else controller
-        if state is not None:
-            attached = Attachment.of("guard" if guard is not None else "controller", state)
-            object.__setattr__(self, "attached", attached)
-            _hold(self, attached.uid, state)
+        object.__setattr__(self, "_live", live)  # not a field: outside equality, hash, repr and JSON
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Copy and pickle through the constructor: a copied guard or controller gets its own
-        :attr:`attached` id."""
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
-        return _rebuild_rule, ({**values, "guard": self.guard, "controller": self.controller},)
+        """Copy and pickle through the constructor, with the live object (the older spelling) if any."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self._live is not None:
+            values[self.kind] = self._live
+        return _rebuild_rule, (values,)
+
+    @property
+    def kind(self) -> str | None:
+        """``"guard"`` or ``"controller"``: what the rule's regions run under, or None."""
+        return "guard" if self.guard is not None else "controller" if self.controller is not None else None
+
+    @property
+    def live(self) -> Any:
+        """The Guard or Controller the rule was built with (``Policy.fp8(controller=ctl)``), or None
+        (built with settings: the live one is the model's)."""
+        return self._live
 
     @property
     def recipe_name(self) -> str:
@@ -168,49 +135,11 @@ class Fp8Rule:
         return as_recipe(dict(self.recipes).get(fqn, self.recipe))
 
     def detached(self) -> "Fp8Rule":
-        """The same settings without a guard or controller."""
-        if self.attached is None:
+        """The same value without a live object."""
+        if self._live is None:
             return self
-        return Fp8Rule(self.recipe, self.types, self.names, self.first_last, self.backend, recipes=self.recipes)
-
-
-# uid -> [the Guard or Controller, how many live rules name it]. A registry with a reason: a
-# policy is a value and holds no live object, so the object its rule names lives here while any
-# rule naming it does (a controller made inline, ``Policy.fp8(controller=Controller())``, is
-# reached only through ``policy.fp8_rule.controller``); the last such rule's finalizer drops it.
-_HELD: dict[int, list[Any]] = {}
-
-
-def _hold(rule: Fp8Rule, uid: int, state: Any) -> None:
-    with _UIDS_LOCK:
-        entry = _HELD.setdefault(uid, [state, 0])
-        entry[1] += 1
-    weakref.finalize(rule, _release, uid)
-
-
-def _release(uid: int) -> None:
-    with _UIDS_LOCK:
-        entry = _HELD.get(uid)
-        if entry is not None:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del _HELD[uid]
-
-
-def _attached(kind: str) -> property:
-    def get(rule: Fp8Rule) -> Any:
-        a = rule.attached
-        if a is None or a.kind != kind:
-            return None
-        return _HELD[a.uid][0]
-
-    get.__doc__ = f"The {kind} the rule names (:attr:`Fp8Rule.attached`), or None."
-    return property(get)
-
-
-# after the dataclass is made: its __init__ takes guard=/controller= (InitVars with default None)
-Fp8Rule.guard = _attached("guard")  # type: ignore[assignment]
-Fp8Rule.controller = _attached("controller")  # type: ignore[assignment]
+        return Fp8Rule(self.recipe, self.types, self.names, self.first_last, self.backend, self.guard,
+                       self.controller, self.recipes)
 
 
 def _rebuild_rule(values: dict[str, Any]) -> Fp8Rule:
@@ -238,18 +167,18 @@ def _per_layer_recipes(recipes: Any) -> tuple[tuple[str, Any], ...]:
 
 # ----------------------------------------------------------------- the checked JSON form
 def rule_to_dict(rule: Fp8Rule) -> dict[str, Any]:
-    """The rule as plain JSON data; a guard or controller as its settings (its decisions, rungs
-    and log are runtime state: their ``state_dict()``).
+    """The rule as plain JSON data; a guard or controller as its settings (a live one's decisions,
+    rungs and log are runtime state: its ``state_dict()``).
 
     Raises:
         ValueError: a custom recipe (not a named one), or a type not importable by its path.
     """
     recipe = _recipe_name(rule.recipe)
-    guard = None if rule.guard is None else settings_of(rule.guard)
+    guard = None if rule.guard is None else rule.guard.to_dict()
     out = {"recipe": recipe, "types": [type_path(t) for t in rule.types], "names": rule.names,
            "first_last": rule.first_last, "backend": rule.backend, "guard": guard}
     if rule.controller is not None:
-        out["controller"] = settings_of(rule.controller)
+        out["controller"] = rule.controller.to_dict()
     if rule.recipes:
         out["recipes"] = {n: _recipe_name(r) for n, r in rule.recipes}
     return out
@@ -266,8 +195,8 @@ def _recipe_name(recipe: Any) -> str:
 
 def rule_from_dict(data: Any, given: Mapping[str, Any]) -> Fp8Rule:
     """The rule :func:`rule_to_dict` wrote, checked field by field. ``given`` maps ``"guard"`` and
-    ``"controller"`` to the caller's objects (or None): a saved guard or controller is replaced by
-    the caller's of the same kind and settings, else built new from its settings with a warning.
+    ``"controller"`` to the caller's live objects (or None), the older spelling: one with the saved
+    settings is carried by the rule (:attr:`Fp8Rule.live`).
 
     Raises:
         ValueError: data of the wrong shape (the message names the field), or a given guard or
@@ -284,22 +213,19 @@ def rule_from_dict(data: Any, given: Mapping[str, Any]) -> Fp8Rule:
     values["types"] = tuple(import_type(t) for t in expect(
         values.get("types", ["torch.nn.modules.linear.Linear"]), (list, tuple), "fp8_rule 'types'",
         "a list of type paths"))
-    for state, build in (("guard", guard_from_settings), ("controller", controller_from_settings)):
-        mine = given[state]
-        if values.get(state) is None:
+    for kind, cls in _KINDS.items():
+        mine = given[kind]
+        if values.get(kind) is None:
             if mine is not None:
-                raise ValueError(f"the policy's fp8 rule has no {state}: attach yours with "
-                                 f"policy.fp8(..., {state}=...), not from_json/load({state}=...)")
+                raise ValueError(f"the policy's fp8 rule has no {kind}: attach yours to the model "
+                                 f"({kind}.attach(model)), not with from_json/load({kind}=...)")
             continue
-        saved = build(values[state])
-        if mine is None:
-            warn_new_state(state, saved, "Policy.load/from_json")
-            values[state] = saved
-            continue
-        if type(mine) is not type(saved) or settings_of(mine) != settings_of(saved):
-            raise ValueError(f"the {state} passed has other settings than the policy's saved {state}: "
-                             f"{settings_of(mine)} != {settings_of(saved)}; pass one built with the saved settings")
-        values[state] = mine
+        saved = cls.from_dict(expect(values[kind], Mapping, f"fp8_rule {kind!r}", "an object"))
+        if mine is not None and getattr(mine, "settings", None) != saved:
+            theirs = mine.settings.to_dict() if isinstance(getattr(mine, "settings", None), cls) else mine
+            raise ValueError(f"the {kind} passed has other settings than the policy's saved {kind}: "
+                             f"{theirs} != {saved.to_dict()}; pass one built with the saved settings")
+        values[kind] = mine if mine is not None else saved
     if "recipes" in values:
         recipes = expect(values["recipes"], Mapping, "fp8_rule 'recipes'", "an object {layer name: recipe name}")
         for name, recipe in recipes.items():
@@ -308,39 +234,9 @@ def rule_from_dict(data: Any, given: Mapping[str, Any]) -> Fp8Rule:
     return Fp8Rule(**values)
 
 
-def guard_from_settings(data: Any) -> Guard:
-    """A new Guard with the saved settings (``data``: its constructor's keyword arguments)."""
-    settings = expect(data, Mapping, "fp8_rule 'guard'", "an object")
-    known = {f.name for f in fields(Guard) if f.init}
-    refuse_unknown(settings, known, "fp8 guard", str(sorted(known)))
-    return Guard(**settings)
-
-
-def controller_from_settings(data: Any) -> Controller:
-    """A new Controller with the saved settings (:meth:`Controller.config`)."""
-    return Controller.from_config(expect(data, Mapping, "fp8_rule 'controller'", "an object"))
-
-
-def settings_of(state: Guard | Controller) -> dict[str, Any]:
-    """A guard's or controller's settings, as saved in a policy file."""
-    if isinstance(state, Controller):
-        return state.config()
-    return {f.name: getattr(state, f.name) for f in fields(state) if f.init}
-
-
-def warn_new_state(state: str, built: Any, where: str) -> None:
-    """Say that a guard or controller was built from saved settings (nothing of the caller's steps it)."""
-    fix = (f"pass {state}=your_{state} to Policy.load/from_json to run with yours" if where != "Policy.parse"
-           else f"to run with yours, attach it: policy.fp8(..., {state}=your_{state})")
-    warnings.warn(
-        f"mixprec.Policy: {where} built a new {type(built).__name__} from the policy's saved {state} "
-        f"settings (fresh: no decisions yet, and nothing of yours steps it; step it as "
-        f"policy.fp8_rule.{state}.step()); {fix}", UserWarning, stacklevel=5)
-
-
 def refuse_unused_state(given: Mapping[str, Any], why: str) -> None:
     """Raise a ValueError if ``given`` holds a guard or controller a policy cannot use (``why``)."""
     for state, value in given.items():
         if value is not None:
-            raise ValueError(f"{state}= given, but the policy cannot use it: {why}; attach it with "
-                             f"policy.fp8(..., {state}=...)")
+            raise ValueError(f"{state}= given, but the policy cannot use it: {why}; attach it to the model "
+                             f"({state}.attach(model))")

@@ -24,15 +24,15 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from torch import nn
 
 from mixprec import ops as _ops
-from mixprec._codec import DTYPE_NAMES, dtype_name, import_type, parse_dtype
+from mixprec.policy._codec import DTYPE_NAMES, dtype_name, expect, import_type, parse_dtype
 from mixprec._modules import ModuleRule
 from mixprec._ops_names import canonical_names
-from mixprec.fp8._rule import Fp8Rule, controller_from_settings, guard_from_settings, settings_of, warn_new_state
+from mixprec.policy._rule import Fp8Rule
 
 __all__ = ["format_sections", "parse_sections", "parse_header"]
 
@@ -60,9 +60,7 @@ def format_sections(policy: Any) -> list[str]:
             text += f" backend={rule.backend}"
         for word, state in (("guarded", rule.guard), ("controlled", rule.controller)):
             if state is not None:  # the settings that differ from the defaults
-                default = settings_of(type(state)())
-                changed = {k: v for k, v in settings_of(state).items() if default.get(k) != v}
-                text += f" {word} " + json.dumps(changed, separators=(",", ":"))
+                text += f" {word} " + json.dumps(state.changed(), separators=(",", ":"))
         if rule.recipes:
             text += " recipes " + ",".join(f"{_layer_name(n)}={r if isinstance(r, str) else r.name}"
                                            for n, r in rule.recipes)
@@ -317,10 +315,9 @@ def _read_fp8(reader: _Reader, fields: dict[str, Any]) -> None:
             options["backend"] = reader.word(";")
         elif option in ("guarded", "controlled"):
             reader.skip_spaces()
-            state, build = (("guard", guard_from_settings) if option == "guarded"
-                            else ("controller", controller_from_settings))
-            options[state] = build(reader.json_value())
-            warn_new_state(state, options[state], "Policy.parse")
+            settings = reader.json_value()
+            expect(settings, Mapping, f"the {option} settings", "an object {setting: value}")
+            options["guard" if option == "guarded" else "controller"] = settings  # (Fp8Rule checks them)
         elif option == "recipes":
             reader.skip_spaces()
             while True:

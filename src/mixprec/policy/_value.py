@@ -8,9 +8,9 @@ parameters, compute and outputs, a base op table (``"torch"``: PyTorch's autocas
 region's device, or ``"fp32-numerics"``), edits to that table, and module rules. Every edit
 returns a new policy; nothing is mutated.
 
-Where the parts live: the fp8 rule and its Guard/Controller attachment in :mod:`mixprec.fp8._rule`,
-the checked JSON codec in :mod:`mixprec._codec`, the one-line text form in
-:mod:`mixprec._policy_text`; :func:`canonical` gives the one object standing for a policy's value.
+Where the parts live: the fp8 rule and its Guard/Controller attachment in :mod:`mixprec.policy._rule`,
+the checked JSON codec in :mod:`mixprec.policy._codec`, the one-line text form in
+:mod:`mixprec.policy._text`; :func:`canonical` gives the one object standing for a policy's value.
 
 Example:
     >>> import torch
@@ -39,13 +39,13 @@ import torch
 from torch import nn
 
 from mixprec import ops as _ops
-from mixprec._codec import (checked_op_rules, dtype_name, expect, module_rule_from_dict,
+from mixprec.policy._codec import (checked_op_rules, dtype_name, expect, module_rule_from_dict,
                             module_rule_to_dict, parse_dtype, refuse_unknown, rule_kind)
 from mixprec._modules import ModuleRule
 from mixprec._ops_names import OpLike, canonical_names
-from mixprec._policy_text import format_sections, parse_header, parse_sections
+from mixprec.policy._text import format_sections, parse_header, parse_sections
 from mixprec._tree import cast_tree, tracing as _tracing
-from mixprec.fp8._rule import Attachment, Fp8Rule, refuse_unused_state, rule_from_dict, rule_to_dict
+from mixprec.policy._rule import Fp8Rule, refuse_unused_state, rule_from_dict, rule_to_dict
 
 __all__ = ["Policy", "PRESETS", "parse_dtype", "canonical"]
 
@@ -127,20 +127,22 @@ class Policy:
         object.__setattr__(self, "_canonical", _canonical(self))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickle the fields; unpickling validates and interns again. A policy naming an fp8
-        Guard or Controller is refused: they are runtime state bound to the model's layers (a
-        pickled copy would be one nothing steps).
+        """Pickle the fields (a guard's or controller's settings with them); unpickling validates and
+        interns again. A policy built with a live Guard or Controller (``Policy.fp8(controller=ctl)``)
+        is refused: that object is runtime state bound to the model's layers (a pickled copy would
+        be one nothing steps).
 
         Raises:
-            TypeError: the policy names a Guard or Controller; the message says what to save.
+            TypeError: the policy carries a Guard or Controller; the message says what to save.
         """
-        attached = None if self.fp8_rule is None else self.fp8_rule.attached
-        if attached is not None:
-            state = attached.kind
+        rule = self.fp8_rule
+        if rule is not None and rule.live is not None:
+            state = rule.kind
             raise TypeError(
-                f"cannot pickle a mixprec.Policy holding an fp8 {state} (runtime state bound to the model's "
-                f"layers): save policy.to_json() (its settings) and policy.fp8_rule.{state}.state_dict(); "
-                f"restore with Policy.from_json(text, {state}=my_{state}) and my_{state}.load_state_dict(...)")
+                f"cannot pickle a mixprec.Policy carrying a live fp8 {state} (runtime state bound to the model's "
+                f"layers): pickle Policy.from_json(policy.to_json()) (its settings), and save the {state}'s "
+                f"state_dict(); restore by attaching it to the model ({state}.attach(model)) and "
+                f"{state}.load_state_dict(...)")
         return _rebuild, (type(self), {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     def __copy__(self) -> "Policy":
@@ -237,10 +239,10 @@ class Policy:
         :meth:`keep` validate (op names are expanded and checked: see ``op_rules``).
 
         Module types are looked up among the modules already imported; nothing is imported.
-        An fp8 rule's guard or controller is runtime state the data holds only the settings of:
-        pass yours (``guard=``/``controller=``, checked against the saved settings) to run the
-        policy with it; without one, a new one is built from the settings, with a warning (it
-        starts fresh, and only ``policy.fp8_rule.guard``/``.controller`` reaches it to step it).
+        An fp8 rule's guard or controller is held as its settings: the live one a run steps is
+        attached to the model (``ctl.attach(model)``, checked against these settings as the model
+        runs). ``guard=``/``controller=`` (the older spelling) gives the policy yours to carry,
+        checked against the saved settings.
 
         Raises:
             ValueError: data of the wrong shape or type, an unknown key, dtype, preset, op,
@@ -305,13 +307,12 @@ class Policy:
     def load(cls, path: str | os.PathLike[str], *, guard: Any = None, controller: Any = None) -> "Policy":
         """Read a policy saved by :meth:`save`, or the ``"policy"`` of an audit's ``report.json``.
 
-        A saved fp8 guard or controller is settings only: pass your ``guard=``/``controller=``
-        (the one your loop steps) to run with it; without, a new one is built and a warning says
-        so (see :meth:`from_dict`).
+        A saved fp8 guard or controller is settings only: build the live one from them and
+        attach it to the model (see :meth:`from_dict`).
 
         Example:
-            >>> policy = mixprec.Policy.load("audit-report/report.json")
-            >>> policy = mixprec.Policy.load("policy.json", controller=ctl)  # ctl.step() each step
+            >>> policy = mixprec.Policy.load("policy.json")
+            >>> ctl = mixprec.Controller(policy.fp8_rule.controller).attach(model)  # ctl.step() each step
         """
         with open(path, encoding="utf-8") as f:
             return cls.from_json(f.read(), guard=guard, controller=controller)
@@ -384,19 +385,22 @@ class Policy:
         ``recipe`` (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"`` or a
         :class:`~mixprec.fp8.Float8Recipe`), its input in the compute dtype, its statistics in
         :func:`mixprec.fp8.layer_state` of the module; the rest of the model follows the policy.
-        Layers: see :class:`mixprec.Fp8Rule`; ``keep`` rules win. A ``guard``
-        (:class:`mixprec.fp8.Guard`) is checked as the model's outermost call starts, and moves
-        layers that cross its thresholds back to the compute dtype. A ``controller``
-        (:class:`mixprec.Controller`, not with ``guard``) moves each layer up and down a ladder of
-        formats from the trend of its statistics, in ``controller.step()``; each layer starts at
-        its recipe and is not demoted below it (unless ``Controller(floor=...)``). ``recipes``
+        Layers: see :class:`mixprec.Fp8Rule`; ``keep`` rules win. ``guard``/``controller`` (one
+        at most): the settings (:class:`mixprec.fp8.GuardSettings`,
+        :class:`mixprec.fp8.ControllerSettings`, a dict of them, or ``live.settings``) of the
+        Guard or Controller the model runs under: the live one is attached to the model
+        (``ctl.attach(model)``) and checked against them as the model runs. A Guard moves layers
+        that cross its thresholds back to the compute dtype; a Controller moves each layer up and
+        down a ladder of formats, in ``ctl.step()``; each layer starts at its recipe and is not
+        demoted below it (unless ``floor=``). Given the live object itself (the older spelling),
+        the policy carries it beside its value for a model without one attached. ``recipes``
         (``{qualified name: recipe}``) gives selected layers their own recipe (as
         :func:`mixprec.audit` with ``fp8="auto"`` recommends); a named layer must be selected and
         eligible for its recipe (ValueError as the model runs). Usable on the class
         too: ``Policy.fp8()`` is ``Policy().fp8()``.
 
         Example:
-            >>> policy = Policy.parse("compute=bf16").fp8("rowwise", guard=mixprec.fp8.Guard(every=50))
+            >>> policy = Policy.parse("compute=bf16").fp8("rowwise", guard={"every": 50})
             >>> str(Policy.fp8(names=r"^(0|2)$", first_last="fp8", recipes={"2": "mxfp8"}))
             'params=float32,compute=auto; fp8 tensorwise=Linear|/^(0|2)$/ recipes 2=mxfp8'
         """
@@ -477,7 +481,7 @@ class Policy:
 _TABLE_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...]], Mapping[str, str]] = {}
 _EDITS_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...], str, bool], Mapping[str, str]] = {}
 # An interning registry (weak: see _canonical): one canonical object per policy value and attachment.
-_CANONICAL: "weakref.WeakValueDictionary[tuple[Policy, Attachment | None], Policy]" = weakref.WeakValueDictionary()
+_CANONICAL: "weakref.WeakValueDictionary[tuple[Policy, int | None], Policy]" = weakref.WeakValueDictionary()
 
 
 def canonical(policy: "Policy") -> "Policy":
@@ -489,20 +493,20 @@ def canonical(policy: "Policy") -> "Policy":
 
 
 def _canonical(policy: "Policy") -> "Policy":
-    """The object :func:`canonical` returns, found or made: keyed by the policy's value and its fp8
-    rule's :class:`~mixprec.fp8._rule.Attachment` (equality leaves a guard or controller out, the
-    key does not: a region never runs with another policy's guard or controller). The key holds no
-    live object (the policy's detached twin and the attachment's process-unique id); the canonical
-    object is interned weakly and lives while a policy equal to it does (each holds it as
-    ``_canonical``; the canonical object itself holds None, not itself: no reference cycle, so it
-    goes, and with it its rule's hold on the Controller, as soon as the last equal policy does,
-    not at some later garbage collection), so a policy rebuilt each step with a fresh Controller
-    leaves nothing behind."""
+    """The object :func:`canonical` returns, found or made: keyed by the policy's value and the
+    identity of the live Guard or Controller its fp8 rule carries, if any (equality leaves that
+    object out, the key does not: a region never runs with another policy's guard or controller;
+    the id cannot be reused while the entry lives, as the canonical object holds that object).
+    The canonical object is interned weakly and lives while a policy equal to it does (each holds
+    it as ``_canonical``; the canonical object itself holds None, not itself: no reference cycle,
+    so it goes, and with it its hold on the live object, as soon as the last equal policy does),
+    so a policy rebuilt each step with a fresh Controller leaves nothing behind."""
     rule = policy.fp8_rule
     detached = _twin(policy, _canonical=None)
-    if rule is not None and rule.attached is not None:
+    live = None if rule is None else rule.live
+    if live is not None:
         object.__setattr__(detached, "fp8_rule", rule.detached())
-    key = (detached, None if rule is None else rule.attached)
+    key = (detached, None if live is None else id(live))
     try:
         found = _CANONICAL.get(key)
     except TypeError:  # an unhashable field (a custom recipe): guarded by identity

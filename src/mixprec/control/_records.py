@@ -1,0 +1,203 @@
+"""A Controller's layer records as plain data: the entries of its ``state_dict`` (written and
+checked), the metadata a rank that has not run a layer decides with, its log as CSV, and the scale
+each layer's gradient carried (what the loss cost divides out). Pure functions of records and
+settings: the Controller's shell (:mod:`mixprec.control._controller`) calls them."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import os
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from mixprec._modules import clean_name
+from mixprec._scaled import Scaled
+from mixprec.control._ladder import GEMMS, Decision, LayerRecord
+from mixprec.control._settings import LOW_RUNGS, RUNGS, ControllerSettings
+from mixprec.control._trend import Trend
+from mixprec.formats._fsdp import Float8AllGatherWeight
+from mixprec.formats._recipe import RECIPE_NAMES, Float8Recipe
+from mixprec.formats._state import layer_state
+
+__all__ = ["all_gathered", "converted", "grad_scale", "layer_data", "load_layer", "log_csv", "log_data",
+           "parse_state_dict", "qualified", "start_rungs"]
+
+
+def qualified(known: str, seen: str) -> str:
+    """The name a layer's record keeps when the layer recorded as ``known`` is reached as
+    ``seen`` (its name under the module called): ``seen`` when it qualifies ``known`` (the model
+    called after one of its submodules), else ``known`` (a submodule called directly).
+
+    Example:
+        >>> qualified("attn.qkv", "blocks.0.attn.qkv"), qualified("blocks.0.attn.qkv", "attn.qkv")
+        ('blocks.0.attn.qkv', 'blocks.0.attn.qkv')
+    """
+    return seen if known and seen.endswith("." + known) else known
+
+
+def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = True) -> dict[str, Any]:
+    """A layer's entry of ``Controller.state_dict()`` (without its open windows: ``windows=False``).
+
+    .. warning:: with ``windows``, reads the device windows (a host sync).
+    """
+    ladder = settings.ladder
+    data = {"rung": ladder[max(rec.rungs)], "clean": rec.clean, "switches": list(rec.switches),
+            "trends": {key: [t.last, t.slope, list(t.recent)] for key, t in rec.trends.items()}}
+    if settings.per_gemm:  # (a state_dict without them: the three GEMMs on "rung" together)
+        data.update(gemms={g: ladder[r] for g, r in zip(GEMMS, rec.rungs)}, gemm_clean=list(rec.gemm_clean),
+                    gemm_switches=[list(s) for s in rec.gemm_switches])
+    if windows:
+        data.update(state=rec.state.window.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist(),
+                    rounding_step=rec.state.rounding_step)
+        if rec.gemm_windows is not None:
+            data["gemm_windows"] = rec.gemm_windows.tolist()
+        if rec.cost is not None:
+            data["loss_cost"] = rec.cost.tolist()
+    return data
+
+
+def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str, Any]) -> None:
+    """Put a layer's saved entry (:func:`layer_data`) into ``rec``: rungs, counters, trends and,
+    when saved, its windows and fp4 call count.
+
+    Raises ValueError for a rung the layer cannot run or below its floor, or a window of another shape.
+    """
+    ladder = settings.ladder
+    gemms = dict(data.get("gemms", {})) if settings.per_gemm else {}
+    names = [gemms.get(g, data["rung"]) for g in GEMMS]
+    for name in names:
+        rung = ladder.index(name)
+        if not rec.allowed[rung]:
+            raise ValueError(f"Controller.load_state_dict: a layer at rung {name!r}, whose blocks its "
+                             f"features are not multiples of")
+        if rung < rec.floor:
+            raise ValueError(f"Controller.load_state_dict: a layer at rung {name!r}, below its floor "
+                             f"{ladder[rec.floor]!r} (its recipe, or Controller.floor)")
+    rec.rungs = [ladder.index(name) for name in names]
+    rec.clean, rec.switches = int(data["clean"]), [int(s) for s in data["switches"]]
+    if settings.per_gemm:
+        rec.gemm_clean = [int(c) for c in data.get("gemm_clean", [rec.clean] * len(GEMMS))]
+        rec.gemm_switches = [[int(s) for s in sw] for sw in data.get("gemm_switches", [rec.switches] * len(GEMMS))]
+    for key, (last, slope, recent) in data["trends"].items():
+        if key in rec.trends:  # (a whole-layer record's operand trends are no GEMM's)
+            rec.trends[key] = Trend(last, slope, tuple(recent))
+    windows = ((rec.state.window, "state"), (rec.shadow, "shadow"), (rec.range, "range"),
+               (rec.gemm_windows, "gemm_windows"), (rec.cost, "loss_cost"))
+    for target, key in windows:
+        if key not in data or target is None:  # a peer's record (Controller._detached): the windows stay empty
+            continue
+        t = torch.tensor(data[key], dtype=torch.float32)
+        if t.shape != target.shape:
+            raise ValueError(f"Controller.load_state_dict: a window of shape {tuple(t.shape)}, expected "
+                             f"{tuple(target.shape)}")
+        target.copy_(t)
+    if "state" in data:  # (saved before the fp4 call count was: 0, what a resumed run of that code drew from)
+        rec.state.rounding_step = int(data.get("rounding_step", 0))
+
+
+def parse_state_dict(settings: ControllerSettings, state_dict: Mapping[str, Any]
+                     ) -> tuple[int, list[Decision], dict[str, dict[str, Any]]]:
+    """``(steps, log, {layer: entry})`` of a ``Controller.state_dict()``, the names without a
+    wrapper's prefix, every rung checked against the ladder.
+
+    Raises ValueError for anything but such a dict for the same ladder.
+    """
+    try:
+        steps = state_dict["steps"]
+        log = [Decision(**{**d, "layer": clean_name(d["layer"])}) for d in state_dict["log"]]
+        layers = {clean_name(str(n)): dict(d) for n, d in state_dict["layers"].items()}
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise TypeError(steps)
+        for d in layers.values():
+            for rung in (d["rung"], *dict(d.get("gemms", {})).values()):
+                if rung not in settings.ladder:
+                    raise ValueError(f"rung {rung!r} is not on the ladder {settings.ladder}")
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise ValueError(f"Controller.load_state_dict expects the dict of Controller.state_dict() (steps, log, "
+                         f"layers) for the same ladder: {exc}") from exc
+    return steps, log, layers
+
+
+def log_data(log: list[Decision]) -> list[dict[str, Any]]:
+    """The log as ``state_dict()`` saves it (a whole layer's decision without its ``gemm``)."""
+    return [{k: v for k, v in dataclasses.asdict(d).items() if k != "gemm" or v is not None} for d in log]
+
+
+def log_csv(log: list[Decision], per_gemm: bool, path: str | os.PathLike[str] | None = None) -> str:
+    """The log as CSV (columns: step, layer, operand, action, from, to, statistic, value,
+    threshold, reason, and ``gemm`` under ``per_gemm``: empty for the whole layer); written to
+    ``path`` when given. Returns the text."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(["step", "layer", "operand", "action", "from", "to", "statistic", "value", "threshold",
+                     "reason"] + ["gemm"] * per_gemm)
+    for d in log:
+        writer.writerow([d.step, d.layer, d.operand, d.action, d.from_, d.to, d.statistic, repr(d.value),
+                         repr(d.threshold), d.reason] + [d.gemm or ""] * per_gemm)
+    text = buf.getvalue()
+    if path is not None:
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+    return text
+
+
+def grad_scale(rec: LayerRecord, loss_scale: float | torch.Tensor | None,
+               scaled: Scaled | None) -> float | torch.Tensor:
+    """The scale the gradient at ``rec``'s output carried this step: a GradScaler's note
+    (``scaled``: its loss scale times the per-layer factors of the layer's region, read by its
+    weight), with an explicit ``loss_scale`` in place of the loss scale; else ``loss_scale``, or 1."""
+    if scaled is None:
+        return 1.0 if loss_scale is None else loss_scale
+    module = rec.module()
+    carried = scaled.of(getattr(module, "weight", None) if module is not None else None)
+    if loss_scale is None:
+        return carried
+    return carried / scaled.regions[0] * loss_scale  # (the factors are powers of 2: exact)
+
+
+def all_gathered(module: nn.Module) -> bool:
+    """Whether FSDP2 all-gathers ``module``'s weight in fp8 (``fp8.convert(...,
+    fsdp_fp8_all_gather=True)``, sharded or not yet)."""
+    weight = getattr(module, "weight", None)
+    return isinstance(getattr(weight, "_local_tensor", weight), Float8AllGatherWeight)
+
+
+def converted(module: nn.Module) -> bool:
+    """Whether ``module`` is a layer :func:`mixprec.fp8.convert` made (``Float8Linear``,
+    ``Float8Conv1D``): one that holds its own fp8 recipe and layer state."""
+    return isinstance(getattr(module, "recipe", None), Float8Recipe) and layer_state(module, create=False) is not None
+
+
+def start_rungs(settings: ControllerSettings, name: str, recipe: Float8Recipe, features: tuple[int, ...]
+                ) -> tuple[int, int, tuple[bool, ...]]:
+    """``(start, floor, allowed)`` of a layer named ``name`` that runs ``recipe`` and has
+    ``features``: the rung it starts on (its recipe's), the lowest it may be demoted to (its
+    recipe's, or ``settings.floor``), and per rung of the ladder whether it can run it (a block
+    recipe needs features that are multiples of its blocks; the layer's own recipe it runs).
+
+    Raises ValueError for a recipe that is not a named one, not on the ladder, or below the floor.
+    """
+    ladder, named = settings.ladder, [r for r in LOW_RUNGS if r in RECIPE_NAMES]
+    if recipe.name not in named or Float8Recipe.from_name(recipe.name) != recipe:
+        raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} is not a named recipe "
+                         f"({', '.join(named)}): a controller's rungs are named recipes; give the layer "
+                         f"one of them, or leave the controller out")
+    if recipe.name not in ladder:
+        wanted = tuple(r for r in RUNGS if r in ladder or r == recipe.name)
+        raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} is not on the controller's "
+                         f"ladder {ladder} (a layer starts on its ladder at its recipe): pass "
+                         f"Controller(ladder={wanted!r})")
+    start = ladder.index(recipe.name)
+    floor = start if settings.floor is None else ladder.index(settings.floor)
+    if floor > start:
+        raise ValueError(f"Controller: layer {name!r}'s fp8 recipe {recipe.name!r} is below the controller's "
+                         f"floor {settings.floor!r}; pass floor=None (each layer's recipe) or a rung at or below "
+                         f"{recipe.name!r}")
+    allowed = tuple(r not in LOW_RUNGS or i == start
+                    or all(f % Float8Recipe.from_name(r).multiple == 0 for f in features)
+                    for i, r in enumerate(ladder))
+    return start, floor, allowed

@@ -95,7 +95,7 @@ if _typing.TYPE_CHECKING:  # static type checkers see the real names
         collect_ranges,
         trace_nonfinite,
     )
-    from mixprec.control._controller import Controller
+    from mixprec.fp8 import Controller, ControllerSettings
     from mixprec.policy._rule import Fp8Rule
     from mixprec.lowp import MasterWeights, to_low_precision
     from mixprec.policy import Policy

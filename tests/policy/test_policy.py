@@ -393,7 +393,7 @@ def test_module_rule_types_resolve_among_imported_modules():
     ('{"module_rules": [{"types": "torch.nn.Linear"}]}', "list of type paths"),
     ('{"module_rules": [{"names": "x", "dtypes": "bf16"}]}', "unknown module rule field"),
     ('{"fp8_rule": {"recipe": 8}}', "'recipe' must be a str"),
-    ('{"fp8_rule": {"guard": {"every": 1, "often": 2}}}', "unknown fp8 guard field"),
+    ('{"fp8_rule": {"guard": {"every": 1, "often": 2}}}', r"unknown Guard setting\(s\) \['often'\]"),
     ('{"base": ["torch"]}', "'base' must be a str"),
     ('{"policy": [1]}', "a policy must be an object"),
     ("3", "a policy must be an object"),
@@ -435,17 +435,17 @@ def test_str_of_a_policy_without_edits_parses_back(spec):
 
 
 def test_the_canonical_policy_keeps_its_own_guard_and_controller():
-    """Equal policies share one object for Dynamo's guard, but never another policy's fp8 guard
-    or controller (runtime state policy equality leaves out): a compiled region must not step,
-    or fall back by, a guard the caller did not give."""
+    """Equal policies share one object for Dynamo's guard, but never another policy's live fp8
+    guard or controller (the older spelling's object, which equality leaves out): a compiled
+    region must not step, or fall back by, a guard the caller did not give."""
     from mixprec import fp8
 
     guard = fp8.Guard()
     guarded = Policy.parse("compute=bf16").fp8(first_last="fp8", guard=guard)
-    plain = Policy.parse("compute=bf16").fp8(first_last="fp8")
-    assert guarded == plain  # equality leaves the guard out
-    assert guarded._canonical is not plain._canonical
-    assert guarded._canonical.fp8_rule.guard is guard and plain._canonical.fp8_rule.guard is None
-    assert Policy.parse("compute=bf16").fp8(first_last="fp8")._canonical is plain._canonical
+    settings = Policy.parse("compute=bf16").fp8(first_last="fp8", guard=guard.settings)
+    assert guarded == settings and guarded != Policy.parse("compute=bf16").fp8(first_last="fp8")
+    assert guarded._canonical is not settings._canonical
+    assert guarded._canonical.fp8_rule.live is guard and settings._canonical.fp8_rule.live is None
+    assert Policy.parse("compute=bf16").fp8(first_last="fp8", guard={})._canonical is settings._canonical
     other = Policy.parse("compute=bf16").fp8(first_last="fp8", guard=fp8.Guard())
-    assert other._canonical.fp8_rule.guard is other.fp8_rule.guard
+    assert other._canonical.fp8_rule.live is other.fp8_rule.live

@@ -168,7 +168,7 @@ def test_equal_policies_still_share_their_canonical_object():
     assert a is not b and a._canonical is b._canonical
     ctl = mixprec.Controller()
     c, d = Policy.fp8(controller=ctl), Policy.fp8(controller=ctl)
-    assert c._canonical is d._canonical and c._canonical.fp8_rule.controller is ctl
+    assert c._canonical is d._canonical and c._canonical.fp8_rule.live is ctl
     assert Policy.fp8(controller=mixprec.Controller())._canonical is not c._canonical
 
 
@@ -188,10 +188,11 @@ def test_pickling_a_policy_with_state_says_what_to_save(state):
 
     obj = mixprec.Controller(every=5) if state == "controller" else mixprec.fp8.Guard(every=5)
     policy = Policy.fp8(**{state: obj})
-    with pytest.raises(TypeError, match=rf"fp8 {state}.*to_json\(\).*{state}.state_dict\(\)"):
+    with pytest.raises(TypeError, match=rf"fp8 {state}.*to_json\(\).*{state}'s state_dict\(\)"):
         pickle.dumps(policy)
     copied = copy.deepcopy(policy)
-    assert copied == policy and getattr(copied.fp8_rule, state) is not obj
+    assert copied == policy and copied.fp8_rule.live is not obj and copied.fp8_rule.live.every == 5
+    assert pickle.loads(pickle.dumps(Policy.fp8(**{state: obj.settings}))) == policy  # settings only: pickles
 
 
 @pytest.mark.parametrize("state", ["controller", "guard"])
@@ -199,12 +200,23 @@ def test_loading_a_policy_with_state_says_where_its_state_comes_from(state, tmp_
     obj = mixprec.Controller(every=5) if state == "controller" else mixprec.fp8.Guard(every=5)
     policy = Policy.parse("bf16").fp8(**{state: obj})
     policy.save(tmp_path / "p.json")
-    with pytest.warns(UserWarning, match=rf"built a new .* pass {state}=your_{state}"):
-        fresh = Policy.load(tmp_path / "p.json")
-    assert getattr(fresh.fp8_rule, state) is not obj
+    fresh = Policy.load(tmp_path / "p.json")  # settings only; the model's live one is checked against them
+    assert fresh == policy and fresh.fp8_rule.live is None and getattr(fresh.fp8_rule, state) == obj.settings
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+    with pytest.raises(ValueError, match=rf"runs under a {type(obj).__name__}.*none is attached.*attach"):
+        with mixprec.autocast("cpu", policy=fresh):
+            model(torch.randn(2, 16))
+    with pytest.raises(ValueError, match="other settings than the policy's"):
+        with mixprec.autocast("cpu", policy=fresh):
+            type(obj)(every=7).attach(model)(torch.randn(2, 16))
     mine = type(obj)(every=5)
+    type(obj).detach(model)
+    mine.attach(model)
+    with mixprec.autocast("cpu", policy=fresh):
+        model(torch.randn(2, 16))
+    assert "1" in (mine.precisions() if state == "controller" else mine._states)
     loaded = Policy.load(tmp_path / "p.json", **{state: mine})
-    assert loaded == policy and getattr(loaded.fp8_rule, state) is mine
+    assert loaded == policy and loaded.fp8_rule.live is mine
     with pytest.raises(ValueError, match="other settings"):
         Policy.load(tmp_path / "p.json", **{state: type(obj)(every=7)})
     with pytest.raises(ValueError, match=f"no {state}|cannot use it"):

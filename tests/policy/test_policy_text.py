@@ -60,18 +60,16 @@ def test_parse_reads_back_what_str_writes(params, compute, output, base, device_
     assert back.op_rules == p.op_rules and back.module_rules == p.module_rules
 
 
-def test_guard_and_controller_settings_come_back_in_a_new_object_with_a_warning():
+def test_guard_and_controller_settings_come_back_as_settings():
     ctl = mixprec.Controller(every=5, ladder=("tensorwise", "compute"))
     p = Policy.parse("bf16").fp8("rowwise", controller=ctl)
     assert str(p).endswith('controlled {"every":5,"ladder":["tensorwise","compute"]}')
-    with pytest.warns(UserWarning, match=r"Policy.parse built a new Controller.*policy.fp8\(\.\.\., controller="):
-        back = Policy.parse(str(p))
-    assert back == p and back.fp8_rule.controller is not ctl
-    assert back.fp8_rule.controller.config() == ctl.config()
-    guard = mixprec.fp8.Guard(every=7)
-    with pytest.warns(UserWarning, match="built a new Guard"):
-        back = Policy.parse(str(Policy.fp8(guard=guard)))
-    assert back.fp8_rule.guard.every == 7
+    back = Policy.parse(str(p))
+    assert back == p and back.fp8_rule.live is None and back.fp8_rule.controller == ctl.settings
+    back = Policy.parse(str(Policy.fp8(guard=mixprec.fp8.Guard(every=7))))
+    assert back.fp8_rule.guard == mixprec.fp8.GuardSettings(every=7)
+    with pytest.raises(ValueError, match="Controller.every must be an int >= 1"):
+        Policy.parse('bf16; fp8 rowwise=Linear controlled {"every":0}')
 
 
 def test_a_command_line_policy():

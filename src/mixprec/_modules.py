@@ -198,7 +198,7 @@ class ModuleRule:
     _by_name: dict[str, bool] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if _tracing():  # see mixprec.policy._refuse_tracing
+        if _tracing():  # see mixprec._tree.refuse_tracing
             raise RuntimeError("build mixprec ModuleRules and Policies outside torch.compile")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"ModuleRule dtype must be a floating torch.dtype, got {self.dtype!r}")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["CASTABLE_DTYPES", "castable", "cast_tree", "tracing"]
+__all__ = ["CASTABLE_DTYPES", "castable", "cast_tree", "refuse_tracing", "tracing"]
 
 #: Floating dtypes autocast may cast: every floating dtype but float64 (as PyTorch's autocast).
 CASTABLE_DTYPES = frozenset(
@@ -58,3 +58,14 @@ def cast_tree(tree: Any, dtype: torch.dtype, device_type: str | None = None) -> 
 
 #: Whether Dynamo is tracing the calling code (not merely running inside a compile).
 tracing = getattr(torch.compiler, "is_dynamo_compiling", None) or torch.compiler.is_compiling  # < 2.5
+
+
+def refuse_tracing(what: str) -> None:
+    """Policies are values built once, outside compiled code: Dynamo's emulation of a frozen
+    dataclass drops fields, which would silently lose op edits or module rules. Raising here
+    makes Dynamo run the construction eagerly (a graph break; an error under fullgraph=True)."""
+    if tracing():
+        raise RuntimeError(
+            f"build mixprec {what} outside torch.compile (a global, an argument, or a string "
+            "policy= that mixprec.autocast parses at trace time)"
+        )

@@ -7,7 +7,6 @@ and pure parts: forecasts (:mod:`~mixprec.control._trend`), rungs, records and t
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 import weakref
 from typing import Any, Mapping
@@ -20,14 +19,15 @@ from mixprec._scaled import last_count, scaled_since
 from mixprec.control._collective import agree_on_layers, all_reduce_max, distributed
 from mixprec.control._decide import Check, apply_gemms, apply_layer, decide_gemms, decide_layer, switch_layer
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord, Probe
-from mixprec.control._records import (all_gathered, converted, grad_scale, layer_data, load_layer, log_csv, log_data,
-                                      parse_state_dict, qualified, start_rungs)
+from mixprec.control._records import (all_gathered, check_loss_scale, converted, detached_record, grad_scale,
+                                      layer_data, load_layer, log_csv, log_data, metadata, parse_state_dict, qualified,
+                                      seen_compute, start_rungs, untrack, warn_cost_blind, warn_unscaled)
 from mixprec.control._settings import LOW_RUNGS, RUNGS, ControllerSettings
 from mixprec.control._shell import Shell
-from mixprec.control._trend import MAX_HORIZON, Trend, shadow_phase, sustained_slope
+from mixprec.control._trend import MAX_HORIZON, shadow_phase, sustained_slope
 from mixprec.formats._like import features
-from mixprec.formats._recipe import RECIPE_NAMES, Float8Recipe
-from mixprec.formats._state import OPERANDS, LayerState, layer_state
+from mixprec.formats._recipe import Float8Recipe
+from mixprec.formats._state import layer_state
 
 __all__ = ["Controller", "Decision", "MAX_HORIZON", "RUNGS", "qualified", "shadow_phase", "sustained_slope"]
 
@@ -107,15 +107,13 @@ class Controller(Shell):
 
     def precisions(self) -> dict[str, str]:
         """``{layer: format}`` of every controlled layer (see :meth:`precision`)."""
-        check = self._check()
-        return {name: check.rung_name(rec.rung) for name, rec in sorted(self._layers.items())}
+        return {name: self.precision(name) for name in sorted(self._layers)}
 
     def write_csv(self, path: Any = None) -> str:
         """The log as CSV (:func:`~mixprec.control._records.log_csv`), written to ``path`` when given."""
         return log_csv(self._log, self.settings.per_gemm, path)
 
-    def _check(self) -> Check:
-        """What a decision reads of this controller now: a value."""
+    def _check(self) -> Check:  # what a decision reads of this controller now: a value
         self._learn_compute()
         return Check(self.settings, self._steps, self._compute, self._recipes)
 
@@ -157,11 +155,7 @@ class Controller(Shell):
         blind = [n for n in names if self._names.get(modules[n]) in self._layers
                  and self._layers[self._names[modules[n]]].cost_blind]
         if blind and self.settings.max_loss_cost is not None:
-            warnings.warn(f"fp8: Controller(max_loss_cost=...) cannot measure the loss cost of {blind}: FSDP2 "
-                          f"all-gathers their weights in fp8 (fp8.convert(..., fsdp_fp8_all_gather=True)), so no "
-                          f"rank holds the high-precision weight the cost's reference GEMM needs; their rungs follow "
-                          f"their casts' statistics alone. Convert them without fsdp_fp8_all_gather to measure it",
-                          UserWarning, stacklevel=2)
+            warn_cost_blind(blind)
         return names
 
     def _known(self, name: str, module: nn.Module) -> bool:
@@ -179,7 +173,7 @@ class Controller(Shell):
         """Give the record of ``old`` (and its decisions) the name ``new``; a loaded state of ``new``
         not applied yet applies now."""
         rec = self._layers.pop(old)
-        _untrack(self._layers.pop(new, None))  # another module under that name: no longer reached
+        untrack(self._layers.pop(new, None))  # another module under that name: no longer reached
         self._layers[new] = rec
         self._names[rec.module()] = new
         self._log = [dataclasses.replace(d, layer=new) if d.layer == old else d for d in self._log]
@@ -197,7 +191,7 @@ class Controller(Shell):
             data = layer_data(self.settings, old)
         if data is not None:
             load_layer(self.settings, rec, data)
-        _untrack(old)  # another module under that name: no longer controlled
+        untrack(old)  # another module under that name: no longer controlled
         self._probe(rec)
         rec.cost_blind = all_gathered(module)
         self._layers[name] = rec
@@ -219,19 +213,17 @@ class Controller(Shell):
         """Count one optimizer step and, every ``every`` steps, decide; returns the new decisions.
 
         Call it once per optimizer step on every rank, after backward (with gradient
-        accumulation: once per optimizer step). A check step reads the windows of every layer
-        (one all-reduce MAX when ``torch.distributed`` is initialized, one host sync); the other
-        steps touch nothing but, under ``max_loss_cost``, fold the step's loss-cost sums into
-        the window on the device. The loss cost divides out the scale each layer's gradient
-        carried: a :class:`mixprec.GradScaler` that scaled a loss since the last step says it
-        (per layer: its loss scale times the per-layer factors above the layer, as its
-        ``scale()`` applied them; :mod:`mixprec._scaled`), whatever the compute dtype.
-        ``loss_scale``: what the loss was multiplied by, for another scaler (``torch.amp``'s:
-        ``scaler.get_scale()`` before ``scaler.update()``, or its scale tensor, no sync), or
-        to override a GradScaler's loss scale (its per-layer factors still apply); None: the
-        GradScaler's, else 1. Warns once when it tracks no layer yet, and once, under
-        ``max_loss_cost`` and fp16 compute, when no step got a scale (neither ``loss_scale``
-        nor a GradScaler's).
+        accumulation: once per optimizer step). A check step reads every layer's windows (one
+        all-reduce MAX when ``torch.distributed`` is initialized, one host sync); other steps
+        only fold, under ``max_loss_cost``, the step's loss-cost sums into the device window.
+        The loss cost divides out the scale each layer's gradient carried, as a
+        :class:`mixprec.GradScaler` that scaled a loss since the last step says it (its loss
+        scale times the per-layer factors above the layer: :mod:`mixprec._scaled`).
+        ``loss_scale``: what the loss was multiplied by, for another scaler (``torch.amp``'s
+        ``scaler.get_scale()`` before ``scaler.update()``, or its scale tensor: no sync), or in
+        place of a GradScaler's loss scale (its factors still apply); None: the GradScaler's,
+        else 1. Warns once when it tracks no layer yet, and once, under ``max_loss_cost`` and
+        fp16 compute, when no step got a scale.
 
         Raises ValueError for a ``loss_scale`` that is not a positive number or a tensor.
 
@@ -240,10 +232,7 @@ class Controller(Shell):
             []
         """
         if loss_scale is not None:
-            if isinstance(loss_scale, bool) or not (isinstance(loss_scale, torch.Tensor) or (
-                    isinstance(loss_scale, (int, float)) and 0 < loss_scale < math.inf)):
-                raise ValueError(f"Controller.step: loss_scale must be a positive finite number or a tensor (the "
-                                 f"scale the loss was multiplied by), or None, got {loss_scale!r}")
+            check_loss_scale(loss_scale)
             self._loss_scaled = True
         scaled = scaled_since(self._scaled_seen)
         if scaled is not None:
@@ -258,8 +247,8 @@ class Controller(Shell):
         self._learn_compute()
         if not self._layers and not self._warned_empty and not distributed():
             self._warned_empty = True
-            warnings.warn("fp8: Controller.step() tracks no fp8 layer, so it decides nothing: give it to "
-                          "ctl.attach(model) and run a forward under a policy with an fp8 rule first",
+            warnings.warn("fp8: Controller.step() tracks no fp8 layer, so it decides nothing: attach it to the "
+                          "model (ctl.attach(model)) and run a forward under a policy with an fp8 rule first",
                           UserWarning, stacklevel=2)
         if self._steps % self.settings.every != 0:
             return []
@@ -274,11 +263,7 @@ class Controller(Shell):
         if (self.settings.max_loss_cost is not None and self._compute is torch.float16 and not self._loss_scaled
                 and not self._warned_scale):
             self._warned_scale = True
-            warnings.warn("fp8: Controller(max_loss_cost=...) under fp16 compute got no loss_scale: the loss cost is "
-                          "measured on the gradients backward computed, which a loss scaler multiplies (a "
-                          "mixprec.GradScaler says its scale itself; another does not): pass "
-                          "ctl.step(loss_scale=scaler.get_scale()) before scaler.update() (or loss_scale=1.0 "
-                          "without a scaler)", UserWarning, stacklevel=2)
+            warn_unscaled()
         recs = [self._layers[n] for n in names]
         rows = all_reduce_max(torch.stack([r.windows() for r in recs])).tolist()  # the one sync
         new, check = [], self._check()
@@ -305,20 +290,15 @@ class Controller(Shell):
         self._measuring = measuring
 
     def _learn_compute(self) -> None:
-        """The compute dtype, when only compiled forwards saw it (their probes keep it: traced
-        code reads no controller state)."""
+        """The compute dtype, when no policy said it: the one its layers' probes saw."""
         if self._compute is None:
-            seen = [r.probe.dtype for r in self._layers.values() if r.probe is not None and r.probe.dtype is not None]
-            if seen:
-                self._compute = seen[0]
+            self._compute = seen_compute(self._layers.values())
 
     # ----------------------------------------------------------------- checkpoints
     def __getstate__(self) -> dict[str, Any]:
-        """Pickling (``pickle``, ``torch.save`` of the object): the settings and :meth:`state_dict`.
-        The unpickled controller controls each layer again from the state it had when the layer
-        is next reached: at the policy's next forward, or ``ctl.track(model)`` for converted
-        layers (whose pickled or copied model runs its rungs without the probe until then).
-        Reads the device windows (one host sync per layer)."""
+        """Pickling: the settings and :meth:`state_dict` (a host sync per layer). The unpickled
+        controller takes each layer over when it is next reached: at a policy's next forward, or
+        ``ctl.track(model)`` for converted layers (which run their rungs unmeasured until then)."""
         return {"config": self.config(), "state": self.state_dict()}
 
     def __setstate__(self, state: Mapping[str, Any]) -> None:
@@ -357,23 +337,14 @@ class Controller(Shell):
                 self._apply(rec)
 
     def _metadata(self) -> dict[str, dict[str, Any]]:
-        """Per known layer, what a rank that has not run it needs to decide as this one does
-        (:meth:`_detached`): its record without the windows, its floor and allowed rungs."""
-        return {name: {**layer_data(self.settings, rec, windows=False), "floor": rec.floor, "allowed": rec.allowed}
-                for name, rec in self._layers.items()}
+        """Per known layer, what a rank that has not run it needs to decide as this one does."""
+        return {name: metadata(self.settings, rec) for name, rec in self._layers.items()}
 
     def _detached(self, name: str, meta: Mapping[str, Any]) -> LayerRecord:
-        """The record of a layer this rank has not run yet but a peer has (``meta``: the peer's
-        :meth:`_metadata`): the peer's rung, trends and counters (or this rank's loaded state of
-        it), empty windows. The layer's module takes it over at its first forward here (:meth:`_track`)."""
-        rec = LayerRecord(None, LayerState(), self.settings.ladder.index(meta["rung"]), int(meta["floor"]),
-                          tuple(meta["allowed"]), self.settings.per_gemm, self.settings.max_loss_cost is not None)
-        load_layer(self.settings, rec, self._pending.pop(name, meta))
+        """The record of a layer a peer has run and this rank not yet (:func:`detached_record`,
+        with this rank's loaded state of it if any); the layer takes it over at its first forward."""
+        rec = detached_record(self.settings, meta, self._pending.pop(name, meta))
         self._probe(rec)
         self._apply(rec)
         return rec
 
-
-def _untrack(rec: LayerRecord | None) -> None:
-    if rec is not None:
-        rec.state.probe = None

@@ -8,7 +8,9 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import math
 import os
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -21,10 +23,11 @@ from mixprec.control._settings import LOW_RUNGS, RUNGS, ControllerSettings
 from mixprec.control._trend import Trend
 from mixprec.formats._fsdp import Float8AllGatherWeight
 from mixprec.formats._recipe import RECIPE_NAMES, Float8Recipe
-from mixprec.formats._state import layer_state
+from mixprec.formats._state import LayerState, layer_state
 
 __all__ = ["all_gathered", "converted", "grad_scale", "layer_data", "load_layer", "log_csv", "log_data",
-           "parse_state_dict", "qualified", "start_rungs"]
+           "parse_state_dict", "qualified", "start_rungs", "check_loss_scale", "warn_cost_blind",
+           "warn_unscaled", "metadata", "detached_record", "seen_compute", "untrack"]
 
 
 def qualified(known: str, seen: str) -> str:
@@ -201,3 +204,57 @@ def start_rungs(settings: ControllerSettings, name: str, recipe: Float8Recipe, f
                     or all(f % Float8Recipe.from_name(r).multiple == 0 for f in features)
                     for i, r in enumerate(ladder))
     return start, floor, allowed
+
+
+def check_loss_scale(loss_scale: Any) -> None:
+    """Raise ValueError unless ``loss_scale`` (``Controller.step``'s) is a positive finite number or a tensor."""
+    if isinstance(loss_scale, bool) or not (isinstance(loss_scale, torch.Tensor) or (
+            isinstance(loss_scale, (int, float)) and 0 < loss_scale < math.inf)):
+        raise ValueError(f"Controller.step: loss_scale must be a positive finite number or a tensor (the "
+                         f"scale the loss was multiplied by), or None, got {loss_scale!r}")
+
+
+def warn_cost_blind(blind: list[str]) -> None:
+    """Warn that the loss cost of the layers ``blind`` cannot be measured (FSDP2's fp8 all-gather)."""
+    warnings.warn(f"fp8: Controller(max_loss_cost=...) cannot measure the loss cost of {blind}: FSDP2 "
+                  f"all-gathers their weights in fp8 (fp8.convert(..., fsdp_fp8_all_gather=True)), so no "
+                  f"rank holds the high-precision weight the cost's reference GEMM needs; their rungs follow "
+                  f"their casts' statistics alone. Convert them without fsdp_fp8_all_gather to measure it",
+                  UserWarning, stacklevel=3)
+
+
+def warn_unscaled() -> None:
+    """Warn that a loss cost under fp16 compute got no loss scale (the gradients it reads are scaled)."""
+    warnings.warn("fp8: Controller(max_loss_cost=...) under fp16 compute got no loss_scale: the loss cost is "
+                  "measured on the gradients backward computed, which a loss scaler multiplies (a "
+                  "mixprec.GradScaler says its scale itself; another does not): pass "
+                  "ctl.step(loss_scale=scaler.get_scale()) before scaler.update() (or loss_scale=1.0 "
+                  "without a scaler)", UserWarning, stacklevel=3)
+
+
+def metadata(settings: ControllerSettings, rec: LayerRecord) -> dict[str, Any]:
+    """What a rank that has not run the layer of ``rec`` needs to decide as this one does
+    (:func:`detached_record`): its record without the windows, its floor and allowed rungs."""
+    return {**layer_data(settings, rec, windows=False), "floor": rec.floor, "allowed": rec.allowed}
+
+
+def detached_record(settings: ControllerSettings, meta: Mapping[str, Any], data: Mapping[str, Any]) -> LayerRecord:
+    """The record of a layer this rank has not run yet but a peer has (``meta``: the peer's
+    :func:`metadata`): the rung, trends and counters of ``data`` (``meta`` itself, or this rank's
+    loaded state of the layer), empty windows, no module yet."""
+    rec = LayerRecord(None, LayerState(), settings.ladder.index(meta["rung"]), int(meta["floor"]),
+                      tuple(meta["allowed"]), settings.per_gemm, settings.max_loss_cost is not None)
+    load_layer(settings, rec, data)
+    return rec
+
+
+def seen_compute(records: Any) -> torch.dtype | None:
+    """The compute dtype the probes of ``records`` saw first (None: no probe ran yet). Traced code
+    reads no controller state: its probes keep the dtype, the controller takes it from them."""
+    return next((r.probe.dtype for r in records if r.probe is not None and r.probe.dtype is not None), None)
+
+
+def untrack(rec: LayerRecord | None) -> None:
+    """Stop measuring the layer of ``rec`` (another record took its name over), if any."""
+    if rec is not None:
+        rec.state.probe = None

@@ -10,6 +10,7 @@ Example:
 """
 
 from mixprec.policy._rule import Fp8Rule
-from mixprec.policy._value import PRESETS, Policy, canonical, parse_dtype
+from mixprec.policy._value import PRESETS, Policy, _rebuild, canonical, parse_dtype  # noqa: F401 (_rebuild: named by
+# policies pickled before the split, as mixprec.policy._rebuild)
 
 __all__ = ["Fp8Rule", "PRESETS", "Policy", "canonical", "parse_dtype"]

@@ -30,7 +30,7 @@ from mixprec import ops as _ops
 from mixprec._modules import ModuleRule
 from mixprec._ops_names import check_castable, rule_names
 
-__all__ = ["DTYPE_NAMES", "parse_dtype", "dtype_name", "expect", "short", "refuse_unknown", "import_type",
+__all__ = ["DTYPE_NAMES", "check_dtype", "parse_dtype", "dtype_name", "expect", "short", "refuse_unknown", "import_type",
            "type_path", "module_rule_to_dict", "module_rule_from_dict", "checked_op_rules", "rule_kind"]
 
 DTYPE_NAMES: Mapping[str, torch.dtype] = MappingProxyType({
@@ -206,3 +206,11 @@ def _fp32_forms() -> Mapping[str, str]:
 
 
 _FP32_FORMS: Mapping[str, str] | None = None  # a cache: the CUDA table is read once, when first needed
+
+
+def check_dtype(what: str, dtype: object, allow_none: bool) -> None:
+    """Raise ValueError unless ``dtype`` is a floating torch.dtype (or None, with ``allow_none``)."""
+    if dtype is None and allow_none:
+        return
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"Policy.{what} must be a floating torch.dtype, got {dtype!r}")

@@ -73,7 +73,7 @@ class Fp8Rule:
     recipes: Any = ()  # {qualified name: recipe}, stored as sorted (name, recipe) pairs
 
     def __post_init__(self) -> None:
-        if _tracing():  # see mixprec.policy._refuse_tracing
+        if _tracing():  # see mixprec._tree.refuse_tracing
             raise RuntimeError("build mixprec Fp8Rules and Policies outside torch.compile")
         as_recipe(self.recipe)  # validates
         types = (self.types,) if isinstance(self.types, type) else tuple(self.types)

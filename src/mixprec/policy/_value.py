@@ -1,8 +1,5 @@
 """Precision policies: immutable values that say which dtype each op and module computes in.
 
-(Longer than our 500-line guide: a policy is one value, its construction, edits, parsing and
-serialization belong together.)
-
 A :class:`Policy` is a small frozen dataclass in the style of deepmind/jmp: the dtypes of
 parameters, compute and outputs, a base op table (``"torch"``: PyTorch's autocast lists for the
 region's device, or ``"fp32-numerics"``), edits to that table, and module rules. Every edit
@@ -27,41 +24,26 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import json
 import os
-import weakref
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
 
 from mixprec import ops as _ops
-from mixprec.policy._codec import (checked_op_rules, dtype_name, expect, module_rule_from_dict,
-                            module_rule_to_dict, parse_dtype, refuse_unknown, rule_kind)
+from mixprec.policy._codec import check_dtype, checked_op_rules, dtype_name, parse_dtype, rule_kind
 from mixprec._modules import ModuleRule
 from mixprec._ops_names import OpLike, canonical_names
 from mixprec.policy._text import format_sections, parse_header, parse_sections
-from mixprec._tree import cast_tree, tracing as _tracing
-from mixprec.policy._rule import Fp8Rule, refuse_unused_state, rule_from_dict, rule_to_dict
+from mixprec._tree import cast_tree, refuse_tracing, tracing as _tracing
+from mixprec.policy._interning import canonical, intern
+from mixprec.policy._json import policy_to_dict, policy_values
+from mixprec.policy._rule import Fp8Rule
+from mixprec.policy._tables import PRESETS, resolve_edits, resolve_table, unknown_preset
 
 __all__ = ["Policy", "PRESETS", "parse_dtype", "canonical"]
-
-PRESETS: dict[str, str] = {
-    "torch": "PyTorch's autocast op lists for the region's device (the default)",
-    "fp32-numerics": (
-        "the device's lists plus CUDA's float32 list: softmax, log_softmax, norms, exp/log/pow, "
-        "sums and losses in float32, on CPU too"
-    ),
-}
-
-def _check_dtype(what: str, dtype: object, allow_none: bool) -> None:
-    if dtype is None and allow_none:
-        return
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"Policy.{what} must be a floating torch.dtype, got {dtype!r}")
 
 
 class _on_class_or_instance:
@@ -103,12 +85,12 @@ class Policy:
     def __post_init__(self) -> None:
         """The one validation of every policy, however it is made (constructor, ``replace``,
         :meth:`with_ops`, :meth:`parse`, :meth:`from_json`, :meth:`load`)."""
-        _refuse_tracing("policies")
-        _check_dtype("params", self.params, allow_none=False)
-        _check_dtype("compute", self.compute, allow_none=True)
-        _check_dtype("output", self.output, allow_none=True)
+        refuse_tracing("policies")
+        check_dtype("params", self.params, allow_none=False)
+        check_dtype("compute", self.compute, allow_none=True)
+        check_dtype("output", self.output, allow_none=True)
         if not isinstance(self.base, str) or self.base not in PRESETS:
-            raise ValueError(_unknown_preset(self.base))
+            raise ValueError(unknown_preset(self.base))
         if self.device_type is not None:
             if not isinstance(self.device_type, str):
                 raise ValueError(f"Policy.device_type must be None, 'cpu' or 'cuda', got {self.device_type!r}")
@@ -124,7 +106,7 @@ class Policy:
         object.__setattr__(self, "module_rules", tuple(rules))
         if self.fp8_rule is not None and not isinstance(self.fp8_rule, Fp8Rule):
             raise ValueError(f"Policy.fp8_rule must be None or an Fp8Rule (Policy.fp8), got {self.fp8_rule!r}")
-        object.__setattr__(self, "_canonical", _canonical(self))
+        object.__setattr__(self, "_canonical", intern(self))
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle the fields (a guard's or controller's settings with them); unpickling validates and
@@ -222,16 +204,7 @@ class Policy:
             ValueError: a module rule names a type that cannot be imported back (defined inside
                 a function); select it with ``names=`` instead.
         """
-        return {
-            "params": dtype_name(self.params),
-            "compute": None if self.compute is None else dtype_name(self.compute),
-            "output": None if self.output is None else dtype_name(self.output),
-            "base": self.base,
-            "device_type": self.device_type,
-            "op_rules": [list(r) for r in self.op_rules],
-            "module_rules": [module_rule_to_dict(r) for r in self.module_rules],
-            "fp8_rule": None if self.fp8_rule is None else rule_to_dict(self.fp8_rule),
-        }
+        return policy_to_dict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, guard: Any = None, controller: Any = None) -> "Policy":
@@ -249,28 +222,7 @@ class Policy:
                 cast kind, or a module type whose module is not imported (the message names it);
                 a ``guard``/``controller`` the data has no settings for, or other settings.
         """
-        expect(data, Mapping, "a policy", "an object")
-        fields = [f.name for f in dataclasses.fields(cls)]
-        refuse_unknown(data, fields, "policy", str(fields))
-        values = dict(data)
-        for key in ("params", "compute", "output"):
-            if values.get(key) is not None:
-                values[key] = parse_dtype(expect(values[key], str, f"policy {key!r}", "a dtype name"))
-        for key in ("base", "device_type"):
-            if values.get(key) is not None:
-                expect(values[key], str, f"policy {key!r}", "a str")
-        values["op_rules"] = tuple(
-            tuple(expect(r, (list, tuple), "an op rule", "an [op, kind] pair"))
-            for r in expect(values.get("op_rules", []), (list, tuple), "policy 'op_rules'", "a list"))
-        values["module_rules"] = tuple(
-            module_rule_from_dict(r)
-            for r in expect(values.get("module_rules", []), (list, tuple), "policy 'module_rules'", "a list"))
-        given = {"guard": guard, "controller": controller}
-        if values.get("fp8_rule") is not None:
-            values["fp8_rule"] = rule_from_dict(values["fp8_rule"], given)
-        else:
-            refuse_unused_state(given, "it has no fp8 rule")
-        return cls(**values)
+        return cls(**policy_values(data, [f.name for f in dataclasses.fields(cls)], guard, controller))
 
     def to_json(self, **json_kwargs: Any) -> str:
         """:meth:`to_dict` as JSON text; ``Policy.from_json(p.to_json()) == p``."""
@@ -414,7 +366,7 @@ class Policy:
 
         A read-only mapping: a policy is a value, edit it with :meth:`with_ops`.
         """
-        return _resolve_table(self.base, self.device_type or device_type, self.op_rules)
+        return resolve_table(self.base, self.device_type or device_type, self.op_rules)
 
     @property
     def acts_on_modules(self) -> bool:
@@ -432,7 +384,7 @@ class Policy:
             >>> dict(Policy().with_ops(fp32=["mm"]).edits("cpu"))
             {'mm': 'fp32', 'mm.dtype': 'fp32'}
         """
-        return _resolve_edits(self.base, self.device_type or device_type, self.op_rules, device_type,
+        return resolve_edits(self.base, self.device_type or device_type, self.op_rules, device_type,
                               self.fp8_rule is not None)
 
     def kind(self, op: OpLike, device_type: str) -> str:
@@ -478,100 +430,9 @@ class Policy:
         return "; ".join([",".join(parts), *format_sections(self)])
 
 
-_TABLE_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...]], Mapping[str, str]] = {}
-_EDITS_CACHE: dict[tuple[str, str, tuple[tuple[str, str], ...], str, bool], Mapping[str, str]] = {}
-# An interning registry (weak: see _canonical): one canonical object per policy value and attachment.
-_CANONICAL: "weakref.WeakValueDictionary[tuple[Policy, int | None], Policy]" = weakref.WeakValueDictionary()
-
-
-def canonical(policy: "Policy") -> "Policy":
-    """The one object that stands for ``policy``'s value (and its fp8 guard or controller): the
-    object a region inside torch.compile passes to trace time, so that Dynamo's identity guard
-    holds for every equal policy. Held weakly: it lives while a policy equal to it does."""
-    found = policy._canonical  # type: ignore[attr-defined]
-    return policy if found is None else found
-
-
-def _canonical(policy: "Policy") -> "Policy":
-    """The object :func:`canonical` returns, found or made: keyed by the policy's value and the
-    identity of the live Guard or Controller its fp8 rule carries, if any (equality leaves that
-    object out, the key does not: a region never runs with another policy's guard or controller;
-    the id cannot be reused while the entry lives, as the canonical object holds that object).
-    The canonical object is interned weakly and lives while a policy equal to it does (each holds
-    it as ``_canonical``; the canonical object itself holds None, not itself: no reference cycle,
-    so it goes, and with it its hold on the live object, as soon as the last equal policy does),
-    so a policy rebuilt each step with a fresh Controller leaves nothing behind."""
-    rule = policy.fp8_rule
-    detached = _twin(policy, _canonical=None)
-    live = None if rule is None else rule.live
-    if live is not None:
-        object.__setattr__(detached, "fp8_rule", rule.detached())
-    key = (detached, None if live is None else id(live))
-    try:
-        found = _CANONICAL.get(key)
-    except TypeError:  # an unhashable field (a custom recipe): guarded by identity
-        return policy
-    if found is None:
-        found = _twin(policy, _canonical=None)  # never the caller's object, which Dynamo would guard on
-        found = _CANONICAL.setdefault(key, found)
-    return found
-
-
-def _twin(policy: "Policy", **changes: Any) -> "Policy":
-    """A shallow copy of ``policy`` (its fields as they are: no validation, no interning)."""
-    twin = object.__new__(type(policy))
-    twin.__dict__.update(policy.__dict__, **changes)
-    return twin
-
-
 def _rebuild(cls: type, values: dict[str, Any]) -> "Policy":
     """Unpickle (or deep-copy) a policy: through the constructor, so it is validated and interned."""
     return cls(**values)
-
-
-def _resolve_table(base: str, device_type: str, rules: tuple[tuple[str, str], ...]) -> Mapping[str, str]:
-    key = (base, device_type, rules)
-    table = _TABLE_CACHE.get(key)
-    if table is None:
-        start = _ops.default_table(device_type) if base == "torch" else _ops.fp32_numerics_table(device_type)
-        resolved = dict(start)
-        for name, kind in rules:
-            resolved[name] = kind
-        table = _TABLE_CACHE[key] = MappingProxyType(resolved)
-    return table
-
-
-def _resolve_edits(base: str, table_device: str, rules: tuple[tuple[str, str], ...],
-                   region_device: str, fp8: bool) -> Mapping[str, str]:
-    key = (base, table_device, rules, region_device, fp8)
-    edits = _EDITS_CACHE.get(key)
-    if edits is None:
-        table = _resolve_table(base, table_device, rules)
-        native = _ops.default_table(region_device)
-        names = set(table) | set(native)
-        resolved = {n: table.get(n, "passthrough") for n in sorted(names)
-                    if table.get(n, "passthrough") != native.get(n, "passthrough")}
-        if fp8:  # linear (addmm: transformers' Conv1D) routes to fp8 for the selected layers
-            resolved["linear"] = resolved["addmm"] = "fp8"
-        edits = _EDITS_CACHE[key] = MappingProxyType(resolved)
-    return edits
-
-
-def _unknown_preset(base: Any) -> str:
-    close = difflib.get_close_matches(str(base), list(PRESETS), n=1, cutoff=0.6)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    return f"unknown op preset {base!r}.{hint} Presets: {', '.join(PRESETS)}"
-
-
-def _refuse_tracing(what: str) -> None:
-    """Policies are values built once, outside compiled code: Dynamo's emulation of a frozen
-    dataclass drops fields, which would silently lose op edits or module rules. Raising here
-    makes Dynamo run the construction eagerly (a graph break; an error under fullgraph=True)."""
-    if _tracing():
-        raise RuntimeError(
-            f"build mixprec {what} outside torch.compile (a global, an argument, or a string "
-            "policy= that mixprec.autocast parses at trace time)"
-        )
 
 
 _DEFAULT = Policy()

@@ -32,14 +32,14 @@ FP8_RUNGS = RUNGS[2:7]
 LOW_RUNGS = RUNGS[:7]  # the rungs that run a recipe's casts
 
 
-def check_int(owner: str, name: str, value: Any, low: int, high: Any) -> None:
+def check_int(who: str, name: str, value: Any, low: int, high: Any) -> None:
     """Raise ValueError unless ``value`` is an int (not a bool) in ``[low, high]`` (``high`` None: no bound)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{owner}.{name} must be an int {bound}, got {value!r}")
+        raise ValueError(f"{who}.{name} must be an int {bound}, got {value!r}")
 
 
-def check_number(owner: str, name: str, value: Any, low: float, high: float, what: str,
+def check_number(who: str, name: str, value: Any, low: float, high: float, what: str,
                  low_open: bool = False) -> None:
     """Raise ValueError unless ``value`` is a real number (not a bool, not NaN) in ``[low, high]``
     (``(low, high]`` with ``low_open``); ``what`` says what it is."""
@@ -47,7 +47,7 @@ def check_number(owner: str, name: str, value: Any, low: float, high: float, wha
           and (value > low if low_open else value >= low) and value <= high)
     if not ok:
         bound = f"{'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
-        raise ValueError(f"{owner}.{name} must be a number in {bound} ({what}), got {value!r}")
+        raise ValueError(f"{who}.{name} must be a number in {bound} ({what}), got {value!r}")
 
 
 class _Settings:

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Union
+from typing import Union
 
 import torch
 from torch import nn
 
 from mixprec._modules import NORM_TYPES, ModuleRule
-
-if TYPE_CHECKING:
-    from mixprec.policy import Policy
+from mixprec.policy import Policy
 
 __all__ = ["to_low_precision", "KeepSpec", "LOW_PRECISION_DTYPES"]
 
@@ -113,8 +111,6 @@ def to_low_precision(
         [torch.bfloat16, torch.float32, torch.float32]
     """
     if policy is not None:
-        from mixprec.policy import Policy
-
         policy = Policy.coerce(policy)
         if dtype is not None and dtype != policy.params:
             raise ValueError(f"to_low_precision got dtype={dtype} and policy.params={policy.params}; "

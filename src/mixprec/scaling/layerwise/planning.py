@@ -37,6 +37,17 @@ class GraphPlanning:
     _saved_structure: Structure | None
     ensure_state: Callable[[torch.device], dict[str, torch.Tensor]]
     _refresh: Callable[[dict[str, torch.Tensor]], None]
+    _grad_hooks: list[Any]
+
+    def see_cut_output(self, tensor: torch.Tensor, cut: int) -> None:
+        """A forward's output of cut point ``cut`` (what its hook saw): remember its graph edge for
+        the next walk and hook its gradient (the cut point's scale)."""
+        edges = self._edges
+        if len(edges) > EDGE_LIMIT:  # forwards without a scale() since (inference with grad)
+            for key in list(edges)[: EDGE_LIMIT // 2]:
+                del edges[key]
+        edges[(id(tensor.grad_fn), tensor.output_nr)] = (cut, tensor.grad_fn._sequence_nr())
+        tensor.register_hook(self._grad_hooks[cut])
 
     def _forget_graph(self) -> None:
         """What the graph walks learnt and what one step planned: back to before the first step."""
@@ -359,12 +370,7 @@ class CutHook:
             return
         if tensor.grad_fn is None or torch._C._current_graph_task_id() != -1:
             return
-        edges = owner._edges
-        if len(edges) > EDGE_LIMIT:  # forwards without a scale() since (inference with grad)
-            for key in list(edges)[: EDGE_LIMIT // 2]:
-                del edges[key]
-        edges[(id(tensor.grad_fn), tensor.output_nr)] = (self.cut, tensor.grad_fn._sequence_nr())
-        tensor.register_hook(owner._grad_hooks[self.cut])
+        owner.see_cut_output(tensor, self.cut)
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         return (CutHook, ())

@@ -264,7 +264,7 @@ def test_policy_attaches_round_trips_and_refuses_bad_settings():
     policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl)
     assert "controlled" in str(policy)
     back = Policy.from_json(policy.to_json())
-    assert back.fp8_rule.controller is not ctl and back.fp8_rule.controller == ctl
+    assert back.fp8_rule.live is None and back.fp8_rule.controller == ctl.settings and back == policy
     with pytest.raises(ValueError, match="guard= or controller="):
         Policy.fp8(controller=Controller(), guard=mixprec.fp8.Guard())
     with pytest.raises(ValueError, match="must be a mixprec.Controller"):

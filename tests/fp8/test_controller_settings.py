@@ -108,4 +108,4 @@ def test_a_recipe_off_the_ladder_says_which_ladder_to_pass(recipe, ladder):
     ok = Policy.parse("compute=bf16").fp8(recipe, controller=Controller(ladder=ladder), first_last="fp8")
     with mixprec.autocast("cpu", policy=ok):
         model(torch.randn(4, 128))
-    assert ok.fp8_rule.controller.precisions() == {"0": f"fp8-{recipe}", "2": f"fp8-{recipe}"}
+    assert ok.fp8_rule.live.precisions() == {"0": f"fp8-{recipe}", "2": f"fp8-{recipe}"}

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from mixprec import Controller
-from mixprec.control._decide import gemm_up
+from mixprec.fp8 import ControllerSettings
+from mixprec.control._decide import Check, gemm_up
 from mixprec.formats._fp4 import hadamard, hadamard_matrix, quantize
 from mixprec.control._ladder import LayerRecord, compose, gemm_casts, measure
 from mixprec.formats._recipe import Cast, Float8Recipe
@@ -104,12 +105,12 @@ def test_a_backward_gemm_promoted_from_nvfp4_takes_the_fp8_rung_that_composes():
     """nvfp4 -> tensorwise -> rowwise beside NVFP4 GEMMs (each GEMM runs its own casts); a GEMM
     skips rowwise only beside a tensorwise one: a recipe has one ``pow2_scales``, tensorwise's
     scales are exact and rowwise's powers of 2, so one of the two would not run its rung's casts."""
-    ctl = Controller(ladder=("nvfp4", "tensorwise", "rowwise", "compute"), per_gemm=True)
+    ctl = Check.of(ControllerSettings(ladder=("nvfp4", "tensorwise", "rowwise", "compute"), per_gemm=True))
     rec = LayerRecord(None, LayerState(), 0, 0, (True,) * 4, per_gemm=True)
     assert gemm_up(ctl, rec, 1) == 1 and gemm_up(ctl, rec, 2) == 1
     rec.rungs = [0, 1, 0]
     assert gemm_up(ctl, rec, 1) == 2 and gemm_up(ctl, rec, 2) == 1
-    composed = compose(tuple(ctl._recipes.get(ctl.ladder[r]) for r in (0, 2, 0)))
+    composed = compose(tuple(ctl.recipes.get(ctl.settings.ladder[r]) for r in (0, 2, 0)))
     assert composed.grad_output == Cast("e4m3fn", "row") and composed.input == NV and composed.pow2_scales
     rec.rungs = [1, 1, 0]
     assert gemm_up(ctl, rec, 1) == 3  # (tensorwise, rowwise) do not compose: to the compute dtype

@@ -55,6 +55,17 @@ class Check:
     compute: torch.dtype | None = None
     recipes: Mapping[str, Float8Recipe] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, settings: ControllerSettings, steps: int = 0, compute: torch.dtype | None = None) -> "Check":
+        """A check with the recipes of ``settings``' ladder built here (a Controller passes its own).
+
+        Example:
+            >>> Check.of(ControllerSettings(ladder=("tensorwise", "compute"))).recipes["tensorwise"].name
+            'tensorwise'
+        """
+        recipes = {r: Float8Recipe.from_name(r) for r in settings.ladder if r in LOW_RUNGS}
+        return cls(settings, steps, compute, recipes)
+
     def rung_name(self, rung: int) -> str:
         """:func:`rung_name` of ``rung`` on the settings' ladder."""
         return rung_name(self.settings.ladder, rung, self.compute)

@@ -64,6 +64,14 @@ class Shell:
                                  f"old.state_dict() into it")
         object.__setattr__(self, name, value)
 
+    def __eq__(self, other: object) -> bool:
+        """Equal settings (what the object was built with; its runtime state is left out)."""
+        if type(other) is not type(self):
+            return NotImplemented
+        return self.settings == other.settings
+
+    __hash__ = None  # type: ignore[assignment]  (a mutable object: by identity in sets it would mislead)
+
     def __repr__(self) -> str:
         changed = ", ".join(f"{k}={v!r}" for k, v in self.settings.changed().items())
         return f"{type(self).__name__}({changed})"

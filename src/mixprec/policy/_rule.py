@@ -100,8 +100,9 @@ class Fp8Rule:
                 live = given
                 object.__setattr__(self, kind, given.settings)
             else:
-                raise ValueError(f"Policy.fp8 {kind} must be a mixprec.fp8.{cls.__name__} (or a "
-                                 f"{'Guard' if kind == 'guard' else 'Controller'}), got {type(given).__name__}")
+                live_name = "mixprec.fp8.Guard" if kind == "guard" else "mixprec.Controller"
+                raise ValueError(f"Policy.fp8 {kind} must be a {live_name} or its settings (a "
+                                 f"mixprec.fp8.{cls.__name__}, or a dict of them), got {type(given).__name__}")
         object.__setattr__(self, "types", types)
         object.__setattr__(self, "recipes", _per_layer_recipes(self.recipes))
         object.__setattr__(self, "_live", live)  # not a field: outside equality, hash, repr and JSON

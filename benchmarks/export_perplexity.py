@@ -174,7 +174,7 @@ def measure(steps: int | None = None, seed: int = 0, val_batches: int = 8, calib
     kv_scales: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, recipe in RECIPES.items():
-            log(f"training the demo's tiny model in {name}, {steps} steps ...")
+            log(f"training the demo's tiny model in {name}, {settings.steps} steps ...")
             model, rec, train_s[name] = _train(recipe, settings, train)
             plain = fp8.unconvert(copy.deepcopy(model))
             fp32_ppl = _perplexity(plain, batches)

@@ -32,6 +32,7 @@ import copy
 import datetime
 import json
 import math
+import resource
 import tempfile
 import time
 import warnings
@@ -222,6 +223,11 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.export_perplexity", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per training (default: the demo's, 120)")
@@ -237,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     fp32 = {r.trained: r.fp32_ppl for r in res["rows"]}
     print(f"\n# export perplexity: demo tiny model ({s.model.n_layers} layers, d={s.model.d_model}), {s.steps} steps "
           f"of {s.batch_size} x {s.model.seq_len} byte tokens, seed {s.seed}; validation: {args.val_batches} batches; "
-          f"training {trained}; total {time.perf_counter() - start:.0f} s")
+          f"training {trained}; total {time.perf_counter() - start:.0f} s wall, {_cpu_s():.0f} s CPU")
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; CPU {info['cpu']}; load {info['load']}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("# fp32-weights perplexity of each training: " + ", ".join(f"{k} {v:.4f}" for k, v in fp32.items()))

@@ -157,6 +157,19 @@ def test_transformers_loads_llama_and_logits_equal_mixprec_static_forward(tmp_pa
     assert not torch.equal(a, plain)  # the static fp8 path did run
 
 
+def test_config_names_the_architecture_as_save_pretrained_does(tmp_path):
+    """A model built from a config and trained in process has ``config.architectures = None``; readers
+    that build the model from it (vLLM) then pick the base model (``LlamaModel``: no LM head). The
+    export names it as transformers' own ``save_pretrained`` does."""
+    model, rec = _trained(_llama())
+    assert model.config.architectures is None
+    mixprec.export(model, tmp_path / "export", stats=rec)
+    fp8.unconvert(copy.deepcopy(model)).save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["architectures"] == saved["architectures"] == ["LlamaForCausalLM"]
+
+
 def _sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
     ref, x = ref.double(), x.double()
     return float(20 * torch.log10(ref.norm() / (ref - x).norm()))

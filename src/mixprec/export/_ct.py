@@ -129,7 +129,8 @@ def _tensors(model: nn.Module, q: Quantized) -> dict[str, torch.Tensor]:
 
 def write_compressed_tensors(model: nn.Module, folder: Path, q: Quantized) -> list[Path]:
     """Write ``model.safetensors`` and ``config.json`` (the model's own ``config`` when it has one,
-    e.g. a transformers model, plus ``quantization_config``). Returns the files written."""
+    e.g. a transformers model, with ``architectures`` naming the model's class as ``save_pretrained``
+    writes it, plus ``quantization_config``). Returns the files written."""
     from safetensors.torch import save_file
 
     _check_layout(model, q)
@@ -137,6 +138,10 @@ def write_compressed_tensors(model: nn.Module, folder: Path, q: Quantized) -> li
     save_file(_tensors(model, q), str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     config = getattr(model, "config", None)
     data = config.to_dict() if hasattr(config, "to_dict") else {}
+    if "architectures" in data:
+        # a transformers config: name the model's class, as save_pretrained does (a model built from a
+        # config has None there, and vLLM then builds the base model, e.g. LlamaModel: no LM head)
+        data["architectures"] = [type(model).__name__]
     data["quantization_config"] = quantization_config(q)
     (folder / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
     written = [folder / WEIGHTS_NAME, folder / "config.json"]

@@ -6,7 +6,7 @@ Importing it loads no Guard or Controller: a policy holds their settings, never 
 Example:
     >>> from mixprec.policy import Policy
     >>> str(Policy.parse("compute=bfloat16"))
-    'params=float32,compute=bfloat16,output=float32'
+    'params=float32,compute=bfloat16'
 """
 
 from mixprec.policy._rule import Fp8Rule

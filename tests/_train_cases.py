@@ -792,4 +792,9 @@ CASES: dict[str, Case] = {c.name: c for c in (
          optimizer=optim("adam", lr=1e-2), record=("losses",)),
     Case("guard-outliers-convert", fp8_stack, LayerOutliers(), steps=12, route="convert",
          supervisor=guard(max_saturated=0.5, every=4), optimizer=optim("adam", lr=1e-2), record=("losses",)),
+    # rank 0's view of two ranks that run different numbers of forwards: two evaluations (grad
+    # enabled, no backward) after each step's; rank 1 (``replace`` its data) an outlier into
+    # layer '2' at step 2
+    Case("guard-ranks", fp8_stack, LayerOutliers(outliers=(), rows=8, seed_scale=10, rank=0, evals=2), steps=6,
+         supervisor=guard(every=2), optimizer=optim("sgd", lr=0.1)),
 )}

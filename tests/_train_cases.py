@@ -98,14 +98,17 @@ def recipe_of(key: Any) -> Any:
 @dataclass(frozen=True)
 class SupervisorFeature:
     """A precision supervisor: its class, the keyword ``Policy.fp8``/``fp8.convert`` take it by,
-    its decisions as plain data (comparable across runs and processes), and the absolute check of
-    one decision against its own settings."""
+    its decisions as objects (``decided``) and as plain data (``decisions``: comparable across
+    runs and processes), the absolute check of one decision against its own settings, and
+    whether it takes a recipe object (``custom_recipes``; else recipe names only)."""
 
     key: str
     build: Callable[..., Any]
     keyword: str
+    decided: Callable[[Any], list[Any]]
     decisions: Callable[[Any], Any]
     contradiction: Callable[[Any, Any, bool], str | None]
+    custom_recipes: bool
 
 
 def _guard_contradiction(guard: Any, d: Any, fp4: bool) -> str | None:
@@ -123,16 +126,12 @@ def _controller_contradiction(ctl: Any, d: Any, fp4: bool) -> str | None:
 
 
 SUPERVISORS: dict[str, SupervisorFeature] = {s.key: s for s in (
-    SupervisorFeature("guard", fp8.Guard, "guard", lambda g: sorted((n, str(d)) for n, d in g.decisions.items()),
-                      _guard_contradiction),
-    SupervisorFeature("controller", Controller, "controller", lambda c: [str(d) for d in c.log],
-                      _controller_contradiction),
+    SupervisorFeature("guard", fp8.Guard, "guard", lambda g: list(g.decisions.values()),
+                      lambda g: sorted((n, str(d)) for n, d in g.decisions.items()), _guard_contradiction,
+                      custom_recipes=True),
+    SupervisorFeature("controller", Controller, "controller", lambda c: list(c.log), lambda c: [str(d) for d in c.log],
+                      _controller_contradiction, custom_recipes=False),
 )}
-
-
-def _decided(sup: Any) -> list[Any]:
-    """A supervisor's decisions as objects: a Guard's fallbacks, a Controller's log."""
-    return list(sup.decisions.values()) if isinstance(sup, fp8.Guard) else list(sup.log)
 
 
 @dataclass(frozen=True)

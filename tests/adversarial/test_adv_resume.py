@@ -257,13 +257,19 @@ def run_resume(case: Case) -> str:
 
 
 @st.composite
-def supervisors(draw: st.DrawFn, recipe: str, route: str) -> Supervisor | None:
-    """A Guard, a Controller (its schedule drawn: check period, trend and demotion windows,
-    dwell, shadow steps, horizon, switch budget; whole-layer or per GEMM; with or without the
-    loss cost), or none; the Controller only with a named recipe, none on the route without fp8."""
-    kinds = [k for k, s in SUPERVISORS.items() if RECIPES[recipe].named or s.custom_recipes]
-    kind = draw(st.sampled_from(kinds + ["none"])) if ROUTES_WITH_FP8[route] else "none"
-    return draw(SUPERVISOR_DRAWS[kind](recipe, draw(st.sampled_from([1, 2, 3]))))
+def supervisors(draw: st.DrawFn, recipe: str, route: str, kind: str | None = None) -> Supervisor | None:
+    """A supervisor of ``kind`` (a key of ``SUPERVISORS``, or ``"none"``; None: drawn among those
+    that take ``recipe``), its check period drawn: a Guard, a Controller (its schedule drawn:
+    trend and demotion windows, dwell, shadow steps, horizon, switch budget; whole-layer or per
+    GEMM; with or without the loss cost), or none (always on the route without fp8)."""
+    kinds = [k for k in SUPERVISORS if takes(k, recipe)] + ["none"]
+    kind = draw(st.sampled_from(kinds)) if kind is None else kind
+    return draw(SUPERVISOR_DRAWS[kind if ROUTES_WITH_FP8[route] else "none"](recipe, draw(st.sampled_from([1, 2, 3]))))
+
+
+def takes(kind: str, recipe: str) -> bool:
+    """Whether a supervisor of ``kind`` (or none) runs with ``recipe`` (the Controller takes names only)."""
+    return kind == "none" or RECIPES[recipe].named or SUPERVISORS[kind].custom_recipes
 
 
 @st.composite
@@ -283,11 +289,12 @@ ROUTES_WITH_FP8 = {"policy": True, "convert": True, "none": False}
 
 
 @st.composite
-def resume_programs(draw: st.DrawFn, recipes: tuple[str, ...] = FP8_RECIPES) -> Case:
-    """A resume program over ``recipes``: widths that are multiples of the recipe's blocks; an
-    fp4 recipe by the policy or convert route (the bf16-only route tests no fp4), JSON and a
-    Controller only with a named recipe, no loss scaler with bf16 weights."""
-    recipe = draw(st.sampled_from(recipes))
+def resume_programs(draw: st.DrawFn, recipes: tuple[str, ...] = FP8_RECIPES, supervisor: str | None = None) -> Case:
+    """A resume program over ``recipes`` (those that ``supervisor`` takes; None: any supervisor):
+    widths that are multiples of the recipe's blocks; an fp4 recipe by the policy or convert route
+    (the bf16-only route tests no fp4), JSON and a Controller only with a named recipe, no loss
+    scaler with bf16 weights."""
+    recipe = draw(st.sampled_from([r for r in recipes if supervisor is None or takes(supervisor, r)]))
     feature = RECIPES[recipe]
     shape = draw(shapes(widths=feature.widths, max_blocks=3))
     route = draw(st.sampled_from([r for r in ROUTES if ROUTES_WITH_FP8[r] or not feature.fp4]))
@@ -298,22 +305,35 @@ def resume_programs(draw: st.DrawFn, recipes: tuple[str, ...] = FP8_RECIPES) -> 
     return resume_case(
         shape, schedule, draw(st.integers(1, len(schedule) - 1)), route=route,
         json=route == "policy" and feature.named and draw(st.booleans()),
-        supervisor=draw(supervisors(recipe, route)), recipe=recipe, scaler=draw(st.sampled_from(scalers)),
+        supervisor=draw(supervisors(recipe, route, supervisor)), recipe=recipe, scaler=draw(st.sampled_from(scalers)),
         optimizer=optimizer, drift=draw(st.sampled_from([1.0, 2.0])),
         outlier_step=draw(st.one_of(st.none(), st.integers(0, len(schedule) - 1))),
         backend=draw(st.sampled_from(["auto", "emulate_fp32"])) if feature.fp4 else "auto")
 
 
-@profile(fast_examples=8)
-@given(program=resume_programs())
-def test_resume_is_bitwise(program: Case) -> None:
-    run_resume(program)
+#: each supervisor (and none) gets its own generated programs, so that the fast profile's few
+#: examples reach every one (and a Controller's drawn settings)
+WATCHES = [*SUPERVISORS, "none"]
 
 
-@profile(fast_examples=3)
-@given(program=resume_programs(FP4_RECIPES))
-def test_fp4_resume_is_bitwise(program: Case) -> None:
-    run_resume(program)
+@pytest.mark.parametrize("watch", WATCHES)
+def test_resume_is_bitwise(watch: str) -> None:
+    @profile(fast_examples=3)
+    @given(program=resume_programs(supervisor=watch))
+    def resumes(program: Case) -> None:
+        run_resume(program)
+
+    resumes()
+
+
+@pytest.mark.parametrize("watch", WATCHES)
+def test_fp4_resume_is_bitwise(watch: str) -> None:
+    @profile(fast_examples=1)
+    @given(program=resume_programs(FP4_RECIPES, supervisor=watch))
+    def resumes(program: Case) -> None:
+        run_resume(program)
+
+    resumes()
 
 
 #: A schedule for the fp4 routes: gradient accumulation, an empty micro-batch, a skipped block,

@@ -562,6 +562,7 @@ class Trainer:
         self.losses: list[torch.Tensor] = []
         self.scale_before: float = 1.0
         self.t = -1
+        self.rebuilt_at: int | None = None  # the step whose checkpoint these objects were loaded from
         for name, module in self.model.named_modules():  # each low-precision candidate's non-empty calls
             if isinstance(module, nn.Linear) and re.search(case.fp8_names or "", name):
                 def hook(module: Any, args: Any, name: str = name) -> None:
@@ -635,19 +636,22 @@ class Trainer:
         return Result(records=self.records, weights={n: p.detach().clone() for n, p in self.model.named_parameters()},
                       decisions=None if sup is None else self.case.supervisor.feature.decisions(sup),
                       scaler=None if self.scaler is None else self.scaler.state_dict(),
-                      state=None if sup is None else sup.state_dict(), trainer=self)
+                      state=None if sup is None else sup.state_dict(), rebuilt_at=self.rebuilt_at, trainer=self)
 
 
 @dataclass
 class Result:
     """How a run ended: its records, weights, decisions (plain data), scaler state and
-    supervisor state; ``trainer`` its live objects (None when it ended in another process)."""
+    supervisor state; ``rebuilt_at`` the step whose checkpoint its last objects were rebuilt
+    from (None: run straight through); ``trainer`` its live objects (None when it ended in
+    another process)."""
 
     records: dict[str, list[Any]]
     weights: dict[str, torch.Tensor]
     decisions: Any
     scaler: Any
     state: Any
+    rebuilt_at: int | None = None
     trainer: Trainer | None = field(default=None, compare=False)
 
     @property
@@ -660,7 +664,7 @@ class Result:
 
     def plain(self) -> dict[str, Any]:
         return {"records": self.records, "weights": self.weights, "decisions": self.decisions,
-                "scaler": self.scaler, "state": self.state}
+                "scaler": self.scaler, "state": self.state, "rebuilt_at": self.rebuilt_at}
 
 
 def differing_weights(a: Result, b: Result) -> list[str]:
@@ -703,6 +707,7 @@ def resume(case: Case, saved: Mapping[str, Any], records: dict[str, list[Any]], 
     save) and the supervisor counts ``case.resume_at`` steps."""
     resumed = Trainer(case, case.seed + 100, supervisor=supervisor, records=records)
     resumed.load(saved)
+    resumed.rebuilt_at = case.resume_at
     mismatch = first_difference(dict(saved), resumed.state())
     assert mismatch is None, f"state saved at step {case.resume_at}, loaded and saved again differs at {mismatch}"
     if resumed.supervisor is not None:

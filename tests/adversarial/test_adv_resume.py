@@ -251,6 +251,7 @@ def run_resume(case: Case) -> str:
     check_fp8_against_torchao(straight)
     check_fp4_against_torchao(straight)
     resumed = train(case)
+    assert resumed.rebuilt_at == case.resume_at
     check_rounding_steps(straight)
     assert_same_end(straight.result(), resumed, f"resuming at step {case.resume_at}")
     return "ran"
@@ -452,5 +453,5 @@ def test_a_fresh_process_continues_bitwise(program: Case, tmp_path: Path) -> Non
     steps ends bitwise where the straight run does (NVFP4 with stochastic rounding: the draws)."""
     straight = train(replace(program, resume_at=None))
     resumed = train(replace(program, resume_in="process"), tmp_path)
-    assert resumed.trainer is None  # it ended in the other process
+    assert resumed.trainer is None and resumed.rebuilt_at == program.resume_at  # it ended in the other process
     assert_same_end(straight, resumed, f"a fresh process resumed at step {program.resume_at}")

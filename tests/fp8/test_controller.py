@@ -103,6 +103,7 @@ def test_resume_is_bitwise_and_runs_are_deterministic(drift_run):
     # a second run, resumed mid-window at step 195 (layer 0 promoted, windows open, trends warm)
     # in fresh objects (model, optimizer, controller and policy), the controller's state as JSON
     resumed = train(replace(DRIFT, resume_at=195))
+    assert resumed.rebuilt_at == 195 and drift_run.rebuilt_at is None
     assert resumed.supervisor.log == drift_run.supervisor.log
     assert resumed.records["precisions"] == drift_run.records["precisions"]
     for a, b in zip(resumed.model.state_dict().values(), drift_run.model.state_dict().values()):
@@ -298,6 +299,7 @@ def test_resume_at_any_step_is_bitwise():
     assert {d.action for d in log} == {"promote", "demote"} and "fp8-rowwise" in [p["0"] for p in ran]
     for k in range(1, 14):
         resumed = train(replace(case, resume_at=k))
+        assert resumed.rebuilt_at == k
         assert resumed.supervisor.log == log and resumed.records["precisions"] == ran, k
         assert resumed.state == straight.state, k
         assert not differing_weights(resumed, straight), k

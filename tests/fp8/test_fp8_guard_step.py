@@ -33,6 +33,7 @@ def test_resume_at_any_step_is_bitwise_the_uninterrupted_run(route: str, resume_
         # saved through torch.save/torch.load(weights_only=True) into a fresh model, optimizer
         # and guard, which count resume_at steps (the runner asserts it)
         resumed = train(replace(case, resume_at=resume_at))
+    assert resumed.rebuilt_at == resume_at
     # the outlier of step 6 is decided at step 8 (its window 5..8), that of step 10 at step 12
     assert [(d.layer, d.operand, d.statistic, d.step) for d in full.supervisor.decisions.values()] == [
         ("2", "input", "underflow", 8), ("4", "input", "underflow", 12)]

@@ -93,6 +93,7 @@ def test_resume_mid_run_is_bitwise(run):
     # at step 23: GEMMs promoted, windows open, clean counts running; a fresh controller
     # (Controller.from_config) and policy from the state_dict, as JSON
     resumed = train(replace(CASE, resume_at=23))
+    assert resumed.rebuilt_at == 23
     assert resumed.supervisor.log == run.supervisor.log
     assert resumed.records["gemm_precisions"] == run.records["gemm_precisions"]
     assert len(resumed.records["grads"]) == len(run.records["grads"]) == CASE.steps

@@ -774,6 +774,11 @@ CASES: dict[str, Case] = {c.name: c for c in (
     Case("controller-outlier", functools.partial(mlp, 16, 16, 16), Outliers(), steps=14,
          supervisor=controller(every=2, horizon=1, demote_windows=1, min_dwell=2),
          optimizer=optim("sgd", lr=1e-7), record=("precisions",)),  # lr 1e-7: the outliers stay small
+    # outliers of 1e6 at steps 0 and 4 (underflow about 1): promote, demote after 2 clean windows
+    # and 3 steps of dwell, promote again; then the switch budget of 3 keeps the layer promoted
+    Case("controller-switch-budget", functools.partial(mlp, 16, 16), Outliers(at=(0, 4), seed=0, steps=20), steps=20,
+         supervisor=controller(every=1, horizon=1, demote_windows=2, min_dwell=3, max_switches=3,
+                               ladder=("tensorwise", "compute")), record=("precisions",)),
     # fp16 compute, inputs growing toward 65504: the range rung (plain: the same without a Controller)
     Case("controller-fp16", fp16_model, Growing(), steps=230, compute="fp16", supervisor=controller(),
          optimizer=optim("sgd", lr=1e-3), scaler=scaler("torch", init_scale=1.0, growth_interval=10 ** 6),

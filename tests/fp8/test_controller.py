@@ -248,26 +248,26 @@ def test_hysteresis_dwell_and_switch_budget():
     """An outlier of 1e6 flushes a layer's other inputs (underflow about 1): promote at the next
     check; demote after ``demote_windows`` clean windows and ``min_dwell`` steps; once the layer
     has used its ``max_switches``, it stays promoted."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16))
-    ctl = Controller(every=1, horizon=1, demote_windows=2, min_dwell=3, max_switches=3,
-                     ladder=("tensorwise", "compute"))
-    policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
-    g = torch.Generator().manual_seed(0)
-    ran = []
-    for t in range(20):
-        x = torch.randn(8, 16, generator=g)
-        if t in (0, 4):
-            x[0, 0] = 1e6
-        with mixprec.autocast("cpu", policy=policy):
-            model(x).sum().backward()
-        ran.append(ctl.precision("0"))
-        ctl.step()
+    run = train(CASES["controller-switch-budget"])  # outliers at steps 0 and 4
+    ctl, ran = run.supervisor, [p["0"] for p in run.records["precisions"]]
     assert [(d.step, d.action) for d in ctl.log] == [(1, "promote"), (4, "demote"), (5, "promote")]
     assert ctl.log[0].statistic == "underflow_forecast" and ctl.log[0].value > 0.9
     # steps 2, 3 clean (2 windows) but the dwell since step 1 is 3 steps only at step 4
     assert ran[:6] == ["fp8-tensorwise", "bf16", "bf16", "bf16", "fp8-tensorwise", "bf16"]
     assert set(ran[5:]) == {"bf16"}  # 3 switches in the budget: no demotion
+
+
+@pytest.mark.parametrize("resume_at", [2, 5, 6, 9])
+def test_the_switch_budget_and_dwell_survive_a_resume(resume_at):
+    """Resumed between the switches or after the budget is spent (into fresh objects, the state
+    through torch.save), the run decides as the straight one: a checkpoint that dropped the
+    layer's switch history would let it demote again."""
+    case = CASES["controller-switch-budget"]
+    straight, resumed = train(case), train(replace(case, resume_at=resume_at))
+    assert resumed.rebuilt_at == resume_at
+    assert resumed.supervisor.log == straight.supervisor.log
+    assert resumed.records["precisions"] == straight.records["precisions"]
+    assert resumed.state == straight.state
 
 
 def test_shadow_measures_the_last_steps_of_each_window():

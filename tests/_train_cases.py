@@ -76,8 +76,9 @@ class RecipeFeature:
 
     @property
     def ladder(self) -> dict[str, tuple[str, ...]]:
-        """The Controller keyword of its ladder: an fp4 recipe starts an fp4 ladder."""
-        return {"ladder": (self.key, "tensorwise", "rowwise", "compute")} if self.fp4 else {}
+        """The Controller keyword of its ladder: a named fp4 recipe starts an fp4 ladder (the
+        Controller takes named recipes only)."""
+        return {"ladder": (self.key, "tensorwise", "rowwise", "compute")} if self.fp4 and self.named else {}
 
 
 RECIPES: dict[str, RecipeFeature] = {r.key: r for r in (

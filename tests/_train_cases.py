@@ -420,6 +420,28 @@ class LayerOutliers(Data):
         return loss
 
 
+@dataclass(frozen=True)
+class SeededInputs(Data):
+    """Inputs of ``rows`` x ``width`` seeded by the step; element ``at`` of step ``outlier_step``'s
+    set to ``outlier``; the loss is the mean square of the output."""
+
+    rows: int = 8
+    width: int = 32
+    outlier_step: int | None = None
+    at: tuple[int, int] = (0, 1)
+    outlier: float = 1e5
+
+    def micro_batches(self, t: int) -> Sequence[Any]:
+        x = torch.randn(self.rows, self.width, generator=torch.Generator().manual_seed(t))
+        if t == self.outlier_step:
+            x[self.at] = self.outlier
+        return (x,)
+
+    def loss(self, model: nn.Module, region: Callable[[], Any], batch: Any, t: int) -> torch.Tensor:
+        with region():
+            return model(batch).float().pow(2).mean()
+
+
 # ----------------------------------------------------------------------------------- the case
 
 
@@ -427,6 +449,13 @@ def two_linear(width: int = 32, *, seed: int = 0) -> nn.Sequential:
     """``Linear(width, width)`` twice, no activation (layers ``'0'`` and ``'1'``)."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(width, width), nn.Linear(width, width))
+
+
+def linears(*widths: int, seed: int = 0) -> nn.Sequential:
+    """``Linear(widths[0], widths[1])``, ``Linear(widths[1], widths[2])``, ...: no activation
+    (layers ``'0'``, ``'1'``, ...)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*(nn.Linear(a, b) for a, b in zip(widths, widths[1:])))
 
 
 def fp16_model(*, seed: int = 0) -> nn.Sequential:
@@ -443,7 +472,7 @@ def fp16_model(*, seed: int = 0) -> nn.Sequential:
 class Case:
     """A training run as data (module docstring). ``model(seed=...)`` builds the model;
     ``fp8_names`` (a regular expression of qualified names; None: every eligible layer) selects
-    the low-precision layers of the route; ``optimizer=None`` drops the gradients after each
+    the low-precision layers of the route (``""``: all); ``optimizer=None`` drops the gradients after each
     step (``model.zero_grad()``); ``record`` names :data:`RECORDERS`; ``resume_at`` checkpoints
     before that step into objects rebuilt with seed ``seed + 100`` (``resume_in="process"``: in
     a fresh Python process), ``checkpoint_json`` sends the supervisor's state through JSON,
@@ -486,10 +515,11 @@ def _policy_route(trainer: Trainer, case: Case, kw: dict[str, Any]) -> None:
 
 
 def _convert_route(trainer: Trainer, case: Case, kw: dict[str, Any]) -> None:
-    names = re.compile(case.fp8_names or "")
-    options = {"backend": case.backend} if case.backend is not None else {}
-    trainer.model = fp8.convert(trainer.model, recipe_of(case.recipe), filter_fn=lambda m, fqn: bool(names.search(fqn)),
-                                **options, **kw)
+    options: dict[str, Any] = {"backend": case.backend} if case.backend is not None else {}
+    if case.fp8_names is not None:  # else fp8.convert's own selection (select_layers)
+        names = re.compile(case.fp8_names)
+        options["filter_fn"] = lambda m, fqn: bool(names.search(fqn))
+    trainer.model = fp8.convert(trainer.model, recipe_of(case.recipe), **options, **kw)
     trainer.region = lambda: mixprec.autocast("cpu", dtype=_DTYPES[case.compute])
 
 
@@ -786,6 +816,12 @@ CASES: dict[str, Case] = {c.name: c for c in (
          record=("precisions", "skipped")),
     Case("plain-fp16", fp16_model, Growing(), steps=230, compute="fp16", optimizer=optim("sgd", lr=1e-3),
          scaler=scaler("torch", init_scale=1.0, growth_interval=10 ** 6), record=("skipped",)),
+    # an input outlier at step 2 reaches fp8.convert's middle layers (no activation): their
+    # input GEMMs promote, then demote after 3 clean windows, the GEMMs' clean counts apart
+    # (tests/fp8/test_controller_resume_counters.py)
+    Case("controller-gemm-counters", functools.partial(linears, 32, 32, 32, 32, 1), SeededInputs(outlier_step=2),
+         steps=12, route="convert", supervisor=controller(every=1, per_gemm=True, trend_windows=1, min_dwell=2,
+                                                          demote_windows=3), optimizer=optim("sgd", lr=1e-6)),
     # heavy loss weights: grad_output underflows in e5m2, the per-GEMM ladder moves the backward
     # GEMMs (tests/fp8/test_ladder.py); no optimizer (the heavy gradients would wreck the weights)
     Case("ladder-heavy-grad", two_linear, WeightedLoss(), steps=70,
@@ -800,7 +836,7 @@ CASES: dict[str, Case] = {c.name: c for c in (
     # steps (tests/fp8/test_fp8_guard_step.py), by the policy and the convert route
     Case("guard-outliers-policy", fp8_stack, LayerOutliers(), steps=12, supervisor=guard(max_saturated=0.5, every=4),
          optimizer=optim("adam", lr=1e-2), record=("losses",)),
-    Case("guard-outliers-convert", fp8_stack, LayerOutliers(), steps=12, route="convert",
+    Case("guard-outliers-convert", fp8_stack, LayerOutliers(), steps=12, route="convert", fp8_names="",
          supervisor=guard(max_saturated=0.5, every=4), optimizer=optim("adam", lr=1e-2), record=("losses",)),
     # rank 0's view of two ranks that run different numbers of forwards: two evaluations (grad
     # enabled, no backward) after each step's; rank 1 (``replace`` its data) an outlier into

@@ -22,13 +22,17 @@ from typing import Any
 import torch
 
 from _adv_programs import Net, Shape, Step, batch, loss_of
+from _train_cases import RECIPES, Supervisor
+
+#: a quick Controller's schedule (the default ``DistProgram.controller`` is a slow one)
+QUICK = (("trend_windows", 1), ("min_dwell", 2), ("demote_windows", 1))
 
 
 @dataclass(frozen=True)
 class DistProgram:
     shape: Shape
     steps: tuple[Step, ...]
-    supervisor: str = "guard"  # "guard" | "controller"
+    supervisor: str = "guard"  # a key of _train_cases.SUPERVISORS
     every: int = 1
     route: str = "policy"  # "policy" (autocast, Policy.fp8, optionally through JSON) | "convert"
     json: bool = False  # the policy goes through Policy.to_json / from_json first
@@ -39,7 +43,8 @@ class DistProgram:
     outlier_value: float = 1e6  # or inf/nan: a bad sample, the gradients of that rank overflow
     lag_rank: int | None = None  # this rank sleeps 20 ms before each step
     scaler: bool = False  # GradScaler("cpu", process_group="default")
-    controller: tuple[int, int, int] = (3, 30, 3)  # trend_windows, min_dwell, demote_windows
+    controller: tuple[tuple[str, Any], ...] = (("trend_windows", 3), ("min_dwell", 30), ("demote_windows", 3))
+    #  ^ the Controller's schedule settings (QUICK: a quick one)
     per_gemm: bool = False  # the Controller decides per GEMM
     same_data: bool = False  # every rank reads rank 0's data, its global generator seeded by rank
     backend: str = "auto"  # or "emulate_fp32" (every emulated GEMM in float32)
@@ -48,8 +53,22 @@ class DistProgram:
     #                       different layers): the ranks know different layers, as many with an even count
 
 
-#: the fp4 recipes (their Controller's ladder starts with them).
-FP4 = ("mxfp4", "nvfp4")
+@dataclass(frozen=True)
+class FsdpMode:
+    """How the ranks shard the model: ``sharded`` (FSDP2 on each block and the model: the ranks
+    must run the same forwards, and no module is shared or tied), ``fp8_all_gather`` (the weights
+    gathered in fp8: ``fp8.convert`` with the tensorwise recipe only)."""
+
+    key: str
+    sharded: bool = False
+    fp8_all_gather: bool = False
+
+
+FSDP_MODES = {m.key: m for m in (FsdpMode("none"), FsdpMode("fsdp", sharded=True),
+                                 FsdpMode("fsdp_fp8", sharded=True, fp8_all_gather=True))}
+
+#: the fp4 recipes the ranks run (named: the Controller's ladder starts with them).
+FP4 = tuple(k for k, r in RECIPES.items() if r.fp4 and r.named)
 
 
 def digest(model: torch.nn.Module) -> str:
@@ -64,17 +83,18 @@ class ProgramError(Exception):
     """What a rank raised, with the step (-1: while setting up) in ``adv_step``."""
 
 
-def _supervisor(program: DistProgram) -> Any:
-    import mixprec
-    from mixprec import fp8
+#: a program's supervisor settings, by kind (the Guard's fp4 limit is the Controller's: fp8's
+#: 0.05 falls back at once; the Controller on the fp4 ladder with an fp4 recipe)
+SETTINGS = {
+    "guard": lambda p: {"every": p.every, "max_underflow": RECIPES[p.recipe].guard_underflow},
+    "controller": lambda p: {"every": p.every, **dict(p.controller), "per_gemm": p.per_gemm,
+                             "max_loss_cost": p.loss_cost, **RECIPES[p.recipe].ladder},
+}
 
-    fp4 = program.recipe in FP4
-    if program.supervisor == "guard":  # fp4: the Controller's fp4 limit (fp8's 0.05 falls back at once)
-        return fp8.Guard(every=program.every, max_underflow=0.15 if fp4 else 0.05)
-    trend, dwell, demote = program.controller
-    ladder = {"ladder": (program.recipe, "tensorwise", "rowwise", "compute")} if fp4 else {}
-    return mixprec.Controller(every=program.every, trend_windows=trend, min_dwell=dwell, demote_windows=demote,
-                              per_gemm=program.per_gemm, max_loss_cost=program.loss_cost, **ladder)
+
+def supervisor_of(program: DistProgram) -> Supervisor:
+    """The program's Guard or Controller as data (tests/_train_cases.py)."""
+    return Supervisor(program.supervisor, tuple(SETTINGS[program.supervisor](program).items()))
 
 
 def _fp8_blocks(program: DistProgram, rank: int) -> str:
@@ -90,19 +110,18 @@ def _setup(program: DistProgram, rank: int = 0) -> tuple[torch.nn.Module, Any, A
     from mixprec import Policy, fp8
 
     model = Net(program.shape)
-    supervisor = _supervisor(program)
+    watch = supervisor_of(program)
+    supervisor, kind = watch.build(), watch.feature.keyword
     if program.route == "convert":
-        kind = "guard" if program.supervisor == "guard" else "controller"
         names = re.compile(_fp8_blocks(program, rank))
         model = fp8.convert(model, program.recipe, filter_fn=lambda m, fqn: bool(names.search(fqn)),
-                            fsdp_fp8_all_gather=program.fsdp == "fsdp_fp8",
+                            fsdp_fp8_all_gather=FSDP_MODES[program.fsdp].fp8_all_gather,
                             backend=program.backend,
                             **{kind: supervisor})
 
         def region() -> Any:
             return mixprec.autocast("cpu", dtype=torch.bfloat16)
     else:
-        kind = "guard" if program.supervisor == "guard" else "controller"
         policy = Policy.parse("compute=bf16").fp8(program.recipe, names=_fp8_blocks(program, rank), first_last="fp8",
                                                   backend=program.backend, **{kind: supervisor})
         if program.json:
@@ -111,7 +130,7 @@ def _setup(program: DistProgram, rank: int = 0) -> tuple[torch.nn.Module, Any, A
 
         def region() -> Any:
             return mixprec.autocast("cpu", policy=policy)
-    if program.fsdp != "none":
+    if FSDP_MODES[program.fsdp].sharded:
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:
@@ -148,7 +167,7 @@ def run_rank(rank: int, program: DistProgram) -> dict[str, Any]:
                 with region():
                     loss = loss_of(model(x, step, rank))
                 (scaler.scale(loss) if scaler is not None else loss).backward()
-            costed = program.supervisor == "controller" and program.loss_cost is not None
+            costed = supervisor_of(program).costed
             loss_scale = {"loss_scale": scaler.get_scale() if scaler is not None else 1.0} if costed else {}
             if scaler is not None:
                 scaler.step(optimizer)

@@ -14,11 +14,14 @@ micro-batch is empty) reaches every feature combination.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
 
 import torch
 from hypothesis import strategies as st
 from torch import nn
+
+from _train_cases import Data
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,36 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
     """The loss of a micro-batch: mean of squares in float32 (a sum, 0, for an empty batch)."""
     out = out.float()
     return out.pow(2).mean() if out.numel() else out.sum()
+
+
+def net(shape: Shape, *, seed: int) -> Net:
+    """The model of ``shape`` with initial weights from ``seed`` (a case's model builder)."""
+    return Net(replace(shape, seed=seed))
+
+
+@dataclass(frozen=True)
+class ProgramData(Data):
+    """A program's data as a case's (tests/_train_cases.py): the micro-batches of ``steps[t]``
+    (rank 0's), :func:`batch` of them (feature 0 times ``drift ** t``; an outlier of 1e6 on step
+    ``outlier_step``), the loss :func:`loss_of`; the first micro-batch's loss of step
+    ``overflow_step`` times inf (an overflow)."""
+
+    shape: Shape
+    steps: tuple[Step, ...]
+    drift: float = 1.0
+    outlier_step: int | None = None
+    overflow_step: int | None = None
+
+    def micro_batches(self, t: int) -> Sequence[Any]:
+        return tuple(enumerate(self.steps[t].rows[0]))
+
+    def loss(self, model: nn.Module, region: Callable[[], Any], batch_: Any, t: int) -> torch.Tensor:
+        m, rows = batch_
+        x = batch(self.shape, self.shape.seed, t, 0, m, rows, drift=self.drift,
+                  outlier=1e6 if self.outlier_step == t else None)
+        with region():
+            loss = loss_of(model(x, self.steps[t]))
+        return loss * float("inf") if self.overflow_step == t and m == 0 else loss
 
 
 def clone_model(model: nn.Module) -> nn.Module:

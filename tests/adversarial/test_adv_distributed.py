@@ -21,10 +21,11 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _adv_dist import FP4, DistProgram, run_rank
+from _adv_dist import FP4, FSDP_MODES, QUICK, DistProgram, run_rank
 from _adv_profile import profile
 from _adv_programs import Shape, Step, shapes, steps
 from _adv_ranks import RankPool
+from _train_cases import RECIPES
 
 pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
               pytest.mark.distributed, pytest.mark.slow]
@@ -71,22 +72,30 @@ def _first_difference(calls: list[list[tuple]]) -> str:
 
 
 @st.composite
+def controller_schedules(draw: st.DrawFn) -> tuple[tuple[str, int], ...]:
+    """A Controller's schedule settings: trend and demotion windows, dwell, shadow steps, horizon."""
+    return (("trend_windows", draw(st.sampled_from([1, 3]))), ("min_dwell", draw(st.sampled_from([2, 30]))),
+            ("demote_windows", draw(st.sampled_from([1, 2, 3]))), ("shadow_steps", draw(st.sampled_from([1, 2]))),
+            ("horizon", draw(st.sampled_from([1, 3]))))
+
+
+@st.composite
 def dist_programs(draw: st.DrawFn) -> DistProgram:
-    fsdp = draw(st.sampled_from(["none", "none", "fsdp", "fsdp_fp8"]))
-    route = "convert" if fsdp == "fsdp_fp8" else draw(st.sampled_from(["policy", "convert"]))
-    shape = draw(shapes(widths=(16, 32), max_blocks=3, sharing=fsdp == "none"))
-    same_calls = fsdp != "none"  # FSDP2 needs the same forwards on every rank
+    mode = FSDP_MODES[draw(st.sampled_from(["none", "none", "fsdp", "fsdp_fp8"]))]
+    route = "convert" if mode.fp8_all_gather else draw(st.sampled_from(["policy", "convert"]))
+    shape = draw(shapes(widths=(16, 32), max_blocks=3, sharing=not mode.sharded))
+    same_calls = mode.sharded  # FSDP2 needs the same forwards on every rank
     schedule = draw(steps(shape.blocks, ranks=2, max_steps=12, min_steps=3, uneven=not same_calls,
                           skips=draw(st.booleans()), ))
     supervisor = draw(st.sampled_from(["guard", "controller"]))
-    recipe = "tensorwise" if fsdp == "fsdp_fp8" else draw(st.sampled_from(["tensorwise", "rowwise"]))
+    recipe = "tensorwise" if mode.fp8_all_gather else draw(st.sampled_from(["tensorwise", "rowwise"]))
     drift = draw(st.sampled_from([(1.0, 1.0), (2.0, 1.0), (1.0, 1.6), (2.0, 2.0)]))
     outlier = draw(st.one_of(st.none(), st.tuples(st.integers(0, 1), st.integers(0, len(schedule) - 1))))
     return DistProgram(
         shape=shape, steps=schedule, supervisor=supervisor, every=draw(st.sampled_from([1, 2, 3])), route=route,
-        json=route == "policy" and draw(st.booleans()), recipe=recipe, fsdp=fsdp, drift=drift, outlier=outlier,
+        json=route == "policy" and draw(st.booleans()), recipe=recipe, fsdp=mode.key, drift=drift, outlier=outlier,
         lag_rank=draw(st.sampled_from([None, 0, 1])), scaler=draw(st.booleans()),
-        controller=draw(st.sampled_from([(3, 30, 3), (1, 2, 1)])))
+        controller=draw(controller_schedules()), stages=not mode.sharded and draw(st.booleans()))
 
 
 @st.composite
@@ -94,10 +103,10 @@ def fp4_programs(draw: st.DrawFn) -> DistProgram:
     """fp4 recipes with a Guard or a Controller (per GEMM or whole-layer, on the fp4 ladder), no
     FSDP2 fp8 all-gather (tensorwise only), widths that are multiples of the recipe's blocks."""
     recipe = draw(st.sampled_from(FP4))
-    fsdp = draw(st.sampled_from(["none", "none", "fsdp"]))
-    shape = draw(shapes(widths=(32,) if recipe == "mxfp4" else (16, 32), max_blocks=3, sharing=fsdp == "none"))
-    same_data = fsdp == "none" and draw(st.booleans())
-    schedule = draw(steps(shape.blocks, ranks=2, max_steps=10, min_steps=3, uneven=fsdp == "none" and not same_data,
+    mode = FSDP_MODES[draw(st.sampled_from(["none", "none", "fsdp"]))]
+    shape = draw(shapes(widths=RECIPES[recipe].widths, max_blocks=3, sharing=not mode.sharded))
+    same_data = not mode.sharded and draw(st.booleans())
+    schedule = draw(steps(shape.blocks, ranks=2, max_steps=10, min_steps=3, uneven=not mode.sharded and not same_data,
                           skips=draw(st.booleans())))
     if same_data:
         schedule = tuple(dataclasses.replace(s, rows=(s.rows[0], s.rows[0])) for s in schedule)
@@ -105,11 +114,12 @@ def fp4_programs(draw: st.DrawFn) -> DistProgram:
     supervisor = draw(st.sampled_from(["controller", "controller", "guard"]))
     return DistProgram(
         shape=shape, steps=schedule, supervisor=supervisor, every=draw(st.sampled_from([1, 2, 3])), route=route,
-        json=route == "policy" and draw(st.booleans()), recipe=recipe, fsdp=fsdp,
+        json=route == "policy" and draw(st.booleans()), recipe=recipe, fsdp=mode.key,
         drift=draw(st.sampled_from([(1.0, 1.0), (2.0, 1.0), (1.0, 1.6)])),
         outlier=draw(st.one_of(st.none(), st.tuples(st.integers(0, 1), st.integers(0, len(schedule) - 1)))),
         lag_rank=draw(st.sampled_from([None, 0, 1])), scaler=draw(st.booleans()),
-        controller=draw(st.sampled_from([(3, 30, 3), (1, 2, 1)])), per_gemm=draw(st.booleans()), same_data=same_data,
+        controller=draw(controller_schedules()), per_gemm=draw(st.booleans()), same_data=same_data,
+        stages=not mode.sharded and not same_data and draw(st.booleans()),
         backend=draw(st.sampled_from(["auto", "emulate_fp32"])), loss_cost=draw(st.sampled_from([None, 1e-3, 0.0])))
 
 
@@ -122,34 +132,34 @@ ITEM2_GUARD = DistProgram(shape=_BLOCKS, steps=(Step(rows=((8,), ())),) + _STEAD
                           every=1, route="policy", drift=(1.6, 1.0))
 #: The same with a Controller.
 ITEM2_CONTROLLER = DistProgram(shape=_BLOCKS, steps=(Step(rows=((8,), ())),) + _STEADY, supervisor="controller",
-                               every=1, route="policy", drift=(1.6, 1.0), controller=(1, 2, 1))
+                               every=1, route="policy", drift=(1.6, 1.0), controller=QUICK)
 #: Uneven gradient-accumulation micro-batch counts per rank (2 against none, then 3 against 1).
 ITEM2_UNEVEN = DistProgram(shape=_BLOCKS, steps=(Step(rows=((8, 8), ())),) + tuple(
     Step(rows=((8, 8, 8), (8,))) for _ in range(8)), supervisor="controller", every=2, route="policy",
-    drift=(1.6, 1.0), controller=(1, 2, 1))
+    drift=(1.6, 1.0), controller=QUICK)
 #: Issue 25, item 3: FSDP2 fp8 all-gather with a Controller; a drifting input feature promotes a
 #: layer to rowwise (step 10 in the issue) and the next forward raised ValueError.
 ITEM3 = DistProgram(shape=Shape(width=32, blocks=3, gain=1.0, out=1),
                     steps=tuple(Step(rows=((8,), (8,))) for _ in range(14)), supervisor="controller", every=2,
-                    route="convert", recipe="tensorwise", fsdp="fsdp_fp8", drift=(2.0, 2.0), controller=(1, 2, 1))
+                    route="convert", recipe="tensorwise", fsdp="fsdp_fp8", drift=(2.0, 2.0), controller=QUICK)
 
 
 #: The per-GEMM Controller on the NVFP4 ladder (stochastic rounding on), rank 0's data drifting,
 #: uneven micro-batches (rank 1 none on the first step, then 3 against 1).
 FP4_UNEVEN = DistProgram(shape=_BLOCKS, steps=(Step(rows=((8, 8), ())),) + tuple(
     Step(rows=((8, 8, 8), (8,))) for _ in range(7)), supervisor="controller", every=2, route="policy",
-    recipe="nvfp4", drift=(1.6, 1.0), controller=(1, 2, 1), per_gemm=True)
+    recipe="nvfp4", drift=(1.6, 1.0), controller=QUICK, per_gemm=True)
 #: The same on MXFP4 through fp8.convert (GEMMs in float32), a GradScaler over the group (whose
 #: scale the loss cost divides out), skipped blocks and an early exit.
 FP4_CONVERT = DistProgram(shape=_BLOCKS, steps=(Step(skip=frozenset({1}), rows=((8,), (8, 8))), Step(
     depth=2, rows=((), (8,)))) + tuple(Step(rows=((8, 4), (8,))) for _ in range(6)), supervisor="controller",
-    every=1, route="convert", recipe="mxfp4", drift=(1.0, 2.0), controller=(1, 2, 1), per_gemm=True, scaler=True,
+    every=1, route="convert", recipe="mxfp4", drift=(1.0, 2.0), controller=QUICK, per_gemm=True, scaler=True,
     backend="emulate_fp32", loss_cost=1e-4)
 #: Both ranks on rank 0's data, their global generators seeded apart: NVFP4's stochastic
 #: rounding must draw the same (bitwise equal weights).
 FP4_SAME_DATA = DistProgram(shape=_BLOCKS, steps=tuple(Step(rows=((8, 8), (8, 8))) for _ in range(6)),
                             supervisor="controller", every=2, route="policy", recipe="nvfp4", drift=(1.6, 1.6),
-                            controller=(1, 2, 1), per_gemm=True, same_data=True)
+                            controller=QUICK, per_gemm=True, same_data=True)
 
 #: The ranks know different layers, as many on each (pipeline-like stages: rank 0 puts block 0 in
 #: fp8, rank 1 block 1), and rank 0's first batch has an outlier that its fp8 layer sees. The

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import mixprec
 from _adv_profile import profile
 from _adv_programs import Net, Shape, Step, batch, clone_model, grads_equal, loss_of, shapes, steps
+from _train_cases import optim
 
 
 @dataclass(frozen=True)
@@ -53,12 +54,10 @@ def expected_scales(program: ScalingProgram, overflows: list[bool]) -> list[floa
     return out
 
 
-def _optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    if kind == "sgd0":
-        return torch.optim.SGD(model.parameters(), lr=0.0)
-    if kind == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    return mixprec.optim.AdamW(model.parameters(), lr=1e-3)
+#: the optimizers a scaling program names (tests/_train_cases.py's table): SGD at lr 0 (the
+#: weights stay the reference's), SGD with momentum, mixprec's AdamW on float32 parameters
+OPTIMIZERS = {"sgd0": optim("sgd", lr=0.0), "sgd": optim("sgd", lr=0.05, momentum=0.9),
+              "adamw": optim("mixprec_adamw", lr=1e-3)}
 
 
 def run_scaling(program: ScalingProgram) -> str:
@@ -66,7 +65,7 @@ def run_scaling(program: ScalingProgram) -> str:
     step whose unscaled gradients or weights differ. Returns how it ended."""
     model = Net(program.shape)
     reference = clone_model(model)
-    opt, ref_opt = _optimizer(program.optimizer, model), _optimizer(program.optimizer, reference)
+    opt, ref_opt = OPTIMIZERS[program.optimizer].build(model), OPTIMIZERS[program.optimizer].build(reference)
     scaler = mixprec.GradScaler("cpu", init_scale=program.init_scale, growth_interval=program.growth_interval,
                                 hysteresis=program.hysteresis, per_layer=program.per_layer).watch(model)
     overflows, scales = [], []
@@ -111,7 +110,7 @@ def scaling_programs(draw: st.DrawFn) -> ScalingProgram:
     return ScalingProgram(
         shape=shape, steps=draw(steps(shape.blocks)), per_layer=draw(st.sampled_from([True, True, False])),
         init_scale=draw(st.sampled_from([1.0, 16.0, 2.0**12])), growth_interval=draw(st.sampled_from([2, 3, 2000])),
-        hysteresis=draw(st.sampled_from([1, 2, 3])), optimizer=draw(st.sampled_from(["sgd0", "sgd", "adamw"])),
+        hysteresis=draw(st.sampled_from([1, 2, 3])), optimizer=draw(st.sampled_from(list(OPTIMIZERS))),
         overflow_steps=frozenset(draw(st.sets(st.integers(0, 11), max_size=4))))
 
 

@@ -5,12 +5,9 @@ overflows where the plain fp8 policy skips steps."""
 
 from __future__ import annotations
 
-import copy
-import io
-import json
 import os
 import warnings
-from typing import Any
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,21 +19,10 @@ from mixprec import Controller, Policy
 
 from _distributed import gloo_group, spawn
 from _models import mlp
+from _train_cases import CASES, Drift, Result, Trainer, controller, differing_weights, train
 
-STEPS, DRIFT_END, SEED = 380, 200, 7
-
-
-def _drift_data(steps: int = STEPS, drift: bool = True, start: int = 0, end: int = DRIFT_END,
-                seed: int = SEED) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches of 32 x 64; feature 0 times 1.05**(t + start) while t < end (drift)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for t in range(steps):
-        x = torch.randn(32, 64, generator=g)
-        if drift and t < end:
-            x[:, 0] *= 1.05 ** (t + start)
-        out.append((x, torch.randint(0, 64, (32,), generator=g)))
-    return out
+DRIFT_END = 200
+DRIFT = CASES["controller-drift"]  # the harness's case: tests/_train_cases.py
 
 
 def _underflow(x: torch.Tensor) -> float:
@@ -49,64 +35,19 @@ def _underflow(x: torch.Tensor) -> float:
     return ((q == 0) & (x != 0)).sum().item() / x.numel()
 
 
-class _Run:
-    """A training run under ``Policy.parse(compute).fp8("tensorwise", controller=...)``."""
-
-    def __init__(self, ctl: Controller | None = None, compute: str = "bf16", model: nn.Module | None = None,
-                 lr: float = 1e-3) -> None:
-        self.model = mlp(64, 64, 64, 64, 64) if model is None else model
-        self.ctl = Controller() if ctl is None else ctl
-        self.policy = Policy.parse(f"compute={compute}").fp8("tensorwise", controller=self.ctl, first_last="fp8")
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=lr)
-        self.precisions: list[dict[str, str]] = []
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        with mixprec.autocast("cpu", policy=self.policy):
-            loss = F.cross_entropy(self.model(x).float(), y)
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        self.precisions.append(self.ctl.precisions())  # what this step ran in
-        self.ctl.step()
-
-    def state_dict(self) -> bytes:
-        buf = io.BytesIO()
-        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                    "ctl": json.loads(json.dumps(self.ctl.state_dict()))}, buf)  # plain JSON data
-        return buf.getvalue()
-
-    def load(self, blob: bytes) -> None:
-        sd = torch.load(io.BytesIO(blob))
-        self.model.load_state_dict(sd["model"])
-        self.opt.load_state_dict(sd["opt"])
-        self.ctl.load_state_dict(sd["ctl"])
-
-
-def _train(data: list, resume_at: int | None = None) -> _Run:
-    run, windows = _Run(), {}
-    for t, (x, y) in enumerate(data):
-        if t == resume_at:  # a fresh process: new model, optimizer, controller and policy
-            fresh = _Run()
-            fresh.load(run.state_dict())
-            fresh.precisions = run.precisions
-            run = fresh
-        run.step(x, y)
-        if run.ctl.steps % run.ctl.every == 0:  # right after a check: the window it judged
-            rows = mixprec.fp8.stats(run.model).to_list()
-            assert {r["window"] for r in rows} == {"last"}
-            windows[run.ctl.steps] = {(r["layer"], r["operand"]): r for r in rows}
-    run.windows = windows
-    return run
+def _windows(run: Result) -> dict[int, dict]:
+    """The windows each check judged, by the Controller's step count at that check."""
+    return {t + 1: w for t, w in enumerate(run.records["windows"]) if w is not None}
 
 
 @pytest.fixture(scope="module")
 def drift_data() -> list:
-    return _drift_data()
+    return list(DRIFT.data.batches())
 
 
 @pytest.fixture(scope="module")
-def drift_run(drift_data) -> _Run:
-    return _train(drift_data)
+def drift_run() -> Result:
+    return train(DRIFT)
 
 
 def test_the_drift_crosses_5_percent_underflow_at_step_190(drift_data):
@@ -121,14 +62,15 @@ def test_drift_promotes_before_trouble_and_demotes_after(drift_run, drift_data):
     floor and be promoted for it early; that promotion must then be justified by its statistics."""
     underflow = [_underflow(x) for x, _ in drift_data]
     crossing = next(t for t, u in enumerate(underflow) if u > 0.05)
-    first = [p["0"] for p in drift_run.precisions]
+    first = [p["0"] for p in drift_run.records["precisions"]]
     in_fp8 = [p.startswith("fp8-") for p in first]
     bad = [t for t, u in enumerate(underflow) if u > 0.05 and in_fp8[t]]
     assert not bad, f"layer 0 ran fp8 at steps {bad} with input underflow above 5%"
-    log = drift_run.ctl.log
-    assert all(d.step % drift_run.ctl.every == 0 for d in log)
+    log = drift_run.supervisor.log
+    assert all(d.step % drift_run.supervisor.every == 0 for d in log)
+    windows = _windows(drift_run)
     for d in log:  # every promotion justified by its operand's window, measured by the run itself
-        measured = drift_run.windows[d.step][(d.layer, d.operand)]
+        measured = windows[d.step][(d.layer, d.operand)]
         if d.action == "promote":
             assert d.statistic == "underflow_forecast" and d.value > d.threshold == 0.05, d
             assert 0 < measured["underflow"] <= d.value, (d, measured)
@@ -152,99 +94,71 @@ def test_drift_promotes_before_trouble_and_demotes_after(drift_run, drift_data):
 
 
 def test_stationary_data_moves_nothing():
-    run = _train(_drift_data(drift=False))
-    assert run.ctl.log == []
-    assert all(p == "fp8-tensorwise" for step in run.precisions for p in step.values())
+    run = train(replace(DRIFT, data=Drift(drift=False)))
+    assert run.supervisor.log == []
+    assert all(p == "fp8-tensorwise" for step in run.records["precisions"] for p in step.values())
 
 
-def test_resume_is_bitwise_and_runs_are_deterministic(drift_run, drift_data):
+def test_resume_is_bitwise_and_runs_are_deterministic(drift_run):
     # a second run, resumed mid-window at step 195 (layer 0 promoted, windows open, trends warm)
-    resumed = _train(drift_data, resume_at=195)
-    assert resumed.ctl.log == drift_run.ctl.log
-    assert resumed.precisions == drift_run.precisions
+    # in fresh objects (model, optimizer, controller and policy), the controller's state as JSON
+    resumed = train(replace(DRIFT, resume_at=195))
+    assert resumed.rebuilt_at == 195 and drift_run.rebuilt_at is None
+    assert resumed.supervisor.log == drift_run.supervisor.log
+    assert resumed.records["precisions"] == drift_run.records["precisions"]
     for a, b in zip(resumed.model.state_dict().values(), drift_run.model.state_dict().values()):
         assert torch.equal(a, b)
-    assert resumed.ctl.state_dict() == drift_run.ctl.state_dict()
+    assert resumed.supervisor.state_dict() == drift_run.supervisor.state_dict()
 
 
 def test_log_as_csv(drift_run, tmp_path):
     path = tmp_path / "log.csv"
-    text = drift_run.ctl.write_csv(path)
+    text = drift_run.supervisor.write_csv(path)
     lines = path.read_text().splitlines()
     assert lines[0] == "step,layer,operand,action,from,to,statistic,value,threshold,reason"
-    assert len(lines) == 1 + len(drift_run.ctl.log) and text == path.read_text()
-    first = drift_run.ctl.log[0]
+    assert len(lines) == 1 + len(drift_run.supervisor.log) and text == path.read_text()
+    first = drift_run.supervisor.log[0]
     assert lines[1].startswith(f"{first.step},{first.layer},{first.operand},promote,fp8-tensorwise,")
 
 
 def test_no_host_read_between_checks(syncs):
-    run = _Run(Controller(every=5))
-    data = _drift_data(steps=10, drift=False)
-    run.step(*data[0])
+    run = Trainer(replace(DRIFT, data=Drift(steps=10, drift=False), steps=10, supervisor=controller(every=5),
+                          record=("precisions",)), seed=0)
+    run.step(0)
     counter = syncs.start()
-    for x, y in data[1:4]:  # ctl.step() counts 2, 3, 4: no check
-        run.step(x, y)
+    for t in (1, 2, 3):  # ctl.step() counts 2, 3, 4: no check
+        run.step(t)
     counts = counter.stop()
     assert counts == 0
     run_check = syncs.start()
-    run.step(*data[4])  # the check at 5: one read of all the windows
+    run.step(4)  # the check at 5: one read of all the windows
     assert run_check.stop() == 1
 
 
 # ----------------------------------------------------------------- fp16: the range rung
-def _fp16_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64),
-                      nn.GELU(), nn.Linear(64, 64))
-    with torch.no_grad():
-        m[2].weight.mul_(300)  # layer "2"'s output grows toward 65504 as the input grows
-    return m
-
-
-def _fp16_train(ctl: Controller | None, steps: int = 230) -> tuple[list[int], _Run]:
-    run = _Run(ctl if ctl is not None else Controller(), compute="fp16", model=_fp16_model())
-    if ctl is None:  # the plain fp8 policy
-        run.policy = Policy.parse("compute=fp16").fp8("tensorwise", first_last="fp8")
-    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10 ** 6)
-    g = torch.Generator().manual_seed(0)
-    skipped = []
-    for t in range(steps):
-        x, y = torch.randn(32, 64, generator=g) * 1.03 ** t, torch.randint(0, 64, (32,), generator=g)
-        with mixprec.autocast("cpu", policy=run.policy):
-            loss = F.cross_entropy(run.model(x).float(), y)
-        scaler.scale(loss).backward()
-        scale = scaler.get_scale()
-        scaler.step(run.opt)
-        scaler.update()
-        if scaler.get_scale() < scale:
-            skipped.append(t)
-        run.opt.zero_grad()
-        if ctl is not None:
-            run.precisions.append(ctl.precisions())
-            ctl.step()
-    return skipped, run
+def _skipped(run: Result) -> list[int]:
+    """The steps whose update the GradScaler skipped (its scale backed off)."""
+    return [t for t, skipped in enumerate(run.records["skipped"]) if skipped]
 
 
 def test_fp16_layer_goes_to_fp32_before_it_overflows():
-    plain, _ = _fp16_train(None)
+    plain = _skipped(train(CASES["plain-fp16"]))
     assert plain, "the plain fp8 policy under fp16 compute should overflow"
-    skipped, run = _fp16_train(Controller())
-    assert skipped == []
-    promotions = [d for d in run.ctl.log if d.layer == "2" and d.to == "fp32"]
+    run = train(CASES["controller-fp16"])
+    assert _skipped(run) == []
+    promotions = [d for d in run.supervisor.log if d.layer == "2" and d.to == "fp32"]
     assert promotions and promotions[0].step < plain[0]
     assert promotions[0].operand == "output" and promotions[0].statistic == "amax_forecast"
-    assert run.ctl.precision("2") == "fp32"
-    assert all(run.ctl.precision(n) != "fp32" for n in ("0", "4", "6"))
+    assert run.supervisor.precision("2") == "fp32"
+    assert all(run.supervisor.precision(n) != "fp32" for n in ("0", "4", "6"))
 
 
 # ----------------------------------------------------------------- distributed
 def _rank_worker(rank: int, port: int, out_dir: str) -> None:
-    data = _drift_data(steps=200, drift=rank == 0, start=110, end=80)
+    case = replace(DRIFT, data=Drift(steps=200, drift=rank == 0, start=110, end=80), steps=200, record=("precisions",))
     with gloo_group(rank, port):
-        run = _Run()
-        for x, y in data:
-            run.step(x, y)
-        torch.save({"log": run.ctl.log, "precisions": run.precisions},
+        run = train(case)
+        torch.save({"log": run.supervisor.log, "precisions": run.records["precisions"]},
                    os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -334,26 +248,26 @@ def test_hysteresis_dwell_and_switch_budget():
     """An outlier of 1e6 flushes a layer's other inputs (underflow about 1): promote at the next
     check; demote after ``demote_windows`` clean windows and ``min_dwell`` steps; once the layer
     has used its ``max_switches``, it stays promoted."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16))
-    ctl = Controller(every=1, horizon=1, demote_windows=2, min_dwell=3, max_switches=3,
-                     ladder=("tensorwise", "compute"))
-    policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
-    g = torch.Generator().manual_seed(0)
-    ran = []
-    for t in range(20):
-        x = torch.randn(8, 16, generator=g)
-        if t in (0, 4):
-            x[0, 0] = 1e6
-        with mixprec.autocast("cpu", policy=policy):
-            model(x).sum().backward()
-        ran.append(ctl.precision("0"))
-        ctl.step()
+    run = train(CASES["controller-switch-budget"])  # outliers at steps 0 and 4
+    ctl, ran = run.supervisor, [p["0"] for p in run.records["precisions"]]
     assert [(d.step, d.action) for d in ctl.log] == [(1, "promote"), (4, "demote"), (5, "promote")]
     assert ctl.log[0].statistic == "underflow_forecast" and ctl.log[0].value > 0.9
     # steps 2, 3 clean (2 windows) but the dwell since step 1 is 3 steps only at step 4
     assert ran[:6] == ["fp8-tensorwise", "bf16", "bf16", "bf16", "fp8-tensorwise", "bf16"]
     assert set(ran[5:]) == {"bf16"}  # 3 switches in the budget: no demotion
+
+
+@pytest.mark.parametrize("resume_at", [2, 5, 6, 9])
+def test_the_switch_budget_and_dwell_survive_a_resume(resume_at):
+    """Resumed between the switches or after the budget is spent (into fresh objects, the state
+    through torch.save), the run decides as the straight one: a checkpoint that dropped the
+    layer's switch history would let it demote again."""
+    case = CASES["controller-switch-budget"]
+    straight, resumed = train(case), train(replace(case, resume_at=resume_at))
+    assert resumed.rebuilt_at == resume_at
+    assert resumed.supervisor.log == straight.supervisor.log
+    assert resumed.records["precisions"] == straight.records["precisions"]
+    assert resumed.state == straight.state
 
 
 def test_shadow_measures_the_last_steps_of_each_window():
@@ -376,47 +290,19 @@ def test_shadow_measures_the_last_steps_of_each_window():
         Controller(shadow_steps=0)
 
 
-def _outlier_run(steps: int, resume_at: int | None = None) -> tuple[list, list[str], dict, list[torch.Tensor]]:
-    """A 2-layer fp8 model whose layer "0" gets an outlier at steps 1 and 9 (promote, demote,
-    promote again), resumed from a checkpoint at ``resume_at`` into fresh objects."""
-    def fresh() -> tuple[nn.Module, Controller, Policy, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
-        ctl = Controller(every=2, horizon=1, demote_windows=1, min_dwell=2)
-        policy = Policy.parse("compute=bf16").fp8("tensorwise", controller=ctl, first_last="fp8")
-        return model, ctl, policy, torch.optim.SGD(model.parameters(), lr=1e-7)  # the outliers stay small
-
-    model, ctl, policy, opt = fresh()
-    g = torch.Generator().manual_seed(1)
-    ran = []
-    for t in range(steps):
-        if t == resume_at:
-            blob = io.BytesIO()
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "ctl": ctl.state_dict()}, blob)
-            model, ctl, policy, opt = fresh()
-            sd = torch.load(io.BytesIO(blob.getvalue()))
-            ctl.load_state_dict(sd["ctl"])  # before the first forward: applied when the layers are tracked
-            model.load_state_dict(sd["model"])
-            opt.load_state_dict(sd["opt"])
-        x = torch.randn(8, 16, generator=g)
-        if t in (1, 9):
-            x[0, 0] = 1e6
-        with mixprec.autocast("cpu", policy=policy):
-            model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        ran.append(ctl.precision("0"))
-        ctl.step()
-    return ctl.log, ran, ctl.state_dict(), [p.detach().clone() for p in model.parameters()]
-
-
 def test_resume_at_any_step_is_bitwise():
-    log, ran, state, params = _outlier_run(14)
-    assert {d.action for d in log} == {"promote", "demote"} and "fp8-rowwise" in ran
+    """A 2-layer fp8 model whose layer "0" gets an outlier at steps 1 and 9 (promote, demote,
+    promote again), resumed from a checkpoint at every step into fresh objects."""
+    case = CASES["controller-outlier"]
+    straight = train(case)
+    log, ran = straight.supervisor.log, straight.records["precisions"]
+    assert {d.action for d in log} == {"promote", "demote"} and "fp8-rowwise" in [p["0"] for p in ran]
     for k in range(1, 14):
-        log_k, ran_k, state_k, params_k = _outlier_run(14, resume_at=k)
-        assert log_k == log and ran_k == ran and state_k == state, k
-        assert all(torch.equal(a, b) for a, b in zip(params_k, params)), k
+        resumed = train(replace(case, resume_at=k))
+        assert resumed.rebuilt_at == k
+        assert resumed.supervisor.log == log and resumed.records["precisions"] == ran, k
+        assert resumed.state == straight.state, k
+        assert not differing_weights(resumed, straight), k
 
 
 def test_windows_without_forwards_demote_nothing():

@@ -334,5 +334,5 @@ def test_a_copy_of_the_model_runs_its_rungs_without_the_controller():
         model(torch.randn(2, 64))
     twin = copy.deepcopy(model)
     assert mixprec.fp8.layer_state(twin[0]).probe is None
-    assert mixprec.fp8.layer_state(model[0]).probe.controller is ctl and ctl.precisions() == {
+    assert mixprec.fp8.layer_state(model[0]).probe.rec is ctl._layers["0"] and ctl.precisions() == {
         "0": "fp8-tensorwise", "2": "fp8-tensorwise"}

@@ -7,63 +7,29 @@ pickle tests passed."""
 
 from __future__ import annotations
 
-import io
+from dataclasses import replace
 
 import pytest
-import torch
-from torch import nn
 
-import mixprec
-from mixprec import fp8
+from _train_cases import CASES, Trainer, train
 
-STEPS = 12
-OUTLIER_STEP = 2
+CASE = CASES["controller-gemm-counters"]  # tests/_train_cases.py
 
 
-def _build(seed: int) -> tuple[nn.Module, mixprec.Controller, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    # no activation: the outlier of the input reaches the converted middle layers
-    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 1))
-    ctl = mixprec.Controller(every=1, per_gemm=True, trend_windows=1, min_dwell=2, demote_windows=3)
-    fp8.convert(model, "tensorwise", controller=ctl)
-    return model, ctl, torch.optim.SGD(model.parameters(), lr=1e-6)
-
-
-def _run(model: nn.Module, ctl: mixprec.Controller, opt: torch.optim.Optimizer, start: int, stop: int) -> None:
-    for t in range(start, stop):
-        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(t))
-        if t == OUTLIER_STEP:
-            x[0, 1] = 1e5  # the middle layers' input GEMMs underflow: promoted, then demoted when calm
-        with mixprec.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(x).float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ctl.step()
-
-
-def _log(ctl: mixprec.Controller) -> list[tuple]:
+def _log(ctl) -> list[tuple]:
     return [(d.step, d.layer, d.gemm, d.action, d.to) for d in ctl.log]
 
 
 @pytest.mark.parametrize("resume_at", [4, 5])
 def test_resumed_between_promotion_and_demotion_decides_as_straight(resume_at: int) -> None:
-    model, ctl, opt = _build(0)
-    _run(model, ctl, opt, 0, STEPS)
-    straight = _log(ctl)
+    straight = _log(train(CASE).supervisor)
     actions = {(a, g) for _, _, g, a, _ in straight}
     assert {("promote", "output"), ("demote", "output")} <= actions, straight  # the scenario happens
-    first, first_ctl, first_opt = _build(0)
-    _run(first, first_ctl, first_opt, 0, resume_at)
-    clean = first_ctl.state_dict()["layers"]["1"]["gemm_clean"]
+    first = Trainer(CASE, seed=0)
+    first.run(0, resume_at)
+    clean = first.supervisor.state_dict()["layers"]["1"]["gemm_clean"]
     assert len(set(clean)) > 1, clean  # the GEMMs' counts differ: the layer's one cannot stand in
-    buffer = io.BytesIO()
-    torch.save({"model": first.state_dict(), "opt": first_opt.state_dict(), "ctl": first_ctl.state_dict()}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
-    model2, ctl2, opt2 = _build(5)
-    model2.load_state_dict(saved["model"])
-    opt2.load_state_dict(saved["opt"])
-    ctl2.load_state_dict(saved["ctl"])
-    _run(model2, ctl2, opt2, resume_at, STEPS)
-    assert _log(ctl2) == straight
+    # through torch.save/torch.load(weights_only=True) into objects rebuilt with other weights
+    resumed = train(replace(CASE, resume_at=resume_at))
+    assert resumed.rebuilt_at == resume_at
+    assert _log(resumed.supervisor) == straight

@@ -13,7 +13,7 @@ from torch import nn
 
 import mixprec
 from mixprec import fp8
-from mixprec.fp8 import _fsdp
+from mixprec.formats import _fsdp
 
 from _fake_cuda import HostReads, cuda_module, fake_cuda, fake_mode  # noqa: F401
 

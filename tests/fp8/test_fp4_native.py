@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mixprec import _native, fp8
-from mixprec.fp8 import _fp4
+from mixprec.formats import _fp4
 from mixprec.formats._fp4 import Fp4Tensor, RoundingKey, quantize, rounding_generator
 
 CASTS = {"mxfp4": fp8.Cast("e2m1", "1x32"), "nvfp4": fp8.Cast("e2m1", "1x16"), "nvfp4-2d": fp8.Cast("e2m1", "16x16")}

@@ -5,98 +5,42 @@ whole-layer state_dict loads; two gloo ranks decide the same; the fp4 flush stat
 
 from __future__ import annotations
 
-import io
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import mixprec
-from mixprec import Controller, Policy, fp8
+from mixprec import Controller, fp8
 from mixprec.control._ladder import compose, measure
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import new_window
 
 from _distributed import gloo_group, spawn
+from _train_cases import CASES, Case, Result, Trainer, WeightedLoss, train
 
 #: results follow this CPU's bf16 rounding: scripts/cross_isa.py runs them under other caps
 pytestmark = pytest.mark.cross_isa
 
 HEAVY = 20  # steps whose loss weights one output element by 1e7 (grad_output underflows in e5m2)
-STEPS = 70
+CASE = CASES["ladder-heavy-grad"]  # the harness's case: tests/_train_cases.py
 
 
-def _data(steps: int = STEPS, heavy: int = HEAVY, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(input, loss weights): inputs N(0, 1); the loss weights 1e-3 but one 1e7 while t < heavy,
-    N(0, 1) after."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for t in range(steps):
-        x = torch.randn(16, 32, generator=g)
-        c = torch.randn(16, 32, generator=g)
-        if t < heavy:
-            c = torch.full((16, 32), 1e-3)
-            c[0, 0] = 1e7
-        out.append((x, c))
-    return out
-
-
-def _ctl(**kw) -> Controller:
-    return Controller(**{"every": 5, "demote_windows": 2, "min_dwell": 10, "per_gemm": True, **kw})
-
-
-class _Run:
-    """Two Linear(32, 32) in fp8 tensorwise under a bf16 policy with a controller; no optimizer
-    (the heavy gradients would wreck the weights): the gradients are checked and dropped."""
-
-    def __init__(self, ctl: Controller, recipe: str = "tensorwise") -> None:
-        torch.manual_seed(0)
-        self.model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
-        self.ctl = ctl
-        self.policy = Policy.parse("compute=bf16").fp8(recipe, controller=ctl, first_last="fp8")
-        self.precisions: list[dict[str, str]] = []
-        self.grads: list[torch.Tensor] = []
-
-    def step(self, x: torch.Tensor, c: torch.Tensor) -> None:
-        with mixprec.autocast("cpu", policy=self.policy):
-            loss = (self.model(x).float() * c).sum()
-        loss.backward()
-        self.grads.append(torch.cat([p.grad.flatten() for p in self.model.parameters()]))
-        self.model.zero_grad()
-        self.precisions.append({n: tuple(self.ctl.precision(n, g) for g in ("output", "grad_input", "grad_weight"))
-                                for n in ("0", "1")})
-        self.ctl.step()
-
-
-def _train(ctl: Controller, data: list, resume_at: int | None = None, recipe: str = "tensorwise") -> _Run:
-    run = _Run(ctl, recipe)
-    for t, (x, c) in enumerate(data):
-        if t == resume_at:  # a fresh controller and policy from the state_dict, as JSON
-            state = json.loads(json.dumps(run.ctl.state_dict()))
-            fresh = _Run(Controller.from_config(run.ctl.config()), recipe)
-            fresh.ctl.load_state_dict(state)
-            fresh.model.load_state_dict(run.model.state_dict())
-            fresh.precisions, fresh.grads = run.precisions, run.grads
-            run = fresh
-        run.step(x, c)
-    return run
+def _whole_layer(case: Case, **settings) -> Case:
+    """``case`` with a whole-layer Controller (``per_gemm=False``)."""
+    return replace(case, supervisor=case.supervisor.with_settings(per_gemm=False, **settings))
 
 
 @pytest.fixture(scope="module")
-def data() -> list:
-    return _data()
-
-
-@pytest.fixture(scope="module")
-def run(data) -> _Run:
-    return _train(_ctl(), data)
+def run() -> Result:
+    return train(CASE)
 
 
 def test_only_the_gemms_that_read_grad_output_promote_and_come_back(run):
-    log = run.ctl.log
+    log = run.supervisor.log
+    precisions = run.records["gemm_precisions"]
     promotions = [d for d in log if d.action == "promote"]
     assert {(d.layer, d.gemm) for d in promotions} == {(n, g) for n in ("0", "1") for g in ("grad_input", "grad_weight")}
     # layer 1 at the first check; layer 0 at the next: while layer 1's input gradient ran in fp8 it
@@ -105,22 +49,22 @@ def test_only_the_gemms_that_read_grad_output_promote_and_come_back(run):
                and d.to == "bf16" and d.value > 0.3 for d in promotions)
     assert not [d for d in log if d.gemm == "output"]
     # promoted from step 5 on, the forward GEMM still in fp8
-    assert run.precisions[6]["1"] == ("fp8-tensorwise", "bf16", "bf16")
+    assert precisions[6]["1"] == ("fp8-tensorwise", "bf16", "bf16")
     demotions = [d for d in log if d.action == "demote"]
     assert {(d.layer, d.gemm) for d in demotions} == {(d.layer, d.gemm) for d in promotions}
     assert all(HEAVY < d.step and d.to == "fp8-tensorwise" and d.value <= 0.01 for d in demotions)
-    assert run.precisions[-1] == {n: ("fp8-tensorwise",) * 3 for n in ("0", "1")}
+    assert precisions[-1] == {n: ("fp8-tensorwise",) * 3 for n in ("0", "1")}
 
 
-def test_the_whole_layer_controller_moves_all_three_together(data):
-    run = _train(_ctl(per_gemm=False), data[:12])
-    assert run.ctl.log and all(d.gemm is None for d in run.ctl.log)
-    assert run.precisions[6]["1"] == ("fp8-rowwise",) * 3  # the layer's next rung: all three GEMMs
-    assert run.ctl.write_csv().splitlines()[0].split(",")[-1] == "reason"
+def test_the_whole_layer_controller_moves_all_three_together():
+    run = train(replace(_whole_layer(CASE), steps=12))
+    assert run.supervisor.log and all(d.gemm is None for d in run.supervisor.log)
+    assert run.records["gemm_precisions"][6]["1"] == ("fp8-rowwise",) * 3  # the layer's next rung: all three GEMMs
+    assert run.supervisor.write_csv().splitlines()[0].split(",")[-1] == "reason"
 
 
 def test_log_and_csv_name_the_gemm(run):
-    lines = run.ctl.write_csv().splitlines()
+    lines = run.supervisor.write_csv().splitlines()
     assert lines[0].split(",")[-1] == "gemm"
     assert lines[1].endswith(",grad_input") and "grad_input GEMM: grad_output underflow forecast" in lines[1]
 
@@ -145,27 +89,31 @@ def test_each_gemm_runs_its_rungs_casts():
     assert compose((Float8Recipe.mxfp8(), t, None)) is None  # blocks beside tensor scales
 
 
-def test_resume_mid_run_is_bitwise(run, data):
-    # at step 23: GEMMs promoted, windows open, clean counts running
-    resumed = _train(_ctl(), data, resume_at=23)
-    assert resumed.ctl.log == run.ctl.log and resumed.precisions == run.precisions
-    assert all(torch.equal(a, b) for a, b in zip(resumed.grads, run.grads))
+def test_resume_mid_run_is_bitwise(run):
+    # at step 23: GEMMs promoted, windows open, clean counts running; a fresh controller
+    # (Controller.from_config) and policy from the state_dict, as JSON
+    resumed = train(replace(CASE, resume_at=23))
+    assert resumed.rebuilt_at == 23
+    assert resumed.supervisor.log == run.supervisor.log
+    assert resumed.records["gemm_precisions"] == run.records["gemm_precisions"]
+    assert len(resumed.records["grads"]) == len(run.records["grads"]) == CASE.steps
+    assert all(torch.equal(a, b) for a, b in zip(resumed.records["grads"], run.records["grads"]))
 
 
-def test_a_whole_layer_state_dict_loads_with_its_gemms_together(data):
-    old = _train(_ctl(per_gemm=False), data[:12])
-    state = json.loads(json.dumps(old.ctl.state_dict()))
+def test_a_whole_layer_state_dict_loads_with_its_gemms_together():
+    old = train(replace(_whole_layer(CASE), steps=12))
+    state = json.loads(json.dumps(old.supervisor.state_dict()))
     assert "gemms" not in state["layers"]["1"] and all("gemm" not in d for d in state["log"])
-    new = _Run(_ctl())
-    new.ctl.load_state_dict(state)
-    new.step(*data[12])
-    assert new.ctl.precision("1", "output") == new.ctl.precision("1", "grad_weight") == "bf16"
-    assert new.ctl.log == old.ctl.log and new.ctl.log[0].gemm is None
+    new = Trainer(CASE, seed=0)
+    new.supervisor.load_state_dict(state)
+    new.step(12)
+    assert new.supervisor.precision("1", "output") == new.supervisor.precision("1", "grad_weight") == "bf16"
+    assert new.supervisor.log == old.supervisor.log and new.supervisor.log[0].gemm is None
 
 
 def test_precision_of_an_unknown_gemm_raises(run):
     with pytest.raises(ValueError, match="gemm must be one of"):
-        run.ctl.precision("1", "backward")
+        run.supervisor.precision("1", "backward")
     with pytest.raises(ValueError, match="per_gemm must be a bool"):
         Controller(per_gemm="yes")
 
@@ -189,31 +137,19 @@ def test_fp4_flush_statistic_is_the_share_a_block_scale_zeroes():
 
 
 # ----------------------------------------------------------------- fp4 rungs
-FP4_LADDER = ("nvfp4", "tensorwise", "compute")
-
-
-def _heavy_inputs(steps: int = 60, heavy: int = 20) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Inputs with every 8th feature 100x the others while t < heavy (an NVFP4 block of 16
-    features holds two: the 14 others flush), N(0, 1) after (about 7% flushed); loss weights N(0, 1)."""
-    g = torch.Generator().manual_seed(5)
-    out = []
-    for t in range(steps):
-        x = torch.randn(16, 32, generator=g)
-        if t < heavy:
-            x = x * torch.where(torch.arange(32) % 8 == 0, 100.0, 1.0)
-        out.append((x, torch.randn(16, 32, generator=g)))
-    return out
+FP4 = CASES["ladder-fp4"]  # inputs with every 8th feature 100x the others for 20 steps, N(0, 1) after
 
 
 def test_heavy_tailed_inputs_move_an_nvfp4_layer_to_fp8_and_back():
-    run = _train(_ctl(per_gemm=False, ladder=FP4_LADDER), _heavy_inputs(), recipe="nvfp4")
-    first = [d for d in run.ctl.log if d.layer == "0"]
+    run = train(_whole_layer(FP4))
+    precisions = run.records["gemm_precisions"]
+    first = [d for d in run.supervisor.log if d.layer == "0"]
     assert [(d.action, d.from_, d.to) for d in first] == [
         ("promote", "nvfp4", "fp8-tensorwise"), ("demote", "fp8-tensorwise", "nvfp4")]
     assert first[0].step == 5 and first[0].operand == "input" and first[0].value > 0.8
     assert first[0].threshold == 0.15
     assert first[1].step > 20 and first[1].value <= 0.12 and first[1].threshold == 0.12
-    assert run.precisions[6]["0"] == ("fp8-tensorwise",) * 3 and run.precisions[-1]["0"] == ("nvfp4",) * 3
+    assert precisions[6]["0"] == ("fp8-tensorwise",) * 3 and precisions[-1]["0"] == ("nvfp4",) * 3
 
 
 def test_per_gemm_fp4_promotes_only_the_gemm_whose_blocks_hold_the_outliers():
@@ -221,21 +157,23 @@ def test_per_gemm_fp4_promotes_only_the_gemm_whose_blocks_hold_the_outliers():
     the weight-gradient GEMM reads it in blocks of 16 tokens of one feature (nothing flushed),
     the input-gradient GEMM not at all: those two stay in NVFP4 beside an fp8 forward (one fp4
     recipe with an fp8 GEMM), and the forward comes back after the heavy steps."""
-    run = _train(_ctl(ladder=FP4_LADDER), _heavy_inputs(), recipe="nvfp4")
-    assert [(d.step, d.layer, d.gemm, d.action, d.operand) for d in run.ctl.log] == [
+    run = train(FP4)
+    precisions = run.records["gemm_precisions"]
+    assert [(d.step, d.layer, d.gemm, d.action, d.operand) for d in run.supervisor.log] == [
         (5, "0", "output", "promote", "input"), (30, "0", "output", "demote", "input")]
-    assert run.precisions[6]["0"] == ("fp8-tensorwise", "nvfp4", "nvfp4")
+    assert precisions[6]["0"] == ("fp8-tensorwise", "nvfp4", "nvfp4")
     recipe = mixprec.fp8.layer_state(run.model[0]).recipe
     assert recipe is not None and recipe.fp4  # back on the nvfp4 rung's own recipe
-    assert run.precisions[-1]["0"] == ("nvfp4",) * 3
+    assert precisions[-1]["0"] == ("nvfp4",) * 3
 
 
 # ----------------------------------------------------------------- distributed
 def _rank_worker(rank: int, port: int, out_dir: str) -> None:
-    data = _data(steps=40) if rank == 0 else _data(steps=40, heavy=0, seed=4)
+    data = WeightedLoss(steps=40) if rank == 0 else WeightedLoss(steps=40, heavy=0, seed=4)
     with gloo_group(rank, port):
-        run = _train(_ctl(), data)
-        torch.save({"log": run.ctl.log, "precisions": run.precisions}, os.path.join(out_dir, f"rank{rank}.pt"))
+        run = train(replace(CASE, data=data, steps=40))
+        torch.save({"log": run.supervisor.log, "precisions": run.records["gemm_precisions"]},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.distributed

@@ -31,7 +31,7 @@ def test_the_setups_run_nvfp4_with_the_controller_only_in_mixprec_fp4() -> None:
         assert setup.fp8_recipe == "nvfp4" and rule.recipe_for("blocks.0.fc").fp4
         assert rule.first_last == ("keep" if name == "mixprec-fp4-hand" else "fp8")
         assert (setup.fp8_controller is not None) == (name == "mixprec-fp4") and setup.fp8_guard is None
-        assert rule.controller is setup.fp8_controller
+        assert rule.live is setup.fp8_controller
     ctl = MODES["mixprec-fp4"].setup(TransformerLM(MICRO), micro(1), CPU).fp8_controller
     assert isinstance(ctl, Controller) and ctl.ladder == FP4_LADDER
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import mixprec
+from mixprec.control._decide import layer_up
 from mixprec import Controller, Policy, fp8
 
 R = fp8.Float8Recipe.from_name
@@ -241,7 +242,7 @@ def test_the_controller_climbs_the_audits_ladder_to_the_block_format_the_outlier
     with mixprec.autocast("cpu", policy=Policy.parse("compute=bf16").fp8(first_last="fp8", controller=ctl)):
         small(torch.randn(4, 48))
     rec = ctl._layers["0"]
-    assert rec.allowed == (True, False, False, True) and ctl._up(rec) == 3
+    assert rec.allowed == (True, False, False, True) and layer_up(rec) == 3
 
 
 def test_a_checkpoint_with_a_rung_the_layer_cannot_run_is_refused() -> None:

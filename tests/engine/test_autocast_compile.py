@@ -325,17 +325,17 @@ def test_a_graph_break_inside_a_region_leaves_no_region_behind():
 
 
 def test_a_region_traced_inside_compile_runs_with_its_own_controller():
-    """Policies equal but for their controller (equality leaves it out) trace distinct regions:
-    before, the second traced region ran with the first policy's (no controller), which then
-    never saw the layers."""
+    """Policies equal but for the live controller they carry (equality leaves the object out)
+    trace distinct regions: before, the second traced region ran with the first policy's
+    controller, which then saw the layers in place of the second's."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
     x = torch.randn(4, 32)
-    ctl = mixprec.Controller()
-    plain = mixprec.Policy.parse("compute=bf16").fp8(first_last="fp8")
+    ctl, other = mixprec.Controller(), mixprec.Controller()
+    first = mixprec.Policy.parse("compute=bf16").fp8(controller=other, first_last="fp8")
     controlled = mixprec.Policy.parse("compute=bf16").fp8(controller=ctl, first_last="fp8")
-    assert plain == controlled
-    for policy in (plain, controlled):
+    assert first == controlled
+    for policy in (first, controlled):
         torch._dynamo.reset()
 
         def f(x, policy=policy):
@@ -344,6 +344,7 @@ def test_a_region_traced_inside_compile_runs_with_its_own_controller():
 
         torch.compile(f, backend="eager", fullgraph=True)(x)
     assert ctl.precision("0") == "fp8-tensorwise" and ctl.precision("2") == "fp8-tensorwise"
+    assert other.precision("0") == "fp8-tensorwise"
 
 
 @pytest.mark.parametrize("rule", ["fp8", "keep fp16", "output=f32"])

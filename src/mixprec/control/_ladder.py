@@ -281,7 +281,7 @@ class Probe:
         # controller at its step; the shadows are measured on every step, kept on shadow steps
         # by a device flag (``rec.measuring``), bitwise what eager keeps (``rec.measuring_now``)
         compiling = torch.compiler.is_compiling()
-        if self.dtype is None or compiling:
+        if compiling or self.dtype is None:  # (compiling first: traced code reads no dtype, no guard)
             self.dtype = x.dtype
         measuring, gate = (True, rec.measuring) if compiling else (rec.measuring_now, None)
         if x.dtype is torch.float16:

@@ -52,8 +52,9 @@ class Shell:
 
     def __getattr__(self, name: str) -> Any:
         settings = self.__dict__.get("settings")
-        if settings is not None and name in settings.__dataclass_fields__:
-            return getattr(settings, name)
+        if settings is not None and (name in settings.__dataclass_fields__
+                                     or isinstance(getattr(type(settings), name, None), property)):
+            return getattr(settings, name)  # a setting, or what follows from them (``demote_cost``)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:

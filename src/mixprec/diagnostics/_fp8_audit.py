@@ -12,7 +12,7 @@
 
 With ``recipe="auto"`` step 2 runs once per format of :data:`AUTO_FORMATS` (``"auto-fp4"``:
 :data:`AUTO_FP4_FORMATS`, the fp4 ones first, judged by the underflow limit of fp4 rungs,
-``Controller.fp4_max_underflow``, or ``underflow_threshold`` if higher, and the SQNR floor
+``ControllerSettings.fp4_max_underflow``, or ``underflow_threshold`` if higher, and the SQNR floor
 :data:`FP4_MIN_SQNR_DB`, or ``min_sqnr_db`` if lower), cheapest first: each
 pass tries, in that format, the layers that no cheaper format passed (and that are eligible for
 it), with the layers decided so far in their formats; a layer takes the first format it passes.
@@ -149,7 +149,7 @@ def recommend_fp8(passes: Passes, policy: Any, recipe: Any, scale: float, *,
                 # an e2m1 block flushes 7-11% of Gaussian data: fp4 has the controller's limit
                 limit, floor = underflow_threshold, min_sqnr_db
                 if r.fp4:
-                    limit = max(limit, fp8.Controller.fp4_max_underflow)
+                    limit = max(limit, fp8.ControllerSettings.fp4_max_underflow)
                     floor = None if floor is None else min(floor, FP4_MIN_SQNR_DB)
                 why = _past_threshold(read, limit, floor)
                 if why is None:

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
+from mixprec._dtype_names import short_name
 from mixprec._modules import clean_name, named_modules
 from mixprec.fp8._collective import agree_on_layers, all_reduce_max, distributed
 from mixprec.fp8._fsdp import Float8AllGatherWeight
@@ -34,7 +35,6 @@ from mixprec._scaled import Scaled, last_count, scaled_since
 
 __all__ = ["Controller", "Decision", "MAX_HORIZON", "RUNGS", "qualified", "shadow_phase", "sustained_slope"]
 
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)  # a check's header code (MAX): fp16 wins
 _COMPUTE_CODES = {dtype: code for code, dtype in enumerate(_COMPUTE_DTYPES)}
 
@@ -297,7 +297,7 @@ class Controller:
         if name in LOW_RUNGS:
             return f"fp8-{name}"
         if name == "compute":
-            return _DTYPE_NAMES.get(self._compute, "compute") if self._compute is not None else "compute"
+            return short_name(self._compute, "compute") if self._compute is not None else "compute"
         return name
 
     def _policy_forward(self, layers: Mapping[str, nn.Module], policy: Any) -> None:

@@ -4,7 +4,11 @@ CI on another machine.
 
 bf16 GEMMs and reductions round differently on AVX2, AVX-512, AVX-512 with native bf16 and AMX.
 oneDNN (``ONEDNN_MAX_CPU_ISA``) and ATen's vectorized kernels (``ATEN_CPU_CAPABILITY``) both cap
-what they use at start-up, so one machine reproduces every CPU below its own.
+what they use at start-up, so one machine reproduces every CPU below its own. Inductor's C++
+kernels follow ``ATEN_CPU_CAPABILITY`` too (``torch._inductor.cpu_vec_isa.pick_vec_isa``), but its
+on-disk cache does not key on it: a kernel generated for AVX-512 by a native run is reloaded and
+built for AVX2 by a capped one, and computes garbage (all-NaN outputs, a failure no AVX2 machine
+has). So each cap below native gets its own ``TORCHINDUCTOR_CACHE_DIR``, beside the usual one.
 
 Usage (from the repository root, after ``bash scripts/venv.sh``)::
 
@@ -20,9 +24,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import getpass
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,13 +47,29 @@ class Cap:
     needs: tuple[str, ...]
 
     def env(self) -> dict[str, str]:
+        """This process's environment with the cap set, and (below native) inductor's cache in a
+        folder of the cap's own: ``<TORCHINDUCTOR_CACHE_DIR or torch's default>-<name>``."""
         env = dict(os.environ)
         for key, value in (("ONEDNN_MAX_CPU_ISA", self.onednn), ("ATEN_CPU_CAPABILITY", self.aten)):
             if value is None:
                 env.pop(key, None)
             else:
                 env[key] = value
+        if self.name != "native":
+            env["TORCHINDUCTOR_CACHE_DIR"] = f"{inductor_cache_dir(env)}-{self.name}"
         return env
+
+
+def inductor_cache_dir(env: dict[str, str]) -> str:
+    """Inductor's cache folder for ``env``: ``TORCHINDUCTOR_CACHE_DIR``, else torch's default
+    (``torch._inductor.runtime.cache_dir_utils.default_cache_dir``, without importing torch)."""
+    if env.get("TORCHINDUCTOR_CACHE_DIR"):
+        return env["TORCHINDUCTOR_CACHE_DIR"]
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 #: lowest first; "native" is the CPU as it is
@@ -91,8 +114,10 @@ def run(cap: Cap, subset: bool, extra: list[str]) -> tuple[int, float]:
     cmd += extra
     print(f"== {cap.name}: ONEDNN_MAX_CPU_ISA={cap.onednn or '(unset)'} "
           f"ATEN_CPU_CAPABILITY={cap.aten or '(unset)'}: {' '.join(cmd[1:])}", flush=True)
+    env = cap.env()
+    print(f"   TORCHINDUCTOR_CACHE_DIR={env.get('TORCHINDUCTOR_CACHE_DIR', '(unset)')}", flush=True)
     start = time.monotonic()
-    status = subprocess.call(cmd, cwd=ROOT, env=cap.env())
+    status = subprocess.call(cmd, cwd=ROOT, env=env)
     return status, time.monotonic() - start
 
 

@@ -504,13 +504,19 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _policy_route(trainer: Trainer, case: Case, kw: dict[str, Any]) -> None:
+    """The policy names the supervisor's settings; the live one is attached to the model. Read
+    back from JSON, the policy gives the settings the run's own supervisor is built from."""
     options = {k: v for k, v in (("names", case.fp8_names), ("backend", case.backend)) if v is not None}
+    settings = {key: live.settings for key, live in kw.items()}
     policy = Policy.parse(f"compute={case.compute}").fp8(recipe_of(case.recipe), first_last=case.first_last,
-                                                        **options, **kw)
+                                                        **options, **settings)
     if case.policy_json:
         policy = Policy.from_json(policy.to_json())
         if case.supervisor is not None:
-            trainer.supervisor = getattr(policy.fp8_rule, case.supervisor.feature.keyword)
+            keyword = case.supervisor.feature.keyword
+            trainer.supervisor = type(trainer.supervisor)(getattr(policy.fp8_rule, keyword))
+    if trainer.supervisor is not None:
+        trainer.supervisor.attach(trainer.model)
     trainer.region = lambda: mixprec.autocast("cpu", policy=policy)
 
 
@@ -746,18 +752,18 @@ def resume(case: Case, saved: Mapping[str, Any], records: dict[str, list[Any]], 
     return resumed
 
 
-def train(case: Case, tmp: Path | None = None) -> Result:
-    """Run ``case``: straight through, or checkpointed before step ``resume_at`` and finished by
-    objects rebuilt from scratch (:func:`resume`; ``resume_in="process"``: a fresh Python process,
-    files under ``tmp``)."""
+def train(case: Case) -> Result:
+    """Run ``case`` in this process: straight through, or checkpointed before step ``resume_at``
+    and finished by objects rebuilt from scratch (:func:`resume`). A case resumed in a fresh
+    process runs through :func:`train_resumed_in_a_process` (a test that starts a process is slow)."""
+    if case.resume_in == "process":
+        raise ValueError("train(case) runs in this process: use train_resumed_in_a_process(case, tmp)")
     trainer = Trainer(case, case.seed)
     if case.resume_at is None:
         trainer.run(0, case.steps)
         return trainer.result()
     trainer.run(0, case.resume_at)
     saved = checkpoint(trainer)
-    if case.resume_in == "process":
-        return _resume_in_fresh_process(case, saved, trainer.records, tmp)
     fresh = None
     if case.from_config:
         fresh = type(trainer.supervisor).from_config(trainer.supervisor.config())
@@ -776,11 +782,13 @@ torch.save(run.result().plain(), sys.argv[3])
 """
 
 
-def _resume_in_fresh_process(case: Case, saved: Mapping[str, Any], records: dict[str, list[Any]],
-                             tmp: Path | None) -> Result:
-    """The checkpoint holds everything: a new Python process (no state left in mixprec's or
-    torch's process-wide caches, registries and generators) loads it and runs the remaining steps."""
-    assert tmp is not None, "a fresh-process resume needs a folder for its files"
+def train_resumed_in_a_process(case: Case, tmp: Path) -> Result:
+    """Run ``case`` here up to ``resume_at``, checkpoint it, and finish it in a new Python process
+    (no state left in mixprec's or torch's process-wide caches, registries and generators) that
+    loads the checkpoint and runs the remaining steps; files under ``tmp``."""
+    trainer = Trainer(case, case.seed)
+    trainer.run(0, case.resume_at)
+    saved, records = checkpoint(trainer), trainer.records
     torch.save(saved, tmp / "state.pt")
     (tmp / "case.pkl").write_bytes(pickle.dumps((case, records)))
     here = Path(__file__).resolve().parent

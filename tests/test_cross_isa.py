@@ -46,3 +46,18 @@ def test_the_cross_isa_subset_passes_under_the_lowest_cap() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "cross_isa.py"), "--subset", "--caps", "lowest",
                           "--", "-x"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+
+
+def test_each_cap_below_native_has_its_own_inductor_cache(monkeypatch) -> None:
+    """Inductor's cache does not key on ``ATEN_CPU_CAPABILITY``: a kernel a native run generated
+    for AVX-512, reloaded under the AVX2 cap, computes all-NaN outputs (no AVX2 machine does)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/inductor-here")
+    caps = {c.name: c.env().get("TORCHINDUCTOR_CACHE_DIR") for c in cross_isa.CAPS}
+    assert caps["native"] == "/tmp/inductor-here"
+    assert caps["avx2"] == "/tmp/inductor-here-avx2"
+    assert len(set(caps.values())) == len(caps)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert cross_isa.CAPS[0].env()["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir() + "-avx2"
+    assert "TORCHINDUCTOR_CACHE_DIR" not in cross_isa.CAPS[-1].env()

@@ -43,7 +43,7 @@ from hypothesis import strategies as st
 from _adv_profile import profile
 from _adv_programs import ProgramData, Shape, Step, batch, net, shapes, steps
 from _train_cases import (OPTIMIZERS, RECIPES, ROUTES, SUPERVISORS, Case, Result, Scaler, Supervisor, Trainer,
-                          controller, guard, optim, scaler, train)
+                          controller, guard, optim, scaler, train, train_resumed_in_a_process)
 from mixprec import fp8
 from mixprec.fp8 import Float8Recipe
 
@@ -452,6 +452,6 @@ def test_a_fresh_process_continues_bitwise(program: Case, tmp_path: Path) -> Non
     torch's process-wide caches, registries and generators) that loads it and runs the remaining
     steps ends bitwise where the straight run does (NVFP4 with stochastic rounding: the draws)."""
     straight = train(replace(program, resume_at=None))
-    resumed = train(replace(program, resume_in="process"), tmp_path)
+    resumed = train_resumed_in_a_process(replace(program, resume_in="process"), tmp_path)
     assert resumed.trainer is None and resumed.rebuilt_at == program.resume_at  # it ended in the other process
     assert_same_end(straight, resumed, f"a fresh process resumed at step {program.resume_at}")

@@ -208,7 +208,8 @@ def test_loading_a_policy_with_state_says_where_its_state_comes_from(state, tmp_
             model(torch.randn(2, 16))
     with pytest.raises(ValueError, match="other settings than the policy's"):
         with mixprec.autocast("cpu", policy=fresh):
-            type(obj)(every=7).attach(model)(torch.randn(2, 16))
+            type(obj)(every=7).attach(model)
+            model(torch.randn(2, 16))
     mine = type(obj)(every=5)
     type(obj).detach(model)
     mine.attach(model)

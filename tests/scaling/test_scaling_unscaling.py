@@ -71,6 +71,34 @@ def test_global_unscaling_is_torchs_unscale_bit_for_bit():
     assert {d: float(f) for d, f in found.items()} == {d: float(f) for d, f in expected.items()} == {torch.device("cpu"): 1.0}
 
 
+def test_the_per_region_loop_is_torchs_unscale_of_each_region_bit_for_bit():
+    """Per-layer scaling divides by the plain loop with one scale per region: each region's
+    gradients come out as torch's unscale by that region's scale gives them."""
+    from mixprec._unscale import unscale_
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, generator=gen) * 1e3, torch.randn(3, 2, generator=gen).double(),
+             torch.randn(4, generator=gen), torch.randn(6, generator=gen).half(), torch.randn(2, generator=gen)]
+    grads[3][1] = float("inf")
+    regions = [2, 0, 1, 2, 0]
+    scales = torch.tensor([3.0, 3.0 * 2**7, 3.0 * 2**-5])
+    ours = [g.clone() for g in grads]
+    found = unscale_(ours, scales, regions)
+    flags = []
+    for region, scale in enumerate(scales):
+        params = [nn.Parameter(torch.zeros_like(g)) for g, r in zip(grads, regions) if r == region]
+        for p, g in zip(params, [g.clone() for g, r in zip(grads, regions) if r == region]):
+            p.grad = g
+        inv = scale.double().reciprocal().float()
+        expected = torch.amp.GradScaler("cpu")._unscale_grads_(torch.optim.SGD(params, lr=0.1), inv, torch.zeros(()), True)
+        flags.append(float(expected[torch.device("cpu")]))
+        mine = [g for g, r in zip(ours, regions) if r == region]
+        assert all(torch.equal(a, p.grad) for a, p in zip(mine, params)), region
+    assert flags == [0.0, 0.0, 1.0] and {d: float(f) for d, f in found.items()} == {torch.device("cpu"): 1.0}
+    with pytest.raises(ValueError, match="one region per gradient"):
+        unscale_(ours, scales, regions[:-1])
+
+
 def test_global_unscaling_leaves_the_rule_alone_and_warns_on_per_layer_state():
     config = ScaleConfig()
     state = init_state(8.0, config)

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
+from mixprec._dtype_names import short_name
 from mixprec.control._ladder import GEMM_OPERANDS, GEMMS, Decision, LayerRecord, compose, gemm_casts
 from mixprec.control._settings import FP4_RUNGS, LOW_RUNGS, ControllerSettings
 from mixprec.control._trend import Trend, demote_windows, grow, log2, ratio, underflow_forecast
@@ -40,7 +41,7 @@ def rung_name(ladder: tuple[str, ...], rung: int, compute: torch.dtype | None) -
     if name in LOW_RUNGS:
         return f"fp8-{name}"
     if name == "compute":
-        return _SHORT.get(compute, "compute")
+        return short_name(compute, "compute") if compute is not None else "compute"
     return name
 
 
@@ -71,7 +72,6 @@ class Check:
         return rung_name(self.settings.ladder, rung, self.compute)
 
 
-_SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _NCOL = len(STAT_NAMES)
 _UNDERFLOW, _NONFINITE = STAT_NAMES.index("underflow"), STAT_NAMES.index("nonfinite")
 _RANGE = ("input", "output")

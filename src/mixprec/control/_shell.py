@@ -97,11 +97,12 @@ class Shell:
         """
         return cls(cls.SETTINGS.from_dict(config))
 
-    def attach(self, model: nn.Module) -> nn.Module:
+    def attach(self, model: nn.Module) -> Any:
         """Make this the live one of ``model``'s regions: a policy's fp8 layers in ``model``
         (called as the region's model) are tracked and governed by it. Kept as a plain
         attribute of the bare model (without DDP's, FSDP's or torch.compile's wrapper), so a
-        copy or a pickle of the model carries its own copy. Returns ``model``.
+        copy or a pickle of the model carries its own copy. Returns itself
+        (``ctl = Controller(every=10).attach(model)``).
 
         Raises ValueError when another Guard or Controller is attached to ``model`` already.
         """
@@ -111,7 +112,7 @@ class Shell:
             raise ValueError(f"{type(bare).__name__} already has a {type(other).__name__} attached; a model has one "
                              f"(detach it first: {type(other).__name__}.detach(model))")
         bare.__dict__[_ATTRIBUTE] = self
-        return model
+        return self
 
     @staticmethod
     def detach(model: nn.Module) -> None:

@@ -60,6 +60,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 from torch import nn
 
+from mixprec._dtype_names import dtype_name, lookup, parse_dtype
 from mixprec.diagnostics._fp8_audit import recommend_fp8
 from mixprec.diagnostics._passes import FixedScale, Passes
 from mixprec.diagnostics._shortest import exact_names, shortest
@@ -71,16 +72,16 @@ from mixprec.policy import Policy
 
 __all__ = ["AuditReport", "Risk", "audit", "check_batch", "check_device", "dtype_names"]
 
-_CANDIDATES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-_ALIASES = {"fp16": "float16", "half": "float16", "f16": "float16", "bf16": "bfloat16"}
+_CANDIDATES = {name: parse_dtype(name) for name in ("float16", "bfloat16")}
 _FP16_MAX = torch.finfo(torch.float16).max
 
 
 def _dtype_name(dtype: torch.dtype | str, fp8_option: str) -> str:
     if isinstance(dtype, torch.dtype):
-        name = str(dtype).removeprefix("torch.")
+        name = dtype_name(dtype)
     elif isinstance(dtype, str):
-        name = _ALIASES.get(dtype.strip().lower(), dtype.strip().lower())
+        named = lookup(dtype)
+        name = dtype.strip().lower() if named is None else dtype_name(named)
     else:
         raise TypeError(f"dtypes must hold torch.dtype or str values, got {type(dtype).__name__}")
     if name not in _CANDIDATES:

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from mixprec._dtype_names import parse_dtype
 from mixprec.policy import Policy
 
+#: Lightning's names of the two mixed precisions -> Accelerate's, which are dtype names
+_LIGHTNING = {"16-mixed": "fp16", "bf16-mixed": "bf16"}
 #: Lightning's and Accelerate's names of the two mixed precisions -> the autocast dtype.
-PRECISIONS: dict[str, torch.dtype] = {
-    "16-mixed": torch.float16,
-    "bf16-mixed": torch.bfloat16,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-}
+PRECISIONS: dict[str, torch.dtype] = {name: parse_dtype(_LIGHTNING.get(name, name))
+                                      for name in ("16-mixed", "bf16-mixed", "fp16", "bf16")}
 
 
 def resolve_policy(policy: Policy | str | None, dtype: torch.dtype, where: str) -> Policy:

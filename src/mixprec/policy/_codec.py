@@ -27,44 +27,12 @@ import torch
 from torch import nn
 
 from mixprec import ops as _ops
+from mixprec._dtype_names import DTYPE_NAMES, dtype_name, parse_dtype
 from mixprec._modules import ModuleRule
 from mixprec._ops_names import check_castable, rule_names
 
 __all__ = ["DTYPE_NAMES", "check_dtype", "parse_dtype", "dtype_name", "expect", "short", "refuse_unknown", "import_type",
            "type_path", "module_rule_to_dict", "module_rule_from_dict", "checked_op_rules", "rule_kind"]
-
-DTYPE_NAMES: Mapping[str, torch.dtype] = MappingProxyType({
-    "float32": torch.float32,
-    "f32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "single": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "f16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-})
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``"bf16"``, ``"bfloat16"``, ``"half"``, ``"f32"``, ... (or a dtype) -> ``torch.dtype``."""
-    if isinstance(name, torch.dtype):
-        return name
-    key = str(name).strip().lower().removeprefix("torch.")
-    try:
-        return DTYPE_NAMES[key]
-    except KeyError:
-        raise ValueError(
-            f"unknown dtype {name!r}; use one of {', '.join(sorted(DTYPE_NAMES))}"
-        ) from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"`` (what :func:`parse_dtype` reads back)."""
-    return str(dtype).removeprefix("torch.")
-
 
 def expect(value: Any, types: type | tuple[type, ...], what: str, shape: str) -> Any:
     """``value`` if it is an instance of ``types`` (a bool is no int here), else a ValueError

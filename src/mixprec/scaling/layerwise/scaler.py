@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from mixprec._unscale import inverse_scale
+from mixprec._unscale import unscale_
 from mixprec.scaling.layerwise.graph import choose_cut_points
 from mixprec.scaling.layerwise.planning import GRAPH_KEYS, CutHook, GraphPlanning
 from mixprec.scaling.layerwise.rule import LayerState, Topology, exponent_of, host_rule, host_totals, layer_rule, pow2, topology
@@ -190,46 +190,29 @@ class Layerwise(GraphPlanning, Unscaling):
         """Divides each gradient by its region's scale (``scale * 2**T_r``) in place, records the
         regions' amax first; returns the per-device overflow flags (0 or 1). No host sync.
 
-        The reciprocals are taken as :func:`mixprec._unscale.inverse_scale` takes them (float64,
-        one per region), and each (device, dtype, region) group goes through torch's
-        ``_amp_foreach_non_finite_check_and_unscale_``, as :func:`mixprec._unscale.unscale_` does.
+        The division is :func:`mixprec._unscale.unscale_` with one scale per region (the loss
+        scale's loop: reciprocals in float64, one torch kernel call per (device, dtype, region)).
         """
         state = self.ensure_state(scale.device)
         self.check_backward()
         self._release_step_hooks()
         lookup = self._region_lookup(optimizer)
-        groups: dict[tuple[torch.device, torch.dtype], dict[int, list[torch.Tensor]]] = {}
+        regions = [lookup.get(id(param), 0) for param in params]
         measured: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
-        for param, grad in zip(params, grads):
+        for grad, region in zip(grads, regions):
             values = grad._values() if grad.is_sparse else grad
-            key, region = (values.device, values.dtype), lookup.get(id(param), 0)
-            groups.setdefault(key, {}).setdefault(region, []).append(values)
             if values.numel():  # FSDP2: empty shards
-                tensors, regions_of = measured.setdefault(key, ([], []))
+                tensors, regions_of = measured.setdefault((values.device, values.dtype), ([], []))
                 tensors.append(values)
                 regions_of.append(region)
-        if not groups:
-            return {}
         stats = state["stats"]
-        inverse = inverse_scale(scale * state["region_factor"])  # one reciprocal per region
-        inverses: dict[torch.device, tuple[torch.Tensor, ...]] = {}
-        found: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
-            for key, per_region in groups.items():
-                device = key[0]
-                if key in measured:
-                    extremes, regions_of = _extremes(*measured[key])
-                    if extremes.device != stats.device or extremes.dtype != torch.float32:
-                        extremes = extremes.to(stats.device, torch.float32)
-                    stats.scatter_reduce_(0, self._index(regions_of, stats.device), extremes, reduce="amax")
-                if device not in found:
-                    found[device] = torch.zeros((), dtype=torch.float32, device=device)
-                    on_device = inverse if device == inverse.device else inverse.to(device, non_blocking=True)
-                    inverses[device] = on_device.unbind()
-                for region, region_grads in per_region.items():
-                    torch._amp_foreach_non_finite_check_and_unscale_(
-                        region_grads, found[device], inverses[device][region]
-                    )
+            for tensors, regions_of in measured.values():  # the regions' amax, before the division
+                extremes, regions_of = _extremes(tensors, regions_of)
+                if extremes.device != stats.device or extremes.dtype != torch.float32:
+                    extremes = extremes.to(stats.device, torch.float32)
+                stats.scatter_reduce_(0, self._index(regions_of, stats.device), extremes, reduce="amax")
+            found = unscale_(grads, scale * state["region_factor"], regions)
             skipped = self._known - self._fired_step
             if skipped and measured:
                 # A step that skipped cut points: the regions at and below them are not measured

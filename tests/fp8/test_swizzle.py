@@ -6,6 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mixprec import fp8
+from mixprec.formats._blocks import quantize as block_quantize
+from mixprec.formats._fp4 import quantize as fp4_quantize
 from mixprec.formats._swizzle import blocked_numel, from_blocked, to_blocked
 
 from _fake_cuda import fake_cuda, fake_mode  # noqa: F401
@@ -83,3 +86,40 @@ def test_swizzle_on_fake_cuda(fake_cuda, rows, cols):
         back = from_blocked(b, rows, cols)
     assert (b.shape, b.dtype, b.device.type) == ((blocked_numel(rows, cols),), torch.float8_e8m0fnu, "cuda")
     assert (back.shape, back.dtype, back.device.type) == ((rows, cols), torch.float8_e8m0fnu, "cuda")
+
+
+def _native_operand(t: torch.Tensor, recipe: fp8.Float8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """mixprec's cast of ``t`` (contracted dimension last) as a block-scaled GEMM reads it: the
+    data (fp8, or fp4 packed as ``float4_e2m1fn_x2``) and the swizzled 1-byte block scales."""
+    cast = recipe.input
+    if cast.is_fp4:
+        q = fp4_quantize(t, cast)
+        scales = q.scales.view(torch.float8_e8m0fnu) if q.scales.dtype == torch.uint8 else q.scales
+        return q.codes.view(torch.float4_e2m1fn_x2), to_blocked(scales)
+    q, deq, _ = block_quantize(t, cast, recipe.pow2_scales)
+    return q, to_blocked(deq.to(torch.float8_e8m0fnu))  # powers of 2: exact
+
+
+#: recipe -> its scaling type. Not mxfp4: torch 2.13's meta check counts an fp4 operand's K in packed
+#: bytes for 1x32 scales (it asks half mixprec's, and torchao's, scale count; 1x16 counts K unpacked).
+NATIVE = {"mxfp8": "BlockWise1x32", "nvfp4_1x16": "BlockWise1x16"}
+
+
+@pytest.mark.parametrize("m,k,n", [(200, 256, 128), (1, 256, 128), (33, 96, 256)], ids=lambda v: str(v))
+@pytest.mark.parametrize("name", list(NATIVE))
+def test_block_scaled_operands_fit_scaled_mm_at_sm100(fake_cuda, name, m, k, n):
+    """What a native sm100 forward GEMM would take (no caller yet): mixprec's block casts of x and
+    W with swizzled scales are accepted by ``F.scaled_mm``'s meta checks (scale counts per 128x4
+    tile, dtypes, swizzle), awkward M included; unswizzled scales are refused, so the check looks."""
+    F = torch.nn.functional
+    recipe = fp8.Float8Recipe.nvfp4(weight_block=(1, 16)) if name == "nvfp4_1x16" else fp8.as_recipe(name)
+    scaling = getattr(F.ScalingType, NATIVE[name])
+    swizzle = F.SwizzleType.SWIZZLE_32_4_4
+    fake_cuda.set_capability((10, 0))
+    with fake_mode():
+        (a, sa), (b, sb) = (_native_operand(torch.randn(rows, k, device="cuda"), recipe) for rows in (m, n))
+        out = F.scaled_mm(a, b.t(), sa, scaling, sb, scaling, swizzle_a=swizzle, swizzle_b=swizzle,
+                          output_dtype=torch.bfloat16)
+        assert (out.shape, out.dtype, out.device.type) == ((m, n), torch.bfloat16, "cuda")
+        with pytest.raises(RuntimeError, match="must have"):
+            F.scaled_mm(a, b.t(), sa, scaling, sb, scaling, output_dtype=torch.bfloat16)

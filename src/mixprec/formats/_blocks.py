@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from mixprec.formats._recipe import Cast
 
-__all__ = ["quantize", "dequantize", "gemm_dtype", "block_gemm", "amax_to_scale", "E8M0_BIAS", "EPS"]
+__all__ = ["quantize", "dequantize", "per_block", "gemm_dtype", "block_gemm", "amax_to_scale", "E8M0_BIAS", "EPS"]
 
 E8M0_BIAS = 127
 #: the smallest amax a float32 scale is computed from (torchao's ``EPS``).
@@ -53,7 +53,14 @@ def _blocked(x2: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 def _unblocked(xb: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     out = xb.reshape(xb.shape[0] * xb.shape[1], xb.shape[2] * xb.shape[3])
-    return out if out.shape == shape else out[: shape[0], : shape[1]].contiguous()
+    return out if out.shape == shape else out.narrow(0, 0, shape[0]).narrow(1, 0, shape[1]).contiguous()
+
+
+def per_block(s: torch.Tensor) -> torch.Tensor:
+    """Per-block values ``s`` (``[R/rows, C/cols]``) broadcast over :func:`_blocked`'s layout:
+    ``s[:, None, :, None]``, through ``unsqueeze`` (no indexing: the block casts use aten ops
+    only, which a fake CUDA tensor on a CPU-only build takes; indexing's binding is refused)."""
+    return s.unsqueeze(1).unsqueeze(3)
 
 
 def _e8m0(amax: torch.Tensor, fmax: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +112,7 @@ def quantize(x2: torch.Tensor, cast: Cast, pow2: bool
     else:
         mul = amax_to_scale(amax, dtype, pow2)
         deq = 1.0 / mul
-    xs = xb.to(torch.float32) * mul[:, None, :, None]
+    xs = xb.to(torch.float32) * per_block(mul)
     q = xs.clamp_(min=-fmax, max=fmax).to(dtype)  # in place: xs is ours
     return _unblocked(q, x2.shape), deq, amax
 
@@ -114,7 +121,7 @@ def dequantize(q: torch.Tensor, deq: torch.Tensor, cast: Cast, dtype: torch.dtyp
     """``q`` (2-D, as :func:`quantize` returned it) times its blocks' ``deq``, in ``dtype``."""
     rows, cols = cast.block
     qb = _blocked(q.to(dtype), rows, cols)
-    return _unblocked(qb * deq.to(dtype)[:, None, :, None], q.shape)
+    return _unblocked(qb * per_block(deq.to(dtype)), q.shape)
 
 
 def gemm_dtype(cast: Cast, dtype: torch.dtype, fp32: bool = False) -> torch.dtype:

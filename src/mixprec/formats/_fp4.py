@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec import _native
-from mixprec.formats._blocks import _blocked, _e8m0, _e8m0_value, _unblocked
+from mixprec.formats._blocks import _blocked, _e8m0, _e8m0_value, _unblocked, per_block
 from mixprec.formats._recipe import Cast
 
 __all__ = ["E2M1_MAX", "E2M1_VALUES", "Fp4Tensor", "encode_e2m1", "decode_e2m1", "pack", "unpack",
@@ -123,7 +123,8 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
 def pack(codes: torch.Tensor) -> torch.Tensor:
     """Two 4-bit codes per byte along the last dimension (even length): element ``2i`` in the low
     nibble, ``2i + 1`` in the high one (torchao's ``pack_uint4``)."""
-    return codes[..., ::2] | (codes[..., 1::2] << 4)
+    pairs = codes.unflatten(-1, (-1, 2))
+    return pairs.select(-1, 0) | (pairs.select(-1, 1) << 4)
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -163,10 +164,10 @@ class Fp4Tensor:
         values = decode_e2m1(unpack(self.codes))
         vb = values.reshape(values.shape[0] // rows, rows, values.shape[1] // cols, cols)
         if self.tensor_scale is None:
-            out = vb.to(dtype) * _e8m0_value(self.scales).to(dtype)[:, None, :, None]
+            out = vb.to(dtype) * per_block(_e8m0_value(self.scales).to(dtype))
         else:
             scale = self.tensor_scale * self.scales.to(torch.float32)
-            out = (vb * scale[:, None, :, None]).to(dtype)
+            out = (vb * per_block(scale)).to(dtype)
         return _unblocked(out, self.shape)
 
     def magnitudes(self) -> torch.Tensor:
@@ -175,7 +176,7 @@ class Fp4Tensor:
         ops = _kernels(self.codes)
         if ops is not None:
             return ops.fp4_magnitudes(self.codes, self.shape[0], self.shape[1])
-        return _unblocked(unpack(self.codes)[None, :, None, :] & 0x7, self.shape)
+        return _unblocked(unpack(self.codes).unsqueeze(0).unsqueeze(2) & 0x7, self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -212,7 +213,7 @@ def quantize(x2: torch.Tensor, cast: Cast, *, subnormal_scales: bool = False,
     xb = _blocked(x2.to(torch.float32), rows, cols)
     amax = torch.amax(torch.abs(xb), dim=(1, 3))
     scales, tensor_scale, mul = _block_scales(amax, cast, subnormal_scales)
-    xs = (xb * mul[:, None, :, None]).clamp_(-E2M1_MAX, E2M1_MAX)  # in place: the product is ours
+    xs = (xb * per_block(mul)).clamp_(-E2M1_MAX, E2M1_MAX)  # in place: the product is ours
     codes = encode_e2m1(xs, generator)
     codes = codes.reshape(codes.shape[0] * rows, -1)
     return Fp4Tensor(pack(codes), scales, tensor_scale, amax, x2.shape, cast)
@@ -319,7 +320,7 @@ class RoundingKey:
         state = self._state(device)
         half = (n + 1) // 2
         z = _mix64_(torch.arange(half, dtype=torch.int64, device=device).mul_(_signed(_GAMMA)).add_(state))
-        bits = torch.cat([(z >> 8).bitwise_and_(_DRAW_MASK), (z >> 40).bitwise_and_(_DRAW_MASK)])[:n]
+        bits = torch.cat([(z >> 8).bitwise_and_(_DRAW_MASK), (z >> 40).bitwise_and_(_DRAW_MASK)]).narrow(0, 0, n)
         return bits.to(torch.float32).mul_(2.0 ** -_DRAW_BITS).reshape(shape)
 
 

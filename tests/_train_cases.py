@@ -340,17 +340,22 @@ class WeightedLoss(Data):
     ``kind="heavy_grad"``: inputs N(0, 1); the loss weights 1e-3 but one 1e7 while t < heavy
     (grad_output underflows in e5m2), N(0, 1) after. ``kind="heavy_inputs"``: every 8th input
     feature 100x the others while t < heavy (an NVFP4 block of 16 features holds two: the 14
-    others flush), N(0, 1) after; the loss weights N(0, 1)."""
+    others flush), N(0, 1) after; the loss weights N(0, 1). ``again``: heavy a second time, on
+    the ``heavy`` steps from step ``again``."""
 
     kind: str = "heavy_grad"
     steps: int = 70
     heavy: int = 20
     seed: int = 3
+    again: int | None = None
+
+    def is_heavy(self, t: int) -> bool:
+        return t < self.heavy or (self.again is not None and self.again <= t < self.again + self.heavy)
 
     @functools.cache
     def _pairs(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         g = torch.Generator().manual_seed(self.seed)
-        return tuple(_WEIGHTED[self.kind](g, t < self.heavy) for t in range(self.steps))
+        return tuple(_WEIGHTED[self.kind](g, self.is_heavy(t)) for t in range(self.steps))
 
     def micro_batches(self, t: int) -> Sequence[Any]:
         return (self._pairs()[t],)

@@ -6,6 +6,8 @@ wait twice as long, and a backward GEMM promoted from NVFP4 takes the fp8 rung t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import LayerState, new_window, record_cast
 from mixprec.control._trend import Trend, demote_windows, underflow_forecast
 
-from test_ladder import _ctl, _train
+from _train_cases import CASES, WeightedLoss, train
 
 NV, MX = Cast("e2m1", "1x16"), Cast("e2m1", "1x32")
 
@@ -78,27 +80,15 @@ def test_a_demotion_to_fp4_waits_twice_as_long_per_round_trip():
     assert [demote_windows(3, n, False) for n in range(7)] == [3] * 7  # fp8 rungs: as before
 
 
-def _twice_heavy(steps: int = 100) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every 8th input feature 100x the others on steps [0, 20) and [40, 60) (an NVFP4 block of 16
-    features holds two: the 14 others flush), N(0, 1) otherwise."""
-    g = torch.Generator().manual_seed(5)
-    out = []
-    for t in range(steps):
-        x = torch.randn(16, 32, generator=g)
-        if t < 20 or 40 <= t < 60:
-            x = x * torch.where(torch.arange(32) % 8 == 0, 100.0, 1.0)
-        out.append((x, torch.randn(16, 32, generator=g)))
-    return out
-
-
 def test_a_forward_gemm_that_had_to_come_back_up_waits_longer_the_second_time():
     """``demote_windows=2``, every 5 steps: the first demotion after two clean windows (step 30),
     the second after four (step 80, not 70: the demotion at 30 was undone at 45)."""
-    run = _train(_ctl(ladder=("nvfp4", "tensorwise", "compute")), _twice_heavy(), recipe="nvfp4")
-    log = [(d.step, d.gemm, d.action) for d in run.ctl.log if d.layer == "0"]
+    twice = WeightedLoss("heavy_inputs", steps=100, heavy=20, seed=5, again=40)  # heavy on [0, 20) and [40, 60)
+    run = train(replace(CASES["ladder-fp4"], data=twice, steps=100))
+    log = [(d.step, d.gemm, d.action) for d in run.supervisor.log if d.layer == "0"]
     assert log == [(5, "output", "promote"), (30, "output", "demote"), (45, "output", "promote"),
                    (80, "output", "demote")]
-    assert run.precisions[75]["0"] == ("fp8-tensorwise", "nvfp4", "nvfp4")
+    assert run.records["gemm_precisions"][75]["0"] == ("fp8-tensorwise", "nvfp4", "nvfp4")
 
 
 def test_a_backward_gemm_promoted_from_nvfp4_takes_the_fp8_rung_that_composes():

@@ -2,7 +2,7 @@
 each version in its own fresh process per round, alternated, and the median ratio of the second to
 the first (below 1: the second is faster).
 
-    python -m benchmarks.versions /path/to/old/src /path/to/new/src [--rounds 5]
+    python -m benchmarks.versions /path/to/old/src /path/to/new/src [--rounds 5] [--only "fp8 tensorwise"]
 
 Each run uses only API both versions have (``Policy.fp8(controller=ctl)``), one thread, fixed data.
 """
@@ -89,9 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("old")
     parser.add_argument("new")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--only", nargs="*", choices=KINDS, help="these workloads alone")
     args = parser.parse_args(argv)
     print(machine())
-    for kind in KINDS:
+    for kind in args.only or KINDS:
         ratios = []
         for i in range(args.rounds):
             first, second = (args.old, args.new) if i % 2 == 0 else (args.new, args.old)

@@ -7,6 +7,7 @@ and pure parts: forecasts (:mod:`~mixprec.control._trend`), rungs, records and t
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 import weakref
 from typing import Any, Mapping
@@ -19,9 +20,9 @@ from mixprec._scaled import last_count, scaled_since
 from mixprec.control._collective import agree_on_layers, all_reduce_max, distributed
 from mixprec.control._decide import Check, apply_gemms, apply_layer, decide_gemms, decide_layer, switch_layer
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord, Probe
-from mixprec.control._records import (all_gathered, check_loss_scale, converted, detached_record, grad_scale,
+from mixprec.control._records import (CheckClock, all_gathered, check_loss_scale, converted, detached_record, grad_scale,
                                       layer_data, load_layer, log_csv, log_data, metadata, parse_state_dict, qualified,
-                                      seen_compute, start_rungs, untrack, warn_cost_blind, warn_unscaled)
+                                      seen_compute, set_measuring, start_rungs, untrack, warn_cost_blind, warn_unscaled)
 from mixprec.control._settings import LOW_RUNGS, RUNGS, ControllerSettings
 from mixprec.control._shell import Shell
 from mixprec.control._trend import MAX_HORIZON, shadow_phase, sustained_slope
@@ -77,6 +78,7 @@ class Controller(Shell):
         self._measuring = shadow_phase(0, self.settings.every, self.settings.shadow_steps)  # this step feeds the shadows
         self._recipes = {r: Float8Recipe.from_name(r) for r in self.settings.ladder if r in LOW_RUNGS}  # one per rung
         self._scaled_seen = last_count()  # a loss scaled before the controller existed is no step of its own
+        self._clock = CheckClock()
 
     # ----------------------------------------------------------------- queries
     @property
@@ -131,12 +133,10 @@ class Controller(Shell):
         self.count_forward()
 
     def track(self, model: nn.Module) -> list[str]:
-        """Control the layers :func:`mixprec.fp8.convert` made in ``model`` (``Float8Linear``,
-        ``Float8Conv1D``), each from its ``recipe`` up; ``fp8.convert(model, recipe,
-        controller=ctl)`` calls it. Returns their qualified names. (A policy's layers are
-        tracked at its first forward.) The compute dtype is the one the first layer computes in.
-
-        Raises ValueError when ``model`` has no converted layer, or a recipe is not on the ladder.
+        """Control the layers :func:`mixprec.fp8.convert` made in ``model``, each from its
+        ``recipe`` up (``fp8.convert(model, recipe, controller=ctl)`` calls it); returns their
+        qualified names. Raises ValueError when ``model`` has no converted layer, or a recipe is
+        not on the ladder.
 
         Example:
             >>> from mixprec import fp8
@@ -231,6 +231,15 @@ class Controller(Shell):
             >>> Controller(every=2).step()
             []
         """
+        self._clock.entered()
+        new = self._step(loss_scale)
+        self._clock.left()
+        return new
+
+    def stats(self) -> dict[str, Any]:  # what its checks cost so far (host seconds: CheckClock)
+        return self._clock.stats()
+
+    def _step(self, loss_scale: float | torch.Tensor | None) -> list[Decision]:
         if loss_scale is not None:
             check_loss_scale(loss_scale)
             self._loss_scaled = True
@@ -252,8 +261,15 @@ class Controller(Shell):
                           UserWarning, stacklevel=2)
         if self._steps % self.settings.every != 0:
             return []
+        start = time.perf_counter()
+        new = self._decide_all()
+        self._clock.checked(time.perf_counter() - start, len(self._layers), self.settings.every)
+        return new
+
+    def _decide_all(self) -> list[Decision]:
         # every rank: the same collectives, whichever layers its forwards have shown it (_collective)
-        names, missing, code = agree_on_layers(list(self._layers), self._metadata, _COMPUTE_CODES.get(self._compute, 0))
+        names, missing, code = agree_on_layers(list(self._layers), lambda: {  # (what a peer decides with)
+            n: metadata(self.settings, r) for n, r in self._layers.items()}, _COMPUTE_CODES.get(self._compute, 0))
         if self._compute is None and code:
             self._compute = _COMPUTE_DTYPES[code]  # a rank without a forward yet: its peers' compute dtype
         for name, meta in missing.items():
@@ -281,24 +297,18 @@ class Controller(Shell):
         return new
 
     def _set_measuring(self, measuring: bool) -> None:
-        """Whether the coming steps feed the shadows: the flag eager code reads, and each record's
-        device copy that compiled code reads (written when it changes: no host sync)."""
+        """Whether the coming steps feed the shadows (:func:`~mixprec.control._records.set_measuring`)."""
         if measuring != self._measuring:
-            for rec in self._layers.values():
-                rec.measuring.fill_(measuring)
-                rec.measuring_now = measuring
+            set_measuring(self._layers.values(), measuring)
         self._measuring = measuring
 
-    def _learn_compute(self) -> None:
-        """The compute dtype, when no policy said it: the one its layers' probes saw."""
-        if self._compute is None:
-            self._compute = seen_compute(self._layers.values())
+    def _learn_compute(self) -> None:  # the compute dtype, when no policy said it: the one its probes saw
+        self._compute = self._compute or seen_compute(self._layers.values())
 
     # ----------------------------------------------------------------- checkpoints
     def __getstate__(self) -> dict[str, Any]:
-        """Pickling: the settings and :meth:`state_dict` (a host sync per layer). The unpickled
-        controller takes each layer over when it is next reached: at a policy's next forward, or
-        ``ctl.track(model)`` for converted layers (which run their rungs unmeasured until then)."""
+        """Pickling: the settings and :meth:`state_dict` (a host sync per layer); unpickled, it takes
+        each layer over when next reached (a policy's forward, or ``ctl.track(model)``)."""
         return {"config": self.config(), "state": self.state_dict()}
 
     def __setstate__(self, state: Mapping[str, Any]) -> None:
@@ -306,24 +316,17 @@ class Controller(Shell):
         self.load_state_dict(state["state"])
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a bitwise resume needs, as plain data: the step count, the log, and per
-        layer its rung, trend, hysteresis counters, open windows (the rank's own, before the
-        all-reduce: save it on every rank) and fp4 call count (``rounding_step``, which seeds
-        stochastic rounding).
-
-        .. warning:: reads the device windows: one host sync per layer.
-        """
+        """Everything a bitwise resume needs, as plain data: the step count, the log, and per layer
+        its rung, trends, hysteresis counters, open windows (this rank's: save it on every rank) and
+        fp4 call count (``rounding_step``). Reads the device windows: one host sync per layer."""
         layers = {n: dict(d) for n, d in self._pending.items()}
         for name, rec in self._layers.items():
             layers[name] = layer_data(self.settings, rec)
         return {"steps": self._steps, "log": log_data(self._log), "layers": dict(sorted(layers.items()))}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore the step count, the log and every layer's rung, trend and windows (layers
-        tracked later get theirs at the policy's first forward).
-
-        Raises ValueError for anything but the dict of :meth:`state_dict`.
-        """
+        """Restore the step count, the log and every layer's rung, trend and windows (layers tracked
+        later get theirs when first reached). Raises ValueError for anything but :meth:`state_dict`'s dict."""
         steps, log, layers = parse_state_dict(self.settings, state_dict)
         self._steps, self._log, self._stepped = steps, log, steps > 0
         self._set_measuring(shadow_phase(steps, self.settings.every, self.settings.shadow_steps))
@@ -335,10 +338,6 @@ class Controller(Shell):
             else:
                 load_layer(self.settings, rec, data)
                 self._apply(rec)
-
-    def _metadata(self) -> dict[str, dict[str, Any]]:
-        """Per known layer, what a rank that has not run it needs to decide as this one does."""
-        return {name: metadata(self.settings, rec) for name, rec in self._layers.items()}
 
     def _detached(self, name: str, meta: Mapping[str, Any]) -> LayerRecord:
         """The record of a layer a peer has run and this rank not yet (:func:`detached_record`,

@@ -8,9 +8,13 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import logging
 import math
 import os
+import statistics
+import time
 import warnings
+from collections import deque
 from typing import Any, Mapping
 
 import torch
@@ -27,7 +31,7 @@ from mixprec.formats._state import LayerState, layer_state
 
 __all__ = ["all_gathered", "converted", "grad_scale", "layer_data", "load_layer", "log_csv", "log_data",
            "parse_state_dict", "qualified", "start_rungs", "check_loss_scale", "warn_cost_blind",
-           "warn_unscaled", "metadata", "detached_record", "seen_compute", "untrack"]
+           "warn_unscaled", "metadata", "detached_record", "seen_compute", "untrack", "CheckClock", "set_measuring"]
 
 
 def qualified(known: str, seen: str) -> str:
@@ -258,3 +262,71 @@ def untrack(rec: LayerRecord | None) -> None:
     """Stop measuring the layer of ``rec`` (another record took its name over), if any."""
     if rec is not None:
         rec.state.probe = None
+
+
+def set_measuring(records: Any, measuring: bool) -> None:
+    """Whether the coming steps feed the shadows of ``records``: the flag eager code reads, and
+    each record's device copy that compiled code reads (written when it changes: no host sync)."""
+    for rec in records:
+        rec.measuring.fill_(measuring)
+        rec.measuring_now = measuring
+
+
+class CheckClock:
+    """What a Controller's checks cost against the training steps they manage, in host time (no
+    device sync: on an accelerator a check's time includes waiting for the steps queued before its
+    one read). A step's time runs from one ``Controller.step()`` call's end to the next one's start.
+
+    Example:
+        >>> clock = CheckClock()
+        >>> clock.stats()["checks"]
+        0
+    """
+
+    def __init__(self) -> None:
+        self.checks = 0
+        self.check_seconds = 0.0
+        self.last_check_seconds = 0.0
+        self._steps: deque[float] = deque(maxlen=32)  # the latest training steps' seconds
+        self._left: float | None = None  # when the last step() call returned
+        self._noted = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}  # host timings of this process: a pickled or copied controller measures afresh
+
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def entered(self) -> None:
+        """A ``step()`` call begins: the training step since the last one ended is over."""
+        if self._left is not None:
+            self._steps.append(time.perf_counter() - self._left)
+
+    def left(self) -> None:
+        """A ``step()`` call ends."""
+        self._left = time.perf_counter()
+
+    def checked(self, seconds: float, layers: int, every: int) -> None:
+        """A check took ``seconds``; the first one longer than the median training step is noted
+        once (on the ``mixprec`` logger: a note, not a warning), with what it costs the run."""
+        self.checks += 1
+        self.check_seconds += seconds
+        self.last_check_seconds = seconds
+        step = self.step_seconds()
+        if self._noted or step is None or seconds <= step:
+            return
+        self._noted = True
+        share = seconds / (seconds + every * step)
+        logging.getLogger("mixprec").warning(
+            "mixprec fp8: a Controller check took %.3g s over %d layer(s), longer than the %.3g s training step "
+            "it manages: about %.0f%% of the run at every=%d; a larger every= or a smaller sample= costs less "
+            "(ctl.stats() keeps the figures)", seconds, layers, step, 100 * share, every)
+
+    def step_seconds(self) -> float | None:
+        """The median of the latest training steps' seconds, or None before two ``step()`` calls."""
+        return statistics.median(self._steps) if self._steps else None
+
+    def stats(self) -> dict[str, Any]:
+        """``checks``, ``check_seconds`` (total), ``last_check_seconds``, ``step_seconds`` (median)."""
+        return {"checks": self.checks, "check_seconds": self.check_seconds,
+                "last_check_seconds": self.last_check_seconds, "step_seconds": self.step_seconds()}

@@ -255,9 +255,11 @@ def _no_module() -> None:
 class Probe:
     """What :func:`mixprec.fp8.linear` calls after a controlled layer's GEMM (``LayerState.probe``),
     in eager mode and traced alike: the range (fp16 inputs) and, on the last steps of each window,
-    the shadow of a promoted layer; for a per-GEMM record, on every step, each GEMM's own casts
-    (sampled) too; under ``Controller.max_loss_cost``, on every training step, the loss cost of
-    the forward GEMM's error (:func:`_measure_cost`). A copy or a pickle of the model (``copy.deepcopy``) drops it: the copy runs its
+    the shadow of a promoted layer, and for a per-GEMM record each GEMM's own casts; under
+    ``Controller.max_loss_cost``, on every training step, the loss cost of the forward GEMM's
+    error (:func:`_measure_cost`), on every row of its output (a sum of signed terms: a sample
+    of rows misjudges it, 64 rows of 256 gave the wrong sign). The casts are measured on a
+    sample of about ``sample`` elements per operand. A copy or a pickle of the model (``copy.deepcopy``) drops it: the copy runs its
     rung without measurements."""
 
     def __init__(self, rec: LayerRecord, sample: int) -> None:
@@ -372,23 +374,27 @@ def loss_cost(first: torch.Tensor, squares: torch.Tensor, rows: torch.Tensor,
 
 def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
                    sample: int, shadow: bool, gate: torch.Tensor | None = None) -> None:
-    """Per GEMM, the statistics of its own casts (every step) and of the rung below's (``shadow``
-    steps; under ``gate``, a device flag, measured and kept where it is set), each operand as
-    that GEMM reads it (its contracted dimension last)."""
+    """Per GEMM, the statistics of its own casts and of the rung below's, on ``shadow`` steps
+    (under ``gate``, a device flag: measured on every step, kept where it is set), each operand
+    as that GEMM reads it (its contracted dimension last)."""
+    if not shadow:
+        return
     x2 = x.detach().reshape(-1, x.shape[-1])
     w = weight.detach() if weight is not None else None
-    reads = {"output": (x2, w), "grad_input": (None, None if w is None else w.t()),
-             "grad_weight": (None, x2.t())}
+    # each operand is read by two GEMMs: one pass for its amax (none on an empty batch: not measured)
+    amax_x, amax_w = (None if t is None or t.numel() == 0 else _amax(t) for t in (x2, w))
+    reads = {"output": ((x2, amax_x), (w, amax_w)), "grad_input": (None, None if w is None else (w.t(), amax_w)),
+             "grad_weight": (None, (x2.t(), amax_x))}
     backward = []
     for g, gemm in enumerate(GEMMS):
-        for kind, casts in ((0, rec.own[g]), (1, rec.below_gemm[g] if shadow else None)):
+        for kind, casts in ((0, rec.own[g]), (1, rec.below_gemm[g])):
             if casts is None:
                 continue
-            kept = gate if kind == 1 else None
+            kept = gate
             for side, (operand, cast) in enumerate(zip(reads[gemm], (casts.left, casts.right))):
                 if operand is not None:
-                    measure(rec.gemm_windows[kind, g], side, operand, cast, casts.pow2, sample, casts.hadamard_seed,
-                            kept)
+                    measure(rec.gemm_windows[kind, g], side, operand[0], cast, casts.pow2, sample, casts.hadamard_seed,
+                            kept, operand[1])
             if gemm != "output":
                 backward.append((rec.gemm_windows[kind, g], gemm, casts, kept))
     if backward and out.requires_grad:
@@ -397,9 +403,10 @@ def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | Non
 
 def _measure_grad(where: list, grad: torch.Tensor, sample: int) -> None:
     g2 = grad.detach().reshape(-1, grad.shape[-1])
+    amax = _amax(g2) if g2.numel() else None  # not measured
     for window, gemm, casts, gate in where:
         measure(window, 0, g2 if gemm == "grad_input" else g2.t(), casts.left, casts.pow2, sample, casts.hadamard_seed,
-                gate)
+                gate, amax)
 
 
 def _range(buf: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -409,39 +416,53 @@ def _range(buf: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def measure(window: torch.Tensor, operand: int, x: torch.Tensor, cast: Any, pow2: bool, sample: int,
-            hadamard_seed: int | None = None, gate: torch.Tensor | None = None) -> None:
+            hadamard_seed: int | None = None, gate: torch.Tensor | None = None,
+            amax: torch.Tensor | None = None) -> None:
     """Accumulate into row ``operand`` of ``window`` (a window: :func:`~mixprec.formats._state.record_cast`) the statistics ``cast`` would
-    have on ``x``, measured on about ``sample`` elements: evenly strided rows (a row or block cast
-    along the last dimension is exact on them), scaled by the whole tensor's amax for a tensor
-    cast. An e2m1 cast is fp4's own (:func:`~mixprec.formats._fp4.quantize`), rounded to nearest (a
+    have on ``x``, measured on about ``sample`` elements: evenly strided whole rows (a row or
+    block cast along the last dimension is exact on them; a 2-D block cast is measured on every
+    row), scaled by the whole tensor's amax for a tensor cast and NVFP4's tensor scale (after a
+    Hadamard transform, by the transformed sample's: transforming the whole tensor is the cost
+    the sample saves). An e2m1 cast is fp4's own (:func:`~mixprec.formats._fp4.quantize`), rounded to nearest (a
     stochastically rounded cast flushes a value below the smallest step only sometimes: this
     counts it flushed), after the random Hadamard transform of ``hadamard_seed`` along the last
     dimension when given (NVFP4's weight-gradient operands: the GEMM casts the transformed rows,
     whose outliers are spread over their block). ``gate`` (a 0-d bool device tensor): the
-    window keeps the measurement only where it is set (compiled code: no branch, no guard). No
-    host sync."""
+    window keeps the measurement only where it is set (compiled code: no branch, no guard).
+    ``amax``: ``x``'s largest magnitude when the caller has it (one pass over ``x``, the only
+    part of a measurement that grows with ``x``, shared by the GEMMs that read it). No host sync."""
     x2 = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.detach().reshape(1, 1)
     if x2.numel() == 0:
         return
-    # (a 2-D block, 128x128 or 16x16, is measured on the whole tensor: a sample of rows would cut it)
+    # about ``sample`` elements: whole rows, evenly strided (a 2-D block, 128x128 or 16x16, is
+    # measured on the whole tensor: a sample of rows would cut it)
     two_d = cast.block is not None and cast.block[0] > 1
-    stride = 1 if two_d else max(1, x2.numel() // sample // max(x2.shape[1], 1))
+    stride = 1 if two_d else max(1, x2.shape[0] // -(-sample // max(x2.shape[1], 1)))
     rows = x2[::stride]
+    amax = _amax(x2) if amax is None else amax
     if cast.is_fp4:
-        amax = torch.max(torch.abs(x2))
-        if hadamard_seed is not None:
+        if hadamard_seed is not None:  # the tensor scale of the sampled rows' transform (the whole one's costs a pass)
             rows = hadamard(rows, hadamard_matrix(hadamard_seed, rows.device))
-        q = quantize(rows.contiguous(), cast).magnitudes()
+            q = quantize(rows.contiguous(), cast).magnitudes()
+        elif stride > 1:  # + a row of the tensor's amax: NVFP4's tensor scale is the whole tensor's
+            q = quantize(torch.cat([rows, F.pad(amax.reshape(1, 1), (0, x2.shape[1] - 1))]), cast).magnitudes()
+            q = q[:rows.shape[0]]
+        else:
+            q = quantize(rows.contiguous(), cast).magnitudes()
     elif cast.granularity == "tensor":
-        amax = torch.max(torch.abs(x2))
         fmax = torch.finfo(cast.dtype).max
         q = (rows.to(torch.float32) * amax_to_scale(amax, cast.dtype, pow2)).clamp_(min=-fmax, max=fmax).to(cast.dtype)
     else:
         q, _, _ = cast_to_fp8(rows, cast, -1, pow2)
-        amax = torch.max(torch.abs(x2)) if stride > 1 else torch.max(torch.abs(rows))
     if gate is None:
         record_cast(window, operand, rows, q, amax)
         return
     kept = window.clone()
     record_cast(kept, operand, rows, q, amax)
     window.copy_(torch.where(gate, kept, window))
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude in ``x`` (NaN if it holds one), in one pass without a copy of ``x``."""
+    low, high = torch.aminmax(x)
+    return torch.maximum(high, -low)

@@ -137,7 +137,8 @@ class ControllerSettings(_Settings):
     fp16 compute, when the forecast input or output amax passes ``max_range * 65504``.
     *Demote* (one rung down): a promoted layer measures, on a sample of ``sample`` elements per
     operand and on the last ``shadow_steps`` steps of each window, what the rung below's casts
-    would do (its shadow); after ``demote_windows``
+    would do (its shadow; with ``per_gemm``, each GEMM's own casts are measured on those steps
+    too); after ``demote_windows``
     consecutive windows whose shadow forecast stays below ``demote_underflow`` (and
     ``demote_range * 65504``, no nonfinite), at least ``min_dwell`` steps after its last switch,
     and while it made fewer than ``max_switches`` switches in the last ``budget_steps`` steps.

@@ -42,6 +42,7 @@ of a NaN depends on which operand of a multiply the hardware keeps.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -369,12 +370,20 @@ def hadamard_matrix(seed: int = 0, device: torch.device | str | None = None) -> 
         >>> bool(torch.allclose(h @ h.t(), torch.eye(16), atol=1e-6))
         True
     """
-    h = torch.ones(1, 1)
-    while h.shape[0] < HADAMARD_SIZE:  # Sylvester's construction
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return torch.tensor(_hadamard_values(int(seed)), dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_values(seed: int) -> tuple[tuple[float, ...], ...]:
+    """The entries of :func:`hadamard_matrix` for ``seed``, as Python floats (cached: a call
+    builds one small tensor, under any mode, fake or compiled, alike)."""
     bits = _mix64(seed)  # 16 sign bits from the seed: no generator (a constant under torch.compile)
-    signs = torch.tensor([1.0 - 2.0 * ((bits >> i) & 1) for i in range(HADAMARD_SIZE)])
-    return (h * signs / math.sqrt(HADAMARD_SIZE)).to(device)
+    h = [[1.0]]
+    while len(h) < HADAMARD_SIZE:  # Sylvester's construction
+        h = [row + row for row in h] + [row + [-v for v in row] for row in h]
+    signs = [1.0 - 2.0 * ((bits >> i) & 1) for i in range(HADAMARD_SIZE)]
+    norm = math.sqrt(HADAMARD_SIZE)
+    return tuple(tuple(v * s / norm for v, s in zip(row, signs)) for row in h)
 
 
 def hadamard(x2: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ from torch import nn
 
 from mixprec._modules import named_modules, unwrap
 from mixprec.control._shell import live_of
-from mixprec.formats._layers import select_layers
+from mixprec.formats._grouped import GroupedExperts
+from mixprec.formats._layers import select_layers, warn_once
 from mixprec.formats._like import is_linear_like, linear_params, routed_call, warn_unrouted
 from mixprec.formats._linear import linear
 from mixprec.formats._recipe import Float8Recipe
@@ -72,6 +73,10 @@ def select_targets(root: nn.Module, policy: Any) -> dict[int, Fp8Target] | None:
     rule = policy.fp8_rule
     model = unwrap(root)  # DDP's, FSDP1's, torch.compile's wrappers: the names are the bare model's
     live = live_of(model, rule.kind, rule.guard or rule.controller, rule.live)  # checked before any selection
+    for fqn, m in named_modules(model):
+        if isinstance(m, GroupedExperts) and m.recipe is None:  # (no op of theirs is routed: say so)
+            warn_once(model, f"fp8: Policy.fp8 does not route the GroupedExperts {fqn!r} (grouped GEMMs, not "
+                             f"F.linear): its experts run in the compute dtype; fp8.convert(model, recipe) runs them in fp8")
     likes = nn.Linear in rule.types
     if not any(isinstance(m, rule.types) or (likes and is_linear_like(m)) for m in model.modules()):
         return None

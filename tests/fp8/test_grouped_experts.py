@@ -38,9 +38,13 @@ class MoE(nn.Module):
         self.experts = fp8.GroupedExperts(dim, hidden, experts)
         self.top_k = top_k
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softmax(self.router(x).float(), dim=-1)
+
+    def route(self, x: torch.Tensor, scores: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(sorted tokens, num_tokens_per_expert, token index of each sorted row, its score)``."""
-        scores = F.softmax(self.router(x).float(), dim=-1)
+        scores = self.scores(x) if scores is None else scores
         top, idx = torch.topk(scores, self.top_k, dim=-1)
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)

@@ -279,3 +279,16 @@ def test_unconverted_experts_are_grouped_mm_in_the_input_dtype() -> None:
     ref = torch.cat([F.linear(F.silu(F.linear(xs[a:b], e_.w1[e])) * F.linear(xs[a:b], e_.w3[e]), e_.w2[e])
                      for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
     assert torch.allclose(y, ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "mxfp4"])
+def test_where_grouped_mm_refuses_the_dtype_the_groups_run_one_mm_each(name: str, monkeypatch) -> None:
+    """CUDA's grouped_mm takes bf16 only: float32 GEMMs (tensor-scaled fp8) run one ``mm`` per
+    expert there, the same bits as the CPU's grouped_mm (which is an ``mm`` per group)."""
+    from mixprec.formats import _grouped
+
+    _, _, _, ((out, gx, gw, st), _) = _run_both(name, torch.float32)
+    monkeypatch.setattr(_grouped, "_takes", lambda a: False)
+    _, _, _, ((out2, gx2, gw2, st2), _) = _run_both(name, torch.float32)
+    assert torch.equal(out, out2) and torch.equal(gx, gx2) and torch.equal(gw, gw2)
+    assert all(torch.equal(a.window, b.window) for a, b in zip(st, st2))

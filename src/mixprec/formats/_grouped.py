@@ -52,6 +52,22 @@ def _stack_t(mats: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(mats).transpose(-2, -1)
 
 
+def _takes(a: torch.Tensor) -> bool:
+    """Whether ``F.grouped_mm`` takes operands like ``a`` (the CPU kernel: every float dtype; CUDA's: bf16)."""
+    return a.device.type == "cpu" or a.dtype == torch.bfloat16
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """``F.grouped_mm(a, b, offs=offs)`` where it takes the operands (on the CPU, every float dtype;
+    elsewhere bf16 only: torch 2.13's CUDA kernel), else the same GEMMs one ``mm`` per group
+    (``bounds``: the host copy of ``[0, *offs]``)."""
+    if _takes(a):
+        return F.grouped_mm(a, b, offs=offs)
+    if b.dim() == 3:  # jagged rows
+        return torch.cat([a[s:t] @ b[e] for e, (s, t) in enumerate(zip(bounds, bounds[1:]))])
+    return torch.stack([a[:, s:t] @ b[s:t] for s, t in zip(bounds, bounds[1:])])  # jagged contracted dim
+
+
 def _run_rows(groups: list[tuple[Any, Cast, Any, Cast] | None], b_shape: tuple[int, int], bounds: list[int],
               out_dtype: torch.dtype, fp32: bool, device: torch.device) -> torch.Tensor:
     """``A_e @ B_e.t()`` of each expert on its rows, one grouped GEMM per GEMM dtype: ``groups[e]``
@@ -71,7 +87,7 @@ def _run_rows(groups: list[tuple[Any, Cast, Any, Cast] | None], b_shape: tuple[i
             else:  # another dtype's expert (its rows come from its own GEMM), or no rows
                 rows.append(torch.zeros(n, b_shape[1], dtype=dtype, device=device))
                 mats.append(torch.zeros(b_shape, dtype=dtype, device=device))
-        part = F.grouped_mm(torch.cat(rows), _stack_t(mats), offs=offs).to(out_dtype)
+        part = _grouped_mm(torch.cat(rows), _stack_t(mats), offs, bounds).to(out_dtype)
         out = part if out is None else out + part
     return out
 
@@ -92,7 +108,7 @@ def _run_jagged(groups: list[tuple[Any, Cast, Any, Cast] | None], shape: tuple[i
                 end += v[1].shape[0]
             ends.append(end)
         offs = torch.tensor(ends, dtype=torch.int32, device=device)
-        out = out + F.grouped_mm(torch.cat(a_rows).t(), torch.cat(b_rows), offs=offs).to(out_dtype)
+        out = out + _grouped_mm(torch.cat(a_rows).t(), torch.cat(b_rows), offs, [0, *ends]).to(out_dtype)
     return out
 
 
@@ -319,9 +335,9 @@ class GroupedExperts(nn.Module):
     def _linear(self, name: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         w = getattr(self, name)
         if self.recipe is None:
-            out = F.grouped_mm(x, w.to(x.dtype).transpose(-2, -1), offs=offsets.to(torch.int32))
-            rows = int(offsets[-1]) if offsets.numel() else 0
-            return out if rows == x.shape[0] else torch.cat([out[:rows], out.new_zeros(x.shape[0] - rows, out.shape[1])])
+            bounds = [0, *offsets.tolist()]
+            out = _grouped_mm(x[:bounds[-1]], w.to(x.dtype).transpose(-2, -1), offsets, bounds)
+            return F.pad(out, (0, 0, 0, x.shape[0] - bounds[-1]))  # (padding rows: zeros)
         return grouped_linear(x, w, offsets, self.recipe, states=self.__dict__[_STATES][name], backend=self.backend)
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:

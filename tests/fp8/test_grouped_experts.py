@@ -261,12 +261,36 @@ def test_guard_falls_back_the_expert_that_fails_only() -> None:
     assert states["experts.w1[2]"].fallback and not states["experts.w1[0]"].fallback
 
 
-def test_policy_warns_that_it_does_not_route_unconverted_experts() -> None:
+def test_policy_runs_the_experts_as_convert_does_and_only_inside_its_region() -> None:
+    """Policy.fp8 selects a GroupedExperts and runs its experts in the rule's recipe (eager): the
+    same output, gradients and per-expert windows as the converted module under the same region;
+    outside the region, and in a region without the fp8 rule, it runs in high precision again."""
+    import copy
+
     moe = _moe()
+    conv = copy.deepcopy(moe)
+    fp8.convert(conv, "rowwise", filter_fn=lambda m, fqn: fqn == "experts")
     x = torch.randn(24, 32)
-    with pytest.warns(UserWarning, match="does not route the GroupedExperts 'experts'"):
-        with mixprec.autocast("cpu", torch.bfloat16, policy=Policy.fp8("tensorwise")):
-            moe(x)
+    runs = []
+    for model, policy in ((moe, Policy.fp8("rowwise")), (conv, Policy())):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the router is too narrow for fp8: warned)
+            with mixprec.autocast("cpu", torch.bfloat16, policy=policy):
+                out = model(x)
+        out.float().square().sum().backward()
+        runs.append((out, model.experts.w1.grad, fp8.layer_states(model)))
+    (out, g, st), (out2, g2, st2) = runs
+    assert out.dtype == torch.bfloat16 and torch.equal(out, out2) and torch.equal(g, g2)
+    names = [f"experts.{n}[{e}]" for n in ("w1", "w2", "w3") for e in range(4)]
+    assert all(torch.equal(st[k].window, st2[k].window) for k in names)
+    assert float(st["experts.w1[0]"].stats[0, 0]) > 0 and moe.experts.recipe is None
+    xs, counts, _, _ = moe.route(x)
+    plain = torch.cat([F.linear(F.silu(F.linear(xs[a:b], e_w1)) * F.linear(xs[a:b], e_w3), e_w2)
+                       for (a, b), e_w1, e_w2, e_w3 in zip(zip([0, *counts.cumsum(0).tolist()], counts.cumsum(0).tolist()),
+                                                          moe.experts.w1, moe.experts.w2, moe.experts.w3)])
+    before = st["experts.w1[0]"].window.clone()
+    assert torch.allclose(moe.experts(xs, counts), plain, rtol=1e-4, atol=1e-6)  # outside: high precision
+    assert torch.equal(st["experts.w1[0]"].window, before)  # (and records nothing)
 
 
 def test_unconverted_experts_are_grouped_mm_in_the_input_dtype() -> None:

@@ -20,6 +20,7 @@ are empty and its weight gradient is zero, as :func:`linear` on an empty batch.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -38,7 +39,7 @@ _HP = Cast("none")
 _TENSORWISE = Float8Recipe.tensorwise()
 #: the weights of :class:`GroupedExperts` (torchtitan's names): gate, down and up projections.
 WEIGHTS = ("w1", "w2", "w3")
-_STATES = "_mixprec_grouped_states"
+_STATES, _POLICY = "_mixprec_grouped_states", "_mixprec_grouped_policy"
 
 
 def _cast(plan: Float8Recipe | None, field: str) -> Cast:
@@ -295,7 +296,8 @@ class GroupedExperts(nn.Module):
 
     ``forward(x, num_tokens_per_expert)`` takes the tokens sorted by expert (``[tokens, dim]``) and
     how many each expert receives. With ``recipe`` None it runs in ``x``'s dtype through
-    ``grouped_mm``; with a recipe (:func:`mixprec.fp8.convert` sets it) its three GEMMs run through
+    ``grouped_mm`` (under a ``Policy.fp8`` region that selects it, eager: in the policy's recipe);
+    with a recipe (:func:`mixprec.fp8.convert` sets it) its three GEMMs run through
     :func:`grouped_linear`, each expert of each weight with its own scales and its own
     :class:`LayerState` (:func:`grouped_states`; named ``"<fqn>.w1[3]"`` by ``fp8.stats`` and a Guard).
     """
@@ -329,24 +331,53 @@ class GroupedExperts(nn.Module):
         self.recipe, self.backend = recipe, backend
         self.__dict__.pop(_STATES, None)
         if recipe is not None:
+            self.ensure_states()
+
+    def ensure_states(self) -> None:
+        """Give each expert of each weight its :class:`LayerState` if it has none (a policy's run)."""
+        if _STATES not in self.__dict__:
             self.__dict__[_STATES] = {n: [LayerState(getattr(self, n).device) for _ in range(self.num_experts)]
                                       for n in WEIGHTS}
 
-    def _linear(self, name: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def enter_policy(self, owner: object, recipe: Float8Recipe, backend: str) -> None:
+        """A policy's call of the module (the fp8 seam's target ``owner``, while it lives, until
+        :meth:`leave_policy`) runs its experts in ``recipe`` when it has none of its own."""
+        self.ensure_states()
+        self.__dict__.setdefault(_POLICY, []).append((weakref.ref(owner), recipe, backend))
+
+    def leave_policy(self) -> None:
+        stack = self.__dict__.get(_POLICY)
+        if stack:
+            stack.pop()
+        if not stack:
+            self.__dict__.pop(_POLICY, None)
+
+    def _running(self) -> tuple[Float8Recipe | None, str]:
+        """``(recipe, backend)`` of this call: its own, else the policy's whose call it is, else none."""
+        if self.recipe is not None:
+            return self.recipe, self.backend
+        for owner, recipe, backend in reversed(self.__dict__.get(_POLICY, ())):
+            if owner() is not None:  # (a call that raised left its entry: its target is gone with its region)
+                return recipe, backend
+        return None, self.backend
+
+    def _linear(self, name: str, x: torch.Tensor, offsets: torch.Tensor, recipe: Float8Recipe | None,
+                backend: str) -> torch.Tensor:
         w = getattr(self, name)
-        if self.recipe is None:
+        if recipe is None:
             bounds = [0, *offsets.tolist()]
             out = _grouped_mm(x[:bounds[-1]], w.to(x.dtype).transpose(-2, -1), offsets, bounds)
             return F.pad(out, (0, 0, 0, x.shape[0] - bounds[-1]))  # (padding rows: zeros)
-        return grouped_linear(x, w, offsets, self.recipe, states=self.__dict__[_STATES][name], backend=self.backend)
+        return grouped_linear(x, w, offsets, recipe, states=self.__dict__[_STATES][name], backend=backend)
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         device = x.device.type
         if torch.is_autocast_enabled(device):
             x = x.to(torch.get_autocast_dtype(device))
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-        h = F.silu(self._linear("w1", x, offsets)) * self._linear("w3", x, offsets)
-        return self._linear("w2", h, offsets)
+        run = self._running()
+        h = F.silu(self._linear("w1", x, offsets, *run)) * self._linear("w3", x, offsets, *run)
+        return self._linear("w2", h, offsets, *run)
 
     def extra_repr(self) -> str:
         recipe = "none" if self.recipe is None else self.recipe.name

@@ -316,3 +316,69 @@ def test_where_grouped_mm_refuses_the_dtype_the_groups_run_one_mm_each(name: str
     _, _, _, ((out2, gx2, gw2, st2), _) = _run_both(name, torch.float32)
     assert torch.equal(out, out2) and torch.equal(gx, gx2) and torch.equal(gw, gw2)
     assert all(torch.equal(a.window, b.window) for a, b in zip(st, st2))
+
+
+def test_controller_decides_per_expert_under_a_policy() -> None:
+    """Each expert of each weight is a layer of the policy's Controller: an outlier in expert 2's
+    tokens (its tensorwise scale then flushes the rest) promotes expert 2's three GEMMs, and no other
+    expert's; the next forward runs expert 2 in the new rung (its state's recipe)."""
+    torch.manual_seed(0)
+    moe = MoE(32, 64, 4)
+    ctl = mixprec.Controller(every=2)
+    ctl.attach(moe)
+    policy = Policy.fp8("tensorwise", controller=ctl.settings)
+    spike = []
+
+    def outlier(module: nn.Module, args: tuple) -> tuple | None:
+        xs, counts = args
+        if not spike:
+            return None
+        xs = xs.clone()
+        xs[int(counts[:2].sum()), 0] = 1e5  # expert 2's first token
+        return xs, counts
+
+    moe.experts.register_forward_pre_hook(outlier)
+    decided = []
+    for step in range(6):
+        if step == 2:
+            spike.append(True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the router is too narrow for fp8: warned)
+            with mixprec.autocast("cpu", torch.bfloat16, policy=policy):
+                out = moe(torch.randn(24, 32))
+        out.float().sum().backward()
+        decided += ctl.step()
+    names = [f"experts.{n}[{e}]" for n in ("w1", "w2", "w3") for e in range(4)]
+    assert sorted(ctl.precisions()) == names
+    moved = sorted(d.layer for d in decided)
+    assert moved == ["experts.w1[2]", "experts.w2[2]", "experts.w3[2]"], moved
+    assert {ctl.precision(n) for n in names if "[2]" not in n} == {"fp8-tensorwise"}
+    rung = ctl.precision("experts.w1[2]")
+    assert rung != "fp8-tensorwise" and fp8.layer_states(moe)["experts.w1[2]"].recipe is not None
+
+
+def test_an_expert_on_the_fp32_rung_multiplies_in_float32_and_the_probe_sees_its_rows() -> None:
+    """A Controller's fp32 rung (fallback with ``probe.fp32``): that expert's GEMMs run in float32
+    (its output rounded once to the input's dtype); each probe is called on its own expert's rows."""
+    seen = {}
+
+    class Probe:
+        fp32 = True
+
+        def __init__(self, e: int) -> None:
+            self.e = e
+
+        def __call__(self, x, weight, out, bias=None):
+            seen[self.e] = (x.shape[0], weight.shape, out.dtype)
+            return out
+
+    torch.manual_seed(3)
+    x, w = torch.randn(sum(COUNTS), 64, dtype=torch.bfloat16), torch.randn(4, 32, 64) * 0.1
+    st = [fp8.LayerState() for _ in COUNTS]
+    st[2].route(fallback=True)
+    st[2].probe, st[3].probe = Probe(2), Probe(3)
+    st[3].probe.fp32 = False
+    out = fp8.grouped_linear(x, w, torch.tensor(COUNTS).cumsum(0), states=st)
+    ref = F.linear(x[5:45].float(), w[2]).to(torch.bfloat16)
+    _within(out[5:45], ref, _bound(x[5:45], w[2].t(), ref, 64))
+    assert seen == {2: (40, (32, 64), torch.bfloat16), 3: (3, (32, 64), torch.bfloat16)}

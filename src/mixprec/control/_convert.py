@@ -127,8 +127,8 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     experts = convert_experts(model, recipe, backend, filter_fn if by_user else None)
     if experts and controller is not None:
         warn_once(model, f"fp8.convert: the Controller does not govern the experts of GroupedExperts {experts}: "
-                         f"they run in {recipe.name!r}, each expert with its own statistics (fp8.stats) and a "
-                         f"Guard's fallback (fp8.convert(..., guard=...)), never moved on the ladder")
+                         f"they run in {recipe.name!r}, never moved on the ladder; a policy's Controller does "
+                         f"(Policy.fp8(recipe, controller=ctl.settings) on the unconverted model), so does a Guard")
     if not swaps and not experts and by_user:
         likes = sum(1 for mod in model.modules() if swappable(mod))
         warn_once(model, f"fp8.convert: no layer converted, nothing runs in fp8: filter_fn chose none of the "

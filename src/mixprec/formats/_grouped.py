@@ -31,20 +31,29 @@ from mixprec.formats._fp4 import RoundingKey, hadamard, hadamard_matrix
 from mixprec.formats._fp4_linear import _GO_GRAD_INPUT, _GO_GRAD_WEIGHT, _record, cast_operand, gemm_values
 from mixprec.formats._linear import BACKENDS, _e2m1_operands, _record_sqnr
 from mixprec.formats._recipe import Cast, Float8Recipe
-from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, LayerState
+from mixprec.formats._state import _ATTR, GRAD_OUTPUT, INPUT, WEIGHT, LayerState
 
-__all__ = ["grouped_linear", "GroupedExperts", "grouped_states", "WEIGHTS"]
+__all__ = ["grouped_linear", "GroupedExperts", "ExpertLayer", "grouped_states", "WEIGHTS"]
 
 _HP = Cast("none")
 _TENSORWISE = Float8Recipe.tensorwise()
 #: the weights of :class:`GroupedExperts` (torchtitan's names): gate, down and up projections.
 WEIGHTS = ("w1", "w2", "w3")
-_STATES, _POLICY = "_mixprec_grouped_states", "_mixprec_grouped_policy"
+_STATES, _POLICY, _LAYERS = "_mixprec_grouped_states", "_mixprec_grouped_policy", "_mixprec_grouped_layers"
 
 
-def _cast(plan: Float8Recipe | None, field: str) -> Cast:
-    """An expert's cast of one operand: its recipe's, or none for an expert in the compute dtype."""
-    return _HP if plan is None else getattr(plan, field)
+#: the plan of an expert on a Controller's fp32 rung: its GEMMs in float32, no cast.
+_FP32 = "fp32"
+
+
+def _cast(plan: Float8Recipe | str | None, field: str) -> Cast:
+    """An expert's cast of one operand: its recipe's, or none for an expert in the compute dtype (or float32)."""
+    return getattr(plan, field) if isinstance(plan, Float8Recipe) else _HP
+
+
+def _hp(t: torch.Tensor, plan: Float8Recipe | str | None) -> torch.Tensor:
+    """An operand as the expert's GEMM takes it before any cast: in float32 on the fp32 rung."""
+    return t.float() if plan == _FP32 else t
 
 
 def _stack_t(mats: list[torch.Tensor]) -> torch.Tensor:
@@ -131,8 +140,8 @@ class _GroupedMatmul(torch.autograd.Function):
                     groups.append(None)
                     continue
                 ci, cw = _cast(plan, "input"), _cast(plan, "weight")
-                xa, xq, xamax = cast_operand(x_e, ci, plan)
-                wb, wq, wamax = cast_operand(w[e], cw, plan)
+                xa, xq, xamax = cast_operand(_hp(x_e, plan), ci, plan)
+                wb, wq, wamax = cast_operand(_hp(w[e], plan), cw, plan)
                 _record(windows[e], INPUT, x_e, xa, xq, xamax)
                 _record(windows[e], WEIGHT, w[e], wb, wq, wamax)
                 groups.append((xa, ci, wb, cw))
@@ -159,9 +168,9 @@ class _GroupedMatmul(torch.autograd.Function):
                     rows.append(None)
                     cols.append(None)
                     continue
-                r, stats = plan, windows[e]
-                rng = (lambda s: RoundingKey(r.seed, ctx.steps[e], s)) if r is not None and r.stochastic_rounding \
-                    else (lambda s: None)
+                r, stats, go = plan, windows[e], _hp(go, plan)
+                rng = (lambda s: RoundingKey(r.seed, ctx.steps[e], s)) if isinstance(r, Float8Recipe) \
+                    and r.stochastic_rounding else (lambda s: None)
                 cg, cw = _cast(r, "grad_output"), _cast(r, "grad_output_for_grad_weight")
                 ga = None
                 if cg.is_fp8 and (need_x or stats is not None):
@@ -169,12 +178,12 @@ class _GroupedMatmul(torch.autograd.Function):
                     _record(stats, GRAD_OUTPUT, go, ga, gq, gamax)
                 if need_x:
                     cwi = _cast(r, "weight_for_grad_input")
-                    wb = cast_operand(w[e].t().contiguous(), cwi, r)[0]
+                    wb = cast_operand(_hp(w[e], r).t().contiguous(), cwi, r)[0]
                     rows.append((go if ga is None else ga, cg, wb, cwi))
                 if need_w or (stats is not None and cw.is_fp8 and not cg.is_fp8):
-                    x_e, got = x[bounds[e]:bounds[e + 1]], go.t()
+                    x_e, got = _hp(x[bounds[e]:bounds[e + 1]], r), go.t()
                     xt = x_e.t()
-                    if r is not None and r.hadamard and r.input_for_grad_weight.is_fp4:
+                    if isinstance(r, Float8Recipe) and r.hadamard and r.input_for_grad_weight.is_fp4:
                         h = hadamard_matrix(r.seed, go.device)
                         got, xt = hadamard(got, h), hadamard(xt, h)
                     gb = got
@@ -257,24 +266,30 @@ def grouped_linear(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     """
     bounds = _check(input, weight, offsets, recipe, states, backend)
     experts = weight.shape[0]
-    plans, windows, sqnrs, steps = [], [], [], []
+    plans, windows, sqnrs, steps, probes = [], [], [], [], []
     for e in range(experts):
         st = states[e] if states is not None else None
         plan = recipe if st is None or st.recipe is None else st.recipe
-        plan = None if st is not None and st.fallback else plan
+        if st is not None and st.fallback:
+            plan = _FP32 if st.probe is not None and st.probe.fp32 else None
         active = bounds[e + 1] > bounds[e]
         if st is not None and st.device != input.device:
             st.to(input.device)
-        if st is not None and plan is not None and not torch.compiler.is_compiling():
+        low = isinstance(plan, Float8Recipe)
+        if st is not None and low and not torch.compiler.is_compiling():
             st.e2m1 = _e2m1_operands(plan)
-        fp4 = plan is not None and plan.fp4 and active
+        fp4 = low and plan.fp4 and active
         steps.append((st.next_rounding_step() if st is not None else input.new_zeros((), dtype=torch.int64))
                      if fp4 else None)
         plans.append(plan)
-        windows.append(st.window if st is not None and plan is not None else None)
-        sqnrs.append(st.output_sqnr_db if st is not None and plan is not None and st.sample_sqnr else None)
+        windows.append(st.window if st is not None and low else None)
+        sqnrs.append(st.output_sqnr_db if st is not None and low and st.sample_sqnr else None)
+        probes.append(st.probe if st is not None and active else None)
     out = _GroupedMatmul.apply(input, weight, bounds, tuple(plans), tuple(windows), tuple(sqnrs),
                                tuple(steps), backend == "emulate_fp32")
+    if any(p is not None for p in probes):  # a Controller measures its experts: each on its rows
+        out = torch.cat([out[s:t] if p is None else p(input[s:t], weight[e], out[s:t])
+                         for e, (p, s, t) in enumerate(zip(probes, bounds, bounds[1:]))])
     if out.shape[0] < input.shape[0]:  # padding rows after the last expert's
         out = F.pad(out, (0, 0, 0, input.shape[0] - out.shape[0]))
     return out
@@ -287,6 +302,27 @@ def grouped_states(module: nn.Module) -> dict[str, LayerState]:
     for ``fp8.stats`` and a Guard."""
     states = module.__dict__.get(_STATES)
     return {} if states is None else {f"{n}[{e}]": st for n, per in states.items() for e, st in enumerate(per)}
+
+
+class ExpertLayer(nn.Module):
+    """One expert of one weight of a :class:`GroupedExperts`, as a Controller sees a layer: its
+    ``weight`` (``[out, in]``, a view of the stacked parameter), features ``nx`` (in) and ``nf``
+    (out), its :class:`LayerState`. Not a submodule (no parameters, no state dict entries): the
+    experts' module keeps one per weight and expert (:meth:`GroupedExperts.expert_layers`)."""
+
+    def __init__(self, parent: GroupedExperts, name: str, expert: int, state: LayerState) -> None:
+        super().__init__()
+        self.__dict__["_parent"] = parent  # (not registered: the parent's, not a child)
+        self.weight_name, self.expert = name, expert
+        self.nf, self.nx = getattr(parent, name).shape[1:]
+        self.__dict__[_ATTR] = state
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return getattr(self.__dict__["_parent"], self.weight_name)[self.expert]
+
+    def extra_repr(self) -> str:
+        return f"{self.weight_name}[{self.expert}], nx={self.nx}, nf={self.nf}"
 
 
 class GroupedExperts(nn.Module):
@@ -338,6 +374,18 @@ class GroupedExperts(nn.Module):
         if _STATES not in self.__dict__:
             self.__dict__[_STATES] = {n: [LayerState(getattr(self, n).device) for _ in range(self.num_experts)]
                                       for n in WEIGHTS}
+
+    def expert_layers(self) -> dict[str, ExpertLayer]:
+        """``{"w1[0]": ExpertLayer, ...}``, the same objects on every call (a Controller records
+        each as a layer), for the states of :func:`grouped_states` (created if missing)."""
+        self.ensure_states()
+        layers = self.__dict__.get(_LAYERS)
+        if layers is None or any(layer.__dict__[_ATTR] is not st for layer, st in
+                                 zip(layers.values(), grouped_states(self).values())):
+            layers = {f"{n}[{e}]": ExpertLayer(self, n, e, st) for n, per in self.__dict__[_STATES].items()
+                      for e, st in enumerate(per)}
+            self.__dict__[_LAYERS] = layers
+        return layers
 
     def enter_policy(self, owner: object, recipe: Float8Recipe, backend: str) -> None:
         """A policy's call of the module (the fp8 seam's target ``owner``, while it lives, until

@@ -18,7 +18,8 @@
   module conversion (``nn.Linear`` and transformers' ``Conv1D``), its undoing, the stats table.
 * :func:`eligible`, :func:`select_layers`: the layer-selection rules.
 * :func:`grouped_linear`, :class:`GroupedExperts`: a mixture of experts' experts in fp8 and fp4, one
-  grouped GEMM per GEMM, each expert with its own scales and statistics (``fp8.convert`` reaches them).
+  grouped GEMM per GEMM, each expert with its own scales and statistics, a layer of its own for
+  ``fp8.stats``, a Guard and (policy route) a Controller; ``fp8.convert`` and ``Policy.fp8`` reach them.
 * ``convert(..., fsdp_fp8_all_gather=True)``, :func:`precompute_fsdp_scales`: FSDP2 all-gathers
   the weights in fp8 (tensorwise), bitwise torchao's ``enable_fsdp_float8_all_gather``.
 * :class:`Controller` (also ``mixprec.Controller``): moves each layer up a ladder of formats

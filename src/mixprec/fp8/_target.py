@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from mixprec._modules import named_modules, unwrap
-from mixprec.control._controller import Controller
 from mixprec.control._shell import live_of
 from mixprec.formats._grouped import GroupedExperts
 from mixprec.formats._layers import select_layers, warn_once
@@ -122,9 +121,8 @@ def select_targets(root: nn.Module, policy: Any) -> dict[int, Fp8Target] | None:
             continue
         module.ensure_states()  # (before the guard tracks the model's layers: one per expert)
         targets[id(module)] = GroupedTarget(module, recipe, rule.backend)
-        if live is not None and isinstance(live, Controller):
-            warn_once(model, f"fp8: the Controller does not govern the experts of GroupedExperts {fqn!r}: they run in "
-                             f"{recipe.name!r}, each with its own statistics (fp8.stats) and a Guard's fallback")
+        named.update({f"{fqn}.{key}" if fqn else key: (layer, recipe)  # a Controller's layers: one per expert
+                      for key, layer in module.expert_layers().items()})
     linears = any(isinstance(m, rule.types) or (likes and is_linear_like(m)) for m in modules.values())
     for fqn in select_layers(model, rule.types, rule.names, rule.first_last, rule.recipe, recipes) if linears else ():
         module = modules[fqn]

@@ -248,9 +248,10 @@ def grouped_linear(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     same casts, the same statistics and, where the GEMM kernel reads the operands alike, the same
     bits (see the module's docstring); the three GEMMs of all experts run as grouped GEMMs.
     ``states`` (one :class:`LayerState` per expert): each expert's casts are recorded into its own
-    window on the device, its ``fallback`` runs it in ``input``'s dtype, its ``recipe`` (a
-    Controller's rung) replaces ``recipe``, and ``sample_sqnr`` measures its output SQNR. Mixed
-    precision regions are switched off inside.
+    window on the device, its ``fallback`` runs it in ``input``'s dtype (in float32 with a
+    ``probe.fp32``: a Controller's fp32 rung), its ``recipe`` (a Controller's rung) replaces
+    ``recipe``, ``sample_sqnr`` measures its output SQNR, and its ``probe`` is called on its rows
+    (``probe(rows, weight[e], out_rows)``). Mixed precision regions are switched off inside.
 
     .. warning:: reads ``offsets`` on the host: one host sync per call (the casts need each
        expert's rows).
@@ -297,7 +298,8 @@ def grouped_linear(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
 
 def grouped_states(module: nn.Module) -> dict[str, LayerState]:
     """``{"w1[0]": LayerState, ...}``: one statistics window per weight and expert of a
-    :class:`GroupedExperts` whose recipe is set (empty for any other module): what
+    :class:`GroupedExperts` that ran or runs in fp8 (converted, or selected by a policy; empty for
+    any other module): what
     :func:`~mixprec.control._guard.layer_states` names ``f"{fqn}.{key}"``, each a layer of its own
     for ``fp8.stats`` and a Guard."""
     states = module.__dict__.get(_STATES)

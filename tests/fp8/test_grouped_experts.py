@@ -382,3 +382,12 @@ def test_an_expert_on_the_fp32_rung_multiplies_in_float32_and_the_probe_sees_its
     ref = F.linear(x[5:45].float(), w[2]).to(torch.bfloat16)
     _within(out[5:45], ref, _bound(x[5:45], w[2].t(), ref, 64))
     assert seen == {2: (40, (32, 64), torch.bfloat16), 3: (3, (32, 64), torch.bfloat16)}
+
+
+def test_converting_a_model_of_experts_only_warns_nothing() -> None:
+    """No 'no layer selected, nothing runs in fp8' when the model's only fp8 layers are experts."""
+    model = nn.ModuleDict({"experts": fp8.GroupedExperts(32, 64, 4)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8.convert(model, "tensorwise")
+    assert model["experts"].recipe == Float8Recipe.tensorwise()

@@ -20,7 +20,7 @@ from mixprec.control._guard import Guard, layer_states
 from mixprec.formats._layers import (Float8Conv1D, Float8Linear, as_recipe, check_backend, group_unsharded, select_layers,
                                  warn_once)
 from mixprec.formats._layers import _UnshardedLayers  # noqa: F401  (named here by models pickled before the split)
-from mixprec.formats._like import LINEAR_LIKE, conv1d_class, features
+from mixprec.formats._like import LINEAR_LIKE, conv1d_class, features, is_linear_like
 from mixprec.formats._quant import STAT_NAMES
 from mixprec.formats._recipe import Float8Recipe
 from mixprec.formats._state import OPERANDS, LayerState
@@ -89,7 +89,9 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
         check_recipe(recipe)
     by_user = filter_fn is not None
     if filter_fn is None:  # select_layers warns when it selects none; its names are without wrappers' parts
-        names = set(select_layers(model, recipe=recipe))
+        experts_only = any(isinstance(m, GroupedExperts) for m in model.modules()) and \
+            not any(is_linear_like(m) for m in model.modules())  # (select_layers would warn: nothing in fp8)
+        names = set() if experts_only else set(select_layers(model, recipe=recipe))
         chosen = {id(mod) for name, mod in named_modules(model) if name in names}
         filter_fn = lambda mod, fqn: id(mod) in chosen  # noqa: E731
     conv1d = conv1d_class()

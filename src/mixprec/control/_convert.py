@@ -15,11 +15,12 @@ from torch import nn
 from mixprec._modules import named_modules
 from mixprec.control._controller import Controller
 from mixprec.formats._fsdp import check_recipe, retie, wrap_weight
+from mixprec.formats._grouped import GroupedExperts
 from mixprec.control._guard import Guard, layer_states
 from mixprec.formats._layers import (Float8Conv1D, Float8Linear, as_recipe, check_backend, group_unsharded, select_layers,
                                  warn_once)
 from mixprec.formats._layers import _UnshardedLayers  # noqa: F401  (named here by models pickled before the split)
-from mixprec.formats._like import LINEAR_LIKE, conv1d_class, features
+from mixprec.formats._like import LINEAR_LIKE, conv1d_class, features, is_linear_like
 from mixprec.formats._quant import STAT_NAMES
 from mixprec.formats._recipe import Float8Recipe
 from mixprec.formats._state import OPERANDS, LayerState
@@ -44,7 +45,11 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
 
     ``filter_fn(module, fqn) -> bool`` picks the layers (every ``nn.Linear`` and ``Conv1D`` is
     offered); by default :func:`select_layers` decides (dims multiples of 16, first and last
-    kept). The parameters are shared and the state dict keys do not change. With ``guard``, the
+    kept). The parameters are shared and the state dict keys do not change. Each
+    :class:`~mixprec.fp8.GroupedExperts` (a mixture of experts' experts) in high precision is
+    given ``recipe`` in place (``filter_fn`` is offered it too; by default every one whose
+    features are multiples of 16 and of the recipe's blocks): each expert is cast with its own
+    scales and is a layer of its own for :func:`stats` and a Guard. With ``guard``, the
     layers' states are tracked by it (its decisions apply at once, also after
     ``load_state_dict``). With ``controller`` (a :class:`mixprec.Controller`, not with ``guard``)
     the converted layers move up and down its ladder from their recipe (``Controller.track``).
@@ -84,7 +89,9 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
         check_recipe(recipe)
     by_user = filter_fn is not None
     if filter_fn is None:  # select_layers warns when it selects none; its names are without wrappers' parts
-        names = set(select_layers(model, recipe=recipe))
+        experts_only = any(isinstance(m, GroupedExperts) for m in model.modules()) and \
+            not any(is_linear_like(m) for m in model.modules())  # (select_layers would warn: nothing in fp8)
+        names = set() if experts_only else set(select_layers(model, recipe=recipe))
         chosen = {id(mod) for name, mod in named_modules(model) if name in names}
         filter_fn = lambda mod, fqn: id(mod) in chosen  # noqa: E731
     conv1d = conv1d_class()
@@ -119,7 +126,12 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     if wrapped:
         retie(model, weights)
         group_unsharded(wrapped)
-    if not swaps and by_user:
+    experts = convert_experts(model, recipe, backend, filter_fn if by_user else None)
+    if experts and controller is not None:
+        warn_once(model, f"fp8.convert: the Controller does not govern the experts of GroupedExperts {experts}: "
+                         f"they run in {recipe.name!r}, never moved on the ladder; a policy's Controller does "
+                         f"(Policy.fp8(recipe, controller=ctl.settings) on the unconverted model), so does a Guard")
+    if not swaps and not experts and by_user:
         likes = sum(1 for mod in model.modules() if swappable(mod))
         warn_once(model, f"fp8.convert: no layer converted, nothing runs in fp8: filter_fn chose none of the "
                          f"{likes} nn.Linear and Conv1D layers" if likes else
@@ -127,8 +139,33 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     for live in (guard, controller):
         if live is not None:  # the model's from now on: a policy's regions of it run under it too
             live.attach(model)
-            live.track(model)
+            if live is guard or swaps or not experts:  # (a Controller governs no experts: warned above)
+                live.track(model)
     return model
+
+
+def convert_experts(model: nn.Module, recipe: Float8Recipe, backend: str,
+                    filter_fn: Callable[[nn.Module, str], bool] | None = None) -> list[str]:
+    """Give the :class:`GroupedExperts` of ``model`` that run in high precision ``recipe`` (those
+    ``filter_fn`` picks; by default every one whose features are multiples of 16 and of the
+    recipe's blocks, the others warned about); returns their names."""
+    chosen = []
+    for fqn, mod in model.named_modules():
+        if not isinstance(mod, GroupedExperts) or mod.recipe is not None:
+            continue
+        if filter_fn is not None:
+            if filter_fn(mod, fqn):
+                chosen.append(fqn)
+            continue
+        multiple = max(16, recipe.block_multiple)
+        if mod.dim % multiple or mod.hidden_dim % multiple:
+            warn_once(model, f"fp8: GroupedExperts {fqn!r}: dim={mod.dim}, hidden_dim={mod.hidden_dim} are not "
+                             f"multiples of {multiple}; it stays in the compute dtype")
+        else:
+            chosen.append(fqn)
+    for fqn in chosen:
+        model.get_submodule(fqn).set_recipe(recipe, backend)
+    return chosen
 
 
 def unconvert(model: nn.Module) -> nn.Module:
@@ -145,6 +182,8 @@ def unconvert(model: nn.Module) -> nn.Module:
     """
     plain: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # a wrapped weight: its plain one, tied kept
     for fqn, mod in list(model.named_modules()):
+        if isinstance(mod, GroupedExperts):
+            mod.set_recipe(None)
         if isinstance(mod, (Float8Linear, Float8Conv1D)):
             new = mod.to_linear() if isinstance(mod, Float8Linear) else mod.to_conv1d()
             if id(mod.weight) in plain:

@@ -15,6 +15,7 @@ from mixprec._modules import clean_name, named_modules
 from mixprec.control._collective import agree_on_layers, all_reduce_max, distributed
 from mixprec.control._settings import GuardSettings
 from mixprec.control._shell import NO_STEP_FORWARDS, Shell
+from mixprec.formats._grouped import grouped_states
 from mixprec.formats._quant import STAT_NAMES
 from mixprec.formats._state import OPERANDS, LayerState, layer_state, new_window, window_stats
 
@@ -45,9 +46,14 @@ class Fallback:
 
 def layer_states(model: torch.nn.Module) -> dict[str, LayerState]:
     """``{fqn: LayerState}`` of the modules of ``model`` that have one (see :func:`layer_state`);
-    the names are those of the bare model, without DDP's, FSDP1's or torch.compile's parts."""
-    return {name: st for name, mod in named_modules(model)
-            if (st := layer_state(mod, create=False)) is not None}
+    the names are those of the bare model, without DDP's, FSDP1's or torch.compile's parts. The
+    experts of a converted ``GroupedExperts`` are a layer each (``f"{fqn}.w1[3]"``: :func:`grouped_states`)."""
+    states = {}
+    for name, mod in named_modules(model):
+        if (st := layer_state(mod, create=False)) is not None:
+            states[name] = st
+        states.update({f"{name}.{key}" if name else key: st for key, st in grouped_states(mod).items()})
+    return states
 
 
 class Guard(Shell):

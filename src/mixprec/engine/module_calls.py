@@ -339,6 +339,8 @@ def _pre_call(module: nn.Module, args: tuple) -> Any:
         state, cache = _rule_state(rule, frame.device_type)
         devices = (state,)
     entry = runtime.enter(devices=devices, cache=cache, fp8=None if target is None else (frame, target))
+    if target is not None:
+        target.begin()  # (a GroupedExperts runs its experts in fp8 itself; finish() in _post_call)
     if rule is not None:
         args = cast_tree(args, rule.dtype, frame.device_type)
     rt.calls.append((module, name, (entry, target), kept))

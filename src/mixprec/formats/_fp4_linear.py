@@ -30,7 +30,7 @@ from mixprec.formats._quant import cast_to_fp8
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, record_cast
 
-__all__ = ["Fp4Matmul", "cast_operand", "gemm"]
+__all__ = ["Fp4Matmul", "cast_operand", "gemm", "gemm_values"]
 
 #: rounding streams of one step: grad_output as the input-gradient and the weight-gradient GEMMs read it.
 _GO_GRAD_INPUT, _GO_GRAD_WEIGHT = 0, 1
@@ -70,6 +70,14 @@ def gemm(a: Any, ca: Cast, b: Any, cb: Cast, out_dtype: torch.dtype, bias: torch
     emulated: dequantized and multiplied in the GEMM's dtype (e2m1 and E8M0 blocks: ``out_dtype``,
     float32 for float16; other fp8 casts: float32; none: ``A``'s; with ``fp32``: float32 for every
     cast), then cast to ``out_dtype``."""
+    a, b = gemm_values(a, ca, b, cb, out_dtype, fp32)
+    out = torch.mm(a, b) if bias is None else torch.addmm(bias.to(a.dtype), a, b)
+    return out.to(out_dtype)
+
+
+def gemm_values(a: Any, ca: Cast, b: Any, cb: Cast, out_dtype: torch.dtype, fp32: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operands of :func:`gemm` dequantized in the GEMM's dtype: ``(A, B.t())`` (a view)."""
     if fp32 and ca.is_fp8:
         dtype = torch.float32
     elif not ca.is_fp8:
@@ -78,9 +86,7 @@ def gemm(a: Any, ca: Cast, b: Any, cb: Cast, out_dtype: torch.dtype, bias: torch
         dtype = out_dtype if out_dtype != torch.float16 else torch.float32
     else:
         dtype = gemm_dtype(ca, out_dtype) if ca.block else torch.float32
-    a, b = _values(a, ca, dtype), _values(b, cb, dtype).t().to(dtype)
-    out = torch.mm(a, b) if bias is None else torch.addmm(bias.to(dtype), a, b)
-    return out.to(out_dtype)
+    return _values(a, ca, dtype), _values(b, cb, dtype).t().to(dtype)
 
 
 def _record(stats: torch.Tensor | None, operand: int, x: torch.Tensor, op: Any, q: torch.Tensor | None,

@@ -17,6 +17,9 @@
 * :func:`convert`, :func:`unconvert`, :class:`Float8Linear`, :class:`Float8Conv1D`, :func:`stats`:
   module conversion (``nn.Linear`` and transformers' ``Conv1D``), its undoing, the stats table.
 * :func:`eligible`, :func:`select_layers`: the layer-selection rules.
+* :func:`grouped_linear`, :class:`GroupedExperts`: a mixture of experts' experts in fp8 and fp4, one
+  grouped GEMM per GEMM, each expert with its own scales and statistics, a layer of its own for
+  ``fp8.stats``, a Guard and (policy route) a Controller; ``fp8.convert`` and ``Policy.fp8`` reach them.
 * ``convert(..., fsdp_fp8_all_gather=True)``, :func:`precompute_fsdp_scales`: FSDP2 all-gathers
   the weights in fp8 (tensorwise), bitwise torchao's ``enable_fsdp_float8_all_gather``.
 * :class:`Controller` (also ``mixprec.Controller``): moves each layer up a ladder of formats
@@ -59,6 +62,7 @@ module state dict.
 from mixprec.control._controller import Controller, Decision
 from mixprec.control._convert import Float8Stats, convert, stats, unconvert
 from mixprec.formats._fsdp import precompute_fsdp_scales
+from mixprec.formats._grouped import GroupedExperts, grouped_linear
 from mixprec.control._guard import Fallback, Float8FallbackWarning, Guard, layer_states
 from mixprec.control._settings import ControllerSettings, GuardSettings
 from mixprec.formats._layers import Float8Conv1D, Float8Linear, as_recipe, eligible, select_layers
@@ -68,6 +72,6 @@ from mixprec.formats._state import LayerState, layer_state, load_rounding_steps,
 
 __all__ = [
     "Cast", "Controller", "ControllerSettings", "Decision", "Fallback", "Float8Conv1D", "Float8FallbackWarning", "Float8Linear", "Float8Recipe", "Float8Stats",
-    "Guard", "GuardSettings", "LayerState", "Recipe", "as_recipe", "convert", "eligible", "layer_state", "layer_states", "linear",
+    "Guard", "GuardSettings", "GroupedExperts", "LayerState", "Recipe", "as_recipe", "convert", "eligible", "grouped_linear", "layer_state", "layer_states", "linear",
     "load_rounding_steps", "precompute_fsdp_scales", "rounding_steps", "select_layers", "stats", "unconvert",
 ]

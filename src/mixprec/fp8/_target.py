@@ -8,6 +8,7 @@ called), and :func:`traced_output` for a layer called while Dynamo traces.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,13 +17,14 @@ from torch import nn
 
 from mixprec._modules import named_modules, unwrap
 from mixprec.control._shell import live_of
-from mixprec.formats._layers import select_layers
+from mixprec.formats._grouped import GroupedExperts
+from mixprec.formats._layers import select_layers, warn_once
 from mixprec.formats._like import is_linear_like, linear_params, routed_call, warn_unrouted
 from mixprec.formats._linear import linear
 from mixprec.formats._recipe import Float8Recipe
 from mixprec.formats._state import LayerState, layer_state
 
-__all__ = ["Fp8Target", "select_targets", "traced_output"]
+__all__ = ["Fp8Target", "GroupedTarget", "select_targets", "traced_output"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,11 +55,34 @@ class Fp8Target:
         to the compute dtype by the caller)."""
         return linear(x, weight, bias, self.recipe, state=self.state, backend=self.backend)
 
+    def begin(self) -> None:
+        """As the layer's call starts (its GEMM is routed by :meth:`match`: nothing to do)."""
+
     def finish(self) -> None:
         """As the layer's call returns: warn (once per class) if no call of it so far was
         routed (its forward calls neither ``F.linear`` on its weight nor Conv1D's ``addmm``)."""
         if not self.state.routed:
             warn_unrouted(self.module)
+
+
+@dataclass(frozen=True, eq=False)
+class GroupedTarget:
+    """A :class:`GroupedExperts` selected to run in fp8: no op of its is routed; while it is called
+    (:meth:`begin` to :meth:`finish`, eager), it runs its experts in ``recipe`` itself."""
+
+    module: GroupedExperts
+    recipe: Float8Recipe
+    backend: str
+    runs = True
+
+    def match(self, op_name: str, args: tuple, kwargs: dict[str, Any]) -> None:
+        return None
+
+    def begin(self) -> None:
+        self.module.enter_policy(self, self.recipe, self.backend)
+
+    def finish(self) -> None:
+        self.module.leave_policy()
 
 
 def select_targets(root: nn.Module, policy: Any) -> dict[int, Fp8Target] | None:
@@ -73,7 +98,8 @@ def select_targets(root: nn.Module, policy: Any) -> dict[int, Fp8Target] | None:
     model = unwrap(root)  # DDP's, FSDP1's, torch.compile's wrappers: the names are the bare model's
     live = live_of(model, rule.kind, rule.guard or rule.controller, rule.live)  # checked before any selection
     likes = nn.Linear in rule.types
-    if not any(isinstance(m, rule.types) or (likes and is_linear_like(m)) for m in model.modules()):
+    experts = {fqn: m for fqn, m in named_modules(model) if likes and isinstance(m, GroupedExperts) and m.recipe is None}
+    if not experts and not any(isinstance(m, rule.types) or (likes and is_linear_like(m)) for m in model.modules()):
         return None
     recipes = dict(rule.recipes)
     modules = dict(named_modules(model))
@@ -84,7 +110,21 @@ def select_targets(root: nn.Module, policy: Any) -> dict[int, Fp8Target] | None:
         return any(r.matches(modules[a], a) for a in ancestors for r in policy.module_rules)
 
     targets, named = {}, {}
-    for fqn in select_layers(model, rule.types, rule.names, rule.first_last, rule.recipe, recipes):
+    for fqn, module in experts.items():  # a mixture of experts' experts (convert's run in their own recipe)
+        if kept(fqn) or (rule.names is not None and not re.search(rule.names, fqn)):
+            continue
+        recipe = rule.recipe_for(fqn)
+        multiple = max(16, recipe.block_multiple)
+        if module.dim % multiple or module.hidden_dim % multiple:
+            warn_once(model, f"fp8: GroupedExperts {fqn!r}: dim={module.dim}, hidden_dim={module.hidden_dim} are "
+                             f"not multiples of {multiple}; it stays in the compute dtype")
+            continue
+        module.ensure_states()  # (before the guard tracks the model's layers: one per expert)
+        targets[id(module)] = GroupedTarget(module, recipe, rule.backend)
+        named.update({f"{fqn}.{key}" if fqn else key: (layer, recipe)  # a Controller's layers: one per expert
+                      for key, layer in module.expert_layers().items()})
+    linears = any(isinstance(m, rule.types) or (likes and is_linear_like(m)) for m in modules.values())
+    for fqn in select_layers(model, rule.types, rule.names, rule.first_last, rule.recipe, recipes) if linears else ():
         module = modules[fqn]
         if kept(fqn):
             continue
@@ -101,6 +141,10 @@ def traced_output(module: nn.Module, x: torch.Tensor, recipe: Float8Recipe, back
     """While Dynamo traces a selected layer's call: its output in fp8 on input ``x`` (in the
     compute dtype), or None when the layer is in fallback without a probe (read while tracing:
     a guard, so a fallback recompiles)."""
+    if isinstance(module, GroupedExperts):
+        warn_once(module, "fp8: under torch.compile Policy.fp8 does not route a GroupedExperts: its experts run in the "
+                          "compute dtype; fp8.convert(model, recipe) runs them in fp8 compiled too")
+        return None
     state = layer_state(module)
     if not state.fallback or state.probe is not None:
         return linear(x, *linear_params(module), recipe, state=state, backend=backend)

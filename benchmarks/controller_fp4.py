@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._machine import machine  # noqa: E402
-from mixprec.control._ladder import measure  # noqa: E402
+from mixprec.control._measure import measure  # noqa: E402
 from mixprec.demo.alternate import time_pair  # noqa: E402
 from mixprec.demo.corpus import load_tokens  # noqa: E402
 from mixprec.demo.settings import Settings  # noqa: E402

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 
 from mixprec import Controller, fp8
-from mixprec.control import _ladder
-from mixprec.control._ladder import measure
+from mixprec.control import _measure
+from mixprec.control._measure import measure
 from mixprec.formats._fp4 import quantize
 from mixprec.formats._recipe import Cast
 from mixprec.formats._state import new_window
@@ -24,8 +24,8 @@ CASTS = {"nvfp4": Cast("e2m1", "1x16"), "mxfp4": Cast("e2m1", "1x32"), "tensorwi
 def measured_rows(monkeypatch) -> list[torch.Size]:
     """The shapes :func:`measure` hands to the statistics (``record_cast``'s ``x``)."""
     seen: list[torch.Size] = []
-    record = _ladder.record_cast
-    monkeypatch.setattr(_ladder, "record_cast", lambda w, op, x, q, amax: (seen.append(x.shape), record(w, op, x, q, amax)))
+    record = _measure.record_cast
+    monkeypatch.setattr(_measure, "record_cast", lambda w, op, x, q, amax: (seen.append(x.shape), record(w, op, x, q, amax)))
     return seen
 
 

@@ -15,7 +15,8 @@ from mixprec import Controller
 from mixprec.fp8 import ControllerSettings
 from mixprec.control._decide import Check, gemm_up
 from mixprec.formats._fp4 import hadamard, hadamard_matrix, quantize
-from mixprec.control._ladder import LayerRecord, compose, gemm_casts, measure
+from mixprec.control._ladder import LayerRecord, compose, gemm_casts
+from mixprec.control._measure import measure
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import LayerState, new_window, record_cast
 from mixprec.control._trend import Trend, demote_windows, underflow_forecast

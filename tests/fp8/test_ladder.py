@@ -14,7 +14,8 @@ import torch
 
 import mixprec
 from mixprec import Controller, fp8
-from mixprec.control._ladder import compose, measure
+from mixprec.control._ladder import compose
+from mixprec.control._measure import measure
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import new_window
 

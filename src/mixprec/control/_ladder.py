@@ -15,13 +15,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mixprec.formats._fp4 import hadamard, hadamard_matrix, quantize
-from mixprec.formats._blocks import amax_to_scale
 from mixprec.formats._linear import linear
-from mixprec.formats._quant import STAT_NAMES, cast_to_fp8
+from mixprec.formats._quant import STAT_NAMES
 from mixprec.formats._recipe import Cast, Float8Recipe
-from mixprec.formats._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window, record_cast, window_stats
+from mixprec.formats._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window, window_stats
 from mixprec.control._settings import FP4_RUNGS, FP8_RUNGS, LOW_RUNGS, RUNGS
+from mixprec.control._measure import abs_max, measure, record_range
 from mixprec.control._trend import Trend
 
 __all__ = ["Decision", "FP4_RUNGS", "FP8_RUNGS", "GEMMS", "GEMM_OPERANDS", "GemmCasts", "LOW_RUNGS", "RUNGS",
@@ -287,7 +286,7 @@ class Probe:
             self.dtype = x.dtype
         measuring, gate = (True, rec.measuring) if compiling else (rec.measuring_now, None)
         if x.dtype is torch.float16:
-            _range(rec.range, x, out)
+            record_range(rec.range, x, out)
         # the gradient hooks go on ``out``, the caller gets a view of it: so they see the gradient
         # the GEMM's backward receives, after any hook on the returned tensor (a per-layer loss
         # scaler's cut point, whose factor the gradients of this layer carry)
@@ -382,7 +381,7 @@ def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | Non
     x2 = x.detach().reshape(-1, x.shape[-1])
     w = weight.detach() if weight is not None else None
     # each operand is read by two GEMMs: one pass for its amax (none on an empty batch: not measured)
-    amax_x, amax_w = (None if t is None or t.numel() == 0 else _amax(t) for t in (x2, w))
+    amax_x, amax_w = (None if t is None or t.numel() == 0 else abs_max(t) for t in (x2, w))
     reads = {"output": ((x2, amax_x), (w, amax_w)), "grad_input": (None, None if w is None else (w.t(), amax_w)),
              "grad_weight": (None, (x2.t(), amax_x))}
     backward = []
@@ -403,66 +402,7 @@ def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | Non
 
 def _measure_grad(where: list, grad: torch.Tensor, sample: int) -> None:
     g2 = grad.detach().reshape(-1, grad.shape[-1])
-    amax = _amax(g2) if g2.numel() else None  # not measured
+    amax = abs_max(g2) if g2.numel() else None  # not measured
     for window, gemm, casts, gate in where:
         measure(window, 0, g2 if gemm == "grad_input" else g2.t(), casts.left, casts.pow2, sample, casts.hadamard_seed,
                 gate, amax)
-
-
-def _range(buf: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
-    """``buf`` (the range row) = max(``buf``, [amax of x, amax of out]). No host sync."""
-    amax = torch.stack([x.detach().abs().amax().float(), out.detach().abs().amax().float()])
-    torch.maximum(buf, amax, out=buf)
-
-
-def measure(window: torch.Tensor, operand: int, x: torch.Tensor, cast: Any, pow2: bool, sample: int,
-            hadamard_seed: int | None = None, gate: torch.Tensor | None = None,
-            amax: torch.Tensor | None = None) -> None:
-    """Accumulate into row ``operand`` of ``window`` (a window: :func:`~mixprec.formats._state.record_cast`) the statistics ``cast`` would
-    have on ``x``, measured on about ``sample`` elements: evenly strided whole rows (a row or
-    block cast along the last dimension is exact on them; a 2-D block cast is measured on every
-    row), scaled by the whole tensor's amax for a tensor cast and NVFP4's tensor scale (after a
-    Hadamard transform, by the transformed sample's: transforming the whole tensor is the cost
-    the sample saves). An e2m1 cast is fp4's own (:func:`~mixprec.formats._fp4.quantize`), rounded to nearest (a
-    stochastically rounded cast flushes a value below the smallest step only sometimes: this
-    counts it flushed), after the random Hadamard transform of ``hadamard_seed`` along the last
-    dimension when given (NVFP4's weight-gradient operands: the GEMM casts the transformed rows,
-    whose outliers are spread over their block). ``gate`` (a 0-d bool device tensor): the
-    window keeps the measurement only where it is set (compiled code: no branch, no guard).
-    ``amax``: ``x``'s largest magnitude when the caller has it (one pass over ``x``, the only
-    part of a measurement that grows with ``x``, shared by the GEMMs that read it). No host sync."""
-    x2 = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.detach().reshape(1, 1)
-    if x2.numel() == 0:
-        return
-    # about ``sample`` elements: whole rows, evenly strided (a 2-D block, 128x128 or 16x16, is
-    # measured on the whole tensor: a sample of rows would cut it)
-    two_d = cast.block is not None and cast.block[0] > 1
-    stride = 1 if two_d else max(1, x2.shape[0] // -(-sample // max(x2.shape[1], 1)))
-    rows = x2[::stride]
-    amax = _amax(x2) if amax is None else amax
-    if cast.is_fp4:
-        if hadamard_seed is not None:  # the tensor scale of the sampled rows' transform (the whole one's costs a pass)
-            rows = hadamard(rows, hadamard_matrix(hadamard_seed, rows.device))
-            q = quantize(rows.contiguous(), cast).magnitudes()
-        elif stride > 1:  # + a row of the tensor's amax: NVFP4's tensor scale is the whole tensor's
-            q = quantize(torch.cat([rows, F.pad(amax.reshape(1, 1), (0, x2.shape[1] - 1))]), cast).magnitudes()
-            q = q[:rows.shape[0]]
-        else:
-            q = quantize(rows.contiguous(), cast).magnitudes()
-    elif cast.granularity == "tensor":
-        fmax = torch.finfo(cast.dtype).max
-        q = (rows.to(torch.float32) * amax_to_scale(amax, cast.dtype, pow2)).clamp_(min=-fmax, max=fmax).to(cast.dtype)
-    else:
-        q, _, _ = cast_to_fp8(rows, cast, -1, pow2)
-    if gate is None:
-        record_cast(window, operand, rows, q, amax)
-        return
-    kept = window.clone()
-    record_cast(kept, operand, rows, q, amax)
-    window.copy_(torch.where(gate, kept, window))
-
-
-def _amax(x: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude in ``x`` (NaN if it holds one), in one pass without a copy of ``x``."""
-    low, high = torch.aminmax(x)
-    return torch.maximum(high, -low)

@@ -24,7 +24,7 @@ from mixprec import Controller, Policy, fp8
 from _distributed import gloo_group, spawn
 from _models import fp8_stack
 
-pytestmark = [pytest.mark.distributed,
+pytestmark = [pytest.mark.slow, pytest.mark.distributed,
               pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")]
 
 GROUPS = ([0, 1], [2, 3])

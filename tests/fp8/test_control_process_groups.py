@@ -24,8 +24,7 @@ from mixprec import Controller, Policy, fp8
 from _distributed import gloo_group, spawn
 from _models import fp8_stack
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed,
-              pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")]
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 GROUPS = ([0, 1], [2, 3])
 OUTLIER = {0: "2", 2: "4"}  # rank -> the layer whose input gets an outlier (one rank of each group)
@@ -108,6 +107,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_groups_of_a_four_rank_world_decide_on_their_own(tmp_path) -> None:
     try:
         spawn(_worker, str(tmp_path), nprocs=4, timeout=300)  # a hang fails sooner: gloo times out at 120 s

@@ -13,7 +13,7 @@ gloo ranks, ``PipelineStage``, ``ScheduleGPipe`` and ``Schedule1F1B``, 2 micro-b
   with a Guard over the default group (the world) on stages that keep the full model's names:
   a large weight in one stage's layer moves that layer only, the other stage's layer of the same
   local name stays (a union of the stages' layers over the world would have mixed them up).
-* per-layer scaling on a stage without the loss says what to do.
+* per-layer scaling says what to do: on a stage without the loss, and in a ScaledLoss.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ from mixprec.scaling import ScaledLoss
 
 from _distributed import gloo_group, spawn
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed,
-              pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")]
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 STEPS, MICRO, BATCH = 4, 2, 8
 INF = {1: (1, "6.weight"), 2: (0, "0.weight")}  # step -> (stage, the full model's parameter) given an inf
@@ -192,6 +191,8 @@ def _worker(rank: int, port: int, out_dir: str, kind: str) -> None:
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 def test_two_stages_skip_together_and_decide_on_their_own_layers(tmp_path, kind: str) -> None:
     try:
@@ -219,3 +220,15 @@ def test_two_stages_skip_together_and_decide_on_their_own_layers(tmp_path, kind:
         assert guard["decisions"] == ["4"]  # both stages: the union over the world, one layer
         assert guard["fallback"] == ({"0": False, "2": False} if rank == 0 else {"4": True, "6": False})
     assert "per_layer=False on every stage" in ranks[0]["per_layer"]
+
+
+def test_scaled_loss_scales_and_keeps_the_unscaled_losses() -> None:
+    scaler = mixprec.GradScaler("cpu", init_scale=8.0)
+    scaled = ScaledLoss(scaler, _loss)
+    out, target = torch.ones(2, 4, dtype=torch.float16), torch.zeros(2, 4)
+    assert scaled(out, target).item() == 8.0 and scaled(out * 2, target).item() == 32.0
+    assert [v.item() for v in scaled.take()] == [1.0, 4.0] and scaled.take() == []
+    with pytest.raises(ValueError, match="per_layer=False"):
+        ScaledLoss(mixprec.GradScaler("cpu", per_layer=True), _loss)
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        ScaledLoss(scaler, "mse")

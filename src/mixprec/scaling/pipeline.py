@@ -25,12 +25,21 @@ class ScaledLoss:
     schedule's ``losses=`` list holds scaled losses); :attr:`losses` keeps the unscaled ones
     (detached), :meth:`take` hands them over. No host sync.
 
+    Raises ValueError for a per-layer scaler (``per_layer=True``), TypeError for a ``loss_fn``
+    that is not callable.
+
     Example:
         >>> scaled = ScaledLoss(mixprec.GradScaler("cpu", process_group=group), F.mse_loss)
         >>> schedule = ScheduleGPipe(stage, 4, loss_fn=scaled)
     """
 
     def __init__(self, scaler: Any, loss_fn: Callable[..., torch.Tensor]) -> None:
+        if getattr(scaler, "_layerwise", None) is not None:
+            raise ValueError(
+                "ScaledLoss: GradScaler(per_layer=True) does not serve a pipeline: the gradients the last stage "
+                "sends to the stage before it would carry its cut points' factors, which that stage cannot divide "
+                "out. Build every stage's GradScaler with per_layer=False (docs/scaling.md)"
+            )
         if not callable(loss_fn):
             raise TypeError(f"ScaledLoss(scaler, loss_fn): loss_fn must be callable, got {type(loss_fn).__name__}")
         self.scaler = scaler

@@ -32,7 +32,7 @@ DOCS = SRC.parent / "docs" / "architecture.md"
 #: bottom to top: (layer, its packages and top-level modules, relative to ``mixprec``; "" is ``mixprec`` itself)
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("op data", ("ops", "_ops_names")),
-    ("leaves", ("_tree", "_modules", "_moved", "_paths", "_quiet", "_scaled", "_dtype_names", "")),
+    ("leaves", ("_tree", "_modules", "_moved", "_paths", "_quiet", "_scaled", "_dtype_names", "_groups", "")),
     ("native build", ("_native",)),
     ("formats", ("formats",)),
     ("control", ("control",)),

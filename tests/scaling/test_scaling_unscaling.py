@@ -31,7 +31,7 @@ def _interface() -> list[str]:
 def test_the_interface_names_what_the_scaler_asks():
     assert set(_interface()) == {
         "watch", "check_ready", "observe", "unscale", "update", "skip_update", "carried", "scales", "factors", "history",
-        "last_overflow", "state_dict", "load_state_dict",
+        "last_overflow", "state_dict", "load_state_dict", "stage_device",
     }
 
 

@@ -17,7 +17,6 @@ import torch.nn as nn
 
 from mixprec._modules import named_modules
 from mixprec._scaled import last_count, scaled_since
-from mixprec.control._collective import agree_on_layers, all_reduce_max, distributed
 from mixprec.control._decide import Check, apply_gemms, apply_layer, decide_gemms, decide_layer, switch_layer
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord, Probe
 from mixprec.control._records import (CheckClock, all_gathered, check_loss_scale, converted, detached_record, grad_scale,
@@ -44,7 +43,9 @@ class Controller(Shell):
     model (``ctl.attach(model)``; ``fp8.convert(model, controller=ctl)`` does) and run the model
     under a policy with an fp8 rule (``Policy.fp8(recipe, controller=ctl.settings)`` names the
     settings it expects; the older ``Policy.fp8(recipe, controller=ctl)`` carries the object
-    itself beside the policy's value). Call :meth:`step` once per optimizer step on every rank.
+    itself beside the policy's value). Call :meth:`step` once per optimizer step on every rank of
+    its ``process_group`` (a keyword of the constructor, never a setting: ``"default"``, the world;
+    a ProcessGroup; ``(DeviceMesh, dim_name)``, a pipeline stage's data-parallel ranks: ``_shell``).
 
     Decisions go to :attr:`log` (and :meth:`write_csv`); :meth:`precision` names a layer's
     format now; :meth:`state_dict` resumes bitwise. A layer has one record however it is
@@ -254,7 +255,7 @@ class Controller(Shell):
         self._stepped = True
         self._set_measuring(shadow_phase(self._steps, self.settings.every, self.settings.shadow_steps))
         self._learn_compute()
-        if not self._layers and not self._warned_empty and not distributed():
+        if not self._layers and not self._warned_empty and not self._distributed():
             self._warned_empty = True
             warnings.warn("fp8: Controller.step() tracks no fp8 layer, so it decides nothing: attach it to the "
                           "model (ctl.attach(model)) and run a forward under a policy with an fp8 rule first",
@@ -268,7 +269,7 @@ class Controller(Shell):
 
     def _decide_all(self) -> list[Decision]:
         # every rank: the same collectives, whichever layers its forwards have shown it (_collective)
-        names, missing, code = agree_on_layers(list(self._layers), lambda: {  # (what a peer decides with)
+        names, missing, code = self._agree_on_layers(list(self._layers), lambda: {  # (what a peer decides with)
             n: metadata(self.settings, r) for n, r in self._layers.items()}, _COMPUTE_CODES.get(self._compute, 0))
         if self._compute is None and code:
             self._compute = _COMPUTE_DTYPES[code]  # a rank without a forward yet: its peers' compute dtype
@@ -281,7 +282,7 @@ class Controller(Shell):
             self._warned_scale = True
             warn_unscaled()
         recs = [self._layers[n] for n in names]
-        rows = all_reduce_max(torch.stack([r.windows() for r in recs])).tolist()  # the one sync
+        rows = self._all_reduce_max(torch.stack([r.windows() for r in recs])).tolist()  # the one sync
         new, check = [], self._check()
         for name, rec, row in zip(names, recs, rows):
             rec.reset()

@@ -12,7 +12,6 @@ from typing import Any, Mapping
 import torch
 
 from mixprec._modules import clean_name, named_modules
-from mixprec.control._collective import agree_on_layers, all_reduce_max, distributed
 from mixprec.control._settings import GuardSettings
 from mixprec.control._shell import NO_STEP_FORWARDS, Shell
 from mixprec.formats._grouped import grouped_states
@@ -62,7 +61,9 @@ class Guard(Shell):
     Call :meth:`step` once per optimizer step, on every rank (with gradient accumulation: once
     per optimizer step, not per micro-batch). Every ``every`` steps it reads the statistics
     accumulated since the last check (the worst value over the window), all-reduces them (MAX)
-    when ``torch.distributed`` is initialized so that every rank takes the same decision, and
+    over its ``process_group`` (a keyword of the constructor: ``"default"``, the world when
+    ``torch.distributed`` is initialized; a ProcessGroup; ``(DeviceMesh, dim_name)``: see
+    :mod:`mixprec.control._shell`) so that every rank of it takes the same decision, and
     moves each layer where ``nonfinite > max_nonfinite``, ``saturated > max_saturated``,
     ``underflow > max_underflow`` (for input, weight or grad_output; ``fp4_max_underflow`` for an
     operand the layer's recipe casts to e2m1, whose 16- or 32-element blocks flush several
@@ -138,7 +139,8 @@ class Guard(Shell):
             []
         """
         states = dict(self._states) if model is None else model
-        if model is None and not states and not self._warned_empty and not distributed():  # (a lagging rank: its peers')
+        if (model is None and not states and not self._warned_empty
+                and not self._distributed()):  # (a lagging rank: its peers')
             self._warned_empty = True
             warnings.warn("fp8: Guard.step() tracks no fp8 layer, so it decides nothing: pass the model "
                           "(guard.step(model)), or give the guard to fp8.convert(..., guard=guard) or to "
@@ -164,11 +166,11 @@ class Guard(Shell):
         if step % self.every != 0:
             return []
         # every rank: the same collectives, whichever layers its forwards have shown it (_collective)
-        names, _, _ = agree_on_layers(list(states), dict)
+        names, _, _ = self._agree_on_layers(list(states), dict)
         if not names:
             return []
         device = next((st.device for st in states.values()), torch.device("cpu"))
-        rows = all_reduce_max(torch.stack([self._window_row(n, states.get(n), device) for n in names])).tolist()
+        rows = self._all_reduce_max(torch.stack([self._window_row(n, states.get(n), device) for n in names])).tolist()
         self._warn_unused_fp4_limit(rows)
         new = []
         for name, row in zip(names, rows):

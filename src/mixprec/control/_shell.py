@@ -2,6 +2,12 @@
 value read through the object, the warning for forwards that are never stepped, copying, and
 where a model's live guard or controller is attached.
 
+The ranks a shell agrees with are its own, a live object beside the settings value:
+``process_group=`` (``"default"``, the world; a ProcessGroup; or ``(DeviceMesh, dim_name)``, see
+:mod:`mixprec._groups`) is given to the constructor, used for every collective of a check, and
+never pickled: pickling a shell that holds a group other than the default raises (save its
+``state_dict()`` and build it again with the group in the new process).
+
 A run's live Guard or Controller comes from the model (``ctl.attach(model)``, or
 ``fp8.convert(model, controller=ctl)``, or a policy built the old way, ``Policy.fp8(controller=ctl)``:
 :func:`live_of` says which); the policy holds its settings only.
@@ -17,7 +23,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from mixprec._groups import DEFAULT, check, describe, is_default
 from mixprec._modules import unwrap
+from mixprec.control._collective import agree_on_layers, all_reduce_max, distributed
 
 __all__ = ["NO_STEP_FORWARDS", "Shell", "attached", "live_of"]
 
@@ -31,14 +39,16 @@ _ATTRIBUTE = "_mixprec_fp8_control"
 class Shell:
     """The stateful shell of a settings value (``settings``, a frozen dataclass): its fields read
     as the shell's attributes (``ctl.every``), never assigned (a shell runs with the settings it
-    was built with). Subclasses set ``SETTINGS`` (the settings class), ``CALL`` (its step call,
-    for messages) and ``DOES`` (what stepping does)."""
+    was built with). ``process_group``: the ranks it agrees with (module docstring); a rank
+    outside that group gets a ValueError naming it. Subclasses set ``SETTINGS`` (the settings
+    class), ``CALL`` (its step call, for messages) and ``DOES`` (what stepping does)."""
 
     SETTINGS: type
     CALL = "step()"
     DOES = "decides"
 
-    def __init__(self, settings: Any = None, **changes: Any) -> None:
+    def __init__(self, settings: Any = None, *, process_group: Any = DEFAULT, **changes: Any) -> None:
+        check(process_group, type(self).__name__)
         if settings is None:
             settings = self.SETTINGS(**changes)
         elif not isinstance(settings, self.SETTINGS):
@@ -47,6 +57,7 @@ class Shell:
         elif changes:
             settings = settings.replace(**changes)
         object.__setattr__(self, "settings", settings)
+        object.__setattr__(self, "_process_group", process_group)
         object.__setattr__(self, "_stepped", False)  # this process has called step()
         object.__setattr__(self, "_forwards", 0)  # training forwards before the first step()
 
@@ -77,9 +88,32 @@ class Shell:
         changed = ", ".join(f"{k}={v!r}" for k, v in self.settings.changed().items())
         return f"{type(self).__name__}({changed})"
 
+    @property
+    def process_group(self) -> Any:
+        """The ranks it agrees with, as given to the constructor (``"default"``: the world)."""
+        return self._process_group
+
+    def _distributed(self) -> bool:
+        return distributed(self._process_group)
+
+    def _agree_on_layers(self, names: list[str], metadata: Any, code: int = 0) -> tuple[list[str], dict, int]:
+        return agree_on_layers(names, metadata, code, self._process_group)
+
+    def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_max(t, self._process_group)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickling (the subclass's ``__getstate__``), refused with a process group other than the default."""
+        if not is_default(self._process_group):
+            raise TypeError(f"this {type(self).__name__} agrees over {describe(self._process_group)}, a live object "
+                            f"of this process that cannot be pickled: save its state_dict() instead and build it "
+                            f"again in the new process with process_group=..., then load_state_dict()")
+        return super().__reduce_ex__(protocol)
+
     def __deepcopy__(self, memo: dict) -> Any:
-        """Every attribute copied (the settings are a value: shared), not through pickling's
-        settings and ``state_dict``."""
+        """Every attribute copied (the settings are a value: shared; the process group too: a live
+        object), not through pickling's settings and ``state_dict``."""
+        memo[id(self._process_group)] = self._process_group
         new = object.__new__(type(self))
         memo[id(self)] = new
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))

@@ -2,6 +2,7 @@
 
 from mixprec.scaling.grad_scaler import GradScaler, HistoryCallback, MinScaleError
 from mixprec.scaling.history import CSVHistory, TensorBoardHistory
+from mixprec.scaling.pipeline import ScaledLoss
 from mixprec.scaling.rule import ScaleConfig, ScaleState, backoff_blocked, init_state, update_scale
 from mixprec.scaling.schedulers import SkipAwareScheduler, skip_aware
 
@@ -12,6 +13,7 @@ __all__ = [
     "MinScaleError",
     "ScaleConfig",
     "ScaleState",
+    "ScaledLoss",
     "SkipAwareScheduler",
     "TensorBoardHistory",
     "backoff_blocked",

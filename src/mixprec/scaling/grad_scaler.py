@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Literal, Sequence, overload
 import torch
 from torch import nn
 
+from mixprec._groups import check as check_group, is_default, resolve as resolve_group
 from mixprec._unscale import PerDevice, unscale_
 from mixprec.scaling._accessors import ScalerAccessors
 from mixprec._scaled import note_scaled
@@ -80,10 +81,13 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
             non-finite gradients, the step and the recent scales; ``"warn"`` once and keep
             skipping; ``"ignore"``. Checked only when ``min_scale`` is set, in :meth:`update`.
         process_group: all-reduce the overflow flag (MAX) over this group so that every rank
-            skips together; ``"default"`` uses the default group when ``torch.distributed`` is
-            initialized (and nothing otherwise); ``None`` does not communicate (DTensor
-            gradients, as from FSDP2 ``fully_shard``, are then reduced over their mesh by DTensor
-            itself, as with torch's scaler).
+            skips together: a ``ProcessGroup``, or ``(DeviceMesh, dim_name)`` (that dimension's
+            group holding this rank); ``"default"`` uses the default group when
+            ``torch.distributed`` is initialized (and nothing otherwise); ``None`` does not
+            communicate (DTensor gradients, as from FSDP2 ``fully_shard``, are then reduced over
+            their mesh by DTensor itself, as with torch's scaler). A rank outside the group gets
+            a ValueError naming it. A pipeline stage that scales no loss creates its scale in
+            :meth:`unscale_` or :meth:`step` (same arguments on every stage: docs/scaling.md).
         history: a plain callable ``history(step, scale, skipped, overflow_names)`` called by every
             :meth:`update` with the 0-based iteration, the scale used in it, whether an optimizer
             step was skipped and the names of the parameters with non-finite gradients (empty on
@@ -175,10 +179,10 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
             raise ValueError(f"on_min_scale must be one of {ON_MIN_SCALE}, got {on_min_scale!r}.")
         if history is not None and not callable(history):
             raise TypeError(f"history must be callable or None, got {type(history).__name__}.")
-        if not (process_group is None or process_group == "default" or not isinstance(process_group, str)):
-            raise ValueError(
-                f"process_group must be a ProcessGroup, 'default' or None, got {process_group!r}."
-            )
+        if isinstance(process_group, str) and not is_default(process_group):
+            raise ValueError(f"process_group must be a ProcessGroup, (DeviceMesh, dim_name), 'default' or None, got {process_group!r}.")
+        if process_group is not None:
+            check_group(process_group, "GradScaler")
         self._config = ScaleConfig(
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
@@ -218,6 +222,9 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
         self._last_step_skipped = torch.zeros((), dtype=torch.bool, device=dev)
 
     def _require_state(self, funcname: str) -> ScaleState:
+        if self._state is None and self._process_group is not None and funcname in ("unscale_", "step"):
+            # a pipeline stage without the loss: its gradients carry the scale its peers' scale() used
+            self._lazy_init_scale_growth_tracker(self._unscaling.stage_device(self._device))
         if self._state is None:
             raise RuntimeError(
                 f"Attempted {funcname} before the scale was initialised. Call "
@@ -291,10 +298,10 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
 
     def _group(self) -> Any:
         group = self._process_group
-        if isinstance(group, str):  # "default"
-            dist = torch.distributed
-            return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        return group
+        if group is None or not is_default(group):
+            return None if group is None else resolve_group(group, "GradScaler")
+        dist = torch.distributed
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
     def _check_and_unscale(
         self, optimizer: torch.optim.Optimizer, scale: torch.Tensor | None, allow_fp16: bool

@@ -54,6 +54,11 @@ class Unscaling(Protocol):
         """``scale(outputs)``, after the scale exists on ``device``: learns what the backward
         from ``outputs`` needs (no host sync)."""
 
+    def stage_device(self, device_type: str) -> torch.device:
+        """Where a scaler with a process group that has scaled no loss (a pipeline stage before
+        the last) creates its scale: ``device_type``'s current device; raises ``ValueError``
+        (what to do) when the strategy needs this rank's own ``scale(loss)``."""
+
     def unscale(
         self, optimizer: Any, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: torch.Tensor
     ) -> dict[torch.device, torch.Tensor]:
@@ -121,6 +126,11 @@ class GlobalUnscaling(Unscaling):
 
     def observe(self, outputs: Any, device: torch.device) -> None:
         """Nothing to plan: every gradient carries the loss scale."""
+
+    def stage_device(self, device_type: str) -> torch.device:
+        if device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(device_type)
 
     def unscale(
         self, optimizer: Any, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: torch.Tensor

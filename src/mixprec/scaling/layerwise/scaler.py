@@ -108,6 +108,14 @@ class Layerwise(GraphPlanning, Unscaling):
                 "Without it every gradient would carry the loss scale alone."
             )
 
+    def stage_device(self, device_type: str) -> torch.device:
+        """Raises: per-layer scales are planned by this rank's own ``scale(loss)``."""
+        raise ValueError(
+            "GradScaler(per_layer=True) unscales what this rank's scaler.scale(loss) planned, and this rank has "
+            "scaled no loss: call scaler.scale(loss) before unscale_/step. A pipeline stage without the loss "
+            "(every stage but the last) cannot scale per layer: use per_layer=False on every stage (docs/scaling.md)."
+        )
+
     def remove_hooks(self) -> None:
         """Removes the cut points' forward hooks and this backward's parameter hooks."""
         for handle in self._handles:

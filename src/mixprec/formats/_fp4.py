@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -186,14 +186,16 @@ class Fp4Tensor:
 
 
 def quantize(x2: torch.Tensor, cast: Cast, *, subnormal_scales: bool = False,
-             generator: torch.Generator | RoundingKey | None = None) -> Fp4Tensor:
+             generator: torch.Generator | RoundingKey | None = None,
+             reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Fp4Tensor:
     """Cast the 2-D ``x2`` (contracted dimension last) to e2m1 by ``cast``'s blocks.
 
     ``"1x32"``: MXFP4 (E8M0 scales, RCEIL); ``"1x16"`` / ``"16x16"``: NVFP4 (fp32 tensor scale,
     e4m3 block scales, clamped at ``2**-6`` unless ``subnormal_scales``). ``generator`` (a
     ``torch.Generator`` or a :class:`RoundingKey`): round stochastically with its draws, one per
     element of the blocked, padded tensor in order (else to nearest even). A block running past the end of a dimension
-    is zero-padded (zeros change no amax). Precondition: ``cast.format == "e2m1"``.
+    is zero-padded (zeros change no amax). ``reduce``: what makes NVFP4's tensor amax global (a
+    tensor-parallel shard's all-reduce). Precondition: ``cast.format == "e2m1"``.
 
     Example:
         >>> t = quantize(torch.linspace(-1, 1, 64).reshape(2, 32), Cast("e2m1", "1x32"))
@@ -205,14 +207,14 @@ def quantize(x2: torch.Tensor, cast: Cast, *, subnormal_scales: bool = False,
     if ops is not None:
         x = (x2 if x2.dtype in _KERNEL_DTYPES else x2.to(torch.float32)).detach().contiguous()
         amax = ops.fp4_block_amax(x, rows, cols)
-        scales, tensor_scale, mul = _block_scales(amax, cast, subnormal_scales)
+        scales, tensor_scale, mul = _block_scales(amax, cast, subnormal_scales, reduce)
         if bool(torch.isfinite(mul).all()):  # else a NaN or an infinity: the torch code below
             rand = None if generator is None else _draws(ops, generator, (mul.shape[0], rows, mul.shape[1], cols))
             codes = ops.fp4_encode(x, mul, rows, cols, rand)
             return Fp4Tensor(codes, scales, tensor_scale, amax, x2.shape, cast)
     xb = _blocked(x2.to(torch.float32), rows, cols)
     amax = torch.amax(torch.abs(xb), dim=(1, 3))
-    scales, tensor_scale, mul = _block_scales(amax, cast, subnormal_scales)
+    scales, tensor_scale, mul = _block_scales(amax, cast, subnormal_scales, reduce)
     xs = (xb * per_block(mul)).clamp_(-E2M1_MAX, E2M1_MAX)  # in place: the product is ours
     codes = encode_e2m1(xs, generator)
     codes = codes.reshape(codes.shape[0] * rows, -1)
@@ -244,7 +246,8 @@ def _draws_agree(ops: Any) -> bool:
 _checked: dict[str, bool] = {}
 
 
-def _block_scales(amax: torch.Tensor, cast: Cast, subnormal_scales: bool
+def _block_scales(amax: torch.Tensor, cast: Cast, subnormal_scales: bool,
+                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(scales, tensor_scale, mul)`` of the blocks whose max ``|x|`` is ``amax``: what
     :class:`Fp4Tensor` keeps, and each block's float32 multiplier into ``[-6, 6]``."""
@@ -252,6 +255,8 @@ def _block_scales(amax: torch.Tensor, cast: Cast, subnormal_scales: bool
         scales, mul = _e8m0(amax, E2M1_MAX)
         return scales, None, mul
     tensor_amax = torch.max(amax) if amax.numel() else amax.new_zeros(())
+    if reduce is not None:
+        tensor_amax = reduce(tensor_amax)
     tensor_scale = torch.where(tensor_amax > 0, tensor_amax / (_E4M3_MAX * E2M1_MAX), 1.0)
     block = amax / E2M1_MAX / tensor_scale
     scales = torch.clamp(block, min=0.0 if subnormal_scales else _E4M3_TINY, max=_E4M3_MAX)

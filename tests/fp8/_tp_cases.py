@@ -6,7 +6,6 @@ runs that reference itself: same seed, same data)."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections import OrderedDict
 from typing import Any
 
@@ -23,7 +22,7 @@ TP_LAYERS = ("1.up", "1.down")
 
 def recipe_of(name: str) -> Float8Recipe | None:
     """``"fp32"`` (no fp8: None), a recipe name, or ``nvfp4+hadamard`` / ``nvfp4+sr``."""
-    if name == "fp32":
+    if name.startswith("fp32"):
         return None
     base, _, extra = name.partition("+")
     if base == "nvfp4" and extra:
@@ -31,9 +30,15 @@ def recipe_of(name: str) -> Float8Recipe | None:
     return Float8Recipe.from_name(base)
 
 
-def model_for(recipe: Float8Recipe | None, seed: int = 0) -> nn.Module:
-    """The model, its features large enough for the recipe's blocks on 2 shards."""
-    d = 128 if recipe is not None and recipe.block_multiple > 32 else 32
+def features(name: str) -> int:
+    """The model's width for case ``name`` (a recipe's, or ``fp32`` / ``fp32-128``: none):
+    large enough for the recipe's blocks on 2 shards."""
+    recipe = recipe_of(name)
+    return 128 if name == "fp32-128" or (recipe is not None and recipe.block_multiple > 32) else 32
+
+
+def model_for(d: int, seed: int = 0) -> nn.Module:
+    """The model, ``d`` features wide (its block ``2 * d``)."""
     torch.manual_seed(seed)
     block = nn.Sequential(OrderedDict(up=nn.Linear(d, 2 * d), act=nn.ReLU(), down=nn.Linear(2 * d, d)))
     return nn.Sequential(nn.Linear(d, d), block, nn.Linear(d, d))
@@ -94,8 +99,8 @@ def compare_case(name: str, route: str, sequence: bool = False) -> dict[str, Any
     from torch.distributed.tensor.parallel import parallelize_module
 
     recipe = recipe_of(name)
-    single = model_for(recipe)
-    d = single[0].in_features
+    d = features(name)
+    single = model_for(d)
     if route == "convert" and recipe is not None:
         fp8.convert(single, recipe, filter_fn=lambda m, fqn: fqn in TP_LAYERS)
     sharded = copy.deepcopy(single)
@@ -106,4 +111,4 @@ def compare_case(name: str, route: str, sequence: bool = False) -> dict[str, Any
     return {"single": ref, "tp": got}
 
 
-__all__ = ["compare_case", "recipe_of", "model_for", "train", "tp_plan", "STEPS", "TP_LAYERS", "dataclasses"]
+__all__ = ["compare_case", "recipe_of", "features", "model_for", "train", "tp_plan", "STEPS", "TP_LAYERS"]

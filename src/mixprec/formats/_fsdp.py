@@ -26,6 +26,7 @@ from torch import nn
 from mixprec.formats._quant import cast_to_fp8
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import WEIGHT, LayerState, layer_state
+from mixprec.formats._tensor_parallel import tensor_parallel_groups
 
 __all__ = ["Float8AllGatherWeight", "GatheredFloat8Weight", "check_recipe", "reads_gathered", "retie", "wrap_weight",
            "plain_weight", "warn_fallback", "precompute_fsdp_scales"]
@@ -224,6 +225,9 @@ class Float8AllGatherWeight(torch.Tensor):
         if amax is None:
             amax = _amax(shard)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        for group in tensor_parallel_groups(module.weight, mesh):  # FSDP2 x TP: the TP shards too
+            amax = amax.clone()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         q, scale, amax = cast_to_fp8(shard, self._cast, 0, self._pow2, amax=amax)
         state = layer_state(module, create=False)
         # recorded where the layer reads these bytes: not in fallback, nor on another recipe's rung
@@ -246,6 +250,7 @@ class Float8AllGatherWeight(torch.Tensor):
         (data,) = all_gather_outputs
         scale, amax, cast = metadata
         if out is not None:
+            out = getattr(out, "_local_tensor", out)  # FSDP2 x TP: the DTensor over the TP shard
             if not isinstance(out, GatheredFloat8Weight):
                 raise RuntimeError(f"fp8 all-gather: FSDP2 gave an unsharded weight of type {type(out).__name__}, "
                                    f"expected the GatheredFloat8Weight of the first all-gather")

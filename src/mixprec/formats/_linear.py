@@ -255,7 +255,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError(f"fp8 linear takes high-precision floating inputs (fp32, bf16, fp16), "
                          f"got {input.dtype} and {weight.dtype}")
     if is_distributed_tensor(input, weight, bias):  # tensor parallelism: the local shards, global scales
-        rung = None if state is None or state.fallback else state.recipe or recipe
+        rung = recipe if state is None else None if state.fallback else state.recipe or recipe
         return sharded_linear(input, weight, bias, lambda x, w, b, tp: _linear(x, w, b, recipe, state, backend, tp),
                               rung, None if state is None else state.name)
     return _linear(input, weight, bias, recipe, state, backend, None)

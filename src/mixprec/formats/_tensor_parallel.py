@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from mixprec.formats._recipe import Cast, Float8Recipe
 
-__all__ = ["Sharding", "global_amax", "tensor_amax_reduce", "is_distributed_tensor", "sharded_linear",
+__all__ = ["Sharding", "tensor_parallel_groups", "global_amax", "tensor_amax_reduce", "is_distributed_tensor", "sharded_linear",
            "check_blocks"]
 
 
@@ -59,6 +59,17 @@ class Sharding:
         buf = amax.detach().to("cpu" if on_cpu else amax.device, torch.float32, copy=True)
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
         return buf.to(device=amax.device, dtype=amax.dtype)
+
+
+def tensor_parallel_groups(weight: Any, fsdp_mesh: Any) -> list[Any]:
+    """The process groups of the mesh dimensions of ``weight`` (a DTensor parameter under FSDP2
+    x TP) other than FSDP2's ``fsdp_mesh``: what a scale of the whole weight is reduced over
+    besides FSDP2's shards (none for a plain parameter, or FSDP2 alone)."""
+    mesh = getattr(weight, "device_mesh", None)
+    if mesh is None or mesh.ndim < 2:
+        return []
+    fsdp = set(fsdp_mesh.mesh_dim_names or ())
+    return [mesh.get_group(i) for i, name in enumerate(mesh.mesh_dim_names or ()) if name not in fsdp]
 
 
 def global_amax(tp: Sharding | None, t: torch.Tensor, cast: Cast, row_dim: int, has: str, reduced: str
@@ -136,7 +147,7 @@ def sharded_linear(input: Any, weight: Any, bias: Any,
             check_blocks(recipe, weight.to_local().shape[0], "n", where)
         x = input.to_local(grad_placements=[Partial()]) if xp is not None else input
         b = None if bias is None else bias.to_local()
-        out = run(x, weight.to_local(), b, tp)
+        out = run(x, _local_weight(weight), b, tp)
         shape = (*input.shape[:-1], weight.shape[0])
         return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False, shape=shape,
                                   stride=_contiguous_strides(shape))
@@ -144,7 +155,7 @@ def sharded_linear(input: Any, weight: Any, bias: Any,
         tp = Sharding("k", mesh.get_group())
         if recipe is not None:
             check_blocks(recipe, weight.to_local().shape[1], "k", where)
-        out = run(input.to_local(), weight.to_local(), None, tp)
+        out = run(input.to_local(), _local_weight(weight), None, tp)
         shape = (*input.shape[:-1], weight.shape[0])
         out = DTensor.from_local(out, mesh, [Partial()], run_check=False, shape=shape,
                                  stride=_contiguous_strides(shape))
@@ -158,6 +169,31 @@ def sharded_linear(input: Any, weight: Any, bias: Any,
                      f"input Replicate) and RowwiseParallel (weight Shard(1), input Shard(-1)) layouts; got "
                      f"input {xp}, weight {wp}, bias {bp}. Shard the layer with ColwiseParallel or "
                      f"RowwiseParallel, or keep it out of fp8")
+
+
+class _Local(torch.autograd.Function):
+    """``weight``'s local tensor itself (FSDP2's fp8 all-gather: the :class:`GatheredFloat8Weight`,
+    which ``to_local()`` would dequantize through a view); the gradient comes back as a DTensor
+    of the weight's placements."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Any) -> torch.Tensor:
+        ctx.spec = weight.device_mesh, weight.placements, weight.shape, weight.stride()
+        return weight._local_tensor.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = ctx.spec
+        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _local_weight(weight: Any) -> torch.Tensor:
+    """The weight's local shard, the fp8 bytes of FSDP2's all-gather kept as they came."""
+    if type(weight._local_tensor).__name__ == "GatheredFloat8Weight":
+        return _Local.apply(weight)
+    return weight.to_local()
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

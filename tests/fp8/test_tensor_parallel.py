@@ -93,3 +93,40 @@ def test_every_recipe_after_convert_under_tensor_parallelism_matches_one_process
 def test_sequence_parallel_block_matches_one_process(tmp_path) -> None:
     names = ("tensorwise", "rowwise", "mxfp8", "nvfp4")
     _check(_run(tmp_path, names, sequence=True), names)
+
+
+def _export_worker(rank: int, port: int, out_dir: str) -> None:
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import mixprec
+    from mixprec import Policy
+    from _tp_cases import model_for, tp_plan
+
+    with gloo_group(rank, port):
+        torch.set_num_threads(1)
+        warnings.simplefilter("ignore")
+        single = model_for(32)
+        sharded = copy.deepcopy(single)
+        parallelize_module(sharded, init_device_mesh("cpu", (2,)), tp_plan())
+        for label, model in (("single", single), ("tp", sharded)):
+            rec = mixprec.export.Recorder(model)
+            for step in range(2):  # forwards only: the weights stay the same
+                x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(step))
+                with mixprec.autocast("cpu", policy=Policy.parse("compute=bf16").fp8("tensorwise")):
+                    model(x)
+            rec.step()
+            mixprec.export(model, os.path.join(out_dir, f"{label}{rank}"), stats=rec)
+
+
+@pytest.mark.slow
+def test_export_of_a_sharded_model_writes_what_one_process_writes(tmp_path) -> None:
+    spawn(_export_worker, str(tmp_path), timeout=300)
+    for rank in range(2):
+        single, tp = tmp_path / f"single{rank}", tmp_path / f"tp{rank}"
+        files = sorted(p.name for p in single.iterdir())
+        assert files == sorted(p.name for p in tp.iterdir()) and "model.safetensors" in files
+        for name in files:
+            assert (single / name).read_bytes() == (tp / name).read_bytes(), name

@@ -23,15 +23,17 @@ This module imports no other module of the formats: the casts import it.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from mixprec.formats._recipe import Cast, Float8Recipe
 
-__all__ = ["Sharding", "tensor_parallel_groups", "global_amax", "tensor_amax_reduce", "is_distributed_tensor", "sharded_linear",
+__all__ = ["Sharding", "gathered_copy", "tensor_parallel_groups", "global_amax", "tensor_amax_reduce", "is_distributed_tensor", "sharded_linear",
            "check_blocks"]
 
 
@@ -194,6 +196,30 @@ def _local_weight(weight: Any) -> torch.Tensor:
     if type(weight._local_tensor).__name__ == "GatheredFloat8Weight":
         return _Local.apply(weight)
     return weight.to_local()
+
+
+def gathered_copy(model: nn.Module) -> nn.Module:
+    """``model`` itself when none of its parameters and buffers is a DTensor; else a copy whose
+    DTensors are full tensors (``full_tensor()``: an all-gather every rank of their meshes runs, in
+    the same order), without the modules' forward hooks (the parallel styles'), the layers'
+    :class:`LayerState` copied. What :func:`mixprec.export` writes from a tensor-parallel model:
+    the folder one process writes."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    if not any(isinstance(t, DTensor) for _, t in tensors):
+        return model
+    memo: dict[int, Any] = {}
+    for _, t in tensors:
+        if isinstance(t, DTensor) and id(t) not in memo:
+            full = t.detach().full_tensor()
+            memo[id(t)] = nn.Parameter(full, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else full
+    for module in model.modules():
+        for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
+                      "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+            if hasattr(module, hooks):
+                memo[id(getattr(module, hooks))] = type(getattr(module, hooks))()
+    return copy.deepcopy(model, memo)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -44,9 +44,10 @@ def model_for(d: int, seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(d, d), block, nn.Linear(d, d))
 
 
-def tp_plan(sequence: bool = False) -> dict[str, Any]:
+def tp_plan(sequence: bool | str = False) -> dict[str, Any]:
     """The block colwise then rowwise; ``sequence``: its input and output sharded along the
-    sequence (dimension 1), gathered before the last layer."""
+    sequence (dimension 1), gathered before the last layer; ``"fp8"``: the colwise layer gathers
+    it itself (``fp8.colwise_sequence_parallel``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    RowwiseParallel)
@@ -54,7 +55,8 @@ def tp_plan(sequence: bool = False) -> dict[str, Any]:
     if not sequence:
         return {"1.up": ColwiseParallel(), "1.down": RowwiseParallel()}
     return {"0": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
-            "1.up": ColwiseParallel(input_layouts=Shard(1)), "1.down": RowwiseParallel(output_layouts=Shard(1)),
+            "1.up": fp8.colwise_sequence_parallel() if sequence == "fp8" else ColwiseParallel(input_layouts=Shard(1)),
+            "1.down": RowwiseParallel(output_layouts=Shard(1)),
             "2": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True)}
 
 
@@ -92,7 +94,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def compare_case(name: str, route: str, sequence: bool = False) -> dict[str, Any]:
+def compare_case(name: str, route: str, sequence: bool | str = False) -> dict[str, Any]:
     """Both runs of one case on this rank (inside an initialized 2-rank group)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -107,8 +109,14 @@ def compare_case(name: str, route: str, sequence: bool = False) -> dict[str, Any
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     parallelize_module(sharded, mesh, tp_plan(sequence))
     ref = train(single, recipe, route, d)
-    got = train(sharded, recipe, route, d)
-    return {"single": ref, "tp": got}
+    gathered: list[torch.dtype] = []  # what the layer's own sequence all-gathers moved
+    original = dist.all_gather_into_tensor
+    dist.all_gather_into_tensor = lambda out, t, *a, **k: gathered.append(t.dtype) or original(out, t, *a, **k)
+    try:
+        got = train(sharded, recipe, route, d)
+    finally:
+        dist.all_gather_into_tensor = original
+    return {"single": ref, "tp": got, "gathered": gathered}
 
 
 __all__ = ["compare_case", "recipe_of", "features", "model_for", "train", "tp_plan", "STEPS", "TP_LAYERS"]

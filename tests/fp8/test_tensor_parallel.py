@@ -90,9 +90,20 @@ def test_every_recipe_after_convert_under_tensor_parallelism_matches_one_process
 
 
 @pytest.mark.slow
-def test_sequence_parallel_block_matches_one_process(tmp_path) -> None:
+@pytest.mark.parametrize("gather", ["torch", "fp8"])
+def test_sequence_parallel_block_matches_one_process(tmp_path, gather: str) -> None:
+    """Sequence parallelism: torch's ColwiseParallel(input_layouts=Shard(1)) gathers the sequence
+    in bf16; ``fp8.colwise_sequence_parallel()`` leaves it to the layer, which gathers it in fp8
+    (one byte an element, uint8 on the wire) where the recipe reuses that cast (tensorwise), else
+    in bf16."""
     names = ("tensorwise", "rowwise", "mxfp8", "nvfp4")
-    _check(_run(tmp_path, names, sequence=True), names)
+    ranks = _run(tmp_path, names, sequence=True if gather == "torch" else "fp8")
+    _check(ranks, names)
+    if gather == "fp8":
+        for r in ranks:
+            assert r["tensorwise"]["gathered"] == [torch.uint8] * 3  # the layer's forward, 3 steps
+            assert r["rowwise"]["gathered"] == [torch.bfloat16] * 3
+            assert r["fp32"]["gathered"] == []  # no fp8: DTensor's F.linear gathers
 
 
 def _export_worker(rank: int, port: int, out_dir: str) -> None:

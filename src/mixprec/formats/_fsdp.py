@@ -26,7 +26,6 @@ from torch import nn
 from mixprec.formats._quant import cast_to_fp8
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import WEIGHT, LayerState, layer_state
-from mixprec.formats._tensor_parallel import tensor_parallel_groups
 
 __all__ = ["Float8AllGatherWeight", "GatheredFloat8Weight", "check_recipe", "reads_gathered", "retie", "wrap_weight",
            "plain_weight", "warn_fallback", "precompute_fsdp_scales"]
@@ -44,6 +43,17 @@ _PRESERVE = {
 _VIEWS = {aten.detach.default, aten.alias.default, aten.as_strided.default, aten.t.default,
           aten.transpose.int}
 _WARNED: weakref.WeakSet[LayerState] = weakref.WeakSet()
+
+
+def tensor_parallel_groups(weight: Any, fsdp_mesh: Any) -> list[Any]:
+    """The process groups of the mesh dimensions of ``weight`` (a DTensor parameter under FSDP2
+    x TP) other than FSDP2's ``fsdp_mesh``: what a scale of the whole weight is reduced over
+    besides FSDP2's shards (none for a plain parameter, or FSDP2 alone)."""
+    mesh = getattr(weight, "device_mesh", None)
+    if mesh is None or mesh.ndim < 2:
+        return []
+    fsdp = set(fsdp_mesh.mesh_dim_names or ())
+    return [mesh.get_group(i) for i, name in enumerate(mesh.mesh_dim_names or ()) if name not in fsdp]
 
 
 def check_recipe(recipe: Float8Recipe) -> None:

@@ -75,9 +75,12 @@ class _Float8Matmul(torch.autograd.Function):
                 _record(stats, WEIGHT, w, wc)
                 out = block_gemm(xc[:2], r.input, wc[:2], r.weight, x.dtype, backend == "emulate_fp32")
             elif r.input.is_fp8:
-                xc = cast_to_fp8(x, r.input, -1, r.pow2_scales, global_amax(tp, x, r.input, -1, "mk", "k"))
+                if isinstance(x, GatheredFloat8Weight):  # a sequence gathered in fp8 (recorded per shard)
+                    xc = (x._data, x._scale, x._amax)
+                else:
+                    xc = cast_to_fp8(x, r.input, -1, r.pow2_scales, global_amax(tp, x, r.input, -1, "mk", "k"))
+                    _record(stats, INPUT, x, xc)
                 wc = _cast_weight(wt, r.weight, 0, r.pow2_scales, tp)
-                _record(stats, INPUT, x, xc)
                 if not isinstance(w, GatheredFloat8Weight):  # (gathered: recorded per shard before the all-gather)
                     _record(stats, WEIGHT, w, (wc[0].t(), *wc[1:]))  # w and q.t() are contiguous
                 out = gemm(xc[0].reshape(-1, k), _rows(xc[1]), wc[0], wc[1], x.dtype, backend, True)
@@ -257,7 +260,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if is_distributed_tensor(input, weight, bias):  # tensor parallelism: the local shards, global scales
         rung = recipe if state is None else None if state.fallback else state.recipe or recipe
         return sharded_linear(input, weight, bias, lambda x, w, b, tp: _linear(x, w, b, recipe, state, backend, tp),
-                              rung, None if state is None else state.name)
+                              rung, None if state is None else state.name, None if state is None else state.window)
     return _linear(input, weight, bias, recipe, state, backend, None)
 
 

@@ -18,7 +18,8 @@ shard casts with the scale one process would use:
 * block scales stay local: their blocks lie inside a shard, which :func:`check_blocks` makes
   sure of (a block that would straddle two shards is refused).
 
-This module imports no other module of the formats: the casts import it.
+A colwise layer whose input is sharded along the sequence (:func:`colwise_sequence_parallel`)
+gathers it itself, in fp8 where the recipe allows (:func:`gathers_fp8`): half the bytes of bf16.
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mixprec.formats._fsdp import GatheredFloat8Weight
+from mixprec.formats._quant import cast_to_fp8
 from mixprec.formats._recipe import Cast, Float8Recipe
+from mixprec.formats._state import INPUT, record_cast
 
-__all__ = ["Sharding", "gathered_copy", "tensor_parallel_groups", "global_amax", "tensor_amax_reduce", "is_distributed_tensor", "sharded_linear",
+__all__ = ["Sharding", "gathered_copy", "global_amax", "gathers_fp8", "colwise_sequence_parallel", "tensor_amax_reduce", "is_distributed_tensor", "sharded_linear",
            "check_blocks"]
 
 
@@ -61,17 +65,6 @@ class Sharding:
         buf = amax.detach().to("cpu" if on_cpu else amax.device, torch.float32, copy=True)
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
         return buf.to(device=amax.device, dtype=amax.dtype)
-
-
-def tensor_parallel_groups(weight: Any, fsdp_mesh: Any) -> list[Any]:
-    """The process groups of the mesh dimensions of ``weight`` (a DTensor parameter under FSDP2
-    x TP) other than FSDP2's ``fsdp_mesh``: what a scale of the whole weight is reduced over
-    besides FSDP2's shards (none for a plain parameter, or FSDP2 alone)."""
-    mesh = getattr(weight, "device_mesh", None)
-    if mesh is None or mesh.ndim < 2:
-        return []
-    fsdp = set(fsdp_mesh.mesh_dim_names or ())
-    return [mesh.get_group(i) for i, name in enumerate(mesh.mesh_dim_names or ()) if name not in fsdp]
 
 
 def global_amax(tp: Sharding | None, t: torch.Tensor, cast: Cast, row_dim: int, has: str, reduced: str
@@ -115,16 +108,76 @@ def check_blocks(recipe: Float8Recipe, local_features: int, dim: str, where: str
             f"use a smaller mesh, or pick a recipe without blocks ('tensorwise', 'rowwise')")
 
 
+def gathers_fp8(recipe: Float8Recipe | None) -> bool:
+    """Whether a sequence-sharded input is all-gathered in fp8 for ``recipe``: one fp8 scale for
+    the input (global: the shards' amax all-reduced), reused bit for bit by the weight-gradient
+    GEMM (``save_fp8``: ``tensorwise``), so the gathered bytes are all the layer needs of it."""
+    return (recipe is not None and not recipe.fp4 and not recipe.blocked and recipe.save_fp8
+            and recipe.input.is_fp8 and recipe.input.granularity == "tensor")
+
+
+def colwise_sequence_parallel(*, sequence_dim: int = 1, output_layouts: Any = None,
+                              use_local_output: bool = True) -> Any:
+    """torch's ``ColwiseParallel(input_layouts=Shard(sequence_dim))`` whose sequence-sharded input
+    reaches the layer's fp8 linear still sharded: the layer all-gathers it itself, in fp8 where
+    :func:`gathers_fp8` (``tensorwise``: half the bytes of bf16), else in the input's dtype (what
+    ``ColwiseParallel`` moves). As torchao's ``Float8ColwiseParallel``. A layer outside fp8 gets
+    the input gathered by DTensor's own ``F.linear``."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    style = ColwiseParallel(input_layouts=Shard(sequence_dim), output_layouts=output_layouts,
+                            use_local_output=use_local_output)
+    style.desired_input_layouts = (Shard(sequence_dim),)  # (ColwiseParallel's would be Replicate)
+    return style
+
+
+def _all_gather(t: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """``t`` all-gathered along ``dim`` (ranks in order)."""
+    moved = t.movedim(dim, 0).contiguous()
+    out = moved.new_empty(dist.get_world_size(group) * moved.shape[0], *moved.shape[1:])
+    dist.all_gather_into_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """The sequence shard ``x`` all-gathered along ``dim``: with ``cast``, cast to fp8 with the
+    global amax first (its statistics recorded into ``window`` on the shard) and gathered as
+    bytes, given as a :class:`GatheredFloat8Weight` the fp8 linear reads as its cast input; else
+    gathered in ``x``'s dtype. Backward: the gradient reduce-scattered back to the shards."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, mesh: Any, cast: Cast | None, pow2: bool,
+                window: torch.Tensor | None) -> torch.Tensor:
+        ctx.dim, ctx.mesh = dim, mesh
+        group = mesh.get_group()
+        if cast is None:
+            return _all_gather(x, dim, group)
+        q, scale, amax = cast_to_fp8(x, cast, -1, pow2, Sharding("m", group).reduce(torch.max(torch.abs(x))))
+        record_cast(window, INPUT, x, q, amax)
+        data = _all_gather(q.view(torch.uint8), dim, group).view(cast.dtype)
+        return GatheredFloat8Weight(data, scale, amax, x.dtype, cast)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        from torch.distributed.tensor import DTensor, Partial, Shard
+
+        local = DTensor.from_local(grad, ctx.mesh, [Partial()], run_check=False)
+        return local.redistribute(ctx.mesh, [Shard(ctx.dim)]).to_local(), None, None, None, None, None
+
+
 def sharded_linear(input: Any, weight: Any, bias: Any,
                    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Sharding | None],
                                  torch.Tensor],
-                   recipe: Float8Recipe | None, name: str | None = None) -> Any:
+                   recipe: Float8Recipe | None, name: str | None = None, window: torch.Tensor | None = None) -> Any:
     """``F.linear`` of DTensors (a ``ColwiseParallel`` or ``RowwiseParallel`` layer) run as
     ``run(x_local, w_local, b_local, sharding)`` (the fp8/fp4 linear on local tensors), the
     result a DTensor: colwise, the output sharded along its last dimension; rowwise, the partial
     sums (``Partial()``), plus the replicated bias. Differentiable; the gradients come back as
     the DTensors of the inputs' layouts. ``recipe``: the one the GEMMs run (None: the compute
-    dtype), whose blocks are checked; ``name``: the layer's, for errors.
+    dtype), whose blocks are checked; ``name``: the layer's, for errors. A colwise layer's input
+    sharded along a dimension other than the last (the sequence: :func:`colwise_sequence_parallel`)
+    is all-gathered here, in fp8 where :func:`gathers_fp8` (its statistics into ``window``).
 
     Raises ValueError for a layout other than those two (or both replicated), a mesh of more than
     one dimension, or blocks that would straddle two shards (:func:`check_blocks`).
@@ -150,6 +203,17 @@ def sharded_linear(input: Any, weight: Any, bias: Any,
         x = input.to_local(grad_placements=[Partial()]) if xp is not None else input
         b = None if bias is None else bias.to_local()
         out = run(x, _local_weight(weight), b, tp)
+        shape = (*input.shape[:-1], weight.shape[0])
+        return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False, shape=shape,
+                                  stride=_contiguous_strides(shape))
+    if wp == Shard(0) and isinstance(xp, Shard) and xp.dim < input.dim() - 1 and bp in (Shard(0), None):
+        tp = Sharding("n", mesh.get_group())
+        if recipe is not None:
+            check_blocks(recipe, weight.to_local().shape[0], "n", where)
+        fp8 = gathers_fp8(recipe)
+        x = _GatherSequence.apply(input.to_local(), xp.dim, mesh, recipe.input if fp8 else None,
+                                  fp8 and recipe.pow2_scales, window if fp8 else None)
+        out = run(x, _local_weight(weight), None if bias is None else bias.to_local(), tp)
         shape = (*input.shape[:-1], weight.shape[0])
         return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False, shape=shape,
                                   stride=_contiguous_strides(shape))

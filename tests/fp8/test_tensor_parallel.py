@@ -141,3 +141,47 @@ def test_export_of_a_sharded_model_writes_what_one_process_writes(tmp_path) -> N
         assert files == sorted(p.name for p in tp.iterdir()) and "model.safetensors" in files
         for name in files:
             assert (single / name).read_bytes() == (tp / name).read_bytes(), name
+
+
+def _rounding_worker(rank: int, port: int, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from mixprec import fp8
+
+    with gloo_group(rank, port):
+        torch.set_num_threads(1)
+        mesh = init_device_mesh("cpu", (2,))
+        g = torch.Generator().manual_seed(0)
+        x, w, go = torch.randn(24, 32, generator=g), torch.randn(64, 32, generator=g), torch.randn(24, 64, generator=g)
+        go[:, 40] *= 50  # an outlier column in rank 1's shard: the NVFP4 tensor scale is global
+        results = {}
+        for hadamard in (False, True):
+            recipe = fp8.Float8Recipe.nvfp4(stochastic_rounding=True, hadamard=hadamard)
+            for label in ("single", "tp"):
+                xx, ww, gy = x, w, go
+                if label == "tp":
+                    xx, ww = distribute_tensor(x, mesh, [Replicate()]), distribute_tensor(w, mesh, [Shard(0)])
+                    gy = distribute_tensor(go, mesh, [Shard(1)])
+                xx, ww = xx.detach().requires_grad_(), ww.detach().requires_grad_()
+                y = fp8.linear(xx, ww, recipe=recipe, backend="emulate_fp32")
+                y.backward(gy)
+                full = [t.full_tensor() if isinstance(t, DTensor) else t for t in (y, ww.grad, xx.grad)]
+                results[hadamard, label] = [t.detach() for t in full]
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_stochastic_rounding_draws_what_one_process_draws(tmp_path) -> None:
+    """A colwise NVFP4 layer with stochastic rounding (and the Hadamard transform): each shard of
+    grad_output takes the one process's draws at its positions, so the weight gradient (whose
+    rows the shards compute whole) is the one process's up to float32 sum order, and so are the
+    output and the input gradient (the GEMMs in float32: ``emulate_fp32``). Other draws would
+    round other values (errors of a whole fp4 step)."""
+    spawn(_rounding_worker, str(tmp_path), timeout=120)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for hadamard in (False, True):
+            single, tp = results[hadamard, "single"], results[hadamard, "tp"]
+            for what, a, b in zip(("output", "grad_weight", "grad_input"), single, tp):
+                assert _max_diff(a, b) <= 1e-5 * float(a.abs().max()), (hadamard, what, _max_diff(a, b))

@@ -227,6 +227,8 @@ def _draws(ops: Any, generator: torch.Generator | RoundingKey, shape: tuple[int,
     where the kernel's loop draws torch.rand's numbers (:func:`_draws_agree`; about 1.4x faster
     than torch's uniform kernel, which calls the generator out of line)."""
     if isinstance(generator, RoundingKey):
+        if generator.window is not None:
+            return generator.draws(shape, "cpu")
         return ops.fp4_key_draws(int(generator._state("cpu")), math.prod(shape))
     if _draws_agree(ops):
         return ops.fp4_uniform(math.prod(shape), generator)
@@ -298,6 +300,10 @@ class RoundingKey:
     output ``i`` gives two draws, its bits 8..31 and 40..63 as ``k / 2**24`` (24 bits: exact in
     float32, uniform on ``[0, 1)``), for elements ``i`` and ``i + ceil(n / 2)``.
 
+    ``window``, ``((rows, cols), (row0, col0))``: the tensor drawn for is the block at ``(row0,
+    col0)`` of a ``rows x cols`` one (padded to whole blocks), and takes that one's draws at its
+    positions (a tensor-parallel shard draws what one process draws for its elements).
+
     Example:
         >>> a = RoundingKey(0, 5, 1).draws((3,), "cpu")
         >>> torch.equal(a, RoundingKey(0, torch.tensor(5), 1).draws((3,), "cpu"))
@@ -307,6 +313,7 @@ class RoundingKey:
     seed: int
     step: int | torch.Tensor
     stream: int
+    window: tuple[tuple[int, int], tuple[int, int]] | None = None
 
     def _state(self, device: torch.device | str) -> int | torch.Tensor:
         """SplitMix64's state the draws start from, as an int64 (a 0-d tensor on ``device`` when
@@ -323,6 +330,16 @@ class RoundingKey:
         row-major order."""
         n = math.prod(shape)
         state = self._state(device)
+        if self.window is not None:  # (shape: blocked as quantize's, [R/rows, rows, C/cols, cols])
+            (rows, cols), (row0, col0) = self.window
+            half = (rows * cols + 1) // 2
+            r = torch.arange(row0, row0 + shape[0] * shape[1], dtype=torch.int64, device=device)
+            c = torch.arange(col0, col0 + math.prod(shape[2:]), dtype=torch.int64, device=device)
+            index = (r.unsqueeze(1) * cols + c).reshape(-1)
+            high = index >= half
+            z = _mix64_(torch.where(high, index - half, index).mul_(_signed(_GAMMA)).add_(state))
+            bits = torch.where(high, z >> 40, z >> 8).bitwise_and_(_DRAW_MASK)
+            return bits.to(torch.float32).mul_(2.0 ** -_DRAW_BITS).reshape(shape)
         half = (n + 1) // 2
         z = _mix64_(torch.arange(half, dtype=torch.int64, device=device).mul_(_signed(_GAMMA)).add_(state))
         bits = torch.cat([(z >> 8).bitwise_and_(_DRAW_MASK), (z >> 40).bitwise_and_(_DRAW_MASK)]).narrow(0, 0, n)

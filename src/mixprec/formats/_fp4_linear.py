@@ -29,7 +29,7 @@ from mixprec.formats._fp4 import Fp4Tensor, RoundingKey, hadamard, hadamard_matr
 from mixprec.formats._quant import cast_to_fp8
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, record_cast
-from mixprec.formats._tensor_parallel import Sharding, global_amax, tensor_amax_reduce
+from mixprec.formats._tensor_parallel import Sharding, global_amax, shard_window, tensor_amax_reduce
 
 __all__ = ["Fp4Matmul", "cast_operand", "gemm"]
 
@@ -153,13 +153,13 @@ class Fp4Matmul(torch.autograd.Function):
         grad_input = grad_weight = None
         sr = r.stochastic_rounding
 
-        def rng(stream: int) -> RoundingKey | None:
-            return RoundingKey(r.seed, step, stream) if sr else None
+        def rng(stream: int, t: torch.Tensor, cast: Cast, has: str) -> RoundingKey | None:
+            return RoundingKey(r.seed, step, stream, shard_window(tp, t.shape, cast, has)) if sr else None
 
         with torch.autocast(go.device.type, enabled=False):
             cg = r.grad_output
             if cg.is_fp8 and (ctx.needs_input_grad[0] or stats is not None):
-                ga, gq, gamax = cast_operand(go, cg, r, rng(_GO_GRAD_INPUT) if cg.is_fp4 else None, tp, "mn")
+                ga, gq, gamax = cast_operand(go, cg, r, rng(_GO_GRAD_INPUT, go, cg, "mn") if cg.is_fp4 else None, tp, "mn")
                 _record(stats, GRAD_OUTPUT, go, ga, gq, gamax)
             if ctx.needs_input_grad[0]:
                 if cg.is_fp8:
@@ -174,8 +174,8 @@ class Fp4Matmul(torch.autograd.Function):
                 if _hadamard(r):
                     got = hadamard(got, hadamard_matrix(r.seed, go.device))
                 if cw.is_fp8:
-                    gb, gq, gamax = cast_operand(got.contiguous(), cw, r, rng(_GO_GRAD_WEIGHT) if cw.is_fp4 else None,
-                                                 tp, "nm")
+                    gb, gq, gamax = cast_operand(got.contiguous(), cw, r,
+                                                 rng(_GO_GRAD_WEIGHT, got, cw, "nm") if cw.is_fp4 else None, tp, "nm")
                     if not cg.is_fp8:
                         _record(stats, GRAD_OUTPUT, got, gb, gq, gamax)
                 if ctx.needs_input_grad[1]:

@@ -37,7 +37,7 @@ from mixprec.formats._quant import cast_to_fp8
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import INPUT, record_cast
 
-__all__ = ["Sharding", "gathered_copy", "global_amax", "gathers_fp8", "colwise_sequence_parallel", "tensor_amax_reduce", "is_distributed_tensor", "sharded_linear",
+__all__ = ["Sharding", "gathered_copy", "global_amax", "gathers_fp8", "colwise_sequence_parallel", "shard_window", "tensor_amax_reduce", "is_distributed_tensor", "sharded_linear",
            "check_blocks"]
 
 
@@ -91,6 +91,25 @@ def tensor_amax_reduce(tp: Sharding | None, cast: Cast, has: str) -> Callable[[t
     if tp is None or not cast.is_fp4 or cast.scale_format != "e4m3" or tp.dim not in has:
         return None
     return tp.reduce
+
+
+def shard_window(tp: Sharding | None, shape: tuple[int, ...], cast: Cast, has: str
+                 ) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """Where the 2-D shard of ``shape`` (layer dimensions ``has``, e.g. ``"mn"``) lies in the
+    tensor one process casts, both padded to ``cast``'s blocks: ``((rows, cols), (row0, col0))``,
+    what a stochastic rounding key takes to draw the one process's numbers
+    (:class:`~mixprec.formats._fp4.RoundingKey`); None when ``tp`` shards none of its dimensions.
+    (Shards are even: :func:`check_blocks` made each a multiple of the blocks.)"""
+    if tp is None or tp.dim not in has:
+        return None
+    axis = has.index(tp.dim)
+    rank, size = dist.get_rank(tp.group), dist.get_world_size(tp.group)
+    full = [shape[0], shape[1]]
+    full[axis] *= size
+    padded = tuple(-(-f // b) * b for f, b in zip(full, cast.block))
+    offset = [0, 0]
+    offset[axis] = rank * shape[axis]
+    return (padded[0], padded[1]), (offset[0], offset[1])
 
 
 def check_blocks(recipe: Float8Recipe, local_features: int, dim: str, where: str) -> None:

@@ -1,9 +1,9 @@
-"""A Controller over tensor-parallel fp8 layers decides the same on every rank: 2 gloo ranks
+"""A Controller or a Guard over tensor-parallel fp8 layers decides the same on every rank: 2 gloo ranks
 (ColwiseParallel and RowwiseParallel, the policy route), and 4 ranks on a 2x2 FSDP2 x TP mesh
 (``fp8.convert`` with FSDP2's fp8 all-gather, whose weight scale is reduced over both mesh
 dimensions), one data-parallel rank lagging behind the others (a sleep: no hang). An input
-feature drifts up until the layers' grad_output underflows: every rank promotes the same layers
-at the same step. Also what is refused: a block that would straddle two shards, a layout other
+feature drifts up until the layers' grad_output underflows or overflows: every rank promotes (the
+Controller) or falls back (the Guard) the same layers at the same step. Also what is refused: a block that would straddle two shards, a layout other
 than colwise or rowwise."""
 
 from __future__ import annotations
@@ -42,12 +42,13 @@ def _refusals() -> list[str]:
     return errors
 
 
-def _worker(rank: int, port: int, out_dir: str, two_d: bool) -> None:
+def _worker(rank: int, port: int, out_dir: str, two_d: bool, kind: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     import mixprec
     from mixprec import Controller, Policy, fp8
+    from mixprec.fp8 import Guard
     from _tp_cases import TP_LAYERS, model_for, tp_plan
 
     world = 4 if two_d else 2
@@ -55,14 +56,15 @@ def _worker(rank: int, port: int, out_dir: str, two_d: bool) -> None:
         torch.set_num_threads(1)
         warnings.simplefilter("ignore")
         model = model_for(32)
-        ctl = Controller(every=1, trend_windows=1, min_dwell=1, demote_windows=1)
+        ctl = (Controller(every=1, trend_windows=1, min_dwell=1, demote_windows=1) if kind == "controller"
+               else Guard(every=1))
         policy = Policy.parse("compute=bf16")
         gathered = []
         if two_d:
             from torch.distributed.fsdp import fully_shard
 
             fp8.convert(model, "tensorwise", filter_fn=lambda m, fqn: fqn in TP_LAYERS, fsdp_fp8_all_gather=True,
-                        controller=ctl)
+                        **{kind: ctl})
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
             parallelize_module(model, mesh["tp"], tp_plan())
             fully_shard(model[1], mesh=mesh["dp"])
@@ -72,7 +74,7 @@ def _worker(rank: int, port: int, out_dir: str, two_d: bool) -> None:
             dp_rank = mesh["dp"].get_local_rank()
         else:
             ctl.attach(model)
-            policy = policy.fp8("tensorwise", controller=ctl.settings)
+            policy = policy.fp8("tensorwise", **{kind: ctl.settings})
             parallelize_module(model, init_device_mesh("cpu", (2,)), tp_plan())
             dp_rank = 0
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -87,19 +89,24 @@ def _worker(rank: int, port: int, out_dir: str, two_d: bool) -> None:
             opt.step()
             opt.zero_grad()
             ctl.step()
-        result = {"log": [(d.step, d.layer, d.operand, d.action, d.to) for d in ctl.log],
-                  "precisions": ctl.precisions(), "gathered": gathered,
+        if kind == "controller":
+            log, precisions = [(d.step, d.layer, d.operand, d.action, d.to) for d in ctl.log], ctl.precisions()
+        else:
+            log = sorted((f.step, f.layer, f.operand, "fallback", f.statistic) for f in ctl.decisions.values())
+            precisions = sorted(ctl.decisions)
+        result = {"log": log, "precisions": precisions, "gathered": gathered,
                   "refusals": [] if two_d else _refusals()}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-@pytest.mark.parametrize("two_d", [False, True], ids=["tp2", "fsdp2x2tp"])
-def test_controller_decides_the_same_on_every_rank(tmp_path, two_d: bool) -> None:
+@pytest.mark.parametrize("two_d, kind", [(False, "controller"), (True, "controller"), (False, "guard"), (True, "guard")],
+                         ids=["tp2-controller", "fsdp2x2tp-controller", "tp2-guard", "fsdp2x2tp-guard"])
+def test_decisions_are_the_same_on_every_rank(tmp_path, two_d: bool, kind: str) -> None:
     world = 4 if two_d else 2
-    spawn(_worker, str(tmp_path), two_d, nprocs=world, timeout=300)
+    spawn(_worker, str(tmp_path), two_d, kind, nprocs=world, timeout=300)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     log = ranks[0]["log"]
-    assert any(action == "promote" for _, _, _, action, _ in log), log
+    assert any(action in ("promote", "fallback") for *_, action, _ in log), log
     for r in ranks[1:]:
         assert r["log"] == log and r["precisions"] == ranks[0]["precisions"]
     if two_d:  # the layer read the weight FSDP2's fp8 all-gather brought, on every step

@@ -23,7 +23,7 @@ from mixprec.formats._layers import _UnshardedLayers  # noqa: F401  (named here 
 from mixprec.formats._like import LINEAR_LIKE, conv1d_class, features, is_linear_like
 from mixprec.formats._quant import STAT_NAMES
 from mixprec.formats._recipe import Float8Recipe
-from mixprec.formats._state import OPERANDS, LayerState
+from mixprec.formats._state import OPERANDS, LayerState, layer_state
 
 __all__ = ["convert", "unconvert", "stats", "Float8Stats", "Float8Linear", "Float8Conv1D"]
 
@@ -119,6 +119,7 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     for fqn, mod in swaps:
         new = (Float8Linear.from_linear(mod, recipe, backend) if type(mod) is nn.Linear
                else Float8Conv1D.from_conv1d(mod, recipe, backend))
+        layer_state(new).name = fqn  # (for errors: the tensor-parallel checks name the layer)
         if fsdp_fp8_all_gather:
             wrap_weight(new, recipe, weights)
             wrapped.append((fqn, new))

@@ -40,6 +40,7 @@ from mixprec.export._rules import ScaleRule, static_scale
 from mixprec.export._static import StaticFloat8Linear, fake_quantize, load_static
 from mixprec.export._torchao import write_torchao
 from mixprec.fp8 import Float8Recipe, as_recipe
+from mixprec.fp8.internals import gathered_copy
 
 __all__ = ["FORMATS", "KV_NOTE", "Quantized", "QuantizedLayer", "Recorder", "ScaleRule", "StaticFloat8Linear", "calibrate",
            "export", "fake_quantize", "load_static", "load_stats", "quantize_weight", "static_scale"]
@@ -91,6 +92,7 @@ def export(model: nn.Module, folder: str | Path, format: str = "compressed-tenso
         raise ValueError(f"export format must be one of {FORMATS}, got {format!r}")
     folder = Path(folder)
     check_folder(folder)  # before the work: staged() checks it again
+    model = gathered_copy(model)  # tensor parallelism: the full tensors (every rank calls export)
     plan = plan_layers(model, layers)
     q = quantize_model(model, plan, stats, rule, weight_strategy, kv_cache,
                        None if recipe is None else as_recipe(recipe))

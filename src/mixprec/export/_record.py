@@ -55,7 +55,8 @@ class _CacheProbe:
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
+    amax = t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
+    return amax.full_tensor() if hasattr(amax, "full_tensor") else amax  # a DTensor (tensor parallelism): global
 
 
 def _fp8_input_amax(module: nn.Module) -> torch.Tensor | None:

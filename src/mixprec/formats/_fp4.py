@@ -45,7 +45,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -187,14 +187,16 @@ class Fp4Tensor:
 
 
 def quantize(x2: torch.Tensor, cast: Cast, *, subnormal_scales: bool = False,
-             generator: torch.Generator | RoundingKey | None = None) -> Fp4Tensor:
+             generator: torch.Generator | RoundingKey | None = None,
+             reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Fp4Tensor:
     """Cast the 2-D ``x2`` (contracted dimension last) to e2m1 by ``cast``'s blocks.
 
     ``"1x32"``: MXFP4 (E8M0 scales, RCEIL); ``"1x16"`` / ``"16x16"``: NVFP4 (fp32 tensor scale,
     e4m3 block scales, clamped at ``2**-6`` unless ``subnormal_scales``). ``generator`` (a
     ``torch.Generator`` or a :class:`RoundingKey`): round stochastically with its draws, one per
     element of the blocked, padded tensor in order (else to nearest even). A block running past the end of a dimension
-    is zero-padded (zeros change no amax). Precondition: ``cast.format == "e2m1"``.
+    is zero-padded (zeros change no amax). ``reduce``: what makes NVFP4's tensor amax global (a
+    tensor-parallel shard's all-reduce). Precondition: ``cast.format == "e2m1"``.
 
     Example:
         >>> t = quantize(torch.linspace(-1, 1, 64).reshape(2, 32), Cast("e2m1", "1x32"))
@@ -206,14 +208,14 @@ def quantize(x2: torch.Tensor, cast: Cast, *, subnormal_scales: bool = False,
     if ops is not None:
         x = (x2 if x2.dtype in _KERNEL_DTYPES else x2.to(torch.float32)).detach().contiguous()
         amax = ops.fp4_block_amax(x, rows, cols)
-        scales, tensor_scale, mul = _block_scales(amax, cast, subnormal_scales)
+        scales, tensor_scale, mul = _block_scales(amax, cast, subnormal_scales, reduce)
         if bool(torch.isfinite(mul).all()):  # else a NaN or an infinity: the torch code below
             rand = None if generator is None else _draws(ops, generator, (mul.shape[0], rows, mul.shape[1], cols))
             codes = ops.fp4_encode(x, mul, rows, cols, rand)
             return Fp4Tensor(codes, scales, tensor_scale, amax, x2.shape, cast)
     xb = _blocked(x2.to(torch.float32), rows, cols)
     amax = torch.amax(torch.abs(xb), dim=(1, 3))
-    scales, tensor_scale, mul = _block_scales(amax, cast, subnormal_scales)
+    scales, tensor_scale, mul = _block_scales(amax, cast, subnormal_scales, reduce)
     xs = (xb * per_block(mul)).clamp_(-E2M1_MAX, E2M1_MAX)  # in place: the product is ours
     codes = encode_e2m1(xs, generator)
     codes = codes.reshape(codes.shape[0] * rows, -1)
@@ -226,6 +228,8 @@ def _draws(ops: Any, generator: torch.Generator | RoundingKey, shape: tuple[int,
     where the kernel's loop draws torch.rand's numbers (:func:`_draws_agree`; about 1.4x faster
     than torch's uniform kernel, which calls the generator out of line)."""
     if isinstance(generator, RoundingKey):
+        if generator.window is not None:
+            return generator.draws(shape, "cpu")
         return ops.fp4_key_draws(int(generator._state("cpu")), math.prod(shape))
     if _draws_agree(ops):
         return ops.fp4_uniform(math.prod(shape), generator)
@@ -245,7 +249,8 @@ def _draws_agree(ops: Any) -> bool:
 _checked: dict[str, bool] = {}
 
 
-def _block_scales(amax: torch.Tensor, cast: Cast, subnormal_scales: bool
+def _block_scales(amax: torch.Tensor, cast: Cast, subnormal_scales: bool,
+                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(scales, tensor_scale, mul)`` of the blocks whose max ``|x|`` is ``amax``: what
     :class:`Fp4Tensor` keeps, and each block's float32 multiplier into ``[-6, 6]``."""
@@ -253,6 +258,8 @@ def _block_scales(amax: torch.Tensor, cast: Cast, subnormal_scales: bool
         scales, mul = _e8m0(amax, E2M1_MAX)
         return scales, None, mul
     tensor_amax = torch.max(amax) if amax.numel() else amax.new_zeros(())
+    if reduce is not None:
+        tensor_amax = reduce(tensor_amax)
     tensor_scale = torch.where(tensor_amax > 0, tensor_amax / (_E4M3_MAX * E2M1_MAX), 1.0)
     block = amax / E2M1_MAX / tensor_scale
     scales = torch.clamp(block, min=0.0 if subnormal_scales else _E4M3_TINY, max=_E4M3_MAX)
@@ -294,6 +301,10 @@ class RoundingKey:
     output ``i`` gives two draws, its bits 8..31 and 40..63 as ``k / 2**24`` (24 bits: exact in
     float32, uniform on ``[0, 1)``), for elements ``i`` and ``i + ceil(n / 2)``.
 
+    ``window``, ``((rows, cols), (row0, col0))``: the tensor drawn for is the block at ``(row0,
+    col0)`` of a ``rows x cols`` one (padded to whole blocks), and takes that one's draws at its
+    positions (a tensor-parallel shard draws what one process draws for its elements).
+
     Example:
         >>> a = RoundingKey(0, 5, 1).draws((3,), "cpu")
         >>> torch.equal(a, RoundingKey(0, torch.tensor(5), 1).draws((3,), "cpu"))
@@ -303,6 +314,7 @@ class RoundingKey:
     seed: int
     step: int | torch.Tensor
     stream: int
+    window: tuple[tuple[int, int], tuple[int, int]] | None = None
 
     def _state(self, device: torch.device | str) -> int | torch.Tensor:
         """SplitMix64's state the draws start from, as an int64 (a 0-d tensor on ``device`` when
@@ -319,6 +331,16 @@ class RoundingKey:
         row-major order."""
         n = math.prod(shape)
         state = self._state(device)
+        if self.window is not None:  # (shape: blocked as quantize's, [R/rows, rows, C/cols, cols])
+            (rows, cols), (row0, col0) = self.window
+            half = (rows * cols + 1) // 2
+            r = torch.arange(row0, row0 + shape[0] * shape[1], dtype=torch.int64, device=device)
+            c = torch.arange(col0, col0 + math.prod(shape[2:]), dtype=torch.int64, device=device)
+            index = (r.unsqueeze(1) * cols + c).reshape(-1)
+            high = index >= half
+            z = _mix64_(torch.where(high, index - half, index).mul_(_signed(_GAMMA)).add_(state))
+            bits = torch.where(high, z >> 40, z >> 8).bitwise_and_(_DRAW_MASK)
+            return bits.to(torch.float32).mul_(2.0 ** -_DRAW_BITS).reshape(shape)
         half = (n + 1) // 2
         z = _mix64_(torch.arange(half, dtype=torch.int64, device=device).mul_(_signed(_GAMMA)).add_(state))
         bits = torch.cat([(z >> 8).bitwise_and_(_DRAW_MASK), (z >> 40).bitwise_and_(_DRAW_MASK)]).narrow(0, 0, n)

@@ -29,6 +29,7 @@ from mixprec.formats._fp4 import Fp4Tensor, RoundingKey, hadamard, hadamard_matr
 from mixprec.formats._quant import cast_to_fp8
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, record_cast
+from mixprec.formats._tensor_parallel import Sharding, global_amax, shard_window, tensor_amax_reduce
 
 __all__ = ["Fp4Matmul", "cast_operand", "gemm", "gemm_values"]
 
@@ -36,19 +37,22 @@ __all__ = ["Fp4Matmul", "cast_operand", "gemm", "gemm_values"]
 _GO_GRAD_INPUT, _GO_GRAD_WEIGHT = 0, 1
 
 
-def cast_operand(t2: torch.Tensor, cast: Cast, recipe: Float8Recipe,
-                 generator: RoundingKey | None = None) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+def cast_operand(t2: torch.Tensor, cast: Cast, recipe: Float8Recipe, generator: RoundingKey | None = None,
+                 tp: Sharding | None = None, has: str = "") -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
     """Cast the 2-D ``t2`` (contracted dimension last) for a GEMM: ``(operand, q, amax)``, where
     ``q`` (in ``t2``'s layout; fp4: the magnitude index of each code) and ``amax`` feed the cast
-    statistics (None for ``"none"``). ``operand`` is what :func:`gemm` takes."""
+    statistics (None for ``"none"``). ``operand`` is what :func:`gemm` takes. Under tensor
+    parallelism ``tp``, ``has`` names ``t2``'s layer dimensions (``"mk"``: the input, ...; the
+    contracted one last): a scale that spans the sharded one is global."""
     if cast.is_fp4:
-        t = quantize(t2, cast, subnormal_scales=recipe.subnormal_scales, generator=generator)
+        t = quantize(t2, cast, subnormal_scales=recipe.subnormal_scales, generator=generator,
+                     reduce=tensor_amax_reduce(tp, cast, has))
         return t, None, t.amax
     if cast.block is not None:
         q, deq, amax = block_quantize(t2, cast, recipe.pow2_scales)
         return (q, deq), q, amax
     if cast.is_fp8:
-        q, scale, amax = cast_to_fp8(t2, cast, -1, recipe.pow2_scales)
+        q, scale, amax = cast_to_fp8(t2, cast, -1, recipe.pow2_scales, global_amax(tp, t2, cast, -1, has, has[-1:]))
         return (q, scale), q, amax
     return t2, None, None
 
@@ -118,14 +122,14 @@ class Fp4Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: Float8Recipe,
-                stats: torch.Tensor | None, sqnr: torch.Tensor | None, step: torch.Tensor, fp32: bool = False
-                ) -> torch.Tensor:
+                stats: torch.Tensor | None, sqnr: torch.Tensor | None, step: torch.Tensor, fp32: bool = False,
+                tp: Sharding | None = None) -> torch.Tensor:
         r = recipe
         k, n = w.shape[1], w.shape[0]
         x2 = x.reshape(-1, k)
         with torch.autocast(x.device.type, enabled=False):
-            xa, xq, xamax = cast_operand(x2, r.input, r)
-            wb, wq, wamax = cast_operand(w, r.weight, r)
+            xa, xq, xamax = cast_operand(x2, r.input, r, tp=tp, has="mk")
+            wb, wq, wamax = cast_operand(w, r.weight, r, tp=tp, has="nk")
             _record(stats, INPUT, x2, xa, xq, xamax)
             _record(stats, WEIGHT, w, wb, wq, wamax)
             out = gemm(xa, r.input, wb, r.weight, x.dtype, bias, fp32)  # one addmm, as torchao's MX QAT linear
@@ -138,8 +142,8 @@ class Fp4Matmul(torch.autograd.Function):
             xt = x2.t()
             if _hadamard(r):
                 xt = hadamard(xt, hadamard_matrix(r.seed, x.device))
-            saved = cast_operand(xt.contiguous(), cx, r)[0] if cx.is_fp8 else x2
-        ctx.recipe, ctx.stats, ctx.fp32 = r, stats, fp32
+            saved = cast_operand(xt.contiguous(), cx, r, tp=tp, has="km")[0] if cx.is_fp8 else x2
+        ctx.recipe, ctx.stats, ctx.fp32, ctx.tp = r, stats, fp32, tp
         ctx.xt_shape, ctx.w_dtype = xt.shape, w.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(w, step, *_saved(saved))
@@ -147,7 +151,7 @@ class Fp4Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        r, stats = ctx.recipe, ctx.stats
+        r, stats, tp = ctx.recipe, ctx.stats, ctx.tp
         w, step, *saved = ctx.saved_tensors
         k = w.shape[1]
         go = grad_output.reshape(-1, grad_output.shape[-1])
@@ -155,17 +159,17 @@ class Fp4Matmul(torch.autograd.Function):
         grad_input = grad_weight = None
         sr = r.stochastic_rounding
 
-        def rng(stream: int) -> RoundingKey | None:
-            return RoundingKey(r.seed, step, stream) if sr else None
+        def rng(stream: int, t: torch.Tensor, cast: Cast, has: str) -> RoundingKey | None:
+            return RoundingKey(r.seed, step, stream, shard_window(tp, t.shape, cast, has)) if sr else None
 
         with torch.autocast(go.device.type, enabled=False):
             cg = r.grad_output
             if cg.is_fp8 and (ctx.needs_input_grad[0] or stats is not None):
-                ga, gq, gamax = cast_operand(go, cg, r, rng(_GO_GRAD_INPUT) if cg.is_fp4 else None)
+                ga, gq, gamax = cast_operand(go, cg, r, rng(_GO_GRAD_INPUT, go, cg, "mn") if cg.is_fp4 else None, tp, "mn")
                 _record(stats, GRAD_OUTPUT, go, ga, gq, gamax)
             if ctx.needs_input_grad[0]:
                 if cg.is_fp8:
-                    wb = cast_operand(w.t().contiguous(), r.weight_for_grad_input, r)[0]
+                    wb = cast_operand(w.t().contiguous(), r.weight_for_grad_input, r, tp=tp, has="kn")[0]
                     grad_input = gemm(ga, cg, wb, r.weight_for_grad_input, dtype, fp32=ctx.fp32)
                 else:
                     grad_input = torch.mm(go, w.to(dtype))
@@ -176,7 +180,8 @@ class Fp4Matmul(torch.autograd.Function):
                 if _hadamard(r):
                     got = hadamard(got, hadamard_matrix(r.seed, go.device))
                 if cw.is_fp8:
-                    gb, gq, gamax = cast_operand(got.contiguous(), cw, r, rng(_GO_GRAD_WEIGHT) if cw.is_fp4 else None)
+                    gb, gq, gamax = cast_operand(got.contiguous(), cw, r,
+                                                 rng(_GO_GRAD_WEIGHT, got, cw, "nm") if cw.is_fp4 else None, tp, "nm")
                     if not cg.is_fp8:
                         _record(stats, GRAD_OUTPUT, got, gb, gq, gamax)
                 if ctx.needs_input_grad[1]:
@@ -189,7 +194,7 @@ class Fp4Matmul(torch.autograd.Function):
             grad_bias = None
             if ctx.needs_input_grad[2]:
                 grad_bias = go.sum(0).to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _hadamard(r: Float8Recipe) -> bool:

@@ -45,6 +45,17 @@ _VIEWS = {aten.detach.default, aten.alias.default, aten.as_strided.default, aten
 _WARNED: weakref.WeakSet[LayerState] = weakref.WeakSet()
 
 
+def tensor_parallel_groups(weight: Any, fsdp_mesh: Any) -> list[Any]:
+    """The process groups of the mesh dimensions of ``weight`` (a DTensor parameter under FSDP2
+    x TP) other than FSDP2's ``fsdp_mesh``: what a scale of the whole weight is reduced over
+    besides FSDP2's shards (none for a plain parameter, or FSDP2 alone)."""
+    mesh = getattr(weight, "device_mesh", None)
+    if mesh is None or mesh.ndim < 2:
+        return []
+    fsdp = set(fsdp_mesh.mesh_dim_names or ())
+    return [mesh.get_group(i) for i, name in enumerate(mesh.mesh_dim_names or ()) if name not in fsdp]
+
+
 def check_recipe(recipe: Float8Recipe) -> None:
     """Raise ValueError unless ``recipe`` casts the weight the same way, one fp8 scale per
     tensor, in both GEMMs that read it (``output`` and ``grad_input``): what an fp8 all-gather
@@ -224,6 +235,9 @@ class Float8AllGatherWeight(torch.Tensor):
         if amax is None:
             amax = _amax(shard)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        for group in tensor_parallel_groups(module.weight, mesh):  # FSDP2 x TP: the TP shards too
+            amax = amax.clone()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         q, scale, amax = cast_to_fp8(shard, self._cast, 0, self._pow2, amax=amax)
         state = layer_state(module, create=False)
         # recorded where the layer reads these bytes: not in fallback, nor on another recipe's rung
@@ -246,6 +260,7 @@ class Float8AllGatherWeight(torch.Tensor):
         (data,) = all_gather_outputs
         scale, amax, cast = metadata
         if out is not None:
+            out = getattr(out, "_local_tensor", out)  # FSDP2 x TP: the DTensor over the TP shard
             if not isinstance(out, GatheredFloat8Weight):
                 raise RuntimeError(f"fp8 all-gather: FSDP2 gave an unsharded weight of type {type(out).__name__}, "
                                    f"expected the GatheredFloat8Weight of the first all-gather")

@@ -13,6 +13,7 @@ from mixprec.formats._fsdp import GatheredFloat8Weight, reads_gathered, warn_fal
 from mixprec.formats._quant import cast_to_fp8, gemm
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, LayerState, record_cast
+from mixprec.formats._tensor_parallel import Sharding, global_amax, is_distributed_tensor, sharded_linear
 
 __all__ = ["linear", "resolve_backend", "BACKENDS"]
 
@@ -42,13 +43,14 @@ def _record(stats: torch.Tensor | None, operand: int, x: torch.Tensor, cast: tup
     record_cast(stats, operand, x, cast[0], cast[2])
 
 
-def _cast_weight(wt: torch.Tensor, cast: Cast, row_dim: int, pow2: bool
+def _cast_weight(wt: torch.Tensor, cast: Cast, row_dim: int, pow2: bool, tp: Sharding | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``cast_to_fp8`` of the weight, or the bytes FSDP2's fp8 all-gather brought (``linear``
-    made sure ``cast`` is theirs: ``reads_gathered``)."""
+    """``cast_to_fp8`` of the weight (``W.t()``; under tensor parallelism ``tp``, with the
+    global amax where the scale spans the shards), or the bytes FSDP2's fp8 all-gather brought
+    (``linear`` made sure ``cast`` is theirs: ``reads_gathered``)."""
     if isinstance(wt, GatheredFloat8Weight):
         return wt._data, wt._scale, wt._amax
-    return cast_to_fp8(wt, cast, row_dim, pow2)
+    return cast_to_fp8(wt, cast, row_dim, pow2, global_amax(tp, wt, cast, row_dim, "kn", "kn"[row_dim]))
 
 
 def _primary(a: Cast, b: Cast) -> Cast | None:
@@ -61,7 +63,7 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, recipe: Float8Recipe, backend: str,
-                stats: torch.Tensor | None, sqnr: torch.Tensor | None) -> torch.Tensor:
+                stats: torch.Tensor | None, sqnr: torch.Tensor | None, tp: Sharding | None = None) -> torch.Tensor:
         r = recipe
         wt = w.t()
         k, n = wt.shape
@@ -73,9 +75,12 @@ class _Float8Matmul(torch.autograd.Function):
                 _record(stats, WEIGHT, w, wc)
                 out = block_gemm(xc[:2], r.input, wc[:2], r.weight, x.dtype, backend == "emulate_fp32")
             elif r.input.is_fp8:
-                xc = cast_to_fp8(x, r.input, -1, r.pow2_scales)
-                wc = _cast_weight(wt, r.weight, 0, r.pow2_scales)
-                _record(stats, INPUT, x, xc)
+                if isinstance(x, GatheredFloat8Weight):  # a sequence gathered in fp8 (recorded per shard)
+                    xc = (x._data, x._scale, x._amax)
+                else:
+                    xc = cast_to_fp8(x, r.input, -1, r.pow2_scales, global_amax(tp, x, r.input, -1, "mk", "k"))
+                    _record(stats, INPUT, x, xc)
+                wc = _cast_weight(wt, r.weight, 0, r.pow2_scales, tp)
                 if not isinstance(w, GatheredFloat8Weight):  # (gathered: recorded per shard before the all-gather)
                     _record(stats, WEIGHT, w, (wc[0].t(), *wc[1:]))  # w and q.t() are contiguous
                 out = gemm(xc[0].reshape(-1, k), _rows(xc[1]), wc[0], wc[1], x.dtype, backend, True)
@@ -83,7 +88,7 @@ class _Float8Matmul(torch.autograd.Function):
                 out = torch.mm(x.reshape(-1, k), wt.to(x.dtype))
             if sqnr is not None:
                 _record_sqnr(sqnr, out, x.reshape(-1, k), wt)
-        ctx.recipe, ctx.backend, ctx.stats = r, backend, stats
+        ctx.recipe, ctx.backend, ctx.stats, ctx.tp = r, backend, stats, tp
         ctx.x_shape, ctx.w_dtype = x.shape, w.dtype
         if r.save_fp8:
             ctx.save_for_backward(xc[0], xc[1], wc[0], wc[1])
@@ -93,7 +98,7 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        r, backend, stats = ctx.recipe, ctx.backend, ctx.stats
+        r, backend, stats, tp = ctx.recipe, ctx.backend, ctx.stats, ctx.tp
         if r.save_fp8:
             xq, sx, wq, sw = ctx.saved_tensors
             k = xq.shape[-1]
@@ -108,35 +113,38 @@ class _Float8Matmul(torch.autograd.Function):
         with torch.autocast(go.device.type, enabled=False):
             go_gi = None
             if r.grad_output.is_fp8 and (ctx.needs_input_grad[0] or stats is not None):
-                go_gi = cast_to_fp8(go, r.grad_output, -1, r.pow2_scales)
+                go_gi = cast_to_fp8(go, r.grad_output, -1, r.pow2_scales,
+                                    global_amax(tp, go, r.grad_output, -1, "mn", "n"))
                 _record(stats, GRAD_OUTPUT, go, go_gi)
             if ctx.needs_input_grad[0]:
                 if r.grad_output.is_fp8:
                     if not r.save_fp8:
-                        wq, sw, _ = _cast_weight(wt, r.weight_for_grad_input, -1, r.pow2_scales)
+                        wq, sw, _ = _cast_weight(wt, r.weight_for_grad_input, -1, r.pow2_scales, tp)
                     grad_input = gemm(go_gi[0], go_gi[1], wq.t(), _t(sw), dtype, backend, False)
                 else:
                     grad_input = torch.mm(go, wt.t().to(dtype))
                 grad_input = grad_input.reshape(*grad_output.shape[:-1], k)
             cw = r.grad_output_for_grad_weight
             if cw.is_fp8 and not r.grad_output.is_fp8:
-                _record(stats, GRAD_OUTPUT, go, cast_to_fp8(go, cw, 0, r.pow2_scales))
+                _record(stats, GRAD_OUTPUT, go, cast_to_fp8(go, cw, 0, r.pow2_scales,
+                                                            global_amax(tp, go, cw, 0, "mn", "m")))
             if ctx.needs_input_grad[1]:
                 if cw.is_fp8:
                     if go_gi is not None and cw == r.grad_output and cw.granularity == "tensor":
                         goq, sgo = go_gi[0], go_gi[1]  # the same cast: bitwise the same bits
                     else:
-                        goq, sgo, _ = cast_to_fp8(go, cw, 0, r.pow2_scales)
+                        goq, sgo, _ = cast_to_fp8(go, cw, 0, r.pow2_scales, global_amax(tp, go, cw, 0, "mn", "m"))
                     if r.save_fp8:
                         xq2, sx2 = xq.reshape(-1, k), sx
                     else:
-                        xq2, sx2, _ = cast_to_fp8(x.reshape(-1, k), r.input_for_grad_weight, 0,
-                                                     r.pow2_scales)
+                        x2 = x.reshape(-1, k)
+                        xq2, sx2, _ = cast_to_fp8(x2, r.input_for_grad_weight, 0, r.pow2_scales,
+                                                  global_amax(tp, x2, r.input_for_grad_weight, 0, "mk", "m"))
                     grad_weight = gemm(goq.t(), _t(sgo), xq2, sx2, dtype, backend, False)
                 else:
                     grad_weight = torch.mm(go.t(), x.reshape(-1, k))
                 grad_weight = grad_weight.to(ctx.w_dtype)
-        return grad_input, grad_weight, None, None, None, None
+        return grad_input, grad_weight, None, None, None, None, None
 
 
 def _block_backward(ctx: Any, x: torch.Tensor, wt: torch.Tensor, go: torch.Tensor, go_shape: torch.Size
@@ -172,7 +180,7 @@ def _block_backward(ctx: Any, x: torch.Tensor, wt: torch.Tensor, go: torch.Tenso
             else:
                 grad_weight = torch.mm(go.t(), x2)
             grad_weight = grad_weight.to(ctx.w_dtype)
-    return grad_input, grad_weight, None, None, None, None
+    return grad_input, grad_weight, None, None, None, None, None
 
 
 def _record_sqnr(sqnr: torch.Tensor, out: torch.Tensor, x2: torch.Tensor, wt: torch.Tensor) -> None:
@@ -249,6 +257,16 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if not (input.is_floating_point() and weight.is_floating_point()) or input.element_size() < 2:
         raise ValueError(f"fp8 linear takes high-precision floating inputs (fp32, bf16, fp16), "
                          f"got {input.dtype} and {weight.dtype}")
+    if is_distributed_tensor(input, weight, bias):  # tensor parallelism: the local shards, global scales
+        rung = recipe if state is None else None if state.fallback else state.recipe or recipe
+        return sharded_linear(input, weight, bias, lambda x, w, b, tp: _linear(x, w, b, recipe, state, backend, tp),
+                              rung, None if state is None else state.name, None if state is None else state.window)
+    return _linear(input, weight, bias, recipe, state, backend, None)
+
+
+def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Float8Recipe,
+            state: LayerState | None, backend: str, tp: Sharding | None) -> torch.Tensor:
+    """:func:`linear` on plain tensors (under tensor parallelism ``tp``: the local shards)."""
     gathered = isinstance(weight, GatheredFloat8Weight)
     probe = state.probe if state is not None else None
     if input.numel() == 0:  # an empty batch: nothing to cast, nothing to record (no amax of nothing)
@@ -293,9 +311,9 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             state.e2m1 = e2m1
     if recipe.fp4:  # its own GEMM path (fp8/_fp4_linear.py); the layer's call count seeds stochastic rounding
         step = state.next_rounding_step() if state is not None else input.new_zeros((), dtype=torch.int64)
-        out = Fp4Matmul.apply(input, weight, bias, recipe, stats, sqnr, step, backend == "emulate_fp32")
+        out = Fp4Matmul.apply(input, weight, bias, recipe, stats, sqnr, step, backend == "emulate_fp32", tp)
     else:
-        out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr)
+        out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr, tp)
         if bias is not None:
             out = out + bias.to(out.dtype)
     return out if probe is None else probe(input, None if gathered else weight, out, bias)

@@ -94,6 +94,7 @@ class LayerState:
         self.recipe = None  # a Float8Recipe that replaces the caller's (set by a Controller)
         self.policy_recipe = None  # the recipe the Policy.fp8 that selected the layer runs it in (set by the routing)
         self.probe = None  # measures the layer's operands after the GEMM (set by a Controller)
+        self.name: str | None = None  # the layer's name in its model (set by the routing and fp8.convert), for errors
         # fp4 calls so far, on the device: seeds their stochastic rounding (advanced by linear)
         self._rounding = torch.zeros((), dtype=torch.int64, device=device)
         # the steps eager forwards drew, newest last: what an activation checkpoint's recompute takes
@@ -241,6 +242,7 @@ class LayerState:
             self._rounding = torch.tensor(step, dtype=torch.int64, device=self._data.device)
         if "_drawn" not in state:
             self._drawn = deque(maxlen=_DRAWN)
+        self.__dict__.setdefault("name", None)
 
     def __repr__(self) -> str:
         return f"LayerState(device={self.device}, fallback={self.fallback})"

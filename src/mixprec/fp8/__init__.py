@@ -69,9 +69,10 @@ from mixprec.formats._layers import Float8Conv1D, Float8Linear, as_recipe, eligi
 from mixprec.formats._linear import linear
 from mixprec.formats._recipe import Cast, Float8Recipe, Recipe
 from mixprec.formats._state import LayerState, layer_state, load_rounding_steps, rounding_steps
+from mixprec.formats._tensor_parallel import colwise_sequence_parallel
 
 __all__ = [
     "Cast", "Controller", "ControllerSettings", "Decision", "Fallback", "Float8Conv1D", "Float8FallbackWarning", "Float8Linear", "Float8Recipe", "Float8Stats",
-    "Guard", "GuardSettings", "GroupedExperts", "LayerState", "Recipe", "as_recipe", "convert", "eligible", "grouped_linear", "layer_state", "layer_states", "linear",
+    "Guard", "GuardSettings", "GroupedExperts", "LayerState", "Recipe", "as_recipe", "colwise_sequence_parallel", "convert", "eligible", "grouped_linear", "layer_state", "layer_states", "linear",
     "load_rounding_steps", "precompute_fsdp_scales", "rounding_steps", "select_layers", "stats", "unconvert",
 ]

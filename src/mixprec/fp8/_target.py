@@ -129,6 +129,7 @@ def select_targets(root: nn.Module, policy: Any) -> dict[int, Fp8Target] | None:
         if kept(fqn):
             continue
         state = layer_state(module)
+        state.name = fqn  # (for errors: the tensor-parallel checks name the layer)
         state.policy_recipe = rule.recipe_for(fqn)  # kept on the layer: what an export writes it in
         targets[id(module)] = Fp8Target(module, state.policy_recipe, state, rule.backend)
         named[fqn] = (module, state.policy_recipe)

@@ -14,7 +14,8 @@ from mixprec.formats._fp4 import quantize as fp4_quantize
 from mixprec.formats._like import is_linear_like
 from mixprec.formats._quant import STAT_NAMES, cast_to_fp8
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, swap_layer_state
+from mixprec.formats._tensor_parallel import gathered_copy  # export's: a tensor-parallel model's full tensors
 from mixprec.fp8._target import Fp8Target, select_targets, traced_output  # the engine's (mixprec.engine)
 
 __all__ = ["GRAD_OUTPUT", "INPUT", "OPERANDS", "STAT_NAMES", "WEIGHT", "Fp8Target", "cast_to_fp8", "fp4_quantize",
-           "is_linear_like", "select_targets", "swap_layer_state", "traced_output"]
+           "gathered_copy", "is_linear_like", "select_targets", "swap_layer_state", "traced_output"]

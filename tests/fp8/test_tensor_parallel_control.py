@@ -1,0 +1,118 @@
+"""A Controller or a Guard over tensor-parallel fp8 layers decides the same on every rank: 2 gloo ranks
+(ColwiseParallel and RowwiseParallel, the policy route), and 4 ranks on a 2x2 FSDP2 x TP mesh
+(``fp8.convert`` with FSDP2's fp8 all-gather, whose weight scale is reduced over both mesh
+dimensions), one data-parallel rank lagging behind the others (a sleep: no hang). An input
+feature drifts up until the layers' grad_output underflows or overflows: every rank promotes (the
+Controller) or falls back (the Guard) the same layers at the same step. Also what is refused: a block that would straddle two shards, a layout other
+than colwise or rowwise."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _distributed import gloo_group, spawn
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed,
+              pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")]
+
+STEPS = 10
+
+
+def _refusals() -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from mixprec import fp8
+
+    mesh = init_device_mesh("cpu", (2,))
+    x, w = torch.randn(4, 32), torch.randn(32, 32)
+    errors = []
+    for xp, wp, recipe in ((Replicate(), Shard(0), "mxfp8"), (Shard(1), Shard(0), "tensorwise")):
+        try:
+            fp8.linear(distribute_tensor(x, mesh, [xp]), distribute_tensor(w, mesh, [wp]),
+                       recipe=fp8.Float8Recipe.from_name(recipe))
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def _worker(rank: int, port: int, out_dir: str, two_d: bool, kind: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import mixprec
+    from mixprec import Controller, Policy, fp8
+    from mixprec.fp8 import Guard
+    from _tp_cases import TP_LAYERS, model_for, tp_plan
+
+    world = 4 if two_d else 2
+    with gloo_group(rank, port, world):
+        torch.set_num_threads(1)
+        warnings.simplefilter("ignore")
+        model = model_for(32)
+        ctl = (Controller(every=1, trend_windows=1, min_dwell=1, demote_windows=1) if kind == "controller"
+               else Guard(every=1))
+        policy = Policy.parse("compute=bf16")
+        gathered = []
+        if two_d:
+            from torch.distributed.fsdp import fully_shard
+
+            fp8.convert(model, "tensorwise", filter_fn=lambda m, fqn: fqn in TP_LAYERS, fsdp_fp8_all_gather=True,
+                        **{kind: ctl})
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            parallelize_module(model, mesh["tp"], tp_plan())
+            fully_shard(model[1], mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+            model[1].up.register_forward_pre_hook(
+                lambda m, args: gathered.append(type(m.weight._local_tensor).__name__))
+            dp_rank = mesh["dp"].get_local_rank()
+        else:
+            ctl.attach(model)
+            policy = policy.fp8("tensorwise", **{kind: ctl.settings})
+            parallelize_module(model, init_device_mesh("cpu", (2,)), tp_plan())
+            dp_rank = 0
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for step in range(STEPS):
+            x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(step + 100 * dp_rank))
+            x[..., 0] *= 4.0 ** step  # a drifting input feature
+            if two_d and dp_rank == 1 and step == 3:
+                time.sleep(2)  # a lagging data-parallel rank
+            with mixprec.autocast("cpu", policy=policy):
+                y = model(x)
+            y.float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ctl.step()
+        if kind == "controller":
+            log, precisions = [(d.step, d.layer, d.operand, d.action, d.to) for d in ctl.log], ctl.precisions()
+        else:
+            log = sorted((f.step, f.layer, f.operand, "fallback", f.statistic) for f in ctl.decisions.values())
+            precisions = sorted(ctl.decisions)
+        result = {"log": log, "precisions": precisions, "gathered": gathered,
+                  "refusals": [] if two_d else _refusals()}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("two_d, kind", [(False, "controller"), (True, "controller"), (False, "guard"), (True, "guard")],
+                         ids=["tp2-controller", "fsdp2x2tp-controller", "tp2-guard", "fsdp2x2tp-guard"])
+def test_decisions_are_the_same_on_every_rank(tmp_path, two_d: bool, kind: str) -> None:
+    world = 4 if two_d else 2
+    spawn(_worker, str(tmp_path), two_d, kind, nprocs=world, timeout=300)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    log = ranks[0]["log"]
+    assert any(action in ("promote", "fallback") for *_, action, _ in log), log
+    for r in ranks[1:]:
+        assert r["log"] == log and r["precisions"] == ranks[0]["precisions"]
+    if two_d:  # the layer read the weight FSDP2's fp8 all-gather brought, on every step
+        assert all(r["gathered"] == ["GatheredFloat8Weight"] * STEPS for r in ranks), ranks[0]["gathered"]
+    else:
+        straddle, layout = ranks[0]["refusals"]
+        assert "16 out features per shard, not a multiple of 32" in straddle and "mesh" in straddle
+        assert "straddle" in straddle
+        assert "RowwiseParallel" in layout and "got input S(1), weight S(0)" in layout

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from mixprec.formats._accumulate import tensor_core_mm
 from mixprec.formats._blocks import dequantize as block_dequantize
 from mixprec.formats._blocks import gemm_dtype
 from mixprec.formats._blocks import quantize as block_quantize
@@ -72,11 +73,12 @@ def gemm(a: Any, ca: Cast, b: Any, cb: Cast, out_dtype: torch.dtype, bias: torch
     sure the device has it), the bias added after in ``out_dtype``. Else emulated: dequantized
     and multiplied (one ``addmm`` with the bias) in the GEMM's dtype (e2m1 and E8M0 blocks:
     ``out_dtype``, float32 for float16; other fp8 casts: float32; none: ``A``'s; ``"emulate_fp32"``:
-    float32 for every cast), then cast to ``out_dtype``."""
+    float32 for every cast; ``"emulate_tc"``: float32, accumulated as an fp8 tensor core), then
+    cast to ``out_dtype``."""
     if backend == "scaled_mm" and ca.block is not None:
         out = fp4_mm(a, ca, b, cb, out_dtype) if ca.is_fp4 else block_mm(a, ca, b, cb, out_dtype)
         return out if bias is None else out + bias.to(out_dtype)
-    if backend == "emulate_fp32" and ca.is_fp8:
+    if backend in ("emulate_fp32", "emulate_tc") and ca.is_fp8:
         dtype = torch.float32
     elif not ca.is_fp8:
         dtype = a.dtype
@@ -85,7 +87,10 @@ def gemm(a: Any, ca: Cast, b: Any, cb: Cast, out_dtype: torch.dtype, bias: torch
     else:
         dtype = gemm_dtype(ca, out_dtype) if ca.block else torch.float32
     a, b = _values(a, ca, dtype), _values(b, cb, dtype).t().to(dtype)
-    out = torch.mm(a, b) if bias is None else torch.addmm(bias.to(dtype), a, b)
+    if backend == "emulate_tc" and ca.is_fp8:  # accumulated as an fp8 tensor core (_accumulate)
+        out = tensor_core_mm(a, b) if bias is None else tensor_core_mm(a, b) + bias.to(dtype)
+    else:
+        out = torch.mm(a, b) if bias is None else torch.addmm(bias.to(dtype), a, b)
     return out.to(out_dtype)
 
 

@@ -22,11 +22,14 @@ __all__ = ["linear", "resolve_backend", "BACKENDS"]
 #: every emulated GEMM dequantized and multiplied in float32 and rounded once to the output dtype,
 #: as an fp8/fp4 tensor core accumulates (on a CPU without native bf16 GEMMs, several times faster
 #: for fp4 and MX recipes; the same bits as ``"emulate"`` for tensor/row-scaled fp8);
+#: ``"emulate_tc"``: as ``"emulate_fp32"``, but each GEMM's products accumulated as an fp8 tensor core
+#: does (about 14 bits kept, promoted to float32 every 128 elements of K: ``_accumulate``), so CPU
+#: loss-parity figures are not optimistic;
 #: ``"scaled_mm"``: torch's scaled GEMMs (``torch._scaled_mm``, ``F.scaled_mm``: tensor/row fp8 on
 #: CUDA sm89+, blockwise on sm90, MXFP8/MXFP4/NVFP4 on sm100; see ``_native_gemm``); ``"auto"``:
 #: ``"scaled_mm"`` where it runs, else ``"emulate"`` (said once on the ``mixprec`` logger).
-BACKENDS = ("auto", "emulate", "emulate_fp32", "scaled_mm")
-EMULATED = ("emulate", "emulate_fp32")
+BACKENDS = ("auto", "emulate", "emulate_fp32", "emulate_tc", "scaled_mm")
+EMULATED = ("emulate", "emulate_fp32", "emulate_tc")
 _TENSORWISE = Float8Recipe.tensorwise()
 
 
@@ -214,7 +217,7 @@ def _block_mm(a: tuple[torch.Tensor, torch.Tensor], ca: Cast, b: tuple[torch.Ten
     """One GEMM of fp8 block casts: torch's scaled GEMM, or emulated."""
     if backend == "scaled_mm":
         return block_mm(a, ca, b, cb, out_dtype)
-    return block_gemm(a, ca, b, cb, out_dtype, backend == "emulate_fp32")
+    return block_gemm(a, ca, b, cb, out_dtype, backend == "emulate_fp32", backend == "emulate_tc")
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

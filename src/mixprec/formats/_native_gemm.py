@@ -81,7 +81,9 @@ def missing(recipe: Float8Recipe, input: torch.Tensor, weight: torch.Tensor) -> 
     """What the device, the torch build or the shapes lack for every fp8 GEMM of ``recipe`` to
     run on torch's scaled GEMM (in words, for an error or a note), or None when nothing is."""
     if not input.is_cuda:
-        return f"a CUDA device (the input is on {input.device.type})"
+        kinds = [gemm_kind(a, b) for a, b in recipe.gemms().values() if a.is_fp8]
+        words = next((NEEDS[k][2] for k in kinds if k is not None), "a scaled GEMM")
+        return f"a CUDA device of {words} (the input is on {input.device.type})"
     if torch.version.hip is not None:
         return "NVIDIA's scaled GEMMs (this torch build is for ROCm)"
     capability = torch.cuda.get_device_capability(input.device)

@@ -45,7 +45,7 @@ def tensor_core_mm(a: torch.Tensor, b: torch.Tensor, interval: int = INTERVAL) -
 
     Example:
         >>> a, b = torch.ones(1, 4096), torch.full((4096, 1), 1 + 2 ** -14)
-        >>> float(torch.mm(a, b)), float(tensor_core_mm(a, b))  # 32 + 2**-9 a group: below 14 bits
+        >>> float(a.double() @ b.double()), float(tensor_core_mm(a, b))  # a group's 2**-9: beyond 14 bits
         (4096.25, 4096.0)
     """
     if interval % GROUP:

@@ -223,3 +223,30 @@ def test_stats_show_the_backend_per_layer(fake_cuda, capability, expected):
     head, row = (line.split() for line in str(table).splitlines()[:2])
     assert row[head.index("backend")] == "emulated"
     assert fp8.stats({"new": fp8.LayerState()}).to_list()[0]["backend"] is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", RECIPES)
+def test_native_gemms_agree_with_the_emulation_on_a_gpu(name):
+    """On a real GPU that has the recipe's scaled GEMM: output and both gradients within bf16
+    rounding and accumulation order of the emulation (the same casts; tests/fp8/
+    test_native_gemm_reference.py proves the layouts bitwise on the CPU)."""
+    recipe = fp8.as_recipe(name)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(200, 256, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(128, 256, device="cuda", generator=g) / 16).bfloat16()
+    gap = _native_gemm.missing(recipe, x, w)
+    if gap is not None:
+        pytest.skip(f"this device lacks {gap}")
+    results = {}
+    for backend in ("scaled_mm", "emulate"):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        state = fp8.LayerState("cuda")
+        y = fp8.linear(xi, wi, recipe=recipe, state=state, backend=backend)
+        y.backward(torch.ones_like(y))
+        results[backend] = (y.detach(), xi.grad, wi.grad)
+        assert state.backend == ("scaled_mm" if backend == "scaled_mm" else "emulated")
+    for native, emulated in zip(results["scaled_mm"], results["emulate"]):
+        diff = torch.linalg.vector_norm((native - emulated).float()) / torch.linalg.vector_norm(emulated.float())
+        assert float(diff) < 2 ** -6, name

@@ -95,3 +95,34 @@ def test_the_policy_carries_emulate_tc():
     assert Policy.from_json(policy.to_json()) == policy
     with pytest.raises(ValueError, match="emulate_tc"):
         fp8.linear(torch.randn(2, 32), torch.randn(32, 32), backend="emulate_tcx")
+
+
+def test_the_demo_shows_both_accumulations():
+    """``mixprec demo --fp8-accumulate tensor_core``: the fp8 and fp4 modes' GEMMs under
+    ``"emulate_tc"``; by default their own backends (fp8: ``"auto"``, fp4: ``"emulate_fp32"``)."""
+    import dataclasses
+
+    from mixprec.cli import build_parser
+    from mixprec.demo.model import ModelConfig, TransformerLM
+    from mixprec.demo.modes import FP4_BACKEND, MODES
+    from mixprec.demo.settings import Settings
+    from mixprec.demo.train import run_mode
+
+    micro = Settings(model=ModelConfig(seq_len=16, d_model=32, n_layers=1, n_heads=2), steps=1, batch_size=2,
+                     lr=3e-3, eval_batches=1)
+    tc = dataclasses.replace(micro, fp8_accumulate="tensor_core")
+    low = [name for name in MODES if "fp8" in name or "fp4" in name]
+    assert len(low) >= 4
+    for name in low:
+        default = FP4_BACKEND if "fp4" in name else "auto"
+        torch.manual_seed(0)
+        assert MODES[name].setup(TransformerLM(micro.model), micro, torch.device("cpu")).fp8_policy.fp8_rule.backend \
+            == default
+        assert MODES[name].setup(TransformerLM(micro.model), tc, torch.device("cpu")).fp8_policy.fp8_rule.backend \
+            == "emulate_tc"
+    losses = [run_mode("mixprec-fp8", s, torch.device("cpu")).losses for s in (micro, tc)]
+    assert all(torch.isfinite(torch.tensor(v)).all() for v in losses)
+    with pytest.raises(ValueError, match="fp8_accumulate"):
+        dataclasses.replace(micro, fp8_accumulate="bf16")
+    args = build_parser().parse_args(["demo", "--fp8-accumulate", "tensor_core"])
+    assert args.fp8_accumulate == "tensor_core"

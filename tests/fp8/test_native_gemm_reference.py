@@ -63,7 +63,8 @@ class Reference:
         assert bias is None and output_dtype == torch.bfloat16
         kind_a = [scale_recipe_a] if not isinstance(scale_recipe_a, list) else scale_recipe_a
         kind_a = [_NAMES[int(r.value)] for r in kind_a]
-        kind_b = [_NAMES[int(r.value)] for r in (scale_recipe_b if isinstance(scale_recipe_b, list) else [scale_recipe_b])]
+        kind_b = scale_recipe_b if isinstance(scale_recipe_b, list) else [scale_recipe_b]
+        kind_b = [_NAMES[int(r.value)] for r in kind_b]
         self.calls.append(f"{kind_a[0]}x{kind_b[0]}")
         a, b = mat_a, mat_b.t()  # (M, K), (N, K)
         if kind_a == ["BlockWise1x16", "TensorWise"]:

@@ -226,9 +226,10 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """``F.linear`` with its three GEMMs in fp8: output in ``input``'s dtype, differentiable.
 
     Bitwise equal to torchao's emulated ``Float8Linear`` (``emulate=True``) for the same recipe
-    (``mxfp8``: torchao's ``MXFP8Linear`` with ``KernelPreference.EMULATED``; ``blockwise``, whose
-    torchao path needs Triton, runs emulated only): output and the gradients of input, weight
-    and bias. The bias is added in high precision.
+    (``mxfp8``: torchao's ``MXFP8Linear`` with ``KernelPreference.EMULATED``; ``blockwise``:
+    torchao's path needs Triton): output and the gradients of input, weight and bias. Under
+    ``"scaled_mm"`` the same casts meet torch's scaled GEMMs (:mod:`._native_gemm`; the emulation
+    of that call is this emulation, bitwise). The bias is added in high precision.
     With ``state``, the casts' statistics are accumulated into it on the device (no host sync),
     and a layer whose ``state.fallback`` is set runs ``F.linear`` in ``input``'s dtype instead;
     a ``state.recipe`` (a :class:`Controller`'s rung) replaces ``recipe``, and a ``state.probe``

@@ -208,7 +208,8 @@ def resolve_backend(backend: str, input: torch.Tensor, weight: torch.Tensor,
     if backend == "scaled_mm":
         raise ValueError(f"fp8 backend 'scaled_mm' for the {recipe.name!r} recipe needs {gap}; "
                          f"use backend='emulate' or 'auto'")
-    note_emulated(recipe, gap, input.is_cuda)
+    if not torch.compiler.is_compiling():  # (eager calls say it; a log call would break the graph)
+        note_emulated(recipe, gap, input.is_cuda)
     return "emulate"
 
 

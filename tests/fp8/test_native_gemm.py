@@ -194,9 +194,12 @@ def test_the_emulation_says_so_once(fake_cuda, caplog, monkeypatch):
         for _ in range(3):
             _three_gemms(fp8.as_recipe("mxfp8"), 32, 128, 128, torch.bfloat16)
             _three_gemms(fp8.as_recipe("blockwise"), 32, 128, 128, torch.bfloat16)
+        for m in (17, 33, 40):  # tensorwise with token counts off 16: one reason, said once
+            _three_gemms(fp8.as_recipe("tensorwise"), m, 128, 128, torch.bfloat16)
     said = [r for r in caplog.records if "runs emulated" in r.getMessage()]
-    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert len(said) == 2 and {r.levelno for r in said} == {logging.WARNING}
     assert "'mxfp8'" in said[0].getMessage() and "10.0 or newer (sm100)" in said[0].getMessage()
+    assert "'tensorwise'" in said[1].getMessage() and "multiple of 16 (tokens, out, in = 17" in said[1].getMessage()
 
 
 def test_a_torch_without_the_scaled_gemm_is_named(fake_cuda, monkeypatch):

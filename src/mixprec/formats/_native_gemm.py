@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._swizzle import to_blocked
 
-__all__ = ["gemm_kind", "missing", "block_mm", "fp4_mm", "NEEDS", "KINDS", "note_emulated"]
+__all__ = ["gemm_kind", "missing", "block_mm", "fp4_mm", "NEEDS", "note_emulated"]
 
 #: what each kind of GEMM needs of the device: (lowest capability, first capability past it or
 #: None, in words)
@@ -51,7 +51,6 @@ NEEDS: dict[str, tuple[tuple[int, int], tuple[int, int] | None, str]] = {
     "mxfp4": ((10, 0), None, "compute capability 10.0 or newer (sm100)"),
     "nvfp4": ((10, 0), None, "compute capability 10.0 or newer (sm100)"),
 }
-KINDS = tuple(NEEDS)
 #: blockwise pairs torch has kernels for: (A's block, B's block)
 _BLOCKWISE_PAIRS = {((1, 128), (1, 128)), ((1, 128), (128, 128)), ((128, 128), (1, 128))}
 #: what the contracted dimension is padded to, per kind
@@ -113,8 +112,9 @@ def missing(recipe: Float8Recipe, input: torch.Tensor, weight: torch.Tensor) -> 
 
 def note_emulated(recipe: Float8Recipe, reason: str, on_gpu: bool) -> None:
     """Say once per recipe and reason, on the ``mixprec`` logger, that the layer runs emulated
-    (a warning on a GPU, where it costs speed; information elsewhere)."""
-    key = (recipe.name, reason)
+    (a warning on a GPU, where it costs speed; information elsewhere). The reason's details in
+    parentheses (a shape) do not make it another: varying token counts are said once."""
+    key = (recipe.name, reason.split(" (", 1)[0])
     if key in _SAID:
         return
     _SAID.add(key)

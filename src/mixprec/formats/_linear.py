@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from mixprec.formats._blocks import block_gemm, quantize
 from mixprec.formats._fp4_linear import Fp4Matmul
-from mixprec.formats._native_gemm import block_mm, missing, note_emulated
 from mixprec.formats._fsdp import GatheredFloat8Weight, reads_gathered, warn_fallback
+from mixprec.formats._native_gemm import block_mm, missing, note_emulated
 from mixprec.formats._quant import cast_to_fp8, gemm
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, LayerState, record_cast

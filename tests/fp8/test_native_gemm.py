@@ -23,14 +23,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import mixprec
 from mixprec import fp8
 from mixprec.formats import _native_gemm
 from mixprec.formats._fp4_linear import Fp4Matmul
 from mixprec.formats._linear import _Float8Matmul, resolve_backend
 
-from _fake_cuda import fake_cuda, fake_mode  # noqa: F401
+from _fake_cuda import HostReads, cuda_module, fake_cuda, fake_mode  # noqa: F401
 
 CAPABILITIES = [(8, 9), (9, 0), (10, 0)]
 RECIPES = ["blockwise", "mxfp8", "mxfp4", "nvfp4"]
@@ -253,3 +255,26 @@ def test_native_gemms_agree_with_the_emulation_on_a_gpu(name):
     for native, emulated in zip(results["scaled_mm"], results["emulate"]):
         diff = torch.linalg.vector_norm((native - emulated).float()) / torch.linalg.vector_norm(emulated.float())
         assert float(diff) < 2 ** -6, name
+
+
+@pytest.mark.parametrize("name,capability", [("blockwise", (9, 0)), ("mxfp8", (10, 0)), ("mxfp4", (10, 0)),
+                                             ("nvfp4", (10, 0))])
+def test_policy_layers_reach_the_scaled_gemm_without_host_reads(fake_cuda, name, capability):
+    """``Policy.fp8(recipe)`` on a CUDA model: the selected layers' forward GEMMs (first and last
+    kept) reach the scaled GEMM, with no host read (no sync) on the way: casts, padding, swizzle."""
+    fake_cuda.set_capability(capability)
+    policy = mixprec.Policy.parse("compute=bf16").fp8(name)
+
+    def mlp() -> nn.Module:
+        return nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256),
+                             nn.ReLU(), nn.Linear(256, 128))
+
+    with fake_mode(), torch.no_grad(), HostReads() as reads:
+        model = cuda_module(mlp)
+        with Ops() as ops, mixprec.autocast("cuda", policy=policy):
+            out = model(torch.randn(33, 128, device="cuda"))
+        states = fp8.layer_states(model)
+    assert reads.count == 0, reads.sites
+    assert out.dtype == torch.bfloat16 and out.shape == (33, 128)
+    assert len([c for c in ops.calls if c.op in _SCALED]) == 2
+    assert {n: s.backend for n, s in states.items()} == {"2": "scaled_mm", "4": "scaled_mm"}

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One command for a CUDA machine: build mixprec's kernels, run the CUDA tests (-m cuda), the
-# fake-CUDA tier and benchmarks/gpu.py; write benchmarks/gpu-<device name>.md and print a verdict.
+# fake-CUDA tier, benchmarks/gpu.py and benchmarks/gemm_table.py (per recipe and shape: TFLOPS, ratio
+# to bf16, error against fp32); write benchmarks/gpu-<device name>.md and print a verdict.
 # Without a CUDA GPU: run the fake-CUDA tier only, say so, exit 0 (when the tier passes).
 # Python: $PYTHON if set, else .venv (created by scripts/venv.sh if missing), else python3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
-FAKE_TIER=(tests/engine/test_cuda_fake_autocast.py tests/fp8/test_cuda_fake_fp8.py tests/scaling/test_cuda_fake_scaling.py)
+FAKE_TIER=(tests/engine/test_cuda_fake_autocast.py tests/fp8/test_cuda_fake_fp8.py tests/scaling/test_cuda_fake_scaling.py
+           tests/fp8/test_cuda_fake_blocks.py tests/fp8/test_native_gemm.py tests/fp8/test_swizzle.py)
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q "^GPU"; }
 cuda_python() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
 
@@ -74,6 +76,7 @@ step "CUDA tests (-m cuda)" 180 "${PYTEST[@]}" -m cuda tests || status=1
 step "fake-CUDA tier" 240 "${PYTEST[@]}" "${FAKE_TIER[@]}" || status=1
 out=benchmarks/gpu-$slug.md
 step "benchmarks/gpu.py" 300 "$PY" benchmarks/gpu.py --device cuda --step-costs --fp8 --out "$out" || status=1
+step "GEMM table" 150 "$PY" benchmarks/gemm_table.py --device cuda --budget 100 --out "$out" --append || status=1
 
 echo
 echo "================ gpu-check verdict: $device ($((SECONDS - start)) s) ================"

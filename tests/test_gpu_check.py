@@ -28,6 +28,22 @@ def test_gpu_benchmark_quick_smoke_run_on_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_gemm_table_quick_smoke_run_on_cpu(tmp_path: Path) -> None:
+    """benchmarks/gemm_table.py (gpu-check.sh's GEMM table) on the CPU: every recipe, emulated, said so."""
+    out = tmp_path / "gpu.md"
+    out.write_text("# before\n")
+    proc = subprocess.run([sys.executable, "benchmarks/gemm_table.py", "--device", "cpu", "--quick", "--out", str(out),
+                           "--append"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert text.startswith("# before\n") and "## GEMM table: CPU" in text
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ") and "recipe" not in line]
+    assert {r[0].strip() for r in rows} == {"tensorwise", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4"}
+    assert {r[2].strip() for r in rows} == {"emulated"} and {r[3].strip() for r in rows} == {"-"}
+    assert all(0 < float(r[7]) < 0.5 for r in rows)  # relative error against fp32: fp4 about 0.15
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="checks the no-GPU mode")
 def test_gpu_check_without_gpu_runs_the_fake_tier_and_exits_0() -> None:
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}

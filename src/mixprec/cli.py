@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -177,7 +178,8 @@ def _demo(args: argparse.Namespace) -> int:
     if args.seed + seeds > MAX_SEED:
         print(f"{prog}: error: --seed {args.seed} with --seeds {seeds} passes 2**63 - 1; lower --seed", file=sys.stderr)
         return 1
-    settings = Settings.for_size(args.size, steps=args.steps, seed=args.seed)
+    settings = dataclasses.replace(Settings.for_size(args.size, steps=args.steps, seed=args.seed),
+                                   fp8_accumulate=args.fp8_accumulate)
     if args.threads is not None:
         threads, why = args.threads, "--threads"
     else:
@@ -297,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "mean and spread (default: 3; on cpu as many of them as end within about 3 minutes, at least 1)")
     demo.add_argument("--threads", type=_count(MAX_THREADS), default=None,
                       help="CPU threads (default: the cores not busy with other work, at least 1)")
+    demo.add_argument("--fp8-accumulate", choices=("float32", "tensor_core"), default="float32",
+                      help="how the fp8/fp4 modes' emulated GEMMs accumulate: float32 (default) or as an fp8 "
+                      "tensor core (about 14 bits, promoted every 128 elements of K; docs/cuda.md)")
     demo.add_argument("--no-speed-panel", action="store_true",
                       help="skip the speed panel (fp32, bf16, fp16 and fp8 steps timed before training: the "
                       "trained size first, then the other sizes within 45 s)")

@@ -88,13 +88,14 @@ def test_dims_not_multiples_of_16_fall_back_unpadded(fake_cuda, scaled_mm, m, k,
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
-def test_block_recipes_run_emulated_on_every_gpu(fake_cuda, scaled_mm, recipe):
-    """mixprec has no block-scaled torch._scaled_mm path: MXFP8 (sm100's e8m0 block scales) and
-    blockwise (1x128 / 128x128) run emulated even at capability 10.0."""
-    fake_cuda.set_capability((10, 0))
+def test_block_recipes_below_their_hardware_run_emulated(fake_cuda, scaled_mm, recipe):
+    """At 8.9 no block-scaled GEMM exists (MXFP8 needs sm100, blockwise sm90): emulated, and
+    ``backend="scaled_mm"`` names the capability it needs (tests/fp8/test_native_gemm.py: where
+    they run natively)."""
+    fake_cuda.set_capability((8, 9))
     assert _linear(32, 128, 128, torch.bfloat16, recipe) == (torch.Size([32, 128]), torch.bfloat16, "cuda")
     assert scaled_mm == []
-    with pytest.raises(ValueError, match="runs emulated only"):
+    with pytest.raises(ValueError, match="compute capability .* this device has 8.9"):
         _linear(32, 128, 128, torch.bfloat16, recipe, backend="scaled_mm")
 
 

@@ -188,8 +188,8 @@ def test_stats_table():
     assert all(r["amax"] > 0 and r["fallback"] is False for r in rows)
     text = str(table)
     assert text.splitlines()[0].split() == ["layer", "operand", "amax", "saturated", "underflow", "nonfinite",
-                                            "sqnr_db", "fallback", "window"]
-    assert re.search(r"^4\s+grad_output\s+\S+\s+0\.00%\s+0\.00%\s+0\s+-\s+no\s+open$", text, re.M)
+                                            "sqnr_db", "fallback", "backend", "window"]
+    assert re.search(r"^4\s+grad_output\s+\S+\s+0\.00%\s+0\.00%\s+0\s+-\s+no\s+emulated\s+open$", text, re.M)
 
 
 @pytest.mark.parametrize("judge", ["guard", "controller"])

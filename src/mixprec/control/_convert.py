@@ -206,11 +206,12 @@ class Float8Stats:
         return [dict(r) for r in self.rows]
 
     def __str__(self) -> str:
-        head = ("layer", "operand", *STAT_NAMES, "sqnr_db", "fallback", "window")
+        head = ("layer", "operand", *STAT_NAMES, "sqnr_db", "fallback", "backend", "window")
         cells = [head] + [(r["layer"], r["operand"], f"{r['amax']:.4g}", f"{r['saturated']:.2%}",
                            f"{r['underflow']:.2%}", f"{r['nonfinite']:.0f}",
                            "-" if r["output_sqnr_db"] == float("inf") else f"{r['output_sqnr_db']:.1f}",
-                           "yes" if r["fallback"] else "no", r["window"]) for r in self.rows]
+                           "yes" if r["fallback"] else "no", r.get("backend") or "-", r["window"])
+                          for r in self.rows]
         widths = [max(len(str(c[i])) for c in cells) for i in range(len(head))]
         return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
@@ -232,5 +233,5 @@ def stats(model: nn.Module | Mapping[str, LayerState]) -> Float8Stats:
         for op in OPERANDS:
             rows.append({"layer": name, "operand": op, **data[op],
                          "output_sqnr_db": data["output_sqnr_db"], "fallback": data["fallback"],
-                         "window": data["window"]})
+                         "window": data["window"], "backend": data["backend"]})
     return Float8Stats(tuple(rows))

@@ -218,6 +218,12 @@ def _setup_fp16_master(model: nn.Module, s: Settings, device: torch.device) -> S
 FP8_EVERY = 10
 
 
+def _backend(s: Settings, default: str) -> str:
+    """The fp8 backend of a mode: ``default``, or ``"emulate_tc"`` when the settings ask for
+    tensor-core accumulation (``--fp8-accumulate tensor_core``)."""
+    return "emulate_tc" if s.fp8_accumulate == "tensor_core" else default
+
+
 def _setup_fp8(recipe: str, **thresholds: Any) -> Callable[[nn.Module, Settings, torch.device], Setup]:
     """fp32 weights, bf16 autocast whose selected Linear layers run in fp8 ``recipe``, and a
     guard checked every :data:`FP8_EVERY` steps with the default thresholds (underflow > 5% or
@@ -229,7 +235,7 @@ def _setup_fp8(recipe: str, **thresholds: Any) -> Callable[[nn.Module, Settings,
 
     def setup(model: nn.Module, s: Settings, device: torch.device) -> Setup:
         guard = mixprec.fp8.Guard(every=FP8_EVERY, **thresholds)
-        policy = mixprec.Policy.parse("compute=bf16").fp8(recipe)
+        policy = mixprec.Policy.parse("compute=bf16").fp8(recipe, backend=_backend(s, "auto"))
         autocast = lambda: mixprec.autocast(device.type, policy=policy)  # noqa: E731
         return Setup(model, _adamw(model.parameters(), s), autocast, fp8_guard=guard, fp8_recipe=recipe,
                      fp8_policy=policy)
@@ -255,7 +261,7 @@ def _setup_fp8_controlled(recipe: str, **settings: Any) -> Callable[[nn.Module, 
     def setup(model: nn.Module, s: Settings, device: torch.device) -> Setup:
         ladder = _LADDER[_LADDER.index(recipe):]
         ctl = mixprec.Controller(every=FP8_EVERY, **{"ladder": ladder, **settings})
-        policy = mixprec.Policy.parse("compute=bf16").fp8(recipe, controller=ctl)
+        policy = mixprec.Policy.parse("compute=bf16").fp8(recipe, controller=ctl, backend=_backend(s, "auto"))
         autocast = lambda: mixprec.autocast(device.type, policy=policy)  # noqa: E731
         return Setup(model, _adamw(model.parameters(), s), autocast, fp8_controller=ctl, fp8_recipe=recipe,
                      fp8_policy=policy)
@@ -294,7 +300,7 @@ def _setup_fp4(first_last: str, controlled: bool, recipe: str = FP4_RECIPE,
         ctl = mixprec.Controller(every=FP8_EVERY, ladder=ladder, per_gemm=True,
                                  max_loss_cost=FP4_MAX_LOSS_COST) if controlled else None
         policy = mixprec.Policy.parse("compute=bf16").fp8(recipe, first_last=first_last, controller=ctl,
-                                                          backend=FP4_BACKEND)
+                                                          backend=_backend(s, FP4_BACKEND))
         autocast = lambda: mixprec.autocast(device.type, policy=policy)  # noqa: E731
         return Setup(model, _adamw(model.parameters(), s), autocast, fp8_controller=ctl, fp8_recipe=recipe,
                      fp8_policy=policy)

@@ -17,6 +17,10 @@ from mixprec.demo.model import SIZES, ModelConfig
 __all__ = ["Settings", "MAX_SEED", "lr_factor"]
 
 
+#: how the fp8/fp4 modes' emulated GEMMs may accumulate (:attr:`Settings.fp8_accumulate`)
+FP8_ACCUMULATE = ("float32", "tensor_core")
+
+
 @dataclass(frozen=True)
 class Settings:
     """What to train and how long.
@@ -34,6 +38,9 @@ class Settings:
             more than this many.
         fused: use ``torch.optim.AdamW(fused=True)`` (one kernel per step; the loss scalers then
             unscale and skip inside it) wherever the mode's optimizer is torch's AdamW.
+        fp8_accumulate: how the fp8 and fp4 modes' emulated GEMMs accumulate: ``"float32"`` (their
+            default backends) or ``"tensor_core"`` (``backend="emulate_tc"``: as an fp8 tensor core,
+            about 14 bits kept, promoted to float32 every 128 elements of K; docs/cuda.md).
     """
 
     model: ModelConfig
@@ -45,6 +52,7 @@ class Settings:
     size: str = "custom"
     untimed_steps: int = 1
     fused: bool = False
+    fp8_accumulate: str = "float32"
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -60,6 +68,8 @@ class Settings:
         object.__setattr__(self, "seed", int(self.seed))  # e.g. numpy.int64 -> int, for torch
         if self.untimed_steps < 0:
             raise ValueError(f"untimed_steps must be >= 0, got {self.untimed_steps}")
+        if self.fp8_accumulate not in FP8_ACCUMULATE:
+            raise ValueError(f"fp8_accumulate must be one of {', '.join(FP8_ACCUMULATE)}, got {self.fp8_accumulate!r}")
 
     @classmethod
     def for_size(cls, size: str, *, steps: int | None = None, seed: int = 0) -> Settings:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mixprec.formats._accumulate import tensor_core_mm
 from mixprec.formats._recipe import Cast
 
 __all__ = ["quantize", "dequantize", "per_block", "gemm_dtype", "block_gemm", "amax_to_scale", "E8M0_BIAS", "EPS"]
@@ -132,10 +133,11 @@ def gemm_dtype(cast: Cast, dtype: torch.dtype, fp32: bool = False) -> torch.dtyp
 
 
 def block_gemm(a: tuple[torch.Tensor, torch.Tensor], ca: Cast, b: tuple[torch.Tensor, torch.Tensor],
-               cb: Cast, out_dtype: torch.dtype, fp32: bool = False) -> torch.Tensor:
+               cb: Cast, out_dtype: torch.dtype, fp32: bool = False, tensor_core: bool = False) -> torch.Tensor:
     """``a @ b.t()`` for two block casts ``(q, deq)`` whose contracted dimension is the last one,
-    emulated: both dequantized in :func:`gemm_dtype` (float32 with ``fp32``), multiplied there,
-    cast to ``out_dtype``.
+    emulated: both dequantized in :func:`gemm_dtype` (float32 with ``fp32`` or ``tensor_core``),
+    multiplied there (``tensor_core``: accumulated as an fp8 tensor core,
+    :func:`~mixprec.formats._accumulate.tensor_core_mm`), cast to ``out_dtype``.
     (``b`` transposed as a view, as torchao's emulated MX ``mm`` reads its right operand.)
 
     Example:
@@ -144,5 +146,6 @@ def block_gemm(a: tuple[torch.Tensor, torch.Tensor], ca: Cast, b: tuple[torch.Te
         >>> block_gemm(quantize(a, c, False)[:2], c, quantize(b, c, False)[:2], c, torch.bfloat16).shape
         torch.Size([4, 8])
     """
-    dtype = gemm_dtype(ca, out_dtype, fp32)
-    return torch.mm(dequantize(a[0], a[1], ca, dtype), dequantize(b[0], b[1], cb, dtype).t()).to(out_dtype)
+    dtype = gemm_dtype(ca, out_dtype, fp32 or tensor_core)
+    mm = tensor_core_mm if tensor_core else torch.mm
+    return mm(dequantize(a[0], a[1], ca, dtype), dequantize(b[0], b[1], cb, dtype).t()).to(out_dtype)

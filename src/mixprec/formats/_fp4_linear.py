@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 
+from mixprec.formats._accumulate import tensor_core_mm
 from mixprec.formats._blocks import dequantize as block_dequantize
 from mixprec.formats._blocks import gemm_dtype
 from mixprec.formats._blocks import quantize as block_quantize
 from mixprec.formats._fp4 import Fp4Tensor, RoundingKey, hadamard, hadamard_matrix, quantize
+from mixprec.formats._native_gemm import block_mm, fp4_mm
 from mixprec.formats._quant import cast_to_fp8
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, record_cast
@@ -69,19 +71,28 @@ def _values(op: Any, cast: Cast, dtype: torch.dtype) -> torch.Tensor:
 
 
 def gemm(a: Any, ca: Cast, b: Any, cb: Cast, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-         fp32: bool = False) -> torch.Tensor:
-    """``A @ B.t()`` (``+ bias``, as one ``addmm``) of two operands of :func:`cast_operand`,
-    emulated: dequantized and multiplied in the GEMM's dtype (e2m1 and E8M0 blocks: ``out_dtype``,
-    float32 for float16; other fp8 casts: float32; none: ``A``'s; with ``fp32``: float32 for every
-    cast), then cast to ``out_dtype``."""
-    a, b = gemm_values(a, ca, b, cb, out_dtype, fp32)
-    out = torch.mm(a, b) if bias is None else torch.addmm(bias.to(a.dtype), a, b)
+         backend: str = "emulate") -> torch.Tensor:
+    """``A @ B.t()`` (``+ bias``) of two operands of :func:`cast_operand`. ``backend="scaled_mm"``:
+    block casts (e2m1, fp8 blocks) on torch's scaled GEMM (:mod:`._native_gemm`; the caller made
+    sure the device has it), the bias added after in ``out_dtype``. Else emulated: dequantized
+    and multiplied (one ``addmm`` with the bias) in the GEMM's dtype (:func:`gemm_values`;
+    ``"emulate_tc"``: accumulated as an fp8 tensor core), then cast to ``out_dtype``."""
+    if backend == "scaled_mm" and ca.block is not None:
+        out = fp4_mm(a, ca, b, cb, out_dtype) if ca.is_fp4 else block_mm(a, ca, b, cb, out_dtype)
+        return out if bias is None else out + bias.to(out_dtype)
+    a, b = gemm_values(a, ca, b, cb, out_dtype, backend in ("emulate_fp32", "emulate_tc"))
+    if backend == "emulate_tc" and ca.is_fp8:  # accumulated as an fp8 tensor core (_accumulate)
+        out = tensor_core_mm(a, b) if bias is None else tensor_core_mm(a, b) + bias.to(a.dtype)
+    else:
+        out = torch.mm(a, b) if bias is None else torch.addmm(bias.to(a.dtype), a, b)
     return out.to(out_dtype)
 
 
 def gemm_values(a: Any, ca: Cast, b: Any, cb: Cast, out_dtype: torch.dtype, fp32: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The operands of :func:`gemm` dequantized in the GEMM's dtype: ``(A, B.t())`` (a view)."""
+    """The operands of :func:`gemm` dequantized in the GEMM's dtype: ``(A, B.t())`` (a view): e2m1
+    and E8M0 blocks: ``out_dtype``, float32 for float16; other fp8 casts: float32; none: ``A``'s;
+    with ``fp32``: float32 for every cast."""
     if fp32 and ca.is_fp8:
         dtype = torch.float32
     elif not ca.is_fp8:
@@ -117,13 +128,14 @@ def _restored(tensors: tuple[torch.Tensor, ...], cast: Cast, shape: torch.Size) 
 class Fp4Matmul(torch.autograd.Function):
     """``x @ w.t()`` with an fp4 recipe's casts, GEMM by GEMM (see the module's docstring).
     ``step``: the layer's fp4 call count (a 0-d int64 tensor, :meth:`LayerState.next_rounding_step`),
-    which seeds stochastic rounding (:class:`~mixprec.formats._fp4.RoundingKey`: traceable); ``fp32``:
-    every GEMM in float32 (the backend ``"emulate_fp32"``)."""
+    which seeds stochastic rounding (:class:`~mixprec.formats._fp4.RoundingKey`: traceable);
+    ``backend``: the resolved backend of :func:`~mixprec.formats._linear.linear` (``"emulate"``,
+    ``"emulate_fp32"``: every GEMM in float32, ``"scaled_mm"``: block GEMMs on torch's scaled GEMM)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: Float8Recipe,
-                stats: torch.Tensor | None, sqnr: torch.Tensor | None, step: torch.Tensor, fp32: bool = False,
-                tp: Sharding | None = None) -> torch.Tensor:
+                stats: torch.Tensor | None, sqnr: torch.Tensor | None, step: torch.Tensor,
+                backend: str = "emulate", tp: Sharding | None = None) -> torch.Tensor:
         r = recipe
         k, n = w.shape[1], w.shape[0]
         x2 = x.reshape(-1, k)
@@ -132,7 +144,7 @@ class Fp4Matmul(torch.autograd.Function):
             wb, wq, wamax = cast_operand(w, r.weight, r, tp=tp, has="nk")
             _record(stats, INPUT, x2, xa, xq, xamax)
             _record(stats, WEIGHT, w, wb, wq, wamax)
-            out = gemm(xa, r.input, wb, r.weight, x.dtype, bias, fp32)  # one addmm, as torchao's MX QAT linear
+            out = gemm(xa, r.input, wb, r.weight, x.dtype, bias, backend)  # one addmm, as torchao's MX QAT linear
             if sqnr is not None:  # the GEMM's SQNR (the bias, exact in both, left out of the signal)
                 ref = torch.mm(x2, w.t().to(x2.dtype)).double()
                 err = out.double() - ref if bias is None else out.double() - bias.double() - ref
@@ -143,7 +155,7 @@ class Fp4Matmul(torch.autograd.Function):
             if _hadamard(r):
                 xt = hadamard(xt, hadamard_matrix(r.seed, x.device))
             saved = cast_operand(xt.contiguous(), cx, r, tp=tp, has="km")[0] if cx.is_fp8 else x2
-        ctx.recipe, ctx.stats, ctx.fp32, ctx.tp = r, stats, fp32, tp
+        ctx.recipe, ctx.stats, ctx.backend, ctx.tp = r, stats, backend, tp
         ctx.xt_shape, ctx.w_dtype = xt.shape, w.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(w, step, *_saved(saved))
@@ -170,7 +182,7 @@ class Fp4Matmul(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 if cg.is_fp8:
                     wb = cast_operand(w.t().contiguous(), r.weight_for_grad_input, r, tp=tp, has="kn")[0]
-                    grad_input = gemm(ga, cg, wb, r.weight_for_grad_input, dtype, fp32=ctx.fp32)
+                    grad_input = gemm(ga, cg, wb, r.weight_for_grad_input, dtype, backend=ctx.backend)
                 else:
                     grad_input = torch.mm(go, w.to(dtype))
                 grad_input = grad_input.reshape(*grad_output.shape[:-1], k)
@@ -187,7 +199,7 @@ class Fp4Matmul(torch.autograd.Function):
                 if ctx.needs_input_grad[1]:
                     xop = _restored(tuple(saved), r.input_for_grad_weight, ctx.xt_shape)
                     if cw.is_fp8:
-                        grad_weight = gemm(gb, cw, xop, r.input_for_grad_weight, dtype, fp32=ctx.fp32)
+                        grad_weight = gemm(gb, cw, xop, r.input_for_grad_weight, dtype, backend=ctx.backend)
                     else:
                         grad_weight = torch.mm(go.t(), xop.to(dtype))
                     grad_weight = grad_weight.to(ctx.w_dtype)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from mixprec.formats._blocks import block_gemm, quantize
 from mixprec.formats._fp4_linear import Fp4Matmul
 from mixprec.formats._fsdp import GatheredFloat8Weight, reads_gathered, warn_fallback
+from mixprec.formats._native_gemm import block_mm, missing, note_emulated
 from mixprec.formats._quant import cast_to_fp8, gemm
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, LayerState, record_cast
@@ -22,10 +23,14 @@ __all__ = ["linear", "resolve_backend", "BACKENDS"]
 #: every emulated GEMM dequantized and multiplied in float32 and rounded once to the output dtype,
 #: as an fp8/fp4 tensor core accumulates (on a CPU without native bf16 GEMMs, several times faster
 #: for fp4 and MX recipes; the same bits as ``"emulate"`` for tensor/row-scaled fp8);
-#: ``"scaled_mm"``: ``torch._scaled_mm`` (CUDA sm89+); ``"auto"``: ``"scaled_mm"`` where it runs,
-#: else ``"emulate"``.
-BACKENDS = ("auto", "emulate", "emulate_fp32", "scaled_mm")
-EMULATED = ("emulate", "emulate_fp32")
+#: ``"emulate_tc"``: as ``"emulate_fp32"``, but each GEMM's products accumulated as an fp8 tensor core
+#: does (about 14 bits kept, promoted to float32 every 128 elements of K: ``_accumulate``), so CPU
+#: loss-parity figures are not optimistic;
+#: ``"scaled_mm"``: torch's scaled GEMMs (``torch._scaled_mm``, ``F.scaled_mm``: tensor/row fp8 on
+#: CUDA sm89+, blockwise on sm90, MXFP8/MXFP4/NVFP4 on sm100; see ``_native_gemm``); ``"auto"``:
+#: ``"scaled_mm"`` where it runs, else ``"emulate"`` (said once on the ``mixprec`` logger).
+BACKENDS = ("auto", "emulate", "emulate_fp32", "emulate_tc", "scaled_mm")
+EMULATED = ("emulate", "emulate_fp32", "emulate_tc")
 _TENSORWISE = Float8Recipe.tensorwise()
 
 
@@ -73,7 +78,7 @@ class _Float8Matmul(torch.autograd.Function):
                 xc, wc = quantize(x2, r.input, r.pow2_scales), quantize(w, r.weight, r.pow2_scales)
                 _record(stats, INPUT, x2, xc)
                 _record(stats, WEIGHT, w, wc)
-                out = block_gemm(xc[:2], r.input, wc[:2], r.weight, x.dtype, backend == "emulate_fp32")
+                out = _block_mm(xc[:2], r.input, wc[:2], r.weight, x.dtype, backend)
             elif r.input.is_fp8:
                 if isinstance(x, GatheredFloat8Weight):  # a sequence gathered in fp8 (recorded per shard)
                     xc = (x._data, x._scale, x._amax)
@@ -152,7 +157,7 @@ def _block_backward(ctx: Any, x: torch.Tensor, wt: torch.Tensor, go: torch.Tenso
     """The backward GEMMs of a block recipe, each operand cast by blocks along that GEMM's
     contracted dimension (a contiguous copy with it last, as torchao's emulated MXFP8 does)."""
     r, stats, dtype = ctx.recipe, ctx.stats, go.dtype
-    fp32 = ctx.backend == "emulate_fp32"
+    backend = ctx.backend
     k = wt.shape[0]
     x2 = x.reshape(-1, k)
     grad_input = grad_weight = None
@@ -167,7 +172,7 @@ def _block_backward(ctx: Any, x: torch.Tensor, wt: torch.Tensor, go: torch.Tenso
         if ctx.needs_input_grad[0]:
             if r.grad_output.is_fp8:
                 wtc = quantize(wt.contiguous(), r.weight_for_grad_input, r.pow2_scales)
-                grad_input = block_gemm(goc[:2], r.grad_output, wtc[:2], r.weight_for_grad_input, dtype, fp32)
+                grad_input = _block_mm(goc[:2], r.grad_output, wtc[:2], r.weight_for_grad_input, dtype, backend)
             else:
                 grad_input = torch.mm(go, wt.t().to(dtype))
             grad_input = grad_input.reshape(*go_shape[:-1], k)
@@ -176,7 +181,7 @@ def _block_backward(ctx: Any, x: torch.Tensor, wt: torch.Tensor, go: torch.Tenso
                 if r.grad_output.is_fp8:
                     got = quantize(go.t().contiguous(), cw, r.pow2_scales)
                 xt = quantize(x2.t().contiguous(), r.input_for_grad_weight, r.pow2_scales)
-                grad_weight = block_gemm(got[:2], cw, xt[:2], r.input_for_grad_weight, dtype, fp32)
+                grad_weight = _block_mm(got[:2], cw, xt[:2], r.input_for_grad_weight, dtype, backend)
             else:
                 grad_weight = torch.mm(go.t(), x2)
             grad_weight = grad_weight.to(ctx.w_dtype)
@@ -190,33 +195,38 @@ def _record_sqnr(sqnr: torch.Tensor, out: torch.Tensor, x2: torch.Tensor, wt: to
     torch.minimum(sqnr, db.float(), out=sqnr)
 
 
-def resolve_backend(backend: str, input: torch.Tensor, weight: torch.Tensor) -> str:
-    """``"emulate"`` or ``"scaled_mm"`` for this call; ``"auto"`` picks ``torch._scaled_mm`` on CUDA
-    sm89+ when every GEMM dimension is a multiple of 16, else emulation.
+def resolve_backend(backend: str, input: torch.Tensor, weight: torch.Tensor,
+                    recipe: Float8Recipe = _TENSORWISE) -> str:
+    """The backend of this call: ``"scaled_mm"`` or an emulated one. ``"auto"`` picks torch's scaled
+    GEMM where the device has it for every fp8 GEMM of ``recipe`` (:func:`~._native_gemm.missing`:
+    tensor/row fp8 on CUDA sm89+ with every GEMM dimension a multiple of 16; blockwise on sm90;
+    MXFP8, MXFP4 and NVFP4 on sm100), else ``"emulate"``, and says so once on the ``mixprec``
+    logger.
 
-    Raises ValueError for an unknown backend, or ``"scaled_mm"`` where it cannot run.
+    Raises ValueError for an unknown backend, or ``"scaled_mm"`` where it cannot run (naming
+    what is missing: the device's capability, the torch build or a shape).
     """
     if backend not in BACKENDS:
         raise ValueError(f"fp8 backend must be one of {BACKENDS}, got {backend!r}")
     if backend in EMULATED:
         return backend
-    on_fp8_gpu = input.is_cuda and torch.cuda.get_device_capability(input.device) >= (8, 9)
-    dims_ok = all(d % 16 == 0 for d in (input.numel() // max(input.shape[-1], 1), *weight.shape))
-    if backend == "scaled_mm" and not (on_fp8_gpu and dims_ok):
-        where = "a CUDA device of compute capability 8.9 or newer" if not on_fp8_gpu else \
-            f"every GEMM dimension a multiple of 16 (tokens, out, in = " \
-            f"{input.numel() // max(input.shape[-1], 1)}, {weight.shape[0]}, {weight.shape[1]})"
-        raise ValueError(f"fp8 backend 'scaled_mm' needs {where}; use backend='emulate' or 'auto'")
-    return "scaled_mm" if on_fp8_gpu and dims_ok else "emulate"
-
-
-def _block_backend(backend: str, recipe: Float8Recipe) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"fp8 backend must be one of {BACKENDS}, got {backend!r}")
+    gap = missing(recipe, input, weight)
+    if gap is None:
+        return "scaled_mm"
     if backend == "scaled_mm":
-        raise ValueError(f"fp8 recipe {recipe.name!r} (block scales) runs emulated only in mixprec: no "
-                         f"block-scaled torch._scaled_mm path yet; use backend='emulate' or 'auto'")
-    return backend if backend in EMULATED else "emulate"
+        raise ValueError(f"fp8 backend 'scaled_mm' for the {recipe.name!r} recipe needs {gap}; "
+                         f"use backend='emulate' or 'auto'")
+    if not torch.compiler.is_compiling():  # (eager calls say it; a log call would break the graph)
+        note_emulated(recipe, gap, input.is_cuda)
+    return "emulate"
+
+
+def _block_mm(a: tuple[torch.Tensor, torch.Tensor], ca: Cast, b: tuple[torch.Tensor, torch.Tensor], cb: Cast,
+              out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """One GEMM of fp8 block casts: torch's scaled GEMM, or emulated."""
+    if backend == "scaled_mm":
+        return block_mm(a, ca, b, cb, out_dtype)
+    return block_gemm(a, ca, b, cb, out_dtype, backend == "emulate_fp32", backend == "emulate_tc")
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -225,9 +235,10 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """``F.linear`` with its three GEMMs in fp8: output in ``input``'s dtype, differentiable.
 
     Bitwise equal to torchao's emulated ``Float8Linear`` (``emulate=True``) for the same recipe
-    (``mxfp8``: torchao's ``MXFP8Linear`` with ``KernelPreference.EMULATED``; ``blockwise``, whose
-    torchao path needs Triton, runs emulated only): output and the gradients of input, weight
-    and bias. The bias is added in high precision.
+    (``mxfp8``: torchao's ``MXFP8Linear`` with ``KernelPreference.EMULATED``; ``blockwise``:
+    torchao's path needs Triton): output and the gradients of input, weight and bias. Under
+    ``"scaled_mm"`` the same casts meet torch's scaled GEMMs (:mod:`._native_gemm`; the emulation
+    of that call is this emulation, bitwise). The bias is added in high precision.
     With ``state``, the casts' statistics are accumulated into it on the device (no host sync),
     and a layer whose ``state.fallback`` is set runs ``F.linear`` in ``input``'s dtype instead;
     a ``state.recipe`` (a :class:`Controller`'s rung) replaces ``recipe``, and a ``state.probe``
@@ -295,10 +306,7 @@ def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                          f"are not multiples of {blocks}, the {recipe.name!r} recipe's blocks (fp8.convert "
                          f"refuses such layers); pad the layer to a multiple of {blocks}, or pick a recipe "
                          f"without blocks ('tensorwise', 'rowwise')")
-    if recipe.blocked:
-        backend = _block_backend(backend, recipe)
-    else:
-        backend = resolve_backend(backend, input, weight)
+    backend = resolve_backend(backend, input, weight, recipe)
     stats = sqnr = None
     if state is not None:
         if state.device != input.device:
@@ -309,9 +317,12 @@ def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         e2m1 = _e2m1_operands(recipe)                               # set by the eager calls, read by a Guard)
         if state.e2m1 != e2m1:
             state.e2m1 = e2m1
+        ran = "scaled_mm" if backend == "scaled_mm" else "emulated"
+        if state.backend != ran:
+            state.backend = ran
     if recipe.fp4:  # its own GEMM path (fp8/_fp4_linear.py); the layer's call count seeds stochastic rounding
         step = state.next_rounding_step() if state is not None else input.new_zeros((), dtype=torch.int64)
-        out = Fp4Matmul.apply(input, weight, bias, recipe, stats, sqnr, step, backend == "emulate_fp32", tp)
+        out = Fp4Matmul.apply(input, weight, bias, recipe, stats, sqnr, step, backend, tp)
     else:
         out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr, tp)
         if bias is not None:

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from mixprec.formats._accumulate import tensor_core_mm
 from mixprec.formats._blocks import EPS, amax_to_scale, quantize
 from mixprec.formats._recipe import Cast
 
@@ -85,9 +86,14 @@ def cast_stats(x: torch.Tensor, q: torch.Tensor, amax: torch.Tensor, last_amax: 
 
 def gemm(a: torch.Tensor, sa: torch.Tensor | None, b: torch.Tensor, sb: torch.Tensor | None,
          out_dtype: torch.dtype, backend: str, fast_accum: bool) -> torch.Tensor:
-    """``a @ b`` for 2-D operands, both fp8 (with their scales) or both high precision."""
+    """``a @ b`` for 2-D operands, both fp8 (with their scales) or both high precision.
+    ``backend``: ``"scaled_mm"`` (``torch._scaled_mm``), ``"emulate_tc"`` (float32 operands
+    accumulated as an fp8 tensor core: :func:`~mixprec.formats._accumulate.tensor_core_mm`), else
+    emulated in float32."""
     if sa is None or sb is None:
         return torch.mm(a, b)
+    if backend == "emulate_tc":
+        return tensor_core_mm(a.float() / sa, b.float() / sb).to(out_dtype)
     if backend in ("emulate", "emulate_fp32"):  # both in float32
         return torch.mm(a.float() / sa, b.float() / sb).to(out_dtype)
     return _scaled_mm(a, sa, b, sb, out_dtype, fast_accum)

@@ -91,6 +91,7 @@ class LayerState:
         # whether the last fp8 call cast input, weight, grad_output to e2m1 (set by linear; a Guard
         # judges such an operand's underflow against its fp4 limit)
         self.e2m1 = (False, False, False)
+        self.backend = None  # how the last fp8 call's GEMMs ran: "scaled_mm" or "emulated" (set by linear)
         self.recipe = None  # a Float8Recipe that replaces the caller's (set by a Controller)
         self.policy_recipe = None  # the recipe the Policy.fp8 that selected the layer runs it in (set by the routing)
         self.probe = None  # measures the layer's operands after the GEMM (set by a Controller)
@@ -230,6 +231,7 @@ class LayerState:
         out["output_sqnr_db"] = float(sqnrs[0])
         out["fallback"] = self.fallback
         out["window"] = window
+        out["backend"] = self.__dict__.get("backend")  # (None: no fp8 call yet, or pickled before it existed)
         return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -6,7 +6,9 @@
 * :func:`linear`: the functional fp8 linear (differentiable; tensorwise saves its activations for
   backward in fp8). ``backend="emulate"`` everywhere (bitwise torchao's emulation),
   ``"emulate_fp32"`` (every GEMM in float32, as a tensor core accumulates: fast fp4/MX emulation
-  on CPUs without bf16 GEMMs), ``"scaled_mm"`` on CUDA sm89+.
+  on CPUs without bf16 GEMMs), ``"emulate_tc"`` (accumulated as an fp8 tensor core: about 14 bits,
+  promoted every 128 elements of K), ``"scaled_mm"`` on CUDA (tensorwise/rowwise sm89+, blockwise
+  sm90, MXFP8/MXFP4/NVFP4 sm100).
 * :class:`LayerState` / :func:`layer_state`: per-layer statistics kept on the device;
   :func:`rounding_steps` / :func:`load_rounding_steps`: the fp4 call counts that seed stochastic
   rounding, for the checkpoint of a run without a Guard or Controller (theirs hold them).

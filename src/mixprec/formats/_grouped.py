@@ -209,9 +209,9 @@ def _check(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, rec
         raise ValueError(f"recipe must be a Float8Recipe (e.g. Float8Recipe.from_name('tensorwise')), got {recipe!r}")
     if backend not in BACKENDS:
         raise ValueError(f"fp8 backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "scaled_mm":
-        raise ValueError("grouped_linear runs emulated only (no torch._scaled_grouped_mm path yet); use "
-                         "backend='emulate', 'emulate_fp32' or 'auto'")
+    if backend in ("scaled_mm", "emulate_tc"):
+        raise ValueError(f"grouped_linear has no backend={backend!r} (no torch._scaled_grouped_mm path, no "
+                         "tensor-core accumulation model yet); use backend='emulate', 'emulate_fp32' or 'auto'")
     if input.dim() != 2 or weight.dim() != 3 or input.shape[1] != weight.shape[2]:
         raise ValueError(f"grouped_linear: input of shape {tuple(input.shape)} does not fit weight of shape "
                          f"{tuple(weight.shape)} (expected input [tokens, in] and weight [experts, out, in])")

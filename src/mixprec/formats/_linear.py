@@ -318,7 +318,7 @@ def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         if state.e2m1 != e2m1:
             state.e2m1 = e2m1
         ran = "scaled_mm" if backend == "scaled_mm" else "emulated"
-        if state.backend != ran:
+        if state.__dict__.get("backend") != ran:  # (a state pickled before it existed has none)
             state.backend = ran
     if recipe.fp4:  # its own GEMM path (fp8/_fp4_linear.py); the layer's call count seeds stochastic rounding
         step = state.next_rounding_step() if state is not None else input.new_zeros((), dtype=torch.int64)

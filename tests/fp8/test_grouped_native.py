@@ -1,0 +1,261 @@
+"""The experts' grouped GEMMs on torch's grouped scaled GEMM (formats/_grouped_native.py).
+
+On fake CUDA devices of compute capability 8.9, 9.0 and 10.0, the three grouped GEMMs of
+``grouped_linear`` (forward, input gradient, weight gradient) run under a ``TorchDispatchMode``
+that records every aten op: for the rowwise recipes on sm90 and sm100 they reach
+``aten._scaled_grouped_mm`` with arguments its meta check accepts (e4m3 operands row- and
+column-major, float32 scales per row, int32 offsets, bfloat16 out), awkward token counts included
+(an expert with no tokens, one with a single row, padding rows after the last expert). Elsewhere
+(sm89, a recipe torch's grouped kernel does not take) ``"auto"`` emulates and says so once, and
+``backend="scaled_mm"`` is a ValueError naming what is missing. Autograd cannot run on fake CUDA
+tensors: the backward runs by calling the autograd function's ``backward`` with a stand-in context.
+
+On the CPU, the native code path with ``torch._scaled_grouped_mm`` replaced by a reference (the
+operands it was given, dequantized by the inverse scales it was given and multiplied group by
+group) equals the emulation bitwise: output, input gradient, weight gradient, with experts in
+fallback and a Controller rung of another recipe among the native ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mixprec import fp8
+from mixprec.formats import _native_gemm
+from mixprec.formats._grouped import _FP32, _GroupedMatmul
+from mixprec.formats._grouped_native import resolve_grouped
+
+from _fake_cuda import fake_cuda, fake_mode  # noqa: F401
+
+CAPABILITIES = [(8, 9), (9, 0), (10, 0)]
+NATIVE_AT = {(9, 0), (10, 0)}
+#: tokens per expert: one with none, one with a single row; then two padding rows
+COUNTS = [5, 0, 1, 26]
+PAD = 2
+K, N = 64, 48
+_GROUPED = "aten._scaled_grouped_mm.default"
+
+
+class Ops(TorchDispatchMode):
+    """Records each grouped GEMM that runs and what it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[SimpleNamespace] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)  # (the fake mode below runs the meta checks)
+        name = str(func)
+        if name in (_GROUPED, "aten._grouped_mm.default", "aten.mm.default"):
+            a, b = args[0], args[1]
+            call = SimpleNamespace(op=name, a=(tuple(a.shape), a.stride(), a.dtype),
+                                   b=(tuple(b.shape), b.stride(), b.dtype), out=(tuple(out.shape), out.dtype))
+            if name == _GROUPED:
+                call.scales = [(s.dtype, tuple(s.shape), s.is_contiguous()) for s in args[2:4]]
+                offs = kwargs.get("offs", args[4] if len(args) > 4 else None)
+                call.offs = (offs.dtype, tuple(offs.shape))
+            self.calls.append(call)
+        return out
+
+
+class _Ctx(SimpleNamespace):
+    needs_input_grad = (True, True)
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        self.saved_tensors = tensors
+
+
+def _bounds() -> list[int]:
+    bounds = [0]
+    for c in COUNTS:
+        bounds.append(bounds[-1] + c)
+    return bounds
+
+
+def _three(x, w, go, plans, backend):
+    """Output, input gradient and weight gradient of ``_GroupedMatmul`` (forward and backward called directly)."""
+    ctx, e = _Ctx(), len(plans)
+    out = _GroupedMatmul.forward(ctx, x, w, _bounds(), tuple(plans), (None,) * e, (None,) * e, (None,) * e, backend)
+    return [out, *_GroupedMatmul.backward(ctx, go)[:2]]
+
+
+def _fake_run(name: str, dtype: torch.dtype, backend: str = "auto"):
+    recipe = fp8.as_recipe(name)
+    with fake_mode(), torch.no_grad():
+        t = sum(COUNTS)
+        x = torch.randn(t + PAD, K, device="cuda", dtype=dtype)
+        w = torch.randn(len(COUNTS), N, K, device="cuda", dtype=dtype)
+        go = torch.randn(t, N, device="cuda", dtype=dtype)
+        ran = resolve_grouped(backend, x, w, recipe)
+        with Ops() as ops:
+            results = _three(x, w, go, [recipe] * len(COUNTS), ran)
+    return ran, ops.calls, [(tuple(r.shape), r.dtype) for r in results]
+
+
+def _row_major(a) -> bool:
+    (_, cols), (s0, s1), _ = a[0][-2:], a[1][-2:], a[2]
+    return s1 == 1 and s0 > 1 and s0 % 16 == 0
+
+
+def _col_major(b) -> bool:
+    (rows, _), (s0, s1) = b[0][-2:], b[1][-2:]
+    return s0 == 1 and s1 > 1 and s1 % 16 == 0
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES, ids=lambda c: f"sm{c[0]}{c[1]}")
+@pytest.mark.parametrize("name", ["rowwise", "rowwise_with_gw_hp", "tensorwise", "mxfp8"])
+def test_each_grouped_gemm_reaches_the_scaled_grouped_gemm_where_the_device_has_it(fake_cuda, capability, name):
+    fake_cuda.set_capability(capability)
+    e, t = len(COUNTS), sum(COUNTS)
+    for dtype in (torch.bfloat16, torch.float32):
+        ran, calls, results = _fake_run(name, dtype)
+        assert results == [((t, N), dtype), ((t + PAD, K), dtype), ((e, N, K), dtype)]
+        scaled = [c for c in calls if c.op == _GROUPED]
+        if capability not in NATIVE_AT or name in ("tensorwise", "mxfp8"):
+            assert ran == "emulate" and scaled == []
+            continue
+        assert ran == "scaled_mm"
+        # forward [t, N] over K, input gradient [t, K] over N; rowwise: the weight gradient [E, N, K] over the tokens
+        want = [((t, N), torch.bfloat16), ((t, K), torch.bfloat16)]
+        if name == "rowwise":
+            want.append(((e, N, K), torch.bfloat16))
+        assert [c.out for c in scaled] == want, [c.op for c in calls]
+        hp = [c for c in calls if c.op != _GROUPED]
+        if name == "rowwise":
+            assert hp == []  # no high-precision GEMM runs
+        else:  # the weight gradient in high precision: one grouped GEMM (bf16) or one mm per expert
+            assert all(c.out[0] in {(e, N, K), (N, K)} for c in hp) and hp
+        fwd, gi = scaled[:2]
+        assert fwd.a == ((t, K), (K, 1), torch.float8_e4m3fn) and fwd.b[0] == (e, K, N) and _col_major(fwd.b)
+        assert gi.a == ((t, N), (N, 1), torch.float8_e4m3fn) and gi.b[0] == (e, N, K) and _col_major(gi.b)
+        assert fwd.scales == [(torch.float32, (t,), True), (torch.float32, (e, N), True)]
+        assert gi.scales == [(torch.float32, (t,), True), (torch.float32, (e, K), True)]
+        if name == "rowwise":
+            gw = scaled[2]
+            padded = sum(-(-c // 16) * 16 for c in COUNTS)  # each expert's tokens padded to 16
+            assert gw.a == ((N, padded), (padded, 1), torch.float8_e4m3fn)
+            assert gw.b[0] == (padded, K) and _col_major(gw.b)
+            assert gw.scales == [(torch.float32, (e * N,), True), (torch.float32, (e * K,), True)]
+        for c in scaled:
+            assert c.offs == (torch.int32, (e,)) and _row_major(c.a)
+
+
+@pytest.mark.parametrize("name,capability,words", [
+    ("rowwise", (8, 9), r"compute capability 9\.0 or 10\.x .*this device has 8\.9"),
+    ("tensorwise", (9, 0), r"e4m3 operands .*the grad_input GEMM casts e5m2"),
+    ("mxfp8", (10, 0), r"e4m3 operands scaled per tensor or per row .*1x32"),
+])
+def test_scaled_mm_where_it_cannot_run_names_what_is_missing(fake_cuda, name, capability, words):
+    fake_cuda.set_capability(capability)
+    with pytest.raises(ValueError, match=words):
+        _fake_run(name, torch.bfloat16, backend="scaled_mm")
+
+
+def test_features_off_16_and_the_cpu_are_named(fake_cuda):
+    recipe = fp8.as_recipe("rowwise")
+    with fake_mode():
+        x, w = torch.randn(8, 40, device="cuda"), torch.randn(2, 16, 40, device="cuda")
+        with pytest.raises(ValueError, match=r"multiples of 16 \(out, in = 16, 40\)"):
+            resolve_grouped("scaled_mm", x, w, recipe)
+    with pytest.raises(ValueError, match="a CUDA device of compute capability 9.0 or 10.x .* on cpu"):
+        fp8.grouped_linear(torch.randn(4, 32), torch.randn(2, 16, 32), torch.tensor([1, 4]), recipe,
+                           backend="scaled_mm")
+
+
+def test_the_emulation_says_so_once(fake_cuda, caplog, monkeypatch):
+    monkeypatch.setattr(_native_gemm, "_SAID", set())
+    fake_cuda.set_capability((8, 9))
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        for _ in range(3):
+            assert _fake_run("rowwise", torch.bfloat16)[0] == "emulate"
+    said = [r for r in caplog.records if "experts' grouped GEMMs" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING and "'rowwise'" in said[0].getMessage()
+
+
+# ------------------------------------------------------------------ the CPU: the native path's math
+class Reference:
+    """``torch._scaled_grouped_mm`` as the emulation computes it: each group's operands dequantized
+    by the inverse scales given, multiplied in float32, written in bfloat16. Checks what the
+    kernel needs beyond the meta check: each group's tokens 16-aligned in the weight gradient,
+    its padding zero codes."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __call__(self, mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None,
+                 out_dtype=None, use_fast_accum=False):
+        assert mat_a.dtype == mat_b.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16
+        assert mat_a.stride(-1) == 1 and mat_b.stride(-2) == 1 and offs.dtype == torch.int32
+        ends = [0, *offs.tolist()]
+        a = mat_a.float()
+        if mat_b.dim() == 3:  # jagged rows
+            self.calls.append("rows")
+            b = mat_b.float() * scale_b[:, None, :]
+            a = a * scale_a[:, None]
+            return torch.cat([a[s:t] @ b[e] for e, (s, t) in enumerate(zip(ends, ends[1:]))]).bfloat16()
+        self.calls.append("jagged")
+        n, k = mat_a.shape[0], mat_b.shape[1]
+        assert all(t % 16 == 0 for t in ends)
+        outs = []
+        for e, (s, t) in enumerate(zip(ends, ends[1:])):
+            ae = a[:, s:t] * scale_a[e * n:(e + 1) * n, None]
+            be = mat_b[s:t].float() * scale_b[e * k:(e + 1) * k][None, :]
+            outs.append(ae @ be)
+        return torch.stack(outs).bfloat16()
+
+
+def _data(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(COUNTS)
+    x = (torch.randn(t + PAD, K, generator=g) * torch.logspace(-3, 3, K)[torch.randperm(K, generator=g)]).bfloat16()
+    w = (torch.randn(len(COUNTS), N, K, generator=g) / K ** 0.5).bfloat16()
+    go = (torch.randn(t, N, generator=g) * 1e-4).bfloat16()
+    return x, w, go
+
+
+@pytest.mark.parametrize("mix", ["all", "fallback", "rung"])
+@pytest.mark.parametrize("name", ["rowwise", "rowwise_with_gw_hp"])
+def test_native_path_with_a_reference_kernel_is_the_emulation_bitwise(monkeypatch, name, mix):
+    recipe = fp8.as_recipe(name)
+    plans = [recipe] * len(COUNTS)
+    if mix == "fallback":  # expert 0 in the compute dtype, expert 3 on the fp32 rung
+        plans[0], plans[3] = None, _FP32
+    elif mix == "rung":  # a Controller rung whose e5m2 gradients torch's grouped kernel does not take
+        plans[3] = fp8.as_recipe("tensorwise")
+    x, w, go = _data()
+    with torch.no_grad():
+        expected = _three(x, w, go, plans, "emulate")
+        ref = Reference()
+        monkeypatch.setattr(torch, "_scaled_grouped_mm", ref)
+        got = _three(x, w, go, plans, "scaled_mm")
+    assert any(p is recipe and c for p, c in zip(plans, COUNTS))
+    assert ref.calls == (["rows", "rows", "jagged"] if name == "rowwise" else ["rows", "rows"])
+    for what, e, g in zip(("output", "grad_input", "grad_weight"), expected, got):
+        assert g.dtype == e.dtype == torch.bfloat16 and g.shape == e.shape
+        assert torch.equal(g, e), f"{name} {mix} {what}: {(g.float() - e.float()).abs().max()}"
+
+
+def test_grouped_linear_runs_native_with_the_reference(monkeypatch):
+    """Through the public entry: ``backend="scaled_mm"`` resolved (as on sm90) reaches the kernel
+    for all three GEMMs and gives the emulation's bits, gradients through autograd."""
+    x, w, go = _data(1)
+    offsets = torch.tensor(COUNTS).cumsum(0)
+    results = {}
+    for backend in ("emulate", "scaled_mm"):
+        if backend == "scaled_mm":
+            monkeypatch.setattr(torch, "_scaled_grouped_mm", ref := Reference())
+            monkeypatch.setattr("mixprec.formats._grouped.resolve_grouped", lambda *a: "scaled_mm")
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fp8.grouped_linear(xr, wr, offsets, fp8.as_recipe("rowwise"), backend=backend)
+        out[:sum(COUNTS)].backward(go)
+        results[backend] = (out, xr.grad, wr.grad)
+    assert ref.calls == ["rows", "rows", "jagged"]
+    for e, g in zip(results["emulate"], results["scaled_mm"]):
+        assert torch.equal(e, g)
+    assert not results["scaled_mm"][1][sum(COUNTS):].any()  # padding rows: no gradient

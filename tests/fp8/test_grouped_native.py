@@ -182,8 +182,8 @@ def test_the_emulation_says_so_once(fake_cuda, caplog, monkeypatch):
 class Reference:
     """``torch._scaled_grouped_mm`` as the emulation computes it: each group's operands dequantized
     by the inverse scales given, multiplied in float32, written in bfloat16. Checks what the
-    kernel needs beyond the meta check: each group's tokens 16-aligned in the weight gradient,
-    its padding zero codes."""
+    kernel needs beyond the meta check: each group's tokens 16-aligned in the weight gradient.
+    A group with nothing to contract gets NaN: the caller may not assume the kernel zeroes it."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -206,7 +206,7 @@ class Reference:
         for e, (s, t) in enumerate(zip(ends, ends[1:])):
             ae = a[:, s:t] * scale_a[e * n:(e + 1) * n, None]
             be = mat_b[s:t].float() * scale_b[e * k:(e + 1) * k][None, :]
-            outs.append(ae @ be)
+            outs.append(ae @ be if t > s else torch.full((n, k), float("nan")))
         return torch.stack(outs).bfloat16()
 
 

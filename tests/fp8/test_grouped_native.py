@@ -29,15 +29,18 @@ from mixprec import fp8
 from mixprec.formats import _native_gemm
 from mixprec.formats._grouped import _FP32, _GroupedMatmul
 from mixprec.formats._grouped_native import resolve_grouped
+from mixprec.formats._swizzle import blocked_numel, from_blocked
 
 from _fake_cuda import fake_cuda, fake_mode  # noqa: F401
 
 CAPABILITIES = [(8, 9), (9, 0), (10, 0)]
-NATIVE_AT = {(9, 0), (10, 0)}
+#: where each recipe's experts run natively
+NATIVE_AT = {"rowwise": {(9, 0), (10, 0)}, "rowwise_with_gw_hp": {(9, 0), (10, 0)}, "mxfp8": {(10, 0)},
+             "tensorwise": set()}
 #: tokens per expert: one with none, one with a single row; then two padding rows
 COUNTS = [5, 0, 1, 26]
 PAD = 2
-K, N = 64, 48
+K, N = 64, 96
 _GROUPED = "aten._scaled_grouped_mm.default"
 
 
@@ -117,16 +120,19 @@ def test_each_grouped_gemm_reaches_the_scaled_grouped_gemm_where_the_device_has_
         ran, calls, results = _fake_run(name, dtype)
         assert results == [((t, N), dtype), ((t + PAD, K), dtype), ((e, N, K), dtype)]
         scaled = [c for c in calls if c.op == _GROUPED]
-        if capability not in NATIVE_AT or name in ("tensorwise", "mxfp8"):
+        if capability not in NATIVE_AT[name]:
             assert ran == "emulate" and scaled == []
             continue
         assert ran == "scaled_mm"
-        # forward [t, N] over K, input gradient [t, K] over N; rowwise: the weight gradient [E, N, K] over the tokens
+        # forward [t, N] over K, input gradient [t, K] over N; the weight gradient [E, N, K] over the tokens
         want = [((t, N), torch.bfloat16), ((t, K), torch.bfloat16)]
-        if name == "rowwise":
+        if name != "rowwise_with_gw_hp":
             want.append(((e, N, K), torch.bfloat16))
         assert [c.out for c in scaled] == want, [c.op for c in calls]
         hp = [c for c in calls if c.op != _GROUPED]
+        if name == "mxfp8":
+            _check_mxfp8(scaled, hp)
+            continue
         if name == "rowwise":
             assert hp == []  # no high-precision GEMM runs
         else:  # the weight gradient in high precision: one grouped GEMM (bf16) or one mm per expert
@@ -146,10 +152,34 @@ def test_each_grouped_gemm_reaches_the_scaled_grouped_gemm_where_the_device_has_
             assert c.offs == (torch.int32, (e,)) and _row_major(c.a)
 
 
+def _tiles(rows: int, blocks: int) -> int:
+    """The swizzled scales of ``[rows, blocks]``: whole 128x4 tiles."""
+    return -(-rows // 128) * 128 * -(-blocks // 4) * 4
+
+
+def _check_mxfp8(scaled: list[SimpleNamespace], hp: list[SimpleNamespace]) -> None:
+    """MXFP8: E8M0 scales swizzled per expert, laid out as torchao's grouped GEMM does."""
+    e, t = len(COUNTS), sum(COUNTS)
+    assert hp == []
+    fwd, gi, gw = scaled
+    e8m0 = torch.float8_e8m0fnu
+    rows = sum(-(-c // 128) * 128 for c in COUNTS)  # each expert's rows padded to a 128-row tile
+    assert fwd.a == ((t, K), (K, 1), torch.float8_e4m3fn) and _col_major(fwd.b)
+    assert fwd.scales == [(e8m0, (rows, 4), True), (e8m0, (e, _tiles(N, K // 32)), True)]
+    assert gi.scales == [(e8m0, (rows, 4), True), (e8m0, (e, _tiles(K, N // 32)), True)]
+    padded = sum(-(-c // 32) * 32 for c in COUNTS)  # each expert's tokens padded to whole blocks
+    assert gw.a == ((N, padded), (padded, 1), torch.float8_e4m3fn) and gw.b[0] == (padded, K) and _col_major(gw.b)
+    cols = sum(-(-c // 128) * 4 for c in COUNTS)  # per expert: its blocks padded to 4 (one tile column)
+    assert gw.scales == [(e8m0, (128, cols), True), (e8m0, (128, cols), True)]
+    for c in scaled:
+        assert c.offs == (torch.int32, (e,)) and _row_major(c.a)
+
+
 @pytest.mark.parametrize("name,capability,words", [
-    ("rowwise", (8, 9), r"compute capability 9\.0 or 10\.x .*this device has 8\.9"),
+    ("rowwise", (8, 9), r"rowwise grouped GEMMs compute capability 9\.0 or 10\.x .*this device has 8\.9"),
     ("tensorwise", (9, 0), r"e4m3 operands .*the grad_input GEMM casts e5m2"),
-    ("mxfp8", (10, 0), r"e4m3 operands scaled per tensor or per row .*1x32"),
+    ("mxfp8", (9, 0), r"mxfp8 grouped GEMMs compute capability 10\.x \(sm100\); this device has 9\.0"),
+    ("blockwise", (9, 0), r"or MXFP8 blocks \(the output GEMM casts e4m3fn 1x128"),
 ])
 def test_scaled_mm_where_it_cannot_run_names_what_is_missing(fake_cuda, name, capability, words):
     fake_cuda.set_capability(capability)
@@ -174,7 +204,7 @@ def test_the_emulation_says_so_once(fake_cuda, caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="mixprec"):
         for _ in range(3):
             assert _fake_run("rowwise", torch.bfloat16)[0] == "emulate"
-    said = [r for r in caplog.records if "experts' grouped GEMMs" in r.getMessage()]
+    said = [r for r in caplog.records if "experts' rowwise grouped GEMMs" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING and "'rowwise'" in said[0].getMessage()
 
 
@@ -193,6 +223,8 @@ class Reference:
         assert mat_a.dtype == mat_b.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16
         assert mat_a.stride(-1) == 1 and mat_b.stride(-2) == 1 and offs.dtype == torch.int32
         ends = [0, *offs.tolist()]
+        if scale_a.dtype == torch.float8_e8m0fnu:
+            return self._mxfp8(mat_a, mat_b, scale_a, scale_b, ends)
         a = mat_a.float()
         if mat_b.dim() == 3:  # jagged rows
             self.calls.append("rows")
@@ -210,6 +242,41 @@ class Reference:
         return torch.stack(outs).bfloat16()
 
 
+    def _mxfp8(self, mat_a, mat_b, scale_a, scale_b, ends):
+        """MXFP8: each group's scales read back from torchao's layout (``from_blocked``), the
+        operands dequantized in bfloat16 (as the emulation's MX GEMMs) and multiplied group by group."""
+        flat_a, flat_b = scale_a.reshape(-1), scale_b.reshape(-1) if scale_b.dim() == 2 else scale_b
+        outs, at = [], 0
+        if mat_b.dim() == 3:  # jagged rows: A's groups of round_up(rows, 128) rows; B's one row of tiles each
+            self.calls.append("mx-rows")
+            k = mat_a.shape[1]
+            for e, (s, t) in enumerate(zip(ends, ends[1:])):
+                size = blocked_numel(t - s, k // 32)
+                sa = from_blocked(flat_a[at:at + size], t - s, k // 32)
+                at += size
+                sb = from_blocked(scale_b[e], mat_b.shape[2], k // 32)
+                outs.append(_deq(mat_a[s:t], sa) @ _deq(mat_b[e].t(), sb).t())
+            assert at == flat_a.numel()
+            return torch.cat(outs)
+        self.calls.append("mx-jagged")  # the tokens jagged: each group's tiles one after another
+        n, k = mat_a.shape[0], mat_b.shape[1]
+        assert all(t % 32 == 0 for t in ends)
+        bt = 0
+        for s, t in zip(ends, ends[1:]):
+            blocks = (t - s) // 32
+            sa = from_blocked(flat_a[at:at + blocked_numel(n, blocks)], n, blocks)
+            sb = from_blocked(scale_b.reshape(-1)[bt:bt + blocked_numel(k, blocks)], k, blocks)
+            at, bt = at + blocked_numel(n, blocks), bt + blocked_numel(k, blocks)
+            outs.append(_deq(mat_a[:, s:t], sa) @ _deq(mat_b[s:t].t(), sb).t() if t > s
+                        else torch.full((n, k), float("nan"), dtype=torch.bfloat16))
+        return torch.stack(outs)
+
+
+def _deq(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``q`` (``[rows, K]``, e4m3) times its ``1x32`` block scales, in bfloat16."""
+    return (q.float() * scales.float().repeat_interleave(32, dim=1)[:, :q.shape[1]]).bfloat16()
+
+
 def _data(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     t = sum(COUNTS)
@@ -220,7 +287,7 @@ def _data(seed: int = 0):
 
 
 @pytest.mark.parametrize("mix", ["all", "fallback", "rung"])
-@pytest.mark.parametrize("name", ["rowwise", "rowwise_with_gw_hp"])
+@pytest.mark.parametrize("name", ["rowwise", "rowwise_with_gw_hp", "mxfp8"])
 def test_native_path_with_a_reference_kernel_is_the_emulation_bitwise(monkeypatch, name, mix):
     recipe = fp8.as_recipe(name)
     plans = [recipe] * len(COUNTS)
@@ -235,15 +302,20 @@ def test_native_path_with_a_reference_kernel_is_the_emulation_bitwise(monkeypatc
         monkeypatch.setattr(torch, "_scaled_grouped_mm", ref)
         got = _three(x, w, go, plans, "scaled_mm")
     assert any(p is recipe and c for p, c in zip(plans, COUNTS))
-    assert ref.calls == (["rows", "rows", "jagged"] if name == "rowwise" else ["rows", "rows"])
+    want = {"rowwise": ["rows", "rows", "jagged"], "rowwise_with_gw_hp": ["rows", "rows"],
+            "mxfp8": ["mx-rows", "mx-rows", "mx-jagged"]}
+    if name == "mxfp8" and mix == "rung":  # the tensorwise rung's forward: e4m3, on the rowwise kernel beside
+        want[name] = ["rows", "mx-rows", "mx-rows", "mx-jagged"]
+    assert ref.calls == want[name]
     for what, e, g in zip(("output", "grad_input", "grad_weight"), expected, got):
         assert g.dtype == e.dtype == torch.bfloat16 and g.shape == e.shape
         assert torch.equal(g, e), f"{name} {mix} {what}: {(g.float() - e.float()).abs().max()}"
 
 
-def test_grouped_linear_runs_native_with_the_reference(monkeypatch):
-    """Through the public entry: ``backend="scaled_mm"`` resolved (as on sm90) reaches the kernel
-    for all three GEMMs and gives the emulation's bits, gradients through autograd."""
+@pytest.mark.parametrize("name", ["rowwise", "mxfp8"])
+def test_grouped_linear_runs_native_with_the_reference(monkeypatch, name):
+    """Through the public entry: ``backend="scaled_mm"`` resolved (as on sm90/sm100) reaches the
+    kernel for all three GEMMs and gives the emulation's bits, gradients through autograd."""
     x, w, go = _data(1)
     offsets = torch.tensor(COUNTS).cumsum(0)
     results = {}
@@ -252,10 +324,10 @@ def test_grouped_linear_runs_native_with_the_reference(monkeypatch):
             monkeypatch.setattr(torch, "_scaled_grouped_mm", ref := Reference())
             monkeypatch.setattr("mixprec.formats._grouped.resolve_grouped", lambda *a: "scaled_mm")
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-        out = fp8.grouped_linear(xr, wr, offsets, fp8.as_recipe("rowwise"), backend=backend)
+        out = fp8.grouped_linear(xr, wr, offsets, fp8.as_recipe(name), backend=backend)
         out[:sum(COUNTS)].backward(go)
         results[backend] = (out, xr.grad, wr.grad)
-    assert ref.calls == ["rows", "rows", "jagged"]
+    assert ref.calls == (["rows", "rows", "jagged"] if name == "rowwise" else ["mx-rows", "mx-rows", "mx-jagged"])
     for e, g in zip(results["emulate"], results["scaled_mm"]):
         assert torch.equal(e, g)
     assert not results["scaled_mm"][1][sum(COUNTS):].any()  # padding rows: no gradient

@@ -14,7 +14,7 @@ and the input gradient on the jagged token rows, the weight gradient with the to
 contracted dimension (one ``[out, in]`` gradient per expert). Experts whose GEMMs run in different
 dtypes (one in fallback) get one grouped GEMM per dtype, each over the rows of its own experts.
 Under ``backend="scaled_mm"`` (``"auto"`` where the device has it) the GEMMs that torch's grouped
-scaled GEMM takes run there on the same casts instead (:mod:`._grouped_native`).
+scaled GEMM takes (rowwise e4m3, MXFP8) run there on the same casts instead (:mod:`._grouped_native`).
 
 An expert that receives no tokens casts nothing and records nothing (no amax of nothing): its rows
 are empty and its weight gradient is zero, as :func:`linear` on an empty batch.
@@ -84,17 +84,18 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bounds: li
 def _run_rows(groups: list[tuple[Any, Cast, Any, Cast] | None], b_shape: tuple[int, int], bounds: list[int],
               out_dtype: torch.dtype, backend: str, device: torch.device) -> torch.Tensor:
     """``A_e @ B_e.t()`` of each expert on its rows, one grouped GEMM per GEMM dtype (and one on
-    torch's grouped scaled GEMM under ``backend="scaled_mm"``): ``groups[e]`` is ``(a, ca, b, cb)``
+    torch's grouped scaled GEMM per kind under ``backend="scaled_mm"``): ``groups[e]`` is ``(a, ca, b, cb)``
     of :func:`cast_operand` (``a``: the expert's rows, ``b``: ``b_shape`` with the contracted
     dimension last), None for an expert without rows."""
-    native, groups = split_native(groups, backend)
+    native, groups = split_native(groups, backend, device)
     values = [None if g is None else gemm_values(*g, out_dtype, backend == "emulate_fp32") for g in groups]
     dtypes = list(dict.fromkeys(v[0].dtype for v in values if v is not None))
     offs = torch.tensor(bounds[1:], dtype=torch.int32, device=device)
     out = None
-    if any(g is not None for g in native):
-        out = grouped_rows(native, bounds, *b_shape, device).to(out_dtype)
-    elif not dtypes:
+    for kind, ops in native.items():
+        part = grouped_rows(kind, ops, bounds, *b_shape, device).to(out_dtype)
+        out = part if out is None else out + part
+    if out is None and not dtypes:
         out = torch.zeros(bounds[-1], b_shape[0], dtype=out_dtype, device=device)
     for dtype in dtypes:  # (one in nearly every call: the experts' GEMMs in one dtype)
         rows, mats = [], []
@@ -113,16 +114,15 @@ def _run_rows(groups: list[tuple[Any, Cast, Any, Cast] | None], b_shape: tuple[i
 
 def _run_jagged(groups: list[tuple[Any, Cast, Any, Cast] | None], shape: tuple[int, int],
                 out_dtype: torch.dtype, backend: str, device: torch.device) -> torch.Tensor:
-    """``[E, *shape]``: ``A_e @ B_e.t()`` of each expert, the tokens the contracted dimension
-    (the weight gradient), one grouped GEMM per GEMM dtype (and one on torch's grouped scaled
-    GEMM under ``backend="scaled_mm"``); an expert whose group is None: zeros."""
-    native, groups = split_native(groups, backend)
+    """``[E, *shape]``: ``A_e @ B_e.t()`` of each expert over its tokens (the weight gradient),
+    in grouped GEMMs as :func:`_run_rows` runs them; an expert whose group is None: zeros."""
+    native, groups = split_native(groups, backend, device)
     values = [None if g is None else gemm_values(*g, out_dtype, backend == "emulate_fp32") for g in groups]
     dtypes = list(dict.fromkeys(v[0].dtype for v in values if v is not None))
-    if any(g is not None for g in native):
-        out = grouped_jagged(native, *shape, device).to(out_dtype)
-    else:
-        out = torch.zeros(len(groups), *shape, dtype=out_dtype, device=device)
+    out = torch.zeros(len(groups), *shape, dtype=out_dtype, device=device) if not native else None
+    for kind, ops in native.items():
+        part = grouped_jagged(kind, ops, *shape, device).to(out_dtype)
+        out = part if out is None else out + part
     for dtype in dtypes:
         a_rows, b_rows, ends, end = [], [], [], 0
         for v in values:

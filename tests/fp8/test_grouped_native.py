@@ -2,18 +2,19 @@
 
 On fake CUDA devices of compute capability 8.9, 9.0 and 10.0, the three grouped GEMMs of
 ``grouped_linear`` (forward, input gradient, weight gradient) run under a ``TorchDispatchMode``
-that records every aten op: for the rowwise recipes on sm90 and sm100 they reach
-``aten._scaled_grouped_mm`` with arguments its meta check accepts (e4m3 operands row- and
-column-major, float32 scales per row, int32 offsets, bfloat16 out), awkward token counts included
-(an expert with no tokens, one with a single row, padding rows after the last expert). Elsewhere
-(sm89, a recipe torch's grouped kernel does not take) ``"auto"`` emulates and says so once, and
+that records every aten op: for the rowwise recipes on sm90 and sm100, and MXFP8 on sm100, they
+reach ``aten._scaled_grouped_mm`` with arguments its meta check accepts (e4m3 operands row- and
+column-major, float32 scales per row or swizzled E8M0 scales per expert, int32 offsets, bfloat16
+out), awkward token counts included (an expert with no tokens, one with a single row, padding rows
+after the last expert). Elsewhere (sm89; MXFP8 on sm90; a recipe torch's grouped kernel does not
+take) ``"auto"`` emulates and says so once, and
 ``backend="scaled_mm"`` is a ValueError naming what is missing. Autograd cannot run on fake CUDA
 tensors: the backward runs by calling the autograd function's ``backward`` with a stand-in context.
 
 On the CPU, the native code path with ``torch._scaled_grouped_mm`` replaced by a reference (the
-operands it was given, dequantized by the inverse scales it was given and multiplied group by
-group) equals the emulation bitwise: output, input gradient, weight gradient, with experts in
-fallback and a Controller rung of another recipe among the native ones.
+operands it was given, dequantized by the scales it was given, read back from their layout, and
+multiplied group by group) equals the emulation bitwise: output, input gradient, weight gradient,
+with experts in fallback and a Controller rung of another recipe among the native ones.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ tensor/row-scaled fp8, the input's dtype for MX and fp4 blocks, float32 for all 
 and the input gradient on the jagged token rows, the weight gradient with the tokens as the jagged
 contracted dimension (one ``[out, in]`` gradient per expert). Experts whose GEMMs run in different
 dtypes (one in fallback) get one grouped GEMM per dtype, each over the rows of its own experts.
+Under ``backend="scaled_mm"`` (``"auto"`` where the device has it) the GEMMs that torch's grouped
+scaled GEMM takes (rowwise e4m3, MXFP8) run there on the same casts instead (:mod:`._grouped_native`).
 
 An expert that receives no tokens casts nothing and records nothing (no amax of nothing): its rows
 are empty and its weight gradient is zero, as :func:`linear` on an empty batch.
@@ -29,6 +31,7 @@ from torch import nn
 
 from mixprec.formats._fp4 import RoundingKey, hadamard, hadamard_matrix
 from mixprec.formats._fp4_linear import _GO_GRAD_INPUT, _GO_GRAD_WEIGHT, _record, cast_operand, gemm_values
+from mixprec.formats._grouped_native import grouped_jagged, grouped_rows, resolve_grouped, split_native
 from mixprec.formats._linear import BACKENDS, _e2m1_operands, _record_sqnr
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import _ATTR, GRAD_OUTPUT, INPUT, WEIGHT, LayerState
@@ -79,14 +82,21 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bounds: li
 
 
 def _run_rows(groups: list[tuple[Any, Cast, Any, Cast] | None], b_shape: tuple[int, int], bounds: list[int],
-              out_dtype: torch.dtype, fp32: bool, device: torch.device) -> torch.Tensor:
-    """``A_e @ B_e.t()`` of each expert on its rows, one grouped GEMM per GEMM dtype: ``groups[e]``
-    is ``(a, ca, b, cb)`` of :func:`cast_operand` (``a``: the expert's rows, ``b``: ``b_shape`` with
-    the contracted dimension last), None for an expert without rows."""
-    values = [None if g is None else gemm_values(*g, out_dtype, fp32) for g in groups]
+              out_dtype: torch.dtype, backend: str, device: torch.device) -> torch.Tensor:
+    """``A_e @ B_e.t()`` of each expert on its rows, one grouped GEMM per GEMM dtype (and one on
+    torch's grouped scaled GEMM per kind under ``backend="scaled_mm"``): ``groups[e]`` is ``(a, ca, b, cb)``
+    of :func:`cast_operand` (``a``: the expert's rows, ``b``: ``b_shape`` with the contracted
+    dimension last), None for an expert without rows."""
+    native, groups = split_native(groups, backend, device)
+    values = [None if g is None else gemm_values(*g, out_dtype, backend == "emulate_fp32") for g in groups]
     dtypes = list(dict.fromkeys(v[0].dtype for v in values if v is not None))
     offs = torch.tensor(bounds[1:], dtype=torch.int32, device=device)
-    out = torch.zeros(bounds[-1], b_shape[0], dtype=out_dtype, device=device) if not dtypes else None
+    out = None
+    for kind, ops in native.items():
+        part = grouped_rows(kind, ops, bounds, *b_shape, device).to(out_dtype)
+        out = part if out is None else out + part
+    if out is None and not dtypes:
+        out = torch.zeros(bounds[-1], b_shape[0], dtype=out_dtype, device=device)
     for dtype in dtypes:  # (one in nearly every call: the experts' GEMMs in one dtype)
         rows, mats = [], []
         for e, v in enumerate(values):
@@ -103,12 +113,16 @@ def _run_rows(groups: list[tuple[Any, Cast, Any, Cast] | None], b_shape: tuple[i
 
 
 def _run_jagged(groups: list[tuple[Any, Cast, Any, Cast] | None], shape: tuple[int, int],
-                out_dtype: torch.dtype, fp32: bool, device: torch.device) -> torch.Tensor:
-    """``[E, *shape]``: ``A_e @ B_e.t()`` of each expert, the tokens the contracted dimension
-    (the weight gradient), one grouped GEMM per GEMM dtype; an expert whose group is None: zeros."""
-    values = [None if g is None else gemm_values(*g, out_dtype, fp32) for g in groups]
+                out_dtype: torch.dtype, backend: str, device: torch.device) -> torch.Tensor:
+    """``[E, *shape]``: ``A_e @ B_e.t()`` of each expert over its tokens (the weight gradient),
+    in grouped GEMMs as :func:`_run_rows` runs them; an expert whose group is None: zeros."""
+    native, groups = split_native(groups, backend, device)
+    values = [None if g is None else gemm_values(*g, out_dtype, backend == "emulate_fp32") for g in groups]
     dtypes = list(dict.fromkeys(v[0].dtype for v in values if v is not None))
-    out = torch.zeros(len(groups), *shape, dtype=out_dtype, device=device)
+    out = torch.zeros(len(groups), *shape, dtype=out_dtype, device=device) if not native else None
+    for kind, ops in native.items():
+        part = grouped_jagged(kind, ops, *shape, device).to(out_dtype)
+        out = part if out is None else out + part
     for dtype in dtypes:
         a_rows, b_rows, ends, end = [], [], [], 0
         for v in values:
@@ -126,11 +140,11 @@ class _GroupedMatmul(torch.autograd.Function):
     """``x[rows of e] @ w[e].t()`` for every expert ``e`` with its own casts (see the module's docstring).
     ``bounds``: the ``E + 1`` row boundaries (host ints); ``plans[e]``: the expert's recipe, None for the
     compute dtype; ``windows``, ``sqnrs``, ``steps``: per expert, its statistics window, sampled SQNR
-    and fp4 rounding step (or None)."""
+    and fp4 rounding step (or None); ``backend``: resolved (``"scaled_mm"`` or an emulated one)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bounds: list[int], plans: tuple,
-                windows: tuple, sqnrs: tuple, steps: tuple, fp32: bool) -> torch.Tensor:
+                windows: tuple, sqnrs: tuple, steps: tuple, backend: str) -> torch.Tensor:
         dtype = x.dtype
         with torch.autocast(x.device.type, enabled=False):
             groups = []
@@ -145,11 +159,11 @@ class _GroupedMatmul(torch.autograd.Function):
                 _record(windows[e], INPUT, x_e, xa, xq, xamax)
                 _record(windows[e], WEIGHT, w[e], wb, wq, wamax)
                 groups.append((xa, ci, wb, cw))
-            out = _run_rows(groups, tuple(w.shape[1:]), bounds, dtype, fp32, x.device)
+            out = _run_rows(groups, tuple(w.shape[1:]), bounds, dtype, backend, x.device)
             for e, sqnr in enumerate(sqnrs):
                 if sqnr is not None and groups[e] is not None:
                     _record_sqnr(sqnr, out[bounds[e]:bounds[e + 1]], x[bounds[e]:bounds[e + 1]], w[e].t())
-        ctx.bounds, ctx.plans, ctx.windows, ctx.steps, ctx.fp32 = bounds, plans, windows, steps, fp32
+        ctx.bounds, ctx.plans, ctx.windows, ctx.steps, ctx.backend = bounds, plans, windows, steps, backend
         ctx.save_for_backward(x, w)
         return out
 
@@ -194,11 +208,11 @@ class _GroupedMatmul(torch.autograd.Function):
                     cx = _cast(r, "input_for_grad_weight")
                     cols.append((gb, cw, cast_operand(xt.contiguous(), cx, r)[0], cx))
             if need_x:
-                grad_input = _run_rows(rows, (w.shape[2], w.shape[1]), bounds, dtype, ctx.fp32, go_all.device)
+                grad_input = _run_rows(rows, (w.shape[2], w.shape[1]), bounds, dtype, ctx.backend, go_all.device)
                 if grad_input.shape[0] < x.shape[0]:  # rows after the last expert's: no gradient
                     grad_input = F.pad(grad_input, (0, 0, 0, x.shape[0] - grad_input.shape[0]))
             if need_w:
-                grad_weight = _run_jagged(cols, tuple(w.shape[1:]), dtype, ctx.fp32, go_all.device).to(w.dtype)
+                grad_weight = _run_jagged(cols, tuple(w.shape[1:]), dtype, ctx.backend, go_all.device).to(w.dtype)
         return grad_input, grad_weight, None, None, None, None, None, None
 
 
@@ -209,9 +223,9 @@ def _check(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, rec
         raise ValueError(f"recipe must be a Float8Recipe (e.g. Float8Recipe.from_name('tensorwise')), got {recipe!r}")
     if backend not in BACKENDS:
         raise ValueError(f"fp8 backend must be one of {BACKENDS}, got {backend!r}")
-    if backend in ("scaled_mm", "emulate_tc"):
-        raise ValueError(f"grouped_linear has no backend={backend!r} (no torch._scaled_grouped_mm path, no "
-                         "tensor-core accumulation model yet); use backend='emulate', 'emulate_fp32' or 'auto'")
+    if backend == "emulate_tc":
+        raise ValueError("grouped_linear has no backend='emulate_tc' (no tensor-core accumulation model for the "
+                         "experts yet); use backend='emulate', 'emulate_fp32', 'scaled_mm' or 'auto'")
     if input.dim() != 2 or weight.dim() != 3 or input.shape[1] != weight.shape[2]:
         raise ValueError(f"grouped_linear: input of shape {tuple(input.shape)} does not fit weight of shape "
                          f"{tuple(weight.shape)} (expected input [tokens, in] and weight [experts, out, in])")
@@ -258,7 +272,9 @@ def grouped_linear(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
 
     Raises ValueError on shapes that do not fit (also expert weights whose features are not
     multiples of the recipe's blocks), offsets that decrease or pass the input's rows, a number of
-    states other than the experts', non-floating inputs, an unknown backend or ``"scaled_mm"``.
+    states other than the experts', non-floating inputs, an unknown backend or ``"emulate_tc"``, and
+    ``"scaled_mm"`` where torch's grouped scaled GEMM cannot run (naming what is missing: the
+    device, the recipe's casts or the features; ``"auto"`` then emulates and says so once).
 
     Example:
         >>> x, w = torch.randn(6, 32), torch.randn(3, 16, 32)
@@ -287,7 +303,7 @@ def grouped_linear(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
         sqnrs.append(st.output_sqnr_db if st is not None and low and st.sample_sqnr else None)
         probes.append(st.probe if st is not None and active else None)
     out = _GroupedMatmul.apply(input, weight, bounds, tuple(plans), tuple(windows), tuple(sqnrs),
-                               tuple(steps), backend == "emulate_fp32")
+                               tuple(steps), resolve_grouped(backend, input, weight, recipe))
     if any(p is not None for p in probes):  # a Controller measures its experts: each on its rows
         out = torch.cat([out[s:t] if p is None else p(input[s:t], weight[e], out[s:t])
                          for e, (p, s, t) in enumerate(zip(probes, bounds, bounds[1:]))])

@@ -2,7 +2,7 @@
 between a head and an output layer, each block's pair sharded with ``ColwiseParallel`` /
 ``RowwiseParallel`` (or left replicated; with ``sequence``: every block sequence-parallel, its input
 and output sharded along the sequence), a recipe, the policy route or ``fp8.convert``, a Guard or a
-Controller, blocks skipped on some steps, empty micro-batches, an outlier.
+Controller, blocks skipped on some steps, empty micro-batches, an outlier, a drifting feature.
 
 :func:`run_rank` runs the program four times on each rank: in one process (the whole model on
 the rank, no DTensor; both ranks read the same data, so a check's MAX over the group is the one
@@ -22,7 +22,8 @@ from torch import nn
 
 #: recipe name -> (Guard's underflow limit, the Controller's ladder settings)
 TP_RECIPES: dict[str, tuple[float, dict[str, Any]]] = {
-    "tensorwise": (0.05, {}), "rowwise": (0.05, {}), "mxfp8": (0.05, {}),
+    "tensorwise": (0.05, {}), "rowwise": (0.05, {}),
+    "mxfp8": (0.05, {"ladder": ("tensorwise", "rowwise", "mxfp8", "compute", "fp32")}),
     "mxfp4": (0.15, {"ladder": ("mxfp4", "tensorwise", "rowwise", "compute")}),
     "nvfp4": (0.15, {"ladder": ("nvfp4", "tensorwise", "rowwise", "compute")}),
 }
@@ -49,6 +50,7 @@ class TPProgram:
     replicated: frozenset[int] = frozenset()  # blocks not sharded (input and weight replicated)
     sequence: bool = False  # every block sequence-parallel
     outlier: tuple[int, float] | None = None  # (step, value) at element (0, 0, 1) of that step's first batch
+    drift: float = 1.0  # input feature 0 grows drift ** step (the casts underflow: decisions)
     seed: int = 0
 
 
@@ -102,6 +104,7 @@ def _plan(p: TPProgram) -> dict[str, Any]:
 def _batch(p: TPProgram, step: int, micro: int, rows: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(p.seed * 1000 + step * 10 + micro)
     x = torch.randn(rows, SEQ, p.width, generator=g)
+    x[..., 0] *= p.drift ** step
     if p.outlier is not None and p.outlier[0] == step and micro == 0 and rows:
         x[0, 0, 1] = p.outlier[1]
     return x
@@ -144,6 +147,7 @@ def _train(p: TPProgram, base: nn.Module, sharded: bool, fp8_on: bool) -> dict[s
         parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), _plan(p))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     windows: list[dict[str, torch.Tensor]] = []
+    first: dict[str, torch.Tensor] = {}
     for t, step in enumerate(p.steps):
         for m, rows in enumerate(step.rows):
             with mixprec.autocast("cpu", policy=policy):
@@ -154,10 +158,12 @@ def _train(p: TPProgram, base: nn.Module, sharded: bool, fp8_on: bool) -> dict[s
             windows.append({n: s.window.clone() for n, s in states.items() if s is not None})
         opt.step()
         opt.zero_grad()
+        if t == 0:
+            first = {n: _full(q.detach()).float().clone() for n, q in model.named_parameters()}
         if sup is not None:
             sup.step()
     weights = {n: _full(q.detach()).float().clone() for n, q in model.named_parameters()}
-    return {"weights": weights, "windows": windows,
+    return {"weights": weights, "first": first, "windows": windows,
             "decisions": _decisions(p.supervisor, sup) if sup is not None else []}
 
 

@@ -6,8 +6,11 @@ skipped on some steps, empty micro-batches, an outlier, an input feature driftin
 Against the same program in one process (on each rank, same data):
 
 * the first step's forward casts take the one process's scales: each sharded layer's window
-  amax of input and weight, MAX over the ranks, is bitwise the one process's, and with
-  ``tensorwise`` (one scale for the tensor) it is the global one on every rank;
+  amax of the weight, and of the input before any rowwise reduce, MAX over the ranks, is bitwise
+  the one process's (with ``tensorwise``, one scale for the tensor, the global one on every
+  rank); the input of the layer right after a reduce within its last bits (2 bf16 steps); later
+  inputs passed casts of those bits (found: mxfp4, 3 blocks, ``blocks.2.up``'s input amax 0.3887
+  against 0.3789), not compared;
 * both ranks decide the same at the same steps and issue the same collectives;
 * the weights after the first step are those of one process within the run's own tolerance,
   (no decision has taken effect yet): twice the gap between the sharded and the
@@ -91,7 +94,7 @@ def check(pool: RankPool, p: TPProgram) -> list[dict]:
     assert results[1]["single"]["weights"].keys() == single["weights"].keys()
     tps = [r["tp"] for r in results]
     if single["windows"]:
-        reduced = False  # whether the layer's input passed a rowwise layer's reduce (whose order differs)
+        reduces = 0  # the rowwise reduces the layer's input passed (their order differs from one process's)
         for layer in _first_step_order(p):
             if layer not in single["windows"][0]:
                 continue
@@ -99,16 +102,17 @@ def check(pool: RankPool, p: TPProgram) -> list[dict]:
             merged = torch.stack([tp["windows"][0][layer] for tp in tps]).amax(0)
             for row in FORWARD:
                 got, want = merged[row, [AMAX, PREVIOUS]], window[row, [AMAX, PREVIOUS]]
-                if row == 0 and reduced:  # up to the reduce order's last bits (2 bf16 steps)
-                    assert torch.allclose(got, want, rtol=2 ** -6, atol=0), f"{layer}: input amax {got} vs {want}"
-                else:
+                if row == 1 or reduces == 0:  # the weights, and inputs before any reduce: bitwise
                     assert torch.equal(got, want), \
                         f"{layer}: the first step's forward amax (row {row}) {got} is not one process's {want}"
-            if p.recipe == "tensorwise" and not reduced:
+                elif reduces == 1 and layer.endswith("up"):  # a reduce's output: its last bits (2 bf16 steps)
+                    assert torch.allclose(got, want, rtol=2 ** -6, atol=0), f"{layer}: input amax {got} vs {want}"
+                # later inputs passed casts of those last bits: a value may round to the other neighbour
+            if p.recipe == "tensorwise" and reduces == 0:
                 for rank, tp in enumerate(tps):
                     assert torch.equal(tp["windows"][0][layer][FORWARD, AMAX], window[FORWARD, AMAX]), \
                         f"{layer}: rank {rank} cast with its shard's scale, not the global one"
-            reduced = reduced or layer.endswith("down")
+            reduces += layer.endswith("down")
     plain = _gap(results[0]["tp_plain"]["first"], results[0]["single_plain"]["first"])
     own = _gap(single["first"], results[0]["single_plain"]["first"])  # before any decision takes effect
     for rank, tp in enumerate(tps):

@@ -210,8 +210,10 @@ class RankPool:
             self._kill()
             self.restarts += 1
             stacks = self._stacks()
+            raised = "".join(f"\n--- rank {rank} raised (the others then wait on it) ---\n{r['error']}"
+                             for rank, r in enumerate(results) if r is not None and r["error"] is not None)
             raise RankFailure(f"rank(s) {missing} hung or died running {program!r} (watchdog {self.hang_after:.0f} s)"
-                              f"\n{stacks}")
+                              f"{raised}\n{stacks}")
         if any(r["error"] is not None for r in results):  # type: ignore[index]
             self._kill()
             self.restarts += 1

@@ -8,7 +8,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
 FAKE_TIER=(tests/engine/test_cuda_fake_autocast.py tests/fp8/test_cuda_fake_fp8.py tests/scaling/test_cuda_fake_scaling.py
-           tests/fp8/test_cuda_fake_blocks.py tests/fp8/test_native_gemm.py tests/fp8/test_swizzle.py)
+           tests/fp8/test_cuda_fake_blocks.py tests/fp8/test_native_gemm.py tests/fp8/test_swizzle.py
+           tests/fp8/test_grouped_native.py)
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q "^GPU"; }
 cuda_python() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
 

@@ -583,6 +583,14 @@ RECORDERS: dict[str, Recorder] = {
 }
 
 
+def _without_counts(state: dict[str, Any]) -> dict[str, Any]:
+    """A Guard's or Controller's ``state_dict()`` without the layers' fp4 call counts."""
+    entries = state.get("windows", state.get("layers", {}))
+    for entry in entries.values():
+        entry.pop("rounding_step", None)
+    return state
+
+
 class Trainer:
     """One case's objects, built from scratch (``seed`` picks the initial weights): model,
     supervisor (or the one given), route and region, optimizer, scaler; :meth:`step` runs one
@@ -597,6 +605,7 @@ class Trainer:
         kw = {} if case.supervisor is None else {case.supervisor.feature.keyword: self.supervisor}
         self.region: Callable[[], Any] = lambda: None
         ROUTES[case.route](self, case, kw)
+        fp8.keep_rounding_state(self.model)  # (fp4's stochastic-rounding call counts ride in the model's state_dict)
         self.optimizer = None if case.optimizer is None else case.optimizer.build(self.model)
         self.scaler = None if case.scaler is None else case.scaler.build(self.model)
         self.records = records if records is not None else {name: [] for name in case.record}
@@ -655,11 +664,9 @@ class Trainer:
             out["optimizer"] = self.optimizer.state_dict()
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()
-        if self.supervisor is not None:
-            sd = self.supervisor.state_dict()
+        if self.supervisor is not None:  # (without its copy of the call counts: the model's state_dict has them)
+            sd = _without_counts(self.supervisor.state_dict())
             out["supervisor"] = json.loads(json.dumps(sd)) if self.case.checkpoint_json else sd
-        else:  # fp4's stochastic-rounding call counts (a Guard's or Controller's state holds them)
-            out["rounding_steps"] = fp8.rounding_steps(self.model)
         return out
 
     def load(self, state: Mapping[str, Any]) -> None:
@@ -670,8 +677,6 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         if self.supervisor is not None:
             self.supervisor.load_state_dict(state["supervisor"])
-        else:
-            fp8.load_rounding_steps(self.model, state["rounding_steps"])
 
     def result(self) -> Result:
         sup = self.supervisor

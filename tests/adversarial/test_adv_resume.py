@@ -48,7 +48,7 @@ from mixprec import fp8
 from mixprec.fp8 import Float8Recipe
 
 #: Whether NVFP4's stochastic-rounding step count (``LayerState.rounding_step``) is checkpointed
-#: (since 44b316a: in the Guard's and Controller's state, else ``fp8.rounding_steps``). False
+#: (since 44b316a; the harness resumes it from the model's own ``state_dict``: ``fp8.keep_rounding_state``). False
 #: turns the stochastic-rounding resume cases into strict xfails and leaves them out of the generator.
 SR_RESUMES = True
 

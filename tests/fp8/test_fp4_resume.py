@@ -191,3 +191,97 @@ def test_an_activation_checkpoints_recompute_draws_what_the_forward_drew(reentra
     assert plain_steps == ckpt_steps == {"0": 2, "2": 2, "4": 2, "6": 2}
     for a, b in zip(plain, ckpt):
         assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def _ordinary(kind: str) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """Resume from nothing but the model's and the optimizer's ``state_dict()`` (and, for a Guard
+    or Controller, theirs without the counts): the counts ride in the model's."""
+    runs = []
+    for seed in (0, 1):
+        run = _Route(kind)
+        run.build(seed=seed)
+        if kind != "convert":  # (the policy route's states come at the first forward)
+            fp8.keep_rounding_state(run.model)
+        runs.append(run)
+    first, second = runs
+    losses = [first.step(i) for i in range(SPLIT)]
+    ckpt = _roundtrip({"model": first.model.state_dict(), "opt": first.opt.state_dict(),
+                       **({"aux": _without_counts(first.aux.state_dict())} if first.aux is not None else {})})
+    second.model.load_state_dict(ckpt["model"])  # strict
+    second.opt.load_state_dict(ckpt["opt"])
+    if second.aux is not None:
+        second.aux.load_state_dict(ckpt["aux"])
+    losses += [second.step(i) for i in range(SPLIT, STEPS)]
+    return losses, [p.detach().clone() for p in second.model.parameters()], ckpt
+
+
+@pytest.mark.parametrize("kind", ["policy", "convert", "guard", "controller"])
+def test_an_ordinary_checkpoint_resumes_the_draws_bitwise(kind):
+    losses, params = _straight(kind)
+    got_losses, got_params, ckpt = _ordinary(kind)
+    assert all(torch.equal(a, b) for a, b in zip(losses, got_losses)), (losses, got_losses)
+    assert all(torch.equal(a, b) for a, b in zip(params, got_params))
+    counts = {k: int(v) for k, v in ckpt["model"].items() if k.endswith(fp8.ROUNDING_KEY)}
+    assert counts == {f"{n}.{fp8.ROUNDING_KEY}": SPLIT for n in ("0", "2", "4", "6")}
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_the_count_is_in_the_state_dict_only_once_a_call_rounded_stochastically(kept):
+    """On the policy route, only in a model ``keep_rounding_state`` marked (a plain model's keys
+    never change by itself), and only once a call rounded stochastically."""
+    x = torch.randn(8, 32)
+    for recipe, has in ((fp8.Float8Recipe.nvfp4(stochastic_rounding=False), False), ("tensorwise", False),
+                        (NVFP4, kept)):
+        model = fp8_stack()
+        if kept:
+            fp8.keep_rounding_state(model)
+        keys = set(model.state_dict())
+        policy = Policy.parse("compute=bf16").fp8(recipe, first_last="fp8")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with mixprec.autocast("cpu", policy=policy):
+                model(x).float().sum().backward()
+        extra = set(model.state_dict()) - keys
+        assert extra == ({f"{n}.{fp8.ROUNDING_KEY}" for n in ("0", "2", "4", "6")} if has else set()), recipe
+        if has:
+            plain = fp8_stack()  # a model mixprec never ran: the entries are unexpected there (torch's strict load)
+            with pytest.raises(RuntimeError, match=fp8.ROUNDING_KEY):
+                plain.load_state_dict(model.state_dict())
+            plain.load_state_dict(model.state_dict(), strict=False)
+            assert fp8.layer_state(plain[0], create=False) is None
+
+
+def test_a_hostile_count_is_refused_naming_the_entry():
+    model = fp8.keep_rounding_state(fp8_stack())
+    sd = model.state_dict()
+    for bad in (torch.tensor(2.0), torch.tensor(-1), torch.tensor([1, 2]), 3):
+        with pytest.raises(RuntimeError, match=r"'2\._mixprec_rounding_step' is mixprec's fp4 call count"):
+            model.load_state_dict({**sd, f"2.{fp8.ROUNDING_KEY}": bad})
+    assert fp8.layer_state(model[2]).rounding_step == 0  # nothing half-loaded
+
+
+def test_the_count_loads_into_a_layer_that_is_the_model_and_survives_copies():
+    lin = fp8.keep_rounding_state(torch.nn.Linear(32, 32))  # (the model is the layer)
+    lin.load_state_dict({**lin.state_dict(), fp8.ROUNDING_KEY: torch.tensor(5)})
+    st = fp8.layer_state(lin, create=False)
+    assert st.rounding_step == 5 and lin.state_dict()[fp8.ROUNDING_KEY].item() == 5
+    for copy in (pickle.loads(pickle.dumps(lin)), __import__("copy").deepcopy(lin)):
+        assert copy.state_dict()[fp8.ROUNDING_KEY].item() == 5
+        copy.load_state_dict({**copy.state_dict(), fp8.ROUNDING_KEY: torch.tensor(9)})
+        assert fp8.layer_state(copy).rounding_step == 9 and st.rounding_step == 5
+
+
+def test_a_compiled_model_saves_its_counts():
+    """Under ``torch.compile`` the count still reaches the state dict (the flag is written in the
+    traced call, never read there: no guard, no recompile)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = fp8.convert(fp8_stack(seed=0), NVFP4, filter_fn=lambda m, fqn: True)
+    compiled = torch.compile(model, backend="aot_eager")
+    x, _ = _data(0)
+    for _ in range(2):
+        with torch.autocast("cpu", torch.bfloat16):
+            compiled(x).float().sum().backward()
+    sd = compiled.state_dict()
+    assert {k: int(v) for k, v in sd.items() if k.endswith(fp8.ROUNDING_KEY)} == {
+        f"_orig_mod.{n}.{fp8.ROUNDING_KEY}": 2 for n in ("0", "2", "4", "6")}

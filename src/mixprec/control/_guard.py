@@ -98,7 +98,7 @@ class Guard(Shell):
         self._states: Any = weakref.WeakValueDictionary()
         self._steps = 0
         # windows of a loaded state dict for layers not tracked yet: name -> (data, output sqnr, fp4 call count)
-        self._pending: dict[str, tuple[torch.Tensor, float, int]] = {}
+        self._pending: dict[str, tuple[torch.Tensor, float, int | None]] = {}
         self._warned_empty = self._warned_fp4 = False
 
     @property
@@ -268,8 +268,9 @@ class Guard(Shell):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the step count, the decisions and the windows; re-apply them to the tracked
         layer states (layers tracked later get theirs when :meth:`track` first sees them). A
-        window saved without ``rounding_step`` (before it was saved) restores a count of 0: what
-        a resumed run of that code drew from.
+        window saved without ``rounding_step`` (before it was saved) leaves the layer's count as
+        it is: the one the model's ``state_dict`` restored (:func:`~mixprec.fp8.keep_rounding_state`),
+        else 0 in a fresh model (what a resumed run of that code drew from).
 
         Raises ValueError for anything but the dict of :meth:`state_dict`.
         """
@@ -278,7 +279,8 @@ class Guard(Shell):
             decisions = {clean_name(n): Fallback(**{**d, "layer": clean_name(d["layer"])})
                          for n, d in state_dict["decisions"].items()}
             windows = {clean_name(n): (torch.tensor(w["stats"], dtype=torch.float32), float(w["output_sqnr_db"]),
-                           int(w.get("rounding_step", 0))) for n, w in state_dict["windows"].items()}
+                           None if w.get("rounding_step") is None else int(w["rounding_step"]))
+                       for n, w in state_dict["windows"].items()}
             if not isinstance(steps, int) or steps < 0:
                 raise TypeError(steps)
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
@@ -288,13 +290,14 @@ class Guard(Shell):
         tracked = dict(self._states)
         for name, st in tracked.items():
             if name not in windows:  # as a fresh layer: no window, no previous amax
-                _load_window(st, new_window(), math.inf, 0)
+                _load_window(st, new_window(), math.inf, None)
         self.track(tracked)
 
 
-def _load_window(st: LayerState, data: torch.Tensor, sqnr: float, rounding_step: int) -> None:
+def _load_window(st: LayerState, data: torch.Tensor, sqnr: float, rounding_step: int | None) -> None:
     try:
         st.load_window(data, sqnr)
-        st.rounding_step = rounding_step
+        if rounding_step is not None:
+            st.rounding_step = rounding_step
     except ValueError as exc:
         raise ValueError(f"Guard.load_state_dict: {exc}") from None

@@ -102,8 +102,8 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
             raise ValueError(f"Controller.load_state_dict: a window of shape {tuple(t.shape)}, expected "
                              f"{tuple(target.shape)}")
         target.copy_(t)
-    if "state" in data:  # (saved before the fp4 call count was: 0, what a resumed run of that code drew from)
-        rec.state.rounding_step = int(data.get("rounding_step", 0))
+    if "state" in data and "rounding_step" in data:  # (saved before the count was: the model's state_dict's, or 0)
+        rec.state.rounding_step = int(data["rounding_step"])
 
 
 def parse_state_dict(settings: ControllerSettings, state_dict: Mapping[str, Any]

@@ -26,6 +26,7 @@ from torch import nn
 from mixprec._groups import DEFAULT, check, describe, is_default
 from mixprec._modules import unwrap
 from mixprec.control._collective import agree_on_layers, all_reduce_max, distributed
+from mixprec.formats._state import keep_rounding_state
 
 __all__ = ["NO_STEP_FORWARDS", "Shell", "attached", "live_of"]
 
@@ -135,7 +136,8 @@ class Shell:
         """Make this the live one of ``model``'s regions: a policy's fp8 layers in ``model``
         (called as the region's model) are tracked and governed by it. Kept as a plain
         attribute of the bare model (without DDP's, FSDP's or torch.compile's wrapper), so a
-        copy or a pickle of the model carries its own copy. Returns itself
+        copy or a pickle of the model carries its own copy; ``model.load_state_dict`` restores its
+        layers' fp4 call counts before their first forward (:func:`keep_rounding_state`). Returns itself
         (``ctl = Controller(every=10).attach(model)``).
 
         Raises ValueError when another Guard or Controller is attached to ``model`` already.
@@ -146,6 +148,7 @@ class Shell:
             raise ValueError(f"{type(bare).__name__} already has a {type(other).__name__} attached; a model has one "
                              f"(detach it first: {type(other).__name__}.detach(model))")
         bare.__dict__[_ATTRIBUTE] = self
+        keep_rounding_state(bare)  # (its layers' fp4 call counts load before their first forward)
         return self
 
     @staticmethod

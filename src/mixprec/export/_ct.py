@@ -12,6 +12,7 @@ from torch import nn
 from mixprec.export._fp4 import CT_FORMATS
 from mixprec.export._layers import linear_layers
 from mixprec.export._quant import Quantized
+from mixprec.fp8 import ROUNDING_KEY
 
 __all__ = ["write_compressed_tensors", "quantization_config", "WEIGHTS_NAME"]
 
@@ -97,12 +98,13 @@ def _check_layout(model: nn.Module, q: Quantized) -> None:
 
 
 def _tensors(model: nn.Module, q: Quantized) -> dict[str, torch.Tensor]:
-    """The state dict with the fp8 and fp4 layers' weights replaced; tied tensors stored once (the first name)."""
+    """The state dict with the fp8 and fp4 layers' weights replaced; tied tensors stored once (the first name);
+    without the layers' fp4 call counts (training state: :data:`~mixprec.formats._state.ROUNDING_KEY`)."""
     out: dict[str, torch.Tensor] = {}
     seen: dict[tuple, str] = {}
     replaced = {f"{n}.weight" for n in [*q.layers, *q.fp4]}
     for name, t in model.state_dict(keep_vars=False).items():
-        if name in replaced:
+        if name in replaced or name.endswith(ROUNDING_KEY):
             continue
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype) if t.numel() else None
         if key is not None and key in seen:

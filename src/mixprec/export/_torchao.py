@@ -11,7 +11,7 @@ from torch import nn
 
 from mixprec.export._layers import linear_layers
 from mixprec.export._quant import Quantized
-from mixprec.fp8 import unconvert
+from mixprec.fp8 import ROUNDING_KEY, unconvert
 
 __all__ = ["torchao_model", "write_torchao"]
 
@@ -59,7 +59,8 @@ def write_torchao(model: nn.Module, folder: Path, q: Quantized) -> tuple[list[Pa
     and the per-layer configs to ``torchao_config.json``."""
     quantized = torchao_model(model, q)
     folder.mkdir(parents=True, exist_ok=True)
-    torch.save(quantized.state_dict(), folder / "model.pt")
+    torch.save({k: v for k, v in quantized.state_dict().items() if not k.endswith(ROUNDING_KEY)},  # (training state)
+               folder / "model.pt")
     configs = {fqn: {"config": "Float8StaticActivationFloat8WeightConfig", "act_quant_scale": float(layer.input_scale),
                      "granularity": q.strategy} for fqn, layer in q.layers.items()}
     (folder / "torchao_config.json").write_text(json.dumps(configs, indent=2) + "\n")

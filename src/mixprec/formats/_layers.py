@@ -17,7 +17,7 @@ from mixprec.formats._fsdp import Float8AllGatherWeight, plain_weight
 from mixprec.formats._like import LINEAR_LIKE, conv1d_class, features, is_linear_like, unroutable
 from mixprec.formats._linear import BACKENDS, linear
 from mixprec.formats._recipe import RECIPE_NAMES, Float8Recipe
-from mixprec.formats._state import layer_state, swap_layer_state
+from mixprec.formats._state import CountsInStateDict, layer_state, swap_layer_state
 
 __all__ = ["eligible", "select_layers", "Float8Linear", "Float8Conv1D", "as_recipe", "FIRST_LAST", "check_backend",
            "group_unsharded", "warn_once"]
@@ -271,9 +271,10 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-class Float8Linear(nn.Linear):
+class Float8Linear(CountsInStateDict, nn.Linear):
     """An ``nn.Linear`` whose forward is :func:`mixprec.fp8.linear` (same parameters, same state
-    dict keys). Under ``torch.autocast``/``mixprec.autocast`` the input is first cast to the
+    dict keys, and after a stochastically rounded fp4 call its call count:
+    :class:`~mixprec.formats._state.CountsInStateDict`). Under ``torch.autocast``/``mixprec.autocast`` the input is first cast to the
     region's dtype, as ``F.linear`` would be.
     """
 
@@ -309,10 +310,10 @@ class Float8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe.name}"
 
 
-class Float8Conv1D(nn.Module):
+class Float8Conv1D(CountsInStateDict):
     """transformers' ``Conv1D`` (a Linear whose weight is stored ``(in, out)``: ``nx`` inputs,
     ``nf`` outputs) whose forward is :func:`mixprec.fp8.linear` on the transposed weight: same
-    parameters, same state dict keys and shapes, bitwise torchao's emulated ``Float8Linear`` on
+    parameters, same state dict keys and shapes (and the fp4 call count, as :class:`Float8Linear`), bitwise torchao's emulated ``Float8Linear`` on
     the equivalent ``nn.Linear``. Made by :func:`convert`; :func:`unconvert` gives the Conv1D back.
     """
 

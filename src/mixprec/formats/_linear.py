@@ -321,7 +321,8 @@ def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         if state.__dict__.get("backend") != ran:  # (a state pickled before it existed has none)
             state.backend = ran
     if recipe.fp4:  # its own GEMM path (fp8/_fp4_linear.py); the layer's call count seeds stochastic rounding
-        step = state.next_rounding_step() if state is not None else input.new_zeros((), dtype=torch.int64)
+        step = (state.next_rounding_step(recipe.stochastic_rounding) if state is not None
+                else input.new_zeros((), dtype=torch.int64))
         out = Fp4Matmul.apply(input, weight, bias, recipe, stats, sqnr, step, backend, tp)
     else:
         out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr, tp)

@@ -22,7 +22,8 @@ from mixprec._modules import clean_name, named_modules
 from mixprec.formats._quant import STAT_NAMES, cast_stats
 
 __all__ = ["LayerState", "OPERANDS", "INPUT", "WEIGHT", "GRAD_OUTPUT", "layer_state", "swap_layer_state",
-           "new_window", "record_cast", "window_stats", "clear_window", "rounding_steps", "load_rounding_steps"]
+           "new_window", "record_cast", "window_stats", "clear_window", "rounding_steps", "load_rounding_steps",
+           "ROUNDING_KEY", "CountsInStateDict", "keep_rounding_state"]
 
 #: rows of :attr:`LayerState.stats`.
 OPERANDS = ("input", "weight", "grad_output")
@@ -31,6 +32,8 @@ INPUT, WEIGHT, GRAD_OUTPUT = range(len(OPERANDS))
 _ATTR = "_mixprec_fp8_state"
 _DRAWN = 64  # steps a layer's state remembers for activation checkpoints' recomputes
 _AMAX = STAT_NAMES.index("amax")
+#: the entry a layer's fp4 call count takes in its module's ``state_dict()`` (after the module's prefix)
+ROUNDING_KEY = "_mixprec_rounding_step"
 
 
 def new_window(device: torch.device | str | None = None) -> torch.Tensor:
@@ -98,6 +101,7 @@ class LayerState:
         self.name: str | None = None  # the layer's name in its model (set by the routing and fp8.convert), for errors
         # fp4 calls so far, on the device: seeds their stochastic rounding (advanced by linear)
         self._rounding = torch.zeros((), dtype=torch.int64, device=device)
+        self.draws = False  # an fp4 call of the layer has rounded stochastically: the count is in its state_dict
         # the steps eager forwards drew, newest last: what an activation checkpoint's recompute takes
         self._drawn: deque[torch.Tensor] = deque(maxlen=_DRAWN)
         self._completed: tuple[torch.Tensor, torch.Tensor] | None = None  # the window the last reset closed
@@ -163,7 +167,7 @@ class LayerState:
             raise ValueError(f"LayerState.rounding_step must be an int >= 0, got {step!r}")
         self._rounding = torch.full((), step, dtype=torch.int64, device=self._rounding.device)
 
-    def next_rounding_step(self) -> torch.Tensor:
+    def next_rounding_step(self, stochastic: bool = True) -> torch.Tensor:
         """The step of this fp4 call (a 0-d int64 device tensor, never changed afterwards: its
         backward reads it), and count the call: on the device, no host sync; traceable, no
         recompile as it advances. The counter is replaced, not updated in place: under
@@ -174,7 +178,12 @@ class LayerState:
         (``torch.utils.checkpoint``, reentrant or not): it takes the step the forward drew, the
         latest not yet taken, and counts nothing, so it draws what the forward drew. (A layer
         called twice inside one checkpointed segment recomputes in forward order and would take
-        them in reverse: checkpoint such a layer's calls separately.)"""
+        them in reverse: checkpoint such a layer's calls separately.)
+
+        ``stochastic``: whether the call rounds stochastically; from the first such call on, the
+        module's ``state_dict()`` carries the count (:data:`ROUNDING_KEY`)."""
+        if stochastic:
+            self.draws = True  # (written, never read here: Dynamo guards nothing on it)
         if torch.compiler.is_compiling():  # (a compiled recompute replays the traced step itself)
             step = self._rounding
             self._rounding = step + 1
@@ -244,6 +253,7 @@ class LayerState:
             self._rounding = torch.tensor(step, dtype=torch.int64, device=self._data.device)
         if "_drawn" not in state:
             self._drawn = deque(maxlen=_DRAWN)
+        self.__dict__.setdefault("draws", False)
         self.__dict__.setdefault("name", None)
 
     def __repr__(self) -> str:
@@ -253,10 +263,12 @@ class LayerState:
 def layer_state(module: torch.nn.Module, create: bool = True) -> LayerState | None:
     """The :class:`LayerState` of ``module``, created on its weight's device on first use.
 
-    Kept as a plain attribute of the module (not a buffer): it is not part of ``state_dict()``,
-    so the keys do not change; it follows ``copy.deepcopy``. Fallback decisions that must survive
-    a checkpoint live in :meth:`Guard.state_dict`. Create it before ``torch.compile`` traces the
-    model (:func:`convert` and the policy do).
+    Kept as a plain attribute of the module (not a buffer); it follows ``copy.deepcopy``. Its
+    statistics are not part of ``state_dict()`` (fallback decisions that must survive a checkpoint
+    live in :meth:`Guard.state_dict`); its fp4 call count is, once a call has rounded
+    stochastically, in a layer :func:`convert` made (:class:`CountsInStateDict`) or a model
+    :func:`keep_rounding_state` marked. Create it before ``torch.compile`` traces the model
+    (:func:`convert` and the policy do).
 
     Example:
         >>> lin = torch.nn.Linear(16, 16)
@@ -269,6 +281,85 @@ def layer_state(module: torch.nn.Module, create: bool = True) -> LayerState | No
         state = LayerState(weight.device if isinstance(weight, torch.Tensor) else None)
         module.__dict__[_ATTR] = state
     return state
+
+
+def _load_count(module: torch.nn.Module, key: str, value: Any, error_msgs: list[str]) -> None:
+    """Set ``module``'s fp4 call count from the state-dict entry ``key`` (or say why not)."""
+    if (not isinstance(value, torch.Tensor) or value.dim() != 0 or value.dtype != torch.int64
+            or bool(value < 0)):  # (one host sync, at load)
+        error_msgs.append(f"{key!r} is mixprec's fp4 call count of the layer (it seeds stochastic rounding) and "
+                          f"must be a 0-d int64 tensor >= 0, got {value!r}: load a state_dict that model.state_dict() "
+                          f"wrote, or drop the entry to restart the count at 0")
+        return
+    state = layer_state(module)
+    state._rounding = value.detach().to(state.device, copy=True)
+    state._drawn.clear()
+    state.draws = True
+
+
+class CountsInStateDict(torch.nn.Module):
+    """A layer class whose ``state_dict()`` carries its fp4 call count (:data:`ROUNDING_KEY`, a
+    0-d int64 tensor: no copy, no host sync) once a call has rounded stochastically, and whose
+    ``load_state_dict`` restores it, so an ordinary checkpoint resumes the draws bitwise. A mixin
+    of the layers :func:`convert` makes."""
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        state = self.__dict__.get(_ATTR)
+        if state is not None and state.draws:
+            destination[prefix + ROUNDING_KEY] = state._rounding  # (replaced by each call, never written in place)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        if prefix + ROUNDING_KEY in state_dict:  # (this module's own copy of the dict)
+            _load_count(self, prefix + ROUNDING_KEY, state_dict.pop(prefix + ROUNDING_KEY), error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+
+def keep_rounding_state(model: torch.nn.Module) -> torch.nn.Module:
+    """Put the fp4 call counts of ``model``'s layers in ``model.state_dict()`` and restore them in
+    ``model.load_state_dict``, so an ordinary checkpoint of a run with stochastic rounding on the
+    policy route resumes its draws bitwise: an entry ``"<layer>._mixprec_rounding_step"``
+    (:data:`ROUNDING_KEY`, a 0-d int64 tensor, no host sync) for each layer one of whose fp4 calls
+    rounded stochastically. Loading works before the first forward (the layer's state is created).
+    A Guard's or Controller's ``attach`` does it; layers :func:`convert` made always carry their
+    count. Call it on the model that saves and on the one that loads (a model without it refuses
+    the entries as unexpected keys, torch's strict load). Returns ``model``.
+
+    At ``load_state_dict``, an entry that is not a 0-d int64 tensor >= 0 is an error naming it.
+
+    Example:
+        >>> m = keep_rounding_state(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+        >>> _ = m.load_state_dict({**m.state_dict(), "0." + ROUNDING_KEY: torch.tensor(3)})
+        >>> layer_state(m[0]).rounding_step, "0." + ROUNDING_KEY in m.state_dict()
+        (3, True)
+    """
+    if _save_counts not in model._state_dict_hooks.values():
+        model.register_state_dict_post_hook(_save_counts)
+        model.register_load_state_dict_pre_hook(_load_counts)
+    return model
+
+
+def _save_counts(model: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    for name, module in model.named_modules():
+        state = module.__dict__.get(_ATTR)
+        if state is not None and state.draws and not isinstance(module, CountsInStateDict):
+            state_dict[prefix + (name + "." if name else "") + ROUNDING_KEY] = state._rounding
+
+
+def _load_counts(model: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any,
+                 strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    modules: dict[str, torch.nn.Module] | None = None
+    for key in [k for k in state_dict if k.startswith(prefix) and k.endswith(ROUNDING_KEY)]:
+        name = key[len(prefix):-len(ROUNDING_KEY)]
+        if name and not name.endswith("."):
+            continue
+        modules = dict(model.named_modules()) if modules is None else modules
+        module = modules.get(name[:-1])
+        if module is not None and not isinstance(module, CountsInStateDict):
+            # popped here, before torch hands the children their share: never an unexpected key
+            _load_count(module, key, state_dict.pop(key), error_msgs)
 
 
 def swap_layer_state(module: torch.nn.Module, state: LayerState | None) -> LayerState | None:

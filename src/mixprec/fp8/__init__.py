@@ -9,9 +9,10 @@
   on CPUs without bf16 GEMMs), ``"emulate_tc"`` (accumulated as an fp8 tensor core: about 14 bits,
   promoted every 128 elements of K), ``"scaled_mm"`` on CUDA (tensorwise/rowwise sm89+, blockwise
   sm90, MXFP8/MXFP4/NVFP4 sm100).
-* :class:`LayerState` / :func:`layer_state`: per-layer statistics kept on the device;
-  :func:`rounding_steps` / :func:`load_rounding_steps`: the fp4 call counts that seed stochastic
-  rounding, for the checkpoint of a run without a Guard or Controller (theirs hold them).
+* :class:`LayerState` / :func:`layer_state`: per-layer statistics kept on the device. The fp4
+  call count that seeds a layer's stochastic rounding is in its module's ``state_dict()``;
+  :func:`keep_rounding_state` lets a fresh policy-route model load it before its first forward;
+  :func:`rounding_steps` / :func:`load_rounding_steps`: the same counts as plain data.
 * :class:`Guard`: thresholds that move a layer back to the compute dtype, the same on every rank,
   decided in ``guard.step()`` (once per optimizer step), resumable from its ``state_dict()``.
 * :class:`GuardSettings`, :class:`ControllerSettings`: their settings as frozen values (what a
@@ -70,11 +71,11 @@ from mixprec.control._settings import ControllerSettings, GuardSettings
 from mixprec.formats._layers import Float8Conv1D, Float8Linear, as_recipe, eligible, select_layers
 from mixprec.formats._linear import linear
 from mixprec.formats._recipe import Cast, Float8Recipe, Recipe
-from mixprec.formats._state import LayerState, layer_state, load_rounding_steps, rounding_steps
+from mixprec.formats._state import ROUNDING_KEY, LayerState, keep_rounding_state, layer_state, load_rounding_steps, rounding_steps
 from mixprec.formats._tensor_parallel import colwise_sequence_parallel
 
 __all__ = [
     "Cast", "Controller", "ControllerSettings", "Decision", "Fallback", "Float8Conv1D", "Float8FallbackWarning", "Float8Linear", "Float8Recipe", "Float8Stats",
     "Guard", "GuardSettings", "GroupedExperts", "LayerState", "Recipe", "as_recipe", "colwise_sequence_parallel", "convert", "eligible", "grouped_linear", "layer_state", "layer_states", "linear",
-    "load_rounding_steps", "precompute_fsdp_scales", "rounding_steps", "select_layers", "stats", "unconvert",
+    "ROUNDING_KEY", "keep_rounding_state", "load_rounding_steps", "precompute_fsdp_scales", "rounding_steps", "select_layers", "stats", "unconvert",
 ]

@@ -78,6 +78,12 @@ step "fake-CUDA tier" 240 "${PYTEST[@]}" "${FAKE_TIER[@]}" || status=1
 out=benchmarks/gpu-$slug.md
 step "benchmarks/gpu.py" 300 "$PY" benchmarks/gpu.py --device cuda --step-costs --fp8 --out "$out" || status=1
 step "GEMM table" 150 "$PY" benchmarks/gemm_table.py --device cuda --budget 100 --out "$out" --append || status=1
+if "$PY" -c "import vllm" >/dev/null 2>&1; then  # (a vLLM built for CUDA in this Python: serve the fp8 export)
+  step "vLLM serves the fp8 export" 150 "${PYTEST[@]}" -m vllm tests/export/test_export_vllm.py \
+    -k "fp8_export or unquantized_control" || status=1
+else
+  results+=("SKIPPED vLLM serving: no vllm in $PY (pip install vllm there to serve the fp8 export)")
+fi
 
 echo
 echo "================ gpu-check verdict: $device ($((SECONDS - start)) s) ================"

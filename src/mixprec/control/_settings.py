@@ -174,6 +174,12 @@ class ControllerSettings(_Settings):
     :class:`mixprec.GradScaler` gave each layer's gradient (per-layer factors included) is
     divided out by itself; under another loss scaler pass ``step(loss_scale=...)``.
 
+    ``max_backward_cost`` (None: off; needs ``per_gemm``): the most a backward GEMM's error may
+    cost the loss per step through the update it steers (:mod:`mixprec.control._backward`),
+    measured on shadow steps; where measured, it replaces the flush rule for the input- and
+    weight-gradient GEMMs (promoted above it, brought down when the rung below costs at most half
+    of it; a non-finite cast still promotes).
+
     Raises ValueError on a setting out of range, a ladder not in the order of :data:`RUNGS`, or a
     ``floor`` not an fp8 rung of it; warns when fp4 limits are set for a ladder without fp4 rungs.
 
@@ -204,6 +210,7 @@ class ControllerSettings(_Settings):
     fp4_demote_underflow: float = 0.12
     max_loss_cost: float | None = None
     demote_loss_cost: float | None = None
+    max_backward_cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_nonfinite is not None:
@@ -246,6 +253,12 @@ class ControllerSettings(_Settings):
             if getattr(self, name) is not None:
                 check_number("Controller", name, getattr(self, name), 0, math.inf,
                              "a loss (nats for a cross-entropy), or None")
+        if self.max_backward_cost is not None:
+            check_number("Controller", "max_backward_cost", self.max_backward_cost, 0, math.inf,
+                         "a loss per step (nats for a cross-entropy), or None")
+            if not self.per_gemm:
+                raise ValueError("Controller.max_backward_cost judges the backward GEMMs on their own rungs: it needs "
+                                 "per_gemm=True")
         if self.max_loss_cost is None and self.demote_loss_cost is not None:
             raise ValueError("Controller.demote_loss_cost needs max_loss_cost (the promotion threshold it is the "
                              "lower end of the hysteresis of); set both, or neither")
@@ -260,3 +273,8 @@ class ControllerSettings(_Settings):
         if self.demote_loss_cost is not None:
             return self.demote_loss_cost
         return self.max_loss_cost / 2 if self.max_loss_cost is not None else math.inf
+
+    @property
+    def demote_backward(self) -> float:
+        """The backward cost under which a backward GEMM may come down: half of ``max_backward_cost``."""
+        return self.max_backward_cost / 2 if self.max_backward_cost is not None else math.inf

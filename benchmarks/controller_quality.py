@@ -132,7 +132,7 @@ def run(model_name: str, config: str, seed: int, steps: int, batch: int, data: t
             counter.record()
         if ctl is not None:
             ctl.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     tail = max(1, steps // 10)
     out = {"final": statistics.fmean(losses[-tail:]), "seconds": time.perf_counter() - start,
            "fp4_share": counter.to_json()["fp4_share"] if counter is not None else 0.0}

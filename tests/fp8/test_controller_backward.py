@@ -144,6 +144,48 @@ def test_the_loss_scale_is_divided_out(monkeypatch):
     assert scaled[0].value == pytest.approx(plain[0].value, rel=0.1)
 
 
+def test_a_resumed_run_decides_as_the_uninterrupted_one(monkeypatch):
+    """Saved mid-window (step 7 of windows of 5: between shadow steps, no gain in flight), the
+    controller's state (its backward-cost windows included), the model and the optimizer resume
+    to the same decisions, with the same costs, as the run that went on."""
+    _plant(monkeypatch, 2, -3.0)
+    settings = dict(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=2e-3)
+
+    def run(stop: int | None, state: dict | None = None) -> tuple:
+        torch.manual_seed(0)
+        model = _model(0)
+        ctl = mixprec.Controller(**settings)
+        ctl.attach(model)
+        policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
+                                                          backend="emulate_fp32")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        data = [(torch.randn(64, 64, generator=torch.Generator().manual_seed(s)), torch.randn(64, 16)) for s in range(20)]
+        start = 0
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            with mixprec.autocast("cpu", policy=policy):
+                model(data[0][0][:0])  # (the layers are known at a forward: the controller's state goes to them)
+            ctl.load_state_dict(state["ctl"])
+            start = state["step"]
+        for step in range(start, 20 if stop is None else stop):
+            x, target = data[step]
+            with mixprec.autocast("cpu", policy=policy):
+                loss = F.mse_loss(model(x).float(), target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ctl.step()
+        saved = {"model": model.state_dict(), "opt": opt.state_dict(), "ctl": ctl.state_dict(), "step": stop}
+        return ctl.log, saved
+
+    whole, _ = run(None)
+    assert any(d.statistic == "backward_cost" for d in whole)
+    _, saved = run(7)
+    resumed, _ = run(None, saved)
+    assert resumed == whole
+
+
 def test_max_backward_cost_needs_per_gemm():
     with pytest.raises(ValueError, match="per_gemm=True"):
         mixprec.Controller(max_backward_cost=1e-3)

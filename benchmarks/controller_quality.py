@@ -84,7 +84,7 @@ def blocks_of(name: str) -> int | None:
     return next((int(p) for p in parts if p.isdigit()), None)
 
 
-def policy_for(config: str, names: list[str]) -> tuple[Any, Any]:
+def policy_for(config: str, names: list[str], backward_cost: float = MAX_BACKWARD_COST) -> tuple[Any, Any]:
     """``(policy, controller or None)`` of a config; the layers it keeps in bf16 are the ones its
     ``names`` pattern leaves out."""
     if config == "fp32":
@@ -99,16 +99,17 @@ def policy_for(config: str, names: list[str]) -> tuple[Any, Any]:
     ctl = None
     if config.startswith("controller"):
         ctl = mixprec.Controller(every=10, ladder=LADDER, per_gemm=True, max_loss_cost=MAX_LOSS_COST,
-                                 max_backward_cost=MAX_BACKWARD_COST if config == "controller" else None)
+                                 max_backward_cost=backward_cost if config == "controller" else None)
     policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", names=pattern, first_last="fp8", controller=ctl,
                                                       backend="emulate_fp32")
     return policy, ctl
 
 
-def run(model_name: str, config: str, seed: int, steps: int, batch: int, data: torch.Tensor) -> dict[str, Any]:
+def run(model_name: str, config: str, seed: int, steps: int, batch: int, data: torch.Tensor,
+        backward_cost: float = MAX_BACKWARD_COST) -> dict[str, Any]:
     model, logits_of, lr = build(model_name, seed)
     names = linears(model)
-    policy, ctl = policy_for(config, names)
+    policy, ctl = policy_for(config, names, backward_cost)
     if ctl is not None:
         ctl.attach(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--json", default=None)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-backward-cost", type=float, default=MAX_BACKWARD_COST,
+                    help="the controller config's Controller.max_backward_cost (nats per step)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     train, _ = load_tokens()
@@ -202,12 +205,13 @@ def main(argv: list[str] | None = None) -> None:
     configs = args.configs.split(",")
     if "fp32" not in configs:
         configs = ["fp32", *configs]
-    out: dict[str, Any] = {"steps": args.steps, "batch": args.batch, "seeds": seeds, "models": {}}
+    out: dict[str, Any] = {"steps": args.steps, "batch": args.batch, "seeds": seeds, "models": {},
+                           "max_backward_cost": args.max_backward_cost}
     for model in args.models.split(","):
         results: dict[str, dict[int, dict[str, Any]]] = {c: {} for c in configs}
         for seed in seeds:
             for config in configs:
-                results[config][seed] = run(model, config, seed, args.steps, args.batch, train)
+                results[config][seed] = run(model, config, seed, args.steps, args.batch, train, args.max_backward_cost)
                 print(f"# {model} seed {seed} {config}: {results[config][seed]['final']:.4f} "
                       f"fp4 {results[config][seed]['fp4_share']:.1%} ({results[config][seed]['seconds']:.0f} s)",
                       flush=True)

@@ -186,6 +186,29 @@ def test_a_resumed_run_decides_as_the_uninterrupted_one(monkeypatch):
     assert resumed == whole
 
 
+def test_the_late_phase_tightens_the_cost_limits(monkeypatch):
+    """``late_start``: a weight-gradient GEMM whose cost (planted, above 2e-3) is far under the
+    limit (1.0) is promoted only once the late phase's limit (1.0 * 2e-3) applies, at the first
+    check from step 15 on."""
+    _plant(monkeypatch, 2, -3.0)
+    log = _train(mixprec.Controller(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=1.0, late_start=15,
+                                    late_factor=2e-3), steps=25)
+    ups = [d for d in log if d.statistic == "backward_cost"]
+    assert ups and ups[0].step == 15 and ups[0].threshold == pytest.approx(2e-3), log
+    assert ("4", "grad_weight") in {(d.layer, d.gemm) for d in ups}
+    assert not [d for d in _train(mixprec.Controller(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=1.0),
+                                  steps=25) if d.statistic == "backward_cost"]
+
+
+def test_late_settings_say_what_they_need():
+    with pytest.raises(ValueError, match="late_start"):
+        mixprec.Controller(late_factor=0.5, per_gemm=True, max_loss_cost=1e-3)
+    with pytest.raises(ValueError, match="needs max_loss_cost or max_backward_cost"):
+        mixprec.Controller(late_start=10)
+    with pytest.raises(ValueError, match="late_factor"):
+        mixprec.Controller(late_start=10, late_factor=0.0, max_loss_cost=1e-3)
+
+
 def test_max_backward_cost_needs_per_gemm():
     with pytest.raises(ValueError, match="per_gemm=True"):
         mixprec.Controller(max_backward_cost=1e-3)

@@ -49,13 +49,15 @@ def rung_name(ladder: tuple[str, ...], rung: int, compute: torch.dtype | None) -
 @dataclass(frozen=True)
 class Check:
     """What a check decides with besides a layer's record and measurements: the controller's
-    ``settings``, its step count, the compute dtype (None while unknown) and the recipe of each
-    low rung of the ladder (one object per rung: what the layers' states run)."""
+    ``settings`` (``ControllerSettings.late``'s at ``steps``), its step count, the compute dtype
+    (None while unknown) and the recipe of each low rung of the ladder (one per rung)."""
 
     settings: ControllerSettings
     steps: int = 0
     compute: torch.dtype | None = None
     recipes: Mapping[str, Float8Recipe] = field(default_factory=dict)
+    def __post_init__(self) -> None:  # the late phase's cost limits (ControllerSettings.late)
+        object.__setattr__(self, "settings", self.settings.late(self.steps))
 
     @classmethod
     def of(cls, settings: ControllerSettings, steps: int = 0, compute: torch.dtype | None = None) -> "Check":

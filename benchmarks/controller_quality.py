@@ -21,15 +21,16 @@ Configs (every fp4 layer NVFP4, emulated in float32 as the demo's fp4 modes run 
 Printed per model: each config's final training loss (mean of the last 10% of steps) minus
 fp32's, seed by seed (mean ± standard deviation), whether that mean is within fp32's seed spread
 (its standard deviation over the seeds), and the fp4 share of GEMM FLOPs (:mod:`mixprec.demo.flops`,
-counted step by step); then the bar: the controller's share at least the best hand recipe's (of
-those with a loss gap no worse than the controller's... see ``verdict``) and >= 85% within
-fp32's spread. Nothing here is tuned to pass: the figures are what ran.
+counted step by step); then the issue's bar (:func:`verdict`): the controller's share at least
+the best hand recipe's with a loss gap no worse, and >= 85% in fp4 within fp32's spread; then the
+controllers' decisions on the first seed. Nothing here is tuned to pass: the figures are what ran.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/controller_quality.py [--steps 60] [--seeds 0,1,2]
-        [--models tiny,small,llama] [--configs ...] [--json out.json]
+    PYTHONPATH=src .venv/bin/python benchmarks/controller_quality.py [--steps 120] [--seeds 0,1,2]
+        [--models tiny,small,llama] [--configs ...] [--max-backward-cost 1e-3] [--json out.json]
 
-The default steps are short (the machine this was written on has 2 shared cores): tiny 120
-(the demo's), small 120, llama 120, batch 8.
+Each fp4 run takes 1-4 min per 100 steps of tiny and per 30 of small or the Llama on a loaded
+2-core CPU: docs/fp8.md's table ran tiny at 120 steps (the demo's preset) and small and the Llama
+at 30 (``--steps 30``, without ``controller-flush``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from mixprec._modules import named_modules
 from mixprec._scaled import last_count, scaled_since
-from mixprec.control._decide import Check, apply_gemms, apply_layer, decide_gemms, decide_layer, switch_layer
+from mixprec.control._decide import Check, apply_gemms, apply_layer, decide_gemms, decide_layer, peel, switch_layer
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord, Probe
 from mixprec.control._records import (CheckClock, all_gathered, check_loss_scale, converted, detached_record, grad_scale,
                                       layer_data, load_layer, log_csv, log_data, metadata, parse_state_dict, qualified,
@@ -248,7 +248,7 @@ class Controller(Shell):
         if scaled is not None:
             self._scaled_seen = scaled.count
             self._loss_scaled = True
-        if self.settings.max_loss_cost is not None:
+        if self.settings.max_loss_cost is not None or self.settings.max_backward_cost is not None:
             for rec in self._layers.values():
                 rec.end_step(grad_scale(rec, loss_scale, scaled))
         self._steps += 1
@@ -283,12 +283,12 @@ class Controller(Shell):
             warn_unscaled()
         recs = [self._layers[n] for n in names]
         rows = self._all_reduce_max(torch.stack([r.windows() for r in recs])).tolist()  # the one sync
-        new, check = [], self._check()
+        (rows, backs), new, check = peel(names, rows, list(self._layers), self.settings), [], self._check()
         for name, rec, row in zip(names, recs, rows):
             rec.reset()
             row, cost = rec.split(row)
             if self.settings.per_gemm:
-                new.extend(decide_gemms(check, name, rec, row, cost))
+                new.extend(decide_gemms(check, name, rec, row, cost, backs[name]))
                 continue
             decided = decide_layer(check, name, rec, row, cost)
             if decided is not None:

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from mixprec._dtype_names import short_name
+from mixprec.control._backward import BackwardCost, backward_recipes, peel
 from mixprec.control._ladder import GEMM_OPERANDS, GEMMS, Decision, LayerRecord, compose, gemm_casts
 from mixprec.control._settings import FP4_RUNGS, LOW_RUNGS, ControllerSettings
 from mixprec.control._trend import Trend, demote_windows, grow, log2, ratio, underflow_forecast
@@ -24,7 +25,7 @@ from mixprec.formats._recipe import Float8Recipe
 from mixprec.formats._state import OPERANDS
 
 __all__ = ["Check", "apply_gemms", "apply_layer", "switch_layer", "cheap_below", "decide_gemms", "decide_layer", "gemm_down", "gemm_up",
-           "layer_down", "layer_up", "limits", "rung_name", "too_costly"]
+           "layer_down", "layer_up", "limits", "peel", "rung_name", "too_costly"]
 
 
 def rung_name(ladder: tuple[str, ...], rung: int, compute: torch.dtype | None) -> str:
@@ -48,13 +49,15 @@ def rung_name(ladder: tuple[str, ...], rung: int, compute: torch.dtype | None) -
 @dataclass(frozen=True)
 class Check:
     """What a check decides with besides a layer's record and measurements: the controller's
-    ``settings``, its step count, the compute dtype (None while unknown) and the recipe of each
-    low rung of the ladder (one object per rung: what the layers' states run)."""
+    ``settings`` (``ControllerSettings.late``'s at ``steps``), its step count, the compute dtype
+    (None while unknown) and the recipe of each low rung of the ladder (one per rung)."""
 
     settings: ControllerSettings
     steps: int = 0
     compute: torch.dtype | None = None
     recipes: Mapping[str, Float8Recipe] = field(default_factory=dict)
+    def __post_init__(self) -> None:  # the late phase's cost limits (ControllerSettings.late)
+        object.__setattr__(self, "settings", self.settings.late(self.steps))
 
     @classmethod
     def of(cls, settings: ControllerSettings, steps: int = 0, compute: torch.dtype | None = None) -> "Check":
@@ -274,6 +277,12 @@ def apply_gemms(at: Check, rec: LayerRecord) -> None:
         rec.below_gemm[g] = gemm_casts(below, gemm)
         if g == 0:  # the forward's: its loss cost's recipe below
             rec.forward_below = below if rec.cost is not None else None
+    if at.settings.max_backward_cost is not None:
+        if rec.backward is None:
+            rec.backward = BackwardCost(rec.state.device)
+        downs = {g: gemm_down(at, rec, g) for g in (1, 2)}
+        rec.backward.recipes = backward_recipes(at.settings.ladder, rec.rungs, recipe, downs,
+                                                lambda rungs: compose(_recipes(at, rungs)))
 
 
 def _switch(at: Check, rec: LayerRecord, gemms: range | tuple, to: int) -> None:
@@ -287,10 +296,11 @@ def _switch(at: Check, rec: LayerRecord, gemms: range | tuple, to: int) -> None:
     apply_gemms(at, rec)
 
 
-def decide_gemms(at: Check, name: str, rec: LayerRecord, row: list[float], cost: list[float] | None = None
-                 ) -> list[Decision]:
+def decide_gemms(at: Check, name: str, rec: LayerRecord, row: list[float], cost: list[float] | None = None,
+                 backward: list[float] | None = None) -> list[Decision]:
     """The switches of the layer's GEMMs after this window (``row``: its all-reduced windows;
-    ``cost``: its forward GEMM's loss costs, as :func:`decide_layer`'s), applied to ``rec``; in
+    ``cost``: its forward GEMM's loss costs, as :func:`decide_layer`'s; ``backward``: its backward
+    GEMMs' costs, :func:`~mixprec.control._backward.backward_costs`), applied to ``rec``; in
     GEMM order, each judged with the rungs the earlier ones left."""
     off = 2 * 3 * _NCOL + len(_RANGE)  # LayerState's and the whole-layer shadow's rows, the range
     ranges = row[off - len(_RANGE):off]
@@ -343,7 +353,8 @@ def decide_gemms(at: Check, name: str, rec: LayerRecord, row: list[float], cost:
     out = []
     for g, gemm in enumerate(GEMMS):
         d = _decide_gemm(at, rec, g, gemm, [stats(0, g, s) for s in (0, 1)], [stats(1, g, s) for s in (0, 1)],
-                         fit, windows, ahead, decision, range_ok, cost if gemm == "output" else None)
+                         fit, windows, ahead, decision, range_ok, cost if gemm == "output" else None,
+                         None if backward is None or g == 0 else backward[g - 1::2])
         if d is not None:
             out.append(d)
     return out
@@ -361,9 +372,12 @@ def _may_demote(at: Check, clean: int, switches: list[int], to_fp4: bool) -> boo
 
 
 def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shadow: list, fit: tuple,
-                 windows: int, ahead: int, decision: Any, range_ok: bool, cost: list[float] | None) -> Decision | None:
+                 windows: int, ahead: int, decision: Any, range_ok: bool, cost: list[float] | None,
+                 back: list[float] | None = None) -> Decision | None:
     """One GEMM's switch (applied to ``rec``), or None: the layer's rule on this GEMM's two
-    operands (and, the forward GEMM's, on its loss cost)."""
+    operands (and, the forward GEMM's, on its loss cost); a backward GEMM whose loss cost was
+    measured (``back``: own, below, whether each was measured) is judged by it instead of its
+    operands' flush."""
     ladder, rung = at.settings.ladder, rec.rungs[g]
     on_low = ladder[rung] in LOW_RUNGS
     down = gemm_down(at, rec, g)
@@ -392,16 +406,20 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
                                  ">")
                     _switch(at, rec, (g,), compute)
                     return d
-        for op, st in zip(ops, own):
+        by_cost = back is not None and back[2] > 0  # a backward GEMM's measured loss cost, not its flush
+        for op, st in zip(ops, () if by_cost else own):
             forecast = underflow(op, st[_UNDERFLOW], "underflow", rung)
             if forecast > max_u:
                 to = gemm_up(at, rec, g)
                 d = decision(gemm, op, "promote", rung, to, "underflow_forecast", forecast, max_u, ">")
                 _switch(at, rec, (g,), to)
                 return d
-        if too_costly(at, cost):
+        over = ((cost[0], "loss_cost", at.settings.max_loss_cost) if too_costly(at, cost) else
+                (back[0], "backward_cost", at.settings.max_backward_cost) if by_cost and back[0] > at.settings.max_backward_cost
+                else None)
+        if over is not None:
             to = gemm_up(at, rec, g)
-            d = decision(gemm, "output", "promote", rung, to, "loss_cost", cost[0], at.settings.max_loss_cost, ">")
+            d = decision(gemm, "output", "promote", rung, to, over[1], over[0], over[2], ">")
             _switch(at, rec, (g,), to)
             return d
     if not has_shadow:
@@ -421,6 +439,9 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
             safe = False
         elif ratio(cost[1], at.settings.demote_cost) > ratio(worst[1], demote_u):
             worst = ("output", cost[1], "loss_cost", at.settings.demote_cost)
+    if back is not None and back[3] > 0:  # the rung below's loss cost decides, not its flush (a non-finite cost: no)
+        safe, worst = range_ok and back[1] <= at.settings.demote_backward, ("output", back[1], "backward_cost",
+                                                                              at.settings.demote_backward)
     rec.gemm_clean[g] = rec.gemm_clean[g] + 1 if safe else 0
     if _may_demote(at, rec.gemm_clean[g], rec.gemm_switches[g], ladder[down] in FP4_RUNGS):
         d = decision(gemm, worst[0], "demote", rung, down, worst[2], worst[1], worst[3], "<=")

@@ -194,6 +194,7 @@ class LayerRecord:
         # code reads, so that the shadow phase is no guard (a recompile) but data
         self.measuring = torch.zeros((), dtype=torch.bool, device=state.device)
         self.measuring_now = False  # the same, for eager code
+        self.backward: Any = None  # its backward GEMMs' loss cost (max_backward_cost: _backward.BackwardCost)
 
     @property
     def rung(self) -> int:
@@ -214,6 +215,8 @@ class LayerRecord:
             steps = self.cost[:, 4]
             mean = torch.where(steps > 0, self.cost[:, 3] / steps.clamp(min=1), -math.inf)
             parts += [mean, (steps > 0).float()]
+        if self.backward is not None:  # (last: the check peels it off first)
+            parts.append(self.backward.row())
         return torch.cat(parts)
 
     def split(self, row: list[float]) -> tuple[list[float], list[float] | None]:
@@ -228,6 +231,8 @@ class LayerRecord:
         """Fold this step's loss-cost sums into the window: the estimate (:func:`loss_cost`) of
         the gradients scaled by ``loss_scale``; a step without rows or with a non-finite
         estimate (an overflowed gradient) is not counted. No host sync."""
+        if self.backward is not None:
+            self.backward.end_step(loss_scale)
         if self.cost is None:
             return
         c = self.cost
@@ -245,6 +250,8 @@ class LayerRecord:
             self.gemm_windows[..., :-1].zero_()
         if self.cost is not None:
             self.cost[:, 3:] = 0
+        if self.backward is not None:
+            self.backward.reset()
 
 
 def _no_module() -> None:
@@ -293,6 +300,8 @@ class Probe:
         result = out.view_as(out) if out.requires_grad else out
         if rec.cost is not None and not rec.cost_blind and weight is not None and out.requires_grad:
             _measure_cost(rec, x, weight, bias, out)
+        if rec.backward is not None and not compiling and not rec.cost_blind and weight is not None:
+            rec.backward.observe(x, weight, out, measuring)
         if rec.gemm_windows is not None:
             _measure_gemms(rec, x, weight, out, sample, measuring, gate)
             return result

@@ -22,6 +22,7 @@ from torch import nn
 
 from mixprec._modules import clean_name
 from mixprec._scaled import Scaled
+from mixprec.control._backward import BackwardCost
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord
 from mixprec.control._settings import LOW_RUNGS, RUNGS, ControllerSettings
 from mixprec.control._trend import Trend
@@ -64,6 +65,8 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
             data["gemm_windows"] = rec.gemm_windows.tolist()
         if rec.cost is not None:
             data["loss_cost"] = rec.cost.tolist()
+        if rec.backward is not None:  # (its pending gain, a weight-sized gradient, is not kept)
+            data["backward_cost"] = [rec.backward.window.tolist(), rec.backward.gain.tolist()]
     return data
 
 
@@ -102,6 +105,10 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
             raise ValueError(f"Controller.load_state_dict: a window of shape {tuple(t.shape)}, expected "
                              f"{tuple(target.shape)}")
         target.copy_(t)
+    if "backward_cost" in data and settings.max_backward_cost is not None:
+        rec.backward = rec.backward or BackwardCost(rec.state.device)
+        for target, saved in zip((rec.backward.window, rec.backward.gain), data["backward_cost"]):
+            target.copy_(torch.tensor(saved, dtype=torch.float32))
     if "state" in data and "rounding_step" in data:  # (saved before the count was: the model's state_dict's, or 0)
         rec.state.rounding_step = int(data["rounding_step"])
 

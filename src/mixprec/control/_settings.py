@@ -174,6 +174,17 @@ class ControllerSettings(_Settings):
     :class:`mixprec.GradScaler` gave each layer's gradient (per-layer factors included) is
     divided out by itself; under another loss scaler pass ``step(loss_scale=...)``.
 
+    ``max_backward_cost`` (None: off; needs ``per_gemm``): the most a backward GEMM's error may
+    cost the loss per step through the update it steers (:mod:`mixprec.control._backward`),
+    measured on shadow steps; where measured, it replaces the flush rule for the input- and
+    weight-gradient GEMMs (promoted above it, brought down when the rung below costs at most half
+    of it; a non-finite cast still promotes).
+
+    ``late_start`` (None: off): from that step on (the late phase of training, where NVIDIA's
+    NVFP4 recipe switches to higher precision), the loss-cost limits (``max_loss_cost``,
+    ``demote_loss_cost``, ``max_backward_cost``) are ``late_factor`` times theirs, so the GEMMs
+    whose measured cost matters at the tighter limit are promoted, and no other.
+
     Raises ValueError on a setting out of range, a ladder not in the order of :data:`RUNGS`, or a
     ``floor`` not an fp8 rung of it; warns when fp4 limits are set for a ladder without fp4 rungs.
 
@@ -204,6 +215,9 @@ class ControllerSettings(_Settings):
     fp4_demote_underflow: float = 0.12
     max_loss_cost: float | None = None
     demote_loss_cost: float | None = None
+    max_backward_cost: float | None = None
+    late_start: int | None = None
+    late_factor: float = 0.1
 
     def __post_init__(self) -> None:
         if self.max_nonfinite is not None:
@@ -246,6 +260,22 @@ class ControllerSettings(_Settings):
             if getattr(self, name) is not None:
                 check_number("Controller", name, getattr(self, name), 0, math.inf,
                              "a loss (nats for a cross-entropy), or None")
+        if self.max_backward_cost is not None:
+            check_number("Controller", "max_backward_cost", self.max_backward_cost, 0, math.inf,
+                         "a loss per step (nats for a cross-entropy), or None")
+            if not self.per_gemm:
+                raise ValueError("Controller.max_backward_cost judges the backward GEMMs on their own rungs: it needs "
+                                 "per_gemm=True")
+        if self.late_start is not None:
+            check_int("Controller", "late_start", self.late_start, 0, None)
+            if self.max_loss_cost is None and self.max_backward_cost is None:
+                raise ValueError("Controller.late_start tightens the loss-cost limits for the late phase: it needs "
+                                 "max_loss_cost or max_backward_cost")
+        check_number("Controller", "late_factor", self.late_factor, 0, 1, "the late phase's share of the cost limits",
+                     low_open=True)
+        if self.late_start is None and self.late_factor != type(self).__dataclass_fields__["late_factor"].default:
+            raise ValueError(f"Controller(late_factor={self.late_factor}) takes effect from late_start: set late_start "
+                             f"(the step the late phase begins at)")
         if self.max_loss_cost is None and self.demote_loss_cost is not None:
             raise ValueError("Controller.demote_loss_cost needs max_loss_cost (the promotion threshold it is the "
                              "lower end of the hysteresis of); set both, or neither")
@@ -260,3 +290,26 @@ class ControllerSettings(_Settings):
         if self.demote_loss_cost is not None:
             return self.demote_loss_cost
         return self.max_loss_cost / 2 if self.max_loss_cost is not None else math.inf
+
+    def late(self, steps: int) -> "ControllerSettings":
+        """The settings a check at ``steps`` decides with: these, or in the late phase (``steps >=
+        late_start``) these with the loss-cost limits times ``late_factor``.
+
+        Example:
+            >>> s = ControllerSettings(max_loss_cost=1e-3, late_start=100, late_factor=0.5)
+            >>> s.late(99).max_loss_cost, s.late(100).max_loss_cost, s.late(100).demote_cost
+            (0.001, 0.0005, 0.00025)
+        """
+        if self.late_start is None or steps < self.late_start:
+            return self
+        f = self.late_factor
+        return dataclasses.replace(
+            self, late_start=None, late_factor=type(self).__dataclass_fields__["late_factor"].default,
+            max_loss_cost=None if self.max_loss_cost is None else self.max_loss_cost * f,
+            demote_loss_cost=None if self.max_loss_cost is None else self.demote_cost * f,
+            max_backward_cost=None if self.max_backward_cost is None else self.max_backward_cost * f)
+
+    @property
+    def demote_backward(self) -> float:
+        """The backward cost under which a backward GEMM may come down: half of ``max_backward_cost``."""
+        return self.max_backward_cost / 2 if self.max_backward_cost is not None else math.inf

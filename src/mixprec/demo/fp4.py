@@ -25,7 +25,7 @@ from mixprec.demo.flops import GEMM_WORDS, GEMMS
 from mixprec.demo.modes import FP4_MODES
 from mixprec.demo.results import DemoResult, within_band
 
-__all__ = ["FP4_TARGET", "ROLES", "fp4_summary", "fp4_paragraph"]
+__all__ = ["FP4_TARGET", "ROLES", "fp4_decisions", "fp4_summary", "fp4_paragraph"]
 
 #: The share of the linear layers' GEMM FLOPs the controller's mode must keep in fp4 (issue 28).
 FP4_TARGET = 0.6
@@ -103,6 +103,37 @@ def _mode_words(name: str, e: dict[str, Any], base: str) -> str:
             f"seed{verdict}, {e['fp4_share']:.1%} of the GEMM FLOPs in fp4 ({gemms})")
 
 
+def fp4_decisions(result: DemoResult) -> list[str]:
+    """The controller's decisions in the fp4 mode, one line per GEMM that switched in a seed's
+    run: which GEMM of which layer, at which step, from and to which rung, why (the statistic
+    against its limit, e.g. a loss cost in nats), and what it cost: the share of that run's GEMM
+    FLOPs the GEMM ran out of fp4 (counted step by step, :mod:`mixprec.demo.flops`).
+
+    Example:
+        >>> from mixprec.demo.settings import Settings
+        >>> fp4_decisions(DemoResult(Settings.for_size("tiny", steps=1), "cpu", {}, []))
+        []
+    """
+    lines = []
+    for run in result.of(_CONTROLLED):
+        decisions = (run.fp8 or {}).get("decisions", [])
+        if not decisions or not run.gemms:
+            continue
+        layers = run.gemms["layers"]
+        total = sum(e["flops_per_gemm"] * sum(c.values()) for e in layers.values() for c in e["gemms"].values())
+        switched: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for d in decisions:
+            switched.setdefault((d["layer"], d.get("gemm") or "output"), []).append(d)
+        for (layer, gemm), ds in switched.items():
+            entry = layers.get(layer)
+            counts = entry["gemms"][gemm] if entry is not None else {}
+            out = entry["flops_per_gemm"] * (sum(counts.values()) - counts.get("fp4", 0)) / total if entry and total else 0.0
+            steps = "; ".join(f"step {d['step']} {d['from']} -> {d['to']} ({d['reason'].split(': ', 1)[-1]})" for d in ds)
+            lines.append(f"seed {run.seed}: {layer} {GEMM_WORDS.get(gemm, gemm)} GEMM: {steps}; out of fp4 for "
+                         f"{out:.1%} of the run's GEMM FLOPs")
+    return lines
+
+
 def fp4_paragraph(result: DemoResult) -> str | None:
     """The report's paragraph on the fp4 modes (:func:`fp4_summary` in words), or None when none
     ran."""
@@ -116,7 +147,7 @@ def fp4_paragraph(result: DemoResult) -> str | None:
             f"fp4): " + "; ".join(_mode_words(m, e, base) for m, e in modes.items()) + ".")
     if n < 2:
         return text + (f" From one seed {base}'s spread is unknown, so no fp4 mode is called within it and none "
-                       "wins (--seeds 3 measures it).")
+                       "wins (--seeds 3 measures it).") + _decisions_words(result, modes)
     winner = summary["winner"]
     if winner is None:
         text += f" No fp4 mode ends within {base}'s spread, so none wins."
@@ -132,4 +163,11 @@ def fp4_paragraph(result: DemoResult) -> str | None:
             misses = ([f"its loss is {crit['excess']:.4f} beyond the spread"] if not crit["within"] else []) + (
                 [f"{crit['share']:.1%} in fp4, {crit['short'] * 100:.1f} points short"] if crit["short"] > 0 else [])
             text += f" The controller's mode misses the bar ({bar}): " + " and ".join(misses) + "."
-    return text
+    return text + _decisions_words(result, modes)
+
+
+def _decisions_words(result: DemoResult, modes: dict[str, Any]) -> str:
+    decisions = fp4_decisions(result)
+    if decisions:
+        return " The controller's decisions (GEMM, step, rungs, why, what it cost): " + "; ".join(decisions) + "."
+    return " The controller made no decision: every GEMM stayed in fp4." if _CONTROLLED in modes else ""

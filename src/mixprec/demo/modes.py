@@ -284,6 +284,10 @@ FP4_BACKEND = "emulate_fp32"
 #: (``Controller.max_loss_cost``): the head's NVFP4 forward costs 0.003-0.012 nats a step on tiny
 #: and small, every other layer's at most 0.0008 (docs/fp8.md, "FP4 acceptance").
 FP4_MAX_LOSS_COST = 1e-3
+#: The most a backward GEMM's error may cost the loss per step through the update in
+#: ``mixprec-fp4`` (``Controller.max_backward_cost``; it replaces their flush rule): NVFP4's
+#: cost at most about 1e-4 on tiny, small and a 4-layer Llama (benchmarks/controller_quality.py).
+FP4_MAX_BACKWARD_COST = 1e-3
 #: The fp4 modes: with the controller, all-fp4 without it, the hand recipe (first and last in bf16).
 FP4_MODES = ("mixprec-fp4", "mixprec-fp4-all", "mixprec-fp4-hand")
 
@@ -298,7 +302,8 @@ def _setup_fp4(first_last: str, controlled: bool, recipe: str = FP4_RECIPE,
 
     def setup(model: nn.Module, s: Settings, device: torch.device) -> Setup:
         ctl = mixprec.Controller(every=FP8_EVERY, ladder=ladder, per_gemm=True,
-                                 max_loss_cost=FP4_MAX_LOSS_COST) if controlled else None
+                                 max_loss_cost=FP4_MAX_LOSS_COST, max_backward_cost=FP4_MAX_BACKWARD_COST
+                                 ) if controlled else None
         policy = mixprec.Policy.parse("compute=bf16").fp8(recipe, first_last=first_last, controller=ctl,
                                                           backend=_backend(s, FP4_BACKEND))
         autocast = lambda: mixprec.autocast(device.type, policy=policy)  # noqa: E731

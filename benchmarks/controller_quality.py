@@ -1,0 +1,231 @@
+"""The per-GEMM fp4 Controller against hand recipes (issue 39): loss minus fp32's and fp4 share of
+the linear layers' GEMM FLOPs, on three models, 3 seeds each.
+
+Models: the demo's ``tiny`` and ``small`` (:mod:`mixprec.demo.model`) and an HF Llama
+(``transformers.LlamaForCausalLM``: 4 layers, hidden 64, 4 heads, MLP 176, byte vocabulary),
+all on the demo's corpus (:mod:`mixprec.demo.corpus`, the same batches for every config of a
+seed), AdamW with the demo's schedule (:func:`mixprec.demo.settings.lr_factor`), bf16 compute.
+Configs (every fp4 layer NVFP4, emulated in float32 as the demo's fp4 modes run it):
+
+* ``fp32``: float32 weights and compute, the reference;
+* ``all-fp4``: every Linear NVFP4;
+* ``head-bf16``: every Linear NVFP4 but the language-model head (bf16);
+* ``last-bf16``: the last transformer block's Linear layers and the head in bf16 (NeMo's recipe
+  keeps the last layers in high precision);
+* ``alt-bf16``: every other Linear (in module order, the first included) in bf16;
+* ``controller``: every Linear NVFP4 under ``Controller(per_gemm=True, ladder=("nvfp4",
+  "tensorwise", "rowwise", "compute"), max_loss_cost=1e-3, max_backward_cost=...)``
+  (the demo's ``mixprec-fp4`` with the backward GEMMs' loss cost);
+* ``controller-flush``: the same without ``max_backward_cost`` (backward GEMMs by their flush).
+
+Printed per model: each config's final training loss (mean of the last 10% of steps) minus
+fp32's, seed by seed (mean ± standard deviation), whether that mean is within fp32's seed spread
+(its standard deviation over the seeds), and the fp4 share of GEMM FLOPs (:mod:`mixprec.demo.flops`,
+counted step by step); then the issue's bar (:func:`verdict`): the controller's share at least
+the best hand recipe's with a loss gap no worse, and >= 85% in fp4 within fp32's spread; then the
+controllers' decisions on the first seed. Nothing here is tuned to pass: the figures are what ran.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/controller_quality.py [--steps 120] [--seeds 0,1,2]
+        [--models tiny,small,llama] [--configs ...] [--max-backward-cost 1e-3] [--json out.json]
+
+Each fp4 run takes 1-4 min per 100 steps of tiny and per 30 of small or the Llama on a loaded
+2-core CPU: docs/fp8.md's table ran tiny at 120 steps (the demo's preset) and small and the Llama
+at 30 (``--steps 30``, without ``controller-flush``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mixprec  # noqa: E402
+from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch  # noqa: E402
+from mixprec.demo.flops import GemmCounter  # noqa: E402
+from mixprec.demo.model import SIZES, TransformerLM, lm_loss  # noqa: E402
+from mixprec.demo.settings import lr_factor  # noqa: E402
+
+CONFIGS = ("fp32", "all-fp4", "head-bf16", "last-bf16", "alt-bf16", "controller", "controller-flush")
+HAND = ("head-bf16", "last-bf16", "alt-bf16")
+LADDER = ("nvfp4", "tensorwise", "rowwise", "compute")
+MAX_LOSS_COST = 1e-3
+MAX_BACKWARD_COST = 1e-3
+SEQ = 64
+
+
+def build(model: str, seed: int) -> tuple[nn.Module, Callable[[nn.Module, torch.Tensor], torch.Tensor], float]:
+    """The model (from ``seed``), its logits function and its peak learning rate."""
+    torch.manual_seed(seed)
+    if model == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
+                          tie_word_embeddings=False, attn_implementation="eager")
+        return LlamaForCausalLM(cfg), lambda m, x: m(input_ids=x).logits, 2e-3
+    cfg = SIZES[model]
+    return TransformerLM(cfg), lambda m, x: m(x), 1.25e-3 if model == "tiny" else 2e-3
+
+
+def linears(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def blocks_of(name: str) -> int | None:
+    parts = name.split(".")
+    return next((int(p) for p in parts if p.isdigit()), None)
+
+
+def policy_for(config: str, names: list[str], backward_cost: float = MAX_BACKWARD_COST) -> tuple[Any, Any]:
+    """``(policy, controller or None)`` of a config; the layers it keeps in bf16 are the ones its
+    ``names`` pattern leaves out."""
+    if config == "fp32":
+        return None, None
+    head = names[-1]
+    last = max(b for b in map(blocks_of, names) if b is not None)
+    keep = {"all-fp4": set(), "controller": set(), "controller-flush": set(), "head-bf16": {head},
+            "last-bf16": {n for n in names if blocks_of(n) == last} | {head},
+            "alt-bf16": set(names[::2])}[config]
+    fp4 = [n for n in names if n not in keep]
+    pattern = "^(" + "|".join(n.replace(".", r"\.") for n in fp4) + ")$"
+    ctl = None
+    if config.startswith("controller"):
+        ctl = mixprec.Controller(every=10, ladder=LADDER, per_gemm=True, max_loss_cost=MAX_LOSS_COST,
+                                 max_backward_cost=backward_cost if config == "controller" else None)
+    policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", names=pattern, first_last="fp8", controller=ctl,
+                                                      backend="emulate_fp32")
+    return policy, ctl
+
+
+def run(model_name: str, config: str, seed: int, steps: int, batch: int, data: torch.Tensor,
+        backward_cost: float = MAX_BACKWARD_COST) -> dict[str, Any]:
+    model, logits_of, lr = build(model_name, seed)
+    names = linears(model)
+    policy, ctl = policy_for(config, names, backward_cost)
+    if ctl is not None:
+        ctl.attach(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps))
+    offsets = batch_offsets(len(data), steps, batch, SEQ, seed)
+    counter = GemmCounter(model, policy.fp8_rule.recipe_for, batch * SEQ) if policy is not None else None
+    losses = []
+    start = time.perf_counter()
+    for step in range(steps):
+        x, y = make_batch(data, offsets[step], SEQ, torch.device("cpu"))
+        if policy is None:
+            loss = lm_loss(logits_of(model, x), y)
+        else:
+            with mixprec.autocast("cpu", policy=policy):
+                loss = lm_loss(logits_of(model, x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        if counter is not None:
+            counter.record()
+        if ctl is not None:
+            ctl.step()
+        losses.append(loss.item())
+    tail = max(1, steps // 10)
+    out = {"final": statistics.fmean(losses[-tail:]), "seconds": time.perf_counter() - start,
+           "fp4_share": counter.to_json()["fp4_share"] if counter is not None else 0.0}
+    if ctl is not None:
+        out["decisions"] = [f"{d.step} {d.layer} {d.gemm} {d.action} {d.from_}->{d.to}: {d.reason}" for d in ctl.log]
+    return out
+
+
+def summarize(results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    base = {s: r["final"] for s, r in results["fp32"].items()}
+    spread = statistics.stdev(base.values()) if len(base) > 1 else 0.0
+    rows = {}
+    for config, runs in results.items():
+        diffs = [r["final"] - base[s] for s, r in runs.items() if s in base]
+        gap = statistics.fmean(diffs)
+        rows[config] = {"gap": gap, "gap_sd": statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+                        "share": statistics.fmean(r["fp4_share"] for r in runs.values()),
+                        "within": abs(gap) <= spread, "seconds": statistics.fmean(r["seconds"] for r in runs.values())}
+    return {"spread": spread, "base": statistics.fmean(base.values()), "rows": rows}
+
+
+def verdict(summary: dict[str, Any], controller: str = "controller") -> str:
+    """The issue's bar in words: the controller's fp4 share at least the best hand recipe's (the
+    one with the most fp4 among those within fp32's spread, else the one with the smallest gap)
+    with a loss gap no worse, and >= 85% of GEMM FLOPs in fp4 within fp32's spread."""
+    rows = summary["rows"]
+    if controller not in rows:
+        return ""
+    c = rows[controller]
+    hands = {h: rows[h] for h in HAND if h in rows}
+    within = [h for h, r in hands.items() if r["within"]]
+    best = max(within, key=lambda h: hands[h]["share"]) if within else min(hands, key=lambda h: hands[h]["gap"])
+    b = hands[best]
+    beats = c["share"] >= b["share"] and c["gap"] <= b["gap"]
+    bar = c["share"] >= 0.85 and c["within"]
+    return (f"best hand recipe {best} ({b['share']:.1%}, {b['gap']:+.4f}); {controller}: {c['share']:.1%}, "
+            f"{c['gap']:+.4f}: {'beats it' if beats else 'does NOT beat it'}; >= 85% within fp32's spread: "
+            f"{'met' if bar else 'NOT met'}")
+
+
+def table(model: str, summary: dict[str, Any]) -> str:
+    lines = [f"{model}: fp32 final {summary['base']:.4f}, seed spread (sd) {summary['spread']:.4f}",
+             "| config | loss - fp32 (mean ± sd) | within spread | fp4 share of GEMM FLOPs | s/run |",
+             "| --- | --- | --- | --- | --- |"]
+    for config, r in summary["rows"].items():
+        lines.append(f"| {config} | {r['gap']:+.4f} ± {r['gap_sd']:.4f} | {'yes' if r['within'] else 'no'} | "
+                     f"{r['share']:.1%} | {r['seconds']:.0f} |")
+    for ctl in ("controller", "controller-flush"):
+        if ctl in summary["rows"]:
+            lines.append(f"{ctl}: " + verdict(summary, ctl))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="tiny,small,llama")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-backward-cost", type=float, default=MAX_BACKWARD_COST,
+                    help="the controller config's Controller.max_backward_cost (nats per step)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    train, _ = load_tokens()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    configs = args.configs.split(",")
+    if "fp32" not in configs:
+        configs = ["fp32", *configs]
+    out: dict[str, Any] = {"steps": args.steps, "batch": args.batch, "seeds": seeds, "models": {},
+                           "max_backward_cost": args.max_backward_cost}
+    for model in args.models.split(","):
+        results: dict[str, dict[int, dict[str, Any]]] = {c: {} for c in configs}
+        for seed in seeds:
+            for config in configs:
+                results[config][seed] = run(model, config, seed, args.steps, args.batch, train, args.max_backward_cost)
+                print(f"# {model} seed {seed} {config}: {results[config][seed]['final']:.4f} "
+                      f"fp4 {results[config][seed]['fp4_share']:.1%} ({results[config][seed]['seconds']:.0f} s)",
+                      flush=True)
+        summary = summarize(results)
+        out["models"][model] = {"summary": summary, "runs": results}
+        print(table(model, summary), flush=True)
+        for ctl in ("controller", "controller-flush"):
+            for seed in seeds[:1]:
+                for d in results.get(ctl, {}).get(seed, {}).get("decisions", []):
+                    print(f"  {ctl} seed {seed}: {d}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

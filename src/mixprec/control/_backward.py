@@ -1,0 +1,232 @@
+"""The loss cost of a layer's backward GEMMs (``Controller(max_backward_cost=...)``, per GEMM):
+what the error of the input-gradient and weight-gradient GEMMs costs the loss through the
+updates it steers, measured on shadow steps, so that the loss, not the flush of their operands,
+moves them up and down the ladder.
+
+The weight-gradient GEMM gives ``G + E`` for the gradient ``G`` (its result in float32 from the
+same operands). The optimizer's update is modelled as a step ``-eta * (G + E)`` along it, with
+``eta`` the step it took along ``G``: ``eta = gain / |G|**2``, where ``gain = -<G, dW>`` is the
+first-order loss change of the update ``dW`` it applied to the weight (measured between two
+forwards). Against the step without the error, the loss changes to second order by
+
+    cost = -eta <G, E> + eta**2 G'HE + eta**2 / 2 E'HE              (nats per step)
+
+with ``H`` the empirical Fisher of the step's rows, as the forward cost takes it
+(``_ladder.loss_cost``): ``u'Hv = rows * sum_t (g_t' u x_t) (g_t' v x_t)`` for the rows'
+output gradients ``g_t`` (carrying the loss's ``1 / rows``) and inputs ``x_t``. So a GEMM whose
+error is unbiased costs about its curvature term, one whose error takes from the gradient
+(a flush) its first-order term. The input-gradient GEMM's result steers every layer whose
+forward came before this one (the controller's tracking order, a model's forward order): its
+error ``E_x`` in ``R_x`` costs the first-order share ``-<R_x, E_x> / |R_x|**2`` of their gain
+and the curvature share ``|E_x|**2 / |R_x|**2 * eta * h / 2`` (``h``: this layer's curvature
+``Z'HZ / |Z|**2`` along a random direction ``Z``, standing in for theirs).
+
+The terms are measured on shadow steps by an emulated forward and backward of the layer's
+recipe (its own casts, and the rung below's while a GEMM is promoted) on the GEMM's own input,
+weight and output gradient; the gain on the step after each shadow step's backward (the
+weight's version counter says the optimizer moved it). Each term is a ratio in which a loss
+scale cancels, and the gain's is divided out (:meth:`BackwardCost.end_step`). Not measured under
+``torch.compile``, nor where FSDP2 all-gathers the weight in fp8: there the flush rule decides.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from mixprec.formats._linear import linear
+from mixprec.control._settings import LOW_RUNGS
+from mixprec.formats._recipe import Float8Recipe
+
+__all__ = ["BackwardCost", "BACKWARD_GEMMS", "backward_costs", "backward_recipes", "cost_ratio", "peel"]
+
+#: the backward GEMMs, in the order of the cost's rows (the GEMMs 1 and 2 of ``_ladder.GEMMS``)
+BACKWARD_GEMMS = ("grad_input", "grad_weight")
+_TINY = 1e-30
+
+
+def cost_ratio(reference: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """``-<R, E> / |R|**2`` of ``result = R + E`` against ``reference = R`` (float32): the
+    share of a step's gain that the error takes from it to first order.
+
+    Example:
+        >>> r = torch.tensor([1.0, 2.0])
+        >>> float(cost_ratio(r, r)), float(cost_ratio(r, torch.zeros(2)))  # exact; a gradient lost
+        (0.0, 1.0)
+    """
+    return (reference * (reference - result.float())).sum() / reference.square().sum().clamp(min=_TINY)
+
+
+def fisher(g2: torch.Tensor, x2: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
+    """``u'Hv`` for the empirical Fisher ``H`` of a linear layer's weight over the rows of its
+    output gradient ``g2`` and input ``x2`` (``rows * sum_t (g_t' u x_t)(g_t' v x_t)``; ``v``
+    None: ``u``)."""
+    pu = ((g2 @ u) * x2).sum(-1)
+    pv = pu if v is None else ((g2 @ v) * x2).sum(-1)
+    return g2.shape[0] * (pu * pv).sum()
+
+
+def update_terms(g2: torch.Tensor, x2: torch.Tensor, reference: torch.Tensor, result: torch.Tensor
+                 ) -> torch.Tensor:
+    """The weight-gradient error's cost terms ``[c1, c2]`` (float32 ``g2``, ``x2``): the cost
+    of a step whose gain was ``gain`` is ``gain * c1 + gain**2 * c2`` (module docstring; ``eta =
+    gain / |G|**2``).
+
+    Example:
+        >>> g2, x2 = torch.tensor([[0.5]]), torch.tensor([[2.0]])
+        >>> [round(float(t), 4) for t in update_terms(g2, x2, torch.tensor([[1.0]]), torch.tensor([[0.5]]))]
+        [0.5, -0.375]
+    """
+    e = result.float() - reference
+    gg = reference.square().sum().clamp(min=_TINY)
+    curvature = fisher(g2, x2, reference, e) + 0.5 * fisher(g2, x2, e)
+    return torch.stack([cost_ratio(reference, result), curvature / (gg * gg)])
+
+
+class BackwardCost:
+    """One layer's backward-GEMM cost measurements (on its record: ``LayerRecord.backward``).
+
+    ``window``: ``(2, 2, 3)``, per kind (own casts, the rung below's), per backward GEMM, the
+    sums of its two terms (:func:`update_terms`; for the input gradient ``[c1, |E_x|**2 /
+    |R_x|**2 * h / (2 |G|**2)]``) and the count; ``gain``: the window's sum of the step gains and
+    their count. ``recipes``: what a shadow step emulates, ``(kind, recipe, (grad_input
+    measured, grad_weight measured))`` (set with the rungs, ``_decide.apply_gemms``).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.window = torch.zeros(2, len(BACKWARD_GEMMS), 3, device=device)
+        self.gain = torch.zeros(2, device=device)
+        self.recipes: list[tuple[int, Float8Recipe, tuple[bool, bool]]] = []
+        # the weight gradient of the last measured step, until the optimizer moved the weight:
+        # [gradient, <gradient, weight before>, the weight, its version, the loss scale or None]
+        self.pending: list[Any] | None = None
+
+    def observe(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, measuring: bool) -> None:
+        """A forward of the layer: count the gain of the update since the last measured backward
+        (once the weight moved) and, on a shadow step, measure this forward's backward."""
+        p = self.pending
+        if p is not None and p[4] is not None and weight._version != p[3]:
+            moved = (p[0] * weight.detach().float()).sum() - p[1]
+            self.gain += torch.stack([-moved / p[4], torch.ones_like(moved)])
+            self.pending = None
+        if measuring and out.requires_grad:
+            xd, wd = x.detach(), weight.detach()
+            out.register_hook(lambda grad: self._measure(xd, wd, weight, grad))
+
+    def _measure(self, x: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> None:
+        g = grad.detach()
+        g2, x2, wf = g.reshape(-1, g.shape[-1]).float(), x.reshape(-1, x.shape[-1]).float(), w.float()
+        if g2.shape[0] == 0:
+            return
+        reference = (g2 @ wf, g2.t() @ x2)
+        gg = reference[1].square().sum().clamp(min=_TINY)
+        z = torch.randn(wf.shape, generator=torch.Generator(wf.device).manual_seed(0), device=wf.device)
+        h = fisher(g2, x2, z) / z.square().sum()  # the curvature along a random direction
+        for kind, recipe, measured in self.recipes:
+            with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
+                xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+                y = linear(xr, wr, None, recipe, backend="emulate_fp32")
+                gi, gw = torch.autograd.grad(y, (xr, wr), g.to(y.dtype))
+            if measured[0]:
+                ref, e = reference[0], gi.reshape(reference[0].shape).float() - reference[0]
+                share = e.square().sum() / ref.square().sum().clamp(min=_TINY)
+                self.window[kind, 0] += torch.stack([cost_ratio(ref, ref + e), share * h / (2 * gg), torch.ones(())])
+            if measured[1]:
+                self.window[kind, 1] += torch.cat([update_terms(g2, x2, reference[1], gw), torch.ones(1)])
+        p = self.pending
+        if p is not None and p[2] is weight and p[3] == weight._version and p[4] is None:  # another micro-batch
+            p[0] += reference[1]
+            p[1] += (reference[1] * wf).sum()
+        else:
+            self.pending = [reference[1], (reference[1] * wf).sum(), weight, weight._version, None]
+
+    def end_step(self, loss_scale: float | torch.Tensor) -> None:
+        """The optimizer step ended: the pending gradient carried ``loss_scale`` (divided out of its gain)."""
+        if self.pending is not None and self.pending[4] is None:
+            self.pending[4] = loss_scale
+
+    def row(self) -> torch.Tensor:
+        """The window as a row of the check's all-reduce: the mean terms per kind and GEMM (-inf:
+        none measured), whether each was measured, the mean gain (-inf: none) and whether it was."""
+        counts = self.window[..., 2:]
+        means = torch.where(counts > 0, self.window[..., :2] / counts.clamp(min=1), -torch.inf)
+        gain = torch.where(self.gain[1] > 0, self.gain[0] / self.gain[1].clamp(min=1), -torch.inf)
+        return torch.cat([means.flatten(), (counts > 0).float().flatten(), gain.reshape(1),
+                          (self.gain[1] > 0).float().reshape(1)])
+
+    def reset(self) -> None:
+        self.window.zero_()
+        self.gain.zero_()
+
+
+_KINDS = 2 * len(BACKWARD_GEMMS)  # (kind, GEMM) pairs
+#: the length of :meth:`BackwardCost.row`
+ROW = 3 * _KINDS + 2
+
+
+def backward_costs(backs: list[list[float] | None]) -> list[list[float] | None]:
+    """Per layer (in forward order), from its all-reduced :meth:`BackwardCost.row` (None: no
+    measurement), ``[own grad_input, own grad_weight, below grad_input, below grad_weight]``
+    costs in nats per step followed by whether each was measured: the weight gradient's
+    ``gain * c1 + gain**2 * c2`` with its layer's gain, the input gradient's ``up * c1 + up *
+    gain * c2`` with ``up`` the gains of the layers before it summed; a negative gain (the step
+    lost to first order) counts as none.
+
+    Example:
+        >>> row = [0.1, 0.0, 0.2, 1.0, 0.0, 0.0, 0.0, 0.0, 1, 1, 0, 0, 0.5, 1]
+        >>> [round(c, 4) for c in backward_costs([row, row])[1][:2]]  # grad_input: the first's gain
+        [0.05, 0.35]
+    """
+    out: list[list[float] | None] = []
+    upstream = 0.0
+    for row in backs:
+        if row is None:
+            out.append(None)
+            continue
+        terms, measured, (gain, has_gain) = row[:2 * _KINDS], row[2 * _KINDS:3 * _KINDS], row[3 * _KINDS:]
+        own = max(gain, 0.0) if has_gain > 0 else 0.0
+        costs = []
+        for i, m in enumerate(measured):
+            c1, c2 = terms[2 * i:2 * i + 2]
+            scale = upstream if i % 2 == 0 else own  # (kind, GEMM) in order: grad_input, grad_weight
+            costs.append(scale * c1 + scale * own * c2 if m > 0 and has_gain > 0 else 0.0)
+        out.append(costs + [float(m > 0 and has_gain > 0) for m in measured])
+        upstream += own
+    return out
+
+
+def peel(names: list[str], rows: list[list[float]], forward: list[str], settings: Any
+         ) -> tuple[list[list[float]], dict[str, list[float] | None]]:
+    """A check's all-reduced rows (of the layers ``names``) without their backward part, and
+    per name its :func:`backward_costs` (None without ``settings.max_backward_cost``),
+    computed in the order of ``forward`` (the layers' tracking order: the order of their first
+    forward)."""
+    if settings.max_backward_cost is None:
+        return rows, dict.fromkeys(names)
+    order = sorted(range(len(names)), key=lambda i: forward.index(names[i]) if names[i] in forward else len(forward))
+    costs = backward_costs([rows[i][-ROW:] for i in order])
+    return [row[:-ROW] for row in rows], {names[i]: c for i, c in zip(order, costs)}
+
+
+def backward_recipes(ladder: tuple[str, ...], rungs: list[int], own: Float8Recipe | None, downs: dict[int, int | None],
+                     compose: Callable[[list[int]], Float8Recipe | None]) -> list:
+    """What a shadow step emulates (``BackwardCost.recipes``) for a layer whose GEMMs are on
+    ``rungs`` of ``ladder`` and run ``own``: that recipe where a backward GEMM (1, 2) runs casts,
+    and the recipe (``compose(rungs)``) with each backward GEMM that may come down to casts on
+    its rung below (``downs``: per GEMM, that rung or None) moved there, both in one recipe
+    where they compose, else one each."""
+    low = [ladder[r] in LOW_RUNGS for r in rungs]
+    out = [(0, own, (low[1], low[2]))] if own is not None and (low[1] or low[2]) else []
+    downs = {g: d for g, d in downs.items() if d is not None and ladder[d] in LOW_RUNGS}
+    both = list(rungs)
+    for g, d in downs.items():
+        both[g] = d
+    recipe = compose(both) if downs else None
+    if recipe is not None:
+        return out + [(1, recipe, (1 in downs, 2 in downs))]
+    for g, d in downs.items():  # each composes alone (gemm_down)
+        one = list(rungs)
+        one[g] = d
+        out.append((1, compose(one), (g == 1, g == 2)))
+    return out

@@ -1,0 +1,216 @@
+"""The loss cost of the backward GEMMs (``Controller(max_backward_cost=...)``, issue 39): the
+formula against a measured loss change, a planted large weight-gradient error promoted and a
+harmless one not, the flush of the backward GEMMs' operands no longer deciding them, and the
+loss scale divided out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mixprec
+import mixprec.control._backward as backward_module
+from mixprec.control._backward import backward_costs, cost_ratio, update_terms
+
+LADDER = ("nvfp4", "tensorwise", "rowwise", "compute")
+
+
+def test_the_cost_matches_the_loss_change_of_an_sgd_step():
+    """``gain * c1 + gain**2 * c2`` (:func:`update_terms`; ``gain``: the first-order loss change
+    of the step taken) against the loss change a planted weight-gradient error makes in an SGD
+    step, measured on the step's own batch of a softmax classifier whose labels are drawn from
+    its own predictions (so its empirical Fisher is its Hessian in expectation): a gradient
+    shrunk, grown, flipped and noised, at two step sizes."""
+    torch.manual_seed(0)
+    x, w = torch.randn(512, 32), torch.randn(16, 32) * 0.3
+    with torch.no_grad():
+        y = torch.distributions.Categorical(logits=x @ w.t()).sample()
+    wg = w.clone().requires_grad_()
+    logits = x @ wg.t()
+    logits.retain_grad()
+    F.cross_entropy(logits, y).backward()
+    grad, g2 = wg.grad, logits.grad
+
+    def loss(v: torch.Tensor) -> float:
+        return float(F.cross_entropy(x @ v.t(), y))
+
+    for lr in (0.5, 2.0):
+        gain = lr * float(grad.square().sum())
+        for planted in (-0.5 * grad, 0.3 * grad, -2 * grad, 2 * torch.randn_like(grad) * grad.abs().mean()):
+            measured = loss(w - lr * (grad + planted)) - loss(w - lr * grad)
+            c1, c2 = update_terms(g2, x, grad, grad + planted).tolist()
+            assert gain * c1 + gain ** 2 * c2 == pytest.approx(measured, rel=0.2), (lr, measured)
+    assert float(cost_ratio(grad, torch.zeros_like(grad))) == pytest.approx(1.0)  # the whole gain, to first order
+
+
+def test_backward_costs_weigh_input_gradients_by_the_layers_before():
+    row = [0.1, 0.0, 0.2, 1.0, 0.0, 0.0, 0.0, 0.0, 1, 1, 0, 0]
+    costs = backward_costs([row + [0.5, 1], None, row + [0.25, 1], row + [-1.0, 1]])
+    assert costs[0][:4] == [0.0, pytest.approx(0.5 * 0.2 + 0.25 * 1.0), 0.0, 0.0]  # the first layer: nothing before it
+    assert costs[1] is None
+    assert costs[2][:2] == pytest.approx([0.5 * 0.1, 0.25 * 0.2 + 0.0625])
+    assert costs[3][:2] == pytest.approx([0.75 * 0.1, 0.0])  # a negative gain counts as none
+    assert costs[2][4:] == [1.0, 1.0, 0.0, 0.0]
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
+
+
+def _train(ctl: mixprec.Controller, steps: int = 30, seed: int = 0, loss_scale: float = 1.0,
+           one_output: bool = False) -> list:
+    model = _model(seed)
+    ctl.attach(model)
+    policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
+                                                      backend="emulate_fp32")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(seed + 1)
+    target = torch.randn(64, 16, generator=gen)
+    weights = torch.ones(16)
+    if one_output:  # the loss is all in output 0: the others' gradients flush in its e2m1 block
+        weights[1:] = 1e-3
+    for _ in range(steps):
+        x = torch.randn(64, 64, generator=gen)
+        with mixprec.autocast("cpu", policy=policy):
+            loss = ((model(x).float() - target).square() * weights).mean()
+        (loss * loss_scale).backward()
+        if loss_scale != 1.0:
+            for p in model.parameters():
+                p.grad /= loss_scale
+        opt.step()
+        opt.zero_grad()
+        ctl.step(loss_scale=loss_scale if loss_scale != 1.0 else None)
+    return ctl.log
+
+
+def _plant(monkeypatch, layer: int, size: float, seed: int = 0) -> None:
+    """Make the measured emulation of ``layer``'s backward add ``size`` times the weight gradient
+    to it (what a weight-gradient GEMM that biases its result would give: -3 flips it)."""
+    shape = tuple(_model(seed)[2 * layer].weight.shape)  # (the layers' shapes tell them apart)
+    original = backward_module.linear
+
+    def planted(x, w, b, recipe, backend):
+        if tuple(w.shape) == shape:
+            w.register_hook(lambda g: g * (1 + size))
+        return original(x, w, b, recipe, backend=backend)
+
+    monkeypatch.setattr(backward_module, "linear", planted)
+
+
+def _backward_promotions(log: list) -> list:
+    return [(d.layer, d.gemm, d.statistic) for d in log if d.gemm != "output" and d.action == "promote"]
+
+
+def test_a_planted_weight_gradient_error_is_promoted_a_harmless_one_not(monkeypatch):
+    settings = dict(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=2e-3)
+    clean = _train(mixprec.Controller(**settings))
+    assert _backward_promotions(clean) == []
+    _plant(monkeypatch, 2, -3.0)  # the head (Linear(64, 16)): its weight gradient flipped
+    planted = _train(mixprec.Controller(**settings))
+    ups = _backward_promotions(planted)
+    assert ups and set(ups) == {("4", "grad_weight", "backward_cost")}, planted
+    first = next(d for d in planted if d.gemm == "grad_weight")
+    assert first.value > 2e-3 and first.from_ == "nvfp4" and first.to == "fp8-tensorwise"
+    monkeypatch.undo()
+    _plant(monkeypatch, 2, -0.01)  # a small bias costs next to nothing
+    assert _backward_promotions(_train(mixprec.Controller(**settings))) == []
+
+
+def test_the_flush_rule_no_longer_decides_backward_gemms():
+    """A loss whose every output but one weighs 1e-3: the head's output gradient holds one large
+    value per e2m1 block of 16, which flushes the other 15, so the flush rule promotes the
+    backward GEMMs that read it; what they flush costs the loss next to nothing, so with
+    ``max_backward_cost`` they stay in fp4, and the decisions are the same with the fp4 flush
+    limits off."""
+    flush = _train(mixprec.Controller(every=5, ladder=LADDER, per_gemm=True), one_output=True)
+    assert any(d.gemm != "output" and d.statistic == "underflow_forecast" for d in flush), flush
+    settings = dict(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=2e-3)
+    costed = _train(mixprec.Controller(**settings), one_output=True)
+    assert _backward_promotions(costed) == []
+    off = _train(mixprec.Controller(**settings, fp4_max_underflow=1.0), one_output=True)
+    assert [(d.step, d.layer, d.gemm, d.action) for d in off] == [(d.step, d.layer, d.gemm, d.action) for d in costed]
+
+
+def test_the_loss_scale_is_divided_out(monkeypatch):
+    _plant(monkeypatch, 2, -3.0)
+    settings = dict(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=2e-3)
+    plain = [d for d in _train(mixprec.Controller(**settings)) if d.gemm == "grad_weight"]
+    scaled = [d for d in _train(mixprec.Controller(**settings), loss_scale=1024.0) if d.gemm == "grad_weight"]
+    assert plain and len(scaled) == len(plain)
+    assert scaled[0].step == plain[0].step
+    assert scaled[0].value == pytest.approx(plain[0].value, rel=0.1)
+
+
+def test_a_resumed_run_decides_as_the_uninterrupted_one(monkeypatch):
+    """Saved mid-window (step 7 of windows of 5: between shadow steps, no gain in flight), the
+    controller's state (its backward-cost windows included), the model and the optimizer resume
+    to the same decisions, with the same costs, as the run that went on."""
+    _plant(monkeypatch, 2, -3.0)
+    settings = dict(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=2e-3)
+
+    def run(stop: int | None, state: dict | None = None) -> tuple:
+        torch.manual_seed(0)
+        model = _model(0)
+        ctl = mixprec.Controller(**settings)
+        ctl.attach(model)
+        policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
+                                                          backend="emulate_fp32")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        data = [(torch.randn(64, 64, generator=torch.Generator().manual_seed(s)), torch.randn(64, 16)) for s in range(20)]
+        start = 0
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            with mixprec.autocast("cpu", policy=policy):
+                model(data[0][0][:0])  # (the layers are known at a forward: the controller's state goes to them)
+            ctl.load_state_dict(state["ctl"])
+            start = state["step"]
+        for step in range(start, 20 if stop is None else stop):
+            x, target = data[step]
+            with mixprec.autocast("cpu", policy=policy):
+                loss = F.mse_loss(model(x).float(), target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ctl.step()
+        saved = {"model": model.state_dict(), "opt": opt.state_dict(), "ctl": ctl.state_dict(), "step": stop}
+        return ctl.log, saved
+
+    whole, _ = run(None)
+    assert any(d.statistic == "backward_cost" for d in whole)
+    _, saved = run(7)
+    resumed, _ = run(None, saved)
+    assert resumed == whole
+
+
+def test_the_late_phase_tightens_the_cost_limits(monkeypatch):
+    """``late_start``: a weight-gradient GEMM whose cost (planted, above 2e-3) is far under the
+    limit (1.0) is promoted only once the late phase's limit (1.0 * 2e-3) applies, at the first
+    check from step 15 on."""
+    _plant(monkeypatch, 2, -3.0)
+    log = _train(mixprec.Controller(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=1.0, late_start=15,
+                                    late_factor=2e-3), steps=25)
+    ups = [d for d in log if d.statistic == "backward_cost"]
+    assert ups and ups[0].step == 15 and ups[0].threshold == pytest.approx(2e-3), log
+    assert ("4", "grad_weight") in {(d.layer, d.gemm) for d in ups}
+    assert not [d for d in _train(mixprec.Controller(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=1.0),
+                                  steps=25) if d.statistic == "backward_cost"]
+
+
+def test_late_settings_say_what_they_need():
+    with pytest.raises(ValueError, match="late_start"):
+        mixprec.Controller(late_factor=0.5, per_gemm=True, max_loss_cost=1e-3)
+    with pytest.raises(ValueError, match="needs max_loss_cost or max_backward_cost"):
+        mixprec.Controller(late_start=10)
+    with pytest.raises(ValueError, match="late_factor"):
+        mixprec.Controller(late_start=10, late_factor=0.0, max_loss_cost=1e-3)
+
+
+def test_max_backward_cost_needs_per_gemm():
+    with pytest.raises(ValueError, match="per_gemm=True"):
+        mixprec.Controller(max_backward_cost=1e-3)
+    with pytest.raises(ValueError, match="max_backward_cost"):
+        mixprec.Controller(per_gemm=True, max_backward_cost=-1.0)

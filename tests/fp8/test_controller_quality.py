@@ -1,0 +1,98 @@
+"""The controller's quality benchmark (benchmarks/controller_quality.py: its hand recipes and its
+verdict) and the fp4 controller's decisions in the demo's report (which GEMM, when, why, what it
+cost)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from mixprec.demo.flops import GEMMS, share, shares
+from mixprec.demo.fp4 import fp4_decisions, fp4_paragraph
+from mixprec.demo.results import DemoResult, ModeResult
+from mixprec.demo.settings import Settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import controller_quality as bench  # noqa: E402
+
+NAMES = [f"blocks.{b}.{p}" for b in range(3) for p in ("qkv", "proj")] + ["head"]
+
+
+def _fp4_layers(config: str) -> set[str]:
+    import re
+
+    policy, ctl = bench.policy_for(config, NAMES)
+    pattern = re.compile(policy.fp8_rule.names)
+    return {n for n in NAMES if pattern.search(n)}
+
+
+def test_the_hand_recipes_keep_the_layers_they_name_in_bf16():
+    assert _fp4_layers("all-fp4") == set(NAMES)
+    assert _fp4_layers("head-bf16") == set(NAMES) - {"head"}
+    assert _fp4_layers("last-bf16") == set(NAMES) - {"blocks.2.qkv", "blocks.2.proj", "head"}
+    assert _fp4_layers("alt-bf16") == set(NAMES[1::2])
+    policy, ctl = bench.policy_for("controller", NAMES)
+    assert ctl.settings.per_gemm and ctl.settings.max_backward_cost == bench.MAX_BACKWARD_COST
+    assert bench.policy_for("controller-flush", NAMES)[1].settings.max_backward_cost is None
+    assert bench.policy_for("fp32", NAMES) == (None, None)
+
+
+def _summary(rows: dict[str, tuple[float, float]], spread: float = 0.01) -> dict:
+    return {"spread": spread, "base": 2.0, "rows": {c: {"gap": g, "gap_sd": 0.0, "share": s, "within": abs(g) <= spread,
+                                                         "seconds": 1.0} for c, (g, s) in rows.items()}}
+
+
+def test_the_verdict_compares_with_the_best_hand_recipe_and_the_85_percent_bar():
+    rows = {"fp32": (0.0, 0.0), "head-bf16": (0.005, 0.9), "last-bf16": (0.002, 0.7), "alt-bf16": (0.03, 0.5)}
+    text = bench.verdict(_summary({**rows, "controller": (0.004, 0.95)}))
+    assert "best hand recipe head-bf16" in text and "beats it" in text and "NOT" not in text
+    text = bench.verdict(_summary({**rows, "controller": (0.006, 0.95)}))  # more fp4, a larger gap
+    assert "does NOT beat it" in text and ">= 85% within fp32's spread: met" in text
+    text = bench.verdict(_summary({**rows, "controller": (0.02, 0.95)}))
+    assert ">= 85% within fp32's spread: NOT met" in text
+    # no hand recipe within fp32's spread: the best is the one with the smallest gap
+    far = {c: (g + 0.1, s) for c, (g, s) in rows.items() if c != "fp32"}
+    assert "best hand recipe last-bf16" in bench.verdict(_summary({"fp32": (0.0, 0.0), **far, "controller": (0.0, 0.9)}))
+
+
+def _controlled(decisions: list[dict], fp4_steps: dict[str, int], seed: int = 0) -> ModeResult:
+    steps = 100
+    layers = {"a": {"flops_per_gemm": 8, "gemms": {g: {"fp4": steps, "fp8": 0, "high": 0} for g in GEMMS}},
+              "head": {"flops_per_gemm": 8, "gemms": {g: {"fp4": fp4_steps.get(g, steps), "fp8": steps - fp4_steps.get(
+                  g, steps), "high": 0} for g in GEMMS}}}
+    trace = {"steps": steps, "layers": layers}
+    trace.update(fp4_share=share(trace), fp8_share=share(trace, "fp8"), per_gemm=shares(trace, "gemm"),
+                 per_layer=shares(trace, "layer"))
+    return ModeResult("mixprec-fp4", "", [2.0] * 10, 2.0, 1.0, {}, "", seed=seed, gemms=trace,
+                      fp8={"decisions": decisions})
+
+
+def test_the_report_names_each_decision_its_reason_and_what_it_cost():
+    up = {"step": 10, "layer": "head", "gemm": "output", "action": "promote", "from": "nvfp4", "to": "fp8-tensorwise",
+          "reason": "output GEMM: output loss cost 0.008862 > 0.001"}
+    back = {**up, "step": 40, "gemm": "grad_weight", "reason": "grad_weight GEMM: output backward cost 0.0031 > 0.001"}
+    run = _controlled([up, back], {"output": 90, "grad_weight": 60})
+    fp32 = ModeResult("fp32", "", [2.0] * 10, 2.0, 1.0, {}, "", seed=0)
+    result = DemoResult(Settings.for_size("tiny", steps=100), "cpu", {}, [fp32, run])
+    lines = fp4_decisions(result)
+    # the head's forward: 10 of 100 steps out of fp4, of 2 layers x 3 GEMMs x 100 steps of equal FLOPs
+    assert lines == [
+        "seed 0: head forward GEMM: step 10 nvfp4 -> fp8-tensorwise (output loss cost 0.008862 > 0.001); out of fp4 "
+        f"for {10 / 600:.1%} of the run's GEMM FLOPs",
+        "seed 0: head weight gradient GEMM: step 40 nvfp4 -> fp8-tensorwise (output backward cost 0.0031 > 0.001); "
+        f"out of fp4 for {40 / 600:.1%} of the run's GEMM FLOPs"]
+    assert "; ".join(lines) in fp4_paragraph(result)
+    quiet = DemoResult(result.settings, "cpu", {}, [fp32, _controlled([], {})])
+    assert fp4_decisions(quiet) == [] and "made no decision" in fp4_paragraph(quiet)
+
+
+@pytest.mark.parametrize("model", ["tiny"])
+def test_the_benchmark_runs_a_short_configuration(model):
+    from mixprec.demo.corpus import load_tokens
+
+    train, _ = load_tokens()
+    out = bench.run(model, "controller", 0, 3, 2, train)
+    assert out["fp4_share"] == pytest.approx(1.0) and out["decisions"] == []
+    assert out["final"] > 0

@@ -44,8 +44,10 @@ class Unscaling(Protocol):
     unscale_before_step: bool
     names: Sequence[str]
 
-    def watch(self, model: nn.Module) -> None:
-        """``scaler.watch(model)``: the model whose gradients this strategy scales."""
+    def watch(self, model: Any, group: Any = None) -> nn.Module:
+        """``scaler.watch(model)``: the model whose gradients this strategy scales, or a pipeline
+        stage (its module); ``group``: a callable returning the scaler's process group (or None).
+        Returns the module."""
 
     def check_ready(self) -> None:
         """Raises ``ValueError`` (what to do) when a step cannot be scaled yet; first in ``scale``."""
@@ -118,8 +120,13 @@ class GlobalUnscaling(Unscaling):
     unscale_before_step = False
     names: Sequence[str] = ()
 
-    def watch(self, model: nn.Module) -> None:
-        """Nothing to watch: the scaler's attribution names the parameters."""
+    def watch(self, model: Any, group: Any = None) -> nn.Module:
+        """Nothing to watch: the scaler's attribution names the parameters (of a pipeline
+        stage's module)."""
+        from mixprec.scaling.layerwise.stages import pipeline_stage
+
+        stage = pipeline_stage(model)
+        return model if stage is None else stage[0]
 
     def check_ready(self) -> None:
         """Always ready."""

@@ -238,3 +238,29 @@ def test_a_stage_before_the_last_keeps_its_last_block() -> None:
     part = Chain(OrderedDict((str(i), nn.Linear(4, 4)) for i in range(3)))
     assert choose_cut_points(part) == ["0", "1"]
     assert choose_cut_points(part, keep_last=True) == ["0", "1", "2"]
+
+
+def test_an_overflow_below_a_cut_point_survives_the_all_reduce(tmp_path) -> None:
+    """With a process group (here of one rank), the statistics' all-reduce kept an inf as
+    float32's largest value, so the cut point whose region overflowed did not back off and the
+    loss scale did: the same step must do what it does without a group."""
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        runs = []
+        for group in (None, "default"):
+            torch.manual_seed(0)
+            model = Chain(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 1))
+            scaler = mixprec.GradScaler("cpu", per_layer=True, init_scale=2.0**10, process_group=group).watch(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            scaler.scale(model(torch.ones(2, 4)).square().mean()).backward()
+            model[0].weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            runs.append((scaler.get_scale(), scaler.layer_scales(), scaler.last_overflow_cuts))
+    finally:
+        dist.destroy_process_group()
+    assert runs[0] == (2.0**10, {"0": 0.5, "2": 1.0}, ("0",))  # cut point '0' absorbed it
+    assert runs[1] == runs[0]

@@ -29,7 +29,19 @@ from torch import nn
 from mixprec._unscale import unscale_
 from mixprec.scaling.rule import ScaleConfig, ScaleState
 
-__all__ = ["GlobalUnscaling", "Unscaling"]
+__all__ = ["GlobalUnscaling", "Unscaling", "pipeline_stage"]
+
+
+def pipeline_stage(obj: Any) -> tuple[torch.nn.Module, int, int] | None:
+    """``(module, stage_index, num_stages)`` of a ``torch.distributed.pipelining`` stage
+    (``PipelineStage``, or a stage ``pipeline()`` built), else ``None``."""
+    try:
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+    except ImportError:  # torch.distributed unavailable
+        return None
+    if not isinstance(obj, _PipelineStageBase):
+        return None
+    return obj.submod, int(obj.stage_index), int(obj.num_stages)
 
 
 class Unscaling(Protocol):
@@ -123,8 +135,6 @@ class GlobalUnscaling(Unscaling):
     def watch(self, model: Any, group: Any = None) -> nn.Module:
         """Nothing to watch: the scaler's attribution names the parameters (of a pipeline
         stage's module)."""
-        from mixprec.scaling.layerwise.stages import pipeline_stage
-
         stage = pipeline_stage(model)
         return model if stage is None else stage[0]
 

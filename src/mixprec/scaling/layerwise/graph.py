@@ -178,7 +178,9 @@ def _has_params(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters())
 
 
-def choose_cut_points(model: nn.Module, names: Sequence[str] | None = None, keep_last: bool = False) -> list[str]:
+def choose_cut_points(
+    model: nn.Module, names: Sequence[str] | None = None, keep_last: bool = False, stage: bool = False
+) -> list[str]:
     """The qualified names of the modules whose outputs are cut points, bottom (input side) first.
 
     With ``names``, checks and returns them. Otherwise finds the ``nn.Sequential`` or
@@ -187,7 +189,8 @@ def choose_cut_points(model: nn.Module, names: Sequence[str] | None = None, keep
     container is the model itself (or what single-child wrappers such as DDP or
     ``torch.compile`` hold), its last child is left out (its output is the model's output, which
     only the loss consumes), unless ``keep_last`` (a pipeline stage before the last: its output
-    is where the unsplit model's next block begins).
+    is where the unsplit model's next block begins). ``stage``: a pipeline stage's module, which
+    may hold no cut point (a last stage of one block): ``[]`` rather than an error.
 
     Raises:
         ValueError: a name that is not a submodule (with close matches), a repeated name, or no
@@ -227,11 +230,11 @@ def choose_cut_points(model: nn.Module, names: Sequence[str] | None = None, keep
         prefix = f"{best[1]}." if best[1] else ""
         cuts = [f"{prefix}{n}" for n, c in container.named_children() if _has_params(c)]
         root = model
-        while len(root._modules) == 1:  # wrappers: DDP's .module, torch.compile's ._orig_mod
+        while len(root._modules) == 1 and not (stage and root is container):  # wrappers: DDP's .module, ...
             root = next(iter(root._modules.values()))
         if container is root and not keep_last and cuts[-1] == f"{prefix}{list(container._modules)[-1]}":
             cuts = cuts[:-1]
-    if not cuts:
+    if not cuts and not stage:
         raise ValueError(
             "GradScaler(per_layer=True) found no nn.Sequential or nn.ModuleList of blocks in the "
             "watched model. Name the modules whose outputs are cut points: "

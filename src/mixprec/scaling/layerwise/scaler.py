@@ -97,7 +97,7 @@ class Layerwise(GraphPlanning, Unscaling):
         if self._model is not None and self._model() is module:
             return module
         last = stage is None or stage[1] == stage[2] - 1
-        local = choose_cut_points(module, self.requested, keep_last=not last)
+        local = choose_cut_points(module, self.requested, keep_last=not last, stage=stage is not None)
         layout = None
         if stage is not None:
             layout = stage_layout(local, stage[1], stage[2], None if group is None else group())

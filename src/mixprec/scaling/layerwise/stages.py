@@ -28,6 +28,9 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
+from mixprec.scaling.layerwise.graph import tensors_of
+from mixprec.scaling.unscaling import pipeline_stage
+
 __all__ = ["StageHook", "StageLayout", "agree", "pipeline_stage", "stage_layout"]
 
 
@@ -53,18 +56,6 @@ class StageLayout(NamedTuple):
     names: list[str]
     entry: int
     bottom: int
-
-
-def pipeline_stage(obj: Any) -> tuple[torch.nn.Module, int, int] | None:
-    """``(module, stage_index, num_stages)`` of a ``torch.distributed.pipelining`` stage
-    (``PipelineStage``, or a stage ``pipeline()`` built), else ``None``."""
-    try:
-        from torch.distributed.pipelining.stage import _PipelineStageBase
-    except ImportError:  # torch.distributed unavailable
-        return None
-    if not isinstance(obj, _PipelineStageBase):
-        return None
-    return obj.submod, int(obj.stage_index), int(obj.num_stages)
 
 
 def stage_layout(local: Sequence[str], index: int, count: int, group: Any) -> StageLayout:
@@ -148,8 +139,6 @@ class StageHook:
         owner = None if self.owner is None else self.owner()
         if owner is None or self.module is None or module is not self.module():
             return
-        from mixprec.scaling.layerwise.graph import tensors_of
-
         tensors = [t for t in tensors_of(output) if t.grad_fn is not None]
         if tensors and torch._C._current_graph_task_id() == -1:
             owner.observe(tensors, tensors[0].device)

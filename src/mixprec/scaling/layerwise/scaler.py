@@ -509,6 +509,8 @@ class Layerwise(GraphPlanning, Unscaling):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_saved_structure", None)  # pickled by an older mixprec
+        self.__dict__.setdefault("_stage", None)
+        self.__dict__.setdefault("_skipped_step", set())
         self._topology = None
         self._forget_graph()
 

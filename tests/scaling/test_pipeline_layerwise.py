@@ -264,3 +264,29 @@ def test_an_overflow_below_a_cut_point_survives_the_all_reduce(tmp_path) -> None
         dist.destroy_process_group()
     assert runs[0] == (2.0**10, {"0": 0.5, "2": 1.0}, ("0",))  # cut point '0' absorbed it
     assert runs[1] == runs[0]
+
+
+def test_every_micro_batch_of_a_step_runs_the_same_blocks(monkeypatch) -> None:
+    """The last of 2 stages, without a process group (the layout faked): a micro-batch that runs
+    other blocks than the step's first is refused at its scale(); the next step may differ."""
+    from mixprec.scaling.layerwise import scaler as layerwise_scaler
+    from mixprec.scaling.layerwise.stages import StageLayout
+
+    part = _full_model()[SPLIT:]
+    module = _Autocast(part)
+    layout = StageLayout(1, 2, 2, ["inner.4", "inner.6"], ["inner.0", "inner.2", "inner.4", "inner.6"], 0, 3)
+    monkeypatch.setattr(layerwise_scaler, "pipeline_stage", lambda obj: (module, 1, 2))
+    monkeypatch.setattr(layerwise_scaler, "stage_layout", lambda *args: layout)
+    scaler = _scaler().watch(object())
+    assert scaler.layer_scales() == {"inner.0": 1.0, "inner.2": 1.0, "inner.4": 1.0, "inner.6": 1.0}
+    opt = torch.optim.SGD(part.parameters(), lr=0.05)
+    x = torch.randn(4, 32, dtype=torch.float16, requires_grad=True)
+    scaler.scale(_loss(module(x), torch.zeros(4, 16)))
+    part.skip = frozenset({"4"})
+    with pytest.raises(ValueError, match="every micro-batch of a step must run the same blocks"):
+        scaler.scale(_loss(module(x), torch.zeros(4, 16)))
+    opt.zero_grad()
+    scaler.scale(_loss(module(x), torch.zeros(4, 16))).backward()  # after unscale: a new step
+    scaler.unscale_(opt)
+    part.skip = frozenset()
+    scaler.scale(_loss(module(x), torch.zeros(4, 16)))  # every block again: fine

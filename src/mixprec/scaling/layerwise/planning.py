@@ -78,6 +78,7 @@ class GraphPlanning:
         self._hook_plan: list[tuple[torch.Tensor, ...]] = []  # this backward's (the canonical one but where it compensates)
         self._step_hooks: list[Any] = []  # this backward's parameter hooks (removed after it)
         self._input_hooks: list[Any] = []  # a pipeline stage's inputs' hooks (removed in unscale)
+        self._pending_cuts: frozenset[int] | None = None  # a stage's last planned forward's cut points
         self._fired: set[int] = set()  # cut points whose backward hook ran in this backward
         self._fired_step: set[int] = set()  # ... in any backward since the last update
         self._expected: frozenset[int] | None = None  # what this backward must fire (fast path)
@@ -131,6 +132,8 @@ class GraphPlanning:
                 its forward (see :meth:`check_backward`).
         """
         state = self.ensure_state(device)
+        if self._stage is not None:
+            self._same_as_pending({c for c, _ in self._edges.values()})
         self.check_backward()
         self._release_step_hooks()
         model = self._model() if self._model is not None else None
@@ -167,6 +170,24 @@ class GraphPlanning:
         else:
             self._shared = self._shared or bool(graph.rescale)
         self._compensate(graph, state, inputs)
+
+    def _same_as_pending(self, ran: set[int]) -> None:
+        """A pipeline stage plans each micro-batch's backward at its forward, and a schedule may
+        run later forwards first (GPipe, 1F1B's warm-up): every micro-batch of a step must run
+        the cut points its first one ran (reset in ``unscale``).
+
+        Raises:
+            ValueError: this micro-batch ran other cut points than the step's first.
+        """
+        pending, self._pending_cuts = self._pending_cuts, frozenset(ran)
+        if pending is not None and pending != self._pending_cuts:
+            self._pending_cuts = None
+            raise ValueError(
+                f"per_layer: pipeline stage {self._stage.index} ran cut points {sorted(self.names[k] for k in ran)} "
+                f"in this micro-batch and {sorted(self.names[k] for k in pending)} in the step's first; each "
+                "backward is planned at its forward, and a schedule runs forwards ahead of backwards, so every "
+                "micro-batch of a step must run the same blocks (skip blocks per step, not per micro-batch)."
+            )
 
     def _adopt(self, model: nn.Module, graph: Walk) -> bool:
         """Takes the canonical structure of a loaded checkpoint (see :meth:`load_state_dict`) in
@@ -333,7 +354,7 @@ class GraphPlanning:
         """Removes the hooks on a pipeline stage's inputs (after the step's backward)."""
         for handle in self._input_hooks:
             handle.remove()
-        self._input_hooks = []
+        self._input_hooks, self._pending_cuts = [], None
 
     def _release_step_hooks(self) -> None:
         for handle in self._step_hooks:
@@ -421,7 +442,7 @@ class CutHook:
 #: What :meth:`GraphPlanning._forget_graph` sets: learnt from the watched model's graphs, not pickled.
 GRAPH_KEYS = frozenset((
     "_edges", "_calibrated", "_param_region", "_placed", "_parents", "_known", "_regular", "_shared",
-    "_canonical_plan", "_hook_plan", "_step_hooks", "_input_hooks", "_fired", "_fired_step", "_expected", "_param_names",
+    "_canonical_plan", "_hook_plan", "_step_hooks", "_input_hooks", "_pending_cuts", "_fired", "_fired_step", "_expected", "_param_names",
 ))
 
 #: Cut-point outputs remembered between two ``scale()`` calls at most (ints only).

@@ -376,7 +376,7 @@ class Layerwise(GraphPlanning, Unscaling):
         """What ``update(new_scale=...)`` does here: the step's statistics are discarded (the next
         update measures its own step only); factors, margins, trackers and budgets stay, and the
         history records the unchanged factors. No host sync."""
-        self._fired_step = set()
+        self._fired_step, self._skipped_step = set(), set()
         state = self._device_state
         if state is None:
             return

@@ -266,18 +266,24 @@ def test_an_overflow_below_a_cut_point_survives_the_all_reduce(tmp_path) -> None
     assert runs[1] == runs[0]
 
 
-def test_every_micro_batch_of_a_step_runs_the_same_blocks(monkeypatch) -> None:
-    """The last of 2 stages, without a process group (the layout faked): a micro-batch that runs
-    other blocks than the step's first is refused at its scale(); the next step may differ."""
+def _fake_last_stage(monkeypatch, module: nn.Module) -> mixprec.GradScaler:
+    """A per-layer scaler watching ``module`` as the last of 2 stages, stage 0 holding '0' and
+    '2' (the layout faked: no process group)."""
     from mixprec.scaling.layerwise import scaler as layerwise_scaler
     from mixprec.scaling.layerwise.stages import StageLayout
 
-    part = _full_model()[SPLIT:]
-    module = _Autocast(part)
     layout = StageLayout(1, 2, 2, ["inner.4", "inner.6"], ["inner.0", "inner.2", "inner.4", "inner.6"], 0, 3)
     monkeypatch.setattr(layerwise_scaler, "pipeline_stage", lambda obj: (module, 1, 2))
     monkeypatch.setattr(layerwise_scaler, "stage_layout", lambda *args: layout)
-    scaler = _scaler().watch(object())
+    return _scaler().watch(object())
+
+
+def test_every_micro_batch_of_a_step_runs_the_same_blocks(monkeypatch) -> None:
+    """The last of 2 stages: a micro-batch that runs other blocks than the step's first is
+    refused at its scale(); the next step may differ. A checkpoint loads into the same stage."""
+    part = _full_model()[SPLIT:]
+    module = _Autocast(part)
+    scaler = _fake_last_stage(monkeypatch, module)
     assert scaler.layer_scales() == {"inner.0": 1.0, "inner.2": 1.0, "inner.4": 1.0, "inner.6": 1.0}
     opt = torch.optim.SGD(part.parameters(), lr=0.05)
     x = torch.randn(4, 32, dtype=torch.float16, requires_grad=True)
@@ -289,4 +295,31 @@ def test_every_micro_batch_of_a_step_runs_the_same_blocks(monkeypatch) -> None:
     scaler.scale(_loss(module(x), torch.zeros(4, 16))).backward()  # after unscale: a new step
     scaler.unscale_(opt)
     part.skip = frozenset()
-    scaler.scale(_loss(module(x), torch.zeros(4, 16)))  # every block again: fine
+    scaler.scale(_loss(module(x), torch.zeros(4, 16))).backward()  # every block again: fine
+    scaler.step(opt)
+    scaler.update()
+    assert set(scaler.layer_scales().values()) != {1.0}
+    again = _fake_last_stage(monkeypatch, module)
+    again.load_state_dict(scaler.state_dict())
+    assert again.layer_scales() == scaler.layer_scales()
+
+
+class _Around(nn.Module):
+    """A stage whose input also bypasses its blocks (a skip connection around its cut points)."""
+
+    def __init__(self, part: nn.Module) -> None:
+        super().__init__()
+        self.inner = part
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with mixprec.autocast("cpu", torch.float16):
+            return self.inner(x) + x[:, :16]
+
+
+def test_a_stage_input_that_bypasses_its_cut_points_is_refused(monkeypatch) -> None:
+    part = _full_model()[SPLIT:]
+    module = _Around(part)
+    scaler = _fake_last_stage(monkeypatch, module)
+    x = torch.randn(4, 32, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(ValueError, match="does not cross all its cut points"):
+        scaler.scale(_loss(module(x), torch.zeros(4, 16)))

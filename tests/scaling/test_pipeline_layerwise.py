@@ -127,21 +127,24 @@ class _Autocast(nn.Module):
             return self.inner(x)
 
 
-def _stage(rank: int, part: nn.Module) -> Any:
+def _stage(rank: int, part: nn.Module, pp: Any = None) -> Any:
     from torch.distributed.pipelining import PipelineStage
 
     micro = BATCH // MICRO
     inputs = torch.empty(micro, 16) if rank == 0 else torch.empty(micro, 32, dtype=torch.float16, requires_grad=True)
     outputs = torch.empty(micro, 32 if rank == 0 else 16, dtype=torch.float16, requires_grad=True)
-    return PipelineStage(_Autocast(part), rank, 2, torch.device("cpu"), input_args=inputs, output_args=outputs)
+    return PipelineStage(_Autocast(part), rank, 2, torch.device("cpu"), input_args=inputs, output_args=outputs,
+                         group=pp)
 
 
-def _train(kind: str, rank: int, group: Any) -> dict[str, Any]:
+def _train(kind: str, rank: int, group: Any, pp: Any = None, plant: bool = True) -> dict[str, Any]:
+    """Stage ``rank`` (over the pipeline group ``pp``, default the world) trained with a per-layer
+    scaler over ``group``; ``plant``: this rank plants its stage's infs."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     full = _full_model()
     part = full[:SPLIT] if rank == 0 else full[SPLIT:]  # a Chain with the unsplit model's names
-    stage = _stage(rank, part)
+    stage = _stage(rank, part, pp)
     scaler = _scaler(process_group=group).watch(stage)
     schedule = (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(stage, MICRO, loss_fn=ScaledLoss(scaler, _loss))
     opt = torch.optim.SGD(part.parameters(), lr=0.05)
@@ -152,7 +155,8 @@ def _train(kind: str, rank: int, group: Any) -> dict[str, Any]:
         part.skip = frozenset(SKIP.get(step, ())) & set(part._modules)
         x, y = _data(step)
         schedule.step(x) if rank == 0 else schedule.step(target=y)
-        _plant(step, rank, params)
+        if plant:
+            _plant(step, rank, params)
         scaler.step(opt)
         scaler.update()
         _record(scaler, log)
@@ -323,3 +327,40 @@ def test_a_stage_input_that_bypasses_its_cut_points_is_refused(monkeypatch) -> N
     x = torch.randn(4, 32, dtype=torch.float16, requires_grad=True)
     with pytest.raises(ValueError, match="does not cross all its cut points"):
         scaler.scale(_loss(module(x), torch.zeros(4, 16)))
+
+
+def _replicas_worker(rank: int, port: int, out_dir: str) -> None:
+    """4 ranks: 2 stages x 2 data-parallel replicas (same data); only replica 1 plants the infs."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    result: dict[str, Any] = {"oracle": _oracle()}
+    with gloo_group(rank, port, 4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        stage, replica = divmod(rank, 2)
+        result["run"] = _train("1f1b", stage, "default", pp=mesh.get_group("pp"), plant=replica == 1)
+        try:  # one stage's data-parallel group lacks the other stage
+            part = _full_model()[:SPLIT] if stage == 0 else _full_model()[SPLIT:]
+            _scaler(process_group=(mesh, "dp")).watch(_stage(stage, part, mesh.get_group("pp")))
+        except ValueError as exc:
+            result["dp_only"] = str(exc)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_replicas_of_the_stages_agree_over_the_whole_group(tmp_path) -> None:
+    """pp x dp = 2 x 2 with the world as the scaler's group: an inf in one replica skips the step
+    on all four ranks, whose factors, scales and weights are the unsplit model's."""
+    try:
+        spawn(_replicas_worker, str(tmp_path), nprocs=4, timeout=400)
+    except TimeoutError:
+        pytest.fail("the ranks hung: their collectives did not match")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    oracle = ranks[0]["oracle"]
+    for rank, result in enumerate(ranks):
+        run = result["run"]
+        assert run["factors"] == oracle["factors"] and run["scales"] == oracle["scales"], rank
+        assert run["skipped"] == oracle["skipped"], rank
+        for name, weight in run["weights"].items():
+            assert torch.equal(weight, oracle["weights"][name]), (rank, name)
+        assert f"holds stages [{rank // 2}] of 2" in result["dp_only"]

@@ -15,6 +15,11 @@ weights must be its own bit for bit, with
   its canonical scale, and stage 0's regions below it are not measured that step), and stage 0's
   top one;
 * and clear errors: a group that lacks a stage, a rank outside the group, no group.
+
+Also on 4 ranks, 2 stages x 2 data-parallel replicas with the world as the scaler's group (an inf
+in one replica skips everywhere), and in one process with the layout faked: a micro-batch that
+runs other blocks than its step's first, a stage input that bypasses the cut points, a
+checkpoint, and an inf below a cut point with a process group.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ class Layerwise(GraphPlanning, Unscaling):
         """
         stage = pipeline_stage(model)
         module = model if stage is None else stage[0]
-        if self._model is not None and self._model() is module:
+        if self._model is not None and self._model() is module and (stage is None) == (self._stage is None):
             return module
         last = stage is None or stage[1] == stage[2] - 1
         local = choose_cut_points(module, self.requested, keep_last=not last, stage=stage is not None)

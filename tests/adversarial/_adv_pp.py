@@ -2,9 +2,10 @@
 static shapes), ``ScheduleGPipe`` or ``Schedule1F1B``, a drawn number of micro-batches, fp16
 compute under ``mixprec.autocast`` with a ``mixprec.GradScaler`` per stage over the pipeline's
 group and the loss scaled by ``mixprec.scaling.ScaledLoss``, infs planted in a stage's gradients
-at drawn steps. :func:`run_rank` also runs the oracle on the rank: ``torch.amp.GradScaler`` on the
-unsplit model under ``torch.autocast`` (same micro-batches, gradients divided by their count as
-the schedule does)."""
+at drawn steps; with ``per_layer``, every stage's ``GradScaler(per_layer=True)`` watches its
+``PipelineStage``. :func:`run_rank` also runs the oracle on the rank: ``torch.amp.GradScaler``
+(with ``per_layer``: mixprec's ``GradScaler(per_layer=True)``) on the unsplit model under
+``torch.autocast`` (same micro-batches, gradients divided by their count as the schedule does)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class PPProgram:
     group: str = "default"  # or "mesh": the pipeline's group as (mesh, "pp")
     gain: float = 1.0  # the data's scale (large: fp16 overflows on its own)
     seed: int = 0
+    per_layer: bool = False  # a factor per cut point ('0', '2', '4'), agreed across the stages
 
 
 def _full(p: PPProgram) -> nn.Sequential:
@@ -61,9 +63,15 @@ def _plant(p: PPProgram, step: int, stage: int | None, params: dict[str, nn.Para
 def oracle(p: PPProgram) -> dict[str, Any]:
     model = _full(p)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=p.init_scale, growth_interval=p.growth_interval)
+    if p.per_layer:
+        import mixprec
+
+        scaler: Any = mixprec.GradScaler("cpu", init_scale=p.init_scale, growth_interval=p.growth_interval,
+                                         per_layer=True).watch(model)
+    else:
+        scaler = torch.amp.GradScaler("cpu", init_scale=p.init_scale, growth_interval=p.growth_interval)
     params = dict(model.named_parameters())
-    scales, skipped = [], []
+    scales, skipped, factors = [], [], []
     for step in range(p.steps):
         opt.zero_grad()
         x, y = _data(p, step)
@@ -76,10 +84,14 @@ def oracle(p: PPProgram) -> dict[str, Any]:
         _plant(p, step, None, params)
         before = scaler.get_scale()
         scaler.step(opt)
+        # (per-layer: an overflow a cut point absorbs skips the step and keeps the scale)
+        absorbed = bool(scaler.last_step_skipped) if p.per_layer else False
         scaler.update()
-        skipped.append(scaler.get_scale() < before)
+        skipped.append(absorbed or scaler.get_scale() < before)
         scales.append(scaler.get_scale())
-    return {"scales": scales, "skipped": skipped, "weights": {n: q.detach().clone() for n, q in params.items()}}
+        factors.append(list(scaler.layer_scales().values()) if p.per_layer else [])
+    return {"scales": scales, "skipped": skipped, "factors": factors,
+            "weights": {n: q.detach().clone() for n, q in params.items()}}
 
 
 class _Autocast(nn.Module):
@@ -111,7 +123,7 @@ def run_rank(rank: int, p: PPProgram) -> dict[str, Any]:
     else:
         group = "default"
     scaler = mixprec.GradScaler("cpu", init_scale=p.init_scale, growth_interval=p.growth_interval,
-                                process_group=group)
+                                process_group=group, per_layer=p.per_layer)
     loss = ScaledLoss(scaler, _loss)
     rows = BATCH // p.micro
     width_in = IN if rank == 0 else HIDDEN
@@ -119,10 +131,12 @@ def run_rank(rank: int, p: PPProgram) -> dict[str, Any]:
               else torch.empty(rows, width_in, dtype=torch.float16, requires_grad=True))
     outputs = torch.empty(rows, HIDDEN if rank == 0 else IN, dtype=torch.float16, requires_grad=True)
     stage = PipelineStage(_Autocast(part), rank, 2, torch.device("cpu"), input_args=inputs, output_args=outputs)
+    if p.per_layer:
+        scaler.watch(stage)  # collective: every stage's cut points
     schedule = (ScheduleGPipe if p.schedule == "gpipe" else Schedule1F1B)(stage, p.micro, loss_fn=loss)
     opt = torch.optim.SGD(part.parameters(), lr=0.1)
     params = dict(part.named_parameters())  # a slice keeps the full model's names
-    scales, skipped = [], []
+    scales, skipped, factors = [], [], []
     for step in range(p.steps):
         opt.zero_grad()
         x, y = _data(p, step)
@@ -132,6 +146,7 @@ def run_rank(rank: int, p: PPProgram) -> dict[str, Any]:
         skipped.append(bool(scaler.last_step_skipped))
         scaler.update()
         scales.append(scaler.get_scale())
+        factors.append(list(scaler.layer_scales().values()) if p.per_layer else [])
         loss.take()
-    result.update(scales=scales, skipped=skipped, weights={n: q.detach().clone() for n, q in params.items()})
+    result.update(scales=scales, skipped=skipped, factors=factors, weights={n: q.detach().clone() for n, q in params.items()})
     return result

@@ -13,7 +13,8 @@ gloo ranks, ``PipelineStage``, ``ScheduleGPipe`` and ``Schedule1F1B``, 2 micro-b
   with a Guard over the default group (the world) on stages that keep the full model's names:
   a large weight in one stage's layer moves that layer only, the other stage's layer of the same
   local name stays (a union of the stages' layers over the world would have mixed them up).
-* per-layer scaling says what to do: on a stage without the loss, and in a ScaledLoss.
+* per-layer scaling on a stage without the loss that watches its module, not its PipelineStage,
+  says what to do (per-layer scaling across stages: test_pipeline_layerwise.py).
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ def _worker(rank: int, port: int, out_dir: str, kind: str) -> None:
         _train(kind, rank, _Autocast(module, policy), scaler, 2, live=guard)
         result["guard"] = {"decisions": sorted(guard.decisions),
                            "fallback": {n: s.fallback for n, s in fp8.layer_states(module).items()}}
-        # per-layer scaling needs this rank's own loss
+        # per-layer scaling on a stage without the loss needs the stage watched
         if rank == 0:
             layerwise = mixprec.GradScaler("cpu", per_layer=True, process_group=pipeline).watch(plain)
             try:
@@ -219,7 +220,7 @@ def test_two_stages_skip_together_and_decide_on_their_own_layers(tmp_path, kind:
         guard = result["guard"]
         assert guard["decisions"] == ["4"]  # both stages: the union over the world, one layer
         assert guard["fallback"] == ({"0": False, "2": False} if rank == 0 else {"4": True, "6": False})
-    assert "per_layer=False on every stage" in ranks[0]["per_layer"]
+    assert "scaler.watch(pipeline_stage)" in ranks[0]["per_layer"]  # tests/scaling/test_pipeline_layerwise.py
 
 
 def test_scaled_loss_scales_and_keeps_the_unscaled_losses() -> None:
@@ -228,7 +229,5 @@ def test_scaled_loss_scales_and_keeps_the_unscaled_losses() -> None:
     out, target = torch.ones(2, 4, dtype=torch.float16), torch.zeros(2, 4)
     assert scaled(out, target).item() == 8.0 and scaled(out * 2, target).item() == 32.0
     assert [v.item() for v in scaled.take()] == [1.0, 4.0] and scaled.take() == []
-    with pytest.raises(ValueError, match="per_layer=False"):
-        ScaledLoss(mixprec.GradScaler("cpu", per_layer=True), _loss)
     with pytest.raises(TypeError, match="loss_fn must be callable"):
         ScaledLoss(scaler, "mse")

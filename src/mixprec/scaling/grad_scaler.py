@@ -513,10 +513,10 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
         not pickled: call it again after unpickling. The overflow is attributed in
         :meth:`unscale_` when it is called (before clipping spreads a NaN to every gradient), else
         in :meth:`step`; on the fused path this costs one host sync per step. Naming the
-        parameters costs one more, on skipped steps only.
+        parameters costs one more, on skipped steps only. ``model`` may be a ``PipelineStage``
+        (with ``per_layer=True``: collective over ``process_group``, see docs/parallelism.md).
         """
-        self._attribution.watch(model, prefix)
-        self._unscaling.watch(model)
+        self._attribution.watch(self._unscaling.watch(model, self._group), prefix)
         return self
 
     # ------------------------------------------------------------------ update

@@ -29,7 +29,19 @@ from torch import nn
 from mixprec._unscale import unscale_
 from mixprec.scaling.rule import ScaleConfig, ScaleState
 
-__all__ = ["GlobalUnscaling", "Unscaling"]
+__all__ = ["GlobalUnscaling", "Unscaling", "pipeline_stage"]
+
+
+def pipeline_stage(obj: Any) -> tuple[torch.nn.Module, int, int] | None:
+    """``(module, stage_index, num_stages)`` of a ``torch.distributed.pipelining`` stage
+    (``PipelineStage``, or a stage ``pipeline()`` built), else ``None``."""
+    try:
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+    except ImportError:  # torch.distributed unavailable
+        return None
+    if not isinstance(obj, _PipelineStageBase):
+        return None
+    return obj.submod, int(obj.stage_index), int(obj.num_stages)
 
 
 class Unscaling(Protocol):
@@ -44,8 +56,10 @@ class Unscaling(Protocol):
     unscale_before_step: bool
     names: Sequence[str]
 
-    def watch(self, model: nn.Module) -> None:
-        """``scaler.watch(model)``: the model whose gradients this strategy scales."""
+    def watch(self, model: Any, group: Any = None) -> nn.Module:
+        """``scaler.watch(model)``: the model whose gradients this strategy scales, or a pipeline
+        stage (its module); ``group``: a callable returning the scaler's process group (or None).
+        Returns the module."""
 
     def check_ready(self) -> None:
         """Raises ``ValueError`` (what to do) when a step cannot be scaled yet; first in ``scale``."""
@@ -118,8 +132,11 @@ class GlobalUnscaling(Unscaling):
     unscale_before_step = False
     names: Sequence[str] = ()
 
-    def watch(self, model: nn.Module) -> None:
-        """Nothing to watch: the scaler's attribution names the parameters."""
+    def watch(self, model: Any, group: Any = None) -> nn.Module:
+        """Nothing to watch: the scaler's attribution names the parameters (of a pipeline
+        stage's module)."""
+        stage = pipeline_stage(model)
+        return model if stage is None else stage[0]
 
     def check_ready(self) -> None:
         """Always ready."""

@@ -15,6 +15,8 @@ One module per idea:
 * ``scaler.py`` and ``planning.py``: :class:`Layerwise`, the stateful unscaling strategy a
   ``GradScaler(per_layer=True)`` holds (:mod:`mixprec.scaling.unscaling`), its device state and
   update in the first, what the graph walks learnt and each backward's plan in the second;
+* ``stages.py``: across ``torch.distributed.pipelining`` stages, ``scaler.watch(stage)``: every
+  stage holds every cut point's state and hooks its own, and the stages agree in ``update``;
 * ``mixprec.scaling._structure``: the learnt structure as a checkpoint stores it (outside the
   package: scalers pickled by earlier versions name it there).
 

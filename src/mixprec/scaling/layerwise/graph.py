@@ -56,10 +56,12 @@ def _above(label: int, incoming: dict[int, int]) -> list[int]:
 
 def walk(
     roots: Iterable[Any], edges: dict[tuple[int, int], tuple[int, int]], cut_names: Sequence[str],
-    param_names: dict[int, str] | None = None,
+    param_names: dict[int, str] | None = None, top: int = 0,
 ) -> Walk:
-    """Walks the autograd graph down from ``roots`` (``grad_fn`` nodes) and labels every node
-    with the region whose scale its gradient carries (see :class:`Walk`).
+    """Walks the autograd graph down from ``roots`` (``grad_fn`` nodes, or tensors: a tensor
+    that is a cut point's output starts below that cut point) and labels every node with the
+    region whose scale its gradient carries (see :class:`Walk`); the roots' gradients carry
+    region ``top``'s (0: the loss scale's; a pipeline stage's entry region).
 
     ``edges`` maps ``(id(grad_fn), output_nr)`` of each cut point's output tensor to the cut
     point's index and that ``grad_fn``'s sequence number (compared, so that a reused id cannot
@@ -83,7 +85,16 @@ def walk(
     incoming: dict[int, int] = {}
     params: dict[int, tuple[torch.Tensor, int]] = {}
     hidden: list[tuple[Any, int]] = []
-    stack: list[tuple[Any, int, Any, int]] = [(fn, 0, None, 0) for fn in roots if fn is not None]
+    stack: list[tuple[Any, int, Any, int]] = []
+    for root in roots:
+        fn, label = (root.grad_fn, top) if isinstance(root, torch.Tensor) else (root, top)
+        if fn is None:
+            continue
+        entry = edges.get((id(fn), root.output_nr)) if isinstance(root, torch.Tensor) else None
+        if entry is not None and entry[1] == fn._sequence_nr():  # a cut point's output: its hook runs first
+            incoming[entry[0]] = top
+            label = entry[0] + 1
+        stack.append((fn, label, None, 0))
     while stack:
         fn, label, producer, index = stack.pop()
         key = id(fn)
@@ -167,7 +178,9 @@ def _has_params(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters())
 
 
-def choose_cut_points(model: nn.Module, names: Sequence[str] | None = None) -> list[str]:
+def choose_cut_points(
+    model: nn.Module, names: Sequence[str] | None = None, keep_last: bool = False, stage: bool = False
+) -> list[str]:
     """The qualified names of the modules whose outputs are cut points, bottom (input side) first.
 
     With ``names``, checks and returns them. Otherwise finds the ``nn.Sequential`` or
@@ -175,7 +188,9 @@ def choose_cut_points(model: nn.Module, names: Sequence[str] | None = None) -> l
     parameters, and cuts after each of its children with parameters; when that
     container is the model itself (or what single-child wrappers such as DDP or
     ``torch.compile`` hold), its last child is left out (its output is the model's output, which
-    only the loss consumes).
+    only the loss consumes), unless ``keep_last`` (a pipeline stage before the last: its output
+    is where the unsplit model's next block begins). ``stage``: a pipeline stage's module, which
+    may hold no cut point (a last stage of one block): ``[]`` rather than an error.
 
     Raises:
         ValueError: a name that is not a submodule (with close matches), a repeated name, or no
@@ -215,11 +230,11 @@ def choose_cut_points(model: nn.Module, names: Sequence[str] | None = None) -> l
         prefix = f"{best[1]}." if best[1] else ""
         cuts = [f"{prefix}{n}" for n, c in container.named_children() if _has_params(c)]
         root = model
-        while len(root._modules) == 1:  # wrappers: DDP's .module, torch.compile's ._orig_mod
+        while len(root._modules) == 1 and not (stage and root is container):  # wrappers: DDP's .module, ...
             root = next(iter(root._modules.values()))
-        if container is root and cuts[-1] == f"{prefix}{list(container._modules)[-1]}":
+        if container is root and not keep_last and cuts[-1] == f"{prefix}{list(container._modules)[-1]}":
             cuts = cuts[:-1]
-    if not cuts:
+    if not cuts and not stage:
         raise ValueError(
             "GradScaler(per_layer=True) found no nn.Sequential or nn.ModuleList of blocks in the "
             "watched model. Name the modules whose outputs are cut points: "

@@ -21,6 +21,7 @@ from torch import nn
 
 from mixprec.scaling.layerwise.graph import Walk, first_tensor, reentrant_message, tensors_of, walk
 from mixprec.scaling.layerwise.rule import Topology, pow2
+from mixprec.scaling.layerwise.stages import StageLayout
 from mixprec.scaling._structure import Structure
 
 __all__ = ["EDGE_LIMIT", "GRAPH_KEYS", "CutHook", "GraphPlanning"]
@@ -38,6 +39,18 @@ class GraphPlanning:
     ensure_state: Callable[[torch.device], dict[str, torch.Tensor]]
     _refresh: Callable[[dict[str, torch.Tensor]], None]
     _grad_hooks: list[Any]
+    _stage: StageLayout | None  # a pipeline stage's place among the stages (None: a whole model)
+
+    @property
+    def _top(self) -> int:
+        """The region whose scale the gradients arriving at the watched module's outputs carry."""
+        return 0 if self._stage is None else self._stage.entry
+
+    def _local_cuts(self) -> list[tuple[int, str]]:
+        """``(cut point, module name)`` of the cut points the watched module holds."""
+        if self._stage is None:
+            return list(enumerate(self.names))
+        return [(self._stage.offset + j, name) for j, name in enumerate(self._stage.local)]
 
     def see_cut_output(self, tensor: torch.Tensor, cut: int) -> None:
         """A forward's output of cut point ``cut`` (what its hook saw): remember its graph edge for
@@ -64,6 +77,8 @@ class GraphPlanning:
         self._canonical_plan: list[tuple[torch.Tensor, ...]] = []  # per cut point: stats, s_k, [s_k, 1], index
         self._hook_plan: list[tuple[torch.Tensor, ...]] = []  # this backward's (the canonical one but where it compensates)
         self._step_hooks: list[Any] = []  # this backward's parameter hooks (removed after it)
+        self._input_hooks: list[Any] = []  # a pipeline stage's inputs' hooks (removed in unscale)
+        self._pending_cuts: frozenset[int] | None = None  # a stage's last planned forward's cut points
         self._fired: set[int] = set()  # cut points whose backward hook ran in this backward
         self._fired_step: set[int] = set()  # ... in any backward since the last update
         self._expected: frozenset[int] | None = None  # what this backward must fire (fast path)
@@ -117,11 +132,13 @@ class GraphPlanning:
                 its forward (see :meth:`check_backward`).
         """
         state = self.ensure_state(device)
+        if self._stage is not None:
+            self._same_as_pending({c for c, _ in self._edges.values()})
         self.check_backward()
         self._release_step_hooks()
         model = self._model() if self._model is not None else None
         edges, self._edges = self._edges, {}
-        roots = [t.grad_fn for t in tensors_of(outputs) if t.grad_fn is not None]
+        roots = [t for t in tensors_of(outputs) if t.grad_fn is not None]
         if model is None or not roots:
             return
         if self._calibrated and not self._shared and sorted(c for c, _ in edges.values()) == self._regular:
@@ -129,7 +146,19 @@ class GraphPlanning:
             return
         if self._param_names is None:
             self._param_names = {id(p): name for name, p in model.named_parameters()}
-        graph = walk(roots, edges, self.names, self._param_names)
+        graph = walk(roots, edges, self.names, self._param_names, self._top)
+        # a pipeline stage's inputs (leaves that are no parameter): their gradient goes to the
+        # stage before, at this stage's bottom region's scale
+        inputs = [graph.params.pop(key) for key in [k for k in graph.params if k not in self._param_names]] \
+            if self._stage is not None else []
+        if inputs and not self._calibrated and {k for k, _ in self._local_cuts()} <= set(graph.incoming):
+            if any(label != self._stage.bottom for _, label in inputs):
+                raise ValueError(
+                    f"per_layer: the gradient of pipeline stage {self._stage.index}'s input does not cross all its cut "
+                    f"points ({', '.join(map(repr, self._stage.local))}); across stages, per-layer scaling needs each "
+                    "stage's input to flow into its lowest block (a chain of blocks): name cut points that every "
+                    "path from the stage's output to its input crosses (cut_points=[...])."
+                )
         if not self._calibrated and not self._adopt(model, graph):
             self._calibrate(model, graph)
             self._refresh(state)
@@ -140,7 +169,25 @@ class GraphPlanning:
             self._carry_over(model, regions, scales, state["region_factor"])
         else:
             self._shared = self._shared or bool(graph.rescale)
-        self._compensate(graph, state)
+        self._compensate(graph, state, inputs)
+
+    def _same_as_pending(self, ran: set[int]) -> None:
+        """A pipeline stage plans each micro-batch's backward at its forward, and a schedule may
+        run later forwards first (GPipe, 1F1B's warm-up): every micro-batch of a step must run
+        the cut points its first one ran (reset in ``unscale``).
+
+        Raises:
+            ValueError: this micro-batch ran other cut points than the step's first.
+        """
+        pending, self._pending_cuts = self._pending_cuts, frozenset(ran)
+        if pending is not None and pending != self._pending_cuts:
+            self._pending_cuts = None
+            raise ValueError(
+                f"per_layer: pipeline stage {self._stage.index} ran cut points {sorted(self.names[k] for k in ran)} "
+                f"in this micro-batch and {sorted(self.names[k] for k in pending)} in the step's first; each "
+                "backward is planned at its forward, and a schedule runs forwards ahead of backwards, so every "
+                "micro-batch of a step must run the same blocks (skip blocks per step, not per micro-batch)."
+            )
 
     def _adopt(self, model: nn.Module, graph: Walk) -> bool:
         """Takes the canonical structure of a loaded checkpoint (see :meth:`load_state_dict`) in
@@ -186,11 +233,12 @@ class GraphPlanning:
         """The canonical structure from the first walk: each cut point's parent region, each
         parameter's region."""
         inside = self._checkpointed(model, graph.hidden, graph.incoming)
-        self._parents = [graph.incoming.get(k, 0) for k in range(len(self.names))]
+        local = {k for k, _ in self._local_cuts()}
+        self._parents = [graph.incoming.get(k, self._top) if k in local else p for k, p in enumerate(self._parents)]
         self._known = set(graph.incoming)
         self._regular = sorted(graph.incoming)
         self._shared = bool(graph.rescale)
-        owners = [(name, k) for k, name in enumerate(self.names)]
+        owners = [(name, k) for k, name in self._local_cuts()]
         self._param_region = {}
         unplaced = []
         for name, param in model.named_parameters():
@@ -205,7 +253,7 @@ class GraphPlanning:
             # Not reached (unused in this step): the cut point whose module owns it, else the
             # top region, until a walk reaches it.
             owner = [k for cut, k in owners if name.startswith(cut + ".")]
-            self._param_region[id(param)] = owner[-1] + 1 if owner else 0
+            self._param_region[id(param)] = owner[-1] + 1 if owner else self._top
             if not owner and param.requires_grad:
                 if None in inside:
                     what = f"parameter {name!r}, not in the graph of the first scaled loss, may run"
@@ -259,10 +307,12 @@ class GraphPlanning:
                 ratio = new_scales[new] / scales[old]
                 torch._foreach_mul_(grads, ratio.to(grads[0].device))
 
-    def _compensate(self, graph: Walk, state: dict[str, torch.Tensor]) -> None:
+    def _compensate(self, graph: Walk, state: dict[str, torch.Tensor], inputs: Any = ()) -> None:
         """This backward's plan (see :meth:`observe`): factors ``2**(T_to - T_from)`` on the
         device (no host sync) for every gradient that arrives in a region other than its
-        canonical one."""
+        canonical one; ``inputs``: a pipeline stage's input leaves, whose canonical region is the
+        stage's bottom one (their hooks stay until :meth:`release_input_hooks`, in ``unscale``:
+        under GPipe a micro-batch's backward runs after the next one's plan)."""
         moves: list[tuple[int, int]] = []  # (to region, from region)
         cuts = {k: len(moves) + i for i, k in enumerate(k for k, lab in graph.incoming.items() if lab != self._parents[k])}
         moves += [(self._parents[k], graph.incoming[k]) for k in cuts]
@@ -272,6 +322,11 @@ class GraphPlanning:
             if region is not None and region != label and param.requires_grad:
                 leaves.append((param, len(moves)))
                 moves.append((region, label))
+        sent = []
+        for tensor, label in inputs:
+            if label != self._stage.bottom and tensor.requires_grad:
+                sent.append((tensor, len(moves)))
+                moves.append((self._stage.bottom, label))
         nodes = []
         for node, index, label, top in graph.rescale:
             nodes.append((node, index, len(moves)))
@@ -290,8 +345,16 @@ class GraphPlanning:
             plan[k] = (stats, moved, torch.stack([moved, factors[i]]), where)
         self._hook_plan = plan
         self._step_hooks = [param.register_hook(_Times(factors[i])) for param, i in leaves]
+        # a micro-batch's input, a buffer the stage reuses at the next step: until unscale
+        self._input_hooks += [tensor.register_hook(_Times(factors[i])) for tensor, i in sent]
         for node, index_in, i in nodes:
             node.register_hook(_TimesInput(index_in, factors[i]))  # dies with this step's graph
+
+    def release_input_hooks(self) -> None:
+        """Removes the hooks on a pipeline stage's inputs (after the step's backward)."""
+        for handle in self._input_hooks:
+            handle.remove()
+        self._input_hooks, self._pending_cuts = [], None
 
     def _release_step_hooks(self) -> None:
         for handle in self._step_hooks:
@@ -340,12 +403,12 @@ class GraphPlanning:
                 inside[None] = 0
                 continue
             members = {id(m) for m in owner.modules()}
-            cuts = [name for name in self.names if id(modules[name]) in members]
+            cuts = [name for _, name in self._local_cuts() if id(modules[name]) in members]
             if cuts:
                 raise ValueError(reentrant_message(f"cut point {cuts[0]!r} runs"))
             for param in owner.parameters():
                 inside.setdefault(id(param), label)
-        unreached = [name for k, name in enumerate(self.names) if k not in incoming]
+        unreached = [name for k, name in self._local_cuts() if k not in incoming]
         if None in inside and unreached:
             raise ValueError(reentrant_message(f"cut point {unreached[0]!r} runs"))
         return inside
@@ -379,7 +442,7 @@ class CutHook:
 #: What :meth:`GraphPlanning._forget_graph` sets: learnt from the watched model's graphs, not pickled.
 GRAPH_KEYS = frozenset((
     "_edges", "_calibrated", "_param_region", "_placed", "_parents", "_known", "_regular", "_shared",
-    "_canonical_plan", "_hook_plan", "_step_hooks", "_fired", "_fired_step", "_expected", "_param_names",
+    "_canonical_plan", "_hook_plan", "_step_hooks", "_input_hooks", "_pending_cuts", "_fired", "_fired_step", "_expected", "_param_names",
 ))
 
 #: Cut-point outputs remembered between two ``scale()`` calls at most (ints only).

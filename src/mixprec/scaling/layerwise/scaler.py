@@ -20,6 +20,7 @@ from torch import nn
 from mixprec._unscale import unscale_
 from mixprec.scaling.layerwise.graph import choose_cut_points
 from mixprec.scaling.layerwise.planning import GRAPH_KEYS, CutHook, GraphPlanning
+from mixprec.scaling.layerwise.stages import StageHook, StageLayout, agree, pipeline_stage, stage_layout
 from mixprec.scaling.layerwise.rule import LayerState, Topology, exponent_of, host_rule, host_totals, layer_rule, pow2, topology
 from mixprec.scaling._structure import Structure, decode, encode
 from mixprec.scaling.protocol import master_pairs
@@ -73,28 +74,46 @@ class Layerwise(GraphPlanning, Unscaling):
         self._topology: Topology | None = None
         self.recent: deque[torch.Tensor] = deque(maxlen=HISTORY_LEN)  # exponents after each update
         self._saved_structure: Structure | None = None  # a loaded structure waiting for the first walk
+        self._stage: StageLayout | None = None
+        self._skipped_step: set[int] = set()  # a pipeline stage's cut points skipped in the step
         self._forget_graph()
 
     # -- watch --------------------------------------------------------------------------------
 
-    def watch(self, model: nn.Module) -> None:
-        """Chooses the cut points of ``model`` and hooks their modules (replacing an earlier model).
+    def watch(self, model: Any, group: Any = None) -> nn.Module:
+        """Chooses the cut points of ``model`` and hooks their modules (replacing an earlier model);
+        returns the module watched.
+
+        ``model`` may be a ``torch.distributed.pipelining`` stage (``PipelineStage``): its module's
+        cut points are one stage's of the pipeline's chain (:mod:`.stages`), and ``group()`` (the
+        scaler's resolved process group) must hold every stage; every rank of it calls ``watch``
+        (one ``all_gather_object``).
 
         Raises:
-            ValueError: see :func:`choose_cut_points`.
+            ValueError: see :func:`choose_cut_points` and :func:`.stages.stage_layout`.
         """
-        if self._model is not None and self._model() is model:
-            return
-        names = choose_cut_points(model, self.requested)
+        stage = pipeline_stage(model)
+        module = model if stage is None else stage[0]
+        if self._model is not None and self._model() is module and (stage is None) == (self._stage is None):
+            return module
+        last = stage is None or stage[1] == stage[2] - 1
+        local = choose_cut_points(module, self.requested, keep_last=not last, stage=stage is not None)
+        layout = None
+        if stage is not None:
+            layout = stage_layout(local, stage[1], stage[2], None if group is None else group())
         self.remove_hooks()
-        modules = dict(model.named_modules())
-        self._model = weakref.ref(model)
-        self.names = names
-        self._grad_hooks = [self._grad_hook(k) for k in range(len(names))]
-        self._handles = [modules[n].register_forward_hook(CutHook(self, k, modules[n])) for k, n in enumerate(names)]
+        modules = dict(module.named_modules())
+        self._model = weakref.ref(module)
+        self._stage = layout
+        self.names = local if layout is None else layout.names
+        self._grad_hooks = [self._grad_hook(k) for k in range(len(self.names))]
+        self._handles = [modules[n].register_forward_hook(CutHook(self, k, modules[n])) for k, n in self._local_cuts()]
+        if not last:
+            self._handles.append(module.register_forward_hook(StageHook(self, module)))
         self._forget_graph()  # until the graph walk says otherwise: a chain
         if self._device_state is not None:
             self._device_state = self._fresh_state(self._device_state["exponent"].device)
+        return module
 
     def check_ready(self) -> None:
         """Raises ``ValueError`` (what to do) unless a model is watched: without one the scaler
@@ -109,11 +128,15 @@ class Layerwise(GraphPlanning, Unscaling):
             )
 
     def stage_device(self, device_type: str) -> torch.device:
-        """Raises: per-layer scales are planned by this rank's own ``scale(loss)``."""
+        """A watched pipeline stage's device (its forward hook planned its backward); otherwise
+        raises: per-layer scales are planned by this rank's own ``scale(loss)``."""
+        if self._stage is not None:
+            return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
         raise ValueError(
             "GradScaler(per_layer=True) unscales what this rank's scaler.scale(loss) planned, and this rank has "
-            "scaled no loss: call scaler.scale(loss) before unscale_/step. A pipeline stage without the loss "
-            "(every stage but the last) cannot scale per layer: use per_layer=False on every stage (docs/scaling.md)."
+            "scaled no loss: call scaler.scale(loss) before unscale_/step. On a pipeline stage without the loss "
+            "(every stage but the last), watch the stage itself, scaler.watch(pipeline_stage), with a process_group "
+            "holding every stage (docs/parallelism.md)."
         )
 
     def remove_hooks(self) -> None:
@@ -122,6 +145,7 @@ class Layerwise(GraphPlanning, Unscaling):
             handle.remove()
         self._handles = []
         self._release_step_hooks()
+        self.release_input_hooks()
 
     # -- device state -------------------------------------------------------------------------
 
@@ -204,6 +228,7 @@ class Layerwise(GraphPlanning, Unscaling):
         state = self.ensure_state(scale.device)
         self.check_backward()
         self._release_step_hooks()
+        self.release_input_hooks()
         lookup = self._region_lookup(optimizer)
         regions = [lookup.get(id(param), 0) for param in params]
         measured: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
@@ -222,7 +247,9 @@ class Layerwise(GraphPlanning, Unscaling):
                 stats.scatter_reduce_(0, self._index(regions_of, stats.device), extremes, reduce="amax")
             found = unscale_(grads, scale * state["region_factor"], regions)
             skipped = self._known - self._fired_step
-            if skipped and measured:
+            if self._stage is not None:  # silenced once the stages' statistics are all-reduced
+                self._skipped_step |= skipped
+            elif skipped and measured:
                 # A step that skipped cut points: the regions at and below them are not measured
                 # (their gradients are not those of the network the factors serve, e.g. larger
                 # without a skipped block above, or zeros after zero_grad(set_to_none=False)):
@@ -285,8 +312,10 @@ class Layerwise(GraphPlanning, Unscaling):
         if state is None:
             return None
         stats = state["stats"]
-        if group is not None:
-            stats = torch.nan_to_num(stats, nan=math.inf)
+        if self._stage is not None and group is not None:
+            stats = self._agree(state, stats, group)
+        elif group is not None:
+            stats = torch.nan_to_num(stats, nan=math.inf, posinf=math.inf)
             torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX, group=group)
         if stats.device.type in self.host_devices:
             return self._update_on_host(state, stats, found_inf, config, overflow)
@@ -304,6 +333,23 @@ class Layerwise(GraphPlanning, Unscaling):
         state["stats"].fill_(-1.0)
         self.recent.append(new.exponent)
         return absorbed
+
+    def _agree(self, state: dict[str, torch.Tensor], stats: torch.Tensor, group: Any) -> torch.Tensor:
+        """A pipeline stage's statistics made every stage's (:func:`.stages.agree`): the parents
+        its peers learnt taken in, the regions at and below a cut point any stage skipped
+        silenced (as :meth:`unscale` does for a whole model)."""
+        local = range(self._stage.offset, self._stage.offset + len(self._stage.local))
+        stats, parents, skipped = agree(stats, self._parents, local, self._skipped_step, group)
+        self._skipped_step = set()
+        if parents != self._parents:
+            self._parents = parents
+            self._refresh(state)
+        silent = tuple(k + 1 for k in range(len(self.names)) if skipped.intersection(self._path(k)))
+        if silent:
+            index = self._index(silent, stats.device)
+            seen = stats.index_select(0, index)
+            stats.index_copy_(0, index, torch.where(seen.isfinite(), -1.0, seen))
+        return stats
 
     def _update_on_host(
         self, state: dict[str, torch.Tensor], stats: torch.Tensor, found_inf: torch.Tensor, config: ScaleConfig,
@@ -330,7 +376,7 @@ class Layerwise(GraphPlanning, Unscaling):
         """What ``update(new_scale=...)`` does here: the step's statistics are discarded (the next
         update measures its own step only); factors, margins, trackers and budgets stay, and the
         history records the unchanged factors. No host sync."""
-        self._fired_step = set()
+        self._fired_step, self._skipped_step = set(), set()
         state = self._device_state
         if state is None:
             return
@@ -463,6 +509,8 @@ class Layerwise(GraphPlanning, Unscaling):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_saved_structure", None)  # pickled by an older mixprec
+        self.__dict__.setdefault("_stage", None)
+        self.__dict__.setdefault("_skipped_step", set())
         self._topology = None
         self._forget_graph()
 

@@ -197,6 +197,7 @@ class LayerRecord:
         self.cost_now = [True, True]
         self.cost_gate = torch.ones(2, dtype=torch.bool, device=state.device)
         self.cost_rung = rung
+        self.cost_sign = torch.tensor([-1.0, 1.0], device=state.device)  # loss_cost's at_error, per row
         self.probe: Any = None  # its Probe (also in state.probe)
         # whether this step feeds the shadows (Controller._measuring), on the device: what compiled
         # code reads, so that the shadow phase is no guard (a recompile) but data
@@ -259,13 +260,13 @@ class LayerRecord:
         self.cost_now = now
 
     def end_step(self, loss_scale: float | torch.Tensor) -> None:
-        """Fold this step's loss-cost sums into the window: the estimate (:func:`loss_cost`) of
+        """Fold this step's loss-cost sums into the window: the estimate (:func:`loss_cost`, bitwise) of
         the gradients scaled by ``loss_scale``; a step without rows or with a non-finite
         estimate (an overflowed gradient) is not counted. No host sync."""
         if self.cost is None:
             return
-        c = self.cost
-        estimate = torch.stack([loss_cost(*c[row, :3], loss_scale, at_error=row == 0) for row in (0, 1)])
+        c = self.cost  # (both rows at once: the own cost is taken at the error, the one below's without it)
+        estimate = c[:, 0] / loss_scale + self.cost_sign * (0.5 * c[:, 2] * c[:, 1] / (loss_scale * loss_scale))
         counted = (c[:, 2] > 0) & torch.isfinite(estimate)
         kept = torch.where(counted, estimate, 0.0)
         c[:, 3] += kept

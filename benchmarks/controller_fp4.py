@@ -15,7 +15,9 @@ step against the same model's step without it, at four model sizes and on the de
   the controller's windows: its first window measures the loss cost on every step, later ones
   on the steps its plan names) on the run's own batches, then one step of each in turn, the
   order alternating (AB, BA, ...), on the next batches (the same for both): the median of the
-  per-round ratios and its quartiles (:func:`mixprec.demo.alternate.pair_ratio`).
+  per-round ratios and its quartiles (:func:`mixprec.demo.alternate.pair_ratio`), of wall time
+  and of the thread's CPU time (``time.thread_time``: one thread, so the work itself, which a
+  machine shared with other jobs stretches less than the wall clock).
 * Model sizes: the demo's ``TransformerLM`` with 2 blocks of width 64, 128, 256, 384 (sequences
   of 64 tokens, batches of 8): what the controller costs should stay flat as the model grows.
   Headlines: the demo's ``tiny`` and ``small`` presets.
@@ -121,15 +123,17 @@ def steady_pair(pair: str, settings: Settings, train: torch.Tensor, rounds: int,
         for step in steps.values():
             step(x, y)
     times: dict[str, list[float]] = {mode: [], reference: []}
+    cpu: dict[str, list[float]] = {mode: [], reference: []}
     start = time.perf_counter()
     for round_, (x, y) in enumerate(batches[warm:]):
         for name in ((mode, reference) if round_ % 2 == 0 else (reference, mode)):
-            begin = time.perf_counter()
+            begin, begin_cpu = time.perf_counter(), time.thread_time()
             steps[name](x, y)
             times[name].append(time.perf_counter() - begin)
+            cpu[name].append(time.thread_time() - begin_cpu)
         if round_ + 1 >= 3 and time.perf_counter() - start > budget_s:
             break
-    return pair_ratio(times[mode], times[reference])
+    return {**pair_ratio(times[mode], times[reference]), "cpu": pair_ratio(cpu[mode], cpu[reference])}
 
 
 def width_settings(width: int) -> Settings:
@@ -149,8 +153,10 @@ def cpu_flags() -> str:
 
 
 def _line(label: str, r: dict[str, Any]) -> str:
-    return (f"{label}: {r['ratio']:.3f}x (quartiles {r['low']:.3f}-{r['high']:.3f}, {r['rounds']} rounds; "
-            f"{r['reference_s'] * 1e3:.0f} ms reference step)")
+    c = r["cpu"]
+    return (f"{label}: CPU time {c['ratio']:.3f}x (quartiles {c['low']:.3f}-{c['high']:.3f}), wall {r['ratio']:.3f}x "
+            f"(quartiles {r['low']:.3f}-{r['high']:.3f}); {r['rounds']} rounds, {c['reference_s'] * 1e3:.0f} ms CPU "
+            f"per reference step")
 
 
 def main() -> None:

@@ -190,7 +190,7 @@ class LayerRecord:
         self.cost_blind = False
         self.forward_below: Float8Recipe | None = None
         # per row, on how many of a window's last steps the loss cost is measured (None: every
-        # step) and the per-step variance it was planned from (measure.cost_steps); whether this
+        # step) and the per-step variance it was planned from (_cost.cost_steps); whether this
         # step measures it (eager code) and its device copy (compiled code); the forward's rung planned for
         self.cost_plan: list[int | None] = [None, None]
         self.cost_var: list[float | None] = [None, None]
@@ -231,7 +231,7 @@ class LayerRecord:
         """A row of :meth:`windows` (all-reduced, as a list) as ``(statistics, loss costs)``; the
         costs (own, below, whether each was measured) are None without ``max_loss_cost``. With
         ``settings``, plans from the window on how many of the next window's steps each loss cost
-        is measured (:func:`~mixprec.control._measure.cost_steps`: at least the shadow steps and
+        is measured (:func:`~mixprec.control._cost.cost_steps`: at least the shadow steps and
         2, against ``max_loss_cost`` for the own cost, the demotion limit for the one below)."""
         if self.cost is None:
             return row, None

@@ -1,5 +1,5 @@
-"""What the per-GEMM fp4 Controller costs (issue 39): its measurements at four operand sizes, and
-its training step against the same model's all-fp4 step.
+"""What the Controller costs (issue 39): its measurements at four operand sizes, and its training
+step against the same model's step without it, at four model sizes and on the demo's presets.
 
 * ``measure``: one :func:`mixprec.control._ladder.measure` of an NVFP4 cast (as the probe takes
   it: ``sample`` = 4096 elements, with and without the Hadamard transform of weight-gradient
@@ -7,24 +7,36 @@ its training step against the same model's all-fp4 step.
   (:func:`mixprec.formats._fp4.quantize`, what the training step itself does to it). A
   measurement on a true sample costs about the same at every size: its ratio to the whole cast
   falls as the operand grows.
-* ``step``: one training step of the demo's ``mixprec-fp4`` mode (every Linear NVFP4, a
+* ``fp4``: one training step of the demo's ``mixprec-fp4`` mode (every Linear NVFP4, a
   Controller per GEMM with ``max_loss_cost``) against ``mixprec-fp4-all`` (the same, no
-  controller), timed in alternation on the same batch (:func:`mixprec.demo.alternate.time_pair`:
-  median of the per-round ratios and its quartiles), on the demo's ``tiny`` and ``small``.
+  controller). ``fp8``: the demo's ``mixprec-fp8`` (tensorwise, a per-layer Controller) against
+  the same fp8 policy alone (no controller, no guard).
+* Each pair is timed in its steady state: both models first train :data:`WARM` steps (three of
+  the controller's windows: its first window measures the loss cost on every step, later ones
+  on the steps its plan names) on the run's own batches, then one step of each in turn, the
+  order alternating (AB, BA, ...), on the next batches (the same for both): the median of the
+  per-round ratios and its quartiles (:func:`mixprec.demo.alternate.pair_ratio`), of wall time
+  and of the thread's CPU time (``time.thread_time``: one thread, so the work itself, which a
+  machine shared with other jobs stretches less than the wall clock).
+* Model sizes: the demo's ``TransformerLM`` with 2 blocks of width 64, 128, 256, 384 (sequences
+  of 64 tokens, batches of 8): what the controller costs should stay flat as the model grows.
+  Headlines: the demo's ``tiny`` and ``small`` presets.
 
-The CPU and the load average are printed before and after. One thread.
+The CPU (with its bf16/AMX flags) and the load average are printed before and after. One thread.
 
-    .venv/bin/python benchmarks/controller_fp4.py [--quick] [--sizes tiny,small]
+    .venv/bin/python benchmarks/controller_fp4.py [--quick] [--widths 64,128,256,384] [--presets tiny,small]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -32,8 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._machine import machine  # noqa: E402
 from mixprec.control._measure import measure  # noqa: E402
-from mixprec.demo.alternate import time_pair  # noqa: E402
-from mixprec.demo.corpus import load_tokens  # noqa: E402
+from mixprec.demo.alternate import pair_ratio  # noqa: E402
+from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch  # noqa: E402
+from mixprec.demo.model import ModelConfig, TransformerLM, lm_loss  # noqa: E402
+from mixprec.demo.modes import MODES, Setup  # noqa: E402
 from mixprec.demo.settings import Settings  # noqa: E402
 from mixprec.formats._fp4 import quantize  # noqa: E402
 from mixprec.formats._recipe import Cast  # noqa: E402
@@ -42,6 +56,10 @@ from mixprec.formats._state import new_window  # noqa: E402
 ROWS = (64, 1024, 8192, 32768)
 COLS = 256
 SAMPLE = 4096  # ControllerSettings.sample's default
+#: steps each model trains before the timed rounds: three windows of the demo's every=10
+WARM = 30
+#: the pairs: (what is timed, its reference), each a demo mode or the fp8 policy alone
+PAIRS = {"fp4": ("mixprec-fp4", "mixprec-fp4-all"), "fp8": ("mixprec-fp8", "fp8-policy")}
 
 
 def _median_s(fn: Any, repeats: int) -> float:
@@ -68,30 +86,110 @@ def measure_costs(repeats: int = 9) -> list[dict[str, float]]:
     return out
 
 
-def step_ratios(sizes: tuple[str, ...], rounds: int, budget_s: float) -> dict[str, dict[str, Any]]:
-    train, _ = load_tokens()
-    return {size: time_pair("mixprec-fp4", "mixprec-fp4-all", Settings.for_size(size), torch.device("cpu"), train,
-                            rounds=rounds, budget_s=budget_s) for size in sizes}
+def _setup(mode: str, model: torch.nn.Module, settings: Settings) -> Setup:
+    if mode == "fp8-policy":  # mixprec-fp8's policy without its controller (and without a guard)
+        return dataclasses.replace(MODES["mixprec-fp8-guard"].setup(model, settings, torch.device("cpu")),
+                                   fp8_guard=None)
+    return MODES[mode].setup(model, settings, torch.device("cpu"))
+
+
+def _stepper(mode: str, settings: Settings) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """One training step of a fresh model in ``mode`` (as ``mixprec.demo.train`` takes it)."""
+    torch.manual_seed(settings.seed)
+    model = TransformerLM(settings.model)
+    setup = _setup(mode, model, settings)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        setup.optimizer.zero_grad(set_to_none=True)
+        with setup.autocast():
+            loss = lm_loss(model(x), y)
+        loss.backward()
+        setup.optimizer.step()
+        if setup.fp8_controller is not None:
+            setup.fp8_controller.step()
+
+    return step
+
+
+def steady_pair(pair: str, settings: Settings, train: torch.Tensor, rounds: int, budget_s: float,
+                warm: int = WARM) -> dict[str, Any]:
+    """``pair`` (a key of :data:`PAIRS`) timed as the module says: ``warm`` untimed steps, then
+    alternated rounds (at least 3, at most ``rounds``, stopping after ``budget_s`` seconds)."""
+    mode, reference = PAIRS[pair]
+    offsets = batch_offsets(len(train), warm + rounds, settings.batch_size, settings.model.seq_len, settings.seed)
+    batches = [make_batch(train, o, settings.model.seq_len, torch.device("cpu")) for o in offsets]
+    steps = {mode: _stepper(mode, settings), reference: _stepper(reference, settings)}
+    for x, y in batches[:warm]:
+        for step in steps.values():
+            step(x, y)
+    times: dict[str, list[float]] = {mode: [], reference: []}
+    cpu: dict[str, list[float]] = {mode: [], reference: []}
+    start = time.perf_counter()
+    for round_, (x, y) in enumerate(batches[warm:]):
+        for name in ((mode, reference) if round_ % 2 == 0 else (reference, mode)):
+            begin, begin_cpu = time.perf_counter(), time.thread_time()
+            steps[name](x, y)
+            times[name].append(time.perf_counter() - begin)
+            cpu[name].append(time.thread_time() - begin_cpu)
+        if round_ + 1 >= 3 and time.perf_counter() - start > budget_s:
+            break
+    return {**pair_ratio(times[mode], times[reference]), "cpu": pair_ratio(cpu[mode], cpu[reference])}
+
+
+def width_settings(width: int) -> Settings:
+    """The demo's model with 2 blocks of ``width`` (4 heads, 64-token sequences, batches of 8)."""
+    return Settings(model=ModelConfig(seq_len=64, d_model=width, n_layers=2, n_heads=4), steps=WARM, batch_size=8,
+                    lr=1.25e-3)
+
+
+def cpu_flags() -> str:
+    """The CPU's bf16/AMX flags (``lscpu``), as ``avx512_bf16 amx_bf16 ...`` or ``none``."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("Flags")), [])
+    return " ".join(f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")) or "none"
+
+
+def _line(label: str, r: dict[str, Any]) -> str:
+    c = r["cpu"]
+    return (f"{label}: CPU time {c['ratio']:.3f}x (quartiles {c['low']:.3f}-{c['high']:.3f}), wall {r['ratio']:.3f}x "
+            f"(quartiles {r['low']:.3f}-{r['high']:.3f}); {r['rounds']} rounds, {c['reference_s'] * 1e3:.0f} ms CPU "
+            f"per reference step")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny only, 3 rounds (a smoke run)")
-    parser.add_argument("--sizes", default=None, help="comma-separated demo sizes (default: tiny,small)")
+    parser.add_argument("--quick", action="store_true", help="widths 64,128, preset tiny, 4 rounds (a smoke run)")
+    parser.add_argument("--widths", default=None, help="comma-separated model widths (default: 64,128,256,384)")
+    parser.add_argument("--presets", default=None, help="comma-separated demo presets (default: tiny,small)")
+    parser.add_argument("--rounds", type=int, default=None, help="alternated rounds per pair (default 15)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    sizes = tuple(args.sizes.split(",")) if args.sizes else (("tiny",) if args.quick else ("tiny", "small"))
+    widths = [int(w) for w in (args.widths or ("64,128" if args.quick else "64,128,256,384")).split(",")]
+    presets = (args.presets or ("tiny" if args.quick else "tiny,small")).split(",")
+    rounds = args.rounds or (4 if args.quick else 15)
+    budget = 5.0 if args.quick else 90.0
     before = machine()
-    print(f"CPU: {before['cpu']}; load before: {before['load']}")
+    print(f"CPU: {before['cpu']} (flags: {cpu_flags()}); load before: {before['load']}")
     print(f"measure (NVFP4, sample={SAMPLE}) against the whole operand's NVFP4 cast, {COLS} columns:")
     for r in measure_costs(3 if args.quick else 9):
         print(f"  {r['rows']:>6} rows: measure {r['measure_ms']:.3f} ms, with Hadamard {r['hadamard_ms']:.3f} ms, "
               f"whole cast {r['cast_ms']:.3f} ms ({r['measure_ms'] / r['cast_ms']:.3f}x)")
-    rounds, budget = (3, 1.0) if args.quick else (15, 60.0)
-    for size, r in step_ratios(sizes, rounds, budget).items():
-        print(f"step, {size}: mixprec-fp4 (Controller per GEMM) {r['ratio']:.3f}x mixprec-fp4-all "
-              f"(quartiles {r['low']:.3f}-{r['high']:.3f}, {r['rounds']} rounds; {r['reference_s'] * 1e3:.0f} ms "
-              f"all-fp4 step)")
+    train, _ = load_tokens()
+    print(f"step ratios by model width (2 blocks, batch 8x64 tokens), after {WARM} untimed steps, alternated:")
+    for width in widths:
+        for pair in PAIRS:
+            mode, reference = PAIRS[pair]
+            print("  " + _line(f"width {width}, {mode} / {reference}",
+                               steady_pair(pair, width_settings(width), train, rounds, budget)), flush=True)
+    print("headlines (demo presets):")
+    for preset in presets:
+        for pair in PAIRS:
+            mode, reference = PAIRS[pair]
+            print("  " + _line(f"{preset}, {mode} / {reference}",
+                               steady_pair(pair, Settings.for_size(preset), train, rounds, budget)), flush=True)
     print(f"load after: {machine()['load']}")
 
 

@@ -253,18 +253,18 @@ class Controller(Shell):
                 rec.end_step(grad_scale(rec, loss_scale, scaled))
         self._steps += 1
         self._stepped = True
-        self._set_measuring(shadow_phase(self._steps, self.settings.every, self.settings.shadow_steps))
         self._learn_compute()
         if not self._layers and not self._warned_empty and not self._distributed():
             self._warned_empty = True
             warnings.warn("fp8: Controller.step() tracks no fp8 layer, so it decides nothing: attach it to the "
                           "model (ctl.attach(model)) and run a forward under a policy with an fp8 rule first",
                           UserWarning, stacklevel=2)
-        if self._steps % self.settings.every != 0:
-            return []
-        start = time.perf_counter()
-        new = self._decide_all()
-        self._clock.checked(time.perf_counter() - start, len(self._layers), self.settings.every)
+        new: list[Decision] = []
+        if self._steps % self.settings.every == 0:
+            start = time.perf_counter()
+            new = self._decide_all()
+            self._clock.checked(time.perf_counter() - start, len(self._layers), self.settings.every)
+        self._set_measuring(shadow_phase(self._steps, self.settings.every, self.settings.shadow_steps))
         return new
 
     def _decide_all(self) -> list[Decision]:
@@ -286,7 +286,7 @@ class Controller(Shell):
         (rows, backs), new, check = peel(names, rows, list(self._layers), self.settings), [], self._check()
         for name, rec, row in zip(names, recs, rows):
             rec.reset()
-            row, cost = rec.split(row)
+            row, cost = rec.split(row, self.settings)
             if self.settings.per_gemm:
                 new.extend(decide_gemms(check, name, rec, row, cost, backs[name]))
                 continue
@@ -298,9 +298,8 @@ class Controller(Shell):
         return new
 
     def _set_measuring(self, measuring: bool) -> None:
-        """Whether the coming steps feed the shadows (:func:`~mixprec.control._records.set_measuring`)."""
-        if measuring != self._measuring:
-            set_measuring(self._layers.values(), measuring)
+        """Whether the coming step feeds the shadows and measures the loss costs (:func:`~mixprec.control._records.set_measuring`)."""
+        set_measuring(self._layers.values(), measuring, measuring != self._measuring, self._steps, self.settings.every)
         self._measuring = measuring
 
     def _learn_compute(self) -> None:  # the compute dtype, when no policy said it: the one its probes saw

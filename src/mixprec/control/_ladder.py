@@ -13,13 +13,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from mixprec.formats._linear import linear
 from mixprec.formats._quant import STAT_NAMES
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window, window_stats
-from mixprec.control._settings import FP4_RUNGS, FP8_RUNGS, LOW_RUNGS, RUNGS
+from mixprec.control._settings import FP4_RUNGS, FP8_RUNGS, LOW_RUNGS, RUNGS, ControllerSettings
+from mixprec.control._cost import cost_steps, loss_cost, measure_cost, output_errors, _accumulate_cost  # noqa: F401
 from mixprec.control._measure import abs_max, measure, record_range
 from mixprec.control._trend import Trend
 
@@ -38,8 +37,9 @@ _FP4_SETTINGS = ("hadamard", "stochastic_rounding", "subnormal_scales", "seed")
 _NCOL = len(STAT_NAMES)
 _RANGE = ("input", "output")  # the range row: the layer's input and output amax, in its own dtype
 #: a record's loss-cost buffer, per row (the forward GEMM's own casts, the rung below's): this
-#: step's sums (first-order term, sum of squared per-row terms, rows), the window's (estimates, steps)
-_COST_COLUMNS = ("first", "squares", "rows", "sum", "steps")
+#: step's sums (first-order term, sum of squared per-row terms, rows), the window's (estimates,
+#: steps, squared estimates)
+_COST_COLUMNS = ("first", "squares", "rows", "sum", "steps", "sum_sq")
 
 
 @dataclass(frozen=True)
@@ -189,6 +189,15 @@ class LayerRecord:
         # its weight is all-gathered in fp8 by FSDP2: no high-precision weight, no loss cost
         self.cost_blind = False
         self.forward_below: Float8Recipe | None = None
+        # per row, on how many of a window's last steps the loss cost is measured (None: every
+        # step) and the per-step variance it was planned from (_cost.cost_steps); whether this
+        # step measures it (eager code) and its device copy (compiled code); the forward's rung planned for
+        self.cost_plan: list[int | None] = [None, None]
+        self.cost_var: list[float | None] = [None, None]
+        self.cost_now = [True, True]
+        self.cost_gate = torch.ones(2, dtype=torch.bool, device=state.device)
+        self.cost_rung = rung
+        self.cost_sign = torch.tensor([-1.0, 1.0], device=state.device)  # loss_cost's at_error, per row
         self.probe: Any = None  # its Probe (also in state.probe)
         # whether this step feeds the shadows (Controller._measuring), on the device: what compiled
         # code reads, so that the shadow phase is no guard (a recompile) but data
@@ -207,39 +216,67 @@ class LayerRecord:
 
     def windows(self) -> torch.Tensor:
         """The windows a check all-reduces, as one vector (the loss costs last: the window's
-        mean estimate, own and below, -inf where none was measured, then whether one was)."""
+        mean estimate, own and below, -inf where none was measured, whether one was, the mean
+        squared estimate and the steps measured)."""
         parts = [self.state.stats.flatten(), window_stats(self.shadow).flatten(), self.range]
         if self.gemm_windows is not None:
             parts.append(self.gemm_windows[..., :-1].flatten())
         if self.cost is not None:
             steps = self.cost[:, 4]
             mean = torch.where(steps > 0, self.cost[:, 3] / steps.clamp(min=1), -math.inf)
-            parts += [mean, (steps > 0).float()]
+            parts += [mean, (steps > 0).float(), self.cost[:, 5] / steps.clamp(min=1), steps]
         if self.backward is not None:  # (last: the check peels it off first)
             parts.append(self.backward.row())
         return torch.cat(parts)
 
-    def split(self, row: list[float]) -> tuple[list[float], list[float] | None]:
+    def split(self, row: list[float], settings: ControllerSettings | None = None
+              ) -> tuple[list[float], list[float] | None]:
         """A row of :meth:`windows` (all-reduced, as a list) as ``(statistics, loss costs)``; the
-        costs (own, below, whether each was measured) are None without ``max_loss_cost``."""
+        costs (own, below, whether each was measured) are None without ``max_loss_cost``. With
+        ``settings``, plans from the window on how many of the next window's steps each loss cost
+        is measured (:func:`~mixprec.control._cost.cost_steps`: at least the shadow steps and
+        2, against ``max_loss_cost`` for the own cost, the demotion limit for the one below)."""
         if self.cost is None:
             return row, None
-        n = 2 * self.cost.shape[0]
-        return row[:-n], row[-n:]
+        n = 4 * self.cost.shape[0]
+        cost, mean_sq, steps = row[-n:-n // 2], row[-n // 2:-n // 4], row[-n // 4:]
+        if settings is not None:
+            every, limits = settings.every, (settings.max_loss_cost, settings.demote_cost)
+            least = min(every, max(2, settings.shadow_steps))
+            for r in range(2):
+                self.cost_plan[r], self.cost_var[r] = cost_steps(cost[r], mean_sq[r], steps[r], self.cost_var[r],
+                                                                 limits[r], every, least)
+        return row[:-n], cost
+
+    def cost_phase(self, step: int, every: int) -> None:
+        """Whether the step after ``step`` ``Controller.step()`` calls measures each loss cost:
+        one of the last ``cost_plan`` steps of its window (every step on a rung not planned for:
+        after the forward GEMM switched). No host sync (a device write where it changes)."""
+        if self.cost is None:
+            return
+        if self.rungs[0] != self.cost_rung:
+            self.cost_rung, self.cost_plan, self.cost_var = self.rungs[0], [None, None], [None, None]
+        now = [n is None or every - 1 - step % every < n for n in self.cost_plan]
+        for r in range(2):
+            if now[r] != self.cost_now[r]:
+                self.cost_gate[r].fill_(now[r])
+        self.cost_now = now
 
     def end_step(self, loss_scale: float | torch.Tensor) -> None:
-        """Fold this step's loss-cost sums into the window: the estimate (:func:`loss_cost`) of
+        """Fold this step's loss-cost sums into the window: the estimate (:func:`loss_cost`, bitwise) of
         the gradients scaled by ``loss_scale``; a step without rows or with a non-finite
         estimate (an overflowed gradient) is not counted. No host sync."""
         if self.backward is not None:
             self.backward.end_step(loss_scale)
         if self.cost is None:
             return
-        c = self.cost
-        estimate = torch.stack([loss_cost(*c[row, :3], loss_scale, at_error=row == 0) for row in (0, 1)])
+        c = self.cost  # (both rows at once: the own cost is taken at the error, the one below's without it)
+        estimate = c[:, 0] / loss_scale + self.cost_sign * (0.5 * c[:, 2] * c[:, 1] / (loss_scale * loss_scale))
         counted = (c[:, 2] > 0) & torch.isfinite(estimate)
-        c[:, 3] += torch.where(counted, estimate, 0.0)
+        kept = torch.where(counted, estimate, 0.0)
+        c[:, 3] += kept
         c[:, 4] += counted
+        c[:, 5] += kept * kept
         c[:, :3] = 0
 
     def reset(self) -> None:
@@ -262,9 +299,11 @@ class Probe:
     """What :func:`mixprec.fp8.linear` calls after a controlled layer's GEMM (``LayerState.probe``),
     in eager mode and traced alike: the range (fp16 inputs) and, on the last steps of each window,
     the shadow of a promoted layer, and for a per-GEMM record each GEMM's own casts; under
-    ``Controller.max_loss_cost``, on every training step, the loss cost of the forward GEMM's
-    error (:func:`_measure_cost`), on every row of its output (a sum of signed terms: a sample
-    of rows misjudges it, 64 rows of 256 gave the wrong sign). The casts are measured on a
+    ``Controller.max_loss_cost``, on the training steps its plan names (``rec.cost_now``: the
+    last steps of each window, all of them where the window's mean may land near its threshold),
+    the loss cost of the forward GEMM's error (:func:`~mixprec.control._cost.measure_cost`), on every row of its
+    output (a sum of signed terms: a sample of rows misjudges it, 64 rows of 256 gave the wrong
+    sign). The casts are measured on a
     sample of about ``sample`` elements per operand. A copy or a pickle of the model (``copy.deepcopy``) drops it: the copy runs its
     rung without measurements."""
 
@@ -299,7 +338,10 @@ class Probe:
         # scaler's cut point, whose factor the gradients of this layer carry)
         result = out.view_as(out) if out.requires_grad else out
         if rec.cost is not None and not rec.cost_blind and weight is not None and out.requires_grad:
-            _measure_cost(rec, x, weight, bias, out)
+            # traced: both rows on every step, kept where the device flags say (no guard on the plan)
+            wanted, kept = ((True, True), rec.cost_gate) if compiling else (rec.cost_now, None)
+            if any(wanted):
+                measure_cost(rec, x, weight, bias, out, wanted, kept)
         if rec.backward is not None and not compiling and not rec.cost_blind and weight is not None:
             rec.backward.observe(x, weight, out, measuring)
         if rec.gemm_windows is not None:
@@ -316,68 +358,6 @@ class Probe:
             out.register_hook(lambda g: measure(buf, GRAD_OUTPUT, g, below.grad_output, below.pow2_scales, sample,
                                                 gate=gate))
         return result
-
-
-def _measure_cost(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  out: torch.Tensor) -> None:
-    """Keep the forward GEMM's output errors (:func:`output_errors`) until the backward hook
-    that meets them with the output's gradient (:func:`_accumulate_cost`)."""
-    errors = output_errors(rec, x, weight, bias, out)
-    if errors:
-        buf = rec.cost
-        out.register_hook(lambda grad: _accumulate_cost(buf, errors, grad))
-
-
-def output_errors(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  out: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """The forward GEMM's output errors against float32, as ``(row of rec.cost, error)``: its own
-    casts' (row 0) when it runs casts, the recipe below's (row 1, emulated) while it may go down.
-    Costs one float32 GEMM, and one emulated GEMM of the recipe below for a promoted forward;
-    each error is the output's size, in its dtype. No host sync."""
-    errors = []
-    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-        x, w = x.detach(), weight.detach()
-        b = None if bias is None else bias.detach()
-        reference = F.linear(x.float(), w.float(), None if b is None else b.float())
-        if rec.forward_low and not rec.state.fallback:
-            errors.append((0, (out.detach().float() - reference).to(out.dtype)))
-        if rec.forward_below is not None:
-            below = linear(x, w, b, rec.forward_below, backend="emulate_fp32")
-            errors.append((1, (below.float() - reference).to(out.dtype)))
-    return errors
-
-
-def _accumulate_cost(buf: torch.Tensor, errors: list, grad: torch.Tensor) -> None:
-    """Add to ``buf``'s step sums, per error ``e`` (rows of the output), the first-order term
-    ``sum(grad * e)``, the sum over rows of ``(grad_row . e_row) ** 2`` and the row count."""
-    g2 = grad.detach().reshape(-1, grad.shape[-1]).float()
-    for row, error in errors:
-        per_row = (g2 * error.reshape(g2.shape).float()).sum(-1)
-        rows = torch.full((), float(per_row.numel()), device=per_row.device)
-        buf[row, :3] += torch.stack([per_row.sum(), per_row.square().sum(), rows])
-
-
-def loss_cost(first: torch.Tensor, squares: torch.Tensor, rows: torch.Tensor,
-              loss_scale: float | torch.Tensor = 1.0, at_error: bool = False) -> torch.Tensor:
-    """The loss a GEMM's output error ``e`` adds, to second order, from one step's sums over
-    the ``rows`` of its output: ``first = sum(g * e)`` and ``squares = sum_t (g_t . e_t) ** 2``
-    with ``g`` the loss's gradient (times ``loss_scale``) on the output. With the loss the mean
-    of per-row losses ``l_t`` (``g_t = grad l_t / rows``) and each row's Hessian taken as
-    ``grad l_t grad l_t'`` (the empirical Fisher), the curvature term ``1/2 e' H e`` is
-    ``rows / 2 * squares``. The estimate is ``first + rows / 2 * squares`` when ``g`` was taken
-    at the output without the error (the rung below's, measured from a promoted GEMM), and
-    ``first - rows / 2 * squares`` when at the output with it (``at_error``: the GEMM's own
-    casts, whose gradient already moved by ``H e``). In the loss's units (nats for a cross-entropy).
-
-    Example:
-        >>> g, e = torch.tensor([[0.5, -1.0]]), torch.tensor([[-0.1, -0.2]])
-        >>> per_row = (g * e).sum(-1)  # 0.15
-        >>> [round(float(loss_cost(per_row.sum(), per_row.square().sum(), torch.tensor(1.0), at_error=a)), 5)
-        ...  for a in (False, True)]
-        [0.16125, 0.13875]
-    """
-    curvature = 0.5 * rows * squares / (loss_scale * loss_scale)
-    return first / loss_scale + (-curvature if at_error else curvature)
 
 
 def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,

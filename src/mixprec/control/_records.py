@@ -65,6 +65,8 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
             data["gemm_windows"] = rec.gemm_windows.tolist()
         if rec.cost is not None:
             data["loss_cost"] = rec.cost.tolist()
+            data["loss_cost_plan"] = {"steps": list(rec.cost_plan), "variance": list(rec.cost_var),
+                                      "now": list(rec.cost_now), "rung": rec.cost_rung}
         if rec.backward is not None:  # (its pending gain, a weight-sized gradient, is not kept)
             data["backward_cost"] = [rec.backward.window.tolist(), rec.backward.gain.tolist()]
     return data
@@ -101,10 +103,18 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
         if key not in data or target is None:  # a peer's record (Controller._detached): the windows stay empty
             continue
         t = torch.tensor(data[key], dtype=torch.float32)
+        if key == "loss_cost" and t.shape[-1:] == (target.shape[-1] - 1,):  # saved before the squared estimates
+            t = torch.cat([t, t.new_zeros(*t.shape[:-1], 1)], -1)
         if t.shape != target.shape:
             raise ValueError(f"Controller.load_state_dict: a window of shape {tuple(t.shape)}, expected "
                              f"{tuple(target.shape)}")
         target.copy_(t)
+    plan = data.get("loss_cost_plan")
+    if plan is not None and rec.cost is not None:  # (saved before the plan was: every step, as that code measured)
+        rec.cost_plan, rec.cost_var, rec.cost_rung = list(plan["steps"]), list(plan["variance"]), int(plan["rung"])
+        for r, now in enumerate(plan["now"]):
+            rec.cost_gate[r].fill_(bool(now))
+        rec.cost_now = [bool(n) for n in plan["now"]]
     if "backward_cost" in data and settings.max_backward_cost is not None:
         rec.backward = rec.backward or BackwardCost(rec.state.device)
         for target, saved in zip((rec.backward.window, rec.backward.gain), data["backward_cost"]):
@@ -271,12 +281,16 @@ def untrack(rec: LayerRecord | None) -> None:
         rec.state.probe = None
 
 
-def set_measuring(records: Any, measuring: bool) -> None:
-    """Whether the coming steps feed the shadows of ``records``: the flag eager code reads, and
-    each record's device copy that compiled code reads (written when it changes: no host sync)."""
+def set_measuring(records: Any, measuring: bool, changed: bool = True, step: int = 0, every: int = 1) -> None:
+    """Whether the step after ``step`` feeds the shadows of ``records`` (``measuring``, written
+    when ``changed``): the flag eager code reads, and each record's device copy that compiled
+    code reads (no host sync); and whether it measures each loss cost (``LayerRecord.cost_phase``,
+    in windows of ``every``)."""
     for rec in records:
-        rec.measuring.fill_(measuring)
-        rec.measuring_now = measuring
+        if changed:
+            rec.measuring.fill_(measuring)
+            rec.measuring_now = measuring
+        rec.cost_phase(step, every)
 
 
 class CheckClock:

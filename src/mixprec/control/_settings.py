@@ -162,10 +162,14 @@ class ControllerSettings(_Settings):
     windows for each round trip in the last ``budget_steps`` (:func:`~mixprec.control._trend.demote_windows`).
 
     ``max_loss_cost`` (None: off): the most a layer's forward GEMM may add to the loss through
-    its output error, in the loss's units (nats for a cross-entropy), estimated on every training
-    step to second order from the error against a float32 GEMM and the output's gradient
-    (:func:`~mixprec.control._ladder.loss_cost`; one extra float32 GEMM per layer and step, the
-    error kept until the backward) and averaged over the window. Underflow statistics miss the
+    its output error, in the loss's units (nats for a cross-entropy), estimated to second order
+    from the error against a float32 GEMM and the output's gradient
+    (:func:`~mixprec.control._cost.loss_cost`; one extra float32 GEMM per layer and measured step,
+    the error kept until the backward) and averaged over the window's measured steps: every step
+    of a layer's first window (and of the first after its forward GEMM switches), then the last
+    steps of each window (at least ``shadow_steps`` and 2), as many as keep the window's mean
+    :data:`~mixprec.control._cost.COST_Z` standard errors from its threshold, by the per-step
+    variance measured so far (:func:`~mixprec.control._cost.cost_steps`): every step near it. Underflow statistics miss the
     layers whose error the loss is sensitive to (a language model's head: an ordinary flush,
     yet as much loss as all other layers' errors together); a forward GEMM costing more is
     promoted, and comes down once the recipe below's forward (measured while promoted, an

@@ -1,0 +1,121 @@
+"""The loss cost of a forward GEMM's output error (``Controller(max_loss_cost=...)``): the
+output errors against a float32 GEMM (:func:`output_errors`), met with the output's gradient in
+the backward (:func:`measure_cost`), the estimate from a step's sums (:func:`loss_cost`), and on
+how many steps of a window it is measured (:func:`cost_steps`: the steps cost a float32 GEMM
+each, so a cost whose window mean lies far from its threshold is measured on few). Device
+tensors in, a record's loss-cost buffer updated in place, no host sync; :func:`cost_steps` is
+plain arithmetic on the figures a check read."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mixprec.formats._linear import linear
+
+__all__ = ["COST_Z", "cost_steps", "loss_cost", "measure_cost", "output_errors"]
+
+#: how many standard errors of its window mean a loss cost measured on fewer than all of a
+#: window's steps keeps from its threshold (:func:`cost_steps`): at 3, a window's mean lands on
+#: the other side of the threshold than the step costs' own mean in about 1 window of 700.
+COST_Z = 3.0
+
+
+def measure_cost(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 out: torch.Tensor, wanted: tuple[bool, bool] = (True, True), gate: torch.Tensor | None = None) -> None:
+    """Keep the forward GEMM's output errors (:func:`output_errors`, the rows ``wanted``) until
+    the backward hook that meets them with the output's gradient (:func:`_accumulate_cost`;
+    ``gate``, a device flag per row: the sums keep a row only where it is set)."""
+    errors = output_errors(rec, x, weight, bias, out, wanted)
+    if errors:
+        buf = rec.cost
+        out.register_hook(lambda grad: _accumulate_cost(buf, errors, grad, gate))
+
+
+def output_errors(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  out: torch.Tensor, wanted: tuple[bool, bool] = (True, True)) -> list[tuple[int, torch.Tensor]]:
+    """The forward GEMM's output errors against float32, as ``(row of rec.cost, error)``, of the
+    rows ``wanted``: its own casts' (row 0) when it runs casts, the recipe below's (row 1,
+    emulated) while it may go down. Costs one float32 GEMM (none when no row is wanted or
+    measurable), and one emulated GEMM of the recipe below for a promoted forward; each error is
+    the output's size, in its dtype. No host sync."""
+    errors = []
+    own = wanted[0] and rec.forward_low and not rec.state.fallback
+    below = rec.forward_below if wanted[1] else None
+    if not own and below is None:
+        return errors
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        x, w = x.detach(), weight.detach()
+        b = None if bias is None else bias.detach()
+        reference = F.linear(x.float(), w.float(), None if b is None else b.float())
+        if own:
+            errors.append((0, (out.detach().float() - reference).to(out.dtype)))
+        if below is not None:
+            emulated = linear(x, w, b, below, backend="emulate_fp32")
+            errors.append((1, (emulated.float() - reference).to(out.dtype)))
+    return errors
+
+
+def _accumulate_cost(buf: torch.Tensor, errors: list, grad: torch.Tensor, gate: torch.Tensor | None = None) -> None:
+    """Add to ``buf``'s step sums, per error ``e`` (rows of the output), the first-order term
+    ``sum(grad * e)``, the sum over rows of ``(grad_row . e_row) ** 2`` and the row count (where
+    ``gate``, a device flag per row of ``buf``, is set, when given)."""
+    g2 = grad.detach().reshape(-1, grad.shape[-1]).float()
+    for row, error in errors:
+        per_row = (g2 * error.reshape(g2.shape).float()).sum(-1)
+        rows = torch.full((), float(per_row.numel()), device=per_row.device)
+        sums = torch.stack([per_row.sum(), per_row.square().sum(), rows])
+        buf[row, :3] += sums if gate is None else torch.where(gate[row], sums, 0.0)
+
+
+def loss_cost(first: torch.Tensor, squares: torch.Tensor, rows: torch.Tensor,
+              loss_scale: float | torch.Tensor = 1.0, at_error: bool = False) -> torch.Tensor:
+    """The loss a GEMM's output error ``e`` adds, to second order, from one step's sums over
+    the ``rows`` of its output: ``first = sum(g * e)`` and ``squares = sum_t (g_t . e_t) ** 2``
+    with ``g`` the loss's gradient (times ``loss_scale``) on the output. With the loss the mean
+    of per-row losses ``l_t`` (``g_t = grad l_t / rows``) and each row's Hessian taken as
+    ``grad l_t grad l_t'`` (the empirical Fisher), the curvature term ``1/2 e' H e`` is
+    ``rows / 2 * squares``. The estimate is ``first + rows / 2 * squares`` when ``g`` was taken
+    at the output without the error (the rung below's, measured from a promoted GEMM), and
+    ``first - rows / 2 * squares`` when at the output with it (``at_error``: the GEMM's own
+    casts, whose gradient already moved by ``H e``). In the loss's units (nats for a cross-entropy).
+
+    Example:
+        >>> g, e = torch.tensor([[0.5, -1.0]]), torch.tensor([[-0.1, -0.2]])
+        >>> per_row = (g * e).sum(-1)  # 0.15
+        >>> [round(float(loss_cost(per_row.sum(), per_row.square().sum(), torch.tensor(1.0), at_error=a)), 5)
+        ...  for a in (False, True)]
+        [0.16125, 0.13875]
+    """
+    curvature = 0.5 * rows * squares / (loss_scale * loss_scale)
+    return first / loss_scale + (-curvature if at_error else curvature)
+
+
+def cost_steps(mean: float, mean_square: float, steps: float, variance: float | None, threshold: float,
+               every: int, least: int) -> tuple[int, float | None]:
+    """``(steps, variance)``: on how many steps of the next window (the last ones, at least
+    ``least``, at most ``every``) to measure a loss cost whose last window measured ``steps``
+    per-step estimates of ``mean`` and mean square ``mean_square``, and the per-step variance
+    it keeps (``variance``: the one kept so far, None: none yet; the window's sample variance
+    averages into it). Few steps where the threshold the decision compares the window's mean
+    with lies :data:`COST_Z` standard errors of the mean away: ``ceil(COST_Z**2 * variance /
+    (mean - threshold)**2)``; every step without a variance (a first window, or one of fewer
+    than 2 steps kept none) or without a measurement in the window.
+
+    Example:
+        >>> cost_steps(0.0, 1e-8, 10, None, 1e-3, 10, 2)  # far below: 2 steps
+        (2, 1.1111111111111112e-08)
+        >>> cost_steps(9e-4, 9e-4 ** 2 + 1e-8, 10, None, 1e-3, 10, 2)[0]  # near: every step
+        10
+    """
+    if steps >= 2:
+        sample = max(0.0, (mean_square - mean * mean) * steps / (steps - 1))
+        variance = sample if variance is None else 0.5 * (variance + sample)
+    distance = abs(mean - threshold)
+    if variance is None or steps < 1 or not math.isfinite(mean) or not distance > 0:
+        return every, variance
+    needed = COST_Z * COST_Z * variance / (distance * distance)
+    return (min(every, max(least, math.ceil(needed))) if needed < every else every), variance

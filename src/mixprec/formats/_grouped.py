@@ -23,7 +23,7 @@ are empty and its weight gradient is zero, as :func:`linear` on an empty batch.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ from mixprec.formats._linear import BACKENDS, _e2m1_operands, _record_sqnr
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import _ATTR, GRAD_OUTPUT, INPUT, WEIGHT, LayerState
 
-__all__ = ["grouped_linear", "GroupedExperts", "ExpertLayer", "grouped_states", "WEIGHTS"]
+__all__ = ["grouped_linear", "GroupedExperts", "ExpertLayer", "converted_experts", "grouped_states", "WEIGHTS"]
 
 _HP = Cast("none")
 _TENSORWISE = Float8Recipe.tensorwise()
@@ -320,6 +320,15 @@ def grouped_states(module: nn.Module) -> dict[str, LayerState]:
     for ``fp8.stats`` and a Guard."""
     states = module.__dict__.get(_STATES)
     return {} if states is None else {f"{n}[{e}]": st for n, per in states.items() for e, st in enumerate(per)}
+
+
+def converted_experts(modules: Mapping[str, nn.Module]) -> dict[str, tuple[ExpertLayer, Float8Recipe]]:
+    """``{"<fqn>.w1[0]": (ExpertLayer, recipe), ...}``: the experts of every :class:`GroupedExperts`
+    among ``modules`` (``{fqn: module}``) that holds a recipe of its own (:func:`mixprec.fp8.convert`'s),
+    named as a policy names them for its Controller: one layer per weight and expert."""
+    return {f"{fqn}.{key}" if fqn else key: (layer, mod.recipe) for fqn, mod in modules.items()
+            if isinstance(mod, GroupedExperts) and mod.recipe is not None
+            for key, layer in mod.expert_layers().items()}
 
 
 class ExpertLayer(nn.Module):

@@ -299,7 +299,7 @@ def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 out = F.linear(input.float(), weight.float(), None if bias is None else bias.float())
         else:
             out = F.linear(input, weight.to(input.dtype), None if bias is None else bias.to(input.dtype))
-        return out if probe is None else probe(input, weight, out, bias)
+        return out if probe is None else probe(input, weight, out, bias, tp)
     blocks = recipe.block_multiple
     if any(f % blocks for f in weight.shape):
         raise ValueError(f"fp8 linear: a weight of shape {tuple(weight.shape)} (out, in features) whose features "
@@ -327,7 +327,7 @@ def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr, tp)
         if bias is not None:
             out = out + bias.to(out.dtype)
-    return out if probe is None else probe(input, None if gathered else weight, out, bias)
+    return out if probe is None else probe(input, None if gathered else weight, out, bias, tp)
 
 
 def _e2m1_operands(r: Float8Recipe) -> tuple[bool, bool, bool]:

@@ -37,7 +37,7 @@ from mixprec.formats._quant import cast_to_fp8
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import INPUT, record_cast
 
-__all__ = ["Sharding", "gathered_copy", "global_amax", "gathers_fp8", "colwise_sequence_parallel", "shard_window", "tensor_amax_reduce", "is_distributed_tensor", "sharded_linear",
+__all__ = ["Sharding", "gathered_copy", "global_amax", "probe_operand", "gathers_fp8", "colwise_sequence_parallel", "shard_window", "tensor_amax_reduce", "is_distributed_tensor", "sharded_linear",
            "check_blocks"]
 
 
@@ -59,11 +59,12 @@ class Sharding:
     dim: str
     group: Any
 
-    def reduce(self, amax: torch.Tensor) -> torch.Tensor:
-        """``amax`` all-reduced (MAX) over the group: a new tensor (through the CPU on gloo)."""
+    def reduce(self, amax: torch.Tensor, op: Any = dist.ReduceOp.MAX) -> torch.Tensor:
+        """``amax`` all-reduced (``op``: MAX) over the group, in float32: a new tensor in
+        ``amax``'s dtype (through the CPU on gloo)."""
         on_cpu = dist.get_backend(self.group) == "gloo" and amax.device.type != "cpu"
         buf = amax.detach().to("cpu" if on_cpu else amax.device, torch.float32, copy=True)
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(buf, op=op, group=self.group)
         return buf.to(device=amax.device, dtype=amax.dtype)
 
 
@@ -110,6 +111,39 @@ def shard_window(tp: Sharding | None, shape: tuple[int, ...], cast: Cast, has: s
     offset = [0, 0]
     offset[axis] = rank * shape[axis]
     return (padded[0], padded[1]), (offset[0], offset[1])
+
+
+def probe_operand(tp: Sharding | None, t: torch.Tensor, has: str, cast: Cast, sample: int
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a Controller's probe measures (:func:`~mixprec.control._measure.measure`, ``sample``
+    elements of ``cast``) of the operand whose local part is ``t`` (its last dimension the
+    columns, the others the rows; ``has``: the layer dimensions of rows and columns, ``"mk"``
+    for the input, ``"nk"`` for the weight, ``"mn"`` for grad_output, ``"kn"`` for ``W.t()``, ...),
+    as ``(rows, amax)``: under ``tp`` sharding one of them, the rows of the whole operand the
+    one-process measurement samples (evenly strided), gathered over the group (an all-reduce SUM
+    of about ``sample`` elements: each rank adds its part, zeros elsewhere, exact in float32),
+    which ``measure`` then takes whole, and the whole operand's amax (MAX over the group): the
+    one process's statistics on every rank. A 2-D block cast (measured on every row) and an fp4
+    one (whose sample carries the whole tensor's scale: ``measure`` adds it) gather the whole
+    operand, and ``measure`` samples it as one process does. Otherwise
+    ``(t, None)``: the shard's own (or the whole operand, unsharded)."""
+    if tp is None or tp.dim not in has or t.numel() == 0:
+        return t, None
+    t2 = t.detach().reshape(-1, t.shape[-1])
+    axis, rank, size = has.index(tp.dim), dist.get_rank(tp.group), dist.get_world_size(tp.group)
+    rows, cols = t2.shape[0] * (size if axis == 0 else 1), t2.shape[1] * (size if axis == 1 else 1)
+    whole = cast.is_fp4 or (cast.block is not None and cast.block[0] > 1)
+    stride = 1 if whole else max(1, rows // -(-sample // max(cols, 1)))  # (measure's, on the whole operand)
+    picked = torch.arange(0, rows, stride, device=t2.device)
+    buf = t2.new_zeros(picked.numel(), cols, dtype=torch.float32)
+    if axis == 0:
+        first = rank * t2.shape[0]
+        mine = (picked >= first) & (picked < first + t2.shape[0])
+        buf[mine] = t2[picked[mine] - first].float()
+    else:
+        buf[:, rank * t2.shape[1]:(rank + 1) * t2.shape[1]] = t2[::stride].float()
+    amax = tp.reduce(torch.max(torch.abs(t2)))
+    return tp.reduce(buf, dist.ReduceOp.SUM).to(t2.dtype), amax
 
 
 def check_blocks(recipe: Float8Recipe, local_features: int, dim: str, where: str) -> None:

@@ -74,9 +74,13 @@ class _Float8Matmul(torch.autograd.Function):
         k, n = wt.shape
         with torch.autocast(x.device.type, enabled=False):
             if r.blocked and r.input.is_fp8:
-                x2 = x.reshape(-1, k)
-                xc, wc = quantize(x2, r.input, r.pow2_scales), quantize(w, r.weight, r.pow2_scales)
-                _record(stats, INPUT, x2, xc)
+                if isinstance(x, GatheredFloat8Weight):  # a sequence gathered in fp8 (recorded per shard)
+                    xc = (x._data.reshape(-1, k), x._scale.reshape(-1, x._scale.shape[-1]))
+                else:
+                    x2 = x.reshape(-1, k)
+                    xc = quantize(x2, r.input, r.pow2_scales)
+                    _record(stats, INPUT, x2, xc)
+                wc = quantize(w, r.weight, r.pow2_scales)
                 _record(stats, WEIGHT, w, wc)
                 out = _block_mm(xc[:2], r.input, wc[:2], r.weight, x.dtype, backend)
             elif r.input.is_fp8:

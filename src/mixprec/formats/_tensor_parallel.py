@@ -161,12 +161,28 @@ def check_blocks(recipe: Float8Recipe, local_features: int, dim: str, where: str
             f"use a smaller mesh, or pick a recipe without blocks ('tensorwise', 'rowwise')")
 
 
-def gathers_fp8(recipe: Float8Recipe | None) -> bool:
-    """Whether a sequence-sharded input is all-gathered in fp8 for ``recipe``: one fp8 scale for
-    the input (global: the shards' amax all-reduced), reused bit for bit by the weight-gradient
-    GEMM (``save_fp8``: ``tensorwise``), so the gathered bytes are all the layer needs of it."""
-    return (recipe is not None and not recipe.fp4 and not recipe.blocked and recipe.save_fp8
-            and recipe.input.is_fp8 and recipe.input.granularity == "tensor")
+def gathers_fp8(recipe: Float8Recipe | None, weight_grad: bool = True) -> bool:
+    """Whether a sequence-sharded input is all-gathered in fp8 for ``recipe``, the bytes and
+    scales of its forward cast (the linear then reads them as its cast input):
+
+    * ``tensorwise``: one fp8 scale for the input (global: the shards' amax all-reduced), reused
+      bit for bit by the weight-gradient GEMM (``save_fp8``), so the gathered bytes are all the
+      layer needs of it: always;
+    * row and 1-D block scales along the in features (``rowwise``, ``rowwise_with_gw_hp``,
+      ``mxfp8``, ``blockwise``: one scale per token, or per block of a token's features), each
+      local to the shard that holds the token: only without a weight gradient (``weight_grad``
+      False: no grad mode, or a frozen weight). The weight-gradient GEMM casts the input again,
+      by columns (over the tokens: across the shards), from the high-precision input; gathering
+      that too would move ``2 x (1 + scales)`` bytes per element, more than bf16's 2 once.
+
+    fp4 recipes gather in the input's dtype."""
+    if recipe is None or recipe.fp4 or not recipe.input.is_fp8:
+        return False
+    cast = recipe.input
+    if cast.granularity == "tensor" and recipe.save_fp8 and not recipe.blocked:
+        return True
+    along_features = cast.granularity == "row" if cast.block is None else cast.block[0] == 1
+    return not weight_grad and along_features
 
 
 def colwise_sequence_parallel(*, sequence_dim: int = 1, output_layouts: Any = None,
@@ -194,10 +210,12 @@ def _all_gather(t: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 
 
 class _GatherSequence(torch.autograd.Function):
-    """The sequence shard ``x`` all-gathered along ``dim``: with ``cast``, cast to fp8 with the
-    global amax first (its statistics recorded into ``window`` on the shard) and gathered as
-    bytes, given as a :class:`GatheredFloat8Weight` the fp8 linear reads as its cast input; else
-    gathered in ``x``'s dtype. Backward: the gradient reduce-scattered back to the shards."""
+    """The sequence shard ``x`` all-gathered along ``dim``: with ``cast`` (the layer's input
+    cast, :func:`gathers_fp8`), cast to fp8 first (a tensor scale: with the global amax; row and
+    block scales: the shard's own, each token's), its statistics recorded into ``window`` on the
+    shard, and gathered as bytes with the scales, given as a :class:`GatheredFloat8Weight` the
+    fp8 linear reads as its cast input; else gathered in ``x``'s dtype. Backward: the gradient
+    reduce-scattered back to the shards."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, mesh: Any, cast: Cast | None, pow2: bool,
@@ -206,8 +224,14 @@ class _GatherSequence(torch.autograd.Function):
         group = mesh.get_group()
         if cast is None:
             return _all_gather(x, dim, group)
-        q, scale, amax = cast_to_fp8(x, cast, -1, pow2, Sharding("m", group).reduce(torch.max(torch.abs(x))))
-        record_cast(window, INPUT, x, q, amax)
+        if cast.granularity == "tensor":
+            q, scale, amax = cast_to_fp8(x, cast, -1, pow2, Sharding("m", group).reduce(torch.max(torch.abs(x))))
+            record_cast(window, INPUT, x, q, amax)
+        else:  # one scale per token (rowwise) or per block of its features: local, gathered with the bytes
+            q, scale, amax = cast_to_fp8(x, cast, -1, pow2)
+            record_cast(window, INPUT, x.reshape(-1, x.shape[-1]) if cast.block else x, q.reshape(-1, x.shape[-1])
+                        if cast.block else q, amax)
+            scale = _all_gather(scale.reshape(*x.shape[:-1], -1), dim, group)
         data = _all_gather(q.view(torch.uint8), dim, group).view(cast.dtype)
         return GatheredFloat8Weight(data, scale, amax, x.dtype, cast)
 
@@ -263,7 +287,9 @@ def sharded_linear(input: Any, weight: Any, bias: Any,
         tp = Sharding("n", mesh.get_group())
         if recipe is not None:
             check_blocks(recipe, weight.to_local().shape[0], "n", where)
-        fp8 = gathers_fp8(recipe)
+        # (traced: in the input's dtype, the same casts after it; Dynamo cannot trace the fp8 bytes'
+        # tensor subclass out of the gather's autograd.Function)
+        fp8 = gathers_fp8(recipe, torch.is_grad_enabled() and weight.requires_grad) and not torch.compiler.is_compiling()
         x = _GatherSequence.apply(input.to_local(), xp.dim, mesh, recipe.input if fp8 else None,
                                   fp8 and recipe.pow2_scales, window if fp8 else None)
         out = run(x, _local_weight(weight), None if bias is None else bias.to_local(), tp)

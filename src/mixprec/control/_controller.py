@@ -19,13 +19,13 @@ from mixprec._modules import named_modules
 from mixprec._scaled import last_count, scaled_since
 from mixprec.control._decide import Check, apply_gemms, apply_layer, decide_gemms, decide_layer, switch_layer
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord, Probe
-from mixprec.control._records import (CheckClock, all_gathered, check_loss_scale, converted, detached_record, grad_scale,
-                                      layer_data, load_layer, log_csv, log_data, metadata, parse_state_dict, qualified,
-                                      seen_compute, set_measuring, start_rungs, untrack, warn_cost_blind, warn_unscaled)
+from mixprec.control._records import (CheckClock, all_gathered, check_loss_scale, converted, converted_experts,
+                                      detached_record, grad_scale, layer_data, load_layer, log_csv, log_data, metadata,
+                                      parse_state_dict, qualified, seen_compute, set_measuring, start_rungs, untrack,
+                                      warn_cost_blind, warn_unscaled)
 from mixprec.control._settings import LOW_RUNGS, RUNGS, ControllerSettings
 from mixprec.control._shell import Shell
 from mixprec.control._trend import MAX_HORIZON, shadow_phase, sustained_slope
-from mixprec.formats._grouped import converted_experts
 from mixprec.formats._like import features
 from mixprec.formats._recipe import Float8Recipe
 from mixprec.formats._state import layer_state

@@ -10,7 +10,14 @@ Modes (all bf16 compute):
 * ``sp-fp8-gather-bf16``: the same in fp8 tensorwise, the sequence all-gathered in bf16 (torch's
   ColwiseParallel) before the cast;
 * ``sp-fp8``: in fp8 tensorwise, the sequence all-gathered in fp8 by the layer
-  (``fp8.colwise_sequence_parallel()``).
+  (``fp8.colwise_sequence_parallel()``);
+* ``sp-rowwise``: the block in fp8 ``rowwise`` with ``fp8.colwise_sequence_parallel()``: a
+  training step gathers the sequence in bf16 (the weight-gradient GEMM casts the input again,
+  over the tokens);
+* ``infer-sp-bf16``, ``infer-sp-rowwise``, ``infer-sp-mxfp8``: forwards under ``torch.no_grad``
+  (no weight gradient) with sequence parallelism, no fp8 (torch's gather) and the block in
+  ``rowwise`` / ``mxfp8`` with ``fp8.colwise_sequence_parallel()``: the layer gathers the fp8
+  bytes plus the scales of each token's row or blocks.
 
 Bytes: per step and rank (a step after the first, counted apart from the timed ones), the sum
 of the tensors this rank hands to the collectives (``c10d`` and functional ops, counted by a
@@ -44,7 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from benchmarks._machine import machine  # noqa: E402
 
-MODES = ("tp-bf16", "tp-fp8", "sp-bf16", "sp-fp8-gather-bf16", "sp-fp8")
+MODES = ("tp-bf16", "tp-fp8", "sp-bf16", "sp-fp8-gather-bf16", "sp-fp8", "sp-rowwise", "infer-sp-bf16",
+         "infer-sp-rowwise", "infer-sp-mxfp8")
 
 
 class _Bytes:
@@ -94,7 +102,8 @@ def _plan(mode: str) -> dict[str, Any]:
 
     if mode.startswith("tp"):
         return {"1.up": ColwiseParallel(), "1.down": RowwiseParallel()}
-    up = fp8.colwise_sequence_parallel() if mode == "sp-fp8" else ColwiseParallel(input_layouts=Shard(1))
+    ours = mode in ("sp-fp8", "sp-rowwise", "infer-sp-rowwise", "infer-sp-mxfp8")
+    up = fp8.colwise_sequence_parallel() if ours else ColwiseParallel(input_layouts=Shard(1))
     return {"0": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
             "1.up": up, "1.down": RowwiseParallel(output_layouts=Shard(1)),
             "2": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True)}
@@ -116,14 +125,18 @@ def _worker(rank: int, world: int, port: int, out: str, d: int, seq: int, rounds
         model = _model(d)
         parallelize_module(model, mesh, _plan(mode))
         policy = Policy.parse("compute=bf16")
-        if "fp8" in mode:
-            policy = policy.fp8("tensorwise", first_last="keep")
+        recipe = next((r for r in ("rowwise", "mxfp8") if mode.endswith(r)), "tensorwise" if "fp8" in mode else None)
+        if recipe is not None:
+            policy = policy.fp8(recipe, first_last="keep")
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         x = torch.randn(2, seq, d, generator=torch.Generator().manual_seed(0))
 
-        def step(model: nn.Module = model, policy: Any = policy, opt: Any = opt, x: torch.Tensor = x) -> None:
-            with mixprec.autocast("cpu", policy=policy):
+        def step(model: nn.Module = model, policy: Any = policy, opt: Any = opt, x: torch.Tensor = x,
+                 train: bool = not mode.startswith("infer")) -> None:
+            with torch.set_grad_enabled(train), mixprec.autocast("cpu", policy=policy):
                 y = model(x)
+            if not train:
+                return
             y.float().square().mean().backward()
             opt.step()
             opt.zero_grad()
@@ -155,7 +168,8 @@ def main() -> None:
     args = parser.parse_args()
     d, seq, rounds = (64, 64, 3) if args.quick else (256, 512, 7)
     print(machine())
-    print(f"D={d}, hidden {4 * d}, batch 2 x sequence {seq}, bf16 compute, fp8 tensorwise; bytes per step and rank")
+    print(f"D={d}, hidden {4 * d}, batch 2 x sequence {seq}, bf16 compute, fp8 tensorwise (else named); bytes per "
+          f"step and rank (infer-: a forward)")
     from _distributed import free_port
 
     for world in args.ranks:

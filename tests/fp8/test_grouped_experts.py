@@ -320,15 +320,20 @@ def test_where_grouped_mm_refuses_the_dtype_the_groups_run_one_mm_each(name: str
     assert all(torch.equal(a.window, b.window) for a, b in zip(st, st2))
 
 
-def test_controller_decides_per_expert_under_a_policy() -> None:
-    """Each expert of each weight is a layer of the policy's Controller: an outlier in expert 2's
-    tokens (its tensorwise scale then flushes the rest) promotes expert 2's three GEMMs, and no other
-    expert's; the next forward runs expert 2 in the new rung (its state's recipe)."""
+def _outlier_run(route: str) -> tuple[mixprec.Controller, list, MoE]:
+    """6 steps of :class:`MoE` under a Controller (every 2 steps), ``route`` ``"policy"`` (``Policy.fp8``)
+    or ``"convert"`` (``fp8.convert(..., controller=ctl)``), from step 2 an outlier in expert 2's tokens."""
     torch.manual_seed(0)
     moe = MoE(32, 64, 4)
     ctl = mixprec.Controller(every=2)
-    ctl.attach(moe)
-    policy = Policy.fp8("tensorwise", controller=ctl.settings)
+    if route == "policy":
+        ctl.attach(moe)
+        policy = Policy.fp8("tensorwise", controller=ctl.settings)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the router is too narrow for fp8: warned)
+            fp8.convert(moe, "tensorwise", controller=ctl)
+        policy = None
     spike = []
 
     def outlier(module: nn.Module, args: tuple) -> tuple | None:
@@ -350,6 +355,16 @@ def test_controller_decides_per_expert_under_a_policy() -> None:
                 out = moe(torch.randn(24, 32))
         out.float().sum().backward()
         decided += ctl.step()
+    return ctl, decided, moe
+
+
+@pytest.mark.parametrize("route", ["policy", "convert"])
+def test_controller_decides_per_expert(route: str) -> None:
+    """Each expert of each weight is a layer of the Controller, on the policy route and after
+    ``fp8.convert(..., controller=ctl)``: an outlier in expert 2's tokens (its tensorwise scale then
+    flushes the rest) promotes expert 2's three GEMMs, and no other expert's; the next forward runs
+    expert 2 in the new rung (its state's recipe)."""
+    ctl, decided, moe = _outlier_run(route)
     names = [f"experts.{n}[{e}]" for n in ("w1", "w2", "w3") for e in range(4)]
     assert sorted(ctl.precisions()) == names
     moved = sorted(d.layer for d in decided)
@@ -357,6 +372,22 @@ def test_controller_decides_per_expert_under_a_policy() -> None:
     assert {ctl.precision(n) for n in names if "[2]" not in n} == {"fp8-tensorwise"}
     rung = ctl.precision("experts.w1[2]")
     assert rung != "fp8-tensorwise" and fp8.layer_states(moe)["experts.w1[2]"].recipe is not None
+
+
+def test_the_convert_route_decides_as_the_policy_route_and_warns_nothing() -> None:
+    """Same model, same data: ``fp8.convert(..., controller=ctl)`` takes the policy route's
+    decisions (step, layer, rung) and ends on its rungs, and says nothing about the experts."""
+    policy_ctl, policy_log, policy_moe = _outlier_run("policy")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ctl, log, moe = _outlier_run("convert")
+    assert not [w for w in caught if "GroupedExperts" in str(w.message) or "Controller" in str(w.message)], \
+        [str(w.message) for w in caught]
+    assert [(d.step, d.layer, d.action, d.to) for d in log] == [(d.step, d.layer, d.action, d.to) for d in policy_log]
+    assert ctl.precisions() == policy_ctl.precisions()
+    assert ctl.state_dict() == policy_ctl.state_dict()
+    for name, st in fp8.layer_states(policy_moe).items():
+        assert fp8.layer_states(moe)[name].recipe == st.recipe, name
 
 
 def test_an_expert_on_the_fp32_rung_multiplies_in_float32_and_the_probe_sees_its_rows() -> None:

@@ -185,3 +185,150 @@ def test_stochastic_rounding_draws_what_one_process_draws(tmp_path) -> None:
             single, tp = results[hadamard, "single"], results[hadamard, "tp"]
             for what, a, b in zip(("output", "grad_weight", "grad_input"), single, tp):
                 assert _max_diff(a, b) <= 1e-5 * float(a.abs().max()), (hadamard, what, _max_diff(a, b))
+
+
+GATHER_ROWS = ("rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise")
+
+
+def _gather_worker(rank: int, port: int, out_dir: str) -> None:
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import mixprec
+    from mixprec import Policy
+    from mixprec.formats import _tensor_parallel
+    from mixprec.formats._quant import cast_to_fp8
+    from _tp_cases import model_for, recipe_of, tp_plan
+
+    with gloo_group(rank, port):
+        torch.set_num_threads(1)
+        warnings.simplefilter("ignore")
+        results, original = {}, _tensor_parallel._GatherSequence.apply
+        for name in GATHER_ROWS:
+            recipe, d = recipe_of(name), features(name)
+            single = model_for(d)
+            sharded = copy.deepcopy(single)
+            parallelize_module(sharded, init_device_mesh("cpu", (2,)), tp_plan("fp8"))
+            seen: dict[str, list] = {"single": [], "tp": []}
+            single[1].up.register_forward_pre_hook(lambda m, args: seen["single"].append(args[0].detach()))
+            policy = Policy.parse("compute=bf16").fp8(recipe)
+            x = torch.randn(2, 8, d, generator=torch.Generator().manual_seed(3))
+            x[0, 5, 1] *= 100  # a token outlier in rank 0's half of the sequence
+            out = {}
+            for grad in (False, True):  # inference, then a training forward (its weights need gradients)
+                for label, model in (("single", single), ("tp", sharded)):
+                    moved = []
+                    _tensor_parallel._GatherSequence.apply = \
+                        lambda *a: seen["tp"].append(original(*a)) or seen["tp"][-1]
+                    gather = dist.all_gather_into_tensor
+                    dist.all_gather_into_tensor = lambda o, t, *a, **k: moved.append((t.dtype, t.numel() * t.element_size())) \
+                        or gather(o, t, *a, **k)
+                    try:
+                        with torch.set_grad_enabled(grad), mixprec.autocast("cpu", policy=policy):
+                            y = model(x)
+                    finally:
+                        _tensor_parallel._GatherSequence.apply = original
+                        dist.all_gather_into_tensor = gather
+                    out[label, grad] = (y.detach().float(), moved)
+            # the one process's cast of the whole input, and what the layer gathered (inference)
+            full = seen["single"][0]
+            q, scale, _ = cast_to_fp8(full, recipe.input, -1, recipe.pow2_scales)
+            gathered = seen["tp"][0]
+            results[name] = {"cast": (q.view(torch.uint8), scale.reshape(-1, scale.shape[-1])),
+                             "gathered": (gathered._data.view(torch.uint8), gathered._scale.reshape(-1, scale.shape[-1]),
+                                          type(gathered).__name__, type(seen["tp"][1]).__name__),
+                             "out": out}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", range(3))
+def test_sequence_gather_in_fp8_for_row_and_block_scales(tmp_path, run: int) -> None:
+    """``fp8.colwise_sequence_parallel()`` with a recipe whose input scales run along each token's
+    features (``rowwise``, ``rowwise_with_gw_hp``: one per token; ``mxfp8``, ``blockwise``: per
+    block of 32, 128): without a weight gradient (inference) each shard casts its tokens with
+    their own scales and the layer gathers the fp8 bytes plus the scales, bitwise the one
+    process's cast of the whole input (a token outlier in rank 0's half: a global scale would
+    differ), 1 byte an element plus the scales against bf16's 2; a training forward gathers in
+    bf16 (the weight-gradient GEMM casts the input again, over the tokens). The outputs are the
+    one process's within the rowwise layer's reduce order."""
+    spawn(_gather_worker, str(tmp_path), timeout=300)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for name in GATHER_ROWS:
+            r = results[name]
+            (q, scale), (got_q, got_scale, kind, training) = r["cast"], r["gathered"]
+            assert kind == "GatheredFloat8Weight" and training == "Tensor", (name, kind, training)
+            assert torch.equal(got_q, q) and torch.equal(got_scale, scale), name
+            inference, train = r["out"]["tp", False][1], r["out"]["tp", True][1]
+            assert sorted(str(dtype) for dtype, _ in inference) == ["torch.float32", "torch.uint8"], (name, inference)
+            assert [dtype for dtype, _ in train] == [torch.bfloat16], (name, train)
+            assert sum(n for _, n in inference) < 0.6 * train[0][1], (name, inference, train)
+            for grad in (False, True):
+                single, tp = r["out"]["single", grad][0], r["out"]["tp", grad][0]
+                assert _max_diff(tp, single) <= 2 ** -6 * float(single.abs().max()), (name, grad, _max_diff(tp, single))
+
+
+#: ``(route, recipe, sequence)``: what runs compiled against eager
+COMPILED = (("convert", "tensorwise", "fp8"), ("convert", "tensorwise", False), ("convert", "rowwise", False),
+            ("convert", "mxfp8", False), ("policy", "tensorwise", False))
+
+
+def _compile_worker(rank: int, port: int, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import mixprec
+    from mixprec import Policy, fp8
+    from _tp_cases import TP_LAYERS, model_for, recipe_of, tp_plan
+
+    with gloo_group(rank, port):
+        torch.set_num_threads(1)
+        warnings.simplefilter("ignore")
+        results = []
+        for route, name, sequence in COMPILED:
+            recipe = recipe_of(name)
+            model = model_for(32)
+            if route == "convert":
+                fp8.convert(model, recipe, filter_fn=lambda m, fqn: fqn in TP_LAYERS)
+            parallelize_module(model, init_device_mesh("cpu", (2,)), tp_plan(sequence))
+            policy = Policy.parse("compute=bf16")
+            policy = policy.fp8(recipe) if route == "policy" else policy
+            x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(5))
+            x[..., 3] *= 30
+            runs = []
+            # the converted model compiles whole (fullgraph: the amax all-reduces are in the graph);
+            # the policy route's region hooks run eagerly between its graphs (docs/autocast.md)
+            for run in (model, torch.compile(model, backend="aot_eager", fullgraph=route == "convert")):
+                with mixprec.autocast("cpu", policy=policy):
+                    y = run(x)
+                y.float().square().mean().backward()
+                grads = [getattr(p.grad, "full_tensor", p.grad.detach)() for p in model.parameters()]
+                states = [fp8.layer_state(model.get_submodule(n)) for n in TP_LAYERS]
+                runs.append((y.detach(), grads, [st.window.clone() for st in states]))
+                model.zero_grad(set_to_none=True)
+                for st in states:
+                    st.reset()
+            results.append(runs)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", range(3))
+def test_compiled_tensor_parallel_layers_compute_what_eager_does(tmp_path, run: int) -> None:
+    """``torch.compile`` (aot_eager) of a model whose fp8 layers are ColwiseParallel and
+    RowwiseParallel: after ``fp8.convert`` one graph (``fullgraph=True``: the amax all-reduces
+    are traced), on the policy route between the region's eager hooks; output, every gradient
+    and the layers' windows bitwise eager's. ``fp8.colwise_sequence_parallel()`` compiled gathers
+    the sequence in the input's dtype (the same casts: same output and gradients; the window then
+    holds the whole input's statistics, not the shard's)."""
+    spawn(_compile_worker, str(tmp_path), timeout=400)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for case, ((y, grads, windows), (cy, cgrads, cwindows)) in zip(COMPILED, results):
+            assert torch.equal(cy, y), case
+            assert len(grads) == len(cgrads) and all(torch.equal(a, b) for a, b in zip(grads, cgrads)), case
+            if not case[2]:
+                assert all(torch.equal(a, b) for a, b in zip(windows, cwindows)), case

@@ -116,3 +116,86 @@ def test_decisions_are_the_same_on_every_rank(tmp_path, two_d: bool, kind: str) 
         assert "16 out features per shard, not a multiple of 32" in straddle and "mesh" in straddle
         assert "straddle" in straddle
         assert "RowwiseParallel" in layout and "got input S(1), weight S(0)" in layout
+
+
+#: ``(recipe, ladder, floor, per_gemm, sample)``: the rung below a layer's recipe measured by its
+#: probe: tensorwise's tensor scales (every element sampled), rowwise's row scales over the in
+#: features (strided rows), NVFP4's tensor scale and blocks, and each GEMM's own casts and the
+#: rung below's (``per_gemm``)
+SHADOW_CASES = (("rowwise", ("tensorwise", "rowwise", "compute", "fp32"), "tensorwise", False, 100000),
+                ("rowwise_with_gw_hp", ("tensorwise", "rowwise", "rowwise_with_gw_hp", "compute", "fp32"), "tensorwise",
+                 False, 256),
+                ("tensorwise", ("nvfp4", "tensorwise", "rowwise", "compute", "fp32"), "nvfp4", False, 256),
+                ("rowwise", ("tensorwise", "rowwise", "compute", "fp32"), "tensorwise", True, 256))
+
+
+def _shadow_worker(rank: int, port: int, out_dir: str) -> None:
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import mixprec
+    from mixprec import Controller, Policy
+    from _tp_cases import model_for, tp_plan
+
+    with gloo_group(rank, port, 2):
+        torch.set_num_threads(1)
+        warnings.simplefilter("ignore")
+        results = []
+        for recipe, ladder, floor, per_gemm, sample in SHADOW_CASES:
+            single = model_for(32)
+            with torch.no_grad():  # shards of unequal range: each rank's own scales differ from the whole's
+                single[1].up.weight[:8] *= 50.0
+                single[1].down.weight[:, 32:] *= 1e-3
+            sharded = copy.deepcopy(single)
+            parallelize_module(sharded, init_device_mesh("cpu", (2,)), tp_plan())
+            windows = []
+            for model in (single, sharded):
+                seen = {}  # each layer's output gradient (the sharded colwise layer's: its shard's columns)
+                for name in ("up", "down"):
+                    model[1].get_submodule(name).register_forward_hook(
+                        lambda m, args, out, name=name: out.register_hook(
+                            lambda g: seen.__setitem__(f"1.{name}", g.detach().clone())) and None)
+                ctl = Controller(every=2, ladder=ladder, floor=floor, per_gemm=per_gemm, sample=sample).attach(model)
+                policy = Policy.parse("compute=bf16").fp8(recipe, controller=ctl.settings)
+                x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(7))
+                with mixprec.autocast("cpu", policy=policy):
+                    y = model(x)
+                # a linear loss: the output's gradient does not see the rowwise reduce order's last bits
+                (y.float() * torch.randn(y.shape, generator=torch.Generator().manual_seed(8))).sum().backward()
+                recs = {n: ctl._layers[n] for n in ("1.up", "1.down")}
+                windows.append({n: ((r.gemm_windows if per_gemm else r.shadow).clone(), seen[n]) for n, r in recs.items()})
+            results.append(windows)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_probe_shadows_are_one_process_s(tmp_path, run: int) -> None:
+    """A Controller's probe on a ColwiseParallel and a RowwiseParallel layer measures the rung
+    below's casts (and, per GEMM, its own) as one process measures them on the whole operands:
+    the whole tensor's amax in a tensor scale (also NVFP4's), whole rows in a row scale over the
+    sharded in features, the one process's sample of rows. Every rank's shadow windows are bitwise
+    those of the same model in one process, though each shard alone has another range."""
+    spawn(_shadow_worker, str(tmp_path), nprocs=2, timeout=300)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    grads = 0
+    for case, *per_rank in zip(SHADOW_CASES, *ranks):
+        for rank, (single, sharded) in enumerate(per_rank):
+            for name in ("1.up", "1.down"):
+                (want, grad_single), (got, grad_tp) = single[name], sharded[name]
+                if name == "1.up":
+                    grad_single = grad_single.chunk(2, dim=-1)[rank]
+                assert want.abs().sum() > 0, (case, name)  # (measured)
+                # the gradient's entries: where the gradient itself is the one process's (a sharded
+                # GEMM after the layer may round a last bit otherwise)
+                grad = torch.zeros_like(want, dtype=torch.bool)
+                if case[3]:
+                    grad[:, 1:, 0] = True  # (kind, gemm, side): grad_input's and grad_weight's left operand
+                else:
+                    grad[2] = True
+                assert torch.equal(got[~grad], want[~grad]), (case, name, got, want)
+                if torch.equal(grad_tp, grad_single):
+                    grads += 1
+                    assert torch.equal(got[grad], want[grad]), (case, name, got, want)
+    assert grads >= 8, grads  # (most gradients are the one process's: their shadows were compared)

@@ -19,9 +19,10 @@ from mixprec._modules import named_modules
 from mixprec._scaled import last_count, scaled_since
 from mixprec.control._decide import Check, apply_gemms, apply_layer, decide_gemms, decide_layer, peel, switch_layer
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord, Probe
-from mixprec.control._records import (CheckClock, all_gathered, check_loss_scale, converted, detached_record, grad_scale,
-                                      layer_data, load_layer, log_csv, log_data, metadata, parse_state_dict, qualified,
-                                      seen_compute, set_measuring, start_rungs, untrack, warn_cost_blind, warn_unscaled)
+from mixprec.control._records import (CheckClock, all_gathered, check_loss_scale, converted, converted_experts,
+                                      detached_record, grad_scale, layer_data, load_layer, log_csv, log_data, metadata,
+                                      parse_state_dict, qualified, seen_compute, set_measuring, start_rungs, untrack,
+                                      warn_cost_blind, warn_unscaled)
 from mixprec.control._settings import LOW_RUNGS, RUNGS, ControllerSettings
 from mixprec.control._shell import Shell
 from mixprec.control._trend import MAX_HORIZON, shadow_phase, sustained_slope
@@ -134,10 +135,9 @@ class Controller(Shell):
         self.count_forward()
 
     def track(self, model: nn.Module) -> list[str]:
-        """Control the layers :func:`mixprec.fp8.convert` made in ``model``, each from its
-        ``recipe`` up (``fp8.convert(model, recipe, controller=ctl)`` calls it); returns their
-        qualified names. Raises ValueError when ``model`` has no converted layer, or a recipe is
-        not on the ladder.
+        """Control the layers :func:`mixprec.fp8.convert` made in ``model`` and its experts (``"moe.experts.w1[3]"``),
+        each from its ``recipe`` up (``fp8.convert(model, recipe, controller=ctl)`` calls it); returns their
+        qualified names. Raises ValueError when ``model`` has none, or a recipe is not on the ladder.
 
         Example:
             >>> from mixprec import fp8
@@ -146,18 +146,18 @@ class Controller(Shell):
             ['1']
         """
         modules = dict(named_modules(model))  # the bare model's names (without DDP's module., ...)
-        names = [n for n, m in modules.items() if converted(m)]
-        if not names:
+        layers = {n: (m, m.recipe) for n, m in modules.items() if converted(m)} | converted_experts(modules)
+        if not layers:
             raise ValueError(f"Controller.track: {type(model).__name__} has no layer converted by fp8.convert, "
                              f"nothing to control; for a model under a policy use ctl.attach(model)")
-        for name in names:
-            if not self._known(name, modules[name]):
-                self._track(name, modules[name], modules[name].recipe)
-        blind = [n for n in names if self._names.get(modules[n]) in self._layers
-                 and self._layers[self._names[modules[n]]].cost_blind]
+        for name, (module, recipe) in layers.items():
+            if not self._known(name, module):
+                self._track(name, module, recipe)
+        blind = [n for n, (m, _) in layers.items() if self._names.get(m) in self._layers
+                 and self._layers[self._names[m]].cost_blind]
         if blind and self.settings.max_loss_cost is not None:
             warn_cost_blind(blind)
-        return names
+        return list(layers)
 
     def _known(self, name: str, module: nn.Module) -> bool:
         """Whether ``module`` (reached as ``name``) has a record already; names it by the

@@ -52,7 +52,8 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     scales and is a layer of its own for :func:`stats` and a Guard. With ``guard``, the
     layers' states are tracked by it (its decisions apply at once, also after
     ``load_state_dict``). With ``controller`` (a :class:`mixprec.Controller`, not with ``guard``)
-    the converted layers move up and down its ladder from their recipe (``Controller.track``).
+    the converted layers, and each expert of each weight, move up and down its ladder from their
+    recipe (``Controller.track``).
     Either is attached to the model (``attach``): a policy's regions of it run under it too.
     Returns ``model`` (or the new module when ``model`` itself is a
     converted Linear). Warns once when no layer is converted, saying why. :func:`unconvert`
@@ -128,10 +129,6 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
         retie(model, weights)
         group_unsharded(wrapped)
     experts = convert_experts(model, recipe, backend, filter_fn if by_user else None)
-    if experts and controller is not None:
-        warn_once(model, f"fp8.convert: the Controller does not govern the experts of GroupedExperts {experts}: "
-                         f"they run in {recipe.name!r}, never moved on the ladder; a policy's Controller does "
-                         f"(Policy.fp8(recipe, controller=ctl.settings) on the unconverted model), so does a Guard")
     if not swaps and not experts and by_user:
         likes = sum(1 for mod in model.modules() if swappable(mod))
         warn_once(model, f"fp8.convert: no layer converted, nothing runs in fp8: filter_fn chose none of the "
@@ -140,8 +137,7 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     for live in (guard, controller):
         if live is not None:  # the model's from now on: a policy's regions of it run under it too
             live.attach(model)
-            if live is guard or swaps or not experts:  # (a Controller governs no experts: warned above)
-                live.track(model)
+            live.track(model)  # (a Controller: each expert a layer of its own, as on the policy route)
     return model
 
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from mixprec.formats._quant import STAT_NAMES
 from mixprec.formats._recipe import Cast, Float8Recipe
+from mixprec.formats._tensor_parallel import probe_operand
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window, window_stats
 from mixprec.control._settings import FP4_RUNGS, FP8_RUNGS, LOW_RUNGS, RUNGS, ControllerSettings
 from mixprec.control._cost import cost_steps, loss_cost, measure_cost, output_errors, _accumulate_cost  # noqa: F401
@@ -319,9 +320,11 @@ class Probe:
         return type(None), ()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, tp: Any = None) -> torch.Tensor:
         """Measure ``x`` (the GEMM's input, in its dtype), ``weight`` (``(out, in)``; None: not
-        measured), ``out`` and (the loss cost) ``bias``; returns ``out``."""
+        measured), ``out`` and (the loss cost) ``bias``; returns ``out``. ``tp``: the layer's
+        tensor-parallel sharding (its local shards given): the casts are measured as one process
+        measures the whole operands (:func:`~mixprec.formats._tensor_parallel.probe_operand`)."""
         rec, sample = self.rec, self.sample
         # Traced code reads no Python state that changes between rung switches (each read is a
         # guard, each change a recompile): the compute dtype goes to the probe, taken by the
@@ -345,34 +348,45 @@ class Probe:
         if rec.backward is not None and not compiling and not rec.cost_blind and weight is not None:
             rec.backward.observe(x, weight, out, measuring)
         if rec.gemm_windows is not None:
-            _measure_gemms(rec, x, weight, out, sample, measuring, gate)
+            _measure_gemms(rec, x, weight, out, sample, measuring, gate, tp)
             return result
         below = rec.below
         if below is None or not measuring:
             return result
-        measure(rec.shadow, INPUT, x, below.input, below.pow2_scales, sample, gate=gate)
+        _measure(rec.shadow, INPUT, x, "mk", below.input, below.pow2_scales, sample, gate, tp)
         if weight is not None:
-            measure(rec.shadow, WEIGHT, weight.detach(), below.weight, below.pow2_scales, sample, gate=gate)
+            _measure(rec.shadow, WEIGHT, weight.detach(), "nk", below.weight, below.pow2_scales, sample, gate, tp)
         if out.requires_grad:
             buf = rec.shadow
-            out.register_hook(lambda g: measure(buf, GRAD_OUTPUT, g, below.grad_output, below.pow2_scales, sample,
-                                                gate=gate))
+            out.register_hook(lambda g: _measure(buf, GRAD_OUTPUT, g, "mn", below.grad_output, below.pow2_scales,
+                                                 sample, gate, tp))
         return result
 
 
+def _measure(window: torch.Tensor, operand: int, t: torch.Tensor, has: str, cast: Cast, pow2: bool, sample: int,
+             gate: torch.Tensor | None, tp: Any, hadamard_seed: int | None = None, amax: torch.Tensor | None = None
+             ) -> None:
+    """:func:`measure` of ``t`` (layer dimensions ``has``); under tensor parallelism ``tp``, of
+    the whole operand as one process measures it (:func:`probe_operand`)."""
+    if tp is not None:
+        t, whole = probe_operand(tp, t, has, cast, sample)
+        amax = amax if whole is None else whole
+    measure(window, operand, t, cast, pow2, sample, hadamard_seed, gate, amax)
+
+
 def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
-                   sample: int, shadow: bool, gate: torch.Tensor | None = None) -> None:
+                   sample: int, shadow: bool, gate: torch.Tensor | None = None, tp: Any = None) -> None:
     """Per GEMM, the statistics of its own casts and of the rung below's, on ``shadow`` steps
     (under ``gate``, a device flag: measured on every step, kept where it is set), each operand
-    as that GEMM reads it (its contracted dimension last)."""
+    as that GEMM reads it (its contracted dimension last; under ``tp``, the whole operand's: :func:`_measure`)."""
     if not shadow:
         return
     x2 = x.detach().reshape(-1, x.shape[-1])
     w = weight.detach() if weight is not None else None
     # each operand is read by two GEMMs: one pass for its amax (none on an empty batch: not measured)
     amax_x, amax_w = (None if t is None or t.numel() == 0 else abs_max(t) for t in (x2, w))
-    reads = {"output": ((x2, amax_x), (w, amax_w)), "grad_input": (None, None if w is None else (w.t(), amax_w)),
-             "grad_weight": (None, (x2.t(), amax_x))}
+    reads = {"output": ((x2, amax_x, "mk"), (w, amax_w, "nk")),
+             "grad_input": (None, None if w is None else (w.t(), amax_w, "kn")), "grad_weight": (None, (x2.t(), amax_x, "km"))}
     backward = []
     for g, gemm in enumerate(GEMMS):
         for kind, casts in ((0, rec.own[g]), (1, rec.below_gemm[g])):
@@ -381,17 +395,17 @@ def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | Non
             kept = gate
             for side, (operand, cast) in enumerate(zip(reads[gemm], (casts.left, casts.right))):
                 if operand is not None:
-                    measure(rec.gemm_windows[kind, g], side, operand[0], cast, casts.pow2, sample, casts.hadamard_seed,
-                            kept, operand[1])
+                    _measure(rec.gemm_windows[kind, g], side, operand[0], operand[2], cast, casts.pow2, sample, kept,
+                             tp, casts.hadamard_seed, operand[1])
             if gemm != "output":
                 backward.append((rec.gemm_windows[kind, g], gemm, casts, kept))
     if backward and out.requires_grad:
-        out.register_hook(lambda grad: _measure_grad(backward, grad, sample))
+        out.register_hook(lambda grad: _measure_grad(backward, grad, sample, tp))
 
 
-def _measure_grad(where: list, grad: torch.Tensor, sample: int) -> None:
+def _measure_grad(where: list, grad: torch.Tensor, sample: int, tp: Any = None) -> None:
     g2 = grad.detach().reshape(-1, grad.shape[-1])
     amax = abs_max(g2) if g2.numel() else None  # not measured
     for window, gemm, casts, gate in where:
-        measure(window, 0, g2 if gemm == "grad_input" else g2.t(), casts.left, casts.pow2, sample, casts.hadamard_seed,
-                gate, amax)
+        _measure(window, 0, g2 if gemm == "grad_input" else g2.t(), "mn" if gemm == "grad_input" else "nm", casts.left,
+                 casts.pow2, sample, gate, tp, casts.hadamard_seed, amax)

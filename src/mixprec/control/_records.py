@@ -27,10 +27,11 @@ from mixprec.control._ladder import GEMMS, Decision, LayerRecord
 from mixprec.control._settings import LOW_RUNGS, RUNGS, ControllerSettings
 from mixprec.control._trend import Trend
 from mixprec.formats._fsdp import Float8AllGatherWeight
+from mixprec.formats._grouped import GroupedExperts
 from mixprec.formats._recipe import RECIPE_NAMES, Float8Recipe
 from mixprec.formats._state import LayerState, layer_state
 
-__all__ = ["all_gathered", "converted", "grad_scale", "layer_data", "load_layer", "log_csv", "log_data",
+__all__ = ["all_gathered", "converted", "converted_experts", "grad_scale", "layer_data", "load_layer", "log_csv", "log_data",
            "parse_state_dict", "qualified", "start_rungs", "check_loss_scale", "warn_cost_blind",
            "warn_unscaled", "metadata", "detached_record", "seen_compute", "untrack", "CheckClock", "set_measuring"]
 
@@ -194,6 +195,15 @@ def converted(module: nn.Module) -> bool:
     """Whether ``module`` is a layer :func:`mixprec.fp8.convert` made (``Float8Linear``,
     ``Float8Conv1D``): one that holds its own fp8 recipe and layer state."""
     return isinstance(getattr(module, "recipe", None), Float8Recipe) and layer_state(module, create=False) is not None
+
+
+def converted_experts(modules: Mapping[str, nn.Module]) -> dict[str, tuple[nn.Module, Float8Recipe]]:
+    """``{"<fqn>.w1[0]": (ExpertLayer, recipe), ...}``: each expert of each ``GroupedExperts`` of
+    ``modules`` (``{fqn: module}``) with a recipe of its own (``fp8.convert``'s), named as a policy
+    names it for its Controller: one layer per weight and expert."""
+    return {f"{fqn}.{key}" if fqn else key: (layer, mod.recipe) for fqn, mod in modules.items()
+            if isinstance(mod, GroupedExperts) and mod.recipe is not None
+            for key, layer in mod.expert_layers().items()}
 
 
 def start_rungs(settings: ControllerSettings, name: str, recipe: Float8Recipe, features: tuple[int, ...]

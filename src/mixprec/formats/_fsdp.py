@@ -294,8 +294,14 @@ class GatheredFloat8Weight(torch.Tensor):
         self._data, self._scale, self._amax, self._cast = data, scale, amax, cast
 
     def dequantize(self) -> torch.Tensor:
-        """The weight in its dtype, from the fp8 bytes."""
-        return (self._data.float() / self._scale).to(self.dtype)
+        """The weight in its dtype, from the fp8 bytes (a sequence gathered with a scale per row or
+        the factors per block of its rows: :mod:`._tensor_parallel`, laid out as the rows)."""
+        scale = self._scale
+        if scale.dim() and scale.shape[:-1] != self._data.shape[:-1]:  # (a view of the bytes: the rows reshaped)
+            scale = scale.reshape(*self._data.shape[:-1], -1)
+        if self._cast.block is not None:  # per-block dequantization factors
+            return (self._data.float() * scale.repeat_interleave(self._cast.block[1], -1)).to(self.dtype)
+        return (self._data.float() / scale).to(self.dtype)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:

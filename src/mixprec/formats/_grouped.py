@@ -1,19 +1,18 @@
 """The experts of a mixture of experts in fp8 and fp4: :func:`grouped_linear` and :class:`GroupedExperts`.
 
-A token-choice MoE layer sorts its tokens by expert; expert ``e`` multiplies rows
-``offsets[e-1]:offsets[e]`` of the input by its weight ``weight[e]`` (``[E, out, in]``, as torchtitan's
-``GroupedExperts``). Each expert is cast as :func:`~mixprec.formats._linear.linear` casts one layer, on
-its own rows only: its own scales (tensorwise: one per expert and operand, so one expert's outlier
-leaves the others' scales alone; rowwise and blocks: within its rows), its own statistics window
-(:class:`~mixprec.formats._state.LayerState`), its own fallback and Controller recipe. Every GEMM
-takes its operands with the contracted dimension last (:func:`~mixprec.formats._fp4_linear.cast_operand`),
-dequantized in the GEMM's dtype (:func:`~mixprec.formats._fp4_linear.gemm_values`: float32 for
-tensor/row-scaled fp8, the input's dtype for MX and fp4 blocks, float32 for all with the backend
-``"emulate_fp32"``), and the experts' GEMM runs as one ``torch.nn.functional.grouped_mm``: the forward
-and the input gradient on the jagged token rows, the weight gradient with the tokens as the jagged
-contracted dimension (one ``[out, in]`` gradient per expert). Experts whose GEMMs run in different
-dtypes (one in fallback) get one grouped GEMM per dtype, each over the rows of its own experts.
-Under ``backend="scaled_mm"`` (``"auto"`` where the device has it) the GEMMs that torch's grouped
+A token-choice MoE layer sorts its tokens by expert; expert ``e`` multiplies rows ``offsets[e-1]:offsets[e]`` of
+the input by its weight ``weight[e]`` (``[E, out, in]``, as torchtitan's ``GroupedExperts``). Each expert is
+cast as :func:`~mixprec.formats._linear.linear` casts one layer, on its own rows only: its own scales
+(tensorwise: one per expert and operand, so one expert's outlier leaves the others' scales alone; rowwise and
+blocks: within its rows), its own statistics window (:class:`~mixprec.formats._state.LayerState`), its own
+fallback and Controller recipe. Every GEMM takes its operands with the contracted dimension last
+(:func:`~mixprec.formats._fp4_linear.cast_operand`), dequantized in the GEMM's dtype
+(:func:`~mixprec.formats._fp4_linear.gemm_values`: float32 for tensor/row-scaled fp8, the input's dtype for MX
+and fp4 blocks, float32 for all with the backend ``"emulate_fp32"``), and the experts' GEMM runs as one
+``torch.nn.functional.grouped_mm``: the forward and the input gradient on the jagged token rows, the weight
+gradient with the tokens as the jagged contracted dimension (one ``[out, in]`` gradient per expert). Experts
+whose GEMMs run in different dtypes (one in fallback) get one grouped GEMM per dtype, each over the rows of its
+own experts. Under ``backend="scaled_mm"`` (``"auto"`` where the device has it) the GEMMs that torch's grouped
 scaled GEMM takes (rowwise e4m3, MXFP8) run there on the same casts instead (:mod:`._grouped_native`).
 
 An expert that receives no tokens casts nothing and records nothing (no amax of nothing): its rows
@@ -43,8 +42,6 @@ _TENSORWISE = Float8Recipe.tensorwise()
 #: the weights of :class:`GroupedExperts` (torchtitan's names): gate, down and up projections.
 WEIGHTS = ("w1", "w2", "w3")
 _STATES, _POLICY, _LAYERS = "_mixprec_grouped_states", "_mixprec_grouped_policy", "_mixprec_grouped_layers"
-
-
 #: the plan of an expert on a Controller's fp32 rung: its GEMMs in float32, no cast.
 _FP32 = "fp32"
 
@@ -315,9 +312,8 @@ def grouped_linear(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
 def grouped_states(module: nn.Module) -> dict[str, LayerState]:
     """``{"w1[0]": LayerState, ...}``: one statistics window per weight and expert of a
     :class:`GroupedExperts` that ran or runs in fp8 (converted, or selected by a policy; empty for
-    any other module): what
-    :func:`~mixprec.control._guard.layer_states` names ``f"{fqn}.{key}"``, each a layer of its own
-    for ``fp8.stats`` and a Guard."""
+    any other module): what :func:`~mixprec.control._guard.layer_states` names ``f"{fqn}.{key}"``,
+    each a layer of its own for ``fp8.stats`` and a Guard."""
     states = module.__dict__.get(_STATES)
     return {} if states is None else {f"{n}[{e}]": st for n, per in states.items() for e, st in enumerate(per)}
 

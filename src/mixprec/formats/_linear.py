@@ -74,9 +74,13 @@ class _Float8Matmul(torch.autograd.Function):
         k, n = wt.shape
         with torch.autocast(x.device.type, enabled=False):
             if r.blocked and r.input.is_fp8:
-                x2 = x.reshape(-1, k)
-                xc, wc = quantize(x2, r.input, r.pow2_scales), quantize(w, r.weight, r.pow2_scales)
-                _record(stats, INPUT, x2, xc)
+                if isinstance(x, GatheredFloat8Weight):  # a sequence gathered in fp8 (recorded per shard)
+                    xc = (x._data.reshape(-1, k), x._scale.reshape(-1, x._scale.shape[-1]))
+                else:
+                    x2 = x.reshape(-1, k)
+                    xc = quantize(x2, r.input, r.pow2_scales)
+                    _record(stats, INPUT, x2, xc)
+                wc = quantize(w, r.weight, r.pow2_scales)
                 _record(stats, WEIGHT, w, wc)
                 out = _block_mm(xc[:2], r.input, wc[:2], r.weight, x.dtype, backend)
             elif r.input.is_fp8:
@@ -299,7 +303,7 @@ def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 out = F.linear(input.float(), weight.float(), None if bias is None else bias.float())
         else:
             out = F.linear(input, weight.to(input.dtype), None if bias is None else bias.to(input.dtype))
-        return out if probe is None else probe(input, weight, out, bias)
+        return out if probe is None else probe(input, weight, out, bias, tp)
     blocks = recipe.block_multiple
     if any(f % blocks for f in weight.shape):
         raise ValueError(f"fp8 linear: a weight of shape {tuple(weight.shape)} (out, in features) whose features "
@@ -328,7 +332,7 @@ def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         out = _Float8Matmul.apply(input, weight, recipe, backend, stats, sqnr, tp)
         if bias is not None:
             out = out + bias.to(out.dtype)
-    return out if probe is None else probe(input, None if gathered else weight, out, bias)
+    return out if probe is None else probe(input, None if gathered else weight, out, bias, tp)
 
 
 def _e2m1_operands(r: Float8Recipe) -> tuple[bool, bool, bool]:

@@ -37,7 +37,7 @@ from mixprec.formats._quant import cast_to_fp8
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import INPUT, record_cast
 
-__all__ = ["Sharding", "gathered_copy", "global_amax", "gathers_fp8", "colwise_sequence_parallel", "shard_window", "tensor_amax_reduce", "is_distributed_tensor", "sharded_linear",
+__all__ = ["Sharding", "gathered_copy", "global_amax", "probe_operand", "gathers_fp8", "colwise_sequence_parallel", "shard_window", "tensor_amax_reduce", "is_distributed_tensor", "sharded_linear",
            "check_blocks"]
 
 
@@ -59,11 +59,12 @@ class Sharding:
     dim: str
     group: Any
 
-    def reduce(self, amax: torch.Tensor) -> torch.Tensor:
-        """``amax`` all-reduced (MAX) over the group: a new tensor (through the CPU on gloo)."""
+    def reduce(self, amax: torch.Tensor, op: Any = dist.ReduceOp.MAX) -> torch.Tensor:
+        """``amax`` all-reduced (``op``: MAX) over the group, in float32: a new tensor in
+        ``amax``'s dtype (through the CPU on gloo)."""
         on_cpu = dist.get_backend(self.group) == "gloo" and amax.device.type != "cpu"
         buf = amax.detach().to("cpu" if on_cpu else amax.device, torch.float32, copy=True)
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(buf, op=op, group=self.group)
         return buf.to(device=amax.device, dtype=amax.dtype)
 
 
@@ -112,6 +113,39 @@ def shard_window(tp: Sharding | None, shape: tuple[int, ...], cast: Cast, has: s
     return (padded[0], padded[1]), (offset[0], offset[1])
 
 
+def probe_operand(tp: Sharding | None, t: torch.Tensor, has: str, cast: Cast, sample: int
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a Controller's probe measures (:func:`~mixprec.control._measure.measure`, ``sample``
+    elements of ``cast``) of the operand whose local part is ``t`` (its last dimension the
+    columns, the others the rows; ``has``: the layer dimensions of rows and columns, ``"mk"``
+    for the input, ``"nk"`` for the weight, ``"mn"`` for grad_output, ``"kn"`` for ``W.t()``, ...),
+    as ``(rows, amax)``: under ``tp`` sharding one of them, the rows of the whole operand the
+    one-process measurement samples (evenly strided), gathered over the group (an all-reduce SUM
+    of about ``sample`` elements: each rank adds its part, zeros elsewhere, exact in float32),
+    which ``measure`` then takes whole, and the whole operand's amax (MAX over the group): the
+    one process's statistics on every rank. A 2-D block cast (measured on every row) and an fp4
+    one (whose sample carries the whole tensor's scale: ``measure`` adds it) gather the whole
+    operand, and ``measure`` samples it as one process does. Otherwise
+    ``(t, None)``: the shard's own (or the whole operand, unsharded)."""
+    if tp is None or tp.dim not in has or t.numel() == 0:
+        return t, None
+    t2 = t.detach().reshape(-1, t.shape[-1])
+    axis, rank, size = has.index(tp.dim), dist.get_rank(tp.group), dist.get_world_size(tp.group)
+    rows, cols = t2.shape[0] * (size if axis == 0 else 1), t2.shape[1] * (size if axis == 1 else 1)
+    whole = cast.is_fp4 or (cast.block is not None and cast.block[0] > 1)
+    stride = 1 if whole else max(1, rows // -(-sample // max(cols, 1)))  # (measure's, on the whole operand)
+    picked = torch.arange(0, rows, stride, device=t2.device)
+    buf = t2.new_zeros(picked.numel(), cols, dtype=torch.float32)
+    if axis == 0:
+        first = rank * t2.shape[0]
+        mine = (picked >= first) & (picked < first + t2.shape[0])
+        buf[mine] = t2[picked[mine] - first].float()
+    else:
+        buf[:, rank * t2.shape[1]:(rank + 1) * t2.shape[1]] = t2[::stride].float()
+    amax = tp.reduce(torch.max(torch.abs(t2)))
+    return tp.reduce(buf, dist.ReduceOp.SUM).to(t2.dtype), amax
+
+
 def check_blocks(recipe: Float8Recipe, local_features: int, dim: str, where: str) -> None:
     """Raise ValueError when a block of ``recipe`` would straddle two shards: the sharded
     feature dimension ``dim`` (``"n"`` or ``"k"``) holds ``local_features`` per shard, which must
@@ -127,12 +161,28 @@ def check_blocks(recipe: Float8Recipe, local_features: int, dim: str, where: str
             f"use a smaller mesh, or pick a recipe without blocks ('tensorwise', 'rowwise')")
 
 
-def gathers_fp8(recipe: Float8Recipe | None) -> bool:
-    """Whether a sequence-sharded input is all-gathered in fp8 for ``recipe``: one fp8 scale for
-    the input (global: the shards' amax all-reduced), reused bit for bit by the weight-gradient
-    GEMM (``save_fp8``: ``tensorwise``), so the gathered bytes are all the layer needs of it."""
-    return (recipe is not None and not recipe.fp4 and not recipe.blocked and recipe.save_fp8
-            and recipe.input.is_fp8 and recipe.input.granularity == "tensor")
+def gathers_fp8(recipe: Float8Recipe | None, weight_grad: bool = True) -> bool:
+    """Whether a sequence-sharded input is all-gathered in fp8 for ``recipe``, the bytes and
+    scales of its forward cast (the linear then reads them as its cast input):
+
+    * ``tensorwise``: one fp8 scale for the input (global: the shards' amax all-reduced), reused
+      bit for bit by the weight-gradient GEMM (``save_fp8``), so the gathered bytes are all the
+      layer needs of it: always;
+    * row and 1-D block scales along the in features (``rowwise``, ``rowwise_with_gw_hp``,
+      ``mxfp8``, ``blockwise``: one scale per token, or per block of a token's features), each
+      local to the shard that holds the token: only without a weight gradient (``weight_grad``
+      False: no grad mode, or a frozen weight). The weight-gradient GEMM casts the input again,
+      by columns (over the tokens: across the shards), from the high-precision input; gathering
+      that too would move ``2 x (1 + scales)`` bytes per element, more than bf16's 2 once.
+
+    fp4 recipes gather in the input's dtype."""
+    if recipe is None or recipe.fp4 or not recipe.input.is_fp8:
+        return False
+    cast = recipe.input
+    if cast.granularity == "tensor" and recipe.save_fp8 and not recipe.blocked:
+        return True
+    along_features = cast.granularity == "row" if cast.block is None else cast.block[0] == 1
+    return not weight_grad and along_features
 
 
 def colwise_sequence_parallel(*, sequence_dim: int = 1, output_layouts: Any = None,
@@ -160,10 +210,12 @@ def _all_gather(t: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 
 
 class _GatherSequence(torch.autograd.Function):
-    """The sequence shard ``x`` all-gathered along ``dim``: with ``cast``, cast to fp8 with the
-    global amax first (its statistics recorded into ``window`` on the shard) and gathered as
-    bytes, given as a :class:`GatheredFloat8Weight` the fp8 linear reads as its cast input; else
-    gathered in ``x``'s dtype. Backward: the gradient reduce-scattered back to the shards."""
+    """The sequence shard ``x`` all-gathered along ``dim``: with ``cast`` (the layer's input
+    cast, :func:`gathers_fp8`), cast to fp8 first (a tensor scale: with the global amax; row and
+    block scales: the shard's own, each token's), its statistics recorded into ``window`` on the
+    shard, and gathered as bytes with the scales, given as a :class:`GatheredFloat8Weight` the
+    fp8 linear reads as its cast input; else gathered in ``x``'s dtype. Backward: the gradient
+    reduce-scattered back to the shards."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, mesh: Any, cast: Cast | None, pow2: bool,
@@ -172,8 +224,14 @@ class _GatherSequence(torch.autograd.Function):
         group = mesh.get_group()
         if cast is None:
             return _all_gather(x, dim, group)
-        q, scale, amax = cast_to_fp8(x, cast, -1, pow2, Sharding("m", group).reduce(torch.max(torch.abs(x))))
-        record_cast(window, INPUT, x, q, amax)
+        if cast.granularity == "tensor":
+            q, scale, amax = cast_to_fp8(x, cast, -1, pow2, Sharding("m", group).reduce(torch.max(torch.abs(x))))
+            record_cast(window, INPUT, x, q, amax)
+        else:  # one scale per token (rowwise) or per block of its features: local, gathered with the bytes
+            q, scale, amax = cast_to_fp8(x, cast, -1, pow2)
+            record_cast(window, INPUT, x.reshape(-1, x.shape[-1]) if cast.block else x, q.reshape(-1, x.shape[-1])
+                        if cast.block else q, amax)
+            scale = _all_gather(scale.reshape(*x.shape[:-1], -1), dim, group)
         data = _all_gather(q.view(torch.uint8), dim, group).view(cast.dtype)
         return GatheredFloat8Weight(data, scale, amax, x.dtype, cast)
 
@@ -229,7 +287,9 @@ def sharded_linear(input: Any, weight: Any, bias: Any,
         tp = Sharding("n", mesh.get_group())
         if recipe is not None:
             check_blocks(recipe, weight.to_local().shape[0], "n", where)
-        fp8 = gathers_fp8(recipe)
+        # (traced: in the input's dtype, the same casts after it; Dynamo cannot trace the fp8 bytes'
+        # tensor subclass out of the gather's autograd.Function)
+        fp8 = gathers_fp8(recipe, torch.is_grad_enabled() and weight.requires_grad) and not torch.compiler.is_compiling()
         x = _GatherSequence.apply(input.to_local(), xp.dim, mesh, recipe.input if fp8 else None,
                                   fp8 and recipe.pow2_scales, window if fp8 else None)
         out = run(x, _local_weight(weight), None if bias is None else bias.to_local(), tp)

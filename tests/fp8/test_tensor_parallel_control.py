@@ -199,3 +199,35 @@ def test_probe_shadows_are_one_process_s(tmp_path, run: int) -> None:
                     grads += 1
                     assert torch.equal(got[grad], want[grad]), (case, name, got, want)
     assert grads >= 8, grads  # (most gradients are the one process's: their shadows were compared)
+
+
+def _shard_cost_worker(rank: int, port: int, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import mixprec
+    from mixprec import Controller, Policy
+    from _tp_cases import model_for, tp_plan
+
+    with gloo_group(rank, port, 2):
+        torch.set_num_threads(1)
+        model = model_for(32)
+        ctl = Controller(every=2, max_loss_cost=1e-3).attach(model)
+        parallelize_module(model, init_device_mesh("cpu", (2,)), tp_plan())
+        policy = Policy.parse("compute=bf16").fp8("tensorwise", names=r"^1\.", controller=ctl.settings)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                with mixprec.autocast("cpu", policy=policy):
+                    model(torch.randn(2, 8, 32)).float().square().mean().backward()
+                ctl.step()
+        torch.save([str(w.message) for w in caught], os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_a_tensor_parallel_layers_loss_cost_is_said_to_be_its_shards(tmp_path) -> None:
+    """The loss cost of a tensor-parallel layer is measured on each rank's shard (an
+    underestimate): the Controller says so once per layer, naming it, rather than silently."""
+    spawn(_shard_cost_worker, str(tmp_path), nprocs=2, timeout=300)
+    for rank in range(2):
+        said = [m for m in torch.load(tmp_path / f"rank{rank}.pt") if "on each rank's shard" in m]
+        assert sorted(m.split("'")[1] for m in said) == ["1.down", "1.up"], said

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -340,6 +341,8 @@ class Probe:
         # the GEMM's backward receives, after any hook on the returned tensor (a per-layer loss
         # scaler's cut point, whose factor the gradients of this layer carry)
         result = out.view_as(out) if out.requires_grad else out
+        if tp is not None and not compiling and (rec.cost is not None or rec.backward is not None):
+            _note_shard_cost(rec)
         if rec.cost is not None and not rec.cost_blind and weight is not None and out.requires_grad:
             # traced: both rows on every step, kept where the device flags say (no guard on the plan)
             wanted, kept = ((True, True), rec.cost_gate) if compiling else (rec.cost_now, None)
@@ -372,6 +375,20 @@ def _measure(window: torch.Tensor, operand: int, t: torch.Tensor, has: str, cast
         t, whole = probe_operand(tp, t, has, cast, sample)
         amax = amax if whole is None else whole
     measure(window, operand, t, cast, pow2, sample, hadamard_seed, gate, amax)
+
+
+_SHARD_NOTED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _note_shard_cost(rec: LayerRecord) -> None:
+    """Warn once per layer that its loss costs are its shard's (a tensor-parallel layer)."""
+    if rec not in _SHARD_NOTED:
+        _SHARD_NOTED.add(rec)
+        name = rec.state.name or "a tensor-parallel layer"
+        warnings.warn(f"fp8: Controller(max_loss_cost=/max_backward_cost=) measures the loss cost of {name!r} on each "
+                      f"rank's shard of the layer (tensor parallelism), and a check takes the largest shard's: "
+                      f"it can read up to the TP degree too small, so the layer may stay in a rung one process "
+                      f"would leave (its cast statistics are the whole layer's)", UserWarning, stacklevel=4)
 
 
 def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,

@@ -67,8 +67,8 @@ def _llama() -> torch.nn.Module:
     return model.eval()
 
 
-def _export(route: str, folder) -> dict:
-    recipe, kwargs, _ = ROUTES[route]
+def _trained(recipe) -> tuple[torch.nn.Module, Recorder]:
+    """The Llama with its decoder layers converted to ``recipe`` and trained 3 steps, and its statistics."""
     model = fp8.convert(_llama(), recipe, filter_fn=lambda m, n: ".layers." in n)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     rec = Recorder(model)
@@ -80,6 +80,12 @@ def _export(route: str, folder) -> dict:
         opt.zero_grad()
         rec.step()
     rec.close()
+    return model, rec
+
+
+def _export(route: str, folder, model_and_stats: tuple | None = None) -> dict:
+    recipe, kwargs, _ = ROUTES[route]
+    model, rec = model_and_stats or _trained(recipe)
     mixprec.export(model, folder, stats=rec, **kwargs)
     return safetensors_torch.load_file(str(folder / "model.safetensors"))
 
@@ -248,10 +254,10 @@ def test_vllm_serves_the_fp8_export_as_mixprecs_static_forward(tmp_path):
     token is the static forward's argmax wherever its top-2 margin exceeds 0.2 nats, and each
     logprob is within 0.1 of it. The gap to the training model (fp8's own error: on this tiny
     model a CPU dry run measured up to 2.6 nats between static fp8 and training) is printed."""
-    stored = _export("fp8-tensor", tmp_path)
+    model, rec = _trained(ROUTES["fp8-tensor"][0])
+    stored = _export("fp8-tensor", tmp_path, (model, rec))
     assert any(k.endswith("k_scale") for k in stored)  # vLLM turns its fp8 KV cache on for these
-    trained = _llama()  # the training run again (deterministic), its weights in high precision
-    trained.load_state_dict(_trained_state())
+    trained = fp8.unconvert(model).eval()  # its weights in high precision: the reference
     static = mixprec.export.load_static(_llama(), tmp_path)
     prompts = [[1, 17, 42, 99, 3, 250, 7, 64], [5, 5, 200, 31]]
     llm = vllm.LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
@@ -274,16 +280,3 @@ def test_vllm_serves_the_fp8_export_as_mixprecs_static_forward(tmp_path):
         print(f"fp8 export {prompt}: logprob max |vLLM - static forward| {gaps['static']:.2e}, "
               f"|vLLM - training| {gaps['training']:.2e}")
         assert gaps["static"] <= 0.1, gaps
-
-
-def _trained_state() -> dict:
-    """The weights :func:`_export` trained (the same three steps, deterministic), in float32."""
-    model = fp8.convert(_llama(), ROUTES["fp8-tensor"][0], filter_fn=lambda m, n: ".layers." in n)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        ids = torch.randint(0, VOCAB, (2, 16), generator=g)
-        model(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in fp8.unconvert(model).state_dict().items()}

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from _adv_tp import TP_RECIPES, TPProgram, _batch, _decisions, _full, _model, _plan, tp_layers
+from _adv_tp import TP_RECIPES, TPProgram, _batch, _model, _plan, train_steps
 
 DP = 2  # the mesh is (dp, tp) = (2, 2)
 
@@ -75,30 +75,18 @@ def _train(p: DPTPProgram, base: nn.Module, mesh_run: bool, fp8_on: bool) -> dic
         fully_shard(model, mesh=mesh["dp"])
         dp_rank = mesh["dp"].get_local_rank()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    windows: list[dict[str, torch.Tensor]] = []
-    first: dict[str, torch.Tensor] = {}
-    for t, step in enumerate(q.steps):
+
+    def micro_batches(t: int, step: Any) -> None:
         if mesh_run and p.lag is not None and p.lag[0] == t and dp_rank == 1:
             time.sleep(p.lag[1])
-        ranks = [dp_rank] if mesh_run else range(DP)  # one process: every data-parallel rank's batches
-        for r in ranks:
+        for r in ([dp_rank] if mesh_run else range(DP)):  # one process: every data-parallel rank's batches
             for m, rows in enumerate(step.rows):
                 with mixprec.autocast("cpu", policy=policy):
                     y = model(_dp_batch(p, t, m, rows, r), step.skip)
                 loss = y.float().square().sum() / 64
                 (loss if mesh_run else loss / DP).backward()  # (FSDP2 averages over dp)
-        if t == 0 and fp8_on:  # the first step's windows, before any check resets them
-            states = {n: fp8.layer_state(model.get_submodule(n), create=False) for n in tp_layers(q)}
-            windows.append({n: s.window.clone() for n, s in states.items() if s is not None})
-        opt.step()
-        opt.zero_grad()
-        if t == 0:
-            first = {n: _full(w.detach()).float().clone() for n, w in model.named_parameters()}
-        if sup is not None:
-            sup.step()
-    weights = {n: _full(w.detach()).float().clone() for n, w in model.named_parameters()}
-    return {"weights": weights, "first": first, "windows": windows,
-            "decisions": _decisions(q.supervisor, sup) if sup is not None else []}
+
+    return train_steps(q, model, opt, sup, fp8_on, micro_batches)
 
 
 def run_rank(rank: int, p: DPTPProgram) -> dict[str, Any]:

@@ -146,13 +146,26 @@ def _train(p: TPProgram, base: nn.Module, sharded: bool, fp8_on: bool) -> dict[s
     if sharded:
         parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), _plan(p))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    windows: list[dict[str, torch.Tensor]] = []
-    first: dict[str, torch.Tensor] = {}
-    for t, step in enumerate(p.steps):
+
+    def micro_batches(t: int, step: TPStep) -> None:
         for m, rows in enumerate(step.rows):
             with mixprec.autocast("cpu", policy=policy):
                 y = model(_batch(p, t, m, rows), step.skip)
             (y.float().square().sum() / 64).backward()
+
+    return train_steps(p, model, opt, sup, fp8_on, micro_batches)
+
+
+def train_steps(p: TPProgram, model: nn.Module, opt: torch.optim.Optimizer, sup: Any, fp8_on: bool,
+                micro_batches: Any) -> dict[str, Any]:
+    """Run ``p``'s steps (``micro_batches(t, step)``: the forwards and backwards of step ``t``),
+    each followed by the optimizer's and the supervisor's step; what the parent compares."""
+    from mixprec import fp8
+
+    windows: list[dict[str, torch.Tensor]] = []
+    first: dict[str, torch.Tensor] = {}
+    for t, step in enumerate(p.steps):
+        micro_batches(t, step)
         if t == 0 and fp8_on:  # the first step's windows, before any check resets them
             states = {n: fp8.layer_state(model.get_submodule(n), create=False) for n in tp_layers(p)}
             windows.append({n: s.window.clone() for n, s in states.items() if s is not None})

@@ -9,6 +9,7 @@ than colwise or rowwise."""
 from __future__ import annotations
 
 import os
+import re
 import time
 import warnings
 
@@ -201,7 +202,55 @@ def test_probe_shadows_are_one_process_s(tmp_path, run: int) -> None:
     assert grads >= 8, grads  # (most gradients are the one process's: their shadows were compared)
 
 
-def _shard_cost_worker(rank: int, port: int, out_dir: str) -> None:
+def _loss_cost_worker(rank: int, port: int, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from mixprec import Controller, fp8
+    from _tp_cases import TP_LAYERS, model_for, tp_plan
+
+    with gloo_group(rank, port, 2):
+        torch.set_num_threads(1)
+        warnings.simplefilter("ignore")
+        costs = {}
+        for sharded in (False, True):
+            # float32 (no autocast): the outputs' errors differ between the runs only in summation order
+            ctl = Controller(every=2, max_loss_cost=1e-9, ladder=("tensorwise", "rowwise", "compute"))
+            model = fp8.convert(model_for(32), "tensorwise", filter_fn=lambda m, fqn: fqn in TP_LAYERS, controller=ctl)
+            if sharded:
+                parallelize_module(model, init_device_mesh("cpu", (2,)), tp_plan())
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(3):  # a check at step 2 promotes (1.up): step 3 measures the rung below too
+                x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(step))
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                ctl.step()
+            layers = ctl.state_dict()["layers"]
+            costs[sharded] = {n: torch.tensor(layers[n]["loss_cost"]) for n in TP_LAYERS}
+            costs[f"rungs{sharded}"] = ctl.precisions()
+        torch.save(costs, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_a_tensor_parallel_layers_loss_cost_is_one_process_s(tmp_path) -> None:
+    """``max_loss_cost`` on a colwise and a rowwise fp8 layer: each output row's ``g . e`` summed
+    over the TP group, the rung below's error cast with the whole layer's scales, so the cost's
+    window (the estimate summed over the steps, and their count) is one process's up to the
+    summation order, for the layer's own casts and for the rung below, on both ranks."""
+    spawn(_loss_cost_worker, str(tmp_path), nprocs=2, timeout=300)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["rungsTrue"] == got["rungsFalse"]
+        measured = 0
+        for name, single in got[False].items():
+            sharded = got[True][name]
+            assert torch.equal(sharded[:, 4], single[:, 4]) and single[0, 4] > 0, (name, single)
+            assert torch.allclose(sharded[:, 3], single[:, 3], rtol=1e-3, atol=1e-12), (name, sharded, single)
+            measured += int(single[1, 4] > 0)
+        assert measured, "no layer was promoted: the rung below's cost was not compared"
+
+
+def _backward_cost_worker(rank: int, port: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -212,7 +261,7 @@ def _shard_cost_worker(rank: int, port: int, out_dir: str) -> None:
     with gloo_group(rank, port, 2):
         torch.set_num_threads(1)
         model = model_for(32)
-        ctl = Controller(every=2, max_loss_cost=1e-3).attach(model)
+        ctl = Controller(every=2, per_gemm=True, max_backward_cost=1e-3).attach(model)
         parallelize_module(model, init_device_mesh("cpu", (2,)), tp_plan())
         policy = Policy.parse("compute=bf16").fp8("tensorwise", names=r"^1\.", controller=ctl.settings)
         with warnings.catch_warnings(record=True) as caught:
@@ -224,10 +273,10 @@ def _shard_cost_worker(rank: int, port: int, out_dir: str) -> None:
         torch.save([str(w.message) for w in caught], os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def test_a_tensor_parallel_layers_loss_cost_is_said_to_be_its_shards(tmp_path) -> None:
-    """The loss cost of a tensor-parallel layer is measured on each rank's shard (an
-    underestimate): the Controller says so once per layer, naming it, rather than silently."""
-    spawn(_shard_cost_worker, str(tmp_path), nprocs=2, timeout=300)
+def test_a_tensor_parallel_layers_backward_cost_is_said_to_be_its_shards(tmp_path) -> None:
+    """The backward GEMMs' loss cost of a tensor-parallel layer is measured on each rank's shard
+    (an underestimate): the Controller says so once per layer, naming it, rather than silently."""
+    spawn(_backward_cost_worker, str(tmp_path), nprocs=2, timeout=300)
     for rank in range(2):
         said = [m for m in torch.load(tmp_path / f"rank{rank}.pt") if "on each rank's shard" in m]
-        assert sorted(m.split("'")[1] for m in said) == ["1.down", "1.up"], said
+        assert sorted(re.search(r"loss cost of '([^']+)'", m).group(1) for m in said) == ["1.down", "1.up"], said

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mixprec.formats._linear import linear
+from mixprec.formats._linear import local_linear
 
 __all__ = ["COST_Z", "cost_steps", "loss_cost", "measure_cost", "output_errors"]
 
@@ -25,23 +25,29 @@ COST_Z = 3.0
 
 
 def measure_cost(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 out: torch.Tensor, wanted: tuple[bool, bool] = (True, True), gate: torch.Tensor | None = None) -> None:
+                 out: torch.Tensor, wanted: tuple[bool, bool] = (True, True), gate: torch.Tensor | None = None,
+                 tp: Any = None) -> None:
     """Keep the forward GEMM's output errors (:func:`output_errors`, the rows ``wanted``) until
     the backward hook that meets them with the output's gradient (:func:`_accumulate_cost`;
-    ``gate``, a device flag per row: the sums keep a row only where it is set)."""
-    errors = output_errors(rec, x, weight, bias, out, wanted)
+    ``gate``, a device flag per row: the sums keep a row only where it is set). ``tp``: the
+    layer's tensor-parallel sharding (``x``, ``weight``, ``out`` its local shards): the cost is
+    the whole layer's, as one process measures it (each rank's output rows' ``g . e`` summed over
+    the group: one all-reduce of a float per output row in the backward)."""
+    errors = output_errors(rec, x, weight, bias, out, wanted, tp)
     if errors:
         buf = rec.cost
-        out.register_hook(lambda grad: _accumulate_cost(buf, errors, grad, gate))
+        out.register_hook(lambda grad: _accumulate_cost(buf, errors, grad, gate, tp))
 
 
 def output_errors(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  out: torch.Tensor, wanted: tuple[bool, bool] = (True, True)) -> list[tuple[int, torch.Tensor]]:
+                  out: torch.Tensor, wanted: tuple[bool, bool] = (True, True), tp: Any = None
+                  ) -> list[tuple[int, torch.Tensor]]:
     """The forward GEMM's output errors against float32, as ``(row of rec.cost, error)``, of the
     rows ``wanted``: its own casts' (row 0) when it runs casts, the recipe below's (row 1,
     emulated) while it may go down. Costs one float32 GEMM (none when no row is wanted or
     measurable), and one emulated GEMM of the recipe below for a promoted forward; each error is
-    the output's size, in its dtype. No host sync."""
+    the output's size, in its dtype (under ``tp``, the local output's: the rung below's casts take
+    the whole layer's scales). No host sync."""
     errors = []
     own = wanted[0] and rec.forward_low and not rec.state.fallback
     below = rec.forward_below if wanted[1] else None
@@ -54,18 +60,25 @@ def output_errors(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
         if own:
             errors.append((0, (out.detach().float() - reference).to(out.dtype)))
         if below is not None:
-            emulated = linear(x, w, b, below, backend="emulate_fp32")
+            emulated = local_linear(x, w, b, below, "emulate_fp32", tp)
             errors.append((1, (emulated.float() - reference).to(out.dtype)))
     return errors
 
 
-def _accumulate_cost(buf: torch.Tensor, errors: list, grad: torch.Tensor, gate: torch.Tensor | None = None) -> None:
+def _accumulate_cost(buf: torch.Tensor, errors: list, grad: torch.Tensor, gate: torch.Tensor | None = None,
+                     tp: Any = None) -> None:
     """Add to ``buf``'s step sums, per error ``e`` (rows of the output), the first-order term
     ``sum(grad * e)``, the sum over rows of ``(grad_row . e_row) ** 2`` and the row count (where
-    ``gate``, a device flag per row of ``buf``, is set, when given)."""
+    ``gate``, a device flag per row of ``buf``, is set, when given). Under ``tp`` each row's
+    ``grad_row . e_row`` is the sum over the group of the local ones: a colwise layer's ranks hold
+    its output columns, a rowwise layer's its partial sums (whose gradient is the output's)."""
     g2 = grad.detach().reshape(-1, grad.shape[-1]).float()
     for row, error in errors:
         per_row = (g2 * error.reshape(g2.shape).float()).sum(-1)
+        if tp is not None:
+            import torch.distributed as dist
+
+            per_row = tp.reduce(per_row, dist.ReduceOp.SUM)
         rows = torch.full((), float(per_row.numel()), device=per_row.device)
         sums = torch.stack([per_row.sum(), per_row.square().sum(), rows])
         buf[row, :3] += sums if gate is None else torch.where(gate[row], sums, 0.0)

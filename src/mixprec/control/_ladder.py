@@ -341,13 +341,13 @@ class Probe:
         # the GEMM's backward receives, after any hook on the returned tensor (a per-layer loss
         # scaler's cut point, whose factor the gradients of this layer carry)
         result = out.view_as(out) if out.requires_grad else out
-        if tp is not None and not compiling and (rec.cost is not None or rec.backward is not None):
+        if tp is not None and not compiling and rec.backward is not None:
             _note_shard_cost(rec)
         if rec.cost is not None and not rec.cost_blind and weight is not None and out.requires_grad:
             # traced: both rows on every step, kept where the device flags say (no guard on the plan)
             wanted, kept = ((True, True), rec.cost_gate) if compiling else (rec.cost_now, None)
             if any(wanted):
-                measure_cost(rec, x, weight, bias, out, wanted, kept)
+                measure_cost(rec, x, weight, bias, out, wanted, kept, tp)
         if rec.backward is not None and not compiling and not rec.cost_blind and weight is not None:
             rec.backward.observe(x, weight, out, measuring)
         if rec.gemm_windows is not None:
@@ -381,14 +381,15 @@ _SHARD_NOTED: weakref.WeakSet = weakref.WeakSet()
 
 
 def _note_shard_cost(rec: LayerRecord) -> None:
-    """Warn once per layer that its loss costs are its shard's (a tensor-parallel layer)."""
+    """Warn once per layer that its backward GEMMs' loss cost is its shard's (a tensor-parallel layer)."""
     if rec not in _SHARD_NOTED:
         _SHARD_NOTED.add(rec)
         name = rec.state.name or "a tensor-parallel layer"
-        warnings.warn(f"fp8: Controller(max_loss_cost=/max_backward_cost=) measures the loss cost of {name!r} on each "
-                      f"rank's shard of the layer (tensor parallelism), and a check takes the largest shard's: "
-                      f"it can read up to the TP degree too small, so the layer may stay in a rung one process "
-                      f"would leave (its cast statistics are the whole layer's)", UserWarning, stacklevel=4)
+        warnings.warn(f"fp8: Controller(max_backward_cost=...) measures the backward GEMMs' loss cost of {name!r} on "
+                      f"each rank's shard of the layer (tensor parallelism), and a check takes the largest shard's: "
+                      f"it can read up to the TP degree too small, so a backward GEMM may stay in a rung one "
+                      f"process would leave (its cast statistics and forward loss cost are the whole layer's)",
+                      UserWarning, stacklevel=4)
 
 
 def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,

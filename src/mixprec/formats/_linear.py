@@ -16,7 +16,7 @@ from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, LayerState, record_cast
 from mixprec.formats._tensor_parallel import Sharding, global_amax, is_distributed_tensor, sharded_linear
 
-__all__ = ["linear", "resolve_backend", "BACKENDS"]
+__all__ = ["linear", "local_linear", "resolve_backend", "BACKENDS"]
 
 #: ``"emulate"``: the GEMMs emulated as torchao's emulation computes them (tensor/row-scaled fp8 in
 #: float32; fp4 and MX blocks dequantized and multiplied in the input's dtype); ``"emulate_fp32"``:
@@ -277,6 +277,16 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         return sharded_linear(input, weight, bias, lambda x, w, b, tp: _linear(x, w, b, recipe, state, backend, tp),
                               rung, None if state is None else state.name, None if state is None else state.window)
     return _linear(input, weight, bias, recipe, state, backend, None)
+
+
+def local_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Float8Recipe,
+                 backend: str, tp: Sharding | None) -> torch.Tensor:
+    """:func:`linear` without a state on a tensor-parallel layer's local shards (``tp``: its
+    sharding, None: plain tensors): the casts take the whole layer's scales, the result is the
+    local output (colwise: its columns; rowwise: its partial sums, before the reduce). A
+    Controller's estimate of another rung's error on a sharded layer. Preconditions: those of
+    :func:`linear`, unchecked."""
+    return _linear(input, weight, bias, recipe, None, backend, tp)
 
 
 def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Float8Recipe,

@@ -12,7 +12,6 @@ run's own gap between the mesh and one process, and the recipe's own error)."""
 
 from __future__ import annotations
 
-import copy
 import time
 import warnings
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from _adv_tp import TP_RECIPES, TPProgram, _batch, _model, _plan, train_steps
+from _adv_tp import TPProgram, _batch, _model, _plan, fp8_setup, train_steps
 
 DP = 2  # the mesh is (dp, tp) = (2, 2)
 
@@ -49,23 +48,9 @@ def _train(p: DPTPProgram, base: nn.Module, mesh_run: bool, fp8_on: bool) -> dic
     from torch.distributed.tensor.parallel import parallelize_module
 
     import mixprec
-    from mixprec import Controller, Policy, fp8
 
     q = p.tp
-    model = copy.deepcopy(base)
-    policy = Policy.parse("compute=bf16")
-    sup = None
-    if fp8_on:
-        limit, ladder = TP_RECIPES[q.recipe]
-        settings = dict(q.schedule)
-        sup = (fp8.Guard(max_underflow=limit, **settings) if q.supervisor == "guard"
-               else Controller(**settings, **ladder))
-        if q.route == "convert":
-            fp8.convert(model, q.recipe, filter_fn=lambda m, fqn: fqn.startswith("blocks."),
-                        fsdp_fp8_all_gather=p.fp8_all_gather and mesh_run, **{q.supervisor: sup})
-        else:
-            sup.attach(model)
-            policy = policy.fp8(q.recipe, names=r"^blocks\.", **{q.supervisor: sup.settings})
+    model, policy, sup = fp8_setup(q, base, fp8_on, p.fp8_all_gather and mesh_run)
     dp_rank = None
     if mesh_run:
         mesh = init_device_mesh("cpu", (DP, dist.get_world_size() // DP), mesh_dim_names=("dp", "tp"))

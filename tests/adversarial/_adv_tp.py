@@ -122,12 +122,11 @@ def _decisions(kind: str, sup: Any) -> list[tuple]:
     return sorted((f.step, f.layer, f.operand, "fallback", f.statistic) for f in sup.decisions.values())
 
 
-def _train(p: TPProgram, base: nn.Module, sharded: bool, fp8_on: bool) -> dict[str, Any]:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    import mixprec
+def fp8_setup(p: TPProgram, base: nn.Module, fp8_on: bool, fsdp_fp8_all_gather: bool = False
+              ) -> tuple[nn.Module, Any, Any]:
+    """A copy of ``base``, the region's policy and the supervisor: ``p``'s recipe on its blocks
+    (policy route or ``fp8.convert``, with FSDP2's fp8 all-gather if asked) under a Guard or a
+    Controller; without ``fp8_on``, the plain copy, a bf16 policy and no supervisor."""
     from mixprec import Controller, Policy, fp8
 
     model = copy.deepcopy(base)
@@ -139,10 +138,22 @@ def _train(p: TPProgram, base: nn.Module, sharded: bool, fp8_on: bool) -> dict[s
         sup = (fp8.Guard(max_underflow=limit, **settings) if p.supervisor == "guard"
                else Controller(**settings, **ladder))
         if p.route == "convert":
-            fp8.convert(model, p.recipe, filter_fn=lambda m, fqn: fqn.startswith("blocks."), **{p.supervisor: sup})
+            fp8.convert(model, p.recipe, filter_fn=lambda m, fqn: fqn.startswith("blocks."),
+                        fsdp_fp8_all_gather=fsdp_fp8_all_gather, **{p.supervisor: sup})
         else:
             sup.attach(model)
             policy = policy.fp8(p.recipe, names=r"^blocks\.", **{p.supervisor: sup.settings})
+    return model, policy, sup
+
+
+def _train(p: TPProgram, base: nn.Module, sharded: bool, fp8_on: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import mixprec
+
+    model, policy, sup = fp8_setup(p, base, fp8_on)
     if sharded:
         parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), _plan(p))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -13,11 +13,13 @@ step against the same model's step without it, at four model sizes and on the de
   the same fp8 policy alone (no controller, no guard).
 * Each pair is timed in its steady state: both models first train :data:`WARM` steps (three of
   the controller's windows: its first window measures the loss cost on every step, later ones
-  on the steps its plan names) on the run's own batches, then one step of each in turn, the
-  order alternating (AB, BA, ...), on the next batches (the same for both): the median of the
-  per-round ratios and its quartiles (:func:`mixprec.demo.alternate.pair_ratio`), of wall time
-  and of the thread's CPU time (``time.thread_time``: one thread, so the work itself, which a
-  machine shared with other jobs stretches less than the wall clock).
+  on the steps its plan names) on the run's own batches, then whole windows of ``every`` steps,
+  one step of each in turn, the order alternating (AB, BA, ...), on the next batches (the same
+  for both). The figure is the ratio of the summed times (the controller measures on a few
+  steps of each window, so a typical step hides its cost: the median per-step ratio is printed
+  beside it) and the least and greatest window's, of wall time and of the thread's CPU time
+  (``time.thread_time``: one thread, so the work itself, which a machine shared with other
+  jobs stretches less than the wall clock).
 * Model sizes: the demo's ``TransformerLM`` with 2 blocks of width 64, 128, 256, 384 (sequences
   of 64 tokens, batches of 8): what the controller costs should stay flat as the model grows.
   Headlines: the demo's ``tiny`` and ``small`` presets.
@@ -47,7 +49,7 @@ from mixprec.control._measure import measure  # noqa: E402
 from mixprec.demo.alternate import pair_ratio  # noqa: E402
 from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch  # noqa: E402
 from mixprec.demo.model import ModelConfig, TransformerLM, lm_loss  # noqa: E402
-from mixprec.demo.modes import MODES, Setup  # noqa: E402
+from mixprec.demo.modes import FP8_EVERY, MODES, Setup  # noqa: E402
 from mixprec.demo.settings import Settings  # noqa: E402
 from mixprec.formats._fp4 import quantize  # noqa: E402
 from mixprec.formats._recipe import Cast  # noqa: E402
@@ -56,7 +58,7 @@ from mixprec.formats._state import new_window  # noqa: E402
 ROWS = (64, 1024, 8192, 32768)
 COLS = 256
 SAMPLE = 4096  # ControllerSettings.sample's default
-#: steps each model trains before the timed rounds: three windows of the demo's every=10
+#: steps each model trains before the timed windows: three windows of the demo's every=10
 WARM = 30
 #: the pairs: (what is timed, its reference), each a demo mode or the fp8 policy alone
 PAIRS = {"fp4": ("mixprec-fp4", "mixprec-fp4-all"), "fp8": ("mixprec-fp8", "fp8-policy")}
@@ -111,12 +113,17 @@ def _stepper(mode: str, settings: Settings) -> Callable[[torch.Tensor, torch.Ten
     return step
 
 
-def steady_pair(pair: str, settings: Settings, train: torch.Tensor, rounds: int, budget_s: float,
+def steady_pair(pair: str, settings: Settings, train: torch.Tensor, windows: int, budget_s: float,
                 warm: int = WARM) -> dict[str, Any]:
     """``pair`` (a key of :data:`PAIRS`) timed as the module says: ``warm`` untimed steps, then
-    alternated rounds (at least 3, at most ``rounds``, stopping after ``budget_s`` seconds)."""
+    whole windows of ``FP8_EVERY`` steps (at least 1, at most ``windows``, stopping after
+    ``budget_s`` seconds), one step of each model in turn, the order alternating. Returns the
+    ratio of the two models' summed times (``ratio``, CPU time under ``cpu``; ``low``/``high``:
+    the least and greatest window's), and under ``step`` the median per-step ratio: the typical
+    step, which does not see the few steps of each window that measure more."""
     mode, reference = PAIRS[pair]
-    offsets = batch_offsets(len(train), warm + rounds, settings.batch_size, settings.model.seq_len, settings.seed)
+    steps_n = warm + windows * FP8_EVERY
+    offsets = batch_offsets(len(train), steps_n, settings.batch_size, settings.model.seq_len, settings.seed)
     batches = [make_batch(train, o, settings.model.seq_len, torch.device("cpu")) for o in offsets]
     steps = {mode: _stepper(mode, settings), reference: _stepper(reference, settings)}
     for x, y in batches[:warm]:
@@ -131,9 +138,26 @@ def steady_pair(pair: str, settings: Settings, train: torch.Tensor, rounds: int,
             steps[name](x, y)
             times[name].append(time.perf_counter() - begin)
             cpu[name].append(time.thread_time() - begin_cpu)
-        if round_ + 1 >= 3 and time.perf_counter() - start > budget_s:
+        if (round_ + 1) % FP8_EVERY == 0 and time.perf_counter() - start > budget_s:
             break
-    return {**pair_ratio(times[mode], times[reference]), "cpu": pair_ratio(cpu[mode], cpu[reference])}
+    return {**window_ratio(times[mode], times[reference]), "cpu": window_ratio(cpu[mode], cpu[reference]),
+            "step": pair_ratio(cpu[mode], cpu[reference])}
+
+
+def window_ratio(mode_s: list[float], reference_s: list[float], every: int = FP8_EVERY) -> dict[str, Any]:
+    """The ratio of two alternated timings' sums over whole windows of ``every`` steps
+    (``ratio``), the least and greatest window's (``low``, ``high``), the windows, and the
+    reference's mean step (``reference_s``).
+
+    Example:
+        >>> r = window_ratio([1.0] * 9 + [11.0], [1.0] * 10)  # one costly step of ten
+        >>> r["ratio"], r["windows"]
+        (2.0, 1)
+    """
+    n = len(mode_s) // every * every
+    per = [sum(mode_s[i:i + every]) / sum(reference_s[i:i + every]) for i in range(0, n, every)]
+    return {"ratio": sum(mode_s[:n]) / sum(reference_s[:n]), "low": min(per), "high": max(per), "windows": len(per),
+            "reference_s": sum(reference_s[:n]) / n}
 
 
 def width_settings(width: int) -> Settings:
@@ -153,23 +177,23 @@ def cpu_flags() -> str:
 
 
 def _line(label: str, r: dict[str, Any]) -> str:
-    c = r["cpu"]
-    return (f"{label}: CPU time {c['ratio']:.3f}x (quartiles {c['low']:.3f}-{c['high']:.3f}), wall {r['ratio']:.3f}x "
-            f"(quartiles {r['low']:.3f}-{r['high']:.3f}); {r['rounds']} rounds, {c['reference_s'] * 1e3:.0f} ms CPU "
-            f"per reference step")
+    c, step = r["cpu"], r["step"]
+    return (f"{label}: CPU time {c['ratio']:.3f}x (windows {c['low']:.3f}-{c['high']:.3f}), wall {r['ratio']:.3f}x; "
+            f"median step {step['ratio']:.3f}x; {c['windows']} windows, {c['reference_s'] * 1e3:.0f} ms CPU per "
+            f"reference step")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="widths 64,128, preset tiny, 4 rounds (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="widths 64,128, preset tiny, 1 window (a smoke run)")
     parser.add_argument("--widths", default=None, help="comma-separated model widths (default: 64,128,256,384)")
     parser.add_argument("--presets", default=None, help="comma-separated demo presets (default: tiny,small)")
-    parser.add_argument("--rounds", type=int, default=None, help="alternated rounds per pair (default 15)")
+    parser.add_argument("--windows", type=int, default=None, help="timed windows of 10 steps per pair (default 3)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     widths = [int(w) for w in (args.widths or ("64,128" if args.quick else "64,128,256,384")).split(",")]
     presets = (args.presets or ("tiny" if args.quick else "tiny,small")).split(",")
-    rounds = args.rounds or (4 if args.quick else 15)
+    windows = args.windows or (1 if args.quick else 3)
     budget = 5.0 if args.quick else 90.0
     before = machine()
     print(f"CPU: {before['cpu']} (flags: {cpu_flags()}); load before: {before['load']}")
@@ -183,13 +207,13 @@ def main() -> None:
         for pair in PAIRS:
             mode, reference = PAIRS[pair]
             print("  " + _line(f"width {width}, {mode} / {reference}",
-                               steady_pair(pair, width_settings(width), train, rounds, budget)), flush=True)
+                               steady_pair(pair, width_settings(width), train, windows, budget)), flush=True)
     print("headlines (demo presets):")
     for preset in presets:
         for pair in PAIRS:
             mode, reference = PAIRS[pair]
             print("  " + _line(f"{preset}, {mode} / {reference}",
-                               steady_pair(pair, Settings.for_size(preset), train, rounds, budget)), flush=True)
+                               steady_pair(pair, Settings.for_size(preset), train, windows, budget)), flush=True)
     print(f"load after: {machine()['load']}")
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import mixprec
 import mixprec.control._backward as backward_module
 from mixprec.control._backward import backward_costs, cost_ratio, update_terms
+from mixprec.formats._fp4_linear import Fp4Matmul
 
 LADDER = ("nvfp4", "tensorwise", "rowwise", "compute")
 
@@ -61,12 +62,12 @@ def _model(seed: int = 0) -> nn.Module:
 
 
 def _train(ctl: mixprec.Controller, steps: int = 30, seed: int = 0, loss_scale: float = 1.0,
-           one_output: bool = False) -> list:
+           one_output: bool = False, sgd: bool = False) -> list:
     model = _model(seed)
     ctl.attach(model)
     policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
                                                       backend="emulate_fp32")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if sgd else torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(seed + 1)
     target = torch.randn(64, 16, generator=gen)
     weights = torch.ones(16)
@@ -86,18 +87,30 @@ def _train(ctl: mixprec.Controller, steps: int = 30, seed: int = 0, loss_scale: 
     return ctl.log
 
 
-def _plant(monkeypatch, layer: int, size: float, seed: int = 0) -> None:
-    """Make the measured emulation of ``layer``'s backward add ``size`` times the weight gradient
-    to it (what a weight-gradient GEMM that biases its result would give: -3 flips it)."""
+def _plant(monkeypatch, layer: int, size: float, seed: int = 0, where: str = "measured") -> None:
+    """Make ``layer``'s NVFP4 weight-gradient GEMM add ``size`` times the weight gradient to its
+    result (what a GEMM that biases its result would give: -3 flips it): as the measurement reads
+    it (``where="measured"``: the own GEMM's result handed to the cost, and the rung below's
+    emulation), or in training itself (``"training"``: the layer's own backward GEMM, which the
+    cost then reads)."""
     shape = tuple(_model(seed)[2 * layer].weight.shape)  # (the layers' shapes tell them apart)
-    original = backward_module.linear
+    original, backward, measure = backward_module.linear, Fp4Matmul.backward, backward_module.BackwardCost._measure
+
+    def biased(gw):
+        return gw if gw is None or tuple(gw.shape) != shape else gw * (1 + size)
 
     def planted(x, w, b, recipe, backend):
         if tuple(w.shape) == shape:
-            w.register_hook(lambda g: g * (1 + size))
+            w.register_hook(biased)
         return original(x, w, b, recipe, backend=backend)
 
+    if where == "training":
+        monkeypatch.setattr(Fp4Matmul, "backward", staticmethod(
+            lambda ctx, grad_output: (lambda g: (g[0], biased(g[1]), *g[2:]))(backward(ctx, grad_output))))
+        return
     monkeypatch.setattr(backward_module, "linear", planted)
+    monkeypatch.setattr(backward_module.BackwardCost, "_measure",
+                        lambda self, shadow, gi, gw: measure(self, shadow, gi, biased(gw)))
 
 
 def _backward_promotions(log: list) -> list:
@@ -117,6 +130,21 @@ def test_a_planted_weight_gradient_error_is_promoted_a_harmless_one_not(monkeypa
     monkeypatch.undo()
     _plant(monkeypatch, 2, -0.01)  # a small bias costs next to nothing
     assert _backward_promotions(_train(mixprec.Controller(**settings))) == []
+
+
+def test_the_own_casts_cost_reads_the_layers_own_backward_gemm():
+    """The own casts' cost is measured on the weight gradient the layer's backward GEMM gave
+    (no emulated copy of it): a bias planted in that GEMM (the head's gradient halved, trained by
+    SGD, whose step follows it: about 9e-5 a step, the clean GEMM's at most 8e-6) is promoted by
+    its cost, as measured; a harmless one is not."""
+    settings = dict(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=3e-5)
+    with pytest.MonkeyPatch.context() as mp:
+        _plant(mp, 2, -0.5, where="training")
+        ups = _backward_promotions(_train(mixprec.Controller(**settings), sgd=True))
+    assert ups and set(ups) == {("4", "grad_weight", "backward_cost")}
+    with pytest.MonkeyPatch.context() as mp:
+        _plant(mp, 2, -0.01, where="training")
+        assert _backward_promotions(_train(mixprec.Controller(**settings), sgd=True)) == []
 
 
 def test_the_flush_rule_no_longer_decides_backward_gemms():

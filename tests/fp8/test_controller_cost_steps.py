@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from mixprec import Controller, fp8
 from mixprec.control import _cost, _ladder
-from mixprec.control._cost import COST_Z, cost_steps
+from mixprec.control._cost import COST_Z, MAX_PERIOD, VARIANCES, Cadence, cost_steps, far, variance
 
 LADDER = ("nvfp4", "tensorwise", "compute")
 
@@ -89,8 +89,8 @@ def _steps(seen, layer: str, row: int = 0) -> list[int]:
 # ------------------------------------------------------------------ the plan, as arithmetic
 def test_a_cost_far_from_its_threshold_is_planned_on_few_steps_a_near_one_on_all():
     var = 1e-8  # a standard deviation of 1e-4 per step
-    far = cost_steps(0.0, var, 10, None, 1e-3, 10, 2)
-    assert far == (2, pytest.approx(var * 10 / 9))
+    far_ = cost_steps(0.0, var, 10, None, 1e-3, 10, 2)
+    assert far_[0] == 2 and far_[1] == [pytest.approx(var * 10 / 9)]
     # the steps needed: COST_Z**2 * variance / distance**2, at least `least`, at most `every`
     noisy = 1e-7
     steps = cost_steps(6e-4, 6e-4 ** 2 + noisy, 10, None, 1e-3, 10, 2)[0]
@@ -99,21 +99,51 @@ def test_a_cost_far_from_its_threshold_is_planned_on_few_steps_a_near_one_on_all
     assert cost_steps(1e-3, 1e-6 + var, 10, None, 1e-3, 10, 2)[0] == 10  # on the threshold
     # no variance yet (one step measured), or nothing measured: every step
     assert cost_steps(0.0, 0.0, 1, None, 1e-3, 10, 2) == (10, None)
-    assert cost_steps(-math.inf, 0.0, 0, 4e-8, 1e-3, 10, 2) == (10, 4e-8)
-    # the variance kept averages the window's into it (a quiet window does not forget a noisy past)
-    assert cost_steps(0.0, 0.0, 10, 4e-6, 1e-3, 10, 2) == (10, 2e-6)
+    assert cost_steps(-math.inf, 0.0, 0, [4e-8], 1e-3, 10, 2) == (10, [4e-8])
+    # the plan reads the median of the last VARIANCES windows' variances: one quiet window does
+    # not forget a noisy past, and one window's outlier (a loss spike) does not make every later
+    # window measure every step
+    assert cost_steps(0.0, 0.0, 10, [4e-6, 4e-6], 1e-3, 10, 2) == (10, [4e-6, 4e-6, 0.0])
+    spike = cost_steps(0.0, var, 10, [1e-2, var], 1e-3, 10, 2)
+    assert spike[0] == 2 and len(spike[1]) == VARIANCES and variance(spike[1]) == pytest.approx(var * 10 / 9)
+
+
+def test_a_cost_far_from_its_threshold_is_measured_in_fewer_windows_and_its_last_figure_stands():
+    """The cadence: a measured window whose mean lies COST_Z standard errors from its threshold
+    doubles the period (at most MAX_PERIOD), one near it measures every window again; the
+    windows it skips read the last measured figure; a due window without a measurement (the
+    layer did not run) is no evidence; a reset (a switch) measures every window."""
+    c = Cadence()
+    assert far(0.0, 1e-8, 1e-3, 2) and not far(9e-4, 1e-8, 1e-3, 2) and far(9e-4, 1e-8, 1e-3, 10)
+    periods, read = [], []
+    for window in range(12):
+        if c.due:
+            read.append(c.checked([float(window)], True, clear=window < 9))
+        else:
+            read.append(c.checked([-1.0], False, False))
+        periods.append(c.period)
+    assert periods[:4] == [2, 2, 4, 4] and max(periods) == MAX_PERIOD
+    assert all(r == [float(w)] or r == read[w - 1] for w, r in enumerate(read))  # skipped: the last measured
+    assert [-1.0] not in read
+    c.reset()
+    assert c.due and c.period == 1 and c.checked([5.0], False, False) == [5.0]  # due, unmeasured: as it came
+    c.load(Cadence().state())
+    assert c.state() == [1, 0, None]
 
 
 # ------------------------------------------------------------------ in a run
 def test_after_the_first_window_a_far_cost_is_measured_only_on_the_last_steps(measured):
     """The hidden layer's NVFP4 cost (about 1e-4 a step) against max_loss_cost=1: its first
-    window measures every step, the next ones their last 2 (the shadow steps); the logits' own
-    cost likewise. Nothing is measured on the other steps."""
+    window measures every step, the next measured ones their last 2 (the shadow steps); the
+    logits' own cost likewise. The first window lay far from the threshold: the cadence skips
+    the second window (the first's figure stands) and measures the third. Nothing is measured
+    on the other steps."""
     seen, spy = measured
     model, ctl = _converted(max_loss_cost=1.0, **QUIET)
     _train(model, ctl, 30, spy=spy)
     for layer in ("0", "2"):
-        assert _steps(seen, layer) == list(range(10)) + [18, 19, 28, 29]
+        assert _steps(seen, layer) == list(range(10)) + [28, 29]
+        assert ctl._layers[layer].cost_cadence[0].period == 4
         assert ctl._layers[layer].cost_plan == [2, 10]  # the row below: never measured (the floor)
     assert not ctl.log
 
@@ -124,7 +154,7 @@ def test_a_plan_of_n_steps_measures_the_last_n_of_each_window(measured, monkeypa
     is planned on all 10), the costs are measured on the last ``planned`` steps of each window
     after the first, and on no other."""
     seen, spy = measured
-    monkeypatch.setattr(_ladder, "cost_steps", lambda *args: (planned, 1.0))
+    monkeypatch.setattr(_ladder, "cost_steps", lambda *args: (planned, [1e3]))  # (near: every window)
     model, ctl = _converted(max_loss_cost=1.0, **QUIET)
     _train(model, ctl, 30, spy=spy)
     tail = [s for start in (10, 20) for s in range(start + 10 - planned, start + 10)]
@@ -208,7 +238,8 @@ def test_a_compiled_model_keeps_the_costs_of_the_steps_eager_code_measures():
         runs.append((ctl.log, sums, ctl._layers["2"].cost_plan))
     (eager_log, eager_sums, eager_plan), (compiled_log, compiled_sums, compiled_plan) = runs
     assert eager_plan == compiled_plan == [2, 4]
-    assert [bool(s[0, 2] > 0) for s in eager_sums] == [True] * 4 + [False, False, True, True] * 2
+    # the first window measured every step; far from its threshold, the cadence skips the second
+    assert [bool(s[0, 2] > 0) for s in eager_sums] == [True] * 4 + [False] * 4 + [False, False, True, True]
     assert compiled_log == eager_log
     assert all(torch.equal(a, b) for a, b in zip(eager_sums, compiled_sums))
 

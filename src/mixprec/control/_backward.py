@@ -36,14 +36,29 @@ from typing import Any, Callable
 import torch
 
 from mixprec.formats._linear import linear
+from mixprec.control._cost import Cadence
 from mixprec.control._settings import LOW_RUNGS
 from mixprec.formats._recipe import Float8Recipe
 
-__all__ = ["BackwardCost", "BACKWARD_GEMMS", "backward_costs", "backward_recipes", "cost_ratio", "peel"]
+__all__ = ["BackwardCost", "BACKWARD_GEMMS", "FAR", "backward_costs", "backward_recipes", "cost_ratio", "far_by_factor",
+           "peel"]
 
 #: the backward GEMMs, in the order of the cost's rows (the GEMMs 1 and 2 of ``_ladder.GEMMS``)
 BACKWARD_GEMMS = ("grad_input", "grad_weight")
 _TINY = 1e-30
+#: how far (a factor) from its limit a backward GEMM's cost lets its cadence measure it in fewer
+#: windows (``_cost.Cadence``): its terms are window means without a per-step variance
+FAR = 4.0
+
+
+def far_by_factor(cost: float, limit: float) -> bool:
+    """Whether ``cost`` lies :data:`FAR` times below ``limit`` (a gain: any negative cost) or above it.
+
+    Example:
+        >>> far_by_factor(1e-4, 1e-3), far_by_factor(5e-4, 1e-3), far_by_factor(5e-3, 1e-3)
+        (True, False, True)
+    """
+    return cost * FAR <= limit or cost >= limit * FAR
 
 
 def cost_ratio(reference: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
@@ -58,20 +73,18 @@ def cost_ratio(reference: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
     return (reference * (reference - result.float())).sum() / reference.square().sum().clamp(min=_TINY)
 
 
-def fisher(g2: torch.Tensor, x2: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
-    """``u'Hv`` for the empirical Fisher ``H`` of a linear layer's weight over the rows of its
-    output gradient ``g2`` and input ``x2`` (``rows * sum_t (g_t' u x_t)(g_t' v x_t)``; ``v``
-    None: ``u``)."""
+def fisher(g2: torch.Tensor, x2: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``u'Hu`` for the empirical Fisher ``H`` of a linear layer's weight over the rows of its
+    output gradient ``g2`` and input ``x2`` (``rows * sum_t (g_t' u x_t)**2``)."""
     pu = ((g2 @ u) * x2).sum(-1)
-    pv = pu if v is None else ((g2 @ v) * x2).sum(-1)
-    return g2.shape[0] * (pu * pv).sum()
+    return g2.shape[0] * (pu * pu).sum()
 
 
 def update_terms(g2: torch.Tensor, x2: torch.Tensor, reference: torch.Tensor, result: torch.Tensor
                  ) -> torch.Tensor:
     """The weight-gradient error's cost terms ``[c1, c2]`` (float32 ``g2``, ``x2``): the cost
     of a step whose gain was ``gain`` is ``gain * c1 + gain**2 * c2`` (module docstring; ``eta =
-    gain / |G|**2``).
+    gain / |G|**2``). Two GEMMs of ``g2`` with a weight-sized matrix (``G`` and ``E``).
 
     Example:
         >>> g2, x2 = torch.tensor([[0.5]]), torch.tensor([[2.0]])
@@ -80,8 +93,34 @@ def update_terms(g2: torch.Tensor, x2: torch.Tensor, reference: torch.Tensor, re
     """
     e = result.float() - reference
     gg = reference.square().sum().clamp(min=_TINY)
-    curvature = fisher(g2, x2, reference, e) + 0.5 * fisher(g2, x2, e)
+    pr, pe = ((g2 @ reference) * x2).sum(-1), ((g2 @ e) * x2).sum(-1)  # (fisher's projections, each once)
+    rows = g2.shape[0]
+    curvature = rows * (pr * pe).sum() + 0.5 * (rows * (pe * pe).sum())
     return torch.stack([cost_ratio(reference, result), curvature / (gg * gg)])
+
+
+class _Tap(torch.autograd.Function):
+    """``(x, w)`` unchanged; its backward hands the gradients one GEMM gave them to ``sink``
+    (the layer's own backward GEMMs' results: :meth:`BackwardCost.tap`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, sink: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.sink = sink
+        return x.view_as(x), w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, gx: torch.Tensor | None, gw: torch.Tensor | None) -> tuple:
+        ctx.sink(gx, gw)
+        return gx, gw, None
+
+
+class _Shadow:
+    """One measured forward's operands until its backward: input, weight (detached), the
+    parameter, the output's gradient, and (tapped) the layer's own backward GEMMs' results."""
+
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, tapped: bool) -> None:
+        self.x, self.w, self.weight, self.tapped = x, w, weight, tapped
+        self.grad: torch.Tensor | None = None
 
 
 class BackwardCost:
@@ -91,55 +130,100 @@ class BackwardCost:
     sums of its two terms (:func:`update_terms`; for the input gradient ``[c1, |E_x|**2 /
     |R_x|**2 * h / (2 |G|**2)]``) and the count; ``gain``: the window's sum of the step gains and
     their count. ``recipes``: what a shadow step emulates, ``(kind, recipe, (grad_input
-    measured, grad_weight measured))`` (set with the rungs, ``_decide.apply_gemms``).
+    measured, grad_weight measured))`` (set with the rungs, ``_decide.apply_gemms``). The own
+    casts' errors are read from the layer's own backward GEMMs where its forward was tapped
+    (:meth:`tap`), else emulated like the rung below's.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.window = torch.zeros(2, len(BACKWARD_GEMMS), 3, device=device)
         self.gain = torch.zeros(2, device=device)
-        self.recipes: list[tuple[int, Float8Recipe, tuple[bool, bool]]] = []
+        self._recipes: list[tuple[int, Float8Recipe, tuple[bool, bool]]] = []
+        self.cadence = Cadence()  # in which windows it is measured (LayerRecord.carry_backward)
         # the weight gradient of the last measured step, until the optimizer moved the weight:
         # [gradient, <gradient, weight before>, the weight, its version, the loss scale or None]
         self.pending: list[Any] | None = None
+        self._open: _Shadow | None = None  # the tapped forward's operands, until observe() sees its output
+        self._direction: torch.Tensor | None = None  # the random direction of the curvature h (seeded)
+
+    @property
+    def recipes(self) -> list[tuple[int, Float8Recipe, tuple[bool, bool]]]:
+        return self._recipes
+
+    @recipes.setter
+    def recipes(self, value: list[tuple[int, Float8Recipe, tuple[bool, bool]]]) -> None:
+        """(A switch: measured again from the next window on.)"""
+        if value != self._recipes:
+            self.cadence.reset()
+        self._recipes = value
+
+    def tap(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, weight)`` for the layer's GEMM on a measured step: views whose backward hands
+        the GEMM's own input and weight gradients to the measurement (no emulated GEMM for the
+        own casts); unchanged where the own casts are not measured or no gradient flows."""
+        if not any(kind == 0 for kind, _, _ in self.recipes) or not torch.is_grad_enabled() or not (
+                x.requires_grad or weight.requires_grad):
+            return x, weight
+        shadow = _Shadow(x.detach(), weight.detach(), weight, True)
+        self._open = shadow
+        return _Tap.apply(x, weight, lambda gx, gw: self._measure(shadow, gx, gw))
 
     def observe(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, measuring: bool) -> None:
         """A forward of the layer: count the gain of the update since the last measured backward
-        (once the weight moved) and, on a shadow step, measure this forward's backward."""
+        (once the weight moved) and, on a measured step, measure this forward's backward."""
         p = self.pending
         if p is not None and p[4] is not None and weight._version != p[3]:
             moved = (p[0] * weight.detach().float()).sum() - p[1]
             self.gain += torch.stack([-moved / p[4], torch.ones_like(moved)])
             self.pending = None
+        shadow, self._open = self._open, None
         if measuring and out.requires_grad:
-            xd, wd = x.detach(), weight.detach()
-            out.register_hook(lambda grad: self._measure(xd, wd, weight, grad))
+            shadow = shadow or _Shadow(x.detach(), weight.detach(), weight, False)
+            out.register_hook(lambda grad: self._output_grad(shadow, grad))
 
-    def _measure(self, x: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> None:
-        g = grad.detach()
+    def _output_grad(self, shadow: _Shadow, grad: torch.Tensor) -> None:
+        shadow.grad = grad.detach()
+        if not shadow.tapped:  # (tapped: measured when the own GEMMs' results come back)
+            self._measure(shadow, None, None)
+
+    def _measure(self, shadow: _Shadow, own_gi: torch.Tensor | None, own_gw: torch.Tensor | None) -> None:
+        g, x, w, weight = shadow.grad, shadow.x, shadow.w, shadow.weight
+        if g is None:
+            return
         g2, x2, wf = g.reshape(-1, g.shape[-1]).float(), x.reshape(-1, x.shape[-1]).float(), w.float()
         if g2.shape[0] == 0:
             return
-        reference = (g2 @ wf, g2.t() @ x2)
-        gg = reference[1].square().sum().clamp(min=_TINY)
-        z = torch.randn(wf.shape, generator=torch.Generator(wf.device).manual_seed(0), device=wf.device)
-        h = fisher(g2, x2, z) / z.square().sum()  # the curvature along a random direction
+        inputs = any(m[0] for _, _, m in self.recipes)
+        grad_input = g2 @ wf if inputs else None
+        grad_weight = g2.t() @ x2
+        gg = grad_weight.square().sum().clamp(min=_TINY)
+        h = None
+        if inputs:  # the curvature along a random direction (seeded: the same direction on every step)
+            z = self._direction
+            if z is None or z.shape != wf.shape or z.device != wf.device:
+                z = self._direction = torch.randn(wf.shape, generator=torch.Generator(wf.device).manual_seed(0),
+                                                  device=wf.device)
+            h = fisher(g2, x2, z) / z.square().sum()
         for kind, recipe, measured in self.recipes:
-            with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
-                xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
-                y = linear(xr, wr, None, recipe, backend="emulate_fp32")
-                gi, gw = torch.autograd.grad(y, (xr, wr), g.to(y.dtype))
-            if measured[0]:
-                ref, e = reference[0], gi.reshape(reference[0].shape).float() - reference[0]
+            if kind == 0 and shadow.tapped:
+                gi, gw = own_gi, own_gw
+            else:
+                with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
+                    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+                    y = linear(xr, wr, None, recipe, backend="emulate_fp32")
+                    gi, gw = torch.autograd.grad(y, (xr, wr), g.to(y.dtype))
+            if measured[0] and gi is not None:
+                ref, e = grad_input, gi.reshape(grad_input.shape).float() - grad_input
                 share = e.square().sum() / ref.square().sum().clamp(min=_TINY)
                 self.window[kind, 0] += torch.stack([cost_ratio(ref, ref + e), share * h / (2 * gg), torch.ones(())])
-            if measured[1]:
-                self.window[kind, 1] += torch.cat([update_terms(g2, x2, reference[1], gw), torch.ones(1)])
+            if measured[1] and gw is not None:
+                self.window[kind, 1] += torch.cat([update_terms(g2, x2, grad_weight, gw), torch.ones(1)])
         p = self.pending
         if p is not None and p[2] is weight and p[3] == weight._version and p[4] is None:  # another micro-batch
-            p[0] += reference[1]
-            p[1] += (reference[1] * wf).sum()
+            p[0] += grad_weight
+            p[1] += (grad_weight * wf).sum()
         else:
-            self.pending = [reference[1], (reference[1] * wf).sum(), weight, weight._version, None]
+            self.pending = [grad_weight, (grad_weight * wf).sum(), weight, weight._version, None]
 
     def end_step(self, loss_scale: float | torch.Tensor) -> None:
         """The optimizer step ended: the pending gradient carried ``loss_scale`` (divided out of its gain)."""

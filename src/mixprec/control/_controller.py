@@ -18,7 +18,8 @@ import torch.nn as nn
 from mixprec._modules import named_modules
 from mixprec._scaled import last_count, scaled_since
 from mixprec.control._decide import Check, apply_gemms, apply_layer, decide_gemms, decide_layer, peel, switch_layer
-from mixprec.control._ladder import GEMMS, Decision, LayerRecord, Probe
+from mixprec.control._ladder import GEMMS, Decision, LayerRecord
+from mixprec.control._probe import Probe
 from mixprec.control._records import (CheckClock, all_gathered, check_loss_scale, converted, converted_experts,
                                       detached_record, grad_scale, layer_data, load_layer, log_csv, log_data, metadata,
                                       parse_state_dict, qualified, seen_compute, set_measuring, start_rungs, untrack,
@@ -299,7 +300,7 @@ class Controller(Shell):
 
     def _set_measuring(self, measuring: bool) -> None:
         """Whether the coming step feeds the shadows and measures the loss costs (:func:`~mixprec.control._records.set_measuring`)."""
-        set_measuring(self._layers.values(), measuring, measuring != self._measuring, self._steps, self.settings.every)
+        set_measuring(self._layers.values(), measuring, measuring != self._measuring, self._steps, self.settings)
         self._measuring = measuring
 
     def _learn_compute(self) -> None:  # the compute dtype, when no policy said it: the one its probes saw

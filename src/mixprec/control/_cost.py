@@ -2,13 +2,15 @@
 output errors against a float32 GEMM (:func:`output_errors`), met with the output's gradient in
 the backward (:func:`measure_cost`), the estimate from a step's sums (:func:`loss_cost`), and on
 how many steps of a window it is measured (:func:`cost_steps`: the steps cost a float32 GEMM
-each, so a cost whose window mean lies far from its threshold is measured on few). Device
+each, so a cost whose window mean lies far from its threshold is measured on few) and in which
+windows (:class:`Cadence`: one far from it, in fewer and fewer, the last figure standing). Device
 tensors in, a record's loss-cost buffer updated in place, no host sync; :func:`cost_steps` is
 plain arithmetic on the figures a check read."""
 
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 import torch
@@ -16,12 +18,15 @@ import torch.nn.functional as F
 
 from mixprec.formats._linear import local_linear
 
-__all__ = ["COST_Z", "cost_steps", "loss_cost", "measure_cost", "output_errors"]
+__all__ = ["COST_Z", "MAX_PERIOD", "VARIANCES", "Cadence", "cost_steps", "far", "loss_cost", "measure_cost",
+           "output_errors", "variance"]
 
 #: how many standard errors of its window mean a loss cost measured on fewer than all of a
 #: window's steps keeps from its threshold (:func:`cost_steps`): at 3, a window's mean lands on
 #: the other side of the threshold than the step costs' own mean in about 1 window of 700.
 COST_Z = 3.0
+#: the most windows a cost far from its threshold waits between two measured ones (:class:`Cadence`)
+MAX_PERIOD = 8
 
 
 def measure_cost(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -107,28 +112,104 @@ def loss_cost(first: torch.Tensor, squares: torch.Tensor, rows: torch.Tensor,
     return first / loss_scale + (-curvature if at_error else curvature)
 
 
-def cost_steps(mean: float, mean_square: float, steps: float, variance: float | None, threshold: float,
-               every: int, least: int) -> tuple[int, float | None]:
-    """``(steps, variance)``: on how many steps of the next window (the last ones, at least
+#: how many windows' sample variances a plan keeps: it plans from their median (one window's
+#: outlier, a loss spike's step, does not make every later window measure every step)
+VARIANCES = 3
+
+
+def cost_steps(mean: float, mean_square: float, steps: float, variances: list[float] | None, threshold: float,
+               every: int, least: int) -> tuple[int, list[float] | None]:
+    """``(steps, variances)``: on how many steps of the next window (the last ones, at least
     ``least``, at most ``every``) to measure a loss cost whose last window measured ``steps``
-    per-step estimates of ``mean`` and mean square ``mean_square``, and the per-step variance
-    it keeps (``variance``: the one kept so far, None: none yet; the window's sample variance
-    averages into it). Few steps where the threshold the decision compares the window's mean
-    with lies :data:`COST_Z` standard errors of the mean away: ``ceil(COST_Z**2 * variance /
-    (mean - threshold)**2)``; every step without a variance (a first window, or one of fewer
-    than 2 steps kept none) or without a measurement in the window.
+    per-step estimates of ``mean`` and mean square ``mean_square``, and the per-step sample
+    variances it keeps (``variances``: those kept so far, None: none yet; the window's joins
+    them, the last :data:`VARIANCES` kept). Few steps where the threshold the decision compares
+    the window's mean with lies :data:`COST_Z` standard errors of the mean away, by the median
+    of the variances kept (:func:`variance`): ``ceil(COST_Z**2 * variance / (mean -
+    threshold)**2)``; every step without a variance (a first window, or one of fewer than 2
+    steps kept none) or without a measurement in the window.
 
     Example:
         >>> cost_steps(0.0, 1e-8, 10, None, 1e-3, 10, 2)  # far below: 2 steps
-        (2, 1.1111111111111112e-08)
+        (2, [1.111111111111111e-08])
         >>> cost_steps(9e-4, 9e-4 ** 2 + 1e-8, 10, None, 1e-3, 10, 2)[0]  # near: every step
         10
     """
     if steps >= 2:
         sample = max(0.0, (mean_square - mean * mean) * steps / (steps - 1))
-        variance = sample if variance is None else 0.5 * (variance + sample)
+        variances = ([] if variances is None else list(variances))[-(VARIANCES - 1):] + [sample]
+    kept = variance(variances)
     distance = abs(mean - threshold)
-    if variance is None or steps < 1 or not math.isfinite(mean) or not distance > 0:
-        return every, variance
-    needed = COST_Z * COST_Z * variance / (distance * distance)
-    return (min(every, max(least, math.ceil(needed))) if needed < every else every), variance
+    if kept is None or steps < 1 or not math.isfinite(mean) or not distance > 0:
+        return every, variances
+    needed = COST_Z * COST_Z * kept / (distance * distance)
+    return (min(every, max(least, math.ceil(needed))) if needed < every else every), variances
+
+
+def variance(variances: list[float] | None) -> float | None:
+    """The per-step variance a plan uses: the median of the windows' sample variances kept
+    (the mean of the middle two of an even count; None: none).
+
+    Example:
+        >>> variance([1e-8, 4.0, 3e-8]), variance([1e-8, 3e-8]), variance(None)
+        (3e-08, 2e-08, None)
+    """
+    return statistics.median(variances) if variances else None
+
+
+def far(mean: float, variance: float | None, threshold: float, steps: float = 1) -> bool:
+    """Whether the mean of ``steps`` per-step estimates of a cost lies :data:`COST_Z` standard
+    errors from ``threshold`` (``variance``: per step; None: unknown, not far): the window's
+    decision was not a matter of chance.
+
+    Example:
+        >>> far(0.0, 1e-8, 1e-3), far(9e-4, 1e-8, 1e-3), far(9e-4, 1e-8, 1e-3, steps=10), far(0.0, None, 1e-3)
+        (True, False, True, False)
+    """
+    return (variance is not None and steps > 0 and math.isfinite(mean) and
+            COST_Z * COST_Z * variance <= steps * (mean - threshold) * (mean - threshold))
+
+
+class Cadence:
+    """In which windows a cost is measured: every window at first and after a switch; each
+    measured window whose figure lies far from its threshold (``clear``) doubles the period
+    (at most :data:`MAX_PERIOD` windows), one near it brings it back to every window. Between
+    two measured windows the last measured figure stands for the decisions. Plain data
+    (:meth:`state`: ``[period, wait, last]``); the same all-reduced figures give every rank the
+    same cadence.
+
+    Example:
+        >>> c = Cadence()
+        >>> [c.checked([0.0], True, True), c.due, c.checked([], False, False), c.due]
+        [[0.0], False, [0.0], True]
+    """
+
+    def __init__(self) -> None:
+        self.period, self.wait, self.last = 1, 0, None
+
+    @property
+    def due(self) -> bool:
+        """Whether the window under way is measured."""
+        return self.wait == 0
+
+    def checked(self, figures: Any, measured: bool, clear: bool) -> Any:
+        """A check read a window (``figures``: what it measured, when ``measured``): the
+        figures its decisions read (the last measured ones in a window the cadence skipped)."""
+        if measured:
+            self.last, self.period = figures, (min(MAX_PERIOD, 2 * self.period) if clear else 1)
+            self.wait = self.period - 1
+            return figures
+        if self.wait == 0:  # (a due window without a measurement, a layer that did not run: no evidence)
+            return figures
+        self.wait -= 1
+        return self.last
+
+    def reset(self) -> None:
+        self.period, self.wait, self.last = 1, 0, None
+
+    def state(self) -> list:
+        return [self.period, self.wait, self.last]
+
+    def load(self, state: Any) -> None:
+        period, wait, last = state
+        self.period, self.wait, self.last = int(period), int(wait), None if last is None else list(last)

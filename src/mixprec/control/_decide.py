@@ -302,9 +302,9 @@ def decide_gemms(at: Check, name: str, rec: LayerRecord, row: list[float], cost:
     ``cost``: its forward GEMM's loss costs, as :func:`decide_layer`'s; ``backward``: its backward
     GEMMs' costs, :func:`~mixprec.control._backward.backward_costs`), applied to ``rec``; in
     GEMM order, each judged with the rungs the earlier ones left."""
+    backward = rec.carry_backward(backward, at.settings)  # (a window its cadence skipped: the last measured)
     off = 2 * 3 * _NCOL + len(_RANGE)  # LayerState's and the whole-layer shadow's rows, the range
-    ranges = row[off - len(_RANGE):off]
-    win = row[off:]
+    ranges, win = row[off - len(_RANGE):off], row[off:]
 
     def stats(kind: int, g: int, side: int) -> list[float]:
         at = ((kind * len(GEMMS) + g) * 2 + side) * _NCOL

@@ -1,7 +1,6 @@
 """The controller's rungs and what it keeps per layer: the ladder's names, a layer's recipe
-composed per GEMM from its GEMMs' rungs, the record of one layer (rungs, device windows, trends)
-and the probe that :func:`mixprec.fp8.linear` calls to measure a controlled layer's operands
-(the range under fp16; the shadow: what another rung's casts would do, on a sample)."""
+composed per GEMM from its GEMMs' rungs, and the record of one layer (rungs, device windows,
+trends, the loss costs' plans); the probe that measures into it is :mod:`._probe`."""
 
 from __future__ import annotations
 
@@ -20,12 +19,14 @@ from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._tensor_parallel import probe_operand
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window, window_stats
 from mixprec.control._settings import FP4_RUNGS, FP8_RUNGS, LOW_RUNGS, RUNGS, ControllerSettings
-from mixprec.control._cost import cost_steps, loss_cost, measure_cost, output_errors, _accumulate_cost  # noqa: F401
-from mixprec.control._measure import abs_max, measure, record_range
+from mixprec.control._backward import far_by_factor
+from mixprec.control._cost import (Cadence, cost_steps, far, loss_cost, measure_cost, output_errors,  # noqa: F401
+                                  _accumulate_cost, variance)
+from mixprec.control._measure import measure
 from mixprec.control._trend import Trend
 
 __all__ = ["Decision", "FP4_RUNGS", "FP8_RUNGS", "GEMMS", "GEMM_OPERANDS", "GemmCasts", "LOW_RUNGS", "RUNGS",
-           "LayerRecord", "Probe", "compose", "gemm_casts", "loss_cost", "measure"]
+           "LayerRecord", "compose", "gemm_casts", "loss_cost", "measure"]
 
 #: a linear layer's GEMMs (the keys of ``Float8Recipe.gemms()``) and the operands each reads, in
 #: the order of its (left, right) casts, as rows of :class:`LayerState`'s windows.
@@ -195,8 +196,9 @@ class LayerRecord:
         # step) and the per-step variance it was planned from (_cost.cost_steps); whether this
         # step measures it (eager code) and its device copy (compiled code); the forward's rung planned for
         self.cost_plan: list[int | None] = [None, None]
-        self.cost_var: list[float | None] = [None, None]
+        self.cost_var: list[list[float] | None] = [None, None]  # (the windows' sample variances: _cost.cost_steps)
         self.cost_now = [True, True]
+        self.cost_cadence = [Cadence(), Cadence()]  # in which windows each is measured (_cost.Cadence)
         self.cost_gate = torch.ones(2, dtype=torch.bool, device=state.device)
         self.cost_rung = rung
         self.cost_sign = torch.tensor([-1.0, 1.0], device=state.device)  # loss_cost's at_error, per row
@@ -206,6 +208,7 @@ class LayerRecord:
         self.measuring = torch.zeros((), dtype=torch.bool, device=state.device)
         self.measuring_now = False  # the same, for eager code
         self.backward: Any = None  # its backward GEMMs' loss cost (max_backward_cost: _backward.BackwardCost)
+        self.backward_now = False  # whether this step measures it (eager code: the first shadow step)
 
     @property
     def rung(self) -> int:
@@ -237,7 +240,9 @@ class LayerRecord:
         costs (own, below, whether each was measured) are None without ``max_loss_cost``. With
         ``settings``, plans from the window on how many of the next window's steps each loss cost
         is measured (:func:`~mixprec.control._cost.cost_steps`: at least the shadow steps and
-        2, against ``max_loss_cost`` for the own cost, the demotion limit for the one below)."""
+        2, against ``max_loss_cost`` for the own cost, the demotion limit for the one below) and
+        in which windows (:class:`~mixprec.control._cost.Cadence`: a window it skipped reads
+        the last measured cost)."""
         if self.cost is None:
             return row, None
         n = 4 * self.cost.shape[0]
@@ -246,19 +251,38 @@ class LayerRecord:
             every, limits = settings.every, (settings.max_loss_cost, settings.demote_cost)
             least = min(every, max(2, settings.shadow_steps))
             for r in range(2):
-                self.cost_plan[r], self.cost_var[r] = cost_steps(cost[r], mean_sq[r], steps[r], self.cost_var[r],
-                                                                 limits[r], every, least)
+                measured = cost[2 + r] > 0
+                if measured or self.cost_cadence[r].due:  # (a window its cadence skipped keeps the plan)
+                    self.cost_plan[r], self.cost_var[r] = cost_steps(cost[r], mean_sq[r], steps[r], self.cost_var[r],
+                                                                     limits[r], every, least)
+                clear = measured and far(cost[r], variance(self.cost_var[r]), limits[r], steps[r])
+                cost[r], cost[2 + r] = self.cost_cadence[r].checked([cost[r], cost[2 + r]], measured, clear)
         return row[:-n], cost
+
+    def carry_backward(self, back: list[float] | None, settings: ControllerSettings) -> list[float] | None:
+        """The backward GEMMs' costs a check's decisions read (``back``: this window's, from
+        ``_backward.peel``): the last measured ones in a window their cadence skipped
+        (``BackwardCost.cadence``; clear where each measured cost lies a factor of
+        :data:`~mixprec.control._backward.FAR` from its limit)."""
+        if back is None or self.backward is None:
+            return back
+        measured = any(f > 0 for f in back[4:])
+        limits = (settings.max_backward_cost,) * 2 + (settings.demote_backward,) * 2
+        clear = measured and all(not f > 0 or far_by_factor(c, limit) for c, f, limit in zip(back[:4], back[4:], limits))
+        return self.backward.cadence.checked(list(back), measured, clear)
 
     def cost_phase(self, step: int, every: int) -> None:
         """Whether the step after ``step`` ``Controller.step()`` calls measures each loss cost:
-        one of the last ``cost_plan`` steps of its window (every step on a rung not planned for:
-        after the forward GEMM switched). No host sync (a device write where it changes)."""
+        one of the last ``cost_plan`` steps of a window its cadence measures (every step on a
+        rung not planned for: after the forward GEMM switched). No host sync (a device write
+        where it changes)."""
         if self.cost is None:
             return
         if self.rungs[0] != self.cost_rung:
             self.cost_rung, self.cost_plan, self.cost_var = self.rungs[0], [None, None], [None, None]
-        now = [n is None or every - 1 - step % every < n for n in self.cost_plan]
+            for cadence in self.cost_cadence:
+                cadence.reset()
+        now = [c.due and (n is None or every - 1 - step % every < n) for n, c in zip(self.cost_plan, self.cost_cadence)]
         for r in range(2):
             if now[r] != self.cost_now[r]:
                 self.cost_gate[r].fill_(now[r])
@@ -295,135 +319,3 @@ class LayerRecord:
 
 def _no_module() -> None:
     return None
-
-
-class Probe:
-    """What :func:`mixprec.fp8.linear` calls after a controlled layer's GEMM (``LayerState.probe``),
-    in eager mode and traced alike: the range (fp16 inputs) and, on the last steps of each window,
-    the shadow of a promoted layer, and for a per-GEMM record each GEMM's own casts; under
-    ``Controller.max_loss_cost``, on the training steps its plan names (``rec.cost_now``: the
-    last steps of each window, all of them where the window's mean may land near its threshold),
-    the loss cost of the forward GEMM's error (:func:`~mixprec.control._cost.measure_cost`), on every row of its
-    output (a sum of signed terms: a sample of rows misjudges it, 64 rows of 256 gave the wrong
-    sign). The casts are measured on a
-    sample of about ``sample`` elements per operand. A copy or a pickle of the model (``copy.deepcopy``) drops it: the copy runs its
-    rung without measurements."""
-
-    def __init__(self, rec: LayerRecord, sample: int) -> None:
-        self.rec, self.sample = rec, sample  # ``sample``: the elements measured per operand
-        self.fp32 = False  # the fp32 rung: fp8.linear's fallback runs the GEMM in float32
-        self.dtype: torch.dtype | None = None  # the input dtype the layer computes in (Controller._learn_compute)
-
-    def __deepcopy__(self, memo: dict) -> None:
-        return None
-
-    def __reduce__(self) -> tuple:
-        return type(None), ()
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
-                 bias: torch.Tensor | None = None, tp: Any = None) -> torch.Tensor:
-        """Measure ``x`` (the GEMM's input, in its dtype), ``weight`` (``(out, in)``; None: not
-        measured), ``out`` and (the loss cost) ``bias``; returns ``out``. ``tp``: the layer's
-        tensor-parallel sharding (its local shards given): the casts are measured as one process
-        measures the whole operands (:func:`~mixprec.formats._tensor_parallel.probe_operand`)."""
-        rec, sample = self.rec, self.sample
-        # Traced code reads no Python state that changes between rung switches (each read is a
-        # guard, each change a recompile): the compute dtype goes to the probe, taken by the
-        # controller at its step; the shadows are measured on every step, kept on shadow steps
-        # by a device flag (``rec.measuring``), bitwise what eager keeps (``rec.measuring_now``)
-        compiling = torch.compiler.is_compiling()
-        if compiling or self.dtype is None:  # (compiling first: traced code reads no dtype, no guard)
-            self.dtype = x.dtype
-        measuring, gate = (True, rec.measuring) if compiling else (rec.measuring_now, None)
-        if x.dtype is torch.float16:
-            record_range(rec.range, x, out)
-        # the gradient hooks go on ``out``, the caller gets a view of it: so they see the gradient
-        # the GEMM's backward receives, after any hook on the returned tensor (a per-layer loss
-        # scaler's cut point, whose factor the gradients of this layer carry)
-        result = out.view_as(out) if out.requires_grad else out
-        if tp is not None and not compiling and rec.backward is not None:
-            _note_shard_cost(rec)
-        if rec.cost is not None and not rec.cost_blind and weight is not None and out.requires_grad:
-            # traced: both rows on every step, kept where the device flags say (no guard on the plan)
-            wanted, kept = ((True, True), rec.cost_gate) if compiling else (rec.cost_now, None)
-            if any(wanted):
-                measure_cost(rec, x, weight, bias, out, wanted, kept, tp)
-        if rec.backward is not None and not compiling and not rec.cost_blind and weight is not None:
-            rec.backward.observe(x, weight, out, measuring)
-        if rec.gemm_windows is not None:
-            _measure_gemms(rec, x, weight, out, sample, measuring, gate, tp)
-            return result
-        below = rec.below
-        if below is None or not measuring:
-            return result
-        _measure(rec.shadow, INPUT, x, "mk", below.input, below.pow2_scales, sample, gate, tp)
-        if weight is not None:
-            _measure(rec.shadow, WEIGHT, weight.detach(), "nk", below.weight, below.pow2_scales, sample, gate, tp)
-        if out.requires_grad:
-            buf = rec.shadow
-            out.register_hook(lambda g: _measure(buf, GRAD_OUTPUT, g, "mn", below.grad_output, below.pow2_scales,
-                                                 sample, gate, tp))
-        return result
-
-
-def _measure(window: torch.Tensor, operand: int, t: torch.Tensor, has: str, cast: Cast, pow2: bool, sample: int,
-             gate: torch.Tensor | None, tp: Any, hadamard_seed: int | None = None, amax: torch.Tensor | None = None
-             ) -> None:
-    """:func:`measure` of ``t`` (layer dimensions ``has``); under tensor parallelism ``tp``, of
-    the whole operand as one process measures it (:func:`probe_operand`)."""
-    if tp is not None:
-        t, whole = probe_operand(tp, t, has, cast, sample)
-        amax = amax if whole is None else whole
-    measure(window, operand, t, cast, pow2, sample, hadamard_seed, gate, amax)
-
-
-_SHARD_NOTED: weakref.WeakSet = weakref.WeakSet()
-
-
-def _note_shard_cost(rec: LayerRecord) -> None:
-    """Warn once per layer that its backward GEMMs' loss cost is its shard's (a tensor-parallel layer)."""
-    if rec not in _SHARD_NOTED:
-        _SHARD_NOTED.add(rec)
-        name = rec.state.name or "a tensor-parallel layer"
-        warnings.warn(f"fp8: Controller(max_backward_cost=...) measures the backward GEMMs' loss cost of {name!r} on "
-                      f"each rank's shard of the layer (tensor parallelism), and a check takes the largest shard's: "
-                      f"it can read up to the TP degree too small, so a backward GEMM may stay in a rung one "
-                      f"process would leave (its cast statistics and forward loss cost are the whole layer's)",
-                      UserWarning, stacklevel=4)
-
-
-def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
-                   sample: int, shadow: bool, gate: torch.Tensor | None = None, tp: Any = None) -> None:
-    """Per GEMM, the statistics of its own casts and of the rung below's, on ``shadow`` steps
-    (under ``gate``, a device flag: measured on every step, kept where it is set), each operand
-    as that GEMM reads it (its contracted dimension last; under ``tp``, the whole operand's: :func:`_measure`)."""
-    if not shadow:
-        return
-    x2 = x.detach().reshape(-1, x.shape[-1])
-    w = weight.detach() if weight is not None else None
-    # each operand is read by two GEMMs: one pass for its amax (none on an empty batch: not measured)
-    amax_x, amax_w = (None if t is None or t.numel() == 0 else abs_max(t) for t in (x2, w))
-    reads = {"output": ((x2, amax_x, "mk"), (w, amax_w, "nk")),
-             "grad_input": (None, None if w is None else (w.t(), amax_w, "kn")), "grad_weight": (None, (x2.t(), amax_x, "km"))}
-    backward = []
-    for g, gemm in enumerate(GEMMS):
-        for kind, casts in ((0, rec.own[g]), (1, rec.below_gemm[g])):
-            if casts is None:
-                continue
-            kept = gate
-            for side, (operand, cast) in enumerate(zip(reads[gemm], (casts.left, casts.right))):
-                if operand is not None:
-                    _measure(rec.gemm_windows[kind, g], side, operand[0], operand[2], cast, casts.pow2, sample, kept,
-                             tp, casts.hadamard_seed, operand[1])
-            if gemm != "output":
-                backward.append((rec.gemm_windows[kind, g], gemm, casts, kept))
-    if backward and out.requires_grad:
-        out.register_hook(lambda grad: _measure_grad(backward, grad, sample, tp))
-
-
-def _measure_grad(where: list, grad: torch.Tensor, sample: int, tp: Any = None) -> None:
-    g2 = grad.detach().reshape(-1, grad.shape[-1])
-    amax = abs_max(g2) if g2.numel() else None  # not measured
-    for window, gemm, casts, gate in where:
-        _measure(window, 0, g2 if gemm == "grad_input" else g2.t(), "mn" if gemm == "grad_input" else "nm", casts.left,
-                 casts.pow2, sample, gate, tp, casts.hadamard_seed, amax)

@@ -67,9 +67,11 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
         if rec.cost is not None:
             data["loss_cost"] = rec.cost.tolist()
             data["loss_cost_plan"] = {"steps": list(rec.cost_plan), "variance": list(rec.cost_var),
-                                      "now": list(rec.cost_now), "rung": rec.cost_rung}
+                                      "now": list(rec.cost_now), "rung": rec.cost_rung,
+                                      "cadence": [c.state() for c in rec.cost_cadence]}
         if rec.backward is not None:  # (its pending gain, a weight-sized gradient, is not kept)
-            data["backward_cost"] = [rec.backward.window.tolist(), rec.backward.gain.tolist()]
+            data["backward_cost"] = [rec.backward.window.tolist(), rec.backward.gain.tolist(),
+                                     rec.backward.cadence.state()]
     return data
 
 
@@ -112,14 +114,20 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
         target.copy_(t)
     plan = data.get("loss_cost_plan")
     if plan is not None and rec.cost is not None:  # (saved before the plan was: every step, as that code measured)
-        rec.cost_plan, rec.cost_var, rec.cost_rung = list(plan["steps"]), list(plan["variance"]), int(plan["rung"])
+        rec.cost_plan, rec.cost_rung = list(plan["steps"]), int(plan["rung"])
+        rec.cost_var = [v if v is None or isinstance(v, list) else [v] for v in plan["variance"]]  # (one, before)
         for r, now in enumerate(plan["now"]):
             rec.cost_gate[r].fill_(bool(now))
         rec.cost_now = [bool(n) for n in plan["now"]]
+        for cadence, saved in zip(rec.cost_cadence, plan.get("cadence", ())):  # (saved before it was: every window)
+            cadence.load(saved)
     if "backward_cost" in data and settings.max_backward_cost is not None:
         rec.backward = rec.backward or BackwardCost(rec.state.device)
-        for target, saved in zip((rec.backward.window, rec.backward.gain), data["backward_cost"]):
+        window, gain, *cadence = data["backward_cost"]
+        for target, saved in zip((rec.backward.window, rec.backward.gain), (window, gain)):
             target.copy_(torch.tensor(saved, dtype=torch.float32))
+        if cadence:
+            rec.backward.cadence.load(cadence[0])
     if "state" in data and "rounding_step" in data:  # (saved before the count was: the model's state_dict's, or 0)
         rec.state.rounding_step = int(data["rounding_step"])
 
@@ -291,15 +299,19 @@ def untrack(rec: LayerRecord | None) -> None:
         rec.state.probe = None
 
 
-def set_measuring(records: Any, measuring: bool, changed: bool = True, step: int = 0, every: int = 1) -> None:
+def set_measuring(records: Any, measuring: bool, changed: bool, step: int, settings: ControllerSettings) -> None:
     """Whether the step after ``step`` feeds the shadows of ``records`` (``measuring``, written
     when ``changed``): the flag eager code reads, and each record's device copy that compiled
-    code reads (no host sync); and whether it measures each loss cost (``LayerRecord.cost_phase``,
-    in windows of ``every``)."""
+    code reads (no host sync); whether it measures each loss cost (``LayerRecord.cost_phase``,
+    in windows of ``settings.every``); and the backward GEMMs' (``LayerRecord.backward_now``): on
+    the first of the window's ``shadow_steps``, whose update's gain the next step reads."""
+    every = settings.every
+    first = measuring and every - 1 - step % every == min(settings.shadow_steps, every) - 1
     for rec in records:
         if changed:
             rec.measuring.fill_(measuring)
             rec.measuring_now = measuring
+        rec.backward_now = first
         rec.cost_phase(step, every)
 
 

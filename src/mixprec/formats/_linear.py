@@ -334,6 +334,9 @@ def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         ran = "scaled_mm" if backend == "scaled_mm" else "emulated"
         if state.__dict__.get("backend") != ran:  # (a state pickled before it existed has none)
             state.backend = ran
+    tap = getattr(probe, "tap", None) if not gathered else None
+    if tap is not None:  # (a Controller measuring the backward GEMMs' cost reads their results)
+        input, weight = tap(input, weight)
     if recipe.fp4:  # its own GEMM path (fp8/_fp4_linear.py); the layer's call count seeds stochastic rounding
         step = (state.next_rounding_step(recipe.stochastic_rounding) if state is not None
                 else input.new_zeros((), dtype=torch.int64))

@@ -77,7 +77,9 @@ class LayerState:
     ``policy_recipe`` (set when a ``Policy.fp8`` selects the layer) is the recipe the policy runs
     it in, kept so that :func:`mixprec.export.export` writes the layer in the format it ran;
     ``probe`` (set by :class:`Controller`), when not None, is called by :func:`linear` as
-    ``probe(input, weight_or_None, output, bias) -> output`` after the GEMM (also in fallback).
+    ``probe(input, weight_or_None, output, bias) -> output`` after the GEMM (also in fallback),
+    and, where it has one, its ``probe.tap(input, weight) -> (input, weight)`` before a GEMM
+    that casts (what the GEMM then reads: views whose gradients it may watch).
 
     Example:
         >>> st = LayerState()

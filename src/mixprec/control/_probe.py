@@ -1,0 +1,163 @@
+"""The probe that :func:`mixprec.fp8.linear` calls around a controlled layer's GEMM
+(``LayerState.probe``): it measures the operands into the layer's record (:mod:`._ladder`): the
+range under fp16, the shadow (what another rung's casts would do, on a sample), each GEMM's own
+casts for a per-GEMM record, and the loss costs of the forward and backward GEMMs."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from mixprec.formats._recipe import Cast
+from mixprec.formats._tensor_parallel import probe_operand
+from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT
+from mixprec.control._cost import measure_cost
+from mixprec.control._ladder import GEMMS, LayerRecord
+from mixprec.control._measure import abs_max, measure, record_range
+
+__all__ = ["Probe"]
+
+
+class Probe:
+    """What :func:`mixprec.fp8.linear` calls after a controlled layer's GEMM (``LayerState.probe``),
+    in eager mode and traced alike: the range (fp16 inputs) and, on the last steps of each window,
+    the shadow of a promoted layer, and for a per-GEMM record each GEMM's own casts; under
+    ``Controller.max_loss_cost``, on the training steps its plan names (``rec.cost_now``: the
+    last steps of each window, all of them where the window's mean may land near its threshold),
+    the loss cost of the forward GEMM's error (:func:`~mixprec.control._cost.measure_cost`), on every row of its
+    output (a sum of signed terms: a sample of rows misjudges it, 64 rows of 256 gave the wrong
+    sign). The casts are measured on a
+    sample of about ``sample`` elements per operand. A copy or a pickle of the model (``copy.deepcopy``) drops it: the copy runs its
+    rung without measurements."""
+
+    def __init__(self, rec: LayerRecord, sample: int) -> None:
+        self.rec, self.sample = rec, sample  # ``sample``: the elements measured per operand
+        self.fp32 = False  # the fp32 rung: fp8.linear's fallback runs the GEMM in float32
+        self.dtype: torch.dtype | None = None  # the input dtype the layer computes in (Controller._learn_compute)
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        return type(None), ()
+
+    def tap(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Before the GEMM, on the step that measures the backward GEMMs' loss cost
+        (``rec.backward_now``, eager code): ``x`` and ``weight`` as views that hand the layer's
+        own backward results to it (:meth:`~mixprec.control._backward.BackwardCost.tap`); else unchanged."""
+        rec = self.rec
+        if (rec.backward is None or not rec.backward_now or not rec.backward.cadence.due or rec.cost_blind
+                or torch.compiler.is_compiling()):
+            return x, weight
+        return rec.backward.tap(x, weight)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
+                 bias: torch.Tensor | None = None, tp: Any = None) -> torch.Tensor:
+        """Measure ``x`` (the GEMM's input, in its dtype), ``weight`` (``(out, in)``; None: not
+        measured), ``out`` and (the loss cost) ``bias``; returns ``out``. ``tp``: the layer's
+        tensor-parallel sharding (its local shards given): the casts are measured as one process
+        measures the whole operands (:func:`~mixprec.formats._tensor_parallel.probe_operand`)."""
+        rec, sample = self.rec, self.sample
+        # Traced code reads no Python state that changes between rung switches (each read is a
+        # guard, each change a recompile): the compute dtype goes to the probe, taken by the
+        # controller at its step; the shadows are measured on every step, kept on shadow steps
+        # by a device flag (``rec.measuring``), bitwise what eager keeps (``rec.measuring_now``)
+        compiling = torch.compiler.is_compiling()
+        if compiling or self.dtype is None:  # (compiling first: traced code reads no dtype, no guard)
+            self.dtype = x.dtype
+        measuring, gate = (True, rec.measuring) if compiling else (rec.measuring_now, None)
+        if x.dtype is torch.float16:
+            record_range(rec.range, x, out)
+        # the gradient hooks go on ``out``, the caller gets a view of it: so they see the gradient
+        # the GEMM's backward receives, after any hook on the returned tensor (a per-layer loss
+        # scaler's cut point, whose factor the gradients of this layer carry)
+        result = out.view_as(out) if out.requires_grad else out
+        if tp is not None and not compiling and rec.backward is not None:
+            _note_shard_cost(rec)
+        if rec.cost is not None and not rec.cost_blind and weight is not None and out.requires_grad:
+            # traced: both rows on every step, kept where the device flags say (no guard on the plan)
+            wanted, kept = ((True, True), rec.cost_gate) if compiling else (rec.cost_now, None)
+            if any(wanted):
+                measure_cost(rec, x, weight, bias, out, wanted, kept, tp)
+        if rec.backward is not None and not compiling and not rec.cost_blind and weight is not None:
+            rec.backward.observe(x, weight, out, rec.backward_now and rec.backward.cadence.due)
+        if rec.gemm_windows is not None:
+            _measure_gemms(rec, x, weight, out, sample, measuring, gate, tp)
+            return result
+        below = rec.below
+        if below is None or not measuring:
+            return result
+        _measure(rec.shadow, INPUT, x, "mk", below.input, below.pow2_scales, sample, gate, tp)
+        if weight is not None:
+            _measure(rec.shadow, WEIGHT, weight.detach(), "nk", below.weight, below.pow2_scales, sample, gate, tp)
+        if out.requires_grad:
+            buf = rec.shadow
+            out.register_hook(lambda g: _measure(buf, GRAD_OUTPUT, g, "mn", below.grad_output, below.pow2_scales,
+                                                 sample, gate, tp))
+        return result
+
+
+def _measure(window: torch.Tensor, operand: int, t: torch.Tensor, has: str, cast: Cast, pow2: bool, sample: int,
+             gate: torch.Tensor | None, tp: Any, hadamard_seed: int | None = None, amax: torch.Tensor | None = None
+             ) -> None:
+    """:func:`measure` of ``t`` (layer dimensions ``has``); under tensor parallelism ``tp``, of
+    the whole operand as one process measures it (:func:`probe_operand`)."""
+    if tp is not None:
+        t, whole = probe_operand(tp, t, has, cast, sample)
+        amax = amax if whole is None else whole
+    measure(window, operand, t, cast, pow2, sample, hadamard_seed, gate, amax)
+
+
+_SHARD_NOTED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _note_shard_cost(rec: LayerRecord) -> None:
+    """Warn once per layer that its backward GEMMs' loss cost is its shard's (a tensor-parallel layer)."""
+    if rec not in _SHARD_NOTED:
+        _SHARD_NOTED.add(rec)
+        name = rec.state.name or "a tensor-parallel layer"
+        warnings.warn(f"fp8: Controller(max_backward_cost=...) measures the backward GEMMs' loss cost of {name!r} on "
+                      f"each rank's shard of the layer (tensor parallelism), and a check takes the largest shard's: "
+                      f"it can read up to the TP degree too small, so a backward GEMM may stay in a rung one "
+                      f"process would leave (its cast statistics and forward loss cost are the whole layer's)",
+                      UserWarning, stacklevel=4)
+
+
+def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
+                   sample: int, shadow: bool, gate: torch.Tensor | None = None, tp: Any = None) -> None:
+    """Per GEMM, the statistics of its own casts and of the rung below's, on ``shadow`` steps
+    (under ``gate``, a device flag: measured on every step, kept where it is set), each operand
+    as that GEMM reads it (its contracted dimension last; under ``tp``, the whole operand's: :func:`_measure`)."""
+    if not shadow:
+        return
+    x2 = x.detach().reshape(-1, x.shape[-1])
+    w = weight.detach() if weight is not None else None
+    # each operand is read by two GEMMs: one pass for its amax (none on an empty batch: not measured)
+    amax_x, amax_w = (None if t is None or t.numel() == 0 else abs_max(t) for t in (x2, w))
+    reads = {"output": ((x2, amax_x, "mk"), (w, amax_w, "nk")),
+             "grad_input": (None, None if w is None else (w.t(), amax_w, "kn")), "grad_weight": (None, (x2.t(), amax_x, "km"))}
+    backward = []
+    for g, gemm in enumerate(GEMMS):
+        for kind, casts in ((0, rec.own[g]), (1, rec.below_gemm[g])):
+            if casts is None:
+                continue
+            kept = gate
+            for side, (operand, cast) in enumerate(zip(reads[gemm], (casts.left, casts.right))):
+                if operand is not None:
+                    _measure(rec.gemm_windows[kind, g], side, operand[0], operand[2], cast, casts.pow2, sample, kept,
+                             tp, casts.hadamard_seed, operand[1])
+            if gemm != "output":
+                backward.append((rec.gemm_windows[kind, g], gemm, casts, kept))
+    if backward and out.requires_grad:
+        out.register_hook(lambda grad: _measure_grad(backward, grad, sample, tp))
+
+
+def _measure_grad(where: list, grad: torch.Tensor, sample: int, tp: Any = None) -> None:
+    g2 = grad.detach().reshape(-1, grad.shape[-1])
+    amax = abs_max(g2) if g2.numel() else None  # not measured
+    for window, gemm, casts, gate in where:
+        _measure(window, 0, g2 if gemm == "grad_input" else g2.t(), "mn" if gemm == "grad_input" else "nm", casts.left,
+                 casts.pow2, sample, gate, tp, casts.hadamard_seed, amax)

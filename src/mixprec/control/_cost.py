@@ -118,7 +118,7 @@ VARIANCES = 3
 
 
 def cost_steps(mean: float, mean_square: float, steps: float, variances: list[float] | None, threshold: float,
-               every: int, least: int) -> tuple[int, list[float] | None]:
+               every: int, least: int, pooled: int = 1) -> tuple[int, list[float] | None]:
     """``(steps, variances)``: on how many steps of the next window (the last ones, at least
     ``least``, at most ``every``) to measure a loss cost whose last window measured ``steps``
     per-step estimates of ``mean`` and mean square ``mean_square``, and the per-step sample
@@ -126,8 +126,10 @@ def cost_steps(mean: float, mean_square: float, steps: float, variances: list[fl
     them, the last :data:`VARIANCES` kept). Few steps where the threshold the decision compares
     the window's mean with lies :data:`COST_Z` standard errors of the mean away, by the median
     of the variances kept (:func:`variance`): ``ceil(COST_Z**2 * variance / (mean -
-    threshold)**2)``; every step without a variance (a first window, or one of fewer than 2
-    steps kept none) or without a measurement in the window.
+    threshold)**2)``, divided by ``pooled`` where the decision takes that many windows in a row
+    on the same side (a demotion: ``demote_windows`` clean windows; each window's
+    :data:`COST_Z` shrinks by its square root); every step without a variance (a first window,
+    or one of fewer than 2 steps kept none) or without a measurement in the window.
 
     Example:
         >>> cost_steps(0.0, 1e-8, 10, None, 1e-3, 10, 2)  # far below: 2 steps
@@ -142,7 +144,7 @@ def cost_steps(mean: float, mean_square: float, steps: float, variances: list[fl
     distance = abs(mean - threshold)
     if kept is None or steps < 1 or not math.isfinite(mean) or not distance > 0:
         return every, variances
-    needed = COST_Z * COST_Z * kept / (distance * distance)
+    needed = COST_Z * COST_Z * kept / (distance * distance * max(1, pooled))
     return (min(every, max(least, math.ceil(needed))) if needed < every else every), variances
 
 

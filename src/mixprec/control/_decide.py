@@ -197,7 +197,7 @@ def decide_layer(at: Check, name: str, rec: LayerRecord, row: list[float], cost:
                 worst = (r, "amax_forecast", forecast, limit)
     if has_shadow and cost is not None:
         limit = at.settings.demote_cost
-        if not cheap_below(at, cost):
+        if not (rec.below_wanted(safe) and cheap_below(at, cost)):  # (measured where it alone decides)
             safe = False
         elif ratio(cost[1], limit) > ratio(worst[2], worst[3]):
             worst = ("output", "loss_cost", cost[1], limit)
@@ -435,7 +435,7 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
             worst = (op, forecast)
     worst = (*worst, "underflow_forecast", demote_u)
     if cost is not None:
-        if not cheap_below(at, cost):
+        if not (rec.below_wanted(safe) and cheap_below(at, cost)):  # (measured where it alone decides)
             safe = False
         elif ratio(cost[1], at.settings.demote_cost) > ratio(worst[1], demote_u):
             worst = ("output", cost[1], "loss_cost", at.settings.demote_cost)

@@ -199,6 +199,7 @@ class LayerRecord:
         self.cost_var: list[list[float] | None] = [None, None]  # (the windows' sample variances: _cost.cost_steps)
         self.cost_now = [True, True]
         self.cost_cadence = [Cadence(), Cadence()]  # in which windows each is measured (_cost.Cadence)
+        self.cost_below = True  # whether the rung below's is measured (below_wanted)
         self.cost_gate = torch.ones(2, dtype=torch.bool, device=state.device)
         self.cost_rung = rung
         self.cost_sign = torch.tensor([-1.0, 1.0], device=state.device)  # loss_cost's at_error, per row
@@ -250,11 +251,12 @@ class LayerRecord:
         if settings is not None:
             every, limits = settings.every, (settings.max_loss_cost, settings.demote_cost)
             least = min(every, max(2, settings.shadow_steps))
+            pooled = (1, settings.demote_windows)  # (a demotion takes that many clean windows in a row)
             for r in range(2):
                 measured = cost[2 + r] > 0
                 if measured or self.cost_cadence[r].due:  # (a window its cadence skipped keeps the plan)
                     self.cost_plan[r], self.cost_var[r] = cost_steps(cost[r], mean_sq[r], steps[r], self.cost_var[r],
-                                                                     limits[r], every, least)
+                                                                     limits[r], every, least, pooled[r])
                 clear = measured and far(cost[r], variance(self.cost_var[r]), limits[r], steps[r])
                 cost[r], cost[2 + r] = self.cost_cadence[r].checked([cost[r], cost[2 + r]], measured, clear)
         return row[:-n], cost
@@ -271,18 +273,27 @@ class LayerRecord:
         clear = measured and all(not f > 0 or far_by_factor(c, limit) for c, f, limit in zip(back[:4], back[4:], limits))
         return self.backward.cadence.checked(list(back), measured, clear)
 
+    def below_wanted(self, allowed: bool) -> bool:
+        """A check's verdict on all that may keep the forward GEMM from coming down but the rung
+        below's loss cost (``allowed``), returned: the next window measures that cost only where
+        it would decide (a promoted GEMM whose shadow's operands still flush does not pay for it)."""
+        self.cost_below = allowed
+        return allowed
+
     def cost_phase(self, step: int, every: int) -> None:
         """Whether the step after ``step`` ``Controller.step()`` calls measures each loss cost:
         one of the last ``cost_plan`` steps of a window its cadence measures (every step on a
-        rung not planned for: after the forward GEMM switched). No host sync (a device write
-        where it changes)."""
+        rung not planned for: after the forward GEMM switched), the rung below's only where it
+        would decide (:meth:`below_wanted`). No host sync (a device write where it changes)."""
         if self.cost is None:
             return
         if self.rungs[0] != self.cost_rung:
             self.cost_rung, self.cost_plan, self.cost_var = self.rungs[0], [None, None], [None, None]
+            self.cost_below = True
             for cadence in self.cost_cadence:
                 cadence.reset()
         now = [c.due and (n is None or every - 1 - step % every < n) for n, c in zip(self.cost_plan, self.cost_cadence)]
+        now[1] = now[1] and self.cost_below
         for r in range(2):
             if now[r] != self.cost_now[r]:
                 self.cost_gate[r].fill_(now[r])

@@ -68,7 +68,7 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
             data["loss_cost"] = rec.cost.tolist()
             data["loss_cost_plan"] = {"steps": list(rec.cost_plan), "variance": list(rec.cost_var),
                                       "now": list(rec.cost_now), "rung": rec.cost_rung,
-                                      "cadence": [c.state() for c in rec.cost_cadence]}
+                                      "cadence": [c.state() for c in rec.cost_cadence], "below": rec.cost_below}
         if rec.backward is not None:  # (its pending gain, a weight-sized gradient, is not kept)
             data["backward_cost"] = [rec.backward.window.tolist(), rec.backward.gain.tolist(),
                                      rec.backward.cadence.state()]
@@ -121,6 +121,7 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
         rec.cost_now = [bool(n) for n in plan["now"]]
         for cadence, saved in zip(rec.cost_cadence, plan.get("cadence", ())):  # (saved before it was: every window)
             cadence.load(saved)
+        rec.cost_below = bool(plan.get("below", True))
     if "backward_cost" in data and settings.max_backward_cost is not None:
         rec.backward = rec.backward or BackwardCost(rec.state.device)
         window, gain, *cadence = data["backward_cost"]

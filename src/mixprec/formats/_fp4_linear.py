@@ -152,9 +152,12 @@ class Fp4Matmul(torch.autograd.Function):
                 torch.minimum(sqnr, db.float(), out=sqnr)
             cx = r.input_for_grad_weight
             xt = x2.t()
-            if _hadamard(r):
-                xt = hadamard(xt, hadamard_matrix(r.seed, x.device))
-            saved = cast_operand(xt.contiguous(), cx, r, tp=tp, has="km")[0] if cx.is_fp8 else x2
+            if not ctx.needs_input_grad[1]:  # no weight gradient: its operand is not cast (a Controller's shadow GEMM)
+                saved = ()
+            else:
+                if _hadamard(r):
+                    xt = hadamard(xt, hadamard_matrix(r.seed, x.device))
+                saved = cast_operand(xt.contiguous(), cx, r, tp=tp, has="km")[0] if cx.is_fp8 else x2
         ctx.recipe, ctx.stats, ctx.backend, ctx.tp = r, stats, backend, tp
         ctx.xt_shape, ctx.w_dtype = xt.shape, w.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype

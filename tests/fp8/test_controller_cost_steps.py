@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from mixprec import Controller, fp8
 from mixprec.control import _cost, _ladder
-from mixprec.control._cost import COST_Z, MAX_PERIOD, VARIANCES, Cadence, cost_steps, far, variance
+from mixprec.control._cost import COST_Z, COST_ZONE, MAX_PERIOD, VARIANCES, Cadence, cost_steps, far, variance
 
 LADDER = ("nvfp4", "tensorwise", "compute")
 
@@ -93,10 +93,16 @@ def test_a_cost_far_from_its_threshold_is_planned_on_few_steps_a_near_one_on_all
     assert far_[0] == 2 and far_[1] == [pytest.approx(var * 10 / 9)]
     # the steps needed: COST_Z**2 * variance / distance**2, at least `least`, at most `every`
     noisy = 1e-7
-    steps = cost_steps(6e-4, 6e-4 ** 2 + noisy, 10, None, 1e-3, 10, 2)[0]
-    assert 2 < steps == math.ceil(COST_Z ** 2 * noisy * 10 / 9 / 4e-4 ** 2) < 10
-    assert cost_steps(9e-4, 9e-4 ** 2 + var, 10, None, 1e-3, 10, 2)[0] == 10
-    assert cost_steps(1e-3, 1e-6 + var, 10, None, 1e-3, 10, 2)[0] == 10  # on the threshold
+    steps = cost_steps(4e-4, 4e-4 ** 2 + noisy, 10, None, 1e-3, 10, 2)[0]
+    assert 2 < steps == math.ceil(COST_Z ** 2 * noisy * 10 / 9 / 6e-4 ** 2) < 10
+    # a mean nearer than COST_ZONE of the threshold takes the steps that resolve that distance
+    zone = COST_ZONE * 1e-3
+    assert cost_steps(9e-4, 9e-4 ** 2 + noisy, 10, None, 1e-3, 10, 2)[0] == math.ceil(
+        COST_Z ** 2 * noisy * 10 / 9 / zone ** 2) < 10
+    assert 2 < cost_steps(1e-3, 1e-6 + noisy, 10, None, 1e-3, 10, 2)[0] < 10  # on the threshold
+    assert cost_steps(9e-4, 9e-4 ** 2 + 1e-6, 10, None, 1e-3, 10, 2)[0] == 10  # near and noisy: every step
+    # a decision that takes 3 windows in a row (a demotion) takes a third of the steps
+    assert cost_steps(4e-4, 4e-4 ** 2 + 3 * noisy, 10, None, 1e-3, 10, 2, pooled=3)[0] == steps
     # no variance yet (one step measured), or nothing measured: every step
     assert cost_steps(0.0, 0.0, 1, None, 1e-3, 10, 2) == (10, None)
     assert cost_steps(-math.inf, 0.0, 0, [4e-8], 1e-3, 10, 2) == (10, [4e-8])

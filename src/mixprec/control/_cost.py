@@ -18,13 +18,17 @@ import torch.nn.functional as F
 
 from mixprec.formats._linear import local_linear
 
-__all__ = ["COST_Z", "MAX_PERIOD", "VARIANCES", "Cadence", "cost_steps", "far", "loss_cost", "measure_cost",
+__all__ = ["COST_Z", "COST_ZONE", "MAX_PERIOD", "VARIANCES", "Cadence", "cost_steps", "far", "loss_cost", "measure_cost",
            "output_errors", "variance"]
 
 #: how many standard errors of its window mean a loss cost measured on fewer than all of a
 #: window's steps keeps from its threshold (:func:`cost_steps`): at 3, a window's mean lands on
 #: the other side of the threshold than the step costs' own mean in about 1 window of 700.
 COST_Z = 3.0
+#: how near its threshold (a share of it) a cost's window mean may lie undecided (:func:`cost_steps`):
+#: a plan takes the steps that resolve a mean this far from the threshold, not more; a mean
+#: nearer is decided on them (either side then costs within this share of the limit)
+COST_ZONE = 0.5
 #: the most windows a cost far from its threshold waits between two measured ones (:class:`Cadence`)
 MAX_PERIOD = 8
 
@@ -128,20 +132,25 @@ def cost_steps(mean: float, mean_square: float, steps: float, variances: list[fl
     of the variances kept (:func:`variance`): ``ceil(COST_Z**2 * variance / (mean -
     threshold)**2)``, divided by ``pooled`` where the decision takes that many windows in a row
     on the same side (a demotion: ``demote_windows`` clean windows; each window's
-    :data:`COST_Z` shrinks by its square root); every step without a variance (a first window,
-    or one of fewer than 2 steps kept none) or without a measurement in the window.
+    :data:`COST_Z` shrinks by its square root), the distance taken as at least :data:`COST_ZONE`
+    of the threshold (a mean nearer than that is decided on those steps: measuring every step
+    could not resolve it either, and either side costs about the limit); every step without a
+    variance (a first window, or one of fewer than 2 steps kept none) or without a measurement
+    in the window.
 
     Example:
         >>> cost_steps(0.0, 1e-8, 10, None, 1e-3, 10, 2)  # far below: 2 steps
         (2, [1.111111111111111e-08])
-        >>> cost_steps(9e-4, 9e-4 ** 2 + 1e-8, 10, None, 1e-3, 10, 2)[0]  # near: every step
+        >>> cost_steps(9e-4, 9e-4 ** 2 + 1e-6, 10, None, 1e-3, 10, 2)[0]  # near, and noisy: every step
         10
+        >>> cost_steps(9e-4, 9e-4 ** 2 + 1e-8, 10, None, 1e-3, 10, 2)[0]  # near, in the zone: resolved by 2
+        2
     """
     if steps >= 2:
         sample = max(0.0, (mean_square - mean * mean) * steps / (steps - 1))
         variances = ([] if variances is None else list(variances))[-(VARIANCES - 1):] + [sample]
     kept = variance(variances)
-    distance = abs(mean - threshold)
+    distance = max(abs(mean - threshold), COST_ZONE * abs(threshold))
     if kept is None or steps < 1 or not math.isfinite(mean) or not distance > 0:
         return every, variances
     needed = COST_Z * COST_Z * kept / (distance * distance * max(1, pooled))

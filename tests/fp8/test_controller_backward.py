@@ -104,9 +104,9 @@ def _plant(monkeypatch, layer: int, size: float, seed: int = 0, where: str = "me
             w.register_hook(biased)
         return original(x, w, b, recipe, backend=backend)
 
-    if where == "training":
-        monkeypatch.setattr(Fp4Matmul, "backward", staticmethod(
-            lambda ctx, grad_output: (lambda g: (g[0], biased(g[1]), *g[2:]))(backward(ctx, grad_output))))
+    if where == "training":  # (the layer's own GEMM, which records into its state: not an emulated copy)
+        monkeypatch.setattr(Fp4Matmul, "backward", staticmethod(lambda ctx, grad_output: (lambda g: (
+            g[0], biased(g[1]) if ctx.stats is not None else g[1], *g[2:]))(backward(ctx, grad_output))))
         return
     monkeypatch.setattr(backward_module, "linear", planted)
     monkeypatch.setattr(backward_module.BackwardCost, "_measure",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -62,7 +63,7 @@ def _model(seed: int = 0) -> nn.Module:
 
 
 def _train(ctl: mixprec.Controller, steps: int = 30, seed: int = 0, loss_scale: float = 1.0,
-           one_output: bool = False, sgd: bool = False) -> list:
+           one_output: bool = False, sgd: bool = False, checkpointed: bool = False) -> list:
     model = _model(seed)
     ctl.attach(model)
     policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
@@ -76,7 +77,9 @@ def _train(ctl: mixprec.Controller, steps: int = 30, seed: int = 0, loss_scale: 
     for _ in range(steps):
         x = torch.randn(64, 64, generator=gen)
         with mixprec.autocast("cpu", policy=policy):
-            loss = ((model(x).float() - target).square() * weights).mean()
+            out = (torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False,
+                                                     context_fn=mixprec.checkpoint_context_fn) if checkpointed else model(x))
+            loss = ((out.float() - target).square() * weights).mean()
         (loss * loss_scale).backward()
         if loss_scale != 1.0:
             for p in model.parameters():
@@ -242,3 +245,20 @@ def test_max_backward_cost_needs_per_gemm():
         mixprec.Controller(max_backward_cost=1e-3)
     with pytest.raises(ValueError, match="max_backward_cost"):
         mixprec.Controller(per_gemm=True, max_backward_cost=-1.0)
+
+
+def test_a_checkpointed_model_measures_and_decides_as_the_plain_one():
+    """Activation checkpointing (recomputed in the forward's policy): the backward GEMMs' cost is
+    measured on the recomputed forward's GEMMs, bitwise the windows and decisions of the plain
+    run (a planted bias in the head's own weight-gradient GEMM promotes it in both)."""
+    settings = dict(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=3e-5)
+    runs = []
+    for checkpointed in (False, True):
+        with pytest.MonkeyPatch.context() as mp:
+            _plant(mp, 2, -0.5, where="training")
+            ctl = mixprec.Controller(**settings)
+            log = _train(ctl, 20, sgd=True, checkpointed=checkpointed)
+        runs.append((log, [r.backward.window.clone() for r in ctl._layers.values()]))
+    (plain, plain_windows), (recomputed, windows) = runs
+    assert _backward_promotions(plain) and recomputed == plain
+    assert all(torch.equal(a, b) for a, b in zip(plain_windows, windows))

@@ -165,6 +165,8 @@ def verdict(summary: dict[str, Any], controller: str = "controller") -> str:
         return ""
     c = rows[controller]
     hands = {h: rows[h] for h in HAND if h in rows}
+    if not hands:
+        return "no hand recipe ran (--configs): no bar to compare with"
     within = [h for h, r in hands.items() if r["within"]]
     best = max(within, key=lambda h: hands[h]["share"]) if within else min(hands, key=lambda h: hands[h]["gap"])
     b = hands[best]

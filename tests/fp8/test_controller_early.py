@@ -166,6 +166,7 @@ def _rank_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_ranks_promote_early_alike_from_the_all_reduced_bounds(tmp_path):
     spawn(_rank_worker, str(tmp_path), timeout=300)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))

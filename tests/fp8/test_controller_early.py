@@ -77,17 +77,20 @@ def test_the_windows_read_early_are_the_first_and_those_after_a_forward_switch()
 
 
 @CROSS_ISA
-def test_a_forward_far_over_its_limit_is_promoted_before_the_first_check():
+@pytest.mark.parametrize("per_gemm", [True, False])
+def test_a_forward_far_over_its_limit_is_promoted_before_the_first_check(per_gemm):
     """The logits' NVFP4 forward is promoted at the first step its window's mean lies COST_Z
     standard errors over the limit (the same batch each step: a steady cost), not at step
-    ``every``; the hidden layer's, under the limit, is not. Its window starts over on the rung above."""
-    model, ctl = _converted()
+    ``every``; the hidden layer's, under the limit, is not. Its window starts over on the rung
+    above. Per GEMM its backward GEMMs keep their rungs; a whole layer moves as one."""
+    model, ctl = _converted(per_gemm=per_gemm)
     _train(model, ctl, EVERY - 1)
     (d,) = ctl.log
     assert (d.step, d.layer, d.gemm, d.action, d.from_, d.to, d.statistic) == (
-        EARLY_STEPS, "2", "output", "promote", "nvfp4", "fp8-tensorwise", "loss_cost")
+        EARLY_STEPS, "2", "output" if per_gemm else None, "promote", "nvfp4", "fp8-tensorwise", "loss_cost")
     assert d.value > d.threshold == 3e-3 and "early: 3 steps" in d.reason
-    assert [ctl.precision("2", g) for g in ("output", "grad_input", "grad_weight")] == ["fp8-tensorwise", "nvfp4", "nvfp4"]
+    backward = "nvfp4" if per_gemm else "fp8-tensorwise"
+    assert [ctl.precision("2", g) for g in ("output", "grad_input", "grad_weight")] == ["fp8-tensorwise", backward, backward]
     assert ctl.precision("0") == "nvfp4"
     # the new rung's window holds only its own steps (no mean of two rungs)
     assert lower_bounds([ctl._layers["2"]])[0, 2].item() == EVERY - 1 - EARLY_STEPS

@@ -29,9 +29,9 @@ controllers' decisions on the first seed. Nothing here is tuned to pass: the fig
     PYTHONPATH=src .venv/bin/python benchmarks/controller_quality.py [--steps 120] [--seeds 0,1,2]
         [--models tiny,small,llama] [--configs ...] [--max-backward-cost 1e-4] [--json out.json]
 
-Each fp4 run takes 1-4 min per 100 steps of tiny and per 30 of small or the Llama on a loaded
-2-core CPU: docs/fp8.md's table ran tiny at 120 steps (the demo's preset) and small and the Llama
-at 30 (``--steps 30``, without ``controller-flush``).
+An fp4 run of tiny at 120 steps takes 7-17 s on a lightly loaded 2-core CPU, of the Llama at 60
+steps 4-11 s (1-4 min under a load of 7-10): docs/fp8.md's table ran tiny at 120 steps (the demo's
+preset) and the Llama at 60 (``--steps 60``, without ``controller-flush``).
 """
 
 from __future__ import annotations

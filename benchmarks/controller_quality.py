@@ -14,8 +14,9 @@ Configs (every fp4 layer NVFP4, emulated in float32 as the demo's fp4 modes run 
   keeps the last layers in high precision);
 * ``alt-bf16``: every other Linear (in module order, the first included) in bf16;
 * ``controller``: every Linear NVFP4 under ``Controller(per_gemm=True, ladder=("nvfp4",
-  "tensorwise", "rowwise", "compute"), max_loss_cost=1e-3, max_backward_cost=...)``
-  (the demo's ``mixprec-fp4`` with the backward GEMMs' loss cost);
+  "tensorwise", "rowwise", "compute"), max_loss_cost=1e-3, max_backward_cost=1e-4)``
+  (the demo's ``mixprec-fp4``: ``max_backward_cost`` is ``max_loss_cost / every``, a per-step cost
+  against a level; ``--max-backward-cost`` changes it);
 * ``controller-flush``: the same without ``max_backward_cost`` (backward GEMMs by their flush).
 
 Printed per model: each config's final training loss (mean of the last 10% of steps) minus
@@ -26,11 +27,11 @@ the best hand recipe's with a loss gap no worse, and >= 85% in fp4 within fp32's
 controllers' decisions on the first seed. Nothing here is tuned to pass: the figures are what ran.
 
     PYTHONPATH=src .venv/bin/python benchmarks/controller_quality.py [--steps 120] [--seeds 0,1,2]
-        [--models tiny,small,llama] [--configs ...] [--max-backward-cost 1e-3] [--json out.json]
+        [--models tiny,small,llama] [--configs ...] [--max-backward-cost 1e-4] [--json out.json]
 
-Each fp4 run takes 1-4 min per 100 steps of tiny and per 30 of small or the Llama on a loaded
-2-core CPU: docs/fp8.md's table ran tiny at 120 steps (the demo's preset) and small and the Llama
-at 30 (``--steps 30``, without ``controller-flush``).
+An fp4 run of tiny at 120 steps takes 7-17 s on a lightly loaded 2-core CPU, of the Llama at 60
+steps 4-11 s (1-4 min under a load of 7-10): docs/fp8.md's table ran tiny at 120 steps (the demo's
+preset) and the Llama at 60 (``--steps 60``, without ``controller-flush``).
 """
 
 from __future__ import annotations
@@ -52,13 +53,14 @@ import mixprec  # noqa: E402
 from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch  # noqa: E402
 from mixprec.demo.flops import GemmCounter  # noqa: E402
 from mixprec.demo.model import SIZES, TransformerLM, lm_loss  # noqa: E402
+from mixprec.demo.modes import FP4_LADDER, FP4_MAX_BACKWARD_COST, FP4_MAX_LOSS_COST, FP8_EVERY  # noqa: E402
 from mixprec.demo.settings import lr_factor  # noqa: E402
 
 CONFIGS = ("fp32", "all-fp4", "head-bf16", "last-bf16", "alt-bf16", "controller", "controller-flush")
 HAND = ("head-bf16", "last-bf16", "alt-bf16")
-LADDER = ("nvfp4", "tensorwise", "rowwise", "compute")
-MAX_LOSS_COST = 1e-3
-MAX_BACKWARD_COST = 1e-3
+LADDER = FP4_LADDER
+MAX_LOSS_COST = FP4_MAX_LOSS_COST
+MAX_BACKWARD_COST = FP4_MAX_BACKWARD_COST  # the demo's: max_loss_cost / every
 SEQ = 64
 
 
@@ -99,7 +101,7 @@ def policy_for(config: str, names: list[str], backward_cost: float = MAX_BACKWAR
     pattern = "^(" + "|".join(n.replace(".", r"\.") for n in fp4) + ")$"
     ctl = None
     if config.startswith("controller"):
-        ctl = mixprec.Controller(every=10, ladder=LADDER, per_gemm=True, max_loss_cost=MAX_LOSS_COST,
+        ctl = mixprec.Controller(every=FP8_EVERY, ladder=LADDER, per_gemm=True, max_loss_cost=MAX_LOSS_COST,
                                  max_backward_cost=backward_cost if config == "controller" else None)
     policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", names=pattern, first_last="fp8", controller=ctl,
                                                       backend="emulate_fp32")
@@ -165,6 +167,8 @@ def verdict(summary: dict[str, Any], controller: str = "controller") -> str:
         return ""
     c = rows[controller]
     hands = {h: rows[h] for h in HAND if h in rows}
+    if not hands:
+        return "no hand recipe ran (--configs): no bar to compare with"
     within = [h for h, r in hands.items() if r["within"]]
     best = max(within, key=lambda h: hands[h]["share"]) if within else min(hands, key=lambda h: hands[h]["gap"])
     b = hands[best]

@@ -18,6 +18,7 @@ import torch.nn as nn
 from mixprec._modules import named_modules
 from mixprec._scaled import last_count, scaled_since
 from mixprec.control._decide import Check, apply_gemms, apply_layer, decide_gemms, decide_layer, peel, switch_layer
+from mixprec.control._early import early_window, promote_early
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord
 from mixprec.control._probe import Probe
 from mixprec.control._records import (CheckClock, all_gathered, check_loss_scale, converted, converted_experts,
@@ -161,8 +162,7 @@ class Controller(Shell):
         return list(layers)
 
     def _known(self, name: str, module: nn.Module) -> bool:
-        """Whether ``module`` (reached as ``name``) has a record already; names it by the
-        :func:`qualified` rule."""
+        """Whether ``module`` (reached as ``name``) has a record; names it by the :func:`qualified` rule."""
         known = self._names.get(module)
         rec = self._layers.get(known) if known is not None else None
         if rec is None or rec.module() is not module:
@@ -196,18 +196,14 @@ class Controller(Shell):
         untrack(old)  # another module under that name: no longer controlled
         self._probe(rec)
         rec.cost_blind = all_gathered(module)
-        self._layers[name] = rec
-        self._names[module] = name
+        self._layers[name], self._names[module] = rec, name
         self._apply(rec)
 
     def _probe(self, rec: LayerRecord) -> None:
-        rec.probe = Probe(rec, self.settings.sample)
-        rec.measuring.fill_(self._measuring)
-        rec.measuring_now = self._measuring
+        rec.probe = Probe(rec, self.settings.sample, self._measuring)
 
     def _apply(self, rec: LayerRecord) -> None:
-        """Route the layer for its rungs (:func:`~mixprec.control._decide.apply_layer` or
-        :func:`~mixprec.control._decide.apply_gemms`). (Traced code reads this: a switch recompiles.)"""
+        """Route the layer for its rungs (``_decide.apply_layer``/``apply_gemms``; traced code reads it: a switch recompiles)."""
         (apply_gemms if self.settings.per_gemm else apply_layer)(self._check(), rec)
 
     # ----------------------------------------------------------------- deciding
@@ -217,7 +213,9 @@ class Controller(Shell):
         Call it once per optimizer step on every rank, after backward (with gradient
         accumulation: once per optimizer step). A check step reads every layer's windows (one
         all-reduce MAX when ``torch.distributed`` is initialized, one host sync); other steps
-        only fold, under ``max_loss_cost``, the step's loss-cost sums into the device window.
+        only fold, under ``max_loss_cost``, the step's loss-cost sums into the device window, but
+        in a window that measures the forward GEMMs' cost on every step (the first, one after a
+        forward switched) read it from its 3rd step on: one far over is promoted early (``_early``).
         The loss cost divides out the scale each layer's gradient carried, as a
         :class:`mixprec.GradScaler` that scaled a loss since the last step says it (its loss
         scale times the per-layer factors above the layer: :mod:`mixprec._scaled`).
@@ -244,31 +242,29 @@ class Controller(Shell):
     def _step(self, loss_scale: float | torch.Tensor | None) -> list[Decision]:
         if loss_scale is not None:
             check_loss_scale(loss_scale)
-            self._loss_scaled = True
         scaled = scaled_since(self._scaled_seen)
-        if scaled is not None:
-            self._scaled_seen = scaled.count
-            self._loss_scaled = True
+        self._scaled_seen = self._scaled_seen if scaled is None else scaled.count
+        self._loss_scaled = self._loss_scaled or loss_scale is not None or scaled is not None
         if self.settings.max_loss_cost is not None or self.settings.max_backward_cost is not None:
             for rec in self._layers.values():
                 rec.end_step(grad_scale(rec, loss_scale, scaled))
-        self._steps += 1
-        self._stepped = True
+        self._steps, self._stepped = self._steps + 1, True
         self._learn_compute()
         if not self._layers and not self._warned_empty and not self._distributed():
             self._warned_empty = True
-            warnings.warn("fp8: Controller.step() tracks no fp8 layer, so it decides nothing: attach it to the "
-                          "model (ctl.attach(model)) and run a forward under a policy with an fp8 rule first",
-                          UserWarning, stacklevel=2)
+            warnings.warn("fp8: Controller.step() tracks no fp8 layer, so it decides nothing: attach it to the model "
+                          "(ctl.attach(model)) and run a forward under a policy with an fp8 rule first", stacklevel=2)
         new: list[Decision] = []
         if self._steps % self.settings.every == 0:
             start = time.perf_counter()
             new = self._decide_all()
             self._clock.checked(time.perf_counter() - start, len(self._layers), self.settings.every)
+        elif self.settings.max_loss_cost is not None and early_window(self._steps, self.settings.every, self._log):
+            new = self._decide_all(early=True)
         self._set_measuring(shadow_phase(self._steps, self.settings.every, self.settings.shadow_steps))
         return new
 
-    def _decide_all(self) -> list[Decision]:
+    def _decide_all(self, early: bool = False) -> list[Decision]:
         # every rank: the same collectives, whichever layers its forwards have shown it (_collective)
         names, missing, code = self._agree_on_layers(list(self._layers), lambda: {  # (what a peer decides with)
             n: metadata(self.settings, r) for n, r in self._layers.items()}, _COMPUTE_CODES.get(self._compute, 0))
@@ -276,13 +272,16 @@ class Controller(Shell):
             self._compute = _COMPUTE_DTYPES[code]  # a rank without a forward yet: its peers' compute dtype
         for name, meta in missing.items():
             self._layers[name] = self._detached(name, meta)
+        recs = [self._layers[n] for n in names]
+        if early:  # a step of a window that promotes a forward GEMM far over max_loss_cost early (_early)
+            self._log.extend(new := promote_early(self._check(), names, recs, self._all_reduce_max))
+            return new
         if not names:
             return []
         if (self.settings.max_loss_cost is not None and self._compute is torch.float16 and not self._loss_scaled
                 and not self._warned_scale):
             self._warned_scale = True
             warn_unscaled()
-        recs = [self._layers[n] for n in names]
         rows = self._all_reduce_max(torch.stack([r.windows() for r in recs])).tolist()  # the one sync
         (rows, backs), new, check = peel(names, rows, list(self._layers), self.settings), [], self._check()
         for name, rec, row in zip(names, recs, rows):

@@ -25,7 +25,7 @@ from mixprec.formats._recipe import Float8Recipe
 from mixprec.formats._state import OPERANDS
 
 __all__ = ["Check", "apply_gemms", "apply_layer", "switch_layer", "cheap_below", "decide_gemms", "decide_layer", "gemm_down", "gemm_up",
-           "layer_down", "layer_up", "limits", "peel", "rung_name", "too_costly"]
+           "layer_down", "layer_up", "limits", "peel", "rung_name", "switch_gemms", "too_costly"]
 
 
 def rung_name(ladder: tuple[str, ...], rung: int, compute: torch.dtype | None) -> str:
@@ -285,7 +285,7 @@ def apply_gemms(at: Check, rec: LayerRecord) -> None:
                                                 lambda rungs: compose(_recipes(at, rungs)))
 
 
-def _switch(at: Check, rec: LayerRecord, gemms: range | tuple, to: int) -> None:
+def switch_gemms(at: Check, rec: LayerRecord, gemms: range | tuple, to: int) -> None:  # (and route the layer)
     for g in gemms:
         rec.rungs[g] = to
         rec.gemm_clean[g] = 0
@@ -332,7 +332,7 @@ def decide_gemms(at: Check, name: str, rec: LayerRecord, row: list[float], cost:
             if min(rec.rungs) < top and forecast > limit:
                 d = decision(None, r, "promote", rec.rungs[0], top, "amax_forecast", forecast, limit, ">")
                 rec.clean, rec.switches = 0, [*rec.switches, at.steps]
-                _switch(at, rec, range(len(GEMMS)), top)
+                switch_gemms(at, rec, range(len(GEMMS)), top)
                 return [d]
         if all(r == top for r in rec.rungs):
             forecasts = [grow(a, rec.trends[f"range_{r}"].rise(ahead, windows)) for r, a in zip(_RANGE, ranges)]
@@ -343,7 +343,7 @@ def decide_gemms(at: Check, name: str, rec: LayerRecord, row: list[float], cost:
                 i = max(range(len(_RANGE)), key=lambda k: ratio(forecasts[k], limit))
                 d = decision(None, _RANGE[i], "demote", top, top - 1, "amax_forecast", forecasts[i], limit, "<=")
                 rec.clean, rec.switches = 0, [*rec.switches, at.steps]
-                _switch(at, rec, range(len(GEMMS)), top - 1)
+                switch_gemms(at, rec, range(len(GEMMS)), top - 1)
                 return [d]
             return []
     # under fp16 a GEMM comes down only while the layer's range stays far from 65504, as a layer's
@@ -404,7 +404,7 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
                 if st[_NONFINITE] > at.settings.max_nonfinite:
                     d = decision(gemm, op, "promote", rung, compute, "nonfinite", st[_NONFINITE], at.settings.max_nonfinite,
                                  ">")
-                    _switch(at, rec, (g,), compute)
+                    switch_gemms(at, rec, (g,), compute)
                     return d
         by_cost = back is not None and back[2] > 0  # a backward GEMM's measured loss cost, not its flush
         for op, st in zip(ops, () if by_cost else own):
@@ -412,7 +412,7 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
             if forecast > max_u:
                 to = gemm_up(at, rec, g)
                 d = decision(gemm, op, "promote", rung, to, "underflow_forecast", forecast, max_u, ">")
-                _switch(at, rec, (g,), to)
+                switch_gemms(at, rec, (g,), to)
                 return d
         over = ((cost[0], "loss_cost", at.settings.max_loss_cost) if too_costly(at, cost) else
                 (back[0], "backward_cost", at.settings.max_backward_cost) if by_cost and back[0] > at.settings.max_backward_cost
@@ -420,7 +420,7 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
         if over is not None:
             to = gemm_up(at, rec, g)
             d = decision(gemm, "output", "promote", rung, to, over[1], over[0], over[2], ">")
-            _switch(at, rec, (g,), to)
+            switch_gemms(at, rec, (g,), to)
             return d
     if not has_shadow:
         return None
@@ -445,6 +445,6 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
     rec.gemm_clean[g] = rec.gemm_clean[g] + 1 if safe else 0
     if _may_demote(at, rec.gemm_clean[g], rec.gemm_switches[g], ladder[down] in FP4_RUNGS):
         d = decision(gemm, worst[0], "demote", rung, down, worst[2], worst[1], worst[3], "<=")
-        _switch(at, rec, (g,), down)
+        switch_gemms(at, rec, (g,), down)
         return d
     return None

@@ -33,8 +33,11 @@ class Probe:
     sample of about ``sample`` elements per operand. A copy or a pickle of the model (``copy.deepcopy``) drops it: the copy runs its
     rung without measurements."""
 
-    def __init__(self, rec: LayerRecord, sample: int) -> None:
+    def __init__(self, rec: LayerRecord, sample: int, measuring: bool = False) -> None:
+        """(``measuring``: whether the step under way feeds the shadows, written to the record.)"""
         self.rec, self.sample = rec, sample  # ``sample``: the elements measured per operand
+        rec.measuring.fill_(measuring)
+        rec.measuring_now = measuring
         self.fp32 = False  # the fp32 rung: fp8.linear's fallback runs the GEMM in float32
         self.dtype: torch.dtype | None = None  # the input dtype the layer computes in (Controller._learn_compute)
 

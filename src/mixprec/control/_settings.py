@@ -182,7 +182,9 @@ class ControllerSettings(_Settings):
     cost the loss per step through the update it steers (:mod:`mixprec.control._backward`),
     measured on shadow steps; where measured, it replaces the flush rule for the input- and
     weight-gradient GEMMs (promoted above it, brought down when the rung below costs at most half
-    of it; a non-finite cast still promotes).
+    of it; a non-finite cast still promotes). It is a cost per step, paid again on every step the
+    GEMM runs, where ``max_loss_cost`` is a level: ``max_loss_cost / every`` (the cost the window
+    before the next check accumulates) compares like with like, as the demo's ``mixprec-fp4`` sets it.
 
     ``late_start`` (None: off): from that step on (the late phase of training, where NVIDIA's
     NVFP4 recipe switches to higher precision), the loss-cost limits (``max_loss_cost``,

@@ -1,0 +1,110 @@
+"""The controller's early promotions (``Controller(max_loss_cost=...)``): a forward GEMM whose
+loss cost lies far over ``max_loss_cost`` is promoted within the first steps of a window that
+measures it on every step, not at the window's check.
+
+A window measures a forward GEMM's loss cost on every step when it is the first of the run or
+follows a switch of that GEMM (:func:`~mixprec.control._cost.cost_steps`). In such a window
+(:func:`early_window`: the first of the run, or one after a check or early promotion that switched a
+forward GEMM, read from the log, so a resumed run checks the same steps), each step from the
+:data:`EARLY_STEPS`-th on until the check reads, per layer, the lower bound of its forward
+GEMM's mean cost so far, :data:`~mixprec.control._cost.COST_Z` standard errors below the mean
+(:func:`lower_bounds`, device tensors, -inf where fewer than :data:`EARLY_STEPS` steps were
+measured), all-reduced (MAX, as a check takes each rank's window), and promotes the forward
+GEMMs whose bound passes the limit (:func:`early_promotions`): its window starts over on the rung
+above. A cost near the limit waits for the check as before; a cost that rises over a window is
+still the check's to see. On the steps it reads: one all-reduce of a header and one of a float
+per layer (:mod:`~mixprec.control._collective`, the same on every rank, identical decisions), one
+host sync; on other steps nothing. Eager, never traced: a promotion reroutes the layer (a
+recompile, as any switch); the steps between read nothing but device flags.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from mixprec.control._cost import COST_Z
+from mixprec.control._decide import Check, gemm_up, layer_up, switch_gemms, switch_layer
+from mixprec.control._ladder import Decision, LayerRecord
+
+__all__ = ["EARLY_STEPS", "early_promotions", "early_window", "lower_bounds", "promote_early"]
+
+#: the fewest measured steps of a window whose mean cost an early promotion reads (a variance
+#: needs 2; at 3 a bound already lies well under the mean of a noisy cost)
+EARLY_STEPS = 3
+
+
+def early_window(steps: int, every: int, log: Sequence[Decision]) -> bool:
+    """Whether the step after ``steps`` (``steps % every`` of its window) is one an early
+    promotion reads: from the :data:`EARLY_STEPS`-th step of the run's first window, or of a
+    window after one in which a forward GEMM switched (``log``'s decisions, the newest last).
+
+    Example:
+        >>> [s for s in range(1, 25) if early_window(s, 10, [])]
+        [3, 4, 5, 6, 7, 8, 9]
+    """
+    at = steps % every
+    if at == 0 or at < EARLY_STEPS:
+        return False
+    start = steps - at  # this window's check step; the one before starts at start - every
+    if start == 0:
+        return True
+    for d in reversed(log):
+        if d.step <= start - every:
+            break
+        if d.step <= start and d.gemm in (None, "output"):
+            return True
+    return False
+
+
+def lower_bounds(recs: Sequence[LayerRecord]) -> torch.Tensor:
+    """Per record, ``[bound, mean, steps]`` of its forward GEMM's own loss cost in the open window:
+    the mean of its measured steps less :data:`COST_Z` standard errors (-inf with fewer than
+    :data:`EARLY_STEPS` steps, without casts on the forward, or without a cost). Device tensors,
+    no host sync; rows of zeros on the device of the first record with a cost."""
+    rows = []
+    for rec in recs:
+        if rec.cost is None or not rec.forward_low or rec.cost_blind:
+            rows.append(None)
+            continue
+        total, n, squares = rec.cost[0, 3], rec.cost[0, 4], rec.cost[0, 5]
+        mean = total / n.clamp(min=1)
+        variance = ((squares - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0)
+        bound = mean - COST_Z * (variance / n.clamp(min=1)).sqrt()
+        rows.append(torch.stack([torch.where(n >= EARLY_STEPS, bound, -torch.inf), mean, n]))
+    device = next((r.device for r in rows if r is not None), torch.device("cpu"))
+    empty = torch.tensor([-torch.inf, 0.0, 0.0], device=device)
+    return torch.stack([r.to(device) if r is not None else empty for r in rows]) if rows else empty[:0]
+
+
+def early_promotions(at: Check, names: Sequence[str], recs: Sequence[LayerRecord], rows: list[list[float]]
+                     ) -> list[Decision]:
+    """Promote the forward GEMM of each record whose all-reduced :func:`lower_bounds` row passes
+    ``max_loss_cost`` (one rung up: :func:`~mixprec.control._decide.gemm_up`, or the layer's
+    :func:`~mixprec.control._decide.layer_up` for a whole-layer record), its windows started over;
+    returns the decisions (statistic ``loss_cost``, the mean as value)."""
+    limit, out = at.settings.max_loss_cost, []
+    for name, rec, (bound, mean, n) in zip(names, recs, rows):
+        if not bound > limit or not rec.forward_low:
+            continue
+        here = rec.rungs[0]
+        to = gemm_up(at, rec, 0) if at.settings.per_gemm else layer_up(rec)
+        where, gemm = ("output GEMM: ", "output") if at.settings.per_gemm else ("", None)
+        reason = (f"{where}output loss cost {mean:.4g} > {limit:g} (early: {int(n)} steps, "
+                  f"{COST_Z:g} standard errors over)")
+        out.append(Decision(at.steps, name, "output", "promote", at.rung_name(here), at.rung_name(to), "loss_cost",
+                            mean, float(limit), reason, gemm))
+        if at.settings.per_gemm:
+            switch_gemms(at, rec, (0,), to)
+        else:
+            switch_layer(at, rec, to)
+        rec.reset()  # the window starts over on the new rung
+    return out
+
+
+def promote_early(at: Check, names: Sequence[str], recs: Sequence[LayerRecord],
+                  all_reduce_max: Callable[[torch.Tensor], torch.Tensor]) -> list[Decision]:
+    """:func:`early_promotions` of ``recs`` (the layers ``names`` every rank agreed on) from their
+    :func:`lower_bounds` reduced by ``all_reduce_max`` (one collective, one host sync; none without records)."""
+    return early_promotions(at, names, recs, all_reduce_max(lower_bounds(recs)).tolist()) if recs else []

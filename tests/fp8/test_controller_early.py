@@ -1,0 +1,177 @@
+"""Early promotions (``mixprec.control._early``): under ``max_loss_cost``, a forward GEMM whose
+loss cost is :data:`COST_Z` standard errors over the limit is promoted within the first steps of
+a window that measures it on every step, not at the window's check; a cost under the limit
+waits; ranks decide alike, a resumed run and a compiled model as an uninterrupted eager one."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mixprec import Controller, fp8
+from mixprec.control._early import EARLY_STEPS, early_window, lower_bounds
+from mixprec.control._ladder import Decision
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from _distributed import gloo_group, spawn  # noqa: E402
+
+CROSS_ISA = pytest.mark.cross_isa
+LADDER = ("nvfp4", "tensorwise", "compute")
+EVERY = 10
+
+
+def _model() -> nn.Sequential:
+    """A classifier whose logits (layer "2") are sharp: their NVFP4 error costs about 0.005 nats a
+    step, the hidden layer's at most about 0.0014 on any rung (test_controller_loss_cost)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64))
+    with torch.no_grad():
+        model[2].weight.mul_(4)
+    return model
+
+
+def _batch(seed: int = 1, rows: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 32, generator=g)
+    with torch.no_grad():
+        y = (_model()(x) + 0.5 * torch.randn(rows, 64, generator=g)).argmax(-1)
+    return x, y
+
+
+BATCH = _batch()
+#: no promotion on NVFP4's flush; the logits' cost (about 0.005) far over the limit, the hidden layer's under it
+SETTINGS = dict(every=EVERY, ladder=LADDER, per_gemm=True, floor="nvfp4", max_loss_cost=3e-3,
+                fp4_max_underflow=0.5, fp4_demote_underflow=0.4)
+
+
+def _converted(**changes) -> tuple[nn.Module, Controller]:
+    ctl = Controller(**{**SETTINGS, **changes})
+    model = fp8.convert(_model(), "nvfp4", filter_fn=lambda m, n: True, controller=ctl, backend="emulate_fp32")
+    return model, ctl
+
+
+def _train(model, ctl, steps: int, start: int = 0, batch=BATCH, forward=None) -> None:
+    x, y = batch
+    for _ in range(start, steps):
+        F.cross_entropy((forward or model)(x), y).backward()
+        model.zero_grad()
+        ctl.step()
+
+
+def _decision(step: int, gemm: str | None = "output") -> Decision:
+    return Decision(step, "2", "output", "promote", "nvfp4", "fp8-tensorwise", "loss_cost", 1.0, 1.0, "", gemm)
+
+
+def test_the_windows_read_early_are_the_first_and_those_after_a_forward_switch():
+    assert [s for s in range(1, 31) if early_window(s, EVERY, [])] == list(range(EARLY_STEPS, EVERY))
+    for switched, window in ((10, range(13, 20)), (14, range(23, 30))):  # at a check; early in a window
+        assert [s for s in range(11, 31) if early_window(s, EVERY, [_decision(switched)])] == list(window)
+    assert not any(early_window(s, EVERY, [_decision(14, "grad_weight")]) for s in range(11, 31))
+    assert [s for s in range(11, 21) if early_window(s, EVERY, [_decision(8, None)])] == list(range(13, 20))
+
+
+@CROSS_ISA
+@pytest.mark.parametrize("per_gemm", [True, False])
+def test_a_forward_far_over_its_limit_is_promoted_before_the_first_check(per_gemm):
+    """The logits' NVFP4 forward is promoted at the first step its window's mean lies COST_Z
+    standard errors over the limit (the same batch each step: a steady cost), not at step
+    ``every``; the hidden layer's, under the limit, is not. Its window starts over on the rung
+    above. Per GEMM its backward GEMMs keep their rungs; a whole layer moves as one."""
+    model, ctl = _converted(per_gemm=per_gemm)
+    _train(model, ctl, EVERY - 1)
+    (d,) = ctl.log
+    assert (d.step, d.layer, d.gemm, d.action, d.from_, d.to, d.statistic) == (
+        EARLY_STEPS, "2", "output" if per_gemm else None, "promote", "nvfp4", "fp8-tensorwise", "loss_cost")
+    assert d.value > d.threshold == 3e-3 and "early: 3 steps" in d.reason
+    backward = "nvfp4" if per_gemm else "fp8-tensorwise"
+    assert [ctl.precision("2", g) for g in ("output", "grad_input", "grad_weight")] == ["fp8-tensorwise", backward, backward]
+    assert ctl.precision("0") == "nvfp4"
+    # the new rung's window holds only its own steps (no mean of two rungs)
+    assert lower_bounds([ctl._layers["2"]])[0, 2].item() == EVERY - 1 - EARLY_STEPS
+
+
+@CROSS_ISA
+def test_a_noisy_cost_waits_for_more_steps_and_no_cost_no_early_read(monkeypatch):
+    """Batches that change every step: a noisier cost; promoted early only once its bound passes.
+    Without max_loss_cost nothing is read early (no early call at all)."""
+    batches = [_batch(seed, 128) for seed in range(EVERY)]
+    model, ctl = _converted()
+    seen = []
+    for step in range(EVERY):
+        _train(model, ctl, step + 1, step, batches[step])
+        bound, mean, n = lower_bounds([ctl._layers["2"]])[0].tolist()
+        seen.append((ctl.steps, bound, n))
+    early = [d for d in ctl.log if "early" in d.reason]
+    for step, bound, n in seen:
+        if early and step >= early[0].step:
+            break
+        assert n < EARLY_STEPS or bound <= 3e-3  # no early decision before its bound passed
+    import mixprec.control._controller as shell
+
+    calls = []
+    monkeypatch.setattr(shell, "promote_early", lambda *a: calls.append(a) or [])
+    model, ctl = _converted(max_loss_cost=None, max_backward_cost=None)
+    _train(model, ctl, EVERY - 1)
+    assert not calls
+
+
+@CROSS_ISA
+@pytest.mark.parametrize("resume_at", [2, 5, 12])
+def test_a_resumed_run_promotes_early_as_an_uninterrupted_one(resume_at):
+    """The early windows follow the step count and the log, both in the state dict: saved before
+    the early promotion, mid-window after it, and in the window after it (read early too)."""
+    model, ctl = _converted()
+    _train(model, ctl, resume_at)
+    state = json.loads(json.dumps(ctl.state_dict()))
+    _train(model, ctl, 2 * EVERY + 5, resume_at)
+    fresh, resumed = _converted()  # (no optimizer: the weights are the same)
+    resumed.load_state_dict(state)
+    _train(fresh, resumed, 2 * EVERY + 5, resume_at)
+    assert ctl.log[0].step == EARLY_STEPS
+    assert resumed.log == ctl.log and resumed.state_dict() == ctl.state_dict()
+
+
+def test_a_compiled_model_is_promoted_early_as_eager_without_a_recompile_per_step():
+    """Traced code reads the device flags: the same decisions as eager, and compiles only at a
+    switch (the reroute), not at the early reads."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model, ctl = _converted()
+        forward = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        _train(model, ctl, EVERY + 2, forward=forward)
+        runs.append((ctl.log, counters["stats"]["unique_graphs"]))
+    (eager_log, _), (compiled_log, graphs) = runs
+    assert eager_log and eager_log[0].step == EARLY_STEPS and compiled_log == eager_log
+    assert graphs <= 1 + len(compiled_log)  # the first compile, one per switch
+
+
+def _rank_worker(rank: int, port: int, out_dir: str) -> None:
+    """Each rank its own batches; only rank 0's logits are sharp enough to pass the limit early."""
+    with gloo_group(rank, port):
+        model, ctl = _converted()
+        if rank == 1:
+            with torch.no_grad():
+                model[2].weight.div_(4)
+        _train(model, ctl, EVERY + 5, batch=_batch(1 + rank))
+        torch.save({"log": ctl.log, "state": {n: ctl.precision(n, "output") for n in ("0", "2")}},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ranks_promote_early_alike_from_the_all_reduced_bounds(tmp_path):
+    spawn(_rank_worker, str(tmp_path), timeout=300)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert r0 == r1
+    assert r0["log"][0].step == EARLY_STEPS and r0["log"][0].layer == "2" and "early" in r0["log"][0].reason

@@ -123,6 +123,19 @@ class _Shadow:
         self.grad: torch.Tensor | None = None
 
 
+def _emulated_grads(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, recipe: Float8Recipe,
+                    measured: tuple[bool, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The input and weight gradients ``recipe``'s backward GEMMs give for the output gradient
+    ``g`` (emulated in float32), only those ``measured`` (the other GEMM does not run; without the
+    weight gradient its operand is not cast)."""
+    with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
+        xr, wr = x.detach().requires_grad_(measured[0]), w.detach().requires_grad_(measured[1])
+        y = linear(xr, wr, None, recipe, backend="emulate_fp32")
+        wanted = [t for t, m in zip((xr, wr), measured) if m]
+        grads = iter(torch.autograd.grad(y, wanted, g.to(y.dtype)))
+        return tuple(next(grads) if m else None for m in measured)
+
+
 class BackwardCost:
     """One layer's backward-GEMM cost measurements (on its record: ``LayerRecord.backward``).
 
@@ -208,10 +221,7 @@ class BackwardCost:
             if kind == 0 and shadow.tapped:
                 gi, gw = own_gi, own_gw
             else:
-                with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
-                    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
-                    y = linear(xr, wr, None, recipe, backend="emulate_fp32")
-                    gi, gw = torch.autograd.grad(y, (xr, wr), g.to(y.dtype))
+                gi, gw = _emulated_grads(x, w, g, recipe, measured)
             if measured[0] and gi is not None:
                 ref, e = grad_input, gi.reshape(grad_input.shape).float() - grad_input
                 share = e.square().sum() / ref.square().sum().clamp(min=_TINY)

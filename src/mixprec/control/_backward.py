@@ -48,7 +48,7 @@ BACKWARD_GEMMS = ("grad_input", "grad_weight")
 _TINY = 1e-30
 #: how far (a factor) from its limit a backward GEMM's cost lets its cadence measure it in fewer
 #: windows (``_cost.Cadence``): its terms are window means without a per-step variance
-FAR = 4.0
+FAR = 2.0
 
 
 def far_by_factor(cost: float, limit: float) -> bool:
@@ -152,12 +152,18 @@ class BackwardCost:
         self.window = torch.zeros(2, len(BACKWARD_GEMMS), 3, device=device)
         self.gain = torch.zeros(2, device=device)
         self._recipes: list[tuple[int, Float8Recipe, tuple[bool, bool]]] = []
-        self.cadence = Cadence()  # in which windows it is measured (LayerRecord.carry_backward)
+        # per kind (own casts, the rung below's), in which windows it is measured (LayerRecord.carry_backward)
+        self.cadence = [Cadence(), Cadence()]
         # the weight gradient of the last measured step, until the optimizer moved the weight:
         # [gradient, <gradient, weight before>, the weight, its version, the loss scale or None]
         self.pending: list[Any] | None = None
         self._open: _Shadow | None = None  # the tapped forward's operands, until observe() sees its output
         self._direction: torch.Tensor | None = None  # the random direction of the curvature h (seeded)
+
+    @property
+    def due(self) -> bool:
+        """Whether the window under way measures either kind."""
+        return self.cadence[0].due or self.cadence[1].due
 
     @property
     def recipes(self) -> list[tuple[int, Float8Recipe, tuple[bool, bool]]]:
@@ -167,15 +173,16 @@ class BackwardCost:
     def recipes(self, value: list[tuple[int, Float8Recipe, tuple[bool, bool]]]) -> None:
         """(A switch: measured again from the next window on.)"""
         if value != self._recipes:
-            self.cadence.reset()
+            for cadence in self.cadence:
+                cadence.reset()
         self._recipes = value
 
     def tap(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, weight)`` for the layer's GEMM on a measured step: views whose backward hands
         the GEMM's own input and weight gradients to the measurement (no emulated GEMM for the
         own casts); unchanged where the own casts are not measured or no gradient flows."""
-        if not any(kind == 0 for kind, _, _ in self.recipes) or not torch.is_grad_enabled() or not (
-                x.requires_grad or weight.requires_grad):
+        own = any(kind == 0 for kind, _, _ in self.recipes) and self.cadence[0].due
+        if not own or not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
             return x, weight
         shadow = _Shadow(x.detach(), weight.detach(), weight, True)
         self._open = shadow
@@ -218,6 +225,8 @@ class BackwardCost:
                                                   device=wf.device)
             h = fisher(g2, x2, z) / z.square().sum()
         for kind, recipe, measured in self.recipes:
+            if not self.cadence[kind].due:
+                continue
             if kind == 0 and shadow.tapped:
                 gi, gw = own_gi, own_gw
             else:

@@ -263,15 +263,20 @@ class LayerRecord:
 
     def carry_backward(self, back: list[float] | None, settings: ControllerSettings) -> list[float] | None:
         """The backward GEMMs' costs a check's decisions read (``back``: this window's, from
-        ``_backward.peel``): the last measured ones in a window their cadence skipped
-        (``BackwardCost.cadence``; clear where each measured cost lies a factor of
-        :data:`~mixprec.control._backward.FAR` from its limit)."""
+        ``_backward.peel``): per kind (own casts, the rung below's), the last measured ones in a
+        window its cadence skipped (``BackwardCost.cadence``; clear where each measured cost
+        lies a factor of :data:`~mixprec.control._backward.FAR` from its limit)."""
         if back is None or self.backward is None:
             return back
-        measured = any(f > 0 for f in back[4:])
-        limits = (settings.max_backward_cost,) * 2 + (settings.demote_backward,) * 2
-        clear = measured and all(not f > 0 or far_by_factor(c, limit) for c, f, limit in zip(back[:4], back[4:], limits))
-        return self.backward.cadence.checked(list(back), measured, clear)
+        out = list(back)
+        for kind, (cadence, limit) in enumerate(zip(self.backward.cadence,
+                                                    (settings.max_backward_cost, settings.demote_backward))):
+            at = (2 * kind, 2 * kind + 1, 4 + 2 * kind, 5 + 2 * kind)  # its two costs, their two flags
+            measured = back[at[2]] > 0 or back[at[3]] > 0
+            clear = measured and all(not back[f] > 0 or far_by_factor(back[c], limit) for c, f in zip(at[:2], at[2:]))
+            for i, v in zip(at, cadence.checked([back[i] for i in at], measured, clear)):
+                out[i] = v
+        return out
 
     def below_wanted(self, allowed: bool) -> bool:
         """A check's verdict on all that may keep the forward GEMM from coming down but the rung

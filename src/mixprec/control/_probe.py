@@ -52,7 +52,7 @@ class Probe:
         (``rec.backward_now``, eager code): ``x`` and ``weight`` as views that hand the layer's
         own backward results to it (:meth:`~mixprec.control._backward.BackwardCost.tap`); else unchanged."""
         rec = self.rec
-        if (rec.backward is None or not rec.backward_now or not rec.backward.cadence.due or rec.cost_blind
+        if (rec.backward is None or not rec.backward_now or not rec.backward.due or rec.cost_blind
                 or torch.compiler.is_compiling()):
             return x, weight
         return rec.backward.tap(x, weight)
@@ -86,7 +86,7 @@ class Probe:
             if any(wanted):
                 measure_cost(rec, x, weight, bias, out, wanted, kept, tp)
         if rec.backward is not None and not compiling and not rec.cost_blind and weight is not None:
-            rec.backward.observe(x, weight, out, rec.backward_now and rec.backward.cadence.due)
+            rec.backward.observe(x, weight, out, rec.backward_now and rec.backward.due)
         if rec.gemm_windows is not None:
             _measure_gemms(rec, x, weight, out, sample, measuring, gate, tp)
             return result

@@ -71,7 +71,7 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
                                       "cadence": [c.state() for c in rec.cost_cadence], "below": rec.cost_below}
         if rec.backward is not None:  # (its pending gain, a weight-sized gradient, is not kept)
             data["backward_cost"] = [rec.backward.window.tolist(), rec.backward.gain.tolist(),
-                                     rec.backward.cadence.state()]
+                                     [c.state() for c in rec.backward.cadence]]
     return data
 
 
@@ -127,8 +127,8 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
         window, gain, *cadence = data["backward_cost"]
         for target, saved in zip((rec.backward.window, rec.backward.gain), (window, gain)):
             target.copy_(torch.tensor(saved, dtype=torch.float32))
-        if cadence:
-            rec.backward.cadence.load(cadence[0])
+        for target, saved in zip(rec.backward.cadence, cadence[0] if cadence else ()):
+            target.load(saved)
     if "state" in data and "rounding_step" in data:  # (saved before the count was: the model's state_dict's, or 0)
         rec.state.rounding_step = int(data["rounding_step"])
 

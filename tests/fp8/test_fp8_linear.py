@@ -53,6 +53,7 @@ GRID = [
     ((2, 5, 33), 17, torch.bfloat16, torch.bfloat16, True),
     ((6, 32), 16, torch.bfloat16, torch.float32, True),       # bf16 activations, fp32 weights
     ((2, 3, 48), 16, torch.float16, torch.float16, False),
+    ((160, 128), 144, torch.bfloat16, torch.float32, True),  # operands past formats._blocks.fp8_values' size
 ]
 
 

@@ -18,8 +18,10 @@ error is unbiased costs about its curvature term, one whose error takes from the
 (a flush) its first-order term. The input-gradient GEMM's result steers every layer whose
 forward came before this one (the controller's tracking order, a model's forward order): its
 error ``E_x`` in ``R_x`` costs the first-order share ``-<R_x, E_x> / |R_x|**2`` of their gain
-and the curvature share ``|E_x|**2 / |R_x|**2 * eta * h / 2`` (``h``: this layer's curvature
-``Z'HZ / |Z|**2`` along a random direction ``Z``, standing in for theirs).
+and the curvature share ``|E_x|**2 / |R_x|**2 * eta * h / 2`` (``h``: this layer's mean
+curvature over directions, standing in for theirs: ``tr(H) / n = rows * sum_t |g_t|**2 |x_t|**2
+/ n`` for the ``n`` weights, exactly what ``Z'HZ / |Z|**2`` along a random direction ``Z``
+estimates, at the cost of the rows' norms instead of a GEMM).
 
 The terms are measured on shadow steps by an emulated forward and backward of the layer's
 recipe (its own casts, and the rung below's while a GEMM is promoted) on the GEMM's own input,
@@ -55,7 +57,7 @@ def far_by_factor(cost: float, limit: float) -> bool:
     """Whether ``cost`` lies :data:`FAR` times below ``limit`` (a gain: any negative cost) or above it.
 
     Example:
-        >>> far_by_factor(1e-4, 1e-3), far_by_factor(5e-4, 1e-3), far_by_factor(5e-3, 1e-3)
+        >>> far_by_factor(1e-4, 1e-3), far_by_factor(6e-4, 1e-3), far_by_factor(5e-3, 1e-3)
         (True, False, True)
     """
     return cost * FAR <= limit or cost >= limit * FAR
@@ -73,18 +75,32 @@ def cost_ratio(reference: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
     return (reference * (reference - result.float())).sum() / reference.square().sum().clamp(min=_TINY)
 
 
-def fisher(g2: torch.Tensor, x2: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``u'Hu`` for the empirical Fisher ``H`` of a linear layer's weight over the rows of its
-    output gradient ``g2`` and input ``x2`` (``rows * sum_t (g_t' u x_t)**2``)."""
-    pu = ((g2 @ u) * x2).sum(-1)
-    return g2.shape[0] * (pu * pu).sum()
+def mean_curvature(g2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """``tr(H) / n`` for the empirical Fisher ``H`` of a linear layer's ``n`` weights over the rows
+    of its output gradient ``g2`` and input ``x2`` (``rows * sum_t |g_t|**2 |x_t|**2 / n``): the
+    mean of ``u'Hu / |u|**2`` over directions ``u``.
+
+    Example:
+        >>> float(mean_curvature(torch.tensor([[1.0, 1.0]]), torch.tensor([[2.0]])))  # 1 * (2 * 4) / 2
+        4.0
+    """
+    n = g2.shape[1] * x2.shape[1]
+    return g2.shape[0] * (g2.square().sum(-1) * x2.square().sum(-1)).sum() / max(n, 1)
 
 
-def update_terms(g2: torch.Tensor, x2: torch.Tensor, reference: torch.Tensor, result: torch.Tensor
-                 ) -> torch.Tensor:
+def projections(g2: torch.Tensor, x2: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row ``t``, ``g_t' u x_t`` for a weight-sized ``u``: ``u'Hv = rows * sum_t`` of the
+    products of two directions' projections (the empirical Fisher). One GEMM of ``g2`` with ``u``."""
+    return ((g2 @ u) * x2).sum(-1)
+
+
+def update_terms(g2: torch.Tensor, x2: torch.Tensor, reference: torch.Tensor, result: torch.Tensor,
+                 along_reference: torch.Tensor | None = None) -> torch.Tensor:
     """The weight-gradient error's cost terms ``[c1, c2]`` (float32 ``g2``, ``x2``): the cost
     of a step whose gain was ``gain`` is ``gain * c1 + gain**2 * c2`` (module docstring; ``eta =
-    gain / |G|**2``). Two GEMMs of ``g2`` with a weight-sized matrix (``G`` and ``E``).
+    gain / |G|**2``). Two GEMMs of ``g2`` with a weight-sized matrix (``G`` and ``E``), one where
+    the caller gives ``projections(g2, x2, reference)`` (``along_reference``: shared by the
+    results it measures against the same reference).
 
     Example:
         >>> g2, x2 = torch.tensor([[0.5]]), torch.tensor([[2.0]])
@@ -93,7 +109,8 @@ def update_terms(g2: torch.Tensor, x2: torch.Tensor, reference: torch.Tensor, re
     """
     e = result.float() - reference
     gg = reference.square().sum().clamp(min=_TINY)
-    pr, pe = ((g2 @ reference) * x2).sum(-1), ((g2 @ e) * x2).sum(-1)  # (fisher's projections, each once)
+    pr = projections(g2, x2, reference) if along_reference is None else along_reference
+    pe = projections(g2, x2, e)
     rows = g2.shape[0]
     curvature = rows * (pr * pe).sum() + 0.5 * (rows * (pe * pe).sum())
     return torch.stack([cost_ratio(reference, result), curvature / (gg * gg)])
@@ -158,7 +175,6 @@ class BackwardCost:
         # [gradient, <gradient, weight before>, the weight, its version, the loss scale or None]
         self.pending: list[Any] | None = None
         self._open: _Shadow | None = None  # the tapped forward's operands, until observe() sees its output
-        self._direction: torch.Tensor | None = None  # the random direction of the curvature h (seeded)
 
     @property
     def due(self) -> bool:
@@ -213,20 +229,14 @@ class BackwardCost:
         g2, x2, wf = g.reshape(-1, g.shape[-1]).float(), x.reshape(-1, x.shape[-1]).float(), w.float()
         if g2.shape[0] == 0:
             return
-        inputs = any(m[0] for _, _, m in self.recipes)
+        due = [(kind, recipe, measured) for kind, recipe, measured in self.recipes if self.cadence[kind].due]
+        inputs = any(m[0] for _, _, m in due)
         grad_input = g2 @ wf if inputs else None
         grad_weight = g2.t() @ x2
         gg = grad_weight.square().sum().clamp(min=_TINY)
-        h = None
-        if inputs:  # the curvature along a random direction (seeded: the same direction on every step)
-            z = self._direction
-            if z is None or z.shape != wf.shape or z.device != wf.device:
-                z = self._direction = torch.randn(wf.shape, generator=torch.Generator(wf.device).manual_seed(0),
-                                                  device=wf.device)
-            h = fisher(g2, x2, z) / z.square().sum()
-        for kind, recipe, measured in self.recipes:
-            if not self.cadence[kind].due:
-                continue
+        h = mean_curvature(g2, x2) if inputs else None
+        along = projections(g2, x2, grad_weight) if any(m[1] for _, _, m in due) else None
+        for kind, recipe, measured in due:
             if kind == 0 and shadow.tapped:
                 gi, gw = own_gi, own_gw
             else:
@@ -234,9 +244,9 @@ class BackwardCost:
             if measured[0] and gi is not None:
                 ref, e = grad_input, gi.reshape(grad_input.shape).float() - grad_input
                 share = e.square().sum() / ref.square().sum().clamp(min=_TINY)
-                self.window[kind, 0] += torch.stack([cost_ratio(ref, ref + e), share * h / (2 * gg), torch.ones(())])
+                self.window[kind, 0] += torch.stack([cost_ratio(ref, ref + e), share * h / (2 * gg), gg.new_ones(())])
             if measured[1] and gw is not None:
-                self.window[kind, 1] += torch.cat([update_terms(g2, x2, grad_weight, gw), torch.ones(1)])
+                self.window[kind, 1] += torch.cat([update_terms(g2, x2, grad_weight, gw, along), gg.new_ones(1)])
         p = self.pending
         if p is not None and p[2] is weight and p[3] == weight._version and p[4] is None:  # another micro-batch
             p[0] += grad_weight

@@ -26,11 +26,36 @@ import torch.nn.functional as F
 from mixprec.formats._accumulate import tensor_core_mm
 from mixprec.formats._recipe import Cast
 
-__all__ = ["quantize", "dequantize", "per_block", "gemm_dtype", "block_gemm", "amax_to_scale", "E8M0_BIAS", "EPS"]
+__all__ = ["quantize", "dequantize", "fp8_values", "per_block", "gemm_dtype", "block_gemm", "amax_to_scale", "E8M0_BIAS", "EPS"]
 
 E8M0_BIAS = 127
 #: the smallest amax a float32 scale is computed from (torchao's ``EPS``).
 EPS = 1e-12
+#: e4m3 tensors of at least this many elements convert on CPU through float16's bits (:func:`fp8_values`)
+_BITS_CONVERSION = 1 << 14
+
+
+def fp8_values(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q.to(dtype)`` for an fp8 ``q``, bitwise. PyTorch converts e4m3 to float32 on CPU one
+    element at a time (about 3 ns each, 5x its e5m2 conversion): a large e4m3 tensor on CPU is
+    converted instead through float16's bits (its 7 low bits become float16's exponent and
+    mantissa, exact for normal and subnormal codes alike, times 2**8; the NaN codes set
+    float16's exponent), vectorized, 3x faster. Other devices, dtypes and sizes: ``q.to(dtype)``.
+
+    Example:
+        >>> codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).repeat(64)
+        >>> torch.equal(fp8_values(codes).nan_to_num(7.0), codes.float().nan_to_num(7.0))
+        True
+    """
+    if q.dtype != torch.float8_e4m3fn or q.device.type != "cpu" or q.numel() < _BITS_CONVERSION \
+            or dtype not in (torch.float32, torch.bfloat16):
+        return q.to(dtype)
+    b = q.view(torch.uint8).to(torch.int16)
+    low = b & 0x7F
+    # float16 bits: sign, then e4m3's exponent and mantissa shifted into float16's; 0x7F (NaN): exponent all ones
+    bits = (low << 7) | ((low + 1) >> 7) * 0x7E00 | ((b & 0x80) << 8)
+    out = bits.view(torch.float16).float().mul_(256.0)
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
@@ -121,7 +146,7 @@ def quantize(x2: torch.Tensor, cast: Cast, pow2: bool
 def dequantize(q: torch.Tensor, deq: torch.Tensor, cast: Cast, dtype: torch.dtype) -> torch.Tensor:
     """``q`` (2-D, as :func:`quantize` returned it) times its blocks' ``deq``, in ``dtype``."""
     rows, cols = cast.block
-    qb = _blocked(q.to(dtype), rows, cols)
+    qb = _blocked(fp8_values(q, dtype), rows, cols)
     return _unblocked(qb * per_block(deq.to(dtype)), q.shape)
 
 

@@ -13,7 +13,7 @@ import math
 import torch
 
 from mixprec.formats._accumulate import tensor_core_mm
-from mixprec.formats._blocks import EPS, amax_to_scale, quantize
+from mixprec.formats._blocks import EPS, amax_to_scale, fp8_values, quantize
 from mixprec.formats._recipe import Cast
 
 __all__ = ["EPS", "cast_to_fp8", "cast_stats", "gemm", "STAT_NAMES"]
@@ -93,9 +93,9 @@ def gemm(a: torch.Tensor, sa: torch.Tensor | None, b: torch.Tensor, sb: torch.Te
     if sa is None or sb is None:
         return torch.mm(a, b)
     if backend == "emulate_tc":
-        return tensor_core_mm(a.float() / sa, b.float() / sb).to(out_dtype)
+        return tensor_core_mm(fp8_values(a) / sa, fp8_values(b) / sb).to(out_dtype)
     if backend in ("emulate", "emulate_fp32"):  # both in float32
-        return torch.mm(a.float() / sa, b.float() / sb).to(out_dtype)
+        return torch.mm(fp8_values(a) / sa, fp8_values(b) / sb).to(out_dtype)
     return _scaled_mm(a, sa, b, sb, out_dtype, fast_accum)
 
 

@@ -20,6 +20,11 @@ step against the same model's step without it, at four model sizes and on the de
   beside it) and the least and greatest window's, of wall time and of the thread's CPU time
   (``time.thread_time``: one thread, so the work itself, which a machine shared with other
   jobs stretches less than the wall clock).
+* The fp4 Controller's figure splits in two: a third model, the Controller's choices at the
+  end of the warm-up run fixed without it (:func:`frozen`: each layer's recipe per GEMM, as
+  ``Policy.fp8(recipes=...)``), timed in the same rounds. Controlled / frozen is what the
+  measurements cost; frozen / all-fp4 is what the precisions it chose cost (on CPU an emulated
+  fp8 or bf16 GEMM can be cheaper than an emulated NVFP4 one; on a GPU with fp4 GEMMs, dearer).
 * Model sizes: the demo's ``TransformerLM`` with 2 blocks of width 64, 128, 256, 384 (sequences
   of 64 tokens, batches of 8): what the controller costs should stay flat as the model grows.
   Headlines: the demo's ``tiny`` and ``small`` presets.
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import statistics
 import subprocess
 import sys
@@ -45,11 +51,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._machine import machine  # noqa: E402
+import mixprec  # noqa: E402
 from mixprec.control._measure import measure  # noqa: E402
 from mixprec.demo.alternate import pair_ratio  # noqa: E402
 from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch  # noqa: E402
 from mixprec.demo.model import ModelConfig, TransformerLM, lm_loss  # noqa: E402
-from mixprec.demo.modes import FP8_EVERY, MODES, Setup  # noqa: E402
+from mixprec.demo.modes import FP4_BACKEND, FP8_EVERY, MODES, Setup, _adamw  # noqa: E402
 from mixprec.demo.settings import Settings  # noqa: E402
 from mixprec.formats._fp4 import quantize  # noqa: E402
 from mixprec.formats._recipe import Cast  # noqa: E402
@@ -95,22 +102,42 @@ def _setup(mode: str, model: torch.nn.Module, settings: Settings) -> Setup:
     return MODES[mode].setup(model, settings, torch.device("cpu"))
 
 
-def _stepper(mode: str, settings: Settings) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """One training step of a fresh model in ``mode`` (as ``mixprec.demo.train`` takes it)."""
+def _stepper(mode: str, settings: Settings) -> tuple[Callable[[torch.Tensor, torch.Tensor], None], Setup]:
+    """One training step of a fresh model in ``mode`` (as ``mixprec.demo.train`` takes it), and its setup."""
     torch.manual_seed(settings.seed)
     model = TransformerLM(settings.model)
     setup = _setup(mode, model, settings)
+    return _step_of(setup), setup
 
+
+def _step_of(setup: Setup) -> Callable[[torch.Tensor, torch.Tensor], None]:
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         setup.optimizer.zero_grad(set_to_none=True)
         with setup.autocast():
-            loss = lm_loss(model(x), y)
+            loss = lm_loss(setup.model(x), y)
         loss.backward()
         setup.optimizer.step()
         if setup.fp8_controller is not None:
             setup.fp8_controller.step()
 
     return step
+
+
+def frozen(setup: Setup, settings: Settings) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """A training step of a copy of ``setup``'s model (its weights, a fresh AdamW) whose layers
+    run the recipes its Controller chose so far, fixed, with no Controller: the same GEMM
+    precisions without the measurements (a layer whose three GEMMs are on the compute rung runs
+    in the compute dtype)."""
+    ctl, model = setup.fp8_controller, setup.model
+    copy = TransformerLM(settings.model)
+    copy.load_state_dict({k: v for k, v in model.state_dict().items() if k in copy.state_dict()})
+    states = {name: rec.state for name, rec in ctl._layers.items()}
+    recipes = {name: st.recipe for name, st in states.items() if not st.fallback and st.recipe is not None}
+    names = "^(?:" + "|".join(re.escape(n) for n in recipes) + ")$"
+    policy = mixprec.Policy.parse("compute=bf16").fp8(setup.fp8_recipe, names=names, first_last="fp8",
+                                                     backend=FP4_BACKEND, recipes=recipes)
+    fixed = Setup(copy, _adamw(copy.parameters(), settings), lambda: mixprec.autocast("cpu", policy=policy))
+    return _step_of(fixed)
 
 
 def steady_pair(pair: str, settings: Settings, train: torch.Tensor, windows: int, budget_s: float,
@@ -120,28 +147,39 @@ def steady_pair(pair: str, settings: Settings, train: torch.Tensor, windows: int
     ``budget_s`` seconds), one step of each model in turn, the order alternating. Returns the
     ratio of the two models' summed times (``ratio``, CPU time under ``cpu``; ``low``/``high``:
     the least and greatest window's), and under ``step`` the median per-step ratio: the typical
-    step, which does not see the few steps of each window that measure more."""
+    step, which does not see the few steps of each window that measure more. The fp4 pair is
+    timed against a third model too (:func:`frozen`: the Controller's choices at the end of the
+    warm-up, without it): ``frozen["overhead"]`` (controlled / frozen, CPU time) is what the
+    measurements cost, ``frozen["mix"]`` (frozen / reference) what the precisions it chose cost."""
     mode, reference = PAIRS[pair]
     steps_n = warm + windows * FP8_EVERY
     offsets = batch_offsets(len(train), steps_n, settings.batch_size, settings.model.seq_len, settings.seed)
     batches = [make_batch(train, o, settings.model.seq_len, torch.device("cpu")) for o in offsets]
-    steps = {mode: _stepper(mode, settings), reference: _stepper(reference, settings)}
+    (step, setup), (ref_step, _) = _stepper(mode, settings), _stepper(reference, settings)
+    steps = {mode: step, reference: ref_step}
     for x, y in batches[:warm]:
         for step in steps.values():
             step(x, y)
-    times: dict[str, list[float]] = {mode: [], reference: []}
-    cpu: dict[str, list[float]] = {mode: [], reference: []}
+    if pair == "fp4":
+        steps["frozen"] = frozen(setup, settings)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+    names = list(steps)
     start = time.perf_counter()
     for round_, (x, y) in enumerate(batches[warm:]):
-        for name in ((mode, reference) if round_ % 2 == 0 else (reference, mode)):
+        for name in (names if round_ % 2 == 0 else names[::-1]):
             begin, begin_cpu = time.perf_counter(), time.thread_time()
             steps[name](x, y)
             times[name].append(time.perf_counter() - begin)
             cpu[name].append(time.thread_time() - begin_cpu)
         if (round_ + 1) % FP8_EVERY == 0 and time.perf_counter() - start > budget_s:
             break
-    return {**window_ratio(times[mode], times[reference]), "cpu": window_ratio(cpu[mode], cpu[reference]),
-            "step": pair_ratio(cpu[mode], cpu[reference])}
+    out = {**window_ratio(times[mode], times[reference]), "cpu": window_ratio(cpu[mode], cpu[reference]),
+           "step": pair_ratio(cpu[mode], cpu[reference])}
+    if "frozen" in cpu:
+        out["frozen"] = {"overhead": window_ratio(cpu[mode], cpu["frozen"])["ratio"],
+                         "mix": window_ratio(cpu["frozen"], cpu[reference])["ratio"]}
+    return out
 
 
 def window_ratio(mode_s: list[float], reference_s: list[float], every: int = FP8_EVERY) -> dict[str, Any]:
@@ -178,9 +216,12 @@ def cpu_flags() -> str:
 
 def _line(label: str, r: dict[str, Any]) -> str:
     c, step = r["cpu"], r["step"]
+    fixed = r.get("frozen")
+    split = "" if fixed is None else (f"; against its choices without it {fixed['overhead']:.3f}x (measurements), "
+                                      f"those choices {fixed['mix']:.3f}x (precisions)")
     return (f"{label}: CPU time {c['ratio']:.3f}x (windows {c['low']:.3f}-{c['high']:.3f}), wall {r['ratio']:.3f}x; "
             f"median step {step['ratio']:.3f}x; {c['windows']} windows, {c['reference_s'] * 1e3:.0f} ms CPU per "
-            f"reference step")
+            f"reference step{split}")
 
 
 def main() -> None:

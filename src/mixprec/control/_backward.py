@@ -193,20 +193,22 @@ class BackwardCost:
                 cadence.reset()
         self._recipes = value
 
-    def tap(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tap(self, x: torch.Tensor, weight: torch.Tensor, timed: Callable[[Callable], Callable] = lambda fn: fn
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, weight)`` for the layer's GEMM on a measured step: views whose backward hands
         the GEMM's own input and weight gradients to the measurement (no emulated GEMM for the
-        own casts); unchanged where the own casts are not measured or no gradient flows."""
+        own casts, ``timed``); unchanged where the own casts are not measured or no gradient flows."""
         own = any(kind == 0 for kind, _, _ in self.recipes) and self.cadence[0].due
         if not own or not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
             return x, weight
         shadow = _Shadow(x.detach(), weight.detach(), weight, True)
         self._open = shadow
-        return _Tap.apply(x, weight, lambda gx, gw: self._measure(shadow, gx, gw))
+        return _Tap.apply(x, weight, timed(lambda gx, gw: self._measure(shadow, gx, gw)))
 
-    def observe(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, measuring: bool) -> None:
+    def observe(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, measuring: bool,
+                timed: Callable[[Callable], Callable] = lambda fn: fn) -> None:
         """A forward of the layer: count the gain of the update since the last measured backward
-        (once the weight moved) and, on a measured step, measure this forward's backward."""
+        (once the weight moved) and, on a measured step, measure this forward's backward (its hook ``timed``)."""
         p = self.pending
         if p is not None and p[4] is not None and weight._version != p[3]:
             moved = (p[0] * weight.detach().float()).sum() - p[1]
@@ -215,7 +217,7 @@ class BackwardCost:
         shadow, self._open = self._open, None
         if measuring and out.requires_grad:
             shadow = shadow or _Shadow(x.detach(), weight.detach(), weight, False)
-            out.register_hook(lambda grad: self._output_grad(shadow, grad))
+            out.register_hook(timed(lambda grad: self._output_grad(shadow, grad)))
 
     def _output_grad(self, shadow: _Shadow, grad: torch.Tensor) -> None:
         shadow.grad = grad.detach()

@@ -200,7 +200,7 @@ class Controller(Shell):
         self._apply(rec)
 
     def _probe(self, rec: LayerRecord) -> None:
-        rec.probe = Probe(rec, self.settings.sample, self._measuring)
+        rec.probe = Probe(rec, self.settings.sample, self._measuring, self._clock)
 
     def _apply(self, rec: LayerRecord) -> None:
         """Route the layer for its rungs (``_decide.apply_layer``/``apply_gemms``; traced code reads it: a switch recompiles)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,17 +35,17 @@ MAX_PERIOD = 8
 
 def measure_cost(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  out: torch.Tensor, wanted: tuple[bool, bool] = (True, True), gate: torch.Tensor | None = None,
-                 tp: Any = None) -> None:
+                 tp: Any = None, timed: Callable[[Callable], Callable] = lambda fn: fn) -> None:
     """Keep the forward GEMM's output errors (:func:`output_errors`, the rows ``wanted``) until
     the backward hook that meets them with the output's gradient (:func:`_accumulate_cost`;
     ``gate``, a device flag per row: the sums keep a row only where it is set). ``tp``: the
     layer's tensor-parallel sharding (``x``, ``weight``, ``out`` its local shards): the cost is
     the whole layer's, as one process measures it (each rank's output rows' ``g . e`` summed over
-    the group: one all-reduce of a float per output row in the backward)."""
+    the group: one all-reduce of a float per output row in the backward). The hook is ``timed``."""
     errors = output_errors(rec, x, weight, bias, out, wanted, tp)
     if errors:
         buf = rec.cost
-        out.register_hook(lambda grad: _accumulate_cost(buf, errors, grad, gate, tp))
+        out.register_hook(timed(lambda grad: _accumulate_cost(buf, errors, grad, gate, tp)))
 
 
 def output_errors(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

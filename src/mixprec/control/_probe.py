@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -17,6 +17,7 @@ from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT
 from mixprec.control._cost import measure_cost
 from mixprec.control._ladder import GEMMS, LayerRecord
 from mixprec.control._measure import abs_max, measure, record_range
+from mixprec.control._records import CheckClock
 
 __all__ = ["Probe"]
 
@@ -33,9 +34,10 @@ class Probe:
     sample of about ``sample`` elements per operand. A copy or a pickle of the model (``copy.deepcopy``) drops it: the copy runs its
     rung without measurements."""
 
-    def __init__(self, rec: LayerRecord, sample: int, measuring: bool = False) -> None:
-        """(``measuring``: whether the step under way feeds the shadows, written to the record.)"""
-        self.rec, self.sample = rec, sample  # ``sample``: the elements measured per operand
+    def __init__(self, rec: LayerRecord, sample: int, measuring: bool = False, clock: CheckClock | None = None) -> None:
+        """(``measuring``: whether the step under way feeds the shadows, written to the record;
+        ``clock``: the controller's, which adds up the measurements' host seconds.)"""
+        self.rec, self.sample, self.clock = rec, sample, clock  # ``sample``: the elements measured per operand
         rec.measuring.fill_(measuring)
         rec.measuring_now = measuring
         self.fp32 = False  # the fp32 rung: fp8.linear's fallback runs the GEMM in float32
@@ -47,6 +49,13 @@ class Probe:
     def __reduce__(self) -> tuple:
         return type(None), ()
 
+    def timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` timed by the controller's clock (:meth:`~mixprec.control._records.CheckClock.timed`);
+        traced code is not timed (a host clock in a graph would break it)."""
+        if self.clock is None or torch.compiler.is_compiling():
+            return fn
+        return self.clock.timed(fn)
+
     def tap(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Before the GEMM, on the step that measures the backward GEMMs' loss cost
         (``rec.backward_now``, eager code): ``x`` and ``weight`` as views that hand the layer's
@@ -55,14 +64,19 @@ class Probe:
         if (rec.backward is None or not rec.backward_now or not rec.backward.due or rec.cost_blind
                 or torch.compiler.is_compiling()):
             return x, weight
-        return rec.backward.tap(x, weight)
+        return self.timed(rec.backward.tap)(x, weight, self.timed)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
                  bias: torch.Tensor | None = None, tp: Any = None) -> torch.Tensor:
         """Measure ``x`` (the GEMM's input, in its dtype), ``weight`` (``(out, in)``; None: not
         measured), ``out`` and (the loss cost) ``bias``; returns ``out``. ``tp``: the layer's
         tensor-parallel sharding (its local shards given): the casts are measured as one process
-        measures the whole operands (:func:`~mixprec.formats._tensor_parallel.probe_operand`)."""
+        measures the whole operands (:func:`~mixprec.formats._tensor_parallel.probe_operand`).
+        Its host seconds and its gradient hooks' go to the controller's clock (eager code)."""
+        return self.timed(self._probe)(x, weight, out, bias, tp)
+
+    def _probe(self, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor, bias: torch.Tensor | None,
+               tp: Any) -> torch.Tensor:
         rec, sample = self.rec, self.sample
         # Traced code reads no Python state that changes between rung switches (each read is a
         # guard, each change a recompile): the compute dtype goes to the probe, taken by the
@@ -84,11 +98,11 @@ class Probe:
             # traced: both rows on every step, kept where the device flags say (no guard on the plan)
             wanted, kept = ((True, True), rec.cost_gate) if compiling else (rec.cost_now, None)
             if any(wanted):
-                measure_cost(rec, x, weight, bias, out, wanted, kept, tp)
+                measure_cost(rec, x, weight, bias, out, wanted, kept, tp, self.timed)
         if rec.backward is not None and not compiling and not rec.cost_blind and weight is not None:
-            rec.backward.observe(x, weight, out, rec.backward_now and rec.backward.due)
+            rec.backward.observe(x, weight, out, rec.backward_now and rec.backward.due, self.timed)
         if rec.gemm_windows is not None:
-            _measure_gemms(rec, x, weight, out, sample, measuring, gate, tp)
+            _measure_gemms(rec, x, weight, out, sample, measuring, gate, tp, self.timed)
             return result
         below = rec.below
         if below is None or not measuring:
@@ -98,8 +112,8 @@ class Probe:
             _measure(rec.shadow, WEIGHT, weight.detach(), "nk", below.weight, below.pow2_scales, sample, gate, tp)
         if out.requires_grad:
             buf = rec.shadow
-            out.register_hook(lambda g: _measure(buf, GRAD_OUTPUT, g, "mn", below.grad_output, below.pow2_scales,
-                                                 sample, gate, tp))
+            out.register_hook(self.timed(lambda g: _measure(buf, GRAD_OUTPUT, g, "mn", below.grad_output,
+                                                            below.pow2_scales, sample, gate, tp)))
         return result
 
 
@@ -130,10 +144,12 @@ def _note_shard_cost(rec: LayerRecord) -> None:
 
 
 def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
-                   sample: int, shadow: bool, gate: torch.Tensor | None = None, tp: Any = None) -> None:
+                   sample: int, shadow: bool, gate: torch.Tensor | None = None, tp: Any = None,
+                   timed: Callable[[Callable], Callable] = lambda fn: fn) -> None:
     """Per GEMM, the statistics of its own casts and of the rung below's, on ``shadow`` steps
     (under ``gate``, a device flag: measured on every step, kept where it is set), each operand
-    as that GEMM reads it (its contracted dimension last; under ``tp``, the whole operand's: :func:`_measure`)."""
+    as that GEMM reads it (its contracted dimension last; under ``tp``, the whole operand's: :func:`_measure`);
+    the gradient hook ``timed``."""
     if not shadow:
         return
     x2 = x.detach().reshape(-1, x.shape[-1])
@@ -155,7 +171,7 @@ def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | Non
             if gemm != "output":
                 backward.append((rec.gemm_windows[kind, g], gemm, casts, kept))
     if backward and out.requires_grad:
-        out.register_hook(lambda grad: _measure_grad(backward, grad, sample, tp))
+        out.register_hook(timed(lambda grad: _measure_grad(backward, grad, sample, tp)))
 
 
 def _measure_grad(where: list, grad: torch.Tensor, sample: int, tp: Any = None) -> None:

@@ -78,6 +78,7 @@ class Check:
 _NCOL = len(STAT_NAMES)
 _UNDERFLOW, _NONFINITE = STAT_NAMES.index("underflow"), STAT_NAMES.index("nonfinite")
 _RANGE = ("input", "output")
+_NO_DATA = [0.0] * _NCOL  # a cast's statistics not measured in a window (amax 0: no evidence)
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 
 
@@ -350,14 +351,27 @@ def decide_gemms(at: Check, name: str, rec: LayerRecord, row: list[float], cost:
     range_ok = not fp16 or (ranges[1] > 0 and all(
         grow(a, rec.trends[f"range_{r}"].rise(ahead, windows)) <= at.settings.demote_range * _FP16_MAX
         for r, a in zip(_RANGE, ranges)))
+    layer = {op: row[i * _NCOL:(i + 1) * _NCOL] for i, op in enumerate(OPERANDS)}  # LayerState's: every step, whole
     out = []
     for g, gemm in enumerate(GEMMS):
         d = _decide_gemm(at, rec, g, gemm, [stats(0, g, s) for s in (0, 1)], [stats(1, g, s) for s in (0, 1)],
                          fit, windows, ahead, decision, range_ok, cost if gemm == "output" else None,
-                         None if backward is None or g == 0 else backward[g - 1::2])
+                         None if backward is None or g == 0 else backward[g - 1::2], layer)
         if d is not None:
             out.append(d)
     return out
+
+
+def stats_read(back: list[float] | None) -> tuple[bool, bool]:
+    """Whether the next window's check reads a GEMM's own casts' statistics and the rung below's,
+    from this check's backward costs of it (``back``: own, below, whether each was measured;
+    None: none, the forward GEMM): not where a measured cost decides instead of the flush.
+
+    Example:
+        >>> stats_read(None), stats_read([2e-5, 0.0, 1.0, 0.0])
+        ((True, True), (False, True))
+    """
+    return (back is None or not back[2] > 0), (back is None or not back[3] > 0)
 
 
 def _may_demote(at: Check, clean: int, switches: list[int], to_fp4: bool) -> bool:
@@ -373,11 +387,16 @@ def _may_demote(at: Check, clean: int, switches: list[int], to_fp4: bool) -> boo
 
 def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shadow: list, fit: tuple,
                  windows: int, ahead: int, decision: Any, range_ok: bool, cost: list[float] | None,
-                 back: list[float] | None = None) -> Decision | None:
+                 back: list[float] | None = None, layer: dict[str, list[float]] | None = None) -> Decision | None:
     """One GEMM's switch (applied to ``rec``), or None: the layer's rule on this GEMM's two
     operands (and, the forward GEMM's, on its loss cost); a backward GEMM whose loss cost was
     measured (``back``: own, below, whether each was measured) is judged by it instead of its
-    operands' flush."""
+    operands' flush, and the next window does not measure those casts (:func:`stats_read`): a
+    non-finite operand is then read from the layer's own statistics (``layer``: LayerState's
+    rows, every step's casts)."""
+    read = (rec.stats_read[0][g], rec.stats_read[1][g])  # what this window measured (eager code: only those)
+    own, shadow = (own if read[0] else [_NO_DATA] * 2), (shadow if read[1] else [_NO_DATA] * 2)
+    rec.stats_read[0][g], rec.stats_read[1][g] = stats_read(back)
     ladder, rung = at.settings.ladder, rec.rungs[g]
     on_low = ladder[rung] in LOW_RUNGS
     down = gemm_down(at, rec, g)
@@ -388,9 +407,9 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
     for op, st in zip(ops, measured or []):
         rec.trends[f"{gemm}.{op}"].update(log2(st[0]), *fit)
     for op, own_st, shadow_st in zip(ops, own, shadow):
-        if on_low:
+        if on_low and read[0]:
             rec.trends[f"{gemm}.underflow_{op}"].update(own_st[_UNDERFLOW], *fit)
-        if has_shadow:
+        if has_shadow and read[1]:
             rec.trends[f"{gemm}.shadow_{op}"].update(shadow_st[_UNDERFLOW], *fit)
 
     def underflow(op: str, u: float, key: str, at: int) -> float:
@@ -400,7 +419,7 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
     if on_low:
         compute = ladder.index("compute")
         if at.settings.max_nonfinite is not None:
-            for op, st in zip(ops, own):
+            for op, st in zip(ops, own if read[0] or layer is None else [layer[op] for op in ops]):
                 if st[_NONFINITE] > at.settings.max_nonfinite:
                     d = decision(gemm, op, "promote", rung, compute, "nonfinite", st[_NONFINITE], at.settings.max_nonfinite,
                                  ">")

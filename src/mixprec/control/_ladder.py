@@ -184,6 +184,10 @@ class LayerRecord:
         # per GEMM, the casts its current rung measures (per-GEMM) and the rung below's (its shadow)
         self.own: list[GemmCasts | None] = [None] * len(GEMMS)
         self.below_gemm: list[GemmCasts | None] = [None] * len(GEMMS)
+        # per kind (own casts, the rung below's) and GEMM, whether this window's check reads the
+        # GEMM's cast statistics (eager code measures them only then): not where a backward GEMM's
+        # measured loss cost decides it (_decide.stats_read)
+        self.stats_read = [[True] * len(GEMMS), [True] * len(GEMMS)]
         self.below: Float8Recipe | None = None  # the rung below, while it may go there: its shadow's casts
         # the loss cost of the forward GEMM's error (Controller.max_loss_cost): its own casts' and,
         # while its forward may go down, the recipe below's (``forward_below``)

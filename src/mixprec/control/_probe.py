@@ -16,7 +16,7 @@ from mixprec.formats._tensor_parallel import probe_operand
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT
 from mixprec.control._cost import measure_cost
 from mixprec.control._ladder import GEMMS, LayerRecord
-from mixprec.control._measure import abs_max, measure, record_range
+from mixprec.control._measure import abs_max, measure, record, record_range, sampled_cast
 from mixprec.control._records import CheckClock
 
 __all__ = ["Probe"]
@@ -118,14 +118,31 @@ class Probe:
 
 
 def _measure(window: torch.Tensor, operand: int, t: torch.Tensor, has: str, cast: Cast, pow2: bool, sample: int,
-             gate: torch.Tensor | None, tp: Any, hadamard_seed: int | None = None, amax: torch.Tensor | None = None
-             ) -> None:
+             gate: torch.Tensor | None, tp: Any, hadamard_seed: int | None = None, amax: torch.Tensor | None = None,
+             shared: dict | None = None, tag: str = "") -> None:
     """:func:`measure` of ``t`` (layer dimensions ``has``); under tensor parallelism ``tp``, of
-    the whole operand as one process measures it (:func:`probe_operand`)."""
+    the whole operand as one process measures it (:func:`probe_operand`). ``shared``: the
+    sampled casts of this forward so far, by operand ``tag`` (``"x"``, ``"w"``): a square 2-D
+    block cast of an operand and of its transpose measure alike (:func:`sampled_cast`), so the
+    weight's NVFP4 16x16 cast is sampled and cast once for the forward and the input-gradient GEMM."""
     if tp is not None:
         t, whole = probe_operand(tp, t, has, cast, sample)
         amax = amax if whole is None else whole
-    measure(window, operand, t, cast, pow2, sample, hadamard_seed, gate, amax)
+        measure(window, operand, t, cast, pow2, sample, hadamard_seed, gate, amax)
+        return
+    key = (tag, cast, pow2) if shared is not None and tag and hadamard_seed is None and _square(cast) else None
+    cast_sample = shared.get(key) if key is not None else None
+    if cast_sample is None:
+        cast_sample = sampled_cast(t, cast, pow2, sample, hadamard_seed, amax)
+        if key is not None:
+            shared[key] = cast_sample
+    if cast_sample is not None:
+        record(window, operand, cast_sample, gate)
+
+
+def _square(cast: Cast) -> bool:
+    """Whether ``cast`` has square 2-D blocks (a cast of the transpose is the transpose of the cast)."""
+    return cast.block is not None and cast.block[0] > 1 and cast.block[0] == cast.block[1]
 
 
 _SHARD_NOTED: weakref.WeakSet = weakref.WeakSet()
@@ -147,7 +164,8 @@ def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | Non
                    sample: int, shadow: bool, gate: torch.Tensor | None = None, tp: Any = None,
                    timed: Callable[[Callable], Callable] = lambda fn: fn) -> None:
     """Per GEMM, the statistics of its own casts and of the rung below's, on ``shadow`` steps
-    (under ``gate``, a device flag: measured on every step, kept where it is set), each operand
+    (under ``gate``, a device flag: measured on every step, kept where it is set), in eager code
+    only those the next check reads (``rec.stats_read``), each operand
     as that GEMM reads it (its contracted dimension last; under ``tp``, the whole operand's: :func:`_measure`);
     the gradient hook ``timed``."""
     if not shadow:
@@ -156,18 +174,20 @@ def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | Non
     w = weight.detach() if weight is not None else None
     # each operand is read by two GEMMs: one pass for its amax (none on an empty batch: not measured)
     amax_x, amax_w = (None if t is None or t.numel() == 0 else abs_max(t) for t in (x2, w))
-    reads = {"output": ((x2, amax_x, "mk"), (w, amax_w, "nk")),
-             "grad_input": (None, None if w is None else (w.t(), amax_w, "kn")), "grad_weight": (None, (x2.t(), amax_x, "km"))}
-    backward = []
+    reads = {"output": ((x2, amax_x, "mk", "x"), (w, amax_w, "nk", "w")),
+             "grad_input": (None, None if w is None else (w.t(), amax_w, "kn", "w")),
+             "grad_weight": (None, (x2.t(), amax_x, "km", "x"))}
+    backward, shared = [], {}
+    compiling = torch.compiler.is_compiling()  # (traced code measures all: no guard on the flags, the check skips them)
     for g, gemm in enumerate(GEMMS):
         for kind, casts in ((0, rec.own[g]), (1, rec.below_gemm[g])):
-            if casts is None:
+            if casts is None or not (compiling or rec.stats_read[kind][g]):
                 continue
             kept = gate
             for side, (operand, cast) in enumerate(zip(reads[gemm], (casts.left, casts.right))):
                 if operand is not None:
                     _measure(rec.gemm_windows[kind, g], side, operand[0], operand[2], cast, casts.pow2, sample, kept,
-                             tp, casts.hadamard_seed, operand[1])
+                             tp, casts.hadamard_seed, operand[1], shared, operand[3])
             if gemm != "output":
                 backward.append((rec.gemm_windows[kind, g], gemm, casts, kept))
     if backward and out.requires_grad:

@@ -1,0 +1,105 @@
+"""A per-GEMM Controller measures only the cast statistics a check reads (issue 39): a backward
+GEMM its measured loss cost decides (``max_backward_cost``) is not judged by its operands' flush,
+so the probe does not cast samples of them; a non-finite operand still promotes it (read from the
+layer's own statistics, every step); the flags resume with the controller's state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mixprec
+
+LADDER = ("nvfp4", "tensorwise", "rowwise", "compute")
+SETTINGS = dict(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=2e-3)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
+
+
+def _run(ctl: mixprec.Controller, model: nn.Module, steps: range, poison: int | None = None) -> None:
+    """Train ``model`` on ``steps`` (each its own batch); on step ``poison`` the middle layer's
+    output gradient holds an infinity."""
+    policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
+                                                      backend="emulate_fp32")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in steps:
+        gen = torch.Generator().manual_seed(step)
+        x, target = torch.randn(64, 64, generator=gen), torch.randn(64, 16, generator=gen)
+        handle = None
+        if step == poison:
+            handle = model[2].register_forward_hook(_poisoned)
+        with mixprec.autocast("cpu", policy=policy):
+            loss = F.mse_loss(model(x).float(), target)
+        loss.backward()
+        if handle is not None:
+            handle.remove()
+            model.zero_grad()  # (the weights stay finite: only the statistics saw the infinity)
+        else:
+            opt.step()
+        opt.zero_grad()
+        ctl.step()
+
+
+def _poisoned(module: nn.Module, inputs: tuple, out: torch.Tensor) -> None:
+    out.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+
+
+def test_backward_gemms_decided_by_their_cost_are_not_measured():
+    """After checks that measured the backward GEMMs' costs, the next window's shadow steps
+    measure the forward GEMM's own casts and no backward GEMM's (eager code: no sample cast)."""
+    ctl = mixprec.Controller(**SETTINGS)
+    model = _model()
+    ctl.attach(model)
+    _run(ctl, model, range(19))  # checks at 5, 10, 15; steps 18 and 19 are the shadow steps of the 4th window
+    by_cost = [name for name, rec in ctl._layers.items() if not any(rec.stats_read[0][1:])]
+    assert by_cost, {name: rec.stats_read for name, rec in ctl._layers.items()}
+    for name in by_cost:
+        windows = ctl._layers[name].gemm_windows
+        assert windows[0, 0, :, 0].min() > 0  # the forward GEMM's own casts: measured (amax)
+        assert windows[0, 1:, :, :-1].abs().sum() == 0  # the backward GEMMs' own casts: not
+
+
+def test_a_nonfinite_gradient_promotes_a_backward_gemm_its_cost_decides():
+    """An infinity in the middle layer's output gradient on a step the probe does not measure
+    (not a shadow step), once its backward GEMMs are decided by their cost: the layer's own
+    statistics saw it, and the check promotes both backward GEMMs that read it to the compute
+    dtype; without the infinity, nothing is promoted for a non-finite value."""
+    for poison in (None, 16):
+        ctl = mixprec.Controller(**SETTINGS)
+        model = _model()
+        ctl.attach(model)
+        _run(ctl, model, range(20), poison=poison)
+        assert not any(ctl._layers["2"].stats_read[0][1:])  # (decided by cost when the infinity came)
+        nonfinite = [(d.step, d.layer, d.gemm) for d in ctl.log if d.statistic == "nonfinite"]
+        if poison is None:
+            assert nonfinite == []
+        else:
+            assert {(20, "2", "grad_input"), (20, "2", "grad_weight")} <= set(nonfinite), ctl.log
+            assert ctl.precision("2", "grad_weight") == "bf16"
+
+
+def test_the_flags_resume_with_the_state():
+    ctl = mixprec.Controller(**SETTINGS)
+    model = _model()
+    ctl.attach(model)
+    _run(ctl, model, range(12))
+    state = ctl.state_dict()
+    flags = {name: rec.stats_read for name, rec in ctl._layers.items()}
+    assert any(not all(kind) for f in flags.values() for kind in f)
+    fresh = mixprec.Controller(**SETTINGS)
+    copy = _model()
+    fresh.attach(copy)
+    policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=fresh.settings,
+                                                      backend="emulate_fp32")
+    with mixprec.autocast("cpu", policy=policy):
+        copy(torch.randn(2, 64))
+    fresh.load_state_dict(state)
+    assert {name: rec.stats_read for name, rec in fresh._layers.items()} == flags
+    bad = {**state, "layers": {n: {**d, "stats_read": [[True]]} for n, d in state["layers"].items()}}
+    with pytest.raises(ValueError, match="stats_read"):
+        fresh.load_state_dict(bad)

@@ -219,16 +219,38 @@ def test_a_resumed_run_decides_as_the_uninterrupted_one(monkeypatch):
 
 def test_the_late_phase_tightens_the_cost_limits(monkeypatch):
     """``late_start``: a weight-gradient GEMM whose cost (planted, above 2e-3) is far under the
-    limit (1.0) is promoted only once the late phase's limit (1.0 * 2e-3) applies, at the first
-    check from step 15 on."""
+    limit (1.0) is promoted only once the late phase's limit (1.0 * 2e-3) applies: over it at the
+    first check from step 15 on, promoted at the second (``BACKWARD_WINDOWS`` checks in a row)."""
     _plant(monkeypatch, 2, -3.0)
     log = _train(mixprec.Controller(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=1.0, late_start=15,
                                     late_factor=2e-3), steps=25)
     ups = [d for d in log if d.statistic == "backward_cost"]
-    assert ups and ups[0].step == 15 and ups[0].threshold == pytest.approx(2e-3), log
+    assert ups and ups[0].step == 20 and ups[0].threshold == pytest.approx(2e-3), log
     assert ("4", "grad_weight") in {(d.layer, d.gemm) for d in ups}
     assert not [d for d in _train(mixprec.Controller(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=1.0),
                                   steps=25) if d.statistic == "backward_cost"]
+
+
+def test_one_window_over_the_limit_by_chance_promotes_nothing(monkeypatch):
+    """A backward GEMM's cost is one step's estimate per window: over ``max_backward_cost`` in one
+    window and under it in the next (the head's weight gradient flipped on the step measured in
+    the first window only), nothing is promoted; over it in two windows in a row, promoted at the
+    second check."""
+    settings = dict(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=2e-3)
+    measure, windows = backward_module.BackwardCost._measure, []
+
+    def once(self, shadow, gi, gw):
+        flip = gw is not None and tuple(gw.shape) == (16, 64) and len(windows) < planted_windows
+        if gw is not None and tuple(gw.shape) == (16, 64):
+            windows.append(flip)
+        return measure(self, shadow, gi, -3 * gw if flip else gw)
+
+    for planted_windows, promoted in ((1, False), (2, True)):
+        windows.clear()
+        monkeypatch.setattr(backward_module.BackwardCost, "_measure", once)
+        ups = _backward_promotions(_train(mixprec.Controller(**settings), steps=15))
+        assert windows[:planted_windows] == [True] * planted_windows
+        assert (("4", "grad_weight", "backward_cost") in ups) is promoted, (planted_windows, ups)
 
 
 def test_late_settings_say_what_they_need():

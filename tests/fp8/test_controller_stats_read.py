@@ -84,6 +84,8 @@ def test_a_nonfinite_gradient_promotes_a_backward_gemm_its_cost_decides():
 
 
 def test_the_flags_resume_with_the_state():
+    """``stats_read`` (and the backward costs' count of checks over the limit) go into the
+    state_dict and come back; a malformed entry is a ValueError."""
     ctl = mixprec.Controller(**SETTINGS)
     model = _model()
     ctl.attach(model)
@@ -102,4 +104,7 @@ def test_the_flags_resume_with_the_state():
     assert {name: rec.stats_read for name, rec in fresh._layers.items()} == flags
     bad = {**state, "layers": {n: {**d, "stats_read": [[True]]} for n, d in state["layers"].items()}}
     with pytest.raises(ValueError, match="stats_read"):
+        fresh.load_state_dict(bad)
+    bad = {**state, "layers": {n: {**d, "backward_over": [1]} for n, d in state["layers"].items()}}
+    with pytest.raises(ValueError, match="backward_over"):
         fresh.load_state_dict(bad)

@@ -42,7 +42,7 @@ from mixprec.control._cost import Cadence
 from mixprec.control._settings import LOW_RUNGS
 from mixprec.formats._recipe import Float8Recipe
 
-__all__ = ["BackwardCost", "BACKWARD_GEMMS", "FAR", "backward_costs", "backward_recipes", "cost_ratio", "far_by_factor",
+__all__ = ["BackwardCost", "BACKWARD_GEMMS", "BACKWARD_WINDOWS", "FAR", "backward_costs", "backward_recipes", "cost_ratio", "far_by_factor",
            "peel"]
 
 #: the backward GEMMs, in the order of the cost's rows (the GEMMs 1 and 2 of ``_ladder.GEMMS``)
@@ -51,6 +51,12 @@ _TINY = 1e-30
 #: how far (a factor) from its limit a backward GEMM's cost lets its cadence measure it in fewer
 #: windows (``_cost.Cadence``): its terms are window means without a per-step variance
 FAR = 2.0
+#: the checks in a row whose backward cost of a GEMM reads over ``max_backward_cost`` before it is
+#: promoted: each window's cost is one step's estimate (a gradient error's projection on the
+#: step, of either sign), and one window over its limit by chance would ratchet a GEMM up where
+#: a demotion takes ``demote_windows`` clean ones (a cost over the limit by ``FAR`` is measured
+#: less often, and its carried figure counts again)
+BACKWARD_WINDOWS = 2
 
 
 def far_by_factor(cost: float, limit: float) -> bool:

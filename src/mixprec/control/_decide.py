@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from mixprec._dtype_names import short_name
-from mixprec.control._backward import BackwardCost, backward_recipes, peel
+from mixprec.control._backward import BACKWARD_WINDOWS, BackwardCost, backward_recipes, peel
 from mixprec.control._ladder import GEMM_OPERANDS, GEMMS, Decision, LayerRecord, compose, gemm_casts
 from mixprec.control._settings import FP4_RUNGS, LOW_RUNGS, ControllerSettings
 from mixprec.control._trend import Trend, demote_windows, grow, log2, ratio, underflow_forecast
@@ -289,7 +289,7 @@ def apply_gemms(at: Check, rec: LayerRecord) -> None:
 def switch_gemms(at: Check, rec: LayerRecord, gemms: range | tuple, to: int) -> None:  # (and route the layer)
     for g in gemms:
         rec.rungs[g] = to
-        rec.gemm_clean[g] = 0
+        rec.gemm_clean[g] = rec.back_over[g] = 0
         rec.gemm_switches[g].append(at.steps)
         for op in GEMM_OPERANDS[GEMMS[g]]:  # the casts these measure change with the rung
             rec.trends[f"{GEMMS[g]}.underflow_{op}"] = Trend()
@@ -416,7 +416,9 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
         return underflow_forecast(u, rec.trends[f"{gemm}.{op}"], rec.trends[f"{gemm}.{key}_{op}"], ahead, windows,
                                   ladder[at] in FP4_RUNGS)
 
-    if on_low:
+    if not on_low:
+        rec.back_over[g] = 0
+    else:
         compute = ladder.index("compute")
         if at.settings.max_nonfinite is not None:
             for op, st in zip(ops, own if read[0] or layer is None else [layer[op] for op in ops]):
@@ -433,8 +435,9 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
                 d = decision(gemm, op, "promote", rung, to, "underflow_forecast", forecast, max_u, ">")
                 switch_gemms(at, rec, (g,), to)
                 return d
+        rec.back_over[g] = rec.back_over[g] + 1 if by_cost and back[0] > at.settings.max_backward_cost else 0
         over = ((cost[0], "loss_cost", at.settings.max_loss_cost) if too_costly(at, cost) else
-                (back[0], "backward_cost", at.settings.max_backward_cost) if by_cost and back[0] > at.settings.max_backward_cost
+                (back[0], "backward_cost", at.settings.max_backward_cost) if rec.back_over[g] >= BACKWARD_WINDOWS
                 else None)
         if over is not None:
             to = gemm_up(at, rec, g)

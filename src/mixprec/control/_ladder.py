@@ -19,7 +19,7 @@ from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._tensor_parallel import probe_operand
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window, window_stats
 from mixprec.control._settings import FP4_RUNGS, FP8_RUNGS, LOW_RUNGS, RUNGS, ControllerSettings
-from mixprec.control._backward import far_by_factor
+from mixprec.control._backward import FAR, far_by_factor
 from mixprec.control._cost import (Cadence, cost_steps, far, loss_cost, measure_cost, output_errors,  # noqa: F401
                                   _accumulate_cost, variance)
 from mixprec.control._measure import measure
@@ -188,6 +188,8 @@ class LayerRecord:
         # GEMM's cast statistics (eager code measures them only then): not where a backward GEMM's
         # measured loss cost decides it (_decide.stats_read)
         self.stats_read = [[True] * len(GEMMS), [True] * len(GEMMS)]
+        # per GEMM, the checks in a row whose backward cost read over max_backward_cost (BACKWARD_WINDOWS)
+        self.back_over = [0] * len(GEMMS)
         self.below: Float8Recipe | None = None  # the rung below, while it may go there: its shadow's casts
         # the loss cost of the forward GEMM's error (Controller.max_loss_cost): its own casts' and,
         # while its forward may go down, the recipe below's (``forward_below``)
@@ -269,7 +271,9 @@ class LayerRecord:
         """The backward GEMMs' costs a check's decisions read (``back``: this window's, from
         ``_backward.peel``): per kind (own casts, the rung below's), the last measured ones in a
         window its cadence skipped (``BackwardCost.cadence``; clear where each measured cost
-        lies a factor of :data:`~mixprec.control._backward.FAR` from its limit)."""
+        lies a factor of :data:`~mixprec.control._backward.FAR` from its limit, the own casts'
+        only below it: one over it is measured again, as a promotion waits for
+        :data:`~mixprec.control._backward.BACKWARD_WINDOWS` measured windows over it)."""
         if back is None or self.backward is None:
             return back
         out = list(back)
@@ -277,7 +281,9 @@ class LayerRecord:
                                                     (settings.max_backward_cost, settings.demote_backward))):
             at = (2 * kind, 2 * kind + 1, 4 + 2 * kind, 5 + 2 * kind)  # its two costs, their two flags
             measured = back[at[2]] > 0 or back[at[3]] > 0
-            clear = measured and all(not back[f] > 0 or far_by_factor(back[c], limit) for c, f in zip(at[:2], at[2:]))
+            # (own costs over the limit are measured again: a promotion waits for BACKWARD_WINDOWS measured windows)
+            far = far_by_factor if kind else (lambda cost, limit: cost * FAR <= limit)
+            clear = measured and all(not back[f] > 0 or far(back[c], limit) for c, f in zip(at[:2], at[2:]))
             for i, v in zip(at, cadence.checked([back[i] for i in at], measured, clear)):
                 out[i] = v
         return out

@@ -58,7 +58,8 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
             "trends": {key: [t.last, t.slope, list(t.recent)] for key, t in rec.trends.items()}}
     if settings.per_gemm:  # (a state_dict without them: the three GEMMs on "rung" together)
         data.update(gemms={g: ladder[r] for g, r in zip(GEMMS, rec.rungs)}, gemm_clean=list(rec.gemm_clean),
-                    gemm_switches=[list(s) for s in rec.gemm_switches], stats_read=[list(k) for k in rec.stats_read])
+                    gemm_switches=[list(s) for s in rec.gemm_switches], stats_read=[list(k) for k in rec.stats_read],
+                    backward_over=list(rec.back_over))
     if windows:
         data.update(state=rec.state.window.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist(),
                     rounding_step=rec.state.rounding_step)
@@ -101,6 +102,10 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
         if len(read) != 2 or any(len(k) != len(GEMMS) for k in read):
             raise ValueError(f"Controller.load_state_dict: stats_read must be 2 lists of {len(GEMMS)} booleans, got {read!r}")
         rec.stats_read = [[bool(v) for v in k] for k in read]
+        over = data.get("backward_over", [0] * len(GEMMS))  # (saved before it was: none over)
+        if len(over) != len(GEMMS):
+            raise ValueError(f"Controller.load_state_dict: backward_over must be {len(GEMMS)} counts, got {over!r}")
+        rec.back_over = [int(v) for v in over]
     for key, (last, slope, recent) in data["trends"].items():
         if key in rec.trends:  # (a whole-layer record's operand trends are no GEMM's)
             rec.trends[key] = Trend(last, slope, tuple(recent))

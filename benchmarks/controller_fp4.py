@@ -32,6 +32,7 @@ step against the same model's step without it, at four model sizes and on the de
 The CPU (with its bf16/AMX flags) and the load average are printed before and after. One thread.
 
     .venv/bin/python benchmarks/controller_fp4.py [--quick] [--widths 64,128,256,384] [--presets tiny,small]
+        [--warm 30] [--pairs fp4,fp8]
 """
 
 from __future__ import annotations
@@ -230,6 +231,10 @@ def main() -> None:
     parser.add_argument("--widths", default=None, help="comma-separated model widths (default: 64,128,256,384)")
     parser.add_argument("--presets", default=None, help="comma-separated demo presets (default: tiny,small)")
     parser.add_argument("--windows", type=int, default=None, help="timed windows of 10 steps per pair (default 3)")
+    parser.add_argument("--warm", type=int, default=WARM,
+                        help=f"untimed steps before the timed windows (default {WARM}; later, most costs are far "
+                             f"from their limits and measured in fewer windows: the steady state)")
+    parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated pairs (default {','.join(PAIRS)})")
     args = parser.parse_args()
     torch.set_num_threads(1)
     widths = [int(w) for w in (args.widths or ("64,128" if args.quick else "64,128,256,384")).split(",")]
@@ -243,18 +248,22 @@ def main() -> None:
         print(f"  {r['rows']:>6} rows: measure {r['measure_ms']:.3f} ms, with Hadamard {r['hadamard_ms']:.3f} ms, "
               f"whole cast {r['cast_ms']:.3f} ms ({r['measure_ms'] / r['cast_ms']:.3f}x)")
     train, _ = load_tokens()
-    print(f"step ratios by model width (2 blocks, batch 8x64 tokens), after {WARM} untimed steps, alternated:")
+    pairs = [p for p in args.pairs.split(",") if p]
+    if unknown := set(pairs) - set(PAIRS):
+        parser.error(f"--pairs: unknown {sorted(unknown)}; known: {', '.join(PAIRS)}")
+    print(f"step ratios by model width (2 blocks, batch 8x64 tokens), after {args.warm} untimed steps, alternated:")
     for width in widths:
-        for pair in PAIRS:
+        for pair in pairs:
             mode, reference = PAIRS[pair]
             print("  " + _line(f"width {width}, {mode} / {reference}",
-                               steady_pair(pair, width_settings(width), train, windows, budget)), flush=True)
+                               steady_pair(pair, width_settings(width), train, windows, budget, args.warm)), flush=True)
     print("headlines (demo presets):")
     for preset in presets:
-        for pair in PAIRS:
+        for pair in pairs:
             mode, reference = PAIRS[pair]
             print("  " + _line(f"{preset}, {mode} / {reference}",
-                               steady_pair(pair, Settings.for_size(preset), train, windows, budget)), flush=True)
+                               steady_pair(pair, Settings.for_size(preset), train, windows, budget, args.warm)),
+                  flush=True)
     print(f"load after: {machine()['load']}")
 
 

@@ -115,6 +115,34 @@ def test_checkpoint_recompute_replays_the_forward_context(name, whole):
     assert not torch.is_autocast_enabled("cpu") and mixprec.engine.runtime.top("cpu") is None
 
 
+@pytest.mark.parametrize("policy, layers", [(Policy.parse("compute=bf16").fp8("tensorwise", first_last="fp8"), 2),
+                                            (LN_F32, 1)], ids=["fp8", "keep"])
+def test_a_checkpoint_without_mixprecs_context_fn_warns_once_where_its_recompute_would_differ(policy, layers):
+    """An fp8 layer, or one a module rule casts, in ``checkpoint(..., use_reentrant=False)`` without
+    ``context_fn=mixprec.checkpoint_context_fn``: PyTorch would recompute it under its own lists
+    (a CheckpointError in backward): one warning per layer names the fix; with the fix, or
+    without a checkpoint, none."""
+    from torch.utils.checkpoint import checkpoint
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32))
+
+    m, x = model(), torch.randn(8, 32, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"context_fn=mixprec\.checkpoint_context_fn") as seen:
+        with mixprec.autocast("cpu", policy=policy):
+            checkpoint(m, x, use_reentrant=False)
+            checkpoint(m, x, use_reentrant=False)
+    assert len([w for w in seen if "use_reentrant=False" in str(w.message)]) == layers
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed = model()
+        with mixprec.autocast("cpu", policy=policy):
+            y = checkpoint(fixed, x, use_reentrant=False, context_fn=mixprec.checkpoint_context_fn)
+            model()(x)
+        y.float().sum().backward()
+
+
 def test_checkpoint_recompute_selects_no_fp8_layers_and_counts_no_forward(monkeypatch):
     from mixprec.engine import module_calls
 

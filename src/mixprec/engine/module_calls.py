@@ -334,6 +334,8 @@ def _pre_call(module: nn.Module, args: tuple) -> Any:
         return None
     if target is not None and not torch.is_grad_enabled() and module not in _REENTRANT_WARNED:
         _warn_reentrant(module, name)
+    elif torch.is_grad_enabled() and not rt.checkpointed and module not in _REENTRANT_WARNED and _in_checkpoint():
+        _warn_recompute(module, name, target is not None)
     devices, cache = (), None
     if rule is not None:
         state, cache = _rule_state(rule, frame.device_type)
@@ -365,6 +367,26 @@ def _warn_reentrant(module: nn.Module, name: str) -> None:
                   f"use_reentrant=True), which recomputes it in backward outside mixprec's policy: its backward is "
                   f"not fp8 and records no grad_output statistics (a Guard or Controller cannot see its gradients). "
                   f"Use checkpoint(..., use_reentrant=False, context_fn=mixprec.checkpoint_context_fn)",
+                  UserWarning, stacklevel=4)
+
+
+def _in_checkpoint() -> bool:
+    """Whether this forward runs inside ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
+    (its saved-tensor hooks are the innermost)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
+
+
+def _warn_recompute(module: nn.Module, name: str, fp8: bool) -> None:
+    """Warn once for ``module``, an fp8 layer or one a module rule casts, in the forward of a
+    ``checkpoint(..., use_reentrant=False)`` without mixprec's ``context_fn``: PyTorch recomputes
+    it in backward under its own autocast lists, outside mixprec's policy."""
+    _REENTRANT_WARNED.add(module)
+    what = "fp8 layer" if fp8 else "layer (a module rule casts it)"
+    warnings.warn(f"mixprec: {what} {name or type(module).__name__!r} runs inside torch.utils.checkpoint.checkpoint("
+                  f"..., use_reentrant=False) without context_fn=mixprec.checkpoint_context_fn: PyTorch recomputes it "
+                  f"in backward outside mixprec's policy, whose tensors then differ from the forward's (PyTorch raises "
+                  f"CheckpointError in backward). Pass context_fn=mixprec.checkpoint_context_fn to checkpoint()",
                   UserWarning, stacklevel=4)
 
 

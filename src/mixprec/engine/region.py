@@ -25,7 +25,7 @@ from mixprec.engine.compile import traced_key
 from mixprec.engine.dynamo import assume_constant_result, compiler_disable, tracing as _tracing
 from mixprec.engine.kernels import ensure_kernels
 from mixprec.engine.module_calls import traced_region, traced_without_fullgraph
-from mixprec.engine.runtime import DEVICES, Frame, disabled_frame, top
+from mixprec.engine.runtime import DEVICES, RUNTIME, Frame, disabled_frame, top
 from mixprec.policy import Policy, canonical, parse_dtype
 
 __all__ = [
@@ -370,7 +370,11 @@ class _Replay:
     @contextlib.contextmanager
     def forward(self) -> Any:
         """Around the segment's forward: records the fp8 layers it ran with."""
-        yield
+        RUNTIME.checkpointed += 1
+        try:
+            yield
+        finally:
+            RUNTIME.checkpointed -= 1
         self.rules = module_calls.capture(self.rules)
 
     def __enter__(self) -> None:

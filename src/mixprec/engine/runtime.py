@@ -78,6 +78,7 @@ class Runtime(threading.local):
         self.traced_regions: list[Any] = []
         self.hooked_trace = False  # the trace decided a module under a hooked region
         self.trace_id: Any = None
+        self.checkpointed = 0  # forwards under checkpoint(context_fn=mixprec.checkpoint_context_fn) open
 
     def counters(self) -> list[int]:
         """This thread's ``[frames with edits, calls in a Python kernel]``, registered in

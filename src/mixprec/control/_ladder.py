@@ -320,7 +320,7 @@ class LayerRecord:
         estimate (an overflowed gradient) is not counted. No host sync."""
         if self.backward is not None:
             self.backward.end_step(loss_scale)
-        if self.cost is None:
+        if self.cost is None or not any(self.cost_now):  # (a step that measured no row summed nothing)
             return
         c = self.cost  # (both rows at once: the own cost is taken at the error, the one below's without it)
         estimate = c[:, 0] / loss_scale + self.cost_sign * (0.5 * c[:, 2] * c[:, 1] / (loss_scale * loss_scale))

@@ -102,9 +102,8 @@ def test_the_flags_resume_with_the_state():
         copy(torch.randn(2, 64))
     fresh.load_state_dict(state)
     assert {name: rec.stats_read for name, rec in fresh._layers.items()} == flags
-    bad = {**state, "layers": {n: {**d, "stats_read": [[True]]} for n, d in state["layers"].items()}}
-    with pytest.raises(ValueError, match="stats_read"):
-        fresh.load_state_dict(bad)
-    bad = {**state, "layers": {n: {**d, "backward_over": [1]} for n, d in state["layers"].items()}}
-    with pytest.raises(ValueError, match="backward_over"):
-        fresh.load_state_dict(bad)
+    for key, value in (("stats_read", [[True]]), ("stats_read", [["False"] * 3, [True] * 3]),
+                       ("backward_over", [1]), ("backward_over", [0, -1, 0]), ("backward_over", [0.5, 0, 0])):
+        bad = {**state, "layers": {n: {**d, key: value} for n, d in state["layers"].items()}}
+        with pytest.raises(ValueError, match=key):
+            fresh.load_state_dict(bad)

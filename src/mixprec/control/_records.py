@@ -99,13 +99,17 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
         rec.gemm_clean = [int(c) for c in data.get("gemm_clean", [rec.clean] * len(GEMMS))]
         rec.gemm_switches = [[int(s) for s in sw] for sw in data.get("gemm_switches", [rec.switches] * len(GEMMS))]
         read = data.get("stats_read", [[True] * len(GEMMS)] * 2)  # (saved before it was: every cast measured)
-        if len(read) != 2 or any(len(k) != len(GEMMS) for k in read):
+        if (not isinstance(read, (list, tuple)) or len(read) != 2
+                or any(not isinstance(k, (list, tuple)) or len(k) != len(GEMMS) or any(not isinstance(v, bool) for v in k)
+                       for k in read)):
             raise ValueError(f"Controller.load_state_dict: stats_read must be 2 lists of {len(GEMMS)} booleans, got {read!r}")
-        rec.stats_read = [[bool(v) for v in k] for k in read]
+        rec.stats_read = [list(k) for k in read]
         over = data.get("backward_over", [0] * len(GEMMS))  # (saved before it was: none over)
-        if len(over) != len(GEMMS):
-            raise ValueError(f"Controller.load_state_dict: backward_over must be {len(GEMMS)} counts, got {over!r}")
-        rec.back_over = [int(v) for v in over]
+        if (not isinstance(over, (list, tuple)) or len(over) != len(GEMMS)
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in over)):
+            raise ValueError(f"Controller.load_state_dict: backward_over must be {len(GEMMS)} counts (ints >= 0), "
+                             f"got {over!r}")
+        rec.back_over = list(over)
     for key, (last, slope, recent) in data["trends"].items():
         if key in rec.trends:  # (a whole-layer record's operand trends are no GEMM's)
             rec.trends[key] = Trend(last, slope, tuple(recent))

@@ -46,7 +46,8 @@ def ddp() -> Iterator[Callable[[nn.Module], nn.Module]]:
 def _checkpoint_wrapped(m: _Net) -> nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    m.body = checkpoint_wrapper(m.body)  # a wrapper inside the model: body._checkpoint_wrapped_module
+    # a wrapper inside the model (body._checkpoint_wrapped_module), recomputed under the forward's policy
+    m.body = checkpoint_wrapper(m.body, context_fn=mixprec.checkpoint_context_fn)
     return m
 
 

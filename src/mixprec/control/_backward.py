@@ -43,7 +43,7 @@ from mixprec.control._settings import LOW_RUNGS
 from mixprec.formats._recipe import Float8Recipe
 
 __all__ = ["BackwardCost", "BACKWARD_GEMMS", "BACKWARD_WINDOWS", "FAR", "backward_costs", "backward_recipes", "cost_ratio", "far_by_factor",
-           "peel"]
+           "peel", "stats_read"]
 
 #: the backward GEMMs, in the order of the cost's rows (the GEMMs 1 and 2 of ``_ladder.GEMMS``)
 BACKWARD_GEMMS = ("grad_input", "grad_weight")
@@ -351,3 +351,15 @@ def backward_recipes(ladder: tuple[str, ...], rungs: list[int], own: Float8Recip
         one[g] = d
         out.append((1, compose(one), (g == 1, g == 2)))
     return out
+
+
+def stats_read(back: list[float] | None) -> tuple[bool, bool]:
+    """Whether the next window's check reads a GEMM's own casts' statistics and the rung below's,
+    from this check's backward costs of it (``back``: own, below, whether each was measured;
+    None: none, the forward GEMM): not where a measured cost decides instead of the flush.
+
+    Example:
+        >>> stats_read(None), stats_read([2e-5, 0.0, 1.0, 0.0])
+        ((True, True), (False, True))
+    """
+    return (back is None or not back[2] > 0), (back is None or not back[3] > 0)

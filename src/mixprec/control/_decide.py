@@ -15,10 +15,9 @@ from typing import Any, Mapping
 
 import torch
 
-from mixprec._dtype_names import short_name
-from mixprec.control._backward import BACKWARD_WINDOWS, BackwardCost, backward_recipes, peel
+from mixprec.control._backward import BACKWARD_WINDOWS, BackwardCost, backward_recipes, peel, stats_read
 from mixprec.control._ladder import GEMM_OPERANDS, GEMMS, Decision, LayerRecord, compose, gemm_casts
-from mixprec.control._settings import FP4_RUNGS, LOW_RUNGS, ControllerSettings
+from mixprec.control._settings import FP4_RUNGS, LOW_RUNGS, ControllerSettings, rung_name
 from mixprec.control._trend import Trend, demote_windows, grow, log2, ratio, underflow_forecast
 from mixprec.formats._quant import STAT_NAMES
 from mixprec.formats._recipe import Float8Recipe
@@ -26,24 +25,6 @@ from mixprec.formats._state import OPERANDS
 
 __all__ = ["Check", "apply_gemms", "apply_layer", "switch_layer", "cheap_below", "decide_gemms", "decide_layer", "gemm_down", "gemm_up",
            "layer_down", "layer_up", "limits", "peel", "rung_name", "switch_gemms", "too_costly"]
-
-
-def rung_name(ladder: tuple[str, ...], rung: int, compute: torch.dtype | None) -> str:
-    """What rung ``rung`` of ``ladder`` runs, as :meth:`Controller.precision` names it:
-    ``"nvfp4"``, ``"fp8-rowwise"``, the compute dtype (``"bf16"``; ``"compute"`` while unknown), ``"fp32"``.
-
-    Example:
-        >>> rung_name(("tensorwise", "compute", "fp32"), 1, torch.bfloat16)
-        'bf16'
-    """
-    name = ladder[rung]
-    if name in FP4_RUNGS:
-        return name
-    if name in LOW_RUNGS:
-        return f"fp8-{name}"
-    if name == "compute":
-        return short_name(compute, "compute") if compute is not None else "compute"
-    return name
 
 
 @dataclass(frozen=True)
@@ -360,18 +341,6 @@ def decide_gemms(at: Check, name: str, rec: LayerRecord, row: list[float], cost:
         if d is not None:
             out.append(d)
     return out
-
-
-def stats_read(back: list[float] | None) -> tuple[bool, bool]:
-    """Whether the next window's check reads a GEMM's own casts' statistics and the rung below's,
-    from this check's backward costs of it (``back``: own, below, whether each was measured;
-    None: none, the forward GEMM): not where a measured cost decides instead of the flush.
-
-    Example:
-        >>> stats_read(None), stats_read([2e-5, 0.0, 1.0, 0.0])
-        ((True, True), (False, True))
-    """
-    return (back is None or not back[2] > 0), (back is None or not back[3] > 0)
 
 
 def _may_demote(at: Check, clean: int, switches: list[int], to_fp4: bool) -> bool:

@@ -17,12 +17,16 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
+from mixprec._dtype_names import short_name
 from mixprec.control._trend import MAX_HORIZON
 from mixprec.formats._recipe import RECIPE_NAMES
 
-__all__ = ["ControllerSettings", "FP4_RUNGS", "FP8_RUNGS", "GuardSettings", "LOW_RUNGS", "RUNGS", "check_int",
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ControllerSettings", "FP4_RUNGS", "FP8_RUNGS", "GuardSettings", "LOW_RUNGS", "RUNGS", "check_int", "rung_name",
            "check_number"]
 
 #: a Controller's ladder, bottom to top: the fp4 recipes, the fp8 recipes, the compute dtype, float32
@@ -319,3 +323,22 @@ class ControllerSettings(_Settings):
     def demote_backward(self) -> float:
         """The backward cost under which a backward GEMM may come down: half of ``max_backward_cost``."""
         return self.max_backward_cost / 2 if self.max_backward_cost is not None else math.inf
+
+
+def rung_name(ladder: tuple[str, ...], rung: int, compute: torch.dtype | None) -> str:
+    """What rung ``rung`` of ``ladder`` runs, as :meth:`Controller.precision` names it:
+    ``"nvfp4"``, ``"fp8-rowwise"``, the compute dtype (``"bf16"``; ``"compute"`` while unknown), ``"fp32"``.
+
+    Example:
+        >>> import torch
+        >>> rung_name(("tensorwise", "compute", "fp32"), 1, torch.bfloat16)
+        'bf16'
+    """
+    name = ladder[rung]
+    if name in FP4_RUNGS:
+        return name
+    if name in LOW_RUNGS:
+        return f"fp8-{name}"
+    if name == "compute":
+        return short_name(compute, "compute") if compute is not None else "compute"
+    return name

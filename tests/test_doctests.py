@@ -1,9 +1,10 @@
-"""The examples in the docstrings of mixprec's pure layers (``control``, ``formats``, ``fp8``)
-run and print what they say: each module's doctests (``doctest``, as ``python -m doctest``).
+"""The examples in the docstrings of mixprec's pure layers and value packages (``control``,
+``formats``, ``fp8``, ``policy``, ``lowp``, ``ops``, ``optim``) run and print what they say: each
+module's doctests (``doctest``, as ``python -m doctest``).
 
 Other packages' examples are mostly fragments of a training loop (they take the reader's model
-and optimizer); these three are values and rules on small tensors, so an example there that no
-longer holds is a wrong statement about the code."""
+and optimizer: ``scaling``, ``engine``); these are values and rules on small tensors, so an
+example there that no longer holds is a wrong statement about the code."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pkgutil
 
 import pytest
 
-PACKAGES = ("mixprec.control", "mixprec.formats", "mixprec.fp8")
+PACKAGES = ("mixprec.control", "mixprec.formats", "mixprec.fp8", "mixprec.policy", "mixprec.lowp", "mixprec.ops",
+            "mixprec.optim")
 
 
 def _modules() -> list[str]:

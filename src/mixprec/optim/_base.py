@@ -261,7 +261,10 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         ``state_dtype`` says so (lossy for 8-bit state, like any requantization).
 
         Example:
+            >>> import mixprec
+            >>> model = torch.nn.Linear(64, 64)
             >>> opt = mixprec.optim.AdamW(model.parameters(), state_dtype="8bit")
+            >>> model(torch.randn(2, 64)).sum().backward(); opt.step()
             >>> torch.optim.AdamW(model.parameters()).load_state_dict(opt.torch_state_dict())
         """
         state = super().state_dict()

@@ -54,8 +54,8 @@ FAR = 2.0
 #: the checks in a row whose backward cost of a GEMM reads over ``max_backward_cost`` before it is
 #: promoted: each window's cost is one step's estimate (a gradient error's projection on the
 #: step, of either sign), and one window over its limit by chance would ratchet a GEMM up where
-#: a demotion takes ``demote_windows`` clean ones (a cost over the limit by ``FAR`` is measured
-#: less often, and its carried figure counts again)
+#: a demotion takes ``demote_windows`` clean ones (an own cost over the limit is measured again
+#: in the next window however far over: ``LayerRecord.carry_backward``)
 BACKWARD_WINDOWS = 2
 
 

@@ -356,7 +356,7 @@ def _may_demote(at: Check, clean: int, switches: list[int], to_fp4: bool) -> boo
 
 def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shadow: list, fit: tuple,
                  windows: int, ahead: int, decision: Any, range_ok: bool, cost: list[float] | None,
-                 back: list[float] | None = None, layer: dict[str, list[float]] | None = None) -> Decision | None:
+                 back: list[float] | None, layer: dict[str, list[float]]) -> Decision | None:
     """One GEMM's switch (applied to ``rec``), or None: the layer's rule on this GEMM's two
     operands (and, the forward GEMM's, on its loss cost); a backward GEMM whose loss cost was
     measured (``back``: own, below, whether each was measured) is judged by it instead of its
@@ -390,7 +390,7 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
     else:
         compute = ladder.index("compute")
         if at.settings.max_nonfinite is not None:
-            for op, st in zip(ops, own if read[0] or layer is None else [layer[op] for op in ops]):
+            for op, st in zip(ops, own if read[0] else [layer[op] for op in ops]):
                 if st[_NONFINITE] > at.settings.max_nonfinite:
                     d = decision(gemm, op, "promote", rung, compute, "nonfinite", st[_NONFINITE], at.settings.max_nonfinite,
                                  ">")

@@ -16,7 +16,7 @@ from mixprec.formats._tensor_parallel import probe_operand
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT
 from mixprec.control._cost import measure_cost
 from mixprec.control._ladder import GEMMS, LayerRecord
-from mixprec.control._measure import abs_max, measure, record, record_range, sampled_cast
+from mixprec.control._measure import abs_max, record, record_range, sampled_cast
 from mixprec.control._records import CheckClock
 
 __all__ = ["Probe"]
@@ -125,11 +125,9 @@ def _measure(window: torch.Tensor, operand: int, t: torch.Tensor, has: str, cast
     sampled casts of this forward so far, by operand ``tag`` (``"x"``, ``"w"``): a square 2-D
     block cast of an operand and of its transpose measure alike (:func:`sampled_cast`), so the
     weight's NVFP4 16x16 cast is sampled and cast once for the forward and the input-gradient GEMM."""
-    if tp is not None:
+    if tp is not None:  # (the whole operand: shared by nothing)
         t, whole = probe_operand(tp, t, has, cast, sample)
-        amax = amax if whole is None else whole
-        measure(window, operand, t, cast, pow2, sample, hadamard_seed, gate, amax)
-        return
+        amax, shared = amax if whole is None else whole, None
     key = (tag, cast, pow2) if shared is not None and tag and hadamard_seed is None and _square(cast) else None
     cast_sample = shared.get(key) if key is not None else None
     if cast_sample is None:

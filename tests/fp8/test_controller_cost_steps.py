@@ -160,7 +160,8 @@ def test_a_plan_of_n_steps_measures_the_last_n_of_each_window(measured, monkeypa
     is planned on all 10), the costs are measured on the last ``planned`` steps of each window
     after the first, and on no other."""
     seen, spy = measured
-    monkeypatch.setattr(_ladder, "cost_steps", lambda *args: (planned, [1e3]))  # (near: every window)
+    monkeypatch.setattr(_ladder, "cost_steps", lambda *args: (planned, [1e3]))
+    monkeypatch.setattr(_ladder, "clear", lambda *args: False)  # (near: every window)
     model, ctl = _converted(max_loss_cost=1.0, **QUIET)
     _train(model, ctl, 30, spy=spy)
     tail = [s for start in (10, 20) for s in range(start + 10 - planned, start + 10)]

@@ -3,9 +3,10 @@ output errors against a float32 GEMM (:func:`output_errors`), met with the outpu
 the backward (:func:`measure_cost`), the estimate from a step's sums (:func:`loss_cost`), and on
 how many steps of a window it is measured (:func:`cost_steps`: the steps cost a float32 GEMM
 each, so a cost whose window mean lies far from its threshold is measured on few) and in which
-windows (:class:`Cadence`: one far from it, in fewer and fewer, the last figure standing). Device
-tensors in, a record's loss-cost buffer updated in place, no host sync; :func:`cost_steps` is
-plain arithmetic on the figures a check read."""
+windows (:class:`Cadence`: one far from it, alone or with the windows before it (:func:`clear`),
+in fewer and fewer, the last figure standing). Device tensors in, a record's loss-cost buffer
+updated in place, no host sync; :func:`cost_steps` and :func:`clear` are plain arithmetic on the
+figures a check read."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import torch.nn.functional as F
 
 from mixprec.formats._linear import local_linear
 
-__all__ = ["COST_Z", "COST_ZONE", "MAX_PERIOD", "VARIANCES", "Cadence", "cost_steps", "far", "loss_cost", "measure_cost",
-           "output_errors", "variance"]
+__all__ = ["COST_Z", "COST_ZONE", "MAX_PERIOD", "POOL_WINDOWS", "VARIANCES", "Cadence", "clear", "cost_steps", "far",
+           "load_pool", "loss_cost", "measure_cost", "output_errors", "pool", "variance"]
 
 #: how many standard errors of its window mean a loss cost measured on fewer than all of a
 #: window's steps keeps from its threshold (:func:`cost_steps`): at 3, a window's mean lands on
@@ -31,6 +32,11 @@ COST_Z = 3.0
 COST_ZONE = 0.5
 #: the most windows a cost far from its threshold waits between two measured ones (:class:`Cadence`)
 MAX_PERIOD = 8
+#: how many measured windows' figures (since the forward GEMM's last switch) :func:`clear` pools:
+#: a cost whose steps are too noisy for one window to tell it from its threshold, yet lies on one
+#: side of it window after window, is measured in fewer windows (it would be measured on every step
+#: of every window for the rest of a run)
+POOL_WINDOWS = 16
 
 
 def measure_cost(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -179,6 +185,54 @@ def far(mean: float, variance: float | None, threshold: float, steps: float = 1)
     """
     return (variance is not None and steps > 0 and math.isfinite(mean) and
             COST_Z * COST_Z * variance <= steps * (mean - threshold) * (mean - threshold))
+
+
+def pool(windows: list[list[float]]) -> tuple[float, float | None, float]:
+    """``(mean, variance, steps)`` of the per-step estimates of measured ``windows`` (each
+    ``[steps, mean, mean_square]``), taken together: the variance per step about the pooled mean
+    (None under 2 steps), so a cost that moved between the windows reads noisier.
+
+    Example:
+        >>> pool([[10, 1.0, 1.0], [10, 3.0, 9.0]])  # two steady windows, far apart
+        (2.0, 1.0526315789473684, 20)
+    """
+    steps = sum(w[0] for w in windows)
+    if steps <= 0:
+        return -math.inf, None, 0
+    mean = sum(w[0] * w[1] for w in windows) / steps
+    square = sum(w[0] * w[2] for w in windows) / steps
+    return mean, (max(0.0, square - mean * mean) * steps / (steps - 1) if steps >= 2 else None), steps
+
+
+def clear(mean: float, variance: float | None, steps: float, threshold: float, windows: list[list[float]]) -> bool:
+    """Whether a measured window's cost (its ``steps`` estimates' ``mean``, per-step ``variance``)
+    lies clear of ``threshold``: its cadence may skip windows (:class:`Cadence`). Either the
+    window alone lies :func:`far` from it, or the last measured ``windows`` (:func:`pool`, this
+    one among them) do, on the side the window's mean lies (the figure that then stands for the
+    skipped windows decides as they would).
+
+    Example:
+        >>> noisy = [10, 9e-4, 9e-4 ** 2 + 1e-6]  # one window: 3 standard errors span 9.5e-4
+        >>> clear(9e-4, 1.1e-6, 10, 5e-4, [noisy]), clear(9e-4, 1.1e-6, 10, 5e-4, [noisy] * 12)
+        (False, True)
+    """
+    if far(mean, variance, threshold, steps):
+        return True
+    pooled, spread, n = pool(windows)
+    return (pooled > threshold) == (mean > threshold) and far(pooled, spread, threshold, n)
+
+
+def load_pool(saved: Any) -> list[list[list[float]]]:
+    """A pool as a Controller's ``state_dict`` saved it (per loss-cost row, the measured windows'
+    ``[steps, mean, mean square]``), checked: ValueError where it is not one."""
+    try:
+        rows = [[[float(v) for v in w] for w in p] for p in saved]
+    except (TypeError, ValueError):
+        rows = None
+    if rows is None or len(rows) != 2 or any(len(w) != 3 or w[0] < 0 for p in rows for w in p):
+        raise ValueError(f"Controller.load_state_dict: a loss-cost pool must be two lists of [steps, mean, "
+                         f"mean square] windows (steps >= 0), got {saved!r}")
+    return rows
 
 
 class Cadence:

@@ -20,8 +20,8 @@ from mixprec.formats._tensor_parallel import probe_operand
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window, window_stats
 from mixprec.control._settings import FP4_RUNGS, FP8_RUNGS, LOW_RUNGS, RUNGS, ControllerSettings
 from mixprec.control._backward import FAR, far_by_factor
-from mixprec.control._cost import (Cadence, cost_steps, far, loss_cost, measure_cost, output_errors,  # noqa: F401
-                                  _accumulate_cost, variance)
+from mixprec.control._cost import (POOL_WINDOWS, Cadence, clear, cost_steps, loss_cost, measure_cost,  # noqa: F401
+                                  output_errors, _accumulate_cost, variance)
 from mixprec.control._measure import measure
 from mixprec.control._trend import Trend
 
@@ -205,6 +205,7 @@ class LayerRecord:
         self.cost_var: list[list[float] | None] = [None, None]  # (the windows' sample variances: _cost.cost_steps)
         self.cost_now = [True, True]
         self.cost_cadence = [Cadence(), Cadence()]  # in which windows each is measured (_cost.Cadence)
+        self.cost_pool: list[list[list[float]]] = [[], []]  # the last measured windows' [steps, mean, mean square] (_cost.clear)
         self.cost_below = True  # whether the rung below's is measured (below_wanted)
         self.cost_gate = torch.ones(2, dtype=torch.bool, device=state.device)
         self.cost_rung = rung
@@ -249,7 +250,8 @@ class LayerRecord:
         is measured (:func:`~mixprec.control._cost.cost_steps`: at least the shadow steps and
         2, against ``max_loss_cost`` for the own cost, the demotion limit for the one below) and
         in which windows (:class:`~mixprec.control._cost.Cadence`: a window it skipped reads
-        the last measured cost)."""
+        the last measured cost; fewer where this window, or the last :data:`~mixprec.control._cost.POOL_WINDOWS`
+        measured since the forward GEMM's last switch, lie clear of the limit: :func:`~mixprec.control._cost.clear`)."""
         if self.cost is None:
             return row, None
         n = 4 * self.cost.shape[0]
@@ -263,8 +265,10 @@ class LayerRecord:
                 if measured or self.cost_cadence[r].due:  # (a window its cadence skipped keeps the plan)
                     self.cost_plan[r], self.cost_var[r] = cost_steps(cost[r], mean_sq[r], steps[r], self.cost_var[r],
                                                                      limits[r], every, least, pooled[r])
-                clear = measured and far(cost[r], variance(self.cost_var[r]), limits[r], steps[r])
-                cost[r], cost[2 + r] = self.cost_cadence[r].checked([cost[r], cost[2 + r]], measured, clear)
+                if measured:
+                    self.cost_pool[r] = [*self.cost_pool[r], [steps[r], cost[r], mean_sq[r]]][-POOL_WINDOWS:]
+                settled = measured and clear(cost[r], variance(self.cost_var[r]), steps[r], limits[r], self.cost_pool[r])
+                cost[r], cost[2 + r] = self.cost_cadence[r].checked([cost[r], cost[2 + r]], measured, settled)
         return row[:-n], cost
 
     def carry_backward(self, back: list[float] | None, settings: ControllerSettings) -> list[float] | None:
@@ -283,8 +287,8 @@ class LayerRecord:
             measured = back[at[2]] > 0 or back[at[3]] > 0
             # (own costs over the limit are measured again: a promotion waits for BACKWARD_WINDOWS measured windows)
             far = far_by_factor if kind else (lambda cost, limit: cost * FAR <= limit)
-            clear = measured and all(not back[f] > 0 or far(back[c], limit) for c, f in zip(at[:2], at[2:]))
-            for i, v in zip(at, cadence.checked([back[i] for i in at], measured, clear)):
+            settled = measured and all(not back[f] > 0 or far(back[c], limit) for c, f in zip(at[:2], at[2:]))
+            for i, v in zip(at, cadence.checked([back[i] for i in at], measured, settled)):
                 out[i] = v
         return out
 
@@ -304,7 +308,7 @@ class LayerRecord:
             return
         if self.rungs[0] != self.cost_rung:
             self.cost_rung, self.cost_plan, self.cost_var = self.rungs[0], [None, None], [None, None]
-            self.cost_below = True
+            self.cost_pool, self.cost_below = [[], []], True
             for cadence in self.cost_cadence:
                 cadence.reset()
         now = [c.due and (n is None or every - 1 - step % every < n) for n, c in zip(self.cost_plan, self.cost_cadence)]

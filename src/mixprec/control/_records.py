@@ -23,6 +23,7 @@ from torch import nn
 from mixprec._modules import clean_name
 from mixprec._scaled import Scaled
 from mixprec.control._backward import BackwardCost
+from mixprec.control._cost import load_pool
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord
 from mixprec.control._settings import LOW_RUNGS, RUNGS, ControllerSettings
 from mixprec.control._trend import Trend
@@ -69,7 +70,8 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
             data["loss_cost"] = rec.cost.tolist()
             data["loss_cost_plan"] = {"steps": list(rec.cost_plan), "variance": list(rec.cost_var),
                                       "now": list(rec.cost_now), "rung": rec.cost_rung,
-                                      "cadence": [c.state() for c in rec.cost_cadence], "below": rec.cost_below}
+                                      "cadence": [c.state() for c in rec.cost_cadence], "below": rec.cost_below,
+                                      "pool": [[list(w) for w in p] for p in rec.cost_pool]}
         if rec.backward is not None:  # (its pending gain, a weight-sized gradient, is not kept)
             data["backward_cost"] = [rec.backward.window.tolist(), rec.backward.gain.tolist(),
                                      [c.state() for c in rec.backward.cadence]]
@@ -135,6 +137,7 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
         for cadence, saved in zip(rec.cost_cadence, plan.get("cadence", ())):  # (saved before it was: every window)
             cadence.load(saved)
         rec.cost_below = bool(plan.get("below", True))
+        rec.cost_pool = load_pool(plan.get("pool", ([], [])))  # (saved before it was: none yet)
     if "backward_cost" in data and settings.max_backward_cost is not None:
         rec.backward = rec.backward or BackwardCost(rec.state.device)
         window, gain, *cadence = data["backward_cost"]

@@ -1,0 +1,162 @@
+"""A loss cost too noisy for one window to tell from its threshold is still measured in fewer
+windows once the windows measured since its forward GEMM's last switch, taken together, lie
+clear of it (issue 39: tiny's head, promoted to bf16, measured the recipe below's cost on every
+step of every window for the rest of the run). The pool is arithmetic on a check's all-reduced
+figures (:func:`~mixprec.control._cost.pool`, :func:`~mixprec.control._cost.clear`), starts over
+with a switch, and resumes with the controller's state_dict."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from mixprec.control._cost import COST_Z, MAX_PERIOD, POOL_WINDOWS, clear, far, pool
+from mixprec.control._ladder import LayerRecord
+from mixprec.control._settings import ControllerSettings
+from mixprec.formats._state import LayerState
+
+from test_controller_cost_steps import QUIET, _converted, _train
+
+
+def _window(values: list[float]) -> list[float]:
+    """A measured window as a check reads it: ``[steps, mean, mean square]`` of its per-step estimates."""
+    t = torch.tensor(values, dtype=torch.float64)
+    return [float(len(values)), float(t.mean()), float(t.square().mean())]
+
+
+# ------------------------------------------------------------------ the arithmetic, as data
+POOLS = {  # windows of per-step estimates
+    "one window": [[1.0, 2.0, 4.0]],
+    "two steady windows": [[1e-3, 2e-3, 1.5e-3], [1.2e-3, 1.4e-3]],
+    "a cost that moved": [[0.0, 1e-4, -1e-4], [2e-3, 2.1e-3, 1.9e-3]],
+}
+
+
+@pytest.mark.parametrize("windows", POOLS.values(), ids=POOLS.keys())
+def test_pool_is_the_moments_of_every_measured_step_taken_together(windows):
+    mean, var, steps = pool([_window(w) for w in windows])
+    every = torch.tensor([v for w in windows for v in w], dtype=torch.float64)
+    assert steps == every.numel() and mean == pytest.approx(float(every.mean()))
+    assert var == pytest.approx(float(every.var()))  # about the pooled mean: a moved cost reads noisier
+
+
+def test_pool_of_nothing_measured_is_no_evidence():
+    assert pool([]) == (-math.inf, None, 0) and not clear(-math.inf, None, 0, 1e-3, [])
+
+
+NOISY = 9e-4 ** 2 + 1e-6  # mean square of steps of mean 9e-4 and standard deviation 1e-3
+CLEAR = {  # (window mean, its per-step variance, threshold, the pooled windows): clear?
+    "one window far from it": ((0.0, 1e-8, 1e-3, [[10, 0.0, 1e-8]]), True),
+    "one noisy window": ((9e-4, 1.1e-6, 5e-4, [[10, 9e-4, NOISY]]), False),
+    "noisy windows on one side, pooled": ((9e-4, 1.1e-6, 5e-4, [[10, 9e-4, NOISY]] * 8), True),
+    "the window on the other side of the pool": ((4e-4, 1.1e-6, 5e-4, [[10, 9e-4, NOISY]] * 8 + [[10, 4e-4, 1e-6]]),
+                                                 False),
+    "windows that straddle the threshold": ((9e-4, 1.1e-6, 5e-4, [[10, 9e-4, NOISY], [10, 1e-4, 1e-4 ** 2 + 1e-6]] * 6),
+                                            False),
+}
+
+
+@pytest.mark.parametrize("case", CLEAR.values(), ids=CLEAR.keys())
+def test_clear(case):
+    (mean, variance, threshold, windows), expected = case
+    assert clear(mean, variance, windows[-1][0], threshold, windows) is expected
+
+
+def test_a_pool_clears_at_the_steps_one_window_would_need():
+    """COST_Z pooled standard errors: a cost 0.4e-3 from its threshold with a per-step deviation of
+    1e-3 needs 57 steps, six windows of ten."""
+    window = [10, 9e-4, NOISY]
+    needed = math.ceil(COST_Z ** 2 * 1e-6 / 4e-4 ** 2)
+    assert 50 < needed <= 60
+    reads = [clear(9e-4, 1.1e-6, 10, 5e-4, [window] * k) for k in range(1, POOL_WINDOWS + 1)]
+    assert reads.index(True) == 5 and all(reads[5:])
+    assert not far(9e-4, 1.1e-6, 5e-4, 10)  # (each window alone: never)
+
+
+# ------------------------------------------------------------------ on a record
+def _cost_row(own: tuple[float, float, float] | None, below: tuple[float, float, float] | None) -> list[float]:
+    """The loss-cost part of a check's row (``LayerRecord.windows``): per row the mean (-inf: not
+    measured), whether measured, the mean square and the steps."""
+    rows = [own, below]
+    return ([r[0] if r else -math.inf for r in rows] + [1.0 if r else 0.0 for r in rows]
+            + [r[1] if r else 0.0 for r in rows] + [r[2] if r else 0.0 for r in rows])
+
+
+def _record() -> LayerRecord:
+    return LayerRecord(None, LayerState(), 1, 0, (True, True, True), True, True)
+
+
+def test_a_noisy_cost_on_one_side_of_its_threshold_is_measured_in_fewer_windows():
+    """The rung below's cost (threshold: the demotion limit, 5e-4) reads 9e-4 with a per-step
+    deviation of 1e-3: measured in every window until the pooled windows lie clear, then in
+    fewer and fewer, its last figure standing for the skipped ones (as before a demotion)."""
+    settings = ControllerSettings(max_loss_cost=1e-3, every=10, ladder=("nvfp4", "tensorwise", "compute"), per_gemm=True)
+    assert settings.demote_cost == 5e-4
+    rec, measured, periods = _record(), [], []
+    for window in range(40):
+        due = rec.cost_cadence[1].due
+        measured.append(due)
+        _, cost = rec.split([0.0] * 4 + _cost_row(None, (9e-4, NOISY, 10) if due else None), settings)
+        periods.append(rec.cost_cadence[1].period)
+        assert cost[1] == 9e-4 and cost[3] == 1.0  # (a skipped window: the last measured figure)
+    assert measured[:6] == [True] * 6 and periods[:6] == [1] * 5 + [2]
+    assert max(periods) == MAX_PERIOD and sum(measured) < 14
+    assert len(rec.cost_pool[1]) <= POOL_WINDOWS and rec.cost_pool[0] == []
+
+
+def test_a_window_on_the_other_side_brings_the_cost_back_to_every_window():
+    settings = ControllerSettings(max_loss_cost=1e-3, every=10, ladder=("nvfp4", "tensorwise", "compute"), per_gemm=True)
+    rec = _record()
+    for _ in range(8):
+        rec.split([0.0] * 4 + _cost_row(None, (9e-4, NOISY, 10)), settings)
+    assert rec.cost_cadence[1].period > 1
+    rec.cost_cadence[1].wait = 0  # its next measured window
+    rec.split([0.0] * 4 + _cost_row(None, (4e-4, 4e-4 ** 2 + 1e-6, 10)), settings)  # cheap: it would count clean
+    assert rec.cost_cadence[1].period == 1
+
+
+def test_a_forward_switch_empties_the_pool():
+    model, ctl = _converted(max_loss_cost=1.0, **QUIET)
+    _train(model, ctl, 20)
+    rec = ctl._layers["0"]
+    assert len(rec.cost_pool[0]) >= 1
+    rec.rungs = [1, 0, 0]  # as a promotion of the forward GEMM leaves it
+    rec.cost_phase(ctl.steps, 10)
+    assert rec.cost_pool == [[], []]
+
+
+def test_the_pool_resumes_with_the_state_dict_and_a_malformed_one_is_refused():
+    model, ctl = _converted(max_loss_cost=1.0, **QUIET)
+    _train(model, ctl, 20)
+    state = json.loads(json.dumps(ctl.state_dict()))
+    assert state["layers"]["0"]["loss_cost_plan"]["pool"] == ctl._layers["0"].cost_pool != [[], []]
+    _, resumed = _converted(max_loss_cost=1.0, **QUIET)
+    resumed.load_state_dict(state)
+    assert resumed._layers["0"].cost_pool == ctl._layers["0"].cost_pool
+    old = json.loads(json.dumps(state))
+    for data in old["layers"].values():  # saved before the pool was: none yet
+        del data["loss_cost_plan"]["pool"]
+    _, before = _converted(max_loss_cost=1.0, **QUIET)
+    before.load_state_dict(old)
+    assert before._layers["0"].cost_pool == [[], []]
+    for bad in ([[[10, 0.0]]], [[["ten", 0.0, 0.0]], []], [[], [], []], [[[-1, 0.0, 0.0]], []], 5):
+        state["layers"]["0"]["loss_cost_plan"]["pool"] = bad
+        _, refused = _converted(max_loss_cost=1.0, **QUIET)
+        with pytest.raises(ValueError, match="loss-cost pool"):
+            refused.load_state_dict(state)
+
+
+
+def test_the_pool_keeps_the_last_measured_windows():
+    """Costs move over a run: the pool holds the last POOL_WINDOWS measured windows, not the run's."""
+    settings = ControllerSettings(max_loss_cost=1e-3, every=10, ladder=("nvfp4", "tensorwise", "compute"), per_gemm=True)
+    rec = _record()
+    sides = [(9e-4, NOISY, 10), (1e-4, 1e-4 ** 2 + 1e-6, 10)]  # straddling the threshold: every window measured
+    for window in range(POOL_WINDOWS + 5):
+        assert rec.cost_cadence[1].due
+        rec.split([0.0] * 4 + _cost_row(None, sides[window % 2]), settings)
+    last = sides[(POOL_WINDOWS + 4) % 2]
+    assert len(rec.cost_pool[1]) == POOL_WINDOWS and rec.cost_pool[1][-1] == [last[2], last[0], last[1]]

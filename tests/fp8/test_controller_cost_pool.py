@@ -1,9 +1,11 @@
 """A loss cost too noisy for one window to tell from its threshold is still measured in fewer
-windows once the windows measured since its forward GEMM's last switch, taken together, lie
-clear of it (issue 39: tiny's head, promoted to bf16, measured the recipe below's cost on every
-step of every window for the rest of the run). The pool is arithmetic on a check's all-reduced
-figures (:func:`~mixprec.control._cost.pool`, :func:`~mixprec.control._cost.clear`), starts over
-with a switch, and resumes with the controller's state_dict."""
+windows once the windows measured since its GEMM's last switch, taken together, lie clear of it
+(issue 39: tiny's head, promoted to bf16, measured the recipe below's cost on every step of every
+window for the rest of the run; backward GEMMs whose one-step costs sit within a factor of 2 of
+their limit were measured in every window). The pool is arithmetic on a check's all-reduced
+figures (:func:`~mixprec.control._cost.pool`, :func:`~mixprec.control._cost.clear`,
+:func:`~mixprec.control._cost.clear_pooled`), starts over with a switch, and resumes with the
+controller's state_dict."""
 
 from __future__ import annotations
 
@@ -12,13 +14,16 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from mixprec.control._cost import COST_Z, MAX_PERIOD, POOL_WINDOWS, clear, far, pool
+from mixprec.control._backward import BackwardCost, far_by_factor
+from mixprec.control._cost import COST_Z, MAX_PERIOD, POOL_LEAST, POOL_WINDOWS, clear, clear_pooled, far, pool
 from mixprec.control._ladder import LayerRecord
 from mixprec.control._settings import ControllerSettings
+from mixprec.formats._recipe import Float8Recipe
 from mixprec.formats._state import LayerState
 
-from test_controller_cost_steps import QUIET, _converted, _train
+from test_controller_cost_steps import BATCHES, QUIET, _converted, _train
 
 
 def _window(values: list[float]) -> list[float]:
@@ -160,3 +165,101 @@ def test_the_pool_keeps_the_last_measured_windows():
         rec.split([0.0] * 4 + _cost_row(None, sides[window % 2]), settings)
     last = sides[(POOL_WINDOWS + 4) % 2]
     assert len(rec.cost_pool[1]) == POOL_WINDOWS and rec.cost_pool[1][-1] == [last[2], last[0], last[1]]
+
+
+# ------------------------------------------------------------------ the backward GEMMs' costs
+def _backward_record() -> LayerRecord:
+    rec = _record()
+    rec.backward = BackwardCost(torch.device("cpu"))
+    return rec
+
+
+BACKWARD_SETTINGS = ControllerSettings(max_loss_cost=1e-3, max_backward_cost=1e-4, every=10, per_gemm=True,
+                                       ladder=("nvfp4", "tensorwise", "compute"))
+
+
+def _back(own_gi: float | None = None, below_gi: float | None = None) -> list[float]:
+    """A check's backward costs of a layer (``_backward.peel``): the input-gradient GEMM's, own and below."""
+    costs = [own_gi, None, below_gi, None]
+    return [c if c is not None else 0.0 for c in costs] + [float(c is not None) for c in costs]
+
+
+def _windows_measured(rec: LayerRecord, kind: int, costs: list[float]) -> list[bool]:
+    """Which of the windows (one cost each, read in turn) the kind's cadence measured."""
+    out = []
+    for cost in costs:
+        due = rec.backward.cadence[kind].due
+        out.append(due)
+        rec.carry_backward(_back(**{("own_gi", "below_gi")[kind]: cost}) if due else _back(), BACKWARD_SETTINGS)
+    return out
+
+
+STEADY = [6e-5, 8e-5, 7e-5, 7.5e-5, 6.5e-5, 7e-5] * 6  # each within FAR of the limit (1e-4), together clear of it
+
+
+def test_a_backward_cost_near_its_limit_but_below_it_window_after_window_is_measured_in_fewer_windows():
+    rec = _backward_record()
+    measured = _windows_measured(rec, 0, STEADY)
+    assert measured[:POOL_LEAST] == [True] * POOL_LEAST  # (one estimate a window: POOL_LEAST windows)
+    assert sum(measured) < len(STEADY) // 2 and rec.backward.cadence[0].period == MAX_PERIOD
+    # without the pool: every window (each alone lies within a factor FAR of the limit)
+    assert all(not far_by_factor(c, 1e-4) for c in STEADY)
+
+
+def test_an_own_backward_cost_over_its_limit_is_measured_in_every_window_however_steady():
+    rec = _backward_record()
+    assert all(_windows_measured(rec, 0, [1.5e-4, 1.4e-4, 1.6e-4, 1.5e-4] * 5))
+
+
+def test_the_rung_below_backward_cost_pools_on_either_side_of_its_limit():
+    limit = BACKWARD_SETTINGS.demote_backward
+    for side in (0.6, 1.6):  # within FAR of the limit, below it or over it
+        rec = _backward_record()
+        costs = [limit * side * f for f in (0.9, 1.1, 1.0, 0.95, 1.05, 1.0)] * 5
+        assert sum(_windows_measured(rec, 1, costs)) < len(costs) // 2
+
+
+def test_a_nonfinite_backward_cost_is_no_evidence_and_a_switch_empties_the_pools():
+    rec = _backward_record()
+    rec.carry_backward(_back(own_gi=math.inf), BACKWARD_SETTINGS)
+    assert rec.backward.pool[0] == []
+    measured = _windows_measured(rec, 0, STEADY[:8])
+    assert len(rec.backward.pool[0]) == sum(measured) > POOL_LEAST
+    rec.backward.recipes = [(0, Float8Recipe.from_name("nvfp4"), (True, True))]  # (a switch: apply_gemms)
+    assert rec.backward.pool == [[], [], [], []] and rec.backward.cadence[0].due
+
+
+def _train_stepping(model, ctl, steps: int) -> None:
+    """Train with an optimizer (a backward cost reads the gain of the weight's update)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in BATCHES[:steps]:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        ctl.step()
+
+
+def test_the_backward_pools_resume_with_the_state_dict_and_a_malformed_one_is_refused():
+    model, ctl = _converted(max_loss_cost=1.0, max_backward_cost=1e-4, **QUIET)
+    _train_stepping(model, ctl, 30)
+    state = json.loads(json.dumps(ctl.state_dict()))
+    saved = [data["backward_cost"][3] for data in state["layers"].values()]
+    assert any(any(p) for p in saved)
+    assert any(g != "nvfp4" for data in state["layers"].values() for g in data["gemms"].values())  # (a switched layer)
+    _, resumed = _converted(max_loss_cost=1.0, max_backward_cost=1e-4, **QUIET)
+    resumed.load_state_dict(state)
+    # the routing for the loaded rungs is no switch: cadences and pools as saved (a switched layer's were reset)
+    for name, rec in resumed._layers.items():
+        assert rec.backward.pool == ctl._layers[name].backward.pool
+        assert [c.state() for c in rec.backward.cadence] == [c.state() for c in ctl._layers[name].backward.cadence]
+        assert rec.backward.recipes == ctl._layers[name].backward.recipes
+    old = json.loads(json.dumps(state))
+    for data in old["layers"].values():  # saved before the pools were
+        data["backward_cost"] = data["backward_cost"][:3]
+    _, before = _converted(max_loss_cost=1.0, max_backward_cost=1e-4, **QUIET)
+    before.load_state_dict(old)
+    assert all(r.backward.pool == [[], [], [], []] for r in before._layers.values())
+    state["layers"]["0"]["backward_cost"][3] = [[], []]
+    _, refused = _converted(max_loss_cost=1.0, max_backward_cost=1e-4, **QUIET)
+    with pytest.raises(ValueError, match="loss-cost pool must be 4 lists"):
+        refused.load_state_dict(state)

@@ -174,9 +174,11 @@ class BackwardCost:
     def __init__(self, device: torch.device) -> None:
         self.window = torch.zeros(2, len(BACKWARD_GEMMS), 3, device=device)
         self.gain = torch.zeros(2, device=device)
-        self._recipes: list[tuple[int, Float8Recipe, tuple[bool, bool]]] = []
+        self._recipes: list[tuple[int, Float8Recipe, tuple[bool, bool]]] | None = []
         # per kind (own casts, the rung below's), in which windows it is measured (LayerRecord.carry_backward)
         self.cadence = [Cadence(), Cadence()]
+        # per (kind, GEMM), as backward_costs orders them, its last measured windows' [1, cost, cost**2] (_cost.clear_pooled)
+        self.pool: list[list[list[float]]] = [[] for _ in range(_KINDS)]
         # the weight gradient of the last measured step, until the optimizer moved the weight:
         # [gradient, <gradient, weight before>, the weight, its version, the loss scale or None]
         self.pending: list[Any] | None = None
@@ -189,15 +191,23 @@ class BackwardCost:
 
     @property
     def recipes(self) -> list[tuple[int, Float8Recipe, tuple[bool, bool]]]:
-        return self._recipes
+        return self._recipes or []
 
     @recipes.setter
     def recipes(self, value: list[tuple[int, Float8Recipe, tuple[bool, bool]]]) -> None:
-        """(A switch: measured again from the next window on.)"""
-        if value != self._recipes:
+        """(A switch: measured again from the next window on, the pools emptied; the first
+        routing after :meth:`loaded` is the loaded rungs' and keeps them.)"""
+        if self._recipes is not None and value != self._recipes:
             for cadence in self.cadence:
                 cadence.reset()
+            self.pool = [[] for _ in range(_KINDS)]
         self._recipes = value
+
+    def loaded(self) -> None:
+        """Its cadences and pools were loaded with the layer's rungs (``_records.load_layer``): the
+        routing for those rungs that follows is no switch (a resumed run measures the windows an
+        uninterrupted one does)."""
+        self._recipes = None
 
     def tap(self, x: torch.Tensor, weight: torch.Tensor, timed: Callable[[Callable], Callable] = lambda fn: fn
             ) -> tuple[torch.Tensor, torch.Tensor]:

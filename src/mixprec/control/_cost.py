@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from mixprec.formats._linear import local_linear
 
-__all__ = ["COST_Z", "COST_ZONE", "MAX_PERIOD", "POOL_WINDOWS", "VARIANCES", "Cadence", "clear", "cost_steps", "far",
-           "load_pool", "loss_cost", "measure_cost", "output_errors", "pool", "variance"]
+__all__ = ["COST_Z", "COST_ZONE", "MAX_PERIOD", "POOL_LEAST", "POOL_WINDOWS", "VARIANCES", "Cadence", "clear",
+           "clear_pooled", "cost_steps", "far", "load_pool", "loss_cost", "measure_cost", "output_errors", "pool", "variance"]
 
 #: how many standard errors of its window mean a loss cost measured on fewer than all of a
 #: window's steps keeps from its threshold (:func:`cost_steps`): at 3, a window's mean lands on
@@ -37,6 +37,9 @@ MAX_PERIOD = 8
 #: side of it window after window, is measured in fewer windows (it would be measured on every step
 #: of every window for the rest of a run)
 POOL_WINDOWS = 16
+#: the fewest per-step estimates a pool's verdict reads (:func:`clear_pooled`): its standard error
+#: is itself estimated, and with 6 estimates COST_Z of them miss about 1 time in 70 (Student's t)
+POOL_LEAST = 6
 
 
 def measure_cost(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -207,32 +210,42 @@ def pool(windows: list[list[float]]) -> tuple[float, float | None, float]:
 def clear(mean: float, variance: float | None, steps: float, threshold: float, windows: list[list[float]]) -> bool:
     """Whether a measured window's cost (its ``steps`` estimates' ``mean``, per-step ``variance``)
     lies clear of ``threshold``: its cadence may skip windows (:class:`Cadence`). Either the
-    window alone lies :func:`far` from it, or the last measured ``windows`` (:func:`pool`, this
-    one among them) do, on the side the window's mean lies (the figure that then stands for the
-    skipped windows decides as they would).
+    window alone lies :func:`far` from it, or the last measured ``windows`` do
+    (:func:`clear_pooled`, this one among them).
 
     Example:
         >>> noisy = [10, 9e-4, 9e-4 ** 2 + 1e-6]  # one window: 3 standard errors span 9.5e-4
         >>> clear(9e-4, 1.1e-6, 10, 5e-4, [noisy]), clear(9e-4, 1.1e-6, 10, 5e-4, [noisy] * 12)
         (False, True)
     """
-    if far(mean, variance, threshold, steps):
-        return True
+    return far(mean, variance, threshold, steps) or clear_pooled(mean, threshold, windows)
+
+
+def clear_pooled(mean: float, threshold: float, windows: list[list[float]]) -> bool:
+    """Whether the measured ``windows`` (:func:`pool`: at least :data:`POOL_LEAST` estimates)
+    lie :func:`far` from ``threshold`` on the side the last window's ``mean`` lies (the figure
+    that then stands for the windows a cadence skips decides as they would).
+
+    Example:
+        >>> steps = [[1, c, c * c] for c in (2e-5, 4e-5, 3e-5, 5e-5, 1e-5, 3e-5)]  # one estimate a window
+        >>> clear_pooled(3e-5, 1e-4, steps), clear_pooled(3e-5, 1e-4, steps[:5]), clear_pooled(2e-4, 1e-4, steps)
+        (True, False, False)
+    """
     pooled, spread, n = pool(windows)
-    return (pooled > threshold) == (mean > threshold) and far(pooled, spread, threshold, n)
+    return n >= POOL_LEAST and (pooled > threshold) == (mean > threshold) and far(pooled, spread, threshold, n)
 
 
-def load_pool(saved: Any) -> list[list[list[float]]]:
-    """A pool as a Controller's ``state_dict`` saved it (per loss-cost row, the measured windows'
-    ``[steps, mean, mean square]``), checked: ValueError where it is not one."""
+def load_pool(saved: Any, rows: int = 2) -> list[list[list[float]]]:
+    """Pools as a Controller's ``state_dict`` saved them (``rows`` of them: per cost, the measured
+    windows' ``[steps, mean, mean square]``), checked: ValueError where they are not."""
     try:
-        rows = [[[float(v) for v in w] for w in p] for p in saved]
+        pools = [[[float(v) for v in w] for w in p] for p in saved]
     except (TypeError, ValueError):
-        rows = None
-    if rows is None or len(rows) != 2 or any(len(w) != 3 or w[0] < 0 for p in rows for w in p):
-        raise ValueError(f"Controller.load_state_dict: a loss-cost pool must be two lists of [steps, mean, "
+        pools = None
+    if pools is None or len(pools) != rows or any(len(w) != 3 or w[0] < 0 for p in pools for w in p):
+        raise ValueError(f"Controller.load_state_dict: a loss-cost pool must be {rows} lists of [steps, mean, "
                          f"mean square] windows (steps >= 0), got {saved!r}")
-    return rows
+    return pools
 
 
 class Cadence:

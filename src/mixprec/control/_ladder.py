@@ -20,8 +20,8 @@ from mixprec.formats._tensor_parallel import probe_operand
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window, window_stats
 from mixprec.control._settings import FP4_RUNGS, FP8_RUNGS, LOW_RUNGS, RUNGS, ControllerSettings
 from mixprec.control._backward import FAR, far_by_factor
-from mixprec.control._cost import (POOL_WINDOWS, Cadence, clear, cost_steps, loss_cost, measure_cost,  # noqa: F401
-                                  output_errors, _accumulate_cost, variance)
+from mixprec.control._cost import (POOL_WINDOWS, Cadence, clear, clear_pooled, cost_steps, loss_cost,  # noqa: F401
+                                  measure_cost, output_errors, _accumulate_cost, variance)
 from mixprec.control._measure import measure
 from mixprec.control._trend import Trend
 
@@ -275,19 +275,25 @@ class LayerRecord:
         """The backward GEMMs' costs a check's decisions read (``back``: this window's, from
         ``_backward.peel``): per kind (own casts, the rung below's), the last measured ones in a
         window its cadence skipped (``BackwardCost.cadence``; clear where each measured cost
-        lies a factor of :data:`~mixprec.control._backward.FAR` from its limit, the own casts'
-        only below it: one over it is measured again, as a promotion waits for
+        lies a factor of :data:`~mixprec.control._backward.FAR` from its limit, or its last
+        measured windows since the layer's last switch lie clear of it together
+        (:func:`~mixprec.control._cost.clear_pooled`, ``BackwardCost.pool``); the own casts' only
+        below it: one over it is measured again, as a promotion waits for
         :data:`~mixprec.control._backward.BACKWARD_WINDOWS` measured windows over it)."""
         if back is None or self.backward is None:
             return back
-        out = list(back)
+        out, pools = list(back), self.backward.pool
         for kind, (cadence, limit) in enumerate(zip(self.backward.cadence,
                                                     (settings.max_backward_cost, settings.demote_backward))):
             at = (2 * kind, 2 * kind + 1, 4 + 2 * kind, 5 + 2 * kind)  # its two costs, their two flags
             measured = back[at[2]] > 0 or back[at[3]] > 0
+            for c, f in zip(at[:2], at[2:]):
+                if back[f] > 0 and math.isfinite(back[c]):
+                    pools[c] = [*pools[c], [1.0, back[c], back[c] * back[c]]][-POOL_WINDOWS:]
             # (own costs over the limit are measured again: a promotion waits for BACKWARD_WINDOWS measured windows)
             far = far_by_factor if kind else (lambda cost, limit: cost * FAR <= limit)
-            settled = measured and all(not back[f] > 0 or far(back[c], limit) for c, f in zip(at[:2], at[2:]))
+            settled = measured and all(not back[f] > 0 or far(back[c], limit) or (
+                (kind or back[c] <= limit) and clear_pooled(back[c], limit, pools[c])) for c, f in zip(at[:2], at[2:]))
             for i, v in zip(at, cadence.checked([back[i] for i in at], measured, settled)):
                 out[i] = v
         return out

@@ -74,7 +74,7 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
                                       "pool": [[list(w) for w in p] for p in rec.cost_pool]}
         if rec.backward is not None:  # (its pending gain, a weight-sized gradient, is not kept)
             data["backward_cost"] = [rec.backward.window.tolist(), rec.backward.gain.tolist(),
-                                     [c.state() for c in rec.backward.cadence]]
+                                     [c.state() for c in rec.backward.cadence], [[list(w) for w in p] for p in rec.backward.pool]]
     return data
 
 
@@ -140,11 +140,13 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
         rec.cost_pool = load_pool(plan.get("pool", ([], [])))  # (saved before it was: none yet)
     if "backward_cost" in data and settings.max_backward_cost is not None:
         rec.backward = rec.backward or BackwardCost(rec.state.device)
-        window, gain, *cadence = data["backward_cost"]
+        window, gain, *later = data["backward_cost"]  # (cadences and pools: saved before they were, none)
         for target, saved in zip((rec.backward.window, rec.backward.gain), (window, gain)):
             target.copy_(torch.tensor(saved, dtype=torch.float32))
-        for target, saved in zip(rec.backward.cadence, cadence[0] if cadence else ()):
+        for target, saved in zip(rec.backward.cadence, later[0] if later else ()):
             target.load(saved)
+        rec.backward.pool = load_pool(later[1], len(rec.backward.pool)) if len(later) > 1 else [[] for _ in rec.backward.pool]
+        rec.backward.loaded()
     if "state" in data and "rounding_step" in data:  # (saved before the count was: the model's state_dict's, or 0)
         rec.state.rounding_step = int(data["rounding_step"])
 

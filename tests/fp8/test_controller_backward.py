@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 import mixprec
 import mixprec.control._backward as backward_module
-from mixprec.control._backward import backward_costs, cost_ratio, update_terms
+from mixprec.control._backward import backward_costs, cost_ratio, step_error, update_terms
 from mixprec.formats._fp4_linear import Fp4Matmul
+from mixprec.formats._recipe import Float8Recipe
 
 LADDER = ("nvfp4", "tensorwise", "rowwise", "compute")
 
@@ -140,7 +141,7 @@ def test_the_own_casts_cost_reads_the_layers_own_backward_gemm():
     (no emulated copy of it): a bias planted in that GEMM (the head's gradient halved, trained by
     SGD, whose step follows it: about 9e-5 a step, the clean GEMM's at most 8e-6) is promoted by
     its cost, as measured; a harmless one is not."""
-    settings = dict(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=3e-5)
+    settings = dict(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=3e-5, normalized_updates=False)
     with pytest.MonkeyPatch.context() as mp:
         _plant(mp, 2, -0.5, where="training")
         ups = _backward_promotions(_train(mixprec.Controller(**settings), sgd=True))
@@ -273,7 +274,7 @@ def test_a_checkpointed_model_measures_and_decides_as_the_plain_one():
     """Activation checkpointing (recomputed in the forward's policy): the backward GEMMs' cost is
     measured on the recomputed forward's GEMMs, bitwise the windows and decisions of the plain
     run (a planted bias in the head's own weight-gradient GEMM promotes it in both)."""
-    settings = dict(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=3e-5)
+    settings = dict(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=3e-5, normalized_updates=False)
     runs = []
     for checkpointed in (False, True):
         with pytest.MonkeyPatch.context() as mp:
@@ -284,3 +285,67 @@ def test_a_checkpointed_model_measures_and_decides_as_the_plain_one():
     (plain, plain_windows), (recomputed, windows) = runs
     assert _backward_promotions(plain) and recomputed == plain
     assert all(torch.equal(a, b) for a, b in zip(plain_windows, windows))
+
+
+STEP_ERRORS = {  # (reference, error): the error a normalizing optimizer's step sees
+    "shrunk": ([1.0, 2.0], [-0.5, -1.0], [0.0, 0.0]),
+    "grown": ([1.0, 2.0], [2.0, 4.0], [0.0, 0.0]),
+    "turned": ([1.0, 0.0], [0.0, 1.0], [0.0, 1.0]),
+    "shrunk and turned": ([1.0, 0.0], [-0.5, 0.5], [0.0, 1.0]),  # across R, against the halved result
+    "flipped": ([1.0, 0.0], [-3.0, 0.0], [-3.0, 0.0]),
+    "lost": ([1.0, 0.0], [-1.0, 0.0], [-1.0, 0.0]),
+}
+
+
+@pytest.mark.parametrize("case", STEP_ERRORS.values(), ids=STEP_ERRORS.keys())
+def test_step_error(case):
+    reference, error, expected = (torch.tensor(v) for v in case)
+    assert torch.allclose(step_error(reference, error), expected)
+
+
+def test_step_error_is_across_the_gradient_and_scale_free():
+    torch.manual_seed(0)
+    r, e = torch.randn(16, 32), 0.3 * torch.randn(16, 32)
+    out = step_error(r, e)
+    assert abs(float((out * r).sum())) < 1e-4 * float(r.norm() * out.norm())  # no first-order cost
+    assert torch.allclose(step_error(2.5 * r, 2.5 * e), 2.5 * out, atol=1e-5)  # in the gradient's units: a loss scale cancels in the cost
+    # what AdamW's step sees: the result's direction, (1 + a) R + (E - a R), over its scale
+    a = float((r * e).sum() / r.square().sum())
+    assert torch.allclose((r + e) / (1 + a), r + out, atol=1e-5)
+
+
+def test_a_gradient_halved_is_promoted_under_sgd_not_under_adamw():
+    """``normalized_updates``: the head's weight gradient halved on every step (its own GEMM)
+    halves SGD's step, a scale AdamW's steps do not see (each is the gradient over its own running
+    scale): promoted by its cost with ``normalized_updates=False`` under SGD, not with the default
+    under AdamW; a flipped gradient is promoted under AdamW too (test above)."""
+    settings = dict(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=3e-5)
+    with pytest.MonkeyPatch.context() as mp:
+        _plant(mp, 2, -0.5, where="training")
+        assert _backward_promotions(_train(mixprec.Controller(**settings))) == []
+        assert ("4", "grad_weight", "backward_cost") in _backward_promotions(
+            _train(mixprec.Controller(**settings, normalized_updates=False), sgd=True))
+
+
+def test_normalized_updates_is_a_bool():
+    with pytest.raises(ValueError, match="normalized_updates must be True"):
+        mixprec.Controller(per_gemm=True, max_backward_cost=1e-4, normalized_updates="adam")
+
+
+@pytest.mark.parametrize("normalized", [True, False])
+def test_the_input_gradients_error_is_costed_as_the_optimizer_sees_it(normalized):
+    """The layer's own input-gradient GEMM gave half the float32 result: a scale the layers before
+    it would take out of their normalized steps (no cost), or half their step's gain lost (SGD)."""
+    torch.manual_seed(0)
+    x, w, g = torch.randn(8, 32), torch.randn(16, 32), torch.randn(8, 16)
+    cost = backward_module.BackwardCost(torch.device("cpu"))
+    cost.recipes = [(0, Float8Recipe.from_name("nvfp4"), (True, True))]
+    cost.normalized = normalized
+    shadow = backward_module._Shadow(x, w, w, True)
+    shadow.grad = g
+    cost._measure(shadow, 0.5 * (g @ w), g.t() @ x)
+    c1, share_term, count = cost.window[0, 0].tolist()
+    assert count == 1
+    assert (c1, share_term) == ((pytest.approx(0.0, abs=1e-6), pytest.approx(0.0, abs=1e-12)) if normalized
+                                else (pytest.approx(0.5), pytest.approx(share_term)))
+    assert normalized or share_term > 0

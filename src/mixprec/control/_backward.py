@@ -23,6 +23,13 @@ curvature over directions, standing in for theirs: ``tr(H) / n = rows * sum_t |g
 / n`` for the ``n`` weights, exactly what ``Z'HZ / |Z|**2`` along a random direction ``Z``
 estimates, at the cost of the rows' norms instead of a GEMM).
 
+Under an optimizer that normalizes its updates (Adam, AdamW, Lion: ``ControllerSettings.
+normalized_updates``, the default) a result's scale does not reach the step: both GEMMs' errors
+are first taken as :func:`step_error` makes them, the part across the reference result against
+its rescaled length, so the first-order terms vanish and a shrink or growth of the gradient costs
+nothing (a result pointing against its reference keeps its whole error). Under SGD the error is
+costed as it comes.
+
 The terms are measured on shadow steps by an emulated forward and backward of the layer's
 recipe (its own casts, and the rung below's while a GEMM is promoted) on the GEMM's own input,
 weight and output gradient; the gain on the step after each shadow step's backward (the
@@ -43,11 +50,13 @@ from mixprec.control._settings import LOW_RUNGS
 from mixprec.formats._recipe import Float8Recipe
 
 __all__ = ["BackwardCost", "BACKWARD_GEMMS", "BACKWARD_WINDOWS", "FAR", "backward_costs", "backward_recipes", "cost_ratio", "far_by_factor",
-           "peel", "stats_read"]
+           "peel", "stats_read", "step_error"]
 
 #: the backward GEMMs, in the order of the cost's rows (the GEMMs 1 and 2 of ``_ladder.GEMMS``)
 BACKWARD_GEMMS = ("grad_input", "grad_weight")
 _TINY = 1e-30
+#: the smallest rescale of a result :func:`step_error` divides by (a gradient shrunk further reads as shrunk this much)
+_MIN_RESCALE = 2.0 ** -10
 #: how far (a factor) from its limit a backward GEMM's cost lets its cadence measure it in fewer
 #: windows (``_cost.Cadence``): its terms are window means without a per-step variance
 FAR = 2.0
@@ -79,6 +88,26 @@ def cost_ratio(reference: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
         (0.0, 1.0)
     """
     return (reference * (reference - result.float())).sum() / reference.square().sum().clamp(min=_TINY)
+
+
+def step_error(reference: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+    """The error ``E`` of a backward GEMM's result ``R + E`` as an optimizer that normalizes its
+    updates (Adam, AdamW, Lion, Adafactor) sees it: the part along ``R``, ``a R`` with ``a =
+    <R, E> / |R|**2``, rescales the result to ``(1 + a) R``, a scale such an optimizer takes out
+    of its step; what moves the step is the part across ``R``, against the rescaled result:
+    ``(E - a R) / (1 + a)``. A result that points against ``R`` or nowhere (``1 + a <= 0``)
+    keeps its whole error. Orthogonal to ``R``: its first-order cost is 0 (float32, no host sync).
+
+    Example:
+        >>> r = torch.tensor([1.0, 0.0])
+        >>> step_error(r, torch.tensor([-0.5, 0.0])), step_error(r, torch.tensor([1.0, 1.0]))  # shrunk; grown, turned
+        (tensor([0., 0.]), tensor([0.0000, 0.5000]))
+        >>> step_error(r, torch.tensor([-3.0, 0.0]))  # flipped: costed whole
+        tensor([-3.,  0.])
+    """
+    r, e = reference.float(), error.float()
+    a = (r * e).sum() / r.square().sum().clamp(min=_TINY)
+    return torch.where(1 + a > 0, (e - a * r) / (1 + a).clamp(min=_MIN_RESCALE), e)
 
 
 def mean_curvature(g2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
@@ -177,6 +206,7 @@ class BackwardCost:
         self._recipes: list[tuple[int, Float8Recipe, tuple[bool, bool]]] | None = []
         # per kind (own casts, the rung below's), in which windows it is measured (LayerRecord.carry_backward)
         self.cadence = [Cadence(), Cadence()]
+        self.normalized = True  # the optimizer normalizes its updates (ControllerSettings.normalized_updates: step_error)
         # per (kind, GEMM), as backward_costs orders them, its last measured windows' [1, cost, cost**2] (_cost.clear_pooled)
         self.pool: list[list[list[float]]] = [[] for _ in range(_KINDS)]
         # the weight gradient of the last measured step, until the optimizer moved the weight:
@@ -261,9 +291,11 @@ class BackwardCost:
                 gi, gw = _emulated_grads(x, w, g, recipe, measured)
             if measured[0] and gi is not None:
                 ref, e = grad_input, gi.reshape(grad_input.shape).float() - grad_input
+                e = step_error(ref, e) if self.normalized else e
                 share = e.square().sum() / ref.square().sum().clamp(min=_TINY)
                 self.window[kind, 0] += torch.stack([cost_ratio(ref, ref + e), share * h / (2 * gg), gg.new_ones(())])
             if measured[1] and gw is not None:
+                gw = grad_weight + step_error(grad_weight, gw.float() - grad_weight) if self.normalized else gw
                 self.window[kind, 1] += torch.cat([update_terms(g2, x2, grad_weight, gw, along), gg.new_ones(1)])
         p = self.pending
         if p is not None and p[2] is weight and p[3] == weight._version and p[4] is None:  # another micro-batch

@@ -189,6 +189,12 @@ class ControllerSettings(_Settings):
     of it; a non-finite cast still promotes). It is a cost per step, paid again on every step the
     GEMM runs, where ``max_loss_cost`` is a level: ``max_loss_cost / every`` (the cost the window
     before the next check accumulates) compares like with like, as the demo's ``mixprec-fp4`` sets it.
+    ``normalized_updates`` (default True: Adam, AdamW, Lion, Adafactor and their kin): the
+    optimizer sets each step's scale itself, so the part of a backward GEMM's error along the
+    gradient, which only rescales it, costs nothing; the part across it is costed against the
+    rescaled gradient (a result pointing against the gradient is costed whole:
+    :func:`~mixprec.control._backward.step_error`). False (SGD, with or without momentum): the
+    whole error is costed against the step taken.
 
     ``late_start`` (None: off): from that step on (the late phase of training, where NVIDIA's
     NVFP4 recipe switches to higher precision), the loss-cost limits (``max_loss_cost``,
@@ -226,6 +232,7 @@ class ControllerSettings(_Settings):
     max_loss_cost: float | None = None
     demote_loss_cost: float | None = None
     max_backward_cost: float | None = None
+    normalized_updates: bool = True
     late_start: int | None = None
     late_factor: float = 0.1
 
@@ -276,6 +283,9 @@ class ControllerSettings(_Settings):
             if not self.per_gemm:
                 raise ValueError("Controller.max_backward_cost judges the backward GEMMs on their own rungs: it needs "
                                  "per_gemm=True")
+        if not isinstance(self.normalized_updates, bool):
+            raise ValueError(f"Controller.normalized_updates must be True (an optimizer that normalizes its updates: "
+                             f"Adam, AdamW, Lion) or False (SGD), got {self.normalized_updates!r}")
         if self.late_start is not None:
             check_int("Controller", "late_start", self.late_start, 0, None)
             if self.max_loss_cost is None and self.max_backward_cost is None:

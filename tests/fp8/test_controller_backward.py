@@ -327,9 +327,11 @@ def test_a_gradient_halved_is_promoted_under_sgd_not_under_adamw():
             _train(mixprec.Controller(**settings, normalized_updates=False), sgd=True))
 
 
-def test_normalized_updates_is_a_bool():
+def test_normalized_updates_is_a_bool_that_takes_effect():
     with pytest.raises(ValueError, match="normalized_updates must be True"):
         mixprec.Controller(per_gemm=True, max_backward_cost=1e-4, normalized_updates="adam")
+    with pytest.raises(ValueError, match="takes effect with max_backward_cost"):  # (nothing it would shape)
+        mixprec.Controller(per_gemm=True, normalized_updates=False)
 
 
 @pytest.mark.parametrize("normalized", [True, False])

@@ -286,6 +286,9 @@ class ControllerSettings(_Settings):
         if not isinstance(self.normalized_updates, bool):
             raise ValueError(f"Controller.normalized_updates must be True (an optimizer that normalizes its updates: "
                              f"Adam, AdamW, Lion) or False (SGD), got {self.normalized_updates!r}")
+        if not self.normalized_updates and self.max_backward_cost is None:
+            raise ValueError("Controller(normalized_updates=False) says how the backward GEMMs' loss cost models the "
+                             "optimizer: it takes effect with max_backward_cost=... (per_gemm=True)")
         if self.late_start is not None:
             check_int("Controller", "late_start", self.late_start, 0, None)
             if self.max_loss_cost is None and self.max_backward_cost is None:

@@ -264,3 +264,20 @@ def test_the_backward_pools_resume_with_the_state_dict_and_a_malformed_one_is_re
     _, refused = _converted(max_loss_cost=1.0, max_backward_cost=1e-4, **QUIET)
     with pytest.raises(ValueError, match="loss-cost pool must be 4 lists"):
         refused.load_state_dict(state)
+
+
+def test_a_window_whose_cadences_skip_every_emulated_kind_measures_nothing():
+    """A layer on its floor has no rung below to emulate: that kind's cadence never measures and
+    stays due, which must not make every window pay for the shadow step (the reference GEMMs,
+    the gain) while the own casts' cadence skips it."""
+    cost = BackwardCost(torch.device("cpu"))
+    cost.recipes = [(0, Float8Recipe.from_name("nvfp4"), (True, True))]
+    assert cost.due
+    cost.cadence[0].checked([0.0, 0.0, 1.0, 1.0], True, True)  # far below: the next window skipped
+    assert cost.cadence[1].due and not cost.due
+    x, w = torch.randn(4, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+    assert cost.tap(x, w) == (x, w)
+    out = x @ w.t()
+    cost.observe(x, w, out, measuring=cost.due)
+    out.sum().backward()
+    assert cost.pending is None and cost.window.abs().sum() == 0

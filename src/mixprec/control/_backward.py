@@ -216,8 +216,9 @@ class BackwardCost:
 
     @property
     def due(self) -> bool:
-        """Whether the window under way measures either kind."""
-        return self.cadence[0].due or self.cadence[1].due
+        """Whether the window under way measures a kind it emulates (one without recipes, a
+        layer whose backward GEMMs have no rung below, measures nothing: its cadence stays due)."""
+        return any(self.cadence[kind].due for kind, _, _ in self.recipes)
 
     @property
     def recipes(self) -> list[tuple[int, Float8Recipe, tuple[bool, bool]]]:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from mixprec.formats._linear import local_linear
 
 __all__ = ["COST_Z", "COST_ZONE", "MAX_PERIOD", "POOL_LEAST", "POOL_WINDOWS", "VARIANCES", "Cadence", "clear",
-           "clear_pooled", "cost_steps", "far", "load_pool", "loss_cost", "measure_cost", "output_errors", "pool", "variance"]
+           "clear_pooled", "cost_steps", "far", "load_pool", "loss_cost", "measure_cost", "output_errors", "pool", "pooled_with", "variance"]
 
 #: how many standard errors of its window mean a loss cost measured on fewer than all of a
 #: window's steps keeps from its threshold (:func:`cost_steps`): at 3, a window's mean lands on
@@ -205,6 +205,17 @@ def pool(windows: list[list[float]]) -> tuple[float, float | None, float]:
     mean = sum(w[0] * w[1] for w in windows) / steps
     square = sum(w[0] * w[2] for w in windows) / steps
     return mean, (max(0.0, square - mean * mean) * steps / (steps - 1) if steps >= 2 else None), steps
+
+
+def pooled_with(windows: list[list[float]], window: list[float]) -> list[list[float]]:
+    """``windows`` and the newly measured ``window`` (``[steps, mean, mean_square]``): the last
+    :data:`POOL_WINDOWS` of them (costs move over a run).
+
+    Example:
+        >>> len(pooled_with([[1, 0.0, 0.0]] * POOL_WINDOWS, [1, 1.0, 1.0])), pooled_with([], [1, 1.0, 1.0])
+        (16, [[1, 1.0, 1.0]])
+    """
+    return [*windows, window][-POOL_WINDOWS:]
 
 
 def clear(mean: float, variance: float | None, steps: float, threshold: float, windows: list[list[float]]) -> bool:

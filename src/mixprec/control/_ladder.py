@@ -20,8 +20,8 @@ from mixprec.formats._tensor_parallel import probe_operand
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window, window_stats
 from mixprec.control._settings import FP4_RUNGS, FP8_RUNGS, LOW_RUNGS, RUNGS, ControllerSettings
 from mixprec.control._backward import FAR, far_by_factor
-from mixprec.control._cost import (POOL_WINDOWS, Cadence, clear, clear_pooled, cost_steps, loss_cost,  # noqa: F401
-                                  measure_cost, output_errors, _accumulate_cost, variance)
+from mixprec.control._cost import (Cadence, clear, clear_pooled, cost_steps, loss_cost, measure_cost,  # noqa: F401
+                                  output_errors, pooled_with, _accumulate_cost, variance)
 from mixprec.control._measure import measure
 from mixprec.control._trend import Trend
 
@@ -266,7 +266,7 @@ class LayerRecord:
                     self.cost_plan[r], self.cost_var[r] = cost_steps(cost[r], mean_sq[r], steps[r], self.cost_var[r],
                                                                      limits[r], every, least, pooled[r])
                 if measured:
-                    self.cost_pool[r] = [*self.cost_pool[r], [steps[r], cost[r], mean_sq[r]]][-POOL_WINDOWS:]
+                    self.cost_pool[r] = pooled_with(self.cost_pool[r], [steps[r], cost[r], mean_sq[r]])
                 settled = measured and clear(cost[r], variance(self.cost_var[r]), steps[r], limits[r], self.cost_pool[r])
                 cost[r], cost[2 + r] = self.cost_cadence[r].checked([cost[r], cost[2 + r]], measured, settled)
         return row[:-n], cost
@@ -289,7 +289,7 @@ class LayerRecord:
             measured = back[at[2]] > 0 or back[at[3]] > 0
             for c, f in zip(at[:2], at[2:]):
                 if back[f] > 0 and math.isfinite(back[c]):
-                    pools[c] = [*pools[c], [1.0, back[c], back[c] * back[c]]][-POOL_WINDOWS:]
+                    pools[c] = pooled_with(pools[c], [1.0, back[c], back[c] * back[c]])
             # (own costs over the limit are measured again: a promotion waits for BACKWARD_WINDOWS measured windows)
             far = far_by_factor if kind else (lambda cost, limit: cost * FAR <= limit)
             settled = measured and all(not back[f] > 0 or far(back[c], limit) or (

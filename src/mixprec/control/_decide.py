@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from mixprec.control._backward import BACKWARD_WINDOWS, BackwardCost, backward_recipes, peel, stats_read
-from mixprec.control._ladder import GEMM_OPERANDS, GEMMS, Decision, LayerRecord, compose, gemm_casts
+from mixprec.control._ladder import GEMM_OPERANDS, GEMMS, Decision, LayerRecord, compose, gemm_casts, output_roundoff, past_costly
 from mixprec.control._settings import FP4_RUNGS, LOW_RUNGS, ControllerSettings, rung_name
 from mixprec.control._trend import Trend, demote_windows, grow, log2, ratio, underflow_forecast
 from mixprec.formats._quant import STAT_NAMES
@@ -24,7 +24,7 @@ from mixprec.formats._recipe import Float8Recipe
 from mixprec.formats._state import OPERANDS
 
 __all__ = ["Check", "apply_gemms", "apply_layer", "switch_layer", "cheap_below", "decide_gemms", "decide_layer", "gemm_down", "gemm_up",
-           "layer_down", "layer_up", "limits", "peel", "rung_name", "switch_gemms", "too_costly"]
+           "layer_down", "layer_up", "limits", "peel", "rung_name", "switch_gemms", "too_costly", "up_by_cost"]
 
 
 @dataclass(frozen=True)
@@ -83,10 +83,20 @@ def cheap_below(at: Check, cost: list[float]) -> bool:
     return cost[3] > 0 and cost[1] <= at.settings.demote_cost
 
 
-def layer_up(rec: LayerRecord) -> int:
+def layer_up(rec: LayerRecord, at: Check | None = None, cost: float | None = None) -> int:
     """The rung a promotion goes to: the next one up the layer can run (a block rung needs
-    features that are multiples of its blocks)."""
-    return next(i for i in range(rec.rung + 1, len(rec.allowed)) if rec.allowed[i])
+    features that are multiples of its blocks); for its forward's loss ``cost`` over the limit,
+    :func:`up_by_cost`'s."""
+    above = [i for i in range(rec.rung + 1, len(rec.allowed)) if rec.allowed[i]]
+    return above[0] if cost is None else up_by_cost(at, cost, rec.rung, above)
+
+
+def up_by_cost(at: Check, cost: float, here: int, above: list[int]) -> int:
+    """Of the rungs ``above`` rung ``here`` (in order), the one a forward GEMM whose casts cost the loss
+    ``cost`` over ``max_loss_cost`` goes to (:func:`~mixprec.control._ladder.past_costly`; at most the compute dtype)."""
+    ladder, top = at.settings.ladder, at.settings.ladder.index("compute")
+    roundoff = [output_roundoff(at.recipes.get(r), at.compute) for r in ladder]
+    return past_costly(cost, at.settings.max_loss_cost, roundoff[here], [(r, roundoff[r]) for r in above if r <= top])
 
 
 def layer_down(rec: LayerRecord) -> int | None:
@@ -154,7 +164,7 @@ def decide_layer(at: Check, name: str, rec: LayerRecord, row: list[float], cost:
             if forecast > max_u:
                 return decision(op, "promote", layer_up(rec), "underflow_forecast", forecast, max_u, ">")
         if too_costly(at, cost):
-            return decision("output", "promote", layer_up(rec), "loss_cost", cost[0], at.settings.max_loss_cost, ">")
+            return decision("output", "promote", layer_up(rec, at, cost[0]), "loss_cost", cost[0], at.settings.max_loss_cost, ">")
     if down is None:
         return None
     # demote: the rung below, judged by the shadow (fp8 below) or the range (compute below fp32)
@@ -205,10 +215,12 @@ def _composes(at: Check, rec: LayerRecord, g: int, rung: int) -> bool:
     return compose(_recipes(at, rungs)) is not None
 
 
-def gemm_up(at: Check, rec: LayerRecord, g: int) -> int:
+def gemm_up(at: Check, rec: LayerRecord, g: int, cost: float | None = None) -> int:
     """The rung GEMM ``g`` is promoted to: the next one up that the layer can run and that
-    composes with its other GEMMs (at the latest the compute dtype)."""
-    return next(i for i in range(rec.rungs[g] + 1, len(at.settings.ladder)) if _composes(at, rec, g, i))
+    composes with its other GEMMs (at the latest the compute dtype); for the forward GEMM's loss
+    ``cost`` over the limit, :func:`up_by_cost`'s."""
+    above = [i for i in range(rec.rungs[g] + 1, len(at.settings.ladder)) if _composes(at, rec, g, i)]
+    return above[0] if cost is None else up_by_cost(at, cost, rec.rungs[g], above)
 
 
 def gemm_down(at: Check, rec: LayerRecord, g: int) -> int | None:
@@ -235,9 +247,7 @@ def switch_layer(at: Check, rec: LayerRecord, to: int) -> None:
     the trends of the casts it measures too, and the layer is routed there."""
     rec.rung = to
     rec.clean = 0
-    for op in OPERANDS:  # the casts these measure change with the rung
-        rec.trends[f"underflow_{op}"] = Trend()
-        rec.trends[f"shadow_{op}"] = Trend()
+    rec.trends.update({f"{k}_{op}": Trend() for op in OPERANDS for k in ("underflow", "shadow")})  # (their casts changed)
     rec.switches.append(at.steps)
     apply_layer(at, rec)
 
@@ -273,9 +283,7 @@ def switch_gemms(at: Check, rec: LayerRecord, gemms: range | tuple, to: int) -> 
         rec.rungs[g] = to
         rec.gemm_clean[g] = rec.back_over[g] = 0
         rec.gemm_switches[g].append(at.steps)
-        for op in GEMM_OPERANDS[GEMMS[g]]:  # the casts these measure change with the rung
-            rec.trends[f"{GEMMS[g]}.underflow_{op}"] = Trend()
-            rec.trends[f"{GEMMS[g]}.shadow_{op}"] = Trend()
+        rec.trends.update({f"{GEMMS[g]}.{k}_{op}": Trend() for op in GEMM_OPERANDS[GEMMS[g]] for k in ("underflow", "shadow")})
     apply_gemms(at, rec)
 
 
@@ -410,7 +418,7 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
                 (back[0], "backward_cost", at.settings.max_backward_cost) if rec.back_over[g] >= BACKWARD_WINDOWS
                 else None)
         if over is not None:
-            to = gemm_up(at, rec, g)
+            to = gemm_up(at, rec, g, over[0] if over[1] == "loss_cost" else None)
             d = decision(gemm, "output", "promote", rung, to, over[1], over[0], over[2], ">")
             switch_gemms(at, rec, (g,), to)
             return d

@@ -81,15 +81,15 @@ def lower_bounds(recs: Sequence[LayerRecord]) -> torch.Tensor:
 def early_promotions(at: Check, names: Sequence[str], recs: Sequence[LayerRecord], rows: list[list[float]]
                      ) -> list[Decision]:
     """Promote the forward GEMM of each record whose all-reduced :func:`lower_bounds` row passes
-    ``max_loss_cost`` (one rung up: :func:`~mixprec.control._decide.gemm_up`, or the layer's
-    :func:`~mixprec.control._decide.layer_up` for a whole-layer record), its windows started over;
+    ``max_loss_cost`` (to the rung its mean cost calls for: :func:`~mixprec.control._decide.gemm_up`,
+    or the layer's :func:`~mixprec.control._decide.layer_up` for a whole-layer record), its windows started over;
     returns the decisions (statistic ``loss_cost``, the mean as value)."""
     limit, out = at.settings.max_loss_cost, []
     for name, rec, (bound, mean, n) in zip(names, recs, rows):
         if not bound > limit or not rec.forward_low:
             continue
         here = rec.rungs[0]
-        to = gemm_up(at, rec, 0) if at.settings.per_gemm else layer_up(rec)
+        to = gemm_up(at, rec, 0, mean) if at.settings.per_gemm else layer_up(rec, at, mean)
         where, gemm = ("output GEMM: ", "output") if at.settings.per_gemm else ("", None)
         reason = (f"{where}output loss cost {mean:.4g} > {limit:g} (early: {int(n)} steps, "
                   f"{COST_Z:g} standard errors over)")

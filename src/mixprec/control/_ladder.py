@@ -26,7 +26,7 @@ from mixprec.control._measure import measure
 from mixprec.control._trend import Trend
 
 __all__ = ["Decision", "FP4_RUNGS", "FP8_RUNGS", "GEMMS", "GEMM_OPERANDS", "GemmCasts", "LOW_RUNGS", "RUNGS",
-           "LayerRecord", "compose", "gemm_casts", "loss_cost", "measure"]
+           "LayerRecord", "compose", "gemm_casts", "loss_cost", "measure", "output_roundoff", "past_costly"]
 
 #: a linear layer's GEMMs (the keys of ``Float8Recipe.gemms()``) and the operands each reads, in
 #: the order of its (left, right) casts, as rows of :class:`LayerState`'s windows.
@@ -113,6 +113,41 @@ def compose(recipes: tuple[Float8Recipe | None, ...]) -> Float8Recipe | None:
         return dataclasses.replace(base, **casts, **extra, save_fp8=False, name=name)
     except ValueError:
         return None
+
+
+def output_roundoff(recipe: Float8Recipe | None, compute: torch.dtype | None) -> float:
+    """The relative rounding error of a forward GEMM's operands under ``recipe`` (None: the
+    compute dtype, no cast): the ``hypot`` of the input's and the weight's format's
+    :attr:`~mixprec.fp8.Cast.unit_roundoff` (an operand left in high precision: the compute
+    dtype's; float32's while it is unknown).
+
+    Example:
+        >>> output_roundoff(Float8Recipe.nvfp4(), None) / output_roundoff(Float8Recipe.tensorwise(), None)
+        4.0
+        >>> output_roundoff(None, torch.bfloat16) == math.hypot(2 ** -8, 2 ** -8)
+        True
+    """
+    high = torch.finfo(compute if compute is not None and compute.is_floating_point else torch.float32).eps / 2
+    casts = (_HP, _HP) if recipe is None else (recipe.input, recipe.weight)
+    return math.hypot(*(c.unit_roundoff or high for c in casts))
+
+
+def past_costly(cost: float, limit: float, here: float, above: list[tuple[int, float]]) -> int:
+    """The rung a forward GEMM is promoted to whose own casts cost the loss ``cost`` over
+    ``limit`` on a rung of :func:`output_roundoff` ``here``: the first of ``above`` (the rungs
+    above it that it may run, in order, each with its roundoff) where the cost scaled by the
+    ratio of the roundoffs fits the limit, else the last. An error's first-order cost scales
+    with its size, its curvature cost with the square: the rung picked by the smaller fall fits
+    either way, and one that rounds no finer (another fp8 rung) is passed by while the cost is
+    over; a rung passed by that would fit is the next demotion's to find (its cost is measured
+    as the rung below's).
+
+    Example:
+        >>> fp4, fp8, bf16 = 0.35, 0.088, 0.0055
+        >>> past_costly(6e-3, 1e-3, fp4, [(1, fp8), (2, fp8), (3, bf16)]), past_costly(2e-3, 1e-3, fp4, [(1, fp8), (3, bf16)])
+        (3, 1)
+    """
+    return next((rung for rung, u in above if cost * u <= limit * here), above[-1][0])
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,8 @@ class ControllerSettings(_Settings):
     most at the slowest of their rates (:func:`~mixprec.control._trend.sustained_slope`): no forecast from the first
     windows after warm-up, nor from a noisy amax.
 
-    *Promote* (one rung up ``ladder``): a forecast underflow above ``max_underflow``; straight
+    *Promote* (one rung up ``ladder``; a forward over ``max_loss_cost``: to the first rung whose
+    forecast cost fits it, :func:`~mixprec.control._ladder.past_costly`): a forecast underflow above ``max_underflow``; straight
     to the compute dtype on a nonfinite count above ``max_nonfinite``; straight to fp32, under
     fp16 compute, when the forecast input or output amax passes ``max_range * 65504``.
     *Demote* (one rung down): a promoted layer measures, on a sample of ``sample`` elements per

@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Cast", "Float8Recipe", "Recipe", "FORMATS", "RECIPE_NAMES"]
+__all__ = ["Cast", "Float8Recipe", "Recipe", "FORMATS", "RECIPE_NAMES", "UNIT_ROUNDOFF"]
 
 Format = Literal["e4m3fn", "e5m2", "e2m1", "none"]
 Granularity = Literal["tensor", "row", "1x16", "16x16", "1x32", "1x128", "128x128"]
@@ -22,6 +22,9 @@ FORMATS: dict[str, torch.dtype | None] = {
     "e2m1": torch.float4_e2m1fn_x2,
     "none": None,
 }
+#: format name -> its unit roundoff (half the gap between 1 and the next value: ``2**-(mantissa bits + 1)``),
+#: the relative error of rounding a value in its normal range
+UNIT_ROUNDOFF: dict[str, float] = {"e4m3fn": 2.0 ** -4, "e5m2": 2.0 ** -3, "e2m1": 2.0 ** -2}
 #: block granularities: (rows, cols) of the operand as the GEMM reads it (cols: contracted).
 BLOCKS: dict[str, tuple[int, int]] = {"1x16": (1, 16), "16x16": (16, 16), "1x32": (1, 32), "1x128": (1, 128),
                                       "128x128": (128, 128)}
@@ -49,8 +52,8 @@ class Cast:
     :mod:`mixprec.formats._fp4`.
 
     Example:
-        >>> Cast("e5m2").dtype
-        torch.float8_e5m2
+        >>> Cast("e5m2").dtype, Cast("e2m1", "1x16").unit_roundoff
+        (torch.float8_e5m2, 0.25)
     """
 
     format: Format = "e4m3fn"
@@ -76,6 +79,12 @@ class Cast:
     def dtype(self) -> torch.dtype | None:
         """The low-precision dtype (``torch.float4_e2m1fn_x2`` for fp4), or None for high precision."""
         return FORMATS[self.format]
+
+    @property
+    def unit_roundoff(self) -> float | None:
+        """The relative rounding error of the format's normal values (:data:`UNIT_ROUNDOFF`), or
+        None for high precision (the GEMM's own dtype's)."""
+        return UNIT_ROUNDOFF.get(self.format)
 
     @property
     def is_fp8(self) -> bool:

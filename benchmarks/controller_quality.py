@@ -20,7 +20,8 @@ Configs (every fp4 layer NVFP4, emulated in float32 as the demo's fp4 modes run 
 * ``controller-flush``: the same without ``max_backward_cost`` (backward GEMMs by their flush).
 
 Printed per model: each config's final training loss (mean of the last 10% of steps) minus
-fp32's, seed by seed (mean ± standard deviation), whether that mean is within fp32's seed spread
+fp32's, seed by seed (mean ± standard deviation, and the median: a seed whose run turns chaotic moves
+the mean, not the median), whether that mean is within fp32's seed spread
 (its standard deviation over the seeds), and the fp4 share of GEMM FLOPs (:mod:`mixprec.demo.flops`,
 counted step by step); then the issue's bar (:func:`verdict`): the controller's share at least
 the best hand recipe's with a loss gap no worse, and >= 85% in fp4 within fp32's spread; then the
@@ -153,6 +154,7 @@ def summarize(results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
         diffs = [r["final"] - base[s] for s, r in runs.items() if s in base]
         gap = statistics.fmean(diffs)
         rows[config] = {"gap": gap, "gap_sd": statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+                        "gap_median": statistics.median(diffs),
                         "share": statistics.fmean(r["fp4_share"] for r in runs.values()),
                         "within": abs(gap) <= spread, "seconds": statistics.fmean(r["seconds"] for r in runs.values())}
     return {"spread": spread, "base": statistics.fmean(base.values()), "rows": rows}
@@ -181,10 +183,10 @@ def verdict(summary: dict[str, Any], controller: str = "controller") -> str:
 
 def table(model: str, summary: dict[str, Any]) -> str:
     lines = [f"{model}: fp32 final {summary['base']:.4f}, seed spread (sd) {summary['spread']:.4f}",
-             "| config | loss - fp32 (mean ± sd) | within spread | fp4 share of GEMM FLOPs | s/run |",
-             "| --- | --- | --- | --- | --- |"]
+             "| config | loss - fp32 (mean ± sd) | median | within spread | fp4 share of GEMM FLOPs | s/run |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for config, r in summary["rows"].items():
-        lines.append(f"| {config} | {r['gap']:+.4f} ± {r['gap_sd']:.4f} | {'yes' if r['within'] else 'no'} | "
+        lines.append(f"| {config} | {r['gap']:+.4f} ± {r['gap_sd']:.4f} | {r['gap_median']:+.4f} | {'yes' if r['within'] else 'no'} | "
                      f"{r['share']:.1%} | {r['seconds']:.0f} |")
     for ctl in ("controller", "controller-flush"):
         if ctl in summary["rows"]:

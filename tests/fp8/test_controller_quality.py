@@ -40,7 +40,7 @@ def test_the_hand_recipes_keep_the_layers_they_name_in_bf16():
 
 
 def _summary(rows: dict[str, tuple[float, float]], spread: float = 0.01) -> dict:
-    return {"spread": spread, "base": 2.0, "rows": {c: {"gap": g, "gap_sd": 0.0, "share": s, "within": abs(g) <= spread,
+    return {"spread": spread, "base": 2.0, "rows": {c: {"gap": g, "gap_sd": 0.0, "gap_median": g, "share": s, "within": abs(g) <= spread,
                                                          "seconds": 1.0} for c, (g, s) in rows.items()}}
 
 
@@ -55,6 +55,16 @@ def test_the_verdict_compares_with_the_best_hand_recipe_and_the_85_percent_bar()
     # no hand recipe within fp32's spread: the best is the one with the smallest gap
     far = {c: (g + 0.1, s) for c, (g, s) in rows.items() if c != "fp32"}
     assert "best hand recipe last-bf16" in bench.verdict(_summary({"fp32": (0.0, 0.0), **far, "controller": (0.0, 0.9)}))
+
+
+def test_the_summary_gives_each_configs_gap_seed_by_seed_with_its_median():
+    """A chaotic seed (the 60-step Llama has them) moves the mean and spread, not the median."""
+    finals = {"fp32": [2.0, 2.1, 2.2, 2.3, 2.4], "controller": [2.01, 2.12, 2.21, 2.52, 2.41]}
+    results = {c: {seed: {"final": f, "fp4_share": 0.9, "seconds": 1.0} for seed, f in enumerate(v)} for c, v in finals.items()}
+    row = bench.summarize(results)["rows"]["controller"]
+    assert row["gap"] == pytest.approx(0.054) and row["gap_median"] == pytest.approx(0.010)
+    assert row["gap_sd"] == pytest.approx(0.0929, abs=1e-4)
+    assert "| controller | +0.0540 ± 0.0929 | +0.0100 |" in bench.table("m", bench.summarize(results))
 
 
 def _controlled(decisions: list[dict], fp4_steps: dict[str, int], seed: int = 0) -> ModeResult:

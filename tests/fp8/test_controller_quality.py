@@ -107,3 +107,17 @@ def test_the_benchmark_runs_a_short_configuration(model):
     # 3 steps, before the first check: only an early promotion (the head's forward, from the 3rd step)
     assert out["fp4_share"] == pytest.approx(1.0) and all("(early: 3 steps" in d for d in out["decisions"])
     assert out["final"] > 0
+
+
+def test_the_heads_input_gradient_error_reaches_every_earlier_layer_a_hidden_ones_only_its_branch():
+    """benchmarks/gradient_reach.py (the measurement behind the backward cost's next step): after
+    20 steps, the head's NVFP4 input-gradient error reaches every earlier layer's weight gradient
+    at least 10x stronger than ``blocks.1.out``'s reaches any layer past its block's residual add;
+    ``blocks.1.out``'s reaches ``blocks.1.fc`` (its branch) at least 10x stronger than those."""
+    from benchmarks import gradient_reach
+
+    out = gradient_reach.main(["--steps", "20", "--batches", "1", "--targets", "head,blocks.1.out"])
+    head, hidden = out["head"][1], out["blocks.1.out"][1]
+    past = max(v for n, v in hidden.items() if n not in ("blocks.1.fc", "head"))
+    assert min(head.values()) >= 10 * past and hidden["blocks.1.fc"] >= 10 * past
+    assert out["head"][0] > 0 and hidden["head"] == 0.0  # (a later layer sees nothing of it)

@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from mixprec import Controller, fp8
@@ -18,6 +17,8 @@ from mixprec.control._decide import Check, up_by_cost
 from mixprec.control._ladder import output_roundoff, past_costly
 from mixprec.control._settings import ControllerSettings
 from mixprec.fp8 import Float8Recipe
+
+from test_controller_loss_cost import _model, batch  # noqa: F401  (the sharp logits: NVFP4 ~0.005 nats, fp8 under a fifth)
 
 CROSS_ISA = pytest.mark.cross_isa
 FP4, FP8, BF16 = math.hypot(2 ** -2, 2 ** -2), math.hypot(2 ** -4, 2 ** -4), math.hypot(2 ** -8, 2 ** -8)
@@ -55,25 +56,6 @@ def test_fp32_above_the_compute_dtype_is_never_a_cost_promotions():
     at = Check.of(ControllerSettings(ladder=("nvfp4", "tensorwise", "compute", "fp32"), max_loss_cost=1e-3), compute=torch.float16)
     assert up_by_cost(at, 1e3, 0, [1, 2, 3]) == 2
     assert up_by_cost(at, 2e-3, 0, [1, 2, 3]) == 1
-
-
-def _model() -> nn.Sequential:
-    """The logits (layer "2") are sharp: their NVFP4 error costs about 0.005 nats a step, fp8's
-    under a fifth of it (test_controller_loss_cost)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64))
-    with torch.no_grad():
-        model[2].weight.mul_(4)
-    return model
-
-
-@pytest.fixture(scope="module")
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(256, 32, generator=g)
-    with torch.no_grad():
-        y = (_model()(x) + 0.5 * torch.randn(256, 64, generator=g)).argmax(-1)
-    return x, y
 
 
 def _run(batch, steps: int, **settings) -> Controller:

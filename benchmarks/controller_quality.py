@@ -61,7 +61,7 @@ CONFIGS = ("fp32", "all-fp4", "head-bf16", "last-bf16", "alt-bf16", "controller"
 HAND = ("head-bf16", "last-bf16", "alt-bf16")
 LADDER = FP4_LADDER
 MAX_LOSS_COST = FP4_MAX_LOSS_COST
-MAX_BACKWARD_COST = FP4_MAX_BACKWARD_COST  # the demo's: max_loss_cost / every
+MAX_BACKWARD_COST = FP4_MAX_BACKWARD_COST  # the demo's: max_loss_cost / (every * horizon)
 SEQ = 64
 
 

@@ -254,6 +254,8 @@ def test_the_backward_pools_resume_with_the_state_dict_and_a_malformed_one_is_re
         assert rec.backward.pool == ctl._layers[name].backward.pool
         assert [c.state() for c in rec.backward.cadence] == [c.state() for c in ctl._layers[name].backward.cadence]
         assert rec.backward.recipes == ctl._layers[name].backward.recipes
+        assert rec.backward.reach.state() == ctl._layers[name].backward.reach.state()  # (_reach: gain, reach)
+    assert all(data["backward_cost"][4][2] is not None for data in state["layers"].values())  # (gains measured)
     old = json.loads(json.dumps(state))
     for data in old["layers"].values():  # saved before the pools were
         data["backward_cost"] = data["backward_cost"][:3]

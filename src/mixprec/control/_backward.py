@@ -18,7 +18,9 @@ error is unbiased costs about its curvature term, one whose error takes from the
 (a flush) its first-order term. The input-gradient GEMM's result steers every layer whose
 forward came before this one (the controller's tracking order, a model's forward order): its
 error ``E_x`` in ``R_x`` costs the first-order share ``-<R_x, E_x> / |R_x|**2`` of their gain
-and the curvature share ``|E_x|**2 / |R_x|**2 * eta * h / 2`` (``h``: this layer's mean
+and the curvature share ``|E_x|**2 / |R_x|**2 * eta * h / 2``, both times the share of the
+error that reaches them (its reach, :mod:`._reach`: a residual stream's skip path dilutes a
+hidden layer's about a hundredfold, the head's not at all) (``h``: this layer's mean
 curvature over directions, standing in for theirs: ``tr(H) / n = rows * sum_t |g_t|**2 |x_t|**2
 / n`` for the ``n`` weights, exactly what ``Z'HZ / |Z|**2`` along a random direction ``Z``
 estimates, at the cost of the rows' norms instead of a GEMM).
@@ -46,6 +48,7 @@ import torch
 
 from mixprec.formats._linear import linear
 from mixprec.control._cost import Cadence
+from mixprec.control._reach import Reach, ReachMap
 from mixprec.control._settings import LOW_RUNGS
 from mixprec.formats._recipe import Float8Recipe
 
@@ -64,7 +67,10 @@ FAR = 2.0
 #: promoted: each window's cost is one step's estimate (a gradient error's projection on the
 #: step, of either sign), and one window over its limit by chance would ratchet a GEMM up where
 #: a demotion takes ``demote_windows`` clean ones (an own cost over the limit is measured again
-#: in the next window however far over: ``LayerRecord.carry_backward``)
+#: in the next window however far over: ``LayerRecord.carry_backward``); one :data:`FAR` times
+#: over is promoted at once (the heads' NVFP4 backward GEMMs read 2-4x over 3.3e-5 in their first
+#: window on the Llama, a hidden layer's at most half of it there and on tiny: a head's early
+#: steps in NVFP4 are the ones a seed can diverge on)
 BACKWARD_WINDOWS = 2
 
 
@@ -203,6 +209,7 @@ class BackwardCost:
     def __init__(self, device: torch.device) -> None:
         self.window = torch.zeros(2, len(BACKWARD_GEMMS), 3, device=device)
         self.gain = torch.zeros(2, device=device)
+        self.reach = Reach(device)  # how far the input gradient's error reaches the layers before (_reach)
         self._recipes: list[tuple[int, Float8Recipe, tuple[bool, bool]]] | None = []
         # per kind (own casts, the rung below's), in which windows it is measured (LayerRecord.carry_backward)
         self.cadence = [Cadence(), Cadence()]
@@ -253,9 +260,11 @@ class BackwardCost:
         return _Tap.apply(x, weight, timed(lambda gx, gw: self._measure(shadow, gx, gw)))
 
     def observe(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, measuring: bool,
-                timed: Callable[[Callable], Callable] = lambda fn: fn) -> None:
+                timed: Callable[[Callable], Callable] = lambda fn: fn, reaches: ReachMap | None = None) -> None:
         """A forward of the layer: count the gain of the update since the last measured backward
-        (once the weight moved) and, on a measured step, measure this forward's backward (its hook ``timed``)."""
+        (once the weight moved) and, on a measured step, measure this forward's backward (its
+        hooks ``timed``) and, where its input gradient is measured, walk its reach over the
+        earlier layers in ``reaches`` (:mod:`._reach`), where this forward's output goes too."""
         p = self.pending
         if p is not None and p[4] is not None and weight._version != p[3]:
             moved = (p[0] * weight.detach().float()).sum() - p[1]
@@ -265,6 +274,10 @@ class BackwardCost:
         if measuring and out.requires_grad:
             shadow = shadow or _Shadow(x.detach(), weight.detach(), weight, False)
             out.register_hook(timed(lambda grad: self._output_grad(shadow, grad)))
+            if reaches is not None and any(m[0] for kind, _, m in self.recipes if self.cadence[kind].due):
+                self.reach.walk(out.grad_fn, reaches.earlier(self.reach), timed)
+        if reaches is not None and out.requires_grad:
+            reaches.add(self.reach, out.grad_fn)
 
     def _output_grad(self, shadow: _Shadow, grad: torch.Tensor) -> None:
         shadow.grad = grad.detach()
@@ -294,10 +307,14 @@ class BackwardCost:
                 ref, e = grad_input, gi.reshape(grad_input.shape).float() - grad_input
                 e = step_error(ref, e) if self.normalized else e
                 share = e.square().sum() / ref.square().sum().clamp(min=_TINY)
-                self.window[kind, 0] += torch.stack([cost_ratio(ref, ref + e), share * h / (2 * gg), gg.new_ones(())])
+                first = cost_ratio(ref, ref + e) + (share / 2 if self.normalized else 0.0)
+                self.window[kind, 0] += torch.stack([first, share * h / (2 * gg), gg.new_ones(())])
             if measured[1] and gw is not None:
                 gw = grad_weight + step_error(grad_weight, gw.float() - grad_weight) if self.normalized else gw
-                self.window[kind, 1] += torch.cat([update_terms(g2, x2, grad_weight, gw, along), gg.new_ones(1)])
+                terms = update_terms(g2, x2, grad_weight, gw, along)
+                if self.normalized:
+                    terms[0] += (gw - grad_weight).square().sum() / gg / 2
+                self.window[kind, 1] += torch.cat([terms, gg.new_ones(1)])
         p = self.pending
         if p is not None and p[2] is weight and p[3] == weight._version and p[4] is None:  # another micro-batch
             p[0] += grad_weight
@@ -312,21 +329,22 @@ class BackwardCost:
 
     def row(self) -> torch.Tensor:
         """The window as a row of the check's all-reduce: the mean terms per kind and GEMM (-inf:
-        none measured), whether each was measured, the mean gain (-inf: none) and whether it was."""
+        none measured), whether each was measured, the mean gain (the last window's that measured
+        one; -inf: none yet), whether there is one, and the reach (the last measured; 1: none yet).
+        Keeps the gain and the reach for the windows that measure none (no host sync)."""
         counts = self.window[..., 2:]
         means = torch.where(counts > 0, self.window[..., :2] / counts.clamp(min=1), -torch.inf)
-        gain = torch.where(self.gain[1] > 0, self.gain[0] / self.gain[1].clamp(min=1), -torch.inf)
-        return torch.cat([means.flatten(), (counts > 0).float().flatten(), gain.reshape(1),
-                          (self.gain[1] > 0).float().reshape(1)])
+        return torch.cat([means.flatten(), (counts > 0).float().flatten(), self.reach.row(self.gain)])
 
     def reset(self) -> None:
         self.window.zero_()
         self.gain.zero_()
+        self.reach.reset()
 
 
 _KINDS = 2 * len(BACKWARD_GEMMS)  # (kind, GEMM) pairs
 #: the length of :meth:`BackwardCost.row`
-ROW = 3 * _KINDS + 2
+ROW = 3 * _KINDS + 3
 
 
 def backward_costs(backs: list[list[float] | None]) -> list[list[float] | None]:
@@ -334,13 +352,16 @@ def backward_costs(backs: list[list[float] | None]) -> list[list[float] | None]:
     measurement), ``[own grad_input, own grad_weight, below grad_input, below grad_weight]``
     costs in nats per step followed by whether each was measured: the weight gradient's
     ``gain * c1 + gain**2 * c2`` with its layer's gain, the input gradient's ``up * c1 + up *
-    gain * c2`` with ``up`` the gains of the layers before it summed; a negative gain (the step
+    gain * c2`` with ``up`` the gains of the layers before it summed, times the share of its
+    error that reaches them (the row's last entry, :mod:`._reach`); a negative gain (the step
     lost to first order) counts as none.
 
     Example:
-        >>> row = [0.1, 0.0, 0.2, 1.0, 0.0, 0.0, 0.0, 0.0, 1, 1, 0, 0, 0.5, 1]
+        >>> row = [0.1, 0.0, 0.2, 1.0, 0.0, 0.0, 0.0, 0.0, 1, 1, 0, 0, 0.5, 1, 1.0]
         >>> [round(c, 4) for c in backward_costs([row, row])[1][:2]]  # grad_input: the first's gain
         [0.05, 0.35]
+        >>> [round(c, 4) for c in backward_costs([row, row[:-1] + [0.1]])[1][:2]]  # a tenth of it reaches
+        [0.005, 0.35]
     """
     out: list[list[float] | None] = []
     upstream = 0.0
@@ -348,12 +369,12 @@ def backward_costs(backs: list[list[float] | None]) -> list[list[float] | None]:
         if row is None:
             out.append(None)
             continue
-        terms, measured, (gain, has_gain) = row[:2 * _KINDS], row[2 * _KINDS:3 * _KINDS], row[3 * _KINDS:]
+        terms, measured, (gain, has_gain, reach) = row[:2 * _KINDS], row[2 * _KINDS:3 * _KINDS], row[3 * _KINDS:]
         own = max(gain, 0.0) if has_gain > 0 else 0.0
         costs = []
         for i, m in enumerate(measured):
             c1, c2 = terms[2 * i:2 * i + 2]
-            scale = upstream if i % 2 == 0 else own  # (kind, GEMM) in order: grad_input, grad_weight
+            scale = upstream * reach if i % 2 == 0 else own  # (kind, GEMM) in order: grad_input, grad_weight
             costs.append(scale * c1 + scale * own * c2 if m > 0 and has_gain > 0 else 0.0)
         out.append(costs + [float(m > 0 and has_gain > 0) for m in measured])
         upstream += own

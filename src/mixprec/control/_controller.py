@@ -21,6 +21,7 @@ from mixprec.control._decide import Check, apply_gemms, apply_layer, decide_gemm
 from mixprec.control._early import early_window, promote_early
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord
 from mixprec.control._probe import Probe
+from mixprec.control._reach import ReachMap
 from mixprec.control._records import (CheckClock, all_gathered, check_loss_scale, converted, converted_experts,
                                       detached_record, grad_scale, layer_data, load_layer, log_csv, log_data, metadata,
                                       parse_state_dict, qualified, seen_compute, set_measuring, start_rungs, untrack,
@@ -82,7 +83,7 @@ class Controller(Shell):
         self._measuring = shadow_phase(0, self.settings.every, self.settings.shadow_steps)  # this step feeds the shadows
         self._recipes = {r: Float8Recipe.from_name(r) for r in self.settings.ladder if r in LOW_RUNGS}  # one per rung
         self._scaled_seen = last_count()  # a loss scaled before the controller existed is no step of its own
-        self._clock = CheckClock()
+        self._clock, self._reaches = CheckClock(), ReachMap()  # (the step's GEMM output nodes: _reach)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -96,10 +97,9 @@ class Controller(Shell):
         return list(self._log)
 
     def precision(self, layer: str, gemm: str | None = None) -> str:
-        """The format ``layer`` (its qualified name) runs in now: ``"fp8-tensorwise"``,
-        ``"fp8-rowwise"``, ``"nvfp4"``, ``"bf16"``/``"fp16"`` (the compute dtype) or ``"fp32"``;
-        with ``gemm`` (``"output"``, ``"grad_input"``, ``"grad_weight"``), that GEMM's (the
-        layer's is its forward GEMM's; they differ only under ``per_gemm=True``).
+        """The format ``layer`` (its qualified name) runs in now: ``"fp8-tensorwise"``, ``"fp8-rowwise"``,
+        ``"nvfp4"``, ``"bf16"``/``"fp16"`` (the compute dtype) or ``"fp32"``; with ``gemm`` (``"output"``,
+        ``"grad_input"``, ``"grad_weight"``), that GEMM's (the layer's is its forward GEMM's; they differ only under ``per_gemm=True``).
 
         Raises KeyError naming the layers it knows when it does not know ``layer``, ValueError
         for an unknown ``gemm``.
@@ -200,7 +200,7 @@ class Controller(Shell):
         self._apply(rec)
 
     def _probe(self, rec: LayerRecord) -> None:
-        rec.probe = Probe(rec, self.settings.sample, self._measuring, self._clock)
+        rec.probe = Probe(rec, self.settings.sample, self._measuring, self._clock, self._reaches)
 
     def _apply(self, rec: LayerRecord) -> None:
         """Route the layer for its rungs (``_decide.apply_layer``/``apply_gemms``; traced code reads it: a switch recompiles)."""
@@ -249,6 +249,7 @@ class Controller(Shell):
             for rec in self._layers.values():
                 rec.end_step(grad_scale(rec, loss_scale, scaled))
         self._steps, self._stepped = self._steps + 1, True
+        self._reaches.clear()
         self._learn_compute()
         if not self._layers and not self._warned_empty and not self._distributed():
             self._warned_empty = True

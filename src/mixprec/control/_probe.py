@@ -17,6 +17,7 @@ from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT
 from mixprec.control._cost import measure_cost
 from mixprec.control._ladder import GEMMS, LayerRecord
 from mixprec.control._measure import abs_max, record, record_range, sampled_cast
+from mixprec.control._reach import ReachMap
 from mixprec.control._records import CheckClock
 
 __all__ = ["Probe"]
@@ -34,10 +35,13 @@ class Probe:
     sample of about ``sample`` elements per operand. A copy or a pickle of the model (``copy.deepcopy``) drops it: the copy runs its
     rung without measurements."""
 
-    def __init__(self, rec: LayerRecord, sample: int, measuring: bool = False, clock: CheckClock | None = None) -> None:
+    def __init__(self, rec: LayerRecord, sample: int, measuring: bool = False, clock: CheckClock | None = None,
+                 reaches: ReachMap | None = None) -> None:
         """(``measuring``: whether the step under way feeds the shadows, written to the record;
-        ``clock``: the controller's, which adds up the measurements' host seconds.)"""
+        ``clock``: the controller's, which adds up the measurements' host seconds; ``reaches``:
+        its map of the step's GEMM outputs, which the backward cost's reach walks.)"""
         self.rec, self.sample, self.clock = rec, sample, clock  # ``sample``: the elements measured per operand
+        self.reaches = reaches
         rec.measuring.fill_(measuring)
         rec.measuring_now = measuring
         self.fp32 = False  # the fp32 rung: fp8.linear's fallback runs the GEMM in float32
@@ -100,7 +104,7 @@ class Probe:
             if any(wanted):
                 measure_cost(rec, x, weight, bias, out, wanted, kept, tp, self.timed)
         if rec.backward is not None and not compiling and not rec.cost_blind and weight is not None:
-            rec.backward.observe(x, weight, out, rec.backward_now and rec.backward.due, self.timed)
+            rec.backward.observe(x, weight, out, rec.backward_now and rec.backward.due, self.timed, self.reaches)
         if rec.gemm_windows is not None:
             _measure_gemms(rec, x, weight, out, sample, measuring, gate, tp, self.timed)
             return result

@@ -73,8 +73,9 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
                                       "cadence": [c.state() for c in rec.cost_cadence], "below": rec.cost_below,
                                       "pool": [[list(w) for w in p] for p in rec.cost_pool]}
         if rec.backward is not None:  # (its pending gain, a weight-sized gradient, is not kept)
-            data["backward_cost"] = [rec.backward.window.tolist(), rec.backward.gain.tolist(),
-                                     [c.state() for c in rec.backward.cadence], [[list(w) for w in p] for p in rec.backward.pool]]
+            b = rec.backward
+            data["backward_cost"] = [b.window.tolist(), b.gain.tolist(), [c.state() for c in b.cadence],
+                                     [[list(w) for w in p] for p in b.pool], b.reach.state()]
     return data
 
 
@@ -146,6 +147,7 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
         for target, saved in zip(rec.backward.cadence, later[0] if later else ()):
             target.load(saved)
         rec.backward.pool = load_pool(later[1], len(rec.backward.pool)) if len(later) > 1 else [[] for _ in rec.backward.pool]
+        rec.backward.reach.load(later[2] if len(later) > 2 else None)
         rec.backward.loaded()
     if "state" in data and "rounding_step" in data:  # (saved before the count was: the model's state_dict's, or 0)
         rec.state.rounding_step = int(data["rounding_step"])

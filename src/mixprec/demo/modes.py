@@ -287,10 +287,12 @@ FP4_MAX_LOSS_COST = 1e-3
 #: The most a backward GEMM's error may cost the loss per step through the update in
 #: ``mixprec-fp4`` (``Controller.max_backward_cost``; it replaces their flush rule): a cost per
 #: step, paid again on every step the GEMM runs, against a forward's level, so the forward's
-#: limit spread over the window a decision holds for at least (:data:`FP8_EVERY` steps). NVFP4's
-#: head costs about 1e-4 a step on tiny; at 1e-4 its backward GEMMs are promoted and the loss gap
-#: to fp32 fell on 6 of 6 seeds (+0.0059 against +0.0074 at 1e-3; docs/fp8.md, issue 39).
-FP4_MAX_BACKWARD_COST = FP4_MAX_LOSS_COST / FP8_EVERY
+#: limit spread over the steps the controller forecasts (``horizon`` windows of
+#: :data:`FP8_EVERY` steps: 3.3e-5). With each input gradient charged by its reach (``_reach``)
+#: and AdamW's noise cost, the heads' NVFP4 backward GEMMs read 5e-5 to 2e-4 a step on tiny and
+#: the Llama, every hidden one at most 1.5e-5 after the first window: at 3.3e-5 the heads' are
+#: promoted and no other (docs/controller.md, "The limit, like with like"; issue 39).
+FP4_MAX_BACKWARD_COST = FP4_MAX_LOSS_COST / (FP8_EVERY * mixprec.ControllerSettings.horizon)
 #: The fp4 modes: with the controller, all-fp4 without it, the hand recipe (first and last in bf16).
 FP4_MODES = ("mixprec-fp4", "mixprec-fp4-all", "mixprec-fp4-hand")
 

@@ -1,0 +1,235 @@
+"""How far a layer's input-gradient error reaches the layers before it (``BackwardCost.reach``).
+
+An input-gradient GEMM's error joins the gradient every earlier layer sees, but where its
+gradient merges with gradient from elsewhere (a residual stream's skip path, a sibling layer
+reading the same input) it is diluted: measured on tiny, a hidden layer's NVFP4 input-gradient
+error induces about a hundredth of its own relative error past its block's residual add, the
+head's its whole error on every earlier layer (``benchmarks/gradient_reach.py``). The backward
+cost charges each earlier layer's gain with the share the error reaches it with.
+
+The share is read off the step's own backward, without another product: on a measured step a
+walk of the autograd graph upstream of the layer's GEMM hooks each node (up to
+:data:`WALK_NODES`), and as the backward runs it carries, per node, the fraction ``r`` of the
+gradient's squared norm that came from the layer: the layer's own node has ``r = 1``; a node
+receives ``sum_p sqrt(r_p) v_p`` from the walked nodes ``p`` (their gradient ``v_p`` for it)
+against the gradient it received in all, ``r = min(1, |sum_p sqrt(r_p) v_p|**2 / |total|**2)``
+(a node fed only by walked nodes keeps their ``r``; one fed by a skip path too takes its
+share). An error relative to a gradient by ``s`` that passes the same Jacobians as the gradient
+(isotropic to first order) is then relative by ``s * r`` at each node: ``r`` at an earlier
+controlled layer's output is the share of the layer's error its weight gradient sees. The
+earlier layers' ``r`` are averaged, weighted by their last window's gain (what their cost
+charges), into the layer's reach; a layer the walk does not reach (a parallel branch) counts
+``0``; past a truncated walk (over :data:`WALK_NODES`), the last one reached counts for the
+rest. The hooks hold no graph node; the only sync-free device work is a few norms at merges.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["Reach", "ReachMap", "WALK_NODES", "walk"]
+
+#: the most autograd nodes one walk hooks (the layers past them take the last reached one's share)
+WALK_NODES = 1024
+_TINY = 1e-30
+
+
+class ReachMap:
+    """One controller's map, for the step under way, from each controlled layer (its
+    :class:`Reach`) to the autograd node of its GEMM's latest output, in the order of their
+    latest forwards; cleared at every ``Controller.step()`` (it holds the step's nodes until then)."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[int, tuple[Any, Any]] = {}
+
+    def add(self, layer: Any, node: Any) -> None:
+        self._nodes.pop(id(layer), None)
+        if node is not None:
+            self._nodes[id(layer)] = (layer, node)
+
+    def earlier(self, layer: Any) -> dict[Any, Any]:
+        """``{node: layer}`` for the other layers' latest outputs."""
+        return {node: other for other, node in self._nodes.values() if other is not layer}
+
+    def clear(self) -> None:
+        self._nodes.clear()
+
+
+class Reach:
+    """A layer's reach (on its ``BackwardCost``): the window's sums of ``weight * r`` and of the
+    weights over its walks, the last reach measured (1, undiluted, before any), and the layer's
+    last mean gain (-inf before any: what its share weighs in a later layer's reach)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.window = torch.zeros(2, device=device)
+        self.known = torch.ones((), device=device)
+        self.gain = torch.full((), -torch.inf, device=device)
+
+    def weight(self) -> torch.Tensor:
+        """What this layer's ``r`` weighs in a later layer's reach: its last gain, what the cost
+        charges it with (about 0 before any, or for a step lost to first order)."""
+        return self.gain.clamp(min=0) + _TINY  # (none known anywhere: all alike)
+
+    def walk(self, start: Any, earlier: dict[Any, Reach], timed: Callable[[Callable], Callable]) -> None:
+        """Walk the graph upstream of ``start`` over the ``earlier`` layers' output nodes (:func:`walk`)."""
+        total = walk(start, earlier, Reach.weight, self._reached, timed)
+        if total is not None:
+            self.window[1] += total
+
+    def _reached(self, weight: torch.Tensor, r: torch.Tensor | float) -> None:
+        self.window[0] += weight * r
+
+    def row(self, gain: torch.Tensor) -> torch.Tensor:
+        """The check's ``[gain, whether there is one, reach]`` from the window's ``gain`` sums
+        (sum, count), each the last window's where this one measured none (kept; no host sync)."""
+        self.gain = torch.where(gain[1] > 0, gain[0] / gain[1].clamp(min=1), self.gain)
+        self.known = torch.where(self.window[1] > 0, self.window[0] / self.window[1].clamp(min=_TINY), self.known)
+        return torch.stack([self.gain, torch.isfinite(self.gain).float(), self.known])
+
+    def reset(self) -> None:
+        self.window.zero_()
+
+    def state(self) -> list:
+        """The window, the last reach and the last gain (None: none yet), as plain data (a host sync)."""
+        gain = float(self.gain)
+        return [self.window.tolist(), float(self.known), gain if gain > -math.inf else None]
+
+    def load(self, saved: Any) -> None:
+        """Restore :meth:`state` (None: saved before it was, nothing measured). Raises ValueError for anything else."""
+        if saved is None:
+            return
+        try:
+            (total, weights), known, gain = saved
+            values = [float(total), float(weights), float(known), -math.inf if gain is None else float(gain)]
+        except (TypeError, ValueError):
+            values = []
+        if not values or any(v != v for v in values) or not 0 <= values[2] <= 1 or min(values[:2]) < 0:
+            raise ValueError(f"Controller.load_state_dict: a layer's backward_cost reach must be [[sum, weights], "
+                             f"reach in [0, 1], gain or None] as state_dict() saves it, got {saved!r}")
+        self.window.copy_(torch.tensor(values[:2]))
+        self.known.fill_(values[2])
+        self.gain.fill_(values[3])
+
+
+class _Walk:
+    """One walk's state while the backward runs: per walked node (by ``id``), the contributions
+    its walked parents sent ``{slot: [(sqrt r_p, tensor)]}`` and its own ``r`` until its
+    post-hook passes it on. Holds no node (a hook on a node keeps it; it must not keep the node)."""
+
+    def __init__(self, sink: Callable[[Any, torch.Tensor], None]) -> None:
+        self.sent: dict[int, dict[int, list]] = {}
+        self.r: dict[int, Any] = {}
+        self.sink = sink
+
+    def received(self, key: int, grads: tuple, weight: Any) -> None:
+        """A walked node's pre-hook: its ``r`` from what the walk sent it against what it got."""
+        sent = self.sent.pop(key, {})
+        r = _share(sent, grads)
+        self.r[key] = r
+        if weight is not None and r is not None:
+            self.sink(weight, r)
+
+    def passed(self, key: int, grads: tuple, edges: list[tuple[int, int, int]]) -> None:
+        """A walked node's post-hook: send its gradients, weighted by ``sqrt r``, along its walked edges."""
+        r = self.r.pop(key, None)
+        if r is None:
+            return
+        root = 1.0 if isinstance(r, float) else r.sqrt()
+        for i, child, slot in edges:
+            g = grads[i] if i < len(grads) else None
+            if g is not None:
+                self.sent.setdefault(child, {}).setdefault(slot, []).append((root, g))
+
+
+def _share(sent: dict[int, list], grads: tuple) -> Any:
+    """``r`` of a node from ``sent`` (per slot, the walk's weighted contributions) and the
+    gradients it received (``grads``): 1.0 or the parent's ``r`` where its one gradient is one
+    walked parent's, unweighted (no device work), else the ratio of squared norms (capped at 1)."""
+    if not sent:
+        return 0.0
+    slots = [g for g in grads if g is not None]
+    if len(sent) == len(slots) and all(len(c) == 1 for c in sent.values()):
+        if all(c[0][1] is grads[s] for s, c in sent.items() if s < len(grads)):
+            roots = [c[0][0] for c in sent.values()]
+            if all(isinstance(q, float) for q in roots):
+                return 1.0
+            if len(roots) == 1:
+                return roots[0] * roots[0]
+    ours = total = 0.0
+    for s, g in enumerate(grads):
+        if g is None:
+            continue
+        total = total + g.float().square().sum()
+        if s in sent:
+            mixed = sum(q * t.float() for q, t in sent[s])
+            ours = ours + mixed.square().sum()
+    if isinstance(total, float):
+        return 0.0
+    return (ours / total.clamp(min=_TINY)).clamp(max=1.0)
+
+
+def _skipped(node: Any) -> bool:
+    """A leaf's gradient accumulator: nothing upstream of it to reach."""
+    return node is None or hasattr(node, "variable")
+
+
+def walk(start: Any, outputs: dict[Any, Any], weights: Callable[[Any], Any],
+         add: Callable[[Any, torch.Tensor], None], timed: Callable[[Callable], Callable] = lambda fn: fn,
+         limit: int = WALK_NODES) -> Any:
+    """Hook the autograd graph upstream of ``start`` (a layer's GEMM output node) so that its
+    backward calls, per earlier layer's output node in ``outputs`` (node -> layer, one node a
+    layer: :meth:`ReachMap.earlier`) it reaches, ``add(weights(layer), r)``; returns the sum of
+    the earlier layers' weights (what the added terms are divided by), or None where there is
+    nothing to walk or to reach. The hooks are ``timed``."""
+    if start is None or not outputs:
+        return None
+    layers = {id(layer): layer for layer in outputs.values()}
+    state = _Walk(add)
+    seen: dict[int, Any] = {id(start): start}
+    order, queue, truncated = [start], [start], False
+    while queue:
+        node = queue.pop(0)
+        for child, _ in node.next_functions:
+            if _skipped(child) or id(child) in seen:
+                continue
+            if len(order) >= limit:
+                truncated = True
+                break
+            seen[id(child)] = child
+            order.append(child)
+            queue.append(child)
+    total = sum(weights(layer) for layer in layers.values())
+    reached = [node for node in order[1:] if node in outputs]
+    last = reached[-1] if reached else None
+    unreached = 0.0
+    if truncated:
+        hit = {id(outputs[n]) for n in reached}
+        unreached = sum(weights(layer) for key, layer in layers.items() if key not in hit)
+    for node in order:
+        key = id(node)
+        edges = [(i, id(child), slot) for i, (child, slot) in enumerate(node.next_functions)
+                 if child is not None and id(child) in seen and child is not start]
+        if node is start:
+            state.r[key] = 1.0
+        else:
+            layer = outputs.get(node)
+            weight = None if layer is None else weights(layer) + (unreached if node is last else 0.0)
+            node.register_prehook(timed(_pre(state, key, weight)))
+        if edges:
+            node.register_hook(timed(_post(state, key, edges)))
+    return total
+
+
+def _pre(state: _Walk, key: int, weight: Any) -> Callable:
+    def hook(grads: tuple) -> None:
+        state.received(key, grads, weight)
+    return hook
+
+
+def _post(state: _Walk, key: int, edges: list[tuple[int, int, int]]) -> Callable:
+    def hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
+        state.passed(key, grad_inputs, edges)
+    return hook

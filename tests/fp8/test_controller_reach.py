@@ -1,0 +1,261 @@
+"""How far a layer's input-gradient error reaches the layers before it (``mixprec.control._reach``,
+issue 39): the share ``r`` a walk of the autograd graph reads off the step's own backward,
+against the same share computed by hand on graphs whose answer is known (a residual add, two
+layers reading one input, a parallel branch, a head), the weighting and truncation, the graph
+freed after it, the reach's state, and the controller charging a hidden layer's input gradient
+with it."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mixprec
+from mixprec.control._backward import backward_costs
+from mixprec.control._reach import Reach, ReachMap, walk
+
+
+def _r(start_of: str, layer: str, build, limit: int = 1024) -> float:
+    """``r`` of ``layer``'s output node in the walk from ``start_of``'s, one backward of ``build()``
+    (which returns the loss and ``{name: output}``), the layer weighing 1."""
+    loss, outs = build()
+    got: list[float] = []
+    reach = Reach(torch.device("cpu"))
+    reach.gain.fill_(1.0)
+    walk(outs[start_of].grad_fn, {outs[layer].grad_fn: reach}, Reach.weight, lambda w, r: got.append(float(r)), limit=limit)
+    loss.backward()
+    return sum(got)
+
+
+def _residual(seed: int = 0):
+    """``h = k(x)``, ``out = h + l(h)``: ``k``'s output gradient is the skip's ``g`` plus ``l``'s input gradient."""
+    torch.manual_seed(seed)
+    k, l_ = nn.Linear(8, 8), nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    target = torch.randn(4, 8)
+
+    def build():
+        h = k(x)
+        b = l_(h)
+        return ((h + b - target) ** 2).sum(), {"k": h, "l": b}
+    return build, k, l_, x, target
+
+
+def test_a_residual_add_dilutes_by_the_branch_share():
+    build, k, l_, x, target = _residual()
+    with torch.no_grad():
+        h = k(x)
+        g = 2 * (h + l_(h) - target)  # the skip's gradient of h (and the branch output's)
+        branch = g @ l_.weight      # l's input gradient
+    expected = float(branch.square().sum() / (g + branch).square().sum())
+    assert _r("l", "k", build) == pytest.approx(min(1.0, expected), rel=1e-5)
+    assert 0 < expected < 1
+
+
+def test_a_share_carries_through_later_merges_of_its_own_gradient():
+    """``h1 = h0 + a(h0)``, ``h2 = h1 + l(h1)``: ``l``'s share at ``h1`` is ``rho``; everything
+    upstream of ``h1`` gets its gradient from ``h1`` (the skip and ``a``'s branch alike), so ``a``'s
+    output and ``k``'s keep ``rho`` (a second merge of the same gradient dilutes nothing)."""
+    torch.manual_seed(4)
+    k, a, l_ = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+    x, target = torch.randn(4, 8), torch.randn(4, 8)
+
+    def build():
+        h0 = k(x)
+        ya = a(h0)
+        h1 = h0 + ya
+        yl = l_(torch.tanh(h1))
+        return ((h1 + yl - target) ** 2).sum(), {"k": h0, "a": ya, "l": yl}
+    with torch.no_grad():
+        h1 = k(x) + a(k(x))
+        g = 2 * (h1 + l_(torch.tanh(h1)) - target)
+        branch = (g @ l_.weight) * (1 - torch.tanh(h1) ** 2)
+    rho = float(branch.square().sum() / (g + branch).square().sum())
+    assert 0.05 < rho < 0.95
+    assert _r("l", "a", build) == pytest.approx(rho, rel=1e-4)
+    assert _r("l", "k", build) == pytest.approx(rho, rel=1e-4)
+
+
+def test_a_branch_cancelling_the_skip_caps_the_share_at_one():
+    """``out = h + l(h)`` with ``l`` close to ``-h``: the branch's gradient nearly cancels the
+    skip's, so its squared norm is many times the total's; the share is capped at 1."""
+    torch.manual_seed(5)
+    k, l_ = nn.Linear(8, 8), nn.Linear(8, 8, bias=False)
+    with torch.no_grad():
+        l_.weight.copy_(-0.9 * torch.eye(8))
+    x = torch.randn(4, 8)
+
+    def build():
+        h = k(x)
+        b = l_(h)
+        return (h + b).sum() * 1.0, {"k": h, "l": b}
+    assert _r("l", "k", build) == 1.0
+
+
+def test_a_layer_whose_output_the_loss_does_not_use_reaches_nothing():
+    """Its node never runs, so nothing it sends arrives: the layers before it read 0."""
+    torch.manual_seed(6)
+    k, a, unused = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+
+    def build():
+        h = k(x)
+        return a(h).sum(), {"k": h, "unused": unused(h)}
+    assert _r("unused", "k", build) == 0.0
+
+
+def test_two_layers_reading_one_input_share_it():
+    torch.manual_seed(1)
+    k, a, b = nn.Linear(6, 6), nn.Linear(6, 5), nn.Linear(6, 3)
+    x = torch.randn(5, 6)
+
+    def build():
+        h = k(x)
+        ya, yb = a(h), b(h)
+        return ya.square().sum() + (yb * 3).sum(), {"k": h, "a": ya, "b": yb}
+    with torch.no_grad():
+        h = k(x)
+        ra, rb = (2 * a(h)) @ a.weight, torch.full((5, 3), 3.0) @ b.weight
+    assert _r("a", "k", build) == pytest.approx(float(ra.square().sum() / (ra + rb).square().sum()), rel=1e-5)
+    assert _r("b", "k", build) == pytest.approx(float(rb.square().sum() / (ra + rb).square().sum()), rel=1e-5)
+
+
+def test_a_parallel_branch_is_not_reached_and_a_head_reaches_everything():
+    torch.manual_seed(2)
+    k, a, b, head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+    x = torch.randn(5, 6)
+
+    def build():
+        h = k(x)
+        ya, yb = a(h), b(h)  # parallel branches of one residual block
+        z = h + ya + torch.tanh(yb)
+        y = head(torch.layer_norm(z, (6,)))
+        return y.square().sum(), {"k": h, "a": ya, "b": yb, "head": y}
+    assert _r("a", "b", build) == 0.0  # b's output gradient does not pass a's input gradient
+    for layer in ("k", "a", "b"):
+        assert _r("head", layer, build) == pytest.approx(1.0, abs=1e-6)  # everything comes through the head
+    r_k = _r("a", "k", build)
+    assert 0 < r_k < 1
+    # the layer's reach: the earlier layers' shares weighted by their gains, the unreached b's 0 included
+    loss, outs = build()
+    earlier = {outs[n].grad_fn: Reach(torch.device("cpu")) for n in ("k", "b")}
+    for reach, gain in zip(earlier.values(), (3.0, 1.0)):
+        reach.gain.fill_(gain)
+    reach = Reach(torch.device("cpu"))
+    reach.walk(outs["a"].grad_fn, earlier, lambda fn: fn)
+    loss.backward()
+    assert float(reach.row(torch.zeros(2))[2]) == pytest.approx(3.0 * r_k / 4.0, rel=1e-5)
+
+
+def test_a_truncated_walk_gives_the_last_reached_layer_the_rest():
+    """Past ``limit`` nodes the layers not reached take the share of the last one reached."""
+    torch.manual_seed(3)
+    layers = [nn.Linear(4, 4) for _ in range(6)]
+    x = torch.randn(3, 4)
+    got: list[tuple[float, float]] = []
+    outs = []
+    h = x
+    for m in layers:
+        h = torch.tanh(m(h))
+        outs.append(h.grad_fn.next_functions[0][0])  # the Linear's output node
+    reaches = [Reach(torch.device("cpu")) for _ in layers]
+    for i, r in enumerate(reaches):
+        r.gain.fill_(float(i + 1))
+    total = walk(outs[-1], dict(zip(outs[:-1], reaches[:-1])), Reach.weight, lambda w, r: got.append((float(w), float(r))),
+                 limit=5)
+    h.sum().backward()
+    assert float(total) == pytest.approx(1 + 2 + 3 + 4 + 5)
+    # a chain: every reached layer's r is 1; the deepest reached carries the unreached layers' weights
+    assert all(r == pytest.approx(1.0) for _, r in got)
+    assert sum(w for w, _ in got) == pytest.approx(15.0)
+    assert len(got) < 5  # (some were not reached)
+
+
+def test_the_walk_keeps_no_graph_alive():
+    build, *_ = _residual()
+    loss, outs = build()
+    reach = Reach(torch.device("cpu"))
+    saved = outs["l"].grad_fn  # a node, to see the graph go
+    ref = weakref.ref(outs["k"])
+    reaches = ReachMap()
+    reaches.add(reach, outs["k"].grad_fn)
+    reach.walk(outs["l"].grad_fn, reaches.earlier(Reach(torch.device("cpu"))), lambda fn: fn)
+    loss.backward()
+    reaches.clear()
+    del loss, outs, saved
+    gc.collect()
+    assert ref() is None
+
+
+def test_the_reach_state_round_trips_and_refuses_what_it_did_not_save():
+    reach = Reach(torch.device("cpu"))
+    assert reach.state() == [[0.0, 0.0], 1.0, None]
+    reach.window += torch.tensor([0.25, 1.0])
+    reach.row(torch.tensor([0.5, 2.0]))
+    other = Reach(torch.device("cpu"))
+    other.load(reach.state())
+    assert other.state() == reach.state() == [[0.25, 1.0], 0.25, 0.25]
+    for bad in ([[0.1], 0.5, None], [[0.0, 1.0], 1.5, None], [[0.0, 1.0], float("nan"), 0.1], "reach", [[-1, 1], 0.5, 1]):
+        with pytest.raises(ValueError, match="reach"):
+            Reach(torch.device("cpu")).load(bad)
+
+
+def test_a_window_without_a_walk_keeps_the_last_reach_and_gain():
+    reach = Reach(torch.device("cpu"))
+    assert reach.row(torch.zeros(2)).tolist() == [-float("inf"), 0.0, 1.0]  # nothing yet: undiluted
+    reach.window += torch.tensor([0.1, 0.5])
+    assert reach.row(torch.tensor([3.0, 3.0])).tolist() == pytest.approx([1.0, 1.0, 0.2])
+    reach.reset()
+    assert reach.row(torch.zeros(2)).tolist() == pytest.approx([1.0, 1.0, 0.2])
+
+
+def test_backward_costs_charge_the_input_gradient_by_its_reach():
+    row = [0.1, 0.0, 0.2, 1.0, 0.0, 0.0, 0.0, 0.0, 1, 1, 0, 0, 0.5, 1]
+    full, diluted = backward_costs([row + [1.0], row + [1.0]]), backward_costs([row + [1.0], row + [0.01]])
+    assert diluted[1][0] == pytest.approx(full[1][0] * 0.01)
+    assert diluted[1][1] == full[1][1]  # the weight gradient's own cost is not the input gradient's reach
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.fc, self.out = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.out(torch.relu(self.fc(self.norm(h))))
+
+
+def _residual_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), _Block(64), _Block(64), nn.LayerNorm(64), nn.Linear(64, 16))
+
+
+def test_the_controller_measures_each_layers_reach():
+    """A pre-norm residual stack under the controller: the head's error reaches everything (1);
+    a block's first layer's (its input gradient joins the stream past the skip) reaches less than
+    its second's (which reaches the first at its whole share first); every reach in [0, 1]."""
+    model = _residual_model()
+    ctl = mixprec.Controller(every=4, ladder=("nvfp4", "tensorwise", "compute"), per_gemm=True,
+                             max_backward_cost=1e-3)
+    ctl.attach(model)
+    policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
+                                                      backend="emulate_fp32")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(12):
+        x, y = torch.randn(32, 32, generator=gen), torch.randn(32, 16, generator=gen)
+        with mixprec.autocast("cpu", policy=policy):
+            loss = (model(x).float() - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctl.step()
+    reach = {n: layer["backward_cost"][4][1] for n, layer in ctl.state_dict()["layers"].items()}
+    assert reach["4"] == pytest.approx(1.0, abs=1e-4)  # (bf16 gradients summed in another order)
+    assert all(0 <= r <= 1 for r in reach.values())
+    assert reach["1.fc"] < reach["1.out"] < 1
+    assert reach["2.fc"] < reach["2.out"] < 1

@@ -193,13 +193,14 @@ def test_the_walk_keeps_no_graph_alive():
 
 def test_the_reach_state_round_trips_and_refuses_what_it_did_not_save():
     reach = Reach(torch.device("cpu"))
-    assert reach.state() == [[0.0, 0.0], 1.0, None]
+    assert reach.state() == [[0.0, 0.0], 1.0, None, 0]
     reach.window += torch.tensor([0.25, 1.0])
     reach.row(torch.tensor([0.5, 2.0]))
     other = Reach(torch.device("cpu"))
     other.load(reach.state())
-    assert other.state() == reach.state() == [[0.25, 1.0], 0.25, 0.25]
-    for bad in ([[0.1], 0.5, None], [[0.0, 1.0], 1.5, None], [[0.0, 1.0], float("nan"), 0.1], "reach", [[-1, 1], 0.5, 1]):
+    assert other.state() == reach.state() == [[0.25, 1.0], 0.25, 0.25, 0]
+    for bad in ([[0.1], 0.5, None, 0], [[0.0, 1.0], 1.5, None, 0], [[0.0, 1.0], float("nan"), 0.1, 0], "reach",
+                [[-1, 1], 0.5, 1, 0], [[0.0, 1.0], 0.5, None, -1], [[0.0, 1.0], 0.5, None, 1.5], [[0.0, 1.0], 0.5, None]):
         with pytest.raises(ValueError, match="reach"):
             Reach(torch.device("cpu")).load(bad)
 
@@ -259,3 +260,20 @@ def test_the_controller_measures_each_layers_reach():
     assert all(0 <= r <= 1 for r in reach.values())
     assert reach["1.fc"] < reach["1.out"] < 1
     assert reach["2.fc"] < reach["2.out"] < 1
+
+
+def test_a_layer_walks_in_its_first_window_and_every_reach_every_th_after():
+    from mixprec.control._reach import REACH_EVERY
+    walked = []
+    for window in range(2 * REACH_EVERY + 1):
+        build, *_ = _residual(window)
+        loss, outs = build()
+        earlier = Reach(torch.device("cpu"))
+        earlier.gain.fill_(1.0)
+        reach = Reach(torch.device("cpu"))
+        reach.asked = window
+        reach.walk(outs["l"].grad_fn, {outs["k"].grad_fn: earlier}, lambda fn: fn)
+        loss.backward()
+        walked.append(float(reach.window[1]) > 0)
+        assert reach.asked == window + 1
+    assert walked == [w % REACH_EVERY == 0 for w in range(2 * REACH_EVERY + 1)]

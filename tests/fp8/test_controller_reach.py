@@ -13,6 +13,7 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 import mixprec
 from mixprec.control._backward import backward_costs
@@ -235,11 +236,23 @@ def _residual_model() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), _Block(64), _Block(64), nn.LayerNorm(64), nn.Linear(64, 16))
 
 
-def test_the_controller_measures_each_layers_reach():
-    """A pre-norm residual stack under the controller: the head's error reaches everything (1);
-    a block's first layer's (its input gradient joins the stream past the skip) reaches less than
-    its second's (which reaches the first at its whole share first); every reach in [0, 1]."""
-    model = _residual_model()
+class _Checkpointed(nn.Module):
+    """The residual stack with its blocks under activation checkpoints (or not)."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.m, self.checkpointed = _residual_model(), checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.m[0](x)
+        for block in (self.m[1], self.m[2]):
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False, context_fn=mixprec.checkpoint_context_fn
+                                                  ) if self.checkpointed else block(h)
+        return self.m[4](self.m[3](h))
+
+
+def _reaches(model: nn.Module, steps: int = 12) -> dict:
+    """Train ``model`` under a per-GEMM controller with a backward cost; every layer's saved reach state."""
     ctl = mixprec.Controller(every=4, ladder=("nvfp4", "tensorwise", "compute"), per_gemm=True,
                              max_backward_cost=1e-3)
     ctl.attach(model)
@@ -247,7 +260,7 @@ def test_the_controller_measures_each_layers_reach():
                                                       backend="emulate_fp32")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
-    for _ in range(12):
+    for _ in range(steps):
         x, y = torch.randn(32, 32, generator=gen), torch.randn(32, 16, generator=gen)
         with mixprec.autocast("cpu", policy=policy):
             loss = (model(x).float() - y).square().mean()
@@ -255,7 +268,20 @@ def test_the_controller_measures_each_layers_reach():
         opt.step()
         opt.zero_grad()
         ctl.step()
-    reach = {n: layer["backward_cost"][4][1] for n, layer in ctl.state_dict()["layers"].items()}
+    return {n: layer["backward_cost"][4] for n, layer in ctl.state_dict()["layers"].items()}
+
+
+def test_a_checkpoints_recompute_walks_nothing():
+    """Recomputed inside the backward, a checkpointed block's layers neither walk (their graph
+    is the recompute's) nor count a window: reaches, gains and walk counts as without checkpoints."""
+    assert _reaches(_Checkpointed(True)) == _reaches(_Checkpointed(False))
+
+
+def test_the_controller_measures_each_layers_reach():
+    """A pre-norm residual stack under the controller: the head's error reaches everything (1);
+    a block's first layer's (its input gradient joins the stream past the skip) reaches less than
+    its second's (which reaches the first at its whole share first); every reach in [0, 1]."""
+    reach = {n: state[1] for n, state in _reaches(_residual_model()).items()}
     assert reach["4"] == pytest.approx(1.0, abs=1e-4)  # (bf16 gradients summed in another order)
     assert all(0 <= r <= 1 for r in reach.values())
     assert reach["1.fc"] < reach["1.out"] < 1

@@ -67,10 +67,12 @@ FAR = 2.0
 #: promoted: each window's cost is one step's estimate (a gradient error's projection on the
 #: step, of either sign), and one window over its limit by chance would ratchet a GEMM up where
 #: a demotion takes ``demote_windows`` clean ones (an own cost over the limit is measured again
-#: in the next window however far over: ``LayerRecord.carry_backward``); one :data:`FAR` times
-#: over is promoted at once (the heads' NVFP4 backward GEMMs read 2-4x over 3.3e-5 in their first
-#: window on the Llama, a hidden layer's at most half of it there and on tiny: a head's early
-#: steps in NVFP4 are the ones a seed can diverge on)
+#: in the next window however far over: ``LayerRecord.carry_backward``); at the first check, one
+#: :data:`FAR` times over is promoted at once (no window before it to confirm it, and the early
+#: steps are where an NVFP4 backward does harm: the Llama's head reads 3-4x over 3.3e-5 there,
+#: every hidden layer at most half of it, and its seed 5 ended +0.106 nats over fp32 with the
+#: head's input gradient promoted at step 20, +0.015 at step 10; later, a window far over is a
+#: spike as often: a hidden weight gradient read 185x over once after its forward switched)
 BACKWARD_WINDOWS = 2
 
 

@@ -416,7 +416,7 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
         rec.back_over[g] = rec.back_over[g] + 1 if by_cost and back[0] > at.settings.max_backward_cost else 0
         over = ((cost[0], "loss_cost", at.settings.max_loss_cost) if too_costly(at, cost) else
                 (back[0], "backward_cost", at.settings.max_backward_cost) if rec.back_over[g] >= BACKWARD_WINDOWS
-                or (rec.back_over[g] and back[0] > FAR * at.settings.max_backward_cost) else None)
+                or (rec.back_over[g] and at.steps <= at.settings.every and back[0] > FAR * at.settings.max_backward_cost) else None)
         if over is not None:
             to = gemm_up(at, rec, g, over[0] if over[1] == "loss_cost" else None)
             d = decision(gemm, "output", "promote", rung, to, over[1], over[0], over[2], ">")

@@ -49,6 +49,7 @@ class DistProgram:
     same_data: bool = False  # every rank reads rank 0's data, its global generator seeded by rank
     backend: str = "auto"  # or "emulate_fp32" (every emulated GEMM in float32)
     loss_cost: float | None = None  # the Controller's max_loss_cost (its step gets the scaler's scale)
+    backward_cost: float | None = None  # the per-GEMM Controller's max_backward_cost (reach walks, gains)
     stages: bool = False  # rank r puts only the blocks i with i % 2 == r in fp8 (as pipeline stages own
     #                       different layers): the ranks know different layers, as many with an even count
 
@@ -88,7 +89,8 @@ class ProgramError(Exception):
 SETTINGS = {
     "guard": lambda p: {"every": p.every, "max_underflow": RECIPES[p.recipe].guard_underflow},
     "controller": lambda p: {"every": p.every, **dict(p.controller), "per_gemm": p.per_gemm,
-                             "max_loss_cost": p.loss_cost, **RECIPES[p.recipe].ladder},
+                             "max_loss_cost": p.loss_cost, "max_backward_cost": p.backward_cost,
+                             **RECIPES[p.recipe].ladder},
 }
 
 

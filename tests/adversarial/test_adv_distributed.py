@@ -112,15 +112,17 @@ def fp4_programs(draw: st.DrawFn) -> DistProgram:
         schedule = tuple(dataclasses.replace(s, rows=(s.rows[0], s.rows[0])) for s in schedule)
     route = draw(st.sampled_from(["policy", "convert"]))
     supervisor = draw(st.sampled_from(["controller", "controller", "guard"]))
+    per_gemm = draw(st.booleans())
     return DistProgram(
         shape=shape, steps=schedule, supervisor=supervisor, every=draw(st.sampled_from([1, 2, 3])), route=route,
         json=route == "policy" and draw(st.booleans()), recipe=recipe, fsdp=mode.key,
         drift=draw(st.sampled_from([(1.0, 1.0), (2.0, 1.0), (1.0, 1.6)])),
         outlier=draw(st.one_of(st.none(), st.tuples(st.integers(0, 1), st.integers(0, len(schedule) - 1)))),
         lag_rank=draw(st.sampled_from([None, 0, 1])), scaler=draw(st.booleans()),
-        controller=draw(controller_schedules()), per_gemm=draw(st.booleans()), same_data=same_data,
+        controller=draw(controller_schedules()), per_gemm=per_gemm, same_data=same_data,
         stages=not mode.sharded and not same_data and draw(st.booleans()),
-        backend=draw(st.sampled_from(["auto", "emulate_fp32"])), loss_cost=draw(st.sampled_from([None, 1e-3, 0.0])))
+        backend=draw(st.sampled_from(["auto", "emulate_fp32"])), loss_cost=draw(st.sampled_from([None, 1e-3, 0.0])),
+        backward_cost=draw(st.sampled_from([None, 1e-4, 0.0])) if per_gemm else None)
 
 
 _BLOCKS = Shape(width=32, blocks=3, gain=1.0, out=1)
@@ -155,6 +157,9 @@ FP4_CONVERT = DistProgram(shape=_BLOCKS, steps=(Step(skip=frozenset({1}), rows=(
     depth=2, rows=((), (8,)))) + tuple(Step(rows=((8, 4), (8,))) for _ in range(6)), supervisor="controller",
     every=1, route="convert", recipe="mxfp4", drift=(1.0, 2.0), controller=QUICK, per_gemm=True, scaler=True,
     backend="emulate_fp32", loss_cost=1e-4)
+#: The uneven NVFP4 program with the backward GEMMs' loss cost (a reach walked on each rank over
+#: its own graph, gains from uneven micro-batches, every layer measured: a 0 limit).
+FP4_BACKWARD = dataclasses.replace(FP4_UNEVEN, backend="emulate_fp32", scaler=True, loss_cost=1e-3, backward_cost=0.0)
 #: Both ranks on rank 0's data, their global generators seeded apart: NVFP4's stochastic
 #: rounding must draw the same (bitwise equal weights).
 FP4_SAME_DATA = DistProgram(shape=_BLOCKS, steps=tuple(Step(rows=((8, 8), (8, 8))) for _ in range(6)),
@@ -193,7 +198,8 @@ def test_ranks_that_know_different_layers_of_the_same_count(pool: RankPool) -> N
 
 @pytest.mark.parametrize("program", [pytest.param(FP4_UNEVEN, id="nvfp4-per-gemm-uneven-drift"),
                                      pytest.param(FP4_CONVERT, id="mxfp4-per-gemm-convert-scaler-skips"),
-                                     pytest.param(FP4_SAME_DATA, id="nvfp4-sr-same-data")])
+                                     pytest.param(FP4_SAME_DATA, id="nvfp4-sr-same-data"),
+                                     pytest.param(FP4_BACKWARD, id="nvfp4-per-gemm-backward-cost-uneven")])
 def test_fp4_per_gemm_controller(pool: RankPool, program: DistProgram) -> None:
     """The per-GEMM Controller on an fp4 ladder over 2 ranks: it decides (promotions away from
     fp4, per GEMM) and the ranks agree (same decisions, same collectives, no hang)."""
@@ -201,6 +207,8 @@ def test_fp4_per_gemm_controller(pool: RankPool, program: DistProgram) -> None:
     assert all(r["error"] is None for r in results)
     decided = [d for step in results[0]["decisions"] for d in step]
     assert decided and {d["gemm"] for d in decided} - {None}, f"no per-GEMM decision: {decided}"
+    if program.backward_cost is not None:  # (the ranks agreed on decisions their reaches and gains shaped)
+        assert any(d.get("statistic") == "backward_cost" for d in decided), decided
 
 
 @profile(fast_examples=2)

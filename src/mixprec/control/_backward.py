@@ -29,8 +29,10 @@ Under an optimizer that normalizes its updates (Adam, AdamW, Lion: ``ControllerS
 normalized_updates``, the default) a result's scale does not reach the step: both GEMMs' errors
 are first taken as :func:`step_error` makes them, the part across the reference result against
 its rescaled length, so the first-order terms vanish and a shrink or growth of the gradient costs
-nothing (a result pointing against its reference keeps its whole error). Under SGD the error is
-costed as it comes.
+nothing (a result pointing against its reference keeps its whole error); what such an optimizer
+does see is the error's noise, which inflates the second moment it divides by and so shrinks
+every step the result steers by about half its squared share ``s = |E|**2 / |R|**2``: the
+first-order term gains ``s / 2``. Under SGD the error is costed as it comes.
 
 The terms are measured on shadow steps by an emulated forward and backward of the layer's
 recipe (its own casts, and the rung below's while a GEMM is promoted) on the GEMM's own input,

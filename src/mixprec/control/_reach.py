@@ -20,7 +20,9 @@ controlled layer's output is the share of the layer's error its weight gradient 
 earlier layers' ``r`` are averaged, weighted by their last window's gain (what their cost
 charges), into the layer's reach; a layer the walk does not reach (a parallel branch) counts
 ``0``; past a truncated walk (over :data:`WALK_NODES`), the last one reached counts for the
-rest. The hooks hold no graph node; the only sync-free device work is a few norms at merges.
+rest. A layer walks in its first measured window and every :data:`REACH_EVERY`-th after (the
+others keep the last reach), never inside a backward (an activation checkpoint's recompute). The
+hooks hold no graph node; their device work is a few norms where gradients merge, no host sync.
 """
 
 from __future__ import annotations

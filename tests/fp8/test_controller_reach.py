@@ -303,3 +303,20 @@ def test_a_layer_walks_in_its_first_window_and_every_reach_every_th_after():
         walked.append(float(reach.window[1]) > 0)
         assert reach.asked == window + 1
     assert walked == [w % REACH_EVERY == 0 for w in range(2 * REACH_EVERY + 1)]
+
+
+def test_a_forward_off_the_measured_step_leaves_no_graph_behind():
+    """A forward with gradients but no backward (an evaluation without ``no_grad``) on a step that
+    measures no backward cost: the controller keeps none of its nodes, so its graph goes with its output."""
+    model = _residual_model()
+    ctl = mixprec.Controller(every=4, ladder=("nvfp4", "tensorwise", "compute"), per_gemm=True, max_backward_cost=1e-3)
+    ctl.attach(model)
+    policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
+                                                      backend="emulate_fp32")
+    x = torch.randn(8, 32, requires_grad=True)  # (held by its graph's gradient accumulator)
+    held = weakref.ref(x)
+    with mixprec.autocast("cpu", policy=policy):  # step 0 of windows of 4: no shadow step yet
+        out = model(x)
+    del x, out
+    gc.collect()
+    assert held() is None

@@ -104,7 +104,8 @@ class Probe:
             if any(wanted):
                 measure_cost(rec, x, weight, bias, out, wanted, kept, tp, self.timed)
         if rec.backward is not None and not compiling and not rec.cost_blind and weight is not None:
-            rec.backward.observe(x, weight, out, rec.backward_now and rec.backward.due, self.timed, self.reaches)
+            rec.backward.observe(x, weight, out, rec.backward_now and rec.backward.due, self.timed,
+                                 self.reaches if rec.backward_now else None)  # (the step's nodes: only where walked)
         if rec.gemm_windows is not None:
             _measure_gemms(rec, x, weight, out, sample, measuring, gate, tp, self.timed)
             return result

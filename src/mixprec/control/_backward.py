@@ -275,19 +275,15 @@ class BackwardCost:
             self.gain += torch.stack([-moved / p[4], torch.ones_like(moved)])
             self.pending = None
         shadow, self._open = self._open, None
+        # (not inside a backward: an activation checkpoint's recompute has a graph of its own)
+        walks = reaches is not None and out.requires_grad and torch._C._current_graph_task_id() == -1
         if measuring and out.requires_grad:
             shadow = shadow or _Shadow(x.detach(), weight.detach(), weight, False)
             out.register_hook(timed(lambda grad: self._output_grad(shadow, grad)))
-            if self._walks(reaches, out) and any(m[0] for kind, _, m in self.recipes if self.cadence[kind].due):
+            if walks and any(m[0] for kind, _, m in self.recipes if self.cadence[kind].due):
                 self.reach.walk(out.grad_fn, reaches.earlier(self.reach), timed)
-        if self._walks(reaches, out):
+        if walks:
             reaches.add(self.reach, out.grad_fn)
-
-    @staticmethod
-    def _walks(reaches: ReachMap | None, out: torch.Tensor) -> bool:
-        """Whether this forward's output joins the step's graph for a reach: not an activation
-        checkpoint's recompute inside the backward (its graph is the recompute's own)."""
-        return reaches is not None and out.requires_grad and torch._C._current_graph_task_id() == -1
 
     def _output_grad(self, shadow: _Shadow, grad: torch.Tensor) -> None:
         shadow.grad = grad.detach()

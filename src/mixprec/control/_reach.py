@@ -147,7 +147,7 @@ class _Walk:
         sent = self.sent.pop(key, {})
         r = _share(sent, grads)
         self.r[key] = r
-        if weight is not None and r is not None:
+        if weight is not None:
             self.sink(weight, r)
 
     def passed(self, key: int, grads: tuple, edges: list[tuple[int, int, int]]) -> None:

@@ -197,17 +197,24 @@ def test_a_switched_forward_is_measured_on_every_step_again(measured):
 
 
 def test_the_rung_below_is_measured_only_where_its_cost_would_decide(measured):
-    """A promoted forward's way back is paid for only while nothing but its cost keeps it up:
-    with its shadow's NVFP4 operands over the demotion limit (every e2m1 cast flushes some),
-    the recipe below's cost is measured in the window after the switch and no more; with the
-    operands clean it is measured again in later windows."""
+    """A promoted forward's way back is paid for only while nothing but its cost keeps it up: on
+    the whole-layer controller, with its shadow's NVFP4 operands over the demotion limit (every
+    e2m1 cast flushes some), the recipe below's cost is measured in the window after the switch
+    and no more; with the operands clean it is measured again in later windows. Per GEMM the
+    forward's way back is its cost alone (test_controller_forward_by_cost): measured on, whatever
+    the shadow flushes."""
     seen, spy = measured
-    model, ctl = _converted(max_loss_cost=3e-3, fp4_max_underflow=0.5, fp4_demote_underflow=0.0)
-    _train(model, ctl, 40, spy=spy)
-    assert [(d.step, d.to) for d in ctl.log if d.layer == "2"] == [(10, "fp8-tensorwise")]
-    assert _steps(seen, "2", 1) == list(range(10, 20)) and not ctl._layers["2"].cost_below
+    for per_gemm in (False, True):
+        seen.clear()
+        model, ctl = _converted(max_loss_cost=3e-3, fp4_max_underflow=0.5, fp4_demote_underflow=0.0, per_gemm=per_gemm)
+        _train(model, ctl, 40, spy=spy)
+        assert [(d.step, d.to) for d in ctl.log if d.layer == "2"] == [(10, "fp8-tensorwise")]
+        if per_gemm:
+            assert _steps(seen, "2", 1)[-1] >= 20 and ctl._layers["2"].cost_below
+        else:
+            assert _steps(seen, "2", 1) == list(range(10, 20)) and not ctl._layers["2"].cost_below
     seen.clear()
-    model, ctl = _converted(max_loss_cost=3e-3, **QUIET)
+    model, ctl = _converted(max_loss_cost=3e-3, per_gemm=False, **QUIET)
     _train(model, ctl, 40, spy=spy)
     assert [s for s in _steps(seen, "2", 1) if s >= 20] and ctl._layers["2"].cost_below
 

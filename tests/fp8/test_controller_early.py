@@ -175,3 +175,87 @@ def test_ranks_promote_early_alike_from_the_all_reduced_bounds(tmp_path):
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
     assert r0 == r1
     assert r0["log"][0].step == EARLY_STEPS and r0["log"][0].layer == "2" and "early" in r0["log"][0].reason
+
+
+# the early bound's two estimates, checked against a least-squares fit (numpy) of the same steps
+BOUND_CASES = {
+    "flat, noisy": [0.004, 0.006, 0.005, 0.003, 0.007, 0.005, 0.004],
+    "rising": [0.0, 0.001, 0.003, 0.004, 0.007, 0.008, 0.011, 0.012],
+    "falling": [0.012, 0.010, 0.007, 0.006, 0.004, 0.002],
+    "four steps (no line)": [0.0, 0.002, 0.004, 0.006],
+    "on a line": [1.0, 2.0, 3.0, 4.0, 5.0],
+    "two steps": [0.01, 0.02],
+}
+
+
+@pytest.mark.parametrize("name", list(BOUND_CASES))
+def test_the_bound_is_the_larger_of_the_mean_s_and_the_line_s(name):
+    import numpy as np
+
+    from mixprec.control._cost import COST_Z
+    from mixprec.control._early import TREND_STEPS, cost_bound
+
+    c = np.array(BOUND_CASES[name], dtype=np.float64)
+    n = len(c)
+    at = np.arange(n, dtype=np.float64)
+    sums = [torch.tensor(v, dtype=torch.float64) for v in (c.sum(), float(n), (c * c).sum(), (c * at).sum())]
+    bound, estimate = (float(t) for t in cost_bound(*sums))
+    if n < EARLY_STEPS:
+        assert bound == -float("inf")
+        return
+    mean_bound = c.mean() - COST_Z * c.std(ddof=1) / np.sqrt(n)
+    expected, value = mean_bound, c.mean()
+    if n >= TREND_STEPS:
+        design = np.stack([np.ones(n), at], 1)
+        (a, b), *_ = np.linalg.lstsq(design, c, rcond=None)
+        level = a + b * (n - 1)
+        residual = ((c - design @ [a, b]) ** 2).sum() / (n - 2)
+        x = np.array([1.0, n - 1.0])
+        line = level - COST_Z * np.sqrt(residual * x @ np.linalg.inv(design.T @ design) @ x)
+        if line > mean_bound:
+            expected, value = line, level
+    assert bound == pytest.approx(expected, abs=1e-9) and estimate == pytest.approx(value, abs=1e-9)
+    if name == "rising":  # the mean lags a rising cost: the line's bound is the one read
+        assert estimate > c.mean() and bound > mean_bound
+    if name in ("flat, noisy", "falling"):
+        assert estimate == pytest.approx(c.mean())
+
+
+def test_a_rising_cost_is_promoted_on_its_line_before_its_mean_passes(monkeypatch):
+    """The logits' weight grows each step (their cost with it, from under the limit): the early
+    read promotes once the line's bound passes, at a step where the mean's bound had not: the
+    decision's cost is the line's level, above the window's mean."""
+    import mixprec.control._controller as shell
+    from mixprec.control._cost import COST_Z
+
+    reads = []
+    promote = shell.promote_early
+
+    def spy(at, names, recs, reduce):
+        rec = recs[names.index("2")]
+        total, n, squares = (rec.cost[0, k].item() for k in (3, 4, 5))
+        reads.append((at.steps, total / max(n, 1), n, squares))
+        return promote(at, names, recs, reduce)
+
+    monkeypatch.setattr(shell, "promote_early", spy)
+    model, ctl = _converted()
+    with torch.no_grad():
+        model[2].weight.mul_(0.25)
+    x, y = BATCH
+    sums = []  # (sum, sum of index * estimate) after each step
+    for step in range(EVERY - 1):
+        F.cross_entropy(model(x), y).backward()
+        model.zero_grad()
+        with torch.no_grad():
+            model[2].weight.mul_(1.35)
+        ctl.step()
+        sums.append((ctl._layers["2"].cost[0, 3].item(), ctl._layers["2"].cost[0, 6].item()))
+    early = [d for d in ctl.log if d.layer == "2" and d.gemm == "output"]
+    assert early and "early" in early[0].reason
+    kept = sums[:early[0].step - 1]  # (the promotion starts the window over)
+    steps = [b[0] - a[0] for a, b in zip([(0.0, 0.0)] + kept, kept)]
+    assert kept[-1][1] == pytest.approx(sum(i * c for i, c in enumerate(steps)), rel=1e-5)
+    step, mean, n, squares = next(r for r in reads if r[0] == early[0].step)
+    sd = max(squares / n - mean * mean, 0.0) * n / (n - 1)
+    assert mean - COST_Z * (sd / n) ** 0.5 <= 3e-3  # the mean's bound alone would have waited
+    assert early[0].value > mean

@@ -345,7 +345,7 @@ def decide_gemms(at: Check, name: str, rec: LayerRecord, row: list[float], cost:
     out = []
     for g, gemm in enumerate(GEMMS):
         d = _decide_gemm(at, rec, g, gemm, [stats(0, g, s) for s in (0, 1)], [stats(1, g, s) for s in (0, 1)],
-                         fit, windows, ahead, decision, range_ok, cost if gemm == "output" else None,
+                         fit, windows, ahead, decision, range_ok, cost if gemm == "output" and not rec.cost_blind else None,
                          None if backward is None or g == 0 else backward[g - 1::2], layer)
         if d is not None:
             out.append(d)
@@ -367,14 +367,14 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
                  windows: int, ahead: int, decision: Any, range_ok: bool, cost: list[float] | None,
                  back: list[float] | None, layer: dict[str, list[float]]) -> Decision | None:
     """One GEMM's switch (applied to ``rec``), or None: the layer's rule on this GEMM's two
-    operands (and, the forward GEMM's, on its loss cost); a backward GEMM whose loss cost was
-    measured (``back``: own, below, whether each was measured) is judged by it instead of its
-    operands' flush, and the next window does not measure those casts (:func:`stats_read`): a
-    non-finite operand is then read from the layer's own statistics (``layer``: LayerState's
-    rows, every step's casts)."""
+    operands; a GEMM whose loss cost was measured (``cost``, the forward's, or ``back``: own,
+    below, whether each was measured) is judged by it instead of its operands' flush, and the
+    next window does not measure those casts (:func:`stats_read`): a non-finite operand is then
+    read from the layer's own statistics (``layer``: LayerState's rows, every step's casts)."""
     read = (rec.stats_read[0][g], rec.stats_read[1][g])  # what this window measured (eager code: only those)
     own, shadow = (own if read[0] else [_NO_DATA] * 2), (shadow if read[1] else [_NO_DATA] * 2)
-    rec.stats_read[0][g], rec.stats_read[1][g] = stats_read(back)
+    loss = back if cost is None else cost  # (the loss costs of this GEMM: own, below, whether each was measured)
+    rec.stats_read[0][g], rec.stats_read[1][g] = stats_read(loss)
     ladder, rung = at.settings.ladder, rec.rungs[g]
     on_low = ladder[rung] in LOW_RUNGS
     down = gemm_down(at, rec, g)
@@ -405,7 +405,7 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
                                  ">")
                     switch_gemms(at, rec, (g,), compute)
                     return d
-        by_cost = back is not None and back[2] > 0  # a backward GEMM's measured loss cost, not its flush
+        by_cost = loss is not None and loss[2] > 0  # the GEMM's measured loss cost, not its flush
         for op, st in zip(ops, () if by_cost else own):
             forecast = underflow(op, st[_UNDERFLOW], "underflow", rung)
             if forecast > max_u:
@@ -413,7 +413,7 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
                 d = decision(gemm, op, "promote", rung, to, "underflow_forecast", forecast, max_u, ">")
                 switch_gemms(at, rec, (g,), to)
                 return d
-        rec.back_over[g] = rec.back_over[g] + 1 if by_cost and back[0] > at.settings.max_backward_cost else 0
+        rec.back_over[g] = rec.back_over[g] + 1 if by_cost and back is not None and back[0] > at.settings.max_backward_cost else 0
         over = ((cost[0], "loss_cost", at.settings.max_loss_cost) if too_costly(at, cost) else
                 (back[0], "backward_cost", at.settings.max_backward_cost) if rec.back_over[g] >= BACKWARD_WINDOWS
                 or (rec.back_over[g] and at.steps <= at.settings.every and back[0] > FAR * at.settings.max_backward_cost) else None)
@@ -434,14 +434,12 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
         elif forecast > worst[1]:
             worst = (op, forecast)
     worst = (*worst, "underflow_forecast", demote_u)
-    if cost is not None:
-        if not (rec.below_wanted(safe) and cheap_below(at, cost)):  # (measured where it alone decides)
-            safe = False
-        elif ratio(cost[1], at.settings.demote_cost) > ratio(worst[1], demote_u):
-            worst = ("output", cost[1], "loss_cost", at.settings.demote_cost)
-    if back is not None and back[3] > 0:  # the rung below's loss cost decides, not its flush (a non-finite cost: no)
-        safe, worst = range_ok and back[1] <= at.settings.demote_backward, ("output", back[1], "backward_cost",
-                                                                              at.settings.demote_backward)
+    if cost is not None:  # the forward's way down: its rung below's loss cost, measured from now on (none yet: no evidence)
+        safe = False
+        rec.below_wanted(True)
+    if loss is not None and loss[3] > 0:  # the rung below's loss cost decides, not its flush (a non-finite cost: no)
+        limit, stat = (at.settings.demote_cost, "loss_cost") if cost is not None else (at.settings.demote_backward, "backward_cost")
+        safe, worst = range_ok and loss[1] <= limit, ("output", loss[1], stat, limit)
     rec.gemm_clean[g] = rec.gemm_clean[g] + 1 if safe else 0
     if _may_demote(at, rec.gemm_clean[g], rec.gemm_switches[g], ladder[down] in FP4_RUNGS):
         d = decision(gemm, worst[0], "demote", rung, down, worst[2], worst[1], worst[3], "<=")

@@ -28,11 +28,14 @@ from mixprec.control._cost import COST_Z
 from mixprec.control._decide import Check, gemm_up, layer_up, switch_gemms, switch_layer
 from mixprec.control._ladder import Decision, LayerRecord
 
-__all__ = ["EARLY_STEPS", "early_promotions", "early_window", "lower_bounds", "promote_early"]
+__all__ = ["EARLY_STEPS", "TREND_STEPS", "cost_bound", "early_promotions", "early_window", "lower_bounds", "promote_early"]
 
 #: the fewest measured steps of a window whose mean cost an early promotion reads (a variance
 #: needs 2; at 3 a bound already lies well under the mean of a noisy cost)
 EARLY_STEPS = 3
+#: the fewest measured steps of a window whose cost's line (a rising cost's level) an early
+#: promotion reads (3 degrees of freedom left: fewer leave its residual too loose to bound)
+TREND_STEPS = 5
 
 
 def early_window(steps: int, every: int, log: Sequence[Decision]) -> bool:
@@ -58,21 +61,48 @@ def early_window(steps: int, every: int, log: Sequence[Decision]) -> bool:
     return False
 
 
+def cost_bound(total: torch.Tensor, n: torch.Tensor, squares: torch.Tensor, at_sum: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bound, estimate)`` of a cost from the sums of its ``n`` per-step estimates (``total``),
+    of their squares and of each times its index (0, 1, ...: ``at_sum``): the larger of two lower
+    bounds, :data:`COST_Z` standard errors under the mean, and (from :data:`TREND_STEPS` steps on)
+    under the level a least-squares line through the steps reaches at the last one (a cost that
+    rises over the window, as a head's while the model leaves its initialization: the mean lags
+    it); the estimate is the mean or that level, whichever bound is larger. -inf under
+    :data:`EARLY_STEPS` steps. Tensors (no host sync), or floats in tensors.
+
+    Example:
+        >>> b, e = cost_bound(*map(torch.tensor, (15.0, 5.0, 55.0, 40.0)))  # 1, 2, 3, 4, 5
+        >>> round(float(e), 6), round(float(b), 6)                          # on a line: its last
+        (5.0, 5.0)
+    """
+    mean = total / n.clamp(min=1)
+    centred = (squares - n * mean * mean).clamp(min=0)
+    bound = mean - COST_Z * (centred / (n - 1).clamp(min=1) / n.clamp(min=1)).sqrt()
+    middle = (n - 1) / 2
+    spread = (n * (n * n - 1) / 12).clamp(min=1)  # sum of (index - middle)**2
+    covary = at_sum - middle * total
+    level = mean + covary / spread * middle
+    residual = (centred - covary * covary / spread).clamp(min=0) / (n - 2).clamp(min=1)
+    line = level - COST_Z * (residual * (1 / n.clamp(min=1) + middle * middle / spread)).sqrt()
+    line = torch.where(n >= TREND_STEPS, line, -torch.inf)
+    estimate = torch.where(line > bound, level, mean)
+    return torch.where(n >= EARLY_STEPS, torch.maximum(bound, line), -torch.inf), estimate
+
+
 def lower_bounds(recs: Sequence[LayerRecord]) -> torch.Tensor:
-    """Per record, ``[bound, mean, steps]`` of its forward GEMM's own loss cost in the open window:
-    the mean of its measured steps less :data:`COST_Z` standard errors (-inf with fewer than
-    :data:`EARLY_STEPS` steps, without casts on the forward, or without a cost). Device tensors,
-    no host sync; rows of zeros on the device of the first record with a cost."""
+    """Per record, ``[bound, estimate, steps]`` of its forward GEMM's own loss cost in the open
+    window (:func:`cost_bound` of its measured steps; -inf without casts on the forward, or
+    without a cost). Device tensors, no host sync; rows of zeros on the device of the first
+    record with a cost."""
     rows = []
     for rec in recs:
         if rec.cost is None or not rec.forward_low or rec.cost_blind:
             rows.append(None)
             continue
-        total, n, squares = rec.cost[0, 3], rec.cost[0, 4], rec.cost[0, 5]
-        mean = total / n.clamp(min=1)
-        variance = ((squares - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0)
-        bound = mean - COST_Z * (variance / n.clamp(min=1)).sqrt()
-        rows.append(torch.stack([torch.where(n >= EARLY_STEPS, bound, -torch.inf), mean, n]))
+        n = rec.cost[0, 4]
+        bound, estimate = cost_bound(rec.cost[0, 3], n, rec.cost[0, 5], rec.cost[0, 6])
+        rows.append(torch.stack([bound, estimate, n]))
     device = next((r.device for r in rows if r is not None), torch.device("cpu"))
     empty = torch.tensor([-torch.inf, 0.0, 0.0], device=device)
     return torch.stack([r.to(device) if r is not None else empty for r in rows]) if rows else empty[:0]

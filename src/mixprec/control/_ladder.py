@@ -42,7 +42,7 @@ _RANGE = ("input", "output")  # the range row: the layer's input and output amax
 #: a record's loss-cost buffer, per row (the forward GEMM's own casts, the rung below's): this
 #: step's sums (first-order term, sum of squared per-row terms, rows), the window's (estimates,
 #: steps, squared estimates)
-_COST_COLUMNS = ("first", "squares", "rows", "sum", "steps", "sum_sq")
+_COST_COLUMNS = ("first", "squares", "rows", "sum", "steps", "sum_sq", "sum_at")  # sum_at: of each estimate times its index
 
 
 @dataclass(frozen=True)
@@ -372,6 +372,7 @@ class LayerRecord:
         counted = (c[:, 2] > 0) & torch.isfinite(estimate)
         kept = torch.where(counted, estimate, 0.0)
         c[:, 3] += kept
+        c[:, 6] += kept * c[:, 4]  # (its index among the window's counted steps: a rising cost's line, _early)
         c[:, 4] += counted
         c[:, 5] += kept * kept
         c[:, :3] = 0

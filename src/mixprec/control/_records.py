@@ -122,8 +122,8 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
         if key not in data or target is None:  # a peer's record (Controller._detached): the windows stay empty
             continue
         t = torch.tensor(data[key], dtype=torch.float32)
-        if key == "loss_cost" and t.shape[-1:] == (target.shape[-1] - 1,):  # saved before the squared estimates
-            t = torch.cat([t, t.new_zeros(*t.shape[:-1], 1)], -1)
+        if key == "loss_cost" and target.shape[-1] - 2 <= t.shape[-1] < target.shape[-1]:  # saved before the squared estimates, or their index sums
+            t = torch.cat([t, t.new_zeros(*t.shape[:-1], target.shape[-1] - t.shape[-1])], -1)
         if t.shape != target.shape:
             raise ValueError(f"Controller.load_state_dict: a window of shape {tuple(t.shape)}, expected "
                              f"{tuple(target.shape)}")

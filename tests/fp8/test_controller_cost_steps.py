@@ -248,6 +248,25 @@ def test_a_checkpoint_saved_before_the_plan_loads_measuring_every_step():
     assert torch.equal(rec.cost[:, :5], straight.cost[:, :5]) and rec.cost[0, 4].item() == 6
 
 
+def test_a_checkpoint_saved_before_the_index_sums_loads_its_window_as_flat():
+    """A window saved without the sums of each estimate times its index (6 columns) loads as if
+    its steps so far lay on a flat line: the early line's level is their mean (no rise read into
+    them), and the steps after add to it as in an uninterrupted run."""
+    model, ctl = _converted(max_loss_cost=1.0, **QUIET)
+    _train(model, ctl, 5)
+    state = ctl.state_dict()
+    for data in state["layers"].values():
+        data["loss_cost"] = [row[:6] for row in data["loss_cost"]]
+    fresh, resumed = _converted(max_loss_cost=1.0, **QUIET)
+    resumed.load_state_dict(state)
+    c = resumed._layers["0"].cost[0]
+    assert torch.equal(c[:6], ctl._layers["0"].cost[0, :6])
+    assert c[4].item() == 5 and c[6].item() == pytest.approx(2 * c[3].item(), rel=1e-6)  # sum of index * mean: slope 0
+    _train(fresh, resumed, 8, start=5)
+    _train(model, ctl, 8, start=5)
+    assert torch.equal(resumed._layers["0"].cost[:, :6], ctl._layers["0"].cost[:, :6])
+
+
 def test_a_compiled_model_keeps_the_costs_of_the_steps_eager_code_measures():
     """Traced code measures on every step and keeps the sums where the record's device flags say:
     bitwise the window eager code keeps, with no recompile as the plan's steps come and go."""

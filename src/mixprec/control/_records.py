@@ -122,8 +122,9 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
         if key not in data or target is None:  # a peer's record (Controller._detached): the windows stay empty
             continue
         t = torch.tensor(data[key], dtype=torch.float32)
-        if key == "loss_cost" and target.shape[-1] - 2 <= t.shape[-1] < target.shape[-1]:  # saved before the squared estimates, or their index sums
+        if key == "loss_cost" and target.shape[-1] - 2 <= t.shape[-1] < target.shape[-1]:  # saved before the squared estimates, or the index sums
             t = torch.cat([t, t.new_zeros(*t.shape[:-1], target.shape[-1] - t.shape[-1])], -1)
+            t[:, 6] = (t[:, 4] - 1).clamp(min=0) / 2 * t[:, 3]  # (the window so far as flat: no rise read into it)
         if t.shape != target.shape:
             raise ValueError(f"Controller.load_state_dict: a window of shape {tuple(t.shape)}, expected "
                              f"{tuple(target.shape)}")

@@ -41,8 +41,8 @@ _NCOL = len(STAT_NAMES)
 _RANGE = ("input", "output")  # the range row: the layer's input and output amax, in its own dtype
 #: a record's loss-cost buffer, per row (the forward GEMM's own casts, the rung below's): this
 #: step's sums (first-order term, sum of squared per-row terms, rows), the window's (estimates,
-#: steps, squared estimates)
-_COST_COLUMNS = ("first", "squares", "rows", "sum", "steps", "sum_sq", "sum_at")  # sum_at: of each estimate times its index
+#: steps, squared estimates, each estimate times its index among the window's steps: _early's line)
+_COST_COLUMNS = ("first", "squares", "rows", "sum", "steps", "sum_sq", "sum_at")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import datetime
 import faulthandler
 import importlib
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -156,7 +157,7 @@ class RankPool:
                 raise RankFailure(f"rank {rank} did not start within {STARTUP_TIMEOUT} s")
 
     def close(self) -> None:
-        """Stop the ranks (politely, then by kill)."""
+        """Stop the ranks (politely, then by kill) and remove their stack files' folder."""
         for conn in self.conns:
             try:
                 conn.send(None)
@@ -166,6 +167,7 @@ class RankPool:
         for process in self.processes:
             process.join(timeout=max(0.0, deadline - time.monotonic()))
         self._kill()
+        shutil.rmtree(self.stack_dir, ignore_errors=True)
 
     def _kill(self) -> None:
         for process in self.processes:

@@ -74,11 +74,12 @@ def harness_guard(recipe: str, every: int) -> Supervisor:
 
 
 def harness_controller(recipe: str, every: int, per_gemm: bool = False, loss_cost: float | None = None,
-                       demote_windows: int = 1, **schedule: Any) -> Supervisor:
+                       demote_windows: int = 1, backward_cost: float | None = None, **schedule: Any) -> Supervisor:
     """The harness's Controller (quick to react: ``schedule`` overrides ``trend_windows=1,
     min_dwell=2``); an fp4 recipe starts an fp4 ladder."""
     return controller(every=every, **{"trend_windows": 1, "min_dwell": 2, **schedule}, demote_windows=demote_windows,
-                      per_gemm=per_gemm, max_loss_cost=loss_cost, **RECIPES[recipe].ladder)
+                      per_gemm=per_gemm, max_loss_cost=loss_cost, max_backward_cost=backward_cost,
+                      **RECIPES[recipe].ladder)
 
 
 def resume_case(shape: Shape, schedule: tuple[Step, ...], resume_at: int, *, route: str = "policy",
@@ -275,8 +276,10 @@ def takes(kind: str, recipe: str) -> bool:
 
 @st.composite
 def _controllers(draw: st.DrawFn, recipe: str, every: int) -> Supervisor:
+    per_gemm = draw(st.booleans())  # (the backward GEMMs' cost is per GEMM only)
     return harness_controller(
-        recipe, every, per_gemm=draw(st.booleans()), loss_cost=draw(st.sampled_from([None, 1e-3, 0.0])),
+        recipe, every, per_gemm=per_gemm, loss_cost=draw(st.sampled_from([None, 1e-3, 0.0])),
+        backward_cost=draw(st.sampled_from([None, 1e-5])) if per_gemm else None,
         demote_windows=draw(st.sampled_from([1, 2, 3])), trend_windows=draw(st.sampled_from([1, 2])),
         min_dwell=draw(st.sampled_from([0, 2, 5])), shadow_steps=draw(st.sampled_from([1, 2])),
         horizon=draw(st.sampled_from([1, 3])), max_switches=draw(st.sampled_from([1, 8])))
@@ -413,6 +416,24 @@ def test_per_gemm_controller_resumed_between_promotion_and_demotion(resume_at: i
     run = Trainer(program, seed=1)
     run.run(0, program.steps)
     assert [(d.step, d.action) for d in run.supervisor.log if d.gemm == "output"] == [(3, "promote"), (6, "demote")]
+    assert run_resume(program) == "ran"
+
+
+@pytest.mark.parametrize("resume_at", [3, 5, 7])
+def test_per_gemm_fp4_controller_resumed_in_its_first_window(resume_at: int) -> None:
+    """The NVFP4 per-GEMM Controller with both loss costs (``every=8``) on the fp4 schedule twice
+    (accumulation, an empty micro-batch, a skipped block, an early exit): block 1's forward is
+    promoted early at step 4 and takes its backward GEMMs along (no check has read their costs);
+    the backward is measured on step 7, whose update's gain step 8 reads. Resumed before the
+    early promotion, after it, and with that gain in flight: bitwise the straight run."""
+    watch = harness_controller("nvfp4", 8, per_gemm=True, loss_cost=1e-5, backward_cost=1e-5)
+    program = resume_case(Shape(width=32, blocks=2, gain=1.0, seed=1), _FP4_STEPS * 2, resume_at, route="policy",
+                          json=True, supervisor=watch, recipe="nvfp4", optimizer="adamw", drift=2.0,
+                          backend="emulate_fp32")
+    run = Trainer(program, seed=1)
+    run.run(0, program.steps)
+    early = [(d.step, d.layer, d.gemm) for d in run.supervisor.log if "early" in d.reason]
+    assert early == [(4, "blocks.1.0", g) for g in ("output", "grad_input", "grad_weight")], run.supervisor.log
     assert run_resume(program) == "ran"
 
 

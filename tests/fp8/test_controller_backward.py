@@ -5,6 +5,8 @@ loss scale divided out."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -176,14 +178,16 @@ def test_the_loss_scale_is_divided_out(monkeypatch):
     assert scaled[0].value == pytest.approx(plain[0].value, rel=0.1)
 
 
-def test_a_resumed_run_decides_as_the_uninterrupted_one(monkeypatch):
-    """Saved mid-window (step 7 of windows of 5: between shadow steps, no gain in flight), the
+@pytest.mark.parametrize("stop", [7, 9])
+def test_a_resumed_run_decides_as_the_uninterrupted_one(monkeypatch, stop):
+    """Saved mid-window (windows of 5: after step 7, between shadow steps; after step 9, a shadow
+    step whose update's gain the next forward reads: the checkpoint keeps that gain), the
     controller's state (its backward-cost windows included), the model and the optimizer resume
     to the same decisions, with the same costs, as the run that went on."""
     _plant(monkeypatch, 2, -3.0)
     settings = dict(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=2e-3)
 
-    def run(stop: int | None, state: dict | None = None) -> tuple:
+    def run(stop: int | None, state: dict | None = None, end: int = 20) -> tuple:
         torch.manual_seed(0)
         model = _model(0)
         ctl = mixprec.Controller(**settings)
@@ -200,7 +204,7 @@ def test_a_resumed_run_decides_as_the_uninterrupted_one(monkeypatch):
                 model(data[0][0][:0])  # (the layers are known at a forward: the controller's state goes to them)
             ctl.load_state_dict(state["ctl"])
             start = state["step"]
-        for step in range(start, 20 if stop is None else stop):
+        for step in range(start, end if stop is None else stop):
             x, target = data[step]
             with mixprec.autocast("cpu", policy=policy):
                 loss = F.mse_loss(model(x).float(), target)
@@ -213,10 +217,11 @@ def test_a_resumed_run_decides_as_the_uninterrupted_one(monkeypatch):
 
     whole, end = run(None)
     assert any(d.statistic == "backward_cost" for d in whole)
-    _, saved = run(7)
-    resumed, resumed_end = run(None, saved)
+    _, saved = run(stop)
+    resumed, resumed_end = run(None, copy.deepcopy(saved))  # (a resumed optimizer's state is the saved tensors)
     assert resumed == whole
     assert resumed_end["ctl"] == end["ctl"]  # every window, gain and reach (_reach.Reach.state) alike
+    assert run(None, saved, end=10)[1]["ctl"] == run(None, end=10)[1]["ctl"]  # (the gain the check at 10 kept)
 
 
 def test_the_late_phase_tightens_the_cost_limits(monkeypatch):

@@ -5,6 +5,7 @@ waits; ranks decide alike, a resumed run and a compiled model as an uninterrupte
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -15,7 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mixprec import Controller, fp8
-from mixprec.control._early import EARLY_STEPS, early_window, lower_bounds
+from mixprec.control._decide import switch_gemms
+from mixprec.control._early import EARLY_STEPS, early_window, lower_bounds, with_forward
 from mixprec.control._ladder import Decision
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
@@ -94,6 +96,31 @@ def test_a_forward_far_over_its_limit_is_promoted_before_the_first_check(per_gem
     assert ctl.precision("0") == "nvfp4"
     # the new rung's window holds only its own steps (no mean of two rungs)
     assert lower_bounds([ctl._layers["2"]])[0, 2].item() == EVERY - 1 - EARLY_STEPS
+
+
+@CROSS_ISA
+def test_before_the_first_check_its_backward_gemms_go_up_with_an_early_forward():
+    """Under ``max_backward_cost`` (whose costs only checks read), the logits' forward promoted
+    early takes its backward GEMMs to its rung, a decision each naming why; they come down as any
+    promoted GEMM (no optimizer here: no gain, no cost, the flush rule decides them). After the
+    first check an early forward promotion moves the forward alone."""
+    model, ctl = _converted(max_backward_cost=1e-2)
+    _train(model, ctl, EVERY - 1)
+    assert [(d.step, d.gemm, d.from_, d.to, d.statistic) for d in ctl.log] == [
+        (EARLY_STEPS, g, "nvfp4", "fp8-tensorwise", "loss_cost") for g in ("output", "grad_input", "grad_weight")]
+    forward, *backward = ctl.log
+    assert all(d.value == forward.value and "with its forward GEMM" in d.reason and forward.reason in d.reason
+               for d in backward)
+    assert [ctl.precision("2", g) for g in ("output", "grad_input", "grad_weight")] == ["fp8-tensorwise"] * 3
+    _train(model, ctl, 8 * EVERY, EVERY - 1)
+    assert {d.gemm for d in ctl.log if d.action == "demote" and d.layer == "2"} >= {"grad_input", "grad_weight"}
+    hidden = ctl._layers["0"]
+    switch_gemms(ctl._check(), hidden, (0,), 1)  # (its forward up a rung, as an early promotion would)
+    for steps, moved in ((EVERY - 1, 2), (EVERY, 0)):
+        at = dataclasses.replace(ctl._check(), steps=steps)
+        rungs = list(hidden.rungs)
+        assert len(with_forward(at, "0", hidden, forward)) == moved
+        hidden.rungs[:] = rungs
 
 
 @CROSS_ISA

@@ -269,10 +269,8 @@ class BackwardCost:
         (once the weight moved) and, on a measured step, measure this forward's backward (its
         hooks ``timed``) and, where its input gradient is measured, walk its reach over the
         earlier layers in ``reaches`` (:mod:`._reach`), where this forward's output goes too."""
-        p = self.pending
-        if p is not None and p[4] is not None and weight._version != p[3]:
-            moved = (p[0] * weight.detach().float()).sum() - p[1]
-            self.gain += torch.stack([-moved / p[4], torch.ones_like(moved)])
+        if self.pending is not None and self.pending[4] is not None and weight._version != self.pending[3]:
+            self.gain += self._pending_gain(weight)
             self.pending = None
         shadow, self._open = self._open, None
         # (not inside a backward: an activation checkpoint's recompute has a graph of its own)
@@ -284,6 +282,22 @@ class BackwardCost:
                 self.reach.walk(out.grad_fn, reaches.earlier(self.reach), timed)
         if walks:
             reaches.add(self.reach, out.grad_fn)
+
+    def _pending_gain(self, weight: torch.Tensor) -> torch.Tensor:
+        """``[gain, 1]`` of the pending gradient's update, read on ``weight`` after it."""
+        p = self.pending
+        moved = (p[0] * weight.detach().float()).sum() - p[1]
+        return torch.stack([-moved / p[4], torch.ones_like(moved)])
+
+    def settled_gain(self) -> torch.Tensor:
+        """The window's gain sums, with the pending update's gain folded in where the optimizer
+        has made it (the weight moved and ``end_step`` gave its scale) as the next forward would:
+        what a checkpoint keeps (not the weight-sized gradient), so a run resumed between an
+        update and the forward after it counts the same gains. Reads no state it changes."""
+        p = self.pending
+        if p is None or p[4] is None or p[2]._version == p[3]:
+            return self.gain
+        return self.gain + self._pending_gain(p[2])
 
     def _output_grad(self, shadow: _Shadow, grad: torch.Tensor) -> None:
         shadow.grad = grad.detach()

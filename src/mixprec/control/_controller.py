@@ -17,13 +17,14 @@ import torch.nn as nn
 
 from mixprec._modules import named_modules
 from mixprec._scaled import last_count, scaled_since
+from mixprec.control._clock import CheckClock
 from mixprec.control._decide import Check, apply_gemms, apply_layer, decide_gemms, decide_layer, peel, switch_layer
 from mixprec.control._early import early_window, promote_early
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord
 from mixprec.control._probe import Probe
 from mixprec.control._reach import ReachMap
-from mixprec.control._records import (CheckClock, all_gathered, check_loss_scale, converted, converted_experts,
-                                      detached_record, grad_scale, layer_data, load_layer, log_csv, log_data, metadata,
+from mixprec.control._records import (all_gathered, check_loss_scale, converted, converted_experts, detached_record,
+                                      grad_scale, layer_data, load_layer, log_csv, log_data, measures_backward, metadata,
                                       parse_state_dict, qualified, seen_compute, set_measuring, start_rungs, untrack,
                                       warn_cost_blind, warn_unscaled)
 from mixprec.control._settings import LOW_RUNGS, RUNGS, ControllerSettings
@@ -74,12 +75,10 @@ class Controller(Shell):
         super().__init__(settings, **changes)
         self._layers: dict[str, LayerRecord] = {}
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> the name of its record
-        self._steps = 0
-        self._log: list[Decision] = []
+        self._steps, self._log = 0, []  # (the log: every Decision so far)
         self._pending: dict[str, dict[str, Any]] = {}  # loaded entries of layers not tracked yet
         self._compute: torch.dtype | None = None
-        self._warned_empty = self._warned_scale = False
-        self._loss_scaled = False  # a step got a loss scale
+        self._warned_empty = self._warned_scale = self._loss_scaled = False  # (_loss_scaled: a step got a loss scale)
         self._measuring = shadow_phase(0, self.settings.every, self.settings.shadow_steps)  # this step feeds the shadows
         self._recipes = {r: Float8Recipe.from_name(r) for r in self.settings.ladder if r in LOW_RUNGS}  # one per rung
         self._scaled_seen = last_count()  # a loss scaled before the controller existed is no step of its own
@@ -199,8 +198,9 @@ class Controller(Shell):
         self._layers[name], self._names[module] = rec, name
         self._apply(rec)
 
-    def _probe(self, rec: LayerRecord) -> None:
+    def _probe(self, rec: LayerRecord) -> None:  # (and whether the coming step measures its backward GEMMs)
         rec.probe = Probe(rec, self.settings.sample, self._measuring, self._clock, self._reaches)
+        rec.backward_now = measures_backward(self._steps, self._measuring, self.settings)
 
     def _apply(self, rec: LayerRecord) -> None:
         """Route the layer for its rungs (``_decide.apply_layer``/``apply_gemms``; traced code reads it: a switch recompiles)."""

@@ -23,7 +23,7 @@ from mixprec.formats._quant import STAT_NAMES
 from mixprec.formats._recipe import Float8Recipe
 from mixprec.formats._state import OPERANDS
 
-__all__ = ["Check", "apply_gemms", "apply_layer", "switch_layer", "cheap_below", "decide_gemms", "decide_layer", "gemm_down", "gemm_up",
+__all__ = ["Check", "apply_gemms", "apply_layer", "switch_layer", "cheap_below", "composes", "decide_gemms", "decide_layer", "gemm_down", "gemm_up",
            "layer_down", "layer_up", "limits", "peel", "rung_name", "switch_gemms", "too_costly", "up_by_cost"]
 
 
@@ -204,7 +204,7 @@ def _recipes(at: Check, rungs: list[int]) -> tuple:
     return tuple(at.recipes.get(at.settings.ladder[r]) for r in rungs)
 
 
-def _composes(at: Check, rec: LayerRecord, g: int, rung: int) -> bool:
+def composes(at: Check, rec: LayerRecord, g: int, rung: int) -> bool:
     """Whether GEMM ``g`` may sit on ``rung`` beside the layer's other GEMMs' rungs."""
     if not rec.allowed[rung]:
         return False
@@ -219,7 +219,7 @@ def gemm_up(at: Check, rec: LayerRecord, g: int, cost: float | None = None) -> i
     """The rung GEMM ``g`` is promoted to: the next one up that the layer can run and that
     composes with its other GEMMs (at the latest the compute dtype); for the forward GEMM's loss
     ``cost`` over the limit, :func:`up_by_cost`'s."""
-    above = [i for i in range(rec.rungs[g] + 1, len(at.settings.ladder)) if _composes(at, rec, g, i)]
+    above = [i for i in range(rec.rungs[g] + 1, len(at.settings.ladder)) if composes(at, rec, g, i)]
     return above[0] if cost is None else up_by_cost(at, cost, rec.rungs[g], above)
 
 
@@ -227,7 +227,7 @@ def gemm_down(at: Check, rec: LayerRecord, g: int) -> int | None:
     """The rung GEMM ``g`` is demoted to (the next one down that composes, not below the floor), or None."""
     if at.settings.ladder[rec.rungs[g]] == "fp32":
         return None  # the whole layer's (range)
-    return next((i for i in range(rec.rungs[g] - 1, rec.floor - 1, -1) if _composes(at, rec, g, i)), None)
+    return next((i for i in range(rec.rungs[g] - 1, rec.floor - 1, -1) if composes(at, rec, g, i)), None)
 
 
 def apply_layer(at: Check, rec: LayerRecord) -> None:

@@ -16,6 +16,14 @@ still the check's to see. On the steps it reads: one all-reduce of a header and 
 per layer (:mod:`~mixprec.control._collective`, the same on every rank, identical decisions), one
 host sync; on other steps nothing. Eager, never traced: a promotion reroutes the layer (a
 recompile, as any switch); the steps between read nothing but device flags.
+
+Before the run's first check, under ``max_backward_cost``, a forward GEMM promoted early takes
+its layer's backward GEMMs up with it (:func:`early_promotions`): their costs are read at checks
+only (one shadow step a window), so until the first none has been, and a layer whose output
+costs the loss this much this soon is the one whose backward errors cost most in the first steps
+(the Llama's head: its input gradient reads 60-170 times ``max_backward_cost`` over steps 3-8,
+every hidden GEMM's at most a third of it; pinned to bf16 from step 1 it keeps 0.007 nats of the
+60-step run's loss). They come down as any promoted GEMM, by their rung below's measured cost.
 """
 
 from __future__ import annotations
@@ -25,10 +33,11 @@ from typing import Callable, Sequence
 import torch
 
 from mixprec.control._cost import COST_Z
-from mixprec.control._decide import Check, gemm_up, layer_up, switch_gemms, switch_layer
-from mixprec.control._ladder import Decision, LayerRecord
+from mixprec.control._decide import Check, composes, gemm_up, layer_up, switch_gemms, switch_layer
+from mixprec.control._ladder import GEMMS, Decision, LayerRecord
 
-__all__ = ["EARLY_STEPS", "TREND_STEPS", "cost_bound", "early_promotions", "early_window", "lower_bounds", "promote_early"]
+__all__ = ["EARLY_STEPS", "TREND_STEPS", "cost_bound", "early_promotions", "early_window", "lower_bounds", "promote_early",
+           "with_forward"]
 
 #: the fewest measured steps of a window whose mean cost an early promotion reads (a variance
 #: needs 2; at 3 a bound already lies well under the mean of a noisy cost)
@@ -112,8 +121,10 @@ def early_promotions(at: Check, names: Sequence[str], recs: Sequence[LayerRecord
                      ) -> list[Decision]:
     """Promote the forward GEMM of each record whose all-reduced :func:`lower_bounds` row passes
     ``max_loss_cost`` (to the rung its mean cost calls for: :func:`~mixprec.control._decide.gemm_up`,
-    or the layer's :func:`~mixprec.control._decide.layer_up` for a whole-layer record), its windows started over;
-    returns the decisions (statistic ``loss_cost``, the mean as value)."""
+    or the layer's :func:`~mixprec.control._decide.layer_up` for a whole-layer record), and before
+    the first check, under ``max_backward_cost``, its backward GEMMs below that rung with it (where
+    it composes); its windows started over; returns the decisions (statistic ``loss_cost``, the
+    mean as value)."""
     limit, out = at.settings.max_loss_cost, []
     for name, rec, (bound, mean, n) in zip(names, recs, rows):
         if not bound > limit or not rec.forward_low:
@@ -127,9 +138,27 @@ def early_promotions(at: Check, names: Sequence[str], recs: Sequence[LayerRecord
                             mean, float(limit), reason, gemm))
         if at.settings.per_gemm:
             switch_gemms(at, rec, (0,), to)
+            out += with_forward(at, name, rec, out[-1])
         else:
             switch_layer(at, rec, to)
         rec.reset()  # the window starts over on the new rung
+    return out
+
+
+def with_forward(at: Check, name: str, rec: LayerRecord, forward: Decision) -> list[Decision]:
+    """Before the run's first check, under ``max_backward_cost``: move the backward GEMMs of
+    ``rec`` below its forward GEMM's new rung up to it (each where it composes), as the forward
+    was promoted (``forward``, the decision: its cost the value); their decisions."""
+    to, out = rec.rungs[0], []
+    if at.settings.max_backward_cost is None or at.steps >= at.settings.every:
+        return out
+    for g in (1, 2):
+        here = rec.rungs[g]
+        if here < to and composes(at, rec, g, to):
+            reason = f"{GEMMS[g]} GEMM: with its forward GEMM, before any check of its own cost ({forward.reason})"
+            out.append(Decision(at.steps, name, "output", "promote", at.rung_name(here), at.rung_name(to), "loss_cost",
+                                forward.value, forward.threshold, reason, GEMMS[g]))
+            switch_gemms(at, rec, (g,), to)
     return out
 
 

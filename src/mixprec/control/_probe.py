@@ -18,7 +18,7 @@ from mixprec.control._cost import measure_cost
 from mixprec.control._ladder import GEMMS, LayerRecord
 from mixprec.control._measure import abs_max, record, record_range, sampled_cast
 from mixprec.control._reach import ReachMap
-from mixprec.control._records import CheckClock
+from mixprec.control._clock import CheckClock
 
 __all__ = ["Probe"]
 
@@ -54,7 +54,7 @@ class Probe:
         return type(None), ()
 
     def timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` timed by the controller's clock (:meth:`~mixprec.control._records.CheckClock.timed`);
+        """``fn`` timed by the controller's clock (:meth:`~mixprec.control._clock.CheckClock.timed`);
         traced code is not timed (a host clock in a graph would break it)."""
         if self.clock is None or torch.compiler.is_compiling():
             return fn

@@ -8,14 +8,10 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
-import logging
 import math
 import os
-import statistics
-import time
 import warnings
-from collections import deque
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -34,7 +30,7 @@ from mixprec.formats._state import LayerState, layer_state
 
 __all__ = ["all_gathered", "converted", "converted_experts", "grad_scale", "layer_data", "load_layer", "log_csv", "log_data",
            "parse_state_dict", "qualified", "start_rungs", "check_loss_scale", "warn_cost_blind",
-           "warn_unscaled", "metadata", "detached_record", "seen_compute", "untrack", "CheckClock", "set_measuring"]
+           "warn_unscaled", "metadata", "detached_record", "seen_compute", "untrack", "measures_backward", "set_measuring"]
 
 
 def qualified(known: str, seen: str) -> str:
@@ -72,9 +68,9 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
                                       "now": list(rec.cost_now), "rung": rec.cost_rung,
                                       "cadence": [c.state() for c in rec.cost_cadence], "below": rec.cost_below,
                                       "pool": [[list(w) for w in p] for p in rec.cost_pool]}
-        if rec.backward is not None:  # (its pending gain, a weight-sized gradient, is not kept)
+        if rec.backward is not None:  # (its pending gradient is not kept: the gain of its update, once made, is)
             b = rec.backward
-            data["backward_cost"] = [b.window.tolist(), b.gain.tolist(), [c.state() for c in b.cadence],
+            data["backward_cost"] = [b.window.tolist(), b.settled_gain().tolist(), [c.state() for c in b.cadence],
                                      [[list(w) for w in p] for p in b.pool], b.reach.state()]
     return data
 
@@ -325,121 +321,26 @@ def set_measuring(records: Any, measuring: bool, changed: bool, step: int, setti
     """Whether the step after ``step`` feeds the shadows of ``records`` (``measuring``, written
     when ``changed``): the flag eager code reads, and each record's device copy that compiled
     code reads (no host sync); whether it measures each loss cost (``LayerRecord.cost_phase``,
-    in windows of ``settings.every``); and the backward GEMMs' (``LayerRecord.backward_now``): on
-    the first of the window's ``shadow_steps``, whose update's gain the next step reads."""
-    every = settings.every
-    first = measuring and every - 1 - step % every == min(settings.shadow_steps, every) - 1
+    in windows of ``settings.every``); and the backward GEMMs' (``LayerRecord.backward_now``:
+    :func:`measures_backward`)."""
+    backward = measures_backward(step, measuring, settings)
     for rec in records:
         if changed:
             rec.measuring.fill_(measuring)
             rec.measuring_now = measuring
-        rec.backward_now = first
-        rec.cost_phase(step, every)
+        rec.backward_now = backward
+        rec.cost_phase(step, settings.every)
 
 
-#: the share of a window's host time its measurements may take before a one-time note (:class:`CheckClock`)
-NOTE_MEASURE_SHARE = 0.25
-
-
-class CheckClock:
-    """What a Controller costs the training steps it manages, in host time (no device sync: on
-    an accelerator a check's time includes waiting for the steps queued before its one read, and
-    a measurement's is the time to queue its work): its checks, and its measurements inside the
-    steps (the probes around each controlled GEMM, their gradient hooks, the per-step part of
-    ``Controller.step()``: :meth:`timed`). A step's time runs from one ``Controller.step()``
-    call's end to the next one's start.
+def measures_backward(step: int, measuring: bool, settings: ControllerSettings) -> bool:
+    """Whether the step after ``step`` (``measuring``: one that feeds the shadows) measures the
+    backward GEMMs' costs: the first of the window's ``shadow_steps``, whose update's gain the
+    next step reads (a layer first reached mid-window asks too: ``Controller._probe``).
 
     Example:
-        >>> clock = CheckClock()
-        >>> clock.stats()["checks"], clock.timed(abs)(-2), clock.stats()["measure_seconds"] > 0
-        (0, 2, True)
+        >>> s = ControllerSettings(every=5, per_gemm=True, max_backward_cost=1e-5, shadow_steps=2)
+        >>> [n + 1 for n in range(10) if measures_backward(n, n % 5 >= 3, s)]
+        [4, 9]
     """
-
-    def __init__(self) -> None:
-        self.checks = 0
-        self.check_seconds = 0.0
-        self.last_check_seconds = 0.0
-        self.measure_seconds = 0.0  # host seconds of measurements inside the steps (timed)
-        self._steps: deque[float] = deque(maxlen=32)  # the latest training steps' seconds
-        self._left: float | None = None  # when the last step() call returned
-        self._first: float | None = None  # when the first measurement or step() call began
-        self._window = (0.0, 0.0)  # (time, measure_seconds) at the last check
-        self._entered, self._checking = 0.0, 0.0  # the step() call under way: its start, its check's seconds
-        self._noted = self._noted_measure = False
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {}  # host timings of this process: a pickled or copied controller measures afresh
-
-    def __setstate__(self, state: Mapping[str, Any]) -> None:
-        self.__init__()  # type: ignore[misc]
-
-    def timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn``, its host seconds added to the measurements' (eager code: traced code is not timed)."""
-        def run(*args: Any) -> Any:
-            start = time.perf_counter()
-            self._begin(start)
-            try:
-                return fn(*args)
-            finally:
-                self.measure_seconds += time.perf_counter() - start
-        return run
-
-    def entered(self) -> None:
-        """A ``step()`` call begins: the training step since the last one ended is over."""
-        now = time.perf_counter()
-        if self._left is not None:
-            self._steps.append(now - self._left)
-        self._begin(now)
-        self._entered = now
-
-    def _begin(self, now: float) -> None:
-        """The clock's span starts at its first measurement or ``step()`` call."""
-        if self._first is None:
-            self._first, self._window = now, (now, self.measure_seconds)
-
-    def left(self) -> None:
-        """A ``step()`` call ends: its seconds but a check's were the step's measurements."""
-        self._left = time.perf_counter()
-        self.measure_seconds += max(self._left - self._entered - self._checking, 0.0)
-        self._checking = 0.0
-
-    def checked(self, seconds: float, layers: int, every: int) -> None:
-        """A check took ``seconds``; the first one longer than the median training step is noted
-        once (on the ``mixprec`` logger: a note, not a warning), with what it costs the run; so
-        are, once, measurements that took more than :data:`NOTE_MEASURE_SHARE` of the window's time."""
-        self.checks += 1
-        self.check_seconds += seconds
-        self.last_check_seconds = self._checking = seconds
-        now, (since, measured) = time.perf_counter(), self._window
-        self._window = (now, self.measure_seconds)
-        share = (self.measure_seconds - measured) / max(now - since, 1e-9)
-        if not self._noted_measure and share > NOTE_MEASURE_SHARE:
-            self._noted_measure = True
-            logging.getLogger("mixprec").warning(
-                "mixprec fp8: a Controller's measurements took %.0f%% of the last window's host time (%.3g s of "
-                "%.3g s, %d layer(s), every=%d): a loss cost near its limit is measured in every window, a far one "
-                "less often; a larger every=, a smaller sample= or no max_backward_cost= costs less (ctl.stats() "
-                "keeps the figures)", 100 * share, self.measure_seconds - measured, now - since, layers, every)
-        step = self.step_seconds()
-        if self._noted or step is None or seconds <= step:
-            return
-        self._noted = True
-        share = seconds / (seconds + every * step)
-        logging.getLogger("mixprec").warning(
-            "mixprec fp8: a Controller check took %.3g s over %d layer(s), longer than the %.3g s training step "
-            "it manages: about %.0f%% of the run at every=%d; a larger every= or a smaller sample= costs less "
-            "(ctl.stats() keeps the figures)", seconds, layers, step, 100 * share, every)
-
-    def step_seconds(self) -> float | None:
-        """The median of the latest training steps' seconds, or None before two ``step()`` calls."""
-        return statistics.median(self._steps) if self._steps else None
-
-    def stats(self) -> dict[str, Any]:
-        """``checks``, ``check_seconds`` (total), ``last_check_seconds``, ``step_seconds`` (median),
-        ``measure_seconds`` (total) and ``measure_share``: the measurements' share of the host time
-        since the first of them (None before a ``step()`` call ended)."""
-        elapsed = None if self._first is None or self._left is None else self._left - self._first
-        return {"checks": self.checks, "check_seconds": self.check_seconds,
-                "last_check_seconds": self.last_check_seconds, "step_seconds": self.step_seconds(),
-                "measure_seconds": self.measure_seconds,
-                "measure_share": None if not elapsed else self.measure_seconds / elapsed}
+    every = settings.every
+    return measuring and every - 1 - step % every == min(settings.shadow_steps, every) - 1

@@ -68,9 +68,9 @@ def _slowed(monkeypatch, where: str, clock: _VirtualTime) -> list:
     """Make one kind of measurement take :data:`DELAY` s of ``clock`` per call (the forward
     probe's loss cost, its gradient hook, the backward GEMMs' measurement, the step's own part);
     returns the list its calls go to."""
-    from mixprec.control import _backward, _controller, _cost, _ladder, _records
+    from mixprec.control import _backward, _clock, _controller, _cost, _ladder
 
-    monkeypatch.setattr(_records, "time", clock)
+    monkeypatch.setattr(_clock, "time", clock)
     monkeypatch.setattr(_controller, "time", clock)  # (the checks' seconds)
     target, name = {"forward": (_cost, "output_errors"), "hook": (_cost, "_accumulate_cost"),
                     "backward": (_backward.BackwardCost, "_measure"), "step": (_ladder.LayerRecord, "end_step")}[where]

@@ -184,14 +184,16 @@ def test_a_compiled_model_is_promoted_early_as_eager_without_a_recompile_per_ste
 
 
 def _rank_worker(rank: int, port: int, out_dir: str) -> None:
-    """Each rank its own batches; only rank 0's logits are sharp enough to pass the limit early."""
+    """Each rank its own batches; only rank 0's logits are sharp enough to pass the limit early
+    (under ``max_backward_cost``: the backward GEMMs go up with the forward on both ranks)."""
     with gloo_group(rank, port):
-        model, ctl = _converted()
+        model, ctl = _converted(max_backward_cost=1e-2)
         if rank == 1:
             with torch.no_grad():
                 model[2].weight.div_(4)
         _train(model, ctl, EVERY + 5, batch=_batch(1 + rank))
-        torch.save({"log": ctl.log, "state": {n: ctl.precision(n, "output") for n in ("0", "2")}},
+        gemms = ("output", "grad_input", "grad_weight")
+        torch.save({"log": ctl.log, "state": {n: [ctl.precision(n, g) for g in gemms] for n in ("0", "2")}},
                    os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -202,6 +204,7 @@ def test_ranks_promote_early_alike_from_the_all_reduced_bounds(tmp_path):
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
     assert r0 == r1
     assert r0["log"][0].step == EARLY_STEPS and r0["log"][0].layer == "2" and "early" in r0["log"][0].reason
+    assert [(d.step, d.gemm) for d in r0["log"][1:3]] == [(EARLY_STEPS, "grad_input"), (EARLY_STEPS, "grad_weight")]
 
 
 # the early bound's two estimates, checked against a least-squares fit (numpy) of the same steps

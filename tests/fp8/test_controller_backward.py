@@ -178,12 +178,14 @@ def test_the_loss_scale_is_divided_out(monkeypatch):
     assert scaled[0].value == pytest.approx(plain[0].value, rel=0.1)
 
 
-@pytest.mark.parametrize("stop", [7, 9])
-def test_a_resumed_run_decides_as_the_uninterrupted_one(monkeypatch, stop):
+@pytest.mark.parametrize("stop, known", [(7, True), (9, True), (8, False)])
+def test_a_resumed_run_decides_as_the_uninterrupted_one(monkeypatch, stop, known):
     """Saved mid-window (windows of 5: after step 7, between shadow steps; after step 9, a shadow
-    step whose update's gain the next forward reads: the checkpoint keeps that gain), the
-    controller's state (its backward-cost windows included), the model and the optimizer resume
-    to the same decisions, with the same costs, as the run that went on."""
+    step whose update's gain the next forward reads: the checkpoint keeps that gain; after step
+    8, loaded before any forward has shown the layers, so the next step, a shadow step, is their
+    first: each asks whether it measures), the controller's state (its backward-cost windows
+    included), the model and the optimizer resume to the same decisions, with the same costs, as
+    the run that went on."""
     _plant(monkeypatch, 2, -3.0)
     settings = dict(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=2e-3)
 
@@ -200,8 +202,9 @@ def test_a_resumed_run_decides_as_the_uninterrupted_one(monkeypatch, stop):
         if state is not None:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
-            with mixprec.autocast("cpu", policy=policy):
-                model(data[0][0][:0])  # (the layers are known at a forward: the controller's state goes to them)
+            if known:
+                with mixprec.autocast("cpu", policy=policy):
+                    model(data[0][0][:0])  # (the layers are known at a forward: the controller's state goes to them)
             ctl.load_state_dict(state["ctl"])
             start = state["step"]
         for step in range(start, end if stop is None else stop):

@@ -155,7 +155,8 @@ def with_forward(at: Check, name: str, rec: LayerRecord, forward: Decision) -> l
     for g in (1, 2):
         here = rec.rungs[g]
         if here < to and composes(at, rec, g, to):
-            reason = f"{GEMMS[g]} GEMM: with its forward GEMM, before any check of its own cost ({forward.reason})"
+            reason = (f"{GEMMS[g]} GEMM: up with its forward GEMM, before any check of its own cost (forward loss "
+                      f"cost {forward.value:.4g} > {forward.threshold:g}, early)")
             out.append(Decision(at.steps, name, "output", "promote", at.rung_name(here), at.rung_name(to), "loss_cost",
                                 forward.value, forward.threshold, reason, GEMMS[g]))
             switch_gemms(at, rec, (g,), to)

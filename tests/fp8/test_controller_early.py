@@ -109,9 +109,9 @@ def test_before_the_first_check_its_backward_gemms_go_up_with_an_early_forward()
     assert [(d.step, d.gemm, d.from_, d.to, d.statistic) for d in ctl.log] == [
         (EARLY_STEPS, g, "nvfp4", "fp8-tensorwise", "loss_cost") for g in ("output", "grad_input", "grad_weight")]
     forward, *backward = ctl.log
-    assert all(d.value == forward.value and d.reason.endswith(f"up with its forward GEMM, before any check of its own "
-                                                               f"cost (forward loss cost {forward.value:.4g} > 0.003, early)")
-               for d in backward)
+    said = (f"up with its forward GEMM, before any check of its own cost (forward loss cost {forward.value:.4g} "
+            f"> 0.003, early: 3 steps)")
+    assert all(d.value == forward.value and d.reason.endswith(said) for d in backward)
     assert [ctl.precision("2", g) for g in ("output", "grad_input", "grad_weight")] == ["fp8-tensorwise"] * 3
     _train(model, ctl, 8 * EVERY, EVERY - 1)
     assert {d.gemm for d in ctl.log if d.action == "demote" and d.layer == "2"} >= {"grad_input", "grad_weight"}
@@ -120,7 +120,7 @@ def test_before_the_first_check_its_backward_gemms_go_up_with_an_early_forward()
     for steps, moved in ((EVERY - 1, 2), (EVERY, 0)):
         at = dataclasses.replace(ctl._check(), steps=steps)
         rungs = list(hidden.rungs)
-        assert len(with_forward(at, "0", hidden, forward)) == moved
+        assert len(with_forward(at, "0", hidden, forward, EARLY_STEPS)) == moved
         hidden.rungs[:] = rungs
 
 

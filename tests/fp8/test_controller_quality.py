@@ -104,8 +104,8 @@ def test_the_benchmark_runs_a_short_configuration(model):
 
     train, _ = load_tokens()
     out = bench.run(model, "controller", 0, 3, 2, train)
-    # 3 steps, before the first check: only an early promotion (the head's forward, from the 3rd step)
-    assert out["fp4_share"] == pytest.approx(1.0) and all("(early: 3 steps" in d for d in out["decisions"])
+    # 3 steps, before the first check: only early promotions (the head's forward from the 3rd step, its backward along)
+    assert out["fp4_share"] == pytest.approx(1.0) and all("early: 3 steps" in d for d in out["decisions"])
     assert out["final"] > 0
 
 

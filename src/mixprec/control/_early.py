@@ -138,17 +138,18 @@ def early_promotions(at: Check, names: Sequence[str], recs: Sequence[LayerRecord
                             mean, float(limit), reason, gemm))
         if at.settings.per_gemm:
             switch_gemms(at, rec, (0,), to)
-            out += with_forward(at, name, rec, out[-1])
+            out += with_forward(at, name, rec, out[-1], int(n))
         else:
             switch_layer(at, rec, to)
         rec.reset()  # the window starts over on the new rung
     return out
 
 
-def with_forward(at: Check, name: str, rec: LayerRecord, forward: Decision) -> list[Decision]:
+def with_forward(at: Check, name: str, rec: LayerRecord, forward: Decision, steps: int) -> list[Decision]:
     """Before the run's first check, under ``max_backward_cost``: move the backward GEMMs of
     ``rec`` below its forward GEMM's new rung up to it (each where it composes), as the forward
-    was promoted (``forward``, the decision: its cost the value); their decisions."""
+    was promoted (``forward``, the decision: its cost the value, read on ``steps`` steps); their
+    decisions."""
     to, out = rec.rungs[0], []
     if at.settings.max_backward_cost is None or at.steps >= at.settings.every:
         return out
@@ -156,7 +157,7 @@ def with_forward(at: Check, name: str, rec: LayerRecord, forward: Decision) -> l
         here = rec.rungs[g]
         if here < to and composes(at, rec, g, to):
             reason = (f"{GEMMS[g]} GEMM: up with its forward GEMM, before any check of its own cost (forward loss "
-                      f"cost {forward.value:.4g} > {forward.threshold:g}, early)")
+                      f"cost {forward.value:.4g} > {forward.threshold:g}, early: {steps} steps)")
             out.append(Decision(at.steps, name, "output", "promote", at.rung_name(here), at.rung_name(to), "loss_cost",
                                 forward.value, forward.threshold, reason, GEMMS[g]))
             switch_gemms(at, rec, (g,), to)

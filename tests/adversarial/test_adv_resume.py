@@ -437,6 +437,32 @@ def test_per_gemm_fp4_controller_resumed_in_its_first_window(resume_at: int) -> 
     assert run_resume(program) == "ran"
 
 
+def _every_other_step_without_the_last_block(steps: int, empty: int) -> tuple[Step, ...]:
+    """Block 1 left out on odd steps, an empty micro-batch on step ``empty``, two micro-batches
+    on every third step."""
+    return tuple(Step(skip=frozenset({1}) if s % 2 else frozenset(),
+                      rows=((0,),) if s == empty else ((8, 4),) if s % 3 == 0 else ((8,),)) for s in range(steps))
+
+
+@pytest.mark.parametrize("resume_at", [4, 11, 13])
+def test_per_gemm_fp4_controller_resumed_around_an_early_promotion_of_a_layer_run_every_other_step(
+        resume_at: int) -> None:
+    """The NVFP4 per-GEMM Controller with both loss costs (``every=8``), the last block left out
+    on odd steps, an empty batch on step 4: the check at 8 switches forward GEMMs, so the next
+    window reads early; block 1's forward, measured on steps 8, 10 and 12 only, is promoted at 13
+    and moves alone (after the first check). Resumed at the empty batch, between its measured
+    steps and after its promotion: bitwise the straight run."""
+    watch = harness_controller("nvfp4", 8, per_gemm=True, loss_cost=1e-5, backward_cost=1e-5)
+    program = resume_case(Shape(width=32, blocks=2, gain=3.0, seed=3), _every_other_step_without_the_last_block(16, 4),
+                          resume_at, route="policy", json=True, supervisor=watch, recipe="nvfp4", optimizer="adamw",
+                          drift=2.0, backend="emulate_fp32")
+    run = Trainer(program, seed=3)
+    run.run(0, program.steps)
+    early = [(d.step, d.layer, d.gemm) for d in run.supervisor.log if "early" in d.reason]
+    assert early == [(13, "blocks.1.0", "output")], run.supervisor.log
+    assert run_resume(program) == "ran"
+
+
 def test_resume_after_a_tolerated_overflow() -> None:
     """The scaler's hysteresis budget survives the checkpoint: an overflow on step 1 spends one of
     two (tolerated, the scale kept); resumed at step 2, the loaded state saves back unchanged and

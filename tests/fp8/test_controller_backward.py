@@ -100,21 +100,20 @@ def _plant(monkeypatch, layer: int, size: float, seed: int = 0, where: str = "me
     emulation), or in training itself (``"training"``: the layer's own backward GEMM, which the
     cost then reads)."""
     shape = tuple(_model(seed)[2 * layer].weight.shape)  # (the layers' shapes tell them apart)
-    original, backward, measure = backward_module.linear, Fp4Matmul.backward, backward_module.BackwardCost._measure
+    original, backward, measure = backward_module.linear_grads, Fp4Matmul.backward, backward_module.BackwardCost._measure
 
     def biased(gw):
         return gw if gw is None or tuple(gw.shape) != shape else gw * (1 + size)
 
-    def planted(x, w, b, recipe, backend):
-        if tuple(w.shape) == shape:
-            w.register_hook(biased)
-        return original(x, w, b, recipe, backend=backend)
+    def planted(x, w, g, recipe, wanted, backend):
+        gi, gw = original(x, w, g, recipe, wanted, backend)
+        return gi, biased(gw)
 
     if where == "training":  # (the layer's own GEMM, which records into its state: not an emulated copy)
         monkeypatch.setattr(Fp4Matmul, "backward", staticmethod(lambda ctx, grad_output: (lambda g: (
             g[0], biased(g[1]) if ctx.stats is not None else g[1], *g[2:]))(backward(ctx, grad_output))))
         return
-    monkeypatch.setattr(backward_module, "linear", planted)
+    monkeypatch.setattr(backward_module, "linear_grads", planted)
     monkeypatch.setattr(backward_module.BackwardCost, "_measure",
                         lambda self, shadow, gi, gw: measure(self, shadow, gi, biased(gw)))
 

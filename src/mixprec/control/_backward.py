@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import torch
 
-from mixprec.formats._linear import linear
+from mixprec.formats._linear import linear_grads
 from mixprec.control._cost import Cadence
 from mixprec.control._reach import Reach, ReachMap
 from mixprec.control._settings import LOW_RUNGS
@@ -189,13 +189,8 @@ def _emulated_grads(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, recipe: F
                     measured: tuple[bool, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The input and weight gradients ``recipe``'s backward GEMMs give for the output gradient
     ``g`` (emulated in float32), only those ``measured`` (the other GEMM does not run; without the
-    weight gradient its operand is not cast)."""
-    with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
-        xr, wr = x.detach().requires_grad_(measured[0]), w.detach().requires_grad_(measured[1])
-        y = linear(xr, wr, None, recipe, backend="emulate_fp32")
-        wanted = [t for t, m in zip((xr, wr), measured) if m]
-        grads = iter(torch.autograd.grad(y, wanted, g.to(y.dtype)))
-        return tuple(next(grads) if m else None for m in measured)
+    weight gradient its operand is not cast; the forward GEMM never runs: :func:`linear_grads`)."""
+    return linear_grads(x.detach(), w.detach(), g.detach().to(x.dtype), recipe, measured, "emulate_fp32")
 
 
 class BackwardCost:

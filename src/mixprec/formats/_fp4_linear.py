@@ -18,6 +18,7 @@ scales, not the high-precision input.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, record_cast
 from mixprec.formats._tensor_parallel import Sharding, global_amax, shard_window, tensor_amax_reduce
 
-__all__ = ["Fp4Matmul", "cast_operand", "gemm", "gemm_values"]
+__all__ = ["Fp4Matmul", "cast_operand", "fp4_grads", "gemm", "gemm_values"]
 
 #: rounding streams of one step: grad_output as the input-gradient and the weight-gradient GEMMs read it.
 _GO_GRAD_INPUT, _GO_GRAD_WEIGHT = 0, 1
@@ -150,16 +151,9 @@ class Fp4Matmul(torch.autograd.Function):
                 err = out.double() - ref if bias is None else out.double() - bias.double() - ref
                 db = 20 * torch.log10(torch.linalg.vector_norm(ref) / torch.linalg.vector_norm(err))
                 torch.minimum(sqnr, db.float(), out=sqnr)
-            cx = r.input_for_grad_weight
-            xt = x2.t()
-            if not ctx.needs_input_grad[1]:  # no weight gradient: its operand is not cast (a Controller's shadow GEMM)
-                saved = ()
-            else:
-                if _hadamard(r):
-                    xt = hadamard(xt, hadamard_matrix(r.seed, x.device))
-                saved = cast_operand(xt.contiguous(), cx, r, tp=tp, has="km")[0] if cx.is_fp8 else x2
+            saved, xt_shape = _grad_weight_operand(x2, r, tp, ctx.needs_input_grad[1])
         ctx.recipe, ctx.stats, ctx.backend, ctx.tp = r, stats, backend, tp
-        ctx.xt_shape, ctx.w_dtype = xt.shape, w.dtype
+        ctx.xt_shape, ctx.w_dtype = xt_shape, w.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(w, step, *_saved(saved))
         return out.reshape(*x.shape[:-1], n)
@@ -210,6 +204,32 @@ class Fp4Matmul(torch.autograd.Function):
             if ctx.needs_input_grad[2]:
                 grad_bias = go.sum(0).to(ctx.bias_dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def fp4_grads(x: torch.Tensor, w: torch.Tensor, grad_output: torch.Tensor, recipe: Float8Recipe,
+              wanted: tuple[bool, bool], backend: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The input and weight gradients (each where ``wanted``) :class:`Fp4Matmul`'s backward gives
+    for ``grad_output``, without its forward GEMM (no statistics, no tensor parallelism, the
+    rounding step 0 as a stateless call's): bitwise that backward. Autocast off, unchecked."""
+    saved, xt_shape = _grad_weight_operand(x.reshape(-1, w.shape[1]), recipe, None, wanted[1])
+    ctx = SimpleNamespace(recipe=recipe, stats=None, tp=None, backend=backend, xt_shape=xt_shape, w_dtype=w.dtype,
+                          bias_dtype=None, needs_input_grad=(*wanted, False),
+                          saved_tensors=(w, x.new_zeros((), dtype=torch.int64), *_saved(saved)))
+    return Fp4Matmul.backward(ctx, grad_output)[:2]
+
+
+def _grad_weight_operand(x2: torch.Tensor, r: Float8Recipe, tp: Sharding | None, needed: bool
+                         ) -> tuple[Any, torch.Size]:
+    """What the weight-gradient GEMM keeps of the input ``x2`` (``(m, k)``): its cast of ``x2.t()``
+    (through the Hadamard transform where ``r`` asks), ``x2`` where that GEMM is not cast, nothing
+    where the weight gradient is not ``needed`` (a Controller's shadow GEMM); and ``(k, m)``."""
+    xt = x2.t()
+    if not needed:
+        return (), xt.shape
+    if _hadamard(r):
+        xt = hadamard(xt, hadamard_matrix(r.seed, x2.device))
+    cx = r.input_for_grad_weight
+    return (cast_operand(xt.contiguous(), cx, r, tp=tp, has="km")[0] if cx.is_fp8 else x2), xt.shape
 
 
 def _hadamard(r: Float8Recipe) -> bool:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from mixprec.formats._blocks import block_gemm, quantize
-from mixprec.formats._fp4_linear import Fp4Matmul
+from mixprec.formats._fp4_linear import Fp4Matmul, fp4_grads
 from mixprec.formats._fsdp import GatheredFloat8Weight, reads_gathered, warn_fallback
 from mixprec.formats._native_gemm import block_mm, missing, note_emulated
 from mixprec.formats._quant import cast_to_fp8, gemm
@@ -16,7 +17,7 @@ from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, LayerState, record_cast
 from mixprec.formats._tensor_parallel import Sharding, global_amax, is_distributed_tensor, sharded_linear
 
-__all__ = ["linear", "local_linear", "resolve_backend", "BACKENDS"]
+__all__ = ["linear", "linear_grads", "local_linear", "resolve_backend", "BACKENDS"]
 
 #: ``"emulate"``: the GEMMs emulated as torchao's emulation computes them (tensor/row-scaled fp8 in
 #: float32; fp4 and MX blocks dequantized and multiplied in the input's dtype); ``"emulate_fp32"``:
@@ -287,6 +288,38 @@ def local_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     Controller's estimate of another rung's error on a sharded layer. Preconditions: those of
     :func:`linear`, unchecked."""
     return _linear(input, weight, bias, recipe, None, backend, tp)
+
+
+def linear_grads(input: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor, recipe: Float8Recipe,
+                 wanted: tuple[bool, bool] = (True, True), backend: str = "emulate_fp32"
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The input and weight gradients (each only where ``wanted``; the other GEMM does not run)
+    that the backward of :func:`linear` ``(input, weight, None, recipe, backend=backend)`` gives
+    for ``grad_output``, without running its forward GEMM: bitwise ``torch.autograd.grad`` through
+    it. What a Controller's shadow step emulates of another rung's backward GEMMs.
+
+    Preconditions (unchecked): those of :func:`linear` on plain, non-empty tensors without a
+    state; ``grad_output`` in ``input``'s dtype and the output's shape. Autocast is off inside.
+
+    Example:
+        >>> x, w, g = torch.randn(4, 32), torch.randn(16, 32), torch.randn(4, 16)
+        >>> gi, gw = linear_grads(x, w, g, Float8Recipe.rowwise())
+        >>> gi.shape, gw.shape
+        (torch.Size([4, 32]), torch.Size([16, 32]))
+    """
+    backend = resolve_backend(backend, input, weight, recipe)
+    with torch.autocast(input.device.type, enabled=False):
+        if recipe.fp4:
+            return fp4_grads(input, weight, grad_output, recipe, wanted, backend)
+        r, wt = recipe, weight.t()
+        saved: tuple[torch.Tensor, ...] = (input, wt)
+        if r.save_fp8:  # the forward's casts, without its GEMM
+            xc = cast_to_fp8(input, r.input, -1, r.pow2_scales, None)
+            wc = _cast_weight(wt, r.weight, 0, r.pow2_scales)
+            saved = (xc[0], xc[1], wc[0], wc[1])
+        ctx = SimpleNamespace(recipe=r, backend=backend, stats=None, tp=None, x_shape=input.shape,
+                              w_dtype=weight.dtype, saved_tensors=saved, needs_input_grad=wanted)
+        return _Float8Matmul.backward(ctx, grad_output)[:2]
 
 
 def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Float8Recipe,

@@ -30,8 +30,9 @@ def _autograd(x, w, g, recipe, wanted, backend):
 @pytest.mark.parametrize("wanted", WANTED, ids=["both", "input", "weight"])
 @pytest.mark.parametrize("dtype,weight_dtype,backend", [
     (torch.float32, torch.float32, "emulate"), (torch.float32, torch.float32, "emulate_fp32"),
-    (torch.bfloat16, torch.bfloat16, "emulate_fp32"), (torch.bfloat16, torch.float32, "emulate_fp32")],
-    ids=["fp32-emulate", "fp32", "bf16", "bf16-fp32-weight"])
+    (torch.bfloat16, torch.bfloat16, "emulate_fp32"), (torch.bfloat16, torch.float32, "emulate_fp32"),
+    (torch.float32, torch.bfloat16, "emulate_fp32")],
+    ids=["fp32-emulate", "fp32", "bf16", "bf16-fp32-weight", "fp32-bf16-weight"])
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_linear_grads_are_the_backward_of_linear_bitwise(name, dtype, weight_dtype, backend, wanted) -> None:
     recipe = RECIPES[name]

@@ -34,9 +34,9 @@ does see is the error's noise, which inflates the second moment it divides by an
 every step the result steers by about half its squared share ``s = |E|**2 / |R|**2``: the
 first-order term gains ``s / 2``. Under SGD the error is costed as it comes.
 
-The terms are measured on shadow steps by an emulated forward and backward of the layer's
-recipe (its own casts, and the rung below's while a GEMM is promoted) on the GEMM's own input,
-weight and output gradient; the gain on the step after each shadow step's backward (the
+The terms are measured on shadow steps by the emulated backward GEMMs of the layer's recipe
+(its own casts where its forward was not tapped, and the rung below's while a GEMM is promoted:
+``linear_grads``, no forward GEMM) on the GEMM's own input, weight and output gradient; the gain on the step after each shadow step's backward (the
 weight's version counter says the optimizer moved it). Each term is a ratio in which a loss
 scale cancels, and the gain's is divided out (:meth:`BackwardCost.end_step`). Not measured under
 ``torch.compile``, nor where FSDP2 all-gathers the weight in fp8: there the flush rule decides.

@@ -14,9 +14,9 @@ Configs (every fp4 layer NVFP4, emulated in float32 as the demo's fp4 modes run 
   keeps the last layers in high precision);
 * ``alt-bf16``: every other Linear (in module order, the first included) in bf16;
 * ``controller``: every Linear NVFP4 under ``Controller(per_gemm=True, ladder=("nvfp4",
-  "tensorwise", "rowwise", "compute"), max_loss_cost=1e-3, max_backward_cost=1e-4)``
-  (the demo's ``mixprec-fp4``: ``max_backward_cost`` is ``max_loss_cost / every``, a per-step cost
-  against a level; ``--max-backward-cost`` changes it);
+  "tensorwise", "rowwise", "compute"), max_loss_cost=1e-3, max_backward_cost=3.3e-5)``
+  (the demo's ``mixprec-fp4``: ``max_backward_cost`` is ``max_loss_cost / (every * horizon)``, a
+  per-step cost against a level; ``--max-backward-cost`` changes it);
 * ``controller-flush``: the same without ``max_backward_cost`` (backward GEMMs by their flush).
 
 Printed per model: each config's final training loss (mean of the last 10% of steps) minus
@@ -27,12 +27,13 @@ counted step by step); then the issue's bar (:func:`verdict`): the controller's 
 the best hand recipe's with a loss gap no worse, and >= 85% in fp4 within fp32's spread; then the
 controllers' decisions on the first seed. Nothing here is tuned to pass: the figures are what ran.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/controller_quality.py [--steps 120] [--seeds 0,1,2]
-        [--models tiny,small,llama] [--configs ...] [--max-backward-cost 1e-4] [--json out.json]
+    PYTHONPATH=src .venv/bin/python benchmarks/controller_quality.py [--steps N] [--seeds 0,1,2]
+        [--models tiny,small,llama] [--configs ...] [--max-backward-cost 3.3e-5] [--json out.json]
 
-An fp4 run of tiny at 120 steps takes 7-17 s on a lightly loaded 2-core CPU, of the Llama at 60
-steps 4-11 s (1-4 min under a load of 7-10): docs/fp8.md's table ran tiny at 120 steps (the demo's
-preset) and the Llama at 60 (``--steps 60``, without ``controller-flush``).
+Each model trains :data:`STEPS` steps unless ``--steps`` says otherwise: tiny 120 (the demo's
+preset), small 300 (its preset: at 120 it is on its plateau, where seeds part by 0.05 nats on one
+decision), the Llama 60. An fp4 run takes 7-17 s for tiny, 30-50 s for small and 4-11 s for the
+Llama on a lightly loaded 2-core CPU (1-4 min under a load of 7-10).
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ LADDER = FP4_LADDER
 MAX_LOSS_COST = FP4_MAX_LOSS_COST
 MAX_BACKWARD_COST = FP4_MAX_BACKWARD_COST  # the demo's: max_loss_cost / (every * horizon)
 SEQ = 64
+#: each model's training length (``--steps`` overrides it for all): the demo's presets for tiny and
+#: small, 60 for the Llama (docs/fp8.md, "The controller against hand recipes")
+STEPS = {"tiny": 120, "small": 300, "llama": 60}
 
 
 def build(model: str, seed: int) -> tuple[nn.Module, Callable[[nn.Module, torch.Tensor], torch.Tensor], float]:
@@ -199,26 +203,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default="tiny,small,llama")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--steps", type=int, default=None, help="every model's steps (default: STEPS, per model)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--json", default=None)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-backward-cost", type=float, default=MAX_BACKWARD_COST,
                     help="the controller config's Controller.max_backward_cost (nats per step)")
     args = ap.parse_args(argv)
+    models = args.models.split(",")
+    unknown = [m for m in models if m not in STEPS]
+    if unknown:
+        ap.error(f"unknown model(s) {', '.join(unknown)}: choose from {', '.join(STEPS)}")
     torch.set_num_threads(args.threads)
     train, _ = load_tokens()
     seeds = [int(s) for s in args.seeds.split(",")]
     configs = args.configs.split(",")
     if "fp32" not in configs:
         configs = ["fp32", *configs]
-    out: dict[str, Any] = {"steps": args.steps, "batch": args.batch, "seeds": seeds, "models": {},
-                           "max_backward_cost": args.max_backward_cost}
-    for model in args.models.split(","):
+    out: dict[str, Any] = {"steps": {m: args.steps or STEPS[m] for m in models}, "batch": args.batch, "seeds": seeds,
+                           "models": {}, "max_backward_cost": args.max_backward_cost}
+    for model in models:
         results: dict[str, dict[int, dict[str, Any]]] = {c: {} for c in configs}
         for seed in seeds:
             for config in configs:
-                results[config][seed] = run(model, config, seed, args.steps, args.batch, train, args.max_backward_cost)
+                results[config][seed] = run(model, config, seed, out["steps"][model], args.batch, train,
+                                            args.max_backward_cost)
                 print(f"# {model} seed {seed} {config}: {results[config][seed]['final']:.4f} "
                       f"fp4 {results[config][seed]['fp4_share']:.1%} ({results[config][seed]['seconds']:.0f} s)",
                       flush=True)

@@ -121,3 +121,37 @@ def test_the_heads_input_gradient_error_reaches_every_earlier_layer_a_hidden_one
     past = max(v for n, v in hidden.items() if n not in ("blocks.1.fc", "head"))
     assert min(head.values()) >= 10 * past and hidden["blocks.1.fc"] >= 10 * past
     assert out["head"][0] > 0 and hidden["head"] == 0.0  # (a later layer sees nothing of it)
+
+
+def test_each_model_trains_its_own_length_and_an_unknown_model_is_refused():
+    """small at its preset's 300 steps (at 120 it is on its plateau), tiny at 120, the Llama at 60;
+    a model the benchmark does not build is an argparse error before any run."""
+    assert bench.STEPS == {"tiny": 120, "small": 300, "llama": 60}
+    with pytest.raises(SystemExit):
+        bench.main(["--models", "tiny,gpt2"])
+
+
+def test_step_slopes_reads_the_first_adamw_step_gain_and_the_next_batch_slope():
+    """benchmarks/step_slopes.py: AdamW's first update is ``-lr * (sign(G) + wd * W)`` (its moments
+    hold one gradient), so its first-order gain on the gradient that made it is ``lr * (|G|_1 +
+    wd <G, W>)``, recomputed here from the same model and batch; the end slope is another batch's
+    (it differs)."""
+    import torch
+
+    import mixprec
+    from benchmarks import step_slopes
+    from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch
+
+    rows = step_slopes.slopes("tiny", 0, 2)
+    model, logits_of, lr = bench.build("tiny", 0)
+    data, _ = load_tokens()
+    x, y = make_batch(data, batch_offsets(len(data), 2, 8, bench.SEQ, 0)[0], bench.SEQ, torch.device("cpu"))
+    with mixprec.autocast("cpu", dtype=torch.bfloat16):
+        bench.lm_loss(logits_of(model, x).float(), y).backward()
+    lr0 = lr * bench.lr_factor(0, 2)
+    for name in bench.linears(model):
+        w = dict(model.named_modules())[name].weight
+        expected = lr0 * float(w.grad.abs().sum() + 0.01 * (w.grad * w.detach()).sum())
+        (step, own, end), = rows[name]
+        assert step == 0 and own == pytest.approx(expected, rel=1e-3), name
+        assert end != pytest.approx(own, rel=1e-3)

@@ -216,8 +216,10 @@ def test_a_window_without_a_walk_keeps_the_last_reach_and_gain():
 
 
 def test_backward_costs_charge_the_input_gradient_by_its_reach():
-    row = [0.1, 0.0, 0.2, 1.0, 0.0, 0.0, 0.0, 0.0, 1, 1, 0, 0, 0.5, 1]
-    full, diluted = backward_costs([row + [1.0], row + [1.0]]), backward_costs([row + [1.0], row + [0.01]])
+    row = [0.1, 0.0, 0.0, 0.2, 0.0, 1.0] + [0.0] * 6 + [1, 1, 0, 0, 0.5, 1]
+    end = [-float("inf"), 0]  # (no end slope measured)
+    full, diluted = (backward_costs([row + [1.0] + end, row + [1.0] + end]),
+                     backward_costs([row + [1.0] + end, row + [0.01] + end]))
     assert diluted[1][0] == pytest.approx(full[1][0] * 0.01)
     assert diluted[1][1] == full[1][1]  # the weight gradient's own cost is not the input gradient's reach
 

@@ -31,14 +31,25 @@ are first taken as :func:`step_error` makes them, the part across the reference 
 its rescaled length, so the first-order terms vanish and a shrink or growth of the gradient costs
 nothing (a result pointing against its reference keeps its whole error); what such an optimizer
 does see is the error's noise, which inflates the second moment it divides by and so shrinks
-every step the result steers by about half its squared share ``s = |E|**2 / |R|**2``: the
-first-order term gains ``s / 2``. Under SGD the error is costed as it comes.
+every step the result steers by about half its squared share ``s = |E|**2 / |R|**2``: a shrink
+term ``s / 2``. What a shrunk step loses is the loss's slope along it at its end, not its
+first-order gain: the weight-gradient GEMM's shrink is weighed by the layer's **end slope**
+``-<G', dW>``, ``G'`` the next step's weight gradient (another batch, at the moved weight), read
+on the step after each shadow step's update (:meth:`BackwardCost.observe`). The gain read on the
+gradient that made the update overstates it twice, by the update's own batch noise and by its
+curvature: on the demo's small model every hidden layer's steps overshoot after step 10 (end
+slope below 0, a shrink costs nothing) while the head's keeps 0.8-0.96 of its gain until step
+40 (``benchmarks/step_slopes.py``). The input-gradient GEMM's shrink is still weighed by the
+first-order gains of the layers before it: weighed by their end slopes, the head's NVFP4 input
+gradient on tiny stayed until step 80 and its run ended 0.028 nats over fp32 (0.012 with it
+promoted at 20). Under SGD the error is costed as it comes.
 
 The terms are measured on shadow steps by the emulated backward GEMMs of the layer's recipe
 (its own casts where its forward was not tapped, and the rung below's while a GEMM is promoted:
 ``linear_grads``, no forward GEMM) on the GEMM's own input, weight and output gradient; the gain on the step after each shadow step's backward (the
-weight's version counter says the optimizer moved it). Each term is a ratio in which a loss
-scale cancels, and the gain's is divided out (:meth:`BackwardCost.end_step`). Not measured under
+weight's version counter says the optimizer moved it), the end slope in that step's backward
+(one float32 GEMM of its output gradient with the update). Each term is a ratio in which a loss
+scale cancels, and the gain's and end slope's are divided out (:meth:`BackwardCost.end_step`). Not measured under
 ``torch.compile``, nor where FSDP2 all-gathers the weight in fp8: there the flush rule decides.
 """
 
@@ -52,16 +63,14 @@ from mixprec.formats._linear import linear_grads
 from mixprec.control._cost import Cadence
 from mixprec.control._reach import Reach, ReachMap
 from mixprec.control._settings import LOW_RUNGS
+from mixprec.control._update_error import TINY, cost_ratio, mean_curvature, projections, step_error, update_terms
 from mixprec.formats._recipe import Float8Recipe
 
-__all__ = ["BackwardCost", "BACKWARD_GEMMS", "BACKWARD_WINDOWS", "FAR", "backward_costs", "backward_recipes", "cost_ratio", "far_by_factor",
+__all__ = ["BackwardCost", "BACKWARD_GEMMS", "BACKWARD_WINDOWS", "FAR", "TERMS", "backward_costs", "backward_recipes", "cost_ratio", "far_by_factor",
            "peel", "stats_read", "step_error"]
 
 #: the backward GEMMs, in the order of the cost's rows (the GEMMs 1 and 2 of ``_ladder.GEMMS``)
 BACKWARD_GEMMS = ("grad_input", "grad_weight")
-_TINY = 1e-30
-#: the smallest rescale of a result :func:`step_error` divides by (a gradient shrunk further reads as shrunk this much)
-_MIN_RESCALE = 2.0 ** -10
 #: how far (a factor) from its limit a backward GEMM's cost lets its cadence measure it in fewer
 #: windows (``_cost.Cadence``): its terms are window means without a per-step variance
 FAR = 2.0
@@ -76,6 +85,8 @@ FAR = 2.0
 #: head's input gradient promoted at step 20, +0.015 at step 10; later, a window far over is a
 #: spike as often: a hidden weight gradient read 185x over once after its forward switched)
 BACKWARD_WINDOWS = 2
+#: the cost terms a window sums per backward GEMM (first order, shrink, curvature), before its count
+TERMS = 3
 
 
 def far_by_factor(cost: float, limit: float) -> bool:
@@ -86,79 +97,6 @@ def far_by_factor(cost: float, limit: float) -> bool:
         (True, False, True)
     """
     return cost * FAR <= limit or cost >= limit * FAR
-
-
-def cost_ratio(reference: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    """``-<R, E> / |R|**2`` of ``result = R + E`` against ``reference = R`` (float32): the
-    share of a step's gain that the error takes from it to first order.
-
-    Example:
-        >>> r = torch.tensor([1.0, 2.0])
-        >>> float(cost_ratio(r, r)), float(cost_ratio(r, torch.zeros(2)))  # exact; a gradient lost
-        (0.0, 1.0)
-    """
-    return (reference * (reference - result.float())).sum() / reference.square().sum().clamp(min=_TINY)
-
-
-def step_error(reference: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
-    """The error ``E`` of a backward GEMM's result ``R + E`` as an optimizer that normalizes its
-    updates (Adam, AdamW, Lion, Adafactor) sees it: the part along ``R``, ``a R`` with ``a =
-    <R, E> / |R|**2``, rescales the result to ``(1 + a) R``, a scale such an optimizer takes out
-    of its step; what moves the step is the part across ``R``, against the rescaled result:
-    ``(E - a R) / (1 + a)``. A result that points against ``R`` or nowhere (``1 + a <= 0``)
-    keeps its whole error. Orthogonal to ``R``: its first-order cost is 0 (float32, no host sync).
-
-    Example:
-        >>> r = torch.tensor([1.0, 0.0])
-        >>> step_error(r, torch.tensor([-0.5, 0.0])), step_error(r, torch.tensor([1.0, 1.0]))  # shrunk; grown, turned
-        (tensor([0., 0.]), tensor([0.0000, 0.5000]))
-        >>> step_error(r, torch.tensor([-3.0, 0.0]))  # flipped: costed whole
-        tensor([-3.,  0.])
-    """
-    r, e = reference.float(), error.float()
-    a = (r * e).sum() / r.square().sum().clamp(min=_TINY)
-    return torch.where(1 + a > 0, (e - a * r) / (1 + a).clamp(min=_MIN_RESCALE), e)
-
-
-def mean_curvature(g2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-    """``tr(H) / n`` for the empirical Fisher ``H`` of a linear layer's ``n`` weights over the rows
-    of its output gradient ``g2`` and input ``x2`` (``rows * sum_t |g_t|**2 |x_t|**2 / n``): the
-    mean of ``u'Hu / |u|**2`` over directions ``u``.
-
-    Example:
-        >>> float(mean_curvature(torch.tensor([[1.0, 1.0]]), torch.tensor([[2.0]])))  # 1 * (2 * 4) / 2
-        4.0
-    """
-    n = g2.shape[1] * x2.shape[1]
-    return g2.shape[0] * (g2.square().sum(-1) * x2.square().sum(-1)).sum() / max(n, 1)
-
-
-def projections(g2: torch.Tensor, x2: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Per row ``t``, ``g_t' u x_t`` for a weight-sized ``u``: ``u'Hv = rows * sum_t`` of the
-    products of two directions' projections (the empirical Fisher). One GEMM of ``g2`` with ``u``."""
-    return ((g2 @ u) * x2).sum(-1)
-
-
-def update_terms(g2: torch.Tensor, x2: torch.Tensor, reference: torch.Tensor, result: torch.Tensor,
-                 along_reference: torch.Tensor | None = None) -> torch.Tensor:
-    """The weight-gradient error's cost terms ``[c1, c2]`` (float32 ``g2``, ``x2``): the cost
-    of a step whose gain was ``gain`` is ``gain * c1 + gain**2 * c2`` (module docstring; ``eta =
-    gain / |G|**2``). Two GEMMs of ``g2`` with a weight-sized matrix (``G`` and ``E``), one where
-    the caller gives ``projections(g2, x2, reference)`` (``along_reference``: shared by the
-    results it measures against the same reference).
-
-    Example:
-        >>> g2, x2 = torch.tensor([[0.5]]), torch.tensor([[2.0]])
-        >>> [round(float(t), 4) for t in update_terms(g2, x2, torch.tensor([[1.0]]), torch.tensor([[0.5]]))]
-        [0.5, -0.375]
-    """
-    e = result.float() - reference
-    gg = reference.square().sum().clamp(min=_TINY)
-    pr = projections(g2, x2, reference) if along_reference is None else along_reference
-    pe = projections(g2, x2, e)
-    rows = g2.shape[0]
-    curvature = rows * (pr * pe).sum() + 0.5 * (rows * (pe * pe).sum())
-    return torch.stack([cost_ratio(reference, result), curvature / (gg * gg)])
 
 
 class _Tap(torch.autograd.Function):
@@ -196,18 +134,21 @@ def _emulated_grads(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, recipe: F
 class BackwardCost:
     """One layer's backward-GEMM cost measurements (on its record: ``LayerRecord.backward``).
 
-    ``window``: ``(2, 2, 3)``, per kind (own casts, the rung below's), per backward GEMM, the
-    sums of its two terms (:func:`update_terms`; for the input gradient ``[c1, |E_x|**2 /
-    |R_x|**2 * h / (2 |G|**2)]``) and the count; ``gain``: the window's sum of the step gains and
-    their count. ``recipes``: what a shadow step emulates, ``(kind, recipe, (grad_input
+    ``window``: ``(2, 2, 4)``, per kind (own casts, the rung below's), per backward GEMM, the
+    sums of its three terms (first order, shrink, curvature: :func:`update_terms`' ``c1`` and
+    ``c2`` with the shrink ``s / 2`` apart; for the input gradient ``[c1, s / 2, |E_x|**2 /
+    |R_x|**2 * h / (2 |G|**2)]``) and the count; ``gain``, ``end``: the window's sums of the step
+    gains and of the end slopes, with their counts. ``recipes``: what a shadow step emulates, ``(kind, recipe, (grad_input
     measured, grad_weight measured))`` (set with the rungs, ``_decide.apply_gemms``). The own
     casts' errors are read from the layer's own backward GEMMs where its forward was tapped
     (:meth:`tap`), else emulated like the rung below's.
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.window = torch.zeros(2, len(BACKWARD_GEMMS), 3, device=device)
+        self.window = torch.zeros(2, len(BACKWARD_GEMMS), TERMS + 1, device=device)
         self.gain = torch.zeros(2, device=device)
+        self.end = torch.zeros(2, device=device)
+        self.end_last = torch.full((), -torch.inf, device=device)  # the last window's mean end slope (-inf: none yet)
         self.reach = Reach(device)  # how far the input gradient's error reaches the layers before (_reach)
         self._recipes: list[tuple[int, Float8Recipe, tuple[bool, bool]]] | None = []
         # per kind (own casts, the rung below's), in which windows it is measured (LayerRecord.carry_backward)
@@ -216,8 +157,13 @@ class BackwardCost:
         # per (kind, GEMM), as backward_costs orders them, its last measured windows' [1, cost, cost**2] (_cost.clear_pooled)
         self.pool: list[list[list[float]]] = [[] for _ in range(_KINDS)]
         # the weight gradient of the last measured step, until the optimizer moved the weight:
-        # [gradient, <gradient, weight before>, the weight, its version, the loss scale or None]
+        # [gradient, <gradient, weight before>, the weight, its version, the loss scale or None,
+        # the weight before (float32, normalized updates: its end slope's update)]
         self.pending: list[Any] | None = None
+        # the update whose end slope the next step's backward reads: [update, weight, its version, the
+        # slope's sum, whether a backward added to it] (ready: loaded from a checkpoint, no forward yet)
+        self.slope: list[Any] | None = None
+        self.ready: torch.Tensor | None = None
         self._open: _Shadow | None = None  # the tapped forward's operands, until observe() sees its output
 
     @property
@@ -264,9 +210,22 @@ class BackwardCost:
         (once the weight moved) and, on a measured step, measure this forward's backward (its
         hooks ``timed``) and, where its input gradient is measured, walk its reach over the
         earlier layers in ``reaches`` (:mod:`._reach`), where this forward's output goes too."""
-        if self.pending is not None and self.pending[4] is not None and weight._version != self.pending[3]:
+        p = self.pending
+        if p is not None and p[4] is not None and weight._version != p[3]:
+            if len(p) > 5:  # (normalized updates: the update whose end slope this step's backward reads)
+                self.ready = weight.detach().float() - p[5]
             self.gain += self._pending_gain(weight)
             self.pending = None
+        if self.ready is not None:
+            if self.ready.shape != weight.shape:
+                raise ValueError(f"Controller: a checkpoint's update of shape {tuple(self.ready.shape)} for a weight of shape "
+                                 f"{tuple(weight.shape)}: load the state_dict of this model's controller")
+            self.slope, self.ready = [self.ready, weight, weight._version, torch.zeros((), device=weight.device), False], None
+        sl = self.slope
+        if (sl is not None and sl[1] is weight and weight._version == sl[2] and out.requires_grad
+                and torch._C._current_graph_task_id() == -1):  # (each micro-batch; not a checkpoint's recompute)
+            x2 = x.detach().reshape(-1, x.shape[-1])
+            out.register_hook(timed(lambda grad: _end_slope(sl, x2, grad)))
         shadow, self._open = self._open, None
         # (not inside a backward: an activation checkpoint's recompute has a graph of its own)
         walks = reaches is not None and out.requires_grad and torch._C._current_graph_task_id() == -1
@@ -283,6 +242,15 @@ class BackwardCost:
         p = self.pending
         moved = (p[0] * weight.detach().float()).sum() - p[1]
         return torch.stack([-moved / p[4], torch.ones_like(moved)])
+
+    def settled_update(self) -> torch.Tensor | None:
+        """The update whose end slope the next step's backward reads, once the optimizer has made
+        it (float32, the weight's size; None: none): what a checkpoint keeps of a shadow step under
+        normalized updates, so a run resumed before that backward reads the same slope."""
+        p = self.pending
+        if self.ready is not None or p is None or len(p) < 6 or p[4] is None or p[2]._version == p[3]:
+            return self.ready
+        return p[2].detach().float() - p[5]
 
     def settled_gain(self) -> torch.Tensor:
         """The window's gain sums, with the pending update's gain folded in where the optimizer
@@ -310,7 +278,7 @@ class BackwardCost:
         inputs = any(m[0] for _, _, m in due)
         grad_input = g2 @ wf if inputs else None
         grad_weight = g2.t() @ x2
-        gg = grad_weight.square().sum().clamp(min=_TINY)
+        gg = grad_weight.square().sum().clamp(min=TINY)
         h = mean_curvature(g2, x2) if inputs else None
         along = projections(g2, x2, grad_weight) if any(m[1] for _, _, m in due) else None
         for kind, recipe, measured in due:
@@ -321,76 +289,101 @@ class BackwardCost:
             if measured[0] and gi is not None:
                 ref, e = grad_input, gi.reshape(grad_input.shape).float() - grad_input
                 e = step_error(ref, e) if self.normalized else e
-                share = e.square().sum() / ref.square().sum().clamp(min=_TINY)
-                first = cost_ratio(ref, ref + e) + (share / 2 if self.normalized else 0.0)
-                self.window[kind, 0] += torch.stack([first, share * h / (2 * gg), gg.new_ones(())])
+                share = e.square().sum() / ref.square().sum().clamp(min=TINY)
+                shrink = share / 2 if self.normalized else torch.zeros_like(share)
+                self.window[kind, 0] += torch.stack([cost_ratio(ref, ref + e), shrink, share * h / (2 * gg), gg.new_ones(())])
             if measured[1] and gw is not None:
                 gw = grad_weight + step_error(grad_weight, gw.float() - grad_weight) if self.normalized else gw
                 terms = update_terms(g2, x2, grad_weight, gw, along)
-                if self.normalized:
-                    terms[0] += (gw - grad_weight).square().sum() / gg / 2
-                self.window[kind, 1] += torch.cat([terms, gg.new_ones(1)])
+                shrink = (gw - grad_weight).square().sum() / gg / 2 if self.normalized else torch.zeros_like(gg)
+                self.window[kind, 1] += torch.stack([terms[0], shrink, terms[1], gg.new_ones(())])
         p = self.pending
         if p is not None and p[2] is weight and p[3] == weight._version and p[4] is None:  # another micro-batch
             p[0] += grad_weight
             p[1] += (grad_weight * wf).sum()
         else:
             self.pending = [grad_weight, (grad_weight * wf).sum(), weight, weight._version, None]
+            if self.normalized:  # (the weight before the update, for its end slope)
+                self.pending.append(w.detach().to(torch.float32, copy=True))
 
     def end_step(self, loss_scale: float | torch.Tensor) -> None:
-        """The optimizer step ended: the pending gradient carried ``loss_scale`` (divided out of its gain)."""
+        """The optimizer step ended: this step's end slope (its gradient carried ``loss_scale``;
+        not counted where it is not finite, an overflowed gradient) joins the window, and the
+        pending gradient carried ``loss_scale`` (divided out of its gain)."""
+        sl, self.slope = self.slope, None
+        if sl is not None and sl[4]:
+            slope = -sl[3] / loss_scale
+            counted = torch.isfinite(slope)
+            self.end += torch.stack([torch.where(counted, slope, 0.0), counted.float()])
         if self.pending is not None and self.pending[4] is None:
             self.pending[4] = loss_scale
 
     def row(self) -> torch.Tensor:
         """The window as a row of the check's all-reduce: the mean terms per kind and GEMM (-inf:
         none measured), whether each was measured, the mean gain (the last window's that measured
-        one; -inf: none yet), whether there is one, and the reach (the last measured; 1: none yet).
-        Keeps the gain and the reach for the windows that measure none (no host sync)."""
-        counts = self.window[..., 2:]
-        means = torch.where(counts > 0, self.window[..., :2] / counts.clamp(min=1), -torch.inf)
-        return torch.cat([means.flatten(), (counts > 0).float().flatten(), self.reach.row(self.gain)])
+        one; -inf: none yet), whether there is one, the reach (the last measured; 1: none yet), and
+        the mean end slope and whether there is one (kept alike). No host sync."""
+        counts = self.window[..., TERMS:]
+        means = torch.where(counts > 0, self.window[..., :TERMS] / counts.clamp(min=1), -torch.inf)
+        self.end_last = torch.where(self.end[1] > 0, self.end[0] / self.end[1].clamp(min=1), self.end_last)
+        return torch.cat([means.flatten(), (counts > 0).float().flatten(), self.reach.row(self.gain),
+                          torch.stack([self.end_last, torch.isfinite(self.end_last).float()])])
 
     def reset(self) -> None:
         self.window.zero_()
         self.gain.zero_()
+        self.end.zero_()
         self.reach.reset()
+
+
+def _end_slope(slope: list[Any], x2: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``<G', dW>`` for this backward's weight gradient ``G' = g' x`` (one float32 GEMM of the
+    output gradient with the update ``dW = slope[0]``) to ``slope``'s sum; no rows, nothing."""
+    g2 = grad.detach().reshape(-1, grad.shape[-1]).float()
+    if g2.shape[0]:
+        slope[3] = slope[3] + ((g2 @ slope[0]) * x2.float()).sum()
+        slope[4] = True
 
 
 _KINDS = 2 * len(BACKWARD_GEMMS)  # (kind, GEMM) pairs
 #: the length of :meth:`BackwardCost.row`
-ROW = 3 * _KINDS + 3
+ROW = (TERMS + 1) * _KINDS + 5
 
 
 def backward_costs(backs: list[list[float] | None]) -> list[list[float] | None]:
     """Per layer (in forward order), from its all-reduced :meth:`BackwardCost.row` (None: no
     measurement), ``[own grad_input, own grad_weight, below grad_input, below grad_weight]``
     costs in nats per step followed by whether each was measured: the weight gradient's
-    ``gain * c1 + gain**2 * c2`` with its layer's gain, the input gradient's ``up * c1 + up *
-    gain * c2`` with ``up`` the gains of the layers before it summed, times the share of its
-    error that reaches them (the row's last entry, :mod:`._reach`); a negative gain (the step
-    lost to first order) counts as none.
+    ``gain * c1 + slope * shrink + gain**2 * c2`` with its layer's gain and end slope (its gain
+    until one is measured), the input gradient's ``up * (c1 + shrink) + up * gain * c2`` with
+    ``up`` the gains of the layers before it summed, times the share of its error that reaches
+    them (:mod:`._reach`); a negative gain or slope (the step lost to first order, or
+    overshooting) counts as none.
 
     Example:
-        >>> row = [0.1, 0.0, 0.2, 1.0, 0.0, 0.0, 0.0, 0.0, 1, 1, 0, 0, 0.5, 1, 1.0]
+        >>> terms = [0.1, 0.0, 0.0, 0.2, 0.1, 1.0] + [0.0] * 6  # own (grad_input, grad_weight), below
+        >>> row = terms + [1, 1, 0, 0] + [0.5, 1, 1.0] + [0.2, 1]  # gain 0.5, reach 1, end slope 0.2
         >>> [round(c, 4) for c in backward_costs([row, row])[1][:2]]  # grad_input: the first's gain
-        [0.05, 0.35]
-        >>> [round(c, 4) for c in backward_costs([row, row[:-1] + [0.1]])[1][:2]]  # a tenth of it reaches
-        [0.005, 0.35]
+        [0.05, 0.37]
+        >>> [round(c, 4) for c in backward_costs([row, row[:-3] + [0.1, 0.2, 0]])[1][:2]]  # a tenth reaches; no slope yet
+        [0.005, 0.4]
     """
     out: list[list[float] | None] = []
     upstream = 0.0
+    head = (TERMS + 1) * _KINDS
     for row in backs:
         if row is None:
             out.append(None)
             continue
-        terms, measured, (gain, has_gain, reach) = row[:2 * _KINDS], row[2 * _KINDS:3 * _KINDS], row[3 * _KINDS:]
+        terms, measured, (gain, has_gain, reach, end, has_end) = row[:TERMS * _KINDS], row[TERMS * _KINDS:head], row[head:]
         own = max(gain, 0.0) if has_gain > 0 else 0.0
+        own_end = max(end, 0.0) if has_end > 0 else own
         costs = []
         for i, m in enumerate(measured):
-            c1, c2 = terms[2 * i:2 * i + 2]
+            first, shrink, curvature = terms[TERMS * i:TERMS * (i + 1)]
             scale = upstream * reach if i % 2 == 0 else own  # (kind, GEMM) in order: grad_input, grad_weight
-            costs.append(scale * c1 + scale * own * c2 if m > 0 and has_gain > 0 else 0.0)
+            slope = scale if i % 2 == 0 else own_end
+            costs.append(scale * first + slope * shrink + scale * own * curvature if m > 0 and has_gain > 0 else 0.0)
         out.append(costs + [float(m > 0 and has_gain > 0) for m in measured])
         upstream += own
     return out

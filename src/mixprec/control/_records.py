@@ -18,7 +18,7 @@ from torch import nn
 
 from mixprec._modules import clean_name
 from mixprec._scaled import Scaled
-from mixprec.control._backward import BackwardCost
+from mixprec.control._backward import TERMS, BackwardCost
 from mixprec.control._cost import load_pool
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord
 from mixprec.control._settings import LOW_RUNGS, RUNGS, ControllerSettings
@@ -70,8 +70,11 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
                                       "pool": [[list(w) for w in p] for p in rec.cost_pool]}
         if rec.backward is not None:  # (its pending gradient is not kept: the gain of its update, once made, is)
             b = rec.backward
+            end_last, update = float(b.end_last), b.settled_update()
             data["backward_cost"] = [b.window.tolist(), b.settled_gain().tolist(), [c.state() for c in b.cadence],
-                                     [[list(w) for w in p] for p in b.pool], b.reach.state()]
+                                     [[list(w) for w in p] for p in b.pool], b.reach.state(),
+                                     [b.end.tolist(), end_last if end_last > -math.inf else None,
+                                      None if update is None else update.tolist()]]
     return data
 
 
@@ -138,9 +141,16 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
         rec.cost_pool = load_pool(plan.get("pool", ([], [])))  # (saved before it was: none yet)
     if "backward_cost" in data and settings.max_backward_cost is not None:
         rec.backward = rec.backward or BackwardCost(rec.state.device)
-        window, gain, *later = data["backward_cost"]  # (cadences and pools: saved before they were, none)
-        for target, saved in zip((rec.backward.window, rec.backward.gain), (window, gain)):
-            target.copy_(torch.tensor(saved, dtype=torch.float32))
+        window, gain, *later = data["backward_cost"]  # (cadences, pools, end slopes: saved before they were, none)
+        window = torch.tensor(window, dtype=torch.float32)
+        if window.shape[-1] == TERMS:  # (saved before the shrink term was apart: in the first-order one)
+            window = torch.cat([window[..., :1], torch.zeros_like(window[..., :1]), window[..., 1:]], -1)
+        for target, saved in zip((rec.backward.window, rec.backward.gain), (window, torch.tensor(gain, dtype=torch.float32))):
+            if saved.shape != target.shape:
+                raise ValueError(f"Controller.load_state_dict: a backward_cost window of shape {tuple(saved.shape)}, "
+                                 f"expected {tuple(target.shape)}")
+            target.copy_(saved)
+        _load_end(rec.backward, later[3] if len(later) > 3 else None)
         for target, saved in zip(rec.backward.cadence, later[0] if later else ()):
             target.load(saved)
         rec.backward.pool = load_pool(later[1], len(rec.backward.pool)) if len(later) > 1 else [[] for _ in rec.backward.pool]
@@ -148,6 +158,28 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
         rec.backward.loaded()
     if "state" in data and "rounding_step" in data:  # (saved before the count was: the model's state_dict's, or 0)
         rec.state.rounding_step = int(data["rounding_step"])
+
+
+def _load_end(backward: BackwardCost, saved: Any) -> None:
+    """Put a saved ``[end slope sums, last mean end slope or None, the update whose end slope
+    the next backward reads or None]`` into ``backward`` (None: saved before end slopes were,
+    none measured). Raises ValueError for anything else."""
+    if saved is None:
+        return
+    try:
+        sums, last, update = saved
+        sums = torch.tensor(sums, dtype=torch.float32)
+        last = -math.inf if last is None else float(last)
+        update = None if update is None else torch.tensor(update, dtype=torch.float32, device=backward.end.device)
+    except (TypeError, ValueError, RuntimeError):
+        sums = None
+    if sums is None or sums.shape != (2,) or not bool(torch.isfinite(sums).all()) or last != last or last == math.inf:
+        raise ValueError(f"Controller.load_state_dict: a layer's backward_cost end slopes must be [[sum, count], "
+                         f"last mean or None, update (a weight-shaped list) or None] as state_dict() saves them, "
+                         f"got {saved!r:.200}")
+    backward.end.copy_(sums)
+    backward.end_last.fill_(last)
+    backward.ready = update
 
 
 def parse_state_dict(settings: ControllerSettings, state_dict: Mapping[str, Any]

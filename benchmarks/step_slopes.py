@@ -13,7 +13,7 @@ a format's).
 
     PYTHONPATH=src .venv/bin/python benchmarks/step_slopes.py [--model small] [--seed 0] [--steps N]
 
-Measured 2026-12-05 (docs/fp8.md, "The gain a shrink costs"): on small after step 10 every
+Measured 2026-12-05 (docs/fp8.md, "The end slope"): on small after step 10 every
 hidden layer's end slope is negative (its steps overshoot) while the head's stays at 0.8-0.96 of
 its first-order gain until step 40.
 """

@@ -188,8 +188,10 @@ class ControllerSettings(_Settings):
     measured on shadow steps; where measured, it replaces the flush rule for the input- and
     weight-gradient GEMMs (promoted above it, brought down when the rung below costs at most half
     of it; a non-finite cast still promotes). It is a cost per step, paid again on every step the
-    GEMM runs, where ``max_loss_cost`` is a level: ``max_loss_cost / every`` (the cost the window
-    before the next check accumulates) compares like with like, as the demo's ``mixprec-fp4`` sets it.
+    GEMM runs, where ``max_loss_cost`` is a level: ``max_loss_cost / (every * horizon)`` (the
+    cost the windows the controller forecasts accumulate) compares like with like, as the demo's
+    ``mixprec-fp4`` sets it. A weight gradient's noise is priced by the slope at its step's end
+    (the next step's gradient along the update), not its own batch's gain (docs/controller.md).
     ``normalized_updates`` (default True: Adam, AdamW, Lion, Adafactor and their kin): the
     optimizer sets each step's scale itself, so the part of a backward GEMM's error along the
     gradient, which only rescales it, costs nothing; the part across it is costed against the

@@ -171,6 +171,53 @@ def test_the_end_slope_is_the_next_batchs_gradient_along_the_update():
     assert float(ctl._layers["4"].backward.end_last) == pytest.approx(float(-(grad * update).sum()), rel=1e-4)
 
 
+def test_a_checkpoint_keeps_the_update_in_flight_as_plain_data_and_refuses_a_broken_one():
+    """Saved after the shadow step's update (step 3 of a window of 5), before the step that reads
+    its end slope: each measured layer's entry keeps the update (a weight-shaped list: JSON goes
+    through); end sums that are not two finite numbers are a ValueError at load, an update of
+    another shape one at the layer's next forward, each saying what is wrong."""
+    import json
+
+    def fresh() -> tuple:
+        model = _model(0)
+        ctl = mixprec.Controller(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=1.0)
+        ctl.attach(model)
+        policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
+                                                          backend="emulate_fp32")
+        with mixprec.autocast("cpu", policy=policy):
+            model(torch.randn(2, 64))  # (the layers are known: a loaded state goes to them at once)
+        return model, ctl, policy
+
+    torch.manual_seed(0)
+    model, ctl, policy = fresh()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        with mixprec.autocast("cpu", policy=policy):
+            loss = (model(torch.randn(64, 64, generator=gen)).float() - torch.randn(64, 16, generator=gen)).square().mean()
+        loss.backward()
+        before = model[4].weight.detach().clone()
+        opt.step()
+        opt.zero_grad()
+        ctl.step()
+    state = json.loads(json.dumps(ctl.state_dict()))
+    sums, last, update = state["layers"]["4"]["backward_cost"][5]
+    assert torch.equal(torch.tensor(update), model[4].weight.detach() - before)
+    fresh()[1].load_state_dict(state)
+    for broken in ([[0.0], None, None], [[float("nan"), 1.0], None, None], "slopes"):
+        bad = json.loads(json.dumps(state))
+        bad["layers"]["4"]["backward_cost"][5] = broken
+        with pytest.raises(ValueError, match="end slopes must be"):
+            fresh()[1].load_state_dict(bad)
+    bad = json.loads(json.dumps(state))
+    bad["layers"]["4"]["backward_cost"][5][2] = [[0.0] * 3]
+    resumed, ctl, policy = fresh()
+    ctl.load_state_dict(bad)
+    with pytest.raises(ValueError, match="load the state_dict of this model's controller"), \
+            mixprec.autocast("cpu", policy=policy):
+        resumed(torch.randn(2, 64))
+
+
 def _backward_promotions(log: list) -> list:
     return [(d.layer, d.gemm, d.statistic) for d in log if d.gemm != "output" and d.action == "promote"]
 

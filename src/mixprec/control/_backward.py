@@ -41,7 +41,7 @@ curvature: on the demo's small model every hidden layer's steps overshoot after 
 slope below 0, a shrink costs nothing) while the head's keeps 0.8-0.96 of its gain until step
 40 (``benchmarks/step_slopes.py``). The input-gradient GEMM's shrink is still weighed by the
 first-order gains of the layers before it: weighed by their end slopes, the head's NVFP4 input
-gradient on tiny stayed until step 80 and its run ended 0.028 nats over fp32 (0.012 with it
+gradient on tiny (seed 11) stayed until step 80 and its run ended 0.039 nats over fp32 (0.012 with it
 promoted at 20). Under SGD the error is costed as it comes.
 
 The terms are measured on shadow steps by the emulated backward GEMMs of the layer's recipe

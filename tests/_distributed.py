@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -61,8 +64,16 @@ def gloo_group(rank: int, port: int, world_size: int = 2) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _entry(rank: int, worker: Callable[..., None], port: int, args: tuple[Any, ...]) -> None:
-    worker(rank, port, *args)
+#: how long before :func:`spawn`'s deadline each rank's watchdog writes its stacks and ends it
+#: (importing torch in a fresh process takes seconds: the ranks start after the deadline's clock)
+WATCHDOG_MARGIN = 10.0
+
+
+def _entry(rank: int, worker: Callable[..., None], port: int, args: tuple[Any, ...], stacks: str, hang_after: float) -> None:
+    with open(os.path.join(stacks, f"rank{rank}.txt"), "w") as file:
+        faulthandler.dump_traceback_later(hang_after, exit=True, file=file)  # a hang: every thread's stack, then exit
+        worker(rank, port, *args)
+        faulthandler.cancel_dump_traceback_later()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # no interpreter finalization: see the module docstring
@@ -71,11 +82,22 @@ def _entry(rank: int, worker: Callable[..., None], port: int, args: tuple[Any, .
 def spawn(worker: Callable[..., None], *args: Any, nprocs: int = 2, timeout: float = 90.0) -> None:
     """Run ``worker(rank, port, *args)`` in ``nprocs`` processes (``port``: a free one for
     :func:`gloo_group`). Raises what a worker raised (``ProcessRaisedException``, with its
-    traceback) or ``TimeoutError`` after killing the workers at ``timeout`` seconds."""
-    context = mp.spawn(_entry, args=(worker, free_port(), args), nprocs=nprocs, join=False)
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            raise TimeoutError(f"{worker.__name__} workers did not finish in {timeout:.0f} s")
+    traceback) or, for a hang, ``TimeoutError`` with every rank's stacks: each rank's watchdog
+    (``faulthandler``) writes them and ends it :data:`WATCHDOG_MARGIN` seconds before
+    ``timeout``, and the workers left are killed at ``timeout``."""
+    with tempfile.TemporaryDirectory() as stacks:
+        hang_after = max(timeout - WATCHDOG_MARGIN, 1.0)
+        context = mp.spawn(_entry, args=(worker, free_port(), args, stacks, hang_after), nprocs=nprocs, join=False)
+        deadline, died = time.monotonic() + timeout, None
+        while died is None and time.monotonic() <= deadline:
+            try:
+                if context.join(timeout=1.0):
+                    return
+            except mp.ProcessExitedException as exc:  # (a watchdog ended a rank, or a rank died without a traceback)
+                died = exc
+        for process in context.processes:
+            process.kill()
+        dumps = "".join(f"\n--- rank {r} ---\n" + Path(stacks, f"rank{r}.txt").read_text() for r in range(nprocs)
+                        if Path(stacks, f"rank{r}.txt").exists())
+        raise TimeoutError(f"{worker.__name__} workers did not finish in {timeout:.0f} s"
+                           f"{f' ({died})' if died else ''}; their stacks:{dumps or ' none written'}") from died

@@ -290,3 +290,56 @@ def test_a_rising_cost_is_promoted_on_its_line_before_its_mean_passes(monkeypatc
     sd = max(squares / n - mean * mean, 0.0) * n / (n - 1)
     assert mean - COST_Z * (sd / n) ** 0.5 <= 3e-3  # the mean's bound alone would have waited
     assert early[0].value > mean
+
+
+@CROSS_ISA
+@pytest.mark.parametrize("per_gemm", [True, False])
+def test_an_early_promotion_the_check_does_not_confirm_is_taken_back_at_once(per_gemm):
+    """An early promotion reads a few steps: it stands only if the check's window (its rung
+    below measured on each step since) confirms it. The logits' cost, far over the limit over
+    the first steps, drops under half of it once their weights shrink after the promotion: the
+    check at ``every`` takes the promotion back (not 3 clean windows and ``min_dwell`` steps
+    later, as a check's own promotion); a promotion it confirms stays. A whole layer alike."""
+    model, ctl = _converted(per_gemm=per_gemm)
+    _train(model, ctl, EARLY_STEPS)
+    (up,) = ctl.log
+    assert (up.step, up.action, up.to) == (EARLY_STEPS, "promote", "fp8-tensorwise")
+    with torch.no_grad():
+        model[2].weight.div_(4)  # (its cost now about 1/16: the hidden layer's, under the limit)
+    _train(model, ctl, EVERY, EARLY_STEPS)
+    down = [d for d in ctl.log if d.action == "demote"]
+    assert [(d.step, d.layer, d.gemm, d.from_, d.to) for d in down] == [
+        (EVERY, "2", "output" if per_gemm else None, "fp8-tensorwise", "nvfp4")]
+    assert ctl.precision("2", "output") == "nvfp4"
+    if per_gemm:  # (a whole layer's decision names its worst flush; its loss cost gates it alike)
+        assert down[0].statistic == "loss_cost" and down[0].value <= ctl.settings.demote_cost
+
+    if per_gemm:  # the backward GEMMs it took up (under max_backward_cost) come down with it
+        model, ctl = _converted(max_backward_cost=1e-2)
+        _train(model, ctl, EARLY_STEPS)
+        assert [d.step for d in ctl.log] == [EARLY_STEPS] * 3
+        with torch.no_grad():
+            model[2].weight.div_(4)
+        _train(model, ctl, EVERY, EARLY_STEPS)
+        assert sorted((d.step, d.gemm, d.to) for d in ctl.log if d.action == "demote") == [
+            (EVERY, g, "nvfp4") for g in ("grad_input", "grad_weight", "output")]
+    confirmed, ctl2 = _converted(per_gemm=per_gemm)  # the same cost all along: the check confirms it
+    _train(confirmed, ctl2, 4 * EVERY)
+    assert [d.action for d in ctl2.log] == ["promote"] and ctl2.precision("2", "output") == "fp8-tensorwise"
+
+
+def test_only_a_switch_since_the_last_check_is_provisional():
+    """``_may_demote``: one clean window takes back a forward's switch made since the last check,
+    not one a check made (that waits for ``demote_windows`` and ``min_dwell``), nor a backward
+    GEMM's (taken up with its forward), nor one past the switch budget."""
+    from mixprec.control._decide import Check, _may_demote
+
+    settings = Controller(**SETTINGS).settings
+    at = Check.of(settings, steps=20)
+    assert _may_demote(at, 1, [13], False, forward=True)
+    assert not _may_demote(at, 1, [13], False)  # a backward GEMM's
+    assert not _may_demote(at, 0, [13], False, forward=True)
+    assert not _may_demote(at, 1, [10], False, forward=True)  # the check's own switch
+    assert not _may_demote(at, 3, [10], False, forward=True)  # (min_dwell 30)
+    assert _may_demote(dataclasses.replace(at, steps=40), 3, [10], False)
+    assert not _may_demote(at, 1, [13] * settings.max_switches, False, forward=True)

@@ -194,7 +194,7 @@ def decide_layer(at: Check, name: str, rec: LayerRecord, row: list[float], cost:
         elif ratio(cost[1], limit) > ratio(worst[2], worst[3]):
             worst = ("output", "loss_cost", cost[1], limit)
     rec.clean = rec.clean + 1 if safe else 0
-    if _may_demote(at, rec.clean, rec.switches, ladder[down] in FP4_RUNGS):
+    if _may_demote(at, rec.clean, rec.switches, ladder[down] in FP4_RUNGS, True):
         op, stat, value, limit = worst
         return decision(op, "demote", down, stat, value, limit, "<=")
     return None
@@ -352,15 +352,17 @@ def decide_gemms(at: Check, name: str, rec: LayerRecord, row: list[float], cost:
     return out
 
 
-def _may_demote(at: Check, clean: int, switches: list[int], to_fp4: bool) -> bool:
+def _may_demote(at: Check, clean: int, switches: list[int], to_fp4: bool, forward: bool = False) -> bool:
     """Whether a layer or GEMM with ``clean`` safe windows in a row and its ``switches`` (steps)
     comes down now: ``demote_windows`` clean windows (:func:`~mixprec.control._trend.demote_windows`:
     to an fp4 rung, twice as many for each round trip in the last ``budget_steps``), ``min_dwell``
-    steps since its last switch, fewer than ``max_switches`` in the last ``budget_steps``."""
+    steps since its last switch, fewer than ``max_switches`` in the last ``budget_steps``. A ``forward``
+    GEMM's (or layer's) switch since the last check, an early promotion (:mod:`._early`), is provisional: the
+    check's clean window takes it back (and the backward GEMMs it took up, once it went back under them)."""
     recent = [s for s in switches if s > at.steps - at.settings.budget_steps]
     last = switches[-1] if switches else -math.inf
-    return (clean >= demote_windows(at.settings.demote_windows, len(recent), to_fp4) and at.steps - last >= at.settings.min_dwell
-            and len(recent) < at.settings.max_switches)
+    return ((forward and clean >= 1 and 0 < at.steps - last < at.settings.every) or clean >= demote_windows(  # (early, or as any)
+        at.settings.demote_windows, len(recent), to_fp4) and at.steps - last >= at.settings.min_dwell) and len(recent) < at.settings.max_switches
 
 
 def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shadow: list, fit: tuple,
@@ -441,7 +443,7 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
         limit, stat = (at.settings.demote_cost, "loss_cost") if cost is not None else (at.settings.demote_backward, "backward_cost")
         safe, worst = range_ok and loss[1] <= limit, ("output", loss[1], stat, limit)
     rec.gemm_clean[g] = rec.gemm_clean[g] + 1 if safe else 0
-    if _may_demote(at, rec.gemm_clean[g], rec.gemm_switches[g], ladder[down] in FP4_RUNGS):
+    if _may_demote(at, rec.gemm_clean[g], rec.gemm_switches[g], ladder[down] in FP4_RUNGS, g == 0 or rec.rungs[0] < rung):
         d = decision(gemm, worst[0], "demote", rung, down, worst[2], worst[1], worst[3], "<=")
         switch_gemms(at, rec, (g,), down)
         return d

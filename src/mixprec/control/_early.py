@@ -12,7 +12,11 @@ GEMM's mean cost so far, :data:`~mixprec.control._cost.COST_Z` standard errors b
 measured), all-reduced (MAX, as a check takes each rank's window), and promotes the forward
 GEMMs whose bound passes the limit (:func:`early_promotions`): its window starts over on the rung
 above. A cost near the limit waits for the check as before; a cost that rises over a window is
-still the check's to see. On the steps it reads: one all-reduce of a header and one of a float
+still the check's to see. The bound is a fast trigger, and loose (3 standard errors of a
+variance estimated on 3 steps miss 1 time in 21): a promotion is provisional, and the check
+that closes its window, whose rung below was measured on every step since, brings it down a
+rung when that cost is under ``demote_loss_cost`` (``_decide._may_demote``; a run's first steps
+are not its next ones: small's hidden forwards cost 2e-3 over steps 0-2 and 1e-4 after). On the steps it reads: one all-reduce of a header and one of a float
 per layer (:mod:`~mixprec.control._collective`, the same on every rank, identical decisions), one
 host sync; on other steps nothing. Eager, never traced: a promotion reroutes the layer (a
 recompile, as any switch); the steps between read nothing but device flags.
@@ -23,7 +27,8 @@ only (one shadow step a window), so until the first none has been, and a layer w
 costs the loss this much this soon is the one whose backward errors cost most in the first steps
 (the Llama's head: its input gradient reads 60-170 times ``max_backward_cost`` over steps 3-8,
 every hidden GEMM's at most a third of it; pinned to bf16 from step 1 it keeps 0.007 nats of the
-60-step run's loss). They come down as any promoted GEMM, by their rung below's measured cost.
+60-step run's loss). They come down as any promoted GEMM, by their rung below's measured cost,
+and at the check with their forward when it comes down under them.
 """
 
 from __future__ import annotations

@@ -328,6 +328,27 @@ def test_an_early_promotion_the_check_does_not_confirm_is_taken_back_at_once(per
     assert [d.action for d in ctl2.log] == ["promote"] and ctl2.precision("2", "output") == "fp8-tensorwise"
 
 
+@CROSS_ISA
+def test_a_run_resumed_between_an_early_promotion_and_its_check_takes_it_back_alike():
+    """Saved at step 5 (promoted early at 3, its cost dropped since), loaded into a fresh model
+    and controller: the check at ``every`` takes the promotion back at the same step, and every
+    later decision and the controller's state are the uninterrupted run's."""
+    model, ctl = _converted()
+    _train(model, ctl, EARLY_STEPS)
+    with torch.no_grad():
+        model[2].weight.div_(4)
+    _train(model, ctl, 5, EARLY_STEPS)
+    state = json.loads(json.dumps(ctl.state_dict()))
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, ctl, 3 * EVERY, 5)
+    fresh, resumed = _converted()
+    fresh.load_state_dict(weights)
+    resumed.load_state_dict(state)
+    _train(fresh, resumed, 3 * EVERY, 5)
+    assert [(d.step, d.action) for d in ctl.log[:2]] == [(EARLY_STEPS, "promote"), (EVERY, "demote")]
+    assert resumed.log == ctl.log and resumed.state_dict() == ctl.state_dict()
+
+
 def test_only_a_switch_since_the_last_check_is_provisional():
     """``_may_demote``: one clean window takes back a forward's switch made since the last check,
     not one a check made (that waits for ``demote_windows`` and ``min_dwell``), nor a backward

@@ -357,12 +357,12 @@ def _may_demote(at: Check, clean: int, switches: list[int], to_fp4: bool, forwar
     comes down now: ``demote_windows`` clean windows (:func:`~mixprec.control._trend.demote_windows`:
     to an fp4 rung, twice as many for each round trip in the last ``budget_steps``), ``min_dwell``
     steps since its last switch, fewer than ``max_switches`` in the last ``budget_steps``. A ``forward``
-    GEMM's (or layer's) switch since the last check, an early promotion (:mod:`._early`), is provisional: the
-    check's clean window takes it back (and the backward GEMMs it took up, once it went back under them)."""
-    recent = [s for s in switches if s > at.steps - at.settings.budget_steps]
-    last = switches[-1] if switches else -math.inf
-    return ((forward and clean >= 1 and 0 < at.steps - last < at.settings.every) or clean >= demote_windows(  # (early, or as any)
-        at.settings.demote_windows, len(recent), to_fp4) and at.steps - last >= at.settings.min_dwell) and len(recent) < at.settings.max_switches
+    GEMM's (or layer's) switch since the last check, an early promotion (:mod:`._early`), is provisional: the check's
+    clean window takes it back (and the backward GEMMs it took up, once it went back under them)."""
+    recent, last = [s for s in switches if s > at.steps - at.settings.budget_steps], switches[-1] if switches else -math.inf
+    early = forward and clean >= 1 and 0 < at.steps - last < at.settings.every
+    settled = clean >= demote_windows(at.settings.demote_windows, len(recent), to_fp4) and at.steps - last >= at.settings.min_dwell
+    return (early or settled) and len(recent) < at.settings.max_switches
 
 
 def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shadow: list, fit: tuple,

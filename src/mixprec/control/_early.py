@@ -16,8 +16,8 @@ still the check's to see. The bound is a fast trigger, and loose (3 standard err
 variance estimated on 3 steps miss 1 time in 21): a promotion is provisional, and the check
 that closes its window, whose rung below was measured on every step since, brings it down a
 rung when that cost is under ``demote_loss_cost`` (``_decide._may_demote``; a run's first steps
-are not its next ones: small's hidden forwards cost 2e-3 over steps 0-2 and 1e-4 after). On the steps it reads: one all-reduce of a header and one of a float
-per layer (:mod:`~mixprec.control._collective`, the same on every rank, identical decisions), one
+are not its next ones: small's hidden forwards cost 2e-3 over steps 0-2 and 1e-4 after). On the
+steps it reads: one all-reduce of a header and one of a float per layer (:mod:`~mixprec.control._collective`, the same on every rank, identical decisions), one
 host sync; on other steps nothing. Eager, never traced: a promotion reroutes the layer (a
 recompile, as any switch); the steps between read nothing but device flags.
 

@@ -33,6 +33,7 @@ CONTROLLER_BAD = {
     "shadow_steps": [0, 2.0, True],
     "ladder": [("compute", "tensorwise"), ("tensorwise",), ("tensorwise", "bogus", "compute"), "tensorwise"],
     "floor": ["compute", "mxfp8", 3],
+    "reference": ["fp16", "bf16", None, 1, "float32"],  # "float32": no loss-cost limit for it to serve
 }
 CONTROLLER_GOOD = {
     "max_underflow": [0.01, 1, 0.2], "max_nonfinite": [None, 0, 5.5], "max_range": [0.03125, 1],
@@ -41,6 +42,7 @@ CONTROLLER_GOOD = {
     "budget_steps": [1], "sample": [1], "shadow_steps": [1, 10],
     "ladder": [("tensorwise", "compute"), ("rowwise", "mxfp8", "blockwise", "compute", "fp32")],
     "floor": [None, "tensorwise"],
+    "reference": ["auto"],
 }
 GUARD_BAD = {
     "max_saturated": [-0.1, 1.5, NAN, True, "0"],

@@ -3,8 +3,9 @@ what the error of the input-gradient and weight-gradient GEMMs costs the loss th
 updates it steers, measured on shadow steps, so that the loss, not the flush of their operands,
 moves them up and down the ladder.
 
-The weight-gradient GEMM gives ``G + E`` for the gradient ``G`` (its result in float32 from the
-same operands). The optimizer's update is modelled as a step ``-eta * (G + E)`` along it, with
+The weight-gradient GEMM gives ``G + E`` for the gradient ``G`` (its result from the same
+operands in float32, or from bfloat16 operands accumulated in float32: ``ControllerSettings.reference``,
+:mod:`._reference`). The optimizer's update is modelled as a step ``-eta * (G + E)`` along it, with
 ``eta`` the step it took along ``G``: ``eta = gain / |G|**2``, where ``gain = -<G, dW>`` is the
 first-order loss change of the update ``dW`` it applied to the weight (measured between two
 forwards). Against the step without the error, the loss changes to second order by
@@ -48,7 +49,7 @@ The terms are measured on shadow steps by the emulated backward GEMMs of the lay
 (its own casts where its forward was not tapped, and the rung below's while a GEMM is promoted:
 ``linear_grads``, no forward GEMM) on the GEMM's own input, weight and output gradient; the gain on the step after each shadow step's backward (the
 weight's version counter says the optimizer moved it), the end slope in that step's backward
-(one float32 GEMM of its output gradient with the update). Each term is a ratio in which a loss
+(one reference GEMM of its output gradient with the update). Each term is a ratio in which a loss
 scale cancels, and the gain's and end slope's are divided out (:meth:`BackwardCost.end_step`). Not measured under
 ``torch.compile``, nor where FSDP2 all-gathers the weight in fp8: there the flush rule decides.
 """
@@ -62,6 +63,7 @@ import torch
 from mixprec.formats._linear import linear_grads
 from mixprec.control._cost import Cadence
 from mixprec.control._reach import Reach, ReachMap
+from mixprec.control._reference import reference_mm
 from mixprec.control._settings import LOW_RUNGS
 from mixprec.control._update_error import TINY, cost_ratio, mean_curvature, projections, step_error, update_terms
 from mixprec.formats._recipe import Float8Recipe
@@ -154,6 +156,7 @@ class BackwardCost:
         # per kind (own casts, the rung below's), in which windows it is measured (LayerRecord.carry_backward)
         self.cadence = [Cadence(), Cadence()]
         self.normalized = True  # the optimizer normalizes its updates (ControllerSettings.normalized_updates: step_error)
+        self.reference = torch.float32  # the reference GEMMs' operands (ControllerSettings.reference: _reference)
         # per (kind, GEMM), as backward_costs orders them, its last measured windows' [1, cost, cost**2] (_cost.clear_pooled)
         self.pool: list[list[list[float]]] = [[] for _ in range(_KINDS)]
         # the weight gradient of the last measured step, until the optimizer moved the weight:
@@ -225,7 +228,7 @@ class BackwardCost:
         if (sl is not None and sl[1] is weight and weight._version == sl[2] and out.requires_grad
                 and torch._C._current_graph_task_id() == -1):  # (each micro-batch; not a checkpoint's recompute)
             x2 = x.detach().reshape(-1, x.shape[-1])
-            out.register_hook(timed(lambda grad: _end_slope(sl, x2, grad)))
+            out.register_hook(timed(lambda grad: _end_slope(sl, x2, grad, self.reference)))
         shadow, self._open = self._open, None
         # (not inside a backward: an activation checkpoint's recompute has a graph of its own)
         walks = reaches is not None and out.requires_grad and torch._C._current_graph_task_id() == -1
@@ -276,11 +279,12 @@ class BackwardCost:
             return
         due = [(kind, recipe, measured) for kind, recipe, measured in self.recipes if self.cadence[kind].due]
         inputs = any(m[0] for _, _, m in due)
-        grad_input = g2 @ wf if inputs else None
-        grad_weight = g2.t() @ x2
+        dtype = self.reference
+        grad_input = reference_mm(g2, wf, dtype) if inputs else None
+        grad_weight = reference_mm(g2.t(), x2, dtype)
         gg = grad_weight.square().sum().clamp(min=TINY)
         h = mean_curvature(g2, x2) if inputs else None
-        along = projections(g2, x2, grad_weight) if any(m[1] for _, _, m in due) else None
+        along = projections(g2, x2, grad_weight, dtype) if any(m[1] for _, _, m in due) else None
         for kind, recipe, measured in due:
             if kind == 0 and shadow.tapped:
                 gi, gw = own_gi, own_gw
@@ -294,7 +298,7 @@ class BackwardCost:
                 self.window[kind, 0] += torch.stack([cost_ratio(ref, ref + e), shrink, share * h / (2 * gg), gg.new_ones(())])
             if measured[1] and gw is not None:
                 gw = grad_weight + step_error(grad_weight, gw.float() - grad_weight) if self.normalized else gw
-                terms = update_terms(g2, x2, grad_weight, gw, along)
+                terms = update_terms(g2, x2, grad_weight, gw, along, dtype)
                 shrink = (gw - grad_weight).square().sum() / gg / 2 if self.normalized else torch.zeros_like(gg)
                 self.window[kind, 1] += torch.stack([terms[0], shrink, terms[1], gg.new_ones(())])
         p = self.pending
@@ -336,12 +340,13 @@ class BackwardCost:
         self.reach.reset()
 
 
-def _end_slope(slope: list[Any], x2: torch.Tensor, grad: torch.Tensor) -> None:
-    """Add ``<G', dW>`` for this backward's weight gradient ``G' = g' x`` (one float32 GEMM of the
-    output gradient with the update ``dW = slope[0]``) to ``slope``'s sum; no rows, nothing."""
+def _end_slope(slope: list[Any], x2: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+    """Add ``<G', dW>`` for this backward's weight gradient ``G' = g' x`` (one reference GEMM of
+    the output gradient with the update ``dW = slope[0]``, from ``dtype`` operands) to ``slope``'s
+    sum; no rows, nothing."""
     g2 = grad.detach().reshape(-1, grad.shape[-1]).float()
     if g2.shape[0]:
-        slope[3] = slope[3] + ((g2 @ slope[0]) * x2.float()).sum()
+        slope[3] = slope[3] + (reference_mm(g2, slope[0], dtype) * x2.float()).sum()
         slope[4] = True
 
 

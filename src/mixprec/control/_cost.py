@@ -1,7 +1,7 @@
 """The loss cost of a forward GEMM's output error (``Controller(max_loss_cost=...)``): the
-output errors against a float32 GEMM (:func:`output_errors`), met with the output's gradient in
+output errors against a reference GEMM (:func:`output_errors`), met with the output's gradient in
 the backward (:func:`measure_cost`), the estimate from a step's sums (:func:`loss_cost`), and on
-how many steps of a window it is measured (:func:`cost_steps`: the steps cost a float32 GEMM
+how many steps of a window it is measured (:func:`cost_steps`: the steps cost a reference GEMM
 each, so a cost whose window mean lies far from its threshold is measured on few) and in which
 windows (:class:`Cadence`: one far from it, alone or with the windows before it (:func:`clear`),
 in fewer and fewer, the last figure standing). Device tensors in, a record's loss-cost buffer
@@ -15,8 +15,8 @@ import statistics
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
+from mixprec.control._reference import reference_linear
 from mixprec.formats._linear import local_linear
 
 __all__ = ["COST_Z", "COST_ZONE", "MAX_PERIOD", "POOL_LEAST", "POOL_WINDOWS", "VARIANCES", "Cadence", "clear",
@@ -60,9 +60,10 @@ def measure_cost(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 def output_errors(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   out: torch.Tensor, wanted: tuple[bool, bool] = (True, True), tp: Any = None
                   ) -> list[tuple[int, torch.Tensor]]:
-    """The forward GEMM's output errors against float32, as ``(row of rec.cost, error)``, of the
+    """The forward GEMM's output errors against its reference (:mod:`._reference`: float32, or
+    bfloat16 operands accumulated in float32, ``rec.reference``), as ``(row of rec.cost, error)``, of the
     rows ``wanted``: its own casts' (row 0) when it runs casts, the recipe below's (row 1,
-    emulated) while it may go down. Costs one float32 GEMM (none when no row is wanted or
+    emulated) while it may go down. Costs one reference GEMM (none when no row is wanted or
     measurable), and one emulated GEMM of the recipe below for a promoted forward; each error is
     the output's size, in its dtype (under ``tp``, the local output's: the rung below's casts take
     the whole layer's scales). No host sync."""
@@ -74,7 +75,7 @@ def output_errors(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         x, w = x.detach(), weight.detach()
         b = None if bias is None else bias.detach()
-        reference = F.linear(x.float(), w.float(), None if b is None else b.float())
+        reference = reference_linear(x, w, b, rec.reference)
         if own:
             errors.append((0, (out.detach().float() - reference).to(out.dtype)))
         if below is not None:

@@ -272,7 +272,7 @@ def apply_gemms(at: Check, rec: LayerRecord) -> None:
     if at.settings.max_backward_cost is not None:
         if rec.backward is None:
             rec.backward = BackwardCost(rec.state.device)
-        rec.backward.normalized = at.settings.normalized_updates
+        rec.backward.normalized, rec.backward.reference = at.settings.normalized_updates, rec.reference
         downs = {g: gemm_down(at, rec, g) for g in (1, 2)}
         rec.backward.recipes = backward_recipes(at.settings.ladder, rec.rungs, recipe, downs,
                                                 lambda rungs: compose(_recipes(at, rungs)))

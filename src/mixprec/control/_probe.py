@@ -18,6 +18,7 @@ from mixprec.control._cost import measure_cost
 from mixprec.control._ladder import GEMMS, LayerRecord
 from mixprec.control._measure import abs_max, record, record_range, sampled_cast
 from mixprec.control._reach import ReachMap
+from mixprec.control._reference import reference_dtype
 from mixprec.control._clock import CheckClock
 
 __all__ = ["Probe"]
@@ -36,11 +37,13 @@ class Probe:
     rung without measurements."""
 
     def __init__(self, rec: LayerRecord, sample: int, measuring: bool = False, clock: CheckClock | None = None,
-                 reaches: ReachMap | None = None) -> None:
+                 reaches: ReachMap | None = None, reference: str = "float32") -> None:
         """(``measuring``: whether the step under way feeds the shadows, written to the record;
         ``clock``: the controller's, which adds up the measurements' host seconds; ``reaches``:
-        its map of the step's GEMM outputs, which the backward cost's reach walks.)"""
+        its map of the step's GEMM outputs, which the backward cost's reach walks; ``reference``:
+        ``ControllerSettings.reference``, resolved for the layer's device into ``rec.reference``.)"""
         self.rec, self.sample, self.clock = rec, sample, clock  # ``sample``: the elements measured per operand
+        rec.reference = reference_dtype(reference, rec.state.device)
         self.reaches = reaches
         rec.measuring.fill_(measuring)
         rec.measuring_now = measuring

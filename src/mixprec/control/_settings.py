@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from mixprec._dtype_names import short_name
+from mixprec.control._reference import REFERENCES
 from mixprec.control._trend import MAX_HORIZON
 from mixprec.formats._recipe import RECIPE_NAMES
 
@@ -204,6 +205,13 @@ class ControllerSettings(_Settings):
     ``demote_loss_cost``, ``max_backward_cost``) are ``late_factor`` times theirs, so the GEMMs
     whose measured cost matters at the tighter limit are promoted, and no other.
 
+    ``reference`` (``"auto"``, ``"bfloat16"``, ``"float32"``; with a loss-cost limit): the
+    operands of the GEMMs the loss costs take their errors against, accumulated in float32
+    (:mod:`mixprec.control._reference`); ``"auto"``, bfloat16 where the device multiplies it
+    natively (CUDA from sm80, a CPU with AVX512-BF16 or AMX), else float32. A cast's error lies an
+    order of magnitude or more over bfloat16's rounding, and a float32 GEMM beside an NVFP4 step
+    on a GPU would cost more than the step; ``"float32"`` measures the same costs on every machine.
+
     Raises ValueError on a setting out of range, a ladder not in the order of :data:`RUNGS`, or a
     ``floor`` not an fp8 rung of it; warns when fp4 limits are set for a ladder without fp4 rungs.
 
@@ -238,6 +246,7 @@ class ControllerSettings(_Settings):
     normalized_updates: bool = True
     late_start: int | None = None
     late_factor: float = 0.1
+    reference: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_nonfinite is not None:
@@ -302,6 +311,12 @@ class ControllerSettings(_Settings):
         if self.late_start is None and self.late_factor != type(self).__dataclass_fields__["late_factor"].default:
             raise ValueError(f"Controller(late_factor={self.late_factor}) takes effect from late_start: set late_start "
                              f"(the step the late phase begins at)")
+        if self.reference not in REFERENCES:
+            raise ValueError(f"Controller.reference must be one of {REFERENCES} (the loss costs' reference GEMMs), "
+                             f"got {self.reference!r}")
+        if self.reference != "auto" and self.max_loss_cost is None and self.max_backward_cost is None:
+            raise ValueError(f"Controller.reference={self.reference!r} sets the loss costs' reference GEMMs: it takes "
+                             f"effect with max_loss_cost or max_backward_cost")
         if self.max_loss_cost is None and self.demote_loss_cost is not None:
             raise ValueError("Controller.demote_loss_cost needs max_loss_cost (the promotion threshold it is the "
                              "lower end of the hysteresis of); set both, or neither")

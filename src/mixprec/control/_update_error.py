@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from mixprec.control._reference import reference_mm
+
 __all__ = ["TINY", "cost_ratio", "mean_curvature", "projections", "step_error", "update_terms"]
 
 #: the least squared length a ratio divides by (an all-zero reference reads as this long)
@@ -61,19 +63,21 @@ def mean_curvature(g2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     return g2.shape[0] * (g2.square().sum(-1) * x2.square().sum(-1)).sum() / max(n, 1)
 
 
-def projections(g2: torch.Tensor, x2: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def projections(g2: torch.Tensor, x2: torch.Tensor, u: torch.Tensor, dtype: torch.dtype = torch.float32
+                ) -> torch.Tensor:
     """Per row ``t``, ``g_t' u x_t`` for a weight-sized ``u``: ``u'Hv = rows * sum_t`` of the
-    products of two directions' projections (the empirical Fisher). One GEMM of ``g2`` with ``u``."""
-    return ((g2 @ u) * x2).sum(-1)
+    products of two directions' projections (the empirical Fisher). One GEMM of ``g2`` with ``u``
+    (a reference GEMM from ``dtype`` operands: :func:`~mixprec.control._reference.reference_mm`)."""
+    return (reference_mm(g2, u, dtype) * x2).sum(-1)
 
 
 def update_terms(g2: torch.Tensor, x2: torch.Tensor, reference: torch.Tensor, result: torch.Tensor,
-                 along_reference: torch.Tensor | None = None) -> torch.Tensor:
+                 along_reference: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight-gradient error's cost terms ``[c1, c2]`` (float32 ``g2``, ``x2``): the cost
     of a step whose gain was ``gain`` is ``gain * c1 + gain**2 * c2`` (:mod:`._backward`; ``eta =
     gain / |G|**2``). Two GEMMs of ``g2`` with a weight-sized matrix (``G`` and ``E``), one where
     the caller gives ``projections(g2, x2, reference)`` (``along_reference``: shared by the
-    results it measures against the same reference).
+    results it measures against the same reference; ``dtype``: the GEMMs' operands, :func:`projections`).
 
     Example:
         >>> g2, x2 = torch.tensor([[0.5]]), torch.tensor([[2.0]])
@@ -82,8 +86,8 @@ def update_terms(g2: torch.Tensor, x2: torch.Tensor, reference: torch.Tensor, re
     """
     e = result.float() - reference
     gg = reference.square().sum().clamp(min=TINY)
-    pr = projections(g2, x2, reference) if along_reference is None else along_reference
-    pe = projections(g2, x2, e)
+    pr = projections(g2, x2, reference, dtype) if along_reference is None else along_reference
+    pe = projections(g2, x2, e, dtype)
     rows = g2.shape[0]
     curvature = rows * (pr * pe).sum() + 0.5 * (rows * (pe * pe).sum())
     return torch.stack([cost_ratio(reference, result), curvature / (gg * gg)])

@@ -1,0 +1,74 @@
+"""The results a Controller's loss costs take their errors against (``ControllerSettings.
+reference``): the GEMM a layer's top rung would run, in float32 or from bfloat16 operands
+accumulated in float32.
+
+A cast's error is an order of magnitude or more over bfloat16's rounding (NVFP4's elements round
+by up to 2**-3 of their block's scale, e4m3's by 2**-4, bfloat16's by 2**-9), and under bf16
+autocast a layer's input and output gradient are bfloat16 already: a bfloat16 reference moves a
+cost by a few parts in a thousand. It is 2.2x cheaper than a float32 GEMM on a CPU with bfloat16
+units (AVX512-BF16, AMX; 2-5x dearer on one without) and 8-16x on a GPU's tensor cores, where a
+float32 GEMM beside an NVFP4 step would cost more than the step. ``"auto"`` takes bfloat16 where
+the device multiplies it natively (CUDA from sm80; a CPU with ``avx512_bf16`` or AMX, unless
+``ONEDNN_MAX_CPU_ISA`` holds oneDNN below them), float32 elsewhere. Pure functions, no host sync."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["REFERENCES", "reference_dtype", "reference_linear", "reference_mm"]
+
+#: the values of ``ControllerSettings.reference``
+REFERENCES = ("auto", "bfloat16", "float32")
+
+
+def reference_dtype(reference: str, device: torch.device) -> torch.dtype:
+    """The operand dtype of the reference GEMMs on ``device`` for the setting ``reference`` (one of
+    :data:`REFERENCES`).
+
+    Example:
+        >>> reference_dtype("float32", torch.device("cpu")), reference_dtype("bfloat16", torch.device("cpu"))
+        (torch.float32, torch.bfloat16)
+    """
+    if reference == "auto":
+        return torch.bfloat16 if _native_bfloat16(device) else torch.float32
+    return torch.bfloat16 if reference == "bfloat16" else torch.float32
+
+
+def _native_bfloat16(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type != "cpu":
+        return False
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    held = isa != "ALL" and "BF16" not in isa and "AMX" not in isa
+    return not held and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def reference_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``a @ b`` (2-D) in float32: from float32 operands, or (``dtype`` bfloat16) from bfloat16
+    operands accumulated in float32 (a float32 result on CUDA; elsewhere the GEMM's bfloat16 result).
+
+    Example:
+        >>> a, b = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0], [4.0]])
+        >>> reference_mm(a, b), reference_mm(a, b, torch.bfloat16)
+        (tensor([[11.]]), tensor([[11.]]))
+    """
+    if dtype == torch.float32:
+        return a.float() @ b.float()
+    a, b = a.to(dtype), b.to(dtype)
+    if a.device.type == "cuda":
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
+def reference_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``F.linear(x, w, b)`` in float32 as :func:`reference_mm` takes it (``x``: any leading
+    dimensions; the bias added in float32)."""
+    if dtype == torch.float32:
+        return F.linear(x.float(), w.float(), None if b is None else b.float())
+    out = reference_mm(x.reshape(-1, x.shape[-1]), w.t(), dtype).reshape(*x.shape[:-1], w.shape[0])
+    return out if b is None else out + b.float()

@@ -1,9 +1,12 @@
 """``Controller(reference=...)``: the GEMMs the loss costs take their errors against run from
-float32 operands or from bfloat16 ones accumulated in float32 (``"auto"``: bfloat16 where the
-device multiplies it natively); the costs they give agree within bfloat16's rounding, and the
-setting is refused where it would take no effect."""
+float32 operands or from bfloat16 ones accumulated in float32 (``"auto"``: bfloat16 for a layer
+computing in bfloat16 where the device multiplies it natively); the costs they give agree within
+bfloat16's rounding, and the setting is refused where it would take no effect."""
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from torch import nn
 import mixprec
 from mixprec.control import _reference
 from mixprec.control._cost import output_errors
-from mixprec.control._reference import reference_dtype, reference_linear, reference_mm
+from mixprec.control._reference import operand_dtype, reference_dtype, reference_linear, reference_mm
 
 from _fake_cuda import fake_cuda, fake_mode  # noqa: F401
 
@@ -45,8 +48,13 @@ def test_auto_takes_bfloat16_where_the_cpu_multiplies_it_natively(monkeypatch, a
     else:
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
     cpu = torch.device("cpu")
-    assert reference_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
+    auto = reference_dtype("auto", cpu)
+    assert auto == (None if native else torch.float32)
+    # bfloat16 for a layer computing in bfloat16 only: a float32 or float16 model keeps float32
+    assert [operand_dtype(auto, d) for d in (torch.bfloat16, torch.float32, torch.float16)] == [
+        torch.bfloat16 if native else torch.float32, torch.float32, torch.float32]
     assert (reference_dtype("float32", cpu), reference_dtype("bfloat16", cpu)) == (torch.float32, torch.bfloat16)
+    assert operand_dtype(torch.bfloat16, torch.float32) == torch.bfloat16
     assert reference_dtype("auto", torch.device("meta")) == torch.float32
 
 
@@ -54,7 +62,7 @@ def test_auto_takes_bfloat16_where_the_cpu_multiplies_it_natively(monkeypatch, a
                                                ((9, 0), torch.bfloat16)])
 def test_auto_on_cuda_takes_bfloat16_from_sm80_and_multiplies_into_float32(fake_cuda, capability, dtype):
     fake_cuda.set_capability(capability)
-    assert reference_dtype("auto", torch.device("cuda")) == dtype
+    assert operand_dtype(reference_dtype("auto", torch.device("cuda")), torch.bfloat16) == dtype
     with fake_mode():
         x, w = torch.randn(32, 64, device="cuda"), torch.randn(48, 64, device="cuda")
         out = reference_linear(x, w, torch.randn(48, device="cuda"), torch.bfloat16)
@@ -78,20 +86,27 @@ def test_float32_is_the_float32_linear_and_bfloat16_its_operands_rounded():
     assert (rounded - exact).norm() * 30 < nvfp4
 
 
-def _run(reference: str, steps: int = 5) -> mixprec.Controller:
+def _run(reference: str, steps: int = 5, compute: str = "bf16") -> mixprec.Controller:
     """Five steps (one window, its shadow steps 3 and 4) of a 3-layer MLP under a per-GEMM NVFP4
-    Controller whose limits no cost reaches (the same casts and draws for every reference)."""
+    Controller whose limits no cost reaches (the same casts and draws for every reference),
+    computing in ``compute``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
     ctl = mixprec.Controller(every=5, ladder=LADDER, per_gemm=True, max_loss_cost=10.0, max_backward_cost=10.0,
                              reference=reference)
     ctl.attach(model)
-    policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
-                                                      backend="emulate_fp32")
+    if compute == "fp32":  # (no autocast: the layers converted)
+        model = mixprec.fp8.convert(model, "nvfp4", filter_fn=lambda m, name: True, controller=ctl,
+                                    backend="emulate_fp32")
+        region = contextlib.nullcontext
+    else:
+        policy = mixprec.Policy.parse(f"compute={compute}").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
+                                                                 backend="emulate_fp32")
+        region = functools.partial(mixprec.autocast, "cpu", policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        with mixprec.autocast("cpu", policy=policy):
+        with region():
             out = model(torch.randn(64, 64, generator=gen)).float()
         (out - torch.randn(64, 16, generator=gen)).square().mean().backward()
         opt.step()
@@ -137,9 +152,15 @@ def test_output_errors_take_the_records_reference():
     assert (rounded.float() - exact.float()).norm() < 0.05 * exact.float().norm()
 
 
-def test_a_planted_reference_is_what_the_costs_read(monkeypatch):
-    """The GEMMs of every measurement go through :func:`reference_mm`/:func:`reference_linear`
-    with the record's dtype: counted by dtype over one run's shadow window."""
+@pytest.mark.parametrize("reference, native, compute, expected", [
+    ("bfloat16", False, "bf16", torch.bfloat16), ("float32", True, "bf16", torch.float32),
+    ("auto", True, "bf16", torch.bfloat16), ("auto", False, "bf16", torch.float32),
+    ("auto", True, "fp32", torch.float32), ("bfloat16", False, "fp32", torch.bfloat16)])
+def test_every_measurement_takes_the_reference_the_settings_and_compute_give(monkeypatch, reference, native, compute,
+                                                                             expected):
+    """The GEMMs of every measurement (forward, backward results, projections, end slope) go
+    through :func:`reference_mm` in one dtype: the setting's, or under ``"auto"`` bfloat16 for a
+    bfloat16 model on a device that multiplies it natively and float32 for a float32 model."""
     calls = []
     mm = _reference.reference_mm
 
@@ -149,5 +170,6 @@ def test_a_planted_reference_is_what_the_costs_read(monkeypatch):
 
     for module in ("mixprec.control._backward", "mixprec.control._update_error", "mixprec.control._reference"):
         monkeypatch.setattr(f"{module}.reference_mm", counted)
-    _run("bfloat16")
-    assert calls and set(calls) == {torch.bfloat16}
+    monkeypatch.setattr(_reference, "_native_bfloat16", lambda device: native)
+    _run(reference, steps=6, compute=compute)
+    assert len(calls) >= 8 and set(calls) == {expected}, calls

@@ -63,7 +63,7 @@ import torch
 from mixprec.formats._linear import linear_grads
 from mixprec.control._cost import Cadence
 from mixprec.control._reach import Reach, ReachMap
-from mixprec.control._reference import reference_mm
+from mixprec.control._reference import operand_dtype, reference_mm
 from mixprec.control._settings import LOW_RUNGS
 from mixprec.control._update_error import TINY, cost_ratio, mean_curvature, projections, step_error, update_terms
 from mixprec.formats._recipe import Float8Recipe
@@ -156,7 +156,7 @@ class BackwardCost:
         # per kind (own casts, the rung below's), in which windows it is measured (LayerRecord.carry_backward)
         self.cadence = [Cadence(), Cadence()]
         self.normalized = True  # the optimizer normalizes its updates (ControllerSettings.normalized_updates: step_error)
-        self.reference = torch.float32  # the reference GEMMs' operands (ControllerSettings.reference: _reference)
+        self.reference: torch.dtype | None = torch.float32  # the reference GEMMs' (ControllerSettings.reference: _reference)
         # per (kind, GEMM), as backward_costs orders them, its last measured windows' [1, cost, cost**2] (_cost.clear_pooled)
         self.pool: list[list[list[float]]] = [[] for _ in range(_KINDS)]
         # the weight gradient of the last measured step, until the optimizer moved the weight:
@@ -279,7 +279,7 @@ class BackwardCost:
             return
         due = [(kind, recipe, measured) for kind, recipe, measured in self.recipes if self.cadence[kind].due]
         inputs = any(m[0] for _, _, m in due)
-        dtype = self.reference
+        dtype = operand_dtype(self.reference, g.dtype)
         grad_input = reference_mm(g2, wf, dtype) if inputs else None
         grad_weight = reference_mm(g2.t(), x2, dtype)
         gg = grad_weight.square().sum().clamp(min=TINY)
@@ -340,13 +340,14 @@ class BackwardCost:
         self.reach.reset()
 
 
-def _end_slope(slope: list[Any], x2: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+def _end_slope(slope: list[Any], x2: torch.Tensor, grad: torch.Tensor, reference: torch.dtype | None = torch.float32
+               ) -> None:
     """Add ``<G', dW>`` for this backward's weight gradient ``G' = g' x`` (one reference GEMM of
-    the output gradient with the update ``dW = slope[0]``, from ``dtype`` operands) to ``slope``'s
-    sum; no rows, nothing."""
-    g2 = grad.detach().reshape(-1, grad.shape[-1]).float()
+    the output gradient with the update ``dW = slope[0]``, ``reference`` resolved: :mod:`._reference`)
+    to ``slope``'s sum; no rows, nothing."""
+    g2 = grad.detach().reshape(-1, grad.shape[-1])
     if g2.shape[0]:
-        slope[3] = slope[3] + (reference_mm(g2, slope[0], dtype) * x2.float()).sum()
+        slope[3] = slope[3] + (reference_mm(g2, slope[0], operand_dtype(reference, g2.dtype)) * x2.float()).sum()
         slope[4] = True
 
 

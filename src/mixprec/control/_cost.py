@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from mixprec.control._reference import reference_linear
+from mixprec.control._reference import operand_dtype, reference_linear
 from mixprec.formats._linear import local_linear
 
 __all__ = ["COST_Z", "COST_ZONE", "MAX_PERIOD", "POOL_LEAST", "POOL_WINDOWS", "VARIANCES", "Cadence", "clear",
@@ -61,7 +61,7 @@ def output_errors(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
                   out: torch.Tensor, wanted: tuple[bool, bool] = (True, True), tp: Any = None
                   ) -> list[tuple[int, torch.Tensor]]:
     """The forward GEMM's output errors against its reference (:mod:`._reference`: float32, or
-    bfloat16 operands accumulated in float32, ``rec.reference``), as ``(row of rec.cost, error)``, of the
+    bfloat16 operands accumulated in float32: ``rec.reference``), as ``(row of rec.cost, error)``, of the
     rows ``wanted``: its own casts' (row 0) when it runs casts, the recipe below's (row 1,
     emulated) while it may go down. Costs one reference GEMM (none when no row is wanted or
     measurable), and one emulated GEMM of the recipe below for a promoted forward; each error is
@@ -75,7 +75,7 @@ def output_errors(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         x, w = x.detach(), weight.detach()
         b = None if bias is None else bias.detach()
-        reference = reference_linear(x, w, b, rec.reference)
+        reference = reference_linear(x, w, b, operand_dtype(rec.reference, x.dtype))
         if own:
             errors.append((0, (out.detach().float() - reference).to(out.dtype)))
         if below is not None:

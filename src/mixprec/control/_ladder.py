@@ -233,7 +233,7 @@ class LayerRecord:
         # its weight is all-gathered in fp8 by FSDP2: no high-precision weight, no loss cost
         self.cost_blind = False
         self.forward_below: Float8Recipe | None = None
-        self.reference = torch.float32  # the loss costs' reference GEMMs' operands (_reference: set with its probe)
+        self.reference: torch.dtype | None = torch.float32  # the loss costs' reference GEMMs (_reference: with its probe)
         # per row, on how many of a window's last steps the loss cost is measured (None: every
         # step) and the per-step variance it was planned from (_cost.cost_steps); whether this
         # step measures it (eager code) and its device copy (compiled code); the forward's rung planned for

@@ -7,9 +7,11 @@ by up to 2**-3 of their block's scale, e4m3's by 2**-4, bfloat16's by 2**-9), an
 autocast a layer's input and output gradient are bfloat16 already: a bfloat16 reference moves a
 cost by a few parts in a thousand. It is 2.2x cheaper than a float32 GEMM on a CPU with bfloat16
 units (AVX512-BF16, AMX; 2-5x dearer on one without) and 8-16x on a GPU's tensor cores, where a
-float32 GEMM beside an NVFP4 step would cost more than the step. ``"auto"`` takes bfloat16 where
-the device multiplies it natively (CUDA from sm80; a CPU with ``avx512_bf16`` or AMX, unless
-``ONEDNN_MAX_CPU_ISA`` holds oneDNN below them), float32 elsewhere. Pure functions, no host sync."""
+float32 GEMM beside an NVFP4 step would cost more than the step. ``"auto"`` takes bfloat16 for a
+layer that computes in bfloat16 (its operands are bfloat16: the reference is its compute rung's
+GEMM) where the device multiplies it natively (CUDA from sm80; a CPU with ``avx512_bf16`` or AMX,
+unless ``ONEDNN_MAX_CPU_ISA`` holds oneDNN below them), float32 elsewhere (a float32 or float16
+model keeps an exact reference). Pure functions, no host sync."""
 
 from __future__ import annotations
 
@@ -18,23 +20,38 @@ import os
 import torch
 import torch.nn.functional as F
 
-__all__ = ["REFERENCES", "reference_dtype", "reference_linear", "reference_mm"]
+__all__ = ["REFERENCES", "operand_dtype", "reference_dtype", "reference_linear", "reference_mm"]
 
 #: the values of ``ControllerSettings.reference``
 REFERENCES = ("auto", "bfloat16", "float32")
 
 
-def reference_dtype(reference: str, device: torch.device) -> torch.dtype:
+def reference_dtype(reference: str, device: torch.device) -> torch.dtype | None:
     """The operand dtype of the reference GEMMs on ``device`` for the setting ``reference`` (one of
-    :data:`REFERENCES`).
+    :data:`REFERENCES`): float32, bfloat16, or None (``"auto"`` where ``device`` multiplies
+    bfloat16 natively): bfloat16 for bfloat16 operands, else float32 (:func:`operand_dtype`).
 
     Example:
         >>> reference_dtype("float32", torch.device("cpu")), reference_dtype("bfloat16", torch.device("cpu"))
         (torch.float32, torch.bfloat16)
     """
     if reference == "auto":
-        return torch.bfloat16 if _native_bfloat16(device) else torch.float32
+        return None if _native_bfloat16(device) else torch.float32
     return torch.bfloat16 if reference == "bfloat16" else torch.float32
+
+
+def operand_dtype(reference: torch.dtype | None, operands: torch.dtype) -> torch.dtype:
+    """The dtype a reference GEMM takes its operands in, for a resolved ``reference``
+    (:func:`reference_dtype`) and the dtype the layer computes in (``operands``: its input's or
+    output gradient's).
+
+    Example:
+        >>> operand_dtype(None, torch.bfloat16), operand_dtype(None, torch.float32), operand_dtype(torch.float32, torch.bfloat16)
+        (torch.bfloat16, torch.float32, torch.float32)
+    """
+    if reference is None:
+        return torch.bfloat16 if operands == torch.bfloat16 else torch.float32
+    return reference
 
 
 def _native_bfloat16(device: torch.device) -> bool:

@@ -207,8 +207,9 @@ class ControllerSettings(_Settings):
 
     ``reference`` (``"auto"``, ``"bfloat16"``, ``"float32"``; with a loss-cost limit): the
     operands of the GEMMs the loss costs take their errors against, accumulated in float32
-    (:mod:`mixprec.control._reference`); ``"auto"``, bfloat16 where the device multiplies it
-    natively (CUDA from sm80, a CPU with AVX512-BF16 or AMX), else float32. A cast's error lies an
+    (:mod:`mixprec.control._reference`); ``"auto"``, bfloat16 for a layer computing in bfloat16
+    where the device multiplies it natively (CUDA from sm80, a CPU with AVX512-BF16 or AMX), else
+    float32. A cast's error lies an
     order of magnitude or more over bfloat16's rounding, and a float32 GEMM beside an NVFP4 step
     on a GPU would cost more than the step; ``"float32"`` measures the same costs on every machine.
 

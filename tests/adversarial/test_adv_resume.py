@@ -277,9 +277,13 @@ def takes(kind: str, recipe: str) -> bool:
 @st.composite
 def _controllers(draw: st.DrawFn, recipe: str, every: int) -> Supervisor:
     per_gemm = draw(st.booleans())  # (the backward GEMMs' cost is per GEMM only)
+    loss_cost = draw(st.sampled_from([None, 1e-3, 0.0]))
+    backward_cost = draw(st.sampled_from([None, 1e-5])) if per_gemm else None
+    # (the loss costs' reference GEMMs: a setting only where a cost is measured)
+    costed = loss_cost is not None or backward_cost is not None
+    reference = draw(st.sampled_from(["auto", "bfloat16", "float32"])) if costed else "auto"
     return harness_controller(
-        recipe, every, per_gemm=per_gemm, loss_cost=draw(st.sampled_from([None, 1e-3, 0.0])),
-        backward_cost=draw(st.sampled_from([None, 1e-5])) if per_gemm else None,
+        recipe, every, per_gemm=per_gemm, loss_cost=loss_cost, backward_cost=backward_cost, reference=reference,
         demote_windows=draw(st.sampled_from([1, 2, 3])), trend_windows=draw(st.sampled_from([1, 2])),
         min_dwell=draw(st.sampled_from([0, 2, 5])), shadow_steps=draw(st.sampled_from([1, 2])),
         horizon=draw(st.sampled_from([1, 3])), max_switches=draw(st.sampled_from([1, 8])))

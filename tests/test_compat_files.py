@@ -24,9 +24,9 @@ CONTROLLER = ControllerSettings(every=2, ladder=("tensorwise", "rowwise", "compu
 PER_GEMM = ControllerSettings(every=2, per_gemm=True, ladder=("nvfp4", "tensorwise", "compute"), sample=64)
 
 
-#: Controller settings added since 1067028 (issue 39: the backward GEMMs' cost and the optimizer it assumes, the late phase): a file
-#: without them loads with their defaults and saves them back.
-ADDED = ("max_backward_cost", "normalized_updates", "late_start", "late_factor")
+#: Controller settings added since 1067028 (issue 39: the backward GEMMs' cost and the optimizer it assumes, the late phase,
+#: the loss costs' reference GEMMs): a file without them loads with their defaults and saves them back.
+ADDED = ("max_backward_cost", "normalized_updates", "late_start", "late_factor", "reference")
 
 
 def _with_added(old: dict) -> dict:

@@ -101,6 +101,18 @@ def test_hadamard_is_orthogonal_exactly_inverted_and_keeps_products():
     assert torch.allclose(ha.norm(dim=1), a.norm(dim=1), rtol=1e-6, atol=0)
 
 
+def test_hadamard_of_a_transposed_operand_is_its_contiguous_copys_bitwise():
+    """The weight gradient's operands come transposed: each block's 16-term products are the
+    same bits as the contiguous operand's (float32 and bfloat16, whole blocks and padded)."""
+    h = hadamard_matrix(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, cols in ((48, 64), (40, 33)):
+            x = (torch.randn(rows, cols, generator=_gen(6)) * 100).to(dtype)
+            for strided in (x.t(), x[:, ::2]):
+                assert not strided.is_contiguous()
+                assert torch.equal(hadamard(strided, h), hadamard(strided.contiguous(), h))
+
+
 def test_hadamard_spreads_an_outlier_over_its_block():
     """One outlier per block of 16: after the transform every element of the block carries a
     quarter of it (the block's max over its RMS falls from about 4 to about 1), so the block

@@ -5,7 +5,8 @@ accumulated in float32.
 A cast's error is an order of magnitude or more over bfloat16's rounding (NVFP4's elements round
 by up to 2**-3 of their block's scale, e4m3's by 2**-4, bfloat16's by 2**-9), and under bf16
 autocast a layer's input and output gradient are bfloat16 already: a bfloat16 reference moves a
-cost by a few parts in a thousand. It is 2.2x cheaper than a float32 GEMM on a CPU with bfloat16
+cost's squared term by up to a percent and its first-order sum by a few percent of that sum's own
+noise (tests/fp8/test_controller_reference.py). It is 2.2x cheaper than a float32 GEMM on a CPU with bfloat16
 units (AVX512-BF16, AMX; 2-5x dearer on one without) and 8-16x on a GPU's tensor cores, where a
 float32 GEMM beside an NVFP4 step would cost more than the step. ``"auto"`` takes bfloat16 for a
 layer that computes in bfloat16 (its operands are bfloat16: the reference is its compute rung's

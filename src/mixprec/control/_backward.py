@@ -274,17 +274,19 @@ class BackwardCost:
         g, x, w, weight = shadow.grad, shadow.x, shadow.w, shadow.weight
         if g is None:
             return
-        g2, x2, wf = g.reshape(-1, g.shape[-1]).float(), x.reshape(-1, x.shape[-1]).float(), w.float()
+        rows = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        g2, x2, wf = rows[0].float(), rows[1].float(), w.float()
         if g2.shape[0] == 0:
             return
         due = [(kind, recipe, measured) for kind, recipe, measured in self.recipes if self.cadence[kind].due]
         inputs = any(m[0] for _, _, m in due)
         dtype = operand_dtype(self.reference, g.dtype)
-        grad_input = reference_mm(g2, wf, dtype) if inputs else None
-        grad_weight = reference_mm(g2.t(), x2, dtype)
+        gm, xm = (g2, x2) if dtype == torch.float32 else rows  # (the GEMMs' operands: bfloat16 ones taken as they came)
+        grad_input = reference_mm(gm, wf, dtype) if inputs else None
+        grad_weight = reference_mm(gm.t(), xm, dtype)
         gg = grad_weight.square().sum().clamp(min=TINY)
         h = mean_curvature(g2, x2) if inputs else None
-        along = projections(g2, x2, grad_weight, dtype) if any(m[1] for _, _, m in due) else None
+        along = projections(gm, x2, grad_weight, dtype) if any(m[1] for _, _, m in due) else None
         for kind, recipe, measured in due:
             if kind == 0 and shadow.tapped:
                 gi, gw = own_gi, own_gw
@@ -298,7 +300,7 @@ class BackwardCost:
                 self.window[kind, 0] += torch.stack([cost_ratio(ref, ref + e), shrink, share * h / (2 * gg), gg.new_ones(())])
             if measured[1] and gw is not None:
                 gw = grad_weight + step_error(grad_weight, gw.float() - grad_weight) if self.normalized else gw
-                terms = update_terms(g2, x2, grad_weight, gw, along, dtype)
+                terms = update_terms(gm, x2, grad_weight, gw, along, dtype)
                 shrink = (gw - grad_weight).square().sum() / gg / 2 if self.normalized else torch.zeros_like(gg)
                 self.window[kind, 1] += torch.stack([terms[0], shrink, terms[1], gg.new_ones(())])
         p = self.pending

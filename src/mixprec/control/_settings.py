@@ -209,9 +209,9 @@ class ControllerSettings(_Settings):
     operands of the GEMMs the loss costs take their errors against, accumulated in float32
     (:mod:`mixprec.control._reference`); ``"auto"``, bfloat16 for a layer computing in bfloat16
     where the device multiplies it natively (CUDA from sm80, a CPU with AVX512-BF16 or AMX), else
-    float32. A cast's error lies an
-    order of magnitude or more over bfloat16's rounding, and a float32 GEMM beside an NVFP4 step
-    on a GPU would cost more than the step; ``"float32"`` measures the same costs on every machine.
+    float32. A cast's error lies an order of magnitude or more over bfloat16's rounding, and a
+    float32 GEMM beside an NVFP4 step on a GPU would cost more than the step; ``"float32"``
+    measures the same costs on every machine.
 
     Raises ValueError on a setting out of range, a ladder not in the order of :data:`RUNGS`, or a
     ``floor`` not an fp8 rung of it; warns when fp4 limits are set for a ladder without fp4 rungs.

@@ -73,7 +73,8 @@ def projections(g2: torch.Tensor, x2: torch.Tensor, u: torch.Tensor, dtype: torc
 
 def update_terms(g2: torch.Tensor, x2: torch.Tensor, reference: torch.Tensor, result: torch.Tensor,
                  along_reference: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The weight-gradient error's cost terms ``[c1, c2]`` (float32 ``g2``, ``x2``): the cost
+    """The weight-gradient error's cost terms ``[c1, c2]`` (float32 ``x2``; ``g2`` float32 or in
+    ``dtype``, the GEMMs' operands): the cost
     of a step whose gain was ``gain`` is ``gain * c1 + gain**2 * c2`` (:mod:`._backward`; ``eta =
     gain / |G|**2``). Two GEMMs of ``g2`` with a weight-sized matrix (``G`` and ``E``), one where
     the caller gives ``projections(g2, x2, reference)`` (``along_reference``: shared by the

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 import mixprec
 from mixprec.control import _reference
 from mixprec.control._cost import output_errors
-from mixprec.control._reference import operand_dtype, reference_dtype, reference_linear, reference_mm
+from mixprec.control._reference import emulation_backend, operand_dtype, reference_dtype, reference_linear, reference_mm
 
 from _fake_cuda import fake_cuda, fake_mode  # noqa: F401
 
@@ -86,13 +87,13 @@ def test_float32_is_the_float32_linear_and_bfloat16_its_operands_rounded():
     assert (rounded - exact).norm() * 30 < nvfp4
 
 
-def _run(reference: str, steps: int = 5, compute: str = "bf16") -> mixprec.Controller:
+def _run(reference: str, steps: int = 5, compute: str = "bf16", limit: float = 10.0) -> mixprec.Controller:
     """Five steps (one window, its shadow steps 3 and 4) of a 3-layer MLP under a per-GEMM NVFP4
-    Controller whose limits no cost reaches (the same casts and draws for every reference),
-    computing in ``compute``."""
+    Controller whose limits no cost reaches (the same casts and draws for every reference; every
+    cost reaches a ``limit`` of 1e-9), computing in ``compute``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
-    ctl = mixprec.Controller(every=5, ladder=LADDER, per_gemm=True, max_loss_cost=10.0, max_backward_cost=10.0,
+    ctl = mixprec.Controller(every=5, ladder=LADDER, per_gemm=True, max_loss_cost=limit, max_backward_cost=limit,
                              reference=reference)
     ctl.attach(model)
     if compute == "fp32":  # (no autocast: the layers converted)
@@ -150,6 +151,52 @@ def test_output_errors_take_the_records_reference():
     exact = dict(output_errors(rec, x, w, None, out, (True, False)))[0]
     assert not torch.equal(rounded, exact)
     assert (rounded.float() - exact.float()).norm() < 0.05 * exact.float().norm()
+
+
+@pytest.mark.parametrize("reference, out_dtype, reference_gemm", [
+    (torch.bfloat16, torch.bfloat16, False), (torch.float32, torch.float32, False),
+    (torch.bfloat16, torch.float32, False), (torch.float32, torch.bfloat16, True)])
+def test_a_forward_without_casts_is_its_own_reference(monkeypatch, reference, out_dtype, reference_gemm):
+    """A promoted forward on the compute dtype (or float32) measures the rung below against its
+    own output, with no reference GEMM, where that output is at least as precise as the
+    reference (a bfloat16 output against bfloat16 operands, a float32 one against either): the
+    error is what a demotion would change the output by. A bfloat16 output against a float32
+    reference takes the reference GEMM."""
+    rec = _run("bfloat16", steps=1)._layers["2"]
+    calls = []
+    monkeypatch.setattr("mixprec.control._cost.reference_linear",
+                        lambda *args: calls.append(args[-1]) or reference_linear(*args))
+    rec.forward_low, rec.forward_below, rec.reference = False, NVFP4, reference
+    torch.manual_seed(3)
+    x, w, b = torch.randn(64, 64, dtype=torch.bfloat16), torch.randn(48, 64), torch.randn(48)
+    out = F.linear(x.to(out_dtype), w.to(out_dtype), b.to(out_dtype)).requires_grad_()
+    errors = dict(output_errors(rec, x, w, b, out))
+    assert list(errors) == [1] and errors[1].dtype == out_dtype
+    emulated = mixprec.fp8.linear(x, w, b, recipe=NVFP4, backend=emulation_backend(operand_dtype(reference, x.dtype)))
+    emulated = emulated.float()
+    against = reference_linear(x, w, b, operand_dtype(reference, x.dtype)) if reference_gemm else out.detach().float()
+    assert calls == ([operand_dtype(reference, x.dtype)] if reference_gemm else [])
+    assert torch.equal(errors[1], (emulated - against).to(out_dtype))
+
+
+@pytest.mark.parametrize("reference", ["bfloat16", "float32"])
+def test_the_rung_below_is_emulated_in_the_references_operands(monkeypatch, reference):
+    """Every GEMM promoted at the first check (limits of 1e-9): the next window emulates the rung
+    below's forward and backward GEMMs with the backend of the reference's operands (bfloat16:
+    NVFP4 multiplied in bfloat16; float32: in float32)."""
+    seen = []
+    for module, name, at in (("_backward", "linear_grads", 5), ("_cost", "local_linear", 4)):
+        original = getattr(importlib.import_module(f"mixprec.control.{module}"), name)
+        monkeypatch.setattr(f"mixprec.control.{module}.{name}",
+                            functools.partial(_spied, original, lambda args, n=name, i=at: seen.append((n, args[i]))))
+    _run(reference, steps=10, limit=1e-9)
+    expected = emulation_backend(torch.bfloat16 if reference == "bfloat16" else torch.float32)
+    assert {n for n, _ in seen} == {"linear_grads", "local_linear"} and {b for _, b in seen} == {expected}, seen
+
+
+def _spied(original, note, *args):
+    note(args)
+    return original(*args)
 
 
 @pytest.mark.parametrize("reference, native, compute, expected", [

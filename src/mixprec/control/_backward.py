@@ -63,7 +63,7 @@ import torch
 from mixprec.formats._linear import linear_grads
 from mixprec.control._cost import Cadence
 from mixprec.control._reach import Reach, ReachMap
-from mixprec.control._reference import operand_dtype, reference_mm
+from mixprec.control._reference import emulation_backend, operand_dtype, reference_mm
 from mixprec.control._settings import LOW_RUNGS
 from mixprec.control._update_error import TINY, cost_ratio, mean_curvature, projections, step_error, update_terms
 from mixprec.formats._recipe import Float8Recipe
@@ -126,11 +126,13 @@ class _Shadow:
 
 
 def _emulated_grads(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, recipe: Float8Recipe,
-                    measured: tuple[bool, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                    measured: tuple[bool, bool], backend: str = "emulate_fp32"
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The input and weight gradients ``recipe``'s backward GEMMs give for the output gradient
-    ``g`` (emulated in float32), only those ``measured`` (the other GEMM does not run; without the
+    ``g`` (emulated with ``backend``: :func:`~mixprec.control._reference.emulation_backend`), only
+    those ``measured`` (the other GEMM does not run; without the
     weight gradient its operand is not cast; the forward GEMM never runs: :func:`linear_grads`)."""
-    return linear_grads(x.detach(), w.detach(), g.detach().to(x.dtype), recipe, measured, "emulate_fp32")
+    return linear_grads(x.detach(), w.detach(), g.detach().to(x.dtype), recipe, measured, backend)
 
 
 class BackwardCost:
@@ -291,7 +293,7 @@ class BackwardCost:
             if kind == 0 and shadow.tapped:
                 gi, gw = own_gi, own_gw
             else:
-                gi, gw = _emulated_grads(x, w, g, recipe, measured)
+                gi, gw = _emulated_grads(x, w, g, recipe, measured, emulation_backend(dtype))
             if measured[0] and gi is not None:
                 ref, e = grad_input, gi.reshape(grad_input.shape).float() - grad_input
                 e = step_error(ref, e) if self.normalized else e

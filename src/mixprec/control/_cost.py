@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from mixprec.control._reference import operand_dtype, reference_linear
+from mixprec.control._reference import emulation_backend, operand_dtype, reference_linear
 from mixprec.formats._linear import local_linear
 
 __all__ = ["COST_Z", "COST_ZONE", "MAX_PERIOD", "POOL_LEAST", "POOL_WINDOWS", "VARIANCES", "Cadence", "clear",
@@ -64,9 +64,11 @@ def output_errors(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     bfloat16 operands accumulated in float32: ``rec.reference``), as ``(row of rec.cost, error)``, of the
     rows ``wanted``: its own casts' (row 0) when it runs casts, the recipe below's (row 1,
     emulated) while it may go down. Costs one reference GEMM (none when no row is wanted or
-    measurable), and one emulated GEMM of the recipe below for a promoted forward; each error is
-    the output's size, in its dtype (under ``tp``, the local output's: the rung below's casts take
-    the whole layer's scales). No host sync."""
+    measurable, nor where the forward runs no casts and its output is at least as precise as
+    the reference: that output is the reference, and the rung below's error is what a demotion
+    would change it by), and one emulated GEMM of the recipe below for a promoted forward; each
+    error is the output's size, in its dtype (under ``tp``, the local output's: the rung below's
+    casts take the whole layer's scales). No host sync."""
     errors = []
     own = wanted[0] and rec.forward_low and not rec.state.fallback
     below = rec.forward_below if wanted[1] else None
@@ -75,11 +77,15 @@ def output_errors(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         x, w = x.detach(), weight.detach()
         b = None if bias is None else bias.detach()
-        reference = reference_linear(x, w, b, operand_dtype(rec.reference, x.dtype))
+        dtype = operand_dtype(rec.reference, x.dtype)
+        if rec.forward_low or out.dtype not in (dtype, torch.float32):
+            reference = reference_linear(x, w, b, dtype)
+        else:  # (the compute dtype's GEMM, or float32's: no casts)
+            reference = out.detach().float()
         if own:
             errors.append((0, (out.detach().float() - reference).to(out.dtype)))
         if below is not None:
-            emulated = local_linear(x, w, b, below, "emulate_fp32", tp)
+            emulated = local_linear(x, w, b, below, emulation_backend(dtype), tp)
             errors.append((1, (emulated.float() - reference).to(out.dtype)))
     return errors
 

@@ -99,11 +99,12 @@ def _setitem(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def cuda_patches(capability: tuple[int, int] = (9, 0)) -> list[tuple[Any, str, Any]]:
-    """``(object, attribute, value)`` triples that make ``torch.cuda`` answer as one CUDA device of
+    """Dynamo's map of torch's functions is built first (:func:`_keep_dynamo_rules`). ``(object, attribute, value)`` triples that make ``torch.cuda`` answer as one CUDA device of
     ``capability`` with bf16; ``torch.tensor``/``as_tensor`` with a CUDA device build the tensor on
     the CPU and give a fake CUDA one like it, and ``~t`` runs ``torch.bitwise_not`` (a CPU-only
     build refuses CUDA in both, even in a fake mode), as do ``copy_`` and ``contiguous`` (run as aten ops) and indexing: basic indexing of a fake
     CUDA tensor (ints, slices, None, ...) runs through aten ops."""
+    _keep_dynamo_rules()
     tensor, as_tensor = torch.tensor, torch.as_tensor
 
     def on_cuda(make: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -130,6 +131,16 @@ def cuda_patches(capability: tuple[int, int] = (9, 0)) -> list[tuple[Any, str, A
         (torch.Tensor, "__getitem__", _getitem(torch.Tensor.__getitem__)),
         (torch.Tensor, "__setitem__", _setitem(torch.Tensor.__setitem__)),
     ]
+
+
+def _keep_dynamo_rules() -> None:
+    """Build Dynamo's map of torch's functions to their tracing rules (cached for the process, by
+    the objects it finds under their names) before any patch replaces ``torch.tensor``: built while
+    it is patched, the map would keep the wrapper, and every later compile of code calling the
+    restored ``torch.tensor`` in an ``autograd.Function`` (the fp4 decode) would find it "skipped"."""
+    from torch._dynamo import trace_rules
+
+    trace_rules.get_torch_obj_rule_map()
 
 
 def to_fake_cuda(t: torch.Tensor, device: Any = "cuda") -> torch.Tensor:

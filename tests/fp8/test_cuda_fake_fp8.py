@@ -5,6 +5,7 @@ with what, and which run emulated; the FSDP2 fp8 all-gather's hooks on CUDA. For
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -207,3 +208,43 @@ def test_controller_loss_cost_on_cuda_reads_no_host(fake_cuda):
     assert [(row, e.shape, e.dtype, e.device.type) for row, e in errors] == [
         (0, (16, 64), torch.float32, "cuda"), (1, (16, 64), torch.float32, "cuda")]
     assert rec.forward_below.fp4 and all(r.cost.device.type == "cuda" for r in ctl._layers.values())
+
+
+_AFTER_FAKE_CUDA = """
+import torch
+from _fake_cuda import cuda_patches, fake_mode, patched
+from mixprec.formats._fp4 import decode_e2m1
+
+with patched(cuda_patches((9, 0))), fake_mode():
+    torch.randn(4, device="cuda")  # (Dynamo's map of torch's functions is built by now)
+
+
+class Decode(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, codes, x):
+        return x + decode_e2m1(codes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
+
+
+compiled = torch.compile(lambda c, x: Decode.apply(c, x), backend="eager", fullgraph=True)
+print(compiled(torch.tensor([1, 9], dtype=torch.uint8), torch.zeros(2, requires_grad=True)).tolist())
+"""
+
+
+@pytest.mark.slow
+def test_a_fake_cuda_block_leaves_compiled_fp4_code_traceable():
+    """The fake-CUDA patches replace ``torch.tensor``; Dynamo's map of torch's functions, cached
+    for the process, must hold the real one (built before the patches), or every later compile of
+    an fp4 decode in an ``autograd.Function`` finds ``torch.tensor`` "skipped" (a fresh process:
+    the map is built once)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", _AFTER_FAKE_CUDA], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0 and run.stdout.strip().endswith("[0.5, -0.5]"), run.stderr[-3000:]

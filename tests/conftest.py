@@ -1,9 +1,12 @@
 """Shared fixtures: ``syncs`` counts host reads of device memory; ``native_ops`` is mixprec's
 C++ kernels (a skip without them, a failure in CI: ``_native_required``); ``fresh_dynamo``
-resets Dynamo around a test (``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``)."""
+resets Dynamo around a test (``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``). Every
+test starts from its own seed and leaves torch's thread count as it found it (autouse)."""
 
 from __future__ import annotations
 
+import random
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -99,6 +102,16 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.utils.counters.clear()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request: pytest.FixtureRequest) -> None:
+    """Every test starts torch's and Python's default generators from its own seed (its node id's
+    CRC32): torch seeds its generator from the OS at start, so a test that draws without seeding
+    would see other inputs on every run, and a test's inputs would depend on the tests before it."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    random.seed(seed)
 
 
 @pytest.fixture(autouse=True)

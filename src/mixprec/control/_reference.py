@@ -12,7 +12,8 @@ float32 GEMM beside an NVFP4 step would cost more than the step. ``"auto"`` take
 layer that computes in bfloat16 (its operands are bfloat16: the reference is its compute rung's
 GEMM) where the device multiplies it natively (CUDA from sm80; a CPU with ``avx512_bf16`` or AMX,
 unless ``ONEDNN_MAX_CPU_ISA`` holds oneDNN below them), float32 elsewhere (a float32 or float16
-model keeps an exact reference). Pure functions, no host sync."""
+model keeps an exact reference). The GEMMs a cost emulates (the rung below's) multiply where the
+reference does (:func:`emulation_backend`). Pure functions, no host sync."""
 
 from __future__ import annotations
 

@@ -126,8 +126,7 @@ class _Shadow:
 
 
 def _emulated_grads(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, recipe: Float8Recipe,
-                    measured: tuple[bool, bool], backend: str = "emulate_fp32"
-                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                    measured: tuple[bool, bool], backend: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The input and weight gradients ``recipe``'s backward GEMMs give for the output gradient
     ``g`` (emulated with ``backend``: :func:`~mixprec.control._reference.emulation_backend`), only
     those ``measured`` (the other GEMM does not run; without the

@@ -381,6 +381,35 @@ def test_the_host_and_device_updates_train_the_same_bits(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(weights_a, weights_b))
 
 
+def test_two_optimizers_update_as_one():
+    """The model's parameters split over two plain optimizers (each step reads its overflow flag
+    on the host): the same loss scales and factors after every update as one optimizer over all
+    of them, overflows included (an overflow in one optimizer's gradients is the iteration's,
+    though each optimizer skips on its own flags, as under torch's GradScaler)."""
+    runs = []
+    for split in (False, True):
+        model = chain()
+        scaler = mixprec.GradScaler("cpu", init_scale=2.0**24, hysteresis=2, growth_interval=3, per_layer=True)
+        scaler.watch(model)
+        params = list(model.parameters())
+        halves = [params[: len(params) // 2], params[len(params) // 2:]] if split else [params]
+        optimizers = [torch.optim.SGD(h, lr=1e-3) for h in halves]
+        trace, skips = [], 0
+        for step in range(25):
+            x, t = _data(32, seed=step)
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+            scaler.scale(_loss(model, x, t)).backward()
+            for optimizer in optimizers:
+                scaler.step(optimizer)
+                skips += bool(scaler.last_step_skipped)
+            scaler.update()
+            trace.append((scaler.get_scale(), scaler.state_dict()["layerwise"]))
+        runs.append((trace, skips))
+    (trace_a, skips_a), (trace_b, skips_b) = runs
+    assert trace_a == trace_b and skips_a >= 3 and skips_b >= skips_a
+
+
 # ------------------------------------------------------------------ overflow, state
 
 

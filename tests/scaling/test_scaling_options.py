@@ -56,6 +56,25 @@ def test_bounds_and_no_subnormal_scale():
     assert floor.get_scale() == 2.0**-126
 
 
+def test_equal_bounds_pin_the_scale():
+    """``min_scale == max_scale`` is a fixed loss scale: accepted, and neither growth nor an
+    overflow moves it (the overflowed step is still skipped; ``on_min_scale="ignore"``: an overflow
+    at the pinned scale is no error)."""
+    p = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    pinned = GradScaler("cpu", init_scale=16.0, min_scale=16.0, max_scale=16.0, growth_interval=1,
+                        on_min_scale="ignore")
+    scales = []
+    for bad in (False, False, True, False):
+        before = p.detach().clone()
+        one_param_step(pinned, opt, p, bad)
+        scales.append(pinned.get_scale())
+        assert torch.equal(p, before) == bad
+    assert scales == [16.0] * 4
+    with pytest.raises(ValueError, match="must not exceed"):
+        GradScaler("cpu", min_scale=32.0, max_scale=16.0)
+
+
 def test_skip_aware_scheduler_does_not_advance_or_warn():
     p = nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([p], lr=1.0)

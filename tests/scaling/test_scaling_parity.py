@@ -475,6 +475,23 @@ def test_sparse_gradients_with_overflow_bitwise_equal_to_torch(dtype):
     assert all(torch.equal(a, b) for a, b in zip(runs["torch"][1], runs["mixprec"][1]))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_an_fp16_sparse_gradient_overflowing_only_once_summed_is_found(impl):
+    """torch's check of a float16 sparse gradient coalesces it first: two finite values at one
+    index whose sum overflows float16 are an overflow (the fused path's inf check)."""
+    p = nn.Parameter(torch.zeros(4, 2, dtype=torch.float16))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = make_scaler(impl)
+    scaler.scale(torch.tensor(1.0))
+    flags = []
+    for index in ([[0, 0], [1, 1]], [[0, 1], [1, 1]]):  # (duplicates, then distinct entries)
+        p.grad = torch.sparse_coo_tensor(torch.tensor(index), torch.tensor([6e4, 6e4], dtype=torch.float16),
+                                         (4, 2))
+        found = scaler._check_inf_per_device(opt)
+        flags.append(float(sum(f.item() for f in found.values())))
+    assert flags == [1.0, 0.0]
+
+
 def test_old_grad_scaler_keyword_protocol():
     """An optimizer whose step takes ``grad_scaler`` gets the scaler (torch's deprecated
     protocol), and can use ``_get_scale_async`` and ``_check_inf_per_device`` as with torch's."""
@@ -526,6 +543,25 @@ def test_fused_path_has_no_host_sync_and_plain_path_one(impl, syncs):
     syncs.stop()
     assert counts == [0, 1, 0]
     assert scaler.get_scale() == 2.0**15
+
+
+def test_a_fused_optimizers_own_grad_scale_multiplies_the_loss_scale_like_torch():
+    """A fused optimizer that already carries a ``grad_scale`` (its user's own factor) steps on
+    the product of the two scales, as torch's GradScaler lends it: the same weights bitwise."""
+    results = {}
+    for impl in IMPLS:
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(4, 4))
+        opt = torch.optim.SGD([p], lr=0.1, fused=True)  # (SGD: the step's size follows the scale)
+        opt.grad_scale = torch.tensor(4.0)
+        scaler = make_scaler(impl, init_scale=8.0)
+        for _ in range(2):
+            p.grad = scaler.scale(torch.full_like(p, 1.0)) * 32.0  # 32: the user's factor of 4, loss-scaled
+            scaler.step(opt)
+            scaler.update()
+            opt.grad_scale = torch.tensor(4.0)  # (a step lends and takes back the attribute)
+        results[impl] = p.detach().clone()
+    assert torch.equal(results["torch"], results["mixprec"])
 
 
 @pytest.mark.parametrize("impl", IMPLS)

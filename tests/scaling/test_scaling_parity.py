@@ -486,7 +486,7 @@ def test_an_fp16_sparse_gradient_overflowing_only_once_summed_is_found(impl):
     flags = []
     for index in ([[0, 0], [1, 1]], [[0, 1], [1, 1]]):  # (duplicates, then distinct entries)
         p.grad = torch.sparse_coo_tensor(torch.tensor(index), torch.tensor([6e4, 6e4], dtype=torch.float16),
-                                         (4, 2))
+                                         (4, 2), check_invariants=True)
         found = scaler._check_inf_per_device(opt)
         flags.append(float(sum(f.item() for f in found.values())))
     assert flags == [1.0, 0.0]

@@ -100,6 +100,7 @@ def cached_cast(t: Any, to: torch.dtype, frame: Frame) -> Any:
     if (
         to is not torch.float32  # only casts to the region's low-precision dtype are cached
         and t.dtype is torch.float32
+        and t.requires_grad
         and t.is_leaf
         and torch.is_autocast_cache_enabled()
         and type(t) in (torch.Tensor, torch.nn.Parameter)  # never cache fake/traced tensors

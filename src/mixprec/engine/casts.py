@@ -21,7 +21,7 @@ from mixprec._ops_names import op_overload
 from mixprec._tree import castable
 from mixprec.engine.runtime import RUNTIME, Frame
 
-__all__ = ["OpInfo", "op_info", "RUNNERS", "no_autocast", "cached_cast", "tensors", "call_below"]
+__all__ = ["OpInfo", "op_info", "RUNNERS", "no_autocast", "cached_cast", "tensors", "call_below", "wrapped_number"]
 
 _EXCLUDE_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 for _k in ("AutocastCUDA", "AutocastXPU", "AutocastMPS", "AutocastHPU", "AutocastIPU",
@@ -53,6 +53,9 @@ class OpInfo:
     # autocast excluded, as PyTorch's kernels do. Any other op is redispatched below autocast,
     # which is the same and saves a Python-to-dispatcher round trip.
     composite: bool
+    # positions of the Tensor arguments: a Python number there is a wrapped number (``x * 2``),
+    # which reaches a Python kernel unwrapped and only the op's packet takes back (:func:`call_below`)
+    tensor_positions: tuple[int, ...] = ()
 
 
 def op_info(name: str, op: "torch._ops.OpOverload") -> OpInfo:
@@ -67,14 +70,24 @@ def op_info(name: str, op: "torch._ops.OpOverload") -> OpInfo:
             positional += 1
     target_name = _ops.APPEND_DTYPE_TARGETS.get(name)
     composite = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
-    return OpInfo(name, op, dtype_index, kwarg_only, op_overload(target_name) if target_name else None, composite)
+    tensors_at = tuple(i for i, a in enumerate(a for a in op._schema.arguments if not a.kwarg_only)
+                       if str(a.type) == "Tensor")
+    return OpInfo(name, op, dtype_index, kwarg_only, op_overload(target_name) if target_name else None, composite,
+                  tensors_at)
+
+
+def wrapped_number(info: OpInfo, args: tuple) -> bool:
+    """Whether a Tensor argument came as a Python number (a wrapped number, ``x * 2``)."""
+    return any(i < len(args) and isinstance(args[i], (bool, int, float, complex)) for i in info.tensor_positions)
 
 
 def call_below(info: OpInfo, keyset: Any, args: tuple, kwargs: dict) -> Any:
-    """Run the op below autocast on (already cast) arguments (``keyset`` None: from a route op)."""
-    if info.composite or keyset is None:
+    """Run the op below autocast on (already cast) arguments (``keyset`` None: from a route op).
+    A wrapped number goes to the op's packet, which takes it as a Scalar (the same result)."""
+    if info.composite or keyset is None or wrapped_number(info, args):
         with no_autocast():
-            return info.op(*args, **kwargs)
+            op = info.op.overloadpacket if wrapped_number(info, args) else info.op
+            return op(*args, **kwargs)
     return info.op.redispatch(keyset & BELOW_AUTOCAST, *args, **kwargs)
 
 
@@ -94,7 +107,8 @@ def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def cached_cast(t: Any, to: torch.dtype, frame: Frame) -> Any:
     """``t`` cast to ``to`` if autocast may cast it; a weight's cast to the low-precision dtype
-    is cached until the outermost region exits."""
+    is cached until the outermost mixprec region exits (outside every one, as in a plain
+    ``torch.autocast`` region calling an op with our kernel, nothing is cached)."""
     if not isinstance(t, torch.Tensor) or t.dtype is to or not castable(t, frame.device_type):
         return t
     if (
@@ -106,6 +120,7 @@ def cached_cast(t: Any, to: torch.dtype, frame: Frame) -> Any:
         and type(t) in (torch.Tensor, torch.nn.Parameter)  # never cache fake/traced tensors
         and not t._is_view()
         and not torch.is_inference_mode_enabled()
+        and RUNTIME.depth > 0  # (outside every mixprec region nothing would clear it: plain torch.autocast)
     ):
         cache = RUNTIME.cache
         hit = cache.get(id(t))
@@ -212,6 +227,8 @@ def _run_banned(info: OpInfo, frame: Frame, keyset: Any, args: tuple, kwargs: di
 
 
 def _run_passthrough(info: OpInfo, frame: Frame, keyset: Any, args: tuple, kwargs: dict) -> Any:
+    if wrapped_number(info, args):
+        return call_below(info, keyset, args, kwargs)
     if keyset is None:  # from a route op: the op below autocast, its own calls autocast again,
         if info.composite:  # as PyTorch's fallthrough does
             return info.op.decompose(*args, **kwargs)

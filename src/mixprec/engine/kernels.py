@@ -42,14 +42,18 @@ own, native threads included) or while any other thread is alive (``_thread``'s 
 thread can be between ensuring a region's kernels and entering it while they are removed. fp8
 routing (``linear``, ``addmm``) runs in the C++ kernel, which calls a ``mixprec::route_*`` op
 (:func:`_define_route`) only where the thread's table routes the overload, so plain
-``torch.autocast`` never enters Python. Known, without the C++ build: a Python kernel calls
-PyTorch's kernel (``get_kernel(...).call_boxed``) holding the GIL; if that kernel waits for
-PyTorch's cast-cache lock while another thread clearing the cache (a region's exit) waits for
-the GIL, both hang.
+``torch.autocast`` never enters Python. Without the C++ build a Python kernel never calls
+PyTorch's autocast kernel either: it runs PyTorch's cast kind itself (:mod:`.casts`, bitwise the
+same), since PyTorch's kernel, called from Python, holds the GIL while it waits for PyTorch's
+cast-cache lock, and a thread clearing that cache (a region's exit) holds the lock while it waits
+for the GIL (a deadlock, measured: 3 stress runs of 3). Its weight casts then go to mixprec's cache
+inside a mixprec region, and outside every one (a plain ``torch.autocast`` calling an op a
+policy gave a Python kernel) are made afresh on each call: the same values, more casts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import warnings
@@ -61,7 +65,7 @@ from torch.library import Library
 from mixprec import _native
 from mixprec import ops as _ops
 from mixprec._ops_names import op_overload
-from mixprec.engine.casts import BELOW_AUTOCAST, RUNNERS, OpInfo, op_info, tensors
+from mixprec.engine.casts import BELOW_AUTOCAST, RUNNERS, OpInfo, call_below, op_info, tensors, wrapped_number
 from mixprec.engine.dynamo import reset_compiled_code
 from mixprec.engine.runtime import COUNTERS_LOCK, DEVICES, RUNTIME, Frame, edited_totals, show_table, top
 
@@ -106,6 +110,13 @@ def guard_on_active_policy(device_type: str) -> None:
 
 def _make_kernel(info: OpInfo, device_type: str, native: Any) -> Callable[..., Any]:
     name, op = info.name, info.op
+    # PyTorch's own kind of the op, run by our runner where no frame edits it: PyTorch's kernel,
+    # called from Python, would hold the GIL while it waits for PyTorch's cast-cache lock, which a
+    # thread clearing that cache (a region's exit) holds while it waits for the GIL: a deadlock.
+    # Called as PyTorch's kernel calls it, from the top with autocast excluded (the op's own calls
+    # of other ops are not autocast: ``stack``'s ``cat``)
+    own = _ops.default_table(device_type).get(name) if native is not None else None
+    own_info = dataclasses.replace(info, composite=True)
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         counter = RUNTIME.edited or RUNTIME.counters()
@@ -114,14 +125,17 @@ def _make_kernel(info: OpInfo, device_type: str, native: Any) -> Callable[..., A
             if torch.compiler.is_compiling():
                 guard_on_active_policy(device_type)
             stack = RUNTIME.frames.get(device_type)
-            if stack:
-                frame = stack[-1]
-                kind = frame.edits.get(name)
-                if kind is not None:
-                    return RUNNERS[kind](info, frame, keyset, args, kwargs)
-            if native is not None:  # a region that does not edit this op, or plain torch.autocast
+            frame = stack[-1] if stack else None
+            kind = frame.edits.get(name) if frame is not None else None
+            if kind is not None:
+                return RUNNERS[kind](info, frame, keyset, args, kwargs)
+            if own is not None:  # a region that does not edit this op, or plain torch.autocast
+                return RUNNERS[own](own_info, frame or Frame(device_type, {}), keyset, args, kwargs)
+            if native is not None:  # (an op PyTorch autocasts that our tables do not know)
                 return native.call_boxed(keyset, *args, **kwargs)
             # PyTorch falls through for ops it does not autocast
+            if wrapped_number(info, args):
+                return call_below(info, keyset, args, kwargs)
             return op.redispatch(keyset & BELOW_AUTOCAST, *args, **kwargs)
         finally:
             counter[1] -= 1

@@ -150,11 +150,16 @@ def test_set_dtype_ops_compute_in_float32_unless_the_caller_named_a_dtype():
 
 
 def test_append_dtype_ops_compute_in_float32():
+    """``aten::norm``'s overloads go to their ``dtype=`` forms in float32 (a float64 input keeps
+    its dtype), with the arguments a call leaves at their defaults (``p=2``)."""
     x = torch.randn(3, 5).bfloat16()
+    norm = torch.ops.aten.norm
+    calls = [lambda t: norm(t), lambda t: norm(t, 3), lambda t: norm(t, 2, [1]), lambda t: norm(t, 1, [0], True)]
     with _region(NUMERICS):
-        norm = torch.norm(x)
-        assert norm.dtype == torch.float32 and torch.norm(x.double()).dtype == torch.float64
-    assert torch.equal(norm, torch.norm(x.float()))
+        got = [call(x) for call in calls]
+        assert all(call(x.double()).dtype == torch.float64 for call in calls)
+    for g, call in zip(got, calls):
+        assert g.dtype == torch.float32 and torch.equal(g, call(x.float()))
 
 
 # ------------------------------------------------------------------ the Python kernel

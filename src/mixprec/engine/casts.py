@@ -218,6 +218,11 @@ def _run_set_opt_dtype(info: OpInfo, frame: Frame, keyset: Any, args: tuple, kwa
 
 def _run_append_dtype(info: OpInfo, frame: Frame, keyset: Any, args: tuple, kwargs: dict) -> Any:
     out = torch.float32 if _first_eligible(args, frame) else args[0].dtype
+    # a boxed call leaves out trailing arguments at their defaults; the target may have none
+    # (``norm.Scalar``'s ``p=2`` is ``norm.ScalarOpt_dtype``'s required ``p``)
+    given = len(args)
+    args = (*args, *(a.default_value for a in info.op._schema.arguments[given:]
+                     if not a.kwarg_only and a.has_default_value()))
     with no_autocast():
         return info.append_target(*args, **kwargs, dtype=out)
 

@@ -56,6 +56,18 @@ def test_a_weight_is_cast_once_per_region():
     assert c.casts == 4
 
 
+def test_the_next_region_casts_the_updated_weight():
+    """The cache ends with the outermost region: an optimizer's in-place update between two
+    regions is seen by the second."""
+    w, x = nn.Parameter(torch.randn(4)), torch.randn(4)
+    for step in range(2):
+        with _region():
+            y = torch.mul(x, w)
+        assert torch.equal(y, x.bfloat16() * w.detach().bfloat16()), step
+        with torch.no_grad():
+            w.add_(1.0)
+
+
 def test_a_cast_made_under_no_grad_keeps_a_grad_fn_later():
     w, x = nn.Parameter(torch.randn(4)), torch.randn(4)
     with _region():

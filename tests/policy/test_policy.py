@@ -110,6 +110,12 @@ def test_fp32_edit_uses_the_dtype_argument_form_where_torch_does():
     assert got.dtype == torch.float32 and torch.equal(got, torch.softmax(x, -1, dtype=torch.float32))
 
 
+def test_a_later_edit_of_an_op_wins():
+    policy = Policy().with_ops(fp32=["mm"]).with_ops(lower=["mm"]).with_ops(promote=["softmax"], fp32=["exp"])
+    assert policy.kind("mm.default", "cpu") == "lower" and policy.kind("exp.default", "cpu") == "fp32"
+    assert Policy().with_ops(lower=["exp"]).with_ops(fp32=["exp"]).kind("exp.default", "cpu") == "fp32"
+
+
 def test_unknown_op_names_suggest_close_matches():
     with pytest.raises(ValueError, match="Did you mean: softmax"):
         Policy().with_ops(fp32=["sofmax"])

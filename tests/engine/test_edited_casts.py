@@ -166,7 +166,8 @@ def test_append_dtype_ops_compute_in_float32():
     its dtype), with the arguments a call leaves at their defaults (``p=2``)."""
     x = torch.randn(3, 5).bfloat16()
     norm = torch.ops.aten.norm
-    calls = [lambda t: norm(t), lambda t: norm(t, 3), lambda t: norm(t, 2, [1]), lambda t: norm(t, 1, [0], True)]
+    calls = [lambda t: norm(t), lambda t: norm(t, 3), lambda t: norm(t, 2, [1]), lambda t: norm(t, 1, [0], True),
+             lambda t: norm.Scalar(t, p=3), lambda t: norm.ScalarOpt_dim(t, 2, dim=[1], keepdim=True)]
     with _region(NUMERICS):
         got = [call(x) for call in calls]
         assert all(call(x.double()).dtype == torch.float64 for call in calls)

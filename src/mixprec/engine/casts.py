@@ -222,7 +222,7 @@ def _run_append_dtype(info: OpInfo, frame: Frame, keyset: Any, args: tuple, kwar
     # (``norm.Scalar``'s ``p=2`` is ``norm.ScalarOpt_dtype``'s required ``p``)
     given = len(args)
     args = (*args, *(a.default_value for a in info.op._schema.arguments[given:]
-                     if not a.kwarg_only and a.has_default_value()))
+                     if not a.kwarg_only and a.has_default_value() and a.name not in kwargs))
     with no_autocast():
         return info.append_target(*args, **kwargs, dtype=out)
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
 from mixprec.engine import kernels, runtime
+
+from _count_casts import CountCasts
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -37,17 +38,6 @@ def assert_same(a, b):
         return
     assert a.dtype == b.dtype
     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
-
-
-class CountCasts(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.casts = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._to_copy.default:
-            self.casts += 1
-        return func(*args, **(kwargs or {}))
 
 
 # ------------------------------------------------------------------ basics

@@ -8,19 +8,10 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
 
-
-class CountCasts(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.casts = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.casts += func is torch.ops.aten._to_copy.default
-        return func(*args, **(kwargs or {}))
+from _count_casts import CountCasts
 
 
 @pytest.mark.parametrize("device", ["tpu", "xpu", ""])

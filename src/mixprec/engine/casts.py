@@ -84,10 +84,10 @@ def wrapped_number(info: OpInfo, args: tuple) -> bool:
 def call_below(info: OpInfo, keyset: Any, args: tuple, kwargs: dict) -> Any:
     """Run the op below autocast on (already cast) arguments (``keyset`` None: from a route op).
     A wrapped number goes to the op's packet, which takes it as a Scalar (the same result)."""
-    if info.composite or keyset is None or wrapped_number(info, args):
+    wrapped = wrapped_number(info, args)
+    if info.composite or keyset is None or wrapped:
         with no_autocast():
-            op = info.op.overloadpacket if wrapped_number(info, args) else info.op
-            return op(*args, **kwargs)
+            return (info.op.overloadpacket if wrapped else info.op)(*args, **kwargs)
     return info.op.redispatch(keyset & BELOW_AUTOCAST, *args, **kwargs)
 
 

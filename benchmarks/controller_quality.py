@@ -17,7 +17,10 @@ Configs (every fp4 layer NVFP4, emulated in float32 as the demo's fp4 modes run 
   "tensorwise", "rowwise", "compute"), max_loss_cost=1e-3, max_backward_cost=3.3e-5)``
   (the demo's ``mixprec-fp4``: ``max_backward_cost`` is ``max_loss_cost / (every * horizon)``, a
   per-step cost against a level; ``--max-backward-cost`` changes it);
-* ``controller-flush``: the same without ``max_backward_cost`` (backward GEMMs by their flush).
+* ``controller-flush``: the same without ``max_backward_cost`` (backward GEMMs by their flush);
+* ``controller-late``: ``controller`` with a late phase (``late_start`` at :data:`LATE_AT` of the
+  run, ``late_factor`` :data:`LATE_FACTOR`: the loss-cost limits tightened for the last steps,
+  as NVIDIA's NVFP4 recipe moves to higher precision late in training).
 
 Printed per model: each config's final training loss (mean of the last 10% of steps) minus
 fp32's, seed by seed (mean ± standard deviation, and the median: a seed whose run turns chaotic moves
@@ -58,7 +61,8 @@ from mixprec.demo.model import SIZES, TransformerLM, lm_loss  # noqa: E402
 from mixprec.demo.modes import FP4_LADDER, FP4_MAX_BACKWARD_COST, FP4_MAX_LOSS_COST, FP8_EVERY  # noqa: E402
 from mixprec.demo.settings import lr_factor  # noqa: E402
 
-CONFIGS = ("fp32", "all-fp4", "head-bf16", "last-bf16", "alt-bf16", "controller", "controller-flush")
+CONFIGS = ("fp32", "all-fp4", "head-bf16", "last-bf16", "alt-bf16", "controller", "controller-flush", "controller-late")
+CONTROLLERS = ("controller", "controller-flush", "controller-late")
 HAND = ("head-bf16", "last-bf16", "alt-bf16")
 LADDER = FP4_LADDER
 MAX_LOSS_COST = FP4_MAX_LOSS_COST
@@ -67,6 +71,9 @@ SEQ = 64
 #: each model's training length (``--steps`` overrides it for all): the demo's presets for tiny and
 #: small, 60 for the Llama (docs/fp8.md, "The controller against hand recipes")
 STEPS = {"tiny": 120, "small": 300, "llama": 60}
+#: ``controller-late``: where its late phase starts (a share of the run's steps) and how much it
+#: tightens the limits (``Controller(late_start=..., late_factor=...)``)
+LATE_AT, LATE_FACTOR = 0.8, 0.1
 
 
 def build(model: str, seed: int) -> tuple[nn.Module, Callable[[nn.Module, torch.Tensor], torch.Tensor], float]:
@@ -92,22 +99,24 @@ def blocks_of(name: str) -> int | None:
     return next((int(p) for p in parts if p.isdigit()), None)
 
 
-def policy_for(config: str, names: list[str], backward_cost: float = MAX_BACKWARD_COST) -> tuple[Any, Any]:
-    """``(policy, controller or None)`` of a config; the layers it keeps in bf16 are the ones its
-    ``names`` pattern leaves out."""
+def policy_for(config: str, names: list[str], backward_cost: float = MAX_BACKWARD_COST, steps: int = 0
+               ) -> tuple[Any, Any]:
+    """``(policy, controller or None)`` of a config for a run of ``steps``; the layers it keeps in
+    bf16 are the ones its ``names`` pattern leaves out."""
     if config == "fp32":
         return None, None
     head = names[-1]
     last = max(b for b in map(blocks_of, names) if b is not None)
-    keep = {"all-fp4": set(), "controller": set(), "controller-flush": set(), "head-bf16": {head},
+    keep = {"all-fp4": set(), **dict.fromkeys(CONTROLLERS, set()), "head-bf16": {head},
             "last-bf16": {n for n in names if blocks_of(n) == last} | {head},
             "alt-bf16": set(names[::2])}[config]
     fp4 = [n for n in names if n not in keep]
     pattern = "^(" + "|".join(n.replace(".", r"\.") for n in fp4) + ")$"
     ctl = None
     if config.startswith("controller"):
+        late = {"late_start": int(LATE_AT * steps), "late_factor": LATE_FACTOR} if config == "controller-late" else {}
         ctl = mixprec.Controller(every=FP8_EVERY, ladder=LADDER, per_gemm=True, max_loss_cost=MAX_LOSS_COST,
-                                 max_backward_cost=backward_cost if config == "controller" else None)
+                                 max_backward_cost=None if config == "controller-flush" else backward_cost, **late)
     policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", names=pattern, first_last="fp8", controller=ctl,
                                                       backend="emulate_fp32")
     return policy, ctl
@@ -117,7 +126,7 @@ def run(model_name: str, config: str, seed: int, steps: int, batch: int, data: t
         backward_cost: float = MAX_BACKWARD_COST) -> dict[str, Any]:
     model, logits_of, lr = build(model_name, seed)
     names = linears(model)
-    policy, ctl = policy_for(config, names, backward_cost)
+    policy, ctl = policy_for(config, names, backward_cost, steps)
     if ctl is not None:
         ctl.attach(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -192,7 +201,7 @@ def table(model: str, summary: dict[str, Any]) -> str:
     for config, r in summary["rows"].items():
         lines.append(f"| {config} | {r['gap']:+.4f} ± {r['gap_sd']:.4f} | {r['gap_median']:+.4f} | {'yes' if r['within'] else 'no'} | "
                      f"{r['share']:.1%} | {r['seconds']:.0f} |")
-    for ctl in ("controller", "controller-flush"):
+    for ctl in CONTROLLERS:
         if ctl in summary["rows"]:
             lines.append(f"{ctl}: " + verdict(summary, ctl))
     return "\n".join(lines)
@@ -234,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         summary = summarize(results)
         out["models"][model] = {"summary": summary, "runs": results}
         print(table(model, summary), flush=True)
-        for ctl in ("controller", "controller-flush"):
+        for ctl in CONTROLLERS:
             for seed in seeds[:1]:
                 for d in results.get(ctl, {}).get(seed, {}).get("decisions", []):
                     print(f"  {ctl} seed {seed}: {d}")

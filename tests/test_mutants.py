@@ -31,7 +31,8 @@ def test_each_mutant_applies_to_the_current_source(mutant) -> None:
     text = (ROOT / mutant.file).read_text(encoding="utf-8")
     mutated = catalog.mutate(text, mutant)  # raises MutantRotted unless the original occurs exactly once
     assert mutated != text
-    compile(mutated, mutant.file, "exec")  # the mutant is a defect, not a syntax error
+    if mutant.file.endswith(".py"):  # (a C++ mutant is compiled by the kernels' build when it runs)
+        compile(mutated, mutant.file, "exec")  # the mutant is a defect, not a syntax error
     for node in (*mutant.harness, *mutant.package):
         path = ROOT / node.split("::")[0]
         assert path.is_file(), f"mutant {mutant.id!r} maps to {node!r}, which does not exist"

@@ -36,6 +36,9 @@ def test_the_hand_recipes_keep_the_layers_they_name_in_bf16():
     policy, ctl = bench.policy_for("controller", NAMES)
     assert ctl.settings.per_gemm and ctl.settings.max_backward_cost == bench.MAX_BACKWARD_COST
     assert bench.policy_for("controller-flush", NAMES)[1].settings.max_backward_cost is None
+    late = bench.policy_for("controller-late", NAMES, steps=300)[1].settings  # the controller's, tightened at 80%
+    assert (late.late_start, late.late_factor, late.max_backward_cost) == (240, bench.LATE_FACTOR, bench.MAX_BACKWARD_COST)
+    assert _fp4_layers("controller-late") == set(NAMES) and ctl.settings.late_start is None
     assert bench.policy_for("fp32", NAMES) == (None, None)
 
 

@@ -318,3 +318,32 @@ def test_master_weights_refuse_a_moment_of_another_shape_before_anything_changes
         opt.load_state_dict(saved)
     _assert_bitwise_equal(opt, before)
     assert all(torch.equal(m, n) for m, n in zip(opt.masters, masters))
+
+
+def test_torch_state_dict_holds_float32_moments_for_bfloat16_state():
+    """bfloat16 moments (``state_dtype``) go out as float32, as ``torch_state_dict()`` promises:
+    a reader other than ``torch.optim`` (a file, another framework) sees torch's dtype."""
+    params, opt = _trained(dtype=torch.float32, state_dtype=torch.bfloat16)
+    exported = opt.torch_state_dict()["state"]
+    for index, p in enumerate(params):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert opt.state[p][key].dtype == torch.bfloat16
+            assert exported[index][key].dtype == torch.float32
+            assert torch.equal(exported[index][key], opt.state[p][key].float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_load_fp32_weights_seeds_the_kahan_buffer(dtype):
+    """``compensation="kahan"``: each parameter becomes the float32 weight rounded to nearest and
+    its buffer what the rounding lost, so training resumes from the float32 weights."""
+    fp32 = torch.nn.Linear(6, 5)
+    model = torch.nn.Linear(6, 5).to(dtype)
+    opt = AdamW(model.parameters(), compensation="kahan")
+    opt.load_fp32_weights(fp32.state_dict(), model=model)
+    for name, p in model.named_parameters():
+        w = fp32.state_dict()[name]
+        comp = opt.state[p]["kahan_comp"]
+        assert torch.equal(p, w.to(dtype)) and comp.dtype == dtype
+        assert torch.equal(comp, (w - p.float()).to(dtype))
+        assert comp.ne(0).any()  # (random float32 weights: most are not representable)
+        assert (p.float() + comp.float() - w).abs().max() < (p.float() - w).abs().max() * 2**-6

@@ -91,9 +91,11 @@ def assert_no_hooks(model: nn.Module) -> None:
 def test_forward_overflow_names_the_layer(at: int, deferred: bool) -> None:
     model = chain(Blow(), at)
     with trace_nonfinite(model, deferred=deferred) as tracer:
-        step(model, tracer)
+        resolved = step(model, tracer)
     ev = tracer.first
     assert ev is not None
+    # the step's one event is the first: the layers the inf then reached add none
+    assert resolved is ev and tracer.events == [ev]
     name = str(at + 1)  # Blow sits right after Linear number `at`
     assert isinstance(model[int(name)], Blow)
     assert (ev.module, ev.module_type, ev.phase, ev.tensor) == (name, "Blow", "forward", "output")
@@ -106,9 +108,9 @@ def test_forward_overflow_names_the_layer(at: int, deferred: bool) -> None:
 def test_backward_overflow_names_the_layer(at: int, deferred: bool) -> None:
     model = chain(BwdBlow(), at)
     with trace_nonfinite(model, deferred=deferred) as tracer:
-        step(model, tracer)
+        resolved = step(model, tracer)
     ev = tracer.first
-    assert ev is not None
+    assert ev is not None and resolved is ev and tracer.events == [ev]
     assert (ev.module, ev.module_type, ev.phase, ev.tensor) == (
         str(at + 1), "BwdBlow", "backward", "grad_input")
     # the gradient arriving at the module's output was finite

@@ -16,7 +16,7 @@ __all__ = ["AREAS", "CATALOG", "Mutant", "MutantRotted", "load", "mutate", "appl
 CATALOG = Path(__file__).with_name("mutants.toml")
 #: The areas a mutant belongs to (issue 40: scaling, formats, precision control, collectives,
 #: export, the engine).
-AREAS = ("scaling", "formats", "control", "collectives", "export", "engine", "optim", "diagnostics")
+AREAS = ("scaling", "formats", "control", "collectives", "export", "engine", "optim", "diagnostics", "integrations")
 _FIELDS = {"id", "area", "file", "original", "replacement", "description", "harness", "package", "issue"}
 _REQUIRED = _FIELDS - {"issue"}
 

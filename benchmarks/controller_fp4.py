@@ -11,9 +11,11 @@ step against the same model's step without it, at four model sizes and on the de
   Controller per GEMM with ``max_loss_cost``) against ``mixprec-fp4-all`` (the same, no
   controller). ``fp8``: the demo's ``mixprec-fp8`` (tensorwise, a per-layer Controller) against
   the same fp8 policy alone (no controller, no guard).
-* Each pair is timed in its steady state: both models first train :data:`WARM` steps (three of
-  the controller's windows: its first window measures the loss cost on every step, later ones
-  on the steps its plan names) on the run's own batches, then whole windows of ``every`` steps,
+* Each pair is timed after the controller's first windows: both models first train :data:`WARM`
+  steps (three windows: the first ones measure the loss costs on every step, later ones on the
+  steps their plans name; ``--warm 60`` times the state after the cadences settle, where at width
+  384 a window measures about a third as many forward costs as in steps 30-60:
+  benchmarks/RESULTS.md) on the run's own batches, then whole windows of ``every`` steps,
   one step of each in turn, the order alternating (AB, BA, ...), on the next batches (the same
   for both). The figure is the ratio of the summed times (the controller measures on a few
   steps of each window, so a typical step hides its cost: the median per-step ratio is printed

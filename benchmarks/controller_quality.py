@@ -114,7 +114,11 @@ def policy_for(config: str, names: list[str], backward_cost: float = MAX_BACKWAR
     pattern = "^(" + "|".join(n.replace(".", r"\.") for n in fp4) + ")$"
     ctl = None
     if config.startswith("controller"):
-        late = {"late_start": int(LATE_AT * steps), "late_factor": LATE_FACTOR} if config == "controller-late" else {}
+        late = {}
+        if config == "controller-late":
+            if steps <= 0:
+                raise ValueError("policy_for('controller-late', ...): its late phase starts at a share of the run: pass steps=")
+            late = {"late_start": int(LATE_AT * steps), "late_factor": LATE_FACTOR}
         ctl = mixprec.Controller(every=FP8_EVERY, ladder=LADDER, per_gemm=True, max_loss_cost=MAX_LOSS_COST,
                                  max_backward_cost=None if config == "controller-flush" else backward_cost, **late)
     policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", names=pattern, first_last="fp8", controller=ctl,

@@ -14,8 +14,8 @@ __all__ = ["AREAS", "CATALOG", "Mutant", "MutantRotted", "load", "mutate", "appl
 
 #: The file of the list, next to this module.
 CATALOG = Path(__file__).with_name("mutants.toml")
-#: The areas a mutant belongs to (issue 40: scaling, formats, precision control, collectives,
-#: export, the engine).
+#: The areas a mutant belongs to (issue 40's six: scaling, formats, precision control, collectives,
+#: export, the engine; then the optimizers, the non-finite tracer, the integrations).
 AREAS = ("scaling", "formats", "control", "collectives", "export", "engine", "optim", "diagnostics", "integrations")
 _FIELDS = {"id", "area", "file", "original", "replacement", "description", "harness", "package", "issue"}
 _REQUIRED = _FIELDS - {"issue"}

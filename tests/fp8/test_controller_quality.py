@@ -23,7 +23,7 @@ NAMES = [f"blocks.{b}.{p}" for b in range(3) for p in ("qkv", "proj")] + ["head"
 def _fp4_layers(config: str) -> set[str]:
     import re
 
-    policy, ctl = bench.policy_for(config, NAMES)
+    policy, ctl = bench.policy_for(config, NAMES, steps=300)
     pattern = re.compile(policy.fp8_rule.names)
     return {n for n in NAMES if pattern.search(n)}
 
@@ -39,6 +39,8 @@ def test_the_hand_recipes_keep_the_layers_they_name_in_bf16():
     late = bench.policy_for("controller-late", NAMES, steps=300)[1].settings  # the controller's, tightened at 80%
     assert (late.late_start, late.late_factor, late.max_backward_cost) == (240, bench.LATE_FACTOR, bench.MAX_BACKWARD_COST)
     assert _fp4_layers("controller-late") == set(NAMES) and ctl.settings.late_start is None
+    with pytest.raises(ValueError, match="pass steps="):  # (without the run's length, no late phase to place)
+        bench.policy_for("controller-late", NAMES)
     assert bench.policy_for("fp32", NAMES) == (None, None)
 
 

@@ -180,17 +180,20 @@ def test_scaled_mm_meta_rules_behind_the_fallback(fake_cuda):
             mm(*args)
 
 
-def test_controller_loss_cost_on_cuda_reads_no_host(fake_cuda):
+@pytest.mark.parametrize("cost_rows", [None, 4])
+def test_controller_loss_cost_on_cuda_reads_no_host(fake_cuda, cost_rows):
     """``Controller(max_loss_cost=...)`` on CUDA: the forward's float32 reference GEMM, the recipe
     below's emulated one (NVFP4 under tensorwise), the sums the backward hook adds and the
     per-step fold of the estimates stay on the device, without a host read between checks but
     the one read of each early step (``_early``: from the 3rd step of the first window; the hook
-    is called by hand: autograd cannot run on fake CUDA tensors)."""
+    is called by hand: autograd cannot run on fake CUDA tensors); ``cost_rows`` of the 16: the
+    rows drawn from the step's device copy, on the device."""
+    from mixprec.control._cost import sampled_rows
     from mixprec.control._ladder import _accumulate_cost, output_errors
 
     fake_cuda.set_capability((9, 0))
     ctl = mixprec.Controller(every=10, ladder=("nvfp4", "tensorwise", "compute"), per_gemm=True, floor="nvfp4",
-                             max_loss_cost=1e-3)
+                             max_loss_cost=1e-3, cost_row_share=1.0 if cost_rows is None else cost_rows / 16)
     with fake_mode(), HostReads() as reads:
         model = fp8.convert(cuda_module(_mlp), "tensorwise", filter_fn=lambda m, n: True, controller=ctl,
                             backend="emulate_fp32")
@@ -199,14 +202,17 @@ def test_controller_loss_cost_on_cuda_reads_no_host(fake_cuda):
         rec, layer = ctl._layers["0"], model[0]
         for step in range(3):
             out = model[0](x)
-            errors = output_errors(rec, x, layer.weight, layer.bias, out)
-            _accumulate_cost(rec.cost, errors, torch.randn(16, 64, device="cuda"))
+            rows = sampled_rows(16, cost_rows, rec.cost_step_t, "cuda")
+            errors = output_errors(rec, x, layer.weight, layer.bias, out, rows=rows)
+            _accumulate_cost(rec.cost, errors, torch.randn(16, 64, device="cuda"), rows=rows, total=16)
             ctl.step(loss_scale=torch.ones((), device="cuda"))
             if step == 1:
                 assert reads.count == 0, reads.sites
     assert dict(reads.sites) == {"mixprec/control/_early.py:promote_early": 1}
+    size = 16 if cost_rows is None else cost_rows
     assert [(row, e.shape, e.dtype, e.device.type) for row, e in errors] == [
-        (0, (16, 64), torch.float32, "cuda"), (1, (16, 64), torch.float32, "cuda")]
+        (0, (size, 64), torch.float32, "cuda"), (1, (size, 64), torch.float32, "cuda")]
+    assert cost_rows is None or (rows.device.type, rows.shape) == ("cuda", (4,))
     assert rec.forward_below.fp4 and all(r.cost.device.type == "cuda" for r in ctl._layers.values())
 
 

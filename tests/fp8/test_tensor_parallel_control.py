@@ -213,11 +213,13 @@ def _loss_cost_worker(rank: int, port: int, out_dir: str) -> None:
         torch.set_num_threads(1)
         warnings.simplefilter("ignore")
         costs = {}
-        for sharded in (False, True):
+        for sharded, rows in ((False, None), (True, None), (False, 4), (True, 4)):  # (rows: of the 16)
             # float32 (no autocast): the outputs' errors differ between the runs only in summation order
             # on rowwise above a tensorwise floor: the first window measures its casts and the rung below's
-            # on every step (its plan is made at the check, step 3)
-            ctl = Controller(every=3, max_loss_cost=1.0, ladder=("tensorwise", "rowwise", "compute"), floor="tensorwise")
+            # on every step (its plan is made at the check, step 3); with cost_row_share=0.25, on 4 of the 16
+            # rows, those the step draws, the same on both ranks
+            ctl = Controller(every=3, max_loss_cost=1.0, ladder=("tensorwise", "rowwise", "compute"), floor="tensorwise",
+                             cost_row_share=1.0 if rows is None else rows / 16)
             model = fp8.convert(model_for(32), "rowwise", filter_fn=lambda m, fqn: fqn in TP_LAYERS, controller=ctl)
             if sharded:
                 parallelize_module(model, init_device_mesh("cpu", (2,)), tp_plan())
@@ -229,8 +231,8 @@ def _loss_cost_worker(rank: int, port: int, out_dir: str) -> None:
                 opt.zero_grad()
                 ctl.step()
             layers = ctl.state_dict()["layers"]
-            costs[sharded] = {n: torch.tensor(layers[n]["loss_cost"]) for n in TP_LAYERS}
-            costs[f"rungs{sharded}"] = ctl.precisions()
+            costs[sharded, rows] = {n: torch.tensor(layers[n]["loss_cost"]) for n in TP_LAYERS}
+            costs[f"rungs{sharded}{rows}"] = ctl.precisions()
         torch.save(costs, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -238,18 +240,22 @@ def test_a_tensor_parallel_layers_loss_cost_is_one_process_s(tmp_path) -> None:
     """``max_loss_cost`` on a colwise and a rowwise fp8 layer: each output row's ``g . e`` summed
     over the TP group, the rung below's error cast with the whole layer's scales, so the cost's
     window (the estimate summed over the steps, and their count) is one process's up to the
-    summation order, for the layer's own casts and for the rung below, on both ranks."""
+    summation order, for the layer's own casts and for the rung below, on both ranks; with
+    ``cost_row_share`` too (every rank draws the step's rows; a cost that differs from all rows')."""
     spawn(_loss_cost_worker, str(tmp_path), nprocs=2, timeout=300)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
-        assert got["rungsTrue"] == got["rungsFalse"]
-        measured = 0
-        for name, single in got[False].items():
-            sharded = got[True][name]
-            assert torch.equal(sharded[:, 4], single[:, 4]) and single[0, 4] > 0, (name, single)
-            assert torch.allclose(sharded[:, 3], single[:, 3], rtol=1e-3, atol=1e-12), (name, sharded, single)
-            measured += int(single[1, 4] > 0)
-        assert measured == 2, "the rung below's cost was not measured on both layers"
+        for rows in (None, 4):
+            assert got[f"rungsTrue{rows}"] == got[f"rungsFalse{rows}"]
+            measured = 0
+            for name, single in got[False, rows].items():
+                sharded = got[True, rows][name]
+                assert torch.equal(sharded[:, 4], single[:, 4]) and single[0, 4] > 0, (name, single)
+                assert torch.allclose(sharded[:, 3], single[:, 3], rtol=1e-3, atol=1e-12), (name, sharded, single)
+                measured += int(single[1, 4] > 0)
+                if rows is not None:  # (the sample took effect)
+                    assert not torch.allclose(single[:, 3], got[False, None][name][:, 3], rtol=1e-3), name
+            assert measured == 2, "the rung below's cost was not measured on both layers"
 
 
 def _backward_cost_worker(rank: int, port: int, out_dir: str) -> None:

@@ -199,7 +199,8 @@ class Controller(Shell):
         self._apply(rec)
 
     def _probe(self, rec: LayerRecord) -> None:  # (and whether the coming step measures its backward GEMMs)
-        rec.probe = Probe(rec, self.settings.sample, self._measuring, self._clock, self._reaches, self.settings.reference)
+        rec.probe = Probe(rec, self.settings.sample, self._measuring, self._clock, self._reaches, self.settings.reference,
+                          self.settings.cost_row_share)
         rec.backward_now = measures_backward(self._steps, self._measuring, self.settings)
 
     def _apply(self, rec: LayerRecord) -> None:

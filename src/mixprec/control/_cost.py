@@ -19,8 +19,9 @@ import torch
 from mixprec.control._reference import emulation_backend, operand_dtype, reference_linear
 from mixprec.formats._linear import local_linear
 
-__all__ = ["COST_Z", "COST_ZONE", "MAX_PERIOD", "POOL_LEAST", "POOL_WINDOWS", "VARIANCES", "Cadence", "clear",
-           "clear_pooled", "cost_steps", "far", "load_pool", "loss_cost", "measure_cost", "output_errors", "pool", "pooled_with", "variance"]
+__all__ = ["COST_Z", "COST_ZONE", "MAX_PERIOD", "POOL_LEAST", "POOL_WINDOWS", "ROW_STEP", "VARIANCES", "Cadence", "clear",
+           "clear_pooled", "cost_steps", "far", "load_pool", "loss_cost", "measure_cost", "output_errors", "pool",
+           "pooled_with", "sampled_rows", "variance"]
 
 #: how many standard errors of its window mean a loss cost measured on fewer than all of a
 #: window's steps keeps from its threshold (:func:`cost_steps`): at 3, a window's mean lands on
@@ -40,26 +41,56 @@ POOL_WINDOWS = 16
 #: the fewest per-step estimates a pool's verdict reads (:func:`clear_pooled`): its standard error
 #: is itself estimated, and with 6 estimates COST_Z of them miss about 1 time in 70 (Student's t)
 POOL_LEAST = 6
+#: how far a sample of rows (:func:`sampled_rows`) moves its first row from one step to the next,
+#: modulo the row count: a prime (coprime with any count below it), so over as many steps as rows
+#: every row starts a sample once, and consecutive steps' samples land on different residues
+ROW_STEP = 2654435761
 
 
 def measure_cost(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  out: torch.Tensor, wanted: tuple[bool, bool] = (True, True), gate: torch.Tensor | None = None,
-                 tp: Any = None, timed: Callable[[Callable], Callable] = lambda fn: fn) -> None:
+                 tp: Any = None, timed: Callable[[Callable], Callable] = lambda fn: fn,
+                 rows: torch.Tensor | None = None) -> None:
     """Keep the forward GEMM's output errors (:func:`output_errors`, the rows ``wanted``) until
     the backward hook that meets them with the output's gradient (:func:`_accumulate_cost`;
     ``gate``, a device flag per row: the sums keep a row only where it is set). ``tp``: the
     layer's tensor-parallel sharding (``x``, ``weight``, ``out`` its local shards): the cost is
     the whole layer's, as one process measures it (each rank's output rows' ``g . e`` summed over
-    the group: one all-reduce of a float per output row in the backward). The hook is ``timed``."""
-    errors = output_errors(rec, x, weight, bias, out, wanted, tp)
+    the group: one all-reduce of a float per output row in the backward). ``rows``: the indices
+    of the output rows (its leading dimensions flattened) measured (:func:`sampled_rows`; None:
+    all): the sums are scaled to the whole output's, an unbiased estimate where every row is
+    sampled equally often. The hook is ``timed``."""
+    errors = output_errors(rec, x, weight, bias, out, wanted, tp, rows)
     if errors:
-        buf = rec.cost
-        out.register_hook(timed(lambda grad: _accumulate_cost(buf, errors, grad, gate, tp)))
+        buf, total = rec.cost, out.numel() // max(out.shape[-1], 1) if out.dim() else 1
+        out.register_hook(timed(lambda grad: _accumulate_cost(buf, errors, grad, gate, tp, rows, total)))
+
+
+def sampled_rows(count: int, most: int | None, step: int | torch.Tensor,
+                 device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """The rows of ``count`` (an output's leading dimensions flattened) a loss cost measures on
+    ``step`` (a Python int, or a 0-d int64 device tensor: compiled code, no guard), at most
+    ``most`` (None, or ``count <= most``: None, every row): evenly spaced, ``ceil(count /
+    most)`` apart, from a first row that moves :data:`ROW_STEP` rows a step (modulo ``count``,
+    wrapping), so each row is in exactly ``len(rows)`` of any ``count`` consecutive steps'
+    samples: ``sum * count / len(rows)`` estimates the whole output's sum without bias. The
+    same ``step`` draws the same rows on every tensor-parallel rank and in a checkpoint's
+    recompute. No host sync.
+
+    Example:
+        >>> sampled_rows(10, 4, 0), sampled_rows(10, 4, 1), sampled_rows(10, None, 1)
+        (tensor([0, 3, 6, 9]), tensor([1, 4, 7, 0]), None)
+    """
+    if most is None or count <= most:
+        return None
+    stride = -(-count // most)
+    first = (step % count) * (ROW_STEP % count) % count  # (each factor under count: no int64 overflow)
+    return (first + stride * torch.arange(-(-count // stride), device=device)) % count
 
 
 def output_errors(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  out: torch.Tensor, wanted: tuple[bool, bool] = (True, True), tp: Any = None
-                  ) -> list[tuple[int, torch.Tensor]]:
+                  out: torch.Tensor, wanted: tuple[bool, bool] = (True, True), tp: Any = None,
+                  rows: torch.Tensor | None = None) -> list[tuple[int, torch.Tensor]]:
     """The forward GEMM's output errors against its reference (:mod:`._reference`: float32, or
     bfloat16 operands accumulated in float32: ``rec.reference``), as ``(row of rec.cost, error)``, of the
     rows ``wanted``: its own casts' (row 0) when it runs casts, the recipe below's (row 1,
@@ -68,44 +99,69 @@ def output_errors(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     the reference: that output is the reference, and the rung below's error is what a demotion
     would change it by), and one emulated GEMM of the recipe below for a promoted forward; each
     error is the output's size, in its dtype (under ``tp``, the local output's: the rung below's
-    casts take the whole layer's scales). No host sync."""
+    casts take the whole layer's scales). ``rows`` (:func:`sampled_rows`; None: all): only those
+    output rows, as a 2-D error, the GEMMs on those rows of ``x``; the rung below's casts still
+    take the whole input's scale (a row holding its largest magnitude joins the emulated GEMM's
+    input). No host sync."""
     errors = []
     own = wanted[0] and rec.forward_low and not rec.state.fallback
     below = rec.forward_below if wanted[1] else None
     if not own and below is None:
         return errors
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-        x, w = x.detach(), weight.detach()
+        x, w, out = x.detach(), weight.detach(), out.detach()
         b = None if bias is None else bias.detach()
+        whole = x
+        if rows is not None:
+            x = x.reshape(-1, x.shape[-1]).index_select(0, rows)
+            out = out.reshape(-1, out.shape[-1]).index_select(0, rows)
         dtype = operand_dtype(rec.reference, x.dtype)
         if rec.forward_low or out.dtype not in (dtype, torch.float32):
             reference = reference_linear(x, w, b, dtype)
         else:  # (the compute dtype's GEMM, or float32's: no casts)
-            reference = out.detach().float()
+            reference = out.float()
         if own:
-            errors.append((0, (out.detach().float() - reference).to(out.dtype)))
+            errors.append((0, (out.float() - reference).to(out.dtype)))
         if below is not None:
-            emulated = local_linear(x, w, b, below, emulation_backend(dtype), tp)
-            errors.append((1, (emulated.float() - reference).to(out.dtype)))
+            emulated = local_linear(x if rows is None else _with_amax(x, whole), w, b, below,
+                                    emulation_backend(dtype), tp)
+            errors.append((1, (emulated[:x.shape[0]].float() - reference).to(out.dtype)))
     return errors
 
 
+def _with_amax(rows: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """``rows`` (2-D, rows of ``whole``) and one more row holding ``whole``'s largest magnitude:
+    their cast takes the whole tensor's scale (tensorwise fp8, NVFP4's tensor scale) and each
+    row's own (row and block scales) as the whole tensor's cast does."""
+    low, high = torch.aminmax(whole)
+    extra = torch.zeros(1, rows.shape[1], dtype=rows.dtype, device=rows.device)
+    extra[0, 0] = torch.maximum(high, -low)
+    return torch.cat([rows, extra])
+
+
 def _accumulate_cost(buf: torch.Tensor, errors: list, grad: torch.Tensor, gate: torch.Tensor | None = None,
-                     tp: Any = None) -> None:
+                     tp: Any = None, rows: torch.Tensor | None = None, total: int = 0) -> None:
     """Add to ``buf``'s step sums, per error ``e`` (rows of the output), the first-order term
     ``sum(grad * e)``, the sum over rows of ``(grad_row . e_row) ** 2`` and the row count (where
     ``gate``, a device flag per row of ``buf``, is set, when given). Under ``tp`` each row's
     ``grad_row . e_row`` is the sum over the group of the local ones: a colwise layer's ranks hold
-    its output columns, a rowwise layer's its partial sums (whose gradient is the output's)."""
+    its output columns, a rowwise layer's its partial sums (whose gradient is the output's).
+    ``rows``: the output rows the errors hold (:func:`sampled_rows`) of ``total``: both sums are
+    scaled by ``total / len(rows)``, the count is ``total``."""
     g2 = grad.detach().reshape(-1, grad.shape[-1]).float()
+    if rows is not None:
+        g2, scale = g2.index_select(0, rows), total / rows.numel()
     for row, error in errors:
         per_row = (g2 * error.reshape(g2.shape).float()).sum(-1)
         if tp is not None:
             import torch.distributed as dist
 
             per_row = tp.reduce(per_row, dist.ReduceOp.SUM)
-        rows = torch.full((), float(per_row.numel()), device=per_row.device)
-        sums = torch.stack([per_row.sum(), per_row.square().sum(), rows])
+        first, squares = per_row.sum(), per_row.square().sum()
+        if rows is not None:
+            first, squares = first * scale, squares * scale
+        count = torch.full((), float(per_row.numel() if rows is None else total), device=per_row.device)
+        sums = torch.stack([first, squares, count])
         buf[row, :3] += sums if gate is None else torch.where(gate[row], sums, 0.0)
 
 

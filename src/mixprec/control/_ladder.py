@@ -245,6 +245,10 @@ class LayerRecord:
         self.cost_below = True  # whether the rung below's is measured (below_wanted)
         self.cost_gate = torch.ones(2, dtype=torch.bool, device=state.device)
         self.cost_rung = rung
+        # the step under way, whose index draws the output rows a loss cost measures under
+        # Controller(cost_row_share=...) (_cost.sampled_rows): eager code reads the int, compiled code its device copy
+        self.cost_step = 0
+        self.cost_step_t = torch.zeros((), dtype=torch.int64, device=state.device)
         self.cost_sign = torch.tensor([-1.0, 1.0], device=state.device)  # loss_cost's at_error, per row
         self.probe: Any = None  # its Probe (also in state.probe)
         # whether this step feeds the shadows (Controller._measuring), on the device: what compiled
@@ -341,13 +345,18 @@ class LayerRecord:
         self.cost_below = allowed
         return allowed
 
-    def cost_phase(self, step: int, every: int) -> None:
+    def cost_phase(self, step: int, every: int, sampled: bool = False) -> None:
         """Whether the step after ``step`` ``Controller.step()`` calls measures each loss cost:
         one of the last ``cost_plan`` steps of a window its cadence measures (every step on a
         rung not planned for: after the forward GEMM switched), the rung below's only where it
-        would decide (:meth:`below_wanted`). No host sync (a device write where it changes)."""
+        would decide (:meth:`below_wanted`); and that step's index, ``step`` from 0 (``sampled``:
+        also its device copy, which compiled code draws the rows from). No host sync (a device
+        write where it changes)."""
         if self.cost is None:
             return
+        self.cost_step = step
+        if sampled:
+            self.cost_step_t.fill_(step)
         if self.rungs[0] != self.cost_rung:
             self.cost_rung, self.cost_plan, self.cost_var = self.rungs[0], [None, None], [None, None]
             self.cost_pool, self.cost_below = [[], []], True

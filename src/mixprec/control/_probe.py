@@ -5,6 +5,7 @@ casts for a per-GEMM record, and the loss costs of the forward and backward GEMM
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from typing import Any, Callable
@@ -14,7 +15,7 @@ import torch
 from mixprec.formats._recipe import Cast
 from mixprec.formats._tensor_parallel import probe_operand
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT
-from mixprec.control._cost import measure_cost
+from mixprec.control._cost import measure_cost, sampled_rows
 from mixprec.control._ladder import GEMMS, LayerRecord
 from mixprec.control._measure import abs_max, record, record_range, sampled_cast
 from mixprec.control._reach import ReachMap
@@ -31,18 +32,22 @@ class Probe:
     ``Controller.max_loss_cost``, on the training steps its plan names (``rec.cost_now``: the
     last steps of each window, all of them where the window's mean may land near its threshold),
     the loss cost of the forward GEMM's error (:func:`~mixprec.control._cost.measure_cost`), on every row of its
-    output (a sum of signed terms: a sample of rows misjudges it, 64 rows of 256 gave the wrong
-    sign). The casts are measured on a
+    output, or on a share ``cost_row_share`` of them (:func:`~mixprec.control._cost.sampled_rows`: a
+    sum of signed terms, estimated without bias and noisier, which the plan's variance takes in).
+    The casts are measured on a
     sample of about ``sample`` elements per operand. A copy or a pickle of the model (``copy.deepcopy``) drops it: the copy runs its
     rung without measurements."""
 
     def __init__(self, rec: LayerRecord, sample: int, measuring: bool = False, clock: CheckClock | None = None,
-                 reaches: ReachMap | None = None, reference: str = "float32") -> None:
+                 reaches: ReachMap | None = None, reference: str = "float32", cost_row_share: float = 1.0) -> None:
         """(``measuring``: whether the step under way feeds the shadows, written to the record;
         ``clock``: the controller's, which adds up the measurements' host seconds; ``reaches``:
         its map of the step's GEMM outputs, which the backward cost's reach walks; ``reference``:
-        ``ControllerSettings.reference``, resolved for the layer's device into ``rec.reference``.)"""
+        ``ControllerSettings.reference``, resolved for the layer's device into ``rec.reference``;
+        ``cost_row_share``: ``ControllerSettings.cost_row_share``, the share of output rows a loss
+        cost measures a step.)"""
         self.rec, self.sample, self.clock = rec, sample, clock  # ``sample``: the elements measured per operand
+        self.cost_row_share = cost_row_share
         rec.reference = reference_dtype(reference, rec.state.device)
         self.reaches = reaches
         rec.measuring.fill_(measuring)
@@ -105,7 +110,11 @@ class Probe:
             # traced: both rows on every step, kept where the device flags say (no guard on the plan)
             wanted, kept = ((True, True), rec.cost_gate) if compiling else (rec.cost_now, None)
             if any(wanted):
-                measure_cost(rec, x, weight, bias, out, wanted, kept, tp, self.timed)
+                count = out.numel() // max(out.shape[-1], 1) if out.dim() else 1
+                rows = None if self.cost_row_share == 1 else sampled_rows(
+                    count, math.ceil(count * self.cost_row_share), rec.cost_step_t if compiling else rec.cost_step,
+                    out.device)
+                measure_cost(rec, x, weight, bias, out, wanted, kept, tp, self.timed, rows)
         if rec.backward is not None and not compiling and not rec.cost_blind and weight is not None:
             rec.backward.observe(x, weight, out, rec.backward_now and rec.backward.due, self.timed,
                                  self.reaches if rec.backward_now else None)  # (the step's nodes: only where walked)

@@ -361,7 +361,7 @@ def set_measuring(records: Any, measuring: bool, changed: bool, step: int, setti
             rec.measuring.fill_(measuring)
             rec.measuring_now = measuring
         rec.backward_now = backward
-        rec.cost_phase(step, settings.every)
+        rec.cost_phase(step, settings.every, settings.cost_row_share < 1)
 
 
 def measures_backward(step: int, measuring: bool, settings: ControllerSettings) -> bool:

@@ -1,0 +1,191 @@
+"""``Controller(cost_row_share=s)``: a forward GEMM's loss cost measured on a share ``s`` of its
+output rows a step (issue 39's cost): evenly spaced rows from a first row that moves each step,
+each row measured equally often, the sums scaled to the whole output's, so that the steps of a
+cycle average to the whole rows' estimate; the rung below's casts keep the whole input's scale;
+the reference GEMM takes that share of the rows; compiled code draws the rows eager code does, a
+resumed run the rows of an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mixprec import Controller, fp8
+from mixprec.control import _cost
+from mixprec.control._cost import ROW_STEP, output_errors, sampled_rows
+from mixprec.control._reference import reference_linear
+
+LADDER = ("nvfp4", "tensorwise", "compute")
+ROWS = 256
+
+
+def _model() -> nn.Sequential:
+    """A classifier whose logits (layer "2") are sharp: their NVFP4 error costs about 0.005 nats."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64))
+    with torch.no_grad():
+        model[2].weight.mul_(4)
+    return model
+
+
+@pytest.fixture(scope="module")
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(ROWS, 32, generator=g)
+    with torch.no_grad():
+        y = (_model()(x) + 0.5 * torch.randn(ROWS, 64, generator=g)).argmax(-1)
+    return x, y
+
+
+def _converted(recipe: str = "tensorwise", **settings) -> tuple[nn.Module, Controller]:
+    """Every layer on ``recipe`` above an NVFP4 floor: tensorwise measures its own casts' cost and
+    NVFP4's (the rung below, whose tensor scale is the whole input's amax)."""
+    ctl = Controller(**{"every": 10, "ladder": LADDER, "per_gemm": True, "floor": "nvfp4",
+                        "max_loss_cost": 1.0, **settings})
+    model = fp8.convert(_model(), recipe, filter_fn=lambda m, n: True, controller=ctl, backend="emulate_fp32")
+    return model, ctl
+
+
+def _step_sums(model: nn.Module, ctl: Controller, batch, steps: int, layer: str = "2", start: int = 0,
+               forward=None) -> list[torch.Tensor]:
+    """Each step's sums ``(first, squares, rows)`` per cost row of ``layer``, before the step's fold."""
+    x, y = batch
+    sums = []
+    for _ in range(start, steps):
+        F.cross_entropy((forward or model)(x), y).backward()
+        model.zero_grad()
+        sums.append(ctl._layers[layer].cost[:, :3].clone())
+        ctl.step()
+    return sums
+
+
+# ------------------------------------------------------------------ which rows
+SAMPLES = [(10, 4), (ROWS, 64), (24, 8), (7, 3), (100, 99), (64, 1), (513, 128)]
+
+
+@pytest.mark.parametrize("count, most", SAMPLES)
+def test_each_row_is_measured_equally_often_over_as_many_steps_as_rows(count, most):
+    seen = torch.zeros(count, dtype=torch.long)
+    size = math.ceil(count / math.ceil(count / most))
+    for step in range(count):
+        rows = sampled_rows(count, most, step)
+        assert rows.dtype == torch.int64 and len(rows) == size <= most
+        assert len(set(rows.tolist())) == size and 0 <= int(rows.min()) and int(rows.max()) < count
+        seen += torch.bincount(rows, minlength=count)
+    assert (seen == size).all()  # each row in `size` of the `count` samples: sum * count / size is unbiased
+
+
+def test_a_device_step_draws_the_rows_an_int_does_and_few_rows_are_all_measured():
+    for step in (0, 1, 5, 77, 2 ** 40 + 3):
+        assert torch.equal(sampled_rows(512, 128, torch.tensor(step)), sampled_rows(512, 128, step))
+    assert sampled_rows(128, 128, 3) is None and sampled_rows(5, None, 3) is None
+    # consecutive steps move the sample: four of them cover every row of 512 taken 128 at a time
+    assert sorted(torch.cat([sampled_rows(512, 128, s) for s in range(4)]).tolist()) == list(range(512))
+    assert math.gcd(ROW_STEP, 2 ** 20 * 3 ** 5 * 5 ** 3 * 7 ** 2) == 1
+
+
+def _record(recipe: str, below: str):
+    """A record whose forward runs ``recipe`` and measures ``below``'s cost, against float32."""
+    ctl = Controller(every=10, ladder=("nvfp4", "tensorwise", "rowwise", "compute"), per_gemm=True,
+                     max_loss_cost=1.0, floor="nvfp4")
+    model = fp8.convert(nn.Sequential(nn.Linear(32, 48)), recipe, filter_fn=lambda m, n: True, controller=ctl,
+                        backend="emulate_fp32")
+    model(torch.randn(4, 32)).sum().backward()
+    rec = ctl._layers["0"]
+    rec.forward_low, rec.forward_below, rec.reference = True, fp8.Float8Recipe.from_name(below), torch.float32
+    return rec
+
+
+@pytest.mark.parametrize("recipe, below", [("tensorwise", "nvfp4"), ("rowwise", "tensorwise")])
+def test_sampled_errors_are_the_whole_errors_rows(recipe, below):
+    """Both errors on the sampled rows are the whole output's errors on them: the rung below's
+    casts take the whole input's scale though its largest magnitude lies in a row not sampled."""
+    rec = _record(recipe, below)
+    torch.manual_seed(4)
+    x, w, b = torch.randn(2, 32, 32), torch.randn(48, 32), torch.randn(48)
+    x[1, 5, 3] = 1e6  # the input's amax, in row 37: the whole scale flushes most of the other rows' values
+    out = fp8.linear(x, w, b, fp8.Float8Recipe.from_name(recipe), backend="emulate_fp32")
+    rows = sampled_rows(64, 16, 2)
+    assert 37 not in rows.tolist()
+    whole = dict(output_errors(rec, x, w, b, out))
+    sampled = dict(output_errors(rec, x, w, b, out, rows=rows))
+    assert sorted(sampled) == [0, 1]
+    for row, error in sampled.items():
+        assert error.shape == (16, 48)
+        expected = whole[row].reshape(64, 48)[rows]
+        torch.testing.assert_close(error, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    # the same rows cast on their own scale (no whole-tensor amax) err by far less: the scale took effect
+    alone = fp8.linear(x.reshape(64, 32)[rows], w, b, fp8.Float8Recipe.from_name(below), backend="emulate_fp32")
+    exact = reference_linear(x.reshape(64, 32)[rows], w, b)
+    assert (alone - exact).norm() < 0.5 * sampled[1].norm()
+
+
+# ------------------------------------------------------------------ the estimate
+def test_the_steps_of_a_cycle_average_to_the_whole_rows_estimate(batch):
+    """256 rows taken 64 at a time, ``ROW_STEP`` odd: four consecutive steps measure disjoint rows
+    covering all, so (model and batch fixed) their mean sums are the whole rows' sums; each step's
+    differs (the sample took effect) and counts all 256 rows."""
+    whole = _step_sums(*_converted(), batch, 1)[0]
+    steps = _step_sums(*_converted(cost_row_share=0.25), batch, 4)
+    assert (whole[:, 2] == ROWS).all() and whole[:, 1].gt(0).all()
+    for sums in steps:
+        assert (sums[:, 2] == ROWS).all() and not torch.allclose(sums[:, :2], whole[:, :2], rtol=1e-3)
+    torch.testing.assert_close(torch.stack(steps).mean(0), whole, rtol=1e-4, atol=0)
+
+
+def test_a_share_of_one_measures_every_row_bitwise(batch):
+    assert all(torch.equal(a, b) for a, b in zip(_step_sums(*_converted(), batch, 3),
+                                                 _step_sums(*_converted(cost_row_share=1.0), batch, 3)))
+
+
+def test_the_reference_and_the_rung_below_take_the_share_of_the_rows(batch, monkeypatch):
+    seen = []
+    for name, original in (("reference_linear", _cost.reference_linear), ("local_linear", _cost.local_linear)):
+        monkeypatch.setattr(_cost, name, lambda x, *a, _o=original, _n=name: seen.append((_n, x.shape[0])) or _o(x, *a))
+    _step_sums(*_converted(cost_row_share=0.125), batch, 2)
+    # (the rung below's GEMM takes one more row: the whole input's amax, so that its casts take the whole scale)
+    assert sorted(set(seen)) == [("local_linear", 33), ("reference_linear", 32)] and len(seen) == 8
+
+
+def test_a_compiled_model_draws_and_measures_as_eager(batch):
+    """Compiled code draws the rows from the step's device copy: the same sums, bitwise, and no
+    recompile as the rows move."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model, ctl = _converted(cost_row_share=0.25)
+    eager = _step_sums(model, ctl, batch, 5)
+    model, ctl = _converted(cost_row_share=0.25)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = _step_sums(model, ctl, batch, 5, forward=torch.compile(model, backend=counter, fullgraph=True))
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled)) and counter.frame_count == 1
+
+
+def test_a_resumed_run_draws_and_decides_bitwise_as_an_uninterrupted_one(batch):
+    settings = dict(cost_row_share=0.1875, max_loss_cost=1e-3, every=2, demote_windows=2, min_dwell=0, recipe="nvfp4")
+    model, ctl = _converted(**settings)
+    _step_sums(model, ctl, batch, 5)
+    state = json.loads(json.dumps(ctl.state_dict()))
+    later = _step_sums(model, ctl, batch, 12, start=5)
+    fresh, resumed = _converted(**settings)
+    resumed.load_state_dict(state)
+    again = _step_sums(fresh, resumed, batch, 12, start=5)
+    assert resumed.log == ctl.log and resumed.state_dict() == ctl.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(later, again))
+
+
+def test_the_setting_is_checked_and_round_trips():
+    ctl = Controller(max_loss_cost=1e-3, cost_row_share=0.25)
+    assert ctl.settings.cost_row_share == 0.25 and Controller.from_config(json.loads(json.dumps(ctl.config()))) == ctl
+    for bad in (0, 0.0, -0.5, 1.5, True, float("nan"), "0.5"):
+        with pytest.raises(ValueError, match="cost_row_share"):
+            Controller(max_loss_cost=1e-3, cost_row_share=bad)
+    with pytest.raises(ValueError, match=r"cost_row_share=0\.5.*max_loss_cost"):
+        Controller(cost_row_share=0.5)
+    assert Controller(cost_row_share=1.0).settings.cost_row_share == 1  # (the default: every row)

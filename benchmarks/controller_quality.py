@@ -14,9 +14,10 @@ Configs (every fp4 layer NVFP4, emulated in float32 as the demo's fp4 modes run 
   keeps the last layers in high precision);
 * ``alt-bf16``: every other Linear (in module order, the first included) in bf16;
 * ``controller``: every Linear NVFP4 under ``Controller(per_gemm=True, ladder=("nvfp4",
-  "tensorwise", "rowwise", "compute"), max_loss_cost=1e-3, max_backward_cost=3.3e-5)``
-  (the demo's ``mixprec-fp4``: ``max_backward_cost`` is ``max_loss_cost / (every * horizon)``, a
-  per-step cost against a level; ``--max-backward-cost`` changes it);
+  "tensorwise", "rowwise", "compute"), max_loss_cost=1e-3, max_backward_cost=3.3e-5,
+  cost_row_share=0.25)`` (the demo's ``mixprec-fp4``: ``max_backward_cost`` is ``max_loss_cost /
+  (every * horizon)``, a per-step cost against a level; ``--max-backward-cost`` and
+  ``--cost-row-share`` change them);
 * ``controller-flush``: the same without ``max_backward_cost`` (backward GEMMs by their flush);
 * ``controller-late``: ``controller`` with a late phase (``late_start`` at :data:`LATE_AT` of the
   run, ``late_factor`` :data:`LATE_FACTOR`: the loss-cost limits tightened for the last steps,
@@ -58,7 +59,8 @@ import mixprec  # noqa: E402
 from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch  # noqa: E402
 from mixprec.demo.flops import GemmCounter  # noqa: E402
 from mixprec.demo.model import SIZES, TransformerLM, lm_loss  # noqa: E402
-from mixprec.demo.modes import FP4_LADDER, FP4_MAX_BACKWARD_COST, FP4_MAX_LOSS_COST, FP8_EVERY  # noqa: E402
+from mixprec.demo.modes import (FP4_COST_ROW_SHARE, FP4_LADDER, FP4_MAX_BACKWARD_COST, FP4_MAX_LOSS_COST,  # noqa: E402
+                                 FP8_EVERY)
 from mixprec.demo.settings import lr_factor  # noqa: E402
 
 CONFIGS = ("fp32", "all-fp4", "head-bf16", "last-bf16", "alt-bf16", "controller", "controller-flush", "controller-late")
@@ -99,8 +101,8 @@ def blocks_of(name: str) -> int | None:
     return next((int(p) for p in parts if p.isdigit()), None)
 
 
-def policy_for(config: str, names: list[str], backward_cost: float = MAX_BACKWARD_COST, steps: int = 0
-               ) -> tuple[Any, Any]:
+def policy_for(config: str, names: list[str], backward_cost: float = MAX_BACKWARD_COST, steps: int = 0,
+               row_share: float = FP4_COST_ROW_SHARE) -> tuple[Any, Any]:
     """``(policy, controller or None)`` of a config for a run of ``steps``; the layers it keeps in
     bf16 are the ones its ``names`` pattern leaves out."""
     if config == "fp32":
@@ -120,17 +122,18 @@ def policy_for(config: str, names: list[str], backward_cost: float = MAX_BACKWAR
                 raise ValueError("policy_for('controller-late', ...): its late phase starts at a share of the run: pass steps=")
             late = {"late_start": int(LATE_AT * steps), "late_factor": LATE_FACTOR}
         ctl = mixprec.Controller(every=FP8_EVERY, ladder=LADDER, per_gemm=True, max_loss_cost=MAX_LOSS_COST,
-                                 max_backward_cost=None if config == "controller-flush" else backward_cost, **late)
+                                 max_backward_cost=None if config == "controller-flush" else backward_cost,
+                                 cost_row_share=row_share, **late)
     policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", names=pattern, first_last="fp8", controller=ctl,
                                                       backend="emulate_fp32")
     return policy, ctl
 
 
 def run(model_name: str, config: str, seed: int, steps: int, batch: int, data: torch.Tensor,
-        backward_cost: float = MAX_BACKWARD_COST) -> dict[str, Any]:
+        backward_cost: float = MAX_BACKWARD_COST, row_share: float = FP4_COST_ROW_SHARE) -> dict[str, Any]:
     model, logits_of, lr = build(model_name, seed)
     names = linears(model)
-    policy, ctl = policy_for(config, names, backward_cost, steps)
+    policy, ctl = policy_for(config, names, backward_cost, steps, row_share)
     if ctl is not None:
         ctl.attach(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -222,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-backward-cost", type=float, default=MAX_BACKWARD_COST,
                     help="the controller config's Controller.max_backward_cost (nats per step)")
+    ap.add_argument("--cost-row-share", type=float, default=FP4_COST_ROW_SHARE,
+                    help="the controller configs' Controller.cost_row_share (1: every row)")
     args = ap.parse_args(argv)
     models = args.models.split(",")
     unknown = [m for m in models if m not in STEPS]
@@ -234,13 +239,14 @@ def main(argv: list[str] | None = None) -> None:
     if "fp32" not in configs:
         configs = ["fp32", *configs]
     out: dict[str, Any] = {"steps": {m: args.steps or STEPS[m] for m in models}, "batch": args.batch, "seeds": seeds,
-                           "models": {}, "max_backward_cost": args.max_backward_cost}
+                           "models": {}, "max_backward_cost": args.max_backward_cost,
+                           "cost_row_share": args.cost_row_share}
     for model in models:
         results: dict[str, dict[int, dict[str, Any]]] = {c: {} for c in configs}
         for seed in seeds:
             for config in configs:
                 results[config][seed] = run(model, config, seed, out["steps"][model], args.batch, train,
-                                            args.max_backward_cost)
+                                            args.max_backward_cost, args.cost_row_share)
                 print(f"# {model} seed {seed} {config}: {results[config][seed]['final']:.4f} "
                       f"fp4 {results[config][seed]['fp4_share']:.1%} ({results[config][seed]['seconds']:.0f} s)",
                       flush=True)

@@ -34,6 +34,7 @@ def test_the_setups_run_nvfp4_with_the_controller_only_in_mixprec_fp4() -> None:
         assert rule.live is setup.fp8_controller
     ctl = MODES["mixprec-fp4"].setup(TransformerLM(MICRO), micro(1), CPU).fp8_controller
     assert isinstance(ctl, Controller) and ctl.ladder == FP4_LADDER
+    assert ctl.settings.cost_row_share == 0.25 and ctl.settings.max_loss_cost == 1e-3  # (docs/controller.md)
 
 
 @pytest.mark.parametrize("name", FP4_MODES)

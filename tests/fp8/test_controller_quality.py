@@ -35,6 +35,8 @@ def test_the_hand_recipes_keep_the_layers_they_name_in_bf16():
     assert _fp4_layers("alt-bf16") == set(NAMES[1::2])
     policy, ctl = bench.policy_for("controller", NAMES)
     assert ctl.settings.per_gemm and ctl.settings.max_backward_cost == bench.MAX_BACKWARD_COST
+    assert ctl.settings.cost_row_share == 0.25 == bench.FP4_COST_ROW_SHARE  # (the demo's mixprec-fp4)
+    assert bench.policy_for("controller", NAMES, row_share=1.0)[1].settings.cost_row_share == 1.0
     assert bench.policy_for("controller-flush", NAMES)[1].settings.max_backward_cost is None
     late = bench.policy_for("controller-late", NAMES, steps=300)[1].settings  # the controller's, tightened at 80%
     assert (late.late_start, late.late_factor, late.max_backward_cost) == (240, bench.LATE_FACTOR, bench.MAX_BACKWARD_COST)

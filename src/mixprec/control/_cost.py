@@ -10,6 +10,7 @@ figures a check read."""
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from typing import Any, Callable
@@ -83,6 +84,17 @@ def sampled_rows(count: int, most: int | None, step: int | torch.Tensor,
     """
     if most is None or count <= most:
         return None
+    if isinstance(step, int):  # (eager code: the layers of a step share one tensor)
+        return _rows_at(count, most, step, torch.device(device))
+    return _rows(count, most, step, device)
+
+
+@functools.lru_cache(maxsize=16)
+def _rows_at(count: int, most: int, step: int, device: torch.device) -> torch.Tensor:
+    return _rows(count, most, step, device)
+
+
+def _rows(count: int, most: int, step: int | torch.Tensor, device: torch.device | str) -> torch.Tensor:
     stride = -(-count // most)
     first = (step % count) * (ROW_STEP % count) % count  # (each factor under count: no int64 overflow)
     return (first + stride * torch.arange(-(-count // stride), device=device)) % count

@@ -293,6 +293,11 @@ FP4_MAX_LOSS_COST = 1e-3
 #: the Llama, every hidden one at most 1.5e-5 after the first window: at 3.3e-5 the heads' are
 #: promoted and no other (docs/controller.md, "The limit, like with like"; issue 39).
 FP4_MAX_BACKWARD_COST = FP4_MAX_LOSS_COST / (FP8_EVERY * mixprec.ControllerSettings.horizon)
+#: The share of a forward GEMM's output rows its loss cost measures a step in ``mixprec-fp4``
+#: (``Controller.cost_row_share``): a quarter of the reference GEMMs' work for a noisier estimate,
+#: which the plan meets with more measured steps where it needs them; the same losses and fp4
+#: share on tiny and the Llama within their seed noise (docs/controller.md, "A share of the rows").
+FP4_COST_ROW_SHARE = 0.25
 #: The fp4 modes: with the controller, all-fp4 without it, the hand recipe (first and last in bf16).
 FP4_MODES = ("mixprec-fp4", "mixprec-fp4-all", "mixprec-fp4-hand")
 
@@ -307,8 +312,8 @@ def _setup_fp4(first_last: str, controlled: bool, recipe: str = FP4_RECIPE,
 
     def setup(model: nn.Module, s: Settings, device: torch.device) -> Setup:
         ctl = mixprec.Controller(every=FP8_EVERY, ladder=ladder, per_gemm=True,
-                                 max_loss_cost=FP4_MAX_LOSS_COST, max_backward_cost=FP4_MAX_BACKWARD_COST
-                                 ) if controlled else None
+                                 max_loss_cost=FP4_MAX_LOSS_COST, max_backward_cost=FP4_MAX_BACKWARD_COST,
+                                 cost_row_share=FP4_COST_ROW_SHARE) if controlled else None
         policy = mixprec.Policy.parse("compute=bf16").fp8(recipe, first_last=first_last, controller=ctl,
                                                           backend=_backend(s, FP4_BACKEND))
         autocast = lambda: mixprec.autocast(device.type, policy=policy)  # noqa: E731

@@ -282,8 +282,10 @@ def _controllers(draw: st.DrawFn, recipe: str, every: int) -> Supervisor:
     # (the loss costs' reference GEMMs: a setting only where a cost is measured)
     costed = loss_cost is not None or backward_cost is not None
     reference = draw(st.sampled_from(["auto", "bfloat16", "float32"])) if costed else "auto"
+    # (the share of output rows a forward's loss cost measures: drawn from the step, resumed with it)
+    rows = {"cost_row_share": draw(st.sampled_from([1.0, 0.5, 0.25]))} if loss_cost is not None else {}
     return harness_controller(
-        recipe, every, per_gemm=per_gemm, loss_cost=loss_cost, backward_cost=backward_cost, reference=reference,
+        recipe, every, per_gemm=per_gemm, loss_cost=loss_cost, backward_cost=backward_cost, reference=reference, **rows,
         demote_windows=draw(st.sampled_from([1, 2, 3])), trend_windows=draw(st.sampled_from([1, 2])),
         min_dwell=draw(st.sampled_from([0, 2, 5])), shadow_steps=draw(st.sampled_from([1, 2])),
         horizon=draw(st.sampled_from([1, 3])), max_switches=draw(st.sampled_from([1, 8])))
@@ -464,6 +466,24 @@ def test_per_gemm_fp4_controller_resumed_around_an_early_promotion_of_a_layer_ru
     run.run(0, program.steps)
     early = [(d.step, d.layer, d.gemm) for d in run.supervisor.log if "early" in d.reason]
     assert early == [(13, "blocks.1.0", "output")], run.supervisor.log
+    assert run_resume(program) == "ran"
+
+
+@pytest.mark.parametrize("resume_at", [4, 11])
+def test_per_gemm_fp4_controller_on_a_share_of_the_rows_resumed_bitwise(resume_at: int) -> None:
+    """The same program with the forward loss costs measured on a quarter of the rows
+    (``cost_row_share=0.25``: the rows drawn from the step count, two micro-batches of their own
+    sizes on every third step, an empty one on step 4, the last block left out on odd steps):
+    decisions by the sampled costs, and a resumed run draws, measures and decides bitwise as the
+    straight one."""
+    watch = harness_controller("nvfp4", 8, per_gemm=True, loss_cost=1e-5, backward_cost=1e-5, cost_row_share=0.25)
+    program = resume_case(Shape(width=32, blocks=2, gain=3.0, seed=3), _every_other_step_without_the_last_block(16, 4),
+                          resume_at, route="policy", json=True, supervisor=watch, recipe="nvfp4", optimizer="adamw",
+                          drift=2.0, backend="emulate_fp32")
+    run = Trainer(program, seed=3)
+    run.run(0, program.steps)
+    assert run.supervisor.settings.cost_row_share == 0.25
+    assert any(d.statistic == "loss_cost" for d in run.supervisor.log), run.supervisor.log
     assert run_resume(program) == "ran"
 
 

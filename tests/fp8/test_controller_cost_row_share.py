@@ -167,14 +167,22 @@ def test_a_compiled_model_draws_and_measures_as_eager(batch):
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled)) and counter.frame_count == 1
 
 
-def test_a_resumed_run_draws_and_decides_bitwise_as_an_uninterrupted_one(batch):
-    settings = dict(cost_row_share=0.1875, max_loss_cost=1e-3, every=2, demote_windows=2, min_dwell=0, recipe="nvfp4")
-    model, ctl = _converted(**settings)
+@pytest.mark.parametrize("tracked", ["before", "after"])
+def test_a_resumed_run_draws_and_decides_bitwise_as_an_uninterrupted_one(batch, tracked):
+    """Resumed at step 5 with the layers converted before the state loads (the load sets their
+    step) or after it (each record, made at conversion, starts at the loaded step count)."""
+    settings = dict(cost_row_share=0.1875, max_loss_cost=1e-3, every=2, demote_windows=2, min_dwell=0)
+    model, ctl = _converted("nvfp4", **settings)
     _step_sums(model, ctl, batch, 5)
     state = json.loads(json.dumps(ctl.state_dict()))
     later = _step_sums(model, ctl, batch, 12, start=5)
-    fresh, resumed = _converted(**settings)
-    resumed.load_state_dict(state)
+    if tracked == "before":
+        fresh, resumed = _converted("nvfp4", **settings)
+        resumed.load_state_dict(state)
+    else:
+        resumed = Controller(**{"every": 10, "ladder": LADDER, "per_gemm": True, "floor": "nvfp4", **settings})
+        resumed.load_state_dict(state)
+        fresh = fp8.convert(_model(), "nvfp4", filter_fn=lambda m, n: True, controller=resumed, backend="emulate_fp32")
     again = _step_sums(fresh, resumed, batch, 12, start=5)
     assert resumed.log == ctl.log and resumed.state_dict() == ctl.state_dict()
     assert all(torch.equal(a, b) for a, b in zip(later, again))

@@ -202,6 +202,7 @@ class Controller(Shell):
         rec.probe = Probe(rec, self.settings.sample, self._measuring, self._clock, self._reaches, self.settings.reference,
                           self.settings.cost_row_share)
         rec.backward_now = measures_backward(self._steps, self._measuring, self.settings)
+        rec.at_step(self._steps, self.settings.cost_row_share < 1)  # (a layer first reached now, or after a resume)
 
     def _apply(self, rec: LayerRecord) -> None:
         """Route the layer for its rungs (``_decide.apply_layer``/``apply_gemms``; traced code reads it: a switch recompiles)."""

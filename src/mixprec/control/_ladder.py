@@ -354,9 +354,7 @@ class LayerRecord:
         write where it changes)."""
         if self.cost is None:
             return
-        self.cost_step = step
-        if sampled:
-            self.cost_step_t.fill_(step)
+        self.at_step(step, sampled)
         if self.rungs[0] != self.cost_rung:
             self.cost_rung, self.cost_plan, self.cost_var = self.rungs[0], [None, None], [None, None]
             self.cost_pool, self.cost_below = [[], []], True
@@ -368,6 +366,13 @@ class LayerRecord:
             if now[r] != self.cost_now[r]:
                 self.cost_gate[r].fill_(now[r])
         self.cost_now = now
+
+    def at_step(self, step: int, sampled: bool) -> None:
+        """The step under way is ``step`` (from 0): the index its loss costs draw their rows from
+        (``sampled``: its device copy too, which compiled code reads)."""
+        self.cost_step = step
+        if sampled and self.cost is not None:
+            self.cost_step_t.fill_(step)
 
     def end_step(self, loss_scale: float | torch.Tensor) -> None:
         """Fold this step's loss-cost sums into the window: the estimate (:func:`loss_cost`, bitwise) of

@@ -1,8 +1,7 @@
 """The Controller's stateful shell: the layers it tracks, the step count, the check and the
 checkpoints, around its settings (:class:`~mixprec.control._settings.ControllerSettings`, a value)
-and pure parts: forecasts (:mod:`~mixprec.control._trend`), rungs, records and the probe
-(:mod:`~mixprec.control._ladder`), decisions (:mod:`~mixprec.control._decide`), records as data
-(:mod:`~mixprec.control._records`)."""
+and pure parts: forecasts (:mod:`._trend`), rungs, records and the probe (:mod:`._ladder`),
+decisions (:mod:`._decide`), records as data (:mod:`._records`)."""
 
 from __future__ import annotations
 
@@ -199,8 +198,7 @@ class Controller(Shell):
         self._apply(rec)
 
     def _probe(self, rec: LayerRecord) -> None:  # (and whether the coming step measures its backward GEMMs)
-        rec.probe = Probe(rec, self.settings.sample, self._measuring, self._clock, self._reaches, self.settings.reference,
-                          self.settings.cost_row_share)
+        rec.probe = Probe(rec, self.settings, self._measuring, self._clock, self._reaches)
         rec.backward_now = measures_backward(self._steps, self._measuring, self.settings)
         rec.at_step(self._steps, self.settings.cost_row_share < 1)  # (a layer first reached now, or after a resume)
 

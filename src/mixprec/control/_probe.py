@@ -21,6 +21,7 @@ from mixprec.control._measure import abs_max, record, record_range, sampled_cast
 from mixprec.control._reach import ReachMap
 from mixprec.control._reference import reference_dtype
 from mixprec.control._clock import CheckClock
+from mixprec.control._settings import ControllerSettings
 
 __all__ = ["Probe"]
 
@@ -34,21 +35,20 @@ class Probe:
     the loss cost of the forward GEMM's error (:func:`~mixprec.control._cost.measure_cost`), on every row of its
     output, or on a share ``cost_row_share`` of them (:func:`~mixprec.control._cost.sampled_rows`: a
     sum of signed terms, estimated without bias and noisier, which the plan's variance takes in).
-    The casts are measured on a
-    sample of about ``sample`` elements per operand. A copy or a pickle of the model (``copy.deepcopy``) drops it: the copy runs its
-    rung without measurements."""
+    The casts are measured on a sample of about ``settings.sample`` elements per operand. A copy
+    or a pickle of the model (``copy.deepcopy``) drops it: the copy runs its rung without
+    measurements."""
 
-    def __init__(self, rec: LayerRecord, sample: int, measuring: bool = False, clock: CheckClock | None = None,
-                 reaches: ReachMap | None = None, reference: str = "float32", cost_row_share: float = 1.0) -> None:
-        """(``measuring``: whether the step under way feeds the shadows, written to the record;
-        ``clock``: the controller's, which adds up the measurements' host seconds; ``reaches``:
-        its map of the step's GEMM outputs, which the backward cost's reach walks; ``reference``:
-        ``ControllerSettings.reference``, resolved for the layer's device into ``rec.reference``;
-        ``cost_row_share``: ``ControllerSettings.cost_row_share``, the share of output rows a loss
-        cost measures a step.)"""
-        self.rec, self.sample, self.clock = rec, sample, clock  # ``sample``: the elements measured per operand
-        self.cost_row_share = cost_row_share
-        rec.reference = reference_dtype(reference, rec.state.device)
+    def __init__(self, rec: LayerRecord, settings: ControllerSettings, measuring: bool = False,
+                 clock: CheckClock | None = None, reaches: ReachMap | None = None) -> None:
+        """(``settings``: the controller's, whose ``sample``, ``reference`` (resolved for the
+        layer's device into ``rec.reference``) and ``cost_row_share`` it reads; ``measuring``:
+        whether the step under way feeds the shadows, written to the record; ``clock``: the
+        controller's, which adds up the measurements' host seconds; ``reaches``: its map of the
+        step's GEMM outputs, which the backward cost's reach walks.)"""
+        self.rec, self.sample, self.clock = rec, settings.sample, clock  # ``sample``: the elements measured per operand
+        self.cost_row_share = settings.cost_row_share
+        rec.reference = reference_dtype(settings.reference, rec.state.device)
         self.reaches = reaches
         rec.measuring.fill_(measuring)
         rec.measuring_now = measuring

@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._machine import machine  # noqa: E402
+from benchmarks.run import NotMeasurable  # noqa: E402
 from mixprec import _native, fp8  # noqa: E402
 from mixprec.demo.alternate import _stepper, pair_ratio  # noqa: E402
 from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch  # noqa: E402
@@ -159,10 +160,11 @@ def run(quick: bool = False) -> dict[str, Any]:
     """The figures (see the module's docstring) and ``rows`` for ``python -m benchmarks``.
 
     Raises:
-        RuntimeError: the C++ kernels are not available, or they and the torch code differ.
+        NotMeasurable: the C++ kernels are not available (``MIXPREC_NATIVE_KERNELS=0``, or no build).
+        RuntimeError: they and the torch code differ.
     """
     if _native.load() is None:
-        raise RuntimeError("the C++ kernels are not available here (MIXPREC_NATIVE_KERNELS=0, or no build)")
+        raise NotMeasurable("the C++ kernels are not available here (MIXPREC_NATIVE_KERNELS=0, or no build)")
     torch.set_num_threads(1)
     size = "tiny" if quick else "small"
     out: dict[str, Any] = {"machine_before": machine(), "threads": 1, "size": size}

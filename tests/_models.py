@@ -38,3 +38,20 @@ def mlp(*widths: int, act: Callable[[], nn.Module] = nn.GELU, seed: int = 0) -> 
     for i, (n_in, n_out) in enumerate(zip(widths, widths[1:])):
         layers += [nn.Linear(n_in, n_out)] + ([act()] if i < len(widths) - 2 else [])
     return nn.Sequential(*layers)
+
+
+def sharp_classifier() -> nn.Sequential:
+    """``mlp(32, 64, 64)`` with its logits' weight (layer ``'2'``) times 4: logits sharp enough
+    that their NVFP4 error costs about 0.005 nats (the loss-cost tests' model)."""
+    model = mlp(32, 64, 64)
+    with torch.no_grad():
+        model[2].weight.mul_(4)
+    return model
+
+
+def sharp_classifier_batch(rows: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` inputs of :func:`sharp_classifier` and its noisy argmax labels, drawn from ``generator``."""
+    x = torch.randn(rows, 32, generator=generator)
+    with torch.no_grad():
+        y = (sharp_classifier()(x) + 0.5 * torch.randn(rows, 64, generator=generator)).argmax(-1)
+    return x, y

@@ -20,26 +20,18 @@ from mixprec.control import _cost
 from mixprec.control._cost import ROW_STEP, output_errors, sampled_rows
 from mixprec.control._reference import reference_linear
 
+from _models import sharp_classifier, sharp_classifier_batch
+
 LADDER = ("nvfp4", "tensorwise", "compute")
 ROWS = 256
 
 
-def _model() -> nn.Sequential:
-    """A classifier whose logits (layer "2") are sharp: their NVFP4 error costs about 0.005 nats."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64))
-    with torch.no_grad():
-        model[2].weight.mul_(4)
-    return model
+_model = sharp_classifier  # (its logits, layer "2", are sharp: their NVFP4 error costs about 0.005 nats)
 
 
 @pytest.fixture(scope="module")
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(ROWS, 32, generator=g)
-    with torch.no_grad():
-        y = (_model()(x) + 0.5 * torch.randn(ROWS, 64, generator=g)).argmax(-1)
-    return x, y
+    return sharp_classifier_batch(ROWS, torch.Generator().manual_seed(1))
 
 
 def _converted(recipe: str = "tensorwise", **settings) -> tuple[nn.Module, Controller]:

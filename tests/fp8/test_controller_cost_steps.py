@@ -19,27 +19,17 @@ from mixprec import Controller, fp8
 from mixprec.control import _cost, _ladder
 from mixprec.control._cost import COST_Z, COST_ZONE, MAX_PERIOD, VARIANCES, Cadence, cost_steps, far, variance
 
+from _models import sharp_classifier, sharp_classifier_batch
+
 LADDER = ("nvfp4", "tensorwise", "compute")
 
 
-def _model() -> nn.Sequential:
-    """A classifier whose logits (layer "2") are sharp: their NVFP4 error costs about 0.005 nats."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64))
-    with torch.no_grad():
-        model[2].weight.mul_(4)
-    return model
+_model = sharp_classifier  # (its logits, layer "2", are sharp: their NVFP4 error costs about 0.005 nats)
 
 
 def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        x = torch.randn(128, 32, generator=g)
-        with torch.no_grad():
-            y = (_model()(x) + 0.5 * torch.randn(128, 64, generator=g)).argmax(-1)
-        out.append((x, y))
-    return out
+    return [sharp_classifier_batch(128, g) for _ in range(n)]
 
 
 BATCHES = _batches(40)

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from mixprec import Controller, Policy, autocast, fp8
 from mixprec.control._ladder import loss_cost
 
+from _models import sharp_classifier, sharp_classifier_batch
+
 #: marked cross_isa: results follow this CPU's rounding (scripts/cross_isa.py runs them under other caps);
 #: the compiled variants compare with eager in one process and are left out of that subset
 CROSS_ISA = pytest.mark.cross_isa
@@ -24,22 +26,12 @@ CROSS_ISA = pytest.mark.cross_isa
 LADDER = ("nvfp4", "tensorwise", "compute")
 
 
-def _model() -> nn.Sequential:
-    """A classifier whose logits (layer "2") are sharp: their NVFP4 error costs about 0.005 nats."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64))
-    with torch.no_grad():
-        model[2].weight.mul_(4)
-    return model
+_model = sharp_classifier  # (its logits, layer "2", are sharp: their NVFP4 error costs about 0.005 nats)
 
 
 @pytest.fixture(scope="module")
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(256, 32, generator=g)
-    with torch.no_grad():
-        y = (_model()(x) + 0.5 * torch.randn(256, 64, generator=g)).argmax(-1)
-    return x, y
+    return sharp_classifier_batch(256, torch.Generator().manual_seed(1))
 
 
 def _converted(recipe: str = "nvfp4", only: str | None = "2", **settings) -> tuple[nn.Module, Controller]:

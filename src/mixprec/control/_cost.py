@@ -50,20 +50,22 @@ ROW_STEP = 2654435761
 
 def measure_cost(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  out: torch.Tensor, wanted: tuple[bool, bool] = (True, True), gate: torch.Tensor | None = None,
-                 tp: Any = None, timed: Callable[[Callable], Callable] = lambda fn: fn,
-                 rows: torch.Tensor | None = None) -> None:
+                 tp: Any = None, timed: Callable[[Callable], Callable] = lambda fn: fn, share: float = 1.0,
+                 step: int | torch.Tensor = 0) -> None:
     """Keep the forward GEMM's output errors (:func:`output_errors`, the rows ``wanted``) until
     the backward hook that meets them with the output's gradient (:func:`_accumulate_cost`;
     ``gate``, a device flag per row: the sums keep a row only where it is set). ``tp``: the
     layer's tensor-parallel sharding (``x``, ``weight``, ``out`` its local shards): the cost is
     the whole layer's, as one process measures it (each rank's output rows' ``g . e`` summed over
-    the group: one all-reduce of a float per output row in the backward). ``rows``: the indices
-    of the output rows (its leading dimensions flattened) measured (:func:`sampled_rows`; None:
-    all): the sums are scaled to the whole output's, an unbiased estimate where every row is
-    sampled equally often. The hook is ``timed``."""
+    the group: one all-reduce of a float per output row in the backward). ``share``: of the
+    output rows (its leading dimensions flattened), the share measured, those ``step`` draws
+    (:func:`sampled_rows`; 1: all): the sums are scaled to the whole output's, an unbiased
+    estimate, every row sampled equally often. The hook is ``timed``."""
+    total = out.numel() // max(out.shape[-1], 1) if out.dim() else 1
+    rows = None if share == 1 else sampled_rows(total, math.ceil(total * share), step, out.device)
     errors = output_errors(rec, x, weight, bias, out, wanted, tp, rows)
     if errors:
-        buf, total = rec.cost, out.numel() // max(out.shape[-1], 1) if out.dim() else 1
+        buf = rec.cost
         out.register_hook(timed(lambda grad: _accumulate_cost(buf, errors, grad, gate, tp, rows, total)))
 
 

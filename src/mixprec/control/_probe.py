@@ -5,7 +5,6 @@ casts for a per-GEMM record, and the loss costs of the forward and backward GEMM
 
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
 from typing import Any, Callable
@@ -15,7 +14,7 @@ import torch
 from mixprec.formats._recipe import Cast
 from mixprec.formats._tensor_parallel import probe_operand
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT
-from mixprec.control._cost import measure_cost, sampled_rows
+from mixprec.control._cost import measure_cost
 from mixprec.control._ladder import GEMMS, LayerRecord
 from mixprec.control._measure import abs_max, record, record_range, sampled_cast
 from mixprec.control._reach import ReachMap
@@ -110,11 +109,8 @@ class Probe:
             # traced: both rows on every step, kept where the device flags say (no guard on the plan)
             wanted, kept = ((True, True), rec.cost_gate) if compiling else (rec.cost_now, None)
             if any(wanted):
-                count = out.numel() // max(out.shape[-1], 1) if out.dim() else 1
-                rows = None if self.cost_row_share == 1 else sampled_rows(
-                    count, math.ceil(count * self.cost_row_share), rec.cost_step_t if compiling else rec.cost_step,
-                    out.device)
-                measure_cost(rec, x, weight, bias, out, wanted, kept, tp, self.timed, rows)
+                measure_cost(rec, x, weight, bias, out, wanted, kept, tp, self.timed, self.cost_row_share,
+                             rec.cost_step_t if compiling else rec.cost_step)
         if rec.backward is not None and not compiling and not rec.cost_blind and weight is not None:
             rec.backward.observe(x, weight, out, rec.backward_now and rec.backward.due, self.timed,
                                  self.reaches if rec.backward_now else None)  # (the step's nodes: only where walked)

@@ -7,8 +7,11 @@ SIGABRT", "terminate called without an active exception"):
 
 * on leaving the group cleanly the ranks meet at a barrier, so no rank destroys its process group
   (and its sockets, and rank 0 the TCPStore) while another is still inside a collective;
-* then each rank destroys the group and the process ends with ``os._exit(0)``, skipping the
-  interpreter's finalization. A DTensor (FSDP2 ``fully_shard``, ``distribute_tensor``) leaves a
+* then each rank destroys the group and the process ends with ``os._exit(0)`` as soon as the
+  worker returns, before the worker's locals are freed, skipping the interpreter's finalization too.
+  Freeing a DDP module after ``destroy_process_group`` destroys the ProcessGroupGloo it holds,
+  which hung a rank now and then (CI at 47d6e79: rank 1 in ``_entry`` with no worker frame, its
+  peer gone). A DTensor (FSDP2 ``fully_shard``, ``distribute_tensor``) leaves a
   reference to the ProcessGroup inside torch that neither ``destroy_process_group`` nor
   ``gc.collect`` releases; the ProcessGroupGloo (with its threads, and the TCPStore server on
   rank 0) was then destroyed while the interpreter was being torn down, which aborts the process
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import dis
 import faulthandler
 import os
 import socket
@@ -30,6 +34,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -62,6 +67,34 @@ def gloo_group(rank: int, port: int, world_size: int = 2) -> Iterator[None]:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    _exit_when_the_worker_returns()
+
+
+#: the frame of :func:`_entry` in a rank spawned by :func:`spawn` (None elsewhere)
+_entry_frame: FrameType | None = None
+
+
+def _exit_when_the_worker_returns() -> None:
+    """In a rank of :func:`spawn`, end the process with ``os._exit(0)`` when the worker returns,
+    before its frame frees its locals (a DDP module, a sharded model: their destructors tear down
+    gloo's sockets and threads). Code after the ``gloo_group`` block still runs."""
+    entry = _entry_frame
+    if entry is None:
+        return
+
+    def on_return(frame: FrameType, event: str, arg: Any) -> None:
+        # (a worker that raises unwinds through here too: it keeps the ordinary path, its traceback)
+        if event == "return" and frame.f_back is entry and _returning(frame):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+    sys.setprofile(on_return)
+
+
+def _returning(frame: FrameType) -> bool:
+    """Whether ``frame`` leaves by a return statement, not by an exception unwinding through it."""
+    return dis.opname[frame.f_code.co_code[frame.f_lasti]].startswith("RETURN")
 
 
 #: how long before :func:`spawn`'s deadline each rank's watchdog writes its stacks and ends it
@@ -70,6 +103,8 @@ WATCHDOG_MARGIN = 10.0
 
 
 def _entry(rank: int, worker: Callable[..., None], port: int, args: tuple[Any, ...], stacks: str, hang_after: float) -> None:
+    global _entry_frame
+    _entry_frame = sys._getframe()
     with open(os.path.join(stacks, f"rank{rank}.txt"), "w") as file:
         faulthandler.dump_traceback_later(hang_after, exit=True, file=file)  # a hang: every thread's stack, then exit
         worker(rank, port, *args)

@@ -162,3 +162,28 @@ def test_step_slopes_reads_the_first_adamw_step_gain_and_the_next_batch_slope():
         (step, own, end), = rows[name]
         assert step == 0 and own == pytest.approx(expected, rel=1e-3), name
         assert end != pytest.approx(own, rel=1e-3)
+
+
+def test_cost_bias_straddles_the_truth_of_a_quadratic_loss():
+    """benchmarks/cost_bias.py on a loss quadratic in a layer's output (``mean((y - t)**2)``: its
+    Hessian is ``2 / numel`` times the identity, exact, and ``g1 - g0 = H e``): the truth is the
+    two losses' difference, ``(g1 - g0) e`` reads ``2 |e|**2 / numel``, and the Controller's
+    estimates (its ``loss_cost``) lie ``(e'He - e'Fe) / 2`` over (own) and under (below) it."""
+    import torch
+
+    from benchmarks import cost_bias
+    from mixprec.formats._recipe import Float8Recipe
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 16)
+    x, target = torch.randn(24, 32), torch.randn(24, 16)
+    r = cost_bias.estimates(layer, lambda m: (m(x) - target).square().mean(), layer, Float8Recipe.from_name("nvfp4"))
+    with torch.no_grad():
+        y = layer(x)
+        e = cost_bias.local_linear(x, layer.weight, layer.bias, Float8Recipe.from_name("nvfp4"), "emulate_fp32", None) - y
+        true = float((y + e - target).square().mean() - (y - target).square().mean())
+    assert r["true"] == pytest.approx(true, rel=1e-4) and abs(true) > 0
+    assert r["eHe"] == pytest.approx(2 * float(e.square().sum()) / e.numel(), rel=1e-3)
+    assert r["own"] - r["true"] == pytest.approx(r["eHe"] / 2 - r["eFe_own"], rel=1e-3, abs=1e-9)
+    assert r["below"] - r["true"] == pytest.approx(r["eFe_below"] - r["eHe"] / 2, rel=1e-3, abs=1e-9)
+    assert r["eHe"] > 2 * max(r["eFe_own"], r["eFe_below"])  # (a quadratic loss's Fisher: far from its Hessian here)

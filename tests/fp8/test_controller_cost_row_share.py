@@ -189,3 +189,88 @@ def test_the_setting_is_checked_and_round_trips():
     with pytest.raises(ValueError, match=r"cost_row_share=0\.5.*max_loss_cost"):
         Controller(cost_row_share=0.5)
     assert Controller(cost_row_share=1.0).settings.cost_row_share == 1  # (the default: every row)
+
+
+# ------------------------------------------------------------------ the backward GEMMs' costs
+def _backward_window(share: float, step: int, normalized: bool = True) -> torch.Tensor:
+    """One shadow step's backward-cost terms of a layer (256 rows) whose own backward GEMMs gave
+    the float32 results plus noise (the input gradient's, and the weight gradient's)."""
+    from mixprec.control import _backward
+    from mixprec.formats._recipe import Float8Recipe
+
+    gen = torch.Generator().manual_seed(3)
+    x, w, g = (torch.randn(*s, generator=gen) for s in ((ROWS, 32), (16, 32), (ROWS, 16)))
+    gi, gw = g @ w, g.t() @ x
+    cost = _backward.BackwardCost(torch.device("cpu"))
+    cost.recipes = [(0, Float8Recipe.from_name("nvfp4"), (True, True))]
+    cost.normalized, cost.row_share = normalized, share
+    shadow = _backward._Shadow(x, w, w, True, step)
+    shadow.grad = g
+    cost._measure(shadow, gi + 0.3 * torch.randn(gi.shape, generator=gen), gw + 0.2 * torch.randn(gw.shape, generator=gen))
+    return cost.window[0]
+
+
+@pytest.mark.parametrize("normalized", [True, False])
+def test_the_backward_costs_rows_average_over_a_cycle_to_the_whole_rows(normalized):
+    """Under ``cost_row_share`` the backward costs' per-row terms take the step's rows: the weight
+    gradient's curvature (its Fisher projections, sums over rows scaled up) averages over the four
+    steps of a cycle to the whole rows' (its first-order and shrink terms, of the whole gradient,
+    stay bitwise); the input gradient's terms are ratios over the sampled rows of its reference
+    and result, as the whole rows' are over all."""
+    from mixprec.control._update_error import cost_ratio, step_error
+
+    whole = _backward_window(1.0, 0, normalized)
+    quarters = [_backward_window(0.25, k, normalized) for k in range(4)]
+    for q in quarters:
+        assert torch.equal(q[1, :2], whole[1, :2]) and q[1, 3] == 1 and not torch.isclose(q[1, 2], whole[1, 2], rtol=1e-3)
+    torch.testing.assert_close(torch.stack([q[1, 2] for q in quarters]).mean(), whole[1, 2], rtol=1e-4, atol=0)
+    gen = torch.Generator().manual_seed(3)
+    x, w, g = (torch.randn(*s, generator=gen) for s in ((ROWS, 32), (16, 32), (ROWS, 16)))
+    reference = g @ w
+    error = 0.3 * torch.randn(reference.shape, generator=gen)
+    for k, q in enumerate(quarters):
+        rows = sampled_rows(ROWS, ROWS // 4, k)
+        r, e = reference[rows], error[rows]
+        e = step_error(r, e) if normalized else e
+        torch.testing.assert_close(q[0, 0], cost_ratio(r, r + e), rtol=1e-4, atol=1e-7)
+        share = e.square().sum() / r.square().sum()
+        torch.testing.assert_close(q[0, 1], share / 2 if normalized else torch.tensor(0.0), rtol=1e-4, atol=0)
+
+
+def test_the_end_slope_averages_over_a_cycle_to_the_whole_rows():
+    from mixprec.control._backward import _end_slope
+
+    gen = torch.Generator().manual_seed(4)
+    x, g, update = torch.randn(ROWS, 32, generator=gen), torch.randn(ROWS, 16, generator=gen), torch.randn(16, 32, generator=gen)
+
+    def slope(share: float, step: int) -> torch.Tensor:
+        sl = [update, None, 0, torch.zeros(()), False]
+        _end_slope(sl, x, g, torch.float32, share, step)
+        assert sl[4]
+        return sl[3]
+
+    whole = slope(1.0, 0)
+    torch.testing.assert_close(whole, ((g @ update) * x).sum(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.stack([slope(0.25, k) for k in range(4)]).mean(), whole, rtol=1e-4, atol=1e-5)
+
+
+def test_a_controllers_backward_measurements_take_the_share_of_the_rows(batch, monkeypatch):
+    """With ``max_backward_cost`` the shadow steps' reference GEMMs take the step's rows where a
+    term is per row (the input gradient's reference, the Fisher projections, the end slope), and
+    every row where it is a sum over them (the weight gradient's reference: its contraction)."""
+    from mixprec.control import _backward, _update_error
+
+    seen = []
+    for module in (_backward, _update_error):
+        original = module.reference_mm
+        monkeypatch.setattr(module, "reference_mm", lambda a, b, *r, _o=original: seen.append(tuple(a.shape)) or _o(a, b, *r))
+    for share, rows in ((1.0, ROWS), (0.25, ROWS // 4)):
+        seen.clear()
+        model, ctl = _converted("nvfp4", floor=None, cost_row_share=share, max_backward_cost=1.0)
+        _step_sums(model, ctl, batch, 12)
+        assert ctl._layers["2"].backward.row_share == share and ctl._layers["2"].backward.step == 12
+        # both layers have 64 outputs: the weight gradient's reference is (64, all rows) @ (all rows, in)
+        weight_gradients = [a for a in seen if a == (64, ROWS)]
+        per_row = [a for a in seen if a != (64, ROWS)]
+        assert weight_gradients and len(per_row) > len(weight_gradients), seen
+        assert {a[0] for a in per_row} == {rows} and {a[1] for a in per_row} == {64}, seen

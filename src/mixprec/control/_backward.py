@@ -56,12 +56,13 @@ scale cancels, and the gain's and end slope's are divided out (:meth:`BackwardCo
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
 
 from mixprec.formats._linear import linear_grads
-from mixprec.control._cost import Cadence
+from mixprec.control._cost import Cadence, sampled_rows
 from mixprec.control._reach import Reach, ReachMap
 from mixprec.control._reference import emulation_backend, operand_dtype, reference_mm
 from mixprec.control._settings import LOW_RUNGS
@@ -118,10 +119,11 @@ class _Tap(torch.autograd.Function):
 
 class _Shadow:
     """One measured forward's operands until its backward: input, weight (detached), the
-    parameter, the output's gradient, and (tapped) the layer's own backward GEMMs' results."""
+    parameter, the output's gradient, (tapped) the layer's own backward GEMMs' results, and the
+    step whose index draws the rows its per-row terms take (:func:`~mixprec.control._cost.sampled_rows`)."""
 
-    def __init__(self, x: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, tapped: bool) -> None:
-        self.x, self.w, self.weight, self.tapped = x, w, weight, tapped
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, tapped: bool, step: int = 0) -> None:
+        self.x, self.w, self.weight, self.tapped, self.step = x, w, weight, tapped, step
         self.grad: torch.Tensor | None = None
 
 
@@ -158,6 +160,9 @@ class BackwardCost:
         self.cadence = [Cadence(), Cadence()]
         self.normalized = True  # the optimizer normalizes its updates (ControllerSettings.normalized_updates: step_error)
         self.reference: torch.dtype | None = torch.float32  # the reference GEMMs' (ControllerSettings.reference: _reference)
+        # the share of the output rows the per-row terms take (ControllerSettings.cost_row_share), and the
+        # step under way, whose index draws them (LayerRecord.at_step)
+        self.row_share, self.step = 1.0, 0
         # per (kind, GEMM), as backward_costs orders them, its last measured windows' [1, cost, cost**2] (_cost.clear_pooled)
         self.pool: list[list[list[float]]] = [[] for _ in range(_KINDS)]
         # the weight gradient of the last measured step, until the optimizer moved the weight:
@@ -204,7 +209,7 @@ class BackwardCost:
         own = any(kind == 0 for kind, _, _ in self.recipes) and self.cadence[0].due
         if not own or not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
             return x, weight
-        shadow = _Shadow(x.detach(), weight.detach(), weight, True)
+        shadow = _Shadow(x.detach(), weight.detach(), weight, True, self.step)
         self._open = shadow
         return _Tap.apply(x, weight, timed(lambda gx, gw: self._measure(shadow, gx, gw)))
 
@@ -228,13 +233,13 @@ class BackwardCost:
         sl = self.slope
         if (sl is not None and sl[1] is weight and weight._version == sl[2] and out.requires_grad
                 and torch._C._current_graph_task_id() == -1):  # (each micro-batch; not a checkpoint's recompute)
-            x2 = x.detach().reshape(-1, x.shape[-1])
-            out.register_hook(timed(lambda grad: _end_slope(sl, x2, grad, self.reference)))
+            x2, share, step = x.detach().reshape(-1, x.shape[-1]), self.row_share, self.step
+            out.register_hook(timed(lambda grad: _end_slope(sl, x2, grad, self.reference, share, step)))
         shadow, self._open = self._open, None
         # (not inside a backward: an activation checkpoint's recompute has a graph of its own)
         walks = reaches is not None and out.requires_grad and torch._C._current_graph_task_id() == -1
         if measuring and out.requires_grad:
-            shadow = shadow or _Shadow(x.detach(), weight.detach(), weight, False)
+            shadow = shadow or _Shadow(x.detach(), weight.detach(), weight, False, self.step)
             out.register_hook(timed(lambda grad: self._output_grad(shadow, grad)))
             if walks and any(m[0] for kind, _, m in self.recipes if self.cadence[kind].due):
                 self.reach.walk(out.grad_fn, reaches.earlier(self.reach), timed)
@@ -283,25 +288,30 @@ class BackwardCost:
         inputs = any(m[0] for _, _, m in due)
         dtype = operand_dtype(self.reference, g.dtype)
         gm, xm = (g2, x2) if dtype == torch.float32 else rows  # (the GEMMs' operands: bfloat16 ones taken as they came)
-        grad_input = reference_mm(gm, wf, dtype) if inputs else None
+        total = g2.shape[0]
+        # the per-row terms (the input gradient's, the Fisher projections) on the step's sample of rows
+        sample = sampled_rows(total, math.ceil(total * self.row_share), shadow.step, g2.device)
+        gs, xs = (gm, x2) if sample is None else (gm.index_select(0, sample), x2.index_select(0, sample))
+        grad_input = reference_mm(gs, wf, dtype) if inputs else None
         grad_weight = reference_mm(gm.t(), xm, dtype)
         gg = grad_weight.square().sum().clamp(min=TINY)
         h = mean_curvature(g2, x2) if inputs else None
-        along = projections(gm, x2, grad_weight, dtype) if any(m[1] for _, _, m in due) else None
+        along = projections(gs, xs, grad_weight, dtype) if any(m[1] for _, _, m in due) else None
         for kind, recipe, measured in due:
             if kind == 0 and shadow.tapped:
                 gi, gw = own_gi, own_gw
             else:
                 gi, gw = _emulated_grads(x, w, g, recipe, measured, emulation_backend(dtype))
             if measured[0] and gi is not None:
-                ref, e = grad_input, gi.reshape(grad_input.shape).float() - grad_input
+                gi = gi.reshape(total, -1) if sample is None else gi.reshape(total, -1).index_select(0, sample)
+                ref, e = grad_input, gi.float() - grad_input
                 e = step_error(ref, e) if self.normalized else e
                 share = e.square().sum() / ref.square().sum().clamp(min=TINY)
                 shrink = share / 2 if self.normalized else torch.zeros_like(share)
                 self.window[kind, 0] += torch.stack([cost_ratio(ref, ref + e), shrink, share * h / (2 * gg), gg.new_ones(())])
             if measured[1] and gw is not None:
                 gw = grad_weight + step_error(grad_weight, gw.float() - grad_weight) if self.normalized else gw
-                terms = update_terms(gm, x2, grad_weight, gw, along, dtype)
+                terms = update_terms(gs, xs, grad_weight, gw, along, dtype, total)
                 shrink = (gw - grad_weight).square().sum() / gg / 2 if self.normalized else torch.zeros_like(gg)
                 self.window[kind, 1] += torch.stack([terms[0], shrink, terms[1], gg.new_ones(())])
         p = self.pending
@@ -343,14 +353,20 @@ class BackwardCost:
         self.reach.reset()
 
 
-def _end_slope(slope: list[Any], x2: torch.Tensor, grad: torch.Tensor, reference: torch.dtype | None = torch.float32
-               ) -> None:
+def _end_slope(slope: list[Any], x2: torch.Tensor, grad: torch.Tensor, reference: torch.dtype | None = torch.float32,
+               share: float = 1.0, step: int = 0) -> None:
     """Add ``<G', dW>`` for this backward's weight gradient ``G' = g' x`` (one reference GEMM of
     the output gradient with the update ``dW = slope[0]``, ``reference`` resolved: :mod:`._reference`)
-    to ``slope``'s sum; no rows, nothing."""
+    to ``slope``'s sum, a sum over rows: on the ``share`` of them ``step`` draws
+    (:func:`~mixprec.control._cost.sampled_rows`), scaled up to all; no rows, nothing."""
     g2 = grad.detach().reshape(-1, grad.shape[-1])
-    if g2.shape[0]:
-        slope[3] = slope[3] + (reference_mm(g2, slope[0], operand_dtype(reference, g2.dtype)) * x2.float()).sum()
+    total = g2.shape[0]
+    if total:
+        sample = sampled_rows(total, math.ceil(total * share), step, g2.device)
+        if sample is not None:
+            g2, x2 = g2.index_select(0, sample), x2.index_select(0, sample)
+        dot = (reference_mm(g2, slope[0], operand_dtype(reference, g2.dtype)) * x2.float()).sum()
+        slope[3] = slope[3] + (dot if sample is None else dot * (total / sample.numel()))
         slope[4] = True
 
 

@@ -273,6 +273,7 @@ def apply_gemms(at: Check, rec: LayerRecord) -> None:
         if rec.backward is None:
             rec.backward = BackwardCost(rec.state.device)
         rec.backward.normalized, rec.backward.reference = at.settings.normalized_updates, rec.reference
+        rec.backward.row_share, rec.backward.step = at.settings.cost_row_share, rec.cost_step
         downs = {g: gemm_down(at, rec, g) for g in (1, 2)}
         rec.backward.recipes = backward_recipes(at.settings.ladder, rec.rungs, recipe, downs,
                                                 lambda rungs: compose(_recipes(at, rungs)))

@@ -373,6 +373,8 @@ class LayerRecord:
         self.cost_step = step
         if sampled and self.cost is not None:
             self.cost_step_t.fill_(step)
+        if self.backward is not None:
+            self.backward.step = step
 
     def end_step(self, loss_scale: float | torch.Tensor) -> None:
         """Fold this step's loss-cost sums into the window: the estimate (:func:`loss_cost`, bitwise) of

@@ -72,13 +72,16 @@ def projections(g2: torch.Tensor, x2: torch.Tensor, u: torch.Tensor, dtype: torc
 
 
 def update_terms(g2: torch.Tensor, x2: torch.Tensor, reference: torch.Tensor, result: torch.Tensor,
-                 along_reference: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                 along_reference: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                 rows: int | None = None) -> torch.Tensor:
     """The weight-gradient error's cost terms ``[c1, c2]`` (float32 ``x2``; ``g2`` float32 or in
     ``dtype``, the GEMMs' operands): the cost
     of a step whose gain was ``gain`` is ``gain * c1 + gain**2 * c2`` (:mod:`._backward`; ``eta =
     gain / |G|**2``). Two GEMMs of ``g2`` with a weight-sized matrix (``G`` and ``E``), one where
     the caller gives ``projections(g2, x2, reference)`` (``along_reference``: shared by the
     results it measures against the same reference; ``dtype``: the GEMMs' operands, :func:`projections`).
+    ``rows``: the row count of the output whose sample ``g2``, ``x2`` are (None: they are all of
+    it): the curvature's sums over rows scaled up to it.
 
     Example:
         >>> g2, x2 = torch.tensor([[0.5]]), torch.tensor([[2.0]])
@@ -89,6 +92,9 @@ def update_terms(g2: torch.Tensor, x2: torch.Tensor, reference: torch.Tensor, re
     gg = reference.square().sum().clamp(min=TINY)
     pr = projections(g2, x2, reference, dtype) if along_reference is None else along_reference
     pe = projections(g2, x2, e, dtype)
-    rows = g2.shape[0]
-    curvature = rows * (pr * pe).sum() + 0.5 * (rows * (pe * pe).sum())
+    if rows is None or rows == g2.shape[0]:
+        rows = g2.shape[0]
+        curvature = rows * (pr * pe).sum() + 0.5 * (rows * (pe * pe).sum())
+    else:  # (a sample of the rows: each sum scaled by rows / sampled)
+        curvature = rows * (rows / g2.shape[0]) * ((pr * pe).sum() + 0.5 * (pe * pe).sum())
     return torch.stack([cost_ratio(reference, result), curvature / (gg * gg)])

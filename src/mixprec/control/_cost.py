@@ -162,9 +162,10 @@ def _accumulate_cost(buf: torch.Tensor, errors: list, grad: torch.Tensor, gate: 
     its output columns, a rowwise layer's its partial sums (whose gradient is the output's).
     ``rows``: the output rows the errors hold (:func:`sampled_rows`) of ``total``: both sums are
     scaled by ``total / len(rows)``, the count is ``total``."""
-    g2 = grad.detach().reshape(-1, grad.shape[-1]).float()
-    if rows is not None:
+    g2 = grad.detach().reshape(-1, grad.shape[-1])
+    if rows is not None:  # (the rows first: the conversion below then takes only them)
         g2, scale = g2.index_select(0, rows), total / rows.numel()
+    g2 = g2.float()
     for row, error in errors:
         per_row = (g2 * error.reshape(g2.shape).float()).sum(-1)
         if tp is not None:

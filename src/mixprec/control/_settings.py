@@ -221,7 +221,10 @@ class ControllerSettings(_Settings):
     measures more steps where it needs them). The reference GEMM, the rung below's and the
     errors' passes cost that share of a measured step's; the estimate's variance grows by
     about ``1 + rho * (1 / share - 1)`` (``rho``: the rows' part of its step-to-step variance,
-    0.05-0.94 on the demo's models), whatever the batch.
+    0.05-0.94 on the demo's models), whatever the batch. With ``max_backward_cost`` the
+    backward GEMMs' costs take the same rows where a term is per row (the input gradient's
+    reference, the Fisher projections, the end slope), all of them for the weight gradient's
+    reference (a sum over rows).
 
     Raises ValueError on a setting out of range, a ladder not in the order of :data:`RUNGS`, or a
     ``floor`` not an fp8 rung of it; warns when fp4 limits are set for a ladder without fp4 rungs.
@@ -333,7 +336,7 @@ class ControllerSettings(_Settings):
                      "the share of output rows a loss cost measures", low_open=True)
         if self.cost_row_share != 1 and self.max_loss_cost is None:
             raise ValueError(f"Controller(cost_row_share={self.cost_row_share}) samples the rows the forward GEMMs' "
-                             f"loss costs measure: it takes effect with max_loss_cost=...")
+                             f"loss costs measure (and the backward GEMMs' with them): it takes effect with max_loss_cost=...")
         if self.max_loss_cost is None and self.demote_loss_cost is not None:
             raise ValueError("Controller.demote_loss_cost needs max_loss_cost (the promotion threshold it is the "
                              "lower end of the hysteresis of); set both, or neither")

@@ -294,7 +294,8 @@ FP4_MAX_LOSS_COST = 1e-3
 #: promoted and no other (docs/controller.md, "The limit, like with like"; issue 39).
 FP4_MAX_BACKWARD_COST = FP4_MAX_LOSS_COST / (FP8_EVERY * mixprec.ControllerSettings.horizon)
 #: The share of a forward GEMM's output rows its loss cost measures a step in ``mixprec-fp4``
-#: (``Controller.cost_row_share``): a quarter of the reference GEMMs' work for a noisier estimate,
+#: (``Controller.cost_row_share``; the backward costs' per-row terms take them too): a quarter of
+#: the reference GEMMs' work for a noisier estimate,
 #: which the plan meets with more measured steps where it needs them; the same losses and fp4
 #: share on tiny and the Llama within their seed noise (docs/controller.md, "A share of the rows").
 FP4_COST_ROW_SHARE = 0.25

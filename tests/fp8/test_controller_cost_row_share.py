@@ -238,7 +238,7 @@ def test_the_backward_costs_rows_average_over_a_cycle_to_the_whole_rows(normaliz
 
 
 def test_the_end_slope_averages_over_a_cycle_to_the_whole_rows():
-    from mixprec.control._backward import _end_slope
+    from mixprec.control._backward import _end_slope  # (the hook; _update_error.along_update the sum)
 
     gen = torch.Generator().manual_seed(4)
     x, g, update = torch.randn(ROWS, 32, generator=gen), torch.randn(ROWS, 16, generator=gen), torch.randn(16, 32, generator=gen)

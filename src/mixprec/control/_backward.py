@@ -56,17 +56,17 @@ scale cancels, and the gain's and end slope's are divided out (:meth:`BackwardCo
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
 
 from mixprec.formats._linear import linear_grads
-from mixprec.control._cost import Cadence, sampled_rows
+from mixprec.control._cost import Cadence, share_of_rows
 from mixprec.control._reach import Reach, ReachMap
 from mixprec.control._reference import emulation_backend, operand_dtype, reference_mm
 from mixprec.control._settings import LOW_RUNGS
-from mixprec.control._update_error import TINY, cost_ratio, mean_curvature, projections, step_error, update_terms
+from mixprec.control._update_error import (TINY, along_update, cost_ratio, mean_curvature, projections, step_error,
+                                          update_terms)
 from mixprec.formats._recipe import Float8Recipe
 
 __all__ = ["BackwardCost", "BACKWARD_GEMMS", "BACKWARD_WINDOWS", "FAR", "TERMS", "backward_costs", "backward_recipes", "cost_ratio", "far_by_factor",
@@ -118,9 +118,8 @@ class _Tap(torch.autograd.Function):
 
 
 class _Shadow:
-    """One measured forward's operands until its backward: input, weight (detached), the
-    parameter, the output's gradient, (tapped) the layer's own backward GEMMs' results, and the
-    step whose index draws the rows its per-row terms take (:func:`~mixprec.control._cost.sampled_rows`)."""
+    """One measured forward's operands until its backward: input, weight (detached), the parameter, the
+    output's gradient, (tapped) the layer's own backward GEMMs' results, the step (it draws the rows)."""
 
     def __init__(self, x: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, tapped: bool, step: int = 0) -> None:
         self.x, self.w, self.weight, self.tapped, self.step = x, w, weight, tapped, step
@@ -160,9 +159,7 @@ class BackwardCost:
         self.cadence = [Cadence(), Cadence()]
         self.normalized = True  # the optimizer normalizes its updates (ControllerSettings.normalized_updates: step_error)
         self.reference: torch.dtype | None = torch.float32  # the reference GEMMs' (ControllerSettings.reference: _reference)
-        # the share of the output rows the per-row terms take (ControllerSettings.cost_row_share), and the
-        # step under way, whose index draws them (LayerRecord.at_step)
-        self.row_share, self.step = 1.0, 0
+        self.row_share, self.step = 1.0, 0  # the rows per-row terms take (cost_row_share), drawn by the step under way
         # per (kind, GEMM), as backward_costs orders them, its last measured windows' [1, cost, cost**2] (_cost.clear_pooled)
         self.pool: list[list[list[float]]] = [[] for _ in range(_KINDS)]
         # the weight gradient of the last measured step, until the optimizer moved the weight:
@@ -288,9 +285,8 @@ class BackwardCost:
         inputs = any(m[0] for _, _, m in due)
         dtype = operand_dtype(self.reference, g.dtype)
         gm, xm = (g2, x2) if dtype == torch.float32 else rows  # (the GEMMs' operands: bfloat16 ones taken as they came)
-        total = g2.shape[0]
-        # the per-row terms (the input gradient's, the Fisher projections) on the step's sample of rows
-        sample = sampled_rows(total, math.ceil(total * self.row_share), shadow.step, g2.device)
+        total = g2.shape[0]  # (the per-row terms, the input gradient's and the Fisher projections: the step's rows)
+        sample = share_of_rows(total, self.row_share, shadow.step, g2.device)
         gs, xs = (gm, x2) if sample is None else (gm.index_select(0, sample), x2.index_select(0, sample))
         grad_input = reference_mm(gs, wf, dtype) if inputs else None
         grad_weight = reference_mm(gm.t(), xm, dtype)
@@ -355,19 +351,11 @@ class BackwardCost:
 
 def _end_slope(slope: list[Any], x2: torch.Tensor, grad: torch.Tensor, reference: torch.dtype | None = torch.float32,
                share: float = 1.0, step: int = 0) -> None:
-    """Add ``<G', dW>`` for this backward's weight gradient ``G' = g' x`` (one reference GEMM of
-    the output gradient with the update ``dW = slope[0]``, ``reference`` resolved: :mod:`._reference`)
-    to ``slope``'s sum, a sum over rows: on the ``share`` of them ``step`` draws
-    (:func:`~mixprec.control._cost.sampled_rows`), scaled up to all; no rows, nothing."""
-    g2 = grad.detach().reshape(-1, grad.shape[-1])
-    total = g2.shape[0]
-    if total:
-        sample = sampled_rows(total, math.ceil(total * share), step, g2.device)
-        if sample is not None:
-            g2, x2 = g2.index_select(0, sample), x2.index_select(0, sample)
-        dot = (reference_mm(g2, slope[0], operand_dtype(reference, g2.dtype)) * x2.float()).sum()
-        slope[3] = slope[3] + (dot if sample is None else dot * (total / sample.numel()))
-        slope[4] = True
+    """Add this backward's :func:`~mixprec.control._update_error.along_update` with the update
+    ``slope[0]`` to ``slope``'s sum (no rows, nothing)."""
+    dot = along_update(grad, x2, slope[0], operand_dtype(reference, grad.dtype), share, step)
+    if dot is not None:
+        slope[3], slope[4] = slope[3] + dot, True
 
 
 _KINDS = 2 * len(BACKWARD_GEMMS)  # (kind, GEMM) pairs

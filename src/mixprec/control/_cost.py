@@ -22,7 +22,7 @@ from mixprec.formats._linear import local_linear
 
 __all__ = ["COST_Z", "COST_ZONE", "MAX_PERIOD", "POOL_LEAST", "POOL_WINDOWS", "ROW_STEP", "VARIANCES", "Cadence", "clear",
            "clear_pooled", "cost_steps", "far", "load_pool", "loss_cost", "measure_cost", "output_errors", "pool",
-           "pooled_with", "sampled_rows", "variance"]
+           "pooled_with", "sampled_rows", "share_of_rows", "variance"]
 
 #: how many standard errors of its window mean a loss cost measured on fewer than all of a
 #: window's steps keeps from its threshold (:func:`cost_steps`): at 3, a window's mean lands on
@@ -62,7 +62,7 @@ def measure_cost(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     (:func:`sampled_rows`; 1: all): the sums are scaled to the whole output's, an unbiased
     estimate, every row sampled equally often. The hook is ``timed``."""
     total = out.numel() // max(out.shape[-1], 1) if out.dim() else 1
-    rows = None if share == 1 else sampled_rows(total, math.ceil(total * share), step, out.device)
+    rows = share_of_rows(total, share, step, out.device)
     errors = output_errors(rec, x, weight, bias, out, wanted, tp, rows)
     if errors:
         buf = rec.cost
@@ -89,6 +89,17 @@ def sampled_rows(count: int, most: int | None, step: int | torch.Tensor,
     if isinstance(step, int):  # (eager code: the layers of a step share one tensor)
         return _rows_at(count, most, step, torch.device(device))
     return _rows(count, most, step, device)
+
+
+def share_of_rows(count: int, share: float, step: int | torch.Tensor, device: torch.device | str = "cpu"
+                  ) -> torch.Tensor | None:
+    """:func:`sampled_rows` of ``count`` at most ``ceil(count * share)`` (``share`` 1: None, every row).
+
+    Example:
+        >>> share_of_rows(8, 0.25, 0), share_of_rows(8, 1.0, 0)
+        (tensor([0, 4]), None)
+    """
+    return None if share >= 1 else sampled_rows(count, math.ceil(count * share), step, device)
 
 
 @functools.lru_cache(maxsize=16)

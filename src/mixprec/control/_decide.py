@@ -144,8 +144,7 @@ def decide_layer(at: Check, name: str, rec: LayerRecord, row: list[float], cost:
     def decision(op: str, action: str, to: int, stat: str, value: float, limit: float, side: str
                  ) -> tuple[Decision, int]:
         reason = f"{op} {stat.replace('_', ' ')} {value:.4g} {side} {limit:g}"
-        return Decision(at.steps, name, op, action, here, at.rung_name(to), stat, value, float(limit),
-                        reason), to
+        return Decision(at.steps, name, op, action, here, at.rung_name(to), stat, value, float(limit), reason), to
 
     # promote: the worst trouble first
     compute, top = ladder.index("compute"), len(ladder) - 1

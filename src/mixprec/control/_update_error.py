@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from mixprec.control._cost import share_of_rows
 from mixprec.control._reference import reference_mm
 
-__all__ = ["TINY", "cost_ratio", "mean_curvature", "projections", "step_error", "update_terms"]
+__all__ = ["TINY", "along_update", "cost_ratio", "mean_curvature", "projections", "step_error", "update_terms"]
 
 #: the least squared length a ratio divides by (an all-zero reference reads as this long)
 TINY = 1e-30
@@ -98,3 +99,27 @@ def update_terms(g2: torch.Tensor, x2: torch.Tensor, reference: torch.Tensor, re
     else:  # (a sample of the rows: each sum scaled by rows / sampled)
         curvature = rows * (rows / g2.shape[0]) * ((pr * pe).sum() + 0.5 * (pe * pe).sum())
     return torch.stack([cost_ratio(reference, result), curvature / (gg * gg)])
+
+
+def along_update(grad: torch.Tensor, x2: torch.Tensor, update: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 share: float = 1.0, step: int = 0) -> torch.Tensor | None:
+    """``<G', dW>`` for the weight gradient ``G' = g' x`` of a linear layer's output gradient
+    ``grad`` and input rows ``x2`` along a weight-sized ``update``: one reference GEMM of the
+    gradient with the update (from ``dtype`` operands: :func:`projections`), a sum over the rows:
+    on the ``share`` of them ``step`` draws (:func:`~mixprec.control._cost.share_of_rows`),
+    scaled up to all. None: no rows.
+
+    Example:
+        >>> g, x, u = torch.tensor([[1.0], [2.0]]), torch.tensor([[3.0], [4.0]]), torch.tensor([[0.5]])
+        >>> float(along_update(g, x, u)), along_update(g[:0], x[:0], u)  # 0.5 * (1 * 3 + 2 * 4)
+        (5.5, None)
+    """
+    g2 = grad.detach().reshape(-1, grad.shape[-1])
+    total = g2.shape[0]
+    if not total:
+        return None
+    sample = share_of_rows(total, share, step, g2.device)
+    if sample is not None:
+        g2, x2 = g2.index_select(0, sample), x2.index_select(0, sample)
+    dot = (reference_mm(g2, update, dtype) * x2.float()).sum()
+    return dot if sample is None else dot * (total / sample.numel())

@@ -236,13 +236,16 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=WARM,
                         help=f"untimed steps before the timed windows (default {WARM}; later, most costs are far "
                              f"from their limits and measured in fewer windows: the steady state)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds of timed windows per pair, after which no further window starts "
+                             "(default 90; 5 with --quick): --warm 0 with many windows times a whole run")
     parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated pairs (default {','.join(PAIRS)})")
     args = parser.parse_args()
     torch.set_num_threads(1)
     widths = [int(w) for w in (args.widths or ("64,128" if args.quick else "64,128,256,384")).split(",")]
     presets = (args.presets or ("tiny" if args.quick else "tiny,small")).split(",")
     windows = args.windows or (1 if args.quick else 3)
-    budget = 5.0 if args.quick else 90.0
+    budget = args.budget if args.budget is not None else 5.0 if args.quick else 90.0
     before = machine()
     print(f"CPU: {before['cpu']} (flags: {cpu_flags()}); load before: {before['load']}")
     print(f"measure (NVFP4, sample={SAMPLE}) against the whole operand's NVFP4 cast, {COLS} columns:")

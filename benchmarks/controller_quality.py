@@ -16,8 +16,8 @@ Configs (every fp4 layer NVFP4, emulated in float32 as the demo's fp4 modes run 
 * ``controller``: every Linear NVFP4 under ``Controller(per_gemm=True, ladder=("nvfp4",
   "tensorwise", "rowwise", "compute"), max_loss_cost=1e-3, max_backward_cost=3.3e-5,
   cost_row_share=0.25)`` (the demo's ``mixprec-fp4``: ``max_backward_cost`` is ``max_loss_cost /
-  (every * horizon)``, a per-step cost against a level; ``--max-backward-cost`` and
-  ``--cost-row-share`` change them);
+  (every * horizon)``, a per-step cost against a level; ``--max-loss-cost`` (with the backward
+  limit following it), ``--max-backward-cost`` and ``--cost-row-share`` change them);
 * ``controller-flush``: the same without ``max_backward_cost`` (backward GEMMs by their flush);
 * ``controller-late``: ``controller`` with a late phase (``late_start`` at :data:`LATE_AT` of the
   run, ``late_factor`` :data:`LATE_FACTOR`: the loss-cost limits tightened for the last steps,
@@ -32,7 +32,7 @@ the best hand recipe's with a loss gap no worse, and >= 85% in fp4 within fp32's
 controllers' decisions on the first seed. Nothing here is tuned to pass: the figures are what ran.
 
     PYTHONPATH=src .venv/bin/python benchmarks/controller_quality.py [--steps N] [--seeds 0,1,2]
-        [--models tiny,small,llama] [--configs ...] [--max-backward-cost 3.3e-5] [--json out.json]
+        [--models tiny,small,llama] [--configs ...] [--max-loss-cost 1e-3] [--max-backward-cost 3.3e-5] [--json out.json]
 
 Each model trains :data:`STEPS` steps unless ``--steps`` says otherwise: tiny 120 (the demo's
 preset), small 300 (its preset: at 120 it is on its plateau, where seeds part by 0.05 nats on one
@@ -102,7 +102,7 @@ def blocks_of(name: str) -> int | None:
 
 
 def policy_for(config: str, names: list[str], backward_cost: float = MAX_BACKWARD_COST, steps: int = 0,
-               row_share: float = FP4_COST_ROW_SHARE) -> tuple[Any, Any]:
+               row_share: float = FP4_COST_ROW_SHARE, loss_cost: float = MAX_LOSS_COST) -> tuple[Any, Any]:
     """``(policy, controller or None)`` of a config for a run of ``steps``; the layers it keeps in
     bf16 are the ones its ``names`` pattern leaves out."""
     if config == "fp32":
@@ -121,7 +121,7 @@ def policy_for(config: str, names: list[str], backward_cost: float = MAX_BACKWAR
             if steps <= 0:
                 raise ValueError("policy_for('controller-late', ...): its late phase starts at a share of the run: pass steps=")
             late = {"late_start": int(LATE_AT * steps), "late_factor": LATE_FACTOR}
-        ctl = mixprec.Controller(every=FP8_EVERY, ladder=LADDER, per_gemm=True, max_loss_cost=MAX_LOSS_COST,
+        ctl = mixprec.Controller(every=FP8_EVERY, ladder=LADDER, per_gemm=True, max_loss_cost=loss_cost,
                                  max_backward_cost=None if config == "controller-flush" else backward_cost,
                                  cost_row_share=row_share, **late)
     policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", names=pattern, first_last="fp8", controller=ctl,
@@ -130,10 +130,11 @@ def policy_for(config: str, names: list[str], backward_cost: float = MAX_BACKWAR
 
 
 def run(model_name: str, config: str, seed: int, steps: int, batch: int, data: torch.Tensor,
-        backward_cost: float = MAX_BACKWARD_COST, row_share: float = FP4_COST_ROW_SHARE) -> dict[str, Any]:
+        backward_cost: float = MAX_BACKWARD_COST, row_share: float = FP4_COST_ROW_SHARE,
+        loss_cost: float = MAX_LOSS_COST) -> dict[str, Any]:
     model, logits_of, lr = build(model_name, seed)
     names = linears(model)
-    policy, ctl = policy_for(config, names, backward_cost, steps, row_share)
+    policy, ctl = policy_for(config, names, backward_cost, steps, row_share, loss_cost)
     if ctl is not None:
         ctl.attach(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -223,11 +224,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--json", default=None)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--max-backward-cost", type=float, default=MAX_BACKWARD_COST,
-                    help="the controller config's Controller.max_backward_cost (nats per step)")
+    ap.add_argument("--max-loss-cost", type=float, default=MAX_LOSS_COST,
+                    help="the controller configs' Controller.max_loss_cost (nats; the demo's 1e-3); without "
+                         "--max-backward-cost, max_backward_cost follows it as the demo's does")
+    ap.add_argument("--max-backward-cost", type=float, default=None,
+                    help="the controller config's Controller.max_backward_cost (nats per step; default "
+                         "max_loss_cost / (every * horizon), the demo's 3.3e-5)")
     ap.add_argument("--cost-row-share", type=float, default=FP4_COST_ROW_SHARE,
                     help="the controller configs' Controller.cost_row_share (1: every row)")
     args = ap.parse_args(argv)
+    if args.max_backward_cost is None:
+        args.max_backward_cost = args.max_loss_cost * MAX_BACKWARD_COST / MAX_LOSS_COST
     models = args.models.split(",")
     unknown = [m for m in models if m not in STEPS]
     if unknown:
@@ -239,14 +246,14 @@ def main(argv: list[str] | None = None) -> None:
     if "fp32" not in configs:
         configs = ["fp32", *configs]
     out: dict[str, Any] = {"steps": {m: args.steps or STEPS[m] for m in models}, "batch": args.batch, "seeds": seeds,
-                           "models": {}, "max_backward_cost": args.max_backward_cost,
+                           "models": {}, "max_loss_cost": args.max_loss_cost, "max_backward_cost": args.max_backward_cost,
                            "cost_row_share": args.cost_row_share}
     for model in models:
         results: dict[str, dict[int, dict[str, Any]]] = {c: {} for c in configs}
         for seed in seeds:
             for config in configs:
                 results[config][seed] = run(model, config, seed, out["steps"][model], args.batch, train,
-                                            args.max_backward_cost, args.cost_row_share)
+                                            args.max_backward_cost, args.cost_row_share, args.max_loss_cost)
                 print(f"# {model} seed {seed} {config}: {results[config][seed]['final']:.4f} "
                       f"fp4 {results[config][seed]['fp4_share']:.1%} ({results[config][seed]['seconds']:.0f} s)",
                       flush=True)

@@ -187,3 +187,18 @@ def test_cost_bias_straddles_the_truth_of_a_quadratic_loss():
     assert r["own"] - r["true"] == pytest.approx(r["eHe"] / 2 - r["eFe_own"], rel=1e-3, abs=1e-9)
     assert r["below"] - r["true"] == pytest.approx(r["eFe_below"] - r["eHe"] / 2, rel=1e-3, abs=1e-9)
     assert r["eHe"] > 2 * max(r["eFe_own"], r["eFe_below"])  # (a quadratic loss's Fisher: far from its Hessian here)
+
+
+def test_the_loss_limit_is_a_setting_the_backward_limit_follows(tmp_path):
+    """``--max-loss-cost`` sets the controller configs' limit, and the backward GEMMs' follows it
+    as the demo's does (``max_loss_cost / (every * horizon)``) unless ``--max-backward-cost`` says."""
+    import json
+
+    policy, ctl = bench.policy_for("controller", NAMES, loss_cost=4e-3)
+    assert ctl.settings.max_loss_cost == 4e-3
+    for extra, backward in (([], 4e-3 * bench.MAX_BACKWARD_COST / bench.MAX_LOSS_COST), (["--max-backward-cost", "1e-4"], 1e-4)):
+        out = tmp_path / "q.json"
+        bench.main(["--models", "tiny", "--steps", "2", "--seeds", "0", "--configs", "controller", "--max-loss-cost", "4e-3",
+                    "--json", str(out), *extra])
+        saved = json.loads(out.read_text())
+        assert saved["max_loss_cost"] == 4e-3 and saved["max_backward_cost"] == pytest.approx(backward, rel=1e-12)

@@ -113,6 +113,7 @@ def fp4_programs(draw: st.DrawFn) -> DistProgram:
     route = draw(st.sampled_from(["policy", "convert"]))
     supervisor = draw(st.sampled_from(["controller", "controller", "guard"]))
     per_gemm = draw(st.booleans())
+    loss_cost = draw(st.sampled_from([None, 1e-3, 0.0]))
     return DistProgram(
         shape=shape, steps=schedule, supervisor=supervisor, every=draw(st.sampled_from([1, 2, 3])), route=route,
         json=route == "policy" and draw(st.booleans()), recipe=recipe, fsdp=mode.key,
@@ -121,8 +122,9 @@ def fp4_programs(draw: st.DrawFn) -> DistProgram:
         lag_rank=draw(st.sampled_from([None, 0, 1])), scaler=draw(st.booleans()),
         controller=draw(controller_schedules()), per_gemm=per_gemm, same_data=same_data,
         stages=not mode.sharded and not same_data and draw(st.booleans()),
-        backend=draw(st.sampled_from(["auto", "emulate_fp32"])), loss_cost=draw(st.sampled_from([None, 1e-3, 0.0])),
-        backward_cost=draw(st.sampled_from([None, 1e-4, 0.0])) if per_gemm else None)
+        backend=draw(st.sampled_from(["auto", "emulate_fp32"])), loss_cost=loss_cost,
+        backward_cost=draw(st.sampled_from([None, 1e-4, 0.0])) if per_gemm else None,
+        row_share=draw(st.sampled_from([1.0, 0.5, 0.25])) if loss_cost is not None else 1.0)
 
 
 _BLOCKS = Shape(width=32, blocks=3, gain=1.0, out=1)
@@ -160,6 +162,9 @@ FP4_CONVERT = DistProgram(shape=_BLOCKS, steps=(Step(skip=frozenset({1}), rows=(
 #: The uneven NVFP4 program with the backward GEMMs' loss cost (a reach walked on each rank over
 #: its own graph, gains from uneven micro-batches, every layer measured: a 0 limit).
 FP4_BACKWARD = dataclasses.replace(FP4_UNEVEN, backend="emulate_fp32", scaler=True, loss_cost=1e-3, backward_cost=0.0)
+#: The same on a quarter of the rows (cost_row_share=0.25: every rank draws the step's rows, its
+#: micro-batches of 8 rows two each, the empty one none)
+FP4_BACKWARD_ROWS = dataclasses.replace(FP4_BACKWARD, row_share=0.25)
 #: Both ranks on rank 0's data, their global generators seeded apart: NVFP4's stochastic
 #: rounding must draw the same (bitwise equal weights).
 FP4_SAME_DATA = DistProgram(shape=_BLOCKS, steps=tuple(Step(rows=((8, 8), (8, 8))) for _ in range(6)),
@@ -199,7 +204,8 @@ def test_ranks_that_know_different_layers_of_the_same_count(pool: RankPool) -> N
 @pytest.mark.parametrize("program", [pytest.param(FP4_UNEVEN, id="nvfp4-per-gemm-uneven-drift"),
                                      pytest.param(FP4_CONVERT, id="mxfp4-per-gemm-convert-scaler-skips"),
                                      pytest.param(FP4_SAME_DATA, id="nvfp4-sr-same-data"),
-                                     pytest.param(FP4_BACKWARD, id="nvfp4-per-gemm-backward-cost-uneven")])
+                                     pytest.param(FP4_BACKWARD, id="nvfp4-per-gemm-backward-cost-uneven"),
+                                     pytest.param(FP4_BACKWARD_ROWS, id="nvfp4-per-gemm-backward-cost-uneven-quarter-rows")])
 def test_fp4_per_gemm_controller(pool: RankPool, program: DistProgram) -> None:
     """The per-GEMM Controller on an fp4 ladder over 2 ranks: it decides (promotions away from
     fp4, per GEMM) and the ranks agree (same decisions, same collectives, no hang)."""

@@ -343,3 +343,28 @@ def test_under_the_fp8_all_gather_it_warns_naming_the_layers_it_cannot_measure(b
         warnings.simplefilter("error")
         fp8.convert(_model(), "tensorwise", filter_fn=lambda m, n: True, fsdp_fp8_all_gather=True,
                     controller=Controller(ladder=LADDER), backend="emulate_fp32")
+
+
+def test_the_step_folds_every_layer_at_once_bitwise_as_each_alone(batch):
+    """``Controller.step`` folds the layers' loss-cost sums in one pass per shared loss scale
+    (``_ladder.end_steps``): bitwise what each layer's own fold gives, with scales shared (a
+    number, the same tensor) and not (a tensor of its own)."""
+    from mixprec.control._ladder import end_steps
+
+    model, ctl = _converted(only=None, max_loss_cost=1.0)
+    x, y = batch
+    F.cross_entropy(model(x), y).backward()
+    recs = list(ctl._layers.values())
+    assert len(recs) == 2 and all(r.cost[:, 2].gt(0).any() for r in recs)
+    before = [r.cost.clone() for r in recs]
+    shared = torch.tensor(4.0)
+    for scales in ([2.0, 2.0], [1, 1.0], [shared, shared], [shared, torch.tensor(4.0)], [3.0, shared]):
+        for r, b in zip(recs, before):
+            r.cost.copy_(b)
+        end_steps(recs, scales)
+        together = [r.cost.clone() for r in recs]
+        for r, b, scale in zip(recs, before, scales):
+            r.cost.copy_(b)
+            r.end_step(scale)
+            assert torch.equal(r.cost, together[recs.index(r)]), scales
+        assert not torch.equal(together[0], before[0]) and together[0][:, :3].eq(0).all()

@@ -19,7 +19,7 @@ from mixprec._scaled import last_count, scaled_since
 from mixprec.control._clock import CheckClock
 from mixprec.control._decide import Check, apply_gemms, apply_layer, decide_gemms, decide_layer, peel, switch_layer
 from mixprec.control._early import early_window, promote_early
-from mixprec.control._ladder import GEMMS, Decision, LayerRecord
+from mixprec.control._ladder import GEMMS, Decision, LayerRecord, end_steps
 from mixprec.control._probe import Probe
 from mixprec.control._reach import ReachMap
 from mixprec.control._records import (all_gathered, check_loss_scale, converted, converted_experts, detached_record,
@@ -246,8 +246,7 @@ class Controller(Shell):
         self._scaled_seen = self._scaled_seen if scaled is None else scaled.count
         self._loss_scaled = self._loss_scaled or loss_scale is not None or scaled is not None
         if self.settings.max_loss_cost is not None or self.settings.max_backward_cost is not None:
-            for rec in self._layers.values():
-                rec.end_step(grad_scale(rec, loss_scale, scaled))
+            end_steps(self._layers.values(), [grad_scale(rec, loss_scale, scaled) for rec in self._layers.values()])
         self._steps, self._stepped = self._steps + 1, True
         self._reaches.clear()
         self._learn_compute()

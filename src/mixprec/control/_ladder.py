@@ -26,7 +26,7 @@ from mixprec.control._measure import measure
 from mixprec.control._trend import Trend
 
 __all__ = ["Decision", "FP4_RUNGS", "FP8_RUNGS", "GEMMS", "GEMM_OPERANDS", "GemmCasts", "LOW_RUNGS", "RUNGS",
-           "LayerRecord", "compose", "gemm_casts", "loss_cost", "measure", "output_roundoff", "past_costly"]
+           "LayerRecord", "compose", "end_steps", "gemm_casts", "loss_cost", "measure", "output_roundoff", "past_costly"]
 
 #: a linear layer's GEMMs (the keys of ``Float8Recipe.gemms()``) and the operands each reads, in
 #: the order of its (left, right) casts, as rows of :class:`LayerState`'s windows.
@@ -379,20 +379,8 @@ class LayerRecord:
     def end_step(self, loss_scale: float | torch.Tensor) -> None:
         """Fold this step's loss-cost sums into the window: the estimate (:func:`loss_cost`, bitwise) of
         the gradients scaled by ``loss_scale``; a step without rows or with a non-finite
-        estimate (an overflowed gradient) is not counted. No host sync."""
-        if self.backward is not None:
-            self.backward.end_step(loss_scale)
-        if self.cost is None or not any(self.cost_now):  # (a step that measured no row summed nothing)
-            return
-        c = self.cost  # (both rows at once: the own cost is taken at the error, the one below's without it)
-        estimate = c[:, 0] / loss_scale + self.cost_sign * (0.5 * c[:, 2] * c[:, 1] / (loss_scale * loss_scale))
-        counted = (c[:, 2] > 0) & torch.isfinite(estimate)
-        kept = torch.where(counted, estimate, 0.0)
-        c[:, 3] += kept
-        c[:, 6] += kept * c[:, 4]  # (its index among the window's counted steps: a rising cost's line, _early)
-        c[:, 4] += counted
-        c[:, 5] += kept * kept
-        c[:, :3] = 0
+        estimate (an overflowed gradient) is not counted. No host sync. (:func:`end_steps`: many at once.)"""
+        end_steps([self], [loss_scale])
 
     def reset(self) -> None:
         self.state.reset()
@@ -404,6 +392,34 @@ class LayerRecord:
             self.cost[:, 3:] = 0
         if self.backward is not None:
             self.backward.reset()
+
+
+def end_steps(records: Any, scales: Any) -> None:
+    """:meth:`LayerRecord.end_step` of each of ``records`` with its loss scale (``scales``, in
+    order): the loss-cost folds of the records on one device that share a scale (a number, or the
+    same tensor) in one pass over their stacked sums, bitwise each record's own fold, in a few
+    device ops a step however many layers. No host sync."""
+    groups: dict[Any, tuple[Any, list[LayerRecord]]] = {}
+    for rec, scale in zip(records, scales):
+        if rec.backward is not None:
+            rec.backward.end_step(scale)
+        if rec.cost is not None and any(rec.cost_now):  # (a step that measured no row summed nothing)
+            key = (rec.cost.device, id(scale) if isinstance(scale, torch.Tensor) else float(scale))
+            groups.setdefault(key, (scale, []))[1].append(rec)
+    for scale, recs in groups.values():
+        c = recs[0].cost.unsqueeze(0) if len(recs) == 1 else torch.stack([r.cost for r in recs])
+        # (both rows of each at once: the own cost is taken at the error, the one below's without it)
+        estimate = c[..., 0] / scale + recs[0].cost_sign * (0.5 * c[..., 2] * c[..., 1] / (scale * scale))
+        counted = (c[..., 2] > 0) & torch.isfinite(estimate)
+        kept = torch.where(counted, estimate, 0.0)
+        c[..., 3] += kept
+        c[..., 6] += kept * c[..., 4]  # (its index among the window's counted steps: a rising cost's line, _early)
+        c[..., 4] += counted
+        c[..., 5] += kept * kept
+        c[..., :3] = 0
+        if len(recs) > 1:
+            for rec, folded in zip(recs, c):
+                rec.cost.copy_(folded)
 
 
 def _no_module() -> None:

@@ -175,6 +175,7 @@ def summarize(results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
         diffs = [r["final"] - base[s] for s, r in runs.items() if s in base]
         gap = statistics.fmean(diffs)
         rows[config] = {"gap": gap, "gap_sd": statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+                        "gaps": {str(s): r["final"] - base[s] for s, r in runs.items() if s in base},
                         "gap_median": statistics.median(diffs),
                         "share": statistics.fmean(r["fp4_share"] for r in runs.values()),
                         "within": abs(gap) <= spread, "seconds": statistics.fmean(r["seconds"] for r in runs.values())}
@@ -184,7 +185,8 @@ def summarize(results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
 def verdict(summary: dict[str, Any], controller: str = "controller") -> str:
     """The issue's bar in words: the controller's fp4 share at least the best hand recipe's (the
     one with the most fp4 among those within fp32's spread, else the one with the smallest gap)
-    with a loss gap no worse, and >= 85% of GEMM FLOPs in fp4 within fp32's spread."""
+    with a loss gap no worse, and >= 85% of GEMM FLOPs in fp4 within fp32's spread; beside the
+    two gaps, their difference seed by seed (mean and standard error: what the seeds resolve)."""
     rows = summary["rows"]
     if controller not in rows:
         return ""
@@ -197,8 +199,12 @@ def verdict(summary: dict[str, Any], controller: str = "controller") -> str:
     b = hands[best]
     beats = c["share"] >= b["share"] and c["gap"] <= b["gap"]
     bar = c["share"] >= 0.85 and c["within"]
+    seeds = sorted(set(c.get("gaps", {})) & set(b.get("gaps", {})))
+    paired = [c["gaps"][s] - b["gaps"][s] for s in seeds]
+    noise = (f" (paired, seed by seed: {statistics.fmean(paired):+.4f} ± "
+             f"{statistics.stdev(paired) / len(paired) ** 0.5:.4f} standard error)") if len(paired) > 1 else ""
     return (f"best hand recipe {best} ({b['share']:.1%}, {b['gap']:+.4f}); {controller}: {c['share']:.1%}, "
-            f"{c['gap']:+.4f}: {'beats it' if beats else 'does NOT beat it'}; >= 85% within fp32's spread: "
+            f"{c['gap']:+.4f}{noise}: {'beats it' if beats else 'does NOT beat it'}; >= 85% within fp32's spread: "
             f"{'met' if bar else 'NOT met'}")
 
 

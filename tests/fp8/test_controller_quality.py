@@ -202,3 +202,12 @@ def test_the_loss_limit_is_a_setting_the_backward_limit_follows(tmp_path):
                     "--json", str(out), *extra])
         saved = json.loads(out.read_text())
         assert saved["max_loss_cost"] == 4e-3 and saved["max_backward_cost"] == pytest.approx(backward, rel=1e-12)
+
+
+def test_the_verdict_gives_the_paired_difference_the_seeds_resolve():
+    finals = {"fp32": [2.0, 2.1, 2.2], "head-bf16": [2.01, 2.13, 2.20], "controller": [2.02, 2.12, 2.23]}
+    results = {c: {seed: {"final": f, "fp4_share": 0.0 if c == "fp32" else 0.9, "seconds": 1.0} for seed, f in enumerate(v)}
+               for c, v in finals.items()}
+    text = bench.verdict(bench.summarize(results))
+    # seed by seed: +0.01, -0.01, +0.03: mean +0.01, standard deviation 0.02, standard error 0.0115
+    assert "best hand recipe head-bf16" in text and "(paired, seed by seed: +0.0100 ± 0.0115 standard error)" in text

@@ -365,6 +365,6 @@ def test_the_step_folds_every_layer_at_once_bitwise_as_each_alone(batch):
         together = [r.cost.clone() for r in recs]
         for r, b, scale in zip(recs, before, scales):
             r.cost.copy_(b)
-            r.end_step(scale)
+            end_steps([r], [scale])
             assert torch.equal(r.cost, together[recs.index(r)]), scales
         assert not torch.equal(together[0], before[0]) and together[0][:, :3].eq(0).all()

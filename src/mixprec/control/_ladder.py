@@ -376,12 +376,6 @@ class LayerRecord:
         if self.backward is not None:
             self.backward.step = step
 
-    def end_step(self, loss_scale: float | torch.Tensor) -> None:
-        """Fold this step's loss-cost sums into the window: the estimate (:func:`loss_cost`, bitwise) of
-        the gradients scaled by ``loss_scale``; a step without rows or with a non-finite
-        estimate (an overflowed gradient) is not counted. No host sync. (:func:`end_steps`: many at once.)"""
-        end_steps([self], [loss_scale])
-
     def reset(self) -> None:
         self.state.reset()
         clear_window(self.shadow)
@@ -395,10 +389,12 @@ class LayerRecord:
 
 
 def end_steps(records: Any, scales: Any) -> None:
-    """:meth:`LayerRecord.end_step` of each of ``records`` with its loss scale (``scales``, in
-    order): the loss-cost folds of the records on one device that share a scale (a number, or the
-    same tensor) in one pass over their stacked sums, bitwise each record's own fold, in a few
-    device ops a step however many layers. No host sync."""
+    """Fold each of ``records``' step loss-cost sums into its window: the estimate
+    (:func:`loss_cost`, bitwise) of the gradients scaled by its loss scale (``scales``, in order);
+    a step without rows or with a non-finite estimate (an overflowed gradient) is not counted.
+    The records on one device that share a scale (a number, or the same tensor) are folded in one
+    pass over their stacked sums, bitwise each one's own fold: a few device ops a step however
+    many layers. Their backward costs end the step too. No host sync."""
     groups: dict[Any, tuple[Any, list[LayerRecord]]] = {}
     for rec, scale in zip(records, scales):
         if rec.backward is not None:

@@ -19,6 +19,7 @@ from mixprec._scaled import last_count, scaled_since
 from mixprec.control._clock import CheckClock
 from mixprec.control._decide import Check, apply_gemms, apply_layer, decide_gemms, decide_layer, peel, switch_layer
 from mixprec.control._early import early_window, promote_early
+from mixprec.control._estimate_gap import learn_gaps
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord, end_steps
 from mixprec.control._probe import Probe
 from mixprec.control._reach import ReachMap
@@ -174,8 +175,7 @@ class Controller(Shell):
         not applied yet applies now."""
         rec = self._layers.pop(old)
         untrack(self._layers.pop(new, None))  # another module under that name: no longer reached
-        self._layers[new] = rec
-        self._names[rec.module()] = new
+        self._layers[new], self._names[rec.module()] = rec, new
         self._log = [dataclasses.replace(d, layer=new) if d.layer == old else d for d in self._log]
         if new in self._pending:
             load_layer(self.settings, rec, self._pending.pop(new))
@@ -274,7 +274,8 @@ class Controller(Shell):
             self._layers[name] = self._detached(name, meta)
         recs = [self._layers[n] for n in names]
         if early:  # a step of a window that promotes a forward GEMM far over max_loss_cost early (_early)
-            self._log.extend(new := promote_early(self._check(), names, recs, self._all_reduce_max))
+            check = self._check()
+            self._log.extend(new := learn_gaps(check, self._layers, promote_early(check, names, recs, self._all_reduce_max)))
             return new
         if not names:
             return []
@@ -294,7 +295,7 @@ class Controller(Shell):
             if decided is not None:
                 switch_layer(check, rec, decided[1])
                 new.append(decided[0])
-        self._log.extend(new)
+        self._log.extend(learn_gaps(check, self._layers, new))
         return new
 
     def _set_measuring(self, measuring: bool) -> None:

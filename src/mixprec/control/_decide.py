@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from mixprec.control._backward import BACKWARD_WINDOWS, FAR, BackwardCost, backward_recipes, peel, stats_read
+from mixprec.control._estimate_gap import expected_own
 from mixprec.control._ladder import GEMM_OPERANDS, GEMMS, Decision, LayerRecord, compose, gemm_casts, output_roundoff, past_costly
 from mixprec.control._settings import FP4_RUNGS, LOW_RUNGS, ControllerSettings, rung_name
 from mixprec.control._trend import Trend, demote_windows, grow, log2, ratio, underflow_forecast
@@ -77,10 +78,11 @@ def too_costly(at: Check, cost: list[float] | None) -> bool:
     return cost is not None and cost[2] > 0 and cost[0] > at.settings.max_loss_cost
 
 
-def cheap_below(at: Check, cost: list[float]) -> bool:
-    """Whether the recipe below's forward was measured and cost at most ``demote_loss_cost``
-    (a window without a measurement is no evidence)."""
-    return cost[3] > 0 and cost[1] <= at.settings.demote_cost
+def cheap_below(at: Check, cost: list[float], expected: float | None = None) -> bool:
+    """Whether the recipe below's forward was measured and cost at most ``demote_loss_cost`` (a
+    window without a measurement is no evidence); ``expected``: its cost as its own estimate will
+    read it there (:func:`~mixprec.control._estimate_gap.expected_own`), in place of ``cost[1]``."""
+    return cost[3] > 0 and (cost[1] if expected is None else expected) <= at.settings.demote_cost
 
 
 def layer_up(rec: LayerRecord, at: Check | None = None, cost: float | None = None) -> int:
@@ -187,11 +189,11 @@ def decide_layer(at: Check, name: str, rec: LayerRecord, row: list[float], cost:
             elif ladder[rec.rung] == "fp32" and ratio(forecast, limit) > ratio(worst[2], worst[3]):
                 worst = (r, "amax_forecast", forecast, limit)
     if has_shadow and cost is not None:
-        limit = at.settings.demote_cost
-        if not (rec.below_wanted(safe) and cheap_below(at, cost)):  # (measured where it alone decides)
+        limit, expected = at.settings.demote_cost, expected_own(at, rec, down, cost[1])
+        if not (rec.below_wanted(safe) and cheap_below(at, cost, expected)):  # (measured where it alone decides)
             safe = False
-        elif ratio(cost[1], limit) > ratio(worst[2], worst[3]):
-            worst = ("output", "loss_cost", cost[1], limit)
+        elif ratio(expected, limit) > ratio(worst[2], worst[3]):
+            worst = ("output", "loss_cost", expected, limit)
     rec.clean = rec.clean + 1 if safe else 0
     if _may_demote(at, rec.clean, rec.switches, ladder[down] in FP4_RUNGS, True):
         op, stat, value, limit = worst
@@ -237,15 +239,13 @@ def apply_layer(at: Check, rec: LayerRecord) -> None:
     rec.state.probe, rec.probe.fp32 = rec.probe, name == "fp32"
     down = layer_down(rec)
     rec.below = at.recipes.get(at.settings.ladder[down]) if down is not None else None
-    rec.forward_low = name in LOW_RUNGS
-    rec.forward_below = rec.below if rec.cost is not None else None
+    rec.forward_low, rec.forward_below = name in LOW_RUNGS, rec.below if rec.cost is not None else None
 
 
 def switch_layer(at: Check, rec: LayerRecord, to: int) -> None:
     """Move a whole-layer record to rung ``to`` (its decision taken): the hysteresis restarts,
     the trends of the casts it measures too, and the layer is routed there."""
-    rec.rung = to
-    rec.clean = 0
+    rec.rung, rec.clean = to, 0
     rec.trends.update({f"{k}_{op}": Trend() for op in OPERANDS for k in ("underflow", "shadow")})  # (their casts changed)
     rec.switches.append(at.steps)
     apply_layer(at, rec)
@@ -258,8 +258,7 @@ def apply_gemms(at: Check, rec: LayerRecord) -> None:
     recipe = compose(_recipes(at, rec.rungs))
     rec.state.route(recipe, recipe is None)
     rec.state.probe, rec.probe.fp32 = rec.probe, names[0] == "fp32"
-    rec.below = None
-    rec.forward_low = names[0] in LOW_RUNGS
+    rec.below, rec.forward_low = None, names[0] in LOW_RUNGS
     for g, gemm in enumerate(GEMMS):
         here = at.recipes.get(names[g])
         rec.own[g] = gemm_casts(here, gemm)
@@ -441,7 +440,8 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
         rec.below_wanted(True)
     if loss is not None and loss[3] > 0:  # the rung below's loss cost decides, not its flush (a non-finite cost: no)
         limit, stat = (at.settings.demote_cost, "loss_cost") if cost is not None else (at.settings.demote_backward, "backward_cost")
-        safe, worst = range_ok and loss[1] <= limit, ("output", loss[1], stat, limit)
+        value = expected_own(at, rec, down, loss[1]) if cost is not None else loss[1]  # (the forward's: _estimate_gap)
+        safe, worst = range_ok and value <= limit, ("output", value, stat, limit)
     rec.gemm_clean[g] = rec.gemm_clean[g] + 1 if safe else 0
     if _may_demote(at, rec.gemm_clean[g], rec.gemm_switches[g], ladder[down] in FP4_RUNGS, g == 0 or rec.rungs[0] < rung):
         d = decision(gemm, worst[0], "demote", rung, down, worst[2], worst[1], worst[3], "<=")

@@ -245,6 +245,10 @@ class LayerRecord:
         self.cost_below = True  # whether the rung below's is measured (below_wanted)
         self.cost_gate = torch.ones(2, dtype=torch.bool, device=state.device)
         self.cost_rung = rung
+        # the gap between the forward's own and below loss-cost estimates its last flip showed, per
+        # unit of squared roundoff, and the rung and below estimate of its last demotion (_estimate_gap)
+        self.cost_gap = 0.0
+        self.demoted_below: tuple[int, float] | None = None
         # the step under way, whose index draws the output rows a loss cost measures under
         # Controller(cost_row_share=...) (_cost.sampled_rows): eager code reads the int, compiled code its device copy
         self.cost_step = 0

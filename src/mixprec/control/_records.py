@@ -57,6 +57,8 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
         data.update(gemms={g: ladder[r] for g, r in zip(GEMMS, rec.rungs)}, gemm_clean=list(rec.gemm_clean),
                     gemm_switches=[list(s) for s in rec.gemm_switches], stats_read=[list(k) for k in rec.stats_read],
                     backward_over=list(rec.back_over))
+    if rec.cost is not None and (rec.cost_gap or rec.demoted_below is not None):  # (_estimate_gap)
+        data["cost_gap"] = [rec.cost_gap, None if rec.demoted_below is None else list(rec.demoted_below)]
     if windows:
         data.update(state=rec.state.window.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist(),
                     rounding_step=rec.state.rounding_step)
@@ -76,6 +78,21 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
                                      [b.end.tolist(), end_last if end_last > -math.inf else None,
                                       None if update is None else update.tolist()]]
     return data
+
+
+def _cost_gap(saved: Any, rungs: int) -> tuple[float, tuple[int, float] | None]:
+    """A saved ``cost_gap`` entry (:mod:`._estimate_gap`: the gap, the last demotion's rung and
+    below estimate or None), checked. Raises ValueError for another shape or value."""
+    gap, demoted = saved if isinstance(saved, (list, tuple)) and len(saved) == 2 else (None, None)
+    ok = isinstance(gap, (int, float)) and not isinstance(gap, bool) and math.isfinite(gap) and gap >= 0
+    if demoted is not None:
+        ok = ok and (isinstance(demoted, (list, tuple)) and len(demoted) == 2 and isinstance(demoted[0], int)
+                     and not isinstance(demoted[0], bool) and 0 <= demoted[0] < rungs
+                     and isinstance(demoted[1], (int, float)) and math.isfinite(demoted[1]))
+    if not ok:
+        raise ValueError(f"Controller.load_state_dict: cost_gap must be [a finite gap >= 0, None or [a rung index "
+                         f"below {rungs}, a finite loss cost]], got {saved!r}")
+    return float(gap), None if demoted is None else (int(demoted[0]), float(demoted[1]))
 
 
 def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str, Any]) -> None:
@@ -112,6 +129,8 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
             raise ValueError(f"Controller.load_state_dict: backward_over must be {len(GEMMS)} counts (ints >= 0), "
                              f"got {over!r}")
         rec.back_over = list(over)
+    if rec.cost is not None:
+        rec.cost_gap, rec.demoted_below = _cost_gap(data.get("cost_gap", (0.0, None)), len(settings.ladder))
     for key, (last, slope, recent) in data["trends"].items():
         if key in rec.trends:  # (a whole-layer record's operand trends are no GEMM's)
             rec.trends[key] = Trend(last, slope, tuple(recent))

@@ -17,7 +17,7 @@ Configs (every fp4 layer NVFP4, emulated in float32 as the demo's fp4 modes run 
   "tensorwise", "rowwise", "compute"), max_loss_cost=1e-3, max_backward_cost=3.3e-5,
   cost_row_share=0.25)`` (the demo's ``mixprec-fp4``: ``max_backward_cost`` is ``max_loss_cost /
   (every * horizon)``, a per-step cost against a level; ``--max-loss-cost`` (with the backward
-  limit following it), ``--max-backward-cost`` and ``--cost-row-share`` change them);
+  limit following it), ``--max-backward-cost``, ``--cost-row-share`` and ``--cost-scope`` change them);
 * ``controller-flush``: the same without ``max_backward_cost`` (backward GEMMs by their flush);
 * ``controller-late``: ``controller`` with a late phase (``late_start`` at :data:`LATE_AT` of the
   run, ``late_factor`` :data:`LATE_FACTOR`: the loss-cost limits tightened for the last steps,
@@ -102,7 +102,8 @@ def blocks_of(name: str) -> int | None:
 
 
 def policy_for(config: str, names: list[str], backward_cost: float = MAX_BACKWARD_COST, steps: int = 0,
-               row_share: float = FP4_COST_ROW_SHARE, loss_cost: float = MAX_LOSS_COST) -> tuple[Any, Any]:
+               row_share: float = FP4_COST_ROW_SHARE, loss_cost: float = MAX_LOSS_COST,
+               scope: str = "gemm") -> tuple[Any, Any]:
     """``(policy, controller or None)`` of a config for a run of ``steps``; the layers it keeps in
     bf16 are the ones its ``names`` pattern leaves out."""
     if config == "fp32":
@@ -123,7 +124,7 @@ def policy_for(config: str, names: list[str], backward_cost: float = MAX_BACKWAR
             late = {"late_start": int(LATE_AT * steps), "late_factor": LATE_FACTOR}
         ctl = mixprec.Controller(every=FP8_EVERY, ladder=LADDER, per_gemm=True, max_loss_cost=loss_cost,
                                  max_backward_cost=None if config == "controller-flush" else backward_cost,
-                                 cost_row_share=row_share, **late)
+                                 cost_row_share=row_share, cost_scope=scope, **late)
     policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", names=pattern, first_last="fp8", controller=ctl,
                                                       backend="emulate_fp32")
     return policy, ctl
@@ -131,10 +132,10 @@ def policy_for(config: str, names: list[str], backward_cost: float = MAX_BACKWAR
 
 def run(model_name: str, config: str, seed: int, steps: int, batch: int, data: torch.Tensor,
         backward_cost: float = MAX_BACKWARD_COST, row_share: float = FP4_COST_ROW_SHARE,
-        loss_cost: float = MAX_LOSS_COST) -> dict[str, Any]:
+        loss_cost: float = MAX_LOSS_COST, scope: str = "gemm") -> dict[str, Any]:
     model, logits_of, lr = build(model_name, seed)
     names = linears(model)
-    policy, ctl = policy_for(config, names, backward_cost, steps, row_share, loss_cost)
+    policy, ctl = policy_for(config, names, backward_cost, steps, row_share, loss_cost, scope)
     if ctl is not None:
         ctl.attach(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -238,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
                          "max_loss_cost / (every * horizon), the demo's 3.3e-5)")
     ap.add_argument("--cost-row-share", type=float, default=FP4_COST_ROW_SHARE,
                     help="the controller configs' Controller.cost_row_share (1: every row)")
+    ap.add_argument("--cost-scope", default="gemm", choices=("gemm", "model"),
+                    help="the controller configs' Controller.cost_scope (model: the limits are the whole model's, "
+                         "shared out by FLOPs)")
     args = ap.parse_args(argv)
     if args.max_backward_cost is None:
         args.max_backward_cost = args.max_loss_cost * MAX_BACKWARD_COST / MAX_LOSS_COST
@@ -253,13 +257,14 @@ def main(argv: list[str] | None = None) -> None:
         configs = ["fp32", *configs]
     out: dict[str, Any] = {"steps": {m: args.steps or STEPS[m] for m in models}, "batch": args.batch, "seeds": seeds,
                            "models": {}, "max_loss_cost": args.max_loss_cost, "max_backward_cost": args.max_backward_cost,
-                           "cost_row_share": args.cost_row_share}
+                           "cost_row_share": args.cost_row_share, "cost_scope": args.cost_scope}
     for model in models:
         results: dict[str, dict[int, dict[str, Any]]] = {c: {} for c in configs}
         for seed in seeds:
             for config in configs:
                 results[config][seed] = run(model, config, seed, out["steps"][model], args.batch, train,
-                                            args.max_backward_cost, args.cost_row_share, args.max_loss_cost)
+                                            args.max_backward_cost, args.cost_row_share, args.max_loss_cost,
+                                            args.cost_scope)
                 print(f"# {model} seed {seed} {config}: {results[config][seed]['final']:.4f} "
                       f"fp4 {results[config][seed]['fp4_share']:.1%} ({results[config][seed]['seconds']:.0f} s)",
                       flush=True)

@@ -51,6 +51,7 @@ class DistProgram:
     loss_cost: float | None = None  # the Controller's max_loss_cost (its step gets the scaler's scale)
     backward_cost: float | None = None  # the per-GEMM Controller's max_backward_cost (reach walks, gains)
     row_share: float = 1.0  # the Controller's cost_row_share (the loss costs' rows drawn from the step count)
+    cost_scope: str = "gemm"  # the Controller's cost_scope ("model": the limits shared out by each layer's size)
     stages: bool = False  # rank r puts only the blocks i with i % 2 == r in fp8 (as pipeline stages own
     #                       different layers): the ranks know different layers, as many with an even count
 
@@ -91,7 +92,7 @@ SETTINGS = {
     "guard": lambda p: {"every": p.every, "max_underflow": RECIPES[p.recipe].guard_underflow},
     "controller": lambda p: {"every": p.every, **dict(p.controller), "per_gemm": p.per_gemm,
                              "max_loss_cost": p.loss_cost, "max_backward_cost": p.backward_cost,
-                             "cost_row_share": p.row_share,
+                             "cost_row_share": p.row_share, "cost_scope": p.cost_scope,
                              **RECIPES[p.recipe].ladder},
 }
 

@@ -124,7 +124,8 @@ def fp4_programs(draw: st.DrawFn) -> DistProgram:
         stages=not mode.sharded and not same_data and draw(st.booleans()),
         backend=draw(st.sampled_from(["auto", "emulate_fp32"])), loss_cost=loss_cost,
         backward_cost=draw(st.sampled_from([None, 1e-4, 0.0])) if per_gemm else None,
-        row_share=draw(st.sampled_from([1.0, 0.5, 0.25])) if loss_cost is not None else 1.0)
+        row_share=draw(st.sampled_from([1.0, 0.5, 0.25])) if loss_cost is not None else 1.0,
+        cost_scope=draw(st.sampled_from(["gemm", "model"])) if loss_cost is not None else "gemm")
 
 
 _BLOCKS = Shape(width=32, blocks=3, gain=1.0, out=1)
@@ -165,6 +166,13 @@ FP4_BACKWARD = dataclasses.replace(FP4_UNEVEN, backend="emulate_fp32", scaler=Tr
 #: The same on a quarter of the rows (cost_row_share=0.25: every rank draws the step's rows, its
 #: micro-batches of 8 rows two each, the empty one none)
 FP4_BACKWARD_ROWS = dataclasses.replace(FP4_BACKWARD, row_share=0.25)
+#: The backward-cost program on ranks that know different layers (stages): the input gradients'
+#: costs sum the gains of the layers before them, in an order every rank must agree on (found:
+#: each rank's own tracking order, its peer's layers last: the ranks decided apart at step 6)
+FP4_BACKWARD_STAGES = dataclasses.replace(FP4_BACKWARD, stages=True)
+#: The same with the limits the model's, shared out by each layer's size (a rank takes its
+#: peer's layers' sizes from their metadata)
+FP4_MODEL_SCOPE_STAGES = dataclasses.replace(FP4_BACKWARD_STAGES, cost_scope="model")
 #: Both ranks on rank 0's data, their global generators seeded apart: NVFP4's stochastic
 #: rounding must draw the same (bitwise equal weights).
 FP4_SAME_DATA = DistProgram(shape=_BLOCKS, steps=tuple(Step(rows=((8, 8), (8, 8))) for _ in range(6)),
@@ -205,7 +213,9 @@ def test_ranks_that_know_different_layers_of_the_same_count(pool: RankPool) -> N
                                      pytest.param(FP4_CONVERT, id="mxfp4-per-gemm-convert-scaler-skips"),
                                      pytest.param(FP4_SAME_DATA, id="nvfp4-sr-same-data"),
                                      pytest.param(FP4_BACKWARD, id="nvfp4-per-gemm-backward-cost-uneven"),
-                                     pytest.param(FP4_BACKWARD_ROWS, id="nvfp4-per-gemm-backward-cost-uneven-quarter-rows")])
+                                     pytest.param(FP4_BACKWARD_ROWS, id="nvfp4-per-gemm-backward-cost-uneven-quarter-rows"),
+                                     pytest.param(FP4_BACKWARD_STAGES, id="nvfp4-per-gemm-backward-cost-stages"),
+                                     pytest.param(FP4_MODEL_SCOPE_STAGES, id="nvfp4-per-gemm-model-scope-stages")])
 def test_fp4_per_gemm_controller(pool: RankPool, program: DistProgram) -> None:
     """The per-GEMM Controller on an fp4 ladder over 2 ranks: it decides (promotions away from
     fp4, per GEMM) and the ranks agree (same decisions, same collectives, no hang)."""

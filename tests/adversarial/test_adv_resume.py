@@ -284,6 +284,8 @@ def _controllers(draw: st.DrawFn, recipe: str, every: int) -> Supervisor:
     reference = draw(st.sampled_from(["auto", "bfloat16", "float32"])) if costed else "auto"
     # (the share of output rows a forward's loss cost measures: drawn from the step, resumed with it)
     rows = {"cost_row_share": draw(st.sampled_from([1.0, 0.5, 0.25]))} if loss_cost is not None else {}
+    if costed:  # (the limits per GEMM, or the model's shared out by each layer's size)
+        rows["cost_scope"] = draw(st.sampled_from(["gemm", "model"]))
     return harness_controller(
         recipe, every, per_gemm=per_gemm, loss_cost=loss_cost, backward_cost=backward_cost, reference=reference, **rows,
         demote_windows=draw(st.sampled_from([1, 2, 3])), trend_windows=draw(st.sampled_from([1, 2])),

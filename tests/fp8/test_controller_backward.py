@@ -502,3 +502,41 @@ def test_noise_costs_half_its_share_of_the_gain_under_normalized_updates(normali
         assert c == pytest.approx(float(cost_ratio(ref, ref + across)), rel=1e-4, abs=1e-7)
         assert shrink == (pytest.approx(share / 2, rel=1e-4) if normalized else 0.0)
         assert not normalized or abs(c) < 0.05 * share / 2  # (across the result: next to no first-order share)
+
+
+def _backward_costs_per_check(monkeypatch, reverse: bool) -> list:
+    """The backward costs each check computes (``_controller.peel``'s), training as ``_train``
+    does; ``reverse``: the controller's records listed in reverse after the first step (as on a
+    rank that took the first layers from its peer's metadata: a peer's records come last)."""
+    from mixprec.control import _backward, _controller
+    seen, peel = [], _backward.peel
+    monkeypatch.setattr(_controller, "peel", lambda *a: (seen.append((out := peel(*a))[1]), out)[1])
+    model = _model(0)
+    ctl = mixprec.Controller(every=5, ladder=LADDER, per_gemm=True, max_backward_cost=1.0)
+    ctl.attach(model)
+    policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
+                                                      backend="emulate_fp32")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    target = torch.randn(64, 16, generator=gen)
+    for step in range(20):
+        with mixprec.autocast("cpu", policy=policy):
+            loss = (model(torch.randn(64, 64, generator=gen)).float() - target).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ctl.step()
+        if reverse and step == 0:
+            ctl._layers = dict(reversed(list(ctl._layers.items())))
+    return seen
+
+
+def test_the_backward_costs_sum_the_upstream_gains_in_the_layers_first_reached_order_whatever_the_records_order(
+        monkeypatch):
+    """An input gradient's cost sums the gains of the layers before it (``backward_costs``): in
+    the order the layers were first reached (``LayerRecord.order``, a peer's taken from its
+    metadata), not the order a rank happens to hold its records in."""
+    plain = _backward_costs_per_check(monkeypatch, reverse=False)
+    reordered = _backward_costs_per_check(monkeypatch, reverse=True)
+    assert len(plain) == 4 and plain == reordered
+    assert any(c is not None and c[0] > 0 for check in plain for c in check.values())  # (input-gradient costs measured)

@@ -353,7 +353,8 @@ def test_only_a_switch_since_the_last_check_is_provisional():
     """``_may_demote``: one clean window takes back a forward's switch made since the last check,
     not one a check made (that waits for ``demote_windows`` and ``min_dwell``), nor a backward
     GEMM's (taken up with its forward), nor one past the switch budget."""
-    from mixprec.control._decide import Check, _may_demote
+    from mixprec.control._check import Check
+    from mixprec.control._decide import _may_demote
 
     settings = Controller(**SETTINGS).settings
     at = Check.of(settings, steps=20)

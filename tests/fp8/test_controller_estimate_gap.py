@@ -81,7 +81,7 @@ def test_the_gap_moves_between_rungs_by_their_squared_roundoff(monkeypatch):
     """Learned from a flip at an fp8 rung (ladder nvfp4, tensorwise, rowwise, compute: promoted
     from NVFP4 to bf16... here to float32 compute, demoted to rowwise, back up), the gap applies at
     the rung below as the ratio of squared roundoffs says: the same at tensorwise (e4m3 both)."""
-    from mixprec.control._decide import Check
+    from mixprec.control._check import Check
     from mixprec.control._estimate_gap import expected_own
     from mixprec.control._settings import ControllerSettings
     from mixprec.formats._state import LayerState

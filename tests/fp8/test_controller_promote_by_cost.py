@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from mixprec import Controller, fp8
-from mixprec.control._decide import Check, up_by_cost
+from mixprec.control._check import Check
+from mixprec.control._decide import up_by_cost
 from mixprec.control._ladder import output_roundoff, past_costly
 from mixprec.control._settings import ControllerSettings
 from mixprec.fp8 import Float8Recipe

@@ -13,7 +13,8 @@ import torch
 
 from mixprec import Controller
 from mixprec.fp8 import ControllerSettings
-from mixprec.control._decide import Check, gemm_up
+from mixprec.control._check import Check
+from mixprec.control._decide import gemm_up
 from mixprec.formats._fp4 import hadamard, hadamard_matrix, quantize
 from mixprec.control._ladder import LayerRecord, compose, gemm_casts
 from mixprec.control._measure import measure

@@ -84,9 +84,35 @@ def _run_controller(rank: int | None) -> dict[str, Any]:
             "precisions": precisions[SKIP:]}
 
 
+def _run_shares(rank: int | None) -> list[dict[str, float]]:
+    """Each check's shares of the loss-cost limits (``cost_scope="model"``) of layers of unequal
+    size: the lagging rank takes its first checks' from its peer's metadata (it ran no layer yet)."""
+    from mixprec.control import _controller
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
+    ctl = Controller(every=5, per_gemm=True, ladder=("nvfp4", "tensorwise", "compute"), max_loss_cost=1.0,
+                     cost_scope="model")
+    policy = Policy.parse("compute=bf16").fp8("nvfp4", controller=ctl, first_last="fp8", backend="emulate_fp32")
+    seen, shares = [], _controller.flop_shares
+    _controller.flop_shares = lambda settings, records: (seen.append(out := shares(settings, records)), out)[1]
+    try:
+        for step in range(2 * SKIP):
+            for mb in _micro_batches(rank, step):
+                g = torch.Generator().manual_seed(2 * step + (mb == "b"))
+                x, y = torch.randn(32, 64, generator=g), torch.randint(0, 32, (32,), generator=g)
+                with mixprec.autocast("cpu", policy=policy):
+                    F.cross_entropy(model(x).float(), y).backward()
+            model.zero_grad()
+            ctl.step()
+    finally:
+        _controller.flop_shares = shares
+    return [s for s in seen if s]
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     with gloo_group(rank, port):
-        result = {"guard": _run_guard(rank), "controller": _run_controller(rank)}
+        result = {"guard": _run_guard(rank), "controller": _run_controller(rank), "shares": _run_shares(rank)}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -101,7 +127,10 @@ def test_a_lagging_rank_with_fewer_micro_batches_decides_as_one_process_that_saw
     assert [layer for _, layer, _, _ in guard_ref["decisions"]] == ["2", "4", "6"]
     assert [step for step, _, _, _ in guard_ref["decisions"]] == [4, 6, 9]  # guard.step() counts from 1
     assert {d[3] for d in ctl_ref["log"]} == {"promote", "demote"}
+    shares_ref = _run_shares(None)
+    assert shares_ref and all(s == {"0": 2 / 3, "2": 1 / 3} for s in shares_ref)
     for result in ranks:
+        assert result["shares"] == shares_ref
         assert result["guard"] == guard_ref
         assert result["controller"]["log"] == ctl_ref["log"]
         assert result["controller"]["precisions"] == ctl_ref["precisions"]

@@ -56,7 +56,7 @@ scale cancels, and the gain's and end slope's are divided out (:meth:`BackwardCo
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -402,15 +402,15 @@ def backward_costs(backs: list[list[float] | None]) -> list[list[float] | None]:
     return out
 
 
-def peel(names: list[str], rows: list[list[float]], forward: list[str], settings: Any
+def peel(names: list[str], rows: list[list[float]], forward: Mapping[str, int], settings: Any
          ) -> tuple[list[list[float]], dict[str, list[float] | None]]:
     """A check's all-reduced rows (of the layers ``names``) without their backward part, and
-    per name its :func:`backward_costs` (None without ``settings.max_backward_cost``),
-    computed in the order of ``forward`` (the layers' tracking order: the order of their first
-    forward)."""
+    per name its :func:`backward_costs` (None without ``settings.max_backward_cost``), computed in
+    the order of ``forward`` (per name, ``LayerRecord.order``: where the layers were first reached;
+    ties by name, so ranks that reached different layers first order them alike)."""
     if settings.max_backward_cost is None:
         return rows, dict.fromkeys(names)
-    order = sorted(range(len(names)), key=lambda i: forward.index(names[i]) if names[i] in forward else len(forward))
+    order = sorted(range(len(names)), key=lambda i: (forward.get(names[i], len(forward)), names[i]))
     costs = backward_costs([rows[i][-ROW:] for i in order])
     return [row[:-ROW] for row in rows], {names[i]: c for i, c in zip(order, costs)}
 

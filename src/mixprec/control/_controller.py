@@ -17,16 +17,17 @@ import torch.nn as nn
 from mixprec._modules import named_modules
 from mixprec._scaled import last_count, scaled_since
 from mixprec.control._clock import CheckClock
-from mixprec.control._decide import Check, apply_gemms, apply_layer, decide_gemms, decide_layer, peel, switch_layer
+from mixprec.control._check import Check
+from mixprec.control._decide import apply_gemms, apply_layer, decide_gemms, decide_layer, peel, switch_layer
 from mixprec.control._early import early_window, promote_early
 from mixprec.control._estimate_gap import learn_gaps
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord, end_steps
 from mixprec.control._probe import Probe
 from mixprec.control._reach import ReachMap
 from mixprec.control._records import (all_gathered, check_loss_scale, converted, converted_experts, detached_record,
-                                      grad_scale, layer_data, load_layer, log_csv, log_data, measures_backward, metadata,
-                                      parse_state_dict, qualified, seen_compute, set_measuring, start_rungs, untrack,
-                                      warn_cost_blind, warn_unscaled)
+                                      flop_shares, grad_scale, layer_data, load_layer, log_csv, log_data, measures_backward,
+                                      metadata, parse_state_dict, qualified, seen_compute, set_measuring, start_rungs,
+                                      untrack, warn_cost_blind, warn_unscaled)
 from mixprec.control._settings import LOW_RUNGS, RUNGS, ControllerSettings
 from mixprec.control._shell import Shell
 from mixprec.control._trend import MAX_HORIZON, shadow_phase, sustained_slope
@@ -118,9 +119,9 @@ class Controller(Shell):
         """The log as CSV (:func:`~mixprec.control._records.log_csv`), written to ``path`` when given."""
         return log_csv(self._log, self.settings.per_gemm, path)
 
-    def _check(self) -> Check:  # what a decision reads of this controller now: a value
-        self._learn_compute()
-        return Check(self.settings, self._steps, self._compute, self._recipes)
+    def _check(self, decide: bool = False) -> Check:  # what a decision reads of this controller now: a value
+        self._learn_compute()  # (a check's decisions: with the layers' shares of the limits, cost_scope="model")
+        return Check(self.settings, self._steps, self._compute, self._recipes, flop_shares(self.settings, self._layers) if decide else {})
 
     # ----------------------------------------------------------------- tracking
     def govern(self, model: nn.Module, layers: Mapping[str, tuple[nn.Module, Float8Recipe]],
@@ -183,9 +184,9 @@ class Controller(Shell):
 
     def _track(self, name: str, module: nn.Module, recipe: Float8Recipe) -> None:
         start, floor, allowed = start_rungs(self.settings, name, recipe, features(module))
+        old = self._layers.get(name)  # (its place in the layers' order stays: a peer's record keeps the peer's)
         rec = LayerRecord(module, layer_state(module), start, floor, allowed, self.settings.per_gemm,
-                          self.settings.max_loss_cost is not None)
-        old = self._layers.get(name)
+                          self.settings.max_loss_cost is not None, old.order if old is not None else len(self._layers))
         data = self._pending.pop(name, None)
         if old is not None and old.module() is None:  # decided so far as its peers' (_detached): take it over
             data = layer_data(self.settings, old)
@@ -274,8 +275,7 @@ class Controller(Shell):
             self._layers[name] = self._detached(name, meta)
         recs = [self._layers[n] for n in names]
         if early:  # a step of a window that promotes a forward GEMM far over max_loss_cost early (_early)
-            check = self._check()
-            self._log.extend(new := learn_gaps(check, self._layers, promote_early(check, names, recs, self._all_reduce_max)))
+            self._log.extend(new := promote_early(self._check(decide=True), names, recs, self._all_reduce_max))
             return new
         if not names:
             return []
@@ -284,10 +284,10 @@ class Controller(Shell):
             self._warned_scale = True
             warn_unscaled()
         rows = self._all_reduce_max(torch.stack([r.windows() for r in recs])).tolist()  # the one sync
-        (rows, backs), new, check = peel(names, rows, list(self._layers), self.settings), [], self._check()
+        (rows, backs), new, check = peel(names, rows, {n: r.order for n, r in self._layers.items()}, self.settings), [], self._check(decide=True)
         for name, rec, row in zip(names, recs, rows):
             rec.reset()
-            row, cost = rec.split(row, self.settings)
+            row, cost = rec.split(row, check.for_layer(name).settings)
             if self.settings.per_gemm:
                 new.extend(decide_gemms(check, name, rec, row, cost, backs[name]))
                 continue

@@ -10,51 +10,21 @@ the ``fp32`` rung stay the whole layer's."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from mixprec.control._backward import BACKWARD_WINDOWS, FAR, BackwardCost, backward_recipes, peel, stats_read
+from mixprec.control._check import Check
 from mixprec.control._estimate_gap import expected_own
 from mixprec.control._ladder import GEMM_OPERANDS, GEMMS, Decision, LayerRecord, compose, gemm_casts, output_roundoff, past_costly
-from mixprec.control._settings import FP4_RUNGS, LOW_RUNGS, ControllerSettings, rung_name
+from mixprec.control._settings import FP4_RUNGS, LOW_RUNGS, rung_name
 from mixprec.control._trend import Trend, demote_windows, grow, log2, ratio, underflow_forecast
 from mixprec.formats._quant import STAT_NAMES
-from mixprec.formats._recipe import Float8Recipe
 from mixprec.formats._state import OPERANDS
 
-__all__ = ["Check", "apply_gemms", "apply_layer", "switch_layer", "cheap_below", "composes", "decide_gemms", "decide_layer", "gemm_down", "gemm_up",
+__all__ = ["apply_gemms", "apply_layer", "switch_layer", "cheap_below", "composes", "decide_gemms", "decide_layer", "gemm_down", "gemm_up",
            "layer_down", "layer_up", "limits", "peel", "rung_name", "switch_gemms", "too_costly", "up_by_cost"]
-
-
-@dataclass(frozen=True)
-class Check:
-    """What a check decides with besides a layer's record and measurements: the controller's
-    ``settings`` (``ControllerSettings.late``'s at ``steps``), its step count, the compute dtype
-    (None while unknown) and the recipe of each low rung of the ladder (one per rung)."""
-
-    settings: ControllerSettings
-    steps: int = 0
-    compute: torch.dtype | None = None
-    recipes: Mapping[str, Float8Recipe] = field(default_factory=dict)
-    def __post_init__(self) -> None:  # the late phase's cost limits (ControllerSettings.late)
-        object.__setattr__(self, "settings", self.settings.late(self.steps))
-
-    @classmethod
-    def of(cls, settings: ControllerSettings, steps: int = 0, compute: torch.dtype | None = None) -> "Check":
-        """A check with the recipes of ``settings``' ladder built here (a Controller passes its own).
-
-        Example:
-            >>> Check.of(ControllerSettings(ladder=("tensorwise", "compute"))).recipes["tensorwise"].name
-            'tensorwise'
-        """
-        recipes = {r: Float8Recipe.from_name(r) for r in settings.ladder if r in LOW_RUNGS}
-        return cls(settings, steps, compute, recipes)
-
-    def rung_name(self, rung: int) -> str:
-        """:func:`rung_name` of ``rung`` on the settings' ladder."""
-        return rung_name(self.settings.ladder, rung, self.compute)
 
 
 _NCOL = len(STAT_NAMES)
@@ -111,6 +81,7 @@ def decide_layer(at: Check, name: str, rec: LayerRecord, row: list[float], cost:
     """The layer's switch after this window (the decision and the new rung), or None. ``cost``:
     the window's loss costs of its forward GEMM (own, below, whether each was measured), under
     ``Controller.max_loss_cost``."""
+    at = at.for_layer(name)  # (its share of the limits under cost_scope="model")
     own = [row[i * _NCOL:(i + 1) * _NCOL] for i in range(len(OPERANDS))]
     off = len(OPERANDS) * _NCOL
     shadow = [row[off + i * _NCOL:off + (i + 1) * _NCOL] for i in range(len(OPERANDS))]
@@ -292,6 +263,7 @@ def decide_gemms(at: Check, name: str, rec: LayerRecord, row: list[float], cost:
     ``cost``: its forward GEMM's loss costs, as :func:`decide_layer`'s; ``backward``: its backward
     GEMMs' costs, :func:`~mixprec.control._backward.backward_costs`), applied to ``rec``; in
     GEMM order, each judged with the rungs the earlier ones left."""
+    at = at.for_layer(name)  # (its share of the limits under cost_scope="model")
     backward = rec.carry_backward(backward, at.settings)  # (a window its cadence skipped: the last measured)
     off = 2 * 3 * _NCOL + len(_RANGE)  # LayerState's and the whole-layer shadow's rows, the range
     ranges, win = row[off - len(_RANGE):off], row[off:]

@@ -37,8 +37,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from mixprec.control._check import Check
 from mixprec.control._cost import COST_Z
-from mixprec.control._decide import Check, composes, gemm_up, layer_up, switch_gemms, switch_layer
+from mixprec.control._decide import composes, gemm_up, layer_up, switch_gemms, switch_layer
+from mixprec.control._estimate_gap import learn_gaps
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord
 
 __all__ = ["EARLY_STEPS", "TREND_STEPS", "cost_bound", "early_promotions", "early_window", "lower_bounds", "promote_early",
@@ -130,8 +132,10 @@ def early_promotions(at: Check, names: Sequence[str], recs: Sequence[LayerRecord
     the first check, under ``max_backward_cost``, its backward GEMMs below that rung with it (where
     it composes); its windows started over; returns the decisions (statistic ``loss_cost``, the
     mean as value)."""
-    limit, out = at.settings.max_loss_cost, []
+    out, check = [], at
     for name, rec, (bound, mean, n) in zip(names, recs, rows):
+        at = check.for_layer(name)  # (its share of the limits under cost_scope="model")
+        limit = at.settings.max_loss_cost
         if not bound > limit or not rec.forward_low:
             continue
         here = rec.rungs[0]
@@ -172,5 +176,7 @@ def with_forward(at: Check, name: str, rec: LayerRecord, forward: Decision, step
 def promote_early(at: Check, names: Sequence[str], recs: Sequence[LayerRecord],
                   all_reduce_max: Callable[[torch.Tensor], torch.Tensor]) -> list[Decision]:
     """:func:`early_promotions` of ``recs`` (the layers ``names`` every rank agreed on) from their
-    :func:`lower_bounds` reduced by ``all_reduce_max`` (one collective, one host sync; none without records)."""
-    return early_promotions(at, names, recs, all_reduce_max(lower_bounds(recs)).tolist()) if recs else []
+    :func:`lower_bounds` reduced by ``all_reduce_max`` (one collective, one host sync; none without records),
+    what they teach kept (:func:`~mixprec.control._estimate_gap.learn_gaps`)."""
+    decided = early_promotions(at, names, recs, all_reduce_max(lower_bounds(recs)).tolist()) if recs else []
+    return learn_gaps(at, dict(zip(names, recs)), decided)

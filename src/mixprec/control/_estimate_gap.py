@@ -22,12 +22,12 @@ GEMM's first flip, no gap: its first demotion reads the below estimate alone.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping
 
 from mixprec.control._ladder import Decision, LayerRecord, output_roundoff
 
 if TYPE_CHECKING:
-    from mixprec.control._decide import Check
+    from mixprec.control._check import Check
 
 __all__ = ["expected_own", "learn_gaps"]
 
@@ -43,7 +43,7 @@ def expected_own(at: Check, rec: LayerRecord, down: int, below: float) -> float:
     rung's roundoff (``below`` itself before any flip).
 
     Example:
-        >>> from mixprec.control._decide import Check
+        >>> from mixprec.control._check import Check
         >>> from mixprec.control._settings import ControllerSettings
         >>> from mixprec.formats._state import LayerState
         >>> at = Check.of(ControllerSettings(ladder=("nvfp4", "tensorwise", "compute"), max_loss_cost=1e-3))
@@ -62,7 +62,7 @@ def learn_gaps(at: Check, records: Mapping[str, LayerRecord], decisions: list[De
     one. Returns ``decisions``.
 
     Example:
-        >>> from mixprec.control._decide import Check
+        >>> from mixprec.control._check import Check
         >>> from mixprec.control._settings import ControllerSettings
         >>> from mixprec.formats._state import LayerState
         >>> at = Check.of(ControllerSettings(ladder=("tensorwise", "compute"), max_loss_cost=1e-3))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from mixprec.formats._like import features
 from mixprec.formats._quant import STAT_NAMES
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._tensor_parallel import probe_operand
@@ -193,9 +193,13 @@ class LayerRecord:
     """
 
     def __init__(self, module: nn.Module | None, state: LayerState, rung: int, floor: int,
-                 allowed: tuple[bool, ...], per_gemm: bool = False, cost: bool = False) -> None:
+                 allowed: tuple[bool, ...], per_gemm: bool = False, cost: bool = False, order: int = 0) -> None:
         # None: a layer this rank has not run yet (Controller._detached)
         self.module = weakref.ref(module) if module is not None else _no_module
+        # multiply-adds per row of each of its GEMMs (a peer's, from its metadata: Controller._detached)
+        self.size = math.prod(features(module)) if module is not None else 0
+        # its place in the order the layers were first reached (the first rank's to reach it: the same on every rank)
+        self.order = order
         self.state = state
         self.rungs = [rung] * len(GEMMS)
         self.floor = floor  # the lowest rung it may be demoted to

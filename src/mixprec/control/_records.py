@@ -30,7 +30,7 @@ from mixprec.formats._state import LayerState, layer_state
 
 __all__ = ["all_gathered", "converted", "converted_experts", "grad_scale", "layer_data", "load_layer", "log_csv", "log_data",
            "parse_state_dict", "qualified", "start_rungs", "check_loss_scale", "warn_cost_blind",
-           "warn_unscaled", "metadata", "detached_record", "seen_compute", "untrack", "measures_backward", "set_measuring"]
+           "warn_unscaled", "metadata", "detached_record", "flop_shares", "seen_compute", "untrack", "measures_backward", "set_measuring"]
 
 
 def qualified(known: str, seen: str) -> str:
@@ -59,6 +59,13 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
                     backward_over=list(rec.back_over))
     if rec.cost is not None and (rec.cost_gap or rec.demoted_below is not None):  # (_estimate_gap)
         data["cost_gap"] = [rec.cost_gap, None if rec.demoted_below is None else list(rec.demoted_below)]
+    if rec.cost is not None:  # (host data a decision reads: a peer's record takes it too, Controller._detached)
+        data["loss_cost_plan"] = {"steps": list(rec.cost_plan), "variance": list(rec.cost_var),
+                                  "now": list(rec.cost_now), "rung": rec.cost_rung,
+                                  "cadence": [c.state() for c in rec.cost_cadence], "below": rec.cost_below,
+                                  "pool": [[list(w) for w in p] for p in rec.cost_pool]}
+    if rec.backward is not None and not windows:  # (the same of the backward costs; with windows, in backward_cost)
+        data["backward_plan"] = [[c.state() for c in rec.backward.cadence], [[list(w) for w in p] for p in rec.backward.pool]]
     if windows:
         data.update(state=rec.state.window.tolist(), shadow=rec.shadow.tolist(), range=rec.range.tolist(),
                     rounding_step=rec.state.rounding_step)
@@ -66,10 +73,6 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
             data["gemm_windows"] = rec.gemm_windows.tolist()
         if rec.cost is not None:
             data["loss_cost"] = rec.cost.tolist()
-            data["loss_cost_plan"] = {"steps": list(rec.cost_plan), "variance": list(rec.cost_var),
-                                      "now": list(rec.cost_now), "rung": rec.cost_rung,
-                                      "cadence": [c.state() for c in rec.cost_cadence], "below": rec.cost_below,
-                                      "pool": [[list(w) for w in p] for p in rec.cost_pool]}
         if rec.backward is not None:  # (its pending gradient is not kept: the gain of its update, once made, is)
             b = rec.backward
             end_last, update = float(b.end_last), b.settled_update()
@@ -175,6 +178,12 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
         rec.backward.pool = load_pool(later[1], len(rec.backward.pool)) if len(later) > 1 else [[] for _ in rec.backward.pool]
         rec.backward.reach.load(later[2] if len(later) > 2 else None)
         rec.backward.loaded()
+    elif "backward_plan" in data and settings.max_backward_cost is not None:  # (a peer's: its cadences and pools)
+        rec.backward = rec.backward or BackwardCost(rec.state.device)
+        cadences, pools = data["backward_plan"]
+        for target, saved in zip(rec.backward.cadence, cadences):
+            target.load(saved)
+        rec.backward.pool = load_pool(pools, len(rec.backward.pool))
     if "state" in data and "rounding_step" in data:  # (saved before the count was: the model's state_dict's, or 0)
         rec.state.rounding_step = int(data["rounding_step"])
 
@@ -343,7 +352,8 @@ def warn_unscaled() -> None:
 def metadata(settings: ControllerSettings, rec: LayerRecord) -> dict[str, Any]:
     """What a rank that has not run the layer of ``rec`` needs to decide as this one does
     (:func:`detached_record`): its record without the windows, its floor and allowed rungs."""
-    return {**layer_data(settings, rec, windows=False), "floor": rec.floor, "allowed": rec.allowed}
+    return {**layer_data(settings, rec, windows=False), "floor": rec.floor, "allowed": rec.allowed, "size": rec.size,
+            "order": rec.order}
 
 
 def detached_record(settings: ControllerSettings, meta: Mapping[str, Any], data: Mapping[str, Any]) -> LayerRecord:
@@ -351,9 +361,27 @@ def detached_record(settings: ControllerSettings, meta: Mapping[str, Any], data:
     :func:`metadata`): the rung, trends and counters of ``data`` (``meta`` itself, or this rank's
     loaded state of the layer), empty windows, no module yet."""
     rec = LayerRecord(None, LayerState(), settings.ladder.index(meta["rung"]), int(meta["floor"]),
-                      tuple(meta["allowed"]), settings.per_gemm, settings.max_loss_cost is not None)
+                      tuple(meta["allowed"]), settings.per_gemm, settings.max_loss_cost is not None, int(meta.get("order", 0)))
     load_layer(settings, rec, data)
+    rec.size = int(meta.get("size", 0))
     return rec
+
+
+def flop_shares(settings: ControllerSettings, records: Mapping[str, LayerRecord]) -> dict[str, float]:
+    """Under ``cost_scope="model"``, each layer's share of the controlled layers' GEMM work per
+    row (``LayerRecord.size``: ``in_features * out_features``), what ``Check.for_layer`` shares the
+    loss-cost limits out by; ``{}`` under ``"gemm"``. Equal shares while no size is known.
+
+    Example:
+        >>> from types import SimpleNamespace as R
+        >>> s = ControllerSettings(max_loss_cost=1e-3, cost_scope="model")
+        >>> flop_shares(s, {"a": R(size=32 * 64), "b": R(size=64 * 64 * 3)})
+        {'a': 0.14285714285714285, 'b': 0.8571428571428571}
+    """
+    if settings.cost_scope == "gemm" or not records:
+        return {}
+    total = sum(r.size for r in records.values())
+    return {n: r.size / total if total > 0 else 1 / len(records) for n, r in records.items()}
 
 
 def seen_compute(records: Any) -> torch.dtype | None:

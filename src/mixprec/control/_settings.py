@@ -21,13 +21,16 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from mixprec._dtype_names import short_name
 from mixprec.control._reference import REFERENCES
+
+#: what the loss-cost limits bound (ControllerSettings.cost_scope): each GEMM, or the model's total
+COST_SCOPES = ("gemm", "model")
 from mixprec.control._trend import MAX_HORIZON
 from mixprec.formats._recipe import RECIPE_NAMES
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ControllerSettings", "FP4_RUNGS", "FP8_RUNGS", "GuardSettings", "LOW_RUNGS", "RUNGS", "check_int", "rung_name",
+__all__ = ["COST_SCOPES", "ControllerSettings", "FP4_RUNGS", "FP8_RUNGS", "GuardSettings", "LOW_RUNGS", "RUNGS", "check_int", "rung_name",
            "check_number"]
 
 #: a Controller's ladder, bottom to top: the fp4 recipes, the fp8 recipes, the compute dtype, float32
@@ -226,6 +229,17 @@ class ControllerSettings(_Settings):
     reference, the Fisher projections, the end slope), all of them for the weight gradient's
     reference (a sum over rows).
 
+    ``cost_scope`` (``"gemm"``, the default, or ``"model"``; with a loss-cost limit): what the
+    loss-cost limits bound. ``"gemm"``: each GEMM's cost on its own, so the model's total grows
+    with its GEMM count. ``"model"``: the whole model's, shared out by FLOPs: each forward GEMM's
+    limit is ``max_loss_cost`` (and ``demote_loss_cost``) times its layer's share of the controlled
+    layers' ``in_features * out_features`` (every GEMM of a layer does that many multiply-adds per
+    row), each backward GEMM's half that share of ``max_backward_cost``; so the forward GEMMs'
+    limits sum to ``max_loss_cost``, the backward ones' to ``max_backward_cost``, and a GEMM stays
+    low while its cost per FLOP is under the model's (the rule that keeps the most FLOPs low for a
+    total cost). The shares are taken at each check over the layers every rank has seen, the same
+    on every rank.
+
     Raises ValueError on a setting out of range, a ladder not in the order of :data:`RUNGS`, or a
     ``floor`` not an fp8 rung of it; warns when fp4 limits are set for a ladder without fp4 rungs.
 
@@ -262,6 +276,7 @@ class ControllerSettings(_Settings):
     late_factor: float = 0.1
     reference: str = "auto"
     cost_row_share: float = 1.0
+    cost_scope: str = "gemm"
 
     def __post_init__(self) -> None:
         if self.max_nonfinite is not None:
@@ -337,6 +352,12 @@ class ControllerSettings(_Settings):
         if self.cost_row_share != 1 and self.max_loss_cost is None:
             raise ValueError(f"Controller(cost_row_share={self.cost_row_share}) samples the rows the forward GEMMs' "
                              f"loss costs measure (and the backward GEMMs' with them): it takes effect with max_loss_cost=...")
+        if self.cost_scope not in COST_SCOPES:
+            raise ValueError(f"Controller.cost_scope must be one of {COST_SCOPES} (what the loss-cost limits bound: each "
+                             f"GEMM, or the whole model shared out by FLOPs), got {self.cost_scope!r}")
+        if self.cost_scope != "gemm" and self.max_loss_cost is None and self.max_backward_cost is None:
+            raise ValueError(f"Controller(cost_scope={self.cost_scope!r}) shares the loss-cost limits out among the "
+                             f"GEMMs: it takes effect with max_loss_cost or max_backward_cost")
         if self.max_loss_cost is None and self.demote_loss_cost is not None:
             raise ValueError("Controller.demote_loss_cost needs max_loss_cost (the promotion threshold it is the "
                              "lower end of the hysteresis of); set both, or neither")
@@ -369,6 +390,22 @@ class ControllerSettings(_Settings):
             max_loss_cost=None if self.max_loss_cost is None else self.max_loss_cost * f,
             demote_loss_cost=None if self.max_loss_cost is None else self.demote_cost * f,
             max_backward_cost=None if self.max_backward_cost is None else self.max_backward_cost * f)
+
+    def shared(self, forward: float, backward: float) -> "ControllerSettings":
+        """These settings with the loss-cost limits times a GEMM's shares of them (``forward`` of
+        ``max_loss_cost`` and ``demote_loss_cost``, ``backward`` of ``max_backward_cost``), to
+        decide that GEMM by (``cost_scope="model"``).
+
+        Example:
+            >>> s = ControllerSettings(max_loss_cost=1e-3, max_backward_cost=1e-4, per_gemm=True, cost_scope="model")
+            >>> t = s.shared(0.25, 0.125)
+            >>> t.max_loss_cost, t.demote_cost, t.max_backward_cost
+            (0.00025, 0.000125, 1.25e-05)
+        """
+        return dataclasses.replace(
+            self, max_loss_cost=None if self.max_loss_cost is None else self.max_loss_cost * forward,
+            demote_loss_cost=None if self.demote_loss_cost is None else self.demote_loss_cost * forward,
+            max_backward_cost=None if self.max_backward_cost is None else self.max_backward_cost * backward)
 
     @property
     def demote_backward(self) -> float:

@@ -25,8 +25,8 @@ PER_GEMM = ControllerSettings(every=2, per_gemm=True, ladder=("nvfp4", "tensorwi
 
 
 #: Controller settings added since 1067028 (issue 39: the backward GEMMs' cost and the optimizer it assumes, the late phase,
-#: the loss costs' reference GEMMs, the share of rows they measure, the scope of their limits): a file without them loads with their defaults and
-#: saves them back.
+#: the loss costs' reference GEMMs, the share of rows they measure, the scope of their limits): a file without them
+#: loads with their defaults and saves them back.
 ADDED = ("max_backward_cost", "normalized_updates", "late_start", "late_factor", "reference", "cost_row_share",
          "cost_scope")
 

@@ -61,6 +61,9 @@ def measure_cost(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     output rows (its leading dimensions flattened), the share measured, those ``step`` draws
     (:func:`sampled_rows`; 1: all): the sums are scaled to the whole output's, an unbiased
     estimate, every row sampled equally often. The hook is ``timed``."""
+    own, below = _measurable(rec, wanted)
+    if not own and below is None:  # (a rung below wanted where there is none: no rows drawn)
+        return
     total = out.numel() // max(out.shape[-1], 1) if out.dim() else 1
     rows = share_of_rows(total, share, step, out.device)
     errors = output_errors(rec, x, weight, bias, out, wanted, tp, rows)
@@ -129,8 +132,7 @@ def output_errors(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     take the whole input's scale (a row holding its largest magnitude joins the emulated GEMM's
     input). No host sync."""
     errors = []
-    own = wanted[0] and rec.forward_low and not rec.state.fallback
-    below = rec.forward_below if wanted[1] else None
+    own, below = _measurable(rec, wanted)
     if not own and below is None:
         return errors
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
@@ -152,6 +154,12 @@ def output_errors(rec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
                                     emulation_backend(dtype), tp)
             errors.append((1, (emulated[:x.shape[0]].float() - reference).to(out.dtype)))
     return errors
+
+
+def _measurable(rec: Any, wanted: tuple[bool, bool]) -> tuple[bool, Any]:
+    """Of the rows ``wanted``, whether the own casts' error is measurable (the forward runs
+    casts) and the recipe below whose error is (None: none wanted, or no rung below)."""
+    return wanted[0] and rec.forward_low and not rec.state.fallback, rec.forward_below if wanted[1] else None
 
 
 def _with_amax(rows: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:

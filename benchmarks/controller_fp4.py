@@ -154,7 +154,7 @@ def steady_pair(pair: str, settings: Settings, train: torch.Tensor, windows: int
     the least and greatest window's), and under ``step`` the median per-step ratio: the typical
     step, which does not see the few steps of each window that measure more. The fp4 pair is
     timed against a third model too (:func:`frozen`: the Controller's choices at the end of the
-    warm-up, without it): ``frozen["overhead"]`` (controlled / frozen, CPU time) is what the
+    warm-up, without it; not with ``warm=0``): ``frozen["overhead"]`` (controlled / frozen, CPU time) is what the
     measurements cost, ``frozen["mix"]`` (frozen / reference) what the precisions it chose cost."""
     mode, reference = PAIRS[pair]
     steps_n = warm + windows * FP8_EVERY
@@ -167,7 +167,7 @@ def steady_pair(pair: str, settings: Settings, train: torch.Tensor, windows: int
     for x, y in batches[:warm]:
         for step in steps.values():
             step(x, y)
-    if pair == "fp4":
+    if pair == "fp4" and warm > 0:  # (before its first step a Controller has chosen nothing to freeze)
         steps["frozen"] = frozen(setup, settings)
     times: dict[str, list[float]] = {name: [] for name in steps}
     cpu: dict[str, list[float]] = {name: [] for name in steps}

@@ -39,8 +39,8 @@ __all__ = ["REACH_EVERY", "Reach", "ReachMap", "WALK_NODES", "walk"]
 WALK_NODES = 256
 #: a layer walks its reach in the first window that measures its input gradient's cost and in
 #: every ``REACH_EVERY``-th after (its reach moves slowly: on tiny about 4x from the start to step
-#: 20, about 2x more by step 60); each walk hooks up to :data:`WALK_NODES` nodes at about 20 us
-#: a hook, 2-8 ms a layer on the demo's Llama
+#: 20, about 2x more by step 60); each walk hooks up to :data:`WALK_NODES` nodes, one hook a node:
+#: on the Llama of docs/fp8.md about 1 ms a walk and 2 ms of hooks run in its backward
 REACH_EVERY = 4
 _TINY = 1e-30
 
@@ -135,7 +135,7 @@ class Reach:
 class _Walk:
     """One walk's state while the backward runs: per walked node (by ``id``), the contributions
     its walked parents sent ``{slot: [(sqrt r_p, tensor)]}`` and its own ``r`` until its
-    post-hook passes it on. Holds no node (a hook on a node keeps it; it must not keep the node)."""
+    hook (one a node, after its backward: :func:`_hook`) passes it on. Holds no node (a hook on a node keeps it; it must not keep the node)."""
 
     def __init__(self, sink: Callable[[Any, torch.Tensor], None]) -> None:
         self.sent: dict[int, dict[int, list]] = {}
@@ -143,7 +143,7 @@ class _Walk:
         self.sink = sink
 
     def received(self, key: int, grads: tuple, weight: Any) -> None:
-        """A walked node's pre-hook: its ``r`` from what the walk sent it against what it got."""
+        """A walked node's ``r`` from what the walk sent it against what it got (``grads``)."""
         sent = self.sent.pop(key, {})
         r = _share(sent, grads)
         self.r[key] = r
@@ -151,7 +151,7 @@ class _Walk:
             self.sink(weight, r)
 
     def passed(self, key: int, grads: tuple, edges: list[tuple[int, int, int]]) -> None:
-        """A walked node's post-hook: send its gradients, weighted by ``sqrt r``, along its walked edges."""
+        """A walked node's gradients sent, weighted by ``sqrt r``, along its walked edges."""
         r = self.r.pop(key, None)
         if r is None:
             return
@@ -239,21 +239,21 @@ def walk(start: Any, outputs: dict[Any, Any], weights: Callable[[Any], Any],
         layer = outputs.get(node)
         if node is start:
             state.r[key] = 1.0
+            if edges:
+                node.register_hook(_hook(None, passed, key, None, edges))
         elif edges or layer is not None:
             weight = None if layer is None else weights(layer) + (unreached if node is last else 0.0)
-            node.register_prehook(_pre(received, key, weight))
-        if edges:
-            node.register_hook(_post(passed, key, edges))
+            node.register_hook(_hook(received, passed, key, weight, edges))
     return total
 
 
-def _pre(received: Callable, key: int, weight: Any) -> Callable:
-    def hook(grads: tuple) -> None:
-        received(key, grads, weight)
-    return hook
-
-
-def _post(passed: Callable, key: int, edges: list[tuple[int, int, int]]) -> Callable:
+def _hook(received: Callable | None, passed: Callable, key: int, weight: Any, edges: list[tuple[int, int, int]]
+          ) -> Callable:
+    """A walked node's one hook, after its backward: its ``r`` from the gradients it received
+    (``received``; None: the start, whose ``r`` is 1), then its gradients sent along its walked ``edges``."""
     def hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
-        passed(key, grad_inputs, edges)
+        if received is not None:
+            received(key, grad_outputs, weight)
+        if edges:
+            passed(key, grad_inputs, edges)
     return hook

@@ -31,12 +31,13 @@ step against the same model's step without it, at four model sizes and on the de
   fp8 or bf16 GEMM can be cheaper than an emulated NVFP4 one; on a GPU with fp4 GEMMs, dearer).
 * Model sizes: the demo's ``TransformerLM`` with 2 blocks of width 64, 128, 256, 384 (sequences
   of 64 tokens, batches of 8): what the controller costs should stay flat as the model grows.
-  Headlines: the demo's ``tiny`` and ``small`` presets.
+  Headlines: the demo's ``tiny`` and ``small`` presets; with ``--llama STEPS``, the HF Llama of
+  :mod:`benchmarks.controller_quality` over a whole run (:func:`llama_pair`).
 
 The CPU (with its bf16/AMX flags) and the load average are printed before and after. One thread.
 
     .venv/bin/python benchmarks/controller_fp4.py [--quick] [--widths 64,128,256,384] [--presets tiny,small]
-        [--warm 30] [--pairs fp4,fp8]
+        [--warm 30] [--pairs fp4,fp8] [--llama STEPS]
 """
 
 from __future__ import annotations
@@ -189,6 +190,58 @@ def steady_pair(pair: str, settings: Settings, train: torch.Tensor, windows: int
     return out
 
 
+def llama_pair(steps: int, seed: int = 0) -> dict[str, Any]:
+    """The per-GEMM fp4 Controller on the HF Llama of :mod:`benchmarks.controller_quality` (its
+    ``controller`` config: the demo's limits, a quarter of the rows) against the same model all
+    NVFP4 (``all-fp4``), a whole run of ``steps`` from its first step, one step of each in turn
+    (the order alternating), after a throwaway step of each (the process's first-call work).
+    Returns :func:`window_ratio` of the CPU times over the whole run, over its first 3 windows
+    (``first``) and over the rest (``later``), and the Controller's ``stats()``."""
+    from benchmarks import controller_quality as quality
+    from mixprec.demo.settings import lr_factor
+
+    train, _ = load_tokens()
+    offsets = batch_offsets(len(train), steps, 8, quality.SEQ, seed)
+    batches = [make_batch(train, o, quality.SEQ, torch.device("cpu")) for o in offsets]
+
+    def stepper(config: str) -> tuple[Callable[[torch.Tensor, torch.Tensor], None], Any]:
+        model, logits_of, lr = quality.build("llama", seed)
+        policy, ctl = quality.policy_for(config, quality.linears(model), steps=steps)
+        if ctl is not None:
+            ctl.attach(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps))
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            with mixprec.autocast("cpu", policy=policy):
+                loss = lm_loss(logits_of(model, x).float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            if ctl is not None:
+                ctl.step()
+
+        return step, ctl
+
+    for config in ("controller", "all-fp4"):
+        stepper(config)[0](*batches[0])
+    (controlled, ctl), (reference, _) = stepper("controller"), stepper("all-fp4")
+    cpu: dict[str, list[float]] = {"controller": [], "all-fp4": []}
+    for round_, (x, y) in enumerate(batches):
+        pair = (("controller", controlled), ("all-fp4", reference))
+        for name, step in (pair if round_ % 2 == 0 else pair[::-1]):
+            begin = time.thread_time()
+            step(x, y)
+            cpu[name].append(time.thread_time() - begin)
+    first = 3 * FP8_EVERY
+    a, b = cpu["controller"], cpu["all-fp4"]
+    out = {"whole": window_ratio(a, b), "first": window_ratio(a[:first], b[:first]), "stats": ctl.stats()}
+    if len(a) >= first + FP8_EVERY:
+        out["later"] = window_ratio(a[first:], b[first:])
+    return out
+
+
 def window_ratio(mode_s: list[float], reference_s: list[float], every: int = FP8_EVERY) -> dict[str, Any]:
     """The ratio of two alternated timings' sums over whole windows of ``every`` steps
     (``ratio``), the least and greatest window's (``low``, ``high``), the windows, and the
@@ -244,6 +297,9 @@ def main() -> None:
                         help="seconds of timed windows per pair, after which no further window starts "
                              "(default 90; 5 with --quick): --warm 0 with many windows times a whole run")
     parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated pairs (default {','.join(PAIRS)})")
+    parser.add_argument("--llama", type=int, default=0, metavar="STEPS",
+                        help="also time the fp4 pair on benchmarks/controller_quality.py's HF Llama over a whole run of "
+                             "STEPS steps from its first (0: not)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     widths = [int(w) for w in (args.widths or ("64,128" if args.quick else "64,128,256,384")).split(",")]
@@ -273,6 +329,12 @@ def main() -> None:
             print("  " + _line(f"{preset}, {mode} / {reference}",
                                steady_pair(pair, Settings.for_size(preset), train, windows, budget, args.warm)),
                   flush=True)
+    if args.llama:
+        r = llama_pair(args.llama)
+        parts = [f"{k} {r[k]['ratio']:.3f}x ({r[k]['windows']} windows, {r[k]['low']:.3f}-{r[k]['high']:.3f})"
+                 for k in ("whole", "first", "later") if k in r]
+        print(f"  HF Llama (4 layers, hidden 64), controller / all-fp4 from the first step, CPU time: {'; '.join(parts)}; "
+              f"{r['whole']['reference_s'] * 1e3:.0f} ms CPU per reference step; stats {r['stats']}", flush=True)
     print(f"load after: {machine()['load']}")
 
 

@@ -365,3 +365,31 @@ def test_only_a_switch_since_the_last_check_is_provisional():
     assert not _may_demote(at, 3, [10], False, forward=True)  # (min_dwell 30)
     assert _may_demote(dataclasses.replace(at, steps=40), 3, [10], False)
     assert not _may_demote(at, 1, [13] * settings.max_switches, False, forward=True)
+
+
+def test_the_bounds_of_many_records_are_each_records_own():
+    """``lower_bounds`` bounds all the records' costs in one call: each row is what its record's
+    sums give alone (bitwise), a record without a measurable forward cost (none, no casts on its
+    forward, blind) reads ``[-inf, 0, 0]`` wherever it stands among them."""
+    from mixprec.control._early import cost_bound
+    from mixprec.control._ladder import LayerRecord
+    from mixprec.formats._state import LayerState
+
+    def record(sums: tuple[float, ...] | None, low: bool = True, blind: bool = False) -> LayerRecord:
+        rec = LayerRecord(None, LayerState(), 0, 0, (True,) * 3, cost=sums is not None)
+        rec.forward_low, rec.cost_blind = low, blind
+        if sums is not None:
+            rec.cost[0, 3:7] = torch.tensor(sums)
+        return rec
+
+    live = [(6.0e-3, 5.0, 9.0e-6, 1.3e-2), (2.0e-4, 3.0, 2.0e-8, 3.0e-4), (1.0e-3, 2.0, 6.0e-7, 5.0e-4)]
+    recs = [record(None), record(live[0]), record(live[0], low=False), record(live[1]),
+            record(live[1], blind=True), record(live[2])]
+    rows = lower_bounds(recs)
+    dead = torch.tensor([-torch.inf, 0.0, 0.0])
+    assert [torch.equal(rows[i], dead) for i in range(len(recs))] == [True, False, True, False, True, False]
+    for i, sums in ((1, live[0]), (3, live[1]), (5, live[2])):
+        t = torch.tensor(sums)
+        bound, estimate = cost_bound(t[0], t[1], t[2], t[3])
+        assert torch.equal(rows[i], torch.stack([bound, estimate, t[1]])), i
+    assert lower_bounds([]).shape == (0, 3) and torch.equal(lower_bounds([record(None)]), dead[None])

@@ -211,3 +211,14 @@ def test_the_verdict_gives_the_paired_difference_the_seeds_resolve():
     text = bench.verdict(bench.summarize(results))
     # seed by seed: +0.01, -0.01, +0.03: mean +0.01, standard deviation 0.02, standard error 0.0115
     assert "best hand recipe head-bf16" in text and "(paired, seed by seed: +0.0100 ± 0.0115 standard error)" in text
+
+
+def test_the_cost_benchmark_times_the_llama_from_its_first_step():
+    """benchmarks/controller_fp4.py --llama: the controlled Llama and the all-NVFP4 one, alternated
+    over a whole run; ratios of whole windows, the first three apart from the rest."""
+    from benchmarks import controller_fp4
+
+    out = controller_fp4.llama_pair(40)
+    assert out["whole"]["windows"] == 4 and out["first"]["windows"] == 3 and out["later"]["windows"] == 1
+    assert all(0.2 < out[k]["ratio"] < 20 for k in ("whole", "first", "later"))
+    assert out["stats"]["checks"] == 4

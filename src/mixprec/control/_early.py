@@ -108,20 +108,18 @@ def cost_bound(total: torch.Tensor, n: torch.Tensor, squares: torch.Tensor, at_s
 
 def lower_bounds(recs: Sequence[LayerRecord]) -> torch.Tensor:
     """Per record, ``[bound, estimate, steps]`` of its forward GEMM's own loss cost in the open
-    window (:func:`cost_bound` of its measured steps; -inf without casts on the forward, or
-    without a cost). Device tensors, no host sync; rows of zeros on the device of the first
-    record with a cost."""
-    rows = []
-    for rec in recs:
-        if rec.cost is None or not rec.forward_low or rec.cost_blind:
-            rows.append(None)
-            continue
-        n = rec.cost[0, 4]
-        bound, estimate = cost_bound(rec.cost[0, 3], n, rec.cost[0, 5], rec.cost[0, 6])
-        rows.append(torch.stack([bound, estimate, n]))
-    device = next((r.device for r in rows if r is not None), torch.device("cpu"))
+    window (:func:`cost_bound` of its measured steps, one call over all the records' sums;
+    -inf without casts on the forward, or without a cost). Device tensors, no host sync; on the
+    device of the first record with a cost."""
+    live = [rec.cost is not None and rec.forward_low and not rec.cost_blind for rec in recs]
+    device = next((rec.cost.device for rec, alive in zip(recs, live) if alive), torch.device("cpu"))
     empty = torch.tensor([-torch.inf, 0.0, 0.0], device=device)
-    return torch.stack([r.to(device) if r is not None else empty for r in rows]) if rows else empty[:0]
+    if not any(live):
+        return empty.expand(len(recs), 3).clone()
+    sums = torch.stack([rec.cost[0, 3:7].to(device) for rec, alive in zip(recs, live) if alive])  # sum, steps, sum_sq, sum_at
+    bound, estimate = cost_bound(sums[:, 0], sums[:, 1], sums[:, 2], sums[:, 3])
+    rows = iter(torch.stack([bound, estimate, sums[:, 1]], dim=1).unbind(0))
+    return torch.stack([next(rows) if alive else empty for alive in live])
 
 
 def early_promotions(at: Check, names: Sequence[str], recs: Sequence[LayerRecord], rows: list[list[float]]

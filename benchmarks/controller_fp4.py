@@ -302,8 +302,9 @@ def main() -> None:
                              "STEPS steps from its first (0: not)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    widths = [int(w) for w in (args.widths or ("64,128" if args.quick else "64,128,256,384")).split(",")]
-    presets = (args.presets or ("tiny" if args.quick else "tiny,small")).split(",")
+    widths = [int(w) for w in (("64,128" if args.quick else "64,128,256,384") if args.widths is None else args.widths
+                               ).split(",") if w]  # ("": none)
+    presets = [p for p in (("tiny" if args.quick else "tiny,small") if args.presets is None else args.presets).split(",") if p]
     windows = args.windows or (1 if args.quick else 3)
     budget = args.budget if args.budget is not None else 5.0 if args.quick else 90.0
     before = machine()

@@ -294,3 +294,21 @@ def test_a_forward_switch_starts_the_plan_over():
     rec.cost_phase(ctl.steps, 10)
     assert rec.cost_plan == [None, None] and rec.cost_var == [None, None] and rec.cost_now == [True, True]
     assert rec.cost_gate.tolist() == [True, True]
+
+
+def test_a_cost_wanted_only_of_a_rung_below_that_is_not_there_costs_nothing(monkeypatch):
+    """A forward GEMM on the ladder's lowest rung has no rung below: on a step whose plan skips
+    its own cost the probe does not call the measurement (nor draws rows), and the step's fold
+    passes it over (its sums are empty): its window is what it was."""
+    model, ctl = _converted(max_loss_cost=1.0, **QUIET)
+    _train(model, ctl, 20)
+    rec = ctl._layers["0"]
+    assert rec.rung == 0 and rec.forward_below is None and rec.cost_now == [False, True]
+    assert rec.cost_rows_now() == (False, False)
+    calls: list = []
+    original = _cost.measure_cost
+    monkeypatch.setattr("mixprec.control._probe.measure_cost",
+                        lambda r, *a, **k: (calls.append(r), original(r, *a, **k))[1])
+    before = rec.cost.clone()
+    _train(model, ctl, 21, start=20)
+    assert rec not in calls and torch.equal(rec.cost, before)

@@ -375,6 +375,12 @@ class LayerRecord:
                 self.cost_gate[r].fill_(now[r])
         self.cost_now = now
 
+    def cost_rows_now(self) -> tuple[bool, bool]:
+        """The loss costs this step measures (eager code): :attr:`cost_now`'s, the rung below's
+        only where the forward GEMM has one (its own casts' only where it runs casts:
+        ``_cost.measure_cost``)."""
+        return self.cost_now[0], self.cost_now[1] and self.forward_below is not None
+
     def at_step(self, step: int, sampled: bool) -> None:
         """The step under way is ``step`` (from 0): the index its loss costs draw their rows from
         (``sampled``: its device copy too, which compiled code reads)."""
@@ -407,7 +413,7 @@ def end_steps(records: Any, scales: Any) -> None:
     for rec, scale in zip(records, scales):
         if rec.backward is not None:
             rec.backward.end_step(scale)
-        if rec.cost is not None and any(rec.cost_now):  # (a step that measured no row summed nothing)
+        if rec.cost is not None and any(rec.cost_rows_now()):  # (a step that measured no row summed nothing)
             key = (rec.cost.device, id(scale) if isinstance(scale, torch.Tensor) else float(scale))
             groups.setdefault(key, (scale, []))[1].append(rec)
     for scale, recs in groups.values():

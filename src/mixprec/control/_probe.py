@@ -107,7 +107,7 @@ class Probe:
             _note_shard_cost(rec)
         if rec.cost is not None and not rec.cost_blind and weight is not None and out.requires_grad:
             # traced: both rows on every step, kept where the device flags say (no guard on the plan)
-            wanted, kept = ((True, True), rec.cost_gate) if compiling else (rec.cost_now, None)
+            wanted, kept = ((True, True), rec.cost_gate) if compiling else (rec.cost_rows_now(), None)
             if any(wanted):
                 measure_cost(rec, x, weight, bias, out, wanted, kept, tp, self.timed, self.cost_row_share,
                              rec.cost_step_t if compiling else rec.cost_step)

@@ -134,8 +134,9 @@ class Reach:
 
 class _Walk:
     """One walk's state while the backward runs: per walked node (by ``id``), the contributions
-    its walked parents sent ``{slot: [(sqrt r_p, tensor)]}`` and its own ``r`` until its
-    hook (one a node, after its backward: :func:`_hook`) passes it on. Holds no node (a hook on a node keeps it; it must not keep the node)."""
+    its walked parents sent ``{slot: [(sqrt r_p, tensor)]}`` and its own ``r`` until its hook
+    (one a node, after its backward: :func:`_hook`) passes it on. Holds no node (a hook on a
+    node keeps it; it must not keep the node)."""
 
     def __init__(self, sink: Callable[[Any, torch.Tensor], None]) -> None:
         self.sent: dict[int, dict[int, list]] = {}

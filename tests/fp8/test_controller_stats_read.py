@@ -111,73 +111,20 @@ def test_the_flags_resume_with_the_state():
 
 def test_flags_loaded_before_the_layers_are_reached_are_kept():
     """A state loaded before the layers are tracked (a resume's first forward comes after
-    ``load_state_dict``) keeps its flags: no first window's overwrites them."""
+    ``load_state_dict``) keeps its flags: the records made at that forward take them."""
     settings = {**SETTINGS, "max_loss_cost": 1e-6, "max_backward_cost": 1e-6}
     ctl = mixprec.Controller(**settings)
     model = _model()
     ctl.attach(model)
     _run(ctl, model, range(12))
     flags = {name: rec.stats_read for name, rec in ctl._layers.items()}
-    assert any(f[0] != [False] * 3 for f in flags.values()), flags  # (what a first window's would overwrite)
+    assert any(f != [[True] * 3] * 2 for f in flags.values()), flags  # (not a fresh record's)
     fresh = mixprec.Controller(**settings)
     fresh.load_state_dict(ctl.state_dict())
     copy = _model()
     fresh.attach(copy)
     _run(fresh, copy, range(12, 13))
     assert {name: rec.stats_read[0] for name, rec in fresh._layers.items()} == {n: f[0] for n, f in flags.items()}
-
-
-def _first_window(settings: dict, model: nn.Module | None = None) -> mixprec.Controller:
-    """A controller of ``settings`` over the first window's steps, stopped after the last shadow
-    step's backward, before the check (its windows still hold what the window measured)."""
-    ctl = mixprec.Controller(**settings)
-    model = model or _model()
-    ctl.attach(model)
-    _run(ctl, model, range(settings["every"] - 1))
-    policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
-                                                      backend="emulate_fp32")
-    with mixprec.autocast("cpu", policy=policy):
-        F.mse_loss(model(torch.randn(64, 64)).float(), torch.randn(64, 16)).backward()
-    return ctl
-
-
-@pytest.mark.parametrize("costs, own_read", [
-    ({"max_loss_cost": 1e-3, "max_backward_cost": 2e-3}, (False, False, False)),
-    ({"max_backward_cost": 2e-3}, (True, False, False)),
-    ({"max_loss_cost": 1e-3}, (False, True, True)),
-    ({}, (True, True, True)),
-])
-def test_the_first_window_measures_the_casts_only_of_gemms_no_cost_judges(costs, own_read):
-    """A fresh per-GEMM record's first window casts samples of its own operands only for the
-    GEMMs its first check judges by their flush: ``max_loss_cost`` judges the forward GEMM,
-    ``max_backward_cost`` the backward ones (every later window as the check that measured them)."""
-    ctl = _first_window({**SETTINGS, "max_backward_cost": None, **costs})
-    for name, rec in ctl._layers.items():
-        assert tuple(rec.stats_read[0]) == own_read, name
-        own = rec.gemm_windows[0, :, :, :-1].abs().flatten(1).sum(1)
-        assert tuple(bool(v > 0) for v in own) == own_read, (name, own)
-
-
-def test_the_first_window_decides_as_if_it_measured_every_cast():
-    """Not measuring the casts no check reads changes no decision: three windows under both
-    costs, against the same run whose first window measured every GEMM's casts, give the same
-    log and bitwise the same weights."""
-    settings = {**SETTINGS, "max_loss_cost": 1e-6, "max_backward_cost": 1e-6}
-    runs = []
-    for every_cast in (False, True):
-        ctl = mixprec.Controller(**settings)
-        model = _model()
-        ctl.attach(model)
-        if every_cast:  # (the first forward tracks the layers: then every flag back on)
-            _run(ctl, model, range(1))
-            for rec in ctl._layers.values():
-                rec.stats_read[0] = [True] * 3
-            _run(ctl, model, range(1, 15))
-        else:
-            _run(ctl, model, range(15))
-        runs.append((ctl.log, [p.detach().clone() for p in model.parameters()]))
-    assert runs[0][0] == runs[1][0] and any(d.gemm != "output" for d in runs[0][0]), runs[0][0]
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
 
 
 class _LateBranch(nn.Module):

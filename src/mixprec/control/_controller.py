@@ -24,7 +24,7 @@ from mixprec.control._estimate_gap import learn_gaps
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord, end_steps
 from mixprec.control._probe import Probe
 from mixprec.control._reach import ReachMap
-from mixprec.control._records import (check_loss_scale, converted, converted_experts, detached_record, first_reads,
+from mixprec.control._records import (all_gathered, check_loss_scale, converted, converted_experts, detached_record,
                                       flop_shares, grad_scale, layer_data, load_layer, log_csv, log_data, measures_backward,
                                       metadata, parse_state_dict, qualified, seen_compute, set_measuring, start_rungs,
                                       untrack, warn_cost_blind, warn_unscaled)
@@ -194,7 +194,7 @@ class Controller(Shell):
             load_layer(self.settings, rec, data)
         untrack(old)  # another module under that name: no longer controlled
         self._probe(rec)
-        first_reads(self.settings, rec, module, data is None)
+        rec.cost_blind = all_gathered(module)
         self._layers[name], self._names[module] = rec, name
         self._apply(rec)
 

@@ -28,7 +28,7 @@ from mixprec.formats._grouped import GroupedExperts
 from mixprec.formats._recipe import RECIPE_NAMES, Float8Recipe
 from mixprec.formats._state import LayerState, layer_state
 
-__all__ = ["all_gathered", "converted", "converted_experts", "first_reads", "grad_scale", "layer_data", "load_layer", "log_csv", "log_data",
+__all__ = ["all_gathered", "converted", "converted_experts", "grad_scale", "layer_data", "load_layer", "log_csv", "log_data",
            "parse_state_dict", "qualified", "start_rungs", "check_loss_scale", "warn_cost_blind",
            "warn_unscaled", "metadata", "detached_record", "flop_shares", "seen_compute", "untrack", "measures_backward", "set_measuring"]
 
@@ -275,20 +275,6 @@ def all_gathered(module: nn.Module) -> bool:
     fsdp_fp8_all_gather=True)``, sharded or not yet)."""
     weight = getattr(module, "weight", None)
     return isinstance(getattr(weight, "_local_tensor", weight), Float8AllGatherWeight)
-
-
-def first_reads(settings: ControllerSettings, rec: LayerRecord, module: nn.Module, fresh: bool) -> None:
-    """Whether the layer of ``rec`` is blind to its loss costs (:func:`all_gathered`: no
-    high-precision weight to measure them on); and, for a ``fresh`` per-GEMM record (none
-    loaded), which GEMMs' own casts its first window measures the statistics of: only those no
-    loss cost judges (``max_loss_cost`` judges the forward, ``max_backward_cost`` the backward
-    GEMMs, as every later window's check that measured them: ``_decide.stats_read``); a GEMM
-    whose cost that window did not measure (its layer first reached after the window's shadow
-    step) reads its casts from the next window on; a non-finite operand is read meanwhile from
-    the layer's own statistics, every step's casts."""
-    rec.cost_blind = all_gathered(module)
-    if fresh and settings.per_gemm and not rec.cost_blind:
-        rec.stats_read[0] = [settings.max_loss_cost is None] + [settings.max_backward_cost is None] * 2
 
 
 def converted(module: nn.Module) -> bool:

@@ -249,3 +249,18 @@ def test_a_reentrant_checkpoint_around_an_fp8_layer_warns_once_naming_it(reentra
                     if reentrant else [])
     # what the warning says: under use_reentrant=True the layer's grad_output is never recorded
     assert (fp8.layer_state(model.block[2]).stats[2, 0] > 0).item() == (not reentrant)
+
+
+def test_a_recipe_named_in_a_policy_is_one_frozen_value():
+    """A policy asks for its layers' recipes at every call: a name gives the same frozen
+    recipe each time (equal to a fresh one), an unknown name raises each time."""
+    from mixprec.formats._layers import as_recipe
+
+    rule = Policy.parse("compute=bf16").fp8("nvfp4").fp8_rule
+    assert rule.recipe_for("a") is rule.recipe_for("b") is as_recipe("nvfp4")
+    assert as_recipe("nvfp4") == fp8.Float8Recipe.nvfp4() and as_recipe("tensorwise") is not as_recipe("nvfp4")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        as_recipe("nvfp4").name = "other"  # type: ignore[misc]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="unknown fp8 recipe"):
+            as_recipe("nvfp5")

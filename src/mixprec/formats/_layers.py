@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 import weakref
@@ -36,13 +37,19 @@ def warn_once(model: nn.Module, message: str) -> None:
 
 
 def as_recipe(recipe: Float8Recipe | str) -> Float8Recipe:
-    """A :class:`Float8Recipe` from itself or from a recipe name."""
+    """A :class:`Float8Recipe` from itself or from a recipe name (one frozen value per name: a
+    policy asks for its layers' recipes at every call)."""
     if isinstance(recipe, str):
-        return Float8Recipe.from_name(recipe)
+        return _named_recipe(recipe)
     if not isinstance(recipe, Float8Recipe):
         raise ValueError(f"recipe must be a Float8Recipe or one of {', '.join(map(repr, RECIPE_NAMES))}, "
                          f"got {recipe!r}")
     return recipe
+
+
+@functools.lru_cache(maxsize=None)
+def _named_recipe(name: str) -> Float8Recipe:
+    return Float8Recipe.from_name(name)  # (an unknown name raises, and is not cached)
 
 
 def eligible(module: nn.Module, fqn: str = "", recipe: Float8Recipe | str | None = None) -> tuple[bool, str]:

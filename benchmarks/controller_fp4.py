@@ -198,27 +198,16 @@ def llama_pair(steps: int, seed: int = 0) -> dict[str, Any]:
     Returns :func:`window_ratio` of the CPU times over the whole run, over its first 3 windows
     (``first``) and over the rest (``later``), and the Controller's ``stats()``."""
     from benchmarks import controller_quality as quality
-    from mixprec.demo.settings import lr_factor
 
     train, _ = load_tokens()
     offsets = batch_offsets(len(train), steps, 8, quality.SEQ, seed)
     batches = [make_batch(train, o, quality.SEQ, torch.device("cpu")) for o in offsets]
 
     def stepper(config: str) -> tuple[Callable[[torch.Tensor, torch.Tensor], None], Any]:
-        model, logits_of, lr = quality.build("llama", seed)
-        policy, ctl = quality.policy_for(config, quality.linears(model), steps=steps)
-        if ctl is not None:
-            ctl.attach(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps))
+        train_step, _, _, ctl = quality.trainer("llama", config, seed, steps)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
-            with mixprec.autocast("cpu", policy=policy):
-                loss = lm_loss(logits_of(model, x).float(), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sched.step()
+            train_step(x, y)
             if ctl is not None:
                 ctl.step()
 

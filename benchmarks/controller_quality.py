@@ -130,22 +130,21 @@ def policy_for(config: str, names: list[str], backward_cost: float = MAX_BACKWAR
     return policy, ctl
 
 
-def run(model_name: str, config: str, seed: int, steps: int, batch: int, data: torch.Tensor,
-        backward_cost: float = MAX_BACKWARD_COST, row_share: float = FP4_COST_ROW_SHARE,
-        loss_cost: float = MAX_LOSS_COST, scope: str = "gemm") -> dict[str, Any]:
+def trainer(model_name: str, config: str, seed: int, steps: int, backward_cost: float = MAX_BACKWARD_COST,
+            row_share: float = FP4_COST_ROW_SHARE, loss_cost: float = MAX_LOSS_COST, scope: str = "gemm"
+            ) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], nn.Module, Any, Any]:
+    """``(step, model, policy, controller)``: a fresh model (from ``seed``) under ``config``'s
+    policy and controller (None: none) for a run of ``steps``, and its training step on a batch
+    (the forward in the policy's autocast, backward, AdamW and the demo's schedule; returns the
+    loss). The caller calls ``controller.step()`` after each (reading what it counts between)."""
     model, logits_of, lr = build(model_name, seed)
-    names = linears(model)
-    policy, ctl = policy_for(config, names, backward_cost, steps, row_share, loss_cost, scope)
+    policy, ctl = policy_for(config, linears(model), backward_cost, steps, row_share, loss_cost, scope)
     if ctl is not None:
         ctl.attach(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps))
-    offsets = batch_offsets(len(data), steps, batch, SEQ, seed)
-    counter = GemmCounter(model, policy.fp8_rule.recipe_for, batch * SEQ) if policy is not None else None
-    losses = []
-    start = time.perf_counter()
-    for step in range(steps):
-        x, y = make_batch(data, offsets[step], SEQ, torch.device("cpu"))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if policy is None:
             loss = lm_loss(logits_of(model, x), y)
         else:
@@ -155,6 +154,21 @@ def run(model_name: str, config: str, seed: int, steps: int, batch: int, data: t
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
+        return loss
+
+    return step, model, policy, ctl
+
+
+def run(model_name: str, config: str, seed: int, steps: int, batch: int, data: torch.Tensor,
+        backward_cost: float = MAX_BACKWARD_COST, row_share: float = FP4_COST_ROW_SHARE,
+        loss_cost: float = MAX_LOSS_COST, scope: str = "gemm") -> dict[str, Any]:
+    step, model, policy, ctl = trainer(model_name, config, seed, steps, backward_cost, row_share, loss_cost, scope)
+    offsets = batch_offsets(len(data), steps, batch, SEQ, seed)
+    counter = GemmCounter(model, policy.fp8_rule.recipe_for, batch * SEQ) if policy is not None else None
+    losses = []
+    start = time.perf_counter()
+    for i in range(steps):
+        loss = step(*make_batch(data, offsets[i], SEQ, torch.device("cpu")))
         if counter is not None:
             counter.record()
         if ctl is not None:

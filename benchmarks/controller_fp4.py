@@ -32,12 +32,13 @@ step against the same model's step without it, at four model sizes and on the de
 * Model sizes: the demo's ``TransformerLM`` with 2 blocks of width 64, 128, 256, 384 (sequences
   of 64 tokens, batches of 8): what the controller costs should stay flat as the model grows.
   Headlines: the demo's ``tiny`` and ``small`` presets; with ``--llama STEPS``, the HF Llama of
-  :mod:`benchmarks.controller_quality` over a whole run (:func:`llama_pair`).
+  :mod:`benchmarks.controller_quality` over a whole run (:func:`llama_pair`), at the hidden sizes
+  ``--llama-hidden`` lists (64, the quality benchmark's; 128, 256: where its per-call work weighs less).
 
 The CPU (with its bf16/AMX flags) and the load average are printed before and after. One thread.
 
     .venv/bin/python benchmarks/controller_fp4.py [--quick] [--widths 64,128,256,384] [--presets tiny,small]
-        [--warm 30] [--pairs fp4,fp8] [--llama STEPS]
+        [--warm 30] [--pairs fp4,fp8] [--llama STEPS] [--llama-hidden 64,128,256]
 """
 
 from __future__ import annotations
@@ -190,10 +191,10 @@ def steady_pair(pair: str, settings: Settings, train: torch.Tensor, windows: int
     return out
 
 
-def llama_pair(steps: int, seed: int = 0) -> dict[str, Any]:
-    """The per-GEMM fp4 Controller on the HF Llama of :mod:`benchmarks.controller_quality` (its
-    ``controller`` config: the demo's limits, a quarter of the rows) against the same model all
-    NVFP4 (``all-fp4``), a whole run of ``steps`` from its first step, one step of each in turn
+def llama_pair(steps: int, seed: int = 0, hidden: int = 64) -> dict[str, Any]:
+    """The per-GEMM fp4 Controller on the HF Llama of :mod:`benchmarks.controller_quality` (at
+    ``hidden``: :func:`~benchmarks.controller_quality.llama_hidden`; its ``controller`` config: the
+    demo's limits, a quarter of the rows) against the same model all NVFP4 (``all-fp4``), a whole run of ``steps`` from its first step, one step of each in turn
     (the order alternating), after a throwaway step of each (the process's first-call work).
     Returns :func:`window_ratio` of the CPU times over the whole run, over its first 3 windows
     (``first``) and over the rest (``later``), and the Controller's ``stats()``."""
@@ -204,7 +205,7 @@ def llama_pair(steps: int, seed: int = 0) -> dict[str, Any]:
     batches = [make_batch(train, o, quality.SEQ, torch.device("cpu")) for o in offsets]
 
     def stepper(config: str) -> tuple[Callable[[torch.Tensor, torch.Tensor], None], Any]:
-        train_step, _, _, ctl = quality.trainer("llama", config, seed, steps)
+        train_step, _, _, ctl = quality.trainer(f"llama-{hidden}", config, seed, steps)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
             train_step(x, y)
@@ -289,12 +290,21 @@ def main() -> None:
     parser.add_argument("--llama", type=int, default=0, metavar="STEPS",
                         help="also time the fp4 pair on benchmarks/controller_quality.py's HF Llama over a whole run of "
                              "STEPS steps from its first (0: not)")
+    parser.add_argument("--llama-hidden", default="64", metavar="SIZES",
+                        help="comma-separated hidden sizes of the --llama runs, multiples of 64 (default 64: the "
+                             "quality benchmark's; its MLP 11/4 of it)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     widths = [int(w) for w in (("64,128" if args.quick else "64,128,256,384") if args.widths is None else args.widths
                                ).split(",") if w]  # ("": none)
     presets = [p for p in (("tiny" if args.quick else "tiny,small") if args.presets is None else args.presets).split(",") if p]
     windows = args.windows or (1 if args.quick else 3)
+    from benchmarks import controller_quality as quality
+
+    try:
+        hiddens = [quality.llama_hidden(f"llama-{h}") for h in args.llama_hidden.split(",")]
+    except ValueError as e:
+        parser.error(f"--llama-hidden: {e}")
     budget = args.budget if args.budget is not None else 5.0 if args.quick else 90.0
     before = machine()
     print(f"CPU: {before['cpu']} (flags: {cpu_flags()}); load before: {before['load']}")
@@ -319,12 +329,13 @@ def main() -> None:
             print("  " + _line(f"{preset}, {mode} / {reference}",
                                steady_pair(pair, Settings.for_size(preset), train, windows, budget, args.warm)),
                   flush=True)
-    if args.llama:
-        r = llama_pair(args.llama)
+    for hidden in (hiddens if args.llama else []):
+        r = llama_pair(args.llama, hidden=hidden)
         parts = [f"{k} {r[k]['ratio']:.3f}x ({r[k]['windows']} windows, {r[k]['low']:.3f}-{r[k]['high']:.3f})"
                  for k in ("whole", "first", "later") if k in r]
-        print(f"  HF Llama (4 layers, hidden 64), controller / all-fp4 from the first step, CPU time: {'; '.join(parts)}; "
-              f"{r['whole']['reference_s'] * 1e3:.0f} ms CPU per reference step; stats {r['stats']}", flush=True)
+        print(f"  HF Llama (4 layers, hidden {hidden}), controller / all-fp4 from the first step, CPU time: "
+              f"{'; '.join(parts)}; {r['whole']['reference_s'] * 1e3:.0f} ms CPU per reference step; stats {r['stats']}",
+              flush=True)
     print(f"load after: {machine()['load']}")
 
 

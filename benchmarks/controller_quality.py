@@ -2,8 +2,8 @@
 the linear layers' GEMM FLOPs, on three models, 3 seeds each.
 
 Models: the demo's ``tiny`` and ``small`` (:mod:`mixprec.demo.model`) and an HF Llama
-(``transformers.LlamaForCausalLM``: 4 layers, hidden 64, 4 heads, MLP 176, byte vocabulary),
-all on the demo's corpus (:mod:`mixprec.demo.corpus`, the same batches for every config of a
+(``transformers.LlamaForCausalLM``: 4 layers, hidden 64, 4 heads, MLP 176, byte vocabulary;
+``llama-<hidden>`` the same at another width: :func:`llama_hidden`), all on the demo's corpus (:mod:`mixprec.demo.corpus`, the same batches for every config of a
 seed), AdamW with the demo's schedule (:func:`mixprec.demo.settings.lr_factor`), bf16 compute.
 Configs (every fp4 layer NVFP4, emulated in float32 as the demo's fp4 modes run it):
 
@@ -78,13 +78,40 @@ STEPS = {"tiny": 120, "small": 300, "llama": 60}
 LATE_AT, LATE_FACTOR = 0.8, 0.1
 
 
-def build(model: str, seed: int) -> tuple[nn.Module, Callable[[nn.Module, torch.Tensor], torch.Tensor], float]:
-    """The model (from ``seed``), its logits function and its peak learning rate."""
-    torch.manual_seed(seed)
+def llama_hidden(model: str) -> int | None:
+    """The hidden size of a Llama model name: ``llama`` (64, the benchmark's) or ``llama-<hidden>``
+    (a multiple of 64: its MLP ``11/4`` of it, as ``llama``'s 176, every GEMM's features whole NVFP4
+    blocks); None for another model. Raises ValueError for a ``llama-`` name without such a size.
+
+    Example:
+        >>> llama_hidden("llama"), llama_hidden("llama-256"), llama_hidden("tiny")
+        (64, 256, None)
+    """
     if model == "llama":
+        return 64
+    if not model.startswith("llama-"):
+        return None
+    size = model.removeprefix("llama-")
+    if not size.isdigit() or int(size) <= 0 or int(size) % 64:
+        raise ValueError(f"model {model!r}: a Llama's hidden size goes after 'llama-' as a positive multiple of 64 "
+                         f"(llama-128, llama-256)")
+    return int(size)
+
+
+def steps_of(model: str) -> int | None:
+    """The default training length of ``model`` (:data:`STEPS`; a ``llama-<hidden>``: the Llama's), None: unknown."""
+    return STEPS.get("llama" if model.startswith("llama-") else model)
+
+
+def build(model: str, seed: int) -> tuple[nn.Module, Callable[[nn.Module, torch.Tensor], torch.Tensor], float]:
+    """The model (from ``seed``), its logits function and its peak learning rate (``llama-<hidden>``:
+    the Llama at another width, :func:`llama_hidden`)."""
+    torch.manual_seed(seed)
+    hidden = llama_hidden(model)
+    if hidden is not None:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+        cfg = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
                           tie_word_embeddings=False, attn_implementation="eager")
         return LlamaForCausalLM(cfg), lambda m, x: m(input_ids=x).logits, 2e-3
@@ -260,16 +287,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_backward_cost is None:
         args.max_backward_cost = args.max_loss_cost * MAX_BACKWARD_COST / MAX_LOSS_COST
     models = args.models.split(",")
-    unknown = [m for m in models if m not in STEPS]
+    try:
+        [llama_hidden(m) for m in models]
+    except ValueError as e:
+        ap.error(str(e))
+    unknown = [m for m in models if steps_of(m) is None]
     if unknown:
-        ap.error(f"unknown model(s) {', '.join(unknown)}: choose from {', '.join(STEPS)}")
+        ap.error(f"unknown model(s) {', '.join(unknown)}: choose from {', '.join(STEPS)} (or llama-<hidden>)")
     torch.set_num_threads(args.threads)
     train, _ = load_tokens()
     seeds = [int(s) for s in args.seeds.split(",")]
     configs = args.configs.split(",")
     if "fp32" not in configs:
         configs = ["fp32", *configs]
-    out: dict[str, Any] = {"steps": {m: args.steps or STEPS[m] for m in models}, "batch": args.batch, "seeds": seeds,
+    out: dict[str, Any] = {"steps": {m: args.steps or steps_of(m) for m in models}, "batch": args.batch, "seeds": seeds,
                            "models": {}, "max_loss_cost": args.max_loss_cost, "max_backward_cost": args.max_backward_cost,
                            "cost_row_share": args.cost_row_share, "cost_scope": args.cost_scope}
     for model in models:

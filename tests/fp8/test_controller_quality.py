@@ -136,6 +136,29 @@ def test_each_model_trains_its_own_length_and_an_unknown_model_is_refused():
     assert bench.STEPS == {"tiny": 120, "small": 300, "llama": 60}
     with pytest.raises(SystemExit):
         bench.main(["--models", "tiny,gpt2"])
+    for bad in ("llama-100", "llama-", "llama-x", "llama-0"):  # (a Llama at a width it cannot build)
+        with pytest.raises(SystemExit):
+            bench.main(["--models", f"tiny,{bad}"])
+
+
+@pytest.mark.parametrize("name, hidden", [("llama", 64), ("llama-64", 64), ("llama-128", 128), ("tiny", None)])
+def test_a_llama_at_another_width_keeps_the_benchmarks_shape(name, hidden):
+    """``llama-<hidden>`` (the cost benchmark's --llama-hidden): the benchmark's Llama at that width,
+    its MLP 11/4 of it (176 at 64), 4 layers and heads, the Llama's training length."""
+    assert bench.llama_hidden(name) == hidden
+    if hidden is None:
+        return
+    assert bench.steps_of(name) == bench.STEPS["llama"]
+    model, _, _ = bench.build(name, 0)
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (
+        hidden, hidden * 11 // 4, 4, 4)
+    assert model.model.layers[0].mlp.gate_proj.weight.shape == (hidden * 11 // 4, hidden)
+    if name == "llama-64":  # (the benchmark's Llama itself, the same weights from a seed)
+        import torch
+
+        same = bench.build("llama", 0)[0]
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), same.state_dict().values()))
 
 
 def test_step_slopes_reads_the_first_adamw_step_gain_and_the_next_batch_slope():

@@ -192,6 +192,34 @@ def test_the_walk_keeps_no_graph_alive():
     assert ref() is None
 
 
+def test_the_next_micro_batchs_forward_starts_the_map_over():
+    """Two forwards before a step (gradient accumulation): in the second, a layer's earlier layers
+    are those the second forward ran before it, not the first forward's later ones (another graph,
+    which no walk reaches: counted, they would dilute its reach as unreached layers)."""
+    torch.manual_seed(0)
+    a, b, c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+    ra, rb, rc = (Reach(torch.device("cpu")) for _ in range(3))
+    for r in (ra, rb, rc):
+        r.gain.fill_(1.0)
+    reaches = ReachMap()
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        ha = a(x)
+        assert reaches.earlier(ra) == {}
+        reaches.add(ra, ha.grad_fn)
+        hb = b(ha)
+        assert reaches.earlier(rb) == {ha.grad_fn: ra}
+        reached: list[float] = []
+        total = walk(hb.grad_fn, reaches.earlier(rb), Reach.weight, lambda w, r: reached.append(float(r)))
+        assert float(total) == float(ra.weight())  # (a alone, in each forward)
+        reaches.add(rb, hb.grad_fn)
+        hc = c(hb)
+        assert list(reaches.earlier(rc).values()) == [ra, rb]
+        reaches.add(rc, hc.grad_fn)
+        hc.sum().backward()
+        assert reached == [1.0]  # b's error reaches a whole (no merge)
+
+
 def test_the_reach_state_round_trips_and_refuses_what_it_did_not_save():
     reach = Reach(torch.device("cpu"))
     assert reach.state() == [[0.0, 0.0], 1.0, None, 0]
@@ -288,6 +316,53 @@ def test_the_controller_measures_each_layers_reach():
     assert all(0 <= r <= 1 for r in reach.values())
     assert reach["1.fc"] < reach["1.out"] < 1
     assert reach["2.fc"] < reach["2.out"] < 1
+
+
+def test_under_gradient_accumulation_each_walk_counts_the_layers_its_own_forward_ran_before():
+    """Three micro-batches a step: every walk the controller makes (on whichever micro-batch its
+    window's cadence lands) weighs exactly the layers before the walking one in the forward order,
+    so a reach under accumulation is one forward's, as without it: the first layer, with nothing
+    before it, walks nothing and keeps its reach undiluted (1)."""
+    import mixprec.control._reach as reach_module
+
+    order = ["0", "1.fc", "1.out", "2.fc", "2.out", "4"]
+    seen: list[tuple[int, set[int]]] = []
+    original = reach_module.walk
+
+    def spy(start, outputs, *args, **kwargs):
+        seen.append((id(start), {id(layer) for layer in outputs.values()}))
+        return original(start, outputs, *args, **kwargs)
+
+    model = _residual_model()
+    ctl = mixprec.Controller(every=4, ladder=("nvfp4", "tensorwise", "compute"), per_gemm=True, max_backward_cost=1e-3)
+    ctl.attach(model)
+    policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
+                                                      backend="emulate_fp32")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    reach_module.walk = spy
+    try:
+        for _ in range(16):
+            x, y = torch.randn(32, 32, generator=gen), torch.randn(32, 16, generator=gen)
+            for _ in range(3):
+                with mixprec.autocast("cpu", policy=policy):
+                    loss = (model(x).float() - y).square().mean() / 3
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ctl.step()
+    finally:
+        reach_module.walk = original
+    records = ctl._layers
+    by_reach = {id(records[n].backward.reach): n for n in order}
+    asked = {n: records[n].backward.reach.asked for n in order}
+    assert asked["4"] >= 2 * 4 + 1  # (walks landed on later micro-batches: 3 asks a measured window)
+    assert seen, "no walk"
+    for _, earlier in seen:
+        names = {by_reach[i] for i in earlier}
+        assert names == set(order[:len(names)]), names  # a prefix of the forward order: no later layer
+    state = ctl.state_dict()["layers"]["0"]["backward_cost"][4]
+    assert state[1] == 1.0 and state[0] == [0.0, 0.0]
 
 
 def test_a_layer_walks_in_its_first_window_and_every_reach_every_th_after():

@@ -46,21 +46,30 @@ _TINY = 1e-30
 
 
 class ReachMap:
-    """One controller's map, for the step under way, from each controlled layer (its
-    :class:`Reach`) to the autograd node of its GEMM's latest output, in the order of their
-    latest forwards; cleared at every ``Controller.step()`` (it holds the step's nodes until then)."""
+    """One controller's map, for the forward under way, from each controlled layer (its
+    :class:`Reach`) to the autograd node of its GEMM's output, in the order of their forwards;
+    cleared at every ``Controller.step()`` (it holds the step's nodes until then) and when a layer
+    it holds runs again (the next micro-batch's forward, or a pipeline's: the nodes it held are
+    another graph's, which a walk must not count as layers its error does not reach; a layer run
+    twice in one forward, its weight shared, starts the map over there too)."""
 
     def __init__(self) -> None:
         self._nodes: dict[int, tuple[Any, Any]] = {}
 
     def add(self, layer: Any, node: Any) -> None:
-        self._nodes.pop(id(layer), None)
+        self._enter(layer)
         if node is not None:
             self._nodes[id(layer)] = (layer, node)
 
     def earlier(self, layer: Any) -> dict[Any, Any]:
-        """``{node: layer}`` for the other layers' latest outputs."""
+        """``{node: layer}`` for the other layers' outputs in the forward under way."""
+        self._enter(layer)
         return {node: other for other, node in self._nodes.values() if other is not layer}
+
+    def _enter(self, layer: Any) -> None:
+        """``layer`` runs: where the map holds it already, a new forward began."""
+        if id(layer) in self._nodes:
+            self._nodes.clear()
 
     def clear(self) -> None:
         self._nodes.clear()

@@ -318,51 +318,79 @@ def test_the_controller_measures_each_layers_reach():
     assert reach["2.fc"] < reach["2.out"] < 1
 
 
-def test_under_gradient_accumulation_each_walk_counts_the_layers_its_own_forward_ran_before():
-    """Three micro-batches a step: every walk the controller makes (on whichever micro-batch its
-    window's cadence lands) weighs exactly the layers before the walking one in the forward order,
-    so a reach under accumulation is one forward's, as without it: the first layer, with nothing
-    before it, walks nothing and keeps its reach undiluted (1)."""
+class _SkipsOnce(nn.Module):
+    """The residual stack whose second block is left out of a step's first micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = _residual_model()
+
+    def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
+        h = self.m[1](self.m[0](x))
+        return self.m[4](self.m[3](h if skip else self.m[2](h)))
+
+
+def _accumulated(micro: int, steps: int = 16) -> tuple[list, dict[str, int]]:
+    """Train :class:`_SkipsOnce` under a per-GEMM controller with a backward cost, ``micro``
+    micro-batches a step (the first without the second block when ``micro > 1``); returns each
+    walk as ``(step, micro-batch, walking layer, the layers it weighed)`` and each layer's windows asked."""
     import mixprec.control._reach as reach_module
 
-    order = ["0", "1.fc", "1.out", "2.fc", "2.out", "4"]
-    seen: list[tuple[int, set[int]]] = []
-    original = reach_module.walk
-
-    def spy(start, outputs, *args, **kwargs):
-        seen.append((id(start), {id(layer) for layer in outputs.values()}))
-        return original(start, outputs, *args, **kwargs)
-
-    model = _residual_model()
+    model = _SkipsOnce()
     ctl = mixprec.Controller(every=4, ladder=("nvfp4", "tensorwise", "compute"), per_gemm=True, max_backward_cost=1e-3)
     ctl.attach(model)
     policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
                                                       backend="emulate_fp32")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
-    reach_module.walk = spy
+    asks: list = []  # (layer's Reach, the earlier layers' Reaches) of the forward's latest ask
+    walks: list = []
+    where = [0, 0]
+    earlier, original = ReachMap.earlier, reach_module.walk
+
+    def ask(self, layer):
+        out = earlier(self, layer)
+        asks.append((layer, list(out.values())))
+        return out
+
+    def spy(start, outputs, *args, **kwargs):
+        walks.append((*where, *asks[-1]))
+        return original(start, outputs, *args, **kwargs)
+
+    ReachMap.earlier, reach_module.walk = ask, spy
     try:
-        for _ in range(16):
+        for step in range(steps):
             x, y = torch.randn(32, 32, generator=gen), torch.randn(32, 16, generator=gen)
-            for _ in range(3):
+            for m in range(micro):
+                where[:] = step, m
                 with mixprec.autocast("cpu", policy=policy):
-                    loss = (model(x).float() - y).square().mean() / 3
+                    loss = (model(x, micro > 1 and m == 0).float() - y).square().mean() / micro
                 loss.backward()
             opt.step()
             opt.zero_grad()
             ctl.step()
     finally:
-        reach_module.walk = original
-    records = ctl._layers
-    by_reach = {id(records[n].backward.reach): n for n in order}
-    asked = {n: records[n].backward.reach.asked for n in order}
-    assert asked["4"] >= 2 * 4 + 1  # (walks landed on later micro-batches: 3 asks a measured window)
-    assert seen, "no walk"
-    for _, earlier in seen:
-        names = {by_reach[i] for i in earlier}
-        assert names == set(order[:len(names)]), names  # a prefix of the forward order: no later layer
-    state = ctl.state_dict()["layers"]["0"]["backward_cost"][4]
-    assert state[1] == 1.0 and state[0] == [0.0, 0.0]
+        ReachMap.earlier, reach_module.walk = earlier, original
+    names = {id(rec.backward.reach): n.removeprefix("m.") for n, rec in ctl._layers.items()}
+    walked = [(step, m, names[id(layer)], {names[id(r)] for r in before}) for step, m, layer, before in walks]
+    return walked, {n.removeprefix("m."): rec.backward.reach.asked for n, rec in ctl._layers.items()}
+
+
+def test_under_gradient_accumulation_each_walk_weighs_the_layers_its_own_forward_ran_before():
+    """Three micro-batches a step, the first without the second block: a layer walks once a
+    window, on its window's first forward (the second block's on the second micro-batch), and
+    weighs exactly the layers that forward ran before it, never the earlier micro-batch's later
+    ones (another graph, which no walk reaches); its windows asked are one forward a step's."""
+    order = ["0", "1.fc", "1.out", "2.fc", "2.out", "4"]
+    walked, asked = _accumulated(3)
+    single, asked_single = _accumulated(1)
+    assert asked == asked_single and len(walked) == len(single)  # (one walk a window, as one forward a step walks)
+    assert {name for _, m, name, _ in walked if m == 1} == {"2.fc", "2.out"}  # (left out of the first)
+    for step, m, name, before in walked:
+        ran = order if m else [n for n in order if not n.startswith("2.")]
+        assert before == set(ran[:ran.index(name)]), (step, m, name, before)
+    for _, m, name, before in single:
+        assert before == set(order[:order.index(name)])
 
 
 def test_a_layer_walks_in_its_first_window_and_every_reach_every_th_after():

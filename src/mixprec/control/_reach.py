@@ -21,7 +21,9 @@ earlier layers' ``r`` are averaged, weighted by their last window's gain (what t
 charges), into the layer's reach; a layer the walk does not reach (a parallel branch) counts
 ``0``; past a truncated walk (over :data:`WALK_NODES`), the last one reached counts for the
 rest. A layer walks in its first measured window and every :data:`REACH_EVERY`-th after (the
-others keep the last reach), never inside a backward (an activation checkpoint's recompute). The
+others keep the last reach), once (on the window's first forward that asks: under gradient
+accumulation, over the layers that forward ran before it), never inside a backward (an
+activation checkpoint's recompute). The
 hooks hold no graph node; their device work is a few norms where gradients merge, no host sync.
 """
 
@@ -85,6 +87,7 @@ class Reach:
         self.known = torch.ones((), device=device)
         self.gain = torch.full((), -torch.inf, device=device)
         self.asked = 0  # the windows that asked for a walk (REACH_EVERY)
+        self._walks: bool | None = None  # whether the window under way walks (None: it asked for none yet)
 
     def weight(self) -> torch.Tensor:
         """What this layer's ``r`` weighs in a later layer's reach: its last gain, what the cost
@@ -94,10 +97,14 @@ class Reach:
     def walk(self, start: Any, earlier: dict[Any, Reach], timed: Callable[[Callable], Callable]) -> None:
         """A window measures the input gradient's cost: walk the graph upstream of ``start`` over
         the ``earlier`` layers' output nodes (:func:`walk`), in the first such window and every
-        :data:`REACH_EVERY`-th after (the others keep the last reach)."""
-        self.asked += 1
-        if (self.asked - 1) % REACH_EVERY:
+        :data:`REACH_EVERY`-th after (the others keep the last reach), on the window's first
+        forward that asks (under gradient accumulation its first micro-batch: one walk a window)."""
+        if self._walks is None:
+            self.asked += 1
+            self._walks = not (self.asked - 1) % REACH_EVERY
+        if not self._walks:
             return
+        self._walks = False
         total = walk(start, earlier, Reach.weight, self._reached, timed)
         if total is not None:
             self.window[1] += total
@@ -114,6 +121,7 @@ class Reach:
 
     def reset(self) -> None:
         self.window.zero_()
+        self._walks = None
 
     def state(self) -> list:
         """The window, the last reach, the last gain (None: none yet) and the windows that asked

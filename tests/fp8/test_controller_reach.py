@@ -220,6 +220,25 @@ def test_the_next_micro_batchs_forward_starts_the_map_over():
         assert reached == [1.0]  # b's error reaches a whole (no merge)
 
 
+def test_a_layer_run_twice_in_one_forward_keeps_the_layers_before_it():
+    """``a -> l -> b -> l -> c`` (``l``'s weight shared): ``l``'s second run counts its latest
+    output only, and ``c``'s walk weighs ``a``, ``b`` and that output (one forward, one graph)."""
+    torch.manual_seed(0)
+    a, l_, b, c = (nn.Linear(8, 8) for _ in range(4))
+    ra, rl, rb, rc = (Reach(torch.device("cpu")) for _ in range(4))
+    reaches = ReachMap()
+    h = a(torch.randn(4, 8))
+    reaches.add(ra, h.grad_fn)
+    first = l_(h)
+    reaches.add(rl, first.grad_fn)
+    h = b(first)
+    reaches.add(rb, h.grad_fn)
+    second = l_(h)
+    assert list(reaches.earlier(rl).values()) == [ra, rb]
+    reaches.add(rl, second.grad_fn)
+    assert [(node is second.grad_fn, r) for node, r in reaches.earlier(rc).items()] == [(False, ra), (False, rb), (True, rl)]
+
+
 def test_the_reach_state_round_trips_and_refuses_what_it_did_not_save():
     reach = Reach(torch.device("cpu"))
     assert reach.state() == [[0.0, 0.0], 1.0, None, 0]

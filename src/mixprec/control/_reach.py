@@ -50,10 +50,10 @@ _TINY = 1e-30
 class ReachMap:
     """One controller's map, for the forward under way, from each controlled layer (its
     :class:`Reach`) to the autograd node of its GEMM's output, in the order of their forwards;
-    cleared at every ``Controller.step()`` (it holds the step's nodes until then) and when a layer
-    it holds runs again (the next micro-batch's forward, or a pipeline's: the nodes it held are
-    another graph's, which a walk must not count as layers its error does not reach; a layer run
-    twice in one forward, its weight shared, starts the map over there too)."""
+    cleared at every ``Controller.step()`` (it holds the step's nodes until then) and when the
+    first layer it holds runs again (the next micro-batch's forward, or a pipeline's: the nodes it
+    held are another graph's, which a walk must not count as layers its error does not reach); a
+    later layer run again in one forward (its weight shared) keeps its latest output only."""
 
     def __init__(self) -> None:
         self._nodes: dict[int, tuple[Any, Any]] = {}
@@ -69,9 +69,13 @@ class ReachMap:
         return {node: other for other, node in self._nodes.values() if other is not layer}
 
     def _enter(self, layer: Any) -> None:
-        """``layer`` runs: where the map holds it already, a new forward began."""
+        """``layer`` runs: where it is the first layer the map holds, a new forward began (the map
+        starts over); where it runs again later in a forward (its weight shared), its latest output counts."""
         if id(layer) in self._nodes:
-            self._nodes.clear()
+            if next(iter(self._nodes)) == id(layer):
+                self._nodes.clear()
+            else:
+                del self._nodes[id(layer)]
 
     def clear(self) -> None:
         self._nodes.clear()

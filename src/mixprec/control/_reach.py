@@ -156,7 +156,7 @@ class Reach:
 class _Walk:
     """One walk's state while the backward runs: per walked node (by ``id``), the contributions
     its walked parents sent ``{slot: [(sqrt r_p, tensor)]}`` and its own ``r`` until its hook
-    (one a node, after its backward: :func:`_hook`) passes it on. Holds no node (a hook on a
+    (one a node, after its backward: :class:`_Hook`) passes it on. Holds no node (a hook on a
     node keeps it; it must not keep the node)."""
 
     def __init__(self, sink: Callable[[Any, torch.Tensor], None]) -> None:
@@ -172,7 +172,7 @@ class _Walk:
         if weight is not None:
             self.sink(weight, r)
 
-    def passed(self, key: int, grads: tuple, edges: list[tuple[int, int, int]]) -> None:
+    def passed(self, key: int, grads: tuple, edges: tuple[tuple[int, int, int], ...]) -> None:
         """A walked node's gradients sent, weighted by ``sqrt r``, along its walked edges."""
         r = self.r.pop(key, None)
         if r is None:
@@ -256,26 +256,33 @@ def walk(start: Any, outputs: dict[Any, Any], weights: Callable[[Any], Any],
     received, passed = timed(state.received), timed(state.passed)  # (one wrapper a walk, not a node)
     for node in order:
         key = id(node)
-        edges = [(i, id(child), slot) for i, (child, slot) in enumerate(node.next_functions)
-                 if child is not None and id(child) in seen and child is not start]
+        edges = tuple((i, id(child), slot) for i, (child, slot) in enumerate(node.next_functions)
+                      if child is not None and id(child) in seen and child is not start)
         layer = outputs.get(node)
         if node is start:
             state.r[key] = 1.0
             if edges:
-                node.register_hook(_hook(None, passed, key, None, edges))
+                node.register_hook(_Hook(None, passed, key, None, edges))
         elif edges or layer is not None:
             weight = None if layer is None else weights(layer) + (unreached if node is last else 0.0)
-            node.register_hook(_hook(received, passed, key, weight, edges))
+            node.register_hook(_Hook(received, passed, key, weight, edges))
     return total
 
 
-def _hook(received: Callable | None, passed: Callable, key: int, weight: Any, edges: list[tuple[int, int, int]]
-          ) -> Callable:
+class _Hook:
     """A walked node's one hook, after its backward: its ``r`` from the gradients it received
-    (``received``; None: the start, whose ``r`` is 1), then its gradients sent along its walked ``edges``."""
-    def hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
-        if received is not None:
-            received(key, grad_outputs, weight)
-        if edges:
-            passed(key, grad_inputs, edges)
-    return hook
+    (``received``; None: the start, whose ``r`` is 1), then its gradients sent along its walked
+    ``edges``. One object a node (a walk hooks hundreds, alive until the backward: a closure's
+    cells would be several, each one more for the garbage collector to move up its generations)."""
+
+    __slots__ = ("received", "passed", "key", "weight", "edges")
+
+    def __init__(self, received: Callable | None, passed: Callable, key: int, weight: Any,
+                 edges: tuple[tuple[int, int, int], ...]) -> None:
+        self.received, self.passed, self.key, self.weight, self.edges = received, passed, key, weight, edges
+
+    def __call__(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        if self.received is not None:
+            self.received(self.key, grad_outputs, self.weight)
+        if self.edges:
+            self.passed(self.key, grad_inputs, self.edges)

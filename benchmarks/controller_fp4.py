@@ -194,8 +194,9 @@ def steady_pair(pair: str, settings: Settings, train: torch.Tensor, windows: int
 def llama_pair(steps: int, seed: int = 0, hidden: int = 64) -> dict[str, Any]:
     """The per-GEMM fp4 Controller on the HF Llama of :mod:`benchmarks.controller_quality` (at
     ``hidden``: :func:`~benchmarks.controller_quality.llama_hidden`; its ``controller`` config: the
-    demo's limits, a quarter of the rows) against the same model all NVFP4 (``all-fp4``), a whole run of ``steps`` from its first step, one step of each in turn
-    (the order alternating), after a throwaway step of each (the process's first-call work).
+    demo's limits, a quarter of the rows) against the same model all NVFP4 (``all-fp4``), a whole
+    run of ``steps`` from its first step, one step of each in turn (the order alternating), after a
+    throwaway step of each (the process's first-call work).
     Returns :func:`window_ratio` of the CPU times over the whole run, over its first 3 windows
     (``first``) and over the rest (``later``), and the Controller's ``stats()``."""
     from benchmarks import controller_quality as quality

@@ -3,8 +3,8 @@ the linear layers' GEMM FLOPs, on three models, 3 seeds each.
 
 Models: the demo's ``tiny`` and ``small`` (:mod:`mixprec.demo.model`) and an HF Llama
 (``transformers.LlamaForCausalLM``: 4 layers, hidden 64, 4 heads, MLP 176, byte vocabulary;
-``llama-<hidden>`` the same at another width: :func:`llama_hidden`), all on the demo's corpus (:mod:`mixprec.demo.corpus`, the same batches for every config of a
-seed), AdamW with the demo's schedule (:func:`mixprec.demo.settings.lr_factor`), bf16 compute.
+``llama-<hidden>`` the same at another width: :func:`llama_hidden`), all on the demo's corpus
+(:mod:`mixprec.demo.corpus`, the same batches for every config of a seed), AdamW with the demo's schedule (:func:`mixprec.demo.settings.lr_factor`), bf16 compute.
 Configs (every fp4 layer NVFP4, emulated in float32 as the demo's fp4 modes run it):
 
 * ``fp32``: float32 weights and compute, the reference;
@@ -287,10 +287,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_backward_cost is None:
         args.max_backward_cost = args.max_loss_cost * MAX_BACKWARD_COST / MAX_LOSS_COST
     models = args.models.split(",")
-    try:
-        [llama_hidden(m) for m in models]
-    except ValueError as e:
-        ap.error(str(e))
+    for m in models:
+        try:
+            llama_hidden(m)
+        except ValueError as e:
+            ap.error(str(e))
     unknown = [m for m in models if steps_of(m) is None]
     if unknown:
         ap.error(f"unknown model(s) {', '.join(unknown)}: choose from {', '.join(STEPS)} (or llama-<hidden>)")

@@ -59,23 +59,24 @@ class ReachMap:
         self._nodes: dict[int, tuple[Any, Any]] = {}
 
     def add(self, layer: Any, node: Any) -> None:
-        self._enter(layer)
+        """``layer`` ran, its output ``node``: where it is the first layer the map holds, a new
+        forward began (the map starts over); where it ran earlier in this forward (its weight
+        shared), its latest output counts."""
+        if self._starts(layer):
+            self._nodes.clear()
+        self._nodes.pop(id(layer), None)
         if node is not None:
             self._nodes[id(layer)] = (layer, node)
 
     def earlier(self, layer: Any) -> dict[Any, Any]:
-        """``{node: layer}`` for the other layers' outputs in the forward under way."""
-        self._enter(layer)
+        """``{node: layer}`` for the other layers' outputs in the forward ``layer`` runs in (none
+        where it starts a new one)."""
+        if self._starts(layer):
+            return {}
         return {node: other for other, node in self._nodes.values() if other is not layer}
 
-    def _enter(self, layer: Any) -> None:
-        """``layer`` runs: where it is the first layer the map holds, a new forward began (the map
-        starts over); where it runs again later in a forward (its weight shared), its latest output counts."""
-        if id(layer) in self._nodes:
-            if next(iter(self._nodes)) == id(layer):
-                self._nodes.clear()
-            else:
-                del self._nodes[id(layer)]
+    def _starts(self, layer: Any) -> bool:
+        return next(iter(self._nodes), None) == id(layer)
 
     def clear(self) -> None:
         self._nodes.clear()

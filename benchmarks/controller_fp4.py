@@ -275,7 +275,7 @@ def _line(label: str, r: dict[str, Any]) -> str:
             f"reference step{split}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="widths 64,128, preset tiny, 1 window (a smoke run)")
     parser.add_argument("--widths", default=None, help="comma-separated model widths (default: 64,128,256,384)")
@@ -291,10 +291,10 @@ def main() -> None:
     parser.add_argument("--llama", type=int, default=0, metavar="STEPS",
                         help="also time the fp4 pair on benchmarks/controller_quality.py's HF Llama over a whole run of "
                              "STEPS steps from its first (0: not)")
-    parser.add_argument("--llama-hidden", default="64", metavar="SIZES",
+    parser.add_argument("--llama-hidden", default=None, metavar="SIZES",
                         help="comma-separated hidden sizes of the --llama runs, multiples of 64 (default 64: the "
                              "quality benchmark's; its MLP 11/4 of it)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     widths = [int(w) for w in (("64,128" if args.quick else "64,128,256,384") if args.widths is None else args.widths
                                ).split(",") if w]  # ("": none)
@@ -302,8 +302,10 @@ def main() -> None:
     windows = args.windows or (1 if args.quick else 3)
     from benchmarks import controller_quality as quality
 
+    if args.llama_hidden is not None and not args.llama:
+        parser.error("--llama-hidden sets the widths of the --llama runs: pass --llama STEPS too")
     try:
-        hiddens = [quality.llama_hidden(f"llama-{h}") for h in args.llama_hidden.split(",")]
+        hiddens = [quality.llama_hidden(f"llama-{h}") for h in (args.llama_hidden or "64").split(",")]
     except ValueError as e:
         parser.error(f"--llama-hidden: {e}")
     budget = args.budget if args.budget is not None else 5.0 if args.quick else 90.0

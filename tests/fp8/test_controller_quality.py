@@ -236,6 +236,16 @@ def test_the_verdict_gives_the_paired_difference_the_seeds_resolve():
     assert "best hand recipe head-bf16" in text and "(paired, seed by seed: +0.0100 ± 0.0115 standard error)" in text
 
 
+@pytest.mark.parametrize("argv", [["--llama-hidden", "128"], ["--llama", "10", "--llama-hidden", "64,100"]])
+def test_the_cost_benchmark_refuses_llama_widths_it_cannot_run(argv):
+    """--llama-hidden without --llama would time nothing; a width that is not a multiple of 64 is
+    not the benchmark's Llama: both argparse errors before any run."""
+    from benchmarks import controller_fp4
+
+    with pytest.raises(SystemExit):
+        controller_fp4.main(argv)
+
+
 def test_the_cost_benchmark_times_the_llama_from_its_first_step():
     """benchmarks/controller_fp4.py --llama: the controlled Llama and the all-NVFP4 one, alternated
     over a whole run; ratios of whole windows, the first three apart from the rest."""

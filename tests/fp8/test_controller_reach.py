@@ -18,6 +18,7 @@ import torch.utils.checkpoint
 import mixprec
 from mixprec.control._backward import backward_costs
 from mixprec.control._reach import Reach, ReachMap, walk
+from mixprec.control._windows import reach_rows
 
 
 def _r(start_of: str, layer: str, build, limit: int = 1024) -> float:
@@ -149,7 +150,7 @@ def test_a_parallel_branch_is_not_reached_and_a_head_reaches_everything():
     reach = Reach(torch.device("cpu"))
     reach.walk(outs["a"].grad_fn, earlier, lambda fn: fn)
     loss.backward()
-    assert float(reach.row(torch.zeros(2))[2]) == pytest.approx(3.0 * r_k / 4.0, rel=1e-5)
+    assert float(_row(reach, torch.zeros(2))[2]) == pytest.approx(3.0 * r_k / 4.0, rel=1e-5)
 
 
 def test_a_truncated_walk_gives_the_last_reached_layer_the_rest():
@@ -243,7 +244,7 @@ def test_the_reach_state_round_trips_and_refuses_what_it_did_not_save():
     reach = Reach(torch.device("cpu"))
     assert reach.state() == [[0.0, 0.0], 1.0, None, 0]
     reach.window += torch.tensor([0.25, 1.0])
-    reach.row(torch.tensor([0.5, 2.0]))
+    _row(reach, torch.tensor([0.5, 2.0]))
     other = Reach(torch.device("cpu"))
     other.load(reach.state())
     assert other.state() == reach.state() == [[0.25, 1.0], 0.25, 0.25, 0]
@@ -253,13 +254,18 @@ def test_the_reach_state_round_trips_and_refuses_what_it_did_not_save():
             Reach(torch.device("cpu")).load(bad)
 
 
+def _row(reach: Reach, gain: torch.Tensor) -> torch.Tensor:
+    """One reach's check row from its window's gain sums (:func:`reach_rows` of it alone)."""
+    return reach_rows([reach], gain.unsqueeze(0))[0]
+
+
 def test_a_window_without_a_walk_keeps_the_last_reach_and_gain():
     reach = Reach(torch.device("cpu"))
-    assert reach.row(torch.zeros(2)).tolist() == [-float("inf"), 0.0, 1.0]  # nothing yet: undiluted
+    assert _row(reach, torch.zeros(2)).tolist() == [-float("inf"), 0.0, 1.0]  # nothing yet: undiluted
     reach.window += torch.tensor([0.1, 0.5])
-    assert reach.row(torch.tensor([3.0, 3.0])).tolist() == pytest.approx([1.0, 1.0, 0.2])
+    assert _row(reach, torch.tensor([3.0, 3.0])).tolist() == pytest.approx([1.0, 1.0, 0.2])
     reach.reset()
-    assert reach.row(torch.zeros(2)).tolist() == pytest.approx([1.0, 1.0, 0.2])
+    assert _row(reach, torch.zeros(2)).tolist() == pytest.approx([1.0, 1.0, 0.2])
 
 
 def test_backward_costs_charge_the_input_gradient_by_its_reach():

@@ -331,17 +331,6 @@ class BackwardCost:
         if self.pending is not None and self.pending[4] is None:
             self.pending[4] = loss_scale
 
-    def row(self) -> torch.Tensor:
-        """The window as a row of the check's all-reduce: the mean terms per kind and GEMM (-inf:
-        none measured), whether each was measured, the mean gain (the last window's that measured
-        one; -inf: none yet), whether there is one, the reach (the last measured; 1: none yet), and
-        the mean end slope and whether there is one (kept alike). No host sync."""
-        counts = self.window[..., TERMS:]
-        means = torch.where(counts > 0, self.window[..., :TERMS] / counts.clamp(min=1), -torch.inf)
-        self.end_last = torch.where(self.end[1] > 0, self.end[0] / self.end[1].clamp(min=1), self.end_last)
-        return torch.cat([means.flatten(), (counts > 0).float().flatten(), self.reach.row(self.gain),
-                          torch.stack([self.end_last, torch.isfinite(self.end_last).float()])])
-
     def reset(self) -> None:
         self.window.zero_()
         self.gain.zero_()

@@ -31,6 +31,7 @@ from mixprec.control._records import (all_gathered, check_loss_scale, converted,
 from mixprec.control._settings import LOW_RUNGS, RUNGS, ControllerSettings
 from mixprec.control._shell import Shell
 from mixprec.control._trend import MAX_HORIZON, shadow_phase, sustained_slope
+from mixprec.control._windows import stacked_windows
 from mixprec.formats._like import features
 from mixprec.formats._recipe import Float8Recipe
 from mixprec.formats._state import layer_state
@@ -172,8 +173,7 @@ class Controller(Shell):
         return True
 
     def _rename(self, old: str, new: str) -> None:
-        """Give the record of ``old`` (and its decisions) the name ``new``; a loaded state of ``new``
-        not applied yet applies now."""
+        """Give the record of ``old`` (and its decisions) the name ``new`` (a loaded state of it applies now)."""
         rec = self._layers.pop(old)
         untrack(self._layers.pop(new, None))  # another module under that name: no longer reached
         self._layers[new], self._names[rec.module()] = rec, new
@@ -283,7 +283,7 @@ class Controller(Shell):
                 and not self._warned_scale):
             self._warned_scale = True
             warn_unscaled()
-        rows = self._all_reduce_max(torch.stack([r.windows() for r in recs])).tolist()  # the one sync
+        rows = self._all_reduce_max(stacked_windows(recs)).tolist()  # the one sync
         (rows, backs), new, check = peel(names, rows, {n: r.order for n, r in self._layers.items()}, self.settings), [], self._check(decide=True)
         for name, rec, row in zip(names, recs, rows):
             rec.reset()

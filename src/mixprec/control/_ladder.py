@@ -17,7 +17,7 @@ from mixprec.formats._like import features
 from mixprec.formats._quant import STAT_NAMES
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._tensor_parallel import probe_operand
-from mixprec.formats._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window, window_stats
+from mixprec.formats._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window
 from mixprec.control._settings import FP4_RUNGS, FP8_RUNGS, LOW_RUNGS, RUNGS, ControllerSettings
 from mixprec.control._backward import FAR, far_by_factor
 from mixprec.control._cost import (Cadence, clear, clear_pooled, cost_steps, loss_cost, measure_cost,  # noqa: F401
@@ -274,21 +274,6 @@ class LayerRecord:
     @rung.setter
     def rung(self, value: int) -> None:
         self.rungs = [value] * len(GEMMS)
-
-    def windows(self) -> torch.Tensor:
-        """The windows a check all-reduces, as one vector (the loss costs last: the window's
-        mean estimate, own and below, -inf where none was measured, whether one was, the mean
-        squared estimate and the steps measured)."""
-        parts = [self.state.stats.flatten(), window_stats(self.shadow).flatten(), self.range]
-        if self.gemm_windows is not None:
-            parts.append(self.gemm_windows[..., :-1].flatten())
-        if self.cost is not None:
-            steps = self.cost[:, 4]
-            mean = torch.where(steps > 0, self.cost[:, 3] / steps.clamp(min=1), -math.inf)
-            parts += [mean, (steps > 0).float(), self.cost[:, 5] / steps.clamp(min=1), steps]
-        if self.backward is not None:  # (last: the check peels it off first)
-            parts.append(self.backward.row())
-        return torch.cat(parts)
 
     def split(self, row: list[float], settings: ControllerSettings | None = None
               ) -> tuple[list[float], list[float] | None]:

@@ -99,10 +99,6 @@ class Probe:
         measuring, gate = (True, rec.measuring) if compiling else (rec.measuring_now, None)
         if x.dtype is torch.float16:
             record_range(rec.range, x, out)
-        # the gradient hooks go on ``out``, the caller gets a view of it: so they see the gradient
-        # the GEMM's backward receives, after any hook on the returned tensor (a per-layer loss
-        # scaler's cut point, whose factor the gradients of this layer carry)
-        result = out.view_as(out) if out.requires_grad else out
         if tp is not None and not compiling and rec.backward is not None:
             _note_shard_cost(rec)
         if rec.cost is not None and not rec.cost_blind and weight is not None and out.requires_grad:
@@ -116,10 +112,21 @@ class Probe:
                                  self.reaches if rec.backward_now else None)  # (the step's nodes: only where walked)
         if rec.gemm_windows is not None:
             _measure_gemms(rec, x, weight, out, sample, measuring, gate, tp, self.timed)
-            return result
+        elif rec.below is not None and measuring:
+            self._measure_shadow(x, weight, out, gate, tp)
+        # the gradient hooks go on ``out``, the caller gets a view of it: so they see the gradient
+        # the GEMM's backward receives, after any hook on the returned tensor (a per-layer loss
+        # scaler's cut point, whose factor the gradients of this layer carry); none where no hook
+        # went on ``out`` (a step that measures nothing of the layer) but on the step whose
+        # backward walks the reaches (the graph it walks keeps its nodes)
+        hooked = compiling or rec.backward_now or out._backward_hooks is not None
+        return out.view_as(out) if out.requires_grad and hooked else out
+
+    def _measure_shadow(self, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
+                        gate: torch.Tensor | None, tp: Any) -> None:
+        """The rung below's casts of a promoted layer's operands (a per-layer record), on a shadow step."""
+        rec, sample = self.rec, self.sample
         below = rec.below
-        if below is None or not measuring:
-            return result
         _measure(rec.shadow, INPUT, x, "mk", below.input, below.pow2_scales, sample, gate, tp)
         if weight is not None:
             _measure(rec.shadow, WEIGHT, weight.detach(), "nk", below.weight, below.pow2_scales, sample, gate, tp)
@@ -127,7 +134,6 @@ class Probe:
             buf = rec.shadow
             out.register_hook(self.timed(lambda g: _measure(buf, GRAD_OUTPUT, g, "mn", below.grad_output,
                                                             below.pow2_scales, sample, gate, tp)))
-        return result
 
 
 def _measure(window: torch.Tensor, operand: int, t: torch.Tensor, has: str, cast: Cast, pow2: bool, sample: int,
@@ -181,6 +187,12 @@ def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | Non
     the gradient hook ``timed``."""
     if not shadow:
         return
+    compiling = torch.compiler.is_compiling()  # (traced code measures all: no guard on the flags, the check skips them)
+    wanted = [(g, gemm, kind, casts) for g, gemm in enumerate(GEMMS)
+              for kind, casts in ((0, rec.own[g]), (1, rec.below_gemm[g]))
+              if casts is not None and (compiling or rec.stats_read[kind][g])]
+    if not wanted:  # (most shadow steps of a layer whose loss costs decide: no operand read)
+        return
     x2 = x.detach().reshape(-1, x.shape[-1])
     w = weight.detach() if weight is not None else None
     # each operand is read by two GEMMs: one pass for its amax (none on an empty batch: not measured)
@@ -189,18 +201,13 @@ def _measure_gemms(rec: LayerRecord, x: torch.Tensor, weight: torch.Tensor | Non
              "grad_input": (None, None if w is None else (w.t(), amax_w, "kn", "w")),
              "grad_weight": (None, (x2.t(), amax_x, "km", "x"))}
     backward, shared = [], {}
-    compiling = torch.compiler.is_compiling()  # (traced code measures all: no guard on the flags, the check skips them)
-    for g, gemm in enumerate(GEMMS):
-        for kind, casts in ((0, rec.own[g]), (1, rec.below_gemm[g])):
-            if casts is None or not (compiling or rec.stats_read[kind][g]):
-                continue
-            kept = gate
-            for side, (operand, cast) in enumerate(zip(reads[gemm], (casts.left, casts.right))):
-                if operand is not None:
-                    _measure(rec.gemm_windows[kind, g], side, operand[0], operand[2], cast, casts.pow2, sample, kept,
-                             tp, casts.hadamard_seed, operand[1], shared, operand[3])
-            if gemm != "output":
-                backward.append((rec.gemm_windows[kind, g], gemm, casts, kept))
+    for g, gemm, kind, casts in wanted:
+        for side, (operand, cast) in enumerate(zip(reads[gemm], (casts.left, casts.right))):
+            if operand is not None:
+                _measure(rec.gemm_windows[kind, g], side, operand[0], operand[2], cast, casts.pow2, sample, gate,
+                         tp, casts.hadamard_seed, operand[1], shared, operand[3])
+        if gemm != "output":
+            backward.append((rec.gemm_windows[kind, g], gemm, casts, gate))
     if backward and out.requires_grad:
         out.register_hook(timed(lambda grad: _measure_grad(backward, grad, sample, tp)))
 

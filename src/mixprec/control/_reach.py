@@ -44,7 +44,7 @@ WALK_NODES = 256
 #: 20, about 2x more by step 60); each walk hooks up to :data:`WALK_NODES` nodes, one hook a node:
 #: on the Llama of docs/fp8.md about 1 ms a walk and 2 ms of hooks run in its backward
 REACH_EVERY = 4
-_TINY = 1e-30
+TINY = 1e-30
 
 
 class ReachMap:
@@ -97,7 +97,7 @@ class Reach:
     def weight(self) -> torch.Tensor:
         """What this layer's ``r`` weighs in a later layer's reach: its last gain, what the cost
         charges it with (about 0 before any, or for a step lost to first order)."""
-        return self.gain.clamp(min=0) + _TINY  # (none known anywhere: all alike)
+        return self.gain.clamp(min=0) + TINY  # (none known anywhere: all alike)
 
     def walk(self, start: Any, earlier: dict[Any, Reach], timed: Callable[[Callable], Callable]) -> None:
         """A window measures the input gradient's cost: walk the graph upstream of ``start`` over
@@ -116,13 +116,6 @@ class Reach:
 
     def _reached(self, weight: torch.Tensor, r: torch.Tensor | float) -> None:
         self.window[0] += weight * r
-
-    def row(self, gain: torch.Tensor) -> torch.Tensor:
-        """The check's ``[gain, whether there is one, reach]`` from the window's ``gain`` sums
-        (sum, count), each the last window's where this one measured none (kept; no host sync)."""
-        self.gain = torch.where(gain[1] > 0, gain[0] / gain[1].clamp(min=1), self.gain)
-        self.known = torch.where(self.window[1] > 0, self.window[0] / self.window[1].clamp(min=_TINY), self.known)
-        return torch.stack([self.gain, torch.isfinite(self.gain).float(), self.known])
 
     def reset(self) -> None:
         self.window.zero_()
@@ -209,7 +202,7 @@ def _share(sent: dict[int, list], grads: tuple) -> Any:
             ours = ours + mixed.square().sum()
     if isinstance(total, float):
         return 0.0
-    return (ours / total.clamp(min=_TINY)).clamp(max=1.0)
+    return (ours / total.clamp(min=TINY)).clamp(max=1.0)
 
 
 def _skipped(node: Any) -> bool:

@@ -344,24 +344,39 @@ def test_the_controller_measures_each_layers_reach():
 
 
 class _SkipsOnce(nn.Module):
-    """The residual stack whose second block is left out of a step's first micro-batch."""
+    """The residual stack whose second block is left out of a step's first micro-batch (of several)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.m = _residual_model()
 
-    def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, m: int, micro: int) -> torch.Tensor:
         h = self.m[1](self.m[0](x))
-        return self.m[4](self.m[3](h if skip else self.m[2](h)))
+        return self.m[4](self.m[3](h if micro > 1 and m == 0 else self.m[2](h)))
 
 
-def _accumulated(micro: int, steps: int = 16) -> tuple[list, dict[str, int]]:
-    """Train :class:`_SkipsOnce` under a per-GEMM controller with a backward cost, ``micro``
-    micro-batches a step (the first without the second block when ``micro > 1``); returns each
-    walk as ``(step, micro-batch, walking layer, the layers it weighed)`` and each layer's windows asked."""
+class _SkipsTheFirst(nn.Module):
+    """Two residual blocks before a head, the first controlled layer in the first: a step's first
+    micro-batch leaves out the second block, the later ones the first (an expert the router skips)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.m = nn.Sequential(nn.LayerNorm(32), _Block(32), _Block(32), nn.LayerNorm(32), nn.Linear(32, 16))
+
+    def forward(self, x: torch.Tensor, m: int, micro: int) -> torch.Tensor:
+        h = self.m[0](x)
+        h = self.m[1](h) if micro == 1 or m == 0 else h
+        return self.m[4](self.m[3](self.m[2](h) if micro == 1 or m > 0 else h))
+
+
+def _accumulated(micro: int, steps: int = 16, model: nn.Module | None = None) -> tuple[list, dict[str, int]]:
+    """Train ``model`` (:class:`_SkipsOnce`) under a per-GEMM controller with a backward cost,
+    ``micro`` micro-batches a step (its forward told which and of how many); returns each walk
+    as ``(step, micro-batch, walking layer, the layers it weighed)`` and each layer's windows asked."""
     import mixprec.control._reach as reach_module
 
-    model = _SkipsOnce()
+    model = _SkipsOnce() if model is None else model
     ctl = mixprec.Controller(every=4, ladder=("nvfp4", "tensorwise", "compute"), per_gemm=True, max_backward_cost=1e-3)
     ctl.attach(model)
     policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
@@ -389,7 +404,7 @@ def _accumulated(micro: int, steps: int = 16) -> tuple[list, dict[str, int]]:
             for m in range(micro):
                 where[:] = step, m
                 with mixprec.autocast("cpu", policy=policy):
-                    loss = (model(x, micro > 1 and m == 0).float() - y).square().mean() / micro
+                    loss = (model(x, m, micro).float() - y).square().mean() / micro
                 loss.backward()
             opt.step()
             opt.zero_grad()
@@ -416,6 +431,18 @@ def test_under_gradient_accumulation_each_walk_weighs_the_layers_its_own_forward
         assert before == set(ran[:ran.index(name)]), (step, m, name, before)
     for _, m, name, before in single:
         assert before == set(order[:order.index(name)])
+
+
+def test_a_micro_batch_without_the_first_layer_weighs_only_its_own_forwards_layers():
+    """The first controlled layer left out of the later micro-batches: the second block walks on
+    the second micro-batch, over the layers that forward ran before it (none), never the first
+    micro-batch's (the map starts over at each forward of the policy's model, not only where its
+    first layer runs again)."""
+    walked, _ = _accumulated(2, model=_SkipsTheFirst())
+    assert {name for _, m, name, _ in walked if m == 1} == {"2.fc", "2.out"}
+    ran = {0: ["1.fc", "1.out", "4"], 1: ["2.fc", "2.out", "4"]}
+    for step, m, name, before in walked:
+        assert before == set(ran[m][:ran[m].index(name)]), (step, m, name, before)
 
 
 def test_a_layer_walks_in_its_first_window_and_every_reach_every_th_after():

@@ -127,10 +127,11 @@ class Controller(Shell):
     # ----------------------------------------------------------------- tracking
     def govern(self, model: nn.Module, layers: Mapping[str, tuple[nn.Module, Float8Recipe]],
                compute: torch.dtype | None) -> None:
-        """A forward of ``model`` under a policy this controller runs: track its selected
-        ``layers`` (``{name: (module, its recipe in the policy)}``, each starting on the ladder at
-        its recipe), learn the compute dtype, warn once when training forwards go on without
-        :meth:`step`. The fp8 seam calls it (``mixprec.fp8.internals.select_targets``)."""
+        """A forward of ``model`` under a policy this controller runs (``mixprec.fp8.internals.select_targets``):
+        track its selected ``layers`` (``{name: (module, its recipe in the policy)}``, each from its recipe up),
+        learn the compute dtype, start the reaches' map over (a micro-batch's forward: :mod:`._reach`) and
+        warn once when training forwards go on without :meth:`step`."""
+        self._reaches.clear()
         for name, (module, recipe) in layers.items():
             if not self._known(name, module):
                 self._compute = compute if compute is not None else torch.get_autocast_dtype(module.weight.device.type)
@@ -333,12 +334,11 @@ class Controller(Shell):
         self._set_measuring(shadow_phase(steps, self.settings.every, self.settings.shadow_steps))
         self._pending = {}
         for name, data in layers.items():
-            rec = self._layers.get(name)
-            if rec is None:
+            if (rec := self._layers.get(name)) is None:
                 self._pending[name] = data
-            else:
-                load_layer(self.settings, rec, data)
-                self._apply(rec)
+                continue
+            load_layer(self.settings, rec, data)
+            self._apply(rec)
 
     def _detached(self, name: str, meta: Mapping[str, Any]) -> LayerRecord:
         """The record of a layer a peer has run and this rank not yet (:func:`detached_record`,

@@ -50,10 +50,11 @@ TINY = 1e-30
 class ReachMap:
     """One controller's map, for the forward under way, from each controlled layer (its
     :class:`Reach`) to the autograd node of its GEMM's output, in the order of their forwards;
-    cleared at every ``Controller.step()`` (it holds the step's nodes until then) and when the
-    first layer it holds runs again (the next micro-batch's forward, or a pipeline's: the nodes it
-    held are another graph's, which a walk must not count as layers its error does not reach); a
-    later layer run again in one forward (its weight shared) keeps its latest output only."""
+    cleared at every ``Controller.step()`` (it holds the step's nodes until then), at each forward
+    of a policy's model (``Controller.govern``) and when the first layer it holds runs again (a
+    converted model's next micro-batch, or a pipeline's: the nodes it held are another graph's,
+    which a walk must not count as layers its error does not reach); a later layer run again in
+    one forward (its weight shared) keeps its latest output only."""
 
     def __init__(self) -> None:
         self._nodes: dict[int, tuple[Any, Any]] = {}

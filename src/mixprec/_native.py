@@ -1,9 +1,10 @@
 """mixprec's C++ kernels (``csrc/*.cpp``), built once per environment.
 
-Three sets of kernels share one extension: the boxed autocast kernel for ops a policy edits
+Four sets of kernels share one extension: the boxed autocast kernel for ops a policy edits
 (``autocast_kernel.cpp``), the fused optimizer steps for low-precision parameters
-(``optim_kernel.cpp``, used by :mod:`mixprec.optim._fused`) and the fp4 casts
-(``fp4_kernel.cpp``, used by :mod:`mixprec.formats._fp4`).
+(``optim_kernel.cpp``, used by :mod:`mixprec.optim._fused`), the fp4 casts
+(``fp4_kernel.cpp``, used by :mod:`mixprec.formats._fp4`) and the cast statistics of an fp8 or
+fp4 layer's window (``stats_kernel.cpp``, used by :mod:`mixprec.formats._state`).
 
 A Python kernel at the autocast key costs about 6 us per call on top of the op (the dispatcher
 boxes the arguments for Python and back); on an 8x8 softmax that is 3.5x the op. The boxed C++
@@ -11,7 +12,8 @@ kernel runs the same cast kinds (``lower``, ``fp32``, ``promote``, ``fp32_set_op
 ``passthrough``) through PyTorch's own ``cached_cast``, at about 1.2x.
 
 Building (:func:`build`, ``mixprec build-kernels`` ahead of time; else at first use: the first
-op a policy edits, an optimizer constructed with a low-precision CPU parameter) takes about
+op a policy edits, an optimizer constructed with a low-precision CPU parameter, the first fp4
+cast or recorded fp8/fp4 cast statistics on a CPU) takes about
 30 s on 2 idle cores with ``torch.utils.cpp_extension`` (a C++ compiler and ninja,
 ``mixprec[native]``), minutes on loaded ones, and says so on stderr: why it runs, what to expect
 (the latest build here and the load it had, else a range from the load now), then how long it took. Each
@@ -31,7 +33,8 @@ DataLoader worker) waits for it like any other process. A failed build warns wit
 remembered for the environment: later processes do not retry until the sources or the compiler
 change, or ``mixprec build-kernels`` retries. Without the kernels, or with
 ``MIXPREC_NATIVE_KERNELS=0``, every edited op keeps its Python kernel, the optimizers run
-torch's fused kernels on float32 copies and the fp4 casts their torch code: the same results.
+torch's fused kernels on float32 copies and the fp4 casts and cast statistics their torch code: the
+same results.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ KINDS: dict[str, int] = {"passthrough": 0, "lower": 1, "fp32": 2, "promote": 3, 
                          "fp8": 5}
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("autocast_kernel.cpp", "optim_kernel.cpp",
-                                                                   "fp4_kernel.cpp")]
+                                                                   "fp4_kernel.cpp", "stats_kernel.cpp")]
 #: Instruction sets the extension is compiled for, by torch's CPU capability: the vector units
 #: torch's own kernels use on this machine (so the build never uses one the CPU lacks).
 _ARCH_FLAGS = {

@@ -103,10 +103,14 @@ def supervisor_of(program: DistProgram) -> Supervisor:
 
 
 def _fp8_blocks(program: DistProgram, rank: int) -> str:
-    """The regular expression of the blocks rank ``rank`` puts in fp8."""
+    """The regular expression of the blocks rank ``rank`` puts in fp8 (``stages``: every second
+    one, by the name its module goes by: a block shared with an earlier one is named as that one)."""
     if not program.stages:
         return r"^blocks\."
-    return rf"^blocks\.({'|'.join(str(i) for i in range(program.shape.blocks) if i % 2 == rank)})\."
+    shared = program.shape.shared
+    named = {shared[0] if shared is not None and i == shared[1] else i
+             for i in range(program.shape.blocks) if i % 2 == rank}
+    return rf"^blocks\.({'|'.join(str(i) for i in sorted(named))})\."
 
 
 def _setup(program: DistProgram, rank: int = 0) -> tuple[torch.nn.Module, Any, Any, Any, Any]:
@@ -170,7 +174,7 @@ def run_rank(rank: int, program: DistProgram) -> dict[str, Any]:
                 x = batch(program.shape, program.shape.seed, step_index, source, m, rows,
                           drift=program.drift[source], outlier=outlier)
                 with region():
-                    loss = loss_of(model(x, step, rank))
+                    loss = loss_of(model(x, step, rank, m))
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             costed = supervisor_of(program).costed
             loss_scale = {"loss_scale": scaler.get_scale() if scaler is not None else 1.0} if costed else {}

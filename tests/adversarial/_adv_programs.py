@@ -45,20 +45,24 @@ class Step:
     (``None``: all blocks), ``rows[r]`` the rows of each micro-batch of rank ``r`` (an empty
     tuple: that rank runs no forward this step; 0 rows: an empty micro-batch); ``rank_skip[r]``:
     blocks rank ``r`` leaves out besides ``skip`` (ranks whose forwards differ know different
-    layers, possibly as many)."""
+    layers, possibly as many); ``micro_skip[m]``: blocks micro-batch ``m`` leaves out besides
+    those (a router's choice per batch: a layer may run in the step's later micro-batches only,
+    or leave them)."""
 
     skip: frozenset[int] = frozenset()
     depth: int | None = None
     rows: tuple[tuple[int, ...], ...] = ((8,),)
     rank_skip: tuple[frozenset[int], ...] = ()
+    micro_skip: tuple[frozenset[int], ...] = ()
 
-    def skipped(self, rank: int = 0) -> frozenset[int]:
-        """The blocks rank ``rank`` leaves out on this step."""
-        return self.skip | (self.rank_skip[rank] if rank < len(self.rank_skip) else frozenset())
+    def skipped(self, rank: int = 0, micro: int = 0) -> frozenset[int]:
+        """The blocks rank ``rank`` leaves out of its micro-batch ``micro`` on this step."""
+        return (self.skip | (self.rank_skip[rank] if rank < len(self.rank_skip) else frozenset())
+                | (self.micro_skip[micro] if micro < len(self.micro_skip) else frozenset()))
 
 
 class Net(nn.Module):
-    """The model of a :class:`Shape`; ``forward(x, step)`` runs the blocks ``step`` says."""
+    """The model of a :class:`Shape`; ``forward(x, step, rank, micro)`` runs the blocks ``step`` says."""
 
     def __init__(self, shape: Shape) -> None:
         super().__init__()
@@ -75,9 +79,9 @@ class Net(nn.Module):
             self.blocks[j][0].weight = self.blocks[i][0].weight
         self.head = nn.Linear(shape.width, shape.out)
 
-    def forward(self, x: torch.Tensor, step: Step = Step(), rank: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step = Step(), rank: int = 0, micro: int = 0) -> torch.Tensor:
         depth = len(self.blocks) if step.depth is None else step.depth
-        skipped = step.skipped(rank)
+        skipped = step.skipped(rank, micro)
         for i in range(depth):
             if i not in skipped:
                 x = self.blocks[i](x)
@@ -128,7 +132,7 @@ class ProgramData(Data):
         x = batch(self.shape, self.shape.seed, t, 0, m, rows, drift=self.drift,
                   outlier=1e6 if self.outlier_step == t else None)
         with region():
-            loss = loss_of(model(x, self.steps[t]))
+            loss = loss_of(model(x, self.steps[t], 0, m))
         return loss * float("inf") if self.overflow_step == t and m == 0 else loss
 
 
@@ -175,7 +179,8 @@ def steps(draw: st.DrawFn, blocks: int, ranks: int = 1, max_steps: int = 12, min
           uneven: bool = True, empty: bool = True, skips: bool = True) -> tuple[Step, ...]:
     """A schedule: per step the skipped blocks, the early-exit depth and the rows per micro-batch
     of each rank (``uneven``: ranks may run different numbers of micro-batches, none included,
-    and, with ``skips``, leave out different blocks)."""
+    and, with ``skips``, leave out different blocks), and with ``skips`` the blocks some of its
+    micro-batches leave out besides."""
     n = draw(st.integers(min_steps, max_steps))
     out = []
     for _ in range(n):
@@ -191,6 +196,9 @@ def steps(draw: st.DrawFn, blocks: int, ranks: int = 1, max_steps: int = 12, min
         rank_skip: tuple[frozenset[int], ...] = ()
         if uneven and skips and ranks > 1 and draw(st.booleans()):
             rank_skip = tuple(frozenset(draw(st.sets(st.integers(0, blocks - 1), max_size=1))) for _ in range(ranks))
-        out.append(Step(skip=skip, depth=depth, rows=rows, rank_skip=rank_skip))
+        micro_skip: tuple[frozenset[int], ...] = ()
+        if skips and max(map(len, rows)) > 1 and draw(st.booleans()):
+            micro_skip = tuple(frozenset(draw(st.sets(st.integers(0, blocks - 1), max_size=1))) for _ in range(3))
+        out.append(Step(skip=skip, depth=depth, rows=rows, rank_skip=rank_skip, micro_skip=micro_skip))
     return tuple(out)
 

@@ -76,13 +76,13 @@ def run_scaling(program: ScalingProgram) -> str:
             x = batch(program.shape, program.shape.seed, t, 0, m, rows)
             poison = float("inf") if t in program.overflow_steps and m == 0 else 1.0
             try:
-                scaler.scale(loss_of(model(x, step)) * poison).backward()
+                scaler.scale(loss_of(model(x, step, 0, m)) * poison).backward()
             except ValueError as exc:
                 # refused up front, or a module run twice in a step (documented: on any step)
                 if t == 0 or "twice" in str(exc):
                     return "refused"
                 raise
-            loss_of(reference(x, step)).backward()
+            loss_of(reference(x, step, 0, m)).backward()
         scaler.unscale_(opt)
         finite = all(p.grad is None or bool(p.grad.isfinite().all()) for p in model.parameters())
         if finite:

@@ -118,12 +118,12 @@ def run_job(job: Job, start: threading.Barrier | None = None, cache: bool | None
         for m, rows in enumerate(step.rows[0]):
             x = batch(job.shape, job.shape.seed, t, 0, m, rows, drift=2.0)
             if not kind.region:
-                loss = loss_of(model(x, step))
+                loss = loss_of(model(x, step, 0, m))
             else:
                 region = (mixprec.autocast("cpu", policy=policy, cache_enabled=cache) if policy is not None
                           else mixprec.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache))
                 with region:
-                    loss = loss_of(model(x, step))
+                    loss = loss_of(model(x, step, 0, m))
             scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()

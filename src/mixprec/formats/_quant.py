@@ -9,14 +9,16 @@ the format's range, then ``.to(fp8)``; the emulated GEMM is ``mm(a.float() / sa,
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
+from mixprec import _native
 from mixprec.formats._accumulate import tensor_core_mm
 from mixprec.formats._blocks import EPS, amax_to_scale, fp8_values, quantize
 from mixprec.formats._recipe import Cast
 
-__all__ = ["EPS", "cast_to_fp8", "cast_stats", "gemm", "STAT_NAMES"]
+__all__ = ["EPS", "cast_to_fp8", "cast_stats", "fold_cast_stats", "gemm", "STAT_NAMES"]
 
 #: operands of more elements than this have their fractions measured on a strided sample.
 SAMPLE = 1 << 14
@@ -82,6 +84,44 @@ def cast_stats(x: torch.Tensor, q: torch.Tensor, amax: torch.Tensor, last_amax: 
     flushed = (zeros_q - torch.count_nonzero(absx == 0)) / m
     nonfinite = torch.maximum(torch.count_nonzero(~(absx < math.inf)) * stride, ~torch.isfinite(amax))
     return torch.stack([amax, saturated.float(), flushed.float(), nonfinite.float()])
+
+
+def fold_cast_stats(row: torch.Tensor, x: torch.Tensor, q: torch.Tensor, amax: torch.Tensor) -> None:
+    """Fold one cast of ``x`` (to ``q``, with ``amax``) into a window's ``row`` (``[amax, saturated,
+    underflow, nonfinite, the previous cast's amax]``, float32), in place: each statistic the worst
+    of the row's and :func:`cast_stats`'s (saturation judged against the row's previous amax; NaN
+    where either is), the previous amax this cast's. On the CPU one pass of mixprec's C++ kernel
+    (``csrc/stats_kernel.cpp``: the same bits but a NaN's payload), else torch's ops. No host sync.
+
+    Example:
+        >>> row = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0])
+        >>> x = torch.tensor([0.0, 3.0])
+        >>> fold_cast_stats(row, x, x.to(torch.float8_e4m3fn), x.abs().max())
+        >>> row.tolist()
+        [3.0, 0.5, 0.0, 0.0, 3.0]
+    """
+    ops = _stats_kernels(row, x, q, amax)
+    if ops is not None:
+        ops.record_cast(row, x.detach().contiguous(), q.contiguous(), amax.detach().contiguous(), SAMPLE)
+        return
+    new = cast_stats(x, q, amax, row[-1])
+    row.copy_(torch.cat([torch.maximum(row[:-1], new), new[:1]]))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a subclass with its own dispatch (FakeTensor, DTensor)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _stats_kernels(row: torch.Tensor, x: torch.Tensor, q: torch.Tensor, amax: torch.Tensor) -> Any | None:
+    """``torch.ops.mixprec_native`` where its ``record_cast`` serves these operands (plain CPU
+    tensors in eager code, of the dtypes and sizes it reads), else None: torch's ops serve."""
+    tensors = (row, x, q, amax)
+    if (any(type(t) not in _PLAIN or t.device.type != "cpu" for t in tensors) or torch.compiler.is_compiling()
+            or row.dtype != torch.float32 or row.shape != (len(STAT_NAMES) + 1,) or not row.is_contiguous()
+            or x.dtype not in _FLOATS or amax.dtype not in _FLOATS or q.element_size() != 1
+            or q.numel() != x.numel() or amax.numel() == 0 or not _native.enabled()):
+        return None
+    return _native.load()
 
 
 def gemm(a: torch.Tensor, sa: torch.Tensor | None, b: torch.Tensor, sb: torch.Tensor | None,

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from mixprec._modules import clean_name, named_modules
-from mixprec.formats._quant import STAT_NAMES, cast_stats
+from mixprec.formats._quant import STAT_NAMES, fold_cast_stats
 
 __all__ = ["LayerState", "OPERANDS", "INPUT", "WEIGHT", "GRAD_OUTPUT", "layer_state", "swap_layer_state",
            "new_window", "record_cast", "window_stats", "clear_window", "rounding_steps", "load_rounding_steps",
@@ -48,9 +48,7 @@ def record_cast(window: torch.Tensor | None, operand: int, x: torch.Tensor, q: t
     the row's previous amax), and this cast's amax as the new previous one. ``window`` None:
     nothing is recorded. In place, on the device (no host sync); traceable."""
     if window is not None:
-        row = window[operand]
-        new = cast_stats(x, q, amax, row[-1])
-        row.copy_(torch.cat([torch.maximum(row[:-1], new), new[:1]]))
+        fold_cast_stats(window[operand], x, q, amax)
 
 
 def window_stats(window: torch.Tensor) -> torch.Tensor:

@@ -163,3 +163,14 @@ def test_a_strided_operand_and_a_gradient_are_folded_as_their_values(spy, monkey
         ours, theirs = _both(lambda: _folded(torch.zeros(5), operand, q, amax), monkeypatch)
         assert _same(ours, theirs)
     assert spy.calls == 2
+
+
+def test_a_fold_counts_as_an_in_place_write_of_the_window(spy):
+    """The kernel writes the row in place as torch's ``copy_`` does: the window's version moves
+    (what the non-finite tracer reads to know an fp8 layer recorded its casts)."""
+    x = _plain(8, 0)
+    q, amax = _cast(x, CASTS["e4m3 tensor"])
+    window = torch.zeros(3, 5)
+    before = window._version
+    fold_cast_stats(window[1], x, q, amax)
+    assert spy.calls == 1 and window._version > before and window[1, 0] == amax

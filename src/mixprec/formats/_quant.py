@@ -103,6 +103,7 @@ def fold_cast_stats(row: torch.Tensor, x: torch.Tensor, q: torch.Tensor, amax: t
     ops = _stats_kernels(row, x, q, amax)
     if ops is not None:
         ops.record_cast(row, x.detach().contiguous(), q.contiguous(), amax.detach().contiguous(), SAMPLE)
+        torch.autograd.graph.increment_version(row)  # (an in-place write, as torch's copy_ counts it)
         return
     new = cast_stats(x, q, amax, row[-1])
     row.copy_(torch.cat([torch.maximum(row[:-1], new), new[:1]]))

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 import mixprec
+from mixprec import fp8
 from mixprec.control._backward import backward_costs
 from mixprec.control._reach import Reach, ReachMap, walk
 from mixprec.control._windows import reach_rows
@@ -370,17 +371,24 @@ class _SkipsTheFirst(nn.Module):
         return self.m[4](self.m[3](self.m[2](h) if micro == 1 or m > 0 else h))
 
 
-def _accumulated(micro: int, steps: int = 16, model: nn.Module | None = None) -> tuple[list, dict[str, int]]:
-    """Train ``model`` (:class:`_SkipsOnce`) under a per-GEMM controller with a backward cost,
-    ``micro`` micro-batches a step (its forward told which and of how many); returns each walk
-    as ``(step, micro-batch, walking layer, the layers it weighed)`` and each layer's windows asked."""
+def _accumulated(micro: int, steps: int = 16, model: nn.Module | None = None,
+                 route: str = "policy") -> tuple[list, dict[str, int]]:
+    """Train ``model`` (:class:`_SkipsOnce`) under a per-GEMM controller with a backward cost
+    (``route``: a policy's, or ``fp8.convert``'s layers), ``micro`` micro-batches a step (its
+    forward told which and of how many); returns each walk as ``(step, micro-batch, walking
+    layer, the layers it weighed)`` and each layer's windows asked."""
     import mixprec.control._reach as reach_module
 
     model = _SkipsOnce() if model is None else model
     ctl = mixprec.Controller(every=4, ladder=("nvfp4", "tensorwise", "compute"), per_gemm=True, max_backward_cost=1e-3)
-    ctl.attach(model)
-    policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
-                                                      backend="emulate_fp32")
+    if route == "policy":
+        ctl.attach(model)
+        policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
+                                                          backend="emulate_fp32")
+        region = lambda: mixprec.autocast("cpu", policy=policy)  # noqa: E731
+    else:
+        model = fp8.convert(model, "nvfp4", backend="emulate_fp32", controller=ctl)
+        region = lambda: mixprec.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     asks: list = []  # (layer's Reach, the earlier layers' Reaches) of the forward's latest ask
@@ -403,7 +411,7 @@ def _accumulated(micro: int, steps: int = 16, model: nn.Module | None = None) ->
             x, y = torch.randn(32, 32, generator=gen), torch.randn(32, 16, generator=gen)
             for m in range(micro):
                 where[:] = step, m
-                with mixprec.autocast("cpu", policy=policy):
+                with region():
                     loss = (model(x, m, micro).float() - y).square().mean() / micro
                 loss.backward()
             opt.step()
@@ -433,14 +441,16 @@ def test_under_gradient_accumulation_each_walk_weighs_the_layers_its_own_forward
         assert before == set(order[:order.index(name)])
 
 
-def test_a_micro_batch_without_the_first_layer_weighs_only_its_own_forwards_layers():
+@pytest.mark.parametrize("route", ["policy", "convert"])
+def test_a_micro_batch_without_the_first_layer_weighs_only_its_own_forwards_layers(route: str):
     """The first controlled layer left out of the later micro-batches: the second block walks on
     the second micro-batch, over the layers that forward ran before it (none), never the first
-    micro-batch's (the map starts over at each forward of the policy's model, not only where its
-    first layer runs again)."""
-    walked, _ = _accumulated(2, model=_SkipsTheFirst())
+    micro-batch's (the map starts over at each forward of the model, a policy's or a converted
+    one, not only where its first layer runs again)."""
+    walked, asked = _accumulated(2, model=_SkipsTheFirst(), route=route)
     assert {name for _, m, name, _ in walked if m == 1} == {"2.fc", "2.out"}
-    ran = {0: ["1.fc", "1.out", "4"], 1: ["2.fc", "2.out", "4"]}
+    # (fp8.convert leaves the first and last Linear out: there the first controlled layer is 1.out)
+    ran = {m: [n for n in names if n in asked] for m, names in ((0, ["1.fc", "1.out", "4"]), (1, ["2.fc", "2.out", "4"]))}
     for step, m, name, before in walked:
         assert before == set(ran[m][:ran[m].index(name)]), (step, m, name, before)
 
@@ -477,3 +487,25 @@ def test_a_forward_off_the_measured_step_leaves_no_graph_behind():
     del x, out
     gc.collect()
     assert held() is None
+
+
+def test_a_converted_models_hook_is_one_and_its_copies_do_nothing():
+    """fp8.convert with a Controller hooks the model's forwards once (tracked again: still one);
+    a deep copy and a pickle of the model keep a hook that starts no map over (their probes are
+    dropped alike) and run."""
+    import copy
+    import pickle
+
+    from mixprec.control._reach import StartsOver
+
+    ctl = mixprec.Controller(every=4, ladder=("nvfp4", "tensorwise", "compute"), per_gemm=True, max_backward_cost=1e-3)
+    model = fp8.convert(_SkipsTheFirst(), "nvfp4", backend="emulate_fp32", controller=ctl)
+    ctl.track(model)
+    hooks = [h for h in model._forward_pre_hooks.values() if isinstance(h, StartsOver)]
+    assert len(hooks) == 1 and hooks[0].reaches is ctl._reaches
+    x = torch.randn(4, 32)
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        (copied,) = [h for h in other._forward_pre_hooks.values() if isinstance(h, StartsOver)]
+        assert copied.reaches is None
+        with mixprec.autocast("cpu", dtype=torch.bfloat16):
+            assert other(x, 0, 1).shape == (4, 16)

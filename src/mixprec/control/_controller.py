@@ -23,7 +23,7 @@ from mixprec.control._early import early_window, promote_early
 from mixprec.control._estimate_gap import learn_gaps
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord, end_steps
 from mixprec.control._probe import Probe
-from mixprec.control._reach import ReachMap
+from mixprec.control._reach import ReachMap, StartsOver
 from mixprec.control._records import (all_gathered, check_loss_scale, converted, converted_experts, detached_record,
                                       flop_shares, grad_scale, layer_data, load_layer, log_csv, log_data, measures_backward,
                                       metadata, parse_state_dict, qualified, seen_compute, set_measuring, start_rungs,
@@ -101,10 +101,7 @@ class Controller(Shell):
         """The format ``layer`` (its qualified name) runs in now: ``"fp8-tensorwise"``, ``"fp8-rowwise"``,
         ``"nvfp4"``, ``"bf16"``/``"fp16"`` (the compute dtype) or ``"fp32"``; with ``gemm`` (``"output"``,
         ``"grad_input"``, ``"grad_weight"``), that GEMM's (the layer's is its forward GEMM's; they differ only under ``per_gemm=True``).
-
-        Raises KeyError naming the layers it knows when it does not know ``layer``, ValueError
-        for an unknown ``gemm``.
-        """
+        Raises KeyError naming the layers it knows when it does not know ``layer``, ValueError for an unknown ``gemm``."""
         if layer not in self._layers:
             raise KeyError(f"Controller.precision: no fp8 layer {layer!r}; it controls {sorted(self._layers)} "
                            f"(layers are known after the policy's first forward)")
@@ -140,8 +137,9 @@ class Controller(Shell):
 
     def track(self, model: nn.Module) -> list[str]:
         """Control the layers :func:`mixprec.fp8.convert` made in ``model`` and its experts (``"moe.experts.w1[3]"``),
-        each from its ``recipe`` up (``fp8.convert(model, recipe, controller=ctl)`` calls it); returns their
-        qualified names. Raises ValueError when ``model`` has none, or a recipe is not on the ladder.
+        each from its ``recipe`` up (``fp8.convert(model, recipe, controller=ctl)`` calls it; each forward of ``model``
+        starts the reaches' map over: :class:`~mixprec.control._reach.StartsOver`); returns their qualified names.
+        Raises ValueError when ``model`` has none, or a recipe is not on the ladder.
 
         Example:
             >>> from mixprec import fp8
@@ -157,6 +155,7 @@ class Controller(Shell):
         for name, (module, recipe) in layers.items():
             if not self._known(name, module):
                 self._track(name, module, recipe)
+        StartsOver.hook(model, self._reaches)
         blind = [n for n, (m, _) in layers.items() if self._names.get(m) in self._layers
                  and self._layers[self._names[m]].cost_blind]
         if blind and self.settings.max_loss_cost is not None:

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["REACH_EVERY", "Reach", "ReachMap", "WALK_NODES", "walk"]
+__all__ = ["REACH_EVERY", "Reach", "ReachMap", "StartsOver", "WALK_NODES", "walk"]
 
 #: the most autograd nodes one walk hooks (the layers past them take the last reached one's share)
 WALK_NODES = 256
@@ -51,10 +51,10 @@ class ReachMap:
     """One controller's map, for the forward under way, from each controlled layer (its
     :class:`Reach`) to the autograd node of its GEMM's output, in the order of their forwards;
     cleared at every ``Controller.step()`` (it holds the step's nodes until then), at each forward
-    of a policy's model (``Controller.govern``) and when the first layer it holds runs again (a
-    converted model's next micro-batch, or a pipeline's: the nodes it held are another graph's,
-    which a walk must not count as layers its error does not reach); a later layer run again in
-    one forward (its weight shared) keeps its latest output only."""
+    of the model (a policy's: ``Controller.govern``; a converted one's: :class:`StartsOver`) and
+    when the first layer it holds runs again (a pipeline stage's next micro-batch: the nodes it
+    held are another graph's, which a walk must not count as layers its error does not reach); a
+    later layer run again in one forward (its weight shared) keeps its latest output only."""
 
     def __init__(self) -> None:
         self._nodes: dict[int, tuple[Any, Any]] = {}
@@ -81,6 +81,31 @@ class ReachMap:
 
     def clear(self) -> None:
         self._nodes.clear()
+
+
+class StartsOver:
+    """A converted model's forward pre-hook (``Controller.track``) that starts its controller's
+    :class:`ReachMap` over: each forward is a micro-batch's, as a policy's forward is
+    (``Controller.govern``). A copy or a pickle of the model keeps a hook that does nothing (its
+    probes are dropped alike); traced code does nothing."""
+
+    __slots__ = ("reaches",)
+
+    def __init__(self, reaches: ReachMap | None) -> None:
+        self.reaches = reaches
+
+    def __call__(self, module: Any, args: Any) -> None:
+        if self.reaches is not None and not torch.compiler.is_compiling():
+            self.reaches.clear()
+
+    def __reduce__(self) -> tuple:
+        return StartsOver, (None,)
+
+    @staticmethod
+    def hook(model: Any, reaches: ReachMap) -> None:
+        """Hook ``model``'s forwards to start ``reaches`` over (once: a model tracked again keeps its hook)."""
+        if not any(isinstance(h, StartsOver) and h.reaches is reaches for h in model._forward_pre_hooks.values()):
+            model.register_forward_pre_hook(StartsOver(reaches))
 
 
 class Reach:

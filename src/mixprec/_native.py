@@ -75,6 +75,7 @@ KINDS: dict[str, int] = {"passthrough": 0, "lower": 1, "fp32": 2, "promote": 3, 
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("autocast_kernel.cpp", "optim_kernel.cpp",
                                                                    "fp4_kernel.cpp", "stats_kernel.cpp")]
+_HEADERS = [Path(__file__).parent / "csrc" / "float_types.h"]  # (included by the sources: hashed with them)
 #: Instruction sets the extension is compiled for, by torch's CPU capability: the vector units
 #: torch's own kernels use on this machine (so the build never uses one the CPU lacks).
 _ARCH_FLAGS = {
@@ -189,7 +190,7 @@ def environment() -> dict[str, str]:
     """What a build depends on (hashed into :func:`build_directory`): the sources, compile
     flags, torch, the Python environment (``sys.prefix`` and version) and mixprec's folder (both
     in the build's ninja file), the compiler (``CXX`` or ``c++``: its path and file) and ninja."""
-    sources = hashlib.sha1(b"".join(path.read_bytes() for path in _SOURCES)).hexdigest()
+    sources = hashlib.sha1(b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)).hexdigest()
     compiler = os.environ.get("CXX", "cl" if sys.platform == "win32" else "c++")
     return {
         "sources": sources,

@@ -84,7 +84,7 @@ def test_a_pool_clears_at_the_steps_one_window_would_need():
 
 # ------------------------------------------------------------------ on a record
 def _cost_row(own: tuple[float, float, float] | None, below: tuple[float, float, float] | None) -> list[float]:
-    """The loss-cost part of a check's row (``LayerRecord.windows``): per row the mean (-inf: not
+    """The loss-cost part of a check's row (``_windows.stacked_windows``): per row the mean (-inf: not
     measured), whether measured, the mean square and the steps."""
     rows = [own, below]
     return ([r[0] if r else -math.inf for r in rows] + [1.0 if r else 0.0 for r in rows]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from mixprec.formats import _quant
+from mixprec import _native
 from mixprec.formats._fp4 import quantize
 from mixprec.formats._quant import SAMPLE, cast_to_fp8, fold_cast_stats
 from mixprec.formats._recipe import Cast
@@ -101,7 +101,7 @@ class _Spy:
 @pytest.fixture
 def spy(native_ops: Any, monkeypatch: pytest.MonkeyPatch) -> _Spy:
     s = _Spy(native_ops)
-    monkeypatch.setattr(_quant._native, "load", lambda: s)
+    monkeypatch.setattr(_native, "load", lambda: s)
     return s
 
 

@@ -348,12 +348,12 @@ def _end_slope(slope: list[Any], x2: torch.Tensor, grad: torch.Tensor, reference
 
 
 _KINDS = 2 * len(BACKWARD_GEMMS)  # (kind, GEMM) pairs
-#: the length of :meth:`BackwardCost.row`
+#: the length of a layer's backward part of a check's row (:func:`~mixprec.control._windows.backward_rows`)
 ROW = (TERMS + 1) * _KINDS + 5
 
 
 def backward_costs(backs: list[list[float] | None]) -> list[list[float] | None]:
-    """Per layer (in forward order), from its all-reduced :meth:`BackwardCost.row` (None: no
+    """Per layer (in forward order), from its all-reduced backward row (``_windows.backward_rows``; None: no
     measurement), ``[own grad_input, own grad_weight, below grad_input, below grad_weight]``
     costs in nats per step followed by whether each was measured: the weight gradient's
     ``gain * c1 + slope * shrink + gain**2 * c2`` with its layer's gain and end slope (its gain

@@ -277,8 +277,9 @@ class LayerRecord:
 
     def split(self, row: list[float], settings: ControllerSettings | None = None
               ) -> tuple[list[float], list[float] | None]:
-        """A row of :meth:`windows` (all-reduced, as a list) as ``(statistics, loss costs)``; the
-        costs (own, below, whether each was measured) are None without ``max_loss_cost``. With
+        """A check's row of the layer (:func:`~mixprec.control._windows.stacked_windows`, all-reduced,
+        as a list) as ``(statistics, loss costs)``; the costs (own, below, whether each was
+        measured) are None without ``max_loss_cost``. With
         ``settings``, plans from the window on how many of the next window's steps each loss cost
         is measured (:func:`~mixprec.control._cost.cost_steps`: at least the shadow steps and
         2, against ``max_loss_cost`` for the own cost, the demotion limit for the one below) and

@@ -35,6 +35,8 @@ from typing import Any, Callable
 
 import torch
 
+from mixprec.control._update_error import TINY
+
 __all__ = ["REACH_EVERY", "Reach", "ReachMap", "StartsOver", "WALK_NODES", "walk"]
 
 #: the most autograd nodes one walk hooks (the layers past them take the last reached one's share)
@@ -44,7 +46,6 @@ WALK_NODES = 256
 #: 20, about 2x more by step 60); each walk hooks up to :data:`WALK_NODES` nodes, one hook a node:
 #: on the Llama of docs/fp8.md about 1 ms a walk and 2 ms of hooks run in its backward
 REACH_EVERY = 4
-TINY = 1e-30
 
 
 class ReachMap:

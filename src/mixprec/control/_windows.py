@@ -12,7 +12,8 @@ from typing import Any, Sequence
 import torch
 
 from mixprec.control._backward import TERMS, BackwardCost
-from mixprec.control._reach import TINY, Reach
+from mixprec.control._reach import Reach
+from mixprec.control._update_error import TINY
 
 __all__ = ["backward_rows", "reach_rows", "stacked_windows"]
 

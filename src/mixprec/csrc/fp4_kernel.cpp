@@ -30,6 +30,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "float_types.h"
+
 #include <algorithm>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -50,11 +52,9 @@ constexpr float kMax = 6.0f;
 constexpr float kValues[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
-inline uint32_t f2u(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
-inline float u2f(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
-
-template <typename T> inline float to_float(T x) { return static_cast<float>(x); }
-template <> inline float to_float<c10::BFloat16>(c10::BFloat16 x) { return u2f(uint32_t(x.x) << 16); }
+using mixprec_native::f2u;
+using mixprec_native::to_float;
+using mixprec_native::u2f;
 
 // The code of v = x * mul: clamped to [-6, 6] as torch.clamp_ (v is never NaN here: see the top),
 // rounded to nearest with ties to even (how many of _MIDPOINTS |v| passes) or stochastically
@@ -150,16 +150,6 @@ void check_operand(const at::Tensor& x, int64_t rows, int64_t cols, const char* 
 
 inline int64_t blocks(int64_t n, int64_t size) { return (n + size - 1) / size; }
 
-// Runs body with T the C++ type of dtype (float32, bfloat16 or float16).
-#define MIXPREC_FP4_TYPE(dtype, ...)                                           \
-  [&] {                                                                        \
-    switch (dtype) {                                                           \
-      case at::kFloat: { using T = float; return __VA_ARGS__(); }              \
-      case at::kBFloat16: { using T = c10::BFloat16; return __VA_ARGS__(); }   \
-      default: { using T = c10::Half; return __VA_ARGS__(); }                  \
-    }                                                                          \
-  }()
-
 // Runs body with COLS the block width as a constant where it is one of the recipes' (16, 32),
 // else 0 (read from cols at run time): fixed-length inner loops vectorize.
 #define MIXPREC_FP4_COLS(cols, ...)                                            \
@@ -212,7 +202,7 @@ at::Tensor fp4_block_amax(const at::Tensor& x, int64_t rows, int64_t cols) {
   check_operand(x, rows, cols, "block_amax");
   const int64_t n_rows = x.size(0), n_cols = x.size(1);
   at::Tensor out = at::empty({blocks(n_rows, rows), blocks(n_cols, cols)}, x.options().dtype(at::kFloat));
-  MIXPREC_FP4_TYPE(x.scalar_type(), [&] {
+  MIXPREC_FLOAT_TYPE(x.scalar_type(), [&] {
     MIXPREC_FP4_COLS(cols, [&] {
       block_amax<T, COLS>(x.const_data_ptr<T>(), out.data_ptr<float>(), n_rows, n_cols, rows, cols);
     });
@@ -270,7 +260,7 @@ at::Tensor fp4_encode(const at::Tensor& x, const at::Tensor& mul, int64_t rows, 
     r = rand->const_data_ptr<float>();
   }
   at::Tensor out = at::empty({nbr * rows, nbc * cols / 2}, x.options().dtype(at::kByte));
-  MIXPREC_FP4_TYPE(x.scalar_type(), [&] {
+  MIXPREC_FLOAT_TYPE(x.scalar_type(), [&] {
     MIXPREC_FP4_COLS(cols, [&] {
       if (r != nullptr)
         encode_rows<T, true, COLS>(x.const_data_ptr<T>(), mul.const_data_ptr<float>(), r, out.data_ptr<uint8_t>(),
@@ -327,7 +317,7 @@ at::Tensor fp4_decode(const at::Tensor& codes, const at::Tensor& scale, int64_t 
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "mixprec fp4 decode: the dtype must be float32, bfloat16 or float16");
   at::Tensor out = at::empty({n_rows, n_cols}, codes.options().dtype(dtype));
-  MIXPREC_FP4_TYPE(dtype, [&] {
+  MIXPREC_FLOAT_TYPE(dtype, [&] {
     MIXPREC_FP4_COLS(cols, [&] {
       decode_rows<T, COLS>(codes.const_data_ptr<uint8_t>(), scale.const_data_ptr<float>(), out.data_ptr<T>(), n_rows,
                            n_cols, rows, cols, codes.size(1));

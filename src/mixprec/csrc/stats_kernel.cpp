@@ -24,21 +24,16 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "float_types.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 
 namespace mixprec_stats {
 
-template <typename T> inline float to_float(T x) { return static_cast<float>(x); }
-template <> inline float to_float<c10::BFloat16>(c10::BFloat16 x) {
-  const uint32_t u = uint32_t(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using mixprec_native::to_float;
 
 inline float nan_max(float a, float b) {
   if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<float>::quiet_NaN();
@@ -73,15 +68,6 @@ template <typename T> float largest(const T* v, int64_t n) {
   return best;
 }
 
-#define MIXPREC_STATS_TYPE(dtype, ...)                                         \
-  [&] {                                                                        \
-    switch (dtype) {                                                           \
-      case at::kFloat: { using T = float; return __VA_ARGS__(); }              \
-      case at::kBFloat16: { using T = c10::BFloat16; return __VA_ARGS__(); }   \
-      default: { using T = c10::Half; return __VA_ARGS__(); }                  \
-    }                                                                          \
-  }()
-
 inline bool floating(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
 }
@@ -103,10 +89,10 @@ void record_cast(at::Tensor& row, const at::Tensor& x, const at::Tensor& q, cons
   float* r = row.data_ptr<float>();
   const float last = r[4];
   const uint8_t* qb = static_cast<const uint8_t*>(q.const_data_ptr());
-  const Counts c = MIXPREC_STATS_TYPE(x.scalar_type(), [&] {
+  const Counts c = MIXPREC_FLOAT_TYPE(x.scalar_type(), [&] {
     return count(x.const_data_ptr<T>(), qb, n, stride, to_float(static_cast<T>(last)));
   });
-  const float top = MIXPREC_STATS_TYPE(amax.scalar_type(), [&] { return largest(amax.const_data_ptr<T>(), amax.numel()); });
+  const float top = MIXPREC_FLOAT_TYPE(amax.scalar_type(), [&] { return largest(amax.const_data_ptr<T>(), amax.numel()); });
   const float fm = static_cast<float>(m);
   const float saturated = static_cast<float>(c.above) / fm * (last > 0.0f ? 1.0f : 0.0f);
   const float flushed = static_cast<float>(c.zero_q - c.zero_x) / fm;

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from mixprec import _native
 from mixprec.formats._accumulate import tensor_core_mm
 from mixprec.formats._blocks import EPS, amax_to_scale, fp8_values, quantize
+from mixprec.formats._fp4 import _KERNEL_DTYPES, _PLAIN, _kernels
 from mixprec.formats._recipe import Cast
 
 __all__ = ["EPS", "cast_to_fp8", "cast_stats", "fold_cast_stats", "gemm", "STAT_NAMES"]
@@ -100,29 +100,28 @@ def fold_cast_stats(row: torch.Tensor, x: torch.Tensor, q: torch.Tensor, amax: t
         >>> row.tolist()
         [3.0, 0.5, 0.0, 0.0, 3.0]
     """
+    x, amax = x.detach(), amax.detach()  # (statistics: no gradient)
     ops = _stats_kernels(row, x, q, amax)
     if ops is not None:
-        ops.record_cast(row, x.detach().contiguous(), q.contiguous(), amax.detach().contiguous(), SAMPLE)
+        ops.record_cast(row, x.contiguous(), q.contiguous(), amax.contiguous(), SAMPLE)
         torch.autograd.graph.increment_version(row)  # (an in-place write, as torch's copy_ counts it)
         return
     new = cast_stats(x, q, amax, row[-1])
     row.copy_(torch.cat([torch.maximum(row[:-1], new), new[:1]]))
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a subclass with its own dispatch (FakeTensor, DTensor)
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _stats_kernels(row: torch.Tensor, x: torch.Tensor, q: torch.Tensor, amax: torch.Tensor) -> Any | None:
-    """``torch.ops.mixprec_native`` where its ``record_cast`` serves these operands (plain CPU
-    tensors in eager code, of the dtypes and sizes it reads), else None: torch's ops serve."""
-    tensors = (row, x, q, amax)
-    if (any(type(t) not in _PLAIN or t.device.type != "cpu" for t in tensors) or torch.compiler.is_compiling()
+    """``torch.ops.mixprec_native`` where its ``record_cast`` serves these operands (``x`` as the
+    fp4 casts' kernels take an operand: :func:`~mixprec.formats._fp4._kernels`; the others plain CPU
+    tensors of the dtypes and sizes it reads), else None: torch's ops serve. Traced code returns at
+    once (reading the operands' layout inside a trace changed a compiled policy route's output:
+    tests/fp8/test_tensor_parallel.py)."""
+    if (torch.compiler.is_compiling() or any(type(t) not in _PLAIN or t.device.type != "cpu" for t in (row, q, amax))
             or row.dtype != torch.float32 or row.shape != (len(STAT_NAMES) + 1,) or not row.is_contiguous()
-            or x.dtype not in _FLOATS or amax.dtype not in _FLOATS or q.element_size() != 1
-            or q.numel() != x.numel() or amax.numel() == 0 or not _native.enabled()):
+            or x.dtype not in _KERNEL_DTYPES or amax.dtype not in _KERNEL_DTYPES or q.element_size() != 1
+            or q.numel() != x.numel() or amax.numel() == 0):
         return None
-    return _native.load()
+    return _kernels(x)
 
 
 def gemm(a: torch.Tensor, sa: torch.Tensor | None, b: torch.Tensor, sb: torch.Tensor | None,

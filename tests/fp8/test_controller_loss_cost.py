@@ -368,3 +368,28 @@ def test_the_step_folds_every_layer_at_once_bitwise_as_each_alone(batch):
             end_steps([r], [scale])
             assert torch.equal(r.cost, together[recs.index(r)]), scales
         assert not torch.equal(together[0], before[0]) and together[0][:, :3].eq(0).all()
+
+
+@pytest.mark.parametrize("kept", [(0,), (1,), (0, 1)], ids=["own", "below", "both"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["all-rows", "sampled-rows"])
+def test_a_steps_sums_land_in_each_errors_own_row(kept, sampled):
+    """``_accumulate_cost`` adds each error's ``sum(g * e)``, ``sum_t (g_t . e_t)**2`` and row count
+    (scaled to the whole output where rows were sampled) to that error's row of the layer's
+    buffer, and only there; a gate keeps a row only where its flag is set."""
+    from mixprec.control._cost import _accumulate_cost
+
+    gen = torch.Generator().manual_seed(4)
+    grad, errors = torch.randn(3, 4, 8, generator=gen), {r: torch.randn(12, 8, generator=gen) for r in (0, 1)}
+    rows = torch.tensor([1, 5, 9]) if sampled else None
+    g2 = grad.reshape(12, 8) if rows is None else grad.reshape(12, 8)[rows]
+    scale = 12 / 3 if sampled else 1.0
+    for gate in (None, torch.tensor([False, True])):
+        buf = torch.full((2, 7), 0.5)
+        given = [(r, errors[r] if rows is None else errors[r][rows]) for r in kept]
+        _accumulate_cost(buf, given, grad, gate, rows=rows, total=12)
+        for r in (0, 1):
+            expected = torch.full((7,), 0.5)
+            if r in kept and (gate is None or gate[r]):
+                per_row = (g2 * dict(given)[r]).sum(-1)
+                expected[:3] += torch.stack([per_row.sum() * scale, per_row.square().sum() * scale, torch.tensor(12.0)])
+            torch.testing.assert_close(buf[r], expected, msg=f"row {r}, errors {kept}, gate {gate}")

@@ -149,8 +149,9 @@ def test_kernels_bitwise_the_torch_code(operand, cast, rounding, spy, monkeypatc
         spy.calls.clear()
         ours, theirs = _both(lambda: _cast(x, CASTS[cast], subnormal, rounding), monkeypatch)
         assert ours == theirs, (operand, cast, subnormal, rounding)
-        assert spy.calls["fp4_encode"] == 1 and spy.calls["fp4_decode"] == decoded  # the kernels served
-        assert spy.calls["fp4_magnitudes"] == 1
+        decodes = spy.calls["fp4_decode"] + spy.calls["fp4_nvfp4_decode"]
+        assert spy.calls["fp4_encode"] == 1 and decodes == decoded  # the kernels served
+        assert spy.calls["fp4_nvfp4_scales"] == (cast != "mxfp4") and spy.calls["fp4_magnitudes"] == 1
 
 
 def test_seeded_sweep_bitwise(spy, monkeypatch):
@@ -198,7 +199,67 @@ def test_restored_operand_dequantizes_alike(spy, monkeypatch):
     t = quantize(torch.randn(40, 32, generator=_gen(5)), CASTS["nvfp4-2d"])
     restored = Fp4Tensor(t.codes, t.scales, t.tensor_scale, t.scales.new_empty(0), t.shape, t.cast)
     ours, theirs = _both(lambda: [_bits(restored.dequantize(d)) for d in (*DTYPES, torch.float64)], monkeypatch)
-    assert ours == theirs and spy.calls["fp4_decode"] == len(DTYPES)
+    assert ours == theirs and spy.calls["fp4_nvfp4_decode"] == len(DTYPES)
+
+
+#: block amaxes (float32, 2-D) for the NVFP4 scales kernel: e4m3 roundings and ties, zeros,
+#: decades past e4m3's range both ways, float32's extremes, non-finite values
+AMAXES: dict[str, Callable[[], torch.Tensor]] = {
+    "random": lambda: torch.rand(7, 9, generator=_gen(1)) * 10,
+    "decades": lambda: torch.logspace(-38, 38, 60).reshape(6, 10),
+    "e4m3 ties": lambda: (torch.arange(1, 97, dtype=torch.float32) * 0.0625 + 0.03125).reshape(8, 12) * 6,
+    "all zero": lambda: torch.zeros(3, 4),
+    "one zero": lambda: torch.tensor([[0.0, 1.0, 3e-9, 448.0 * 6]]),
+    "subnormal floats": lambda: torch.tensor([[1e-45, 1e-40, 1.17e-38, 2.0]]),
+    "float32 max": lambda: torch.tensor([[3.4e38, 1.0, 0.0]]),
+    "infinity": lambda: torch.tensor([[1.0, float("inf"), 2.0]]),
+    "nan": lambda: torch.tensor([[1.0, float("nan"), 2.0]]),
+}
+
+
+@pytest.mark.parametrize("amax", list(AMAXES), ids=list(AMAXES))
+def test_nvfp4_scales_kernel_is_block_scales(amax, native_ops):
+    """``fp4_nvfp4_scales``: the bits of ``_block_scales`` (scales, tensor scale, multipliers), and
+    its flag whether every multiplier is finite, with and without subnormal scales and with a
+    tensor amax given (a tensor-parallel all-reduce's, larger or smaller than the blocks')."""
+    a, cast = AMAXES[amax](), CASTS["nvfp4"]
+    for subnormal in (False, True):
+        for given in (None, torch.tensor(5e3), torch.tensor(1e-3), torch.tensor(0.0)):
+            reduce = None if given is None else (lambda t, g=given: g)
+            ours = native_ops.fp4_nvfp4_scales(a, given, subnormal)
+            theirs = _fp4._block_scales(a, cast, subnormal, reduce)
+            assert [_bits(t) for t in ours[:3]] == [_bits(t) for t in theirs], (amax, subnormal, given)
+            assert ours[3] == bool(torch.isfinite(theirs[2]).all()), (amax, subnormal, given)
+
+
+def test_nvfp4_decode_kernel_refuses_non_finite_scales(native_ops, spy, monkeypatch):
+    """A block scale whose product with the tensor scale is not finite (an infinite tensor scale,
+    a NaN e4m3 scale): the kernel decodes nothing and says so; dequantize takes the torch code."""
+    t = quantize(torch.randn(32, 64, generator=_gen(9)), CASTS["nvfp4"])
+    nan_scales = t.scales.clone()
+    nan_scales.view(torch.uint8)[2, 1] = 0x7F  # e4m3's NaN
+    for scales, ts in ((t.scales, torch.tensor(float("inf"))), (nan_scales, t.tensor_scale)):
+        values, finite = native_ops.fp4_nvfp4_decode(t.codes, scales, ts, 1, 16, 32, 64, torch.float32)
+        assert not finite and values.numel() == 0
+        odd = Fp4Tensor(t.codes, scales, ts, t.amax, t.shape, t.cast)
+        spy.calls.clear()
+        ours, theirs = _both(lambda: [_bits(odd.dequantize(d)) for d in DTYPES], monkeypatch)
+        assert ours == theirs and spy.calls["fp4_nvfp4_decode"] == len(DTYPES) and spy.calls["fp4_decode"] == 0
+
+
+def test_nvfp4_cast_with_a_global_amax_is_the_torch_code(spy, monkeypatch):
+    """A tensor-parallel shard's NVFP4 cast (``reduce``: its tensor amax made global) through the
+    kernels: the torch code's bits, the reduce called once on the shard's own amax."""
+    x = torch.randn(24, 64, generator=_gen(10))
+    seen: list[float] = []
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        seen.append(float(t))
+        return torch.maximum(t, torch.tensor(40.0))
+
+    ours, theirs = _both(lambda: _record(quantize(x, CASTS["nvfp4"], reduce=reduce)), monkeypatch)
+    assert ours == theirs and spy.calls["fp4_nvfp4_scales"] == 1
+    assert seen == [float(x.abs().max())] * 2
 
 
 def test_uniform_draws_are_torch_rand(native_ops):
@@ -213,12 +274,14 @@ def test_key_draws_are_the_torch_code(native_ops):
     """A RoundingKey's draws: SplitMix64 in C++ against its int64 torch code, odd and even counts,
     states of both signs (as int64), Python and tensor steps."""
     keys = [RoundingKey(seed, step, stream) for seed, step, stream in
-            ((0, 0, 0), (1, 5, 1), (2**40 + 3, 2**31, 7), (9, 123456789, 2), (3, 1, 0), (4, 1, 0))]
+            ((0, 0, 0), (1, 5, 1), (2**40 + 3, 2**31, 7), (9, 123456789, 2), (3, 1, 0), (4, 1, 0),
+             (5, -3, 1), (6, 2**62 + 1, 3))]
     assert {int(key._state("cpu")) < 0 for key in keys} == {True, False}
     for key in keys:
         for k in (key, RoundingKey(key.seed, torch.tensor(key.step), key.stream)):
             for n in (0, 1, 2, 3, 4097):
                 assert torch.equal(native_ops.fp4_key_draws(int(k._state("cpu")), n), k.draws((n,), "cpu"))
+            assert k.host_state() == int(k._state("cpu"))
 
 
 def test_draws_by_torch_where_they_disagree(spy, monkeypatch):
@@ -273,6 +336,13 @@ def test_kernels_check_their_inputs(native_ops):
         native_ops.fp4_decode(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 1), 1, 16, 5, 16, torch.float32)
     with pytest.raises(RuntimeError, match="dtype"):
         native_ops.fp4_decode(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 1), 1, 16, 4, 16, torch.float64)
+    with pytest.raises(RuntimeError, match="float32"):
+        native_ops.fp4_nvfp4_scales(torch.ones(4, 2, dtype=torch.float64), None, False)
+    with pytest.raises(RuntimeError, match="one float32 CPU value"):
+        native_ops.fp4_nvfp4_scales(torch.ones(4, 2), torch.ones(2), False)
+    with pytest.raises(RuntimeError, match="float8_e4m3fn"):
+        native_ops.fp4_nvfp4_decode(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 1), torch.ones(()), 1, 16,
+                                    4, 16, torch.float32)
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])

@@ -16,6 +16,7 @@ import statistics
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 from mixprec.control._reference import emulation_backend, operand_dtype, reference_linear
 from mixprec.formats._linear import local_linear
@@ -163,13 +164,11 @@ def _measurable(rec: Any, wanted: tuple[bool, bool]) -> tuple[bool, Any]:
 
 
 def _with_amax(rows: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-    """``rows`` (2-D, rows of ``whole``) and one more row holding ``whole``'s largest magnitude:
-    their cast takes the whole tensor's scale (tensorwise fp8, NVFP4's tensor scale) and each
-    row's own (row and block scales) as the whole tensor's cast does."""
+    """``rows`` (2-D, rows of ``whole``) and one more row holding ``whole``'s largest magnitude
+    (then zeros): their cast takes the whole tensor's scale (tensorwise fp8, NVFP4's tensor scale)
+    and each row's own (row and block scales) as the whole tensor's cast does."""
     low, high = torch.aminmax(whole)
-    extra = torch.zeros(1, rows.shape[1], dtype=rows.dtype, device=rows.device)
-    extra[0, 0] = torch.maximum(high, -low)
-    return torch.cat([rows, extra])
+    return torch.cat([rows, F.pad(torch.maximum(high, -low).reshape(1, 1), (0, rows.shape[1] - 1))])
 
 
 def _accumulate_cost(buf: torch.Tensor, errors: list, grad: torch.Tensor, gate: torch.Tensor | None = None,
@@ -183,20 +182,24 @@ def _accumulate_cost(buf: torch.Tensor, errors: list, grad: torch.Tensor, gate: 
     scaled by ``total / len(rows)``, the count is ``total``."""
     g2 = grad.detach().reshape(-1, grad.shape[-1])
     if rows is not None:  # (the rows first: the conversion below then takes only them)
-        g2, scale = g2.index_select(0, rows), total / rows.numel()
+        g2 = g2.index_select(0, rows)
     g2 = g2.float()
-    for row, error in errors:
-        per_row = (g2 * error.reshape(g2.shape).float()).sum(-1)
-        if tp is not None:
-            import torch.distributed as dist
+    kept = [row for row, _ in errors]
+    # every error's per-row terms in one pass: [errors, rows]
+    stacked = torch.stack([error.reshape(g2.shape) for _, error in errors]).float()
+    per_row = (g2 * stacked).sum(-1)
+    if tp is not None:
+        import torch.distributed as dist
 
-            per_row = tp.reduce(per_row, dist.ReduceOp.SUM)
-        first, squares = per_row.sum(), per_row.square().sum()
-        if rows is not None:
-            first, squares = first * scale, squares * scale
-        count = torch.full((), float(per_row.numel() if rows is None else total), device=per_row.device)
-        sums = torch.stack([first, squares, count])
-        buf[row, :3] += sums if gate is None else torch.where(gate[row], sums, 0.0)
+        per_row = tp.reduce(per_row, dist.ReduceOp.SUM)
+    first, squares = per_row.sum(-1), per_row.square().sum(-1)
+    if rows is not None:
+        scale = total / rows.numel()
+        first, squares = first * scale, squares * scale
+    count = float(per_row.shape[-1] if rows is None else total)
+    sums = torch.stack([first, squares, torch.full_like(first, count)], dim=-1)
+    at = slice(kept[0], kept[-1] + 1)  # (rows 0, 1 or both, in order: output_errors')
+    buf[at, :3] += sums if gate is None else torch.where(gate[at].unsqueeze(-1), sums, 0.0)
 
 
 def loss_cost(first: torch.Tensor, squares: torch.Tensor, rows: torch.Tensor,

@@ -9,6 +9,9 @@
 //                   even, or stochastically against uniform draws), two codes per byte, padded to
 //                   whole blocks.
 //   fp4_decode:     e2m1 value times its block's float32 scale, rounded once to the output dtype.
+//   fp4_nvfp4_scales: NVFP4's scales of the blocks' max |x| (the tensor scale, each block's e4m3
+//                   scale and float32 multiplier), and whether every multiplier is finite.
+//   fp4_nvfp4_decode: fp4_decode with each block's scale the tensor scale times its e4m3 scale.
 //   fp4_magnitudes: each code's magnitude index, unpadded.
 //   fp4_uniform:    torch.rand's draws from a CPU generator, without its per-element overhead.
 //   fp4_key_draws:  a RoundingKey's draws (SplitMix64, integer arithmetic: the same bits anywhere).
@@ -25,8 +28,10 @@
 #include <ATen/core/DistributionsHelper.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -326,6 +331,96 @@ at::Tensor fp4_decode(const at::Tensor& codes, const at::Tensor& scale, int64_t 
   return out;
 }
 
+constexpr float kE4M3Max = 448.0f;
+constexpr float kE4M3Tiny = 0x1p-6f;  // torchao's E4M3_EPS: the smallest normal e4m3
+
+// Each e4m3 code's float32 value (c10's conversion, torch's), by its bits.
+const float* e4m3_values() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int code = 0; code < 256; ++code) t[code] = c10::detail::fp8e4m3fn_to_fp32_value(static_cast<uint8_t>(code));
+    return t;
+  }();
+  return table.data();
+}
+
+void check_scales(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.is_contiguous(), "mixprec fp4 ", what,
+              ": the block scales must be a contiguous 2-D CPU tensor");
+}
+
+// _block_scales (_fp4.py) for e4m3 block scales, each float operation torch's, in its order:
+// tensor_scale = where(t > 0, t / (448 * 6), 1) of the tensor amax t (the blocks' max, NaN where
+// one is; or the one given: a tensor-parallel operand's, all-reduced), each block's scale
+// clamp(amax / 6 / tensor_scale, 2**-6 (0 with subnormal scales), 448) rounded to e4m3 (c10's
+// conversion: torch's), its multiplier (1 / tensor_scale) / scale (capped at float32's max with
+// subnormal scales); and whether every multiplier is finite (where one is not, Python takes the
+// torch code, which handles NaN and infinity as torch does).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> fp4_nvfp4_scales(const at::Tensor& amax,
+                                                                     const std::optional<at::Tensor>& tensor_amax,
+                                                                     bool subnormal) {
+  check_scales(amax, "nvfp4_scales");
+  TORCH_CHECK(amax.scalar_type() == at::kFloat, "mixprec fp4 nvfp4_scales: the block amaxes must be float32");
+  const int64_t n = amax.numel();
+  const float* a = amax.const_data_ptr<float>();
+  float t = 0.0f;
+  if (tensor_amax.has_value()) {
+    TORCH_CHECK(tensor_amax->device().is_cpu() && tensor_amax->scalar_type() == at::kFloat &&
+                    tensor_amax->numel() == 1,
+                "mixprec fp4 nvfp4_scales: the tensor amax must be one float32 CPU value");
+    t = *tensor_amax->const_data_ptr<float>();
+  } else {
+    for (int64_t i = 0; i < n; ++i) {  // torch.max: NaN wins
+      if (std::isnan(a[i])) { t = a[i]; break; }
+      t = std::max(t, a[i]);
+    }
+  }
+  const float tensor_scale = t > 0.0f ? t / (kE4M3Max * kMax) : 1.0f;
+  const float inverse = 1.0f / tensor_scale;
+  const float lo = subnormal ? 0.0f : kE4M3Tiny;
+  at::Tensor scales = at::empty(amax.sizes(), amax.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor mul = at::empty(amax.sizes(), amax.options());
+  uint8_t* s = reinterpret_cast<uint8_t*>(scales.data_ptr<c10::Float8_e4m3fn>());
+  float* __restrict m = mul.data_ptr<float>();
+  // three passes, so that the divisions vectorize: each block's scale before rounding (std::max and
+  // std::min keep a NaN), its e4m3 bits, its multiplier from the scale's exact float32 value
+  for (int64_t i = 0; i < n; ++i) m[i] = std::min(std::max(a[i] / kMax / tensor_scale, lo), kE4M3Max);
+  for (int64_t i = 0; i < n; ++i) s[i] = c10::detail::fp8e4m3fn_from_fp32_value(m[i]);
+  const float* values = e4m3_values();
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    float v = inverse / values[s[i]];
+    if (subnormal) v = std::isnan(v) ? v : std::min(v, std::numeric_limits<float>::max());
+    m[i] = v;
+    finite = finite && std::isfinite(v);
+  }
+  return {scales, at::full({}, tensor_scale, amax.options()), mul, finite};
+}
+
+// fp4_decode of NVFP4 codes with each block's scale tensor_scale * its e4m3 scale (a float32
+// product, as Fp4Tensor.dequantize's torch code), and whether every such scale is finite (where
+// one is not, nothing is decoded: Python takes the torch code).
+std::tuple<at::Tensor, bool> fp4_nvfp4_decode(const at::Tensor& codes, const at::Tensor& scales,
+                                               const at::Tensor& tensor_scale, int64_t rows, int64_t cols,
+                                               int64_t n_rows, int64_t n_cols, at::ScalarType dtype) {
+  check_scales(scales, "nvfp4_decode");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat8_e4m3fn && tensor_scale.device().is_cpu() &&
+                  tensor_scale.scalar_type() == at::kFloat && tensor_scale.numel() == 1,
+              "mixprec fp4 nvfp4_decode: the block scales must be float8_e4m3fn, the tensor scale one float32 value");
+  const float ts = *tensor_scale.const_data_ptr<float>();
+  const uint8_t* s = reinterpret_cast<const uint8_t*>(scales.const_data_ptr<c10::Float8_e4m3fn>());
+  const float* values = e4m3_values();
+  at::Tensor scale = at::empty(scales.sizes(), scales.options().dtype(at::kFloat));
+  float* __restrict out = scale.data_ptr<float>();
+  bool finite = true;
+  for (int64_t i = 0; i < scales.numel(); ++i) {
+    out[i] = ts * values[s[i]];
+    finite = finite && std::isfinite(out[i]);
+  }
+  if (!finite) return {at::empty({0}, codes.options().dtype(dtype)), false};
+  return {fp4_decode(codes, scale, rows, cols, n_rows, n_cols, dtype), true};
+}
+
 // The generator's engine as uniform_real_distribution reads it (random()), held in a local copy
 // while the draws are made: torch's CPUGeneratorImpl::random() is the same engine call, out of line.
 struct LocalEngine {
@@ -413,6 +508,9 @@ TORCH_LIBRARY_FRAGMENT(mixprec_native, m) {
   m.def("fp4_block_amax(Tensor x, int rows, int cols) -> Tensor");
   m.def("fp4_encode(Tensor x, Tensor mul, int rows, int cols, Tensor? rand) -> Tensor");
   m.def("fp4_decode(Tensor codes, Tensor scale, int rows, int cols, int n_rows, int n_cols, ScalarType dtype) -> Tensor");
+  m.def("fp4_nvfp4_scales(Tensor amax, Tensor? tensor_amax, bool subnormal) -> (Tensor, Tensor, Tensor, bool)");
+  m.def("fp4_nvfp4_decode(Tensor codes, Tensor scales, Tensor tensor_scale, int rows, int cols, int n_rows, int n_cols, "
+        "ScalarType dtype) -> (Tensor, bool)");
   m.def("fp4_magnitudes(Tensor codes, int n_rows, int n_cols) -> Tensor");
   m.def("fp4_uniform(int n, Generator? generator) -> Tensor");
   m.def("fp4_key_draws(int state, int n) -> Tensor");
@@ -422,6 +520,8 @@ TORCH_LIBRARY_IMPL(mixprec_native, CPU, m) {
   m.impl("fp4_block_amax", &mixprec_fp4::fp4_block_amax);
   m.impl("fp4_encode", &mixprec_fp4::fp4_encode);
   m.impl("fp4_decode", &mixprec_fp4::fp4_decode);
+  m.impl("fp4_nvfp4_scales", &mixprec_fp4::fp4_nvfp4_scales);
+  m.impl("fp4_nvfp4_decode", &mixprec_fp4::fp4_nvfp4_decode);
   m.impl("fp4_magnitudes", &mixprec_fp4::fp4_magnitudes);
 }
 

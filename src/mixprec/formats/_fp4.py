@@ -158,10 +158,14 @@ class Fp4Tensor:
         if ops is not None:
             if self.tensor_scale is None:
                 scale = _e8m0_value(self.scales).to(dtype).to(torch.float32)  # as the product's operand
-            else:
-                scale = self.tensor_scale * self.scales.to(torch.float32)
-            if bool(torch.isfinite(scale).all()):
-                return ops.fp4_decode(self.codes, scale, rows, cols, self.shape[0], self.shape[1], dtype)
+                if bool(torch.isfinite(scale).all()):
+                    return ops.fp4_decode(self.codes, scale, rows, cols, self.shape[0], self.shape[1], dtype)
+            elif (type(self.tensor_scale) in _PLAIN and type(self.scales) in _PLAIN
+                  and self.scales.dtype == torch.float8_e4m3fn and self.tensor_scale.device.type == "cpu"):
+                values, finite = ops.fp4_nvfp4_decode(self.codes, self.scales.contiguous(),
+                                                      self.tensor_scale.float(), rows, cols, *self.shape, dtype)
+                if finite:  # (each block's scale the torch code's float32 product)
+                    return values
         values = decode_e2m1(unpack(self.codes))
         vb = values.reshape(values.shape[0] // rows, rows, values.shape[1] // cols, cols)
         if self.tensor_scale is None:
@@ -208,8 +212,13 @@ def quantize(x2: torch.Tensor, cast: Cast, *, subnormal_scales: bool = False,
     if ops is not None:
         x = (x2 if x2.dtype in _KERNEL_DTYPES else x2.to(torch.float32)).detach().contiguous()
         amax = ops.fp4_block_amax(x, rows, cols)
-        scales, tensor_scale, mul = _block_scales(amax, cast, subnormal_scales, reduce)
-        if bool(torch.isfinite(mul).all()):  # else a NaN or an infinity: the torch code below
+        if cast.scale_format == "e4m3":  # NVFP4's scales in one call (bitwise _block_scales)
+            given = None if reduce is None else reduce(torch.max(amax))
+            scales, tensor_scale, mul, finite = ops.fp4_nvfp4_scales(amax, given, subnormal_scales)
+        else:
+            scales, tensor_scale, mul = _block_scales(amax, cast, subnormal_scales, reduce)
+            finite = bool(torch.isfinite(mul).all())
+        if finite:  # else a NaN or an infinity: the torch code below
             rand = None if generator is None else _draws(ops, generator, (mul.shape[0], rows, mul.shape[1], cols))
             codes = ops.fp4_encode(x, mul, rows, cols, rand)
             return Fp4Tensor(codes, scales, tensor_scale, amax, x2.shape, cast)
@@ -230,7 +239,7 @@ def _draws(ops: Any, generator: torch.Generator | RoundingKey, shape: tuple[int,
     if isinstance(generator, RoundingKey):
         if generator.window is not None:
             return generator.draws(shape, "cpu")
-        return ops.fp4_key_draws(int(generator._state("cpu")), math.prod(shape))
+        return ops.fp4_key_draws(generator.host_state(), math.prod(shape))
     if _draws_agree(ops):
         return ops.fp4_uniform(math.prod(shape), generator)
     return _uniform(generator, shape, torch.device("cpu"))
@@ -325,6 +334,18 @@ class RoundingKey:
             state = _mix64_(_mix64_(step).bitwise_xor_(_signed(key)))
             return _mix64_(state.bitwise_xor_(_signed(_mix64(self.stream))))
         return _signed(_mix64(_mix64(key ^ _mix64(self.step)) ^ _mix64(self.stream)))
+
+    def host_state(self) -> int:
+        """:meth:`_state` as a Python int, in Python's integer arithmetic (bitwise the int64 torch ops):
+        a tensor ``step`` read on the host (a host sync off the CPU: the CPU kernels' path, where
+        reading a CPU tensor is a load, not a wait).
+
+        Example:
+            >>> RoundingKey(0, torch.tensor(5), 1).host_state() == int(RoundingKey(0, 5, 1)._state("cpu"))
+            True
+        """
+        step = int(self.step) if isinstance(self.step, torch.Tensor) else self.step
+        return _signed(_mix64(_mix64(_mix64(_mix64(self.seed)) ^ _mix64(step)) ^ _mix64(self.stream)))
 
     def draws(self, shape: tuple[int, ...] | torch.Size, device: torch.device | str) -> torch.Tensor:
         """float32 uniform draws on ``[0, 1)`` of ``shape`` on ``device``, element by element in

@@ -74,7 +74,7 @@ KINDS: dict[str, int] = {"passthrough": 0, "lower": 1, "fp32": 2, "promote": 3, 
                          "fp8": 5}
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("autocast_kernel.cpp", "optim_kernel.cpp",
-                                                                   "fp4_kernel.cpp", "stats_kernel.cpp")]
+                                                                   "fp4_kernel.cpp", "stats_kernel.cpp", "fp8_kernel.cpp")]
 _HEADERS = [Path(__file__).parent / "csrc" / "float_types.h"]  # (included by the sources: hashed with them)
 #: Instruction sets the extension is compiled for, by torch's CPU capability: the vector units
 #: torch's own kernels use on this machine (so the build never uses one the CPU lacks).

@@ -25,11 +25,12 @@ import torch
 
 from mixprec.formats._accumulate import tensor_core_mm
 from mixprec.formats._blocks import dequantize as block_dequantize
-from mixprec.formats._blocks import fp8_values, gemm_dtype
+from mixprec.formats._blocks import gemm_dtype
 from mixprec.formats._blocks import quantize as block_quantize
 from mixprec.formats._fp4 import Fp4Tensor, RoundingKey, hadamard, hadamard_matrix, quantize
 from mixprec.formats._native_gemm import block_mm, fp4_mm
 from mixprec.formats._quant import cast_to_fp8
+from mixprec.formats._quant import dequantize as fp8_dequantize
 from mixprec.formats._recipe import Cast, Float8Recipe
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, record_cast
 from mixprec.formats._tensor_parallel import Sharding, global_amax, shard_window, tensor_amax_reduce
@@ -67,7 +68,7 @@ def _values(op: Any, cast: Cast, dtype: torch.dtype) -> torch.Tensor:
         return block_dequantize(op[0], op[1], cast, dtype)
     if cast.is_fp8:
         q, scale = op
-        return fp8_values(q) / (scale.reshape(-1, 1) if scale.dim() else scale)
+        return fp8_dequantize(q, scale.reshape(-1, 1) if scale.dim() else scale)
     return op
 
 

@@ -18,7 +18,7 @@ from mixprec.formats._blocks import EPS, amax_to_scale, fp8_values, quantize
 from mixprec.formats._fp4 import _KERNEL_DTYPES, _PLAIN, _kernels
 from mixprec.formats._recipe import Cast
 
-__all__ = ["EPS", "cast_to_fp8", "cast_stats", "fold_cast_stats", "gemm", "STAT_NAMES"]
+__all__ = ["EPS", "cast_to_fp8", "cast_stats", "dequantize", "fold_cast_stats", "gemm", "STAT_NAMES"]
 
 #: operands of more elements than this have their fractions measured on a strided sample.
 SAMPLE = 1 << 14
@@ -42,6 +42,9 @@ def cast_to_fp8(x: torch.Tensor, cast: Cast, row_dim: int, pow2: bool, amax: tor
     if cast.block is not None:
         return _cast_blocks(x, cast, row_dim, pow2)
     dtype = cast.dtype
+    native = _native_cast(x, cast, row_dim, pow2, amax)
+    if native is not None:
+        return native
     if amax is None:
         amax = torch.max(torch.abs(x)) if cast.granularity == "tensor" else \
             torch.amax(torch.abs(x), dim=row_dim, keepdim=True)
@@ -50,6 +53,58 @@ def cast_to_fp8(x: torch.Tensor, cast: Cast, row_dim: int, pow2: bool, amax: tor
     fmax = torch.finfo(dtype).max
     q = x_scaled.clamp_(min=-fmax, max=fmax).to(dtype)  # in place: x_scaled is ours
     return q, scale, amax
+
+
+#: the fp8 dtypes the C++ casts write
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _native_cast(x: torch.Tensor, cast: Cast, row_dim: int, pow2: bool, amax: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """:func:`cast_to_fp8` by mixprec's C++ kernel (``csrc/fp8_kernel.cpp``, the same bits) where it
+    serves: a plain CPU operand the fp4 casts' kernels would take (:func:`~mixprec.formats._fp4._kernels`:
+    not traced, no gradient to record), scaled per tensor or per row over its last dimension
+    (contiguous), or over the first of a 2-D transposed one (a weight as ``W.t()``), an amax given
+    in its dtype, whose scales are finite (a NaN amax's are not); else None (torch's ops serve)."""
+    if (torch.compiler.is_compiling() or cast.dtype not in _FP8_DTYPES or x.dtype not in _KERNEL_DTYPES
+            or x.dim() == 0):  # (traced code first: it reads no layout)
+        return None
+    if amax is not None and (type(amax) not in _PLAIN or amax.device.type != "cpu" or amax.dtype != x.dtype):
+        return None
+    last = row_dim in (-1, x.dim() - 1)
+    if last and x.is_contiguous():
+        transposed = False
+    elif x.dim() == 2 and (row_dim in (0, -2) or cast.granularity == "tensor") and x.t().is_contiguous():
+        transposed = True
+    else:
+        return None
+    ops = _kernels(x)
+    if ops is None:
+        return None
+    rows = cast.granularity != "tensor"
+    x2 = x.t() if transposed else x.reshape(-1, x.shape[-1])
+    given = None if amax is None else amax.detach().reshape(-1)
+    q, scale, found, done = ops.fp8_cast(x2.detach(), cast.dtype, rows, given, pow2)
+    if not done:  # (a scale not finite: torch's ops)
+        return None
+    if transposed:  # (a row of scales, (1, N), with torch's contiguous strides)
+        q, scale, found = q.t(), scale.reshape(scale.shape[::-1]), found.reshape(found.shape[::-1])
+    elif rows:
+        scale, found = scale.reshape(*x.shape[:-1], 1), found.reshape(*x.shape[:-1], 1)
+    return q.reshape(x.shape) if not transposed else q, scale, found if amax is None else amax
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``fp8_values(q) / scale`` (float32) for the 2-D fp8 ``q`` of :func:`cast_to_fp8` and its
+    scale (one, one per row or one per column): mixprec's C++ kernel on CPU (the same bits, one
+    pass), torch's ops elsewhere, traced, and with ``MIXPREC_NATIVE_KERNELS=0``."""
+    if (not torch.compiler.is_compiling() and q.dim() == 2 and q.dtype in _FP8_DTYPES and type(scale) in _PLAIN
+            and scale.dtype == torch.float32 and scale.device.type == "cpu"
+            and (scale.numel() == 1 or (scale.dim() == 2 and scale.shape in ((q.shape[0], 1), (1, q.shape[1]))))):
+        ops = _kernels(q)
+        if ops is not None:
+            return ops.fp8_dequantize(q, scale)
+    return fp8_values(q) / scale
 
 
 def _cast_blocks(x: torch.Tensor, cast: Cast, row_dim: int, pow2: bool
@@ -133,9 +188,9 @@ def gemm(a: torch.Tensor, sa: torch.Tensor | None, b: torch.Tensor, sb: torch.Te
     if sa is None or sb is None:
         return torch.mm(a, b)
     if backend == "emulate_tc":
-        return tensor_core_mm(fp8_values(a) / sa, fp8_values(b) / sb).to(out_dtype)
+        return tensor_core_mm(dequantize(a, sa), dequantize(b, sb)).to(out_dtype)
     if backend in ("emulate", "emulate_fp32"):  # both in float32
-        return torch.mm(fp8_values(a) / sa, fp8_values(b) / sb).to(out_dtype)
+        return torch.mm(dequantize(a, sa), dequantize(b, sb)).to(out_dtype)
     return _scaled_mm(a, sa, b, sb, out_dtype, fast_accum)
 
 

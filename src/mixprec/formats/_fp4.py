@@ -327,13 +327,12 @@ class RoundingKey:
 
     def _state(self, device: torch.device | str) -> int | torch.Tensor:
         """SplitMix64's state the draws start from, as an int64 (a 0-d tensor on ``device`` when
-        ``step`` is a tensor)."""
-        key = _mix64(_mix64(self.seed))
+        ``step`` is a tensor: int64 torch ops, traceable; else :meth:`host_state`)."""
         if isinstance(self.step, torch.Tensor):
             step = self.step.to(device=device, dtype=torch.int64, copy=True)
-            state = _mix64_(_mix64_(step).bitwise_xor_(_signed(key)))
+            state = _mix64_(_mix64_(step).bitwise_xor_(_signed(_mix64(_mix64(self.seed)))))
             return _mix64_(state.bitwise_xor_(_signed(_mix64(self.stream))))
-        return _signed(_mix64(_mix64(key ^ _mix64(self.step)) ^ _mix64(self.stream)))
+        return self.host_state()
 
     def host_state(self) -> int:
         """:meth:`_state` as a Python int, in Python's integer arithmetic (bitwise the int64 torch ops):
@@ -341,7 +340,8 @@ class RoundingKey:
         reading a CPU tensor is a load, not a wait).
 
         Example:
-            >>> RoundingKey(0, torch.tensor(5), 1).host_state() == int(RoundingKey(0, 5, 1)._state("cpu"))
+            >>> key = RoundingKey(0, torch.tensor(5), 1)
+            >>> key.host_state() == int(key._state("cpu"))  # (the int64 torch ops' state)
             True
         """
         step = int(self.step) if isinstance(self.step, torch.Tensor) else self.step

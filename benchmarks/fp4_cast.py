@@ -1,4 +1,4 @@
-"""The fp4 casts with mixprec's C++ kernels against their torch code, side by side (not a test).
+"""The fp4 and fp8 casts with mixprec's C++ kernels against their torch code, side by side (not a test).
 
 :func:`mixprec.formats._fp4.quantize` and ``Fp4Tensor.dequantize`` run C++ kernels on the CPU
 (``csrc/fp4_kernel.cpp``) and their torch code where the kernels are off
@@ -12,6 +12,11 @@ operand before it is timed. Figures, one thread:
   ``dequantize`` to float32 (the demo's GEMMs) and bfloat16. Every round times each cast once
   with the kernels and once without, interleaved; the figure is the median of the per-round
   ratios (torch code / kernels: the speed-up).
+* **fp8 casts**: the tensor- and row-scaled fp8 casts (``cast_to_fp8``, ``csrc/fp8_kernel.cpp``)
+  of the same layer's operands as ``mixprec-fp8`` and ``mixprec-fp8-rowwise`` cast them: the
+  input (bfloat16, e4m3, tensor / row, power-of-2 scales), the weight as ``W.t()`` (row scales
+  over its first dimension), the output gradient (e5m2, tensor / row), each with its
+  dequantization (``_quant.dequantize``: the emulated GEMM's float32 operand), the same rounds.
 * **step**: one training step of ``mixprec-fp4-all`` with the kernels, without them, and of
   ``mixprec-fp8`` (the demo's fp8 tensorwise mode, its reference in issue 28), in alternation on
   one batch (:func:`mixprec.demo.alternate.pair_ratio`: median and quartiles of the per-round ratios).
@@ -46,6 +51,7 @@ from mixprec.demo.alternate import _stepper, pair_ratio  # noqa: E402
 from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch  # noqa: E402
 from mixprec.demo.settings import Settings  # noqa: E402
 from mixprec.formats._fp4 import RoundingKey, hadamard, hadamard_matrix, quantize  # noqa: E402
+from mixprec.formats._quant import cast_to_fp8, dequantize  # noqa: E402
 
 _CPU = torch.device("cpu")
 NV, NV_2D, MX = fp8.Cast("e2m1", "1x16"), fp8.Cast("e2m1", "16x16"), fp8.Cast("e2m1", "1x32")
@@ -53,8 +59,8 @@ NV, NV_2D, MX = fp8.Cast("e2m1", "1x16"), fp8.Cast("e2m1", "16x16"), fp8.Cast("e
 
 @contextlib.contextmanager
 def _torch_code() -> Iterator[None]:
-    """The fp4 casts' torch code (``MIXPREC_NATIVE_KERNELS=0``; the other kernels, loaded by
-    then, stay)."""
+    """The casts' torch code (``MIXPREC_NATIVE_KERNELS=0``, read at every cast; the other kernels,
+    loaded by then, stay)."""
     old = os.environ.get("MIXPREC_NATIVE_KERNELS")
     os.environ["MIXPREC_NATIVE_KERNELS"] = "0"
     try:
@@ -129,6 +135,48 @@ def _casts(size: str, rounds: int) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _fp8_operands(size: str) -> dict[str, tuple[torch.Tensor, fp8.Cast, int, bool]]:
+    """name -> (operand, cast, the dimension a row scale is taken over, power-of-2 scales), shaped
+    as ``size``'s MLP input layer casts them in the fp8 modes."""
+    s = Settings.for_size(size)
+    tokens, width, hidden = s.batch_size * s.model.seq_len, s.model.d_model, s.model.hidden
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, width, generator=gen).to(torch.bfloat16)
+    wt = (torch.randn(hidden, width, generator=gen) * 0.02).t()
+    go = (torch.randn(tokens, hidden, generator=gen) * 1e-4).to(torch.bfloat16)
+    e4m3, e5m2 = "e4m3fn", "e5m2"
+    return {
+        f"input {tokens}x{width} bf16, e4m3 tensor": (x, fp8.Cast(e4m3, "tensor"), -1, False),
+        f"input {tokens}x{width} bf16, e4m3 row, pow2": (x, fp8.Cast(e4m3, "row"), -1, True),
+        f"weight^T {width}x{hidden}, e4m3 tensor": (wt, fp8.Cast(e4m3, "tensor"), 0, False),
+        f"weight^T {width}x{hidden}, e4m3 row (dim 0), pow2": (wt, fp8.Cast(e4m3, "row"), 0, True),
+        f"grad_output {tokens}x{hidden} bf16, e5m2 tensor": (go, fp8.Cast(e5m2, "tensor"), -1, False),
+        f"grad_output {tokens}x{hidden} bf16, e5m2 row, pow2": (go, fp8.Cast(e5m2, "row"), -1, True),
+    }
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _fp8_casts(size: str, rounds: int) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, (t, cast, row_dim, pow2) in _fp8_operands(size).items():
+        def cast_it(t=t, cast=cast, row_dim=row_dim, pow2=pow2) -> Any:
+            return cast_to_fp8(t, cast, row_dim, pow2)
+
+        q, scale, amax = cast_it()
+        with _torch_code():
+            ref = cast_it()
+            ref_values = dequantize(ref[0], ref[1])
+        ours = (q, scale, amax, dequantize(q, scale))
+        if not all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(ours, (*ref, ref_values))):
+            raise RuntimeError(f"{name}: the kernels and the torch code differ")
+        out[name] = {"cast": _interleaved(cast_it, rounds),
+                     "dequantize": _interleaved(lambda q=q, scale=scale: dequantize(q, scale), rounds)}
+    return out
+
+
 def _steps(size: str, rounds: int) -> dict[str, Any]:
     """One step of mixprec-fp4-all with and without the kernels and one of mixprec-fp8, alternated."""
     settings = Settings.for_size(size)
@@ -170,6 +218,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"machine_before": machine(), "threads": 1, "size": size}
     start = time.perf_counter()
     out["casts"] = _casts(size, 3 if quick else 15)
+    out["fp8_casts"] = _fp8_casts(size, 3 if quick else 15)
     out["steps"] = _steps(size, 3 if quick else 5)
     out["machine_after"] = machine()
     out["seconds"] = time.perf_counter() - start
@@ -183,6 +232,10 @@ def _rows(res: dict[str, Any]) -> list[tuple[str, str, float, str, str]]:
     for name, kinds in res["casts"].items():
         for kind, t in kinds.items():
             rows.append(("fp4_cast", f"{kind}, {name}", 1 / t["speedup"], "its torch code (MIXPREC_NATIVE_KERNELS=0)",
+                         f"{t['kernel_ms']:.2f} vs {t['torch_ms']:.2f} ms"))
+    for name, kinds in res["fp8_casts"].items():
+        for kind, t in kinds.items():
+            rows.append(("fp4_cast", f"fp8 {kind}, {name}", 1 / t["speedup"], "its torch code (MIXPREC_NATIVE_KERNELS=0)",
                          f"{t['kernel_ms']:.2f} vs {t['torch_ms']:.2f} ms"))
     steps = res["steps"]
     rows.append(("fp4_cast", f"training step, mixprec-fp4-all, {res['size']}",
@@ -198,6 +251,11 @@ def format_table(res: dict[str, Any]) -> str:
     lines = [f"### fp4 casts, {res['size']} model's operands, 1 thread", "",
              "| operand | quantize | dequantize float32 | dequantize bfloat16 |", "|---|---:|---:|---:|"]
     for name, kinds in res["casts"].items():
+        cells = [f"{t['speedup']:.1f}x ({t['kernel_ms']:.2f} vs {t['torch_ms']:.2f} ms)" for t in kinds.values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", f"### fp8 casts, {res['size']} model's operands, 1 thread", "",
+              "| operand | cast | dequantize |", "|---|---:|---:|"]
+    for name, kinds in res["fp8_casts"].items():
         cells = [f"{t['speedup']:.1f}x ({t['kernel_ms']:.2f} vs {t['torch_ms']:.2f} ms)" for t in kinds.values()]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Speed-up: the torch code's time over the kernels' (median of interleaved rounds).", ""]

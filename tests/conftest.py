@@ -95,6 +95,16 @@ def native_ops() -> Any:
 
 
 @pytest.fixture
+def kernel_spy(native_ops: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The C++ kernels behind a counter of the ones called (``_kernel_spy.KernelSpy``)."""
+    from _kernel_spy import KernelSpy
+
+    spy = KernelSpy(native_ops)
+    monkeypatch.setattr(_native, "load", lambda: spy)
+    return spy
+
+
+@pytest.fixture
 def fresh_dynamo() -> Iterator[None]:
     """Dynamo's caches reset and its counters cleared before the test, its caches reset after.
     (``torch._dynamo`` loads on first use: a session that compiles nothing never imports it.)"""

@@ -7,16 +7,17 @@ stochastic rounding), and the torch code where the kernels must not serve.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any, Callable
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from mixprec import _native, fp8
+from mixprec import fp8
 from mixprec.formats import _fp4
 from mixprec.formats._fp4 import Fp4Tensor, RoundingKey, quantize, rounding_generator
+
+from _kernel_spy import KernelSpy, both
 
 CASTS = {"mxfp4": fp8.Cast("e2m1", "1x32"), "nvfp4": fp8.Cast("e2m1", "1x16"), "nvfp4-2d": fp8.Cast("e2m1", "16x16")}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -81,24 +82,6 @@ OPERANDS: dict[str, Callable[[int], torch.Tensor]] = {
 }
 
 
-class _Spy:
-    """``torch.ops.mixprec_native`` that counts the fp4 kernels called through it."""
-
-    def __init__(self, ops: Any) -> None:
-        self.ops, self.calls = ops, Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        self.calls[name] += 1
-        return getattr(self.ops, name)
-
-
-@pytest.fixture
-def spy(native_ops: Any, monkeypatch: pytest.MonkeyPatch) -> _Spy:
-    s = _Spy(native_ops)
-    monkeypatch.setattr(_native, "load", lambda: s)
-    return s
-
-
 def _bits(t: torch.Tensor | None) -> Any:
     """A tensor's dtype, shape and bytes (NaNs compared by their bits)."""
     if t is None:
@@ -114,14 +97,6 @@ def _record(t: Fp4Tensor) -> dict[str, Any]:
     for dtype in DTYPES:
         out[str(dtype)] = _bits(t.dequantize(dtype))
     return out
-
-
-def _both(fn: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
-    """``fn()`` with the kernels, then with the torch code (``MIXPREC_NATIVE_KERNELS=0``)."""
-    with_kernels = fn()
-    with monkeypatch.context() as m:
-        m.setenv("MIXPREC_NATIVE_KERNELS", "0")
-        return with_kernels, fn()
 
 
 #: how a cast rounds: to nearest, or stochastically with draws from a torch.Generator, a
@@ -141,20 +116,20 @@ def _cast(x: torch.Tensor, cast: fp8.Cast, subnormal: bool, rounding: str, seed:
 @pytest.mark.parametrize("rounding", list(ROUNDINGS)[:3])
 @pytest.mark.parametrize("cast", list(CASTS), ids=list(CASTS))
 @pytest.mark.parametrize("operand", list(OPERANDS), ids=list(OPERANDS))
-def test_kernels_bitwise_the_torch_code(operand, cast, rounding, spy, monkeypatch):
+def test_kernels_bitwise_the_torch_code(operand, cast, rounding, kernel_spy, monkeypatch):
     x = OPERANDS[operand](7)
     # MXFP4 dequantizes in the target dtype: a scale beyond float16's range is inf there, the torch code's
     decoded = len(DTYPES) - (cast == "mxfp4" and operand in ("decades", "huge", "subnormal scales"))
     for subnormal in (False, True):
-        spy.calls.clear()
-        ours, theirs = _both(lambda: _cast(x, CASTS[cast], subnormal, rounding), monkeypatch)
+        kernel_spy.calls.clear()
+        ours, theirs = both(lambda: _cast(x, CASTS[cast], subnormal, rounding), monkeypatch)
         assert ours == theirs, (operand, cast, subnormal, rounding)
-        decodes = spy.calls["fp4_decode"] + spy.calls["fp4_nvfp4_decode"]
-        assert spy.calls["fp4_encode"] == 1 and decodes == decoded  # the kernels served
-        assert spy.calls["fp4_nvfp4_scales"] == (cast != "mxfp4") and spy.calls["fp4_magnitudes"] == 1
+        decodes = kernel_spy.calls["fp4_decode"] + kernel_spy.calls["fp4_nvfp4_decode"]
+        assert kernel_spy.calls["fp4_encode"] == 1 and decodes == decoded  # the kernels served
+        assert kernel_spy.calls["fp4_nvfp4_scales"] == (cast != "mxfp4") and kernel_spy.calls["fp4_magnitudes"] == 1
 
 
-def test_seeded_sweep_bitwise(spy, monkeypatch):
+def test_seeded_sweep_bitwise(kernel_spy, monkeypatch):
     """Random shapes (partial blocks), magnitudes and casts, rounded both ways."""
     g = _gen(11)
     for trial in range(40):
@@ -162,44 +137,44 @@ def test_seeded_sweep_bitwise(spy, monkeypatch):
         x = torch.randn(rows, cols, generator=g) * float(torch.exp(torch.randn((), generator=g) * 4))
         cast = list(CASTS.values())[trial % 3]
         subnormal, rounding = bool(trial % 2), list(ROUNDINGS)[trial // 3 % 4]
-        ours, theirs = _both(lambda: _cast(x, cast, subnormal, rounding, seed=trial), monkeypatch)
+        ours, theirs = both(lambda: _cast(x, cast, subnormal, rounding, seed=trial), monkeypatch)
         assert ours == theirs, (trial, rows, cols, cast, subnormal, rounding)
-    assert spy.calls["fp4_encode"] == 40
+    assert kernel_spy.calls["fp4_encode"] == 40
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("cast", list(CASTS), ids=list(CASTS))
-def test_non_finite_operands_take_the_torch_code(value, cast, spy, monkeypatch):
+def test_non_finite_operands_take_the_torch_code(value, cast, kernel_spy, monkeypatch):
     """A NaN or an infinity makes a block multiplier (MXFP4 NaN, NVFP4 every block) non-finite:
     the cast is the torch code's (a NaN's sign there is the hardware's choice of operand)."""
     x = torch.randn(16, 64, generator=_gen(2))
     x[3, 5] = value
     if value != value:
         x[9, 40] = -value  # a NaN with its sign bit set
-    ours, theirs = _both(lambda: _cast(x, CASTS[cast], False, "key"), monkeypatch)
+    ours, theirs = both(lambda: _cast(x, CASTS[cast], False, "key"), monkeypatch)
     assert ours == theirs
-    assert spy.calls["fp4_block_amax"] == 1
+    assert kernel_spy.calls["fp4_block_amax"] == 1
     if value != value or cast != "mxfp4":
-        assert spy.calls["fp4_encode"] == 0  # the multipliers were not all finite
+        assert kernel_spy.calls["fp4_encode"] == 0  # the multipliers were not all finite
     else:
-        assert spy.calls["fp4_encode"] == 1  # MXFP4: an infinity's block multiplier is 2**-127
+        assert kernel_spy.calls["fp4_encode"] == 1  # MXFP4: an infinity's block multiplier is 2**-127
 
 
-def test_dequantize_non_finite_scales_take_the_torch_code(spy, monkeypatch):
+def test_dequantize_non_finite_scales_take_the_torch_code(kernel_spy, monkeypatch):
     t = quantize(torch.randn(4, 64, generator=_gen(4)), CASTS["mxfp4"])
     scales = t.scales.clone()
     scales[1, 0] = 255  # E8M0's NaN
     nan_scale = Fp4Tensor(t.codes, scales, None, t.amax, t.shape, t.cast)
-    ours, theirs = _both(lambda: [_bits(nan_scale.dequantize(d)) for d in DTYPES], monkeypatch)
-    assert ours == theirs and spy.calls["fp4_decode"] == 0
+    ours, theirs = both(lambda: [_bits(nan_scale.dequantize(d)) for d in DTYPES], monkeypatch)
+    assert ours == theirs and kernel_spy.calls["fp4_decode"] == 0
 
 
-def test_restored_operand_dequantizes_alike(spy, monkeypatch):
+def test_restored_operand_dequantizes_alike(kernel_spy, monkeypatch):
     """An Fp4Tensor as backward restores it (no amax) and a dtype the kernels do not write."""
     t = quantize(torch.randn(40, 32, generator=_gen(5)), CASTS["nvfp4-2d"])
     restored = Fp4Tensor(t.codes, t.scales, t.tensor_scale, t.scales.new_empty(0), t.shape, t.cast)
-    ours, theirs = _both(lambda: [_bits(restored.dequantize(d)) for d in (*DTYPES, torch.float64)], monkeypatch)
-    assert ours == theirs and spy.calls["fp4_nvfp4_decode"] == len(DTYPES)
+    ours, theirs = both(lambda: [_bits(restored.dequantize(d)) for d in (*DTYPES, torch.float64)], monkeypatch)
+    assert ours == theirs and kernel_spy.calls["fp4_nvfp4_decode"] == len(DTYPES)
 
 
 #: block amaxes (float32, 2-D) for the NVFP4 scales kernel: e4m3 roundings and ties, zeros,
@@ -232,7 +207,7 @@ def test_nvfp4_scales_kernel_is_block_scales(amax, native_ops):
             assert ours[3] == bool(torch.isfinite(theirs[2]).all()), (amax, subnormal, given)
 
 
-def test_nvfp4_decode_kernel_refuses_non_finite_scales(native_ops, spy, monkeypatch):
+def test_nvfp4_decode_kernel_refuses_non_finite_scales(native_ops, kernel_spy, monkeypatch):
     """A block scale whose product with the tensor scale is not finite (an infinite tensor scale,
     a NaN e4m3 scale): the kernel decodes nothing and says so; dequantize takes the torch code."""
     t = quantize(torch.randn(32, 64, generator=_gen(9)), CASTS["nvfp4"])
@@ -242,12 +217,12 @@ def test_nvfp4_decode_kernel_refuses_non_finite_scales(native_ops, spy, monkeypa
         values, finite = native_ops.fp4_nvfp4_decode(t.codes, scales, ts, 1, 16, 32, 64, torch.float32)
         assert not finite and values.numel() == 0
         odd = Fp4Tensor(t.codes, scales, ts, t.amax, t.shape, t.cast)
-        spy.calls.clear()
-        ours, theirs = _both(lambda: [_bits(odd.dequantize(d)) for d in DTYPES], monkeypatch)
-        assert ours == theirs and spy.calls["fp4_nvfp4_decode"] == len(DTYPES) and spy.calls["fp4_decode"] == 0
+        kernel_spy.calls.clear()
+        ours, theirs = both(lambda: [_bits(odd.dequantize(d)) for d in DTYPES], monkeypatch)
+        assert ours == theirs and kernel_spy.calls["fp4_nvfp4_decode"] == len(DTYPES) and kernel_spy.calls["fp4_decode"] == 0
 
 
-def test_nvfp4_cast_with_a_global_amax_is_the_torch_code(spy, monkeypatch):
+def test_nvfp4_cast_with_a_global_amax_is_the_torch_code(kernel_spy, monkeypatch):
     """A tensor-parallel shard's NVFP4 cast (``reduce``: its tensor amax made global) through the
     kernels: the torch code's bits, the reduce called once on the shard's own amax."""
     x = torch.randn(24, 64, generator=_gen(10))
@@ -257,8 +232,8 @@ def test_nvfp4_cast_with_a_global_amax_is_the_torch_code(spy, monkeypatch):
         seen.append(float(t))
         return torch.maximum(t, torch.tensor(40.0))
 
-    ours, theirs = _both(lambda: _record(quantize(x, CASTS["nvfp4"], reduce=reduce)), monkeypatch)
-    assert ours == theirs and spy.calls["fp4_nvfp4_scales"] == 1
+    ours, theirs = both(lambda: _record(quantize(x, CASTS["nvfp4"], reduce=reduce)), monkeypatch)
+    assert ours == theirs and kernel_spy.calls["fp4_nvfp4_scales"] == 1
     assert seen == [float(x.abs().max())] * 2
 
 
@@ -284,42 +259,42 @@ def test_key_draws_are_the_torch_code(native_ops):
             assert k.host_state() == int(k._state("cpu"))
 
 
-def test_draws_by_torch_where_they_disagree(spy, monkeypatch):
+def test_draws_by_torch_where_they_disagree(kernel_spy, monkeypatch):
     """Where the kernel's draws differed from torch.rand's, the cast draws with torch.rand."""
     x = torch.randn(16, 48, generator=_gen(6))
     monkeypatch.setitem(_fp4._checked, "draws", False)
-    ours, theirs = _both(lambda: _cast(x, CASTS["nvfp4"], False, "generator"), monkeypatch)
-    assert ours == theirs and spy.calls["fp4_uniform"] == 0 and spy.calls["fp4_encode"] == 1
+    ours, theirs = both(lambda: _cast(x, CASTS["nvfp4"], False, "generator"), monkeypatch)
+    assert ours == theirs and kernel_spy.calls["fp4_uniform"] == 0 and kernel_spy.calls["fp4_encode"] == 1
 
 
-def _no_kernel(spy: _Spy, fn: Callable[[], Fp4Tensor]) -> Fp4Tensor:
+def _no_kernel(kernel_spy: KernelSpy, fn: Callable[[], Fp4Tensor]) -> Fp4Tensor:
     t = fn()
     t.magnitudes()
     t.dequantize(torch.float32)
-    assert not spy.calls, spy.calls
+    assert not kernel_spy.calls, kernel_spy.calls
     return t
 
 
-def test_torch_code_where_the_kernels_must_not_serve(spy, monkeypatch):
+def test_torch_code_where_the_kernels_must_not_serve(kernel_spy, monkeypatch):
     x = torch.randn(16, 32, generator=_gen(8))
     cast = CASTS["nvfp4"]
     with monkeypatch.context() as m:
         m.setenv("MIXPREC_NATIVE_KERNELS", "0")
-        _no_kernel(spy, lambda: quantize(x, cast))
+        _no_kernel(kernel_spy, lambda: quantize(x, cast))
     leaf = x.clone().requires_grad_()
     t = quantize(leaf, cast)  # requires grad, grad mode on: the amax is differentiable (the codes are not)
-    assert t.amax.requires_grad and not spy.calls
-    meta = _no_kernel(spy, lambda: quantize(x.to("meta"), cast))
+    assert t.amax.requires_grad and not kernel_spy.calls
+    meta = _no_kernel(kernel_spy, lambda: quantize(x.to("meta"), cast))
     assert meta.codes.device.type == "meta"
     with FakeTensorMode() as mode:
-        fake = _no_kernel(spy, lambda: quantize(mode.from_tensor(x), cast))
+        fake = _no_kernel(kernel_spy, lambda: quantize(mode.from_tensor(x), cast))
     assert fake.codes.shape == (16, 16)
     with monkeypatch.context() as m:
         m.setattr(torch.compiler, "is_compiling", lambda: True)
-        _no_kernel(spy, lambda: quantize(x, cast))
+        _no_kernel(kernel_spy, lambda: quantize(x, cast))
     with torch.no_grad():
         quantize(leaf, cast)  # grad mode off: the kernels serve
-    assert spy.calls["fp4_encode"] == 1
+    assert kernel_spy.calls["fp4_encode"] == 1
 
 
 def test_kernels_check_their_inputs(native_ops):
@@ -346,7 +321,7 @@ def test_kernels_check_their_inputs(native_ops):
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
-def test_fp4_linear_trains_bitwise_alike(recipe, spy, monkeypatch):
+def test_fp4_linear_trains_bitwise_alike(recipe, kernel_spy, monkeypatch):
     """``fp8.linear`` under the recipe (stochastic rounding and the Hadamard transform where NVFP4
     has them), two steps: outputs, gradients and the cast statistics the same with and without
     the kernels."""
@@ -363,5 +338,5 @@ def test_fp4_linear_trains_bitwise_alike(recipe, spy, monkeypatch):
             out += [_bits(t) for t in (y, xs.grad, ws.grad, bs.grad)]
         return out + [state.read()]
 
-    ours, theirs = _both(steps, monkeypatch)
-    assert ours == theirs and spy.calls["fp4_encode"] >= 8
+    ours, theirs = both(steps, monkeypatch)
+    assert ours == theirs and kernel_spy.calls["fp4_encode"] >= 8

@@ -7,15 +7,16 @@ amaxes, transposed weights and special values; the torch code where the kernels 
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any, Callable
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from mixprec import _native, fp8
+from mixprec import fp8
 from mixprec.formats._quant import cast_to_fp8, dequantize
+
+from _kernel_spy import KernelSpy, both
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CASTS = {f"{fmt}-{gran}": fp8.Cast(fmt, gran) for fmt in ("e4m3fn", "e5m2") for gran in ("tensor", "row")}
@@ -55,36 +56,10 @@ OPERANDS: dict[str, Callable[[int], torch.Tensor]] = {
 }
 
 
-class _Spy:
-    """``torch.ops.mixprec_native`` that counts the kernels called through it."""
-
-    def __init__(self, ops: Any) -> None:
-        self.ops, self.calls = ops, Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        self.calls[name] += 1
-        return getattr(self.ops, name)
-
-
-@pytest.fixture
-def spy(native_ops: Any, monkeypatch: pytest.MonkeyPatch) -> _Spy:
-    s = _Spy(native_ops)
-    monkeypatch.setattr(_native, "load", lambda: s)
-    return s
-
-
 def _bits(t: torch.Tensor) -> Any:
     """A tensor's dtype, shape, strides and bytes (NaNs compared by their bits)."""
     flat = t.detach().contiguous().reshape(-1)
     return t.dtype, tuple(t.shape), t.stride(), flat.view(torch.uint8).tolist() if flat.numel() else []
-
-
-def _both(fn: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
-    """``fn()`` with the kernels, then with the torch code (``MIXPREC_NATIVE_KERNELS=0``)."""
-    with_kernels = fn()
-    with monkeypatch.context() as m:
-        m.setenv("MIXPREC_NATIVE_KERNELS", "0")
-        return with_kernels, fn()
 
 
 def _cast_and_values(x: torch.Tensor, cast: fp8.Cast, row_dim: int, pow2: bool,
@@ -99,63 +74,63 @@ def _cast_and_values(x: torch.Tensor, cast: fp8.Cast, row_dim: int, pow2: bool,
 @pytest.mark.parametrize("pow2", [False, True], ids=["scales", "pow2-scales"])
 @pytest.mark.parametrize("cast", list(CASTS), ids=list(CASTS))
 @pytest.mark.parametrize("operand", list(OPERANDS), ids=list(OPERANDS))
-def test_kernels_bitwise_the_torch_code(operand, cast, pow2, spy, monkeypatch):
+def test_kernels_bitwise_the_torch_code(operand, cast, pow2, kernel_spy, monkeypatch):
     for dtype in DTYPES:
         x = OPERANDS[operand](3).to(dtype)
-        spy.calls.clear()
-        ours, theirs = _both(lambda: _cast_and_values(x, CASTS[cast], -1, pow2), monkeypatch)
+        kernel_spy.calls.clear()
+        ours, theirs = both(lambda: _cast_and_values(x, CASTS[cast], -1, pow2), monkeypatch)
         assert ours == theirs, (operand, cast, pow2, dtype)
-        assert spy.calls["fp8_cast"] == 1 and spy.calls["fp8_dequantize"] == (x.dim() == 2)
+        assert kernel_spy.calls["fp8_cast"] == 1 and kernel_spy.calls["fp8_dequantize"] == (x.dim() == 2)
 
 
 @pytest.mark.parametrize("cast", list(CASTS), ids=list(CASTS))
-def test_a_transposed_weight_is_the_torch_code(cast, spy, monkeypatch):
+def test_a_transposed_weight_is_the_torch_code(cast, kernel_spy, monkeypatch):
     """``W.t()`` scaled over its first dimension (a weight's cast for the forward GEMM): the codes
     keep the transposed layout, the scales are a row ``(1, out)``, dequantized per column."""
     for dtype in DTYPES:
         wt = torch.randn(48, 32, generator=_gen(5)).to(dtype).t()
-        ours, theirs = _both(lambda: _cast_and_values(wt, CASTS[cast], 0, True), monkeypatch)
+        ours, theirs = both(lambda: _cast_and_values(wt, CASTS[cast], 0, True), monkeypatch)
         assert ours == theirs, (cast, dtype)
-    assert spy.calls["fp8_cast"] == len(DTYPES) and spy.calls["fp8_dequantize"] == len(DTYPES)
+    assert kernel_spy.calls["fp8_cast"] == len(DTYPES) and kernel_spy.calls["fp8_dequantize"] == len(DTYPES)
 
 
 @pytest.mark.parametrize("cast", list(CASTS), ids=list(CASTS))
-def test_a_given_amax_is_the_torch_code(cast, spy, monkeypatch):
+def test_a_given_amax_is_the_torch_code(cast, kernel_spy, monkeypatch):
     """The amax a tensor-parallel or FSDP2 operand takes (all-reduced, larger than its own): its
     scale and codes follow it, and the cast returns it."""
     x = torch.randn(6, 4, 32, generator=_gen(6)).to(torch.bfloat16)
     own = x.abs().amax() if CASTS[cast].granularity == "tensor" else x.abs().amax(-1, keepdim=True)
     given = own * 3
-    ours, theirs = _both(lambda: _cast_and_values(x, CASTS[cast], -1, False, given), monkeypatch)
-    assert ours == theirs and spy.calls["fp8_cast"] == 1
+    ours, theirs = both(lambda: _cast_and_values(x, CASTS[cast], -1, False, given), monkeypatch)
+    assert ours == theirs and kernel_spy.calls["fp8_cast"] == 1
     assert cast_to_fp8(x, CASTS[cast], -1, False, given)[2] is given
 
 
-def _no_kernel(spy: _Spy, fn: Callable[[], Any]) -> None:
+def _no_kernel(kernel_spy: KernelSpy, fn: Callable[[], Any]) -> None:
     fn()
-    assert not spy.calls, spy.calls
+    assert not kernel_spy.calls, kernel_spy.calls
 
 
-def test_torch_code_where_the_kernels_must_not_serve(spy, monkeypatch):
+def test_torch_code_where_the_kernels_must_not_serve(kernel_spy, monkeypatch):
     x, cast = torch.randn(16, 32, generator=_gen(8)), CASTS["e4m3fn-row"]
     with monkeypatch.context() as m:
         m.setenv("MIXPREC_NATIVE_KERNELS", "0")
-        _no_kernel(spy, lambda: dequantize(*cast_to_fp8(x, cast, -1, False)[:2]))
+        _no_kernel(kernel_spy, lambda: dequantize(*cast_to_fp8(x, cast, -1, False)[:2]))
     leaf = x.clone().requires_grad_()
-    _no_kernel(spy, lambda: cast_to_fp8(leaf, cast, -1, False))  # a gradient to record: torch's ops
-    _no_kernel(spy, lambda: cast_to_fp8(x.to("meta"), cast, -1, False))
+    _no_kernel(kernel_spy, lambda: cast_to_fp8(leaf, cast, -1, False))  # a gradient to record: torch's ops
+    _no_kernel(kernel_spy, lambda: cast_to_fp8(x.to("meta"), cast, -1, False))
     with FakeTensorMode() as mode:
-        _no_kernel(spy, lambda: cast_to_fp8(mode.from_tensor(x), cast, -1, False))
+        _no_kernel(kernel_spy, lambda: cast_to_fp8(mode.from_tensor(x), cast, -1, False))
     with monkeypatch.context() as m:
         m.setattr(torch.compiler, "is_compiling", lambda: True)
-        _no_kernel(spy, lambda: dequantize(*cast_to_fp8(x, cast, -1, False)[:2]))
-    _no_kernel(spy, lambda: cast_to_fp8(x[:, ::2], cast, -1, False))  # strided: neither layout the kernel reads
-    _no_kernel(spy, lambda: cast_to_fp8(x, cast, 0, False))  # rows over a contiguous operand's first dimension
-    _no_kernel(spy, lambda: cast_to_fp8(x.double(), cast, -1, False))
-    _no_kernel(spy, lambda: cast_to_fp8(x, cast, -1, False, x.abs().amax(-1, keepdim=True).double()))
+        _no_kernel(kernel_spy, lambda: dequantize(*cast_to_fp8(x, cast, -1, False)[:2]))
+    _no_kernel(kernel_spy, lambda: cast_to_fp8(x[:, ::2], cast, -1, False))  # strided: neither layout the kernel reads
+    _no_kernel(kernel_spy, lambda: cast_to_fp8(x, cast, 0, False))  # rows over a contiguous operand's first dimension
+    _no_kernel(kernel_spy, lambda: cast_to_fp8(x.double(), cast, -1, False))
+    _no_kernel(kernel_spy, lambda: cast_to_fp8(x, cast, -1, False, x.abs().amax(-1, keepdim=True).double()))
     with torch.no_grad():
         cast_to_fp8(leaf, cast, -1, False)  # grad mode off: the kernel serves
-    assert spy.calls["fp8_cast"] == 1
+    assert kernel_spy.calls["fp8_cast"] == 1
 
 
 def test_kernels_check_their_inputs(native_ops):
@@ -174,7 +149,7 @@ def test_kernels_check_their_inputs(native_ops):
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
-def test_fp8_linear_trains_bitwise_alike(recipe, spy, monkeypatch):
+def test_fp8_linear_trains_bitwise_alike(recipe, kernel_spy, monkeypatch):
     """``fp8.linear`` under the recipe, bfloat16 autocast, two steps: outputs, gradients and the cast
     statistics the same with and without the kernels."""
     r = getattr(fp8.Float8Recipe, recipe)()
@@ -191,5 +166,5 @@ def test_fp8_linear_trains_bitwise_alike(recipe, spy, monkeypatch):
             out += [_bits(t) for t in (y, xs.grad, ws.grad, bs.grad)]
         return out + [state.read()]
 
-    ours, theirs = _both(steps, monkeypatch)
-    assert ours == theirs and spy.calls["fp8_cast"] >= 6 and spy.calls["fp8_dequantize"] >= 6
+    ours, theirs = both(steps, monkeypatch)
+    assert ours == theirs and kernel_spy.calls["fp8_cast"] >= 6 and kernel_spy.calls["fp8_dequantize"] >= 6

@@ -6,16 +6,17 @@ and NaNs; and the torch code where the kernel must not serve."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from mixprec import _native
 from mixprec.formats._fp4 import quantize
 from mixprec.formats._quant import SAMPLE, cast_to_fp8, fold_cast_stats
 from mixprec.formats._recipe import Cast
+
+from _kernel_spy import both
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -72,44 +73,17 @@ def _rows(seed: int) -> list[torch.Tensor]:
             torch.tensor([float("nan"), 0.1, 0.0, 0.0, 2.0])]
 
 
-def _both(fn: Callable[[], torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, torch.Tensor]:
-    ours = fn()
-    with monkeypatch.context() as m:
-        m.setenv("MIXPREC_NATIVE_KERNELS", "0")
-        theirs = fn()
-    return ours, theirs
-
-
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equal but a NaN's payload (a NaN where the other has one)."""
     nan = torch.isnan(a)
     return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
 
 
-class _Spy:
-    def __init__(self, ops: Any) -> None:
-        self.ops, self.calls = ops, 0
-
-    def record_cast(self, *args: Any) -> None:
-        self.calls += 1
-        self.ops.record_cast(*args)
-
-    def __getattr__(self, name: str) -> Any:  # (the fp4 casts' kernels, which the fp4 operands take)
-        return getattr(self.ops, name)
-
-
-@pytest.fixture
-def spy(native_ops: Any, monkeypatch: pytest.MonkeyPatch) -> _Spy:
-    s = _Spy(native_ops)
-    monkeypatch.setattr(_native, "load", lambda: s)
-    return s
-
-
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("cast", CASTS)
 @pytest.mark.parametrize("operand", OPERANDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_kernel_folds_bitwise_what_the_torch_code_does(dtype, operand, cast, rows, spy, monkeypatch):
+def test_the_kernel_folds_bitwise_what_the_torch_code_does(dtype, operand, cast, rows, kernel_spy, monkeypatch):
     x = OPERANDS[operand](rows, len(operand) + rows).to(dtype)
     if CASTS[cast].is_fp4 and dtype is torch.float16 and operand == "wide range":
         x = x.clamp(-6e4, 6e4)  # (float16 holds no larger value: torch and the kernel would both read inf)
@@ -120,19 +94,19 @@ def test_the_kernel_folds_bitwise_what_the_torch_code_does(dtype, operand, cast,
             fold_cast_stats(out, x, q, amax)
             return out
 
-        calls = spy.calls
-        ours, theirs = _both(fold, monkeypatch)
-        assert spy.calls == calls + 1
+        calls = kernel_spy.calls["record_cast"]
+        ours, theirs = both(fold, monkeypatch)
+        assert kernel_spy.calls["record_cast"] == calls + 1
         assert _same(ours, theirs), (i, ours.tolist(), theirs.tolist())
 
 
-def test_a_previous_amax_is_judged_in_the_operands_dtype(spy, monkeypatch):
+def test_a_previous_amax_is_judged_in_the_operands_dtype(kernel_spy, monkeypatch):
     """bfloat16 |x| = 1.0078125 against a previous amax of 1.005: torch compares in bfloat16,
     where 1.005 rounds to 1.0078125 (not above it)."""
     x = torch.full((4, 32), 1.0078125, dtype=torch.bfloat16)
     q, amax = _cast(x, CASTS["e4m3 tensor"])
-    ours, theirs = _both(lambda: _folded(torch.tensor([0.0, 0.0, 0.0, 0.0, 1.005]), x, q, amax), monkeypatch)
-    assert ours[1] == theirs[1] == 0.0 and spy.calls == 1
+    ours, theirs = both(lambda: _folded(torch.tensor([0.0, 0.0, 0.0, 0.0, 1.005]), x, q, amax), monkeypatch)
+    assert ours[1] == theirs[1] == 0.0 and kernel_spy.calls["record_cast"] == 1
 
 
 def _folded(row: torch.Tensor, x: torch.Tensor, q: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -141,7 +115,7 @@ def _folded(row: torch.Tensor, x: torch.Tensor, q: torch.Tensor, amax: torch.Ten
     return out
 
 
-def test_the_torch_code_serves_where_the_kernel_must_not(spy, monkeypatch):
+def test_the_torch_code_serves_where_the_kernel_must_not(kernel_spy, monkeypatch):
     x = _plain(8, 0)
     q, amax = _cast(x, CASTS["e4m3 tensor"])
     row = torch.zeros(5)
@@ -152,20 +126,20 @@ def test_the_torch_code_serves_where_the_kernel_must_not(spy, monkeypatch):
     fold_cast_stats(torch.zeros(5), x, q[:4], amax)  # codes of another size
     monkeypatch.setenv("MIXPREC_NATIVE_KERNELS", "0")
     fold_cast_stats(torch.zeros(5), x, q, amax)
-    assert spy.calls == 0
+    assert kernel_spy.calls["record_cast"] == 0
 
 
-def test_a_strided_operand_and_a_gradient_are_folded_as_their_values(spy, monkeypatch):
+def test_a_strided_operand_and_a_gradient_are_folded_as_their_values(kernel_spy, monkeypatch):
     x = _plain(40, 3).t()  # (not contiguous)
     w = torch.randn(8, 32, requires_grad=True)
     for operand in (x, w):
         q, amax = _cast(operand.detach(), CASTS["e5m2 row"])
-        ours, theirs = _both(lambda: _folded(torch.zeros(5), operand, q, amax), monkeypatch)
+        ours, theirs = both(lambda: _folded(torch.zeros(5), operand, q, amax), monkeypatch)
         assert _same(ours, theirs)
-    assert spy.calls == 2
+    assert kernel_spy.calls["record_cast"] == 2
 
 
-def test_a_fold_counts_as_an_in_place_write_of_the_window(spy):
+def test_a_fold_counts_as_an_in_place_write_of_the_window(kernel_spy):
     """The kernel writes the row in place as torch's ``copy_`` does: the window's version moves
     (what the non-finite tracer reads to know an fp8 layer recorded its casts)."""
     x = _plain(8, 0)
@@ -173,4 +147,4 @@ def test_a_fold_counts_as_an_in_place_write_of_the_window(spy):
     window = torch.zeros(3, 5)
     before = window._version
     fold_cast_stats(window[1], x, q, amax)
-    assert spy.calls == 1 and window._version > before and window[1, 0] == amax
+    assert kernel_spy.calls["record_cast"] == 1 and window._version > before and window[1, 0] == amax

@@ -58,6 +58,7 @@ constexpr float kValues[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 using mixprec_native::f2u;
+using mixprec_native::fp8_code_values;
 using mixprec_native::to_float;
 using mixprec_native::u2f;
 
@@ -334,16 +335,6 @@ at::Tensor fp4_decode(const at::Tensor& codes, const at::Tensor& scale, int64_t 
 constexpr float kE4M3Max = 448.0f;
 constexpr float kE4M3Tiny = 0x1p-6f;  // torchao's E4M3_EPS: the smallest normal e4m3
 
-// Each e4m3 code's float32 value (c10's conversion, torch's), by its bits.
-const float* e4m3_values() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(256);
-    for (int code = 0; code < 256; ++code) t[code] = c10::detail::fp8e4m3fn_to_fp32_value(static_cast<uint8_t>(code));
-    return t;
-  }();
-  return table.data();
-}
-
 void check_scales(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.is_contiguous(), "mixprec fp4 ", what,
               ": the block scales must be a contiguous 2-D CPU tensor");
@@ -386,7 +377,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> fp4_nvfp4_scales(const at::
   // std::min keep a NaN), its e4m3 bits, its multiplier from the scale's exact float32 value
   for (int64_t i = 0; i < n; ++i) m[i] = std::min(std::max(a[i] / kMax / tensor_scale, lo), kE4M3Max);
   for (int64_t i = 0; i < n; ++i) s[i] = c10::detail::fp8e4m3fn_from_fp32_value(m[i]);
-  const float* values = e4m3_values();
+  const float* values = fp8_code_values(true);
   bool finite = true;
   for (int64_t i = 0; i < n; ++i) {
     float v = inverse / values[s[i]];
@@ -409,7 +400,7 @@ std::tuple<at::Tensor, bool> fp4_nvfp4_decode(const at::Tensor& codes, const at:
               "mixprec fp4 nvfp4_decode: the block scales must be float8_e4m3fn, the tensor scale one float32 value");
   const float ts = *tensor_scale.const_data_ptr<float>();
   const uint8_t* s = reinterpret_cast<const uint8_t*>(scales.const_data_ptr<c10::Float8_e4m3fn>());
-  const float* values = e4m3_values();
+  const float* values = fp8_code_values(true);
   at::Tensor scale = at::empty(scales.sizes(), scales.options().dtype(at::kFloat));
   float* __restrict out = scale.data_ptr<float>();
   bool finite = true;

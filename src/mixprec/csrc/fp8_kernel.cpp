@@ -17,8 +17,6 @@
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -34,27 +32,13 @@
 namespace mixprec_fp8 {
 
 using mixprec_native::f2u;
+using mixprec_native::fp8_code_values;
 using mixprec_native::to_float;
 using mixprec_native::u2f;
 
 constexpr double kEps = 1e-12;  // torchao's EPS (_blocks.EPS): the smallest amax a scale is taken from
 
 bool is_e4m3(at::ScalarType dtype) { return dtype == at::kFloat8_e4m3fn; }
-
-// Each code's float32 value, by its bits (c10's conversion: torch's).
-const float* code_values(at::ScalarType dtype) {
-  static const std::vector<float> e4m3 = [] {
-    std::vector<float> t(256);
-    for (int c = 0; c < 256; ++c) t[c] = c10::detail::fp8e4m3fn_to_fp32_value(static_cast<uint8_t>(c));
-    return t;
-  }();
-  static const std::vector<float> e5m2 = [] {
-    std::vector<float> t(256);
-    for (int c = 0; c < 256; ++c) t[c] = c10::detail::fp8e5m2_to_fp32_value(static_cast<uint8_t>(c));
-    return t;
-  }();
-  return is_e4m3(dtype) ? e4m3.data() : e5m2.data();
-}
 
 // max |x| over [begin, end) of a row, as float32 (exact: an element of x), NaN where one is: on the
 // bits of |x| (sign cleared), where integer order is float order with NaN above infinity.
@@ -136,7 +120,7 @@ at::Tensor fp8_dequantize(const at::Tensor& q, const at::Tensor& scale) {
                   (scale.numel() == 1 || per_row || per_col),
               "mixprec fp8 dequantize: the scale must be float32: one value, one per row or one per column");
   if (!q.is_non_overlapping_and_dense()) return q.to(at::kFloat) / scale;
-  const float* values = code_values(q.scalar_type());
+  const float* values = fp8_code_values(is_e4m3(q.scalar_type()));
   const uint8_t* c = reinterpret_cast<const uint8_t*>(q.const_data_ptr());
   at::Tensor out = at::empty_like(q, q.options().dtype(at::kFloat));  // (q's strides: the same memory order)
   float* o = out.data_ptr<float>();

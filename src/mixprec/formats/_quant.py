@@ -89,9 +89,11 @@ def _native_cast(x: torch.Tensor, cast: Cast, row_dim: int, pow2: bool, amax: to
         return None
     if transposed:  # (a row of scales, (1, N), with torch's contiguous strides)
         q, scale, found = q.t(), scale.reshape(scale.shape[::-1]), found.reshape(found.shape[::-1])
-    elif rows:
-        scale, found = scale.reshape(*x.shape[:-1], 1), found.reshape(*x.shape[:-1], 1)
-    return q.reshape(x.shape) if not transposed else q, scale, found if amax is None else amax
+    else:
+        q = q.reshape(x.shape)
+        if rows:
+            scale, found = scale.reshape(*x.shape[:-1], 1), found.reshape(*x.shape[:-1], 1)
+    return q, scale, found if amax is None else amax
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

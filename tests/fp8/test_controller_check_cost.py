@@ -68,12 +68,12 @@ def _slowed(monkeypatch, where: str, clock: _VirtualTime) -> list:
     """Make one kind of measurement take :data:`DELAY` s of ``clock`` per call (the forward
     probe's loss cost, its gradient hook, the backward GEMMs' measurement, the step's own part);
     returns the list its calls go to."""
-    from mixprec.control import _backward, _clock, _controller, _cost
+    from mixprec.control import _backward, _clock, _controller, _cost, _fold
 
     monkeypatch.setattr(_clock, "time", clock)
     monkeypatch.setattr(_controller, "time", clock)  # (the checks' seconds)
     target, name = {"forward": (_cost, "output_errors"), "hook": (_cost, "_accumulate_cost"),
-                    "backward": (_backward.BackwardCost, "_measure"), "step": (_controller, "end_steps")}[where]
+                    "backward": (_backward.BackwardCost, "_measure"), "step": (_fold.StepWrites, "end_steps")}[where]
     original, calls = getattr(target, name), []
 
     def slow(*args):

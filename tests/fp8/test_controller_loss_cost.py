@@ -347,27 +347,54 @@ def test_under_the_fp8_all_gather_it_warns_naming_the_layers_it_cannot_measure(b
 
 def test_the_step_folds_every_layer_at_once_bitwise_as_each_alone(batch):
     """``Controller.step`` folds the layers' loss-cost sums in one pass per shared loss scale
-    (``_ladder.end_steps``): bitwise what each layer's own fold gives, with scales shared (a
-    number, the same tensor) and not (a tensor of its own)."""
-    from mixprec.control._ladder import end_steps
+    (``_fold.StepWrites.end_steps``): in place on the buffer whose rows the layers' windows are
+    (scales shared: a number, the same tensor), stacked where they differ (a tensor of its own)
+    and for a record the controller did not bank; bitwise what each layer's own fold gives."""
+    from mixprec.control._fold import fold
+    from mixprec.control._ladder import LayerRecord
+    from mixprec.formats._state import LayerState
 
     model, ctl = _converted(only=None, max_loss_cost=1.0)
     x, y = batch
     F.cross_entropy(model(x), y).backward()
     recs = list(ctl._layers.values())
     assert len(recs) == 2 and all(r.cost[:, 2].gt(0).any() for r in recs)
+    assert recs[0].cost.untyped_storage().data_ptr() == recs[1].cost.untyped_storage().data_ptr()  # (one buffer)
+    assert recs[0].step_index is recs[1].step_index
+    loose = LayerRecord(None, LayerState(), 0, 0, (True,) * 3, cost=True)  # (a record of its own: stacked)
+    loose.cost.copy_(recs[0].cost * 3)
+    recs.append(loose)
     before = [r.cost.clone() for r in recs]
     shared = torch.tensor(4.0)
-    for scales in ([2.0, 2.0], [1, 1.0], [shared, shared], [shared, torch.tensor(4.0)], [3.0, shared]):
+    for scales in ([2.0, 2.0, 2.0], [1, 1.0, 1.0], [shared, shared, shared], [shared, torch.tensor(4.0), shared],
+                   [3.0, shared, 3.0]):
         for r, b in zip(recs, before):
             r.cost.copy_(b)
-        end_steps(recs, scales)
+        ctl._writes.end_steps(recs, scales)
         together = [r.cost.clone() for r in recs]
         for r, b, scale in zip(recs, before, scales):
             r.cost.copy_(b)
-            end_steps([r], [scale])
+            fold(r.cost.unsqueeze(0), scale, r.cost_sign)
             assert torch.equal(r.cost, together[recs.index(r)]), scales
         assert not torch.equal(together[0], before[0]) and together[0][:, :3].eq(0).all()
+
+
+def test_a_step_that_measured_nothing_folds_a_window_unchanged(batch):
+    """A layer without sums this step (its rows 0, folded with the whole buffer) keeps its window
+    bitwise, and its step count: a measured step of another layer counts for it nowhere."""
+    model, ctl = _converted(only=None, max_loss_cost=1.0)
+    x, y = batch
+    F.cross_entropy(model(x), y).backward()
+    ctl.step()
+    recs = list(ctl._layers.values())
+    idle, busy = recs
+    idle.cost[:, 3:] = torch.tensor([[-0.5, 3.0, 0.75, 1.5]] * 2)
+    idle.cost[:, :3] = 0
+    kept, counted = idle.cost.clone(), busy.cost[:, 4].clone()
+    busy.cost[:, :3] = torch.tensor([[0.25, 0.5, 8.0]] * 2)
+    ctl._writes.end_steps(recs, [1.0, 1.0])
+    assert torch.equal(idle.cost, kept)
+    assert torch.equal(busy.cost[:, 4], counted + 1) and busy.cost[:, :3].eq(0).all()
 
 
 @pytest.mark.parametrize("kept", [(0,), (1,), (0, 1)], ids=["own", "below", "both"])

@@ -21,7 +21,8 @@ from mixprec.control._check import Check
 from mixprec.control._decide import apply_gemms, apply_layer, decide_gemms, decide_layer, peel, switch_layer
 from mixprec.control._early import early_window, promote_early
 from mixprec.control._estimate_gap import learn_gaps
-from mixprec.control._ladder import GEMMS, Decision, LayerRecord, end_steps
+from mixprec.control._fold import StepWrites
+from mixprec.control._ladder import GEMMS, Decision, LayerRecord
 from mixprec.control._probe import Probe
 from mixprec.control._reach import ReachMap, StartsOver
 from mixprec.control._records import (all_gathered, check_loss_scale, converted, converted_experts, detached_record,
@@ -84,7 +85,7 @@ class Controller(Shell):
         self._measuring = shadow_phase(0, self.settings.every, self.settings.shadow_steps)  # this step feeds the shadows
         self._recipes = {r: Float8Recipe.from_name(r) for r in self.settings.ladder if r in LOW_RUNGS}  # one per rung
         self._scaled_seen = last_count()  # a loss scaled before the controller existed is no step of its own
-        self._clock, self._reaches = CheckClock(), ReachMap()  # (the step's GEMM output nodes: _reach)
+        self._clock, self._reaches, self._writes = CheckClock(), ReachMap(), StepWrites()  # (_reach: the step's GEMM output nodes)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -187,6 +188,7 @@ class Controller(Shell):
         old = self._layers.get(name)  # (its place in the layers' order stays: a peer's record keeps the peer's)
         rec = LayerRecord(module, layer_state(module), start, floor, allowed, self.settings.per_gemm,
                           self.settings.max_loss_cost is not None, old.order if old is not None else len(self._layers))
+        self._writes.bank(rec)
         data = self._pending.pop(name, None)
         if old is not None and old.module() is None:  # decided so far as its peers' (_detached): take it over
             data = layer_data(self.settings, old)
@@ -241,13 +243,12 @@ class Controller(Shell):
         return self._clock.stats()
 
     def _step(self, loss_scale: float | torch.Tensor | None) -> list[Decision]:
-        if loss_scale is not None:
-            check_loss_scale(loss_scale)
+        check_loss_scale(loss_scale)
         scaled = scaled_since(self._scaled_seen)
         self._scaled_seen = self._scaled_seen if scaled is None else scaled.count
         self._loss_scaled = self._loss_scaled or loss_scale is not None or scaled is not None
         if self.settings.max_loss_cost is not None or self.settings.max_backward_cost is not None:
-            end_steps(self._layers.values(), [grad_scale(rec, loss_scale, scaled) for rec in self._layers.values()])
+            self._writes.end_steps(self._layers.values(), [grad_scale(rec, loss_scale, scaled) for rec in self._layers.values()])
         self._steps, self._stepped = self._steps + 1, True
         self._reaches.clear()
         self._learn_compute()

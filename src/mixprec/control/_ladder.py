@@ -20,13 +20,14 @@ from mixprec.formats._tensor_parallel import probe_operand
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerState, clear_window, new_window
 from mixprec.control._settings import FP4_RUNGS, FP8_RUNGS, LOW_RUNGS, RUNGS, ControllerSettings
 from mixprec.control._backward import FAR, far_by_factor
+from mixprec.control._fold import StepIndex
 from mixprec.control._cost import (Cadence, clear, clear_pooled, cost_steps, loss_cost, measure_cost,  # noqa: F401
                                   output_errors, pooled_with, _accumulate_cost, variance)
 from mixprec.control._measure import measure
 from mixprec.control._trend import Trend
 
 __all__ = ["Decision", "FP4_RUNGS", "FP8_RUNGS", "GEMMS", "GEMM_OPERANDS", "GemmCasts", "LOW_RUNGS", "RUNGS",
-           "LayerRecord", "compose", "end_steps", "gemm_casts", "loss_cost", "measure", "output_roundoff", "past_costly"]
+           "LayerRecord", "compose", "gemm_casts", "loss_cost", "measure", "output_roundoff", "past_costly"]
 
 #: a linear layer's GEMMs (the keys of ``Float8Recipe.gemms()``) and the operands each reads, in
 #: the order of its (left, right) casts, as rows of :class:`LayerState`'s windows.
@@ -256,7 +257,7 @@ class LayerRecord:
         # the step under way, whose index draws the output rows a loss cost measures under
         # Controller(cost_row_share=...) (_cost.sampled_rows): eager code reads the int, compiled code its device copy
         self.cost_step = 0
-        self.cost_step_t = torch.zeros((), dtype=torch.int64, device=state.device)
+        self.step_index = StepIndex(state.device)  # (one per device, shared by a controller's layers: _fold.StepWrites)
         self.cost_sign = torch.tensor([-1.0, 1.0], device=state.device)  # loss_cost's at_error, per row
         self.probe: Any = None  # its Probe (also in state.probe)
         # whether this step feeds the shadows (Controller._measuring), on the device: what compiled
@@ -265,6 +266,11 @@ class LayerRecord:
         self.measuring_now = False  # the same, for eager code
         self.backward: Any = None  # its backward GEMMs' loss cost (max_backward_cost: _backward.BackwardCost)
         self.backward_now = False  # whether this step measures it (eager code: the first shadow step)
+
+    @property
+    def cost_step_t(self) -> torch.Tensor:
+        """The step index on the device, which compiled code draws a loss cost's rows from."""
+        return self.step_index.tensor
 
     @property
     def rung(self) -> int:
@@ -372,7 +378,7 @@ class LayerRecord:
         (``sampled``: its device copy too, which compiled code reads)."""
         self.cost_step = step
         if sampled and self.cost is not None:
-            self.cost_step_t.fill_(step)
+            self.step_index.set(step)
         if self.backward is not None:
             self.backward.step = step
 
@@ -386,36 +392,6 @@ class LayerRecord:
             self.cost[:, 3:] = 0
         if self.backward is not None:
             self.backward.reset()
-
-
-def end_steps(records: Any, scales: Any) -> None:
-    """Fold each of ``records``' step loss-cost sums into its window: the estimate
-    (:func:`loss_cost`, bitwise) of the gradients scaled by its loss scale (``scales``, in order);
-    a step without rows or with a non-finite estimate (an overflowed gradient) is not counted.
-    The records on one device that share a scale (a number, or the same tensor) are folded in one
-    pass over their stacked sums, bitwise each one's own fold: a few device ops a step however
-    many layers. Their backward costs end the step too. No host sync."""
-    groups: dict[Any, tuple[Any, list[LayerRecord]]] = {}
-    for rec, scale in zip(records, scales):
-        if rec.backward is not None:
-            rec.backward.end_step(scale)
-        if rec.cost is not None and any(rec.cost_rows_now()):  # (a step that measured no row summed nothing)
-            key = (rec.cost.device, id(scale) if isinstance(scale, torch.Tensor) else float(scale))
-            groups.setdefault(key, (scale, []))[1].append(rec)
-    for scale, recs in groups.values():
-        c = recs[0].cost.unsqueeze(0) if len(recs) == 1 else torch.stack([r.cost for r in recs])
-        # (both rows of each at once: the own cost is taken at the error, the one below's without it)
-        estimate = c[..., 0] / scale + recs[0].cost_sign * (0.5 * c[..., 2] * c[..., 1] / (scale * scale))
-        counted = (c[..., 2] > 0) & torch.isfinite(estimate)
-        kept = torch.where(counted, estimate, 0.0)
-        c[..., 3] += kept
-        c[..., 6] += kept * c[..., 4]  # (its index among the window's counted steps: a rising cost's line, _early)
-        c[..., 4] += counted
-        c[..., 5] += kept * kept
-        c[..., :3] = 0
-        if len(recs) > 1:
-            for rec, folded in zip(recs, c):
-                rec.cost.copy_(folded)
 
 
 def _no_module() -> None:

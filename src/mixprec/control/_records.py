@@ -324,7 +324,9 @@ def start_rungs(settings: ControllerSettings, name: str, recipe: Float8Recipe, f
 
 
 def check_loss_scale(loss_scale: Any) -> None:
-    """Raise ValueError unless ``loss_scale`` (``Controller.step``'s) is a positive finite number or a tensor."""
+    """Raise ValueError unless ``loss_scale`` (``Controller.step``'s) is None, a positive finite number or a tensor."""
+    if loss_scale is None:
+        return
     if isinstance(loss_scale, bool) or not (isinstance(loss_scale, torch.Tensor) or (
             isinstance(loss_scale, (int, float)) and 0 < loss_scale < math.inf)):
         raise ValueError(f"Controller.step: loss_scale must be a positive finite number or a tensor (the "

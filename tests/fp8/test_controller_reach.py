@@ -7,6 +7,7 @@ with it."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 
@@ -18,20 +19,41 @@ import torch.utils.checkpoint
 import mixprec
 from mixprec import fp8
 from mixprec.control._backward import backward_costs
+from mixprec.control._joint_walk import JointWalk
 from mixprec.control._reach import Reach, ReachMap, walk
 from mixprec.control._windows import reach_rows
 
 
-def _r(start_of: str, layer: str, build, limit: int = 1024) -> float:
+def _r(start_of: str, layer: str, build, joint: bool = False) -> float:
     """``r`` of ``layer``'s output node in the walk from ``start_of``'s, one backward of ``build()``
-    (which returns the loss and ``{name: output}``), the layer weighing 1."""
+    (which returns the loss and ``{name: output}``), the layer weighing 1: walked alone
+    (:func:`walk`) or joined in a joint walk (``joint``: :class:`JointWalk`)."""
     loss, outs = build()
-    got: list[float] = []
     reach = Reach(torch.device("cpu"))
     reach.gain.fill_(1.0)
-    walk(outs[start_of].grad_fn, {outs[layer].grad_fn: reach}, Reach.weight, lambda w, r: got.append(float(r)), limit=limit)
+    if joint:
+        source = Reach(torch.device("cpu"))
+        assert float(JointWalk().join(source, outs[start_of].grad_fn, {outs[layer].grad_fn: reach})) == 1.0
+        loss.backward()
+        return float(source.window[0])
+    got: list[float] = []
+    walk(outs[start_of].grad_fn, {outs[layer].grad_fn: reach}, Reach.weight, lambda w, r: got.append(float(r)))
     loss.backward()
     return sum(got)
+
+
+@pytest.fixture(params=["alone", "joint"])
+def r_of(request):
+    """:func:`_r` of a layer walking alone, or joining a joint walk."""
+    return functools.partial(_r, joint=request.param == "joint")
+
+
+def _walk_over(reach: Reach, start, earlier: dict, joint: bool) -> None:
+    """``reach``'s walk from ``start`` over ``earlier`` (node -> Reach): alone, or joined in a joint walk."""
+    if joint:
+        reach.window[1] += JointWalk().join(reach, start, earlier)
+    else:
+        reach.walk_alone(start, earlier, lambda fn: fn)
 
 
 def _residual(seed: int = 0):
@@ -48,18 +70,18 @@ def _residual(seed: int = 0):
     return build, k, l_, x, target
 
 
-def test_a_residual_add_dilutes_by_the_branch_share():
+def test_a_residual_add_dilutes_by_the_branch_share(r_of):
     build, k, l_, x, target = _residual()
     with torch.no_grad():
         h = k(x)
         g = 2 * (h + l_(h) - target)  # the skip's gradient of h (and the branch output's)
         branch = g @ l_.weight      # l's input gradient
     expected = float(branch.square().sum() / (g + branch).square().sum())
-    assert _r("l", "k", build) == pytest.approx(min(1.0, expected), rel=1e-5)
+    assert r_of("l", "k", build) == pytest.approx(min(1.0, expected), rel=1e-5)
     assert 0 < expected < 1
 
 
-def test_a_share_carries_through_later_merges_of_its_own_gradient():
+def test_a_share_carries_through_later_merges_of_its_own_gradient(r_of):
     """``h1 = h0 + a(h0)``, ``h2 = h1 + l(h1)``: ``l``'s share at ``h1`` is ``rho``; everything
     upstream of ``h1`` gets its gradient from ``h1`` (the skip and ``a``'s branch alike), so ``a``'s
     output and ``k``'s keep ``rho`` (a second merge of the same gradient dilutes nothing)."""
@@ -79,11 +101,11 @@ def test_a_share_carries_through_later_merges_of_its_own_gradient():
         branch = (g @ l_.weight) * (1 - torch.tanh(h1) ** 2)
     rho = float(branch.square().sum() / (g + branch).square().sum())
     assert 0.05 < rho < 0.95
-    assert _r("l", "a", build) == pytest.approx(rho, rel=1e-4)
-    assert _r("l", "k", build) == pytest.approx(rho, rel=1e-4)
+    assert r_of("l", "a", build) == pytest.approx(rho, rel=1e-4)
+    assert r_of("l", "k", build) == pytest.approx(rho, rel=1e-4)
 
 
-def test_a_branch_cancelling_the_skip_caps_the_share_at_one():
+def test_a_branch_cancelling_the_skip_caps_the_share_at_one(r_of):
     """``out = h + l(h)`` with ``l`` close to ``-h``: the branch's gradient nearly cancels the
     skip's, so its squared norm is many times the total's; the share is capped at 1."""
     torch.manual_seed(5)
@@ -96,10 +118,10 @@ def test_a_branch_cancelling_the_skip_caps_the_share_at_one():
         h = k(x)
         b = l_(h)
         return (h + b).sum() * 1.0, {"k": h, "l": b}
-    assert _r("l", "k", build) == 1.0
+    assert r_of("l", "k", build) == 1.0
 
 
-def test_a_layer_whose_output_the_loss_does_not_use_reaches_nothing():
+def test_a_layer_whose_output_the_loss_does_not_use_reaches_nothing(r_of):
     """Its node never runs, so nothing it sends arrives: the layers before it read 0."""
     torch.manual_seed(6)
     k, a, unused = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
@@ -108,10 +130,10 @@ def test_a_layer_whose_output_the_loss_does_not_use_reaches_nothing():
     def build():
         h = k(x)
         return a(h).sum(), {"k": h, "unused": unused(h)}
-    assert _r("unused", "k", build) == 0.0
+    assert r_of("unused", "k", build) == 0.0
 
 
-def test_two_layers_reading_one_input_share_it():
+def test_two_layers_reading_one_input_share_it(r_of):
     torch.manual_seed(1)
     k, a, b = nn.Linear(6, 6), nn.Linear(6, 5), nn.Linear(6, 3)
     x = torch.randn(5, 6)
@@ -123,11 +145,11 @@ def test_two_layers_reading_one_input_share_it():
     with torch.no_grad():
         h = k(x)
         ra, rb = (2 * a(h)) @ a.weight, torch.full((5, 3), 3.0) @ b.weight
-    assert _r("a", "k", build) == pytest.approx(float(ra.square().sum() / (ra + rb).square().sum()), rel=1e-5)
-    assert _r("b", "k", build) == pytest.approx(float(rb.square().sum() / (ra + rb).square().sum()), rel=1e-5)
+    assert r_of("a", "k", build) == pytest.approx(float(ra.square().sum() / (ra + rb).square().sum()), rel=1e-5)
+    assert r_of("b", "k", build) == pytest.approx(float(rb.square().sum() / (ra + rb).square().sum()), rel=1e-5)
 
 
-def test_a_parallel_branch_is_not_reached_and_a_head_reaches_everything():
+def test_a_parallel_branch_is_not_reached_and_a_head_reaches_everything(r_of):
     torch.manual_seed(2)
     k, a, b, head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 2)
     x = torch.randn(5, 6)
@@ -138,10 +160,10 @@ def test_a_parallel_branch_is_not_reached_and_a_head_reaches_everything():
         z = h + ya + torch.tanh(yb)
         y = head(torch.layer_norm(z, (6,)))
         return y.square().sum(), {"k": h, "a": ya, "b": yb, "head": y}
-    assert _r("a", "b", build) == 0.0  # b's output gradient does not pass a's input gradient
+    assert r_of("a", "b", build) == 0.0  # b's output gradient does not pass a's input gradient
     for layer in ("k", "a", "b"):
-        assert _r("head", layer, build) == pytest.approx(1.0, abs=1e-6)  # everything comes through the head
-    r_k = _r("a", "k", build)
+        assert r_of("head", layer, build) == pytest.approx(1.0, abs=1e-6)  # everything comes through the head
+    r_k = r_of("a", "k", build)
     assert 0 < r_k < 1
     # the layer's reach: the earlier layers' shares weighted by their gains, the unreached b's 0 included
     loss, outs = build()
@@ -149,9 +171,71 @@ def test_a_parallel_branch_is_not_reached_and_a_head_reaches_everything():
     for reach, gain in zip(earlier.values(), (3.0, 1.0)):
         reach.gain.fill_(gain)
     reach = Reach(torch.device("cpu"))
-    reach.walk(outs["a"].grad_fn, earlier, lambda fn: fn)
+    _walk_over(reach, outs["a"].grad_fn, earlier, r_of.keywords["joint"])
     loss.backward()
     assert float(_row(reach, torch.zeros(2))[2]) == pytest.approx(3.0 * r_k / 4.0, rel=1e-5)
+
+
+def _stack(joint: bool, seed: int = 0) -> tuple[dict[str, list[float]], int]:
+    """A pre-norm residual stack (4 blocks: a two-layer branch and a parallel one-layer branch
+    reading the same norm, then a head) whose every layer walks (``joint``: through the map's
+    joint walk; else each alone); returns each layer's window and the hooks that ran."""
+    torch.manual_seed(seed)
+    d = 8
+    blocks = [(nn.Linear(d, 2 * d), nn.Linear(2 * d, d), nn.Linear(d, d)) for _ in range(4)]
+    head, x = nn.Linear(d, 5), torch.randn(6, d)
+    reaches: dict[str, Reach] = {}
+    found = ReachMap()
+    calls = [0]
+
+    def counted(fn):
+        def run(*args):
+            calls[0] += 1
+            return fn(*args)
+        return run
+
+    def lin(name: str, module: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        out = module(h)
+        reach = reaches[name] = Reach(torch.device("cpu"))
+        reach.gain.fill_(0.5 + len(reaches) % 3)
+        if joint:
+            found.walk(reach, out.grad_fn, counted)
+        elif reach.due() and found.earlier(reach):
+            reach.walk_alone(out.grad_fn, found.earlier(reach), counted)
+        found.add(reach, out.grad_fn)
+        return out
+
+    h = x
+    for i, (a, b, c) in enumerate(blocks):
+        n = torch.layer_norm(h, (d,))
+        h = h + lin(f"b{i}", b, torch.tanh(lin(f"a{i}", a, n))) + torch.tanh(lin(f"c{i}", c, n))
+    lin("head", head, torch.layer_norm(h, (d,))).square().sum().backward()
+    return {name: r.window.tolist() for name, r in reaches.items()}, calls[0]
+
+
+@pytest.mark.parametrize("limit", [None, 12], ids=["joint", "past-its-limit"])
+def test_a_joint_walk_gives_every_layer_its_own_walks_shares(monkeypatch, limit):
+    """Every layer of a residual stack with parallel branches walks in one joint walk: each
+    layer's weighted sum and total are what its own walk gives (to float32 rounding), from a
+    fraction of the hooks; past the joint walk's limit the layers that do not fit walk alone."""
+    from mixprec.control import _joint_walk
+
+    alone, alone_calls = _stack(False)
+    joined: list = []
+    original = _joint_walk.JointWalk.join
+    monkeypatch.setattr(_joint_walk.JointWalk, "join", lambda self, *a: joined.append(original(self, *a)) or joined[-1])
+    if limit is not None:
+        monkeypatch.setattr(_joint_walk, "JOINT_NODES", limit)
+    joint, joint_calls = _stack(True)
+    for name, (reached, total) in alone.items():
+        assert joint[name][1] == total, name  # (the same weights summed in the same order)
+        assert joint[name][0] == pytest.approx(reached, rel=1e-5, abs=1e-7), name
+    assert joint["head"][0] == pytest.approx(joint["head"][1], rel=1e-6)  # (the head reaches everything)
+    assert joint["c0"][0] == 0.0  # (a0's branch is parallel: none of c0's error reaches it)
+    if limit is None:
+        assert all(t is not None for t in joined) and joint_calls * 5 < alone_calls
+    else:
+        assert any(t is None for t in joined) and any(t is not None for t in joined)
 
 
 def test_a_truncated_walk_gives_the_last_reached_layer_the_rest():
@@ -178,7 +262,8 @@ def test_a_truncated_walk_gives_the_last_reached_layer_the_rest():
     assert len(got) < 5  # (some were not reached)
 
 
-def test_the_walk_keeps_no_graph_alive():
+@pytest.mark.parametrize("joint", [False, True], ids=["alone", "joint"])
+def test_the_walk_keeps_no_graph_alive(joint):
     build, *_ = _residual()
     loss, outs = build()
     reach = Reach(torch.device("cpu"))
@@ -186,7 +271,12 @@ def test_the_walk_keeps_no_graph_alive():
     ref = weakref.ref(outs["k"])
     reaches = ReachMap()
     reaches.add(reach, outs["k"].grad_fn)
-    reach.walk(outs["l"].grad_fn, reaches.earlier(Reach(torch.device("cpu"))), lambda fn: fn)
+    walking = Reach(torch.device("cpu"))
+    if joint:
+        reaches.walk(walking, outs["l"].grad_fn)
+    else:
+        walking.walk_alone(outs["l"].grad_fn, reaches.earlier(walking), lambda fn: fn)
+    assert float(walking.window[1]) > 0
     loss.backward()
     reaches.clear()
     del loss, outs, saved
@@ -377,8 +467,6 @@ def _accumulated(micro: int, steps: int = 16, model: nn.Module | None = None,
     (``route``: a policy's, or ``fp8.convert``'s layers), ``micro`` micro-batches a step (its
     forward told which and of how many); returns each walk as ``(step, micro-batch, walking
     layer, the layers it weighed)`` and each layer's windows asked."""
-    import mixprec.control._reach as reach_module
-
     model = _SkipsOnce() if model is None else model
     ctl = mixprec.Controller(every=4, ladder=("nvfp4", "tensorwise", "compute"), per_gemm=True, max_backward_cost=1e-3)
     if route == "policy":
@@ -391,21 +479,28 @@ def _accumulated(micro: int, steps: int = 16, model: nn.Module | None = None,
         region = lambda: mixprec.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
-    asks: list = []  # (layer's Reach, the earlier layers' Reaches) of the forward's latest ask
     walks: list = []
     where = [0, 0]
-    earlier, original = ReachMap.earlier, reach_module.walk
+    original, alone = ReachMap.walk, Reach.walk_alone
 
-    def ask(self, layer):
-        out = earlier(self, layer)
-        asks.append((layer, list(out.values())))
-        return out
+    def spy(self, reach, start, timed=lambda fn: fn):
+        due = reach.due
 
-    def spy(start, outputs, *args, **kwargs):
-        walks.append((*where, *asks[-1]))
-        return original(start, outputs, *args, **kwargs)
+        def once():  # (a walk that is due: where, which layer, the layers it weighs)
+            walks_now = due()
+            if walks_now:
+                walks.append((*where, reach, list(self.earlier(reach).values())))
+            return walks_now
+        reach.due = once
+        try:
+            return original(self, reach, start, timed)
+        finally:
+            del reach.due
 
-    ReachMap.earlier, reach_module.walk = ask, spy
+    def never(*args):
+        raise AssertionError("a layer walked alone: the joint walk holds every node here")
+
+    ReachMap.walk, Reach.walk_alone = spy, never
     try:
         for step in range(steps):
             x, y = torch.randn(32, 32, generator=gen), torch.randn(32, 16, generator=gen)
@@ -418,7 +513,7 @@ def _accumulated(micro: int, steps: int = 16, model: nn.Module | None = None,
             opt.zero_grad()
             ctl.step()
     finally:
-        ReachMap.earlier, reach_module.walk = earlier, original
+        ReachMap.walk, Reach.walk_alone = original, alone
     names = {id(rec.backward.reach): n.removeprefix("m.") for n, rec in ctl._layers.items()}
     walked = [(step, m, names[id(layer)], {names[id(r)] for r in before}) for step, m, layer, before in walks]
     return walked, {n.removeprefix("m."): rec.backward.reach.asked for n, rec in ctl._layers.items()}
@@ -465,7 +560,10 @@ def test_a_layer_walks_in_its_first_window_and_every_reach_every_th_after():
         earlier.gain.fill_(1.0)
         reach = Reach(torch.device("cpu"))
         reach.asked = window
-        reach.walk(outs["l"].grad_fn, {outs["k"].grad_fn: earlier}, lambda fn: fn)
+        reaches = ReachMap()
+        reaches.add(earlier, outs["k"].grad_fn)
+        reaches.walk(reach, outs["l"].grad_fn)
+        reaches.walk(reach, outs["l"].grad_fn)  # (asked again in the window: no second walk)
         loss.backward()
         walked.append(float(reach.window[1]) > 0)
         assert reach.asked == window + 1

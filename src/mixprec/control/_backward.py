@@ -239,7 +239,7 @@ class BackwardCost:
             shadow = shadow or _Shadow(x.detach(), weight.detach(), weight, False, self.step)
             out.register_hook(timed(lambda grad: self._output_grad(shadow, grad)))
             if walks and any(m[0] for kind, _, m in self.recipes if self.cadence[kind].due):
-                self.reach.walk(out.grad_fn, reaches.earlier(self.reach), timed)
+                reaches.walk(self.reach, out.grad_fn, timed)
         if walks:
             reaches.add(self.reach, out.grad_fn)
 

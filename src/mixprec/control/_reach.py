@@ -23,8 +23,10 @@ charges), into the layer's reach; a layer the walk does not reach (a parallel br
 rest. A layer walks in its first measured window and every :data:`REACH_EVERY`-th after (the
 others keep the last reach), once (on the window's first forward that asks: under gradient
 accumulation, over the layers that forward ran before it), never inside a backward (an
-activation checkpoint's recompute). The
-hooks hold no graph node; their device work is a few norms where gradients merge, no host sync.
+activation checkpoint's recompute). The layers of one forward that walk share one joint walk
+(:mod:`._joint_walk`: each node hooked once, ``r`` carried as a vector, one entry per walking
+layer); a layer whose nodes do not fit it walks alone (:func:`walk`). The hooks hold no graph
+node; their device work is a few norms where gradients merge, no host sync.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from mixprec.control._joint_walk import JointWalk, dead_end, skipped
 from mixprec.control._update_error import TINY
 
 __all__ = ["REACH_EVERY", "Reach", "ReachMap", "StartsOver", "WALK_NODES", "walk"]
@@ -43,8 +46,9 @@ __all__ = ["REACH_EVERY", "Reach", "ReachMap", "StartsOver", "WALK_NODES", "walk
 WALK_NODES = 256
 #: a layer walks its reach in the first window that measures its input gradient's cost and in
 #: every ``REACH_EVERY``-th after (its reach moves slowly: on tiny about 4x from the start to step
-#: 20, about 2x more by step 60); each walk hooks up to :data:`WALK_NODES` nodes, one hook a node:
-#: on the Llama of docs/fp8.md about 1 ms a walk and 2 ms of hooks run in its backward
+#: 20, about 2x more by step 60); the layers that walk in one forward share a joint walk, one hook a
+#: node (on the Llama of docs/fp8.md its first window's 29 walks: about 4,700 hooks alone, 50 ms
+#: of a step joined, against 150 ms)
 REACH_EVERY = 4
 
 
@@ -59,13 +63,33 @@ class ReachMap:
 
     def __init__(self) -> None:
         self._nodes: dict[int, tuple[Any, Any]] = {}
+        self._joint: JointWalk | None = None  # the forward's joint walk (_joint_walk)
+
+    def walk(self, reach: Reach, start: Any, timed: Callable[[Callable], Callable] = lambda fn: fn) -> None:
+        """``reach``'s layer ran (its output node ``start``) and its input gradient's cost is
+        measured: in a window its reach walks (:meth:`Reach.due`), it joins the forward's joint
+        walk over the layers before it (:class:`~mixprec.control._joint_walk.JointWalk`: the
+        graph hooked once for all the layers that walk), or walks alone where that is full
+        (:meth:`Reach.walk_alone`). The hooks' work is ``timed``."""
+        if not reach.due():
+            return
+        earlier = self.earlier(reach)
+        if start is None or not earlier:
+            return
+        if self._joint is None:
+            self._joint = JointWalk(timed)
+        total = self._joint.join(reach, start, earlier)
+        if total is None:
+            reach.walk_alone(start, earlier, timed)
+        else:
+            reach.window[1] += total
 
     def add(self, layer: Any, node: Any) -> None:
         """``layer`` ran, its output ``node``: where it is the first layer the map holds, a new
         forward began (the map starts over); where it ran earlier in this forward (its weight
         shared), its latest output counts."""
         if self._starts(layer):
-            self._nodes.clear()
+            self.clear()
         self._nodes.pop(id(layer), None)
         if node is not None:
             self._nodes[id(layer)] = (layer, node)
@@ -82,6 +106,7 @@ class ReachMap:
 
     def clear(self) -> None:
         self._nodes.clear()
+        self._joint = None
 
 
 class StartsOver:
@@ -126,17 +151,19 @@ class Reach:
         charges it with (about 0 before any, or for a step lost to first order)."""
         return self.gain.clamp(min=0) + TINY  # (none known anywhere: all alike)
 
-    def walk(self, start: Any, earlier: dict[Any, Reach], timed: Callable[[Callable], Callable]) -> None:
-        """A window measures the input gradient's cost: walk the graph upstream of ``start`` over
-        the ``earlier`` layers' output nodes (:func:`walk`), in the first such window and every
-        :data:`REACH_EVERY`-th after (the others keep the last reach), on the window's first
-        forward that asks (under gradient accumulation its first micro-batch: one walk a window)."""
+    def due(self) -> bool:
+        """Whether this ask walks: the window's first (under gradient accumulation its first
+        micro-batch's: one walk a window), in the first window that asks and every
+        :data:`REACH_EVERY`-th after (the others keep the last reach)."""
         if self._walks is None:
             self.asked += 1
             self._walks = not (self.asked - 1) % REACH_EVERY
-        if not self._walks:
-            return
-        self._walks = False
+        walks, self._walks = self._walks, False
+        return walks
+
+    def walk_alone(self, start: Any, earlier: dict[Any, Reach], timed: Callable[[Callable], Callable]) -> None:
+        """Walk the graph upstream of ``start`` over the ``earlier`` layers' output nodes alone
+        (:func:`walk`, truncated past :data:`WALK_NODES`)."""
         total = walk(start, earlier, Reach.weight, self._reached, timed)
         if total is not None:
             self.window[1] += total
@@ -232,16 +259,6 @@ def _share(sent: dict[int, list], grads: tuple) -> Any:
     return (ours / total.clamp(min=TINY)).clamp(max=1.0)
 
 
-def _skipped(node: Any) -> bool:
-    """A leaf's gradient accumulator: nothing upstream of it to reach."""
-    return node is None or hasattr(node, "variable")
-
-
-def _dead_end(node: Any) -> bool:
-    """A node whose gradient goes only to leaves (a weight's cast): no layer's output beyond it."""
-    return all(_skipped(child) for child, _ in node.next_functions)
-
-
 def walk(start: Any, outputs: dict[Any, Any], weights: Callable[[Any], Any],
          add: Callable[[Any, torch.Tensor], None], timed: Callable[[Callable], Callable] = lambda fn: fn,
          limit: int = WALK_NODES) -> Any:
@@ -259,7 +276,7 @@ def walk(start: Any, outputs: dict[Any, Any], weights: Callable[[Any], Any],
     order, queue, truncated = [start], deque([start]), False
     while queue and not truncated:
         for child, _ in queue.popleft().next_functions:
-            if _skipped(child) or id(child) in seen or (_dead_end(child) and child not in outputs):
+            if skipped(child) or id(child) in seen or (dead_end(child) and child not in outputs):
                 continue
             if len(order) >= limit:
                 truncated = True

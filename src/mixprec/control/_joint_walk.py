@@ -114,8 +114,8 @@ class JointWalk:
         r = _shares(sent, grad_outputs) if sent else None
         weight = self._weights.get(id(hook.layer)) if hook.layer is not None else None
         if r is not None and weight is not None:  # (an earlier layer of some source: every source's term)
-            term = weight * r
-            self._sums = term if self._sums is None else self._sums + term
+            term = weight * r.to(weight.device)  # (layers on several devices: each term where its layer is)
+            self._sums = term if self._sums is None else self._sums + term.to(self._sums.device)
         if hook.source is not None:  # (a source's output: its own entry 1, a device fill)
             if r is None:
                 g = next((g for g in grad_outputs if g is not None), None)
@@ -137,7 +137,7 @@ class JointWalk:
         if sums is None:
             return
         for source, reach in enumerate(self.sources):
-            reach.window[0] += sums[source]
+            reach.window[0] += sums[source].to(reach.window.device)
 
 
 def _shares(sent: dict[int, list], grads: tuple) -> torch.Tensor | None:
@@ -160,11 +160,11 @@ def _shares(sent: dict[int, list], grads: tuple) -> torch.Tensor | None:
             continue
         if len(parts) == 1:
             r, v = parts[0]
-            term = r * (squared if v is grads[s] else v.float().square().sum())
+            term = r.to(g.device) * (squared if v is grads[s] else v.float().square().sum())
         else:
-            v = torch.stack([v.reshape(-1) for _, v in parts]).float()
+            v = torch.stack([v.reshape(-1).to(g.device) for _, v in parts]).float()
             gram = v @ v.t()
-            q = torch.stack([r for r, _ in parts]).sqrt()
+            q = torch.stack([r.to(g.device) for r, _ in parts]).sqrt()
             term = ((gram @ q) * q).sum(0)
         ours = term if ours is None else ours + term
     if ours is None:

@@ -15,6 +15,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from mixprec import _native
+
 __all__ = ["ROWS", "StepIndex", "StepWrites", "fold"]
 
 #: the layers' loss-cost windows per shared buffer
@@ -141,13 +143,18 @@ def fold(c: torch.Tensor, scale: float | torch.Tensor, sign: torch.Tensor) -> No
     index sum), in place, into their windows: the estimate (``_cost.loss_cost``, bitwise) of
     gradients scaled by ``scale``, ``sign`` per row (the own cost is taken at the error, the one
     below's without it); a row without rows or with a non-finite estimate (an overflowed
-    gradient) is not counted, and a row that measured nothing folds into itself unchanged.
+    gradient) is not counted, and a row that measured nothing folds into itself unchanged. On
+    the CPU one pass of mixprec's C++ kernel (``cost_fold``), else torch's ops.
 
     Example:
         >>> c = torch.zeros(1, 2, 7); c[0, 0, :3] = torch.tensor([1.0, 0.5, 4.0])
         >>> fold(c, 2.0, torch.tensor([-1.0, 1.0])); c[0, :, 3:5].tolist()
         [[0.25, 1.0], [0.0, 0.0]]
     """
+    ops = _fold_kernel(c, scale, sign)
+    if ops is not None:  # (one pass in C++, the same bits: csrc/stats_kernel.cpp)
+        ops.cost_fold(c, float(scale), isinstance(scale, torch.Tensor), sign)
+        return
     estimate = c[..., 0] / scale + sign * (0.5 * c[..., 2] * c[..., 1] / (scale * scale))
     counted = (c[..., 2] > 0) & torch.isfinite(estimate)
     kept = torch.where(counted, estimate, 0.0)
@@ -156,3 +163,17 @@ def fold(c: torch.Tensor, scale: float | torch.Tensor, sign: torch.Tensor) -> No
     c[..., 4] += counted
     c[..., 5] += kept * kept
     c[..., :3] = 0
+
+
+def _fold_kernel(c: torch.Tensor, scale: Any, sign: torch.Tensor) -> Any | None:
+    """``torch.ops.mixprec_native`` where its ``cost_fold`` serves (plain contiguous float32 CPU
+    windows and signs; a number, or a one-element float32 CPU tensor, for the scale), else None."""
+    if torch.compiler.is_compiling() or not _native.enabled():
+        return None
+    plain = (torch.Tensor,)
+    tensors = (c, sign, scale) if isinstance(scale, torch.Tensor) else (c, sign)
+    if (any(type(t) not in plain or t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()
+            for t in tensors) or c.dim() != 3 or c.shape[1] != 2 or c.shape[2] < 7 or sign.numel() != 2
+            or (isinstance(scale, torch.Tensor) and scale.numel() != 1) or isinstance(scale, bool)):
+        return None
+    return _native.load()

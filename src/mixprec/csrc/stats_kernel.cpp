@@ -102,12 +102,47 @@ void record_cast(at::Tensor& row, const at::Tensor& x, const at::Tensor& q, cons
   r[4] = top;
 }
 
+// cost_fold: a Controller's step of loss-cost sums folded into the layers' windows
+// (mixprec/control/_fold.py, fold): c is (layers, 2, columns >= 7) float32, per row the step's
+// [sum(g * e), squares, rows] then the window's [sum, steps, sum of squares, index sum]. Per row,
+// in float32 and in the torch code's order (each of its ops elementwise, so the same bits):
+//   estimate = first / s + sign * (0.5 * rows * squares / s2)
+//   counted = rows > 0 and estimate finite; kept = counted ? estimate : 0
+//   sum += kept; index += kept * steps; steps += counted; sum_sq += kept * kept; step sums = 0
+// with s the scale rounded to float32 and s2 its square: the float32 product of a scale tensor
+// (scale_tensor), the double one rounded once of a Python number (torch's scalar arithmetic).
+void cost_fold(at::Tensor& c, double scale, bool scale_tensor, const at::Tensor& sign) {
+  TORCH_CHECK(c.device().is_cpu() && c.scalar_type() == at::kFloat && c.dim() == 3 && c.size(1) == 2 &&
+                  c.size(2) >= 7 && c.is_contiguous(),
+              "mixprec cost_fold: the windows must be a contiguous float32 CPU tensor (layers, 2, >= 7)");
+  TORCH_CHECK(sign.device().is_cpu() && sign.scalar_type() == at::kFloat && sign.numel() == 2 && sign.is_contiguous(),
+              "mixprec cost_fold: the signs must be 2 contiguous float32 CPU values");
+  const float s = static_cast<float>(scale);
+  const float s2 = scale_tensor ? s * s : static_cast<float>(scale * scale);
+  const float* sg = sign.const_data_ptr<float>();
+  float* w = c.data_ptr<float>();
+  const int64_t cols = c.size(2);
+  for (int64_t i = 0; i < c.size(0) * 2; ++i) {
+    float* r = w + i * cols;
+    const float estimate = r[0] / s + sg[i % 2] * (0.5f * r[2] * r[1] / s2);
+    const bool counted = r[2] > 0.0f && std::isfinite(estimate);
+    const float kept = counted ? estimate : 0.0f;
+    r[3] = r[3] + kept;
+    r[6] = r[6] + kept * r[4];
+    r[4] = r[4] + (counted ? 1.0f : 0.0f);
+    r[5] = r[5] + kept * kept;
+    r[0] = r[1] = r[2] = 0.0f;
+  }
+}
+
 }  // namespace mixprec_stats
 
 TORCH_LIBRARY_FRAGMENT(mixprec_native, m) {
   m.def("record_cast(Tensor(a!) row, Tensor x, Tensor q, Tensor amax, int sample) -> ()");
+  m.def("cost_fold(Tensor(a!) c, float scale, bool scale_tensor, Tensor sign) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mixprec_native, CPU, m) {
   m.impl("record_cast", &mixprec_stats::record_cast);
+  m.impl("cost_fold", &mixprec_stats::cost_fold);
 }

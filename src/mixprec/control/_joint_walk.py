@@ -45,9 +45,22 @@ def dead_end(node: Any) -> bool:
 
 class JointWalk:
     """One forward's joint walk (:meth:`join` per source, in forward order): the nodes hooked so
-    far (by ``id``: it holds no node), and while the backward runs, per node the vectors its
-    walked parents sent and its own, and the sources' weighted sums. ``timed`` wraps its hooks'
-    work (one wrapper a walk)."""
+    far (by ``id``: it holds no node), and while the backward runs, per node the vectors and
+    gradients its walked parents sent it, and the sources' weighted sums. ``timed`` wraps its
+    hooks' work (one wrapper a walk).
+
+    Example:
+        >>> from mixprec.control._reach import Reach
+        >>> k, l_ = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        >>> h = k(torch.randn(3, 4)); y = h + l_(h)  # l's error reaches k past a residual add
+        >>> earlier, source = Reach(torch.device("cpu")), Reach(torch.device("cpu"))
+        >>> _ = earlier.gain.fill_(1.0)
+        >>> float(JointWalk().join(source, y.grad_fn.next_functions[1][0], {h.grad_fn: earlier}))
+        1.0
+        >>> y.square().sum().backward()
+        >>> 0 < float(source.window[0]) < 1  # (its share of the gradient h received)
+        True
+    """
 
     def __init__(self, timed: Callable[[Callable], Callable] = lambda fn: fn, limit: int | None = None) -> None:
         self.sources: list[Any] = []  # each source's Reach, by its entry

@@ -238,6 +238,26 @@ def test_a_joint_walk_gives_every_layer_its_own_walks_shares(monkeypatch, limit)
         assert any(t is None for t in joined) and any(t is not None for t in joined)
 
 
+def test_a_joint_walks_sums_land_under_autograd_grad_and_in_each_backward():
+    """The sums land at the end of whichever backward runs the hooks (an engine callback):
+    ``torch.autograd.grad`` as ``backward()``, and a second forward's walk lands its own."""
+    build, k, *_ = _residual()
+    shares = []
+    for grad in (False, True):
+        loss, outs = build()
+        earlier, source = Reach(torch.device("cpu")), Reach(torch.device("cpu"))
+        earlier.gain.fill_(1.0)
+        reaches = ReachMap()
+        reaches.add(earlier, outs["k"].grad_fn)
+        reaches.walk(source, outs["l"].grad_fn)
+        if grad:
+            torch.autograd.grad(loss, list(k.parameters()))  # (k's output node runs: its weight's gradient)
+        else:
+            loss.backward()
+        shares.append(float(source.window[0]))
+    assert shares[0] == shares[1] and 0 < shares[0] < 1
+
+
 def test_a_truncated_walk_gives_the_last_reached_layer_the_rest():
     """Past ``limit`` nodes the layers not reached take the share of the last one reached."""
     torch.manual_seed(3)

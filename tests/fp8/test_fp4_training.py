@@ -12,8 +12,8 @@ from torch import nn
 
 import mixprec
 from mixprec import Policy, fp8
-from mixprec.formats._fp4 import (E2M1_VALUES, decode_e2m1, encode_e2m1, hadamard, hadamard_matrix, quantize,
-                              rounding_generator)
+from mixprec.formats._fp4 import (E2M1_VALUES, decode_e2m1, encode_e2m1, hadamard, hadamard_matrix, hadamard_of,
+                              quantize, rounding_generator)
 from mixprec.formats._recipe import RECIPE_NAMES
 
 MXFP4, NVFP4 = fp8.Float8Recipe.mxfp4(), fp8.Float8Recipe.nvfp4()
@@ -99,6 +99,28 @@ def test_hadamard_is_orthogonal_exactly_inverted_and_keeps_products():
     assert torch.allclose(back[:, :40], a, atol=1e-6, rtol=0) and back[:, 40:].abs().max() < 1e-6
     assert torch.allclose(ha @ hadamard(b, h).t(), a @ b.t(), atol=1e-5, rtol=0)
     assert torch.allclose(ha.norm(dim=1), a.norm(dim=1), rtol=1e-6, atol=0)
+
+
+def test_hadamard_of_builds_each_seed_and_device_once_and_a_fresh_one_under_a_mode():
+    """The GEMMs' transform: one tensor per seed and device for plain eager operands (the seed's
+    own bits, another seed's or device's its own), a normal tensor even when first built under
+    inference mode (autograd may save it later); a fresh one under FakeTensorMode and for a
+    subclass operand, whose device it takes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.zeros(4, 16)
+    with torch.inference_mode():
+        first = hadamard_of(7, torch.zeros(4, 16))
+    assert not first.is_inference() and hadamard_of(7, x) is first and torch.equal(first, hadamard_matrix(7))
+    assert torch.equal(hadamard_of(8, x), hadamard_matrix(8)) and not torch.equal(hadamard_of(8, x), first)
+    meta = hadamard_of(7, torch.empty(4, 16, device="meta"))
+    assert meta.device.type == "meta" and hadamard_of(7, x) is first
+    w = nn.Parameter(torch.randn(16, 16))
+    assert hadamard_of(7, w) is first
+    with FakeTensorMode() as mode:
+        fake = hadamard_of(7, mode.from_tensor(x))
+        also = hadamard_of(7, torch.empty(2, 16, device="cuda"))
+    assert fake is not first and also.device.type == "cuda" and hadamard_of(7, x) is first
 
 
 def test_hadamard_of_a_transposed_operand_is_its_contiguous_copys_bitwise():

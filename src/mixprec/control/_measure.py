@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.formats._blocks import amax_to_scale
-from mixprec.formats._fp4 import hadamard, hadamard_matrix, quantize
+from mixprec.formats._fp4 import hadamard, hadamard_of, quantize
 from mixprec.formats._quant import cast_to_fp8
 from mixprec.formats._state import record_cast
 
@@ -69,7 +69,7 @@ def sampled_cast(x: torch.Tensor, cast: Any, pow2: bool, sample: int, hadamard_s
     amax = abs_max(x2) if amax is None else amax
     if cast.is_fp4:
         if hadamard_seed is not None:  # the tensor scale of the sampled rows' transform (the whole one's costs a pass)
-            rows = hadamard(rows, hadamard_matrix(hadamard_seed, rows.device))
+            rows = hadamard(rows, hadamard_of(hadamard_seed, rows))
             q = quantize(rows.contiguous(), cast).magnitudes()
         elif stride > 1:  # + a band holding the tensor's amax: NVFP4's tensor scale is the whole tensor's
             extra = F.pad(amax.reshape(1, 1), (0, x2.shape[1] - 1, 0, band - 1))

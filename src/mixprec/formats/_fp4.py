@@ -49,13 +49,14 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from mixprec import _native
 from mixprec.formats._blocks import _blocked, _e8m0, _e8m0_value, _unblocked, per_block
 from mixprec.formats._recipe import Cast
 
 __all__ = ["E2M1_MAX", "E2M1_VALUES", "Fp4Tensor", "encode_e2m1", "decode_e2m1", "pack", "unpack",
-           "quantize", "RoundingKey", "rounding_generator", "hadamard_matrix", "hadamard", "HADAMARD_SIZE"]
+           "quantize", "RoundingKey", "rounding_generator", "hadamard_matrix", "hadamard_of", "hadamard", "HADAMARD_SIZE"]
 
 E2M1_MAX = 6.0
 #: the value of each 4-bit code (index: the code).
@@ -414,6 +415,31 @@ def hadamard_matrix(seed: int = 0, device: torch.device | str | None = None) -> 
         True
     """
     return torch.tensor(_hadamard_values(int(seed)), dtype=torch.float32, device=device)
+
+
+#: the transforms :func:`hadamard_of` built, by (seed, device): a few (one per recipe seed and device)
+_HADAMARDS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def hadamard_of(seed: int, like: torch.Tensor) -> torch.Tensor:
+    """:func:`hadamard_matrix` of ``seed`` on ``like``'s device, for a GEMM's operand ``like``:
+    for a plain tensor in eager code, one tensor per seed and device, built once (never written:
+    every GEMM reads the same one; built outside inference mode, so autograd may save it);
+    a fresh one under a tensor subclass (FakeTensor, DTensor), a dispatch mode or a trace.
+
+    Example:
+        >>> x = torch.zeros(2, 16)
+        >>> hadamard_of(3, x) is hadamard_of(3, x), bool(torch.equal(hadamard_of(3, x), hadamard_matrix(3)))
+        (True, True)
+    """
+    if type(like) not in _PLAIN or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return hadamard_matrix(seed, like.device)
+    key = (int(seed), like.device)
+    h = _HADAMARDS.get(key)
+    if h is None:
+        with torch.inference_mode(False):
+            h = _HADAMARDS.setdefault(key, hadamard_matrix(seed, like.device))
+    return h
 
 
 @functools.lru_cache(maxsize=None)

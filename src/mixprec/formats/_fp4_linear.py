@@ -27,7 +27,7 @@ from mixprec.formats._accumulate import tensor_core_mm
 from mixprec.formats._blocks import dequantize as block_dequantize
 from mixprec.formats._blocks import gemm_dtype
 from mixprec.formats._blocks import quantize as block_quantize
-from mixprec.formats._fp4 import Fp4Tensor, RoundingKey, hadamard, hadamard_matrix, quantize
+from mixprec.formats._fp4 import Fp4Tensor, RoundingKey, hadamard, hadamard_of, quantize
 from mixprec.formats._native_gemm import block_mm, fp4_mm
 from mixprec.formats._quant import cast_to_fp8
 from mixprec.formats._quant import dequantize as fp8_dequantize
@@ -188,7 +188,7 @@ class Fp4Matmul(torch.autograd.Function):
             if ctx.needs_input_grad[1] or (stats is not None and cw.is_fp8 and not cg.is_fp8):
                 got = go.t()
                 if _hadamard(r):
-                    got = hadamard(got, hadamard_matrix(r.seed, go.device))
+                    got = hadamard(got, hadamard_of(r.seed, go))
                 if cw.is_fp8:
                     gb, gq, gamax = cast_operand(got.contiguous(), cw, r,
                                                  rng(_GO_GRAD_WEIGHT, got, cw, "nm") if cw.is_fp4 else None, tp, "nm")
@@ -228,7 +228,7 @@ def _grad_weight_operand(x2: torch.Tensor, r: Float8Recipe, tp: Sharding | None,
     if not needed:
         return (), xt.shape
     if _hadamard(r):
-        xt = hadamard(xt, hadamard_matrix(r.seed, x2.device))
+        xt = hadamard(xt, hadamard_of(r.seed, x2))
     cx = r.input_for_grad_weight
     return (cast_operand(xt.contiguous(), cx, r, tp=tp, has="km")[0] if cx.is_fp8 else x2), xt.shape
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.formats._fp4 import RoundingKey, hadamard, hadamard_matrix
+from mixprec.formats._fp4 import RoundingKey, hadamard, hadamard_of
 from mixprec.formats._fp4_linear import _GO_GRAD_INPUT, _GO_GRAD_WEIGHT, _record, cast_operand, gemm_values
 from mixprec.formats._grouped_native import grouped_jagged, grouped_rows, resolve_grouped, split_native
 from mixprec.formats._linear import BACKENDS, _e2m1_operands, _record_sqnr
@@ -195,7 +195,7 @@ class _GroupedMatmul(torch.autograd.Function):
                     x_e, got = _hp(x[bounds[e]:bounds[e + 1]], r), go.t()
                     xt = x_e.t()
                     if isinstance(r, Float8Recipe) and r.hadamard and r.input_for_grad_weight.is_fp4:
-                        h = hadamard_matrix(r.seed, go.device)
+                        h = hadamard_of(r.seed, go)
                         got, xt = hadamard(got, h), hadamard(xt, h)
                     gb = got
                     if cw.is_fp8:

@@ -50,7 +50,8 @@ from mixprec import _native, fp8  # noqa: E402
 from mixprec.demo.alternate import _stepper, pair_ratio  # noqa: E402
 from mixprec.demo.corpus import batch_offsets, load_tokens, make_batch  # noqa: E402
 from mixprec.demo.settings import Settings  # noqa: E402
-from mixprec.formats._fp4 import RoundingKey, hadamard, hadamard_matrix, quantize  # noqa: E402
+from mixprec.formats._fp4 import RoundingKey, quantize  # noqa: E402
+from mixprec.formats._hadamard import hadamard, hadamard_matrix  # noqa: E402
 from mixprec.formats._quant import cast_to_fp8, dequantize  # noqa: E402
 
 _CPU = torch.device("cpu")

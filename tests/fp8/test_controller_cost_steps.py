@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from mixprec import Controller, fp8
 from mixprec.control import _cost, _ladder
-from mixprec.control._cost import COST_Z, COST_ZONE, MAX_PERIOD, VARIANCES, Cadence, cost_steps, far, variance
+from mixprec.control._cost import (COST_Z, COST_ZONE, MAX_PERIOD, UNRESOLVED_SHARE, UNRESOLVED_WINDOWS, VARIANCES, Cadence,
+                                   cost_steps, far, variance)
 
 from _models import sharp_classifier, sharp_classifier_batch
 
@@ -90,7 +91,16 @@ def test_a_cost_far_from_its_threshold_is_planned_on_few_steps_a_near_one_on_all
     assert cost_steps(9e-4, 9e-4 ** 2 + noisy, 10, None, 1e-3, 10, 2)[0] == math.ceil(
         COST_Z ** 2 * noisy * 10 / 9 / zone ** 2) < 10
     assert 2 < cost_steps(1e-3, 1e-6 + noisy, 10, None, 1e-3, 10, 2)[0] < 10  # on the threshold
-    assert cost_steps(9e-4, 9e-4 ** 2 + 1e-6, 10, None, 1e-3, 10, 2)[0] == 10  # near and noisy: every step
+    assert cost_steps(9e-4, 9e-4 ** 2 + 9e-7, 10, None, 1e-3, 10, 2)[0] == 10  # near and noisy: every step
+    # a cost no window resolves (more than UNRESOLVED_WINDOWS windows' steps needed, even a whole
+    # window's mean a toss about the threshold): UNRESOLVED_SHARE of the steps, at least `least`;
+    # the windows pool. At the bound's edge still every step, just past it the share
+    edge = UNRESOLVED_WINDOWS * 10 * zone ** 2 / COST_Z ** 2 * 0.9  # a sample variance (10 steps) on the edge
+    assert cost_steps(9e-4, 9e-4 ** 2 + edge * 0.999, 10, None, 1e-3, 10, 2)[0] == 10
+    assert cost_steps(9e-4, 9e-4 ** 2 + edge * 1.001, 10, None, 1e-3, 10, 2)[0] == math.ceil(UNRESOLVED_SHARE * 10) == 5
+    assert cost_steps(9e-4, 9e-4 ** 2 + 1e-4, 10, None, 1e-3, 10, 7)[0] == 7
+    assert cost_steps(5e-3, 5e-3 ** 2 + 1e-2, 10, None, 1e-3, 10, 2)[0] == 5  # far over, yet noisier still
+    assert cost_steps(9e-4, 9e-4 ** 2 + 1e-4, 1, None, 1e-3, 10, 2)[0] == 10  # no variance yet: every step
     # a decision that takes 3 windows in a row (a demotion) takes a third of the steps
     assert cost_steps(4e-4, 4e-4 ** 2 + 3 * noisy, 10, None, 1e-3, 10, 2, pooled=3)[0] == steps
     # no variance yet (one step measured), or nothing measured: every step

@@ -15,7 +15,8 @@ from mixprec import Controller
 from mixprec.fp8 import ControllerSettings
 from mixprec.control._check import Check
 from mixprec.control._decide import gemm_up
-from mixprec.formats._fp4 import hadamard, hadamard_matrix, quantize
+from mixprec.formats._fp4 import quantize
+from mixprec.formats._hadamard import hadamard, hadamard_matrix
 from mixprec.control._ladder import LayerRecord, compose, gemm_casts
 from mixprec.control._measure import measure
 from mixprec.formats._recipe import Cast, Float8Recipe

@@ -12,8 +12,8 @@ from torch import nn
 
 import mixprec
 from mixprec import Policy, fp8
-from mixprec.formats._fp4 import (E2M1_VALUES, decode_e2m1, encode_e2m1, hadamard, hadamard_matrix, hadamard_of,
-                              quantize, rounding_generator)
+from mixprec.formats._fp4 import E2M1_VALUES, decode_e2m1, encode_e2m1, quantize, rounding_generator
+from mixprec.formats._hadamard import hadamard, hadamard_matrix, hadamard_of
 from mixprec.formats._recipe import RECIPE_NAMES
 
 MXFP4, NVFP4 = fp8.Float8Recipe.mxfp4(), fp8.Float8Recipe.nvfp4()

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from mixprec.control._reference import emulation_backend, operand_dtype, reference_linear
 from mixprec.formats._linear import local_linear
 
-__all__ = ["COST_Z", "COST_ZONE", "MAX_PERIOD", "POOL_LEAST", "POOL_WINDOWS", "ROW_STEP", "VARIANCES", "Cadence", "clear",
+__all__ = ["COST_Z", "COST_ZONE", "MAX_PERIOD", "POOL_LEAST", "POOL_WINDOWS", "ROW_STEP", "UNRESOLVED_SHARE",
+           "UNRESOLVED_WINDOWS", "VARIANCES", "Cadence", "clear",
            "clear_pooled", "cost_steps", "far", "load_pool", "loss_cost", "measure_cost", "output_errors", "pool",
            "pooled_with", "sampled_rows", "share_of_rows", "variance"]
 
@@ -33,6 +34,14 @@ COST_Z = 3.0
 #: a plan takes the steps that resolve a mean this far from the threshold, not more; a mean
 #: nearer is decided on them (either side then costs within this share of the limit)
 COST_ZONE = 0.5
+#: how many windows' steps a cost's plan may need before one window stops trying to resolve it
+#: (:func:`cost_steps`): past that, even a window measured on every step leaves its mean under
+#: half of :data:`COST_Z` standard errors from its threshold, a toss either way, and the windows
+#: measured since the last switch tell it together (:func:`clear_pooled`)
+UNRESOLVED_WINDOWS = 4
+#: the share of a window's steps a cost no window resolves is measured on (:func:`cost_steps`):
+#: the pool gathers as many steps in twice the windows, at half the reference GEMMs a window
+UNRESOLVED_SHARE = 0.5
 #: the most windows a cost far from its threshold waits between two measured ones (:class:`Cadence`)
 MAX_PERIOD = 8
 #: how many measured windows' figures (since the forward GEMM's last switch) :func:`clear` pools:
@@ -243,15 +252,19 @@ def cost_steps(mean: float, mean_square: float, steps: float, variances: list[fl
     on the same side (a demotion: ``demote_windows`` clean windows; each window's
     :data:`COST_Z` shrinks by its square root), the distance taken as at least :data:`COST_ZONE`
     of the threshold (a mean nearer than that is decided on those steps: measuring every step
-    could not resolve it either, and either side costs about the limit); every step without a
+    could not resolve it either, and either side costs about the limit); :data:`UNRESOLVED_SHARE`
+    of the window's steps (at least ``least``) where more than :data:`UNRESOLVED_WINDOWS` windows'
+    steps would be needed (no window resolves it: the windows pool); every step without a
     variance (a first window, or one of fewer than 2 steps kept none) or without a measurement
     in the window.
 
     Example:
         >>> cost_steps(0.0, 1e-8, 10, None, 1e-3, 10, 2)  # far below: 2 steps
         (2, [1.111111111111111e-08])
-        >>> cost_steps(9e-4, 9e-4 ** 2 + 1e-6, 10, None, 1e-3, 10, 2)[0]  # near, and noisy: every step
+        >>> cost_steps(9e-4, 9e-4 ** 2 + 9e-7, 10, None, 1e-3, 10, 2)[0]  # near, and noisy: every step
         10
+        >>> cost_steps(9e-4, 9e-4 ** 2 + 1e-5, 10, None, 1e-3, 10, 2)[0]  # too noisy for any window: half
+        5
         >>> cost_steps(9e-4, 9e-4 ** 2 + 1e-8, 10, None, 1e-3, 10, 2)[0]  # near, in the zone: resolved by 2
         2
     """
@@ -263,6 +276,8 @@ def cost_steps(mean: float, mean_square: float, steps: float, variances: list[fl
     if kept is None or steps < 1 or not math.isfinite(mean) or not distance > 0:
         return every, variances
     needed = COST_Z * COST_Z * kept / (distance * distance * max(1, pooled))
+    if needed > UNRESOLVED_WINDOWS * every:
+        return max(least, math.ceil(UNRESOLVED_SHARE * every)), variances
     return (min(every, max(least, math.ceil(needed))) if needed < every else every), variances
 
 

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.formats._blocks import amax_to_scale
-from mixprec.formats._fp4 import hadamard, hadamard_of, quantize
+from mixprec.formats._fp4 import quantize
+from mixprec.formats._hadamard import hadamard, hadamard_of
 from mixprec.formats._quant import cast_to_fp8
 from mixprec.formats._state import record_cast
 

@@ -1,4 +1,4 @@
-"""FP4 (e2m1) casts: the codec, MXFP4 and NVFP4 block scales, stochastic rounding, the Hadamard transform.
+"""FP4 (e2m1) casts: the codec, MXFP4 and NVFP4 block scales, stochastic rounding.
 
 * **e2m1**: 1 sign, 2 exponent, 1 mantissa bit; magnitudes ``0, 0.5, 1, 1.5, 2, 3, 4, 6``; no inf
   or NaN (a value beyond 6 saturates). A code is 4 bits, ``sign << 3 | magnitude index``; codes
@@ -23,11 +23,6 @@
   key, computed in int64 torch ops (so ``torch.compile`` traces it, and a layer's ``step`` may
   be a device counter), or from a ``torch.Generator`` (:func:`rounding_generator`): either way
   reproducible, the same on every rank, the global RNG untouched.
-* **Hadamard transform** (:func:`hadamard_matrix`, :func:`hadamard`): the 16-point
-  ``H16 diag(signs) / 4`` (orthogonal; the signs from a seed), applied to both operands of a
-  GEMM along its contracted dimension in blocks of 16, which leaves the product unchanged and
-  spreads outliers over their block before the cast (Transformer Engine's weight-gradient RHT).
-
 On the CPU, :func:`quantize`, :meth:`Fp4Tensor.dequantize` and :meth:`Fp4Tensor.magnitudes` run
 mixprec's C++ kernels (``csrc/fp4_kernel.cpp``: one pass over the operand each, where this
 module's torch code makes about twenty; stochastic rounding's draws too, a :class:`RoundingKey`'s
@@ -42,21 +37,18 @@ of a NaN depends on which operand of a multiply the hardware keeps.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from mixprec import _native
 from mixprec.formats._blocks import _blocked, _e8m0, _e8m0_value, _unblocked, per_block
 from mixprec.formats._recipe import Cast
 
 __all__ = ["E2M1_MAX", "E2M1_VALUES", "Fp4Tensor", "encode_e2m1", "decode_e2m1", "pack", "unpack",
-           "quantize", "RoundingKey", "rounding_generator", "hadamard_matrix", "hadamard_of", "hadamard", "HADAMARD_SIZE"]
+           "quantize", "RoundingKey", "rounding_generator"]
 
 E2M1_MAX = 6.0
 #: the value of each 4-bit code (index: the code).
@@ -65,7 +57,6 @@ _MAGNITUDES = E2M1_VALUES[:8]
 _E4M3_MAX = 448.0
 _E4M3_TINY = 2.0 ** -6  # torchao's E4M3_EPS: the smallest normal e4m3
 _F32_MAX = torch.finfo(torch.float32).max
-HADAMARD_SIZE = 16
 #: dtypes the kernels read (an operand) and write (dequantize)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a subclass with its own dispatch (FakeTensor, DTensor)
@@ -403,65 +394,3 @@ def _mix64(z: int) -> int:
     z = ((z ^ (z >> 30)) * _MUL1) & _MASK64
     z = ((z ^ (z >> 27)) * _MUL2) & _MASK64
     return z ^ (z >> 31)
-
-
-def hadamard_matrix(seed: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
-    """The 16x16 random Hadamard transform ``H16 @ diag(signs) / 4`` (float32, orthogonal), the
-    signs the low 16 bits of ``seed`` mixed by SplitMix64.
-
-    Example:
-        >>> h = hadamard_matrix(3)
-        >>> bool(torch.allclose(h @ h.t(), torch.eye(16), atol=1e-6))
-        True
-    """
-    return torch.tensor(_hadamard_values(int(seed)), dtype=torch.float32, device=device)
-
-
-#: the transforms :func:`hadamard_of` built, by (seed, device): a few (one per recipe seed and device)
-_HADAMARDS: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def hadamard_of(seed: int, like: torch.Tensor) -> torch.Tensor:
-    """:func:`hadamard_matrix` of ``seed`` on ``like``'s device, for a GEMM's operand ``like``:
-    for a plain tensor in eager code, one tensor per seed and device, built once (never written:
-    every GEMM reads the same one; built outside inference mode, so autograd may save it);
-    a fresh one under a tensor subclass (FakeTensor, DTensor), a dispatch mode or a trace.
-
-    Example:
-        >>> x = torch.zeros(2, 16)
-        >>> hadamard_of(3, x) is hadamard_of(3, x), bool(torch.equal(hadamard_of(3, x), hadamard_matrix(3)))
-        (True, True)
-    """
-    if type(like) not in _PLAIN or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return hadamard_matrix(seed, like.device)
-    key = (int(seed), like.device)
-    h = _HADAMARDS.get(key)
-    if h is None:
-        with torch.inference_mode(False):
-            h = _HADAMARDS.setdefault(key, hadamard_matrix(seed, like.device))
-    return h
-
-
-@functools.lru_cache(maxsize=None)
-def _hadamard_values(seed: int) -> tuple[tuple[float, ...], ...]:
-    """The entries of :func:`hadamard_matrix` for ``seed``, as Python floats (cached: a call
-    builds one small tensor, under any mode, fake or compiled, alike)."""
-    bits = _mix64(seed)  # 16 sign bits from the seed: no generator (a constant under torch.compile)
-    h = [[1.0]]
-    while len(h) < HADAMARD_SIZE:  # Sylvester's construction
-        h = [row + row for row in h] + [row + [-v for v in row] for row in h]
-    signs = [1.0 - 2.0 * ((bits >> i) & 1) for i in range(HADAMARD_SIZE)]
-    norm = math.sqrt(HADAMARD_SIZE)
-    return tuple(tuple(v * s / norm for v, s in zip(row, signs)) for row in h)
-
-
-def hadamard(x2: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """``x2`` (2-D) in float32 with its last dimension transformed by ``h`` in blocks of 16
-    (``block @ h.t()``), zero-padded to a multiple of 16 (so ``hadamard(a, h) @ hadamard(b, h).t()``
-    equals ``a @ b.t()`` up to rounding). ``hadamard(y, h.t())`` inverts it (then crop). A strided
-    ``x2`` (a transposed operand: the weight gradient's) is made contiguous first: the same bits,
-    and on a CPU 5-7x faster than the strided batched GEMM its blocks' view would run."""
-    pad = -x2.shape[-1] % HADAMARD_SIZE
-    x = F.pad(x2.to(torch.float32), (0, pad)) if pad else x2.to(torch.float32).contiguous()
-    xb = x.reshape(x.shape[0], -1, HADAMARD_SIZE)
-    return (xb @ h.t().to(x.device)).reshape(x.shape)

@@ -27,7 +27,8 @@ from mixprec.formats._accumulate import tensor_core_mm
 from mixprec.formats._blocks import dequantize as block_dequantize
 from mixprec.formats._blocks import gemm_dtype
 from mixprec.formats._blocks import quantize as block_quantize
-from mixprec.formats._fp4 import Fp4Tensor, RoundingKey, hadamard, hadamard_of, quantize
+from mixprec.formats._fp4 import Fp4Tensor, RoundingKey, quantize
+from mixprec.formats._hadamard import hadamard, hadamard_of
 from mixprec.formats._native_gemm import block_mm, fp4_mm
 from mixprec.formats._quant import cast_to_fp8
 from mixprec.formats._quant import dequantize as fp8_dequantize

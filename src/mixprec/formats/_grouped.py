@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.formats._fp4 import RoundingKey, hadamard, hadamard_of
+from mixprec.formats._fp4 import RoundingKey
+from mixprec.formats._hadamard import hadamard, hadamard_of
 from mixprec.formats._fp4_linear import _GO_GRAD_INPUT, _GO_GRAD_WEIGHT, _record, cast_operand, gemm_values
 from mixprec.formats._grouped_native import grouped_jagged, grouped_rows, resolve_grouped, split_native
 from mixprec.formats._linear import BACKENDS, _e2m1_operands, _record_sqnr

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.control._backward import BackwardCost, far_by_factor
-from mixprec.control._cost import COST_Z, MAX_PERIOD, POOL_LEAST, POOL_WINDOWS, clear, clear_pooled, far, pool
+from mixprec.control._cost import (COST_Z, MAX_PERIOD, POOL_LEAST, POOL_WINDOWS, UNRESOLVED_WINDOWS, clear, clear_pooled,
+                                   far, pool, unresolved)
 from mixprec.control._decide import switch_gemms
 from mixprec.control._ladder import LayerRecord
 from mixprec.control._settings import ControllerSettings
@@ -134,6 +135,53 @@ def test_a_forward_switch_empties_the_pool():
     assert rec.cost_pool == [[], []]
 
 
+UNRESOLVED = {  # (window mean, steps, variances, threshold, pooled): no window resolves it?
+    "far below": ((0.0, 10, [1e-8], 1e-3, 1), False),
+    "near, one window resolves it": ((9e-4, 10, [1e-6], 1e-3, 1), False),
+    "near and far too noisy": ((9e-4, 10, [1e-5], 1e-3, 1), True),
+    "far over, noisier still": ((5e-3, 10, [1e-2], 1e-3, 1), True),
+    "one window's noise against the demotion limit": ((9e-4, 10, [1e-6], 5e-4, 1), True),
+    "a demotion's windows in a row share it": ((9e-4, 10, [1e-6], 5e-4, 3), False),
+    "no variance yet": ((9e-4, 10, None, 1e-3, 1), False),
+    "nothing measured": ((-math.inf, 0, [1e-5], 1e-3, 1), False),
+}
+
+
+@pytest.mark.parametrize("case", UNRESOLVED.values(), ids=UNRESOLVED.keys())
+def test_unresolved(case):
+    (mean, steps, variances, threshold, pooled), expected = case
+    assert unresolved(mean, steps, variances, threshold, 10, pooled) is expected
+
+
+def test_a_cost_no_window_resolves_is_measured_on_half_the_steps_and_decided_on_its_pool():
+    """The own cost (limit 1e-3) with a per-step deviation of about 3e-3: its first window, every
+    step; then half the steps, and each check's figure is the pooled mean of the windows since
+    the switch (this one's included), not the window's own; a switch starts over, deciding on the
+    window again. A cost one window resolves is decided on its window as before."""
+    settings = ControllerSettings(max_loss_cost=1e-3, every=10, ladder=("nvfp4", "tensorwise", "compute"), per_gemm=True)
+    rec = _record()
+    noisy = lambda mean, steps: (mean, mean * mean + 1e-5, steps)  # noqa: E731
+    _, cost = rec.split([0.0] * 4 + _cost_row(noisy(9e-4, 10), None), settings)
+    assert cost[0] == 9e-4 and rec.cost_plan[0] == 5 and rec.cost_unresolved == [True, False]
+    _, cost = rec.split([0.0] * 4 + _cost_row(noisy(1.5e-3, 5), None), settings)
+    assert cost[0] == pytest.approx((10 * 9e-4 + 5 * 1.5e-3) / 15) and rec.cost_plan[0] == 5  # the pool's, not 1.5e-3
+    _, cost = rec.split([0.0] * 4 + _cost_row(noisy(-1e-3, 5), None), settings)
+    assert cost[0] == pytest.approx((10 * 9e-4 + 5 * 1.5e-3 - 5e-3) / 20)  # still the pool's
+    assert rec.cost_unresolved == [False, False] and rec.cost_plan[0] == 10  # -1e-3 lies far enough: one window
+    rec.split([0.0] * 4 + _cost_row(noisy(1.2e-3, 10), None), settings)
+    assert rec.cost_unresolved == [True, False]
+    rec.rungs = [0, 0, 0]  # a switch of the forward GEMM (the record started one rung up)
+    rec.cost_phase(40, 10)
+    assert rec.cost_unresolved == [False, False] and rec.cost_pool == [[], []] and rec.cost_plan == [None, None]
+    _, cost = rec.split([0.0] * 4 + _cost_row(noisy(3e-3, 10), None), settings)
+    assert cost[0] == 3e-3  # the first window after it: its own
+    quiet = _record()
+    for mean in (9e-4, 3e-3):
+        _, cost = quiet.split([0.0] * 4 + _cost_row((mean, mean * mean + 1e-7, 10), None), settings)
+        assert cost[0] == mean and quiet.cost_unresolved == [False, False]
+    assert UNRESOLVED_WINDOWS * 10 < COST_Z ** 2 * 1e-5 * 10 / 9 / 5e-4 ** 2
+
+
 def test_the_pool_resumes_with_the_state_dict_and_a_malformed_one_is_refused():
     model, ctl = _converted(max_loss_cost=1.0, **QUIET)
     _train(model, ctl, 20)
@@ -142,12 +190,28 @@ def test_the_pool_resumes_with_the_state_dict_and_a_malformed_one_is_refused():
     _, resumed = _converted(max_loss_cost=1.0, **QUIET)
     resumed.load_state_dict(state)
     assert resumed._layers["0"].cost_pool == ctl._layers["0"].cost_pool
+    ctl._layers["0"].cost_unresolved = [True, False]
+    flagged = json.loads(json.dumps(ctl.state_dict()))
+    assert flagged["layers"]["0"]["loss_cost_plan"]["unresolved"] == [True, False]
+    resumed.load_state_dict(flagged)
+    assert resumed._layers["0"].cost_unresolved == [True, False]
     old = json.loads(json.dumps(state))
     for data in old["layers"].values():  # saved before the pool was: none yet
         del data["loss_cost_plan"]["pool"]
     _, before = _converted(max_loss_cost=1.0, **QUIET)
     before.load_state_dict(old)
     assert before._layers["0"].cost_pool == [[], []]
+    for data in old["layers"].values():  # saved before the unresolved flags were: none
+        del data["loss_cost_plan"]["unresolved"]
+    _, before = _converted(max_loss_cost=1.0, **QUIET)
+    before.load_state_dict(old)
+    assert before._layers["0"].cost_unresolved == [False, False]
+    for bad in ([True], "yes", [1, 0], None):
+        state["layers"]["0"]["loss_cost_plan"]["unresolved"] = bad
+        _, refused = _converted(max_loss_cost=1.0, **QUIET)
+        with pytest.raises(ValueError, match="unresolved"):
+            refused.load_state_dict(state)
+    state["layers"]["0"]["loss_cost_plan"]["unresolved"] = [False, False]
     for bad in ([[[10, 0.0]]], [[["ten", 0.0, 0.0]], []], [[], [], []], [[[-1, 0.0, 0.0]], []], 5):
         state["layers"]["0"]["loss_cost_plan"]["pool"] = bad
         _, refused = _converted(max_loss_cost=1.0, **QUIET)

@@ -93,8 +93,9 @@ def test_a_cost_far_from_its_threshold_is_planned_on_few_steps_a_near_one_on_all
     assert 2 < cost_steps(1e-3, 1e-6 + noisy, 10, None, 1e-3, 10, 2)[0] < 10  # on the threshold
     assert cost_steps(9e-4, 9e-4 ** 2 + 9e-7, 10, None, 1e-3, 10, 2)[0] == 10  # near and noisy: every step
     # a cost no window resolves (more than UNRESOLVED_WINDOWS windows' steps needed, even a whole
-    # window's mean a toss about the threshold): UNRESOLVED_SHARE of the steps, at least `least`;
-    # the windows pool. At the bound's edge still every step, just past it the share
+    # window's mean a toss about the threshold): UNRESOLVED_SHARE of the steps, at least `least`
+    # (its windows decide together: test_controller_cost_pool). At the bound's edge still every
+    # step, just past it the share
     edge = UNRESOLVED_WINDOWS * 10 * zone ** 2 / COST_Z ** 2 * 0.9  # a sample variance (10 steps) on the edge
     assert cost_steps(9e-4, 9e-4 ** 2 + edge * 0.999, 10, None, 1e-3, 10, 2)[0] == 10
     assert cost_steps(9e-4, 9e-4 ** 2 + edge * 1.001, 10, None, 1e-3, 10, 2)[0] == math.ceil(UNRESOLVED_SHARE * 10) == 5

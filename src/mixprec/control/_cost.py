@@ -22,9 +22,9 @@ from mixprec.control._reference import emulation_backend, operand_dtype, referen
 from mixprec.formats._linear import local_linear
 
 __all__ = ["COST_Z", "COST_ZONE", "MAX_PERIOD", "POOL_LEAST", "POOL_WINDOWS", "ROW_STEP", "UNRESOLVED_SHARE",
-           "UNRESOLVED_WINDOWS", "VARIANCES", "Cadence", "clear",
-           "clear_pooled", "cost_steps", "far", "load_pool", "loss_cost", "measure_cost", "output_errors", "pool",
-           "pooled_with", "sampled_rows", "share_of_rows", "variance"]
+           "UNRESOLVED_WINDOWS", "VARIANCES", "Cadence", "clear", "clear_pooled", "cost_steps", "far", "load_pool",
+           "loss_cost", "measure_cost", "output_errors", "pool", "pooled_with", "sampled_rows", "share_of_rows",
+           "unresolved", "variance"]
 
 #: how many standard errors of its window mean a loss cost measured on fewer than all of a
 #: window's steps keeps from its threshold (:func:`cost_steps`): at 3, a window's mean lands on
@@ -35,12 +35,12 @@ COST_Z = 3.0
 #: nearer is decided on them (either side then costs within this share of the limit)
 COST_ZONE = 0.5
 #: how many windows' steps a cost's plan may need before one window stops trying to resolve it
-#: (:func:`cost_steps`): past that, even a window measured on every step leaves its mean under
-#: half of :data:`COST_Z` standard errors from its threshold, a toss either way, and the windows
-#: measured since the last switch tell it together (:func:`clear_pooled`)
+#: (:func:`unresolved`): past that, even a window measured on every step leaves its mean under
+#: half of :data:`COST_Z` standard errors from the threshold's zone, a toss either way
 UNRESOLVED_WINDOWS = 4
 #: the share of a window's steps a cost no window resolves is measured on (:func:`cost_steps`):
-#: the pool gathers as many steps in twice the windows, at half the reference GEMMs a window
+#: it is decided on its windows since the last switch taken together (``LayerRecord.split``),
+#: which gather as many steps in twice the windows
 UNRESOLVED_SHARE = 0.5
 #: the most windows a cost far from its threshold waits between two measured ones (:class:`Cadence`)
 MAX_PERIOD = 8
@@ -253,10 +253,9 @@ def cost_steps(mean: float, mean_square: float, steps: float, variances: list[fl
     :data:`COST_Z` shrinks by its square root), the distance taken as at least :data:`COST_ZONE`
     of the threshold (a mean nearer than that is decided on those steps: measuring every step
     could not resolve it either, and either side costs about the limit); :data:`UNRESOLVED_SHARE`
-    of the window's steps (at least ``least``) where more than :data:`UNRESOLVED_WINDOWS` windows'
-    steps would be needed (no window resolves it: the windows pool); every step without a
-    variance (a first window, or one of fewer than 2 steps kept none) or without a measurement
-    in the window.
+    of the window's steps (at least ``least``) for a cost no window resolves (:func:`unresolved`:
+    its windows decide together); every step without a variance (a first window, or one of
+    fewer than 2 steps kept none) or without a measurement in the window.
 
     Example:
         >>> cost_steps(0.0, 1e-8, 10, None, 1e-3, 10, 2)  # far below: 2 steps
@@ -271,14 +270,39 @@ def cost_steps(mean: float, mean_square: float, steps: float, variances: list[fl
     if steps >= 2:
         sample = max(0.0, (mean_square - mean * mean) * steps / (steps - 1))
         variances = ([] if variances is None else list(variances))[-(VARIANCES - 1):] + [sample]
-    kept = variance(variances)
-    distance = max(abs(mean - threshold), COST_ZONE * abs(threshold))
-    if kept is None or steps < 1 or not math.isfinite(mean) or not distance > 0:
+    needed = _needed(mean, variances, threshold, pooled)
+    if needed is None or steps < 1:
         return every, variances
-    needed = COST_Z * COST_Z * kept / (distance * distance * max(1, pooled))
     if needed > UNRESOLVED_WINDOWS * every:
         return max(least, math.ceil(UNRESOLVED_SHARE * every)), variances
     return (min(every, max(least, math.ceil(needed))) if needed < every else every), variances
+
+
+def unresolved(mean: float, steps: float, variances: list[float] | None, threshold: float, every: int,
+               pooled: int = 1) -> bool:
+    """Whether no window resolves a cost whose last window measured ``steps`` estimates of
+    ``mean`` (``variances``: the plan's, this window's included; ``pooled``: as
+    :func:`cost_steps`): more than :data:`UNRESOLVED_WINDOWS` windows' steps would keep its mean
+    :data:`COST_Z` standard errors from ``threshold``. Such a cost is measured on a share of the
+    steps and decided on its windows since the last switch together.
+
+    Example:
+        >>> unresolved(9e-4, 10, [1e-6], 1e-3, 10), unresolved(9e-4, 10, [1e-5], 1e-3, 10), unresolved(9e-4, 10, None, 1e-3, 10)
+        (False, True, False)
+    """
+    needed = _needed(mean, variances, threshold, pooled)
+    return needed is not None and steps >= 1 and needed > UNRESOLVED_WINDOWS * every
+
+
+def _needed(mean: float, variances: list[float] | None, threshold: float, pooled: int) -> float | None:
+    """The per-step estimates that keep ``mean`` :data:`COST_Z` standard errors (the median of
+    ``variances``) from ``threshold`` (at least :data:`COST_ZONE` of it away), for a decision
+    taking ``pooled`` windows in a row; None without a variance or a finite mean."""
+    kept = variance(variances)
+    distance = max(abs(mean - threshold), COST_ZONE * abs(threshold))
+    if kept is None or not math.isfinite(mean) or not distance > 0:
+        return None
+    return COST_Z * COST_Z * kept / (distance * distance * max(1, pooled))
 
 
 def variance(variances: list[float] | None) -> float | None:

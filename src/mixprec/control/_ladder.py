@@ -22,7 +22,7 @@ from mixprec.control._settings import FP4_RUNGS, FP8_RUNGS, LOW_RUNGS, RUNGS, Co
 from mixprec.control._backward import FAR, far_by_factor
 from mixprec.control._fold import StepIndex
 from mixprec.control._cost import (Cadence, clear, clear_pooled, cost_steps, loss_cost, measure_cost,  # noqa: F401
-                                  output_errors, pooled_with, _accumulate_cost, variance)
+                                  output_errors, pool, pooled_with, unresolved, _accumulate_cost, variance)
 from mixprec.control._measure import measure
 from mixprec.control._trend import Trend
 
@@ -247,6 +247,7 @@ class LayerRecord:
         self.cost_now = [True, True]
         self.cost_cadence = [Cadence(), Cadence()]  # in which windows each is measured (_cost.Cadence)
         self.cost_pool: list[list[list[float]]] = [[], []]  # the last measured windows' [steps, mean, mean square] (_cost.clear)
+        self.cost_unresolved = [False, False]  # planned for as no window resolves it: decided on its pool (_cost.unresolved)
         self.cost_below = True  # whether the rung below's is measured (below_wanted)
         self.cost_gate = torch.ones(2, dtype=torch.bool, device=state.device)
         self.cost_rung = rung
@@ -291,7 +292,9 @@ class LayerRecord:
         2, against ``max_loss_cost`` for the own cost, the demotion limit for the one below) and
         in which windows (:class:`~mixprec.control._cost.Cadence`: a window it skipped reads
         the last measured cost; fewer where this window, or the last :data:`~mixprec.control._cost.POOL_WINDOWS`
-        measured since the forward GEMM's last switch, lie clear of the limit: :func:`~mixprec.control._cost.clear`)."""
+        measured since the forward GEMM's last switch, lie clear of the limit: :func:`~mixprec.control._cost.clear`).
+        A cost planned for as no window resolves it (:func:`~mixprec.control._cost.unresolved`) is
+        decided on those windows' pooled mean, this one's included, not on this window's."""
         if self.cost is None:
             return row, None
         n = 4 * self.cost.shape[0]
@@ -308,7 +311,9 @@ class LayerRecord:
                 if measured:
                     self.cost_pool[r] = pooled_with(self.cost_pool[r], [steps[r], cost[r], mean_sq[r]])
                 settled = measured and clear(cost[r], variance(self.cost_var[r]), steps[r], limits[r], self.cost_pool[r])
-                cost[r], cost[2 + r] = self.cost_cadence[r].checked([cost[r], cost[2 + r]], measured, settled)
+                figure = pool(self.cost_pool[r])[0] if measured and self.cost_unresolved[r] else cost[r]
+                self.cost_unresolved[r] = unresolved(cost[r], steps[r], self.cost_var[r], limits[r], every, pooled[r])
+                cost[r], cost[2 + r] = self.cost_cadence[r].checked([figure, cost[2 + r]], measured, settled)
         return row[:-n], cost
 
     def carry_backward(self, back: list[float] | None, settings: ControllerSettings) -> list[float] | None:
@@ -357,7 +362,7 @@ class LayerRecord:
         self.at_step(step, sampled)
         if self.rungs[0] != self.cost_rung:
             self.cost_rung, self.cost_plan, self.cost_var = self.rungs[0], [None, None], [None, None]
-            self.cost_pool, self.cost_below = [[], []], True
+            self.cost_pool, self.cost_below, self.cost_unresolved = [[], []], True, [False, False]
             for cadence in self.cost_cadence:
                 cadence.reset()
         now = [c.due and (n is None or every - 1 - step % every < n) for n, c in zip(self.cost_plan, self.cost_cadence)]

@@ -63,7 +63,8 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
         data["loss_cost_plan"] = {"steps": list(rec.cost_plan), "variance": list(rec.cost_var),
                                   "now": list(rec.cost_now), "rung": rec.cost_rung,
                                   "cadence": [c.state() for c in rec.cost_cadence], "below": rec.cost_below,
-                                  "pool": [[list(w) for w in p] for p in rec.cost_pool]}
+                                  "pool": [[list(w) for w in p] for p in rec.cost_pool],
+                                  "unresolved": list(rec.cost_unresolved)}
     if rec.backward is not None and not windows:  # (the same of the backward costs; with windows, in backward_cost)
         data["backward_plan"] = [[c.state() for c in rec.backward.cadence], [[list(w) for w in p] for p in rec.backward.pool]]
     if windows:
@@ -161,6 +162,10 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
             cadence.load(saved)
         rec.cost_below = bool(plan.get("below", True))
         rec.cost_pool = load_pool(plan.get("pool", ([], [])))  # (saved before it was: none yet)
+        unresolved = plan.get("unresolved", [False, False])  # (saved before it was: none)
+        if not isinstance(unresolved, (list, tuple)) or len(unresolved) != 2 or any(type(u) is not bool for u in unresolved):
+            raise ValueError(f"Controller.load_state_dict: a loss-cost plan's 'unresolved' must be 2 booleans, got {unresolved!r}")
+        rec.cost_unresolved = list(unresolved)
     if "backward_cost" in data and settings.max_backward_cost is not None:
         rec.backward = rec.backward or BackwardCost(rec.state.device)
         window, gain, *later = data["backward_cost"]  # (cadences, pools, end slopes: saved before they were, none)

@@ -182,6 +182,25 @@ def test_a_cost_no_window_resolves_is_measured_on_half_the_steps_and_decided_on_
     assert UNRESOLVED_WINDOWS * 10 < COST_Z ** 2 * 1e-5 * 10 / 9 / 5e-4 ** 2
 
 
+def test_an_unresolved_cost_whose_cadence_skips_windows_is_still_decided_on_its_pool():
+    """A cost no window resolves (3e-3 against 1e-3, per-step deviation 4.5e-3), whose pooled
+    windows come to lie clear of the limit: its cadence skips windows, and a skipped window keeps
+    the plan and its pooled reading with it: the next measured window is decided on the pool."""
+    settings = ControllerSettings(max_loss_cost=1e-3, every=10, ladder=("nvfp4", "tensorwise", "compute"), per_gemm=True)
+    rec, window = _record(), (3e-3, 3e-3 ** 2 + 2e-5, 10)
+    for _ in range(POOL_WINDOWS):
+        if not rec.cost_cadence[0].due:
+            break
+        rec.split([0.0] * 4 + _cost_row(window, None), settings)
+        window = (3e-3, 3e-3 ** 2 + 2e-5, 5)
+    assert not rec.cost_cadence[0].due and rec.cost_unresolved[0] and rec.cost_plan[0] == 5
+    rec.split([0.0] * 4 + _cost_row(None, None), settings)  # the skipped window
+    assert rec.cost_unresolved[0] and rec.cost_plan[0] == 5
+    rec.cost_cadence[0].wait = 0
+    _, cost = rec.split([0.0] * 4 + _cost_row((2e-3, 2e-3 ** 2 + 2e-5, 5), None), settings)
+    assert cost[0] == pytest.approx(pool(rec.cost_pool[0])[0]) and cost[0] != 2e-3
+
+
 def test_the_pool_resumes_with_the_state_dict_and_a_malformed_one_is_refused():
     model, ctl = _converted(max_loss_cost=1.0, **QUIET)
     _train(model, ctl, 20)

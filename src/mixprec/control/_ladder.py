@@ -305,14 +305,15 @@ class LayerRecord:
             pooled = (1, settings.demote_windows)  # (a demotion takes that many clean windows in a row)
             for r in range(2):
                 measured = cost[2 + r] > 0
+                figure = cost[r]
+                if measured:
+                    self.cost_pool[r] = pooled_with(self.cost_pool[r], [steps[r], cost[r], mean_sq[r]])
+                    figure = pool(self.cost_pool[r])[0] if self.cost_unresolved[r] else cost[r]
                 if measured or self.cost_cadence[r].due:  # (a window its cadence skipped keeps the plan)
                     self.cost_plan[r], self.cost_var[r] = cost_steps(cost[r], mean_sq[r], steps[r], self.cost_var[r],
                                                                      limits[r], every, least, pooled[r])
-                if measured:
-                    self.cost_pool[r] = pooled_with(self.cost_pool[r], [steps[r], cost[r], mean_sq[r]])
+                    self.cost_unresolved[r] = unresolved(cost[r], steps[r], self.cost_var[r], limits[r], every, pooled[r])
                 settled = measured and clear(cost[r], variance(self.cost_var[r]), steps[r], limits[r], self.cost_pool[r])
-                figure = pool(self.cost_pool[r])[0] if measured and self.cost_unresolved[r] else cost[r]
-                self.cost_unresolved[r] = unresolved(cost[r], steps[r], self.cost_var[r], limits[r], every, pooled[r])
                 cost[r], cost[2 + r] = self.cost_cadence[r].checked([figure, cost[2 + r]], measured, settled)
         return row[:-n], cost
 

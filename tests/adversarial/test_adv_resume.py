@@ -454,12 +454,14 @@ def _every_other_step_without_the_last_block(steps: int, empty: int) -> tuple[St
 
 @pytest.mark.parametrize("resume_at", [4, 11, 13])
 def test_per_gemm_fp4_controller_resumed_around_an_early_promotion_of_a_layer_run_every_other_step(
-        resume_at: int) -> None:
+        resume_at: int, monkeypatch) -> None:
     """The NVFP4 per-GEMM Controller with both loss costs (``every=8``), the last block left out
-    on odd steps, an empty batch on step 4: the check at 8 switches forward GEMMs, so the next
-    window reads early; block 1's forward, measured on steps 8, 10 and 12 only, is promoted at 13
-    and moves alone (after the first check). Resumed at the empty batch, between its measured
-    steps and after its promotion: bitwise the straight run."""
+    on odd steps, an empty batch on step 4: the check at 8 switches forward GEMMs (on one reading
+    over the limit here, ``OVER_WINDOWS`` 1: this program's costs cross it from window to window),
+    so the next window reads early; block 1's forward, measured on steps 8, 10 and 12 only, is
+    promoted at 13 and moves alone (after the first check). Resumed at the empty batch, between
+    its measured steps and after its promotion: bitwise the straight run."""
+    monkeypatch.setattr("mixprec.control._decide.OVER_WINDOWS", 1)
     watch = harness_controller("nvfp4", 8, per_gemm=True, loss_cost=1e-5, backward_cost=1e-5)
     program = resume_case(Shape(width=32, blocks=2, gain=3.0, seed=3), _every_other_step_without_the_last_block(16, 4),
                           resume_at, route="policy", json=True, supervisor=watch, recipe="nvfp4", optimizer="adamw",

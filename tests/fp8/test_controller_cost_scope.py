@@ -67,6 +67,7 @@ def test_a_peer_s_record_of_a_layer_carries_its_size():
 
 def _script_hidden(monkeypatch, holder: dict, own: float) -> None:
     split = LayerRecord.split
+    monkeypatch.setattr("mixprec.control._decide.OVER_WINDOWS", 1)  # (one scripted reading over the limit promotes)
 
     def scripted(rec, row, settings=None):
         stats, cost = split(rec, row, settings)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from mixprec import Controller, fp8
 from mixprec.control import _cost, _ladder
+from mixprec.control._decide import OVER_WINDOWS
 from mixprec.control._cost import (COST_Z, COST_ZONE, MAX_PERIOD, UNRESOLVED_SHARE, UNRESOLVED_WINDOWS, VARIANCES, Cadence,
                                    cost_steps, far, variance)
 
@@ -33,7 +34,7 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [sharp_classifier_batch(128, g) for _ in range(n)]
 
 
-BATCHES = _batches(40)
+BATCHES = _batches(50)
 QUIET = dict(fp4_max_underflow=0.5, fp4_demote_underflow=0.4)  # no promotion on NVFP4's flush
 
 
@@ -186,15 +187,16 @@ def test_the_window_mean_is_of_the_measured_steps_alone():
 
 
 def test_a_switched_forward_is_measured_on_every_step_again(measured):
-    """The logits' NVFP4 forward costs about 0.005 nats: promoted at the first check; its new
-    rung's cost (tensorwise, own) and the recipe below's (NVFP4) are measured on every step of the
-    next window, whatever the plan of the old rung said."""
+    """The logits' NVFP4 forward costs about 0.005 nats: over the limit at the first two checks,
+    promoted at the second (``OVER_WINDOWS``); its new rung's cost (tensorwise, own) and the
+    recipe below's (NVFP4) are measured on every step of the next window, whatever the plan of
+    the old rung said."""
     seen, spy = measured
     model, ctl = _converted(max_loss_cost=3e-3, **QUIET)
-    _train(model, ctl, 20, spy=spy)
+    _train(model, ctl, 30, spy=spy)
     (d,) = [d for d in ctl.log if d.layer == "2"]
-    assert (d.step, d.gemm, d.to) == (10, "output", "fp8-tensorwise")
-    assert _steps(seen, "2", 0) == list(range(20)) and _steps(seen, "2", 1) == list(range(10, 20))
+    assert (d.step, d.gemm, d.to) == (OVER_WINDOWS * 10, "output", "fp8-tensorwise")
+    assert _steps(seen, "2", 0)[-10:] == list(range(20, 30)) and _steps(seen, "2", 1) == list(range(20, 30))
 
 
 def test_the_rung_below_is_measured_only_where_its_cost_would_decide(measured):
@@ -208,16 +210,16 @@ def test_the_rung_below_is_measured_only_where_its_cost_would_decide(measured):
     for per_gemm in (False, True):
         seen.clear()
         model, ctl = _converted(max_loss_cost=3e-3, fp4_max_underflow=0.5, fp4_demote_underflow=0.0, per_gemm=per_gemm)
-        _train(model, ctl, 40, spy=spy)
-        assert [(d.step, d.to) for d in ctl.log if d.layer == "2"] == [(10, "fp8-tensorwise")]
+        _train(model, ctl, 50, spy=spy)
+        assert [(d.step, d.to) for d in ctl.log if d.layer == "2"] == [(20, "fp8-tensorwise")]
         if per_gemm:
-            assert _steps(seen, "2", 1)[-1] >= 20 and ctl._layers["2"].cost_below
+            assert _steps(seen, "2", 1)[-1] >= 30 and ctl._layers["2"].cost_below
         else:
-            assert _steps(seen, "2", 1) == list(range(10, 20)) and not ctl._layers["2"].cost_below
+            assert _steps(seen, "2", 1) == list(range(20, 30)) and not ctl._layers["2"].cost_below
     seen.clear()
     model, ctl = _converted(max_loss_cost=3e-3, per_gemm=False, **QUIET)
-    _train(model, ctl, 40, spy=spy)
-    assert [s for s in _steps(seen, "2", 1) if s >= 20] and ctl._layers["2"].cost_below
+    _train(model, ctl, 50, spy=spy)
+    assert [s for s in _steps(seen, "2", 1) if s >= 30] and ctl._layers["2"].cost_below
 
 
 def test_a_run_resumed_mid_window_measures_and_decides_bitwise_as_an_uninterrupted_one():

@@ -24,8 +24,10 @@ SQ = {"nvfp4": output_roundoff(Float8Recipe.nvfp4(), None) ** 2,
 
 def _script(monkeypatch, holder: dict, costs: list[tuple[float, float]]) -> list:
     """Layer "0"'s forward costs ``(own, below)`` at its checks, in turn (the last one repeats);
-    each measured where its rung measures it (own on a low rung, below while a rung below exists)."""
+    each measured where its rung measures it (own on a low rung, below while a rung below exists).
+    One reading over the limit promotes here (``OVER_WINDOWS`` 1: the gap is what is tested)."""
     split, seen = LayerRecord.split, []
+    monkeypatch.setattr("mixprec.control._decide.OVER_WINDOWS", 1)  # (one scripted reading over the limit promotes)
 
     def scripted(rec, row, settings=None):
         stats, cost = split(rec, row, settings)

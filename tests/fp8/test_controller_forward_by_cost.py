@@ -72,6 +72,7 @@ def test_a_forward_promoted_by_its_cost_comes_back_when_the_rung_below_is_cheap_
     above ``fp4_demote_underflow`` (0.4), which would keep it up if the flush decided."""
     split = LayerRecord.split
     checks, holder = [], {}
+    monkeypatch.setattr("mixprec.control._decide.OVER_WINDOWS", 1)  # (one scripted reading over the limit promotes)
 
     def scripted(rec, row, settings=None):
         stats, cost = split(rec, row, settings)

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mixprec import Controller, Policy, autocast, fp8
+from mixprec.control._decide import OVER_WINDOWS
 from mixprec.control._ladder import loss_cost
 
 from _models import sharp_classifier, sharp_classifier_batch
@@ -111,7 +112,8 @@ def _train(model: nn.Module, ctl: Controller, batch, steps: int, start: int = 0)
 @pytest.mark.parametrize("per_gemm", [True, False])
 def test_a_costly_forward_is_promoted_and_only_it(batch, per_gemm):
     """The logits' NVFP4 forward costs about 0.0045 nats a step, the hidden layer's at most 0.0014
-    on any rung (the flush limits raised: no underflow promotion)."""
+    on any rung (the flush limits raised: no underflow promotion): promoted at the second check
+    (windows of 2 steps: two readings over the limit, ``OVER_WINDOWS``)."""
     settings = dict(only=None, every=2, per_gemm=per_gemm, fp4_max_underflow=0.5, fp4_demote_underflow=0.4)
     model, ctl = _converted(max_loss_cost=3e-3, **settings)
     _train(model, ctl, batch, 6)
@@ -119,7 +121,7 @@ def test_a_costly_forward_is_promoted_and_only_it(batch, per_gemm):
     assert by_cost and {d.layer for d in by_cost} == {"2"}
     first = by_cost[0]
     assert (first.step, first.action, first.from_, first.to, first.operand) == (
-        2, "promote", "nvfp4", "fp8-tensorwise", "output")
+        2 * OVER_WINDOWS, "promote", "nvfp4", "fp8-tensorwise", "output")
     assert first.gemm == ("output" if per_gemm else None) and first.value > first.threshold == 3e-3
     assert "loss cost" in first.reason and len(ctl.log) == 1
     assert ctl.precision("0") == "nvfp4"

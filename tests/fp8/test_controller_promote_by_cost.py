@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from mixprec import Controller, fp8
 from mixprec.control._check import Check
-from mixprec.control._decide import up_by_cost
+from mixprec.control._decide import OVER_WINDOWS, up_by_cost
 from mixprec.control._ladder import output_roundoff, past_costly
 from mixprec.control._settings import ControllerSettings
 from mixprec.fp8 import Float8Recipe
@@ -76,10 +76,11 @@ def _run(batch, steps: int, **settings) -> Controller:
 @pytest.mark.parametrize("limit, to", [(5e-4, "fp32"), (3e-3, "fp8-tensorwise")])
 def test_a_costly_forward_goes_to_the_rung_its_cost_calls_for(batch, per_gemm, limit, to):
     """NVFP4's ~0.005 nats over 5e-4: fp8 would cost ~1.2e-3, over it too, so both fp8 rungs are
-    passed by (the compute dtype: float32 here); over 3e-3, fp8 fits. At the first check."""
-    ctl = _run(batch, 2, per_gemm=per_gemm, max_loss_cost=limit)
+    passed by (the compute dtype: float32 here); over 3e-3, fp8 fits. At the second check (two
+    readings over the limit: ``OVER_WINDOWS``)."""
+    ctl = _run(batch, 4, per_gemm=per_gemm, max_loss_cost=limit)
     (d,) = ctl.log
-    assert (d.step, d.statistic, d.from_, d.to) == (2, "loss_cost", "nvfp4", to)
+    assert (d.step, d.statistic, d.from_, d.to) == (2 * OVER_WINDOWS, "loss_cost", "nvfp4", to)
     assert d.value / 4 > limit if to == "fp32" else d.value / 4 <= limit < d.value
     assert ctl.precision("2") == to
 

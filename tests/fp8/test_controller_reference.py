@@ -181,9 +181,11 @@ def test_a_forward_without_casts_is_its_own_reference(monkeypatch, reference, ou
 
 @pytest.mark.parametrize("reference", ["bfloat16", "float32"])
 def test_the_rung_below_is_emulated_in_the_references_operands(monkeypatch, reference):
-    """Every GEMM promoted at the first check (limits of 1e-9): the next window emulates the rung
-    below's forward and backward GEMMs with the backend of the reference's operands (bfloat16:
-    NVFP4 multiplied in bfloat16; float32: in float32)."""
+    """GEMMs promoted at the first check (limits of 1e-9; a forward on one check over its limit,
+    ``OVER_WINDOWS`` 1 here): the next window emulates the rung below's forward and backward GEMMs
+    with the backend of the reference's operands (bfloat16: NVFP4 multiplied in bfloat16; float32:
+    in float32)."""
+    monkeypatch.setattr("mixprec.control._decide.OVER_WINDOWS", 1)
     seen = []
     for module, name, at in (("_backward", "linear_grads", 5), ("_cost", "local_linear", 4)):
         original = getattr(importlib.import_module(f"mixprec.control.{module}"), name)

@@ -16,6 +16,7 @@ import torch
 
 from mixprec.control._backward import BACKWARD_WINDOWS, FAR, BackwardCost, backward_recipes, peel, stats_read
 from mixprec.control._check import Check
+from mixprec.control._cost import pool
 from mixprec.control._estimate_gap import expected_own
 from mixprec.control._ladder import GEMM_OPERANDS, GEMMS, Decision, LayerRecord, compose, gemm_casts, output_roundoff, past_costly
 from mixprec.control._settings import FP4_RUNGS, LOW_RUNGS, rung_name
@@ -25,6 +26,13 @@ from mixprec.formats._state import OPERANDS
 
 __all__ = ["apply_gemms", "apply_layer", "switch_layer", "cheap_below", "composes", "decide_gemms", "decide_layer", "gemm_down", "gemm_up",
            "layer_down", "layer_up", "limits", "peel", "rung_name", "switch_gemms", "too_costly", "up_by_cost"]
+
+#: the checks in a row that must read a forward GEMM's own loss cost over ``max_loss_cost`` before
+#: it is promoted, unless its window lies clear over it (:func:`~mixprec.control._cost.clear`:
+#: COST_Z standard errors): a cost in the zone under the limit reads over it in a window now and
+#: then by chance, and each such promotion measures the GEMM on every step of the next windows and
+#: comes back down a few windows later (the backward GEMMs wait as long: ``BACKWARD_WINDOWS``)
+OVER_WINDOWS = 2
 
 
 _NCOL = len(STAT_NAMES)
@@ -42,10 +50,20 @@ def limits(at: Check, rung: int | None, below: int | None) -> tuple[float, float
             at.settings.fp4_demote_underflow if below is not None and at.settings.ladder[below] in fp4 else at.settings.demote_underflow)
 
 
-def too_costly(at: Check, cost: list[float] | None) -> bool:
-    """Whether the forward GEMM's own casts cost the loss more than ``max_loss_cost`` over the
-    window (``cost``: own, below, whether each was measured; None: not measured)."""
-    return cost is not None and cost[2] > 0 and cost[0] > at.settings.max_loss_cost
+def too_costly(at: Check, cost: list[float] | None, rec: LayerRecord) -> bool:
+    """Whether this check promotes ``rec``'s forward GEMM by its own casts' loss cost (``cost``:
+    own, below, whether each was measured; None: not measured): read over ``max_loss_cost`` at
+    :data:`OVER_WINDOWS` checks in a row (counted in ``rec.cost_over``, once a check; one without
+    a reading leaves the count), or at this one with its window clear over it (``rec.cost_clear``:
+    ``LayerRecord.split``) or with the windows measured since the GEMM's last switch, two or more,
+    over it together (``rec.cost_pool``: a noisy cost over the limit, whose windows cross it)."""
+    if cost is None or not cost[2] > 0:
+        return False
+    limit = at.settings.max_loss_cost
+    over = cost[0] > limit
+    rec.cost_over = rec.cost_over + 1 if over else 0
+    return over and (rec.cost_over >= OVER_WINDOWS or rec.cost_clear
+                     or (len(rec.cost_pool[0]) >= 2 and pool(rec.cost_pool[0])[0] > limit))
 
 
 def cheap_below(at: Check, cost: list[float], expected: float | None = None) -> bool:
@@ -135,7 +153,7 @@ def decide_layer(at: Check, name: str, rec: LayerRecord, row: list[float], cost:
             forecast = underflow(op, stats[_UNDERFLOW], f"underflow_{op}", rec.rung)
             if forecast > max_u:
                 return decision(op, "promote", layer_up(rec), "underflow_forecast", forecast, max_u, ">")
-        if too_costly(at, cost):
+        if too_costly(at, cost, rec):
             return decision("output", "promote", layer_up(rec, at, cost[0]), "loss_cost", cost[0], at.settings.max_loss_cost, ">")
     if down is None:
         return None
@@ -387,7 +405,7 @@ def _decide_gemm(at: Check, rec: LayerRecord, g: int, gemm: str, own: list, shad
                 switch_gemms(at, rec, (g,), to)
                 return d
         rec.back_over[g] = rec.back_over[g] + 1 if by_cost and back is not None and back[0] > at.settings.max_backward_cost else 0
-        over = ((cost[0], "loss_cost", at.settings.max_loss_cost) if too_costly(at, cost) else
+        over = ((cost[0], "loss_cost", at.settings.max_loss_cost) if too_costly(at, cost, rec) else
                 (back[0], "backward_cost", at.settings.max_backward_cost) if rec.back_over[g] >= BACKWARD_WINDOWS
                 or (rec.back_over[g] and at.steps <= at.settings.every and back[0] > FAR * at.settings.max_backward_cost) else None)
         if over is not None:

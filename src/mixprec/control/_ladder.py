@@ -21,7 +21,7 @@ from mixprec.formats._state import GRAD_OUTPUT, INPUT, OPERANDS, WEIGHT, LayerSt
 from mixprec.control._settings import FP4_RUNGS, FP8_RUNGS, LOW_RUNGS, RUNGS, ControllerSettings
 from mixprec.control._backward import FAR, far_by_factor
 from mixprec.control._fold import StepIndex
-from mixprec.control._cost import (Cadence, clear, clear_pooled, cost_steps, loss_cost, measure_cost,  # noqa: F401
+from mixprec.control._cost import (Cadence, clear, clear_pooled, cost_steps, far, loss_cost, measure_cost,  # noqa: F401
                                   output_errors, pool, pooled_with, unresolved, _accumulate_cost, variance)
 from mixprec.control._measure import measure
 from mixprec.control._trend import Trend
@@ -44,6 +44,10 @@ _RANGE = ("input", "output")  # the range row: the layer's input and output amax
 #: step's sums (first-order term, sum of squared per-row terms, rows), the window's (estimates,
 #: steps, squared estimates, each estimate times its index among the window's steps: _early's line)
 _COST_COLUMNS = ("first", "squares", "rows", "sum", "steps", "sum_sq", "sum_at")
+#: the fewest measured steps of a window whose own spread may read its mean clear over
+#: ``max_loss_cost`` (a promotion at once, ``_decide.too_costly``; as ``_early.EARLY_STEPS``: the
+#: plan's variance, kept from earlier windows, may be stale by then, and 2 steps' spread is a guess)
+CLEAR_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -248,6 +252,8 @@ class LayerRecord:
         self.cost_cadence = [Cadence(), Cadence()]  # in which windows each is measured (_cost.Cadence)
         self.cost_pool: list[list[list[float]]] = [[], []]  # the last measured windows' [steps, mean, mean square] (_cost.clear)
         self.cost_unresolved = [False, False]  # planned for as no window resolves it: decided on its pool (_cost.unresolved)
+        self.cost_over = 0  # the checks in a row that read its own cost over max_loss_cost (_decide.too_costly)
+        self.cost_clear = False  # this check's window of its own cost lies clear over max_loss_cost (CLEAR_STEPS)
         self.cost_below = True  # whether the rung below's is measured (below_wanted)
         self.cost_gate = torch.ones(2, dtype=torch.bool, device=state.device)
         self.cost_rung = rung
@@ -294,7 +300,9 @@ class LayerRecord:
         the last measured cost; fewer where this window, or the last :data:`~mixprec.control._cost.POOL_WINDOWS`
         measured since the forward GEMM's last switch, lie clear of the limit: :func:`~mixprec.control._cost.clear`).
         A cost planned for as no window resolves it (:func:`~mixprec.control._cost.unresolved`) is
-        decided on those windows' pooled mean, this one's included, not on this window's."""
+        decided on those windows' pooled mean, this one's included, not on this window's. Whether
+        the own cost's window lies clear over ``max_loss_cost`` on its own steps (at least
+        :data:`CLEAR_STEPS`) is kept (``cost_clear``: a promotion at once, ``_decide.too_costly``)."""
         if self.cost is None:
             return row, None
         n = 4 * self.cost.shape[0]
@@ -314,6 +322,10 @@ class LayerRecord:
                                                                      limits[r], every, least, pooled[r])
                     self.cost_unresolved[r] = unresolved(cost[r], steps[r], self.cost_var[r], limits[r], every, pooled[r])
                 settled = measured and clear(cost[r], variance(self.cost_var[r]), steps[r], limits[r], self.cost_pool[r])
+                if r == 0:  # (this window alone, on its own steps' spread, clear over the limit: a promotion at once)
+                    k = steps[0]
+                    spread = max(0.0, mean_sq[0] - cost[0] * cost[0]) * k / (k - 1) if k >= CLEAR_STEPS else None
+                    self.cost_clear = measured and cost[0] > limits[0] and far(cost[0], spread, limits[0], k)
                 cost[r], cost[2 + r] = self.cost_cadence[r].checked([figure, cost[2 + r]], measured, settled)
         return row[:-n], cost
 
@@ -364,6 +376,7 @@ class LayerRecord:
         if self.rungs[0] != self.cost_rung:
             self.cost_rung, self.cost_plan, self.cost_var = self.rungs[0], [None, None], [None, None]
             self.cost_pool, self.cost_below, self.cost_unresolved = [[], []], True, [False, False]
+            self.cost_over = 0
             for cadence in self.cost_cadence:
                 cadence.reset()
         now = [c.due and (n is None or every - 1 - step % every < n) for n, c in zip(self.cost_plan, self.cost_cadence)]

@@ -64,7 +64,7 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
                                   "now": list(rec.cost_now), "rung": rec.cost_rung,
                                   "cadence": [c.state() for c in rec.cost_cadence], "below": rec.cost_below,
                                   "pool": [[list(w) for w in p] for p in rec.cost_pool],
-                                  "unresolved": list(rec.cost_unresolved)}
+                                  "unresolved": list(rec.cost_unresolved), "over": rec.cost_over}
     if rec.backward is not None and not windows:  # (the same of the backward costs; with windows, in backward_cost)
         data["backward_plan"] = [[c.state() for c in rec.backward.cadence], [[list(w) for w in p] for p in rec.backward.pool]]
     if windows:
@@ -166,6 +166,10 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
         if not isinstance(unresolved, (list, tuple)) or len(unresolved) != 2 or any(type(u) is not bool for u in unresolved):
             raise ValueError(f"Controller.load_state_dict: a loss-cost plan's 'unresolved' must be 2 booleans, got {unresolved!r}")
         rec.cost_unresolved = list(unresolved)
+        over = plan.get("over", 0)  # (saved before it was: none)
+        if type(over) is not int or over < 0:
+            raise ValueError(f"Controller.load_state_dict: a loss-cost plan's 'over' must be a count (an int >= 0), got {over!r}")
+        rec.cost_over = over
     if "backward_cost" in data and settings.max_backward_cost is not None:
         rec.backward = rec.backward or BackwardCost(rec.state.device)
         window, gain, *later = data["backward_cost"]  # (cadences, pools, end slopes: saved before they were, none)

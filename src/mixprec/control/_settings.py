@@ -181,7 +181,10 @@ class ControllerSettings(_Settings):
     variance measured so far (:func:`~mixprec.control._cost.cost_steps`): every step near it. Underflow statistics miss the
     layers whose error the loss is sensitive to (a language model's head: an ordinary flush,
     yet as much loss as all other layers' errors together); a forward GEMM costing more is
-    promoted, and comes down once the recipe below's forward (measured while promoted, an
+    promoted on a second sign (two checks in a row over the limit, its windows since its last
+    switch over it together, or a window clear over it on its own steps:
+    :func:`~mixprec.control._decide.too_costly`; within a window when 3 standard errors over:
+    :mod:`~mixprec.control._early`), and comes down once the recipe below's forward (measured while promoted, an
     emulated GEMM per step) costs at most ``demote_loss_cost`` (None: half of
     ``max_loss_cost``) as well. The estimate is of the loss: the scale a
     :class:`mixprec.GradScaler` gave each layer's gradient (per-layer factors included) is

@@ -473,6 +473,22 @@ def test_per_gemm_fp4_controller_resumed_around_an_early_promotion_of_a_layer_ru
     assert run_resume(program) == "ran"
 
 
+@pytest.mark.parametrize("resume_at", [11, 17])
+def test_per_gemm_fp4_controller_resumed_between_two_over_limit_checks(resume_at: int) -> None:
+    """The same program over three windows, the default rule (a forward promoted on a second
+    sign): block 0's forward reads over the limit at the check at 8, block 1's at 16, neither
+    promoted there; resumed with that count standing (steps 11, 17, the last block left out on
+    odd steps): bitwise the straight run."""
+    watch = harness_controller("nvfp4", 8, per_gemm=True, loss_cost=1e-5, backward_cost=1e-5)
+    program = resume_case(Shape(width=32, blocks=2, gain=3.0, seed=3), _every_other_step_without_the_last_block(24, 4),
+                          resume_at, route="policy", json=True, supervisor=watch, recipe="nvfp4", optimizer="adamw",
+                          drift=2.0, backend="emulate_fp32")
+    run = Trainer(program, seed=3)
+    run.run(0, resume_at)
+    assert any(rec.cost_over for rec in run.supervisor._layers.values())
+    assert run_resume(program) == "ran"
+
+
 @pytest.mark.parametrize("resume_at", [4, 11])
 def test_per_gemm_fp4_controller_on_a_share_of_the_rows_resumed_bitwise(resume_at: int) -> None:
     """The same program with the forward loss costs measured on a quarter of the rows

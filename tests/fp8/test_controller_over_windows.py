@@ -97,6 +97,10 @@ def test_a_short_window_is_not_clear_by_a_stale_variance():
     assert cost[0] == 1.3e-3 and not rec.cost_clear and not too_costly(at, cost, rec) and rec.cost_over == 1
     _, cost = rec.split([0.0] * 4 + _cost_row((1.2e-3, 1.2e-3 ** 2 + 1e-6, 10), None), SETTINGS)
     assert too_costly(at, cost, rec)  # (over again at the next check: the second sign)
+    quiet = _record()  # 5 noisy steps over the limit after quiet windows: their own spread, not the plan's median
+    for window in ((3e-6, 3e-6 ** 2 + 1e-10, 10), (2e-6, 4e-12 + 1e-10, 10), (1.3e-3, 1.3e-3 ** 2 + 1e-5, 5)):
+        _, cost = quiet.split([0.0] * 4 + _cost_row(window, None), SETTINGS)
+    assert cost[0] == 1.3e-3 and not quiet.cost_clear and not too_costly(at, cost, quiet)
 
 
 def test_the_count_starts_over_with_a_switch_and_resumes_with_the_state_dict():

@@ -28,10 +28,11 @@ __all__ = ["apply_gemms", "apply_layer", "switch_layer", "cheap_below", "compose
            "layer_down", "layer_up", "limits", "peel", "rung_name", "switch_gemms", "too_costly", "up_by_cost"]
 
 #: the checks in a row that must read a forward GEMM's own loss cost over ``max_loss_cost`` before
-#: it is promoted, unless its window lies clear over it (:func:`~mixprec.control._cost.clear`:
-#: COST_Z standard errors): a cost in the zone under the limit reads over it in a window now and
-#: then by chance, and each such promotion measures the GEMM on every step of the next windows and
-#: comes back down a few windows later (the backward GEMMs wait as long: ``BACKWARD_WINDOWS``)
+#: it is promoted, unless its windows since its last switch lie over it together or this window
+#: lies clear over it on its own steps (:func:`too_costly`): a cost in the zone under the limit
+#: reads over it in a window now and then by chance, and each such promotion measures the GEMM on
+#: every step of the next windows and comes back down a few windows later (the backward GEMMs
+#: wait as long: ``BACKWARD_WINDOWS``)
 OVER_WINDOWS = 2
 
 

@@ -323,9 +323,8 @@ class LayerRecord:
                     self.cost_unresolved[r] = unresolved(cost[r], steps[r], self.cost_var[r], limits[r], every, pooled[r])
                 settled = measured and clear(cost[r], variance(self.cost_var[r]), steps[r], limits[r], self.cost_pool[r])
                 if r == 0:  # (this window alone, on its own steps' spread, clear over the limit: a promotion at once)
-                    k = steps[0]
-                    spread = max(0.0, mean_sq[0] - cost[0] * cost[0]) * k / (k - 1) if k >= CLEAR_STEPS else None
-                    self.cost_clear = measured and cost[0] > limits[0] and far(cost[0], spread, limits[0], k)
+                    spread = self.cost_var[0][-1] if measured and steps[0] >= CLEAR_STEPS else None  # (cost_steps': this window's)
+                    self.cost_clear = measured and cost[0] > limits[0] and far(cost[0], spread, limits[0], steps[0])
                 cost[r], cost[2 + r] = self.cost_cadence[r].checked([figure, cost[2 + r]], measured, settled)
         return row[:-n], cost
 

@@ -83,8 +83,27 @@ class Probe:
         measured), ``out`` and (the loss cost) ``bias``; returns ``out``. ``tp``: the layer's
         tensor-parallel sharding (its local shards given): the casts are measured as one process
         measures the whole operands (:func:`~mixprec.formats._tensor_parallel.probe_operand`).
-        Its host seconds and its gradient hooks' go to the controller's clock (eager code)."""
+        Its host seconds and its gradient hooks' go to the controller's clock (eager code); a
+        call with nothing to measure (most calls, most steps: :meth:`_idle`) returns at once."""
+        if self._idle(x, tp):
+            return out.view_as(out) if out.requires_grad and out._backward_hooks is not None else out
         return self.timed(self._probe)(x, weight, out, bias, tp)
+
+    def _idle(self, x: torch.Tensor, tp: Any) -> bool:
+        """Whether :meth:`_probe` would measure nothing and change no state in this call (eager
+        code, the input's dtype known, not fp16's range, no tensor parallelism): not a shadow
+        step nor the backward costs' step, no loss cost this step, nothing of the backward
+        costs pending (an update's gain, its end slope, a tapped forward). What it then returns
+        is what :meth:`_probe` does (``out``, or a view where hooks went on it)."""
+        if torch.compiler.is_compiling():  # (first: traced code reads no flag, no guard)
+            return False
+        rec = self.rec
+        if rec.measuring_now or rec.backward_now or tp is not None or self.dtype is None or x.dtype is torch.float16:
+            return False
+        if rec.cost is not None and any(rec.cost_rows_now()):
+            return False
+        back = rec.backward
+        return back is None or (back.pending is None and back.ready is None and back.slope is None and back._open is None)
 
     def _probe(self, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor, bias: torch.Tensor | None,
                tp: Any) -> torch.Tensor:

@@ -29,7 +29,9 @@ def hadamard_matrix(seed: int = 0, device: torch.device | str | None = None) -> 
         >>> bool(torch.allclose(h @ h.t(), torch.eye(16), atol=1e-6))
         True
     """
-    return torch.tensor(_hadamard_values(int(seed)), dtype=torch.float32, device=device)
+    # (traced code builds the values itself: Dynamo traces through a cache's wrapper and warns)
+    values = _sylvester(int(seed)) if torch.compiler.is_compiling() else _hadamard_values(int(seed))
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 #: the transforms :func:`hadamard_of` built, by (seed, device): a few (one per recipe seed and device)
@@ -57,10 +59,9 @@ def hadamard_of(seed: int, like: torch.Tensor) -> torch.Tensor:
     return h
 
 
-@functools.lru_cache(maxsize=None)
-def _hadamard_values(seed: int) -> tuple[tuple[float, ...], ...]:
-    """The entries of :func:`hadamard_matrix` for ``seed``, as Python floats (cached: a call
-    builds one small tensor, under any mode, fake or compiled, alike)."""
+def _sylvester(seed: int) -> tuple[tuple[float, ...], ...]:
+    """The entries of :func:`hadamard_matrix` for ``seed``, as Python floats (a call builds one
+    small tensor, under any mode, fake or compiled, alike)."""
     bits = _mix64(seed)  # 16 sign bits from the seed: no generator (a constant under torch.compile)
     h = [[1.0]]
     while len(h) < HADAMARD_SIZE:  # Sylvester's construction
@@ -68,6 +69,10 @@ def _hadamard_values(seed: int) -> tuple[tuple[float, ...], ...]:
     signs = [1.0 - 2.0 * ((bits >> i) & 1) for i in range(HADAMARD_SIZE)]
     norm = math.sqrt(HADAMARD_SIZE)
     return tuple(tuple(v * s / norm for v, s in zip(row, signs)) for row in h)
+
+
+#: :func:`_sylvester`, cached for eager code
+_hadamard_values = functools.lru_cache(maxsize=None)(_sylvester)
 
 
 def hadamard(x2: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -25,12 +25,13 @@ def _model(seed: int) -> nn.Module:
 
 
 def _run(steps: int = 40, seed: int = 0, micro_batches: int = 1, checkpointed: bool = False, **changes) -> tuple:
-    """Train under a per-GEMM NVFP4 controller; returns (losses, decisions, the controller's and
-    the model's state, the probe calls that took the fast path, all probe calls)."""
+    """Train under an NVFP4 controller (``SETTINGS`` with ``changes``); returns the losses, the
+    decisions, the controller's and the model's state."""
     ctl = mixprec.fp8.Controller(**(SETTINGS | changes))
     model = _model(seed)
     ctl.attach(model)
-    policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings, backend="emulate_fp32")
+    policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
+                                                      backend="emulate_fp32")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(seed + 1)
     target = torch.randn(32, 32, generator=gen)

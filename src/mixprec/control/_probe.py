@@ -103,7 +103,8 @@ class Probe:
         if rec.cost is not None and any(rec.cost_rows_now()):
             return False
         back = rec.backward
-        return back is None or (back.pending is None and back.ready is None and back.slope is None and back._open is None)
+        return back is None or (back.pending is None and back.ready is None and back.slope is None
+                                and back._open is None)
 
     def _probe(self, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor, bias: torch.Tensor | None,
                tp: Any) -> torch.Tensor:

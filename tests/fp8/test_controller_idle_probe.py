@@ -7,6 +7,8 @@ full way, and whole runs with the fast path are bitwise the runs without it."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -24,19 +26,30 @@ def _model(seed: int) -> nn.Module:
     return nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(64, 64), nn.GELU())), nn.Linear(64, 32))
 
 
-def _run(steps: int = 40, seed: int = 0, micro_batches: int = 1, checkpointed: bool = False, **changes) -> tuple:
-    """Train under an NVFP4 controller (``SETTINGS`` with ``changes``); returns the losses, the
-    decisions, the controller's and the model's state."""
-    ctl = mixprec.fp8.Controller(**(SETTINGS | changes))
-    model = _model(seed)
-    ctl.attach(model)
+def _run(steps: int = 40, seed: int = 0, micro_batches: int = 1, checkpointed: bool = False,
+         resume_at: int | None = None, **changes) -> tuple:
+    """Train under an NVFP4 controller (``SETTINGS`` with ``changes``; ``resume_at``: a step after
+    which the run goes on in a fresh controller, model and optimizer from their state_dicts); returns
+    the losses, the decisions, the controller's and the model's state."""
+
+    def build(state: tuple | None = None) -> tuple:
+        ctl, model = mixprec.fp8.Controller(**(SETTINGS | changes)), _model(seed)
+        ctl.attach(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if state is not None:
+            for part, saved in zip((ctl, model, opt), state):
+                part.load_state_dict(saved)
+        return ctl, model, opt
+
+    ctl, model, opt = build()
     policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", controller=ctl.settings,
                                                       backend="emulate_fp32")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(seed + 1)
     target = torch.randn(32, 32, generator=gen)
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
+        if step == resume_at:
+            ctl, model, opt = build(tuple(copy.deepcopy(p.state_dict()) for p in (ctl, model, opt)))
         for _ in range(micro_batches):
             x = torch.randn(32, 64, generator=gen)
             with mixprec.autocast("cpu", policy=policy):
@@ -62,6 +75,9 @@ RUNS = {
     # the next window's first forward, where nothing else is measured)
     "one shadow step": {"shadow_steps": 1},
     "one shadow step, two micro-batches": {"shadow_steps": 1, "micro_batches": 2},  # (the slope: each micro-batch's)
+    # (saved after the step whose backward was measured: the update whose end slope the next
+    # forward reads comes back from the checkpoint, ``BackwardCost.ready``)
+    "one shadow step, resumed": {"shadow_steps": 1, "resume_at": 15},
 }
 
 

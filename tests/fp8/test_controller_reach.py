@@ -365,6 +365,21 @@ def test_the_reach_state_round_trips_and_refuses_what_it_did_not_save():
             Reach(torch.device("cpu")).load(bad)
 
 
+def test_a_reach_rounded_over_one_reads_one_and_loads_from_an_older_checkpoint():
+    """A reach is a share of its walks' weights, at most 1; its two sums, added in their own
+    orders, can round the ratio to 1 + 1 ulp (a run's state_dict then failed to load: a
+    per-GEMM controller resumed at step 30). The check's row clamps it; a checkpoint that holds
+    such a value (saved before) loads as 1, one further over is refused."""
+    reach = Reach(torch.device("cpu"))
+    reach.window += torch.tensor([1.0000001192092896, 1.0])
+    assert _row(reach, torch.tensor([0.5, 1.0]))[2].item() == 1.0 and reach.state()[1] == 1.0
+    other = Reach(torch.device("cpu"))
+    other.load([[1.0, 1.0], 1.0000001192092896, 0.5, 3])
+    assert other.state() == [[1.0, 1.0], 1.0, 0.5, 3]
+    with pytest.raises(ValueError, match="reach"):
+        other.load([[1.0, 1.0], 1.001, 0.5, 3])
+
+
 def _row(reach: Reach, gain: torch.Tensor) -> torch.Tensor:
     """One reach's check row from its window's gain sums (:func:`reach_rows` of it alone)."""
     return reach_rows([reach], gain.unsqueeze(0))[0]
@@ -627,3 +642,14 @@ def test_a_converted_models_hook_is_one_and_its_copies_do_nothing():
         assert copied.reaches is None
         with mixprec.autocast("cpu", dtype=torch.bfloat16):
             assert other(x, 0, 1).shape == (4, 16)
+
+
+def test_a_run_resumed_where_its_reach_rounded_over_one_is_bitwise_the_straight_run():
+    """The run that found it (a per-GEMM NVFP4 controller, one shadow step, max_loss_cost 1e-2,
+    its state saved after step 30 held a reach of 1 + 1 ulp): it loads, and goes on bitwise."""
+    from test_controller_idle_probe import _run
+
+    straight = _run(shadow_steps=1, max_loss_cost=1e-2)
+    resumed = _run(shadow_steps=1, max_loss_cost=1e-2, resume_at=30)
+    assert resumed[0] == straight[0] and resumed[1] == straight[1]
+    assert repr(resumed[2]) == repr(straight[2])

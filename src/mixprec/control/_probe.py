@@ -93,7 +93,7 @@ class Probe:
         """Whether :meth:`_probe` would measure nothing and change no state in this call (eager
         code, the input's dtype known, not fp16's range, no tensor parallelism): not a shadow
         step nor the backward costs' step, no loss cost this step, nothing of the backward
-        costs pending (an update's gain, its end slope, a tapped forward). What it then returns
+        costs pending (an update's gain, its end slope, a loaded update, a tapped forward). What it then returns
         is what :meth:`_probe` does (``out``, or a view where hooks went on it)."""
         if torch.compiler.is_compiling():  # (first: traced code reads no flag, no guard)
             return False

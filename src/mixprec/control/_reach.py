@@ -134,6 +134,11 @@ class StartsOver:
             model.register_forward_pre_hook(StartsOver(reaches))
 
 
+#: the largest reach a checkpoint may hold: 1, and the float32 rounding over it that sessions
+#: before 39 saved (``reach_rows`` clamps it since), loaded as 1
+_MOST_REACH = 1.0 + 2.0 ** -20
+
+
 class Reach:
     """A layer's reach (on its ``BackwardCost``): the window's sums of ``weight * r`` and of the
     weights over its walks, the last reach measured (1, undiluted, before any), and the layer's
@@ -190,13 +195,13 @@ class Reach:
             values = [float(total), float(weights), float(known), -math.inf if gain is None else float(gain)]
         except (TypeError, ValueError):
             values, asked = [], None
-        if (not values or any(v != v for v in values) or not 0 <= values[2] <= 1 or min(values[:2]) < 0
+        if (not values or any(v != v for v in values) or not 0 <= values[2] <= _MOST_REACH or min(values[:2]) < 0
                 or not isinstance(asked, int) or isinstance(asked, bool) or asked < 0):
             raise ValueError(f"Controller.load_state_dict: a layer's backward_cost reach must be [[sum, weights], "
                              f"reach in [0, 1], gain or None, walks asked (an int >= 0)] as state_dict() saves it, "
                              f"got {saved!r}")
         self.window.copy_(torch.tensor(values[:2]))
-        self.known.fill_(values[2])
+        self.known.fill_(min(values[2], 1.0))
         self.gain.fill_(values[3])
         self.asked = asked
 

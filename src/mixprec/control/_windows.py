@@ -84,7 +84,8 @@ def reach_rows(reaches: Sequence[Reach], gains: torch.Tensor) -> torch.Tensor:
     """
     gain = torch.where(gains[:, 1] > 0, gains[:, 0] / gains[:, 1].clamp(min=1), torch.stack([r.gain for r in reaches]))
     window = torch.stack([r.window for r in reaches])
-    known = torch.where(window[:, 1] > 0, window[:, 0] / window[:, 1].clamp(min=TINY),
+    # (a share of the weights, at most 1: its two sums, added in their own orders, may round it over)
+    known = torch.where(window[:, 1] > 0, (window[:, 0] / window[:, 1].clamp(min=TINY)).clamp(max=1.0),
                         torch.stack([r.known for r in reaches]))
     for reach, g, k in zip(reaches, gain.unbind(), known.unbind()):
         reach.gain, reach.known = g, k

@@ -174,25 +174,36 @@ class LayerState:
         ``torch.compile`` a backward that recomputed the step from an input mutated in place
         would read the next call's.
 
+        A call with gradients off (``torch.no_grad()``, ``torch.inference_mode()``: an evaluation
+        between steps, a reentrant checkpoint's first forward) has no backward to round: it takes
+        the current count and counts nothing, so evaluating leaves the training's draws as they
+        were (and inference mode leaves no counter that a later forward could not save).
+
         A call inside the backward (eager) is an activation checkpoint's recompute
-        (``torch.utils.checkpoint``, reentrant or not): it takes the step the forward drew, the
-        latest not yet taken, and counts nothing, so it draws what the forward drew. (A layer
-        called twice inside one checkpointed segment recomputes in forward order and would take
-        them in reverse: checkpoint such a layer's calls separately.)
+        (``torch.utils.checkpoint``): a non-reentrant one's takes the step its forward drew, the
+        latest not yet taken, and counts nothing, so it draws what the forward drew; a reentrant
+        one's forward drew nothing (above), so its recompute draws and counts the step the
+        forward would have. (A layer called twice inside one non-reentrant segment recomputes in
+        forward order and would take its steps in reverse: checkpoint such a layer's calls
+        separately.)
 
         ``stochastic``: whether the call rounds stochastically; from the first such call on, the
         module's ``state_dict()`` carries the count (:data:`ROUNDING_KEY`)."""
+        if not torch.is_grad_enabled():
+            return self._rounding
         if stochastic:
             self.draws = True  # (written, never read here: Dynamo guards nothing on it)
         if torch.compiler.is_compiling():  # (a compiled recompute replays the traced step itself)
             step = self._rounding
             self._rounding = step + 1
             return step
-        if torch._C._current_graph_task_id() != -1 and self._drawn:
+        recompute = torch._C._current_graph_task_id() != -1
+        if recompute and self._drawn:
             return self._drawn.pop()
         step = self._rounding
         self._rounding = step + 1
-        self._drawn.append(step)
+        if not recompute:  # (a recompute that finds none drew here: its forward ran without gradients)
+            self._drawn.append(step)
         return step
 
     @property

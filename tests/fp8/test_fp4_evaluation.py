@@ -1,0 +1,107 @@
+"""An evaluation between training steps (a forward under ``torch.no_grad()`` or
+``torch.inference_mode()``, the model in ``eval()`` mode or not) leaves an fp4 run as it was: a
+layer's rounding count advances only on calls whose backward may read it, so the training's
+stochastic-rounding draws, losses and weights are bitwise those of the run without evaluations,
+eager and compiled, and under a per-GEMM Controller its decisions too. (Before, each
+evaluated forward advanced the count, so the run's draws depended on how often it was evaluated,
+and one under inference mode left a counter that the next training forward could not save for
+its backward: a RuntimeError.)"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import mixprec
+from tests.fp8.test_controller_idle_probe import SETTINGS, _model
+
+
+def _no_grad_in_eval_mode(model):
+    model.eval()
+    with torch.no_grad():
+        yield
+    model.train()
+
+
+EVALUATIONS = {
+    "no_grad": lambda model: torch.no_grad(),
+    "inference_mode": lambda model: torch.inference_mode(),
+    "eval() and no_grad": contextlib.contextmanager(_no_grad_in_eval_mode),
+}
+
+
+def _train(recipe: str = "nvfp4", evaluate=None, steps: int = 9, controller: bool = False,
+           compiled: bool = False) -> tuple:
+    """Train the idle-probe tests' model in ``recipe`` (under a Controller with those tests' settings
+    when ``controller``), evaluating it on a batch of its own under ``evaluate(model)`` before every
+    third step's forward; returns the losses, the counts, the weights and the decisions."""
+    torch._dynamo.reset()
+    model = _model(0)
+    ctl = None
+    if controller:
+        ctl = mixprec.fp8.Controller(**SETTINGS)
+        ctl.attach(model)
+    policy = mixprec.Policy.parse("compute=bf16").fp8(recipe, first_last="fp8", backend="emulate_fp32",
+                                                      controller=None if ctl is None else ctl.settings)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    forward = torch.compile(model) if compiled else model
+    gen, held_out = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    target = torch.randn(32, 32, generator=gen)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(32, 64, generator=gen)
+        if evaluate is not None and step % 3 == 1:
+            with mixprec.autocast("cpu", policy=policy), evaluate(model):
+                assert torch.isfinite(forward(torch.randn(16, 64, generator=held_out)).float()).all()
+        with mixprec.autocast("cpu", policy=policy):
+            loss = (forward(x).float() - target).square().mean()
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        if ctl is not None:
+            ctl.step()
+    return losses, mixprec.fp8.rounding_steps(model), model.state_dict(), None if ctl is None else ctl.log
+
+
+def _assert_same_run(got: tuple, want: tuple) -> None:
+    assert got[0] == want[0]  # (bitwise losses)
+    assert got[1] == want[1] and all(got[1].values())  # (the counts: only the training's calls)
+    for name, value in want[2].items():
+        assert torch.equal(got[2][name], value), name
+    assert got[3] == want[3] and (want[3] is None or want[3])  # (the same decisions: some)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("evaluation", EVALUATIONS.values(), ids=EVALUATIONS.keys())
+def test_an_evaluation_between_steps_leaves_the_fp4_run_bitwise(recipe, evaluation):
+    _assert_same_run(_train(recipe, evaluation), _train(recipe))
+
+
+@pytest.mark.parametrize("evaluation", EVALUATIONS.values(), ids=EVALUATIONS.keys())
+def test_an_evaluation_between_steps_leaves_a_controlled_run_bitwise(evaluation):
+    """No loss cost is measured on an evaluation (no gradient reaches it), and the NVFP4 draws of
+    the steps it measures are the ones of the run without evaluations. (Its cast statistics on a
+    shadow step read every forward, an evaluation's too: a frozen part of a model run under
+    ``no_grad`` in training is a GEMM the Controller manages, e.g. fp16's range.)"""
+    want = _train(evaluate=None, steps=16, controller=True)
+    _assert_same_run(_train(evaluate=evaluation, steps=16, controller=True), want)
+
+
+def test_a_compiled_model_evaluated_between_steps_draws_as_without():
+    want = _train(steps=5, compiled=True)
+    for name in ("no_grad", "inference_mode"):
+        _assert_same_run(_train(evaluate=EVALUATIONS[name], steps=5, compiled=True), want)
+
+
+def test_a_forward_without_gradients_takes_the_count_and_counts_nothing():
+    state = mixprec.fp8.LayerState()
+    state.rounding_step = 3
+    with torch.inference_mode():
+        step = state.next_rounding_step()
+    assert int(step) == 3 and state.rounding_step == 3 and not state.draws and not step.is_inference()
+    with torch.no_grad():
+        assert int(state.next_rounding_step()) == 3
+    assert int(state.next_rounding_step()) == 3 and state.rounding_step == 4 and state.draws

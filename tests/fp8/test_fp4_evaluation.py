@@ -105,3 +105,37 @@ def test_a_forward_without_gradients_takes_the_count_and_counts_nothing():
     with torch.no_grad():
         assert int(state.next_rounding_step()) == 3
     assert int(state.next_rounding_step()) == 3 and state.rounding_step == 4 and state.draws
+
+
+def _train_experts(evaluate=None, steps: int = 6) -> tuple:
+    """A token-choice MoE's experts converted to NVFP4 (grouped GEMMs, one count per expert)."""
+    from torch import nn
+
+    from tests.fp8.test_grouped_experts import MoE
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), MoE(64, 64, 4), nn.Linear(64, 32))
+    mixprec.fp8.convert(model, "nvfp4", filter_fn=lambda m, fqn: fqn.endswith("experts"), backend="emulate_fp32")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen, held_out = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(32, 32, generator=gen)
+        with mixprec.autocast("cpu", torch.bfloat16):
+            if evaluate is not None and step % 2 == 1:
+                with evaluate(model):
+                    model(torch.randn(8, 32, generator=held_out))
+            loss = model(x).float().square().mean()
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    counts = {name: state.rounding_step for name, state in mixprec.fp8.layer_states(model).items()}
+    return losses, counts, model.state_dict(), None
+
+
+@pytest.mark.parametrize("evaluation", ["no_grad", "inference_mode"])
+def test_an_evaluation_between_steps_leaves_nvfp4_experts_bitwise(evaluation):
+    want = _train_experts()
+    assert len(want[1]) == 12 and set(want[1].values()) == {6}  # (3 weights x 4 experts, one call a step)
+    _assert_same_run(_train_experts(EVALUATIONS[evaluation]), want)

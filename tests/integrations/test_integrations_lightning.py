@@ -174,3 +174,56 @@ def test_an_indexed_cuda_device_is_taken_as_lightning_takes_it() -> None:
         warnings.simplefilter("ignore")  # CUDA is not available: the region is disabled
         ctx = plugin.autocast_context_manager()
     assert isinstance(ctx, torch.autocast) and ctx.device == "cuda" and ctx.fast_dtype == torch.float16
+
+
+class Fp4Module(TinyModule):
+    """Three Linears wide enough for NVFP4's 16-element blocks, and a validation loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16))
+        self.validated: list[bool] = []  # per validation step: whether it ran under inference mode
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.validated.append(torch.is_inference_mode_enabled())
+        return nn.functional.cross_entropy(self(x), y)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader(1)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader(2)
+
+    def _loader(self, seed: int) -> torch.utils.data.DataLoader:
+        g = torch.Generator().manual_seed(seed)
+        data = torch.utils.data.TensorDataset(torch.randn(48, 32, generator=g), torch.randint(0, 16, (48,), generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def test_validation_between_nvfp4_steps_leaves_the_training_bitwise() -> None:
+    """``trainer.validate()`` runs under ``torch.inference_mode()``, the validation inside ``fit``
+    (every 2 steps here) under ``torch.no_grad()``: an NVFP4 layer's forward there draws nothing
+    of its stochastic rounding, so the training is bitwise the run never validated. (Before, the
+    first training step after ``validate()`` raised, an inference-mode rounding count saved for
+    backward, and each validation shifted the training's draws.)"""
+    policy = mixprec.Policy.parse("compute=bf16").fp8("nvfp4", first_last="fp8", backend="emulate_fp32")
+    runs = []
+    for validated in (False, True):
+        module, record = Fp4Module(), Record()
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
+                             plugins=[MixprecPrecision("bf16-mixed", policy=policy, device="cpu")],
+                             limit_val_batches=2 if validated else 0, val_check_interval=2, num_sanity_val_steps=0)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", ".*does not have many workers.*")
+            if validated:
+                trainer.validate(module, verbose=False)
+            trainer.fit(module)
+        # (validate(): 2 batches in inference mode; fit: 3 validations of 2 batches under no_grad)
+        assert module.validated == ([True] * 2 + [False] * 6 if validated else [])
+        runs.append((module, record))
+    assert mixprec.fp8.rounding_steps(runs[0][0]) == mixprec.fp8.rounding_steps(runs[1][0]) == {
+        "net.0": 6, "net.2": 6, "net.4": 6}
+    assert_same_training(runs[0], runs[1])

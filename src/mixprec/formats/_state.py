@@ -211,13 +211,16 @@ class LayerState:
         return self._data.device
 
     def to(self, device: torch.device | str) -> LayerState:
-        """Move the statistics to ``device`` (in place; returns self)."""
-        self._data = self._data.to(device)
-        self.output_sqnr_db = self.output_sqnr_db.to(device)
-        self._rounding = self._rounding.to(device)
-        self._drawn = deque((t.to(device) for t in self._drawn), maxlen=_DRAWN)
-        if self._completed is not None:
-            self._completed = (self._completed[0].to(device), self._completed[1].to(device))
+        """Move the statistics to ``device`` (in place; returns self), as normal tensors also under
+        ``torch.inference_mode()`` (a layer's first call on a device may be an evaluation: the
+        training after it updates them in place)."""
+        with torch.inference_mode(False), torch.no_grad():
+            self._data = self._data.to(device)
+            self.output_sqnr_db = self.output_sqnr_db.to(device)
+            self._rounding = self._rounding.to(device)
+            self._drawn = deque((t.to(device) for t in self._drawn), maxlen=_DRAWN)
+            if self._completed is not None:
+                self._completed = (self._completed[0].to(device), self._completed[1].to(device))
         return self
 
     def reset(self) -> None:

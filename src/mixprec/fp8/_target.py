@@ -93,7 +93,19 @@ def select_targets(root: nn.Module, policy: Any) -> dict[int, Fp8Target] | None:
 
     ``None`` when the model has no layer of the rule's types (a loss criterion called in the
     region): nothing is selected and the call is no forward for the guard or controller.
+
+    The layers' states, and the records a guard or controller keeps of them, outlive the call
+    that creates them: under ``torch.inference_mode()`` (a first forward that validates) they
+    are made as normal tensors, so the training that follows can update them and save them for
+    its backward.
     """
+    if torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
+        with torch.inference_mode(False), torch.no_grad():
+            return _select_targets(root, policy)
+    return _select_targets(root, policy)
+
+
+def _select_targets(root: nn.Module, policy: Any) -> dict[int, Fp8Target] | None:
     rule = policy.fp8_rule
     model = unwrap(root)  # DDP's, FSDP1's, torch.compile's wrappers: the names are the bare model's
     live = live_of(model, rule.kind, rule.guard or rule.controller, rule.live)  # checked before any selection

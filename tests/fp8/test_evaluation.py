@@ -1,11 +1,14 @@
 """An evaluation between training steps (a forward under ``torch.no_grad()`` or
-``torch.inference_mode()``, the model in ``eval()`` mode or not) leaves an fp4 run as it was: a
-layer's rounding count advances only on calls whose backward may read it, so the training's
-stochastic-rounding draws, losses and weights are bitwise those of the run without evaluations,
-eager and compiled, and under a per-GEMM Controller its decisions too. (Before, each
-evaluated forward advanced the count, so the run's draws depended on how often it was evaluated,
-and one under inference mode left a counter that the next training forward could not save for
-its backward: a RuntimeError.)"""
+``torch.inference_mode()``, the model in ``eval()`` mode or not) leaves an fp8 or fp4 run as it
+was. A layer's rounding count advances only on calls whose backward may read it, so the
+training's stochastic-rounding draws, losses and weights are bitwise those of the run without
+evaluations, eager and compiled, and under a per-GEMM Controller its decisions too. And where the
+very first forward is an evaluation under inference mode (``trainer.validate()`` before
+``fit``), the layers' states and a Guard's or Controller's records it creates are normal
+tensors, which the training then updates and saves for backward. (Before, each evaluated
+forward advanced the count, so a run's draws depended on how often it was evaluated, and an
+inference-mode count or state made the next training step raise: "Inference tensors cannot be
+saved for backward", "Inplace update to inference tensor outside InferenceMode".)"""
 
 from __future__ import annotations
 
@@ -139,3 +142,71 @@ def test_an_evaluation_between_steps_leaves_nvfp4_experts_bitwise(evaluation):
     want = _train_experts()
     assert len(want[1]) == 12 and set(want[1].values()) == {6}  # (3 weights x 4 experts, one call a step)
     _assert_same_run(_train_experts(EVALUATIONS[evaluation]), want)
+
+
+def _first_call_cases() -> dict:
+    def policy(recipe, **live):
+        return lambda model: mixprec.Policy.parse("compute=bf16").fp8(recipe, first_last="fp8", backend="emulate_fp32",
+                                                                      **live)
+
+    def guarded(recipe):
+        def build(model):
+            guard = mixprec.fp8.Guard(every=2)
+            guard.attach(model)
+            return policy(recipe, guard=guard.settings)(model), guard
+        return build
+
+    def controlled(model):
+        ctl = mixprec.fp8.Controller(**(SETTINGS | {"every": 2}))
+        ctl.attach(model)
+        return policy("nvfp4", controller=ctl.settings)(model), ctl
+
+    return {
+        "policy nvfp4": lambda m: (policy("nvfp4")(m), None),
+        "policy mxfp4": lambda m: (policy("mxfp4")(m), None),
+        "policy tensorwise": lambda m: (policy("tensorwise")(m), None),
+        "Guard, tensorwise": guarded("tensorwise"),  # (its windows, updated in place)
+        "Guard, nvfp4": guarded("nvfp4"),
+        "Controller, NVFP4 ladder": controlled,
+    }
+
+
+FIRST_CALLS = _first_call_cases()
+
+
+def _train_after(build, first=None, steps: int = 6) -> list[float]:
+    """Train ``_model(0)`` under what ``build(model)`` gives (a policy, a Guard or Controller to
+    step), after a first forward under ``first()`` when given."""
+    model = _model(0)
+    policy, live = build(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    if first is not None:
+        with mixprec.autocast("cpu", policy=policy), first():
+            model(torch.randn(8, 64, generator=torch.Generator().manual_seed(2)))
+    losses = []
+    for _ in range(steps):
+        with mixprec.autocast("cpu", policy=policy):
+            loss = model(torch.randn(16, 64, generator=gen)).float().square().mean()
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        if live is not None:
+            live.step()
+    return losses
+
+
+@pytest.mark.parametrize("build", FIRST_CALLS.values(), ids=FIRST_CALLS.keys())
+def test_a_first_forward_under_inference_mode_leaves_states_training_can_use(build):
+    want = _train_after(build)
+    assert _train_after(build, torch.inference_mode) == want
+    assert _train_after(build, torch.no_grad) == want
+
+
+def test_a_state_moved_under_inference_mode_holds_normal_tensors():
+    state = mixprec.fp8.LayerState()
+    with torch.inference_mode():
+        state.to("meta")
+    assert state.device.type == "meta"
+    assert not any(t.is_inference() for t in (state._data, state.output_sqnr_db, state._rounding))

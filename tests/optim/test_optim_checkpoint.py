@@ -2,6 +2,7 @@
 generator, refuses incomplete state; 8-bit state to and from torch.optim.AdamW."""
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -347,3 +348,45 @@ def test_load_fp32_weights_seeds_the_kahan_buffer(dtype):
         assert torch.equal(comp, (w - p.float()).to(dtype))
         assert comp.ne(0).any()  # (random float32 weights: most are not representable)
         assert (p.float() + comp.float() - w).abs().max() < (p.float() - w).abs().max() * 2**-6
+
+
+COPIES = {
+    "deepcopy": copy.deepcopy,
+    "pickle": lambda o: pickle.loads(pickle.dumps(o)),
+}
+COPIED = {  # (class, options): every compensation and state kind that keeps something beside torch's
+    "AdamW, stochastic": (AdamW, {"compensation": "stochastic"}),
+    "AdamW, kahan, bf16 state": (AdamW, {"compensation": "kahan", "state_dtype": torch.bfloat16}),
+    "AdamW, 8-bit state": (AdamW, {"state_dtype": "8bit"}),
+    "SGD, stochastic, momentum": (SGD, {"compensation": "stochastic", "momentum": 0.9}),
+    "SGD, kahan": (SGD, {"compensation": "kahan"}),
+}
+
+
+@pytest.mark.parametrize("how", COPIES.values(), ids=COPIES.keys())
+@pytest.mark.parametrize("case", COPIED.values(), ids=COPIED.keys())
+def test_a_copied_optimizer_steps_and_draws_as_the_original(case, how):
+    """``copy.deepcopy`` or a pickle (``torch.save`` of the object) of a trained optimizer, with
+    its parameters, steps; on the same gradients it writes what the original writes, bitwise,
+    its generator drawing what the original's draws (before, the copy had no ``generator`` and
+    its step raised AttributeError)."""
+    cls, kwargs = case
+    params, opt = _trained(cls, big=True, **kwargs)
+    copied_params, copied = how((params, opt))
+    _steps(opt, params, 2, 5)
+    _steps(copied, copied_params, 2, 5)
+    for p, q in zip(params, copied_params):
+        assert torch.equal(p, q)
+    assert torch.equal(copied.generator.get_state(), opt.generator.get_state())
+    assert copied.state_dict().keys() == opt.state_dict().keys()
+
+
+def test_a_copied_optimizer_without_a_generator_makes_its_own_when_a_group_draws():
+    params = _params()
+    opt = AdamW(params, lr=1e-2, compensation="kahan")
+    assert opt.generator is None
+    copied = copy.deepcopy(opt)
+    assert copied.generator is None
+    copied.add_param_group({"params": [torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)],
+                            "compensation": "stochastic"})
+    assert isinstance(copied.generator, torch.Generator)

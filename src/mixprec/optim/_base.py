@@ -142,6 +142,22 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         self.generator = generator
         super().__init__(params, defaults)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling and ``copy.deepcopy``: torch's state (defaults, state, param groups) and the
+        generator as its device and state, so a copy steps, and draws what the original would."""
+        state = super().__getstate__()
+        g = self.generator
+        state["generator"] = None if g is None else (str(g.device), g.get_state())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        saved = state.pop("generator", None)
+        super().__setstate__(state)
+        self.generator = None
+        if saved is not None:
+            self.generator = torch.Generator(saved[0])
+            self.generator.set_state(saved[1])
+
     @staticmethod
     def _check_hyperparameters(group: dict[str, Any]) -> None:
         """Raise ``ValueError`` on an invalid hyper-parameter of ``group`` (subclasses)."""

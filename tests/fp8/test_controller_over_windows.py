@@ -57,10 +57,10 @@ def test_no_measured_cost_is_no_promotion_and_no_count():
 
 def test_a_noisy_cost_over_the_limit_promotes_when_its_windows_lie_over_it_together():
     """Windows that cross the limit (2e-3, 5e-4, 2e-3): no two checks in a row over it, but the
-    three together (1.5e-3) lie over it: the third check promotes. Under it together (two windows
-    of 5e-4 before), it does not."""
+    three together (1.5e-3) lie over it: the third check promotes; so do two (5e-4, 2e-3: 1.25e-3
+    together), the fewest a pool reads. Under it together (two windows of 5e-4 before), it does not."""
     at = Check.of(SETTINGS)
-    for before, promoted in (([2e-3, 5e-4], True), ([5e-4, 5e-4], False)):
+    for before, promoted in (([2e-3, 5e-4], True), ([5e-4], True), ([5e-4, 5e-4], False)):
         rec = _record()
         rec.cost_pool[0] = [[10.0, m, m * m] for m in (*before, 2e-3)]
         for m in before:

@@ -67,8 +67,11 @@ class Skippy(nn.Module):
             return checkpoint(block, x, use_reentrant=False)
         return block(x)
 
+    def _stem(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stem(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
+        x = self._stem(x)
         for i in range(self.exit_after + 1):
             if i in self.skip:
                 continue
@@ -487,3 +490,66 @@ def test_a_watched_model_pickles_and_the_copy_trains_unwatched(per_layer, how):
     # the original is still watched and exact
     if per_layer:
         _train(model, scaler, [{"skip": {0}}, {}])
+
+
+# ------------------------------------------------------------------ parameters placed late, scalers replaced
+
+
+class Branchy(Skippy):
+    """:class:`Skippy` with a second stem below every cut point, added to the first on the steps
+    ``branch`` is set; ``frozen`` freezes (or unfreezes) the first stem."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch = False
+        self.side = nn.Linear(32, 32)
+
+    @property
+    def frozen(self) -> bool:
+        return not self.stem.weight.requires_grad
+
+    @frozen.setter
+    def frozen(self, value: bool) -> None:
+        self.stem.requires_grad_(not value)
+
+    def _stem(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stem(x) + self.side(x) if self.branch else self.stem(x)
+
+
+LATE = {  # per step, what the model runs: a parameter below every cut point gets its first gradient late
+    "a stem frozen, then trained (warm-up freezing)": [{"frozen": True}] * 2 + [{"frozen": False}] * 3,
+    "a branch first run at step 2": [{}, {}, {"branch": True}, {"branch": True}, {}],
+    "a branch first run with a block skipped": [{}, {"branch": True, "skip": {1}}, {"branch": True}, {}],
+}
+
+
+@pytest.mark.parametrize("patterns", LATE.values(), ids=LATE.keys())
+def test_a_parameter_below_the_cut_points_first_trained_late_gets_exact_gradients(patterns):
+    """Its region was guessed (the top one) while no walk reached it: every step is walked while
+    such a parameter requires grad, and the walk that reaches it places it. Before, the steps
+    that ran every cut point skipped the walk, and its gradients kept the product of the factors
+    above it (x2**8 here), step after step."""
+    model = Branchy()
+    _train(model, _scaler(model), patterns)
+
+
+def test_a_scaler_that_watches_a_model_releases_the_one_that_watched_it():
+    """A new per-layer scaler (resumed from the old one's state_dict, or fresh) watching the same
+    model, the old one still alive: only the new one's hooks scale the gradients (exact), and the
+    old one refuses to scale until it watches the model again, which releases the new one."""
+    model = Skippy()
+    old = _scaler(model)
+    _train(model, old, [{}, {"skip": {1}}])
+    new = mixprec.GradScaler("cpu", per_layer=True)
+    new.load_state_dict(old.state_dict())
+    new.watch(model)
+    _train(model, new, [{}, {"skip": {2}}, {}])
+    with pytest.raises(ValueError, match="another per-layer scaler"):
+        old.scale(_loss(model, _batch()))
+    fresh = mixprec.GradScaler("cpu", per_layer=True, init_scale=16.0).watch(model)
+    _train(model, fresh, [{}, {}])
+    old.watch(model)
+    _train(model, old, [{"skip": {0}}, {}])
+    for scaler in (new, fresh):
+        with pytest.raises(ValueError, match="another per-layer scaler"):
+            scaler.scale(_loss(model, _batch()))

@@ -83,6 +83,9 @@ class GraphPlanning:
         self._fired_step: set[int] = set()  # ... in any backward since the last update
         self._expected: frozenset[int] | None = None  # what this backward must fire (fast path)
         self._param_names: dict[int, str] | None = None  # id -> qualified name, for errors
+        # parameters below no cut point that no walk reached (frozen, or in a branch not run yet),
+        # guessed in the top region: while one requires grad, every step is walked (weak references)
+        self._awaiting: list[weakref.ref[torch.Tensor]] = []
 
     # -- the cut points' backward hooks ------------------------------------------------------
 
@@ -141,7 +144,8 @@ class GraphPlanning:
         roots = [t for t in tensors_of(outputs) if t.grad_fn is not None]
         if model is None or not roots:
             return
-        if self._calibrated and not self._shared and sorted(c for c, _ in edges.values()) == self._regular:
+        if (self._calibrated and not self._shared and sorted(c for c, _ in edges.values()) == self._regular
+                and not any(p is not None and p.requires_grad for p in (ref() for ref in self._awaiting))):
             self._hook_plan, self._expected = self._canonical_plan, frozenset(self._regular)
             return
         if self._param_names is None:
@@ -169,6 +173,7 @@ class GraphPlanning:
             self._carry_over(model, regions, scales, state["region_factor"])
         else:
             self._shared = self._shared or bool(graph.rescale)
+            self._place_awaited(model, graph, state)
         self._compensate(graph, state, inputs)
 
     def _same_as_pending(self, ran: set[int]) -> None:
@@ -213,6 +218,7 @@ class GraphPlanning:
         self._shared = saved.shared
         self._param_region = {id(param): saved.regions[name] for name, param in params.items()}
         self._placed = {id(params[name]) for name in saved.placed if name in params}
+        self._awaiting = self._guessed_top(model, {})
         self._calibrated = True
         self._refresh(self._device_state)
         return True
@@ -271,7 +277,30 @@ class GraphPlanning:
                 RuntimeWarning,
                 stacklevel=4,
             )
+        self._awaiting = self._guessed_top(model, inside)
         self._calibrated = True
+
+    def _guessed_top(self, model: nn.Module, inside: dict[Any, int]) -> list[weakref.ref[torch.Tensor]]:
+        """The parameters no walk placed, that no cut point owns, not inside a reentrant checkpoint
+        (``inside``): guessed in the top region until a walk reaches them."""
+        cuts = [name + "." for _, name in self._local_cuts()]
+        return [weakref.ref(param) for name, param in model.named_parameters()
+                if id(param) not in self._placed and id(param) not in inside and not name.startswith(tuple(cuts))]
+
+    def _place_awaited(self, model: nn.Module, graph: Walk, state: dict[str, torch.Tensor]) -> None:
+        """Parameters this walk reached that none had (a frozen one trained, a branch first run):
+        their region is where this step found them, and gradients they got earlier in the step
+        move to it (:meth:`_carry_over`)."""
+        new = {key: label for key, (_, label) in graph.params.items()
+               if key in self._param_region and key not in self._placed}
+        if not new:
+            return
+        regions = dict(self._param_region)
+        self._param_region.update(new)
+        self._placed |= set(new)
+        self._awaiting = [ref for ref in self._awaiting if (p := ref()) is not None and id(p) not in self._placed]
+        self._master_maps = {}  # built from the parameters' regions
+        self._carry_over(model, regions, state["region_factor"], state["region_factor"])
 
     def _extend(self, graph: Walk) -> None:
         """A later walk reached cut points the canonical structure lacks (skipped in the first
@@ -290,6 +319,7 @@ class GraphPlanning:
             if key in self._param_region and (complete or key not in self._placed):
                 self._param_region[key] = label
                 self._placed.add(key)
+        self._awaiting = [ref for ref in self._awaiting if (p := ref()) is not None and id(p) not in self._placed]
         self._master_maps = {}  # built from the parameters' regions
 
     def _carry_over(
@@ -443,6 +473,7 @@ class CutHook:
 GRAPH_KEYS = frozenset((
     "_edges", "_calibrated", "_param_region", "_placed", "_parents", "_known", "_regular", "_shared",
     "_canonical_plan", "_hook_plan", "_step_hooks", "_input_hooks", "_pending_cuts", "_fired", "_fired_step", "_expected", "_param_names",
+    "_awaiting",
 ))
 
 #: Cut-point outputs remembered between two ``scale()`` calls at most (ints only).

@@ -102,8 +102,10 @@ class Layerwise(GraphPlanning, Unscaling):
         if stage is not None:
             layout = stage_layout(local, stage[1], stage[2], None if group is None else group())
         self.remove_hooks()
+        _supersede_watchers(module, self)
         modules = dict(module.named_modules())
         self._model = weakref.ref(module)
+        self._superseded = False
         self._stage = layout
         self.names = local if layout is None else layout.names
         self._grad_hooks = [self._grad_hook(k) for k in range(len(self.names))]
@@ -118,6 +120,12 @@ class Layerwise(GraphPlanning, Unscaling):
     def check_ready(self) -> None:
         """Raises ``ValueError`` (what to do) unless a model is watched: without one the scaler
         would train with the loss scale alone."""
+        if self.__dict__.get("_superseded"):
+            raise ValueError(
+                "GradScaler(per_layer=True): another per-layer scaler's watch() took over this scaler's model "
+                "(a model is watched by one scaler: its hooks scale the gradients); step with that scaler, or "
+                "call watch(model) on this one again to take the model back"
+            )
         if self._model is None or self._model() is None:
             again = " again (watching is not pickled or copied)" if self.names else ""
             raise ValueError(
@@ -138,6 +146,11 @@ class Layerwise(GraphPlanning, Unscaling):
             "(every stage but the last), watch the stage itself, scaler.watch(pipeline_stage), with a process_group "
             "holding every stage (docs/parallelism.md)."
         )
+
+    def release(self) -> None:
+        """Another scaler now watches the model: drop the hooks and the model (scaling again raises)."""
+        self.remove_hooks()
+        self._model, self._superseded = None, True
 
     def remove_hooks(self) -> None:
         """Removes the cut points' forward hooks and this backward's parameter hooks."""
@@ -542,3 +555,22 @@ def _extremes(tensors: list[torch.Tensor], regions: Sequence[int]) -> tuple[torc
     groups += [(torch.cat(ts) if len(ts) > 1 else ts[0], region) for region, ts in small.items()]
     values = torch.stack([v for t, _ in groups for v in torch.aminmax(t)]).abs_()
     return values, tuple(region for _, region in groups for _ in range(2))
+
+
+def _supersede_watchers(module: nn.Module, watcher: Layerwise) -> None:
+    """Release every other per-layer scaler whose hooks are on ``module`` or its submodules (the
+    last ``watch`` wins: two scalers' factors on one model's gradients would multiply), and drop
+    the hooks of scalers that no longer exist (inert, but each still a hook call)."""
+    others = set()
+    for m in module.modules():
+        for key, hook in list(m._forward_hooks.items()):
+            if isinstance(hook, (CutHook, StageHook)):
+                owner = None if hook.owner is None else hook.owner()
+                if owner is None:
+                    del m._forward_hooks[key]
+                    m._forward_hooks_always_called.pop(key, None)
+                    m._forward_hooks_with_kwargs.pop(key, None)
+                elif owner is not watcher:
+                    others.add(owner)
+    for owner in others:
+        owner.release()

@@ -458,3 +458,41 @@ def test_speaks_the_documented_scaler_protocol():
         opt.step()
     assert lent_scale(opt) is None and not hasattr(opt, "found_inf")
     assert all(torch.equal(m, e) for m, e in zip(opt.masters, expected))
+
+
+NO_GRADIENT = {  # how the first Linear gets no gradient on steps 3-5
+    "frozen": lambda model, step: model[0].requires_grad_(step < 3),
+    "skipped": lambda model, step: None,  # (its output replaced by a constant in the loss below)
+}
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+@pytest.mark.parametrize("inner", ["AdamW", "AdamW fused", "SGD momentum"])
+@pytest.mark.parametrize("how", NO_GRADIENT.keys())
+def test_a_parameter_without_a_gradient_stays_as_it_is(how, inner, rounding):
+    """A parameter with no gradient this step (frozen, or its layer skipped) is not stepped by
+    the wrapped optimizer, and its low-precision value stays, bitwise: a fresh stochastic
+    rounding of its unchanged master would move it between its two bfloat16 neighbours (before,
+    a quarter of a frozen layer's weights moved on every step)."""
+    model = _model()
+    make = {"AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+            "AdamW fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+            "SGD momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9)}[inner]
+    opt = MasterWeights(make(model.parameters()), rounding=rounding, generator=torch.Generator().manual_seed(1))
+    kept = {}
+    for step in range(6):
+        NO_GRADIENT[how](model, step)
+        if step < 3 or how == "frozen":
+            loss = _loss(model, step)
+        else:
+            x = torch.ones(16, 8, dtype=model[0].weight.dtype)
+            loss = model[2](model[1](x)).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 2:
+            kept = {n: p.detach().clone() for n, p in model[0].named_parameters()}
+            moving = model[2].weight.detach().clone()
+    for name, p in model[0].named_parameters():
+        assert torch.equal(p, kept[name]), name
+    assert not torch.equal(model[2].weight, moving)  # (the rest trains)

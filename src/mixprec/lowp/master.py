@@ -272,6 +272,8 @@ class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself, HoldsMas
             found_inf = None
         with torch.no_grad():
             for p, master in self._pairs:
+                if master.grad is None:  # no gradient, not stepped (torch's optimizers skip it): p stays
+                    continue
                 if self.rounding == "nearest":
                     p.copy_(master)  # unchanged master (a skipped step): unchanged p
                 elif found_inf is None:

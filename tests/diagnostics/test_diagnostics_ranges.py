@@ -308,3 +308,17 @@ def test_fp8_view_matches_what_the_fp8_layer_records(recipe: str) -> None:
         assert got == pytest.approx(layer[operand]["underflow"], rel=1e-6, abs=0), operand
         assert stats.absmax == layer[operand]["amax"], operand
     assert layer["input"]["underflow"] > 0.05 and layer["grad_output"]["underflow"] > 0.01  # not vacuous
+
+
+def test_a_copy_taken_inside_the_block_adds_nothing_to_the_statistics():
+    """An EMA copy (``copy.deepcopy``) taken inside ``collect_ranges`` runs with the collector's
+    hooks copied, inert: only the collected model's own calls are counted."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    with collect_ranges(model) as rc:
+        model(torch.randn(3, 8))
+        copy.deepcopy(model)(torch.randn(5, 8) * 1e6)
+    stats = rc.results()["0"]["activation"]
+    assert stats.count == 3 * 8 and stats.absmax < 1e3

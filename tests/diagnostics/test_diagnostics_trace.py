@@ -551,3 +551,26 @@ def test_tracing_changes_nothing_the_model_computes(model_dtype, autocast_dtype,
     traced = _outputs_and_grads(model_dtype, autocast_dtype, lambda m: trace_nonfinite(m, precise=precise))
     for a, b in zip(plain, traced):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_copy_taken_inside_the_block_is_not_traced_and_the_model_pickles():
+    """An EMA copy (``copy.deepcopy``) taken inside ``trace_nonfinite`` carries the module hooks,
+    inert: its overflow is not reported as the traced model's, under the traced model's names;
+    and the traced model pickles inside the block (its hooks pickle as inert ones)."""
+    import copy
+    import pickle
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+    with trace_nonfinite(model) as tracer:
+        model(torch.randn(2, 8)).sum().backward()
+        ema = copy.deepcopy(model)
+        twin = pickle.loads(pickle.dumps(model))
+        with torch.no_grad():
+            ema[2].weight[0, 0] = twin[2].weight[0, 0] = float("inf")
+        ema(torch.randn(2, 8))
+        twin(torch.randn(2, 8))
+        assert tracer.first is None
+        with torch.no_grad():
+            model[2].weight[0, 0] = float("inf")
+        model(torch.randn(2, 8))
+    assert tracer.first is not None and tracer.first.module == "2" and tracer.first.step == 1

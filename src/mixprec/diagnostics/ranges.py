@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from mixprec.diagnostics._fp8 import FP8_FORMATS, Fp8Scaled, fp8_casts, fp8_counts
+from mixprec.diagnostics._module_hook import ModuleHook
 from mixprec.diagnostics._tensors import FLOAT32_MAX, measured
 
 __all__ = [
@@ -317,7 +318,7 @@ class RangeCollector:
         for t in (*self.model.parameters(), *self.model.buffers()):
             _bounds(t.device)  # copy the bucket bounds to each device now, not in a hook
         for name, module in self.model.named_modules():
-            self._handles.append(module.register_forward_hook(self._make_hook(name)))
+            self._handles.append(module.register_forward_hook(ModuleHook(self._make_hook(name))))
             for pname, p in module.named_parameters(recurse=False):
                 if p.requires_grad:
                     self._handles.append(p.register_hook(self._make_grad_hook(name, "weight_grad")))

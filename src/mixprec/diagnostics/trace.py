@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from mixprec.diagnostics._calls import Call, SeenTensor, min_max, stack_pairs, stats_mark, version_of
+from mixprec.diagnostics._module_hook import ModuleHook
 from mixprec.diagnostics._tensors import measured, no_autocast
 from mixprec.diagnostics.event import NonFiniteError, NonFiniteEvent, Phase
 from mixprec.fp8 import layer_state
@@ -98,10 +99,10 @@ class NonFiniteTracer:
         root = self.model
         for name, module in root.named_modules():
             self._handles.append(
-                module.register_forward_pre_hook(self._make_pre_hook(name, module is root),
+                module.register_forward_pre_hook(ModuleHook(self._make_pre_hook(name, module is root)),
                                                  with_kwargs=True)
             )
-            self._handles.append(module.register_forward_hook(self._make_post_hook(name)))
+            self._handles.append(module.register_forward_hook(ModuleHook(self._make_post_hook(name))))
             if self.backward:
                 for pname, p in module.named_parameters(recurse=False):
                     if p.requires_grad:

@@ -31,6 +31,7 @@ from typing import Any
 
 from torch import nn
 
+from mixprec._modules import unwrap
 from mixprec.export._atomic import MANIFEST, check_folder, staged
 from mixprec.export._ct import write_compressed_tensors
 from mixprec.export._layers import plan_layers
@@ -60,7 +61,9 @@ def export(model: nn.Module, folder: str | Path, format: str = "compressed-tenso
 
     ``model``: trained under ``Policy.fp8`` or converted with ``mixprec.fp8.convert`` (its fp8
     layers export in fp8; those a Guard or Controller left in fallback stay in high precision and
-    are listed in ``ignore``), or any model with ``layers=[...]`` naming the layers to quantize.
+    are listed in ``ignore``), or any model with ``layers=[...]`` naming the layers to quantize;
+    one wrapped by torch.compile, DDP or DataParallel is written as the bare model (its names and
+    tensors).
     ``stats``: a :class:`Recorder` (or :func:`load_stats`) whose windows give the static input
     scales and the KV scales through ``rule`` (default :class:`ScaleRule`: max over the last 8
     windows, margin 1); without it an fp8 layer's input scale comes from its ``LayerState``
@@ -83,16 +86,16 @@ def export(model: nn.Module, folder: str | Path, format: str = "compressed-tenso
     ``folder`` holding another checkpoint's files (weights, shard index, configs) is refused.
 
     Returns the :class:`Quantized` numbers written. Raises ValueError for an unknown format or
-    strategy, a layer without statistics, a layer the format cannot store (named: a Conv1D, a
-    tied weight, an fp4 layer for ``"torchao"``), or a ``folder`` under a file or holding another
-    checkpoint (named).
+    strategy, a layer without statistics, an inf or NaN statistic (the layer or attention named), a
+    layer the format cannot store (named: a Conv1D, a tied weight, an fp4 layer for ``"torchao"``),
+    or a ``folder`` under a file or holding another checkpoint (named).
     Host syncs: one per layer.
     """
     if format not in FORMATS:
         raise ValueError(f"export format must be one of {FORMATS}, got {format!r}")
     folder = Path(folder)
     check_folder(folder)  # before the work: staged() checks it again
-    model = gathered_copy(model)  # tensor parallelism: the full tensors (every rank calls export)
+    model = gathered_copy(unwrap(model))  # tensor parallelism: the full tensors (every rank calls export)
     plan = plan_layers(model, layers)
     q = quantize_model(model, plan, stats, rule, weight_strategy, kv_cache,
                        None if recipe is None else as_recipe(recipe))
@@ -114,7 +117,7 @@ def export(model: nn.Module, folder: str | Path, format: str = "compressed-tenso
             write_compressed_tensors(model, tmp, q)
         else:
             write_torchao(model, tmp, q)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, allow_nan=False) + "\n")
     return q
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec._modules import clean_name
 from mixprec.export._fp4 import CT_FORMATS
 from mixprec.export._layers import linear_layers
 from mixprec.export._quant import Quantized
@@ -89,7 +90,7 @@ def _check_layout(model: nn.Module, q: Quantized) -> None:
                          f"pass layers=[...] without them to keep them in high precision")
     ptrs: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        ptrs.setdefault(p.untyped_storage().data_ptr(), []).append(name)
+        ptrs.setdefault(p.untyped_storage().data_ptr(), []).append(clean_name(name))
     for fqn in [*q.layers, *q.fp4]:
         shared = [n for n in ptrs.get(linears[fqn].weight.untyped_storage().data_ptr(), []) if n != f"{fqn}.weight"]
         if shared:
@@ -99,11 +100,13 @@ def _check_layout(model: nn.Module, q: Quantized) -> None:
 
 def _tensors(model: nn.Module, q: Quantized) -> dict[str, torch.Tensor]:
     """The state dict with the fp8 and fp4 layers' weights replaced; tied tensors stored once (the first name);
-    without the layers' fp4 call counts (training state: :data:`~mixprec.formats._state.ROUNDING_KEY`)."""
+    without the layers' fp4 call counts (training state: :data:`~mixprec.formats._state.ROUNDING_KEY`). Named
+    as in the bare model (an inner torch.compile wrapper's ``_orig_mod.`` left out: :func:`clean_name`)."""
     out: dict[str, torch.Tensor] = {}
     seen: dict[tuple, str] = {}
     replaced = {f"{n}.weight" for n in [*q.layers, *q.fp4]}
     for name, t in model.state_dict(keep_vars=False).items():
+        name = clean_name(name)
         if name in replaced or name.endswith(ROUNDING_KEY):
             continue
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype) if t.numel() else None

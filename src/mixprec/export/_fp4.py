@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mixprec.export._rules import ScaleRule
+from mixprec.export._rules import ScaleRule, check_finite_amax, has_statistics
 from mixprec.fp8 import Float8Recipe, layer_state
 from mixprec.fp8.internals import fp4_quantize
 
@@ -84,7 +84,7 @@ def quantize_fp4(fqns: tuple[str, ...], r: Float8Recipe, weights: list[torch.Ten
     same ``weight_global_scale`` and what vLLM computes from them (it keeps one global scale per
     fused layer, the max over the shards) is bitwise this cast.
     Raises ValueError naming the layer when ``in`` is not a multiple of the group (16 or 32) or when
-    an NVFP4 layer's input has no statistics. One host sync."""
+    an NVFP4 layer's input has no statistics, or an inf or NaN amax. One host sync."""
     fmt = recipe_format(r)
     group = _GROUP[fmt]
     in_f = weights[0].shape[1]
@@ -101,10 +101,11 @@ def quantize_fp4(fqns: tuple[str, ...], r: Float8Recipe, weights: list[torch.Ten
     gscale = None if t.tensor_scale is None else (1.0 / t.tensor_scale.double()).float().reshape(1).cpu()
     in_gscale, amax = None, None
     if fmt == "nvfp4":
-        if history is None or not bool(history.max() > 0):
+        if not has_statistics(history):
             raise ValueError(f"export: no statistics for the input of layer {fqns[0]!r} (NVFP4's input_global_scale "
                              f"needs its amax): record them with mixprec.export.Recorder")
         amax_t = rule.amax(history).double() * rule.margin
+        check_finite_amax(amax_t, f"the input of layer {fqns[0]!r}", source)
         amax = float(amax_t)
         in_gscale = (_NVFP4_RANGE / amax_t.clamp(min=torch.finfo(torch.float32).tiny)).float().reshape(1)
     out, start = {}, 0

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mixprec._modules import named_modules, unwrap
 from mixprec.fp8 import Float8Conv1D, Float8Linear, layer_state
 from mixprec.fp8.internals import is_linear_like
 
@@ -37,8 +38,9 @@ def _is_conv1d_layout(module: nn.Module) -> bool:
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """``{fqn: module}`` of every ``nn.Linear``, transformers ``Conv1D`` and mixprec fp8 layer."""
-    return {fqn: m for fqn, m in model.named_modules() if _is_linear(m)}
+    """``{fqn: module}`` of every ``nn.Linear``, transformers ``Conv1D`` and mixprec fp8 layer, by the
+    bare model's names (a wrapper's ``_orig_mod.`` or ``module.`` is no part of them: :func:`named_modules`)."""
+    return {fqn: m for fqn, m in named_modules(model) if _is_linear(m)}
 
 
 def weight_out_in(module: nn.Module) -> torch.Tensor:
@@ -104,10 +106,12 @@ def kv_sources(model: nn.Module) -> list[KVSource]:
     """The keys and values of every attention module: those it hands to its KV cache when its forward
     takes one (transformers' attention modules: Llama, Qwen3 with ``k_norm``, GPT-2, Phi-3 with a
     fused ``qkv_proj``), else the outputs of its ``k_proj``/``v_proj`` children or the middle and
-    last thirds of a fused ``c_attn``/``qkv`` (mixprec's demo model). Cross-attention is skipped."""
+    last thirds of a fused ``c_attn``/``qkv`` (mixprec's demo model). Cross-attention is skipped.
+    Named as in the bare model (:func:`named_modules`); a wrapper (torch.compile's, which forwards
+    attribute reads to the module it wraps) is not an attention module."""
     out = []
-    for fqn, mod in model.named_modules():
-        if getattr(mod, "is_cross_attention", False):
+    for fqn, mod in named_modules(model):
+        if unwrap(mod) is not mod or getattr(mod, "is_cross_attention", False):
             continue
         prefix = f"{fqn}." if fqn else ""
         k, v = getattr(mod, "k_proj", None), getattr(mod, "v_proj", None)

@@ -11,7 +11,7 @@ from torch import nn
 
 from mixprec.export._fp4 import Fp4Layer, contradicts, forward_recipe, quantize_fp4, recipe_format
 from mixprec.export._layers import LayerPlan, fused_groups, kv_sources, linear_layers, weight_out_in
-from mixprec.export._rules import ScaleRule
+from mixprec.export._rules import ScaleRule, check_finite_amax, has_statistics
 from mixprec.fp8 import Cast, Float8Recipe, layer_state
 from mixprec.fp8.internals import INPUT, cast_to_fp8
 
@@ -84,7 +84,8 @@ def quantize_model(model: nn.Module, plan: LayerPlan, stats: Any = None, rule: S
     Layers a serving engine fuses share one scheme (:func:`_unify_fused`) and one input scale.
     KV scales: ``rule`` over the windows of the keys and values, when ``stats`` has them.
 
-    Raises ValueError naming the layer when neither holds a nonzero amax for it. Warns when the
+    Raises ValueError naming the layer when neither holds a nonzero amax for it, or naming the layer
+    or attention when the rule's amax is inf or NaN (:func:`check_finite_amax`). Warns when the
     model has attention layers and no KV statistics (a serving engine then uses a KV scale of 1.0).
     One host sync per layer.
     """
@@ -118,11 +119,13 @@ def quantize_model(model: nn.Module, plan: LayerPlan, stats: Any = None, rule: S
                                     source, rule))
             done.update(members)
             continue
-        if hist is None or not bool(hist.max() > 0):
+        if not has_statistics(hist):
             raise ValueError(f"export: no statistics for the input of layer {fqn!r}: record them during training "
                              f"with mixprec.export.Recorder, or run batches under mixprec.export.calibrate(model)")
+        amax = rule.amax(hist)
+        check_finite_amax(amax, f"the input of layer {fqn!r}", source)
         q, ws = quantize_weight(weight_out_in(linears[fqn]), strategy)
-        layers[fqn] = QuantizedLayer(q.cpu(), ws.cpu(), rule.scale(hist), float(rule.amax(hist)), source)
+        layers[fqn] = QuantizedLayer(q.cpu(), ws.cpu(), rule.scale(hist), float(amax), source)
     kv: dict[str, dict[str, torch.Tensor]] = {}
     sites: dict[str, str] = {}
     sources = kv_sources(model)
@@ -135,7 +138,9 @@ def quantize_model(model: nn.Module, plan: LayerPlan, stats: Any = None, rule: S
         for src in sources:
             name = f"{src.attention}:{src.which}"
             hist = series.get(name)
-            if hist is not None and hist.numel() and bool(hist.max() > 0):
+            if has_statistics(hist):
+                check_finite_amax(rule.amax(hist), f"the {'keys' if src.which == 'k' else 'values'} of attention "
+                                  f"{src.attention!r}", "recorded windows")
                 kv.setdefault(src.attention, {})[f"{src.which}_scale"] = rule.scale(hist.cpu())
                 sites[name] = recorded_sites.get(name, src.site)
         if sources and not kv:
@@ -205,7 +210,7 @@ def _unify_fused(linears: dict[str, nn.Module], scheme: dict[str, str], kept: di
 def _input_history(module: nn.Module, recorded: torch.Tensor | None) -> tuple[torch.Tensor | None, str]:
     """The input's window amaxes (on the CPU) and where they came from: the recorded windows, else the
     one window of the layer's ``LayerState``; None when neither exists."""
-    if recorded is not None and recorded.numel() and bool(recorded.max() > 0):
+    if has_statistics(recorded):
         return recorded.cpu(), "recorded windows"
     st = layer_state(module, create=False)
     return (st.window_amax(INPUT).detach().cpu() if st is not None else None), "fp8 LayerState (one window)"

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from mixprec._modules import named_modules
 from mixprec.export._layers import CACHE_ARGUMENTS, KVSource, kv_sources, linear_layers, plan_layers
 from mixprec.export._fp4 import forward_recipe
 from mixprec.fp8 import Cast, Float8Conv1D, Float8Linear, Float8Recipe, layer_state
@@ -74,23 +75,28 @@ class Recorder:
     """Records, on the device and without host syncs, the amax of every linear layer's input and
     of every attention layer's keys and values, as a history of windows.
 
-    Forward hooks on the layers: each call raises the open window's running max; :meth:`step`
-    (once per optimizer step) closes the window every ``every`` steps (match ``Guard(every=...)``
-    to have the windows of the fp8 statistics). :func:`mixprec.export.export` turns the history
-    into static scales with a :class:`ScaleRule`. The keys and values are what an attention module
-    hands its KV cache (after RoPE and any ``k_norm``: what an fp8 KV cache stores, where
-    compressed-tensors' KV hooks observe them): a forward pre-hook passes the module a stand-in for
-    its cache argument (``cache``/``past_key_values``) whose ``update`` reports them and then is the
-    real cache's (or returns them as they are when the call had none). A module without a cache
-    argument (mixprec's demo model) is measured at its ``k_proj``/``v_proj`` outputs or the middle
-    and last thirds of a fused ``c_attn``/``qkv`` (see :class:`KVSource`).
+    Forward hooks on the layers: each call raises the open step's running max; :meth:`step`
+    (once per optimizer step) folds the step into the open window and closes the window every
+    ``every`` steps (match ``Guard(every=...)`` to have the windows of the fp8 statistics). A step
+    whose amaxes are not all finite (an inf or NaN input: a step a loss scaler skips) is left out
+    of its window, decided on the device; a window of such steps only is left out of ``history``.
+    :func:`mixprec.export.export` turns the history into static scales with a :class:`ScaleRule`.
+    The keys and values are what an attention module hands its KV cache (after RoPE and any
+    ``k_norm``: what an fp8 KV cache stores, where compressed-tensors' KV hooks observe them): a
+    forward pre-hook passes the module a stand-in for its cache argument
+    (``cache``/``past_key_values``) whose ``update`` reports them and then is the real cache's (or
+    returns them as they are when the call had none). A module without a cache argument (mixprec's
+    demo model) is measured at its ``k_proj``/``v_proj`` outputs or the middle and last thirds of a
+    fused ``c_attn``/``qkv`` (see :class:`KVSource`).
 
     A layer converted by :func:`mixprec.fp8.convert` gives the amax its fp8 input cast measured
     (no extra reduction); any other layer's hook takes the amax of the input as the module receives
     it (before an autocast cast: rounding is monotonic, so the amax of the cast input is the cast
     of this amax). Remove them with
-    :meth:`close` (or use it as a context manager). ``history`` keeps the last ``keep`` windows.
-    Create it after :func:`mixprec.fp8.convert` (which replaces the modules it would hook).
+    :meth:`close` (or use it as a context manager). ``history`` keeps the last ``keep`` windows
+    (less those left out). Create it after :func:`mixprec.fp8.convert` (which replaces the modules
+    it would hook). ``model`` may be wrapped (torch.compile, DDP): the series are named as in the
+    bare model.
 
     Example:
         >>> import torch
@@ -113,10 +119,13 @@ class Recorder:
         #: series names: ``"<layer>:input"`` then ``"<attention>:k"`` / ``"<attention>:v"``
         self.names: list[str] = [f"{n}:input" for n in layers] + [f"{s.attention}:{s.which}" for s in self.kv]
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self._window = torch.zeros(len(self.names), device=device)
-        self._windows: list[torch.Tensor] = []
+        self._step = torch.zeros(len(self.names), device=device)  # the open step's amaxes
+        self._window = torch.zeros(len(self.names), device=device)  # the max over the window's finite steps
+        self._window_finite = torch.zeros((), dtype=torch.bool, device=device)  # a finite step is in it
+        self._windows: list[torch.Tensor] = []  # closed windows; NaN: none of its steps was finite
         self._steps = 0
-        self._seen = False
+        self._stepped = False  # a forward ran in the open step
+        self._seen = False  # a step with a forward was folded into the open window
         self._handles = []
         for i, (fqn, mod) in enumerate(layers.items()):
             self._handles.append(mod.register_forward_hook(self._input_hook(i)))
@@ -127,16 +136,29 @@ class Recorder:
                 src.layer if src.cache is None else src.attention, []).append((len(layers) + j, src))
         for fqn, sources in by_layer.items():
             self._handles.append(layers[fqn].register_forward_hook(self._output_hook(sources)))
+        modules = dict(named_modules(model))
         for fqn, sources in by_attention.items():
-            attn = model.get_submodule(fqn)
+            attn = modules[fqn]
             self._handles.append(attn.register_forward_pre_hook(self._cache_hook(attn, sources[0][1].cache, sources),
                                                                 with_kwargs=True))
 
     def _raise(self, i: int, amax: torch.Tensor) -> None:
-        if self._window.device != amax.device:
-            self._window = self._window.to(amax.device)
-        self._window[i] = torch.maximum(self._window[i], amax)
-        self._seen = True
+        if self._step.device != amax.device:
+            self._step, self._window, self._window_finite = (
+                t.to(amax.device) for t in (self._step, self._window, self._window_finite))
+        self._step[i] = torch.maximum(self._step[i], amax)  # (an inf stays, a NaN propagates)
+        self._stepped = True
+
+    def _fold_step(self) -> None:
+        """Fold the open step's amaxes into the window when they are all finite (else leave them out),
+        on the device."""
+        if not self._stepped:
+            return
+        finite = torch.isfinite(self._step).all()
+        torch.maximum(self._window, self._step.where(finite, 0.0), out=self._window)
+        self._window_finite.logical_or_(finite)
+        self._step.zero_()
+        self._stepped, self._seen = False, True
 
     def _input_hook(self, i: int) -> Any:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
@@ -177,25 +199,31 @@ class Recorder:
         return hook
 
     def step(self) -> None:
-        """Count one optimizer step; every ``every`` steps close the window (no host sync)."""
+        """Count one optimizer step (its amaxes join the window when all are finite); every ``every``
+        steps close the window (no host sync)."""
+        self._fold_step()
         self._steps += 1
         if self._steps % self.every == 0:
             self.end_window()
 
     def end_window(self) -> None:
-        """Close the open window now (if any forward ran in it)."""
+        """Close the open window now (if any forward ran in it), the open step with it."""
+        self._fold_step()
         if self._seen:
-            self._windows.append(self._window.clone())
+            self._windows.append(self._window.where(self._window_finite, torch.nan))
             self._windows = self._windows[-self.keep:]
             self._window.zero_()
+            self._window_finite.zero_()
             self._seen = False
 
     @property
     def history(self) -> torch.Tensor:
-        """``(windows, series)`` float32 amaxes of the closed windows (series: :attr:`names`)."""
+        """``(windows, series)`` float32 amaxes of the closed windows (series: :attr:`names`), those
+        without a finite step left out (one host sync)."""
         if not self._windows:
             return torch.zeros(0, len(self.names), device=self._window.device)
-        return torch.stack(self._windows)
+        h = torch.stack(self._windows)
+        return h[h.isfinite().all(1)]
 
     @property
     def kv_sites(self) -> dict[str, str]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ScaleRule", "E4M3_MAX", "static_scale"]
+__all__ = ["ScaleRule", "E4M3_MAX", "check_finite_amax", "has_statistics", "static_scale"]
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
@@ -16,6 +16,23 @@ def static_scale(amax: torch.Tensor) -> torch.Tensor:
     """The dequantization scale (compressed-tensors' and vLLM's ``input_scale``, ``k_scale``):
     ``float32(max(amax, 1e-12) / 448)`` computed in float64, shape ``(1,)``."""
     return (amax.double().clamp(min=1e-12) / E4M3_MAX).float().reshape(1)
+
+
+def has_statistics(history: torch.Tensor | None) -> bool:
+    """Whether ``history`` holds a window amax other than 0 (an inf or NaN one too: it is refused by
+    :func:`check_finite_amax`, not taken for no statistics)."""
+    return history is not None and bool(history.ne(0).any())
+
+
+def check_finite_amax(amax: torch.Tensor, what: str, source: str) -> None:
+    """Refuse (ValueError naming ``what``, e.g. ``"the input of layer 'fc'"``) a 0-d ``amax`` that is inf
+    or NaN: a static scale from it makes the served layer compute NaN (an ``input_global_scale`` of 0)."""
+    if not bool(torch.isfinite(amax)):
+        raise ValueError(
+            f"export: the amax of {what} is {float(amax)} ({source}): a window of it saw an inf or NaN "
+            f"(a step a loss scaler skipped, or a diverged run), and a static scale from it would serve NaN; "
+            f"record the statistics with mixprec.export.Recorder (it leaves such steps out) and pass stats=, "
+            f"or choose a ScaleRule(windows=...) whose windows exclude it")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixprec._modules import named_modules
 from mixprec.export._ct import WEIGHTS_NAME
 from mixprec.export._rules import E4M3_MAX
 
@@ -48,7 +49,8 @@ class StaticFloat8Linear(nn.Module):
 def load_static(model: nn.Module, folder: str | Path, scale_dtype: torch.dtype | None = None) -> nn.Module:
     """Swap, in place, each layer that the compressed-tensors export in ``folder`` stores in fp8 for a
     :class:`StaticFloat8Linear` with the exported bytes and scales (the other layers keep their
-    weights). Returns ``model``. ``scale_dtype``: read the (float32) scales in that dtype, as
+    weights), by the bare model's names (``model`` may be wrapped: torch.compile, DDP). Returns
+    ``model``. ``scale_dtype``: read the (float32) scales in that dtype, as
     transformers' compressed-tensors integration does for a bf16/fp16 model (it creates the scale
     parameters in the model's dtype); None keeps float32, as vLLM reads them. Raises ValueError when
     ``folder`` is not such an export, names a layer the model does not have, or holds fp4 layers
@@ -69,7 +71,7 @@ def load_static(model: nn.Module, folder: str | Path, scale_dtype: torch.dtype |
                          f"(NVFP4/MXFP4: {fp4[0]!r}{' ...' if len(fp4) > 1 else ''}); read it with transformers "
                          f"(from_pretrained(folder, dtype=torch.bfloat16)) or compressed-tensors' decompress_model")
     fp8 = [k[:-len(".input_scale")] for k in tensors if k.endswith(".input_scale")]
-    modules = dict(model.named_modules())
+    modules = dict(named_modules(model))
     missing = [n for n in fp8 if n not in modules]
     if missing:
         raise ValueError(f"{folder}: layers {missing} are not in the model")
@@ -80,5 +82,5 @@ def load_static(model: nn.Module, folder: str | Path, scale_dtype: torch.dtype |
             ws, xs = ws.to(scale_dtype), xs.to(scale_dtype)
         new = StaticFloat8Linear(tensors[f"{fqn}.weight"], ws, xs, bias)
         parent, _, child = fqn.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
+        setattr(modules[parent], child, new)
     return model

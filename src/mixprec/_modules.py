@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec._dtype_names import SHORT_NAMES
 from mixprec._tree import tracing as _tracing
 
 __all__ = ["ModuleRule", "NORM_TYPES", "compile_names", "WRAPPER_KEYS", "is_wrapper_key", "unwrap", "named_modules",
@@ -200,8 +201,10 @@ class ModuleRule:
     def __post_init__(self) -> None:
         if _tracing():  # see mixprec._tree.refuse_tracing
             raise RuntimeError("build mixprec ModuleRules and Policies outside torch.compile")
-        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
-            raise ValueError(f"ModuleRule dtype must be a floating torch.dtype, got {self.dtype!r}")
+        if not isinstance(self.dtype, torch.dtype) or self.dtype not in SHORT_NAMES:
+            raise ValueError(f"ModuleRule dtype must be torch.float32, torch.bfloat16 or torch.float16 (what a "
+                             f"module runs in under autocast, and what a policy's text and JSON forms hold), "
+                             f"got {self.dtype!r}")
         types = self.types
         if isinstance(types, type):
             types = (types,)

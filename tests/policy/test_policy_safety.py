@@ -222,3 +222,28 @@ def test_loading_a_policy_with_state_says_where_its_state_comes_from(state, tmp_
         Policy.load(tmp_path / "p.json", **{state: type(obj)(every=7)})
     with pytest.raises(ValueError, match=f"no {state}|cannot use it"):
         Policy.from_json(Policy.parse("bf16").fp8().to_json(), **{state: mine})
+
+
+UNSAVABLE_DTYPES = {  # each way of building a policy with a dtype its text and JSON forms cannot hold
+    "compute float64": lambda: Policy(compute=torch.float64),
+    "output float64": lambda: Policy(output=torch.float64),
+    "params float8": lambda: Policy(params=torch.float8_e4m3fn),
+    "keep in float64": lambda: Policy(compute=torch.bfloat16).keep(types=(nn.Linear,), dtype=torch.float64),
+    "keep in float8": lambda: Policy(compute=torch.bfloat16).keep(types=(nn.Linear,), dtype=torch.float8_e4m3fn),
+    "a module rule in int8": lambda: ModuleRule(torch.int8, names="x"),
+}
+
+
+@pytest.mark.parametrize("make", UNSAVABLE_DTYPES.values(), ids=UNSAVABLE_DTYPES.keys())
+def test_a_dtype_the_policy_files_refuse_is_refused_when_built(make):
+    """Built, loaded or parsed, one validation: a policy in float64 or float8 would not save and
+    load back, and a keep rule in float8 ran its module in float8 with no word (torch.autocast
+    warns and turns itself off for such a dtype)."""
+    with pytest.raises(ValueError, match=r"must be torch\.float32, torch\.bfloat16 or torch\.float16"):
+        make()
+
+
+def test_every_dtype_a_policy_accepts_saves_and_loads_back():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        policy = Policy(compute=dtype, output=dtype, params=dtype).keep(types=(nn.LayerNorm,), dtype=dtype)
+        assert Policy.parse(str(policy)) == policy == Policy.from_json(policy.to_json())

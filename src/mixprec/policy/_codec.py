@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from mixprec import ops as _ops
-from mixprec._dtype_names import DTYPE_NAMES, dtype_name, parse_dtype
+from mixprec._dtype_names import DTYPE_NAMES, SHORT_NAMES, dtype_name, parse_dtype
 from mixprec._modules import ModuleRule
 from mixprec._ops_names import check_castable, rule_names
 
@@ -177,8 +177,10 @@ _FP32_FORMS: Mapping[str, str] | None = None  # a cache: the CUDA table is read 
 
 
 def check_dtype(what: str, dtype: object, allow_none: bool) -> None:
-    """Raise ValueError unless ``dtype`` is a floating torch.dtype (or None, with ``allow_none``)."""
+    """Raise ValueError unless ``dtype`` is float32, bfloat16 or float16 (or None, with
+    ``allow_none``): the dtypes the policy's text and JSON forms hold, so that every built policy
+    saves and loads back."""
     if dtype is None and allow_none:
         return
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"Policy.{what} must be a floating torch.dtype, got {dtype!r}")
+    if not isinstance(dtype, torch.dtype) or dtype not in SHORT_NAMES:
+        raise ValueError(f"Policy.{what} must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")

@@ -286,3 +286,22 @@ def test_convert_says_which_selected_subclasses_it_does_not_swap():
                                          r"nn.Linear and transformers Conv1D modules"):
         fp8.convert(model)
     assert [type(m).__name__ for m in model] == ["Linear", "Scaled", "Float8Linear", "Linear"]
+
+
+WRAPPERS = {
+    "torch.compile": torch.compile,
+    "DataParallel": nn.DataParallel,
+}
+
+
+@pytest.mark.parametrize("wrap", WRAPPERS.values(), ids=WRAPPERS.keys())
+def test_a_wrapped_model_is_converted_under_the_bare_model_names(wrap):
+    """``fp8.convert(torch.compile(model))``: ``filter_fn`` and the layers' states see the bare
+    model's names, as a policy and the Guard, Controller and export name them (before,
+    ``_orig_mod.2``: a filter on ``"2"`` converted nothing, and said so only as "no layer")."""
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Sequential(nn.Linear(32, 16)))
+    seen = []
+    fp8.convert(wrap(model), "tensorwise", filter_fn=lambda m, fqn: seen.append(fqn) or fqn == "2.0")
+    assert seen == ["0", "2.0"]
+    assert type(model[0]) is nn.Linear and type(model[2][0]).__name__ == "Float8Linear"
+    assert fp8.layer_state(model[2][0]).name == "2.0"

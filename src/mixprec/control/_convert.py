@@ -44,8 +44,9 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     transformers' ``Conv1D`` ones for :class:`Float8Conv1D`, in place.
 
     ``filter_fn(module, fqn) -> bool`` picks the layers (every ``nn.Linear`` and ``Conv1D`` is
-    offered); by default :func:`select_layers` decides (dims multiples of 16, first and last
-    kept). The parameters are shared and the state dict keys do not change. Each
+    offered, under its name in the bare model: a torch.compile or DDP wrapper adds no part); by
+    default :func:`select_layers` decides (dims multiples of 16, first and last kept). The
+    parameters are shared and the state dict keys do not change. Each
     :class:`~mixprec.fp8.GroupedExperts` (a mixture of experts' experts) in high precision is
     given ``recipe`` in place (``filter_fn`` is offered it too; by default every one whose
     features are multiples of 16 and of the recipe's blocks): each expert is cast with its own
@@ -97,15 +98,16 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
         filter_fn = lambda mod, fqn: id(mod) in chosen  # noqa: E731
     conv1d = conv1d_class()
     swappable = lambda mod: type(mod) is nn.Linear or (conv1d is not None and type(mod) is conv1d)  # noqa: E731
-    swaps = [(fqn, mod) for fqn, mod in model.named_modules() if swappable(mod) and filter_fn(mod, fqn)]
+    bare = {id(mod): fqn for fqn, mod in named_modules(model)}  # (filter_fn and errors: the bare model's names)
+    swaps = [(fqn, mod) for fqn, mod in model.named_modules() if swappable(mod) and filter_fn(mod, bare[id(mod)])]
     if not by_user:
-        for fqn, mod in model.named_modules():
+        for fqn, mod in named_modules(model):
             if id(mod) in chosen and not swappable(mod):
                 warn_once(model, f"fp8.convert: layer {fqn!r} ({type(mod).__name__}) is selected, but convert "
                                  f"swaps only nn.Linear and transformers Conv1D modules, not subclasses: it stays "
                                  f"as it is (Policy.fp8 runs subclasses whose forward calls F.linear)")
     blocks = recipe.block_multiple
-    unfit = [f"{fqn!r} ({' x '.join(map(str, features(mod)))})" for fqn, mod in swaps
+    unfit = [f"{bare[id(mod)]!r} ({' x '.join(map(str, features(mod)))})" for _, mod in swaps
              if any(f % blocks for f in features(mod))]
     if unfit:
         raise ValueError(f"fp8.convert: {', '.join(unfit)} {'has features that are' if len(unfit) == 1 else 'have features'}"
@@ -120,7 +122,7 @@ def convert(model: nn.Module, recipe: Float8Recipe | str = "tensorwise", *,
     for fqn, mod in swaps:
         new = (Float8Linear.from_linear(mod, recipe, backend) if type(mod) is nn.Linear
                else Float8Conv1D.from_conv1d(mod, recipe, backend))
-        layer_state(new).name = fqn  # (for errors: the tensor-parallel checks name the layer)
+        layer_state(new).name = bare[id(mod)]  # (for errors: the tensor-parallel checks name the layer)
         if fsdp_fp8_all_gather:
             wrap_weight(new, recipe, weights)
             wrapped.append((fqn, new))
@@ -147,22 +149,23 @@ def convert_experts(model: nn.Module, recipe: Float8Recipe, backend: str,
     ``filter_fn`` picks; by default every one whose features are multiples of 16 and of the
     recipe's blocks, the others warned about); returns their names."""
     chosen = []
-    for fqn, mod in model.named_modules():
+    for fqn, mod in named_modules(model):  # (the bare model's names: filter_fn's, the warnings')
         if not isinstance(mod, GroupedExperts) or mod.recipe is not None:
             continue
         if filter_fn is not None:
             if filter_fn(mod, fqn):
-                chosen.append(fqn)
+                chosen.append(mod)
             continue
         multiple = max(16, recipe.block_multiple)
         if mod.dim % multiple or mod.hidden_dim % multiple:
             warn_once(model, f"fp8: GroupedExperts {fqn!r}: dim={mod.dim}, hidden_dim={mod.hidden_dim} are not "
                              f"multiples of {multiple}; it stays in the compute dtype")
         else:
-            chosen.append(fqn)
-    for fqn in chosen:
-        model.get_submodule(fqn).set_recipe(recipe, backend)
-    return chosen
+            chosen.append(mod)
+    for mod in chosen:
+        mod.set_recipe(recipe, backend)
+    names = {id(mod): fqn for fqn, mod in named_modules(model)}
+    return [names[id(mod)] for mod in chosen]
 
 
 def unconvert(model: nn.Module) -> nn.Module:

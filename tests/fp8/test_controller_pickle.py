@@ -91,3 +91,47 @@ def test_deepcopy_shares_the_layers_as_before():
     _train(run, "controller", range(7), [])
     twin = copy.deepcopy(run["controller"])
     assert twin.precisions() == run["controller"].precisions() and twin.steps == 7
+
+
+def _outlier(module: nn.Module, args: tuple) -> tuple:
+    h = args[0].clone()
+    h[0, 0] = 1e6  # (tensorwise: the rest of the input flushes)
+    return (h,)
+
+
+def _guarded_run(copy_at: int | None, how: Any = None, steps: int = 4) -> tuple[list, Any, Any]:
+    """A Guard(every=1) on 4 converted Linears; an outlier in layer 2's input at step 2; the
+    model and guard replaced by ``how((model, guard))`` before step ``copy_at``."""
+    torch.manual_seed(0)
+    guard = fp8.Guard(every=1)
+    model = fp8.convert(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]), "tensorwise", guard=guard,
+                        filter_fn=lambda m, f: True)
+    original, decisions = (model, guard), []
+    for step in range(steps):
+        if step == copy_at:
+            model, guard = how((model, guard))
+        hook = model[2].register_forward_pre_hook(_outlier) if step == 2 else None
+        model(torch.randn(16, 32, generator=torch.Generator().manual_seed(step))).tanh().mean().backward()
+        if hook is not None:
+            hook.remove()
+        decisions += [(d.layer, d.operand, d.statistic, d.step) for d in guard.step()]
+    return decisions, model, original
+
+
+COPIES = {"pickle": lambda pair: pickle.loads(pickle.dumps(pair)), "deepcopy": copy.deepcopy}
+
+
+@pytest.mark.parametrize("how", COPIES.values(), ids=COPIES.keys())
+def test_a_guard_copied_with_its_model_judges_the_next_window_of_the_copy(how):
+    """Copied with its converted model right before a step whose input underflows, the copy's
+    guard falls that layer back at that step, as the straight run's does (before: pickled, its
+    first check loaded the saved window over the one just recorded and missed it; deep-copied, it
+    watched the original's layers and reset the original's fallback flags), and the original
+    is left as it was."""
+    straight, _, _ = _guarded_run(None)
+    assert [d[0] for d in straight] == ["2", "3"]
+    decisions, model, (original, original_guard) = _guarded_run(2, how)
+    assert decisions == straight
+    assert fp8.layer_state(model[2]).fallback and not fp8.layer_state(original[2]).fallback
+    assert fp8.layer_state(model[2]) is not fp8.layer_state(original[2])
+    assert not original_guard.decisions

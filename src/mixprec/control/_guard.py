@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import warnings
@@ -246,7 +247,17 @@ class Guard(Shell):
     def __setstate__(self, state: Mapping[str, Any]) -> None:
         self.__dict__.update(Guard.from_config(state["settings"]).__dict__)
         self.load_state_dict(state["state"])
-        self._states.update(state["tracked"])  # alive while their model is: a guard pickled alone tracks none
+        tracked = state["tracked"]  # alive while their model is: a guard pickled alone tracks none
+        self._states.update(tracked)
+        for name in tracked:  # (their windows came with them: a later track() must not load the saved ones over
+            self._pending.pop(name, None)  # what they record from now on)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """Every attribute copied, the tracked layer states too (through ``memo``: copied with their
+        model, the copy tracks the copied model's layers; copied alone, it tracks none)."""
+        new = super().__deepcopy__(memo)
+        new._states = weakref.WeakValueDictionary({n: copy.deepcopy(st, memo) for n, st in self._states.items()})
+        return new
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a bitwise resume needs, as plain data: ``{"steps": n, "decisions": {layer:

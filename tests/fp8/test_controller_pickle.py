@@ -1,6 +1,7 @@
 """A Controller and a Guard pickle (``pickle``, ``torch.save`` of the objects) with a converted
 model: unpickled mid-run, the run goes on bitwise as the uninterrupted one (decisions, outputs,
-weights), as with ``state_dict``; ``copy.deepcopy`` copies them as before."""
+weights), as with ``state_dict``; so does ``copy.deepcopy`` (a Controller copies as it pickles, its records
+taken over when reached; a Guard with its model's layer states)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch import nn
 from mixprec import Controller, fp8
 
 STEPS, PICKLE_AT = 60, 23
+COPIES = {"pickle": lambda pair: pickle.loads(pickle.dumps(pair)), "deepcopy": copy.deepcopy}
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,15 +57,16 @@ def _decisions(run: dict[str, Any], judge: str) -> list:
     return sorted(run[judge].decisions.items())
 
 
+@pytest.mark.parametrize("how", COPIES.values(), ids=COPIES.keys())
 @pytest.mark.parametrize("judge", ["controller", "guard"])
-def test_pickled_mid_run_resumes_bitwise(judge):
+def test_pickled_mid_run_resumes_bitwise(judge, how):
     whole, outputs = _setup(judge), []
     _train(whole, judge, range(STEPS), outputs)
     assert _decisions(whole, judge), "the drift should move a layer"
 
     run, resumed = _setup(judge), []
     _train(run, judge, range(PICKLE_AT), resumed)
-    run = pickle.loads(pickle.dumps(run))  # model, optimizer and controller/guard in one pickle
+    run = how(run)  # model, optimizer and controller/guard in one pickle (before: a deep copy's next switch raised)
     if judge == "controller":
         assert run[judge].steps == PICKLE_AT
         run[judge].track(run["model"])  # the converted layers: controlled again, from the pickled state
@@ -86,11 +89,11 @@ def test_a_pickled_controller_alone_holds_its_state_dict():
     assert pickle.loads(pickle.dumps(guard)).state_dict() == guard.state_dict()
 
 
-def test_deepcopy_shares_the_layers_as_before():
+def test_a_deep_copy_of_a_controller_alone_holds_its_state_dict():
     run = _setup("controller")
-    _train(run, "controller", range(7), [])
+    _train(run, "controller", range(PICKLE_AT), [])
     twin = copy.deepcopy(run["controller"])
-    assert twin.precisions() == run["controller"].precisions() and twin.steps == 7
+    assert twin == run["controller"] and twin.state_dict() == run["controller"].state_dict() and twin.steps == PICKLE_AT
 
 
 def _outlier(module: nn.Module, args: tuple) -> tuple:
@@ -118,9 +121,6 @@ def _guarded_run(copy_at: int | None, how: Any = None, steps: int = 4) -> tuple[
     return decisions, model, original
 
 
-COPIES = {"pickle": lambda pair: pickle.loads(pickle.dumps(pair)), "deepcopy": copy.deepcopy}
-
-
 @pytest.mark.parametrize("how", COPIES.values(), ids=COPIES.keys())
 def test_a_guard_copied_with_its_model_judges_the_next_window_of_the_copy(how):
     """Copied with its converted model right before a step whose input underflows, the copy's
@@ -135,3 +135,15 @@ def test_a_guard_copied_with_its_model_judges_the_next_window_of_the_copy(how):
     assert fp8.layer_state(model[2]).fallback and not fp8.layer_state(original[2]).fallback
     assert fp8.layer_state(model[2]) is not fp8.layer_state(original[2])
     assert not original_guard.decisions
+
+
+def test_a_controller_deep_copied_with_a_converted_model_says_to_track_it():
+    """As after unpickling, the copy controls the converted layers once ``ctl.track(model)`` is
+    called (bitwise: ``test_pickled_mid_run_resumes_bitwise``); without it, its steps warn that it
+    tracks no layer (before: its records' probes were dropped by the copy, and its first switch
+    raised AttributeError)."""
+    run = _setup("controller")
+    _train(run, "controller", range(PICKLE_AT), [])
+    run = copy.deepcopy(run)
+    with pytest.warns(UserWarning, match="tracks no fp8 layer"):
+        _train(run, "controller", range(PICKLE_AT, STEPS), [])

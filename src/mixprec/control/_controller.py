@@ -99,10 +99,8 @@ class Controller(Shell):
         return list(self._log)
 
     def precision(self, layer: str, gemm: str | None = None) -> str:
-        """The format ``layer`` (its qualified name) runs in now: ``"fp8-tensorwise"``, ``"fp8-rowwise"``,
-        ``"nvfp4"``, ``"bf16"``/``"fp16"`` (the compute dtype) or ``"fp32"``; with ``gemm`` (``"output"``,
-        ``"grad_input"``, ``"grad_weight"``), that GEMM's (the layer's is its forward GEMM's; they differ only under ``per_gemm=True``).
-        Raises KeyError naming the layers it knows when it does not know ``layer``, ValueError for an unknown ``gemm``."""
+        """The format ``layer`` runs in now (``"nvfp4"``, ``"fp8-tensorwise"``, ``"bf16"``, ...); with ``gemm``
+        (``"output"``, ...), that GEMM's. KeyError (naming the known layers), ValueError: an unknown layer, gemm."""
         if layer not in self._layers:
             raise KeyError(f"Controller.precision: no fp8 layer {layer!r}; it controls {sorted(self._layers)} "
                            f"(layers are known after the policy's first forward)")
@@ -309,18 +307,21 @@ class Controller(Shell):
 
     # ----------------------------------------------------------------- checkpoints
     def __getstate__(self) -> dict[str, Any]:
-        """Pickling: the settings and :meth:`state_dict` (a host sync per layer); unpickled, it takes
-        each layer over when next reached (a policy's forward, or ``ctl.track(model)``)."""
+        """Pickling and deepcopy: the settings and :meth:`state_dict`; each layer retaken when reached (or ``track``)."""
         return {"config": self.config(), "state": self.state_dict()}
 
     def __setstate__(self, state: Mapping[str, Any]) -> None:
         self.__dict__.update(Controller.from_config(state["config"]).__dict__)
         self.load_state_dict(state["state"])
 
+    def __deepcopy__(self, memo: dict) -> Controller:  # (a copied record would hold no probe; the group: shared)
+        memo[id(self)] = new = Controller(self.settings, process_group=self._process_group)
+        new.load_state_dict(self.state_dict())
+        return new
+
     def state_dict(self) -> dict[str, Any]:
-        """Everything a bitwise resume needs, as plain data: the step count, the log, and per layer
-        its rung, trends, hysteresis counters, open windows (this rank's: save it on every rank) and
-        fp4 call count (``rounding_step``). Reads the device windows: one host sync per layer."""
+        """Everything a bitwise resume needs, as plain data: the step count, the log, and per layer its rung,
+        trends, counters, open windows (this rank's) and fp4 call count. One host sync per layer (the windows)."""
         layers = {n: dict(d) for n, d in self._pending.items()}
         for name, rec in self._layers.items():
             layers[name] = layer_data(self.settings, rec)
@@ -341,8 +342,7 @@ class Controller(Shell):
             self._apply(rec)
 
     def _detached(self, name: str, meta: Mapping[str, Any]) -> LayerRecord:
-        """The record of a layer a peer has run and this rank not yet (:func:`detached_record`,
-        with this rank's loaded state of it if any); the layer takes it over at its first forward."""
+        """The record (:func:`detached_record`) of a layer a peer ran and this rank not yet (taken at its forward)."""
         rec = detached_record(self.settings, meta, self._pending.pop(name, meta))
         self._probe(rec)
         self._apply(rec)

@@ -264,3 +264,29 @@ def test_a_recipe_named_in_a_policy_is_one_frozen_value():
     for _ in range(2):
         with pytest.raises(ValueError, match="unknown fp8 recipe"):
             as_recipe("nvfp5")
+
+
+LOST_IN_FLOAT32 = {  # a policy in float32 (autocast off): what it asked for the modules runs nothing
+    "an fp8 rule": Policy(compute=torch.float32).fp8("tensorwise", first_last="fp8"),
+    "a keep rule": Policy(compute=torch.float32).keep(types=(nn.LayerNorm,), dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("policy", LOST_IN_FLOAT32.values(), ids=LOST_IN_FLOAT32.keys())
+def test_a_float32_policy_says_its_module_rules_do_nothing(policy):
+    """torch turns autocast off for float32 and warns in general terms; the warning also says that
+    the policy's fp8 and module rules do nothing, and how to get fp8 layers in a float32 model
+    (before, the rule was silently dropped: no layer state, nothing in fp8). A plain float32
+    policy keeps torch's words alone."""
+    model = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32))
+    with pytest.warns(UserWarning, match=r"is not supported\. Disabling autocast\..*rules then do nothing"):
+        with mixprec.autocast("cpu", policy=policy):
+            out = model(torch.randn(4, 32))
+    assert out.dtype == torch.float32 and not fp8.layer_states(model)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with mixprec.autocast("cpu", policy=Policy(compute=torch.float32)):
+            model(torch.randn(4, 32))
+    assert [str(w.message) for w in seen] == [
+        "In CPU autocast, but the target dtype torch.float32 is not supported. Disabling autocast. "
+        "Autocast only supports torch.bfloat16 and torch.float16."]

@@ -125,9 +125,12 @@ def _resolve(device_type: str, dtype: torch.dtype | str | None, enabled: bool,
                 "Current CUDA Device does not support bfloat16. Please switch dtype to float16."
             )
     if enabled and dtype not in (torch.bfloat16, torch.float16):
+        lost = "" if policy.fp8_rule is None and not policy.module_rules else (
+            " This policy's fp8 rule and module rules then do nothing either: set compute=bf16 or fp16, or run "
+            "fp8 layers in a float32 model with mixprec.fp8.convert(model, recipe).")
         warnings.warn(
             f"In {device_type.upper()} autocast, but the target dtype {dtype} is not supported. "
-            "Disabling autocast. Autocast only supports torch.bfloat16 and torch.float16.",
+            f"Disabling autocast. Autocast only supports torch.bfloat16 and torch.float16.{lost}",
             stacklevel=3,
         )
         enabled = False

@@ -11,6 +11,7 @@ from torch import nn
 import mixprec
 from mixprec import fp8
 from mixprec.export import Recorder, ScaleRule, load_static
+from test_export_nonfinite import _Block
 
 pytest.importorskip("safetensors", reason="safetensors is not installed")
 
@@ -18,17 +19,6 @@ BATCHES = [torch.randn(8, 32, generator=torch.Generator().manual_seed(i)) * (8.0
 #: the last window only: the LayerState's window (the max over both) would give other input scales
 RULE = ScaleRule(windows=1)
 SERIES = ["0:input", "1.k_proj:input", "1.v_proj:input", "1.up:input", "1.down:input", "2:input", "1:k", "1:v"]
-
-
-class _Block(nn.Module):
-    """Keys and values measured at ``k_proj``/``v_proj`` (no KV cache argument), then an MLP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.k_proj, self.v_proj, self.up, self.down = (nn.Linear(32, 32) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.relu(self.up(x + self.k_proj(x) * self.v_proj(x))))
 
 
 def _snapshot(folder) -> dict[str, bytes]:

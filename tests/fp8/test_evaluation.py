@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import mixprec
-from tests.fp8.test_controller_idle_probe import SETTINGS, _model
+from test_controller_idle_probe import SETTINGS, _model
 
 
 def _no_grad_in_eval_mode(model):
@@ -114,7 +114,7 @@ def _train_experts(evaluate=None, steps: int = 6) -> tuple:
     """A token-choice MoE's experts converted to NVFP4 (grouped GEMMs, one count per expert)."""
     from torch import nn
 
-    from tests.fp8.test_grouped_experts import MoE
+    from test_grouped_experts import MoE
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), MoE(64, 64, 4), nn.Linear(64, 32))

@@ -45,7 +45,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("front ends", ("cli", "__main__", "demo")),
 )
 #: inside a layer, a module may import only those before it
-ORDER_WITHIN = {"engine": ("dynamo", "runtime", "watch", "casts", "kernels", "compile", "module_calls", "region")}
+ORDER_WITHIN = {"engine": ("dynamo", "runtime", "watch", "casts", "kernels", "compile", "module_decision", "module_calls", "region")}
 #: the only modules of control the policy value may import (values, no state machine)
 POLICY_REACHES = ("mixprec.control._settings",)
 #: packages reached from above the seam only through it

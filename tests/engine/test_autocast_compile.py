@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -177,6 +179,90 @@ def test_no_stale_policy_when_the_policy_is_an_argument():
     for policy in (EDIT_SOFTMAX, None, "fp32-numerics", EDIT_SOFTMAX, None):
         eager, out = f(x, policy), g(x, policy)
         assert out.dtype == eager.dtype and torch.equal(out, eager)
+
+
+# Policies with the same op edits (none) that differ in what the module hooks do: module rules
+# (plain against keep, keep 0 against keep 2), output= or an fp8 rule alone (against keep 0).
+BF16 = mixprec.Policy(compute=torch.bfloat16)
+AROUND_POLICIES = {
+    "plain": BF16,
+    "keep 0": BF16.keep(names=r"^0$"),
+    "keep 2": BF16.keep(names=r"^2$"),
+    "keep 0, output=f32": dataclasses.replace(BF16, output=torch.float32).keep(names=r"^0$"),
+    "keep 0, fp8 2": BF16.keep(names=r"^0$").fp8(names=r"^2$", first_last="fp8"),
+}
+# A model of ops no policy edits, so no mixprec kernel runs in its trace (the kernels' guard on the
+# policy, once linear has one, would hide a missing guard in the hooks): bfloat16 inputs, which
+# keep 0 runs in float32 and output= casts to float16.
+ACTIVATIONS_POLICIES = {"plain": BF16, "keep 0": AROUND_POLICIES["keep 0"],
+                        "output=f16": dataclasses.replace(BF16, output=torch.float16)}
+AROUND_MODELS = {  # name: (model, input, policies)
+    "linears": (lambda: nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32)), lambda: torch.randn(4, 32),
+                AROUND_POLICIES),
+    "activations": (lambda: nn.Sequential(nn.Hardtanh(), nn.Hardtanh()), lambda: torch.randn(4, 32).bfloat16(),
+                    ACTIVATIONS_POLICIES),
+}
+
+
+@pytest.mark.parametrize("model, form", [("linears", "module"), ("linears", "function"), ("activations", "function")])
+def test_policies_that_differ_in_module_rules_around_a_compiled_call_recompile_never_stale(model, form):
+    """A region around a compiled call, its policy alternating between values that differ only in
+    module rules, output= or an fp8 rule: each call is bitwise its eager run, and a policy seen
+    before does not recompile (before: the graph traced under the first policy served every other,
+    with no recompile: the kept layer ran in bfloat16, output= and the fp8 layer did nothing).
+    The plain policy comes first: its graph, traced before any module hook existed, is dropped
+    once, as the hooks come to stay (round 2 traces it again)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    make_net, make_input, policies = AROUND_MODELS[model]
+    net, x = make_net(), make_input()
+
+    def run(fn, policy):
+        with mixprec.autocast("cpu", policy=policy):
+            return fn(x)
+
+    eager = {name: run(net, policy) for name, policy in policies.items()}  # (fp8's kernels first)
+    outs = list(eager.values())  # each policy tells: no two results alike
+    assert all(a.dtype != b.dtype or not torch.equal(a, b) for i, a in enumerate(outs) for b in outs[i + 1:])
+    compiled = torch.compile(net if form == "module" else lambda x: net(x), backend="aot_eager", fullgraph=True)
+    for round_ in range(3):
+        for name, policy in policies.items():
+            out = run(compiled, policy)
+            assert out.dtype == eager[name].dtype and torch.equal(out, eager[name]), (round_, name)
+        if round_ == 1:
+            graphs = counters["stats"]["unique_graphs"]  # (the fixture cleared Dynamo's counters)
+    assert graphs <= len(policies) + 1 and counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.slow
+def test_a_graph_traced_before_the_module_hooks_existed_never_runs_under_a_rule():
+    """A fresh process, where no module hook was ever installed: a compiled model called under a
+    plain policy, then under a keep rule, then plain again, each call bitwise eager (before: the
+    plain graph, traced without hooks and guarding on no policy, served the keep rule). The hooks
+    come to stay at the rule's region, dropping that graph: three graphs, then none."""
+    import subprocess
+    import sys
+
+    code = """
+import torch, mixprec
+from torch import nn
+from torch._dynamo.utils import counters
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)), torch.randn(8, 16)
+plain = mixprec.Policy(compute=torch.bfloat16)
+compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+for policy in (plain, plain.keep(names=r"^2$"), plain) * 2:
+    with mixprec.autocast("cpu", policy=policy):
+        eager, out = model(x), compiled(x)
+    assert out.dtype == eager.dtype == (torch.bfloat16 if policy is plain else torch.float32), out.dtype
+    assert torch.equal(out, eager)
+assert counters["stats"]["unique_graphs"] == 3, counters["stats"]["unique_graphs"]
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 class Tower(nn.Module):

@@ -17,11 +17,16 @@ LN_F32 = Policy.parse("compute=bf16,output=f32").keep(types=nn.LayerNorm)
 
 @pytest.fixture(autouse=True)
 def fresh_rule_records(monkeypatch):
-    """Each test starts as a fresh process: no rule has matched or been warned about yet."""
-    from mixprec.engine import watch
+    """Each test starts as a fresh process: no rule has matched or been warned about yet, no
+    module warned about a checkpoint, no region looked for reentrant checkpoints."""
+    import weakref
+
+    from mixprec.engine import module_calls, watch
 
     monkeypatch.setattr(watch, "_MATCHED", set())
     monkeypatch.setattr(watch, "_WARNED", set())
+    monkeypatch.setattr(module_calls, "_REENTRANT_WARNED", weakref.WeakSet())
+    monkeypatch.setattr(module_calls, "_LOOKED", set())
 
 
 def _ln_model() -> nn.Module:
@@ -143,12 +148,80 @@ def test_a_checkpoint_without_mixprecs_context_fn_warns_once_where_its_recompute
         y.float().sum().backward()
 
 
+class _CheckpointedBlock(nn.Module):
+    """``inp``, a ``_Block`` under ``checkpoint(block, h, **checkpoint_kwargs)`` (none: not
+    checkpointed), ``out``."""
+
+    def __init__(self, **checkpoint_kwargs):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.block, self.out = nn.Linear(32, 32), _Block(), nn.Linear(32, 32)
+        self.checkpoint_kwargs = checkpoint_kwargs
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        h = checkpoint(self.block, h, **self.checkpoint_kwargs) if self.checkpoint_kwargs else self.block(h)
+        return self.out(h)
+
+
+_RECOMPUTE_FIX = "Use checkpoint(..., use_reentrant=False, context_fn=mixprec.checkpoint_context_fn)"
+REENTRANT_CASES = {  # policy, the start of its warning under a reentrant checkpoint (None: no warning)
+    "keep": (Policy.parse("compute=bf16").keep(names=r"^block\.fc1$"),
+             "mixprec: layer 'block.fc1', which a module rule runs in float32, runs inside "
+             "torch.utils.checkpoint.checkpoint(..., use_reentrant=True), which recomputes it in backward outside "
+             "mixprec's policy, without the rule"),
+    "op edit": (Policy.parse("compute=bf16").with_ops(fp32=["linear"]),
+                "mixprec: module 'block' runs inside torch.utils.checkpoint.checkpoint(..., use_reentrant=True), "
+                "which recomputes it in backward outside mixprec's policy: the ops the policy edits (linear)"),
+    "plain": (Policy.parse("compute=bf16"), None),
+}
+
+
+@pytest.mark.parametrize("checkpoint_kwargs", [{"use_reentrant": True},
+                                               {"use_reentrant": False, "context_fn": mixprec.checkpoint_context_fn}],
+                         ids=["reentrant", "context_fn"])
+@pytest.mark.parametrize("case", list(REENTRANT_CASES))
+def test_a_reentrant_checkpoint_warns_once_where_its_recompute_leaves_the_policy(case, checkpoint_kwargs):
+    """``checkpoint(..., use_reentrant=True)`` recomputes its segment in backward outside every
+    region: a module a keep rule casts, or a module in a region whose policy edits ops, silently
+    gets other gradients than without the checkpoint. Over two training steps one warning names
+    the module (once per module, and once per region for the edits) and the fix; a plain policy
+    (its recompute is the forward's) and the non-reentrant checkpoint with mixprec's context_fn
+    say nothing. (A policy with edits only looks in its first region with grad on: the
+    checkpointed model trains first here.)"""
+    policy, said = REENTRANT_CASES[case]
+    x = torch.randn(3, 32)
+
+    def train(model):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                model.zero_grad()
+                with mixprec.autocast("cpu", policy=policy):
+                    out = model(x.clone().requires_grad_())
+                out.float().square().mean().backward()  # (outside the region, as torch.autocast advises)
+        return [str(w.message) for w in caught], [p.grad for p in model.parameters()]
+
+    messages, grads = train(_CheckpointedBlock(**checkpoint_kwargs))
+    unwarned, reference = train(_CheckpointedBlock())
+    reentrant = checkpoint_kwargs["use_reentrant"]
+    assert unwarned == [] and [m for m in messages if "checkpoint" in m] == messages
+    if said is not None and reentrant:
+        assert len(messages) == 1 and messages[0].startswith(said) and messages[0].endswith(_RECOMPUTE_FIX)
+    else:
+        assert messages == []
+    # what the warning says: only where it warns do the gradients differ from the un-checkpointed run
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference)) == (said is None or not reentrant)
+
+
 def test_checkpoint_recompute_selects_no_fp8_layers_and_counts_no_forward(monkeypatch):
-    from mixprec.engine import module_calls
+    from mixprec.engine import module_decision
 
     calls = []
-    select = module_calls._fp8_layers
-    monkeypatch.setattr(module_calls, "_fp8_layers",
+    select = module_decision._fp8_layers
+    monkeypatch.setattr(module_decision, "_fp8_layers",
                         lambda root, policy, region=None: calls.append(root) or select(root, policy, region))
     for whole in (False, True):
         calls.clear()
@@ -214,6 +287,63 @@ def test_a_decorated_forward_names_modules_from_its_module():
 
     m = Decorated()
     assert _out_dtypes(m, lambda: m(torch.randn(2, 4)))["lm_head"] == torch.float32
+
+
+OUT_F32 = Policy.parse("compute=bf16,output=f32")
+
+
+class _Mlp(nn.Module):
+    """``fc2(gelu(fc1(x)) * 1.7)``: in a bfloat16 region, fc1's output and the activation are bfloat16."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def body(self, x):
+        return self.fc2(nn.functional.gelu(self.fc1(x)) * 1.7)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class _DecoratedMlp(_Mlp):
+    @mixprec.autocast("cpu", policy=OUT_F32)
+    def forward(self, x):
+        return self.body(x)
+
+
+class _RootedMlp(_Mlp):
+    def forward(self, x):
+        with mixprec.autocast("cpu", policy=OUT_F32, root=self):
+            return self.body(x)
+
+
+class _TorchMlp(_Mlp):
+    @torch.autocast("cpu", dtype=torch.bfloat16)
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize("entry", ["decorated", "root", "decorated-compiled"])
+def test_output_casts_the_models_result_not_its_submodules_when_the_region_is_inside_its_forward(entry):
+    """``output=`` casts the outputs of the outermost module: in a region entered inside the model's
+    forward (a decorated forward, ``root=self``), the model's, not those of the submodules its
+    forward calls, whose outputs are torch.autocast's dtypes (before: each was cast to float32, and
+    the result differed from the region around the model's). The decorator casts the forward's
+    result: bitwise the region around the model, compiled too; a region inside the forward under
+    root= does not see the forward's result: its values, in bfloat16."""
+    x = torch.randn(4, 8)
+    with mixprec.autocast("cpu", policy=OUT_F32):
+        around = _Mlp()(x)
+    reference = _TorchMlp()
+    model = {"decorated": _DecoratedMlp, "root": _RootedMlp, "decorated-compiled": _DecoratedMlp}[entry]()
+    call = torch.compile(model, backend="aot_eager", fullgraph=True) if entry.endswith("compiled") else model
+    out = []
+    seen = _out_dtypes(model, lambda: out.append(call(x)))
+    assert seen == _out_dtypes(reference, lambda: reference(x)) == {"fc1": torch.bfloat16, "fc2": torch.bfloat16}
+    assert out[0].dtype == (torch.bfloat16 if entry == "root" else torch.float32)
+    assert torch.equal(out[0].float(), around)
 
 
 def test_a_rule_that_matches_nothing_warns_once_with_the_names_seen():

@@ -12,6 +12,8 @@ only those above it in this list:
 - :mod:`~mixprec.engine.kernels`: registering and releasing our kernels, fp8 routing, the guard
   on the active policy;
 - :mod:`~mixprec.engine.compile`: a region traced inside ``torch.compile`` (``mixprec::region``);
-- :mod:`~mixprec.engine.module_calls`: the module hooks, eager and traced, one decision;
+- :mod:`~mixprec.engine.module_decision`: the one decision for a module call (name, keep rule,
+  fp8 layer), shared by the eager and traced hooks;
+- :mod:`~mixprec.engine.module_calls`: the module hooks, eager and traced;
 - :mod:`~mixprec.engine.region`: ``mixprec.autocast``, ``custom_fwd``/``custom_bwd``, checkpoints.
 """

@@ -1,6 +1,6 @@
 """What the engine asks of Dynamo: decorators applied once Dynamo is imported, what a trace in
-progress is, dropping compiled code traced before our kernels existed (the guard on the active
-policy is in :mod:`mixprec.engine.kernels`). Imports nothing of the engine.
+progress is, how much Dynamo has compiled, dropping compiled code traced before our kernels existed
+(the guard on the active policy is in :mod:`mixprec.engine.kernels`). Imports nothing of the engine.
 """
 
 from __future__ import annotations
@@ -12,19 +12,53 @@ import torch
 
 from mixprec._tree import tracing
 
-__all__ = ["compiler_disable", "assume_constant_result", "reset_compiled_code",
-           "tracing", "fullgraph", "traced_code", "compile_attempt"]
+__all__ = ["compiler_disable", "assume_constant_result", "reset_compiled_code", "compiled_graphs",
+           "mark_compiled_code", "still_compiled", "tracing", "fullgraph", "traced_code", "compile_attempt"]
 
 
 def reset_compiled_code() -> None:
-    """Drop Dynamo's compiled code once new kernels exist: it was traced without them."""
+    """Drop Dynamo's compiled code once new kernels exist, or once the module hooks stay: it was
+    traced without them (not while Dynamo compiles)."""
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is None or torch.compiler.is_compiling():
         return
+    if compiled_graphs():
+        dynamo.reset()
+
+
+def compiled_graphs() -> int:
+    """How many graphs Dynamo has compiled (since its counters were last cleared): whether compile
+    is in play (Dynamo's import is not: ``torch.utils.checkpoint`` imports it); 0 before it is
+    imported."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
     from torch._dynamo.utils import counters
 
-    if counters["stats"]["unique_graphs"]:
-        dynamo.reset()
+    return counters["stats"]["unique_graphs"]
+
+
+def mark_compiled_code() -> Callable[..., None] | None:
+    """A mark on the code Dynamo has compiled so far, for :func:`still_compiled`; None when it has
+    compiled none. (A no-op compile callback: ``torch._dynamo.reset()`` drops it with the code.)"""
+    if not compiled_graphs():
+        return None
+    from torch._dynamo.callback import callback_handler
+
+    def mark(_args: Any = None) -> None:
+        return None
+
+    callback_handler.register_end_callback(mark)
+    return mark
+
+
+def still_compiled(mark: Callable[..., None] | None) -> bool:
+    """Whether the code ``mark`` (:func:`mark_compiled_code`) was made on may still be in Dynamo's
+    caches: Dynamo has not been reset since."""
+    if mark is None:
+        return False
+    from torch._dynamo.callback import callback_handler
+
+    return mark in callback_handler.end_callbacks
 
 
 def fullgraph() -> bool:

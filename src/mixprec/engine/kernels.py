@@ -86,13 +86,16 @@ _lock = threading.Lock()
 
 
 # A region around a compiled call: the compiled graph bakes in the casts of the policy it was
-# traced under. Whenever one of our kernels runs while Dynamo traces, it adds a guard on the edits
-# of the innermost eager region (``RUNTIME.active``, attribute path
-# ``mixprec.engine.runtime.RUNTIME.active``): called under a policy with other edits, the function
-# recompiles. A graph traced before any kernel existed has no such guard; so registering new
-# kernels resets Dynamo's caches once (:func:`mixprec.engine.dynamo.reset_compiled_code`).
+# traced under. Whenever one of our kernels runs while Dynamo traces, and whenever a traced module
+# hook reads the policy (mixprec.engine.module_calls), it adds a guard on the key of the innermost
+# eager region's policy (``RUNTIME.active``, attribute path ``mixprec.engine.runtime.RUNTIME.active``,
+# see :func:`mixprec.engine.runtime.policy_key`): called under a policy with other edits, module
+# rules, fp8 rule or ``output=``, the function recompiles. A graph traced before any kernel existed
+# has no such guard; so registering new kernels resets Dynamo's caches once
+# (:func:`mixprec.engine.dynamo.reset_compiled_code`); the module hooks do the same once they stay.
 def guard_on_active_policy(device_type: str) -> None:
-    """While Dynamo traces: make the compiled code depend on this thread's active edits."""
+    """While Dynamo traces: make the compiled code depend on this thread's active policy on
+    ``device_type`` (its key; outside Dynamo's tracing, nothing)."""
     try:
         from torch._dynamo.guards import GuardBuilder, install_guard
         from torch._dynamo.source import AttrSource, DictGetItemSource, ImportSource

@@ -1,10 +1,14 @@
 """Module calls: the global module hooks that run ``Policy.keep`` rules, ``output=`` and fp8 layers.
 
 Hooks are installed while a region whose policy has module rules, an output dtype or fp8 layers is
-active (:func:`enter_region`). Eagerly they keep the runtime's call stack; under ``torch.compile``
-Dynamo inlines them, and they decide at trace time on a shadow stack (``_traced_enter`` /
-``_traced_leave``, run by Dynamo as constants), leaving autocast state nodes, casts and the fp8
-layer's own computation in the graph. Both paths decide with one function, :func:`_decide`.
+active (:func:`enter_region`), and in the first region with grad on of each set of op edits, which
+looks for reentrant checkpoints (:func:`looks_for_checkpoints`). Eagerly they keep the runtime's
+call stack; under ``torch.compile`` Dynamo inlines them, and they decide at trace time on a shadow
+stack (``_traced_enter`` / ``_traced_leave``, run by Dynamo as constants), leaving autocast state
+nodes, casts and the fp8 layer's own computation in the graph, and a guard on the key of the
+policy of the region around the compiled call. Both paths decide with one function, :func:`mixprec.engine.module_decision.decide`.
+Once Dynamo has traced them, or a region that acts on modules enters after Dynamo compiled code,
+the hooks stay installed (see ``_Hooks``).
 
 The innermost mixprec region's policy governs: inside a nested ``mixprec.autocast`` region the
 outer region's module rules and output dtype are suspended, whether or not the nested policy has
@@ -27,45 +31,33 @@ import sys
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from mixprec._modules import is_wrapper_key, named_modules, unwrap
 from mixprec._tree import cast_tree
 from mixprec.engine import runtime
 from mixprec.engine.compile import traced_policy
-from mixprec.engine.dynamo import (assume_constant_result, compile_attempt, compiler_disable, fullgraph, traced_code,
+from mixprec.engine.dynamo import (assume_constant_result, compile_attempt, compiled_graphs, compiler_disable,
+                                   fullgraph, mark_compiled_code, reset_compiled_code, still_compiled, traced_code,
                                    tracing)
-from mixprec.engine.runtime import DEVICES, RUNTIME, Frame, Runtime, top
-from mixprec.engine.watch import Watch, finish as finish_watch, start as start_watch
-from mixprec.fp8.internals import Fp8Target, select_targets, traced_output
-from mixprec.policy import Policy
+from mixprec.engine.kernels import guard_on_active_policy
+from mixprec.engine.module_decision import (Region, casts_output, decide, name_of, region_of, rule_state,
+                                           warn_no_fp8_candidates)
+from mixprec.engine.runtime import DEVICES, RUNTIME, Frame, Runtime, edits_key, top
+from mixprec.engine.watch import finish as finish_watch, start as start_watch
+from mixprec.fp8.internals import Fp8Target, traced_output
 
-__all__ = ["enter_region", "exit_region", "install_permanently", "capture", "replay", "traced_region",
-           "traced_without_fullgraph"]
+__all__ = ["enter_region", "exit_region", "install_permanently", "looks_for_checkpoints", "capture", "replay",
+           "traced_region", "traced_without_fullgraph"]
 
-# Registry, process-wide by nature (a warning is given once per process): the sets of module
-# types warned about as having no fp8 candidate layer.
-_NO_CANDIDATES_WARNED: set[tuple[str, ...]] = set()
-# fp8 layers warned about running inside a reentrant checkpoint (once per layer, while it lives)
+# modules warned about running inside a checkpoint that recomputes them outside the policy (once
+# per module, while it lives)
 _REENTRANT_WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-
-
-@dataclass(eq=False)
-class _Region:
-    """A region whose policy needs the module hooks, as the hooks see it."""
-
-    frame: Frame | None  # None: a region traced inside compiled code (its frame is made later)
-    root: nn.Module | None = None  # names are paths in root (Policy.keep, fp8 selection)
-    depth: int = 0  # len(calls) at entry: a call at this depth is an outermost call of the region
-    replay: bool = False  # a checkpoint's recompute: the fp8 layers are the forward's
-    selected: bool = False  # a region with a root selects its fp8 layers once
-    watch: Watch | None = None
-    fp8_ran: bool = False  # an fp8 selection ran on a module with candidate layers
-    fp8_without: list[str] = field(default_factory=list)  # types of outermost modules without any
+# the edits keys (mixprec.engine.runtime.edits_key) whose regions looked for reentrant checkpoints
+_LOOKED: set[int] = set()
 
 
 @dataclass
@@ -77,47 +69,27 @@ class Captured:
     fp8: dict[int, Any]
 
 
-def _warn_no_fp8_candidates(region: _Region) -> None:
-    """As a region exits: warn (once per set of module types) when its policy has an fp8 rule and
-    none of the modules called in it had a layer the rule could select."""
-    if region.fp8_ran or not region.fp8_without or region.replay:
-        return
-    called = tuple(dict.fromkeys(region.fp8_without))
-    if called not in _NO_CANDIDATES_WARNED:
-        _NO_CANDIDATES_WARNED.add(called)
-        warnings.warn(f"fp8: no layer selected, nothing runs in fp8: no module called in the region has an "
-                      f"nn.Linear or Linear-equivalent layer (called: {', '.join(called)}); call the model "
-                      f"inside the region, or pass root=model", UserWarning, stacklevel=4)
-
-
-def _fp8_layers(root: nn.Module, policy: Policy, region: _Region | None = None) -> dict[int, Any]:
-    """The fp8 layers of the model called as ``root`` (``mixprec.fp8.internals.select_targets``); a
-    model without candidate layers (a loss criterion called in the region) selects nothing and
-    is noted in ``region``, which warns as it exits if no call had such layers."""
-    targets = select_targets(root, policy)
-    if targets is None:
-        if region is not None and len(region.fp8_without) < 8:
-            region.fp8_without.append(type(unwrap(root)).__name__)
-        return {}
-    if region is not None:
-        region.fp8_ran = True
-    return targets
-
-
 # --------------------------------------------------------------------------- the global hooks
 class _Hooks:
     """The global module hooks, installed while at least one region with module hooks is active
     (process-wide, as torch's global hook tables are), under the same handle ids every time:
     compiled code guards on the ids of the global hooks it was traced with, so new ids would
-    recompile it at every region."""
+    recompile it at every region.
+
+    Once compile is in play they stay (:meth:`keep`): as Dynamo traces them (compiled code guards
+    on the hooks it traced, and they guard on the policy: ``_traced_hooks``), or as a region that
+    acts on modules enters after Dynamo compiled code: code traced while no hook was installed
+    guards on no policy and would run, stale, under a policy with module rules, fp8 layers or
+    ``output=`` (it is dropped then, once)."""
 
     lock = threading.Lock()
     users = 0
     handles: list[Any] = []
-    permanent = False
+    kept = False  # installed for good
+    stale: Any = None  # a mark on the code Dynamo held as they were kept (maybe traced without them)
 
     @classmethod
-    def use(cls, permanent: bool = False) -> None:
+    def use(cls) -> None:
         with cls.lock:
             if cls.users == 0:
                 mod = nn.modules.module
@@ -129,11 +101,18 @@ class _Hooks:
                     mod._global_forward_pre_hooks[pre] = _pre
                     mod._global_forward_hooks[post] = _post
                     mod._global_forward_hooks_always_called[post] = True
-            if permanent:
-                if cls.permanent:
-                    return
-                cls.permanent = True
             cls.users += 1
+
+    @classmethod
+    def keep(cls) -> None:
+        """Keep the hooks installed for good (once), marking the code Dynamo has compiled so far
+        (:attr:`stale`: :func:`enter_region` drops it unless Dynamo was reset since)."""
+        with cls.lock:
+            if cls.kept:
+                return
+            cls.kept = True
+        cls.stale = mark_compiled_code()
+        cls.use()
 
     @classmethod
     def release(cls) -> None:
@@ -146,17 +125,48 @@ class _Hooks:
 
 def enter_region(frame: Frame, root: nn.Module | None = None, replay: bool = False) -> None:
     """Start applying ``frame``'s policy to module calls (``root``: see ``mixprec.autocast``;
-    ``replay``: a checkpoint's recompute, which watches nothing and selects no fp8 layers)."""
+    ``replay``: a checkpoint's recompute, which watches nothing and selects no fp8 layers).
+
+    A policy that acts on modules, entered once Dynamo has compiled code, keeps the hooks installed
+    for good, and drops (once) that code, which may have been traced without them."""
     rt = RUNTIME
     watch = None if replay else start_watch(rt, frame.policy)
-    rt.regions.append(_Region(frame, root, len(rt.calls), replay, watch=watch))
+    training = not replay and torch.is_grad_enabled()
+    rt.regions.append(Region(frame, root, len(rt.calls), replay, watch=watch, training=training,
+                              edits=training and _edits_recomputed(frame)))
     _Hooks.use()
+    if frame.policy.acts_on_modules and compiled_graphs():
+        _Hooks.keep()
+        if still_compiled(_Hooks.stale):
+            reset_compiled_code()
+        _Hooks.stale = None
 
 
 def install_permanently() -> None:
     """Keep the hooks for good: a region with module rules was traced inside compiled code,
-    whose guards expect the hooks that were there when it was traced."""
-    _Hooks.use(permanent=True)
+    whose guards expect the hooks that were there when it was traced (code compiled before is
+    dropped as the next region with module rules enters, see :func:`enter_region`)."""
+    _Hooks.keep()
+
+
+def _edits_recomputed(frame: Frame) -> bool:
+    """Whether ``frame``'s policy edits ops other than by fp8 routing (which its fp8 layers stand
+    for): a reentrant checkpoint's recompute would run them under PyTorch's lists."""
+    return any(kind != "fp8" for kind in frame.edits.values())
+
+
+def looks_for_checkpoints(frame: Frame) -> bool:
+    """Whether the region of ``frame``, whose policy edits ops and acts on no module, takes the
+    module hooks to look for ``checkpoint(..., use_reentrant=True)`` around its modules (a warning,
+    see ``_warn_reentrant``): the first region of its edits with grad on in the process does; later
+    regions of its edits cost nothing."""
+    if not torch.is_grad_enabled() or not _edits_recomputed(frame):
+        return False
+    key = edits_key(frame.edits)
+    if key in _LOOKED:
+        return False
+    _LOOKED.add(key)
+    return True
 
 
 def exit_region(frame: Frame) -> None:
@@ -169,7 +179,7 @@ def exit_region(frame: Frame) -> None:
         rt.fp8 = {}
     if region.watch is not None:
         finish_watch(rt, region)
-    _warn_no_fp8_candidates(region)
+    warn_no_fp8_candidates(region)
     _Hooks.release()
 
 
@@ -202,102 +212,6 @@ def replay(captured: Captured, frames: dict[int, Frame]) -> Callable[[], None]:
     return restore
 
 
-# --------------------------------------------------------------------------- the decision
-def _path(root: nn.Module, module: nn.Module) -> str:
-    """``module``'s name under ``root``, without wrappers' parts (:func:`mixprec._modules.named_modules`)."""
-    root = unwrap(root)
-    if module is root or unwrap(module) is root:
-        return ""
-    for name, m in named_modules(root):
-        if m is module:
-            return name
-    return ""  # not under root: only type rules can match it
-
-
-def _qualified_name(module: nn.Module, calls: list[tuple[nn.Module, str, Any, bool]],
-                    root: nn.Module | None = None) -> str:
-    if not calls:
-        return ""  # the outermost module of the region
-    parent, parent_name = calls[-1][0], calls[-1][1]
-    holder = parent  # the parent, then the modules it wraps: wrappers (DDP, FSDP1, compile) are transparent
-    while True:
-        inner = None
-        for key, child in holder._modules.items():
-            if child is module:
-                return parent_name if is_wrapper_key(holder, key) else f"{parent_name}.{key}" if parent_name else key
-            if child is not None and inner is None and is_wrapper_key(holder, key):
-                inner = child
-        if inner is None:
-            break
-        holder = inner
-    return _path(calls[0][0] if root is None else root, module)
-
-
-def _region_of(rt: Runtime, frame: Frame) -> _Region | None:
-    for region in reversed(rt.regions):
-        if region.frame is frame:
-            return region
-    return None  # a region traced inside compiled code
-
-
-def _decide(rt: Runtime, calls: list, frame: Frame, module: nn.Module,
-            region: _Region | None = None) -> tuple[str, Any, bool, Fp8Target | None]:
-    """``(name, keep rule, kept, fp8 target)`` of ``module`` called under ``frame``'s policy
-    (``region``: its record, looked up if not given), inside the calls ``calls`` (eager, or the
-    shadow stack of a trace)."""
-    policy = frame.policy
-    rules, fp8_rule = policy.module_rules, policy.fp8_rule
-    every = rt.calls + calls if calls is not rt.calls else calls
-    if region is None:
-        region = _region_of(rt, frame)
-        if region is None and frame.traced and rt.traced_regions:
-            region = rt.traced_regions[-1]
-    root = region.root if region is not None else None
-    name = ""
-    if rules or fp8_rule is not None:
-        outermost = root is not None and len(every) <= region.depth
-        name = _path(root, module) if outermost else _qualified_name(module, every, root)
-    if rt.watches:  # a rule that takes effect here counts for the enclosing regions too
-        hits = [r for r in rules if r.matches(module, name)]
-        for watch in rt.watches:
-            watch.see(name, hits)
-    kept = bool(every) and every[-1][3]  # inside a kept module
-    rule = next((r for r in rules if r.matches(module, name)), None) if rules else None
-    kept = kept or rule is not None
-    target = None
-    if fp8_rule is not None:
-        # a recompute keeps the forward's layers; a region with a root selects once
-        if region is None or not (region.replay or region.selected):
-            if root is not None:  # select on the model
-                rt.fp8, region.selected = _fp8_layers(root, policy, region), True
-            elif not every:  # the outermost call: select the layers (the model may have changed)
-                rt.fp8 = _fp8_layers(module, policy, region)
-        target = rt.fp8.get(id(module)) if not kept else None
-        if target is not None and not target.runs:
-            target = None  # (a Controller's probe measures its fallback layers in fp8.linear)
-    if not torch.is_autocast_enabled(frame.device_type):
-        # autocast turned off inside the region (a nested torch.autocast(enabled=False); while
-        # Dynamo traces, the traced state): the module runs in float32, as asked; a half-dtype
-        # rule or an fp8 layer would not run as selected (half inputs meet float32 weights)
-        rule = rule if rule is not None and rule.dtype is torch.float32 else None
-        target = None
-    return name, rule, kept, target
-
-
-def _rule_state(rule: Any, device_type: str) -> tuple[tuple[str, bool | None, torch.dtype | None], bool | None]:
-    """``(device state, cache flag)`` that runs a module a keep rule matched in ``rule.dtype``:
-    autocast off for float32, else that dtype.
-
-    PyTorch's weight-cast cache is keyed by the weight alone, not the dtype: a weight cast to
-    the rule's dtype would be handed to every later use of that weight (a tied weight, another
-    thread) in the region's dtype, and a cast cached before to the rule's module. A half dtype
-    other than the region's therefore runs with the cache off (its weights are cast per use)."""
-    if rule.dtype is torch.float32:
-        return (device_type, False, None), None
-    cache = False if rule.dtype != torch.get_autocast_dtype(device_type) else None
-    return (device_type, None, rule.dtype), cache
-
-
 # --------------------------------------------------------------------------- eager hooks
 # Dynamo inlines the installed hooks when it traces module calls: the traced path (_pre_traced)
 # decides at trace time, on a shadow call stack, and leaves only autocast nodes, casts and the
@@ -328,17 +242,19 @@ def _pre_call(module: nn.Module, args: tuple) -> Any:
             finish_watch(rt, region)
         else:
             region.watch.outer.add(id(module))
-    name, rule, kept, target = _decide(rt, rt.calls, frame, module, region)
-    if rule is None and target is None:
+    name, rule, kept, target = decide(rt, rt.calls, frame, module, region)
+    recomputed = rule is not None or target is not None
+    if region.training and not torch.is_grad_enabled():  # maybe a reentrant checkpoint's forward
+        if (recomputed or region.edits) and module not in _REENTRANT_WARNED:
+            _warn_reentrant(region, module, name, rule, target)
+    elif recomputed and not rt.checkpointed and module not in _REENTRANT_WARNED and _in_checkpoint():
+        _warn_recompute(module, name, target is not None)
+    if not recomputed:
         rt.calls.append((module, name, None, kept))
         return None
-    if target is not None and not torch.is_grad_enabled() and module not in _REENTRANT_WARNED:
-        _warn_reentrant(module, name)
-    elif torch.is_grad_enabled() and not rt.checkpointed and module not in _REENTRANT_WARNED and _in_checkpoint():
-        _warn_recompute(module, name, target is not None)
     devices, cache = (), None
     if rule is not None:
-        state, cache = _rule_state(rule, frame.device_type)
+        state, cache = rule_state(rule, frame.device_type)
         devices = (state,)
     entry = runtime.enter(devices=devices, cache=cache, fp8=None if target is None else (frame, target))
     if target is not None:
@@ -349,11 +265,13 @@ def _pre_call(module: nn.Module, args: tuple) -> Any:
     return args
 
 
-def _warn_reentrant(module: nn.Module, name: str) -> None:
-    """Warn once for the fp8 layer ``module`` when it runs in the forward of a
-    ``checkpoint(..., use_reentrant=True)`` (grad off, ``CheckpointFunction.forward`` on the
-    stack): PyTorch recomputes it in backward outside every mixprec region, so its backward
-    would silently not be fp8 and record no grad_output statistics."""
+def _warn_reentrant(region: Region, module: nn.Module, name: str, rule: Any, target: Fp8Target | None) -> None:
+    """Warn once for ``module`` when it runs in the forward of a ``checkpoint(...,
+    use_reentrant=True)`` (grad off, ``CheckpointFunction.forward`` on the stack): PyTorch
+    recomputes it in backward outside every mixprec region, so that its gradients silently differ
+    from the forward's. Warned for: an fp8 layer (its backward is not fp8 and records no
+    grad_output statistics), a module a keep ``rule`` casts, and, once per region, the first
+    module called there in a region whose policy edits ops."""
     from torch.utils.checkpoint import CheckpointFunction
 
     code = CheckpointFunction.forward.__code__
@@ -361,13 +279,27 @@ def _warn_reentrant(module: nn.Module, name: str) -> None:
     while f is not None and f.f_code is not code:
         f = f.f_back
     if f is None:
-        return  # grad off for another reason (evaluation under no_grad): its forward is the fp8 one
+        return  # grad off for another reason (evaluation under no_grad): its forward is the policy's
     _REENTRANT_WARNED.add(module)
-    warnings.warn(f"fp8: layer {name or type(module).__name__!r} runs inside torch.utils.checkpoint.checkpoint(..., "
-                  f"use_reentrant=True), which recomputes it in backward outside mixprec's policy: its backward is "
-                  f"not fp8 and records no grad_output statistics (a Guard or Controller cannot see its gradients). "
-                  f"Use checkpoint(..., use_reentrant=False, context_fn=mixprec.checkpoint_context_fn)",
-                  UserWarning, stacklevel=4)
+    name = name or name_of(module, RUNTIME.calls, region) or type(module).__name__
+    fix = "Use checkpoint(..., use_reentrant=False, context_fn=mixprec.checkpoint_context_fn)"
+    if target is not None:
+        message = (f"fp8: layer {name!r} runs inside torch.utils.checkpoint.checkpoint(..., use_reentrant=True), "
+                   f"which recomputes it in backward outside mixprec's policy: its backward is not fp8 and records "
+                   f"no grad_output statistics (a Guard or Controller cannot see its gradients). {fix}")
+    elif rule is not None:
+        message = (f"mixprec: layer {name!r}, which a module rule runs in {str(rule.dtype).removeprefix('torch.')}, "
+                   f"runs inside torch.utils.checkpoint.checkpoint(..., use_reentrant=True), which recomputes it in "
+                   f"backward outside mixprec's policy, without the rule: its gradients silently differ from the "
+                   f"forward's. {fix}")
+    else:
+        region.edits = False
+        edited = sorted(k for k, kind in region.frame.edits.items() if kind != "fp8")
+        ops = ", ".join(edited[:4]) + (f", ... ({len(edited)} ops)" if len(edited) > 4 else "")
+        message = (f"mixprec: module {name!r} runs inside torch.utils.checkpoint.checkpoint(..., use_reentrant=True), "
+                   f"which recomputes it in backward outside mixprec's policy: the ops the policy edits ({ops}) "
+                   f"run PyTorch's autocast casts there, and its gradients silently differ from the forward's. {fix}")
+    warnings.warn(message, UserWarning, stacklevel=4)
 
 
 def _in_checkpoint() -> bool:
@@ -401,8 +333,9 @@ def _post_call(module: nn.Module, args: tuple, output: Any) -> Any:
         if target is not None:
             target.finish()
     if not rt.calls and rt.regions:
-        frame = rt.regions[-1].frame
-        if frame.policy.output is not None and top(frame.device_type) is frame:
+        region = rt.regions[-1]
+        frame = region.frame
+        if frame.policy.output is not None and top(frame.device_type) is frame and casts_output(region, module):
             return cast_tree(output, frame.policy.output)
     return None
 
@@ -453,7 +386,7 @@ def traced_region(root: nn.Module | None, key: int, entering: bool) -> int:
     rt = _shadow()
     if entering:
         watch = start_watch(rt, traced_policy(key)) if key >= 0 else None
-        rt.traced_regions.append(_Region(None, root, len(rt.calls) + len(rt.shadow), watch=watch))
+        rt.traced_regions.append(Region(None, root, len(rt.calls) + len(rt.shadow), watch=watch))
     elif rt.traced_regions:
         region = rt.traced_regions.pop()
         if region.watch is not None:
@@ -468,6 +401,16 @@ def _hooked_frame() -> Frame | None:
         if frame is not None and frame.policy.acts_on_modules:
             return frame
     return None
+
+
+def _traced_hooks() -> None:
+    """At trace time, as a traced hook reads the policy: the compiled code depends on the policy of
+    the innermost eager region of each device (a region around the compiled call: another policy,
+    in module rules, fp8 rule, ``output=`` or edits, recompiles; an equal one does not), and on the
+    hooks it traced (Dynamo guards on the global hooks), which therefore stay."""
+    _Hooks.keep()
+    for dev in DEVICES:
+        guard_on_active_policy(dev)
 
 
 def _breaks(rt: Runtime, module: nn.Module) -> bool:
@@ -485,6 +428,7 @@ def _traced_enter(module: nn.Module) -> tuple | str | None:
     ``(device, autocast enabled, autocast dtype, cache flag, cast inputs to, fp8 layer)``, or
     ``"break"`` when the module's hooks run eagerly (see ``_breaks``)."""
     rt = _shadow()
+    _traced_hooks()
     frame = _hooked_frame()
     if frame is not None and not fullgraph():
         if _breaks(rt, module):
@@ -493,7 +437,7 @@ def _traced_enter(module: nn.Module) -> tuple | str | None:
     if frame is None:
         rt.shadow.append((module, "", (False, False), bool(rt.shadow) and rt.shadow[-1][3]))
         return None
-    name, rule, kept, target = _decide(rt, rt.shadow, frame, module)
+    name, rule, kept, target = decide(rt, rt.shadow, frame, module)
     layer = None
     if target is not None:  # (recipe key, backend)
         layer = (_TRACE_RECIPES_KEYS.setdefault(target.recipe, len(_TRACE_RECIPES_KEYS)), target.backend)
@@ -504,7 +448,7 @@ def _traced_enter(module: nn.Module) -> tuple | str | None:
     dev, cache = frame.device_type, torch.is_autocast_cache_enabled()
     if rule is None:
         return dev, None, None, cache, None, layer
-    (_, enabled, dtype), rule_cache = _rule_state(rule, dev)
+    (_, enabled, dtype), rule_cache = rule_state(rule, dev)
     enabled = enabled is None
     dtype = dtype if enabled else torch.get_autocast_dtype(dev)
     return dev, enabled, dtype, cache if rule_cache is None else rule_cache, rule.dtype, layer
@@ -514,13 +458,14 @@ def _traced_enter(module: nn.Module) -> tuple | str | None:
 def _traced_leave(module: nn.Module) -> tuple | str | None:
     """Run by Dynamo at trace time: ``(device, exit autocast, clear fp8, output dtype)``."""
     rt = _shadow()
+    _traced_hooks()
     if not rt.shadow or rt.shadow[-1][0] is not module:  # its pre-hook ran eagerly, if at all
         return "break" if _hooked_frame() is not None and not fullgraph() else None
     has_ctx, has_fp8 = rt.shadow.pop()[2]
     frame = _hooked_frame()
     output = None
-    if frame is not None and not rt.shadow and not rt.calls:  # the outermost call of the region
-        output = frame.policy.output
+    if frame is not None and not rt.shadow and not rt.calls and casts_output(region_of(rt, frame), module):
+        output = frame.policy.output  # the outermost call of the region
     if not (has_ctx or has_fp8 or output is not None):
         return None
     return (frame.device_type if frame is not None else "cpu"), has_ctx, has_fp8, output

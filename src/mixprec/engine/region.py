@@ -268,7 +268,7 @@ class autocast(_TorchAutocast):
             frame = disabled_frame(dev)
         entry = runtime.enter(frames=(frame,), devices=((dev, self._enabled, self.fast_dtype),),
                       cache=self._cache_enabled, nest=True)
-        hooked = self._enabled and self.policy.acts_on_modules
+        hooked = self._enabled and (self.policy.acts_on_modules or module_calls.looks_for_checkpoints(frame))
         if hooked:
             module_calls.enter_region(frame, root=self._root)
         self._saved.append((entry, hooked))

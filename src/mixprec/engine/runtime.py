@@ -7,16 +7,18 @@ runs in its own dtype, the fp8 layer being called, and a region traced inside co
 given (enabled, dtype, cache flag, nesting), pushes mixprec frames and the fp8 target; the
 :class:`Entry` it returns is what :func:`leave` restores.
 
-:data:`RUNTIME` holds, per thread: the frames per device, the edits of the innermost eager
-region (what Dynamo guards on), the region depth and mixprec's cast cache, the frames entered by
-traced regions, the counters :func:`mixprec.release_kernels` reads, the fp8 layer being called,
-the C++ kernel's active tables, and the module-call stack the module hooks keep (see
+:data:`RUNTIME` holds, per thread: the frames per device, the key of the innermost eager region's
+policy (what Dynamo guards on, :func:`policy_key`), the region depth and mixprec's cast cache, the
+frames entered by traced regions, the counters :func:`mixprec.release_kernels` reads, the fp8 layer
+being called, the C++ kernel's active tables, and the module-call stack the module hooks keep (see
 :mod:`mixprec.engine.module_calls`).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -24,10 +26,10 @@ import torch
 
 from mixprec import _native
 from mixprec.engine.dynamo import compiler_disable
-from mixprec.policy import Policy
+from mixprec.policy import Policy, canonical
 
 __all__ = ["Frame", "Runtime", "RUNTIME", "Entry", "enter", "leave", "top", "disabled_frame", "edits_key",
-           "DEVICES", "edited_totals", "COUNTERS_LOCK"]
+           "policy_key", "DEVICES", "edited_totals", "COUNTERS_LOCK"]
 
 #: The device types mixprec regions run on (index: the device argument of the C++ functions).
 DEVICES = ("cpu", "cuda")
@@ -52,13 +54,14 @@ class Runtime(threading.local):
     """The engine's state in one thread (``threading.local``: each thread sees its own fields).
 
     ``active`` is read by the guards compiled code carries (attribute path
-    ``mixprec.engine.runtime.RUNTIME.active``, see :mod:`mixprec.engine.dynamo`): per device, the
-    edits key of the innermost region entered outside compiled code, ``None`` for none.
+    ``mixprec.engine.runtime.RUNTIME.active``, see :func:`mixprec.engine.kernels.guard_on_active_policy`):
+    per device, the :func:`policy_key` of the innermost region entered outside compiled code, ``None``
+    for none.
     """
 
     def __init__(self) -> None:
         self.frames: dict[str, list[Frame]] = {}
-        self.active: dict[str, int | None] = {}
+        self.active: dict[str, tuple[int | None, int | None] | None] = {}
         self.depth = 0  # frames pushed (regions, enabled or not), for the cache
         self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the Python kernel's weight casts
         self.traced: list[Entry] = []  # regions entered by a trace (mixprec::region), open
@@ -144,6 +147,64 @@ def edits_key(edits: Mapping[str, str] | None) -> int | None:
     return key
 
 
+# Registries, process-wide by nature (compiled code guards on the keys, whichever thread runs it):
+# a small integer per value of what a policy makes the module hooks do (_MODULE_KEYS), that key by
+# the identity of the canonical policy while it lives (_MODULE_KEY_OF), and a number per live object
+# (a Guard or Controller), never given to another (_TOKENS). Entries by identity go with their object.
+_MODULE_KEYS: dict[Any, int] = {}
+_MODULE_KEY_OF: dict[int, tuple[weakref.ref, int]] = {}
+_TOKENS: dict[int, tuple[weakref.ref, int]] = {}
+_NEXT_TOKEN = itertools.count()
+
+
+def _by_identity(table: dict[int, tuple[weakref.ref, int]], obj: Any, value: int) -> int:
+    """Record ``value`` for ``obj`` in ``table`` while ``obj`` lives (its id is not reused before)."""
+    ident = id(obj)
+    table[ident] = (weakref.ref(obj, lambda _, ident=ident: table.pop(ident, None)), value)
+    return value
+
+
+def _token(obj: Any) -> int:
+    """A number naming ``obj`` while it lives, never given to another object."""
+    hit = _TOKENS.get(id(obj))
+    if hit is not None and hit[0]() is obj:
+        return hit[1]
+    return _by_identity(_TOKENS, obj, next(_NEXT_TOKEN))
+
+
+def _module_key(policy: Policy) -> int:
+    """A small integer naming what ``policy`` makes the module hooks do: its module rules, fp8 rule,
+    output and compute dtypes by value (equal policies, equal key), the live Guard or Controller of
+    its fp8 rule by identity (a region never runs with another policy's)."""
+    found = canonical(policy)
+    hit = _MODULE_KEY_OF.get(id(found))
+    if hit is not None and hit[0]() is found:
+        return hit[1]
+    rule = policy.fp8_rule
+    live = None if rule is None else rule.live
+    value: Any = (policy.compute, policy.output, policy.module_rules, None if rule is None else rule.detached(),
+                  None if live is None else _token(live))
+    try:
+        hash(value)
+    except TypeError:  # an unhashable field (a custom recipe): by identity, as canonical() does
+        value = ("policy", _token(found))
+    with _KEYS_LOCK:
+        key = _MODULE_KEYS.setdefault(value, len(_MODULE_KEYS))
+    return _by_identity(_MODULE_KEY_OF, found, key)
+
+
+def policy_key(frame: Frame) -> tuple[int | None, int | None] | None:
+    """What code Dynamo traces under ``frame``'s region depends on (compiled code guards on it, see
+    :attr:`Runtime.active`): ``(edits key, module key)``, the key of the policy's edits on its device
+    (:func:`edits_key`) and, for a policy that acts on module calls (module rules, fp8 layers,
+    ``output=``), the key of what the module hooks do; ``None`` for neither, as plain
+    ``torch.autocast``."""
+    policy = frame.policy
+    modules = _module_key(policy) if policy is not None and policy.acts_on_modules else None
+    edits = edits_key(frame.edits)
+    return None if edits is None and modules is None else (edits, modules)
+
+
 def show_table(device_type: str, edits: Mapping[str, str] | None) -> None:
     """Make ``edits`` the C++ kernel's active table for ``device_type`` in this thread (once
     the extension's tables exist)."""
@@ -221,7 +282,7 @@ def _push(frame: Frame) -> None:
     rt.depth += 1
     rt.frames.setdefault(frame.device_type, []).append(frame)
     if not frame.traced:
-        rt.active[frame.device_type] = edits_key(frame.edits)
+        rt.active[frame.device_type] = policy_key(frame)
     show_table(frame.device_type, frame.edits)
 
 
@@ -237,7 +298,7 @@ def _pop(frame: Frame) -> None:
         rt.edited[0] -= 1
     if not frame.traced:
         eager = next((f for f in reversed(stack) if not f.traced), None)
-        rt.active[frame.device_type] = None if eager is None else edits_key(eager.edits)
+        rt.active[frame.device_type] = None if eager is None else policy_key(eager)
     show_table(frame.device_type, stack[-1].edits if stack else None)
     rt.depth -= 1
     if rt.depth == 0:

@@ -49,10 +49,11 @@ class Row:
 def _autocast(res: dict[str, Any]) -> list[Row]:
     names = {"tiny": "tiny-op loop", "edited_op": "edited-op loop (softmax fp32)", "step": "transformer step"}
     what = {"default": "mixprec.autocast, default policy", "after": "torch.autocast after mixprec",
-            "edited": "mixprec.autocast, softmax edited"}
+            "edited": "mixprec.autocast, softmax edited",
+            "kept": "torch.autocast, mixprec's module hooks kept"}
     rows = []
     for (case, load), ratio in res["ratios"].items():
-        if load == "edited_op" and case == "default":
+        if load == "edited_op" and case in ("default", "kept"):
             continue
         t, ref = res["seconds"][(case, load)], res["seconds"][("clean", load)]
         unit, k = ("ms", 1e3) if load == "step" else ("us/op", 1e6)

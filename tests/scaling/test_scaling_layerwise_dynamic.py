@@ -42,7 +42,8 @@ class Skippy(nn.Module):
     """A stem, 4 blocks of ``Linear(32, 32) + tanh`` (weights x0.05, so that each block shrinks
     the gradient and the factors differ) and a head. ``skip``: the blocks not run this step;
     ``exit_after``: run blocks up to this one only (early exit); ``discard``: blocks run but
-    their output dropped; ``twice``: blocks run twice; ``ckpt``: ``None``, ``"reentrant"``
+    their output not used (kept in ``held`` while ``hold``, else dropped); ``twice``: blocks run
+    twice; ``ckpt``: ``None``, ``"reentrant"``
     (each block's Linear, inside the block) or ``"non-reentrant"`` (each block)."""
 
     def __init__(self, ckpt: str | None = None) -> None:
@@ -58,6 +59,8 @@ class Skippy(nn.Module):
         self.ckpt = ckpt
         self.skip: set[int] = set()
         self.discard: set[int] = set()
+        self.hold = True
+        self.held: list[torch.Tensor] = []
         self.twice: set[int] = set()
         self.exit_after = 3
 
@@ -80,6 +83,8 @@ class Skippy(nn.Module):
                 y = self._block(i, y)
             if i not in self.discard:
                 x = y
+            elif self.hold:
+                self.held = [y]
         return self.head(x)
 
 
@@ -131,7 +136,7 @@ def _train(model: Skippy, scaler: mixprec.GradScaler, patterns, **setting) -> li
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     x, trajectory = _batch(), []
     for step, pattern in enumerate(patterns):
-        for key, value in {"skip": set(), "exit_after": 3, **pattern}.items():
+        for key, value in {"skip": set(), "exit_after": 3, "discard": set(), **pattern}.items():
             setattr(model, key, value)
         ref = _reference(model, x)
         optimizer.zero_grad(**setting)
@@ -364,6 +369,7 @@ def test_a_structure_naming_other_parameters_warns_and_is_learnt_again():
 
 
 def test_a_discarded_block_output_is_a_clear_error_naming_the_block():
+    """Its output kept alive (a returned intermediate): the backward is planned without a walk."""
     model = Skippy()
     scaler = _scaler(model)
     _train(model, scaler, [{"skip": {1}}, {}])
@@ -373,6 +379,13 @@ def test_a_discarded_block_output_is_a_clear_error_naming_the_block():
     scaler.scale(_loss(model, _batch())).backward()
     with pytest.raises(ValueError, match="cut point 'blocks.2' ran in the forward but its output did not reach the loss"):
         scaler.unscale_(optimizer)
+
+
+def test_a_discarded_block_output_that_is_dropped_gives_exact_gradients():
+    """Its graph died before scale(): the step is walked as one that skipped the block."""
+    model = Skippy()
+    model.hold = False
+    _train(model, _scaler(model), [{}, {"discard": {2}}, {}, {"discard": {0}}, {}])
 
 
 def test_a_block_run_twice_on_a_later_step_is_refused():

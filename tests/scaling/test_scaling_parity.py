@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -700,3 +701,32 @@ def test_torch_methods_drive_it_like_torch():
     theirs, ours = per_impl(run)
     assert theirs[0] == ours[0] and theirs[2:] == ours[2:]
     assert same_tensors(theirs[1], ours[1])
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["global", "per-layer"])
+def test_a_fused_optimizer_without_gradients_steps_as_a_no_op_like_torch(per_layer):
+    """A fused optimizer none of whose parameters got a gradient (a task head unused this
+    iteration): torch's step() is a no-op and update() goes on; mixprec's step raised "No inf
+    checks were recorded for this optimizer". Same weights, scales and skips as torch."""
+
+    def run(impl: str) -> tuple[Any, ...]:
+        used, unused = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), nn.Linear(4, 1)
+        layerwise = per_layer and impl == "mixprec"
+        scaler = make_scaler(impl, growth_interval=2, **({"per_layer": True} if layerwise else {}))
+        if layerwise:
+            scaler.watch(used)
+        first = torch.optim.AdamW(used.parameters(), lr=0.1, fused=True)
+        second = torch.optim.AdamW(unused.parameters(), lr=0.1, fused=True)
+        scales = []
+        for step in range(3):
+            first.zero_grad()
+            scaler.scale(used(torch.full((2, 4), float(step + 1))).sum()).backward()
+            scaler.step(first)
+            scaler.step(second)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return scales, [p.detach().clone() for p in [*used.parameters(), *unused.parameters()]]
+
+    (torch_scales, torch_weights), (scales, weights) = per_impl(run)
+    assert scales == torch_scales
+    assert same_tensors(weights, torch_weights)

@@ -21,6 +21,7 @@ __all__ = [
     "HostSnapshot",
     "OptimizerState",
     "Stage",
+    "check_optimizer",
     "chosen_options",
     "from_state_dict",
     "overridden_message",
@@ -249,3 +250,12 @@ def validated_new_scale(new_scale: float | torch.Tensor, current: torch.Tensor, 
         )
     value = new_scale.detach().reshape(()).to(device=current.device, dtype=torch.float32, copy=True)
     return torch.where(value.isnan(), current, value.clamp(config.lower, config.upper))
+
+
+def check_optimizer(optimizer: Any, funcname: str) -> None:
+    """Raises ``TypeError`` unless ``optimizer`` looks like a ``torch.optim.Optimizer``."""
+    if not (isinstance(getattr(optimizer, "param_groups", None), list) and callable(getattr(optimizer, "step", None))):
+        raise TypeError(
+            f"scaler.{funcname}() expects a torch.optim.Optimizer (with param_groups and step()), "
+            f"got {type(optimizer).__name__}. Pass the optimizer, not the parameters or the model."
+        )

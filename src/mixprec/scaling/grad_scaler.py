@@ -27,6 +27,7 @@ from mixprec._scaled import note_scaled
 from mixprec.scaling._attribution import Attribution, MinScaleError, local, min_scale_message
 from mixprec.scaling._checkpoint import ScalerCheckpoint
 from mixprec.scaling._state import ON_MIN_SCALE, HostSnapshot, OptimizerState, Stage, chosen_options, validated_new_scale
+from mixprec.scaling._state import check_optimizer as _check_optimizer
 from mixprec.scaling.layerwise import DEFAULT_BOUNDS, Layerwise
 from mixprec.scaling.protocol import lend_scale, prepare_grads
 from mixprec.scaling.rule import ScaleConfig, ScaleState, _check_scale_value, backoff_blocked, update_scale
@@ -38,14 +39,6 @@ __all__ = ["GradScaler", "HistoryCallback", "MinScaleError"]
 HistoryCallback = Callable[[int, float, bool, tuple[str, ...]], None]
 
 _HISTORY_LEN = 16
-
-
-def _check_optimizer(optimizer: Any, funcname: str) -> None:
-    if not (isinstance(getattr(optimizer, "param_groups", None), list) and callable(getattr(optimizer, "step", None))):
-        raise TypeError(
-            f"scaler.{funcname}() expects a torch.optim.Optimizer (with param_groups and step()), "
-            f"got {type(optimizer).__name__}. Pass the optimizer, not the parameters or the model."
-        )
 
 
 class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
@@ -426,8 +419,8 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
 
         Raises:
             RuntimeError: on a ``closure`` keyword, a second :meth:`step` for ``optimizer`` before
-                :meth:`update`, before :meth:`scale`, or when none of the optimizer's parameters
-                has a gradient.
+                :meth:`update`, before :meth:`scale`, or when none of a plain optimizer's
+                parameters has a gradient (a fused one's step is then a no-op, as torch's).
             TypeError: if ``optimizer`` is not an optimizer.
         """
         if not self._enabled:
@@ -462,7 +455,8 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
                 return result
             if optimizer_state.stage is Stage.READY:
                 self._check_inf_per_device(optimizer)
-            found_inf = self._optimizer_found_inf(optimizer_state)
+            found = optimizer_state.found_inf_per_device.values()  # none: no gradient, a no-op step (as torch)
+            found_inf = self._combined_found_inf(found) if found else torch.zeros_like(state.scale)
             grad_scale = (
                 getattr(optimizer, "grad_scale", None)
                 if optimizer_state.stage is Stage.UNSCALED
@@ -471,7 +465,8 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
             with lend_scale(optimizer, grad_scale, found_inf):
                 result = optimizer.step(*args, **kwargs)
             optimizer_state.stage = Stage.STEPPED
-            self._record_skip(optimizer_state, found_inf)
+            if found:
+                self._record_skip(optimizer_state, found_inf)
             return result
 
         if optimizer_state.stage is Stage.READY:
@@ -561,6 +556,8 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
             new_state = self._unscaling.update(
                 state, proposed, found_inf, self._group(), self._config, self._read_overflow()
             )
+            absorbed = self._unscaling.absorbed  # per-layer: the cut points took the overflow, no backoff due
+            blocked = blocked if blocked is None or absorbed is None else blocked & ~absorbed
         else:
             found_inf = self._combined_found_inf(recorded) if recorded else None
             new_state = state._replace(scale=validated_new_scale(new_scale, state.scale, self._config))

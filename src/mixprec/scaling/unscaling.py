@@ -51,10 +51,14 @@ class Unscaling(Protocol):
         unscale_before_step: ``step`` unscales first, also for a fused optimizer (which would
             otherwise divide by the loss scale inside its kernel).
         names: the cut points, top-down as the scaler reports them (empty: none, or none yet).
+        absorbed: after :meth:`update`, a 0-dim bool device tensor: the strategy took the
+            iteration's overflow (no loss-scale backoff was due, so none was blocked at
+            ``min_scale``); ``None`` when it cannot have.
     """
 
     unscale_before_step: bool
     names: Sequence[str]
+    absorbed: torch.Tensor | None
 
     def watch(self, model: Any, group: Any = None) -> nn.Module:
         """``scaler.watch(model)``: the model whose gradients this strategy scales, or a pipeline
@@ -131,6 +135,7 @@ class GlobalUnscaling(Unscaling):
 
     unscale_before_step = False
     names: Sequence[str] = ()
+    absorbed = None
 
     def watch(self, model: Any, group: Any = None) -> nn.Module:
         """Nothing to watch: the scaler's attribution names the parameters (of a pipeline

@@ -4,13 +4,16 @@ the walk of one step's autograd graph that finds which region's scale each gradi
 from __future__ import annotations
 
 import difflib
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
-__all__ = ["Walk", "choose_cut_points", "first_tensor", "reentrant_message", "tensors_of", "walk"]
+__all__ = [
+    "CutGrad", "Times", "TimesInput", "Walk", "choose_cut_points", "first_tensor", "reentrant_message", "registrations",
+    "tensors_of", "walk",
+]
 
 _ACCUMULATE = torch._C._functions.AccumulateGrad  # a parameter's (leaf's) gradient node
 _CHECKPOINT = torch.utils.checkpoint.CheckpointFunction._backward_cls  # a reentrant checkpoint
@@ -29,12 +32,14 @@ class Walk(NamedTuple):
             parameter's gradient (or into a cast of it that leads only to it) that arrive with
             several labels; each must be brought to ``to label``, the topmost, before autograd
             sums them.
+        used: the keys of ``edges`` (cut point outputs) the walk met.
     """
 
     params: dict[int, tuple[torch.Tensor, int]]
     incoming: dict[int, int]
     hidden: list[tuple[Any, int]]
     rescale: list[tuple[Any, int, int, int]]
+    used: frozenset[tuple[int, int]] = frozenset()
 
 
 def _node_name(fn: Any, names: dict[int, str]) -> str:
@@ -56,7 +61,7 @@ def _above(label: int, incoming: dict[int, int]) -> list[int]:
 
 def walk(
     roots: Iterable[Any], edges: dict[tuple[int, int], tuple[int, int]], cut_names: Sequence[str],
-    param_names: dict[int, str] | None = None, top: int = 0,
+    param_names: dict[int, str] | None = None, top: int = 0, stop_at_cuts: bool = False,
 ) -> Walk:
     """Walks the autograd graph down from ``roots`` (``grad_fn`` nodes, or tensors: a tensor
     that is a cut point's output starts below that cut point) and labels every node with the
@@ -66,7 +71,9 @@ def walk(
     ``edges`` maps ``(id(grad_fn), output_nr)`` of each cut point's output tensor to the cut
     point's index and that ``grad_fn``'s sequence number (compared, so that a reused id cannot
     match; holding the node would keep its graph alive);
-    ``param_names`` (``id -> qualified name``) names parameters in errors. A node reached with
+    ``param_names`` (``id -> qualified name``) names parameters in errors; ``stop_at_cuts``: walk
+    the top region only (what reaches the roots without crossing a cut point), not below the cut
+    points met (their ``incoming`` is the top label). A node reached with
     several labels is fine when only parameters lie below it (a tied or shared weight: its
     contributions are rescaled to the topmost label, see :attr:`Walk.rescale`): a parameter's
     gradient node, or a chain of one-input nodes (a cast, a transpose) leading only to it.
@@ -86,6 +93,7 @@ def walk(
     params: dict[int, tuple[torch.Tensor, int]] = {}
     hidden: list[tuple[Any, int]] = []
     stack: list[tuple[Any, int, Any, int]] = []
+    used: set[tuple[int, int]] = set()
     for root in roots:
         fn, label = (root.grad_fn, top) if isinstance(root, torch.Tensor) else (root, top)
         if fn is None:
@@ -94,6 +102,9 @@ def walk(
         if entry is not None and entry[1] == fn._sequence_nr():  # a cut point's output: its hook runs first
             incoming[entry[0]] = top
             label = entry[0] + 1
+            used.add((id(fn), root.output_nr))
+            if stop_at_cuts:
+                continue
         stack.append((fn, label, None, 0))
     while stack:
         fn, label, producer, index = stack.pop()
@@ -126,6 +137,9 @@ def walk(
                         "different cut points (a skip connection bypasses some of them); choose "
                         "cut points that every path crosses (cut_points=[...])."
                     )
+                used.add((id(child), nr))
+                if stop_at_cuts:
+                    continue
                 below = cut + 1
             stack.append((child, below, fn, i))
     rescale: list[tuple[Any, int, int, int]] = []
@@ -151,7 +165,7 @@ def walk(
         for producer, index, lab in [(producer, index, label), *more]:
             if lab != top:
                 rescale.append((producer, index, lab, top))
-    return Walk(params, incoming, hidden, rescale)
+    return Walk(params, incoming, hidden, rescale, frozenset(used))
 
 
 def _parameter_below(fn: Any, edges: dict[tuple[int, int], tuple[int, int]]) -> torch.Tensor | None:
@@ -272,3 +286,62 @@ def tensors_of(outputs: Any) -> list[torch.Tensor]:
     if isinstance(outputs, (list, tuple)):
         return [t for o in outputs for t in tensors_of(o)]
     return []
+
+
+_REGISTERED = [0, False]  # parameters and submodules registered on any module; hooks installed
+
+
+def _count(*args: Any) -> None:
+    _REGISTERED[0] += 1
+
+
+def registrations() -> int:
+    """How many parameters and submodules were registered on any ``nn.Module`` since the first
+    call (which installs torch's global registration hooks: one counter increment each)."""
+    if not _REGISTERED[1]:
+        nn.modules.module.register_module_parameter_registration_hook(_count)
+        nn.modules.module.register_module_module_registration_hook(_count)
+        _REGISTERED[1] = True
+    return _REGISTERED[0]
+
+
+class CutGrad:
+    """A cut point's gradient hook on one forward's output: the cut point's hook, in an object
+    that lives as long as that output's graph (:meth:`.planning.GraphPlanning.observe` forgets the cut
+    outputs of graphs that died)."""
+
+    __slots__ = ("hook", "__weakref__")
+
+    def __init__(self, hook: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        self.hook = hook
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor | None:
+        return self.hook(grad)
+
+
+class Times:
+    """A parameter's gradient hook for one backward: times a power of two (a device tensor)."""
+
+    def __init__(self, factor: torch.Tensor) -> None:
+        self.factor = factor
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        factor = self.factor
+        return grad * (factor if grad.device == factor.device else factor.to(grad.device, non_blocking=True))
+
+
+class TimesInput(Times):
+    """An autograd node's hook for one backward: its gradient for input ``index`` times a power
+    of two (one contribution to a tied weight's gradient, before autograd sums them)."""
+
+    def __init__(self, index: int, factor: torch.Tensor) -> None:
+        super().__init__(factor)
+        self.index = index
+
+    def __call__(self, grad_inputs: tuple[torch.Tensor | None, ...], grad_outputs: Any) -> tuple[Any, ...] | None:
+        grad = grad_inputs[self.index]
+        if grad is None:
+            return None
+        moved = list(grad_inputs)
+        moved[self.index] = super().__call__(grad)
+        return tuple(moved)

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from mixprec.scaling.layerwise.graph import Walk, first_tensor, reentrant_message, tensors_of, walk
+from mixprec.scaling.layerwise.graph import (
+    CutGrad, Times, TimesInput, Walk, first_tensor, reentrant_message, registrations, tensors_of, walk,
+)
 from mixprec.scaling.layerwise.rule import Topology, pow2
 from mixprec.scaling.layerwise.stages import StageLayout
 from mixprec.scaling._structure import Structure
@@ -59,12 +61,14 @@ class GraphPlanning:
         if len(edges) > EDGE_LIMIT:  # forwards without a scale() since (inference with grad)
             for key in list(edges)[: EDGE_LIMIT // 2]:
                 del edges[key]
-        edges[(id(tensor.grad_fn), tensor.output_nr)] = (cut, tensor.grad_fn._sequence_nr())
-        tensor.register_hook(self._grad_hooks[cut])
+        hook = CutGrad(self._grad_hooks[cut])  # lives as long as the output's graph: tells that it died
+        edges[(id(tensor.grad_fn), tensor.output_nr)] = (cut, tensor.grad_fn._sequence_nr(), weakref.ref(hook))
+        tensor.register_hook(hook)
 
     def _forget_graph(self) -> None:
         """What the graph walks learnt and what one step planned: back to before the first step."""
-        self._edges: dict[tuple[int, int], tuple[int, int]] = {}  # the forwards' cut outputs since scale()
+        # the cut outputs of the forwards whose loss no scale() walked yet: (cut, sequence nr, hook)
+        self._edges: dict[tuple[int, int], tuple[int, int, Any]] = {}
         self._calibrated = False
         self._param_region: dict[int, int] = {}
         self._placed: set[int] = set()  # parameters whose region a walk saw (not guessed by owner)
@@ -86,6 +90,8 @@ class GraphPlanning:
         # parameters below no cut point that no walk reached (frozen, or in a branch not run yet),
         # guessed in the top region: while one requires grad, every step is walked (weak references)
         self._awaiting: list[weakref.ref[torch.Tensor]] = []
+        self._registrations = -1  # registrations() when the model's parameters were last listed
+        self._unwalked = False  # a backward of this step was planned without a whole walk
 
     # -- the cut points' backward hooks ------------------------------------------------------
 
@@ -136,21 +142,26 @@ class GraphPlanning:
         """
         state = self.ensure_state(device)
         if self._stage is not None:
-            self._same_as_pending({c for c, _ in self._edges.values()})
+            self._same_as_pending({entry[0] for entry in self._edges.values()})
         self.check_backward()
         self._release_step_hooks()
         model = self._model() if self._model is not None else None
-        edges, self._edges = self._edges, {}
+        # the cut outputs of forwards whose graph still lives (two forwards, then their losses)
+        edges = {key: entry for key, entry in self._edges.items() if entry[2]() is not None}
+        self._edges = {}
         roots = [t for t in tensors_of(outputs) if t.grad_fn is not None]
         if model is None or not roots:
             return
-        if (self._calibrated and not self._shared and sorted(c for c, _ in edges.values()) == self._regular
-                and not any(p is not None and p.requires_grad for p in (ref() for ref in self._awaiting))):
+        unknown = self._new_parameters(model)
+        if (self._calibrated and not self._shared and not unknown
+                and sorted(entry[0] for entry in edges.values()) == self._regular
+                and not any(p is not None and p.requires_grad for p in (ref() for ref in self._awaiting))
+                and self._head_is_canonical(roots, edges)):
             self._hook_plan, self._expected = self._canonical_plan, frozenset(self._regular)
+            self._unwalked = True
             return
-        if self._param_names is None:
-            self._param_names = {id(p): name for name, p in model.named_parameters()}
         graph = walk(roots, edges, self.names, self._param_names, self._top)
+        self._edges = {key: entry for key, entry in edges.items() if key not in graph.used}  # another loss's
         # a pipeline stage's inputs (leaves that are no parameter): their gradient goes to the
         # stage before, at this stage's bottom region's scale
         inputs = [graph.params.pop(key) for key in [k for k in graph.params if k not in self._param_names]] \
@@ -174,7 +185,60 @@ class GraphPlanning:
         else:
             self._shared = self._shared or bool(graph.rescale)
             self._place_awaited(model, graph, state)
+        if unknown:
+            self._guess_unreached(model)
         self._compensate(graph, state, inputs)
+
+    def _head_is_canonical(self, roots: list[torch.Tensor], edges: dict[tuple[int, int], Any]) -> bool:
+        """Whether the graph above the cut points is the canonical one, the shortcut's condition:
+        a walk from the loss that stops at the cut points (the head and the loss: a few nodes)
+        reaches exactly the cut points whose parent is the top region, and only parameters of
+        that region. A loss term added later that reaches below a cut point without crossing it
+        (a penalty on a lower block's weights, an auxiliary loss on a lower block's output)
+        fails it: the step is walked (exact, or the walk's ``ValueError``)."""
+        top = self._top
+        head = walk(roots, edges, self.names, self._param_names, top, stop_at_cuts=True)
+        if head.hidden or set(head.incoming) != {k for k, _ in self._local_cuts() if self._parents[k] == top}:
+            return False
+        names = self._param_names or {}
+        for key in head.params:  # a pipeline stage's input (no parameter) arrives at its bottom region
+            region = self._stage.bottom if self._stage is not None and key not in names else self._param_region.get(key)
+            if region != top:
+                return False
+        return True
+
+    def _new_parameters(self, model: nn.Module) -> bool:
+        """Whether the watched model holds parameters that no walk (nor guess) placed: registered
+        on a module since the last look (a LoRA adapter injected, a layer replaced). Lists the
+        model's parameters only when something was registered on any module since (torch's
+        global registration hooks, :func:`.graph.registrations`); forgets the region of an ``id``
+        now held under another name (reused by a new parameter). One gone is kept: FSDP2 swaps
+        the sharded parameters out of the module for the forward."""
+        count = registrations()
+        if count == self._registrations and self._param_names is not None:
+            return False
+        self._registrations = count
+        names = {id(p): name for name, p in model.named_parameters()}
+        old, self._param_names = self._param_names, names
+        if old is not None and old != names:
+            for key in [key for key, name in old.items() if names.get(key, name) != name]:
+                self._param_region.pop(key, None)
+                self._placed.discard(key)
+            self._master_maps = {}
+        return self._calibrated and any(key not in self._param_region for key in names)
+
+    def _guess_unreached(self, model: nn.Module) -> None:
+        """The parameters added to the model that this walk did not reach: the region of the cut
+        point whose module holds them, else the top region until a walk reaches them (as the
+        first walk guesses)."""
+        cuts = [(name + ".", k) for k, name in self._local_cuts()]
+        for name, param in model.named_parameters():
+            if id(param) not in self._param_region:
+                owner = [k for prefix, k in cuts if name.startswith(prefix)]
+                self._param_region[id(param)] = owner[-1] + 1 if owner else self._top
+                if not owner:
+                    self._awaiting.append(weakref.ref(param))
+        self._master_maps = {}
 
     def _same_as_pending(self, ran: set[int]) -> None:
         """A pipeline stage plans each micro-batch's backward at its forward, and a schedule may
@@ -266,6 +330,10 @@ class GraphPlanning:
                     raise ValueError(reentrant_message(what))
                 unplaced.append(name)
         known = {id(p) for p in model.parameters()}
+        for key, (param, label) in graph.params.items():  # trainable tensors outside the watched model
+            if key not in known:  # (an embedding, a soft prompt feeding it): where the walk found them
+                self._param_region[key] = label
+                self._placed.add(key)
         if unplaced and any(key not in known for key in graph.params):
             warnings.warn(
                 f"per_layer: {', '.join(unplaced[:5])}{' ...' if len(unplaced) > 5 else ''} of the "
@@ -291,8 +359,7 @@ class GraphPlanning:
         """Parameters this walk reached that none had (a frozen one trained, a branch first run):
         their region is where this step found them, and gradients they got earlier in the step
         move to it (:meth:`_carry_over`)."""
-        new = {key: label for key, (_, label) in graph.params.items()
-               if key in self._param_region and key not in self._placed}
+        new = {key: label for key, (_, label) in graph.params.items() if key not in self._placed}
         if not new:
             return
         regions = dict(self._param_region)
@@ -316,7 +383,7 @@ class GraphPlanning:
         if complete:
             self._regular = sorted(reached)
         for key, (_, label) in graph.params.items():
-            if key in self._param_region and (complete or key not in self._placed):
+            if complete or key not in self._placed:
                 self._param_region[key] = label
                 self._placed.add(key)
         self._awaiting = [ref for ref in self._awaiting if (p := ref()) is not None and id(p) not in self._placed]
@@ -374,11 +441,11 @@ class GraphPlanning:
             moved = factor * factors[i]
             plan[k] = (stats, moved, torch.stack([moved, factors[i]]), where)
         self._hook_plan = plan
-        self._step_hooks = [param.register_hook(_Times(factors[i])) for param, i in leaves]
+        self._step_hooks = [param.register_hook(Times(factors[i])) for param, i in leaves]
         # a micro-batch's input, a buffer the stage reuses at the next step: until unscale
-        self._input_hooks += [tensor.register_hook(_Times(factors[i])) for tensor, i in sent]
+        self._input_hooks += [tensor.register_hook(Times(factors[i])) for tensor, i in sent]
         for node, index_in, i in nodes:
-            node.register_hook(_TimesInput(index_in, factors[i]))  # dies with this step's graph
+            node.register_hook(TimesInput(index_in, factors[i]))  # dies with this step's graph
 
     def release_input_hooks(self) -> None:
         """Removes the hooks on a pipeline stage's inputs (after the step's backward)."""
@@ -412,6 +479,40 @@ class GraphPlanning:
             "the block instead of discarding its output (do not call it: skipped blocks, early "
             "exits and unused experts are exact), or name cut points whose outputs always reach "
             "the loss (cut_points=[...])."
+        )
+
+    def _unplaced(self, params: Sequence[torch.Tensor], regions: list[int]) -> list[int]:
+        """``regions`` (of ``params``' gradients, in ``unscale``) where no walk placed some (-1).
+        A parameter the model holds under the name of a placed one takes its region (FSDP2's
+        sharded parameter: the module holds the unsharded one in the forward, which the walk
+        reached); the rest the top region when every backward of the step was walked (their
+        gradients came from no scaled loss's graph).
+
+        Raises:
+            ValueError: a backward of the step was planned without a walk, so their gradients may
+                have crossed cut points (a tensor outside the model, first trained late).
+        """
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            held = {id(p): name for name, p in model.named_parameters()}
+            by_name = {name: self._param_region[key] for key, name in (self._param_names or {}).items()
+                       if key in self._param_region}
+            for param in params:
+                if held.get(id(param)) in by_name:
+                    self._param_region[id(param)] = by_name[held[id(param)]]
+                    self._master_maps = {}
+            regions = [self._param_region.get(id(p), r) if r < 0 else r for p, r in zip(params, regions)]
+        if not self._unwalked or min(regions) >= 0:
+            return [max(region, 0) for region in regions]
+        self._awaiting += [weakref.ref(p) for p, r in zip(params, regions) if r < 0]  # walked until placed
+        shapes = ", ".join(str(tuple(p.shape)) for p, r in zip(params, regions) if r < 0)
+        raise ValueError(
+            f"per_layer: tensors of shape {shapes} got a gradient, but no graph walk placed them (they are "
+            "not parameters of the watched model, or were added to it without registering) and this step's "
+            "backward was planned without a walk, so the scale their gradients carry is not known: this "
+            "step's gradients are not usable (optimizer.zero_grad() and go on: the next steps are walked, "
+            "which places them). Make them parameters of the watched model (an nn.Parameter attribute of one "
+            "of its modules), or use them from the first scale(loss) after watch(model) on."
         )
 
     def _checkpointed(
@@ -473,36 +574,8 @@ class CutHook:
 GRAPH_KEYS = frozenset((
     "_edges", "_calibrated", "_param_region", "_placed", "_parents", "_known", "_regular", "_shared",
     "_canonical_plan", "_hook_plan", "_step_hooks", "_input_hooks", "_pending_cuts", "_fired", "_fired_step", "_expected", "_param_names",
-    "_awaiting",
+    "_awaiting", "_registrations", "_unwalked",
 ))
 
 #: Cut-point outputs remembered between two ``scale()`` calls at most (ints only).
 EDGE_LIMIT = 4096
-
-
-class _Times:
-    """A parameter's gradient hook for one backward: times a power of two (a device tensor)."""
-
-    def __init__(self, factor: torch.Tensor) -> None:
-        self.factor = factor
-
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        factor = self.factor
-        return grad * (factor if grad.device == factor.device else factor.to(grad.device, non_blocking=True))
-
-
-class _TimesInput(_Times):
-    """An autograd node's hook for one backward: its gradient for input ``index`` times a power
-    of two (one contribution to a tied weight's gradient, before autograd sums them)."""
-
-    def __init__(self, index: int, factor: torch.Tensor) -> None:
-        super().__init__(factor)
-        self.index = index
-
-    def __call__(self, grad_inputs: tuple[torch.Tensor | None, ...], grad_outputs: Any) -> tuple[Any, ...] | None:
-        grad = grad_inputs[self.index]
-        if grad is None:
-            return None
-        moved = list(grad_inputs)
-        moved[self.index] = super().__call__(grad)
-        return tuple(moved)

@@ -76,6 +76,7 @@ class Layerwise(GraphPlanning, Unscaling):
         self._saved_structure: Structure | None = None  # a loaded structure waiting for the first walk
         self._stage: StageLayout | None = None
         self._skipped_step: set[int] = set()  # a pipeline stage's cut points skipped in the step
+        self.absorbed: torch.Tensor | None = None  # the last update's (see Unscaling)
         self._forget_graph()
 
     # -- watch --------------------------------------------------------------------------------
@@ -243,7 +244,9 @@ class Layerwise(GraphPlanning, Unscaling):
         self._release_step_hooks()
         self.release_input_hooks()
         lookup = self._region_lookup(optimizer)
-        regions = [lookup.get(id(param), 0) for param in params]
+        regions = [lookup.get(id(param), -1) for param in params]
+        if -1 in regions:
+            regions = self._unplaced(params, regions)
         measured: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
         for grad, region in zip(grads, regions):
             values = grad._values() if grad.is_sparse else grad
@@ -298,7 +301,7 @@ class Layerwise(GraphPlanning, Unscaling):
         """Applies the rule to the factors (:meth:`update_factors`); the loss scale and its
         hysteresis budget stay at ``state``'s where the cut points absorbed the overflow, else
         they are ``proposed``'s. No host sync but :meth:`update_factors`'."""
-        absorbed = self.update_factors(found_inf, group, config, overflow)
+        absorbed = self.absorbed = self.update_factors(found_inf, group, config, overflow)
         if absorbed is None:
             return proposed
         return proposed._replace(
@@ -320,7 +323,7 @@ class Layerwise(GraphPlanning, Unscaling):
         statistics so that every rank gets the same factors.
         """
         self.config = config
-        self._fired_step = set()
+        self._fired_step, self._unwalked = set(), False
         state = self._device_state
         if state is None:
             return None
@@ -389,7 +392,7 @@ class Layerwise(GraphPlanning, Unscaling):
         """What ``update(new_scale=...)`` does here: the step's statistics are discarded (the next
         update measures its own step only); factors, margins, trackers and budgets stay, and the
         history records the unchanged factors. No host sync."""
-        self._fired_step, self._skipped_step = set(), set()
+        self._fired_step, self._skipped_step, self._unwalked = set(), set(), False
         state = self._device_state
         if state is None:
             return
@@ -511,7 +514,7 @@ class Layerwise(GraphPlanning, Unscaling):
         state.update(
             _pending=self._host_values() if self.names else None, _saved_structure=self._structure(),
             _model=None, _handles=[], _device_state=None, _master_maps={}, _indices={},
-            recent=deque(maxlen=HISTORY_LEN), _grad_hooks=[],
+            recent=deque(maxlen=HISTORY_LEN), _grad_hooks=[], absorbed=None,
             requested=self.requested if self.requested is not None else (list(self.names) or None),
         )
         state.pop("_topology", None)
@@ -524,6 +527,7 @@ class Layerwise(GraphPlanning, Unscaling):
         self.__dict__.setdefault("_saved_structure", None)  # pickled by an older mixprec
         self.__dict__.setdefault("_stage", None)
         self.__dict__.setdefault("_skipped_step", set())
+        self.__dict__.setdefault("absorbed", None)
         self._topology = None
         self._forget_graph()
 

@@ -496,3 +496,38 @@ def test_a_parameter_without_a_gradient_stays_as_it_is(how, inner, rounding):
     for name, p in model[0].named_parameters():
         assert torch.equal(p, kept[name]), name
     assert not torch.equal(model[2].weight, moving)  # (the rest trains)
+
+
+def test_state_dict_hooks_run_as_torch_optimizers_run_them():
+    """Hooks registered on the wrapper (not on the wrapped optimizer) ran only for step."""
+    opt = MasterWeights(torch.optim.AdamW(_model().parameters()))
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append(("sd_pre", o)))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append(("load_pre", sd.pop("extra"))))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(("load_post", o)))
+    saved = opt.state_dict()
+    assert saved["extra"] == 1 and "master_params" in saved
+    opt.load_state_dict(saved)
+    assert calls == [("sd_pre", opt), ("load_pre", 1), ("load_post", opt)]
+
+
+def test_wrapped_before_the_cast_gets_masters_at_the_first_step():
+    """to_low_precision after MasterWeights(...) keeps the parameter objects, which the wrapped
+    optimizer then stepped in bf16 (lr 2**-18 never moved 1.5): now they get fp32 masters, and
+    the masters are torch's fp32 run bitwise."""
+    model = nn.Linear(4, 1)
+    nn.init.constant_(model.weight, 1.5)
+    ref = model.weight.detach().clone().requires_grad_()
+    opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=2**-18, weight_decay=0))
+    ref_opt = torch.optim.AdamW([ref], lr=2**-18, weight_decay=0)
+    mixprec.to_low_precision(model)
+    for _ in range(1000):
+        model.weight.grad = torch.ones_like(model.weight)
+        model.bias.grad = torch.ones_like(model.bias)
+        ref.grad = torch.ones_like(ref)
+        opt.step()
+        ref_opt.step()
+    assert len(opt.master_pairs()) == 2 and all(m.dtype == torch.float32 for m in opt.masters)
+    assert torch.equal(opt.master_pairs()[0][1], ref.detach()) and ref[0, 0].item() < 1.4962
+    assert torch.equal(model.weight, ref.detach().bfloat16())

@@ -148,7 +148,7 @@ def test_a_torch_checkpoint_into_a_stochastic_group_gets_a_seeded_generator():
     low = _params()
     opt = AdamW(low, lr=1e-2)
     opt.load_state_dict(torch_opt.state_dict())
-    assert opt.generator is None and opt.param_groups[0]["compensation"] == "exact"  # "auto", resolved
+    assert opt.generator is None and opt.resolved_compensation(opt.param_groups[0]) == "exact"  # "auto"
     opt = AdamW(low, lr=1e-2, compensation="stochastic")
     opt.generator = None
     opt.load_state_dict(torch_opt.state_dict())

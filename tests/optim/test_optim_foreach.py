@@ -191,3 +191,31 @@ def test_non_contiguous_parameters_are_walked_whole(compensation, state_dtype):
             ref.grad = torch.randn(120, 70, generator=torch.Generator().manual_seed(step)).t()
             opt.step()
         assert torch.equal(a, ref)
+
+
+# (ours, torch's, options): the working-copy paths that batch units
+ZERO_SIZE_CASES = [
+    (AdamW, torch.optim.AdamW, dict(foreach=True)),
+    (AdamW, torch.optim.AdamW, dict(fused=True)),
+    (SGD, torch.optim.SGD, dict(foreach=True, momentum=0.9)),
+    (SGD, torch.optim.SGD, dict(fused=True, momentum=0.9)),
+]
+
+
+@pytest.mark.parametrize("ours,theirs,kwargs", ZERO_SIZE_CASES)
+def test_a_zero_element_parameter_first_in_a_group(ours, theirs, kwargs):
+    """A zero-element first parameter left the first batch unopened (IndexError, after the step
+    counters were incremented): now bitwise torch's, state included."""
+    params = [torch.zeros(0, requires_grad=True), torch.ones(3, requires_grad=True), torch.ones(5, requires_grad=True)]
+    ref = [p.detach().clone().requires_grad_() for p in params]
+    opt, ref_opt = ours(params, lr=1e-2, **kwargs), theirs(ref, lr=1e-2, **kwargs)
+    for step in range(3):
+        for p, q in zip(params, ref):
+            p.grad = torch.full_like(p, step - 0.5)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(params, ref):
+        assert torch.equal(p, q)
+        for key, value in ref_opt.state[q].items():
+            assert torch.equal(opt.state[p][key], value), key

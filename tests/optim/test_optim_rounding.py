@@ -78,10 +78,32 @@ def test_nan_and_inf(dtype):
     assert out[3] == 0 and out[4] == 0
 
 
-def test_float16_overflow_rounds_to_inf_or_max():
-    x = torch.full((1000,), 65510.0)
-    out = stochastic_round_(torch.empty(1000, dtype=torch.float16), x).float()
-    assert set(out.unique().tolist()) == {65504.0, math.inf}
+# (dtype, largest finite value, its gap: inf stands for the next neighbour, max + gap)
+OVERFLOW_CASES = [(torch.float16, 65504.0, 32.0), (torch.bfloat16, 3.3895313892515355e38, 2.0**120)]
+
+
+@pytest.mark.parametrize("dtype,top,gap", OVERFLOW_CASES)
+def test_overflow_rounds_to_inf_with_probability_proportional_to_the_distance(dtype, top, gap):
+    """Above the largest finite value, inf is the upper neighbour (max + one gap): 65514 becomes
+    inf 31% of the time, where rounding to nearest gives 65504 (inf only from 65520 up)."""
+    x = torch.full((100_000,), top + 0.3125 * gap)
+    out = stochastic_round_(torch.empty(100_000, dtype=dtype), x, torch.Generator().manual_seed(0)).float()
+    assert set(out.unique().tolist()) == {top, math.inf}
+    assert abs((out == math.inf).float().mean().item() - 0.3125) < 0.01
+    assert x.to(dtype).float()[0].item() == top  # to nearest: finite
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_random_numbers_are_drawn_in_storage_order(dtype):
+    """A channels-last destination draws one number per element in storage order, as mixprec's
+    C++ kernel does: the same bits as rounding its storage, flattened, with the same generator."""
+    x = torch.randn(4, 6, 5, 3).to(memory_format=torch.channels_last) * 1e-3 + 1
+    dst = torch.empty_like(x, dtype=dtype)
+    stochastic_round_(dst, x, torch.Generator().manual_seed(0))
+    flat = torch.empty(x.numel(), dtype=dtype)
+    stochastic_round_(flat, x.permute(0, 2, 3, 1).reshape(-1), torch.Generator().manual_seed(0))
+    assert dst.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(dst.permute(0, 2, 3, 1).reshape(-1), flat)
 
 
 def test_float32_target_is_a_copy_and_source_is_untouched():

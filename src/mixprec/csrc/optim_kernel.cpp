@@ -76,9 +76,12 @@ using Comp = std::conditional_t<MODE == kExact, int16_t, std::conditional_t<MODE
 template <typename P, int MODE>
 inline float load_param(const P* p, const Comp<P, MODE>* comp, int64_t i) {
   if constexpr (MODE == kExact) {
-    uint32_t hi = uint32_t(p[i].x) << 16;
-    int32_t lo = comp[i];
-    return u2f(hi + static_cast<uint32_t>(lo));
+    const uint32_t hi = uint32_t(p[i].x) << 16;
+    const int32_t lo = comp[i];
+    // exact.drop_stale_low_bits: a finite weight whose sum is not is read alone. Only +-0.0 under
+    // negative low bits (a weight zeroed from outside: the sum wraps into a NaN) is such a pair.
+    const uint32_t keep = ((hi << 1) == 0u && lo < 0) ? 0u : 0xFFFFFFFFu;
+    return u2f(hi + (static_cast<uint32_t>(lo) & keep));
   } else if constexpr (MODE == kKahan) {
     return to_float(p[i]) + to_float(comp[i]);
   } else {

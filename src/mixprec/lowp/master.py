@@ -163,13 +163,23 @@ class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself, HoldsMas
     def masters(self) -> list[Tensor]:
         """The float32 master of every parameter, in ``param_groups`` order (float32 params are
         their own master)."""
+        self._adopt_cast_params()
         return [m for g in self.param_groups for m in g["params"]]
 
     def master_pairs(self) -> tuple[tuple[Tensor, Tensor], ...]:
         """``(model parameter, float32 master)`` for each low-precision parameter, in the order
         they were added (:class:`mixprec.scaling.protocol.HoldsMasters`; float32 parameters,
         their own masters, are not listed)."""
+        self._adopt_cast_params()
         return tuple(self._pairs)
+
+    def _adopt_cast_params(self) -> None:
+        """Give a master to each parameter of the wrapped optimizer that has become low precision
+        since it was wrapped (:func:`mixprec.to_low_precision` after ``MasterWeights(...)``: the
+        cast keeps the parameter objects), so that it is not stepped in bfloat16/float16."""
+        for group in self.optimizer.param_groups:
+            if any(p.dtype in LOW_PRECISION_DTYPES for p in group["params"]):
+                self._attach(group)
 
     def _attach(self, group: dict[str, Any]) -> None:
         """Swap ``group``'s low-precision params for masters, in place (the list object is kept,
@@ -220,7 +230,9 @@ class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself, HoldsMas
         gradients in place, and :meth:`step` then keeps them. A parameter without ``.grad`` gives
         its master none. Called by :meth:`step`; call it yourself before
         ``torch.amp.GradScaler.unscale_``/``step``, or to clip/inspect float32 gradients.
+        Parameters cast to low precision since the wrapper was built get their masters first.
         """
+        self._adopt_cast_params()
         for i, (p, master) in enumerate(self._pairs):
             grad = p.grad
             if grad is None:
@@ -246,6 +258,7 @@ class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself, HoldsMas
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._adopt_cast_params()
         lent = lent_scale(self)
         if lent is not None and not self._grads_prepared():
             raise RuntimeError(
@@ -322,6 +335,7 @@ class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself, HoldsMas
     def refresh_masters(self) -> None:
         """Copy the model's parameters into the masters (after loading model weights into a model
         whose optimizer is already wrapped; the masters' low bits are lost)."""
+        self._adopt_cast_params()
         for p, master in self._pairs:
             master.copy_(p)
 
@@ -330,11 +344,20 @@ class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself, HoldsMas
         """The wrapped optimizer's ``state_dict()`` plus ``"master_params"``: the float32
         masters, one per parameter in ``param_groups`` order (references, as torch's state), and
         with a ``generator``, its state (``"master_generator_state"``), so that stochastic
-        write-back resumes bitwise."""
+        write-back resumes bitwise. Hooks registered on the wrapper with
+        ``register_state_dict_pre_hook``/``register_state_dict_post_hook`` run as in
+        ``torch.optim.Optimizer.state_dict`` (a post-hook may return a replacement)."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        self._adopt_cast_params()
         state = self.optimizer.state_dict()
         state["master_params"] = [m.detach() for m in self.masters]
         if self.generator is not None:
             state["master_generator_state"] = self.generator.get_state()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state)
+            if result is not None:
+                state = result
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -343,7 +366,9 @@ class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself, HoldsMas
         already one of its master's two neighbours, e.g. loaded from the model's checkpoint, is
         kept, so training resumes bitwise in either load order). A ``state_dict`` without ``"master_params"`` (from the bare
         optimizer) keeps the current masters. A saved generator state is restored into this
-        wrapper's ``generator``, if it has one.
+        wrapper's ``generator``, if it has one. Hooks registered on the wrapper with
+        ``register_load_state_dict_pre_hook`` (which may return a replacement state dict) and
+        ``register_load_state_dict_post_hook`` run as in ``torch.optim.Optimizer.load_state_dict``.
 
         Raises:
             ValueError: the saved masters, or a moment (``exp_avg``, ``momentum_buffer``, ... of
@@ -352,6 +377,10 @@ class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself, HoldsMas
                 leaves the wrapper, its masters and the wrapped optimizer as they were.
         """
         state_dict = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = dict(result)
         saved = state_dict.pop("master_params", None)
         generator_state = state_dict.pop("master_generator_state", None)
         masters = self.masters
@@ -378,6 +407,8 @@ class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself, HoldsMas
                     _write_back_loaded(p, master, self.rounding)
         if generator_state is not None and self.generator is not None:
             self.generator.set_state(generator_state.cpu())
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 #: State keys of torch.optim optimizers that hold one value per parameter element.

@@ -163,8 +163,9 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         """Raise ``ValueError`` on an invalid hyper-parameter of ``group`` (subclasses)."""
 
     def _validated_group(self, param_group: dict[str, Any]) -> dict[str, Any]:
-        """``param_group`` completed with the defaults, checked, and with its ``compensation``
-        resolved (:func:`resolve_compensation`): what the constructor, ``add_param_group`` and
+        """``param_group`` completed with the defaults and checked (``"none"`` kept as ``None``;
+        ``"auto"`` is kept, and resolved for the parameters' dtypes at each step:
+        :meth:`resolved_compensation`): what the constructor, ``add_param_group`` and
         ``load_state_dict`` all keep. Raises ``ValueError``/``TypeError`` on an invalid option,
         hyper-parameter or parameter."""
         params = param_group["params"]
@@ -175,11 +176,31 @@ class CompensatedOptimizer(torch.optim.Optimizer):
             raise ValueError("`fused` and `foreach` cannot be `True` together.")
         self._check_hyperparameters(group)
         _check_params(params)
-        group["compensation"] = resolve_compensation(group["compensation"], params)
-        if group["compensation"] == "exact":
+        if group["compensation"] == "none":
+            group["compensation"] = None
+        if resolve_compensation(group["compensation"], params) == "exact":
             for p in params:
                 check_exact_dtype(p.dtype)
         return group
+
+    @staticmethod
+    def resolved_compensation(group: dict[str, Any]) -> Optional[str]:
+        """The rule ``group``'s low-precision parameters are written back with now: its
+        ``compensation``, ``"auto"`` resolved for the dtypes its parameters have now
+        (:func:`resolve_compensation`), so that an optimizer built before
+        :func:`mixprec.to_low_precision` casts its parameters compensates them after it.
+
+        Example:
+            >>> import mixprec
+            >>> model = torch.nn.Linear(4, 4)
+            >>> opt = mixprec.optim.AdamW(model.parameters())
+            >>> opt.param_groups[0]["compensation"], opt.resolved_compensation(opt.param_groups[0])
+            ('auto', None)
+            >>> _ = mixprec.to_low_precision(model)
+            >>> opt.resolved_compensation(opt.param_groups[0])
+            'exact'
+        """
+        return resolve_compensation(group["compensation"], group["params"])
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = self._validated_group(param_group)
@@ -237,10 +258,10 @@ class CompensatedOptimizer(torch.optim.Optimizer):
             return bool(group["foreach"])
         return _default_to_fused_or_foreach(group["params"], differentiable=False, use_fused=False)[1]
 
-    def _compensation_buffer(self, group: dict[str, Any], p: Tensor) -> Optional[Tensor]:
-        """The Kahan buffer (parameter dtype) or exact low bits (int16) of ``p``, created at
-        zero, or None if ``p`` does not use one."""
-        compensation = group["compensation"]
+    def _compensation_buffer(self, compensation: Optional[str], p: Tensor) -> Optional[Tensor]:
+        """The Kahan buffer (parameter dtype) or exact low bits (int16) of ``p`` under the rule
+        ``compensation`` (resolved: :meth:`resolved_compensation`), created at zero, or None if
+        ``p`` does not use one."""
         if compensation not in ("kahan", "exact") or p.dtype == compute_dtype(p.dtype):
             return None
         state = self.state[p]
@@ -342,8 +363,9 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                     "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
                 )
             group = self._validated_group({**saved, "params": current["params"]})
+            rule = self.resolved_compensation(group)  # a saved "auto": for the parameters held now
             for index, p in zip(saved["params"], group["params"]):
-                self._check_saved_state(group, p, index, state_dict["state"].get(index) or {})
+                self._check_saved_state(group, rule, p, index, state_dict["state"].get(index) or {})
             groups.append({**group, "params": saved["params"]})
         if generator_state is not None and not isinstance(generator_state, Tensor):
             raise TypeError(f"generator_state must be a torch.Generator's state (a uint8 tensor), got "
@@ -367,14 +389,15 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                 self.generator.set_state(generator_before)
             raise
 
-    def _check_saved_state(self, group: dict[str, Any], p: Tensor, index: Any, saved: Mapping[str, Any]) -> None:
+    def _check_saved_state(self, group: dict[str, Any], compensation: Optional[str], p: Tensor, index: Any,
+                           saved: Mapping[str, Any]) -> None:
         """Raise ``ValueError`` if ``saved`` (one parameter's state) lacks what ``group``'s step
-        reads or holds another compensation's buffer."""
+        reads or holds another rule's buffer than ``compensation`` (the group's, resolved)."""
         for key, rule in _BUFFERS.items():
-            if key in saved and group["compensation"] != rule:
+            if key in saved and compensation != rule:
                 raise ValueError(
                     f"the saved state of parameter {index} holds {key!r} (compensation={rule!r}) but its "
-                    f"param group says compensation={group['compensation']!r}: the checkpoint was edited "
+                    f"param group says compensation={compensation!r}: the checkpoint was edited "
                     "or mixes two optimizers"
                 )
         missing = [k for k in self._required_state(group, p) if saved and k not in saved]
@@ -462,11 +485,11 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                     f"got {len(sources)} weights for {len(params)} parameters; pass one per "
                     "parameter in param_groups order, or a state dict with model="
                 )
-        groups = [g for g in self.param_groups for _ in g["params"]]
-        for p, src, group in zip(params, sources, groups):
+        rules = [self.resolved_compensation(g) for g in self.param_groups for _ in g["params"]]
+        for p, src, rule in zip(params, sources, rules):
             if tuple(src.shape) != tuple(p.shape):
                 raise ValueError(f"shape mismatch: weight {tuple(src.shape)} for parameter {tuple(p.shape)}")
-            comp = self._compensation_buffer(group, p)
+            comp = self._compensation_buffer(rule, p)
             src = src.detach().to(device=p.device, dtype=compute_dtype(p.dtype), copy=comp is not None)
             if comp is None:
                 p.copy_(src)

@@ -72,11 +72,11 @@ def batches(units: list[Unit], params: Sequence[Tensor]) -> list[list[Unit]]:
     if torch.compiler.is_compiling() or not all(p.device.type == "cpu" for p in params):
         return [units]
     out: list[list[Unit]] = []
-    size = CPU_CHUNK
+    size = 0
     for unit in units:
         i, sl = unit
         n = params[i].numel() if sl is None else sl.stop - sl.start
-        if size + n > CPU_CHUNK:
+        if not out or size + n > CPU_CHUNK:  # (a first unit may be empty: a zero-element parameter)
             out.append([])
             size = 0
         out[-1].append(unit)

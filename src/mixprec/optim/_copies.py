@@ -19,6 +19,7 @@ from torch import Tensor
 
 from mixprec.optim._chunks import batches, part, plan
 from mixprec.optim._functional import State, Unscaler, compute_dtype, draws_random, read_state, write_back, write_state
+from mixprec.optim.exact import drop_stale_low_bits
 from mixprec.optim.kahan import kahan_write_
 
 __all__ = ["adamw_copies", "sgd_copies", "on_whole_vectors", "pick"]
@@ -58,6 +59,8 @@ def _load_params(params: list[Tensor], comps: list[Optional[Tensor]], cdtypes: l
     kahan = [i for i, c in enumerate(comps) if c is not None and c.dtype != torch.int16]
     if exact:
         torch._foreach_add_([values[i].view(torch.int32) for i in exact], pick(comps, exact))
+        for i in exact:  # as exact_value: stale low bits of a weight written from outside
+            values[i] = drop_stale_low_bits(values[i], params[i])
     if kahan:
         torch._foreach_add_(pick(values, kahan), pick(comps, kahan))
     return values
@@ -97,7 +100,7 @@ def _write_back_all(
 ) -> None:
     """Write back every parameter's ``(stored, computed)`` states, then the parameters: per tensor
     in list order when random numbers are drawn (the per-tensor path's order), else foreach."""
-    if any(draws_random(comps[i], [stored[i] for stored, _ in states], compensation) for i in range(len(params))):
+    if any(draws_random(p, comps[i], [stored[i] for stored, _ in states], compensation) for i, p in enumerate(params)):
         for i, param in enumerate(params):
             pairs = [(stored[i], computed[i]) for stored, computed in states]
             write_back(param, values[i], comps[i], pairs, compensation, generator)
@@ -112,6 +115,50 @@ def _write_back_all(
 def _flat(t: Tensor) -> Tensor:
     """A dense tensor's elements in storage order (as torch's fused kernels walk them)."""
     return t.view(-1) if t.is_contiguous() else t.as_strided((t.numel(),), (1,))
+
+
+def _dense(t: Tensor) -> bool:
+    """Non-overlapping and dense: its elements fill a block of storage (in some dimension order)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def fused_call(fn: Any, lists: int, whole_vectors: bool, *args: Any, **kwargs: Any) -> None:
+    """Call torch's fused CPU kernel ``fn`` as :func:`on_whole_vectors` does (``whole_vectors``)
+    or plainly, on the tensors of each parameter laid out alike.
+
+    The kernel walks each tensor in storage order, so a parameter's tensors (value, gradient,
+    states) must be dense with the same strides, or element i of one meets element j of another
+    (torch's own ``fused=True`` then computes garbage, e.g. for a transposed weight's contiguous
+    gradient, or a non-dense float32 parameter). A tensor laid out otherwise is copied into the
+    first one's layout (a non-dense first one: all into contiguous copies) for the call, and
+    copied back after it (all but argument 1, the gradients, which are only read)."""
+    tensors = [list(lst) for lst in args[:lists]]
+    back: list[tuple[Tensor, Tensor]] = []
+    for i, first in enumerate(tensors[0]):
+        alike = _dense(first) and all(not lst or lst[i].stride() == first.stride() for lst in tensors)
+        if alike:
+            continue
+        ref = first if _dense(first) else torch.empty_like(first, memory_format=torch.contiguous_format)
+        for k, lst in enumerate(tensors):
+            if not lst or (lst[i] is ref) or lst[i].stride() == ref.stride():
+                continue
+            copy = torch.empty_like(ref, dtype=lst[i].dtype).copy_(lst[i])
+            if k != 1:
+                back.append((lst[i], copy))
+            lst[i] = copy
+    if whole_vectors:
+        on_whole_vectors(fn, lists, *tensors, *args[lists:], **kwargs)
+    else:
+        fn(*tensors, *args[lists:], **kwargs)
+    for dst, src in back:
+        dst.copy_(src)
 
 
 def on_whole_vectors(fn: Any, lists: int, *args: Any, **kwargs: Any) -> None:
@@ -169,7 +216,7 @@ def adamw_copies(
     (with ``fused``): torch's kernel computes every element as its vector body does, the scalar
     tail included (:func:`on_whole_vectors`): mixprec's C++ kernel's bits."""
     amsgrad = len(stored) == 3
-    fused_adamw = partial(on_whole_vectors, torch._fused_adamw_, 5) if whole_vectors else torch._fused_adamw_
+    fused_adamw = partial(fused_call, torch._fused_adamw_, 5, whole_vectors)
     compiling = torch.compiler.is_compiling()
     fused = fused and not compiling  # compiled: foreach ops, which the compiler fuses
     steps: list[Any] = state_steps if compiling else [t.item() for t in state_steps]
@@ -284,7 +331,7 @@ def _fused_sgd(
     kernel, ``is_first_step``) and old ones in two calls; a narrower buffer is worked on in a
     float32 copy and written back (new: to nearest, as the for-loop path; old: :func:`write_state`).
     ``whole_vectors``: as in :func:`adamw_copies`."""
-    fused_sgd = partial(on_whole_vectors, torch._fused_sgd_, 3) if whole_vectors else torch._fused_sgd_
+    fused_sgd = partial(fused_call, torch._fused_sgd_, 3, whole_vectors)
     if hyper["momentum"] == 0:
         fused_sgd(values, grads_c, [], maximize=False, is_first_step=False, **hyper)
         return

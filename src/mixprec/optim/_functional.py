@@ -131,11 +131,14 @@ def step_grad(grad: Tensor, cdtype: torch.dtype, unscale: Unscaler, maximize: bo
     return -grad if maximize else grad
 
 
-def draws_random(comp: Optional[Tensor], states: Sequence[Optional[State]], compensation: Optional[str]) -> bool:
-    """Whether writing a parameter back draws random numbers: stochastic rounding of the
-    parameter (no compensation buffer) or of a bfloat16/float16 state."""
+def draws_random(
+    param: Tensor, comp: Optional[Tensor], states: Sequence[Optional[State]], compensation: Optional[str]
+) -> bool:
+    """Whether writing a parameter back draws random numbers: stochastic rounding of a
+    low-precision parameter (no compensation buffer) or of a bfloat16/float16 state. A float32
+    parameter draws nothing (it is updated in place, or copied back exactly)."""
     narrow = any(isinstance(s, Tensor) and s.dtype in NARROW for s in states)
-    return narrow or (comp is None and compensation == "stochastic")
+    return narrow or (comp is None and compensation == "stochastic" and param.dtype in NARROW)
 
 
 def write_back(

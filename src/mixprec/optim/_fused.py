@@ -184,11 +184,13 @@ def _eligible(param: Tensor, grad: Tensor, states: list[Any], comp: Optional[Ten
     return None if eight_bit is None or mode is None else (mode, eight_bit)
 
 
-def _keep_draw_order(kinds: list[Optional[tuple[int, bool]]], comps: list[Optional[Tensor]],
+def _keep_draw_order(kinds: list[Optional[tuple[int, bool]]], params: list[Tensor], comps: list[Optional[Tensor]],
                      states: list[list[Any]], compensation: Optional[str]) -> list[Optional[tuple[int, bool]]]:
     """Leave stochastic rounding to the working copies if a parameter they keep draws too: the
-    random numbers must come in parameter order, as the working-copy path draws them."""
-    others_draw = any(kind is None and draws_random(comps[i], states[i], compensation) for i, kind in enumerate(kinds))
+    random numbers must come in parameter order, as the working-copy path draws them. (A float32
+    parameter draws nothing: it does not hold the kernel back.)"""
+    others_draw = any(kind is None and draws_random(params[i], comps[i], states[i], compensation)
+                      for i, kind in enumerate(kinds))
     return [None if others_draw and kind is not None and kind[0] == _MODES["stochastic"] else kind
             for kind in kinds]
 
@@ -224,11 +226,24 @@ def _cpu_inv(inv_scale: Optional[Tensor]) -> Optional[Tensor]:
     return None if inv_scale is None else inv_scale.detach().to("cpu", torch.float32).reshape(())
 
 
-def _groups(kinds: list[Optional[tuple[int, bool]]]) -> dict[tuple[int, bool], list[int]]:
-    out: dict[tuple[int, bool], list[int]] = {}
+def _groups(kinds: list[Optional[tuple[int, bool]]]) -> list[tuple[tuple[int, bool], list[int]]]:
+    """The kernel calls: the parameters of each kind together, except that stochastic rounding
+    draws in parameter order (as the working copies do), so its calls take runs of consecutive
+    parameters of one kind (8-bit and float32 moments alternate: weights and biases)."""
+    out: list[tuple[tuple[int, bool], list[int]]] = []
+    together: dict[tuple[int, bool], list[int]] = {}
     for i, kind in enumerate(kinds):
-        if kind is not None:
-            out.setdefault(kind, []).append(i)
+        if kind is None:
+            continue
+        if kind[0] != _MODES["stochastic"]:
+            if kind not in together:
+                together[kind] = []
+                out.append((kind, together[kind]))
+            together[kind].append(i)
+        elif out and out[-1][0] == kind:
+            out[-1][1].append(i)
+        else:
+            out.append((kind, [i]))
     return out
 
 
@@ -248,11 +263,11 @@ def adamw_native(
         return list(range(len(params)))
     states = [[s[i] for s in stored] for i in range(len(params))]
     kinds = [_eligible(p, g, states[i], c, compensation) for i, (p, g, c) in enumerate(zip(params, grads, comps))]
-    kinds = _keep_draw_order(kinds, comps, states, compensation)
+    kinds = _keep_draw_order(kinds, params, comps, states, compensation)
     inv = _cpu_inv(inv_scale)
     groups = _groups(kinds)
     if increment and groups:
-        torch._foreach_add_([state_steps[i] for index in groups.values() for i in index], 1)
+        torch._foreach_add_([state_steps[i] for _, index in groups for i in index], 1)
     rest = [i for i, kind in enumerate(kinds) if kind is None]
     if ops is None:
         taken = [i for i, kind in enumerate(kinds) if kind is not None]
@@ -263,7 +278,7 @@ def adamw_native(
                          compensation=compensation, generator=generator, inv_scale=inv_scale, fused=True,
                          whole_vectors=True)
         return rest
-    for (mode, eight_bit), index in groups.items():
+    for (mode, eight_bit), index in groups:
         pick = lambda lst: [lst[i] for i in index]  # noqa: E731
         moments = [pick(lst) for lst in stored]
         absmaxes: list[Tensor] = []
@@ -294,7 +309,7 @@ def sgd_native(
     has_momentum = momentum != 0
     states = [[momentum_buffers[i]] if has_momentum else [] for i in range(len(params))]
     kinds = [_eligible(p, g, states[i], c, compensation) for i, (p, g, c) in enumerate(zip(params, grads, comps))]
-    kinds = _keep_draw_order(kinds, comps, states, compensation)
+    kinds = _keep_draw_order(kinds, params, comps, states, compensation)
     rest = [i for i, kind in enumerate(kinds) if kind is None]
     if ops is None:
         taken = [i for i, kind in enumerate(kinds) if kind is not None]
@@ -306,7 +321,7 @@ def sgd_native(
                        inv_scale=inv_scale, fused=True, whole_vectors=True)
         return rest
     inv = _cpu_inv(inv_scale)
-    for (mode, _), index in _groups(kinds).items():
+    for (mode, _), index in _groups(kinds):
         pick = lambda lst: [lst[i] for i in index]  # noqa: E731
         ops.sgd_step(
             pick(params), pick(grads), pick(momentum_buffers) if has_momentum else [],

@@ -30,8 +30,10 @@ class AdamW(CompensatedOptimizer):
     ``compensation``:
 
     * ``"auto"`` (default): ``"exact"`` for bfloat16 parameters, ``"kahan"`` for a param group
-      holding a float16 one (:func:`~mixprec.optim._base.resolve_compensation`). The group
-      keeps the resolved rule (``param_groups``, ``state_dict()``).
+      holding a float16 one (:func:`~mixprec.optim._base.resolve_compensation`), resolved for
+      the dtypes the parameters have at each step (an optimizer built before
+      :func:`mixprec.to_low_precision` compensates the cast weights). The group keeps
+      ``"auto"`` (``param_groups``, ``state_dict()``): :meth:`resolved_compensation` says the rule.
     * ``None`` (or ``"none"``): rounded to nearest. Updates below half a gap of the weight
       (``2**-9`` relative for bfloat16) are lost: this is naive pure-bf16 training, which
       stalls (README: 3.8x fp32's loss); choose it explicitly, e.g. for a baseline.
@@ -90,7 +92,7 @@ class AdamW(CompensatedOptimizer):
         >>> import torch, mixprec
         >>> model = mixprec.to_low_precision(torch.nn.Linear(8, 8))  # bf16 weights
         >>> opt = mixprec.optim.AdamW(model.parameters(), lr=1e-4)
-        >>> opt.param_groups[0]["compensation"]
+        >>> opt.resolved_compensation(opt.param_groups[0])
         'exact'
     """
 
@@ -188,6 +190,7 @@ class AdamW(CompensatedOptimizer):
         if skip:  # a loss scaler found inf/NaN gradients
             return loss
         for group in self.param_groups:
+            rule = self.resolved_compensation(group)  # "auto" for the dtypes the parameters have now
             params, grads, moments, steps, comps = [], [], ([], [], []), [], []
             for p in group["params"]:
                 if p.grad is None:
@@ -201,13 +204,13 @@ class AdamW(CompensatedOptimizer):
                     used = key != "max_exp_avg_sq" or group["amsgrad"]
                     out.append(self._moment(group, p, key, signed) if used else None)
                 steps.append(state["step"])
-                comps.append(self._compensation_buffer(group, p))
+                comps.append(self._compensation_buffer(rule, p))
             if not params:
                 continue
             beta1, beta2 = group["betas"]
             hyper = dict(lr=_scalar(group["lr"]), beta1=_scalar(beta1), beta2=_scalar(beta2), eps=group["eps"],
                          weight_decay=group["weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"],
-                         compensation=group["compensation"], generator=self.generator, inv_scale=inv_scale)
+                         compensation=rule, generator=self.generator, inv_scale=inv_scale)
             if group["fused"] is None and group["foreach"] is None:  # the C++ kernel where it applies
                 stored = list(moments[:3] if group["amsgrad"] else moments[:2])
                 rest = adamw_native(params, grads, stored, comps, steps, increment=True, **hyper)

@@ -14,6 +14,14 @@ pattern of a float is its magnitude, offset by ``-2**31`` for a negative one, so
 same for both signs). A carry past bfloat16's largest finite value makes the parameter ``inf``
 (as rounding to nearest does) while the master stays finite. Integer arithmetic only: no host
 sync, same code on every device, and every step is a ``torch._foreach_*`` op too.
+
+A parameter written from outside (``w.zero_()``, pruning ``w[mask] = 0``, ``nn.init``) keeps its
+old low bits: the value read back is then the new weight moved by less than half a bfloat16 gap,
+except where that is not a finite number while the weight is: the stale low bits of a zeroed
+weight (``+-0.0``) below zero wrap its bit pattern into a NaN. Reading takes the weight alone
+there (:func:`drop_stale_low_bits`), in the C++ kernel alike, so a zeroed weight trains on
+from 0 instead of freezing at 0 over a NaN master. The optimizer itself never writes such a pair
+(its ``+-0.0`` weights have low bits >= 0), so this changes nothing else.
 """
 
 from __future__ import annotations
@@ -21,13 +29,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["exact_value", "exact_write_", "check_exact_dtype"]
+__all__ = ["exact_value", "exact_write_", "check_exact_dtype", "drop_stale_low_bits"]
+
 
 def exact_value(param: Tensor, low_bits: Tensor) -> Tensor:
-    """The float32 master a bfloat16 ``param`` and its int16 ``low_bits`` stand for (a new tensor)."""
+    """The float32 master a bfloat16 ``param`` and its int16 ``low_bits`` stand for (a new tensor;
+    ``param`` itself where it is finite and the sum is not: :func:`drop_stale_low_bits`)."""
     value = param.detach().to(torch.float32, copy=True)
     value.view(torch.int32).add_(low_bits)
-    return value
+    return drop_stale_low_bits(value, param)
+
+
+def drop_stale_low_bits(value: Tensor, param: Tensor) -> Tensor:
+    """``value`` (``param``'s bits plus its low bits), or ``param`` where ``param`` is finite and
+    ``value`` is not: low bits left over from before ``param`` was written from outside (a zeroed
+    weight), which would make the master a NaN. May return ``value`` itself."""
+    return torch.where(torch.isfinite(value) | ~torch.isfinite(param), value, param.detach().to(torch.float32))
 
 
 def exact_write_(param: Tensor, low_bits: Tensor, value: Tensor) -> None:

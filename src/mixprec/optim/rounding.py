@@ -15,8 +15,14 @@ on every device):
 * ``float16`` keeps 10 of float32's 23 mantissa bits for normal numbers (``|x| >= 2**-14``): the
   same trick with 13 random bits. Below that, float16 is subnormal with a fixed gap of ``2**-24``:
   ``floor(|x| * 2**24 + u)`` with ``u = r / 2**13`` is exact in float32 there (``|x| * 2**24 <
-  1024``). Values that round past float16's largest finite value become ``inf``, as with nearest
-  rounding.
+  1024``). Above float16's largest finite value (65504) ``inf`` stands for the next neighbour
+  (65536): a finite value there becomes ``inf`` with probability proportional to its distance from
+  65504 (65514: 31% of the time), where rounding to nearest overflows only from 65520 up (bfloat16
+  alike, above 3.3895e38). The code keeps this rather than saturating: unbiased where it is
+  finite, and a weight that close to the top of the range has already lost its precision.
+
+The random numbers are drawn one per element in ``dst``'s storage order (a channels-last weight:
+channels-last order), the order mixprec's C++ optimizer kernel draws them in.
 
 NaN stays NaN; ``inf`` stays ``inf``.
 """
@@ -54,7 +60,8 @@ def stochastic_round_(
             modified, and ``dst`` may alias nothing but itself).
         src: the float32 values to round.
         generator: source of randomness, on ``src``'s device (``None``: the device's default
-            generator). Seeding it makes the rounding reproducible.
+            generator). Seeding it makes the rounding reproducible. One number per element is
+            drawn, in ``dst``'s storage order.
 
     Raises:
         TypeError: ``src`` is not float32, or ``dst`` is not bf16/fp16/fp32.
@@ -74,8 +81,10 @@ def stochastic_round_(
         raise TypeError(f"stochastic rounding supports bfloat16/float16 targets, got {dst.dtype}")
     src = src.detach()
     drop = 16 if dst.dtype == torch.bfloat16 else 13
-    # random_() without bounds fills int32 with 31 random bits, twice as fast as randint(0, 2**drop)
-    noise = torch.empty(src.shape, dtype=torch.int32, device=src.device).random_(generator=generator)
+    # random_() without bounds fills int32 with 31 random bits, twice as fast as randint(0, 2**drop);
+    # laid out as ``dst`` (a dense one: contiguous, channels-last), it fills them in dst's storage
+    # order, the order mixprec's C++ kernel draws them in
+    noise = torch.empty_like(dst, dtype=torch.int32, memory_format=torch.preserve_format).random_(generator=generator)
     noise.bitwise_and_((1 << drop) - 1)
     rounded = noise.add(src.view(torch.int32)).bitwise_and_(-(1 << drop)).view(torch.float32)
     if dst.dtype == torch.float16:

@@ -115,6 +115,7 @@ class SGD(CompensatedOptimizer):
         if skip:  # a loss scaler found inf/NaN gradients
             return loss
         for group in self.param_groups:
+            rule = self.resolved_compensation(group)  # "auto" for the dtypes the parameters have now
             params, grads, buffers, comps = [], [], [], []
             for p in group["params"]:
                 if p.grad is None:
@@ -122,12 +123,12 @@ class SGD(CompensatedOptimizer):
                 params.append(p)
                 grads.append(p.grad)
                 buffers.append(self.state[p].get("momentum_buffer"))
-                comps.append(self._compensation_buffer(group, p))
+                comps.append(self._compensation_buffer(rule, p))
             if not params:
                 continue
             hyper = dict(lr=_scalar(group["lr"]), momentum=group["momentum"], dampening=group["dampening"],
                          weight_decay=group["weight_decay"], nesterov=group["nesterov"], maximize=group["maximize"],
-                         compensation=group["compensation"], generator=self.generator, inv_scale=inv_scale)
+                         compensation=rule, generator=self.generator, inv_scale=inv_scale)
             todo = list(range(len(params)))
             if group["fused"] is None and group["foreach"] is None:  # the C++ kernel where it applies
                 todo = self._native_first(group, params, grads, buffers, comps, hyper)

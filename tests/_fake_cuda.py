@@ -376,6 +376,37 @@ def run_autocast_cases(ctx: Callable[[torch.dtype], Any], dtype: torch.dtype) ->
     return results
 
 
+def optional_argument_cases() -> list[tuple[str, Callable[[], Any]]]:
+    """``(case id, thunk)`` of promote ops whose optional ``Tensor?`` argument has another dtype
+    than the weighed ones (``bilinear``'s bias: ATen's ``promote_type`` weighs ``Tensor`` and
+    ``Tensor[]`` arguments only, and casts the optional one). Call inside a fake mode with
+    :func:`cuda_patches` applied."""
+    cuda = torch.device("cuda")
+
+    def make(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return to_fake_cuda(torch.randn(*shape, dtype=dtype), cuda)
+
+    cases = []
+    for bias_dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for half in (torch.float16, torch.bfloat16):
+            args = (make(2, 3, dtype=half), make(2, 4, dtype=half), make(5, 3, 4, dtype=half),
+                    make(5, dtype=bias_dtype))
+            name = f"bilinear {str(half)[6:]} inputs, {str(bias_dtype)[6:]} bias"
+            cases.append((name, lambda a=args: torch.bilinear(*a)))
+            cases.append((name + " (keyword)", lambda a=args: torch.nn.functional.bilinear(*a[:3], bias=a[3])))
+    return cases
+
+
+def run_optional_argument_cases(ctx: Callable[[torch.dtype], Any], dtype: torch.dtype) -> dict[str, str]:
+    """``{case id: outcome}`` of :func:`optional_argument_cases` under ``ctx(dtype)``."""
+    with fake_mode():
+        results = {}
+        for case_id, thunk in optional_argument_cases():
+            with ctx(dtype):
+                results[case_id] = outcome(thunk)
+    return results
+
+
 #: the edited policy of the conformance tests: op -> the kind it moves to
 EDITS = {"fp32": ["mm", "bmm", "addmm", "linear"], "lower": ["exp", "softmax", "sum", "layer_norm"],
          "promote": ["mv"], "passthrough": ["conv2d"]}

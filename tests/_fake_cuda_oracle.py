@@ -5,7 +5,7 @@ of test_cuda_fake_autocast.py.
 
 First, in a process where mixprec was never imported (no mixprec kernel exists at
 ``AutocastCUDA``), every case of torch's CUDA autocast test lists under ``torch.autocast("cuda")``
-in fp16 and bf16. Then, with ``MIXPREC_NATIVE_KERNELS=0``, the same cases under
+in fp16 and bf16 (and promote ops' optional arguments: ``_fake_cuda.optional_argument_cases``). Then, with ``MIXPREC_NATIVE_KERNELS=0``, the same cases under
 ``mixprec.autocast`` with the edited policy ``_fake_cuda.EDITS``: its Python kernels.
 """
 
@@ -17,16 +17,17 @@ import sys
 
 import torch
 
-from _fake_cuda import EDITS, cuda_patches, patched, run_autocast_cases
+from _fake_cuda import EDITS, cuda_patches, patched, run_autocast_cases, run_optional_argument_cases
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 if __name__ == "__main__":
     assert "mixprec" not in sys.modules
-    out: dict = {"torch": {}, "python_kernels": {}}
+    out: dict = {"torch": {}, "python_kernels": {}, "optional": {}}
     with patched(cuda_patches()):
         for name, dtype in DTYPES.items():
             out["torch"][name] = run_autocast_cases(lambda d: torch.autocast("cuda", dtype=d), dtype)
+            out["optional"][name] = run_optional_argument_cases(lambda d: torch.autocast("cuda", dtype=d), dtype)
         os.environ["MIXPREC_NATIVE_KERNELS"] = "0"
         import mixprec
 

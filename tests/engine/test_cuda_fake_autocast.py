@@ -25,7 +25,8 @@ import mixprec
 from mixprec import _native
 from mixprec.engine import kernels
 
-from _fake_cuda import EDITS, cuda_module, edited_expectation, fake_cuda, fake_mode, run_autocast_cases  # noqa: F401
+from _fake_cuda import (EDITS, cuda_module, edited_expectation, fake_cuda, fake_mode, run_autocast_cases,  # noqa: F401
+                        run_optional_argument_cases)
 
 HERE = Path(__file__).resolve().parents[1]  # tests/
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -76,6 +77,23 @@ def test_edited_policy_on_the_cuda_key_cpp_and_python_kernels(fake_cuda, oracle,
         assert "native" in cuda_impls and kernels._registered[("mm", "AutocastCUDA")] == "native"
     assert "mm@AutocastCUDA=python" in oracle["registered"]
     assert not any(r.endswith("=native") for r in oracle["registered"])
+
+
+@pytest.mark.slow  # its oracle is a subprocess
+@pytest.mark.parametrize("dt", DTYPES)
+def test_promote_weighs_no_optional_argument_once_our_kernel_serves_the_op(fake_cuda, oracle, dt):
+    """PyTorch's promote weighs Tensor and Tensor[] arguments only: bilinear's float32 bias leaves
+    half inputs in the half dtype (the bias is cast). Once a policy has edited ``bilinear`` on
+    CUDA, our kernel (C++ here, Python in the oracle's process) serves it in every region, plain
+    ``torch.autocast`` too; until 2026-12-07 it weighed the bias and ran float32."""
+    want = oracle["optional"][dt]
+    half = str(DTYPES[dt]).removeprefix("torch.")
+    assert want[f"bilinear {half} inputs, float32 bias"].startswith(f"torch.{half} ")  # the oracle's rule
+    with mixprec.autocast("cuda", dtype=DTYPES[dt], policy=mixprec.Policy().with_ops(fp32=["bilinear"])):
+        pass  # registers our kernel for bilinear at AutocastCUDA
+    for region in (lambda d: torch.autocast("cuda", dtype=d),
+                   lambda d: mixprec.autocast("cuda", dtype=d, policy=mixprec.Policy().with_ops(fp32=["mm"]))):
+        assert _mismatches(run_optional_argument_cases(region, DTYPES[dt]), want) == []
 
 
 def test_module_rules_and_output_on_cuda(fake_cuda):

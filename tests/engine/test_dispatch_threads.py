@@ -270,3 +270,39 @@ def test_release_counts_calls_inside_the_kernels(native):
     inside a kernel went unseen)."""
     last = _run_script(_INSIDE_A_KERNEL, native)
     assert "1 op call(s) are inside mixprec kernels" in last, last
+
+
+@pytest.mark.parametrize("policy", [None, Policy().with_ops(fp32=["mm"]), Policy().keep(names="^never$")],
+                         ids=["default", "edited", "module rules"])
+def test_one_instance_entered_by_two_threads_at_once(policy):
+    """As torch.autocast: one region object entered in two threads, its exits interleaved (thread A
+    exits while B is inside), leaves each thread in its own state; before 2026-12-07 A popped B's
+    entry, both raised StopIteration and autocast stayed on."""
+    region, a = mixprec.autocast("cpu", policy=policy), torch.randn(4, 4)
+    expected = torch.float32 if policy is not None and policy.edits("cpu") else torch.bfloat16
+    a_inside, b_inside, a_left = threading.Event(), threading.Event(), threading.Event()
+    out: dict[str, object] = {}
+
+    def thread_a() -> None:
+        with region:
+            a_inside.set()
+            assert b_inside.wait(10)
+            out["A mm"] = torch.mm(a, a).dtype
+        out["A after"] = torch.is_autocast_enabled("cpu")
+        a_left.set()
+
+    def thread_b() -> None:
+        assert a_inside.wait(10)
+        with region:
+            b_inside.set()
+            assert a_left.wait(10)
+            out["B mm"] = torch.mm(a, a).dtype
+        out["B after"] = torch.is_autocast_enabled("cpu")
+
+    threads = [threading.Thread(target=f) for f in (thread_a, thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == {"A mm": expected, "A after": False, "B mm": expected, "B after": False}
+    assert region._open == {}

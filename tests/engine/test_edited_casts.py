@@ -151,6 +151,25 @@ def test_promote_takes_the_widest_input_as_pytorchs_promote_kernel(dtypes, cat_o
         assert str(torch.mul(a, b).dtype) == expected
 
 
+BILINEAR_PROMOTE = Policy().with_ops(promote=["bilinear"])
+
+
+@pytest.mark.parametrize("bias", [torch.float32, torch.bfloat16, None], ids=str)
+def test_promote_weighs_no_optional_argument(bias):
+    """As ATen's ``promote_type``: Tensor and Tensor[] arguments are weighed, an optional
+    ``Tensor?`` (bilinear's bias) is not, and is cast to the dtype the others chose."""
+    a, b, w = torch.randn(2, 3).bfloat16(), torch.randn(2, 4).bfloat16(), torch.randn(5, 3, 4).bfloat16()
+    bias_t = None if bias is None else torch.randn(5).to(bias)
+    cast_bias = None if bias is None else bias_t.bfloat16()
+    with _region(BILINEAR_PROMOTE):
+        positional, keyword = torch.bilinear(a, b, w, bias_t), F.bilinear(a, b, w, bias=bias_t)
+        widened = torch.bilinear(a.float(), b, w, bias_t)  # a weighed float32 input widens all
+    for out in (positional, keyword):
+        assert out.dtype == torch.bfloat16 and torch.equal(out, torch.bilinear(a, b, w, cast_bias))
+    expected = torch.bilinear(a.float(), b.float(), w.float(), None if bias is None else bias_t.float())
+    assert widened.dtype == torch.float32 and torch.equal(widened, expected)
+
+
 # ------------------------------------------------------------------ set-dtype, append-dtype
 def test_set_dtype_ops_compute_in_float32_unless_the_caller_named_a_dtype():
     x = torch.randn(3, 5).bfloat16()

@@ -325,6 +325,50 @@ class _TorchMlp(_Mlp):
         return self.body(x)
 
 
+_DECORATED_OUTPUT_CASES = {  # name: (decorator arguments, decorated a module's forward)
+    "step function": ({}, False),
+    "disabled forward": ({"enabled": False}, True),
+    "disabled step function": ({"enabled": False}, False),
+    "cuda forward, no cuda": ({"device_type": "cuda"}, True),
+}
+
+
+@pytest.mark.parametrize("case", _DECORATED_OUTPUT_CASES)
+def test_a_decorator_is_the_with_statement_around_its_function(case):
+    """The decorator casts the result to ``output=`` only for an enabled region around a module's
+    ``forward`` (its result is the module's output); a decorated step function, or a disabled
+    region, gives what the with-statement gives (until 2026-12-07 it cast every result: a user's
+    float32 loss came back bf16, a disabled region's output too)."""
+    kwargs, forward = _DECORATED_OUTPUT_CASES[case]
+    device = kwargs.pop("device_type", "cpu")
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("checks a cuda region that disables itself without cuda")
+    policy = Policy.parse("compute=bf16,output=bf16")
+    model, x = _Mlp(), torch.randn(4, 8)
+
+    def step(x):
+        y = model(x)
+        return (y.float() - 1).pow(2).mean(), x  # a float32 loss, the float32 input
+
+    class Decorated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            return self.inner(x)
+
+    fn = Decorated() if forward else step
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "CUDA is not available": tested elsewhere
+        with mixprec.autocast(device, policy=policy, **kwargs):
+            want = fn(x)
+        Decorated.forward = mixprec.autocast(device, policy=policy, **kwargs)(Decorated.forward)
+        got = (Decorated() if forward else mixprec.autocast(device, policy=policy, **kwargs)(step))(x)
+    for g, w in zip(*(torch.utils._pytree.tree_leaves(t) for t in (got, want))):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
 @pytest.mark.parametrize("entry", ["decorated", "root", "decorated-compiled"])
 def test_output_casts_the_models_result_not_its_submodules_when_the_region_is_inside_its_forward(entry):
     """``output=`` casts the outputs of the outermost module: in a region entered inside the model's

@@ -127,6 +127,13 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
       const auto lower = at::autocast::get_autocast_dtype(device_type);
       to = lower;
       for (size_t i = 0; i < n; ++i) {
+        // weighed as PyTorch's promote_type: Tensor and Tensor[] arguments, not an optional
+        // Tensor? (bilinear's bias) nor Tensor?[] (index_put's indices), which are cast only
+        const auto& type = arguments[i].type();
+        const bool weighed = type->kind() == c10::TypeKind::TensorType ||
+                             (type->kind() == c10::TypeKind::ListType &&
+                              type->containedType(0)->kind() == c10::TypeKind::TensorType);
+        if (!weighed) continue;
         const auto& v = *(first + i);
         if (v.isTensor()) {
           to = at::autocast::prioritize(to, v.toTensor(), device_type);

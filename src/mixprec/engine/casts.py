@@ -56,6 +56,11 @@ class OpInfo:
     # positions of the Tensor arguments: a Python number there is a wrapped number (``x * 2``),
     # which reaches a Python kernel unwrapped and only the op's packet takes back (:func:`call_below`)
     tensor_positions: tuple[int, ...] = ()
+    # the arguments ``promote`` weighs, as PyTorch's ``promote_type``: ``Tensor`` and ``Tensor[]``
+    # ones (an optional ``Tensor?``, such as bilinear's bias, is cast but not weighed), by position
+    # among the positional arguments and by name
+    weighed_positions: tuple[int, ...] = ()
+    weighed_names: frozenset[str] = frozenset()
 
 
 def op_info(name: str, op: "torch._ops.OpOverload") -> OpInfo:
@@ -72,8 +77,12 @@ def op_info(name: str, op: "torch._ops.OpOverload") -> OpInfo:
     composite = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
     tensors_at = tuple(i for i, a in enumerate(a for a in op._schema.arguments if not a.kwarg_only)
                        if str(a.type) == "Tensor")
+    weighed = [str(a.type) in ("Tensor", "List[Tensor]") for a in op._schema.arguments]
+    weighed_at = tuple(i for i, (a, w) in enumerate(
+        (a, w) for a, w in zip(op._schema.arguments, weighed) if not a.kwarg_only) if w)
+    weighed_names = frozenset(a.name for a, w in zip(op._schema.arguments, weighed) if w)
     return OpInfo(name, op, dtype_index, kwarg_only, op_overload(target_name) if target_name else None, composite,
-                  tensors_at)
+                  tensors_at, weighed_at, weighed_names)
 
 
 def wrapped_number(info: OpInfo, args: tuple) -> bool:
@@ -161,9 +170,12 @@ def tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
                     yield x
 
 
-def _promote_type(args: tuple, kwargs: dict, frame: Frame, lower: torch.dtype) -> torch.dtype:
+def _promote_type(info: OpInfo, args: tuple, kwargs: dict, frame: Frame, lower: torch.dtype) -> torch.dtype:
+    """The dtype a promote op runs in: float32 if a weighed argument is float32, else ``lower``."""
     current = lower
-    for t in tensors(args, kwargs):
+    weighed = ([a for i, a in enumerate(args) if i in info.weighed_positions]
+               + [v for k, v in kwargs.items() if k in info.weighed_names])
+    for t in tensors(tuple(weighed), {}):
         if not castable(t, frame.device_type):  # float64 is ignored, as in PyTorch
             continue
         nxt = t.dtype
@@ -206,7 +218,7 @@ def _run_fp32(info: OpInfo, frame: Frame, keyset: Any, args: tuple, kwargs: dict
 
 def _run_promote(info: OpInfo, frame: Frame, keyset: Any, args: tuple, kwargs: dict) -> Any:
     lower = torch.get_autocast_dtype(frame.device_type)
-    to = _promote_type(args, kwargs, frame, lower)
+    to = _promote_type(info, args, kwargs, frame, lower)
     return call_below(info, keyset, *_cast_all(args, kwargs, to, frame))
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import threading
 import warnings
 from typing import Any, Callable, TypeVar
 
@@ -156,6 +157,11 @@ def _traced_eagerly(device_type: str, dtype: torch.dtype | None, enabled: bool, 
     return enabled and policy.acts_on_modules and traced_without_fullgraph()
 
 
+def _thread() -> int:
+    """The key of this thread's open entries of a region object (entered by several at once)."""
+    return threading.get_ident()
+
+
 @compiler_disable
 def _enter_eagerly(region: "autocast") -> None:
     """Enter ``region`` (built while Dynamo traced) eagerly, outside the trace."""
@@ -230,7 +236,9 @@ class autocast(_TorchAutocast):
         self.device = _device_type(device_type)
         self._enabled = bool(enabled)
         self._cache_enabled = cache_enabled if cache_enabled is None else bool(cache_enabled)
-        self._saved: list[tuple[Any, ...]] = []  # per open entry: (Entry, hooked), traced: (ctx, key)
+        self._saved: list[tuple[Any, ...]] = []  # per entry traced by Dynamo: (ctx, key)
+        # per thread, per open eager entry: (Entry, hooked) (one instance may be entered by several)
+        self._open: dict[int, list[tuple[Any, bool]]] = {}
         if root is not None and not isinstance(root, torch.nn.Module):
             raise TypeError(f"mixprec.autocast root must be an nn.Module, got {type(root).__name__}")
         self._root = root
@@ -271,7 +279,7 @@ class autocast(_TorchAutocast):
         hooked = self._enabled and (self.policy.acts_on_modules or module_calls.looks_for_checkpoints(frame))
         if hooked:
             module_calls.enter_region(frame, root=self._root)
-        self._saved.append((entry, hooked))
+        self._open.setdefault(_thread(), []).append((entry, hooked))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -280,7 +288,11 @@ class autocast(_TorchAutocast):
         self._exit_eager()
 
     def _exit_eager(self) -> None:
-        entry, hooked = self._saved.pop()
+        thread = _thread()
+        entries = self._open[thread]
+        entry, hooked = entries.pop()
+        if not entries:
+            del self._open[thread]
         if hooked:
             module_calls.exit_region(entry.frames[0])
         runtime.leave(entry)
@@ -316,12 +328,17 @@ class autocast(_TorchAutocast):
         @functools.wraps(func)
         def decorate_autocast(*args: Any, **kwargs: Any) -> Any:
             root = self._root
-            if root is None and func.__name__ == "forward" and args and isinstance(args[0], torch.nn.Module):
+            forward = func.__name__ == "forward" and bool(args) and isinstance(args[0], torch.nn.Module)
+            if root is None and forward:
                 root = args[0]  # a decorated forward: module rules name modules from its module
             with autocast(self.device, self.fast_dtype, self._enabled, self._cache_enabled,
                           policy=self.policy, root=root):
                 out = func(*args, **kwargs)
-            return out if self.policy.output is None else cast_tree(out, self.policy.output)
+            # a decorated forward's result is its module's output, which output= casts as around
+            # the model; any other function is the with-statement (its modules' hooks cast)
+            if forward and self._enabled and self.policy.output is not None:
+                return cast_tree(out, self.policy.output)
+            return out
 
         return decorate_autocast  # type: ignore[return-value]
 

@@ -325,21 +325,21 @@ class _TorchMlp(_Mlp):
         return self.body(x)
 
 
-_DECORATED_OUTPUT_CASES = {  # name: (decorator arguments, decorated a module's forward)
-    "step function": ({}, False),
+_DISABLED_DECORATORS = {  # name: (decorator arguments, decorated a module's forward)
     "disabled forward": ({"enabled": False}, True),
-    "disabled step function": ({"enabled": False}, False),
+    "disabled function": ({"enabled": False}, False),
     "cuda forward, no cuda": ({"device_type": "cuda"}, True),
+    "cuda function, no cuda": ({"device_type": "cuda"}, False),
 }
 
 
-@pytest.mark.parametrize("case", _DECORATED_OUTPUT_CASES)
-def test_a_decorator_is_the_with_statement_around_its_function(case):
-    """The decorator casts the result to ``output=`` only for an enabled region around a module's
-    ``forward`` (its result is the module's output); a decorated step function, or a disabled
-    region, gives what the with-statement gives (until 2026-12-07 it cast every result: a user's
-    float32 loss came back bf16, a disabled region's output too)."""
-    kwargs, forward = _DECORATED_OUTPUT_CASES[case]
+@pytest.mark.parametrize("case", _DISABLED_DECORATORS)
+def test_a_disabled_decorator_region_casts_nothing(case):
+    """A disabled region (enabled=False, a cuda region without cuda) decorating a forward or a
+    function gives what the with-statement gives: nothing cast to ``output=`` (until 2026-12-07
+    the decorator cast the result whatever the region's state). An enabled one casts the
+    function's result (tests/policy/test_policy.py)."""
+    kwargs, forward = _DISABLED_DECORATORS[case]
     device = kwargs.pop("device_type", "cpu")
     if device == "cuda" and torch.cuda.is_available():
         pytest.skip("checks a cuda region that disables itself without cuda")
@@ -348,7 +348,7 @@ def test_a_decorator_is_the_with_statement_around_its_function(case):
 
     def step(x):
         y = model(x)
-        return (y.float() - 1).pow(2).mean(), x  # a float32 loss, the float32 input
+        return (y.float() - 1).pow(2).mean(), x
 
     class Decorated(nn.Module):
         def __init__(self):
@@ -358,15 +358,14 @@ def test_a_decorator_is_the_with_statement_around_its_function(case):
         def forward(self, x):
             return self.inner(x)
 
-    fn = Decorated() if forward else step
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "CUDA is not available": tested elsewhere
         with mixprec.autocast(device, policy=policy, **kwargs):
-            want = fn(x)
+            want = (Decorated() if forward else step)(x)
         Decorated.forward = mixprec.autocast(device, policy=policy, **kwargs)(Decorated.forward)
         got = (Decorated() if forward else mixprec.autocast(device, policy=policy, **kwargs)(step))(x)
     for g, w in zip(*(torch.utils._pytree.tree_leaves(t) for t in (got, want))):
-        assert g.dtype == w.dtype and torch.equal(g, w)
+        assert g.dtype == w.dtype == torch.float32 and torch.equal(g, w)
 
 
 @pytest.mark.parametrize("entry", ["decorated", "root", "decorated-compiled"])

@@ -334,9 +334,9 @@ class autocast(_TorchAutocast):
             with autocast(self.device, self.fast_dtype, self._enabled, self._cache_enabled,
                           policy=self.policy, root=root):
                 out = func(*args, **kwargs)
-            # a decorated forward's result is its module's output, which output= casts as around
-            # the model; any other function is the with-statement (its modules' hooks cast)
-            if forward and self._enabled and self.policy.output is not None:
+            # the decorated function's result is cast to output= (a decorated forward's is its
+            # module's output, cast as around the model); a disabled region casts nothing
+            if self._enabled and self.policy.output is not None:
                 return cast_tree(out, self.policy.output)
             return out
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import mixprec
 from mixprec import fp8
 
 from _distributed import gloo_group, spawn
@@ -269,3 +270,90 @@ def test_an_fp4_operand_is_judged_against_the_fp4_underflow_limit():
     assert [(f.operand, f.statistic, f.threshold) for f in fallbacks][:1] == [("input", "underflow", rate / 2)]
     rate, fallbacks = run(Guard(fp4_max_underflow=None))
     assert fallbacks == []
+
+
+# ----------------------------------------------------------- steps that say nothing of the format
+def test_a_cast_with_a_non_finite_amax_counts_only_its_nonfinite_values():
+    """Its scale (448 / inf) flushed every finite element: no underflow nor saturation is measured
+    (before 2026-12-07 underflow read about 1), on the C++ kernel's path and torch's alike."""
+    from mixprec.formats._quant import cast_stats
+
+    x = torch.randn(8, 32)
+    x[0, 0] = float("inf")
+    q = (x * 0).to(torch.float8_e4m3fn)  # what the cast at scale 448 / inf gives: every finite value 0
+    assert cast_stats(x, q, x.abs().max(), torch.tensor(1.0)).tolist() == [math.inf, 0.0, 0.0, 1.0]
+    state = fp8.LayerState()
+    fp8.linear(x, torch.randn(16, 32), state=state)
+    got = state.read()["input"]
+    assert (got["nonfinite"], got["underflow"], got["saturated"]) == (1, 0, 0)
+
+
+def _overflow_run(make_controller) -> tuple[list, list[bool]]:
+    """Four fp16 steps under torch.amp.GradScaler, the third overflowing in one grad_output element
+    (the scaler skips it); returns the decisions and which steps the scaler skipped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+    control = make_controller()
+    model = fp8.convert(model, "tensorwise", filter_fn=lambda m, n: isinstance(m, nn.Linear),
+                        **({"guard": control} if isinstance(control, fp8.Guard) else {"controller": control}))
+    opt, scaler = torch.optim.SGD(model.parameters(), lr=1e-3), torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    decisions, skipped = [], []
+    for step in range(4):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(16, 32, generator=torch.Generator().manual_seed(step)))
+        weight = torch.ones(16, 32)
+        weight[0, 0] = 2.0 ** 20 if step == 2 else 1.0
+        scale = scaler.get_scale()
+        scaler.scale((out.float().square() * weight).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        skipped.append(scaler.get_scale() < scale)
+        decisions += control.step() if isinstance(control, fp8.Guard) else control.step(loss_scale=scale)
+    return decisions, skipped
+
+
+_LEFT_TO_THE_SCALER = {  # a loss scaler's overflow step with max_nonfinite=None moves no layer
+    "guard": lambda: fp8.Guard(max_nonfinite=None, every=1),
+    "controller": lambda: mixprec.Controller(max_nonfinite=None, every=2),
+}
+
+
+@pytest.mark.parametrize("case", _LEFT_TO_THE_SCALER)
+def test_an_overflow_step_a_loss_scaler_skips_moves_no_layer_with_max_nonfinite_none(case):
+    """As docs/fp8.md says: with an fp16 GradScaler, ``max_nonfinite=None`` leaves inf/NaN to the
+    scaler (before 2026-12-07 the skipped step's flushed grad_output read as underflow 0.998: the
+    Guard fell a layer back, the Controller promoted one). The default limit still judges it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        decisions, skipped = _overflow_run(_LEFT_TO_THE_SCALER[case])
+        assert skipped == [False, False, True, False] and decisions == []
+        if case == "guard":
+            judged, _ = _overflow_run(lambda: fp8.Guard(every=1))
+            assert [(d.operand, d.statistic, d.step) for d in judged][:1] == [("grad_output", "nonfinite", 3)]
+
+
+_EXACT_OUTPUTS = {  # name: (zero the middle layer's weight, input)
+    "zero-initialized weight": (True, lambda: torch.randn(8, 32)),
+    "all-zero batch": (False, lambda: torch.zeros(8, 32)),
+}
+
+
+@pytest.mark.parametrize("case", _EXACT_OUTPUTS)
+def test_an_exact_output_passes_the_sqnr_limit(case):
+    """A GEMM whose fp8 output is exact (zero error: a zero-initialized projection, an all-zero
+    padding batch) has an SQNR of +inf dB: before 2026-12-07 it read 0/0 = NaN, and the Guard's
+    ``min_sqnr_db`` fell the layer back for good."""
+    zero_weight, make_input = _EXACT_OUTPUTS[case]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32, bias=False), nn.GELU(), nn.Linear(32, 32, bias=False))
+    if zero_weight:
+        with torch.no_grad():
+            model[2].weight.zero_()
+    guard = fp8.Guard(min_sqnr_db=20, every=1)
+    model = fp8.convert(model, "tensorwise", guard=guard, filter_fn=lambda m, n: isinstance(m, nn.Linear))
+    for _ in range(2):
+        model(make_input()).square().mean().backward()
+        assert guard.step() == []
+    assert all(math.isinf(float(st.output_sqnr_db)) or float(st.output_sqnr_db) > 20
+               for st in fp8.layer_states(model).values())

@@ -11,6 +11,7 @@
 //   promotion does: the 0-d float32 amax rounded to it) / m, times 0 where that amax is not > 0;
 //   underflow: (count of q's zero codes (byte & 0x7F == 0) - count of x == 0) / m;
 //   nonfinite: max(count of |x| not < inf times stride, amax not finite);
+//   saturated and underflow 0 where amax is not finite (its scale flushed every finite element);
 //   the row: each of the four the maximum of itself and the new value (NaN where either is NaN),
 //   the previous amax the new amax (the largest of amax's elements, NaN if one is).
 //
@@ -94,8 +95,9 @@ void record_cast(at::Tensor& row, const at::Tensor& x, const at::Tensor& q, cons
   });
   const float top = MIXPREC_FLOAT_TYPE(amax.scalar_type(), [&] { return largest(amax.const_data_ptr<T>(), amax.numel()); });
   const float fm = static_cast<float>(m);
-  const float saturated = static_cast<float>(c.above) / fm * (last > 0.0f ? 1.0f : 0.0f);
-  const float flushed = static_cast<float>(c.zero_q - c.zero_x) / fm;
+  const bool measured = std::isfinite(top);  // a non-finite amax's scale flushes everything: only counted
+  const float saturated = measured ? static_cast<float>(c.above) / fm * (last > 0.0f ? 1.0f : 0.0f) : 0.0f;
+  const float flushed = measured ? static_cast<float>(c.zero_q - c.zero_x) / fm : 0.0f;
   const int64_t bad = std::max<int64_t>(c.nonfinite * stride, std::isfinite(top) ? 0 : 1);
   const float fresh[4] = {top, saturated, flushed, static_cast<float>(bad)};
   for (int i = 0; i < 4; ++i) r[i] = nan_max(r[i], fresh[i]);

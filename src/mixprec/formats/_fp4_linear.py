@@ -33,7 +33,7 @@ from mixprec.formats._native_gemm import block_mm, fp4_mm
 from mixprec.formats._quant import cast_to_fp8
 from mixprec.formats._quant import dequantize as fp8_dequantize
 from mixprec.formats._recipe import Cast, Float8Recipe
-from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, record_cast
+from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, record_cast, record_sqnr
 from mixprec.formats._tensor_parallel import Sharding, global_amax, shard_window, tensor_amax_reduce
 
 __all__ = ["Fp4Matmul", "cast_operand", "fp4_grads", "gemm", "gemm_values"]
@@ -151,8 +151,7 @@ class Fp4Matmul(torch.autograd.Function):
             if sqnr is not None:  # the GEMM's SQNR (the bias, exact in both, left out of the signal)
                 ref = torch.mm(x2, w.t().to(x2.dtype)).double()
                 err = out.double() - ref if bias is None else out.double() - bias.double() - ref
-                db = 20 * torch.log10(torch.linalg.vector_norm(ref) / torch.linalg.vector_norm(err))
-                torch.minimum(sqnr, db.float(), out=sqnr)
+                record_sqnr(sqnr, ref, err)
             saved, xt_shape = _grad_weight_operand(x2, r, tp, ctx.needs_input_grad[1])
         ctx.recipe, ctx.stats, ctx.backend, ctx.tp = r, stats, backend, tp
         ctx.xt_shape, ctx.w_dtype = xt_shape, w.dtype

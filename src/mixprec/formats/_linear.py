@@ -14,7 +14,7 @@ from mixprec.formats._fsdp import GatheredFloat8Weight, reads_gathered, warn_fal
 from mixprec.formats._native_gemm import block_mm, missing, note_emulated
 from mixprec.formats._quant import cast_to_fp8, gemm
 from mixprec.formats._recipe import Cast, Float8Recipe
-from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, LayerState, record_cast
+from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT, LayerState, record_cast, record_sqnr
 from mixprec.formats._tensor_parallel import Sharding, global_amax, is_distributed_tensor, sharded_linear
 
 __all__ = ["linear", "linear_grads", "local_linear", "resolve_backend", "BACKENDS"]
@@ -195,9 +195,7 @@ def _block_backward(ctx: Any, x: torch.Tensor, wt: torch.Tensor, go: torch.Tenso
 
 def _record_sqnr(sqnr: torch.Tensor, out: torch.Tensor, x2: torch.Tensor, wt: torch.Tensor) -> None:
     ref = torch.mm(x2, wt.to(x2.dtype)).double()
-    err = torch.linalg.vector_norm(ref - out.double())
-    db = 20 * torch.log10(torch.linalg.vector_norm(ref) / err)
-    torch.minimum(sqnr, db.float(), out=sqnr)
+    record_sqnr(sqnr, ref, ref - out.double())
 
 
 def resolve_backend(backend: str, input: torch.Tensor, weight: torch.Tensor,

@@ -125,6 +125,9 @@ def cast_stats(x: torch.Tensor, q: torch.Tensor, amax: torch.Tensor, last_amax: 
     cast of this operand, 0 for none): what a delayed scale (amax history, TE's default) would
     have clipped; a current scale clips nothing finite. underflow: fraction of the elements of
     x, nonzero, that the cast flushed to zero. nonfinite: number of inf/NaN elements. No sync.
+    A cast whose amax is not finite (an overflow step a loss scaler skips) measures no saturation
+    and no underflow (0): its scale flushed every finite element, which says nothing of the format;
+    its nonfinite count (at least 1) is what ``max_nonfinite`` or the loss scaler judges.
 
     The amax is exact. Beyond :data:`SAMPLE` elements, the other three are measured on an evenly
     strided sample (odd stride) of about that many elements and the count is scaled up; a
@@ -139,7 +142,9 @@ def cast_stats(x: torch.Tensor, q: torch.Tensor, amax: torch.Tensor, last_amax: 
     saturated = torch.count_nonzero(absx > last_amax) / m * (last_amax > 0)
     zeros_q = torch.count_nonzero((qs.view(torch.uint8) & 0x7F) == 0)
     flushed = (zeros_q - torch.count_nonzero(absx == 0)) / m
-    nonfinite = torch.maximum(torch.count_nonzero(~(absx < math.inf)) * stride, ~torch.isfinite(amax))
+    measured = torch.isfinite(amax)  # a scale from a non-finite amax flushes everything: only count
+    saturated, flushed = torch.where(measured, saturated, 0.0), torch.where(measured, flushed, 0.0)
+    nonfinite = torch.maximum(torch.count_nonzero(~(absx < math.inf)) * stride, ~measured)
     return torch.stack([amax, saturated.float(), flushed.float(), nonfinite.float()])
 
 

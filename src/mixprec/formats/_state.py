@@ -41,6 +41,16 @@ def new_window(device: torch.device | str | None = None) -> torch.Tensor:
     return torch.zeros(len(OPERANDS), len(STAT_NAMES) + 1, device=device)
 
 
+def record_sqnr(sqnr: torch.Tensor, reference: torch.Tensor, error: torch.Tensor) -> None:
+    """Lower the running minimum ``sqnr`` (dB, float32) to this GEMM's signal-to-quantization-noise
+    ratio, ``20 log10(|reference| / |error|)`` in float64 (no host sync). An exact output (zero
+    error: a zero weight, an all-zero batch) is ``+inf`` dB, never the NaN of ``0 / 0``, which
+    every threshold would read as a failure."""
+    signal, noise = torch.linalg.vector_norm(reference), torch.linalg.vector_norm(error)
+    db = torch.where(noise == 0, torch.inf, 20 * torch.log10(signal / noise))
+    torch.minimum(sqnr, db.float(), out=sqnr)
+
+
 def record_cast(window: torch.Tensor | None, operand: int, x: torch.Tensor, q: torch.Tensor,
                 amax: torch.Tensor) -> None:
     """Fold one cast of ``x`` (to ``q``, with ``amax``) into row ``operand`` of ``window``: the

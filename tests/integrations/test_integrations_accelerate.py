@@ -115,6 +115,25 @@ def test_name_rules_name_modules_from_the_prepared_model_as_in_a_plain_loop() ->
     assert model.out_dtypes == plain.out_dtypes
 
 
+def test_a_deepcopy_of_a_prepared_model_names_modules_from_itself() -> None:
+    """An EMA or best-model copy (``copy.deepcopy`` of the prepared model) runs under the same rules:
+    its forward is rebound to the copy and names modules from it (until 2026-12-07 from the
+    original, under which the copy's modules have no name: the name rules silently did nothing)."""
+    import copy
+
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    prepare(accelerator, policy=mixprec.Policy().keep(names=KEEP_NAMES))
+    model = accelerator.prepare(gpt2().eval())
+    ids = batches(1)[0]
+    reference = model(input_ids=ids, labels=ids).loss
+    twin, seen = copy.deepcopy(model), {}
+    for name in ("transformer.h.0.mlp.c_fc", "lm_head"):
+        twin.get_submodule(name).register_forward_hook(
+            lambda m, a, out, name=name: seen.__setitem__(name, out.dtype))
+    assert torch.equal(twin(input_ids=ids, labels=ids).loss, reference)
+    assert seen == {"transformer.h.0.mlp.c_fc": torch.float32, "lm_head": torch.float32}
+
+
 def test_a_name_rule_that_matches_nothing_under_accelerate_warns(monkeypatch: pytest.MonkeyPatch) -> None:
     from mixprec.engine import watch
 

@@ -127,10 +127,12 @@ def _wrap_forward(model: torch.nn.Module, autocast: Callable[..., Any]) -> None:
     that ``accelerator.unwrap_model(model, keep_fp32_wrapper=False)`` strips both. Module rules
     name modules from the model (``root=model``), as in a plain loop around ``model(...)``."""
 
-    def in_region(forward: Callable[..., Any]) -> Callable[..., Any]:
+    def in_region(forward: Callable[..., Any], bound: bool) -> Callable[..., Any]:
         @functools.wraps(forward)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            with autocast(root=model):
+            # a method names from the instance it is bound to: a deepcopy's (an EMA copy) is rebound
+            # to the copy, whose modules the rules must name, not the original's
+            with autocast(root=args[0] if bound else model):
                 return forward(*args, **kwargs)
 
         return wrapped
@@ -138,9 +140,9 @@ def _wrap_forward(model: torch.nn.Module, autocast: Callable[..., Any]) -> None:
     model._original_forward = model.forward
     func = getattr(model.forward, "__func__", None)
     if func is None:
-        model.forward = convert_outputs_to_fp32(in_region(model.forward))
+        model.forward = convert_outputs_to_fp32(in_region(model.forward, bound=False))
     else:
-        model.forward = MethodType(convert_outputs_to_fp32(in_region(func)), model)
+        model.forward = MethodType(convert_outputs_to_fp32(in_region(func, bound=True)), model)
 
 
 def _autocast_method(autocast: Callable[[Any], Any]) -> Callable[..., Any]:

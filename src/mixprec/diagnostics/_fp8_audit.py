@@ -35,7 +35,7 @@ from torch import nn
 
 from mixprec import fp8
 from mixprec.diagnostics._passes import Passes
-from mixprec.diagnostics._shortest import exact_names, in_kept
+from mixprec.diagnostics._shortest import bare_modules, exact_names, in_kept
 from mixprec.diagnostics.findings import Fp8Advice
 from mixprec.fp8.internals import OPERANDS, is_linear_like, swap_layer_state
 
@@ -80,7 +80,7 @@ def _past_threshold(read: dict[str, Any], max_underflow: float, min_sqnr_db: flo
 
 
 def _candidates(model: nn.Module, policy: Any, recipe: Any) -> tuple[list[str], dict[str, str]]:
-    modules = dict(model.named_modules())
+    modules = bare_modules(model)
     stay: dict[str, str] = {}
     linears = [n for n, m in modules.items() if is_linear_like(m)]
     for name in linears:
@@ -116,7 +116,7 @@ def recommend_fp8(passes: Passes, policy: Any, recipe: Any, scale: float, *,
     formats_tried = AUTO_FP4_FORMATS if recipe == "auto-fp4" else AUTO_FORMATS if auto else (recipe,)
     tried = [fp8.as_recipe(r) for r in formats_tried]
     model = passes.model
-    modules = dict(model.named_modules())
+    modules = bare_modules(model)
     candidates, stay = _candidates(model, policy, None if auto else tried[0])
     states = {n: fp8.LayerState(modules[n].weight.device) for n in candidates}
     old = {n: swap_layer_state(modules[n], st) for n, st in states.items()}

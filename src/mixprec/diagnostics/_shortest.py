@@ -28,10 +28,19 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from mixprec._modules import named_modules
 from mixprec.fp8 import select_layers
 from mixprec.policy import Policy
 
-__all__ = ["exact_names", "fp8_layers", "in_kept", "kept_modules", "shortest"]
+__all__ = ["bare_modules", "exact_names", "fp8_layers", "in_kept", "kept_modules", "shortest"]
+
+
+def bare_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: module}`` of ``model`` named as mixprec's rules match them: without the parts of
+    PyTorch's wrappers (DDP's and DataParallel's ``module.``, torch.compile's ``_orig_mod.``, FSDP1's;
+    :func:`mixprec._modules.named_modules`), each name the innermost module (the wrapped one, not
+    its wrapper). Every name the diagnostics print or put in a policy is one of these."""
+    return dict(named_modules(model))
 
 
 def exact_names(names: Iterable[str]) -> str:
@@ -51,7 +60,7 @@ def _tails(names: Iterable[str]) -> str | None:
 
 def kept_modules(model: nn.Module, policy: Policy) -> set[str]:
     """The modules a module rule of ``policy`` selects by itself (not through a parent)."""
-    return {n for n, m in model.named_modules() if any(r.matches(m, n) for r in policy.module_rules)}
+    return {n for n, m in bare_modules(model).items() if any(r.matches(m, n) for r in policy.module_rules)}
 
 
 def fp8_layers(model: nn.Module, policy: Policy) -> dict[str, str] | None:
@@ -62,7 +71,7 @@ def fp8_layers(model: nn.Module, policy: Policy) -> dict[str, str] | None:
     rule = policy.fp8_rule
     if rule is None:
         return {}
-    modules = dict(model.named_modules())
+    modules = bare_modules(model)
     with warnings.catch_warnings():  # an ineligible layer warns as the model runs: no news here
         warnings.simplefilter("ignore")
         try:
@@ -84,7 +93,7 @@ def _importable(t: type) -> bool:
 
 
 def _keep_forms(model: nn.Module, kept: set[str]) -> list[dict[str, Any]]:
-    modules = dict(model.named_modules())
+    modules = bare_modules(model)
     types = tuple(dict.fromkeys(type(modules[n]) for n in sorted(kept)))
     forms: list[dict[str, Any]] = []
     if all(_importable(t) for t in types):

@@ -63,7 +63,7 @@ from torch import nn
 from mixprec._dtype_names import dtype_name, lookup, parse_dtype
 from mixprec.diagnostics._fp8_audit import recommend_fp8
 from mixprec.diagnostics._passes import FixedScale, Passes
-from mixprec.diagnostics._shortest import exact_names, shortest
+from mixprec.diagnostics._shortest import bare_modules, exact_names, shortest
 from mixprec.diagnostics.event import NonFiniteEvent
 from mixprec.diagnostics.findings import AuditReport, Risk
 from mixprec.diagnostics.ranges import KINDS, RangeStats, collect_ranges
@@ -351,7 +351,7 @@ def audit(
             kept, scale, clean = _verify(passes, d, kept, scale, first, max_fixes)
             loss_ok[d] = losses.check(d)  # the last pass ran the candidate policy
             verified[d] = clean and loss_ok[d]
-            keep[d] = tuple(n for n, _ in model.named_modules() if n in kept)
+            keep[d] = tuple(n for n in bare_modules(model) if n in kept)
             if d == "float16" and scaler is None:
                 scale16 = scale
         chosen, reason = _choose(names, keep, verified, ref.scaled, underflow_threshold)
@@ -378,7 +378,7 @@ def audit(
             default_events=default_events,
             grad_scale=ref.grad_scale,
             risks=tuple(risks),
-            modules={n: type(m).__name__ for n, m in model.named_modules()},
+            modules={n: type(m).__name__ for n, m in bare_modules(model).items()},
             ranges=ranges,
             fp8=advice,
             losses=dict(losses.recorded),

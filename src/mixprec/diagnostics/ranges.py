@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from mixprec._modules import named_modules
 from mixprec.diagnostics._fp8 import FP8_FORMATS, Fp8Scaled, fp8_casts, fp8_counts
 from mixprec.diagnostics._module_hook import ModuleHook
 from mixprec.diagnostics._tensors import FLOAT32_MAX, measured
@@ -317,7 +318,7 @@ class RangeCollector:
                            else float(scale))
         for t in (*self.model.parameters(), *self.model.buffers()):
             _bounds(t.device)  # copy the bucket bounds to each device now, not in a hook
-        for name, module in self.model.named_modules():
+        for name, module in dict(named_modules(self.model)).items():  # the names rules match
             self._handles.append(module.register_forward_hook(ModuleHook(self._make_hook(name))))
             for pname, p in module.named_parameters(recurse=False):
                 if p.requires_grad:
@@ -364,7 +365,7 @@ class RangeCollector:
 
     def _compute(self) -> dict[str, dict[str, RangeStats]]:
         weights: dict[tuple[str, str], _Acc] = {}
-        for name, module in self.model.named_modules():
+        for name, module in dict(named_modules(self.model)).items():
             params = [p for p in module.parameters(recurse=False) if p.numel() > 0]
             if params:
                 acc = weights[(name, "weight")] = _Acc(self._casts.get("weight"))
@@ -380,7 +381,7 @@ class RangeCollector:
             host = torch.stack([accs[k].flat() for k in dev_keys]).cpu().tolist()
             rows.update(zip(dev_keys, host))
         by_module: dict[str, dict[str, RangeStats]] = {}
-        order = {name: i for i, (name, _) in enumerate(self.model.named_modules())}
+        order = {name: i for i, name in enumerate(dict(named_modules(self.model)))}
         for key in sorted(keys, key=lambda k: (order.get(k[0], 0), KINDS.index(k[1]))):
             by_module.setdefault(key[0], {})[key[1]] = _stats(accs[key], rows[key])
         return by_module

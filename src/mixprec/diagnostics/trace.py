@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from mixprec._modules import named_modules, unwrap
 from mixprec.diagnostics._calls import Call, SeenTensor, min_max, stack_pairs, stats_mark, version_of
 from mixprec.diagnostics._module_hook import ModuleHook
 from mixprec.diagnostics._tensors import measured, no_autocast
@@ -96,8 +97,8 @@ class NonFiniteTracer:
         if self._active:
             raise RuntimeError("this tracer is already active; create a new one to nest")
         self._active = True
-        root = self.model
-        for name, module in root.named_modules():
+        root = unwrap(self.model)  # the names mixprec's rules match: no wrapper's part (DDP's module.)
+        for name, module in dict(named_modules(self.model)).items():
             self._handles.append(
                 module.register_forward_pre_hook(ModuleHook(self._make_pre_hook(name, module is root)),
                                                  with_kwargs=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import reprlib
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -27,10 +28,12 @@ def recipe_to_dict(recipe: Float8Recipe) -> dict[str, Any]:
 
 def recipe_from_dict(data: dict[str, Any]) -> Float8Recipe:
     """The recipe :func:`recipe_to_dict` wrote (ValueError when it is not one)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"export statistics: not a recorded recipe (a dict of its fields), got {type(data).__name__}")
     try:
         return Float8Recipe(**{k: Cast(**v) if isinstance(v, dict) else v for k, v in data.items()})
-    except TypeError as e:
-        raise ValueError(f"export statistics: not a recorded recipe ({e})") from None
+    except (TypeError, ValueError, AttributeError, KeyError) as e:  # a field missing, unknown or of a wrong type
+        raise ValueError(f"export statistics: not a recorded recipe ({_first_line(e)})") from None
 
 
 class _CacheProbe:
@@ -284,26 +287,68 @@ class Recorder:
         torch.save(self.state_dict(), path)
 
 
+#: what to do about a file that is not statistics (the end of :func:`load_stats`'s errors)
+_REDO = "pass the file that rec.save(path) of a mixprec.export.Recorder wrote, or record one again"
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, or its type's name when it has none (EOFError of an empty file)."""
+    lines = str(e).strip().splitlines()
+    return lines[0][:160] if lines else type(e).__name__
+
+
+def _strs(state: dict[str, Any], key: str, what: str) -> list[str]:
+    value = state.get(key, [])
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"'{key}' must be a list of {what} (str), got {_kind(value)}")
+    return list(value)
+
+
+def _str_dict(state: dict[str, Any], key: str, what: str) -> dict[str, Any]:
+    value = state.get(key, {})
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"'{key}' must be a dict {what}, got {_kind(value)}")
+    return dict(value)
+
+
+def _kind(value: Any) -> str:
+    """``value`` shown in an error: its type and a short repr (``int 5``, ``list [1, 2]``)."""
+    return f"{type(value).__name__} {reprlib.repr(value)}"
+
+
 class _Loaded:
-    """Windows read back from :meth:`Recorder.save` (same ``names``/``history`` interface)."""
+    """Windows read back from :meth:`Recorder.save` (same ``names``/``history`` interface). Each field is
+    checked: ValueError naming the first one that is not what ``Recorder.save`` writes."""
 
     def __init__(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or not {"names", "history"} <= set(state):
-            raise ValueError("export statistics must be what mixprec.export.Recorder.save wrote "
-                             "(a dict with 'names' and 'history')")
-        if not isinstance(state["history"], torch.Tensor) or state["history"].ndim != 2 \
-                or state["history"].shape[1] != len(state["names"]):
-            raise ValueError("export statistics: 'history' must be a (windows, len(names)) tensor, as "
-                             "mixprec.export.Recorder.save writes it")
-        self.names, self.history = list(state["names"]), state["history"]
-        self.fp8_layers = list(state.get("fp8_layers", []))
+            missing = "" if not isinstance(state, dict) else ", no " + " or ".join(
+                repr(k) for k in ("names", "history") if k not in state)
+            raise ValueError(f"export statistics must be what mixprec.export.Recorder.save wrote (a dict with "
+                             f"'names' and 'history'), got {type(state).__name__}{missing}")
+        self.names = _strs(state, "names", "the recorded series' names")
+        history = state["history"]
+        if not isinstance(history, torch.Tensor) or history.ndim != 2 or not history.is_floating_point() \
+                or history.shape[1] != len(self.names):
+            got = (f"a {history.dtype} tensor of shape {tuple(history.shape)}" if isinstance(history, torch.Tensor)
+                   else type(history).__name__)
+            raise ValueError(f"'history' must be a floating-point (windows, len(names)) = (*, {len(self.names)}) "
+                             f"tensor, got {got}")
+        self.history = history
+        self.fp8_layers = _strs(state, "fp8_layers", "layer names")
         #: the layers a Guard or Controller kept above fp8 when the statistics were saved, with the reason
-        self.fallback = dict(state.get("fallback", {}))
+        self.fallback: dict[str, str] = _str_dict(state, "fallback", "{layer: why it was in fallback}")
         #: where each key/value series was measured; absent from files saved before mixprec measured the
         #: keys in the cache (their key statistics were taken before RoPE: export does not use them)
-        self.kv_sites: dict[str, str] | None = dict(state["kv_sites"]) if "kv_sites" in state else None
+        self.kv_sites: dict[str, str] | None = (
+            _str_dict(state, "kv_sites", "{'<attention>:k': where it was measured}") if "kv_sites" in state else None)
         #: the recipe each fp8 layer ran when the statistics were saved
-        self.recipes = {fqn: recipe_from_dict(d) for fqn, d in dict(state.get("recipes", {})).items()}
+        self.recipes: dict[str, Float8Recipe] = {}
+        for fqn, d in _str_dict(state, "recipes", "{layer: its recipe's fields}").items():
+            try:
+                self.recipes[fqn] = recipe_from_dict(d)
+            except ValueError as e:
+                raise ValueError(f"'recipes'[{fqn!r}] is {str(e).removeprefix('export statistics: ')}") from None
 
     def series(self) -> dict[str, torch.Tensor]:
         return {n: self.history[:, i] for i, n in enumerate(self.names)}
@@ -311,15 +356,22 @@ class _Loaded:
 
 def load_stats(path: str | Path) -> _Loaded:
     """Statistics saved by :meth:`Recorder.save`. Raises ValueError when ``path`` is not such a file
-    (not a torch file, or not the dict ``Recorder.save`` writes)."""
+    (not a torch file, an empty one, or not the dict ``Recorder.save`` writes: the message names the
+    field, e.g. ``'fp8_layers' must be a list of layer names``); OSError when it cannot be read."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except OSError:
         raise
-    except Exception as e:  # torch.load's UnpicklingError, RuntimeError ("invalid magic number") etc.
-        raise ValueError(f"{path} is not a statistics file written by mixprec.export.Recorder.save "
-                         f"(torch.load: {str(e).splitlines()[0][:160]})") from None
-    return _Loaded(state)
+    except Exception as e:  # torch.load's UnpicklingError, RuntimeError ("invalid magic number"), EOFError etc.
+        empty = Path(path).is_file() and Path(path).stat().st_size == 0
+        why = "the file is empty" if empty else f"torch.load: {_first_line(e)}"
+        raise ValueError(f"{path} is not a statistics file written by mixprec.export.Recorder.save ({why}); "
+                         f"{_REDO}") from None
+    try:
+        return _Loaded(state)
+    except ValueError as e:
+        raise ValueError(f"{path} is not a statistics file written by mixprec.export.Recorder.save: {e}; "
+                         f"{_REDO}") from None
 
 
 @contextlib.contextmanager

@@ -94,3 +94,12 @@ def test_deep_nesting_is_a_value_error(depth: int) -> None:
                  json.dumps({"op_rules": [[["mm"]]]})):
         with pytest.raises(ValueError):
             Policy.from_json(text)
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe{}", b'{"compute": "bf16"\x80}', b"\x00" * 8],
+                         ids=["utf-16 mark", "latin-1 byte", "zeros"])
+def test_a_file_that_is_not_utf8_text_is_a_value_error(tmp_path, content: bytes) -> None:
+    path = tmp_path / "policy.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="policy"):
+        Policy.load(path)

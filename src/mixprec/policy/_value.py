@@ -265,9 +265,19 @@ class Policy:
         Example:
             >>> policy = mixprec.Policy.load("policy.json")  # doctest: +SKIP
             >>> ctl = mixprec.Controller(policy.fp8_rule.controller).attach(model)  # doctest: +SKIP
+
+        Raises:
+            OSError: the file cannot be read.
+            ValueError: it is not UTF-8 text, or not a policy's JSON (the message names the field).
         """
-        with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read(), guard=guard, controller=controller)
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"Policy.load: {os.fspath(path)!r} is not a UTF-8 text file ({e.reason} at byte "
+                             f"{e.start}): pass a policy saved by Policy.save or an audit's report.json") from None
+        return cls.from_json(text, guard=guard, controller=controller)
 
     # ----------------------------------------------------------------- edits
     def with_ops(

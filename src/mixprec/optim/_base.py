@@ -485,7 +485,7 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                     f"got {len(sources)} weights for {len(params)} parameters; pass one per "
                     "parameter in param_groups order, or a state dict with model="
                 )
-        rules = [self.resolved_compensation(g) for g in self.param_groups for _ in g["params"]]
+        rules = [rule for g in self.param_groups for rule in [self.resolved_compensation(g)] * len(g["params"])]
         for p, src, rule in zip(params, sources, rules):
             if tuple(src.shape) != tuple(p.shape):
                 raise ValueError(f"shape mismatch: weight {tuple(src.shape)} for parameter {tuple(p.shape)}")

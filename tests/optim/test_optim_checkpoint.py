@@ -350,6 +350,38 @@ def test_load_fp32_weights_seeds_the_kahan_buffer(dtype):
         assert (p.float() + comp.float() - w).abs().max() < (p.float() - w).abs().max() * 2**-6
 
 
+SEEDED = {  # (class, options): a buffer load_fp32_weights seeds before the first step
+    "AdamW, exact": (AdamW, {"compensation": "exact"}),
+    "AdamW, kahan": (AdamW, {"compensation": "kahan"}),
+    "AdamW, kahan, amsgrad": (AdamW, {"compensation": "kahan", "amsgrad": True}),
+    "SGD, exact, momentum": (SGD, {"compensation": "exact", "momentum": 0.9}),
+    "SGD, kahan, momentum": (SGD, {"compensation": "kahan", "momentum": 0.9}),
+}
+
+
+@pytest.mark.parametrize("case", SEEDED)
+def test_state_dict_saved_after_load_fp32_weights_resumes_bitwise(case):
+    """A checkpoint taken after ``load_fp32_weights`` and before the first step (the state holds
+    only the seeded buffer) loads into a fresh optimizer, which then steps bitwise as the original
+    (it was refused: "lacks 'step', 'exp_avg', ...")."""
+    cls, options = SEEDED[case]
+    fp32 = [torch.randn(7, 5, generator=torch.Generator().manual_seed(1)), torch.randn(5)]
+    runs = []
+    for resume in (False, True):
+        params = [w.to(torch.bfloat16).requires_grad_() for w in fp32]
+        opt = cls(params, lr=1e-2, **options)
+        opt.load_fp32_weights(fp32)
+        assert all(opt.state[p] for p in params)  # the seeded buffers
+        if resume:
+            saved = copy.deepcopy(opt.state_dict())
+            params = [p.detach().clone().requires_grad_() for p in params]
+            opt = cls(params, lr=1e-2, **options)
+            opt.load_state_dict(saved)
+        _steps(opt, params, 0, 3)
+        runs.append([p.detach().clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 COPIES = {
     "deepcopy": copy.deepcopy,
     "pickle": lambda o: pickle.loads(pickle.dumps(o)),

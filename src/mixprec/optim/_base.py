@@ -427,6 +427,11 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         """The state keys a parameter's step reads once it has stepped (subclasses)."""
         return []
 
+    def _start_state(self, group: dict[str, Any], p: Tensor) -> None:
+        """Give ``p``, not stepped yet, the state its first step would create (subclasses):
+        :meth:`load_fp32_weights` seeds a compensation buffer, and a state dict saved then must
+        hold what :meth:`load_state_dict` asks of a started state."""
+
     def _store_loaded_state(self, group: dict[str, Any], p: Tensor) -> None:
         """Convert ``p``'s loaded state to what ``group`` stores (subclasses)."""
 
@@ -443,6 +448,8 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         ``w`` exactly, so training resumes from the float32 weights themselves rather than from
         their rounding. Use it to continue an fp32 (or
         :class:`mixprec.MasterWeights`) run in pure bf16. Float32 parameters are copied exactly.
+        A parameter given a buffer gets the rest of the state its first step would create, so a
+        :meth:`state_dict` saved before that step loads and resumes bitwise.
 
         Args:
             weights: one tensor per parameter in this optimizer's order (``[p for g in
@@ -497,6 +504,10 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                 exact_write_(p, comp, src)  # overwrites src: a copy
             else:
                 kahan_write_(p, comp, src)
+        for group in self.param_groups:  # a seeded buffer in an otherwise empty state would not load
+            for p in group["params"]:
+                if self.state.get(p):
+                    self._start_state(group, p)
 
 
 def _saved_numel(key: str, value: Tensor, p: Tensor, saved: Mapping[str, Any]) -> Optional[int]:

@@ -146,6 +146,12 @@ class AdamW(CompensatedOptimizer):
     def _required_state(self, group: dict[str, Any], p: Tensor) -> list[str]:
         return ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
 
+    def _start_state(self, group: dict[str, Any], p: Tensor) -> None:
+        self.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+        for key, signed in _MOMENTS:
+            if key != "max_exp_avg_sq" or group["amsgrad"]:
+                self._moment(group, p, key, signed)
+
     def _store_loaded_state(self, group: dict[str, Any], p: Tensor) -> None:
         """Store each loaded moment as ``group["state_dtype"]`` says (a torch checkpoint's
         float moments become 8-bit, bfloat16 or float32 ones; codes are kept as they are)."""

@@ -84,6 +84,10 @@ class SGD(CompensatedOptimizer):
     def _required_state(self, group: dict[str, Any], p: Tensor) -> list[str]:
         return ["momentum_buffer"] if group["momentum"] != 0 else []
 
+    def _start_state(self, group: dict[str, Any], p: Tensor) -> None:
+        if group["momentum"] != 0:  # None: started from the first gradient, as torch.optim.SGD's
+            self.state[p].setdefault("momentum_buffer", None)
+
     def _store_loaded_state(self, group: dict[str, Any], p: Tensor) -> None:
         """Store a loaded momentum as ``group["state_dtype"]`` says (float32 by default)."""
         buf = self.state[p].get("momentum_buffer")

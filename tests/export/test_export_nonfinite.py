@@ -116,6 +116,14 @@ REFUSED = [
     ("values-nan", "tensorwise", {"1:v": [math.nan]}, ScaleRule(), r"amax of the values of attention '1' is nan"),
     ("nvfp4-input-inf", NVFP4_1D, {"1.up:input": [math.inf]}, ScaleRule(),
      r"amax of the input of layer '1\.up' is inf"),
+    # a layer that ran only in windows older than the rule's: a scale of 1e-12 / 448 (NVFP4: an infinite
+    # input_global_scale) was written, every served input flushed
+    ("fp8-input-older-windows", "tensorwise", {"1.up:input": [2.0, 1.5, 0.0, 0.0]}, ScaleRule(windows=2),
+     r"amax of the input of layer '1\.up' over the ScaleRule's windows is 0\.0"),
+    ("nvfp4-input-older-windows", NVFP4_1D, {"1.up:input": [2.0, 0.0]}, ScaleRule(windows=1),
+     r"amax of the input of layer '1\.up' over the ScaleRule's windows is 0\.0"),
+    ("keys-older-windows", "tensorwise", {"1:k": [3.0, 0.0]}, ScaleRule(windows=1),
+     r"amax of the keys of attention '1' over the ScaleRule's windows is 0\.0"),
 ]
 
 

@@ -28,6 +28,7 @@ HOSTILE: tuple[tuple[str, Any, str], ...] = (
     ("history_1d", {"names": ["a"], "history": torch.zeros(1)}, "'history' must be"),
     ("history_ints", {"names": ["a"], "history": torch.zeros(1, 1, dtype=torch.int64)}, "'history' must be"),
     ("history_width", {"names": ["a", "b"], "history": _ONE}, "'history' must be"),
+    ("history_negative", {"names": ["a", "b"], "history": torch.tensor([[1.0, -2.0]])}, "negative amax"),
     ("fp8_layers_int", {"names": ["a"], "history": _ONE, "fp8_layers": 5}, "'fp8_layers' must be a list"),
     ("fp8_layers_str", {"names": ["a"], "history": _ONE, "fp8_layers": "a"}, "'fp8_layers' must be a list"),
     ("fallback_list", {"names": ["a"], "history": _ONE, "fallback": ["a"]}, "'fallback' must be a dict"),

@@ -334,6 +334,9 @@ class _Loaded:
                    else type(history).__name__)
             raise ValueError(f"'history' must be a floating-point (windows, len(names)) = (*, {len(self.names)}) "
                              f"tensor, got {got}")
+        if bool((history < 0).any()):
+            raise ValueError("'history' holds a negative amax (an amax is a magnitude, >= 0): the file was edited or "
+                             "is not what Recorder.save wrote; record the statistics again")
         self.history = history
         self.fp8_layers = _strs(state, "fp8_layers", "layer names")
         #: the layers a Guard or Controller kept above fp8 when the statistics were saved, with the reason

@@ -25,14 +25,23 @@ def has_statistics(history: torch.Tensor | None) -> bool:
 
 
 def check_finite_amax(amax: torch.Tensor, what: str, source: str) -> None:
-    """Refuse (ValueError naming ``what``, e.g. ``"the input of layer 'fc'"``) a 0-d ``amax`` that is inf
-    or NaN: a static scale from it makes the served layer compute NaN (an ``input_global_scale`` of 0)."""
+    """Refuse (ValueError naming ``what``, e.g. ``"the input of layer 'fc'"``) a 0-d ``amax`` (a
+    :class:`ScaleRule`'s, from a history that :func:`has_statistics`) that is inf or NaN, where a static
+    scale from it makes the served layer compute NaN (an ``input_global_scale`` of 0), or that is not
+    positive: the rule's windows are all 0 (the layer ran only in older ones), and a scale from it
+    (``1e-12 / 448``; NVFP4: an infinite ``input_global_scale``) would serve every input as 0 or NaN."""
     if not bool(torch.isfinite(amax)):
         raise ValueError(
             f"export: the amax of {what} is {float(amax)} ({source}): a window of it saw an inf or NaN "
             f"(a step a loss scaler skipped, or a diverged run), and a static scale from it would serve NaN; "
             f"record the statistics with mixprec.export.Recorder (it leaves such steps out) and pass stats=, "
             f"or choose a ScaleRule(windows=...) whose windows exclude it")
+    if not bool(amax > 0):
+        raise ValueError(
+            f"export: the amax of {what} over the ScaleRule's windows is {float(amax)} ({source}): it ran in "
+            f"none of them (its statistics are older), and a static scale from it would serve every input as 0 "
+            f"or NaN; choose a ScaleRule(windows=...) that reaches its windows (None: all), or record batches "
+            f"where it runs (mixprec.export.Recorder or calibrate)")
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,30 @@ def test_nvfp4_all_zero_tensor_is_zero_not_nan():
     assert float(t.tensor_scale) == 1.0 and torch.equal(t.dequantize(torch.float32), torch.zeros(2, 32))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("block", [(1, 16), (16, 16)])
+def test_nvfp4_non_finite_element_makes_the_whole_tensor_nan(bad, block):
+    """One NaN or infinity: the tensor scale is not finite and every element dequantizes to NaN,
+    as torchao's (a NaN took a tensor scale of 1, silently clipping or flushing every other
+    block: a row of 1e4 values came back at 2688)."""
+    x = torch.randn(32, 64, generator=_gen(5)) * 1e4
+    x[0, 0] = bad
+    ours = quantize(x, fp8.Cast("e2m1", f"{block[0]}x{block[1]}"))
+    assert not torch.isfinite(ours.tensor_scale)
+    assert ours.dequantize(torch.float32).isnan().all()
+    ref = NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(torch.max(torch.abs(x))))
+    assert ref.dequantize(torch.float32).isnan().all()
+
+
+def test_nvfp4_linear_with_one_nan_sample_is_nan_everywhere():
+    """A batch where one sample holds a NaN: the GEMM is NaN, as under a tensorwise fp8 cast,
+    not finite rows computed at a wrong scale."""
+    x = torch.randn(4, 64, generator=_gen(6)) * 1e4
+    x[0, 0] = float("nan")
+    w = torch.randn(16, 64, generator=_gen(7))
+    assert fp8.linear(x, w, None, NV_PLAIN).isnan().all()
+
+
 def _mx_qat(k: int, n: int, dtype: torch.dtype, bias: bool) -> MXFakeQuantizedLinear:
     torch.manual_seed(0)
     return MXFakeQuantizedLinear(k, n, bias=bias, activation_config=MXFakeQuantizeConfig(),

@@ -366,7 +366,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> fp4_nvfp4_scales(const at::
       t = std::max(t, a[i]);
     }
   }
-  const float tensor_scale = t > 0.0f ? t / (kE4M3Max * kMax) : 1.0f;
+  const float tensor_scale = t == 0.0f ? 1.0f : t / (kE4M3Max * kMax);  // a NaN amax: a NaN scale, as torchao
   const float inverse = 1.0f / tensor_scale;
   const float lo = subnormal ? 0.0f : kE4M3Tiny;
   at::Tensor scales = at::empty(amax.sizes(), amax.options().dtype(at::kFloat8_e4m3fn));

@@ -16,7 +16,9 @@
   torchao clamps block scales at ``2**-6`` (e4m3's smallest normal, the default here);
   ``subnormal_scales=True`` lets them go down to e4m3's subnormals (Transformer Engine's
   formula; a block whose scale rounds to 0 becomes 0). An all-zero tensor (amax 0) gets a
-  tensor scale of 1 and quantizes to zeros (torchao divides by zero there: NaN).
+  tensor scale of 1 and quantizes to zeros (torchao divides by zero there: NaN). A NaN or an
+  infinity anywhere makes the tensor scale non-finite and the whole tensor NaN on
+  dequantization, as torchao's and as a tensorwise fp8 cast: no block is rescaled silently.
 * **Stochastic rounding**: between the two neighbouring e2m1 magnitudes ``lo <= m < hi``, up
   with probability ``(m - lo) / (hi - lo)`` (unbiased). The uniform draws come from a
   :class:`RoundingKey` ``(seed, step, stream)``: SplitMix64's stream from a state mixed from the
@@ -261,7 +263,9 @@ def _block_scales(amax: torch.Tensor, cast: Cast, subnormal_scales: bool,
     tensor_amax = torch.max(amax) if amax.numel() else amax.new_zeros(())
     if reduce is not None:
         tensor_amax = reduce(tensor_amax)
-    tensor_scale = torch.where(tensor_amax > 0, tensor_amax / (_E4M3_MAX * E2M1_MAX), 1.0)
+    # (== 0, not <= 0: a NaN amax gives a NaN scale, the whole tensor NaN, as torchao's; a scale of 1
+    # there rescaled every other block, clipping or flushing them without a sign)
+    tensor_scale = torch.where(tensor_amax == 0, 1.0, tensor_amax / (_E4M3_MAX * E2M1_MAX))
     block = amax / E2M1_MAX / tensor_scale
     scales = torch.clamp(block, min=0.0 if subnormal_scales else _E4M3_TINY, max=_E4M3_MAX)
     scales = scales.to(torch.float8_e4m3fn)

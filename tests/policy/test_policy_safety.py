@@ -247,3 +247,20 @@ def test_every_dtype_a_policy_accepts_saves_and_loads_back():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         policy = Policy(compute=dtype, output=dtype, params=dtype).keep(types=(nn.LayerNorm,), dtype=dtype)
         assert Policy.parse(str(policy)) == policy == Policy.from_json(policy.to_json())
+
+
+BAD_TYPES = {  # types= a user might pass, each refused with what to pass instead
+    "keep a type name": (lambda: Policy().keep(types="LayerNorm"), r"got the str 'LayerNorm': pass the class"),
+    "keep a name in a tuple": (lambda: Policy().keep(types=("LayerNorm",)), r"got the str 'LayerNorm'"),
+    "keep a module": (lambda: Policy().keep(types=nn.Linear(2, 2)), r"module instance .* \(types=nn\.Linear\)"),
+    "keep a number": (lambda: Policy().keep(types=3), r"Policy\.keep types must be an nn\.Module subclass"),
+    "fp8 a type name": (lambda: Policy.fp8(types="Linear"), r"Policy\.fp8 types .* got the str 'Linear'"),
+    "fp8 a module": (lambda: Policy.fp8(types=nn.Linear(2, 2)), r"module instance .* pass its class"),
+}
+
+
+@pytest.mark.parametrize("make, match", BAD_TYPES.values(), ids=BAD_TYPES.keys())
+def test_types_that_are_no_module_classes_are_refused_clearly(make, match):
+    """A str was iterated (``got 'L'``) and a module instance raised a bare TypeError."""
+    with pytest.raises(ValueError, match=match):
+        make()

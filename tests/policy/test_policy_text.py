@@ -14,7 +14,8 @@ from mixprec import Policy
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 OPS = ["mm", "mm.default", "softmax", "softmax.int", "exp", "cat", "sum", "bmm.default", "layer_norm", "addmm",
        "norm", "log_softmax.int", torch.exp]
-NAMES = [None, r"^head$", r"blocks\.\d+", "a/ b; c|d", "x/y", '"q"', "tab\there", r"^(q|k|v)_proj$", "/", "a /b"]
+NAMES = [None, r"^head$", r"blocks\.\d+", "a/ b; c|d", "x/y", '"q"', "tab\there", r"^(q|k|v)_proj$", "/", "a /b",
+         "a/\u00a0b"]
 LAYERS = ["a", "blocks.0.fc", "x y", "q;k"]
 
 
@@ -78,6 +79,48 @@ def test_a_command_line_policy():
     assert p == (Policy.parse("c=bf16,o=f32").with_ops(fp32=["exp", "softmax"]).with_ops(lower=["bmm.default"])
                  .keep(types=nn.LayerNorm, names=r"^head$")
                  .fp8("rowwise", names="blocks", first_last="keep", recipes={"blocks.0": "mxfp8"}))
+
+
+REGEXES_AFTER_A_SLASH = [  # a '/' before what ends a /regex/ for the reader: any str.isspace(), '|', ';'
+    "a/\u00a0b", "a/\u2003", "a/\x85b", "a/\u3000b", "^head/\u00a0;keep float32=/^body$", "a/ b", "a/|b", "a/;b", "a/",
+]
+
+
+@pytest.mark.parametrize("names", REGEXES_AFTER_A_SLASH, ids=ascii)
+def test_a_regex_with_a_slash_before_a_terminator_reads_back(names):
+    """``/`` then U+00A0 was written as ``/regex/``: the reader ended it there (an error, or two rules)."""
+    p = Policy().keep(names=names)
+    back = Policy.parse(str(p))
+    assert back == p and back.module_rules[0].names == names
+
+
+def _custom(recipe, **changes):
+    import dataclasses
+
+    from mixprec.fp8 import Float8Recipe
+
+    base = Float8Recipe.from_name(recipe)
+    return dataclasses.replace(base, **{k: (not getattr(base, k)) if v is ... else v for k, v in changes.items()})
+
+
+CUSTOM_RECIPES = {  # policies with a custom fp8 recipe: shown, never read back as another policy
+    "the rule's recipe": (lambda: Policy.fp8(_custom("rowwise", pow2_scales=..., seed=7)), "fp8 <custom rowwise>="),
+    "a layer's recipe": (lambda: Policy.fp8(names="^(a|b)$", recipes={"a": _custom("mxfp8", seed=7)}),
+                         "recipes a=<custom mxfp8>"),
+    "a renamed recipe": (lambda: Policy.fp8(_custom("tensorwise", name="mine")), "fp8 <custom mine>="),
+}
+
+
+@pytest.mark.parametrize("make, shown", CUSTOM_RECIPES.values(), ids=CUSTOM_RECIPES.keys())
+def test_a_custom_fp8_recipe_is_shown_and_refused_by_parse(make, shown):
+    """``str`` wrote the named recipe a custom one came from: parse gave another policy, silently."""
+    p = make()
+    text = str(p)  # display and logs: never raises
+    assert shown in text
+    with pytest.raises(ValueError, match="custom fp8 recipe .* has no text form"):
+        Policy.parse(text)
+    with pytest.raises(ValueError, match="custom fp8 recipe"):
+        p.to_json()
 
 
 @pytest.mark.parametrize("spec, match", [

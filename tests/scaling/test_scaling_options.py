@@ -12,6 +12,7 @@ from torch import nn
 
 import mixprec
 from mixprec.scaling import GradScaler, skip_aware
+from mixprec.scaling.rule import FLOAT32_MAX
 
 from _scaling_cases import INF, make_optimizer, one_param_step
 
@@ -275,6 +276,45 @@ def test_init_and_loaded_scale_are_clamped_into_the_bounds():
     assert floored.get_scale() == 1.0
     capped.load_state_dict(torch.amp.GradScaler("cpu").state_dict())  # torch's 2**16
     assert capped.get_scale() == 1024.0 and capped.state.scale.item() == 1024.0
+
+
+# Bounds float32 cannot hold: the nearest float32 of 3e38 is above it, of 0.7 below it. Each case:
+# the scaler's options and what drives the scale onto a bound (steps: True overflows).
+UNROUNDABLE_BOUNDS = {
+    "growth onto max_scale": (dict(init_scale=2e38, growth_factor=1.6, growth_interval=1, max_scale=3e38), [False]),
+    "init_scale at max_scale": (dict(init_scale=3e38, max_scale=3e38), []),
+    "init_scale just below max_scale": (dict(init_scale=2.99999999e38, max_scale=3e38), []),
+    "update(new_scale=max_scale)": (dict(max_scale=3e38), [3e38]),
+    "update(new_scale=tensor above)": (dict(max_scale=3e38), [torch.tensor(FLOAT32_MAX)]),
+    "a loaded scale above": (dict(max_scale=3e38), [{"scale": FLOAT32_MAX}]),
+    "backoff onto min_scale": (dict(init_scale=1.0, min_scale=0.7, on_min_scale="ignore"), [True, True]),
+    "update(new_scale=min_scale)": (dict(min_scale=0.7), [0.7]),
+}
+
+
+@pytest.mark.parametrize("options, steps", UNROUNDABLE_BOUNDS.values(), ids=UNROUNDABLE_BOUNDS.keys())
+def test_the_scale_never_leaves_bounds_float32_cannot_hold(options, steps):
+    """``max_scale=3e38`` let the scale reach 3.0000000054977558e+38: the clamp bound was rounded
+    to the nearest float32."""
+    p = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.0)
+    scaler = GradScaler("cpu", **options)
+    lower, upper = options.get("min_scale", 0.0), options.get("max_scale", INF)
+    assert lower <= scaler.get_scale() <= upper
+    scaler.scale(torch.tensor(1.0))
+    for step in [None, *steps]:
+        if isinstance(step, bool):
+            one_param_step(scaler, opt, p, step)
+        elif isinstance(step, dict):
+            scaler.load_state_dict({**scaler.state_dict(), **step})
+        elif step is not None:
+            scaler.update(new_scale=step)
+        assert lower <= scaler.get_scale() <= upper and lower <= scaler._scale.item() <= upper, step
+
+
+def test_bounds_with_no_float32_between_them_are_refused():
+    with pytest.raises(ValueError, match="no float32 number lies in"):
+        GradScaler("cpu", min_scale=0.1, max_scale=0.1)
 
 
 def test_nan_new_scale_tensor_keeps_the_scale():

@@ -32,7 +32,7 @@ from mixprec._modules import ModuleRule
 from mixprec._ops_names import check_castable, rule_names
 
 __all__ = ["DTYPE_NAMES", "check_dtype", "parse_dtype", "dtype_name", "expect", "short", "refuse_unknown", "import_type",
-           "type_path", "module_rule_to_dict", "module_rule_from_dict", "checked_op_rules", "rule_kind"]
+           "module_types", "type_path", "module_rule_to_dict", "module_rule_from_dict", "checked_op_rules", "rule_kind"]
 
 def expect(value: Any, types: type | tuple[type, ...], what: str, shape: str) -> Any:
     """``value`` if it is an instance of ``types`` (a bool is no int here), else a ValueError
@@ -54,6 +54,35 @@ def refuse_unknown(data: Mapping[str, Any], known: Iterable[str], what: str, lis
     unknown = set(data) - set(known)
     if unknown:
         raise ValueError(f"unknown {what} field(s) {sorted(map(str, unknown))}; fields: {listed}")
+
+
+def module_types(types: Any, where: str, base: type = nn.Module) -> tuple[Any, ...]:
+    """``types`` (a module type, or an iterable of them) as a tuple, for the rule's own check of
+    each item (``base``: the class each must subclass, named in the message).
+
+    Raises:
+        ValueError: a str (a type's name: only the text form names types, ``Policy.parse``), a
+            module instance (pass its class), either inside the tuple, or anything not iterable.
+    """
+    if isinstance(types, type):
+        return (types,)
+    want = f"{where} types must be an {'nn.Module' if base is nn.Module else 'nn.' + base.__name__} subclass " \
+           "or a tuple of them"
+    if isinstance(types, str):
+        raise ValueError(f"{want}, got the str {short(types)}: pass the class (types=nn.{types.split('.')[-1]}), "
+                         "or name it in the one-line form that Policy.parse reads")
+    if isinstance(types, nn.Module):
+        raise ValueError(f"{want}, got a module instance {short(types)}: pass its class "
+                         f"(types={'nn.' if getattr(nn, type(types).__name__, None) is type(types) else ''}"
+                         f"{type(types).__qualname__})")
+    try:
+        items = tuple(types)
+    except TypeError:
+        raise ValueError(f"{want}, got {type(types).__name__} {short(types)}") from None
+    for item in items:
+        if isinstance(item, (str, nn.Module)):
+            module_types(item, where, base)
+    return items
 
 
 def type_path(t: type) -> str:

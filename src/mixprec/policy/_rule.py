@@ -25,9 +25,9 @@ from mixprec.control._settings import ControllerSettings, GuardSettings
 from mixprec.formats._layers import as_recipe
 from mixprec.formats._linear import BACKENDS
 from mixprec.formats._recipe import RECIPE_NAMES, Float8Recipe
-from mixprec.policy._codec import expect, import_type, refuse_unknown, type_path
+from mixprec.policy._codec import expect, import_type, module_types, refuse_unknown, type_path
 
-__all__ = ["Fp8Rule", "rule_to_dict", "rule_from_dict", "refuse_unused_state"]
+__all__ = ["Fp8Rule", "named_recipe", "rule_to_dict", "rule_from_dict", "refuse_unused_state"]
 
 _JSON_FIELDS = ("backend", "controller", "first_last", "guard", "names", "recipe", "recipes", "types")
 _KINDS = {"guard": GuardSettings, "controller": ControllerSettings}
@@ -76,7 +76,7 @@ class Fp8Rule:
         if _tracing():  # see mixprec._tree.refuse_tracing
             raise RuntimeError("build mixprec Fp8Rules and Policies outside torch.compile")
         as_recipe(self.recipe)  # validates
-        types = (self.types,) if isinstance(self.types, type) else tuple(self.types)
+        types = module_types(self.types, "Policy.fp8", nn.Linear)
         if not types or not all(isinstance(t, type) and issubclass(t, nn.Linear) for t in types):
             raise ValueError(f"Policy.fp8 types must be nn.Linear subclasses, got {self.types!r}")
         if self.names is not None:
@@ -186,11 +186,21 @@ def rule_to_dict(rule: Fp8Rule) -> dict[str, Any]:
 
 
 def _recipe_name(recipe: Any) -> str:
+    name = named_recipe(recipe)
+    if name is None:
+        raise ValueError(f"cannot serialize the custom fp8 recipe {recipe!r}: use a named recipe "
+                         f"({', '.join(map(repr, RECIPE_NAMES))})")
+    return name
+
+
+def named_recipe(recipe: Any) -> str | None:
+    """The name of ``recipe`` (a recipe name, or a :class:`~mixprec.fp8.Float8Recipe`) when it is a
+    named recipe (``Float8Recipe.from_name(name) == recipe``); None for a custom recipe, which the
+    JSON and text forms cannot hold."""
     if isinstance(recipe, str):
         return recipe
     if recipe.name not in RECIPE_NAMES or Float8Recipe.from_name(recipe.name) != recipe:
-        raise ValueError(f"cannot serialize the custom fp8 recipe {recipe!r}: use a named recipe "
-                         f"({', '.join(map(repr, RECIPE_NAMES))})")
+        return None
     return recipe.name
 
 

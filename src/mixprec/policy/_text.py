@@ -12,11 +12,13 @@ Sections are separated by ``;``: the dtypes (``parse``'s ``key=value`` list), th
   (a ``torch.nn`` name such as ``LayerNorm``, else the import path
   ``package.module.Class``, looked up among imported modules, never imported) and at most one
   name regex, ``/regex/`` or a JSON string ``"regex"`` (written when the regex holds ``/`` before
-  a space, ``|`` or ``;``, or a control character).
+  whitespace, ``|`` or ``;``, or a control character).
 - ``fp8 RECIPE=SELECTION`` and options: ``except first/last``, ``backend=NAME``, ``recipes
   layer=recipe,layer=recipe``, ``guarded {...}`` or ``controlled {...}`` (JSON: the settings
   that differ from the defaults; reading them builds a new Guard/Controller, with a warning, as
-  :meth:`Policy.load` does).
+  :meth:`Policy.load` does). A custom :class:`~mixprec.fp8.Float8Recipe` (one no recipe name
+  gives) has no text form: it is written ``<custom NAME>`` (``str`` never raises: it is for
+  display and logs), which reading refuses with a ValueError.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from mixprec import ops as _ops
 from mixprec.policy._codec import DTYPE_NAMES, dtype_name, expect, import_type, parse_dtype
 from mixprec._modules import ModuleRule
 from mixprec._ops_names import canonical_names
-from mixprec.policy._rule import Fp8Rule
+from mixprec.formats._recipe import RECIPE_NAMES
+from mixprec.policy._rule import Fp8Rule, named_recipe
 
 __all__ = ["format_sections", "parse_sections", "parse_header"]
 
@@ -53,7 +56,7 @@ def format_sections(policy: Any) -> list[str]:
     sections += [f"keep {dtype_name(r.dtype)}={_selection(r.types, r.names)}" for r in policy.module_rules]
     rule = policy.fp8_rule
     if rule is not None:
-        text = f"fp8 {rule.recipe_name}={_selection(rule.types, rule.names)}"
+        text = f"fp8 {_recipe_text(rule.recipe)}={_selection(rule.types, rule.names)}"
         if rule.first_last == "keep":
             text += " except first/last"
         if rule.backend != "auto":
@@ -62,8 +65,7 @@ def format_sections(policy: Any) -> list[str]:
             if state is not None:  # the settings that differ from the defaults
                 text += f" {word} " + json.dumps(state.changed(), separators=(",", ":"))
         if rule.recipes:
-            text += " recipes " + ",".join(f"{_layer_name(n)}={r if isinstance(r, str) else r.name}"
-                                           for n, r in rule.recipes)
+            text += " recipes " + ",".join(f"{_layer_name(n)}={_recipe_text(r)}" for n, r in rule.recipes)
         sections.append(text)
     return sections
 
@@ -103,10 +105,25 @@ def _selection(types: tuple[type, ...], names: str | None) -> str:
 
 
 def _slashes_safe(regex: str) -> bool:
-    """Whether ``/regex/`` reads back as ``regex``: no ``/`` before a terminator, no control character."""
+    """Whether ``/regex/`` reads back as ``regex``: no ``/`` before what ends a ``/regex/`` for
+    :meth:`_Reader.regex` (``|``, ``;``, any ``str.isspace()`` character), no control character."""
     if any(ord(c) < 32 for c in regex) or regex.startswith('"'):
         return False
-    return not any(regex[i] == "/" and regex[i + 1] in "| ;" for i in range(len(regex) - 1))
+    return not any(regex[i] == "/" and _ends_regex(regex[i + 1]) for i in range(len(regex) - 1))
+
+
+def _ends_regex(char: str) -> bool:
+    """Whether ``char`` after a ``/`` closes a ``/regex/`` (the writer and the reader share this)."""
+    return char in "|;" or char.isspace()
+
+
+def _recipe_text(recipe: Any) -> str:
+    """A recipe's name, or ``<custom NAME>`` for a custom recipe: no text form, :func:`parse_sections`
+    refuses it (written, not raised, as ``str(policy)`` is for display and logs)."""
+    name = named_recipe(recipe)
+    if name is not None:
+        return name
+    return f"<custom {recipe.name}>" if _PLAIN_NAME.match(recipe.name) else "<custom>"
 
 
 def _layer_name(name: str) -> str:
@@ -145,6 +162,16 @@ class _Reader:
             raise self.error(f"expected {char!r}")
         self.pos += len(char)
 
+    def recipe(self, stops: str) -> str:
+        """A recipe name; the ``<custom ...>`` marker of a custom recipe is refused."""
+        if self.text.startswith("<", self.pos):
+            raise self.error(
+                "a custom fp8 recipe (a Float8Recipe no recipe name gives) has no text form: str(policy) "
+                "writes it as '<custom ...>' for display only. Build the policy in Python "
+                "(Policy.fp8(recipe=Float8Recipe(...)), or pickle it), or use a named recipe ("
+                + ", ".join(RECIPE_NAMES) + ")")
+        return self.word(stops)
+
     def json_value(self) -> Any:
         try:
             value, self.pos = json.JSONDecoder().raw_decode(self.text, self.pos)
@@ -155,14 +182,14 @@ class _Reader:
         return value
 
     def regex(self) -> str:
-        """``/regex/`` (ends at the first ``/`` before a space, ``|``, ``;`` or the end)."""
+        """``/regex/`` (ends at the first ``/`` before whitespace, ``|``, ``;`` or the end)."""
         start = self.pos + 1
         end = start
         while True:
             end = self.text.find("/", end)
             if end < 0:
                 raise self.error("a /regex/ without its closing '/'")
-            if end + 1 == len(self.text) or self.text[end + 1] in "| ;" or self.text[end + 1].isspace():
+            if end + 1 == len(self.text) or _ends_regex(self.text[end + 1]):
                 break
             end += 1
         self.pos = end + 1
@@ -300,7 +327,7 @@ def _read_keep(reader: _Reader, fields: dict[str, Any]) -> None:
 def _read_fp8(reader: _Reader, fields: dict[str, Any]) -> None:
     if "fp8_rule" in fields:
         raise reader.error("one fp8 section per policy")
-    recipe = reader.word("=;")
+    recipe = reader.recipe("=;")
     reader.expect("=")
     types, names = _read_selection(reader)
     options: dict[str, Any] = {"first_last": "fp8", "recipes": {}}
@@ -323,7 +350,7 @@ def _read_fp8(reader: _Reader, fields: dict[str, Any]) -> None:
             while True:
                 layer = reader.json_value() if reader.text.startswith('"', reader.pos) else reader.word("=,;")
                 reader.expect("=")
-                options["recipes"][layer] = reader.word(",;")
+                options["recipes"][layer] = reader.recipe(",;")
                 if not reader.text.startswith(",", reader.pos):
                     break
                 reader.pos += 1

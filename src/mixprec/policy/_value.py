@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from mixprec import ops as _ops
-from mixprec.policy._codec import check_dtype, checked_op_rules, dtype_name, parse_dtype, rule_kind
+from mixprec.policy._codec import check_dtype, checked_op_rules, dtype_name, module_types, parse_dtype, rule_kind
 from mixprec._modules import ModuleRule
 from mixprec._ops_names import OpLike, canonical_names
 from mixprec.policy._text import format_sections, parse_header, parse_sections
@@ -324,9 +324,10 @@ class Policy:
 
         A module matches if it is an instance of ``types`` or ``re.search(names, its qualified
         name)`` matches. Its floating inputs are cast to ``dtype``; for ``float32`` no op inside it
-        is lowered, for a half dtype its ops lower to that dtype instead of the region's.
+        is lowered, for a half dtype its ops lower to that dtype instead of the region's. A
+        ``ValueError`` says what to pass for ``types`` that are no module classes (a str, a module).
         """
-        rule = ModuleRule(parse_dtype(dtype), types=types, names=names)
+        rule = ModuleRule(parse_dtype(dtype), types=module_types(types, "Policy.keep"), names=names)
         return dataclasses.replace(self, module_rules=self.module_rules + (rule,))
 
     @_on_class_or_instance
@@ -423,7 +424,8 @@ class Policy:
         """What the policy does, in one line: the dtypes and preset in :meth:`parse` syntax
         (``compute=auto``: the region's dtype), then ``; ``-separated op edits, module rules and
         the fp8 selection; :meth:`parse` reads it back (``Policy.parse(str(p)) == p``; a guard or
-        controller comes back as a new one built from its settings, with a warning).
+        controller comes back as a new one built from its settings, with a warning; a custom fp8
+        recipe as ``<custom NAME>``, which :meth:`parse` refuses: it has no text form).
 
         Example:
             >>> str(Policy.parse("compute=bf16").with_ops(fp32=["softmax"]).keep(types=nn.LayerNorm))

@@ -2,9 +2,10 @@
 
 :class:`ScalerAccessors` holds the scaler's read-only views (the state, the config, the skip
 flags, the overflow attributions, the per-layer factors) and ``torch.amp.GradScaler``'s getters
-and setters, with the private names that code ported from torch calls (``_scale``,
-``_get_scale_async``, ``_check_scale_growth_tracker``). A base class of ``GradScaler`` only: it
-reads the scaler's attributes (declared below) and touches no device state but through them.
+and setters, with the private names that code ported from torch calls or sets (``_scale``,
+``_get_scale_async``, ``_check_scale_growth_tracker``, ``_init_scale``, ``_growth_factor``, ...).
+A base class of ``GradScaler`` only: it reads the scaler's attributes (declared below) and touches
+no device state but through them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from mixprec.scaling._attribution import Attribution
 from mixprec.scaling._state import HostSnapshot
 from mixprec.scaling.layerwise import Layerwise
-from mixprec.scaling.rule import ScaleConfig, ScaleState
+from mixprec.scaling.rule import ScaleConfig, ScaleState, _check_scale_value
 from mixprec.scaling.unscaling import Unscaling
 
 __all__ = ["ScalerAccessors"]
@@ -50,11 +51,12 @@ class ScalerAccessors:
         return HostSnapshot.read(self._state, self._skipped_steps)
 
     def _clamped(self, scale: float) -> float:
-        """``scale`` clamped into ``[min_scale, max_scale]`` (host floats, no sync)."""
-        return min(max(scale, self._config.lower), self._config.upper)
+        """``scale`` clamped into ``[min_scale, max_scale]``, as a float32 too (host floats, no sync)."""
+        return self._config.clamp(scale)
 
     def _get_scale_async(self) -> torch.Tensor | None:
-        """The scale tensor (no host sync), or ``None`` before :meth:`scale`; as torch's."""
+        """The scale tensor (no host sync), or ``None`` before :meth:`scale`; as torch's, one tensor
+        for the scaler's life, updated in place (clone it to keep a value)."""
         return None if self._state is None else self._state.scale
 
     @property  # type: ignore[override]
@@ -67,9 +69,65 @@ class ScalerAccessors:
         """torch's name for the growth-tracker tensor (``None`` before :meth:`scale`)."""
         return None if self._state is None else self._state.growth_tracker
 
+    # torch's private settings (``scaler._init_scale = 32.0``, ``assert scaler._growth_factor == 2``
+    # in code ported from torch): views of the snapshot and the config, with torch's meaning.
+
+    @property  # type: ignore[override]
+    def _init_scale(self) -> float:
+        """torch's first scale: what :meth:`scale` creates the scale tensor from (set before it does,
+        as in torch: afterwards the live scale is :meth:`get_scale`, ``update(new_scale)`` sets it);
+        after ``load_state_dict`` the loaded scale. Set: a finite normal float32 number (clamped into
+        ``[min_scale, max_scale]``; ``ValueError`` otherwise)."""
+        return self._snapshot.scale
+
+    @_init_scale.setter
+    def _init_scale(self, value: float) -> None:
+        _check_scale_value("_init_scale", float(value))
+        self._snapshot = dataclasses.replace(self._snapshot, scale=self._clamped(float(value)))
+
+    @property  # type: ignore[override]
+    def _init_growth_tracker(self) -> int:
+        """torch's first growth tracker (0; the loaded one after ``load_state_dict``), what
+        :meth:`scale` creates the tracker from. Set: an int >= 0 (``ValueError`` otherwise)."""
+        return self._snapshot.growth_tracker
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"_init_growth_tracker must be an int >= 0, got {value!r}.")
+        self._snapshot = dataclasses.replace(self._snapshot, growth_tracker=value)
+
+    @property  # type: ignore[override]
+    def _growth_factor(self) -> float:
+        """torch's name for :meth:`get_growth_factor`; set: :meth:`set_growth_factor`."""
+        return self.get_growth_factor()
+
+    @_growth_factor.setter
+    def _growth_factor(self, value: float) -> None:
+        self.set_growth_factor(value)
+
+    @property  # type: ignore[override]
+    def _backoff_factor(self) -> float:
+        """torch's name for :meth:`get_backoff_factor`; set: :meth:`set_backoff_factor`."""
+        return self.get_backoff_factor()
+
+    @_backoff_factor.setter
+    def _backoff_factor(self, value: float) -> None:
+        self.set_backoff_factor(value)
+
+    @property  # type: ignore[override]
+    def _growth_interval(self) -> int:
+        """torch's name for :meth:`get_growth_interval`; set: :meth:`set_growth_interval`."""
+        return self.get_growth_interval()
+
+    @_growth_interval.setter
+    def _growth_interval(self, value: int) -> None:
+        self.set_growth_interval(value)
+
     @property
     def state(self) -> ScaleState | None:
-        """The current :class:`ScaleState` (device tensors), or ``None`` before :meth:`scale`."""
+        """The current :class:`ScaleState` (device tensors, updated in place by :meth:`update` and
+        ``load_state_dict``: clone them to keep values), or ``None`` before :meth:`scale`."""
         return self._state
 
     @property

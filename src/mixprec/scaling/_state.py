@@ -26,6 +26,7 @@ __all__ = [
     "from_state_dict",
     "overridden_message",
     "overridden_options",
+    "persist",
     "to_state_dict",
     "validated_new_scale",
 ]
@@ -123,6 +124,21 @@ class HostSnapshot:
             self.scale, config, device, growth_tracker=self.growth_tracker, hysteresis_left=self.hysteresis_left
         )
         return state, torch.full((), self.skipped_steps, dtype=torch.int64, device=device)
+
+
+def persist(live: ScaleState | None, new: ScaleState) -> ScaleState:
+    """``live`` holding ``new``'s values, copied in place (``new`` itself when there is no ``live``
+    state yet), as torch's ``_amp_update_scale_``/``fill_`` update its tensors: a reference taken
+    to the scale (``_get_scale_async()``, a captured CUDA graph) keeps tracking it. The rule stays
+    pure (:func:`~mixprec.scaling.update_scale` returns new tensors); this is the shell's store. No
+    host sync."""
+    if live is None:
+        return new
+    with torch.no_grad():
+        for tensor, value in zip(live, new):
+            if value is not tensor:
+                tensor.copy_(value)
+    return live
 
 
 def to_state_dict(snapshot: HostSnapshot, config: ScaleConfig, on_min_scale: str, step: int) -> dict[str, Any]:
@@ -240,7 +256,7 @@ def validated_new_scale(new_scale: float | torch.Tensor, current: torch.Tensor, 
             raise ValueError(
                 f"new_scale={value!r} is outside [min_scale, max_scale] = [{config.lower!r}, {config.upper!r}]."
             )
-        return torch.full_like(current, value)
+        return torch.full_like(current, config.clamp(value))  # (a float32 rounding may leave the range)
     if not isinstance(new_scale, torch.Tensor):
         raise TypeError(f"new_scale must be a float or a 1-element tensor, got {type(new_scale).__name__}.")
     if new_scale.device.type != current.device.type or new_scale.numel() != 1 or new_scale.requires_grad:
@@ -249,7 +265,7 @@ def validated_new_scale(new_scale: float | torch.Tensor, current: torch.Tensor, 
             f"({current.device.type!r}) with requires_grad=False."
         )
     value = new_scale.detach().reshape(()).to(device=current.device, dtype=torch.float32, copy=True)
-    return torch.where(value.isnan(), current, value.clamp(config.lower, config.upper))
+    return torch.where(value.isnan(), current, value.clamp(*config.float32_bounds))
 
 
 def check_optimizer(optimizer: Any, funcname: str) -> None:

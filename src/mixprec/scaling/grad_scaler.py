@@ -26,8 +26,8 @@ from mixprec.scaling._accessors import ScalerAccessors
 from mixprec._scaled import note_scaled
 from mixprec.scaling._attribution import Attribution, MinScaleError, local, min_scale_message
 from mixprec.scaling._checkpoint import ScalerCheckpoint
-from mixprec.scaling._state import ON_MIN_SCALE, HostSnapshot, OptimizerState, Stage, chosen_options, validated_new_scale
-from mixprec.scaling._state import check_optimizer as _check_optimizer
+from mixprec.scaling._state import ON_MIN_SCALE, HostSnapshot, OptimizerState, Stage, chosen_options, persist
+from mixprec.scaling._state import check_optimizer as _check_optimizer, validated_new_scale
 from mixprec.scaling.layerwise import DEFAULT_BOUNDS, Layerwise
 from mixprec.scaling.protocol import lend_scale, prepare_grads
 from mixprec.scaling.rule import ScaleConfig, ScaleState, _check_scale_value, backoff_blocked, update_scale
@@ -52,7 +52,8 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
     ``isinstance(scaler, torch.amp.GradScaler)`` (Lightning, Accelerate) takes it. It overrides
     every method torch defines except the stateless ``_unscale_grads_``, and does not call
     ``torch.amp.GradScaler.__init__``: its state is a :class:`ScaleState` (torch's ``_scale`` and
-    ``_growth_tracker`` are read-only views of it) and a :class:`~mixprec.scaling._state.HostSnapshot`.
+    ``_growth_tracker`` are read-only views of it, updated in place as torch's) and a
+    :class:`~mixprec.scaling._state.HostSnapshot` (``_init_scale``, ``_growth_factor``, ...: torch's).
 
     The scale follows :func:`mixprec.scaling.update_scale` (its docstring has the exact rule):
     back off by ``backoff_factor`` on an overflow (after ``hysteresis`` overflows), grow by
@@ -210,8 +211,9 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
     # ------------------------------------------------------------------ state
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
-        """Creates the device state on ``dev`` from the host snapshot (torch's name)."""
-        self._state, self._skipped_steps = self._snapshot.device_state(self._config, dev)
+        """Creates the device state on ``dev`` from the host snapshot (torch's name), in place."""
+        state, self._skipped_steps = self._snapshot.device_state(self._config, dev)
+        self._state = persist(self._state, state)
         self._last_step_skipped = torch.zeros((), dtype=torch.bool, device=dev)
 
     def _require_state(self, funcname: str) -> ScaleState:
@@ -562,10 +564,11 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
             found_inf = self._combined_found_inf(recorded) if recorded else None
             new_state = state._replace(scale=validated_new_scale(new_scale, state.scale, self._config))
             self._unscaling.skip_update()  # per-layer: factors kept, this step's statistics discarded
-        self._recent_scales.append(state.scale)
+        used = state.scale.clone()  # the state tensors are updated in place just below
+        self._recent_scales.append(used)
         if found_inf is not None and self._skipped_steps is not None:
             self._skipped_steps = self._skipped_steps + (found_inf != 0)
-        self._state = new_state
+        self._state = persist(state, new_state)
         step = self._step
         self._step += 1
 
@@ -574,7 +577,7 @@ class GradScaler(ScalerCheckpoint, ScalerAccessors, torch.amp.GradScaler):
         names: tuple[str, ...] | None = None
         if self._history is not None:
             flag = torch.zeros_like(state.scale) if found_inf is None else (found_inf != 0).float()
-            skipped_value, scale_value = torch.stack([flag, state.scale]).tolist()  # one sync
+            skipped_value, scale_value = torch.stack([flag, used]).tolist()  # one sync
             names = self._attribution.names(optimizers) if skipped_value else ()
             self._history(step, scale_value, bool(skipped_value), names)
         if is_blocked and names is None:

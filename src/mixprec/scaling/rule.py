@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -95,6 +96,11 @@ class ScaleConfig:
             raise ValueError(
                 f"min_scale ({self.min_scale!r}) must not exceed max_scale ({self.max_scale!r})."
             )
+        if self.float32_bounds[0] > self.float32_bounds[1]:
+            raise ValueError(
+                f"no float32 number lies in [min_scale, max_scale] = [{self.min_scale!r}, {self.max_scale!r}] "
+                "(the scale is a float32): widen the range, e.g. to powers of two."
+            )
 
     @property
     def lower(self) -> float:
@@ -105,6 +111,30 @@ class ScaleConfig:
     def upper(self) -> float:
         """The effective upper bound: ``max_scale``, or the largest float32 when it is ``None``."""
         return FLOAT32_MAX if self.max_scale is None else float(self.max_scale)
+
+    @cached_property
+    def float32_bounds(self) -> tuple[float, float]:
+        """``(lower, upper)`` rounded to float32 toward the inside of the range: what the scale (a
+        float32) is clamped to. A bound float32 cannot hold (``max_scale=3e38``) would round to
+        the nearest float32, which may lie outside ``[min_scale, max_scale]``."""
+        return _float32_inside(self.lower, up=True), _float32_inside(self.upper, up=False)
+
+    def clamp(self, scale: float) -> float:
+        """``scale`` (a host float) clamped into ``[lower, upper]`` so that it stays inside once
+        rounded to float32 (it is returned as given when it does)."""
+        lo, hi = self.float32_bounds
+        value = min(max(scale, lo), hi)
+        nearest = float(torch.tensor(value, dtype=torch.float32))  # what the scale tensor will hold
+        return hi if nearest > hi else lo if nearest < lo else value
+
+
+def _float32_inside(value: float, up: bool) -> float:
+    """``value`` as a float32, rounded up (``up``) or down where float32 cannot hold it (on the
+    host, no device involved)."""
+    rounded = torch.tensor(value, dtype=torch.float32)
+    if float(rounded) < value if up else float(rounded) > value:
+        rounded = torch.nextafter(rounded, torch.tensor(math.inf if up else -math.inf, dtype=torch.float32))
+    return float(rounded)
 
 
 class ScaleState(NamedTuple):
@@ -168,6 +198,7 @@ def update_scale(state: ScaleState, found_inf: torch.Tensor, config: ScaleConfig
                 if isfinite(f32(s * growth_factor)):
                     s = f32(s * growth_factor)
         s = min(max(s, lo), hi)             # bounds: never 0, subnormal or inf
+                                            # (lo, hi rounded to float32 inward: float32_bounds)
 
     Once ``h`` reaches 0 every further overflow backs off until a growth (or, with
     ``consecutive_hysteresis``, a clean step) refills it. With the defaults (``hysteresis=1``,
@@ -203,6 +234,7 @@ def update_scale(state: ScaleState, found_inf: torch.Tensor, config: ScaleConfig
         config.growth_interval,
     )
     left = state.hysteresis_left
+    lo, hi = config.float32_bounds
     if config.hysteresis > 1:
         overflow = found != 0
         decremented = (left - 1).clamp_min(0)
@@ -210,9 +242,9 @@ def update_scale(state: ScaleState, found_inf: torch.Tensor, config: ScaleConfig
         refill = ~overflow if config.consecutive_hysteresis else (~overflow) & (tracker == 0)
         left = torch.where(overflow, decremented, torch.where(refill, config.hysteresis, left))
     if config.max_scale is None:
-        scale = scale.clamp_min(config.lower)
+        scale = scale.clamp_min(lo)
     else:
-        scale = scale.clamp(config.lower, config.upper)
+        scale = scale.clamp(lo, hi)
     return ScaleState(scale, tracker, left)
 
 
@@ -225,4 +257,4 @@ def backoff_blocked(state: ScaleState, found_inf: torch.Tensor, config: ScaleCon
     """
     overflow = found_inf.to(device=state.scale.device) != 0
     due = overflow if config.hysteresis == 1 else overflow & (state.hysteresis_left <= 1)
-    return due & (state.scale <= config.lower)
+    return due & (state.scale <= config.float32_bounds[0])

@@ -171,8 +171,8 @@ class GlobalUnscaling(Unscaling):
         """Nothing kept between iterations."""
 
     def carried(self, scale: torch.Tensor) -> tuple[torch.Tensor, Mapping[int, int]]:
-        """One region, the loss scale's."""
-        return scale.reshape(1), {}
+        """One region, the loss scale's (a copy: the scale tensor is updated in place)."""
+        return scale.reshape(1).clone(), {}
 
     def scales(self) -> dict[str, float]:
         """``{}``: no cut points."""

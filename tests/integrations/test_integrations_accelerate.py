@@ -176,6 +176,26 @@ def test_accelerate_refusals_say_what_to_do() -> None:
         prepare(accelerator)
 
 
+# what was prepared before prepare(accelerator): each captured Accelerate's scaler (None on CPU)
+PREPARED_FIRST = {
+    "a model": lambda m, o: (m,),
+    "an optimizer": lambda m, o: (o,),  # the AcceleratedOptimizer steps with its own scaler: unscaled
+    "a model and an optimizer": lambda m, o: (m, o),
+}
+
+
+@pytest.mark.parametrize("first", PREPARED_FIRST)
+def test_prepare_after_an_object_was_prepared_is_refused(first: str) -> None:
+    """Until 2026-12-07 only a prepared model was refused: after ``accelerator.prepare(optimizer)``
+    fp16 scaled the loss with mixprec's scaler and the optimizer stepped on 65536x gradients."""
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+    model = torch.nn.Linear(2, 2)
+    accelerator.prepare(*PREPARED_FIRST[first](model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    with pytest.raises(ValueError, match=f"before accelerator.prepare.*: {first} was already prepared"):
+        prepare(accelerator)
+    assert accelerator.scaler is None and getattr(accelerator, "_mixprec_policy", None) is None
+
+
 def trainer_run(tmp_path: Path, cls: Any, steps: int = 3, bf16: bool = True, fp16: bool = False,
                 save_strategy: str = "no", save_steps: int = 500, **kwargs: Any) -> tuple[Any, list[float]]:
     class Recorder(cls):  # the exact loss of every step (the Trainer's logs round to 4 digits)

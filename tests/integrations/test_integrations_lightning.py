@@ -149,6 +149,31 @@ def test_checkpoint_resume_restores_the_scaler_as_lightning_does(tmp_path: Path)
         assert torch.equal(pa, pb)
 
 
+# the two plugins whose checkpoints must resume each other; the scale backs off from init_scale over the
+# first steps (overflows, skipped) and then stays: restarting from init_scale would skip steps again
+SWITCH_SCALER = {"init_scale": 2.0**24, "growth_interval": 100}
+PLUGINS = {
+    "MixprecPrecision": lambda: MixprecPrecision("16-mixed", scaler=mixprec.GradScaler("cpu", **SWITCH_SCALER),
+                                                 device="cpu"),
+    "MixedPrecision": lambda: MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", **SWITCH_SCALER)),
+}
+
+
+@pytest.mark.parametrize(("saved_by", "resumed_by"), [("MixedPrecision", "MixprecPrecision"),
+                                                       ("MixprecPrecision", "MixedPrecision")])
+def test_a_checkpoint_resumes_the_loss_scale_across_the_two_plugins(tmp_path: Path, saved_by: str,
+                                                                     resumed_by: str) -> None:
+    """Lightning looks a plugin's state up by the plugin's class name: until 2026-12-07 switching
+    between Lightning's MixedPrecision and MixprecPrecision silently restarted from init_scale.
+    The switched resume is bitwise the resume with the plugin that saved."""
+    ckpt = tmp_path / "switch.ckpt"
+    _, first = fit(PLUGINS[saved_by](), steps=5, save=ckpt)
+    assert torch.load(ckpt, weights_only=False)[saved_by]["scale"] == first.scales[-1] != SWITCH_SCALER["init_scale"]
+    switched, same = fit(PLUGINS[resumed_by](), steps=8, ckpt=ckpt), fit(PLUGINS[saved_by](), steps=8, ckpt=ckpt)
+    assert_same_training(switched, same)
+    assert switched[1].scales[0] <= first.scales[-1] < SWITCH_SCALER["init_scale"]  # from it, not restarted
+
+
 def test_bad_arguments_say_what_to_do() -> None:
     with pytest.raises(ValueError, match="'16-mixed' or 'bf16-mixed'"):
         MixprecPrecision("16-true", device="cpu")  # type: ignore[arg-type]
@@ -227,3 +252,64 @@ def test_validation_between_nvfp4_steps_leaves_the_training_bitwise() -> None:
     assert mixprec.fp8.rounding_steps(runs[0][0]) == mixprec.fp8.rounding_steps(runs[1][0]) == {
         "net.0": 6, "net.2": 6, "net.4": 6}
     assert_same_training(runs[0], runs[1])
+
+
+class MasterModule(TinyModule):
+    """A bf16 model (``mixprec.to_low_precision``) trained by ``mixprec.MasterWeights``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mixprec.to_low_precision(self.net)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x.bfloat16()).float(), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return mixprec.MasterWeights(torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9))
+
+
+# Lightning precision, gradient_clip_algorithm and accumulate_grad_batches of a clipped run
+MASTER_CLIPS = {
+    "32-true, norm": ("32-true", "norm", 1),
+    "32-true, value, accumulated": ("32-true", "value", 2),
+    "bf16-true, norm": ("bf16-true", "norm", 1),
+}
+CLIP_VAL = {"norm": 1e-3, "value": 1e-4}
+
+
+@pytest.mark.parametrize("case", MASTER_CLIPS)
+def test_gradient_clip_val_clips_master_weights_grads_as_the_hand_written_loop(case: str) -> None:
+    """Lightning clips ``param_groups``' parameters (the fp32 masters) inside the closure it hands
+    to ``MasterWeights.step``; until 2026-12-07 the masters had no gradient there and
+    ``gradient_clip_val`` silently did nothing. Reference: ``prepare_grads()`` then clipping
+    ``opt.masters`` by hand, bitwise (with and without clipping)."""
+    precision, algorithm, accumulate = MASTER_CLIPS[case]
+    for clip in (None, CLIP_VAL[algorithm]):
+        module = MasterModule()
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, precision=precision,
+                             gradient_clip_val=clip, gradient_clip_algorithm=algorithm,
+                             accumulate_grad_batches=accumulate)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", ".*does not have many workers.*")
+            trainer.fit(module)
+        hand = MasterModule()
+        if precision == "bf16-true":  # Lightning casts the whole module (LayerNorm too) before configure_optimizers
+            hand.to(torch.bfloat16)
+        opt = hand.configure_optimizers()
+        for i, batch in enumerate(hand.train_dataloader()):
+            loss = hand.training_step(batch, i)
+            (loss / accumulate if accumulate > 1 else loss).backward()
+            if (i + 1) % accumulate:
+                continue
+            if clip is not None:
+                opt.prepare_grads()
+                clip_ = torch.nn.utils.clip_grad_norm_ if algorithm == "norm" else torch.nn.utils.clip_grad_value_
+                clip_(opt.masters, clip)
+            opt.step()
+            opt.zero_grad()
+            if (i + 1) // accumulate == 2:
+                break
+        for (name, pa), pb in zip(module.named_parameters(), hand.parameters()):
+            assert torch.equal(pa, pb), (clip, name)

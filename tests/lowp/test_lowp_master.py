@@ -160,6 +160,45 @@ def test_closure_and_stochastic_write_back():
         assert torch.all((p.float() - m).abs() <= 2 * gap)
 
 
+# clipping code a closure runs after backward, as Lightning's gradient_clip_val does (on param_groups)
+CLOSURE_CLIPS = {
+    "norm": lambda params: torch.nn.utils.clip_grad_norm_(params, 1e-3),
+    "value": lambda params: torch.nn.utils.clip_grad_value_(params, 1e-4),
+    "none": lambda params: None,
+}
+
+
+@pytest.mark.parametrize("clip", CLOSURE_CLIPS)
+def test_clipping_param_groups_inside_the_closure_clips_the_stepped_master_grads(clip):
+    """Until 2026-12-07 the masters had no gradient until step() copied it after the closure: a
+    clip in the closure (Lightning's gradient_clip_val) clipped nothing. It is now bitwise the
+    hand-written prepare_grads() + clip(opt.masters) loop; without a clip, bitwise the plain step."""
+
+    def run(in_closure):
+        model = _model()
+        opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+        for step in range(3):
+            _backward(model, 10 + step)  # an accumulated micro-batch before the closure's
+            if in_closure:
+                def closure():
+                    loss = _backward(model, step)
+                    CLOSURE_CLIPS[clip]([p for g in opt.param_groups for p in g["params"]])
+                    return loss
+
+                opt.step(closure)
+            else:
+                _backward(model, step)
+                if clip != "none":
+                    opt.prepare_grads()
+                    CLOSURE_CLIPS[clip](opt.masters)
+                opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    assert _same_weights_and_masters(run(True), run(False))
+    assert not any(p._post_accumulate_grad_hooks for p in run(True)[0].parameters())  # hooks removed
+
+
 def _train(steps, *runs):
     """Steps every ``(model, opt)`` of ``runs`` on the batches of ``steps``, in lockstep."""
     for step in steps:

@@ -422,3 +422,50 @@ def test_a_copied_optimizer_without_a_generator_makes_its_own_when_a_group_draws
     copied.add_param_group({"params": [torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)],
                             "compensation": "stochastic"})
     assert isinstance(copied.generator, torch.Generator)
+
+
+DTYPE_SWITCHES = {  # the dtypes the bf16 parameters take after 3 steps ("auto": exact -> ...), 3 steps each
+    "bf16 -> fp32": (torch.float32,),
+    "bf16 -> fp16 -> bf16": (torch.float16, torch.bfloat16),
+    "bf16 -> fp32 -> bf16": (torch.float32, torch.bfloat16),
+}
+SWITCHED = {"AdamW": (AdamW, {}), "SGD": (SGD, dict(momentum=0.9))}
+
+
+def _switched(cls, kwargs, dtypes, forget):
+    """3 bf16 steps, then 3 steps in each of ``dtypes`` (``p.data = ...``, as ``model.float()``);
+    ``forget``: the reference, whose compensation buffers are removed by hand at each switch."""
+    params = _params()
+    opt = cls(params, lr=1e-2, **kwargs)
+    _steps(opt, params, 0, 3)
+    for i, dtype in enumerate(dtypes):
+        for p in params:
+            p.data = p.data.to(dtype)
+        if forget:
+            for state in opt.state.values():
+                state.pop("low_bits", None)
+                state.pop("kahan_comp", None)
+        _steps(opt, params, 3 * i + 3, 3 * i + 6)
+    return params, opt
+
+
+@pytest.mark.parametrize("switch", DTYPE_SWITCHES)
+@pytest.mark.parametrize("case", SWITCHED)
+def test_a_dtype_switch_drops_the_earlier_rules_buffer_and_the_state_dict_resumes_bitwise(case, switch):
+    """Until 2026-12-07 the earlier rule's buffer was kept: saved in state_dict(), whose load then
+    refused it ("mixes two optimizers"), and back in bf16 its stale low bits were added to the
+    new weights. Now it is dropped (the new rule's buffer starts at zero), and the optimizer's
+    own state_dict() resumes bitwise the uninterrupted run."""
+    cls, kwargs = SWITCHED[case]
+    params, opt = _switched(cls, kwargs, DTYPE_SWITCHES[switch], forget=False)
+    ref_params, ref = _switched(cls, kwargs, DTYPE_SWITCHES[switch], forget=True)
+    assert all(torch.equal(p, q) for p, q in zip(params, ref_params))
+    _assert_bitwise_equal(opt, _bitwise_state(ref))
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    resumed = cls(copies, lr=1e-2, **kwargs)
+    resumed.load_state_dict(_cloned(opt.state_dict()))  # (as saved: torch's load would share the tensors)
+    done = 3 * len(DTYPE_SWITCHES[switch]) + 3
+    _steps(opt, params, done, done + 3)
+    _steps(resumed, copies, done, done + 3)
+    assert all(torch.equal(p, q) for p, q in zip(params, copies))
+    _assert_bitwise_equal(resumed, _bitwise_state(opt))

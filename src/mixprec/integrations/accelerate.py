@@ -66,7 +66,8 @@ def prepare(accelerator: Accelerator, policy: Policy | str | None = None, scaler
 
     Raises:
         ValueError: mixed precision is not "fp16"/"bf16" (or is handled by DeepSpeed/Megatron),
-            a model was already prepared, ``prepare`` was already applied, the policy's compute
+            a model or optimizer was already prepared (an ``AcceleratedOptimizer`` keeps the scaler
+            it was built with), ``prepare`` was already applied, the policy's compute
             dtype contradicts the mixed precision, or a scaler is given with "bf16".
     """
     precision = accelerator.mixed_precision
@@ -80,8 +81,15 @@ def prepare(accelerator: Accelerator, policy: Policy | str | None = None, scaler
         )
     if getattr(accelerator, "_mixprec_policy", None) is not None:
         raise ValueError("prepare() was already applied to this accelerator; apply it once")
-    if accelerator._models:
-        raise ValueError("call prepare(accelerator, ...) before accelerator.prepare(model, ...)")
+    # a prepared optimizer captured the accelerator's scaler when it was wrapped: swapping it now
+    # would scale the loss with one scaler and step, unscaled, with the other
+    prepared = [kind for kind, objs in (("a model", accelerator._models), ("an optimizer", accelerator._optimizers))
+                if objs]
+    if prepared:
+        raise ValueError(
+            f"call prepare(accelerator, ...) before accelerator.prepare(...): {' and '.join(prepared)} "
+            "was already prepared; create the Accelerator, apply prepare(), then prepare the model and optimizer"
+        )
     dtype = PRECISIONS[precision]
     policy = resolve_policy(policy, dtype, "prepare")
     if precision == "bf16" and scaler is not None:

@@ -40,6 +40,11 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 __all__ = ["MixprecPrecision"]
 
+#: where Lightning's own MixedPrecision plugin keeps its scaler's state in a checkpoint
+_LIGHTNINGS = MixedPrecision.__qualname__
+#: what torch.amp.GradScaler.load_state_dict reads
+_TORCH_SCALER_KEYS = frozenset({"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"})
+
 
 class MixprecPrecision(MixedPrecision):
     """Lightning's mixed precision, with :func:`mixprec.autocast` and a mixprec loss scaler.
@@ -58,7 +63,11 @@ class MixprecPrecision(MixedPrecision):
             the Trainer's accelerator.
 
     The scaler's state is saved in checkpoints under ``"MixprecPrecision"`` and restored on
-    resume (``Trainer.fit(ckpt_path=...)``).
+    resume (``Trainer.fit(ckpt_path=...)``). Lightning finds a plugin's state by the plugin's class
+    name, so checkpoints also switch between this plugin and Lightning's ``MixedPrecision``: a
+    checkpoint without ``"MixprecPrecision"`` resumes from the ``"MixedPrecision"`` entry (a
+    ``torch.amp.GradScaler`` state), and the state (in torch's layout, plus mixprec's own
+    settings, which torch ignores) is saved under ``"MixedPrecision"`` too.
 
     Raises:
         ValueError: an unknown precision or device, or a policy whose compute dtype contradicts
@@ -95,6 +104,21 @@ class MixprecPrecision(MixedPrecision):
         """The forward of training, validation, test and predict steps, under the policy."""
         with self.autocast_context_manager():
             yield
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Resume from the ``"MixedPrecision"`` entry of a checkpoint saved with Lightning's own
+        plugin (Lightning loads only the entry named after the plugin's class, afterwards)."""
+        super().on_load_checkpoint(checkpoint)
+        if type(self).__qualname__ not in checkpoint and _LIGHTNINGS in checkpoint:
+            self.load_state_dict(checkpoint[_LIGHTNINGS])
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Also save the scaler's state under ``"MixedPrecision"`` (when it is in torch's layout
+        and that entry is free), so that Lightning's own plugin resumes the loss scale."""
+        super().on_save_checkpoint(checkpoint)
+        state = checkpoint.get(type(self).__qualname__)
+        if isinstance(state, dict) and _TORCH_SCALER_KEYS <= state.keys():
+            checkpoint.setdefault(_LIGHTNINGS, state)
 
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
         if isinstance(tensor, torch.Tensor) and tensor.device.type != self.device_type:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -77,8 +78,8 @@ class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself, HoldsMas
     and steps on master gradients unscaled in place.
 
     Memory per low-precision parameter: 2 (param) + 2 (grad) + 4 (master) + the wrapped
-    optimizer's float32 state, plus 4 for the master gradient between :meth:`prepare_grads` and
-    the end of :meth:`step`.
+    optimizer's float32 state, plus 4 for the master gradient between :meth:`prepare_grads` (or,
+    in ``step(closure)``, the closure's ``backward``) and the end of :meth:`step`.
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` built on the model's parameters, before its first
@@ -233,32 +234,62 @@ class MasterWeights(torch.optim.Optimizer, PreparesGrads, ScalesItself, HoldsMas
         Parameters cast to low precision since the wrapper was built get their masters first.
         """
         self._adopt_cast_params()
-        for i, (p, master) in enumerate(self._pairs):
-            grad = p.grad
-            if grad is None:
-                master.grad = None
-                self._prepared[i] = None
-                continue
-            done = self._prepared[i]
-            if done is not None and done[0] is grad and done[1] == grad._version:
-                continue
-            if master.grad is None:
-                master.grad = grad.to(torch.float32, copy=True)
-            else:
-                master.grad.copy_(grad)
-            self._prepared[i] = (grad, grad._version)
+        for i in range(len(self._pairs)):
+            self._prepare_grad(i)
+
+    @torch.no_grad()
+    def _prepare_grad(self, i: int) -> None:
+        """:meth:`prepare_grads` for the ``i``-th low-precision parameter."""
+        p, master = self._pairs[i]
+        grad = p.grad
+        if grad is None:
+            master.grad = None
+            self._prepared[i] = None
+            return
+        done = self._prepared[i]
+        if done is not None and done[0] is grad and done[1] == grad._version:
+            return
+        if master.grad is None:
+            master.grad = grad.to(torch.float32, copy=True)
+        else:
+            master.grad.copy_(grad)
+        self._prepared[i] = (grad, grad._version)
+
+    @contextlib.contextmanager
+    def _masters_follow_grads(self) -> Iterator[None]:
+        """While the closure of :meth:`step` runs, copy each model gradient into its master as
+        soon as ``backward`` has accumulated it, so that code the closure runs after ``backward``
+        (Lightning's ``gradient_clip_val``, a ``clip_grad_norm_`` over ``param_groups``) sees and
+        clips the float32 master gradients the step uses. The copies are those :meth:`prepare_grads`
+        makes (it then keeps them): without such code the step is bitwise unchanged."""
+        handles = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_accumulated, i))
+            for i, (p, _) in enumerate(self._pairs) if p.requires_grad
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _on_grad_accumulated(self, i: int, param: Tensor) -> None:
+        self._prepare_grad(i)
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         """Prepare float32 gradients, step the wrapped optimizer, write the masters back.
 
         ``closure`` (re-evaluating the model's loss and calling ``backward``) runs first; its
-        loss is returned, else the wrapped optimizer's return value.
+        loss is returned, else the wrapped optimizer's return value. Within the closure each
+        master gets its gradient as soon as ``backward`` has accumulated the model's, so that
+        clipping ``param_groups``' parameters after ``backward`` in the closure (Lightning's
+        ``gradient_clip_val``) clips the gradients stepped on.
         """
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         self._adopt_cast_params()
+        if closure is not None:
+            with torch.enable_grad(), self._masters_follow_grads():
+                loss = closure()
+            self._adopt_cast_params()
         lent = lent_scale(self)
         if lent is not None and not self._grads_prepared():
             raise RuntimeError(

@@ -274,6 +274,23 @@ class CompensatedOptimizer(torch.optim.Optimizer):
             state["low_bits"] = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)
         return state["low_bits"]
 
+    def _drop_stale_buffers(self, group: dict[str, Any], compensation: Optional[str]) -> None:
+        """Drop each compensation buffer of ``group``'s parameters that the rule resolved now
+        (``compensation``, for the dtype each parameter has now) does not use: after the model's
+        dtype changed (``model.float()``, ``model.half()``) ``"auto"`` resolves to another rule,
+        and the earlier rule's buffer describes weights that are gone. Kept, it was saved in
+        :meth:`state_dict` (which :meth:`load_state_dict` then refused) and, back in bfloat16,
+        stale low bits were added to the new weights; dropped, the rule's buffer restarts at zero
+        (the weights as they are). Called per group at each step and by :meth:`state_dict`."""
+        for p in group["params"]:
+            state = self.state.get(p)
+            if not state:
+                continue
+            used = compensation if p.dtype != compute_dtype(p.dtype) else None
+            for key, rule in _BUFFERS.items():
+                if rule != used and key in state:
+                    del state[key]
+
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.Optimizer.state_dict()`` with mixprec's state as it is stored (Kahan
@@ -282,7 +299,11 @@ class CompensatedOptimizer(torch.optim.Optimizer):
 
         Only this class loads it faithfully. ``torch.optim`` optimizers load it correctly when
         the moments are floating-point (``state_dtype`` ``None`` or a float dtype); they would
-        read 8-bit codes as numbers (0-255): give them :meth:`torch_state_dict` instead."""
+        read 8-bit codes as numbers (0-255): give them :meth:`torch_state_dict` instead. A
+        compensation buffer the rule resolved now does not use (the model's dtype changed since
+        the last step) is dropped first, as the next step would drop it."""
+        for group in self.param_groups:
+            self._drop_stale_buffers(group, self.resolved_compensation(group))
         state = super().state_dict()
         if self.generator is not None:
             state["generator_state"] = self.generator.get_state()

@@ -86,7 +86,9 @@ class AdamW(CompensatedOptimizer):
 
     Works with ``mixprec.GradScaler`` and ``torch.amp.GradScaler`` through their fused protocol,
     float16 parameters included: the scaler checks for overflow, ``step`` skips on it (one host
-    sync) or unscales the gradients on the fly. A tensor ``lr`` is read with ``.item()``.
+    sync) or unscales the gradients on the fly. A tensor ``lr`` is read with ``.item()`` (so on
+    float32 parameters the step size is torch's for a float ``lr``; torch's for a tensor ``lr``,
+    formed in float32, may differ in its last bits: docs/lowp.md).
 
     Example:
         >>> import torch, mixprec
@@ -197,6 +199,7 @@ class AdamW(CompensatedOptimizer):
             return loss
         for group in self.param_groups:
             rule = self.resolved_compensation(group)  # "auto" for the dtypes the parameters have now
+            self._drop_stale_buffers(group, rule)  # another rule's buffer (the model's dtype changed)
             params, grads, moments, steps, comps = [], [], ([], [], []), [], []
             for p in group["params"]:
                 if p.grad is None:

@@ -120,6 +120,7 @@ class SGD(CompensatedOptimizer):
             return loss
         for group in self.param_groups:
             rule = self.resolved_compensation(group)  # "auto" for the dtypes the parameters have now
+            self._drop_stale_buffers(group, rule)  # another rule's buffer (the model's dtype changed)
             params, grads, buffers, comps = [], [], [], []
             for p in group["params"]:
                 if p.grad is None:

@@ -10,6 +10,7 @@ graph walks learnt and the backward's plan are its other half, :class:`.planning
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections import deque
 from typing import Any, Sequence
@@ -31,6 +32,17 @@ __all__ = ["HISTORY_LEN", "SMALL", "Layerwise"]
 
 #: Updates whose factors :meth:`Layerwise.history` keeps (device tensors, read only when asked).
 HISTORY_LEN = 16
+
+#: Why ``GradScaler(per_layer=True)`` needs the group its ranks average gradients over.
+UNGROUPED = ("GradScaler(per_layer=True) on {what} without process_group: each rank picks its own per-layer "
+             "factors, and ranks that average gradients (DDP, FSDP2) then mix gradients scaled by different factors "
+             "and diverge silently; pass process_group='default' (or the data-parallel group, or (mesh, 'dp'))")
+
+
+def _world_size() -> int:
+    """The default group's size (1 without torch.distributed)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class Layerwise(GraphPlanning, Unscaling):
@@ -77,6 +89,7 @@ class Layerwise(GraphPlanning, Unscaling):
         self._stage: StageLayout | None = None
         self._skipped_step: set[int] = set()  # a pipeline stage's cut points skipped in the step
         self.absorbed: torch.Tensor | None = None  # the last update's (see Unscaling)
+        self._warned_ungrouped = False
         self._forget_graph()
 
     # -- watch --------------------------------------------------------------------------------
@@ -250,6 +263,8 @@ class Layerwise(GraphPlanning, Unscaling):
         measured: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
         for grad, region in zip(grads, regions):
             values = grad._values() if grad.is_sparse else grad
+            if hasattr(values, "to_local"):  # (with a process group the scaler hands over the local shards)
+                raise ValueError(UNGROUPED.format(what="FSDP2 or DTensor gradients") + "; it is required here")
             if values.numel():  # FSDP2: empty shards
                 tensors, regions_of = measured.setdefault((values.device, values.dtype), ([], []))
                 tensors.append(values)
@@ -333,6 +348,10 @@ class Layerwise(GraphPlanning, Unscaling):
         elif group is not None:
             stats = torch.nan_to_num(stats, nan=math.inf, posinf=math.inf)
             torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX, group=group)
+        elif not self._warned_ungrouped and _world_size() > 1:
+            self._warned_ungrouped = True
+            warnings.warn(UNGROUPED.format(what=f"{_world_size()} ranks") + "; ranks that train apart may ignore this",
+                          stacklevel=4)
         if stats.device.type in self.host_devices:
             return self._update_on_host(state, stats, found_inf, config, overflow)
         flag = (found_inf.to(stats.device) != 0) if overflow is None else overflow

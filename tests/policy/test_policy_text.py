@@ -123,6 +123,19 @@ def test_a_custom_fp8_recipe_is_shown_and_refused_by_parse(make, shown):
         p.to_json()
 
 
+def test_a_named_recipe_object_is_its_name():
+    """``Float8Recipe.from_name("rowwise")`` printed as ``rowwise`` but the rule held the object:
+    ``parse(str(p))`` (and ``from_json``) gave a rule holding the name, not equal to ``p``."""
+    from mixprec.fp8 import Float8Recipe
+
+    by_object = Policy.fp8(Float8Recipe.from_name("rowwise"), names="^(a|b)$",
+                           recipes={"a": Float8Recipe.from_name("mxfp8")})
+    by_name = Policy.fp8("rowwise", names="^(a|b)$", recipes={"a": "mxfp8"})
+    assert by_object == by_name and hash(by_object) == hash(by_name)
+    assert Policy.parse(str(by_object)) == by_object == Policy.from_json(by_object.to_json())
+    assert by_object.fp8_rule.recipe_for("a") == Float8Recipe.from_name("mxfp8")
+
+
 @pytest.mark.parametrize("spec, match", [
     ("bf16; keep float32=Lineer", "no torch.nn module type"),
     ("bf16; keep float32=notimported_pkg.mod.Block", "is not imported"),

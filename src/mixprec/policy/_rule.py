@@ -76,6 +76,7 @@ class Fp8Rule:
         if _tracing():  # see mixprec._tree.refuse_tracing
             raise RuntimeError("build mixprec Fp8Rules and Policies outside torch.compile")
         as_recipe(self.recipe)  # validates
+        object.__setattr__(self, "recipe", _canonical_recipe(self.recipe))
         types = module_types(self.types, "Policy.fp8", nn.Linear)
         if not types or not all(isinstance(t, type) and issubclass(t, nn.Linear) for t in types):
             raise ValueError(f"Policy.fp8 types must be nn.Linear subclasses, got {self.types!r}")
@@ -163,7 +164,14 @@ def _per_layer_recipes(recipes: Any) -> tuple[tuple[str, Any], ...]:
             as_recipe(recipe)
         except ValueError as e:
             raise ValueError(f"Policy.fp8 recipes[{name!r}]: {e}") from e
-    return tuple(sorted(pairs, key=lambda p: p[0]))
+    return tuple(sorted(((n, _canonical_recipe(r)) for n, r in pairs), key=lambda p: p[0]))
+
+
+def _canonical_recipe(recipe: Any) -> Any:
+    """``recipe`` as the rule stores it: a named recipe's name (``Float8Recipe.from_name("rowwise")``
+    is ``"rowwise"``, so rules built either way are equal, and read back equal from their text and
+    JSON forms), a custom recipe itself."""
+    return named_recipe(recipe) or recipe
 
 
 # ----------------------------------------------------------------- the checked JSON form

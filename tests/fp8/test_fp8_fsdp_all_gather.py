@@ -3,7 +3,10 @@ bitwise torchao's ``enable_fsdp_float8_all_gather`` (outputs, input and paramete
 updated weights; SGD and AdamW; fp32 and bf16 ``MixedPrecisionPolicy``), bitwise mixprec without
 the option where the math says so (fp32 parameters: the amax all-reduced over the shards is the
 amax of the whole weight), the bytes FSDP2 all-gathers, an uneven shard on 3 ranks, and the
-errors and warnings of configurations that cannot take effect."""
+errors and warnings of configurations that cannot take effect; ``precompute_fsdp_scales`` bitwise
+the same as without it, also after a foreach or fused optimizer step and a weight written after
+it (``torch.distributed.checkpoint.load``, ``.data.copy_``), none of which moves the DTensor
+parameter's ``_version``."""
 
 from __future__ import annotations
 
@@ -33,6 +36,15 @@ STEPS, BATCH = 3, 8
 LAYERS = {"0": (32, 64), "2": (64, 32), "4": (32, 16)}  # fqn: (in, out), all with a bias, all fp8
 CASES = {"fp32_sgd": (None, "sgd"), "fp32_adamw": (None, "adamw"), "bf16_adamw": (torch.bfloat16, "adamw")}
 RUNS = ("torchao", "gathered", "plain")  # torchao's all-gather, mixprec's, mixprec without it
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),  # (on CPU torch steps DTensors one by one)
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    # what torch picks for DTensor parameters on CUDA: one op over every parameter
+    "sgd_foreach": lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=True),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+}
+IN_ONE_OP = ("sgd_foreach", "adamw_foreach", "adamw_fused")
 
 
 def _model(bf16_values: bool = False) -> nn.Sequential:
@@ -96,8 +108,7 @@ def _train(run: str, param_dtype: torch.dtype | None, optim: str, rank: int, bf1
     the first update, none after the second (the third step's scales are stale: reduced again)."""
     model = _build(run, _model(bf16_values))
     _shard(model, param_dtype)
-    opt = (torch.optim.SGD(model.parameters(), lr=0.1) if optim == "sgd"
-           else torch.optim.AdamW(model.parameters(), lr=1e-2))
+    opt = OPTIMIZERS[optim](model.parameters())
     out: dict[str, Any] = {"outputs": [], "input_grads": [], "grads": [], "precomputed": []}
     if precompute:
         out["precomputed"].append(fp8.precompute_fsdp_scales(model))
@@ -162,6 +173,44 @@ def _conv1d(rank: int) -> dict[str, Any]:
     return res
 
 
+def _written_after_precompute(rank: int, checkpoint: str) -> dict[str, Any]:
+    """``precompute_fsdp_scales``, then the weights written in place before the next forward:
+    ``torch.distributed.checkpoint.load`` into the model's state dict (FSDP2's resume), or
+    ``.data.copy_``; against the model they were written from (4x larger weights), no precompute."""
+    import torch.distributed.checkpoint as dcp
+
+    def build(seed: int, scale: float) -> nn.Module:
+        torch.manual_seed(seed)
+        model = _model()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(scale)
+        model = _build("gathered", model)
+        _shard(model, None)
+        return model
+
+    def step(model: nn.Module) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(BATCH, 32, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+        y = model(x)
+        y.float().square().mean().backward()
+        return y.detach(), x.grad, *(p.grad.full_tensor() for p in model.parameters())
+
+    source = build(0, 4.0)
+    dcp.save(source.state_dict(), checkpoint_id=checkpoint)
+    res: dict[str, Any] = {"source": step(source)}
+    loaded = build(1, 1.0)
+    res["precomputed"] = fp8.precompute_fsdp_scales(loaded)
+    dcp.load(loaded.state_dict(), checkpoint_id=checkpoint)
+    res["dcp_load"] = step(loaded)
+    copied = build(1, 1.0)
+    fp8.precompute_fsdp_scales(copied)
+    with torch.no_grad():
+        for p, q in zip(copied.parameters(), source.parameters()):
+            p.data.copy_(q.data)
+    res["data_copy"] = step(copied)
+    return res
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     with gloo_group(rank, port):
         torch.set_num_threads(1)
@@ -175,6 +224,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             results["conv1d"] = _conv1d(rank)
             results["precomputed"] = {case: _train("gathered", CASES[case][0], "adamw", rank, precompute=True)
                                       for case in ("fp32_adamw", "bf16_adamw")}
+            results["in_one_op"] = {optim: {"precomputed": _train("gathered", None, optim, rank, precompute=True),
+                                            "dynamic": _train("gathered", None, optim, rank)}
+                                    for optim in IN_ONE_OP}
+            results["written"] = _written_after_precompute(rank, os.path.join(out_dir, "checkpoint"))
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -288,6 +341,34 @@ def test_precomputed_scales_are_bitwise_the_same_with_one_all_reduce(ranks: list
         assert pre["precomputed"] == [len(LAYERS)] * 2
         # steps 1 and 2 used the precomputed amaxes; step 3's were stale (AdamW updated the weights)
         assert pre["reduces"] == [4] * len(LAYERS) * 2
+
+
+@slow
+@distributed
+@pytest.mark.parametrize("optim", IN_ONE_OP)
+def test_precomputed_scales_after_a_foreach_or_fused_step(ranks: list[dict[str, Any]], optim: str) -> None:
+    """A foreach or fused step (torch's default for DTensor parameters on CUDA) writes every
+    weight in one op and leaves the DTensor parameters' ``_version`` as it was: the amaxes
+    precomputed before it are stale all the same (step 3 reduces its own, bitwise)."""
+    for r in ranks:
+        pre, dynamic = r["in_one_op"][optim]["precomputed"], r["in_one_op"][optim]["dynamic"]
+        for key in KEYS:
+            assert _equal(pre[key], dynamic[key]), (optim, key)
+        assert pre["precomputed"] == [len(LAYERS)] * 2
+        assert pre["reduces"] == [4] * len(LAYERS) * 2  # steps 1 and 2: none; step 3: its own
+
+
+@slow
+@distributed
+@pytest.mark.parametrize("write", ["dcp_load", "data_copy"])
+def test_precomputed_scales_of_weights_written_after(ranks: list[dict[str, Any]], write: str) -> None:
+    """A checkpoint loaded with ``torch.distributed.checkpoint.load`` into the model's state
+    dict (a write through a view of each shard), or ``.data.copy_``, after
+    ``precompute_fsdp_scales``: the next all-gather reduces the amax of the weights loaded."""
+    for r in ranks:
+        res = r["written"]
+        assert res["precomputed"] == len(LAYERS)
+        assert _equal(res[write], res["source"]), write
 
 
 @slow

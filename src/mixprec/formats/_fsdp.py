@@ -38,6 +38,13 @@ _PRESERVE = {
     aten.as_strided.default, aten._to_copy.default, aten._pin_memory.default, aten.split.Tensor,
     aten.clone.default, aten.detach.default, aten.alias.default,
 }
+# Those of _PRESERVE whose result is a view of the first weight: it shares that weight's count of
+# in-place writes (a write through a view, e.g. torch.distributed.checkpoint's narrowed copy_,
+# counts as one to the shard it views).
+_ALIASING = {aten.slice.Tensor, aten.view.default, aten.as_strided.default, aten.split.Tensor,
+             aten.detach.default, aten.alias.default, aten.copy_.default}
+# op -> the positions and names of the arguments it writes (in-place, out=): read from its schema
+_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
 # Views of the gathered fp8 weight that stay fp8 (FSDP2's as_strided, nn.Parameter's detach,
 # Conv1D's weight.t()); every other op sees the dequantized weight.
 _VIEWS = {aten.detach.default, aten.alias.default, aten.as_strided.default, aten.t.default,
@@ -137,9 +144,10 @@ def precompute_fsdp_scales(model: nn.Module) -> int:
     """The amaxes of every fp8-all-gathered weight of the FSDP2-sharded ``model`` in one
     all-reduce, instead of one per weight at each all-gather (torchao's
     ``precompute_float8_dynamic_scale_for_fsdp``); call it after ``optimizer.step()``. The casts
-    are bitwise the same. A weight changed in place through its parameter after the call (the
-    next optimizer step, ``load_state_dict``) reduces its own amax again at its next all-gather;
-    a change through ``.data`` is not seen: call it again after one. Returns how many weights.
+    are bitwise the same. A stored amax holds until the weight is next written in place, by any
+    op on the parameter or a view of it (an optimizer step, foreach or fused included,
+    ``load_state_dict``, ``torch.distributed.checkpoint.load``, ``.data.copy_``): the weight then
+    reduces its own amax again at its next all-gather. Returns how many weights.
 
     Raises ValueError when the weights are sharded over more than one device mesh.
 
@@ -157,12 +165,32 @@ def precompute_fsdp_scales(model: nn.Module) -> int:
     amax = torch.stack([_amax(p._local_tensor._tensor).double() for p in params])  # upcasts are exact
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=meshes.pop().get_group())
     for p, a in zip(params, amax):
-        p._local_tensor._precomputed = (a.to(p.dtype), weakref.ref(p), p._version)
+        local = p._local_tensor
+        local._precomputed = (a.to(p.dtype), local._writes[0])
     return len(params)
 
 
 def _amax(shard: torch.Tensor) -> torch.Tensor:
     return torch.max(torch.abs(shard)) if shard.numel() else shard.new_zeros(())
+
+
+def _written(func: Any) -> tuple[tuple[int, str], ...]:
+    """The arguments ``func`` writes: (position, name) of each one its schema marks ``(a!)``."""
+    if func not in _WRITTEN:
+        schema = getattr(func, "_schema", None)
+        _WRITTEN[func] = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                               if a.alias_info is not None and a.alias_info.is_write) if schema is not None else ()
+    return _WRITTEN[func]
+
+
+def _count_writes(func: Any, args: tuple, kwargs: dict) -> None:
+    """Count one write to each :class:`Float8AllGatherWeight` that ``func`` writes (in place or as
+    its ``out``), and so to every view sharing its count: its precomputed amax is stale."""
+    for i, name in _written(func):
+        arg = args[i] if i < len(args) else kwargs.get(name)
+        for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if isinstance(t, Float8AllGatherWeight):
+                t._writes[0] += 1
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -175,43 +203,57 @@ class Float8AllGatherWeight(torch.Tensor):
     """A high-precision weight whose FSDP2 all-gather sends its fp8 cast (``cast``: one scale per
     tensor). Every op but FSDP2's sharding ones sees the plain tensor (``_tensor``).
 
+    ``_writes`` counts the in-place writes to the weight, through it or any view of it (shared
+    with its views): what tells :func:`precompute_fsdp_scales`' amax stale. The parameter's
+    ``_version`` cannot: a foreach or fused optimizer step, or ``torch.distributed.checkpoint.load``,
+    leaves a DTensor parameter's counter where it was.
+
     Example:
         >>> w = Float8AllGatherWeight(torch.ones(2, 2), Cast("e4m3fn"), False)
         >>> type(w * 2).__name__, type(w.detach()).__name__
         ('Tensor', 'Float8AllGatherWeight')
+        >>> _ = w[:1].mul_(2); w._writes  # a write through a view counts to the weight
+        [1]
     """
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, cast: Cast, pow2: bool) -> Float8AllGatherWeight:
+    def __new__(cls, tensor: torch.Tensor, cast: Cast, pow2: bool,
+                writes: list[int] | None = None) -> Float8AllGatherWeight:
         return torch.Tensor._make_wrapper_subclass(
             cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
             dtype=tensor.dtype, layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad)
 
-    def __init__(self, tensor: torch.Tensor, cast: Cast, pow2: bool) -> None:
+    def __init__(self, tensor: torch.Tensor, cast: Cast, pow2: bool, writes: list[int] | None = None) -> None:
         self._tensor, self._cast, self._pow2 = tensor, cast, pow2
-        self._precomputed: tuple[torch.Tensor, weakref.ref, int] | None = None  # precompute_fsdp_scales
+        self._writes = [0] if writes is None else writes  # in-place writes, shared with the views
+        self._precomputed: tuple[torch.Tensor, int] | None = None  # precompute_fsdp_scales: (amax, _writes[0])
 
     def _fresh_amax(self) -> torch.Tensor | None:
-        """The precomputed amax while its parameter is unchanged since, else None."""
+        """The precomputed amax while the weight is unchanged since (no in-place write to it or
+        a view of it: through its parameter, an optimizer step, foreach or fused, a checkpoint
+        load), else None."""
         if self._precomputed is None:
             return None
-        amax, param, version = self._precomputed
-        p = param()
-        return amax if p is not None and p._version == version else None
+        amax, writes = self._precomputed
+        return amax if self._writes[0] == writes else None
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        meta: list[tuple[Cast, bool]] = []
+        kwargs = kwargs or {}
+        _count_writes(func, args, kwargs)
+        meta: list[Float8AllGatherWeight] = []
 
         def unwrap(t: Float8AllGatherWeight) -> torch.Tensor:
-            meta.append((t._cast, t._pow2))
+            meta.append(t)
             return t._tensor
 
-        args, kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs or {}))
+        args, kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs))
         out = func(*args, **kwargs)
         if func not in _PRESERVE:
             return out
-        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, *meta[0]), out)
+        w = meta[0]
+        writes = w._writes if func in _ALIASING else None  # a view counts the writes of what it views
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, w._cast, w._pow2, writes), out)
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple[Cast, bool]]:
         return ["_tensor"], (self._cast, self._pow2)

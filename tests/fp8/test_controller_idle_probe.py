@@ -117,7 +117,7 @@ class _Record:
 
 class _Backward:
     def __init__(self) -> None:
-        self.pending = self.ready = self.slope = self._open = None
+        self.pending = self.ready = self.slope = self._open = self.gained = None
 
 
 # each thing a probe call may have to do, set on an idle record (and the call's input and sharding)
@@ -129,6 +129,7 @@ BUSY = {
     "an update's gain pending": lambda r, p: setattr(r.backward, "pending", [None] * 5),
     "an end slope to read": lambda r, p: setattr(r.backward, "slope", [None] * 5),
     "a loaded update": lambda r, p: setattr(r.backward, "ready", torch.zeros(1)),
+    "a made update's gain": lambda r, p: setattr(r.backward, "gained", torch.zeros(2)),
     "a tapped forward": lambda r, p: setattr(r.backward, "_open", object()),
     "the first call (its dtype unknown)": lambda r, p: setattr(p, "dtype", None),
 }

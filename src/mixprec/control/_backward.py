@@ -166,6 +166,8 @@ class BackwardCost:
         # [gradient, <gradient, weight before>, the weight, its version, the loss scale or None,
         # the weight before (float32, normalized updates: its end slope's update)]
         self.pending: list[Any] | None = None
+        # [gain, 1] of that update once made (end_step, or loaded): added at the layer's next forward (observe)
+        self.gained: torch.Tensor | None = None
         # the update whose end slope the next step's backward reads: [update, weight, its version, the
         # slope's sum, whether a backward added to it] (ready: loaded from a checkpoint, no forward yet)
         self.slope: list[Any] | None = None
@@ -216,12 +218,10 @@ class BackwardCost:
         (once the weight moved) and, on a measured step, measure this forward's backward (its
         hooks ``timed``) and, where its input gradient is measured, walk its reach over the
         earlier layers in ``reaches`` (:mod:`._reach`), where this forward's output goes too."""
-        p = self.pending
-        if p is not None and p[4] is not None and weight._version != p[3]:
-            if len(p) > 5:  # (normalized updates: the update whose end slope this step's backward reads)
-                self.ready = weight.detach().float() - p[5]
-            self.gain += self._pending_gain(weight)
-            self.pending = None
+        self._settle()  # (a step whose ctl.step() came before the optimizer's)
+        if self.gained is not None:
+            self.gain += self.gained
+            self.gained = None
         if self.ready is not None:
             if self.ready.shape != weight.shape:
                 raise ValueError(f"Controller: a checkpoint's update of shape {tuple(self.ready.shape)} for a weight of shape "
@@ -243,6 +243,15 @@ class BackwardCost:
         if walks:
             reaches.add(self.reach, out.grad_fn)
 
+    def _settle(self) -> None:
+        """Once the optimizer made the pending gradient's update (the weight moved, ``end_step`` gave its
+        scale): its gain (normalized updates: the update the next end slope reads) taken, the gradient dropped."""
+        p = self.pending
+        if p is not None and p[4] is not None and p[2]._version != p[3]:
+            if len(p) > 5:  # (normalized updates: the update whose end slope this step's backward reads)
+                self.ready = p[2].detach().float() - p[5]
+            self.gained, self.pending = self._pending_gain(p[2]), None  # (none yet: a forward added the last)
+
     def _pending_gain(self, weight: torch.Tensor) -> torch.Tensor:
         """``[gain, 1]`` of the pending gradient's update, read on ``weight`` after it."""
         p = self.pending
@@ -258,15 +267,14 @@ class BackwardCost:
             return self.ready
         return p[2].detach().float() - p[5]
 
-    def settled_gain(self) -> torch.Tensor:
-        """The window's gain sums, with the pending update's gain folded in where the optimizer
-        has made it (the weight moved and ``end_step`` gave its scale) as the next forward would:
-        what a checkpoint keeps (not the weight-sized gradient), so a run resumed between an
-        update and the forward after it counts the same gains. Reads no state it changes."""
+    def settled_gain(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(the window's gain sums, the made update's gain the next forward adds or None)``: what a
+        checkpoint keeps (not the weight-sized gradient), apart, so a resumed run adds it where the live
+        one does (the layer's next forward, after a check where it is skipped). Reads no state it changes."""
         p = self.pending
         if p is None or p[4] is None or p[2]._version == p[3]:
-            return self.gain
-        return self.gain + self._pending_gain(p[2])
+            return self.gain, self.gained
+        return self.gain, self._pending_gain(p[2])
 
     def _output_grad(self, shadow: _Shadow, grad: torch.Tensor) -> None:
         shadow.grad = grad.detach()
@@ -330,6 +338,7 @@ class BackwardCost:
             self.end += torch.stack([torch.where(counted, slope, 0.0), counted.float()])
         if self.pending is not None and self.pending[4] is None:
             self.pending[4] = loss_scale
+            self._settle()
 
     def reset(self) -> None:
         self.window.zero_()

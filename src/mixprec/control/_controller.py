@@ -23,6 +23,7 @@ from mixprec.control._early import early_window, promote_early
 from mixprec.control._estimate_gap import learn_gaps
 from mixprec.control._fold import StepWrites
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord
+from mixprec.control._owners import refuse_shared, root_of
 from mixprec.control._probe import Probe
 from mixprec.control._reach import ReachMap, StartsOver
 from mixprec.control._records import (all_gathered, check_loss_scale, converted, converted_experts, detached_record,
@@ -62,8 +63,9 @@ class Controller(Shell):
     models: :func:`mixprec.fp8.linear` calls its probe (``LayerState.probe``) and traced code
     reads the rung, so a switch recompiles. Its settings are fixed: ``ctl.every`` reads them.
 
-    Raises ValueError on a setting out of range (see :class:`~mixprec.fp8.ControllerSettings`)
-    and, when a layer is first seen, a recipe not on the ladder or below the floor.
+    Raises ValueError on a setting out of range (see :class:`~mixprec.fp8.ControllerSettings`) and, when a layer
+    is first seen, a recipe not on the ladder or below the floor, or a second model's layer under a name of the
+    first's (one Controller per model: :mod:`._owners`).
 
     Example:
         >>> ctl = Controller(every=10)
@@ -78,9 +80,7 @@ class Controller(Shell):
         super().__init__(settings, **changes)
         self._layers: dict[str, LayerRecord] = {}
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> the name of its record
-        self._steps, self._log = 0, []  # (the log: every Decision so far)
-        self._pending: dict[str, dict[str, Any]] = {}  # loaded entries of layers not tracked yet
-        self._compute: torch.dtype | None = None
+        self._steps, self._log, self._pending, self._compute = 0, [], {}, None  # (pending: loaded, not tracked yet)
         self._warned_empty = self._warned_scale = self._loss_scaled = False  # (_loss_scaled: a step got a loss scale)
         self._measuring = shadow_phase(0, self.settings.every, self.settings.shadow_steps)  # this step feeds the shadows
         self._recipes = {r: Float8Recipe.from_name(r) for r in self.settings.ladder if r in LOW_RUNGS}  # one per rung
@@ -131,7 +131,7 @@ class Controller(Shell):
         for name, (module, recipe) in layers.items():
             if not self._known(name, module):
                 self._compute = compute if compute is not None else torch.get_autocast_dtype(module.weight.device.type)
-                self._track(name, module, recipe)
+                self._track(name, module, recipe, model)
         self.count_forward()
 
     def track(self, model: nn.Module) -> list[str]:
@@ -153,7 +153,7 @@ class Controller(Shell):
                              f"nothing to control; for a model under a policy use ctl.attach(model)")
         for name, (module, recipe) in layers.items():
             if not self._known(name, module):
-                self._track(name, module, recipe)
+                self._track(name, module, recipe, model)
         StartsOver.hook(model, self._reaches)
         blind = [n for n, (m, _) in layers.items() if self._names.get(m) in self._layers
                  and self._layers[self._names[m]].cost_blind]
@@ -181,9 +181,10 @@ class Controller(Shell):
             load_layer(self.settings, rec, self._pending.pop(new))
             self._apply(rec)
 
-    def _track(self, name: str, module: nn.Module, recipe: Float8Recipe) -> None:
+    def _track(self, name: str, module: nn.Module, recipe: Float8Recipe, root: nn.Module) -> None:
         start, floor, allowed = start_rungs(self.settings, name, recipe, features(module))
         old = self._layers.get(name)  # (its place in the layers' order stays: a peer's record keeps the peer's)
+        refuse_shared(self, name, old and old.root(), root, lambda r: any(m is old.module() for m in r.modules()))
         rec = LayerRecord(module, layer_state(module), start, floor, allowed, self.settings.per_gemm,
                           self.settings.max_loss_cost is not None, old.order if old is not None else len(self._layers))
         self._writes.bank(rec)
@@ -195,7 +196,7 @@ class Controller(Shell):
         untrack(old)  # another module under that name: no longer controlled
         self._probe(rec)
         rec.cost_blind = all_gathered(module)
-        self._layers[name], self._names[module] = rec, name
+        self._layers[name], self._names[module], rec.root = rec, name, root_of(root)
         self._apply(rec)
 
     def _probe(self, rec: LayerRecord) -> None:  # (and whether the coming step measures its backward GEMMs)
@@ -242,8 +243,7 @@ class Controller(Shell):
 
     def _step(self, loss_scale: float | torch.Tensor | None) -> list[Decision]:
         check_loss_scale(loss_scale)
-        scaled = scaled_since(self._scaled_seen)
-        self._scaled_seen = self._scaled_seen if scaled is None else scaled.count
+        self._scaled_seen = self._scaled_seen if (scaled := scaled_since(self._scaled_seen)) is None else scaled.count
         self._loss_scaled = self._loss_scaled or loss_scale is not None or scaled is not None
         if self.settings.max_loss_cost is not None or self.settings.max_backward_cost is not None:
             self._writes.end_steps(self._layers.values(), [grad_scale(rec, loss_scale, scaled) for rec in self._layers.values()])

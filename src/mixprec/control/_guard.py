@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import torch
 
 from mixprec._modules import clean_name, named_modules
+from mixprec.control._owners import refuse_shared, root_of
 from mixprec.control._settings import GuardSettings
 from mixprec.control._shell import NO_STEP_FORWARDS, Shell
 from mixprec.formats._grouped import grouped_states
@@ -97,6 +98,7 @@ class Guard(Shell):
         super().__init__(settings, **changes)
         self._decisions: dict[str, Fallback] = {}
         self._states: Any = weakref.WeakValueDictionary()
+        self._roots: dict[str, weakref.ref] = {}  # name -> the model its state was tracked in (_owners)
         self._steps = 0
         # windows of a loaded state dict for layers not tracked yet: name -> (data, output sqnr, fp4 call count)
         self._pending: dict[str, tuple[torch.Tensor, float, int | None]] = {}
@@ -114,13 +116,24 @@ class Guard(Shell):
 
     def track(self, states: Mapping[str, LayerState] | torch.nn.Module) -> dict[str, LayerState]:
         """Remember ``states`` (by name), set their ``fallback`` flags from the decisions, give
-        them the windows of a loaded state dict, and arm SQNR sampling for the next step."""
-        states = layer_states(states) if isinstance(states, torch.nn.Module) else dict(states)
+        them the windows of a loaded state dict, and arm SQNR sampling for the next step.
+
+        Raises ValueError for a value that is not a LayerState, and for a second model (``states``
+        a model) that brings another layer under the name of one a model it tracked still holds: one
+        Guard per model (:func:`~mixprec.control._owners.refuse_shared`; a layer replaced, a model
+        that replaced the old one, are taken over)."""
+        root = states if isinstance(states, torch.nn.Module) else None
+        states = layer_states(states) if root is not None else dict(states)
         sample = self.min_sqnr_db is not None and (self._steps + 1) % self.every == 0
         for name, st in states.items():
             if not isinstance(st, LayerState):
                 raise ValueError(f"Guard: states[{name!r}] must be a LayerState, got {type(st).__name__}")
+            if root is not None and (old := self._states.get(name)) is not None and old is not st:
+                refuse_shared(self, name, self._roots[name]() if name in self._roots else None, root,
+                              lambda r: any(s is old for s in layer_states(r).values()))
             self._states[name] = st
+            if root is not None:
+                self._roots[name] = root_of(root)
             if name in self._pending:
                 _load_window(st, *self._pending.pop(name))
             st.route(fallback=name in self._decisions)
@@ -257,6 +270,7 @@ class Guard(Shell):
         model, the copy tracks the copied model's layers; copied alone, it tracks none)."""
         new = super().__deepcopy__(memo)
         new._states = weakref.WeakValueDictionary({n: copy.deepcopy(st, memo) for n, st in self._states.items()})
+        new._roots = {}  # (the copy learns its models at their next track)
         return new
 
     def state_dict(self) -> dict[str, Any]:

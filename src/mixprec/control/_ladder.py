@@ -201,6 +201,7 @@ class LayerRecord:
                  allowed: tuple[bool, ...], per_gemm: bool = False, cost: bool = False, order: int = 0) -> None:
         # None: a layer this rank has not run yet (Controller._detached)
         self.module = weakref.ref(module) if module is not None else _no_module
+        self.root: Any = _no_module  # the model it was reached in (Controller._track)
         # multiply-adds per row of each of its GEMMs (a peer's, from its metadata: Controller._detached)
         self.size = math.prod(features(module)) if module is not None else 0
         # its place in the order the layers were first reached (the first rank's to reach it: the same on every rank)
@@ -222,6 +223,8 @@ class LayerRecord:
                       for op in GEMM_OPERANDS[g]))
         self.trends = {key: Trend() for key in keys}
         self.clean = 0  # consecutive windows in which the rung below was safe
+        # this step's latest_count() (_scaled) when its measured forward ran and when its gradient came (Probe)
+        self.scaled_by: list[int | None] = [None, None]
         self.switches: list[int] = []  # steps of its switches (of the layer as a whole)
         self.gemm_clean = [0] * len(GEMMS)  # per GEMM (per-GEMM records)
         self.gemm_switches: list[list[int]] = [[] for _ in GEMMS]

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from mixprec._scaled import latest_count
 from mixprec.formats._recipe import Cast
 from mixprec.formats._tensor_parallel import probe_operand
 from mixprec.formats._state import GRAD_OUTPUT, INPUT, WEIGHT
@@ -104,7 +105,7 @@ class Probe:
             return False
         back = rec.backward
         return back is None or (back.pending is None and back.ready is None and back.slope is None
-                                and back._open is None)
+                                and back._open is None and back.gained is None)
 
     def _probe(self, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor, bias: torch.Tensor | None,
                tp: Any) -> torch.Tensor:
@@ -140,6 +141,8 @@ class Probe:
         # went on ``out`` (a step that measures nothing of the layer) but on the step whose
         # backward walks the reaches (the graph it walks keeps its nodes)
         hooked = compiling or rec.backward_now or out._backward_hooks is not None
+        if not compiling and out.requires_grad and out._backward_hooks is not None:
+            _note_scaled(rec, out)
         return out.view_as(out) if out.requires_grad and hooked else out
 
     def _measure_shadow(self, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
@@ -154,6 +157,15 @@ class Probe:
             buf = rec.shadow
             out.register_hook(self.timed(lambda g: _measure(buf, GRAD_OUTPUT, g, "mn", below.grad_output,
                                                             below.pow2_scales, sample, gate, tp)))
+
+
+def _note_scaled(rec: LayerRecord, out: torch.Tensor) -> None:
+    """Note when this forward ran (not a checkpoint's recompute, inside a backward) and when the
+    gradient its hooks measure came, as :func:`~mixprec._scaled.latest_count`: the loss scale it
+    carries is the one noted in between (:func:`~mixprec.control._records.grad_scale`)."""
+    if torch._C._current_graph_task_id() == -1:
+        rec.scaled_by[0] = latest_count()
+    out.register_hook(lambda grad: rec.scaled_by.__setitem__(1, latest_count()))
 
 
 def _measure(window: torch.Tensor, operand: int, t: torch.Tensor, has: str, cast: Cast, pow2: bool, sample: int,

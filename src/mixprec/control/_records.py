@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from mixprec._modules import clean_name
-from mixprec._scaled import Scaled
+from mixprec._scaled import Scaled, note_of
 from mixprec.control._backward import TERMS, BackwardCost
 from mixprec.control._cost import load_pool
 from mixprec.control._ladder import GEMMS, Decision, LayerRecord
@@ -76,11 +76,12 @@ def layer_data(settings: ControllerSettings, rec: LayerRecord, windows: bool = T
             data["loss_cost"] = rec.cost.tolist()
         if rec.backward is not None:  # (its pending gradient is not kept: the gain of its update, once made, is)
             b = rec.backward
-            end_last, update = float(b.end_last), b.settled_update()
-            data["backward_cost"] = [b.window.tolist(), b.settled_gain().tolist(), [c.state() for c in b.cadence],
+            (end_last, update), (gain, gained) = (float(b.end_last), b.settled_update()), b.settled_gain()
+            data["backward_cost"] = [b.window.tolist(), gain.tolist(), [c.state() for c in b.cadence],
                                      [[list(w) for w in p] for p in b.pool], b.reach.state(),
                                      [b.end.tolist(), end_last if end_last > -math.inf else None,
-                                      None if update is None else update.tolist()]]
+                                      None if update is None else update.tolist()],
+                                     None if gained is None else gained.tolist()]
     return data
 
 
@@ -182,6 +183,7 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
                                  f"expected {tuple(target.shape)}")
             target.copy_(saved)
         _load_end(rec.backward, later[3] if len(later) > 3 else None)
+        rec.backward.gained = _gained(later[4] if len(later) > 4 else None, rec.backward.gain.device)
         for target, saved in zip(rec.backward.cadence, later[0] if later else ()):
             target.load(saved)
         rec.backward.pool = load_pool(later[1], len(rec.backward.pool)) if len(later) > 1 else [[] for _ in rec.backward.pool]
@@ -195,6 +197,14 @@ def load_layer(settings: ControllerSettings, rec: LayerRecord, data: Mapping[str
         rec.backward.pool = load_pool(pools, len(rec.backward.pool))
     if "state" in data and "rounding_step" in data:  # (saved before the count was: the model's state_dict's, or 0)
         rec.state.rounding_step = int(data["rounding_step"])
+
+
+def _gained(saved: Any, device: torch.device) -> torch.Tensor | None:
+    """A saved made update's ``[gain, 1]`` the next forward adds (None: none, or saved folded into the window's)."""
+    if saved is not None and (not isinstance(saved, (list, tuple)) or len(saved) != 2):
+        raise ValueError(f"Controller.load_state_dict: a layer's backward_cost pending gain must be [gain, 1] or None, "
+                         f"got {saved!r:.200}")
+    return None if saved is None else torch.tensor(saved, dtype=torch.float32, device=device)
 
 
 def _load_end(backward: BackwardCost, saved: Any) -> None:
@@ -267,10 +277,11 @@ def log_csv(log: list[Decision], per_gemm: bool, path: str | os.PathLike[str] | 
 
 def grad_scale(rec: LayerRecord, loss_scale: float | torch.Tensor | None,
                scaled: Scaled | None) -> float | torch.Tensor:
-    """The scale the gradient at ``rec``'s output carried this step: a GradScaler's note
-    (``scaled``: its loss scale times the per-layer factors of the layer's region, read by its
-    weight), with an explicit ``loss_scale`` in place of the loss scale; else ``loss_scale``, or 1."""
-    if scaled is None:
+    """The scale the gradient at ``rec``'s output carried this step: a GradScaler's note (``scaled``, the
+    thread's last; the one the layer's backward took, :func:`~mixprec._scaled.note_of`, none for another
+    model's loss; its loss scale times the layer's region's factors) with an explicit ``loss_scale`` in place
+    of its loss scale; else ``loss_scale``, or 1."""
+    if (scaled := note_of(scaled, *rec.scaled_by)) is None:  # (rec.scaled_by: noted by the probe)
         return 1.0 if loss_scale is None else loss_scale
     module = rec.module()
     carried = scaled.of(getattr(module, "weight", None) if module is not None else None)
@@ -415,6 +426,7 @@ def set_measuring(records: Any, measuring: bool, changed: bool, step: int, setti
     :func:`measures_backward`)."""
     backward = measures_backward(step, measuring, settings)
     for rec in records:
+        rec.scaled_by = [None, None]  # (the step after ``step`` notes its own: _probe)
         if changed:
             rec.measuring.fill_(measuring)
             rec.measuring_now = measuring

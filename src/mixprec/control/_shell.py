@@ -26,7 +26,7 @@ from torch import nn
 from mixprec._groups import DEFAULT, check, describe, is_default
 from mixprec._modules import unwrap
 from mixprec.control._collective import agree_on_layers, all_reduce_max, distributed
-from mixprec.formats._state import keep_rounding_state
+from mixprec.formats._state import keep_rounding_state, layer_state
 
 __all__ = ["NO_STEP_FORWARDS", "Shell", "attached", "live_of"]
 
@@ -173,15 +173,29 @@ def attached(model: nn.Module) -> Shell | None:
     return unwrap(model).__dict__.get(_ATTRIBUTE)
 
 
+def _enclosing(model: nn.Module) -> Shell | None:
+    """The Controller attached to the model that holds ``model`` (a submodule of it, called directly),
+    found through its layers' probes (a record knows the model that reached it); None: none found."""
+    for module in model.modules():
+        rec = getattr(getattr(layer_state(module, create=False), "probe", None), "rec", None)
+        root = rec.root() if rec is not None else None
+        if root is not None and attached(root) is not None:
+            return attached(root)
+    return None
+
+
 def live_of(model: nn.Module, kind: str, settings: Any, legacy: Shell | None) -> Shell | None:
     """The live Guard or Controller of a region's ``model`` under a rule that names ``kind``
-    (``"guard"``/``"controller"``; None: neither) with ``settings``: the one attached to the model,
-    else ``legacy`` (a policy built with the object, ``Policy.fp8(controller=ctl)``).
+    (``"guard"``/``"controller"``; None: neither) with ``settings``: the one attached to the model
+    (or, for a submodule called directly, the Controller attached to the model that holds it and
+    governs its layers), else ``legacy`` (a policy built with the object, ``Policy.fp8(controller=ctl)``).
 
     Raises ValueError when the rule names one and none is found (saying how to attach it), or
     the one found is of another kind or has other settings than the rule's.
     """
     live = attached(model)
+    if live is None and legacy is None and kind is not None:
+        live = _enclosing(model)  # (a submodule called directly in the region)
     if live is None:
         live = legacy
     if live is None:

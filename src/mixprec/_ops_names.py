@@ -18,10 +18,11 @@ OpLike = Union[str, Callable[..., Any], "torch._ops.OpOverload", "torch._ops.OpO
 __all__ = ["OpLike", "canonical_names", "check_castable", "op_overload", "rule_names"]
 
 # Python callables whose ``__name__`` differs from the aten op they call.
-_ALIASES = {
-    "cross_entropy": "cross_entropy_loss",
-    "__matmul__": "matmul",
-    "__rmatmul__": "matmul",
+_ALIASES: dict[str, tuple[str, ...]] = {  # a callable's __name__ -> the aten ops it reaches
+    "cross_entropy": ("cross_entropy_loss",),
+    "__matmul__": ("matmul",),
+    "__rmatmul__": ("matmul",),
+    "norm": ("norm", "linalg_vector_norm"),  # torch.norm, Tensor.norm: linalg_vector_norm since torch 2.0
 }
 
 
@@ -178,8 +179,8 @@ def canonical_names(op: OpLike) -> list[str]:
         fname = getattr(op, "__name__", None)
         if fname is None:
             raise _unknown(op)
-        target = _ALIASES.get(fname, fname)
-        if target.split(".")[0] not in _aten_packets():
+        targets = _ALIASES.get(fname, (fname,))
+        if targets[0].split(".")[0] not in _aten_packets():
             raise _unknown(fname)
-        return canonical_names(target)
+        return [name for target in targets for name in canonical_names(target)]
     raise TypeError(f"an op is a str, a torch callable or an OpOverload, got {type(op).__name__}")

@@ -116,6 +116,25 @@ def test_a_later_edit_of_an_op_wins():
     assert Policy().with_ops(lower=["exp"]).with_ops(fp32=["exp"]).kind("exp.default", "cpu") == "fp32"
 
 
+#: (id, the callable listed in fp32=, a call of it on a bfloat16 tensor): each edit reaches the aten op
+#: the call runs (torch.norm and Tensor.norm run linalg_vector_norm: their edit did nothing)
+CALLABLE_EDITS = [
+    ("torch.norm", torch.norm, lambda x: torch.norm(x)),
+    ("torch.norm p=1 dim", torch.norm, lambda x: torch.norm(x, p=1, dim=0)),
+    ("Tensor.norm", torch.Tensor.norm, lambda x: x.norm(p=3)),
+    ("linalg.vector_norm", torch.linalg.vector_norm, lambda x: torch.linalg.vector_norm(x)),
+    ("torch.exp", torch.exp, torch.exp),
+    ("F.softmax", torch.nn.functional.softmax, lambda x: torch.nn.functional.softmax(x, -1)),
+]
+
+
+@pytest.mark.parametrize("op,call", [c[1:] for c in CALLABLE_EDITS], ids=[c[0] for c in CALLABLE_EDITS])
+def test_an_edit_by_callable_reaches_what_the_callable_runs(op, call):
+    x = torch.randn(4, 8).bfloat16()
+    with mixprec.autocast("cpu", policy=Policy().with_ops(fp32=[op])):
+        assert call(x).dtype == torch.float32
+
+
 def test_unknown_op_names_suggest_close_matches():
     with pytest.raises(ValueError, match="Did you mean: softmax"):
         Policy().with_ops(fp32=["sofmax"])

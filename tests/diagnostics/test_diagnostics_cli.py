@@ -31,6 +31,10 @@ FACTORIES = textwrap.dedent(
     def raising():
         raise KeyError("no data")
 
+    def exiting():
+        import sys
+        sys.exit(0)
+
     def two():
         return 1, 2
 
@@ -83,6 +87,7 @@ def test_success_writes_report(targets: Path, capsys: pytest.CaptureFixture[str]
         ("diag_factories:missing", "has no attribute 'missing'"),
         ("diag_factories:VALUE", "not a callable factory"),
         ("diag_factories:raising", "raised KeyError"),
+        ("diag_factories:exiting", "raised SystemExit: 0"),  # (it ended the command with 0, no report)
         ("diag_factories:two", "must return (model, batch, loss_fn), got a 2-tuple"),
         ("diag_factories:not_a_model", "not an nn.Module"),
         ("diag_factories", "must look like package.module:factory"),

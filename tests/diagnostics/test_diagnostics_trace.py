@@ -257,6 +257,37 @@ def test_deferred_mode_does_not_sync_per_module(monkeypatch: pytest.MonkeyPatch)
     assert ev is not None and ev.module == "3"
 
 
+def test_deferred_event_keeps_the_step_it_was_checked_in() -> None:
+    """``resolve()`` after several steps: the event said the step of the ``resolve()`` (2), not the
+    forward where the inf came (0); eager mode says 0."""
+    model = chain(Blow(), 2)
+    steps = []
+    for deferred in (False, True):
+        with trace_nonfinite(model, deferred=deferred) as tracer:
+            for _ in range(3):
+                model(torch.randn(2, 8)).sum().backward()
+            ev = tracer.resolve() if deferred else tracer.first
+        steps.append(ev.step)
+    assert steps == [0, 0]
+
+
+class _TwoOutputs(nn.Module):
+    """A finite float32 output, then a float16 one that overflows."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x.half() * 1e5
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_event_dtype_is_the_non_finite_tensors(deferred: bool) -> None:
+    """The event gave the dtype of the module's first output (float32), not the non-finite one's."""
+    model = nn.Sequential(_TwoOutputs())
+    with trace_nonfinite(model, deferred=deferred) as tracer:
+        model(torch.ones(2, 8))
+        ev = tracer.resolve() if deferred else tracer.first
+    assert ev is not None and ev.module == "0" and ev.dtype == torch.float16
+
+
 def test_inplace_ops_on_traced_outputs_still_work() -> None:
     class Residual(nn.Module):
         def __init__(self) -> None:

@@ -64,7 +64,7 @@ def _load(target: str) -> tuple[Any, Any, Any] | str:
         return f"{target} is not a callable factory (it is of type {type(factory).__name__})"
     try:
         result = factory()
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # (sys.exit in a factory: not the audit's exit)
         return f"factory {target} raised {_one_line(e)}"
     if not (isinstance(result, (tuple, list)) and len(result) == 3):
         got = f"a {len(result)}-tuple" if isinstance(result, (tuple, list)) else type(result).__name__

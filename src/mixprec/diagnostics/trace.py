@@ -134,7 +134,7 @@ class NonFiniteTracer:
         self._window_event: NonFiniteEvent | None = None
         self._window_sources: list[SeenTensor] = []  # the tensors the window's event is about
         self._flags: list[torch.Tensor] = []  # deferred: the checked values, on the device
-        self._builders: list[tuple[str, Callable[[str | None], NonFiniteEvent]]] = []
+        self._builders: list[tuple[str, Callable[[str | None], NonFiniteEvent], int]] = []  # (kind, build, step)
         self._pending_op: str | None = None
         self._op_names: dict[int, str] = {}
 
@@ -164,7 +164,7 @@ class NonFiniteTracer:
             check = torch.repeat_interleave(torch.tensor([f.numel() for f in self._flags]))
             hits = sorted(set(check[~torch.isfinite(values)].tolist()))
             if hits:
-                kind, build = self._builders[hits[0]]
+                kind, build, step = self._builders[hits[0]]
                 op = None
                 if kind == "op":  # the op names itself; the next module-level hit names the module
                     op = self._op_names[hits[0]]
@@ -172,6 +172,8 @@ class NonFiniteTracer:
                     event = self._builders[nxt[0]][1](op) if nxt else None
                 else:
                     event = build(None)
+                if event is not None:  # built now: the step it was checked in, not this one
+                    event = dataclasses.replace(event, step=step)
         return event
 
     def clear(self) -> None:
@@ -195,7 +197,7 @@ class NonFiniteTracer:
             if kind == "op":
                 self._op_names[len(self._flags)] = op  # type: ignore[assignment]
             self._flags.append(pairs.flatten())
-            self._builders.append((kind, build))
+            self._builders.append((kind, build, max(self._step, 0)))
             return
         if bool(torch.isfinite(pairs).all()):  # host sync (eager mode)
             return
@@ -335,9 +337,10 @@ class NonFiniteTracer:
                 call.inputs.append(info)
             if fresh and self._watching():
                 pairs = stack_pairs([p for _, p in fresh])
-                dtype = fresh[0][0].dtype
+                dtypes = [t.dtype for t, _ in fresh]
 
                 def build(op: str | None) -> NonFiniteEvent:
+                    dtype = _first_nonfinite(dtypes, pairs)
                     fp8 = self._forward_fp8(fresh_infos, None)
                     if parent is None:
                         return self._event(name, module, "forward", "input", pairs, dtype,
@@ -384,9 +387,9 @@ class NonFiniteTracer:
                 fresh_infos.append(info)
             if fresh and self._watching():
                 pairs = stack_pairs([p for _, p in fresh])
-                dtype = fresh[0][0].dtype
+                dtypes = [t.dtype for t, _ in fresh]
                 self._check(pairs, "module", lambda op: self._event(
-                    name, module, "forward", "output", pairs, dtype, call.input_pairs, op,
+                    name, module, "forward", "output", pairs, _first_nonfinite(dtypes, pairs), call.input_pairs, op,
                     fp8=self._forward_fp8([], call)), sources=fresh_infos)
 
         return self._quiet(post_hook)
@@ -501,3 +504,10 @@ def trace_nonfinite(
     """
     return NonFiniteTracer(model, backward=backward, deferred=deferred, precise=precise,
                            raise_on_nonfinite=raise_on_nonfinite)
+
+
+def _first_nonfinite(dtypes: list[torch.dtype], pairs: torch.Tensor) -> torch.dtype:
+    """The dtype of the first tensor whose ``(min, max)`` pair (a row of ``pairs``) is not finite
+    (one host read: the event is being built)."""
+    bad = (~torch.isfinite(pairs.reshape(len(dtypes), -1)).all(dim=1)).nonzero().flatten().tolist()
+    return dtypes[bad[0] if bad else 0]

@@ -374,3 +374,29 @@ def test_audit_runs_on_a_bfloat16_model_with_its_default_dtypes(fp8):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     with mixprec.autocast("cpu", policy=report.policy):
         assert model(x).dtype == report.policy.compute
+
+
+def test_the_underflow_figure_plots_what_the_risks_table_judges() -> None:
+    """The figure's gradient bars are each dtype's risks: float16's at the loss scale, bfloat16's
+    unscaled (it drew bfloat16's from the gradients at float16's loss scale: 5.5% where the table
+    said 7.5%)."""
+    from mixprec.diagnostics.report import underflow_shares
+
+    class Small(nn.Module):  # gradients below bfloat16's normal range, within it at the loss scale
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.body(x)) * 1e-37
+
+    torch.manual_seed(0)
+    report = audit(Small(), (torch.randn(16, 8), torch.randn(16, 4)), lambda m, b: (m(b[0]) - b[1]).square().mean())
+    assert report.grad_scale > 1
+    shares = underflow_shares(report)["grad"]
+    modules = [m for m in report.modules if m in report.ranges["float32"]]
+    for d in ("float16", "bfloat16"):
+        table = [sum(r.fraction for r in report.risks if (r.dtype, r.module, r.tensor) == (d, m, "grad")
+                     and r.issue in ("underflow", "subnormal")) for m in modules]
+        assert shares[d] == pytest.approx(table), d
+    assert max(shares["bfloat16"]) == 1.0  # (at the loss scale bfloat16's would read 0)

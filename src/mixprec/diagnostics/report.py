@@ -250,6 +250,23 @@ def _range_figure(report: "AuditReport") -> str:
     return url
 
 
+def underflow_shares(report: "AuditReport") -> dict[str, dict[str, list[float]]]:
+    """``{kind: {dtype: [share per module]}}`` of values below each dtype's normal range (flushed or
+    subnormal), for the figure's modules (``report.modules`` with float32 statistics, the first
+    ``_MAX_MODULES``), as the audit judges them: float16's gradients at the loss scale
+    (``grad_scale``), every other dtype's unscaled (bfloat16 needs no loss scaling)."""
+    ref = report.ranges["float32"]
+    grads = report.ranges.get("float32@scale", ref)
+    modules = [m for m in report.modules if m in ref][:_MAX_MODULES]
+    out: dict[str, dict[str, list[float]]] = {}
+    for kind in ("activation", "grad"):
+        for d in report.dtypes:
+            stats = grads if kind == "grad" and d == "float16" else ref
+            found = [stats.get(m, {}).get(kind) for m in modules]
+            out.setdefault(kind, {})[d] = [0.0 if s is None else s.underflow[d] + s.subnormal[d] for s in found]
+    return out
+
+
 def _underflow_figure(report: "AuditReport") -> str:
     import matplotlib
 
@@ -257,22 +274,18 @@ def _underflow_figure(report: "AuditReport") -> str:
     import matplotlib.pyplot as plt
 
     ref = report.ranges["float32"]
-    grads = report.ranges.get("float32@scale", ref)
     modules = [m for m in report.modules if m in ref][:_MAX_MODULES]
     height = 1.2 + 0.22 * max(len(modules), 1) * max(len(report.dtypes), 1) / 2
     fig, axes = plt.subplots(1, 2, figsize=(13, height), sharey=True)
     width = 0.8 / max(len(report.dtypes), 1)
     top = 0.01
-    for ax, kind, stats in ((axes[0], "activation", ref), (axes[1], "grad", grads)):
-        for j, d in enumerate(report.dtypes):
-            vals = []
-            for m in modules:
-                s = stats.get(m, {}).get(kind)
-                vals.append(0.0 if s is None else s.underflow[d] + s.subnormal[d])
+    for ax, (kind, by_dtype) in zip(axes, underflow_shares(report).items()):
+        for j, (d, vals) in enumerate(by_dtype.items()):
             top = max(top, *vals)
             ax.barh([i + j * width for i in range(len(modules))], vals, height=width,
                     color=_COLORS[d], label=f"{d}: flush to zero or subnormal")
-        ax.set_title(f"{kind}s: share of values below the normal range")
+        ax.set_title(f"{kind}s: share of values below the normal range"
+                     + (" (float16's at the loss scale)" if kind == "grad" and "float16" in by_dtype else ""))
         ax.set_xlabel("fraction of values")
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(range(len(modules)))

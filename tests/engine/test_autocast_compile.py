@@ -468,3 +468,25 @@ def test_a_region_with_module_rules_inside_a_compiled_function_without_fullgraph
         assert out.dtype != plain.dtype or not torch.equal(out, plain)  # the rule took effect
         if handle is not None:
             handle.remove()
+
+
+class _RegionInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with mixprec.autocast("cpu", dtype=torch.bfloat16):
+            return self.fc(x)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_torch_export_of_a_region_is_refused(strict):
+    """torch.export recorded nothing of a mixprec.autocast region: the exported program ran it in
+    float32, silently (strict and not). It is refused (non-strict: our RuntimeError; strict: Dynamo
+    reports the exception it met); torch.compile is unaffected."""
+    model, x = _RegionInForward(), torch.randn(2, 4)
+    error = RuntimeError if not strict else Exception
+    with pytest.raises(error, match="torch.export does not record" if not strict else None):
+        torch.export.export(model, (x,), strict=strict)
+    assert torch.compile(model, backend="eager")(x).dtype == torch.bfloat16

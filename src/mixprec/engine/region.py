@@ -259,6 +259,11 @@ class autocast(_TorchAutocast):
     # push the policy's frame wherever the graph is traced or run (see engine.compile). Dynamo guards
     # on the policy like on any value the traced code reads, so another policy recompiles.
     def __enter__(self) -> "autocast":
+        if torch.compiler.is_exporting():
+            raise RuntimeError(
+                "torch.export does not record a mixprec.autocast region: the exported program would run it in "
+                "float32, silently; export the model without the region (a serving engine casts by itself), or "
+                "export under torch.autocast, whose state torch.export records")
         if _tracing():
             return self._enter_traced()
         return self._enter_eager()

@@ -173,6 +173,13 @@ def _exit_eagerly(region: "autocast") -> None:
     region._exit_eager()
 
 
+
+@assume_constant_result
+def _exporting() -> bool:
+    """Whether torch.export is tracing (read once per trace: a constant to Dynamo)."""
+    return torch.compiler.is_exporting()
+
+
 class autocast(_TorchAutocast):
     """Run a region with automatic mixed precision: a drop-in for ``torch.autocast``.
 
@@ -259,7 +266,7 @@ class autocast(_TorchAutocast):
     # push the policy's frame wherever the graph is traced or run (see engine.compile). Dynamo guards
     # on the policy like on any value the traced code reads, so another policy recompiles.
     def __enter__(self) -> "autocast":
-        if torch.compiler.is_exporting():
+        if _exporting():
             raise RuntimeError(
                 "torch.export does not record a mixprec.autocast region: the exported program would run it in "
                 "float32, silently; export the model without the region (a serving engine casts by itself), or "

@@ -24,6 +24,14 @@ from mixprec.scaling.unscaling import Unscaling
 __all__ = ["ScalerAccessors"]
 
 
+
+def _torch_setting(name: str) -> property:
+    """torch's private ``_<name>`` (code assigns it): reads ``get_<name>()``, writes through
+    ``set_<name>(value)``, which checks the value."""
+    return property(lambda self: getattr(self, f"get_{name}")(),
+                    lambda self, value: getattr(self, f"set_{name}")(value),
+                    doc=f"torch's name for :meth:`get_{name}`; set: :meth:`set_{name}`.")
+
 class ScalerAccessors:
     """Readers, getters and setters of :class:`mixprec.GradScaler` (see the module docstring)."""
 
@@ -97,32 +105,9 @@ class ScalerAccessors:
             raise ValueError(f"_init_growth_tracker must be an int >= 0, got {value!r}.")
         self._snapshot = dataclasses.replace(self._snapshot, growth_tracker=value)
 
-    @property  # type: ignore[override]
-    def _growth_factor(self) -> float:
-        """torch's name for :meth:`get_growth_factor`; set: :meth:`set_growth_factor`."""
-        return self.get_growth_factor()
-
-    @_growth_factor.setter
-    def _growth_factor(self, value: float) -> None:
-        self.set_growth_factor(value)
-
-    @property  # type: ignore[override]
-    def _backoff_factor(self) -> float:
-        """torch's name for :meth:`get_backoff_factor`; set: :meth:`set_backoff_factor`."""
-        return self.get_backoff_factor()
-
-    @_backoff_factor.setter
-    def _backoff_factor(self, value: float) -> None:
-        self.set_backoff_factor(value)
-
-    @property  # type: ignore[override]
-    def _growth_interval(self) -> int:
-        """torch's name for :meth:`get_growth_interval`; set: :meth:`set_growth_interval`."""
-        return self.get_growth_interval()
-
-    @_growth_interval.setter
-    def _growth_interval(self, value: int) -> None:
-        self.set_growth_interval(value)
+    _growth_factor = _torch_setting("growth_factor")  # type: ignore[assignment]
+    _backoff_factor = _torch_setting("backoff_factor")  # type: ignore[assignment]
+    _growth_interval = _torch_setting("growth_interval")  # type: ignore[assignment]
 
     @property
     def state(self) -> ScaleState | None:
